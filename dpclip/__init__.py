@@ -1,0 +1,3 @@
+"""dpclip: differentially private deep learning with modern clipping methods."""
+
+__version__ = "0.1.0"

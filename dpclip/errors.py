@@ -1,0 +1,30 @@
+"""User-facing errors.
+
+Library code raises a :class:`DpclipError` subclass with a message and a hint; only the
+CLI turns it into ``error: ...`` / ``hint: ...`` and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+
+class DpclipError(Exception):
+    """An expected user mistake or impossible request, with a hint on how to fix it."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+class RecipeError(DpclipError):
+    """A recipe file or override that does not validate."""
+
+
+class AccountingError(DpclipError):
+    """An accounting request that cannot be met (impossible split, bad ε/δ, ...)."""
+
+
+class EngineError(DpclipError):
+    """A model or configuration the private engine cannot handle exactly."""
