@@ -1,0 +1,3 @@
+from dpclip.cli.main import run
+
+run()

@@ -1,0 +1,1 @@
+"""Command-line interface: Typer parsing and rich rendering only."""

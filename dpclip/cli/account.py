@@ -1,0 +1,160 @@
+"""`dpclip account`: calibrate noise, split the budget, state the privacy guarantee."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from dpclip.cli.render import console, fmt, print_json
+
+
+class AccountantChoice(str, Enum):
+    pld = "pld"
+    rdp = "rdp"
+    both = "both"
+
+
+class AuxChoice(str, Enum):
+    histogram = "histogram"
+    quantile = "quantile"
+
+
+class SamplingChoice(str, Enum):
+    poisson = "poisson"
+    shuffle = "shuffle"
+
+
+def account(
+    target: Path = typer.Argument(None, help="A recipe YAML file: account its plan (flags then come from it)."),
+    overrides: list[str] = typer.Argument(None, help="key=value recipe overrides, e.g. privacy.epsilon=4"),
+    eps: float = typer.Option(None, "--eps", "--epsilon", help="Target ε: calibrate σ to it."),
+    delta: float = typer.Option(None, "--delta", help="δ of the (ε, δ) guarantee; must be below 1/N."),
+    sigma: float = typer.Option(None, "--sigma", "--noise-multiplier", help="Total noise multiplier: compute ε."),
+    sample_rate: float = typer.Option(None, "--sample-rate", "-q", help="Poisson rate q."),
+    steps: int = typer.Option(None, "--steps", help="Number of steps."),
+    dataset_size: int = typer.Option(None, "--dataset-size", "-N", help="Private training examples N."),
+    batch_size: int = typer.Option(None, "--batch-size", "-B", help="Expected batch size B (q = B/N)."),
+    epochs: float = typer.Option(None, "--epochs", help="Epochs (steps = ceil(epochs / q))."),
+    aux: AuxChoice = typer.Option(None, "--aux", help="A threshold statistic released with each gradient."),
+    aux_sigma: float = typer.Option(None, "--aux-sigma", help="Noise std of the statistic."),
+    aux_fraction: float = typer.Option(None, "--aux-fraction", help="Budget share r of the statistic, in (0, 1)."),
+    groups: int = typer.Option(None, "--groups", "-K", help="Clipping groups K (statistic sensitivity grows with sqrt(K))."),
+    accountant: AccountantChoice = typer.Option(AccountantChoice.pld, "--accountant",
+                                                help="pld (RDP shown alongside), rdp, or both (σ safe under both)."),
+    sampling: SamplingChoice = typer.Option(SamplingChoice.poisson, "--sampling",
+                                            help="shuffle adds the caveat that the accounting assumes Poisson."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """How much noise a private training needs, or what ε a given noise buys.
+
+    [b]Examples[/b]
+
+      dpclip account --eps 8 --delta 1e-5 --dataset-size 60000 --batch-size 256 --epochs 10
+
+      dpclip account --eps 8 --delta 1e-5 -q 0.004 --steps 2000 --aux quantile --aux-fraction 0.01 -K 4
+
+      dpclip account recipes/quickstart.yaml privacy.epsilon=4
+    """
+    from dpclip.train import plan as planning
+
+    accountant_name = accountant.value
+    if target is not None:
+        flags = {"--eps": eps, "--delta": delta, "--sigma": sigma, "--sample-rate": sample_rate, "--steps": steps,
+                 "--batch-size": batch_size, "--epochs": epochs, "--aux": aux, "--aux-sigma": aux_sigma,
+                 "--aux-fraction": aux_fraction}
+        given = [name for name, value in flags.items() if value is not None]
+        if given:
+            from dpclip.errors import AccountingError
+
+            raise AccountingError(f"{', '.join(given)} cannot be combined with a recipe",
+                                  "change the recipe with key=value overrides, e.g. privacy.epsilon=4")
+        from dpclip.recipe import load_recipe
+
+        recipe = load_recipe(target, overrides or [])
+        plan = planning.plan_for_recipe(recipe, dataset_size=dataset_size, groups=groups)
+        if accountant == AccountantChoice.pld:
+            accountant_name = recipe.privacy.accountant
+        title = f"recipe {recipe.name}"
+    else:
+        if overrides:
+            from dpclip.errors import AccountingError
+
+            raise AccountingError(f"unexpected arguments: {' '.join(overrides)}",
+                                  "key=value overrides need a recipe: dpclip account RECIPE.yaml key=value")
+        aux_spec = None
+        if aux is not None:
+            from dpclip.accounting import AuxSpec
+
+            aux_spec = AuxSpec(kind=aux.value, groups=groups or 1, sigma=aux_sigma, fraction=aux_fraction)
+        elif aux_sigma is not None or aux_fraction is not None:
+            from dpclip.errors import AccountingError
+
+            raise AccountingError("--aux-sigma / --aux-fraction need --aux histogram|quantile",
+                                  "e.g. --aux quantile --aux-fraction 0.01")
+        plan = planning.plan_from_flags(delta=delta, epsilon=eps, noise_multiplier=sigma, sample_rate=sample_rate,
+                                        steps=steps, dataset_size=dataset_size, batch_size=batch_size,
+                                        epochs=epochs, accountant="pld", sampling=sampling.value, aux=aux_spec)
+        title = None
+    result = planning.solve_plan(plan, accountant_name)
+    if as_json:
+        print_json(_as_dict(plan, result, accountant_name, title))
+    else:
+        _render(plan, result, accountant_name, title)
+
+
+def _as_dict(plan, result, accountant: str, title: str | None) -> dict:
+    split = result.split
+    return {
+        "source": title or "flags",
+        "accountant": accountant,
+        "sample_rate": plan.sample_rate,
+        "steps": plan.steps,
+        "delta": plan.delta,
+        "target_epsilon": plan.target_epsilon,
+        "epsilon": result.epsilon,
+        "epsilon_rdp": result.epsilon_rdp,
+        "noise": {
+            "sigma_total": split.sigma_total,
+            "sigma_gradient": split.sigma_gradient,
+            "sigma_aux": split.sigma_aux,
+            "aux_sensitivity": split.aux_sensitivity,
+            "aux_fraction": split.aux_fraction,
+            "inflation": split.inflation,
+        },
+        "fallback_reason": result.fallback_reason,
+        "statement": result.statement.to_dict(),
+    }
+
+
+def _render(plan, result, accountant: str, title: str | None) -> None:
+    split = result.split
+    if title:
+        console.print(f"[bold]{title}[/]")
+    table = Table(show_header=True, header_style="bold", title="noise")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_column("meaning")
+    table.add_row("σ total", fmt(split.sigma_total), "one Gaussian release per step (gradient + statistic)")
+    if split.sigma_aux is not None:
+        table.add_row("σ gradient", fmt(split.sigma_gradient), "noise multiplier of the clipped gradient")
+        table.add_row("σ statistic", fmt(split.sigma_aux), f"noise std of the statistic (sensitivity {fmt(split.aux_sensitivity)})")
+        table.add_row("budget share r", fmt(split.aux_fraction), "share of the budget spent on the statistic")
+        table.add_row("noise inflation", fmt(split.inflation), "σ gradient / σ total")
+    console.print(table)
+    eps = Table(show_header=True, header_style="bold", title="privacy")
+    eps.add_column("accountant")
+    eps.add_column("ε", justify="right")
+    eps.add_column("δ", justify="right")
+    main_name = result.statement.accountant
+    eps.add_row(main_name, fmt(result.epsilon), f"{plan.delta:g}")
+    if result.epsilon_rdp is not None and main_name != "rdp":
+        eps.add_row("rdp", fmt(result.epsilon_rdp), f"{plan.delta:g}")
+    if plan.target_epsilon is not None:
+        eps.caption = f"target ε = {plan.target_epsilon:g}"
+    console.print(eps)
+    console.print("[bold]statement[/]")
+    for line in result.statement.lines():
+        console.print(f"  {line}", soft_wrap=True)

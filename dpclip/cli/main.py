@@ -1,0 +1,87 @@
+"""The `dpclip` command: wires the sub-commands and turns DpclipErrors into error/hint lines."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import click
+import typer
+
+from dpclip import __version__
+from dpclip.cli import account, recipes, validate
+from dpclip.cli.render import print_error
+from dpclip.errors import DpclipError
+
+app = typer.Typer(
+    name="dpclip",
+    help="Differentially private deep learning with modern clipping methods, driven by YAML recipes.",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+    rich_markup_mode="rich",
+)
+
+_debug = {"on": bool(os.environ.get("DPCLIP_DEBUG"))}
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"dpclip {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    debug: bool = typer.Option(False, "--debug", help="Show a traceback for errors."),
+) -> None:
+    """Differentially private deep learning with modern clipping methods, driven by YAML recipes."""
+    _debug["on"] = _debug["on"] or debug
+
+
+app.command("account")(account.account)
+app.command("validate")(validate.validate)
+app.add_typer(recipes.app, name="recipes")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI and return its exit code (tests call this in-process)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    _debug["on"] = bool(os.environ.get("DPCLIP_DEBUG")) or "--debug" in args
+    try:
+        app(args=args, prog_name="dpclip", standalone_mode=False)
+        return 0
+    except DpclipError as exc:
+        if _debug["on"]:
+            traceback.print_exc()
+        print_error(exc.message, exc.hint)
+        return exc.exit_code
+    except click.exceptions.NoArgsIsHelpError as exc:
+        click.echo(exc.ctx.get_help() if exc.ctx else "", err=False)
+        return 0
+    except click.UsageError as exc:
+        command = exc.ctx.command_path if exc.ctx else "dpclip"
+        print_error(exc.format_message(), f"see `{command} --help`")
+        return 2
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.exceptions.Abort:
+        print_error("interrupted")
+        return 130
+    except KeyboardInterrupt:
+        print_error("interrupted")
+        return 130
+    except Exception as exc:  # a bug, not a user mistake
+        if _debug["on"]:
+            traceback.print_exc()
+            return 1
+        print_error(f"unexpected {type(exc).__name__}: {exc}",
+                    "rerun with --debug for a traceback, and please report it")
+        return 1
+
+
+def run() -> None:
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Shared rendering: one console for results, one for errors, JSON output."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from rich.console import Console
+
+console = Console(highlight=False)
+error_console = Console(stderr=True, highlight=False)
+
+
+def print_error(message: str, hint: str | None = None) -> None:
+    error_console.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+    if hint:
+        error_console.print(f"[yellow]hint:[/] {hint}", markup=True, soft_wrap=True)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def print_json(payload: dict[str, Any]) -> None:
+    """Plain JSON on stdout (no rich markup), so `| jq` and json.loads work."""
+    print(json.dumps(_json_safe(payload), indent=2))
+
+
+def fmt(value: float | None, digits: int = 4) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.{digits}g}"

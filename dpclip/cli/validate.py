@@ -1,0 +1,23 @@
+"""`dpclip validate FILE [key=value ...]`: check a recipe without running it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from dpclip.cli.render import console
+from dpclip.recipe import load_recipe, recipe_to_yaml
+
+
+def validate(
+    recipe: Path = typer.Argument(..., help="Recipe YAML file."),
+    overrides: list[str] = typer.Argument(None, help="key=value overrides, e.g. training.optimizer.lr=0.05"),
+    show: bool = typer.Option(False, "--show", help="Print the resolved recipe with every default filled in."),
+) -> None:
+    """Check a recipe (and overrides) against the schema."""
+    resolved = load_recipe(recipe, overrides or [])
+    if show:
+        print(recipe_to_yaml(resolved), end="")
+    else:
+        console.print(f"[green]ok[/]: {recipe} is a valid recipe ({resolved.name})")

@@ -1,0 +1,1 @@
+"""Data: builtin sets, local files, Hugging Face datasets, the split and the sampler."""

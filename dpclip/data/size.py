@@ -1,0 +1,64 @@
+"""How many training examples a recipe's data section holds, without loading tensors.
+
+Accounting needs N (the Poisson rate is q = batch_size / N and δ must be below 1/N)
+before anything is trained, so `dpclip account RECIPE` can answer quickly.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from dpclip.data.split import split_sizes
+from dpclip.errors import DpclipError
+
+
+def _count_rows(path: Path, file_format: str) -> int:
+    if not path.exists():
+        raise DpclipError(f"data file not found: {path}", "check data.train / data.test in the recipe")
+    try:
+        if file_format == "csv":
+            with path.open(newline="", encoding="utf-8") as handle:
+                return max(sum(1 for _ in csv.reader(handle)) - 1, 0)
+        if file_format in ("jsonl", "text"):
+            with path.open(encoding="utf-8") as handle:
+                return sum(1 for line in handle if line.strip())
+        if file_format == "json":
+            content = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(content, list):
+                return len(content)
+            if isinstance(content, dict) and content and all(isinstance(v, list) for v in content.values()):
+                return len(next(iter(content.values())))
+            raise DpclipError(f"{path}: expected a JSON list of records or a mapping of columns",
+                              "or use format: jsonl with one record per line")
+        if file_format == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DpclipError(f"cannot read {path} as {file_format}: {exc}", "check data.format") from None
+    raise DpclipError(f"unknown data format {file_format!r}", "use csv, json, jsonl, parquet or text")
+
+
+def total_examples(data) -> int:
+    """Examples before the train/test split (data: a recipe `data` section)."""
+    if data.source == "builtin":
+        if data.name == "digits":
+            from sklearn.datasets import load_digits
+
+            return len(load_digits().target)
+        return data.num_examples
+    if data.source == "files":
+        return _count_rows(Path(data.train), data.format)
+    raise DpclipError(f"the size of Hugging Face data set {data.name!r} is not known without loading it",
+                      "pass --dataset-size N (the number of training examples)")
+
+
+def training_set_size(data) -> int:
+    """N, the number of private training examples the Poisson sampler draws from."""
+    total = total_examples(data)
+    if data.source == "files" and data.test is not None:
+        return total
+    num_train, _ = split_sizes(total, data.test_fraction)
+    return num_train

@@ -1,0 +1,163 @@
+"""Generate the field reference of docs/recipes.md from the schema itself.
+
+Run ``python -m dpclip.recipe.docs > docs/recipes.md`` after changing the schema; a
+test fails when the file and the schema disagree.
+"""
+
+from __future__ import annotations
+
+import typing
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from dpclip.recipe import schema
+
+INTRO = """\
+# Recipe reference
+
+A recipe is one YAML file that says what to train, on what, and with which privacy.
+Every field, its type, its default and its meaning are listed below. This page is
+generated from the schema (`python -m dpclip.recipe.docs > docs/recipes.md`); a test
+fails when the two disagree.
+
+- Unknown keys are errors, and an error names the dotted path of the field and the
+  allowed values, e.g. `clipping.threshold.kind: 'dcsgd_x' is not one of fixed,
+  quantile, dcsgd-p, dcsgd-e, discriminative`.
+- Variants are chosen by `kind` (model, optimizer, schedule, threshold) or by `source`
+  (data); each variant has its own fields.
+- Any field can be overridden on the command line with `key=value`, parsed as YAML and
+  validated through the same schema: `dpclip validate recipes/quickstart.yaml
+  training.optimizer.lr=0.05 clipping.grouping='{uniform: 4}'`.
+- `dpclip validate FILE --show` prints the resolved recipe with every default filled in.
+
+Rules that need the data (checked by `dpclip account RECIPE` and by training): the
+Poisson rate is q = batch_size / N with N the training examples after the split, so
+batch_size must not exceed N; `privacy.delta` must be below 1/N.
+"""
+
+
+def _type_name(annotation: typing.Any) -> str:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if origin is typing.Literal:
+        return " \\| ".join(f"`{a}`" for a in args)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        members = [a for a in args if a is not type(None)]
+        tags = [_variant_tag(a) for a in members]
+        if all(tags):
+            return "one of " + ", ".join(f"`{t}`" for t in tags) + " (below)"
+        text = " \\| ".join(_type_name(a) for a in members)
+        return text + (" \\| null" if len(members) < len(args) else "")
+    if origin in (list, tuple, dict):
+        inner = ", ".join(_type_name(a) for a in args if a is not Ellipsis)
+        return f"{origin.__name__}[{inner}]"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "section"
+    if annotation is typing.Any:
+        return "see description"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _variant_tag(model: typing.Any) -> str | None:
+    """'source: builtin' for a union member chosen by its tag field, else None."""
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return None
+    for tag in ("kind", "source"):
+        field = model.model_fields.get(tag)
+        if field is not None and typing.get_origin(field.annotation) is typing.Literal:
+            return f"{tag}: {typing.get_args(field.annotation)[0]}"
+    return None
+
+
+def _default(field) -> str:
+    if field.default is PydanticUndefined and field.default_factory is None:
+        return "**required**"
+    value = field.default_factory() if field.default_factory is not None else field.default
+    if isinstance(value, BaseModel):
+        return "(section defaults)"
+    return f"`{value!r}`" if value is not None else "null"
+
+
+def _constraints(field) -> str:
+    parts = []
+    for item in field.metadata:
+        for name, symbol in (("gt", ">"), ("ge", "≥"), ("lt", "<"), ("le", "≤")):
+            bound = getattr(item, name, None)
+            if bound is not None:
+                parts.append(f"{symbol} {bound}")
+        pattern = getattr(item, "pattern", None)
+        if pattern:
+            parts.append(f"matches `{pattern}`")
+    return ", ".join(parts)
+
+
+def _section(title: str, model: type[BaseModel], note: str = "") -> list[str]:
+    lines = [f"### `{title}`", ""]
+    doc = (model.__doc__ or "").strip()
+    if doc and not doc.startswith("Base of"):
+        lines += [doc.splitlines()[0], ""]
+    if note:
+        lines += [note, ""]
+    lines += ["| field | type | default | description |", "|---|---|---|---|"]
+    for name, field in model.model_fields.items():
+        description = (field.description or "").replace("|", "\\|")
+        constraint = _constraints(field)
+        if constraint:
+            description = f"{description} ({constraint})" if description else constraint
+        lines.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {description} |")
+    return lines + [""]
+
+
+SECTIONS: list[tuple[str, type[BaseModel], str]] = [
+    ("recipe (top level)", schema.Recipe, ""),
+    ("data: {source: builtin}", schema.BuiltinData, ""),
+    ("data: {source: hf}", schema.HFData, ""),
+    ("data: {source: files}", schema.FilesData, ""),
+    ("model: {kind: mlp}", schema.MLPModel, ""),
+    ("model: {kind: cnn}", schema.CNNModel, ""),
+    ("model: {kind: hf}", schema.HFModel, ""),
+    ("model: {kind: custom}", schema.CustomModel, ""),
+    ("training", schema.Training, ""),
+    ("training.optimizer: {kind: sgd}", schema.SGD, ""),
+    ("training.optimizer: {kind: adam}", schema.Adam, ""),
+    ("training.optimizer: {kind: adamw}", schema.AdamW, ""),
+    ("training.schedule", schema.Schedule, ""),
+    ("privacy", schema.Privacy, "Give `epsilon` (σ is calibrated to it) or `noise_multiplier` (ε follows); "
+                                "with both, ε is a cap that training never exceeds."),
+    ("clipping", schema.Clipping, "`grouping` is one of: `all-layer` (one group), `layer` (weight and bias of "
+                                  "a module), `param` (each tensor), `block` (transformer blocks), `{uniform: M}` "
+                                  "(M contiguous groups of near-equal size), `{groups: [[regex, ...], ...]}` "
+                                  "(explicit), `{stages: [regex, ...]}` (per-device stages)."),
+    ("clipping.threshold: {kind: fixed}", schema.FixedThreshold, ""),
+    ("clipping.threshold: {kind: quantile}", schema.QuantileThreshold,
+     "Give `sigma` or `budget_fraction` (default 0.01). The counts are released jointly with the gradient."),
+    ("clipping.threshold: {kind: dcsgd-p}", schema.DCSGDPercentile,
+     "Give `sigma_hist` or `budget_fraction` (default σ_H = 5); σ_H must exceed the total σ."),
+    ("clipping.threshold: {kind: dcsgd-e}", schema.DCSGDError,
+     "Give `sigma_hist` or `budget_fraction` (default σ_H = 5); σ_H must exceed the total σ."),
+    ("clipping.threshold: {kind: discriminative}", schema.DiscriminativeThreshold, ""),
+    ("eval", schema.Eval, ""),
+    ("checkpoint", schema.Checkpoint, ""),
+    ("audit", schema.Audit, ""),
+    ("audit.canaries", schema.Canaries, ""),
+    ("tuning", schema.Tuning, ""),
+    ("tuning.ranges.KEY", schema.RandomRange, ""),
+]
+
+
+def render_markdown() -> str:
+    lines = [INTRO, "## Fields", ""]
+    for title, model, note in SECTIONS:
+        lines += _section(title, model, note)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def documented_models() -> set[type[BaseModel]]:
+    return {model for _, model, _ in SECTIONS}
+
+
+if __name__ == "__main__":
+    print(render_markdown(), end="")

@@ -1,0 +1,210 @@
+"""Load a recipe from YAML, apply ``key=value`` overrides, validate, explain errors.
+
+Every error is a :class:`RecipeError` naming the dotted path of the bad field and what
+is allowed there, e.g. ``clipping.threshold.kind: 'dcsgd_x' is not one of fixed,
+quantile, dcsgd-p, dcsgd-e, discriminative``.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from dpclip.errors import RecipeError
+from dpclip.recipe.schema import Recipe
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a recipe file into a plain mapping; missing files and bad YAML are RecipeErrors."""
+    path = Path(path)
+    if not path.exists():
+        from dpclip.recipe.shipped import shipped_names
+
+        hint = "check the path"
+        if path.stem in shipped_names():
+            hint = f"'{path.stem}' is a shipped recipe: use recipes/{path.stem}.yaml or `dpclip recipes copy {path.stem} .`"
+        else:
+            hint += "; `dpclip recipes list` shows the shipped recipes"
+        raise RecipeError(f"recipe file not found: {path}", hint)
+    if path.is_dir():
+        raise RecipeError(f"{path} is a directory, not a recipe file", "pass a .yaml recipe file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"cannot read {path}: {exc}", "is it a UTF-8 text file?") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError(f"{path} is not valid YAML{where}: {problem}",
+                          "check indentation and quoting near that line") from None
+    if data is None:
+        raise RecipeError(f"{path} is empty", "a recipe needs at least name, data, model, training, privacy")
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path} must hold a mapping of sections, not a {type(data).__name__}",
+                          "start from `dpclip recipes show quickstart`")
+    return data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split ``a.b.c=value`` into a path and a YAML-parsed value (``lr=0.05`` -> 0.05)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise RecipeError(f"override {text!r} is not of the form key=value",
+                          "example: training.optimizer.lr=0.05")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with each ``key=value`` set (sections are created as needed)."""
+    data = copy.deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for depth, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                where = ".".join(path[: depth + 1])
+                raise RecipeError(f"override {text!r}: {where} is a value, not a section",
+                                  f"set {where}=... directly")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        lines = [explain_error(err, data) for err in exc.errors()]
+        first, rest = lines[0], lines[1:]
+        message = f"{source}: {first}"
+        if rest:
+            message += "\n" + "\n".join(f"  also: {line}" for line in rest)
+        raise RecipeError(message, "see docs/recipes.md for every field, its type and default") from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    data = read_yaml(path)
+    data = apply_overrides(data, overrides or [])
+    return validate_recipe(data, source=str(path))
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    """The resolved recipe (defaults filled in), as YAML a user can read and reload."""
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+
+
+# ----------------------------------------------------------- error explanations
+
+_TAG_FIELDS = ("kind", "source")
+
+
+def _clean_location(loc: tuple[Any, ...], data: Any) -> list[Any]:
+    """Drop the discriminator tags pydantic inserts into the location of union members."""
+    path: list[Any] = []
+    node = data
+    for part in loc:
+        if isinstance(node, dict) and part not in node and any(node.get(t) == part for t in _TAG_FIELDS):
+            continue  # a union tag such as 'fixed' in clipping.threshold.fixed.value
+        if isinstance(part, str) and part.startswith(("function-", "tagged-union[", "literal[")):
+            continue
+        path.append(part)
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            node = None
+    return path
+
+
+def _dotted(path: list[Any]) -> str:
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "recipe"
+
+
+def _model_at(path: list[Any], data: Any) -> type[BaseModel] | None:
+    """The schema class that owns the mapping at ``path`` (to list its allowed keys)."""
+    model: Any = Recipe
+    node = data
+    for part in path:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return None
+        model = _resolve(model.model_fields[part].annotation, node.get(part) if isinstance(node, dict) else None)
+        node = node.get(part) if isinstance(node, dict) else None
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _resolve(annotation: Any, value: Any) -> Any:
+    """Pick the model class of a (possibly Optional / discriminated-union) annotation."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _resolve(typing.get_args(annotation)[0], value)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        candidates = [a for a in typing.get_args(annotation) if a is not type(None)]
+        models = [a for a in candidates if isinstance(a, type) and issubclass(a, BaseModel)]
+        for model in models:
+            for tag in _TAG_FIELDS:
+                field = model.model_fields.get(tag)
+                if field is not None and isinstance(value, dict) and value.get(tag) in typing.get_args(field.annotation):
+                    return model
+        return models[0] if len(models) == 1 else None
+    return annotation
+
+
+def explain_error(err: dict[str, Any], data: dict[str, Any]) -> str:
+    path = _clean_location(err["loc"], data)
+    where = _dotted(path)
+    kind = err["type"]
+    given = err.get("input")
+    ctx = err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        owner = _model_at(path[:-1], data)
+        allowed = sorted(owner.model_fields) if owner else []
+        close = difflib.get_close_matches(str(path[-1]), allowed, n=1)
+        text = f"{where}: unknown key"
+        if close:
+            text += f" (did you mean '{close[0]}'?)"
+        if allowed:
+            text += f"; allowed keys: {', '.join(allowed)}"
+        return text
+    if kind == "union_tag_invalid":
+        tags = ", ".join(t.strip(" '") for t in str(ctx.get("expected_tags", "")).split(","))
+        field = ctx.get("discriminator", "kind").strip("'")
+        return f"{where}.{field}: {ctx.get('tag')!r} is not one of {tags}"
+    if kind == "union_tag_not_found":
+        field = ctx.get("discriminator", "kind").strip("'")
+        return f"{where}: missing '{field}' (which variant this section is)"
+    if kind == "literal_error":
+        allowed = ", ".join(str(v).strip(" '") for v in str(ctx.get("expected", "")).replace(" or ", ", ").split(","))
+        return f"{where}: {given!r} is not one of {allowed}"
+    if kind == "missing":
+        return f"{where}: required field is missing"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return f"{where}: expected a mapping of fields, got {type(given).__name__} {given!r}"
+    message = err["msg"]
+    if message.startswith("Value error, "):
+        message = message[len("Value error, "):]
+    if given is not None and not isinstance(given, (dict, list)) and kind != "value_error":
+        return f"{where}: {message} (got {given!r})"
+    return message if not path else f"{where}: {message}"

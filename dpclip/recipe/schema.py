@@ -1,0 +1,432 @@
+"""Recipe schema v1: every field a recipe may hold, with its default and its rule.
+
+A recipe is pure data. Unknown keys are errors (``extra="forbid"``); variants are
+discriminated unions on ``kind`` (model, optimizer, schedule, threshold policy) or
+``source`` (data). Cross-field rules that need only the recipe live here as validators;
+rules that need the data set size or the calibrated noise live where those are known
+(``dpclip.train.plan``).
+
+``Recipe.model_dump()`` of the ``clipping`` block is exactly the dict that
+``dpclip.engine.DPEngine(clipping=...)`` takes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+PositiveInt = Annotated[int, Field(gt=0)]
+UnitOpen = Annotated[float, Field(gt=0, lt=1)]
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+# --------------------------------------------------------------------------- data
+
+class BuiltinData(Section):
+    """Data shipped with dpclip: no download, ever."""
+
+    source: Literal["builtin"]
+    name: Literal["digits", "synthetic-text"] = Field(
+        description="digits: scikit-learn's 1,797 8x8 handwritten digits; "
+        "synthetic-text: seeded short structured sentences for causal-LM recipes")
+    test_fraction: UnitOpen = Field(0.2, description="held-out share, split with the recipe's seed")
+    as_images: bool = Field(False, description="digits as 1x8x8 images (for cnn) instead of 64-vectors")
+    num_examples: PositiveInt = Field(2000, description="synthetic-text only: sentences to generate")
+    tokenizer: str = Field("byte", description="'byte' (builtin, no download) or a local HF tokenizer path")
+    max_length: PositiveInt = Field(64, description="text only: tokens per example after truncation/padding")
+
+
+class HFData(Section):
+    """A Hugging Face ``datasets`` data set by name (needs network or a local cache)."""
+
+    source: Literal["hf"]
+    name: str
+    config: str | None = None
+    split: str = "train"
+    test_split: str | None = Field(None, description="use this split as the test set instead of test_fraction")
+    test_fraction: UnitOpen = 0.2
+    text_field: str | None = None
+    label_field: str | None = None
+    tokenizer: str = "byte"
+    max_length: PositiveInt = 64
+
+
+class FilesData(Section):
+    """Local files: numeric tables or text, read with ``datasets``' local loaders."""
+
+    source: Literal["files"]
+    format: Literal["csv", "json", "jsonl", "parquet", "text"]
+    train: str = Field(description="path to the training file")
+    test: str | None = Field(None, description="optional test file; otherwise test_fraction of train")
+    test_fraction: UnitOpen = 0.2
+    label_field: str | None = None
+    text_field: str | None = None
+    feature_fields: list[str] | None = Field(None, description="default: every column but the label")
+    tokenizer: str = "byte"
+    max_length: PositiveInt = 64
+
+
+DataConfig = Annotated[Union[BuiltinData, HFData, FilesData], Field(discriminator="source")]
+
+
+# -------------------------------------------------------------------------- model
+
+class MLPModel(Section):
+    kind: Literal["mlp"]
+    hidden: list[PositiveInt] = Field(default_factory=lambda: [128, 64])
+    activation: Literal["relu", "tanh", "gelu"] = "relu"
+
+
+class CNNModel(Section):
+    """Small convolutional net with GroupNorm (BatchNorm mixes samples and is not DP-safe)."""
+
+    kind: Literal["cnn"]
+    channels: list[PositiveInt] = Field(default_factory=lambda: [16, 32])
+    kernel_size: PositiveInt = 3
+    norm_groups: PositiveInt = Field(4, description="GroupNorm groups per conv layer")
+    hidden: PositiveInt = 64
+
+
+class HFModel(Section):
+    """A transformers model: a config dict with random init, or a local pretrained path."""
+
+    kind: Literal["hf"]
+    task: Literal["causal-lm", "sequence-classification"]
+    config: dict[str, Any] | None = Field(None, description="transformers config kwargs incl. model_type")
+    pretrained: str | None = Field(None, description="local directory with a pretrained model")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> HFModel:
+        if (self.config is None) == (self.pretrained is None):
+            raise ValueError("give exactly one of 'config' (random init) or 'pretrained' (local path)")
+        return self
+
+
+class CustomModel(Section):
+    kind: Literal["custom"]
+    target: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+                        description="'package.module:factory' returning an nn.Module")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    loss: str = Field("cross-entropy",
+                      description="'cross-entropy', 'mse', or 'package.module:fn' giving per-sample losses")
+
+
+ModelConfig = Annotated[Union[MLPModel, CNNModel, HFModel, CustomModel], Field(discriminator="kind")]
+
+
+# ---------------------------------------------------------------------- training
+
+class SGD(Section):
+    kind: Literal["sgd"]
+    lr: PositiveFloat
+    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    nesterov: bool = False
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+
+
+class Adam(Section):
+    kind: Literal["adam"]
+    lr: PositiveFloat
+    betas: tuple[UnitOpen, UnitOpen] = (0.9, 0.999)
+    eps: PositiveFloat = 1e-8
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+
+
+class AdamW(Section):
+    kind: Literal["adamw"]
+    lr: PositiveFloat
+    betas: tuple[UnitOpen, UnitOpen] = (0.9, 0.999)
+    eps: PositiveFloat = 1e-8
+    weight_decay: Annotated[float, Field(ge=0)] = 0.01
+
+
+OptimizerConfig = Annotated[Union[SGD, Adam, AdamW], Field(discriminator="kind")]
+
+
+class Schedule(Section):
+    kind: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    final_lr_fraction: Annotated[float, Field(ge=0, le=1)] = Field(
+        0.0, description="linear/cosine: lr at the last step as a fraction of lr")
+
+
+class Training(Section):
+    epochs: PositiveFloat | None = Field(None, description="steps = ceil(epochs / q), q = batch_size / N")
+    steps: PositiveInt | None = Field(None, description="alternative to epochs")
+    batch_size: PositiveInt = Field(description="expected logical batch; Poisson rate q = batch_size / N")
+    micro_batch_size: PositiveInt | None = Field(None, description="physical chunk; default batch_size")
+    sampling: Literal["poisson", "shuffle"] = Field(
+        "poisson", description="shuffle = fixed-size batches; its ε carries an 'assumes Poisson' caveat")
+    optimizer: OptimizerConfig
+    schedule: Schedule = Field(default_factory=Schedule)
+
+    @model_validator(mode="after")
+    def _epochs_or_steps(self) -> Training:
+        if (self.epochs is None) == (self.steps is None):
+            raise ValueError("give exactly one of 'epochs' or 'steps'")
+        return self
+
+
+# ----------------------------------------------------------------------- privacy
+
+class Privacy(Section):
+    epsilon: PositiveFloat | None = Field(
+        None, description="target ε; σ is calibrated to it, and training never exceeds it")
+    delta: Annotated[float, Field(gt=0, lt=1)] = Field(description="must be below 1/N")
+    accountant: Literal["pld", "rdp"] = "pld"
+    noise_multiplier: PositiveFloat | None = Field(
+        None, description="total σ given explicitly instead of calibrated from epsilon")
+    secure: bool = Field(False, description="draw noise from an OS-entropy seeded generator")
+
+    @model_validator(mode="after")
+    def _epsilon_or_sigma(self) -> Privacy:
+        if self.epsilon is None and self.noise_multiplier is None:
+            raise ValueError("give 'epsilon' (σ is calibrated) or 'noise_multiplier' (or both: ε is then a cap)")
+        return self
+
+
+# ---------------------------------------------------------------------- clipping
+
+class FixedThreshold(Section):
+    kind: Literal["fixed"]
+    value: PositiveFloat | list[PositiveFloat] = Field(
+        1.0, description="one C (each of K groups gets C/sqrt(K)) or a list of K per-group thresholds")
+
+
+class BudgetShare(Section):
+    """Auxiliary statistic noise: either its own σ or a share r of the budget (REFERENCE §C)."""
+
+    budget_fraction: UnitOpen | None = None
+
+    def _one_noise_field(self, sigma_field: str, default: float | None) -> None:
+        sigma = getattr(self, sigma_field)
+        if sigma is not None and self.budget_fraction is not None:
+            raise ValueError(f"give at most one of '{sigma_field}' or 'budget_fraction'")
+        if sigma is None and self.budget_fraction is None:
+            if default is None:
+                raise ValueError(f"give one of '{sigma_field}' or 'budget_fraction'")
+            setattr(self, sigma_field, default)
+
+
+class QuantileThreshold(BudgetShare):
+    """He et al. adaptive per-group thresholds by private quantile estimation (Andrew et al.)."""
+
+    kind: Literal["quantile"]
+    target: UnitOpen = Field(0.5, description="target quantile of unclipped norms")
+    lr: PositiveFloat = Field(0.3, description="geometric update rate η")
+    sigma: PositiveFloat | None = Field(None, description="noise std σ_b of the counts")
+    budget_fraction: UnitOpen | None = Field(None, description="share r of the budget; default 0.01")
+    initial: PositiveFloat = Field(1.0, description="initial threshold per group")
+
+    @model_validator(mode="after")
+    def _noise(self) -> QuantileThreshold:
+        if self.sigma is None and self.budget_fraction is None:
+            self.budget_fraction = 0.01
+        self._one_noise_field("sigma", None)
+        return self
+
+
+class HistogramFields(BudgetShare):
+    bins: Annotated[int, Field(ge=2, le=1000)] = 20
+    sigma_hist: PositiveFloat | None = Field(None, description="histogram noise σ_H; default 5")
+    budget_fraction: UnitOpen | None = None
+    initial: PositiveFloat = Field(1.0, description="initial threshold C0")
+    min_threshold: PositiveFloat = 1e-4
+    max_threshold: PositiveFloat = 1e4
+
+    @model_validator(mode="after")
+    def _noise(self) -> HistogramFields:
+        self._one_noise_field("sigma_hist", 5.0)
+        if self.min_threshold >= self.max_threshold:
+            raise ValueError("min_threshold must be below max_threshold")
+        return self
+
+
+class DCSGDPercentile(HistogramFields):
+    """DC-SGD-P (Wei et al.): C = the noisy histogram's p-th percentile."""
+
+    kind: Literal["dcsgd-p"]
+    percentile: Annotated[float, Field(gt=0, le=1)] = 0.9
+    range: PositiveFloat = Field(1.0, description="initial histogram range R0")
+
+
+class DCSGDError(HistogramFields):
+    """DC-SGD-E (Wei et al.): C minimises the estimated expected squared error."""
+
+    kind: Literal["dcsgd-e"]
+    range: PositiveFloat = Field(20.0, description="initial histogram range R0")
+
+
+class DiscriminativeThreshold(Section):
+    """DC-DPSGD: body clipped at `small`, heavy-tail samples at `large`."""
+
+    kind: Literal["discriminative"]
+    small: PositiveFloat
+    large: PositiveFloat | None = Field(None, description="default 10 x small")
+    subspace_dim: PositiveInt = 200
+    tail_rule: Literal["threshold", "top_fraction"] = "threshold"
+    tail_threshold: PositiveFloat | None = Field(None, description="trace above which a sample is tail")
+    top_fraction: UnitOpen = 0.1
+
+    @model_validator(mode="after")
+    def _large(self) -> DiscriminativeThreshold:
+        if self.large is None:
+            self.large = 10 * self.small
+        if self.large <= self.small:
+            raise ValueError("'large' must exceed 'small'")
+        if self.tail_rule == "threshold" and self.tail_threshold is None:
+            raise ValueError("tail_rule 'threshold' needs 'tail_threshold'")
+        return self
+
+
+ThresholdConfig = Annotated[
+    Union[FixedThreshold, QuantileThreshold, DCSGDPercentile, DCSGDError, DiscriminativeThreshold],
+    Field(discriminator="kind"),
+]
+
+GROUPING_NAMES = ("all-layer", "layer", "param", "block")
+GROUPING_HELP = ("all-layer, layer, param, block, {uniform: M}, {groups: [[regex, ...], ...]} "
+                 "or {stages: [regex, ...]}")
+
+
+def _validate_grouping(value: Any) -> Any:
+    """Normalise and check ``clipping.grouping`` (a name or a one-key mapping)."""
+    import re
+
+    if isinstance(value, str):
+        if value not in GROUPING_NAMES:
+            raise ValueError(f"{value!r} is not one of {GROUPING_HELP}")
+        return value
+    if not isinstance(value, dict) or len(value) != 1:
+        raise ValueError(f"must be one of {GROUPING_HELP}")
+    (key, arg), = value.items()
+    if key == "uniform":
+        if not isinstance(arg, int) or isinstance(arg, bool) or arg < 1:
+            raise ValueError("{uniform: M} needs a whole number M >= 1 of groups")
+        return {"uniform": arg}
+    if key == "groups":
+        if (not isinstance(arg, list) or not arg
+                or not all(isinstance(g, list) and g and all(isinstance(p, str) for p in g) for g in arg)):
+            raise ValueError("{groups: ...} needs a non-empty list of non-empty lists of regexes")
+        patterns = [p for g in arg for p in g]
+    elif key == "stages":
+        if not isinstance(arg, list) or not arg or not all(isinstance(p, str) for p in arg):
+            raise ValueError("{stages: ...} needs a non-empty list of regexes, one per stage")
+        patterns = arg
+    else:
+        raise ValueError(f"{{{key}: ...}} is not one of {GROUPING_HELP}")
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"{pattern!r} is not a valid regex: {exc}") from None
+    return {key: arg}
+
+
+class Clipping(Section):
+    grouping: Any = Field("all-layer", description=GROUPING_HELP)
+    fn: Literal["abadi", "auto"] = Field("abadi", description="abadi: min(1, C/||g||); auto: C/(||g|| + gamma)")
+    gamma: PositiveFloat = Field(0.01, description="auto clipping stability constant")
+    noise_allocation: Literal["global", "equal-budget", "weighted"] = "global"
+    threshold: ThresholdConfig = Field(default_factory=lambda: FixedThreshold(kind="fixed"))
+    strict: bool = Field(False, description="refuse the torch.func fallback for unsupported layers")
+    norm_method: Literal["auto", "ghost", "instantiate"] = Field(
+        "auto", description="per-sample norms of Linear-like layers; auto = ghost when 2T^2 < p*d")
+
+    _check_grouping = field_validator("grouping", mode="before")(_validate_grouping)
+
+    @model_validator(mode="after")
+    def _per_group_list(self) -> Clipping:
+        threshold = self.threshold
+        if isinstance(threshold, FixedThreshold) and isinstance(threshold.value, list):
+            if self.grouping == "all-layer" and len(threshold.value) != 1:
+                raise ValueError("all-layer grouping has one group: threshold.value must be one number")
+            if isinstance(self.grouping, dict) and "uniform" in self.grouping \
+                    and len(threshold.value) != self.grouping["uniform"]:
+                raise ValueError(f"threshold.value lists {len(threshold.value)} thresholds "
+                                 f"for {self.grouping['uniform']} uniform groups")
+            if isinstance(self.grouping, dict) and "groups" in self.grouping \
+                    and len(threshold.value) != len(self.grouping["groups"]):
+                raise ValueError(f"threshold.value lists {len(threshold.value)} thresholds "
+                                 f"for {len(self.grouping['groups'])} explicit groups")
+        return self
+
+
+# --------------------------------------------------------------- the rest
+
+class Eval(Section):
+    every_steps: PositiveInt | None = Field(None, description="evaluate every N steps (and always at the end)")
+    batch_size: PositiveInt = 256
+
+
+class Checkpoint(Section):
+    every_steps: PositiveInt | None = Field(None, description="checkpoint every N steps (and at the end)")
+    keep: PositiveInt = Field(2, description="checkpoints kept on disk")
+
+
+class Canaries(Section):
+    count: PositiveInt = 100
+    kind: Literal["mislabel", "ood"] = "mislabel"
+
+
+class Audit(Section):
+    canaries: Canaries | None = Field(None, description="one-run audit canaries, each included with prob 1/2")
+
+
+class RandomRange(Section):
+    low: float
+    high: float
+    log: bool = False
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RandomRange:
+        if not self.low < self.high:
+            raise ValueError("'low' must be below 'high'")
+        if self.log and self.low <= 0:
+            raise ValueError("a log range needs 'low' > 0")
+        return self
+
+
+class Tuning(Section):
+    grid: dict[str, list[Any]] = Field(default_factory=dict, description="recipe key -> values")
+    random: PositiveInt | None = Field(None, description="number of random draws over 'ranges'")
+    ranges: dict[str, RandomRange] = Field(default_factory=dict)
+
+
+class Recipe(Section):
+    """A dpclip recipe. See docs/recipes.md."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="run name; used in the run directory")
+    seed: Annotated[int, Field(ge=0)] = Field(0, description="seeds the split, the model init, sampling and noise")
+    output_dir: str = Field("runs", description="where run directories are created")
+    data: DataConfig = Field(description="where the private training data comes from")
+    model: ModelConfig = Field(description="what is trained; input and output sizes are inferred from the data")
+    training: Training = Field(description="steps, batches, sampling, optimizer, schedule")
+    privacy: Privacy = Field(description="the (ε, δ) guarantee and how noise is set")
+    clipping: Clipping = Field(default_factory=Clipping, description="grouping, clip function, noise allocation, threshold policy")
+    eval: Eval = Field(default_factory=Eval, description="evaluation on the held-out split")
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint, description="checkpoint frequency and retention")
+    audit: Audit = Field(default_factory=Audit, description="membership-inference audit settings")
+    tuning: Tuning = Field(default_factory=Tuning, description="hyperparameter search space for tune-cost")
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> Recipe:
+        threshold = self.clipping.threshold
+        sigma = self.privacy.noise_multiplier
+        if sigma is not None and isinstance(threshold, (DCSGDPercentile, DCSGDError)) \
+                and threshold.sigma_hist is not None and threshold.sigma_hist <= sigma:
+            raise ValueError(
+                f"clipping.threshold.sigma_hist ({threshold.sigma_hist:g}) must exceed the total noise "
+                f"multiplier privacy.noise_multiplier ({sigma:g}): the gradient gets "
+                "σ_T = (σ⁻² − σ_H⁻²)^(−1/2), which needs σ_H > σ")
+        if self.model.kind == "cnn" and self.data.source == "builtin" and self.data.name == "digits" \
+                and not self.data.as_images:
+            raise ValueError("model.kind 'cnn' needs images: set data.as_images: true")
+        return self

@@ -1,0 +1,1 @@
+"""The training workflow: recipe -> data, model, engine, ledger, run directory."""

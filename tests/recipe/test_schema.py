@@ -1,0 +1,199 @@
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from dpclip.errors import RecipeError
+from dpclip.recipe import load_recipe, recipe_to_yaml, validate_recipe
+from dpclip.recipe import schema
+from dpclip.recipe.docs import documented_models, render_markdown
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+
+
+def error_of(overrides, path=QUICKSTART) -> str:
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, overrides)
+    assert info.value.hint, "every recipe error carries a hint"
+    return info.value.message
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_every_shipped_recipe_validates_and_opens_with_a_comment(path):
+    recipe = load_recipe(path)
+    assert recipe.name
+    assert path.read_text().startswith("#"), "each recipe opens with a comment on what it shows"
+
+
+def test_shipped_recipes_exist():
+    assert QUICKSTART in RECIPES
+
+
+def test_unknown_threshold_kind_lists_the_allowed_kinds():
+    message = error_of(["clipping.threshold.kind=dcsgd_x"])
+    assert ("clipping.threshold.kind: 'dcsgd_x' is not one of fixed, quantile, dcsgd-p, dcsgd-e, discriminative"
+            in message)
+
+
+def test_unknown_key_names_its_path_and_suggests_the_close_one():
+    message = error_of(["clipping.threshhold=1"])
+    assert "clipping.threshhold: unknown key" in message
+    assert "did you mean 'threshold'" in message
+
+
+def test_unknown_key_inside_a_variant_lists_that_variants_keys():
+    message = error_of(["clipping.threshold.kind=quantile", "clipping.threshold.value=3"])
+    assert "clipping.threshold.value: unknown key" in message
+    assert "target" in message and "budget_fraction" in message
+
+
+def test_wrong_type_names_the_path_and_the_input():
+    message = error_of(["training.batch_size=abc"])
+    assert message.count("training.batch_size") == 1 and "'abc'" in message
+
+
+def test_literal_field_lists_allowed_values():
+    assert "clipping.fn: 'foo' is not one of abadi, auto" in error_of(["clipping.fn=foo"])
+
+
+@pytest.mark.parametrize("grouping", ["all-layer", "layer", "param", "block", {"uniform": 3},
+                                      {"groups": [["^fc1"], ["^fc2", "bias$"]]}, {"stages": ["^layer1", "^layer3"]}])
+def test_every_grouping_form_is_accepted_and_dumps_unchanged(grouping):
+    data = yaml.safe_load(QUICKSTART.read_text())
+    data["clipping"]["grouping"] = grouping
+    recipe = validate_recipe(data)
+    assert recipe.clipping.model_dump()["grouping"] == grouping
+
+
+@pytest.mark.parametrize("grouping, fragment", [
+    ("blocks", "'blocks' is not one of all-layer"),
+    ({"uniform": 0}, "M >= 1"),
+    ({"uniform": 2.5}, "M >= 1"),
+    ({"groups": []}, "non-empty list"),
+    ({"groups": [["(unclosed"]]}, "not a valid regex"),
+    ({"layers": 2}, "is not one of"),
+    ({"uniform": 2, "stages": ["a"]}, "must be one of"),
+])
+def test_malformed_grouping_is_refused_with_the_forms_it_accepts(grouping, fragment):
+    data = yaml.safe_load(QUICKSTART.read_text())
+    data["clipping"]["grouping"] = grouping
+    with pytest.raises(RecipeError) as info:
+        validate_recipe(data)
+    assert "clipping.grouping" in info.value.message and fragment in info.value.message
+
+
+def test_clipping_block_dumps_to_the_engine_contract():
+    dumped = load_recipe(QUICKSTART).clipping.model_dump()
+    assert set(dumped) == {"grouping", "fn", "gamma", "noise_allocation", "threshold", "strict", "norm_method"}
+    assert dumped["threshold"] == {"kind": "fixed", "value": 1.0}
+
+
+def test_histogram_noise_must_exceed_the_total_noise_multiplier():
+    message = error_of(["clipping.threshold={kind: dcsgd-p, sigma_hist: 0.8}", "privacy.noise_multiplier=1.0"])
+    assert "sigma_hist (0.8) must exceed" in message
+
+
+def test_histogram_noise_defaults_to_the_papers_five_and_excludes_budget_fraction():
+    recipe = load_recipe(QUICKSTART, ["clipping.threshold={kind: dcsgd-e}"])
+    assert recipe.clipping.threshold.sigma_hist == 5.0
+    assert "at most one of" in error_of(["clipping.threshold={kind: dcsgd-e, sigma_hist: 5, budget_fraction: 0.1}"])
+
+
+def test_quantile_defaults_to_one_percent_of_the_budget():
+    recipe = load_recipe(QUICKSTART, ["clipping.threshold={kind: quantile}"])
+    assert recipe.clipping.threshold.budget_fraction == 0.01 and recipe.clipping.threshold.sigma is None
+
+
+def test_discriminative_large_defaults_to_ten_times_small():
+    recipe = load_recipe(QUICKSTART, ["clipping.threshold={kind: discriminative, small: 0.5, tail_rule: top_fraction}"])
+    assert recipe.clipping.threshold.large == 5.0
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["training.steps=10"], "exactly one of 'epochs' or 'steps'"),
+    (["privacy.epsilon=null"], "give 'epsilon'"),
+    (["privacy.delta=1"], "privacy.delta"),
+    (["privacy.epsilon=-1"], "privacy.epsilon"),
+    (["privacy.epsilon=.inf"], "privacy.epsilon"),
+    (["data.test_fraction=1.5"], "data.test_fraction"),
+    (["data.source=web"], "data.source: 'web' is not one of builtin, hf, files"),
+    (["training.optimizer={kind: sgd}"], "training.optimizer.lr: required field is missing"),
+    (["model={kind: hf, task: causal-lm}"], "exactly one of 'config'"),
+    (["model={kind: cnn}"], "data.as_images: true"),
+    (["clipping.grouping={uniform: 2}", "clipping.threshold.value=[1, 2, 3]"], "3 thresholds for 2 uniform groups"),
+    (["name=has space"], "name"),
+])
+def test_cross_field_and_range_rules(overrides, fragment):
+    assert fragment in error_of(overrides)
+
+
+def test_overrides_are_parsed_as_yaml_and_create_sections():
+    recipe = load_recipe(QUICKSTART, ["training.optimizer.lr=0.05", "clipping.grouping={uniform: 2}",
+                                      "eval.every_steps=10"])
+    assert recipe.training.optimizer.lr == pytest.approx(0.05)
+    assert recipe.clipping.grouping == {"uniform": 2}
+    assert recipe.eval.every_steps == 10
+
+
+@pytest.mark.parametrize("override", ["lr", "=3", "a..b=1", "training.optimizer.lr.x=1"])
+def test_malformed_override_is_refused(override):
+    with pytest.raises(RecipeError):
+        load_recipe(QUICKSTART, [override])
+
+
+def test_bad_yaml_reports_the_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntraining:\n  epochs: [1, 2\n")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(bad)
+    assert "not valid YAML" in info.value.message and "line" in info.value.message
+
+
+@pytest.mark.parametrize("text", ["", "- a\n- b\n", "42\n"])
+def test_a_recipe_must_be_a_mapping(tmp_path, text):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(RecipeError):
+        load_recipe(path)
+
+
+def test_missing_file_points_to_the_shipped_recipe_of_that_name(tmp_path):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(tmp_path / "quickstart.yaml")
+    assert "not found" in info.value.message and "recipes copy quickstart" in info.value.hint
+
+
+def test_resolved_recipe_round_trips_through_yaml():
+    recipe = load_recipe(QUICKSTART, ["clipping.threshold={kind: quantile, target: 0.7}"])
+    again = validate_recipe(yaml.safe_load(recipe_to_yaml(recipe)))
+    assert again == recipe
+
+
+def test_docs_recipes_md_is_generated_from_the_current_schema():
+    assert (REPO / "docs" / "recipes.md").read_text() == render_markdown(), \
+        "regenerate: python -m dpclip.recipe.docs > docs/recipes.md"
+
+
+def _reachable_models(model, seen):
+    import typing
+
+    if model in seen:
+        return
+    seen.add(model)
+    for field in model.model_fields.values():
+        stack = [field.annotation]
+        while stack:
+            annotation = stack.pop()
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                _reachable_models(annotation, seen)
+            stack.extend(typing.get_args(annotation))
+
+
+def test_every_schema_section_is_documented():
+    seen: set = set()
+    _reachable_models(schema.Recipe, seen)
+    missing = {m.__name__ for m in seen} - {m.__name__ for m in documented_models()}
+    assert not missing, f"add these sections to dpclip/recipe/docs.py SECTIONS: {missing}"
