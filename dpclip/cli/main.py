@@ -6,7 +6,6 @@ import os
 import sys
 import traceback
 
-import click
 import typer
 
 from dpclip import __version__
@@ -59,28 +58,41 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print_error(exc.message, exc.hint)
         return exc.exit_code
-    except click.exceptions.NoArgsIsHelpError as exc:
-        click.echo(exc.ctx.get_help() if exc.ctx else "", err=False)
-        return 0
-    except click.UsageError as exc:
-        command = exc.ctx.command_path if exc.ctx else "dpclip"
-        print_error(exc.format_message(), f"see `{command} --help`")
-        return 2
-    except click.exceptions.Exit as exc:
-        return exc.exit_code
-    except click.exceptions.Abort:
-        print_error("interrupted")
-        return 130
     except KeyboardInterrupt:
         print_error("interrupted")
         return 130
-    except Exception as exc:  # a bug, not a user mistake
+    except Exception as exc:
+        code = _click_exit_code(exc)
+        if code is not None:
+            return code
         if _debug["on"]:
             traceback.print_exc()
             return 1
         print_error(f"unexpected {type(exc).__name__}: {exc}",
                     "rerun with --debug for a traceback, and please report it")
         return 1
+
+
+def _click_exit_code(exc: Exception) -> int | None:
+    """Render click's own exceptions (help, usage errors, exit); None for anything else.
+
+    Typer vendors click in recent versions, so match click's exception interface
+    instead of importing its (private) classes.
+    """
+    name = type(exc).__name__
+    if name == "NoArgsIsHelpError":  # the help text has already been printed
+        return 0
+    if name == "Exit":
+        return int(getattr(exc, "exit_code", 0) or 0)
+    if name == "Abort":
+        print_error("interrupted")
+        return 130
+    if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
+        ctx = getattr(exc, "ctx", None)
+        command = ctx.command_path if ctx is not None else "dpclip"
+        print_error(exc.format_message(), f"see `{command} --help`")
+        return int(exc.exit_code) or 2
+    return None
 
 
 def run() -> None:

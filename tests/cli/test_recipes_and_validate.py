@@ -1,0 +1,62 @@
+from pathlib import Path
+
+import yaml
+
+from dpclip.recipe.shipped import shipped_names
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+
+
+def test_recipes_list_shows_every_shipped_recipe(cli):
+    result = cli("recipes", "list")
+    assert result.code == 0
+    for name in shipped_names():
+        assert name in result.out
+
+
+def test_shipped_recipes_are_the_files_in_recipes_dir():
+    assert shipped_names() == sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+
+
+def test_recipes_show_prints_the_file(cli):
+    result = cli("recipes", "show", "quickstart")
+    assert result.code == 0 and result.out == QUICKSTART.read_text()
+
+
+def test_recipes_copy_writes_once_and_refuses_to_overwrite(cli, tmp_path):
+    assert cli("recipes", "copy", "quickstart", tmp_path).code == 0
+    copied = tmp_path / "quickstart.yaml"
+    assert copied.read_text() == QUICKSTART.read_text()
+    again = cli("recipes", "copy", "quickstart", tmp_path)
+    assert again.code == 2 and "already exists" in again.err and "--force" in again.err
+    assert cli("recipes", "copy", "quickstart", tmp_path, "--force").code == 0
+
+
+def test_unknown_shipped_recipe_lists_the_known_ones(cli):
+    result = cli("recipes", "show", "nope")
+    assert result.code == 2 and "quickstart" in result.err
+
+
+def test_validate_accepts_a_good_recipe_and_shows_defaults(cli):
+    assert cli("validate", QUICKSTART).code == 0
+    shown = cli("validate", QUICKSTART, "training.optimizer.lr=0.05", "--show")
+    resolved = yaml.safe_load(shown.out)
+    assert resolved["training"]["optimizer"]["lr"] == 0.05
+    assert resolved["clipping"]["gamma"] == 0.01  # a default filled in
+
+
+def test_validate_reports_bad_yaml_unknown_key_and_wrong_type(cli, tmp_path):
+    bad_yaml = tmp_path / "a.yaml"
+    bad_yaml.write_text("name: x\n  bad: indent\n")
+    unknown = tmp_path / "b.yaml"
+    data = yaml.safe_load(QUICKSTART.read_text())
+    data["training"]["epoch"] = 3
+    unknown.write_text(yaml.safe_dump(data))
+    for path, fragment in [(bad_yaml, "not valid YAML"), (unknown, "training.epoch: unknown key"),
+                           (tmp_path / "missing.yaml", "not found")]:
+        result = cli("validate", path)
+        assert result.code == 2, result.err
+        assert fragment in result.err and "hint:" in result.err and "Traceback" not in result.err
+    wrong_type = cli("validate", QUICKSTART, "training.batch_size=[1]")
+    assert wrong_type.code == 2 and "training.batch_size" in wrong_type.err

@@ -1,0 +1,73 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpclip import __version__
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_version(cli):
+    result = cli("--version")
+    assert result.code == 0 and result.out.strip() == f"dpclip {__version__}"
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_every_command(cli, flag):
+    result = cli(flag)
+    assert result.code == 0
+    for command in ("account", "validate", "recipes"):
+        assert command in result.out
+
+
+def test_no_arguments_prints_help(cli):
+    result = cli()
+    assert result.code == 0 and "Usage" in result.out
+
+
+def test_unknown_command_is_an_error_with_a_hint(cli):
+    result = cli("bogus")
+    assert result.code == 2
+    assert result.err.startswith("error: No such command 'bogus'") and "hint: see `dpclip --help`" in result.err
+
+
+def test_missing_argument_is_an_error_with_a_hint(cli):
+    result = cli("validate")
+    assert result.code == 2 and "error: Missing argument" in result.err and "hint:" in result.err
+
+
+def test_an_unexpected_exception_gives_one_error_line_and_debug_gives_the_traceback(cli, monkeypatch, capsys):
+    from dpclip.cli import validate as validate_module
+
+    def boom(*args, **kwargs):
+        secret_local = "do-not-print-me"  # noqa: F841  (locals must never be printed)
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(validate_module, "load_recipe", boom)
+    result = cli("validate", REPO / "recipes" / "quickstart.yaml")
+    assert result.code == 1
+    assert "error: unexpected RuntimeError: kaboom" in result.err and "--debug" in result.err
+    assert "Traceback" not in result.err and "do-not-print-me" not in result.err
+    debug = cli("--debug", "validate", REPO / "recipes" / "quickstart.yaml")
+    assert debug.code == 1 and "Traceback" in debug.err and "do-not-print-me" not in debug.err
+
+
+def test_user_error_with_debug_shows_the_traceback_too(cli, tmp_path):
+    result = cli("--debug", "validate", tmp_path / "missing.yaml")
+    assert result.code == 2 and "Traceback" in result.err and "error: recipe file not found" in result.err
+
+
+def test_console_script_runs_as_a_user_would_without_a_traceback(tmp_path):
+    env = dict(os.environ, COLUMNS="200")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    script = Path(sys.executable).parent / "dpclip"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "dpclip"]
+    done = subprocess.run([*command, "validate", str(bad)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: ") and "\nhint: " in done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
