@@ -137,8 +137,10 @@ def _render(plan, result, accountant: str, title: str | None) -> None:
     table.add_column("quantity")
     table.add_column("value", justify="right")
     table.add_column("meaning")
-    table.add_row("σ total", fmt(split.sigma_total), "one Gaussian release per step (gradient + statistic)")
-    if split.sigma_aux is not None:
+    if split.sigma_aux is None:
+        table.add_row("σ", fmt(split.sigma_total), "noise multiplier of the clipped gradient (std = σ × sensitivity)")
+    else:
+        table.add_row("σ total", fmt(split.sigma_total), "one joint Gaussian release per step (gradient + statistic)")
         table.add_row("σ gradient", fmt(split.sigma_gradient), "noise multiplier of the clipped gradient")
         table.add_row("σ statistic", fmt(split.sigma_aux), f"noise std of the statistic (sensitivity {fmt(split.aux_sensitivity)})")
         table.add_row("budget share r", fmt(split.aux_fraction), "share of the budget spent on the statistic")

@@ -9,7 +9,7 @@ import traceback
 import typer
 
 from dpclip import __version__
-from dpclip.cli import account, recipes, validate
+from dpclip.cli import account, recipes, train, validate
 from dpclip.cli.render import print_error
 from dpclip.errors import DpclipError
 
@@ -41,6 +41,7 @@ def root(
     _debug["on"] = _debug["on"] or debug
 
 
+app.command("train")(train.train)
 app.command("account")(account.account)
 app.command("validate")(validate.validate)
 app.add_typer(recipes.app, name="recipes")

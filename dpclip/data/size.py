@@ -14,13 +14,18 @@ from dpclip.data.split import split_sizes
 from dpclip.errors import DpclipError
 
 
+def _blank_csv_row(row: list[str]) -> bool:
+    """A line with nothing but whitespace: the csv loader (pandas) skips it, so we do too."""
+    return not row or (len(row) == 1 and not row[0].strip())
+
+
 def _count_rows(path: Path, file_format: str) -> int:
     if not path.exists():
         raise DpclipError(f"data file not found: {path}", "check data.train / data.test in the recipe")
     try:
         if file_format == "csv":
             with path.open(newline="", encoding="utf-8") as handle:
-                return max(sum(1 for _ in csv.reader(handle)) - 1, 0)
+                return max(sum(1 for row in csv.reader(handle) if not _blank_csv_row(row)) - 1, 0)
         if file_format in ("jsonl", "text"):
             with path.open(encoding="utf-8") as handle:
                 return sum(1 for line in handle if line.strip())

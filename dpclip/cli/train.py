@@ -1,0 +1,134 @@
+"""`dpclip train RECIPE [key=value ...] [--resume RUN_DIR] [--dry-run] [--json]`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from dpclip.cli.render import console, fmt, print_json
+
+
+def _short(values, limit: int = 3) -> str:
+    if not values:
+        return "-"
+    shown = ", ".join(f"{v:.3g}" for v in values[:limit])
+    return shown + (f", … ({len(values)})" if len(values) > limit else "")
+
+
+class RichObserver:
+    """Progress bar with step, loss, ε spent, thresholds and clip fraction."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.progress: Progress | None = None
+        self.task = None
+        self.epsilon = None
+
+    def on_start(self, info):
+        if self.quiet:
+            return
+        table = Table(show_header=False, box=None, title=f"[bold]{info['name']}[/]" + (" (dry run)" if info["dry_run"] else ""))
+        table.add_row("run directory", info["run_dir"] or "-")
+        table.add_row("training examples N", str(info["num_train"]))
+        table.add_row("Poisson rate q", fmt(info["sample_rate"]))
+        table.add_row("steps", str(info["steps"]))
+        groups = info["groups"]
+        table.add_row("clipping groups", f"{len(groups)}: " + ", ".join(groups[:4]) + (" …" if len(groups) > 4 else ""))
+        table.add_row("trainable parameters", f"{info['parameters']:,}")
+        table.add_row("σ gradient", fmt(info["sigma_gradient"]))
+        if info["sigma_aux"] is not None:
+            table.add_row("σ statistic", fmt(info["sigma_aux"]))
+        table.add_row("planned ε", f"{fmt(info['planned_epsilon'])} at δ = {info['delta']:g} ({info['accountant']})")
+        console.print(table)
+        if info["dry_run"]:
+            return
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False)
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=info["steps"], completed=info.get("start_step", 0),
+                                           status="")
+
+    def on_step(self, record):
+        if self.progress is None:
+            return
+        if record["epsilon"] is not None:
+            self.epsilon = record["epsilon"]
+        diag = record["diagnostics"]
+        clip = diag["clip_fraction"]
+        clip_text = "n/a" if clip is None else f"{100 * sum(clip) / max(len(clip), 1):.0f}%"
+        status = (f"loss {diag['train_loss']:.3f}  ε {fmt(self.epsilon, 3)}  C {_short(record['thresholds'])}"
+                  f"  clipped {clip_text}")
+        self.progress.update(self.task, completed=record["step"], status=status)
+
+    def on_eval(self, record):
+        if self.progress is not None:
+            metrics = "  ".join(f"{k} {v:.4g}" for k, v in record["eval"].items())
+            self.progress.console.print(f"step {record['step']}: eval {metrics}")
+
+    def on_end(self, result):
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def _summary(result) -> None:
+    table = Table(show_header=False, title="[bold]summary[/]")
+    table.add_row("stopped", result.stopped)
+    table.add_row("steps", f"{result.steps_done} / {result.steps_planned}")
+    table.add_row("ε spent", f"{fmt(result.epsilon)} at δ = {result.delta:g}")
+    table.add_row("ε (RDP)", fmt(result.epsilon_rdp))
+    for key, value in result.final_eval.items():
+        table.add_row(f"test {key}", fmt(value))
+    table.add_row("run directory", str(result.run_dir))
+    console.print(table)
+    console.print("[bold]statement[/]")
+    for line in result.statement:
+        console.print(f"  {line}", soft_wrap=True)
+
+
+def train(
+    recipe: Path = typer.Argument(None, help="Recipe YAML file (optional with --resume)."),
+    overrides: list[str] = typer.Argument(None, help="key=value overrides, e.g. training.optimizer.lr=0.05"),
+    resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory from its LATEST checkpoint."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Build data, model, engine and plan; do not train."),
+    as_json: bool = typer.Option(False, "--json", help="Print the final summary as JSON (no progress bar)."),
+) -> None:
+    """Train a model with differential privacy from a recipe.
+
+    [b]Examples[/b]
+
+      dpclip train recipes/quickstart.yaml
+
+      dpclip train recipes/quickstart.yaml training.optimizer.lr=0.3 --dry-run
+
+      dpclip train --resume runs/quickstart-20261121-101500
+    """
+    from dpclip.errors import DpclipError
+    from dpclip.train.workflow import train as run_training
+
+    loaded = None
+    if recipe is not None:
+        from dpclip.recipe import load_recipe
+
+        loaded = load_recipe(recipe, overrides or [])
+    elif overrides:
+        raise DpclipError("overrides need a recipe", "dpclip train RECIPE.yaml key=value ...")
+    elif resume is None:
+        raise DpclipError("nothing to train", "pass a recipe file (see `dpclip recipes list`), or --resume RUN_DIR")
+    if resume is not None and not Path(resume).is_dir():
+        raise DpclipError(f"run directory not found: {resume}", "pass a folder created by `dpclip train` under runs/")
+    result = run_training(loaded, resume=resume, dry_run=dry_run, observer=RichObserver(quiet=as_json))
+    if as_json:
+        print_json(result.to_dict())
+    elif not dry_run:
+        _summary(result)
+    else:
+        console.print("[bold]statement (planned)[/]")
+        for line in result.statement:
+            console.print(f"  {line}", soft_wrap=True)
+    if result.stopped == "interrupted":
+        raise DpclipError(f"interrupted at step {result.steps_done}; a checkpoint was saved",
+                          f"continue with: dpclip train --resume {result.run_dir}")

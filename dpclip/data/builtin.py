@@ -1,0 +1,81 @@
+"""Data sets shipped with dpclip: nothing is ever downloaded.
+
+- ``digits``: scikit-learn's bundled 1,797 handwritten digits (8x8 grey levels 0..16).
+- ``synthetic-text``: short restaurant descriptions generated from slot values, in the
+  spirit of the E2E NLG challenge data (name, food, area, price range, rating,
+  family-friendly, near). Structured enough that a tiny language model visibly learns
+  something in a minute, and seeded, so the same seed always gives the same sentences.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+DIGITS_MAX_GREY_LEVEL = 16.0
+
+
+def load_digits_arrays(as_images: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(features float32 in [0, 1], labels int64): ``[1797, 64]`` or ``[1797, 1, 8, 8]``."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    features = (digits.data / DIGITS_MAX_GREY_LEVEL).astype(np.float32)
+    if as_images:
+        features = features.reshape(-1, 1, 8, 8)
+    return features, digits.target.astype(np.int64)
+
+
+# Slot values. Names and landmarks are made up; the other slots follow the E2E ontology,
+# worded so every template stays grammatical and most sentences fit in 64 bytes.
+RESTAURANT_NAMES = [
+    "Aromi", "Blue Spice", "Cotto", "Giraffe", "Green Man", "Loch Fyne", "The Eagle",
+    "The Mill", "The Punter", "Strada", "Zizzi", "Fitzbillies", "The Olive Grove", "Wildwood",
+]
+FOODS = ["Italian", "French", "Chinese", "Indian", "Japanese", "English", "Spanish"]
+AREAS = ["the centre", "the riverside"]
+PRICE_RANGES = ["cheap", "moderately priced", "expensive"]
+RATINGS = ["low", "average", "high"]
+FAMILY = ["family-friendly", "adults-only"]
+LANDMARKS = ["the Crowne Plaza", "Café Sicilia", "the Rice Boat", "Burger King",
+             "the Portland Arms", "All Bar One", "Café Brazil"]
+
+# Each template uses a subset of the slots; {a_food} and {a_family} carry their article.
+TEMPLATES = [
+    "{name} serves {food} food in {area}.",
+    "{name} is {a_food} restaurant near {near}.",
+    "{name} is {price} and has a {rating} rating.",
+    "{name} is {a_family} {food} place.",
+    "{name} in {area} is {price}.",
+    "{name} near {near} is rated {rating}.",
+    "Try {name} for {price} {food} food.",
+]
+
+
+def _with_article(word: str) -> str:
+    return ("an " if word[0].lower() in "aeiou" else "a ") + word
+
+
+def synthetic_restaurant_sentences(num_examples: int, seed: int) -> list[str]:
+    """``num_examples`` restaurant descriptions; the same seed gives the same list.
+
+    Uses :class:`random.Random`, whose sequence is fixed across platforms and Python
+    versions for these calls, so a recipe's text never changes under it.
+    """
+    rng = random.Random(seed)
+    sentences = []
+    for _ in range(num_examples):
+        food = rng.choice(FOODS)
+        slots = {
+            "name": rng.choice(RESTAURANT_NAMES),
+            "food": food,
+            "a_food": _with_article(food),
+            "area": rng.choice(AREAS),
+            "price": rng.choice(PRICE_RANGES),
+            "rating": rng.choice(RATINGS),
+            "a_family": _with_article(rng.choice(FAMILY)),
+            "near": rng.choice(LANDMARKS),
+        }
+        sentences.append(rng.choice(TEMPLATES).format(**slots))
+    return sentences

@@ -1,0 +1,100 @@
+"""Reading local data files: csv, json, jsonl and parquet tables, and plain text.
+
+Tables come back as ``Columns``: an ordered mapping from column name to a NumPy array
+with one entry per row (strings and nested lists as ``object`` arrays). Turning columns
+into tensors is :mod:`dpclip.data.dataset`'s job, shared with Hugging Face data sets.
+
+We read with pandas / pyarrow / the json module rather than ``datasets``' local loaders:
+the result is the same for these formats, nothing is written to the Hugging Face cache,
+and the row count provably matches :func:`dpclip.data.size.training_set_size`, which
+accounting uses before any data is loaded (blank lines are skipped by both).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from dpclip.errors import DpclipError
+
+Columns = dict[str, np.ndarray]
+
+TABLE_FORMATS = ("csv", "json", "jsonl", "parquet")
+
+
+def _existing(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise DpclipError(f"data file not found: {path}", "check data.train / data.test in the recipe")
+    if path.is_dir():
+        raise DpclipError(f"data path is a directory, not a file: {path}", "point data.train / data.test at a file")
+    return path
+
+
+def _columns_of(frame) -> Columns:
+    return {str(name): frame[name].to_numpy() for name in frame.columns}
+
+
+def _json_records(path: Path, file_format: str) -> list[dict] | dict[str, list]:
+    """json: a list of records or a mapping of columns; jsonl: one record per non-blank line."""
+    if file_format == "json":
+        content = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(content, list) and all(isinstance(record, dict) for record in content):
+            return content
+        if isinstance(content, dict) and content and all(isinstance(v, list) for v in content.values()):
+            return content
+        raise DpclipError(f"{path}: expected a JSON list of records or a mapping of columns",
+                          "or use format: jsonl with one record per line")
+    records = []
+    with path.open(encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise DpclipError(f"{path}, line {line_number}: expected a JSON object, got {type(record).__name__}",
+                                  "write one object per line, e.g. {\"text\": \"...\", \"label\": 1}")
+            records.append(record)
+    return records
+
+
+def read_table(path: str | Path, file_format: str) -> Columns:
+    """The columns of a csv, json, jsonl or parquet file."""
+    import pandas as pd
+
+    path = _existing(path)
+    try:
+        if file_format == "csv":
+            frame = pd.read_csv(path, skip_blank_lines=True)
+        elif file_format in ("json", "jsonl"):
+            records = _json_records(path, file_format)
+            frame = pd.DataFrame(records) if isinstance(records, dict) else pd.DataFrame.from_records(records)
+        elif file_format == "parquet":
+            import pyarrow.parquet as pq
+
+            frame = pq.read_table(path).to_pandas()
+        else:
+            raise DpclipError(f"{file_format!r} is not a table format", f"use one of {', '.join(TABLE_FORMATS)}")
+    except DpclipError:
+        raise
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        # pandas' ParserError, json's JSONDecodeError and pyarrow's ArrowInvalid are ValueErrors.
+        raise DpclipError(f"cannot read {path} as {file_format}: {exc}", "check data.format and the file") from None
+    if frame.shape[1] == 0 or len(frame) == 0:
+        raise DpclipError(f"{path} holds no rows", "the data file must have a header and at least one row")
+    return _columns_of(frame)
+
+
+def read_text_lines(path: str | Path) -> list[str]:
+    """One example per non-blank line, without its line ending."""
+    path = _existing(path)
+    try:
+        with path.open(encoding="utf-8") as handle:
+            lines = [line.rstrip("\r\n") for line in handle if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DpclipError(f"cannot read {path} as UTF-8 text: {exc}", "save the file as UTF-8") from None
+    if not lines:
+        raise DpclipError(f"{path} holds no text", "write one training example per line")
+    return lines

@@ -1,0 +1,42 @@
+"""Hugging Face data sets by name (``data.source: hf``).
+
+``datasets.load_dataset`` needs the network or a copy in the local cache. Whatever goes
+wrong inside it (no network, offline mode, a misspelt name, a missing config or split)
+surfaces as one :class:`DpclipError` with a hint instead of a library traceback.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dpclip.data.files import Columns
+from dpclip.errors import DpclipError
+
+
+def _load_split(name: str, config: str | None, split: str):
+    from datasets import load_dataset
+
+    try:
+        return load_dataset(name, config, split=split)
+    except Exception as exc:  # noqa: BLE001 - datasets raises many unrelated types; all mean "cannot load"
+        shown = f"{name!r}" + (f" (config {config!r})" if config else "") + f", split {split!r}"
+        raise DpclipError(
+            f"cannot load Hugging Face data set {shown}: {exc.__class__.__name__}: {exc}",
+            "a data set given by name needs network or a local cache: run once with network access, "
+            "or save it to files and use data.source: files (check the name, config and split too); "
+            "HF_DATASETS_OFFLINE=1 uses the cache alone, without waiting for the network",
+        ) from None
+
+
+def _columns_of(dataset) -> Columns:
+    """Every column as a NumPy array; images decode to uint8 arrays, sequences stack."""
+    as_numpy = dataset.with_format("numpy")
+    return {name: np.asarray(as_numpy[name]) for name in dataset.column_names}
+
+
+def load_hub_columns(name: str, config: str | None, split: str,
+                     test_split: str | None) -> tuple[Columns, Columns | None]:
+    """(train columns, test columns or None when the test set is cut from train)."""
+    train = _columns_of(_load_split(name, config, split))
+    test = _columns_of(_load_split(name, config, test_split)) if test_split is not None else None
+    return train, test

@@ -1,0 +1,155 @@
+"""Which examples each training step sees.
+
+:class:`PoissonSampler` is the sampling the privacy accounting assumes: at every step,
+each of the N examples joins the logical batch independently with probability q, so the
+batch size is Binomial(N, q) and may be zero. :class:`ShuffleSampler` gives fixed-size
+batches from reshuffled epochs; the accounting treats it as Poisson, and the privacy
+statement says so.
+
+Both are resumable: ``state_dict()`` holds the step counter and the random generator's
+state, and a sampler restored from it draws exactly the batches an uninterrupted one
+would have drawn.
+
+Seeds: the recipe seed drives the split, the model init, the sampler and the noise. To
+keep those random streams independent, a sampler does not use the seed directly but a
+number derived from (seed, sampler kind). ``seed=None`` seeds from OS entropy, for runs
+where the batches must not be reproducible by anyone who knows the recipe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import torch
+
+from dpclip.errors import DpclipError
+
+
+def derived_seed(seed: int, purpose: str) -> int:
+    """A 63-bit seed for one purpose ("poisson-sampler", "model-init", ...) from the recipe seed."""
+    digest = hashlib.sha256(f"dpclip:{purpose}:{seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _generator(seed: int | None, purpose: str) -> torch.Generator:
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()  # OS entropy
+    else:
+        generator.manual_seed(derived_seed(seed, purpose))
+    return generator
+
+
+class PoissonSampler:
+    """``steps`` logical batches; each example is in each batch with probability ``sample_rate``.
+
+    Iterating yields one int64 tensor of example indices (sorted) per remaining step, an
+    empty tensor included: an empty batch is still a step, and the accountant counts it.
+    ``len()`` is the total number of steps.
+    """
+
+    purpose = "poisson-sampler"
+
+    def __init__(self, num_examples: int, sample_rate: float, steps: int, seed: int | None):
+        if num_examples < 1:
+            raise DpclipError(f"cannot sample from {num_examples} examples", "the training set is empty")
+        if not 0 < sample_rate <= 1:
+            raise DpclipError(f"sample rate {sample_rate} is not in (0, 1]",
+                              "the Poisson rate q = batch_size / N must be positive and at most 1")
+        self.num_examples = num_examples
+        self.sample_rate = sample_rate
+        self.steps = steps
+        self.step = 0
+        self.generator = _generator(seed, self.purpose)
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while self.step < self.steps:
+            # One uniform draw per example per step, whether or not it is included:
+            # that keeps the generator's position a function of the step count alone.
+            included = torch.rand(self.num_examples, generator=self.generator) < self.sample_rate
+            self.step += 1
+            yield included.nonzero().squeeze(1)
+
+    def state_dict(self) -> dict:
+        """Step counter and generator state (tensors and ints: safe for weights_only loading)."""
+        return {"step": self.step, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.generator.set_state(state["generator"])
+
+
+class ShuffleSampler:
+    """``steps`` batches of exactly ``batch_size`` examples from reshuffled epochs.
+
+    The epochs form one stream: each epoch is a fresh random permutation of all
+    examples, and a batch that runs past the end of an epoch continues into the next.
+    So every batch has the same size, and every block of N consecutive draws that starts
+    at an epoch boundary holds each example exactly once. (Two halves of one batch come
+    from different epochs, so a batch can hold an example twice, which is rare.)
+    """
+
+    purpose = "shuffle-sampler"
+
+    def __init__(self, num_examples: int, batch_size: int, steps: int, seed: int | None):
+        if num_examples < 1:
+            raise DpclipError(f"cannot sample from {num_examples} examples", "the training set is empty")
+        if not 1 <= batch_size <= num_examples:
+            raise DpclipError(f"batch size {batch_size} is not between 1 and the dataset size {num_examples}",
+                              "choose training.batch_size at most N")
+        self.num_examples = num_examples
+        self.batch_size = batch_size
+        self.steps = steps
+        self.step = 0
+        self.generator = _generator(seed, self.purpose)
+        self.permutation = torch.randperm(num_examples, generator=self.generator)
+        self.position = 0  # next unused entry of the current epoch's permutation
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def _take(self, count: int) -> torch.Tensor:
+        taken = []
+        while count > 0:
+            if self.position == self.num_examples:
+                self.permutation = torch.randperm(self.num_examples, generator=self.generator)
+                self.position = 0
+            chunk = self.permutation[self.position: self.position + count]
+            self.position += len(chunk)
+            count -= len(chunk)
+            taken.append(chunk)
+        return torch.cat(taken)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while self.step < self.steps:
+            batch = self._take(self.batch_size)
+            self.step += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "generator": self.generator.get_state(),
+                "permutation": self.permutation.clone(), "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.generator.set_state(state["generator"])
+        self.permutation = state["permutation"].clone()
+        self.position = int(state["position"])
+
+
+def micro_batches(indices: torch.Tensor, micro_batch_size: int) -> Iterator[torch.Tensor]:
+    """Split one logical batch into physical chunks of at most ``micro_batch_size``.
+
+    An empty logical batch yields no chunk at all: the engine then takes a step with
+    zero backward calls (noise only), which is what Poisson sampling requires.
+    """
+    if micro_batch_size < 1:
+        raise DpclipError(f"micro-batch size {micro_batch_size} must be at least 1",
+                          "set training.micro_batch_size to a positive number")
+    if len(indices) == 0:
+        return
+    yield from torch.split(indices, micro_batch_size)

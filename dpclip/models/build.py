@@ -1,0 +1,73 @@
+"""``build_model``: from a recipe's ``model`` section and the loaded data to (model, loss_fn).
+
+The model's sizes come from the data (input shape, classes, vocabulary), its initial
+weights from the recipe seed, and it is checked for BatchNorm before anyone trains it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from dpclip.data.sampler import derived_seed
+from dpclip.errors import DpclipError, EngineError
+from dpclip.models.custom import build_custom, custom_criterion
+from dpclip.models.hf import build_hf
+from dpclip.models.losses import (
+    PerSampleLoss,
+    cross_entropy,
+    forward_features,
+    forward_token_ids,
+    forward_transformers,
+    next_token_cross_entropy,
+    squared_error,
+)
+from dpclip.models.zoo import build_mlp, build_cnn
+
+BATCHNORM_HINT = "use GroupNorm; BatchNorm mixes samples and breaks per-example privacy"
+
+
+def refuse_batchnorm(model: nn.Module) -> None:
+    """Raise EngineError naming the first BatchNorm module (its path in the model), if any.
+
+    BatchNorm normalises each example with statistics of the whole batch, so one
+    example's gradient depends on the others and per-example clipping bounds nothing.
+    """
+    for path, module in model.named_modules():
+        if isinstance(module, _BatchNorm):
+            where = path or "the model itself"
+            raise EngineError(f"the model contains {type(module).__name__} at {where!r}", BATCHNORM_HINT)
+
+
+def _table_criterion(data):
+    return cross_entropy if data.task == "classification" else squared_error
+
+
+def _build(config, data) -> tuple[nn.Module, PerSampleLoss]:
+    if config.kind == "mlp":
+        return build_mlp(config, data), PerSampleLoss(forward_features, _table_criterion(data))
+    if config.kind == "cnn":
+        return build_cnn(config, data), PerSampleLoss(forward_features, _table_criterion(data))
+    if config.kind == "hf":
+        criterion = next_token_cross_entropy if config.task == "causal-lm" else _table_criterion(data)
+        return build_hf(config, data), PerSampleLoss(forward_transformers, criterion)
+    if config.kind == "custom":
+        forward = forward_features if "features" in data.train else forward_token_ids
+        criterion = custom_criterion(config.loss, data)
+        return build_custom(config, data), PerSampleLoss(forward, criterion)
+    raise DpclipError(f"unknown model.kind {config.kind!r}", "use mlp, cnn, hf or custom")
+
+
+def build_model(config, data, *, seed: int = 0) -> tuple[nn.Module, PerSampleLoss]:
+    """The model for a recipe's ``model`` section, sized to ``data`` (a PrivateData), and
+    its per-sample loss ``loss_fn(model, batch) -> Tensor[b]``.
+
+    The same seed gives the same initial weights. The global torch RNG is seeded only
+    inside a forked RNG state, so building a model leaves the caller's randomness as it was.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derived_seed(seed, "model-init"))
+        model, loss_fn = _build(config, data)
+    refuse_batchnorm(model)
+    return model, loss_fn

@@ -1,0 +1,388 @@
+"""The training workflow: recipe -> data, model, engine, ledger -> run directory.
+
+One step: draw a Poisson batch, run its micro-batches through ``engine.backward``,
+``engine.privatize()`` (clip, noise, DpEvent), check the budget cap, ``optimizer.step()``,
+record the DpEvent in the ledger. Nothing else touches the private data, except the
+diagnostics in metrics.jsonl (training loss, clip fractions, norm quantiles), which are
+computed without noise, are not covered by ε, and are labelled so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from dpclip import __version__
+from dpclip.errors import DpclipError
+from dpclip.recipe import Recipe, recipe_to_yaml, validate_recipe
+from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from dpclip.train.files import read_json, write_json_atomic, write_text_atomic
+
+# Fields whose change would change what the ledger means: a run refuses to resume if any differ.
+PRIVACY_FIELDS = ("seed", "data", "privacy", "clipping", "training.batch_size", "training.sampling",
+                  "training.epochs", "training.steps", "training.micro_batch_size")
+
+
+class TrainObserver(Protocol):
+    """What the CLI implements to show progress (all optional)."""
+
+    def on_start(self, info: dict[str, Any]) -> None: ...
+    def on_step(self, record: dict[str, Any]) -> None: ...
+    def on_eval(self, record: dict[str, Any]) -> None: ...
+    def on_end(self, result: TrainResult) -> None: ...
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps_done: int
+    steps_planned: int
+    epsilon: float
+    epsilon_rdp: float
+    delta: float
+    stopped: str                      # "completed" | "budget" | "interrupted" | "dry-run"
+    final_eval: dict[str, float] = field(default_factory=dict)
+    statement: list[str] = field(default_factory=list)
+    noise: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_dir": str(self.run_dir), "steps_done": self.steps_done, "steps_planned": self.steps_planned,
+            "epsilon": self.epsilon, "epsilon_rdp": self.epsilon_rdp, "delta": self.delta,
+            "stopped": self.stopped, "final_eval": self.final_eval, "noise": self.noise,
+            "statement": self.statement,
+        }
+
+
+def privacy_fingerprint(recipe: Recipe) -> str:
+    """Hash of the recipe fields that decide the ledger (see PRIVACY_FIELDS)."""
+    dumped = recipe.model_dump(mode="json")
+    picked = {}
+    for dotted in PRIVACY_FIELDS:
+        node: Any = dumped
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        picked[dotted] = node
+    return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _privacy_diff(old: Recipe, new: Recipe) -> list[str]:
+    a, b = old.model_dump(mode="json"), new.model_dump(mode="json")
+    changed = []
+    for dotted in PRIVACY_FIELDS:
+        x, y = a, b
+        for part in dotted.split("."):
+            x = x.get(part) if isinstance(x, dict) else None
+            y = y.get(part) if isinstance(y, dict) else None
+        if x != y:
+            changed.append(dotted)
+    return changed
+
+
+def _build_optimizer(config, params) -> torch.optim.Optimizer:
+    if config.kind == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov,
+                               weight_decay=config.weight_decay)
+    if config.kind == "adam":
+        return torch.optim.Adam(params, lr=config.lr, betas=config.betas, eps=config.eps,
+                                weight_decay=config.weight_decay)
+    return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
+                             weight_decay=config.weight_decay)
+
+
+def lr_factor(schedule, step: int, total_steps: int) -> float:
+    """Multiplier of the base lr at ``step`` (0-based): linear warmup, then constant/linear/cosine decay."""
+    if schedule.warmup_steps and step < schedule.warmup_steps:
+        return (step + 1) / schedule.warmup_steps
+    if schedule.kind == "constant":
+        return 1.0
+    span = max(total_steps - schedule.warmup_steps, 1)
+    progress = min(max(step - schedule.warmup_steps, 0) / span, 1.0)
+    final = schedule.final_lr_fraction
+    if schedule.kind == "linear":
+        return 1.0 - (1.0 - final) * progress
+    return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _engine_clipping(recipe: Recipe, split) -> dict[str, Any]:
+    """The clipping dict for DPEngine, with the statistic's σ from the budget split filled in."""
+    clipping = recipe.clipping.model_dump(mode="python")
+    threshold = clipping["threshold"]
+    if threshold["kind"] == "quantile":
+        threshold["sigma"] = split.sigma_aux
+        threshold["budget_fraction"] = None
+    elif threshold["kind"] in ("dcsgd-p", "dcsgd-e"):
+        threshold["sigma_hist"] = split.sigma_aux
+        threshold["budget_fraction"] = None
+    return clipping
+
+
+def new_run_dir(recipe: Recipe) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path(recipe.output_dir) / f"{recipe.name}-{stamp}"
+    run_dir, suffix = base, 1
+    while run_dir.exists():
+        suffix += 1
+        run_dir = base.with_name(f"{base.name}-{suffix}")
+    return run_dir
+
+
+class _Null:
+    def on_start(self, info): pass
+    def on_step(self, record): pass
+    def on_eval(self, record): pass
+    def on_end(self, result): pass
+
+
+def load_run_recipe(run_dir: Path) -> Recipe:
+    path = run_dir / "recipe.yaml"
+    if not path.exists():
+        raise DpclipError(f"{run_dir} is not a dpclip run directory (no recipe.yaml)",
+                          "pass the folder that `dpclip train` created under runs/")
+    from dpclip.recipe import read_yaml
+
+    return validate_recipe(read_yaml(path), source=str(path))
+
+
+def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: bool = False,
+          observer: TrainObserver | None = None) -> TrainResult:
+    """Train ``recipe`` privately (or resume the run in ``resume``); see the module doc."""
+    from dpclip.accounting import Ledger, solve
+    from dpclip.data import PoissonSampler, ShuffleSampler, load_data, micro_batches, select
+    from dpclip.engine import DPEngine, build_groups, trainable_params
+    from dpclip.models import build_model, evaluate
+    from dpclip.train.plan import privacy_plan
+
+    observer = observer or _Null()
+    if resume is not None:
+        resume = Path(resume)
+        stored = load_run_recipe(resume)
+        meta = read_json(resume / "meta.json")
+        if meta.get("privacy_fingerprint") != privacy_fingerprint(stored):
+            raise DpclipError(f"the privacy fields of {resume / 'recipe.yaml'} were edited after the run started",
+                              "the ledger would no longer describe the run; restore recipe.yaml or start a new run")
+        if recipe is not None:
+            changed = _privacy_diff(stored, recipe)
+            if changed:
+                raise DpclipError(f"cannot resume: the recipe changes privacy fields {', '.join(changed)} "
+                                  "of the run", "resume with the run's own recipe: dpclip train --resume RUN_DIR")
+        recipe = stored
+    if recipe is None:
+        raise DpclipError("nothing to train", "pass a recipe file, or --resume RUN_DIR")
+
+    torch.manual_seed(recipe.seed)
+    data = load_data(recipe.data, seed=recipe.seed)
+    model, loss_fn = build_model(recipe.model, data, seed=recipe.seed)
+    training = recipe.training
+    micro_batch_size = training.micro_batch_size or training.batch_size
+
+    # A statistic's sensitivity grows with the number of groups, which depends on the model.
+    num_groups = len(build_groups(model, recipe.clipping.grouping, trainable_params(model)).names)
+    plan = privacy_plan(recipe, data.num_train, groups=num_groups)
+    solved = solve(plan)
+    split = solved.split
+    engine = DPEngine(model, _engine_clipping(recipe, split), noise_multiplier=split.sigma_gradient,
+                      expected_batch_size=training.batch_size, seed=recipe.seed, sample_rate=plan.sample_rate,
+                      secure=recipe.privacy.secure)
+    optimizer = _build_optimizer(training.optimizer, [p for p in model.parameters() if p.requires_grad])
+    base_lrs = [group["lr"] for group in optimizer.param_groups]
+    sampler_seed = None if recipe.privacy.secure else recipe.seed
+    if training.sampling == "poisson":
+        sampler = PoissonSampler(data.num_train, plan.sample_rate, plan.steps, seed=sampler_seed)
+    else:
+        sampler = ShuffleSampler(data.num_train, training.batch_size, plan.steps, seed=sampler_seed)
+    ledger = Ledger(plan.delta, plan.accountant)
+    epsilon_cap = recipe.privacy.epsilon
+
+    info = {
+        "name": recipe.name, "steps": plan.steps, "sample_rate": plan.sample_rate, "num_train": data.num_train,
+        "num_test": data.num_test, "groups": engine.group_names, "sigma_total": split.sigma_total,
+        "sigma_gradient": split.sigma_gradient, "sigma_aux": split.sigma_aux, "planned_epsilon": solved.epsilon,
+        "delta": plan.delta, "accountant": plan.accountant, "epsilon_cap": epsilon_cap,
+        "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+    if dry_run:
+        observer.on_start({**info, "run_dir": None, "dry_run": True})
+        engine.detach()
+        result = TrainResult(Path("-"), 0, plan.steps, solved.epsilon, solved.epsilon_rdp, plan.delta, "dry-run",
+                             statement=solved.statement.lines(), noise=solved.step_metadata)
+        observer.on_end(result)
+        return result
+
+    start_step = 0
+    if resume is not None:
+        run_dir = resume
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is not None:
+            state = load_checkpoint(checkpoint, model)
+            optimizer.load_state_dict(state["optimizer"])
+            sampler.load_state_dict(state["sampler"])
+            engine.load_state_dict(state["engine"])
+            torch.set_rng_state(state["torch_rng"])
+            ledger = Ledger.from_dict(state["ledger"])
+            start_step = int(state["step"])
+        _truncate_metrics(run_dir / "metrics.jsonl", start_step)
+    else:
+        run_dir = new_run_dir(recipe)
+        run_dir.mkdir(parents=True)
+        write_text_atomic(run_dir / "recipe.yaml", recipe_to_yaml(recipe))
+        write_json_atomic(run_dir / "meta.json", _meta(recipe, data, info))
+        (run_dir / "metrics.jsonl").touch()
+    write_json_atomic(run_dir / "ledger.json", ledger.to_dict())
+
+    step_metadata = solved.step_metadata
+    observer.on_start({**info, "run_dir": str(run_dir), "start_step": start_step, "dry_run": False})
+
+    def save(step: int) -> None:
+        state = {
+            "step": step, "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
+            "engine": engine.state_dict(), "torch_rng": torch.get_rng_state(), "ledger": ledger.to_dict(),
+        }
+        save_checkpoint(run_dir, step, model, state, keep=recipe.checkpoint.keep)
+        write_json_atomic(run_dir / "ledger.json", ledger.to_dict())
+
+    def run_eval(step: int) -> dict[str, float]:
+        metrics = evaluate(model, loss_fn, data.test, data.task, batch_size=recipe.eval.batch_size)
+        record = {"step": step, "eval": metrics}
+        _append_metrics(run_dir / "metrics.jsonl", record)
+        observer.on_eval(record)
+        return metrics
+
+    stopped, step, final_eval = "completed", start_step, {}
+    epsilon_every = max(1, plan.steps // 50)  # ε with the ledger's accountant costs ~0.1 s: not every step
+    model.train()
+    try:
+        batches = iter(sampler)
+        while step < plan.steps:
+            # The cap is checked before the batch is touched, with the plan's event, which
+            # is asserted below to be the event the engine actually releases.
+            if epsilon_cap is not None and not ledger.allows(solved.step_event, epsilon_cap):
+                stopped = "budget"
+                break
+            indices = next(batches)
+            factor = lr_factor(training.schedule, step, plan.steps)
+            for group, base in zip(optimizer.param_groups, base_lrs):
+                group["lr"] = base * factor
+            loss_sum, started = 0.0, time.perf_counter()
+            for chunk in micro_batches(indices, micro_batch_size):
+                losses = loss_fn(model, select(data.train, chunk))
+                loss_sum += float(losses.detach().sum())
+                engine.backward(losses)
+            report = engine.privatize()
+            _check_same_release(report.dp_event, solved.step_event)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            ledger.record(solved.step_event, metadata=step_metadata)
+            step += 1
+            live = step == plan.steps or step % epsilon_every == 0
+            record = _step_record(step, report, ledger.epsilon() if live else None, loss_sum, len(indices),
+                                  training.batch_size, optimizer.param_groups[0]["lr"],
+                                  time.perf_counter() - started, recipe.clipping.fn)
+            _append_metrics(run_dir / "metrics.jsonl", record)
+            observer.on_step(record)
+            if recipe.eval.every_steps and step % recipe.eval.every_steps == 0 and step < plan.steps:
+                run_eval(step)
+            if recipe.checkpoint.every_steps and step % recipe.checkpoint.every_steps == 0:
+                save(step)
+    except KeyboardInterrupt:
+        stopped = "interrupted"
+    finally:
+        engine.detach()
+    if stopped != "interrupted":
+        final_eval = run_eval(step)
+    save(step)
+    accounting = ledger.result()
+    from dpclip.accounting import statement_from_ledger
+
+    statement = statement_from_ledger(ledger, sampling=training.sampling)
+    result = TrainResult(run_dir, step, plan.steps, accounting.epsilon, accounting.epsilon_rdp, plan.delta, stopped,
+                         final_eval, statement.lines(), step_metadata)
+    write_json_atomic(run_dir / "summary.json", result.to_dict())
+    observer.on_end(result)
+    return result
+
+
+def _rate_and_sigma(event) -> tuple[float, float]:
+    inner = getattr(event, "event", None)
+    if inner is not None:
+        return float(event.sampling_probability), float(inner.noise_multiplier)
+    return 1.0, float(event.noise_multiplier)
+
+
+def _check_same_release(engine_event, planned_event) -> None:
+    """The engine's DpEvent must be the plan's (same q, same σ_eff up to rounding)."""
+    engine_q, engine_sigma = _rate_and_sigma(engine_event)
+    plan_q, plan_sigma = _rate_and_sigma(planned_event)
+    if not (math.isclose(engine_q, plan_q, rel_tol=1e-12) and math.isclose(engine_sigma, plan_sigma, rel_tol=1e-9)):
+        raise RuntimeError(f"engine released {engine_event} but the plan accounts {planned_event}: "
+                           "this is a dpclip bug, the run stops before the ledger could be wrong")
+
+
+def _step_record(step, report, epsilon, loss_sum, batch_len, expected_batch, lr, seconds, clip_fn) -> dict[str, Any]:
+    summary = report.to_dict()
+    return {
+        "step": step,
+        "epsilon": epsilon,
+        "lr": lr,
+        "seconds": round(seconds, 4),
+        "thresholds": summary["thresholds"],
+        "noise_std": summary["noise_std_grad"],
+        # Diagnostics computed WITHOUT noise from the private batch: not covered by ε.
+        "diagnostics": {
+            "train_loss": loss_sum / expected_batch,
+            "batch_size": batch_len,
+            "clip_fraction": None if clip_fn == "auto" else summary["clip_fraction"],
+            "norm_median": summary["norm_quantiles"].get("median"),
+        },
+    }
+
+
+def _append_metrics(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as stream:
+        stream.write(json.dumps(record) + "\n")
+        stream.flush()
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop metric lines written after the checkpoint we resume from (they will be redone)."""
+    if not path.exists():
+        path.touch()
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            break  # a line cut by the crash
+        if record.get("step", 0) <= last_step:
+            kept.append(line)
+    write_text_atomic(path, "".join(f"{line}\n" for line in kept))
+
+
+def _meta(recipe: Recipe, data, info: dict[str, Any]) -> dict[str, Any]:
+    import dp_accounting  # noqa: F401  (version below)
+    from importlib.metadata import version
+
+    return {
+        "dpclip": __version__,
+        "torch": torch.__version__,
+        "dp_accounting": version("dp-accounting"),
+        "python": platform.python_version(),
+        "seed": recipe.seed,
+        "privacy_fingerprint": privacy_fingerprint(recipe),
+        "data": data.describe(),
+        "members": [int(i) for i in data.train_indices],
+        "non_members": [int(i) for i in data.test_indices],
+        "plan": {k: v for k, v in info.items() if k != "groups"},
+        "groups": info["groups"],
+        "created": datetime.now().isoformat(timespec="seconds"),
+    }

@@ -1,0 +1,183 @@
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dpclip.data import load_data
+from dpclip.data.dataset import examples_from_columns
+from dpclip.data.size import training_set_size
+from dpclip.errors import DpclipError
+from dpclip.recipe.schema import FilesData
+
+
+def files(path, fmt, **fields):
+    return FilesData(source="files", format=fmt, train=str(path), **fields)
+
+
+def write(path, content):
+    path.write_text(content, encoding="utf-8")
+    return path
+
+
+CSV_WITH_STRING_LABELS = "x1,x2,kind\n0.5,1,dog\n1.5,2,cat\n2.5,3,dog\n3.5,4,bird\n4.5,5,cat\n"
+
+
+def test_csv_with_string_labels_is_classification_with_sorted_class_ids(tmp_path):
+    path = write(tmp_path / "train.csv", CSV_WITH_STRING_LABELS)
+    data = load_data(files(path, "csv", label_field="kind", test=str(path)), seed=0)
+    assert data.task == "classification" and data.num_classes == 3
+    assert data.label_names == ["bird", "cat", "dog"]
+    assert data.train["labels"].tolist() == [2, 1, 2, 0, 1]
+    assert data.train["features"].dtype == torch.float32
+    assert data.train["features"][:, 0].tolist() == [0.5, 1.5, 2.5, 3.5, 4.5]
+    assert data.input_shape == (2,)
+
+
+def test_a_separate_test_file_keeps_every_training_row_and_shares_the_class_ids(tmp_path):
+    train = write(tmp_path / "train.csv", CSV_WITH_STRING_LABELS)
+    test = write(tmp_path / "test.csv", "x1,x2,kind\n9,9,emu\n8,8,cat\n")
+    data = load_data(files(train, "csv", label_field="kind", test=str(test)), seed=0)
+    assert data.num_train == 5 and data.num_test == 2
+    assert data.train_indices.tolist() == list(range(5)) and data.test_indices.tolist() == [0, 1]
+    # Classes come from both files, so test labels unseen in training still get an id.
+    assert data.label_names == ["bird", "cat", "dog", "emu"]
+    assert data.test["labels"].tolist() == [3, 1]
+
+
+def test_jsonl_with_float_labels_is_regression_on_the_chosen_feature_fields(tmp_path):
+    rows = [{"a": i, "b": 2 * i, "ignored": "x", "y": i / 10} for i in range(10)]
+    path = write(tmp_path / "train.jsonl", "\n".join(json.dumps(r) for r in rows) + "\n\n")
+    data = load_data(files(path, "jsonl", label_field="y", feature_fields=["b", "a"], test_fraction=0.3), seed=1)
+    assert data.task == "regression" and data.num_classes is None
+    assert data.train["labels"].dtype == torch.float32
+    features = torch.cat([data.train["features"], data.test["features"]])
+    labels = torch.cat([data.train["labels"], data.test["labels"]])
+    assert torch.allclose(features[:, 1] / 10, labels)  # column order follows feature_fields
+    assert torch.equal(features[:, 0], 2 * features[:, 1])
+
+
+def test_parquet_with_integer_labels_and_list_features_is_classification(tmp_path):
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"pixels": [[float(i), float(i + 1), 0.0] for i in range(6)],
+                             "label": [0, 1, 2, 0, 1, 2]}), path)
+    data = load_data(files(path, "parquet", label_field="label", test=str(path)), seed=0)
+    assert data.task == "classification" and data.num_classes == 3 and data.label_names is None
+    assert data.input_shape == (3,) and data.train["features"][2].tolist() == [2.0, 3.0, 0.0]
+
+
+def test_json_list_of_records_loads_like_jsonl(tmp_path):
+    rows = [{"f": i * 1.0, "label": i % 2} for i in range(8)]
+    path = write(tmp_path / "train.json", json.dumps(rows))
+    data = load_data(files(path, "json", label_field="label", test=str(path)), seed=0)
+    assert data.train["labels"].tolist() == [i % 2 for i in range(8)]
+    assert data.train["features"].squeeze(1).tolist() == [i * 1.0 for i in range(8)]
+
+
+def test_text_file_is_one_causal_lm_example_per_non_blank_line(tmp_path):
+    path = write(tmp_path / "train.txt", "first line\n\nsecond, with ü\n   \nthird\n")
+    data = load_data(files(path, "text", test=str(path), max_length=20), seed=0)
+    assert data.task == "causal-lm" and data.num_train == 3
+    assert [data.tokenizer.decode(row) for row in data.train["input_ids"]] == ["first line", "second, with ü", "third"]
+
+
+def test_csv_text_column_with_a_label_is_text_classification(tmp_path):
+    path = write(tmp_path / "train.csv", 'text,label\n"good, really",pos\nbad,neg\nfine,pos\n')
+    data = load_data(files(path, "csv", text_field="text", label_field="label", test=str(path), max_length=16),
+                     seed=0)
+    assert data.task == "classification" and data.label_names == ["neg", "pos"]
+    assert set(data.train) == {"input_ids", "attention_mask", "labels"}
+    assert data.train["labels"].tolist() == [1, 0, 1]
+    assert data.tokenizer.decode(data.train["input_ids"][0]) == "good, really"
+
+
+BLANK_LINE_FILES = {
+    "csv": "a,label\n1,0\n\n2,1\n   \n3,0\n4,1\n\n",
+    "jsonl": '{"a": 1, "label": 0}\n\n{"a": 2, "label": 1}\n{"a": 3, "label": 0}\n{"a": 4, "label": 1}\n',
+    "json": json.dumps({"a": [1, 2, 3, 4], "label": [0, 1, 0, 1]}),
+    "text": "one\n\ntwo\nthree\n  \nfour\n",
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(BLANK_LINE_FILES))
+@pytest.mark.parametrize("separate_test", [False, True])
+def test_loaded_training_set_has_the_size_accounting_counts_before_loading(tmp_path, fmt, separate_test):
+    path = write(tmp_path / f"train.{fmt}", BLANK_LINE_FILES[fmt])
+    label = None if fmt == "text" else "label"
+    config = files(path, fmt, label_field=label, test=str(path) if separate_test else None, test_fraction=0.25)
+    assert load_data(config, seed=0).num_train == training_set_size(config) == (4 if separate_test else 3)
+
+
+def test_a_table_without_label_field_is_an_error_listing_its_columns(tmp_path):
+    path = write(tmp_path / "train.csv", CSV_WITH_STRING_LABELS)
+    with pytest.raises(DpclipError) as info:
+        load_data(files(path, "csv"), seed=0)
+    assert "label_field" in info.value.message and "x1, x2, kind" in info.value.hint
+
+
+@pytest.mark.parametrize("fields", [{"label_field": "label"}, {"label_field": "kind", "feature_fields": ["x1", "x9"]}])
+def test_an_unknown_column_is_an_error_listing_the_columns(tmp_path, fields):
+    path = write(tmp_path / "train.csv", CSV_WITH_STRING_LABELS)
+    with pytest.raises(DpclipError) as info:
+        load_data(files(path, "csv", **fields), seed=0)
+    missing = fields.get("feature_fields", ["label"])[-1]
+    assert repr(missing) in info.value.message and "x1, x2, kind" in info.value.hint
+
+
+def test_a_test_file_without_a_training_column_is_an_error(tmp_path):
+    train = write(tmp_path / "train.csv", CSV_WITH_STRING_LABELS)
+    test = write(tmp_path / "test.csv", "x1,kind\n1,dog\n")
+    with pytest.raises(DpclipError) as info:
+        load_data(files(train, "csv", label_field="kind", test=str(test)), seed=0)
+    assert "'x2'" in info.value.message and "test" in info.value.message
+
+
+def test_a_missing_file_is_an_error_naming_it(tmp_path):
+    with pytest.raises(DpclipError) as info:
+        load_data(files(tmp_path / "absent.parquet", "parquet", label_field="y"), seed=0)
+    assert "not found" in info.value.message and "absent.parquet" in info.value.message
+
+
+def test_a_text_feature_column_is_refused_with_a_hint(tmp_path):
+    path = write(tmp_path / "train.csv", "name,size,label\nrex,1,0\nfido,2,1\nmax,3,0\n")
+    with pytest.raises(DpclipError) as info:
+        load_data(files(path, "csv", label_field="label"), seed=0)
+    assert "'name'" in info.value.message and "feature_fields" in info.value.hint
+
+
+@pytest.mark.parametrize("labels", [[1, "cat", 2], [0, None, 1], [[0], [1], [0]]])
+def test_labels_that_are_not_whole_numbers_or_strings_are_refused_for_classification(tmp_path, labels):
+    rows = [{"x": float(i), "label": label} for i, label in enumerate(labels)]
+    path = write(tmp_path / "train.jsonl", "\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(DpclipError) as info:
+        load_data(files(path, "jsonl", label_field="label"), seed=0)
+    assert "label" in info.value.message and info.value.hint
+
+
+def test_a_float_label_column_with_missing_values_is_refused(tmp_path):
+    path = write(tmp_path / "train.csv", "x,y\n1,0.5\n2,\n3,1.5\n")
+    with pytest.raises(DpclipError) as info:
+        load_data(files(path, "csv", label_field="y"), seed=0)
+    assert "missing" in info.value.message
+
+
+def test_a_malformed_file_is_an_error_not_a_traceback(tmp_path):
+    path = write(tmp_path / "train.jsonl", '{"x": 1, "label": 0}\n{"x": 2, "label"\n')
+    with pytest.raises(DpclipError) as info:
+        load_data(files(path, "jsonl", label_field="label"), seed=0)
+    assert "cannot read" in info.value.message
+
+
+def test_an_image_column_becomes_channels_first_images_scaled_to_the_unit_interval():
+    pixels = np.random.default_rng(0).integers(0, 256, size=(5, 6, 7, 3), dtype=np.uint8)
+    columns = {"image": pixels, "label": np.arange(5) % 2}
+    examples = examples_from_columns([columns], label_field="label", text_field=None, feature_fields=None,
+                                     tokenizer="byte", max_length=8, origin="test")
+    features = examples.parts[0]["features"]
+    assert examples.input_shape == (3, 6, 7)
+    assert torch.allclose(features, torch.as_tensor(pixels.transpose(0, 3, 1, 2) / 255.0, dtype=torch.float32))
+    grey = examples_from_columns([{"image": pixels[..., 0], "label": np.arange(5)}], label_field="label",
+                                 text_field=None, feature_fields=None, tokenizer="byte", max_length=8, origin="test")
+    assert grey.input_shape == (1, 6, 7)

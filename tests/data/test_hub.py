@@ -1,0 +1,75 @@
+import time
+
+import pytest
+
+from dpclip.data import load_data
+from dpclip.errors import DpclipError
+from dpclip.recipe.schema import HFData
+
+
+@pytest.fixture
+def hub_offline(monkeypatch):
+    """Offline mode as a user would set it; `datasets` and `huggingface_hub` read these
+    variables when first imported, so the already-imported constants are set too."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def test_an_unavailable_hub_data_set_is_a_quick_clear_error_not_a_traceback(hub_offline):
+    config = HFData(source="hf", name="dpclip-made-up/no-such-data-set", text_field="text")
+    started = time.perf_counter()
+    with pytest.raises(DpclipError) as info:
+        load_data(config, seed=0)
+    assert time.perf_counter() - started < 10
+    assert "dpclip-made-up/no-such-data-set" in info.value.message
+    assert "needs network or a local cache" in info.value.hint
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """`datasets.load_dataset` answering from memory: a labelled text set with two splits."""
+    import datasets
+
+    splits = {
+        "train": datasets.Dataset.from_dict(
+            {"sentence": ["good food", "bad service", "nice view", "cold soup"], "label": [1, 0, 1, 0]},
+            features=datasets.Features({"sentence": datasets.Value("string"),
+                                        "label": datasets.ClassLabel(names=["neg", "pos"])})),
+        "validation": datasets.Dataset.from_dict(
+            {"sentence": ["warm bread", "rude staff"], "label": [1, 0]},
+            features=datasets.Features({"sentence": datasets.Value("string"),
+                                        "label": datasets.ClassLabel(names=["neg", "pos"])})),
+    }
+    calls = []
+
+    def load_dataset(name, config=None, split=None):
+        calls.append((name, config, split))
+        return splits[split]
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return calls
+
+
+def test_a_hub_text_data_set_with_a_test_split_becomes_text_classification(fake_hub):
+    config = HFData(source="hf", name="someone/reviews", config="en", test_split="validation",
+                    text_field="sentence", label_field="label", max_length=16)
+    data = load_data(config, seed=0)
+    assert fake_hub == [("someone/reviews", "en", "train"), ("someone/reviews", "en", "validation")]
+    assert data.task == "classification" and data.num_classes == 2
+    assert data.num_train == 4 and data.num_test == 2 and data.test_indices.tolist() == [0, 1]
+    assert data.train["labels"].tolist() == [1, 0, 1, 0]
+    assert data.tokenizer.decode(data.test["input_ids"][1]) == "rude staff"
+    assert data.describe()["source"] == "hf:someone/reviews/en:train (test validation)"
+
+
+def test_a_hub_data_set_without_a_test_split_is_cut_with_the_recipe_seed(fake_hub):
+    config = HFData(source="hf", name="someone/reviews", text_field="sentence", test_fraction=0.25)
+    data = load_data(config, seed=0)
+    assert data.task == "causal-lm" and (data.num_train, data.num_test) == (3, 1)
+    assert sorted(data.train_indices.tolist() + data.test_indices.tolist()) == [0, 1, 2, 3]

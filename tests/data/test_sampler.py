@@ -1,0 +1,113 @@
+import io
+import math
+
+import pytest
+import torch
+
+from dpclip.data import PoissonSampler, ShuffleSampler, micro_batches
+from dpclip.errors import DpclipError
+
+
+def test_poisson_batch_sizes_have_binomial_mean_and_variance():
+    num_examples, rate, steps = 1000, 0.05, 2000
+    sizes = torch.tensor([len(b) for b in PoissonSampler(num_examples, rate, steps, seed=0)], dtype=torch.float64)
+    mean, variance = num_examples * rate, num_examples * rate * (1 - rate)
+    # Tolerances: 5 standard errors of the sample mean and of the sample variance
+    # (for a near-normal count, Var(s^2) ~ 2 sigma^4 / (n - 1)).
+    assert abs(sizes.mean().item() - mean) < 5 * math.sqrt(variance / steps)
+    assert abs(sizes.var().item() - variance) < 5 * variance * math.sqrt(2 / (steps - 1))
+
+
+def test_poisson_includes_each_example_with_probability_q_independently_of_its_index():
+    num_examples, rate, steps = 200, 0.1, 3000
+    counts = torch.zeros(num_examples)
+    for batch in PoissonSampler(num_examples, rate, steps, seed=1):
+        counts[batch] += 1
+    frequencies = counts / steps
+    standard_error = math.sqrt(rate * (1 - rate) / steps)
+    # Max over 200 examples: 5 standard errors leaves a ~1e-4 chance of a false alarm.
+    assert (frequencies - rate).abs().max() < 5 * standard_error
+    # No drift with the index (the first and second halves are sampled alike).
+    first, second = frequencies[:100].mean(), frequencies[100:].mean()
+    assert abs(first - second) < 5 * standard_error * math.sqrt(2 / 100)
+
+
+def test_poisson_batches_are_sorted_unique_int64_indices_in_range():
+    for batch in PoissonSampler(50, 0.3, 20, seed=2):
+        assert batch.dtype == torch.int64 and batch.dim() == 1
+        assert torch.equal(batch, torch.unique(batch)) and (batch >= 0).all() and (batch < 50).all()
+
+
+def test_poisson_yields_empty_batches_as_steps_when_the_rate_is_tiny():
+    sampler = PoissonSampler(10, 0.001, 50, seed=3)
+    batches = list(sampler)
+    assert len(batches) == len(sampler) == 50
+    empty = [b for b in batches if len(b) == 0]
+    assert len(empty) > 40  # P(empty) = 0.999^10 ~ 0.99 per step
+    assert all(b.dtype == torch.int64 and b.shape == (0,) for b in empty)
+
+
+def test_poisson_same_seed_same_batches_other_seed_other_batches():
+    def draw(seed):
+        return [b.tolist() for b in PoissonSampler(100, 0.2, 10, seed=seed)]
+
+    assert draw(5) == draw(5) != draw(6)
+
+
+def roundtrip(state):
+    """Through torch.save / torch.load(weights_only=True), as a checkpoint would."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("make", [lambda seed: PoissonSampler(100, 0.1, 12, seed),
+                                  lambda seed: ShuffleSampler(10, 3, 12, seed)], ids=["poisson", "shuffle"])
+def test_a_sampler_resumed_from_its_state_dict_draws_the_remaining_batches_exactly(make):
+    uninterrupted = [b.tolist() for b in make(7)]
+    interrupted = make(7)
+    first_part = []
+    for batch in interrupted:
+        first_part.append(batch.tolist())
+        if len(first_part) == 5:
+            break
+    state = roundtrip(interrupted.state_dict())
+    resumed = make(99)  # a different seed: the state alone must decide the draws
+    resumed.load_state_dict(state)
+    remaining = [b.tolist() for b in resumed]
+    assert first_part + remaining == uninterrupted
+    assert len(remaining) == 7
+
+
+def test_shuffle_sampler_gives_fixed_size_batches_that_cover_each_example_once_per_epoch():
+    num_examples, batch_size, steps = 10, 3, 20
+    batches = list(ShuffleSampler(num_examples, batch_size, steps, seed=0))
+    assert all(len(b) == batch_size for b in batches)
+    stream = torch.cat(batches)
+    for epoch in range(len(stream) // num_examples):
+        block = stream[epoch * num_examples:(epoch + 1) * num_examples]
+        assert sorted(block.tolist()) == list(range(num_examples))
+    epochs = [stream[i:i + num_examples].tolist() for i in (0, num_examples)]
+    assert epochs[0] != epochs[1], "each epoch is reshuffled"
+
+
+def test_samplers_refuse_impossible_settings():
+    with pytest.raises(DpclipError):
+        PoissonSampler(100, 0.0, 10, seed=0)
+    with pytest.raises(DpclipError):
+        PoissonSampler(100, 1.5, 10, seed=0)
+    with pytest.raises(DpclipError):
+        ShuffleSampler(5, 6, 10, seed=0)
+
+
+def test_micro_batches_split_a_logical_batch_into_ordered_chunks_of_at_most_the_size():
+    indices = torch.arange(10) * 3
+    chunks = list(micro_batches(indices, 4))
+    assert [len(c) for c in chunks] == [4, 4, 2]
+    assert torch.equal(torch.cat(chunks), indices)
+    assert [len(c) for c in micro_batches(indices, 64)] == [10]
+
+
+def test_micro_batches_of_an_empty_logical_batch_are_none_at_all():
+    assert list(micro_batches(torch.empty(0, dtype=torch.int64), 4)) == []
