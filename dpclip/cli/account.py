@@ -28,7 +28,7 @@ class SamplingChoice(str, Enum):
 
 
 def account(
-    target: Path = typer.Argument(None, help="A recipe YAML file: account its plan (flags then come from it)."),
+    target: Path = typer.Argument(None, help="A recipe YAML file (its plan) or a run directory (what it spent)."),
     overrides: list[str] = typer.Argument(None, help="key=value recipe overrides, e.g. privacy.epsilon=4"),
     eps: float = typer.Option(None, "--eps", "--epsilon", help="Target ε: calibrate σ to it."),
     delta: float = typer.Option(None, "--delta", help="δ of the (ε, δ) guarantee; must be below 1/N."),
@@ -57,10 +57,23 @@ def account(
       dpclip account --eps 8 --delta 1e-5 -q 0.004 --steps 2000 --aux quantile --aux-fraction 0.01 -K 4
 
       dpclip account recipes/quickstart.yaml privacy.epsilon=4
+
+      dpclip account runs/quickstart-20261121-101500
     """
     from dpclip.train import plan as planning
 
     accountant_name = accountant.value
+    if target is not None and target.is_dir():
+        from dpclip.train.workflow import spent
+
+        ledger, statement = spent(target)
+        if as_json:
+            print_json({"source": str(target), "ledger": ledger.to_dict(), "statement": statement.to_dict()})
+        else:
+            console.print(f"[bold]run {target}[/]: {ledger.steps} steps recorded")
+            for line in statement.lines():
+                console.print(f"  {line}", soft_wrap=True)
+        return
     if target is not None:
         flags = {"--eps": eps, "--delta": delta, "--sigma": sigma, "--sample-rate": sample_rate, "--steps": steps,
                  "--batch-size": batch_size, "--epochs": epochs, "--aux": aux, "--aux-sigma": aux_sigma,

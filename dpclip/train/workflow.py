@@ -153,6 +153,19 @@ def load_run_recipe(run_dir: Path) -> Recipe:
     return validate_recipe(read_yaml(path), source=str(path))
 
 
+def spent(run_dir: Path):
+    """(ledger, statement) of what a run has spent so far, from its ledger.json."""
+    from dpclip.accounting import Ledger, statement_from_ledger
+
+    run_dir = Path(run_dir)
+    recipe = load_run_recipe(run_dir)
+    path = run_dir / "ledger.json"
+    if not path.exists():
+        raise DpclipError(f"{run_dir} has no ledger.json", "the run never reached its first step")
+    ledger = Ledger.from_dict(read_json(path))
+    return ledger, statement_from_ledger(ledger, sampling=recipe.training.sampling)
+
+
 def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: bool = False,
           observer: TrainObserver | None = None) -> TrainResult:
     """Train ``recipe`` privately (or resume the run in ``resume``); see the module doc."""

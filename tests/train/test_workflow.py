@@ -1,0 +1,174 @@
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from dpclip.accounting import Ledger
+from dpclip.errors import DpclipError
+from dpclip.train.plan import plan_for_recipe, solve_plan
+from dpclip.train.workflow import lr_factor, spent, train
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    latest = (run_dir / "checkpoints" / "LATEST").read_text().strip()
+    return load_file(str(run_dir / "checkpoints" / latest / "model.safetensors"))
+
+
+def test_run_directory_is_complete_and_its_ledger_is_the_plan(small_recipe):
+    recipe = small_recipe()
+    result = train(recipe)
+    run = result.run_dir
+    for name in ("recipe.yaml", "meta.json", "ledger.json", "metrics.jsonl", "summary.json", "checkpoints/LATEST"):
+        assert (run / name).exists(), name
+    assert (run / "checkpoints" / "step_000012" / "model.safetensors").exists()
+    assert result.stopped == "completed" and result.steps_done == 12
+    meta = json.loads((run / "meta.json").read_text())
+    assert len(meta["members"]) == meta["data"]["num_train"] and meta["data"]["split_fingerprint"]
+    assert not set(meta["members"]) & set(meta["non_members"])
+    # the ledger holds 12 copies of the plan's step event, and its ε is the plan's
+    ledger, statement = spent(run)
+    planned = solve_plan(plan_for_recipe(recipe))
+    assert ledger.steps == 12
+    assert all(entry.event == planned.step_event for entry in ledger.entries)
+    assert ledger.epsilon() == pytest.approx(planned.epsilon, rel=1e-6)
+    assert result.epsilon <= recipe.privacy.epsilon
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "eval" not in r]
+    assert steps == list(range(1, 13))
+    evals = [r for r in records if "eval" in r]
+    assert [r["step"] for r in evals] == [6, 12] and "accuracy" in evals[-1]["eval"]
+
+
+def test_resolved_recipe_in_the_run_reloads_to_the_same_recipe(small_recipe):
+    from dpclip.recipe import load_recipe
+
+    recipe = small_recipe("training.optimizer.lr=0.3")
+    run = train(recipe).run_dir
+    assert load_recipe(run / "recipe.yaml") == recipe
+
+
+def test_resume_from_a_checkpoint_matches_an_uninterrupted_run(small_recipe, tmp_path):
+    recipe = small_recipe()
+    full = train(recipe).run_dir
+    # a second run, cut after its step-8 checkpoint: drop the later checkpoint and metrics
+    cut = train(recipe).run_dir
+    import shutil
+
+    shutil.rmtree(cut / "checkpoints" / "step_000012")
+    (cut / "checkpoints" / "LATEST").write_text("step_000008\n")
+    state_ledger = json.loads((cut / "checkpoints" / "step_000008" / "state.json").read_text())["ledger"]
+    (cut / "ledger.json").write_text(json.dumps(state_ledger))
+    resumed = train(resume=cut)
+    assert resumed.steps_done == 12
+    assert Ledger.from_dict(json.loads((cut / "ledger.json").read_text())) == \
+        Ledger.from_dict(json.loads((full / "ledger.json").read_text()))
+    a, b = weights(full), weights(cut)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    lines = (cut / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(l)["step"] for l in lines if "eval" not in l] == list(range(1, 13))
+
+
+@pytest.mark.slow
+def test_kill_minus_nine_then_resume_gives_the_uninterrupted_ledger_and_weights(small_recipe, tmp_path):
+    recipe = small_recipe("training.steps=60", "checkpoint.every_steps=5", "eval.every_steps=null")
+    full = train(recipe).run_dir
+    recipe_file = tmp_path / "recipe.yaml"
+    from dpclip.recipe import recipe_to_yaml
+
+    recipe_file.write_text(recipe_to_yaml(recipe).replace(str(tmp_path / "runs"), str(tmp_path / "killed")))
+    process = subprocess.Popen([sys.executable, "-m", "dpclip", "train", str(recipe_file), "--json"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    run_dir = None
+    while time.time() < deadline:
+        found = list((tmp_path / "killed").glob("*/checkpoints/step_000010"))
+        if found:
+            run_dir = found[0].parents[1]
+            break
+        time.sleep(0.05)
+    assert run_dir is not None, "the run never reached step 10"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (run_dir / "summary.json").exists(), "killed too late to test anything"
+    done = subprocess.run([sys.executable, "-m", "dpclip", "train", "--resume", str(run_dir), "--json"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["steps_done"] == 60
+    assert Ledger.from_dict(json.loads((run_dir / "ledger.json").read_text())) == \
+        Ledger.from_dict(json.loads((full / "ledger.json").read_text()))
+    a, b = weights(full), weights(run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_a_recipe_whose_privacy_fields_changed(small_recipe):
+    run = train(small_recipe()).run_dir
+    with pytest.raises(DpclipError) as info:
+        train(small_recipe("privacy.epsilon=4"), resume=run)
+    assert "privacy.epsilon" not in info.value.message or "privacy" in info.value.message
+    text = (run / "recipe.yaml").read_text()
+    (run / "recipe.yaml").write_text(text.replace("delta: 1.0e-05", "delta: 1.0e-06"))
+    with pytest.raises(DpclipError) as edited:
+        train(resume=run)
+    assert "edited" in edited.value.message
+
+
+def test_budget_cap_stops_before_a_step_that_would_exceed_epsilon(small_recipe):
+    recipe = small_recipe("privacy.noise_multiplier=0.8", "privacy.epsilon=2.0", "training.steps=2000",
+                          "checkpoint.every_steps=null", "eval.every_steps=null")
+    result = train(recipe)
+    assert result.stopped == "budget"
+    assert result.epsilon <= 2.0
+    ledger, _ = spent(result.run_dir)
+    one_more = ledger.epsilon_if(ledger.entries[-1].event)
+    assert one_more > 2.0, "the run stopped although one more step fitted"
+
+
+def test_dry_run_builds_everything_and_writes_nothing(small_recipe, tmp_path):
+    result = train(small_recipe(), dry_run=True)
+    assert result.stopped == "dry-run" and result.steps_done == 0
+    assert not (tmp_path / "runs").exists()
+
+
+def test_quantile_thresholds_move_and_their_counts_are_charged(small_recipe):
+    recipe = small_recipe("clipping.threshold={kind: quantile, target: 0.5, budget_fraction: 0.1, initial: 1.0}",
+                          "checkpoint.every_steps=null", "eval.every_steps=null")
+    result = train(recipe)
+    records = [json.loads(l) for l in (result.run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' not in l]
+    assert records[0]["thresholds"] != records[-1]["thresholds"]
+    ledger, statement = spent(result.run_dir)
+    meta = ledger.entries[0].metadata
+    assert meta["aux_fraction"] == pytest.approx(0.1)
+    assert meta["sigma_gradient"] == pytest.approx(meta["sigma_total"] / math.sqrt(0.9))
+    assert any("quantile" in release for release in statement.releases)
+
+
+@pytest.mark.parametrize("kind, step, total, expected", [
+    ("constant", 5, 10, 1.0), ("linear", 0, 10, 1.0), ("linear", 10, 10, 0.0), ("cosine", 5, 10, 0.5)])
+def test_schedules(kind, step, total, expected):
+    from dpclip.recipe.schema import Schedule
+
+    assert lr_factor(Schedule(kind=kind), step, total) == pytest.approx(expected)
+    assert lr_factor(Schedule(kind=kind, warmup_steps=4), 1, total) == pytest.approx(0.5)
+
+
+def test_batchnorm_model_is_refused_with_a_hint(small_recipe, tmp_path, monkeypatch):
+    (tmp_path / "bnmodel.py").write_text(
+        "import torch.nn as nn\n"
+        "def make(input_shape, num_classes):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.BatchNorm1d(16), nn.Linear(16, num_classes))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(DpclipError) as info:
+        train(small_recipe("model={kind: custom, target: 'bnmodel:make'}"))
+    assert "BatchNorm" in info.value.message and "GroupNorm" in info.value.hint
