@@ -28,3 +28,9 @@ class AccountingError(DpclipError):
 
 class EngineError(DpclipError):
     """A model or configuration the private engine cannot handle exactly."""
+
+
+class InterruptedRun(DpclipError):
+    """Training stopped by Ctrl-C after saving a checkpoint."""
+
+    exit_code = 130

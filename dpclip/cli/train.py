@@ -130,5 +130,7 @@ def train(
         for line in result.statement:
             console.print(f"  {line}", soft_wrap=True)
     if result.stopped == "interrupted":
-        raise DpclipError(f"interrupted at step {result.steps_done}; a checkpoint was saved",
+        from dpclip.errors import InterruptedRun
+
+        raise InterruptedRun(f"interrupted at step {result.steps_done}; a checkpoint was saved",
                           f"continue with: dpclip train --resume {result.run_dir}")

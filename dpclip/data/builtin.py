@@ -1,6 +1,8 @@
 """Data sets shipped with dpclip: nothing is ever downloaded.
 
 - ``digits``: scikit-learn's bundled 1,797 handwritten digits (8x8 grey levels 0..16).
+- ``synthetic-cuisine``: the same kind of sentences, each mentioning a cuisine, labelled
+  with that cuisine (7 classes): a text-classification task for encoder recipes.
 - ``synthetic-text``: short restaurant descriptions generated from slot values, in the
   spirit of the E2E NLG challenge data (name, food, area, price range, rating,
   family-friendly, near). Structured enough that a tiny language model visibly learns
@@ -79,3 +81,24 @@ def synthetic_restaurant_sentences(num_examples: int, seed: int) -> list[str]:
         }
         sentences.append(rng.choice(TEMPLATES).format(**slots))
     return sentences
+
+
+# Templates that name the cuisine, for the labelled variant.
+CUISINE_TEMPLATES = [t for t in TEMPLATES if "{food}" in t or "{a_food}" in t]
+
+
+def synthetic_cuisine_sentences(num_examples: int, seed: int) -> tuple[list[str], np.ndarray]:
+    """(sentences, cuisine ids into FOODS): every sentence names its restaurant's cuisine."""
+    rng = random.Random(seed)
+    sentences, labels = [], []
+    for _ in range(num_examples):
+        label = rng.randrange(len(FOODS))
+        food = FOODS[label]
+        slots = {
+            "name": rng.choice(RESTAURANT_NAMES), "food": food, "a_food": _with_article(food),
+            "area": rng.choice(AREAS), "price": rng.choice(PRICE_RANGES), "rating": rng.choice(RATINGS),
+            "a_family": _with_article(rng.choice(FAMILY)), "near": rng.choice(LANDMARKS),
+        }
+        sentences.append(rng.choice(CUISINE_TEMPLATES).format(**slots))
+        labels.append(label)
+    return sentences, np.asarray(labels, dtype=np.int64)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dpclip.data.builtin import load_digits_arrays, synthetic_restaurant_sentences
+from dpclip.data.builtin import FOODS, load_digits_arrays, synthetic_cuisine_sentences, synthetic_restaurant_sentences
 from dpclip.data.files import Columns, read_table, read_text_lines
 from dpclip.data.split import split_fingerprint, split_indices
 from dpclip.data.tokenizers import Tokenizer, load_tokenizer
@@ -302,7 +302,14 @@ def _builtin_examples(config, seed: int) -> Examples:
         texts = synthetic_restaurant_sentences(config.num_examples, seed)
         part = text_tensors(texts, text_tokenizer, config.max_length)
         return Examples([part], "causal-lm", (config.max_length,), tokenizer=text_tokenizer)
-    raise DpclipError(f"unknown builtin data set {config.name!r}", "use digits or synthetic-text")
+    if config.name == "synthetic-cuisine":
+        text_tokenizer = load_tokenizer(config.tokenizer)
+        texts, labels = synthetic_cuisine_sentences(config.num_examples, seed)
+        part = text_tensors(texts, text_tokenizer, config.max_length, labels=torch.as_tensor(labels))
+        return Examples([part], "classification", (config.max_length,), num_classes=len(FOODS),
+                        label_names=list(FOODS), tokenizer=text_tokenizer)
+    raise DpclipError(f"unknown builtin data set {config.name!r}",
+                      "use digits, synthetic-text or synthetic-cuisine")
 
 
 def _files_examples(config) -> Examples:

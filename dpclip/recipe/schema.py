@@ -33,12 +33,13 @@ class BuiltinData(Section):
     """Data shipped with dpclip: no download, ever."""
 
     source: Literal["builtin"]
-    name: Literal["digits", "synthetic-text"] = Field(
+    name: Literal["digits", "synthetic-text", "synthetic-cuisine"] = Field(
         description="digits: scikit-learn's 1,797 8x8 handwritten digits; "
-        "synthetic-text: seeded short structured sentences for causal-LM recipes")
+        "synthetic-text: seeded short structured sentences for causal-LM recipes; "
+        "synthetic-cuisine: such sentences labelled with their cuisine (7 classes)")
     test_fraction: UnitOpen = Field(0.2, description="held-out share, split with the recipe's seed")
     as_images: bool = Field(False, description="digits as 1x8x8 images (for cnn) instead of 64-vectors")
-    num_examples: PositiveInt = Field(2000, description="synthetic-text only: sentences to generate")
+    num_examples: PositiveInt = Field(2000, description="synthetic-text/-cuisine: sentences to generate")
     tokenizer: str = Field("byte", description="'byte' (builtin, no download) or a local HF tokenizer path")
     max_length: PositiveInt = Field(64, description="text only: tokens per example after truncation/padding")
 

@@ -273,43 +273,45 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
     stopped, step, final_eval = "completed", start_step, {}
     epsilon_every = max(1, plan.steps // 50)  # ε with the ledger's accountant costs ~0.1 s: not every step
     model.train()
-    try:
-        batches = iter(sampler)
-        while step < plan.steps:
-            # The cap is checked before the batch is touched, with the plan's event, which
-            # is asserted below to be the event the engine actually releases.
-            if epsilon_cap is not None and not ledger.allows(solved.step_event, epsilon_cap):
-                stopped = "budget"
-                break
-            indices = next(batches)
-            factor = lr_factor(training.schedule, step, plan.steps)
-            for group, base in zip(optimizer.param_groups, base_lrs):
-                group["lr"] = base * factor
-            loss_sum, started = 0.0, time.perf_counter()
-            for chunk in micro_batches(indices, micro_batch_size):
-                losses = loss_fn(model, select(data.train, chunk))
-                loss_sum += float(losses.detach().sum())
-                engine.backward(losses)
-            report = engine.privatize()
-            _check_same_release(report.dp_event, solved.step_event)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            ledger.record(solved.step_event, metadata=step_metadata)
-            step += 1
-            live = step == plan.steps or step % epsilon_every == 0
-            record = _step_record(step, report, ledger.epsilon() if live else None, loss_sum, len(indices),
-                                  training.batch_size, optimizer.param_groups[0]["lr"],
-                                  time.perf_counter() - started, recipe.clipping.fn)
-            _append_metrics(run_dir / "metrics.jsonl", record)
-            observer.on_step(record)
-            if recipe.eval.every_steps and step % recipe.eval.every_steps == 0 and step < plan.steps:
-                run_eval(step)
-            if recipe.checkpoint.every_steps and step % recipe.checkpoint.every_steps == 0:
-                save(step)
-    except KeyboardInterrupt:
-        stopped = "interrupted"
-    finally:
-        engine.detach()
+    with _deferred_interrupt() as interrupt:
+        try:
+            batches = iter(sampler)
+            while step < plan.steps:
+                if interrupt.requested:  # Ctrl-C is honoured between steps only, never inside one
+                    stopped = "interrupted"
+                    break
+                # The cap is checked before the batch is touched, with the plan's event, which
+                # is asserted below to be the event the engine actually releases.
+                if epsilon_cap is not None and not ledger.allows(solved.step_event, epsilon_cap):
+                    stopped = "budget"
+                    break
+                indices = next(batches)
+                factor = lr_factor(training.schedule, step, plan.steps)
+                for group, base in zip(optimizer.param_groups, base_lrs):
+                    group["lr"] = base * factor
+                loss_sum, started = 0.0, time.perf_counter()
+                for chunk in micro_batches(indices, micro_batch_size):
+                    losses = loss_fn(model, select(data.train, chunk))
+                    loss_sum += float(losses.detach().sum())
+                    engine.backward(losses)
+                report = engine.privatize()
+                _check_same_release(report.dp_event, solved.step_event)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                ledger.record(solved.step_event, metadata=step_metadata)
+                step += 1
+                live = step == plan.steps or step % epsilon_every == 0
+                record = _step_record(step, report, ledger.epsilon() if live else None, loss_sum, len(indices),
+                                      training.batch_size, optimizer.param_groups[0]["lr"],
+                                      time.perf_counter() - started, recipe.clipping.fn)
+                _append_metrics(run_dir / "metrics.jsonl", record)
+                observer.on_step(record)
+                if recipe.eval.every_steps and step % recipe.eval.every_steps == 0 and step < plan.steps:
+                    run_eval(step)
+                if recipe.checkpoint.every_steps and step % recipe.checkpoint.every_steps == 0:
+                    save(step)
+        finally:
+            engine.detach()
     if stopped != "interrupted":
         final_eval = run_eval(step)
     save(step)
@@ -322,6 +324,35 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
     write_json_atomic(run_dir / "summary.json", result.to_dict())
     observer.on_end(result)
     return result
+
+
+class _deferred_interrupt:
+    """Turn Ctrl-C into a flag the loop reads between steps, so a step is never half done
+    (a gradient applied but not yet in the ledger). A second Ctrl-C interrupts at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
 
 
 def _rate_and_sigma(event) -> tuple[float, float]:

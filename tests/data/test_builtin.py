@@ -96,3 +96,15 @@ def test_describe_is_a_short_json_summary():
     assert summary["num_train"] == data.num_train and summary["num_test"] == data.num_test
     assert summary["task"] == "causal-lm" and summary["tokenizer"] == "byte"
     assert summary["split_fingerprint"] == data.fingerprint and summary["source"] == "builtin:synthetic-text"
+
+
+def test_synthetic_cuisine_sentences_name_their_label():
+    from dpclip.data.builtin import FOODS, synthetic_cuisine_sentences
+
+    texts, labels = synthetic_cuisine_sentences(200, seed=4)
+    assert len(set(labels.tolist())) == len(FOODS)
+    assert all(FOODS[label] in text for text, label in zip(texts, labels))
+    data = load_data(BuiltinData(source="builtin", name="synthetic-cuisine", num_examples=50, max_length=48), seed=0)
+    assert data.task == "classification" and data.num_classes == len(FOODS)
+    assert data.num_train == training_set_size(BuiltinData(source="builtin", name="synthetic-cuisine",
+                                                           num_examples=50, max_length=48))

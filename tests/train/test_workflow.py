@@ -172,3 +172,29 @@ def test_batchnorm_model_is_refused_with_a_hint(small_recipe, tmp_path, monkeypa
     with pytest.raises(DpclipError) as info:
         train(small_recipe("model={kind: custom, target: 'bnmodel:make'}"))
     assert "BatchNorm" in info.value.message and "GroupNorm" in info.value.hint
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(small_recipe, tmp_path):
+    from dpclip.recipe import recipe_to_yaml
+
+    recipe = small_recipe("training.steps=100000", "checkpoint.every_steps=null", "eval.every_steps=null",
+                          "privacy.epsilon=null", "privacy.noise_multiplier=5.0")
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(recipe_to_yaml(recipe))
+    process = subprocess.Popen([sys.executable, "-m", "dpclip", "train", str(recipe_file)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        metrics = list((tmp_path / "runs").glob("*/metrics.jsonl"))
+        if metrics and metrics[0].stat().st_size > 0:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "error: interrupted at step" in err and "--resume" in err and "Traceback" not in err
+    run_dir = metrics[0].parent
+    latest = (run_dir / "checkpoints" / "LATEST").read_text().strip()
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert latest == f"step_{ledger['steps']:06d}" and ledger["steps"] >= 1
