@@ -1,0 +1,43 @@
+"""Clip functions: per-sample factors c_i from a group's per-sample gradient norms.
+
+The clipped per-sample gradient of group k is c_{i,k}·g_{i,k}. Both functions keep
+||c·g|| ≤ C_k (abadi) or < C_k (auto), so the clipped sum over K groups has L2
+sensitivity sqrt(Σ_k C_k²) (REFERENCE §A).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from dpclip.errors import EngineError
+
+ClipFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def abadi(norms: Tensor, thresholds: Tensor) -> Tensor:
+    """c = min(1, C/||g||), and 1 when ||g|| = 0 (Abadi et al. 2016; DESIGN §3.2)."""
+    # C / max(||g||, tiny) is huge for a zero norm, so the min gives 1 without a branch.
+    tiny = torch.finfo(norms.dtype).tiny
+    return (thresholds / norms.clamp_min(tiny)).clamp(max=1.0)
+
+
+def auto(norms: Tensor, thresholds: Tensor, gamma: float = 0.01) -> Tensor:
+    """c = C/(||g|| + γ) (AUTO-S, Bu et al.; groupwise-clipping paper eq. (4))."""
+    return thresholds / (norms + gamma)
+
+
+CLIP_FUNCTIONS = ("abadi", "auto")
+
+
+def make_clip_fn(name: str, gamma: float = 0.01) -> ClipFn:
+    """The clip function ``name`` (``abadi`` or ``auto`` with stability constant γ)."""
+    if name == "abadi":
+        return abadi
+    if name == "auto":
+        if not gamma > 0:
+            raise EngineError(f"auto clipping needs gamma > 0, got {gamma}", "use gamma: 0.01")
+        return lambda norms, thresholds: auto(norms, thresholds, gamma)
+    raise EngineError(f"unknown clip function {name!r}", "use one of: " + ", ".join(CLIP_FUNCTIONS))

@@ -1,0 +1,440 @@
+"""DPEngine: the private step (DESIGN §3).
+
+A DPEngine is a composition: book-keeping (per-layer norm rules) + grouping + clip
+function + threshold policy + noise allocation. It never owns the optimizer.
+
+    engine = DPEngine(model, clipping={...}, noise_multiplier=1.0, expected_batch_size=256)
+    for micro in logical_batch:
+        engine.backward(per_sample_losses)      # one backward; clipped sums accumulate
+    report = engine.privatize()                  # p.grad = (Σ clipped + noise) / B
+    optimizer.step()
+
+One micro-batch, in backward order: each layer's uses arrive from the book-keeping;
+when all uses of a parameter have arrived its per-sample norm² is added to its group;
+when all parameters of a group are done, the group is *finalized*: clip factors, clipped
+sums, and its stash is freed (groupwise-clipping paper Alg. 1 and §6: finer groups
+release memory earlier).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import dp_accounting
+import torch
+from torch import Tensor, nn
+
+from dpclip.engine.bookkeeping import Bookkeeper
+from dpclip.engine.clip import make_clip_fn
+from dpclip.engine.groups import Groups, build_groups, trainable_params
+from dpclip.engine.noise import (NoiseSource, allocation_weights, effective_noise_multiplier,
+                                 noise_stds)
+from dpclip.engine.norms import NORM_METHODS, Use, clipped_sum, param_norm_sq, sqrt_or_zero
+from dpclip.engine.thresholds import AuxRelease, PolicyContext, build_policy
+from dpclip.errors import EngineError
+
+DEFAULT_CLIPPING = {
+    "grouping": "all-layer",
+    "fn": "abadi",
+    "gamma": 0.01,
+    "noise_allocation": "global",
+    "threshold": {"kind": "fixed", "value": 1.0},
+    "strict": False,
+    "norm_method": "auto",
+}
+
+QUANTILES = {"min": 0.0, "median": 0.5, "p90": 0.9, "max": 1.0}
+
+
+@dataclass
+class StepReport:
+    """What one ``privatize()`` did. Tensors have one entry per group.
+
+    ``norm_quantiles`` and ``clip_fraction`` are computed from the private batch WITHOUT
+    noise: they are diagnostics for the caller's own logs, not releasable statistics.
+    ``noise_std_sum`` is the std of the Gaussian added to group k's *summed* clipped
+    gradient; ``noise_std_grad`` = noise_std_sum / expected_batch_size is its std in
+    ``p.grad``. ``samples_seen`` is for logs only: the engine never normalises by it.
+    """
+
+    group_names: list[str]
+    thresholds: Tensor
+    norm_quantiles: dict[str, Tensor]
+    clip_fraction: Tensor | None
+    noise_std_sum: Tensor
+    noise_std_grad: Tensor
+    sigma_gradient: float
+    sigma_eff: float
+    aux_releases: list[AuxRelease]
+    dp_event: dp_accounting.DpEvent
+    samples_seen: int
+    expected_batch_size: int
+
+    def to_dict(self) -> dict:
+        """Plain Python values (for JSON logs)."""
+        def lst(t):
+            return None if t is None else t.detach().cpu().tolist()
+        return {
+            "group_names": list(self.group_names),
+            "thresholds": lst(self.thresholds),
+            "norm_quantiles": {k: lst(v) for k, v in self.norm_quantiles.items()},
+            "clip_fraction": lst(self.clip_fraction),
+            "noise_std_sum": lst(self.noise_std_sum),
+            "noise_std_grad": lst(self.noise_std_grad),
+            "sigma_gradient": self.sigma_gradient,
+            "sigma_eff": self.sigma_eff,
+            "aux_releases": [tuple(a) for a in self.aux_releases],
+            "samples_seen": self.samples_seen,
+            "expected_batch_size": self.expected_batch_size,
+        }
+
+
+class DPEngine:
+    """Differentially private gradients for ``model`` (see module doc and docs/engine.md).
+
+    Args:
+        model: any ``nn.Module``; build the engine after freezing what should stay frozen.
+        clipping: the recipe's ``clipping:`` block as a dict; missing keys take
+            :data:`DEFAULT_CLIPPING`.
+        noise_multiplier: σ_g, the gradient's noise multiplier (std / sensitivity).
+        expected_batch_size: B; ``p.grad`` is divided by it, never by the realised size.
+        seed: seeds the noise generator (ignored when ``secure``).
+        sample_rate: Poisson rate q; the report's DpEvent is then Poisson-subsampled.
+        secure: seed the noise from OS entropy instead of ``seed``.
+    """
+
+    def __init__(self, model: nn.Module, clipping: dict | None = None, *,
+                 noise_multiplier: float = 1.0, expected_batch_size: int, seed: int = 0,
+                 sample_rate: float | None = None, secure: bool = False):
+        cfg = dict(DEFAULT_CLIPPING)
+        unknown = set(clipping or {}) - set(DEFAULT_CLIPPING)
+        if unknown:
+            raise EngineError(f"unknown clipping keys {sorted(unknown)}",
+                              "allowed: " + ", ".join(DEFAULT_CLIPPING))
+        cfg.update({k: v for k, v in (clipping or {}).items() if v is not None})
+        if cfg["norm_method"] not in NORM_METHODS:
+            raise EngineError(f"unknown norm_method {cfg['norm_method']!r}",
+                              "use one of: " + ", ".join(NORM_METHODS))
+        if not isinstance(expected_batch_size, int) or expected_batch_size < 1:
+            raise EngineError(f"expected_batch_size must be a positive integer, got "
+                              f"{expected_batch_size!r}", None)
+        if sample_rate is not None and not 0 < sample_rate <= 1:
+            raise EngineError(f"sample_rate must be in (0, 1], got {sample_rate}", None)
+        if noise_multiplier < 0:
+            raise EngineError(f"noise_multiplier must be ≥ 0, got {noise_multiplier}", None)
+
+        self.model = model
+        self.config = cfg
+        self.noise_multiplier = float(noise_multiplier)
+        self.expected_batch_size = expected_batch_size
+        self.sample_rate = sample_rate
+        self.steps = 0
+
+        params = trainable_params(model)
+        self.groups: Groups = build_groups(model, cfg["grouping"], params)
+        self._params = [p.param for p in params]
+        self._group_of = self.groups.group_of
+        self._clip = make_clip_fn(cfg["fn"], float(cfg["gamma"]))
+        first = self._params[0]
+        self._norm_dtype = torch.promote_types(first.dtype, torch.float32)
+        self._device = first.device
+        self.policy = build_policy(cfg["threshold"], PolicyContext(
+            list(self.groups.names), self.groups.sizes, expected_batch_size,
+            self.noise_multiplier, first.device, self._norm_dtype))
+        self._sizes = torch.tensor(self.groups.sizes, device=first.device, dtype=self._norm_dtype)
+        allocation_weights(cfg["noise_allocation"], self.policy.thresholds(), self._sizes)
+        self.noise = NoiseSource(seed, secure)
+
+        self._keeper = Bookkeeper(model, {id(p): i for i, p in enumerate(self._params)},
+                                  strict=bool(cfg["strict"]))
+        self._padding_rows = self._untied_padding_rows()
+        self._keeper.install()
+        self._reset_step()
+
+    # --------------------------------------------------------------- properties
+
+    @property
+    def group_names(self) -> list[str]:
+        return list(self.groups.names)
+
+    @property
+    def thresholds(self) -> Tensor:
+        return self.policy.thresholds()
+
+    @property
+    def stash_bytes(self) -> int:
+        """Bytes the engine's stash holds now (activations, output grads, instantiated
+        per-sample gradients awaiting their group's clip factors)."""
+        return self._keeper.stash.current
+
+    @property
+    def stash_bytes_peak(self) -> int:
+        """Peak of :attr:`stash_bytes` since construction or :meth:`reset_peak`."""
+        return self._keeper.stash.peak
+
+    def reset_peak(self) -> None:
+        self._keeper.stash.reset_peak()
+
+    def detach(self) -> None:
+        """Give the model its original forwards back (the engine is unusable after)."""
+        self._keeper.remove()
+
+    def __enter__(self) -> "DPEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    # --------------------------------------------------------------- the step
+
+    def _reset_step(self) -> None:
+        self._sums: list[Tensor | None] = [None] * len(self._params)
+        self._norms: list[Tensor] = []
+        self._clipped = torch.zeros(len(self.groups), device=self._device, dtype=self._norm_dtype)
+        self._samples = 0
+
+    def backward(self, per_sample_losses: Tensor) -> None:
+        """Backward of one micro-batch: per-sample norms, clipping, clipped sums.
+
+        ``per_sample_losses`` has shape [b] (``reduction="none"``, averaged over tokens
+        per sample if needed). Calls the backward itself; do not call ``loss.backward()``.
+        """
+        losses = per_sample_losses
+        if not isinstance(losses, Tensor) or losses.dim() != 1:
+            shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+            raise EngineError(f"engine.backward needs one loss per sample (shape [b]), got {shape}",
+                              "compute the loss with reduction='none' and average each "
+                              "sample's tokens yourself")
+        b = losses.shape[0]
+        counts, generation = self._keeper.take_forward_counts()
+        if b == 0:
+            return
+        micro = _MicroBatch(self, b, counts)
+        saved = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
+        try:
+            with self._keeper.backward_scope(b, generation, micro.deliver):
+                torch.autograd.backward(losses, torch.ones_like(losses))
+            stray = [self.groups.params[i].name for i, p in enumerate(self._params)
+                     if p.grad is not None]
+            if stray:
+                raise EngineError(
+                    "parameters received gradients outside the engine's hooks: "
+                    + ", ".join(stray) + " (a module reads them without calling their "
+                    "owner, e.g. `other.weight` inside a custom forward)",
+                    "call the owning module, or tie the parameter to a module that uses it")
+            norms = micro.finish()
+        except BaseException:
+            micro.discard()
+            raise
+        finally:
+            for p, g in zip(self._params, saved):
+                p.grad = g
+        self.policy.observe(norms)
+        self._norms.append(norms.detach())
+        self._samples += b
+
+    def privatize(self) -> StepReport:
+        """Noise the accumulated clipped sums, write ``p.grad``, return the report.
+
+        Group k's summed clipped gradient gets N(0, (σ_g·S·w_k)²) (see
+        :mod:`dpclip.engine.noise`); then ``p.grad = (sum + noise) / B`` with B the
+        EXPECTED batch size. The policy releases its statistics after the noise.
+        """
+        thresholds = self.policy.thresholds().detach().clone()
+        sens = self.policy.sensitivity_thresholds()
+        weights = allocation_weights(self.config["noise_allocation"], sens, self._sizes)
+        std = noise_stds(self.noise_multiplier, sens, weights)
+        batch = self.expected_batch_size
+        for idx, p in enumerate(self._params):
+            clipped = self._sums[idx]
+            if self.noise_multiplier > 0:
+                grad = self.noise.gaussian_like(p, std[self._group_of[idx]] / batch)
+                if clipped is not None:
+                    grad.add_(clipped, alpha=1.0 / batch)
+            elif clipped is not None:
+                grad = clipped.div_(batch)
+            else:
+                grad = torch.zeros_like(p)
+            if idx in self._padding_rows:
+                grad[self._padding_rows[idx]] = 0
+            p.grad = grad.to(p.dtype)
+
+        aux = list(self.policy.release(self.noise.generator(self._device)) or [])
+        sigma_eff = effective_noise_multiplier(self.noise_multiplier, aux)
+        event = dp_accounting.GaussianDpEvent(sigma_eff)
+        if self.sample_rate is not None:
+            event = dp_accounting.PoissonSampledDpEvent(self.sample_rate, event)
+        if self.config["fn"] == "auto":  # AUTO rescales every sample: "clipped" means nothing
+            clip_fraction = None
+        elif self._samples:
+            clip_fraction = self._clipped / self._samples
+        else:
+            clip_fraction = torch.full_like(self._clipped, float("nan"))
+        report = StepReport(
+            group_names=self.group_names,
+            thresholds=thresholds,
+            norm_quantiles=self._quantiles(),
+            clip_fraction=clip_fraction,
+            noise_std_sum=std.detach(),
+            noise_std_grad=std.detach() / batch,
+            sigma_gradient=self.noise_multiplier,
+            sigma_eff=sigma_eff,
+            aux_releases=aux,
+            dp_event=event,
+            samples_seen=self._samples,
+            expected_batch_size=batch,
+        )
+        self.steps += 1
+        self._reset_step()
+        return report
+
+    def _quantiles(self) -> dict[str, Tensor]:
+        if not self._norms:
+            nan = torch.full((len(self.groups),), float("nan"), device=self._device,
+                             dtype=self._norm_dtype)
+            return {k: nan for k in QUANTILES}
+        norms = torch.cat(self._norms)
+        qs = torch.tensor(list(QUANTILES.values()), device=norms.device, dtype=norms.dtype)
+        values = torch.quantile(norms, qs, dim=0)
+        return {k: values[j] for j, k in enumerate(QUANTILES)}
+
+    def _untied_padding_rows(self) -> dict[int, int]:
+        """Embedding padding rows never get a gradient; keep noise off them too, unless
+        the weight is also used elsewhere (a tied head does train that row)."""
+        users: dict[int, int] = {}
+        for unit in self._keeper.units:
+            for _, _, idx in unit.params:
+                users[idx] = users.get(idx, 0) + 1
+        rows = {}
+        for unit in self._keeper.units:
+            m = unit.module
+            if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+                for name, _, idx in unit.params:
+                    if name == "weight" and users[idx] == 1:
+                        rows[idx] = m.padding_idx
+        return rows
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """Policy state and noise-generator state (none in secure mode)."""
+        return {"policy": self.policy.state_dict(), "noise": self.noise.state_dict(),
+                "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.noise.load_state_dict(state["noise"])
+        self.steps = int(state.get("steps", 0))
+
+
+class _MicroBatch:
+    """One engine.backward: pending uses per parameter, group norms, finalization.
+
+    ``pending[j]`` counts the forward calls of parameter j whose backward has not
+    arrived; ``group_left[k]`` counts group k's parameters with uses still pending.
+    """
+
+    def __init__(self, engine: DPEngine, batch: int, pending: list[int]):
+        self.engine = engine
+        self.batch = batch
+        self.pending = pending
+        k = len(engine.groups)
+        self.uses: list[list[Use]] = [[] for _ in pending]
+        self.parts: list[list[Use] | None] = [None] * len(pending)
+        self.group_left = [0] * k
+        for idx, n in enumerate(pending):
+            if n > 0:
+                self.group_left[engine._group_of[idx]] += 1
+        self.norm_sq: list[Tensor | None] = [None] * k
+        self.norms: list[Tensor | None] = [None] * k
+        self.done = [False] * k
+        self.thresholds = engine.policy.thresholds()
+        # A per-sample policy needs all K norms of a sample first: finalize at the end.
+        self.defer = engine.policy.per_sample
+        self.meter = engine._keeper.stash
+
+    def deliver(self, idx: int, use: Use) -> None:
+        if self.pending[idx] <= 0:
+            raise EngineError(f"parameter {self.engine.groups.params[idx].name} was used more "
+                              "often in the backward than in the forward",
+                              "call engine.backward once after each forward")
+        self.uses[idx].append(use)
+        self.meter.add(use.tensors())
+        self.pending[idx] -= 1
+        if self.pending[idx] == 0:
+            self._param_done(idx)
+
+    def _param_done(self, idx: int) -> None:
+        e = self.engine
+        k = e._group_of[idx]
+        uses, self.uses[idx] = self.uses[idx], []
+        if uses:
+            p = e._params[idx]
+            norm_sq, parts = param_norm_sq(uses, p.shape, e.config["norm_method"], e._norm_dtype)
+            for part in parts:
+                self.meter.add(part.tensors())
+            for use in uses:
+                self.meter.remove(use.tensors())
+            self.parts[idx] = parts
+            norm_sq = norm_sq.to(e._device)
+            self.norm_sq[k] = norm_sq if self.norm_sq[k] is None else self.norm_sq[k] + norm_sq
+        self.group_left[k] -= 1
+        if self.group_left[k] == 0 and not self.defer:
+            self._finalize(k, self.thresholds[k])
+
+    def _finalize(self, k: int, threshold: Tensor) -> None:
+        e = self.engine
+        sq = self.norm_sq[k]
+        norms = (sqrt_or_zero(sq) if sq is not None else
+                 torch.zeros(self.batch, device=e._device, dtype=e._norm_dtype))
+        factors = e._clip(norms, threshold)
+        for idx in e.groups.members[k]:
+            parts, self.parts[idx] = self.parts[idx], None
+            if not parts:
+                continue
+            p = e._params[idx]
+            total = clipped_sum(parts, factors.to(p.device), p.shape)
+            for part in parts:
+                self.meter.remove(part.tensors())
+            if e._sums[idx] is None:
+                e._sums[idx] = total
+            else:
+                e._sums[idx].add_(total)
+        if e.config["fn"] != "auto":
+            e._clipped[k] += (norms > threshold).sum()
+        self.norms[k] = norms
+        self.done[k] = True
+
+    def finish(self) -> Tensor:
+        """Finalize what the backward did not reach; return the norms [b, K]."""
+        e = self.engine
+        for idx, n in enumerate(self.pending):
+            if n > 0:  # some call's output never reached the loss: its gradient is zero
+                self.pending[idx] = 0
+                self._param_done(idx)
+        if self.defer:
+            norm_sq = [s if s is not None else
+                       torch.zeros(self.batch, device=e._device, dtype=e._norm_dtype)
+                       for s in self.norm_sq]
+            norms = sqrt_or_zero(torch.stack(norm_sq, dim=1))
+            per_sample = e.policy.per_sample_thresholds(norms)
+            for k in range(len(e.groups)):
+                self._finalize(k, self.thresholds[k] if per_sample is None else per_sample[:, k])
+        else:
+            for k in range(len(e.groups)):
+                if not self.done[k]:
+                    self._finalize(k, self.thresholds[k])
+        return torch.stack(self.norms, dim=1)
+
+    def discard(self) -> None:
+        """Release the stash after a failed backward."""
+        for uses in self.uses:
+            for use in uses:
+                self.meter.remove(use.tensors())
+        for parts in self.parts:
+            for part in parts or ():
+                self.meter.remove(part.tensors())
+        self.uses = [[] for _ in self.pending]
+        self.parts = [None] * len(self.pending)

@@ -1,0 +1,612 @@
+"""Per-sample gradient norms and clipped sums from (activation, output gradient).
+
+Everything here is pure tensor math on what one backward pass hands over; capturing
+those tensors is :mod:`dpclip.engine.bookkeeping`'s job.
+
+How a per-sample gradient is represented
+----------------------------------------
+Almost every parameter of a modern network enters it bilinearly. For one sample the
+gradient of such a parameter, viewed as a ``(g·m, n)`` matrix (``g`` blocks of ``m``
+rows; ``g > 1`` only for grouped convolutions), is
+
+    G_i = [ L_{i,1}ᵀ R_{i,1} ; ... ; L_{i,g}ᵀ R_{i,g} ],   L_{i,j}: T x m,  R_{i,j}: T x n
+
+(groupwise-clipping paper §2.2, eq. (3); REFERENCE §B). A :class:`Bilinear` *use* keeps
+the factors ``L`` and ``R`` instead of ``G``:
+
+=====================  ===================  =================  ==================
+layer                  parameter view       L (T x m)          R (T x n)
+=====================  ===================  =================  ==================
+nn.Linear (p x d)      weight (p, d)        output grad b      input a
+transformers Conv1D    weight (d, p)        input a            output grad b
+nn.Conv{1,2}d          weight (out, in/g·k) output grad        unfolded input
+nn.Embedding (V x d)   weight (V, d)        one-hot(ids)       output grad b
+=====================  ===================  =================  ==================
+
+One-hot factors are never materialised: a Bilinear use may carry integer ``ids``
+instead of a dense ``L``. Small parameters (biases, norm affines, anything the
+torch.func fallback handles) arrive already instantiated as a :class:`Dense` use.
+
+A parameter may have several uses: a module called twice, or one tensor shared by two
+modules (GPT-2 ties ``wte`` and ``lm_head``). Its per-sample gradient is the sum of its
+uses and its norm needs every cross term, ``||Σ_u G_u||² = Σ_{u,v} <G_u, G_v>``.
+:func:`param_norm_sq` computes exactly that; nothing is ever dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+import torch.nn.functional as F
+
+from dpclip.errors import EngineError
+
+NORM_METHODS = ("auto", "ghost", "instantiate")
+
+
+# --------------------------------------------------------------------------- uses
+
+
+@dataclass
+class Bilinear:
+    """Per-sample gradient G_i = L_iᵀ R_i of one use of a parameter (see module doc).
+
+    ``left`` is dense ``[B, g, T, m]`` or, when ``vocab`` is set, integer ids ``[B, T]``
+    standing for one-hot rows of width ``vocab``. ``right`` is ``[B, g, T, n]``.
+    """
+
+    left: Tensor
+    right: Tensor
+    vocab: int | None = None
+
+    @property
+    def is_ids(self) -> bool:
+        return self.vocab is not None
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.left, self.right)
+
+
+@dataclass
+class Dense:
+    """An instantiated per-sample gradient ``[B, *param.shape]``."""
+
+    grad: Tensor
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.grad,)
+
+
+Use = Bilinear | Dense
+
+
+# ------------------------------------------------------------- norm² of one bundle
+
+
+def batched_dot(x: Tensor, y: Tensor) -> Tensor:
+    """Σ over all but the first dim of x ⊙ y, as one batched matmul (no x ⊙ y temporary)."""
+    batch = x.shape[0]
+    return torch.bmm(x.reshape(batch, 1, -1), y.reshape(batch, -1, 1)).view(batch)
+
+
+def ghost_norm_sq(left: Tensor, right: Tensor) -> Tensor:
+    """||Σ_t L_tᵀ R_t||_F² per sample without forming the gradient ("ghost norm").
+
+    ||G||_F² = Σ_{t,s} (L Lᵀ)_{ts} (R Rᵀ)_{ts}  (REFERENCE §B; Li et al. 2021 via the
+    groupwise-clipping paper §2.2). Cost O(T²(m+n)), memory O(T²). Shapes
+    ``[B, g, T, m]`` and ``[B, g, T, n]`` -> ``[B]`` (blocks summed).
+    """
+    gram_l = left @ left.transpose(-1, -2)
+    gram_r = right @ right.transpose(-1, -2)
+    return batched_dot(gram_l, gram_r)
+
+
+def ids_ghost_norm_sq(ids: Tensor, right: Tensor) -> Tensor:
+    """Embedding ghost norm: ||G||² = Σ_{t,s} 1[x_t = x_s] <b_t, b_s> (REFERENCE §B).
+
+    ``ids`` ``[B, T]``, ``right`` ``[B, 1, T, n]`` -> ``[B]``.
+    """
+    r = right[:, 0]
+    same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(r.dtype)
+    return batched_dot(same, r @ r.transpose(-1, -2))
+
+
+def _scatter_rows(rows: Tensor, index: Tensor, num: int) -> Tensor:
+    """out[v] = Σ_{j: index_j = v} rows_j, shape [num, n].
+
+    The embedding's own backward kernel: the same sum as ``index_add_``, but ~100x
+    faster on CPU (index_add_ serialises), and what autograd itself uses."""
+    return torch.ops.aten.embedding_dense_backward(rows, index, num, -1, False)
+
+
+def instantiate(use: Bilinear) -> Tensor:
+    """G_i = L_iᵀ R_i for every sample, ``[B, g, m, n]``. Cost O(T·m·n) per sample."""
+    if use.is_ids:
+        ids, r = use.left, use.right[:, 0]
+        batch, t, n = r.shape
+        # One flat scatter for the whole batch: row (i, v) of a [B·V, n] buffer.
+        flat = (ids + torch.arange(batch, device=ids.device).unsqueeze(1) * use.vocab).reshape(-1)
+        out = _scatter_rows(r.reshape(batch * t, n), flat, batch * use.vocab)
+        return out.view(batch, 1, use.vocab, n)
+    return use.left.transpose(-1, -2) @ use.right
+
+
+# ------------------------------------------------------------------ cross terms
+
+
+def _cross_ids_dense(ids_use: Bilinear, dense_use: Bilinear) -> Tensor:
+    """<onehot(x)ᵀ R_e, Lᵀ R> per sample = Σ_{t,s} L[s, x_t] <R_e[t], R[s]>.
+
+    This is REFERENCE §B's exact tied-embedding cross term
+    2·Σ_{t,s} b^h[s, x_t]·<b^e_t, h_s> (without the factor 2): the head's output grad
+    b^h plays L, its input h plays R. Cost O(T_e·T_h·n); never forms V x n matrices.
+    """
+    if dense_use.left.shape[1] != 1:
+        raise EngineError("a parameter is shared between an embedding and a grouped convolution",
+                          "untie the parameters")
+    ids, r_e = ids_use.left, ids_use.right[:, 0]
+    left, r_h = dense_use.left[:, 0], dense_use.right[:, 0]
+    index = ids.unsqueeze(1).expand(-1, left.shape[1], -1)
+    gathered = torch.gather(left, 2, index)                       # [B, T_h, T_e]
+    inner = r_h @ r_e.transpose(-1, -2)                           # [B, T_h, T_e]
+    return batched_dot(gathered, inner)
+
+
+def _cross_bilinear_dense(use: Bilinear, grad: Tensor) -> Tensor:
+    """<L_iᵀ R_i, D_i> per sample, with D an instantiated gradient ``[B, g, m, n]``."""
+    if use.is_ids:
+        r = use.right[:, 0]
+        rows = torch.gather(grad[:, 0], 1, use.left.unsqueeze(-1).expand(-1, -1, r.shape[-1]))
+        return (rows * r).sum(dim=(1, 2))
+    return ((use.left @ grad) * use.right).sum(dim=(1, 2, 3))
+
+
+# ------------------------------------------------------------------ param level
+
+
+def _concat(uses: list[Bilinear]) -> Bilinear:
+    """Calls of one factor kind concatenate along T: Σ_u L_uᵀR_u = [L_1;L_2]ᵀ[R_1;R_2]."""
+    if len(uses) == 1:
+        return uses[0]
+    if len({u.left.shape[1] for u in uses if not u.is_ids}) > 1:
+        raise EngineError("one parameter is used with different convolution groups", None)
+    if uses[0].is_ids:
+        return Bilinear(torch.cat([u.left for u in uses], dim=1),
+                        torch.cat([u.right for u in uses], dim=2), uses[0].vocab)
+    return Bilinear(torch.cat([u.left for u in uses], dim=2),
+                    torch.cat([u.right for u in uses], dim=2))
+
+
+def choose_ghost(use: Bilinear, method: str) -> bool:
+    """Mixed rule (REFERENCE §B, FastDP): ghost iff 2T² < m·n, unless forced."""
+    if method == "ghost":
+        return True
+    if method == "instantiate":
+        return False
+    t = use.right.shape[2]
+    m = use.vocab if use.is_ids else use.left.shape[3]
+    return 2 * t * t < m * use.right.shape[3]
+
+
+@dataclass
+class _Part:
+    """One summand of a parameter's per-sample gradient, with its instantiated form
+    (``[B, *shape]``) when one was computed."""
+
+    use: Use
+    inst: Tensor | None = None
+
+
+def _block_view(grad: Tensor, use: Bilinear) -> Tensor:
+    """``[B, *shape]`` -> ``[B, g, m, n]`` matching ``use``'s factors."""
+    batch = grad.shape[0]
+    if use.is_ids:
+        return grad.reshape(batch, 1, use.vocab, -1)
+    return grad.reshape(batch, use.left.shape[1], use.left.shape[3], use.right.shape[3])
+
+
+def _self_term(p: _Part) -> Tensor:
+    if p.inst is not None:
+        return p.inst.flatten(1).pow(2).sum(1)
+    assert isinstance(p.use, Bilinear)
+    if p.use.is_ids:
+        return ids_ghost_norm_sq(p.use.left, p.use.right)
+    return ghost_norm_sq(p.use.left, p.use.right)
+
+
+def _cross_term(a: _Part, c: _Part) -> Tensor:
+    if a.inst is not None and c.inst is not None:
+        return (a.inst.flatten(1) * c.inst.flatten(1)).sum(1)
+    if a.inst is not None:
+        a, c = c, a
+    if c.inst is not None:
+        assert isinstance(a.use, Bilinear)
+        return _cross_bilinear_dense(a.use, _block_view(c.inst, a.use))
+    assert isinstance(a.use, Bilinear) and isinstance(c.use, Bilinear)
+    return _cross_ids_dense(a.use, c.use) if a.use.is_ids else _cross_ids_dense(c.use, a.use)
+
+
+def param_norm_sq(uses: list[Use], shape: torch.Size, method: str = "auto",
+                  out_dtype: torch.dtype | None = None) -> tuple[Tensor, list[Use]]:
+    """Exact per-sample ||Σ_u G_{i,u}||² of one parameter over all its uses.
+
+    Uses are merged into at most three parts: dense-factor Bilinear uses concatenated
+    along T (D), id-factor uses concatenated along T (E), and everything instantiated,
+    summed (I). Then ||D+E+I||² = ||D||² + ||E||² + ||I||² + 2(<D,E> + <D,I> + <E,I>),
+    each term computed without forming V x n matrices for embeddings (REFERENCE §B).
+    The mixed rule (:func:`choose_ghost`) decides per part whether D or E is ghost-normed
+    or instantiated.
+
+    Returns ``(norm_sq [B], parts)``; ``parts`` is what :func:`clipped_sum` needs. An
+    instantiated gradient replaces its factors when it is not larger than them, which
+    also makes the clipped sum cheaper.
+    """
+    inst: Tensor | None = None
+    for u in uses:
+        if isinstance(u, Dense):
+            inst = u.grad if inst is None else inst + u.grad
+    parts: list[_Part] = []
+    for group in ([u for u in uses if isinstance(u, Bilinear) and not u.is_ids],
+                  [u for u in uses if isinstance(u, Bilinear) and u.is_ids]):
+        if not group:
+            continue
+        bundle = _concat(group)
+        if choose_ghost(bundle, method):
+            parts.append(_Part(bundle))
+            continue
+        g = instantiate(bundle).reshape(bundle.right.shape[0], *shape)
+        if bundle.is_ids or g[0].numel() <= bundle.left[0].numel() + bundle.right[0].numel():
+            inst = g if inst is None else inst + g
+        else:  # keep the (smaller) factors for the clipped sum, the gradient for the norm
+            parts.append(_Part(bundle, g))
+    if inst is not None:
+        parts.append(_Part(Dense(inst), inst))
+    if not parts:
+        raise ValueError("param_norm_sq needs at least one use")
+
+    total = _self_term(parts[0])
+    for p in parts[1:]:
+        total = total + _self_term(p)
+    for a in range(len(parts)):
+        for c in range(a + 1, len(parts)):
+            total = total + 2 * _cross_term(parts[a], parts[c])
+    if out_dtype is not None:
+        total = total.to(out_dtype)
+    return total, [p.use for p in parts]
+
+
+# ------------------------------------------------------------------ clipped sum
+
+
+def clipped_sum(parts: list[Use], factors: Tensor, shape: torch.Size) -> Tensor:
+    """Σ_i c_i G_i for one parameter, from its parts (groupwise paper Alg. 1 line 10).
+
+    Bilinear: Lᵀ diag(c) R, one matmul the size of the usual weight gradient; ids: a
+    scatter-add of the scaled rows; Dense: a contraction over the batch.
+    """
+    out: Tensor | None = None
+    for part in parts:
+        if isinstance(part, Dense):
+            c = factors.to(part.grad.dtype)
+            term = (c @ part.grad.reshape(part.grad.shape[0], -1)).reshape(shape)
+        elif part.is_ids:
+            r = part.right[:, 0]
+            vals = r * factors.to(r.dtype).view(-1, 1, 1)
+            term = _scatter_rows(vals.reshape(-1, r.shape[-1]), part.left.reshape(-1),
+                                 part.vocab).reshape(shape)
+        else:
+            left, right = part.left, part.right
+            c = factors.to(left.dtype).view(-1, 1, 1, 1)
+            # Scale the thinner factor: the product is the same, the work is smaller.
+            if left.shape[3] <= right.shape[3]:
+                left = left * c
+            else:
+                right = right * c
+            batch, g, t, m = left.shape
+            n = right.shape[3]
+            if g == 1:  # (B·T x m)ᵀ (B·T x n): one GEMM, no copies of the factors
+                term = (left.reshape(batch * t, m).t() @ right.reshape(batch * t, n)).reshape(shape)
+            else:
+                lf = left.transpose(0, 1).reshape(g, batch * t, m)
+                rf = right.transpose(0, 1).reshape(g, batch * t, n)
+                term = torch.bmm(lf.transpose(1, 2), rf).reshape(shape)
+        out = term if out is None else out + term
+    if out is None:
+        raise ValueError("clipped_sum needs at least one part")
+    return out
+
+
+def per_sample_grads(uses: list[Use], shape: torch.Size) -> Tensor:
+    """Instantiate Σ_u G_{i,u} as ``[B, *shape]`` (tests and small parameters only)."""
+    out: Tensor | None = None
+    for u in uses:
+        g = u.grad if isinstance(u, Dense) else instantiate(u).reshape(u.right.shape[0], *shape)
+        out = g if out is None else out + g
+    assert out is not None
+    return out
+
+
+# ------------------------------------------------------------------- layer rules
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    """How one layer type is book-kept (one entry of the rule registry).
+
+    prepare(module, x, batch_hint) -> (activation, info): runs under autograd before the
+        book-kept op (expands batch-broadcast inputs, pads, normalises for norm layers).
+    forward(module, activation, info) -> output: the layer's output, run without autograd.
+    input_grad(module, activation, grad_out, info) -> grad of the activation.
+    uses(module, activation, grad_out, info) -> {param name: Use}: per-sample gradients
+        of the module's own parameters, as factors or instantiated.
+    """
+
+    name: str
+    prepare: Callable
+    forward: Callable
+    input_grad: Callable
+    uses: Callable
+
+
+_RULES: dict[type, LayerRule] = {}
+
+
+def register_layer_rule(module_type: type, rule: LayerRule) -> None:
+    """Register ``rule`` for ``module_type`` (and subclasses that keep its ``forward``)."""
+    _RULES[module_type] = rule
+
+
+def find_layer_rule(module: nn.Module) -> LayerRule | None:
+    """The rule for ``module``: its class or the nearest base class with a rule whose
+    ``forward`` the module did not override (a subclass with its own forward may compute
+    something else, so it goes to the fallback)."""
+    for cls in type(module).__mro__:
+        rule = _RULES.get(cls)
+        if rule is not None:
+            return rule if type(module).forward is cls.forward else None
+    return None
+
+
+def _expand_batch(x: Tensor, batch_hint: int | None) -> Tensor:
+    # An input of batch size 1 inside a batch of B (position ids of shape (1, T), a
+    # learned query) is broadcast over the batch later; its output gradient would then be
+    # summed over samples before we see it. Expanding it first keeps samples apart.
+    if batch_hint is not None and batch_hint > 1 and x.dim() > 0 and x.shape[0] == 1:
+        return x.expand(batch_hint, *x.shape[1:])
+    return x
+
+
+def _flat3(t: Tensor) -> Tensor:
+    """[B, *, k] -> [B, T, k] (T = product of the middle dims, 1 if none)."""
+    return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+def _no_info_prepare(module, x, batch_hint):
+    return _expand_batch(x, batch_hint), None
+
+
+# Linear ---------------------------------------------------------------------
+
+def _linear_forward(m, x, info):
+    return F.linear(x, m.weight, m.bias)
+
+
+def _linear_input_grad(m, x, gy, info):
+    return gy @ m.weight.to(gy.dtype)
+
+
+def _linear_uses(m, x, gy, info):
+    b = _flat3(gy)
+    uses: dict[str, Use] = {"weight": Bilinear(b.unsqueeze(1), _flat3(x).unsqueeze(1))}
+    if m.bias is not None:
+        uses["bias"] = Dense(b.sum(1))
+    return uses
+
+
+LINEAR_RULE = LayerRule("linear", _no_info_prepare, _linear_forward, _linear_input_grad, _linear_uses)
+register_layer_rule(nn.Linear, LINEAR_RULE)
+
+
+# transformers Conv1D (weight stored (in, out)) -----------------------------
+
+def _conv1d_hf_forward(m, x, info):
+    out = torch.addmm(m.bias, x.reshape(-1, x.shape[-1]), m.weight)
+    return out.view(*x.shape[:-1], m.weight.shape[1])
+
+
+def _conv1d_hf_input_grad(m, x, gy, info):
+    return gy @ m.weight.t().to(gy.dtype)
+
+
+def _conv1d_hf_uses(m, x, gy, info):
+    b = _flat3(gy)
+    return {"weight": Bilinear(_flat3(x).unsqueeze(1), b.unsqueeze(1)), "bias": Dense(b.sum(1))}
+
+
+try:  # transformers is a dependency, but the engine must not break without it
+    from transformers.pytorch_utils import Conv1D as _HFConv1D
+
+    register_layer_rule(_HFConv1D, LayerRule("conv1d_transformers", _no_info_prepare,
+                                             _conv1d_hf_forward, _conv1d_hf_input_grad,
+                                             _conv1d_hf_uses))
+except ImportError:  # pragma: no cover
+    pass
+
+
+# Embedding -------------------------------------------------------------------
+
+def _embedding_prepare(m, x, batch_hint):
+    if m.scale_grad_by_freq:
+        raise EngineError(
+            "nn.Embedding(scale_grad_by_freq=True) scales gradients by token counts over "
+            "the whole batch, which mixes samples", "set scale_grad_by_freq=False")
+    return _expand_batch(x, batch_hint), None
+
+
+def _embedding_forward(m, x, info):
+    return F.embedding(x, m.weight, m.padding_idx, m.max_norm, m.norm_type, False, False)
+
+
+def _embedding_uses(m, x, gy, info):
+    ids = x.reshape(x.shape[0], -1)
+    b = _flat3(gy)
+    if m.padding_idx is not None:
+        # Rows of padding_idx get no gradient (nn.Embedding's contract).
+        b = b * (ids != m.padding_idx).unsqueeze(-1).to(b.dtype)
+    return {"weight": Bilinear(ids, b.unsqueeze(1), vocab=m.num_embeddings)}
+
+
+register_layer_rule(nn.Embedding, LayerRule("embedding", _embedding_prepare, _embedding_forward,
+                                            lambda m, x, gy, info: None, _embedding_uses))
+
+
+# Conv1d / Conv2d ---------------------------------------------------------------
+
+def _tuple(v, n):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
+
+
+def _conv_prepare(m, x, batch_hint):
+    """Make padding explicit so unfold sees the same geometry as the convolution."""
+    x = _expand_batch(x, batch_hint)
+    nd = len(m.kernel_size)
+    padding = m.padding
+    if m.padding_mode != "zeros":
+        x = F.pad(x, m._reversed_padding_repeated_twice, mode=m.padding_mode)
+        padding = (0,) * nd
+    elif isinstance(padding, str):
+        if padding == "valid":
+            padding = (0,) * nd
+        else:  # "same" with stride 1: total padding dilation·(k−1), extra on the right
+            pads = []
+            for k, d in zip(reversed(m.kernel_size), reversed(_tuple(m.dilation, nd))):
+                total = d * (k - 1)
+                pads += [total // 2, total - total // 2]
+            x = F.pad(x, pads)
+            padding = (0,) * nd
+    return x, _tuple(padding, nd)
+
+
+def _conv_forward(m, x, padding):
+    fn = F.conv1d if len(m.kernel_size) == 1 else F.conv2d
+    return fn(x, m.weight, m.bias, m.stride, padding, m.dilation, m.groups)
+
+
+def _conv_input_grad(m, x, gy, padding):
+    fn = torch.nn.grad.conv1d_input if len(m.kernel_size) == 1 else torch.nn.grad.conv2d_input
+    return fn(x.shape, m.weight.to(gy.dtype), gy, m.stride, padding, m.dilation, m.groups)
+
+
+def _conv_uses(m, x, gy, padding):
+    """im2col: a convolution is a Linear over output positions (T = #positions)."""
+    batch, g = x.shape[0], m.groups
+    if len(m.kernel_size) == 1:  # unfold is 2-d only: view Conv1d as a 1 x L image
+        x4, k, s, p, d = (x.unsqueeze(2), (1,) + tuple(m.kernel_size), (1,) + tuple(m.stride),
+                          (0,) + tuple(padding), (1,) + tuple(m.dilation))
+    else:
+        x4, k, s, p, d = x, m.kernel_size, m.stride, padding, m.dilation
+    cols = F.unfold(x4, k, dilation=d, padding=p, stride=s)         # [B, C·K, P]
+    positions = cols.shape[-1]
+    right = cols.view(batch, g, -1, positions).transpose(2, 3)        # [B, g, P, C/g·K]
+    gyf = gy.reshape(batch, gy.shape[1], -1)                          # [B, out, P]
+    left = gyf.view(batch, g, -1, positions).transpose(2, 3)          # [B, g, P, out/g]
+    uses: dict[str, Use] = {"weight": Bilinear(left, right)}
+    if m.bias is not None:
+        uses["bias"] = Dense(gyf.sum(-1))
+    return uses
+
+
+_CONV_RULE = LayerRule("conv", _conv_prepare, _conv_forward, _conv_input_grad, _conv_uses)
+register_layer_rule(nn.Conv1d, _CONV_RULE)
+register_layer_rule(nn.Conv2d, _CONV_RULE)
+
+
+# Normalisation layers: y = x̂ ⊙ w + b ------------------------------------------
+#
+# The normalisation x -> x̂ has no parameters and runs under ordinary autograd (in
+# `prepare`); only the elementwise affine is book-kept. Its per-sample gradients are
+# tiny ([B, C]) so they are instantiated: dw_i = Σ_{other axes} b ⊙ x̂, db_i = Σ b.
+
+def _affine_shape(m, x):
+    """Shape that broadcasts the affine parameters against x."""
+    if isinstance(m, (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)):
+        return (1, x.shape[1]) + (1,) * (x.dim() - 2)
+    return tuple(m.weight.shape)
+
+
+def _affine_forward(m, xhat, info):
+    shape = _affine_shape(m, xhat)
+    bias = getattr(m, "bias", None)
+    if bias is None:
+        return xhat * m.weight.view(shape)
+    return torch.addcmul(bias.view(shape), xhat, m.weight.view(shape))
+
+
+def _affine_input_grad(m, xhat, gy, info):
+    return gy * m.weight.view(_affine_shape(m, xhat)).to(gy.dtype)
+
+
+def _affine_uses(m, xhat, gy, info):
+    if isinstance(m, (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)):
+        dims = tuple(range(2, xhat.dim()))
+        weight_grad = (gy * xhat).sum(dims) if dims else gy * xhat
+        bias_grad = gy.sum(dims) if dims else gy
+    else:
+        feat = m.weight.dim()
+        dims = tuple(range(1, xhat.dim() - feat))
+        weight_grad = (gy * xhat).sum(dims) if dims else gy * xhat
+        bias_grad = gy.sum(dims) if dims else gy
+    uses: dict[str, Use] = {"weight": Dense(weight_grad)}
+    if getattr(m, "bias", None) is not None:
+        uses["bias"] = Dense(bias_grad)
+    return uses
+
+
+def _layer_norm_prepare(m, x, batch_hint):
+    x = _expand_batch(x, batch_hint)
+    return F.layer_norm(x, m.normalized_shape, None, None, m.eps), None
+
+
+def _group_norm_prepare(m, x, batch_hint):
+    x = _expand_batch(x, batch_hint)
+    return F.group_norm(x, m.num_groups, None, None, m.eps), None
+
+
+def _rms_norm_prepare(m, x, batch_hint):
+    x = _expand_batch(x, batch_hint)
+    return F.rms_norm(x, m.normalized_shape, None, m.eps), None
+
+
+def _instance_norm_prepare(m, x, batch_hint):
+    x = _expand_batch(x, batch_hint)
+    return F.instance_norm(x, None, None, None, None, True, 0.0, m.eps), None
+
+
+for _cls, _prep in ((nn.LayerNorm, _layer_norm_prepare), (nn.GroupNorm, _group_norm_prepare),
+                    (nn.RMSNorm, _rms_norm_prepare), (nn.InstanceNorm1d, _instance_norm_prepare),
+                    (nn.InstanceNorm2d, _instance_norm_prepare),
+                    (nn.InstanceNorm3d, _instance_norm_prepare)):
+    register_layer_rule(_cls, LayerRule("affine_norm", _prep, _affine_forward,
+                                        _affine_input_grad, _affine_uses))
+
+
+def is_rmsnorm_like(module: nn.Module) -> bool:
+    """Custom RMSNorm classes (Llama, T5, Gemma, ...): handled exactly by the torch.func
+    rule; they count as supported (strict mode accepts them) since the weight is small."""
+    return (type(module).__name__.endswith("RMSNorm")
+            and isinstance(getattr(module, "weight", None), nn.Parameter))
+
+
+def sqrt_or_zero(x: Tensor) -> Tensor:
+    """Norm from norm², tolerating tiny negative round-off of cancelling cross terms."""
+    return x.clamp_min(0).sqrt()
+
+
+__all__ = [
+    "Bilinear", "Dense", "Use", "NORM_METHODS", "LayerRule", "register_layer_rule",
+    "find_layer_rule", "ghost_norm_sq", "ids_ghost_norm_sq", "instantiate", "param_norm_sq",
+    "clipped_sum", "per_sample_grads", "choose_ghost", "is_rmsnorm_like", "sqrt_or_zero",
+]

@@ -1,0 +1,173 @@
+"""Capture without autograd weight grads, what is refused, frozen params, memory."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpclip.engine import DPEngine
+from dpclip.errors import EngineError
+from tests.engine.conftest import (DTYPE, LSTMNet, classify_loss, gpt2_batch, gpt2_loss, mlp,
+                                   mlp_batch, seq_batch, tiny_gpt2)
+
+
+def test_autograd_never_computes_the_unweighted_weight_gradient():
+    model = tiny_gpt2()
+    fired = []
+    for name, p in model.named_parameters():
+        # autograd calls the hook with None when no gradient was formed
+        p.register_hook(lambda g, name=name: fired.append(name) if g is not None else None)
+    engine = DPEngine(model, {"grouping": "layer"}, expected_batch_size=4)
+    engine.backward(gpt2_loss(model, gpt2_batch(n=3)))
+    assert fired == []
+    assert all(p.grad is None for p in model.parameters())   # only privatize writes .grad
+    engine.privatize()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("bn", [nn.BatchNorm1d(4), nn.BatchNorm2d(4), nn.SyncBatchNorm(4)])
+def test_batchnorm_is_refused_naming_the_module_with_a_groupnorm_hint(bn):
+    model = nn.Sequential(nn.Linear(3, 4), bn, nn.Linear(4, 2))
+    with pytest.raises(EngineError) as err:
+        DPEngine(model, {}, expected_batch_size=4)
+    assert "module 1" in err.value.message and type(bn).__name__ in err.value.message
+    assert "GroupNorm" in err.value.hint
+
+
+def test_strict_mode_refuses_the_lstm_fallback_naming_it():
+    with pytest.raises(EngineError) as err:
+        DPEngine(LSTMNet().to(DTYPE), {"strict": True}, expected_batch_size=4)
+    assert "lstm (LSTM)" in err.value.message and "strict" in err.value.message
+
+
+def test_strict_mode_accepts_every_supported_layer():
+    from tests.engine.conftest import TinyRMSNorm, cnn, tiny_bert
+    for model in (tiny_gpt2(), tiny_bert(), cnn(), nn.Sequential(nn.Linear(3, 4), TinyRMSNorm(4))):
+        DPEngine(model, {"strict": True}, expected_batch_size=4).detach()
+
+
+def test_frozen_parameters_get_no_grad_and_their_modules_are_not_wrapped():
+    model = tiny_gpt2()
+    for p in model.transformer.h[0].parameters():
+        p.requires_grad_(False)
+    engine = DPEngine(model, {"grouping": "block"}, expected_batch_size=4, noise_multiplier=1.0)
+    assert "transformer.h.0" not in engine.group_names
+    assert "forward" not in model.transformer.h[0].attn.c_attn.__dict__
+    assert "forward" in model.transformer.h[1].attn.c_attn.__dict__
+    engine.backward(gpt2_loss(model, gpt2_batch(n=3)))
+    engine.privatize()
+    assert all(p.grad is None for p in model.transformer.h[0].parameters())
+    assert all(p.grad is not None for p in model.transformer.h[1].parameters())
+
+
+def test_calling_loss_backward_directly_is_an_error():
+    model = mlp()
+    DPEngine(model, {}, expected_batch_size=4)
+    with pytest.raises(EngineError, match="engine.backward"):
+        classify_loss(model, mlp_batch()).sum().backward()
+
+
+def test_mean_loss_instead_of_per_sample_losses_is_an_error():
+    model = mlp()
+    engine = DPEngine(model, {}, expected_batch_size=4)
+    with pytest.raises(EngineError) as err:
+        engine.backward(classify_loss(model, mlp_batch()).mean())
+    assert "reduction='none'" in err.value.hint
+
+
+def test_sequence_first_input_is_an_error_not_a_silent_mix():
+    model = nn.Sequential(nn.Linear(3, 2))
+    engine = DPEngine(model, {}, expected_batch_size=4)
+    x = torch.randn(7, 4, 3)                        # [T, B, d]
+    with pytest.raises(EngineError, match="leading dimension 7"):
+        engine.backward(model(x).sum(-1).sum(0))      # 4 losses
+
+
+class _Peeker(nn.Module):
+    """Reads another module's weight without calling it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return F.linear(self.a(x), self.b.weight)
+
+
+def test_parameter_used_outside_its_module_is_refused():
+    model = _Peeker()
+    engine = DPEngine(model, {}, expected_batch_size=2)
+    with pytest.raises(EngineError, match="b.weight"):
+        engine.backward(model(torch.randn(2, 3)).sum(1))
+
+
+def test_multihead_attention_and_scale_grad_by_freq_are_refused():
+    with pytest.raises(EngineError, match="MultiheadAttention"):
+        DPEngine(nn.Sequential(nn.MultiheadAttention(4, 2)), {}, expected_batch_size=2)
+    model = nn.Sequential(nn.Embedding(5, 3, scale_grad_by_freq=True))
+    engine = DPEngine(model, {}, expected_batch_size=2)
+    with pytest.raises(EngineError, match="scale_grad_by_freq"):
+        model(torch.tensor([[1, 2], [2, 2]]))
+    del engine
+
+
+class _Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return F.dropout(x * self.w, 0.5, training=True)
+
+
+def test_fallback_refuses_randomness_it_cannot_replay():
+    model = nn.Sequential(nn.Linear(3, 3), _Noisy())
+    engine = DPEngine(model, {}, expected_batch_size=2)
+    with pytest.raises(EngineError, match="random"):
+        engine.backward(model(torch.randn(2, 3)).sum(1))
+
+
+def test_detach_restores_the_original_forwards():
+    model = tiny_gpt2()
+    batch = gpt2_batch(n=2)
+    before = gpt2_loss(model, batch).detach()
+    engine = DPEngine(model, {}, expected_batch_size=2)
+    with_engine = gpt2_loss(model, batch).detach()
+    engine.detach()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    torch.testing.assert_close(with_engine, before)
+    gpt2_loss(model, batch).sum().backward()            # plain autograd works again
+    assert model.transformer.wte.weight.grad is not None
+
+
+def _stash_peak(grouping):
+    model = tiny_gpt2(n_layer=4)
+    engine = DPEngine(model, {"grouping": grouping}, expected_batch_size=4)
+    engine.backward(gpt2_loss(model, gpt2_batch(n=4)))
+    assert engine.stash_bytes == 0        # everything released once the backward is done
+    return engine.stash_bytes_peak
+
+
+def test_layerwise_grouping_has_lower_peak_stash_than_all_layer():
+    peaks = {g: _stash_peak(g) for g in ("all-layer", "block", "layer")}
+    assert peaks["layer"] < peaks["block"] < peaks["all-layer"]
+    assert peaks == {g: _stash_peak(g) for g in peaks}     # deterministic byte counting
+    assert peaks["layer"] < 0.5 * peaks["all-layer"]
+
+
+def test_lstm_padding_rows_get_no_noise_when_untied():
+    model = LSTMNet().to(DTYPE)
+    engine = DPEngine(model, {}, expected_batch_size=4, noise_multiplier=1.0)
+    engine.backward(classify_loss(model, seq_batch()))
+    engine.privatize()
+    assert model.emb.weight.grad[0].abs().sum() == 0 and model.emb.weight.grad[1].abs().sum() > 0
+
+
+def test_a_second_engine_on_a_wrapped_model_is_refused_until_detach():
+    model = mlp()
+    first = DPEngine(model, {}, expected_batch_size=2)
+    with pytest.raises(EngineError, match="another DPEngine"):
+        DPEngine(model, {}, expected_batch_size=2)
+    first.detach()
+    DPEngine(model, {}, expected_batch_size=2).detach()

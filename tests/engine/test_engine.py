@@ -1,0 +1,183 @@
+"""Exactness of the private step: with noise 0, p.grad == Σ_i clip(g_i)/B computed by a
+per-example loop (DESIGN §3), for every supported layer, grouping and clip function."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from dpclip.engine import DPEngine, build_groups
+from tests.engine.conftest import (DTYPE, CustomParamNet, LSTMNet, ReusedLinear, bert_batch,
+                                   bert_loss, check_exact, classify_loss, cnn, cnn_batch,
+                                   gpt2_batch, gpt2_loss, mlp, mlp_batch, seq_batch,
+                                   seq_float_batch, tiny_bert, tiny_gpt2)
+
+GPT2_GROUPINGS = [
+    "all-layer", "layer", "param", "block", {"uniform": 3},
+    {"groups": [[r"\.wte\.", r"\.wpe\."], [r"\.h\.0\."], [r"\.h\.1\.", r"ln_f"]]},
+    {"stages": [r"^transformer\.wte$", r"^transformer\.h\.1$"]},
+]
+
+
+def _id(g):
+    return g if isinstance(g, str) else next(iter(g))
+
+
+@pytest.mark.parametrize("micro", [None, [2, 3]], ids=["one-batch", "micro-batched"])
+@pytest.mark.parametrize("fn", ["abadi", "auto"])
+@pytest.mark.parametrize("grouping", GPT2_GROUPINGS, ids=_id)
+def test_tiny_gpt2_matches_per_example_loop_for_every_grouping(grouping, fn, micro):
+    # Tied wte/lm_head, Conv1D, LayerNorm, position ids of shape (1, T).
+    check_exact(tiny_gpt2, gpt2_loss, gpt2_batch(), grouping, fn, micro=micro)
+
+
+@pytest.mark.parametrize("fn", ["abadi", "auto"])
+@pytest.mark.parametrize("grouping", ["all-layer", "layer", "param", {"uniform": 2}], ids=_id)
+def test_mlp_matches_per_example_loop(grouping, fn):
+    check_exact(mlp, classify_loss, mlp_batch(), grouping, fn, micro=[1, 4])
+
+
+@pytest.mark.parametrize("fn", ["abadi", "auto"])
+@pytest.mark.parametrize("grouping", ["all-layer", "layer", "param"])
+def test_cnn_with_stride_padding_dilation_groups_matches_per_example_loop(grouping, fn):
+    check_exact(cnn, classify_loss, cnn_batch(), grouping, fn, micro=[3, 2])
+
+
+@pytest.mark.parametrize("grouping", ["all-layer", "block", "layer"])
+def test_tiny_bert_with_token_types_matches_per_example_loop(grouping):
+    check_exact(tiny_bert, bert_loss, bert_batch(), grouping, "abadi", micro=[4, 1])
+
+
+@pytest.mark.parametrize("fn", ["abadi", "auto"])
+def test_reused_linear_calls_are_concatenated_exactly(fn):
+    check_exact(lambda: ReusedLinear().to(DTYPE), classify_loss, seq_float_batch(), "layer", fn)
+    check_exact(lambda: ReusedLinear().to(DTYPE), classify_loss, mlp_batch(d=5), "all-layer", fn)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_lstm_falls_back_to_torch_func_exactly(batch_first):
+    check_exact(lambda: LSTMNet(batch_first).to(DTYPE), classify_loss, seq_batch(), "layer",
+                micro=[2, 3])
+
+
+@pytest.mark.parametrize("grouping", ["all-layer", "param"])
+def test_custom_parameters_and_norm_layers_match_per_example_loop(grouping):
+    # Gate (leaf with a bare Parameter), `offset` on a parent, LayerNorm, nn.RMSNorm,
+    # a transformers-style RMSNorm.
+    check_exact(lambda: CustomParamNet().to(DTYPE), classify_loss, seq_float_batch(), grouping,
+                micro=[3, 2])
+
+
+@pytest.mark.parametrize("method", ["ghost", "instantiate"])
+def test_forced_norm_methods_match_per_example_loop(method):
+    check_exact(tiny_gpt2, gpt2_loss, gpt2_batch(), "layer", norm_method=method)
+    check_exact(cnn, classify_loss, cnn_batch(), "all-layer", norm_method=method)
+
+
+def test_ghost_and_instantiate_give_identical_norms_and_grads():
+    reports, grads = [], []
+    for method in ("ghost", "instantiate"):
+        _, report, _ = check_exact(tiny_gpt2, gpt2_loss, gpt2_batch(), "param", norm_method=method)
+        reports.append(report)
+    for q in ("min", "median", "max"):
+        torch.testing.assert_close(reports[0].norm_quantiles[q], reports[1].norm_quantiles[q],
+                                   rtol=1e-10, atol=0)
+
+
+def test_gpt2_token_type_ids_reuse_wte_three_ways():
+    # wte is called twice (input ids, token types) and tied to lm_head: two calls
+    # concatenated along T plus the exact embedding/head cross term.
+    def loss(model, batch):
+        ids = batch["ids"]
+        logits = model(input_ids=ids, token_type_ids=batch["tt"], use_cache=False).logits
+        tok = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:],
+                                                reduction="none")
+        return tok.mean(1)
+
+    batch = gpt2_batch()
+    batch["tt"] = (batch["ids"] * 7) % 50
+    check_exact(tiny_gpt2, loss, batch, "layer", micro=[2, 3])
+
+
+def test_empty_micro_batches_are_accepted_and_the_step_still_divides_by_expected_size():
+    check_exact(mlp, classify_loss, mlp_batch(), "layer", micro=[0, 2, 0, 3, 0])
+
+
+def test_logical_batch_without_samples_still_adds_noise():
+    model = mlp()
+    engine = DPEngine(model, {"grouping": "layer"}, noise_multiplier=1.0, expected_batch_size=4)
+    engine.backward(classify_loss(model, mlp_batch(n=0)))
+    report = engine.privatize()
+    assert report.samples_seen == 0
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    assert torch.isnan(report.norm_quantiles["median"]).all()
+
+
+# ----------------------------------------------------------------- sensitivity
+
+SENS_GROUPINGS = ["all-layer", "layer", "param", {"uniform": 2}]
+
+
+def _weighted_loss(model, batch):
+    return classify_loss(model, batch) * batch["w"]
+
+
+def _sens_setup(seed, grouping, fn, n):
+    torch.manual_seed(seed)
+    model = mlp()
+    batch = mlp_batch(n=n, seed=seed)
+    batch["w"] = torch.ones(n, dtype=DTYPE)
+    k = len(build_groups(model, grouping))
+    gen = torch.Generator().manual_seed(seed)
+    thresholds = (0.05 + torch.rand(k, generator=gen, dtype=DTYPE)).tolist()
+    clipping = {"grouping": grouping, "fn": fn, "threshold": {"kind": "fixed", "value": thresholds}}
+    return model, batch, clipping, float(torch.tensor(thresholds).pow(2).sum().sqrt())
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10_000), grouping=st.sampled_from(SENS_GROUPINGS),
+       fn=st.sampled_from(["abadi", "auto"]))
+def test_each_example_contributes_at_most_the_total_sensitivity(seed, grouping, fn):
+    model, batch, clipping, bound = _sens_setup(seed, grouping, fn, n=4)
+    batch["w"][0] = 1e6                                  # one example with a huge gradient
+    engine = DPEngine(model, clipping, noise_multiplier=0.0, expected_batch_size=1)
+    for i in range(4):
+        engine.backward(_weighted_loss(model, {k: v[i:i + 1] for k, v in batch.items()}))
+        engine.privatize()
+        norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+        assert float(norm) <= bound + 1e-6
+        if i == 0 and fn == "abadi":
+            assert float(norm) == pytest.approx(bound, rel=1e-6)   # the huge one hits the bound
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10_000), grouping=st.sampled_from(SENS_GROUPINGS),
+       fn=st.sampled_from(["abadi", "auto"]))
+def test_adding_one_huge_example_moves_the_sum_by_at_most_the_sensitivity(seed, grouping, fn):
+    model, batch, clipping, bound = _sens_setup(seed, grouping, fn, n=5)
+    batch["w"][-1] = 1e8
+    sums = []
+    for n in (4, 5):
+        engine = DPEngine(model, clipping, noise_multiplier=0.0, expected_batch_size=3)
+        engine.backward(_weighted_loss(model, {k: v[:n] for k, v in batch.items()}))
+        engine.privatize()
+        sums.append(torch.cat([p.grad.flatten() for p in model.parameters()]) * 3)
+        engine.detach()
+    assert float((sums[1] - sums[0]).norm()) <= bound + 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiny_gpt2_on_cuda_matches_per_example_loop():
+    def on_cuda():
+        return tiny_gpt2().cuda()
+
+    def loss(model, batch):
+        return gpt2_loss(model, {k: v.cuda() for k, v in batch.items()})
+
+    check_exact(on_cuda, loss, gpt2_batch(), "layer", micro=[2, 3])
+    model = on_cuda()
+    engine = DPEngine(model, {"grouping": "block"}, noise_multiplier=1.0, expected_batch_size=4,
+                      sample_rate=0.1)
+    engine.backward(loss(model, gpt2_batch(n=3)))
+    report = engine.privatize()
+    assert all(p.grad.is_cuda for p in model.parameters())
+    assert report.noise_std_sum.is_cuda and report.samples_seen == 3

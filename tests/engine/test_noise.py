@@ -1,0 +1,122 @@
+"""Noise allocation, the generator (seeded vs secure), and the DpEvent."""
+
+import copy
+import math
+
+import dp_accounting
+import pytest
+import torch
+from torch import nn
+
+from dpclip.engine import DPEngine, effective_noise_multiplier
+from dpclip.engine.noise import allocation_weights, noise_stds
+from tests.engine.conftest import DTYPE, classify_loss, mlp, mlp_batch
+
+C = torch.tensor([1.0, 3.0], dtype=DTYPE)
+D = torch.tensor([620.0, 105.0], dtype=DTYPE)     # sizes of the two layers below
+
+
+def test_allocation_formulas_on_a_hand_computed_case():
+    c, d = torch.tensor([1.0, 2.0], dtype=DTYPE), torch.tensor([4.0, 9.0], dtype=DTYPE)
+    sigma = 1.5
+    stds = {kind: noise_stds(sigma, c, allocation_weights(kind, c, d))
+            for kind in ("global", "equal-budget", "weighted")}
+    torch.testing.assert_close(stds["global"], sigma * math.sqrt(5) * torch.ones(2, dtype=DTYPE))
+    torch.testing.assert_close(stds["equal-budget"], sigma * math.sqrt(2) * c)
+    # w = C/sqrt(d) = [1/2, 2/3]; S = sqrt(1/(1/4) + 4/(4/9)) = sqrt(13)
+    torch.testing.assert_close(stds["weighted"],
+                               sigma * math.sqrt(13) * torch.tensor([0.5, 2 / 3], dtype=DTYPE))
+
+
+@pytest.mark.parametrize("kind", ["global", "equal-budget", "weighted"])
+def test_every_allocation_keeps_sensitivity_over_std_equal_to_sigma(kind):
+    # Scaled by 1/w_k, every group has noise std σ·S and the scaled sensitivity is S.
+    w = allocation_weights(kind, C, D)
+    std = noise_stds(0.7, C, w)
+    s = (C.pow(2) / w.pow(2)).sum().sqrt()
+    torch.testing.assert_close(std / w, 0.7 * s * torch.ones(2, dtype=DTYPE))
+
+
+def _two_layer():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(30, 20), nn.Tanh(), nn.Linear(20, 5)).to(DTYPE)
+
+
+@pytest.mark.parametrize("kind", ["global", "equal-budget", "weighted"])
+def test_empirical_noise_std_per_group_matches_allocation(kind):
+    sigma, batch, steps = 1.3, 4, 10
+    model = _two_layer()
+    engine = DPEngine(model, {"grouping": "layer", "noise_allocation": kind,
+                              "threshold": {"kind": "fixed", "value": C.tolist()}},
+                      noise_multiplier=sigma, expected_batch_size=batch, seed=123)
+    x = torch.randn(3, 30, dtype=DTYPE)
+    samples = [[], []]
+    for _ in range(steps):
+        engine.backward(0.0 * model(x).sum(1))       # zero loss: p.grad is pure noise
+        report = engine.privatize()
+        for k, layer in enumerate((model[0], model[2])):
+            samples[k].append(torch.cat([layer.weight.grad.flatten(), layer.bias.grad.flatten()]))
+    expected = noise_stds(sigma, C, allocation_weights(kind, C, D)) / batch
+    torch.testing.assert_close(report.noise_std_grad, expected)
+    torch.testing.assert_close(report.noise_std_sum, expected * batch)
+    for k in range(2):
+        z = torch.cat(samples[k])
+        n = z.numel()
+        assert n == steps * D[k]
+        # sd of the sample std / true std ≈ 1/sqrt(2(n−1)); sd of the mean = std/sqrt(n)
+        assert abs(float(z.std() / expected[k]) - 1) < 5 / math.sqrt(2 * (n - 1))
+        assert abs(float(z.mean() / expected[k])) < 5 / math.sqrt(n)
+
+
+def _noise_of(seed, secure):
+    model = mlp()
+    engine = DPEngine(model, {}, noise_multiplier=1.0, expected_batch_size=2, seed=seed,
+                      secure=secure)
+    engine.backward(0.0 * classify_loss(model, mlp_batch(n=2)))
+    engine.privatize()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_seed_gives_identical_noise_and_secure_ignores_it():
+    assert torch.equal(_noise_of(7, False), _noise_of(7, False))
+    assert not torch.equal(_noise_of(7, False), _noise_of(8, False))
+    a, b = _noise_of(7, True), _noise_of(7, True)
+    assert not torch.equal(a, b) and not torch.equal(a, _noise_of(7, False))
+
+
+def test_state_dict_resumes_the_noise_stream_but_never_a_secure_one():
+    model = mlp()
+    twin = copy.deepcopy(model)
+    engine = DPEngine(model, {}, noise_multiplier=1.0, expected_batch_size=2, seed=3)
+    engine.privatize()
+    state = engine.state_dict()
+    engine.privatize()
+    want = [p.grad.clone() for p in model.parameters()]
+    resumed = DPEngine(twin, {}, noise_multiplier=1.0, expected_batch_size=2, seed=99)
+    resumed.load_state_dict(state)
+    resumed.privatize()
+    for p, w in zip(twin.parameters(), want):
+        assert torch.equal(p.grad, w)
+    assert resumed.steps == 2
+    secure = DPEngine(mlp(), {}, noise_multiplier=1.0, expected_batch_size=2, secure=True)
+    assert "states" not in secure.state_dict()["noise"]
+
+
+def test_effective_noise_multiplier_formula_and_edge_cases():
+    # REFERENCE §C: budget share r -> σ_g = σ/sqrt(1−r) keeps σ_eff = σ.
+    k, r, sigma = 4, 0.1, 1.0
+    sigma_b = math.sqrt(k / (4 * r)) * sigma
+    sigma_g = sigma / math.sqrt(1 - r)
+    assert sigma_g == pytest.approx(1.054, abs=1e-3)
+    assert effective_noise_multiplier(sigma_g, [(math.sqrt(k) / 2, sigma_b)]) == pytest.approx(sigma)
+    assert effective_noise_multiplier(2.0) == 2.0
+    assert effective_noise_multiplier(0.0, [(1.0, 1.0)]) == 0.0
+    assert effective_noise_multiplier(1.0, [(1.0, 0.0)]) == 0.0
+
+
+def test_dp_event_is_gaussian_or_poisson_subsampled():
+    engine = DPEngine(mlp(), {}, noise_multiplier=1.1, expected_batch_size=2)
+    assert engine.privatize().dp_event == dp_accounting.GaussianDpEvent(1.1)
+    engine = DPEngine(mlp(), {}, noise_multiplier=1.1, expected_batch_size=2, sample_rate=0.01)
+    assert engine.privatize().dp_event == dp_accounting.PoissonSampledDpEvent(
+        0.01, dp_accounting.GaussianDpEvent(1.1))

@@ -1,0 +1,134 @@
+"""Per-layer norm math: ghost norms, embedding norms, cross terms, clipped sums."""
+
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+from dpclip.engine.norms import (Bilinear, Dense, choose_ghost, clipped_sum, ghost_norm_sq,
+                                 ids_ghost_norm_sq, instantiate, param_norm_sq, per_sample_grads)
+from tests.engine.conftest import DTYPE, check_exact, classify_loss
+
+FEW = settings(max_examples=8, deadline=None)
+
+
+def _dense(gen, b, g, t, m, n):
+    return Bilinear(torch.randn(b, g, t, m, generator=gen, dtype=DTYPE),
+                    torch.randn(b, g, t, n, generator=gen, dtype=DTYPE))
+
+
+def _ids(gen, b, t, vocab, n):
+    return Bilinear(torch.randint(0, vocab, (b, t), generator=gen),
+                    torch.randn(b, 1, t, n, generator=gen, dtype=DTYPE), vocab=vocab)
+
+
+@FEW
+@given(b=st.integers(1, 3), g=st.integers(1, 3), t=st.integers(1, 5), m=st.integers(1, 4),
+       n=st.integers(1, 4), seed=st.integers(0, 99))
+def test_ghost_norm_equals_norm_of_instantiated_gradient(b, g, t, m, n, seed):
+    use = _dense(torch.Generator().manual_seed(seed), b, g, t, m, n)
+    explicit = instantiate(use).flatten(1).pow(2).sum(1)
+    torch.testing.assert_close(ghost_norm_sq(use.left, use.right), explicit)
+    # instantiate is the per-sample sum over t of outer products L_tᵀ R_t
+    torch.testing.assert_close(instantiate(use)[:, 0, :, :],
+                               torch.einsum("btm,btn->bmn", use.left[:, 0], use.right[:, 0]))
+
+
+@FEW
+@given(b=st.integers(1, 3), t=st.integers(1, 6), vocab=st.integers(1, 5), n=st.integers(1, 4),
+       seed=st.integers(0, 99))
+def test_embedding_ghost_norm_counts_repeated_tokens(b, t, vocab, n, seed):
+    use = _ids(torch.Generator().manual_seed(seed), b, t, vocab, n)
+    onehot = torch.nn.functional.one_hot(use.left, vocab).to(DTYPE)
+    explicit = torch.einsum("btv,btn->bvn", onehot, use.right[:, 0])
+    torch.testing.assert_close(instantiate(use)[:, 0], explicit)
+    torch.testing.assert_close(ids_ghost_norm_sq(use.left, use.right), explicit.flatten(1).pow(2).sum(1))
+
+
+@FEW
+@given(t_e=st.integers(1, 5), t_h=st.integers(1, 5), vocab=st.integers(2, 6), d=st.integers(1, 4),
+       extra=st.booleans(), method=st.sampled_from(["auto", "ghost", "instantiate"]),
+       seed=st.integers(0, 99))
+def test_tied_embedding_and_head_norm_has_exact_cross_term(t_e, t_h, vocab, d, extra, method, seed):
+    # Embedding use (ids, b^e) + head use (L = b^h [T_h, V], R = h [T_h, d]) of one V x d
+    # weight, optionally a third instantiated use: ||Σ||² over all cross terms.
+    gen = torch.Generator().manual_seed(seed)
+    b = 3
+    uses = [_ids(gen, b, t_e, vocab, d), _dense(gen, b, 1, t_h, vocab, d)]
+    if extra:
+        uses.append(Dense(torch.randn(b, vocab, d, generator=gen, dtype=DTYPE)))
+    shape = torch.Size([vocab, d])
+    full = per_sample_grads(uses, shape)
+    norm_sq, parts = param_norm_sq(uses, shape, method)
+    torch.testing.assert_close(norm_sq, full.flatten(1).pow(2).sum(1))
+    c = torch.rand(b, generator=gen, dtype=DTYPE)
+    torch.testing.assert_close(clipped_sum(parts, c, shape), torch.einsum("b,bvd->vd", c, full))
+    # dropping the cross term would be wrong: the test data must make it matter
+    separate = sum(per_sample_grads([u], shape).flatten(1).pow(2).sum(1) for u in uses)
+    assert not torch.allclose(separate, norm_sq)
+
+
+@FEW
+@given(calls=st.lists(st.integers(1, 4), min_size=1, max_size=3), g=st.integers(1, 2),
+       method=st.sampled_from(["auto", "ghost", "instantiate"]), seed=st.integers(0, 99))
+def test_several_calls_of_one_layer_concatenate_along_t(calls, g, method, seed):
+    gen = torch.Generator().manual_seed(seed)
+    uses = [_dense(gen, 2, g, t, 3, 4) for t in calls]
+    shape = torch.Size([g * 3, 4])
+    full = per_sample_grads(uses, shape)
+    norm_sq, parts = param_norm_sq(uses, shape, method)
+    torch.testing.assert_close(norm_sq, full.flatten(1).pow(2).sum(1))
+    c = torch.tensor([0.3, 1.7], dtype=DTYPE)
+    torch.testing.assert_close(clipped_sum(parts, c, shape), torch.einsum("b,bmn->mn", c, full))
+
+
+def test_mixed_rule_picks_ghost_when_two_t_squared_is_below_p_times_d():
+    small_t = Bilinear(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 5))     # 18 < 20
+    large_t = Bilinear(torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 4, 5))     # 32 ≥ 20
+    assert choose_ghost(small_t, "auto") and not choose_ghost(large_t, "auto")
+    assert choose_ghost(large_t, "ghost") and not choose_ghost(small_t, "instantiate")
+
+
+class _OneLayer(nn.Module):
+    def __init__(self, layer, head_in):
+        super().__init__()
+        self.layer, self.head = layer, nn.Linear(head_in, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.layer(x))
+        return self.head(h.flatten(1, -2).mean(1) if h.dim() > 2 else h)
+
+
+@settings(max_examples=6, deadline=None)
+@given(lead=st.lists(st.integers(1, 3), max_size=2), d=st.integers(1, 4), p=st.integers(1, 4),
+       bias=st.booleans(), method=st.sampled_from(["auto", "ghost", "instantiate"]))
+def test_linear_with_any_leading_dims_matches_per_example_loop(lead, d, p, bias, method):
+    gen = torch.Generator().manual_seed(len(lead) * 100 + d * 10 + p)
+    batch = {"x": torch.randn(4, *lead, d, generator=gen, dtype=DTYPE),
+             "y": torch.randint(0, 3, (4,), generator=gen)}
+    check_exact(lambda: _OneLayer(nn.Linear(d, p, bias=bias), p).to(DTYPE), classify_loss, batch,
+                "param", norm_method=method)
+
+
+class _ConvNet(nn.Module):
+    def __init__(self, conv):
+        super().__init__()
+        self.conv, self.head = conv, nn.Linear(conv.out_channels, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x)).flatten(2).mean(-1))
+
+
+@settings(max_examples=8, deadline=None)
+@given(dim=st.sampled_from([1, 2]), k=st.integers(1, 3), stride=st.integers(1, 2),
+       padding=st.integers(0, 2), dilation=st.integers(1, 2), groups=st.sampled_from([1, 2]),
+       method=st.sampled_from(["auto", "ghost", "instantiate"]))
+def test_conv_geometry_matches_per_example_loop(dim, k, stride, padding, dilation, groups, method):
+    cls = nn.Conv1d if dim == 1 else nn.Conv2d
+    size = (9,) if dim == 1 else (7, 6)
+    conv = cls(2 * groups, 2 * groups, k, stride=stride, padding=padding, dilation=dilation,
+               groups=groups)
+    gen = torch.Generator().manual_seed(k + 10 * stride)
+    batch = {"x": torch.randn(3, 2 * groups, *size, generator=gen, dtype=DTYPE),
+             "y": torch.randint(0, 3, (3,), generator=gen)}
+    check_exact(lambda: _ConvNet(conv).to(DTYPE), classify_loss, batch, "all-layer",
+                norm_method=method)
