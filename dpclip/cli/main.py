@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import traceback
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code (tests call this in-process)."""
     args = list(sys.argv[1:] if argv is None else argv)
     _debug["on"] = bool(os.environ.get("DPCLIP_DEBUG")) or "--debug" in args
+    if not _debug["on"]:
+        # dp_accounting logs through absl when its RDP series skips an order (harmless: the
+        # remaining orders still bound ε); users see such details only with --debug.
+        logging.getLogger("absl").setLevel(logging.ERROR)
     try:
         app(args=args, prog_name="dpclip", standalone_mode=False)
         return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from dpclip.cli.render import console, fmt, print_json
@@ -14,8 +14,8 @@ from dpclip.cli.render import console, fmt, print_json
 def _short(values, limit: int = 3) -> str:
     if not values:
         return "-"
-    shown = ", ".join(f"{v:.3g}" for v in values[:limit])
-    return shown + (f", … ({len(values)})" if len(values) > limit else "")
+    shown = ",".join(f"{v:.3g}" for v in values[:limit])
+    return shown + (f" (+{len(values) - limit})" if len(values) > limit else "")
 
 
 class RichObserver:
@@ -46,8 +46,8 @@ class RichObserver:
         if info["dry_run"]:
             return
         self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-            TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False)
+            BarColumn(bar_width=16), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+            TimeRemainingColumn(), console=console, transient=False)
         self.progress.start()
         self.task = self.progress.add_task("train", total=info["steps"], completed=info.get("start_step", 0),
                                            status="")
@@ -60,8 +60,8 @@ class RichObserver:
         diag = record["diagnostics"]
         clip = diag["clip_fraction"]
         clip_text = "n/a" if clip is None else f"{100 * sum(clip) / max(len(clip), 1):.0f}%"
-        status = (f"loss {diag['train_loss']:.3f}  ε {fmt(self.epsilon, 3)}  C {_short(record['thresholds'])}"
-                  f"  clipped {clip_text}")
+        status = (f"loss {diag['train_loss']:.3f} ε {fmt(self.epsilon, 3)} C {_short(record['thresholds'], 1)}"
+                  f" clip {clip_text}")
         self.progress.update(self.task, completed=record["step"], status=status)
 
     def on_eval(self, record):

@@ -24,6 +24,8 @@ import dp_accounting
 import torch
 from torch import Tensor, nn
 
+from dpclip.accounting import gradient_step_event
+
 from dpclip.engine.bookkeeping import Bookkeeper
 from dpclip.engine.clip import make_clip_fn
 from dpclip.engine.groups import Groups, build_groups, trainable_params
@@ -263,9 +265,8 @@ class DPEngine:
 
         aux = list(self.policy.release(self.noise.generator(self._device)) or [])
         sigma_eff = effective_noise_multiplier(self.noise_multiplier, aux)
-        event = dp_accounting.GaussianDpEvent(sigma_eff)
-        if self.sample_rate is not None:
-            event = dp_accounting.PoissonSampledDpEvent(self.sample_rate, event)
+        # The accounting package builds the event, so engine and plan agree exactly.
+        event = gradient_step_event(self.sample_rate if self.sample_rate is not None else 1.0, sigma_eff)
         if self.config["fn"] == "auto":  # AUTO rescales every sample: "clipped" means nothing
             clip_fraction = None
         elif self._samples:

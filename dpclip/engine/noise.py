@@ -50,25 +50,23 @@ def noise_stds(sigma: float, thresholds: Tensor, weights: Tensor) -> Tensor:
 def effective_noise_multiplier(sigma_gradient: float, aux: Iterable[tuple[float, float]] = ()) -> float:
     """σ_eff of the joint release of the gradient and auxiliary statistics (DESIGN §4).
 
-    σ_eff⁻² = σ_g⁻² + Σ_a (Δ_a/σ_a)², each release a Gaussian with L2 sensitivity Δ_a and
-    noise std σ_a on the same sampled batch (the gradient: sensitivity S, std σ_g·S).
-    A zero σ anywhere (no noise) gives σ_eff = 0: no privacy.
+    σ_eff⁻² = σ_g⁻² + Σ_a (Δ_a/σ_a)², computed by the accounting package so the engine and
+    the ledger share one formula. A zero σ_g (no noise) gives σ_eff = 0: no privacy.
     """
+    from dpclip.accounting import joint_noise_multiplier
+    from dpclip.errors import AccountingError
+
     if sigma_gradient < 0:
         raise EngineError(f"noise_multiplier must be ≥ 0, got {sigma_gradient}", None)
     if sigma_gradient == 0:
         return 0.0
-    inv = sigma_gradient ** -2
-    for release in aux:
-        delta, sigma = float(release[0]), float(release[1])
-        if delta < 0 or sigma < 0:
-            raise EngineError(f"auxiliary release with negative sensitivity or sigma: {release}", None)
-        if delta == 0:
-            continue
-        if sigma == 0:
-            return 0.0
-        inv += (delta / sigma) ** 2
-    return 1.0 / math.sqrt(inv)
+    releases = [(float(r[0]), float(r[1])) for r in aux]
+    if any(sensitivity > 0 and sigma == 0 for sensitivity, sigma in releases):
+        return 0.0
+    try:
+        return joint_noise_multiplier(sigma_gradient, [r for r in releases if r[0] > 0])
+    except AccountingError as exc:
+        raise EngineError(exc.message, exc.hint) from None
 
 
 class NoiseSource:

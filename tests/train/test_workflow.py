@@ -198,3 +198,25 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(small_recipe, tmp_path):
     latest = (run_dir / "checkpoints" / "LATEST").read_text().strip()
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert latest == f"step_{ledger['steps']:06d}" and ledger["steps"] >= 1
+
+
+def test_engine_event_is_exactly_the_planned_event(small_recipe):
+    """account RECIPE and the training ledger cannot disagree: same builder, same event."""
+    from dpclip.data import load_data, select
+    from dpclip.engine import DPEngine
+    from dpclip.models import build_model
+
+    recipe = small_recipe("clipping.threshold={kind: quantile, budget_fraction: 0.05}")
+    data = load_data(recipe.data, seed=0)
+    model, loss_fn = build_model(recipe.model, data)
+    plan = plan_for_recipe(recipe, groups=3)
+    solved = solve_plan(plan)
+    clipping = recipe.clipping.model_dump()
+    clipping["threshold"].update(sigma=solved.split.sigma_aux, budget_fraction=None)
+    engine = DPEngine(model, clipping, noise_multiplier=solved.split.sigma_gradient, expected_batch_size=64,
+                      sample_rate=plan.sample_rate)
+    engine.backward(loss_fn(model, select(data.train, torch.arange(10))))
+    report = engine.privatize()
+    assert report.dp_event.sampling_probability == solved.step_event.sampling_probability
+    assert report.dp_event.event.noise_multiplier == pytest.approx(solved.step_event.event.noise_multiplier,
+                                                                   rel=1e-12)

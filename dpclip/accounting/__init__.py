@@ -1,0 +1,87 @@
+"""Privacy accounting for dpclip, built on Google's ``dp_accounting``.
+
+What is accounted: example-level differential privacy under add/remove-one-example
+neighbours, for Poisson-sampled Gaussian steps; every release of a step (gradient and
+auxiliary threshold statistics) shares one budget as a joint Gaussian (DESIGN §4-5).
+See docs/accounting.md. This package never imports torch.
+"""
+
+from dpclip.accounting.accountants import (
+    ACCOUNTANTS,
+    RDP_CONVERSION,
+    RDP_ORDERS,
+    PLD_METHOD,
+    AccountingResult,
+    account,
+    delta_for_epsilon,
+    epsilon,
+    pld_discretization,
+    rdp_curve,
+)
+from dpclip.accounting.calibrate import SIGMA_MAX, SIGMA_MIN, calibrate_noise_multiplier, epsilon_for_noise
+from dpclip.accounting.events import (
+    SERIALIZABLE_EVENT_TYPES,
+    event_from_dict,
+    event_to_dict,
+    gradient_step_event,
+    joint_noise_multiplier,
+    training_event,
+)
+from dpclip.accounting.ledger import LEDGER_FORMAT, Ledger, LedgerEntry
+from dpclip.accounting.plan import AuxSpec, PlanResult, PrivacyPlan, solve, steps_for_epochs
+from dpclip.accounting.split import AUX_KINDS, NoiseSplit, aux_sensitivity, check_aux_fits, split_noise
+from dpclip.accounting.statement import (
+    GRADIENT_RELEASE,
+    SAMPLINGS,
+    SHUFFLE_CAVEAT,
+    PrivacyStatement,
+    statement_from_ledger,
+)
+
+__all__ = [
+    # events
+    "gradient_step_event",
+    "joint_noise_multiplier",
+    "training_event",
+    "event_to_dict",
+    "event_from_dict",
+    "SERIALIZABLE_EVENT_TYPES",
+    # accountants
+    "ACCOUNTANTS",
+    "RDP_ORDERS",
+    "RDP_CONVERSION",
+    "PLD_METHOD",
+    "AccountingResult",
+    "account",
+    "epsilon",
+    "delta_for_epsilon",
+    "pld_discretization",
+    "rdp_curve",
+    # calibration
+    "SIGMA_MIN",
+    "SIGMA_MAX",
+    "calibrate_noise_multiplier",
+    "epsilon_for_noise",
+    # budget split
+    "AUX_KINDS",
+    "NoiseSplit",
+    "aux_sensitivity",
+    "split_noise",
+    "check_aux_fits",
+    # ledger
+    "LEDGER_FORMAT",
+    "Ledger",
+    "LedgerEntry",
+    # statement
+    "SAMPLINGS",
+    "SHUFFLE_CAVEAT",
+    "GRADIENT_RELEASE",
+    "PrivacyStatement",
+    "statement_from_ledger",
+    # plan
+    "AuxSpec",
+    "PrivacyPlan",
+    "PlanResult",
+    "solve",
+    "steps_for_epochs",
+]

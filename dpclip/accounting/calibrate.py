@@ -1,0 +1,221 @@
+"""Noise calibration: the smallest noise multiplier that meets a target (ε, δ).
+
+ε(σ) of T Poisson-subsampled Gaussian steps is continuous and decreasing in σ, so the
+σ with ε(σ) = ε_target is found by a bracketed root search. dpclip returns a σ whose
+ε is **at most** the target (privacy is never over-spent) and **within rtol (1%)** of it
+(noise is not wasted): ε(σ) ∈ [(1 − rtol)·ε_target, ε_target].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+from dpclip.accounting.accountants import _check_accountant, _check_delta, account
+from dpclip.accounting.events import _check_sample_rate, training_event
+from dpclip.accounting.split import check_aux_fits
+from dpclip.errors import AccountingError
+
+__all__ = [
+    "SIGMA_MIN",
+    "SIGMA_MAX",
+    "calibrate_noise_multiplier",
+    "epsilon_for_noise",
+]
+
+#: Below this noise multiplier a "private" release is meaningless; a target that σ = SIGMA_MIN
+#: already meets is refused as unreachable rather than answered with a near-zero σ.
+SIGMA_MIN = 0.01
+#: Above this the requested ε is too small to reach with any practical amount of noise.
+SIGMA_MAX = 1e4
+
+
+@contextlib.contextmanager
+def _quiet_dp_accounting() -> Iterator[None]:
+    """Silence warnings about the search's trial σ values, which the user never asked for.
+
+    Very small trial σ make dp_accounting's RDP series skip some orders (logged through
+    absl), which only loosens those trial ε values; PLD fallbacks at trial σ are likewise
+    irrelevant (the fallback at the answer is reported by whoever computes its ε).
+    """
+    loggers = [logging.getLogger("absl"), logging.getLogger("dpclip.accounting.accountants")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _check_steps(steps: int) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise AccountingError(
+            f"steps must be an integer >= 1, got {steps!r}",
+            "steps = ceil(epochs / sample rate); see dpclip.accounting.steps_for_epochs",
+        )
+
+
+def _check_target(target_epsilon: float) -> None:
+    if not isinstance(target_epsilon, (int, float)) or not 0 < target_epsilon < math.inf:
+        raise AccountingError(
+            f"target ε must be a finite number > 0, got {target_epsilon!r}",
+            "typical targets are 1 to 10, e.g. --eps 8",
+        )
+
+
+def epsilon_for_noise(
+    noise_multiplier: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str = "rdp",
+) -> float:
+    """ε after ``steps`` Poisson-sampled Gaussian steps with this noise multiplier."""
+    _check_steps(steps)
+    return account(training_event(sample_rate, noise_multiplier, steps), delta, accountant).epsilon
+
+
+def _search(
+    eps_of: Callable[[float], float],
+    target: float,
+    rtol: float,
+    lo: float,
+    hi: float,
+    eps_lo: float,
+    eps_hi: float,
+) -> float:
+    """Shrink the bracket [lo, hi] (ε(lo) > target >= ε(hi)) until ε(hi) >= (1 − rtol)·target.
+
+    Probes interpolate linearly in (log σ, log ε), where ε(σ) is close to a power law,
+    aiming at the middle of the accepted band; a probe stays at least 10% of the bracket
+    away from its ends, and a probe that did not halve the bracket is followed by a
+    plain bisection, so the bracket always shrinks geometrically (a safeguarded regula
+    falsi). Returns ``hi``: the invariant ε(hi) <= target is never broken.
+
+    dp_accounting's RDP ε is not continuous everywhere: where its KL bound applies
+    (tiny sampling rates, large δ) ε drops straight to 0. If the band falls inside such
+    a jump, no σ is within rtol of the target and the search returns the σ just above
+    the jump (ε below the target, so still safe).
+    """
+    aim = math.log(target * (1 - rtol / 2))
+    bisect_next = False
+    while eps_hi < (1 - rtol) * target:
+        a, b = math.log(lo), math.log(hi)
+        if b - a < 1e-10:  # at a jump of ε(σ): no σ in the band exists
+            break
+        t = 0.5
+        if not bisect_next and math.isfinite(eps_lo) and eps_hi > 0 and eps_lo != eps_hi:
+            fa, fb = math.log(eps_lo), math.log(eps_hi)
+            t = min(0.9, max(0.1, (fa - aim) / (fa - fb)))
+        mid = math.exp(a + t * (b - a))
+        eps_mid = eps_of(mid)
+        if eps_mid > target:
+            lo, eps_lo = mid, eps_mid
+        else:
+            hi, eps_hi = mid, eps_mid
+        bisect_next = t != 0.5 and math.log(hi) - math.log(lo) > 0.5 * (b - a)
+    return hi
+
+
+def _sigma_for_epsilon(
+    eps_of: Callable[[float], float],
+    target: float,
+    rtol: float,
+    guess: float,
+    hint_inputs: str,
+) -> float:
+    """Bracket the solution by doubling/halving from ``guess``, then :func:`_search`."""
+    sigma, eps = guess, eps_of(guess)
+    if eps > target:
+        # Too little noise: double until ε <= target.
+        lo, eps_lo = sigma, eps
+        while True:
+            hi = min(lo * 2, SIGMA_MAX)
+            eps_hi = eps_of(hi)
+            if eps_hi <= target:
+                break
+            if hi >= SIGMA_MAX:
+                raise AccountingError(
+                    f"target ε = {target:g} is unreachable: even noise multiplier "
+                    f"{SIGMA_MAX:g} gives ε = {eps_hi:.4g} ({hint_inputs})",
+                    "raise ε or δ, train for fewer steps, or use a smaller sample rate",
+                )
+            lo, eps_lo = hi, eps_hi
+    else:
+        # Enough noise already: halve until ε > target.
+        hi, eps_hi = sigma, eps
+        while True:
+            lo = max(hi / 2, SIGMA_MIN)
+            eps_lo = eps_of(lo)
+            if eps_lo > target:
+                break
+            if lo <= SIGMA_MIN:
+                raise AccountingError(
+                    f"target ε = {target:g} is so large that a noise multiplier of "
+                    f"{SIGMA_MIN:g} or less would meet it ({hint_inputs}); that is no "
+                    "meaningful privacy",
+                    "choose a smaller ε (typically 1 to 10), or set the noise multiplier directly",
+                )
+            hi, eps_hi = lo, eps_lo
+    return _search(eps_of, target, rtol, lo, hi, eps_lo, eps_hi)
+
+
+def calibrate_noise_multiplier(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str = "rdp",
+    aux: Sequence[tuple[float, float]] | None = None,
+    *,
+    rtol: float = 0.01,
+) -> float:
+    """The total noise multiplier σ_eff meeting ``target_epsilon`` at ``delta``.
+
+    Returns σ_eff with ε(σ_eff) <= target_epsilon and ε(σ_eff) >= (1 − rtol)·target_epsilon,
+    where ε is computed for ``steps`` steps of ``PoissonSampled(q, Gaussian(σ_eff))``
+    with ``accountant``.
+
+    σ_eff is the *joint* multiplier of everything a step releases (DESIGN §4): without
+    auxiliary statistics it is the gradient's noise multiplier; with them, split it with
+    :func:`dpclip.accounting.split_noise`. ``aux`` — pairs (Δ_a, σ_a) of auxiliary
+    statistics whose noise std is fixed — does not change σ_eff, but is checked: a
+    joint release needs σ_eff⁻² > Σ (Δ_a/σ_a)², otherwise no gradient noise could
+    complete it and an AccountingError says the smallest σ_a that would work.
+
+    Method: RDP, whose cost does not depend on ``steps``, brackets the answer; with
+    ``accountant="pld"`` the RDP answer (whose PLD ε is lower) is the upper end of the
+    bracket and the search continues with PLD. Each ε evaluation is one call to
+    dp_accounting (see :mod:`dpclip.accounting.accountants`).
+    """
+    _check_target(target_epsilon)
+    _check_delta(delta)
+    _check_sample_rate(sample_rate)
+    _check_steps(steps)
+    _check_accountant(accountant)
+    if not 0 < rtol < 1:
+        raise AccountingError(f"rtol must be in (0, 1), got {rtol!r}", "the default 0.01 means within 1%")
+
+    inputs = f"δ = {delta:g}, sample rate {sample_rate:g}, {steps} steps"
+
+    def eps_of(method: str) -> Callable[[float], float]:
+        def eps(sigma: float) -> float:
+            value = account(training_event(sample_rate, sigma, steps), delta, method).epsilon
+            return math.inf if math.isnan(value) else value  # NaN must never pass as "within target"
+
+        return eps
+
+    with _quiet_dp_accounting():
+        sigma = _sigma_for_epsilon(eps_of("rdp"), target_epsilon, rtol, 1.0, inputs)
+        if accountant == "pld":
+            # dpclip's PLD ε is never above the RDP ε, so the RDP answer already meets the
+            # target under PLD: restart the search from it for the smaller PLD σ.
+            sigma = _sigma_for_epsilon(eps_of("pld"), target_epsilon, rtol, sigma, inputs)
+
+    if aux:
+        check_aux_fits(sigma, aux)
+    return sigma

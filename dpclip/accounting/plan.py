@@ -1,0 +1,231 @@
+"""The one event builder shared by ``dpclip account`` and the training loop (DESIGN §5).
+
+A :class:`PrivacyPlan` says how a run will sample and for how long, and either the
+target ε or the noise. :func:`solve` turns it into the noise multipliers, the per-step
+event, the ε and the statement. The training loop records ``PlanResult.step_event`` in
+its ledger every step (with ``PlanResult.step_metadata``), so what ``dpclip account``
+predicts and what a run spends are built by the same code and cannot disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import dp_accounting
+
+from dpclip.accounting.accountants import _check_accountant, _check_delta, account
+from dpclip.accounting.calibrate import _check_steps, _check_target, calibrate_noise_multiplier
+from dpclip.accounting.events import _check_sample_rate, gradient_step_event
+from dpclip.accounting.split import AUX_KINDS, NoiseSplit, aux_sensitivity, split_noise
+from dpclip.accounting.statement import GRADIENT_RELEASE, SAMPLINGS, PrivacyStatement
+from dpclip.errors import AccountingError
+
+__all__ = ["AuxSpec", "PrivacyPlan", "PlanResult", "solve", "steps_for_epochs"]
+
+_AUX_NAMES = {"quantile": "quantile counts", "histogram": "norm histogram"}
+
+
+def steps_for_epochs(epochs: float, sample_rate: float) -> int:
+    """Number of Poisson-sampled steps in ``epochs`` epochs: ceil(epochs / q).
+
+    Each step sees q·N examples in expectation, so one epoch is 1/q steps. The ratio is
+    rounded to 9 decimals first so floating-point noise (90 / 0.04 = 2250.0000000000005)
+    does not add a step.
+    """
+    _check_sample_rate(sample_rate)
+    if not isinstance(epochs, (int, float)) or not 0 < epochs < math.inf:
+        raise AccountingError(f"epochs must be a finite number > 0, got {epochs!r}", "e.g. --epochs 10")
+    return max(1, math.ceil(round(epochs / sample_rate, 9)))
+
+
+@dataclass(frozen=True)
+class AuxSpec:
+    """An auxiliary statistic released with every gradient step (adaptive thresholds).
+
+    Attributes:
+        kind: "quantile" (per-group clipped-fraction counts) or "histogram" (DC-SGD norm
+            histogram, one per group).
+        groups: number of clipping groups K.
+        sigma: its Gaussian noise std σ_a, or
+        fraction: its share r of the privacy budget (exactly one of sigma / fraction).
+    """
+
+    kind: str
+    groups: int = 1
+    sigma: float | None = None
+    fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in AUX_KINDS:
+            raise AccountingError(
+                f"unknown auxiliary statistic {self.kind!r}",
+                "use 'quantile' (adaptive quantile thresholds) or 'histogram' (DC-SGD)",
+            )
+        aux_sensitivity(self.kind, self.groups)  # validates groups
+        if (self.sigma is None) == (self.fraction is None):
+            raise AccountingError(
+                "give exactly one of the auxiliary statistic's sigma and fraction",
+                "fraction=0.05 spends 5% of the budget on it; sigma=S fixes its noise std",
+            )
+
+    @property
+    def sensitivity(self) -> float:
+        return aux_sensitivity(self.kind, self.groups)
+
+    def release(self) -> str:
+        """How this release is named in the privacy statement."""
+        return f"{_AUX_NAMES[self.kind]} (K={self.groups}, sensitivity {round(self.sensitivity, 6)})"
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    """What a run will do, for accounting purposes.
+
+    Attributes:
+        sample_rate: Poisson sampling rate q = expected batch size / data set size.
+        steps: number of steps.
+        delta: the δ of the guarantee.
+        accountant: "pld" (default) or "rdp".
+        sampling: how the loader forms batches, "poisson" or "shuffle" (caveat).
+        target_epsilon: calibrate the noise to this ε, or
+        noise_multiplier: the total (joint) noise multiplier σ_eff — exactly one of the two.
+        aux: an auxiliary statistic sharing the budget, if any.
+    """
+
+    sample_rate: float
+    steps: int
+    delta: float
+    accountant: str = "pld"
+    sampling: str = "poisson"
+    target_epsilon: float | None = None
+    noise_multiplier: float | None = None
+    aux: AuxSpec | None = None
+
+    def __post_init__(self) -> None:
+        _check_sample_rate(self.sample_rate)
+        _check_steps(self.steps)
+        _check_delta(self.delta)
+        _check_accountant(self.accountant)
+        if self.sampling not in SAMPLINGS:
+            raise AccountingError(
+                f"unknown sampling {self.sampling!r}",
+                "use 'poisson' (what the accountant assumes) or 'shuffle' (fixed-size shuffled batches)",
+            )
+        if (self.target_epsilon is None) == (self.noise_multiplier is None):
+            raise AccountingError(
+                "give exactly one of target ε and noise multiplier",
+                "--eps 8 calibrates the noise; --noise-multiplier 1.1 computes the ε it gives",
+            )
+        if self.target_epsilon is not None:
+            _check_target(self.target_epsilon)
+        if self.noise_multiplier is not None and (
+            not isinstance(self.noise_multiplier, (int, float)) or not 0 < self.noise_multiplier < math.inf
+        ):
+            raise AccountingError(
+                f"noise multiplier must be a finite number > 0, got {self.noise_multiplier!r}",
+                "without noise there is no privacy guarantee; typical values are 0.5 to 5",
+            )
+        if self.aux is not None and not isinstance(self.aux, AuxSpec):
+            raise AccountingError(f"aux must be an AuxSpec, got {type(self.aux).__name__}", "AuxSpec('quantile', groups=4, fraction=0.05)")
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The solved plan.
+
+    Attributes:
+        split: how σ_eff is shared between gradient and auxiliary statistic.
+        epsilon: ε of the whole run with the plan's accountant (after any fallback).
+        epsilon_rdp: ε with RDP, alongside.
+        step_event: the per-step joint event PoissonSampled(q, Gaussian(σ_eff)) (DESIGN §4).
+        total_event: SelfComposed(step_event, steps).
+        statement: the privacy statement for ``epsilon``.
+        fallback_reason: why PLD fell back to RDP, if it did.
+        accountant: the accountant that produced ``epsilon``.
+        plan: the plan that was solved.
+    """
+
+    split: NoiseSplit
+    epsilon: float
+    epsilon_rdp: float
+    step_event: dp_accounting.DpEvent
+    total_event: dp_accounting.DpEvent
+    statement: PrivacyStatement
+    fallback_reason: str | None
+    accountant: str
+    plan: PrivacyPlan
+
+    @property
+    def step_metadata(self) -> dict[str, Any]:
+        """What the training loop passes to ``Ledger.record`` with ``step_event``: the split."""
+        return {
+            "sigma_total": self.split.sigma_total,
+            "sigma_gradient": self.split.sigma_gradient,
+            "sigma_aux": self.split.sigma_aux,
+            "aux_sensitivity": self.split.aux_sensitivity,
+            "aux_fraction": self.split.aux_fraction,
+            "releases": list(self.statement.releases),
+        }
+
+
+def solve(plan: PrivacyPlan) -> PlanResult:
+    """Noise, events, ε and statement of a plan.
+
+    With ``target_epsilon``: σ_eff = calibrate_noise_multiplier(target, δ, q, steps,
+    plan.accountant) (ε <= target, within 1%), then split by the aux spec. With
+    ``noise_multiplier``: σ_eff is given and ε is computed. Adding an auxiliary
+    statistic never changes ε at a fixed σ_eff; it raises the gradient's noise to
+    σ_g = σ_eff·inflation instead.
+    """
+    if not isinstance(plan, PrivacyPlan):
+        raise AccountingError(f"expected a PrivacyPlan, got {type(plan).__name__}", "build one with PrivacyPlan(...)")
+    if plan.target_epsilon is not None:
+        sigma_total = calibrate_noise_multiplier(
+            plan.target_epsilon, plan.delta, plan.sample_rate, plan.steps, plan.accountant
+        )
+    else:
+        sigma_total = float(plan.noise_multiplier)
+
+    if plan.aux is None:
+        split = NoiseSplit.gradient_only(sigma_total)
+        releases = [GRADIENT_RELEASE]
+    else:
+        split = split_noise(
+            sigma_total, plan.aux.sensitivity, aux_sigma=plan.aux.sigma, aux_fraction=plan.aux.fraction
+        )
+        releases = [GRADIENT_RELEASE, plan.aux.release()]
+
+    # The event is built from σ_eff itself (not re-derived from the split), so the
+    # ledger of a run and this plan hold bit-identical events.
+    step_event = gradient_step_event(plan.sample_rate, split.sigma_total)
+    total_event = dp_accounting.SelfComposedDpEvent(step_event, plan.steps)
+    result = account(total_event, plan.delta, plan.accountant)
+
+    statement = PrivacyStatement(
+        epsilon=result.epsilon,
+        delta=plan.delta,
+        accountant=result.accountant,
+        conversion=result.conversion,
+        sample_rate=plan.sample_rate,
+        steps=plan.steps,
+        sigma_total=split.sigma_total,
+        sigma_gradient=split.sigma_gradient,
+        sigma_aux=split.sigma_aux,
+        epsilon_rdp=result.epsilon_rdp if result.accountant == "pld" else None,
+        sampling=plan.sampling,
+        releases=releases,
+        fallback_reason=result.fallback_reason,
+    )
+    return PlanResult(
+        split=split,
+        epsilon=result.epsilon,
+        epsilon_rdp=result.epsilon_rdp,
+        step_event=step_event,
+        total_event=total_event,
+        statement=statement,
+        fallback_reason=result.fallback_reason,
+        accountant=result.accountant,
+        plan=plan,
+    )

@@ -1,0 +1,190 @@
+"""Splitting one privacy budget between the gradient and auxiliary statistics.
+
+A step that releases the noisy gradient (noise multiplier σ_g, sensitivity 1 after
+clipping) and a noisy statistic (sensitivity Δ, noise std σ_a) of the same Poisson
+sample is one Gaussian mechanism with (DESIGN §4, REFERENCE §C)::
+
+    σ⁻² = σ_g⁻² + (Δ/σ_a)²
+
+Calibration finds the total σ for (ε, δ); this module works backwards from σ to
+(σ_g, σ_a). The *budget fraction* of the statistic is r = (Δ/σ_a)²·σ²: the share of
+σ⁻² (the "precision", which adds up across releases) spent on it. Then::
+
+    σ_g = σ / sqrt(1 − r)          (r = 0.01 -> σ_g = 1.005σ; r = 0.1 -> 1.054σ)
+    σ_a = Δ·σ / sqrt(r)
+
+Sensitivities of the statistics dpclip releases (REFERENCE §C, DESIGN §4 table):
+
+- quantile counts (He et al., after Andrew et al.): per group k the count
+  Σ_i (1[n_{i,k} <= C_k] − ½); one example moves each of the K counts by ½, so the
+  K-vector has L2 sensitivity sqrt(K)/2.
+- histograms (DC-SGD, Wei et al.): one example adds 1 to one bin of each of the K
+  histograms (one per group), so L2 sensitivity sqrt(K) (1 for flat clipping).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dpclip.errors import AccountingError
+
+__all__ = ["AUX_KINDS", "NoiseSplit", "aux_sensitivity", "split_noise", "check_aux_fits"]
+
+AUX_KINDS = ("quantile", "histogram")
+
+
+def aux_sensitivity(kind: str, groups: int = 1) -> float:
+    """L2 sensitivity of an auxiliary statistic over ``groups`` groups.
+
+    quantile: sqrt(K)/2 (K shifted counts, each moved by ½); histogram: sqrt(K)
+    (one histogram per group, one example adds 1 to one bin of each). REFERENCE §C.
+    """
+    if kind not in AUX_KINDS:
+        raise AccountingError(
+            f"unknown auxiliary statistic {kind!r}",
+            "use 'quantile' (adaptive quantile thresholds) or 'histogram' (DC-SGD)",
+        )
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise AccountingError(
+            f"groups must be an integer >= 1, got {groups!r}",
+            "groups is the number of clipping groups K (1 for flat clipping)",
+        )
+    if kind == "quantile":
+        return math.sqrt(groups) / 2
+    return math.sqrt(groups)
+
+
+@dataclass(frozen=True)
+class NoiseSplit:
+    """How a total noise multiplier is shared between gradient and auxiliary statistic.
+
+    Attributes:
+        sigma_total: σ, the joint noise multiplier the accountant sees.
+        sigma_gradient: σ_g, the noise multiplier to put on the clipped gradient.
+        sigma_aux: σ_a, the noise std of the statistic (None without one).
+        aux_sensitivity: Δ, its L2 sensitivity (0 without one).
+        aux_fraction: r = (Δ/σ_a)²·σ², its share of the budget (0 without one).
+        inflation: σ_g/σ = 1/sqrt(1 − r), the gradient-noise price of the statistic.
+    """
+
+    sigma_total: float
+    sigma_gradient: float
+    sigma_aux: float | None
+    aux_sensitivity: float
+    aux_fraction: float
+    inflation: float
+
+    @classmethod
+    def gradient_only(cls, sigma_total: float) -> "NoiseSplit":
+        """The trivial split: all of σ on the gradient, no auxiliary statistic."""
+        return cls(sigma_total, sigma_total, None, 0.0, 0.0, 1.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _smallest_aux_sigma_hint(sigma_total: float, sensitivity: float) -> str:
+    floor = sensitivity * sigma_total
+    ten_percent = floor / math.sqrt(0.1)
+    return (
+        f"aux_sigma must be greater than Δ·σ = {sensitivity:g}·{sigma_total:g} = {floor:.6g} "
+        f"(at that value the statistic alone uses the whole budget); "
+        f"e.g. aux_sigma = {ten_percent:.6g} spends 10% of it"
+    )
+
+
+def split_noise(
+    sigma_total: float,
+    aux_sensitivity: float,
+    *,
+    aux_sigma: float | None = None,
+    aux_fraction: float | None = None,
+) -> NoiseSplit:
+    """Split σ between the gradient and one auxiliary statistic of sensitivity Δ.
+
+    Give exactly one of:
+
+    - ``aux_fraction`` r ∈ (0, 1): σ_a = Δ·σ/sqrt(r), σ_g = σ/sqrt(1 − r);
+    - ``aux_sigma`` σ_a > Δ·σ: σ_g = (σ⁻² − (Δ/σ_a)²)^(−1/2)
+      (DC-SGD: σ = 1, σ_H = 10, Δ = 1 -> σ_g = 1.00504).
+
+    Formulas: REFERENCE §C; they solve σ⁻² = σ_g⁻² + (Δ/σ_a)² (DESIGN §4).
+    """
+    if not isinstance(sigma_total, (int, float)) or not 0 < sigma_total < math.inf:
+        raise AccountingError(
+            f"total noise multiplier must be a finite number > 0, got {sigma_total!r}",
+            "calibrate it with calibrate_noise_multiplier(ε, δ, q, steps)",
+        )
+    if not isinstance(aux_sensitivity, (int, float)) or not 0 < aux_sensitivity < math.inf:
+        raise AccountingError(
+            f"auxiliary sensitivity must be a finite number > 0, got {aux_sensitivity!r}",
+            "use aux_sensitivity('quantile'|'histogram', groups); without a statistic, "
+            "use NoiseSplit.gradient_only(σ)",
+        )
+    if (aux_sigma is None) == (aux_fraction is None):
+        raise AccountingError(
+            "give exactly one of aux_sigma and aux_fraction",
+            "aux_fraction=0.05 spends 5% of the budget on the statistic; "
+            "aux_sigma=S fixes its noise std and gives the gradient the rest",
+        )
+    sigma, delta_a = float(sigma_total), float(aux_sensitivity)
+
+    if aux_fraction is not None:
+        if not isinstance(aux_fraction, (int, float)) or not 0 < aux_fraction < 1:
+            raise AccountingError(
+                f"aux_fraction must be in (0, 1), got {aux_fraction!r}",
+                "it is the share of the budget for the statistic; He et al. used 0.01 to 0.1",
+            )
+        r = float(aux_fraction)
+        sigma_a = delta_a * sigma / math.sqrt(r)
+        sigma_g = sigma / math.sqrt(1 - r)
+    else:
+        if not isinstance(aux_sigma, (int, float)) or not 0 < aux_sigma < math.inf:
+            raise AccountingError(
+                f"aux_sigma must be a finite number > 0, got {aux_sigma!r}",
+                _smallest_aux_sigma_hint(sigma, delta_a),
+            )
+        sigma_a = float(aux_sigma)
+        r = (delta_a / sigma_a) ** 2 * sigma**2
+        if r >= 1:
+            raise AccountingError(
+                f"aux_sigma = {sigma_a:g} is too small for total noise multiplier {sigma:g}: "
+                f"the statistic alone would use {100 * r:.4g}% of the budget",
+                _smallest_aux_sigma_hint(sigma, delta_a),
+            )
+        sigma_g = (sigma**-2 - (delta_a / sigma_a) ** 2) ** -0.5
+    return NoiseSplit(
+        sigma_total=sigma,
+        sigma_gradient=sigma_g,
+        sigma_aux=sigma_a,
+        aux_sensitivity=delta_a,
+        aux_fraction=r,
+        inflation=sigma_g / sigma,
+    )
+
+
+def check_aux_fits(sigma_total: float, aux: Sequence[tuple[float, float]]) -> None:
+    """Raise unless statistics with fixed (Δ_a, σ_a) leave budget for the gradient.
+
+    The gradient gets σ_g⁻² = σ⁻² − Σ (Δ_a/σ_a)², which must be > 0 (REFERENCE §C).
+    """
+    for delta_a, sigma_a in aux:
+        if not delta_a >= 0 or not sigma_a > 0:
+            raise AccountingError(
+                f"auxiliary statistic needs sensitivity >= 0 and noise std > 0, got ({delta_a!r}, {sigma_a!r})",
+                "pass (sensitivity, noise std) pairs, e.g. [(aux_sensitivity('histogram', 1), 10.0)]",
+            )
+    used = sum((delta_a / sigma_a) ** 2 for delta_a, sigma_a in aux) * sigma_total**2
+    if used >= 1:
+        if len(aux) == 1:
+            hint = _smallest_aux_sigma_hint(sigma_total, aux[0][0])
+        else:
+            hint = f"multiply every aux noise std by more than sqrt({used:.6g}) = {math.sqrt(used):.6g}"
+        raise AccountingError(
+            f"the auxiliary statistics alone would use {100 * used:.4g}% of the budget "
+            f"of total noise multiplier {sigma_total:.6g}",
+            hint,
+        )

@@ -1,0 +1,185 @@
+"""The privacy statement: every ε dpclip prints comes with what it means (DESIGN §5).
+
+A bare "ε = 3" is not a claim anyone can check. The statement says the unit
+(example-level), the neighbouring relation (add/remove one example), how batches were
+sampled and at which rate, how many steps, δ, the accountant and its conversion, the
+noise multipliers, which releases share the budget, and every caveat — in particular
+that fixed-size shuffled batches are *not* covered by the Poisson analysis.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import dp_accounting
+
+from dpclip.errors import AccountingError
+
+if TYPE_CHECKING:  # only for annotations; avoids an import cycle with ledger
+    from dpclip.accounting.ledger import Ledger
+
+__all__ = [
+    "SAMPLINGS",
+    "SHUFFLE_CAVEAT",
+    "GRADIENT_RELEASE",
+    "PrivacyStatement",
+    "statement_from_ledger",
+]
+
+SAMPLINGS = ("poisson", "shuffle")
+
+#: The loud caveat for loaders that do not sample Poisson batches (REFERENCE §H).
+SHUFFLE_CAVEAT = (
+    "accounting assumes Poisson sampling; the loader uses fixed-size shuffled batches, "
+    "for which this ε is not a proven bound"
+)
+
+#: How the gradient release is described (clipping makes its sensitivity 1 in units of σ).
+GRADIENT_RELEASE = "gradient (sensitivity 1 after clipping)"
+
+
+def _fmt(x: float | None, digits: int = 4) -> str:
+    if x is None:
+        return "n/a"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.{digits}g}"
+
+
+@dataclass
+class PrivacyStatement:
+    """An (ε, δ) guarantee together with everything needed to interpret it.
+
+    ``accountant`` is the accountant that produced ``epsilon``; when it is "pld",
+    ``epsilon_rdp`` holds the RDP value alongside (None otherwise). ``sampling`` is how
+    the loader forms batches: "poisson" (what the accountant assumes) or "shuffle"
+    (fixed-size shuffled batches; adds :data:`SHUFFLE_CAVEAT`). A PLD->RDP fallback
+    adds its reason to ``caveats``.
+    """
+
+    epsilon: float
+    delta: float
+    accountant: str
+    conversion: str
+    sample_rate: float | None
+    steps: int
+    sigma_total: float | None
+    sigma_gradient: float | None = None
+    sigma_aux: float | None = None
+    epsilon_rdp: float | None = None
+    sampling: str = "poisson"
+    releases: list[str] = field(default_factory=lambda: [GRADIENT_RELEASE])
+    caveats: list[str] = field(default_factory=list)
+    fallback_reason: str | None = None
+    unit: str = "example-level"
+    neighbouring: str = "add/remove one example"
+
+    def __post_init__(self) -> None:
+        if self.sampling not in SAMPLINGS:
+            raise AccountingError(
+                f"unknown sampling {self.sampling!r}",
+                "use 'poisson' (what the accountant assumes) or 'shuffle' (fixed-size shuffled batches)",
+            )
+        self.releases = list(self.releases)
+        self.caveats = list(self.caveats)
+        # Caveats are derived here, not left to callers, so none can be forgotten.
+        if self.sampling == "shuffle" and SHUFFLE_CAVEAT not in self.caveats:
+            self.caveats.insert(0, SHUFFLE_CAVEAT)
+        if self.fallback_reason:
+            fallback = f"PLD accounting was requested but RDP was used: {self.fallback_reason}"
+            if fallback not in self.caveats:
+                self.caveats.append(fallback)
+        if math.isinf(self.epsilon) and "no finite ε: a release without noise is not private" not in self.caveats:
+            self.caveats.append("no finite ε: a release without noise is not private")
+
+    def lines(self) -> list[str]:
+        """Human-readable statement, one fact per line."""
+        out = [
+            f"ε = {_fmt(self.epsilon)} at δ = {self.delta:g}",
+            f"privacy unit: {self.unit}; neighbouring data sets: {self.neighbouring}",
+            f"accountant: {self.accountant.upper()}: {self.conversion}",
+        ]
+        if self.epsilon_rdp is not None:
+            out.append(f"RDP ε alongside: {_fmt(self.epsilon_rdp)}")
+        sampling = "Poisson" if self.sampling == "poisson" else "fixed-size shuffled batches"
+        out.append(f"sampling: {sampling}, sample rate q = {_fmt(self.sample_rate, 6)}")
+        out.append(f"steps: {self.steps}")
+        out.append(f"noise multiplier (total, joint over all releases): {_fmt(self.sigma_total, 6)}")
+        if self.sigma_aux is not None:
+            out.append(f"gradient noise multiplier: {_fmt(self.sigma_gradient, 6)}")
+            out.append(f"auxiliary statistic noise std: {_fmt(self.sigma_aux, 6)}")
+        for release in self.releases:
+            out.append(f"release sharing the budget: {release}")
+        for caveat in self.caveats:
+            out.append(f"CAVEAT: {caveat}")
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict (an infinite ε is written as null)."""
+        d = asdict(self)
+        for name in ("epsilon", "epsilon_rdp"):
+            if d[name] is not None and not math.isfinite(d[name]):
+                d[name] = None
+        return d
+
+
+def _gaussian_parameters(event: dp_accounting.DpEvent) -> tuple[float, float] | None:
+    """(sample rate, noise multiplier) of a step event built by gradient_step_event, else None."""
+    if isinstance(event, dp_accounting.PoissonSampledDpEvent) and isinstance(
+        event.event, dp_accounting.GaussianDpEvent
+    ):
+        return event.sampling_probability, event.event.noise_multiplier
+    if isinstance(event, dp_accounting.GaussianDpEvent):
+        return 1.0, event.noise_multiplier
+    return None
+
+
+def statement_from_ledger(ledger: "Ledger", sampling: str = "poisson") -> PrivacyStatement:
+    """The statement for what a run's ledger has spent (``dpclip account RUN_DIR``).
+
+    Sample rate and noise multipliers are reported when every entry has the same ones;
+    otherwise they are n/a and a caveat points to the ledger. Release descriptions come
+    from the entries' metadata (key "releases", as written by PlanResult.step_metadata).
+    """
+    result = ledger.result()
+    parameters = {_gaussian_parameters(entry.event) for entry in ledger.entries}
+    metadatas = [entry.metadata or {} for entry in ledger.entries]
+    caveats: list[str] = []
+    if len(parameters) == 1 and None not in parameters:
+        sample_rate, sigma_total = next(iter(parameters))
+    else:
+        sample_rate = sigma_total = None
+        if ledger.entries:
+            caveats.append("the ledger mixes several kinds of releases or noise levels; see its entries")
+
+    def common(name: str) -> Any:
+        values = [m.get(name) for m in metadatas]
+        return values[0] if values and all(v == values[0] for v in values) else None
+
+    releases: list[str] = []
+    for m in metadatas:
+        for release in m.get("releases", [GRADIENT_RELEASE]):
+            if release not in releases:
+                releases.append(release)
+    return PrivacyStatement(
+        epsilon=result.epsilon,
+        delta=ledger.delta,
+        accountant=result.accountant,
+        conversion=result.conversion,
+        sample_rate=sample_rate,
+        steps=ledger.steps,
+        sigma_total=sigma_total,
+        sigma_gradient=(common("sigma_gradient") or sigma_total) if sigma_total is not None else None,
+        sigma_aux=common("sigma_aux") if sigma_total is not None else None,
+        epsilon_rdp=result.epsilon_rdp if result.accountant == "pld" else None,
+        sampling=sampling,
+        releases=releases or [GRADIENT_RELEASE],
+        caveats=caveats,
+        fallback_reason=result.fallback_reason,
+    )
+

@@ -1,0 +1,81 @@
+"""Privacy statements: every ε with its meaning and caveats."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dpclip.accounting import (
+    SHUFFLE_CAVEAT,
+    Ledger,
+    PrivacyStatement,
+    gradient_step_event,
+    statement_from_ledger,
+)
+from dpclip.errors import AccountingError
+
+
+def _statement(**overrides):
+    fields = dict(
+        epsilon=2.5,
+        delta=1e-5,
+        accountant="pld",
+        conversion="privacy loss distribution",
+        sample_rate=0.004,
+        steps=2500,
+        sigma_total=1.1,
+        epsilon_rdp=2.9,
+    )
+    fields.update(overrides)
+    return PrivacyStatement(**fields)
+
+
+def test_shuffled_batches_add_the_loud_poisson_caveat():
+    statement = _statement(sampling="shuffle")
+    assert SHUFFLE_CAVEAT in statement.caveats
+    assert SHUFFLE_CAVEAT == (
+        "accounting assumes Poisson sampling; the loader uses fixed-size shuffled batches, "
+        "for which this ε is not a proven bound"
+    )
+    assert any(SHUFFLE_CAVEAT in line for line in statement.lines())
+
+
+def test_poisson_sampling_has_no_sampling_caveat():
+    assert SHUFFLE_CAVEAT not in _statement(sampling="poisson").caveats
+
+
+def test_unknown_sampling_is_refused():
+    with pytest.raises(AccountingError):
+        _statement(sampling="sequential")
+
+
+def test_pld_fallback_reason_becomes_a_caveat():
+    statement = _statement(accountant="rdp", epsilon_rdp=None, fallback_reason="PLD returned ε = inf")
+    assert any("PLD returned ε = inf" in c for c in statement.caveats)
+
+
+def test_lines_state_unit_neighbours_sampling_steps_delta_and_accountant():
+    text = "\n".join(_statement().lines())
+    for fact in ["ε = 2.5", "δ = 1e-05", "example-level", "add/remove one example", "Poisson",
+                 "q = 0.004", "steps: 2500", "PLD", "RDP ε alongside: 2.9", "gradient (sensitivity 1 after clipping)"]:
+        assert fact in text, fact
+
+
+def test_statement_dict_is_json_safe_and_complete():
+    d = json.loads(json.dumps(_statement(sampling="shuffle").to_dict(), allow_nan=False))
+    assert d["unit"] == "example-level" and d["neighbouring"] == "add/remove one example"
+    assert d["sampling"] == "shuffle" and SHUFFLE_CAVEAT in d["caveats"]
+    assert d["epsilon_rdp"] == 2.9
+
+
+def test_statement_of_a_ledger_reports_its_rate_noise_and_epsilon():
+    ledger = Ledger(1e-5, "pld")
+    ledger.record(gradient_step_event(0.01, 1.2), 300, metadata={"sigma_gradient": 1.25, "sigma_aux": 9.0,
+                                                               "releases": ["gradient", "quantile counts (K=1, sensitivity 0.5)"]})
+    statement = statement_from_ledger(ledger, sampling="shuffle")
+    assert statement.epsilon == ledger.epsilon()
+    assert (statement.sample_rate, statement.sigma_total, statement.steps) == (0.01, 1.2, 300)
+    assert statement.sigma_aux == 9.0
+    assert "quantile counts (K=1, sensitivity 0.5)" in statement.releases
+    assert SHUFFLE_CAVEAT in statement.caveats

@@ -1,0 +1,159 @@
+import json
+import math
+from pathlib import Path
+
+import dp_accounting
+import pytest
+from dp_accounting import pld, rdp
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+DONE_WHEN = ["account", "--eps", "8", "--delta", "1e-5", "--dataset-size", "60000", "--batch-size", "256",
+             "--epochs", "10"]
+
+
+def pld_epsilon(sigma, q, steps, delta):
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    accountant = pld.PLDAccountant(value_discretization_interval=1e-3)
+    return accountant.compose(event).get_epsilon(delta)
+
+
+def rdp_epsilon(sigma, q, steps, delta):
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    return rdp.RdpAccountant().compose(event).get_epsilon(delta)
+
+
+def test_done_when_command_prints_sigma_and_the_statement(cli):
+    result = cli(*DONE_WHEN)
+    assert result.code == 0, result.err
+    assert "σ" in result.out and "noise multiplier" in result.out
+    for fact in ("example-level", "add/remove", "Poisson", "δ", "steps"):
+        assert fact.lower() in result.out.lower(), fact
+
+
+def test_done_when_command_json_agrees_with_dp_accounting_called_directly(cli):
+    result = cli(*DONE_WHEN, "--json")
+    assert result.code == 0, result.err
+    payload = json.loads(result.out)
+    q, steps = 256 / 60000, math.ceil(10 / (256 / 60000))
+    assert payload["sample_rate"] == pytest.approx(q) and payload["steps"] == steps
+    sigma = payload["noise"]["sigma_total"]
+    direct = pld_epsilon(sigma, q, steps, 1e-5)
+    assert direct <= 8.0 * 1.005 and direct >= 8.0 * 0.98
+    assert payload["epsilon"] == pytest.approx(direct, rel=0.01)
+    assert payload["epsilon_rdp"] == pytest.approx(rdp_epsilon(sigma, q, steps, 1e-5), rel=1e-3)
+    assert payload["statement"]
+
+
+def test_epsilon_from_sigma_matches_dp_accounting(cli):
+    result = cli("account", "--sigma", "1.1", "--delta", "1e-5", "--sample-rate", "0.004", "--steps", "2000",
+                 "--accountant", "rdp", "--json")
+    assert result.code == 0, result.err
+    payload = json.loads(result.out)
+    assert payload["epsilon"] == pytest.approx(rdp_epsilon(1.1, 0.004, 2000, 1e-5), rel=1e-6)
+
+
+def test_both_accountants_keep_epsilon_within_the_target(cli):
+    payload = json.loads(cli("account", "--eps", "3", "--delta", "1e-5", "-q", "0.01", "--steps", "500",
+                             "--accountant", "both", "--json").out)
+    sigma = payload["noise"]["sigma_total"]
+    assert pld_epsilon(sigma, 0.01, 500, 1e-5) <= 3 * 1.005
+    assert rdp_epsilon(sigma, 0.01, 500, 1e-5) <= 3 * 1.0001
+
+
+@pytest.mark.parametrize("aux, groups, fraction, sensitivity", [("quantile", 4, 0.1, 1.0), ("histogram", 4, 0.05, 2.0),
+                                                                 ("quantile", 1, 0.01, 0.5)])
+def test_budget_split_by_fraction(cli, aux, groups, fraction, sensitivity):
+    result = cli("account", "--eps", "8", "--delta", "1e-5", "-q", "0.004", "--steps", "2000", "--aux", aux,
+                 "--aux-fraction", fraction, "--groups", groups, "--json")
+    assert result.code == 0, result.err
+    noise = json.loads(result.out)["noise"]
+    assert noise["aux_sensitivity"] == pytest.approx(sensitivity)
+    assert noise["sigma_gradient"] == pytest.approx(noise["sigma_total"] / math.sqrt(1 - fraction))
+    joint = (noise["sigma_gradient"] ** -2 + (sensitivity / noise["sigma_aux"]) ** 2) ** -0.5
+    assert joint == pytest.approx(noise["sigma_total"])
+    assert noise["inflation"] == pytest.approx(1 / math.sqrt(1 - fraction))
+
+
+def test_histogram_split_by_sigma_gives_the_dcsgd_gradient_noise(cli):
+    result = cli("account", "--sigma", "1.0", "--delta", "1e-5", "-q", "0.01", "--steps", "100", "--aux",
+                 "histogram", "--aux-sigma", "10", "--json")
+    noise = json.loads(result.out)["noise"]
+    assert noise["sigma_gradient"] == pytest.approx(1.00504, abs=1e-5)
+
+
+def test_text_output_shows_the_split(cli):
+    result = cli("account", "--eps", "8", "--delta", "1e-5", "-q", "0.004", "--steps", "2000", "--aux",
+                 "quantile", "--aux-fraction", "0.1", "-K", "4")
+    assert result.code == 0
+    for row in ("σ gradient", "σ statistic", "budget share", "noise inflation"):
+        assert row in result.out
+
+
+def test_shuffle_sampling_carries_the_poisson_caveat(cli):
+    result = cli(*DONE_WHEN, "--sampling", "shuffle", "--json")
+    statement = json.dumps(json.loads(result.out)["statement"]).lower()
+    assert "assumes poisson" in statement
+
+
+def test_recipe_plan_matches_the_same_settings_given_as_flags(cli):
+    from dpclip.data.size import training_set_size
+    from dpclip.recipe import load_recipe
+
+    recipe = load_recipe(QUICKSTART)
+    n = training_set_size(recipe.data)
+    from_recipe = json.loads(cli("account", QUICKSTART, "--json").out)
+    from_flags = json.loads(cli("account", "--eps", "8", "--delta", "1e-5", "-N", n, "-B", 64, "--epochs", 30,
+                                "--json").out)
+    assert from_recipe["steps"] == from_flags["steps"]
+    assert from_recipe["noise"]["sigma_total"] == pytest.approx(from_flags["noise"]["sigma_total"])
+
+
+def test_recipe_overrides_reach_the_plan(cli):
+    base = json.loads(cli("account", QUICKSTART, "--json").out)
+    tighter = json.loads(cli("account", QUICKSTART, "privacy.epsilon=2", "--json").out)
+    assert tighter["noise"]["sigma_total"] > base["noise"]["sigma_total"]
+
+
+def test_recipe_with_model_dependent_groups_needs_groups(cli):
+    result = cli("account", QUICKSTART, "clipping.threshold={kind: quantile}")
+    assert result.code == 2 and "--groups" in result.err
+    ok = cli("account", QUICKSTART, "clipping.threshold={kind: quantile}", "--groups", "3", "--json")
+    assert ok.code == 0 and json.loads(ok.out)["noise"]["aux_sensitivity"] == pytest.approx(math.sqrt(3) / 2)
+
+
+MALFORMED = [
+    (["account", "--eps", "0", "--delta", "1e-5", "-q", "0.01", "--steps", "10"], "epsilon"),
+    (["account", "--eps", "-1", "--delta", "1e-5", "-q", "0.01", "--steps", "10"], "epsilon"),
+    (["account", "--eps", "8", "--delta", "1e-5", "-q", "0.01", "--steps", "-5"], "steps"),
+    (["account", "--eps", "8", "--delta", "1e-3", "-N", "1000", "-B", "10", "--epochs", "1"], "1/N"),
+    (["account", "--eps", "8", "--delta", "1.5", "-q", "0.01", "--steps", "10"], "delta"),
+    (["account", "--eps", "8", "--delta", "1e-5", "-q", "1.5", "--steps", "10"], "sample rate"),
+    (["account", "--eps", "8", "--delta", "1e-5", "-N", "100", "-B", "200", "--epochs", "1"], "exceeds"),
+    (["account", "--eps", "8", "--delta", "1e-5"], "sampling"),
+    (["account", "--delta", "1e-5", "-q", "0.01", "--steps", "10"], "--eps"),
+    (["account", "--eps", "8", "--sigma", "1", "--delta", "1e-5", "-q", "0.01", "--steps", "10"], "exactly one"),
+    (["account", "--eps", "8", "-q", "0.01", "--steps", "10"], "--delta"),
+    (["account", "--sigma", "1.0", "--delta", "1e-5", "-q", "0.01", "--steps", "10", "--aux", "histogram",
+      "--aux-sigma", "0.5"], "aux"),
+    (["account", "--eps", "8", "--delta", "1e-5", "-q", "0.01", "--steps", "10", "--aux", "quantile",
+      "--aux-fraction", "1.5"], "fraction"),
+    (["account", "--eps", "8", "--delta", "1e-5", "-q", "0.01", "--steps", "10", "--aux-fraction", "0.1"], "--aux"),
+    (["account", "missing.yaml"], "not found"),
+    (["account", str(QUICKSTART), "--eps", "3"], "cannot be combined"),
+    (["account", str(QUICKSTART), "privacy.delta=0.01"], "1/N"),
+    (["account", str(QUICKSTART), "clipping.bogus=1"], "unknown key"),
+    (["account", "--eps", "abc"], "--eps"),
+]
+
+
+@pytest.mark.parametrize("args, fragment", MALFORMED, ids=[" ".join(a[1:4]) + f" [{f}]" for a, f in MALFORMED])
+def test_malformed_input_gives_error_and_hint_without_traceback(cli, args, fragment):
+    result = cli(*args)
+    assert result.code != 0
+    assert result.err.startswith("error: "), result.err
+    assert "\nhint: " in result.err
+    assert fragment.lower() in result.err.lower()
+    assert "Traceback" not in result.err and result.out == ""

@@ -1,0 +1,24 @@
+"""The README's main job, end to end: ≥ 90% test accuracy at ε ≤ 8 on the digits."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_quickstart_reaches_ninety_percent_at_epsilon_eight(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "dpclip", "train", str(REPO / "recipes" / "quickstart.yaml"),
+                           f"output_dir={tmp_path}", "--json"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["stopped"] == "completed" and summary["steps_done"] == summary["steps_planned"]
+    assert summary["epsilon"] <= 8.0 and summary["delta"] == 1e-5
+    assert summary["final_eval"]["accuracy"] >= 0.90
+    spent = subprocess.run([sys.executable, "-m", "dpclip", "account", summary["run_dir"], "--json"],
+                           capture_output=True, text=True, timeout=120)
+    assert json.loads(spent.stdout)["ledger"]["epsilon"] == pytest.approx(summary["epsilon"])
