@@ -28,16 +28,21 @@ def sampling_schedule(dataset_size: int, batch_size: int, epochs: float | None =
     if batch_size > dataset_size:
         raise AccountingError(f"batch size {batch_size} exceeds the dataset size {dataset_size}",
                               "the Poisson rate q = batch_size / N must be at most 1")
+    sample_rate = batch_size / dataset_size
+    return sample_rate, count_steps(sample_rate, epochs, steps)
+
+
+def count_steps(sample_rate: float, epochs: float | None, steps: int | None) -> int:
+    """Steps from exactly one of epochs (ceil(epochs / q)) or steps."""
     if (epochs is None) == (steps is None):
         raise AccountingError("give exactly one of epochs or steps", "e.g. --epochs 10 or --steps 2000")
-    sample_rate = batch_size / dataset_size
     if steps is None:
         if not epochs > 0:
-            raise AccountingError(f"epochs must be positive, got {epochs}", "e.g. --epochs 10")
-        steps = steps_for_epochs(epochs, sample_rate)
-    elif steps < 1:
+            raise AccountingError(f"epochs must be positive, got {epochs:g}", "e.g. --epochs 10")
+        return steps_for_epochs(epochs, sample_rate)
+    if steps < 1:
         raise AccountingError(f"steps must be a positive whole number, got {steps}", "e.g. --steps 2000")
-    return sample_rate, steps
+    return steps
 
 
 def check_delta(delta: float, dataset_size: int) -> None:
@@ -116,14 +121,7 @@ def plan_from_flags(*, delta: float | None, epsilon: float | None = None, noise_
                                   "q = batch_size / dataset_size")
         if not 0 < sample_rate <= 1:
             raise AccountingError(f"sample rate must lie in (0, 1], got {sample_rate:g}", "e.g. --sample-rate 0.004")
-        if (epochs is None) == (steps is None):
-            raise AccountingError("with --sample-rate give exactly one of --steps or --epochs", "e.g. --steps 2000")
-        if steps is None:
-            if not epochs > 0:
-                raise AccountingError(f"epochs must be positive, got {epochs:g}", "e.g. --epochs 10")
-            steps = steps_for_epochs(epochs, sample_rate)
-        elif steps < 1:
-            raise AccountingError(f"steps must be a positive whole number, got {steps}", "e.g. --steps 2000")
+        steps = count_steps(sample_rate, epochs, steps)
     elif dataset_size is not None and batch_size is not None:
         sample_rate, steps = sampling_schedule(dataset_size, batch_size, epochs, steps)
         check_delta(delta, dataset_size)
