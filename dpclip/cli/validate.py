@@ -15,9 +15,13 @@ def validate(
     overrides: list[str] = typer.Argument(None, help="key=value overrides, e.g. training.optimizer.lr=0.05"),
     show: bool = typer.Option(False, "--show", help="Print the resolved recipe with every default filled in."),
 ) -> None:
-    """Check a recipe (and overrides) against the schema."""
+    """Check a recipe (and overrides) against the schema and, where its size is known, the data."""
+    from dpclip.train.plan import check_against_data
+
     resolved = load_recipe(recipe, overrides or [])
+    dataset_size = check_against_data(resolved)
     if show:
         print(recipe_to_yaml(resolved), end="")
     else:
-        console.print(f"[green]ok[/]: {recipe} is a valid recipe ({resolved.name})")
+        size = f"{dataset_size} training examples" if dataset_size is not None else "data size checked at training"
+        console.print(f"[green]ok[/]: {recipe} is a valid recipe ({resolved.name}; {size})")

@@ -99,6 +99,21 @@ def privacy_plan(recipe: Recipe, dataset_size: int, groups: int | None = None) -
     )
 
 
+def check_against_data(recipe: Recipe) -> int | None:
+    """The rules that need N (batch ≤ N, δ < 1/N), where N is known without loading tensors.
+
+    Returns N, or None for sources whose size is only known after loading (Hugging Face).
+    """
+    from dpclip.data.size import training_set_size
+
+    if recipe.data.source == "hf":
+        return None
+    dataset_size = training_set_size(recipe.data)
+    sampling_schedule(dataset_size, recipe.training.batch_size, recipe.training.epochs, recipe.training.steps)
+    check_delta(recipe.privacy.delta, dataset_size)
+    return dataset_size
+
+
 def plan_from_flags(*, delta: float | None, epsilon: float | None = None, noise_multiplier: float | None = None,
                     sample_rate: float | None = None, steps: int | None = None, dataset_size: int | None = None,
                     batch_size: int | None = None, epochs: float | None = None, accountant: str = "pld",

@@ -60,3 +60,12 @@ def test_validate_reports_bad_yaml_unknown_key_and_wrong_type(cli, tmp_path):
         assert fragment in result.err and "hint:" in result.err and "Traceback" not in result.err
     wrong_type = cli("validate", QUICKSTART, "training.batch_size=[1]")
     assert wrong_type.code == 2 and "training.batch_size" in wrong_type.err
+
+
+def test_validate_checks_the_rules_that_need_the_data_size(cli):
+    ok = cli("validate", QUICKSTART)
+    assert "training examples" in ok.out
+    big_delta = cli("validate", QUICKSTART, "privacy.delta=0.01")
+    assert big_delta.code == 2 and "1/N" in big_delta.err and "hint:" in big_delta.err
+    big_batch = cli("validate", QUICKSTART, "training.batch_size=5000")
+    assert big_batch.code == 2 and "exceeds" in big_batch.err
