@@ -68,6 +68,7 @@ class StepReport:
     sigma_gradient: float
     sigma_eff: float
     aux_releases: list[AuxRelease]
+    policy_summary: dict
     dp_event: dp_accounting.DpEvent
     samples_seen: int
     expected_batch_size: int
@@ -86,6 +87,7 @@ class StepReport:
             "sigma_gradient": self.sigma_gradient,
             "sigma_eff": self.sigma_eff,
             "aux_releases": [tuple(a) for a in self.aux_releases],
+            "policy_summary": self.policy_summary,
             "samples_seen": self.samples_seen,
             "expected_batch_size": self.expected_batch_size,
         }
@@ -283,6 +285,7 @@ class DPEngine:
             sigma_gradient=self.noise_multiplier,
             sigma_eff=sigma_eff,
             aux_releases=aux,
+            policy_summary=self.policy.summary(),
             dp_event=event,
             samples_seen=self._samples,
             expected_batch_size=batch,

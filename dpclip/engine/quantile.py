@@ -35,6 +35,7 @@ class QuantileThreshold(ThresholdPolicy):
         self.sigma = sigma
         self.expected_batch_size = expected_batch_size
         self._shifted_counts = torch.zeros_like(initial)
+        self._last_fraction: list[float] | None = None
 
     def thresholds(self) -> Tensor:
         return self._values
@@ -51,8 +52,12 @@ class QuantileThreshold(ThresholdPolicy):
                             dtype=self._values.dtype) * self.sigma
         unclipped_fraction = ((self._shifted_counts + noise) / self.expected_batch_size + 0.5).clamp(0.0, 1.0)
         self._values = self._values * torch.exp(-self.lr * (unclipped_fraction - self.target))
+        self._last_fraction = unclipped_fraction.tolist()
         self._shifted_counts = torch.zeros_like(self._values)
         return [AuxRelease(self.sensitivity(), self.sigma, "quantile counts")]
+
+    def summary(self) -> dict:
+        return {"noisy_unclipped_fraction": self._last_fraction}
 
     def state_dict(self) -> dict:
         return {"thresholds": self._values.detach().cpu().tolist()}

@@ -14,6 +14,7 @@ A policy is asked, every logical batch:
 ``release(generator)``           once per step, after the gradient noise: the noisy
                                  statistics it used, as ``AuxRelease(sensitivity, sigma)``
                                  (or None). Its update applies from the next step;
+``summary()``                    -> dict of released values for the run's metrics;
 ``state_dict() / load_state_dict()`` for checkpoints.
 
 A release with L2 sensitivity Δ_a and noise std σ_a taken on the same sample as the
@@ -79,6 +80,11 @@ class ThresholdPolicy:
 
     def release(self, generator: torch.Generator) -> list[AuxRelease] | None:
         return None
+
+    def summary(self) -> dict:
+        """Released (noisy) quantities worth logging after ``release``, as plain JSON values
+        (e.g. a histogram range R_t or noisy counts). Never raw private statistics."""
+        return {}
 
     def state_dict(self) -> dict:
         return {}

@@ -322,6 +322,9 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
     result = TrainResult(run_dir, step, plan.steps, accounting.epsilon, accounting.epsilon_rdp, plan.delta, stopped,
                          final_eval, statement.lines(), step_metadata)
     write_json_atomic(run_dir / "summary.json", result.to_dict())
+    from dpclip.train.plots import plot_thresholds
+
+    plot_thresholds(run_dir / "metrics.jsonl", run_dir / "thresholds.png", engine.group_names)
     observer.on_end(result)
     return result
 
@@ -380,6 +383,7 @@ def _step_record(step, report, epsilon, loss_sum, batch_len, expected_batch, lr,
         "seconds": round(seconds, 4),
         "thresholds": summary["thresholds"],
         "noise_std": summary["noise_std_grad"],
+        "policy": summary["policy_summary"] or None,
         # Diagnostics computed WITHOUT noise from the private batch: not covered by ε.
         "diagnostics": {
             "train_loss": loss_sum / expected_batch,

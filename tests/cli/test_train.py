@@ -54,7 +54,7 @@ def test_shuffle_sampling_run_carries_the_caveat(cli, tmp_path):
 def test_checkpoints_hold_no_pickles(cli, tmp_path):
     summary = json.loads(cli("train", *short(tmp_path), "--json").out)
     files = {p.suffix for p in Path(summary["run_dir"]).rglob("*") if p.is_file()}
-    assert files <= {".yaml", ".json", ".jsonl", ".safetensors", ""}, files
+    assert files <= {".yaml", ".json", ".jsonl", ".safetensors", ".png", ""}, files
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -147,6 +147,8 @@ def test_quantile_thresholds_move_and_their_counts_are_charged(small_recipe):
     result = train(recipe)
     records = [json.loads(l) for l in (result.run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' not in l]
     assert records[0]["thresholds"] != records[-1]["thresholds"]
+    assert all(0 <= f <= 1 for f in records[-1]["policy"]["noisy_unclipped_fraction"])
+    assert (result.run_dir / "thresholds.png").stat().st_size > 0
     ledger, statement = spent(result.run_dir)
     meta = ledger.entries[0].metadata
     assert meta["aux_fraction"] == pytest.approx(0.1)
