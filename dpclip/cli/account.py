@@ -41,6 +41,8 @@ def account(
     aux: AuxChoice = typer.Option(None, "--aux", help="A threshold statistic released with each gradient."),
     aux_sigma: float = typer.Option(None, "--aux-sigma", help="Noise std of the statistic."),
     aux_fraction: float = typer.Option(None, "--aux-fraction", help="Budget share r of the statistic, in (0, 1)."),
+    bins: int = typer.Option(None, "--bins", help="Histogram bins b of the DC-SGD preset (--aux histogram; "
+                             "paper: 20). Shown for the record: the histogram's sensitivity does not depend on b."),
     groups: int = typer.Option(None, "--groups", "-K", help="Clipping groups K (statistic sensitivity grows with sqrt(K))."),
     accountant: AccountantChoice = typer.Option(AccountantChoice.pld, "--accountant",
                                                 help="pld (RDP shown alongside), rdp, or both (σ safe under both)."),
@@ -55,6 +57,8 @@ def account(
       dpclip account --eps 8 --delta 1e-5 --dataset-size 60000 --batch-size 256 --epochs 10
 
       dpclip account --eps 8 --delta 1e-5 -q 0.004 --steps 2000 --aux quantile --aux-fraction 0.01 -K 4
+
+      dpclip account --eps 8 --delta 1e-5 -q 0.004 --steps 2000 --aux histogram --bins 20 --aux-sigma 5
 
       dpclip account recipes/quickstart.yaml privacy.epsilon=4
 
@@ -77,7 +81,7 @@ def account(
     if target is not None:
         flags = {"--eps": eps, "--delta": delta, "--sigma": sigma, "--sample-rate": sample_rate, "--steps": steps,
                  "--batch-size": batch_size, "--epochs": epochs, "--aux": aux, "--aux-sigma": aux_sigma,
-                 "--aux-fraction": aux_fraction}
+                 "--aux-fraction": aux_fraction, "--bins": bins}
         given = [name for name, value in flags.items() if value is not None]
         if given:
             from dpclip.errors import AccountingError
@@ -90,6 +94,7 @@ def account(
         plan = planning.plan_for_recipe(recipe, dataset_size=dataset_size, groups=groups)
         if accountant == AccountantChoice.pld:
             accountant_name = recipe.privacy.accountant
+        bins = getattr(recipe.clipping.threshold, "bins", None)
         title = f"recipe {recipe.name}"
     else:
         if overrides:
@@ -98,6 +103,14 @@ def account(
             raise AccountingError(f"unexpected arguments: {' '.join(overrides)}",
                                   "key=value overrides need a recipe: dpclip account RECIPE.yaml key=value")
         aux_spec = None
+        if bins is not None:
+            from dpclip.errors import AccountingError
+
+            if aux != AuxChoice.histogram:
+                raise AccountingError("--bins belongs to the DC-SGD histogram preset",
+                                      "use it with --aux histogram, e.g. --aux histogram --bins 20 --aux-sigma 5")
+            if bins < 2:
+                raise AccountingError(f"--bins must be at least 2, got {bins}", "the DC-SGD paper uses 20 bins")
         if aux is not None:
             from dpclip.accounting import AuxSpec
 
@@ -113,12 +126,12 @@ def account(
         title = None
     result = planning.solve_plan(plan, accountant_name)
     if as_json:
-        print_json(_as_dict(plan, result, accountant_name, title))
+        print_json(_as_dict(plan, result, accountant_name, title, bins))
     else:
-        _render(plan, result, accountant_name, title)
+        _render(plan, result, accountant_name, title, bins)
 
 
-def _as_dict(plan, result, accountant: str, title: str | None) -> dict:
+def _as_dict(plan, result, accountant: str, title: str | None, bins: int | None = None) -> dict:
     split = result.split
     return {
         "source": title or "flags",
@@ -136,13 +149,14 @@ def _as_dict(plan, result, accountant: str, title: str | None) -> dict:
             "aux_sensitivity": split.aux_sensitivity,
             "aux_fraction": split.aux_fraction,
             "inflation": split.inflation,
+            "bins": bins,
         },
         "fallback_reason": result.fallback_reason,
         "statement": result.statement.to_dict(),
     }
 
 
-def _render(plan, result, accountant: str, title: str | None) -> None:
+def _render(plan, result, accountant: str, title: str | None, bins: int | None = None) -> None:
     split = result.split
     if title:
         console.print(f"[bold]{title}[/]")
@@ -156,6 +170,9 @@ def _render(plan, result, accountant: str, title: str | None) -> None:
         table.add_row("σ total", fmt(split.sigma_total), "one joint Gaussian release per step (gradient + statistic)")
         table.add_row("σ gradient", fmt(split.sigma_gradient), "noise multiplier of the clipped gradient")
         table.add_row("σ statistic", fmt(split.sigma_aux), f"noise std of the statistic (sensitivity {fmt(split.aux_sensitivity)})")
+        if bins is not None:
+            table.add_row("histogram bins", str(bins), "b bins per group, N(0, σ_statistic²) each; "
+                          "the sensitivity does not depend on b")
         table.add_row("budget share r", fmt(split.aux_fraction), "share of the budget spent on the statistic")
         table.add_row("noise inflation", fmt(split.inflation), "σ gradient / σ total")
     console.print(table)

@@ -10,7 +10,8 @@ import traceback
 import typer
 
 from dpclip import __version__
-from dpclip.cli import account, recipes, train, validate
+from dpclip.cli import account, recipes, train, tune_cost, validate
+from dpclip.cli import audit
 from dpclip.cli.render import print_error
 from dpclip.errors import DpclipError
 
@@ -45,6 +46,8 @@ def root(
 app.command("train")(train.train)
 app.command("account")(account.account)
 app.command("validate")(validate.validate)
+app.command("audit-mia")(audit.audit_mia)
+app.command("tune-cost")(tune_cost.tune_cost)
 app.add_typer(recipes.app, name="recipes")
 
 

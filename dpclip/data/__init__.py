@@ -17,6 +17,10 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "CanarySet": "dpclip.data.canaries",
+    "make_canaries": "dpclip.data.canaries",
+    "read_canary_secret": "dpclip.data.canaries",
+    "with_canaries": "dpclip.data.canaries",
     "IGNORE_INDEX": "dpclip.data.dataset",
     "TASKS": "dpclip.data.dataset",
     "PrivateData": "dpclip.data.dataset",

@@ -18,3 +18,5 @@ __all__ = [
 
 # Threshold policies that live in their own modules register themselves on import.
 from dpclip.engine import quantile as _quantile  # noqa: E402,F401
+from dpclip.engine import dcsgd as _dcsgd  # noqa: E402,F401
+from dpclip.engine import discriminative as _discriminative  # noqa: E402,F401

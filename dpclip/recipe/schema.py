@@ -254,7 +254,9 @@ class DCSGDPercentile(HistogramFields):
     """DC-SGD-P (Wei et al.): C = the noisy histogram's p-th percentile."""
 
     kind: Literal["dcsgd-p"]
-    percentile: Annotated[float, Field(gt=0, le=1)] = 0.9
+    percentile: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.5, description="p: C is the noisy histogram's p-quantile; p near 1 needs (1-p)·B above the "
+                         "clamped noise mass of the upper bins (docs/methods.md)")
     range: PositiveFloat = Field(1.0, description="initial histogram range R0")
 
 
@@ -271,10 +273,12 @@ class DiscriminativeThreshold(Section):
     kind: Literal["discriminative"]
     small: PositiveFloat
     large: PositiveFloat | None = Field(None, description="default 10 x small")
-    subspace_dim: PositiveInt = 200
-    tail_rule: Literal["threshold", "top_fraction"] = "threshold"
-    tail_threshold: PositiveFloat | None = Field(None, description="trace above which a sample is tail")
-    top_fraction: UnitOpen = 0.1
+    subspace_dim: PositiveInt = Field(200, description="the paper's projection dimension; recorded only: "
+                                      "dpclip scores samples by gradient norm (docs/methods.md)")
+    tail_rule: Literal["threshold", "top_fraction"] = Field(
+        "threshold", description="threshold: noise for `large`; top_fraction ranks the batch: noise for 2·large − small")
+    tail_threshold: PositiveFloat | None = Field(None, description="gradient norm above which a sample is tail")
+    top_fraction: UnitOpen = Field(0.1, description="share of the expected batch clipped at `large` (top_fraction rule)")
 
     @model_validator(mode="after")
     def _large(self) -> DiscriminativeThreshold:
@@ -359,6 +363,25 @@ class Clipping(Section):
                                  f"for {len(self.grouping['groups'])} explicit groups")
         return self
 
+    @model_validator(mode="after")
+    def _policy_composes(self) -> Clipping:
+        """Refuse the policy/clip-function/allocation combinations whose rule means nothing.
+
+        Every other combination composes: histograms, quantile counts and the tail split are
+        per group and work with any grouping; dcsgd-p and discriminative set thresholds that
+        AUTO uses as its scale C/(||g|| + gamma).
+        """
+        if isinstance(self.threshold, DCSGDError):
+            if self.fn == "auto":
+                raise ValueError("threshold kind dcsgd-e needs fn: abadi: its error rule's bias term "
+                                 "max(m - C, 0)^2 models min(1, C/||g||) clipping, while auto rescales "
+                                 "every sample (use dcsgd-p or a fixed threshold with auto)")
+            if self.noise_allocation != "global":
+                raise ValueError("threshold kind dcsgd-e needs noise_allocation: global: its variance "
+                                 "term sigma_T^2 C^2 d / B^2 assumes every group's noise scales with the "
+                                 "step's total sensitivity (docs/methods.md)")
+        return self
+
 
 # --------------------------------------------------------------- the rest
 
@@ -373,12 +396,16 @@ class Checkpoint(Section):
 
 
 class Canaries(Section):
-    count: PositiveInt = 100
-    kind: Literal["mislabel", "ood"] = "mislabel"
+    count: PositiveInt = Field(100, description="canaries made; each goes into the training set with prob 1/2")
+    kind: Literal["mislabel", "ood"] = Field(
+        "mislabel", description="mislabel: held-out examples with a wrong label; ood: uniform-noise inputs")
+    seed: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="draws the canaries and their inclusion; default derived from the recipe seed")
 
 
 class Audit(Section):
-    canaries: Canaries | None = Field(None, description="one-run audit canaries, each included with prob 1/2")
+    canaries: Canaries | None = Field(
+        None, description="one-run audit canaries; the inclusion secret is kept in the run's audit/canaries.json")
 
 
 class RandomRange(Section):
@@ -399,6 +426,20 @@ class Tuning(Section):
     grid: dict[str, list[Any]] = Field(default_factory=dict, description="recipe key -> values")
     random: PositiveInt | None = Field(None, description="number of random draws over 'ranges'")
     ranges: dict[str, RandomRange] = Field(default_factory=dict)
+    score: Literal["private", "public"] = Field(
+        "private", description="private: the held-out split is private data, its score is released with "
+        "noise and charged to the budget; public: the held-out split is public data (your claim)")
+    score_noise: PositiveFloat = Field(
+        5.0, description="private score: std of the Gaussian noise on the count of correct held-out predictions")
+    trials: Literal["poisson", "truncated-negative-binomial"] = Field(
+        "truncated-negative-binomial",
+        description="repeat-and-select (Papernot & Steinke): law of the random number of trials K")
+    trials_mean: PositiveFloat | None = Field(None, description="E[K]; default: the number of configurations")
+    trials_shape: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
+        1.0, description="truncated negative binomial η (0 logarithmic, 1 geometric)")
+    stop_probability: UnitOpen | None = Field(
+        None, description="Liu–Talwar γ: stop after each run with this probability; default 1/(2G)")
+    stop_delta: UnitOpen = Field(1e-20, description="Liu–Talwar δ₂: mass cut by the hard limit T")
 
 
 class Recipe(Section):

@@ -167,8 +167,14 @@ def spent(run_dir: Path):
 
 
 def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: bool = False,
-          observer: TrainObserver | None = None) -> TrainResult:
-    """Train ``recipe`` privately (or resume the run in ``resume``); see the module doc."""
+          observer: TrainObserver | None = None, data=None, run_dir: Path | None = None) -> TrainResult:
+    """Train ``recipe`` privately (or resume the run in ``resume``); see the module doc.
+
+    Two keyword arguments serve ``dpclip audit-mia``'s shadow models (LiRA), which train
+    the same recipe on a chosen subset of examples: ``data`` (a PrivateData) replaces
+    what ``recipe.data`` would load, and ``run_dir`` is the exact directory of a new run
+    instead of a fresh ``output_dir/name-TIMESTAMP``. Pass the same ``data`` to resume.
+    """
     from dpclip.accounting import Ledger, solve
     from dpclip.data import PoissonSampler, ShuffleSampler, load_data, micro_batches, select
     from dpclip.engine import DPEngine, build_groups, trainable_params
@@ -193,14 +199,24 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
         raise DpclipError("nothing to train", "pass a recipe file, or --resume RUN_DIR")
 
     torch.manual_seed(recipe.seed)
-    data = load_data(recipe.data, seed=recipe.seed)
+    if data is None:
+        data = load_data(recipe.data, seed=recipe.seed)
     model, loss_fn = build_model(recipe.model, data, seed=recipe.seed)
     training = recipe.training
     micro_batch_size = training.micro_batch_size or training.batch_size
 
     # A statistic's sensitivity grows with the number of groups, which depends on the model.
     num_groups = len(build_groups(model, recipe.clipping.grouping, trainable_params(model)).names)
+    # N is the number of ordinary training examples, counted before any canary goes in
+    # (see dpclip.data.canaries: q = B/N applies to canaries too, as `dpclip account` says).
     plan = privacy_plan(recipe, data.num_train, groups=num_groups)
+    ordinary = data
+    canaries = None
+    if recipe.audit.canaries is not None:
+        from dpclip.data.canaries import make_canaries, with_canaries
+
+        canaries = make_canaries(data, recipe.audit.canaries, recipe.seed)
+        data = with_canaries(data, canaries)
     solved = solve(plan)
     split = solved.split
     engine = DPEngine(model, _engine_clipping(recipe, split), noise_multiplier=split.sigma_gradient,
@@ -217,8 +233,10 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
     epsilon_cap = recipe.privacy.epsilon
 
     info = {
-        "name": recipe.name, "steps": plan.steps, "sample_rate": plan.sample_rate, "num_train": data.num_train,
-        "num_test": data.num_test, "groups": engine.group_names, "sigma_total": split.sigma_total,
+        "name": recipe.name, "steps": plan.steps, "sample_rate": plan.sample_rate,
+        "num_train": ordinary.num_train, "num_test": data.num_test,
+        "canaries_included": None if canaries is None else int(canaries.included.sum()),
+        "groups": engine.group_names, "sigma_total": split.sigma_total,
         "sigma_gradient": split.sigma_gradient, "sigma_aux": split.sigma_aux, "planned_epsilon": solved.epsilon,
         "delta": plan.delta, "accountant": plan.accountant, "epsilon_cap": epsilon_cap,
         "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -244,11 +262,21 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
             ledger = Ledger.from_dict(state["ledger"])
             start_step = int(state["step"])
         _truncate_metrics(run_dir / "metrics.jsonl", start_step)
+        if canaries is not None:
+            _check_canaries(run_dir, canaries)
     else:
-        run_dir = new_run_dir(recipe)
-        run_dir.mkdir(parents=True)
+        if run_dir is None:
+            run_dir = new_run_dir(recipe)
+        run_dir = Path(run_dir)
+        if (run_dir / "recipe.yaml").exists():
+            raise DpclipError(f"{run_dir} already holds a run", "resume it with --resume, or choose a new folder")
+        run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / "recipe.yaml", recipe_to_yaml(recipe))
-        write_json_atomic(run_dir / "meta.json", _meta(recipe, data, info))
+        write_json_atomic(run_dir / "meta.json", _meta(recipe, ordinary, info))
+        if canaries is not None:
+            from dpclip.data.canaries import write_canary_secret
+
+            write_canary_secret(run_dir, canaries)
         (run_dir / "metrics.jsonl").touch()
     write_json_atomic(run_dir / "ledger.json", ledger.to_dict())
 
@@ -327,6 +355,17 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
     plot_thresholds(run_dir / "metrics.jsonl", run_dir / "thresholds.png", engine.group_names)
     observer.on_end(result)
     return result
+
+
+def _check_canaries(run_dir: Path, canaries) -> None:
+    """On resume, the rebuilt canaries must be the ones the run started with."""
+    from dpclip.data.canaries import read_canary_secret
+
+    stored = read_canary_secret(run_dir)
+    if stored is None or stored["fingerprint"] != canaries.fingerprint() \
+            or stored["included"] != [bool(b) for b in canaries.included]:
+        raise DpclipError(f"{run_dir / 'audit' / 'canaries.json'} does not match the recipe's canaries",
+                          "restore the file, or start a new run")
 
 
 class _deferred_interrupt:

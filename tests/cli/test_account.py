@@ -84,6 +84,26 @@ def test_histogram_split_by_sigma_gives_the_dcsgd_gradient_noise(cli):
     assert noise["sigma_gradient"] == pytest.approx(1.00504, abs=1e-5)
 
 
+def test_histogram_preset_with_bins_prints_the_papers_gradient_noise(cli):
+    # DC-SGD preset: sigma_T = (sigma^-2 - sigma_H^-2)^(-1/2); b = 20 is recorded, not charged
+    result = cli("account", "--sigma", "1.0", "--delta", "1e-5", "-q", "0.01", "--steps", "100", "--aux",
+                 "histogram", "--bins", "20", "--aux-sigma", "5", "--json")
+    noise = json.loads(result.out)["noise"]
+    assert noise["sigma_gradient"] == pytest.approx((1 - 1 / 25) ** -0.5, rel=1e-6)
+    assert noise["bins"] == 20 and noise["aux_sensitivity"] == 1.0
+    other = json.loads(cli("account", "--sigma", "1.0", "--delta", "1e-5", "-q", "0.01", "--steps", "100", "--aux",
+                           "histogram", "--bins", "50", "--aux-sigma", "5", "--json").out)["noise"]
+    assert other["sigma_gradient"] == noise["sigma_gradient"]
+    text = cli("account", "--sigma", "1.0", "--delta", "1e-5", "-q", "0.01", "--steps", "100", "--aux",
+               "histogram", "--bins", "20", "--aux-sigma", "5").out
+    assert "histogram bins" in text and "1.021" in text
+
+
+def test_recipe_plan_shows_the_recipes_bins(cli):
+    result = cli("account", str(QUICKSTART.parent / "dcsgd-e-digits.yaml"), "--json")
+    assert json.loads(result.out)["noise"]["bins"] == 20
+
+
 def test_text_output_shows_the_split(cli):
     result = cli("account", "--eps", "8", "--delta", "1e-5", "-q", "0.004", "--steps", "2000", "--aux",
                  "quantile", "--aux-fraction", "0.1", "-K", "4")
@@ -141,6 +161,9 @@ MALFORMED = [
     (["account", "--eps", "8", "--delta", "1e-5", "-q", "0.01", "--steps", "10", "--aux", "quantile",
       "--aux-fraction", "1.5"], "fraction"),
     (["account", "--eps", "8", "--delta", "1e-5", "-q", "0.01", "--steps", "10", "--aux-fraction", "0.1"], "--aux"),
+    (["account", "--sigma", "1", "--delta", "1e-5", "-q", "0.01", "--steps", "10", "--bins", "20"], "--aux histogram"),
+    (["account", "--sigma", "1", "--delta", "1e-5", "-q", "0.01", "--steps", "10", "--aux", "histogram",
+      "--aux-sigma", "5", "--bins", "1"], "bins"),
     (["account", "missing.yaml"], "not found"),
     (["account", str(QUICKSTART), "--eps", "3"], "cannot be combined"),
     (["account", str(QUICKSTART), "privacy.delta=0.01"], "1/N"),

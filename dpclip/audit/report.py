@@ -1,0 +1,203 @@
+"""`dpclip audit-mia`: attack a finished run and set the empirical leakage beside its ledger.
+
+    report = audit(Path("runs/quickstart-..."), attacks=["loss", "logistic", "one-run"])
+
+Members and non-members are rebuilt from the run directory alone: the recipe reloads the
+data with the run's seed, and the split's fingerprint must match the one in meta.json.
+The model is loaded from safetensors (never a pickle), the ε and δ to compare with come
+from the checkpoint's own ledger state, and the audit writes only under ``RUN/audit/``:
+``report.json``, ``roc.png`` and, for LiRA, ``shadows/``. ledger.json is never written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from dpclip.errors import DpclipError
+
+ATTACKS = ("loss", "logistic", "lira", "one-run")
+CANARY_HINT = ("add canaries to the recipe and train again, e.g. `audit: {canaries: {count: 200, kind: ood}}` "
+               "(or the override audit.canaries.count=200); each canary goes in with probability 1/2")
+
+
+@dataclass
+class Pool:
+    """Members (the run's training rows) followed by non-members (its held-out rows)."""
+
+    data: Any                          # the run's PrivateData
+    tensors: dict[str, torch.Tensor]   # train rows, then test rows
+    is_member: np.ndarray              # int [n]: 1 for the first num_train rows
+    attacked: np.ndarray               # bool [n]: rows the attacks score (mislabel-canary sources left out)
+
+    @property
+    def size(self) -> int:
+        return len(self.is_member)
+
+
+def resolve_target(path: Path) -> tuple[Path, Path]:
+    """(run_dir, checkpoint_dir) from a run directory or one of its checkpoint directories."""
+    from dpclip.train.checkpoint import latest_checkpoint
+
+    path = Path(path)
+    if (path / "model.safetensors").exists() and path.parent.name == "checkpoints":
+        return path.parent.parent, path
+    if (path / "recipe.yaml").exists():
+        checkpoint = latest_checkpoint(path)
+        if checkpoint is None:
+            raise DpclipError(f"{path} has no checkpoint yet", "train the run first (dpclip train RECIPE)")
+        return path, checkpoint
+    raise DpclipError(f"{path} is neither a run directory nor a checkpoint directory",
+                      "pass the folder `dpclip train` created under runs/, or one of its checkpoints/step_NNNNNN")
+
+
+def build_pool(run_dir: Path, recipe) -> Pool:
+    from dpclip.data import load_data
+    from dpclip.data.canaries import read_canary_secret
+
+    meta = json.loads((run_dir / "meta.json").read_text(encoding="utf-8"))
+    data = load_data(recipe.data, seed=recipe.seed)
+    if data.fingerprint != meta["data"]["split_fingerprint"]:
+        raise DpclipError(f"the data of {run_dir} no longer splits as it did in training",
+                          "the data files changed since the run; the members cannot be rebuilt")
+    tensors = {name: torch.cat([data.train[name], data.test[name]]) for name in data.train}
+    is_member = np.r_[np.ones(data.num_train, dtype=int), np.zeros(data.num_test, dtype=int)]
+    attacked = np.ones(len(is_member), dtype=bool)
+    secret = read_canary_secret(run_dir)
+    if secret is not None:
+        sources = [s for s in secret["sources"] if s is not None]
+        attacked[data.num_train + np.asarray(sources, dtype=int)] = False
+    return Pool(data, tensors, is_member, attacked)
+
+
+def _ledger_at(state: dict) -> tuple[float, float]:
+    from dpclip.accounting import Ledger
+
+    ledger = Ledger.from_dict(state["ledger"])
+    return (ledger.epsilon() if ledger.steps else 0.0), ledger.delta
+
+
+def _one_run(run_dir: Path, recipe, pool: Pool, model, loss_fn, delta: float, confidence: float) -> dict:
+    from dpclip.audit.attacks import model_outputs
+    from dpclip.audit.one_run import one_run_audit
+    from dpclip.data.canaries import make_canaries, read_canary_secret
+
+    secret = read_canary_secret(run_dir)
+    if secret is None or recipe.audit.canaries is None:
+        raise DpclipError(f"{run_dir} was trained without canaries, so the one-run audit has nothing to guess",
+                          CANARY_HINT)
+    canaries = make_canaries(pool.data, recipe.audit.canaries, recipe.seed)
+    if canaries.fingerprint() != secret["fingerprint"]:
+        raise DpclipError("the canaries rebuilt from the recipe differ from those the run trained with",
+                          "the data or the recipe changed since training; the one-run audit cannot be done")
+    outputs = model_outputs(model, loss_fn, canaries.tensors, pool.data.task)
+    # Score = −loss on the canary's own (wrong or random) label: memorised canaries score high.
+    result = one_run_audit(-outputs.losses, np.asarray(secret["included"], dtype=bool), delta, confidence)
+    result["kind"] = secret["kind"]
+    return result
+
+
+def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, bootstrap: int = 200,
+          confidence: float = 0.95, shadow_observer: Callable[[int, int], Any] | None = None,
+          write: bool = True) -> dict:
+    """Run ``attacks`` against the run or checkpoint ``target``; return (and write) the report."""
+    from dpclip.audit.attacks import Outputs, logistic_attack, loss_attack, model_outputs
+    from dpclip.models import build_model
+    from dpclip.train.checkpoint import load_checkpoint
+    from dpclip.train.workflow import load_run_recipe
+
+    unknown = [a for a in attacks if a not in ATTACKS]
+    if unknown:
+        raise DpclipError(f"unknown attack {unknown[0]!r}", "use loss, logistic, lira, one-run or all")
+    run_dir, checkpoint = resolve_target(target)
+    recipe = load_run_recipe(run_dir)
+    pool = build_pool(run_dir, recipe)
+    model, loss_fn = build_model(recipe.model, pool.data, seed=recipe.seed)
+    state = load_checkpoint(checkpoint, model)
+    epsilon, delta = _ledger_at(state)
+
+    report: dict[str, Any] = {
+        "run_dir": str(run_dir), "checkpoint": checkpoint.name, "step": int(state["step"]),
+        "ledger": {"epsilon": epsilon, "delta": delta},
+        "created": datetime.now().isoformat(timespec="seconds"), "attacks": {}, "notes": [],
+    }
+    outputs = model_outputs(model, loss_fn, pool.tensors, pool.data.task)
+    attacked = pool.attacked
+    members = pool.is_member[attacked]
+
+    scored = Outputs(outputs.losses[attacked], None if outputs.logits is None else outputs.logits[attacked],
+                     outputs.confidence[attacked])
+    for name in attacks:
+        if name == "loss":
+            report["attacks"]["loss"] = loss_attack(scored, members, bootstrap=bootstrap, seed=seed)
+        elif name == "logistic":
+            report["attacks"]["logistic"] = logistic_attack(scored, members, bootstrap=bootstrap, seed=seed)
+        elif name == "lira":
+            report["attacks"].update(_lira(run_dir, recipe, pool, outputs.confidence, shadows, seed, bootstrap,
+                                           shadow_observer))
+        elif name == "one-run":
+            report["one_run"] = _one_run(run_dir, recipe, pool, model, loss_fn, delta, confidence)
+    small = [r["non_members"] for r in report["attacks"].values() if r["non_members"] < 1000]
+    if small:
+        report["notes"].append(f"only {min(small)} non-members are scored: an FPR below 1/{min(small)} cannot be "
+                               "measured, so 'TPR at 0.1% FPR' is the TPR at FPR = 0 (a conservative reading)")
+    if "one_run" in report:
+        report["flagged"] = report["one_run"]["epsilon_lower_bound"] > epsilon
+        if report["flagged"]:
+            report["notes"].append("the empirical ε lower bound exceeds the ledger's ε: the run leaks more "
+                                   "than its accounting allows (a privacy bug, or a wrong ledger)")
+    if write:
+        from dpclip.audit.plot import plot_roc
+        from dpclip.train.files import write_json_atomic
+
+        folder = run_dir / "audit"
+        folder.mkdir(exist_ok=True)
+        write_json_atomic(folder / "report.json", report)
+        if report["attacks"]:
+            plot_roc(report, folder / "roc.png")
+    return report
+
+
+def _lira(run_dir, recipe, pool: Pool, target_confidence, shadows: int, seed: int, bootstrap: int,
+          observer_for) -> dict:
+    from dpclip.audit.lira import lira_scores, shadow_confidences, train_shadows
+    from dpclip.audit.metrics import attack_metrics
+
+    if shadows < 1:
+        raise DpclipError("LiRA needs at least one shadow model", "pass --shadows N (16 or more for a strong attack)")
+    keep, dirs = train_shadows(run_dir, recipe, pool, shadows, seed, observer_for)
+    scores = lira_scores(target_confidence, shadow_confidences(dirs, pool), keep)
+    attacked = pool.attacked
+    out = {}
+    for variant, values in scores.items():
+        result = attack_metrics(pool.is_member[attacked], values[attacked], bootstrap=bootstrap, seed=seed)
+        result["shadows"] = shadows
+        out[f"lira-{variant}"] = result
+    return out
+
+
+def summary_rows(report: dict) -> list[dict]:
+    """One row per attack for the table: name, AUC (CI), TPR@0.1%, TPR@1%, advantage."""
+    rows = []
+    for name, r in report["attacks"].items():
+        rows.append({"attack": name, "auc": r["auc"], "auc_ci95": r["auc_ci95"], "null_std": r["auc_null_std"],
+                     "tpr_0.1": r["tpr_at_0.1%_fpr"], "tpr_1": r["tpr_at_1%_fpr"],
+                     "balanced_accuracy": r["balanced_accuracy"], "advantage": r["advantage"]})
+    return rows
+
+
+def dp_bound_at(report: dict, fpr: float) -> float:
+    """The TPR the ledger's (ε, δ) allows at ``fpr``."""
+    from dpclip.audit.metrics import dp_tpr_bound
+
+    ledger = report["ledger"]
+    if not math.isfinite(ledger["epsilon"]):
+        return 1.0
+    return float(dp_tpr_bound(np.array([fpr]), ledger["epsilon"], ledger["delta"])[0])

@@ -1,0 +1,39 @@
+"""A test-only seam: run the engine with LESS noise than the ledger believes.
+
+    with scaled_noise(0.0):          # or 0.05: a run whose noise was cut by a "bug"
+        result = train(recipe)       # ledger.json still states the recipe's σ and ε
+
+This exists to prove that the audit works (tests/audit): an under-noised run must be
+flagged by the one-run audit (empirical ε lower bound above the ledger's ε). It is
+reachable only by importing this module from Python: no recipe key, CLI flag or
+environment variable turns it on.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from dpclip.engine.noise import NoiseSource
+
+
+@contextmanager
+def scaled_noise(factor: float) -> Iterator[None]:
+    """Multiply the std of every gradient noise draw by ``factor`` while the block runs.
+
+    Patches :meth:`NoiseSource.gaussian_like`, which draws the Gaussian noise on the
+    summed clipped gradient; everything the engine reports (σ, noise std, DpEvent) and
+    so the ledger stay as planned. The original method is restored on exit.
+    """
+    if factor < 0:
+        raise ValueError("factor must be >= 0")
+    original = NoiseSource.gaussian_like
+
+    def scaled(self, p, std):
+        return original(self, p, std * factor)
+
+    NoiseSource.gaussian_like = scaled
+    try:
+        yield
+    finally:
+        NoiseSource.gaussian_like = original

@@ -1,0 +1,137 @@
+"""`dpclip audit-mia RUN_DIR|CHECKPOINT_DIR [--attack ...] [--shadows N] [--json]`."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from dpclip.cli.render import console, fmt, print_json
+
+
+class AttackChoice(str, Enum):
+    loss = "loss"
+    logistic = "logistic"
+    lira = "lira"
+    one_run = "one-run"
+    all = "all"
+
+
+class ShadowProgress:
+    """One progress bar per shadow model (the train observer interface)."""
+
+    def __init__(self, progress: Progress, index: int, total: int):
+        self.progress, self.label = progress, f"shadow {index + 1}/{total}"
+        self.task = None
+
+    def on_start(self, info):
+        self.task = self.progress.add_task(self.label, total=info["steps"], completed=info.get("start_step", 0),
+                                           status="resumed" if info.get("start_step") else "")
+
+    def on_step(self, record):
+        self.progress.update(self.task, completed=record["step"],
+                             status=f"loss {record['diagnostics']['train_loss']:.3f}")
+
+    def on_eval(self, record):
+        pass
+
+    def on_end(self, result):
+        self.progress.update(self.task, status="done")
+
+
+def _table(report: dict) -> None:
+    from dpclip.audit.report import dp_bound_at, summary_rows
+
+    ledger = report["ledger"]
+    title = (f"[bold]membership inference[/] — {report['checkpoint']} (step {report['step']}), "
+             f"ledger ε = {fmt(ledger['epsilon'])} at δ = {ledger['delta']:g}")
+    if report["attacks"]:
+        table = Table(title=title)
+        for column in ("attack", "AUC [95% CI]", "TPR@0.1%FPR", "TPR@1%FPR", "bal. acc.", "advantage"):
+            table.add_column(column, justify="left" if column == "attack" else "right")
+        for row in summary_rows(report):
+            low, high = row["auc_ci95"]
+            ci = f" [{low:.3f}, {high:.3f}]" if low is not None else ""
+            table.add_row(row["attack"], f"{row['auc']:.3f}{ci}", f"{row['tpr_0.1']:.3f}", f"{row['tpr_1']:.3f}",
+                          f"{row['balanced_accuracy']:.3f}", f"{row['advantage']:.3f}")
+        table.add_row("DP bound", "", f"≤ {dp_bound_at(report, 0.001):.3f}", f"≤ {dp_bound_at(report, 0.01):.3f}",
+                      "", "", style="dim")
+        console.print(table)
+        first = next(iter(report["attacks"].values()))
+        console.print(f"  null AUC standard error ≈ {first['auc_null_std']:.3f} "
+                      f"({first['members']} members, {first['non_members']} non-members)")
+    else:
+        console.print(title)
+    one_run = report.get("one_run")
+    if one_run:
+        verdict = "[bold red]exceeds the ledger's ε[/]" if report.get("flagged") else "within the ledger's ε"
+        console.print(f"  one-run audit: {one_run['correct']}/{one_run['guesses']} guesses right on "
+                      f"{one_run['canaries']} {one_run['kind']} canaries → ε ≥ {one_run['epsilon_lower_bound']:.3f} "
+                      f"at {100 * one_run['confidence']:.0f}% confidence, {verdict}", soft_wrap=True)
+    for note in report["notes"]:
+        console.print(f"  [yellow]note:[/] {note}", soft_wrap=True)
+    console.print(f"  report: {Path(report['run_dir']) / 'audit' / 'report.json'}, plot: roc.png")
+
+
+def audit_mia(
+    target: Path = typer.Argument(..., help="A run directory, or one of its checkpoints/step_NNNNNN folders."),
+    attack: list[AttackChoice] = typer.Option([AttackChoice.all], "--attack", "-a",
+                                              help="Attack(s) to run; repeat the option for several."),
+    shadows: int = typer.Option(8, "--shadows", help="LiRA: shadow models trained from the run's recipe."),
+    seed: int = typer.Option(0, "--seed", help="Seeds the attack's splits, bootstrap and shadow subsets."),
+    bootstrap: int = typer.Option(200, "--bootstrap", help="Bootstrap rounds of the AUC interval (0: none)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON (no table, no progress bar)."),
+) -> None:
+    """Attack a finished run with membership inference and set the result beside its ε.
+
+    [b]Examples[/b]
+
+      dpclip audit-mia runs/quickstart-20261121-101500 --attack loss --attack logistic
+
+      dpclip audit-mia runs/quickstart-20261121-101500 --attack lira --shadows 16
+
+      dpclip audit-mia runs/canaries-20261121-101500/checkpoints/step_000600 --attack one-run --json
+    """
+    from dpclip.audit import ATTACKS
+    from dpclip.audit.report import audit
+    from dpclip.data.canaries import read_canary_secret
+    from dpclip.errors import DpclipError
+
+    chosen = [a.value for a in attack]
+    if "all" in chosen:
+        names = list(ATTACKS)
+    else:
+        names = [name for name in ATTACKS if name in chosen]
+    notes = []
+    if "all" in chosen and Path(target).is_dir():
+        from dpclip.audit.report import resolve_target
+
+        run_dir, _ = resolve_target(target)
+        if read_canary_secret(run_dir) is None:
+            names.remove("one-run")
+            notes.append("one-run audit skipped: the run has no canaries (add audit.canaries to the recipe)")
+    if bootstrap < 0:
+        raise DpclipError(f"--bootstrap must be ≥ 0, got {bootstrap}", "e.g. --bootstrap 200")
+    progress = None
+    observer_for = None
+    if "lira" in names and not as_json:
+        progress = Progress(TextColumn("{task.description}"), BarColumn(bar_width=16), MofNCompleteColumn(),
+                            TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console)
+        progress.start()
+
+        def observer_for(index, total):
+            return ShadowProgress(progress, index, total)
+    try:
+        report = audit(Path(target), names, shadows=shadows, seed=seed, bootstrap=bootstrap,
+                       shadow_observer=observer_for)
+    finally:
+        if progress is not None:
+            progress.stop()
+    report["notes"] = notes + report["notes"]
+    if as_json:
+        print_json(report)
+    else:
+        _table(report)

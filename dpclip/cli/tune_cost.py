@@ -1,0 +1,211 @@
+"""`dpclip tune-cost RECIPE [key=value ...]`: what a hyperparameter search costs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from dpclip.cli.render import _json_safe, console, fmt, print_json
+
+
+class ProgressBar:
+    """A rich progress bar over the measured steps (nothing is drawn for --json)."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.progress: Progress | None = None
+        self.task = None
+
+    def start(self, total_steps: int) -> None:
+        if self.quiet or total_steps == 0:
+            return
+        self.progress = Progress(TextColumn("measuring"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[label]}"), TimeElapsedColumn(),
+                                 console=console, transient=True)
+        self.progress.start()
+        self.task = self.progress.add_task("measure", total=total_steps, label="")
+
+    def advance(self, label: str) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, advance=1, label=label[:50])
+
+    def stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def tune_cost(
+    recipe_path: Path = typer.Argument(..., metavar="RECIPE", help="A recipe YAML file."),
+    overrides: list[str] = typer.Argument(None, help="key=value recipe overrides, e.g. privacy.epsilon=4"),
+    grid: list[str] = typer.Option(None, "--grid", help="key=v1,v2,... (repeatable); replaces the recipe's tuning.grid."),
+    random_draws: int = typer.Option(None, "--random", help="Draw N configurations over tuning.ranges."),
+    calibration_steps: int = typer.Option(10, "--calibration-steps", help="Timed steps per distinct step cost."),
+    warmup_steps: int = typer.Option(2, "--warmup-steps", help="Untimed steps before them."),
+    measure: bool = typer.Option(True, "--measure/--no-measure", help="Measure step times (or use --step-seconds)."),
+    step_seconds: float = typer.Option(None, "--step-seconds", help="Seconds per step, with --no-measure."),
+    dataset_size: int = typer.Option(None, "--dataset-size", "-N", help="Account as if trained on N examples."),
+    compare: bool = typer.Option(False, "--compare", help="The same search for each clipping method."),
+    run: bool = typer.Option(False, "--run", help="Perform the search (repeat-and-select) and write its ledger."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    out: Path = typer.Option(None, "--out", help="Also write the result to this JSON file (e.g. tune_cost.json)."),
+) -> None:
+    """How many runs a search takes, how long on this machine, and how much ε.
+
+    [b]Examples[/b]
+
+      dpclip tune-cost recipes/quickstart.yaml --grid training.optimizer.lr=0.1,0.5 --grid clipping.threshold.value=0.1,1,10
+
+      dpclip tune-cost recipes/quickstart.yaml --compare
+
+      dpclip tune-cost recipes/quickstart.yaml --no-measure --step-seconds 0.2 -N 60000
+    """
+    from dpclip.errors import DpclipError
+    from dpclip.recipe import apply_overrides, read_yaml, validate_recipe
+    from dpclip.tuning.cost import StepTimer
+    from dpclip.tuning.cost import tune_cost as run_tune_cost
+
+    if measure and step_seconds is not None:
+        raise DpclipError("--step-seconds is used only with --no-measure",
+                          "pass --no-measure --step-seconds S, or drop --step-seconds to measure")
+    if not measure and (step_seconds is None or not step_seconds > 0):
+        raise DpclipError("--no-measure needs --step-seconds S (a positive number of seconds)",
+                          "e.g. --no-measure --step-seconds 0.25")
+    if calibration_steps < 1 or warmup_steps < 0:
+        raise DpclipError("--calibration-steps must be >= 1 and --warmup-steps >= 0", "e.g. --calibration-steps 10")
+    if run and dataset_size is not None:
+        raise DpclipError("--run trains on the recipe's own data, so --dataset-size cannot be used with it",
+                          "drop --dataset-size to run the search")
+    base = apply_overrides(read_yaml(recipe_path), overrides or [])
+    recipe = validate_recipe(base, source=str(recipe_path))
+    bar = ProgressBar(quiet=as_json)
+    timer = StepTimer(calibration_steps, warmup_steps, None if measure else step_seconds, bar)
+    try:
+        report = run_tune_cost(base, recipe, grid=grid or [], random_draws=random_draws, timer=timer,
+                               dataset_size=dataset_size, compare=compare, source=str(recipe_path))
+    finally:
+        bar.stop()
+    if run:
+        from dpclip.tuning.search import run_search
+
+        report.search = run_search(base, recipe, report, grid=grid or [], random_draws=random_draws,
+                                   quiet=as_json)
+    payload = _json_safe(report.to_dict())
+    if out is not None:
+        out.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    if as_json:
+        print_json(payload)
+        return
+    _render(report)
+    if out is not None:
+        console.print(f"written: {out}")
+
+
+def _runs(count: float) -> str:
+    return f"{count:g} run" + ("" if count == 1 else "s")
+
+
+def _hours(hours: float) -> str:
+    if hours < 1 / 60:
+        return f"{hours * 3600:.3g} s"
+    if hours < 1:
+        return f"{hours * 60:.3g} min"
+    return f"{hours:.3g} h"
+
+
+def _render(report) -> None:
+    privacy = report.privacy
+    console.print(f"[bold]{report.recipe}[/]: {report.configurations} configuration"
+                  f"{'' if report.configurations == 1 else 's'}, "
+                  f"N = {report.dataset_size}, {privacy.steps} steps per run (q = {fmt(privacy.sample_rate)})")
+
+    compute = Table(title="compute", header_style="bold")
+    compute.add_column("quantity")
+    compute.add_column("value", justify="right")
+    source = "measured" if report.measured else "given (--no-measure)"
+    compute.add_row(f"seconds per step ({source})", fmt(report.step_seconds))
+    if report.policy_overhead is not None:
+        compute.add_row("threshold policy overhead vs fixed C", f"{100 * report.policy_overhead:+.1f}%")
+    compute.add_row("steps per run", str(privacy.steps))
+    compute.add_row("time per run", _hours(report.hours_per_run))
+    compute.add_row(f"grid search ({_runs(report.configurations)})", _hours(report.search_hours))
+    mean = privacy.strategy("repeat-and-select").detail["mean"]
+    compute.add_row(f"repeat-and-select (E[K] = {_runs(mean)})", _hours(mean * report.hours_per_run))
+    console.print(compute)
+
+    if len({run.step_seconds for run in report.runs}) > 1:
+        runs = Table(title="runs", header_style="bold")
+        runs.add_column("configuration")
+        runs.add_column("s/step", justify="right")
+        runs.add_column("time", justify="right")
+        for run in report.runs:
+            runs.add_row(run.label, fmt(run.step_seconds), _hours(run.hours))
+        console.print(runs)
+
+    eps = Table(title=f"privacy: whole search within ε = {privacy.target_epsilon:g}, δ = {privacy.delta:g}",
+                header_style="bold")
+    eps.add_column("accounting")
+    eps.add_column("σ per run", justify="right")
+    eps.add_column("σ gradient", justify="right")
+    eps.add_column("search ε", justify="right")
+    eps.add_column("search δ", justify="right")
+    eps.add_row("one run, recipe's σ", fmt(privacy.recipe_sigma), "", fmt(privacy.epsilon_one_run),
+                f"{privacy.delta:g}")
+    eps.add_row(f"naive, {_runs(privacy.configurations)}, recipe's σ", fmt(privacy.recipe_sigma), "",
+                fmt(privacy.epsilon_naive_at_recipe_sigma), f"{privacy.delta:g}")
+    notes = []
+    for strategy in privacy.strategies:
+        detail = strategy.detail
+        if "infeasible" in detail:
+            notes.append(f"{strategy.name}: [red]infeasible[/]: {detail['infeasible']}")
+        elif strategy.name == "naive":
+            notes.append(f"naive: {_runs(detail['runs'])} composed ({strategy.accountant})")
+        elif strategy.name == "liu-talwar":
+            notes.append(f"liu-talwar: per run (ε₁, δ₁) = ({fmt(detail['epsilon_run'])}, "
+                         f"{detail['delta_run']:.4g}), γ = {fmt(detail['gamma'])}, δ₂ = {detail['delta_stop']:g}, "
+                         f"T = {detail['max_runs']:.1f} ({strategy.accountant})")
+        else:
+            shape = "Poisson" if detail["shape"] is None else f"truncated neg. binomial η = {detail['shape']:g}"
+            notes.append(f"repeat-and-select: K ~ {shape}, E[K] = {detail['mean']:g} (rdp)")
+        eps.add_row(strategy.name, fmt(strategy.sigma_total), fmt(strategy.sigma_gradient), fmt(strategy.epsilon),
+                    f"{strategy.delta:g}")
+    console.print(eps)
+    for note in notes:
+        console.print(f"  {note}", soft_wrap=True)
+    if privacy.score == "private":
+        console.print(f"selection score: private (noisy held-out count, std {privacy.score_noise:g}, "
+                      "charged to every run)", soft_wrap=True)
+    else:
+        console.print("selection score: public (the held-out split is public data by the recipe's claim; "
+                      "nothing is charged for it)", soft_wrap=True)
+
+    if report.comparison:
+        table = Table(title="clipping methods: the same search", header_style="bold")
+        for name, justify in (("method", "left"), ("runs", "right"), ("s/step", "right"), ("search", "right"),
+                              ("speedup", "right"), ("σ grad. R&S", "right"), ("σ grad. naive", "right")):
+            table.add_column(name, justify=justify)
+        skipped = []
+        for row in report.comparison:
+            if "skipped" in row:
+                skipped.append(f"  {row['method']} left out: {row['skipped']}")
+                continue
+            speedup = row["speedup_vs_fixed"]
+            table.add_row(row["method"], str(row["runs"]), fmt(row["step_seconds"], 3),
+                          _hours(row["search_hours"]), "n/a" if speedup is None else f"{speedup:.2f}x",
+                          fmt(row["sigma_gradient_repeat_and_select"]), fmt(row["sigma_gradient_naive"]))
+        console.print(table)
+        for line in skipped:
+            console.print(line, soft_wrap=True)
+        console.print("  speedup: search time of fixed-C DP-SGD over the C grid / this method's; σ grad.: per-run "
+                      "gradient noise multiplier keeping the whole search within ε (R&S: repeat-and-select)",
+                      soft_wrap=True)
+
+    if report.search is not None:
+        search = report.search
+        console.print(f"[bold]search[/] {search['search_dir']}: {search['trials']} trials, "
+                      f"ε = {fmt(search['epsilon'])} at δ = {search['delta']:g} ({search['accountant']}); "
+                      f"selected: {search['selected_run'] or 'none'}", soft_wrap=True)

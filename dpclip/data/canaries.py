@@ -1,0 +1,146 @@
+"""Canaries for the one-run audit (Steinke, Nasr, Jagielski 2023; REFERENCE §F).
+
+A recipe's ``audit: {canaries: {count, kind}}`` makes ``count`` canary examples, and each
+is put into the TRAINING set independently with probability 1/2. Which ones went in is
+the secret the audit later tries to guess from the trained model alone.
+
+Kinds (classification only: a canary needs a label the model can memorise):
+
+- ``mislabel``: a held-out (test) example with its label replaced by a different class
+  drawn at random. Its input is in-distribution, its label is not.
+- ``ood``: an input of uniform noise within the training features' per-coordinate
+  range, with a random label (tables and images only).
+
+Everything is drawn from the canary seed (``audit.canaries.seed``, default: derived
+from the recipe seed), so the audit can rebuild the canary inputs; the inclusion bits
+are also written to ``audit/canaries.json`` in the run directory, which is therefore a
+secret of the run: whoever reads it knows which canaries were trained on.
+
+Accounting: the canaries do NOT change N. The Poisson rate is q = batch_size / N with N
+the number of ordinary training examples (what `dpclip account RECIPE` uses), and the
+sampler draws every example, canaries included, with that same q. The DP guarantee of
+Poisson-subsampled Gaussian steps depends only on q, σ and the number of steps, so it
+holds for each canary as for any other example; the expected batch grows by a factor
+(N + included) / N, which only makes the per-step noise relatively smaller in the
+gradient average, not the privacy weaker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dpclip.errors import DpclipError
+
+CANARY_FILE = Path("audit") / "canaries.json"
+
+
+@dataclass
+class CanarySet:
+    """The canaries of a run: tensors (one row per canary) and the inclusion secret."""
+
+    kind: str
+    seed: int
+    tensors: dict[str, torch.Tensor]        # same keys as PrivateData.train; labels are canary labels
+    included: np.ndarray                    # bool [count]: trained on or not (the secret)
+    sources: list[int | None]               # mislabel: row of data.test the input came from
+
+    @property
+    def count(self) -> int:
+        return len(self.included)
+
+    def fingerprint(self) -> str:
+        """Hash of the canary tensors, so an audit can check it rebuilt the same canaries."""
+        digest = hashlib.sha256()
+        for name in sorted(self.tensors):
+            digest.update(name.encode())
+            digest.update(self.tensors[name].contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "seed": self.seed, "count": self.count, "fingerprint": self.fingerprint(),
+                "included": [bool(b) for b in self.included], "sources": self.sources,
+                "labels": [int(y) for y in self.tensors["labels"]]}
+
+
+def canary_seed(config, recipe_seed: int) -> int:
+    """The seed of the canaries: ``config.seed`` if given, else one derived from the recipe seed."""
+    if getattr(config, "seed", None) is not None:
+        return int(config.seed)
+    from dpclip.data.sampler import derived_seed
+
+    return derived_seed(recipe_seed, "canaries")
+
+
+def make_canaries(data, config, recipe_seed: int) -> CanarySet:
+    """Build the canaries of ``config`` (a recipe's ``audit.canaries``) for ``data``.
+
+    Deterministic in the canary seed: calling it twice gives the same inputs, labels and
+    inclusion bits.
+    """
+    if data.task != "classification" or not data.num_classes or data.num_classes < 2:
+        raise DpclipError(f"canaries need a classification task with at least 2 classes, not {data.task}",
+                          "remove audit.canaries from the recipe, or audit this run with --attack loss|lira")
+    seed = canary_seed(config, recipe_seed)
+    rng = np.random.default_rng(seed)
+    count = config.count
+    included = rng.random(count) < 0.5
+    if config.kind == "mislabel":
+        if count > data.num_test:
+            raise DpclipError(f"{count} mislabel canaries need {count} held-out examples, the test split has "
+                              f"{data.num_test}", "lower audit.canaries.count, or use kind: ood")
+        rows = np.sort(rng.choice(data.num_test, size=count, replace=False))
+        tensors = {name: t[torch.as_tensor(rows)].clone() for name, t in data.test.items()}
+        true = tensors["labels"].numpy()
+        # A different class, uniformly: true + shift (mod C), shift in 1..C-1.
+        shift = rng.integers(1, data.num_classes, size=count)
+        tensors["labels"] = torch.as_tensor((true + shift) % data.num_classes, dtype=torch.int64)
+        sources: list[int | None] = [int(r) for r in rows]
+    elif config.kind == "ood":
+        if "features" not in data.train:
+            raise DpclipError("ood canaries are uniform-noise feature vectors; this data set is text",
+                              "use audit.canaries.kind: mislabel for text classification")
+        features = data.train["features"]
+        low = features.min(dim=0).values.numpy()
+        high = features.max(dim=0).values.numpy()
+        noise = rng.random((count, *features.shape[1:])).astype(np.float32)
+        tensors = {"features": torch.as_tensor(low + noise * (high - low), dtype=features.dtype),
+                   "labels": torch.as_tensor(rng.integers(0, data.num_classes, size=count), dtype=torch.int64)}
+        sources = [None] * count
+    else:
+        raise DpclipError(f"unknown canary kind {config.kind!r}", "use mislabel or ood")
+    return CanarySet(config.kind, seed, tensors, included, sources)
+
+
+def with_canaries(data, canaries: CanarySet):
+    """A copy of ``data`` whose training set ends with the included canaries.
+
+    ``train_indices`` (positions in the original data set, recorded as the run's
+    members) is left as it was: canaries are not members of the data set.
+    """
+    from dataclasses import replace
+
+    keep = torch.as_tensor(np.flatnonzero(canaries.included))
+    train = {name: torch.cat([t, canaries.tensors[name][keep].to(t.dtype)]) for name, t in data.train.items()}
+    return replace(data, train=train)
+
+
+def write_canary_secret(run_dir: Path, canaries: CanarySet) -> None:
+    from dpclip.train.files import write_json_atomic
+
+    path = Path(run_dir) / CANARY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, canaries.to_dict())
+
+
+def read_canary_secret(run_dir: Path) -> dict | None:
+    """The run's audit/canaries.json, or None when the run has no canaries."""
+    path = Path(run_dir) / CANARY_FILE
+    if not path.exists():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))

@@ -1,0 +1,11 @@
+"""Tuning cost: what a hyperparameter search costs in compute and in privacy (DESIGN §7).
+
+- :mod:`dpclip.tuning.space` expands the search space into validated recipes;
+- :mod:`dpclip.tuning.timing` measures seconds per private step on this machine;
+- :mod:`dpclip.tuning.privacy` gives the per-run σ under naive composition, Liu–Talwar
+  random stopping and Papernot–Steinke repeat-and-select (math in
+  :mod:`dpclip.accounting.tuning`);
+- :mod:`dpclip.tuning.compare` evaluates the same search for each clipping method;
+- :mod:`dpclip.tuning.search` performs the search (repeat-and-select) and writes its ledger;
+- :mod:`dpclip.tuning.cost` ties them together for ``dpclip tune-cost``.
+"""

@@ -1,0 +1,256 @@
+"""``dpclip tune-cost``: what a hyperparameter search costs in compute and in privacy.
+
+    report = tune_cost(base_data, recipe, grid=["training.optimizer.lr=0.1,1"], measure=True)
+
+Compute = Σ over configurations of (steps per run × seconds per step), with the seconds
+measured once per distinct step cost (:mod:`dpclip.tuning.timing`). Privacy = one run,
+the whole search by naive composition, and the per-run σ that keeps the whole search
+within the recipe's ε under naive composition, Liu–Talwar random stopping and
+Papernot–Steinke repeat-and-select (:mod:`dpclip.tuning.privacy`). ``compare=True``
+evaluates the same search for each clipping method (:mod:`dpclip.tuning.compare`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from dpclip.errors import DpclipError, RecipeError
+from dpclip.recipe.load import validate_recipe
+from dpclip.recipe.schema import Recipe
+from dpclip.train.plan import count_fixed_groups, privacy_plan
+from dpclip.tuning.privacy import SearchPrivacy, search_privacy
+from dpclip.tuning.space import Configuration, search_space
+from dpclip.tuning.timing import measure_step_seconds, step_cost_signature
+
+
+PROCESS_WARMUP_STEPS = 5
+
+
+class MeasureObserver(Protocol):
+    """What the CLI implements to draw a progress bar while steps are measured."""
+
+    def start(self, total_steps: int) -> None: ...
+    def advance(self, label: str) -> None: ...
+
+
+class _Silent:
+    def start(self, total_steps: int) -> None: pass
+    def advance(self, label: str) -> None: pass
+
+
+@dataclass
+class StepTimer:
+    """Seconds per step, measured once per step-cost signature (or given)."""
+
+    calibration_steps: int = 3
+    warmup_steps: int = 1
+    fixed_seconds: float | None = None  # --no-measure --step-seconds S
+    observer: MeasureObserver = field(default_factory=_Silent)
+    measured: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def measuring(self) -> bool:
+        return self.fixed_seconds is None
+
+    def _warmup(self) -> int:
+        # The process's first steps pay for torch's one-time initialisation: the first
+        # measurement gets extra untimed steps so it is not slower than the others.
+        return self.warmup_steps + (PROCESS_WARMUP_STEPS if not self.measured else 0)
+
+    def plan(self, recipes: Sequence[Recipe], remeasured: int = 0) -> None:
+        """Announce how many steps will be measured (for the progress bar).
+
+        ``remeasured``: how many :meth:`remeasure` calls will follow.
+        """
+        if self.measuring:
+            signatures = {step_cost_signature(r) for r in recipes} - set(self.measured)
+            total = (len(signatures) + remeasured) * (self.calibration_steps + self.warmup_steps)
+            self.observer.start(total + (PROCESS_WARMUP_STEPS if signatures and not self.measured else 0))
+
+    def remeasure(self, recipe: Recipe, label: str) -> float:
+        """Measure again and keep the faster median: the one least disturbed by other work."""
+        if not self.measuring:
+            return float(self.fixed_seconds)
+        again = measure_step_seconds(recipe, self.calibration_steps, self.warmup_steps,
+                                     on_step=lambda: self.observer.advance(label))
+        signature = step_cost_signature(recipe)
+        self.measured[signature] = min(self.measured.get(signature, again), again)
+        return self.measured[signature]
+
+    def seconds(self, recipe: Recipe, label: str) -> float:
+        if not self.measuring:
+            return float(self.fixed_seconds)
+        signature = step_cost_signature(recipe)
+        if signature not in self.measured:
+            self.measured[signature] = measure_step_seconds(
+                recipe, self.calibration_steps, self._warmup(), on_step=lambda: self.observer.advance(label))
+        return self.measured[signature]
+
+
+@dataclass(frozen=True)
+class RunCost:
+    """Compute of one configuration."""
+
+    label: str
+    values: dict[str, Any]
+    steps: int
+    step_seconds: float
+
+    @property
+    def hours(self) -> float:
+        return self.steps * self.step_seconds / 3600.0
+
+
+@dataclass
+class TuneCostReport:
+    recipe: str
+    dataset_size: int
+    measured: bool
+    runs: list[RunCost]
+    step_seconds: float                # the base recipe's
+    fixed_step_seconds: float | None   # the same recipe with a fixed threshold (None: it is fixed)
+    privacy: SearchPrivacy
+    comparison: list[dict[str, Any]] | None = None
+    search: dict[str, Any] | None = None   # filled by --run
+
+    @property
+    def configurations(self) -> int:
+        return len(self.runs)
+
+    @property
+    def hours_per_run(self) -> float:
+        return sum(run.hours for run in self.runs) / len(self.runs)
+
+    @property
+    def search_hours(self) -> float:
+        """Every configuration trained once (grid search, naive composition)."""
+        return sum(run.hours for run in self.runs)
+
+    @property
+    def policy_overhead(self) -> float | None:
+        """Per-step overhead of the recipe's threshold policy over a fixed threshold (0.05 = 5%)."""
+        if self.fixed_step_seconds is None:
+            return None
+        return self.step_seconds / self.fixed_step_seconds - 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        repeat = self.privacy.strategy("repeat-and-select")
+        return {
+            "recipe": self.recipe,
+            "dataset_size": self.dataset_size,
+            "configurations": self.configurations,
+            "compute": {
+                "measured": self.measured,
+                "step_seconds": self.step_seconds,
+                "fixed_threshold_step_seconds": self.fixed_step_seconds,
+                "policy_overhead": self.policy_overhead,
+                "steps_per_run": self.runs[0].steps,
+                "hours_per_run": self.hours_per_run,
+                "search_hours": self.search_hours,
+                "repeat_and_select_expected_hours": repeat.detail["mean"] * self.hours_per_run,
+                "runs": [{**asdict(run), "hours": run.hours} for run in self.runs],
+            },
+            "privacy": self.privacy.to_dict(),
+            "comparison": self.comparison,
+            "search": self.search,
+        }
+
+
+def count_groups(recipe: Recipe) -> int | None:
+    """Clipping groups of the recipe's model when a threshold statistic needs them, else None."""
+    if recipe.clipping.threshold.kind not in ("quantile", "dcsgd-p", "dcsgd-e"):
+        return None
+    known = count_fixed_groups(recipe.clipping.grouping)
+    if known is not None:
+        return known
+    from dpclip.data import load_data
+    from dpclip.engine import build_groups, trainable_params
+    from dpclip.models import build_model
+
+    data = load_data(recipe.data, seed=recipe.seed)
+    model, _ = build_model(recipe.model, data, seed=recipe.seed)
+    return len(build_groups(model, recipe.clipping.grouping, trainable_params(model)).names)
+
+
+def check_same_privacy(configurations: Sequence[Configuration], dataset_size: int) -> None:
+    """Every configuration must sample and step alike: the search's per-run σ is one number."""
+    from dpclip.train.plan import sampling_schedule
+
+    shapes = {}
+    for config in configurations:
+        training = config.recipe.training
+        shapes[sampling_schedule(dataset_size, training.batch_size, training.epochs, training.steps)] = config
+    if len(shapes) > 1:
+        examples = "; ".join(f"q={q:.4g}, {steps} steps for {c.label()}" for (q, steps), c in list(shapes.items())[:2])
+        raise RecipeError(f"the configurations differ in sampling rate or number of steps ({examples})",
+                          "tune-cost gives every run the same per-run σ, which needs the same q and steps: "
+                          "keep training.batch_size and training.epochs/steps out of the search")
+
+
+def fixed_threshold_variant(base: Mapping[str, Any]) -> Recipe:
+    """The recipe with a fixed threshold in place of its adaptive policy (same C to start)."""
+    import copy
+
+    data = copy.deepcopy(dict(base))
+    clipping = data.setdefault("clipping", {})
+    threshold = clipping.get("threshold") or {}
+    initial = threshold.get("initial", threshold.get("small", 1.0))
+    clipping["threshold"] = {"kind": "fixed", "value": initial}
+    return validate_recipe(data, source="fixed-threshold variant")
+
+
+def tune_cost(base: Mapping[str, Any], recipe: Recipe, *, grid: Sequence[str] = (), random_draws: int | None = None,
+              timer: StepTimer | None = None, dataset_size: int | None = None, compare: bool = False,
+              source: str = "recipe") -> TuneCostReport:
+    """Compute and privacy of the search over ``recipe`` (see the module docstring).
+
+    Args:
+        base: the recipe as a plain mapping (YAML as written, overrides applied).
+        recipe: ``base`` validated.
+        grid, random_draws: ``--grid`` options and ``--random N`` (see :func:`search_space`).
+        timer: how step times are obtained (measured by default).
+        dataset_size: N for accounting and steps (default: the recipe's training set).
+        compare: also evaluate the search for each clipping method.
+    """
+    from dpclip.data.size import training_set_size
+
+    timer = timer or StepTimer()
+    configurations = search_space(base, recipe, grid, random_draws)
+    if dataset_size is None:
+        dataset_size = training_set_size(recipe.data)
+    elif dataset_size < 1:
+        raise DpclipError(f"--dataset-size must be positive, got {dataset_size}", "e.g. --dataset-size 60000")
+    check_same_privacy(configurations, dataset_size)
+
+    # All configurations sample alike (checked above); the first one stands for them all.
+    first = configurations[0].recipe
+    plan = privacy_plan(first, dataset_size, groups=count_groups(first))
+    privacy = search_privacy(recipe, plan, len(configurations))
+
+    fixed_variant = None if recipe.clipping.threshold.kind == "fixed" else fixed_threshold_variant(base)
+    comparison_recipes = []
+    if compare:
+        from dpclip.tuning.compare import method_searches
+
+        methods = method_searches(base, recipe, grid)
+        comparison_recipes = [m.representative for m in methods if m.representative is not None]
+    timer.plan([recipe] + [c.recipe for c in configurations] + ([fixed_variant] if fixed_variant else [])
+               + comparison_recipes, remeasured=2 if fixed_variant is not None else 0)
+
+    step_seconds = timer.seconds(recipe, recipe.name)
+    fixed_seconds = None
+    if fixed_variant is not None:
+        # The overhead is a ratio of two noisy medians: measure the pair twice, in both orders
+        # (A B B A), and keep each one's faster measurement.
+        fixed_seconds = timer.seconds(fixed_variant, "fixed threshold")
+        fixed_seconds = timer.remeasure(fixed_variant, "fixed threshold")
+        step_seconds = timer.remeasure(recipe, recipe.name)
+    runs = [RunCost(c.label(), c.values, plan.steps, timer.seconds(c.recipe, c.label())) for c in configurations]
+    report = TuneCostReport(source, dataset_size, timer.measuring, runs, step_seconds, fixed_seconds, privacy)
+    if compare:
+        from dpclip.tuning.compare import compare_methods
+
+        report.comparison = compare_methods(methods, recipe, plan, timer, dataset_size)
+    return report

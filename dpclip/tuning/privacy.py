@@ -1,0 +1,204 @@
+"""The privacy side of a search: ε of a run, of the whole search, and the per-run σ
+that keeps the whole search within the recipe's (ε, δ) under three accountings.
+
+What one run releases ("the run event"): its training, ``steps`` Poisson-sampled Gaussian
+steps at the joint noise multiplier σ (DESIGN §4), and — when the recipe's
+``tuning.score`` is ``private`` — the noisy count of correct predictions on the held-out
+split, a Gaussian mechanism with sensitivity 1 and std ``tuning.score_noise``. Selecting
+the best run by that noisy score is post-processing. With a ``public`` score the held-out
+split is (by the user's claim) public data, its score is post-processing of the model,
+and nothing is added. The math lives in :mod:`dpclip.accounting.tuning`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import dp_accounting
+
+from dpclip.accounting import PrivacyPlan, account, split_noise, training_event
+from dpclip.accounting.calibrate import _quiet_dp_accounting
+from dpclip.accounting.tuning import (
+    calibrate_search_noise,
+    liu_talwar_per_run_budget,
+    naive_search_event,
+    repeat_and_select_event,
+    repeat_and_select_shape,
+)
+from dpclip.errors import AccountingError
+from dpclip.recipe.schema import Recipe
+
+NAIVE, LIU_TALWAR, REPEAT_AND_SELECT = "naive", "liu-talwar", "repeat-and-select"
+
+
+@dataclass(frozen=True)
+class RunRelease:
+    """Everything one run of the search releases, as a function of its noise multiplier σ."""
+
+    sample_rate: float
+    steps: int
+    score_noise: float | None  # None: public score, nothing released besides the model
+
+    def event(self, sigma: float) -> dp_accounting.DpEvent:
+        training = training_event(self.sample_rate, sigma, self.steps)
+        if self.score_noise is None:
+            return training
+        return dp_accounting.ComposedDpEvent([training, dp_accounting.GaussianDpEvent(self.score_noise)])
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to account for the search, and the per-run noise it needs.
+
+    Attributes:
+        name: naive | liu-talwar | repeat-and-select.
+        sigma_total: per-run joint noise multiplier σ_eff that keeps the search within ε.
+        sigma_gradient: the gradient's share of it after the recipe's threshold statistic
+            (equal to ``sigma_total`` for a fixed threshold): the noise a user feels.
+        epsilon, delta: the search's guarantee at that σ.
+        accountant: which accountant gave ``epsilon``.
+        detail: strategy-specific numbers (runs, (ε₁, δ₁), T, mean and shape of K).
+    """
+
+    name: str
+    sigma_total: float | None      # None: no σ meets the budget (detail['infeasible'] says why)
+    sigma_gradient: float | None
+    epsilon: float
+    delta: float
+    accountant: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SearchPrivacy:
+    """The privacy cost of a search of ``configurations`` runs of one recipe."""
+
+    configurations: int
+    target_epsilon: float
+    delta: float
+    accountant: str
+    sample_rate: float
+    steps: int
+    score: str
+    score_noise: float | None
+    recipe_sigma: float
+    epsilon_one_run: float
+    epsilon_naive_at_recipe_sigma: float
+    strategies: list[Strategy]
+
+    def strategy(self, name: str) -> Strategy:
+        return next(s for s in self.strategies if s.name == name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _infeasible(exc, release: RunRelease) -> str:
+    why = exc.message
+    if release.score_noise is not None and "unreachable" in why:
+        why += f" (the private score alone has noise std {release.score_noise:g}: raise tuning.score_noise)"
+    return why
+
+
+def run_release(recipe: Recipe, plan: PrivacyPlan) -> RunRelease:
+    score_noise = recipe.tuning.score_noise if recipe.tuning.score == "private" else None
+    return RunRelease(plan.sample_rate, plan.steps, score_noise)
+
+
+def gradient_sigma(plan: PrivacyPlan, sigma_total: float) -> float:
+    """σ of the gradient once the plan's threshold statistic has taken its share of σ_eff."""
+    if plan.aux is None:
+        return sigma_total
+    split = split_noise(sigma_total, plan.aux.sensitivity, aux_sigma=plan.aux.sigma, aux_fraction=plan.aux.fraction)
+    return split.sigma_gradient
+
+
+def trials_mean(recipe: Recipe, configurations: int) -> float:
+    """E[K] of repeat-and-select: the recipe's, else the number of configurations."""
+    return float(recipe.tuning.trials_mean or configurations)
+
+
+def search_privacy(recipe: Recipe, plan: PrivacyPlan, configurations: int, *,
+                   target_epsilon: float | None = None) -> SearchPrivacy:
+    """ε of one run and of the search, and per-run σ under each accounting.
+
+    ``plan`` is the recipe's privacy plan (:func:`dpclip.train.plan.plan_for_recipe`);
+    the search's budget is the recipe's ε (``target_epsilon`` overrides it).
+    """
+    from dpclip.accounting import solve
+
+    tuning = recipe.tuning
+    epsilon = target_epsilon if target_epsilon is not None else recipe.privacy.epsilon
+    if epsilon is None:
+        raise AccountingError("the recipe gives no ε, so there is no budget for the search to stay within",
+                              "set privacy.epsilon (the whole search's budget), e.g. privacy.epsilon=8")
+    delta, accountant = plan.delta, plan.accountant
+    release = run_release(recipe, plan)
+
+    # One run as the recipe trains it (σ calibrated to ε for ONE run, or given).
+    solved = solve(plan)
+    recipe_sigma = solved.split.sigma_total
+    naive_at_recipe = account(naive_search_event(release.event(recipe_sigma), configurations),
+                              delta, accountant).epsilon
+
+    strategies = []
+    # Naive composition: all G runs released.
+    try:
+        sigma = calibrate_search_noise(release.event, lambda run: naive_search_event(run, configurations),
+                                       epsilon, delta, accountant)
+    except AccountingError as exc:
+        strategies.append(Strategy(NAIVE, None, None, epsilon, delta, accountant,
+                                   {"runs": configurations, "infeasible": _infeasible(exc, release)}))
+    else:
+        result = account(naive_search_event(release.event(sigma), configurations), delta, accountant)
+        strategies.append(Strategy(NAIVE, sigma, gradient_sigma(plan, sigma), result.epsilon, delta,
+                                   result.accountant, {"runs": configurations}))
+
+    # Liu–Talwar random stopping: each run gets (ε₁, δ₁), the search (ε, δ) by the theorem.
+    gamma = tuning.stop_probability or 1.0 / (2 * configurations)
+    detail = {"gamma": gamma, "delta_stop": tuning.stop_delta}
+    try:
+        budget = liu_talwar_per_run_budget(epsilon, delta, gamma, tuning.stop_delta)
+        detail.update(epsilon_run=budget.epsilon_run, delta_run=budget.delta_run, max_runs=budget.max_runs,
+                      expected_runs=1.0 / gamma)
+        sigma = calibrate_search_noise(release.event, lambda run: run, budget.epsilon_run, budget.delta_run,
+                                       accountant)
+    except AccountingError as exc:
+        # No per-run budget at all (ε too small), or a fixed score noise that alone exceeds ε₁ at
+        # δ₁ ~ 1e-17. Say so and keep the other strategies.
+        strategies.append(Strategy(LIU_TALWAR, None, None, epsilon, delta, accountant,
+                                   {**detail, "infeasible": _infeasible(exc, release)}))
+    else:
+        with _quiet_dp_accounting():  # PLD routinely falls back to RDP at δ₁ ~ 1e-17; the result says so
+            run_result = account(release.event(sigma), budget.delta_run, accountant)
+        strategies.append(Strategy(LIU_TALWAR, sigma, gradient_sigma(plan, sigma), budget.epsilon, budget.delta,
+                                   run_result.accountant, {**detail, "epsilon_run_achieved": run_result.epsilon}))
+
+    # Papernot–Steinke repeat-and-select: K random runs, RDP accountant only.
+    mean = trials_mean(recipe, configurations)
+    shape = repeat_and_select_shape(tuning.trials, tuning.trials_shape)
+    detail = {"distribution": tuning.trials, "mean": mean, "shape": None if math.isinf(shape) else shape}
+    try:
+        sigma = calibrate_search_noise(release.event, lambda run: repeat_and_select_event(run, mean, shape),
+                                       epsilon, delta, "rdp")
+    except AccountingError as exc:
+        strategies.append(Strategy(REPEAT_AND_SELECT, None, None, epsilon, delta, "rdp",
+                                   {**detail, "infeasible": _infeasible(exc, release)}))
+    else:
+        result = account(repeat_and_select_event(release.event(sigma), mean, shape), delta, "rdp")
+        strategies.append(Strategy(REPEAT_AND_SELECT, sigma, gradient_sigma(plan, sigma), result.epsilon, delta,
+                                   "rdp", detail))
+    if all(s.sigma_total is None for s in strategies):
+        reasons = strategies[0].detail["infeasible"]
+        raise AccountingError(f"no per-run noise keeps this search within ε = {epsilon:g}: {reasons}",
+                              "raise privacy.epsilon, search fewer configurations"
+                              + (", or raise tuning.score_noise" if release.score_noise is not None else ""))
+
+    return SearchPrivacy(configurations, float(epsilon), delta, accountant, plan.sample_rate, plan.steps,
+                         tuning.score, release.score_noise, recipe_sigma, solved.epsilon, naive_at_recipe, strategies)
+
+
+__all__ = ["NAIVE", "LIU_TALWAR", "REPEAT_AND_SELECT", "RunRelease", "Strategy", "SearchPrivacy",
+           "run_release", "gradient_sigma", "trials_mean", "search_privacy"]

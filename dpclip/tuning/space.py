@@ -1,0 +1,145 @@
+"""The search space: which configurations a search trains, each one a validated recipe.
+
+A configuration is a mapping ``{dotted recipe key: value}`` applied to the base recipe
+with :func:`dpclip.recipe.load.apply_overrides`, then validated by the schema, so a
+search can vary any recipe key and a value the schema refuses is an error before
+anything runs. The space comes from the recipe's ``tuning:`` section, or from
+``--grid key=v1,v2,...`` (which replaces the recipe's grid) and ``--random N``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from dpclip.errors import RecipeError
+from dpclip.recipe.load import apply_overrides, validate_recipe
+from dpclip.recipe.schema import RandomRange, Recipe
+
+# Keys a search may not vary: the search's budget is the recipe's privacy section, the
+# data set is what the budget protects, and tuning/name/output_dir describe the search.
+FORBIDDEN_PREFIXES = ("privacy", "tuning", "data", "name", "output_dir")
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One point of the search space and the recipe it gives."""
+
+    values: dict[str, Any]
+    recipe: Recipe
+
+    def label(self) -> str:
+        return ", ".join(f"{key}={value}" for key, value in self.values.items()) or "(the recipe as is)"
+
+
+def parse_grid_option(text: str) -> tuple[str, list[Any]]:
+    """``key=v1,v2,...`` -> (key, [v1, v2, ...]); each value is read as YAML (``0.1`` -> 0.1)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or not raw.strip() or any(not part for part in key.split(".")):
+        raise RecipeError(f"--grid {text!r} is not of the form key=v1,v2,...",
+                          "example: --grid training.optimizer.lr=0.01,0.1,1")
+    return key, [_parse_value(item.strip()) for item in raw.split(",")]
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
+        # YAML 1.1 reads 1e-3 as a string; a search over numbers means a number.
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _check_key(key: str, origin: str) -> None:
+    head = key.split(".")[0]
+    if head in FORBIDDEN_PREFIXES:
+        raise RecipeError(f"{origin} {key}: a search cannot vary '{head}'",
+                          "the search's budget is the recipe's privacy section and the data is what it protects; "
+                          "search over training, model or clipping keys")
+
+
+def _configuration(base: Mapping[str, Any], values: dict[str, Any], origin: str) -> Configuration:
+    # apply_overrides creates the sections on each key's path (and refuses a path through a
+    # value); the values themselves are then set directly, without a round-trip through YAML text.
+    data = apply_overrides(dict(base), [f"{key}=" for key in values])
+    for key, value in values.items():
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    try:
+        recipe = validate_recipe(data, source=origin)
+    except RecipeError as exc:
+        raise RecipeError(f"{exc.message}\n  in configuration: "
+                          + ", ".join(f"{k}={v}" for k, v in values.items()),
+                          "every value of a search is validated like a recipe key; see docs/recipes.md") from None
+    return Configuration(dict(values), recipe)
+
+
+def _draw(spec: RandomRange, rng: random.Random) -> float:
+    if spec.log:
+        return math.exp(rng.uniform(math.log(spec.low), math.log(spec.high)))
+    return rng.uniform(spec.low, spec.high)
+
+
+def search_space(base: Mapping[str, Any], recipe: Recipe, grid: Sequence[str] = (),
+                 random_draws: int | None = None) -> list[Configuration]:
+    """The configurations of the search.
+
+    Args:
+        base: the recipe as a plain mapping (YAML as written, overrides applied).
+        recipe: ``base`` validated (its ``tuning`` section is read).
+        grid: ``--grid key=v1,v2,...`` options; when given they replace the recipe's grid.
+        random_draws: ``--random N``; when given (or ``tuning.random`` is set) the search
+            draws N configurations: ranges uniformly (log-uniformly for ``log: true``),
+            grid keys uniformly among their values, with the recipe's seed.
+    """
+    tuning = recipe.tuning
+    if grid:
+        axes: dict[str, list[Any]] = {}
+        for text in grid:
+            key, values = parse_grid_option(text)
+            if key in axes:
+                raise RecipeError(f"--grid {key} is given twice", "list all its values in one --grid key=v1,v2,...")
+            axes[key] = values
+        origin = "--grid"
+    else:
+        axes = {key: list(values) for key, values in tuning.grid.items()}
+        origin = "tuning.grid"
+    for key, values in axes.items():
+        _check_key(key, origin)
+        if not values:
+            raise RecipeError(f"{origin} {key} has no values", "list at least one value")
+    draws = random_draws if random_draws is not None else tuning.random
+    for key in tuning.ranges:
+        _check_key(key, "tuning.ranges")
+
+    if draws is not None:
+        if draws < 1:
+            raise RecipeError(f"--random must be at least 1, got {draws}", "e.g. --random 20")
+        if not tuning.ranges and not axes:
+            raise RecipeError("a random search needs tuning.ranges (or a grid to draw from)",
+                              "add e.g. tuning: {ranges: {training.optimizer.lr: {low: 0.01, high: 1, log: true}}}")
+        rng = random.Random(recipe.seed)
+        points = []
+        for _ in range(draws):
+            point = {key: rng.choice(values) for key, values in axes.items()}
+            point.update({key: _draw(spec, rng) for key, spec in tuning.ranges.items()})
+            points.append(point)
+    else:
+        keys = list(axes)
+        points = [dict(zip(keys, combo)) for combo in itertools.product(*(axes[k] for k in keys))]
+    return [_configuration(base, point, str(origin)) for point in points]

@@ -1,0 +1,111 @@
+"""Seconds per private step of a recipe on this machine, measured with a few real steps.
+
+A step here is what the training loop does per logical batch: Poisson batch, forward and
+backward of each micro-batch through the engine, ``privatize`` (clip, noise, threshold
+update) and ``optimizer.step``. The first ``warmup_steps`` are not timed (allocator,
+kernel selection, lazy initialisation); the result is the median of the timed steps, so
+one slow step (a page fault, another process) does not move it.
+
+Nothing measured here is released: timing steps use the private data but their gradients
+are thrown away with the model, and the time of a step is not published per example.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dpclip.recipe.schema import Recipe
+
+# Keys whose value changes how long one step takes. Others (learning rate, C, epochs, ...)
+# change what is learnt, not the cost of a step, so configurations differing only in them
+# share one measurement.
+STEP_COST_KEYS = ("data.", "model.", "training.batch_size", "training.micro_batch_size",
+                  "training.optimizer.kind", "clipping.grouping", "clipping.fn", "clipping.norm_method",
+                  "clipping.noise_allocation", "clipping.threshold.kind", "clipping.threshold.subspace_dim",
+                  "clipping.threshold.bins")
+
+# Stand-in noise for timing only: the cost of a step does not depend on σ.
+_TIMING_SIGMA = 1.0
+_TIMING_STATISTIC_SIGMA = 5.0
+
+
+def step_cost_signature(recipe: Recipe) -> str:
+    """Text that is equal for two recipes whose steps cost the same (see STEP_COST_KEYS)."""
+    import json
+
+    flat = _flatten(recipe.model_dump(mode="json"))
+    picked = {key: value for key, value in flat.items() if key.startswith(STEP_COST_KEYS)}
+    return json.dumps(picked, sort_keys=True)
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def timing_clipping(recipe: Recipe) -> dict[str, Any]:
+    """The recipe's clipping dict for DPEngine, with a stand-in noise std for statistics.
+
+    The training workflow derives a statistic's σ from its budget share; its value does
+    not change the cost of a step, so timing uses a fixed one.
+    """
+    clipping = recipe.clipping.model_dump(mode="python")
+    threshold = clipping["threshold"]
+    if "budget_fraction" in threshold:
+        threshold["budget_fraction"] = None
+        if threshold["kind"] == "quantile":
+            threshold["sigma"] = threshold.get("sigma") or _TIMING_STATISTIC_SIGMA
+        else:
+            threshold["sigma_hist"] = threshold.get("sigma_hist") or _TIMING_STATISTIC_SIGMA
+    return clipping
+
+
+def measure_step_seconds(recipe: Recipe, steps: int, warmup_steps: int = 1,
+                         on_step: Callable[[], None] | None = None) -> float:
+    """Median seconds of ``steps`` private steps of ``recipe`` after ``warmup_steps``."""
+    import torch
+
+    from dpclip.data import PoissonSampler, load_data, micro_batches, select
+    from dpclip.engine import DPEngine
+    from dpclip.models import build_model
+    from dpclip.train.workflow import _build_optimizer  # the optimizer the run would use
+
+    if steps < 1:
+        from dpclip.errors import DpclipError
+
+        raise DpclipError(f"--calibration-steps must be at least 1, got {steps}", "e.g. --calibration-steps 5")
+    torch.manual_seed(recipe.seed)
+    data = load_data(recipe.data, seed=recipe.seed)
+    model, loss_fn = build_model(recipe.model, data, seed=recipe.seed)
+    training = recipe.training
+    batch_size = min(training.batch_size, data.num_train)
+    sample_rate = batch_size / data.num_train
+    micro_batch_size = training.micro_batch_size or batch_size
+    engine = DPEngine(model, timing_clipping(recipe), noise_multiplier=_TIMING_SIGMA,
+                      expected_batch_size=batch_size, seed=recipe.seed, sample_rate=sample_rate)
+    optimizer = _build_optimizer(training.optimizer, [p for p in model.parameters() if p.requires_grad])
+    sampler = PoissonSampler(data.num_train, sample_rate, warmup_steps + steps, seed=recipe.seed)
+    seconds: list[float] = []
+    model.train()
+    try:
+        for index, indices in enumerate(sampler):
+            started = time.perf_counter()
+            for chunk in micro_batches(indices, micro_batch_size):
+                engine.backward(loss_fn(model, select(data.train, chunk)))
+            engine.privatize()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if index >= warmup_steps:
+                seconds.append(time.perf_counter() - started)
+            if on_step is not None:
+                on_step()
+    finally:
+        engine.detach()
+    return statistics.median(seconds)

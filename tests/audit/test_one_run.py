@@ -1,0 +1,45 @@
+import math
+
+import numpy as np
+import pytest
+
+from dpclip.audit.one_run import epsilon_lower_bound, guess_counts, one_run_audit, p_value
+
+
+def test_all_guesses_right_without_delta_matches_the_closed_form():
+    # δ = 0 and v = r: the p-value is p^r with p = e^ε/(1+e^ε), so p* = α^(1/r) and ε* = log(p*/(1−p*)).
+    r, alpha = 100, 0.05
+    p_star = alpha ** (1 / r)
+    assert epsilon_lower_bound(100, r, r, 0.0, alpha) == pytest.approx(math.log(p_star / (1 - p_star)), abs=1e-3)
+
+
+def test_p_value_grows_with_epsilon_and_with_delta():
+    values = [p_value(200, 100, 70, eps, 1e-5) for eps in (0.0, 0.5, 1.0, 2.0)]
+    assert values == sorted(values) and values[0] < values[-1]
+    assert p_value(200, 100, 70, 0.5, 1e-3) > p_value(200, 100, 70, 0.5, 0.0)
+
+
+def test_the_delta_correction_lowers_the_bound():
+    assert epsilon_lower_bound(1000, 600, 600, 1e-3) < epsilon_lower_bound(1000, 600, 600, 0.0)
+
+
+def test_half_right_guesses_give_no_evidence():
+    assert epsilon_lower_bound(200, 100, 50, 1e-5) == 0.0
+
+
+def test_random_scores_rarely_beat_zero():
+    # Under the null (scores independent of inclusion) the bound is positive with
+    # probability at most 5%: over 40 seeded draws expect ~2 or fewer, allow 6.
+    positives = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        result = one_run_audit(rng.normal(size=200), rng.random(200) < 0.5, delta=1e-5)
+        positives += result["epsilon_lower_bound"] > 0
+    assert positives <= 6
+
+
+def test_perfect_scores_reach_the_bonferroni_ceiling():
+    included = np.random.default_rng(0).random(200) < 0.5
+    result = one_run_audit(included.astype(float), included, delta=1e-5)
+    assert result["correct"] == result["guesses"] and result["epsilon_lower_bound"] > 3.0
+    assert guess_counts(200) == [10, 20, 50, 100]

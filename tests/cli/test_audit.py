@@ -1,0 +1,100 @@
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpclip.recipe import load_recipe
+from dpclip.train.workflow import train
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _train_tiny(output_dir: Path, *overrides) -> Path:
+    """A 12-step quickstart run (plumbing only, not statistics)."""
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml",
+                         [f"output_dir={output_dir}", "training.epochs=null", "training.steps=12",
+                          "checkpoint.every_steps=6", "checkpoint.keep=3", "eval.every_steps=null",
+                          "data.test_fraction=0.5", "privacy.accountant=rdp", *overrides])
+    return train(recipe).run_dir
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """One run without canaries, shared by the tests that only read it (audits write under audit/)."""
+    return _train_tiny(tmp_path_factory.mktemp("runs"))
+
+
+@pytest.fixture
+def tiny_run(tmp_path):
+    return lambda *overrides: _train_tiny(tmp_path / "runs", *overrides)
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_loss_and_logistic_report_as_json_and_leave_the_ledger_alone(cli, plain_run):
+    run = plain_run
+    before = digest(run / "ledger.json")
+    result = cli("audit-mia", run, "--attack", "loss", "--attack", "logistic", "--bootstrap", "20", "--json")
+    assert result.code == 0, result.err
+    report = json.loads(result.out)
+    assert set(report["attacks"]) == {"loss", "logistic"}
+    for metrics in report["attacks"].values():
+        assert 0 <= metrics["auc"] <= 1 and len(metrics["auc_ci95"]) == 2
+        assert {"tpr_at_0.1%_fpr", "tpr_at_1%_fpr", "balanced_accuracy", "advantage"} <= set(metrics)
+    assert json.loads((run / "audit" / "report.json").read_text())["attacks"].keys() == report["attacks"].keys()
+    assert (run / "audit" / "roc.png").exists()
+    assert digest(run / "ledger.json") == before
+
+
+def test_one_run_without_canaries_explains_how_to_add_them(cli, plain_run):
+    result = cli("audit-mia", plain_run, "--attack", "one-run")
+    assert result.code == 2
+    assert "without canaries" in result.err and "hint:" in result.err and "audit.canaries" in result.err
+    assert "Traceback" not in result.err
+
+
+def test_a_checkpoint_directory_is_audited_with_its_own_ledger(cli, plain_run):
+    run = plain_run
+    final = json.loads(cli("audit-mia", run, "--attack", "loss", "--bootstrap", "0", "--json").out)
+    early = cli("audit-mia", run / "checkpoints" / "step_000006", "--attack", "loss", "--bootstrap", "0", "--json")
+    assert early.code == 0, early.err
+    report = json.loads(early.out)
+    assert report["checkpoint"] == "step_000006" and report["step"] == 6
+    assert report["ledger"]["epsilon"] < final["ledger"]["epsilon"]
+
+
+def test_all_attacks_show_a_table_and_shadows_are_reused(cli, tiny_run):
+    run = tiny_run("audit.canaries.count=40", "audit.canaries.kind=mislabel")
+    result = cli("audit-mia", run, "--shadows", "2", "--bootstrap", "20")
+    assert result.code == 0, result.err
+    for text in ("loss", "logistic", "lira-online", "lira-offline", "DP bound", "one-run audit"):
+        assert text in result.out
+    shadows = run / "audit" / "shadows"
+    assert (shadows / "keep.json").exists()
+    done = shadows / "shadow_000" / "summary.json"
+    stamp = done.stat().st_mtime_ns
+    # An interrupted audit: shadow 1 lost its summary; a rerun finishes it and reuses shadow 0.
+    (shadows / "shadow_001" / "summary.json").unlink()
+    again = cli("audit-mia", run, "--attack", "lira", "--shadows", "2", "--bootstrap", "0", "--json")
+    assert again.code == 0, again.err
+    assert done.stat().st_mtime_ns == stamp
+    assert (shadows / "shadow_001" / "summary.json").exists()
+    other = cli("audit-mia", run, "--attack", "lira", "--shadows", "3")
+    assert other.code == 2 and "--shadows 2" in other.err
+
+
+def test_a_folder_that_is_not_a_run_is_an_error(cli, tmp_path):
+    result = cli("audit-mia", tmp_path, "--attack", "loss")
+    assert result.code == 2 and "neither a run directory" in result.err

@@ -1,0 +1,116 @@
+import json
+import math
+from pathlib import Path
+
+import dp_accounting
+import pytest
+from dp_accounting import rdp
+
+from dpclip.accounting import Ledger
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+TINY = ["training.epochs=null", "training.steps=3", "model.hidden=[8]", "privacy.accountant=rdp"]
+NO_MEASURE = ["--no-measure", "--step-seconds", "0.05"]
+
+# DC-SGD's MNIST setting (paper §VI, REFERENCE §E): N = 60000, B = 256, 10 epochs, ε = 2,
+# 10 configurations, δ₂ = 1e-20, γ = 1/(2G). δ = 1/N is refused by dpclip (δ must be below
+# 1/N), so δ is the largest 5-digit value below it.
+MNIST_N, MNIST_B, MNIST_EPOCHS, MNIST_EPS, MNIST_DELTA = 60000, 256, 10, 2.0, 1.6666e-5
+C_GRID = "clipping.threshold.value=0.1,0.2,0.5,0.8,1,2,4,6,8,10"
+
+
+def run_json(cli, *args):
+    result = cli("tune-cost", *args, "--json")
+    assert result.code == 0, result.err
+    return json.loads(result.out)
+
+
+def test_liu_talwar_per_run_budget_and_sigma_for_dc_sgds_mnist_setting(cli):
+    report = run_json(cli, QUICKSTART, f"training.batch_size={MNIST_B}", f"training.epochs={MNIST_EPOCHS}",
+                      f"privacy.epsilon={MNIST_EPS}", f"privacy.delta={MNIST_DELTA}", "privacy.accountant=rdp",
+                      "tuning.score=public", "--grid", C_GRID, "-N", MNIST_N, *NO_MEASURE)
+    lt = next(s for s in report["privacy"]["strategies"] if s["name"] == "liu-talwar")
+
+    # Liu–Talwar (DC-SGD Theorem 1) solved by hand with the whole δ spent.
+    configurations = 10
+    gamma = 1 / (2 * configurations)
+    max_runs = math.log(1 / 1e-20) / gamma
+    root = (MNIST_DELTA - 1e-20) / (3 * max_runs)          # √(2δ₁)
+    delta_run = root ** 2 / 2
+    epsilon_run = (MNIST_EPS - 3 * root) / 3
+    assert report["configurations"] == configurations
+    assert lt["detail"]["max_runs"] == pytest.approx(max_runs, rel=1e-12)
+    assert lt["detail"]["delta_run"] == pytest.approx(delta_run, rel=1e-9)
+    assert lt["detail"]["epsilon_run"] == pytest.approx(epsilon_run, rel=1e-9)
+
+    # The per-run σ, checked with dp_accounting called directly: ε₁ within 1% below target.
+    q = MNIST_B / MNIST_N
+    steps = math.ceil(MNIST_EPOCHS * MNIST_N / MNIST_B)
+    assert report["privacy"]["steps"] == steps
+    run = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(lt["sigma_total"])), steps)
+    achieved = rdp.RdpAccountant().compose(run).get_epsilon(delta_run)
+    assert 0.99 * epsilon_run <= achieved <= epsilon_run
+
+
+def test_compute_is_runs_times_steps_times_step_seconds(cli):
+    report = run_json(cli, QUICKSTART, *TINY, "--grid", "training.optimizer.lr=0.1,0.2,0.5", *NO_MEASURE)
+    compute = report["compute"]
+    assert compute["measured"] is False
+    assert compute["search_hours"] == pytest.approx(3 * 3 * 0.05 / 3600)
+
+
+def test_compare_measures_steps_and_shows_what_dcsgd_e_saves_over_a_c_grid(cli, tmp_path):
+    from dpclip.engine.thresholds import threshold_kinds
+
+    out = tmp_path / "tune_cost.json"
+    shown = cli("tune-cost", QUICKSTART, *TINY, "tuning.score=public", "--compare", "--calibration-steps", "2",
+                "--warmup-steps", "1", "--out", out)
+    assert shown.code == 0, shown.err
+    report = json.loads(out.read_text())
+    rows = {row["method"]: row for row in report["comparison"]}
+    assert report["compute"]["measured"] is True
+    assert rows["fixed"]["runs"] == 10
+    method = "dcsgd-e" if "dcsgd-e" in threshold_kinds() else "auto"
+    assert rows[method]["runs"] == 1
+    assert rows[method]["step_seconds"] > 0
+    assert rows[method]["speedup_vs_fixed"] == pytest.approx(rows["fixed"]["search_hours"] /
+                                                             rows[method]["search_hours"])
+    assert method in shown.out and "speedup" in shown.out
+
+
+def test_out_writes_the_json_report(cli, tmp_path):
+    out = tmp_path / "tune_cost.json"
+    result = cli("tune-cost", QUICKSTART, *TINY, *NO_MEASURE, "--out", out)
+    assert result.code == 0, result.err
+    assert "repeat-and-select" in result.out
+    assert json.loads(out.read_text())["configurations"] == 1
+
+
+def test_run_writes_a_search_whose_ledger_spends_what_was_promised(cli, tmp_path):
+    report = run_json(cli, QUICKSTART, *TINY, f"output_dir={tmp_path}", "tuning.score=public",
+                      "--grid", "training.optimizer.lr=0.1,0.5", *NO_MEASURE, "--run")
+    promised = next(s for s in report["privacy"]["strategies"] if s["name"] == "repeat-and-select")
+    search = report["search"]
+    ledger = Ledger.from_dict(json.loads((Path(search["search_dir"]) / "ledger.json").read_text()))
+    assert ledger.epsilon() == pytest.approx(promised["epsilon"], rel=1e-12)
+    assert ledger.epsilon() <= 8.0
+    summary = json.loads((Path(search["search_dir"]) / "summary.json").read_text())
+    assert summary["selected_run"] == search["selected_run"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--grid", "training.optimizr.lr=0.1"], "training.optimizr"),
+    (["--grid", "training.optimizer.lr=0.1,-1"], "lr"),
+    (["--grid", "privacy.epsilon=1,2"], "cannot vary"),
+    (["privacy.epsilon=1e-9"], "ε"),
+    (["--no-measure"], "--step-seconds"),
+    (["--step-seconds", "0.1"], "--no-measure"),
+])
+def test_bad_input_is_an_error_with_a_hint_and_no_traceback(cli, args, message):
+    extra = [] if "--no-measure" in args or "--step-seconds" in args else NO_MEASURE
+    result = cli("tune-cost", QUICKSTART, *TINY, *args, *extra)
+    assert result.code == 2
+    assert "error:" in result.err and message in result.err and "hint:" in result.err
+    assert "Traceback" not in result.err + result.out

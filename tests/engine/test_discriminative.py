@@ -1,0 +1,170 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dpclip.engine import DPEngine
+from dpclip.engine.discriminative import discriminative_sensitivity, tail_mask_top
+from dpclip.engine.thresholds import PolicyContext, build_policy
+from dpclip.errors import EngineError
+
+F64 = torch.float64
+
+
+def context(groups=1, batch=10):
+    return PolicyContext([f"g{k}" for k in range(groups)], [1] * groups, batch, 1.0, torch.device("cpu"), F64)
+
+
+def policy(groups=1, batch=10, **spec):
+    return build_policy({"kind": "discriminative", "small": 1.0, "large": 10.0, **spec}, context(groups, batch))
+
+
+def clipped_sum(vectors: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    norms = vectors.norm(dim=1)
+    return (vectors * torch.clamp(thresholds / norms, max=1.0)[:, None]).sum(0)
+
+
+# ------------------------------------------------------------------ the rule
+
+def test_threshold_rule_clips_tail_samples_at_large_and_the_body_at_small():
+    rule = policy(tail_rule="threshold", tail_threshold=3.0)
+    norms = torch.tensor([[0.5], [2.9], [3.1], [50.0]], dtype=F64)
+    assert rule.per_sample_thresholds(norms).squeeze(1).tolist() == [1.0, 1.0, 10.0, 10.0]
+
+
+def test_with_groups_a_sample_is_tail_in_every_group_by_its_total_norm():
+    rule = policy(groups=2, tail_rule="threshold", tail_threshold=5.0)
+    # sample 0: norm 5 (3, 4) is body; sample 1: norm sqrt(26) is tail
+    norms = torch.tensor([[3.0, 4.0], [1.0, 5.0]], dtype=F64)
+    per_sample = rule.per_sample_thresholds(norms)
+    s, l = 1 / math.sqrt(2), 10 / math.sqrt(2)
+    assert per_sample.tolist() == [[pytest.approx(s)] * 2, [pytest.approx(l)] * 2]
+
+
+def test_top_fraction_counts_from_the_expected_batch_size_not_the_realised_one():
+    # B = 10, fraction 0.2 -> the 2 largest of the 5 realised samples
+    mask = tail_mask_top(torch.tensor([5.0, 1.0, 9.0, 3.0, 7.0]), 0.2, 10)
+    assert mask.tolist() == [False, False, True, False, True]
+    # fewer samples than the tail size: all are tail
+    assert tail_mask_top(torch.tensor([5.0]), 0.2, 10).tolist() == [True]
+
+
+def test_top_fraction_refuses_a_logical_batch_split_in_micro_batches():
+    rule = policy(tail_rule="top_fraction", top_fraction=0.2)
+    norms = torch.rand(4, 1, dtype=F64)
+    rule.per_sample_thresholds(norms)
+    with pytest.raises(EngineError) as info:
+        rule.per_sample_thresholds(norms)
+    assert "micro" in info.value.message and info.value.hint
+    rule.release(torch.Generator())
+    rule.per_sample_thresholds(norms)          # a new step ranks again
+
+
+def test_engine_clips_each_sample_at_its_own_threshold_exactly():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    engine = DPEngine(model, {"grouping": "layer", "threshold": {
+        "kind": "discriminative", "small": 0.3, "large": 3.0, "tail_rule": "threshold", "tail_threshold": 1.0}},
+        noise_multiplier=0.0, expected_batch_size=8)
+    x = torch.randn(6, 3) * torch.tensor([0.1, 1, 5, 0.2, 3, 10])[:, None]
+    y = torch.randn(6)
+    engine.backward((model(x).squeeze(1) - y) ** 2)
+    engine.privatize()
+    got = [p.grad.clone() for p in model.parameters()]
+    engine.detach()
+    # per-example loop: a sample is tail if its whole-gradient norm > 1; each of the 2 groups then
+    # clips at large/√2 (tail) or small/√2 (body)
+    expected = [torch.zeros_like(p) for p in model.parameters()]
+    groups = [[0, 1], [2, 3]]
+    tails = 0
+    for i in range(6):
+        model.zero_grad()
+        ((model(x[i:i + 1]).squeeze(1) - y[i]) ** 2).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        total = math.sqrt(sum((g ** 2).sum().item() for g in grads))
+        c = (3.0 if total > 1.0 else 0.3) / math.sqrt(2)
+        tails += total > 1.0
+        for members in groups:
+            norm = math.sqrt(sum((grads[j] ** 2).sum().item() for j in members))
+            for j in members:
+                expected[j] += grads[j] * min(1.0, c / norm)
+    assert 0 < tails < 6                       # both kinds of samples occur
+    for g, e in zip(got, expected):
+        assert torch.allclose(g, e / 8, atol=1e-6)
+
+
+# ------------------------------------------------------------------ privacy
+
+def test_sensitivity_is_large_per_sample_and_two_large_minus_small_for_top_fraction():
+    assert discriminative_sensitivity(1.0, 10.0, "threshold") == 10.0
+    assert discriminative_sensitivity(1.0, 10.0, "top_fraction") == 19.0
+    assert policy(tail_threshold=2.0).sensitivity_thresholds().tolist() == [10.0]
+    assert policy(tail_rule="top_fraction").sensitivity_thresholds().tolist() == [19.0]
+    grouped = policy(groups=4, tail_rule="top_fraction").sensitivity_thresholds()
+    assert grouped.norm().item() == pytest.approx(19.0)
+
+
+def test_top_fraction_neighbours_really_differ_by_two_large_minus_small():
+    """Adding one example pushes another out of the top set: the bound 2L − S is attained,
+    so noise calibrated to L (let alone S) would under-noise."""
+    small, large = 1.0, 10.0
+    rule = policy(batch=2, tail_rule="top_fraction", top_fraction=0.5)   # tail size ⌈0.5·2⌉ = 1
+    d = torch.tensor([[0.0, 100.0]], dtype=F64)
+    d_plus = torch.tensor([[0.0, 100.0], [0.0, -101.0]], dtype=F64)
+    sums = []
+    for batch in (d, d_plus):
+        thresholds = rule.per_sample_thresholds(batch.norm(dim=1, keepdim=True)).squeeze(1)
+        rule.release(torch.Generator())
+        sums.append(clipped_sum(batch, thresholds))
+    change = (sums[1] - sums[0]).norm().item()
+    assert change == pytest.approx(2 * large - small)
+    assert change > large
+
+
+def test_gradient_noise_is_calibrated_to_large_not_small():
+    """The published code noises for c_small; here a zero-gradient model's p.grad is pure noise
+    whose std must be σ·c_large/B (10x what c_small calibration would give)."""
+    sigma, small, large = 1.0, 0.5, 5.0
+    model = nn.Linear(50, 1, bias=False)
+    engine = DPEngine(model, {"threshold": {"kind": "discriminative", "small": small, "large": large,
+                                            "tail_threshold": 1.0}},
+                      noise_multiplier=sigma, expected_batch_size=1, seed=0)
+    values = []
+    for _ in range(40):
+        engine.backward(model(torch.zeros(1, 50)).squeeze(1))   # gradient 0: p.grad is the noise
+        report = engine.privatize()
+        values.append(model.weight.grad.flatten())
+    values = torch.cat(values)
+    assert report.noise_std_sum.item() == pytest.approx(sigma * large)
+    n = len(values)
+    assert abs(values.std().item() - sigma * large) < 4 * sigma * large / math.sqrt(2 * n)
+
+
+def test_top_fraction_noise_uses_two_large_minus_small():
+    model = nn.Linear(3, 1)
+    engine = DPEngine(model, {"threshold": {"kind": "discriminative", "small": 1.0, "large": 4.0,
+                                            "tail_rule": "top_fraction", "top_fraction": 0.1}},
+                      noise_multiplier=2.0, expected_batch_size=4)
+    engine.backward(model(torch.randn(4, 3)).squeeze(1))
+    report = engine.privatize()
+    assert report.noise_std_sum.item() == pytest.approx(2.0 * 7.0)
+    assert report.aux_releases == []                 # the tail split is never released
+
+
+def test_bad_specs_are_refused_with_hints():
+    with pytest.raises(EngineError):
+        policy(tail_rule="threshold")                # no tail_threshold
+    with pytest.raises(EngineError):
+        policy(large=0.5, tail_threshold=1.0)        # large ≤ small
+    with pytest.raises(EngineError) as info:
+        policy(tail_threshold=1.0, trace_noise=1.0)
+    assert info.value.hint
+
+
+def test_state_round_trips():
+    rule = policy(groups=2, tail_threshold=2.0)
+    again = policy(groups=2, tail_threshold=2.0, small=2.0, large=3.0)
+    again.load_state_dict(rule.state_dict())
+    assert torch.equal(again.thresholds(), rule.thresholds())
+    assert torch.equal(again.sensitivity_thresholds(), rule.sensitivity_thresholds())

@@ -1,0 +1,48 @@
+import pytest
+
+from dpclip.tuning.compare import DC_SGD_C_GRID, method_searches
+from dpclip.tuning.cost import StepTimer, tune_cost
+
+
+def test_each_method_keeps_the_users_other_axes_and_brings_its_own_threshold_grid(tiny):
+    base, recipe = tiny()
+    grid = ["training.optimizer.lr=0.1,0.5,1", "clipping.threshold.value=1,2"]
+    runs = {m.name: m.runs for m in method_searches(base, recipe, grid)}
+    assert runs["fixed"] == len(DC_SGD_C_GRID) * 3  # the user's C values are replaced by the C grid
+    assert runs["auto"] == 3
+    assert runs["quantile"] == 45 * 3
+
+
+def test_methods_are_the_registered_threshold_kinds(tiny, monkeypatch):
+    import dpclip.engine.thresholds as thresholds
+
+    monkeypatch.setattr(thresholds, "threshold_kinds", lambda: ["fixed", "quantile"])
+    base, recipe = tiny()
+    assert [m.name for m in method_searches(base, recipe, [])] == ["fixed", "quantile", "auto"]
+
+
+def test_speedup_is_the_ratio_of_search_times(tiny):
+    base, recipe = tiny("privacy.accountant=rdp", "tuning.score=public")
+    report = tune_cost(base, recipe, grid=["training.optimizer.lr=0.1,0.5"], compare=True,
+                       timer=StepTimer(fixed_seconds=0.01))
+    rows = {row["method"]: row for row in report.comparison}
+    fixed = rows["fixed"]
+    for row in rows.values():
+        assert row["search_hours"] == pytest.approx(row["runs"] * report.privacy.steps * 0.01 / 3600)
+        assert row["speedup_vs_fixed"] == pytest.approx(fixed["search_hours"] / row["search_hours"])
+    # fewer runs in the search, less noise per run
+    assert rows["auto"]["sigma_gradient_repeat_and_select"] < fixed["sigma_gradient_repeat_and_select"]
+
+
+def test_a_method_the_recipe_cannot_use_is_left_out_with_the_reason(tiny):
+    from dpclip.engine.thresholds import threshold_kinds
+
+    if "dcsgd-e" not in threshold_kinds():
+        pytest.skip("dcsgd-e is not registered")
+    base, recipe = tiny("clipping.noise_allocation=equal-budget", "privacy.accountant=rdp", "tuning.score=public")
+    report = tune_cost(base, recipe, compare=True, timer=StepTimer(fixed_seconds=0.01))
+    rows = {row["method"]: row for row in report.comparison}
+    if "skipped" not in rows["dcsgd-e"]:
+        pytest.skip("this schema accepts dcsgd-e with equal-budget allocation")
+    assert "noise_allocation" in rows["dcsgd-e"]["skipped"]
+    assert rows["fixed"]["runs"] == 10

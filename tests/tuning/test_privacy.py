@@ -1,0 +1,81 @@
+import functools
+from pathlib import Path
+
+import pytest
+from dp_accounting import dp_event, rdp
+
+import dp_accounting
+
+from dpclip.errors import AccountingError
+from dpclip.recipe import apply_overrides, read_yaml, validate_recipe
+from dpclip.train.plan import plan_for_recipe
+from dpclip.tuning.privacy import LIU_TALWAR, NAIVE, REPEAT_AND_SELECT, search_privacy
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@functools.lru_cache(maxsize=None)
+def _solved(overrides, configurations):
+    # RDP keeps these tests fast; the strategies' arithmetic is the same with PLD.
+    data = apply_overrides(read_yaml(REPO / "recipes" / "quickstart.yaml"),
+                           ["training.epochs=null", "training.steps=50", "privacy.accountant=rdp", *overrides])
+    recipe = validate_recipe(data)
+    return recipe, search_privacy(recipe, plan_for_recipe(recipe), configurations)
+
+
+def _privacy(*overrides, configurations=4):
+    return _solved(tuple(overrides), configurations)
+
+
+def test_every_strategy_keeps_the_search_within_the_recipes_epsilon():
+    recipe, privacy = _privacy("tuning.score=public")
+    for strategy in privacy.strategies:
+        assert strategy.epsilon <= recipe.privacy.epsilon * (1 + 1e-9)
+        assert strategy.sigma_total > privacy.recipe_sigma  # a search needs more noise than one run
+
+
+def test_naive_search_at_the_recipes_sigma_overspends():
+    recipe, privacy = _privacy("tuning.score=public")
+    assert privacy.epsilon_naive_at_recipe_sigma > recipe.privacy.epsilon
+
+
+def test_repeat_and_select_sigma_meets_epsilon_in_dp_accountings_rdp():
+    recipe, privacy = _privacy("tuning.score=public")
+    strategy = privacy.strategy(REPEAT_AND_SELECT)
+    run = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        privacy.sample_rate, dp_accounting.GaussianDpEvent(strategy.sigma_total)), privacy.steps)
+    event = dp_event.RepeatAndSelectDpEvent(run, 4.0, recipe.tuning.trials_shape)
+    eps = rdp.RdpAccountant().compose(event).get_epsilon(privacy.delta)
+    assert eps == pytest.approx(strategy.epsilon, rel=1e-12)
+    assert 0.99 * recipe.privacy.epsilon <= eps <= recipe.privacy.epsilon
+
+
+def test_a_private_score_costs_noise_that_a_public_one_does_not():
+    _, public = _privacy("tuning.score=public")
+    _, private = _privacy("tuning.score=private", "tuning.score_noise=5")
+    for name in (NAIVE, REPEAT_AND_SELECT):
+        assert private.strategy(name).sigma_total > public.strategy(name).sigma_total
+
+
+def test_liu_talwar_uses_gamma_one_over_two_g_by_default():
+    _, privacy = _privacy("tuning.score=public", configurations=5)
+    assert privacy.strategy(LIU_TALWAR).detail["gamma"] == pytest.approx(0.1)
+
+
+def test_a_statistic_lowers_the_gradients_share_of_sigma():
+    _, privacy = _privacy("tuning.score=public", "clipping.grouping=all-layer",
+                          "clipping.threshold={kind: quantile, budget_fraction: 0.1}")
+    strategy = privacy.strategy(NAIVE)
+    assert strategy.sigma_gradient > strategy.sigma_total
+
+
+def test_a_strategy_the_score_noise_makes_infeasible_is_reported_not_raised():
+    # Liu–Talwar gives each run ε/3 at δ₁ ~ 1e-17, which a score noise of 2.5 alone exceeds.
+    _, privacy = _privacy("tuning.score=private", "tuning.score_noise=2.5")
+    assert "raise tuning.score_noise" in privacy.strategy(LIU_TALWAR).detail["infeasible"]
+    assert privacy.strategy(NAIVE).sigma_total is not None
+
+
+def test_a_search_no_noise_can_make_private_is_an_error():
+    with pytest.raises(AccountingError, match="no per-run noise"):
+        _privacy("tuning.score=private", "tuning.score_noise=0.05")

@@ -1,0 +1,73 @@
+import json
+from pathlib import Path
+
+import dp_accounting
+import pytest
+from dp_accounting import dp_event, rdp
+
+from dpclip.accounting import Ledger
+from dpclip.errors import DpclipError
+from dpclip.recipe import apply_overrides, read_yaml, validate_recipe
+from dpclip.tuning.cost import StepTimer, tune_cost
+from dpclip.tuning.search import run_search
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _search(output_dir, *overrides):
+    base = apply_overrides(read_yaml(REPO / "recipes" / "quickstart.yaml"),
+                           [f"output_dir={output_dir}", "training.epochs=null", "training.steps=2",
+                            "model.hidden=[8]", "privacy.accountant=rdp", *overrides])
+    recipe = validate_recipe(base)
+    grid = ["training.optimizer.lr=0.1,0.5"]
+    report = tune_cost(base, recipe, grid=grid, timer=StepTimer(fixed_seconds=0.01))
+    return report, run_search(base, recipe, report, grid=grid, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def public_search(tmp_path_factory):
+    return _search(tmp_path_factory.mktemp("runs"), "tuning.score=public")
+
+
+def test_search_ledger_spends_exactly_what_was_promised(public_search):
+    report, summary = public_search
+    search_dir = Path(summary["search_dir"])
+    ledger = Ledger.from_dict(json.loads((search_dir / "ledger.json").read_text()))
+    promised = report.privacy.strategy("repeat-and-select")
+    assert ledger.epsilon() == pytest.approx(promised.epsilon, rel=1e-12)
+    # ... and it is dp_accounting's RDP ε of repeat-and-select over one run at the per-run σ
+    run = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        report.privacy.sample_rate, dp_accounting.GaussianDpEvent(promised.sigma_total)), report.privacy.steps)
+    direct = rdp.RdpAccountant().compose(dp_event.RepeatAndSelectDpEvent(run, 2.0, 1.0))
+    assert ledger.epsilon() == pytest.approx(direct.get_epsilon(report.privacy.delta), rel=1e-12)
+
+
+def test_every_trial_trained_at_the_searchs_sigma_and_the_best_is_named(public_search):
+    report, summary = public_search
+    sigma = report.privacy.strategy("repeat-and-select").sigma_total
+    assert len(summary["runs"]) == summary["trials"]
+    for record in summary["runs"]:
+        entries = json.loads((Path(record["run_dir"]) / "ledger.json").read_text())["entries"]
+        assert entries[0]["event"]["event"]["noise_multiplier"] == sigma
+    if summary["trials"]:
+        best = max(summary["runs"], key=lambda r: r["score"])
+        assert summary["selected_run"] == best["run_dir"]
+        assert Path(summary["selected_run"]).is_dir()
+
+
+def test_private_score_is_charged_to_every_run(public_search, tmp_path):
+    _, public = public_search
+    _, private = _search(tmp_path, "tuning.score=private", "tuning.score_noise=20")
+    assert private["sigma_per_run"] > public["sigma_per_run"]
+    ledger = json.loads((Path(private["search_dir"]) / "ledger.json").read_text())
+    run_event = ledger["entries"][0]["event"]["event"]
+    assert run_event["type"] == "Composed"
+    assert run_event["events"][1] == {"type": "Gaussian", "noise_multiplier": 20.0}
+
+
+def test_poisson_trials_cannot_be_recorded_yet(tiny):
+    base, recipe = tiny("tuning.trials=poisson", "tuning.score=public")
+    report = tune_cost(base, recipe, grid=["training.optimizer.lr=0.1,0.5"], timer=StepTimer(fixed_seconds=0.01))
+    with pytest.raises(DpclipError, match="Poisson"):
+        run_search(base, recipe, report, grid=["training.optimizer.lr=0.1,0.5"], quiet=True)

@@ -1,0 +1,59 @@
+import math
+
+import pytest
+
+from dpclip.errors import RecipeError
+from dpclip.tuning.space import parse_grid_option, search_space
+
+
+def test_grid_is_the_cartesian_product_of_its_values(tiny):
+    base, recipe = tiny()
+    configs = search_space(base, recipe, ["training.optimizer.lr=0.1,0.5", "clipping.threshold.value=0.1,1,10"])
+    assert len(configs) == 6
+    assert {(c.recipe.training.optimizer.lr, c.recipe.clipping.threshold.value) for c in configs} == \
+        {(lr, c) for lr in (0.1, 0.5) for c in (0.1, 1, 10)}
+
+
+def test_command_line_grid_replaces_the_recipes_grid(tiny):
+    base, recipe = tiny("tuning.grid={training.optimizer.lr: [0.1, 0.2, 0.3]}")
+    assert len(search_space(base, recipe)) == 3
+    assert [c.values for c in search_space(base, recipe, ["clipping.fn=auto,abadi"])] == \
+        [{"clipping.fn": "auto"}, {"clipping.fn": "abadi"}]
+
+
+def test_exponent_values_are_numbers():
+    assert parse_grid_option("training.optimizer.lr=1e-3,2") == ("training.optimizer.lr", [0.001, 2])
+
+
+def test_unknown_key_is_a_recipe_error_naming_it(tiny):
+    base, recipe = tiny()
+    with pytest.raises(RecipeError, match="training.optimizr"):
+        search_space(base, recipe, ["training.optimizr.lr=0.1"])
+
+
+def test_value_the_schema_refuses_is_a_recipe_error(tiny):
+    base, recipe = tiny()
+    with pytest.raises(RecipeError, match="lr"):
+        search_space(base, recipe, ["training.optimizer.lr=0.1,-1"])
+
+
+def test_privacy_keys_cannot_be_searched(tiny):
+    base, recipe = tiny()
+    with pytest.raises(RecipeError, match="cannot vary 'privacy'"):
+        search_space(base, recipe, ["privacy.epsilon=1,8"])
+
+
+def test_random_search_draws_inside_its_ranges(tiny):
+    base, recipe = tiny("tuning.ranges={training.optimizer.lr: {low: 0.001, high: 1.0, log: true}}")
+    configs = search_space(base, recipe, random_draws=50)
+    rates = [c.recipe.training.optimizer.lr for c in configs]
+    assert len(rates) == 50 and all(0.001 <= r <= 1.0 for r in rates)
+    # log-uniform: about half the draws below the geometric midpoint sqrt(0.001 * 1)
+    below = sum(r < math.sqrt(0.001) for r in rates)
+    assert 15 <= below <= 35
+
+
+def test_random_search_without_ranges_or_grid_is_refused(tiny):
+    base, recipe = tiny()
+    with pytest.raises(RecipeError, match="ranges"):
+        search_space(base, recipe, random_draws=3)
