@@ -468,6 +468,10 @@ class Recipe(Section):
                 f"clipping.threshold.sigma_hist ({threshold.sigma_hist:g}) must exceed the total noise "
                 f"multiplier privacy.noise_multiplier ({sigma:g}): the gradient gets "
                 "σ_T = (σ⁻² − σ_H⁻²)^(−1/2), which needs σ_H > σ")
+        if isinstance(threshold, DiscriminativeThreshold) and threshold.tail_rule == "top_fraction" \
+                and self.training.micro_batch_size is not None:
+            raise ValueError("clipping.threshold.tail_rule 'top_fraction' ranks the whole logical batch, which is "
+                             "processed in one backward: remove training.micro_batch_size")
         if self.model.kind == "cnn" and self.data.source == "builtin" and self.data.name == "digits" \
                 and not self.data.as_images:
             raise ValueError("model.kind 'cnn' needs images: set data.as_images: true")

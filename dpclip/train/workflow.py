@@ -204,6 +204,10 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
     model, loss_fn = build_model(recipe.model, data, seed=recipe.seed)
     training = recipe.training
     micro_batch_size = training.micro_batch_size or training.batch_size
+    threshold = recipe.clipping.threshold
+    # A top-fraction tail rule ranks the whole logical batch, which therefore must reach the
+    # engine in one backward, however large the Poisson draw is.
+    whole_batch = threshold.kind == "discriminative" and threshold.tail_rule == "top_fraction"
 
     # A statistic's sensitivity grows with the number of groups, which depends on the model.
     num_groups = len(build_groups(model, recipe.clipping.grouping, trainable_params(model)).names)
@@ -318,7 +322,7 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
                 for group, base in zip(optimizer.param_groups, base_lrs):
                     group["lr"] = base * factor
                 loss_sum, started = 0.0, time.perf_counter()
-                for chunk in micro_batches(indices, micro_batch_size):
+                for chunk in micro_batches(indices, max(len(indices), 1) if whole_batch else micro_batch_size):
                     losses = loss_fn(model, select(data.train, chunk))
                     loss_sum += float(losses.detach().sum())
                     engine.backward(losses)

@@ -115,3 +115,30 @@ def test_dcsgd_e_refuses_a_non_global_noise_allocation_with_a_reason(tmp_path):
     with pytest.raises(RecipeError) as info:
         short("dcsgd-e-digits", tmp_path, "clipping.noise_allocation=weighted")
     assert "global" in info.value.message
+
+
+def test_top_fraction_runs_whole_poisson_batches_larger_than_the_expected_size(tmp_path):
+    """Poisson draws exceed B about half the time; the ranking still sees one backward."""
+    from dpclip.recipe import load_recipe
+    from dpclip.train.workflow import train as run
+
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "discriminative-digits.yaml",
+                         [f"output_dir={tmp_path}", "training.epochs=null", "training.steps=6",
+                          "clipping.threshold={kind: discriminative, small: 0.5, large: 2.0, "
+                          "tail_rule: top_fraction, top_fraction: 0.1}"])
+    result = run(recipe)
+    assert result.steps_done == 6
+    sizes = [json.loads(line)["diagnostics"]["batch_size"]
+             for line in (result.run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' not in line]
+    assert max(sizes) > recipe.training.batch_size
+
+
+def test_top_fraction_refuses_micro_batches():
+    from dpclip.errors import RecipeError
+    from dpclip.recipe import load_recipe
+
+    with pytest.raises(RecipeError) as info:
+        load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "discriminative-digits.yaml",
+                    ["training.micro_batch_size=16",
+                     "clipping.threshold={kind: discriminative, small: 0.5, tail_rule: top_fraction}"])
+    assert "micro_batch_size" in info.value.message
