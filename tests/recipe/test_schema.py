@@ -108,7 +108,8 @@ def test_quantile_defaults_to_one_percent_of_the_budget():
 
 
 def test_discriminative_large_defaults_to_ten_times_small():
-    recipe = load_recipe(QUICKSTART, ["clipping.threshold={kind: discriminative, small: 0.5, tail_rule: top_fraction}"])
+    recipe = load_recipe(QUICKSTART, ["training.micro_batch_size=null",
+                                      "clipping.threshold={kind: discriminative, small: 0.5, tail_rule: top_fraction}"])
     assert recipe.clipping.threshold.large == 5.0
 
 
