@@ -12,6 +12,7 @@ import typer
 from dpclip import __version__
 from dpclip.cli import account, recipes, train, tune_cost, validate
 from dpclip.cli import audit
+from dpclip.cli import bench
 from dpclip.cli.render import print_error
 from dpclip.errors import DpclipError
 
@@ -48,6 +49,7 @@ app.command("account")(account.account)
 app.command("validate")(validate.validate)
 app.command("audit-mia")(audit.audit_mia)
 app.command("tune-cost")(tune_cost.tune_cost)
+app.command("bench")(bench.bench)
 app.add_typer(recipes.app, name="recipes")
 
 

@@ -1,0 +1,473 @@
+"""What does a private step cost? dpclip's groupings and Opacus against non-private training.
+
+Step = forward, loss, backward(s), clipping, noise, SGD step. Methods:
+
+    non-private       mean loss, loss.backward(), SGD step
+    dpclip <grouping> per-sample losses, engine.backward, engine.privatize, SGD step
+                      (grouping all-layer, layer, param; norm_method auto)
+    opacus hooks      PrivacyEngine.make_private(grad_sample_mode="hooks"): per-sample grads
+    opacus ghost      PrivacyEngine.make_private(grad_sample_mode="ghost"): ghost clipping
+                      (two backwards, through Opacus' DPLossFastGradientClipping criterion)
+
+Workloads: gpt2 (REFERENCE §G: 4 layers, n_embd 256, vocab 1024, T 128, B 16; position ids
+passed to every method, as Opacus needs them), cnn (the digits CNN of recipes/cnn-*.yaml on
+1x8x8 images, B 64), mlp (128 -> 512 -> 512 -> 10, B 1024).
+
+Timing: all methods of a workload are built in one process and timed interleaved
+(A B C ... A B C ...), medians reported, ratio to non-private. Memory (``--memory``): each
+configuration runs alone in a fresh child process; the figure is how far the child's peak
+resident set (VmHWM, reset after setup) rises during the steps above its resident set after
+setup (model, optimizer, batch and DP wrappers built): the memory the training steps need
+(activations, gradients, per-sample quantities), imports and weights excluded.
+Scaling (``--scaling``): GPT-2 ratio for a grid of T and B, with the norm method (ghost or
+instantiate) the engine's mixed rule picks for each layer shape at each T.
+
+    python benchmarks/dp_cost.py                      # timing table, all workloads
+    python benchmarks/dp_cost.py --memory --scaling   # + memory and the GPT-2 scaling table
+    python benchmarks/dp_cost.py --markdown           # tables as markdown (docs/performance.md)
+    python benchmarks/dp_cost.py --smoke              # tiny sizes, 1 repeat (CI)
+
+Opacus is a benchmark extra (``pip install opacus``); without it the Opacus rows are
+skipped and the script says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Opacus' hooks fire on modules whose inputs need no grad (embeddings, the first layer).
+warnings.filterwarnings("ignore", message="Full backward hook is firing")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from engine_step_ratio import build_model as build_gpt2  # noqa: E402
+
+GROUPINGS = ("all-layer", "layer", "param")
+METHODS = ("non-private",) + tuple(f"dpclip {g}" for g in GROUPINGS) + ("opacus hooks", "opacus ghost")
+WORKLOADS = ("gpt2", "cnn", "mlp")
+FULL = {
+    "gpt2": dict(layers=4, embd=256, vocab=1024, seq=128, batch=16),
+    "cnn": dict(batch=64),
+    "mlp": dict(features=128, hidden=512, batch=1024),
+}
+SMOKE = {
+    "gpt2": dict(layers=1, embd=32, vocab=64, seq=16, batch=4),
+    "cnn": dict(batch=8),
+    "mlp": dict(features=16, hidden=32, batch=32),
+}
+
+
+def opacus_available() -> bool:
+    return importlib.util.find_spec("opacus") is not None
+
+
+# ---------------------------------------------------------------------------- workloads
+
+
+@dataclass
+class Workload:
+    """A model and one fixed batch, seen three ways: per-sample losses (dpclip), the logits
+    and flat targets a criterion takes (Opacus ghost), and the shape that criterion needs
+    to turn per-token losses into per-sample ones."""
+
+    model: nn.Module
+    inputs: dict
+    forward: Callable[[nn.Module, dict], torch.Tensor]  # -> logits [N, C]
+    targets: torch.Tensor  # [N]
+    token_shape: tuple[int, int] | None  # (B, T') when N = B * T', else None
+    batch: int
+
+    def per_sample_loss(self, model: nn.Module) -> torch.Tensor:
+        tok = F.cross_entropy(self.forward(model, self.inputs), self.targets, reduction="none")
+        return tok.view(self.token_shape).mean(1) if self.token_shape else tok
+
+
+def make_workload(name: str, sizes: dict) -> Workload:
+    gen = torch.Generator().manual_seed(0)
+    b = sizes["batch"]
+    if name == "gpt2":
+        model = build_gpt2(sizes["layers"], sizes["embd"], sizes["vocab"], sizes["seq"], "cpu")
+        ids = torch.randint(0, sizes["vocab"], (b, sizes["seq"]), generator=gen)
+        pos = torch.arange(sizes["seq"]).expand(b, -1).contiguous()
+
+        def forward(m, x):
+            logits = m(input_ids=x["ids"], position_ids=x["pos"], use_cache=False).logits
+            return logits[:, :-1].reshape(-1, logits.shape[-1])
+
+        return Workload(model, {"ids": ids, "pos": pos}, forward, ids[:, 1:].reshape(-1),
+                        (b, sizes["seq"] - 1), b)
+    torch.manual_seed(0)
+    if name == "cnn":  # recipes/cnn-*.yaml: channels [16, 32], kernel 3, 4 groups, hidden 64
+        model = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(4, 32), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+        x = torch.randn(b, 1, 8, 8, generator=gen)
+    elif name == "mlp":
+        h = sizes["hidden"]
+        model = nn.Sequential(nn.Linear(sizes["features"], h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(),
+                              nn.Linear(h, 10))
+        x = torch.randn(b, sizes["features"], generator=gen)
+    else:
+        raise ValueError(f"unknown workload {name!r}")
+    y = torch.randint(0, 10, (b,), generator=gen)
+    return Workload(model, {"x": x}, lambda m, inp: m(inp["x"]), y, None, b)
+
+
+# ------------------------------------------------------------------------------ steps
+
+
+def make_step(method: str, w: Workload) -> Callable[[], None]:
+    """A closure running one training step of ``method`` on its own copy of the model."""
+    model = copy.deepcopy(w.model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    if method == "non-private":
+        def step():
+            w.per_sample_loss(model).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+    if method.startswith("dpclip "):
+        from dpclip.engine import DPEngine
+
+        engine = DPEngine(model, {"grouping": method.split(" ", 1)[1]}, noise_multiplier=1.0,
+                          expected_batch_size=w.batch, seed=0)
+
+        def step():
+            engine.backward(w.per_sample_loss(model))
+            engine.privatize()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+    if method.startswith("opacus "):
+        return _opacus_step(method.split(" ", 1)[1], w, model, opt)
+    raise ValueError(f"unknown method {method!r}")
+
+
+def untie_output_embedding(model: nn.Module) -> bool:
+    """Give a tied output head its own copy of the weight; True if it was tied.
+
+    Opacus ghost clipping refuses tied parameters (NotImplementedError), so it runs on
+    an untied GPT-2: same arithmetic per layer, one more V x d parameter."""
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if get_out else None
+    if head is None or head.weight is not model.get_input_embeddings().weight:
+        return False
+    head.weight = nn.Parameter(head.weight.detach().clone())
+    return True
+
+
+def _opacus_step(mode: str, w: Workload, model: nn.Module, opt) -> Callable[[], None]:
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    if mode == "ghost" and untie_output_embedding(model):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    # make_private wants a data loader; one of B dummy rows gives expected batch size B.
+    loader = DataLoader(TensorDataset(torch.zeros(w.batch, 1)), batch_size=w.batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        made = PrivacyEngine().make_private(
+            module=model, optimizer=opt, data_loader=loader, criterion=nn.CrossEntropyLoss(),
+            noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False,
+            grad_sample_mode=mode)
+    if mode == "ghost":
+        module, dp_opt, criterion, _ = made
+
+        def step():
+            loss = criterion(w.forward(module, w.inputs), w.targets, shape=w.token_shape)
+            loss.backward()  # both ghost-clipping backwards
+            dp_opt.step()
+            dp_opt.zero_grad(set_to_none=True)
+        return step
+    module, dp_opt, _ = made
+
+    def step():
+        w.per_sample_loss(module).mean().backward()
+        dp_opt.step()
+        dp_opt.zero_grad(set_to_none=True)
+    return step
+
+
+def time_methods(w: Workload, methods: list[str], repeats: int, warmup: int) -> dict[str, float]:
+    """Median seconds per step, methods interleaved A B C A B C ... after warm-up."""
+    steps = {m: make_step(m, w) for m in methods}
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for _ in range(repeats):
+        for m, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[m].append(time.perf_counter() - t0)
+    return {m: statistics.median(ts) for m, ts in times.items()}
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field (VmRSS, VmHWM) in KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def child_memory(workload: str, method: str, sizes: dict, steps: int, threads: int) -> dict:
+    """Run in a fresh process: build everything, reset the peak-RSS mark, run ``steps``
+    steps, and report how far the peak rose above the resident set at the reset.
+
+    ``ru_maxrss`` cannot be used here: Linux carries it over from the parent across
+    fork/exec. ``VmHWM`` belongs to the new address space, and writing 5 to
+    ``/proc/self/clear_refs`` resets it to the current RSS (Linux >= 4.0); where that
+    is refused, the peak counts from process start and setup is subtracted as VmRSS.
+    """
+    torch.set_num_threads(threads)
+    w = make_workload(workload, sizes)
+    step = make_step(method, w)
+    import gc
+
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        reset = True
+    except OSError:
+        reset = False
+    before = _status_kib("VmRSS")
+    for _ in range(steps):
+        step()
+    peak = _status_kib("VmHWM")
+    return {"setup_kib": before, "peak_kib": peak, "peak_reset": reset,
+            "step_mib": (peak - before) / 1024}
+
+
+def measure_memory(workload: str, method: str, sizes: dict, steps: int, threads: int) -> float:
+    spec = json.dumps({"workload": workload, "method": method, "sizes": sizes, "steps": steps,
+                       "threads": threads})
+    out = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["step_mib"]
+
+
+# ---------------------------------------------------------------------------- scaling
+
+
+def gpt2_norm_methods(embd: int, vocab: int, seq: int) -> dict[str, str]:
+    """The norm method the engine's mixed rule (``dpclip.engine.norms.choose_ghost``,
+    ghost iff 2T² < m·n) picks for each GPT-2 layer at sequence length ``seq``: the rule
+    is asked with factor shapes of the layer (on the meta device, nothing is computed)."""
+    from dpclip.engine.norms import Bilinear, choose_ghost
+
+    def dense(m, n):
+        return Bilinear(torch.empty(1, 1, seq, m, device="meta"), torch.empty(1, 1, seq, n, device="meta"))
+
+    def ids(v):
+        return Bilinear(torch.empty(1, seq, dtype=torch.long, device="meta"),
+                        torch.empty(1, 1, seq, embd, device="meta"), vocab=v)
+
+    shapes = {
+        f"attn.c_attn {embd}x{3 * embd}": dense(embd, 3 * embd),
+        f"attn.c_proj {embd}x{embd}": dense(embd, embd),
+        f"mlp.c_fc {embd}x{4 * embd}": dense(embd, 4 * embd),
+        f"mlp.c_proj {4 * embd}x{embd}": dense(4 * embd, embd),
+        f"wte/lm_head {vocab}x{embd} (tied)": ids(vocab),
+        f"wpe Tx{embd}": ids(seq),  # n_positions = T here
+    }
+    return {name: "ghost" if choose_ghost(use, "auto") else "instantiate" for name, use in shapes.items()}
+
+
+def scaling(seqs, batches, base: dict, repeats: int, warmup: int,
+            max_tokens: int | None = None) -> list[dict]:
+    """One row per (T, B) with B·T <= ``max_tokens``: DP / non-private step ratios."""
+    rows = []
+    for seq in seqs:
+        methods = gpt2_norm_methods(base["embd"], base["vocab"], seq)
+        for b in batches:
+            if max_tokens and b * seq > max_tokens:
+                print(f"  scaling T {seq} B {b}: skipped (B·T > {max_tokens})", flush=True)
+                continue
+            sizes = dict(base, seq=seq, batch=b)
+            med = time_methods(make_workload("gpt2", sizes), ["non-private", "dpclip all-layer",
+                                                               "dpclip layer"], repeats, warmup)
+            ref = med["non-private"]
+            rows.append({"T": seq, "B": b, "non_private_s": ref,
+                         "all_layer": med["dpclip all-layer"] / ref,
+                         "layer": med["dpclip layer"] / ref, "norm_methods": methods})
+            print(f"  scaling T {seq} B {b}: non-private {ref:.4f} s, all-layer "
+                  f"{rows[-1]['all_layer']:.2f}x, layer {rows[-1]['layer']:.2f}x", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def describe(name: str, sizes: dict) -> str:
+    if name == "gpt2":
+        return (f"GPT-2 {sizes['layers']} layers, n_embd {sizes['embd']}, vocab {sizes['vocab']}, "
+                f"T {sizes['seq']}, B {sizes['batch']}")
+    if name == "cnn":
+        return f"digits CNN (conv 16, 32; GroupNorm; hidden 64) on 1x8x8, B {sizes['batch']}"
+    return f"MLP {sizes['features']}-{sizes['hidden']}-{sizes['hidden']}-10, B {sizes['batch']}"
+
+
+def machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = next(line.split(":", 1)[1].strip() for line in out.splitlines()
+                     if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def render(result: dict, markdown: bool) -> str:
+    lines = [f"machine: {result['machine']}; {result['repeats']} interleaved repeats, "
+             f"{result['warmup']} warm-up, median"]
+    if result["skipped"]:
+        lines.append(f"skipped: {result['skipped']}")
+    for name, wl in result["workloads"].items():
+        lines.append("")
+        lines.append(f"{'### ' if markdown else ''}{wl['description']}")
+        if wl.get("note"):
+            lines += ["", wl["note"]] if markdown else [wl["note"]]
+        mem = wl.get("memory_mib")
+        if markdown:
+            lines.append("")
+            head = "| method | median step (s) | ratio to non-private |"
+            rule = "|---|---|---|"
+            if mem:
+                head += " peak step memory (MiB) | ratio |"
+                rule += "---|---|"
+            lines += [head, rule]
+        else:
+            lines.append(f"{'method':<18}{'median s':>10}{'ratio':>8}" + (f"{'MiB':>10}{'ratio':>8}" if mem else ""))
+        ref_mem = mem.get("non-private") if mem else None
+        for m, t in wl["median_s"].items():
+            r = wl["ratio"][m]
+            extra = []
+            if mem:
+                mm = mem.get(m)
+                extra = [f"{mm:.1f}" if mm is not None else "-",
+                         f"{mm / ref_mem:.2f}" if mm is not None and ref_mem else "-"]
+            if markdown:
+                lines.append("| " + " | ".join([m, f"{t:.4f}", f"{r:.2f}x"] + extra) + " |")
+            else:
+                lines.append(f"{m:<18}{t:>10.4f}{r:>8.2f}" + "".join(f"{e:>10}" if i == 0 else f"{e:>8}"
+                                                                   for i, e in enumerate(extra)))
+    if result.get("scaling"):
+        rows = result["scaling"]
+        lines += ["", f"{'### ' if markdown else ''}GPT-2 scaling: DP step / non-private step "
+                  f"(rows T, columns B)"]
+        batches = sorted({r["B"] for r in rows})
+        seqs = sorted({r["T"] for r in rows})
+        cell = {(r["T"], r["B"]): r for r in rows}
+        if markdown:
+            lines += ["", "| T | " + " | ".join(f"B {b}: all-layer / layer (non-private s)" for b in batches) + " |",
+                      "|---|" + "---|" * len(batches)]
+        for seq in seqs:
+            cells = []
+            for b in batches:
+                r = cell.get((seq, b))
+                cells.append(f"{r['all_layer']:.2f}x / {r['layer']:.2f}x ({r['non_private_s']:.3f} s)"
+                             if r else "-")
+            lines.append(("| " + " | ".join([str(seq)] + cells) + " |") if markdown
+                         else f"T {seq:<5}" + "  ".join(f"B {b}: {c}" for b, c in zip(batches, cells)))
+        lines += ["", f"{'### ' if markdown else ''}Norm method per layer (engine's mixed rule, ghost iff 2T² < m·n)"]
+        by_seq = {r["T"]: r["norm_methods"] for r in rows}
+        if markdown:
+            lines += ["", "| layer | " + " | ".join(f"T {s}" for s in seqs) + " |", "|---|" + "---|" * len(seqs)]
+        for layer in rows[0]["norm_methods"]:
+            vals = [by_seq[s][layer] for s in seqs]
+            lines.append(("| " + " | ".join([layer] + vals) + " |") if markdown
+                         else f"{layer:<34}" + "".join(f"{v:>13}" for v in vals))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--memory", action="store_true", help="peak step memory, one child process each")
+    ap.add_argument("--memory-steps", type=int, default=3)
+    ap.add_argument("--scaling", action="store_true", help="GPT-2 ratio over a T x B grid")
+    ap.add_argument("--scaling-seq", nargs="+", type=int, default=[32, 128, 512])
+    ap.add_argument("--scaling-batch", nargs="+", type=int, default=[8, 32, 128])
+    ap.add_argument("--scaling-repeats", type=int, default=3)
+    ap.add_argument("--scaling-max-tokens", type=int, default=16384,
+                    help="skip grid cells with B·T above this (time budget); 0: no limit")
+    ap.add_argument("--markdown", action="store_true", help="print the tables as markdown")
+    ap.add_argument("--json", type=Path, help="also write the raw result here")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, 1 repeat, no warm-up (CI)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        spec = json.loads(args.child)
+        print(json.dumps(child_memory(**spec)))
+        return {}
+    torch.set_num_threads(args.threads)
+    sizes = SMOKE if args.smoke else FULL
+    if args.smoke:
+        args.repeats, args.warmup, args.memory_steps, args.scaling_repeats = 1, 0, 1, 1
+        args.scaling_seq, args.scaling_batch = [8, 16], [2]
+
+    methods, skipped = list(args.methods), ""
+    if not opacus_available() and any(m.startswith("opacus") for m in methods):
+        methods = [m for m in methods if not m.startswith("opacus")]
+        skipped = "opacus is not installed (pip install opacus): Opacus rows skipped"
+        print(skipped, flush=True)
+    if "non-private" not in methods:
+        methods.insert(0, "non-private")
+
+    result = {"machine": machine(), "repeats": args.repeats, "warmup": args.warmup,
+              "skipped": skipped, "workloads": {}}
+    for name in args.workloads:
+        print(f"timing {name} ...", flush=True)
+        med = time_methods(make_workload(name, sizes[name]), methods, args.repeats, args.warmup)
+        wl = {"description": describe(name, sizes[name]), "sizes": sizes[name], "median_s": med,
+              "ratio": {m: t / med["non-private"] for m, t in med.items()}}
+        if name == "gpt2" and "opacus ghost" in methods:
+            wl["note"] = ("opacus ghost runs with lm_head untied: Opacus ghost clipping refuses "
+                          "tied parameters")
+        if args.memory:
+            print(f"memory {name} ...", flush=True)
+            wl["memory_mib"] = {m: measure_memory(name, m, sizes[name], args.memory_steps, args.threads)
+                                for m in methods}
+        result["workloads"][name] = wl
+    if args.scaling:
+        print("scaling gpt2 ...", flush=True)
+        result["scaling"] = scaling(args.scaling_seq, args.scaling_batch, sizes["gpt2"],
+                                    args.scaling_repeats, min(args.warmup, 1), args.scaling_max_tokens)
+    print(render(result, args.markdown))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

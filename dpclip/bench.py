@@ -1,0 +1,174 @@
+"""What does DP cost on my own model? Step time and step memory, private vs non-private.
+
+For a recipe's model, data and batch size, one fixed batch of the training set is run
+through a non-private step (mean loss, backward, SGD step) and a private step per
+grouping style (per-sample losses, ``engine.backward``, ``engine.privatize``, SGD step),
+timed interleaved (A B C A B C ...) in one process; medians are reported with the ratio
+to non-private. The clipping function, threshold and noise come from the engine's
+defaults: the cost is set by the model, the batch and the grouping, not by those.
+
+Memory, when asked for, is measured per configuration in a fresh child process
+(``python -m dpclip.bench``): how far the peak resident set (VmHWM, reset after setup)
+rises during the steps above the resident set after setup, i.e. what the steps need
+(activations, gradients, per-sample quantities), imports and weights excluded. Linux only.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+GROUPINGS = ("all-layer", "layer", "param")
+NON_PRIVATE = "non-private"
+
+
+@dataclass
+class BenchResult:
+    """Medians in seconds, ratios to non-private, and step memory in MiB (when measured)."""
+
+    recipe: str
+    batch_size: int
+    threads: int
+    repeats: int
+    median_s: dict[str, float]
+    memory_mib: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> dict[str, float]:
+        ref = self.median_s[NON_PRIVATE]
+        return {name: t / ref for name, t in self.median_s.items()}
+
+    def to_dict(self) -> dict:
+        return {"recipe": self.recipe, "batch_size": self.batch_size, "threads": self.threads,
+                "repeats": self.repeats, "median_s": self.median_s, "ratio": self.ratio,
+                "memory_mib": self.memory_mib}
+
+
+def method_names(groupings=GROUPINGS) -> list[str]:
+    return [NON_PRIVATE] + [f"dp {g}" for g in groupings]
+
+
+def _setup(recipe):
+    """(model, loss_fn, batch): the recipe's model and its first ``batch_size`` training rows."""
+    from dpclip.data import load_data, select
+    from dpclip.models import build_model
+
+    data = load_data(recipe.data, seed=recipe.seed)
+    model, loss_fn = build_model(recipe.model, data, seed=recipe.seed)
+    size = min(recipe.training.batch_size, data.num_train)
+    return model, loss_fn, select(data.train, torch.arange(size)), size
+
+
+def make_step(method: str, model, loss_fn, batch, size: int) -> Callable[[], None]:
+    """One training step of ``method`` on its own copy of ``model``."""
+    from dpclip.engine import DPEngine
+
+    model = copy.deepcopy(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=1e-4)
+    if method == NON_PRIVATE:
+        def step():
+            loss_fn(model, batch).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+    engine = DPEngine(model, {"grouping": method.removeprefix("dp ")}, noise_multiplier=1.0,
+                      expected_batch_size=size, seed=0)
+
+    def dp_step():
+        engine.backward(loss_fn(model, batch))
+        engine.privatize()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return dp_step
+
+
+def time_steps(steps: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict[str, float]:
+    """Median seconds per step, interleaved A B C A B C ... after ``warmup`` rounds."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _status_kib(name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(name + ":"):
+                return int(line.split()[1])
+    raise KeyError(name)
+
+
+def step_memory_mib(step: Callable[[], None], steps: int = 2) -> float:
+    """Peak RSS rise (MiB) over ``steps`` steps in this process; call in a fresh process.
+
+    Writing 5 to /proc/self/clear_refs resets VmHWM to the current RSS (Linux >= 4.0).
+    """
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib("VmRSS")
+    for _ in range(steps):
+        step()
+    return (_status_kib("VmHWM") - before) / 1024
+
+
+def memory_in_child(recipe_path: Path, overrides: list[str], method: str, threads: int) -> float:
+    """:func:`step_memory_mib` of ``method`` in a fresh ``python -m dpclip.bench`` process."""
+    spec = json.dumps({"recipe": str(recipe_path), "overrides": list(overrides), "method": method,
+                       "threads": threads})
+    out = subprocess.run([sys.executable, "-m", "dpclip.bench", spec], capture_output=True,
+                         text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, groupings=GROUPINGS,
+                 repeats: int = 5, warmup: int = 1, threads: int | None = None,
+                 memory: bool = True) -> BenchResult:
+    """Time (and optionally measure memory of) non-private vs private steps for a recipe."""
+    from dpclip.recipe import load_recipe
+
+    overrides = list(overrides or [])
+    recipe = load_recipe(recipe_path, overrides)
+    if threads:
+        torch.set_num_threads(threads)
+    threads = torch.get_num_threads()
+    torch.manual_seed(recipe.seed)
+    model, loss_fn, batch, size = _setup(recipe)
+    names = method_names(groupings)
+    steps = {name: make_step(name, model, loss_fn, batch, size) for name in names}
+    result = BenchResult(recipe.name, size, threads, repeats, time_steps(steps, repeats, warmup))
+    if memory:
+        result.memory_mib = {name: memory_in_child(Path(recipe_path), overrides, name, threads)
+                             for name in names}
+    return result
+
+
+def _child(spec: dict) -> float:
+    from dpclip.recipe import load_recipe
+
+    torch.set_num_threads(spec["threads"])
+    recipe = load_recipe(Path(spec["recipe"]), spec["overrides"])
+    torch.manual_seed(recipe.seed)
+    model, loss_fn, batch, size = _setup(recipe)
+    return step_memory_mib(make_step(spec["method"], model, loss_fn, batch, size))
+
+
+if __name__ == "__main__":
+    print(_child(json.loads(sys.argv[1])))

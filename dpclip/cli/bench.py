@@ -1,0 +1,49 @@
+"""`dpclip bench RECIPE [key=value ...]`: what does DP cost on this model and batch?"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from dpclip.cli.render import console, print_json
+
+
+def bench(
+    recipe: Path = typer.Argument(..., help="Recipe YAML file."),
+    overrides: list[str] = typer.Argument(None, help="key=value overrides, e.g. training.batch_size=128"),
+    repeats: int = typer.Option(5, "--repeats", min=1, help="Timed steps per configuration (median reported)."),
+    warmup: int = typer.Option(1, "--warmup", min=0, help="Untimed steps per configuration first."),
+    threads: int = typer.Option(0, "--threads", min=0, help="torch threads (0: torch's default)."),
+    memory: bool = typer.Option(True, "--memory/--no-memory",
+                                help="Measure step memory, one fresh process per configuration (Linux)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Step time and step memory of private training (per grouping style) against
+    non-private training, for the recipe's model and batch size."""
+    from dpclip.bench import NON_PRIVATE, bench_recipe
+
+    result = bench_recipe(recipe, overrides or [], repeats=repeats, warmup=warmup,
+                          threads=threads or None, memory=memory)
+    if as_json:
+        print_json(result.to_dict())
+        return
+    table = Table(title=f"{result.recipe}: batch {result.batch_size}, {result.threads} threads, "
+                        f"median of {result.repeats} interleaved steps")
+    table.add_column("step")
+    table.add_column("median s", justify="right")
+    table.add_column("x non-private", justify="right")
+    if result.memory_mib:
+        table.add_column("step memory MiB", justify="right")
+        table.add_column("x non-private", justify="right")
+    ref_mem = result.memory_mib.get(NON_PRIVATE)
+    for name, seconds in result.median_s.items():
+        row = [name, f"{seconds:.4f}", f"{result.ratio[name]:.2f}"]
+        if result.memory_mib:
+            mib = result.memory_mib[name]
+            row += [f"{mib:.1f}", f"{mib / ref_mem:.2f}" if ref_mem and ref_mem > 0 else "-"]
+        table.add_row(*row)
+    console.print(table)
+    console.print("Step memory: peak resident-set rise during the steps in a fresh process "
+                  "(activations, gradients, per-sample quantities; weights and imports excluded).")

@@ -1,0 +1,70 @@
+"""benchmarks/dp_cost.py --smoke runs end to end, so the benchmark cannot rot (issue 8)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "dp_cost.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("dp_cost", PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["dp_cost"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+DPCLIP = ["non-private", "dpclip all-layer", "dpclip layer", "dpclip param"]
+
+
+def test_smoke_times_every_dpclip_method_on_every_workload(capsys):
+    result = load().main(["--smoke", "--methods", *DPCLIP, "--markdown"])
+    assert set(result["workloads"]) == {"gpt2", "cnn", "mlp"}
+    for wl in result["workloads"].values():
+        assert list(wl["ratio"]) == DPCLIP
+        assert wl["ratio"]["non-private"] == 1.0 and all(r > 0 for r in wl["ratio"].values())
+    out = capsys.readouterr().out
+    assert "| dpclip param |" in out and "### GPT-2" in out
+
+
+def test_smoke_opacus_rows():
+    pytest.importorskip("opacus")
+    result = load().main(["--smoke", "--workloads", "gpt2", "--methods", "non-private",
+                          "opacus hooks", "opacus ghost"])
+    assert set(result["workloads"]["gpt2"]["ratio"]) == {"non-private", "opacus hooks", "opacus ghost"}
+
+
+def test_missing_opacus_is_reported_not_fatal(monkeypatch, capsys):
+    module = load()
+    monkeypatch.setattr(module, "opacus_available", lambda: False)
+    result = module.main(["--smoke", "--workloads", "mlp"])
+    assert "opacus is not installed" in capsys.readouterr().out
+    assert set(result["workloads"]["mlp"]["ratio"]) == set(DPCLIP)
+
+
+def test_memory_child_measures_step_memory_in_a_fresh_process():
+    module = load()
+    mib = module.measure_memory("mlp", "dpclip layer", dict(features=64, hidden=512, batch=512), 1, 1)
+    assert mib > 0  # activations and gradients of a 512-wide MLP at B 512 take megabytes
+
+
+def test_scaling_reports_the_engines_norm_choice():
+    module = load()
+    small_t = module.gpt2_norm_methods(embd=256, vocab=1024, seq=32)
+    large_t = module.gpt2_norm_methods(embd=256, vocab=1024, seq=512)
+    assert all(v == "ghost" for v in small_t.values())  # 2·32² < 256·256
+    assert list(large_t.values())[:4] == ["instantiate"] * 4  # 2·512² > 1024·256
+    rows = module.scaling([8], [2], module.SMOKE["gpt2"], repeats=1, warmup=0)
+    assert rows[0]["all_layer"] > 0 and rows[0]["norm_methods"]
+
+
+def test_profile_script_smoke():
+    path = PATH.with_name("profile_step.py")
+    spec = importlib.util.spec_from_file_location("profile_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    table = module.profile_method("mlp", "dpclip layer", steps=1, top=5, smoke=True)
+    assert "Self CPU" in table

@@ -1,0 +1,46 @@
+"""`dpclip bench RECIPE`: DP vs non-private step time and memory for the recipe's model."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dpclip import bench as bench_module
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+SMALL = ["training.batch_size=16", "training.micro_batch_size=16"]
+
+
+def test_bench_reports_each_grouping_against_non_private(cli):
+    r = cli("bench", RECIPES / "quickstart.yaml", *SMALL, "--repeats", "1", "--warmup", "0",
+            "--no-memory", "--json")
+    assert r.code == 0, r.err
+    out = json.loads(r.out)
+    assert list(out["median_s"]) == ["non-private", "dp all-layer", "dp layer", "dp param"]
+    assert out["ratio"]["non-private"] == 1.0 and all(v > 0 for v in out["ratio"].values())
+    assert out["batch_size"] == 16 and out["memory_mib"] == {}
+
+
+def test_bench_table_names_the_recipe(cli):
+    r = cli("bench", RECIPES / "quickstart.yaml", *SMALL, "--repeats", "1", "--warmup", "0",
+            "--no-memory")
+    assert r.code == 0, r.err
+    assert "quickstart" in r.out and "dp layer" in r.out
+
+
+def test_bench_bad_recipe_is_an_error_line(cli, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\n")
+    r = cli("bench", bad, "--no-memory")
+    assert r.code != 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_step_memory_sees_a_large_allocation():
+    import torch
+
+    def step():
+        x = torch.ones(64, 1024, 1024)  # 256 MiB, touched
+        x.add_(1)
+
+    assert bench_module.step_memory_mib(step, steps=1) > 200
