@@ -38,10 +38,8 @@ import copy
 import importlib.util
 import json
 import platform
-import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -58,6 +56,8 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from engine_step_ratio import build_model as build_gpt2  # noqa: E402
+
+from dpclip.bench import status_kib, time_steps  # noqa: E402  (one timing and memory probe for both)
 
 GROUPINGS = ("all-layer", "layer", "param")
 METHODS = ("non-private",) + tuple(f"dpclip {g}" for g in GROUPINGS) + ("opacus hooks", "opacus ghost")
@@ -209,29 +209,10 @@ def _opacus_step(mode: str, w: Workload, model: nn.Module, opt) -> Callable[[], 
 
 def time_methods(w: Workload, methods: list[str], repeats: int, warmup: int) -> dict[str, float]:
     """Median seconds per step, methods interleaved A B C A B C ... after warm-up."""
-    steps = {m: make_step(m, w) for m in methods}
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    times: dict[str, list[float]] = {m: [] for m in methods}
-    for _ in range(repeats):
-        for m, step in steps.items():
-            t0 = time.perf_counter()
-            step()
-            times[m].append(time.perf_counter() - t0)
-    return {m: statistics.median(ts) for m, ts in times.items()}
+    return time_steps({m: make_step(m, w) for m in methods}, repeats, warmup)
 
 
 # ----------------------------------------------------------------------------- memory
-
-
-def _status_kib(field: str) -> int:
-    """A ``/proc/self/status`` field (VmRSS, VmHWM) in KiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
 
 
 def child_memory(workload: str, method: str, sizes: dict, steps: int, threads: int) -> dict:
@@ -255,10 +236,10 @@ def child_memory(workload: str, method: str, sizes: dict, steps: int, threads: i
         reset = True
     except OSError:
         reset = False
-    before = _status_kib("VmRSS")
+    before = status_kib("VmRSS")
     for _ in range(steps):
         step()
-    peak = _status_kib("VmHWM")
+    peak = status_kib("VmHWM")
     return {"setup_kib": before, "peak_kib": peak, "peak_reset": reset,
             "step_mib": (peak - before) / 1024}
 

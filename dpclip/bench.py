@@ -107,7 +107,8 @@ def time_steps(steps: dict[str, Callable[[], None]], repeats: int, warmup: int) 
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def _status_kib(name: str) -> int:
+def status_kib(name: str) -> int:
+    """A ``/proc/self/status`` field (VmRSS, VmHWM) in KiB."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(name + ":"):
@@ -123,10 +124,10 @@ def step_memory_mib(step: Callable[[], None], steps: int = 2) -> float:
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    before = _status_kib("VmRSS")
+    before = status_kib("VmRSS")
     for _ in range(steps):
         step()
-    return (_status_kib("VmHWM") - before) / 1024
+    return (status_kib("VmHWM") - before) / 1024
 
 
 def memory_in_child(recipe_path: Path, overrides: list[str], method: str, threads: int) -> float:

@@ -48,7 +48,8 @@ import math
 import torch
 from torch import Tensor
 
-from dpclip.engine.thresholds import AuxRelease, PolicyContext, ThresholdPolicy, register_threshold_policy
+from dpclip.engine.thresholds import (AuxRelease, PolicyContext, ThresholdPolicy, initial_thresholds,
+                                      register_threshold_policy)
 from dpclip.errors import EngineError
 
 # DC-SGD-E re-centres its candidate grid on an end candidate; each round moves C by at
@@ -247,8 +248,7 @@ def _histogram_factory(rule: str, kind: str, default_range: float):
                               "without noise the variance term vanishes and E(C) is minimised by C → ∞")
         # A float initial/range is the total over groups, as for fixed thresholds: C0/√K each.
         scale = 1 / math.sqrt(ctx.num_groups)
-        initial = torch.full((ctx.num_groups,), float(spec.get("initial") or 1.0) * scale,
-                             device=ctx.device, dtype=ctx.dtype).clamp(low, high)
+        initial = initial_thresholds(float(spec.get("initial") or 1.0), ctx, "threshold.initial").clamp(low, high)
         ranges = torch.full((ctx.num_groups,), float(spec.get("range") or default_range) * scale,
                             dtype=torch.float64)
         return HistogramThreshold(rule, initial, ranges, bins, float(sigma_hist), percentile,

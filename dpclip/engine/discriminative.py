@@ -41,7 +41,7 @@ import math
 import torch
 from torch import Tensor
 
-from dpclip.engine.thresholds import PolicyContext, ThresholdPolicy, register_threshold_policy
+from dpclip.engine.thresholds import PolicyContext, ThresholdPolicy, initial_thresholds, register_threshold_policy
 from dpclip.errors import EngineError
 
 
@@ -145,9 +145,8 @@ def _factory(spec: dict, ctx: PolicyContext) -> ThresholdPolicy:
     fraction = float(spec.get("top_fraction") or 0.1)
     if not 0 < fraction < 1:
         raise EngineError(f"top_fraction must lie in (0, 1), got {fraction}", "the paper uses 0.05–0.1")
-    scale = 1 / math.sqrt(ctx.num_groups)
-    full = lambda value: torch.full((ctx.num_groups,), value * scale, device=ctx.device, dtype=ctx.dtype)  # noqa: E731
-    return DiscriminativeThreshold(full(small), full(large), rule,
+    return DiscriminativeThreshold(initial_thresholds(small, ctx, "threshold.small"),
+                                   initial_thresholds(large, ctx, "threshold.large"), rule,
                                    None if tail_threshold is None else float(tail_threshold), fraction,
                                    ctx.expected_batch_size, int(spec.get("subspace_dim") or 200))
 
