@@ -152,6 +152,7 @@ class DPEngine:
         self._keeper = Bookkeeper(model, {id(p): i for i, p in enumerate(self._params)},
                                   strict=bool(cfg["strict"]))
         self._padding_rows = self._untied_padding_rows()
+        self._transient = self._transient_params()
         self._keeper.install()
         self._reset_step()
 
@@ -251,10 +252,11 @@ class DPEngine:
         weights = allocation_weights(self.config["noise_allocation"], sens, self._sizes)
         std = noise_stds(self.noise_multiplier, sens, weights)
         batch = self.expected_batch_size
+        std_grad = (std / batch).tolist()  # one device sync per step, not one per parameter
         for idx, p in enumerate(self._params):
             clipped = self._sums[idx]
             if self.noise_multiplier > 0:
-                grad = self.noise.gaussian_like(p, std[self._group_of[idx]] / batch)
+                grad = self.noise.gaussian_like(p, std_grad[self._group_of[idx]])
                 if clipped is not None:
                     grad.add_(clipped, alpha=1.0 / batch)
             elif clipped is not None:
@@ -303,6 +305,27 @@ class DPEngine:
         qs = torch.tensor(list(QUANTILES.values()), device=norms.device, dtype=norms.dtype)
         values = torch.quantile(norms, qs, dim=0)
         return {k: values[j] for j, k in enumerate(QUANTILES)}
+
+    def _transient_params(self) -> list[bool]:
+        """Per parameter: is its group finalized as soon as its own backward is done?
+
+        True when one module is the only user of every parameter in the group (layer- and
+        param-wise grouping) and the policy does not wait for all groups; the norm rule
+        may then instantiate per-sample gradients that live only until that module's
+        clip factors are known (:func:`dpclip.engine.norms.choose_ghost`)."""
+        transient = [False] * len(self._params)
+        if self.policy.per_sample:
+            return transient
+        users: dict[int, set[int]] = {}
+        for unit in self._keeper.units:
+            for _, _, idx in unit.params:
+                users.setdefault(idx, set()).add(id(unit))
+        for members in self.groups.members:
+            modules = set().union(*(users.get(idx, set()) for idx in members))
+            if len(modules) == 1:
+                for idx in members:
+                    transient[idx] = True
+        return transient
 
     def _untied_padding_rows(self) -> dict[int, int]:
         """Embedding padding rows never get a gradient; keep noise off them too, unless
@@ -376,7 +399,8 @@ class _MicroBatch:
         uses, self.uses[idx] = self.uses[idx], []
         if uses:
             p = e._params[idx]
-            norm_sq, parts = param_norm_sq(uses, p.shape, e.config["norm_method"], e._norm_dtype)
+            norm_sq, parts = param_norm_sq(uses, p.shape, e.config["norm_method"], e._norm_dtype,
+                                           transient=e._transient[idx])
             for part in parts:
                 self.meter.add(part.tensors())
             for use in uses:

@@ -91,10 +91,10 @@ class NoiseSource:
             self._generators[key] = gen
         return gen
 
-    def gaussian_like(self, p: Tensor, std: Tensor) -> Tensor:
-        """N(0, std²) with the shape, dtype and device of ``p`` (std a 0-d tensor)."""
-        z = torch.randn(p.shape, generator=self.generator(p.device), device=p.device, dtype=p.dtype)
-        return z * std.to(device=p.device, dtype=p.dtype)
+    def gaussian_like(self, p: Tensor, std: float) -> Tensor:
+        """N(0, std²) with the shape, dtype and device of ``p``, drawn and scaled in one pass."""
+        out = torch.empty(p.shape, device=p.device, dtype=p.dtype)
+        return out.normal_(0.0, float(std), generator=self.generator(p.device))
 
     def state_dict(self) -> dict:
         if self.secure:

@@ -87,21 +87,70 @@ Use = Bilinear | Dense
 
 
 def batched_dot(x: Tensor, y: Tensor) -> Tensor:
-    """Σ over all but the first dim of x ⊙ y, as one batched matmul (no x ⊙ y temporary)."""
+    """Σ over all but the first dim of x ⊙ y.
+
+    ``linalg.vecdot``, not a [1, N] x [N, 1] bmm: on CPU the bmm form is 10x slower
+    (benchmarks/norm_rule.py prints both)."""
     batch = x.shape[0]
-    return torch.bmm(x.reshape(batch, 1, -1), y.reshape(batch, -1, 1)).view(batch)
+    return torch.linalg.vecdot(x.reshape(batch, -1), y.reshape(batch, -1), dim=1)
+
+
+# Below this many rows a Gram block is not split further: smaller GEMMs lose more to
+# overhead than the halving saves (benchmarks/norm_rule.py measures it).
+GHOST_MIN_BLOCK = 32
+
+
+def _gram(x: Tensor, is_ids: bool) -> Tensor:
+    """x xᵀ over the last two dims; for ids [.., T] the one-hot Gram 1[x_t = x_s]."""
+    if is_ids:
+        return x.unsqueeze(-1) == x.unsqueeze(-2)
+    return x @ x.transpose(-1, -2)
+
+
+def _cross_gram(x: Tensor, y: Tensor, is_ids: bool) -> Tensor:
+    if is_ids:
+        return x.unsqueeze(-1) == y.unsqueeze(-2)
+    return x @ y.transpose(-1, -2)
+
+
+def _gram_dot(x: Tensor, y: Tensor) -> Tensor:
+    """Σ_{t,s} x_ts y_ts over the last two dims."""
+    lead = y.shape[:-2]
+    x = x.to(y.dtype)
+    return batched_dot(x.reshape(-1, *x.shape[-2:]), y.reshape(-1, *y.shape[-2:])).view(lead)
+
+
+def _symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool) -> Tensor:
+    """Σ_{t,s} (L Lᵀ)_{ts} (R Rᵀ)_{ts} over the T axis, using the symmetry of both Grams.
+
+    Split T into halves 1, 2: the sum is G(L₁,R₁) + G(L₂,R₂) + 2·<L₁L₂ᵀ, R₁R₂ᵀ>, and the
+    diagonal terms recurse. Each level computes 3 of the 4 Gram blocks, so at depth k the
+    Gram work is (1/2 + 2^-(k+1)) of the plain product: 3/4, 5/8, ... (exact, reordered sums).
+    ``left`` is ``[..., T, m]`` (or ids ``[..., T]``), ``right`` ``[..., T, n]`` -> ``[...]``.
+    """
+    t = right.shape[-2]
+    if t % 2 or t < 2 * GHOST_MIN_BLOCK:
+        return _gram_dot(_gram(left, left_ids), _gram(right, False))
+    h = t // 2
+    # unflatten splits T in place (a view for any strides): [..., 2, h, k]
+    lb = left.unflatten(-1 if left_ids else -2, (2, h))
+    rb = right.unflatten(-2, (2, h))
+    diagonal = _symmetric_ghost(lb, rb, left_ids).sum(-1)
+    first, second = (lb[..., 0, :], lb[..., 1, :]) if left_ids else (lb[..., 0, :, :], lb[..., 1, :, :])
+    off = _gram_dot(_cross_gram(first, second, left_ids),
+                    _cross_gram(rb[..., 0, :, :], rb[..., 1, :, :], False))
+    return diagonal + 2 * off
 
 
 def ghost_norm_sq(left: Tensor, right: Tensor) -> Tensor:
     """||Σ_t L_tᵀ R_t||_F² per sample without forming the gradient ("ghost norm").
 
     ||G||_F² = Σ_{t,s} (L Lᵀ)_{ts} (R Rᵀ)_{ts}  (REFERENCE §B; Li et al. 2021 via the
-    groupwise-clipping paper §2.2). Cost O(T²(m+n)), memory O(T²). Shapes
-    ``[B, g, T, m]`` and ``[B, g, T, n]`` -> ``[B]`` (blocks summed).
+    groupwise-clipping paper §2.2). Cost O(T²(m+n)) (about 5/8 of it: both Grams are
+    symmetric, see :func:`_symmetric_ghost`), memory O(T²). Shapes ``[B, g, T, m]`` and
+    ``[B, g, T, n]`` -> ``[B]`` (blocks summed).
     """
-    gram_l = left @ left.transpose(-1, -2)
-    gram_r = right @ right.transpose(-1, -2)
-    return batched_dot(gram_l, gram_r)
+    return _symmetric_ghost(left, right, False).sum(1)
 
 
 def ids_ghost_norm_sq(ids: Tensor, right: Tensor) -> Tensor:
@@ -109,9 +158,7 @@ def ids_ghost_norm_sq(ids: Tensor, right: Tensor) -> Tensor:
 
     ``ids`` ``[B, T]``, ``right`` ``[B, 1, T, n]`` -> ``[B]``.
     """
-    r = right[:, 0]
-    same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(r.dtype)
-    return batched_dot(same, r @ r.transpose(-1, -2))
+    return _symmetric_ghost(ids, right[:, 0], True)
 
 
 def _scatter_rows(rows: Tensor, index: Tensor, num: int) -> Tensor:
@@ -180,12 +227,34 @@ def _concat(uses: list[Bilinear]) -> Bilinear:
                     torch.cat([u.right for u in uses], dim=2))
 
 
-def choose_ghost(use: Bilinear, method: str) -> bool:
-    """Mixed rule (REFERENCE §B, FastDP): ghost iff 2T² < m·n, unless forced."""
+def _numel_per_sample(use: Bilinear) -> tuple[int, int]:
+    """(numel of one instantiated G_i, numel of its stored factors L_i and R_i)."""
+    g, t, n = use.right.shape[1], use.right.shape[2], use.right.shape[3]
+    m = use.vocab if use.is_ids else use.left.shape[3]
+    return g * m * n, use.left[0].numel() + use.right[0].numel()
+
+
+def choose_ghost(use: Bilinear, method: str, transient: bool = False) -> bool:
+    """The mixed rule: ghost-norm this use, or instantiate its per-sample gradient?
+
+    ``transient=False`` (the gradient would wait for other layers' norms, e.g. all-layer
+    clipping): FastDP's space rule, ghost iff 2T² < m·n (REFERENCE §B), since a kept G_i
+    costs B·m·n memory for the rest of the backward.
+
+    ``transient=True`` (the group is finalized right after this parameter, e.g. layer-wise
+    clipping): a time rule. Instantiating costs one per-sample matmul (T·m·n) and then a
+    cheap Σ_i c_i G_i; ghost costs the Grams (≈ 5/8·T²(m+n)) plus the clipped GEMM
+    (T·m·n). Instantiate iff G_i is at most twice its factors, m·n ≤ 2·T·(m+n): where
+    this machine measured instantiation faster (benchmarks/norm_rule.py), and it bounds the
+    short-lived G_i by twice the layer's own activation and output gradient.
+    """
     if method == "ghost":
         return True
     if method == "instantiate":
         return False
+    if transient:
+        inst, factors = _numel_per_sample(use)
+        return inst > 2 * factors
     t = use.right.shape[2]
     m = use.vocab if use.is_ids else use.left.shape[3]
     return 2 * t * t < m * use.right.shape[3]
@@ -210,7 +279,7 @@ def _block_view(grad: Tensor, use: Bilinear) -> Tensor:
 
 def _self_term(p: _Part) -> Tensor:
     if p.inst is not None:
-        return p.inst.flatten(1).pow(2).sum(1)
+        return torch.linalg.vector_norm(p.inst.flatten(1), dim=1).square()
     assert isinstance(p.use, Bilinear)
     if p.use.is_ids:
         return ids_ghost_norm_sq(p.use.left, p.use.right)
@@ -219,7 +288,7 @@ def _self_term(p: _Part) -> Tensor:
 
 def _cross_term(a: _Part, c: _Part) -> Tensor:
     if a.inst is not None and c.inst is not None:
-        return (a.inst.flatten(1) * c.inst.flatten(1)).sum(1)
+        return batched_dot(a.inst, c.inst)
     if a.inst is not None:
         a, c = c, a
     if c.inst is not None:
@@ -230,19 +299,20 @@ def _cross_term(a: _Part, c: _Part) -> Tensor:
 
 
 def param_norm_sq(uses: list[Use], shape: torch.Size, method: str = "auto",
-                  out_dtype: torch.dtype | None = None) -> tuple[Tensor, list[Use]]:
+                  out_dtype: torch.dtype | None = None,
+                  transient: bool = False) -> tuple[Tensor, list[Use]]:
     """Exact per-sample ||Σ_u G_{i,u}||² of one parameter over all its uses.
 
     Uses are merged into at most three parts: dense-factor Bilinear uses concatenated
     along T (D), id-factor uses concatenated along T (E), and everything instantiated,
     summed (I). Then ||D+E+I||² = ||D||² + ||E||² + ||I||² + 2(<D,E> + <D,I> + <E,I>),
     each term computed without forming V x n matrices for embeddings (REFERENCE §B).
-    The mixed rule (:func:`choose_ghost`) decides per part whether D or E is ghost-normed
-    or instantiated.
+    The mixed rule (:func:`choose_ghost`; ``transient``: the clipped sum follows at once)
+    decides per part whether D or E is ghost-normed or instantiated.
 
     Returns ``(norm_sq [B], parts)``; ``parts`` is what :func:`clipped_sum` needs. An
-    instantiated gradient replaces its factors when it is not larger than them, which
-    also makes the clipped sum cheaper.
+    instantiated gradient replaces its factors when it is not larger than them, or when
+    it is ``transient``, which makes the clipped sum a cheap Σ_i c_i G_i.
     """
     inst: Tensor | None = None
     for u in uses:
@@ -254,11 +324,12 @@ def param_norm_sq(uses: list[Use], shape: torch.Size, method: str = "auto",
         if not group:
             continue
         bundle = _concat(group)
-        if choose_ghost(bundle, method):
+        if choose_ghost(bundle, method, transient):
             parts.append(_Part(bundle))
             continue
         g = instantiate(bundle).reshape(bundle.right.shape[0], *shape)
-        if bundle.is_ids or g[0].numel() <= bundle.left[0].numel() + bundle.right[0].numel():
+        inst_numel, factor_numel = _numel_per_sample(bundle)
+        if transient or bundle.is_ids or inst_numel <= factor_numel:
             inst = g if inst is None else inst + g
         else:  # keep the (smaller) factors for the clipped sum, the gradient for the norm
             parts.append(_Part(bundle, g))

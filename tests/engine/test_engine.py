@@ -83,6 +83,70 @@ def test_ghost_and_instantiate_give_identical_norms_and_grads():
                                    rtol=1e-10, atol=0)
 
 
+class _WideSequenceNet(torch.nn.Module):
+    """Linear 128 -> 128 over T = 64 positions: the time rule instantiates it (G_i is
+    16384 entries, its factors 16384), the space rule ghost-norms it (2T² = 8192 < 16384)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide = torch.nn.Linear(128, 128)
+        self.head = torch.nn.Linear(128, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.wide(x)).mean(1))
+
+
+def _wide_batch():
+    g = torch.Generator().manual_seed(11)
+    return {"x": torch.randn(4, 64, 128, generator=g, dtype=DTYPE),
+            "y": torch.randint(0, 3, (4,), generator=g)}
+
+
+@pytest.mark.parametrize("grouping", ["all-layer", "layer"])
+def test_time_rule_instantiation_and_long_sequence_ghost_match_per_example_loop(grouping):
+    from dpclip.engine import norms
+
+    picked = []
+    original = norms.choose_ghost
+
+    def spy(use, method, transient=False):
+        picked.append((transient, original(use, method, transient)))
+        return picked[-1][1]
+
+    norms.choose_ghost = spy
+    try:
+        engine, _, _ = check_exact(lambda: _WideSequenceNet().to(DTYPE), classify_loss,
+                                   _wide_batch(), grouping, micro=[3, 1])
+    finally:
+        norms.choose_ghost = original
+    # layer-wise: transient, instantiated; all-layer: ghost (the symmetric T = 64 Grams)
+    expected = (True, False) if grouping == "layer" else (False, True)
+    assert expected in picked, picked
+
+
+def test_only_groups_owned_by_one_module_are_transient():
+    from tests.engine.conftest import tiny_gpt2
+
+    def flags(grouping, threshold=None):
+        clipping = {"grouping": grouping}
+        if threshold:
+            clipping["threshold"] = threshold
+        engine = DPEngine(tiny_gpt2(), clipping, expected_batch_size=4)
+        names = [p.name for p in engine.groups.params]
+        out = dict(zip(names, engine._transient))
+        engine.detach()
+        return out
+
+    layer = flags("layer")
+    assert layer["transformer.h.0.attn.c_attn.weight"] and layer["transformer.h.0.attn.c_attn.bias"]
+    assert not layer["transformer.wte.weight"]           # tied: also used by lm_head
+    assert not any(flags("all-layer").values())
+    assert all(v for k, v in flags("param").items() if "wte" not in k)
+    # a per-sample policy finalizes every group at the end of the backward
+    assert not any(flags("layer", {"kind": "discriminative", "small": 0.5, "large": 2.0,
+                                   "tail_rule": "threshold", "tail_threshold": 1.0}).values())
+
+
 def test_gpt2_token_type_ids_reuse_wte_three_ways():
     # wte is called twice (input ids, token types) and tied to lm_head: two calls
     # concatenated along T plus the exact embedding/head cross term.

@@ -1,5 +1,6 @@
 """Per-layer norm math: ghost norms, embedding norms, cross terms, clipped sums."""
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
@@ -86,6 +87,54 @@ def test_mixed_rule_picks_ghost_when_two_t_squared_is_below_p_times_d():
     large_t = Bilinear(torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 4, 5))     # 32 ≥ 20
     assert choose_ghost(small_t, "auto") and not choose_ghost(large_t, "auto")
     assert choose_ghost(large_t, "ghost") and not choose_ghost(small_t, "instantiate")
+
+
+def test_transient_rule_instantiates_when_gradient_is_at_most_twice_its_factors():
+    # m = n = 128: G_i has 16384 entries, the factors T·256. Twice the factors reaches
+    # 16384 at T = 32; the space rule would still ghost-norm up to 2T² ≥ 16384, T = 91.
+    def use(t):
+        return Bilinear(torch.zeros(1, 1, t, 128), torch.zeros(1, 1, t, 128))
+    assert choose_ghost(use(31), "auto", transient=True)
+    assert not choose_ghost(use(32), "auto", transient=True)
+    assert choose_ghost(use(32), "auto") and choose_ghost(use(90), "auto")
+    assert not choose_ghost(use(91), "auto")
+    assert choose_ghost(use(64), "ghost", transient=True)
+    # ids factors are T integers + T·n: a 1000-row embedding stays ghost-normed at T = 64
+    ids = Bilinear(torch.zeros(1, 64, dtype=torch.long), torch.zeros(1, 1, 64, 16), vocab=1000)
+    assert choose_ghost(ids, "auto", transient=True)
+
+
+def test_transient_instantiation_keeps_the_gradient_instead_of_its_factors():
+    gen = torch.Generator().manual_seed(5)
+    use = _dense(gen, 3, 1, 40, 6, 9)            # G_i (54 entries) below its factors (600)
+    wide = _dense(gen, 3, 1, 3, 6, 9)            # G_i (54) above its factors (45)
+    for u, transient, dense in ((use, False, True), (wide, False, False), (wide, True, True)):
+        norm_sq, parts = param_norm_sq([u], torch.Size([6, 9]), "instantiate", transient=transient)
+        assert isinstance(parts[0], Dense) == dense
+        full = per_sample_grads([u], torch.Size([6, 9]))
+        torch.testing.assert_close(norm_sq, full.flatten(1).pow(2).sum(1))
+        c = torch.tensor([0.2, 1.0, 3.0], dtype=DTYPE)
+        torch.testing.assert_close(clipped_sum(parts, c, torch.Size([6, 9])),
+                                   torch.einsum("b,bmn->mn", c, full))
+
+
+@pytest.mark.parametrize("t", [63, 64, 96, 128, 130, 200, 256])
+def test_symmetric_ghost_norm_matches_instantiation_for_long_sequences(t):
+    # T ≥ 64 splits the Grams into halves (recursively); odd halves stop the recursion.
+    gen = torch.Generator().manual_seed(t)
+    for g in (1, 2):
+        use = _dense(gen, 3, g, t, 5, 7)
+        torch.testing.assert_close(ghost_norm_sq(use.left, use.right),
+                                   instantiate(use).flatten(1).pow(2).sum(1), rtol=1e-10, atol=0)
+    # a transposed (non-contiguous) factor, as convolutions hand over
+    left = torch.randn(3, 1, 5, t, generator=gen, dtype=DTYPE).transpose(-1, -2)
+    right = torch.randn(3, 1, t, 4, generator=gen, dtype=DTYPE)
+    torch.testing.assert_close(ghost_norm_sq(left, right),
+                               instantiate(Bilinear(left, right)).flatten(1).pow(2).sum(1),
+                               rtol=1e-10, atol=0)
+    ids = _ids(gen, 3, t, 9, 4)                  # 9 tokens over T positions: many repeats
+    torch.testing.assert_close(ids_ghost_norm_sq(ids.left, ids.right),
+                               instantiate(ids).flatten(1).pow(2).sum(1), rtol=1e-10, atol=0)
 
 
 class _OneLayer(nn.Module):
