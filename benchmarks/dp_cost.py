@@ -58,6 +58,7 @@ sys.path.insert(0, str(HERE))
 from engine_step_ratio import build_model as build_gpt2  # noqa: E402
 
 from dpclip.bench import status_kib, time_steps  # noqa: E402  (one timing and memory probe for both)
+from dpclip.allocator import keep_freed_memory  # noqa: E402
 
 GROUPINGS = ("all-layer", "layer", "param")
 METHODS = ("non-private",) + tuple(f"dpclip {g}" for g in GROUPINGS) + ("opacus hooks", "opacus ghost")
@@ -244,11 +245,12 @@ def child_memory(workload: str, method: str, sizes: dict, steps: int, threads: i
             "step_mib": (peak - before) / 1024}
 
 
-def measure_memory(workload: str, method: str, sizes: dict, steps: int, threads: int) -> float:
+def measure_memory(workload: str, method: str, sizes: dict, steps: int, threads: int,
+                   allocator: str = "keep-freed") -> float:
     spec = json.dumps({"workload": workload, "method": method, "sizes": sizes, "steps": steps,
                        "threads": threads})
-    out = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run([sys.executable, __file__, "--allocator", allocator, "--child", spec],
+                         capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["step_mib"]
 
 
@@ -256,9 +258,12 @@ def measure_memory(workload: str, method: str, sizes: dict, steps: int, threads:
 
 
 def gpt2_norm_methods(embd: int, vocab: int, seq: int) -> dict[str, str]:
-    """The norm method the engine's mixed rule (``dpclip.engine.norms.choose_ghost``,
-    ghost iff 2T² < m·n) picks for each GPT-2 layer at sequence length ``seq``: the rule
-    is asked with factor shapes of the layer (on the meta device, nothing is computed)."""
+    """The norm method the engine's mixed rule (``dpclip.engine.norms.choose_ghost``) picks
+    for each GPT-2 layer at sequence length ``seq``, as "all-layer / layer-wise": all-layer
+    keeps every layer until the end of the backward (space rule, ghost iff 2T² < m·n);
+    layer-wise clips each layer at once (time rule, instantiate iff m·n ≤ 2T(m+n)), except
+    the tied wte/lm_head, whose two modules make it wait. The rule is asked with the
+    layer's factor shapes (on the meta device, nothing is computed)."""
     from dpclip.engine.norms import Bilinear, choose_ghost
 
     def dense(m, n):
@@ -276,7 +281,12 @@ def gpt2_norm_methods(embd: int, vocab: int, seq: int) -> dict[str, str]:
         f"wte/lm_head {vocab}x{embd} (tied)": ids(vocab),
         f"wpe Tx{embd}": ids(seq),  # n_positions = T here
     }
-    return {name: "ghost" if choose_ghost(use, "auto") else "instantiate" for name, use in shapes.items()}
+
+    def word(use, transient):
+        return "ghost" if choose_ghost(use, "auto", transient) else "instantiate"
+
+    return {name: f"{word(use, False)} / {word(use, 'tied' not in name)}"
+            for name, use in shapes.items()}
 
 
 def scaling(seqs, batches, base: dict, repeats: int, warmup: int,
@@ -325,8 +335,8 @@ def machine() -> str:
 
 
 def render(result: dict, markdown: bool) -> str:
-    lines = [f"machine: {result['machine']}; {result['repeats']} interleaved repeats, "
-             f"{result['warmup']} warm-up, median"]
+    lines = [f"machine: {result['machine']}; allocator {result.get('allocator', 'glibc-default')}; "
+             f"{result['repeats']} interleaved repeats, {result['warmup']} warm-up, median"]
     if result["skipped"]:
         lines.append(f"skipped: {result['skipped']}")
     for name, wl in result["workloads"].items():
@@ -376,14 +386,15 @@ def render(result: dict, markdown: bool) -> str:
                              if r else "-")
             lines.append(("| " + " | ".join([str(seq)] + cells) + " |") if markdown
                          else f"T {seq:<5}" + "  ".join(f"B {b}: {c}" for b, c in zip(batches, cells)))
-        lines += ["", f"{'### ' if markdown else ''}Norm method per layer (engine's mixed rule, ghost iff 2T² < m·n)"]
+        lines += ["", f"{'### ' if markdown else ''}Norm method per layer, all-layer / layer-wise "
+                  "(engine's mixed rule: dpclip.engine.norms.choose_ghost)"]
         by_seq = {r["T"]: r["norm_methods"] for r in rows}
         if markdown:
             lines += ["", "| layer | " + " | ".join(f"T {s}" for s in seqs) + " |", "|---|" + "---|" * len(seqs)]
         for layer in rows[0]["norm_methods"]:
             vals = [by_seq[s][layer] for s in seqs]
             lines.append(("| " + " | ".join([layer] + vals) + " |") if markdown
-                         else f"{layer:<34}" + "".join(f"{v:>13}" for v in vals))
+                         else f"{layer:<34}" + "".join(f"{v:>26}" for v in vals))
     return "\n".join(lines)
 
 
@@ -405,8 +416,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     ap.add_argument("--json", type=Path, help="also write the raw result here")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, 1 repeat, no warm-up (CI)")
+    ap.add_argument("--allocator", default="keep-freed", choices=["keep-freed", "glibc-default"],
+                    help="keep-freed (default): glibc keeps freed memory between steps, as the "
+                         "dpclip command does (dpclip.allocator); applies to every method alike")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    allocator = args.allocator
+    if allocator == "keep-freed" and not keep_freed_memory():
+        allocator = "glibc-default (keep-freed unavailable here)"
     if args.child:
         spec = json.loads(args.child)
         print(json.dumps(child_memory(**spec)))
@@ -425,7 +442,7 @@ def main(argv=None) -> dict:
     if "non-private" not in methods:
         methods.insert(0, "non-private")
 
-    result = {"machine": machine(), "repeats": args.repeats, "warmup": args.warmup,
+    result = {"machine": machine(), "allocator": allocator, "repeats": args.repeats, "warmup": args.warmup,
               "skipped": skipped, "workloads": {}}
     for name in args.workloads:
         print(f"timing {name} ...", flush=True)
@@ -437,7 +454,8 @@ def main(argv=None) -> dict:
                           "tied parameters")
         if args.memory:
             print(f"memory {name} ...", flush=True)
-            wl["memory_mib"] = {m: measure_memory(name, m, sizes[name], args.memory_steps, args.threads)
+            wl["memory_mib"] = {m: measure_memory(name, m, sizes[name], args.memory_steps, args.threads,
+                                                  args.allocator)
                                 for m in methods}
         result["workloads"][name] = wl
     if args.scaling:

@@ -162,8 +162,10 @@ def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, group
 
 
 def _child(spec: dict) -> float:
+    from dpclip.allocator import keep_freed_memory
     from dpclip.recipe import load_recipe
 
+    keep_freed_memory()  # as in the `dpclip` process that asked for this measurement
     torch.set_num_threads(spec["threads"])
     recipe = load_recipe(Path(spec["recipe"]), spec["overrides"])
     torch.manual_seed(recipe.seed)

@@ -10,6 +10,7 @@ import traceback
 import typer
 
 from dpclip import __version__
+from dpclip.allocator import keep_freed_memory
 from dpclip.cli import account, recipes, train, tune_cost, validate
 from dpclip.cli import audit
 from dpclip.cli import bench
@@ -56,6 +57,7 @@ app.add_typer(recipes.app, name="recipes")
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code (tests call this in-process)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    keep_freed_memory()  # the command owns its process: reuse freed memory across steps
     _debug["on"] = bool(os.environ.get("DPCLIP_DEBUG")) or "--debug" in args
     if not _debug["on"]:
         # dp_accounting logs through absl when its RDP series skips an order (harmless: the

@@ -571,6 +571,22 @@ def _conv_input_grad(m, x, gy, padding):
     return fn(x.shape, m.weight.to(gy.dtype), gy, m.stride, padding, m.dilation, m.groups)
 
 
+def _unfold(x: Tensor, kernel, dilation, padding, stride) -> Tensor:
+    """``F.unfold`` (im2col) as a strided view plus one copy: the same [B, C·kh·kw, P]
+    columns, several times faster on CPU for small images (benchmarks/profile_step.py)."""
+    if any(padding):
+        x = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
+    x = x.contiguous()
+    batch, channels, height, width = x.shape
+    out_h = (height - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
+    out_w = (width - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
+    sb, sc, sh, sw = x.stride()
+    view = x.as_strided((batch, channels, kernel[0], kernel[1], out_h, out_w),
+                        (sb, sc, dilation[0] * sh, dilation[1] * sw, stride[0] * sh, stride[1] * sw),
+                        x.storage_offset())
+    return view.reshape(batch, channels * kernel[0] * kernel[1], out_h * out_w)
+
+
 def _conv_uses(m, x, gy, padding):
     """im2col: a convolution is a Linear over output positions (T = #positions)."""
     batch, g = x.shape[0], m.groups
@@ -579,7 +595,7 @@ def _conv_uses(m, x, gy, padding):
                           (0,) + tuple(padding), (1,) + tuple(m.dilation))
     else:
         x4, k, s, p, d = x, m.kernel_size, m.stride, padding, m.dilation
-    cols = F.unfold(x4, k, dilation=d, padding=p, stride=s)         # [B, C·K, P]
+    cols = _unfold(x4, k, d, p, s)                                  # [B, C·K, P]
     positions = cols.shape[-1]
     right = cols.view(batch, g, -1, positions).transpose(2, 3)        # [B, g, P, C/g·K]
     gyf = gy.reshape(batch, gy.shape[1], -1)                          # [B, out, P]

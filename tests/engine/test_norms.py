@@ -181,3 +181,18 @@ def test_conv_geometry_matches_per_example_loop(dim, k, stride, padding, dilatio
              "y": torch.randint(0, 3, (3,), generator=gen)}
     check_exact(lambda: _ConvNet(conv).to(DTYPE), classify_loss, batch, "all-layer",
                 norm_method=method)
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 3), c=st.integers(1, 3), h=st.integers(1, 9), w=st.integers(1, 9),
+       kh=st.integers(1, 3), kw=st.integers(1, 3), dh=st.integers(1, 2), dw=st.integers(1, 2),
+       ph=st.integers(0, 2), pw=st.integers(0, 2), sh=st.integers(1, 3), sw=st.integers(1, 3))
+def test_strided_im2col_equals_torch_unfold(b, c, h, w, kh, kw, dh, dw, ph, pw, sh, sw):
+    from dpclip.engine.norms import _unfold
+
+    if h + 2 * ph < dh * (kh - 1) + 1 or w + 2 * pw < dw * (kw - 1) + 1:
+        return  # kernel larger than the padded image: no output positions
+    x = torch.randn(b, c, h, w, dtype=DTYPE)
+    expected = torch.nn.functional.unfold(x, (kh, kw), dilation=(dh, dw), padding=(ph, pw),
+                                          stride=(sh, sw))
+    assert torch.equal(_unfold(x, (kh, kw), (dh, dw), (ph, pw), (sh, sw)), expected)

@@ -1,0 +1,133 @@
+"""Is the engine's norm rule right on this machine? Ghost norm vs instantiation, per layer shape.
+
+For a clipped layer the engine needs per-sample norms and then Σ_i c_i G_i. Two ways:
+
+    ghost        Gram matrices (L Lᵀ, R Rᵀ; O(T²(m+n))) for the norm, then the clipped sum as
+                 one GEMM Lᵀ diag(c) R (O(B·T·m·n), the size of the usual weight gradient)
+    instantiate  G_i = L_iᵀ R_i per sample (O(B·T·m·n)), its norm, then Σ_i c_i G_i, a cheap
+                 pass over B·m·n numbers; needs G_i in memory until the clip factors are known
+
+Both run here through the engine's own functions (``param_norm_sq``, ``clipped_sum``) on
+random factors, timed interleaved, median. The table shows which is faster and what the
+engine's time rule (``choose_ghost(..., transient=True)``: instantiate iff m·n ≤ 2T(m+n))
+picks for groups clipped right after their layer (layer-wise, param-wise). A second table
+times the Gram trick of ``_symmetric_ghost`` against the plain product, and the reduction
+``batched_dot`` against the bmm form it replaced.
+
+    python benchmarks/norm_rule.py            # B 16 and 64, T 16..256, GPT-2-like shapes
+    python benchmarks/norm_rule.py --smoke    # tiny, one repeat (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dpclip.allocator import keep_freed_memory  # noqa: E402
+from dpclip.engine import norms  # noqa: E402
+from dpclip.engine.norms import Bilinear, choose_ghost, clipped_sum, param_norm_sq  # noqa: E402
+
+SHAPES = [(256, 768), (256, 256), (256, 1024), (1024, 256), (64, 64), (1024, 4096)]
+MAX_FACTOR_FLOATS = 64 * 256 * 1024   # skip cells whose B·T·n factor is larger (time budget)
+
+
+def median_ms(fns: dict, repeats: int) -> dict[str, float]:
+    for f in fns.values():
+        f()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def rule_rows(batches, seqs, shapes, repeats: int) -> list[dict]:
+    rows = []
+    for b in batches:
+        for t in seqs:
+            for m, n in shapes:
+                if b * t * max(m, n) > MAX_FACTOR_FLOATS:
+                    continue
+                gen = torch.Generator().manual_seed(t * 7 + m)
+                use = Bilinear(torch.randn(b, 1, t, m, generator=gen),
+                               torch.randn(b, 1, t, n, generator=gen))
+                shape = torch.Size([m, n])
+                c = torch.rand(b, generator=gen)
+
+                def path(method):
+                    def run():
+                        _, parts = param_norm_sq([use], shape, method, transient=True)
+                        clipped_sum(parts, c, shape)
+                    return run
+
+                ms = median_ms({"ghost": path("ghost"), "instantiate": path("instantiate")}, repeats)
+                rule = "ghost" if choose_ghost(use, "auto", transient=True) else "instantiate"
+                faster = min(ms, key=ms.get)
+                rows.append({"B": b, "T": t, "m": m, "n": n, **ms, "rule": rule, "faster": faster,
+                             "loss": ms[rule] / ms[faster]})
+    return rows
+
+
+def gram_rows(seqs, shapes, batch: int, repeats: int) -> list[dict]:
+    rows = []
+    for t in seqs:
+        for m, n in shapes[:3]:
+            gen = torch.Generator().manual_seed(t)
+            left = torch.randn(batch, 1, t, m, generator=gen)
+            right = torch.randn(batch, 1, t, n, generator=gen)
+            gl, gr = left @ left.transpose(-1, -2), right @ right.transpose(-1, -2)
+            flat = gl.reshape(batch, -1), gr.reshape(batch, -1)
+
+            def plain():
+                g1 = left @ left.transpose(-1, -2)
+                g2 = right @ right.transpose(-1, -2)
+                return norms.batched_dot(g1, g2)
+
+            def bmm_dot():
+                return torch.bmm(flat[0].unsqueeze(1), flat[1].unsqueeze(2))
+
+            ms = median_ms({"plain Grams": plain, "symmetric": lambda: norms.ghost_norm_sq(left, right),
+                            "vecdot": lambda: norms.batched_dot(*flat), "bmm dot": bmm_dot}, repeats)
+            rows.append({"T": t, "m": m, "n": n, **ms})
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    keep_freed_memory()
+    torch.set_num_threads(args.threads)
+    batches, seqs, shapes = [16, 64], [16, 32, 64, 128, 256], SHAPES
+    if args.smoke:
+        batches, seqs, shapes, args.repeats = [2], [4, 64], [(8, 12)], 1
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.repeats}, ms")
+    print("\nghost path vs instantiate path (norm + clipped sum); rule = time rule for transient groups")
+    print(f"{'B':>4}{'T':>5}{'m x n':>12}{'ghost':>10}{'inst':>10}  {'rule':<12}{'faster':<12}{'rule/best':>9}")
+    rows = rule_rows(batches, seqs, shapes, args.repeats)
+    for r in rows:
+        print(f"{r['B']:>4}{r['T']:>5}{str(r['m']) + 'x' + str(r['n']):>12}{r['ghost']:>10.2f}"
+              f"{r['instantiate']:>10.2f}  {r['rule']:<12}{r['faster']:<12}{r['loss']:>9.2f}")
+    agree = sum(r["rule"] == r["faster"] for r in rows)
+    worst = max(rows, key=lambda r: r["loss"])
+    print(f"\nrule picked the faster path in {agree} of {len(rows)} cells; worst cell "
+          f"B {worst['B']} T {worst['T']} {worst['m']}x{worst['n']}: {worst['loss']:.2f}x the faster path")
+    print("\nGram trick and reduction (B 16): plain Grams vs symmetric halves; bmm vs vecdot dot")
+    print(f"{'T':>5}{'m x n':>12}{'plain':>10}{'symm':>10}{'bmm dot':>10}{'vecdot':>10}")
+    for r in gram_rows(seqs, shapes, 2 if args.smoke else 16, args.repeats):
+        print(f"{r['T']:>5}{str(r['m']) + 'x' + str(r['n']):>12}{r['plain Grams']:>10.2f}"
+              f"{r['symmetric']:>10.2f}{r['bmm dot']:>10.2f}{r['vecdot']:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
