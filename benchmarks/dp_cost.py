@@ -38,6 +38,7 @@ import copy
 import importlib.util
 import json
 import platform
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from engine_step_ratio import build_model as build_gpt2  # noqa: E402
 
-from dpclip.bench import status_kib, time_steps  # noqa: E402  (one timing and memory probe for both)
+from dpclip.bench import round_ratios, status_kib, time_rounds  # noqa: E402  (one timing and memory probe for both)
 from dpclip.allocator import keep_freed_memory  # noqa: E402
 
 GROUPINGS = ("all-layer", "layer", "param")
@@ -208,9 +209,18 @@ def _opacus_step(mode: str, w: Workload, model: nn.Module, opt) -> Callable[[], 
     return step
 
 
-def time_methods(w: Workload, methods: list[str], repeats: int, warmup: int) -> dict[str, float]:
-    """Median seconds per step, methods interleaved A B C A B C ... after warm-up."""
-    return time_steps({m: make_step(m, w) for m in methods}, repeats, warmup)
+def time_methods(w: Workload, methods: list[str], repeats: int, warmup: int) -> dict:
+    """Methods interleaved A B C A B C ... after warm-up: median seconds per step, and the
+    ratio to non-private as the median over rounds of the same-round ratio, with its
+    quartiles (how much the ratio moved from round to round)."""
+    times = time_rounds({m: make_step(m, w) for m in methods}, repeats, warmup)
+    ratios = round_ratios(times, "non-private")
+    out = {"median_s": {m: statistics.median(ts) for m, ts in times.items()},
+           "ratio": {m: r[0] for m, r in ratios.items()},
+           "ratio_quartiles": {m: [r[1], r[2]] for m, r in ratios.items()}}
+    if "opacus hooks" in times:
+        out["ratio_to_opacus_hooks"] = {m: r[0] for m, r in round_ratios(times, "opacus hooks").items()}
+    return out
 
 
 # ----------------------------------------------------------------------------- memory
@@ -300,12 +310,12 @@ def scaling(seqs, batches, base: dict, repeats: int, warmup: int,
                 print(f"  scaling T {seq} B {b}: skipped (B·T > {max_tokens})", flush=True)
                 continue
             sizes = dict(base, seq=seq, batch=b)
-            med = time_methods(make_workload("gpt2", sizes), ["non-private", "dpclip all-layer",
-                                                               "dpclip layer"], repeats, warmup)
-            ref = med["non-private"]
+            timed = time_methods(make_workload("gpt2", sizes), ["non-private", "dpclip all-layer",
+                                                                 "dpclip layer"], repeats, warmup)
+            ref = timed["median_s"]["non-private"]
             rows.append({"T": seq, "B": b, "non_private_s": ref,
-                         "all_layer": med["dpclip all-layer"] / ref,
-                         "layer": med["dpclip layer"] / ref, "norm_methods": methods})
+                         "all_layer": timed["ratio"]["dpclip all-layer"],
+                         "layer": timed["ratio"]["dpclip layer"], "norm_methods": methods})
             print(f"  scaling T {seq} B {b}: non-private {ref:.4f} s, all-layer "
                   f"{rows[-1]['all_layer']:.2f}x, layer {rows[-1]['layer']:.2f}x", flush=True)
     return rows
@@ -345,29 +355,39 @@ def render(result: dict, markdown: bool) -> str:
         if wl.get("note"):
             lines += ["", wl["note"]] if markdown else [wl["note"]]
         mem = wl.get("memory_mib")
+        quart = wl.get("ratio_quartiles", {})
+        hooks = wl.get("ratio_to_opacus_hooks")
         if markdown:
             lines.append("")
-            head = "| method | median step (s) | ratio to non-private |"
+            head = "| method | median step (s) | ratio to non-private (quartiles) |"
             rule = "|---|---|---|"
+            if hooks:
+                head += " ratio to Opacus hooks |"
+                rule += "---|"
             if mem:
                 head += " peak step memory (MiB) | ratio |"
                 rule += "---|---|"
             lines += [head, rule]
         else:
-            lines.append(f"{'method':<18}{'median s':>10}{'ratio':>8}" + (f"{'MiB':>10}{'ratio':>8}" if mem else ""))
+            lines.append(f"{'method':<18}{'median s':>10}{'ratio':>8}{'quartiles':>13}"
+                         + (f"{'/hooks':>8}" if hooks else "")
+                         + (f"{'MiB':>10}{'ratio':>8}" if mem else ""))
         ref_mem = mem.get("non-private") if mem else None
         for m, t in wl["median_s"].items():
             r = wl["ratio"][m]
-            extra = []
+            q = quart.get(m)
+            q_text = f"{q[0]:.2f}-{q[1]:.2f}" if q else "-"
+            extra = [f"{hooks[m]:.2f}"] if hooks else []
             if mem:
                 mm = mem.get(m)
-                extra = [f"{mm:.1f}" if mm is not None else "-",
+                extra += [f"{mm:.1f}" if mm is not None else "-",
                          f"{mm / ref_mem:.2f}" if mm is not None and ref_mem else "-"]
             if markdown:
-                lines.append("| " + " | ".join([m, f"{t:.4f}", f"{r:.2f}x"] + extra) + " |")
+                lines.append("| " + " | ".join([m, f"{t:.4f}", f"{r:.2f}x ({q_text})"] + extra) + " |")
             else:
-                lines.append(f"{m:<18}{t:>10.4f}{r:>8.2f}" + "".join(f"{e:>10}" if i == 0 else f"{e:>8}"
-                                                                   for i, e in enumerate(extra)))
+                widths = ([8] if hooks else []) + ([10, 8] if mem else [])
+                lines.append(f"{m:<18}{t:>10.4f}{r:>8.2f}{q_text:>13}"
+                             + "".join(f"{e:>{w}}" for e, w in zip(extra, widths)))
     if result.get("scaling"):
         rows = result["scaling"]
         lines += ["", f"{'### ' if markdown else ''}GPT-2 scaling: DP step / non-private step "
@@ -446,9 +466,8 @@ def main(argv=None) -> dict:
               "skipped": skipped, "workloads": {}}
     for name in args.workloads:
         print(f"timing {name} ...", flush=True)
-        med = time_methods(make_workload(name, sizes[name]), methods, args.repeats, args.warmup)
-        wl = {"description": describe(name, sizes[name]), "sizes": sizes[name], "median_s": med,
-              "ratio": {m: t / med["non-private"] for m, t in med.items()}}
+        timed = time_methods(make_workload(name, sizes[name]), methods, args.repeats, args.warmup)
+        wl = {"description": describe(name, sizes[name]), "sizes": sizes[name], **timed}
         if name == "gpt2" and "opacus ghost" in methods:
             wl["note"] = ("opacus ghost runs with lm_head untied: Opacus ghost clipping refuses "
                           "tied parameters")

@@ -4,7 +4,8 @@ For a recipe's model, data and batch size, one fixed batch of the training set i
 through a non-private step (mean loss, backward, SGD step) and a private step per
 grouping style (per-sample losses, ``engine.backward``, ``engine.privatize``, SGD step),
 timed interleaved (A B C A B C ...) in one process; medians are reported with the ratio
-to non-private. The clipping function, threshold and noise come from the engine's
+to non-private, the median over rounds of (step / non-private step of the same round), so
+that a slow stretch of the machine hits both sides of a ratio alike. The clipping function, threshold and noise come from the engine's
 defaults: the cost is set by the model, the batch and the grouping, not by those.
 
 Memory, when asked for, is measured per configuration in a fresh child process
@@ -41,12 +42,8 @@ class BenchResult:
     threads: int
     repeats: int
     median_s: dict[str, float]
+    ratio: dict[str, float]
     memory_mib: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def ratio(self) -> dict[str, float]:
-        ref = self.median_s[NON_PRIVATE]
-        return {name: t / ref for name, t in self.median_s.items()}
 
     def to_dict(self) -> dict:
         return {"recipe": self.recipe, "batch_size": self.batch_size, "threads": self.threads,
@@ -93,8 +90,8 @@ def make_step(method: str, model, loss_fn, batch, size: int) -> Callable[[], Non
     return dp_step
 
 
-def time_steps(steps: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict[str, float]:
-    """Median seconds per step, interleaved A B C A B C ... after ``warmup`` rounds."""
+def time_rounds(steps: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds per step, one entry per round, interleaved A B C A B C ... after ``warmup`` rounds."""
     for _ in range(warmup):
         for step in steps.values():
             step()
@@ -104,7 +101,26 @@ def time_steps(steps: dict[str, Callable[[], None]], repeats: int, warmup: int) 
             t0 = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
+
+
+def time_steps(steps: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict[str, float]:
+    """Median seconds per step of :func:`time_rounds`."""
+    return {name: statistics.median(ts) for name, ts in time_rounds(steps, repeats, warmup).items()}
+
+
+def round_ratios(times: dict[str, list[float]], reference: str) -> dict[str, tuple[float, float, float]]:
+    """Per method: (median, lower quartile, upper quartile) over rounds of its step time
+    divided by ``reference``'s step time in the same round."""
+    out = {}
+    for name, ts in times.items():
+        ratios = sorted(t / r for t, r in zip(ts, times[reference]))
+        if len(ratios) >= 2:
+            q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+        else:
+            q1 = q3 = ratios[0]
+        out[name] = (statistics.median(ratios), q1, q3)
+    return out
 
 
 def status_kib(name: str) -> int:
@@ -154,7 +170,11 @@ def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, group
     model, loss_fn, batch, size = _setup(recipe)
     names = method_names(groupings)
     steps = {name: make_step(name, model, loss_fn, batch, size) for name in names}
-    result = BenchResult(recipe.name, size, threads, repeats, time_steps(steps, repeats, warmup))
+    times = time_rounds(steps, repeats, warmup)
+    ratios = round_ratios(times, NON_PRIVATE)
+    result = BenchResult(recipe.name, size, threads, repeats,
+                         {name: statistics.median(ts) for name, ts in times.items()},
+                         {name: r[0] for name, r in ratios.items()})
     if memory:
         result.memory_mib = {name: memory_in_child(Path(recipe_path), overrides, name, threads)
                              for name in names}
