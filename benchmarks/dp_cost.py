@@ -270,7 +270,8 @@ def measure_memory(workload: str, method: str, sizes: dict, steps: int, threads:
 def gpt2_norm_methods(embd: int, vocab: int, seq: int) -> dict[str, str]:
     """The norm method the engine's mixed rule (``dpclip.engine.norms.choose_ghost``) picks
     for each GPT-2 layer at sequence length ``seq``, as "all-layer / layer-wise": all-layer
-    keeps every layer until the end of the backward (space rule, ghost iff 2T² < m·n);
+    keeps every layer until the end of the backward (memory rule, instantiate iff G_i is no
+    larger than its factors, m·n ≤ T(m+n));
     layer-wise clips each layer at once (time rule, instantiate iff m·n ≤ 2T(m+n)), except
     the tied wte/lm_head, whose two modules make it wait. The rule is asked with the
     layer's factor shapes (on the meta device, nothing is computed)."""

@@ -237,9 +237,11 @@ def _numel_per_sample(use: Bilinear) -> tuple[int, int]:
 def choose_ghost(use: Bilinear, method: str, transient: bool = False) -> bool:
     """The mixed rule: ghost-norm this use, or instantiate its per-sample gradient?
 
-    ``transient=False`` (the gradient would wait for other layers' norms, e.g. all-layer
-    clipping): FastDP's space rule, ghost iff 2T² < m·n (REFERENCE §B), since a kept G_i
-    costs B·m·n memory for the rest of the backward.
+    ``transient=False`` (G_i would wait for other layers' norms, e.g. all-layer clipping):
+    a memory rule, instantiate iff G_i is no larger than its factors (m·n ≤ T·(m+n) for a
+    dense use), which it then replaces: the stash never grows, and the clipped sum becomes
+    a cheap Σ_i c_i G_i. FastDP's space rule (ghost iff 2T² < m·n, REFERENCE §B) only
+    instantiates where this one does too (2T² ≥ m·n implies T(m+n) ≥ 2T·sqrt(m·n) ≥ m·n).
 
     ``transient=True`` (the group is finalized right after this parameter, e.g. layer-wise
     clipping): a time rule. Instantiating costs one per-sample matmul (T·m·n) and then a
@@ -252,12 +254,8 @@ def choose_ghost(use: Bilinear, method: str, transient: bool = False) -> bool:
         return True
     if method == "instantiate":
         return False
-    if transient:
-        inst, factors = _numel_per_sample(use)
-        return inst > 2 * factors
-    t = use.right.shape[2]
-    m = use.vocab if use.is_ids else use.left.shape[3]
-    return 2 * t * t < m * use.right.shape[3]
+    inst, factors = _numel_per_sample(use)
+    return inst > (2 * factors if transient else factors)
 
 
 @dataclass

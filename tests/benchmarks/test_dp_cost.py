@@ -55,12 +55,13 @@ def test_scaling_reports_the_engines_norm_choice():
     module = load()
     small_t = module.gpt2_norm_methods(embd=256, vocab=1024, seq=32)
     large_t = module.gpt2_norm_methods(embd=256, vocab=1024, seq=512)
-    # all-layer / layer-wise; at T 32 the matmul layers stay ghost both ways (2·32² < 256·256,
-    # 256·256 > 2·32·512); at T 512 both instantiate (2·512² > 1024·256)
+    # all-layer / layer-wise; at T 32 the matmul layers stay ghost both ways (256·256 > 2·32·512);
+    # at T 512 both instantiate (G_i ≤ its factors)
     assert list(small_t.values())[:4] == ["ghost / ghost"] * 4
     assert list(large_t.values())[:4] == ["instantiate / instantiate"] * 4
     mid = module.gpt2_norm_methods(embd=256, vocab=1024, seq=128)
-    assert mid["attn.c_proj 256x256"] == "ghost / instantiate"   # 65536 ≤ 2·128·512
+    assert mid["attn.c_proj 256x256"] == "instantiate / instantiate"  # 65536 ≤ 128·512
+    assert mid["attn.c_attn 256x768"] == "ghost / instantiate"  # 128·1024 < 196608 ≤ 2·128·1024
     assert mid["wte/lm_head 1024x256 (tied)"] == "ghost / ghost"  # tied: not transient
     rows = module.scaling([8], [2], module.SMOKE["gpt2"], repeats=1, warmup=0)
     assert rows[0]["all_layer"] > 0 and rows[0]["norm_methods"]

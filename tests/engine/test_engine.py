@@ -84,13 +84,14 @@ def test_ghost_and_instantiate_give_identical_norms_and_grads():
 
 
 class _WideSequenceNet(torch.nn.Module):
-    """Linear 128 -> 128 over T = 64 positions: the time rule instantiates it (G_i is
-    16384 entries, its factors 16384), the space rule ghost-norms it (2T² = 8192 < 16384)."""
+    """Linear 128 -> 256 over T = 64 positions: G_i has 32768 entries, its factors 24576.
+    The time rule (transient) instantiates it, the memory rule ghost-norms it (with the
+    Grams split in halves at T = 64)."""
 
     def __init__(self):
         super().__init__()
-        self.wide = torch.nn.Linear(128, 128)
-        self.head = torch.nn.Linear(128, 3)
+        self.wide = torch.nn.Linear(128, 256)
+        self.head = torch.nn.Linear(256, 3)
 
     def forward(self, x):
         return self.head(torch.tanh(self.wide(x)).mean(1))

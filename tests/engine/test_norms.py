@@ -82,22 +82,30 @@ def test_several_calls_of_one_layer_concatenate_along_t(calls, g, method, seed):
     torch.testing.assert_close(clipped_sum(parts, c, shape), torch.einsum("b,bmn->mn", c, full))
 
 
-def test_mixed_rule_picks_ghost_when_two_t_squared_is_below_p_times_d():
-    small_t = Bilinear(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 5))     # 18 < 20
-    large_t = Bilinear(torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 4, 5))     # 32 ≥ 20
-    assert choose_ghost(small_t, "auto") and not choose_ghost(large_t, "auto")
-    assert choose_ghost(large_t, "ghost") and not choose_ghost(small_t, "instantiate")
+def test_memory_rule_instantiates_exactly_when_the_gradient_fits_in_its_factors():
+    # m = n = 128: G_i has 16384 entries, its factors T·256: equal at T = 64.
+    def use(t):
+        return Bilinear(torch.zeros(1, 1, t, 128), torch.zeros(1, 1, t, 128))
+    assert choose_ghost(use(63), "auto") and not choose_ghost(use(64), "auto")
+    assert choose_ghost(use(64), "ghost") and not choose_ghost(use(63), "instantiate")
+
+
+@settings(max_examples=200, deadline=None)
+@given(t=st.integers(1, 300), m=st.integers(1, 300), n=st.integers(1, 300))
+def test_memory_rule_instantiates_wherever_fastdp_space_rule_does(t, m, n):
+    use = Bilinear(torch.empty(1, 1, t, m, device="meta"), torch.empty(1, 1, t, n, device="meta"))
+    if 2 * t * t >= m * n:
+        assert not choose_ghost(use, "auto")
 
 
 def test_transient_rule_instantiates_when_gradient_is_at_most_twice_its_factors():
-    # m = n = 128: G_i has 16384 entries, the factors T·256. Twice the factors reaches
-    # 16384 at T = 32; the space rule would still ghost-norm up to 2T² ≥ 16384, T = 91.
+    # m = n = 128: twice the factors (T·512) reaches G_i's 16384 entries at T = 32, where
+    # the memory rule still ghost-norms (until T = 64).
     def use(t):
         return Bilinear(torch.zeros(1, 1, t, 128), torch.zeros(1, 1, t, 128))
     assert choose_ghost(use(31), "auto", transient=True)
     assert not choose_ghost(use(32), "auto", transient=True)
-    assert choose_ghost(use(32), "auto") and choose_ghost(use(90), "auto")
-    assert not choose_ghost(use(91), "auto")
+    assert choose_ghost(use(32), "auto") and choose_ghost(use(63), "auto")
     assert choose_ghost(use(64), "ghost", transient=True)
     # ids factors are T integers + T·n: a 1000-row embedding stays ghost-normed at T = 64
     ids = Bilinear(torch.zeros(1, 64, dtype=torch.long), torch.zeros(1, 1, 64, 16), vocab=1000)
