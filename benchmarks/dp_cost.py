@@ -157,6 +157,7 @@ def make_step(method: str, w: Workload) -> Callable[[], None]:
             engine.privatize()
             opt.step()
             opt.zero_grad(set_to_none=True)
+        step.engine = engine  # the memory child reads its stash meter
         return step
     if method.startswith("opacus "):
         return _opacus_step(method.split(" ", 1)[1], w, model, opt)
@@ -251,17 +252,26 @@ def child_memory(workload: str, method: str, sizes: dict, steps: int, threads: i
     for _ in range(steps):
         step()
     peak = status_kib("VmHWM")
+    engine = getattr(step, "engine", None)
     return {"setup_kib": before, "peak_kib": peak, "peak_reset": reset,
-            "step_mib": (peak - before) / 1024}
+            "step_mib": (peak - before) / 1024,
+            "stash_peak_mib": engine.stash_bytes_peak / 2**20 if engine is not None else None}
 
 
 def measure_memory(workload: str, method: str, sizes: dict, steps: int, threads: int,
-                   allocator: str = "keep-freed") -> float:
+                   allocator: str = "keep-freed", runs: int = 1) -> dict:
+    """Median over ``runs`` fresh children of the step memory (MiB; it moves by about
+    ±15 MiB from child to child on the GPT-2), and the engine's stash peak (exact, MiB;
+    None for non-dpclip methods)."""
     spec = json.dumps({"workload": workload, "method": method, "sizes": sizes, "steps": steps,
                        "threads": threads})
-    out = subprocess.run([sys.executable, __file__, "--allocator", allocator, "--child", spec],
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["step_mib"]
+    results = []
+    for _ in range(runs):
+        out = subprocess.run([sys.executable, __file__, "--allocator", allocator, "--child", spec],
+                             capture_output=True, text=True, check=True)
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return {"step_mib": statistics.median(r["step_mib"] for r in results),
+            "stash_peak_mib": results[0]["stash_peak_mib"]}
 
 
 # ---------------------------------------------------------------------------- scaling
@@ -366,13 +376,13 @@ def render(result: dict, markdown: bool) -> str:
                 head += " ratio to Opacus hooks |"
                 rule += "---|"
             if mem:
-                head += " peak step memory (MiB) | ratio |"
-                rule += "---|---|"
+                head += " peak step memory (MiB) | ratio | engine stash peak (MiB) |"
+                rule += "---|---|---|"
             lines += [head, rule]
         else:
             lines.append(f"{'method':<18}{'median s':>10}{'ratio':>8}{'quartiles':>13}"
                          + (f"{'/hooks':>8}" if hooks else "")
-                         + (f"{'MiB':>10}{'ratio':>8}" if mem else ""))
+                         + (f"{'MiB':>10}{'ratio':>8}{'stash':>8}" if mem else ""))
         ref_mem = mem.get("non-private") if mem else None
         for m, t in wl["median_s"].items():
             r = wl["ratio"][m]
@@ -381,12 +391,14 @@ def render(result: dict, markdown: bool) -> str:
             extra = [f"{hooks[m]:.2f}"] if hooks else []
             if mem:
                 mm = mem.get(m)
+                stash = wl.get("stash_peak_mib", {}).get(m)
                 extra += [f"{mm:.1f}" if mm is not None else "-",
-                         f"{mm / ref_mem:.2f}" if mm is not None and ref_mem else "-"]
+                          f"{mm / ref_mem:.2f}" if mm is not None and ref_mem else "-",
+                          f"{stash:.1f}" if stash is not None else "-"]
             if markdown:
                 lines.append("| " + " | ".join([m, f"{t:.4f}", f"{r:.2f}x ({q_text})"] + extra) + " |")
             else:
-                widths = ([8] if hooks else []) + ([10, 8] if mem else [])
+                widths = ([8] if hooks else []) + ([10, 8, 8] if mem else [])
                 lines.append(f"{m:<18}{t:>10.4f}{r:>8.2f}{q_text:>13}"
                              + "".join(f"{e:>{w}}" for e, w in zip(extra, widths)))
     if result.get("scaling"):
@@ -428,6 +440,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--memory", action="store_true", help="peak step memory, one child process each")
     ap.add_argument("--memory-steps", type=int, default=3)
+    ap.add_argument("--memory-runs", type=int, default=3, help="children per configuration (median)")
     ap.add_argument("--scaling", action="store_true", help="GPT-2 ratio over a T x B grid")
     ap.add_argument("--scaling-seq", nargs="+", type=int, default=[32, 128, 512])
     ap.add_argument("--scaling-batch", nargs="+", type=int, default=[8, 32, 128])
@@ -453,6 +466,7 @@ def main(argv=None) -> dict:
     sizes = SMOKE if args.smoke else FULL
     if args.smoke:
         args.repeats, args.warmup, args.memory_steps, args.scaling_repeats = 1, 0, 1, 1
+        args.memory_runs = 1
         args.scaling_seq, args.scaling_batch = [8, 16], [2]
 
     methods, skipped = list(args.methods), ""
@@ -474,9 +488,11 @@ def main(argv=None) -> dict:
                           "tied parameters")
         if args.memory:
             print(f"memory {name} ...", flush=True)
-            wl["memory_mib"] = {m: measure_memory(name, m, sizes[name], args.memory_steps, args.threads,
-                                                  args.allocator)
-                                for m in methods}
+            mem = {m: measure_memory(name, m, sizes[name], args.memory_steps, args.threads,
+                                     args.allocator, args.memory_runs) for m in methods}
+            wl["memory_mib"] = {m: r["step_mib"] for m, r in mem.items()}
+            wl["stash_peak_mib"] = {m: r["stash_peak_mib"] for m, r in mem.items()
+                                    if r["stash_peak_mib"] is not None}
         result["workloads"][name] = wl
     if args.scaling:
         print("scaling gpt2 ...", flush=True)

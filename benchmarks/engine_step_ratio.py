@@ -57,6 +57,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, 1 repeat, no warm-up")
     args = ap.parse_args(argv)
+    from dpclip.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as the dpclip command does (see dpclip/allocator.py)
     if args.smoke:
         args.layers, args.embd, args.vocab, args.seq, args.batch = 1, 32, 64, 16, 4
         args.repeats, args.warmup = 1, 0

@@ -37,6 +37,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
+    from dpclip.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as the dpclip command does (see dpclip/allocator.py)
     torch.set_num_threads(args.threads)
     for method in ("non-private", args.method):
         print(f"== {method} ({args.workload}, {args.steps} steps)")

@@ -31,7 +31,8 @@ from dpclip.engine.clip import make_clip_fn
 from dpclip.engine.groups import Groups, build_groups, trainable_params
 from dpclip.engine.noise import (NoiseSource, allocation_weights, effective_noise_multiplier,
                                  noise_stds)
-from dpclip.engine.norms import NORM_METHODS, Use, clipped_sum, param_norm_sq, sqrt_or_zero
+from dpclip.engine.norms import (NORM_METHODS, Use, clipped_sum, param_norm_sq, sqrt_or_zero,
+                                 streamable, streamed_clip)
 from dpclip.engine.thresholds import AuxRelease, PolicyContext, build_policy
 from dpclip.errors import EngineError
 
@@ -376,6 +377,7 @@ class _MicroBatch:
                 self.group_left[engine._group_of[idx]] += 1
         self.norm_sq: list[Tensor | None] = [None] * k
         self.norms: list[Tensor | None] = [None] * k
+        self.streamed: set[int] = set()   # parameters whose G_i are instantiated at finalization
         self.done = [False] * k
         self.thresholds = engine.policy.thresholds()
         # A per-sample policy needs all K norms of a sample first: finalize at the end.
@@ -397,7 +399,14 @@ class _MicroBatch:
         e = self.engine
         k = e._group_of[idx]
         uses, self.uses[idx] = self.uses[idx], []
-        if uses:
+        bundle = streamable(uses, e.config["norm_method"]) if e._transient[idx] else None
+        if bundle is not None:  # instantiated chunk by chunk when the group is finalized
+            self.meter.add(bundle.tensors())
+            for use in uses:
+                self.meter.remove(use.tensors())
+            self.parts[idx] = [bundle]
+            self.streamed.add(idx)
+        elif uses:
             p = e._params[idx]
             norm_sq, parts = param_norm_sq(uses, p.shape, e.config["norm_method"], e._norm_dtype,
                                            transient=e._transient[idx])
@@ -415,8 +424,22 @@ class _MicroBatch:
     def _finalize(self, k: int, threshold: Tensor) -> None:
         e = self.engine
         sq = self.norm_sq[k]
-        norms = (sqrt_or_zero(sq) if sq is not None else
-                 torch.zeros(self.batch, device=e._device, dtype=e._norm_dtype))
+        streamed = [idx for idx in e.groups.members[k] if idx in self.streamed]
+        if streamed:
+            base = sq if sq is not None else torch.zeros(self.batch, device=e._device,
+                                                         dtype=e._norm_dtype)
+            bundles = [self.parts[idx][0] for idx in streamed]
+            norms, sums = streamed_clip(bundles, [e._params[idx].shape for idx in streamed], base,
+                                        lambda chunk_norms: e._clip(chunk_norms, threshold),
+                                        self.meter)
+            for idx, total in zip(streamed, sums):
+                self.meter.remove(self.parts[idx][0].tensors())
+                self.parts[idx] = None
+                self.streamed.discard(idx)
+                e._sums[idx] = total if e._sums[idx] is None else e._sums[idx].add_(total)
+        else:
+            norms = (sqrt_or_zero(sq) if sq is not None else
+                     torch.zeros(self.batch, device=e._device, dtype=e._norm_dtype))
         factors = e._clip(norms, threshold)
         for idx in e.groups.members[k]:
             parts, self.parts[idx] = self.parts[idx], None
@@ -466,3 +489,4 @@ class _MicroBatch:
                 self.meter.remove(part.tensors())
         self.uses = [[] for _ in self.pending]
         self.parts = [None] * len(self.pending)
+        self.streamed.clear()

@@ -388,6 +388,52 @@ def clipped_sum(parts: list[Use], factors: Tensor, shape: torch.Size) -> Tensor:
     return out
 
 
+def streamable(uses: list[Use], method: str) -> Bilinear | None:
+    """The single dense bundle of a transient parameter that the mixed rule instantiates,
+    or None (ids, instantiated uses, several parts: those take :func:`param_norm_sq`)."""
+    if not uses or not all(isinstance(u, Bilinear) and not u.is_ids for u in uses):
+        return None
+    bundle = _concat(uses)
+    return None if choose_ghost(bundle, method, transient=True) else bundle
+
+
+def streamed_clip(bundles: list[Bilinear], shapes: list[torch.Size], base_norm_sq: Tensor,
+                  clip: Callable[[Tensor], Tensor], meter=None) -> tuple[Tensor, list[Tensor]]:
+    """Group norms and Σ_i c_i G_i of instantiated parameters, a chunk of samples at a time.
+
+    For a group whose other parameters' norms² are known (``base_norm_sq`` [B]), sample
+    i's group norm needs only its own G_i: instantiate G_i for a chunk of samples, add
+    ||G_i||², clip (``clip``: norms -> factors), and add c_i G_i to the sums before the next
+    chunk. Same numbers as instantiating everything first; the chunk is sized so that the
+    chunk's G_i never take more memory than the factors already held, and they are still
+    in cache when the sum reads them. ``meter`` (add/remove of tensors, optional) counts
+    each chunk's G_i while it lives. Returns (norms [B], one sum per bundle).
+    """
+    batch = base_norm_sq.shape[0]
+    inst = sum(_numel_per_sample(b)[0] for b in bundles)
+    factors = sum(_numel_per_sample(b)[1] for b in bundles)
+    chunk = max(1, min(batch, batch * factors // max(inst, 1)))
+    sums: list[Tensor | None] = [None] * len(bundles)
+    norms = []
+    for start in range(0, batch, chunk):
+        rows = slice(start, start + chunk)
+        grads = [instantiate(Bilinear(b.left[rows], b.right[rows])).flatten(1) for b in bundles]
+        if meter is not None:
+            meter.add(grads)
+        sq = base_norm_sq[rows]
+        for g in grads:
+            sq = sq + torch.linalg.vector_norm(g, dim=1).square().to(sq.dtype)
+        chunk_norms = sqrt_or_zero(sq)
+        c = clip(chunk_norms)
+        for j, g in enumerate(grads):
+            term = c.to(g.dtype) @ g
+            sums[j] = term if sums[j] is None else sums[j].add_(term)
+        if meter is not None:
+            meter.remove(grads)
+        norms.append(chunk_norms)
+    return torch.cat(norms), [t.reshape(shape) for t, shape in zip(sums, shapes)]
+
+
 def per_sample_grads(uses: list[Use], shape: torch.Size) -> Tensor:
     """Instantiate Σ_u G_{i,u} as ``[B, *shape]`` (tests and small parameters only)."""
     out: Tensor | None = None
@@ -694,4 +740,5 @@ __all__ = [
     "Bilinear", "Dense", "Use", "NORM_METHODS", "LayerRule", "register_layer_rule",
     "find_layer_rule", "ghost_norm_sq", "ids_ghost_norm_sq", "instantiate", "param_norm_sq",
     "clipped_sum", "per_sample_grads", "choose_ghost", "is_rmsnorm_like", "sqrt_or_zero",
+    "streamable", "streamed_clip",
 ]

@@ -47,8 +47,10 @@ def test_missing_opacus_is_reported_not_fatal(monkeypatch, capsys):
 
 def test_memory_child_measures_step_memory_in_a_fresh_process():
     module = load()
-    mib = module.measure_memory("mlp", "dpclip layer", dict(features=64, hidden=512, batch=512), 1, 1)
-    assert mib > 0  # activations and gradients of a 512-wide MLP at B 512 take megabytes
+    mem = module.measure_memory("mlp", "dpclip layer", dict(features=64, hidden=512, batch=512), 1, 1)
+    assert mem["step_mib"] > 0  # activations and gradients of a 512-wide MLP at B 512 take megabytes
+    # the engine's stash held at least the 512 x 512 layer's factors: 2 x 512 x 512 floats
+    assert mem["stash_peak_mib"] >= 2 * 512 * 512 * 4 / 2**20
 
 
 def test_scaling_reports_the_engines_norm_choice():

@@ -204,3 +204,28 @@ def test_strided_im2col_equals_torch_unfold(b, c, h, w, kh, kw, dh, dw, ph, pw, 
     expected = torch.nn.functional.unfold(x, (kh, kw), dilation=(dh, dw), padding=(ph, pw),
                                           stride=(sh, sw))
     assert torch.equal(_unfold(x, (kh, kw), (dh, dw), (ph, pw), (sh, sw)), expected)
+
+
+def test_streamed_clip_equals_clipping_fully_instantiated_gradients():
+    from dpclip.engine.norms import streamed_clip
+
+    gen = torch.Generator().manual_seed(8)
+    # G_i 40 and 54 entries vs factors 26 and 45: chunks of 7·71//94 = 5 samples (5 + 2)
+    bundles = [_dense(gen, 7, 1, 2, 5, 8), _dense(gen, 7, 1, 3, 6, 9)]
+    shapes = [torch.Size([5, 8]), torch.Size([6, 9])]
+    base = torch.rand(7, generator=gen, dtype=DTYPE)
+    full = [per_sample_grads([b], s) for b, s in zip(bundles, shapes)]
+    norms_ref = (base + sum(g.flatten(1).pow(2).sum(1) for g in full)).sqrt()
+    threshold = norms_ref.median()
+    factors = (threshold / norms_ref).clamp(max=1.0)
+    calls = []
+
+    def clip(chunk_norms):
+        calls.append(chunk_norms.shape[0])
+        return (threshold / chunk_norms).clamp(max=1.0)
+
+    norms, sums = streamed_clip(bundles, shapes, base, clip)
+    assert calls == [5, 2]
+    torch.testing.assert_close(norms, norms_ref)
+    for total, g in zip(sums, full):
+        torch.testing.assert_close(total, torch.einsum("b,bmn->mn", factors, g))
