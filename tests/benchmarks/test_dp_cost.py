@@ -85,3 +85,18 @@ def test_norm_rule_smoke_runs_the_engines_functions(capsys):
     module.main(["--smoke"])
     out = capsys.readouterr().out
     assert "rule picked the faster path in" in out and "vecdot" in out
+
+
+def test_profile_phases_smoke_times_every_phase():
+    spec = importlib.util.spec_from_file_location("profile_step", PATH.parent / "profile_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from dpclip.engine import engine as engine_module
+    original = engine_module.param_norm_sq
+    times = module.phase_times("gpt2", ["dpclip all-layer", "dpclip layer"], steps=1, smoke=True)
+    assert engine_module.param_norm_sq is original  # the timers are removed again
+    assert set(times) == {"non-private", "dpclip all-layer", "dpclip layer"}
+    assert times["dpclip all-layer"]["  per-sample norms"] > 0
+    assert "  per-sample norms" not in times["non-private"]  # the engine's timers stay silent
+    for t in times.values():
+        assert t["total"] >= t["forward"] + t["backward"]
