@@ -5,8 +5,9 @@ benchmarks/dp_cost.py, next to the non-private step.
 step, median over interleaved steps: forward, backward (and inside it the layers' input
 gradients, the engine's ghost/eager per-sample norms, clipped sums, and the streamed
 instantiation of transient layers, which computes norms and sums together), noise and
-``p.grad``, optimizer. The timers wrap the engine's functions from outside; nothing in the
-engine changes.
+``p.grad``, optimizer; and the minor page faults of each step (``DPCLIP_MALLOC=default``
+shows glibc's default allocator, see dpclip/allocator.py). The timers wrap the engine's
+functions from outside; nothing in the engine changes.
 
 default: torch.profiler, top operators by self CPU time. (Under the profiler an all-layer
 GPT-2 step ran about 1.8x slower than without it, in its elementwise ops: use it to see
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import resource
 import statistics
 import sys
 import time
@@ -43,6 +45,7 @@ def profile_method(workload: str, method: str, steps: int, top: int, smoke: bool
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
 
 
+FAULTS = "minor page faults per step"
 PHASES = ("forward", "backward", "  input gradients", "  per-sample norms", "  clipped sums",
           "  instantiated norms + sums", "noise and p.grad", "optimizer step")
 
@@ -98,6 +101,7 @@ def _interleaved_phases(w, methods: list[str], steps: int, acc: dict) -> dict:
     for i in range(steps + 1):
         for method, (model, opt, engine) in runs.items():
             acc.clear()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             loss = w.per_sample_loss(model)
             t1 = time.perf_counter()
@@ -117,8 +121,9 @@ def _interleaved_phases(w, methods: list[str], steps: int, acc: dict) -> dict:
             step = {"forward": t1 - t0, "backward": t2 - t1, "noise and p.grad": t3 - t2,
                     "optimizer step": t4 - t3, **acc, "total": t4 - t0}
             for key, value in step.items():
-                rows[method][key].append(value)
-    return {m: {k: statistics.median(v) * 1e3 for k, v in r.items()} for m, r in rows.items()}
+                rows[method][key].append(value * 1e3)
+            rows[method][FAULTS].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+    return {m: {k: statistics.median(v) for k, v in r.items()} for m, r in rows.items()}
 
 
 def render_phases(times: dict, markdown: bool) -> str:
@@ -129,9 +134,9 @@ def render_phases(times: dict, markdown: bool) -> str:
                   "|---|" + "---|" * len(methods)]
     else:
         lines.append(f"{'phase (ms per step)':<22}" + "".join(f"{m:>18}" for m in methods))
-    for phase in PHASES + ("total",):
+    for phase in PHASES + ("total", FAULTS):
         vals = [times[m].get(phase) for m in methods]
-        cells = ["-" if v is None else f"{v:.1f}" for v in vals]
+        cells = ["-" if v is None else f"{v:.0f}" if phase == FAULTS else f"{v:.1f}" for v in vals]
         lines.append(("| " + " | ".join([phase.strip() if not phase.startswith("  ") else "of which " + phase.strip()] + cells) + " |")
                      if markdown else f"{phase:<22}" + "".join(f"{c:>18}" for c in cells))
     return "\n".join(lines)

@@ -3,17 +3,17 @@
 Why: by default glibc serves blocks above a moving threshold (128 KiB up to 32 MiB) with
 fresh ``mmap`` pages and returns the top of its heap to the OS as soon as 2x that
 threshold is free. A training step frees and re-allocates the same large tensors every
-step, so every step page-faults them in again. On the GPT-2 of docs/performance.md that
-was about 6,700 minor page faults per non-private step and 30,000 per private step (the
-engine's short-lived per-sample tensors), several percent of the step time. PyTorch's
-CPU performance guide recommends swapping in jemalloc or tcmalloc for the same reason;
-this does the smallest equivalent with glibc's own ``mallopt``:
+step, so every step page-faults them in again, a private step (with the engine's
+short-lived per-sample tensors) several times more than a non-private one
+(``DPCLIP_MALLOC=default python benchmarks/profile_step.py --phases`` counts them).
+PyTorch's CPU performance guide recommends swapping in jemalloc or tcmalloc for the same
+reason; this does the smallest equivalent with glibc's own ``mallopt``:
 
     M_MMAP_MAX = 0            every block comes from the heap, where it is reused
     M_TRIM_THRESHOLD = 2 GiB  free memory returns to the OS only above 2 GiB
 
-Peak memory is unchanged (docs/performance.md measures it with this setting); resident
-memory stays at the peak until the process exits instead of shrinking between steps.
+Resident memory then stays at its peak until the process exits instead of shrinking
+between steps (docs/performance.md measures step memory with this setting).
 It is process-wide, so only entry points that own the process call it (the ``dpclip``
 command, the benchmarks); the library never does it behind a user's back. Set
 ``DPCLIP_MALLOC=default`` to keep glibc's defaults.
