@@ -5,7 +5,7 @@ benchmarks/profile_step.py --phases on this machine, then rewrites the block bet
 ``<!-- generated -->`` markers of docs/performance.md: the result tables, the goals of
 issue 8 checked against them (computed here, not typed), and the phase profile.
 
-    python benchmarks/performance_page.py                 # about 15 minutes on 2 vCPUs
+    python benchmarks/performance_page.py                 # about 12 minutes on 2 vCPUs
     python benchmarks/performance_page.py --json out.json # also keep the raw numbers
     python benchmarks/performance_page.py --render out.json   # re-render, no measuring
     python benchmarks/performance_page.py --smoke --page /tmp/p.md   # seconds (CI)
