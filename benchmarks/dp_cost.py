@@ -38,6 +38,7 @@ import copy
 import importlib.util
 import json
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -214,11 +215,21 @@ def time_methods(w: Workload, methods: list[str], repeats: int, warmup: int) -> 
     """Methods interleaved A B C A B C ... after warm-up: median seconds per step, and the
     ratio to non-private as the median over rounds of the same-round ratio, with its
     quartiles (how much the ratio moved from round to round)."""
-    times = time_rounds({m: make_step(m, w) for m in methods}, repeats, warmup)
+    faults: dict[str, list[int]] = {m: [] for m in methods}
+
+    def counted(method: str, step: Callable[[], None]) -> Callable[[], None]:
+        def run():
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            step()
+            faults[method].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        return run
+
+    times = time_rounds({m: counted(m, make_step(m, w)) for m in methods}, repeats, warmup)
     ratios = round_ratios(times, "non-private")
     out = {"median_s": {m: statistics.median(ts) for m, ts in times.items()},
            "ratio": {m: r[0] for m, r in ratios.items()},
-           "ratio_quartiles": {m: [r[1], r[2]] for m, r in ratios.items()}}
+           "ratio_quartiles": {m: [r[1], r[2]] for m, r in ratios.items()},
+           "page_faults": {m: statistics.median(f[warmup:]) for m, f in faults.items()}}
     if "opacus hooks" in times:
         out["ratio_to_opacus_hooks"] = {m: r[0] for m, r in round_ratios(times, "opacus hooks").items()}
     return out
@@ -401,6 +412,9 @@ def render(result: dict, markdown: bool) -> str:
                 widths = ([8] if hooks else []) + ([10, 8, 8] if mem else [])
                 lines.append(f"{m:<18}{t:>10.4f}{r:>8.2f}{q_text:>13}"
                              + "".join(f"{e:>{w}}" for e, w in zip(extra, widths)))
+        if wl.get("page_faults") and not markdown:
+            lines.append("minor page faults per step: " + ", ".join(
+                f"{m} {v:.0f}" for m, v in wl["page_faults"].items()))
     if result.get("scaling"):
         rows = result["scaling"]
         lines += ["", f"{'### ' if markdown else ''}GPT-2 scaling: DP step / non-private step "

@@ -5,8 +5,7 @@ benchmarks/dp_cost.py, next to the non-private step.
 step, median over interleaved steps: forward, backward (and inside it the layers' input
 gradients, the engine's ghost/eager per-sample norms, clipped sums, and the streamed
 instantiation of transient layers, which computes norms and sums together), noise and
-``p.grad``, optimizer; and the minor page faults of each step (``DPCLIP_MALLOC=default``
-shows glibc's default allocator, see dpclip/allocator.py). The timers wrap the engine's
+``p.grad``, optimizer; and the minor page faults of each step (see dpclip/allocator.py). The timers wrap the engine's
 functions from outside; nothing in the engine changes.
 
 default: torch.profiler, top operators by self CPU time. (Under the profiler an all-layer

@@ -4,8 +4,9 @@ Why: by default glibc serves blocks above a moving threshold (128 KiB up to 32 M
 fresh ``mmap`` pages and returns the top of its heap to the OS as soon as 2x that
 threshold is free. A training step frees and re-allocates the same large tensors every
 step, so every step page-faults them in again, a private step (with the engine's
-short-lived per-sample tensors) several times more than a non-private one
-(``DPCLIP_MALLOC=default python benchmarks/profile_step.py --phases`` counts them).
+short-lived per-sample tensors) up to three times as many as a non-private one
+(``python benchmarks/dp_cost.py --allocator glibc-default`` counts them: on the GPT-2 of
+docs/performance.md, 12,256 per non-private step and 39,330 per all-layer step).
 PyTorch's CPU performance guide recommends swapping in jemalloc or tcmalloc for the same
 reason; this does the smallest equivalent with glibc's own ``mallopt``:
 

@@ -25,6 +25,7 @@ def test_smoke_times_every_dpclip_method_on_every_workload(capsys):
     assert set(result["workloads"]) == {"gpt2", "cnn", "mlp"}
     for wl in result["workloads"].values():
         assert list(wl["ratio"]) == DPCLIP
+        assert set(wl["page_faults"]) == set(DPCLIP) and all(f >= 0 for f in wl["page_faults"].values())
         assert wl["ratio"]["non-private"] == 1.0 and all(r > 0 for r in wl["ratio"].values())
     out = capsys.readouterr().out
     assert "| dpclip param |" in out and "### GPT-2" in out
