@@ -21,15 +21,14 @@ times the Gram trick of ``_symmetric_ghost`` against the plain product, and the 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dpclip.allocator import keep_freed_memory  # noqa: E402
+from dpclip.bench import time_steps  # noqa: E402
 from dpclip.engine import norms  # noqa: E402
 from dpclip.engine.norms import Bilinear, choose_ghost, clipped_sum, param_norm_sq  # noqa: E402
 
@@ -38,15 +37,8 @@ MAX_FACTOR_FLOATS = 64 * 256 * 1024   # skip cells whose B·T·n factor is large
 
 
 def median_ms(fns: dict, repeats: int) -> dict[str, float]:
-    for f in fns.values():
-        f()
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    """Median milliseconds, interleaved after one warm-up round (dpclip.bench's timer)."""
+    return {k: v * 1e3 for k, v in time_steps(fns, repeats, warmup=1).items()}
 
 
 def rule_rows(batches, seqs, shapes, repeats: int) -> list[dict]:
