@@ -13,7 +13,10 @@ reason; this does the smallest equivalent with glibc's own ``mallopt``:
     M_MMAP_MAX = 0            every block comes from the heap, where it is reused
     M_TRIM_THRESHOLD = 2 GiB  free memory returns to the OS only above 2 GiB
 
-Resident memory then stays at its peak until the process exits instead of shrinking
+Known limit: in a small probe process (tests/test_allocator.py's, a 64 MiB tensor freed
+and re-allocated) the reuse held in only about half of the runs; the other half still
+faulted every page, for a reason not yet found. The GPT-2 benchmark runs all showed
+0–2 faults per step with the setting. Resident memory then stays at its peak until the process exits instead of shrinking
 between steps (docs/performance.md measures step memory with this setting).
 It is process-wide, so only entry points that own the process call it (the ``dpclip``
 command, the benchmarks); the library never does it behind a user's back. Set
