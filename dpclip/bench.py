@@ -80,7 +80,7 @@ def make_step(method: str, model, loss_fn, batch, size: int) -> Callable[[], Non
             opt.zero_grad(set_to_none=True)
         return step
     engine = DPEngine(model, {"grouping": method.removeprefix("dp ")}, noise_multiplier=1.0,
-                      expected_batch_size=size, seed=0)
+                      expected_batch_size=size)
 
     def dp_step():
         engine.backward(loss_fn(model, batch))

@@ -92,6 +92,8 @@ class PrivacyPlan:
         target_epsilon: calibrate the noise to this ε, or
         noise_multiplier: the total (joint) noise multiplier σ_eff — exactly one of the two.
         aux: an auxiliary statistic sharing the budget, if any.
+        seeded_randomness: noise and batches derived from the recipe's seed (statement warns).
+        not_covered: what the run releases outside ε (listed in the statement).
     """
 
     sample_rate: float
@@ -102,6 +104,8 @@ class PrivacyPlan:
     target_epsilon: float | None = None
     noise_multiplier: float | None = None
     aux: AuxSpec | None = None
+    seeded_randomness: bool = False
+    not_covered: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_sample_rate(self.sample_rate)
@@ -217,6 +221,8 @@ def solve(plan: PrivacyPlan) -> PlanResult:
         sampling=plan.sampling,
         releases=releases,
         fallback_reason=result.fallback_reason,
+        seeded_randomness=plan.seeded_randomness,
+        not_covered=list(plan.not_covered),
     )
     return PlanResult(
         split=split,

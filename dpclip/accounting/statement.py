@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # only for annotations; avoids an import cycle with ledger
 __all__ = [
     "SAMPLINGS",
     "SHUFFLE_CAVEAT",
+    "SEEDED_RANDOMNESS_WARNING",
     "GRADIENT_RELEASE",
     "PrivacyStatement",
     "statement_from_ledger",
@@ -34,6 +35,13 @@ SAMPLINGS = ("poisson", "shuffle")
 SHUFFLE_CAVEAT = (
     "accounting assumes Poisson sampling; the loader uses fixed-size shuffled batches, "
     "for which this ε is not a proven bound"
+)
+
+#: The statement's first line when noise and batches were derived from the recipe's seed.
+SEEDED_RANDOMNESS_WARNING = (
+    "WARNING: this guarantee does NOT hold against anyone who holds the recipe: noise and batches "
+    "were derived from its seed (privacy.unsafe_seeded_randomness), so the noise can be regenerated "
+    "and subtracted and every batch is known"
 )
 
 #: How the gradient release is described (clipping makes its sensitivity 1 in units of σ).
@@ -51,6 +59,10 @@ def _fmt(x: float | None, digits: int = 4) -> str:
 @dataclass
 class PrivacyStatement:
     """An (ε, δ) guarantee together with everything needed to interpret it.
+
+    ``seeded_randomness``: noise and batches came from the recipe's seed; the first line
+    then says the guarantee does not hold against anyone holding the recipe.
+    ``not_covered``: what else the run releases outside ε (exact diagnostics), one line each.
 
     ``accountant`` is the accountant that produced ``epsilon``; when it is "pld",
     ``epsilon_rdp`` holds the RDP value alongside (None otherwise). ``sampling`` is how
@@ -75,6 +87,8 @@ class PrivacyStatement:
     fallback_reason: str | None = None
     unit: str = "example-level"
     neighbouring: str = "add/remove one example"
+    seeded_randomness: bool = False
+    not_covered: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLINGS:
@@ -84,6 +98,7 @@ class PrivacyStatement:
             )
         self.releases = list(self.releases)
         self.caveats = list(self.caveats)
+        self.not_covered = list(self.not_covered)
         # Caveats are derived here, not left to callers, so none can be forgotten.
         if self.sampling == "shuffle" and SHUFFLE_CAVEAT not in self.caveats:
             self.caveats.insert(0, SHUFFLE_CAVEAT)
@@ -96,7 +111,8 @@ class PrivacyStatement:
 
     def lines(self) -> list[str]:
         """Human-readable statement, one fact per line."""
-        out = [
+        out = [SEEDED_RANDOMNESS_WARNING] if self.seeded_randomness else []
+        out += [
             f"ε = {_fmt(self.epsilon)} at δ = {self.delta:g}",
             f"privacy unit: {self.unit}; neighbouring data sets: {self.neighbouring}",
             f"accountant: {self.accountant.upper()}: {self.conversion}",
@@ -112,8 +128,13 @@ class PrivacyStatement:
             out.append(f"auxiliary statistic noise std: {_fmt(self.sigma_aux, 6)}")
         for release in self.releases:
             out.append(f"release sharing the budget: {release}")
+        randomness = ("derived from the recipe's seed (reproducible, NOT secret)" if self.seeded_randomness
+                      else "generators' whole state from OS entropy, independent of the recipe's seed")
+        out.append(f"noise and batch sampling: {randomness}")
         for caveat in self.caveats:
             out.append(f"CAVEAT: {caveat}")
+        for item in self.not_covered:
+            out.append(f"not covered by ε: {item}")
         return out
 
     def __str__(self) -> str:
@@ -139,7 +160,8 @@ def _gaussian_parameters(event: dp_accounting.DpEvent) -> tuple[float, float] | 
     return None
 
 
-def statement_from_ledger(ledger: "Ledger", sampling: str = "poisson") -> PrivacyStatement:
+def statement_from_ledger(ledger: "Ledger", sampling: str = "poisson", *, seeded_randomness: bool = False,
+                          not_covered: list[str] | tuple[str, ...] = ()) -> PrivacyStatement:
     """The statement for what a run's ledger has spent (``dpclip account RUN_DIR``).
 
     Sample rate and noise multipliers are reported when every entry has the same ones;
@@ -181,5 +203,7 @@ def statement_from_ledger(ledger: "Ledger", sampling: str = "poisson") -> Privac
         releases=releases or [GRADIENT_RELEASE],
         caveats=caveats,
         fallback_reason=result.fallback_reason,
+        seeded_randomness=seeded_randomness,
+        not_covered=list(not_covered),
     )
 

@@ -2,7 +2,10 @@
 
 Shadow models are trained from the run's own recipe, each on a random half of the
 pool (the run's members + non-members), so that every example is "in" for half of the
-shadows and "out" for the other half. For each example, the logit-scaled confidences
+shadows and "out" for the other half. A shadow imitates the target's training as
+released, not as planned for its own data size: the target's sample rate q (up to the
+integer rounding of its expected batch), number of steps and noise multiplier σ, read
+from the run's meta.json (``shadow_plan``). For each example, the logit-scaled confidences
 φ of the shadows that trained on it and of those that did not are fitted with two
 Gaussians N(μ_in, σ_in²) and N(μ_out, σ_out²). The target model's φ is then scored by
 
@@ -14,8 +17,9 @@ Means are always per example. Variances are per example only with at least
 pooled over all examples is used, as the paper recommends for small shadow counts.
 
 Shadow runs live in ``RUN/audit/shadows/shadow_NNN/`` (ordinary run directories; the
-split of each is in ``RUN/audit/shadows/keep.json``); a finished shadow is reused and a
-partly trained one resumed, so an interrupted audit picks up where it stopped.
+split of each, the target's plan and each shadow's plan are in
+``RUN/audit/shadows/keep.json``); a finished shadow is reused and a partly trained one
+resumed, so an interrupted audit picks up where it stopped.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from dpclip.errors import DpclipError
 
 PER_EXAMPLE_VARIANCE_MIN = 32
 KEEP_FILE = "keep.json"
+# What a shadow takes over from the target's meta.json "plan" (σ split as in the target).
+IMITATED = ("sample_rate", "steps", "sigma_total", "sigma_gradient", "sigma_aux")
 
 
 def shadow_keep(num_shadows: int, pool_size: int, seed: int) -> np.ndarray:
@@ -54,30 +60,86 @@ def shadow_data(pool, keep: np.ndarray):
                    test_indices=test_idx, fingerprint=split_fingerprint(train_idx, test_idx))
 
 
-def shadow_recipe(recipe, index: int):
-    """The run's recipe for shadow ``index``: its own seed (init, sampling, noise), no canaries."""
+def target_plan(run_dir: Path) -> dict[str, Any]:
+    """What the target run released per step and for how long, from its meta.json."""
+    meta = json.loads((Path(run_dir) / "meta.json").read_text(encoding="utf-8"))
+    return {key: meta["plan"][key] for key in IMITATED}
+
+
+def shadow_plan(target: dict[str, Any], num_train: int) -> dict[str, Any]:
+    """How a shadow with ``num_train`` examples imitates ``target`` (a ``target_plan``).
+
+    Re-planning the recipe for the shadow's own N' would give q' = B/N', as many steps as
+    its epochs make at that rate and, with privacy.epsilon set, a σ calibrated for both:
+    a different mechanism from the target's, and so a weaker attack. Instead the expected
+    batch is round(q·N'), the closest an integer batch gets to q (|q' − q| ≤ 1/(2N')),
+    and steps and σ are the target's.
+    """
+    batch = min(max(round(target["sample_rate"] * num_train), 1), num_train)
+    return {"num_train": num_train, "batch_size": batch, "sample_rate": batch / num_train,
+            "steps": target["steps"], "sigma_total": target["sigma_total"]}
+
+
+def shadow_recipe(recipe, index: int, plan: dict[str, Any]):
+    """The run's recipe for shadow ``index`` with ``plan`` (a ``shadow_plan``): its own seed,
+    no canaries.
+
+    ``privacy.epsilon`` is dropped: σ is given, so nothing is calibrated, and a shadow is
+    the attacker's own model, which no budget cap should stop short of the target's steps.
+    σ is the total noise multiplier, which training splits between the gradient and any
+    threshold statistic exactly as it did for the target (the same recipe, model and σ).
+    """
     from dpclip.recipe.schema import Audit
 
+    # model_copy on the loaded sections keeps every other field as the run had it, whatever
+    # fields the schema has by now.
+    training = recipe.training.model_copy(update={"epochs": None, "steps": plan["steps"],
+                                                  "batch_size": plan["batch_size"]})
+    privacy = recipe.privacy.model_copy(update={"epsilon": None, "noise_multiplier": plan["sigma_total"]})
     return recipe.model_copy(update={"name": f"shadow-{index:03d}", "seed": recipe.seed + 1 + index,
-                                     "audit": Audit()})
+                                     "audit": Audit(), "training": training, "privacy": privacy})
 
 
-def _load_or_make_keep(folder: Path, num_shadows: int, pool_size: int, seed: int) -> np.ndarray:
+def _load_or_make_keep(folder: Path, num_shadows: int, pool_size: int, seed: int,
+                       target: dict[str, Any]) -> tuple[np.ndarray, list[dict[str, Any]]]:
     path = folder / KEEP_FILE
     if path.exists():
         stored = json.loads(path.read_text(encoding="utf-8"))
         keep = np.asarray(stored["keep"], dtype=bool)
+        if "imitates" not in stored:
+            raise DpclipError(f"{folder} holds shadow models trained before shadows imitated the target: each was "
+                              "planned for its own data size (another sample rate, number of steps and noise "
+                              "multiplier), which makes LiRA weaker than it should be",
+                              f"delete {folder} and run the audit again to train shadows that imitate the target")
+        if stored["imitates"] != target:
+            raise DpclipError(f"the shadow models in {folder} imitate {stored['imitates']}, but the run's plan "
+                              f"is now {target}", f"delete {folder} and run the audit again")
         if keep.shape != (num_shadows, pool_size):
             raise DpclipError(f"{folder} holds {keep.shape[0]} shadow models over {keep.shape[1]} examples, "
                               f"not {num_shadows} over {pool_size}",
                               f"pass --shadows {keep.shape[0]} to reuse them, or delete {folder} to start over")
-        return keep
+        return keep, stored["shadows"]
     from dpclip.train.files import write_json_atomic
 
     keep = shadow_keep(num_shadows, pool_size, seed)
+    plans = [shadow_plan(target, int(row.sum())) for row in keep]
     folder.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, {"seed": seed, "keep": keep.astype(int).tolist()})
-    return keep
+    write_json_atomic(path, {"seed": seed, "imitates": target, "shadows": plans, "keep": keep.astype(int).tolist()})
+    return keep, plans
+
+
+def _check_trained_as_planned(shadow_dir: Path, plan: dict[str, Any]) -> None:
+    """A shadow found on disk must have been trained with ``plan`` (it may predate keep.json)."""
+    trained = realised_plan(shadow_dir)
+    if any(trained[key] != plan[key] for key in ("num_train", "sample_rate", "steps", "sigma_total")):
+        raise DpclipError(f"{shadow_dir} was trained with {trained}, not with the plan in its {KEEP_FILE} ({plan})",
+                          f"delete {shadow_dir.parent} and run the audit again")
+
+
+def realised_plan(shadow_dir: Path) -> dict[str, Any]:
+    """What a shadow run planned and released (from its meta.json), for the audit report."""
+    plan = json.loads((Path(shadow_dir) / "meta.json").read_text(encoding="utf-8"))["plan"]
+    return {key: plan[key] for key in ("num_train", *IMITATED)}
 
 
 def train_shadows(run_dir: Path, recipe, pool, num_shadows: int, seed: int,
@@ -89,11 +151,13 @@ def train_shadows(run_dir: Path, recipe, pool, num_shadows: int, seed: int,
     from dpclip.train.workflow import train
 
     folder = Path(run_dir) / "audit" / "shadows"
-    keep = _load_or_make_keep(folder, num_shadows, pool.size, seed)
+    keep, plans = _load_or_make_keep(folder, num_shadows, pool.size, seed, target_plan(run_dir))
     dirs = []
     for index in range(num_shadows):
         shadow_dir = folder / f"shadow_{index:03d}"
         dirs.append(shadow_dir)
+        if (shadow_dir / "meta.json").exists():
+            _check_trained_as_planned(shadow_dir, plans[index])
         summary = shadow_dir / "summary.json"
         if summary.exists() and json.loads(summary.read_text())["stopped"] == "completed":
             continue
@@ -102,7 +166,7 @@ def train_shadows(run_dir: Path, recipe, pool, num_shadows: int, seed: int,
         if (shadow_dir / "recipe.yaml").exists():
             train(resume=shadow_dir, data=data, observer=observer)
         else:
-            train(shadow_recipe(recipe, index), data=data, run_dir=shadow_dir, observer=observer)
+            train(shadow_recipe(recipe, index, plans[index]), data=data, run_dir=shadow_dir, observer=observer)
     return keep, dirs
 
 

@@ -77,11 +77,31 @@ def build_pool(run_dir: Path, recipe) -> Pool:
     return Pool(data, tensors, is_member, attacked)
 
 
-def _ledger_at(state: dict) -> tuple[float, float]:
+def _ledger_at(run_dir: Path, recipe, checkpoint: Path, state: dict) -> tuple[float, float]:
+    """(ε, δ) of the checkpoint's ledger, after checking it is this run's ledger at its step."""
     from dpclip.accounting import Ledger
+    from dpclip.train.workflow import check_ledger, planned_step
 
     ledger = Ledger.from_dict(state["ledger"])
+    step_event, _ = planned_step(run_dir, recipe)
+    check_ledger(ledger, step_event, int(state["step"]), where=checkpoint / "state.json")
     return (ledger.epsilon() if ledger.steps else 0.0), ledger.delta
+
+
+def _charge_search(run_dir: Path, report: dict[str, Any]) -> None:
+    """A run selected by a tuning search costs what the whole search spent: set that ε beside
+    the measured leakage, not the run's own (smaller) one."""
+    from dpclip.tuning.search import read_search, search_of_run
+
+    search_dir = search_of_run(run_dir)
+    if search_dir is None:
+        return
+    search = read_search(search_dir)
+    report["ledger"]["epsilon_this_run_alone"] = report["ledger"]["epsilon"]
+    report["ledger"]["epsilon"] = search.ledger.epsilon()
+    report["ledger"]["search_dir"] = str(search_dir)
+    report["notes"].append(f"this run was selected by the tuning search {search_dir}: its ε is the search's "
+                           f"({search.ledger.epsilon():.4g}); the run's own ledger alone understates it")
 
 
 def _one_run(run_dir: Path, recipe, pool: Pool, model, loss_fn, delta: float, confidence: float) -> dict:
@@ -121,13 +141,14 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
     pool = build_pool(run_dir, recipe)
     model, loss_fn = build_model(recipe.model, pool.data, seed=recipe.seed)
     state = load_checkpoint(checkpoint, model)
-    epsilon, delta = _ledger_at(state)
+    epsilon, delta = _ledger_at(run_dir, recipe, checkpoint, state)
 
     report: dict[str, Any] = {
         "run_dir": str(run_dir), "checkpoint": checkpoint.name, "step": int(state["step"]),
         "ledger": {"epsilon": epsilon, "delta": delta},
         "created": datetime.now().isoformat(timespec="seconds"), "attacks": {}, "notes": [],
     }
+    _charge_search(run_dir, report)
     outputs = model_outputs(model, loss_fn, pool.tensors, pool.data.task)
     attacked = pool.attacked
     members = pool.is_member[attacked]
@@ -140,8 +161,14 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
         elif name == "logistic":
             report["attacks"]["logistic"] = logistic_attack(scored, members, bootstrap=bootstrap, seed=seed)
         elif name == "lira":
-            report["attacks"].update(_lira(run_dir, recipe, pool, outputs.confidence, shadows, seed, bootstrap,
-                                           shadow_observer))
+            attacks_lira, report["lira_shadows"] = _lira(run_dir, recipe, pool, outputs.confidence, shadows, seed,
+                                                         bootstrap, shadow_observer)
+            report["attacks"].update(attacks_lira)
+            trained_steps = report["lira_shadows"]["target"]["steps"]
+            if report["step"] != trained_steps:
+                report["notes"].append(f"the shadow models imitate the whole run ({trained_steps} steps), but the "
+                                       f"audited checkpoint is at step {report['step']}: LiRA compares it with "
+                                       "models trained longer than it was")
         elif name == "one-run":
             report["one_run"] = _one_run(run_dir, recipe, pool, model, loss_fn, delta, confidence)
     small = [r["non_members"] for r in report["attacks"].values() if r["non_members"] < 1000]
@@ -149,7 +176,7 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
         report["notes"].append(f"only {min(small)} non-members are scored: an FPR below 1/{min(small)} cannot be "
                                "measured, so 'TPR at 0.1% FPR' is the TPR at FPR = 0 (a conservative reading)")
     if "one_run" in report:
-        report["flagged"] = report["one_run"]["epsilon_lower_bound"] > epsilon
+        report["flagged"] = report["one_run"]["epsilon_lower_bound"] > report["ledger"]["epsilon"]
         if report["flagged"]:
             report["notes"].append("the empirical ε lower bound exceeds the ledger's ε: the run leaks more "
                                    "than its accounting allows (a privacy bug, or a wrong ledger)")
@@ -166,8 +193,9 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
 
 
 def _lira(run_dir, recipe, pool: Pool, target_confidence, shadows: int, seed: int, bootstrap: int,
-          observer_for) -> dict:
-    from dpclip.audit.lira import lira_scores, shadow_confidences, train_shadows
+          observer_for) -> tuple[dict, dict]:
+    """(the two LiRA results, what the shadows imitated and what each one actually trained with)."""
+    from dpclip.audit.lira import lira_scores, realised_plan, shadow_confidences, target_plan, train_shadows
     from dpclip.audit.metrics import attack_metrics
 
     if shadows < 1:
@@ -180,7 +208,8 @@ def _lira(run_dir, recipe, pool: Pool, target_confidence, shadows: int, seed: in
         result = attack_metrics(pool.is_member[attacked], values[attacked], bootstrap=bootstrap, seed=seed)
         result["shadows"] = shadows
         out[f"lira-{variant}"] = result
-    return out
+    imitation = {"target": target_plan(run_dir), "shadows": [realised_plan(d) for d in dirs]}
+    return out, imitation
 
 
 def summary_rows(report: dict) -> list[dict]:

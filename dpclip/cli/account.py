@@ -68,15 +68,7 @@ def account(
 
     accountant_name = accountant.value
     if target is not None and target.is_dir():
-        from dpclip.train.workflow import spent
-
-        ledger, statement = spent(target)
-        if as_json:
-            print_json({"source": str(target), "ledger": ledger.to_dict(), "statement": statement.to_dict()})
-        else:
-            console.print(f"[bold]run {target}[/]: {ledger.steps} steps recorded")
-            for line in statement.lines():
-                console.print(f"  {line}", soft_wrap=True)
+        _account_directory(target, as_json)
         return
     if target is not None:
         flags = {"--eps": eps, "--delta": delta, "--sigma": sigma, "--sample-rate": sample_rate, "--steps": steps,
@@ -129,6 +121,60 @@ def account(
         print_json(_as_dict(plan, result, accountant_name, title, bins))
     else:
         _render(plan, result, accountant_name, title, bins)
+
+
+def _account_directory(target: Path, as_json: bool) -> None:
+    """What a run directory, or a search directory of `tune-cost --run`, has spent."""
+    from dpclip.train.workflow import spent
+    from dpclip.tuning.search import is_search_dir, read_search, search_of_run
+
+    if is_search_dir(target):
+        search = read_search(target)
+        if as_json:
+            print_json({"source": str(target), "kind": "search", "ledger": search.ledger.to_dict(),
+                        "statement": search.statement.to_dict(), "selected_run": _selected(search)})
+            return
+        console.print(f"[bold]search {target}[/]: repeat-and-select; selected run: {_selected(search) or 'none'}",
+                      soft_wrap=True)
+        for line in search.statement.lines():
+            console.print(f"  {line}", soft_wrap=True)
+        return
+    # A run selected by a search costs what the search spent: its own ledger covers its
+    # training alone, not the other trials nor the selection.
+    search_dir = search_of_run(target)
+    ledger, statement = spent(target)
+    if search_dir is None:
+        if as_json:
+            print_json({"source": str(target), "ledger": ledger.to_dict(), "statement": statement.to_dict()})
+        else:
+            console.print(f"[bold]run {target}[/]: {ledger.steps} steps recorded")
+            for line in statement.lines():
+                console.print(f"  {line}", soft_wrap=True)
+        return
+    search = read_search(search_dir)
+    if search.selected_run is None or search.selected_run != target.resolve():
+        from dpclip.errors import DpclipError
+
+        raise DpclipError(f"{target} points to the search {search_dir}, which did not select it",
+                          "the run directory or the search directory was modified: restore them; a trial that "
+                          "was not selected is not a release")
+    selected_by = {"search_dir": str(search_dir), "epsilon": search.statement.epsilon,
+                   "delta": search.statement.delta, "run_epsilon_alone": statement.epsilon}
+    if as_json:
+        print_json({"source": str(target), "kind": "selected run", "ledger": search.ledger.to_dict(),
+                    "statement": search.statement.to_dict(), "selected_by_search": selected_by,
+                    "run_ledger": ledger.to_dict(), "run_statement": statement.to_dict()})
+        return
+    console.print(f"[bold]run {target}[/]: selected by the search {search_dir}; publishing it costs the "
+                  f"search's ε = {fmt(search.statement.epsilon)} at δ = {search.statement.delta:g}", soft_wrap=True)
+    for line in search.statement.lines():
+        console.print(f"  {line}", soft_wrap=True)
+    console.print(f"  this run's own ledger ({ledger.steps} steps, ε = {fmt(statement.epsilon)}) understates what "
+                  "was spent: it leaves out the other trials and the selection", soft_wrap=True)
+
+
+def _selected(search) -> str | None:
+    return None if search.selected_run is None else str(search.selected_run)
 
 
 def _as_dict(plan, result, accountant: str, title: str | None, bins: int | None = None) -> dict:

@@ -43,6 +43,13 @@ class RichObserver:
             table.add_row("σ statistic", fmt(info["sigma_aux"]))
         table.add_row("planned ε", f"{fmt(info['planned_epsilon'])} at δ = {info['delta']:g} ({info['accountant']})")
         console.print(table)
+        if info.get("seeded_randomness"):
+            from dpclip.accounting.statement import SEEDED_RANDOMNESS_WARNING
+
+            console.print(f"[bold red]{SEEDED_RANDOMNESS_WARNING}[/]", soft_wrap=True)
+        if info.get("exact_diagnostics"):
+            console.print("loss, clip % and eval figures below are computed without noise from private data: "
+                          "not covered by ε (privacy.exact_diagnostics: false turns them off)", soft_wrap=True)
         if info["dry_run"]:
             return
         self.progress = Progress(
@@ -57,11 +64,12 @@ class RichObserver:
             return
         if record["epsilon"] is not None:
             self.epsilon = record["epsilon"]
-        diag = record["diagnostics"]
-        clip = diag["clip_fraction"]
-        clip_text = "n/a" if clip is None else f"{100 * sum(clip) / max(len(clip), 1):.0f}%"
-        status = (f"loss {diag['train_loss']:.3f} ε {fmt(self.epsilon, 3)} C {_short(record['thresholds'], 1)}"
-                  f" clip {clip_text}")
+        status = f"ε {fmt(self.epsilon, 3)} C {_short(record['thresholds'], 1)}"
+        diag = record.get("diagnostics")
+        if diag is not None:
+            clip = diag["clip_fraction"]
+            clip_text = "n/a" if clip is None else f"{100 * sum(clip) / max(len(clip), 1):.0f}%"
+            status = f"loss {diag['train_loss']:.3f} {status} clip {clip_text}"
         self.progress.update(self.task, completed=record["step"], status=status)
 
     def on_eval(self, record):
@@ -81,7 +89,7 @@ def _summary(result) -> None:
     table.add_row("ε spent", f"{fmt(result.epsilon)} at δ = {result.delta:g}")
     table.add_row("ε (RDP)", fmt(result.epsilon_rdp))
     for key, value in result.final_eval.items():
-        table.add_row(f"test {key}", fmt(value))
+        table.add_row(f"test {key} (not covered by ε)", fmt(value))
     table.add_row("run directory", str(result.run_dir))
     console.print(table)
     console.print("[bold]statement[/]")

@@ -206,6 +206,11 @@ def _render(report) -> None:
 
     if report.search is not None:
         search = report.search
-        console.print(f"[bold]search[/] {search['search_dir']}: {search['trials']} trials, "
+        console.print(f"[bold]search[/] {search['search_dir']} ({search['stopped']}): "
                       f"ε = {fmt(search['epsilon'])} at δ = {search['delta']:g} ({search['accountant']}); "
                       f"selected: {search['selected_run'] or 'none'}", soft_wrap=True)
+        if search["selected_run"]:
+            console.print(f"  released: the selected run ({search['selected_configuration']}) and its score "
+                          f"{fmt(search['selected_score'])}; `dpclip account` on it reports the search's ε",
+                          soft_wrap=True)
+        console.print(f"  not released: {search['not_released']}", soft_wrap=True)

@@ -4,7 +4,7 @@ The training workflow needs only::
 
     from dpclip.data import load_data, PoissonSampler, ShuffleSampler, micro_batches, select
     data = load_data(recipe.data, seed=recipe.seed)          # PrivateData
-    for indices in PoissonSampler(data.num_train, q, steps, seed=recipe.seed):
+    for indices in PoissonSampler(data.num_train, q, steps):   # batches from OS entropy
         for chunk in micro_batches(indices, micro_batch_size):
             batch = select(data.train, chunk)
 
@@ -28,7 +28,6 @@ _EXPORTS = {
     "select": "dpclip.data.dataset",
     "PoissonSampler": "dpclip.data.sampler",
     "ShuffleSampler": "dpclip.data.sampler",
-    "derived_seed": "dpclip.data.sampler",
     "micro_batches": "dpclip.data.sampler",
     "training_set_size": "dpclip.data.size",
     "split_fingerprint": "dpclip.data.split",

@@ -72,7 +72,7 @@ def canary_seed(config, recipe_seed: int) -> int:
     """The seed of the canaries: ``config.seed`` if given, else one derived from the recipe seed."""
     if getattr(config, "seed", None) is not None:
         return int(config.seed)
-    from dpclip.data.sampler import derived_seed
+    from dpclip.rng import derived_seed
 
     return derived_seed(recipe_seed, "canaries")
 

@@ -10,35 +10,21 @@ Both are resumable: ``state_dict()`` holds the step counter and the random gener
 state, and a sampler restored from it draws exactly the batches an uninterrupted one
 would have drawn.
 
-Seeds: the recipe seed drives the split, the model init, the sampler and the noise. To
-keep those random streams independent, a sampler does not use the seed directly but a
-number derived from (seed, sampler kind). ``seed=None`` seeds from OS entropy, for runs
-where the batches must not be reproducible by anyone who knows the recipe.
+Randomness: which examples are in a batch is private (the accountant's amplification by
+subsampling assumes nobody knows it). ``seed=None``, the default, fills the generator's
+whole state from OS entropy; an int seed makes the batches reproducible by anyone who
+knows it (tests and the recipe's ``privacy.unsafe_seeded_randomness`` only). See
+:mod:`dpclip.rng`.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 
 import torch
 
 from dpclip.errors import DpclipError
-
-
-def derived_seed(seed: int, purpose: str) -> int:
-    """A 63-bit seed for one purpose ("poisson-sampler", "model-init", ...) from the recipe seed."""
-    digest = hashlib.sha256(f"dpclip:{purpose}:{seed}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def _generator(seed: int | None, purpose: str) -> torch.Generator:
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()  # OS entropy
-    else:
-        generator.manual_seed(derived_seed(seed, purpose))
-    return generator
+from dpclip.rng import private_generator
 
 
 class PoissonSampler:
@@ -51,7 +37,7 @@ class PoissonSampler:
 
     purpose = "poisson-sampler"
 
-    def __init__(self, num_examples: int, sample_rate: float, steps: int, seed: int | None):
+    def __init__(self, num_examples: int, sample_rate: float, steps: int, seed: int | None = None):
         if num_examples < 1:
             raise DpclipError(f"cannot sample from {num_examples} examples", "the training set is empty")
         if not 0 < sample_rate <= 1:
@@ -61,7 +47,7 @@ class PoissonSampler:
         self.sample_rate = sample_rate
         self.steps = steps
         self.step = 0
-        self.generator = _generator(seed, self.purpose)
+        self.generator = private_generator(seed, self.purpose)
 
     def __len__(self) -> int:
         return self.steps
@@ -70,7 +56,10 @@ class PoissonSampler:
         while self.step < self.steps:
             # One uniform draw per example per step, whether or not it is included:
             # that keeps the generator's position a function of the step count alone.
-            included = torch.rand(self.num_examples, generator=self.generator) < self.sample_rate
+            # float64: a float32 uniform lives on a 2⁻²⁴ grid, so `< q` would include with
+            # probability ⌈q·2²⁴⌉/2²⁴ (19% above q at q = 3e-7); float64's grid is 2⁻⁵³.
+            included = torch.rand(self.num_examples, generator=self.generator, dtype=torch.float64) \
+                < self.sample_rate
             self.step += 1
             yield included.nonzero().squeeze(1)
 
@@ -95,7 +84,7 @@ class ShuffleSampler:
 
     purpose = "shuffle-sampler"
 
-    def __init__(self, num_examples: int, batch_size: int, steps: int, seed: int | None):
+    def __init__(self, num_examples: int, batch_size: int, steps: int, seed: int | None = None):
         if num_examples < 1:
             raise DpclipError(f"cannot sample from {num_examples} examples", "the training set is empty")
         if not 1 <= batch_size <= num_examples:
@@ -105,7 +94,7 @@ class ShuffleSampler:
         self.batch_size = batch_size
         self.steps = steps
         self.step = 0
-        self.generator = _generator(seed, self.purpose)
+        self.generator = private_generator(seed, self.purpose)
         self.permutation = torch.randperm(num_examples, generator=self.generator)
         self.position = 0  # next unused entry of the current epoch's permutation
 

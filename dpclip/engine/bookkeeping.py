@@ -197,6 +197,14 @@ class Bookkeeper:
                 raise EngineError(
                     f"module {name} ({type(module).__name__}) tracks running statistics "
                     "of the private data, released with the model", "set track_running_stats=False")
+            if (isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+                    and module.max_norm is not None):
+                # Checked for frozen tables too: the renormalisation writes the weight anyway.
+                raise EngineError(
+                    f"module {name or '<root>'} ({type(module).__name__}) has max_norm="
+                    f"{module.max_norm}: its forward renormalises the looked-up rows in place, "
+                    "so the weights reveal which tokens were in the private batch",
+                    "set max_norm=None (clip the gradient instead)")
             if isinstance(module, nn.MultiheadAttention):
                 raise EngineError(
                     f"module {name} (nn.MultiheadAttention) reads its out_proj weights "

@@ -3,6 +3,9 @@
 The clipped per-sample gradient of group k is c_{i,k}·g_{i,k}. Both functions keep
 ||c·g|| ≤ C_k (abadi) or < C_k (auto), so the clipped sum over K groups has L2
 sensitivity sqrt(Σ_k C_k²) (REFERENCE §A).
+
+Both give c = 0 for ||g|| = +inf; the engine passes every non-finite norm (NaN too) as
++inf and zeroes that sample's per-sample gradient before summing (0·inf would be NaN).
 """
 
 from __future__ import annotations
@@ -18,14 +21,14 @@ ClipFn = Callable[[Tensor, Tensor], Tensor]
 
 
 def abadi(norms: Tensor, thresholds: Tensor) -> Tensor:
-    """c = min(1, C/||g||), and 1 when ||g|| = 0 (Abadi et al. 2016; DESIGN §3.2)."""
+    """c = min(1, C/||g||): 1 when ||g|| = 0, 0 when ||g|| = +inf (Abadi et al. 2016; DESIGN §3.2)."""
     # C / max(||g||, tiny) is huge for a zero norm, so the min gives 1 without a branch.
     tiny = torch.finfo(norms.dtype).tiny
     return (thresholds / norms.clamp_min(tiny)).clamp(max=1.0)
 
 
 def auto(norms: Tensor, thresholds: Tensor, gamma: float = 0.01) -> Tensor:
-    """c = C/(||g|| + γ) (AUTO-S, Bu et al.; groupwise-clipping paper eq. (4))."""
+    """c = C/(||g|| + γ), 0 when ||g|| = +inf (AUTO-S, Bu et al.; groupwise-clipping paper eq. (4))."""
     return thresholds / (norms + gamma)
 
 

@@ -64,9 +64,11 @@ def histogram_counts(norms: Tensor, range_: float, bins: int) -> Tensor:
     """Counts H[j] of the norms in ``bins`` equal bins over [0, R); a norm ≥ R goes to the last bin.
 
     bin(i) = min(b − 1, floor(b · n_i / R))   (Wei et al. Algorithm 2; the paper's "max" is a typo:
-    with max every norm would land in the last bin).
+    with max every norm would land in the last bin). A non-finite norm (the engine passes
+    it as +inf; NaN too) is an overflow: one count in the last bin, sensitivity unchanged.
     """
-    index = torch.floor(norms.to(torch.float64) * bins / range_).clamp(min=0, max=bins - 1).long()
+    norms = torch.nan_to_num(norms.to(torch.float64), nan=math.inf)
+    index = torch.floor(norms * bins / range_).clamp(min=0, max=bins - 1).long()
     return torch.bincount(index, minlength=bins).to(torch.float64)
 
 

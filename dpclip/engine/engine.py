@@ -18,6 +18,7 @@ release memory earlier).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import dp_accounting
@@ -32,7 +33,7 @@ from dpclip.engine.groups import Groups, build_groups, trainable_params
 from dpclip.engine.noise import (NoiseSource, allocation_weights, effective_noise_multiplier,
                                  noise_stds)
 from dpclip.engine.norms import (NORM_METHODS, Use, clipped_sum, param_norm_sq, sqrt_or_zero,
-                                 streamable, streamed_clip)
+                                 streamable, streamed_clip, zero_samples)
 from dpclip.engine.thresholds import AuxRelease, PolicyContext, build_policy
 from dpclip.errors import EngineError
 
@@ -53,8 +54,11 @@ QUANTILES = {"min": 0.0, "median": 0.5, "p90": 0.9, "max": 1.0}
 class StepReport:
     """What one ``privatize()`` did. Tensors have one entry per group.
 
-    ``norm_quantiles`` and ``clip_fraction`` are computed from the private batch WITHOUT
-    noise: they are diagnostics for the caller's own logs, not releasable statistics.
+    ``norm_quantiles``, ``clip_fraction`` and ``nonfinite`` are computed from the private
+    batch WITHOUT noise: they are diagnostics for the caller's own logs, not releasable
+    statistics (not covered by ε). ``nonfinite`` counts, per group, the samples whose group
+    norm was inf or NaN: they contributed exactly zero to that group's sum and count as
+    clipped; ``norm_quantiles`` are over the finite norms only.
     ``noise_std_sum`` is the std of the Gaussian added to group k's *summed* clipped
     gradient; ``noise_std_grad`` = noise_std_sum / expected_batch_size is its std in
     ``p.grad``. ``samples_seen`` is for logs only: the engine never normalises by it.
@@ -64,6 +68,7 @@ class StepReport:
     thresholds: Tensor
     norm_quantiles: dict[str, Tensor]
     clip_fraction: Tensor | None
+    nonfinite: Tensor
     noise_std_sum: Tensor
     noise_std_grad: Tensor
     sigma_gradient: float
@@ -83,6 +88,7 @@ class StepReport:
             "thresholds": lst(self.thresholds),
             "norm_quantiles": {k: lst(v) for k, v in self.norm_quantiles.items()},
             "clip_fraction": lst(self.clip_fraction),
+            "nonfinite": lst(self.nonfinite),
             "noise_std_sum": lst(self.noise_std_sum),
             "noise_std_grad": lst(self.noise_std_grad),
             "sigma_gradient": self.sigma_gradient,
@@ -103,14 +109,15 @@ class DPEngine:
             :data:`DEFAULT_CLIPPING`.
         noise_multiplier: σ_g, the gradient's noise multiplier (std / sensitivity).
         expected_batch_size: B; ``p.grad`` is divided by it, never by the realised size.
-        seed: seeds the noise generator (ignored when ``secure``).
+        seed: None (default): the noise generator's whole state comes from OS entropy.
+            An int makes the noise reproducible, and so removable by anyone who knows
+            the seed: for tests and experiments only (:mod:`dpclip.rng`).
         sample_rate: Poisson rate q; the report's DpEvent is then Poisson-subsampled.
-        secure: seed the noise from OS entropy instead of ``seed``.
     """
 
     def __init__(self, model: nn.Module, clipping: dict | None = None, *,
-                 noise_multiplier: float = 1.0, expected_batch_size: int, seed: int = 0,
-                 sample_rate: float | None = None, secure: bool = False):
+                 noise_multiplier: float = 1.0, expected_batch_size: int, seed: int | None = None,
+                 sample_rate: float | None = None):
         cfg = dict(DEFAULT_CLIPPING)
         unknown = set(clipping or {}) - set(DEFAULT_CLIPPING)
         if unknown:
@@ -148,7 +155,9 @@ class DPEngine:
             self.noise_multiplier, first.device, self._norm_dtype))
         self._sizes = torch.tensor(self.groups.sizes, device=first.device, dtype=self._norm_dtype)
         allocation_weights(cfg["noise_allocation"], self.policy.thresholds(), self._sizes)
-        self.noise = NoiseSource(seed, secure)
+        self.noise = NoiseSource(seed)
+        for device in {p.device for p in self._params}:  # made now, so that a step-0 checkpoint holds them
+            self.noise.generator(device)
 
         self._keeper = Bookkeeper(model, {id(p): i for i, p in enumerate(self._params)},
                                   strict=bool(cfg["strict"]))
@@ -197,6 +206,7 @@ class DPEngine:
         self._sums: list[Tensor | None] = [None] * len(self._params)
         self._norms: list[Tensor] = []
         self._clipped = torch.zeros(len(self.groups), device=self._device, dtype=self._norm_dtype)
+        self._nonfinite = torch.zeros(len(self.groups), device=self._device, dtype=torch.long)
         self._samples = 0
 
     def backward(self, per_sample_losses: Tensor) -> None:
@@ -283,6 +293,7 @@ class DPEngine:
             thresholds=thresholds,
             norm_quantiles=self._quantiles(),
             clip_fraction=clip_fraction,
+            nonfinite=self._nonfinite,
             noise_std_sum=std.detach(),
             noise_std_grad=std.detach() / batch,
             sigma_gradient=self.noise_multiplier,
@@ -304,7 +315,10 @@ class DPEngine:
             return {k: nan for k in QUANTILES}
         norms = torch.cat(self._norms)
         qs = torch.tensor(list(QUANTILES.values()), device=norms.device, dtype=norms.dtype)
-        values = torch.quantile(norms, qs, dim=0)
+        if math.isfinite(float(norms.sum())):
+            values = torch.quantile(norms, qs, dim=0)
+        else:  # the non-finite ones are counted in `nonfinite`; as NaN, nanquantile skips them
+            values = torch.nanquantile(torch.where(torch.isfinite(norms), norms, math.nan), qs, dim=0)
         return {k: values[j] for j, k in enumerate(QUANTILES)}
 
     def _transient_params(self) -> list[bool]:
@@ -347,7 +361,7 @@ class DPEngine:
     # ------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        """Policy state and noise-generator state (none in secure mode)."""
+        """Policy state and the noise generators' states (a secret: see :class:`NoiseSource`)."""
         return {"policy": self.policy.state_dict(), "noise": self.noise.state_dict(),
                 "steps": self.steps}
 
@@ -440,13 +454,28 @@ class _MicroBatch:
         else:
             norms = (sqrt_or_zero(sq) if sq is not None else
                      torch.zeros(self.batch, device=e._device, dtype=e._norm_dtype))
+        keep = None
+        # A sample with a non-finite norm would put 0·inf = NaN into the sum: one example
+        # could change the release without bound. It contributes zero instead, and reads
+        # as +inf (clipped, above every threshold) to the policy. The norms are ≥ 0, so
+        # their sum is finite unless one is not (or it overflows: then the slow path finds
+        # nothing to drop); one reduction per group is ~4x cheaper than isfinite().all().
+        if not math.isfinite(float(norms.sum())):
+            finite = torch.isfinite(norms)
+            if not bool(finite.all()):
+                keep = finite
+                norms = torch.where(keep, norms, math.inf)
+                e._nonfinite[k] += (~keep).sum()
         factors = e._clip(norms, threshold)
+        if keep is not None:
+            factors = torch.where(keep, factors, 0)
         for idx in e.groups.members[k]:
             parts, self.parts[idx] = self.parts[idx], None
             if not parts:
                 continue
             p = e._params[idx]
-            total = clipped_sum(parts, factors.to(p.device), p.shape)
+            summed = parts if keep is None else zero_samples(parts, keep.to(p.device))
+            total = clipped_sum(summed, factors.to(p.device), p.shape)
             for part in parts:
                 self.meter.remove(part.tensors())
             if e._sums[idx] is None:
@@ -470,6 +499,8 @@ class _MicroBatch:
                        torch.zeros(self.batch, device=e._device, dtype=e._norm_dtype)
                        for s in self.norm_sq]
             norms = sqrt_or_zero(torch.stack(norm_sq, dim=1))
+            if not math.isfinite(float(norms.sum())):   # NaN reads as +inf to the policy
+                norms = torch.where(torch.isfinite(norms), norms, math.inf)
             per_sample = e.policy.per_sample_thresholds(norms)
             for k in range(len(e.groups)):
                 self._finalize(k, self.thresholds[k] if per_sample is None else per_sample[:, k])

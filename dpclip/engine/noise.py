@@ -18,13 +18,13 @@ does not depend on the allocation.
 from __future__ import annotations
 
 import math
-import secrets
 from typing import Iterable
 
 import torch
 from torch import Tensor
 
 from dpclip.errors import EngineError
+from dpclip.rng import private_generator
 
 ALLOCATIONS = ("global", "equal-budget", "weighted")
 
@@ -70,24 +70,33 @@ def effective_noise_multiplier(sigma_gradient: float, aux: Iterable[tuple[float,
 
 
 class NoiseSource:
-    """One torch.Generator per device: seeded from ``seed``, or from OS entropy when
-    ``secure`` (the user seed is then ignored, and states are never checkpointed).
+    """One torch.Generator per device for the gradient and statistic noise.
 
-    ``secure`` draws the seed with :mod:`secrets`; the stream itself is torch's PRNG
-    (Mersenne Twister on CPU, Philox on CUDA), not a cryptographic generator.
+    ``seed=None`` (the default): each generator's whole state comes from OS entropy
+    (:func:`dpclip.rng.entropy_generator`). An int ``seed`` derives the whole state from
+    it (:func:`dpclip.rng.seeded_generator`): reproducible, for tests and experiments,
+    and known to anyone who knows the seed, who can then subtract the noise.
+
+    The states are part of :meth:`state_dict` in both modes, so a resumed run replays
+    exactly the noise of the steps it redoes (no new release) and stays bit-identical;
+    a checkpoint therefore holds a secret (docs/accounting.md, "Threat model").
     """
 
-    def __init__(self, seed: int, secure: bool):
-        self.seed = int(seed)
-        self.secure = bool(secure)
+    purpose = "gradient-noise"
+
+    def __init__(self, seed: int | None = None):
+        self.seed = None if seed is None else int(seed)
         self._generators: dict[str, torch.Generator] = {}
 
+    @property
+    def seeded(self) -> bool:
+        return self.seed is not None
+
     def generator(self, device: torch.device) -> torch.Generator:
-        key = str(device)
+        key = str(torch.device(device))
         gen = self._generators.get(key)
         if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(secrets.randbits(63) if self.secure else self.seed)
+            gen = private_generator(self.seed, self.purpose, device)
             self._generators[key] = gen
         return gen
 
@@ -97,13 +106,12 @@ class NoiseSource:
         return out.normal_(0.0, float(std), generator=self.generator(p.device))
 
     def state_dict(self) -> dict:
-        if self.secure:
-            return {"secure": True}
-        return {"secure": False, "seed": self.seed,
-                "states": {k: g.get_state() for k, g in self._generators.items()}}
+        return {"seeded": self.seeded, "states": {k: g.get_state() for k, g in self._generators.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.secure or state.get("secure"):
-            return  # secure streams are re-seeded from OS entropy, never restored
+        if bool(state.get("seeded", not state.get("secure", True))) != self.seeded:
+            raise EngineError("the checkpoint's noise generator was made in the other randomness mode "
+                              "(seeded vs OS entropy)",
+                              "resume with the run's own recipe and privacy.unsafe_seeded_randomness setting")
         for key, st in state.get("states", {}).items():
             self.generator(torch.device(key)).set_state(st)

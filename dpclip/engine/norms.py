@@ -35,6 +35,7 @@ uses and its norm needs every cross term, ``||Σ_u G_u||² = Σ_{u,v} <G_u, G_v>
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -388,6 +389,26 @@ def clipped_sum(parts: list[Use], factors: Tensor, shape: torch.Size) -> Tensor:
     return out
 
 
+def zero_samples(parts: list[Use], keep: Tensor) -> list[Use]:
+    """The same uses with G_i = 0 for every sample i where ``keep`` [B] is False.
+
+    Every factor's rows are zeroed, not only the one :func:`clipped_sum` scales: with
+    c_i = 0, an inf or NaN in the other factor still gives 0·inf = NaN in the GEMM. New
+    tensors: the factors may be the caller's own inputs."""
+    def rows(t: Tensor) -> Tensor:
+        return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, 0)
+
+    out: list[Use] = []
+    for part in parts:
+        if isinstance(part, Dense):
+            out.append(Dense(rows(part.grad)))
+        elif part.is_ids:
+            out.append(Bilinear(part.left, rows(part.right), part.vocab))
+        else:
+            out.append(Bilinear(rows(part.left), rows(part.right)))
+    return out
+
+
 def streamable(uses: list[Use], method: str) -> Bilinear | None:
     """The single dense bundle of a transient parameter that the mixed rule instantiates,
     or None (ids, instantiated uses, several parts: those take :func:`param_norm_sq`)."""
@@ -407,7 +428,9 @@ def streamed_clip(bundles: list[Bilinear], shapes: list[torch.Size], base_norm_s
     chunk. Same numbers as instantiating everything first; the chunk is sized so that the
     chunk's G_i never take more memory than the factors already held, and they are still
     in cache when the sum reads them. ``meter`` (add/remove of tensors, optional) counts
-    each chunk's G_i while it lives. Returns (norms [B], one sum per bundle).
+    each chunk's G_i while it lives. A sample with a non-finite norm gets c_i = 0 and its
+    G_i is zeroed before the sum (0·NaN would poison it). Returns (norms [B], non-finite
+    ones included, and one sum per bundle).
     """
     batch = base_norm_sq.shape[0]
     inst = sum(_numel_per_sample(b)[0] for b in bundles)
@@ -425,7 +448,12 @@ def streamed_clip(bundles: list[Bilinear], shapes: list[torch.Size], base_norm_s
             sq = sq + torch.linalg.vector_norm(g, dim=1).square().to(sq.dtype)
         chunk_norms = sqrt_or_zero(sq)
         c = clip(chunk_norms)
-        for j, g in enumerate(grads):
+        summed = grads
+        if not math.isfinite(float(chunk_norms.sum())):  # norms ≥ 0: one cheap check per chunk
+            finite = torch.isfinite(chunk_norms)
+            c = torch.where(finite, c, 0)
+            summed = [torch.where(finite[:, None], g, 0) for g in grads]
+        for j, g in enumerate(summed):
             term = c.to(g.dtype) @ g
             sums[j] = term if sums[j] is None else sums[j].add_(term)
         if meter is not None:
@@ -740,5 +768,5 @@ __all__ = [
     "Bilinear", "Dense", "Use", "NORM_METHODS", "LayerRule", "register_layer_rule",
     "find_layer_rule", "ghost_norm_sq", "ids_ghost_norm_sq", "instantiate", "param_norm_sq",
     "clipped_sum", "per_sample_grads", "choose_ghost", "is_rmsnorm_like", "sqrt_or_zero",
-    "streamable", "streamed_clip",
+    "streamable", "streamed_clip", "zero_samples",
 ]

@@ -5,6 +5,8 @@ A policy is asked, every logical batch:
 ``thresholds()``                 -> tensor [K], the C_k used to clip this step;
 ``observe(norms)``               per micro-batch, the per-sample group norms [b, K]
                                  (private: a policy may only *release* them with noise);
+                                 a non-finite norm arrives as +inf (that sample
+                                 contributes zero to the gradient);
 ``per_sample_thresholds(norms)`` -> [b, K] or None, only when ``per_sample = True``
                                  (discriminative clipping clips each sample at small or
                                  large); the engine then finalizes groups at the end of the

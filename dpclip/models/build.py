@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from dpclip.data.sampler import derived_seed
+from dpclip.rng import derived_seed
 from dpclip.errors import DpclipError, EngineError
 from dpclip.models.custom import build_custom, custom_criterion
 from dpclip.models.hf import build_hf

@@ -184,7 +184,24 @@ class Privacy(Section):
     accountant: Literal["pld", "rdp"] = "pld"
     noise_multiplier: PositiveFloat | None = Field(
         None, description="total σ given explicitly instead of calibrated from epsilon")
-    secure: bool = Field(False, description="draw noise from an OS-entropy seeded generator")
+    unsafe_seeded_randomness: bool = Field(
+        False, description="UNSAFE, for tests and experiments: derive the gradient and statistic noise and the "
+        "Poisson batches from 'seed', so a run can be repeated exactly. Anyone who holds the recipe can then "
+        "regenerate and subtract the noise and knows every batch: ε does not hold against them. "
+        "Default: OS entropy, independent of 'seed'")
+    exact_diagnostics: bool = Field(
+        True, description="show and write training loss, clip fraction, norm median, realised batch size and "
+        "held-out metrics; they are computed WITHOUT noise from private data and are not covered by ε. "
+        "false keeps them out of the console, metrics.jsonl and summary.json (for runs whose logs are shared)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "secure" in data:
+            raise ValueError("'secure' was removed after dpclip 0.1.0: noise and batches now always come from OS "
+                             "entropy, independent of 'seed'. Remove the field (unsafe_seeded_randomness: true "
+                             "restores the old seeded behaviour, without the guarantee)")
+        return data
 
     @model_validator(mode="after")
     def _epsilon_or_sigma(self) -> Privacy:
@@ -446,7 +463,9 @@ class Recipe(Section):
     """A dpclip recipe. See docs/recipes.md."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="run name; used in the run directory")
-    seed: Annotated[int, Field(ge=0)] = Field(0, description="seeds the split, the model init, sampling and noise")
+    seed: Annotated[int, Field(ge=0)] = Field(
+        0, description="seeds what is not private: the data split, the model init, dropout, canaries. Noise and "
+        "batches come from OS entropy (see privacy.unsafe_seeded_randomness)")
     output_dir: str = Field("runs", description="where run directories are created")
     data: DataConfig = Field(description="where the private training data comes from")
     model: ModelConfig = Field(description="what is trained; input and output sizes are inferred from the data")

@@ -14,6 +14,7 @@ Loading never unpickles: a checkpoint from an untrusted source cannot run code.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from dpclip.train.files import read_json, replace_dir_atomic, write_json_atomic,
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
 _INT_KEYS = "__int_keys__"
+_STEP_DIR = re.compile(r"step_[0-9]{6,}")
 
 
 def flatten_state(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -94,11 +96,20 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dic
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = run_dir / "checkpoints" / "LATEST"
+    """The checkpoint folder LATEST names, or None before the first checkpoint.
+
+    LATEST is read as untrusted input: it must name a ``step_NNNNNN`` folder of this run's
+    ``checkpoints/`` (no path, no ``..``), and that folder must be complete."""
+    pointer = Path(run_dir) / "checkpoints" / "LATEST"
     if not pointer.exists():
         return None
-    path = run_dir / "checkpoints" / pointer.read_text().strip()
-    if not (path / "state.json").exists():
+    name = pointer.read_text(encoding="utf-8", errors="replace").strip()
+    if not _STEP_DIR.fullmatch(name):
+        raise DpclipError(f"{pointer} names {name[:80]!r}, which is not a checkpoint of this run",
+                          "LATEST must hold a folder name like step_000500 inside checkpoints/; the run "
+                          "directory was modified: restore it or start a new run")
+    path = pointer.parent / name
+    if not all((path / f).is_file() for f in ("state.json", "state.safetensors", "model.safetensors")):
         raise DpclipError(f"{pointer} points to {path.name}, which is missing or incomplete",
                           "the run directory was modified by hand; restore the checkpoint or start a new run")
     return path
@@ -110,4 +121,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module) -> dict[str, Any]:
     if missing or unexpected:  # pragma: no cover - strict=True raises first
         raise DpclipError(f"checkpoint {path} does not match the model", "was the recipe's model changed?")
     tensors = load_file(str(path / "state.safetensors"))
-    return unflatten_state(read_json(path / "state.json"), tensors)
+    state = unflatten_state(read_json(path / "state.json"), tensors)
+    if not isinstance(state, dict) or state.get("step") != int(path.name.split("_")[1]):
+        raise DpclipError(f"checkpoint {path} does not hold step {path.name.split('_')[1].lstrip('0') or 0}",
+                          "the run directory was modified: restore it or start a new run")
+    return state

@@ -10,7 +10,11 @@ from pathlib import Path
 from typing import Any
 
 
-def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+def write_bytes_atomic(path: str | Path, data: bytes, durable: bool = True) -> None:
+    """Write to a temporary file, then rename it over ``path``.
+
+    The rename is atomic against a crash of the process. ``durable`` also fsyncs the data
+    before the rename, so that a power loss cannot leave an empty file either (a few ms)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -18,19 +22,20 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
         with os.fdopen(handle, "wb") as stream:
             stream.write(data)
             stream.flush()
-            os.fsync(stream.fileno())
+            if durable:
+                os.fsync(stream.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    write_bytes_atomic(path, text.encode("utf-8"))
+def write_text_atomic(path: str | Path, text: str, durable: bool = True) -> None:
+    write_bytes_atomic(path, text.encode("utf-8"), durable)
 
 
-def write_json_atomic(path: str | Path, payload: Any) -> None:
-    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=False) + "\n")
+def write_json_atomic(path: str | Path, payload: Any, durable: bool = True) -> None:
+    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=False) + "\n", durable)
 
 
 def replace_dir_atomic(staging: Path, final: Path) -> None:

@@ -82,6 +82,26 @@ def aux_spec(recipe: Recipe, groups: int | None = None) -> AuxSpec | None:
     return AuxSpec(kind=kind, groups=groups, sigma=sigma, fraction=threshold.budget_fraction)
 
 
+#: What a run shows and writes outside ε when ``privacy.exact_diagnostics`` is on.
+EXACT_DIAGNOSTICS = (
+    "training loss, clip fraction, median norm and realised batch size of every step (progress bar, "
+    "metrics.jsonl 'diagnostics'), computed without noise from the private batch",
+    "held-out metrics (progress bar, metrics.jsonl 'eval', summary.json 'final_eval'), computed without "
+    "noise on the held-out split of the private data",
+)
+
+
+def not_covered(recipe: Recipe) -> tuple[str, ...]:
+    """What a run of ``recipe`` releases outside ε (the statement lists it)."""
+    return EXACT_DIAGNOSTICS if recipe.privacy.exact_diagnostics else ()
+
+
+def private_seed(recipe: Recipe) -> int | None:
+    """The seed of the private randomness (noise, batches): None (OS entropy) unless the
+    recipe opts in to ``privacy.unsafe_seeded_randomness``."""
+    return recipe.seed if recipe.privacy.unsafe_seeded_randomness else None
+
+
 def privacy_plan(recipe: Recipe, dataset_size: int, groups: int | None = None) -> PrivacyPlan:
     """The accounting plan of a recipe trained on `dataset_size` private examples."""
     training, privacy = recipe.training, recipe.privacy
@@ -96,6 +116,8 @@ def privacy_plan(recipe: Recipe, dataset_size: int, groups: int | None = None) -
         target_epsilon=None if privacy.noise_multiplier is not None else privacy.epsilon,
         noise_multiplier=privacy.noise_multiplier,
         aux=aux_spec(recipe, groups),
+        seeded_randomness=recipe.privacy.unsafe_seeded_randomness,
+        not_covered=not_covered(recipe),
     )
 
 

@@ -26,6 +26,7 @@ from dpclip.errors import DpclipError
 from dpclip.recipe import Recipe, recipe_to_yaml, validate_recipe
 from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dpclip.train.files import read_json, write_json_atomic, write_text_atomic
+from dpclip.train.plan import private_seed
 
 # Fields whose change would change what the ledger means: a run refuses to resume if any differ.
 PRIVACY_FIELDS = ("seed", "data", "privacy", "clipping", "training.batch_size", "training.sampling",
@@ -60,6 +61,8 @@ class TrainResult:
             "epsilon": self.epsilon, "epsilon_rdp": self.epsilon_rdp, "delta": self.delta,
             "stopped": self.stopped, "final_eval": self.final_eval, "noise": self.noise,
             "statement": self.statement,
+            # final_eval is exact, on the private held-out split (empty when diagnostics are off).
+            "not_covered_by_epsilon": ["final_eval"] if self.final_eval else [],
         }
 
 
@@ -154,7 +157,8 @@ def load_run_recipe(run_dir: Path) -> Recipe:
 
 
 def spent(run_dir: Path):
-    """(ledger, statement) of what a run has spent so far, from its ledger.json."""
+    """(ledger, statement) of what a run has spent so far, from its ledger.json (checked
+    against the run's own plan: see :func:`check_ledger`)."""
     from dpclip.accounting import Ledger, statement_from_ledger
 
     run_dir = Path(run_dir)
@@ -162,8 +166,68 @@ def spent(run_dir: Path):
     path = run_dir / "ledger.json"
     if not path.exists():
         raise DpclipError(f"{run_dir} has no ledger.json", "the run never reached its first step")
-    ledger = Ledger.from_dict(read_json(path))
-    return ledger, statement_from_ledger(ledger, sampling=recipe.training.sampling)
+    ledger = _read_ledger(path)
+    step_event, steps = planned_step(run_dir, recipe)
+    check_ledger(ledger, step_event, range(0, steps + 1), where=path)
+    return ledger, run_statement(recipe, ledger)
+
+
+def run_statement(recipe: Recipe, ledger):
+    """The privacy statement of a run's ledger, with the recipe's randomness mode and
+    what the run releases outside ε."""
+    from dpclip.accounting import statement_from_ledger
+    from dpclip.train.plan import not_covered
+
+    return statement_from_ledger(ledger, sampling=recipe.training.sampling,
+                                 seeded_randomness=recipe.privacy.unsafe_seeded_randomness,
+                                 not_covered=not_covered(recipe))
+
+
+def _read_ledger(path: Path):
+    from dpclip.accounting import Ledger
+
+    try:
+        return Ledger.from_dict(read_json(path))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DpclipError(f"{path} is not a readable dpclip ledger ({exc})",
+                          "the run directory was modified: restore it from a backup") from None
+
+
+def planned_step(run_dir: Path, recipe: Recipe):
+    """(step event, planned steps) of the run in ``run_dir``, re-solved from its recipe and
+    the sizes in meta.json (the recipe's privacy fields must match the fingerprint)."""
+    from dpclip.accounting import solve
+    from dpclip.train.plan import privacy_plan
+
+    meta_path = Path(run_dir) / "meta.json"
+    if not meta_path.exists():
+        raise DpclipError(f"{run_dir} has no meta.json", "pass the folder that `dpclip train` created under runs/")
+    meta = read_json(meta_path)
+    if meta.get("privacy_fingerprint") != privacy_fingerprint(recipe):
+        raise DpclipError(f"the privacy fields of {Path(run_dir) / 'recipe.yaml'} were edited after the run started",
+                          "the ledger would no longer describe the run; restore recipe.yaml")
+    try:
+        plan = privacy_plan(recipe, int(meta["plan"]["num_train"]), groups=len(meta["groups"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DpclipError(f"{meta_path} lacks the run's sizes ({exc})", "restore meta.json") from None
+    return solve(plan).step_event, plan.steps
+
+
+def check_ledger(ledger, step_event, steps: int | range, *, where: Path | str) -> None:
+    """Refuse a ledger that is not the run's: every entry must be the plan's step event and
+    the number of recorded steps must be ``steps`` (an int, or a range of allowed counts).
+
+    Ledgers are read from the run directory, which anyone with write access can edit; a
+    ledger with fewer steps or a larger σ than were used would understate ε."""
+    for entry in ledger.entries:
+        if not _same_event(entry.event, step_event):
+            raise DpclipError(f"{where} records {entry.event}, which is not this run's step event {step_event}",
+                              "the run directory was modified or mixed with another run's: restore it")
+    allowed = range(steps, steps + 1) if isinstance(steps, int) else steps
+    if ledger.steps not in allowed:
+        want = str(steps) if isinstance(steps, int) else f"{allowed.start} to {allowed.stop - 1}"
+        raise DpclipError(f"{where} records {ledger.steps} steps where the run allows {want}",
+                          "the run directory was modified: restore it from a backup")
 
 
 def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: bool = False,
@@ -223,18 +287,19 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
         data = with_canaries(data, canaries)
     solved = solve(plan)
     split = solved.split
+    # Private randomness (noise, batches) comes from OS entropy unless the recipe opts in.
+    seed_of_noise = private_seed(recipe)
     engine = DPEngine(model, _engine_clipping(recipe, split), noise_multiplier=split.sigma_gradient,
-                      expected_batch_size=training.batch_size, seed=recipe.seed, sample_rate=plan.sample_rate,
-                      secure=recipe.privacy.secure)
+                      expected_batch_size=training.batch_size, seed=seed_of_noise, sample_rate=plan.sample_rate)
     optimizer = _build_optimizer(training.optimizer, [p for p in model.parameters() if p.requires_grad])
     base_lrs = [group["lr"] for group in optimizer.param_groups]
-    sampler_seed = None if recipe.privacy.secure else recipe.seed
     if training.sampling == "poisson":
-        sampler = PoissonSampler(data.num_train, plan.sample_rate, plan.steps, seed=sampler_seed)
+        sampler = PoissonSampler(data.num_train, plan.sample_rate, plan.steps, seed=seed_of_noise)
     else:
-        sampler = ShuffleSampler(data.num_train, training.batch_size, plan.steps, seed=sampler_seed)
+        sampler = ShuffleSampler(data.num_train, training.batch_size, plan.steps, seed=seed_of_noise)
     ledger = Ledger(plan.delta, plan.accountant)
     epsilon_cap = recipe.privacy.epsilon
+    diagnostics = recipe.privacy.exact_diagnostics
 
     info = {
         "name": recipe.name, "steps": plan.steps, "sample_rate": plan.sample_rate,
@@ -244,6 +309,7 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
         "sigma_gradient": split.sigma_gradient, "sigma_aux": split.sigma_aux, "planned_epsilon": solved.epsilon,
         "delta": plan.delta, "accountant": plan.accountant, "epsilon_cap": epsilon_cap,
         "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "seeded_randomness": recipe.privacy.unsafe_seeded_randomness, "exact_diagnostics": diagnostics,
     }
     if dry_run:
         observer.on_start({**info, "run_dir": None, "dry_run": True})
@@ -253,19 +319,45 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
         observer.on_end(result)
         return result
 
+    def save(step: int) -> None:
+        # The ledger goes to disk before the checkpoint that depends on it is made current.
+        write_ledger(step)
+        state = {
+            "step": step, "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
+            "engine": engine.state_dict(), "torch_rng": torch.get_rng_state(), "ledger": ledger.to_dict(),
+        }
+        save_checkpoint(run_dir, step, model, state, keep=recipe.checkpoint.keep)
+
+    # ledger.json counts every release that has left the process; after a crash it may be
+    # ahead of the checkpoint we resume from, and it never moves back.
+    released_steps = 0
+
+    def write_ledger(step: int, durable: bool = True) -> None:
+        if ledger.steps >= released_steps:
+            write_json_atomic(run_dir / "ledger.json", ledger.to_dict(), durable=durable)
+
     start_step = 0
+    replay: dict[int, dict[str, Any]] = {}
     if resume is not None:
         run_dir = resume
         checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is not None:
-            state = load_checkpoint(checkpoint, model)
-            optimizer.load_state_dict(state["optimizer"])
-            sampler.load_state_dict(state["sampler"])
-            engine.load_state_dict(state["engine"])
-            torch.set_rng_state(state["torch_rng"])
-            ledger = Ledger.from_dict(state["ledger"])
-            start_step = int(state["step"])
-        _truncate_metrics(run_dir / "metrics.jsonl", start_step)
+        if checkpoint is None:
+            raise DpclipError(f"{run_dir} has no checkpoint to resume from",
+                              "the run stopped before its first step was saved; start a new run")
+        state = load_checkpoint(checkpoint, model)
+        start_step = int(state["step"])
+        ledger = Ledger.from_dict(state["ledger"])
+        check_ledger(ledger, solved.step_event, start_step, where=checkpoint / "state.json")
+        released = _read_ledger(run_dir / "ledger.json") if (run_dir / "ledger.json").exists() else ledger
+        check_ledger(released, solved.step_event, range(start_step, plan.steps + 1), where=run_dir / "ledger.json")
+        released_steps = released.steps
+        optimizer.load_state_dict(state["optimizer"])
+        sampler.load_state_dict(state["sampler"])
+        engine.load_state_dict(state["engine"])
+        torch.set_rng_state(state["torch_rng"])
+        # Steps after the checkpoint that already left the process are redone with the
+        # checkpoint's generator states, so they must release exactly what they did.
+        replay = _released_records(run_dir / "metrics.jsonl", start_step)
         if canaries is not None:
             _check_canaries(run_dir, canaries)
     else:
@@ -282,24 +374,33 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
 
             write_canary_secret(run_dir, canaries)
         (run_dir / "metrics.jsonl").touch()
-    write_json_atomic(run_dir / "ledger.json", ledger.to_dict())
+        # Step 0 is checkpointed (with the generators' states) so that a crash before the
+        # first regular checkpoint resumes into the same noise and batches.
+        save(0)
+    write_ledger(start_step)
 
     step_metadata = solved.step_metadata
     observer.on_start({**info, "run_dir": str(run_dir), "start_step": start_step, "dry_run": False})
 
-    def save(step: int) -> None:
-        state = {
-            "step": step, "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
-            "engine": engine.state_dict(), "torch_rng": torch.get_rng_state(), "ledger": ledger.to_dict(),
-        }
-        save_checkpoint(run_dir, step, model, state, keep=recipe.checkpoint.keep)
-        write_json_atomic(run_dir / "ledger.json", ledger.to_dict())
+    def emit(record: dict[str, Any], kind: str) -> None:
+        """Write a record and show it, unless it replays one that already left the process."""
+        previous = replay.get((kind, record["step"]))
+        if previous is not None:
+            if _released_part(previous) != _released_part(record):
+                raise DpclipError(
+                    f"resuming did not reproduce step {record['step']} as first run (its released "
+                    "statistics differ), so continuing would release them twice",
+                    "resume with the same dpclip and torch versions, device and thread count as the run "
+                    "started with, or start a new run")
+            return
+        _append_metrics(run_dir / "metrics.jsonl", record)
+        (observer.on_step if kind == "step" else observer.on_eval)(record)
 
     def run_eval(step: int) -> dict[str, float]:
+        if not diagnostics:  # exact held-out metrics are not covered by ε: off with the diagnostics
+            return {}
         metrics = evaluate(model, loss_fn, data.test, data.task, batch_size=recipe.eval.batch_size)
-        record = {"step": step, "eval": metrics}
-        _append_metrics(run_dir / "metrics.jsonl", record)
-        observer.on_eval(record)
+        emit({"step": step, "eval": metrics, "not_covered_by_epsilon": ["eval"]}, "eval")
         return metrics
 
     stopped, step, final_eval = "completed", start_step, {}
@@ -332,12 +433,15 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
                 optimizer.zero_grad(set_to_none=True)
                 ledger.record(solved.step_event, metadata=step_metadata)
                 step += 1
+                # Charged before anything of this step leaves the process (a crash between
+                # the two leaves the ledger ahead, never behind). Not fsynced per step: the
+                # rename is atomic against a killed process, which is the crash that matters.
+                write_ledger(step, durable=False)
                 live = step == plan.steps or step % epsilon_every == 0
                 record = _step_record(step, report, ledger.epsilon() if live else None, loss_sum, len(indices),
                                       training.batch_size, optimizer.param_groups[0]["lr"],
-                                      time.perf_counter() - started, recipe.clipping.fn)
-                _append_metrics(run_dir / "metrics.jsonl", record)
-                observer.on_step(record)
+                                      time.perf_counter() - started, recipe.clipping.fn, diagnostics)
+                emit(record, "step")
                 if recipe.eval.every_steps and step % recipe.eval.every_steps == 0 and step < plan.steps:
                     run_eval(step)
                 if recipe.checkpoint.every_steps and step % recipe.checkpoint.every_steps == 0:
@@ -348,9 +452,7 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
         final_eval = run_eval(step)
     save(step)
     accounting = ledger.result()
-    from dpclip.accounting import statement_from_ledger
-
-    statement = statement_from_ledger(ledger, sampling=training.sampling)
+    statement = run_statement(recipe, ledger)
     result = TrainResult(run_dir, step, plan.steps, accounting.epsilon, accounting.epsilon_rdp, plan.delta, stopped,
                          final_eval, statement.lines(), step_metadata)
     write_json_atomic(run_dir / "summary.json", result.to_dict())
@@ -408,18 +510,27 @@ def _rate_and_sigma(event) -> tuple[float, float]:
     return 1.0, float(event.noise_multiplier)
 
 
+def _same_event(event, planned_event) -> bool:
+    """Same kind, same q, same σ_eff (up to float rounding)."""
+    if type(event) is not type(planned_event) or \
+            type(getattr(event, "event", None)) is not type(getattr(planned_event, "event", None)):
+        return False
+    engine_q, engine_sigma = _rate_and_sigma(event)
+    plan_q, plan_sigma = _rate_and_sigma(planned_event)
+    return math.isclose(engine_q, plan_q, rel_tol=1e-12) and math.isclose(engine_sigma, plan_sigma, rel_tol=1e-9)
+
+
 def _check_same_release(engine_event, planned_event) -> None:
     """The engine's DpEvent must be the plan's (same q, same σ_eff up to rounding)."""
-    engine_q, engine_sigma = _rate_and_sigma(engine_event)
-    plan_q, plan_sigma = _rate_and_sigma(planned_event)
-    if not (math.isclose(engine_q, plan_q, rel_tol=1e-12) and math.isclose(engine_sigma, plan_sigma, rel_tol=1e-9)):
+    if not _same_event(engine_event, planned_event):
         raise RuntimeError(f"engine released {engine_event} but the plan accounts {planned_event}: "
                            "this is a dpclip bug, the run stops before the ledger could be wrong")
 
 
-def _step_record(step, report, epsilon, loss_sum, batch_len, expected_batch, lr, seconds, clip_fn) -> dict[str, Any]:
+def _step_record(step, report, epsilon, loss_sum, batch_len, expected_batch, lr, seconds, clip_fn,
+                 diagnostics: bool = True) -> dict[str, Any]:
     summary = report.to_dict()
-    return {
+    record = {
         "step": step,
         "epsilon": epsilon,
         "lr": lr,
@@ -427,14 +538,26 @@ def _step_record(step, report, epsilon, loss_sum, batch_len, expected_batch, lr,
         "thresholds": summary["thresholds"],
         "noise_std": summary["noise_std_grad"],
         "policy": summary["policy_summary"] or None,
-        # Diagnostics computed WITHOUT noise from the private batch: not covered by ε.
-        "diagnostics": {
+    }
+    if diagnostics:
+        # Computed WITHOUT noise from the private batch: not covered by ε, and marked so.
+        record["diagnostics"] = {
             "train_loss": loss_sum / expected_batch,
             "batch_size": batch_len,
             "clip_fraction": None if clip_fn == "auto" else summary["clip_fraction"],
             "norm_median": summary["norm_quantiles"].get("median"),
-        },
-    }
+            "nonfinite": summary["nonfinite"],  # samples dropped for a non-finite norm, per group
+        }
+        record["not_covered_by_epsilon"] = ["diagnostics"]
+    return record
+
+
+#: Fields of a metrics record that depend on the private data (what a replay must reproduce).
+_RELEASED_FIELDS = ("thresholds", "noise_std", "policy", "diagnostics", "eval")
+
+
+def _released_part(record: dict[str, Any]) -> str:
+    return json.dumps({k: record.get(k) for k in _RELEASED_FIELDS}, sort_keys=True)
 
 
 def _append_metrics(path: Path, record: dict[str, Any]) -> None:
@@ -443,20 +566,24 @@ def _append_metrics(path: Path, record: dict[str, Any]) -> None:
         stream.flush()
 
 
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop metric lines written after the checkpoint we resume from (they will be redone)."""
+def _released_records(path: Path, last_step: int) -> dict[tuple[str, int], dict[str, Any]]:
+    """Records of metrics.jsonl after step ``last_step`` (they left the process before a
+    crash), keyed by (kind, step); the file keeps every complete line, so the replayed
+    steps are not written twice. A line cut by the crash is dropped."""
     if not path.exists():
         path.touch()
-        return
-    kept = []
+        return {}
+    kept, later = [], {}
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             break  # a line cut by the crash
-        if record.get("step", 0) <= last_step:
-            kept.append(line)
+        kept.append(line)
+        if record.get("step", 0) > last_step:
+            later[("eval" if "eval" in record else "step", record["step"])] = record
     write_text_atomic(path, "".join(f"{line}\n" for line in kept))
+    return later
 
 
 def _meta(recipe: Recipe, data, info: dict[str, Any]) -> dict[str, Any]:

@@ -5,30 +5,50 @@ The mechanism (Papernot & Steinke 2022, Algorithm 1 with a random number of tria
 1. draw K from the recipe's distribution (Poisson, or truncated negative binomial) with
    mean E[K] (default: the number of configurations);
 2. K times: pick a configuration uniformly at random, train it through the training
-   workflow at the per-run σ that ``tune-cost`` calibrated, and score it on the held-out
-   split — with a private score, the score released is the count of correct predictions
-   plus Gaussian noise of std ``tuning.score_noise`` (sensitivity 1);
-3. release the best-scoring run (none when K = 0).
+   workflow at the per-run σ that ``tune-cost`` calibrated, with noise and batches of its
+   own, and score it on the held-out split — with a private score, the score is the count
+   of correct predictions plus Gaussian noise of std ``tuning.score_noise`` (sensitivity 1);
+3. release the best-scoring run and its score (nothing when K = 0).
 
 Its privacy is ``RepeatAndSelectDpEvent(run event, E[K], shape)`` under the RDP
-accountant, whatever K turned out to be: K, the configurations picked and the noise are
-the mechanism's secret randomness (seeded by the recipe's seed for reproducibility unless
-``privacy.secure``). The search directory's ``ledger.json`` holds exactly that event, so
-its ε is the one ``tune-cost`` promised. Each trained run also keeps its own directory
-and ledger (its cost alone) under ``runs/``.
+accountant, and that bound covers step 3's output only. So K, the configurations picked
+and the score noise are the mechanism's secret randomness (OS entropy, unless the recipe
+opts in to ``privacy.unsafe_seeded_randomness``), and nothing else is kept: a trial that
+is beaten is deleted at once (model, checkpoints, metrics), the summary names neither K
+nor the other trials, and with a private score no trial writes an exact held-out metric.
+
+The search directory's ``ledger.json`` holds exactly the repeat-and-select event, so its
+ε is the one ``tune-cost`` promised; the selected run carries ``search.json`` pointing to
+it, and ``dpclip account`` reports the search's ε for both (:func:`read_search`).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
+import os
 import random
+import secrets
+import shutil
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from dpclip.errors import DpclipError
+
+#: Written in the selected run's directory: what publishing that run costs is the search's ε.
+SEARCH_MARKER = "search.json"
+#: The version of the search directory's summary.json (also how a search directory is recognised).
+SEARCH_FORMAT = 1
+#: The purpose of the search's private generator (K, configurations, choices, score noise).
+SEARCH_PURPOSE = "tuning-search"
+
+NOT_RELEASED = ("the number of trials K, the other trials and their scores: repeat-and-select's guarantee "
+                "covers the selected run and its score only, so the other trials were deleted as soon as "
+                "they were beaten")
 
 
 def new_search_dir(output_dir: str, name: str) -> Path:
@@ -41,17 +61,56 @@ def new_search_dir(output_dir: str, name: str) -> Path:
     return path
 
 
-def _trial_recipe(config_recipe, sigma: float, runs_dir: Path, name: str):
+def search_random(recipe) -> random.Random:
+    """The search's secret generator: OS entropy, or the recipe's seed when it opts in."""
+    from dpclip.rng import private_random
+    from dpclip.train.plan import private_seed
+
+    return private_random(private_seed(recipe), SEARCH_PURPOSE)
+
+
+def _trial_recipe(config_recipe, sigma: float, runs_dir: Path, name: str, *, index: int, private_score: bool):
     """The configuration's recipe trained at the search's per-run σ (no per-run ε: the search holds the budget)."""
     from dpclip.recipe.load import validate_recipe
+    from dpclip.rng import derived_seed
 
     data = copy.deepcopy(config_recipe.model_dump(mode="json"))
     data["name"] = name
     data["output_dir"] = str(runs_dir)
     data["privacy"]["noise_multiplier"] = sigma
     data["privacy"]["epsilon"] = None
+    if private_score:
+        # Exact held-out metrics and training loss are not covered by ε; the search's only
+        # look at the held-out split is its own noisy count.
+        data["privacy"]["exact_diagnostics"] = False
+    if config_recipe.privacy.unsafe_seeded_randomness:
+        # The workflow seeds noise and batches from the recipe's seed in this mode: each
+        # trial needs a seed of its own, or all trials would share noise and batches.
+        data["seed"] = derived_seed(config_recipe.seed, f"search-trial-{index}")
     data["tuning"] = {}
     return validate_recipe(data, source=f"search trial {name}")
+
+
+def _new_trial_dir(runs_dir: Path, name: str) -> Path:
+    # A random name: a counter or a time stamp in the selected run's name would tell how
+    # many trials came before it, which repeat-and-select keeps secret.
+    while True:
+        path = runs_dir / f"{name}-trial-{secrets.token_hex(4)}"
+        if not path.exists():
+            return path
+
+
+def _discard(run_dir: Path | None) -> None:
+    if run_dir is not None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@dataclass
+class _Candidate:
+    run_dir: Path
+    configuration: dict[str, Any]
+    score: float
+    epsilon_alone: float
 
 
 def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] = (),
@@ -60,11 +119,15 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
     import dp_accounting
 
     from dpclip.accounting import Ledger, event_to_dict, training_event
-    from dpclip.accounting.tuning import draw_trial_count, repeat_and_select_event
+    from dpclip.accounting.tuning import repeat_and_select_event
+    from dpclip.data import load_data
     from dpclip.train.files import read_json, write_json_atomic
-    from dpclip.train.workflow import train
     from dpclip.tuning.privacy import REPEAT_AND_SELECT
     from dpclip.tuning.space import search_space
+
+    # Looked up at call time (not imported by name) so tests can stand in for them.
+    import dpclip.accounting.tuning as tuning_math
+    import dpclip.train.workflow as workflow
 
     privacy = report.privacy
     strategy = privacy.strategy(REPEAT_AND_SELECT)
@@ -76,22 +139,32 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
         raise DpclipError("--run cannot record a Poisson number of trials in the search ledger yet",
                           "use tuning.trials: truncated-negative-binomial (the default; tuning.trials_shape=1 is "
                           "geometric)")
-    configurations = search_space(base, recipe, grid, random_draws)
+    # One split for every trial: the recipe's seed decides it, even where a trial's own
+    # seed differs (unsafe seeded mode), so all trials are scored on the same held-out split.
+    data = load_data(recipe.data, seed=recipe.seed)
+    if privacy.score_noise is not None and data.task != "classification":
+        raise DpclipError("a private selection score needs held-out accuracy (a classification task)",
+                          "set tuning.score: public if the held-out split is public data")
+    rng = search_random(recipe)
+    configurations = search_space(base, recipe, grid, random_draws, rng=rng)
     sigma = strategy.sigma_total
     mean = strategy.detail["mean"]
-    shape = float("inf") if strategy.detail["shape"] is None else strategy.detail["shape"]
-    rng = random.SystemRandom() if recipe.privacy.secure else random.Random(f"dpclip-search-{recipe.seed}")
-    trials = draw_trial_count(mean, shape, rng)
+    shape = strategy.detail["shape"]
+    private_score = privacy.score_noise is not None
+    trials = tuning_math.draw_trial_count(mean, shape, rng)
 
     planned_training = training_event(privacy.sample_rate, sigma, privacy.steps)
-    run_event = planned_training if privacy.score_noise is None else dp_accounting.ComposedDpEvent(
+    run_event = planned_training if not private_score else dp_accounting.ComposedDpEvent(
         [planned_training, dp_accounting.GaussianDpEvent(privacy.score_noise)])
     search_event = repeat_and_select_event(run_event, mean, shape)
 
+    seeded = recipe.privacy.unsafe_seeded_randomness
     ledger = Ledger(privacy.delta, "rdp")  # RepeatAndSelect: RDP accountant only
     ledger.record(search_event, metadata={
         "search": REPEAT_AND_SELECT, "trials_distribution": strategy.detail["distribution"], "trials_mean": mean,
-        "sigma_per_run": sigma, "score": privacy.score, "score_noise": privacy.score_noise,
+        "trials_shape": shape, "sigma_per_run": sigma, "sample_rate": privacy.sample_rate,
+        "steps_per_run": privacy.steps, "sampling": recipe.training.sampling, "score": privacy.score,
+        "score_noise": privacy.score_noise, "seeded_randomness": seeded,
     })
     search_dir = new_search_dir(recipe.output_dir, recipe.name)
     runs_dir = search_dir / "runs"
@@ -99,71 +172,294 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
     # Written before the first run: the whole search's cost is committed from the start.
     write_json_atomic(search_dir / "ledger.json", ledger.to_dict())
 
-    records: list[dict[str, Any]] = []
-    stopped = "completed"
-    for index in range(trials):
-        config = rng.choice(configurations)
-        trial = _trial_recipe(config.recipe, sigma, runs_dir, f"{recipe.name}-trial{index + 1:03d}")
-        if not quiet:
-            from dpclip.cli.render import console
-
-            console.print(f"trial {index + 1}/{trials}: {config.label()}")
-        result = train(trial)
-        run_ledger = Ledger.from_dict(read_json(result.run_dir / "ledger.json"))
-        if result.stopped == "completed" and \
-                event_to_dict(run_ledger.composed_event()) != event_to_dict(planned_training):
-            raise RuntimeError(f"run {result.run_dir} spent {run_ledger.composed_event()} but the search accounts "
-                               f"{planned_training}: this is a dpclip bug")
-        records.append({"trial": index + 1, "configuration": config.values, "run_dir": str(result.run_dir),
-                        "stopped": result.stopped,
-                        "score": _released_score(result, privacy.score_noise, rng)})
-        if result.stopped != "completed":
-            stopped = result.stopped
-            break
-
-    scored = [r for r in records if r["score"] is not None and r["stopped"] == "completed"]
-    best = max(scored, key=lambda r: r["score"]) if scored else None
-    summary = {
+    summary: dict[str, Any] = {
+        "search_format": SEARCH_FORMAT,
         "search_dir": str(search_dir),
         "mechanism": "repeat-and-select (Papernot & Steinke 2022)",
-        "trials": trials,
         "trials_distribution": strategy.detail["distribution"],
         "trials_mean": mean,
-        "trials_shape": strategy.detail["shape"],
+        "trials_shape": shape,
         "sigma_per_run": sigma,
+        "sample_rate": privacy.sample_rate,
         "steps_per_run": privacy.steps,
         "score": privacy.score,
         "score_meaning": ("noisy held-out accuracy: (correct + N(0, score_noise²)) / held-out size, charged to "
-                          "every run" if privacy.score_noise is not None else
+                          "every run" if private_score else
                           "held-out accuracy, the held-out split being public data by the recipe's claim"),
         "score_noise": privacy.score_noise,
+        "seeded_randomness": seeded,
         "promised_epsilon": strategy.epsilon,
         "epsilon": ledger.epsilon(),
         "delta": ledger.delta,
         "accountant": "rdp",
-        "stopped": stopped,
-        "selected_run": best["run_dir"] if best else None,
-        "selected_configuration": best["configuration"] if best else None,
-        "runs": records,
+        "stopped": "running",
+        "selected_run": None,
+        "selected_run_dir": None,
+        "selected_configuration": None,
+        "selected_score": None,
+        "not_released": NOT_RELEASED,
     }
-    write_json_atomic(search_dir / "summary.json", json.loads(json.dumps(summary)))
+
+    def write_summary() -> None:
+        write_json_atomic(search_dir / "summary.json", json.loads(json.dumps(summary)))
+
+    write_summary()
+
+    best: _Candidate | None = None
+    current: Path | None = None
+    stopped = "completed"
+    try:
+        for index in range(trials):
+            config = rng.choice(configurations)
+            current = _new_trial_dir(runs_dir, recipe.name)
+            trial = _trial_recipe(config.recipe, sigma, runs_dir, current.name, index=index,
+                                  private_score=private_score)
+            if not quiet:
+                from dpclip.cli.render import console
+
+                # The operator's console only: it shows how many trials ran, which the
+                # released result does not.
+                console.print(f"trial {index + 1}: {config.label()}")
+            result = workflow.train(trial, data=data, run_dir=current)
+            if result.stopped != "completed":
+                stopped = result.stopped
+                break
+            run_ledger = Ledger.from_dict(read_json(current / "ledger.json"))
+            if event_to_dict(run_ledger.composed_event()) != event_to_dict(planned_training):
+                raise RuntimeError(f"run {current} spent {run_ledger.composed_event()} but the search accounts "
+                                   f"{planned_training}: this is a dpclip bug")
+            score = _released_score(current, trial, data, privacy.score_noise, rng)
+            if score is not None and (best is None or score > best.score):
+                _discard(best.run_dir if best else None)
+                best = _Candidate(current, dict(config.values), score, result.epsilon)
+            else:
+                _discard(current)
+            current = None
+    except BaseException as exc:
+        # An unfinished search releases nothing: best-of-fewer-trials is not the mechanism
+        # the ledger charges. The ledger still stands (the runs happened).
+        _discard(current)
+        _discard(best.run_dir if best else None)
+        summary["stopped"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        write_summary()
+        raise
+    if stopped != "completed":
+        _discard(current)
+        _discard(best.run_dir if best else None)
+        best = None
+
+    summary["stopped"] = stopped
+    if best is not None:
+        summary.update({
+            "selected_run": str(best.run_dir),
+            "selected_run_dir": best.run_dir.relative_to(search_dir).as_posix(),
+            "selected_configuration": best.configuration,
+            "selected_score": best.score,
+        })
+    write_summary()
+    if best is not None:
+        _mark_selected(best, search_dir, summary)
     return summary
 
 
-def _released_score(result, score_noise: float | None, rng: random.Random) -> float | None:
-    """The score the search may look at: exact accuracy for a public split, noisy for a private one."""
-    from dpclip.train.files import read_json
+def _released_score(run_dir: Path, trial, data, score_noise: float | None, rng: random.Random) -> float | None:
+    """The score the search may look at: exact accuracy for a public split, noisy for a private one.
 
-    accuracy = result.final_eval.get("accuracy")
+    Computed here from the trial's final checkpoint, in memory: with a private score the
+    exact count never reaches a file."""
+    from dpclip.models import build_model, evaluate
+    from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    model, loss_fn = build_model(trial.model, data, seed=trial.seed)
+    load_checkpoint(latest_checkpoint(run_dir), model)
+    metrics = evaluate(model, loss_fn, data.test, data.task, batch_size=trial.eval.batch_size)
+    accuracy = metrics.get("accuracy")
     if accuracy is None:
         if score_noise is not None:
             raise DpclipError("a private selection score needs held-out accuracy (a classification task)",
                               "set tuning.score: public if the held-out split is public data")
-        loss = result.final_eval.get("loss")
-        return None if loss is None else -loss
+        loss = metrics.get("loss")
+        return None if loss is None or not math.isfinite(loss) else -loss
     if score_noise is None:
         return accuracy
-    held_out = int(read_json(result.run_dir / "meta.json")["plan"]["num_test"])
+    held_out = data.num_test
     correct = round(accuracy * held_out)
     # Gaussian mechanism on the count of correct predictions (sensitivity 1 under add/remove).
     return (correct + rng.gauss(0.0, score_noise)) / held_out
+
+
+def _mark_selected(best: _Candidate, search_dir: Path, summary: Mapping[str, Any]) -> None:
+    """Make the selected run say what publishing it costs: the whole search's ε."""
+    from dpclip.train.files import read_json, write_json_atomic
+
+    to_search = os.path.relpath(search_dir, best.run_dir)
+    marker = {
+        "search_format": SEARCH_FORMAT,
+        "search_dir": Path(to_search).as_posix(),
+        "ledger": (Path(to_search) / "ledger.json").as_posix(),
+        "epsilon": summary["epsilon"],
+        "delta": summary["delta"],
+        "score": best.score,
+        "configuration": best.configuration,
+        "note": (f"this run was selected by a repeat-and-select search: publishing it costs the search's "
+                 f"ε = {summary['epsilon']:.4g} (δ = {summary['delta']:g}); its own ledger.json "
+                 f"(ε = {best.epsilon_alone:.4g}) covers its training alone and understates that"),
+    }
+    write_json_atomic(best.run_dir / SEARCH_MARKER, marker)
+    record = read_json(best.run_dir / "summary.json")
+    record_statement = record.get("statement", [])
+    record.update({
+        "epsilon": summary["epsilon"],
+        "epsilon_rdp": summary["epsilon"],
+        "delta": summary["delta"],
+        "epsilon_this_run_alone": best.epsilon_alone,
+        "selected_by_search": marker,
+        "statement": [marker["note"], *search_statement_lines(search_dir), "this run's own training alone:",
+                      *(f"  {line}" for line in record_statement)],
+    })
+    write_json_atomic(best.run_dir / "summary.json", record)
+
+
+# --------------------------------------------------------------------------- reading back
+
+
+@dataclass
+class SearchRecord:
+    """A search directory as ``dpclip account`` reads it (ledger checked, statement built)."""
+
+    search_dir: Path
+    ledger: Any
+    statement: Any
+    summary: dict[str, Any]
+    selected_run: Path | None
+
+
+def is_search_dir(path: Path) -> bool:
+    path = Path(path)
+    if not (path / "ledger.json").is_file() or (path / "recipe.yaml").exists():
+        return False
+    try:
+        from dpclip.train.files import read_json
+
+        return read_json(path / "summary.json").get("search_format") == SEARCH_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def search_of_run(run_dir: Path) -> Path | None:
+    """The search directory that selected ``run_dir``, or None for an ordinary run.
+
+    The marker file says so; a run inside a search's ``runs/`` is treated as selected even
+    without it, so deleting the marker cannot make the run's own ε the one reported."""
+    from dpclip.train.files import read_json
+
+    run_dir = Path(run_dir)
+    marker = run_dir / SEARCH_MARKER
+    if marker.exists():
+        try:
+            pointer = read_json(marker)["search_dir"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise DpclipError(f"{marker} is unreadable", "restore it from the search directory's backup; the "
+                              "run's own ledger alone understates what publishing it costs") from None
+        search_dir = (run_dir / pointer).resolve()
+        if not is_search_dir(search_dir):
+            raise DpclipError(f"{run_dir} was selected by the search {search_dir}, whose ledger is missing",
+                              "restore the search directory: the run's own ledger alone understates what "
+                              "publishing it costs")
+        return search_dir
+    if run_dir.resolve().parent.name == "runs" and is_search_dir(run_dir.resolve().parent.parent):
+        return run_dir.resolve().parent.parent
+    return None
+
+
+def _search_parts(event) -> tuple[float, float, int, float | None, float, float]:
+    """(q, σ, steps, score noise, mean, shape) of a repeat-and-select event as the search writes it."""
+    import dp_accounting
+    from dp_accounting import dp_event
+
+    if not isinstance(event, dp_event.RepeatAndSelectDpEvent):
+        raise ValueError("not a repeat-and-select event")
+    inner, score_noise = event.event, None
+    if isinstance(inner, dp_accounting.ComposedDpEvent):
+        if len(inner.events) != 2 or not isinstance(inner.events[1], dp_accounting.GaussianDpEvent):
+            raise ValueError("unexpected run event")
+        inner, score_noise = inner.events[0], inner.events[1].noise_multiplier
+    if not (isinstance(inner, dp_accounting.SelfComposedDpEvent)
+            and isinstance(inner.event, dp_accounting.PoissonSampledDpEvent)
+            and isinstance(inner.event.event, dp_accounting.GaussianDpEvent)):
+        raise ValueError("unexpected training event")
+    return (inner.event.sampling_probability, inner.event.event.noise_multiplier, inner.count, score_noise,
+            event.mean, event.shape)
+
+
+def read_search(search_dir: Path) -> SearchRecord:
+    """The search's ledger (one repeat-and-select entry, checked against its selected run)
+    and the statement of what it spent."""
+    from dpclip.accounting import Ledger, event_to_dict, training_event
+    from dpclip.errors import AccountingError
+    from dpclip.train.files import read_json
+    from dpclip.train.workflow import load_run_recipe, spent
+
+    search_dir = Path(search_dir)
+    path = search_dir / "ledger.json"
+    hint = "the search directory was modified: restore it from a backup"
+    try:
+        ledger = Ledger.from_dict(read_json(path))
+        summary = read_json(search_dir / "summary.json")
+    except (OSError, ValueError, KeyError, TypeError, AccountingError) as exc:
+        raise DpclipError(f"{search_dir} is not a readable dpclip search ({exc})", hint) from None
+    entries = ledger.entries
+    try:
+        if ledger.accountant != "rdp" or len(entries) != 1 or entries[0].count != 1:
+            raise ValueError("a search ledger holds one repeat-and-select entry (RDP)")
+        q, sigma, steps, score_noise, mean, shape = _search_parts(entries[0].event)
+    except ValueError as exc:
+        raise DpclipError(f"{path} is not a search ledger: {exc}", hint) from None
+    metadata = entries[0].metadata or {}
+
+    selected, run_recipe, run_statement = None, None, None
+    if summary.get("selected_run_dir"):
+        selected = (search_dir / summary["selected_run_dir"]).resolve()
+        if selected.parent != (search_dir / "runs").resolve():
+            raise DpclipError(f"{search_dir / 'summary.json'} names {summary['selected_run_dir']!r}, which is not "
+                              "one of its runs", hint)
+        run_ledger, run_statement = spent(selected)  # checked against the run's own recipe
+        if event_to_dict(run_ledger.composed_event()) != event_to_dict(training_event(q, sigma, steps)):
+            raise DpclipError(f"{path} does not describe the training of its selected run {selected}", hint)
+        run_recipe = load_run_recipe(selected)
+    seeded = bool(metadata.get("seeded_randomness") or summary.get("seeded_randomness")
+                  or (run_recipe is not None and run_recipe.privacy.unsafe_seeded_randomness))
+    sampling = run_recipe.training.sampling if run_recipe is not None else metadata.get("sampling", "poisson")
+    statement = _statement(ledger, q, sigma, steps, score_noise, mean, shape, seeded, sampling, run_recipe,
+                           run_statement)
+    return SearchRecord(search_dir, ledger, statement, summary, selected)
+
+
+def _statement(ledger, q, sigma, steps, score_noise, mean, shape, seeded, sampling, run_recipe, run_statement):
+    from dpclip.accounting import GRADIENT_RELEASE, PrivacyStatement
+    from dpclip.train.plan import not_covered
+
+    result = ledger.result()
+    law = "logarithmic" if shape == 0 else "geometric" if shape == 1 else f"truncated negative binomial η = {shape:g}"
+    releases = [
+        f"the best of K trial runs (repeat-and-select, Papernot & Steinke 2022): K ~ {law} with E[K] = {mean:g}, "
+        f"secret; only the selected run and its score are released; each run: {steps} Poisson-sampled steps",
+        *(run_statement.releases if run_statement is not None else [GRADIENT_RELEASE]),
+    ]
+    uncovered = list(not_covered(run_recipe)) if run_recipe is not None else []
+    if score_noise is not None:
+        releases.append(f"selection score, charged to every trial: correct held-out predictions + "
+                        f"N(0, {score_noise:g}²) (sensitivity 1)")
+    else:
+        uncovered.append("selection score: exact held-out accuracy, the held-out split being public data by the "
+                         "recipe's claim (tuning.score: public)")
+    return PrivacyStatement(
+        epsilon=result.epsilon, delta=ledger.delta, accountant=result.accountant, conversion=result.conversion,
+        sample_rate=q, steps=steps, sigma_total=sigma,
+        sigma_gradient=run_statement.sigma_gradient if run_statement is not None else sigma,
+        sigma_aux=run_statement.sigma_aux if run_statement is not None else None, sampling=sampling, releases=releases,
+        fallback_reason=result.fallback_reason, seeded_randomness=seeded, not_covered=uncovered)
+
+
+def search_statement_lines(search_dir: Path) -> list[str]:
+    return read_search(search_dir).statement.lines()

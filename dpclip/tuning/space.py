@@ -96,7 +96,7 @@ def _draw(spec: RandomRange, rng: random.Random) -> float:
 
 
 def search_space(base: Mapping[str, Any], recipe: Recipe, grid: Sequence[str] = (),
-                 random_draws: int | None = None) -> list[Configuration]:
+                 random_draws: int | None = None, rng: random.Random | None = None) -> list[Configuration]:
     """The configurations of the search.
 
     Args:
@@ -105,7 +105,11 @@ def search_space(base: Mapping[str, Any], recipe: Recipe, grid: Sequence[str] = 
         grid: ``--grid key=v1,v2,...`` options; when given they replace the recipe's grid.
         random_draws: ``--random N``; when given (or ``tuning.random`` is set) the search
             draws N configurations: ranges uniformly (log-uniformly for ``log: true``),
-            grid keys uniformly among their values, with the recipe's seed.
+            grid keys uniformly among their values.
+        rng: the generator of those draws. Default: a private one (OS entropy, or the
+            recipe's seed with ``privacy.unsafe_seeded_randomness``): which configurations
+            a search tries is part of its secret randomness, so the recipe's seed must not
+            predict them. ``tune-cost --run`` passes the search's own generator.
     """
     tuning = recipe.tuning
     if grid:
@@ -133,7 +137,11 @@ def search_space(base: Mapping[str, Any], recipe: Recipe, grid: Sequence[str] = 
         if not tuning.ranges and not axes:
             raise RecipeError("a random search needs tuning.ranges (or a grid to draw from)",
                               "add e.g. tuning: {ranges: {training.optimizer.lr: {low: 0.01, high: 1, log: true}}}")
-        rng = random.Random(recipe.seed)
+        if rng is None:
+            from dpclip.rng import private_random
+            from dpclip.train.plan import private_seed
+
+            rng = private_random(private_seed(recipe), "tuning-space")
         points = []
         for _ in range(draws):
             point = {key: rng.choice(values) for key, values in axes.items()}

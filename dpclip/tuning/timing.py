@@ -89,9 +89,9 @@ def measure_step_seconds(recipe: Recipe, steps: int, warmup_steps: int = 1,
     sample_rate = batch_size / data.num_train
     micro_batch_size = training.micro_batch_size or batch_size
     engine = DPEngine(model, timing_clipping(recipe), noise_multiplier=_TIMING_SIGMA,
-                      expected_batch_size=batch_size, seed=recipe.seed, sample_rate=sample_rate)
+                      expected_batch_size=batch_size, sample_rate=sample_rate)
     optimizer = _build_optimizer(training.optimizer, [p for p in model.parameters() if p.requires_grad])
-    sampler = PoissonSampler(data.num_train, sample_rate, warmup_steps + steps, seed=recipe.seed)
+    sampler = PoissonSampler(data.num_train, sample_rate, warmup_steps + steps)
     seconds: list[float] = []
     model.train()
     try:

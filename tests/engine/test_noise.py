@@ -1,4 +1,4 @@
-"""Noise allocation, the generator (seeded vs secure), and the DpEvent."""
+"""Noise allocation, the generator (seeded vs OS entropy), and the DpEvent."""
 
 import copy
 import math
@@ -10,6 +10,7 @@ from torch import nn
 
 from dpclip.engine import DPEngine, effective_noise_multiplier
 from dpclip.engine.noise import allocation_weights, noise_stds
+from dpclip.errors import EngineError
 from tests.engine.conftest import DTYPE, classify_loss, mlp, mlp_batch
 
 C = torch.tensor([1.0, 3.0], dtype=DTYPE)
@@ -68,38 +69,43 @@ def test_empirical_noise_std_per_group_matches_allocation(kind):
         assert abs(float(z.mean() / expected[k])) < 5 / math.sqrt(n)
 
 
-def _noise_of(seed, secure):
+def _noise_of(seed):
     model = mlp()
-    engine = DPEngine(model, {}, noise_multiplier=1.0, expected_batch_size=2, seed=seed,
-                      secure=secure)
+    engine = DPEngine(model, {}, noise_multiplier=1.0, expected_batch_size=2, seed=seed)
     engine.backward(0.0 * classify_loss(model, mlp_batch(n=2)))
     engine.privatize()
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def test_seed_gives_identical_noise_and_secure_ignores_it():
-    assert torch.equal(_noise_of(7, False), _noise_of(7, False))
-    assert not torch.equal(_noise_of(7, False), _noise_of(8, False))
-    a, b = _noise_of(7, True), _noise_of(7, True)
-    assert not torch.equal(a, b) and not torch.equal(a, _noise_of(7, False))
+def test_seed_gives_identical_noise_and_no_seed_draws_from_os_entropy():
+    assert torch.equal(_noise_of(7), _noise_of(7))
+    assert not torch.equal(_noise_of(7), _noise_of(8))
+    a, b = _noise_of(None), _noise_of(None)
+    assert not torch.equal(a, b) and not torch.equal(a, _noise_of(7))
 
 
-def test_state_dict_resumes_the_noise_stream_but_never_a_secure_one():
+@pytest.mark.parametrize("seed", [3, None])
+def test_state_dict_resumes_the_noise_stream_in_both_modes(seed):
     model = mlp()
     twin = copy.deepcopy(model)
-    engine = DPEngine(model, {}, noise_multiplier=1.0, expected_batch_size=2, seed=3)
+    engine = DPEngine(model, {}, noise_multiplier=1.0, expected_batch_size=2, seed=seed)
     engine.privatize()
     state = engine.state_dict()
     engine.privatize()
     want = [p.grad.clone() for p in model.parameters()]
-    resumed = DPEngine(twin, {}, noise_multiplier=1.0, expected_batch_size=2, seed=99)
+    resumed = DPEngine(twin, {}, noise_multiplier=1.0, expected_batch_size=2, seed=None if seed is None else 99)
     resumed.load_state_dict(state)
     resumed.privatize()
     for p, w in zip(twin.parameters(), want):
         assert torch.equal(p.grad, w)
     assert resumed.steps == 2
-    secure = DPEngine(mlp(), {}, noise_multiplier=1.0, expected_batch_size=2, secure=True)
-    assert "states" not in secure.state_dict()["noise"]
+
+
+def test_state_of_one_randomness_mode_is_refused_by_the_other():
+    seeded = DPEngine(mlp(), {}, noise_multiplier=1.0, expected_batch_size=2, seed=3)
+    entropy = DPEngine(mlp(), {}, noise_multiplier=1.0, expected_batch_size=2)
+    with pytest.raises(EngineError):
+        entropy.load_state_dict(seeded.state_dict())
 
 
 def test_effective_noise_multiplier_formula_and_edge_cases():

@@ -43,17 +43,22 @@ def test_search_ledger_spends_exactly_what_was_promised(public_search):
     assert ledger.epsilon() == pytest.approx(direct.get_epsilon(report.privacy.delta), rel=1e-12)
 
 
-def test_every_trial_trained_at_the_searchs_sigma_and_the_best_is_named(public_search):
+def test_the_selected_run_trained_at_the_searchs_sigma_and_is_the_only_one_kept(public_search):
     report, summary = public_search
     sigma = report.privacy.strategy("repeat-and-select").sigma_total
-    assert len(summary["runs"]) == summary["trials"]
-    for record in summary["runs"]:
-        entries = json.loads((Path(record["run_dir"]) / "ledger.json").read_text())["entries"]
-        assert entries[0]["event"]["event"]["noise_multiplier"] == sigma
-    if summary["trials"]:
-        best = max(summary["runs"], key=lambda r: r["score"])
-        assert summary["selected_run"] == best["run_dir"]
-        assert Path(summary["selected_run"]).is_dir()
+    search_dir = Path(summary["search_dir"])
+    kept = list((search_dir / "runs").iterdir())
+    assert summary["stopped"] == "completed"
+    # K >= 1 for the truncated negative binomial, so a run is always selected.
+    assert kept == [Path(summary["selected_run"])]
+    assert summary["selected_run_dir"] == kept[0].relative_to(search_dir).as_posix()
+    entries = json.loads((kept[0] / "ledger.json").read_text())["entries"]
+    assert entries[0]["event"]["event"]["noise_multiplier"] == sigma
+    assert summary["selected_configuration"] in ({"training.optimizer.lr": 0.1}, {"training.optimizer.lr": 0.5})
+    assert 0 <= summary["selected_score"] <= 1  # a public score: the exact held-out accuracy
+    marker = json.loads((kept[0] / "search.json").read_text())
+    assert (kept[0] / marker["search_dir"]).resolve() == search_dir.resolve()
+    assert marker["epsilon"] == summary["epsilon"]
 
 
 def test_private_score_is_charged_to_every_run(public_search, tmp_path):
@@ -71,3 +76,29 @@ def test_poisson_trials_cannot_be_recorded_yet(tiny):
     report = tune_cost(base, recipe, grid=["training.optimizer.lr=0.1,0.5"], timer=StepTimer(fixed_seconds=0.01))
     with pytest.raises(DpclipError, match="Poisson"):
         run_search(base, recipe, report, grid=["training.optimizer.lr=0.1,0.5"], quiet=True)
+
+
+def test_a_search_that_fails_releases_nothing(tiny, public_search, monkeypatch):
+    import dpclip.accounting.tuning as tuning_math
+    import dpclip.train.workflow as workflow
+
+    base, recipe = tiny("tuning.score=public", "privacy.accountant=rdp")
+    grid = ["training.optimizer.lr=0.1,0.5"]
+    report, _ = public_search  # the same privacy section: the same per-run σ
+    started = []
+
+    def crashing_train(trial, *, data=None, run_dir=None, **kwargs):
+        run_dir.mkdir(parents=True)
+        (run_dir / "model.safetensors").write_text("trained weights")
+        started.append(run_dir)
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(tuning_math, "draw_trial_count", lambda mean, shape, rng: 3)
+    monkeypatch.setattr(workflow, "train", crashing_train)
+    with pytest.raises(RuntimeError, match="disk full"):
+        run_search(base, recipe, report, grid=grid, quiet=True)
+    search_dir = started[0].parent.parent
+    assert list((search_dir / "runs").iterdir()) == []
+    summary = json.loads((search_dir / "summary.json").read_text())
+    assert summary["stopped"] == "failed" and summary["selected_run"] is None
+    assert (search_dir / "ledger.json").exists()  # the runs happened: the charge stands

@@ -1,4 +1,5 @@
 import math
+import random
 
 import pytest
 
@@ -45,7 +46,7 @@ def test_privacy_keys_cannot_be_searched(tiny):
 
 def test_random_search_draws_inside_its_ranges(tiny):
     base, recipe = tiny("tuning.ranges={training.optimizer.lr: {low: 0.001, high: 1.0, log: true}}")
-    configs = search_space(base, recipe, random_draws=50)
+    configs = search_space(base, recipe, random_draws=50, rng=random.Random(1))
     rates = [c.recipe.training.optimizer.lr for c in configs]
     assert len(rates) == 50 and all(0.001 <= r <= 1.0 for r in rates)
     # log-uniform: about half the draws below the geometric midpoint sqrt(0.001 * 1)
@@ -57,3 +58,13 @@ def test_random_search_without_ranges_or_grid_is_refused(tiny):
     base, recipe = tiny()
     with pytest.raises(RecipeError, match="ranges"):
         search_space(base, recipe, random_draws=3)
+
+
+def test_random_search_draws_are_not_predicted_by_the_recipes_seed(tiny):
+    base, recipe = tiny("tuning.ranges={training.optimizer.lr: {low: 0.001, high: 1.0, log: true}}")
+    first = [c.values for c in search_space(base, recipe, random_draws=3)]
+    assert first != [c.values for c in search_space(base, recipe, random_draws=3)]
+    base, recipe = tiny("tuning.ranges={training.optimizer.lr: {low: 0.001, high: 1.0, log: true}}",
+                        "privacy.unsafe_seeded_randomness=true")
+    first = [c.values for c in search_space(base, recipe, random_draws=3)]
+    assert first == [c.values for c in search_space(base, recipe, random_draws=3)]

@@ -1,3 +1,5 @@
+"""Fixtures shared by every test folder."""
+
 import pytest
 
 from dpclip.cli.main import main

@@ -1,0 +1,129 @@
+"""Random generators for private randomness: gradient noise, statistic noise, Poisson
+sampling, tuning-search draws.
+
+Whoever can regenerate the noise of a run can subtract it, and whoever can regenerate
+its batches knows who was in each one (the amplification by subsampling the accountant
+assumes is then gone). So private randomness never comes from the recipe's ``seed``
+unless the user opts in (``privacy.unsafe_seeded_randomness``), and when it does come
+from OS entropy it fills the generator's *whole* state, not a seed:
+
+- CPU (torch's Mersenne Twister, MT19937): ``manual_seed(s)`` keeps only the low 32 bits
+  of ``s``, so a seeded generator has at most 2³² streams, few enough to try them all.
+  :func:`entropy_generator` writes the 624 state words (19,968 bits) from ``os.urandom``.
+- CUDA (Philox): the state is a 64-bit key and a 64-bit offset; both come from
+  ``os.urandom``. That is all the state there is.
+
+The stream itself is torch's PRNG, not a cryptographic generator: the protection is that
+nobody outside the run can know its state. The state is kept in checkpoints (so that a
+resumed run replays exactly the releases already made); the run directory is therefore
+the operator's secret (docs/accounting.md, "Threat model").
+
+The reproducible mode (:func:`seeded_generator`) derives the whole state from
+SHAKE-256(purpose, seed), so that seeds differing in any bit give different streams;
+it exists for tests and experiments and gives up the guarantee against anyone who
+holds the recipe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import struct
+
+import torch
+
+__all__ = ["entropy_generator", "seeded_generator", "private_generator", "private_random",
+           "derived_seed"]
+
+# torch's CPU generator state (CPUGeneratorImplState, 5056 bytes): u64 initial seed,
+# i32 left, i32 seeded, u64 next, u64 state[624] (each holding a 32-bit word), then the
+# cached normal samples. Checked against a seeded generator before it is written.
+_CPU_STATE_BYTES = 5056
+_MT_WORDS = 624
+_MT_OFFSET = 24
+
+
+def derived_seed(seed: int, purpose: str) -> int:
+    """A 63-bit number for one purpose ("model-init", "canaries", ...) from the recipe seed.
+
+    For randomness that is *not* private (initial weights, data split, canaries): the
+    recipe seed governs it, reproducibly."""
+    digest = hashlib.sha256(f"dpclip:{purpose}:{seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _check_cpu_layout(state: torch.Tensor) -> None:
+    """Refuse to write a state whose layout is not the one this module knows.
+
+    A generator seeded with s has its initial seed at offset 0, ``left`` = 1, ``seeded``
+    = 1 at offset 8, and MT19937's first state word (= s) at offset 24."""
+    probe = torch.Generator()
+    probe.manual_seed(0x1234_5678)
+    raw = probe.get_state().numpy().tobytes()
+    ok = (state.numel() == _CPU_STATE_BYTES and len(raw) == _CPU_STATE_BYTES
+          and struct.unpack_from("<QiiQ", raw, 0) == (0x1234_5678, 1, 1, 0)
+          and struct.unpack_from("<Q", raw, _MT_OFFSET)[0] == 0x1234_5678)
+    if not ok:  # pragma: no cover - only a torch with another generator layout gets here
+        raise RuntimeError("this torch's CPU generator state has an unknown layout; dpclip cannot "
+                           "fill it from OS entropy (report this, with the torch version)")
+
+
+def _cpu_generator_from_words(words: bytes) -> torch.Generator:
+    """A CPU generator whose 624 MT19937 state words are ``words`` (2496 bytes)."""
+    generator = torch.Generator()
+    generator.manual_seed(0)
+    state = generator.get_state()
+    _check_cpu_layout(state)
+    raw = bytearray(state.numpy().tobytes())
+    for i in range(_MT_WORDS):
+        word = int.from_bytes(words[4 * i: 4 * i + 4], "little")
+        struct.pack_into("<Q", raw, _MT_OFFSET + 8 * i, word)
+    # left = 1, next = 0: the next draw regenerates the state block (as after seeding).
+    struct.pack_into("<QiiQ", raw, 0, 0, 1, 1, 0)
+    generator.set_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
+    return generator
+
+
+def _generator_from_bytes(material: bytes, device: torch.device | str) -> torch.Generator:
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _cpu_generator_from_words(material[: 4 * _MT_WORDS])
+    generator = torch.Generator(device=device)
+    key = int.from_bytes(material[:8], "little")
+    generator.manual_seed(key)
+    if hasattr(generator, "set_offset"):  # Philox offset (multiple of 4): the rest of the state
+        generator.set_offset(4 * (int.from_bytes(material[8:16], "little") >> 4))
+    return generator
+
+
+def entropy_generator(device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator whose whole state comes from ``os.urandom`` (module doc)."""
+    return _generator_from_bytes(os.urandom(4 * _MT_WORDS), device)
+
+
+def seeded_generator(seed: int, purpose: str, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator whose whole state is SHAKE-256 of (purpose, seed): reproducible, and
+    known to anyone who knows ``seed``. Every bit of ``seed`` changes the stream."""
+    material = hashlib.shake_256(f"dpclip-private:{purpose}:{int(seed)}".encode()).digest(4 * _MT_WORDS)
+    return _generator_from_bytes(material, device)
+
+
+def private_generator(seed: int | None, purpose: str, device: torch.device | str = "cpu") -> torch.Generator:
+    """OS entropy when ``seed`` is None (the default everywhere), else :func:`seeded_generator`."""
+    if seed is None:
+        return entropy_generator(device)
+    return seeded_generator(seed, purpose, device)
+
+
+def private_random(seed: int | None, purpose: str) -> random.Random:
+    """A Python ``random.Random`` for private draws (tuning search: trial count, scores).
+
+    Seeded with 256 bits of OS entropy when ``seed`` is None (``random.Random`` uses every
+    bit of an int seed), else from SHAKE-256(purpose, seed). Its state can be saved with
+    ``getstate()``, unlike ``random.SystemRandom``."""
+    if seed is None:
+        material = os.urandom(32)
+    else:
+        material = hashlib.shake_256(f"dpclip-private:{purpose}:{int(seed)}".encode()).digest(32)
+    return random.Random(int.from_bytes(material, "little"))

@@ -1,0 +1,116 @@
+"""A crash must never leave a release uncharged, and a resume must never release twice.
+
+The attacker here is the crash itself: a process killed between two writes, or between
+a step's release and the next checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from dpclip.accounting import Ledger
+from dpclip.errors import DpclipError
+from dpclip.train import workflow
+from dpclip.train.workflow import train
+
+
+def _disk_ledger_steps(run_dir) -> int:
+    path = run_dir / "ledger.json"
+    return json.loads(path.read_text())["steps"] if path.exists() else 0
+
+
+def test_ledger_on_disk_is_never_behind_what_left_the_process(tiny_recipe, monkeypatch):
+    """Every metrics record and every checkpoint made current is already charged on disk."""
+    seen = []
+    append, save = workflow._append_metrics, workflow.save_checkpoint
+
+    def checked_append(path, record):
+        seen.append(("metrics", record["step"], _disk_ledger_steps(path.parent)))
+        append(path, record)
+
+    def checked_save(run_dir, step, model, state, keep):
+        seen.append(("checkpoint", step, _disk_ledger_steps(run_dir)))
+        return save(run_dir, step, model, state, keep)
+
+    monkeypatch.setattr(workflow, "_append_metrics", checked_append)
+    monkeypatch.setattr(workflow, "save_checkpoint", checked_save)
+    train(tiny_recipe("clipping.threshold={kind: quantile, budget_fraction: 0.1}", "eval.every_steps=2"))
+    assert seen and all(charged >= step for _, step, charged in seen), seen
+
+
+def _crashed_copy(run_dir, dest, checkpoint_step: int, crash_step: int):
+    """``run_dir`` as a process killed right after step ``crash_step`` would have left it."""
+    shutil.copytree(run_dir, dest)
+    for folder in (dest / "checkpoints").iterdir():
+        if folder.is_dir() and int(folder.name.split("_")[1]) > checkpoint_step:
+            shutil.rmtree(folder)
+    (dest / "checkpoints" / "LATEST").write_text(f"step_{checkpoint_step:06d}\n")
+    ledger = Ledger.from_dict(json.loads((dest / "ledger.json").read_text()))
+    cut = Ledger(ledger.delta, ledger.accountant)
+    entry = ledger.entries[0]
+    cut.record(entry.event, count=crash_step, metadata=entry.metadata)
+    (dest / "ledger.json").write_text(json.dumps(cut.to_dict()))
+    lines = (dest / "metrics.jsonl").read_text().splitlines()
+    (dest / "metrics.jsonl").write_text("".join(l + "\n" for l in lines if json.loads(l)["step"] <= crash_step))
+    return dest
+
+
+def _records(path):
+    out = [json.loads(line) for line in path.read_text().splitlines()]
+    for record in out:
+        record.pop("seconds", None)
+    return out
+
+
+def test_redone_steps_replay_the_released_thresholds_exactly(tiny_recipe, tmp_path):
+    """Adaptive thresholds are released every step (noisy quantile counts). The steps redone
+    after a crash use the checkpoint's generator states: same batches, same noise, so the
+    same thresholds; nothing is released twice and the ledger ends where it would have."""
+    recipe = tiny_recipe("training.steps=8", "checkpoint.every_steps=4", "checkpoint.keep=5",
+                         "clipping.threshold={kind: quantile, budget_fraction: 0.1}")
+    full = train(recipe).run_dir
+    crashed = _crashed_copy(full, tmp_path / "crashed", checkpoint_step=4, crash_step=6)
+    train(resume=crashed)
+    assert _records(crashed / "metrics.jsonl") == _records(full / "metrics.jsonl")
+    assert json.loads((crashed / "ledger.json").read_text()) == json.loads((full / "ledger.json").read_text())
+
+
+def test_crash_before_the_first_regular_checkpoint_replays_from_step_zero(tiny_recipe, tmp_path):
+    recipe = tiny_recipe("training.steps=6", "checkpoint.every_steps=null", "checkpoint.keep=5",
+                         "clipping.threshold={kind: quantile, budget_fraction: 0.1}")
+    full = train(recipe).run_dir
+    assert (full / "checkpoints" / "step_000000").is_dir(), "step 0 is checkpointed with the generators"
+    crashed = _crashed_copy(full, tmp_path / "crashed", checkpoint_step=0, crash_step=3)
+    train(resume=crashed)
+    assert _records(crashed / "metrics.jsonl") == _records(full / "metrics.jsonl")
+
+
+def test_a_replay_that_would_release_something_new_stops_the_resume(tiny_recipe, tmp_path):
+    recipe = tiny_recipe("training.steps=8", "checkpoint.every_steps=4", "checkpoint.keep=5",
+                         "clipping.threshold={kind: quantile, budget_fraction: 0.1}")
+    full = train(recipe).run_dir
+    crashed = _crashed_copy(full, tmp_path / "crashed", checkpoint_step=4, crash_step=6)
+    # As if the first run had released other thresholds at step 6 (another device, another torch).
+    records = [json.loads(l) for l in (crashed / "metrics.jsonl").read_text().splitlines()]
+    records[5]["thresholds"] = [t * 1.0001 for t in records[5]["thresholds"]]
+    (crashed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(DpclipError) as info:
+        train(resume=crashed)
+    assert "step 6" in info.value.message and "twice" in info.value.message
+    assert json.loads((crashed / "ledger.json").read_text())["steps"] == 6  # not rolled back
+
+
+def test_checkpoint_holds_the_private_generator_states(tiny_recipe):
+    """Without them a resumed run would draw fresh noise for the redone steps: a second release."""
+    from dpclip.train.checkpoint import load_checkpoint
+    from dpclip.data import load_data
+    from dpclip.models import build_model
+
+    recipe = tiny_recipe()
+    run = train(recipe).run_dir
+    model, _ = build_model(recipe.model, load_data(recipe.data, seed=recipe.seed), seed=recipe.seed)
+    state = load_checkpoint(run / "checkpoints" / "step_000002", model)
+    assert state["engine"]["noise"]["states"]["cpu"].numel() == 5056
+    assert state["sampler"]["generator"].numel() == 5056

@@ -1,0 +1,90 @@
+"""Files in a run directory are input, not truth: an edited ledger or LATEST pointer must
+be refused, not believed (an edited ledger would understate ε)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dpclip.accounting import Ledger
+from dpclip.errors import DpclipError
+from dpclip.train.workflow import spent, train
+
+
+@pytest.fixture
+def run_dir(tiny_recipe):
+    return train(tiny_recipe()).run_dir
+
+
+def _edit_json(path, change):
+    payload = json.loads(path.read_text())
+    change(payload)
+    path.write_text(json.dumps(payload))
+
+
+def test_latest_pointing_outside_the_run_is_refused(run_dir, tmp_path):
+    outside = tmp_path / "elsewhere" / "step_000004"
+    outside.mkdir(parents=True)
+    for name in ("state.json", "state.safetensors", "model.safetensors"):
+        (outside / name).write_bytes((run_dir / "checkpoints" / "step_000004" / name).read_bytes())
+    (run_dir / "checkpoints" / "LATEST").write_text("../../elsewhere/step_000004\n")
+    with pytest.raises(DpclipError) as info:
+        train(resume=run_dir)
+    assert "not a checkpoint of this run" in info.value.message
+
+
+def test_checkpoint_whose_state_is_another_step_is_refused(run_dir):
+    _edit_json(run_dir / "checkpoints" / "step_000004" / "state.json", lambda s: s.update(step=2))
+    with pytest.raises(DpclipError) as info:
+        train(resume=run_dir)
+    assert "does not hold step 4" in info.value.message
+
+
+def _fewer_steps(state):
+    state["ledger"]["entries"][0]["count"] = 1
+    state["ledger"]["steps"] = 1
+
+
+def test_checkpoint_ledger_with_fewer_steps_than_its_step_is_refused_on_resume(run_dir):
+    _edit_json(run_dir / "checkpoints" / "step_000004" / "state.json", _fewer_steps)
+    with pytest.raises(DpclipError) as info:
+        train(resume=run_dir)
+    assert "records 1 steps" in info.value.message
+
+
+def _more_noise(ledger):
+    ledger["entries"][0]["event"]["event"]["noise_multiplier"] *= 2
+
+
+def test_ledger_with_a_larger_noise_multiplier_is_refused_by_account(run_dir):
+    ledger, _ = spent(run_dir)
+    assert ledger.steps == 4
+    _edit_json(run_dir / "ledger.json", _more_noise)
+    with pytest.raises(DpclipError) as info:
+        spent(run_dir)
+    assert "not this run's step event" in info.value.message
+
+
+def test_ledger_with_more_steps_than_planned_is_refused_by_account(run_dir):
+    ledger = Ledger.from_dict(json.loads((run_dir / "ledger.json").read_text()))
+    ledger.record(ledger.entries[0].event, count=10, metadata=ledger.entries[0].metadata)
+    (run_dir / "ledger.json").write_text(json.dumps(ledger.to_dict()))
+    with pytest.raises(DpclipError):
+        spent(run_dir)
+
+
+def test_audit_refuses_a_checkpoint_whose_ledger_was_edited(run_dir):
+    from dpclip.audit.report import audit
+
+    _edit_json(run_dir / "checkpoints" / "step_000004" / "state.json", _fewer_steps)
+    with pytest.raises(DpclipError) as info:
+        audit(run_dir, ["loss"], bootstrap=0, write=False)
+    assert "records 1 steps" in info.value.message
+
+
+def test_account_cli_refuses_an_edited_ledger_with_error_and_hint(run_dir, cli):
+    _edit_json(run_dir / "ledger.json", _more_noise)
+    result = cli("account", str(run_dir))
+    assert result.code != 0
+    assert "error:" in result.err and "hint:" in result.err and "Traceback" not in result.err
