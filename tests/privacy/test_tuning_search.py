@@ -240,6 +240,16 @@ def test_account_reports_the_searchs_epsilon_for_the_search_and_its_selected_run
     assert "WARNING" in text and "unsafe_seeded_randomness" in text
 
 
+def test_audit_of_the_selected_run_sets_the_searchs_epsilon_beside_the_leakage(searches):
+    from dpclip.audit.report import audit
+
+    summary = searches["default"].summary
+    report = audit(Path(summary["selected_run"]), ["loss"], bootstrap=0, write=False)
+    assert report["ledger"]["epsilon"] == pytest.approx(summary["epsilon"], rel=1e-12)
+    assert report["ledger"]["epsilon_this_run_alone"] < summary["epsilon"]
+    assert any("selected by the tuning search" in note for note in report["notes"])
+
+
 def test_the_selected_run_cannot_be_made_to_report_its_own_epsilon_alone(searches, tmp_path, capsys):
     import shutil
 
