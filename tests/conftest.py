@@ -1,8 +1,12 @@
 """Fixtures shared by every test folder."""
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from dpclip.cli.main import main
+from dpclip.recipe import load_recipe
 
 
 class CliResult:
@@ -20,3 +24,25 @@ def cli(capsys):
         return CliResult(code, captured.out, captured.err)
 
     return run
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def quickstart(tmp_path):
+    """``quickstart(*overrides)``: the quickstart recipe with overrides, writing under tmp_path."""
+
+    def make(*overrides):
+        return load_recipe(REPO / "recipes" / "quickstart.yaml", [f"output_dir={tmp_path / 'runs'}", *overrides])
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests (small models: threads only add overhead)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -3,7 +3,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from dpclip.recipe import load_recipe
 from dpclip.train.workflow import train
@@ -20,12 +19,7 @@ def _train_tiny(output_dir: Path, *overrides) -> Path:
     return train(recipe).run_dir
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

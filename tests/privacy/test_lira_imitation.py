@@ -14,7 +14,6 @@ from pathlib import Path
 
 import dp_accounting
 import pytest
-import torch
 
 from dpclip.accounting import Ledger
 from dpclip.audit.lira import train_shadows
@@ -33,12 +32,7 @@ TARGET = ["training.epochs=0.5", "training.batch_size=64", "training.micro_batch
           "checkpoint.every_steps=null", "eval.every_steps=null"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
