@@ -114,3 +114,18 @@ def test_checkpoint_holds_the_private_generator_states(tiny_recipe):
     state = load_checkpoint(run / "checkpoints" / "step_000002", model)
     assert state["engine"]["noise"]["states"]["cpu"].numel() == 5056
     assert state["sampler"]["generator"].numel() == 5056
+
+
+def test_a_replay_whose_exact_diagnostics_differ_resumes_without_writing_them_again(tiny_recipe, tmp_path):
+    """Diagnostics are not charged releases, and a replay never re-emits them: float noise
+    there (another thread count) must not make a run impossible to resume."""
+    recipe = tiny_recipe("training.steps=8", "checkpoint.every_steps=4", "checkpoint.keep=5")
+    full = train(recipe).run_dir
+    crashed = _crashed_copy(full, tmp_path / "crashed", checkpoint_step=4, crash_step=6)
+    records = [json.loads(l) for l in (crashed / "metrics.jsonl").read_text().splitlines()]
+    records[5]["diagnostics"]["train_loss"] += 1e-6
+    (crashed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    train(resume=crashed)
+    after = [json.loads(l) for l in (crashed / "metrics.jsonl").read_text().splitlines()]
+    assert after[5] == records[5]
+    assert [r["step"] for r in after if "eval" not in r] == list(range(1, 9))
