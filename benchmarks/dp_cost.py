@@ -9,7 +9,7 @@ Step = forward, loss, backward(s), clipping, noise, SGD step. Methods:
     opacus ghost      PrivacyEngine.make_private(grad_sample_mode="ghost"): ghost clipping
                       (two backwards, through Opacus' DPLossFastGradientClipping criterion)
 
-Workloads: gpt2 (REFERENCE §G: 4 layers, n_embd 256, vocab 1024, T 128, B 16; position ids
+Workloads: gpt2 (docs/performance.md: 4 layers, n_embd 256, vocab 1024, T 128, B 16; position ids
 passed to every method, as Opacus needs them), cnn (the digits CNN of recipes/cnn-*.yaml on
 1x8x8 images, B 64), mlp (128 -> 512 -> 512 -> 10, B 1024).
 

@@ -1,4 +1,4 @@
-"""DP / non-DP step-time ratio of dpclip's engine on a small GPT-2 (REFERENCE §G setting).
+"""DP / non-DP step-time ratio of dpclip's engine on a small GPT-2 (docs/performance.md setting).
 
 A non-private step (forward, mean loss, backward, SGD step) and private steps (forward,
 per-sample losses, engine.backward, engine.privatize, SGD step) for each grouping are

@@ -81,7 +81,7 @@ def block(result: dict) -> str:
     phases = profile_step.render_phases(result["phases"], markdown=True)
     return "\n\n".join([
         START,
-        "### Goals (issue 8, item 5), GPT-2 of REFERENCE §G",
+        "### Goals (issue 8, item 5), GPT-2 of docs/performance.md",
         goals(result),
         dp_cost.render(result, markdown=True),
         f"### Where the time goes: GPT-2, median of {result['phase_steps']} interleaved steps",

@@ -131,14 +131,14 @@ def _print_synthetic(summary: dict) -> None:
 
 # ------------------------------------------------------------------ digits comparison
 
-GRID = [0.1, 0.2, 0.5, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0]   # DC-SGD's C grid (REFERENCE §E)
+GRID = [0.1, 0.2, 0.5, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0]   # DC-SGD's C grid (docs/tuning.md)
 
 # name -> (clipping dict, statistic kind or None, tuning runs G charged to the budget, why G)
 METHODS = {
     "dpsgd-C=1 (median of grid)": ({"threshold": {"kind": "fixed", "value": 1.0}}, None, 1,
                                    "no tuning: the grid's (lower) median"),
     "quantile (p=0.5, r=0.01)": ({"threshold": {"kind": "quantile", "target": 0.5, "lr": 0.3, "initial": 1.0}},
-                                 "quantile", 45, "Andrew et al.'s grid over p × η (REFERENCE §E)"),
+                                 "quantile", 45, "Andrew et al.'s grid over p × η (docs/tuning.md)"),
     "dcsgd-p (p=0.5)": ({"threshold": {"kind": "dcsgd-p", "percentile": 0.5}}, "histogram", 9,
                         "p in 0.1..0.9"),
     "dcsgd-e": ({"threshold": {"kind": "dcsgd-e"}}, "histogram", 1, "nothing to tune"),

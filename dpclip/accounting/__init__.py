@@ -2,7 +2,7 @@
 
 What is accounted: example-level differential privacy under add/remove-one-example
 neighbours, for Poisson-sampled Gaussian steps; every release of a step (gradient and
-auxiliary threshold statistics) shares one budget as a joint Gaussian (DESIGN §4-5).
+auxiliary threshold statistics) shares one budget as a joint Gaussian (docs/accounting.md, joint release).
 See docs/accounting.md. This package never imports torch.
 """
 

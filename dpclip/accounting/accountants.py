@@ -17,7 +17,7 @@ RDP (Rényi DP; Mironov 2017, subsampled Gaussian of Mironov, Talwar & Zhang 201
 
         ε = min_α [ rdp(α) + log((α − 1)/α) − (log δ + log α)/(α − 1) ]
 
-    (the older ε = rdp(α) + log(1/δ)/(α − 1) is ~15% larger; REFERENCE §D).
+    (the older ε = rdp(α) + log(1/δ)/(α − 1) is ~15% larger; docs/accounting.md).
 
 PLD (privacy loss distributions; Koskela et al. 2020, Doroshenko et al. 2022)
     Tightest: ε is read off the composed privacy-loss distribution, no conversion. The
@@ -26,7 +26,7 @@ PLD (privacy loss distributions; Koskela et al. 2020, Doroshenko et al. 2022)
     :func:`pld_discretization` so the relative error stays ~1e-3 or less and the cost
     stays roughly constant (a fraction of a second for 10⁴–10⁵ steps).
 
-PLD can fail where RDP does not (REFERENCE §H: peers' PRV accountant crashes at large ε
+PLD can fail where RDP does not (a pitfall seen in peer libraries: peers' PRV accountant crashes at large ε
 or small δ; dp_accounting's PLD returns ε = inf when δ is below its truncated tail
 mass, e.g. δ = 1e-15). dpclip therefore always computes RDP alongside PLD and falls
 back to RDP — saying why in ``AccountingResult.fallback_reason`` — whenever PLD raises,

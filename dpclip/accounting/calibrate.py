@@ -180,7 +180,7 @@ def calibrate_noise_multiplier(
     where ε is computed for ``steps`` steps of ``PoissonSampled(q, Gaussian(σ_eff))``
     with ``accountant``.
 
-    σ_eff is the *joint* multiplier of everything a step releases (DESIGN §4): without
+    σ_eff is the *joint* multiplier of everything a step releases (docs/accounting.md, joint release): without
     auxiliary statistics it is the gradient's noise multiplier; with them, split it with
     :func:`dpclip.accounting.split_noise`. ``aux`` — pairs (Δ_a, σ_a) of auxiliary
     statistics whose noise std is fixed — does not change σ_eff, but is checked: a

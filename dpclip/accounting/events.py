@@ -5,7 +5,7 @@ mechanism: enough to compute its privacy cost, nothing more. dpclip builds every
 event it records through the functions here, so the CLI (``dpclip account``) and the
 training loop describe a step in exactly the same way.
 
-DESIGN.md §4 "Joint release": one step releases the noisy clipped gradient and, for
+docs/accounting.md, "Joint release and budget split": one step releases the noisy clipped gradient and, for
 adaptive-threshold policies, a noisy statistic of the *same* Poisson sample. Both are
 Gaussian mechanisms on the same data, so together they are a single Gaussian mechanism
 (see :func:`joint_noise_multiplier`) and one step is ``PoissonSampled(q, Gaussian(σ_eff))``.
@@ -62,7 +62,7 @@ def gradient_step_event(sample_rate: float, noise_multiplier: float) -> dp_accou
 
     ``σ`` is the noise multiplier for sensitivity 1 (noise std / sensitivity). When the
     step also releases auxiliary statistics, pass the joint multiplier from
-    :func:`joint_noise_multiplier` (DESIGN §4).
+    :func:`joint_noise_multiplier` (docs/accounting.md, joint release).
 
     A noise multiplier of 0 releases the exact clipped sum: that is not private at all,
     so the step is a ``NonPrivateDpEvent`` (its ε is infinite).
@@ -82,7 +82,7 @@ def joint_noise_multiplier(
 ) -> float:
     """Noise multiplier of the gradient and auxiliary statistics released together.
 
-    Formula (DESIGN §4, REFERENCE §C)::
+    Formula (docs/accounting.md, joint release)::
 
         σ_eff⁻² = σ_g⁻² + Σ_a (Δ_a / σ_a)²
 

@@ -1,4 +1,4 @@
-"""The one event builder shared by ``dpclip account`` and the training loop (DESIGN §5).
+"""The one event builder shared by ``dpclip account`` and the training loop (docs/accounting.md).
 
 A :class:`PrivacyPlan` says how a run will sample and for how long, and either the
 target ε or the noise. :func:`solve` turns it into the noise multipliers, the per-step
@@ -143,7 +143,7 @@ class PlanResult:
         split: how σ_eff is shared between gradient and auxiliary statistic.
         epsilon: ε of the whole run with the plan's accountant (after any fallback).
         epsilon_rdp: ε with RDP, alongside.
-        step_event: the per-step joint event PoissonSampled(q, Gaussian(σ_eff)) (DESIGN §4).
+        step_event: the per-step joint event PoissonSampled(q, Gaussian(σ_eff)) (docs/accounting.md, joint release).
         total_event: SelfComposed(step_event, steps).
         statement: the privacy statement for ``epsilon``.
         fallback_reason: why PLD fell back to RDP, if it did.

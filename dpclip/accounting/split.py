@@ -2,7 +2,7 @@
 
 A step that releases the noisy gradient (noise multiplier σ_g, sensitivity 1 after
 clipping) and a noisy statistic (sensitivity Δ, noise std σ_a) of the same Poisson
-sample is one Gaussian mechanism with (DESIGN §4, REFERENCE §C)::
+sample is one Gaussian mechanism with (docs/accounting.md, joint release)::
 
     σ⁻² = σ_g⁻² + (Δ/σ_a)²
 
@@ -13,7 +13,7 @@ Calibration finds the total σ for (ε, δ); this module works backwards from σ
     σ_g = σ / sqrt(1 − r)          (r = 0.01 -> σ_g = 1.005σ; r = 0.1 -> 1.054σ)
     σ_a = Δ·σ / sqrt(r)
 
-Sensitivities of the statistics dpclip releases (REFERENCE §C, DESIGN §4 table):
+Sensitivities of the statistics dpclip releases (docs/accounting.md, joint release):
 
 - quantile counts (He et al., after Andrew et al.): per group k the count
   Σ_i (1[n_{i,k} <= C_k] − ½); one example moves each of the K counts by ½, so the
@@ -40,7 +40,7 @@ def aux_sensitivity(kind: str, groups: int = 1) -> float:
     """L2 sensitivity of an auxiliary statistic over ``groups`` groups.
 
     quantile: sqrt(K)/2 (K shifted counts, each moved by ½); histogram: sqrt(K)
-    (one histogram per group, one example adds 1 to one bin of each). REFERENCE §C.
+    (one histogram per group, one example adds 1 to one bin of each). docs/accounting.md
     """
     if kind not in AUX_KINDS:
         raise AccountingError(
@@ -111,7 +111,7 @@ def split_noise(
     - ``aux_sigma`` σ_a > Δ·σ: σ_g = (σ⁻² − (Δ/σ_a)²)^(−1/2)
       (DC-SGD: σ = 1, σ_H = 10, Δ = 1 -> σ_g = 1.00504).
 
-    Formulas: REFERENCE §C; they solve σ⁻² = σ_g⁻² + (Δ/σ_a)² (DESIGN §4).
+    Formulas: docs/accounting.md; they solve σ⁻² = σ_g⁻² + (Δ/σ_a)² (docs/accounting.md, joint release).
     """
     if not isinstance(sigma_total, (int, float)) or not 0 < sigma_total < math.inf:
         raise AccountingError(
@@ -169,7 +169,7 @@ def split_noise(
 def check_aux_fits(sigma_total: float, aux: Sequence[tuple[float, float]]) -> None:
     """Raise unless statistics with fixed (Δ_a, σ_a) leave budget for the gradient.
 
-    The gradient gets σ_g⁻² = σ⁻² − Σ (Δ_a/σ_a)², which must be > 0 (REFERENCE §C).
+    The gradient gets σ_g⁻² = σ⁻² − Σ (Δ_a/σ_a)², which must be > 0 (docs/accounting.md).
     """
     for delta_a, sigma_a in aux:
         if not delta_a >= 0 or not sigma_a > 0:

@@ -1,4 +1,4 @@
-"""The privacy statement: every ε dpclip prints comes with what it means (DESIGN §5).
+"""The privacy statement: every ε dpclip prints comes with what it means (docs/accounting.md).
 
 A bare "ε = 3" is not a claim anyone can check. The statement says the unit
 (example-level), the neighbouring relation (add/remove one example), how batches were
@@ -31,7 +31,7 @@ __all__ = [
 
 SAMPLINGS = ("poisson", "shuffle")
 
-#: The loud caveat for loaders that do not sample Poisson batches (REFERENCE §H).
+#: The loud caveat for loaders that do not sample Poisson batches (a pitfall seen in peer libraries).
 SHUFFLE_CAVEAT = (
     "accounting assumes Poisson sampling; the loader uses fixed-size shuffled batches, "
     "for which this ε is not a proven bound"

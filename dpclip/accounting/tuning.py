@@ -2,7 +2,7 @@
 
 Training G configurations on the same private data releases G models (and whatever
 selects among them), so the search, not one run, is what the (ε, δ) guarantee must
-cover (REFERENCE §E; DC-SGD paper §II-C). Three ways to account for it:
+cover (docs/tuning.md; DC-SGD paper §II-C). Three ways to account for it:
 
 naive composition
     every run is released: ``SelfComposedDpEvent(run_event, G)``. Exact but pessimistic.

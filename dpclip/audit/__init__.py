@@ -1,4 +1,4 @@
-"""Membership-inference auditing of finished runs (`dpclip audit-mia`; DESIGN §7).
+"""Membership-inference auditing of finished runs (`dpclip audit-mia`; docs/auditing.md).
 
     from dpclip.audit import audit
     report = audit(run_dir, ["loss", "logistic", "lira", "one-run"], shadows=8)

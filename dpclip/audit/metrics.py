@@ -13,7 +13,7 @@ from sklearn.metrics import roc_auc_score, roc_curve
 
 
 def dp_tpr_bound(fpr: np.ndarray, epsilon: float, delta: float) -> np.ndarray:
-    """Largest TPR an (ε, δ)-DP training run allows at each FPR (REFERENCE §F).
+    """Largest TPR an (ε, δ)-DP training run allows at each FPR (docs/auditing.md).
 
     TPR ≤ e^ε·FPR + δ, and, applying the same bound to the complementary test,
     1 − FPR ≤ e^ε·(1 − TPR) + δ, i.e. TPR ≤ 1 − e^(−ε)·(1 − δ − FPR)
@@ -27,7 +27,7 @@ def dp_tpr_bound(fpr: np.ndarray, epsilon: float, delta: float) -> np.ndarray:
 
 def null_auc_std(num_members: int, num_non_members: int) -> float:
     """Standard error of the AUC of a useless attack (Mann–Whitney U under H0):
-    sqrt((n₁ + n₀ + 1) / (12·n₁·n₀)); ≈ 0.013 for 1000 + 1000 (REFERENCE §F)."""
+    sqrt((n₁ + n₀ + 1) / (12·n₁·n₀)); ≈ 0.013 for 1000 + 1000 (docs/auditing.md)."""
     n1, n0 = num_members, num_non_members
     return math.sqrt((n1 + n0 + 1) / (12.0 * n1 * n0))
 

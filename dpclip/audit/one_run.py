@@ -1,5 +1,5 @@
 """The one-run audit (Steinke, Nasr, Jagielski 2023, "Privacy Auditing with One (1)
-Training Run"; REFERENCE §F).
+Training Run"; docs/auditing.md).
 
 m canaries are each trained on independently with probability ½. After training, the
 auditor scores every canary, guesses "in" for the k highest scores and "out" for the k

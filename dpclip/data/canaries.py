@@ -1,4 +1,4 @@
-"""Canaries for the one-run audit (Steinke, Nasr, Jagielski 2023; REFERENCE §F).
+"""Canaries for the one-run audit (Steinke, Nasr, Jagielski 2023; docs/auditing.md).
 
 A recipe's ``audit: {canaries: {count, kind}}`` makes ``count`` canary examples, and each
 is put into the TRAINING set independently with probability 1/2. Which ones went in is

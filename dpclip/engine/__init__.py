@@ -1,4 +1,4 @@
-"""The private gradient: book-keeping norms, group-wise clipping, noise (DESIGN §3).
+"""The private gradient: book-keeping norms, group-wise clipping, noise (docs/engine.md).
 
 Pure torch: no YAML, no CLI, no IO. Entry point: :class:`DPEngine`.
 """

@@ -2,7 +2,7 @@
 
 The clipped per-sample gradient of group k is c_{i,k}·g_{i,k}. Both functions keep
 ||c·g|| ≤ C_k (abadi) or < C_k (auto), so the clipped sum over K groups has L2
-sensitivity sqrt(Σ_k C_k²) (REFERENCE §A).
+sensitivity sqrt(Σ_k C_k²) (docs/engine.md).
 
 Both give c = 0 for ||g|| = +inf; the engine passes every non-finite norm (NaN too) as
 +inf and zeroes that sample's per-sample gradient before summing (0·inf would be NaN).
@@ -21,7 +21,7 @@ ClipFn = Callable[[Tensor, Tensor], Tensor]
 
 
 def abadi(norms: Tensor, thresholds: Tensor) -> Tensor:
-    """c = min(1, C/||g||): 1 when ||g|| = 0, 0 when ||g|| = +inf (Abadi et al. 2016; DESIGN §3.2)."""
+    """c = min(1, C/||g||): 1 when ||g|| = 0, 0 when ||g|| = +inf (Abadi et al. 2016; docs/engine.md)."""
     # C / max(||g||, tiny) is huge for a zero norm, so the min gives 1 without a branch.
     tiny = torch.finfo(norms.dtype).tiny
     return (thresholds / norms.clamp_min(tiny)).clamp(max=1.0)

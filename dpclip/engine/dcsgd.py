@@ -2,7 +2,7 @@
 
 Wei et al., "DC-SGD: Differentially private SGD with dynamic clipping through gradient
 norm distribution estimation" (papers/dc-sgd-dynamic-clipping.txt, Algorithms 1–4;
-REFERENCE §C). Every logical batch, per group k:
+docs/methods.md). Every logical batch, per group k:
 
     bin(i)   = min(b − 1, floor(b · n_{i,k} / R_k))       (overflow goes to the last bin;
                                                           the paper prints max: a typo)

@@ -1,7 +1,7 @@
 """Discriminative clipping (DC-DPSGD): heavy-tail samples at ``large``, the body at ``small``.
 
 After "Differentially private SGD under heavy-tailed gradients: discriminative clipping"
-(papers/dc-dpsgd-heavy-tails.txt, Algorithm 1; REFERENCE §C). Per step, every sample gets
+(papers/dc-dpsgd-heavy-tails.txt, Algorithm 1; docs/methods.md). Per step, every sample gets
 a tail score s_i; tail samples are clipped at c_large, the others at c_small:
 
     tail_rule "threshold":     tail(i) = s_i > tail_threshold            (per sample)

@@ -1,4 +1,4 @@
-"""DPEngine: the private step (DESIGN §3).
+"""DPEngine: the private step (docs/engine.md).
 
 A DPEngine is a composition: book-keeping (per-layer norm rules) + grouping + clip
 function + threshold policy + noise allocation. It never owns the optimizer.

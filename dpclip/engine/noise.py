@@ -1,6 +1,6 @@
 """Noise allocation over groups, the joint noise multiplier, and the noise generator.
 
-Allocation (REFERENCE §A; adaptive-per-layer paper's noise allocation): scale group k by
+Allocation (docs/engine.md; adaptive-per-layer paper's noise allocation): scale group k by
 1/w_k, so the concatenated clipped sum has L2 sensitivity S = sqrt(Σ_k C_k²/w_k²); add
 N(0, (σ_g·S)²) to every coordinate of it; scale back. Group k therefore gets
 
@@ -48,7 +48,7 @@ def noise_stds(sigma: float, thresholds: Tensor, weights: Tensor) -> Tensor:
 
 
 def effective_noise_multiplier(sigma_gradient: float, aux: Iterable[tuple[float, float]] = ()) -> float:
-    """σ_eff of the joint release of the gradient and auxiliary statistics (DESIGN §4).
+    """σ_eff of the joint release of the gradient and auxiliary statistics (docs/accounting.md, joint release).
 
     σ_eff⁻² = σ_g⁻² + Σ_a (Δ_a/σ_a)², computed by the accounting package so the engine and
     the ledger share one formula. A zero σ_g (no noise) gives σ_eff = 0: no privacy.

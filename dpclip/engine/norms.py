@@ -11,7 +11,7 @@ rows; ``g > 1`` only for grouped convolutions), is
 
     G_i = [ L_{i,1}ᵀ R_{i,1} ; ... ; L_{i,g}ᵀ R_{i,g} ],   L_{i,j}: T x m,  R_{i,j}: T x n
 
-(groupwise-clipping paper §2.2, eq. (3); REFERENCE §B). A :class:`Bilinear` *use* keeps
+(groupwise-clipping paper §2.2, eq. (3); docs/engine.md). A :class:`Bilinear` *use* keeps
 the factors ``L`` and ``R`` instead of ``G``:
 
 =====================  ===================  =================  ==================
@@ -146,7 +146,7 @@ def _symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool) -> Tensor:
 def ghost_norm_sq(left: Tensor, right: Tensor) -> Tensor:
     """||Σ_t L_tᵀ R_t||_F² per sample without forming the gradient ("ghost norm").
 
-    ||G||_F² = Σ_{t,s} (L Lᵀ)_{ts} (R Rᵀ)_{ts}  (REFERENCE §B; Li et al. 2021 via the
+    ||G||_F² = Σ_{t,s} (L Lᵀ)_{ts} (R Rᵀ)_{ts}  (docs/engine.md; Li et al. 2021 via the
     groupwise-clipping paper §2.2). Cost O(T²(m+n)) (about 5/8 of it: both Grams are
     symmetric, see :func:`_symmetric_ghost`), memory O(T²). Shapes ``[B, g, T, m]`` and
     ``[B, g, T, n]`` -> ``[B]`` (blocks summed).
@@ -155,7 +155,7 @@ def ghost_norm_sq(left: Tensor, right: Tensor) -> Tensor:
 
 
 def ids_ghost_norm_sq(ids: Tensor, right: Tensor) -> Tensor:
-    """Embedding ghost norm: ||G||² = Σ_{t,s} 1[x_t = x_s] <b_t, b_s> (REFERENCE §B).
+    """Embedding ghost norm: ||G||² = Σ_{t,s} 1[x_t = x_s] <b_t, b_s> (docs/engine.md).
 
     ``ids`` ``[B, T]``, ``right`` ``[B, 1, T, n]`` -> ``[B]``.
     """
@@ -188,7 +188,7 @@ def instantiate(use: Bilinear) -> Tensor:
 def _cross_ids_dense(ids_use: Bilinear, dense_use: Bilinear) -> Tensor:
     """<onehot(x)ᵀ R_e, Lᵀ R> per sample = Σ_{t,s} L[s, x_t] <R_e[t], R[s]>.
 
-    This is REFERENCE §B's exact tied-embedding cross term
+    This is docs/engine.md's exact tied-embedding cross term
     2·Σ_{t,s} b^h[s, x_t]·<b^e_t, h_s> (without the factor 2): the head's output grad
     b^h plays L, its input h plays R. Cost O(T_e·T_h·n); never forms V x n matrices.
     """
@@ -241,7 +241,7 @@ def choose_ghost(use: Bilinear, method: str, transient: bool = False) -> bool:
     ``transient=False`` (G_i would wait for other layers' norms, e.g. all-layer clipping):
     a memory rule, instantiate iff G_i is no larger than its factors (m·n ≤ T·(m+n) for a
     dense use), which it then replaces: the stash never grows, and the clipped sum becomes
-    a cheap Σ_i c_i G_i. FastDP's space rule (ghost iff 2T² < m·n, REFERENCE §B) only
+    a cheap Σ_i c_i G_i. FastDP's space rule (ghost iff 2T² < m·n, docs/engine.md) only
     instantiates where this one does too (2T² ≥ m·n implies T(m+n) ≥ 2T·sqrt(m·n) ≥ m·n).
 
     ``transient=True`` (the group is finalized right after this parameter, e.g. layer-wise
@@ -305,7 +305,7 @@ def param_norm_sq(uses: list[Use], shape: torch.Size, method: str = "auto",
     Uses are merged into at most three parts: dense-factor Bilinear uses concatenated
     along T (D), id-factor uses concatenated along T (E), and everything instantiated,
     summed (I). Then ||D+E+I||² = ||D||² + ||E||² + ||I||² + 2(<D,E> + <D,I> + <E,I>),
-    each term computed without forming V x n matrices for embeddings (REFERENCE §B).
+    each term computed without forming V x n matrices for embeddings (docs/engine.md).
     The mixed rule (:func:`choose_ghost`; ``transient``: the clipped sum follows at once)
     decides per part whether D or E is ghost-normed or instantiated.
 

@@ -3,7 +3,7 @@
 He et al., "Exploring the limits of DP deep learning with group-wise clipping"
 (papers/adaptive-per-layer-per-device-clipping.txt, Algorithm 1), after Andrew et al.,
 "Differentially private learning with adaptive clipping". Per group k, target quantile
-q and learning rate η (REFERENCE §C):
+q and learning rate η (docs/methods.md):
 
     count_k = Σ_i (1[n_{i,k} ≤ C_k] − ½)                     (shifted unclipped count)
     b_k     = clamp((count_k + N(0, σ_b²)) / B + ½, 0, 1)     (B = EXPECTED batch size)

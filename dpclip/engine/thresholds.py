@@ -1,4 +1,4 @@
-"""Threshold policies: where the per-group clipping thresholds C_k come from (DESIGN §4).
+"""Threshold policies: where the per-group clipping thresholds C_k come from (docs/accounting.md, joint release).
 
 A policy is asked, every logical batch:
 
@@ -21,7 +21,7 @@ A policy is asked, every logical batch:
 
 A release with L2 sensitivity Δ_a and noise std σ_a taken on the same sample as the
 gradient composes with it into one Gaussian mechanism with
-σ_eff⁻² = σ_g⁻² + Σ_a (Δ_a/σ_a)² (DESIGN §4, "Joint release"; see
+σ_eff⁻² = σ_g⁻² + Σ_a (Δ_a/σ_a)² (docs/accounting.md, joint release, "Joint release"; see
 :func:`dpclip.engine.noise.effective_noise_multiplier`).
 
 New kinds plug in with :func:`register_threshold_policy`, without touching the engine.

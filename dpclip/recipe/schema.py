@@ -219,7 +219,7 @@ class FixedThreshold(Section):
 
 
 class BudgetShare(Section):
-    """Auxiliary statistic noise: either its own σ or a share r of the budget (REFERENCE §C)."""
+    """Auxiliary statistic noise: either its own σ or a share r of the budget (docs/methods.md)."""
 
     budget_fraction: UnitOpen | None = None
 

@@ -262,6 +262,8 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
     if recipe is None:
         raise DpclipError("nothing to train", "pass a recipe file, or --resume RUN_DIR")
 
+    # The global RNG drives only what is not private (dropout); noise and batches have their own
+    # generators from OS entropy (dpclip.rng).
     torch.manual_seed(recipe.seed)
     if data is None:
         data = load_data(recipe.data, seed=recipe.seed)

@@ -1,4 +1,4 @@
-"""Tuning cost: what a hyperparameter search costs in compute and in privacy (DESIGN §7).
+"""Tuning cost: what a hyperparameter search costs in compute and in privacy (docs/tuning.md).
 
 - :mod:`dpclip.tuning.space` expands the search space into validated recipes;
 - :mod:`dpclip.tuning.timing` measures seconds per private step on this machine;

@@ -1,7 +1,7 @@
 """``tune-cost --compare``: the same search for each clipping method.
 
 Each method replaces the recipe's clipping threshold and brings its own grid over the
-hyperparameters it needs, the way the DC-SGD paper counted them (§VI-A, REFERENCE §E),
+hyperparameters it needs, the way the DC-SGD paper counted them (§VI-A, docs/tuning.md),
 while the rest of the user's search (learning rates, model sizes, ...) stays:
 
 =================  ==========================================  ===============

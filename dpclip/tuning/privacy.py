@@ -2,7 +2,7 @@
 that keeps the whole search within the recipe's (ε, δ) under three accountings.
 
 What one run releases ("the run event"): its training, ``steps`` Poisson-sampled Gaussian
-steps at the joint noise multiplier σ (DESIGN §4), and — when the recipe's
+steps at the joint noise multiplier σ (docs/accounting.md, joint release), and — when the recipe's
 ``tuning.score`` is ``private`` — the noisy count of correct predictions on the held-out
 split, a Gaussian mechanism with sensitivity 1 and std ``tuning.score_noise``. Selecting
 the best run by that noisy score is post-processing. With a ``public`` score the held-out

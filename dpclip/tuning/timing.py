@@ -81,6 +81,8 @@ def measure_step_seconds(recipe: Recipe, steps: int, warmup_steps: int = 1,
         from dpclip.errors import DpclipError
 
         raise DpclipError(f"--calibration-steps must be at least 1, got {steps}", "e.g. --calibration-steps 5")
+    # The global RNG drives only what is not private (dropout); noise and batches have their own
+    # generators from OS entropy (dpclip.rng).
     torch.manual_seed(recipe.seed)
     data = load_data(recipe.data, seed=recipe.seed)
     model, loss_fn = build_model(recipe.model, data, seed=recipe.seed)

@@ -24,7 +24,7 @@ from dpclip.accounting import (
 )
 from dpclip.errors import AccountingError
 
-# Opacus' RDP orders (REFERENCE §D): [1 + x/10 for x in 1..99] + 12..63.
+# Opacus' RDP orders (docs/accounting.md): [1 + x/10 for x in 1..99] + 12..63.
 OPACUS_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
 
 
@@ -51,7 +51,7 @@ def test_dpclip_rdp_orders_are_dp_accounting_defaults_pinned():
 
 
 def test_rdp_epsilon_matches_opacus_reference_with_denser_orders():
-    """REFERENCE §D: σ = 1.5, q = 0.04, 2250 steps, δ = 1e-5 -> ε = 7.32911117143 (Opacus).
+    """docs/accounting.md: σ = 1.5, q = 0.04, 2250 steps, δ = 1e-5 -> ε = 7.32911117143 (Opacus).
 
     dpclip uses more orders than Opacus, so its ε can only be lower at equal RDP values;
     here both order sets pick the same order. Opacus computes the subsampled-Gaussian
@@ -74,13 +74,13 @@ def test_rdp_conversion_is_the_improved_balle_et_al_bound():
     older = min(r + math.log(1 / delta) / (a - 1) for a, r in curve)
     ours = epsilon(event, delta, "rdp")
     assert ours == pytest.approx(improved, rel=1e-12)
-    # TF Privacy tutorial (REFERENCE §D): ≈ 2.60 with the improved conversion, 3.01 with the older one.
+    # TF Privacy tutorial (docs/accounting.md): ≈ 2.60 with the improved conversion, 3.01 with the older one.
     assert ours == pytest.approx(2.60, abs=0.01)
     assert older == pytest.approx(3.01, abs=0.01)
 
 
 def test_rdp_curve_matches_dp_accounting_published_values():
-    """REFERENCE §D: q = 0.01, σ = 2.5, 50 steps at orders [1.5, 2.5, 5, 50, 100]."""
+    """docs/accounting.md: q = 0.01, σ = 2.5, 50 steps at orders [1.5, 2.5, 5, 50, 100]."""
     curve = rdp_curve(training_event(0.01, 2.5, 50), [1.5, 2.5, 5, 50, 100])
     expected = [6.70579741e-4, 1.08548710e-3, 2.18075656e-3, 2.38460375e-2, 1.67416308e2]
     assert [a for a, _ in curve] == [1.5, 2.5, 5, 50, 100]
@@ -89,7 +89,7 @@ def test_rdp_curve_matches_dp_accounting_published_values():
 
 
 def test_tf_privacy_statement_poisson_epsilons():
-    """REFERENCE §D: N = 10000, B = 64, σ = 2.0, 5 epochs, δ = 1e-6: RDP 1.616, PLD 1.199.
+    """docs/accounting.md: N = 10000, B = 64, σ = 2.0, 5 epochs, δ = 1e-6: RDP 1.616, PLD 1.199.
 
     TF Privacy's statement assumes microbatching by default, which doubles the
     sensitivity (its code halves σ); dpclip has no microbatches, so the same release
@@ -109,7 +109,7 @@ def test_tf_privacy_statement_poisson_epsilons():
 
 
 def test_pld_epsilon_is_close_to_opacus_prv_reference():
-    """REFERENCE §D: PRV gives 6.7773957 for σ = 1.5, q = 0.04, 2250 steps, δ = 1e-5.
+    """docs/accounting.md: PRV gives 6.7773957 for σ = 1.5, q = 0.04, 2250 steps, δ = 1e-5.
 
     Opacus' PRV accountant is accurate to eps_error = 0.01, so agreement within 0.02.
     """

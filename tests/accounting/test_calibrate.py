@@ -33,7 +33,7 @@ def _rdp_direct(sigma, delta, q, steps):
     ids=["90-epochs", "2000-steps"],
 )
 def test_calibrated_sigma_matches_opacus_reference(steps, opacus_sigma):
-    """REFERENCE §D (Opacus tests): ε = 8, δ = 1e-5, q = 0.04, RDP.
+    """docs/accounting.md (Opacus tests): ε = 8, δ = 1e-5, q = 0.04, RDP.
 
     Opacus stops its bisection within 0.01 of the target ε; dpclip anywhere in
     [0.99·ε, ε], which near this point is within 1% of σ. With rtol = 1e-3 the two

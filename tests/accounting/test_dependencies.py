@@ -1,4 +1,4 @@
-"""DESIGN §2: accounting never imports torch (nor anything outside its small world)."""
+"""README.md, Layout: accounting never imports torch (nor anything outside its small world)."""
 
 from __future__ import annotations
 

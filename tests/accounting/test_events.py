@@ -63,14 +63,14 @@ def test_joint_noise_multiplier_without_aux_is_the_gradient_multiplier():
 
 
 def test_joint_noise_multiplier_matches_dc_sgd_example():
-    # REFERENCE §C: σ = 1, σ_H = 10 -> σ_T = 1.00504; i.e. joint(1.00504, (1, 10)) = 1.
+    # docs/accounting.md: σ = 1, σ_H = 10 -> σ_T = 1.00504; i.e. joint(1.00504, (1, 10)) = 1.
     sigma_t = (1.0 - 10.0**-2) ** -0.5
     assert sigma_t == pytest.approx(1.00504, abs=1e-5)
     assert joint_noise_multiplier(sigma_t, [(1.0, 10.0)]) == pytest.approx(1.0, rel=1e-12)
 
 
 def test_joint_release_has_the_epsilon_of_the_hand_built_composed_event():
-    """DESIGN §4: PoissonSampled(q, Gaussian(σ_eff)) equals RDP's PoissonSampled(q, Composed(...))."""
+    """docs/accounting.md, joint release: PoissonSampled(q, Gaussian(σ_eff)) equals RDP's PoissonSampled(q, Composed(...))."""
     rng = random.Random(7)
     for _ in range(5):
         q = rng.uniform(0.001, 0.2)

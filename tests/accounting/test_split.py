@@ -1,4 +1,4 @@
-"""Budget split between gradient and auxiliary statistics (REFERENCE §C)."""
+"""Budget split between gradient and auxiliary statistics (docs/accounting.md)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_unknown_kind_or_bad_group_count_is_refused(kind, groups):
 
 @pytest.mark.parametrize(("fraction", "inflation"), [(0.01, 1.005), (0.1, 1.054)])
 def test_budget_fraction_inflates_gradient_noise_as_published(fraction, inflation):
-    """REFERENCE §C: r = 0.01 -> σ_g = 1.005σ; r = 0.1 -> 1.054σ."""
+    """docs/accounting.md: r = 0.01 -> σ_g = 1.005σ; r = 0.1 -> 1.054σ."""
     split = split_noise(2.0, aux_sensitivity("quantile", 4), aux_fraction=fraction)
     assert split.inflation == pytest.approx(inflation, abs=5e-4)
     assert split.sigma_gradient == pytest.approx(2.0 * split.inflation, rel=1e-12)
@@ -38,7 +38,7 @@ def test_budget_fraction_inflates_gradient_noise_as_published(fraction, inflatio
 
 
 def test_given_aux_sigma_reproduces_dc_sgd_example():
-    """REFERENCE §C (DC-SGD): σ = 1.0, σ_H = 10, Δ = 1 -> σ_T = 1.00504."""
+    """docs/accounting.md (DC-SGD): σ = 1.0, σ_H = 10, Δ = 1 -> σ_T = 1.00504."""
     split = split_noise(1.0, aux_sensitivity("histogram", 1), aux_sigma=10.0)
     assert split.sigma_gradient == pytest.approx(1.00504, abs=1e-5)
     assert split.aux_fraction == pytest.approx(0.01, rel=1e-12)

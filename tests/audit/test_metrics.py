@@ -7,7 +7,7 @@ from dpclip.audit.metrics import attack_metrics, dp_tpr_bound, null_auc_std
 
 
 def test_dp_bound_at_one_percent_fpr_and_epsilon_two():
-    # REFERENCE §F: at FPR = 1%, ε = 2 allows TPR ≤ 7.4%.
+    # docs/auditing.md: at FPR = 1%, ε = 2 allows TPR ≤ 7.4%.
     assert dp_tpr_bound(np.array([0.01]), 2.0, 0.0)[0] == pytest.approx(math.exp(2) * 0.01, rel=1e-9)
     assert dp_tpr_bound(np.array([0.01]), 2.0, 0.0)[0] == pytest.approx(0.0739, abs=1e-4)
 

@@ -13,7 +13,7 @@ QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 TINY = ["training.epochs=null", "training.steps=3", "model.hidden=[8]", "privacy.accountant=rdp"]
 NO_MEASURE = ["--no-measure", "--step-seconds", "0.05"]
 
-# DC-SGD's MNIST setting (paper §VI, REFERENCE §E): N = 60000, B = 256, 10 epochs, ε = 2,
+# DC-SGD's MNIST setting (paper §VI, docs/tuning.md): N = 60000, B = 256, 10 epochs, ε = 2,
 # 10 configurations, δ₂ = 1e-20, γ = 1/(2G). δ = 1/N is refused by dpclip (δ must be below
 # 1/N), so δ is the largest 5-digit value below it.
 MNIST_N, MNIST_B, MNIST_EPOCHS, MNIST_EPS, MNIST_DELTA = 60000, 256, 10, 2.0, 1.6666e-5

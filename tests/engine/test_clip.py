@@ -42,7 +42,7 @@ def _clip_groups(g, splits, thresholds):
 
 
 def test_theorem2_counterexample_no_two_group_split_reproduces_all_layer_clipping():
-    # REFERENCE §A: g_i = [3, 4], g_j = [6, 0], R = 4.
+    # docs/engine.md: g_i = [3, 4], g_j = [6, 0], R = 4.
     gi, gj = torch.tensor([3.0, 4.0], dtype=torch.float64), torch.tensor([6.0, 0.0], dtype=torch.float64)
     flat = [g * abadi(g.norm().reshape(1), torch.tensor([4.0], dtype=torch.float64))[0] for g in (gi, gj)]
     torch.testing.assert_close(flat[0], torch.tensor([2.4, 3.2], dtype=torch.float64))

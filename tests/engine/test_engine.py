@@ -1,5 +1,5 @@
 """Exactness of the private step: with noise 0, p.grad == Σ_i clip(g_i)/B computed by a
-per-example loop (DESIGN §3), for every supported layer, grouping and clip function."""
+per-example loop (docs/engine.md), for every supported layer, grouping and clip function."""
 
 import pytest
 import torch

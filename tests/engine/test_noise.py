@@ -109,7 +109,7 @@ def test_state_of_one_randomness_mode_is_refused_by_the_other():
 
 
 def test_effective_noise_multiplier_formula_and_edge_cases():
-    # REFERENCE §C: budget share r -> σ_g = σ/sqrt(1−r) keeps σ_eff = σ.
+    # docs/methods.md: budget share r -> σ_g = σ/sqrt(1−r) keeps σ_eff = σ.
     k, r, sigma = 4, 0.1, 1.0
     sigma_b = math.sqrt(k / (4 * r)) * sigma
     sigma_g = sigma / math.sqrt(1 - r)
