@@ -175,7 +175,7 @@ def shadow_confidences(dirs: list[Path], pool) -> np.ndarray:
     from dpclip.audit.attacks import model_outputs
     from dpclip.models import build_model
     from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
-    from dpclip.train.workflow import load_run_recipe
+    from dpclip.train.rundir import load_run_recipe
 
     rows = []
     for shadow_dir in dirs:

@@ -80,7 +80,7 @@ def build_pool(run_dir: Path, recipe) -> Pool:
 def _ledger_at(run_dir: Path, recipe, checkpoint: Path, state: dict) -> tuple[float, float]:
     """(ε, δ) of the checkpoint's ledger, after checking it is this run's ledger at its step."""
     from dpclip.accounting import Ledger
-    from dpclip.train.workflow import check_ledger, planned_step
+    from dpclip.train.rundir import check_ledger, planned_step
 
     ledger = Ledger.from_dict(state["ledger"])
     step_event, _ = planned_step(run_dir, recipe)
@@ -131,7 +131,7 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
     from dpclip.audit.attacks import Outputs, logistic_attack, loss_attack, model_outputs
     from dpclip.models import build_model
     from dpclip.train.checkpoint import load_checkpoint
-    from dpclip.train.workflow import load_run_recipe
+    from dpclip.train.rundir import load_run_recipe
 
     unknown = [a for a in attacks if a not in ATTACKS]
     if unknown:

@@ -125,7 +125,7 @@ def account(
 
 def _account_directory(target: Path, as_json: bool) -> None:
     """What a run directory, or a search directory of `tune-cost --run`, has spent."""
-    from dpclip.train.workflow import spent
+    from dpclip.train.rundir import spent
     from dpclip.tuning.search import is_search_dir, read_search, search_of_run
 
     if is_search_dir(target):

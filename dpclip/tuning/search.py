@@ -398,7 +398,7 @@ def read_search(search_dir: Path) -> SearchRecord:
     from dpclip.accounting import Ledger, event_to_dict, training_event
     from dpclip.errors import AccountingError
     from dpclip.train.files import read_json
-    from dpclip.train.workflow import load_run_recipe, spent
+    from dpclip.train.rundir import load_run_recipe, spent
 
     search_dir = Path(search_dir)
     path = search_dir / "ledger.json"

@@ -9,7 +9,8 @@ import pytest
 
 from dpclip.accounting import Ledger
 from dpclip.errors import DpclipError
-from dpclip.train.workflow import spent, train
+from dpclip.train.rundir import spent
+from dpclip.train.workflow import train
 
 
 @pytest.fixture

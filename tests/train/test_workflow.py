@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from dpclip.accounting import Ledger
 from dpclip.errors import DpclipError
 from dpclip.train.plan import plan_for_recipe, solve_plan
-from dpclip.train.workflow import lr_factor, spent, train
+from dpclip.train.rundir import spent
+from dpclip.train.workflow import lr_factor, train
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,238 @@
+"""The run directory as files: what is in it, how it is written, and how it is checked.
+
+A run directory is read back by ``--resume``, ``dpclip account RUN_DIR`` and ``audit-mia``.
+Its files are input, not truth: the ledger is checked against the plan re-solved from the
+recipe (:func:`check_ledger`), and the recipe against the privacy fingerprint written when
+the run started. Which files are secret and which may be shared: docs/accounting.md,
+"Threat model"; the layout: docs/training.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpclip import __version__
+from dpclip.errors import DpclipError
+from dpclip.recipe import Recipe, validate_recipe
+from dpclip.train.files import read_json, write_text_atomic
+
+
+# Fields whose change would change what the ledger means: a run refuses to resume if any differ.
+PRIVACY_FIELDS = ("seed", "data", "privacy", "clipping", "training.batch_size", "training.sampling",
+                  "training.epochs", "training.steps", "training.micro_batch_size")
+
+
+def privacy_fingerprint(recipe: Recipe) -> str:
+    """Hash of the recipe fields that decide the ledger (see PRIVACY_FIELDS)."""
+    dumped = recipe.model_dump(mode="json")
+    picked = {}
+    for dotted in PRIVACY_FIELDS:
+        node: Any = dumped
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        picked[dotted] = node
+    return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _privacy_diff(old: Recipe, new: Recipe) -> list[str]:
+    a, b = old.model_dump(mode="json"), new.model_dump(mode="json")
+    changed = []
+    for dotted in PRIVACY_FIELDS:
+        x, y = a, b
+        for part in dotted.split("."):
+            x = x.get(part) if isinstance(x, dict) else None
+            y = y.get(part) if isinstance(y, dict) else None
+        if x != y:
+            changed.append(dotted)
+    return changed
+
+
+def new_run_dir(recipe: Recipe) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path(recipe.output_dir) / f"{recipe.name}-{stamp}"
+    run_dir, suffix = base, 1
+    while run_dir.exists():
+        suffix += 1
+        run_dir = base.with_name(f"{base.name}-{suffix}")
+    return run_dir
+
+
+def load_run_recipe(run_dir: Path) -> Recipe:
+    path = run_dir / "recipe.yaml"
+    if not path.exists():
+        raise DpclipError(f"{run_dir} is not a dpclip run directory (no recipe.yaml)",
+                          "pass the folder that `dpclip train` created under runs/")
+    from dpclip.recipe import read_yaml
+
+    return validate_recipe(read_yaml(path), source=str(path))
+
+
+def spent(run_dir: Path):
+    """(ledger, statement) of what a run has spent so far, from its ledger.json (checked
+    against the run's own plan: see :func:`check_ledger`)."""
+    run_dir = Path(run_dir)
+    recipe = load_run_recipe(run_dir)
+    path = run_dir / "ledger.json"
+    if not path.exists():
+        raise DpclipError(f"{run_dir} has no ledger.json", "the run never reached its first step")
+    ledger = _read_ledger(path)
+    step_event, steps = planned_step(run_dir, recipe)
+    check_ledger(ledger, step_event, range(0, steps + 1), where=path)
+    return ledger, run_statement(recipe, ledger)
+
+
+def run_statement(recipe: Recipe, ledger):
+    """The privacy statement of a run's ledger, with the recipe's randomness mode and
+    what the run releases outside ε."""
+    from dpclip.accounting import statement_from_ledger
+    from dpclip.train.plan import not_covered
+
+    return statement_from_ledger(ledger, sampling=recipe.training.sampling,
+                                 seeded_randomness=recipe.privacy.unsafe_seeded_randomness,
+                                 not_covered=not_covered(recipe))
+
+
+def _read_ledger(path: Path):
+    from dpclip.accounting import Ledger
+
+    try:
+        return Ledger.from_dict(read_json(path))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DpclipError(f"{path} is not a readable dpclip ledger ({exc})",
+                          "the run directory was modified: restore it from a backup") from None
+
+
+def planned_step(run_dir: Path, recipe: Recipe):
+    """(step event, planned steps) of the run in ``run_dir``, re-solved from its recipe and
+    the sizes in meta.json (the recipe's privacy fields must match the fingerprint)."""
+    from dpclip.accounting import solve
+    from dpclip.train.plan import privacy_plan
+
+    meta_path = Path(run_dir) / "meta.json"
+    if not meta_path.exists():
+        raise DpclipError(f"{run_dir} has no meta.json", "pass the folder that `dpclip train` created under runs/")
+    meta = read_json(meta_path)
+    if meta.get("privacy_fingerprint") != privacy_fingerprint(recipe):
+        raise DpclipError(f"the privacy fields of {Path(run_dir) / 'recipe.yaml'} were edited after the run started",
+                          "the ledger would no longer describe the run; restore recipe.yaml")
+    try:
+        plan = privacy_plan(recipe, int(meta["plan"]["num_train"]), groups=len(meta["groups"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DpclipError(f"{meta_path} lacks the run's sizes ({exc})", "restore meta.json") from None
+    return solve(plan).step_event, plan.steps
+
+
+def check_ledger(ledger, step_event, steps: int | range, *, where: Path | str) -> None:
+    """Refuse a ledger that is not the run's: every entry must be the plan's step event and
+    the number of recorded steps must be ``steps`` (an int, or a range of allowed counts).
+
+    Ledgers are read from the run directory, which anyone with write access can edit; a
+    ledger with fewer steps or a larger σ than were used would understate ε."""
+    for entry in ledger.entries:
+        if not _same_event(entry.event, step_event):
+            raise DpclipError(f"{where} records {entry.event}, which is not this run's step event {step_event}",
+                              "the run directory was modified or mixed with another run's: restore it")
+    allowed = range(steps, steps + 1) if isinstance(steps, int) else steps
+    if ledger.steps not in allowed:
+        want = str(steps) if isinstance(steps, int) else f"{allowed.start} to {allowed.stop - 1}"
+        raise DpclipError(f"{where} records {ledger.steps} steps where the run allows {want}",
+                          "the run directory was modified: restore it from a backup")
+
+
+def _check_canaries(run_dir: Path, canaries) -> None:
+    """On resume, the rebuilt canaries must be the ones the run started with."""
+    from dpclip.data.canaries import read_canary_secret
+
+    stored = read_canary_secret(run_dir)
+    if stored is None or stored["fingerprint"] != canaries.fingerprint() \
+            or stored["included"] != [bool(b) for b in canaries.included]:
+        raise DpclipError(f"{run_dir / 'audit' / 'canaries.json'} does not match the recipe's canaries",
+                          "restore the file, or start a new run")
+
+
+def _rate_and_sigma(event) -> tuple[float, float]:
+    inner = getattr(event, "event", None)
+    if inner is not None:
+        return float(event.sampling_probability), float(inner.noise_multiplier)
+    return 1.0, float(event.noise_multiplier)
+
+
+def _same_event(event, planned_event) -> bool:
+    """Same kind, same q, same σ_eff (up to float rounding)."""
+    if type(event) is not type(planned_event) or \
+            type(getattr(event, "event", None)) is not type(getattr(planned_event, "event", None)):
+        return False
+    engine_q, engine_sigma = _rate_and_sigma(event)
+    plan_q, plan_sigma = _rate_and_sigma(planned_event)
+    return math.isclose(engine_q, plan_q, rel_tol=1e-12) and math.isclose(engine_sigma, plan_sigma, rel_tol=1e-9)
+
+
+def _check_same_release(engine_event, planned_event) -> None:
+    """The engine's DpEvent must be the plan's (same q, same σ_eff up to rounding)."""
+    if not _same_event(engine_event, planned_event):
+        raise RuntimeError(f"engine released {engine_event} but the plan accounts {planned_event}: "
+                           "this is a dpclip bug, the run stops before the ledger could be wrong")
+
+
+#: Fields of a metrics record that are charged releases (what a replay must reproduce). The
+#: exact diagnostics are left out: a replay never writes them again, so float differences
+#: there (another thread count) release nothing new and need not stop a resume.
+_RELEASED_FIELDS = ("thresholds", "noise_std", "policy")
+
+
+def _released_part(record: dict[str, Any]) -> str:
+    return json.dumps({k: record.get(k) for k in _RELEASED_FIELDS}, sort_keys=True)
+
+
+def _append_metrics(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as stream:
+        stream.write(json.dumps(record) + "\n")
+        stream.flush()
+
+
+def _released_records(path: Path, last_step: int) -> dict[tuple[str, int], dict[str, Any]]:
+    """Records of metrics.jsonl after step ``last_step`` (they left the process before a
+    crash), keyed by (kind, step); the file keeps every complete line, so the replayed
+    steps are not written twice. A line cut by the crash is dropped."""
+    if not path.exists():
+        path.touch()
+        return {}
+    kept, later = [], {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            break  # a line cut by the crash
+        kept.append(line)
+        if record.get("step", 0) > last_step:
+            later[("eval" if "eval" in record else "step", record["step"])] = record
+    write_text_atomic(path, "".join(f"{line}\n" for line in kept))
+    return later
+
+
+def _meta(recipe: Recipe, data, info: dict[str, Any]) -> dict[str, Any]:
+    import dp_accounting  # noqa: F401  (version below)
+    from importlib.metadata import version
+
+    return {
+        "dpclip": __version__,
+        "torch": torch.__version__,
+        "dp_accounting": version("dp-accounting"),
+        "python": platform.python_version(),
+        "seed": recipe.seed,
+        "privacy_fingerprint": privacy_fingerprint(recipe),
+        "data": data.describe(),
+        "members": [int(i) for i in data.train_indices],
+        "non_members": [int(i) for i in data.test_indices],
+        "plan": {k: v for k, v in info.items() if k != "groups"},
+        "groups": info["groups"],
+        "created": datetime.now().isoformat(timespec="seconds"),
+    }
