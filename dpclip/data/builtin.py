@@ -20,7 +20,7 @@ DIGITS_MAX_GREY_LEVEL = 16.0
 
 def load_digits_arrays(as_images: bool) -> tuple[np.ndarray, np.ndarray]:
     """(features float32 in [0, 1], labels int64): ``[1797, 64]`` or ``[1797, 1, 8, 8]``."""
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # lazy: scikit-learn takes about a second to import
 
     digits = load_digits()
     features = (digits.data / DIGITS_MAX_GREY_LEVEL).astype(np.float32)

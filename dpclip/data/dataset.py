@@ -30,6 +30,7 @@ import torch
 
 from dpclip.data.builtin import FOODS, load_digits_arrays, synthetic_cuisine_sentences, synthetic_restaurant_sentences
 from dpclip.data.files import Columns, read_table, read_text_lines
+from dpclip.data.hub import load_hub_columns
 from dpclip.data.split import split_fingerprint, split_indices
 from dpclip.data.tokenizers import Tokenizer, load_tokenizer
 from dpclip.errors import DpclipError
@@ -329,8 +330,6 @@ def _files_examples(config) -> Examples:
 
 
 def _hub_examples(config) -> Examples:
-    from dpclip.data.hub import load_hub_columns
-
     train, test = load_hub_columns(config.name, config.config, config.split, config.test_split)
     tables = [train] if test is None else [train, test]
     return examples_from_columns(tables, label_field=config.label_field, text_field=config.text_field,

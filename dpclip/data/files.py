@@ -62,7 +62,7 @@ def _json_records(path: Path, file_format: str) -> list[dict] | dict[str, list]:
 
 def read_table(path: str | Path, file_format: str) -> Columns:
     """The columns of a csv, json, jsonl or parquet file."""
-    import pandas as pd
+    import pandas as pd  # lazy: only local-file recipes need pandas
 
     path = _existing(path)
     try:
@@ -72,7 +72,7 @@ def read_table(path: str | Path, file_format: str) -> Columns:
             records = _json_records(path, file_format)
             frame = pd.DataFrame(records) if isinstance(records, dict) else pd.DataFrame.from_records(records)
         elif file_format == "parquet":
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # lazy: only parquet files need pyarrow
 
             frame = pq.read_table(path).to_pandas()
         else:

@@ -14,7 +14,7 @@ from dpclip.errors import DpclipError
 
 
 def _load_split(name: str, config: str | None, split: str):
-    from datasets import load_dataset
+    from datasets import load_dataset  # lazy: `datasets` is slow to import and only hf recipes need it
 
     try:
         return load_dataset(name, config, split=split)

@@ -38,7 +38,7 @@ def _count_rows(path: Path, file_format: str) -> int:
             raise DpclipError(f"{path}: expected a JSON list of records or a mapping of columns",
                               "or use format: jsonl with one record per line")
         if file_format == "parquet":
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # lazy: only parquet files need pyarrow
 
             return pq.ParquetFile(path).metadata.num_rows
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -50,7 +50,7 @@ def total_examples(data) -> int:
     """Examples before the train/test split (data: a recipe `data` section)."""
     if data.source == "builtin":
         if data.name == "digits":
-            from sklearn.datasets import load_digits
+            from sklearn.datasets import load_digits  # lazy: scikit-learn is slow to import
 
             return len(load_digits().target)
         return data.num_examples

@@ -115,7 +115,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
     tokenizer already in the Hugging Face cache (nothing is downloaded)."""
     if spec == "byte":
         return ByteTokenizer()
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers takes seconds to import
 
     try:
         hf_tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)

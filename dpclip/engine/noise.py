@@ -23,7 +23,8 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from dpclip.errors import EngineError
+from dpclip.accounting import joint_noise_multiplier
+from dpclip.errors import AccountingError, EngineError
 from dpclip.rng import private_generator
 
 ALLOCATIONS = ("global", "equal-budget", "weighted")
@@ -53,9 +54,6 @@ def effective_noise_multiplier(sigma_gradient: float, aux: Iterable[tuple[float,
     σ_eff⁻² = σ_g⁻² + Σ_a (Δ_a/σ_a)², computed by the accounting package so the engine and
     the ledger share one formula. A zero σ_g (no noise) gives σ_eff = 0: no privacy.
     """
-    from dpclip.accounting import joint_noise_multiplier
-    from dpclip.errors import AccountingError
-
     if sigma_gradient < 0:
         raise EngineError(f"noise_multiplier must be ≥ 0, got {sigma_gradient}", None)
     if sigma_gradient == 0:

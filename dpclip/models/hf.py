@@ -29,7 +29,7 @@ def _require_text(config, data) -> None:
 
 
 def _auto_class(task: str):
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification  # lazy: slow import
 
     return AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
 
@@ -40,7 +40,7 @@ def _num_labels(data) -> int:
 
 
 def _from_config(config, data):
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: transformers takes seconds to import
 
     settings = dict(config.config)
     model_type = settings.pop("model_type", None)

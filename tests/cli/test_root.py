@@ -71,3 +71,11 @@ def test_console_script_runs_as_a_user_would_without_a_traceback(tmp_path):
     assert done.returncode == 2
     assert done.stderr.startswith("error: ") and "\nhint: " in done.stderr
     assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def test_the_command_starts_without_importing_torch():
+    # `dpclip --help`, `validate` and typos must answer fast: commands import torch inside
+    # themselves (dpclip/cli/__init__.py says why).
+    code = "import sys, dpclip.cli.main; print(sorted(m for m in ('torch', 'transformers', 'sklearn') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
