@@ -41,7 +41,7 @@ class FixedSpec(PolicySpec):
     value: PositiveFloat | list[PositiveFloat] = Field(
         1.0, description="one C (each of K groups gets C/sqrt(K)) or a list of K per-group thresholds")
 
-    example = {"kind": "fixed", "value": [0.5, 1.0, 2.0]}
+    example = {"kind": "fixed", "value": 1.5}
 
     def gradient_sensitivity(self) -> float:
         if isinstance(self.value, list):

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from dpclip.engine import DPEngine
-from dpclip.engine.policies import PolicyContext, build_policy
+from dpclip.engine.policies import PolicyContext, build_policy, policy_spec
 from dpclip.engine.policies.histogram import (error_range, error_threshold, expected_error, histogram_counts,
                                               percentile_threshold)
 from dpclip.errors import EngineError
@@ -213,3 +213,12 @@ def test_policies_train_a_grouped_model_with_sgd_and_adam(kind, optimizer):
         opt.step()
     assert len(report.aux_releases) == 1 and report.aux_releases[0].sensitivity == pytest.approx(math.sqrt(2))
     assert torch.isfinite(engine.thresholds).all() and (engine.thresholds > 0).all()
+
+
+@pytest.mark.parametrize("kind", ["dcsgd-p", "dcsgd-e"])
+@pytest.mark.parametrize(("groups", "expected"), [(1, 1.0), (4, 2.0), (9, 3.0)])
+def test_planner_charges_histogram_sensitivity_sqrt_groups_whatever_the_bins(kind, groups, expected):
+    for bins in (2, 20, 500):
+        spec = policy_spec(kind)(kind=kind, bins=bins)
+        assert spec.statistic(groups).sensitivity == pytest.approx(expected)
+        assert spec.statistic(groups).sigma == 5.0             # the paper's σ_H by default

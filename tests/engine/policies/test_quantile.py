@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dpclip.engine.policies import PolicyContext, build_policy
-from dpclip.engine.policies.quantile import QuantileThreshold
+from dpclip.engine.policies.quantile import QuantileSpec, QuantileThreshold
 from dpclip.errors import EngineError
 
 
@@ -74,3 +74,10 @@ def test_missing_sigma_is_refused_with_a_hint():
     with pytest.raises(EngineError) as info:
         build_policy({"kind": "quantile", "target": 0.5}, context())
     assert "sigma" in info.value.message and info.value.hint
+
+
+@pytest.mark.parametrize(("groups", "expected"), [(1, 0.5), (4, 1.0), (9, 1.5)])
+def test_planner_charges_counts_sensitivity_sqrt_groups_over_two(groups, expected):
+    spec = QuantileSpec(kind="quantile", budget_fraction=0.05)
+    assert spec.statistic(groups).sensitivity == pytest.approx(expected)
+    assert spec.statistic(groups).release() == f"quantile counts (K={groups}, sensitivity {expected})"
