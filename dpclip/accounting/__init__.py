@@ -29,7 +29,7 @@ from dpclip.accounting.events import (
 )
 from dpclip.accounting.ledger import LEDGER_FORMAT, Ledger, LedgerEntry
 from dpclip.accounting.plan import AuxSpec, PlanResult, PrivacyPlan, solve, steps_for_epochs
-from dpclip.accounting.split import AUX_KINDS, NoiseSplit, aux_sensitivity, check_aux_fits, split_noise
+from dpclip.accounting.split import NoiseSplit, check_aux_fits, split_noise
 from dpclip.accounting.statement import (
     GRADIENT_RELEASE,
     SAMPLINGS,
@@ -63,9 +63,7 @@ __all__ = [
     "calibrate_noise_multiplier",
     "epsilon_for_noise",
     # budget split
-    "AUX_KINDS",
     "NoiseSplit",
-    "aux_sensitivity",
     "split_noise",
     "check_aux_fits",
     # ledger

@@ -110,7 +110,7 @@ def joint_noise_multiplier(
         if not sensitivity >= 0:
             raise AccountingError(
                 f"auxiliary sensitivity must be >= 0, got {sensitivity!r}",
-                "use dpclip.accounting.aux_sensitivity(kind, groups) for the statistic's sensitivity",
+                "use the sensitivity the threshold policy declares (its spec's statistic(K).sensitivity)",
             )
         if not sigma > 0:
             raise AccountingError(

@@ -18,14 +18,11 @@ import dp_accounting
 from dpclip.accounting.accountants import _check_accountant, _check_delta, account
 from dpclip.accounting.calibrate import _check_steps, _check_target, calibrate_noise_multiplier
 from dpclip.accounting.events import _check_sample_rate, gradient_step_event
-from dpclip.accounting.split import AUX_KINDS, NoiseSplit, aux_sensitivity, split_noise
+from dpclip.accounting.split import NoiseSplit, split_noise
 from dpclip.accounting.statement import GRADIENT_RELEASE, SAMPLINGS, PrivacyStatement
 from dpclip.errors import AccountingError
 
 __all__ = ["AuxSpec", "PrivacyPlan", "PlanResult", "solve", "steps_for_epochs"]
-
-_AUX_NAMES = {"quantile": "quantile counts", "histogram": "norm histogram"}
-
 
 def steps_for_epochs(epochs: float, sample_rate: float) -> int:
     """Number of Poisson-sampled steps in ``epochs`` epochs: ceil(epochs / q).
@@ -44,39 +41,47 @@ def steps_for_epochs(epochs: float, sample_rate: float) -> int:
 class AuxSpec:
     """An auxiliary statistic released with every gradient step (adaptive thresholds).
 
+    The threshold policy that releases it says what it is (its spec's ``statistic(K)``,
+    dpclip/engine/policies/); accounting needs only the numbers.
+
     Attributes:
-        kind: "quantile" (per-group clipped-fraction counts) or "histogram" (DC-SGD norm
-            histogram, one per group).
-        groups: number of clipping groups K.
+        name: how the privacy statement names it, e.g. "quantile counts".
+        sensitivity: its L2 sensitivity Δ under adding or removing one example (with K groups).
+        groups: number of clipping groups K it was computed for (named in the statement).
         sigma: its Gaussian noise std σ_a, or
         fraction: its share r of the privacy budget (exactly one of sigma / fraction).
     """
 
-    kind: str
+    name: str
+    sensitivity: float
     groups: int = 1
     sigma: float | None = None
     fraction: float | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in AUX_KINDS:
+        if not isinstance(self.name, str) or not self.name:
+            raise AccountingError(f"an auxiliary statistic needs a name, got {self.name!r}",
+                                  "e.g. AuxSpec('quantile counts', sensitivity=1.0, groups=4, fraction=0.05)")
+        if isinstance(self.sensitivity, bool) or not isinstance(self.sensitivity, (int, float)) \
+                or not 0 < self.sensitivity < math.inf:
             raise AccountingError(
-                f"unknown auxiliary statistic {self.kind!r}",
-                "use 'quantile' (adaptive quantile thresholds) or 'histogram' (DC-SGD)",
+                f"auxiliary sensitivity must be a finite number > 0, got {self.sensitivity!r}",
+                "it is the statistic's L2 sensitivity; the threshold policy's spec declares it",
             )
-        aux_sensitivity(self.kind, self.groups)  # validates groups
+        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 1:
+            raise AccountingError(
+                f"groups must be an integer >= 1, got {self.groups!r}",
+                "groups is the number of clipping groups K (1 for flat clipping)",
+            )
         if (self.sigma is None) == (self.fraction is None):
             raise AccountingError(
                 "give exactly one of the auxiliary statistic's sigma and fraction",
                 "fraction=0.05 spends 5% of the budget on it; sigma=S fixes its noise std",
             )
 
-    @property
-    def sensitivity(self) -> float:
-        return aux_sensitivity(self.kind, self.groups)
-
     def release(self) -> str:
         """How this release is named in the privacy statement."""
-        return f"{_AUX_NAMES[self.kind]} (K={self.groups}, sensitivity {round(self.sensitivity, 6)})"
+        return f"{self.name} (K={self.groups}, sensitivity {round(self.sensitivity, 6)})"
 
 
 @dataclass(frozen=True)
@@ -132,7 +137,7 @@ class PrivacyPlan:
                 "without noise there is no privacy guarantee; typical values are 0.5 to 5",
             )
         if self.aux is not None and not isinstance(self.aux, AuxSpec):
-            raise AccountingError(f"aux must be an AuxSpec, got {type(self.aux).__name__}", "AuxSpec('quantile', groups=4, fraction=0.05)")
+            raise AccountingError(f"aux must be an AuxSpec, got {type(self.aux).__name__}", "AuxSpec('quantile counts', sensitivity=1.0, groups=4, fraction=0.05)")
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,9 @@ Calibration finds the total σ for (ε, δ); this module works backwards from σ
     σ_g = σ / sqrt(1 − r)          (r = 0.01 -> σ_g = 1.005σ; r = 0.1 -> 1.054σ)
     σ_a = Δ·σ / sqrt(r)
 
-Sensitivities of the statistics dpclip releases (docs/accounting.md, joint release):
-
-- quantile counts (He et al., after Andrew et al.): per group k the count
-  Σ_i (1[n_{i,k} <= C_k] − ½); one example moves each of the K counts by ½, so the
-  K-vector has L2 sensitivity sqrt(K)/2.
-- histograms (DC-SGD, Wei et al.): one example adds 1 to one bin of each of the K
-  histograms (one per group), so L2 sensitivity sqrt(K) (1 for flat clipping).
+The sensitivity Δ of a statistic is declared by the threshold policy that releases it
+(its spec's ``statistic(K)``, dpclip/engine/policies/; docs/accounting.md, joint release):
+this module only needs the number.
 """
 
 from __future__ import annotations
@@ -31,30 +27,7 @@ from typing import Any
 
 from dpclip.errors import AccountingError
 
-__all__ = ["AUX_KINDS", "NoiseSplit", "aux_sensitivity", "split_noise", "check_aux_fits"]
-
-AUX_KINDS = ("quantile", "histogram")
-
-
-def aux_sensitivity(kind: str, groups: int = 1) -> float:
-    """L2 sensitivity of an auxiliary statistic over ``groups`` groups.
-
-    quantile: sqrt(K)/2 (K shifted counts, each moved by ½); histogram: sqrt(K)
-    (one histogram per group, one example adds 1 to one bin of each). docs/accounting.md
-    """
-    if kind not in AUX_KINDS:
-        raise AccountingError(
-            f"unknown auxiliary statistic {kind!r}",
-            "use 'quantile' (adaptive quantile thresholds) or 'histogram' (DC-SGD)",
-        )
-    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-        raise AccountingError(
-            f"groups must be an integer >= 1, got {groups!r}",
-            "groups is the number of clipping groups K (1 for flat clipping)",
-        )
-    if kind == "quantile":
-        return math.sqrt(groups) / 2
-    return math.sqrt(groups)
+__all__ = ["NoiseSplit", "split_noise", "check_aux_fits"]
 
 
 @dataclass(frozen=True)
@@ -121,8 +94,8 @@ def split_noise(
     if not isinstance(aux_sensitivity, (int, float)) or not 0 < aux_sensitivity < math.inf:
         raise AccountingError(
             f"auxiliary sensitivity must be a finite number > 0, got {aux_sensitivity!r}",
-            "use aux_sensitivity('quantile'|'histogram', groups); without a statistic, "
-            "use NoiseSplit.gradient_only(σ)",
+            "use the sensitivity the threshold policy declares (AuxSpec.sensitivity); without a "
+            "statistic, use NoiseSplit.gradient_only(σ)",
         )
     if (aux_sigma is None) == (aux_fraction is None):
         raise AccountingError(
@@ -175,7 +148,7 @@ def check_aux_fits(sigma_total: float, aux: Sequence[tuple[float, float]]) -> No
         if not delta_a >= 0 or not sigma_a > 0:
             raise AccountingError(
                 f"auxiliary statistic needs sensitivity >= 0 and noise std > 0, got ({delta_a!r}, {sigma_a!r})",
-                "pass (sensitivity, noise std) pairs, e.g. [(aux_sensitivity('histogram', 1), 10.0)]",
+                "pass (sensitivity, noise std) pairs, e.g. [(1.0, 10.0)] for one histogram",
             )
     used = sum((delta_a / sigma_a) ** 2 for delta_a, sigma_a in aux) * sigma_total**2
     if used >= 1:

@@ -8,18 +8,13 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from dpclip.cli.render import console, fmt, print_json
+from dpclip.cli.render import console, error_console, fmt, print_json
 
 
 class AccountantChoice(str, Enum):
     pld = "pld"
     rdp = "rdp"
     both = "both"
-
-
-class AuxChoice(str, Enum):
-    histogram = "histogram"
-    quantile = "quantile"
 
 
 class SamplingChoice(str, Enum):
@@ -38,12 +33,15 @@ def account(
     dataset_size: int = typer.Option(None, "--dataset-size", "-N", help="Private training examples N."),
     batch_size: int = typer.Option(None, "--batch-size", "-B", help="Expected batch size B (q = B/N)."),
     epochs: float = typer.Option(None, "--epochs", help="Epochs (steps = ceil(epochs / q))."),
-    aux: AuxChoice = typer.Option(None, "--aux", help="A threshold statistic released with each gradient."),
+    aux: str = typer.Option(None, "--aux", help="A threshold statistic released with each gradient: quantile "
+                            "(adaptive quantile thresholds) or histogram (DC-SGD), or that of another "
+                            "registered policy."),
     aux_sigma: float = typer.Option(None, "--aux-sigma", help="Noise std of the statistic."),
     aux_fraction: float = typer.Option(None, "--aux-fraction", help="Budget share r of the statistic, in (0, 1)."),
-    bins: int = typer.Option(None, "--bins", help="Histogram bins b of the DC-SGD preset (--aux histogram; "
-                             "paper: 20). Shown for the record: the histogram's sensitivity does not depend on b."),
-    groups: int = typer.Option(None, "--groups", "-K", help="Clipping groups K (statistic sensitivity grows with sqrt(K))."),
+    bins: int = typer.Option(None, "--bins", help="Deprecated: histogram bins b (--aux histogram). Changes "
+                             "nothing: the histogram's sensitivity, so σ and ε, do not depend on b."),
+    groups: int = typer.Option(None, "--groups", "-K", help="Clipping groups K (statistic sensitivity grows with "
+                               "sqrt(K)); without a recipe only: a recipe's K is counted on its model."),
     accountant: AccountantChoice = typer.Option(AccountantChoice.pld, "--accountant",
                                                 help="pld (RDP shown alongside), rdp, or both (σ safe under both)."),
     sampling: SamplingChoice = typer.Option(SamplingChoice.poisson, "--sampling",
@@ -58,7 +56,7 @@ def account(
 
       dpclip account --eps 8 --delta 1e-5 -q 0.004 --steps 2000 --aux quantile --aux-fraction 0.01 -K 4
 
-      dpclip account --eps 8 --delta 1e-5 -q 0.004 --steps 2000 --aux histogram --bins 20 --aux-sigma 5
+      dpclip account --eps 8 --delta 1e-5 -q 0.004 --steps 2000 --aux histogram --aux-sigma 5
 
       dpclip account recipes/quickstart.yaml privacy.epsilon=4
 
@@ -73,17 +71,18 @@ def account(
     if target is not None:
         flags = {"--eps": eps, "--delta": delta, "--sigma": sigma, "--sample-rate": sample_rate, "--steps": steps,
                  "--batch-size": batch_size, "--epochs": epochs, "--aux": aux, "--aux-sigma": aux_sigma,
-                 "--aux-fraction": aux_fraction, "--bins": bins}
+                 "--aux-fraction": aux_fraction, "--bins": bins, "--groups": groups}
         given = [name for name, value in flags.items() if value is not None]
         if given:
             from dpclip.errors import AccountingError
 
             raise AccountingError(f"{', '.join(given)} cannot be combined with a recipe",
-                                  "change the recipe with key=value overrides, e.g. privacy.epsilon=4")
+                                  "change the recipe with key=value overrides, e.g. privacy.epsilon=4 (its "
+                                  "clipping groups K are counted on its model)")
         from dpclip.recipe import load_recipe
 
         recipe = load_recipe(target, overrides or [])
-        plan = planning.plan_for_recipe(recipe, dataset_size=dataset_size, groups=groups)
+        plan = planning.plan_for_recipe(recipe, dataset_size=dataset_size)
         if accountant == AccountantChoice.pld:
             accountant_name = recipe.privacy.accountant
         bins = getattr(recipe.clipping.threshold, "bins", None)
@@ -98,15 +97,15 @@ def account(
         if bins is not None:
             from dpclip.errors import AccountingError
 
-            if aux != AuxChoice.histogram:
+            if aux != "histogram":
                 raise AccountingError("--bins belongs to the DC-SGD histogram preset",
-                                      "use it with --aux histogram, e.g. --aux histogram --bins 20 --aux-sigma 5")
+                                      "use it with --aux histogram, e.g. --aux histogram --aux-sigma 5")
             if bins < 2:
                 raise AccountingError(f"--bins must be at least 2, got {bins}", "the DC-SGD paper uses 20 bins")
+            error_console.print("[yellow]note:[/] --bins is deprecated and changes nothing: the histogram's "
+                                "sensitivity, so σ and ε, do not depend on the number of bins", soft_wrap=True)
         if aux is not None:
-            from dpclip.accounting import AuxSpec
-
-            aux_spec = AuxSpec(kind=aux.value, groups=groups or 1, sigma=aux_sigma, fraction=aux_fraction)
+            aux_spec = _statistic(aux, groups or 1, aux_sigma, aux_fraction)
         elif aux_sigma is not None or aux_fraction is not None:
             from dpclip.errors import AccountingError
 
@@ -121,6 +120,18 @@ def account(
         print_json(_as_dict(plan, result, accountant_name, title, bins))
     else:
         _render(plan, result, accountant_name, title, bins)
+
+
+def _statistic(alias: str, groups: int, sigma: float | None, fraction: float | None):
+    """What the planner charges for the statistic ``alias`` of a registered threshold policy."""
+    # Lazy: the policy registry lives in the engine package, which imports torch.
+    from dpclip.engine.policies import statistic_aliases, statistic_spec
+    from dpclip.errors import AccountingError
+
+    spec = statistic_spec(alias)
+    if spec is None:
+        raise AccountingError(f"unknown --aux statistic {alias!r}", "use one of: " + ", ".join(statistic_aliases()))
+    return spec.aux_spec(groups, sigma, fraction)
 
 
 def _account_directory(target: Path, as_json: bool) -> None:

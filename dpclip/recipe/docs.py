@@ -11,6 +11,7 @@ import typing
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from dpclip.engine.policies import policy_specs
 from dpclip.recipe import schema
 
 INTRO = """\
@@ -111,7 +112,9 @@ def _section(title: str, model: type[BaseModel], note: str = "") -> list[str]:
     return lines + [""]
 
 
-SECTIONS: list[tuple[str, type[BaseModel], str]] = [
+POLICIES = object()   # where the registered threshold policies' sections go
+
+_SECTIONS: list = [
     ("recipe (top level)", schema.Recipe, ""),
     ("data: {source: builtin}", schema.BuiltinData, ""),
     ("data: {source: hf}", schema.HFData, ""),
@@ -131,14 +134,7 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
                                   "a module), `param` (each tensor), `block` (transformer blocks), `{uniform: M}` "
                                   "(M contiguous groups of near-equal size), `{groups: [[regex, ...], ...]}` "
                                   "(explicit), `{stages: [regex, ...]}` (per-device stages)."),
-    ("clipping.threshold: {kind: fixed}", schema.FixedThreshold, ""),
-    ("clipping.threshold: {kind: quantile}", schema.QuantileThreshold,
-     "Give `sigma` or `budget_fraction` (default 0.01). The counts are released jointly with the gradient."),
-    ("clipping.threshold: {kind: dcsgd-p}", schema.DCSGDPercentile,
-     "Give `sigma_hist` or `budget_fraction` (default σ_H = 5); σ_H must exceed the total σ."),
-    ("clipping.threshold: {kind: dcsgd-e}", schema.DCSGDError,
-     "Give `sigma_hist` or `budget_fraction` (default σ_H = 5); σ_H must exceed the total σ."),
-    ("clipping.threshold: {kind: discriminative}", schema.DiscriminativeThreshold, ""),
+    POLICIES,
     ("eval", schema.Eval, ""),
     ("checkpoint", schema.Checkpoint, ""),
     ("audit", schema.Audit, ""),
@@ -148,15 +144,27 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
 ]
 
 
+def sections() -> list[tuple[str, type[BaseModel], str]]:
+    """Every documented section; one per registered threshold policy (dpclip/engine/policies/)."""
+    out = []
+    for section in _SECTIONS:
+        if section is POLICIES:
+            out += [(f"clipping.threshold: {{kind: {spec.kind_name()}}}", spec, spec.recipe_note)
+                    for spec in policy_specs()]
+        else:
+            out.append(section)
+    return out
+
+
 def render_markdown() -> str:
     lines = [INTRO, "## Fields", ""]
-    for title, model, note in SECTIONS:
+    for title, model, note in sections():
         lines += _section(title, model, note)
     return "\n".join(lines).rstrip() + "\n"
 
 
 def documented_models() -> set[type[BaseModel]]:
-    return {model for _, model, _ in SECTIONS}
+    return {model for _, model, _ in sections()}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ discriminated unions on ``kind`` (model, optimizer, schedule, threshold policy) 
 rules that need the data set size or the calibrated noise live where those are known
 (``dpclip.train.plan``).
 
+The threshold policies' specs and their rules live in their own files
+(dpclip/engine/policies/); ``clipping.threshold`` is the union of what is registered there,
+rebuilt whenever a policy is (un)registered.
+
 ``Recipe.model_dump()`` of the ``clipping`` block is exactly the dict that
 ``dpclip.engine.DPEngine(clipping=...)`` takes.
 """
@@ -15,10 +19,10 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
-PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-PositiveInt = Annotated[int, Field(gt=0)]
-UnitOpen = Annotated[float, Field(gt=0, lt=1)]
+from dpclip.engine.policies import on_registry_change, policy_spec, policy_specs
+from dpclip.engine.policies.base import PositiveFloat, PositiveInt, UnitOpen
 
 
 class Section(BaseModel):
@@ -212,106 +216,18 @@ class Privacy(Section):
 
 # ---------------------------------------------------------------------- clipping
 
-class FixedThreshold(Section):
-    kind: Literal["fixed"]
-    value: PositiveFloat | list[PositiveFloat] = Field(
-        1.0, description="one C (each of K groups gets C/sqrt(K)) or a list of K per-group thresholds")
+def threshold_union() -> Any:
+    """``clipping.threshold``: one of the registered policies' specs, chosen by ``kind``."""
+    specs = tuple(policy_specs())
+    return Annotated[Union[specs], Field(discriminator="kind")] if len(specs) > 1 else specs[0]
 
 
-class BudgetShare(Section):
-    """Auxiliary statistic noise: either its own σ or a share r of the budget (docs/methods.md)."""
-
-    budget_fraction: UnitOpen | None = None
-
-    def _one_noise_field(self, sigma_field: str, default: float | None) -> None:
-        sigma = getattr(self, sigma_field)
-        if sigma is not None and self.budget_fraction is not None:
-            raise ValueError(f"give at most one of '{sigma_field}' or 'budget_fraction'")
-        if sigma is None and self.budget_fraction is None:
-            if default is None:
-                raise ValueError(f"give one of '{sigma_field}' or 'budget_fraction'")
-            setattr(self, sigma_field, default)
+ThresholdConfig = threshold_union()
 
 
-class QuantileThreshold(BudgetShare):
-    """He et al. adaptive per-group thresholds by private quantile estimation (Andrew et al.)."""
+def _default_threshold() -> Any:
+    return policy_spec("fixed")(kind="fixed")
 
-    kind: Literal["quantile"]
-    target: UnitOpen = Field(0.5, description="target quantile of unclipped norms")
-    lr: PositiveFloat = Field(0.3, description="geometric update rate η")
-    sigma: PositiveFloat | None = Field(None, description="noise std σ_b of the counts")
-    budget_fraction: UnitOpen | None = Field(None, description="share r of the budget; default 0.01")
-    initial: PositiveFloat = Field(1.0, description="initial threshold per group")
-
-    @model_validator(mode="after")
-    def _noise(self) -> QuantileThreshold:
-        if self.sigma is None and self.budget_fraction is None:
-            self.budget_fraction = 0.01
-        self._one_noise_field("sigma", None)
-        return self
-
-
-class HistogramFields(BudgetShare):
-    bins: Annotated[int, Field(ge=2, le=1000)] = 20
-    sigma_hist: PositiveFloat | None = Field(None, description="histogram noise σ_H; default 5")
-    budget_fraction: UnitOpen | None = None
-    initial: PositiveFloat = Field(1.0, description="initial threshold C0")
-    min_threshold: PositiveFloat = 1e-4
-    max_threshold: PositiveFloat = 1e4
-
-    @model_validator(mode="after")
-    def _noise(self) -> HistogramFields:
-        self._one_noise_field("sigma_hist", 5.0)
-        if self.min_threshold >= self.max_threshold:
-            raise ValueError("min_threshold must be below max_threshold")
-        return self
-
-
-class DCSGDPercentile(HistogramFields):
-    """DC-SGD-P (Wei et al.): C = the noisy histogram's p-th percentile."""
-
-    kind: Literal["dcsgd-p"]
-    percentile: Annotated[float, Field(gt=0, le=1)] = Field(
-        0.5, description="p: C is the noisy histogram's p-quantile; p near 1 needs (1-p)·B above the "
-                         "clamped noise mass of the upper bins (docs/methods.md)")
-    range: PositiveFloat = Field(1.0, description="initial histogram range R0")
-
-
-class DCSGDError(HistogramFields):
-    """DC-SGD-E (Wei et al.): C minimises the estimated expected squared error."""
-
-    kind: Literal["dcsgd-e"]
-    range: PositiveFloat = Field(20.0, description="initial histogram range R0")
-
-
-class DiscriminativeThreshold(Section):
-    """DC-DPSGD: body clipped at `small`, heavy-tail samples at `large`."""
-
-    kind: Literal["discriminative"]
-    small: PositiveFloat
-    large: PositiveFloat | None = Field(None, description="default 10 x small")
-    subspace_dim: PositiveInt = Field(200, description="the paper's projection dimension; recorded only: "
-                                      "dpclip scores samples by gradient norm (docs/methods.md)")
-    tail_rule: Literal["threshold", "top_fraction"] = Field(
-        "threshold", description="threshold: noise for `large`; top_fraction ranks the batch: noise for 2·large − small")
-    tail_threshold: PositiveFloat | None = Field(None, description="gradient norm above which a sample is tail")
-    top_fraction: UnitOpen = Field(0.1, description="share of the expected batch clipped at `large` (top_fraction rule)")
-
-    @model_validator(mode="after")
-    def _large(self) -> DiscriminativeThreshold:
-        if self.large is None:
-            self.large = 10 * self.small
-        if self.large <= self.small:
-            raise ValueError("'large' must exceed 'small'")
-        if self.tail_rule == "threshold" and self.tail_threshold is None:
-            raise ValueError("tail_rule 'threshold' needs 'tail_threshold'")
-        return self
-
-
-ThresholdConfig = Annotated[
-    Union[FixedThreshold, QuantileThreshold, DCSGDPercentile, DCSGDError, DiscriminativeThreshold],
-    Field(discriminator="kind"),
-]
 
 GROUPING_NAMES = ("all-layer", "layer", "param", "block")
 GROUPING_HELP = ("all-layer, layer, param, block, {uniform: M}, {groups: [[regex, ...], ...]} "
@@ -357,7 +273,7 @@ class Clipping(Section):
     fn: Literal["abadi", "auto"] = Field("abadi", description="abadi: min(1, C/||g||); auto: C/(||g|| + gamma)")
     gamma: PositiveFloat = Field(0.01, description="auto clipping stability constant")
     noise_allocation: Literal["global", "equal-budget", "weighted"] = "global"
-    threshold: ThresholdConfig = Field(default_factory=lambda: FixedThreshold(kind="fixed"))
+    threshold: ThresholdConfig = Field(default_factory=_default_threshold)
     strict: bool = Field(False, description="refuse the torch.func fallback for unsupported layers")
     norm_method: Literal["auto", "ghost", "instantiate"] = Field(
         "auto", description="per-sample norms of Linear-like layers; auto = ghost when 2T^2 < p*d")
@@ -365,38 +281,14 @@ class Clipping(Section):
     _check_grouping = field_validator("grouping", mode="before")(_validate_grouping)
 
     @model_validator(mode="after")
-    def _per_group_list(self) -> Clipping:
-        threshold = self.threshold
-        if isinstance(threshold, FixedThreshold) and isinstance(threshold.value, list):
-            if self.grouping == "all-layer" and len(threshold.value) != 1:
-                raise ValueError("all-layer grouping has one group: threshold.value must be one number")
-            if isinstance(self.grouping, dict) and "uniform" in self.grouping \
-                    and len(threshold.value) != self.grouping["uniform"]:
-                raise ValueError(f"threshold.value lists {len(threshold.value)} thresholds "
-                                 f"for {self.grouping['uniform']} uniform groups")
-            if isinstance(self.grouping, dict) and "groups" in self.grouping \
-                    and len(threshold.value) != len(self.grouping["groups"]):
-                raise ValueError(f"threshold.value lists {len(threshold.value)} thresholds "
-                                 f"for {len(self.grouping['groups'])} explicit groups")
-        return self
-
-    @model_validator(mode="after")
     def _policy_composes(self) -> Clipping:
-        """Refuse the policy/clip-function/allocation combinations whose rule means nothing.
+        """The policy's own rules across grouping, clip function and allocation (its ``check_clipping``).
 
         Every other combination composes: histograms, quantile counts and the tail split are
         per group and work with any grouping; dcsgd-p and discriminative set thresholds that
         AUTO uses as its scale C/(||g|| + gamma).
         """
-        if isinstance(self.threshold, DCSGDError):
-            if self.fn == "auto":
-                raise ValueError("threshold kind dcsgd-e needs fn: abadi: its error rule's bias term "
-                                 "max(m - C, 0)^2 models min(1, C/||g||) clipping, while auto rescales "
-                                 "every sample (use dcsgd-p or a fixed threshold with auto)")
-            if self.noise_allocation != "global":
-                raise ValueError("threshold kind dcsgd-e needs noise_allocation: global: its variance "
-                                 "term sigma_T^2 C^2 d / B^2 assumes every group's noise scales with the "
-                                 "step's total sensitivity (docs/methods.md)")
+        self.threshold.check_clipping(self)
         return self
 
 
@@ -479,19 +371,22 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _cross_section(self) -> Recipe:
-        threshold = self.clipping.threshold
-        sigma = self.privacy.noise_multiplier
-        if sigma is not None and isinstance(threshold, (DCSGDPercentile, DCSGDError)) \
-                and threshold.sigma_hist is not None and threshold.sigma_hist <= sigma:
-            raise ValueError(
-                f"clipping.threshold.sigma_hist ({threshold.sigma_hist:g}) must exceed the total noise "
-                f"multiplier privacy.noise_multiplier ({sigma:g}): the gradient gets "
-                "σ_T = (σ⁻² − σ_H⁻²)^(−1/2), which needs σ_H > σ")
-        if isinstance(threshold, DiscriminativeThreshold) and threshold.tail_rule == "top_fraction" \
-                and self.training.micro_batch_size is not None:
-            raise ValueError("clipping.threshold.tail_rule 'top_fraction' ranks the whole logical batch, which is "
-                             "processed in one backward: remove training.micro_batch_size")
+        self.clipping.threshold.check_recipe(self)
         if self.model.kind == "cnn" and self.data.source == "builtin" and self.data.name == "digits" \
                 and not self.data.as_images:
             raise ValueError("model.kind 'cnn' needs images: set data.as_images: true")
         return self
+
+
+def _rebuild_threshold_union() -> None:
+    """Re-make ``clipping.threshold`` from the registry, then the models that contain it."""
+    global ThresholdConfig
+    ThresholdConfig = threshold_union()
+    old = Clipping.model_fields["threshold"]
+    Clipping.__pydantic_fields__["threshold"] = FieldInfo.from_annotated_attribute(
+        ThresholdConfig, Field(default_factory=_default_threshold, description=old.description))
+    Clipping.model_rebuild(force=True)
+    Recipe.model_rebuild(force=True)
+
+
+on_registry_change(_rebuild_threshold_union)

@@ -6,14 +6,11 @@ This is the one place that turns training settings into accounting inputs, used 
 
 from __future__ import annotations
 
+from typing import Any
+
 from dpclip.accounting import AuxSpec, PrivacyPlan, steps_for_epochs
-from dpclip.errors import AccountingError, RecipeError
-from dpclip.recipe.schema import (
-    DCSGDError,
-    DCSGDPercentile,
-    QuantileThreshold,
-    Recipe,
-)
+from dpclip.errors import AccountingError
+from dpclip.recipe.schema import Recipe
 
 
 def sampling_schedule(dataset_size: int, batch_size: int, epochs: float | None = None,
@@ -63,23 +60,52 @@ def count_fixed_groups(grouping) -> int | None:
     return None
 
 
+def count_groups(recipe: Recipe, model: Any = None) -> int:
+    """The number K of clipping groups of a recipe's run: the one place that counts them.
+
+    Known from ``clipping.grouping`` alone when it fixes K; else counted on ``model``; else
+    on the model built from the recipe (which loads its data, as training does).
+    """
+    known = count_fixed_groups(recipe.clipping.grouping)
+    if known is not None:
+        return known
+    # Lazy: torch, the data and the model are needed only when K depends on the model's layers.
+    from dpclip.engine import build_groups, trainable_params
+
+    if model is None:
+        from dpclip.data import load_data
+        from dpclip.models import build_model
+
+        data = load_data(recipe.data, seed=recipe.seed)
+        model, _ = build_model(recipe.model, data, seed=recipe.seed)
+    return len(build_groups(model, recipe.clipping.grouping, trainable_params(model)).names)
+
+
+def statistic_groups(recipe: Recipe, model: Any = None) -> int | None:
+    """K when the recipe's threshold policy releases a statistic (its sensitivity depends on K), else None."""
+    return count_groups(recipe, model) if recipe.clipping.threshold.releases_statistic() else None
+
+
 def aux_spec(recipe: Recipe, groups: int | None = None) -> AuxSpec | None:
-    """The threshold statistic released with each gradient, if the policy releases one."""
+    """What the planner charges for the threshold policy's statistic, if it releases one."""
     threshold = recipe.clipping.threshold
-    if isinstance(threshold, QuantileThreshold):
-        kind, sigma = "quantile", threshold.sigma
-    elif isinstance(threshold, (DCSGDPercentile, DCSGDError)):
-        kind, sigma = "histogram", threshold.sigma_hist
-    else:
+    if not threshold.releases_statistic():
         return None
-    if groups is None:
-        groups = count_fixed_groups(recipe.clipping.grouping)
-    if groups is None:
-        raise RecipeError(
-            f"clipping.grouping {recipe.clipping.grouping!r} has a model-dependent number of groups, "
-            f"and the {threshold.kind} statistic's sensitivity depends on it",
-            "pass --groups K (the number of clipping groups of your model)")
-    return AuxSpec(kind=kind, groups=groups, sigma=sigma, fraction=threshold.budget_fraction)
+    return threshold.statistic(count_groups(recipe) if groups is None else groups)
+
+
+def engine_clipping(recipe: Recipe, sigma_aux: float | None) -> dict[str, Any]:
+    """The clipping dict for DPEngine, with the statistic's noise std ``sigma_aux`` (from the
+    budget split) filled in by the policy's spec."""
+    clipping = recipe.clipping.model_dump(mode="python")
+    clipping["threshold"] = recipe.clipping.threshold.engine_dict(sigma_aux)
+    return clipping
+
+
+def timing_clipping(recipe: Recipe, stand_in_sigma: float) -> dict[str, Any]:
+    """The clipping dict for timing a step: a statistic's noise std is the recipe's, else
+    ``stand_in_sigma`` (its value does not change the cost of a step)."""
+    return engine_clipping(recipe, recipe.clipping.threshold.aux_sigma or stand_in_sigma)
 
 
 #: What a run shows and writes outside ε when ``privacy.exact_diagnostics`` is on.
@@ -103,7 +129,11 @@ def private_seed(recipe: Recipe) -> int | None:
 
 
 def privacy_plan(recipe: Recipe, dataset_size: int, groups: int | None = None) -> PrivacyPlan:
-    """The accounting plan of a recipe trained on `dataset_size` private examples."""
+    """The accounting plan of a recipe trained on `dataset_size` private examples.
+
+    ``groups`` (K) matters only when the threshold policy releases a statistic; without it,
+    :func:`count_groups` counts them (building the model if K depends on its layers).
+    """
     training, privacy = recipe.training, recipe.privacy
     sample_rate, steps = sampling_schedule(dataset_size, training.batch_size, training.epochs, training.steps)
     check_delta(privacy.delta, dataset_size)

@@ -21,7 +21,7 @@ from dpclip.errors import DpclipError
 from dpclip.recipe import Recipe, recipe_to_yaml
 from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dpclip.train.files import read_json, write_json_atomic, write_text_atomic
-from dpclip.train.plan import private_seed
+from dpclip.train.plan import count_groups, engine_clipping, private_seed
 from dpclip.train.rundir import (
     _append_metrics, _check_canaries, _check_same_release, _meta, _privacy_diff, _read_ledger,
     _released_part, _released_records, check_ledger, load_run_recipe, new_run_dir,
@@ -88,15 +88,7 @@ def lr_factor(schedule, step: int, total_steps: int) -> float:
 
 def _engine_clipping(recipe: Recipe, split) -> dict[str, Any]:
     """The clipping dict for DPEngine, with the statistic's σ from the budget split filled in."""
-    clipping = recipe.clipping.model_dump(mode="python")
-    threshold = clipping["threshold"]
-    if threshold["kind"] == "quantile":
-        threshold["sigma"] = split.sigma_aux
-        threshold["budget_fraction"] = None
-    elif threshold["kind"] in ("dcsgd-p", "dcsgd-e"):
-        threshold["sigma_hist"] = split.sigma_aux
-        threshold["budget_fraction"] = None
-    return clipping
+    return engine_clipping(recipe, split.sigma_aux)
 
 
 class _Null:
@@ -152,7 +144,7 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
     whole_batch = threshold.kind == "discriminative" and threshold.tail_rule == "top_fraction"
 
     # A statistic's sensitivity grows with the number of groups, which depends on the model.
-    num_groups = len(build_groups(model, recipe.clipping.grouping, trainable_params(model)).names)
+    num_groups = count_groups(recipe, model)
     # N is the number of ordinary training examples, counted before any canary goes in
     # (see dpclip.data.canaries: q = B/N applies to canaries too, as `dpclip account` says).
     plan = privacy_plan(recipe, data.num_train, groups=num_groups)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from dpclip.errors import DpclipError, RecipeError
 from dpclip.recipe.load import validate_recipe
 from dpclip.recipe.schema import Recipe
-from dpclip.train.plan import count_fixed_groups, privacy_plan
+from dpclip.train.plan import privacy_plan, statistic_groups
 from dpclip.tuning.privacy import SearchPrivacy, search_privacy
 from dpclip.tuning.space import Configuration, search_space
 from dpclip.tuning.timing import measure_step_seconds, step_cost_signature
@@ -160,18 +160,7 @@ class TuneCostReport:
 
 def count_groups(recipe: Recipe) -> int | None:
     """Clipping groups of the recipe's model when a threshold statistic needs them, else None."""
-    if recipe.clipping.threshold.kind not in ("quantile", "dcsgd-p", "dcsgd-e"):
-        return None
-    known = count_fixed_groups(recipe.clipping.grouping)
-    if known is not None:
-        return known
-    from dpclip.data import load_data
-    from dpclip.engine import build_groups, trainable_params
-    from dpclip.models import build_model
-
-    data = load_data(recipe.data, seed=recipe.seed)
-    model, _ = build_model(recipe.model, data, seed=recipe.seed)
-    return len(build_groups(model, recipe.clipping.grouping, trainable_params(model)).names)
+    return statistic_groups(recipe)
 
 
 def check_same_privacy(configurations: Sequence[Configuration], dataset_size: int) -> None:

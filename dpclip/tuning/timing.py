@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dpclip.recipe.schema import Recipe
+from dpclip.train.plan import timing_clipping as plan_timing_clipping
 
 # Keys whose value changes how long one step takes. Others (learning rate, C, epochs, ...)
 # change what is learnt, not the cost of a step, so configurations differing only in them
@@ -56,15 +57,7 @@ def timing_clipping(recipe: Recipe) -> dict[str, Any]:
     The training workflow derives a statistic's σ from its budget share; its value does
     not change the cost of a step, so timing uses a fixed one.
     """
-    clipping = recipe.clipping.model_dump(mode="python")
-    threshold = clipping["threshold"]
-    if "budget_fraction" in threshold:
-        threshold["budget_fraction"] = None
-        if threshold["kind"] == "quantile":
-            threshold["sigma"] = threshold.get("sigma") or _TIMING_STATISTIC_SIGMA
-        else:
-            threshold["sigma_hist"] = threshold.get("sigma_hist") or _TIMING_STATISTIC_SIGMA
-    return clipping
+    return plan_timing_clipping(recipe, _TIMING_STATISTIC_SIGMA)
 
 
 def measure_step_seconds(recipe: Recipe, steps: int, warmup_steps: int = 1,

@@ -53,7 +53,7 @@ def test_plan_epsilon_with_rdp_equals_dp_accounting_called_directly():
 
 
 def test_plan_with_aux_total_sigma_is_the_joint_of_gradient_and_aux():
-    aux = AuxSpec("quantile", groups=4, fraction=0.05)
+    aux = AuxSpec("quantile counts", 1.0, groups=4, fraction=0.05)
     result = solve(PrivacyPlan(sample_rate=0.004, steps=5000, delta=1e-5, target_epsilon=3.0, aux=aux))
     split = result.split
     assert split.sigma_total == result.step_event.event.noise_multiplier
@@ -64,7 +64,7 @@ def test_plan_with_aux_total_sigma_is_the_joint_of_gradient_and_aux():
 
 
 @pytest.mark.parametrize(
-    "aux", [AuxSpec("quantile", groups=4, fraction=0.1), AuxSpec("histogram", groups=1, sigma=10.0)]
+    "aux", [AuxSpec("quantile counts", 1.0, groups=4, fraction=0.1), AuxSpec("norm histogram", 1.0, groups=1, sigma=10.0)]
 )
 def test_adding_an_aux_statistic_at_fixed_total_sigma_leaves_epsilon_unchanged(aux):
     base = PrivacyPlan(sample_rate=0.01, steps=1000, delta=1e-5, noise_multiplier=1.2)
@@ -78,7 +78,7 @@ def test_adding_an_aux_statistic_at_fixed_total_sigma_leaves_epsilon_unchanged(a
 
 def test_plan_and_training_ledger_agree_on_epsilon():
     result = solve(PrivacyPlan(sample_rate=0.01, steps=2000, delta=1e-5, target_epsilon=3.0,
-                               aux=AuxSpec("histogram", sigma=10.0)))
+                               aux=AuxSpec("norm histogram", 1.0, sigma=10.0)))
     ledger = Ledger(1e-5, "pld")
     for _ in range(2000):
         ledger.record(result.step_event, metadata=result.step_metadata)
@@ -88,7 +88,7 @@ def test_plan_and_training_ledger_agree_on_epsilon():
 
 def test_plan_statement_carries_the_shuffle_caveat_and_the_releases():
     result = solve(PrivacyPlan(sample_rate=0.01, steps=100, delta=1e-5, noise_multiplier=1.0, sampling="shuffle",
-                               aux=AuxSpec("quantile", groups=4, fraction=0.01)))
+                               aux=AuxSpec("quantile counts", 1.0, groups=4, fraction=0.01)))
     assert SHUFFLE_CAVEAT in result.statement.caveats
     assert result.statement.releases == ["gradient (sensitivity 1 after clipping)",
                                          "quantile counts (K=4, sensitivity 1.0)"]
@@ -116,12 +116,16 @@ def test_invalid_plan_is_refused_with_an_accounting_error(kwargs):
 def test_impossible_aux_split_is_refused_by_solve():
     with pytest.raises(AccountingError) as info:
         solve(PrivacyPlan(sample_rate=0.01, steps=100, delta=1e-5, noise_multiplier=2.0,
-                          aux=AuxSpec("histogram", sigma=1.5)))
+                          aux=AuxSpec("norm histogram", 1.0, sigma=1.5)))
     assert "greater than" in info.value.hint
 
 
-@pytest.mark.parametrize("kwargs", [dict(kind="trace", fraction=0.1), dict(kind="quantile"),
-                                    dict(kind="quantile", sigma=1.0, fraction=0.1), dict(kind="quantile", groups=0, fraction=0.1)])
+@pytest.mark.parametrize("kwargs", [dict(name="", sensitivity=1.0, fraction=0.1),
+                                    dict(name="counts", sensitivity=0.0, fraction=0.1),
+                                    dict(name="counts", sensitivity=float("inf"), fraction=0.1),
+                                    dict(name="counts", sensitivity=1.0),
+                                    dict(name="counts", sensitivity=1.0, sigma=1.0, fraction=0.1),
+                                    dict(name="counts", sensitivity=1.0, groups=0, fraction=0.1)])
 def test_invalid_aux_spec_is_refused(kwargs):
     with pytest.raises(AccountingError):
         AuxSpec(**kwargs)

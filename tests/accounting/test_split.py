@@ -8,30 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpclip.accounting import NoiseSplit, aux_sensitivity, joint_noise_multiplier, split_noise
+from dpclip.accounting import NoiseSplit, joint_noise_multiplier, split_noise
 from dpclip.errors import AccountingError
-
-
-@pytest.mark.parametrize(("groups", "expected"), [(1, 0.5), (4, 1.0), (9, 1.5)])
-def test_quantile_counts_sensitivity_is_sqrt_groups_over_two(groups, expected):
-    assert aux_sensitivity("quantile", groups) == pytest.approx(expected)
-
-
-@pytest.mark.parametrize(("groups", "expected"), [(1, 1.0), (4, 2.0), (9, 3.0)])
-def test_histogram_per_group_sensitivity_is_sqrt_groups(groups, expected):
-    assert aux_sensitivity("histogram", groups) == pytest.approx(expected)
-
-
-@pytest.mark.parametrize(("kind", "groups"), [("trace", 1), ("quantile", 0), ("histogram", 1.5)])
-def test_unknown_kind_or_bad_group_count_is_refused(kind, groups):
-    with pytest.raises(AccountingError):
-        aux_sensitivity(kind, groups)
 
 
 @pytest.mark.parametrize(("fraction", "inflation"), [(0.01, 1.005), (0.1, 1.054)])
 def test_budget_fraction_inflates_gradient_noise_as_published(fraction, inflation):
     """docs/accounting.md: r = 0.01 -> σ_g = 1.005σ; r = 0.1 -> 1.054σ."""
-    split = split_noise(2.0, aux_sensitivity("quantile", 4), aux_fraction=fraction)
+    split = split_noise(2.0, 1.0, aux_fraction=fraction)   # quantile counts of K = 4 groups: Δ = 1
     assert split.inflation == pytest.approx(inflation, abs=5e-4)
     assert split.sigma_gradient == pytest.approx(2.0 * split.inflation, rel=1e-12)
     assert split.aux_fraction == pytest.approx(fraction, rel=1e-12)
@@ -39,7 +23,7 @@ def test_budget_fraction_inflates_gradient_noise_as_published(fraction, inflatio
 
 def test_given_aux_sigma_reproduces_dc_sgd_example():
     """docs/accounting.md (DC-SGD): σ = 1.0, σ_H = 10, Δ = 1 -> σ_T = 1.00504."""
-    split = split_noise(1.0, aux_sensitivity("histogram", 1), aux_sigma=10.0)
+    split = split_noise(1.0, 1.0, aux_sigma=10.0)   # one histogram: Δ = 1
     assert split.sigma_gradient == pytest.approx(1.00504, abs=1e-5)
     assert split.aux_fraction == pytest.approx(0.01, rel=1e-12)
 

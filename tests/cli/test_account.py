@@ -88,6 +88,7 @@ def test_histogram_preset_with_bins_prints_the_papers_gradient_noise(cli):
     # DC-SGD preset: sigma_T = (sigma^-2 - sigma_H^-2)^(-1/2); b = 20 is recorded, not charged
     result = cli("account", "--sigma", "1.0", "--delta", "1e-5", "-q", "0.01", "--steps", "100", "--aux",
                  "histogram", "--bins", "20", "--aux-sigma", "5", "--json")
+    assert "deprecated" in result.err and "changes nothing" in result.err     # --bins is kept, and says so
     noise = json.loads(result.out)["noise"]
     assert noise["sigma_gradient"] == pytest.approx((1 - 1 / 25) ** -0.5, rel=1e-6)
     assert noise["bins"] == 20 and noise["aux_sensitivity"] == 1.0
@@ -137,11 +138,18 @@ def test_recipe_overrides_reach_the_plan(cli):
     assert tighter["noise"]["sigma_total"] > base["noise"]["sigma_total"]
 
 
-def test_recipe_with_model_dependent_groups_needs_groups(cli):
-    result = cli("account", QUICKSTART, "clipping.threshold={kind: quantile}")
-    assert result.code == 2 and "--groups" in result.err
-    ok = cli("account", QUICKSTART, "clipping.threshold={kind: quantile}", "--groups", "3", "--json")
-    assert ok.code == 0 and json.loads(ok.out)["noise"]["aux_sensitivity"] == pytest.approx(math.sqrt(3) / 2)
+def test_recipe_with_model_dependent_groups_counts_them_on_its_model(cli):
+    # quickstart: an MLP with hidden [128, 64] and layer grouping: three Linear layers, K = 3
+    result = cli("account", QUICKSTART, "clipping.threshold={kind: quantile}", "--json")
+    assert result.code == 0 and json.loads(result.out)["noise"]["aux_sensitivity"] == pytest.approx(math.sqrt(3) / 2)
+    wider = cli("account", QUICKSTART, "clipping.threshold={kind: quantile}", "model.hidden=[32, 16, 8]", "--json")
+    assert json.loads(wider.out)["noise"]["aux_sensitivity"] == pytest.approx(math.sqrt(4) / 2)
+
+
+def test_unknown_aux_statistic_lists_the_registered_ones(cli):
+    result = cli("account", "--sigma", "1", "--delta", "1e-5", "-q", "0.01", "--steps", "10", "--aux", "trace",
+                 "--aux-sigma", "5")
+    assert result.code != 0 and "histogram, quantile" in result.err
 
 
 MALFORMED = [
@@ -166,6 +174,7 @@ MALFORMED = [
       "--aux-sigma", "5", "--bins", "1"], "bins"),
     (["account", "missing.yaml"], "not found"),
     (["account", str(QUICKSTART), "--eps", "3"], "cannot be combined"),
+    (["account", str(QUICKSTART), "--groups", "3"], "cannot be combined"),
     (["account", str(QUICKSTART), "privacy.delta=0.01"], "1/N"),
     (["account", str(QUICKSTART), "clipping.bogus=1"], "unknown key"),
     (["account", "--eps", "abc"], "--eps"),

@@ -7,8 +7,8 @@ import dp_accounting
 import pytest
 import torch
 
-from dpclip.engine import (AuxRelease, DPEngine, FixedThreshold, ThresholdPolicy, build_groups,
-                           register_threshold_policy)
+from dpclip.engine import AuxRelease, DPEngine, ThresholdPolicy, build_groups, register_threshold_policy
+from dpclip.engine.policies import threshold_kinds, unregister_policy
 from dpclip.errors import EngineError
 from tests.engine.conftest import (DTYPE, classify_loss, group_norms, mlp, mlp_batch,
                                    per_example_grads)
@@ -23,6 +23,15 @@ def test_single_value_is_split_as_c_over_sqrt_k_and_lists_are_per_group():
     with pytest.raises(EngineError, match="2 thresholds but there are 3 groups"):
         DPEngine(mlp(), {"grouping": "layer", "threshold": {"kind": "fixed", "value": [1, 2]}},
                  expected_batch_size=4)
+
+
+@pytest.fixture
+def engine_only_kind():
+    """Forget the engine-only kinds a test registers."""
+    kinds = []
+    yield kinds.append
+    for kind in kinds:
+        unregister_policy(kind)
 
 
 def test_unknown_threshold_kind_names_the_registered_kinds():
@@ -55,7 +64,7 @@ class NoisyCount(ThresholdPolicy):
         return [AuxRelease(math.sqrt(k) / 2, self.sigma_b, "counts")]
 
 
-def test_aux_release_enters_sigma_eff_and_the_poisson_event():
+def test_aux_release_enters_sigma_eff_and_the_poisson_event(engine_only_kind):
     made = []
 
     def factory(spec, ctx):
@@ -63,6 +72,8 @@ def test_aux_release_enters_sigma_eff_and_the_poisson_event():
         return made[-1]
 
     register_threshold_policy("test-noisy-count", factory)
+    engine_only_kind("test-noisy-count")
+    assert "test-noisy-count" not in threshold_kinds()        # no spec: recipes cannot name it
     model = mlp()
     engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "test-noisy-count",
                                                                  "sigma_b": 5.0}},
@@ -101,9 +112,10 @@ class TwoLevel(ThresholdPolicy):
         return torch.where(tail, self.large, self.small)
 
 
-def test_per_sample_thresholds_clip_each_sample_at_its_own_level_and_set_the_noise():
+def test_per_sample_thresholds_clip_each_sample_at_its_own_level_and_set_the_noise(engine_only_kind):
     register_threshold_policy("test-two-level",
                               lambda spec, ctx: TwoLevel(ctx.num_groups, 0.05, 0.5, spec["cut"]))
+    engine_only_kind("test-two-level")
     model = mlp()
     ref_model = copy.deepcopy(model)
     batch = mlp_batch(n=6)
@@ -132,14 +144,6 @@ def test_per_sample_thresholds_clip_each_sample_at_its_own_level_and_set_the_noi
                        noise_multiplier=1.0, expected_batch_size=8)
     torch.testing.assert_close(engine2.privatize().noise_std_sum,
                                torch.full((3,), 0.5 * math.sqrt(3), dtype=DTYPE))
-
-
-def test_fixed_policy_state_round_trips():
-    ctx_engine = DPEngine(mlp(), {"grouping": "layer"}, expected_batch_size=2)
-    state = ctx_engine.state_dict()
-    policy = FixedThreshold(torch.zeros(3, dtype=DTYPE))
-    policy.load_state_dict(state["policy"])
-    torch.testing.assert_close(policy.thresholds(), ctx_engine.thresholds)
 
 
 def test_report_fields_for_abadi_and_auto():

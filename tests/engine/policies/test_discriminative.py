@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from dpclip.engine import DPEngine
-from dpclip.engine.discriminative import discriminative_sensitivity, tail_mask_top
-from dpclip.engine.thresholds import PolicyContext, build_policy
+from dpclip.engine.policies import PolicyContext, build_policy
+from dpclip.engine.policies.discriminative import tail_mask_top
 from dpclip.errors import EngineError
 
 F64 = torch.float64
@@ -97,8 +97,6 @@ def test_engine_clips_each_sample_at_its_own_threshold_exactly():
 # ------------------------------------------------------------------ privacy
 
 def test_sensitivity_is_large_per_sample_and_two_large_minus_small_for_top_fraction():
-    assert discriminative_sensitivity(1.0, 10.0, "threshold") == 10.0
-    assert discriminative_sensitivity(1.0, 10.0, "top_fraction") == 19.0
     assert policy(tail_threshold=2.0).sensitivity_thresholds().tolist() == [10.0]
     assert policy(tail_rule="top_fraction").sensitivity_thresholds().tolist() == [19.0]
     grouped = policy(groups=4, tail_rule="top_fraction").sensitivity_thresholds()
@@ -160,11 +158,3 @@ def test_bad_specs_are_refused_with_hints():
     with pytest.raises(EngineError) as info:
         policy(tail_threshold=1.0, trace_noise=1.0)
     assert info.value.hint
-
-
-def test_state_round_trips():
-    rule = policy(groups=2, tail_threshold=2.0)
-    again = policy(groups=2, tail_threshold=2.0, small=2.0, large=3.0)
-    again.load_state_dict(rule.state_dict())
-    assert torch.equal(again.thresholds(), rule.thresholds())
-    assert torch.equal(again.sensitivity_thresholds(), rule.sensitivity_thresholds())

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from dpclip.engine.quantile import QuantileThreshold
-from dpclip.engine.thresholds import PolicyContext, build_policy
+from dpclip.engine.policies import PolicyContext, build_policy
+from dpclip.engine.policies.quantile import QuantileSpec, QuantileThreshold
 from dpclip.errors import EngineError
 
 
@@ -14,8 +14,6 @@ def context(groups=3, batch=10):
 
 
 def policy(groups=3, batch=10, **spec):
-    import dpclip.engine.quantile  # noqa: F401  (registers the kind)
-
     return build_policy({"kind": "quantile", "sigma": 1e-12, **spec}, context(groups, batch))
 
 
@@ -72,18 +70,14 @@ def test_thresholds_converge_to_the_target_quantile_of_the_norms():
     assert rule.thresholds().item() == pytest.approx(0.8, abs=0.05)
 
 
-def test_state_round_trips():
-    rule = policy(groups=2)
-    rule.observe(torch.rand(5, 2, dtype=torch.float64))
-    rule.release(torch.Generator().manual_seed(0))
-    again = policy(groups=2)
-    again.load_state_dict(rule.state_dict())
-    assert torch.equal(again.thresholds(), rule.thresholds())
-
-
 def test_missing_sigma_is_refused_with_a_hint():
-    import dpclip.engine.quantile  # noqa: F401
-
     with pytest.raises(EngineError) as info:
         build_policy({"kind": "quantile", "target": 0.5}, context())
     assert "sigma" in info.value.message and info.value.hint
+
+
+@pytest.mark.parametrize(("groups", "expected"), [(1, 0.5), (4, 1.0), (9, 1.5)])
+def test_planner_charges_counts_sensitivity_sqrt_groups_over_two(groups, expected):
+    spec = QuantileSpec(kind="quantile", budget_fraction=0.05)
+    assert spec.statistic(groups).sensitivity == pytest.approx(expected)
+    assert spec.statistic(groups).release() == f"quantile counts (K={groups}, sensitivity {expected})"

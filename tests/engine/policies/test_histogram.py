@@ -5,9 +5,9 @@ import torch
 from torch import nn
 
 from dpclip.engine import DPEngine
-from dpclip.engine.dcsgd import (HistogramThreshold, error_range, error_threshold, expected_error,
-                                 histogram_counts, percentile_threshold)
-from dpclip.engine.thresholds import PolicyContext, build_policy
+from dpclip.engine.policies import PolicyContext, build_policy, policy_spec
+from dpclip.engine.policies.histogram import (error_range, error_threshold, expected_error, histogram_counts,
+                                              percentile_threshold)
 from dpclip.errors import EngineError
 
 F64 = torch.float64
@@ -215,11 +215,10 @@ def test_policies_train_a_grouped_model_with_sgd_and_adam(kind, optimizer):
     assert torch.isfinite(engine.thresholds).all() and (engine.thresholds > 0).all()
 
 
-def test_state_round_trips_thresholds_and_ranges():
-    rule = policy("dcsgd-e", groups=2, bins=4)
-    rule.observe(torch.rand(6, 2, dtype=F64) * 30)
-    rule.release(torch.Generator().manual_seed(0))
-    again = policy("dcsgd-e", groups=2, bins=4)
-    again.load_state_dict(rule.state_dict())
-    assert torch.equal(again.thresholds(), rule.thresholds()) and again._ranges == rule._ranges
-    assert isinstance(again, HistogramThreshold)
+@pytest.mark.parametrize("kind", ["dcsgd-p", "dcsgd-e"])
+@pytest.mark.parametrize(("groups", "expected"), [(1, 1.0), (4, 2.0), (9, 3.0)])
+def test_planner_charges_histogram_sensitivity_sqrt_groups_whatever_the_bins(kind, groups, expected):
+    for bins in (2, 20, 500):
+        spec = policy_spec(kind)(kind=kind, bins=bins)
+        assert spec.statistic(groups).sensitivity == pytest.approx(expected)
+        assert spec.statistic(groups).sigma == 5.0             # the paper's σ_H by default

@@ -17,12 +17,12 @@ heavy tail the paper targets is a tail of gradient magnitudes, and the norm iden
 exactly, with no subspace error. Note also that for a fresh, isotropic random subspace the
 trace of a normalised gradient has the same law Beta(k/2, (d−k)/2) whatever the gradient,
 so its information comes only from the subspace's anisotropy. ``subspace_dim`` is accepted
-for recipe compatibility and recorded, but it does not change the result.
+for recipe compatibility and recorded, but it is ignored: it does not change the result.
 
 **Privacy (the published code under-noises by ~7x).** The score is computed from the
 sample's own gradient and never released, so no extra budget is spent; what matters is the
-gradient's sensitivity, reported by :meth:`sensitivity_thresholds` (the engine noises with
-it):
+gradient's sensitivity, :func:`gradient_sensitivity`, which the engine noises with (through
+:meth:`DiscriminativeThreshold.sensitivity_thresholds`) and the spec declares:
 
 - per-sample threshold rule: one example contributes at most c_large → sensitivity c_large;
 - top-fraction rule: adding an example can also push ONE other sample out of (or into) the
@@ -37,11 +37,15 @@ thresholds); the whole sample is tail or body, in every group at once.
 from __future__ import annotations
 
 import math
+from typing import Any, Literal
 
 import torch
+from pydantic import Field, model_validator
 from torch import Tensor
 
-from dpclip.engine.thresholds import PolicyContext, ThresholdPolicy, initial_thresholds, register_threshold_policy
+from dpclip.engine.policies import register_policy
+from dpclip.engine.policies.base import (PolicyContext, PolicySpec, PositiveFloat, PositiveInt, ThresholdPolicy,
+                                         UnitOpen, initial_thresholds)
 from dpclip.errors import EngineError
 
 
@@ -60,8 +64,11 @@ def tail_mask_top(scores: Tensor, fraction: float, expected_batch_size: int) -> 
     return mask
 
 
-def discriminative_sensitivity(small: float, large: float, tail_rule: str) -> float:
-    """L2 sensitivity of the clipped sum: c_large (per-sample rule), 2·c_large − c_small (top fraction)."""
+def gradient_sensitivity(small, large, tail_rule: str):
+    """Sensitivity of the clipped sum: c_large (per-sample rule), 2·c_large − c_small (top fraction).
+
+    Floats give the total; per-group tensors give the per-group bound, whose L2 norm is the total.
+    """
     return large if tail_rule == "threshold" else 2 * large - small
 
 
@@ -86,9 +93,7 @@ class DiscriminativeThreshold(ThresholdPolicy):
 
     def sensitivity_thresholds(self) -> Tensor:
         # Per group: large_k (or 2·large_k − small_k); their L2 norm is the total sensitivity.
-        if self.tail_rule == "threshold":
-            return self.large
-        return 2 * self.large - self.small
+        return gradient_sensitivity(self.small, self.large, self.tail_rule)
 
     def tail_mask(self, norms: Tensor) -> Tensor:
         scores = norms.norm(dim=1)        # the sample's gradient norm over all groups
@@ -124,31 +129,43 @@ class DiscriminativeThreshold(ThresholdPolicy):
         self._ranked_this_step = False
 
 
-def _factory(spec: dict, ctx: PolicyContext) -> ThresholdPolicy:
-    known = {"kind", "small", "large", "subspace_dim", "tail_rule", "tail_threshold", "top_fraction"}
-    unknown = set(spec) - known
-    if unknown:
-        raise EngineError(f"threshold kind 'discriminative' does not take {sorted(unknown)}", f"allowed: {sorted(known)}")
-    if spec.get("small") is None or not spec["small"] > 0:
-        raise EngineError("the discriminative policy needs a positive 'small' threshold", "e.g. small: 0.5")
-    small = float(spec["small"])
-    large = float(spec.get("large") or 10 * small)
-    if large <= small:
-        raise EngineError(f"'large' ({large}) must exceed 'small' ({small})", "the paper uses large = 10 × small")
-    rule = spec.get("tail_rule") or "threshold"
-    if rule not in ("threshold", "top_fraction"):
-        raise EngineError(f"unknown tail_rule {rule!r}", "use threshold or top_fraction")
-    tail_threshold = spec.get("tail_threshold")
-    if rule == "threshold" and (tail_threshold is None or not tail_threshold > 0):
-        raise EngineError("tail_rule 'threshold' needs a positive 'tail_threshold' (a gradient norm)",
-                          "e.g. tail_threshold: 2 × small, or use tail_rule: top_fraction")
-    fraction = float(spec.get("top_fraction") or 0.1)
-    if not 0 < fraction < 1:
-        raise EngineError(f"top_fraction must lie in (0, 1), got {fraction}", "the paper uses 0.05–0.1")
-    return DiscriminativeThreshold(initial_thresholds(small, ctx, "threshold.small"),
-                                   initial_thresholds(large, ctx, "threshold.large"), rule,
-                                   None if tail_threshold is None else float(tail_threshold), fraction,
-                                   ctx.expected_batch_size, int(spec.get("subspace_dim") or 200))
+@register_policy
+class DiscriminativeSpec(PolicySpec):
+    """DC-DPSGD: body clipped at `small`, heavy-tail samples at `large`."""
 
+    kind: Literal["discriminative"]
+    small: PositiveFloat
+    large: PositiveFloat | None = Field(None, description="default 10 x small")
+    subspace_dim: PositiveInt = Field(200, description="the paper's projection dimension; ignored (recorded only): "
+                                      "dpclip scores samples by gradient norm (docs/methods.md)")
+    tail_rule: Literal["threshold", "top_fraction"] = Field(
+        "threshold", description="threshold: noise for `large`; top_fraction ranks the batch: noise for 2·large − small")
+    tail_threshold: PositiveFloat | None = Field(None, description="gradient norm above which a sample is tail")
+    top_fraction: UnitOpen = Field(0.1, description="share of the expected batch clipped at `large` (top_fraction rule)")
 
-register_threshold_policy("discriminative", _factory)
+    example = {"kind": "discriminative", "small": 0.5, "large": 3.0, "tail_rule": "top_fraction",
+               "top_fraction": 0.25}
+
+    @model_validator(mode="after")
+    def _large(self) -> DiscriminativeSpec:
+        if self.large is None:
+            self.large = 10 * self.small
+        if self.large <= self.small:
+            raise ValueError("'large' must exceed 'small'")
+        if self.tail_rule == "threshold" and self.tail_threshold is None:
+            raise ValueError("tail_rule 'threshold' needs 'tail_threshold'")
+        return self
+
+    def gradient_sensitivity(self) -> float:
+        return gradient_sensitivity(self.small, self.large, self.tail_rule)
+
+    def check_recipe(self, recipe: Any) -> None:
+        if self.tail_rule == "top_fraction" and recipe.training.micro_batch_size is not None:
+            raise ValueError("clipping.threshold.tail_rule 'top_fraction' ranks the whole logical batch, which is "
+                             "processed in one backward: remove training.micro_batch_size")
+
+    def build(self, ctx: PolicyContext) -> DiscriminativeThreshold:
+        return DiscriminativeThreshold(initial_thresholds(self.small, ctx, "threshold.small"),
+                                       initial_thresholds(self.large, ctx, "threshold.large"), self.tail_rule,
+                                       self.tail_threshold, self.top_fraction, ctx.expected_batch_size,
+                                       self.subspace_dim)

@@ -1,0 +1,250 @@
+"""What every threshold policy is made of (docs/engine.md, "Threshold policies").
+
+A threshold policy says where the per-group clipping thresholds C_k come from. It lives in
+one file of :mod:`dpclip.engine.policies` and defines, registered together:
+
+1. its **spec**, a :class:`PolicySpec` (pydantic): the recipe's ``clipping.threshold`` block,
+   with its defaults and rules, and what the planner charges (:meth:`PolicySpec.statistic`,
+   pure Python, so the accounting layer stays torch-free);
+2. its **engine policy**, a :class:`ThresholdPolicy`, built by :meth:`PolicySpec.build`.
+
+The engine asks its policy, every logical batch:
+
+``thresholds()``                 -> tensor [K], the C_k used to clip this step;
+``observe(norms)``               per micro-batch, the per-sample group norms [b, K]
+                                 (private: a policy may only *release* them with noise);
+                                 a non-finite norm arrives as +inf (that sample
+                                 contributes zero to the gradient);
+``per_sample_thresholds(norms)`` -> [b, K] or None, only when ``per_sample = True``
+                                 (discriminative clipping clips each sample at small or
+                                 large); the engine then finalizes groups at the end of the
+                                 backward, when all K norms of a sample are known;
+``sensitivity_thresholds()``     -> [K], the largest threshold any sample can get (the
+                                 gradient's sensitivity is sqrt(Σ_k of their squares));
+``release(generator)``           once per step, after the gradient noise: the noisy
+                                 statistics it used, as ``AuxRelease(sensitivity, sigma)``
+                                 (or None). Its update applies from the next step;
+``pending_statistic()``          the statistic accumulated since the last release, WITHOUT
+                                 noise (private: for the contract tests, never logged);
+``summary()``                    -> dict of released values for the run's metrics;
+``state_dict() / load_state_dict()`` for checkpoints.
+
+A release with L2 sensitivity Δ_a and noise std σ_a taken on the same sample as the
+gradient composes with it into one Gaussian mechanism with
+σ_eff⁻² = σ_g⁻² + Σ_a (Δ_a/σ_a)² (docs/accounting.md, "Joint release"; see
+:func:`dpclip.engine.noise.effective_noise_multiplier`).
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, NamedTuple
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from dpclip.accounting import AuxSpec
+from dpclip.errors import AccountingError, EngineError
+
+# Field types shared by the policy specs and the rest of the recipe schema.
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+PositiveInt = Annotated[int, Field(gt=0)]
+UnitOpen = Annotated[float, Field(gt=0, lt=1)]
+
+
+class AuxRelease(NamedTuple):
+    """A noisy statistic released by a policy: L2 sensitivity Δ_a and Gaussian noise std σ_a."""
+
+    sensitivity: float
+    sigma: float
+    name: str = ""
+
+
+@dataclass
+class PolicyContext:
+    """What a policy factory may need to know about the engine it serves."""
+
+    group_names: list[str]
+    group_sizes: list[int]           # d_k
+    expected_batch_size: int
+    noise_multiplier: float          # σ_g
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_names)
+
+
+class ThresholdPolicy:
+    """Base class with the do-nothing defaults of every hook (see module doc)."""
+
+    per_sample: bool = False
+
+    def thresholds(self) -> Tensor:
+        raise NotImplementedError
+
+    def sensitivity_thresholds(self) -> Tensor:
+        return self.thresholds()
+
+    def observe(self, norms: Tensor) -> None:
+        pass
+
+    def per_sample_thresholds(self, norms: Tensor) -> Tensor | None:
+        return None
+
+    def release(self, generator: torch.Generator) -> list[AuxRelease] | None:
+        return None
+
+    def pending_statistic(self) -> Tensor | None:
+        return None
+
+    def summary(self) -> dict:
+        """Released (noisy) quantities worth logging after ``release``, as plain JSON values
+        (e.g. a histogram range R_t or noisy counts). Never raw private statistics."""
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def initial_thresholds(value, ctx: PolicyContext, what: str = "threshold.value") -> Tensor:
+    """C_k from a recipe value: a float C gives C/sqrt(K) each (groupwise paper §2.3,
+    eq. (4): total sensitivity C), a list gives one per group."""
+    k = ctx.num_groups
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        values = [float(value) / math.sqrt(k)] * k
+    elif isinstance(value, (list, tuple)):
+        if len(value) != k:
+            raise EngineError(f"{what} lists {len(value)} thresholds but there are {k} groups "
+                              f"({', '.join(ctx.group_names)})",
+                              "give one threshold per group, or a single float")
+        values = [float(v) for v in value]
+    else:
+        raise EngineError(f"{what} must be a float or a list of floats, got {value!r}", None)
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise EngineError(f"{what} must be positive and finite, got {value!r}", None)
+    return torch.tensor(values, device=ctx.device, dtype=ctx.dtype)
+
+
+class PolicySpec(BaseModel):
+    """Base of every threshold policy's spec: the recipe's ``clipping.threshold`` block.
+
+    A subclass declares ``kind: Literal["<kind>"]`` and its fields, sets ``example`` (an
+    engine-ready spec the contract suite runs, tests/engine/policies) and overrides the hooks
+    that apply to it; the defaults fit a policy that releases nothing.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    #: an engine-ready ``threshold`` dict (noise stds explicit) for the contract tests.
+    example: ClassVar[dict[str, Any]] = {}
+    #: shown under the policy's section of docs/recipes.md.
+    recipe_note: ClassVar[str] = ""
+    #: the name ``dpclip account --aux`` knows its statistic by (None: releases nothing).
+    statistic_alias: ClassVar[str | None] = None
+
+    @classmethod
+    def kind_name(cls) -> str:
+        return typing.get_args(cls.model_fields["kind"].annotation)[0]
+
+    # ------------------------------------------------------------ what the planner charges
+
+    def statistic(self, groups: int) -> AuxSpec | None:
+        """The statistic released with every gradient over ``groups`` groups, or None."""
+        return None
+
+    def releases_statistic(self) -> bool:
+        return self.statistic(1) is not None
+
+    def gradient_sensitivity(self) -> float | None:
+        """The clipped sum's L2 sensitivity when it is a fixed number (None: ‖C_t‖ of the step)."""
+        return None
+
+    @property
+    def aux_sigma(self) -> float | None:
+        """The statistic's noise std when the recipe fixes it (None: from the budget split)."""
+        return None
+
+    # ------------------------------------------------------------ recipe rules (hooks)
+
+    def check_clipping(self, clipping: Any) -> None:
+        """Rules across ``clipping`` (grouping, fn, allocation); raise ValueError to refuse."""
+
+    def check_recipe(self, recipe: Any) -> None:
+        """Rules across the whole recipe; raise ValueError to refuse."""
+
+    # ------------------------------------------------------------ the engine
+
+    def engine_dict(self, sigma_aux: float | None = None) -> dict[str, Any]:
+        """The ``threshold`` dict for DPEngine, with the statistic's noise std ``sigma_aux``
+        from the budget split filled in (ignored by a policy that releases nothing)."""
+        return self.model_dump(mode="python")
+
+    @classmethod
+    def check_engine_dict(cls, spec: dict[str, Any]) -> None:
+        """Refuse what DPEngine cannot fill in itself (it does no budget split)."""
+
+    def build(self, ctx: PolicyContext) -> ThresholdPolicy:
+        raise NotImplementedError
+
+
+class BudgetShare(PolicySpec):
+    """A policy that releases a statistic with noise: its own σ or a share r of the budget (docs/methods.md)."""
+
+    #: the field holding the statistic's noise std.
+    noise_field: ClassVar[str] = "sigma"
+    #: how the privacy statement names the statistic.
+    statistic_name: ClassVar[str] = ""
+    #: EngineError text when DPEngine gets no noise std.
+    missing_noise: ClassVar[tuple[str, str]] = ("", "")
+
+    budget_fraction: UnitOpen | None = None
+
+    @classmethod
+    def statistic_sensitivity(cls, groups: int) -> float:
+        """L2 sensitivity of the statistic over ``groups`` groups (one example added or removed)."""
+        raise NotImplementedError
+
+    @classmethod
+    def aux_spec(cls, groups: int, sigma: float | None, fraction: float | None) -> AuxSpec:
+        """What the planner charges for this statistic (also `dpclip account --aux`)."""
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise AccountingError(f"groups must be an integer >= 1, got {groups!r}",
+                              "groups is the number of clipping groups K (1 for flat clipping)")
+        return AuxSpec(name=cls.statistic_name, sensitivity=cls.statistic_sensitivity(groups), groups=groups,
+                       sigma=sigma, fraction=fraction)
+
+    def statistic(self, groups: int) -> AuxSpec:
+        return self.aux_spec(groups, self.aux_sigma, self.budget_fraction)
+
+    @property
+    def aux_sigma(self) -> float | None:
+        return getattr(self, self.noise_field)
+
+    def engine_dict(self, sigma_aux: float | None = None) -> dict[str, Any]:
+        spec = self.model_dump(mode="python")
+        spec[self.noise_field] = sigma_aux
+        spec["budget_fraction"] = None
+        return spec
+
+    @classmethod
+    def check_engine_dict(cls, spec: dict[str, Any]) -> None:
+        sigma = spec.get(cls.noise_field)
+        if sigma is None or not isinstance(sigma, (int, float)) or not sigma > 0:
+            raise EngineError(*cls.missing_noise)
+
+    def _one_noise_field(self, sigma_field: str, default: float | None) -> None:
+        sigma = getattr(self, sigma_field)
+        if sigma is not None and self.budget_fraction is not None:
+            raise ValueError(f"give at most one of '{sigma_field}' or 'budget_fraction'")
+        if sigma is None and self.budget_fraction is None:
+            if default is None:
+                raise ValueError(f"give one of '{sigma_field}' or 'budget_fraction'")
+            setattr(self, sigma_field, default)
