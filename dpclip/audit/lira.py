@@ -119,7 +119,7 @@ def _load_or_make_keep(folder: Path, num_shadows: int, pool_size: int, seed: int
                               f"not {num_shadows} over {pool_size}",
                               f"pass --shadows {keep.shape[0]} to reuse them, or delete {folder} to start over")
         return keep, stored["shadows"]
-    from dpclip.train.files import write_json_atomic
+    from dpclip.files import write_json_atomic
 
     keep = shadow_keep(num_shadows, pool_size, seed)
     plans = [shadow_plan(target, int(row.sum())) for row in keep]

@@ -182,7 +182,7 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
                                    "than its accounting allows (a privacy bug, or a wrong ledger)")
     if write:
         from dpclip.audit.plot import plot_roc
-        from dpclip.train.files import write_json_atomic
+        from dpclip.files import write_json_atomic
 
         folder = run_dir / "audit"
         folder.mkdir(exist_ok=True)

@@ -121,7 +121,7 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
     from dpclip.accounting import Ledger, event_to_dict, training_event
     from dpclip.accounting.tuning import repeat_and_select_event
     from dpclip.data import load_data
-    from dpclip.train.files import read_json, write_json_atomic
+    from dpclip.files import read_json, write_json_atomic
     from dpclip.tuning.privacy import REPEAT_AND_SELECT
     from dpclip.tuning.space import search_space
 
@@ -290,7 +290,7 @@ def _released_score(run_dir: Path, trial, data, score_noise: float | None, rng: 
 
 def _mark_selected(best: _Candidate, search_dir: Path, summary: Mapping[str, Any]) -> None:
     """Make the selected run say what publishing it costs: the whole search's ε."""
-    from dpclip.train.files import read_json, write_json_atomic
+    from dpclip.files import read_json, write_json_atomic
 
     to_search = os.path.relpath(search_dir, best.run_dir)
     marker = {
@@ -339,7 +339,7 @@ def is_search_dir(path: Path) -> bool:
     if not (path / "ledger.json").is_file() or (path / "recipe.yaml").exists():
         return False
     try:
-        from dpclip.train.files import read_json
+        from dpclip.files import read_json
 
         return read_json(path / "summary.json").get("search_format") == SEARCH_FORMAT
     except (OSError, ValueError, AttributeError):
@@ -351,7 +351,7 @@ def search_of_run(run_dir: Path) -> Path | None:
 
     The marker file says so; a run inside a search's ``runs/`` is treated as selected even
     without it, so deleting the marker cannot make the run's own ε the one reported."""
-    from dpclip.train.files import read_json
+    from dpclip.files import read_json
 
     run_dir = Path(run_dir)
     marker = run_dir / SEARCH_MARKER
@@ -397,7 +397,7 @@ def read_search(search_dir: Path) -> SearchRecord:
     and the statement of what it spent."""
     from dpclip.accounting import Ledger, event_to_dict, training_event
     from dpclip.errors import AccountingError
-    from dpclip.train.files import read_json
+    from dpclip.files import read_json
     from dpclip.train.rundir import load_run_recipe, spent
 
     search_dir = Path(search_dir)

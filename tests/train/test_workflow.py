@@ -16,7 +16,8 @@ from dpclip.accounting import Ledger
 from dpclip.errors import DpclipError
 from dpclip.train.plan import plan_for_recipe, solve_plan
 from dpclip.train.rundir import spent
-from dpclip.train.workflow import lr_factor, train
+from dpclip.train.optim import lr_factor
+from dpclip.train.workflow import train
 
 REPO = Path(__file__).resolve().parents[2]
 
