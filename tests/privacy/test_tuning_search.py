@@ -108,7 +108,7 @@ def _search(report, base, recipe, trials: int, *, train_for_real: bool = True) -
         patch.setattr(accounting_tuning, "draw_trial_count", forced)
         if train_for_real:
             patch.setattr(workflow, "train", _spy_train(workflow.train, observed))
-        observed.summary = run_search(base, recipe, report, grid=GRID, quiet=True)
+        observed.summary = run_search(base, recipe, report, grid=GRID)
     return observed
 
 

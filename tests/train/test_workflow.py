@@ -1,6 +1,5 @@
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -9,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from dpclip.accounting import Ledger
