@@ -32,7 +32,7 @@ def test_a_search_directory_is_named_after_the_recipe_and_marked_search(tmp_path
 
 
 def test_a_finished_run_has_every_well_known_file_and_they_load(small_recipe):
-    recipe = small_recipe("training.steps=2", "eval.every_steps=0")
+    recipe = small_recipe("training.steps=2", "eval.every_steps=null")
     run = RunDir(train(recipe).run_dir)
     for path in (run.recipe_file, run.meta_file, run.ledger_file, run.metrics_file, run.summary_file):
         assert path.is_file(), path

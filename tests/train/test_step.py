@@ -87,7 +87,7 @@ def test_a_refused_release_moves_no_weight(small_recipe):
 
 def test_a_run_steps_like_the_step_on_the_same_seeds(small_recipe):
     """One training step of a seeded run ends with the weights one PrivateStep gives."""
-    recipe = small_recipe(*SEEDED, "training.steps=1", "eval.every_steps=0")
+    recipe = small_recipe(*SEEDED, "training.steps=1", "eval.every_steps=null")
     run = train(recipe).run_dir
     trained = _set_up(recipe)
     load_checkpoint(latest_checkpoint(run), trained.model)
@@ -106,12 +106,13 @@ def test_training_timing_and_bench_all_go_through_the_one_step(small_recipe, mon
         return original(self, indices, before_update)
 
     monkeypatch.setattr(PrivateStep, "__call__", spy)
-    recipe = small_recipe("training.steps=3", "eval.every_steps=0", "model.hidden=[16]")
+    recipe = small_recipe("training.steps=3", "eval.every_steps=null", "model.hidden=[16]")
     train(recipe)
     assert len(calls) == 3
     measure_step_seconds(recipe, steps=2, warmup_steps=1)
     assert len(calls) == 3 + 3
     trainer = _set_up(recipe)
+    trainer.engine.detach()  # bench builds its own engine on its own copy of the model
     batch = {name: tensor[:8] for name, tensor in trainer.data.train.items()}
     make_step("dp layer", trainer.model, trainer.loss_fn, batch, 8)()
     assert calls[-1] == 8 and len(calls) == 7
