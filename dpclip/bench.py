@@ -2,7 +2,7 @@
 
 For a recipe's model, data and batch size, one fixed batch of the training set is run
 through a non-private step (mean loss, backward, SGD step) and a private step per
-grouping style (per-sample losses, ``engine.backward``, ``engine.privatize``, SGD step),
+grouping style (:class:`dpclip.train.step.PrivateStep`, the training loop's own, with SGD),
 timed interleaved (A B C A B C ...) in one process; medians are reported with the ratio
 to non-private, the median over rounds of (step / non-private step of the same round), so
 that a slow stretch of the machine hits both sides of a ratio alike. The clipping function, threshold and noise come from the engine's
@@ -28,6 +28,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from dpclip.allocator import keep_freed_memory
+from dpclip.data import load_data, select
+from dpclip.engine import DPEngine
+from dpclip.models import build_model
+from dpclip.recipe import load_recipe
+from dpclip.train.step import PrivateStep
 
 GROUPINGS = ("all-layer", "layer", "param")
 NON_PRIVATE = "non-private"
@@ -56,10 +63,7 @@ def method_names(groupings=GROUPINGS) -> list[str]:
 
 
 def _setup(recipe):
-    """(model, loss_fn, batch): the recipe's model and its first ``batch_size`` training rows."""
-    from dpclip.data import load_data, select
-    from dpclip.models import build_model
-
+    """(model, loss_fn, batch, size): the recipe's model and its first ``batch_size`` training rows."""
     data = load_data(recipe.data, seed=recipe.seed)
     model, loss_fn = build_model(recipe.model, data, seed=recipe.seed)
     size = min(recipe.training.batch_size, data.num_train)
@@ -67,9 +71,8 @@ def _setup(recipe):
 
 
 def make_step(method: str, model, loss_fn, batch, size: int) -> Callable[[], None]:
-    """One training step of ``method`` on its own copy of ``model``."""
-    from dpclip.engine import DPEngine
-
+    """One training step of ``method`` on its own copy of ``model``: the baseline below, or
+    the one private step (:class:`~dpclip.train.step.PrivateStep`) on the whole batch."""
     model = copy.deepcopy(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1e-4)
@@ -81,12 +84,11 @@ def make_step(method: str, model, loss_fn, batch, size: int) -> Callable[[], Non
         return step
     engine = DPEngine(model, {"grouping": method.removeprefix("dp ")}, noise_multiplier=1.0,
                       expected_batch_size=size)
+    private_step = PrivateStep(model, loss_fn, engine, opt, batch, micro_batch_size=None)
+    rows = torch.arange(size)
 
     def dp_step():
-        engine.backward(loss_fn(model, batch))
-        engine.privatize()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        private_step(rows)
     return dp_step
 
 
@@ -159,8 +161,6 @@ def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, group
                  repeats: int = 5, warmup: int = 1, threads: int | None = None,
                  memory: bool = True) -> BenchResult:
     """Time (and optionally measure memory of) non-private vs private steps for a recipe."""
-    from dpclip.recipe import load_recipe
-
     overrides = list(overrides or [])
     recipe = load_recipe(recipe_path, overrides)
     if threads:
@@ -182,9 +182,6 @@ def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, group
 
 
 def _child(spec: dict) -> float:
-    from dpclip.allocator import keep_freed_memory
-    from dpclip.recipe import load_recipe
-
     keep_freed_memory()  # as in the `dpclip` process that asked for this measurement
     torch.set_num_threads(spec["threads"])
     recipe = load_recipe(Path(spec["recipe"]), spec["overrides"])

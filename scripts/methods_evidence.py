@@ -35,7 +35,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dpclip.engine.dcsgd import error_threshold, expected_error, histogram_counts, percentile_threshold  # noqa: E402
+from dpclip.accounting import calibrate_noise_multiplier  # noqa: E402
+from dpclip.data import load_data  # noqa: E402
+from dpclip.engine import DPEngine  # noqa: E402
+from dpclip.engine.policies.histogram import error_threshold, expected_error, histogram_counts, percentile_threshold  # noqa: E402
+from dpclip.models import build_model  # noqa: E402
+from dpclip.models.evaluate import evaluate  # noqa: E402
+from dpclip.recipe import load_recipe  # noqa: E402
+from dpclip.train.step import PrivateStep  # noqa: E402
 
 # ------------------------------------------------------------------ synthetic check
 
@@ -90,7 +97,7 @@ def synthetic(out: Path, draws: int = 200, sigma_hist: float = 5.0) -> dict:
 
 
 def _plot_synthetic(path: Path, grid, exact, curves, c_star) -> None:
-    import matplotlib
+    import matplotlib  # lazy: only the synthetic plot needs it, and it is slow to import
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -166,9 +173,6 @@ QUANTILE_FRACTION = 0.01
 
 class Digits:
     def __init__(self):
-        from dpclip.data import load_data
-        from dpclip.recipe import load_recipe
-
         self.recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [])
         self.data = load_data(self.recipe.data, seed=0)
         self.n = len(self.data.train["labels"])
@@ -178,8 +182,6 @@ _SIGMA_CACHE: dict = {}
 
 
 def total_sigma(eps: float, delta: float, q: float, steps: int) -> float:
-    from dpclip.accounting import calibrate_noise_multiplier
-
     key = (eps, delta, q, steps)
     if key not in _SIGMA_CACHE:
         _SIGMA_CACHE[key] = calibrate_noise_multiplier(eps, delta, q, steps, "pld")
@@ -189,11 +191,6 @@ def total_sigma(eps: float, delta: float, q: float, steps: int) -> float:
 def train_once(digits: Digits, clipping: dict, stat: str | None, sigma_total: float, *, seed: int, epochs: float,
                batch: int = 64, lr: float = 0.002) -> tuple[float, float]:
     """One private training; returns (test accuracy, wall seconds)."""
-    from dpclip.data import select
-    from dpclip.engine import DPEngine
-    from dpclip.models import build_model
-    from dpclip.models.evaluate import evaluate
-
     data = digits.data
     q = batch / digits.n
     steps = math.ceil(epochs / q)
@@ -212,12 +209,9 @@ def train_once(digits: Digits, clipping: dict, stat: str | None, sigma_total: fl
     engine = DPEngine(model, clipping, noise_multiplier=sigma_g, expected_batch_size=batch, seed=seed, sample_rate=q)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     sampler = torch.Generator().manual_seed(1000 + seed)
+    private_step = PrivateStep(model, loss_fn, engine, optimizer, data.train, micro_batch_size=None)
     for _ in range(steps):
-        idx = torch.nonzero(torch.rand(digits.n, generator=sampler) < q).squeeze(1)
-        if len(idx):
-            engine.backward(loss_fn(model, select(data.train, idx)))
-        engine.privatize()
-        optimizer.step()
+        private_step(torch.nonzero(torch.rand(digits.n, generator=sampler) < q).squeeze(1))
     engine.detach()
     accuracy = evaluate(model, loss_fn, data.test, data.task)["accuracy"]
     return accuracy, time.perf_counter() - start
@@ -240,7 +234,7 @@ def digits(out: Path, seeds: list[int], epochs: float, epsilons: list[float], de
                                           seed=seed, epochs=epochs) for c in GRID}
             best = max(grid, key=lambda c: grid[c][0])
             best_charged = max(grid_charged, key=lambda c: grid_charged[c][0])
-            rows.append({"eps": eps, "seed": seed, "method": f"dpsgd best of 10-C grid", "G": 10,
+            rows.append({"eps": eps, "seed": seed, "method": "dpsgd best of 10-C grid", "G": 10,
                          "accuracy": grid[best][0], "seconds": sum(v[1] for v in grid.values()),
                          "charged_accuracy": grid_charged[best_charged][0], "detail": f"best C={best:g} "
                          f"(charged: C={best_charged:g})", "grid": {str(c): v[0] for c, v in grid.items()}})

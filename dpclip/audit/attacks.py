@@ -91,6 +91,7 @@ def logistic_attack(outputs: Outputs, is_member: np.ndarray, *, bootstrap: int, 
     Features are standardised on the fitting half. Only the scoring half enters the
     metrics, so members/non-members there are about half of those of the loss attack.
     """
+    # Lazy: sklearn's estimators are slow to import and only the logistic attack needs them.
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler

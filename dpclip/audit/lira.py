@@ -33,7 +33,16 @@ import numpy as np
 import torch
 from scipy.stats import norm
 
+from dpclip.audit.attacks import model_outputs
+from dpclip.data import select
+from dpclip.data.split import split_fingerprint
 from dpclip.errors import DpclipError
+from dpclip.files import write_json_atomic
+from dpclip.models import build_model
+from dpclip.recipe.schema import Audit
+from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
+from dpclip.train.rundir import load_run_recipe
+from dpclip.train.workflow import train
 
 PER_EXAMPLE_VARIANCE_MIN = 32
 KEEP_FILE = "keep.json"
@@ -51,9 +60,6 @@ def shadow_keep(num_shadows: int, pool_size: int, seed: int) -> np.ndarray:
 
 def shadow_data(pool, keep: np.ndarray):
     """The PrivateData a shadow trains on: its kept pool examples, the rest held out."""
-    from dpclip.data import select
-    from dpclip.data.split import split_fingerprint
-
     train_idx, test_idx = np.flatnonzero(keep), np.flatnonzero(~keep)
     return replace(pool.data, train=select(pool.tensors, torch.as_tensor(train_idx)),
                    test=select(pool.tensors, torch.as_tensor(test_idx)), train_indices=train_idx,
@@ -89,8 +95,6 @@ def shadow_recipe(recipe, index: int, plan: dict[str, Any]):
     σ is the total noise multiplier, which training splits between the gradient and any
     threshold statistic exactly as it did for the target (the same recipe, model and σ).
     """
-    from dpclip.recipe.schema import Audit
-
     # model_copy on the loaded sections keeps every other field as the run had it, whatever
     # fields the schema has by now.
     training = recipe.training.model_copy(update={"epochs": None, "steps": plan["steps"],
@@ -119,8 +123,6 @@ def _load_or_make_keep(folder: Path, num_shadows: int, pool_size: int, seed: int
                               f"not {num_shadows} over {pool_size}",
                               f"pass --shadows {keep.shape[0]} to reuse them, or delete {folder} to start over")
         return keep, stored["shadows"]
-    from dpclip.train.files import write_json_atomic
-
     keep = shadow_keep(num_shadows, pool_size, seed)
     plans = [shadow_plan(target, int(row.sum())) for row in keep]
     folder.mkdir(parents=True, exist_ok=True)
@@ -148,8 +150,6 @@ def train_shadows(run_dir: Path, recipe, pool, num_shadows: int, seed: int,
 
     ``observer_for(index, total)`` gives the TrainObserver of one shadow (a progress bar).
     """
-    from dpclip.train.workflow import train
-
     folder = Path(run_dir) / "audit" / "shadows"
     keep, plans = _load_or_make_keep(folder, num_shadows, pool.size, seed, target_plan(run_dir))
     dirs = []
@@ -172,11 +172,6 @@ def train_shadows(run_dir: Path, recipe, pool, num_shadows: int, seed: int,
 
 def shadow_confidences(dirs: list[Path], pool) -> np.ndarray:
     """φ of every shadow (its last checkpoint, loaded from safetensors) on the pool: [M, n]."""
-    from dpclip.audit.attacks import model_outputs
-    from dpclip.models import build_model
-    from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
-    from dpclip.train.rundir import load_run_recipe
-
     rows = []
     for shadow_dir in dirs:
         recipe = load_run_recipe(shadow_dir)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dpclip.audit.metrics import dp_tpr_bound
+
 
 def plot_roc(report: dict, path: Path) -> None:
     """Draw every attack's ROC and the DP bound TPR ≤ e^ε·FPR + δ of the ledger's (ε, δ).
@@ -16,12 +18,10 @@ def plot_roc(report: dict, path: Path) -> None:
     so the x axis starts at 1/(2n): points at FPR = 0 are drawn there, and TPR = 0 at the
     y floor.
     """
-    import matplotlib
+    import matplotlib  # lazy: slow to import, and only a written report draws
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from dpclip.audit.metrics import dp_tpr_bound
 
     floor = 1e-4
     counts = [r["non_members"] for r in report["attacks"].values()]

@@ -21,7 +21,20 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from dpclip.accounting import Ledger
+from dpclip.audit.attacks import Outputs, logistic_attack, loss_attack, model_outputs
+from dpclip.audit.lira import lira_scores, realised_plan, shadow_confidences, target_plan, train_shadows
+from dpclip.audit.metrics import attack_metrics, dp_tpr_bound
+from dpclip.audit.one_run import one_run_audit
+from dpclip.audit.plot import plot_roc
+from dpclip.data import load_data
+from dpclip.data.canaries import make_canaries, read_canary_secret
 from dpclip.errors import DpclipError
+from dpclip.files import write_json_atomic
+from dpclip.models import build_model
+from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
+from dpclip.train.rundir import check_ledger, load_run_recipe, planned_step
+from dpclip.tuning.search import read_search, search_of_run
 
 ATTACKS = ("loss", "logistic", "lira", "one-run")
 CANARY_HINT = ("add canaries to the recipe and train again, e.g. `audit: {canaries: {count: 200, kind: ood}}` "
@@ -44,8 +57,6 @@ class Pool:
 
 def resolve_target(path: Path) -> tuple[Path, Path]:
     """(run_dir, checkpoint_dir) from a run directory or one of its checkpoint directories."""
-    from dpclip.train.checkpoint import latest_checkpoint
-
     path = Path(path)
     if (path / "model.safetensors").exists() and path.parent.name == "checkpoints":
         return path.parent.parent, path
@@ -59,9 +70,6 @@ def resolve_target(path: Path) -> tuple[Path, Path]:
 
 
 def build_pool(run_dir: Path, recipe) -> Pool:
-    from dpclip.data import load_data
-    from dpclip.data.canaries import read_canary_secret
-
     meta = json.loads((run_dir / "meta.json").read_text(encoding="utf-8"))
     data = load_data(recipe.data, seed=recipe.seed)
     if data.fingerprint != meta["data"]["split_fingerprint"]:
@@ -79,9 +87,6 @@ def build_pool(run_dir: Path, recipe) -> Pool:
 
 def _ledger_at(run_dir: Path, recipe, checkpoint: Path, state: dict) -> tuple[float, float]:
     """(ε, δ) of the checkpoint's ledger, after checking it is this run's ledger at its step."""
-    from dpclip.accounting import Ledger
-    from dpclip.train.rundir import check_ledger, planned_step
-
     ledger = Ledger.from_dict(state["ledger"])
     step_event, _ = planned_step(run_dir, recipe)
     check_ledger(ledger, step_event, int(state["step"]), where=checkpoint / "state.json")
@@ -91,8 +96,6 @@ def _ledger_at(run_dir: Path, recipe, checkpoint: Path, state: dict) -> tuple[fl
 def _charge_search(run_dir: Path, report: dict[str, Any]) -> None:
     """A run selected by a tuning search costs what the whole search spent: set that ε beside
     the measured leakage, not the run's own (smaller) one."""
-    from dpclip.tuning.search import read_search, search_of_run
-
     search_dir = search_of_run(run_dir)
     if search_dir is None:
         return
@@ -105,10 +108,6 @@ def _charge_search(run_dir: Path, report: dict[str, Any]) -> None:
 
 
 def _one_run(run_dir: Path, recipe, pool: Pool, model, loss_fn, delta: float, confidence: float) -> dict:
-    from dpclip.audit.attacks import model_outputs
-    from dpclip.audit.one_run import one_run_audit
-    from dpclip.data.canaries import make_canaries, read_canary_secret
-
     secret = read_canary_secret(run_dir)
     if secret is None or recipe.audit.canaries is None:
         raise DpclipError(f"{run_dir} was trained without canaries, so the one-run audit has nothing to guess",
@@ -128,11 +127,6 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
           confidence: float = 0.95, shadow_observer: Callable[[int, int], Any] | None = None,
           write: bool = True) -> dict:
     """Run ``attacks`` against the run or checkpoint ``target``; return (and write) the report."""
-    from dpclip.audit.attacks import Outputs, logistic_attack, loss_attack, model_outputs
-    from dpclip.models import build_model
-    from dpclip.train.checkpoint import load_checkpoint
-    from dpclip.train.rundir import load_run_recipe
-
     unknown = [a for a in attacks if a not in ATTACKS]
     if unknown:
         raise DpclipError(f"unknown attack {unknown[0]!r}", "use loss, logistic, lira, one-run or all")
@@ -181,9 +175,6 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
             report["notes"].append("the empirical ε lower bound exceeds the ledger's ε: the run leaks more "
                                    "than its accounting allows (a privacy bug, or a wrong ledger)")
     if write:
-        from dpclip.audit.plot import plot_roc
-        from dpclip.train.files import write_json_atomic
-
         folder = run_dir / "audit"
         folder.mkdir(exist_ok=True)
         write_json_atomic(folder / "report.json", report)
@@ -195,9 +186,6 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
 def _lira(run_dir, recipe, pool: Pool, target_confidence, shadows: int, seed: int, bootstrap: int,
           observer_for) -> tuple[dict, dict]:
     """(the two LiRA results, what the shadows imitated and what each one actually trained with)."""
-    from dpclip.audit.lira import lira_scores, realised_plan, shadow_confidences, target_plan, train_shadows
-    from dpclip.audit.metrics import attack_metrics
-
     if shadows < 1:
         raise DpclipError("LiRA needs at least one shadow model", "pass --shadows N (16 or more for a strong attack)")
     keep, dirs = train_shadows(run_dir, recipe, pool, shadows, seed, observer_for)
@@ -224,8 +212,6 @@ def summary_rows(report: dict) -> list[dict]:
 
 def dp_bound_at(report: dict, fpr: float) -> float:
     """The TPR the ledger's (ε, δ) allows at ``fpr``."""
-    from dpclip.audit.metrics import dp_tpr_bound
-
     ledger = report["ledger"]
     if not math.isfinite(ledger["epsilon"]):
         return 1.0

@@ -114,6 +114,7 @@ def train(
 
       dpclip train --resume runs/quickstart-20261121-101500
     """
+    # Lazy: `dpclip --help` and the other commands must not pay for torch and the training stack.
     from dpclip.errors import DpclipError
     from dpclip.train.workflow import train as run_training
 

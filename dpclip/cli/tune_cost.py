@@ -64,10 +64,13 @@ def tune_cost(
 
       dpclip tune-cost recipes/quickstart.yaml --no-measure --step-seconds 0.2 -N 60000
     """
+    # Lazy: `dpclip --help` and the other commands must not pay for torch and the tuning stack.
     from dpclip.errors import DpclipError
     from dpclip.recipe import apply_overrides, read_yaml, validate_recipe
+    from dpclip.tuning.compare import tune_cost_compared
     from dpclip.tuning.cost import StepTimer
     from dpclip.tuning.cost import tune_cost as run_tune_cost
+    from dpclip.tuning.search import run_search
 
     if measure and step_seconds is not None:
         raise DpclipError("--step-seconds is used only with --no-measure",
@@ -85,15 +88,15 @@ def tune_cost(
     bar = ProgressBar(quiet=as_json)
     timer = StepTimer(calibration_steps, warmup_steps, None if measure else step_seconds, bar)
     try:
-        report = run_tune_cost(base, recipe, grid=grid or [], random_draws=random_draws, timer=timer,
-                               dataset_size=dataset_size, compare=compare, source=str(recipe_path))
+        # --compare: the comparison builds on the cost report (dpclip.tuning.compare uses cost, not the reverse).
+        cost = tune_cost_compared if compare else run_tune_cost
+        report = cost(base, recipe, grid=grid or [], random_draws=random_draws, timer=timer,
+                      dataset_size=dataset_size, source=str(recipe_path))
     finally:
         bar.stop()
     if run:
-        from dpclip.tuning.search import run_search
-
         report.search = run_search(base, recipe, report, grid=grid or [], random_draws=random_draws,
-                                   quiet=as_json)
+                                   on_trial=None if as_json else _show_trial)
     payload = _json_safe(report.to_dict())
     if out is not None:
         out.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
@@ -103,6 +106,11 @@ def tune_cost(
     _render(report)
     if out is not None:
         console.print(f"written: {out}")
+
+
+def _show_trial(number: int, label: str) -> None:
+    # The operator's console only: it shows how many trials ran, which the released result does not.
+    console.print(f"trial {number}: {label}")
 
 
 def _runs(count: float) -> str:

@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from dpclip.errors import DpclipError
+from dpclip.files import write_json_atomic
+from dpclip.rng import derived_seed
 
 CANARY_FILE = Path("audit") / "canaries.json"
 
@@ -72,8 +74,6 @@ def canary_seed(config, recipe_seed: int) -> int:
     """The seed of the canaries: ``config.seed`` if given, else one derived from the recipe seed."""
     if getattr(config, "seed", None) is not None:
         return int(config.seed)
-    from dpclip.rng import derived_seed
-
     return derived_seed(recipe_seed, "canaries")
 
 
@@ -123,16 +123,12 @@ def with_canaries(data, canaries: CanarySet):
     ``train_indices`` (positions in the original data set, recorded as the run's
     members) is left as it was: canaries are not members of the data set.
     """
-    from dataclasses import replace
-
     keep = torch.as_tensor(np.flatnonzero(canaries.included))
     train = {name: torch.cat([t, canaries.tensors[name][keep].to(t.dtype)]) for name, t in data.train.items()}
     return replace(data, train=train)
 
 
 def write_canary_secret(run_dir: Path, canaries: CanarySet) -> None:
-    from dpclip.train.files import write_json_atomic
-
     path = Path(run_dir) / CANARY_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, canaries.to_dict())

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from dpclip.errors import DpclipError
-from dpclip.train.files import read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
+from dpclip.files import read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
 
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"

@@ -14,15 +14,19 @@ import json
 import math
 import platform
 from datetime import datetime
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dpclip import __version__
+from dpclip.accounting import Ledger, solve, statement_from_ledger
+from dpclip.data.canaries import read_canary_secret
 from dpclip.errors import DpclipError
-from dpclip.recipe import Recipe, validate_recipe
-from dpclip.train.files import read_json, write_text_atomic
+from dpclip.files import read_json, write_text_atomic
+from dpclip.recipe import Recipe, read_yaml, validate_recipe
+from dpclip.train.plan import not_covered, privacy_plan
 
 
 # Fields whose change would change what the ledger means: a run refuses to resume if any differ.
@@ -55,36 +59,129 @@ def _privacy_diff(old: Recipe, new: Recipe) -> list[str]:
     return changed
 
 
-def new_run_dir(recipe: Recipe) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = Path(recipe.output_dir) / f"{recipe.name}-{stamp}"
-    run_dir, suffix = base, 1
-    while run_dir.exists():
-        suffix += 1
-        run_dir = base.with_name(f"{base.name}-{suffix}")
-    return run_dir
+class RunDir:
+    """A run directory, or a search directory (``tune-cost --run``): its path, its
+    well-known files and their loaders. The layout is in docs/training.md ("The run
+    directory") and docs/tuning.md (the search directory).
+
+    Nothing is created on construction; :meth:`new_run` and :meth:`new_search` only pick a
+    fresh name (``NAME-YYYYmmdd-HHMMSS``, with ``-2``, ``-3`` ... if that exists already).
+    """
+
+    RECIPE = "recipe.yaml"
+    META = "meta.json"
+    LEDGER = "ledger.json"
+    METRICS = "metrics.jsonl"
+    SUMMARY = "summary.json"
+    CHECKPOINTS = "checkpoints"
+    THRESHOLDS_PLOT = "thresholds.png"
+    SEARCH_MARKER = "search.json"   # in a run selected by a search: points to the search directory
+    SEARCH_RUNS = "runs"            # in a search directory: its trials
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    # ------------------------------------------------------------------ naming
+
+    @classmethod
+    def unique(cls, output_dir: str | Path, name: str) -> RunDir:
+        """``output_dir/name-TIMESTAMP``, suffixed ``-2``, ``-3`` ... until no such path exists."""
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        base = Path(output_dir) / f"{name}-{stamp}"
+        path, suffix = base, 1
+        while path.exists():
+            suffix += 1
+            path = base.with_name(f"{base.name}-{suffix}")
+        return cls(path)
+
+    @classmethod
+    def new_run(cls, recipe: Recipe) -> RunDir:
+        """A fresh directory name for a run of ``recipe`` under its ``output_dir``."""
+        return cls.unique(recipe.output_dir, recipe.name)
+
+    @classmethod
+    def new_search(cls, output_dir: str | Path, name: str) -> RunDir:
+        """A fresh directory name for a search of the recipe ``name``."""
+        return cls.unique(output_dir, f"{name}-search")
+
+    # ------------------------------------------------------------------ files
+
+    @property
+    def recipe_file(self) -> Path:
+        return self.path / self.RECIPE
+
+    @property
+    def meta_file(self) -> Path:
+        return self.path / self.META
+
+    @property
+    def ledger_file(self) -> Path:
+        return self.path / self.LEDGER
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / self.METRICS
+
+    @property
+    def summary_file(self) -> Path:
+        return self.path / self.SUMMARY
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / self.CHECKPOINTS
+
+    @property
+    def thresholds_plot(self) -> Path:
+        return self.path / self.THRESHOLDS_PLOT
+
+    @property
+    def search_marker(self) -> Path:
+        return self.path / self.SEARCH_MARKER
+
+    @property
+    def search_runs(self) -> Path:
+        return self.path / self.SEARCH_RUNS
+
+    # ------------------------------------------------------------------ loaders
+
+    def recipe(self) -> Recipe:
+        """The run's recipe.yaml, validated (the directory must be a run's)."""
+        if not self.recipe_file.exists():
+            raise DpclipError(f"{self.path} is not a dpclip run directory (no recipe.yaml)",
+                              "pass the folder that `dpclip train` created under runs/")
+        return validate_recipe(read_yaml(self.recipe_file), source=str(self.recipe_file))
+
+    def meta(self) -> dict[str, Any]:
+        if not self.meta_file.exists():
+            raise DpclipError(f"{self.path} has no meta.json", "pass the folder that `dpclip train` created under runs/")
+        return read_json(self.meta_file)
+
+    def ledger(self):
+        """ledger.json as a Ledger (unchecked: see :func:`check_ledger`)."""
+        return _read_ledger(self.ledger_file)
+
+    def summary(self) -> dict[str, Any]:
+        return read_json(self.summary_file)
 
 
 def load_run_recipe(run_dir: Path) -> Recipe:
-    path = run_dir / "recipe.yaml"
-    if not path.exists():
-        raise DpclipError(f"{run_dir} is not a dpclip run directory (no recipe.yaml)",
-                          "pass the folder that `dpclip train` created under runs/")
-    from dpclip.recipe import read_yaml
-
-    return validate_recipe(read_yaml(path), source=str(path))
+    """The recipe of the run in ``run_dir`` (:meth:`RunDir.recipe`; many readers need it)."""
+    return RunDir(run_dir).recipe()
 
 
 def spent(run_dir: Path):
     """(ledger, statement) of what a run has spent so far, from its ledger.json (checked
     against the run's own plan: see :func:`check_ledger`)."""
-    run_dir = Path(run_dir)
-    recipe = load_run_recipe(run_dir)
-    path = run_dir / "ledger.json"
+    run = RunDir(run_dir)
+    recipe = run.recipe()
+    path = run.ledger_file
     if not path.exists():
-        raise DpclipError(f"{run_dir} has no ledger.json", "the run never reached its first step")
-    ledger = _read_ledger(path)
-    step_event, steps = planned_step(run_dir, recipe)
+        raise DpclipError(f"{run.path} has no ledger.json", "the run never reached its first step")
+    ledger = run.ledger()
+    step_event, steps = planned_step(run.path, recipe)
     check_ledger(ledger, step_event, range(0, steps + 1), where=path)
     return ledger, run_statement(recipe, ledger)
 
@@ -92,17 +189,12 @@ def spent(run_dir: Path):
 def run_statement(recipe: Recipe, ledger):
     """The privacy statement of a run's ledger, with the recipe's randomness mode and
     what the run releases outside ε."""
-    from dpclip.accounting import statement_from_ledger
-    from dpclip.train.plan import not_covered
-
     return statement_from_ledger(ledger, sampling=recipe.training.sampling,
                                  seeded_randomness=recipe.privacy.unsafe_seeded_randomness,
                                  not_covered=not_covered(recipe))
 
 
 def _read_ledger(path: Path):
-    from dpclip.accounting import Ledger
-
     try:
         return Ledger.from_dict(read_json(path))
     except (ValueError, KeyError, TypeError) as exc:
@@ -113,15 +205,11 @@ def _read_ledger(path: Path):
 def planned_step(run_dir: Path, recipe: Recipe):
     """(step event, planned steps) of the run in ``run_dir``, re-solved from its recipe and
     the sizes in meta.json (the recipe's privacy fields must match the fingerprint)."""
-    from dpclip.accounting import solve
-    from dpclip.train.plan import privacy_plan
-
-    meta_path = Path(run_dir) / "meta.json"
-    if not meta_path.exists():
-        raise DpclipError(f"{run_dir} has no meta.json", "pass the folder that `dpclip train` created under runs/")
-    meta = read_json(meta_path)
+    run = RunDir(run_dir)
+    meta_path = run.meta_file
+    meta = run.meta()
     if meta.get("privacy_fingerprint") != privacy_fingerprint(recipe):
-        raise DpclipError(f"the privacy fields of {Path(run_dir) / 'recipe.yaml'} were edited after the run started",
+        raise DpclipError(f"the privacy fields of {run.recipe_file} were edited after the run started",
                           "the ledger would no longer describe the run; restore recipe.yaml")
     try:
         plan = privacy_plan(recipe, int(meta["plan"]["num_train"]), groups=len(meta["groups"]))
@@ -149,8 +237,6 @@ def check_ledger(ledger, step_event, steps: int | range, *, where: Path | str) -
 
 def _check_canaries(run_dir: Path, canaries) -> None:
     """On resume, the rebuilt canaries must be the ones the run started with."""
-    from dpclip.data.canaries import read_canary_secret
-
     stored = read_canary_secret(run_dir)
     if stored is None or stored["fingerprint"] != canaries.fingerprint() \
             or stored["included"] != [bool(b) for b in canaries.included]:
@@ -192,6 +278,33 @@ def _released_part(record: dict[str, Any]) -> str:
     return json.dumps({k: record.get(k) for k in _RELEASED_FIELDS}, sort_keys=True)
 
 
+def step_record(step, report, epsilon, loss_sum, batch_len, expected_batch, lr, seconds, clip_fn,
+                 diagnostics: bool = True) -> dict[str, Any]:
+    """One step's line of metrics.jsonl: the released part (:data:`_RELEASED_FIELDS`) and,
+    with exact diagnostics on, the labelled diagnostics (docs/training.md, "metrics.jsonl")."""
+    summary = report.to_dict()
+    record = {
+        "step": step,
+        "epsilon": epsilon,
+        "lr": lr,
+        "seconds": round(seconds, 4),
+        "thresholds": summary["thresholds"],
+        "noise_std": summary["noise_std_grad"],
+        "policy": summary["policy_summary"] or None,
+    }
+    if diagnostics:
+        # Computed WITHOUT noise from the private batch: not covered by ε, and marked so.
+        record["diagnostics"] = {
+            "train_loss": loss_sum / expected_batch,
+            "batch_size": batch_len,
+            "clip_fraction": None if clip_fn == "auto" else summary["clip_fraction"],
+            "norm_median": summary["norm_quantiles"].get("median"),
+            "nonfinite": summary["nonfinite"],  # samples dropped for a non-finite norm, per group
+        }
+        record["not_covered_by_epsilon"] = ["diagnostics"]
+    return record
+
+
 def _append_metrics(path: Path, record: dict[str, Any]) -> None:
     with path.open("a", encoding="utf-8") as stream:
         stream.write(json.dumps(record) + "\n")
@@ -219,9 +332,6 @@ def _released_records(path: Path, last_step: int) -> dict[tuple[str, int], dict[
 
 
 def _meta(recipe: Recipe, data, info: dict[str, Any]) -> dict[str, Any]:
-    import dp_accounting  # noqa: F401  (version below)
-    from importlib.metadata import version
-
     return {
         "dpclip": __version__,
         "torch": torch.__version__,

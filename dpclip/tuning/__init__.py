@@ -5,7 +5,7 @@
 - :mod:`dpclip.tuning.privacy` gives the per-run σ under naive composition, Liu–Talwar
   random stopping and Papernot–Steinke repeat-and-select (math in
   :mod:`dpclip.accounting.tuning`);
-- :mod:`dpclip.tuning.compare` evaluates the same search for each clipping method;
-- :mod:`dpclip.tuning.search` performs the search (repeat-and-select) and writes its ledger;
-- :mod:`dpclip.tuning.cost` ties them together for ``dpclip tune-cost``.
+- :mod:`dpclip.tuning.cost` ties space, timing and privacy together for ``dpclip tune-cost``;
+- :mod:`dpclip.tuning.compare` builds on it: the same search for each clipping method;
+- :mod:`dpclip.tuning.search` performs the search (repeat-and-select) and writes its ledger.
 """

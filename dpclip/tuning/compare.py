@@ -16,7 +16,7 @@ auto (Bu et al.)   none (automatic clipping C/(‖g‖+γ))         1
 
 The quantile grid has the 45 runs the DC-SGD paper reports for Andrew et al.'s method;
 its exact values are dpclip's choice. Only methods whose threshold kind is registered
-(:func:`dpclip.engine.thresholds.threshold_kinds`) are compared. Per-run σ is the
+(:func:`dpclip.engine.policies.threshold_kinds`) are compared. Per-run σ is the
 gradient's after the method's statistic takes its budget share, so a method that needs
 fewer runs *and* spends some budget on thresholds shows both effects.
 """
@@ -28,9 +28,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dpclip.errors import RecipeError
+from dpclip.accounting.tuning import (
+    calibrate_search_noise,
+    naive_search_event,
+    repeat_and_select_event,
+    repeat_and_select_shape,
+)
+from dpclip.engine.policies import threshold_kinds
+from dpclip.errors import AccountingError, RecipeError
 from dpclip.recipe.load import validate_recipe
 from dpclip.recipe.schema import Recipe
+from dpclip.train.plan import privacy_plan, statistic_groups
+from dpclip.tuning.cost import StepTimer, TuneCostReport, tune_cost
+from dpclip.tuning.privacy import gradient_sigma, run_release
+from dpclip.tuning.space import search_space
 
 #: DC-SGD paper §VI-A: the clipping thresholds DP-SGD is tuned over (10 runs).
 DC_SGD_C_GRID = [0.1, 0.2, 0.5, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0]
@@ -69,8 +80,6 @@ def _variant(base: Mapping[str, Any], clipping: dict[str, Any]) -> Recipe:
 
 
 def _other_points(base: Mapping[str, Any], recipe: Recipe, grid: Sequence[str]) -> int:
-    from dpclip.tuning.space import search_space
-
     points = {tuple(sorted((k, repr(v)) for k, v in c.values.items() if not k.startswith(_THRESHOLD_KEYS)))
               for c in search_space(base, recipe, grid, None)}
     return len(points)
@@ -78,8 +87,6 @@ def _other_points(base: Mapping[str, Any], recipe: Recipe, grid: Sequence[str]) 
 
 def method_searches(base: Mapping[str, Any], recipe: Recipe, grid: Sequence[str]) -> list[MethodSearch]:
     """The searches of each registered clipping method, over the user's other axes."""
-    from dpclip.engine.thresholds import threshold_kinds
-
     kinds = set(threshold_kinds())
     other = _other_points(base, recipe, grid)
     candidates = [
@@ -110,15 +117,6 @@ def method_searches(base: Mapping[str, Any], recipe: Recipe, grid: Sequence[str]
 def compare_methods(methods: Sequence[MethodSearch], recipe: Recipe, plan, timer,
                     dataset_size: int) -> list[dict[str, Any]]:
     """Runs, compute and per-run σ of each method's search, and its speedup over fixed C."""
-    from dpclip.accounting.tuning import (
-        naive_search_event,
-        repeat_and_select_event,
-        repeat_and_select_shape,
-    )
-    from dpclip.train.plan import privacy_plan
-    from dpclip.tuning.cost import count_groups
-    from dpclip.tuning.privacy import run_release
-
     epsilon = recipe.privacy.epsilon
     release = run_release(recipe, plan)
     shape = repeat_and_select_shape(recipe.tuning.trials, recipe.tuning.trials_shape)
@@ -127,7 +125,7 @@ def compare_methods(methods: Sequence[MethodSearch], recipe: Recipe, plan, timer
         if method.skipped is not None:
             rows.append({"method": method.name, "paper": method.paper, "skipped": method.skipped})
             continue
-        method_plan = privacy_plan(method.representative, dataset_size, groups=count_groups(method.representative))
+        method_plan = privacy_plan(method.representative, dataset_size, groups=statistic_groups(method.representative))
         seconds = timer.seconds(method.representative, method.name)
         hours = method.runs * plan.steps * seconds / 3600.0
         runs = method.runs
@@ -152,9 +150,6 @@ def compare_methods(methods: Sequence[MethodSearch], recipe: Recipe, plan, timer
 
 def _sigma_or_none(run_event_of, search_event_of, epsilon, delta, accountant) -> float | None:
     """Per-run σ of a search, or None when no σ meets ε (e.g. many runs each releasing a noisy score)."""
-    from dpclip.accounting.tuning import calibrate_search_noise
-    from dpclip.errors import AccountingError
-
     try:
         return calibrate_search_noise(run_event_of, search_event_of, epsilon, delta, accountant)
     except AccountingError:
@@ -163,12 +158,22 @@ def _sigma_or_none(run_event_of, search_event_of, epsilon, delta, accountant) ->
 
 def _gradient_or_none(plan, sigma_total: float | None) -> float | None:
     """The gradient's σ after the method's statistic, or None when the statistic does not fit."""
-    from dpclip.errors import AccountingError
-    from dpclip.tuning.privacy import gradient_sigma
-
     if sigma_total is None:
         return None
     try:
         return gradient_sigma(plan, sigma_total)
     except AccountingError:
         return None
+
+
+def tune_cost_compared(base: Mapping[str, Any], recipe: Recipe, *, grid: Sequence[str] = (),
+                       random_draws: int | None = None, timer: StepTimer | None = None,
+                       dataset_size: int | None = None, source: str = "recipe") -> TuneCostReport:
+    """``tune-cost --compare``: :func:`dpclip.tuning.cost.tune_cost`, then the same search for
+    each clipping method (``report.comparison``), with one timer for both."""
+    timer = timer or StepTimer()
+    methods = method_searches(base, recipe, grid)
+    report = tune_cost(base, recipe, grid=grid, random_draws=random_draws, timer=timer, dataset_size=dataset_size,
+                       also_timed=[m.representative for m in methods if m.representative is not None], source=source)
+    report.comparison = compare_methods(methods, recipe, report.plan, timer, report.dataset_size)
+    return report

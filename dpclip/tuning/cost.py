@@ -6,20 +6,23 @@ Compute = Σ over configurations of (steps per run × seconds per step), with th
 measured once per distinct step cost (:mod:`dpclip.tuning.timing`). Privacy = one run,
 the whole search by naive composition, and the per-run σ that keeps the whole search
 within the recipe's ε under naive composition, Liu–Talwar random stopping and
-Papernot–Steinke repeat-and-select (:mod:`dpclip.tuning.privacy`). ``compare=True``
-evaluates the same search for each clipping method (:mod:`dpclip.tuning.compare`).
+Papernot–Steinke repeat-and-select (:mod:`dpclip.tuning.privacy`). The same search for
+each clipping method is :func:`dpclip.tuning.compare.tune_cost_compared`, which builds on
+this module (never the other way round).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from dpclip.data.size import training_set_size
 from dpclip.errors import DpclipError, RecipeError
 from dpclip.recipe.load import validate_recipe
 from dpclip.recipe.schema import Recipe
-from dpclip.train.plan import privacy_plan, statistic_groups
+from dpclip.train.plan import privacy_plan, sampling_schedule, statistic_groups
 from dpclip.tuning.privacy import SearchPrivacy, search_privacy
 from dpclip.tuning.space import Configuration, search_space
 from dpclip.tuning.timing import measure_step_seconds, step_cost_signature
@@ -114,6 +117,7 @@ class TuneCostReport:
     privacy: SearchPrivacy
     comparison: list[dict[str, Any]] | None = None
     search: dict[str, Any] | None = None   # filled by --run
+    plan: Any = field(default=None, repr=False)  # the privacy plan of one run (not in to_dict)
 
     @property
     def configurations(self) -> int:
@@ -158,15 +162,8 @@ class TuneCostReport:
         }
 
 
-def count_groups(recipe: Recipe) -> int | None:
-    """Clipping groups of the recipe's model when a threshold statistic needs them, else None."""
-    return statistic_groups(recipe)
-
-
 def check_same_privacy(configurations: Sequence[Configuration], dataset_size: int) -> None:
     """Every configuration must sample and step alike: the search's per-run σ is one number."""
-    from dpclip.train.plan import sampling_schedule
-
     shapes = {}
     for config in configurations:
         training = config.recipe.training
@@ -180,8 +177,6 @@ def check_same_privacy(configurations: Sequence[Configuration], dataset_size: in
 
 def fixed_threshold_variant(base: Mapping[str, Any]) -> Recipe:
     """The recipe with a fixed threshold in place of its adaptive policy (same C to start)."""
-    import copy
-
     data = copy.deepcopy(dict(base))
     clipping = data.setdefault("clipping", {})
     threshold = clipping.get("threshold") or {}
@@ -191,8 +186,8 @@ def fixed_threshold_variant(base: Mapping[str, Any]) -> Recipe:
 
 
 def tune_cost(base: Mapping[str, Any], recipe: Recipe, *, grid: Sequence[str] = (), random_draws: int | None = None,
-              timer: StepTimer | None = None, dataset_size: int | None = None, compare: bool = False,
-              source: str = "recipe") -> TuneCostReport:
+              timer: StepTimer | None = None, dataset_size: int | None = None,
+              also_timed: Sequence[Recipe] = (), source: str = "recipe") -> TuneCostReport:
     """Compute and privacy of the search over ``recipe`` (see the module docstring).
 
     Args:
@@ -201,10 +196,9 @@ def tune_cost(base: Mapping[str, Any], recipe: Recipe, *, grid: Sequence[str] = 
         grid, random_draws: ``--grid`` options and ``--random N`` (see :func:`search_space`).
         timer: how step times are obtained (measured by default).
         dataset_size: N for accounting and steps (default: the recipe's training set).
-        compare: also evaluate the search for each clipping method.
+        also_timed: recipes the caller will time afterwards with the same ``timer`` (counted
+            in the progress bar), e.g. :func:`dpclip.tuning.compare.tune_cost_compared`'s.
     """
-    from dpclip.data.size import training_set_size
-
     timer = timer or StepTimer()
     configurations = search_space(base, recipe, grid, random_draws)
     if dataset_size is None:
@@ -215,18 +209,12 @@ def tune_cost(base: Mapping[str, Any], recipe: Recipe, *, grid: Sequence[str] = 
 
     # All configurations sample alike (checked above); the first one stands for them all.
     first = configurations[0].recipe
-    plan = privacy_plan(first, dataset_size, groups=count_groups(first))
+    plan = privacy_plan(first, dataset_size, groups=statistic_groups(first))
     privacy = search_privacy(recipe, plan, len(configurations))
 
     fixed_variant = None if recipe.clipping.threshold.kind == "fixed" else fixed_threshold_variant(base)
-    comparison_recipes = []
-    if compare:
-        from dpclip.tuning.compare import method_searches
-
-        methods = method_searches(base, recipe, grid)
-        comparison_recipes = [m.representative for m in methods if m.representative is not None]
     timer.plan([recipe] + [c.recipe for c in configurations] + ([fixed_variant] if fixed_variant else [])
-               + comparison_recipes, remeasured=2 if fixed_variant is not None else 0)
+               + list(also_timed), remeasured=2 if fixed_variant is not None else 0)
 
     step_seconds = timer.seconds(recipe, recipe.name)
     fixed_seconds = None
@@ -237,9 +225,5 @@ def tune_cost(base: Mapping[str, Any], recipe: Recipe, *, grid: Sequence[str] = 
         fixed_seconds = timer.remeasure(fixed_variant, "fixed threshold")
         step_seconds = timer.remeasure(recipe, recipe.name)
     runs = [RunCost(c.label(), c.values, plan.steps, timer.seconds(c.recipe, c.label())) for c in configurations]
-    report = TuneCostReport(source, dataset_size, timer.measuring, runs, step_seconds, fixed_seconds, privacy)
-    if compare:
-        from dpclip.tuning.compare import compare_methods
-
-        report.comparison = compare_methods(methods, recipe, plan, timer, dataset_size)
-    return report
+    return TuneCostReport(source, dataset_size, timer.measuring, runs, step_seconds, fixed_seconds, privacy,
+                          plan=plan)

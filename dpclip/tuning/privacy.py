@@ -18,7 +18,7 @@ from typing import Any
 
 import dp_accounting
 
-from dpclip.accounting import PrivacyPlan, account, split_noise, training_event
+from dpclip.accounting import PrivacyPlan, account, solve, split_noise, training_event
 from dpclip.accounting.calibrate import _quiet_dp_accounting
 from dpclip.accounting.tuning import (
     calibrate_search_noise,
@@ -35,14 +35,21 @@ NAIVE, LIU_TALWAR, REPEAT_AND_SELECT = "naive", "liu-talwar", "repeat-and-select
 
 @dataclass(frozen=True)
 class RunRelease:
-    """Everything one run of the search releases, as a function of its noise multiplier σ."""
+    """Everything one run of the search releases, as a function of its noise multiplier σ:
+    the one home of "the run event" (the search's ledger, its calibration and the check of
+    each trial's own ledger all build it here)."""
 
     sample_rate: float
     steps: int
     score_noise: float | None  # None: public score, nothing released besides the model
 
+    def training(self, sigma: float) -> dp_accounting.DpEvent:
+        """The run's training alone: ``steps`` Poisson-sampled Gaussian steps at σ."""
+        return training_event(self.sample_rate, sigma, self.steps)
+
     def event(self, sigma: float) -> dp_accounting.DpEvent:
-        training = training_event(self.sample_rate, sigma, self.steps)
+        """The training, composed with the private score's Gaussian mechanism when there is one."""
+        training = self.training(sigma)
         if self.score_noise is None:
             return training
         return dp_accounting.ComposedDpEvent([training, dp_accounting.GaussianDpEvent(self.score_noise)])
@@ -88,6 +95,11 @@ class SearchPrivacy:
     epsilon_naive_at_recipe_sigma: float
     strategies: list[Strategy]
 
+    @property
+    def release(self) -> RunRelease:
+        """What one run of this search releases (:class:`RunRelease`)."""
+        return RunRelease(self.sample_rate, self.steps, self.score_noise)
+
     def strategy(self, name: str) -> Strategy:
         return next(s for s in self.strategies if s.name == name)
 
@@ -127,8 +139,6 @@ def search_privacy(recipe: Recipe, plan: PrivacyPlan, configurations: int, *,
     ``plan`` is the recipe's privacy plan (:func:`dpclip.train.plan.plan_for_recipe`);
     the search's budget is the recipe's ε (``target_epsilon`` overrides it).
     """
-    from dpclip.accounting import solve
-
     tuning = recipe.tuning
     epsilon = target_epsilon if target_epsilon is not None else recipe.privacy.epsilon
     if epsilon is None:

@@ -20,6 +20,9 @@ nor the other trials, and with a private score no trial writes an exact held-out
 The search directory's ``ledger.json`` holds exactly the repeat-and-select event, so its
 ε is the one ``tune-cost`` promised; the selected run carries ``search.json`` pointing to
 it, and ``dpclip account`` reports the search's ε for both (:func:`read_search`).
+
+(Above ~400 lines on purpose: writing a search directory and reading it back share its
+format, marker and event parts; a split would give them two homes.)
 """
 
 from __future__ import annotations
@@ -31,16 +34,34 @@ import os
 import random
 import secrets
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from dpclip.errors import DpclipError
+import dp_accounting
+from dp_accounting import dp_event
+
+# Modules, not names: looked up at call time so that tests can stand in for
+# ``workflow.train`` and ``tuning_math.draw_trial_count``.
+import dpclip.accounting.tuning as tuning_math
+import dpclip.train.workflow as workflow
+from dpclip.accounting import GRADIENT_RELEASE, Ledger, PrivacyStatement, event_to_dict, training_event
+from dpclip.accounting.tuning import repeat_and_select_event
+from dpclip.data import load_data
+from dpclip.errors import AccountingError, DpclipError
+from dpclip.files import read_json, write_json_atomic
+from dpclip.models import build_model, evaluate
+from dpclip.recipe.load import validate_recipe
+from dpclip.rng import derived_seed, private_random
+from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
+from dpclip.train.plan import not_covered, private_seed
+from dpclip.train.rundir import RunDir, load_run_recipe, spent
+from dpclip.tuning.privacy import REPEAT_AND_SELECT
+from dpclip.tuning.space import search_space
 
 #: Written in the selected run's directory: what publishing that run costs is the search's ε.
-SEARCH_MARKER = "search.json"
+SEARCH_MARKER = RunDir.SEARCH_MARKER
 #: The version of the search directory's summary.json (also how a search directory is recognised).
 SEARCH_FORMAT = 1
 #: The purpose of the search's private generator (K, configurations, choices, score noise).
@@ -51,29 +72,13 @@ NOT_RELEASED = ("the number of trials K, the other trials and their scores: repe
                 "they were beaten")
 
 
-def new_search_dir(output_dir: str, name: str) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = Path(output_dir) / f"{name}-search-{stamp}"
-    path, suffix = base, 1
-    while path.exists():
-        suffix += 1
-        path = base.with_name(f"{base.name}-{suffix}")
-    return path
-
-
 def search_random(recipe) -> random.Random:
     """The search's secret generator: OS entropy, or the recipe's seed when it opts in."""
-    from dpclip.rng import private_random
-    from dpclip.train.plan import private_seed
-
     return private_random(private_seed(recipe), SEARCH_PURPOSE)
 
 
 def _trial_recipe(config_recipe, sigma: float, runs_dir: Path, name: str, *, index: int, private_score: bool):
     """The configuration's recipe trained at the search's per-run σ (no per-run ε: the search holds the budget)."""
-    from dpclip.recipe.load import validate_recipe
-    from dpclip.rng import derived_seed
-
     data = copy.deepcopy(config_recipe.model_dump(mode="json"))
     data["name"] = name
     data["output_dir"] = str(runs_dir)
@@ -114,21 +119,14 @@ class _Candidate:
 
 
 def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] = (),
-               random_draws: int | None = None, quiet: bool = False) -> dict[str, Any]:
-    """Perform the search ``report`` describes; returns the search summary (also in summary.json)."""
-    import dp_accounting
+               random_draws: int | None = None,
+               on_trial: Callable[[int, str], None] | None = None) -> dict[str, Any]:
+    """Perform the search ``report`` describes; returns the search summary (also in summary.json).
 
-    from dpclip.accounting import Ledger, event_to_dict, training_event
-    from dpclip.accounting.tuning import repeat_and_select_event
-    from dpclip.data import load_data
-    from dpclip.train.files import read_json, write_json_atomic
-    from dpclip.tuning.privacy import REPEAT_AND_SELECT
-    from dpclip.tuning.space import search_space
-
-    # Looked up at call time (not imported by name) so tests can stand in for them.
-    import dpclip.accounting.tuning as tuning_math
-    import dpclip.train.workflow as workflow
-
+    ``on_trial(number, label)`` is told of each trial as it starts (the CLI prints it on
+    the operator's console). It learns how many trials ran, which the released result
+    does not: never pass it anything that ends up in a published file.
+    """
     privacy = report.privacy
     strategy = privacy.strategy(REPEAT_AND_SELECT)
     if strategy.sigma_total is None:
@@ -153,9 +151,9 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
     private_score = privacy.score_noise is not None
     trials = tuning_math.draw_trial_count(mean, shape, rng)
 
-    planned_training = training_event(privacy.sample_rate, sigma, privacy.steps)
-    run_event = planned_training if not private_score else dp_accounting.ComposedDpEvent(
-        [planned_training, dp_accounting.GaussianDpEvent(privacy.score_noise)])
+    release = privacy.release
+    planned_training = release.training(sigma)
+    run_event = release.event(sigma)
     search_event = repeat_and_select_event(run_event, mean, shape)
 
     seeded = recipe.privacy.unsafe_seeded_randomness
@@ -166,11 +164,11 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
         "steps_per_run": privacy.steps, "sampling": recipe.training.sampling, "score": privacy.score,
         "score_noise": privacy.score_noise, "seeded_randomness": seeded,
     })
-    search_dir = new_search_dir(recipe.output_dir, recipe.name)
-    runs_dir = search_dir / "runs"
+    search = RunDir.new_search(recipe.output_dir, recipe.name)
+    search_dir, runs_dir = search.path, search.search_runs
     runs_dir.mkdir(parents=True)
     # Written before the first run: the whole search's cost is committed from the start.
-    write_json_atomic(search_dir / "ledger.json", ledger.to_dict())
+    write_json_atomic(search.ledger_file, ledger.to_dict())
 
     summary: dict[str, Any] = {
         "search_format": SEARCH_FORMAT,
@@ -201,7 +199,7 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
     }
 
     def write_summary() -> None:
-        write_json_atomic(search_dir / "summary.json", json.loads(json.dumps(summary)))
+        write_json_atomic(search.summary_file, json.loads(json.dumps(summary)))
 
     write_summary()
 
@@ -214,17 +212,13 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
             current = _new_trial_dir(runs_dir, recipe.name)
             trial = _trial_recipe(config.recipe, sigma, runs_dir, current.name, index=index,
                                   private_score=private_score)
-            if not quiet:
-                from dpclip.cli.render import console
-
-                # The operator's console only: it shows how many trials ran, which the
-                # released result does not.
-                console.print(f"trial {index + 1}: {config.label()}")
+            if on_trial is not None:
+                on_trial(index + 1, config.label())
             result = workflow.train(trial, data=data, run_dir=current)
             if result.stopped != "completed":
                 stopped = result.stopped
                 break
-            run_ledger = Ledger.from_dict(read_json(current / "ledger.json"))
+            run_ledger = RunDir(current).ledger()
             if event_to_dict(run_ledger.composed_event()) != event_to_dict(planned_training):
                 raise RuntimeError(f"run {current} spent {run_ledger.composed_event()} but the search accounts "
                                    f"{planned_training}: this is a dpclip bug")
@@ -267,9 +261,6 @@ def _released_score(run_dir: Path, trial, data, score_noise: float | None, rng: 
 
     Computed here from the trial's final checkpoint, in memory: with a private score the
     exact count never reaches a file."""
-    from dpclip.models import build_model, evaluate
-    from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
-
     model, loss_fn = build_model(trial.model, data, seed=trial.seed)
     load_checkpoint(latest_checkpoint(run_dir), model)
     metrics = evaluate(model, loss_fn, data.test, data.task, batch_size=trial.eval.batch_size)
@@ -290,8 +281,7 @@ def _released_score(run_dir: Path, trial, data, score_noise: float | None, rng: 
 
 def _mark_selected(best: _Candidate, search_dir: Path, summary: Mapping[str, Any]) -> None:
     """Make the selected run say what publishing it costs: the whole search's ε."""
-    from dpclip.train.files import read_json, write_json_atomic
-
+    run = RunDir(best.run_dir)
     to_search = os.path.relpath(search_dir, best.run_dir)
     marker = {
         "search_format": SEARCH_FORMAT,
@@ -305,8 +295,8 @@ def _mark_selected(best: _Candidate, search_dir: Path, summary: Mapping[str, Any
                  f"ε = {summary['epsilon']:.4g} (δ = {summary['delta']:g}); its own ledger.json "
                  f"(ε = {best.epsilon_alone:.4g}) covers its training alone and understates that"),
     }
-    write_json_atomic(best.run_dir / SEARCH_MARKER, marker)
-    record = read_json(best.run_dir / "summary.json")
+    write_json_atomic(run.search_marker, marker)
+    record = run.summary()
     record_statement = record.get("statement", [])
     record.update({
         "epsilon": summary["epsilon"],
@@ -317,7 +307,7 @@ def _mark_selected(best: _Candidate, search_dir: Path, summary: Mapping[str, Any
         "statement": [marker["note"], *search_statement_lines(search_dir), "this run's own training alone:",
                       *(f"  {line}" for line in record_statement)],
     })
-    write_json_atomic(best.run_dir / "summary.json", record)
+    write_json_atomic(run.summary_file, record)
 
 
 # --------------------------------------------------------------------------- reading back
@@ -335,13 +325,11 @@ class SearchRecord:
 
 
 def is_search_dir(path: Path) -> bool:
-    path = Path(path)
-    if not (path / "ledger.json").is_file() or (path / "recipe.yaml").exists():
+    found = RunDir(path)
+    if not found.ledger_file.is_file() or found.recipe_file.exists():
         return False
     try:
-        from dpclip.train.files import read_json
-
-        return read_json(path / "summary.json").get("search_format") == SEARCH_FORMAT
+        return found.summary().get("search_format") == SEARCH_FORMAT
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -351,10 +339,8 @@ def search_of_run(run_dir: Path) -> Path | None:
 
     The marker file says so; a run inside a search's ``runs/`` is treated as selected even
     without it, so deleting the marker cannot make the run's own ε the one reported."""
-    from dpclip.train.files import read_json
-
     run_dir = Path(run_dir)
-    marker = run_dir / SEARCH_MARKER
+    marker = RunDir(run_dir).search_marker
     if marker.exists():
         try:
             pointer = read_json(marker)["search_dir"]
@@ -374,9 +360,6 @@ def search_of_run(run_dir: Path) -> Path | None:
 
 def _search_parts(event) -> tuple[float, float, int, float | None, float, float]:
     """(q, σ, steps, score noise, mean, shape) of a repeat-and-select event as the search writes it."""
-    import dp_accounting
-    from dp_accounting import dp_event
-
     if not isinstance(event, dp_event.RepeatAndSelectDpEvent):
         raise ValueError("not a repeat-and-select event")
     inner, score_noise = event.event, None
@@ -395,17 +378,12 @@ def _search_parts(event) -> tuple[float, float, int, float | None, float, float]
 def read_search(search_dir: Path) -> SearchRecord:
     """The search's ledger (one repeat-and-select entry, checked against its selected run)
     and the statement of what it spent."""
-    from dpclip.accounting import Ledger, event_to_dict, training_event
-    from dpclip.errors import AccountingError
-    from dpclip.train.files import read_json
-    from dpclip.train.rundir import load_run_recipe, spent
-
-    search_dir = Path(search_dir)
-    path = search_dir / "ledger.json"
+    search = RunDir(search_dir)
+    search_dir, path = search.path, search.ledger_file
     hint = "the search directory was modified: restore it from a backup"
     try:
         ledger = Ledger.from_dict(read_json(path))
-        summary = read_json(search_dir / "summary.json")
+        summary = search.summary()
     except (OSError, ValueError, KeyError, TypeError, AccountingError) as exc:
         raise DpclipError(f"{search_dir} is not a readable dpclip search ({exc})", hint) from None
     entries = ledger.entries
@@ -420,7 +398,7 @@ def read_search(search_dir: Path) -> SearchRecord:
     selected, run_recipe, run_statement = None, None, None
     if summary.get("selected_run_dir"):
         selected = (search_dir / summary["selected_run_dir"]).resolve()
-        if selected.parent != (search_dir / "runs").resolve():
+        if selected.parent != search.search_runs.resolve():
             raise DpclipError(f"{search_dir / 'summary.json'} names {summary['selected_run_dir']!r}, which is not "
                               "one of its runs", hint)
         run_ledger, run_statement = spent(selected)  # checked against the run's own recipe
@@ -436,9 +414,6 @@ def read_search(search_dir: Path) -> SearchRecord:
 
 
 def _statement(ledger, q, sigma, steps, score_noise, mean, shape, seeded, sampling, run_recipe, run_statement):
-    from dpclip.accounting import GRADIENT_RELEASE, PrivacyStatement
-    from dpclip.train.plan import not_covered
-
     result = ledger.result()
     law = "logarithmic" if shape == 0 else "geometric" if shape == 1 else f"truncated negative binomial η = {shape:g}"
     releases = [

@@ -21,6 +21,8 @@ import yaml
 from dpclip.errors import RecipeError
 from dpclip.recipe.load import apply_overrides, validate_recipe
 from dpclip.recipe.schema import RandomRange, Recipe
+from dpclip.rng import private_random
+from dpclip.train.plan import private_seed
 
 # Keys a search may not vary: the search's budget is the recipe's privacy section, the
 # data set is what the budget protects, and tuning/name/output_dir describe the search.
@@ -138,9 +140,6 @@ def search_space(base: Mapping[str, Any], recipe: Recipe, grid: Sequence[str] = 
             raise RecipeError("a random search needs tuning.ranges (or a grid to draw from)",
                               "add e.g. tuning: {ranges: {training.optimizer.lr: {low: 0.01, high: 1, log: true}}}")
         if rng is None:
-            from dpclip.rng import private_random
-            from dpclip.train.plan import private_seed
-
             rng = private_random(private_seed(recipe), "tuning-space")
         points = []
         for _ in range(draws):

@@ -1,8 +1,8 @@
 """Seconds per private step of a recipe on this machine, measured with a few real steps.
 
-A step here is what the training loop does per logical batch: Poisson batch, forward and
-backward of each micro-batch through the engine, ``privatize`` (clip, noise, threshold
-update) and ``optimizer.step``. The first ``warmup_steps`` are not timed (allocator,
+A step here is the training loop's own: a Poisson batch through
+:class:`dpclip.train.step.PrivateStep` with the optimizer the run would build
+(:mod:`dpclip.train.optim`). The first ``warmup_steps`` are not timed (allocator,
 kernel selection, lazy initialisation); the result is the median of the timed steps, so
 one slow step (a page fault, another process) does not move it.
 
@@ -12,13 +12,21 @@ are thrown away with the model, and the time of a step is not published per exam
 
 from __future__ import annotations
 
+import json
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from dpclip.data import PoissonSampler, load_data
+from dpclip.engine import DPEngine
+from dpclip.errors import DpclipError
+from dpclip.models import build_model
 from dpclip.recipe.schema import Recipe
+from dpclip.train.optim import build_optimizer
 from dpclip.train.plan import timing_clipping as plan_timing_clipping
+from dpclip.train.step import PrivateStep, step_micro_batch_size
 
 # Keys whose value changes how long one step takes. Others (learning rate, C, epochs, ...)
 # change what is learnt, not the cost of a step, so configurations differing only in them
@@ -35,8 +43,6 @@ _TIMING_STATISTIC_SIGMA = 5.0
 
 def step_cost_signature(recipe: Recipe) -> str:
     """Text that is equal for two recipes whose steps cost the same (see STEP_COST_KEYS)."""
-    import json
-
     flat = _flatten(recipe.model_dump(mode="json"))
     picked = {key: value for key, value in flat.items() if key.startswith(STEP_COST_KEYS)}
     return json.dumps(picked, sort_keys=True)
@@ -63,16 +69,7 @@ def timing_clipping(recipe: Recipe) -> dict[str, Any]:
 def measure_step_seconds(recipe: Recipe, steps: int, warmup_steps: int = 1,
                          on_step: Callable[[], None] | None = None) -> float:
     """Median seconds of ``steps`` private steps of ``recipe`` after ``warmup_steps``."""
-    import torch
-
-    from dpclip.data import PoissonSampler, load_data, micro_batches, select
-    from dpclip.engine import DPEngine
-    from dpclip.models import build_model
-    from dpclip.train.workflow import _build_optimizer  # the optimizer the run would use
-
     if steps < 1:
-        from dpclip.errors import DpclipError
-
         raise DpclipError(f"--calibration-steps must be at least 1, got {steps}", "e.g. --calibration-steps 5")
     # The global RNG drives only what is not private (dropout); noise and batches have their own
     # generators from OS entropy (dpclip.rng).
@@ -82,23 +79,18 @@ def measure_step_seconds(recipe: Recipe, steps: int, warmup_steps: int = 1,
     training = recipe.training
     batch_size = min(training.batch_size, data.num_train)
     sample_rate = batch_size / data.num_train
-    micro_batch_size = training.micro_batch_size or batch_size
     engine = DPEngine(model, timing_clipping(recipe), noise_multiplier=_TIMING_SIGMA,
                       expected_batch_size=batch_size, sample_rate=sample_rate)
-    optimizer = _build_optimizer(training.optimizer, [p for p in model.parameters() if p.requires_grad])
+    optimizer = build_optimizer(training.optimizer, [p for p in model.parameters() if p.requires_grad])
+    private_step = PrivateStep(model, loss_fn, engine, optimizer, data.train, micro_batch_size=step_micro_batch_size(recipe))
     sampler = PoissonSampler(data.num_train, sample_rate, warmup_steps + steps)
     seconds: list[float] = []
     model.train()
     try:
         for index, indices in enumerate(sampler):
-            started = time.perf_counter()
-            for chunk in micro_batches(indices, micro_batch_size):
-                engine.backward(loss_fn(model, select(data.train, chunk)))
-            engine.privatize()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            outcome = private_step(indices)
             if index >= warmup_steps:
-                seconds.append(time.perf_counter() - started)
+                seconds.append(outcome.seconds)
             if on_step is not None:
                 on_step()
     finally:

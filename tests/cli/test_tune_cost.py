@@ -62,7 +62,7 @@ def test_compute_is_runs_times_steps_times_step_seconds(cli):
 
 
 def test_compare_measures_steps_and_shows_what_dcsgd_e_saves_over_a_c_grid(cli, tmp_path):
-    from dpclip.engine.thresholds import threshold_kinds
+    from dpclip.engine.policies import threshold_kinds
 
     out = tmp_path / "tune_cost.json"
     shown = cli("tune-cost", QUICKSTART, *TINY, "tuning.score=public", "--compare", "--calibration-steps", "2",

@@ -12,7 +12,7 @@ import pytest
 
 from dpclip.accounting import Ledger
 from dpclip.errors import DpclipError
-from dpclip.train import workflow
+from dpclip.train import trainer
 from dpclip.train.workflow import train
 
 
@@ -24,7 +24,7 @@ def _disk_ledger_steps(run_dir) -> int:
 def test_ledger_on_disk_is_never_behind_what_left_the_process(tiny_recipe, monkeypatch):
     """Every metrics record and every checkpoint made current is already charged on disk."""
     seen = []
-    append, save = workflow._append_metrics, workflow.save_checkpoint
+    append, save = trainer._append_metrics, trainer.save_checkpoint
 
     def checked_append(path, record):
         seen.append(("metrics", record["step"], _disk_ledger_steps(path.parent)))
@@ -34,8 +34,8 @@ def test_ledger_on_disk_is_never_behind_what_left_the_process(tiny_recipe, monke
         seen.append(("checkpoint", step, _disk_ledger_steps(run_dir)))
         return save(run_dir, step, model, state, keep)
 
-    monkeypatch.setattr(workflow, "_append_metrics", checked_append)
-    monkeypatch.setattr(workflow, "save_checkpoint", checked_save)
+    monkeypatch.setattr(trainer, "_append_metrics", checked_append)
+    monkeypatch.setattr(trainer, "save_checkpoint", checked_save)
     train(tiny_recipe("clipping.threshold={kind: quantile, budget_fraction: 0.1}", "eval.every_steps=2"))
     assert seen and all(charged >= step for _, step, charged in seen), seen
 

@@ -15,7 +15,7 @@ from torch import nn
 
 import dpclip.engine.engine as engine_module
 from dpclip.engine import DPEngine, trainable_params
-from dpclip.engine.dcsgd import histogram_counts
+from dpclip.engine.policies.histogram import histogram_counts
 from tests.engine.conftest import DTYPE, classify_loss, mlp, mlp_batch
 
 BAD = 2          # index of the attacker's example

@@ -35,7 +35,7 @@ from dpclip.models import build_model, evaluate
 from dpclip.recipe import apply_overrides, read_yaml, validate_recipe
 from dpclip.rng import private_random
 from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint, unflatten_state
-from dpclip.train.files import read_json
+from dpclip.files import read_json
 from dpclip.tuning.cost import StepTimer, tune_cost
 from dpclip.tuning.search import run_search
 from dpclip.tuning.space import search_space
@@ -108,7 +108,7 @@ def _search(report, base, recipe, trials: int, *, train_for_real: bool = True) -
         patch.setattr(accounting_tuning, "draw_trial_count", forced)
         if train_for_real:
             patch.setattr(workflow, "train", _spy_train(workflow.train, observed))
-        observed.summary = run_search(base, recipe, report, grid=GRID, quiet=True)
+        observed.summary = run_search(base, recipe, report, grid=GRID)
     return observed
 
 

@@ -1,6 +1,5 @@
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -9,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from dpclip.accounting import Ledger
 from dpclip.errors import DpclipError
 from dpclip.train.plan import plan_for_recipe, solve_plan
 from dpclip.train.rundir import spent
-from dpclip.train.workflow import lr_factor, train
+from dpclip.train.optim import lr_factor
+from dpclip.train.workflow import train
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,7 +1,7 @@
 import pytest
 
-from dpclip.tuning.compare import DC_SGD_C_GRID, method_searches
-from dpclip.tuning.cost import StepTimer, tune_cost
+from dpclip.tuning.compare import DC_SGD_C_GRID, method_searches, tune_cost_compared
+from dpclip.tuning.cost import StepTimer
 
 
 def test_each_method_keeps_the_users_other_axes_and_brings_its_own_threshold_grid(tiny):
@@ -14,17 +14,17 @@ def test_each_method_keeps_the_users_other_axes_and_brings_its_own_threshold_gri
 
 
 def test_methods_are_the_registered_threshold_kinds(tiny, monkeypatch):
-    import dpclip.engine.thresholds as thresholds
+    import dpclip.tuning.compare as compare
 
-    monkeypatch.setattr(thresholds, "threshold_kinds", lambda: ["fixed", "quantile"])
+    monkeypatch.setattr(compare, "threshold_kinds", lambda: ["fixed", "quantile"])
     base, recipe = tiny()
     assert [m.name for m in method_searches(base, recipe, [])] == ["fixed", "quantile", "auto"]
 
 
 def test_speedup_is_the_ratio_of_search_times(tiny):
     base, recipe = tiny("privacy.accountant=rdp", "tuning.score=public")
-    report = tune_cost(base, recipe, grid=["training.optimizer.lr=0.1,0.5"], compare=True,
-                       timer=StepTimer(fixed_seconds=0.01))
+    report = tune_cost_compared(base, recipe, grid=["training.optimizer.lr=0.1,0.5"],
+                                timer=StepTimer(fixed_seconds=0.01))
     rows = {row["method"]: row for row in report.comparison}
     fixed = rows["fixed"]
     for row in rows.values():
@@ -35,12 +35,12 @@ def test_speedup_is_the_ratio_of_search_times(tiny):
 
 
 def test_a_method_the_recipe_cannot_use_is_left_out_with_the_reason(tiny):
-    from dpclip.engine.thresholds import threshold_kinds
+    from dpclip.engine.policies import threshold_kinds
 
     if "dcsgd-e" not in threshold_kinds():
         pytest.skip("dcsgd-e is not registered")
     base, recipe = tiny("clipping.noise_allocation=equal-budget", "privacy.accountant=rdp", "tuning.score=public")
-    report = tune_cost(base, recipe, compare=True, timer=StepTimer(fixed_seconds=0.01))
+    report = tune_cost_compared(base, recipe, timer=StepTimer(fixed_seconds=0.01))
     rows = {row["method"]: row for row in report.comparison}
     if "skipped" not in rows["dcsgd-e"]:
         pytest.skip("this schema accepts dcsgd-e with equal-budget allocation")

@@ -22,7 +22,7 @@ def _search(output_dir, *overrides):
     recipe = validate_recipe(base)
     grid = ["training.optimizer.lr=0.1,0.5"]
     report = tune_cost(base, recipe, grid=grid, timer=StepTimer(fixed_seconds=0.01))
-    return report, run_search(base, recipe, report, grid=grid, quiet=True)
+    return report, run_search(base, recipe, report, grid=grid)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_poisson_trials_cannot_be_recorded_yet(tiny):
     base, recipe = tiny("tuning.trials=poisson", "tuning.score=public")
     report = tune_cost(base, recipe, grid=["training.optimizer.lr=0.1,0.5"], timer=StepTimer(fixed_seconds=0.01))
     with pytest.raises(DpclipError, match="Poisson"):
-        run_search(base, recipe, report, grid=["training.optimizer.lr=0.1,0.5"], quiet=True)
+        run_search(base, recipe, report, grid=["training.optimizer.lr=0.1,0.5"])
 
 
 def test_a_search_that_fails_releases_nothing(tiny, public_search, monkeypatch):
@@ -96,7 +96,7 @@ def test_a_search_that_fails_releases_nothing(tiny, public_search, monkeypatch):
     monkeypatch.setattr(tuning_math, "draw_trial_count", lambda mean, shape, rng: 3)
     monkeypatch.setattr(workflow, "train", crashing_train)
     with pytest.raises(RuntimeError, match="disk full"):
-        run_search(base, recipe, report, grid=grid, quiet=True)
+        run_search(base, recipe, report, grid=grid)
     search_dir = started[0].parent.parent
     assert list((search_dir / "runs").iterdir()) == []
     summary = json.loads((search_dir / "summary.json").read_text())

@@ -1,0 +1,89 @@
+"""The private step: the one place that says what one step of DP training is.
+
+Training (:mod:`dpclip.train.trainer`), step timing (:mod:`dpclip.tuning.timing`), the
+benchmark (:mod:`dpclip.bench`) and ``scripts/methods_evidence.py`` all step through
+:class:`PrivateStep`, so what they time or compare is what a run does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dpclip.data import micro_batches, select
+from dpclip.engine import DPEngine, StepReport
+
+
+@dataclass
+class StepOutcome:
+    """What one private step returns to its caller.
+
+    ``loss_sum`` and ``batch_size`` are read from the private batch WITHOUT noise: they
+    are diagnostics for the caller's own logs and are not covered by ε (docs/training.md,
+    "metrics.jsonl"); ``report`` is the engine's (its releasable part is the thresholds and
+    the noise std, see docs/engine.md).
+    """
+
+    report: StepReport
+    loss_sum: float
+    batch_size: int
+    seconds: float
+
+
+class PrivateStep:
+    """One private step on a logical batch of training rows:
+
+    1. split the batch (``indices`` into ``train``) into micro-batches of at most
+       ``micro_batch_size`` rows (``None``: the whole batch in one backward, which a
+       policy that ranks the whole batch needs, see docs/methods.md);
+    2. per micro-batch, per-example losses ``loss_fn(model, rows)`` go through
+       ``engine.backward`` (per-sample norms and clipped sums, docs/engine.md); an empty
+       Poisson draw runs no backward at all and the step releases noise only;
+    3. ``engine.privatize()`` clips, adds the Gaussian noise, updates the threshold policy
+       and writes ``p.grad = (Σ clipped + noise) / B`` with B the EXPECTED batch size;
+    4. ``before_update(report)`` (optional) may refuse the release before any weight moves;
+    5. ``optimizer.step()`` and ``zero_grad``.
+
+    No IO and no ledger: the caller charges the step (the trainer records the engine's
+    DpEvent in the ledger right after this returns, before anything of the step is shown).
+    """
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, engine: DPEngine,
+                 optimizer: torch.optim.Optimizer, train: dict[str, torch.Tensor], *,
+                 micro_batch_size: int | None):
+        self.model = model
+        self.loss_fn = loss_fn
+        self.engine = engine
+        self.optimizer = optimizer
+        self.train = train
+        self.micro_batch_size = micro_batch_size
+
+    def __call__(self, indices: torch.Tensor,
+                 before_update: Callable[[StepReport], None] | None = None) -> StepOutcome:
+        started = time.perf_counter()
+        chunk = self.micro_batch_size if self.micro_batch_size is not None else max(len(indices), 1)
+        loss_sum = 0.0
+        for rows in micro_batches(indices, chunk):
+            losses = self.loss_fn(self.model, select(self.train, rows))
+            loss_sum += float(losses.detach().sum())
+            self.engine.backward(losses)
+        report = self.engine.privatize()
+        if before_update is not None:
+            before_update(report)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepOutcome(report, loss_sum, len(indices), time.perf_counter() - started)
+
+
+def step_micro_batch_size(recipe) -> int | None:
+    """The micro-batch size a recipe's step uses; ``None``: the whole logical batch at once.
+
+    A top-fraction tail rule ranks the whole logical batch, which therefore must reach the
+    engine in one backward, however large the Poisson draw is (docs/methods.md)."""
+    threshold = recipe.clipping.threshold
+    if threshold.kind == "discriminative" and threshold.tail_rule == "top_fraction":
+        return None
+    return recipe.training.micro_batch_size or recipe.training.batch_size

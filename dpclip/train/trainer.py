@@ -1,0 +1,378 @@
+"""The training workflow as a trainer: recipe -> data, model, engine, ledger -> run directory.
+
+:meth:`Trainer.setup` builds a run in named steps (docs/training.md, "How a run is put
+together"); :meth:`Trainer.train` then loops over :class:`~dpclip.train.step.PrivateStep`,
+the one private step, and charges each step in the ledger before anything of it leaves
+the process. Nothing else touches the private data, except the diagnostics in
+metrics.jsonl (training loss, clip fractions, norm quantiles), which are computed without
+noise, are not covered by ε, and are labelled so.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from dpclip.accounting import Ledger, solve
+from dpclip.data import PoissonSampler, ShuffleSampler, load_data
+from dpclip.data.canaries import make_canaries, with_canaries, write_canary_secret
+from dpclip.engine import DPEngine
+from dpclip.errors import DpclipError
+from dpclip.files import write_json_atomic, write_text_atomic
+from dpclip.models import build_model, evaluate
+from dpclip.recipe import Recipe, recipe_to_yaml
+from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from dpclip.train.optim import LrSchedule, build_optimizer
+from dpclip.train.plan import count_groups, engine_clipping, privacy_plan, private_seed
+from dpclip.train.plots import plot_thresholds
+from dpclip.train.rundir import (
+    RunDir, _append_metrics, _check_canaries, _check_same_release, _meta, _privacy_diff, _read_ledger,
+    _released_part, _released_records, check_ledger, privacy_fingerprint, run_statement, step_record)
+from dpclip.train.step import PrivateStep, step_micro_batch_size
+
+
+class TrainObserver(Protocol):
+    """What the CLI implements to show progress (all optional)."""
+
+    def on_start(self, info: dict[str, Any]) -> None: ...
+    def on_step(self, record: dict[str, Any]) -> None: ...
+    def on_eval(self, record: dict[str, Any]) -> None: ...
+    def on_end(self, result: TrainResult) -> None: ...
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps_done: int
+    steps_planned: int
+    epsilon: float
+    epsilon_rdp: float
+    delta: float
+    stopped: str                      # "completed" | "budget" | "interrupted" | "dry-run"
+    final_eval: dict[str, float] = field(default_factory=dict)
+    statement: list[str] = field(default_factory=list)
+    noise: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_dir": str(self.run_dir), "steps_done": self.steps_done, "steps_planned": self.steps_planned,
+            "epsilon": self.epsilon, "epsilon_rdp": self.epsilon_rdp, "delta": self.delta,
+            "stopped": self.stopped, "final_eval": self.final_eval, "noise": self.noise,
+            "statement": self.statement,
+            # final_eval is exact, on the private held-out split (empty when diagnostics are off).
+            "not_covered_by_epsilon": ["final_eval"] if self.final_eval else [],
+        }
+
+
+class _Null:
+    def on_start(self, info): pass
+    def on_step(self, record): pass
+    def on_eval(self, record): pass
+    def on_end(self, result): pass
+
+
+class Trainer:
+    """One private training run of a recipe (or the resumption of one); see the module doc.
+
+    ``data`` and ``run_dir`` serve ``dpclip audit-mia``'s shadow models (LiRA), which train
+    the same recipe on a chosen subset of examples: ``data`` (a PrivateData) replaces what
+    ``recipe.data`` would load, and ``run_dir`` is the exact directory of a new run instead
+    of a fresh ``output_dir/name-TIMESTAMP``. Pass the same ``data`` to resume.
+    """
+
+    def __init__(self, recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: bool = False,
+                 observer: TrainObserver | None = None, data=None, run_dir: Path | None = None):
+        self.recipe = recipe
+        self.resume = None if resume is None else Path(resume)
+        self.dry_run = dry_run
+        self.observer = observer or _Null()
+        self.data = data
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.step = 0
+        # ledger.json counts every release that has left the process; after a crash it may be
+        # ahead of the checkpoint we resume from, and it never moves back.
+        self.released_steps = 0
+        # Records of steps after the resumed checkpoint that already left the process.
+        self.replay: dict[tuple[str, int], dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        """Build the run, in this order (the global RNG is seeded first, so the order matters)."""
+        self._setup_recipe()
+        self._setup_data()
+        self._setup_model()
+        self._setup_privacy()
+        self._setup_engine()
+        self._setup_optimizer()
+        self._setup_sampler()
+        self.ledger = Ledger(self.plan.delta, self.plan.accountant)
+
+    def _setup_recipe(self) -> None:
+        """On resume, the run's own recipe.yaml, refused if its privacy fields were edited."""
+        if self.resume is not None:
+            run = RunDir(self.resume)
+            stored = run.recipe()
+            if run.meta().get("privacy_fingerprint") != privacy_fingerprint(stored):
+                raise DpclipError(f"the privacy fields of {run.recipe_file} were edited after the run started",
+                                  "the ledger would no longer describe the run; restore recipe.yaml or start a new run")
+            if self.recipe is not None:
+                changed = _privacy_diff(stored, self.recipe)
+                if changed:
+                    raise DpclipError(f"cannot resume: the recipe changes privacy fields {', '.join(changed)} "
+                                      "of the run", "resume with the run's own recipe: dpclip train --resume RUN_DIR")
+            self.recipe = stored
+        if self.recipe is None:
+            raise DpclipError("nothing to train", "pass a recipe file, or --resume RUN_DIR")
+
+    def _setup_data(self) -> None:
+        # The global RNG drives only what is not private (dropout); noise and batches have their own
+        # generators from OS entropy (dpclip.rng).
+        torch.manual_seed(self.recipe.seed)
+        if self.data is None:
+            self.data = load_data(self.recipe.data, seed=self.recipe.seed)
+
+    def _setup_model(self) -> None:
+        self.model, self.loss_fn = build_model(self.recipe.model, self.data, seed=self.recipe.seed)
+
+    def _setup_privacy(self) -> None:
+        """The privacy plan and its noise split; the canaries join the data after N is counted."""
+        recipe, model = self.recipe, self.model
+        # A statistic's sensitivity grows with the number of groups, which depends on the model.
+        num_groups = count_groups(recipe, model)
+        # N is the number of ordinary training examples, counted before any canary goes in
+        # (see dpclip.data.canaries: q = B/N applies to canaries too, as `dpclip account` says).
+        self.plan = privacy_plan(recipe, self.data.num_train, groups=num_groups)
+        self.ordinary = self.data
+        self.canaries = None
+        if recipe.audit.canaries is not None:
+            self.canaries = make_canaries(self.data, recipe.audit.canaries, recipe.seed)
+            self.data = with_canaries(self.data, self.canaries)
+        self.solved = solve(self.plan)
+        self.split = self.solved.split
+        # Private randomness (noise, batches) comes from OS entropy unless the recipe opts in.
+        self.seed_of_noise = private_seed(recipe)
+
+    def _setup_engine(self) -> None:
+        training = self.recipe.training
+        self.engine = DPEngine(self.model, engine_clipping(self.recipe, self.split.sigma_aux),
+                               noise_multiplier=self.split.sigma_gradient, expected_batch_size=training.batch_size,
+                               seed=self.seed_of_noise, sample_rate=self.plan.sample_rate)
+
+    def _setup_optimizer(self) -> None:
+        training = self.recipe.training
+        self.optimizer = build_optimizer(training.optimizer, [p for p in self.model.parameters() if p.requires_grad])
+        # Base lrs are read now, before a resumed optimizer state overwrites the scheduled ones.
+        self.schedule = LrSchedule(self.optimizer, training.schedule, self.plan.steps)
+        self.private_step = PrivateStep(self.model, self.loss_fn, self.engine, self.optimizer, self.data.train,
+                                        micro_batch_size=step_micro_batch_size(self.recipe))
+
+    def _setup_sampler(self) -> None:
+        training, plan = self.recipe.training, self.plan
+        if training.sampling == "poisson":
+            self.sampler = PoissonSampler(self.data.num_train, plan.sample_rate, plan.steps, seed=self.seed_of_noise)
+        else:
+            self.sampler = ShuffleSampler(self.data.num_train, training.batch_size, plan.steps, seed=self.seed_of_noise)
+
+    def info(self) -> dict[str, Any]:
+        """What the run is about to do (the observer's start, and meta.json's plan)."""
+        recipe, plan, split = self.recipe, self.plan, self.split
+        return {
+            "name": recipe.name, "steps": plan.steps, "sample_rate": plan.sample_rate,
+            "num_train": self.ordinary.num_train, "num_test": self.data.num_test,
+            "canaries_included": None if self.canaries is None else int(self.canaries.included.sum()),
+            "groups": self.engine.group_names, "sigma_total": split.sigma_total,
+            "sigma_gradient": split.sigma_gradient, "sigma_aux": split.sigma_aux,
+            "planned_epsilon": self.solved.epsilon, "delta": plan.delta, "accountant": plan.accountant,
+            "epsilon_cap": recipe.privacy.epsilon,
+            "parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+            "seeded_randomness": recipe.privacy.unsafe_seeded_randomness,
+            "exact_diagnostics": recipe.privacy.exact_diagnostics,
+        }
+
+    def _setup_run_dir(self, info: dict[str, Any]) -> None:
+        """A new run directory (with its step-0 checkpoint), or the resumed run's state."""
+        if self.resume is not None:
+            self._resume_from_checkpoint()
+        else:
+            run = RunDir.new_run(self.recipe) if self.run_dir is None else RunDir(self.run_dir)
+            self.run_dir = run.path
+            if run.recipe_file.exists():
+                raise DpclipError(f"{run.path} already holds a run", "resume it with --resume, or choose a new folder")
+            run.path.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(run.recipe_file, recipe_to_yaml(self.recipe))
+            write_json_atomic(run.meta_file, _meta(self.recipe, self.ordinary, info))
+            if self.canaries is not None:
+                write_canary_secret(run.path, self.canaries)
+            run.metrics_file.touch()
+            # Step 0 is checkpointed (with the generators' states) so that a crash before the
+            # first regular checkpoint resumes into the same noise and batches.
+            self._save()
+        self._write_ledger()
+
+    def _resume_from_checkpoint(self) -> None:
+        run = RunDir(self.resume)
+        self.run_dir = run.path
+        step_event, steps = self.solved.step_event, self.plan.steps
+        checkpoint = latest_checkpoint(run.path)
+        if checkpoint is None:
+            raise DpclipError(f"{run.path} has no checkpoint to resume from",
+                              "the run stopped before its first step was saved; start a new run")
+        state = load_checkpoint(checkpoint, self.model)
+        self.step = int(state["step"])
+        self.ledger = Ledger.from_dict(state["ledger"])
+        check_ledger(self.ledger, step_event, self.step, where=checkpoint / "state.json")
+        released = _read_ledger(run.ledger_file) if run.ledger_file.exists() else self.ledger
+        check_ledger(released, step_event, range(self.step, steps + 1), where=run.ledger_file)
+        self.released_steps = released.steps
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.engine.load_state_dict(state["engine"])
+        torch.set_rng_state(state["torch_rng"])
+        # Steps after the checkpoint that already left the process are redone with the
+        # checkpoint's generator states, so they must release exactly what they did.
+        self.replay = _released_records(run.metrics_file, self.step)
+        if self.canaries is not None:
+            _check_canaries(run.path, self.canaries)
+
+    # ------------------------------------------------------------------ files
+
+    def _save(self) -> None:
+        # The ledger goes to disk before the checkpoint that depends on it is made current.
+        self._write_ledger()
+        state = {
+            "step": self.step, "optimizer": self.optimizer.state_dict(), "sampler": self.sampler.state_dict(),
+            "engine": self.engine.state_dict(), "torch_rng": torch.get_rng_state(), "ledger": self.ledger.to_dict(),
+        }
+        save_checkpoint(self.run_dir, self.step, self.model, state, keep=self.recipe.checkpoint.keep)
+
+    def _write_ledger(self, every_step: bool = False) -> None:
+        # Every step: no fsync (the rename is atomic against a killed process, the crash
+        # that matters) and no ε (~0.1 s to compute); at checkpoints and the end: both.
+        if self.ledger.steps >= self.released_steps:
+            write_json_atomic(RunDir(self.run_dir).ledger_file, self.ledger.to_dict(with_epsilon=not every_step),
+                              durable=not every_step)
+
+    def _emit(self, record: dict[str, Any], kind: str) -> None:
+        """Write a record and show it, unless it replays one that already left the process."""
+        previous = self.replay.get((kind, record["step"]))
+        if previous is not None:
+            if _released_part(previous) != _released_part(record):
+                raise DpclipError(
+                    f"resuming did not reproduce step {record['step']} as first run (its released "
+                    "statistics differ), so continuing would release them twice",
+                    "resume with the same dpclip and torch versions, device and thread count as the run "
+                    "started with, or start a new run")
+            return
+        _append_metrics(RunDir(self.run_dir).metrics_file, record)
+        (self.observer.on_step if kind == "step" else self.observer.on_eval)(record)
+
+    def _run_eval(self) -> dict[str, float]:
+        if not self.recipe.privacy.exact_diagnostics:  # exact held-out metrics are not covered by ε
+            return {}
+        metrics = evaluate(self.model, self.loss_fn, self.data.test, self.data.task,
+                           batch_size=self.recipe.eval.batch_size)
+        self._emit({"step": self.step, "eval": metrics, "not_covered_by_epsilon": ["eval"]}, "eval")
+        return metrics
+
+    # ------------------------------------------------------------------ training
+
+    def train(self) -> TrainResult:
+        """Set up, then train until the planned steps, the ε cap or Ctrl-C; returns the result."""
+        self.setup()
+        info = self.info()
+        if self.dry_run:
+            return self._dry_run(info)
+        self._setup_run_dir(info)
+        self.observer.on_start({**info, "run_dir": str(self.run_dir), "start_step": self.step, "dry_run": False})
+        stopped = self._loop()
+        final_eval = self._run_eval() if stopped != "interrupted" else {}
+        self._save()
+        accounting = self.ledger.result()
+        statement = run_statement(self.recipe, self.ledger)
+        result = TrainResult(self.run_dir, self.step, self.plan.steps, accounting.epsilon, accounting.epsilon_rdp,
+                             self.plan.delta, stopped, final_eval, statement.lines(), self.solved.step_metadata)
+        run = RunDir(self.run_dir)
+        write_json_atomic(run.summary_file, result.to_dict())
+        plot_thresholds(run.metrics_file, run.thresholds_plot, self.engine.group_names)
+        self.observer.on_end(result)
+        return result
+
+    def _dry_run(self, info: dict[str, Any]) -> TrainResult:
+        self.observer.on_start({**info, "run_dir": None, "dry_run": True})
+        self.engine.detach()
+        solved = self.solved
+        result = TrainResult(Path("-"), 0, self.plan.steps, solved.epsilon, solved.epsilon_rdp, self.plan.delta,
+                             "dry-run", statement=solved.statement.lines(), noise=solved.step_metadata)
+        self.observer.on_end(result)
+        return result
+
+    def _loop(self) -> str:
+        """Steps until done; returns why it stopped ("completed", "budget" or "interrupted")."""
+        step_event, cap = self.solved.step_event, self.recipe.privacy.epsilon
+        self.model.train()
+        with _deferred_interrupt() as interrupt:
+            try:
+                batches = iter(self.sampler)
+                while self.step < self.plan.steps:
+                    if interrupt.requested:  # Ctrl-C is honoured between steps only, never inside one
+                        return "interrupted"
+                    # The cap is checked before the batch is touched, with the plan's event, which
+                    # is asserted in each step to be the event the engine actually releases.
+                    if cap is not None and not self.ledger.allows(step_event, cap):
+                        return "budget"
+                    self._train_step(next(batches))
+            finally:
+                self.engine.detach()
+        return "completed"
+
+    def _train_step(self, indices: torch.Tensor) -> None:
+        """One private step, charged in the ledger on disk before its record is written."""
+        recipe, plan, step_event = self.recipe, self.plan, self.solved.step_event
+        lr = self.schedule.apply(self.step)
+        outcome = self.private_step(indices, before_update=lambda report: _check_same_release(report.dp_event,
+                                                                                             step_event))
+        self.ledger.record(step_event, metadata=self.solved.step_metadata)
+        self.step += 1
+        # Charged before anything of this step leaves the process (a crash between
+        # the two leaves the ledger ahead, never behind).
+        self._write_ledger(every_step=True)
+        epsilon_every = max(1, plan.steps // 50)  # ε with the ledger's accountant costs ~0.1 s: not every step
+        live = self.step == plan.steps or self.step % epsilon_every == 0
+        self._emit(step_record(self.step, outcome.report, self.ledger.epsilon() if live else None,
+                                outcome.loss_sum, outcome.batch_size, recipe.training.batch_size, lr,
+                                outcome.seconds, recipe.clipping.fn, recipe.privacy.exact_diagnostics), "step")
+        if recipe.eval.every_steps and self.step % recipe.eval.every_steps == 0 and self.step < plan.steps:
+            self._run_eval()
+        if recipe.checkpoint.every_steps and self.step % recipe.checkpoint.every_steps == 0:
+            self._save()
+
+
+class _deferred_interrupt:
+    """Turn Ctrl-C into a flag the loop reads between steps, so a step is never half done
+    (a gradient applied but not yet in the ledger). A second Ctrl-C interrupts at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+

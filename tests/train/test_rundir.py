@@ -1,0 +1,51 @@
+"""RunDir: the one home of run and search directory names, files and loaders."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dpclip.errors import DpclipError
+from dpclip.train.rundir import RunDir
+from dpclip.train.workflow import train
+
+
+def test_new_runs_of_one_recipe_get_distinct_timestamped_names(quickstart):
+    recipe = quickstart()
+    first = RunDir.new_run(recipe)
+    assert str(first.path.parent) == str(recipe.output_dir)
+    assert re.fullmatch(r"quickstart-\d{8}-\d{6}", first.path.name)
+    first.path.mkdir(parents=True)
+    second = RunDir.new_run(recipe)
+    assert second.path != first.path
+    second.path.mkdir()
+    third = RunDir.new_run(recipe)
+    assert len({first.path, second.path, third.path}) == 3
+    assert not third.path.exists()  # a name only: nothing is created
+
+
+def test_a_search_directory_is_named_after_the_recipe_and_marked_search(tmp_path):
+    search = RunDir.new_search(tmp_path, "quickstart")
+    assert re.fullmatch(r"quickstart-search-\d{8}-\d{6}", search.path.name)
+    assert search.search_runs == search.path / "runs"
+
+
+def test_a_finished_run_has_every_well_known_file_and_they_load(small_recipe):
+    recipe = small_recipe("training.steps=2", "eval.every_steps=null")
+    run = RunDir(train(recipe).run_dir)
+    for path in (run.recipe_file, run.meta_file, run.ledger_file, run.metrics_file, run.summary_file):
+        assert path.is_file(), path
+    assert run.checkpoints.is_dir()
+    assert run.recipe().model_dump() == recipe.model_dump()
+    assert run.ledger().steps == 2
+    assert run.meta()["plan"]["steps"] == 2
+    assert run.summary()["steps_done"] == 2
+    assert not run.search_marker.exists()  # not selected by a search
+
+
+def test_a_folder_that_is_not_a_run_is_refused_by_name(tmp_path):
+    with pytest.raises(DpclipError, match="not a dpclip run directory"):
+        RunDir(tmp_path).recipe()
+    with pytest.raises(DpclipError, match="no meta.json"):
+        RunDir(tmp_path).meta()

@@ -1,0 +1,120 @@
+"""The one private step (dpclip.train.step): what training, step timing and the benchmark run."""
+
+from __future__ import annotations
+
+import torch
+
+from dpclip.bench import make_step
+from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
+from dpclip.train.step import PrivateStep
+from dpclip.train.trainer import Trainer
+from dpclip.train.workflow import train
+from dpclip.tuning.timing import measure_step_seconds
+
+SEEDED = ("privacy.unsafe_seeded_randomness=true", "model.hidden=[16]", "training.micro_batch_size=null")
+
+
+def _set_up(recipe) -> Trainer:
+    """A trainer built up to its first step (no run directory), its generators seeded by the recipe."""
+    trainer = Trainer(recipe)
+    trainer.setup()
+    trainer.schedule.apply(0)
+    return trainer
+
+
+def _by_hand(trainer: Trainer, indices: torch.Tensor) -> None:
+    """The private step written out as docs/training.md describes it, one backward per batch."""
+    rows = {name: tensor[indices] for name, tensor in trainer.data.train.items()}
+    if len(indices):
+        trainer.engine.backward(trainer.loss_fn(trainer.model, rows))
+    trainer.engine.privatize()
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def _weights(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_step_does_what_a_hand_written_private_step_does(small_recipe):
+    recipe = small_recipe(*SEEDED)
+    ours, reference = _set_up(recipe), _set_up(recipe)
+    indices = next(iter(ours.sampler))
+    assert torch.equal(indices, next(iter(reference.sampler)))  # same seeded batch on both sides
+    outcome = ours.private_step(indices)
+    _by_hand(reference, indices)
+    for a, b in zip(_weights(ours.model), _weights(reference.model)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert outcome.batch_size == len(indices) and outcome.seconds > 0
+    assert outcome.loss_sum > 0  # cross-entropy of an untrained model
+
+
+def test_micro_batches_release_the_same_step_as_one_backward(small_recipe):
+    recipe = small_recipe(*SEEDED)
+    whole, split = _set_up(recipe), _set_up(recipe)
+    indices = next(iter(whole.sampler))
+    assert len(indices) > 5  # several micro-batches below
+    whole_out = PrivateStep(whole.model, whole.loss_fn, whole.engine, whole.optimizer, whole.data.train,
+                            micro_batch_size=None)(indices)
+    split_out = PrivateStep(split.model, split.loss_fn, split.engine, split.optimizer, split.data.train,
+                            micro_batch_size=5)(indices)
+    for a, b in zip(_weights(whole.model), _weights(split.model)):
+        torch.testing.assert_close(a, b)
+    assert abs(whole_out.loss_sum - split_out.loss_sum) < 1e-3 * abs(whole_out.loss_sum)
+
+
+def test_an_empty_poisson_draw_still_takes_a_noisy_step(small_recipe):
+    trainer = _set_up(small_recipe(*SEEDED))
+    before = _weights(trainer.model)
+    outcome = trainer.private_step(torch.tensor([], dtype=torch.long))
+    assert outcome.batch_size == 0 and outcome.loss_sum == 0.0
+    assert all(not torch.equal(a, b) for a, b in zip(before, _weights(trainer.model)))
+
+
+def test_a_refused_release_moves_no_weight(small_recipe):
+    trainer = _set_up(small_recipe(*SEEDED))
+    before = _weights(trainer.model)
+
+    def refuse(report):
+        raise RuntimeError("refused")
+
+    try:
+        trainer.private_step(next(iter(trainer.sampler)), before_update=refuse)
+    except RuntimeError:
+        pass
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(trainer.model)))
+
+
+def test_a_run_steps_like_the_step_on_the_same_seeds(small_recipe):
+    """One training step of a seeded run ends with the weights one PrivateStep gives."""
+    recipe = small_recipe(*SEEDED, "training.steps=1", "eval.every_steps=null")
+    run = train(recipe).run_dir
+    trained = _set_up(recipe)
+    load_checkpoint(latest_checkpoint(run), trained.model)
+    stepped = _set_up(recipe)
+    stepped.private_step(next(iter(stepped.sampler)))
+    for a, b in zip(_weights(trained.model), _weights(stepped.model)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_training_timing_and_bench_all_go_through_the_one_step(small_recipe, monkeypatch):
+    calls = []
+    original = PrivateStep.__call__
+
+    def spy(self, indices, before_update=None):
+        calls.append(len(indices))
+        return original(self, indices, before_update)
+
+    monkeypatch.setattr(PrivateStep, "__call__", spy)
+    recipe = small_recipe("training.steps=3", "eval.every_steps=null", "model.hidden=[16]")
+    train(recipe)
+    assert len(calls) == 3
+    measure_step_seconds(recipe, steps=2, warmup_steps=1)
+    assert len(calls) == 3 + 3
+    trainer = _set_up(recipe)
+    trainer.engine.detach()  # bench builds its own engine on its own copy of the model
+    batch = {name: tensor[:8] for name, tensor in trainer.data.train.items()}
+    make_step("dp layer", trainer.model, trainer.loss_fn, batch, 8)()
+    assert calls[-1] == 8 and len(calls) == 7
+    make_step("non-private", trainer.model, trainer.loss_fn, batch, 8)()
+    assert len(calls) == 7  # the baseline is not private
