@@ -289,14 +289,14 @@ def measure_memory(workload: str, method: str, sizes: dict, steps: int, threads:
 
 
 def gpt2_norm_methods(embd: int, vocab: int, seq: int) -> dict[str, str]:
-    """The norm method the engine's mixed rule (``dpclip.engine.norms.choose_ghost``) picks
+    """The norm method the engine's mixed rule (``dpclip.engine.factors.choose_ghost``) picks
     for each GPT-2 layer at sequence length ``seq``, as "all-layer / layer-wise": all-layer
     keeps every layer until the end of the backward (memory rule, instantiate iff G_i is no
     larger than its factors, m·n ≤ T(m+n));
     layer-wise clips each layer at once (time rule, instantiate iff m·n ≤ 2T(m+n)), except
     the tied wte/lm_head, whose two modules make it wait. The rule is asked with the
     layer's factor shapes (on the meta device, nothing is computed)."""
-    from dpclip.engine.norms import Bilinear, choose_ghost
+    from dpclip.engine.factors import Bilinear, choose_ghost
 
     def dense(m, n):
         return Bilinear(torch.empty(1, 1, seq, m, device="meta"), torch.empty(1, 1, seq, n, device="meta"))
@@ -434,7 +434,7 @@ def render(result: dict, markdown: bool) -> str:
             lines.append(("| " + " | ".join([str(seq)] + cells) + " |") if markdown
                          else f"T {seq:<5}" + "  ".join(f"B {b}: {c}" for b, c in zip(batches, cells)))
         lines += ["", f"{'### ' if markdown else ''}Norm method per layer, all-layer / layer-wise "
-                  "(engine's mixed rule: dpclip.engine.norms.choose_ghost)"]
+                  "(engine's mixed rule: dpclip.engine.factors.choose_ghost)"]
         by_seq = {r["T"]: r["norm_methods"] for r in rows}
         if markdown:
             lines += ["", "| layer | " + " | ".join(f"T {s}" for s in seqs) + " |", "|---|" + "---|" * len(seqs)]

@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dpclip.allocator import keep_freed_memory  # noqa: E402
 from dpclip.bench import time_steps  # noqa: E402
-from dpclip.engine import norms  # noqa: E402
-from dpclip.engine.norms import Bilinear, choose_ghost, clipped_sum, param_norm_sq  # noqa: E402
+from dpclip.engine import factors  # noqa: E402
+from dpclip.engine.factors import Bilinear, choose_ghost, clipped_sum, param_norm_sq  # noqa: E402
 
 SHAPES = [(256, 768), (256, 256), (256, 1024), (1024, 256), (64, 64), (1024, 4096)]
 MAX_FACTOR_FLOATS = 64 * 256 * 1024   # skip cells whose B·T·n factor is larger (time budget)
@@ -81,13 +81,13 @@ def gram_rows(seqs, shapes, batch: int, repeats: int) -> list[dict]:
             def plain():
                 g1 = left @ left.transpose(-1, -2)
                 g2 = right @ right.transpose(-1, -2)
-                return norms.batched_dot(g1, g2)
+                return factors.batched_dot(g1, g2)
 
             def bmm_dot():
                 return torch.bmm(flat[0].unsqueeze(1), flat[1].unsqueeze(2))
 
-            ms = median_ms({"plain Grams": plain, "symmetric": lambda: norms.ghost_norm_sq(left, right),
-                            "vecdot": lambda: norms.batched_dot(*flat), "bmm dot": bmm_dot}, repeats)
+            ms = median_ms({"plain Grams": plain, "symmetric": lambda: factors.ghost_norm_sq(left, right),
+                            "vecdot": lambda: factors.batched_dot(*flat), "bmm dot": bmm_dot}, repeats)
             rows.append({"T": t, "m": m, "n": n, **ms})
     return rows
 

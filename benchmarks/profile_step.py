@@ -61,28 +61,30 @@ def _timed(acc: dict, key: str, fn):
 
 def phase_times(workload: str, methods: list[str], steps: int, smoke: bool = False) -> dict:
     """Median ms per phase and step for non-private and each dpclip method (interleaved)."""
-    from dpclip.engine import engine as engine_module
-    from dpclip.engine import norms
+    from dpclip.engine import microbatch
+    from dpclip.engine import layers
 
     sizes = (dp_cost.SMOKE if smoke else dp_cost.FULL)[workload]
     w = dp_cost.make_workload(workload, sizes)
     acc: dict[str, float] = defaultdict(float)
-    saved = (engine_module.param_norm_sq, engine_module.clipped_sum, engine_module.streamed_clip,
-             dict(norms._RULES))
-    engine_module.param_norm_sq = _timed(acc, "  per-sample norms", engine_module.param_norm_sq)
-    engine_module.clipped_sum = _timed(acc, "  clipped sums", engine_module.clipped_sum)
+    saved = (microbatch.param_norm_sq, microbatch.clipped_sum, microbatch.streamed_clip)
+    microbatch.param_norm_sq = _timed(acc, "  per-sample norms", microbatch.param_norm_sq)
+    microbatch.clipped_sum = _timed(acc, "  clipped sums", microbatch.clipped_sum)
     # transient instantiation computes norms and sums together, a chunk of samples at a time
-    engine_module.streamed_clip = _timed(acc, "  instantiated norms + sums", engine_module.streamed_clip)
-    for cls, rule in list(norms._RULES.items()):
-        norms._RULES[cls] = norms.LayerRule(rule.name, rule.prepare, rule.forward,
-                                            _timed(acc, "  input gradients", rule.input_grad), rule.uses)
+    microbatch.streamed_clip = _timed(acc, "  instantiated norms + sums", microbatch.streamed_clip)
+    timed_rules = []   # input gradients, timed on each registered rule (instance attribute)
+    for rule in {id(r): r for r in layers.registered_rules().values()}.values():
+        timed_rules.append((rule, rule.__dict__.get("input_grad")))
+        rule.input_grad = _timed(acc, "  input gradients", rule.input_grad)
     try:
         return _interleaved_phases(w, methods, steps, acc)
     finally:
-        (engine_module.param_norm_sq, engine_module.clipped_sum, engine_module.streamed_clip,
-         rules) = saved
-        norms._RULES.clear()
-        norms._RULES.update(rules)
+        microbatch.param_norm_sq, microbatch.clipped_sum, microbatch.streamed_clip = saved
+        for rule, own in timed_rules:
+            if own is None:
+                del rule.input_grad
+            else:
+                rule.input_grad = own
 
 
 def _interleaved_phases(w, methods: list[str], steps: int, acc: dict) -> dict:

@@ -7,9 +7,11 @@ Ordinary autograd would *also* compute the unweighted weight gradient ``aᵀ b``
 layer, one wasted matmul per layer. To avoid it, each supported module's forward is
 routed through :class:`_BookkeptOp`, a custom autograd function whose backward returns
 the input gradient only (``None`` for the parameters) and passes ``(a, b)`` to the
-engine. Modules without a rule go through the torch.func fallback
-(:mod:`dpclip.engine.fallback`) the same way: parameters detached in the forward, output
-gradients tapped in the backward.
+engine. How a module's call becomes such operations is its layer rule's business
+(:mod:`dpclip.engine.layers`): the rule's ``call`` receives a :class:`_Site` (the
+:class:`~dpclip.engine.layers.Capture` of one module) and uses its ``op`` (a book-kept
+operation) or ``tap`` (output gradients tapped, for the torch.func rule that modules
+without a rule get).
 
 How a module's forward is re-routed: an instance attribute ``forward`` shadows the class
 method (``nn.Module.__call__`` looks it up on the instance), and :meth:`Bookkeeper.remove`
@@ -25,10 +27,11 @@ from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
-from dpclip.engine import fallback
-from dpclip.engine.norms import LayerRule, Use, find_layer_rule, is_rmsnorm_like
+from dpclip.engine.factors import Use
+from dpclip.engine.layers import LayerRule, find_layer_rule
+from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
 from dpclip.errors import EngineError
 
 _BATCHNORM_HINT = "replace it with GroupNorm (e.g. nn.GroupNorm(8, C)) or LayerNorm"
@@ -41,11 +44,11 @@ class Unit:
     module: nn.Module
     name: str
     params: list[tuple[str, nn.Parameter, int]]   # (attribute name, parameter, index)
-    rule: LayerRule | None                        # None: torch.func rule
-    is_fallback: bool                             # no rule: refused when strict
+    rule: LayerRule                               # FUNCTORCH_RULE when none matched
+    is_fallback: bool                             # no exact rule: refused when strict
     orig_forward: Callable | None = None
     bypass: bool = False
-    vmap_ok: bool | None = None                   # learnt on first fallback call
+    memo: dict = field(default_factory=dict)      # the rule's per-module state
 
     @property
     def label(self) -> str:
@@ -105,16 +108,59 @@ class _Active:
 
 @dataclass(eq=False)
 class _Call:
-    """One forward call of a unit, waiting for its backward."""
+    """One book-kept operation or tap of a unit, waiting for its backward."""
 
     keeper: "Bookkeeper"
     unit: Unit
     generation: int
+    rule: object = None                              # forward / input_grad / uses
     info: object = None
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
-    out_index: list[int] = field(default_factory=list)
-    out_spec: object = None
+    names: tuple[str, ...] = ()                      # parameters it delivers a use for
+    on_grads: Callable | None = None                 # for a tap: (grads, batch) -> uses
+
+
+class _Site:
+    """The :class:`~dpclip.engine.layers.Capture` a rule's ``call`` gets for one unit."""
+
+    def __init__(self, keeper: "Bookkeeper", unit: Unit):
+        self._keeper, self._unit = keeper, unit
+        self.module = unit.module
+        self.label = unit.label
+        self.params = [(name, p) for name, p, _ in unit.params]
+        self.memo = unit.memo
+        self._by_name = {name: p for name, p, _ in unit.params}
+
+    @property
+    def batch_hint(self) -> int | None:
+        return self._keeper.batch_hint
+
+    def op(self, rule, x: Tensor, info=None, names=None) -> Tensor:
+        names = tuple(self._by_name) if names is None else tuple(names)
+        if not names:  # nothing trainable: plain autograd through the frozen parameters
+            return rule.forward(self.module, x, info)
+        keeper, unit = self._keeper, self._unit
+        call = _Call(keeper, unit, keeper.generation, rule, info, names)
+        keeper.count(unit, names)
+        return _BookkeptOp.apply(call, x, *[self._by_name[n] for n in names])
+
+    def tap(self, outputs: list[Tensor], on_grads: Callable) -> tuple[Tensor, ...]:
+        keeper, unit = self._keeper, self._unit
+        names = tuple(self._by_name)
+        call = _Call(keeper, unit, keeper.generation, names=names, on_grads=on_grads)
+        keeper.count(unit, names)
+        return _OutputTap.apply(call, len(outputs), *outputs, *self._by_name.values())
+
+    @contextmanager
+    def bypass(self) -> Iterator[None]:
+        """Calls of this module inside run its original forward."""
+        self._unit.bypass = True
+        try:
+            yield
+        finally:
+            self._unit.bypass = False
+
+    def plain(self):
+        return self._keeper.plain()
 
 
 class _BookkeptOp(torch.autograd.Function):
@@ -130,20 +176,20 @@ class _BookkeptOp(torch.autograd.Function):
         ctx.call = call
         ctx.n_params = len(params)
         ctx.save_for_backward(x)
-        return call.unit.rule.forward(call.unit.module, x, call.info)
+        return call.rule.forward(call.unit.module, x, call.info)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         (x,) = ctx.saved_tensors
         call: _Call = ctx.call
-        rule, module = call.unit.rule, call.unit.module
+        rule, module = call.rule, call.unit.module
         grad_x = rule.input_grad(module, x, grad_out, call.info) if ctx.needs_input_grad[1] else None
         call.keeper.deliver_layer(call, x, grad_out)
         return (None, grad_x) + (None,) * ctx.n_params
 
 
 class _OutputTap(torch.autograd.Function):
-    """Identity on a fallback module's outputs; its backward sees all output grads at once."""
+    """Identity on a module's outputs; its backward sees all output grads at once."""
 
     @staticmethod
     def forward(ctx, call: _Call, n_out: int, *tensors: Tensor):
@@ -154,7 +200,7 @@ class _OutputTap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
-        ctx.call.keeper.deliver_fallback(ctx.call, grads)
+        ctx.call.keeper.deliver_tap(ctx.call, grads)
         passed = tuple(g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(grads))
         return (None, None) + passed + (None,) * ctx.n_params
 
@@ -205,29 +251,23 @@ class Bookkeeper:
                     f"{module.max_norm}: its forward renormalises the looked-up rows in place, "
                     "so the weights reveal which tokens were in the private batch",
                     "set max_norm=None (clip the gradient instead)")
-            if isinstance(module, nn.MultiheadAttention):
-                raise EngineError(
-                    f"module {name} (nn.MultiheadAttention) reads its out_proj weights "
-                    "without calling out_proj, so they cannot be book-kept",
-                    "build attention from nn.Linear projections (as transformers models do)")
             params = [(pname, p, self.index_of[id(p)])
                       for pname, p in module.named_parameters(recurse=False)
                       if id(p) in self.index_of]
-            if not params:
+            rule = find_layer_rule(module) or FUNCTORCH_RULE
+            if not params and not (rule.wrap_frozen and any(
+                    id(p) in self.index_of for p in module.parameters())):
                 continue
-            rule = find_layer_rule(module)
-            is_fallback = rule is None and not is_rmsnorm_like(module)
-            if is_fallback and strict:
+            unit = Unit(module, name, params, rule,
+                        not rule.exact_by_construction and not is_rmsnorm_like(module))
+            if unit.is_fallback and strict:
                 raise EngineError(
-                    f"module {name or '<root>'} ({type(module).__name__}) has trainable "
+                    f"module {unit.label} has trainable "
                     "parameters and no book-keeping rule; strict mode refuses the torch.func "
                     "fallback", "set clipping.strict: false, freeze it, or register a rule "
-                    "with dpclip.engine.norms.register_layer_rule")
-            if rule is None and isinstance(module, nn.RNNBase) and module.dropout > 0 and module.training:
-                raise EngineError(f"module {name} ({type(module).__name__}) uses dropout between "
-                                  "layers; the per-sample fallback cannot replay it",
-                                  "set dropout=0 on the RNN")
-            units.append(Unit(module, name, params, rule, is_fallback))
+                    "with dpclip.engine.register_layer_rule (docs/engine.md)")
+            rule.check(module, unit.label)
+            units.append(unit)
         return units
 
     def install(self) -> None:
@@ -238,10 +278,7 @@ class Bookkeeper:
                 "(another DPEngine on this model?)", "call engine.detach() on the old engine first")
         for unit in self.units:
             unit.orig_forward = unit.module.forward
-            if unit.rule is not None:
-                unit.module.forward = self._rule_forward(unit)
-            else:
-                unit.module.forward = self._fallback_forward(unit)
+            unit.module.forward = self._routed_forward(unit)
         self._handles.append(
             self.model.register_forward_pre_hook(self._note_batch, with_kwargs=True))
 
@@ -265,51 +302,20 @@ class Bookkeeper:
     def _passthrough(self, unit: Unit) -> bool:
         return unit.bypass or self._plain > 0 or not torch.is_grad_enabled()
 
-    def _count(self, unit: Unit) -> None:
-        for _, _, idx in unit.params:
-            self.forward_counts[idx] += 1
+    def count(self, unit: Unit, names: tuple[str, ...]) -> None:
+        """One more forward use of each named parameter of ``unit``."""
+        for name, _, idx in unit.params:
+            if name in names:
+                self.forward_counts[idx] += 1
 
-    def _rule_forward(self, unit: Unit):
+    def _routed_forward(self, unit: Unit):
         orig = unit.orig_forward
-        params = [p for _, p, _ in unit.params]
+        site = _Site(self, unit)
 
         def forward(*args, **kwargs):
             if self._passthrough(unit):
                 return orig(*args, **kwargs)
-            inputs = list(args) + list(kwargs.values())
-            if len(inputs) != 1:
-                raise EngineError(f"module {unit.label} was called with {len(inputs)} arguments; "
-                                  "its rule takes the input tensor only", "call it as module(x)")
-            x, info = unit.rule.prepare(unit.module, inputs[0], self.batch_hint)
-            call = _Call(self, unit, self.generation, info)
-            self._count(unit)
-            return _BookkeptOp.apply(call, x, *params)
-
-        return forward
-
-    def _fallback_forward(self, unit: Unit):
-        orig = unit.orig_forward
-        params = [p for _, p, _ in unit.params]
-
-        def forward(*args, **kwargs):
-            if self._passthrough(unit):
-                return orig(*args, **kwargs)
-            detached = {name: p.detach() for name, p, _ in unit.params}
-            unit.bypass = True
-            try:  # the module's own parameters are constants here: no autograd weight grads
-                out = torch.func.functional_call(unit.module, detached, args, kwargs)
-            finally:
-                unit.bypass = False
-            leaves, spec = tree_flatten(out)
-            index = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.is_floating_point()]
-            if not index:
-                return out
-            call = _Call(self, unit, self.generation, None, args, kwargs, index, spec)
-            self._count(unit)
-            tapped = _OutputTap.apply(call, len(index), *[leaves[i] for i in index], *params)
-            for j, i in enumerate(index):
-                leaves[i] = tapped[j]
-            return tree_unflatten(leaves, spec)
+            return unit.rule.call(unit.module, site, args, kwargs)
 
         return forward
 
@@ -361,15 +367,15 @@ class Bookkeeper:
                 f"{active.batch_size} per-sample losses",
                 "the engine needs the batch in dim 0 of every layer input (batch_first=True) "
                 "and one loss per sample (reduction='none')")
-        uses = call.unit.rule.uses(call.unit.module, x, grad_out, call.info)
-        self._sink(active, call.unit, uses)
+        uses = call.rule.uses(call.unit.module, x, grad_out, call.info)
+        self._sink(active, call, uses)
 
-    def deliver_fallback(self, call: _Call, grads: tuple[Tensor, ...]) -> None:
+    def deliver_tap(self, call: _Call, grads: tuple[Tensor, ...]) -> None:
         active = self._check(call)
-        grads_by_name = fallback.per_sample_grads(self, call, grads, active.batch_size)
-        self._sink(active, call.unit, grads_by_name)
+        self._sink(active, call, call.on_grads(grads, active.batch_size))
 
-    def _sink(self, active: _Active, unit: Unit, uses: dict) -> None:
+    def _sink(self, active: _Active, call: _Call, uses: dict) -> None:
         with self._lock:  # autograd runs one thread per device on multi-GPU models
-            for name, _, idx in unit.params:
-                active.sink(idx, uses[name])
+            for name, _, idx in call.unit.params:
+                if name in call.names:  # exactly the parameters its forward counted
+                    active.sink(idx, uses[name])

@@ -32,9 +32,9 @@ from dpclip.engine.clip import make_clip_fn
 from dpclip.engine.groups import Groups, build_groups, trainable_params
 from dpclip.engine.noise import (NoiseSource, allocation_weights, effective_noise_multiplier,
                                  noise_stds)
-from dpclip.engine.norms import (NORM_METHODS, Use, clipped_sum, param_norm_sq, sqrt_or_zero,
-                                 streamable, streamed_clip, zero_samples)
-from dpclip.engine.thresholds import AuxRelease, PolicyContext, build_policy
+from dpclip.engine.factors import NORM_METHODS
+from dpclip.engine.microbatch import MicroBatch, StepContext, StepTotals
+from dpclip.engine.policies import AuxRelease, PolicyContext, build_policy
 from dpclip.errors import EngineError
 
 DEFAULT_CLIPPING = {
@@ -163,6 +163,12 @@ class DPEngine:
                                   strict=bool(cfg["strict"]))
         self._padding_rows = self._untied_padding_rows()
         self._transient = self._transient_params()
+        self._context = StepContext(
+            params=self._params, names=[info.name for info in self.groups.params],
+            group_of=list(self._group_of), members=[list(m) for m in self.groups.members],
+            transient=self._transient, norm_method=cfg["norm_method"], clip=self._clip,
+            count_clipped=cfg["fn"] != "auto", norm_dtype=self._norm_dtype,
+            device=self._device, meter=self._keeper.stash)
         self._keeper.install()
         self._reset_step()
 
@@ -225,7 +231,10 @@ class DPEngine:
         counts, generation = self._keeper.take_forward_counts()
         if b == 0:
             return
-        micro = _MicroBatch(self, b, counts)
+        policy = self.policy
+        micro = MicroBatch(self._context, StepTotals(self._sums, self._clipped, self._nonfinite),
+                           b, counts, policy.thresholds(),
+                           policy.per_sample_thresholds if policy.per_sample else None)
         saved = [p.grad for p in self._params]
         for p in self._params:
             p.grad = None
@@ -327,7 +336,7 @@ class DPEngine:
         True when one module is the only user of every parameter in the group (layer- and
         param-wise grouping) and the policy does not wait for all groups; the norm rule
         may then instantiate per-sample gradients that live only until that module's
-        clip factors are known (:func:`dpclip.engine.norms.choose_ghost`)."""
+        clip factors are known (:func:`dpclip.engine.factors.choose_ghost`)."""
         transient = [False] * len(self._params)
         if self.policy.per_sample:
             return transient
@@ -369,155 +378,3 @@ class DPEngine:
         self.policy.load_state_dict(state["policy"])
         self.noise.load_state_dict(state["noise"])
         self.steps = int(state.get("steps", 0))
-
-
-class _MicroBatch:
-    """One engine.backward: pending uses per parameter, group norms, finalization.
-
-    ``pending[j]`` counts the forward calls of parameter j whose backward has not
-    arrived; ``group_left[k]`` counts group k's parameters with uses still pending.
-    """
-
-    def __init__(self, engine: DPEngine, batch: int, pending: list[int]):
-        self.engine = engine
-        self.batch = batch
-        self.pending = pending
-        k = len(engine.groups)
-        self.uses: list[list[Use]] = [[] for _ in pending]
-        self.parts: list[list[Use] | None] = [None] * len(pending)
-        self.group_left = [0] * k
-        for idx, n in enumerate(pending):
-            if n > 0:
-                self.group_left[engine._group_of[idx]] += 1
-        self.norm_sq: list[Tensor | None] = [None] * k
-        self.norms: list[Tensor | None] = [None] * k
-        self.streamed: set[int] = set()   # parameters whose G_i are instantiated at finalization
-        self.done = [False] * k
-        self.thresholds = engine.policy.thresholds()
-        # A per-sample policy needs all K norms of a sample first: finalize at the end.
-        self.defer = engine.policy.per_sample
-        self.meter = engine._keeper.stash
-
-    def deliver(self, idx: int, use: Use) -> None:
-        if self.pending[idx] <= 0:
-            raise EngineError(f"parameter {self.engine.groups.params[idx].name} was used more "
-                              "often in the backward than in the forward",
-                              "call engine.backward once after each forward")
-        self.uses[idx].append(use)
-        self.meter.add(use.tensors())
-        self.pending[idx] -= 1
-        if self.pending[idx] == 0:
-            self._param_done(idx)
-
-    def _param_done(self, idx: int) -> None:
-        e = self.engine
-        k = e._group_of[idx]
-        uses, self.uses[idx] = self.uses[idx], []
-        bundle = streamable(uses, e.config["norm_method"]) if e._transient[idx] else None
-        if bundle is not None:  # instantiated chunk by chunk when the group is finalized
-            self.meter.add(bundle.tensors())
-            for use in uses:
-                self.meter.remove(use.tensors())
-            self.parts[idx] = [bundle]
-            self.streamed.add(idx)
-        elif uses:
-            p = e._params[idx]
-            norm_sq, parts = param_norm_sq(uses, p.shape, e.config["norm_method"], e._norm_dtype,
-                                           transient=e._transient[idx])
-            for part in parts:
-                self.meter.add(part.tensors())
-            for use in uses:
-                self.meter.remove(use.tensors())
-            self.parts[idx] = parts
-            norm_sq = norm_sq.to(e._device)
-            self.norm_sq[k] = norm_sq if self.norm_sq[k] is None else self.norm_sq[k] + norm_sq
-        self.group_left[k] -= 1
-        if self.group_left[k] == 0 and not self.defer:
-            self._finalize(k, self.thresholds[k])
-
-    def _finalize(self, k: int, threshold: Tensor) -> None:
-        e = self.engine
-        sq = self.norm_sq[k]
-        streamed = [idx for idx in e.groups.members[k] if idx in self.streamed]
-        if streamed:
-            base = sq if sq is not None else torch.zeros(self.batch, device=e._device,
-                                                         dtype=e._norm_dtype)
-            bundles = [self.parts[idx][0] for idx in streamed]
-            norms, sums = streamed_clip(bundles, [e._params[idx].shape for idx in streamed], base,
-                                        lambda chunk_norms: e._clip(chunk_norms, threshold),
-                                        self.meter)
-            for idx, total in zip(streamed, sums):
-                self.meter.remove(self.parts[idx][0].tensors())
-                self.parts[idx] = None
-                self.streamed.discard(idx)
-                e._sums[idx] = total if e._sums[idx] is None else e._sums[idx].add_(total)
-        else:
-            norms = (sqrt_or_zero(sq) if sq is not None else
-                     torch.zeros(self.batch, device=e._device, dtype=e._norm_dtype))
-        keep = None
-        # A sample with a non-finite norm would put 0·inf = NaN into the sum: one example
-        # could change the release without bound. It contributes zero instead, and reads
-        # as +inf (clipped, above every threshold) to the policy. The norms are ≥ 0, so
-        # their sum is finite unless one is not (or it overflows: then the slow path finds
-        # nothing to drop); one reduction per group is ~4x cheaper than isfinite().all().
-        if not math.isfinite(float(norms.sum())):
-            finite = torch.isfinite(norms)
-            if not bool(finite.all()):
-                keep = finite
-                norms = torch.where(keep, norms, math.inf)
-                e._nonfinite[k] += (~keep).sum()
-        factors = e._clip(norms, threshold)
-        if keep is not None:
-            factors = torch.where(keep, factors, 0)
-        for idx in e.groups.members[k]:
-            parts, self.parts[idx] = self.parts[idx], None
-            if not parts:
-                continue
-            p = e._params[idx]
-            summed = parts if keep is None else zero_samples(parts, keep.to(p.device))
-            total = clipped_sum(summed, factors.to(p.device), p.shape)
-            for part in parts:
-                self.meter.remove(part.tensors())
-            if e._sums[idx] is None:
-                e._sums[idx] = total
-            else:
-                e._sums[idx].add_(total)
-        if e.config["fn"] != "auto":
-            e._clipped[k] += (norms > threshold).sum()
-        self.norms[k] = norms
-        self.done[k] = True
-
-    def finish(self) -> Tensor:
-        """Finalize what the backward did not reach; return the norms [b, K]."""
-        e = self.engine
-        for idx, n in enumerate(self.pending):
-            if n > 0:  # some call's output never reached the loss: its gradient is zero
-                self.pending[idx] = 0
-                self._param_done(idx)
-        if self.defer:
-            norm_sq = [s if s is not None else
-                       torch.zeros(self.batch, device=e._device, dtype=e._norm_dtype)
-                       for s in self.norm_sq]
-            norms = sqrt_or_zero(torch.stack(norm_sq, dim=1))
-            if not math.isfinite(float(norms.sum())):   # NaN reads as +inf to the policy
-                norms = torch.where(torch.isfinite(norms), norms, math.inf)
-            per_sample = e.policy.per_sample_thresholds(norms)
-            for k in range(len(e.groups)):
-                self._finalize(k, self.thresholds[k] if per_sample is None else per_sample[:, k])
-        else:
-            for k in range(len(e.groups)):
-                if not self.done[k]:
-                    self._finalize(k, self.thresholds[k])
-        return torch.stack(self.norms, dim=1)
-
-    def discard(self) -> None:
-        """Release the stash after a failed backward."""
-        for uses in self.uses:
-            for use in uses:
-                self.meter.remove(use.tensors())
-        for parts in self.parts:
-            for part in parts or ():
-                self.meter.remove(part.tensors())
-        self.uses = [[] for _ in self.pending]
-        self.parts = [None] * len(self.pending)
-        self.streamed.clear()

@@ -17,7 +17,6 @@ does not depend on the allocation.
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import torch

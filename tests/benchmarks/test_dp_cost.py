@@ -92,10 +92,10 @@ def test_profile_phases_smoke_times_every_phase():
     spec = importlib.util.spec_from_file_location("profile_step", PATH.parent / "profile_step.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    from dpclip.engine import engine as engine_module
-    original = engine_module.param_norm_sq
+    from dpclip.engine import microbatch
+    original = microbatch.param_norm_sq
     times = module.phase_times("gpt2", ["dpclip all-layer", "dpclip layer"], steps=1, smoke=True)
-    assert engine_module.param_norm_sq is original  # the timers are removed again
+    assert microbatch.param_norm_sq is original  # the timers are removed again
     assert set(times) == {"non-private", "dpclip all-layer", "dpclip layer"}
     assert times["dpclip all-layer"]["  per-sample norms"] > 0
     assert "  per-sample norms" not in times["non-private"]  # the engine's timers stay silent

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpclip.engine import DPEngine, build_groups, trainable_params
+from dpclip.engine.factors import Dense
 
 DTYPE = torch.float64
 
@@ -68,10 +69,39 @@ def clip_reference(groups, per_sample, thresholds, fn, batch_size, gamma=0.01) -
     return Reference({k: v / batch_size for k, v in out.items()}, norms, per_sample)
 
 
+def per_sample_reference(uses, shape) -> torch.Tensor:
+    """Σ_u G_{i,u} as ``[B, *shape]`` from a parameter's uses, by einsum and one-hot rows
+    (never through dpclip.engine.factors): the reference the factor math must match."""
+    out = None
+    for u in uses:
+        if isinstance(u, Dense):
+            g = u.grad
+        elif u.is_ids:
+            onehot = F.one_hot(u.left, u.vocab).to(u.right.dtype)          # [B, T, V]
+            g = torch.einsum("btv,btn->bvn", onehot, u.right[:, 0])
+        else:
+            g = torch.einsum("bgtm,bgtn->bgmn", u.left, u.right)
+        g = g.reshape(g.shape[0], *shape)
+        out = g if out is None else out + g
+    assert out is not None
+    return out
+
+
 def run_engine(model, loss_fn, batch, clipping, batch_size, micro=None, **kw):
-    """Feed ``batch`` to a fresh engine in micro-batches of ``micro`` sizes; privatize."""
+    """Feed ``batch`` to a fresh engine in micro-batches of ``micro`` sizes; privatize.
+
+    ``engine.observed_norms`` collects the per-sample group norms [b, K] of every
+    micro-batch, as the threshold policy sees them."""
     kw.setdefault("noise_multiplier", 0.0)
     engine = DPEngine(model, clipping, expected_batch_size=batch_size, **kw)
+    engine.observed_norms = []
+    observe = engine.policy.observe
+
+    def spy(norms):
+        engine.observed_norms.append(norms.detach().clone())
+        return observe(norms)
+
+    engine.policy.observe = spy
     n = next(iter(batch.values())).shape[0]
     sizes = micro or [n]
     start = 0
@@ -105,6 +135,8 @@ def check_exact(factory, loss_fn, batch, grouping="all-layer", fn="abadi", micro
         torch.testing.assert_close(info.param.grad, ref.grads[info.name], rtol=1e-9, atol=1e-12,
                                    msg=lambda m: f"{info.name}: {m}")
     torch.testing.assert_close(report.norm_quantiles["max"], ref.norms.max(dim=0).values)
+    # every sample's group norms, not only their maximum
+    torch.testing.assert_close(torch.cat(engine.observed_norms), ref.norms, rtol=1e-9, atol=1e-12)
     if fn == "abadi" and len(thresholds) == len(groups):
         c = torch.tensor(thresholds, dtype=DTYPE)
         live = ref.norms.max(dim=0).values > 0
@@ -113,6 +145,31 @@ def check_exact(factory, loss_fn, batch, grouping="all-layer", fn="abadi", micro
         assert bool((clipped | ~live).all()) and bool((unclipped | ~live).all()), ref.norms
     engine.detach()
     return engine, report, ref
+
+
+def check_example_exact(example, grouping="all-layer", norm_method="auto", strict=True):
+    """A layer rule's :class:`~dpclip.engine.layers.Example` in a model of its own: its
+    norms and clipped sums equal the per-example loop (check_exact). The loss reads every
+    output entry through fixed random weights, so each parameter gets a gradient."""
+    names = [f"x{j}" for j in range(len(example.inputs))]
+    run = example.run or (lambda module, *xs: module(*xs))
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = copy.deepcopy(example.module)
+
+        def forward(self, *xs):
+            return run(self.layer, *xs)
+
+    def loss_fn(model, batch):
+        out = model(*[batch[n] for n in names]).flatten(1)
+        g = torch.Generator().manual_seed(99)
+        weights = torch.randn(out.shape[1], generator=g, dtype=out.dtype)
+        return torch.tanh(out) @ weights + 0.1 * out.pow(2).sum(1)
+
+    batch = dict(zip(names, example.inputs))
+    return check_exact(Wrapped, loss_fn, batch, grouping, norm_method=norm_method, strict=strict)
 
 
 # --------------------------------------------------------------------- models

@@ -102,9 +102,10 @@ def test_parameter_used_outside_its_module_is_refused():
         engine.backward(model(torch.randn(2, 3)).sum(1))
 
 
-def test_multihead_attention_and_scale_grad_by_freq_are_refused():
-    with pytest.raises(EngineError, match="MultiheadAttention"):
-        DPEngine(nn.Sequential(nn.MultiheadAttention(4, 2)), {}, expected_batch_size=2)
+def test_attention_extra_key_bias_and_scale_grad_by_freq_are_refused():
+    with pytest.raises(EngineError, match="add_bias_kv"):
+        DPEngine(nn.Sequential(nn.MultiheadAttention(4, 2, add_bias_kv=True)), {},
+                 expected_batch_size=2)
     model = nn.Sequential(nn.Embedding(5, 3, scale_grad_by_freq=True))
     engine = DPEngine(model, {}, expected_batch_size=2)
     with pytest.raises(EngineError, match="scale_grad_by_freq"):

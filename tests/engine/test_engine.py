@@ -105,21 +105,21 @@ def _wide_batch():
 
 @pytest.mark.parametrize("grouping", ["all-layer", "layer"])
 def test_time_rule_instantiation_and_long_sequence_ghost_match_per_example_loop(grouping):
-    from dpclip.engine import norms
+    from dpclip.engine import factors
 
     picked = []
-    original = norms.choose_ghost
+    original = factors.choose_ghost
 
     def spy(use, method, transient=False):
         picked.append((transient, original(use, method, transient)))
         return picked[-1][1]
 
-    norms.choose_ghost = spy
+    factors.choose_ghost = spy
     try:
         engine, _, _ = check_exact(lambda: _WideSequenceNet().to(DTYPE), classify_loss,
                                    _wide_batch(), grouping, micro=[3, 1])
     finally:
-        norms.choose_ghost = original
+        factors.choose_ghost = original
     # layer-wise: transient, instantiated; all-layer: ghost (the symmetric T = 64 Grams)
     expected = (True, False) if grouping == "layer" else (False, True)
     assert expected in picked, picked

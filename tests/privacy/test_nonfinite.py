@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dpclip.engine.engine as engine_module
+import dpclip.engine.microbatch as microbatch_module
 from dpclip.engine import DPEngine, trainable_params
 from dpclip.engine.policies.histogram import histogram_counts
 from tests.engine.conftest import DTYPE, classify_loss, mlp, mlp_batch
@@ -98,13 +98,13 @@ def test_streamed_groups_drop_the_nonfinite_sample(monkeypatch):
     # Layer-wise grouping with instantiated gradients: G_i is formed chunk by chunk
     # (streamed_clip), so the NaN rows must be dropped inside the chunks too.
     calls = []
-    original = engine_module.streamed_clip
+    original = microbatch_module.streamed_clip
 
     def spy(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "streamed_clip", spy)
+    monkeypatch.setattr(microbatch_module, "streamed_clip", spy)
     g = torch.Generator().manual_seed(7)
     batch = {"x": torch.randn(5, 4, 6, generator=g, dtype=DTYPE),
              "y": torch.randint(0, 3, (5,), generator=g)}

@@ -1,13 +1,12 @@
-"""Per-layer norm math: ghost norms, embedding norms, cross terms, clipped sums."""
+"""Factor math: ghost norms, embedding norms, cross terms, clipped sums (dpclip/engine/factors.py)."""
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from torch import nn
 
-from dpclip.engine.norms import (Bilinear, Dense, choose_ghost, clipped_sum, ghost_norm_sq,
-                                 ids_ghost_norm_sq, instantiate, param_norm_sq, per_sample_grads)
-from tests.engine.conftest import DTYPE, check_exact, classify_loss
+from dpclip.engine.factors import (Bilinear, Dense, choose_ghost, clipped_sum, ghost_norm_sq,
+                                   ids_ghost_norm_sq, instantiate, param_norm_sq, streamed_clip)
+from tests.engine.conftest import DTYPE, per_sample_reference
 
 FEW = settings(max_examples=8, deadline=None)
 
@@ -58,13 +57,13 @@ def test_tied_embedding_and_head_norm_has_exact_cross_term(t_e, t_h, vocab, d, e
     if extra:
         uses.append(Dense(torch.randn(b, vocab, d, generator=gen, dtype=DTYPE)))
     shape = torch.Size([vocab, d])
-    full = per_sample_grads(uses, shape)
+    full = per_sample_reference(uses, shape)
     norm_sq, parts = param_norm_sq(uses, shape, method)
     torch.testing.assert_close(norm_sq, full.flatten(1).pow(2).sum(1))
     c = torch.rand(b, generator=gen, dtype=DTYPE)
     torch.testing.assert_close(clipped_sum(parts, c, shape), torch.einsum("b,bvd->vd", c, full))
     # dropping the cross term would be wrong: the test data must make it matter
-    separate = sum(per_sample_grads([u], shape).flatten(1).pow(2).sum(1) for u in uses)
+    separate = sum(per_sample_reference([u], shape).flatten(1).pow(2).sum(1) for u in uses)
     assert not torch.allclose(separate, norm_sq)
 
 
@@ -75,7 +74,7 @@ def test_several_calls_of_one_layer_concatenate_along_t(calls, g, method, seed):
     gen = torch.Generator().manual_seed(seed)
     uses = [_dense(gen, 2, g, t, 3, 4) for t in calls]
     shape = torch.Size([g * 3, 4])
-    full = per_sample_grads(uses, shape)
+    full = per_sample_reference(uses, shape)
     norm_sq, parts = param_norm_sq(uses, shape, method)
     torch.testing.assert_close(norm_sq, full.flatten(1).pow(2).sum(1))
     c = torch.tensor([0.3, 1.7], dtype=DTYPE)
@@ -119,7 +118,7 @@ def test_transient_instantiation_keeps_the_gradient_instead_of_its_factors():
     for u, transient, dense in ((use, False, True), (wide, False, False), (wide, True, True)):
         norm_sq, parts = param_norm_sq([u], torch.Size([6, 9]), "instantiate", transient=transient)
         assert isinstance(parts[0], Dense) == dense
-        full = per_sample_grads([u], torch.Size([6, 9]))
+        full = per_sample_reference([u], torch.Size([6, 9]))
         torch.testing.assert_close(norm_sq, full.flatten(1).pow(2).sum(1))
         c = torch.tensor([0.2, 1.0, 3.0], dtype=DTYPE)
         torch.testing.assert_close(clipped_sum(parts, c, torch.Size([6, 9])),
@@ -145,76 +144,13 @@ def test_symmetric_ghost_norm_matches_instantiation_for_long_sequences(t):
                                instantiate(ids).flatten(1).pow(2).sum(1), rtol=1e-10, atol=0)
 
 
-class _OneLayer(nn.Module):
-    def __init__(self, layer, head_in):
-        super().__init__()
-        self.layer, self.head = layer, nn.Linear(head_in, 3)
-
-    def forward(self, x):
-        h = torch.tanh(self.layer(x))
-        return self.head(h.flatten(1, -2).mean(1) if h.dim() > 2 else h)
-
-
-@settings(max_examples=6, deadline=None)
-@given(lead=st.lists(st.integers(1, 3), max_size=2), d=st.integers(1, 4), p=st.integers(1, 4),
-       bias=st.booleans(), method=st.sampled_from(["auto", "ghost", "instantiate"]))
-def test_linear_with_any_leading_dims_matches_per_example_loop(lead, d, p, bias, method):
-    gen = torch.Generator().manual_seed(len(lead) * 100 + d * 10 + p)
-    batch = {"x": torch.randn(4, *lead, d, generator=gen, dtype=DTYPE),
-             "y": torch.randint(0, 3, (4,), generator=gen)}
-    check_exact(lambda: _OneLayer(nn.Linear(d, p, bias=bias), p).to(DTYPE), classify_loss, batch,
-                "param", norm_method=method)
-
-
-class _ConvNet(nn.Module):
-    def __init__(self, conv):
-        super().__init__()
-        self.conv, self.head = conv, nn.Linear(conv.out_channels, 3)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.conv(x)).flatten(2).mean(-1))
-
-
-@settings(max_examples=8, deadline=None)
-@given(dim=st.sampled_from([1, 2]), k=st.integers(1, 3), stride=st.integers(1, 2),
-       padding=st.integers(0, 2), dilation=st.integers(1, 2), groups=st.sampled_from([1, 2]),
-       method=st.sampled_from(["auto", "ghost", "instantiate"]))
-def test_conv_geometry_matches_per_example_loop(dim, k, stride, padding, dilation, groups, method):
-    cls = nn.Conv1d if dim == 1 else nn.Conv2d
-    size = (9,) if dim == 1 else (7, 6)
-    conv = cls(2 * groups, 2 * groups, k, stride=stride, padding=padding, dilation=dilation,
-               groups=groups)
-    gen = torch.Generator().manual_seed(k + 10 * stride)
-    batch = {"x": torch.randn(3, 2 * groups, *size, generator=gen, dtype=DTYPE),
-             "y": torch.randint(0, 3, (3,), generator=gen)}
-    check_exact(lambda: _ConvNet(conv).to(DTYPE), classify_loss, batch, "all-layer",
-                norm_method=method)
-
-
-@settings(max_examples=25, deadline=None)
-@given(b=st.integers(1, 3), c=st.integers(1, 3), h=st.integers(1, 9), w=st.integers(1, 9),
-       kh=st.integers(1, 3), kw=st.integers(1, 3), dh=st.integers(1, 2), dw=st.integers(1, 2),
-       ph=st.integers(0, 2), pw=st.integers(0, 2), sh=st.integers(1, 3), sw=st.integers(1, 3))
-def test_strided_im2col_equals_torch_unfold(b, c, h, w, kh, kw, dh, dw, ph, pw, sh, sw):
-    from dpclip.engine.norms import _unfold
-
-    if h + 2 * ph < dh * (kh - 1) + 1 or w + 2 * pw < dw * (kw - 1) + 1:
-        return  # kernel larger than the padded image: no output positions
-    x = torch.randn(b, c, h, w, dtype=DTYPE)
-    expected = torch.nn.functional.unfold(x, (kh, kw), dilation=(dh, dw), padding=(ph, pw),
-                                          stride=(sh, sw))
-    assert torch.equal(_unfold(x, (kh, kw), (dh, dw), (ph, pw), (sh, sw)), expected)
-
-
 def test_streamed_clip_equals_clipping_fully_instantiated_gradients():
-    from dpclip.engine.norms import streamed_clip
-
     gen = torch.Generator().manual_seed(8)
     # G_i 40 and 54 entries vs factors 26 and 45: chunks of 7·71//94 = 5 samples (5 + 2)
     bundles = [_dense(gen, 7, 1, 2, 5, 8), _dense(gen, 7, 1, 3, 6, 9)]
     shapes = [torch.Size([5, 8]), torch.Size([6, 9])]
     base = torch.rand(7, generator=gen, dtype=DTYPE)
-    full = [per_sample_grads([b], s) for b, s in zip(bundles, shapes)]
+    full = [per_sample_reference([b], s) for b, s in zip(bundles, shapes)]
     norms_ref = (base + sum(g.flatten(1).pow(2).sum(1) for g in full)).sqrt()
     threshold = norms_ref.median()
     factors = (threshold / norms_ref).clamp(max=1.0)

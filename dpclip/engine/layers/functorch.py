@@ -1,10 +1,10 @@
-"""Per-sample gradients of any module with torch.func (the fallback rule).
+"""Per-sample gradients of any module with torch.func: the rule used when no other matches.
 
-For a module without a book-keeping rule (an LSTM, a custom module with its own
+For a module without a layer rule (an LSTM, a custom module with its own
 ``nn.Parameter``, a custom RMSNorm), the forward runs with its parameters detached and
-the output gradients are tapped (see :mod:`dpclip.engine.bookkeeping`). In the backward,
-this module recomputes the module once per sample and pulls the sample's output
-gradient back to the parameters:
+the output gradients are tapped (:meth:`Capture.tap`). In the backward, this rule
+recomputes the module once per sample and pulls the sample's output gradient back to
+the parameters:
 
     g_i = (∂ f(θ; x_i) / ∂θ)ᵀ b_i          (a vector-Jacobian product per sample)
 
@@ -20,18 +20,14 @@ dim 1 for hidden states).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dpclip.engine.norms import Dense
+from dpclip.engine.factors import Dense
+from dpclip.engine.layers import Capture, LayerRule
 from dpclip.errors import EngineError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from dpclip.engine.bookkeeping import Bookkeeper, _Call
 
 
 def _input_dims(module: nn.Module, tensors: list[Tensor], batch: int) -> list[int | None]:
@@ -79,42 +75,84 @@ def _randomness_error(label: str) -> EngineError:
         "supported layer")
 
 
-def per_sample_grads(keeper: "Bookkeeper", call: "_Call", grads: tuple[Tensor, ...],
-                     batch: int) -> dict[str, Dense]:
-    """Per-sample gradients ``{param name: Dense([B, *shape])}`` of one fallback call."""
-    unit = call.unit
-    module = unit.module
-    leaves, spec = tree_flatten((call.args, call.kwargs))
+class FunctorchRule(LayerRule):
+    """The rule for modules no other rule matches (not in the registry: the book-keeping
+    falls back to it). Exact for any module that keeps samples apart; one extra forward
+    and backward of the module per step."""
+
+    name = "functorch"
+    exact_by_construction = False   # strict mode refuses it (except custom RMSNorms)
+
+    def check(self, module: nn.Module, label: str) -> None:
+        if isinstance(module, nn.RNNBase) and module.dropout > 0 and module.training:
+            raise EngineError(f"module {label} uses dropout between layers; the per-sample "
+                              "fallback cannot replay it", "set dropout=0 on the RNN")
+
+    def call(self, module: nn.Module, capture: Capture, args: tuple, kwargs: dict):
+        detached = {name: p.detach() for name, p in capture.params}
+        with capture.bypass():  # the module's own parameters are constants here: no weight grads
+            out = torch.func.functional_call(module, detached, args, kwargs)
+        leaves, spec = tree_flatten(out)
+        index = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.is_floating_point()]
+        if not index:
+            return out
+
+        def on_grads(grads: tuple[Tensor, ...], batch: int) -> dict[str, Dense]:
+            return per_sample_grads(capture, args, kwargs, index, grads, batch)
+
+        tapped = capture.tap([leaves[i] for i in index], on_grads)
+        for j, i in enumerate(index):
+            leaves[i] = tapped[j]
+        return tree_unflatten(leaves, spec)
+
+
+FUNCTORCH_RULE = FunctorchRule()
+
+
+def is_rmsnorm_like(module: nn.Module) -> bool:
+    """Custom RMSNorm classes (Llama, T5, Gemma, ...): handled exactly by the torch.func
+    rule; they count as supported (strict mode accepts them) since the weight is small."""
+    return (type(module).__name__.endswith("RMSNorm")
+            and isinstance(getattr(module, "weight", None), nn.Parameter))
+
+
+def per_sample_grads(capture: Capture, args: tuple, kwargs: dict, out_index: list[int],
+                     grads: tuple[Tensor, ...], batch: int) -> dict[str, Dense]:
+    """Per-sample gradients ``{param name: Dense([B, *shape])}`` of one call of
+    ``capture.module``; ``out_index`` picks the tapped leaves of its output."""
+    module = capture.module
+    leaves, spec = tree_flatten((args, kwargs))
     tensor_pos = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
     tensors = [leaves[i].detach() for i in tensor_pos]
     in_dims = _input_dims(module, tensors, batch)
-    out_dims = _output_dims(module, call.out_index, grads, batch, unit.label)
-    params = {name: p.detach() for name, p, _ in unit.params}
+    out_dims = _output_dims(module, out_index, grads, batch, capture.label)
+    params = {name: p.detach() for name, p in capture.params}
 
     def run(p, sample_tensors):
         full = list(leaves)
         for pos, t in zip(tensor_pos, sample_tensors):
             full[pos] = t
-        args, kwargs = tree_unflatten(full, spec)
-        with keeper.plain():
-            out = torch.func.functional_call(module, p, args, kwargs)
+        call_args, call_kwargs = tree_unflatten(full, spec)
+        with capture.plain():
+            out = torch.func.functional_call(module, p, call_args, call_kwargs)
         out_leaves = tree_flatten(out)[0]
-        return [out_leaves[i] for i in call.out_index]
+        return [out_leaves[i] for i in out_index]
 
-    if unit.vmap_ok is not False:
+    memo = capture.memo   # whether vmap works for this module, learnt on the first call
+    if memo.get("vmap_ok") is not False:
         try:
             result = _vmapped(run, params, tensors, in_dims, grads, out_dims)
-            unit.vmap_ok = True
+            memo["vmap_ok"] = True
         except EngineError:
             raise
         except Exception as exc:  # no batching rule for some op (e.g. nn.LSTM)
             if "random" in str(exc).lower():
-                raise _randomness_error(unit.label) from exc
-            if unit.vmap_ok:
+                raise _randomness_error(capture.label) from exc
+            if memo.get("vmap_ok"):
                 raise
-            unit.vmap_ok = False
-    if unit.vmap_ok is False:
-        result = _looped(run, params, tensors, in_dims, grads, out_dims, batch, unit.label)
+            memo["vmap_ok"] = False
+    if memo.get("vmap_ok") is False:
+        result = _looped(run, params, tensors, in_dims, grads, out_dims, batch, capture.label)
     return {name: Dense(g) for name, g in result.items()}
 
 

@@ -1,7 +1,10 @@
-"""Per-sample gradient norms and clipped sums from (activation, output gradient).
+"""Factor math: per-sample gradient norms and clipped sums from (activation, output gradient).
 
 Everything here is pure tensor math on what one backward pass hands over; capturing
-those tensors is :mod:`dpclip.engine.bookkeeping`'s job.
+those tensors is :mod:`dpclip.engine.bookkeeping`'s job, and turning one layer's tensors
+into :class:`Bilinear` / :class:`Dense` uses is its layer rule's (:mod:`dpclip.engine.layers`).
+This module is a little over 400 lines: it is the one home of the Gram / ghost-norm math,
+and splitting the cross terms from the norms they feed would scatter one derivation.
 
 How a per-sample gradient is represented
 ----------------------------------------
@@ -21,11 +24,13 @@ nn.Linear (p x d)      weight (p, d)        output grad b      input a
 transformers Conv1D    weight (d, p)        input a            output grad b
 nn.Conv{1,2}d          weight (out, in/g·k) output grad        unfolded input
 nn.Embedding (V x d)   weight (V, d)        one-hot(ids)       output grad b
+MHA in_proj (3E x E)   in_proj_weight       output grad of     input a
+                                            q/k/v (0 elsewhere)
 =====================  ===================  =================  ==================
 
 One-hot factors are never materialised: a Bilinear use may carry integer ``ids``
 instead of a dense ``L``. Small parameters (biases, norm affines, anything the
-torch.func fallback handles) arrive already instantiated as a :class:`Dense` use.
+torch.func rule handles) arrive already instantiated as a :class:`Dense` use.
 
 A parameter may have several uses: a module called twice, or one tensor shared by two
 modules (GPT-2 ties ``wte`` and ``lm_head``). Its per-sample gradient is the sum of its
@@ -40,8 +45,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch import Tensor, nn
-import torch.nn.functional as F
+from torch import Tensor
 
 from dpclip.errors import EngineError
 
@@ -230,7 +234,7 @@ def _concat(uses: list[Bilinear]) -> Bilinear:
 
 def _numel_per_sample(use: Bilinear) -> tuple[int, int]:
     """(numel of one instantiated G_i, numel of its stored factors L_i and R_i)."""
-    g, t, n = use.right.shape[1], use.right.shape[2], use.right.shape[3]
+    g, n = use.right.shape[1], use.right.shape[3]
     m = use.vocab if use.is_ids else use.left.shape[3]
     return g * m * n, use.left[0].numel() + use.right[0].numel()
 
@@ -462,311 +466,13 @@ def streamed_clip(bundles: list[Bilinear], shapes: list[torch.Size], base_norm_s
     return torch.cat(norms), [t.reshape(shape) for t, shape in zip(sums, shapes)]
 
 
-def per_sample_grads(uses: list[Use], shape: torch.Size) -> Tensor:
-    """Instantiate Σ_u G_{i,u} as ``[B, *shape]`` (tests and small parameters only)."""
-    out: Tensor | None = None
-    for u in uses:
-        g = u.grad if isinstance(u, Dense) else instantiate(u).reshape(u.right.shape[0], *shape)
-        out = g if out is None else out + g
-    assert out is not None
-    return out
-
-
-# ------------------------------------------------------------------- layer rules
-
-
-@dataclass(frozen=True)
-class LayerRule:
-    """How one layer type is book-kept (one entry of the rule registry).
-
-    prepare(module, x, batch_hint) -> (activation, info): runs under autograd before the
-        book-kept op (expands batch-broadcast inputs, pads, normalises for norm layers).
-    forward(module, activation, info) -> output: the layer's output, run without autograd.
-    input_grad(module, activation, grad_out, info) -> grad of the activation.
-    uses(module, activation, grad_out, info) -> {param name: Use}: per-sample gradients
-        of the module's own parameters, as factors or instantiated.
-    """
-
-    name: str
-    prepare: Callable
-    forward: Callable
-    input_grad: Callable
-    uses: Callable
-
-
-_RULES: dict[type, LayerRule] = {}
-
-
-def register_layer_rule(module_type: type, rule: LayerRule) -> None:
-    """Register ``rule`` for ``module_type`` (and subclasses that keep its ``forward``)."""
-    _RULES[module_type] = rule
-
-
-def find_layer_rule(module: nn.Module) -> LayerRule | None:
-    """The rule for ``module``: its class or the nearest base class with a rule whose
-    ``forward`` the module did not override (a subclass with its own forward may compute
-    something else, so it goes to the fallback)."""
-    for cls in type(module).__mro__:
-        rule = _RULES.get(cls)
-        if rule is not None:
-            return rule if type(module).forward is cls.forward else None
-    return None
-
-
-def _expand_batch(x: Tensor, batch_hint: int | None) -> Tensor:
-    # An input of batch size 1 inside a batch of B (position ids of shape (1, T), a
-    # learned query) is broadcast over the batch later; its output gradient would then be
-    # summed over samples before we see it. Expanding it first keeps samples apart.
-    if batch_hint is not None and batch_hint > 1 and x.dim() > 0 and x.shape[0] == 1:
-        return x.expand(batch_hint, *x.shape[1:])
-    return x
-
-
-def _flat3(t: Tensor) -> Tensor:
-    """[B, *, k] -> [B, T, k] (T = product of the middle dims, 1 if none)."""
-    return t.reshape(t.shape[0], -1, t.shape[-1])
-
-
-def _no_info_prepare(module, x, batch_hint):
-    return _expand_batch(x, batch_hint), None
-
-
-# Linear ---------------------------------------------------------------------
-
-def _linear_forward(m, x, info):
-    return F.linear(x, m.weight, m.bias)
-
-
-def _linear_input_grad(m, x, gy, info):
-    return gy @ m.weight.to(gy.dtype)
-
-
-def _linear_uses(m, x, gy, info):
-    b = _flat3(gy)
-    uses: dict[str, Use] = {"weight": Bilinear(b.unsqueeze(1), _flat3(x).unsqueeze(1))}
-    if m.bias is not None:
-        uses["bias"] = Dense(b.sum(1))
-    return uses
-
-
-LINEAR_RULE = LayerRule("linear", _no_info_prepare, _linear_forward, _linear_input_grad, _linear_uses)
-register_layer_rule(nn.Linear, LINEAR_RULE)
-
-
-# transformers Conv1D (weight stored (in, out)) -----------------------------
-
-def _conv1d_hf_forward(m, x, info):
-    out = torch.addmm(m.bias, x.reshape(-1, x.shape[-1]), m.weight)
-    return out.view(*x.shape[:-1], m.weight.shape[1])
-
-
-def _conv1d_hf_input_grad(m, x, gy, info):
-    return gy @ m.weight.t().to(gy.dtype)
-
-
-def _conv1d_hf_uses(m, x, gy, info):
-    b = _flat3(gy)
-    return {"weight": Bilinear(_flat3(x).unsqueeze(1), b.unsqueeze(1)), "bias": Dense(b.sum(1))}
-
-
-try:  # transformers is a dependency, but the engine must not break without it
-    from transformers.pytorch_utils import Conv1D as _HFConv1D
-
-    register_layer_rule(_HFConv1D, LayerRule("conv1d_transformers", _no_info_prepare,
-                                             _conv1d_hf_forward, _conv1d_hf_input_grad,
-                                             _conv1d_hf_uses))
-except ImportError:  # pragma: no cover
-    pass
-
-
-# Embedding -------------------------------------------------------------------
-
-def _embedding_prepare(m, x, batch_hint):
-    if m.scale_grad_by_freq:
-        raise EngineError(
-            "nn.Embedding(scale_grad_by_freq=True) scales gradients by token counts over "
-            "the whole batch, which mixes samples", "set scale_grad_by_freq=False")
-    return _expand_batch(x, batch_hint), None
-
-
-def _embedding_forward(m, x, info):
-    return F.embedding(x, m.weight, m.padding_idx, m.max_norm, m.norm_type, False, False)
-
-
-def _embedding_uses(m, x, gy, info):
-    ids = x.reshape(x.shape[0], -1)
-    b = _flat3(gy)
-    if m.padding_idx is not None:
-        # Rows of padding_idx get no gradient (nn.Embedding's contract).
-        b = b * (ids != m.padding_idx).unsqueeze(-1).to(b.dtype)
-    return {"weight": Bilinear(ids, b.unsqueeze(1), vocab=m.num_embeddings)}
-
-
-register_layer_rule(nn.Embedding, LayerRule("embedding", _embedding_prepare, _embedding_forward,
-                                            lambda m, x, gy, info: None, _embedding_uses))
-
-
-# Conv1d / Conv2d ---------------------------------------------------------------
-
-def _tuple(v, n):
-    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
-
-
-def _conv_prepare(m, x, batch_hint):
-    """Make padding explicit so unfold sees the same geometry as the convolution."""
-    x = _expand_batch(x, batch_hint)
-    nd = len(m.kernel_size)
-    padding = m.padding
-    if m.padding_mode != "zeros":
-        x = F.pad(x, m._reversed_padding_repeated_twice, mode=m.padding_mode)
-        padding = (0,) * nd
-    elif isinstance(padding, str):
-        if padding == "valid":
-            padding = (0,) * nd
-        else:  # "same" with stride 1: total padding dilation·(k−1), extra on the right
-            pads = []
-            for k, d in zip(reversed(m.kernel_size), reversed(_tuple(m.dilation, nd))):
-                total = d * (k - 1)
-                pads += [total // 2, total - total // 2]
-            x = F.pad(x, pads)
-            padding = (0,) * nd
-    return x, _tuple(padding, nd)
-
-
-def _conv_forward(m, x, padding):
-    fn = F.conv1d if len(m.kernel_size) == 1 else F.conv2d
-    return fn(x, m.weight, m.bias, m.stride, padding, m.dilation, m.groups)
-
-
-def _conv_input_grad(m, x, gy, padding):
-    fn = torch.nn.grad.conv1d_input if len(m.kernel_size) == 1 else torch.nn.grad.conv2d_input
-    return fn(x.shape, m.weight.to(gy.dtype), gy, m.stride, padding, m.dilation, m.groups)
-
-
-def _unfold(x: Tensor, kernel, dilation, padding, stride) -> Tensor:
-    """``F.unfold`` (im2col) as a strided view plus one copy: the same [B, C·kh·kw, P]
-    columns, several times faster on CPU for small images (benchmarks/profile_step.py)."""
-    if any(padding):
-        x = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
-    x = x.contiguous()
-    batch, channels, height, width = x.shape
-    out_h = (height - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
-    out_w = (width - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
-    sb, sc, sh, sw = x.stride()
-    view = x.as_strided((batch, channels, kernel[0], kernel[1], out_h, out_w),
-                        (sb, sc, dilation[0] * sh, dilation[1] * sw, stride[0] * sh, stride[1] * sw),
-                        x.storage_offset())
-    return view.reshape(batch, channels * kernel[0] * kernel[1], out_h * out_w)
-
-
-def _conv_uses(m, x, gy, padding):
-    """im2col: a convolution is a Linear over output positions (T = #positions)."""
-    batch, g = x.shape[0], m.groups
-    if len(m.kernel_size) == 1:  # unfold is 2-d only: view Conv1d as a 1 x L image
-        x4, k, s, p, d = (x.unsqueeze(2), (1,) + tuple(m.kernel_size), (1,) + tuple(m.stride),
-                          (0,) + tuple(padding), (1,) + tuple(m.dilation))
-    else:
-        x4, k, s, p, d = x, m.kernel_size, m.stride, padding, m.dilation
-    cols = _unfold(x4, k, d, p, s)                                  # [B, C·K, P]
-    positions = cols.shape[-1]
-    right = cols.view(batch, g, -1, positions).transpose(2, 3)        # [B, g, P, C/g·K]
-    gyf = gy.reshape(batch, gy.shape[1], -1)                          # [B, out, P]
-    left = gyf.view(batch, g, -1, positions).transpose(2, 3)          # [B, g, P, out/g]
-    uses: dict[str, Use] = {"weight": Bilinear(left, right)}
-    if m.bias is not None:
-        uses["bias"] = Dense(gyf.sum(-1))
-    return uses
-
-
-_CONV_RULE = LayerRule("conv", _conv_prepare, _conv_forward, _conv_input_grad, _conv_uses)
-register_layer_rule(nn.Conv1d, _CONV_RULE)
-register_layer_rule(nn.Conv2d, _CONV_RULE)
-
-
-# Normalisation layers: y = x̂ ⊙ w + b ------------------------------------------
-#
-# The normalisation x -> x̂ has no parameters and runs under ordinary autograd (in
-# `prepare`); only the elementwise affine is book-kept. Its per-sample gradients are
-# tiny ([B, C]) so they are instantiated: dw_i = Σ_{other axes} b ⊙ x̂, db_i = Σ b.
-
-def _affine_shape(m, x):
-    """Shape that broadcasts the affine parameters against x."""
-    if isinstance(m, (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)):
-        return (1, x.shape[1]) + (1,) * (x.dim() - 2)
-    return tuple(m.weight.shape)
-
-
-def _affine_forward(m, xhat, info):
-    shape = _affine_shape(m, xhat)
-    bias = getattr(m, "bias", None)
-    if bias is None:
-        return xhat * m.weight.view(shape)
-    return torch.addcmul(bias.view(shape), xhat, m.weight.view(shape))
-
-
-def _affine_input_grad(m, xhat, gy, info):
-    return gy * m.weight.view(_affine_shape(m, xhat)).to(gy.dtype)
-
-
-def _affine_uses(m, xhat, gy, info):
-    if isinstance(m, (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)):
-        dims = tuple(range(2, xhat.dim()))
-        weight_grad = (gy * xhat).sum(dims) if dims else gy * xhat
-        bias_grad = gy.sum(dims) if dims else gy
-    else:
-        feat = m.weight.dim()
-        dims = tuple(range(1, xhat.dim() - feat))
-        weight_grad = (gy * xhat).sum(dims) if dims else gy * xhat
-        bias_grad = gy.sum(dims) if dims else gy
-    uses: dict[str, Use] = {"weight": Dense(weight_grad)}
-    if getattr(m, "bias", None) is not None:
-        uses["bias"] = Dense(bias_grad)
-    return uses
-
-
-def _layer_norm_prepare(m, x, batch_hint):
-    x = _expand_batch(x, batch_hint)
-    return F.layer_norm(x, m.normalized_shape, None, None, m.eps), None
-
-
-def _group_norm_prepare(m, x, batch_hint):
-    x = _expand_batch(x, batch_hint)
-    return F.group_norm(x, m.num_groups, None, None, m.eps), None
-
-
-def _rms_norm_prepare(m, x, batch_hint):
-    x = _expand_batch(x, batch_hint)
-    return F.rms_norm(x, m.normalized_shape, None, m.eps), None
-
-
-def _instance_norm_prepare(m, x, batch_hint):
-    x = _expand_batch(x, batch_hint)
-    return F.instance_norm(x, None, None, None, None, True, 0.0, m.eps), None
-
-
-for _cls, _prep in ((nn.LayerNorm, _layer_norm_prepare), (nn.GroupNorm, _group_norm_prepare),
-                    (nn.RMSNorm, _rms_norm_prepare), (nn.InstanceNorm1d, _instance_norm_prepare),
-                    (nn.InstanceNorm2d, _instance_norm_prepare),
-                    (nn.InstanceNorm3d, _instance_norm_prepare)):
-    register_layer_rule(_cls, LayerRule("affine_norm", _prep, _affine_forward,
-                                        _affine_input_grad, _affine_uses))
-
-
-def is_rmsnorm_like(module: nn.Module) -> bool:
-    """Custom RMSNorm classes (Llama, T5, Gemma, ...): handled exactly by the torch.func
-    rule; they count as supported (strict mode accepts them) since the weight is small."""
-    return (type(module).__name__.endswith("RMSNorm")
-            and isinstance(getattr(module, "weight", None), nn.Parameter))
-
-
 def sqrt_or_zero(x: Tensor) -> Tensor:
     """Norm from norm², tolerating tiny negative round-off of cancelling cross terms."""
     return x.clamp_min(0).sqrt()
 
 
 __all__ = [
-    "Bilinear", "Dense", "Use", "NORM_METHODS", "LayerRule", "register_layer_rule",
-    "find_layer_rule", "ghost_norm_sq", "ids_ghost_norm_sq", "instantiate", "param_norm_sq",
-    "clipped_sum", "per_sample_grads", "choose_ghost", "is_rmsnorm_like", "sqrt_or_zero",
-    "streamable", "streamed_clip", "zero_samples",
+    "Bilinear", "Dense", "Use", "NORM_METHODS", "batched_dot", "ghost_norm_sq", "ids_ghost_norm_sq",
+    "instantiate", "param_norm_sq", "clipped_sum", "choose_ghost", "sqrt_or_zero", "streamable",
+    "streamed_clip", "zero_samples",
 ]

@@ -1,0 +1,67 @@
+"""``nn.Linear`` and transformers' ``Conv1D``: one Bilinear use per call (docs/engine.md).
+
+For a Linear ``y = a Wᵀ + b`` with W of shape (p, d), sample i's weight gradient is
+``G_i = b_iᵀ a_i`` over its T positions: L = output gradient, R = input. ``Conv1D``
+stores W transposed, (d, p), so its factors swap. The bias gradient Σ_t b_t is small and
+instantiated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpclip.engine.factors import Bilinear, Dense, Use
+from dpclip.engine.layers import (Example, LayerRule, example_tensor, flat3, register_layer_rule,
+                                  seeded)
+
+
+@register_layer_rule(nn.Linear)
+class LinearRule(LayerRule):
+    name = "linear"
+
+    def forward(self, m, x, info):
+        return F.linear(x, m.weight, m.bias)
+
+    def input_grad(self, m, x, gy, info):
+        return gy @ m.weight.to(gy.dtype)
+
+    def uses(self, m, x, gy, info):
+        b = flat3(gy)
+        uses: dict[str, Use] = {"weight": Bilinear(b.unsqueeze(1), flat3(x).unsqueeze(1))}
+        if m.bias is not None:
+            uses["bias"] = Dense(b.sum(1))
+        return uses
+
+    def examples(self):
+        return [Example(seeded(nn.Linear(4, 3), 0), (example_tensor(5, 2, 4, seed=0),)),
+                Example(seeded(nn.Linear(4, 3, bias=False), 1), (example_tensor(5, 4, seed=1),))]
+
+
+class HFConv1DRule(LayerRule):
+    """transformers' Conv1D: a Linear with its weight stored (in, out)."""
+
+    name = "conv1d_transformers"
+
+    def forward(self, m, x, info):
+        out = torch.addmm(m.bias, x.reshape(-1, x.shape[-1]), m.weight)
+        return out.view(*x.shape[:-1], m.weight.shape[1])
+
+    def input_grad(self, m, x, gy, info):
+        return gy @ m.weight.t().to(gy.dtype)
+
+    def uses(self, m, x, gy, info):
+        b = flat3(gy)
+        return {"weight": Bilinear(flat3(x).unsqueeze(1), b.unsqueeze(1)), "bias": Dense(b.sum(1))}
+
+    def examples(self):
+        return [Example(seeded(HFConv1D(3, 4), 2), (example_tensor(5, 2, 4, seed=2),))]
+
+
+try:  # transformers is a dependency, but the engine must not break without it
+    from transformers.pytorch_utils import Conv1D as HFConv1D
+
+    register_layer_rule(HFConv1D, HFConv1DRule())
+except ImportError:  # pragma: no cover
+    pass

@@ -1,0 +1,105 @@
+"""Normalisation layers with an elementwise affine: ``y = x̂ ⊙ w + b`` (docs/engine.md).
+
+The normalisation x -> x̂ has no parameters and runs under ordinary autograd (in
+``prepare``); only the affine is book-kept. Its per-sample gradients are tiny ([B, C])
+so they are instantiated: dw_i = Σ_{other axes} b ⊙ x̂, db_i = Σ b.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpclip.engine.factors import Dense, Use
+from dpclip.engine.layers import (Example, LayerRule, example_tensor, expand_batch,
+                                  register_layer_rule, seeded)
+
+_CHANNEL_NORMS = (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def _affine_shape(m, x):
+    """Shape that broadcasts the affine parameters against x."""
+    if isinstance(m, _CHANNEL_NORMS):
+        return (1, x.shape[1]) + (1,) * (x.dim() - 2)
+    return tuple(m.weight.shape)
+
+
+class AffineNormRule(LayerRule):
+    """The affine of a norm layer; subclasses say how x is normalised."""
+
+    name = "affine_norm"
+
+    def normalise(self, m, x):
+        raise NotImplementedError
+
+    def prepare(self, m, x, batch_hint):
+        return self.normalise(m, expand_batch(x, batch_hint)), None
+
+    def forward(self, m, xhat, info):
+        shape = _affine_shape(m, xhat)
+        bias = getattr(m, "bias", None)
+        if bias is None:
+            return xhat * m.weight.view(shape)
+        return torch.addcmul(bias.view(shape), xhat, m.weight.view(shape))
+
+    def input_grad(self, m, xhat, gy, info):
+        return gy * m.weight.view(_affine_shape(m, xhat)).to(gy.dtype)
+
+    def uses(self, m, xhat, gy, info):
+        if isinstance(m, _CHANNEL_NORMS):
+            dims = tuple(range(2, xhat.dim()))
+        else:
+            dims = tuple(range(1, xhat.dim() - m.weight.dim()))
+        weight_grad = (gy * xhat).sum(dims) if dims else gy * xhat
+        bias_grad = gy.sum(dims) if dims else gy
+        uses: dict[str, Use] = {"weight": Dense(weight_grad)}
+        if getattr(m, "bias", None) is not None:
+            uses["bias"] = Dense(bias_grad)
+        return uses
+
+
+@register_layer_rule(nn.LayerNorm)
+class LayerNormRule(AffineNormRule):
+    def normalise(self, m, x):
+        return F.layer_norm(x, m.normalized_shape, None, None, m.eps)
+
+    def examples(self):
+        return [Example(seeded(nn.LayerNorm(4), 8), (example_tensor(5, 3, 4, seed=8),)),
+                Example(seeded(nn.LayerNorm((2, 3), bias=False), 9),
+                        (example_tensor(5, 2, 3, seed=9),))]
+
+
+@register_layer_rule(nn.GroupNorm)
+class GroupNormRule(AffineNormRule):
+    def normalise(self, m, x):
+        return F.group_norm(x, m.num_groups, None, None, m.eps)
+
+    def examples(self):
+        return [Example(seeded(nn.GroupNorm(2, 4), 10), (example_tensor(5, 4, 3, seed=10),))]
+
+
+@register_layer_rule(nn.RMSNorm)
+class RMSNormRule(AffineNormRule):
+    def normalise(self, m, x):
+        return F.rms_norm(x, m.normalized_shape, None, m.eps)
+
+    def examples(self):
+        return [Example(seeded(nn.RMSNorm(4), 11), (example_tensor(5, 3, 4, seed=11),))]
+
+
+class InstanceNormRule(AffineNormRule):
+    def normalise(self, m, x):
+        return F.instance_norm(x, None, None, None, None, True, 0.0, m.eps)
+
+    def examples(self):
+        return [Example(seeded(nn.InstanceNorm1d(3, affine=True), 12), (example_tensor(5, 3, 4, seed=12),)),
+                Example(seeded(nn.InstanceNorm2d(2, affine=True), 13),
+                        (example_tensor(5, 2, 3, 3, seed=13),)),
+                Example(seeded(nn.InstanceNorm3d(2, affine=True), 14),
+                        (example_tensor(5, 2, 2, 2, 3, seed=14),))]
+
+
+INSTANCE_NORM_RULE = InstanceNormRule()
+for _cls in (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d):
+    register_layer_rule(_cls, INSTANCE_NORM_RULE)

@@ -1,0 +1,214 @@
+"""One micro-batch of a private step: uses in, group norms, clip factors, clipped sums out.
+
+In backward order, each layer's uses arrive from the book-keeping; when all uses of a
+parameter have arrived its per-sample norm² is added to its group; when all parameters
+of a group are done, the group is *finalized*: clip factors, clipped sums, and its stash
+is freed (groupwise-clipping paper Alg. 1 and §6: finer groups release memory earlier;
+docs/engine.md, "Groups and early finalization"). :class:`DPEngine` builds the
+:class:`StepContext` once and hands every micro-batch what it needs explicitly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from dpclip.engine.bookkeeping import StashMeter
+from dpclip.engine.factors import (Use, clipped_sum, param_norm_sq, sqrt_or_zero, streamable,
+                                   streamed_clip, zero_samples)
+from dpclip.errors import EngineError
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a micro-batch needs from the engine, fixed when the engine is built.
+
+    Per parameter j: ``params[j]``, ``names[j]``, its group ``group_of[j]`` and whether
+    its group is finalized as soon as its own backward is done (``transient[j]``).
+    ``members[k]``: group k's parameter indices. ``clip(norms, thresholds)``: the clip
+    function's factors. ``count_clipped``: whether "clipped" means anything (not for AUTO).
+    """
+
+    params: list[Tensor]
+    names: list[str]
+    group_of: list[int]
+    members: list[list[int]]
+    transient: list[bool]
+    norm_method: str
+    clip: Callable[[Tensor, Tensor], Tensor]
+    count_clipped: bool
+    norm_dtype: torch.dtype
+    device: torch.device
+    meter: StashMeter
+
+
+@dataclass
+class StepTotals:
+    """The step's accumulators across micro-batches: clipped sums per parameter, and per
+    group the count of clipped and of non-finite samples (tensors updated in place)."""
+
+    sums: list[Tensor | None]
+    clipped: Tensor
+    nonfinite: Tensor
+
+
+class MicroBatch:
+    """One engine.backward: pending uses per parameter, group norms, finalization.
+
+    ``pending[j]`` counts the forward calls of parameter j whose backward has not
+    arrived; ``group_left[k]`` counts group k's parameters with uses still pending.
+    ``thresholds`` [K] are the policy's; ``per_sample_thresholds`` (norms [b, K] ->
+    thresholds [b, K] or None) is given for a per-sample policy, which needs all K norms
+    of a sample first: every group is then finalized at the end. Results are added into
+    ``totals`` (the step's accumulators, owned by the engine).
+    """
+
+    def __init__(self, ctx: StepContext, totals: StepTotals, batch: int, pending: list[int],
+                 thresholds: Tensor, per_sample_thresholds: Callable | None = None):
+        self.ctx = ctx
+        self.totals = totals
+        self.batch = batch
+        self.pending = pending
+        k = len(ctx.members)
+        self.uses: list[list[Use]] = [[] for _ in pending]
+        self.parts: list[list[Use] | None] = [None] * len(pending)
+        self.group_left = [0] * k
+        for idx, n in enumerate(pending):
+            if n > 0:
+                self.group_left[ctx.group_of[idx]] += 1
+        self.norm_sq: list[Tensor | None] = [None] * k
+        self.norms: list[Tensor | None] = [None] * k
+        self.streamed: set[int] = set()   # parameters whose G_i are instantiated at finalization
+        self.done = [False] * k
+        self.thresholds = thresholds
+        self.per_sample_thresholds = per_sample_thresholds
+        self.defer = per_sample_thresholds is not None
+        self.meter = ctx.meter
+
+    def deliver(self, idx: int, use: Use) -> None:
+        if self.pending[idx] <= 0:
+            raise EngineError(f"parameter {self.ctx.names[idx]} was used more "
+                              "often in the backward than in the forward",
+                              "call engine.backward once after each forward")
+        self.uses[idx].append(use)
+        self.meter.add(use.tensors())
+        self.pending[idx] -= 1
+        if self.pending[idx] == 0:
+            self._param_done(idx)
+
+    def _param_done(self, idx: int) -> None:
+        e = self.ctx
+        k = e.group_of[idx]
+        uses, self.uses[idx] = self.uses[idx], []
+        bundle = streamable(uses, e.norm_method) if e.transient[idx] else None
+        if bundle is not None:  # instantiated chunk by chunk when the group is finalized
+            self.meter.add(bundle.tensors())
+            for use in uses:
+                self.meter.remove(use.tensors())
+            self.parts[idx] = [bundle]
+            self.streamed.add(idx)
+        elif uses:
+            p = e.params[idx]
+            norm_sq, parts = param_norm_sq(uses, p.shape, e.norm_method, e.norm_dtype,
+                                           transient=e.transient[idx])
+            for part in parts:
+                self.meter.add(part.tensors())
+            for use in uses:
+                self.meter.remove(use.tensors())
+            self.parts[idx] = parts
+            norm_sq = norm_sq.to(e.device)
+            self.norm_sq[k] = norm_sq if self.norm_sq[k] is None else self.norm_sq[k] + norm_sq
+        self.group_left[k] -= 1
+        if self.group_left[k] == 0 and not self.defer:
+            self._finalize(k, self.thresholds[k])
+
+    def _finalize(self, k: int, threshold: Tensor) -> None:
+        e, out = self.ctx, self.totals
+        sq = self.norm_sq[k]
+        streamed = [idx for idx in e.members[k] if idx in self.streamed]
+        if streamed:
+            base = sq if sq is not None else torch.zeros(self.batch, device=e.device,
+                                                         dtype=e.norm_dtype)
+            bundles = [self.parts[idx][0] for idx in streamed]
+            norms, sums = streamed_clip(bundles, [e.params[idx].shape for idx in streamed], base,
+                                        lambda chunk_norms: e.clip(chunk_norms, threshold),
+                                        self.meter)
+            for idx, total in zip(streamed, sums):
+                self.meter.remove(self.parts[idx][0].tensors())
+                self.parts[idx] = None
+                self.streamed.discard(idx)
+                out.sums[idx] = total if out.sums[idx] is None else out.sums[idx].add_(total)
+        else:
+            norms = (sqrt_or_zero(sq) if sq is not None else
+                     torch.zeros(self.batch, device=e.device, dtype=e.norm_dtype))
+        keep = None
+        # A sample with a non-finite norm would put 0·inf = NaN into the sum: one example
+        # could change the release without bound. It contributes zero instead, and reads
+        # as +inf (clipped, above every threshold) to the policy. The norms are ≥ 0, so
+        # their sum is finite unless one is not (or it overflows: then the slow path finds
+        # nothing to drop); one reduction per group is ~4x cheaper than isfinite().all().
+        if not math.isfinite(float(norms.sum())):
+            finite = torch.isfinite(norms)
+            if not bool(finite.all()):
+                keep = finite
+                norms = torch.where(keep, norms, math.inf)
+                out.nonfinite[k] += (~keep).sum()
+        factors = e.clip(norms, threshold)
+        if keep is not None:
+            factors = torch.where(keep, factors, 0)
+        for idx in e.members[k]:
+            parts, self.parts[idx] = self.parts[idx], None
+            if not parts:
+                continue
+            p = e.params[idx]
+            summed = parts if keep is None else zero_samples(parts, keep.to(p.device))
+            total = clipped_sum(summed, factors.to(p.device), p.shape)
+            for part in parts:
+                self.meter.remove(part.tensors())
+            if out.sums[idx] is None:
+                out.sums[idx] = total
+            else:
+                out.sums[idx].add_(total)
+        if e.count_clipped:
+            out.clipped[k] += (norms > threshold).sum()
+        self.norms[k] = norms
+        self.done[k] = True
+
+    def finish(self) -> Tensor:
+        """Finalize what the backward did not reach; return the norms [b, K]."""
+        e = self.ctx
+        for idx, n in enumerate(self.pending):
+            if n > 0:  # some call's output never reached the loss: its gradient is zero
+                self.pending[idx] = 0
+                self._param_done(idx)
+        if self.defer:
+            norm_sq = [s if s is not None else
+                       torch.zeros(self.batch, device=e.device, dtype=e.norm_dtype)
+                       for s in self.norm_sq]
+            norms = sqrt_or_zero(torch.stack(norm_sq, dim=1))
+            if not math.isfinite(float(norms.sum())):   # NaN reads as +inf to the policy
+                norms = torch.where(torch.isfinite(norms), norms, math.inf)
+            per_sample = self.per_sample_thresholds(norms)
+            for k in range(len(e.members)):
+                self._finalize(k, self.thresholds[k] if per_sample is None else per_sample[:, k])
+        else:
+            for k in range(len(e.members)):
+                if not self.done[k]:
+                    self._finalize(k, self.thresholds[k])
+        return torch.stack(self.norms, dim=1)
+
+    def discard(self) -> None:
+        """Release the stash after a failed backward."""
+        for uses in self.uses:
+            for use in uses:
+                self.meter.remove(use.tensors())
+        for parts in self.parts:
+            for part in parts or ():
+                self.meter.remove(part.tensors())
+        self.uses = [[] for _ in self.pending]
+        self.parts = [None] * len(self.pending)
+        self.streamed.clear()
