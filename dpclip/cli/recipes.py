@@ -8,7 +8,6 @@ import typer
 from rich.table import Table
 
 from dpclip.cli.render import console
-from dpclip.recipe.shipped import copy_shipped, shipped_names, shipped_summary, shipped_text
 
 app = typer.Typer(help="List, show and copy the shipped recipes.", no_args_is_help=True)
 
@@ -16,6 +15,7 @@ app = typer.Typer(help="List, show and copy the shipped recipes.", no_args_is_he
 @app.command("list")
 def list_recipes() -> None:
     """List the shipped recipes with what each one shows."""
+    from dpclip.recipe.shipped import shipped_names, shipped_summary  # the recipe package imports torch
     table = Table(show_header=True, header_style="bold")
     table.add_column("recipe")
     table.add_column("what it shows")
@@ -27,6 +27,7 @@ def list_recipes() -> None:
 @app.command("show")
 def show(name: str = typer.Argument(..., help="Recipe name, e.g. quickstart.")) -> None:
     """Print a shipped recipe."""
+    from dpclip.recipe.shipped import shipped_text  # the recipe package imports torch
     print(shipped_text(name), end="")
 
 
@@ -37,5 +38,6 @@ def copy(
     force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
 ) -> None:
     """Copy a shipped recipe to edit it."""
+    from dpclip.recipe.shipped import copy_shipped  # the recipe package imports torch
     path = copy_shipped(name, destination, overwrite=force)
     console.print(f"copied {name} to {path}")

@@ -7,7 +7,6 @@ from pathlib import Path
 import typer
 
 from dpclip.cli.render import console
-from dpclip.recipe import load_recipe, recipe_to_yaml
 
 
 def validate(
@@ -16,6 +15,7 @@ def validate(
     show: bool = typer.Option(False, "--show", help="Print the resolved recipe with every default filled in."),
 ) -> None:
     """Check a recipe (and overrides) against the schema and, where its size is known, the data."""
+    from dpclip.recipe import load_recipe, recipe_to_yaml  # imports torch (the policies' specs)
     from dpclip.train.plan import check_against_data
 
     resolved = load_recipe(recipe, overrides or [])

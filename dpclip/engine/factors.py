@@ -3,8 +3,9 @@
 Everything here is pure tensor math on what one backward pass hands over; capturing
 those tensors is :mod:`dpclip.engine.bookkeeping`'s job, and turning one layer's tensors
 into :class:`Bilinear` / :class:`Dense` uses is its layer rule's (:mod:`dpclip.engine.layers`).
-This module is a little over 400 lines: it is the one home of the Gram / ghost-norm math,
-and splitting the cross terms from the norms they feed would scatter one derivation.
+
+Length: a little over 400 lines, because it is the one home of the Gram / ghost-norm
+math, and splitting the cross terms from the norms they feed would scatter one derivation.
 
 How a per-sample gradient is represented
 ----------------------------------------

@@ -21,8 +21,8 @@ The search directory's ``ledger.json`` holds exactly the repeat-and-select event
 ε is the one ``tune-cost`` promised; the selected run carries ``search.json`` pointing to
 it, and ``dpclip account`` reports the search's ε for both (:func:`read_search`).
 
-(Above ~400 lines on purpose: writing a search directory and reading it back share its
-format, marker and event parts; a split would give them two homes.)
+Length: above ~400 lines on purpose: writing a search directory and reading it back share
+its format, marker and event parts; a split would give them two homes.
 """
 
 from __future__ import annotations

@@ -40,13 +40,13 @@ def test_missing_argument_is_an_error_with_a_hint(cli):
 
 
 def test_an_unexpected_exception_gives_one_error_line_and_debug_gives_the_traceback(cli, monkeypatch, capsys):
-    from dpclip.cli import validate as validate_module
+    import dpclip.recipe as recipe_module  # `dpclip validate` imports load_recipe from here when it runs
 
     def boom(*args, **kwargs):
         secret_local = "do-not-print-me"  # noqa: F841  (locals must never be printed)
         raise RuntimeError("kaboom")
 
-    monkeypatch.setattr(validate_module, "load_recipe", boom)
+    monkeypatch.setattr(recipe_module, "load_recipe", boom)
     result = cli("validate", REPO / "recipes" / "quickstart.yaml")
     assert result.code == 1
     assert "error: unexpected RuntimeError: kaboom" in result.err and "--debug" in result.err

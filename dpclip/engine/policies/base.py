@@ -40,14 +40,16 @@ from __future__ import annotations
 import math
 import typing
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
-from dpclip.accounting import AuxSpec
 from dpclip.errors import AccountingError, EngineError
+
+if TYPE_CHECKING:
+    from dpclip.accounting import AuxSpec
 
 # Field types shared by the policy specs and the rest of the recipe schema.
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -218,6 +220,9 @@ class BudgetShare(PolicySpec):
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
             raise AccountingError(f"groups must be an integer >= 1, got {groups!r}",
                               "groups is the number of clipping groups K (1 for flat clipping)")
+        # Lazy: dp_accounting takes a second to import, and loading a recipe does not need it.
+        from dpclip.accounting import AuxSpec
+
         return AuxSpec(name=cls.statistic_name, sensitivity=cls.statistic_sensitivity(groups), groups=groups,
                        sigma=sigma, fraction=fraction)
 
