@@ -18,14 +18,13 @@ from pydantic import BaseModel, ValidationError
 
 from dpclip.errors import RecipeError
 from dpclip.recipe.schema import Recipe
+from dpclip.recipe.shipped import shipped_names
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a recipe file into a plain mapping; missing files and bad YAML are RecipeErrors."""
     path = Path(path)
     if not path.exists():
-        from dpclip.recipe.shipped import shipped_names
-
         hint = "check the path"
         if path.stem in shipped_names():
             hint = f"'{path.stem}' is a shipped recipe: use recipes/{path.stem}.yaml or `dpclip recipes copy {path.stem} .`"

@@ -16,6 +16,7 @@ rebuilt whenever a policy is (un)registered.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -236,8 +237,6 @@ GROUPING_HELP = ("all-layer, layer, param, block, {uniform: M}, {groups: [[regex
 
 def _validate_grouping(value: Any) -> Any:
     """Normalise and check ``clipping.grouping`` (a name or a one-key mapping)."""
-    import re
-
     if isinstance(value, str):
         if value not in GROUPING_NAMES:
             raise ValueError(f"{value!r} is not one of {GROUPING_HELP}")

@@ -6,10 +6,15 @@ This is the one place that turns training settings into accounting inputs, used 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from dpclip.accounting import AuxSpec, PrivacyPlan, steps_for_epochs
+from dpclip.accounting import AuxSpec, PrivacyPlan, solve, steps_for_epochs
+from dpclip.data import load_data
+from dpclip.data.size import training_set_size
+from dpclip.engine import build_groups, trainable_params
 from dpclip.errors import AccountingError
+from dpclip.models import build_model
 from dpclip.recipe.schema import Recipe
 
 
@@ -69,13 +74,7 @@ def count_groups(recipe: Recipe, model: Any = None) -> int:
     known = count_fixed_groups(recipe.clipping.grouping)
     if known is not None:
         return known
-    # Lazy: torch, the data and the model are needed only when K depends on the model's layers.
-    from dpclip.engine import build_groups, trainable_params
-
     if model is None:
-        from dpclip.data import load_data
-        from dpclip.models import build_model
-
         data = load_data(recipe.data, seed=recipe.seed)
         model, _ = build_model(recipe.model, data, seed=recipe.seed)
     return len(build_groups(model, recipe.clipping.grouping, trainable_params(model)).names)
@@ -156,8 +155,6 @@ def check_against_data(recipe: Recipe) -> int | None:
 
     Returns N, or None for sources whose size is only known after loading (Hugging Face).
     """
-    from dpclip.data.size import training_set_size
-
     if recipe.data.source == "hf":
         return None
     dataset_size = training_set_size(recipe.data)
@@ -203,18 +200,12 @@ def plan_from_flags(*, delta: float | None, epsilon: float | None = None, noise_
 def plan_for_recipe(recipe: Recipe, dataset_size: int | None = None, groups: int | None = None) -> PrivacyPlan:
     """The plan of a recipe; N is read from its data section unless given."""
     if dataset_size is None:
-        from dpclip.data.size import training_set_size
-
         dataset_size = training_set_size(recipe.data)
     return privacy_plan(recipe, dataset_size, groups)
 
 
 def solve_plan(plan: PrivacyPlan, accountant: str = "pld"):
     """Solve a plan with 'pld', 'rdp', or 'both' (σ calibrated so both ε stay within the target)."""
-    from dataclasses import replace
-
-    from dpclip.accounting import solve
-
     if accountant != "both":
         return solve(replace(plan, accountant=accountant))
     if plan.target_epsilon is None:

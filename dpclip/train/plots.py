@@ -8,7 +8,7 @@ from pathlib import Path
 
 def plot_thresholds(metrics_path: Path, out_path: Path, group_names: list[str], max_groups: int = 12) -> None:
     """C_t per group over the steps of a run (thresholds.png)."""
-    import matplotlib
+    import matplotlib  # lazy: slow to import, and only the end of a run draws
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -81,9 +81,8 @@ class PrivateStep:
 def step_micro_batch_size(recipe) -> int | None:
     """The micro-batch size a recipe's step uses; ``None``: the whole logical batch at once.
 
-    A top-fraction tail rule ranks the whole logical batch, which therefore must reach the
-    engine in one backward, however large the Poisson draw is (docs/methods.md)."""
-    threshold = recipe.clipping.threshold
-    if threshold.kind == "discriminative" and threshold.tail_rule == "top_fraction":
+    A policy that ranks the whole logical batch (discriminative clipping's top-fraction tail
+    rule) needs it in one backward, however large the Poisson draw is (docs/methods.md)."""
+    if recipe.clipping.threshold.ranks_whole_batch():
         return None
     return recipe.training.micro_batch_size or recipe.training.batch_size

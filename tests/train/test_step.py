@@ -118,3 +118,16 @@ def test_training_timing_and_bench_all_go_through_the_one_step(small_recipe, mon
     assert calls[-1] == 8 and len(calls) == 7
     make_step("non-private", trainer.model, trainer.loss_fn, batch, 8)()
     assert len(calls) == 7  # the baseline is not private
+
+
+def test_a_policy_that_ranks_the_batch_gets_it_in_one_backward(quickstart):
+    from dpclip.train.step import step_micro_batch_size
+
+    ranked = quickstart("training.micro_batch_size=null",
+                        "clipping.threshold={kind: discriminative, small: 0.5, tail_rule: top_fraction}")
+    per_sample = quickstart("training.micro_batch_size=8",
+                            "clipping.threshold={kind: discriminative, small: 0.5, tail_threshold: 2.0}")
+    fixed = quickstart("training.micro_batch_size=8")
+    assert step_micro_batch_size(ranked) is None
+    assert step_micro_batch_size(per_sample) == 8
+    assert step_micro_batch_size(fixed) == 8

@@ -184,6 +184,11 @@ class PolicySpec(BaseModel):
 
     # ------------------------------------------------------------ the engine
 
+    def ranks_whole_batch(self) -> bool:
+        """True when the policy compares the samples of a logical batch with each other, so
+        the whole batch must reach the engine in one backward (no micro-batches)."""
+        return False
+
     def engine_dict(self, sigma_aux: float | None = None) -> dict[str, Any]:
         """The ``threshold`` dict for DPEngine, with the statistic's noise std ``sigma_aux``
         from the budget split filled in (ignored by a policy that releases nothing)."""

@@ -159,6 +159,9 @@ class DiscriminativeSpec(PolicySpec):
     def gradient_sensitivity(self) -> float:
         return gradient_sensitivity(self.small, self.large, self.tail_rule)
 
+    def ranks_whole_batch(self) -> bool:
+        return self.tail_rule == "top_fraction"
+
     def check_recipe(self, recipe: Any) -> None:
         if self.tail_rule == "top_fraction" and recipe.training.micro_batch_size is not None:
             raise ValueError("clipping.threshold.tail_rule 'top_fraction' ranks the whole logical batch, which is "
