@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dpclip"
 # spec lives in the policy's own file (dpclip/engine/policies/).
 LAYERS = [
     ("dpclip.__main__", "dpclip.cli"),
-    ("dpclip.audit", "dpclip.tuning", "dpclip.bench"),
+    ("dpclip.audit", "dpclip.tuning", "dpclip.bench", "dpclip.export"),
     ("dpclip.train",),
     ("dpclip.recipe",),
     ("dpclip.data", "dpclip.models", "dpclip.engine"),
@@ -36,6 +36,7 @@ FORBIDDEN = {
     "dpclip.train": {"typer": "no CLI below the CLI"},
     "dpclip.tuning": {"typer": "no CLI below the CLI"},
     "dpclip.audit": {"typer": "no CLI below the CLI"},
+    "dpclip.export": {"typer": "no CLI below the CLI"},
 }
 
 MAX_LINES = 400

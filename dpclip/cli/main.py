@@ -14,6 +14,7 @@ from dpclip.allocator import keep_freed_memory
 from dpclip.cli import account, recipes, train, tune_cost, validate
 from dpclip.cli import audit
 from dpclip.cli import bench
+from dpclip.cli import export
 from dpclip.cli.render import print_error
 from dpclip.errors import DpclipError
 
@@ -51,6 +52,7 @@ app.command("validate")(validate.validate)
 app.command("audit-mia")(audit.audit_mia)
 app.command("tune-cost")(tune_cost.tune_cost)
 app.command("bench")(bench.bench)
+app.command("export")(export.export)
 app.add_typer(recipes.app, name="recipes")
 
 

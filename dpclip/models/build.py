@@ -2,6 +2,9 @@
 
 The model's sizes come from the data (input shape, classes, vocabulary), its initial
 weights from the recipe seed, and it is checked for BatchNorm before anyone trains it.
+What an export needs to rebuild the model without the data (the sizes, label names, a
+transformers config) is attached to it as ``model.dpclip_model_info`` (:func:`model_info`),
+which the checkpoint writes as ``model.json`` (docs/export.md).
 """
 
 from __future__ import annotations
@@ -70,4 +73,27 @@ def build_model(config, data, *, seed: int = 0) -> tuple[nn.Module, PerSampleLos
         torch.manual_seed(derived_seed(seed, "model-init"))
         model, loss_fn = _build(config, data)
     refuse_batchnorm(model)
+    model.dpclip_model_info = _describe(config, data)
     return model, loss_fn
+
+
+def _describe(config, data) -> dict:
+    return {"kind": config.kind, "task": getattr(config, "task", None) or data.task,
+            "input_shape": list(data.input_shape) if data.input_shape is not None else None,
+            "num_classes": data.num_classes, "label_names": data.label_names,
+            "vocab_size": data.vocab_size, "model": config.model_dump(mode="json")}
+
+
+def model_info(model: nn.Module) -> dict:
+    """What :func:`build_model` recorded about ``model`` (empty for a model built elsewhere),
+    plus its transformers config and peft adapter config when it has them."""
+    info = dict(getattr(model, "dpclip_model_info", None) or {})
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        info["hf_config"] = config.to_dict()
+        info["hf_class"] = type(base).__name__
+    peft_config = getattr(model, "peft_config", None)
+    if peft_config:
+        info["peft_config"] = peft_config["default"].to_dict()
+    return info

@@ -5,6 +5,12 @@
   ``pad_token_id``, ``bos_token_id`` and ``eos_token_id`` are filled in unless the
   config sets them.
 - ``pretrained: DIR`` loads a local directory with ``local_files_only=True``.
+- ``lora: {r, alpha, dropout, target_modules}`` wraps the model with peft's LoRA adapters
+  (docs/export.md, "LoRA"): the base weights are frozen, so the engine clips and noises
+  only the adapters (and a sequence classifier's head, peft's ``modules_to_save``).
+
+A sequence classifier's ``id2label`` / ``label2id`` hold the data's label names when it
+has them, so an exported model names its classes.
 
 Remote code is never trusted (no ``trust_remote_code``): a recipe must not be able to run
 arbitrary code from the hub.
@@ -98,9 +104,59 @@ def _check_fits_data(model, data) -> None:
                           "max_position_embeddings)")
 
 
+def _name_labels(model, data) -> None:
+    if data.task == "classification" and data.label_names:
+        model.config.id2label = dict(enumerate(data.label_names))
+        model.config.label2id = {name: i for i, name in enumerate(data.label_names)}
+
+
+def lora_config(lora, task: str, model_type: str):
+    """peft's ``LoraConfig`` for a recipe's ``model.lora`` block."""
+    import peft  # lazy: peft imports transformers
+
+    targets = lora.target_modules
+    if targets is None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+        targets = defaults.get(model_type)
+        if targets is None:
+            raise DpclipError(f"peft has no default LoRA target modules for model type {model_type!r}",
+                              "set model.lora.target_modules to the names of the linear layers to adapt, "
+                              "e.g. [q_proj, v_proj]")
+    kwargs = {}
+    if task == "sequence-classification":
+        # SEQ_CLS makes peft train the (new) classification head as modules_to_save.
+        kwargs["task_type"] = "SEQ_CLS" if lora.train_head else None
+    else:
+        kwargs["task_type"] = "CAUSAL_LM"
+    return peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                           target_modules=list(targets), **kwargs)
+
+
+def add_lora(model, lora, task: str):
+    """``model`` wrapped in peft LoRA adapters; only the adapters (and the head) train."""
+    import warnings
+
+    import peft
+
+    settings = lora_config(lora, task, model.config.model_type)
+    try:
+        with warnings.catch_warnings():
+            # GPT-2's Conv1D layers: peft switches fan_in_fan_out on itself and says so.
+            warnings.filterwarnings("ignore", message="fan_in_fan_out", category=UserWarning)
+            return peft.get_peft_model(model, settings)
+    except ValueError as exc:
+        raise DpclipError(f"peft cannot add LoRA adapters: {exc}",
+                          "model.lora.target_modules must name linear layers of the model "
+                          "(print the model to see their names)") from None
+
+
 def build_hf(config, data):
     """A transformers model for ``config.task`` sized to the data's tokenizer and labels."""
     _require_text(config, data)
     model = _from_config(config, data) if config.pretrained is None else _from_pretrained(config, data)
     _check_fits_data(model, data)
+    _name_labels(model, data)
+    if config.lora is not None:
+        model = add_lora(model, config.lora, config.task)
     return model

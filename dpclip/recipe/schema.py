@@ -100,6 +100,20 @@ class CNNModel(Section):
     hidden: PositiveInt = 64
 
 
+class LoRA(Section):
+    """LoRA adapters through peft (docs/export.md, "LoRA"): only the adapters (and a
+    sequence classifier's head) are trained, clipped and noised; the base stays frozen."""
+
+    r: PositiveInt = Field(8, description="rank of each adapter")
+    alpha: PositiveFloat = Field(16.0, description="scaling numerator: the update is (alpha / r) B A x")
+    dropout: Annotated[float, Field(ge=0, lt=1)] = Field(0.0, description="dropout on the adapters' input")
+    target_modules: list[str] | None = Field(
+        None, description="module names to adapt (e.g. [c_attn, c_proj] for GPT-2); default: peft's "
+                          "defaults for the model type")
+    train_head: bool = Field(True, description="sequence-classification: train the classification head "
+                                               "(peft's modules_to_save) next to the adapters")
+
+
 class HFModel(Section):
     """A transformers model: a config dict with random init, or a local pretrained path."""
 
@@ -107,6 +121,7 @@ class HFModel(Section):
     task: Literal["causal-lm", "sequence-classification"]
     config: dict[str, Any] | None = Field(None, description="transformers config kwargs incl. model_type")
     pretrained: str | None = Field(None, description="local directory with a pretrained model")
+    lora: LoRA | None = Field(None, description="add LoRA adapters (peft) and train only them")
 
     @model_validator(mode="after")
     def _one_source(self) -> HFModel:

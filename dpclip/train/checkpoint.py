@@ -2,7 +2,13 @@
 
 A checkpoint folder ``checkpoints/step_000500/`` holds
 
-- ``model.safetensors``: the weights (tied weights are stored once);
+- ``model.safetensors``: the weights. Tied weights (GPT-2's ``lm_head.weight`` is
+  ``transformer.wte.weight``) are stored once, under the first name of the model's
+  ``state_dict`` (the name transformers saves), and the file's metadata ``dpclip_tied``
+  maps every other name to it, so loading restores them all;
+- ``model.json``: what an export needs to rebuild the model without the data
+  (:func:`dpclip.models.build.model_info`: sizes, label names, the transformers config,
+  the peft adapter config) and the tied names (docs/export.md);
 - ``state.json`` + ``state.safetensors``: optimizer, scheduler, sampler, engine (noise
   generator, threshold policy), torch's global RNG and the ledger, as a JSON tree whose
   tensors are replaced by ``{"__tensor__": key}`` references into the safetensors file.
@@ -14,21 +20,68 @@ Loading never unpickles: a checkpoint from an untrusted source cannot run code.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors import safe_open
+from safetensors.torch import load_file, load_model, save_file
 
 from dpclip.errors import DpclipError
+from dpclip.models.build import model_info
 from dpclip.files import read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
 
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
 _INT_KEYS = "__int_keys__"
 _STEP_DIR = re.compile(r"step_[0-9]{6,}")
+_TIED = "dpclip_tied"
+
+
+def model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, tied): the state dict with each shared tensor once, under its first name,
+    and ``{other name: first name}`` for the names left out."""
+    tensors: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        if id(value) in first:
+            tied[name] = first[id(value)]
+            continue
+        first[id(value)] = name
+        tensors[name] = value.detach().cpu().contiguous()
+    return tensors, tied
+
+
+def save_model_weights(model: torch.nn.Module, path: Path) -> dict[str, str]:
+    """``model.safetensors`` at ``path`` (tied weights once, see module doc); returns the tied names."""
+    tensors, tied = model_tensors(model)
+    save_file(tensors, str(path), metadata={"format": "pt", _TIED: json.dumps(tied)})
+    return tied
+
+
+def load_model_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every name of the model's state dict, tied names included, from ``model.safetensors``."""
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+    tensors = load_file(str(path))
+    for alias, name in json.loads(metadata.get(_TIED, "{}")).items():
+        tensors[alias] = tensors[name]
+    return tensors
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_jsonable(v) for v in value]
+        return sorted(items, key=str) if isinstance(value, (set, frozenset)) else items
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)   # e.g. a torch.dtype or an enum in a transformers / peft config
 
 
 def flatten_state(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -83,7 +136,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dic
     staging = root / f".{final.name}.staging"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    save_model(model, str(staging / "model.safetensors"))
+    tied = save_model_weights(model, staging / "model.safetensors")
+    write_json_atomic(staging / "model.json", _jsonable({**model_info(model), "tied": tied}))
     tree, tensors = flatten_state(state)
     save_file(tensors, str(staging / "state.safetensors"))
     write_json_atomic(staging / "state.json", tree)
@@ -117,12 +171,25 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def load_checkpoint(path: Path, model: torch.nn.Module) -> dict[str, Any]:
     """Load weights into ``model`` (in place) and return the state tree."""
-    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=True)
-    if missing or unexpected:  # pragma: no cover - strict=True raises first
-        raise DpclipError(f"checkpoint {path} does not match the model", "was the recipe's model changed?")
+    load_weights(path, model)
     tensors = load_file(str(path / "state.safetensors"))
     state = unflatten_state(read_json(path / "state.json"), tensors)
     if not isinstance(state, dict) or state.get("step") != int(path.name.split("_")[1]):
         raise DpclipError(f"checkpoint {path} does not hold step {path.name.split('_')[1].lstrip('0') or 0}",
                           "the run directory was modified: restore it or start a new run")
     return state
+
+
+def load_weights(path: Path, model: torch.nn.Module) -> None:
+    """The weights of checkpoint folder ``path`` into ``model`` (in place, strict)."""
+    weights = path / "model.safetensors"
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            written_by_dpclip = _TIED in (f.metadata() or {})
+        if written_by_dpclip:
+            model.load_state_dict(load_model_tensors(weights), strict=True)
+        else:   # checkpoints written by safetensors' save_model (dpclip before 0.x, CHANGELOG)
+            load_model(model, str(weights), strict=True)
+    except RuntimeError as exc:
+        raise DpclipError(f"checkpoint {path} does not match the model: {str(exc).splitlines()[0]}",
+                          "was the recipe's model changed?") from None

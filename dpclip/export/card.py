@@ -1,0 +1,101 @@
+"""The model card of an export: ``privacy.json`` (machine-readable) and ``README.md``.
+
+Everything here is a released quantity (docs/accounting.md, "Threat model"): the privacy
+statement of what the run spent (the same as ``dpclip account RUN_DIR``), the recipe's
+name, the exported checkpoint's step. No training loss, no held-out metrics, no canaries.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dpclip import __version__
+from dpclip.accounting.statement import SEEDED_RANDOMNESS_WARNING
+from dpclip.errors import DpclipError
+from dpclip.train.rundir import spent
+
+LABEL_NAMES_NOTE = ("label names: the class names of the data's label column, published as they are "
+                    "(not covered by ε)")
+
+
+def released_statement(run_dir: Path) -> tuple[Any, dict[str, Any] | None]:
+    """(statement, search) of what publishing the run costs: its own ledger's statement,
+    or for a run selected by a ``tune-cost --run`` search, the search's (as ``dpclip
+    account RUN_DIR`` says: the other trials and the selection count too)."""
+    from dpclip.tuning.search import read_search, search_of_run
+
+    search_dir = search_of_run(run_dir)
+    if search_dir is None:
+        return spent(run_dir)[1], None
+    search = read_search(search_dir)
+    if search.selected_run is None or search.selected_run != Path(run_dir).resolve():
+        raise DpclipError(f"{run_dir} points to the search {search_dir}, which did not select it",
+                          "a trial that was not selected is not a release: export the selected run")
+    return search.statement, {"search_dir": str(search_dir), "run_epsilon_alone": spent(run_dir)[1].epsilon}
+
+
+def privacy_card(statement, *, recipe_name: str, checkpoint: str, checkpoint_step: int,
+                 label_names: list[str] | None, search: dict[str, Any] | None) -> dict[str, Any]:
+    """``privacy.json``: the statement's facts, one key each, and its lines."""
+    facts = statement.to_dict()
+    card = {
+        "format": "dpclip-privacy/1",
+        "dpclip": __version__,
+        "recipe": recipe_name,
+        "checkpoint": checkpoint,
+        "checkpoint_step": checkpoint_step,
+        "epsilon": facts["epsilon"],
+        "delta": facts["delta"],
+        "unit_of_privacy": facts["unit"],
+        "neighbouring": facts["neighbouring"],
+        "accountant": facts["accountant"],
+        "conversion": facts["conversion"],
+        "sampling": facts["sampling"],
+        "sampling_assumption": _sampling_assumption(facts["sampling"]),
+        "sample_rate": facts["sample_rate"],
+        "steps": facts["steps"],
+        "noise_multiplier": facts["sigma_total"],
+        "seeded_randomness": facts["seeded_randomness"],
+        "warning": SEEDED_RANDOMNESS_WARNING if facts["seeded_randomness"] else None,
+        "caveats": list(facts["caveats"]),
+        "not_covered_by_epsilon": list(facts["not_covered"]) + ([LABEL_NAMES_NOTE] if label_names else []),
+        "statement": statement.lines(),
+        "covers": ("the exported weights: a post-processing of the noisy releases counted in the ledger "
+                   "(docs/accounting.md)"),
+    }
+    if search is not None:
+        card["selected_by_search"] = search
+    return card
+
+
+def _sampling_assumption(sampling: str) -> str:
+    if sampling == "poisson":
+        return "Poisson subsampling: each example joins each batch independently with probability q"
+    return ("fixed-size shuffled batches, accounted as if Poisson-subsampled (see the caveat): the "
+            "guarantee assumes Poisson sampling")
+
+
+def readme(card: dict[str, Any], *, kind: str, how_to_load: str, base_note: str | None = None) -> str:
+    """``README.md``: Hugging Face's model-card layout (YAML header, then text)."""
+    library = {"transformers": "transformers", "peft": "peft"}.get(kind)
+    header = ["---"] + ([f"library_name: {library}"] if library else []) + \
+        ["tags:", "- differential-privacy", "- dpclip", "---", ""]
+    eps = "∞" if card["epsilon"] is None else f"{card['epsilon']:.4g}"
+    lines = header + [
+        f"# {card['recipe']} (differentially private, ε = {eps}, δ = {card['delta']:g})", "",
+        f"Trained with dpclip {card['dpclip']}; this is checkpoint `{card['checkpoint']}` "
+        f"(step {card['checkpoint_step']}).", "",
+    ]
+    if card["warning"]:
+        lines += [f"**{card['warning']}**", ""]
+    lines += ["## Privacy", "", f"The guarantee covers {card['covers']}.", ""]
+    lines += [f"- {line}" for line in card["statement"] if line != card["warning"]]
+    lines += ["", "### Not covered by ε", ""]
+    lines += [f"- {item}" for item in card["not_covered_by_epsilon"]] or ["- nothing"]
+    lines += ["", "No training loss, held-out metric or audit material is included: they are exact "
+              "functions of the private data, not covered by ε (docs/export.md in dpclip).", ""]
+    if base_note:
+        lines += ["## Base model", "", base_note, ""]
+    lines += ["## How to load", "", "```python", how_to_load.strip(), "```", ""]
+    return "\n".join(lines)

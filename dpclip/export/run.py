@@ -1,0 +1,139 @@
+""":func:`export_run`: which checkpoint, which folder, written atomically (docs/export.md)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dpclip.errors import DpclipError
+from dpclip.export import card as cards
+from dpclip.export import model as weights
+from dpclip.files import read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
+from dpclip.recipe import recipe_to_yaml
+from dpclip.train.checkpoint import latest_checkpoint
+from dpclip.train.rundir import RunDir
+
+_STEP_DIR = re.compile(r"step_[0-9]{6,}")
+
+LOAD_TRANSFORMERS = """\
+from transformers import {auto}
+model = {auto}.from_pretrained("OUT_DIR")
+"""
+LOAD_PEFT = """\
+from peft import PeftModel
+from transformers import {auto}
+base = {auto}.from_pretrained("OUT_DIR/base")
+model = PeftModel.from_pretrained(base, "OUT_DIR")
+"""
+LOAD_PLAIN = """\
+from safetensors.torch import load_file
+module = ...  # rebuild the architecture described in model_card.json
+module.load_state_dict(load_file("OUT_DIR/model.safetensors"))
+"""
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    checkpoint: str
+    kind: str                 # "transformers", "peft" or "safetensors"
+    files: list[str]
+    privacy: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"out_dir": str(self.out_dir), "checkpoint": self.checkpoint, "kind": self.kind,
+                "files": self.files, "privacy": self.privacy}
+
+
+def _checkpoint(run: RunDir, name: str | None) -> Path:
+    if name is None:
+        path = latest_checkpoint(run.path)
+        if path is None:
+            raise DpclipError(f"{run.path} has no checkpoint to export", "train the run to its end (or resume it)")
+        return path
+    available = sorted(p.name for p in run.checkpoints.glob("step_*") if p.is_dir()) if run.checkpoints.is_dir() else []
+    path = run.checkpoints / name
+    if not _STEP_DIR.fullmatch(name) or not (path / "model.safetensors").is_file():
+        raise DpclipError(f"{run.path} has no checkpoint {name!r}",
+                          "available: " + (", ".join(available) if available else "none"))
+    return path
+
+
+def _check_out_dir(out_dir: Path, force: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DpclipError(f"{out_dir} exists and is not a folder", "choose another OUT_DIR")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise DpclipError(f"{out_dir} exists and is not empty", "choose another OUT_DIR, or pass --force to replace it")
+
+
+def _model_info(checkpoint: Path, recipe) -> dict[str, Any]:
+    path = checkpoint / "model.json"
+    if path.is_file():
+        return read_json(path)
+    if recipe.model.kind == "hf":
+        raise DpclipError(f"{checkpoint} has no model.json (written by dpclip before export existed)",
+                          "resume the run (dpclip train --resume RUN_DIR) to write a new checkpoint, then export it")
+    return {"kind": recipe.model.kind, "model": recipe.model.model_dump(mode="json")}
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | None = None,
+               force: bool = False) -> ExportResult:
+    """Write checkpoint ``checkpoint`` (default: the latest) of ``run_dir`` to ``out_dir``
+    with its model card; ``out_dir`` must be absent or empty unless ``force``."""
+    run = RunDir(run_dir)
+    if not run.recipe_file.is_file():
+        raise DpclipError(f"{run.path} is not a run directory (no recipe.yaml)",
+                          "pass the folder that `dpclip train` created under runs/")
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir, force)
+    recipe = run.recipe()
+    path = _checkpoint(run, checkpoint)
+    statement, search = cards.released_statement(run.path)
+    info = _model_info(path, recipe)
+    card = cards.privacy_card(statement, recipe_name=recipe.name, checkpoint=path.name,
+                              checkpoint_step=int(path.name.split("_")[1]),
+                              label_names=info.get("label_names"), search=search)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.parent / f".{out_dir.name}.export-staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        kind = _write_model(info, recipe, path, staging, card)
+        write_json_atomic(staging / "privacy.json", card)
+        write_text_atomic(staging / "recipe.yaml", recipe_to_yaml(recipe))
+        files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
+        replace_dir_atomic(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return ExportResult(out_dir, path.name, kind, files, card)
+
+
+def _write_model(info: dict[str, Any], recipe, checkpoint: Path, out: Path, card: dict[str, Any]) -> str:
+    if "hf_config" not in info:
+        weights.write_plain(checkpoint, out)
+        write_json_atomic(out / "model_card.json", weights.plain_model_card(info, recipe, card))
+        write_text_atomic(out / "README.md", cards.readme(card, kind="safetensors", how_to_load=LOAD_PLAIN))
+        return "safetensors"
+    model = weights.rebuild_hf(info, recipe, checkpoint)
+    auto = "AutoModelForCausalLM" if info["task"] == "causal-lm" else "AutoModelForSequenceClassification"
+    tokenizer = weights.write_tokenizer(recipe.data.tokenizer, getattr(recipe.data, "max_length", None), out)
+    token_note = "" if tokenizer == "transformers" else \
+        f"# tokenizer: dpclip's byte tokenizer, described in {weights.BYTE_TOKENIZER_FILE}\n"
+    if info.get("peft_config") is not None:
+        weights.write_peft(model, out)
+        base = recipe.model.pretrained
+        note = ("`base/` holds the frozen base model the adapter was trained on"
+                + (f" (loaded from `{base}`)." if base else " (randomly initialised from the recipe's "
+                   "model.config and seed: it carries no information about the private data)."))
+        write_text_atomic(out / "README.md", cards.readme(card, kind="peft", base_note=note,
+                                                          how_to_load=LOAD_PEFT.format(auto=auto) + token_note))
+        return "peft"
+    weights.write_transformers(model, out)
+    write_text_atomic(out / "README.md", cards.readme(card, kind="transformers",
+                                                      how_to_load=LOAD_TRANSFORMERS.format(auto=auto) + token_note))
+    return "transformers"

@@ -1,0 +1,82 @@
+"""dpclip/train/checkpoint.py: weights that reload exactly, tied ones included, and the
+model description an export needs (docs/export.md)."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_model
+
+from dpclip.data import load_data
+from dpclip.errors import DpclipError
+from dpclip.models import build_model
+from dpclip.recipe.schema import BuiltinData, HFModel
+from dpclip.train.checkpoint import load_weights, save_checkpoint
+
+TINY_GPT2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 32}
+TINY_BERT = {"model_type": "bert", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "intermediate_size": 32, "max_position_embeddings": 32}
+
+
+@pytest.fixture(scope="module")
+def text():
+    return load_data(BuiltinData(source="builtin", name="synthetic-text", num_examples=20, max_length=24), seed=0)
+
+
+@pytest.fixture(scope="module")
+def cuisine():
+    return load_data(BuiltinData(source="builtin", name="synthetic-cuisine", num_examples=20, max_length=24), seed=0)
+
+
+def _gpt2(text, seed):
+    model, _ = build_model(HFModel(kind="hf", task="causal-lm", config=TINY_GPT2), text, seed=seed)
+    return model.eval()
+
+
+def _logits(model, data):
+    with torch.no_grad():
+        return model(input_ids=data.train["input_ids"][:4]).logits
+
+
+def test_a_tied_gpt2_checkpoint_reloads_to_identical_logits(text, tmp_path):
+    model = _gpt2(text, seed=0)
+    with torch.no_grad():
+        model.transformer.wte.weight.add_(1.0)   # the tied weight differs from a fresh model's
+    path = save_checkpoint(tmp_path, 3, model, {"step": 3}, keep=2)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    # stored once, under the name transformers saves it by
+    assert "transformer.wte.weight" in names and "lm_head.weight" not in names
+    assert json.loads((path / "model.json").read_text())["tied"] == {"lm_head.weight": "transformer.wte.weight"}
+    fresh = _gpt2(text, seed=1)
+    assert not torch.equal(_logits(fresh, text), _logits(model, text))
+    load_weights(path, fresh)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    assert torch.equal(_logits(fresh, text), _logits(model, text))
+
+
+def test_model_json_holds_the_transformers_config_and_the_label_names(cuisine, tmp_path):
+    model, _ = build_model(HFModel(kind="hf", task="sequence-classification", config=TINY_BERT), cuisine)
+    path = save_checkpoint(tmp_path, 0, model, {"step": 0}, keep=1)
+    info = json.loads((path / "model.json").read_text())
+    assert cuisine.label_names and info["label_names"] == cuisine.label_names
+    assert info["hf_config"]["model_type"] == "bert" and info["hf_class"] == "BertForSequenceClassification"
+    assert info["hf_config"]["id2label"] == {str(i): n for i, n in enumerate(cuisine.label_names)}
+    assert info["model"]["kind"] == "hf" and info["input_shape"] == [24]
+
+
+def test_a_checkpoint_written_by_safetensors_save_model_still_loads(text, tmp_path):
+    model = _gpt2(text, seed=0)
+    (tmp_path / "old").mkdir()
+    save_model(model, str(tmp_path / "old" / "model.safetensors"))   # how checkpoints were written before
+    fresh = _gpt2(text, seed=1)
+    load_weights(tmp_path / "old", fresh)
+    assert torch.equal(_logits(fresh, text), _logits(model, text))
+
+
+def test_weights_of_another_model_are_a_clear_error(text, tmp_path):
+    path = save_checkpoint(tmp_path, 0, _gpt2(text, seed=0), {"step": 0}, keep=1)
+    other, _ = build_model(HFModel(kind="hf", task="causal-lm", config={**TINY_GPT2, "n_layer": 2}), text)
+    with pytest.raises(DpclipError, match="does not match the model"):
+        load_weights(path, other)
