@@ -122,6 +122,7 @@ _SECTIONS: list = [
     ("model: {kind: mlp}", schema.MLPModel, ""),
     ("model: {kind: cnn}", schema.CNNModel, ""),
     ("model: {kind: hf}", schema.HFModel, ""),
+    ("model.lora (kind: hf)", schema.LoRA, "LoRA adapters through peft: docs/export.md"),
     ("model: {kind: custom}", schema.CustomModel, ""),
     ("training", schema.Training, ""),
     ("training.optimizer: {kind: sgd}", schema.SGD, ""),

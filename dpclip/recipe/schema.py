@@ -12,6 +12,9 @@ rebuilt whenever a policy is (un)registered.
 
 ``Recipe.model_dump()`` of the ``clipping`` block is exactly the dict that
 ``dpclip.engine.DPEngine(clipping=...)`` takes.
+
+Length: a little over 400 lines, because the schema is one page: every section of a recipe
+is read (and docs/recipes.md generated) from this one file.
 """
 
 from __future__ import annotations
@@ -101,17 +104,14 @@ class CNNModel(Section):
 
 
 class LoRA(Section):
-    """LoRA adapters through peft (docs/export.md, "LoRA"): only the adapters (and a
-    sequence classifier's head) are trained, clipped and noised; the base stays frozen."""
+    """LoRA adapters through peft (docs/export.md, "LoRA"): only they are trained; the base is frozen."""
 
     r: PositiveInt = Field(8, description="rank of each adapter")
     alpha: PositiveFloat = Field(16.0, description="scaling numerator: the update is (alpha / r) B A x")
-    dropout: Annotated[float, Field(ge=0, lt=1)] = Field(0.0, description="dropout on the adapters' input")
-    target_modules: list[str] | None = Field(
-        None, description="module names to adapt (e.g. [c_attn, c_proj] for GPT-2); default: peft's "
-                          "defaults for the model type")
-    train_head: bool = Field(True, description="sequence-classification: train the classification head "
-                                               "(peft's modules_to_save) next to the adapters")
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    target_modules: list[str] | None = Field(None, description="module names to adapt, e.g. [c_attn, c_proj] "
+                                             "(GPT-2); default: peft's defaults for the model type")
+    train_head: bool = Field(True, description="sequence-classification: also train the classifier head")
 
 
 class HFModel(Section):
