@@ -64,7 +64,7 @@ def roc_figure(report: dict):
     ax.plot(grid, np.maximum(grid, y_floor), color="0.7", lw=0.8, label="chance")
     for name, result in report["attacks"].items():
         xs, ys = roc_staircase(result["roc"]["fpr"], result["roc"]["tpr"], x_floor, y_floor)
-        ax.plot(xs, ys, lw=1.3, drawstyle="default", label=f"{name} (AUC {result['auc']:.3f})")
+        ax.plot(xs, ys, lw=1.3, label=f"{name} (AUC {result['auc']:.3f})")
     ax.axvline(x_floor, color="0.85", lw=0.6, ls=":")
     ax.axhline(y_floor, color="0.85", lw=0.6, ls=":")
     ax.text(x_floor, y_floor * 1.15, " FPR = 0, TPR = 0 drawn on these floors", fontsize=6, color="0.45")

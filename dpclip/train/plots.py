@@ -50,7 +50,7 @@ def save_figure(figure, out_path: Path) -> None:
     plt = _pyplot()
     out_path = Path(out_path)
     tmp = out_path.with_name(out_path.name + ".tmp.png")
-    figure.savefig(tmp, dpi=100)
+    figure.savefig(tmp, dpi=100, bbox_inches="tight")  # legends outside the axes are kept
     plt.close(figure)
     tmp.replace(out_path)
 
@@ -116,6 +116,7 @@ def training_figure(records: list[dict[str, Any]], *, epsilon_cap: float | None 
             axis.set_title("privacy spent (charged in the ledger)", fontsize=9)
             axis.legend(fontsize=7, loc="lower right")
     axes[-1].set_xlabel("step")
+    _integer_steps(axes[-1])
     figure.suptitle("training: loss and held-out metrics are diagnostics not covered by ε" if len(panels) > 1
                     else "training: privacy spent. No loss or accuracy: privacy.exact_diagnostics is false\n"
                     "(exact diagnostics would not be covered by ε)", fontsize=9)
@@ -153,8 +154,24 @@ def threshold_layout(rows: list[list[float]], max_lines: int = MAX_LINES) -> str
 
 
 def _names(names: list[str], limit: int = 4) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+    import textwrap
+
+    shown = ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+    return "\n".join(textwrap.wrap(shown, 70))
+
+
+def _integer_steps(axis) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _tight(figure) -> None:
+    import warnings
+
+    with warnings.catch_warnings():  # long group names: savefig's bbox_inches="tight" makes room
+        warnings.simplefilter("ignore", UserWarning)
+        figure.tight_layout()
 
 
 def thresholds_figure(steps: list[int], rows: list[list[float]], group_names: list[str], *,
@@ -189,6 +206,8 @@ def thresholds_figure(steps: list[int], rows: list[list[float]], group_names: li
     else:
         import numpy as np
 
+        every_step = max(1, math.ceil(len(steps) / 2000))  # at most ~2000 columns
+        steps, rows = steps[::every_step], rows[::every_step]
         values = np.log10(np.maximum(np.asarray(rows, dtype=float).T, 1e-30))  # groups x steps
         figure, axis = plt.subplots(figsize=(8.5, min(2.0 + 0.14 * groups, 14)))
         edges = np.r_[steps[0] - 0.5, (np.asarray(steps[:-1]) + np.asarray(steps[1:])) / 2, steps[-1] + 0.5]
@@ -200,7 +219,8 @@ def thresholds_figure(steps: list[int], rows: list[list[float]], group_names: li
         axis.invert_yaxis()
         axis.set_xlabel("step")
         axis.set_title(f"thresholds of {groups} groups{about} (heat-map, log10 C)", fontsize=9)
-    figure.tight_layout()
+    _integer_steps(axis)
+    _tight(figure)
     return figure
 
 

@@ -57,7 +57,7 @@ def _png(figure) -> bytes:
     import matplotlib.pyplot as plt  # loaded already by the figure's maker
 
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=100)
+    figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
     plt.close(figure)
     return buffer.getvalue()
 
