@@ -11,7 +11,7 @@ import typer
 
 from dpclip import __version__
 from dpclip.allocator import keep_freed_memory
-from dpclip.cli import account, recipes, train, tune_cost, validate
+from dpclip.cli import account, recipes, report, train, tune_cost, validate
 from dpclip.cli import audit
 from dpclip.cli import bench
 from dpclip.cli import export
@@ -53,6 +53,7 @@ app.command("audit-mia")(audit.audit_mia)
 app.command("tune-cost")(tune_cost.tune_cost)
 app.command("bench")(bench.bench)
 app.command("export")(export.export)
+app.command("report")(report.report)
 app.add_typer(recipes.app, name="recipes")
 
 

@@ -138,6 +138,8 @@ _SECTIONS: list = [
     POLICIES,
     ("eval", schema.Eval, ""),
     ("checkpoint", schema.Checkpoint, ""),
+    ("logging", schema.Logging, "Plots, TensorBoard tags and `dpclip report`: docs/training.md, "
+                                "\"Plots and logging\"."),
     ("audit", schema.Audit, ""),
     ("audit.canaries", schema.Canaries, ""),
     ("tuning", schema.Tuning, ""),

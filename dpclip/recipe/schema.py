@@ -318,6 +318,11 @@ class Checkpoint(Section):
     keep: PositiveInt = Field(2, description="checkpoints kept on disk")
 
 
+class Logging(Section):
+    tensorboard: bool = Field(False, description="also write metrics as TensorBoard event files in RUN_DIR/tensorboard/ "
+                              "(diagnostics tagged not_covered_by_epsilon/); needs pip install 'dpclip[tensorboard]'")
+
+
 class Canaries(Section):
     count: PositiveInt = Field(100, description="canaries made; each goes into the training set with prob 1/2")
     kind: Literal["mislabel", "ood"] = Field(
@@ -380,6 +385,7 @@ class Recipe(Section):
     clipping: Clipping = Field(default_factory=Clipping, description="grouping, clip function, noise allocation, threshold policy")
     eval: Eval = Field(default_factory=Eval, description="evaluation on the held-out split")
     checkpoint: Checkpoint = Field(default_factory=Checkpoint, description="checkpoint frequency and retention")
+    logging: Logging = Field(default_factory=Logging, description="where metrics go besides metrics.jsonl")
     audit: Audit = Field(default_factory=Audit, description="membership-inference audit settings")
     tuning: Tuning = Field(default_factory=Tuning, description="hyperparameter search space for tune-cost")
 

@@ -16,6 +16,7 @@ from dpclip.engine import build_groups, trainable_params
 from dpclip.errors import AccountingError
 from dpclip.models import build_model
 from dpclip.recipe.schema import Recipe
+from dpclip.train.tensorboard import check_logging
 
 
 def sampling_schedule(dataset_size: int, batch_size: int, epochs: float | None = None,
@@ -154,7 +155,9 @@ def check_against_data(recipe: Recipe) -> int | None:
     """The rules that need N (batch ≤ N, δ < 1/N), where N is known without loading tensors.
 
     Returns N, or None for sources whose size is only known after loading (Hugging Face).
+    Also refuses a logging.tensorboard the environment cannot serve.
     """
+    check_logging(recipe)
     if recipe.data.source == "hf":
         return None
     dataset_size = training_set_size(recipe.data)

@@ -29,11 +29,12 @@ from dpclip.recipe import Recipe, recipe_to_yaml
 from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dpclip.train.optim import LrSchedule, build_optimizer
 from dpclip.train.plan import count_groups, engine_clipping, privacy_plan, private_seed
-from dpclip.train.plots import plot_thresholds
+from dpclip.train.plots import plot_run
 from dpclip.train.rundir import (
     RunDir, _append_metrics, _check_canaries, _check_same_release, _meta, _privacy_diff, _read_ledger,
     _released_part, _released_records, check_ledger, privacy_fingerprint, run_statement, step_record)
 from dpclip.train.step import PrivateStep, step_micro_batch_size
+from dpclip.train.tensorboard import check_logging, open_tensorboard
 
 
 class TrainObserver(Protocol):
@@ -99,6 +100,7 @@ class Trainer:
         self.released_steps = 0
         # Records of steps after the resumed checkpoint that already left the process.
         self.replay: dict[tuple[str, int], dict[str, Any]] = {}
+        self.tensorboard = None  # the optional TensorBoard log (recipe logging.tensorboard)
 
     # ------------------------------------------------------------------ setup
 
@@ -270,6 +272,8 @@ class Trainer:
                     "started with, or start a new run")
             return
         _append_metrics(RunDir(self.run_dir).metrics_file, record)
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
         (self.observer.on_step if kind == "step" else self.observer.on_eval)(record)
 
     def _run_eval(self) -> dict[str, float]:
@@ -285,10 +289,12 @@ class Trainer:
     def train(self) -> TrainResult:
         """Set up, then train until the planned steps, the ε cap or Ctrl-C; returns the result."""
         self.setup()
+        check_logging(self.recipe)  # before the run directory exists
         info = self.info()
         if self.dry_run:
             return self._dry_run(info)
         self._setup_run_dir(info)
+        self.tensorboard = open_tensorboard(self.recipe, self.run_dir, self.engine.group_names)
         self.observer.on_start({**info, "run_dir": str(self.run_dir), "start_step": self.step, "dry_run": False})
         stopped = self._loop()
         final_eval = self._run_eval() if stopped != "interrupted" else {}
@@ -299,7 +305,10 @@ class Trainer:
                              self.plan.delta, stopped, final_eval, statement.lines(), self.solved.step_metadata)
         run = RunDir(self.run_dir)
         write_json_atomic(run.summary_file, result.to_dict())
-        plot_thresholds(run.metrics_file, run.thresholds_plot, self.engine.group_names)
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        plot_run(run.path, self.engine.group_names, policy=self.recipe.clipping.threshold.kind,
+                 epsilon_cap=self.recipe.privacy.epsilon, delta=self.plan.delta)
         self.observer.on_end(result)
         return result
 

@@ -1,0 +1,174 @@
+"""`dpclip report RUN_DIR`: a run's summary and one self-contained HTML page with every
+plot of the run and its privacy statement (docs/cli.md, "report"; docs/training.md,
+"Plots and logging").
+
+The page is built from the run directory alone. ε, δ and the statement come from the
+run's ledger.json, checked against the plan re-solved from its recipe (the same check as
+``dpclip account RUN_DIR``); the held-out metrics and the audit's results are exact,
+computed on private data, and are labelled "not covered by ε" wherever they appear.
+Plots missing from the run (a run that stopped before its end drew them) are drawn in
+memory from metrics.jsonl; the run directory itself is never written, except the page
+when ``--out`` is not given (``RUN_DIR/report.html``).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from dpclip.errors import DpclipError
+from dpclip.files import read_json, write_text_atomic
+from dpclip.train.plots import (THRESHOLDS_PLOT, TRAINING_PLOT, read_metrics, threshold_rows, thresholds_figure,
+                                training_figure)
+from dpclip.train.rundir import RunDir, planned_step, spent
+
+REPORT_FILE = "report.html"
+NOT_COVERED = "not covered by ε"
+
+
+def run_summary(run_dir: Path) -> dict[str, Any]:
+    """What `dpclip report` prints: steps, ε, δ, accountant, why the run stopped, the final
+    held-out metrics (labelled not covered by ε) and the privacy statement."""
+    run = RunDir(Path(run_dir).expanduser().resolve())
+    if not run.path.is_dir():
+        raise DpclipError(f"{run.path} is not a folder", "pass a run directory, e.g. runs/quickstart-20261121-101500")
+    recipe = run.recipe()  # error + hint when the folder is not a run
+    ledger, statement = spent(run.path)
+    _, planned = planned_step(run.path, recipe)
+    summary = run.summary() if run.summary_file.exists() else {}
+    records = read_metrics(run.metrics_file)
+    final_eval = summary.get("final_eval") or next((r["eval"] for r in reversed(records) if "eval" in r), {})
+    epsilon = ledger.epsilon() if ledger.steps else 0.0
+    return {
+        "run_dir": str(run.path), "name": recipe.name, "steps_done": ledger.steps, "steps_planned": planned,
+        "epsilon": epsilon, "delta": recipe.privacy.delta, "accountant": recipe.privacy.accountant,
+        "epsilon_cap": recipe.privacy.epsilon,
+        "stopped": summary.get("stopped", "unfinished (no summary.json): resume with dpclip train --resume RUN_DIR"),
+        "final_eval": final_eval, "not_covered_by_epsilon": ["final_eval"] if final_eval else [],
+        "statement": statement.lines(),
+    }
+
+
+def _png(figure) -> bytes:
+    import matplotlib.pyplot as plt  # loaded already by the figure's maker
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    plt.close(figure)
+    return buffer.getvalue()
+
+
+def run_plots(run_dir: Path) -> list[tuple[str, str, bytes]]:
+    """(title, caption, PNG bytes) of every plot of a run: training.png, thresholds.png (drawn
+    in memory when the run has none) and the audit's PNGs if it has an audit/ folder."""
+    run = RunDir(run_dir)
+    records = read_metrics(run.metrics_file)
+    plots = []
+    training = run.path / TRAINING_PLOT
+    if training.exists():
+        data = training.read_bytes()
+    elif any("eval" not in r for r in records):
+        recipe = run.recipe()
+        data = _png(training_figure(records, epsilon_cap=recipe.privacy.epsilon, delta=recipe.privacy.delta))
+    else:
+        data = None
+    if data is not None:
+        plots.append(("training", "ε spent (charged in the ledger); the loss and held-out metrics are exact "
+                      f"diagnostics, {NOT_COVERED}", data))
+    thresholds = run.path / THRESHOLDS_PLOT
+    steps, rows = threshold_rows(records)
+    if thresholds.exists():
+        data = thresholds.read_bytes()
+    elif steps:
+        groups = run.meta().get("groups") or []
+        data = _png(thresholds_figure(steps, rows, groups, policy=run.recipe().clipping.threshold.kind))
+    else:
+        data = None
+    if data is not None:
+        plots.append(("thresholds", "clipping thresholds per group (released, charged in the ledger)", data))
+    audit = run.path / "audit"
+    if audit.is_dir():
+        for path in sorted(audit.glob("*.png")):
+            plots.append((f"audit: {path.stem}", "membership-inference attacks on the trained model, measured on "
+                          f"private data, {NOT_COVERED}; dashed: the bound the ledger's (ε, δ) puts on them",
+                          path.read_bytes()))
+    return plots
+
+
+def _audit_rows(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "audit" / "report.json"
+    if not path.exists():
+        return []
+    try:
+        report = read_json(path)
+        return [{"attack": name, "auc": r["auc"], "tpr_at_1%_fpr": r["tpr_at_1%_fpr"]}
+                for name, r in report.get("attacks", {}).items()]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return []
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "n/a" if value is None else str(value)
+
+
+def report_html(summary: dict[str, Any], plots: list[tuple[str, str, bytes]],
+                audit_rows: list[dict[str, Any]] | None = None) -> str:
+    """One self-contained HTML page (PNG images embedded as base64)."""
+    e = html.escape
+    rows = [("run", summary["run_dir"]), ("steps", f"{summary['steps_done']} of {summary['steps_planned']}"),
+            ("ε spent", f"{summary['epsilon']:.4g} at δ = {summary['delta']:.3g} ({summary['accountant']})"),
+            ("ε cap", _fmt(summary["epsilon_cap"])), ("stopped", summary["stopped"])]
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>dpclip report: {e(summary['name'])}</title>",
+        "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto;color:#222}"
+        "td,th{padding:.2em .8em;text-align:left;vertical-align:top}.nc{color:#a33}"
+        "img{max-width:100%;border:1px solid #ddd}figcaption{font-size:.9em;color:#555}</style></head><body>",
+        f"<h1>dpclip run report: {e(summary['name'])}</h1>",
+        "<table>" + "".join(f"<tr><th>{e(k)}</th><td>{e(str(v))}</td></tr>" for k, v in rows) + "</table>",
+    ]
+    if summary["final_eval"]:
+        parts.append(f'<h2>Final held-out metrics <span class="nc">({NOT_COVERED})</span></h2>')
+        parts.append('<p class="nc">Exact, computed without noise on the held-out split of the private data.</p>')
+        parts.append("<table>" + "".join(f"<tr><th>{e(k)}</th><td>{e(_fmt(v))}</td></tr>"
+                                         for k, v in summary["final_eval"].items()) + "</table>")
+    parts.append("<h2>Privacy statement</h2><ul>")
+    parts += [f"<li>{e(line)}</li>" for line in summary["statement"]]
+    parts.append("</ul>")
+    if audit_rows:
+        parts.append(f'<h2>Membership-inference audit <span class="nc">({NOT_COVERED})</span></h2><table>'
+                     "<tr><th>attack</th><th>AUC</th><th>TPR at 1% FPR</th></tr>")
+        parts += [f"<tr><td>{e(r['attack'])}</td><td>{_fmt(r['auc'])}</td><td>{_fmt(r['tpr_at_1%_fpr'])}</td></tr>"
+                  for r in audit_rows]
+        parts.append("</table>")
+    parts.append("<h2>Plots</h2>")
+    for title, caption, data in plots:
+        encoded = base64.b64encode(data).decode("ascii")
+        parts.append(f'<figure><img alt="{e(title)}" src="data:image/png;base64,{encoded}">'
+                     f"<figcaption>{e(title)}: {e(caption)}</figcaption></figure>")
+    if not plots:
+        parts.append("<p>The run has no plot yet (no step was recorded).</p>")
+    parts.append(f"<p><small>written by dpclip report, {e(datetime.now().isoformat(timespec='seconds'))}</small></p>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def write_report(run_dir: Path, out: Path | None = None) -> tuple[dict[str, Any], Path]:
+    """The run's summary, and the HTML page written (atomically) to ``out`` or
+    ``RUN_DIR/report.html``."""
+    summary = run_summary(run_dir)
+    path = Path(summary["run_dir"])
+    out = path / REPORT_FILE if out is None else Path(out).expanduser().resolve()
+    if out.is_dir():
+        raise DpclipError(f"{out} is a folder", "pass a file name for --out, e.g. --out report.html")
+    if not out.parent.is_dir():
+        raise DpclipError(f"{out.parent} does not exist", "create the folder first, or choose another --out")
+    page = report_html(summary, run_plots(path), _audit_rows(path))
+    write_text_atomic(out, page)
+    return summary, out

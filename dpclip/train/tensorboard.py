@@ -1,0 +1,108 @@
+"""TensorBoard event files of a run, when the recipe asks (``logging.tensorboard: true``):
+docs/training.md, "Plots and logging".
+
+Each record the trainer writes to metrics.jsonl is forwarded here after it is written, so
+the event files under ``RUN_DIR/tensorboard/`` hold exactly what metrics.jsonl holds: the
+charged releases (ε, thresholds, noise std, the policy's released statistics) and the
+run's settings (lr, seconds per step) under their own tags, and the exact diagnostics and
+held-out metrics only under the tag prefix ``not_covered_by_epsilon/``. Replayed steps of
+a resumed run are never forwarded (the trainer skips them), so no step is written twice;
+each record is flushed so that a killed run loses no event that metrics.jsonl kept.
+
+The ``tensorboard`` package is an optional extra (``pip install 'dpclip[tensorboard]'``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+from dpclip.errors import DpclipError
+
+TENSORBOARD_DIR = "tensorboard"
+NOT_COVERED_PREFIX = "not_covered_by_epsilon/"
+
+
+def tensorboard_installed() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def check_logging(recipe) -> None:
+    """Refuse ``logging.tensorboard: true`` when the tensorboard package is missing."""
+    if recipe.logging.tensorboard and not tensorboard_installed():
+        raise DpclipError("logging.tensorboard is true, but the tensorboard package is not installed",
+                          "pip install 'dpclip[tensorboard]' (or pip install tensorboard), "
+                          "or set logging.tensorboard: false")
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def record_scalars(record: dict[str, Any], group_names: list[str]) -> list[tuple[str, float]]:
+    """(tag, value) pairs of one metrics.jsonl record (see the module doc for the tags).
+
+    Per-group values are tagged by group name (``thresholds/fc1``); the diagnostics and
+    held-out metrics go under :data:`NOT_COVERED_PREFIX` (``not_covered_by_epsilon/train_loss``,
+    ``not_covered_by_epsilon/eval_accuracy``).
+    """
+    out: list[tuple[str, float]] = []
+
+    def add(tag: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                add(f"{tag}/{key}", inner)
+        elif isinstance(value, (list, tuple)):
+            for k, inner in enumerate(value):
+                add(f"{tag}/{group_names[k] if len(value) == len(group_names) else k}", inner)
+        else:
+            number = _number(value)
+            if number is not None:
+                out.append((tag, number))
+
+    # Held-out metrics and diagnostics are exact (no noise): always under the prefix.
+    if "eval" in record:
+        for metric, value in record["eval"].items():
+            add(f"{NOT_COVERED_PREFIX}eval_{metric}", value)
+        return out
+    add("privacy/epsilon", record.get("epsilon"))
+    add("train/lr", record.get("lr"))
+    add("train/seconds_per_step", record.get("seconds"))
+    add("thresholds", record.get("thresholds"))
+    add("noise_std", record.get("noise_std"))
+    add("policy", record.get("policy"))
+    for key, value in (record.get("diagnostics") or {}).items():
+        add(NOT_COVERED_PREFIX + key, value)
+    return out
+
+
+class TensorBoardLog:
+    """A ``SummaryWriter`` over ``RUN_DIR/tensorboard/`` fed with metrics.jsonl records."""
+
+    def __init__(self, run_dir: Path, group_names: list[str]):
+        from torch.utils.tensorboard import SummaryWriter  # lazy: an optional extra
+
+        self.path = Path(run_dir) / TENSORBOARD_DIR
+        self.group_names = list(group_names)
+        self.writer = SummaryWriter(log_dir=str(self.path))
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = int(record["step"])
+        for tag, value in record_scalars(record, self.group_names):
+            self.writer.add_scalar(tag, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def open_tensorboard(recipe, run_dir: Path, group_names: list[str]) -> TensorBoardLog | None:
+    """The run's TensorBoard log if the recipe asks for one, else None."""
+    if not recipe.logging.tensorboard:
+        return None
+    check_logging(recipe)
+    return TensorBoardLog(run_dir, group_names)

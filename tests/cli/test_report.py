@@ -1,0 +1,74 @@
+import base64
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dpclip.recipe import load_recipe
+from dpclip.train.workflow import train
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    output = tmp_path_factory.mktemp("runs")
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        f"output_dir={output}", "training.epochs=null", "training.steps=6", "eval.every_steps=3",
+        "checkpoint.every_steps=null"])
+    return train(recipe).run_dir
+
+
+@pytest.fixture
+def finished_run(trained_run, tmp_path):
+    """A copy of one short finished run (each test may change its copy)."""
+    return Path(shutil.copytree(trained_run, tmp_path / "run"))
+
+
+def _images(page: str) -> list[bytes]:
+    return [base64.b64decode(part.split('"', 1)[0]) for part in page.split('src="data:image/png;base64,')[1:]]
+
+
+@pytest.mark.slow
+def test_report_prints_the_summary_and_writes_one_self_contained_page(cli, finished_run, tmp_path, monkeypatch):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # an absolute run path works from any directory
+    (finished_run / "audit").mkdir()
+    (finished_run / "audit" / "roc.png").write_bytes((finished_run / "thresholds.png").read_bytes())
+    out = tmp_path / "page.html"
+    result = cli("report", finished_run.resolve(), "--out", out)
+    assert result.code == 0, result.err
+    summary = json.loads((finished_run / "summary.json").read_text())
+    assert "steps: 6 of 6" in result.out and "completed" in result.out
+    assert f"ε = {summary['epsilon']:.4g}" in result.out
+    assert "final held-out metrics (not covered by ε): loss" in result.out
+    assert summary["statement"][0] in result.out
+    page = out.read_text()
+    images = _images(page)
+    assert len(images) == 3 and all(image[:4] == b"\x89PNG" for image in images)
+    assert images[0] == (finished_run / "training.png").read_bytes()
+    assert "Privacy statement" in page and "not covered by ε" in page and "audit: roc" in page
+    assert "http" not in page.replace("http-equiv", "")  # nothing to fetch: self-contained
+
+
+@pytest.mark.slow
+def test_report_without_out_writes_into_the_run_and_json_lists_it(cli, finished_run):
+    (finished_run / "training.png").unlink()  # a run that stopped before drawing: drawn in memory
+    result = cli("report", finished_run, "--json")
+    assert result.code == 0, result.err
+    payload = json.loads(result.out)
+    assert payload["report"] == str((finished_run / "report.html").resolve())
+    assert payload["not_covered_by_epsilon"] == ["final_eval"] and payload["steps_done"] == 6
+    assert len(_images((finished_run / "report.html").read_text())) == 2
+    assert not (finished_run / "training.png").exists()
+
+
+def test_report_of_a_folder_that_is_not_a_run_is_an_error_with_a_hint(cli, tmp_path):
+    result = cli("report", tmp_path)
+    assert result.code == 2
+    assert "error:" in result.err and "not a dpclip run directory" in result.err and "hint:" in result.err
+    assert "Traceback" not in result.err
+    missing = cli("report", tmp_path / "nope")
+    assert missing.code == 2 and "hint:" in missing.err
