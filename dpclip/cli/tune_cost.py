@@ -66,7 +66,7 @@ def tune_cost(
     """
     # Lazy: `dpclip --help` and the other commands must not pay for torch and the tuning stack.
     from dpclip.errors import DpclipError
-    from dpclip.recipe import apply_overrides, read_yaml, validate_recipe
+    from dpclip.recipe import read_recipe_data, validate_recipe
     from dpclip.tuning.compare import tune_cost_compared
     from dpclip.tuning.cost import StepTimer
     from dpclip.tuning.cost import tune_cost as run_tune_cost
@@ -83,7 +83,7 @@ def tune_cost(
     if run and dataset_size is not None:
         raise DpclipError("--run trains on the recipe's own data, so --dataset-size cannot be used with it",
                           "drop --dataset-size to run the search")
-    base = apply_overrides(read_yaml(recipe_path), overrides or [])
+    base = read_recipe_data(recipe_path, overrides or [])  # paths resolved as load_recipe does
     recipe = validate_recipe(base, source=str(recipe_path))
     bar = ProgressBar(quiet=as_json)
     timer = StepTimer(calibration_steps, warmup_steps, None if measure else step_seconds, bar)
