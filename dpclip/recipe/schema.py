@@ -10,6 +10,9 @@ The threshold policies' specs and their rules live in their own files
 (dpclip/engine/policies/); ``clipping.threshold`` is the union of what is registered there,
 rebuilt whenever a policy is (un)registered.
 
+Length: a little over 400 lines, because the schema is one page of every section, read
+top to bottom like docs/recipes.md, which is generated from it.
+
 ``Recipe.model_dump()`` of the ``clipping`` block is exactly the dict that
 ``dpclip.engine.DPEngine(clipping=...)`` takes.
 """

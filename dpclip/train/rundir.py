@@ -5,6 +5,9 @@ Its files are input, not truth: the ledger is checked against the plan re-solved
 recipe (:func:`check_ledger`), and the recipe against the privacy fingerprint written when
 the run started. Which files are secret and which may be shared: docs/accounting.md,
 "Threat model"; the layout: docs/training.md.
+
+Length: a little over 400 lines: every reader and writer of a run directory's files (and
+the checks that make them trustworthy) is here, so the layout has one home.
 """
 
 from __future__ import annotations

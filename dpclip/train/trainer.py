@@ -6,6 +6,10 @@ the one private step, and charges each step in the ledger before anything of it 
 the process. Nothing else touches the private data, except the diagnostics in
 metrics.jsonl (training loss, clip fractions, norm quantiles), which are computed without
 noise, are not covered by ε, and are labelled so.
+
+Length: above ~400 lines on purpose: setup, resume, the loop, checkpoints and the
+deferred interrupt share the trainer's state (step, ledger, generators); split apart,
+each part would reach into the others' attributes.
 """
 
 from __future__ import annotations
@@ -142,6 +146,9 @@ class Trainer:
             if self.recipe is not None:
                 changed = _privacy_diff(stored, self.recipe)
                 if changed:
+                    # Name the changed leaves (privacy.epsilon), not only their section (privacy).
+                    changed = [key for key in recipe_changes(stored, self.recipe)
+                               if any(key == f or key.startswith(f + ".") for f in changed)] or changed
                     raise DpclipError(f"cannot resume: the recipe changes privacy fields {', '.join(changed)} "
                                       "of the run", "resume with the run's own recipe: dpclip train --resume RUN_DIR; "
                                       "only other fields (e.g. training.optimizer.lr=0.1) may change on resume")
@@ -348,7 +355,8 @@ class Trainer:
         accounting = self.ledger.result()
         statement = run_statement(self.recipe, self.ledger)
         result = TrainResult(self.run_dir, self.step, self.plan.steps, accounting.epsilon, accounting.epsilon_rdp,
-                             self.plan.delta, stopped, final_eval, statement.lines(), self.solved.step_metadata)
+                             self.plan.delta, stopped, final_eval, statement.lines(), self.solved.step_metadata,
+                             self.sigma_change, self.resume_changes)
         run = RunDir(self.run_dir)
         write_json_atomic(run.summary_file, result.to_dict())
         plot_thresholds(run.metrics_file, run.thresholds_plot, self.engine.group_names)
@@ -360,7 +368,8 @@ class Trainer:
         self.engine.detach()
         solved = self.solved
         result = TrainResult(Path("-"), 0, self.plan.steps, solved.epsilon, solved.epsilon_rdp, self.plan.delta,
-                             "dry-run", statement=solved.statement.lines(), noise=solved.step_metadata)
+                             "dry-run", statement=solved.statement.lines(), noise=solved.step_metadata,
+                             sigma_change=self.sigma_change, resume_changes=self.resume_changes)
         self.observer.on_end(result)
         return result
 
