@@ -8,8 +8,8 @@ threads. A script that trains through the Python API gets the same with one call
     dpclip.threads.configure(1)      # or configure() to keep torch's thread count
 
 Both settings are process-wide, which is why the library never applies them behind a
-user's back. The measurements behind the default (torch's own, one thread per core) are
-in docs/training.md, "Threads".
+user's back. The measurements behind the default (torch's own, one thread per core;
+``--threads 1`` when several trainings share a machine) are in docs/training.md, "Threads".
 """
 
 from __future__ import annotations
