@@ -23,7 +23,7 @@ LAYERS = [
     ("dpclip.recipe",),
     ("dpclip.data", "dpclip.models", "dpclip.engine"),
     ("dpclip.accounting",),
-    ("dpclip", "dpclip.errors", "dpclip.rng", "dpclip.allocator", "dpclip.files"),
+    ("dpclip", "dpclip.errors", "dpclip.rng", "dpclip.allocator", "dpclip.threads", "dpclip.files"),
 ]
 
 # Third-party packages a layer must never import, and why.

@@ -43,6 +43,13 @@ class RichObserver:
             table.add_row("σ statistic", fmt(info["sigma_aux"]))
         table.add_row("planned ε", f"{fmt(info['planned_epsilon'])} at δ = {info['delta']:g} ({info['accountant']})")
         console.print(table)
+        if info.get("sigma_change"):
+            console.print(f"[bold yellow]warning:[/] {_sigma_line(info['sigma_change'])}", soft_wrap=True)
+        if info.get("resume_changes"):
+            changed = ", ".join(f"{key} {_value(old)} -> {_value(new)}"
+                                for key, (old, new) in info["resume_changes"].items())
+            console.print(f"resumed from step {info.get('start_step', 0)} with changed fields: {changed}",
+                          soft_wrap=True)
         if info.get("seeded_randomness"):
             from dpclip.accounting.statement import SEEDED_RANDOMNESS_WARNING
 
@@ -97,12 +104,33 @@ def _summary(result) -> None:
         console.print(f"  {line}", soft_wrap=True)
 
 
+def _value(value) -> str:
+    return fmt(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def _sigma_line(change) -> str:
+    """e.g. "training.epochs 30 -> 1: σ 1.07 -> 0.53 for ε = 8" (ε is what the recipe fixes)."""
+    moved = ", ".join(f"{key} {_value(old)} -> {_value(new)}" for key, (old, new) in change["changed"].items())
+    if change["calibrated"]:
+        return (f"{moved}: σ {fmt(change['sigma_file'], 3)} -> {fmt(change['sigma'], 3)} "
+                f"for ε = {fmt(change['epsilon'], 3)} (ε stays fixed; the noise per step changes)")
+    return f"{moved}: ε {fmt(change['epsilon_file'], 3)} -> {fmt(change['epsilon'], 3)} at σ = {fmt(change['sigma'], 3)}"
+
+
+def _is_override(text: str) -> bool:
+    return "=" in text and not Path(text).exists()
+
+
 def train(
-    recipe: Path = typer.Argument(None, help="Recipe YAML file (optional with --resume)."),
+    recipe: str = typer.Argument(None, metavar="[RECIPE]",
+                                 help="Recipe YAML file (optional with --resume, whose overrides then follow)."),
     overrides: list[str] = typer.Argument(None, help="key=value overrides, e.g. training.optimizer.lr=0.05"),
-    resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory from its LATEST checkpoint."),
+    resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory from its LATEST checkpoint; "
+                                "key=value overrides of non-privacy fields apply from there."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Build data, model, engine and plan; do not train."),
     as_json: bool = typer.Option(False, "--json", help="Print the final summary as JSON (no progress bar)."),
+    threads: int = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's, one per core); "
+                                "resume with the count the run started with."),
 ) -> None:
     """Train a model with differential privacy from a recipe.
 
@@ -113,23 +141,43 @@ def train(
       dpclip train recipes/quickstart.yaml training.optimizer.lr=0.3 --dry-run
 
       dpclip train --resume runs/quickstart-20261121-101500
+
+      dpclip train --resume runs/quickstart-20261121-101500 training.optimizer.lr=0.1
+
+    SIGTERM and Ctrl-C stop at the next step boundary with a checkpoint; resume with --resume.
     """
     # Lazy: `dpclip --help` and the other commands must not pay for torch and the training stack.
-    from dpclip.errors import DpclipError
+    from dpclip.errors import DpclipError, RecipeError
+    from dpclip.threads import configure
     from dpclip.train.workflow import train as run_training
 
-    loaded = None
+    configure(threads)
+    overrides = list(overrides or [])
+    if resume is not None and recipe is not None and _is_override(recipe):
+        overrides, recipe = [recipe, *overrides], None  # `--resume RUN_DIR key=value ...`
+    if resume is not None and not Path(resume).is_dir():
+        raise DpclipError(f"run directory not found: {resume}", "pass a folder created by `dpclip train` under runs/")
+    loaded = file_recipe = None
     if recipe is not None:
         from dpclip.recipe import load_recipe
 
-        loaded = load_recipe(recipe, overrides or [])
+        loaded = load_recipe(recipe, overrides)
+        if overrides and resume is None:
+            try:
+                file_recipe = load_recipe(recipe)  # σ of the file's own plan is shown beside the run's
+            except RecipeError:
+                file_recipe = None  # the file alone is incomplete: the overrides complete it
     elif overrides:
-        raise DpclipError("overrides need a recipe", "dpclip train RECIPE.yaml key=value ...")
+        if resume is None:
+            raise DpclipError("overrides need a recipe", "dpclip train RECIPE.yaml key=value ..., or "
+                              "dpclip train --resume RUN_DIR key=value ...")
+        from dpclip.train.rundir import run_recipe_with
+
+        loaded = run_recipe_with(resume, overrides)
     elif resume is None:
         raise DpclipError("nothing to train", "pass a recipe file (see `dpclip recipes list`), or --resume RUN_DIR")
-    if resume is not None and not Path(resume).is_dir():
-        raise DpclipError(f"run directory not found: {resume}", "pass a folder created by `dpclip train` under runs/")
-    result = run_training(loaded, resume=resume, dry_run=dry_run, observer=RichObserver(quiet=as_json))
+    result = run_training(loaded, resume=resume, dry_run=dry_run, observer=RichObserver(quiet=as_json),
+                          file_recipe=file_recipe)
     if as_json:
         print_json(result.to_dict())
     elif not dry_run:
@@ -142,4 +190,4 @@ def train(
         from dpclip.errors import InterruptedRun
 
         raise InterruptedRun(f"interrupted at step {result.steps_done}; a checkpoint was saved",
-                          f"continue with: dpclip train --resume {result.run_dir}")
+                             f"continue with: dpclip train --resume {result.run_dir}")

@@ -48,6 +48,8 @@ def tune_cost(
     warmup_steps: int = typer.Option(2, "--warmup-steps", help="Untimed steps before them."),
     measure: bool = typer.Option(True, "--measure/--no-measure", help="Measure step times (or use --step-seconds)."),
     step_seconds: float = typer.Option(None, "--step-seconds", help="Seconds per step, with --no-measure."),
+    run_seconds: float = typer.Option(None, "--run-seconds", min=0.0,
+                                      help="Fixed seconds per run outside its steps, with --no-measure (default 0)."),
     dataset_size: int = typer.Option(None, "--dataset-size", "-N", help="Account as if trained on N examples."),
     compare: bool = typer.Option(False, "--compare", help="The same search for each clipping method."),
     run: bool = typer.Option(False, "--run", help="Perform the search (repeat-and-select) and write its ledger."),
@@ -66,7 +68,7 @@ def tune_cost(
     """
     # Lazy: `dpclip --help` and the other commands must not pay for torch and the tuning stack.
     from dpclip.errors import DpclipError
-    from dpclip.recipe import apply_overrides, read_yaml, validate_recipe
+    from dpclip.recipe import read_recipe_data, validate_recipe
     from dpclip.tuning.compare import tune_cost_compared
     from dpclip.tuning.cost import StepTimer
     from dpclip.tuning.cost import tune_cost as run_tune_cost
@@ -75,6 +77,9 @@ def tune_cost(
     if measure and step_seconds is not None:
         raise DpclipError("--step-seconds is used only with --no-measure",
                           "pass --no-measure --step-seconds S, or drop --step-seconds to measure")
+    if measure and run_seconds is not None:
+        raise DpclipError("--run-seconds is used only with --no-measure",
+                          "pass --no-measure --step-seconds S --run-seconds R, or drop --run-seconds to measure")
     if not measure and (step_seconds is None or not step_seconds > 0):
         raise DpclipError("--no-measure needs --step-seconds S (a positive number of seconds)",
                           "e.g. --no-measure --step-seconds 0.25")
@@ -83,10 +88,11 @@ def tune_cost(
     if run and dataset_size is not None:
         raise DpclipError("--run trains on the recipe's own data, so --dataset-size cannot be used with it",
                           "drop --dataset-size to run the search")
-    base = apply_overrides(read_yaml(recipe_path), overrides or [])
+    base = read_recipe_data(recipe_path, overrides or [])  # paths resolved as load_recipe does
     recipe = validate_recipe(base, source=str(recipe_path))
     bar = ProgressBar(quiet=as_json)
-    timer = StepTimer(calibration_steps, warmup_steps, None if measure else step_seconds, bar)
+    timer = StepTimer(calibration_steps, warmup_steps, None if measure else step_seconds, bar,
+                      run_overhead=None if measure else (run_seconds or 0.0))
     try:
         # --compare: the comparison builds on the cost report (dpclip.tuning.compare uses cost, not the reverse).
         cost = tune_cost_compared if compare else run_tune_cost
@@ -136,6 +142,8 @@ def _render(report) -> None:
     compute.add_column("value", justify="right")
     source = "measured" if report.measured else "given (--no-measure)"
     compute.add_row(f"seconds per step ({source})", fmt(report.step_seconds))
+    compute.add_row("fixed seconds per run (data, model, σ, checkpoints, evaluation, plot)",
+                    fmt(report.runs[0].fixed_seconds))
     if report.policy_overhead is not None:
         compute.add_row("threshold policy overhead vs fixed C", f"{100 * report.policy_overhead:+.1f}%")
     compute.add_row("steps per run", str(privacy.steps))

@@ -57,7 +57,7 @@ def _build(config, data) -> tuple[nn.Module, PerSampleLoss]:
         return build_hf(config, data), PerSampleLoss(forward_transformers, criterion)
     if config.kind == "custom":
         forward = forward_features if "features" in data.train else forward_token_ids
-        criterion = custom_criterion(config.loss, data)
+        criterion = custom_criterion(config.loss, data, config.module_dir)
         return build_custom(config, data), PerSampleLoss(forward, criterion)
     raise DpclipError(f"unknown model.kind {config.kind!r}", "use mlp, cnn, hf or custom")
 

@@ -1,6 +1,7 @@
 """Your own model (``model.kind: custom``): ``target: "package.module:factory"``.
 
-The factory is imported with importlib and called with ``model.kwargs``; it also gets
+The factory is imported with importlib (its module looked for in ``model.module_dir`` first,
+the recipe file's directory unless given: docs/recipes.md, "Paths") and called with ``model.kwargs``; it also gets
 ``input_shape`` and ``num_classes`` from the data when its signature names them (and
 the recipe's kwargs do not). The loss is "cross-entropy", "mse", or
 ``"package.module:fn"`` with ``fn(outputs, labels) -> Tensor[b]`` (one loss per example).
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
+from contextlib import contextmanager
 
 from torch import nn
 
@@ -22,18 +25,38 @@ BUILTIN_LOSSES = {"cross-entropy": cross_entropy, "mse": squared_error}
 DATA_ARGUMENTS = ("input_shape", "num_classes")
 
 
-def import_target(target: str, what: str):
-    """The object named by ``"package.module:attribute"``, or a DpclipError saying why not."""
+@contextmanager
+def _searched_first(directory: str | None):
+    """``directory`` at the front of ``sys.path`` while the block runs, and only then (a
+    module that imports its siblings later, inside a function, needs them on PYTHONPATH)."""
+    if directory is None:
+        yield
+        return
+    sys.path.insert(0, directory)
+    try:
+        yield
+    finally:
+        try:
+            sys.path.remove(directory)
+        except ValueError:
+            pass
+
+
+def import_target(target: str, what: str, module_dir: str | None = None):
+    """The object named by ``"package.module:attribute"``, or a DpclipError saying why not;
+    the module is looked for in ``module_dir`` first when given."""
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
         raise DpclipError(f"{what} {target!r} is not of the form 'package.module:name'",
                           "e.g. model.target: mypackage.models:make_net")
     try:
-        module = importlib.import_module(module_name)
+        with _searched_first(module_dir):
+            module = importlib.import_module(module_name)
     except ImportError as exc:
+        where = f"in {module_dir} (model.module_dir)" if module_dir else "beside the recipe file"
         raise DpclipError(f"cannot import {what} {target!r}: {exc}",
-                          "make sure the module is installed or on PYTHONPATH "
-                          "(run from the directory that holds it)") from None
+                          f"put {module_name.replace('.', '/')}.py {where}, or install the module or put it on "
+                          "PYTHONPATH") from None
     try:
         return getattr(module, attribute)
     except AttributeError:
@@ -52,7 +75,7 @@ def _signature(factory) -> inspect.Signature | None:
 
 def build_custom(config, data) -> nn.Module:
     """Import and call the factory; the result must be a torch ``nn.Module``."""
-    factory = import_target(config.target, "model factory")
+    factory = import_target(config.target, "model factory", config.module_dir)
     if not callable(factory):
         raise DpclipError(f"model.target {config.target!r} is not callable", "point it at a function or class")
     kwargs = dict(config.kwargs)
@@ -74,7 +97,7 @@ def build_custom(config, data) -> nn.Module:
     return model
 
 
-def custom_criterion(loss: str, data):
+def custom_criterion(loss: str, data, module_dir: str | None = None):
     """The criterion for ``model.loss``: a builtin name or an imported per-sample function."""
     if loss == "cross-entropy" and data.task != "classification":
         raise DpclipError(f"model.loss 'cross-entropy' needs class labels, but the data is {data.task}",
@@ -83,7 +106,7 @@ def custom_criterion(loss: str, data):
         return BUILTIN_LOSSES[loss]
     if ":" not in loss:
         raise DpclipError(f"model.loss {loss!r} is unknown", "use cross-entropy, mse, or 'package.module:fn'")
-    fn = import_target(loss, "loss function")
+    fn = import_target(loss, "loss function", module_dir)
     if not callable(fn):
         raise DpclipError(f"model.loss {loss!r} is not callable", "point it at a function fn(outputs, labels)")
     return CustomCriterion(fn, loss)

@@ -32,6 +32,16 @@ fails when the two disagree.
   training.optimizer.lr=0.05 clipping.grouping='{uniform: 4}'`.
 - `dpclip validate FILE --show` prints the resolved recipe with every default filled in.
 
+Paths: a relative path written in a recipe file (`data.train`, `data.test`, a local
+`tokenizer`, `model.pretrained`, a local `data.name` folder of `source: hf`) is relative
+to the recipe file's directory, not to where the command runs; a path given as a
+`key=value` override is relative to the current directory. A custom model's module is
+looked for in `model.module_dir`, the recipe file's directory unless given, so
+`target: 'mymodel:build'` finds `mymodel.py` beside the recipe. The run directory's
+`recipe.yaml` holds the resolved, absolute paths, so `--resume`, `account` and
+`audit-mia` work from any directory. (`output_dir` stays relative to the current
+directory.)
+
 Rules that need the data (checked by `dpclip account RECIPE` and by training): the
 Poisson rate is q = batch_size / N with N the training examples after the split, so
 batch_size must not exceed N; `privacy.delta` must be below 1/N.
@@ -99,7 +109,7 @@ def _section(title: str, model: type[BaseModel], note: str = "") -> list[str]:
     lines = [f"### `{title}`", ""]
     doc = (model.__doc__ or "").strip()
     if doc and not doc.startswith("Base of"):
-        lines += [doc.splitlines()[0], ""]
+        lines += [" ".join(doc.split("\n\n")[0].split()), ""]  # the first paragraph
     if note:
         lines += [note, ""]
     lines += ["| field | type | default | description |", "|---|---|---|---|"]

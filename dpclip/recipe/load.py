@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os.path
 import typing
 from pathlib import Path
 from typing import Any
@@ -101,9 +102,59 @@ def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    data = read_yaml(path)
-    data = apply_overrides(data, overrides or [])
-    return validate_recipe(data, source=str(path))
+    """Read, override, resolve paths and validate a recipe file (docs/recipes.md, "Paths").
+
+    Relative paths written in the file are resolved against the file's directory; relative
+    paths given in ``key=value`` overrides against the current directory (where they were
+    typed). The validated recipe therefore holds absolute paths, and so does the
+    ``recipe.yaml`` a run saves, so its run directory works from any directory.
+    """
+    return validate_recipe(read_recipe_data(path, overrides), source=str(path))
+
+
+def read_recipe_data(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The mapping :func:`load_recipe` validates: the file's paths resolved against its
+    directory, then the overrides applied, their paths resolved against the current one."""
+    data = resolve_paths(read_yaml(path), Path(path).resolve().parent)
+    return resolve_paths(apply_overrides(data, overrides or []), Path.cwd())
+
+
+def _resolve_path(value: Any, base: Path, *, always: bool) -> Any:
+    """``value`` made absolute against ``base``: always (a field that can only be a path), or
+    only when it is explicitly relative (./x, ../x) or exists under ``base`` (a field that
+    may also name something in the Hugging Face cache, e.g. ``tokenizer: gpt2``)."""
+    if not isinstance(value, str) or not value:
+        return value
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return str(path)
+    if always or value.startswith(("./", "../")) or (base / path).exists():
+        return os.path.normpath(base / path)
+    return value
+
+
+#: (section, field, always) of every recipe field that names a local path; see _resolve_path.
+PATH_FIELDS = (("data", "train", True), ("data", "test", True), ("data", "tokenizer", False),
+               ("model", "pretrained", False), ("model", "module_dir", True))
+
+
+def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """A copy of a recipe mapping with its relative paths resolved against ``base`` (see
+    :data:`PATH_FIELDS`; ``data.name`` of ``source: hf`` too when it is a local folder).
+    A custom model's ``module_dir`` defaults to ``base``: the factory's module may sit
+    beside the recipe (docs/recipes.md, "Paths")."""
+    data = copy.deepcopy(data)
+    for section_name, field_name, always in PATH_FIELDS:
+        section = data.get(section_name)
+        if isinstance(section, dict) and field_name in section:
+            section[field_name] = _resolve_path(section[field_name], base, always=always)
+    source = data.get("data")
+    if isinstance(source, dict) and source.get("source") == "hf" and "name" in source:
+        source["name"] = _resolve_path(source["name"], base, always=False)
+    model = data.get("model")
+    if isinstance(model, dict) and model.get("kind") == "custom" and model.get("module_dir") is None:
+        model["module_dir"] = str(base)
+    return data
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

@@ -48,12 +48,16 @@ class BuiltinData(Section):
     test_fraction: UnitOpen = Field(0.2, description="held-out share, split with the recipe's seed")
     as_images: bool = Field(False, description="digits as 1x8x8 images (for cnn) instead of 64-vectors")
     num_examples: PositiveInt = Field(2000, description="synthetic-text/-cuisine: sentences to generate")
-    tokenizer: str = Field("byte", description="'byte' (builtin, no download) or a local HF tokenizer path")
+    tokenizer: str = Field("byte", description="'byte' (builtin, no download) or a local HF tokenizer path "
+                           "(relative: to the recipe file's directory)")
     max_length: PositiveInt = Field(64, description="text only: tokens per example after truncation/padding")
 
 
 class HFData(Section):
-    """A Hugging Face ``datasets`` data set by name (needs network or a local cache)."""
+    """A Hugging Face ``datasets`` data set: a hub name (needs network or a local cache) or a
+    local folder of data files (csv, json, parquet; e.g. a downloaded hub repository),
+    both read with ``datasets.load_dataset``. A folder written by ``save_to_disk`` is not
+    read: export it with ``to_csv`` / ``to_parquet`` first."""
 
     source: Literal["hf"]
     name: str
@@ -68,11 +72,13 @@ class HFData(Section):
 
 
 class FilesData(Section):
-    """Local files: numeric tables or text, read with ``datasets``' local loaders."""
+    """Local files: tables read into pandas (csv by pandas, json/jsonl by Python's json
+    module, parquet by pyarrow) or text (one example per line); ``datasets`` is not used.
+    Relative paths are relative to the recipe file's directory."""
 
     source: Literal["files"]
     format: Literal["csv", "json", "jsonl", "parquet", "text"]
-    train: str = Field(description="path to the training file")
+    train: str = Field(description="path to the training file (relative: to the recipe file's directory)")
     test: str | None = Field(None, description="optional test file; otherwise test_fraction of train")
     test_fraction: UnitOpen = 0.2
     label_field: str | None = None
@@ -120,7 +126,8 @@ class HFModel(Section):
     kind: Literal["hf"]
     task: Literal["causal-lm", "sequence-classification"]
     config: dict[str, Any] | None = Field(None, description="transformers config kwargs incl. model_type")
-    pretrained: str | None = Field(None, description="local directory with a pretrained model")
+    pretrained: str | None = Field(None, description="local directory with a pretrained model (relative: to "
+                                   "the recipe file's directory)")
     lora: LoRA | None = Field(None, description="add LoRA adapters (peft) and train only them")
 
     @model_validator(mode="after")
@@ -131,12 +138,18 @@ class HFModel(Section):
 
 
 class CustomModel(Section):
+    """Your own model factory. Its module is looked for in ``module_dir`` first (the recipe
+    file's directory unless given), then on the usual Python path."""
+
     kind: Literal["custom"]
     target: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
                         description="'package.module:factory' returning an nn.Module")
     kwargs: dict[str, Any] = Field(default_factory=dict)
     loss: str = Field("cross-entropy",
                       description="'cross-entropy', 'mse', or 'package.module:fn' giving per-sample losses")
+    module_dir: str | None = Field(
+        None, description="directory searched first for the modules of target and loss (only while they are "
+        "imported); a recipe file sets it to its own directory, so 'mymodel:build' finds mymodel.py beside it")
 
 
 ModelConfig = Annotated[Union[MLPModel, CNNModel, HFModel, CustomModel], Field(discriminator="kind")]
@@ -314,7 +327,13 @@ class Eval(Section):
 
 
 class Checkpoint(Section):
+    """When a run saves what ``dpclip train --resume`` continues from (always at step 0, at
+    the end, and on Ctrl-C or SIGTERM): every N steps, every M minutes, or both."""
+
     every_steps: PositiveInt | None = Field(None, description="checkpoint every N steps (and at the end)")
+    every_minutes: PositiveFloat | None = Field(
+        10.0, description="also checkpoint at the first step boundary M minutes after the last checkpoint, so a "
+        "killed run loses at most about M minutes; null: only every_steps")
     keep: PositiveInt = Field(2, description="checkpoints kept on disk")
 
 

@@ -5,6 +5,9 @@ Its files are input, not truth: the ledger is checked against the plan re-solved
 recipe (:func:`check_ledger`), and the recipe against the privacy fingerprint written when
 the run started. Which files are secret and which may be shared: docs/accounting.md,
 "Threat model"; the layout: docs/training.md.
+
+Length: a little over 400 lines: every reader and writer of a run directory's files (and
+the checks that make them trustworthy) is here, so the layout has one home.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from dpclip import __version__
 from dpclip.accounting import Ledger, solve, statement_from_ledger
 from dpclip.data.canaries import read_canary_secret
 from dpclip.errors import DpclipError
-from dpclip.files import read_json, write_text_atomic
-from dpclip.recipe import Recipe, read_yaml, validate_recipe
+from dpclip.files import read_json, write_json_atomic, write_text_atomic
+from dpclip.recipe import Recipe, apply_overrides, read_yaml, recipe_to_yaml, validate_recipe
 from dpclip.train.plan import not_covered, privacy_plan
 
 
@@ -44,6 +47,25 @@ def privacy_fingerprint(recipe: Recipe) -> str:
             node = node.get(part) if isinstance(node, dict) else None
         picked[dotted] = node
     return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# Fields the privacy plan's q and steps come from (PRIVACY_FIELDS outside privacy.*).
+PLAN_FIELDS = ("training.batch_size", "training.sampling", "training.epochs", "training.steps")
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict) and node:
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def recipe_changes(old: Recipe, new: Recipe) -> dict[str, list[Any]]:
+    """``{dotted field: [old value, new value]}`` of every field that differs (leaves only)."""
+    a, b = _flat(old.model_dump(mode="json")), _flat(new.model_dump(mode="json"))
+    return {key: [a.get(key), b.get(key)] for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)}
 
 
 def _privacy_diff(old: Recipe, new: Recipe) -> list[str]:
@@ -165,6 +187,51 @@ class RunDir:
 
     def summary(self) -> dict[str, Any]:
         return read_json(self.summary_file)
+
+
+def run_recipe_with(run_dir: Path, overrides: list[str]) -> Recipe:
+    """The run's recipe.yaml with ``key=value`` overrides (``dpclip train --resume RUN_DIR
+    key=value``). Its paths were resolved when the run started and are left as stored, so
+    the privacy fingerprint cannot move; the trainer refuses overrides of privacy fields."""
+    run = RunDir(run_dir)
+    if not run.recipe_file.exists():
+        run.recipe()  # the error for a folder that is not a run
+    return validate_recipe(apply_overrides(read_yaml(run.recipe_file), overrides),
+                           source=f"{run.recipe_file} with overrides")
+
+
+def record_resume_changes(run: RunDir, recipe: Recipe, step: int, changes: dict[str, list[Any]]) -> None:
+    """A resume that changed non-privacy fields: the new recipe.yaml, and in meta.json the
+    step from which they apply (``resumes``: [{step, changes}])."""
+    if privacy_fingerprint(recipe) != run.meta().get("privacy_fingerprint"):
+        raise DpclipError("cannot resume: the changed recipe has another privacy fingerprint",
+                          "only non-privacy fields may change on resume")
+    meta = run.meta()
+    meta.setdefault("resumes", []).append({"step": step, "changes": changes})
+    write_text_atomic(run.recipe_file, recipe_to_yaml(recipe))
+    write_json_atomic(run.meta_file, meta)
+
+
+def data_fingerprint(data) -> str:
+    """Hash of the training and held-out examples themselves (the split fingerprint says
+    only which rows are members): a resumed run must train on the data it started with."""
+    digest = hashlib.sha256()
+    for part in (data.train, data.test):
+        for name in sorted(part):
+            tensor = part[name].detach().cpu().contiguous()
+            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _check_data(run: RunDir, data) -> None:
+    """On resume, the data must be the run's (runs started before the fingerprint was
+    written are not checked)."""
+    stored = run.meta().get("data", {}).get("content_fingerprint")
+    if stored is not None and stored != data_fingerprint(data):
+        raise DpclipError(f"the data of {run.path} changed since the run started (its content fingerprint differs)",
+                          "restore the data files the run was started with (recipe.yaml names them), or start a "
+                          "new run")
 
 
 def load_run_recipe(run_dir: Path) -> Recipe:
@@ -339,7 +406,7 @@ def _meta(recipe: Recipe, data, info: dict[str, Any]) -> dict[str, Any]:
         "python": platform.python_version(),
         "seed": recipe.seed,
         "privacy_fingerprint": privacy_fingerprint(recipe),
-        "data": data.describe(),
+        "data": {**data.describe(), "content_fingerprint": data_fingerprint(data)},
         "members": [int(i) for i in data.train_indices],
         "non_members": [int(i) for i in data.test_indices],
         "plan": {k: v for k, v in info.items() if k != "groups"},

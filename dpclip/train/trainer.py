@@ -6,12 +6,17 @@ the one private step, and charges each step in the ledger before anything of it 
 the process. Nothing else touches the private data, except the diagnostics in
 metrics.jsonl (training loss, clip fractions, norm quantiles), which are computed without
 noise, are not covered by ε, and are labelled so.
+
+Length: above ~400 lines on purpose: setup, resume, the loop, checkpoints and the
+deferred interrupt share the trainer's state (step, ledger, generators); split apart,
+each part would reach into the others' attributes.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,8 +36,9 @@ from dpclip.train.optim import LrSchedule, build_optimizer
 from dpclip.train.plan import count_groups, engine_clipping, privacy_plan, private_seed
 from dpclip.train.plots import plot_run
 from dpclip.train.rundir import (
-    RunDir, _append_metrics, _check_canaries, _check_same_release, _meta, _privacy_diff, _read_ledger,
-    _released_part, _released_records, check_ledger, privacy_fingerprint, run_statement, step_record)
+    PLAN_FIELDS, RunDir, _append_metrics, _check_canaries, _check_data, _check_same_release, _meta, _privacy_diff,
+    _read_ledger, _released_part, _released_records, check_ledger, privacy_fingerprint, recipe_changes,
+    record_resume_changes, run_statement, step_record)
 from dpclip.train.step import PrivateStep, step_micro_batch_size
 from dpclip.train.tensorboard import check_logging, open_tensorboard
 
@@ -58,13 +64,17 @@ class TrainResult:
     final_eval: dict[str, float] = field(default_factory=dict)
     statement: list[str] = field(default_factory=list)
     noise: dict[str, Any] = field(default_factory=dict)
+    # How the key=value overrides moved σ (or ε) from the recipe file's plan; None if they did not.
+    sigma_change: dict[str, Any] | None = None
+    # Non-privacy fields a resume changed: {dotted field: [old, new]} (empty for a fresh run).
+    resume_changes: dict[str, list[Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "run_dir": str(self.run_dir), "steps_done": self.steps_done, "steps_planned": self.steps_planned,
             "epsilon": self.epsilon, "epsilon_rdp": self.epsilon_rdp, "delta": self.delta,
             "stopped": self.stopped, "final_eval": self.final_eval, "noise": self.noise,
-            "statement": self.statement,
+            "statement": self.statement, "sigma_change": self.sigma_change, "resume_changes": self.resume_changes,
             # final_eval is exact, on the private held-out split (empty when diagnostics are off).
             "not_covered_by_epsilon": ["final_eval"] if self.final_eval else [],
         }
@@ -84,11 +94,21 @@ class Trainer:
     the same recipe on a chosen subset of examples: ``data`` (a PrivateData) replaces what
     ``recipe.data`` would load, and ``run_dir`` is the exact directory of a new run instead
     of a fresh ``output_dir/name-TIMESTAMP``. Pass the same ``data`` to resume.
+
+    ``recipe`` with ``resume``: the run's recipe with non-privacy fields changed (a new
+    learning rate, more evaluation); privacy fields and the model must stay the run's.
+    ``file_recipe``: the recipe before ``key=value`` overrides, whose plan's σ is reported
+    beside the run's when the overrides change the steps or the batch size.
     """
 
     def __init__(self, recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: bool = False,
-                 observer: TrainObserver | None = None, data=None, run_dir: Path | None = None):
+                 observer: TrainObserver | None = None, data=None, run_dir: Path | None = None,
+                 file_recipe: Recipe | None = None):
         self.recipe = recipe
+        # The recipe as its file says, before key=value overrides: σ is compared with its plan.
+        self.file_recipe = file_recipe
+        self.sigma_change: dict[str, Any] | None = None
+        self.resume_changes: dict[str, list[Any]] = {}
         self.resume = None if resume is None else Path(resume)
         self.dry_run = dry_run
         self.observer = observer or _Null()
@@ -101,6 +121,8 @@ class Trainer:
         # Records of steps after the resumed checkpoint that already left the process.
         self.replay: dict[tuple[str, int], dict[str, Any]] = {}
         self.tensorboard = None  # the optional TensorBoard log (recipe logging.tensorboard)
+        # When the last checkpoint was made (checkpoint.every_minutes counts from it).
+        self._last_save = time.monotonic()
 
     # ------------------------------------------------------------------ setup
 
@@ -126,9 +148,19 @@ class Trainer:
             if self.recipe is not None:
                 changed = _privacy_diff(stored, self.recipe)
                 if changed:
+                    # Name the changed leaves (privacy.epsilon), not only their section (privacy).
+                    changed = [key for key in recipe_changes(stored, self.recipe)
+                               if any(key == f or key.startswith(f + ".") for f in changed)] or changed
                     raise DpclipError(f"cannot resume: the recipe changes privacy fields {', '.join(changed)} "
-                                      "of the run", "resume with the run's own recipe: dpclip train --resume RUN_DIR")
-            self.recipe = stored
+                                      "of the run", "resume with the run's own recipe: dpclip train --resume RUN_DIR; "
+                                      "only other fields (e.g. training.optimizer.lr=0.1) may change on resume")
+                self.resume_changes = recipe_changes(stored, self.recipe)
+                if any(key == "model" or key.startswith("model.") for key in self.resume_changes):
+                    raise DpclipError("cannot resume: the recipe changes the model "
+                                      f"({', '.join(k for k in self.resume_changes if k.startswith('model'))})",
+                                      "the checkpoint holds the weights of the run's own model; start a new run")
+            else:
+                self.recipe = stored
         if self.recipe is None:
             raise DpclipError("nothing to train", "pass a recipe file, or --resume RUN_DIR")
 
@@ -157,8 +189,28 @@ class Trainer:
             self.data = with_canaries(self.data, self.canaries)
         self.solved = solve(self.plan)
         self.split = self.solved.split
+        self.sigma_change = self._sigma_change(num_groups)
         # Private randomness (noise, batches) comes from OS entropy unless the recipe opts in.
         self.seed_of_noise = private_seed(recipe)
+
+    def _sigma_change(self, num_groups: int) -> dict[str, Any] | None:
+        """σ (or ε, at a given σ) of the recipe file's own plan beside this run's, when the
+        overrides changed what the plan depends on (steps, batch size, sampling): ε is what
+        the recipe fixes, so fewer steps mean less noise per step (docs/training.md)."""
+        reference = self.file_recipe
+        if reference is None or self.resume is not None or reference.data != self.recipe.data:
+            return None
+        changed = {key: value for key, value in recipe_changes(reference, self.recipe).items()
+                   if key in PLAN_FIELDS or key.startswith("privacy.")}
+        if not any(key in PLAN_FIELDS for key in changed):
+            return None
+        try:
+            before = solve(privacy_plan(reference, self.ordinary.num_train, groups=num_groups))
+        except DpclipError:
+            return None  # the file's own plan is not feasible on this data; the run's is
+        return {"changed": changed, "sigma_file": before.split.sigma_total, "sigma": self.split.sigma_total,
+                "epsilon_file": before.epsilon, "epsilon": self.solved.epsilon,
+                "calibrated": self.plan.target_epsilon is not None}
 
     def _setup_engine(self) -> None:
         training = self.recipe.training
@@ -195,6 +247,7 @@ class Trainer:
             "parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
             "seeded_randomness": recipe.privacy.unsafe_seeded_randomness,
             "exact_diagnostics": recipe.privacy.exact_diagnostics,
+            "sigma_change": self.sigma_change, "resume_changes": self.resume_changes,
         }
 
     def _setup_run_dir(self, info: dict[str, Any]) -> None:
@@ -241,6 +294,11 @@ class Trainer:
         self.replay = _released_records(run.metrics_file, self.step)
         if self.canaries is not None:
             _check_canaries(run.path, self.canaries)
+        _check_data(run, self.ordinary)
+        if self.resume_changes:
+            # The run directory says what its later steps were trained with (the privacy
+            # fields, and so the fingerprint, are unchanged: checked in _setup_recipe).
+            record_resume_changes(run, self.recipe, self.step, self.resume_changes)
 
     # ------------------------------------------------------------------ files
 
@@ -252,6 +310,7 @@ class Trainer:
             "engine": self.engine.state_dict(), "torch_rng": torch.get_rng_state(), "ledger": self.ledger.to_dict(),
         }
         save_checkpoint(self.run_dir, self.step, self.model, state, keep=self.recipe.checkpoint.keep)
+        self._last_save = time.monotonic()
 
     def _write_ledger(self, every_step: bool = False) -> None:
         # Every step: no fsync (the rename is atomic against a killed process, the crash
@@ -302,7 +361,8 @@ class Trainer:
         accounting = self.ledger.result()
         statement = run_statement(self.recipe, self.ledger)
         result = TrainResult(self.run_dir, self.step, self.plan.steps, accounting.epsilon, accounting.epsilon_rdp,
-                             self.plan.delta, stopped, final_eval, statement.lines(), self.solved.step_metadata)
+                             self.plan.delta, stopped, final_eval, statement.lines(), self.solved.step_metadata,
+                             self.sigma_change, self.resume_changes)
         run = RunDir(self.run_dir)
         write_json_atomic(run.summary_file, result.to_dict())
         if self.tensorboard is not None:
@@ -317,7 +377,8 @@ class Trainer:
         self.engine.detach()
         solved = self.solved
         result = TrainResult(Path("-"), 0, self.plan.steps, solved.epsilon, solved.epsilon_rdp, self.plan.delta,
-                             "dry-run", statement=solved.statement.lines(), noise=solved.step_metadata)
+                             "dry-run", statement=solved.statement.lines(), noise=solved.step_metadata,
+                             sigma_change=self.sigma_change, resume_changes=self.resume_changes)
         self.observer.on_end(result)
         return result
 
@@ -329,7 +390,7 @@ class Trainer:
             try:
                 batches = iter(self.sampler)
                 while self.step < self.plan.steps:
-                    if interrupt.requested:  # Ctrl-C is honoured between steps only, never inside one
+                    if interrupt.requested:  # Ctrl-C/SIGTERM is honoured between steps only, never inside one
                         return "interrupted"
                     # The cap is checked before the batch is touched, with the plan's event, which
                     # is asserted in each step to be the event the engine actually releases.
@@ -358,30 +419,47 @@ class Trainer:
                                 outcome.seconds, recipe.clipping.fn, recipe.privacy.exact_diagnostics), "step")
         if recipe.eval.every_steps and self.step % recipe.eval.every_steps == 0 and self.step < plan.steps:
             self._run_eval()
-        if recipe.checkpoint.every_steps and self.step % recipe.checkpoint.every_steps == 0:
+        if self._checkpoint_due():
             self._save()
+
+    def _checkpoint_due(self) -> bool:
+        """checkpoint.every_steps, or checkpoint.every_minutes since the last checkpoint (a
+        step boundary either way; docs/training.md, "Checkpoints and resuming")."""
+        every_steps, every_minutes = self.recipe.checkpoint.every_steps, self.recipe.checkpoint.every_minutes
+        if every_steps and self.step % every_steps == 0:
+            return True
+        return every_minutes is not None and time.monotonic() - self._last_save >= 60.0 * every_minutes
 
 
 class _deferred_interrupt:
-    """Turn Ctrl-C into a flag the loop reads between steps, so a step is never half done
-    (a gradient applied but not yet in the ledger). A second Ctrl-C interrupts at once."""
+    """Turn Ctrl-C (SIGINT) and SIGTERM (``kill``, a batch scheduler's pre-emption) into a
+    flag the loop reads between steps, so a step is never half done (a gradient applied but
+    not yet in the ledger); the run then checkpoints at that step boundary. A second signal
+    interrupts at once. Signal handlers can only be set from the main thread: elsewhere
+    (a training thread of the caller's) the signals keep their behaviour."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
 
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
+        self.signal = signum
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        self._previous = {}
         return False
 

@@ -127,7 +127,7 @@ def compare_methods(methods: Sequence[MethodSearch], recipe: Recipe, plan, timer
             continue
         method_plan = privacy_plan(method.representative, dataset_size, groups=statistic_groups(method.representative))
         seconds = timer.seconds(method.representative, method.name)
-        hours = method.runs * plan.steps * seconds / 3600.0
+        hours = method.runs * (plan.steps * seconds + timer.overhead(method.representative)) / 3600.0  # + fixed cost
         runs = method.runs
         sigma_naive = _sigma_or_none(release.event, lambda run, g=runs: naive_search_event(run, g),
                                      epsilon, plan.delta, plan.accountant)

@@ -2,8 +2,10 @@
 
     report = tune_cost(base_data, recipe, grid=["training.optimizer.lr=0.1,1"], measure=True)
 
-Compute = Σ over configurations of (steps per run × seconds per step), with the seconds
-measured once per distinct step cost (:mod:`dpclip.tuning.timing`). Privacy = one run,
+Compute = Σ over configurations of (steps per run × seconds per step + the run's fixed
+cost), with the seconds per step measured once per distinct step cost and the fixed cost
+(data, model, calibration, checkpoints, evaluation, plot) once with one whole two-step
+run (:mod:`dpclip.tuning.timing`). Privacy = one run,
 the whole search by naive composition, and the per-run σ that keeps the whole search
 within the recipe's ε under naive composition, Liu–Talwar random stopping and
 Papernot–Steinke repeat-and-select (:mod:`dpclip.tuning.privacy`). The same search for
@@ -25,7 +27,7 @@ from dpclip.recipe.schema import Recipe
 from dpclip.train.plan import privacy_plan, sampling_schedule, statistic_groups
 from dpclip.tuning.privacy import SearchPrivacy, search_privacy
 from dpclip.tuning.space import Configuration, search_space
-from dpclip.tuning.timing import measure_step_seconds, step_cost_signature
+from dpclip.tuning.timing import measure_fixed_seconds, measure_step_seconds, step_cost_signature
 
 
 PROCESS_WARMUP_STEPS = 5
@@ -52,6 +54,7 @@ class StepTimer:
     fixed_seconds: float | None = None  # --no-measure --step-seconds S
     observer: MeasureObserver = field(default_factory=_Silent)
     measured: dict[str, float] = field(default_factory=dict)
+    run_overhead: float | None = None   # a run's fixed seconds: --no-measure --run-seconds S, or measured
 
     @property
     def measuring(self) -> bool:
@@ -82,6 +85,12 @@ class StepTimer:
         self.measured[signature] = min(self.measured.get(signature, again), again)
         return self.measured[signature]
 
+    def overhead(self, recipe: Recipe) -> float:
+        """Seconds of one run outside its steps (measured once, with the first recipe asked)."""
+        if self.run_overhead is None:
+            self.run_overhead = measure_fixed_seconds(recipe) if self.measuring else 0.0
+        return self.run_overhead
+
     def seconds(self, recipe: Recipe, label: str) -> float:
         if not self.measuring:
             return float(self.fixed_seconds)
@@ -100,10 +109,11 @@ class RunCost:
     values: dict[str, Any]
     steps: int
     step_seconds: float
+    fixed_seconds: float = 0.0   # the run's cost outside its steps (see StepTimer.overhead)
 
     @property
     def hours(self) -> float:
-        return self.steps * self.step_seconds / 3600.0
+        return (self.steps * self.step_seconds + self.fixed_seconds) / 3600.0
 
 
 @dataclass
@@ -148,6 +158,7 @@ class TuneCostReport:
             "compute": {
                 "measured": self.measured,
                 "step_seconds": self.step_seconds,
+                "run_fixed_seconds": self.runs[0].fixed_seconds,
                 "fixed_threshold_step_seconds": self.fixed_step_seconds,
                 "policy_overhead": self.policy_overhead,
                 "steps_per_run": self.runs[0].steps,
@@ -224,6 +235,8 @@ def tune_cost(base: Mapping[str, Any], recipe: Recipe, *, grid: Sequence[str] = 
         fixed_seconds = timer.seconds(fixed_variant, "fixed threshold")
         fixed_seconds = timer.remeasure(fixed_variant, "fixed threshold")
         step_seconds = timer.remeasure(recipe, recipe.name)
-    runs = [RunCost(c.label(), c.values, plan.steps, timer.seconds(c.recipe, c.label())) for c in configurations]
+    overhead = timer.overhead(recipe)
+    runs = [RunCost(c.label(), c.values, plan.steps, timer.seconds(c.recipe, c.label()), overhead)
+            for c in configurations]
     return TuneCostReport(source, dataset_size, timer.measuring, runs, step_seconds, fixed_seconds, privacy,
                           plan=plan)

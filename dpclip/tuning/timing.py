@@ -6,6 +6,10 @@ A step here is the training loop's own: a Poisson batch through
 kernel selection, lazy initialisation); the result is the median of the timed steps, so
 one slow step (a page fault, another process) does not move it.
 
+A run also costs time outside its steps (loading the data, building the model,
+calibrating σ, the final evaluation, checkpoints, the plot): :func:`measure_fixed_seconds`
+measures it once with one whole two-step run in a temporary directory.
+
 Nothing measured here is released: timing steps use the private data but their gradients
 are thrown away with the model, and the time of a step is not published per example.
 """
@@ -14,7 +18,10 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +34,10 @@ from dpclip.recipe.schema import Recipe
 from dpclip.train.optim import build_optimizer
 from dpclip.train.plan import timing_clipping as plan_timing_clipping
 from dpclip.train.step import PrivateStep, step_micro_batch_size
+from dpclip.train.workflow import train
+
+#: Steps of the whole run that measures a run's fixed cost (the steps' own time is subtracted).
+FIXED_COST_STEPS = 2
 
 # Keys whose value changes how long one step takes. Others (learning rate, C, epochs, ...)
 # change what is learnt, not the cost of a step, so configurations differing only in them
@@ -96,3 +107,24 @@ def measure_step_seconds(recipe: Recipe, steps: int, warmup_steps: int = 1,
     finally:
         engine.detach()
     return statistics.median(seconds)
+
+
+def measure_fixed_seconds(recipe: Recipe) -> float:
+    """Seconds one run of ``recipe`` spends outside its steps, measured with one whole run
+    of :data:`FIXED_COST_STEPS` steps (its steps' own seconds subtracted) in a temporary
+    directory that is deleted afterwards. It holds data loading, model building, σ's
+    calibration, the step-0 and final checkpoints, the final evaluation and the threshold
+    plot; evaluations and checkpoints in between (``eval.every_steps``,
+    ``checkpoint.every_steps``) are not counted (docs/tuning.md, "Compute")."""
+    training = recipe.training.model_copy(update={"epochs": None, "steps": FIXED_COST_STEPS})
+    checkpoint = recipe.checkpoint.model_copy(update={"every_steps": None, "every_minutes": None})
+    evaluation = recipe.eval.model_copy(update={"every_steps": None})
+    with tempfile.TemporaryDirectory(prefix="dpclip-fixed-cost-") as folder:
+        tiny = recipe.model_copy(update={"training": training, "checkpoint": checkpoint, "eval": evaluation,
+                                         "output_dir": folder})
+        start = time.perf_counter()
+        result = train(tiny, run_dir=Path(folder) / "run")
+        wall = time.perf_counter() - start
+        records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    in_steps = sum(record.get("seconds", 0.0) for record in records if "eval" not in record)
+    return max(0.0, wall - in_steps)

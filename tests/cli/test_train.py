@@ -75,3 +75,69 @@ def test_bad_training_input_gives_error_and_hint_without_traceback(cli, tmp_path
     assert result.err.startswith("error: ") and "\nhint: " in result.err
     assert fragment.lower() in result.err.lower() and "Traceback" not in result.err
     assert not (tmp_path / "runs").exists()
+
+
+def test_resume_with_overrides_applies_non_privacy_fields_and_says_which(cli, tmp_path):
+    summary = json.loads(cli("train", *short(tmp_path), "--json").out)
+    run_dir = Path(summary["run_dir"])
+    again = cli("train", "--resume", run_dir, "training.optimizer.lr=0.1", "eval.batch_size=32")
+    assert again.code == 0, again.err
+    assert "changed fields" in again.out and "training.optimizer.lr 0.5 -> 0.1" in again.out
+    assert "eval.batch_size 256 -> 32" in again.out
+    from dpclip.recipe import load_recipe
+
+    assert load_recipe(run_dir / "recipe.yaml").training.optimizer.lr == 0.1
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert meta["resumes"] == [{"step": 6, "changes": {"eval.batch_size": [256, 32],
+                                                       "training.optimizer.lr": [0.5, 0.1]}}]
+    assert cli("account", run_dir, "--json").code == 0, "the privacy fingerprint did not move"
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("privacy.epsilon=4", "privacy.epsilon"), ("training.steps=12", "training.steps"),
+    ("model.hidden=[8]", "model"), ("training.optimizer.lr=-1", "training.optimizer.lr")])
+def test_resume_refuses_overrides_of_privacy_fields_and_the_model_with_a_hint(cli, tmp_path, override, fragment):
+    summary = json.loads(cli("train", *short(tmp_path), "--json").out)
+    before = (Path(summary["run_dir"]) / "recipe.yaml").read_text()
+    result = cli("train", "--resume", summary["run_dir"], override)
+    assert result.code == 2, (result.out, result.err)
+    assert result.err.startswith("error: ") and "\nhint: " in result.err and "Traceback" not in result.err
+    assert fragment in result.err
+    assert (Path(summary["run_dir"]) / "recipe.yaml").read_text() == before
+
+
+def test_overriding_the_epochs_says_how_sigma_moved_at_fixed_epsilon(cli, tmp_path):
+    result = cli("train", QUICKSTART, f"output_dir={tmp_path / 'runs'}", "training.epochs=1", "--dry-run")
+    assert result.code == 0, result.err
+    assert "training.epochs 30 -> 1: σ" in result.out and "for ε = 8" in result.out
+    summary = json.loads(cli("train", QUICKSTART, f"output_dir={tmp_path / 'runs'}", "training.epochs=1",
+                             "--dry-run", "--json").out)
+    change = summary["sigma_change"]
+    assert change["changed"] == {"training.epochs": [30.0, 1.0]} and change["calibrated"]
+    assert change["sigma"] < change["sigma_file"]  # fewer steps at the same ε: less noise per step
+    plain = json.loads(cli("train", QUICKSTART, f"output_dir={tmp_path / 'runs'}", "training.optimizer.lr=0.1",
+                           "--dry-run", "--json").out)
+    assert plain["sigma_change"] is None
+
+
+def test_overriding_the_steps_at_a_given_sigma_says_how_epsilon_moved(cli, tmp_path):
+    result = cli("train", QUICKSTART, f"output_dir={tmp_path / 'runs'}", "privacy.epsilon=null",
+                 "privacy.noise_multiplier=1.0", "training.batch_size=32", "--dry-run", "--json")
+    assert result.code == 0, result.err
+    change = json.loads(result.out)["sigma_change"]
+    assert not change["calibrated"] and change["changed"]["training.batch_size"] == [64, 32]
+    assert change["epsilon"] != change["epsilon_file"]
+
+
+def test_threads_option_sets_torch_threads(cli, tmp_path):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        result = cli("train", *short(tmp_path), "--threads", "1", "--dry-run")
+        assert result.code == 0, result.err
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    bad = cli("train", *short(tmp_path), "--threads", "0", "--dry-run")
+    assert bad.code == 2 and "Traceback" not in bad.err

@@ -1,3 +1,5 @@
+import pytest
+
 from dpclip.tuning.timing import measure_step_seconds, step_cost_signature, timing_clipping
 
 
@@ -26,3 +28,35 @@ def test_measured_step_seconds_are_positive_and_count_every_step(tiny):
     seconds = measure_step_seconds(recipe, steps=3, warmup_steps=1, on_step=lambda: ticks.append(1))
     assert seconds > 0
     assert len(ticks) == 4
+
+
+def test_a_runs_fixed_cost_is_measured_and_leaves_nothing_behind(tiny, tmp_path):
+    from dpclip.tuning.timing import measure_fixed_seconds
+
+    _, recipe = tiny()
+    assert measure_fixed_seconds(recipe) > 0
+    assert not (tmp_path / "runs").exists(), "the measuring run lives in a deleted temporary directory"
+
+
+@pytest.mark.slow
+def test_tune_cost_estimate_of_one_run_is_within_a_factor_of_a_real_run(tiny):
+    """Steps × seconds per step alone missed the data, model, calibration, checkpoints,
+    evaluation and plot, which dominate a short run."""
+    import math
+    import time
+
+    from dpclip.train.workflow import train
+    from dpclip.tuning.cost import StepTimer, tune_cost
+
+    base, recipe = tiny("training.steps=5", "model.hidden=[16]")
+    report = tune_cost(base, recipe, timer=StepTimer(calibration_steps=3, warmup_steps=1))
+    run = report.runs[0]
+    estimate, steps_only = report.hours_per_run * 3600, run.steps * run.step_seconds
+    assert run.fixed_seconds > 0
+    start = time.perf_counter()
+    train(recipe)
+    actual = time.perf_counter() - start
+    # A factor of 3 either way (short wall times on a shared machine swing), and closer than
+    # the steps alone.
+    assert actual / 3 < estimate < actual * 3, (estimate, actual)
+    assert abs(math.log(estimate / actual)) < abs(math.log(steps_only / actual)), (estimate, steps_only, actual)
