@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dpclip.files import write_text_atomic
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE_DIR = REPO / "dpclip" / "recipes"
 PAGE = REPO / "docs" / "results.md"
@@ -169,7 +171,9 @@ def update_page(page: str, new_rows: dict[str, Row], command: str, keep_others: 
     the block's other rows stay (``--recipes``); otherwise the table is ``new_rows``."""
     old_rows, commands = parse_block(page)
     rows = {**old_rows, **new_rows} if keep_others else dict(new_rows)
-    commands = (commands if keep_others else []) + [f"`{command}`"]
+    commands = commands if keep_others else []
+    if f"`{command}`" not in commands:
+        commands.append(f"`{command}`")
     block = render_block(rows, commands)
     if BEGIN in page and END in page:
         before, rest = page.split(BEGIN, 1)
@@ -202,6 +206,24 @@ def train_once(path: Path, seed: int, output_dir: Path) -> Run:
     return Run(metric, value, result.epsilon, result.delta, result.steps_done, seconds)
 
 
+def _write_rows(page_path: Path, rows: dict[str, Row], command: str, only: list[str] | None = None) -> None:
+    """Merge ``rows`` into the page's table under a lock (several runs of the script may
+    share one page, each writing its own rows). With ``only``, the table is cut to those
+    recipes and the command list to ``command`` (the end of a full run)."""
+    import fcntl
+
+    with open(Path(tempfile.gettempdir()) / "dpclip-recipe-results.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        page = page_path.read_text(encoding="utf-8") if page_path.exists() else ""
+        if only is not None:
+            old_rows, _ = parse_block(page)
+            kept = {name: row for name, row in {**old_rows, **rows}.items() if name in only}
+            page = update_page(page, kept, command, keep_others=False)
+        else:
+            page = update_page(page, rows, command, keep_others=True)
+        write_text_atomic(page_path, page)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", metavar="NAME", help="only these shipped recipes (their rows)")
@@ -225,7 +247,6 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_description(args.threads)
     command = "python scripts/recipe_results.py" + "".join(
         f" {shlex.quote(arg)}" for arg in (argv if argv is not None else sys.argv[1:]))
-    rows: dict[str, Row] = {}
     with tempfile.TemporaryDirectory(prefix="recipe-results-") as tmp:
         for name in names:
             path = RECIPE_DIR / f"{name}.yaml"
@@ -239,15 +260,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} seed {seed}: {run.metric} {run.value:.4f}, ε {run.epsilon:.3f}, "
                       f"{run.steps} steps, {run.seconds:.0f} s", flush=True)
                 runs.append(run)
-            rows[name] = summarize(name, runs, machine, note)
+            row = summarize(name, runs, machine, note)
+            # Written as each recipe finishes, so that an interrupted run keeps what it measured.
+            _write_rows(args.out, {name: row}, command)
             if not args.no_headers:
                 target = float(spec["privacy"]["epsilon"])
-                path.write_text(set_reaches_line(text, reaches_line(rows[name], target)), encoding="utf-8")
-    page = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
-    updated = update_page(page, rows, command, keep_others=bool(args.recipes))
-    from dpclip.files import write_text_atomic
-    write_text_atomic(args.out, updated)
-    print(f"wrote {args.out}")
+                write_text_atomic(path, set_reaches_line(text, reaches_line(row, target)))
+            print(f"wrote {name}'s row to {args.out}", flush=True)
+    if not args.recipes:  # a full run: rows of recipes no longer shipped go
+        _write_rows(args.out, {}, command, only=names)
     return 0
 
 

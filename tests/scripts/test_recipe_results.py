@@ -78,6 +78,20 @@ def test_updating_some_recipes_keeps_the_other_rows_and_the_text_around(script):
     assert set(script.parse_block(full)[0]) == {"b"}
 
 
+def test_rows_written_one_recipe_at_a_time_merge_and_a_full_run_drops_unshipped_ones(script, tmp_path):
+    page = tmp_path / "results.md"
+    page.write_text("# Results\n", encoding="utf-8")
+    row = {name: script.summarize(name, _runs(script, "accuracy", [0.5]), "m") for name in ("a", "b", "gone")}
+    script._write_rows(page, {"a": row["a"]}, "python scripts/recipe_results.py --recipes a")
+    script._write_rows(page, {"gone": row["gone"]}, "python scripts/recipe_results.py --recipes gone")
+    script._write_rows(page, {"b": row["b"]}, "python scripts/recipe_results.py")
+    assert set(script.parse_block(page.read_text(encoding="utf-8"))[0]) == {"a", "b", "gone"}
+    script._write_rows(page, {}, "python scripts/recipe_results.py", only=["a", "b"])
+    rows, commands = script.parse_block(page.read_text(encoding="utf-8"))
+    assert set(rows) == {"a", "b"} and commands == ["`python scripts/recipe_results.py`"]
+    assert page.read_text(encoding="utf-8").startswith("# Results\n")
+
+
 def test_unknown_recipe_is_refused_with_a_hint(script, capsys):
     assert script.main(["--recipes", "no-such-recipe"]) == 2
     err = capsys.readouterr().err
