@@ -196,6 +196,8 @@ def train_once(path: Path, seed: int, output_dir: Path) -> Run:
     started = time.perf_counter()
     result = train(recipe)
     seconds = time.perf_counter() - started
+    if result.stopped != "completed":  # e.g. Ctrl-C: a partial run is no result
+        raise RuntimeError(f"{path.name} seed {seed}: the run stopped early ({result.stopped})")
     evaluation = result.final_eval
     if "accuracy" in evaluation:
         metric, value = "accuracy", evaluation["accuracy"]
