@@ -94,7 +94,9 @@ def summarize(name: str, runs: list[Run], machine: str, note: str = "") -> Row:
     values = [run.value for run in runs]
     label = "test accuracy" if metric == "accuracy" else "test perplexity"
     low, high = _number(min(values), metric), _number(max(values), metric)
-    if metric == "accuracy":
+    if low == high:  # one seed, or all alike
+        spread = low
+    elif metric == "accuracy":
         spread = f"{100 * min(values):.1f}–{100 * max(values):.1f}%"
     else:
         spread = f"{low}–{high}"
