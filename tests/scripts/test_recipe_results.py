@@ -42,13 +42,15 @@ def test_summary_of_a_language_model_reports_perplexity(script):
 def test_one_seed_gives_one_value_not_a_range(script):
     row = script.summarize("quickstart", _runs(script, "accuracy", [0.9415]), "m")
     assert row.spread == "94.2%" and row.seeds == "1"
-    assert script.reaches_line(row, 8.0) == "# reaches 94.2% test accuracy at ε = 8 (1 seed, docs/results.md)"
+    assert script.reaches_line(row, 8.0) == (
+        "# reaches 94.2% test accuracy at ε = 8 (1 seed; held-out, not covered by ε: docs/results.md)")
 
 
 def test_reaches_line_is_built_from_the_row(script):
     row = script.summarize("cnn-layer", _runs(script, "accuracy", [0.91, 0.95, 0.93]), "m")
     line = script.reaches_line(row, 8.0)
-    assert line == "# reaches 91.0–95.0% test accuracy at ε = 8 (3 seeds, docs/results.md)"
+    assert line == (
+        "# reaches 91.0–95.0% test accuracy at ε = 8 (3 seeds; held-out, not covered by ε: docs/results.md)")
 
 
 def test_reaches_line_replaces_the_old_one_or_follows_the_header_comment(script):
