@@ -66,7 +66,10 @@ class Capture(Protocol):
 
 
 def example_tensor(*shape: int, seed: int, high: int | None = None) -> Tensor:
-    """A float64 (or, with ``high``, integer in [0, high)) tensor for :class:`Example`s."""
+    """A float64 (or, with ``high``, integer in [0, high)) tensor for :class:`Example`s.
+
+    Synthetic inputs of the contract tests only: no private data and no noise is drawn here,
+    so a fixed seed is what makes the examples reproducible, not a leak."""
     g = torch.Generator().manual_seed(seed)
     if high is not None:
         return torch.randint(0, high, shape, generator=g)
@@ -74,7 +77,9 @@ def example_tensor(*shape: int, seed: int, high: int | None = None) -> Tensor:
 
 
 def seeded(module: nn.Module, seed: int) -> nn.Module:
-    """``module`` in float64 with every parameter redrawn from ``seed`` (no global RNG)."""
+    """``module`` in float64 with every parameter redrawn from ``seed`` (no global RNG).
+
+    For the contract tests' example modules only (public synthetic weights, never noise)."""
     module = module.double()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
