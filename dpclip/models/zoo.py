@@ -42,8 +42,9 @@ def build_mlp(config, data) -> nn.Sequential:
 
 
 def build_cnn(config, data) -> nn.Sequential:
-    """Conv -> GroupNorm -> ReLU per entry of ``channels``, global average pooling,
-    Linear(``hidden``) -> ReLU -> Linear to the outputs. Sized for 1x8x8 digits and up."""
+    """Conv -> GroupNorm -> ReLU per entry of ``channels``, average pooling to
+    ``pool_size`` x ``pool_size`` positions (1: global average), Linear(``hidden``) -> ReLU ->
+    Linear to the outputs. Sized for 1x8x8 digits and up."""
     _require_numeric_features(data, "cnn")
     if len(data.input_shape) != 3:
         raise DpclipError(f"model.kind 'cnn' needs images [channels, height, width], "
@@ -66,7 +67,11 @@ def build_cnn(config, data) -> nn.Sequential:
                    nn.GroupNorm(config.norm_groups, channels),
                    nn.ReLU()]
         in_channels = channels
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-               nn.Linear(in_channels, config.hidden), nn.ReLU(),
+    if config.pool_size > min(data.input_shape[1:]):
+        raise DpclipError(f"model.pool_size {config.pool_size} is larger than the "
+                          f"{data.input_shape[1]}x{data.input_shape[2]} images",
+                          f"use a pool_size of at most {min(data.input_shape[1:])}")
+    layers += [nn.AdaptiveAvgPool2d(config.pool_size), nn.Flatten(),
+               nn.Linear(in_channels * config.pool_size ** 2, config.hidden), nn.ReLU(),
                nn.Linear(config.hidden, output_size(data))]
     return nn.Sequential(*layers)

@@ -106,6 +106,9 @@ class CNNModel(Section):
     channels: list[PositiveInt] = Field(default_factory=lambda: [16, 32])
     kernel_size: PositiveInt = 3
     norm_groups: PositiveInt = Field(4, description="GroupNorm groups per conv layer")
+    pool_size: PositiveInt = Field(1, description="average-pool the last conv output to pool_size x pool_size "
+                                   "positions before the dense layers (1: global average, which keeps no "
+                                   "position; 2 or more keep where strokes are)")
     hidden: PositiveInt = 64
 
 
