@@ -117,6 +117,19 @@ def _sigma_line(change) -> str:
     return f"{moved}: ε {fmt(change['epsilon_file'], 3)} -> {fmt(change['epsilon'], 3)} at σ = {fmt(change['sigma'], 3)}"
 
 
+def _thread_count(threads: str | int | None) -> str | int:
+    """--threads: "auto" (also when absent) or a whole number; configure() checks the number."""
+    if threads is None or threads == "auto" or isinstance(threads, int):
+        return threads or "auto"
+    try:
+        return int(threads)
+    except ValueError:
+        from dpclip.errors import DpclipError
+
+        raise DpclipError(f"--threads takes a whole number or 'auto', got {threads!r}",
+                          "e.g. --threads 1 beside other jobs; leave it out for auto") from None
+
+
 def _is_override(text: str) -> bool:
     return "=" in text and not Path(text).exists()
 
@@ -129,8 +142,8 @@ def train(
                                 "key=value overrides of non-privacy fields apply from there."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Build data, model, engine and plan; do not train."),
     as_json: bool = typer.Option(False, "--json", help="Print the final summary as JSON (no progress bar)."),
-    threads: int = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's, one per core); "
-                                "resume with the count the run started with."),
+    threads: str = typer.Option(None, "--threads", help="torch threads: a number, or auto (the default: the cores "
+                                "the machine's load leaves free); --resume reuses the run's count."),
 ) -> None:
     """Train a model with differential privacy from a recipe.
 
@@ -151,7 +164,11 @@ def train(
     from dpclip.threads import configure
     from dpclip.train.workflow import train as run_training
 
-    configure(threads)
+    if threads is None and resume is not None:
+        from dpclip.train.rundir import recorded_threads
+
+        threads = recorded_threads(resume)
+    configure(_thread_count(threads))
     overrides = list(overrides or [])
     if resume is not None and recipe is not None and _is_override(recipe):
         overrides, recipe = [recipe, *overrides], None  # `--resume RUN_DIR key=value ...`

@@ -189,6 +189,14 @@ class RunDir:
         return read_json(self.summary_file)
 
 
+def recorded_threads(run_dir: Path) -> int | None:
+    """The torch thread count the run started with (meta.json), None when not recorded:
+    ``--resume`` uses it so that replayed steps reduce in the same order (dpclip.threads)."""
+    meta_file = RunDir(run_dir).meta_file
+    threads = read_json(meta_file).get("plan", {}).get("threads") if meta_file.exists() else None
+    return threads if isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1 else None
+
+
 def run_recipe_with(run_dir: Path, overrides: list[str]) -> Recipe:
     """The run's recipe.yaml with ``key=value`` overrides (``dpclip train --resume RUN_DIR
     key=value``). Its paths were resolved when the run started and are left as stored, so

@@ -248,6 +248,7 @@ class Trainer:
             "seeded_randomness": recipe.privacy.unsafe_seeded_randomness,
             "exact_diagnostics": recipe.privacy.exact_diagnostics,
             "sigma_change": self.sigma_change, "resume_changes": self.resume_changes,
+            "threads": torch.get_num_threads(),  # a resume replays steps: same count (dpclip.threads)
         }
 
     def _setup_run_dir(self, info: dict[str, Any]) -> None:

@@ -139,5 +139,24 @@ def test_threads_option_sets_torch_threads(cli, tmp_path):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
-    bad = cli("train", *short(tmp_path), "--threads", "0", "--dry-run")
-    assert bad.code == 2 and "Traceback" not in bad.err
+    for bad_count in ("0", "many"):
+        bad = cli("train", *short(tmp_path), "--threads", bad_count, "--dry-run")
+        assert bad.code != 0 and "error:" in bad.err and "hint:" in bad.err and "Traceback" not in bad.err
+
+
+def test_resume_without_threads_reuses_the_count_the_run_started_with(cli, tmp_path, monkeypatch):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        result = cli("train", *short(tmp_path), "--threads", "1", "--json")
+        assert result.code == 0, result.err
+        run_dir = json.loads(result.out)["run_dir"]
+        assert json.loads((Path(run_dir) / "meta.json").read_text())["plan"]["threads"] == 1
+        torch.set_num_threads(2)
+        monkeypatch.setattr("dpclip.threads.auto_threads", lambda: 2)  # what a bare run would take
+        resumed = cli("train", "--resume", run_dir, "--json")
+        assert resumed.code == 0, resumed.err
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -66,6 +66,25 @@ def test_cnn_on_digit_images_uses_group_norm_and_no_batch_norm(digit_images):
     assert model(digit_images.train["features"][:2]).shape == (2, 10)
 
 
+def test_cnn_pool_size_keeps_that_many_positions_per_channel_for_the_dense_layer(digit_images):
+    model, _ = build_model(CNNModel(kind="cnn", channels=[8, 16], pool_size=4, hidden=16), digit_images)
+    pool = next(m for m in model.modules() if isinstance(m, nn.AdaptiveAvgPool2d))
+    first_dense = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    assert pool.output_size == 4 and first_dense.in_features == 16 * 4 * 4
+    # Each pooled cell is the mean of its own 2x2 patch of the last conv output.
+    images = digit_images.train["features"][:3]
+    conv_out = model[:6](images)
+    assert torch.allclose(model[6](conv_out)[:, :, 0, 0], conv_out[:, :, :2, :2].mean(dim=(2, 3)), atol=1e-6)
+    default, _ = build_model(CNNModel(kind="cnn", channels=[8, 16], hidden=16), digit_images)
+    assert next(m for m in default.modules() if isinstance(m, nn.Linear)).in_features == 16
+
+
+def test_cnn_refuses_a_pool_size_larger_than_the_image(digit_images):
+    with pytest.raises(DpclipError) as info:
+        build_model(CNNModel(kind="cnn", pool_size=9), digit_images)
+    assert "8x8" in info.value.message and "at most 8" in info.value.hint
+
+
 def test_cnn_refuses_norm_groups_that_do_not_divide_the_channels(digit_images):
     with pytest.raises(DpclipError) as info:
         build_model(CNNModel(kind="cnn", channels=[8, 12], norm_groups=8), digit_images)
