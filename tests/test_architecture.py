@@ -21,7 +21,7 @@ LAYERS = [
     ("dpclip.audit", "dpclip.tuning", "dpclip.bench", "dpclip.export"),
     ("dpclip.train",),
     ("dpclip.recipe",),
-    ("dpclip.data", "dpclip.models", "dpclip.engine"),
+    ("dpclip.data", "dpclip.models", "dpclip.engine", "dpclip.diagnose"),
     ("dpclip.accounting",),
     ("dpclip", "dpclip.errors", "dpclip.rng", "dpclip.allocator", "dpclip.threads", "dpclip.files"),
 ]
@@ -31,6 +31,8 @@ FORBIDDEN = {
     "dpclip.accounting": {"torch": "accounting is pure Python over dp_accounting (no torch)"},
     "dpclip.engine": {"yaml": "the engine takes dicts, never YAML", "typer": "no CLI in the engine",
                       "rich": "no console in the engine"},
+    "dpclip.diagnose": {"yaml": "the diagnostics take tensors, never YAML", "typer": "no CLI below the CLI",
+                        "rich": "no console below the CLI"},
     "dpclip.data": {"typer": "no CLI below the CLI", "rich": "no console below the CLI"},
     "dpclip.models": {"typer": "no CLI below the CLI", "rich": "no console below the CLI"},
     "dpclip.train": {"typer": "no CLI below the CLI"},

@@ -14,6 +14,7 @@ from dpclip.allocator import keep_freed_memory
 from dpclip.cli import account, recipes, report, train, tune_cost, validate
 from dpclip.cli import audit
 from dpclip.cli import bench
+from dpclip.cli import diagnose
 from dpclip.cli import export
 from dpclip.cli.render import print_error
 from dpclip.errors import DpclipError
@@ -54,6 +55,7 @@ app.command("tune-cost")(tune_cost.tune_cost)
 app.command("bench")(bench.bench)
 app.command("export")(export.export)
 app.command("report")(report.report)
+app.command("diagnose")(diagnose.diagnose)
 app.add_typer(recipes.app, name="recipes")
 
 

@@ -19,6 +19,8 @@ release memory earlier).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import dp_accounting
@@ -199,6 +201,13 @@ class DPEngine:
     def detach(self) -> None:
         """Give the model its original forwards back (the engine is unusable after)."""
         self._keeper.remove()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forwards inside run the model's own layers with ordinary autograd, outside the
+        book-keeping (second derivatives for the Hessian diagnostics, dpclip.diagnose)."""
+        with self._keeper.plain():
+            yield
 
     def __enter__(self) -> "DPEngine":
         return self

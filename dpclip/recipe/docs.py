@@ -154,6 +154,8 @@ _SECTIONS: list = [
     ("audit.canaries", schema.Canaries, ""),
     ("tuning", schema.Tuning, ""),
     ("tuning.ranges.KEY", schema.RandomRange, ""),
+    ("diagnostics", schema.Diagnostics, "Measured on private data they are exact and not covered by ε: "
+                                        "`data: private` needs `private_not_covered: true`."),
 ]
 
 

@@ -358,6 +358,31 @@ class Audit(Section):
         None, description="one-run audit canaries; the inclusion secret is kept in the run's audit/canaries.json")
 
 
+class Diagnostics(Section):
+    """Hessian diagnostics recorded during training (docs/continual.md, "Hessian diagnostics")."""
+
+    every_steps: PositiveInt | None = Field(
+        None, description="measure tr(H), GᵀHG, tr(HΣ), the decelerator and B*_DP every N steps into "
+        "RUN_DIR/diagnostics.jsonl; null: off")
+    probes: Annotated[int, Field(ge=2)] = Field(20, description="Hutchinson probes (Rademacher) for tr(H)")
+    per_sample: Annotated[int, Field(ge=2)] = Field(
+        16, description="examples whose per-sample gradients estimate tr(HΣ) and E‖g_i‖²")
+    data: Literal["public", "private"] = Field(
+        "public", description="public: measured on the recipe's public data (free); private: on the private "
+        "training data, exact and NOT covered by ε (needs private_not_covered: true)")
+    private_not_covered: bool = Field(
+        False, description="required for data: private: you accept that the diagnostics are exact functions "
+        "of the private data outside ε; they are labelled so wherever they appear")
+
+    @model_validator(mode="after")
+    def _private_needs_consent(self) -> Diagnostics:
+        if self.data == "private" and not self.private_not_covered:
+            raise ValueError("data 'private' measures exact quantities of the private data that ε does not "
+                             "cover; set diagnostics.private_not_covered: true to accept that (they are then "
+                             "labelled 'not covered by ε'), or measure on public data (data: public)")
+        return self
+
+
 class RandomRange(Section):
     low: float
     high: float
@@ -410,10 +435,16 @@ class Recipe(Section):
     logging: Logging = Field(default_factory=Logging, description="where metrics go besides metrics.jsonl")
     audit: Audit = Field(default_factory=Audit, description="membership-inference audit settings")
     tuning: Tuning = Field(default_factory=Tuning, description="hyperparameter search space for tune-cost")
+    diagnostics: Diagnostics = Field(default_factory=Diagnostics,
+                                     description="Hessian diagnostics during training (off by default)")
 
     @model_validator(mode="after")
     def _cross_section(self) -> Recipe:
         self.clipping.threshold.check_recipe(self)
+        if self.diagnostics.every_steps and self.diagnostics.data == "public" and getattr(self, "public", None) is None:
+            raise ValueError("diagnostics.data 'public' needs public data and the recipe has no 'public:' block; "
+                             "add one, or measure on the private data (diagnostics.data: private with "
+                             "diagnostics.private_not_covered: true; not covered by ε)")
         if self.model.kind == "cnn" and self.data.source == "builtin" and self.data.name == "digits" \
                 and not self.data.as_images:
             raise ValueError("model.kind 'cnn' needs images: set data.as_images: true")

@@ -32,6 +32,7 @@ from dpclip.files import write_json_atomic, write_text_atomic
 from dpclip.models import build_model, evaluate
 from dpclip.recipe import Recipe, recipe_to_yaml
 from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from dpclip.train.diagnostics import recorder_for
 from dpclip.train.optim import LrSchedule, build_optimizer
 from dpclip.train.plan import count_groups, engine_clipping, privacy_plan, private_seed
 from dpclip.train.plots import plot_run
@@ -136,6 +137,7 @@ class Trainer:
         self._setup_optimizer()
         self._setup_sampler()
         self.ledger = Ledger(self.plan.delta, self.plan.accountant)
+        self.diagnostics = recorder_for(self)  # Hessian diagnostics (recipe diagnostics:), or a no-op
 
     def _setup_recipe(self) -> None:
         """On resume, the run's own recipe.yaml, refused if its privacy fields were edited."""
@@ -370,6 +372,7 @@ class Trainer:
             self.tensorboard.close()
         plot_run(run.path, self.engine.group_names, policy=self.recipe.clipping.threshold.kind,
                  epsilon_cap=self.recipe.privacy.epsilon, delta=self.plan.delta)
+        self.diagnostics.finish(run.path)
         self.observer.on_end(result)
         return result
 
@@ -418,6 +421,7 @@ class Trainer:
         self._emit(step_record(self.step, outcome.report, self.ledger.epsilon() if live else None,
                                 outcome.loss_sum, outcome.batch_size, recipe.training.batch_size, lr,
                                 outcome.seconds, recipe.clipping.fn, recipe.privacy.exact_diagnostics), "step")
+        self.diagnostics.maybe_record(self.step, self.run_dir)
         if recipe.eval.every_steps and self.step % recipe.eval.every_steps == 0 and self.step < plan.steps:
             self._run_eval()
         if self._checkpoint_due():

@@ -1,0 +1,127 @@
+"""``dpclip diagnose RECIPE|RUN_DIR``: the Hessian diagnostics of a model, on their own
+(docs/continual.md, "Hessian diagnostics").
+
+A recipe is set up as training would set it up (:class:`~dpclip.train.trainer.Trainer`'s
+setup: data, model at its initial weights, the σ its ε gives, the engine's thresholds)
+and measured at initialisation; a run directory is set up from its own recipe, its latest
+checkpoint's weights and thresholds are loaded, and it is measured there. Nothing is
+trained and no run directory is written except the two plots (into the run directory,
+or ``--out``). On private data the results are labelled "not covered by ε"
+(:mod:`dpclip.train.diagnostics`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpclip.diagnose import HessianDiagnostics
+from dpclip.errors import DpclipError
+from dpclip.recipe import load_recipe
+from dpclip.rng import private_generator
+from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
+from dpclip.train.diagnostics import (DIAGNOSTICS_FILE, choose_rows, clip_threshold, draw_rows, evaluate,
+                                      make_record, measure_model, public_batch_size, public_rows_of, read_records)
+from dpclip.train.diagnostics_plots import (HESSIAN_PLOT, IMPROVEMENT_PLOT, plot_hessian_over_training,
+                                            plot_improvement)
+from dpclip.train.plan import private_seed
+from dpclip.train.rundir import RunDir
+from dpclip.train.trainer import Trainer
+
+
+@dataclass
+class DiagnoseResult:
+    """What ``dpclip diagnose`` measured and wrote."""
+
+    name: str
+    source: str                     # "recipe" (initial weights) or "run" (its latest checkpoint)
+    step: int
+    diagnostics: HessianDiagnostics
+    record: dict[str, Any]          # as a line of diagnostics.jsonl: measurement, formulas, label
+    sigma_total: float
+    out_dir: Path
+    plots: list[str] = field(default_factory=list)
+    history: int = 0                # records of the run's diagnostics.jsonl drawn beside this one
+
+    @property
+    def private(self) -> bool:
+        return self.record["data"] == "private"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.source, "step": self.step, **self.record,
+                "sigma_total": self.sigma_total, "out_dir": str(self.out_dir), "plots": self.plots,
+                "history": self.history}
+
+
+def diagnose(target: str | Path, overrides: list[str] | None = None, *, probes: int | None = None,
+             per_sample: int | None = None, batch_size: int | None = None, data: str | None = None,
+             allow_private: bool = False, out: str | Path | None = None,
+             public_rows: dict[str, torch.Tensor] | None = None) -> DiagnoseResult:
+    """Measure the diagnostics of a recipe (at initialisation) or a run (at its latest checkpoint).
+
+    ``probes``, ``per_sample`` and ``data`` default to the recipe's ``diagnostics:`` block,
+    ``batch_size`` (rows measured on) to its ``training.batch_size``. Private data needs
+    ``allow_private`` or the recipe's ``diagnostics.private_not_covered: true``.
+    ``public_rows``: public training rows the caller has loaded (else ``recipe.public``)."""
+    target = Path(target)
+    trainer, source, step = _set_up(target, overrides or [])
+    try:
+        recipe = trainer.recipe
+        spec = recipe.diagnostics
+        data = data or spec.data
+        public = public_rows_of(recipe, public_rows)
+        rows = choose_rows(data, private_rows=trainer.ordinary.train, public_rows=public,
+                           allow_private=allow_private or spec.private_not_covered)
+        size = batch_size or recipe.training.batch_size
+        if size < 2:
+            raise DpclipError(f"--batch-size must be at least 2, got {size}", "e.g. --batch-size 64")
+        # Which rows and which probes: private randomness, never the recipe's seed (dpclip.rng).
+        generator = private_generator(private_seed(recipe), "hessian-diagnostics")
+        diag = measure_model(trainer.model, trainer.loss_fn, draw_rows(rows, size, generator), trainer.engine,
+                             probes=probes or spec.probes, per_sample=per_sample or spec.per_sample,
+                             generator=generator)
+        formulas = evaluate(diag, sigma=trainer.split.sigma_gradient, batch_size=recipe.training.batch_size,
+                            clip_fn=recipe.clipping.fn, threshold=clip_threshold(trainer.engine),
+                            gamma=recipe.clipping.gamma, public_batch_size=public_batch_size(recipe, public))
+    finally:
+        trainer.engine.detach()
+    record = make_record(step, diag, formulas, data)
+    out_dir = Path(out) if out is not None else (target if source == "run" else Path(f"diagnose-{recipe.name}"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    history = read_records(target / DIAGNOSTICS_FILE) if source == "run" else []
+    # The run's records beside this measurement, which replaces a record of the same step.
+    history = [r for r in history if r.get("step") != step]
+    plot_hessian_over_training(history + [record], out_dir / HESSIAN_PLOT)
+    plot_improvement(diag, out_dir / IMPROVEMENT_PLOT, sigma=formulas["noise_multiplier"],
+                     clip_factor=formulas["clip_factor"], batch_size=recipe.training.batch_size,
+                     private=data == "private")
+    return DiagnoseResult(recipe.name, source, step, diag, record, trainer.split.sigma_total, out_dir,
+                          [str(out_dir / HESSIAN_PLOT), str(out_dir / IMPROVEMENT_PLOT)], len(history))
+
+
+def _set_up(target: Path, overrides: list[str]) -> tuple[Trainer, str, int]:
+    """(a set-up trainer, "recipe" or "run", the step of its weights)."""
+    if target.is_dir():
+        if overrides:
+            raise DpclipError("key=value overrides apply to a recipe, not to a run directory",
+                              "diagnose the run as it was trained, or pass its recipe file with the overrides")
+        run = RunDir(target)
+        run.recipe()  # the error for a folder that is not a run
+        trainer = Trainer(resume=target)
+        trainer.setup()
+        try:
+            checkpoint = latest_checkpoint(run.path)
+            if checkpoint is None:
+                raise DpclipError(f"{run.path} has no checkpoint", "the run stopped before its first checkpoint")
+            state = load_checkpoint(checkpoint, trainer.model)
+            trainer.engine.load_state_dict(state["engine"])  # the thresholds the run had reached
+        except BaseException:
+            trainer.engine.detach()
+            raise
+        return trainer, "run", int(state["step"])
+    trainer = Trainer(load_recipe(target, overrides))
+    trainer.setup()
+    return trainer, "recipe", 0

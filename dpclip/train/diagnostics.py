@@ -1,0 +1,218 @@
+"""Hessian diagnostics of a run: which rows they are measured on, what a record holds, and
+the recorder that writes ``diagnostics.jsonl`` every ``diagnostics.every_steps`` steps
+(docs/continual.md, "Hessian diagnostics").
+
+Privacy. Measured on public data, the diagnostics are functions of the weights (themselves
+post-processing of the noisy steps) and of public rows: covered by ε, free. Measured on
+the private training data they are exact, noiseless functions of it: refused unless the
+user opts in (``diagnostics.private_not_covered: true``, or ``dpclip diagnose
+--allow-private-not-covered-by-epsilon``), and then labelled "not covered by ε" in every
+record, in the run's privacy statement (:func:`dpclip.train.plan.not_covered`), in the
+tables and in the plot titles. The probes and the measured batch come from a private
+generator (:mod:`dpclip.rng`), never from the recipe's seed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpclip.data import load_data
+from dpclip.diagnose import HessianDiagnostics, measure, typical_clip_factor
+from dpclip.errors import DpclipError
+from dpclip.rng import private_generator
+from dpclip.train.plan import private_seed
+from dpclip.train.rundir import _append_metrics
+
+DIAGNOSTICS_FILE = "diagnostics.jsonl"
+#: The fields of a record computed from the measured rows (the rest is the run's settings).
+MEASURED = ("trace_h", "trace_h_stderr", "gthg", "trace_h_sigma", "grad_norm_sq", "mean_sample_grad_norm_sq",
+            "clip_factor", "decelerator", "b_star_dp", "improvement", "improvement_non_private", "alpha_star")
+PRIVATE_HINT = ("measure on public data (a 'public:' block in the recipe), or accept exact private diagnostics "
+                "outside ε: diagnostics.private_not_covered: true in the recipe, or "
+                "--allow-private-not-covered-by-epsilon for dpclip diagnose")
+
+
+def public_rows_of(recipe, public_rows: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
+    """The public training rows: ``public_rows`` when the caller has them (the trainer's
+    public data), else loaded from the recipe's ``public:`` block (same shape as ``data:``),
+    else None."""
+    if public_rows is not None:
+        return public_rows
+    public = getattr(recipe, "public", None)
+    if public is None:
+        return None
+    return load_data(public, seed=recipe.seed).train
+
+
+def choose_rows(data: str, *, private_rows: dict[str, torch.Tensor], public_rows: dict[str, torch.Tensor] | None,
+                allow_private: bool) -> dict[str, torch.Tensor]:
+    """The rows to measure on, refusing private rows without the user's explicit consent."""
+    if data == "private":
+        if not allow_private:
+            raise DpclipError("Hessian diagnostics on the private data are exact functions of it and are not "
+                              "covered by ε; they need your explicit consent", PRIVATE_HINT)
+        return private_rows
+    if data != "public":
+        raise DpclipError(f"diagnostics data must be 'public' or 'private', got {data!r}", None)
+    if public_rows is None:
+        raise DpclipError("no public data to measure the Hessian diagnostics on (the recipe has no 'public:' block)",
+                          "add a public: block to the recipe, or measure on the private data with "
+                          "--data private --allow-private-not-covered-by-epsilon (the results are not covered by ε)")
+    return public_rows
+
+
+def draw_rows(rows: dict[str, torch.Tensor], size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """``size`` rows (all of them if fewer) drawn without replacement with ``generator``."""
+    total = len(next(iter(rows.values())))
+    chosen = torch.randperm(total, generator=generator, device=generator.device)[:min(size, total)].cpu()
+    return {name: tensor[chosen] for name, tensor in rows.items()}
+
+
+def clip_threshold(engine) -> float:
+    """C of the formulas: the clipped sum's sensitivity sqrt(Σ_k C_k²) now (adaptive policies move it)."""
+    return float(engine.policy.sensitivity_thresholds().double().norm())
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no inf or NaN: such a value is written as null (the formulas say when they occur)."""
+    return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+def evaluate(diag: HessianDiagnostics, *, sigma: float, batch_size: int, clip_fn: str, threshold: float,
+             gamma: float = 0.0, public_batch_size: int | None = None) -> dict[str, Any]:
+    """The paper's quantities at the run's σ, B and c (docs/continual.md): the decelerator,
+    B*_DP, ΔL*(B) private and non-private (eqs. (6), (7)), α* when there is public data."""
+    c = typical_clip_factor(diag, clip_fn, threshold, gamma)
+    return {
+        "noise_multiplier": sigma, "batch_size_dp": batch_size, "clip_fn": clip_fn, "threshold": threshold,
+        "clip_factor": c,
+        "decelerator": diag.decelerator(sigma, batch_size, c),
+        "b_star_dp": diag.b_star_dp(sigma, c),
+        "improvement": diag.improvement(batch_size, sigma, c),
+        "improvement_non_private": diag.improvement(batch_size, 0.0, 1.0),
+        "public_batch_size": public_batch_size,
+        "alpha_star": None if public_batch_size is None else diag.alpha_star(public_batch_size, batch_size, sigma, c),
+    }
+
+
+def make_record(step: int, diag: HessianDiagnostics, formulas: dict[str, Any], data: str) -> dict[str, Any]:
+    """One line of diagnostics.jsonl: the measurement, the formulas, and its privacy label."""
+    record: dict[str, Any] = {"step": step, "data": data, "covered_by_epsilon": data == "public"}
+    record.update(diag.to_dict())
+    record.update(formulas)
+    if data == "private":
+        record["not_covered_by_epsilon"] = list(MEASURED)
+    return {key: _finite(value) for key, value in record.items()}
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a diagnostics.jsonl (a line cut by a crash ends the list)."""
+    records: list[dict[str, Any]] = []
+    path = Path(path)
+    if not path.exists():
+        return records
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+def measure_model(model, loss_fn, rows, engine, *, probes: int, per_sample: int,
+                  generator: torch.Generator) -> HessianDiagnostics:
+    """:func:`dpclip.diagnose.measure` in eval mode (dropout would give every Hessian-vector
+    product another objective), outside the engine's book-keeping; the mode is restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        if engine is None:
+            return measure(model, loss_fn, rows, probes=probes, per_sample=per_sample, generator=generator)
+        with engine.paused():
+            return measure(model, loss_fn, rows, probes=probes, per_sample=per_sample, generator=generator)
+    finally:
+        model.train(was_training)
+
+
+class DiagnosticsRecorder:
+    """Measures every ``diagnostics.every_steps`` steps and appends the record to
+    ``RUN_DIR/diagnostics.jsonl``; :meth:`finish` draws hessian_over_training.png."""
+
+    def __init__(self, recipe, model, loss_fn, engine, rows: dict[str, torch.Tensor], *, data: str, sigma: float,
+                 public_batch_size: int | None):
+        self.recipe, self.model, self.loss_fn, self.engine = recipe, model, loss_fn, engine
+        self.rows, self.data, self.sigma, self.public_batch_size = rows, data, sigma, public_batch_size
+        self.spec = recipe.diagnostics
+        # Private randomness (which rows, which probes): OS entropy unless the recipe opts in to seeding.
+        self.generator = private_generator(private_seed(recipe), "hessian-diagnostics")
+        self._last_step: int | None = None
+
+    def measure(self) -> tuple[HessianDiagnostics, dict[str, Any]]:
+        recipe = self.recipe
+        batch = draw_rows(self.rows, recipe.training.batch_size, self.generator)
+        diag = measure_model(self.model, self.loss_fn, batch, self.engine, probes=self.spec.probes,
+                             per_sample=self.spec.per_sample, generator=self.generator)
+        formulas = evaluate(diag, sigma=self.sigma, batch_size=recipe.training.batch_size,
+                            clip_fn=recipe.clipping.fn, threshold=clip_threshold(self.engine),
+                            gamma=recipe.clipping.gamma, public_batch_size=self.public_batch_size)
+        return diag, formulas
+
+    def maybe_record(self, step: int, run_dir: Path) -> None:
+        """Measure and append a record when ``step`` is a multiple of every_steps; a step the
+        file already holds (a resumed run redoing steps after its checkpoint) is not measured again."""
+        if step % self.spec.every_steps:
+            return
+        path = Path(run_dir) / DIAGNOSTICS_FILE
+        if self._last_step is None:
+            self._last_step = max((int(r.get("step", 0)) for r in read_records(path)), default=0)
+        if step <= self._last_step:
+            return
+        diag, formulas = self.measure()
+        _append_metrics(path, make_record(step, diag, formulas, self.data))
+        self._last_step = step
+
+    def finish(self, run_dir: Path) -> None:
+        """hessian_over_training.png from the run's diagnostics.jsonl."""
+        from dpclip.train.diagnostics_plots import HESSIAN_PLOT, plot_hessian_over_training
+
+        records = read_records(Path(run_dir) / DIAGNOSTICS_FILE)
+        if records:
+            plot_hessian_over_training(records, Path(run_dir) / HESSIAN_PLOT)
+
+
+class _Off:
+    """The recorder of a recipe without diagnostics: does nothing."""
+
+    def maybe_record(self, step: int, run_dir: Path) -> None:
+        pass
+
+    def finish(self, run_dir: Path) -> None:
+        pass
+
+
+def public_batch_size(recipe, public_rows) -> int | None:
+    """B₀ of α* (eq. (10)): the public block's ``batch_size`` if it has one, else the private B;
+    None without public data."""
+    if public_rows is None:
+        return None
+    return getattr(getattr(recipe, "public", None), "batch_size", None) or recipe.training.batch_size
+
+
+def recorder_for(trainer, public_rows: dict[str, torch.Tensor] | None = None):
+    """The recorder of a :class:`~dpclip.train.trainer.Trainer` after its setup (σ, engine,
+    data known). ``public_rows``: the public training rows, when the trainer has them
+    loaded; otherwise they are loaded from ``recipe.public``."""
+    recipe = trainer.recipe
+    spec = recipe.diagnostics
+    if not spec.every_steps:
+        return _Off()
+    public = public_rows_of(recipe, public_rows)   # α* needs it even when measuring on private rows
+    rows = choose_rows(spec.data, private_rows=trainer.ordinary.train, public_rows=public,
+                       allow_private=spec.private_not_covered)
+    return DiagnosticsRecorder(recipe, trainer.model, trainer.loss_fn, trainer.engine, rows, data=spec.data,
+                               sigma=trainer.split.sigma_gradient, public_batch_size=public_batch_size(recipe, public))

@@ -1,0 +1,82 @@
+"""`dpclip diagnose RECIPE|RUN_DIR`."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dpclip.recipe import load_recipe
+from dpclip.train.workflow import train
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+FAST = ("--probes", "3", "--per-sample", "3", "--batch-size", "16", "--threads", "1")
+PRIVATE = ("--data", "private", "--allow-private-not-covered-by-epsilon")
+PLOTS = ("hessian_over_training.png", "improvement_vs_batch.png")
+
+
+def _pngs(folder: Path) -> bool:
+    return all((folder / name).read_bytes()[:4] == b"\x89PNG" for name in PLOTS)
+
+
+def test_diagnose_a_recipe_prints_the_table_and_writes_both_plots(cli, tmp_path):
+    result = cli("diagnose", QUICKSTART, "training.batch_size=32", *FAST, *PRIVATE, "--out", tmp_path / "plots")
+    assert result.code == 0, result.err
+    out = " ".join(result.out.split())  # rich wraps long lines
+    assert "Hessian diagnostics at initial weights, private data, not covered by ε" in out
+    for row in ("tr(H)", "GᵀHG", "tr(HΣ)", "|G|²", "E‖g_i‖²", "σ (gradient noise multiplier)", "decelerator",
+                "B*_DP", "ΔL*(B = 32)", "c (typical clip factor)"):
+        assert row in out
+    assert "α*" not in out  # no public data
+    assert _pngs(tmp_path / "plots")
+    assert "improvement_vs_batch.png (not covered by ε)" in out
+
+
+def test_diagnose_json_reports_the_formulas_at_the_recipes_sigma(cli, tmp_path):
+    result = cli("diagnose", QUICKSTART, *FAST, *PRIVATE, "--out", tmp_path, "--json")
+    assert result.code == 0, result.err
+    payload = json.loads(result.out)
+    assert payload["covered_by_epsilon"] is False and payload["data"] == "private"
+    assert payload["step"] == 0 and payload["batch_size"] == 16 and payload["batch_size_dp"] == 64
+    sigma, c, b = payload["noise_multiplier"], payload["clip_factor"], payload["batch_size_dp"]
+    assert payload["decelerator"] == pytest.approx(sigma ** 2 * payload["trace_h"] / (b * c ** 2))
+    account = cli("account", QUICKSTART, "--json")   # the same σ the trainer calibrates
+    assert sigma == pytest.approx(json.loads(account.out)["noise"]["sigma_gradient"], rel=1e-9)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("--data", "private"), "not covered by ε"),
+    ((), "no public data"),
+])
+def test_diagnose_refuses_without_consent_or_public_data(cli, tmp_path, args, expected):
+    result = cli("diagnose", QUICKSTART, *FAST, *args, "--out", tmp_path)
+    assert result.code != 0
+    assert "error: " in result.err and expected in " ".join(result.err.split())
+    assert "hint:" in result.err and "Traceback" not in result.err + result.out
+    assert not (tmp_path / PLOTS[0]).exists()
+
+
+@pytest.fixture(scope="module")
+def run_with_diagnostics(tmp_path_factory):
+    output = tmp_path_factory.mktemp("runs")
+    recipe = load_recipe(QUICKSTART, [
+        f"output_dir={output}", "training.epochs=null", "training.steps=6", "checkpoint.every_steps=null",
+        "diagnostics.every_steps=3", "diagnostics.probes=2", "diagnostics.per_sample=2",
+        "diagnostics.data=private", "diagnostics.private_not_covered=true"])
+    return train(recipe).run_dir
+
+
+def test_diagnose_a_run_measures_its_latest_checkpoint_and_plots_its_history(cli, run_with_diagnostics, one_thread):
+    for name in PLOTS:
+        (run_with_diagnostics / name).unlink(missing_ok=True)
+    result = cli("diagnose", run_with_diagnostics, *FAST)   # the run's recipe gave the consent
+    assert result.code == 0, result.err
+    out = " ".join(result.out.split())
+    assert "at checkpoint step 6, private data, not covered by ε" in out
+    assert "1 earlier measurements from diagnostics.jsonl" in out   # step 3; step 6 is measured anew
+    assert _pngs(run_with_diagnostics)
+
+
+def test_diagnose_a_run_refuses_overrides(cli, run_with_diagnostics):
+    result = cli("diagnose", run_with_diagnostics, "training.batch_size=8")
+    assert result.code != 0 and "overrides" in result.err and "Traceback" not in result.err
