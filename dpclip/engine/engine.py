@@ -200,6 +200,11 @@ class DPEngine:
         """Give the model its original forwards back (the engine is unusable after)."""
         self._keeper.remove()
 
+    def plain(self):
+        """A context in which forwards and backwards bypass the engine: ordinary, unclipped,
+        un-noised gradients land in ``p.grad`` (public data only: docs/continual.md)."""
+        return self._keeper.plain()
+
     def __enter__(self) -> "DPEngine":
         return self
 

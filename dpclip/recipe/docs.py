@@ -154,6 +154,9 @@ _SECTIONS: list = [
     ("audit.canaries", schema.Canaries, ""),
     ("tuning", schema.Tuning, ""),
     ("tuning.ranges.KEY", schema.RandomRange, ""),
+    ("continual", schema.Continual, ""),
+    ("continual.switch", schema.SwitchRule, ""),
+    ("continual.at_switch", schema.AtSwitch, ""),
 ]
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from dpclip.accounting import AuxSpec, PrivacyPlan, solve, steps_for_epochs
 from dpclip.data import load_data
-from dpclip.data.size import training_set_size
+from dpclip.data.size import public_summary, training_set_size
 from dpclip.engine import build_groups, trainable_params
 from dpclip.errors import AccountingError
 from dpclip.models import build_model
@@ -118,8 +118,22 @@ EXACT_DIAGNOSTICS = (
 
 
 def not_covered(recipe: Recipe) -> tuple[str, ...]:
-    """What a run of ``recipe`` releases outside ε (the statement lists it)."""
-    return EXACT_DIAGNOSTICS if recipe.privacy.exact_diagnostics else ()
+    """What a run of ``recipe`` releases outside ε (the statement lists it), and the public
+    data it trains on, which ε does not cover (docs/continual.md)."""
+    out = EXACT_DIAGNOSTICS if recipe.privacy.exact_diagnostics else ()
+    if recipe.public is not None:
+        out += (f"public data: {public_summary(recipe.data, recipe.public)}, declared public by you "
+                "(the guarantee assumes it is public)",)
+    return out
+
+
+def probe_steps(recipe: Recipe, sample_rate: float) -> int:
+    """Private steps of DP linear probing at the switch (continual.at_switch.linear_probe_epochs):
+    ceil(epochs / q), charged like every private step, so σ is calibrated for them too."""
+    continual = recipe.continual
+    if continual is None or continual.schedule != "switch" or not continual.at_switch.linear_probe_epochs:
+        return 0
+    return steps_for_epochs(continual.at_switch.linear_probe_epochs, sample_rate)
 
 
 def private_seed(recipe: Recipe) -> int | None:
@@ -136,6 +150,7 @@ def privacy_plan(recipe: Recipe, dataset_size: int, groups: int | None = None) -
     """
     training, privacy = recipe.training, recipe.privacy
     sample_rate, steps = sampling_schedule(dataset_size, training.batch_size, training.epochs, training.steps)
+    steps += probe_steps(recipe, sample_rate)
     check_delta(privacy.delta, dataset_size)
     return PrivacyPlan(
         sample_rate=sample_rate,
