@@ -42,6 +42,10 @@ looked for in `model.module_dir`, the recipe file's directory unless given, so
 `audit-mia` work from any directory. (`output_dir` stays relative to the current
 directory.)
 
+Public data and continual pre-training (`public:`, `continual:`, `data.public_fraction`;
+shipped as `recipes/continual-cnn-digits.yaml` and `recipes/continual-gpt2-text.yaml`):
+docs/continual.md.
+
 Rules that need the data (checked by `dpclip account RECIPE` and by training): the
 Poisson rate is q = batch_size / N with N the training examples after the split, so
 batch_size must not exceed N; `privacy.delta` must be below 1/N.
