@@ -57,6 +57,8 @@ class RichObserver:
         if info.get("exact_diagnostics"):
             console.print("loss, clip % and eval figures below are computed without noise from private data: "
                           "not covered by ε (privacy.exact_diagnostics: false turns them off)", soft_wrap=True)
+        if info.get("continual"):
+            console.print(_continual_line(info["continual"]), soft_wrap=True)
         if info["dry_run"]:
             return
         self.progress = Progress(
@@ -72,12 +74,29 @@ class RichObserver:
         if record["epsilon"] is not None:
             self.epsilon = record["epsilon"]
         status = f"ε {fmt(self.epsilon, 3)} C {_short(record['thresholds'], 1)}"
+        if "phase" in record:
+            status = f"phase {record['phase']}" + (f" α {record['alpha']:.2f}" if record["phase"] == "mixed" else "") \
+                + (" (linear probe)" if record.get("probe") else "") + f" {status}"
         diag = record.get("diagnostics")
         if diag is not None:
             clip = diag["clip_fraction"]
             clip_text = "n/a" if clip is None else f"{100 * sum(clip) / max(len(clip), 1):.0f}%"
             status = f"loss {diag['train_loss']:.3f} {status} clip {clip_text}"
         self.progress.update(self.task, completed=record["step"], status=status)
+
+    def on_phase(self, record):
+        """A public-phase record (public steps, the switch rule's evaluations, the switch)."""
+        if self.progress is None:
+            return
+        if record.get("kind") == "switch":
+            self.progress.console.print(f"[bold]switch[/] after {record['public_step']} public steps: "
+                                        f"{record['reason']}", soft_wrap=True)
+        elif "public_eval" in record:
+            metrics = "  ".join(f"{k} {v:.4g}" for k, v in record["public_eval"].items())
+            self.progress.console.print(f"public step {record['public_step']}: public validation {metrics}")
+        elif "public_loss" in record:
+            self.progress.update(self.task, status=f"phase public: step {record['public_step']} "
+                                 f"loss {record['public_loss']:.3f} (public data, ε 0)")
 
     def on_eval(self, record):
         if self.progress is not None:
@@ -102,6 +121,19 @@ def _summary(result) -> None:
     console.print("[bold]statement[/]")
     for line in result.statement:
         console.print(f"  {line}", soft_wrap=True)
+
+
+def _continual_line(continual) -> str:
+    """e.g. "continual: switch schedule, public data builtin:digits (144 train + 36 validation rows)"."""
+    line = f"continual: {continual['schedule']} schedule"
+    if continual["public_source"]:
+        line += (f", public data {continual['public_source']} ({continual['public_train']} train + "
+                 f"{continual['public_validation']} validation rows, declared public by you: not covered by ε)")
+    if continual["schedule"] in ("switch", "only-public"):
+        line += f"; public phase ends by rule {continual['rule']} or at {continual['max_public_steps']} public steps"
+        if continual["public_step"]:
+            line += f" (resumed at public step {continual['public_step']}, phase {continual['phase']})"
+    return line
 
 
 def _value(value) -> str:

@@ -31,7 +31,7 @@ import torch
 from dpclip.data.builtin import FOODS, load_digits_arrays, synthetic_cuisine_sentences, synthetic_restaurant_sentences
 from dpclip.data.files import Columns, read_table, read_text_lines
 from dpclip.data.hub import load_hub_columns
-from dpclip.data.split import split_fingerprint, split_indices
+from dpclip.data.split import carve_indices, split_fingerprint, split_indices
 from dpclip.data.tokenizers import Tokenizer, load_tokenizer
 from dpclip.errors import DpclipError
 
@@ -346,35 +346,52 @@ def _source_name(config) -> str:
     return f"hf:{name}:{config.split}" + (f" (test {config.test_split})" if config.test_split else "")
 
 
+def load_examples(config, seed: int) -> Examples:
+    """The tensors of a recipe's ``data`` (or ``public``) section, not yet split."""
+    if config.source == "builtin":
+        return _builtin_examples(config, seed)
+    if config.source == "files":
+        return _files_examples(config)
+    if config.source == "hf":
+        return _hub_examples(config)
+    raise DpclipError(f"unknown data source {config.source!r}", "use builtin, files or hf")
+
+
 def load_data(config, seed: int) -> PrivateData:
     """Load a recipe's ``data`` section (a BuiltinData, FilesData or HFData) and split it.
 
     ``seed`` is the recipe's seed: it draws the train/test split and, for synthetic
-    text, the sentences.
+    text, the sentences. With ``data.public_fraction`` the carved public rows
+    (:func:`dpclip.data.split.carve_indices`) are left out first; the indices stay
+    positions in the whole data set, so members and non-members never name a public row.
     """
-    if config.source == "builtin":
-        examples = _builtin_examples(config, seed)
-    elif config.source == "files":
-        examples = _files_examples(config)
-    elif config.source == "hf":
-        examples = _hub_examples(config)
-    else:
-        raise DpclipError(f"unknown data source {config.source!r}", "use builtin, files or hf")
-
+    examples = load_examples(config, seed)
+    fraction = getattr(config, "public_fraction", None)
     if len(examples.parts) == 2:
         train, test = examples.parts
         train_indices, test_indices = np.arange(len(train["labels"])), np.arange(len(test["labels"]))
+        if fraction is not None:
+            _, train_indices = carve_indices(len(train_indices), fraction, seed)
+            train = select(train, torch.as_tensor(train_indices))
     else:
         everything, = examples.parts
-        train_indices, test_indices = split_indices(len(everything["labels"]), config.test_fraction, seed)
+        rows = np.arange(len(everything["labels"]))
+        if fraction is not None:
+            _, rows = carve_indices(len(rows), fraction, seed)
+        train_at, test_at = split_indices(len(rows), config.test_fraction, seed)
+        train_indices, test_indices = rows[train_at], rows[test_at]
         train = select(everything, torch.as_tensor(train_indices))
         test = select(everything, torch.as_tensor(test_indices))
+    return data_from_parts(examples, train, test, train_indices, test_indices, _source_name(config))
 
+
+def data_from_parts(examples: Examples, train, test, train_indices, test_indices, source: str) -> PrivateData:
+    """A :class:`PrivateData` from split tensors (used for the public data set too)."""
     tokenizer = examples.tokenizer
     return PrivateData(
         train=train, test=test, task=examples.task, input_shape=examples.input_shape,
         train_indices=train_indices, test_indices=test_indices,
-        fingerprint=split_fingerprint(train_indices, test_indices), source=_source_name(config),
+        fingerprint=split_fingerprint(train_indices, test_indices), source=source,
         num_classes=examples.num_classes, label_names=examples.label_names,
         vocab_size=tokenizer.vocab_size if tokenizer is not None else None,
         pad_token_id=tokenizer.pad_token_id if tokenizer is not None else None,

@@ -10,7 +10,7 @@ import csv
 import json
 from pathlib import Path
 
-from dpclip.data.split import split_sizes
+from dpclip.data.split import carve_count, split_sizes
 from dpclip.errors import DpclipError
 
 
@@ -47,7 +47,7 @@ def _count_rows(path: Path, file_format: str) -> int:
 
 
 def total_examples(data) -> int:
-    """Examples before the train/test split (data: a recipe `data` section)."""
+    """Examples before the train/test split and any public carve (data: a recipe `data` section)."""
     if data.source == "builtin":
         if data.name == "digits":
             from sklearn.datasets import load_digits  # lazy: scikit-learn is slow to import
@@ -63,7 +63,32 @@ def total_examples(data) -> int:
 def training_set_size(data) -> int:
     """N, the number of private training examples the Poisson sampler draws from."""
     total = total_examples(data)
+    fraction = getattr(data, "public_fraction", None)
+    if fraction is not None:  # rows carved out as public are never private (docs/continual.md)
+        total -= carve_count(total, fraction)
     if data.source == "files" and data.test is not None:
         return total
     num_train, _ = split_sizes(total, data.test_fraction)
     return num_train
+
+
+def public_summary(data, public) -> str:
+    """"<source>, N examples" of a recipe's public data (N left out for a hub data set,
+    whose size is known only after loading); without torch, for the privacy statement."""
+    fraction = getattr(data, "public_fraction", None)
+    if fraction is not None:
+        total = total_examples(data) if data.source != "hf" else None
+        where = _name(data) + f", the {fraction:g} share carved out before the private split"
+        return where + ("" if total is None else f", {carve_count(total, fraction)} examples")
+    if public.source == "hf":
+        return _name(public)
+    total = total_examples(public)
+    return f"{_name(public)}, {total} examples"
+
+
+def _name(section) -> str:
+    if section.source == "builtin":
+        return f"builtin:{section.name}"
+    if section.source == "files":
+        return f"files:{section.train}"
+    return f"hf:{section.name}"

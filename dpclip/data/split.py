@@ -33,3 +33,24 @@ def split_fingerprint(train_indices: np.ndarray, test_indices: np.ndarray) -> st
     digest.update(b"|")
     digest.update(np.asarray(test_indices, dtype=np.int64).tobytes())
     return digest.hexdigest()[:16]
+
+
+def carve_count(num_examples: int, fraction: float) -> int:
+    """How many rows ``data.public_fraction`` carves out as public: round(f·n), at least 1,
+    leaving at least 2 private rows (a train/test split needs 2)."""
+    if num_examples < 3:
+        raise DpclipError(f"the data set has {num_examples} example(s); carving public rows needs 3 or more",
+                          "use a larger data set, or a separate public: source")
+    return min(max(int(round(fraction * num_examples)), 1), num_examples - 2)
+
+
+def carve_indices(num_examples: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(public, private) sorted row positions: a seeded permutation cut at :func:`carve_count`.
+
+    Disjoint by construction; drawn from the recipe seed (which rows are public is not
+    private: they are public), with its own purpose so it is independent of the
+    train/test split's permutation."""
+    digest = hashlib.sha256(f"dpclip:public-carve:{int(seed)}".encode()).digest()
+    order = np.random.default_rng(int.from_bytes(digest[:8], "little")).permutation(num_examples)
+    count = carve_count(num_examples, fraction)
+    return np.sort(order[:count]), np.sort(order[count:])

@@ -204,8 +204,10 @@ class DPEngine:
 
     @contextmanager
     def paused(self) -> Iterator[None]:
-        """Forwards inside run the model's own layers with ordinary autograd, outside the
-        book-keeping (second derivatives for the Hessian diagnostics, dpclip.diagnose)."""
+        """Forwards and backwards inside run the model's own layers with ordinary autograd,
+        outside the book-keeping: unclipped, un-noised gradients land in ``p.grad``, and second
+        derivatives work. For public data only (continual pre-training's public gradients, the
+        Hessian diagnostics; docs/continual.md)."""
         with self._keeper.plain():
             yield
 

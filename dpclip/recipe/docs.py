@@ -42,6 +42,10 @@ looked for in `model.module_dir`, the recipe file's directory unless given, so
 `audit-mia` work from any directory. (`output_dir` stays relative to the current
 directory.)
 
+Public data and continual pre-training (`public:`, `continual:`, `data.public_fraction`;
+shipped as `recipes/continual-cnn-digits.yaml` and `recipes/continual-gpt2-text.yaml`):
+docs/continual.md.
+
 Rules that need the data (checked by `dpclip account RECIPE` and by training): the
 Poisson rate is q = batch_size / N with N the training examples after the split, so
 batch_size must not exceed N; `privacy.delta` must be below 1/N.
@@ -156,6 +160,9 @@ _SECTIONS: list = [
     ("tuning.ranges.KEY", schema.RandomRange, ""),
     ("diagnostics", schema.Diagnostics, "Measured on private data they are exact and not covered by ε: "
                                         "`data: private` needs `private_not_covered: true`."),
+    ("continual", schema.Continual, ""),
+    ("continual.switch", schema.SwitchRule, ""),
+    ("continual.at_switch", schema.AtSwitch, ""),
 ]
 
 

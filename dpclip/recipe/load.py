@@ -135,7 +135,8 @@ def _resolve_path(value: Any, base: Path, *, always: bool) -> Any:
 
 #: (section, field, always) of every recipe field that names a local path; see _resolve_path.
 PATH_FIELDS = (("data", "train", True), ("data", "test", True), ("data", "tokenizer", False),
-               ("model", "pretrained", False), ("model", "module_dir", True))
+               ("model", "pretrained", False), ("model", "module_dir", True),
+               ("public", "train", True), ("public", "test", True), ("public", "tokenizer", False))
 
 
 def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
@@ -148,9 +149,10 @@ def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
         section = data.get(section_name)
         if isinstance(section, dict) and field_name in section:
             section[field_name] = _resolve_path(section[field_name], base, always=always)
-    source = data.get("data")
-    if isinstance(source, dict) and source.get("source") == "hf" and "name" in source:
-        source["name"] = _resolve_path(source["name"], base, always=False)
+    for section_name in ("data", "public"):
+        source = data.get(section_name)
+        if isinstance(source, dict) and source.get("source") == "hf" and "name" in source:
+            source["name"] = _resolve_path(source["name"], base, always=False)
     model = data.get("model")
     if isinstance(model, dict) and model.get("kind") == "custom" and model.get("module_dir") is None:
         model["module_dir"] = str(base)

@@ -27,6 +27,7 @@ from pydantic.fields import FieldInfo
 
 from dpclip.engine.policies import on_registry_change, policy_spec, policy_specs
 from dpclip.engine.policies.base import PositiveFloat, PositiveInt, UnitOpen
+from dpclip.recipe.continual import AtSwitch, Continual, SwitchRule, check_continual  # noqa: F401 (docs)
 
 
 class Section(BaseModel):
@@ -51,6 +52,10 @@ class BuiltinData(Section):
     tokenizer: str = Field("byte", description="'byte' (builtin, no download) or a local HF tokenizer path "
                            "(relative: to the recipe file's directory)")
     max_length: PositiveInt = Field(64, description="text only: tokens per example after truncation/padding")
+    public_fraction: Annotated[float, Field(gt=0, lt=1)] | None = Field(
+        None, description="carve this share of the rows out as PUBLIC data before the train/test split "
+        "(seeded, disjoint from every private row); needs a public: block naming the same source "
+        "(docs/continual.md, \"Public data\")")
 
 
 class HFData(Section):
@@ -69,6 +74,10 @@ class HFData(Section):
     label_field: str | None = None
     tokenizer: str = "byte"
     max_length: PositiveInt = 64
+    public_fraction: Annotated[float, Field(gt=0, lt=1)] | None = Field(
+        None, description="carve this share of the rows out as PUBLIC data before the train/test split "
+        "(seeded, disjoint from every private row); needs a public: block naming the same source "
+        "(docs/continual.md, \"Public data\")")
 
 
 class FilesData(Section):
@@ -86,6 +95,10 @@ class FilesData(Section):
     feature_fields: list[str] | None = Field(None, description="default: every column but the label")
     tokenizer: str = "byte"
     max_length: PositiveInt = 64
+    public_fraction: Annotated[float, Field(gt=0, lt=1)] | None = Field(
+        None, description="carve this share of the rows out as PUBLIC data before the train/test split "
+        "(seeded, disjoint from every private row); needs a public: block naming the same source "
+        "(docs/continual.md, \"Public data\")")
 
 
 DataConfig = Annotated[Union[BuiltinData, HFData, FilesData], Field(discriminator="source")]
@@ -437,6 +450,13 @@ class Recipe(Section):
     tuning: Tuning = Field(default_factory=Tuning, description="hyperparameter search space for tune-cost")
     diagnostics: Diagnostics = Field(default_factory=Diagnostics,
                                      description="Hessian diagnostics during training (off by default)")
+    public: DataConfig | None = Field(
+        None, description="PUBLIC data (your claim: not covered by ε): any data: variant (source builtin, files, "
+        "hf); never sampled by the private sampler, never charged; its held-out split is the public validation "
+        "set of the switch rules; used by the continual: schedule (docs/continual.md)")
+    continual: Continual | None = Field(
+        None, description="public pre-training then private training, or a public/private mix (docs/continual.md); "
+        "default with a public: block: the switch schedule")
 
     @model_validator(mode="after")
     def _cross_section(self) -> Recipe:
@@ -448,6 +468,7 @@ class Recipe(Section):
         if self.model.kind == "cnn" and self.data.source == "builtin" and self.data.name == "digits" \
                 and not self.data.as_images:
             raise ValueError("model.kind 'cnn' needs images: set data.as_images: true")
+        check_continual(self)
         return self
 
 

@@ -72,7 +72,7 @@ def diagnose(target: str | Path, overrides: list[str] | None = None, *, probes: 
         recipe = trainer.recipe
         spec = recipe.diagnostics
         data = data or spec.data
-        public = public_rows_of(recipe, public_rows)
+        public = public_rows_of(trainer, public_rows)
         rows = choose_rows(data, private_rows=trainer.ordinary.train, public_rows=public,
                            allow_private=allow_private or spec.private_not_covered)
         size = batch_size or recipe.training.batch_size

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dpclip.data import load_data
+from dpclip.data.public import load_public
 from dpclip.diagnose import HessianDiagnostics, measure, typical_clip_factor
 from dpclip.errors import DpclipError
 from dpclip.rng import private_generator
@@ -37,16 +37,20 @@ PRIVATE_HINT = ("measure on public data (a 'public:' block in the recipe), or ac
                 "--allow-private-not-covered-by-epsilon for dpclip diagnose")
 
 
-def public_rows_of(recipe, public_rows: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
-    """The public training rows: ``public_rows`` when the caller has them (the trainer's
-    public data), else loaded from the recipe's ``public:`` block (same shape as ``data:``),
-    else None."""
+def public_rows_of(trainer, public_rows: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
+    """The public training rows: ``public_rows`` when the caller has them, else the
+    trainer's continual schedule's public data, else loaded from the recipe's ``public:``
+    block through :func:`dpclip.data.public.load_public` (which carves ``data.public_fraction``
+    and refuses public rows that are private ones: loading ``public:`` as plain data would
+    read the whole private set when the public rows are carved out of it), else None."""
     if public_rows is not None:
         return public_rows
-    public = getattr(recipe, "public", None)
-    if public is None:
+    continual = getattr(trainer, "continual", None)
+    if continual is not None and continual.public is not None:
+        return continual.public.train
+    if trainer.recipe.public is None:
         return None
-    return load_data(public, seed=recipe.seed).train
+    return load_public(trainer.recipe, trainer.ordinary).train
 
 
 def choose_rows(data: str, *, private_rows: dict[str, torch.Tensor], public_rows: dict[str, torch.Tensor] | None,
@@ -196,11 +200,12 @@ class _Off:
 
 
 def public_batch_size(recipe, public_rows) -> int | None:
-    """B₀ of α* (eq. (10)): the public block's ``batch_size`` if it has one, else the private B;
+    """B₀ of α* (eq. (10)): ``continual.public_batch_size``, else the private B;
     None without public data."""
     if public_rows is None:
         return None
-    return getattr(getattr(recipe, "public", None), "batch_size", None) or recipe.training.batch_size
+    continual = recipe.continual
+    return continual.public_batch_size if continual is not None else recipe.training.batch_size
 
 
 def recorder_for(trainer, public_rows: dict[str, torch.Tensor] | None = None):
@@ -211,7 +216,7 @@ def recorder_for(trainer, public_rows: dict[str, torch.Tensor] | None = None):
     spec = recipe.diagnostics
     if not spec.every_steps:
         return _Off()
-    public = public_rows_of(recipe, public_rows)   # α* needs it even when measuring on private rows
+    public = public_rows_of(trainer, public_rows)   # α* needs it even when measuring on private rows
     rows = choose_rows(spec.data, private_rows=trainer.ordinary.train, public_rows=public,
                        allow_private=spec.private_not_covered)
     return DiagnosticsRecorder(recipe, trainer.model, trainer.loss_fn, trainer.engine, rows, data=spec.data,

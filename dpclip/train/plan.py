@@ -11,7 +11,7 @@ from typing import Any
 
 from dpclip.accounting import AuxSpec, PrivacyPlan, solve, steps_for_epochs
 from dpclip.data import load_data
-from dpclip.data.size import training_set_size
+from dpclip.data.size import public_summary, training_set_size
 from dpclip.engine import build_groups, trainable_params
 from dpclip.errors import AccountingError
 from dpclip.models import build_model
@@ -125,10 +125,24 @@ PRIVATE_HESSIAN_DIAGNOSTICS = (
 
 
 def not_covered(recipe: Recipe) -> tuple[str, ...]:
-    """What a run of ``recipe`` releases outside ε (the statement lists it)."""
-    exact = EXACT_DIAGNOSTICS if recipe.privacy.exact_diagnostics else ()
-    hessian = recipe.diagnostics
-    return exact + ((PRIVATE_HESSIAN_DIAGNOSTICS,) if hessian.every_steps and hessian.data == "private" else ())
+    """What a run of ``recipe`` releases outside ε (the statement lists it), and the public
+    data it trains on, which ε does not cover (docs/continual.md)."""
+    out = EXACT_DIAGNOSTICS if recipe.privacy.exact_diagnostics else ()
+    if recipe.diagnostics.every_steps and recipe.diagnostics.data == "private":
+        out += (PRIVATE_HESSIAN_DIAGNOSTICS,)
+    if recipe.public is not None:
+        out += (f"public data: {public_summary(recipe.data, recipe.public)}, declared public by you "
+                "(the guarantee assumes it is public)",)
+    return out
+
+
+def probe_steps(recipe: Recipe, sample_rate: float) -> int:
+    """Private steps of DP linear probing at the switch (continual.at_switch.linear_probe_epochs):
+    ceil(epochs / q), charged like every private step, so σ is calibrated for them too."""
+    continual = recipe.continual
+    if continual is None or continual.schedule != "switch" or not continual.at_switch.linear_probe_epochs:
+        return 0
+    return steps_for_epochs(continual.at_switch.linear_probe_epochs, sample_rate)
 
 
 def private_seed(recipe: Recipe) -> int | None:
@@ -145,6 +159,7 @@ def privacy_plan(recipe: Recipe, dataset_size: int, groups: int | None = None) -
     """
     training, privacy = recipe.training, recipe.privacy
     sample_rate, steps = sampling_schedule(dataset_size, training.batch_size, training.epochs, training.steps)
+    steps += probe_steps(recipe, sample_rate)
     check_delta(privacy.delta, dataset_size)
     return PrivacyPlan(
         sample_rate=sample_rate,

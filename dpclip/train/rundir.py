@@ -34,7 +34,9 @@ from dpclip.train.plan import not_covered, privacy_plan
 
 # Fields whose change would change what the ledger means: a run refuses to resume if any differ.
 PRIVACY_FIELDS = ("seed", "data", "privacy", "clipping", "training.batch_size", "training.sampling",
-                  "training.epochs", "training.steps", "training.micro_batch_size")
+                  "training.epochs", "training.steps", "training.micro_batch_size", "public", "continual")
+# Fields left out of the fingerprint while unset, so runs from before they existed still resume.
+_OPTIONAL_FIELDS = ("public", "continual")
 
 
 def privacy_fingerprint(recipe: Recipe) -> str:
@@ -45,6 +47,10 @@ def privacy_fingerprint(recipe: Recipe) -> str:
         node: Any = dumped
         for part in dotted.split("."):
             node = node.get(part) if isinstance(node, dict) else None
+        if node is None and dotted in _OPTIONAL_FIELDS:
+            continue
+        if dotted == "data" and isinstance(node, dict) and node.get("public_fraction") is None:
+            node = {k: v for k, v in node.items() if k != "public_fraction"}
         picked[dotted] = node
     return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -34,6 +34,7 @@ from dpclip.recipe import Recipe, recipe_to_yaml
 from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dpclip.train.diagnostics import recorder_for
 from dpclip.train.optim import LrSchedule, build_optimizer
+from dpclip.train.phases import continual_run
 from dpclip.train.plan import count_groups, engine_clipping, privacy_plan, private_seed
 from dpclip.train.plots import plot_run
 from dpclip.train.rundir import (
@@ -136,6 +137,7 @@ class Trainer:
         self._setup_engine()
         self._setup_optimizer()
         self._setup_sampler()
+        self.continual = continual_run(self)  # public data and phases (docs/continual.md), or None
         self.ledger = Ledger(self.plan.delta, self.plan.accountant)
         self.diagnostics = recorder_for(self)  # Hessian diagnostics (recipe diagnostics:), or a no-op
 
@@ -251,6 +253,7 @@ class Trainer:
             "exact_diagnostics": recipe.privacy.exact_diagnostics,
             "sigma_change": self.sigma_change, "resume_changes": self.resume_changes,
             "threads": torch.get_num_threads(),  # a resume replays steps: same count (dpclip.threads)
+            "continual": None if self.continual is None else self.continual.info(),
         }
 
     def _setup_run_dir(self, info: dict[str, Any]) -> None:
@@ -292,6 +295,8 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.engine.load_state_dict(state["engine"])
         torch.set_rng_state(state["torch_rng"])
+        if self.continual is not None:
+            self.continual.load_state_dict(state.get("continual"), run.metrics_file)
         # Steps after the checkpoint that already left the process are redone with the
         # checkpoint's generator states, so they must release exactly what they did.
         self.replay = _released_records(run.metrics_file, self.step)
@@ -312,6 +317,8 @@ class Trainer:
             "step": self.step, "optimizer": self.optimizer.state_dict(), "sampler": self.sampler.state_dict(),
             "engine": self.engine.state_dict(), "torch_rng": torch.get_rng_state(), "ledger": self.ledger.to_dict(),
         }
+        if self.continual is not None:
+            state["continual"] = self.continual.state_dict()
         save_checkpoint(self.run_dir, self.step, self.model, state, keep=self.recipe.checkpoint.keep)
         self._last_save = time.monotonic()
 
@@ -357,7 +364,8 @@ class Trainer:
             return self._dry_run(info)
         self._setup_run_dir(info)
         self.tensorboard = open_tensorboard(self.recipe, self.run_dir, self.engine.group_names)
-        self.observer.on_start({**info, "run_dir": str(self.run_dir), "start_step": self.step, "dry_run": False})
+        self.observer.on_start({**info, **self.info(), "run_dir": str(self.run_dir), "start_step": self.step,
+                                "dry_run": False})  # self.info() again: the resumed phase
         stopped = self._loop()
         final_eval = self._run_eval() if stopped != "interrupted" else {}
         self._save()
@@ -393,7 +401,10 @@ class Trainer:
         with _deferred_interrupt() as interrupt:
             try:
                 batches = iter(self.sampler)
-                while self.step < self.plan.steps:
+                phases = self.continual
+                if phases is not None and phases.run_public_phase(interrupt) == "interrupted":
+                    return "interrupted"
+                while self.step < (self.plan.steps if phases is None else phases.private_steps()):
                     if interrupt.requested:  # Ctrl-C/SIGTERM is honoured between steps only, never inside one
                         return "interrupted"
                     # The cap is checked before the batch is touched, with the plan's event, which
@@ -409,8 +420,8 @@ class Trainer:
         """One private step, charged in the ledger on disk before its record is written."""
         recipe, plan, step_event = self.recipe, self.plan, self.solved.step_event
         lr = self.schedule.apply(self.step)
-        outcome = self.private_step(indices, before_update=lambda report: _check_same_release(report.dp_event,
-                                                                                             step_event))
+        step_fn = self.private_step if self.continual is None else self.continual.step_fn
+        outcome = step_fn(indices, before_update=lambda report: _check_same_release(report.dp_event, step_event))
         self.ledger.record(step_event, metadata=self.solved.step_metadata)
         self.step += 1
         # Charged before anything of this step leaves the process (a crash between
@@ -418,9 +429,10 @@ class Trainer:
         self._write_ledger(every_step=True)
         epsilon_every = max(1, plan.steps // 50)  # ε with the ledger's accountant costs ~0.1 s: not every step
         live = self.step == plan.steps or self.step % epsilon_every == 0
-        self._emit(step_record(self.step, outcome.report, self.ledger.epsilon() if live else None,
-                                outcome.loss_sum, outcome.batch_size, recipe.training.batch_size, lr,
-                                outcome.seconds, recipe.clipping.fn, recipe.privacy.exact_diagnostics), "step")
+        record = step_record(self.step, outcome.report, self.ledger.epsilon() if live else None, outcome.loss_sum,
+                             outcome.batch_size, recipe.training.batch_size, lr, outcome.seconds, recipe.clipping.fn,
+                             recipe.privacy.exact_diagnostics)
+        self._emit(record if self.continual is None else {**record, **self.continual.record_fields()}, "step")
         self.diagnostics.maybe_record(self.step, self.run_dir)
         if recipe.eval.every_steps and self.step % recipe.eval.every_steps == 0 and self.step < plan.steps:
             self._run_eval()

@@ -1,0 +1,113 @@
+"""The recipe's ``public:`` data: loaded like ``data:``, and refused if it holds private rows.
+
+Public data is the user's claim (docs/continual.md, "Public data"): ε does not cover it.
+What dpclip can check, it does: a public block that names the same source as the private
+data (the same builtin set, file or hub data set) is refused unless the public rows are
+carved out of it with ``data.public_fraction`` (disjoint by construction), and a public
+block from another source is refused if any of its rows is identical, tensor for tensor,
+to a private training or held-out row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dpclip.data.dataset import PrivateData, _source_name, data_from_parts, load_data, load_examples, select
+from dpclip.data.split import carve_indices, split_indices
+from dpclip.errors import DpclipError
+
+CARVE_HINT = "carve disjoint public rows out of it with data.public_fraction (e.g. 0.1), or use another source"
+
+
+def same_source(public, private) -> bool:
+    """Do two data sections name the same underlying data set (rows could be shared)?"""
+    if public.source != private.source:
+        return False
+    if public.source == "builtin":
+        return public.name == private.name
+    if public.source == "files":
+        paths = {Path(p).resolve() for p in (private.train, private.test) if p}
+        return any(Path(p).resolve() in paths for p in (public.train, public.test) if p)
+    return (public.name, public.config) == (private.name, private.config)
+
+
+def describe_public(recipe) -> str:
+    """The public data's source as the statement names it."""
+    public, fraction = recipe.public, getattr(recipe.data, "public_fraction", None)
+    if fraction is not None:
+        return f"{_source_name(recipe.data)}, the {fraction:g} share carved out before the private split"
+    return _source_name(public)
+
+
+def row_fingerprints(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """One hash per row over every tensor of the row (names, dtypes, shapes and bytes)."""
+    count = len(tensors["labels"])
+    digests = [hashlib.sha256() for _ in range(count)]
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        rows = tensor.reshape(count, -1)
+        for i in range(count):
+            digests[i].update(f"{name}:{tensor.dtype}:{tuple(tensor.shape[1:])}".encode())
+            digests[i].update(rows[i].view(torch.uint8).numpy().tobytes())
+    return [d.hexdigest() for d in digests]
+
+
+def load_public(recipe, private: PrivateData | None = None) -> PrivateData:
+    """The public data of ``recipe`` as a PrivateData-shaped object: ``train`` are the rows
+    public steps draw from, ``test`` the public validation rows of the switch rules.
+
+    Refuses (DpclipError) a public block that could hold private rows (module doc);
+    ``private`` (the loaded private data) enables the row-by-row check.
+    """
+    public, data, seed = recipe.public, recipe.data, recipe.seed
+    fraction = getattr(data, "public_fraction", None)
+    if fraction is not None:
+        if not same_source(public, data):
+            raise DpclipError(f"data.public_fraction carves public rows out of {_source_name(data)}, but public: "
+                              f"names {_source_name(public)}",
+                              "with data.public_fraction, public: must name the same source as data: (its other "
+                              "fields are taken from data:); or remove data.public_fraction")
+        return _carved(recipe)
+    if same_source(public, data):
+        raise DpclipError(f"public: names the private data's own source ({_source_name(public)}): its rows "
+                          "would be private rows declared public", CARVE_HINT)
+    loaded = load_data(public, seed=seed)
+    if private is not None:
+        check_disjoint(loaded, private)
+    return loaded
+
+
+def _carved(recipe) -> PrivateData:
+    """The rows ``data.public_fraction`` carved out, split into public train and validation
+    by the public block's ``test_fraction`` (indices are positions in the whole data set)."""
+    data, seed = recipe.data, recipe.seed
+    examples = load_examples(data, seed)
+    part = examples.parts[0]
+    rows, _ = carve_indices(len(part["labels"]), data.public_fraction, seed)
+    if len(rows) < 2:
+        raise DpclipError(f"data.public_fraction {data.public_fraction:g} carves only {len(rows)} public row(s)",
+                          "raise data.public_fraction: the public rows need a training and a validation part")
+    train_at, test_at = split_indices(len(rows), recipe.public.test_fraction, seed)
+    train_indices, test_indices = rows[train_at], rows[test_at]
+    train = select(part, torch.as_tensor(train_indices))
+    test = select(part, torch.as_tensor(test_indices))
+    return data_from_parts(examples, train, test, train_indices, test_indices, describe_public(recipe))
+
+
+def check_disjoint(public: PrivateData, private: PrivateData) -> None:
+    """Refuse public rows identical to private training or held-out rows."""
+    if set(public.train) != set(private.train):
+        raise DpclipError(f"the public data ({public.source}) has columns {sorted(public.train)} where the private "
+                          f"data has {sorted(private.train)}",
+                          "public and private data must be the same kind of examples (same task and fields)")
+    private_rows = set(row_fingerprints(private.train)) | set(row_fingerprints(private.test))
+    public_rows = row_fingerprints(public.train) + row_fingerprints(public.test)
+    shared = int(np.sum([row in private_rows for row in public_rows]))
+    if shared:
+        raise DpclipError(f"{shared} of the {len(public_rows)} public rows ({public.source}) are identical to "
+                          "private rows", "use a disjoint public set: remove those rows from the public files, "
+                          "or " + CARVE_HINT)

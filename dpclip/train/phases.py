@@ -1,0 +1,395 @@
+"""Public and private phases of a continual run (docs/continual.md; Bu et al., "Pre-training
+Differentially Private Models with Limited Public Data", section 4 and Algorithm 1).
+
+The mixed gradient of the paper's section 4, with B₀ public and B₁ (expected) private rows:
+
+    g_α = α/B₀ · Σ_public g_j + (1 − α)/B₁ · (Σ_private clip(g_i) + σ·C·N(0, I))
+
+and the schedules of its Table 2: ``switch`` α_t = 1[t < sT] (public steps, then private
+ones), ``dpmd`` α_t = 1 − cos(πt/2K), ``sample`` α = n_pub/(n_pub + n_priv), ``only-public``
+α = 1 and ``only-private`` α = 0.
+
+Privacy: a public step (α = 1) touches no private row, draws no private batch and is not
+charged. Every step with α < 1 is a whole private step (:class:`~dpclip.train.step.PrivateStep`:
+Poisson batch, clipping, noise σ) and is charged exactly like one: the mixing only rescales
+the released gradient and adds a public one, which is post-processing. σ is calibrated for
+the private steps of ``training`` (plus DP linear probing), fixed before the public phase,
+so no public outcome moves it. The switch rules read public data only.
+
+:class:`Continual` holds the public data, the public batches (plain shuffled batches from a
+private-path generator, :mod:`dpclip.rng`), the public phase's optimizer and the switch
+state; the trainer asks it for the public phase, for each private step's step function, and
+for its checkpoint state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpclip.data import select
+from dpclip.data.public import describe_public, load_public
+from dpclip.errors import DpclipError
+from dpclip.files import write_text_atomic
+from dpclip.models import evaluate
+from dpclip.recipe.continual import MIXING
+from dpclip.rng import derived_seed, private_generator
+from dpclip.train.optim import build_optimizer
+from dpclip.train.mixing import (PublicSampler, dpmd_alpha, find_head, mix_gradients, reset_states,  # noqa: F401
+                                 sample_alpha)
+from dpclip.train.plan import probe_steps
+
+class Continual:
+    """The continual schedule of one run (module doc); built by the trainer after its engine
+    and optimizer, from ``trainer``'s recipe, model, engine, optimizer and private data."""
+
+    def __init__(self, trainer):
+        recipe = trainer.recipe
+        self.trainer = trainer
+        self.config = recipe.continual
+        self.schedule = self.config.schedule
+        self.model, self.loss_fn, self.engine = trainer.model, trainer.loss_fn, trainer.engine
+        self.public = load_public(recipe, trainer.ordinary) if recipe.public is not None else None
+        self.planned_private = trainer.plan.steps
+        self.probe_steps = probe_steps(recipe, trainer.plan.sample_rate)
+        self.phase = "public" if self.schedule in ("switch", "only-public") else \
+            ("mixed" if self.schedule in MIXING else "private")
+        self.public_step = 0
+        self.switched = self.phase != "public"
+        self.reason: str | None = None
+        self.best: float | None = None
+        self.bad = 0
+        self.alpha = 0.0
+        self.public_head: nn.Linear | None = None
+        self.head = None
+        if self.public is not None and self.schedule != "only-private":
+            self._check_compatible(trainer.ordinary)
+            batch = min(self.config.public_batch_size, self.public.num_train)
+            # Unbounded: the rules draw batches too, and the phase ends by its own rule or cap.
+            self.public_sampler = PublicSampler(self.public.num_train, batch, 2 ** 62, seed=trainer.seed_of_noise)
+            self.public_batches = iter(self.public_sampler)
+        self.public_optimizer = self._public_optimizer(recipe) if not self.switched else None
+
+    # ----------------------------------------------------------------- checks
+
+    def _check_compatible(self, private) -> None:
+        public, at_switch = self.public, self.config.at_switch
+        if public.task != private.task or tuple(public.input_shape) != tuple(private.input_shape):
+            raise DpclipError(f"the public data ({public.source}: {public.task}, examples of shape "
+                              f"{tuple(public.input_shape)}) does not fit the private data ({private.task}, "
+                              f"{tuple(private.input_shape)})",
+                              "public and private examples must have the same task and shape (images as_images, "
+                              "text max_length)")
+        if public.task == "causal-lm" and at_switch.reinit_head:
+            raise DpclipError("a causal language model's output layer is its vocabulary: there is no head to "
+                              "re-initialise", "set continual.at_switch.reinit_head: false")
+        if at_switch.reinit_head or at_switch.linear_probe_epochs:
+            self.head = find_head(self.model, private.num_classes if private.task == "classification" else None)
+        if public.num_classes != private.num_classes:
+            if self.schedule in MIXING:
+                raise DpclipError(f"the public data has {public.num_classes} classes and the private data "
+                                  f"{private.num_classes}: a {self.schedule} step mixes gradients of one head",
+                                  "use schedule: switch with at_switch.reinit_head: true")
+            if not at_switch.reinit_head:
+                raise DpclipError(f"the public data has {public.num_classes} classes and the private data "
+                                  f"{private.num_classes}: the output layer cannot carry over",
+                                  "set continual.at_switch.reinit_head: true (the head is re-initialised at the "
+                                  "switch)")
+            _, _, head = self.head
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derived_seed(self.trainer.recipe.seed, "public-head"))
+                self.public_head = nn.Linear(head.in_features, public.num_classes, bias=head.bias is not None)
+            self.public_head.to(head.weight.device, head.weight.dtype)
+
+    def _public_optimizer(self, recipe) -> torch.optim.Optimizer:
+        """The public phase's optimizer (its state carries over at the switch, :meth:`_switch`)."""
+        skip = set() if self.public_head is None else {id(p) for p in self.head[2].parameters()}
+        params = [p for p in self.model.parameters() if p.requires_grad and id(p) not in skip]
+        if self.public_head is not None:
+            params += list(self.public_head.parameters())
+        config = recipe.training.optimizer
+        if self.config.public_lr is not None:
+            config = config.model_copy(update={"lr": self.config.public_lr})
+        return build_optimizer(config, params)
+
+    # ----------------------------------------------------------------- what the trainer asks
+
+    def private_steps(self) -> int:
+        """Private steps the run takes: the plan's, or none for only-public (ε = 0)."""
+        return 0 if self.schedule == "only-public" else self.planned_private
+
+    def info(self) -> dict[str, Any]:
+        """For the start of the run (progress display, meta.json)."""
+        public = self.public
+        return {"schedule": self.schedule, "public_source": describe_public(self.trainer.recipe) if public else None,
+                "public_train": public.num_train if public else 0, "public_validation": public.num_test if public else 0,
+                "rule": self.config.switch.rule, "max_public_steps": self.config.switch.max_public_steps,
+                "probe_steps": self.probe_steps, "phase": self.phase, "public_step": self.public_step}
+
+    def record_fields(self) -> dict[str, Any]:
+        """The phase fields of the last private step's metrics record."""
+        fields = {"phase": self.phase, "alpha": self.alpha}
+        if self.phase == "private" and self.trainer.step <= self.probe_steps and self.probe_steps:
+            fields["probe"] = True
+        return fields
+
+    def step_fn(self, indices: torch.Tensor, before_update=None):
+        """The private step at ``trainer.step``: mixed (dpmd, sample), linear probing, or plain."""
+        trainer = self.trainer
+        step = trainer.step
+        if self.phase == "mixed":
+            self.alpha = dpmd_alpha(step, self.planned_private) if self.schedule == "dpmd" else \
+                sample_alpha(self.public.num_train, trainer.ordinary.num_train)
+            public = self._public_gradient(next(self.public_batches))
+
+            def mixed(report):
+                if before_update is not None:
+                    before_update(report)  # the release is checked before anything is mixed in
+                mix_gradients(self.engine._params, public, self.alpha)
+
+            return trainer.private_step(indices, before_update=mixed)
+        self.alpha = 0.0
+        if step < self.probe_steps:
+            head = {id(p) for p in self.head[2].parameters()}
+
+            def probe(report):
+                if before_update is not None:
+                    before_update(report)
+                for p in self.engine._params:
+                    if id(p) not in head:  # the body stays as it is: only the head is probed
+                        p.grad = None
+
+            return trainer.private_step(indices, before_update=probe)
+        return trainer.private_step(indices, before_update=before_update)
+
+    # ----------------------------------------------------------------- public steps
+
+    def _swap_head(self, public: bool) -> None:
+        if self.public_head is not None:
+            parent, attribute, head = self.head
+            setattr(parent, attribute, self.public_head if public else head)
+
+    def _public_gradient(self, rows: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Mean plain (unclipped, un-noised) gradient of a public batch, keyed by id(param)."""
+        batch = select(self.public.train, rows)
+        self._swap_head(True)
+        try:
+            with self.engine.paused():
+                losses = self.loss_fn(self.model, batch)
+                losses.mean().backward()
+        finally:
+            self._swap_head(False)
+        grads = {}
+        for p in self.model.parameters():
+            if p.grad is not None:
+                grads[id(p)] = p.grad.detach().clone()
+                p.grad = None
+        self.last_public_loss = float(losses.detach().mean())
+        return grads
+
+    def _public_train_step(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        rows = next(self.public_batches)
+        batch = select(self.public.train, rows)
+        self._swap_head(True)
+        try:
+            with self.engine.paused():
+                losses = self.loss_fn(self.model, batch)
+                losses.mean().backward()
+            self.public_optimizer.step()
+            self.public_optimizer.zero_grad(set_to_none=True)
+        finally:
+            self._swap_head(False)
+        self.public_step += 1
+        return {"step": self.trainer.step, "phase": "public", "public_step": self.public_step, "alpha": 1.0,
+                "lr": self.public_optimizer.param_groups[0]["lr"], "seconds": round(time.perf_counter() - started, 4),
+                "public_loss": float(losses.detach().mean())}
+
+    def _public_metrics(self) -> dict[str, float]:
+        self._swap_head(True)
+        try:
+            with self.engine.paused():
+                return evaluate(self.model, self.loss_fn, self.public.test, self.public.task,
+                                batch_size=self.trainer.recipe.eval.batch_size)
+        finally:
+            self._swap_head(False)
+
+    # ----------------------------------------------------------------- the switch rules
+
+    def _rule(self) -> tuple[str | None, dict[str, Any]]:
+        """(why the public phase ends now, or None; what the rule saw, for the record)."""
+        rule = self.config.switch
+        if rule.rule == "step":
+            return (f"rule step: {rule.at_step} public steps done" if self.public_step >= rule.at_step else None), {}
+        if self.public_step % rule.every_steps:
+            return None, {}
+        if rule.rule == "b-star":
+            estimate = self._b_star()
+            limit = rule.b_star_multiple * self.trainer.recipe.training.batch_size
+            if estimate < limit:
+                return (f"B*_DP estimate {estimate:.4g} fell below {rule.b_star_multiple:g} x batch size "
+                        f"{self.trainer.recipe.training.batch_size}"), {"b_star": estimate}
+            return None, {"b_star": estimate}
+        metrics = self._public_metrics()
+        if rule.metric not in metrics:
+            raise DpclipError(f"the public validation metrics are {sorted(metrics)}: no {rule.metric!r}",
+                              "set continual.switch.metric: loss")
+        value = metrics[rule.metric]
+        better = self.best is None or (value < self.best if rule.metric == "loss" else value > self.best)
+        if better:
+            self.best, self.bad = value, 0
+        else:
+            self.bad += 1
+        seen = {"public_eval": metrics}
+        if self.bad >= rule.patience:
+            return (f"public validation {rule.metric} did not improve for {self.bad} evaluations (patience "
+                    f"{rule.patience}; best {self.best:.4g})"), seen
+        return None, seen
+
+    def _b_star(self) -> float:
+        """The public estimate of B*_DP ≈ sqrt(σ²·tr(H) / (c²·GᵀHG)) (appendix A.4), with the
+        run's σ and the plug-in clipping factor c (R = 1 units: the noise std is σ·C):
+        abadi c = min(1/C, 1/sqrt(E‖g_i‖²)), AUTO c = 1/sqrt(E‖g_i‖²)."""
+        try:
+            from dpclip.diagnose.hessian import measure
+        except ImportError:
+            raise DpclipError("the b-star switch rule needs the Hessian diagnostics (dpclip.diagnose.hessian), "
+                              "which this dpclip does not have",
+                              "use continual.switch.rule: early-stopping or step") from None
+        if not hasattr(self, "rule_generator"):
+            self.rule_generator = private_generator(self.trainer.seed_of_noise, "b-star-probes")
+        rows = select(self.public.train, next(self.public_batches))
+        self._swap_head(True)
+        try:
+            with self.engine.paused():
+                diagnostics = measure(self.model, self.loss_fn, rows, probes=self.config.switch.probes,
+                                      per_sample=16, generator=self.rule_generator)
+        finally:
+            self._swap_head(False)
+            self.model.zero_grad(set_to_none=True)
+        norm = math.sqrt(max(float(diagnostics.mean_sample_grad_norm_sq), 1e-30))
+        threshold = float(self.engine.policy.sensitivity_thresholds().norm())
+        clip = 1.0 / norm if self.trainer.recipe.clipping.fn == "auto" else min(1.0 / threshold, 1.0 / norm)
+        return float(diagnostics.b_star_dp(noise_multiplier=self.trainer.split.sigma_gradient, clip_factor=clip))
+
+    # ----------------------------------------------------------------- the public phase
+
+    def run_public_phase(self, interrupt) -> str | None:
+        """Public steps until the rule fires or the cap; returns "interrupted" or None."""
+        if self.switched:
+            return None
+        cap = self.config.switch.max_public_steps
+        self.model.train()
+        while True:
+            if interrupt.requested:
+                return "interrupted"
+            record = self._public_train_step()
+            reason, seen = self._rule()
+            self._write(record)
+            if seen:
+                self._write({"step": self.trainer.step, "phase": "public", "public_step": self.public_step, **seen})
+            if reason is None and self.public_step >= cap:
+                reason = f"cap of {cap} public steps reached: the {self.config.switch.rule} rule never fired"
+            if reason is not None:
+                self._switch(reason)
+                self.trainer._save()
+                return None
+            if self._checkpoint_due():
+                self.trainer._save()
+
+    def _checkpoint_due(self) -> bool:
+        checkpoint = self.trainer.recipe.checkpoint
+        if checkpoint.every_steps and self.public_step % checkpoint.every_steps == 0:
+            return True
+        return checkpoint.every_minutes is not None and \
+            time.monotonic() - self.trainer._last_save >= 60.0 * checkpoint.every_minutes
+
+    def _switch(self, reason: str) -> None:
+        """End the public phase: carry the optimizer state over (reset per at_switch.reset),
+        re-initialise the head if asked, and say why (a ``switch`` record)."""
+        at_switch = self.config.at_switch
+        head = {id(p) for p in self.head[2].parameters()} if at_switch.reinit_head else set()
+        private = self.trainer.optimizer
+        for group in private.param_groups:
+            for p in group["params"]:
+                state = self.public_optimizer.state.get(p)
+                if state and id(p) not in head:
+                    private.state[p] = reset_states(state, at_switch.reset)
+        if at_switch.reinit_head:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derived_seed(self.trainer.recipe.seed, "head-reinit"))
+                self.head[2].reset_parameters()
+        self.public_optimizer = None
+        self.public_head = None
+        self.switched, self.reason = True, reason
+        self.phase = "private"
+        if self.schedule == "only-public":
+            reason = f"{reason}; only-public: no private step follows (ε = 0)"
+        self._write({"kind": "switch", "step": self.trainer.step, "public_step": self.public_step,
+                     "reason": reason, "reset": list(at_switch.reset), "reinit_head": at_switch.reinit_head,
+                     "probe_steps": self.probe_steps})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        """A public-phase record: metrics.jsonl and the progress display (public data only,
+        nothing here is private)."""
+        trainer = self.trainer
+        with (trainer.run_dir / "metrics.jsonl").open("a", encoding="utf-8") as stream:
+            stream.write(json.dumps(record) + "\n")
+        on_phase = getattr(trainer.observer, "on_phase", None)
+        if on_phase is not None:
+            on_phase(record)
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"phase": self.phase, "public_step": self.public_step, "switched": self.switched,
+                 "reason": self.reason, "best": self.best, "bad": self.bad}
+        if getattr(self, "public_sampler", None) is not None:
+            state["public_sampler"] = self.public_sampler.state_dict()
+        if self.public_optimizer is not None:
+            state["public_optimizer"] = self.public_optimizer.state_dict()
+        if self.public_head is not None:
+            state["public_head"] = dict(self.public_head.state_dict())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any] | None, metrics_file) -> None:
+        """Continue the phase the checkpoint was in; drop public records written after it."""
+        if state is None:
+            raise DpclipError("the checkpoint has no continual state", "the run directory was modified: restore it")
+        self.phase, self.public_step, self.switched = state["phase"], int(state["public_step"]), bool(state["switched"])
+        self.reason, self.best, self.bad = state["reason"], state["best"], int(state["bad"])
+        if "public_sampler" in state:
+            self.public_sampler.load_state_dict(state["public_sampler"])
+            self.public_batches = iter(self.public_sampler)
+        if self.switched:
+            self.public_optimizer, self.public_head = None, None
+        else:
+            self.public_optimizer.load_state_dict(state["public_optimizer"])
+            if self.public_head is not None:
+                self.public_head.load_state_dict(state["public_head"])
+        _trim_public_records(metrics_file, self.public_step, self.switched)
+
+
+def _trim_public_records(path, public_step: int, switched: bool) -> None:
+    """Public-phase records after the checkpoint are redone on resume: drop the old ones
+    (they are public, so nothing is released twice; this keeps the file one run's story)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        later = record.get("public_step", 0) > public_step and record.get("phase") == "public"
+        if later or (record.get("kind") == "switch" and not switched):
+            continue
+        kept.append(line)
+    write_text_atomic(path, "".join(f"{line}\n" for line in kept))
+
+
+def continual_run(trainer) -> Continual | None:
+    """The trainer's continual schedule, or None for a recipe without a continual section."""
+    return Continual(trainer) if trainer.recipe.continual is not None else None

@@ -1,0 +1,106 @@
+"""Public data must never hold private rows, and is never counted as a member (docs/continual.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dpclip.data import load_data
+from dpclip.data.public import load_public
+from dpclip.data.size import training_set_size
+from dpclip.errors import DpclipError
+from dpclip.train.workflow import train
+
+
+def _table(path, rows):
+    path.write_text("a,b,label\n" + "".join(f"{a},{b},{y}\n" for a, b, y in rows))
+    return path
+
+
+def test_carved_public_rows_are_disjoint_from_every_private_row(quickstart):
+    recipe = quickstart("data.public_fraction=0.1", "public={source: builtin, name: digits}")
+    private, public = load_data(recipe.data, seed=recipe.seed), None
+    public = load_public(recipe, private)
+    public_rows = set(public.train_indices) | set(public.test_indices)
+    private_rows = set(private.train_indices) | set(private.test_indices)
+    assert not public_rows & private_rows
+    assert len(public_rows) == 180 and len(public_rows | private_rows) == 1797
+    # `dpclip account RECIPE` counts the same N without loading tensors
+    assert training_set_size(recipe.data) == private.num_train
+
+
+def test_the_carve_depends_on_the_seed_not_on_the_split(quickstart):
+    a = quickstart("data.public_fraction=0.1", "public={source: builtin, name: digits}")
+    b = quickstart("data.public_fraction=0.1", "public={source: builtin, name: digits}", "data.test_fraction=0.3")
+    assert np.array_equal(load_public(a).train_indices, load_public(b).train_indices)
+
+
+def test_public_block_naming_the_private_source_is_refused(quickstart):
+    recipe = quickstart("public={source: builtin, name: digits}")
+    with pytest.raises(DpclipError, match="private data's own source") as refused:
+        load_public(recipe, load_data(recipe.data, seed=0))
+    assert "data.public_fraction" in refused.value.hint
+
+
+def test_public_block_naming_the_same_file_is_refused(quickstart, tmp_path):
+    data = _table(tmp_path / "d.csv", [(i, i % 3, i % 2) for i in range(40)])
+    recipe = quickstart(f"data={{source: files, format: csv, train: {data}, label_field: label}}",
+                        f"public={{source: files, format: csv, train: {data}, label_field: label}}",
+                        "training.batch_size=8")
+    with pytest.raises(DpclipError, match="own source"):
+        load_public(recipe, load_data(recipe.data, seed=0))
+
+
+def test_public_rows_identical_to_private_rows_are_refused(quickstart, tmp_path):
+    data = _table(tmp_path / "d.csv", [(i, i % 3, i % 2) for i in range(40)])
+    copy = _table(tmp_path / "p.csv", [(i, i % 3, i % 2) for i in range(35, 60)])  # rows 35..39 are private
+    recipe = quickstart(f"data={{source: files, format: csv, train: {data}, label_field: label}}",
+                        f"public={{source: files, format: csv, train: {copy}, label_field: label}}",
+                        "training.batch_size=8")
+    with pytest.raises(DpclipError, match="5 of the 25 public rows") as refused:
+        load_public(recipe, load_data(recipe.data, seed=0))
+    assert "disjoint" in refused.value.hint
+    disjoint = _table(tmp_path / "q.csv", [(i, i % 3, i % 2) for i in range(100, 125)])
+    recipe = recipe.model_copy(update={"public": recipe.public.model_copy(update={"train": str(disjoint)})})
+    assert load_public(recipe, load_data(recipe.data, seed=0)).num_train == 20
+
+
+def test_carve_needs_a_public_block_of_the_same_source(quickstart):
+    with pytest.raises(Exception, match="no public: block"):
+        quickstart("data.public_fraction=0.1")
+    recipe = quickstart("data.public_fraction=0.1", "public={source: builtin, name: synthetic-text}")
+    with pytest.raises(DpclipError, match="but public: names builtin:synthetic-text"):
+        load_public(recipe)
+
+
+def test_membership_pool_of_a_continual_run_excludes_public_rows(quickstart, one_thread):
+    """The audit's members and non-members (meta.json, rebuilt by build_pool) never name a public row."""
+    from dpclip.audit.report import build_pool
+
+    recipe = quickstart("data.public_fraction=0.1", "public={source: builtin, name: digits}", "training.epochs=null",
+                        "training.steps=2", "continual={switch: {rule: step, at_step: 2}}")
+    run_dir = train(recipe).run_dir
+    public = load_public(recipe)
+    public_rows = set(public.train_indices) | set(public.test_indices)
+    pool = build_pool(run_dir, recipe)
+    pool_rows = set(pool.data.train_indices) | set(pool.data.test_indices)
+    assert pool.size == len(pool_rows) == 1797 - 180 and not pool_rows & public_rows
+
+
+def test_hessian_diagnostics_on_carved_public_data_never_measure_a_private_row(quickstart):
+    """Loading `public:` as plain data would read the whole digits set, private rows included,
+    when the public rows are carved out of it: the diagnostics must get the carved rows."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dpclip.train.diagnostics import public_rows_of
+
+    recipe = quickstart("data.public_fraction=0.1", "public={source: builtin, name: digits}")
+    private = load_data(recipe.data, seed=recipe.seed)
+    trainer = SimpleNamespace(recipe=recipe, ordinary=private, continual=None)  # e.g. `dpclip diagnose`
+    measured = public_rows_of(trainer)["features"]
+    assert len(measured) == load_public(recipe).num_train < 180
+    carved = load_public(recipe)
+    assert torch.equal(measured, carved.train["features"])
+    assert not set(carved.train_indices) & (set(private.train_indices) | set(private.test_indices))
