@@ -25,7 +25,6 @@ for its checkpoint state.
 from __future__ import annotations
 
 import json
-import math
 import time
 from typing import Any
 
@@ -34,6 +33,7 @@ from torch import nn
 
 from dpclip.data import select
 from dpclip.data.public import describe_public, load_public
+from dpclip.diagnose import measure, typical_clip_factor
 from dpclip.errors import DpclipError
 from dpclip.files import write_text_atomic
 from dpclip.models import evaluate
@@ -253,14 +253,8 @@ class Continual:
 
     def _b_star(self) -> float:
         """The public estimate of B*_DP ≈ sqrt(σ²·tr(H) / (c²·GᵀHG)) (appendix A.4), with the
-        run's σ and the plug-in clipping factor c (R = 1 units: the noise std is σ·C):
-        abadi c = min(1/C, 1/sqrt(E‖g_i‖²)), AUTO c = 1/sqrt(E‖g_i‖²)."""
-        try:
-            from dpclip.diagnose.hessian import measure
-        except ImportError:
-            raise DpclipError("the b-star switch rule needs the Hessian diagnostics (dpclip.diagnose.hessian), "
-                              "which this dpclip does not have",
-                              "use continual.switch.rule: early-stopping or step") from None
+        run's σ and the plug-in clipping factor c of ``typical_clip_factor`` (docs/continual.md,
+        "Hessian diagnostics")."""
         if not hasattr(self, "rule_generator"):
             self.rule_generator = private_generator(self.trainer.seed_of_noise, "b-star-probes")
         rows = select(self.public.train, next(self.public_batches))
@@ -272,9 +266,9 @@ class Continual:
         finally:
             self._swap_head(False)
             self.model.zero_grad(set_to_none=True)
-        norm = math.sqrt(max(float(diagnostics.mean_sample_grad_norm_sq), 1e-30))
-        threshold = float(self.engine.policy.sensitivity_thresholds().norm())
-        clip = 1.0 / norm if self.trainer.recipe.clipping.fn == "auto" else min(1.0 / threshold, 1.0 / norm)
+        clipping = self.trainer.recipe.clipping
+        threshold = float(self.engine.policy.sensitivity_thresholds().double().norm())
+        clip = typical_clip_factor(diagnostics, clipping.fn, threshold, clipping.gamma)
         return float(diagnostics.b_star_dp(noise_multiplier=self.trainer.split.sigma_gradient, clip_factor=clip))
 
     # ----------------------------------------------------------------- the public phase

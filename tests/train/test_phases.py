@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
-import types
 
 import dp_accounting
 import pytest
@@ -128,10 +126,8 @@ def test_b_star_rule_switches_when_the_estimate_falls_below_the_multiple(continu
             calls.append((noise_multiplier, clip_factor))
             return self.value
 
-    module = types.ModuleType("dpclip.diagnose.hessian")
-    module.measure = lambda model, loss_fn, rows, *, probes=20, per_sample=16, generator=None: Diagnostics()
-    monkeypatch.setitem(sys.modules, "dpclip.diagnose", types.ModuleType("dpclip.diagnose"))
-    monkeypatch.setitem(sys.modules, "dpclip.diagnose.hessian", module)
+    monkeypatch.setattr("dpclip.train.phases.measure",
+                        lambda model, loss_fn, rows, *, probes=20, per_sample=16, generator=None: Diagnostics())
     result = train(continual_recipe("continual={switch: {rule: b-star, every_steps: 2, b_star_multiple: 2}}"))
     switch = [r for r in _records(result.run_dir) if r.get("kind") == "switch"][0]
     assert switch["public_step"] == 6
