@@ -52,3 +52,18 @@ def replace_dir_atomic(staging: Path, final: Path) -> None:
 
 def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSON-lines file (metrics.jsonl, diagnostics.jsonl); a line cut by a
+    crash ends the list; a missing file has none."""
+    records: list[dict] = []
+    path = Path(path)
+    if not path.exists():
+        return records
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records

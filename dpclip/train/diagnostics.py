@@ -14,7 +14,6 @@ generator (:mod:`dpclip.rng`), never from the recipe's seed.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import torch
 from dpclip.data.public import load_public
 from dpclip.diagnose import HessianDiagnostics, measure, typical_clip_factor
 from dpclip.errors import DpclipError
+from dpclip.files import read_jsonl as read_records
 from dpclip.rng import private_generator
 from dpclip.train.plan import private_seed
 from dpclip.train.rundir import _append_metrics
@@ -112,20 +112,6 @@ def make_record(step: int, diag: HessianDiagnostics, formulas: dict[str, Any], d
     if data == "private":
         record["not_covered_by_epsilon"] = list(MEASURED)
     return {key: _finite(value) for key, value in record.items()}
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a diagnostics.jsonl (a line cut by a crash ends the list)."""
-    records: list[dict[str, Any]] = []
-    path = Path(path)
-    if not path.exists():
-        return records
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return records
 
 
 def measure_model(model, loss_fn, rows, engine, *, probes: int, per_sample: int,

@@ -25,6 +25,7 @@ for its checkpoint state.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 import time
 from typing import Any
 
@@ -169,55 +170,52 @@ class Continual:
 
     # ----------------------------------------------------------------- public steps
 
-    def _swap_head(self, public: bool) -> None:
+    @contextmanager
+    def _public_model(self):
+        """The model with the public head in place (when the public task has its own), and
+        the engine paused: plain autograd, for public rows only."""
         if self.public_head is not None:
             parent, attribute, head = self.head
-            setattr(parent, attribute, self.public_head if public else head)
+            setattr(parent, attribute, self.public_head)
+        try:
+            with self.engine.paused():
+                yield
+        finally:
+            if self.public_head is not None:
+                setattr(parent, attribute, head)
+
+    def _public_backward(self, rows: torch.Tensor) -> torch.Tensor:
+        """Backward of the mean loss of public ``rows`` into ``p.grad``; their losses."""
+        with self._public_model():
+            losses = self.loss_fn(self.model, select(self.public.train, rows))
+            losses.mean().backward()
+        return losses.detach()
 
     def _public_gradient(self, rows: torch.Tensor) -> dict[int, torch.Tensor]:
         """Mean plain (unclipped, un-noised) gradient of a public batch, keyed by id(param)."""
-        batch = select(self.public.train, rows)
-        self._swap_head(True)
-        try:
-            with self.engine.paused():
-                losses = self.loss_fn(self.model, batch)
-                losses.mean().backward()
-        finally:
-            self._swap_head(False)
+        losses = self._public_backward(rows)
         grads = {}
         for p in self.model.parameters():
             if p.grad is not None:
                 grads[id(p)] = p.grad.detach().clone()
                 p.grad = None
-        self.last_public_loss = float(losses.detach().mean())
+        self.last_public_loss = float(losses.mean())
         return grads
 
     def _public_train_step(self) -> dict[str, Any]:
         started = time.perf_counter()
-        rows = next(self.public_batches)
-        batch = select(self.public.train, rows)
-        self._swap_head(True)
-        try:
-            with self.engine.paused():
-                losses = self.loss_fn(self.model, batch)
-                losses.mean().backward()
-            self.public_optimizer.step()
-            self.public_optimizer.zero_grad(set_to_none=True)
-        finally:
-            self._swap_head(False)
+        losses = self._public_backward(next(self.public_batches))
+        self.public_optimizer.step()
+        self.public_optimizer.zero_grad(set_to_none=True)
         self.public_step += 1
         return {"step": self.trainer.step, "phase": "public", "public_step": self.public_step, "alpha": 1.0,
                 "lr": self.public_optimizer.param_groups[0]["lr"], "seconds": round(time.perf_counter() - started, 4),
-                "public_loss": float(losses.detach().mean())}
+                "public_loss": float(losses.mean())}
 
     def _public_metrics(self) -> dict[str, float]:
-        self._swap_head(True)
-        try:
-            with self.engine.paused():
-                return evaluate(self.model, self.loss_fn, self.public.test, self.public.task,
-                                batch_size=self.trainer.recipe.eval.batch_size)
-        finally:
-            self._swap_head(False)
+        with self._public_model():
+            return evaluate(self.model, self.loss_fn, self.public.test, self.public.task,
+                            batch_size=self.trainer.recipe.eval.batch_size)
 
     # ----------------------------------------------------------------- the switch rules
 
@@ -258,13 +256,11 @@ class Continual:
         if not hasattr(self, "rule_generator"):
             self.rule_generator = private_generator(self.trainer.seed_of_noise, "b-star-probes")
         rows = select(self.public.train, next(self.public_batches))
-        self._swap_head(True)
         try:
-            with self.engine.paused():
+            with self._public_model():
                 diagnostics = measure(self.model, self.loss_fn, rows, probes=self.config.switch.probes,
                                       per_sample=16, generator=self.rule_generator)
         finally:
-            self._swap_head(False)
             self.model.zero_grad(set_to_none=True)
         clipping = self.trainer.recipe.clipping
         threshold = float(self.engine.policy.sensitivity_thresholds().double().norm())

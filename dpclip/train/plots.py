@@ -10,10 +10,11 @@ constant values of a run whose thresholds never moved.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
+
+from dpclip.files import read_jsonl as read_metrics  # noqa: F401  (re-exported: report.py, tests)
 
 TRAINING_PLOT = "training.png"
 THRESHOLDS_PLOT = "thresholds.png"
@@ -29,20 +30,6 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of metrics.jsonl (a line cut by a crash ends the list)."""
-    records = []
-    path = Path(path)
-    if not path.exists():
-        return records
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return records
 
 
 def save_figure(figure, out_path: Path) -> None:
