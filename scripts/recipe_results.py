@@ -25,6 +25,7 @@ which is what ``dpclip train`` does with it; the row says so.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import statistics
@@ -235,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--out", type=Path, default=PAGE, help="the page to update (default docs/results.md)")
     parser.add_argument("--no-headers", action="store_true", help="leave the recipes' '# reaches' lines alone")
+    # dp_accounting logs through absl each time its RDP series skips an order (harmless:
+    # the RDP ε is only shown beside the PLD one); as `dpclip train` does, keep errors only.
+    logging.getLogger("absl").setLevel(logging.ERROR)
     args = parser.parse_args(argv)
 
     available = shipped_recipes()
