@@ -1,7 +1,6 @@
 """scripts/continual_evidence.py: the overrides of each configuration, the table it writes (on
 fake runs), where the block goes in docs/continual.md, and one tiny run of each kind."""
 
-import importlib.util
 import json
 import math
 import sys
@@ -13,13 +12,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def script():
-    path = REPO / "scripts" / "continual_evidence.py"
-    spec = importlib.util.spec_from_file_location("continual_evidence", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["continual_evidence"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
+def script(load_script):
+    yield load_script("continual_evidence")
     sys.modules.pop("continual_evidence", None)
 
 

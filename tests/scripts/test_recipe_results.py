@@ -1,7 +1,6 @@
 """scripts/recipe_results.py: the results table it writes (on fake runs), and that every shipped
 recipe states a measured result (its '# reaches' line and its row in docs/results.md)."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -11,13 +10,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def script():
-    path = REPO / "scripts" / "recipe_results.py"
-    spec = importlib.util.spec_from_file_location("recipe_results", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["recipe_results"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
+def script(load_script):
+    yield load_script("recipe_results")
     sys.modules.pop("recipe_results", None)
 
 
