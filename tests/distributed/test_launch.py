@@ -80,3 +80,26 @@ def test_kill_9_of_a_rank_then_resume_gives_the_uninterrupted_ledger(tmp_path):
     ours = json.loads((run_dir / "ledger.json").read_text())
     theirs = json.loads((reference.run_dir / "ledger.json").read_text())
     assert ours == theirs
+
+
+@pytest.mark.slow
+def test_two_nodes_through_torchrun_rendezvous_flags_on_one_machine(tmp_path):
+    """What docs/distributed.md tells a user of several machines, with both "nodes" here."""
+    from tests.distributed.ranks import free_port
+
+    recipe = small_recipe(tmp_path / "runs", "layer")
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(recipe_to_yaml(recipe))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
+                               "-m", "dpclip", "train", str(recipe_file), "--threads", "1", "--json"],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    run_dir = next((tmp_path / "runs").iterdir())
+    reference = train(small_recipe(tmp_path / "one", "layer"), run_dir=tmp_path / "one" / "run")
+    assert json.loads((run_dir / "ledger.json").read_text()) == json.loads((reference.run_dir / "ledger.json").read_text())
