@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -167,7 +168,9 @@ def _collective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except (RuntimeError, ValueError, ConnectionError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        # gloo's messages open with "[file.cc:line]": keep the words
+        first = re.sub(r"\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+        first = first.strip() or type(exc).__name__
         raise PeerStopped(f"another rank stopped, so this one cannot go on ({first[:200]})", RESUME_HINT) from exc
 
 
@@ -223,8 +226,9 @@ def record_failure(exc: BaseException) -> None:
         message, hint = "interrupted", None
     else:
         message, hint = f"unexpected {type(exc).__name__}: {exc}", "rerun with --debug for a traceback"
-    stamp = time.time_ns()  # torchrun orders failures by this (an int), ns to separate close failures
-    data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(stamp)}},
+    stamp = time.time_ns()  # torchrun's own field is whole seconds; ns tells close failures apart
+    data = {"message": {"message": message,
+                        "extraInfo": {"py_callstack": message, "timestamp": str(stamp // 10**9)}},
             "dpclip": {"message": message, "hint": hint, "secondary": isinstance(exc, PeerStopped),
                        "interrupted": type(exc).__name__ == "InterruptedRun", "rank": int(os.environ["RANK"]),
                        "ns": stamp}}

@@ -286,8 +286,7 @@ class DPEngine:
         std = noise_stds(self.noise_multiplier, sens, weights)
         batch = self.expected_batch_size
         std_grad = (std / batch).tolist()  # one device sync per step, not one per parameter
-        draws = self.noise_multiplier > 0 and (self.reducer is None or self.reducer.draws_noise)
-        grads = []
+        draws, grads = self.noise_multiplier > 0 and (self.reducer is None or self.reducer.draws_noise), []
         for idx, p in enumerate(self._params):
             clipped = self._sums[idx]
             if draws:

@@ -18,7 +18,6 @@ One process (``world.size == 1``): every function here is a no-op or the one-pro
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -122,10 +121,3 @@ def global_outcome(world: World, outcome):
     outcome.loss_sum, outcome.batch_size = float(totals[0]), int(round(float(totals[1])))
     return outcome
 
-
-def follower_result(trainer, stopped: str):
-    """What a rank other than 0 returns (rank 0 has the ledger's ε and the summary)."""
-    from dpclip.train.trainer import TrainResult
-
-    return TrainResult(trainer.run_dir, trainer.step, trainer.plan.steps, math.nan, math.nan, trainer.plan.delta,
-                       stopped)

@@ -37,8 +37,8 @@ from dpclip.train.optim import LrSchedule, build_optimizer
 from dpclip.train.phases import continual_run
 from dpclip.train.plan import count_groups, engine_clipping, privacy_plan, private_seed
 from dpclip.train.plots import plot_run
-from dpclip.train.ranks import (check_ranks, check_world_size, follower_result, global_outcome, rank_states,
-                                setup_recipe, share_run_state)
+from dpclip.train.ranks import (check_ranks, check_world_size, global_outcome, rank_states, setup_recipe,
+                                share_run_state)
 from dpclip.train.rundir import (
     PLAN_FIELDS, RunDir, _append_metrics, _check_canaries, _check_data, _check_same_release, _meta, _privacy_diff,
     _read_ledger, _released_part, _released_records, check_ledger, privacy_fingerprint, recipe_changes,
@@ -395,8 +395,9 @@ class Trainer:
         stopped = self._loop()
         final_eval = self._run_eval() if stopped != "interrupted" else {}
         self._save()
-        if not self.world.main:
-            return follower_result(self, stopped)
+        if not self.world.main:  # rank 0 has the ledger's ε and writes the summary
+            return TrainResult(self.run_dir, self.step, self.plan.steps, float("nan"), float("nan"), self.plan.delta,
+                               stopped)
         accounting = self.ledger.result()
         statement = run_statement(self.recipe, self.ledger)
         result = TrainResult(self.run_dir, self.step, self.plan.steps, accounting.epsilon, accounting.epsilon_rdp,
