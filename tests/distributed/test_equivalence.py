@@ -41,7 +41,7 @@ def two_rank_runs(tmp_path_factory):
 
 def test_engine_sums_over_ranks_at_noise_zero_as_one_process(two_rank_runs):
     split = torch.load(two_rank_runs / "engine.pt")
-    for name in ("all-layer", "layer", "quantile"):
+    for name in ("all-layer", "layer", "quantile", "dcsgd-p"):
         whole = grads_for(name)
         for step in whole:
             for a, b in zip(whole[step]["grads"], split[name][step]["grads"]):

@@ -42,7 +42,7 @@ def engine_grads(world, out: str) -> None:
     from tests.distributed.engine_case import grads_for
 
     results = {name: grads_for(name, world.rank, world.size, world.reducer)
-               for name in ("all-layer", "layer", "quantile")}
+               for name in ("all-layer", "layer", "quantile", "dcsgd-p")}
     if world.main:
         torch.save(results, Path(out) / "engine.pt")
 
