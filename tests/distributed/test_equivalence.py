@@ -79,3 +79,12 @@ def test_a_perturbed_rank_is_detected(two_rank_runs, tmp_path):
     train(workers.small_recipe(tmp_path / "runs", "layer", "training.optimizer.lr=0.45"), run_dir=one)
     mine, theirs = _weights(one), _weights(two_rank_runs / "layer")
     assert any(not torch.allclose(mine[k], theirs[k], rtol=1e-5, atol=1e-6) for k in mine)
+
+
+def test_a_two_rank_run_refuses_a_one_process_resume(two_rank_runs, capsys):
+    from dpclip.cli.main import main
+
+    code = main(["train", "--resume", str(two_rank_runs / "layer"), "--threads", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "trained by 2 ranks, and this resume has 1" in err
+    assert "hint:" in err and "--nproc 2" in err
