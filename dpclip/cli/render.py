@@ -7,15 +7,17 @@ import math
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 console = Console(highlight=False)
 error_console = Console(stderr=True, highlight=False)
 
 
 def print_error(message: str, hint: str | None = None) -> None:
-    error_console.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+    # escape: a message may quote text with brackets (a path, a library's "[file:line]")
+    error_console.print(f"[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True)
     if hint:
-        error_console.print(f"[yellow]hint:[/] {hint}", markup=True, soft_wrap=True)
+        error_console.print(f"[yellow]hint:[/] {escape(hint)}", markup=True, soft_wrap=True)
 
 
 def _json_safe(value: Any) -> Any:

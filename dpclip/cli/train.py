@@ -1,7 +1,8 @@
-"""`dpclip train RECIPE [key=value ...] [--resume RUN_DIR] [--dry-run] [--json]`."""
+"""`dpclip train RECIPE [key=value ...] [--resume RUN_DIR] [--dry-run] [--json] [--nproc N]`."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -176,6 +177,10 @@ def train(
     as_json: bool = typer.Option(False, "--json", help="Print the final summary as JSON (no progress bar)."),
     threads: str = typer.Option(None, "--threads", help="torch threads: a number, or auto (the default: the cores "
                                 "the machine's load leaves free); --resume reuses the run's count."),
+    nproc: int = typer.Option(None, "--nproc", help="Train data-parallel in N processes on this machine (torchrun's "
+                              "launcher; see docs/distributed.md). A resume needs the run's own N."),
+    master_port: int = typer.Option(None, "--master-port", help="With --nproc: the port the ranks meet on "
+                                    "(default: a free one)."),
 ) -> None:
     """Train a model with differential privacy from a recipe.
 
@@ -189,18 +194,28 @@ def train(
 
       dpclip train --resume runs/quickstart-20261121-101500 training.optimizer.lr=0.1
 
+      dpclip train recipes/quickstart.yaml --nproc 2
+
     SIGTERM and Ctrl-C stop at the next step boundary with a checkpoint; resume with --resume.
     """
     # Lazy: `dpclip --help` and the other commands must not pay for torch and the training stack.
+    from dpclip.distributed import joined_world, launch, launched, rank_threads
     from dpclip.errors import DpclipError, RecipeError
     from dpclip.threads import configure
     from dpclip.train.workflow import train as run_training
 
+    if nproc is not None and nproc != 1 and not launched() and not dry_run:
+        # The ranks run this same command, without --nproc, under torch.distributed's launcher.
+        args = ["train", *([recipe] if recipe is not None else []), *(overrides or []),
+                *(["--resume", str(resume)] if resume is not None else []), *(["--json"] if as_json else []),
+                *(["--threads", str(threads)] if threads is not None else [])]
+        launch(args, nproc, master_port=master_port, debug=bool(os.environ.get("DPCLIP_DEBUG")))
+        return
     if threads is None and resume is not None:
         from dpclip.train.rundir import recorded_threads
 
         threads = recorded_threads(resume)
-    configure(_thread_count(threads))
+    configure(_thread_count(rank_threads(threads)))  # ranks on one machine share its cores
     overrides = list(overrides or [])
     if resume is not None and recipe is not None and _is_override(recipe):
         overrides, recipe = [recipe, *overrides], None  # `--resume RUN_DIR key=value ...`
@@ -225,8 +240,20 @@ def train(
         loaded = run_recipe_with(resume, overrides)
     elif resume is None:
         raise DpclipError("nothing to train", "pass a recipe file (see `dpclip recipes list`), or --resume RUN_DIR")
-    result = run_training(loaded, resume=resume, dry_run=dry_run, observer=RichObserver(quiet=as_json),
-                          file_recipe=file_recipe)
+    with joined_world() as world:  # one of several ranks under torchrun, or None
+        result = run_training(loaded, resume=resume, dry_run=dry_run, observer=RichObserver(quiet=as_json),
+                              file_recipe=file_recipe, world=world)
+        if world is None or world.main:  # rank 0 shows the result
+            _show(result, as_json, dry_run)
+        if result.stopped == "interrupted":
+            from dpclip.errors import InterruptedRun
+
+            resume_command = f"dpclip train --resume {result.run_dir}" + (f" --nproc {world.size}" if world else "")
+            raise InterruptedRun(f"interrupted at step {result.steps_done}; a checkpoint was saved",
+                                 f"continue with: {resume_command}")
+
+
+def _show(result, as_json: bool, dry_run: bool) -> None:
     if as_json:
         print_json(result.to_dict())
     elif not dry_run:
@@ -235,8 +262,3 @@ def train(
         console.print("[bold]statement (planned)[/]")
         for line in result.statement:
             console.print(f"  {line}", soft_wrap=True)
-    if result.stopped == "interrupted":
-        from dpclip.errors import InterruptedRun
-
-        raise InterruptedRun(f"interrupted at step {result.steps_done}; a checkpoint was saved",
-                             f"continue with: dpclip train --resume {result.run_dir}")

@@ -37,6 +37,7 @@ from dpclip.engine.noise import (NoiseSource, allocation_weights, effective_nois
 from dpclip.engine.factors import NORM_METHODS
 from dpclip.engine.microbatch import MicroBatch, StepContext, StepTotals
 from dpclip.engine.policies import AuxRelease, PolicyContext, build_policy
+from dpclip.engine.reducer import Reducer, sum_counts
 from dpclip.errors import EngineError
 
 DEFAULT_CLIPPING = {
@@ -115,11 +116,12 @@ class DPEngine:
             An int makes the noise reproducible, and so removable by anyone who knows
             the seed: for tests and experiments only (:mod:`dpclip.rng`).
         sample_rate: Poisson rate q; the report's DpEvent is then Poisson-subsampled.
+        reducer: ranks sharing each logical batch (sums over ranks, noise once: :mod:`dpclip.engine.reducer`).
     """
 
     def __init__(self, model: nn.Module, clipping: dict | None = None, *,
                  noise_multiplier: float = 1.0, expected_batch_size: int, seed: int | None = None,
-                 sample_rate: float | None = None):
+                 sample_rate: float | None = None, reducer: Reducer | None = None):
         cfg = dict(DEFAULT_CLIPPING)
         unknown = set(clipping or {}) - set(DEFAULT_CLIPPING)
         if unknown:
@@ -142,6 +144,7 @@ class DPEngine:
         self.noise_multiplier = float(noise_multiplier)
         self.expected_batch_size = expected_batch_size
         self.sample_rate = sample_rate
+        self.reducer = reducer
         self.steps = 0
 
         params = trainable_params(model)
@@ -155,14 +158,14 @@ class DPEngine:
         self.policy = build_policy(cfg["threshold"], PolicyContext(
             list(self.groups.names), self.groups.sizes, expected_batch_size,
             self.noise_multiplier, first.device, self._norm_dtype))
+        self.policy.reducer = reducer
         self._sizes = torch.tensor(self.groups.sizes, device=first.device, dtype=self._norm_dtype)
         allocation_weights(cfg["noise_allocation"], self.policy.thresholds(), self._sizes)
         self.noise = NoiseSource(seed)
         for device in {p.device for p in self._params}:  # made now, so that a step-0 checkpoint holds them
             self.noise.generator(device)
 
-        self._keeper = Bookkeeper(model, {id(p): i for i, p in enumerate(self._params)},
-                                  strict=bool(cfg["strict"]))
+        self._keeper = Bookkeeper(model, {id(p): i for i, p in enumerate(self._params)}, strict=bool(cfg["strict"]))
         self._padding_rows = self._untied_padding_rows()
         self._transient = self._transient_params()
         self._context = StepContext(
@@ -252,8 +255,7 @@ class DPEngine:
         try:
             with self._keeper.backward_scope(b, generation, micro.deliver):
                 torch.autograd.backward(losses, torch.ones_like(losses))
-            stray = [self.groups.params[i].name for i, p in enumerate(self._params)
-                     if p.grad is not None]
+            stray = [self.groups.params[i].name for i, p in enumerate(self._params) if p.grad is not None]
             if stray:
                 raise EngineError(
                     "parameters received gradients outside the engine's hooks: "
@@ -284,9 +286,10 @@ class DPEngine:
         std = noise_stds(self.noise_multiplier, sens, weights)
         batch = self.expected_batch_size
         std_grad = (std / batch).tolist()  # one device sync per step, not one per parameter
+        draws, grads = self.noise_multiplier > 0 and (self.reducer is None or self.reducer.draws_noise), []
         for idx, p in enumerate(self._params):
             clipped = self._sums[idx]
-            if self.noise_multiplier > 0:
+            if draws:
                 grad = self.noise.gaussian_like(p, std_grad[self._group_of[idx]])
                 if clipped is not None:
                     grad.add_(clipped, alpha=1.0 / batch)
@@ -296,6 +299,12 @@ class DPEngine:
                 grad = torch.zeros_like(p)
             if idx in self._padding_rows:
                 grad[self._padding_rows[idx]] = 0
+            grads.append(grad)
+        if self.reducer is not None:  # Σ over ranks of (clipped_r/B), plus the one rank's noise/B
+            self.reducer.sum_(grads)
+            self._clipped, self._nonfinite, self._samples = sum_counts(self.reducer, self._clipped,
+                                                                       self._nonfinite, self._samples)
+        for p, grad in zip(self._params, grads):
             p.grad = grad.to(p.dtype)
 
         aux = list(self.policy.release(self.noise.generator(self._device)) or [])
@@ -330,8 +339,7 @@ class DPEngine:
 
     def _quantiles(self) -> dict[str, Tensor]:
         if not self._norms:
-            nan = torch.full((len(self.groups),), float("nan"), device=self._device,
-                             dtype=self._norm_dtype)
+            nan = torch.full((len(self.groups),), float("nan"), device=self._device, dtype=self._norm_dtype)
             return {k: nan for k in QUANTILES}
         norms = torch.cat(self._norms)
         qs = torch.tensor(list(QUANTILES.values()), device=norms.device, dtype=norms.dtype)

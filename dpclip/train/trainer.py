@@ -14,8 +14,6 @@ each part would reach into the others' attributes.
 
 from __future__ import annotations
 
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +23,7 @@ import torch
 
 from dpclip.accounting import Ledger, solve
 from dpclip.data import PoissonSampler, ShuffleSampler, load_data
+from dpclip.distributed import ShardedPoissonSampler, World
 from dpclip.data.canaries import make_canaries, with_canaries, write_canary_secret
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
@@ -33,10 +32,13 @@ from dpclip.models import build_model, evaluate
 from dpclip.recipe import Recipe, recipe_to_yaml
 from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dpclip.train.diagnostics import recorder_for
+from dpclip.train.interrupt import _deferred_interrupt
 from dpclip.train.optim import LrSchedule, build_optimizer
 from dpclip.train.phases import continual_run
 from dpclip.train.plan import count_groups, engine_clipping, privacy_plan, private_seed
 from dpclip.train.plots import plot_run
+from dpclip.train.ranks import (check_ranks, check_world_size, global_outcome, rank_states, setup_recipe,
+                                share_run_state)
 from dpclip.train.rundir import (
     PLAN_FIELDS, RunDir, _append_metrics, _check_canaries, _check_data, _check_same_release, _meta, _privacy_diff,
     _read_ledger, _released_part, _released_records, check_ledger, privacy_fingerprint, recipe_changes,
@@ -101,19 +103,21 @@ class Trainer:
     learning rate, more evaluation); privacy fields and the model must stay the run's.
     ``file_recipe``: the recipe before ``key=value`` overrides, whose plan's σ is reported
     beside the run's when the overrides change the steps or the batch size.
+    ``world``: this process's rank in a data-parallel run (docs/distributed.md); None: one process.
     """
 
     def __init__(self, recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: bool = False,
                  observer: TrainObserver | None = None, data=None, run_dir: Path | None = None,
-                 file_recipe: Recipe | None = None):
+                 file_recipe: Recipe | None = None, world: World | None = None):
         self.recipe = recipe
+        self.world = world or World()
         # The recipe as its file says, before key=value overrides: σ is compared with its plan.
         self.file_recipe = file_recipe
         self.sigma_change: dict[str, Any] | None = None
         self.resume_changes: dict[str, list[Any]] = {}
         self.resume = None if resume is None else Path(resume)
         self.dry_run = dry_run
-        self.observer = observer or _Null()
+        self.observer = (observer or _Null()) if self.world.main else _Null()  # rank 0 shows progress
         self.data = data
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.step = 0
@@ -130,8 +134,9 @@ class Trainer:
 
     def setup(self) -> None:
         """Build the run, in this order (the global RNG is seeded first, so the order matters)."""
-        self._setup_recipe()
+        setup_recipe(self)  # across ranks: rank 0 resolves it, every rank checks it meant the same
         self._setup_data()
+        check_ranks(self)
         self._setup_model()
         self._setup_privacy()
         self._setup_engine()
@@ -220,7 +225,7 @@ class Trainer:
         training = self.recipe.training
         self.engine = DPEngine(self.model, engine_clipping(self.recipe, self.split.sigma_aux),
                                noise_multiplier=self.split.sigma_gradient, expected_batch_size=training.batch_size,
-                               seed=self.seed_of_noise, sample_rate=self.plan.sample_rate)
+                               seed=self.seed_of_noise, sample_rate=self.plan.sample_rate, reducer=self.world.reducer)
 
     def _setup_optimizer(self) -> None:
         training = self.recipe.training
@@ -232,7 +237,11 @@ class Trainer:
 
     def _setup_sampler(self) -> None:
         training, plan = self.recipe.training, self.plan
-        if training.sampling == "poisson":
+        if self.world.size > 1:  # each rank draws its own examples' part of every batch
+            self.sampler = ShardedPoissonSampler(self.data.num_train, plan.sample_rate, plan.steps,
+                                                 rank=self.world.rank, world_size=self.world.size,
+                                                 seed=self.seed_of_noise)
+        elif training.sampling == "poisson":
             self.sampler = PoissonSampler(self.data.num_train, plan.sample_rate, plan.steps, seed=self.seed_of_noise)
         else:
             self.sampler = ShuffleSampler(self.data.num_train, training.batch_size, plan.steps, seed=self.seed_of_noise)
@@ -253,30 +262,37 @@ class Trainer:
             "exact_diagnostics": recipe.privacy.exact_diagnostics,
             "sigma_change": self.sigma_change, "resume_changes": self.resume_changes,
             "threads": torch.get_num_threads(),  # a resume replays steps: same count (dpclip.threads)
+            "world_size": self.world.size,
             "continual": None if self.continual is None else self.continual.info(),
         }
 
     def _setup_run_dir(self, info: dict[str, Any]) -> None:
-        """A new run directory (with its step-0 checkpoint), or the resumed run's state."""
+        """A new run directory (with its step-0 checkpoint), or the resumed run's state: rank 0
+        reads and writes the files, and the other ranks take its state (dpclip.train.ranks)."""
         if self.resume is not None:
-            self._resume_from_checkpoint()
+            share_run_state(self, self.world.on_main(self._resume_from_checkpoint))
         else:
-            run = RunDir.new_run(self.recipe) if self.run_dir is None else RunDir(self.run_dir)
-            self.run_dir = run.path
-            if run.recipe_file.exists():
-                raise DpclipError(f"{run.path} already holds a run", "resume it with --resume, or choose a new folder")
-            run.path.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(run.recipe_file, recipe_to_yaml(self.recipe))
-            write_json_atomic(run.meta_file, _meta(self.recipe, self.ordinary, info))
-            if self.canaries is not None:
-                write_canary_secret(run.path, self.canaries)
-            run.metrics_file.touch()
+            self.run_dir = self.world.on_main(self._new_run_dir, info)
+            share_run_state(self, None)
             # Step 0 is checkpointed (with the generators' states) so that a crash before the
             # first regular checkpoint resumes into the same noise and batches.
             self._save()
         self._write_ledger()
 
-    def _resume_from_checkpoint(self) -> None:
+    def _new_run_dir(self, info: dict[str, Any]) -> Path:
+        run = RunDir.new_run(self.recipe) if self.run_dir is None else RunDir(self.run_dir)
+        if run.recipe_file.exists():
+            raise DpclipError(f"{run.path} already holds a run", "resume it with --resume, or choose a new folder")
+        run.path.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(run.recipe_file, recipe_to_yaml(self.recipe))
+        write_json_atomic(run.meta_file, _meta(self.recipe, self.ordinary, info))
+        if self.canaries is not None:
+            write_canary_secret(run.path, self.canaries)
+        run.metrics_file.touch()
+        self.run_dir = run.path
+        return run.path
+
+    def _resume_from_checkpoint(self) -> dict[str, Any]:
         run = RunDir(self.resume)
         self.run_dir = run.path
         step_event, steps = self.solved.step_event, self.plan.steps
@@ -285,6 +301,7 @@ class Trainer:
             raise DpclipError(f"{run.path} has no checkpoint to resume from",
                               "the run stopped before its first step was saved; start a new run")
         state = load_checkpoint(checkpoint, self.model)
+        check_world_size(state, self.world.size, run.path)
         self.step = int(state["step"])
         self.ledger = Ledger.from_dict(state["ledger"])
         check_ledger(self.ledger, step_event, self.step, where=checkpoint / "state.json")
@@ -307,10 +324,14 @@ class Trainer:
             # The run directory says what its later steps were trained with (the privacy
             # fields, and so the fingerprint, are unchanged: checked in _setup_recipe).
             record_resume_changes(run, self.recipe, self.step, self.resume_changes)
+        return state
 
     # ------------------------------------------------------------------ files
 
     def _save(self) -> None:
+        ranks = rank_states(self)  # every rank's sampler and RNG state, on rank 0 (None: one process)
+        if not self.world.main:
+            return
         # The ledger goes to disk before the checkpoint that depends on it is made current.
         self._write_ledger()
         state = {
@@ -319,18 +340,22 @@ class Trainer:
         }
         if self.continual is not None:
             state["continual"] = self.continual.state_dict()
+        if ranks is not None:
+            state["ranks"] = ranks
         save_checkpoint(self.run_dir, self.step, self.model, state, keep=self.recipe.checkpoint.keep)
         self._last_save = time.monotonic()
 
     def _write_ledger(self, every_step: bool = False) -> None:
         # Every step: no fsync (the rename is atomic against a killed process, the crash
         # that matters) and no ε (~0.1 s to compute); at checkpoints and the end: both.
-        if self.ledger.steps >= self.released_steps:
+        if self.world.main and self.ledger.steps >= self.released_steps:
             write_json_atomic(RunDir(self.run_dir).ledger_file, self.ledger.to_dict(with_epsilon=not every_step),
                               durable=not every_step)
 
     def _emit(self, record: dict[str, Any], kind: str) -> None:
         """Write a record and show it, unless it replays one that already left the process."""
+        if not self.world.main:
+            return
         previous = self.replay.get((kind, record["step"]))
         if previous is not None:
             if _released_part(previous) != _released_part(record):
@@ -346,7 +371,7 @@ class Trainer:
         (self.observer.on_step if kind == "step" else self.observer.on_eval)(record)
 
     def _run_eval(self) -> dict[str, float]:
-        if not self.recipe.privacy.exact_diagnostics:  # exact held-out metrics are not covered by ε
+        if not self.recipe.privacy.exact_diagnostics or not self.world.main:  # exact: not covered by ε
             return {}
         metrics = evaluate(self.model, self.loss_fn, self.data.test, self.data.task,
                            batch_size=self.recipe.eval.batch_size)
@@ -363,12 +388,16 @@ class Trainer:
         if self.dry_run:
             return self._dry_run(info)
         self._setup_run_dir(info)
-        self.tensorboard = open_tensorboard(self.recipe, self.run_dir, self.engine.group_names)
+        if self.world.main:
+            self.tensorboard = open_tensorboard(self.recipe, self.run_dir, self.engine.group_names)
         self.observer.on_start({**info, **self.info(), "run_dir": str(self.run_dir), "start_step": self.step,
                                 "dry_run": False})  # self.info() again: the resumed phase
         stopped = self._loop()
         final_eval = self._run_eval() if stopped != "interrupted" else {}
         self._save()
+        if not self.world.main:  # rank 0 has the ledger's ε and writes the summary
+            return TrainResult(self.run_dir, self.step, self.plan.steps, float("nan"), float("nan"), self.plan.delta,
+                               stopped)
         accounting = self.ledger.result()
         statement = run_statement(self.recipe, self.ledger)
         result = TrainResult(self.run_dir, self.step, self.plan.steps, accounting.epsilon, accounting.epsilon_rdp,
@@ -405,7 +434,7 @@ class Trainer:
                 if phases is not None and phases.run_public_phase(interrupt) == "interrupted":
                     return "interrupted"
                 while self.step < (self.plan.steps if phases is None else phases.private_steps()):
-                    if interrupt.requested:  # Ctrl-C/SIGTERM is honoured between steps only, never inside one
+                    if self.world.any(interrupt.requested):  # between steps only, never inside one; any rank's
                         return "interrupted"
                     # The cap is checked before the batch is touched, with the plan's event, which
                     # is asserted in each step to be the event the engine actually releases.
@@ -422,13 +451,14 @@ class Trainer:
         lr = self.schedule.apply(self.step)
         step_fn = self.private_step if self.continual is None else self.continual.step_fn
         outcome = step_fn(indices, before_update=lambda report: _check_same_release(report.dp_event, step_event))
+        outcome = global_outcome(self.world, outcome)  # loss and batch size of all ranks' parts
         self.ledger.record(step_event, metadata=self.solved.step_metadata)
         self.step += 1
         # Charged before anything of this step leaves the process (a crash between
         # the two leaves the ledger ahead, never behind).
         self._write_ledger(every_step=True)
         epsilon_every = max(1, plan.steps // 50)  # ε with the ledger's accountant costs ~0.1 s: not every step
-        live = self.step == plan.steps or self.step % epsilon_every == 0
+        live = self.world.main and (self.step == plan.steps or self.step % epsilon_every == 0)
         record = step_record(self.step, outcome.report, self.ledger.epsilon() if live else None, outcome.loss_sum,
                              outcome.batch_size, recipe.training.batch_size, lr, outcome.seconds, recipe.clipping.fn,
                              recipe.privacy.exact_diagnostics)
@@ -443,40 +473,6 @@ class Trainer:
         """checkpoint.every_steps, or checkpoint.every_minutes since the last checkpoint (a
         step boundary either way; docs/training.md, "Checkpoints and resuming")."""
         every_steps, every_minutes = self.recipe.checkpoint.every_steps, self.recipe.checkpoint.every_minutes
-        if every_steps and self.step % every_steps == 0:
-            return True
-        return every_minutes is not None and time.monotonic() - self._last_save >= 60.0 * every_minutes
-
-
-class _deferred_interrupt:
-    """Turn Ctrl-C (SIGINT) and SIGTERM (``kill``, a batch scheduler's pre-emption) into a
-    flag the loop reads between steps, so a step is never half done (a gradient applied but
-    not yet in the ledger); the run then checkpoints at that step boundary. A second signal
-    interrupts at once. Signal handlers can only be set from the main thread: elsewhere
-    (a training thread of the caller's) the signals keep their behaviour."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.requested = False
-        self.signal: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        self.signal = signum
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for signum, previous in self._previous.items():
-            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
-        self._previous = {}
-        return False
-
+        due = bool(every_steps and self.step % every_steps == 0) or (
+            every_minutes is not None and time.monotonic() - self._last_save >= 60.0 * every_minutes)
+        return self.world.any(due)  # every rank saves together (any rank's clock)

@@ -85,6 +85,15 @@ class ThresholdPolicy:
     """Base class with the do-nothing defaults of every hook (see module doc)."""
 
     per_sample: bool = False
+    #: set by the engine when ranks share the logical batch (:mod:`dpclip.engine.reducer`).
+    reducer = None
+
+    def noised(self, statistic: Tensor, draw_noise) -> Tensor:
+        """``statistic + draw_noise()``; across ranks, Σ_r statistic_r plus noise drawn once, by the
+        one rank that draws (docs/distributed.md): every rank then updates from the same value."""
+        if self.reducer is None:
+            return statistic + draw_noise()
+        return self.reducer.sum(statistic + draw_noise() if self.reducer.draws_noise else statistic.clone())
 
     def thresholds(self) -> Tensor:
         raise NotImplementedError

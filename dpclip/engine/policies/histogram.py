@@ -192,9 +192,9 @@ class HistogramThreshold(ThresholdPolicy):
         return self._counts.flatten()
 
     def release(self, generator: torch.Generator) -> list[AuxRelease]:
-        noise = torch.randn(self._counts.shape, generator=generator, device=generator.device,
-                            dtype=torch.float64).cpu() * self.sigma_hist
-        noisy = self._counts + noise
+        noisy = self.noised(self._counts, lambda: torch.randn(
+            self._counts.shape, generator=generator, device=generator.device, dtype=torch.float64).cpu()
+            * self.sigma_hist)
         values = self._values.detach().cpu().tolist()
         released_ranges = list(self._ranges)
         for k in range(len(values)):

@@ -57,9 +57,10 @@ class QuantileThreshold(ThresholdPolicy):
         return self._shifted_counts
 
     def release(self, generator: torch.Generator) -> list[AuxRelease]:
-        noise = torch.randn(self._shifted_counts.shape, generator=generator, device=self._values.device,
-                            dtype=self._values.dtype) * self.sigma
-        unclipped_fraction = ((self._shifted_counts + noise) / self.expected_batch_size + 0.5).clamp(0.0, 1.0)
+        noisy = self.noised(self._shifted_counts, lambda: torch.randn(
+            self._shifted_counts.shape, generator=generator, device=self._values.device,
+            dtype=self._values.dtype) * self.sigma)
+        unclipped_fraction = (noisy / self.expected_batch_size + 0.5).clamp(0.0, 1.0)
         self._values = self._values * torch.exp(-self.lr * (unclipped_fraction - self.target))
         self._last_fraction = unclipped_fraction.tolist()
         self._shifted_counts = torch.zeros_like(self._values)

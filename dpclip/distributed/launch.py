@@ -1,0 +1,137 @@
+"""``dpclip train RECIPE --nproc N``: N ranks on this machine through torch.distributed's own
+launcher (the API torchrun is built on, :func:`torch.distributed.launcher.api.elastic_launch`).
+
+Each rank runs ``python -m dpclip train ...`` with torchrun's environment (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``...), exactly as ``torchrun --nproc-per-node N -m dpclip train
+...`` would start it; several machines use torchrun itself with its rendezvous flags
+(docs/distributed.md). This module adds what a user of one machine needs around it: a free
+rendezvous port (or a clear error for a port in use), the threads each rank may use, and,
+when a rank fails, ONE ``error:``/``hint:`` naming the rank that failed first, its own
+message, and the command that continues the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from dpclip.errors import DpclipError
+
+# Rank 0 writes the run directory here as soon as it exists (for the launcher's resume hint).
+RUN_DIR_ENV = "DPCLIP_LAUNCH_RUN_DIR_FILE"
+MAX_NPROC = 512
+
+
+def check_port(port: int) -> None:
+    """Refuse a rendezvous port another process holds (torchrun would fail obscurely)."""
+    if not 1 <= port <= 65535:
+        raise DpclipError(f"--master-port {port} is not a port number", "choose a port between 1024 and 65535")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            raise DpclipError(f"port {port} is in use on this machine, so the ranks cannot meet there",
+                              "pass another --master-port, or leave it out to let dpclip pick a free one") from None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def rank_threads(threads: int | str | None) -> int | str | None:
+    """The threads of one rank: 'auto' splits what the load leaves free among this machine's ranks."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local > 1 and threads in (None, "auto"):
+        from dpclip.threads import auto_threads
+
+        return max(1, auto_threads() // local)
+    return threads
+
+
+def launch(args: list[str], nproc: int, *, master_port: int | None = None, debug: bool = False) -> None:
+    """Run ``python -m dpclip *args`` as ``nproc`` ranks on this machine and wait for them.
+
+    Returns when every rank has finished; a failed rank raises one :class:`DpclipError`
+    (module doc)."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or not 1 <= nproc <= MAX_NPROC:
+        raise DpclipError(f"--nproc must be a whole number from 1 to {MAX_NPROC}, got {nproc!r}",
+                          "e.g. --nproc 2 (one process per GPU, or per few cores on CPU)")
+    if master_port is not None:
+        check_port(master_port)
+    # Lazy: only the launcher pays for torch.distributed's launcher.
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if not debug:  # the agent logs every failure at length; the ranks' own error lines say it better
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        logging.getLogger("torch.distributed.launcher").setLevel(logging.CRITICAL)
+    port = master_port if master_port is not None else free_port()
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"dpclip-{uuid.uuid4()}",
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
+                          monitor_interval=0.1)
+    with tempfile.TemporaryDirectory(prefix="dpclip-launch-") as tmp:
+        run_dir_file = Path(tmp) / "run_dir"
+        previous = os.environ.get(RUN_DIR_ENV)
+        os.environ[RUN_DIR_ENV] = str(run_dir_file)  # the ranks inherit the launcher's environment
+        try:
+            elastic_launch(config, sys.executable)("-m", "dpclip", *args)
+        except ChildFailedError as exc:
+            run_dir = run_dir_file.read_text().strip() if run_dir_file.exists() else None
+            raise failure_error(exc.failures, nproc, run_dir) from None
+        finally:
+            if previous is None:
+                os.environ.pop(RUN_DIR_ENV, None)
+            else:
+                os.environ[RUN_DIR_ENV] = previous
+
+
+def announce_run_dir(run_dir: Path) -> None:
+    """Rank 0: tell the launcher (if any) which run directory this run writes."""
+    target = os.environ.get(RUN_DIR_ENV)
+    if target:
+        Path(target).write_text(str(run_dir))
+
+
+def _reported(failure: Any) -> dict[str, Any] | None:
+    data = getattr(failure, "error_file_data", None)
+    return data.get("dpclip") if isinstance(data, dict) else None
+
+
+def failure_error(failures: dict[int, Any], nproc: int, run_dir: str | None) -> DpclipError:
+    """One error for a failed launch: the rank that failed first (a rank's own error or a
+    signal beats the others' "another rank stopped"), its message and hint, and how to resume."""
+    resume = f"dpclip train --resume {run_dir} --nproc {nproc}" if run_dir else None
+    ranked = []
+    for rank, failure in failures.items():
+        info = _reported(failure)
+        if info is not None and info.get("secondary"):
+            continue
+        ranked.append((0 if info is not None else 1, info["ns"] if info else 0, rank, failure, info))
+    if not ranked:  # only "another rank stopped" reports: name the lowest rank
+        ranked = [(2, 0, rank, f, _reported(f)) for rank, f in failures.items()]
+    _, _, rank, failure, info = min(ranked, key=lambda item: item[:3])
+    if info is not None and info.get("interrupted"):
+        return DpclipError(f"interrupted: {info['message']}",
+                           f"continue with: {resume}" if resume else info.get("hint"))
+    if info is not None:
+        message = f"rank {rank} stopped: {info['message']}"
+        hint = info.get("hint") or ""
+    else:
+        exitcode = getattr(failure, "exitcode", None)
+        how = (f"was killed by {failure.signal_name()}" if isinstance(exitcode, int) and exitcode < 0
+               else f"exited with code {exitcode}")
+        message = f"rank {rank} {how} before it could report an error"
+        hint = "out of memory and a kill -9 look like this; check the system log"
+    if resume and "--resume" not in hint:
+        hint = (hint + "; " if hint else "") + f"the run continues with: {resume}"
+    return DpclipError(message, hint or None)
+

@@ -1,0 +1,239 @@
+"""The ranks of one data-parallel run: torch.distributed's process group, as dpclip uses it.
+
+A run started by torchrun (or ``dpclip train --nproc N``, which starts the same) has W ranks,
+each a process with ``RANK``/``WORLD_SIZE`` in its environment (docs/distributed.md).
+:func:`joined_world` joins the process group from those variables (gloo on CPU; with CUDA,
+``cpu:gloo,cuda:nccl``) and leaves it at the end. :class:`World` is what the trainer asks:
+
+- ``main``: rank 0, which alone writes the run directory (ledger, checkpoints, metrics) and
+  shows progress;
+- ``reducer``: the engine's sum over ranks (:class:`SumReducer`): rank 0 draws all the noise;
+- small object collectives (:meth:`World.broadcast`, :meth:`World.gather`, ...) for setup,
+  agreement checks, checkpoints and resume, and :meth:`World.on_main`, which runs a function
+  on rank 0 and raises its :class:`DpclipError` on every rank.
+
+A rank that dies (an error, ``kill -9``) closes its connections: the others' next collective
+fails, and they stop with :class:`PeerStopped` instead of waiting; torchrun then ends the
+group. Each rank's error goes to torchrun's error file (``TORCHELASTIC_ERROR_FILE``) with
+its hint, where the launcher (:mod:`dpclip.distributed.launch`) reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dpclip.errors import DpclipError
+
+RESUME_HINT = "the failing rank's error is above; continue the run with: dpclip train --resume RUN_DIR --nproc N"
+# How long a rank waits in a collective for the others (they may be evaluating or checkpointing).
+TIMEOUT_ENV = "DPCLIP_DIST_TIMEOUT_S"
+
+
+class PeerStopped(DpclipError):
+    """A collective failed because another rank stopped first (its error is the cause)."""
+
+
+class World:
+    """This process's place in the run: ``rank`` of ``size`` (see module doc). ``size == 1``
+    is the one-process run: every collective is then the identity and nothing is sent."""
+
+    def __init__(self, rank: int = 0, size: int = 1, local_rank: int = 0, local_size: int = 1):
+        self.rank, self.size, self.local_rank, self.local_size = rank, size, local_rank, local_size
+        self.reducer = SumReducer(self) if size > 1 else None
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any (stop requests, checkpoint timers)."""
+        if self.size == 1:
+            return bool(flag)
+        value = torch.tensor([1.0 if flag else 0.0], device=_device())
+        _collective(dist.all_reduce, value, op=dist.ReduceOp.MAX)
+        return bool(value.item() > 0)
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        _collective(dist.broadcast_object_list, box, src=0)
+        return box[0]
+
+    def broadcast_(self, tensors: list[torch.Tensor]) -> None:
+        """Overwrite each tensor, in place, with rank 0's (the weights every rank starts from)."""
+        if self.size == 1:
+            return
+        for t in tensors:
+            _collective(dist.broadcast, t.data, src=0)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        _collective(dist.all_gather_object, out, obj)
+        return out
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (None elsewhere)."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.size if self.main else None
+        _collective(dist.gather_object, obj, out, dst=0)
+        return out
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        """Rank r gets ``objs[r]`` of rank 0's list."""
+        if self.size == 1:
+            return objs[0]
+        box: list[Any] = [None]
+        _collective(dist.scatter_object_list, box, objs if self.main else None, src=0)
+        return box[0]
+
+    def on_main(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on rank 0 only; its result on every rank. A :class:`DpclipError` it
+        raises is raised on every rank with the same message and hint (so all ranks stop with
+        the cause, not with a failed collective)."""
+        if self.size == 1:
+            return fn(*args)
+        outcome: tuple[str, Any, Any] = ("ok", None, None)
+        failure: BaseException | None = None
+        if self.main:
+            try:
+                outcome = ("ok", fn(*args), None)
+            except DpclipError as exc:
+                outcome, failure = ("error", exc.message, exc.hint), exc
+            except BaseException as exc:
+                outcome, failure = ("crash", f"{type(exc).__name__}: {exc}", None), exc
+        kind, value, hint = self.broadcast(outcome)
+        if failure is not None:
+            raise failure
+        if kind == "error":
+            raise DpclipError(value, hint)
+        if kind == "crash":
+            raise PeerStopped(f"rank 0 stopped: {value}", RESUME_HINT)
+        return value
+
+    def check_same(self, what: str, value: Any, hint: str) -> None:
+        """Refuse, on every rank, when the ranks disagree on ``value`` (e.g. the recipe)."""
+        values = self.all_gather(value)
+        differ = [r for r, v in enumerate(values) if v != values[0]]
+        if differ:
+            raise DpclipError(f"the ranks disagree on {what}: rank {differ[0]}'s differs from rank 0's", hint)
+
+
+class SumReducer:
+    """The engine's reducer (:mod:`dpclip.engine.reducer`) over torch.distributed: rank 0 draws
+    the noise; sums are all-reduces of one flat buffer per dtype and device."""
+
+    def __init__(self, world: World):
+        self.draws_noise = world.main
+
+    def sum_(self, tensors: list[torch.Tensor]) -> None:
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        for group in by_kind.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            _collective(dist.all_reduce, flat)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.detach().clone()
+        _collective(dist.all_reduce, out)
+        return out
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _collective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A torch.distributed call whose failure (a peer gone) becomes :class:`PeerStopped`."""
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, ValueError, ConnectionError) as exc:
+        # gloo's messages open with "[file.cc:line]": keep the words
+        first = re.sub(r"\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+        first = first.strip() or type(exc).__name__
+        raise PeerStopped(f"another rank stopped, so this one cannot go on ({first[:200]})", RESUME_HINT) from exc
+
+
+def launched() -> bool:
+    """True in a process started by torchrun (or ``--nproc``) as one of several ranks."""
+    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+@contextmanager
+def joined_world() -> Iterator[World | None]:
+    """The process group from torchrun's environment for the block (None: one process, no group).
+
+    An exception leaving the block is written to torchrun's error file for this rank, with
+    its hint, before the group is left."""
+    if not launched():
+        yield None
+        return
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    backend = "gloo"
+    if torch.cuda.is_available():  # untested on GPU (docs/distributed.md): models train on CPU today
+        torch.cuda.set_device(local_rank)
+        backend = "cpu:gloo,cuda:nccl"
+    timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "1800")))
+    try:
+        dist.init_process_group(backend, timeout=timeout)
+    except Exception as exc:  # pragma: no cover - torchrun has already rendezvoused
+        error = DpclipError(f"rank {rank} could not join the process group: {exc}",
+                            "check the rendezvous flags (--rdzv-endpoint, --master-addr/--master-port) and "
+                            "that every node reaches the first one")
+        record_failure(error)
+        raise error from exc
+    try:
+        yield World(rank, size, local_rank, local_size)
+    except BaseException as exc:
+        record_failure(exc)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def record_failure(exc: BaseException) -> None:
+    """Write this rank's error to torchrun's error file: the message torchrun shows, plus
+    dpclip's message, hint and whether it only reports another rank's failure (the launcher
+    names the rank that failed first)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    if isinstance(exc, DpclipError):
+        message, hint = exc.message, exc.hint
+    elif isinstance(exc, KeyboardInterrupt):
+        message, hint = "interrupted", None
+    else:
+        message, hint = f"unexpected {type(exc).__name__}: {exc}", "rerun with --debug for a traceback"
+    stamp = time.time_ns()  # torchrun's own field is whole seconds; ns tells close failures apart
+    data = {"message": {"message": message,
+                        "extraInfo": {"py_callstack": message, "timestamp": str(stamp // 10**9)}},
+            "dpclip": {"message": message, "hint": hint, "secondary": isinstance(exc, PeerStopped),
+                       "interrupted": type(exc).__name__ == "InterruptedRun", "rank": int(os.environ["RANK"]),
+                       "ns": stamp}}
+    try:
+        with open(path, "w", encoding="utf-8") as fp:
+            json.dump(data, fp)
+    except OSError:  # pragma: no cover - the error itself is still printed by the rank
+        pass

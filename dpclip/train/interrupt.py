@@ -1,0 +1,41 @@
+"""Ctrl-C and SIGTERM honoured at step boundaries only (docs/training.md, "Checkpoints and resuming")."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+
+class _deferred_interrupt:
+    """Turn Ctrl-C (SIGINT) and SIGTERM (``kill``, a batch scheduler's pre-emption) into a
+    flag the loop reads between steps, so a step is never half done (a gradient applied but
+    not yet in the ledger); the run then checkpoints at that step boundary. A second signal
+    interrupts at once. Signal handlers can only be set from the main thread: elsewhere
+    (a training thread of the caller's) the signals keep their behaviour."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.requested = False
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.signal = signum
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, previous in self._previous.items():
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        self._previous = {}
+        return False
+

@@ -1,0 +1,105 @@
+"""`dpclip train RECIPE --nproc 2` end to end: a rank killed with -9 ends the run with one clear
+error, and `--resume ... --nproc 2` finishes it with the ledger of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dpclip.recipe import recipe_to_yaml
+from dpclip.train.workflow import train
+from tests.distributed.workers import small_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _rank_pid(tag: str, rank: int) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"DPCLIP_TEST_TAG={tag}".encode() in env and f"RANK={rank}".encode() in env:
+            return int(entry.name)
+    return None
+
+
+def _steps_written(runs: Path) -> int:
+    files = list(runs.glob("*/metrics.jsonl"))
+    return len(files[0].read_text().splitlines()) if files else 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the rank's pid in /proc")
+def test_kill_9_of_a_rank_then_resume_gives_the_uninterrupted_ledger(tmp_path):
+    overrides = ["training.steps=60", "checkpoint.every_steps=10", "training.micro_batch_size=4"]
+    recipe = small_recipe(tmp_path / "runs", "layer", *overrides)
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(recipe_to_yaml(recipe))
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "DPCLIP_TEST_TAG": tag, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "dpclip", "train", str(recipe_file), "--nproc", "2", "--threads", "1", "--json"]
+    launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    killed = False
+    deadline = time.monotonic() + 600
+    while launcher.poll() is None and time.monotonic() < deadline:
+        if _steps_written(tmp_path / "runs") >= 12:
+            pid = _rank_pid(tag, 1)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+                break
+        time.sleep(0.02)
+    _, err = launcher.communicate(timeout=600)
+    assert killed, "the run ended before rank 1 could be killed"
+    assert launcher.returncode != 0
+    assert "error: rank 1 was killed by SIGKILL" in err and "hint:" in err
+    run_dir = next((tmp_path / "runs").iterdir())
+    assert f"dpclip train --resume {run_dir} --nproc 2" in err.replace("\n", "")
+    ledger_after_kill = json.loads((run_dir / "ledger.json").read_text())  # whole, never half written
+    assert 12 <= sum(e["count"] for e in ledger_after_kill["entries"]) < 60
+
+    resumed = subprocess.run([sys.executable, "-m", "dpclip", "train", "--resume", str(run_dir), "--nproc", "2",
+                              "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+
+    reference = train(small_recipe(tmp_path / "one", "layer", *overrides), run_dir=tmp_path / "one" / "run")
+    assert reference.steps_done == 60
+    ours = json.loads((run_dir / "ledger.json").read_text())
+    theirs = json.loads((reference.run_dir / "ledger.json").read_text())
+    assert ours == theirs
+
+
+@pytest.mark.slow
+def test_two_nodes_through_torchrun_rendezvous_flags_on_one_machine(tmp_path):
+    """What docs/distributed.md tells a user of several machines, with both "nodes" here."""
+    from tests.distributed.ranks import free_port
+
+    recipe = small_recipe(tmp_path / "runs", "layer")
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(recipe_to_yaml(recipe))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
+                               "-m", "dpclip", "train", str(recipe_file), "--threads", "1", "--json"],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    run_dir = next((tmp_path / "runs").iterdir())
+    reference = train(small_recipe(tmp_path / "one", "layer"), run_dir=tmp_path / "one" / "run")
+    assert json.loads((run_dir / "ledger.json").read_text()) == json.loads((reference.run_dir / "ledger.json").read_text())

@@ -1,0 +1,75 @@
+"""What each spawned rank runs in tests/distributed (importable by name: spawn pickles by reference)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dpclip.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The three clipping set-ups the equivalence tests pin: all-layer, layer-wise, adaptive (quantile).
+POLICIES = {
+    "all-layer": ["clipping.grouping=all-layer"],
+    "layer": ["clipping.grouping=layer"],
+    "quantile": ["clipping.grouping=layer", "clipping.threshold={kind: quantile, initial: 1.0, sigma: 2.0}"],
+}
+
+
+def small_recipe(out: Path, policy: str, *extra: str):
+    """Quickstart, a few seeded steps (so the union of the ranks' draws is the one-process batch)."""
+    return load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        f"output_dir={out}", "training.epochs=null", "training.steps=6", "checkpoint.every_steps=3",
+        "eval.every_steps=null", "privacy.unsafe_seeded_randomness=true", *POLICIES[policy], *extra])
+
+
+def train_policies(world, out: str, run_names: list[str]) -> None:
+    """Train each policy's recipe as one rank, into ``out/<policy>`` (rank 0 writes); then the
+    engine case (:func:`engine_grads`): one spawn for all, process start-up is the cost."""
+    from dpclip.train.workflow import train
+
+    engine_grads(world, out)
+    for policy in run_names:
+        recipe = small_recipe(Path(out) / "runs", policy)
+        train(recipe, world=world, run_dir=Path(out) / policy)
+
+
+def engine_grads(world, out: str) -> None:
+    """noise 0: each rank's half of one batch through DPEngine with the world's reducer; rank 0
+    saves p.grad per policy (the one-process grads are computed by the test)."""
+    from tests.distributed.engine_case import grads_for
+
+    results = {name: grads_for(name, world.rank, world.size, world.reducer)
+               for name in ("all-layer", "layer", "quantile", "dcsgd-p")}
+    if world.main:
+        torch.save(results, Path(out) / "engine.pt")
+
+
+def disagree(world, out: str) -> None:
+    """Rank 1 means another learning rate: every rank must refuse before anything is written."""
+    from dpclip.train.workflow import train
+
+    extra = ["training.optimizer.lr=0.1"] if world.rank == 1 else []
+    train(small_recipe(Path(out) / "runs", "layer", *extra), world=world, run_dir=Path(out) / "run")
+
+
+def raise_at_step(world, out: str, step: int) -> None:
+    """Rank 1 raises inside its step ``step``: rank 0 must stop too, with its ledger whole."""
+    from dpclip.errors import DpclipError
+    from dpclip.train import step as step_module
+    from dpclip.train.workflow import train
+
+    if world.rank == 1:
+        original = step_module.PrivateStep.__call__
+        calls = {"n": 0}
+
+        def failing(self, indices, before_update=None):
+            calls["n"] += 1
+            if calls["n"] == step:
+                raise DpclipError("injected failure on rank 1", "this is a test")
+            return original(self, indices, before_update)
+
+        step_module.PrivateStep.__call__ = failing
+    train(small_recipe(Path(out) / "runs", "layer", "training.steps=20"), world=world, run_dir=Path(out) / "run")
