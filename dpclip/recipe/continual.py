@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from dpclip.recipe.section import Section
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -22,13 +24,7 @@ SCHEDULES = ("switch", "dpmd", "sample", "only-public", "only-private")
 MIXING = ("dpmd", "sample")
 
 
-class _Section(BaseModel):
-    """Base of every recipe section: unknown keys are errors."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=True)
-
-
-class SwitchRule(_Section):
+class SwitchRule(Section):
     """When the public phase of the ``switch`` (and ``only-public``) schedule ends. Every rule
     looks at public data only (the public block's held-out split, or a public batch), so
     deciding costs no privacy budget; ``max_public_steps`` caps the phase in any case."""
@@ -61,7 +57,7 @@ class SwitchRule(_Section):
         return self
 
 
-class AtSwitch(_Section):
+class AtSwitch(Section):
     """What happens to the optimizer and the model when the public phase ends."""
 
     reset: list[Literal["m", "v", "t"]] = Field(
@@ -82,7 +78,7 @@ class AtSwitch(_Section):
         return self
 
 
-class Continual(_Section):
+class Continual(Section):
     """Public pre-training then private training, or a mix (docs/continual.md). Only
     steps that touch private data are charged; σ is calibrated for the private steps of
     ``training`` (plus DP linear probing), which never depend on the public phase."""
@@ -121,3 +117,28 @@ def check_continual(recipe: Any) -> None:
         probe = continual.at_switch.linear_probe_epochs
         if probe or continual.at_switch.reinit_head:
             raise ValueError(f"continual.at_switch applies to the switch schedule, not {continual.schedule!r}")
+
+
+class Diagnostics(Section):
+    """Hessian diagnostics recorded during training (docs/continual.md, "Hessian diagnostics")."""
+
+    every_steps: PositiveInt | None = Field(
+        None, description="measure tr(H), GᵀHG, tr(HΣ), the decelerator and B*_DP every N steps into "
+        "RUN_DIR/diagnostics.jsonl; null: off")
+    probes: Annotated[int, Field(ge=2)] = Field(20, description="Hutchinson probes (Rademacher) for tr(H)")
+    per_sample: Annotated[int, Field(ge=2)] = Field(
+        16, description="examples whose per-sample gradients estimate tr(HΣ) and E‖g_i‖²")
+    data: Literal["public", "private"] = Field(
+        "public", description="public: measured on the recipe's public data (free); private: on the private "
+        "training data, exact and NOT covered by ε (needs private_not_covered: true)")
+    private_not_covered: bool = Field(
+        False, description="required for data: private: you accept that the diagnostics are exact functions "
+        "of the private data outside ε; they are labelled so wherever they appear")
+
+    @model_validator(mode="after")
+    def _private_needs_consent(self) -> Diagnostics:
+        if self.data == "private" and not self.private_not_covered:
+            raise ValueError("data 'private' measures exact quantities of the private data that ε does not "
+                             "cover; set diagnostics.private_not_covered: true to accept that (they are then "
+                             "labelled 'not covered by ε'), or measure on public data (data: public)")
+        return self

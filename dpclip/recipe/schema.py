@@ -14,7 +14,9 @@ rebuilt whenever a policy is (un)registered.
 ``dpclip.engine.DPEngine(clipping=...)`` takes.
 
 Length: a little over 400 lines, because the schema is one page: every section of a recipe
-is read (and docs/recipes.md generated) from this one file.
+is read (and docs/recipes.md generated) from here; only the sections of one feature live
+beside it (``continual:`` and ``diagnostics:`` in recipe/continual.py, ``tuning:`` in
+recipe/tuning.py) and are imported here.
 """
 
 from __future__ import annotations
@@ -22,18 +24,14 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from dpclip.engine.policies import on_registry_change, policy_spec, policy_specs
 from dpclip.engine.policies.base import PositiveFloat, PositiveInt, UnitOpen
-from dpclip.recipe.continual import AtSwitch, Continual, SwitchRule, check_continual  # noqa: F401 (docs)
-
-
-class Section(BaseModel):
-    """Base of every recipe section: unknown keys are errors."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+from dpclip.recipe.continual import AtSwitch, Continual, Diagnostics, SwitchRule, check_continual  # noqa: F401 (docs)
+from dpclip.recipe.section import Section
+from dpclip.recipe.tuning import RandomRange, Tuning  # noqa: F401 (docs)
 
 
 # --------------------------------------------------------------------------- data
@@ -369,65 +367,6 @@ class Canaries(Section):
 class Audit(Section):
     canaries: Canaries | None = Field(
         None, description="one-run audit canaries; the inclusion secret is kept in the run's audit/canaries.json")
-
-
-class Diagnostics(Section):
-    """Hessian diagnostics recorded during training (docs/continual.md, "Hessian diagnostics")."""
-
-    every_steps: PositiveInt | None = Field(
-        None, description="measure tr(H), GᵀHG, tr(HΣ), the decelerator and B*_DP every N steps into "
-        "RUN_DIR/diagnostics.jsonl; null: off")
-    probes: Annotated[int, Field(ge=2)] = Field(20, description="Hutchinson probes (Rademacher) for tr(H)")
-    per_sample: Annotated[int, Field(ge=2)] = Field(
-        16, description="examples whose per-sample gradients estimate tr(HΣ) and E‖g_i‖²")
-    data: Literal["public", "private"] = Field(
-        "public", description="public: measured on the recipe's public data (free); private: on the private "
-        "training data, exact and NOT covered by ε (needs private_not_covered: true)")
-    private_not_covered: bool = Field(
-        False, description="required for data: private: you accept that the diagnostics are exact functions "
-        "of the private data outside ε; they are labelled so wherever they appear")
-
-    @model_validator(mode="after")
-    def _private_needs_consent(self) -> Diagnostics:
-        if self.data == "private" and not self.private_not_covered:
-            raise ValueError("data 'private' measures exact quantities of the private data that ε does not "
-                             "cover; set diagnostics.private_not_covered: true to accept that (they are then "
-                             "labelled 'not covered by ε'), or measure on public data (data: public)")
-        return self
-
-
-class RandomRange(Section):
-    low: float
-    high: float
-    log: bool = False
-
-    @model_validator(mode="after")
-    def _ordered(self) -> RandomRange:
-        if not self.low < self.high:
-            raise ValueError("'low' must be below 'high'")
-        if self.log and self.low <= 0:
-            raise ValueError("a log range needs 'low' > 0")
-        return self
-
-
-class Tuning(Section):
-    grid: dict[str, list[Any]] = Field(default_factory=dict, description="recipe key -> values")
-    random: PositiveInt | None = Field(None, description="number of random draws over 'ranges'")
-    ranges: dict[str, RandomRange] = Field(default_factory=dict)
-    score: Literal["private", "public"] = Field(
-        "private", description="private: the held-out split is private data, its score is released with "
-        "noise and charged to the budget; public: the held-out split is public data (your claim)")
-    score_noise: PositiveFloat = Field(
-        5.0, description="private score: std of the Gaussian noise on the count of correct held-out predictions")
-    trials: Literal["poisson", "truncated-negative-binomial"] = Field(
-        "truncated-negative-binomial",
-        description="repeat-and-select (Papernot & Steinke): law of the random number of trials K")
-    trials_mean: PositiveFloat | None = Field(None, description="E[K]; default: the number of configurations")
-    trials_shape: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
-        1.0, description="truncated negative binomial η (0 logarithmic, 1 geometric)")
-    stop_probability: UnitOpen | None = Field(
-        None, description="Liu–Talwar γ: stop after each run with this probability; default 1/(2G)")
-    stop_delta: UnitOpen = Field(1e-20, description="Liu–Talwar δ₂: mass cut by the hard limit T")
 
 
 class Recipe(Section):

@@ -15,9 +15,8 @@ each part would reach into the others' attributes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -37,6 +36,7 @@ from dpclip.train.optim import LrSchedule, build_optimizer
 from dpclip.train.phases import continual_run
 from dpclip.train.plan import count_groups, engine_clipping, privacy_plan, private_seed
 from dpclip.train.plots import plot_run
+from dpclip.train.result import TrainObserver, TrainResult, _Null  # noqa: F401 (TrainObserver: re-exported)
 from dpclip.train.ranks import (check_ranks, check_world_size, global_outcome, rank_states, setup_recipe,
                                 share_run_state)
 from dpclip.train.rundir import (
@@ -45,50 +45,6 @@ from dpclip.train.rundir import (
     record_resume_changes, run_statement, step_record)
 from dpclip.train.step import PrivateStep, step_micro_batch_size
 from dpclip.train.tensorboard import check_logging, open_tensorboard
-
-
-class TrainObserver(Protocol):
-    """What the CLI implements to show progress (all optional)."""
-
-    def on_start(self, info: dict[str, Any]) -> None: ...
-    def on_step(self, record: dict[str, Any]) -> None: ...
-    def on_eval(self, record: dict[str, Any]) -> None: ...
-    def on_end(self, result: TrainResult) -> None: ...
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    steps_done: int
-    steps_planned: int
-    epsilon: float
-    epsilon_rdp: float
-    delta: float
-    stopped: str                      # "completed" | "budget" | "interrupted" | "dry-run"
-    final_eval: dict[str, float] = field(default_factory=dict)
-    statement: list[str] = field(default_factory=list)
-    noise: dict[str, Any] = field(default_factory=dict)
-    # How the key=value overrides moved σ (or ε) from the recipe file's plan; None if they did not.
-    sigma_change: dict[str, Any] | None = None
-    # Non-privacy fields a resume changed: {dotted field: [old, new]} (empty for a fresh run).
-    resume_changes: dict[str, list[Any]] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "run_dir": str(self.run_dir), "steps_done": self.steps_done, "steps_planned": self.steps_planned,
-            "epsilon": self.epsilon, "epsilon_rdp": self.epsilon_rdp, "delta": self.delta,
-            "stopped": self.stopped, "final_eval": self.final_eval, "noise": self.noise,
-            "statement": self.statement, "sigma_change": self.sigma_change, "resume_changes": self.resume_changes,
-            # final_eval is exact, on the private held-out split (empty when diagnostics are off).
-            "not_covered_by_epsilon": ["final_eval"] if self.final_eval else [],
-        }
-
-
-class _Null:
-    def on_start(self, info): pass
-    def on_step(self, record): pass
-    def on_eval(self, record): pass
-    def on_end(self, result): pass
 
 
 class Trainer:

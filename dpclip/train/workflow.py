@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dpclip.recipe import Recipe
-from dpclip.train.trainer import Trainer, TrainObserver, TrainResult
+from dpclip.train.result import TrainObserver, TrainResult
+from dpclip.train.trainer import Trainer
 
 __all__ = ["train", "Trainer", "TrainObserver", "TrainResult"]
 

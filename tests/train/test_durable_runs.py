@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -31,25 +30,16 @@ def _dpclip(*args, **kwargs):
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_at_a_step_boundary_and_resume_ends_where_an_uninterrupted_run_does(
-        small_recipe, tmp_path):
+        small_recipe, tmp_path, signal_after_first_step):
     recipe = small_recipe("training.steps=400", "checkpoint.every_steps=null", "eval.every_steps=null",
                           "model.hidden=[16]", "privacy.unsafe_seeded_randomness=true")
     recipe_file = tmp_path / "recipe.yaml"
     recipe_file.write_text(recipe_to_yaml(recipe))
     command, env = _dpclip("train", recipe_file, "--threads", "1")
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline, metrics = time.time() + 300, []
-    while time.time() < deadline:
-        metrics = list((tmp_path / "runs").glob("*/metrics.jsonl"))
-        if metrics and metrics[0].stat().st_size > 0:
-            break
-        time.sleep(0.02)
-    process.send_signal(signal.SIGTERM)
-    out, err = process.communicate(timeout=120)
-    run_dir = metrics[0].parent
+    returncode, out, err, run_dir = signal_after_first_step(command, env, tmp_path / "runs", signal.SIGTERM)
     assert not (run_dir / "summary.json").exists() or "interrupted" in (run_dir / "summary.json").read_text(), \
         "the run ended before SIGTERM: nothing was tested"
-    assert process.returncode != 0, err
+    assert returncode != 0, err
     assert f"dpclip train --resume {run_dir}" in " ".join(err.split()) and "Traceback" not in err
     ledger = json.loads((run_dir / "ledger.json").read_text())
     latest = (run_dir / "checkpoints" / "LATEST").read_text().strip()

@@ -197,26 +197,17 @@ def test_batchnorm_model_is_refused_with_a_hint(small_recipe, tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(small_recipe, tmp_path):
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(small_recipe, tmp_path, signal_after_first_step):
     from dpclip.recipe import recipe_to_yaml
 
     recipe = small_recipe("training.steps=100000", "checkpoint.every_steps=null", "eval.every_steps=null",
                           "privacy.epsilon=null", "privacy.noise_multiplier=5.0")
     recipe_file = tmp_path / "recipe.yaml"
     recipe_file.write_text(recipe_to_yaml(recipe))
-    process = subprocess.Popen([sys.executable, "-m", "dpclip", "train", str(recipe_file)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        metrics = list((tmp_path / "runs").glob("*/metrics.jsonl"))
-        if metrics and metrics[0].stat().st_size > 0:
-            break
-        time.sleep(0.05)
-    process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=120)
-    assert process.returncode == 130, err
+    returncode, out, err, run_dir = signal_after_first_step(
+        [sys.executable, "-m", "dpclip", "train", str(recipe_file)], None, tmp_path / "runs", signal.SIGINT)
+    assert returncode == 130, err
     assert "error: interrupted at step" in err and "--resume" in err and "Traceback" not in err
-    run_dir = metrics[0].parent
     latest = (run_dir / "checkpoints" / "LATEST").read_text().strip()
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert latest == f"step_{ledger['steps']:06d}" and ledger["steps"] >= 1

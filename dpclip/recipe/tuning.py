@@ -1,0 +1,45 @@
+"""The ``tuning:`` section of a recipe: what a hyperparameter search tries and how its
+trials are drawn and scored (docs/tuning.md)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from dpclip.engine.policies.base import PositiveFloat, PositiveInt, UnitOpen
+from dpclip.recipe.section import Section
+
+
+class RandomRange(Section):
+    low: float
+    high: float
+    log: bool = False
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RandomRange:
+        if not self.low < self.high:
+            raise ValueError("'low' must be below 'high'")
+        if self.log and self.low <= 0:
+            raise ValueError("a log range needs 'low' > 0")
+        return self
+
+
+class Tuning(Section):
+    grid: dict[str, list[Any]] = Field(default_factory=dict, description="recipe key -> values")
+    random: PositiveInt | None = Field(None, description="number of random draws over 'ranges'")
+    ranges: dict[str, RandomRange] = Field(default_factory=dict)
+    score: Literal["private", "public"] = Field(
+        "private", description="private: the held-out split is private data, its score is released with "
+        "noise and charged to the budget; public: the held-out split is public data (your claim)")
+    score_noise: PositiveFloat = Field(
+        5.0, description="private score: std of the Gaussian noise on the count of correct held-out predictions")
+    trials: Literal["poisson", "truncated-negative-binomial"] = Field(
+        "truncated-negative-binomial",
+        description="repeat-and-select (Papernot & Steinke): law of the random number of trials K")
+    trials_mean: PositiveFloat | None = Field(None, description="E[K]; default: the number of configurations")
+    trials_shape: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
+        1.0, description="truncated negative binomial η (0 logarithmic, 1 geometric)")
+    stop_probability: UnitOpen | None = Field(
+        None, description="Liu–Talwar γ: stop after each run with this probability; default 1/(2G)")
+    stop_delta: UnitOpen = Field(1e-20, description="Liu–Talwar δ₂: mass cut by the hard limit T")
