@@ -21,9 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
-import dp_accounting
 import torch
 from torch import Tensor, nn
 
@@ -36,8 +34,9 @@ from dpclip.engine.noise import (NoiseSource, allocation_weights, effective_nois
                                  noise_stds)
 from dpclip.engine.factors import NORM_METHODS
 from dpclip.engine.microbatch import MicroBatch, StepContext, StepTotals
-from dpclip.engine.policies import AuxRelease, PolicyContext, build_policy
-from dpclip.engine.reducer import Reducer, sum_counts
+from dpclip.engine.policies import PolicyContext, build_policy
+from dpclip.engine.reducer import Reducer, StageLink, sum_counts
+from dpclip.engine.report import QUANTILES, StepReport
 from dpclip.errors import EngineError
 
 DEFAULT_CLIPPING = {
@@ -49,59 +48,6 @@ DEFAULT_CLIPPING = {
     "strict": False,
     "norm_method": "auto",
 }
-
-QUANTILES = {"min": 0.0, "median": 0.5, "p90": 0.9, "max": 1.0}
-
-
-@dataclass
-class StepReport:
-    """What one ``privatize()`` did. Tensors have one entry per group.
-
-    ``norm_quantiles``, ``clip_fraction`` and ``nonfinite`` are computed from the private
-    batch WITHOUT noise: they are diagnostics for the caller's own logs, not releasable
-    statistics (not covered by ε). ``nonfinite`` counts, per group, the samples whose group
-    norm was inf or NaN: they contributed exactly zero to that group's sum and count as
-    clipped; ``norm_quantiles`` are over the finite norms only.
-    ``noise_std_sum`` is the std of the Gaussian added to group k's *summed* clipped
-    gradient; ``noise_std_grad`` = noise_std_sum / expected_batch_size is its std in
-    ``p.grad``. ``samples_seen`` is for logs only: the engine never normalises by it.
-    """
-
-    group_names: list[str]
-    thresholds: Tensor
-    norm_quantiles: dict[str, Tensor]
-    clip_fraction: Tensor | None
-    nonfinite: Tensor
-    noise_std_sum: Tensor
-    noise_std_grad: Tensor
-    sigma_gradient: float
-    sigma_eff: float
-    aux_releases: list[AuxRelease]
-    policy_summary: dict
-    dp_event: dp_accounting.DpEvent
-    samples_seen: int
-    expected_batch_size: int
-
-    def to_dict(self) -> dict:
-        """Plain Python values (for JSON logs)."""
-        def lst(t):
-            return None if t is None else t.detach().cpu().tolist()
-        return {
-            "group_names": list(self.group_names),
-            "thresholds": lst(self.thresholds),
-            "norm_quantiles": {k: lst(v) for k, v in self.norm_quantiles.items()},
-            "clip_fraction": lst(self.clip_fraction),
-            "nonfinite": lst(self.nonfinite),
-            "noise_std_sum": lst(self.noise_std_sum),
-            "noise_std_grad": lst(self.noise_std_grad),
-            "sigma_gradient": self.sigma_gradient,
-            "sigma_eff": self.sigma_eff,
-            "aux_releases": [tuple(a) for a in self.aux_releases],
-            "policy_summary": self.policy_summary,
-            "samples_seen": self.samples_seen,
-            "expected_batch_size": self.expected_batch_size,
-        }
-
 
 class DPEngine:
     """Differentially private gradients for ``model`` (see module doc and docs/engine.md).
@@ -117,11 +63,14 @@ class DPEngine:
             the seed: for tests and experiments only (:mod:`dpclip.rng`).
         sample_rate: Poisson rate q; the report's DpEvent is then Poisson-subsampled.
         reducer: ranks sharing each logical batch (sums over ranks, noise once: :mod:`dpclip.engine.reducer`).
+        stage: the other stages of a pipeline when ``model`` is one stage of it
+            (:class:`~dpclip.engine.reducer.StageLink`; docs/distributed.md, "Pipeline stages").
     """
 
     def __init__(self, model: nn.Module, clipping: dict | None = None, *,
                  noise_multiplier: float = 1.0, expected_batch_size: int, seed: int | None = None,
-                 sample_rate: float | None = None, reducer: Reducer | None = None):
+                 sample_rate: float | None = None, reducer: Reducer | None = None,
+                 stage: StageLink | None = None):
         cfg = dict(DEFAULT_CLIPPING)
         unknown = set(clipping or {}) - set(DEFAULT_CLIPPING)
         if unknown:
@@ -145,6 +94,7 @@ class DPEngine:
         self.expected_batch_size = expected_batch_size
         self.sample_rate = sample_rate
         self.reducer = reducer
+        self.stage = stage
         self.steps = 0
 
         params = trainable_params(model)
@@ -168,12 +118,16 @@ class DPEngine:
         self._keeper = Bookkeeper(model, {id(p): i for i, p in enumerate(self._params)}, strict=bool(cfg["strict"]))
         self._padding_rows = self._untied_padding_rows()
         self._transient = self._transient_params()
+        flat_stage = stage is not None and stage.flat
+        if flat_stage:  # nothing can be clipped before the other stages' norms arrive
+            self._transient = [False] * len(self._params)
         self._context = StepContext(
             params=self._params, names=[info.name for info in self.groups.params],
             group_of=list(self._group_of), members=[list(m) for m in self.groups.members],
             transient=self._transient, norm_method=cfg["norm_method"], clip=self._clip,
             count_clipped=cfg["fn"] != "auto", norm_dtype=self._norm_dtype,
-            device=self._device, meter=self._keeper.stash)
+            device=self._device, meter=self._keeper.stash,
+            exchange_norm_sq=stage.sum_norm_sq if flat_stage else None)
         self._keeper.install()
         self._reset_step()
 
@@ -228,6 +182,7 @@ class DPEngine:
         self._clipped = torch.zeros(len(self.groups), device=self._device, dtype=self._norm_dtype)
         self._nonfinite = torch.zeros(len(self.groups), device=self._device, dtype=torch.long)
         self._samples = 0
+        self._micro: tuple[MicroBatch, int] | None = None
 
     def backward(self, per_sample_losses: Tensor) -> None:
         """Backward of one micro-batch: per-sample norms, clipping, clipped sums.
@@ -241,20 +196,40 @@ class DPEngine:
             raise EngineError(f"engine.backward needs one loss per sample (shape [b]), got {shape}",
                               "compute the loss with reduction='none' and average each "
                               "sample's tokens yourself")
-        b = losses.shape[0]
-        counts, generation = self._keeper.take_forward_counts()
-        if b == 0:
+        if losses.shape[0] == 0:
+            self._keeper.take_forward_counts()
             return
+        with self.capture(losses.shape[0]):
+            torch.autograd.backward(losses, torch.ones_like(losses))
+        self.finish_micro_batch()
+
+    @contextmanager
+    def capture(self, batch_size: int, samples: int | None = None) -> Iterator[None]:
+        """The backward of one micro-batch that someone else starts: a pipeline stage's
+        backward begins at its output, from the gradient the next stage sent
+        (docs/distributed.md, "Pipeline stages"). Inside, the engine collects the uses;
+        :meth:`finish_micro_batch` then clips (:meth:`backward` is the two around autograd).
+
+        ``samples``: the first ``samples`` rows are examples and the rest padding (a pipeline
+        needs fixed shapes), whose loss weight is 0: they add nothing to the sums, and the
+        threshold policy and the counts never see them.
+        """
+        samples = batch_size if samples is None else samples
+        if self._micro is not None or not 0 <= samples <= batch_size:
+            raise EngineError(f"engine.capture({batch_size}, samples={samples}): samples must be in [0, "
+                              f"batch_size], and the previous micro-batch finished", "call "
+                              "engine.finish_micro_batch() after each captured backward")
+        counts, generation = self._keeper.take_forward_counts()
         policy = self.policy
         micro = MicroBatch(self._context, StepTotals(self._sums, self._clipped, self._nonfinite),
-                           b, counts, policy.thresholds(),
+                           batch_size, counts, policy.thresholds(),
                            policy.per_sample_thresholds if policy.per_sample else None)
         saved = [p.grad for p in self._params]
         for p in self._params:
             p.grad = None
         try:
-            with self._keeper.backward_scope(b, generation, micro.deliver):
-                torch.autograd.backward(losses, torch.ones_like(losses))
+            with self._keeper.backward_scope(batch_size, generation, micro.deliver):
+                yield
             stray = [self.groups.params[i].name for i, p in enumerate(self._params) if p.grad is not None]
             if stray:
                 raise EngineError(
@@ -262,16 +237,30 @@ class DPEngine:
                     + ", ".join(stray) + " (a module reads them without calling their "
                     "owner, e.g. `other.weight` inside a custom forward)",
                     "call the owning module, or tie the parameter to a module that uses it")
-            norms = micro.finish()
         except BaseException:
             micro.discard()
             raise
         finally:
             for p, g in zip(self._params, saved):
                 p.grad = g
+        self._micro = (micro, samples)
+
+    def finish_micro_batch(self) -> None:
+        """Clip what :meth:`capture` collected: per-sample norms (on a flat pipeline, summed over
+        the stages first), clip factors, clipped sums; the policy observes the norms."""
+        if self._micro is None:
+            raise EngineError("engine.finish_micro_batch without a captured backward",
+                              "wrap the backward in `with engine.capture(batch_size):` first")
+        (micro, samples), self._micro = self._micro, None
+        try:
+            norms = micro.finish()
+        except BaseException:
+            micro.discard()
+            raise
+        norms = norms[:samples]
         self.policy.observe(norms)
         self._norms.append(norms.detach())
-        self._samples += b
+        self._samples += samples
 
     def privatize(self) -> StepReport:
         """Noise the accumulated clipped sums, write ``p.grad``, return the report.
@@ -281,9 +270,7 @@ class DPEngine:
         EXPECTED batch size. The policy releases its statistics after the noise.
         """
         thresholds = self.policy.thresholds().detach().clone()
-        sens = self.policy.sensitivity_thresholds()
-        weights = allocation_weights(self.config["noise_allocation"], sens, self._sizes)
-        std = noise_stds(self.noise_multiplier, sens, weights)
+        std = self._noise_stds(self.policy.sensitivity_thresholds())
         batch = self.expected_batch_size
         std_grad = (std / batch).tolist()  # one device sync per step, not one per parameter
         draws, grads = self.noise_multiplier > 0 and (self.reducer is None or self.reducer.draws_noise), []
@@ -308,7 +295,8 @@ class DPEngine:
             p.grad = grad.to(p.dtype)
 
         aux = list(self.policy.release(self.noise.generator(self._device)) or [])
-        sigma_eff = effective_noise_multiplier(self.noise_multiplier, aux)
+        released = aux if self.stage is None or self.stage.flat else self.stage.gather_releases(aux)
+        sigma_eff = effective_noise_multiplier(self.noise_multiplier, released)
         # The accounting package builds the event, so engine and plan agree exactly.
         event = gradient_step_event(self.sample_rate if self.sample_rate is not None else 1.0, sigma_eff)
         if self.config["fn"] == "auto":  # AUTO rescales every sample: "clipped" means nothing
@@ -336,6 +324,22 @@ class DPEngine:
         self.steps += 1
         self._reset_step()
         return report
+
+    def _noise_stds(self, sens: Tensor) -> Tensor:
+        """σ_g·S·w_k for this engine's groups (:func:`~dpclip.engine.noise.noise_stds`). A
+        per-device pipeline stage has only its own C_k: S = sqrt(Σ_k C_k²/w_k²) runs over all
+        the pipeline's groups. Equal-budget (w_k = C_k) gives S = sqrt(K) and needs nothing from
+        the other stages, which is why the adaptive-per-layer paper (§4, App. C) chose it;
+        the other allocations gather the stages' thresholds (public values) once a step."""
+        kind, stage = self.config["noise_allocation"], self.stage
+        if stage is None or stage.flat:  # a flat stage clips at the one C: its sensitivity is C
+            return noise_stds(self.noise_multiplier, sens, allocation_weights(kind, sens, self._sizes))
+        if kind == "equal-budget":
+            return self.noise_multiplier * math.sqrt(stage.num_groups) * sens
+        every = stage.all_gather(sens)
+        sizes = stage.all_gather(self._sizes)
+        std = noise_stds(self.noise_multiplier, every, allocation_weights(kind, every, sizes))
+        return std[stage.offset:stage.offset + len(sens)]
 
     def _quantiles(self) -> dict[str, Tensor]:
         if not self._norms:

@@ -44,6 +44,9 @@ class StepContext:
     norm_dtype: torch.dtype
     device: torch.device
     meter: StashMeter
+    # Pipeline stage with one flat threshold: per-sample norms² [b, K] summed over the stages
+    # before any clip factor (docs/distributed.md); None: norms are this process's own.
+    exchange_norm_sq: Callable[[Tensor], Tensor] | None = None
 
 
 @dataclass
@@ -86,7 +89,7 @@ class MicroBatch:
         self.done = [False] * k
         self.thresholds = thresholds
         self.per_sample_thresholds = per_sample_thresholds
-        self.defer = per_sample_thresholds is not None
+        self.defer = per_sample_thresholds is not None or ctx.exchange_norm_sq is not None
         self.meter = ctx.meter
 
     def deliver(self, idx: int, use: Use) -> None:
@@ -186,13 +189,16 @@ class MicroBatch:
                 self.pending[idx] = 0
                 self._param_done(idx)
         if self.defer:
-            norm_sq = [s if s is not None else
-                       torch.zeros(self.batch, device=e.device, dtype=e.norm_dtype)
-                       for s in self.norm_sq]
-            norms = sqrt_or_zero(torch.stack(norm_sq, dim=1))
+            norm_sq = torch.stack([s if s is not None else
+                                   torch.zeros(self.batch, device=e.device, dtype=e.norm_dtype)
+                                   for s in self.norm_sq], dim=1)
+            if e.exchange_norm_sq is not None:
+                norm_sq = e.exchange_norm_sq(norm_sq)
+                self.norm_sq = list(norm_sq.unbind(dim=1))
+            norms = sqrt_or_zero(norm_sq)
             if not math.isfinite(float(norms.sum())):   # NaN reads as +inf to the policy
                 norms = torch.where(torch.isfinite(norms), norms, math.inf)
-            per_sample = self.per_sample_thresholds(norms)
+            per_sample = None if self.per_sample_thresholds is None else self.per_sample_thresholds(norms)
             for k in range(len(e.members)):
                 self._finalize(k, self.thresholds[k] if per_sample is None else per_sample[:, k])
         else:

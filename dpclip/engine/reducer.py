@@ -1,4 +1,4 @@
-"""What the engine needs from several processes that share one logical batch (docs/distributed.md).
+"""What the engine needs from other processes: ranks sharing a batch, or pipeline stages (docs/distributed.md).
 
 Data-parallel DP-SGD splits a logical batch over W ranks: each rank clips its own examples
 (:meth:`DPEngine.backward` is unchanged), and the W clipped sums must become ONE sum with
@@ -40,3 +40,28 @@ def sum_counts(reducer: Reducer, clipped: Tensor, nonfinite: Tensor, samples: in
                         torch.tensor([float(samples)], device=clipped.device, dtype=torch.float64)])
     counts = reducer.sum(counts)
     return counts[:k].to(clipped.dtype), counts[k:2 * k].round().long(), int(counts[-1].round())
+
+
+class StageLink(Protocol):
+    """What the engine of one pipeline stage needs from the other stages (docs/distributed.md,
+    "Pipeline stages"). A stage's engine holds only its own parameters.
+
+    - ``flat``: False for per-device clipping (adaptive-per-layer paper §4, Alg. 2): each stage
+      clips its own parameters with its own threshold C_k, and per-sample norms never leave the
+      stage. True for one flat (all-layer) threshold over the whole pipeline: every stage's
+      per-sample norms² are summed over the stages before anyone clips (``sum_norm_sq``);
+    - ``num_groups``, ``offset``: the pipeline's K groups, this stage's first one;
+    - ``all_gather(tensor)``: the stages' tensors concatenated in stage order (used for public
+      values only: thresholds and group sizes, to scale the noise);
+    - ``gather_releases(aux)``: every stage's released statistics (for σ_eff of the step).
+    """
+
+    flat: bool
+    num_groups: int
+    offset: int
+
+    def all_gather(self, tensor: Tensor) -> Tensor: ...
+
+    def gather_releases(self, aux: list) -> list: ...
+
+    def sum_norm_sq(self, norm_sq: Tensor) -> Tensor: ...

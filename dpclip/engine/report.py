@@ -1,0 +1,62 @@
+"""What one private step did: :class:`StepReport`, returned by ``DPEngine.privatize``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import dp_accounting
+from torch import Tensor
+
+from dpclip.engine.policies import AuxRelease
+
+QUANTILES = {"min": 0.0, "median": 0.5, "p90": 0.9, "max": 1.0}
+
+
+@dataclass
+class StepReport:
+    """What one ``privatize()`` did. Tensors have one entry per group.
+
+    ``norm_quantiles``, ``clip_fraction`` and ``nonfinite`` are computed from the private
+    batch WITHOUT noise: they are diagnostics for the caller's own logs, not releasable
+    statistics (not covered by ε). ``nonfinite`` counts, per group, the samples whose group
+    norm was inf or NaN: they contributed exactly zero to that group's sum and count as
+    clipped; ``norm_quantiles`` are over the finite norms only.
+    ``noise_std_sum`` is the std of the Gaussian added to group k's *summed* clipped
+    gradient; ``noise_std_grad`` = noise_std_sum / expected_batch_size is its std in
+    ``p.grad``. ``samples_seen`` is for logs only: the engine never normalises by it.
+    """
+
+    group_names: list[str]
+    thresholds: Tensor
+    norm_quantiles: dict[str, Tensor]
+    clip_fraction: Tensor | None
+    nonfinite: Tensor
+    noise_std_sum: Tensor
+    noise_std_grad: Tensor
+    sigma_gradient: float
+    sigma_eff: float
+    aux_releases: list[AuxRelease]
+    policy_summary: dict
+    dp_event: dp_accounting.DpEvent
+    samples_seen: int
+    expected_batch_size: int
+
+    def to_dict(self) -> dict:
+        """Plain Python values (for JSON logs)."""
+        def lst(t):
+            return None if t is None else t.detach().cpu().tolist()
+        return {
+            "group_names": list(self.group_names),
+            "thresholds": lst(self.thresholds),
+            "norm_quantiles": {k: lst(v) for k, v in self.norm_quantiles.items()},
+            "clip_fraction": lst(self.clip_fraction),
+            "nonfinite": lst(self.nonfinite),
+            "noise_std_sum": lst(self.noise_std_sum),
+            "noise_std_grad": lst(self.noise_std_grad),
+            "sigma_gradient": self.sigma_gradient,
+            "sigma_eff": self.sigma_eff,
+            "aux_releases": [tuple(a) for a in self.aux_releases],
+            "policy_summary": self.policy_summary,
+            "samples_seen": self.samples_seen,
+            "expected_batch_size": self.expected_batch_size,
+        }

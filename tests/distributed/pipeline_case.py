@@ -1,0 +1,82 @@
+"""Two steps of a 5-module MLP, whole in one process or cut into 2 pipeline stages (tests/distributed)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpclip.data import micro_batches
+from dpclip.engine import DPEngine
+from dpclip.models.losses import cross_entropy
+
+STAGES = ["^0$", "^2$"]   # stage 0: Linear, Tanh; stage 1: Linear, Tanh, Linear
+CASES = {
+    "fixed": ({"grouping": {"stages": STAGES}, "threshold": {"kind": "fixed", "value": 0.6}}, 0.0),
+    "fixed-list": ({"grouping": {"stages": STAGES}, "threshold": {"kind": "fixed", "value": [0.2, 0.5]},
+                    "noise_allocation": "weighted"}, 0.0),
+    # the thresholds of step 2 come from step 1's per-stage counts (noise std 1e-9: the counts themselves)
+    "quantile": ({"grouping": {"stages": STAGES}, "threshold": {"kind": "quantile", "initial": 0.3, "sigma": 1e-9,
+                                                                "lr": 0.5}}, 0.0),
+    # with noise: only the noise stds and σ_eff are compared
+    "noise-global": ({"grouping": {"stages": STAGES}, "threshold": {"kind": "quantile", "initial": 0.3, "sigma": 2.0}},
+                     1.3),
+    "noise-equal-budget": ({"grouping": {"stages": STAGES}, "threshold": {"kind": "fixed", "value": [0.2, 0.5]},
+                            "noise_allocation": "equal-budget"}, 1.3),
+    "flat": ({"grouping": {"stages": STAGES}, "threshold": {"kind": "fixed", "value": 0.6}}, 0.0),
+}
+MICRO = 10  # 24 rows: micro-batches of 10, 10 and 4 (padded to 10 on the pipeline)
+
+
+def _model_and_data():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x = torch.randn(24, 6, dtype=torch.float64) * 2
+    y = torch.randint(0, 3, (24,))
+    return model, {"features": x, "labels": y}
+
+
+def _record(model, report) -> dict:
+    return {"grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            "thresholds": report.thresholds.clone(), "noise_std_sum": report.noise_std_sum.clone(),
+            "sigma_eff": report.sigma_eff, "samples": report.samples_seen, "groups": list(report.group_names),
+            "clip_fraction": None if report.clip_fraction is None else report.clip_fraction.clone()}
+
+
+def one_process(name: str, steps: int = 2) -> list[dict]:
+    clipping, sigma = CASES[name]
+    if name == "flat":
+        clipping = dict(clipping, grouping="all-layer")
+    model, train = _model_and_data()
+    engine = DPEngine(model, clipping, noise_multiplier=sigma, expected_batch_size=24, seed=0, sample_rate=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    out = []
+    for _ in range(steps):
+        for rows in micro_batches(torch.arange(24), MICRO):
+            engine.backward(cross_entropy(model(train["features"][rows]), {"labels": train["labels"][rows]}))
+        report = engine.privatize()
+        out.append(_record(model, report))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    engine.detach()
+    return out
+
+
+def pipeline(world, name: str, steps: int = 2) -> list[dict]:
+    from dpclip.distributed.pipeline import PipelineStep, pipeline_engine
+    clipping, sigma = CASES[name]
+    model, train = _model_and_data()
+    engine = pipeline_engine(model, clipping, world, flat=name == "flat", noise_multiplier=sigma,
+                             expected_batch_size=24, seed=0, sample_rate=0.5)
+    opt = torch.optim.SGD(engine.module.parameters(), lr=0.5)
+    step = PipelineStep(engine, opt, train, cross_entropy, "features", MICRO)
+    out = []
+    for _ in range(steps):
+        step(torch.arange(24), before_update=lambda report: out.append(_record(model, report)))
+    engine.detach()
+    out.append({"sent_bytes": engine.link.sent_bytes})
+    return out
+
+
+def pipeline_worker(world, out_dir: str, names: list[str]) -> None:
+    results = {name: pipeline(world, name) for name in names}
+    torch.save(results, f"{out_dir}/pipeline-{world.rank}.pt")

@@ -1,0 +1,67 @@
+"""Per-device clipping on 2 pipeline stages gives the one-process ``stages`` grouping (docs/distributed.md).
+
+Two gloo ranks, one stage each (torch.distributed.pipelining), against one process with the
+whole model and ``clipping.grouping: {stages: ...}``: the same clipped, summed gradients (at noise
+0), the same per-stage thresholds (adaptive: quantile), the same noise std per group and the
+same σ_eff (so the same ledger entry), with the last micro-batch padded on the pipeline.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.pipeline_case import CASES, one_process, pipeline_worker
+from tests.distributed.ranks import run_ranks
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline")
+    assert run_ranks(pipeline_worker, str(out), list(CASES)) == []
+    return [torch.load(out / f"pipeline-{rank}.pt") for rank in range(2)]
+
+
+def _merged_grads(stages, name, step):
+    grads = {}
+    for rank in range(2):
+        grads.update(stages[rank][name][step]["grads"])
+    return grads
+
+
+@pytest.mark.parametrize("name", ["fixed", "fixed-list", "quantile", "flat"])
+def test_two_stages_clip_and_sum_as_the_one_process_stages_grouping(stages, name):
+    whole = one_process(name)
+    for step in range(2):
+        piped = _merged_grads(stages, name, step)
+        assert sorted(piped) == sorted(whole[step]["grads"])   # every parameter, each on one stage
+        for key, grad in whole[step]["grads"].items():
+            torch.testing.assert_close(piped[key], grad, rtol=1e-10, atol=1e-12)
+        report = stages[0][name][step]
+        assert report["samples"] == whole[step]["samples"] == 24   # padding rows are not examples
+        torch.testing.assert_close(report["thresholds"], whole[step]["thresholds"])
+        torch.testing.assert_close(report["clip_fraction"], whole[step]["clip_fraction"])
+        assert report["groups"] == whole[step]["groups"]
+
+
+def test_adaptive_stage_thresholds_move_apart(stages):
+    # step 2's thresholds come from step 1's per-stage counts: a test of the per-stage update
+    first, second = stages[0]["quantile"][0]["thresholds"], stages[0]["quantile"][1]["thresholds"]
+    assert not torch.allclose(first, second)
+
+
+@pytest.mark.parametrize("name", ["noise-global", "noise-equal-budget"])
+def test_stages_draw_the_noise_std_and_sigma_eff_of_one_process(stages, name):
+    # step 1 only for the stds: a noisy quantile count moves step 2's thresholds differently in each run
+    whole = one_process(name)
+    for rank in range(2):
+        torch.testing.assert_close(stages[rank][name][0]["noise_std_sum"], whole[0]["noise_std_sum"])
+        for step in range(2):  # σ_eff joins the per-stage counts' releases: as one process's K-vector
+            assert stages[rank][name][step]["sigma_eff"] == pytest.approx(whole[step]["sigma_eff"], rel=1e-12)
+
+
+def test_per_device_clipping_sends_no_per_sample_norms(stages):
+    # equal-budget with fixed thresholds: nothing at all besides the pipeline's own activations
+    assert stages[0]["noise-equal-budget"][-1]["sent_bytes"] == 0
+    # flat clipping all-reduces B float64 norms² per micro-batch: 3 micro-batches of 10, 2 steps
+    assert stages[0]["flat"][-1]["sent_bytes"] == 2 * 3 * 10 * 8
