@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from dpclip.data import micro_batches, select
-from dpclip.distributed.world import World, _collective
+from dpclip.distributed.world import RESUME_HINT, PeerStopped, World, _collective
 from dpclip.engine import DPEngine, StepReport, build_groups, trainable_params
 from dpclip.errors import DpclipError
 
@@ -245,11 +245,11 @@ class PipelineStep:
             self.stage.rows = (size, n)
             self._weights = (torch.arange(size) < n).to(torch.get_default_dtype())
             if self.first:
-                self.schedule.step(batch[self.input_key], target=batch["labels"] if self.last else None)
+                _through_pipeline(self.schedule.step, batch[self.input_key])
             elif self.last:
-                self.schedule.step(target=batch["labels"])
+                _through_pipeline(self.schedule.step, target=batch["labels"])
             else:
-                self.schedule.step()
+                _through_pipeline(self.schedule.step)
             self.engine.engine.finish_micro_batch()
         report = self.engine.privatize()
         if before_update is not None:
@@ -258,6 +258,17 @@ class PipelineStep:
         self.optimizer.zero_grad(set_to_none=True)
         return _Outcome(report, self._loss_sum if self.last else 0.0, len(indices) if self.first else 0,
                         time.perf_counter() - started)
+
+
+def pipeline_input(loss_fn) -> str:
+    """The batch key stage 0 takes (the model's input) for a per-sample loss of
+    :mod:`dpclip.models.losses`; other forwards (keyword inputs) cannot be cut into stages."""
+    name = getattr(getattr(loss_fn, "forward", None), "__name__", "")
+    keys = {"forward_features": "features", "forward_token_ids": "input_ids"}
+    if name not in keys:
+        raise DpclipError("pipeline stages take models called as model(features) or model(input_ids)",
+                          SEQUENTIAL_HINT)
+    return keys[name]
 
 
 def _stage_examples(engine: PipelineEngine, features: torch.Tensor, size: int):
@@ -274,6 +285,23 @@ def _stage_examples(engine: PipelineEngine, features: torch.Tensor, size: int):
                 return (x if stage == 0 else x.clone().requires_grad_(True)), y
             x = y
     raise AssertionError("unreachable: every rank has a stage")
+
+
+def _through_pipeline(step: Callable, *args, **kwargs) -> None:
+    """A schedule step. torch wraps what a stage raises in RuntimeError: a DpclipError comes out as
+    itself, and gloo's lost connection (a peer stopped or was killed) as :class:`PeerStopped`, so
+    the launcher names the rank that failed first (docs/distributed.md, "Faults")."""
+    try:
+        step(*args, **kwargs)
+    except RuntimeError as exc:
+        inner = exc.__cause__
+        while inner is not None and not isinstance(inner, DpclipError):
+            inner = inner.__cause__
+        if inner is not None:
+            raise inner from exc
+        if "gloo" in str(exc) or "Connection closed" in str(exc) or "Connection reset" in str(exc):
+            raise PeerStopped("another stage stopped, so this one cannot go on", RESUME_HINT) from exc
+        raise
 
 
 def _padded(batch: dict[str, torch.Tensor], size: int) -> dict[str, torch.Tensor]:

@@ -9,11 +9,8 @@ function + threshold policy + noise allocation. It never owns the optimizer.
     report = engine.privatize()                  # p.grad = (Σ clipped + noise) / B
     optimizer.step()
 
-One micro-batch, in backward order: each layer's uses arrive from the book-keeping;
-when all uses of a parameter have arrived its per-sample norm² is added to its group;
-when all parameters of a group are done, the group is *finalized*: clip factors, clipped
-sums, and its stash is freed (groupwise-clipping paper Alg. 1 and §6: finer groups
-release memory earlier).
+What one micro-batch does (uses in backward order, groups finalized early) is
+:mod:`dpclip.engine.microbatch`'s.
 """
 
 from __future__ import annotations
@@ -95,6 +92,7 @@ class DPEngine:
         self.sample_rate = sample_rate
         self.reducer = reducer
         self.stage = stage
+        self._stage_sizes: Tensor | None = None
         self.steps = 0
 
         params = trainable_params(model)
@@ -337,8 +335,9 @@ class DPEngine:
         if kind == "equal-budget":
             return self.noise_multiplier * math.sqrt(stage.num_groups) * sens
         every = stage.all_gather(sens)
-        sizes = stage.all_gather(self._sizes)
-        std = noise_stds(self.noise_multiplier, every, allocation_weights(kind, every, sizes))
+        if self._stage_sizes is None:  # the sizes d_k never change: gathered once
+            self._stage_sizes = stage.all_gather(self._sizes)
+        std = noise_stds(self.noise_multiplier, every, allocation_weights(kind, every, self._stage_sizes))
         return std[stage.offset:stage.offset + len(sens)]
 
     def _quantiles(self) -> dict[str, Tensor]:

@@ -54,9 +54,12 @@ def check_ranks(trainer) -> None:
     """Refuse what is not data-parallel yet; check that every rank loaded the same data
     (the sampler's owner of example i is i mod W: the ranks must agree on what i is)."""
     world: World = trainer.world
+    recipe = trainer.recipe
+    if recipe.training.parallel == "pipeline" and world.size == 1:
+        raise DpclipError("training.parallel: pipeline runs one stage per process, and this is one process",
+                          "start one process per stage of clipping.grouping.stages: dpclip train RECIPE --nproc K")
     if world.size == 1:
         return
-    recipe = trainer.recipe
     refused = []
     if recipe.training.sampling != "poisson":
         refused.append(("training.sampling: shuffle", "use sampling: poisson (the accounting assumes it anyway)"))
@@ -79,7 +82,10 @@ def rank_states(trainer) -> list[dict[str, Any]] | None:
     world: World = trainer.world
     if world.size == 1:
         return None
-    return world.gather({"sampler": trainer.sampler.state_dict(), "torch_rng": torch.get_rng_state()})
+    state = {"sampler": trainer.sampler.state_dict(), "torch_rng": torch.get_rng_state()}
+    if trainer.pipeline:  # a stage's optimizer and engine (noise generator, thresholds) are its own
+        state.update(optimizer=trainer.optimizer.state_dict(), engine=trainer.engine.state_dict())
+    return world.gather(state)
 
 
 def check_world_size(state: dict[str, Any], world_size: int, where: Path) -> None:
@@ -107,8 +113,8 @@ def share_run_state(trainer, state: dict[str, Any] | None) -> None:
     local = state["ranks"][world.rank]
     trainer.step = int(state["step"])
     trainer.ledger = Ledger.from_dict(state["ledger"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.engine.load_state_dict(state["engine"])
+    trainer.optimizer.load_state_dict(local["optimizer"] if trainer.pipeline else state["optimizer"])
+    trainer.engine.load_state_dict(local["engine"] if trainer.pipeline else state["engine"])
     trainer.sampler.load_state_dict(local["sampler"])
     torch.set_rng_state(local["torch_rng"])
 

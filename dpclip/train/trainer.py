@@ -23,6 +23,7 @@ import torch
 from dpclip.accounting import Ledger, solve
 from dpclip.data import PoissonSampler, ShuffleSampler, load_data
 from dpclip.distributed import ShardedPoissonSampler, World
+from dpclip.distributed.pipeline import PipelineStep, pipeline_engine, pipeline_input, sync_stages
 from dpclip.data.canaries import make_canaries, with_canaries, write_canary_secret
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
@@ -76,6 +77,7 @@ class Trainer:
         self.observer = (observer or _Null()) if self.world.main else _Null()  # rank 0 shows progress
         self.data = data
         self.run_dir = None if run_dir is None else Path(run_dir)
+        self.pipeline = False  # one stage per rank (training.parallel: pipeline), set with the recipe
         self.step = 0
         # ledger.json counts every release that has left the process; after a crash it may be
         # ahead of the checkpoint we resume from, and it never moves back.
@@ -91,6 +93,7 @@ class Trainer:
     def setup(self) -> None:
         """Build the run, in this order (the global RNG is seeded first, so the order matters)."""
         setup_recipe(self)  # across ranks: rank 0 resolves it, every rank checks it meant the same
+        self.pipeline = self.recipe.training.parallel == "pipeline"
         self._setup_data()
         check_ranks(self)
         self._setup_model()
@@ -179,21 +182,33 @@ class Trainer:
 
     def _setup_engine(self) -> None:
         training = self.recipe.training
+        if self.pipeline:  # this rank's stage and its engine (docs/distributed.md, "Pipeline stages")
+            self.engine = pipeline_engine(self.model, engine_clipping(self.recipe, self.split.sigma_aux), self.world,
+                                          noise_multiplier=self.split.sigma_gradient,
+                                          expected_batch_size=training.batch_size, seed=self.seed_of_noise,
+                                          sample_rate=self.plan.sample_rate)
+            return
         self.engine = DPEngine(self.model, engine_clipping(self.recipe, self.split.sigma_aux),
                                noise_multiplier=self.split.sigma_gradient, expected_batch_size=training.batch_size,
                                seed=self.seed_of_noise, sample_rate=self.plan.sample_rate, reducer=self.world.reducer)
 
     def _setup_optimizer(self) -> None:
         training = self.recipe.training
-        self.optimizer = build_optimizer(training.optimizer, [p for p in self.model.parameters() if p.requires_grad])
+        owned = self.engine.module if self.pipeline else self.model  # a stage trains its own parameters
+        self.optimizer = build_optimizer(training.optimizer, [p for p in owned.parameters() if p.requires_grad])
         # Base lrs are read now, before a resumed optimizer state overwrites the scheduled ones.
         self.schedule = LrSchedule(self.optimizer, training.schedule, self.plan.steps)
+        if self.pipeline:
+            self.private_step = PipelineStep(self.engine, self.optimizer, self.data.train, self.loss_fn.criterion,
+                                             pipeline_input(self.loss_fn),
+                                             training.micro_batch_size or training.batch_size)
+            return
         self.private_step = PrivateStep(self.model, self.loss_fn, self.engine, self.optimizer, self.data.train,
                                         micro_batch_size=step_micro_batch_size(self.recipe))
 
     def _setup_sampler(self) -> None:
         training, plan = self.recipe.training, self.plan
-        if self.world.size > 1:  # each rank draws its own examples' part of every batch
+        if self.world.size > 1 and not self.pipeline:  # each rank draws its own examples' part of every batch
             self.sampler = ShardedPoissonSampler(self.data.num_train, plan.sample_rate, plan.steps,
                                                  rank=self.world.rank, world_size=self.world.size,
                                                  seed=self.seed_of_noise)
@@ -285,6 +300,8 @@ class Trainer:
     # ------------------------------------------------------------------ files
 
     def _save(self) -> None:
+        if self.pipeline:  # rank 0 saves the whole model: each stage's weights from its rank
+            sync_stages(self.model, self.engine.bounds, self.world)
         ranks = rank_states(self)  # every rank's sampler and RNG state, on rank 0 (None: one process)
         if not self.world.main:
             return
@@ -327,6 +344,8 @@ class Trainer:
         (self.observer.on_step if kind == "step" else self.observer.on_eval)(record)
 
     def _run_eval(self) -> dict[str, float]:
+        if self.pipeline and self.recipe.privacy.exact_diagnostics:  # rank 0 evaluates the whole model
+            sync_stages(self.model, self.engine.bounds, self.world)
         if not self.recipe.privacy.exact_diagnostics or not self.world.main:  # exact: not covered by ε
             return {}
         metrics = evaluate(self.model, self.loss_fn, self.data.test, self.data.task,

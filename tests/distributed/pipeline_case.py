@@ -77,6 +77,24 @@ def pipeline(world, name: str, steps: int = 2) -> list[dict]:
     return out
 
 
+def pipeline_recipe(out, *extra: str):
+    """Quickstart's MLP (Flatten, Linear, ReLU, Linear, ReLU, Linear) cut before each of its first two
+    Linears, 6 seeded steps, micro-batches of 16 (the last one of a batch padded), noise 1e-6: the
+    trained weights are the clipped gradients' (the stages draw other noise than one process)."""
+    from tests.distributed.workers import REPO
+    from dpclip.recipe import load_recipe
+    return load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        f"output_dir={out}", "training.epochs=null", "training.steps=6", "checkpoint.every_steps=3",
+        "eval.every_steps=null", "privacy.unsafe_seeded_randomness=true", "privacy.epsilon=null",
+        "privacy.noise_multiplier=1e-6", "privacy.accountant=rdp", "training.micro_batch_size=16",
+        "clipping.grouping={stages: ['^1$', '^3$']}", "clipping.threshold={kind: quantile, initial: 1.0, sigma: 1e-6}",
+        *extra])
+
+
 def pipeline_worker(world, out_dir: str, names: list[str]) -> None:
+    from pathlib import Path
+    from dpclip.train.workflow import train
     results = {name: pipeline(world, name) for name in names}
     torch.save(results, f"{out_dir}/pipeline-{world.rank}.pt")
+    train(pipeline_recipe(Path(out_dir) / "runs", "training.parallel=pipeline"), world=world,
+          run_dir=Path(out_dir) / "run")

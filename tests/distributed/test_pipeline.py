@@ -11,7 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.pipeline_case import CASES, one_process, pipeline_worker
+from safetensors.torch import load_file
+
+from dpclip.files import read_jsonl
+from dpclip.train.workflow import train
+from tests.distributed.pipeline_case import CASES, one_process, pipeline_recipe, pipeline_worker
 from tests.distributed.ranks import run_ranks
 
 
@@ -19,7 +23,7 @@ from tests.distributed.ranks import run_ranks
 def stages(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline")
     assert run_ranks(pipeline_worker, str(out), list(CASES)) == []
-    return [torch.load(out / f"pipeline-{rank}.pt") for rank in range(2)]
+    return [torch.load(out / f"pipeline-{rank}.pt") for rank in range(2)] + [out / "run"]
 
 
 def _merged_grads(stages, name, step):
@@ -65,3 +69,25 @@ def test_per_device_clipping_sends_no_per_sample_norms(stages):
     assert stages[0]["noise-equal-budget"][-1]["sent_bytes"] == 0
     # flat clipping all-reduces B float64 norms² per micro-batch: 3 micro-batches of 10, 2 steps
     assert stages[0]["flat"][-1]["sent_bytes"] == 2 * 3 * 10 * 8
+
+
+def _weights(run_dir):
+    latest = (run_dir / "checkpoints" / "LATEST").read_text().strip()
+    return load_file(run_dir / "checkpoints" / latest / "model.safetensors")
+
+
+def test_a_pipeline_run_trains_the_weights_ledger_and_thresholds_of_one_process(stages, tmp_path):
+    torch.set_num_threads(1)
+    piped = stages[2]
+    whole = train(pipeline_recipe(tmp_path / "runs"), run_dir=tmp_path / "one").run_dir
+    mine, theirs = _weights(piped), _weights(whole)
+    assert sorted(mine) == sorted(theirs)
+    for key in theirs:  # noise std 1e-6·C/B per step: far below the tolerance
+        torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-6)
+    assert (piped / "ledger.json").read_text() == (whole / "ledger.json").read_text()
+    ours = [r for r in read_jsonl(piped / "metrics.jsonl") if "diagnostics" in r]
+    reference = [r for r in read_jsonl(whole / "metrics.jsonl") if "diagnostics" in r]
+    assert len(ours) == len(reference) == 6
+    for a, b in zip(ours, reference):  # the same batches, per-stage thresholds and groups
+        assert a["diagnostics"]["batch_size"] == b["diagnostics"]["batch_size"]
+        assert a["thresholds"] == pytest.approx(b["thresholds"], rel=1e-9)
