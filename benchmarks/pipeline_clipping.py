@@ -17,9 +17,11 @@ the middle. Configurations, timed interleaved in the same two processes (A B C A
   until then.
 
 "bytes" counts what rank 0 contributes per step: the activations it sends to stage 1 (the same
-for all three), and the engine's own collectives (counted exactly by the stage link). A step
-time ratio is the median over rounds of (configuration / per-device equal-budget) in the same
-round.
+for all three), and the engine's own collectives (counted exactly by the stage link). "stash
+peak" is the larger of the two stages' engine stash peaks (the engine's exact count of the
+activations, output gradients and per-sample quantities it holds). GPipe rounds hold
+``batch / micro`` micro-batches in flight. A step time ratio is the median over rounds of
+(configuration / per-device equal-budget) in the same round.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def _rank(rank: int, port: int, sizes: dict, out: str) -> None:
         rows = torch.arange(batch)
         times: dict[str, list[float]] = {name: [] for name in CONFIGS}
         sent: dict[str, int] = {}
+        peaks: dict[str, int] = {}
         for round_ in range(sizes["warmup"] + sizes["rounds"]):
             for name, step in steps.items():
                 before = links[name].sent_bytes
@@ -100,12 +103,13 @@ def _rank(rank: int, port: int, sizes: dict, out: str) -> None:
                 if round_ >= sizes["warmup"]:
                     times[name].append(seconds)
                     sent[name] = links[name].sent_bytes - before
-        for step in steps.values():
+        for name, step in steps.items():
+            peaks[name] = max(world.all_gather(step.engine.engine.stash_bytes_peak))
             step.engine.detach()
         if world.main:
             activations = (batch // sizes["micro"]) * sizes["micro"] * width * 4  # float32 rows to stage 1
             Path(out).write_text(json.dumps({"times": times, "engine_bytes": sent, "activation_bytes": activations,
-                                             "sizes": sizes}))
+                                             "stash_peak": peaks, "sizes": sizes}))
 
 
 def measure(sizes: dict) -> dict:
@@ -126,12 +130,13 @@ def render(result: dict) -> str:
              f"{load:.1f} at the end); MLP of {sizes['depth']} Linear({sizes['width']}, {sizes['width']}) + Tanh "
              f"blocks cut in the middle, B = {sizes['batch']}, micro-batches of {sizes['micro']}, "
              f"{sizes['rounds']} rounds after {sizes['warmup']} warm-up.", "",
-             "| clipping on the pipeline | engine bytes per step | activation bytes per step | median step (ms) | "
-             "step / per-device equal-budget |", "|---|---|---|---|---|"]
+             "| clipping on the pipeline | engine bytes per step | activation bytes per step | stash peak (KiB) | "
+             "median step (ms) | step / per-device equal-budget |", "|---|---|---|---|---|---|"]
     for name in times:
         ratios = [a / b for a, b in zip(times[name], times[base])]
         lines.append(f"| {name} | {result['engine_bytes'][name]:,} | {result['activation_bytes']:,} | "
-                     f"{1000 * statistics.median(times[name]):.1f} | {statistics.median(ratios):.2f} |")
+                     f"{result['stash_peak'][name] / 1024:,.0f} | {1000 * statistics.median(times[name]):.1f} | "
+                     f"{statistics.median(ratios):.2f} |")
     return "\n".join(lines)
 
 

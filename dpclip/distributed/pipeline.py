@@ -18,8 +18,8 @@ quantities until then). ``benchmarks/pipeline_clipping.py`` measures both.
 Fixed shapes: a PipelineStage learns its tensors' shapes from the first micro-batch, so every
 micro-batch has ``micro_batch_size`` rows; the last one of a Poisson batch is padded with
 zero rows of loss weight 0, which the engine drops from its sums, counts and statistics
-(``DPEngine.capture(batch, samples=...)``). The schedule runs one micro-batch per call: the
-engine tracks one forward in flight, so stages do not overlap micro-batches yet.
+(``DPEngine.capture(batch, samples=...)``). GPipe runs ``chunks`` micro-batches per round,
+each its own forward in flight (``DPEngine.start_forward``), so the stages overlap.
 """
 
 from __future__ import annotations
@@ -116,18 +116,37 @@ class StageLinkOverRanks:
 
 
 class _EngineStage(PipelineStage):
-    """A PipelineStage whose backward runs inside its engine's :meth:`~DPEngine.capture`: the
-    book-keeping collects the uses of the stage's parameters; clipping follows the schedule."""
+    """A PipelineStage whose micro-batches are book-kept by its engine: each chunk's forward is
+    a generation of its own (several are in flight in a GPipe schedule), each chunk's backward
+    runs inside :meth:`~DPEngine.capture` and, per device, is clipped as soon as it is done;
+    a flat stage leaves the clipping until the stages have summed the norms (after the step)."""
 
-    def __init__(self, submodule: nn.Module, index: int, count: int, engine: DPEngine, inputs, outputs):
-        super().__init__(submodule, index, count, torch.device("cpu"), input_args=inputs, output_args=outputs,
+    def __init__(self, submodule: nn.Module, index: int, count: int, engine: DPEngine, inputs, outputs,
+                 flat: bool):
+        super().__init__(submodule, index, count, next(submodule.parameters()).device, input_args=inputs,
+                         output_args=outputs,
                          output_grads=None if index == count - 1 else torch.zeros_like(outputs),
                          input_grads=None if index == 0 else torch.zeros_like(inputs))
-        self.engine = engine
-        self.rows: tuple[int, int] = (0, 0)   # (batch size, examples) of the micro-batch in flight
+        self.engine, self.flat = engine, flat
+        self.samples: list[int] = []        # examples (not padding) in each chunk of the step in flight
+        self.rows = 0                        # rows per chunk
+        self._generations: dict[int, int] = {}
+        self._chunk = 0
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        self._generations[fwd_chunk_id] = self.engine.start_forward()
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        self._chunk = bwd_chunk_id
+        result = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        if not self.flat:
+            self.engine.finish_micro_batch()
+        return result
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
-        with self.engine.capture(*self.rows):
+        chunk = self._chunk
+        with self.engine.capture(self.rows, self.samples[chunk], self._generations.pop(chunk)):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
 
@@ -209,48 +228,59 @@ def pipeline_engine(model: nn.Module, clipping: dict, world: World, *, flat: boo
 
 class PipelineStep:
     """The private step of one stage (the pipeline's :class:`~dpclip.train.step.PrivateStep`):
-    rank 0's Poisson draw goes to every stage; each micro-batch (padded to ``micro_batch_size``
-    rows) runs forward and backward through the stages; then every stage privatizes its own
-    parameters and takes its optimizer step. The loss is the last stage's, the batch size rank
-    0's: summed over the ranks (:func:`dpclip.train.ranks.global_outcome`), they are the batch's.
+    rank 0's Poisson draw goes to every stage; the batch runs through the stages in GPipe rounds
+    of ``chunks`` micro-batches of ``micro_batch_size`` rows (the last round padded), the stages
+    working on different micro-batches at once; then every stage privatizes its own parameters
+    and takes its optimizer step. The loss is the last stage's, the batch size rank 0's: summed
+    over the ranks (:func:`dpclip.train.ranks.global_outcome`), they are the batch's.
+    ``chunks`` defaults to the micro-batches of an expected batch.
     """
 
     def __init__(self, engine: PipelineEngine, optimizer: torch.optim.Optimizer, train: dict[str, torch.Tensor],
-                 criterion: Callable, input_key: str, micro_batch_size: int):
+                 criterion: Callable, input_key: str, micro_batch_size: int, chunks: int | None = None):
         world = engine.link.world
         self.world, self.engine, self.optimizer = world, engine, optimizer
         self.train, self.criterion, self.input_key = train, criterion, input_key
         self.micro_batch_size = micro_batch_size
+        self.chunks = chunks or max(1, math.ceil(engine.engine.expected_batch_size / micro_batch_size))
         inputs, outputs = _stage_examples(engine, train[input_key], micro_batch_size)
         # Static shapes: the stage's own shape inference would run a backward outside the engine.
-        self.stage = _EngineStage(engine.module, world.rank, world.size, engine.engine, inputs, outputs)
+        self.stage = _EngineStage(engine.module, world.rank, world.size, engine.engine, inputs, outputs,
+                                  engine.link.flat)
+        self.stage.rows = micro_batch_size
         self.first, self.last = world.rank == 0, world.rank == world.size - 1
-        self._weights = torch.ones(0)
+        self._weights: list[torch.Tensor] = []
+        self._loss_calls = 0
         self._loss_sum = 0.0
-        self.schedule = ScheduleGPipe(self.stage, n_microbatches=1, loss_fn=self._loss, scale_grads=False)
+        self.schedule = ScheduleGPipe(self.stage, n_microbatches=self.chunks, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        weights = self._weights[self._loss_calls]   # GPipe computes the chunks' losses in order
+        self._loss_calls += 1
         per_sample = self.criterion(outputs, {"labels": labels})
-        self._loss_sum += float((per_sample.detach() * self._weights).sum())
-        return (per_sample * self._weights).sum()
+        self._loss_sum += float((per_sample.detach() * weights).sum())
+        return (per_sample * weights).sum()
 
     def __call__(self, indices: torch.Tensor, before_update=None):
         started = time.perf_counter()
         indices = self.world.broadcast(indices)   # rank 0's draw: every stage runs the same batch
-        size = self.micro_batch_size
+        rows = self.micro_batch_size
         self._loss_sum = 0.0
-        for rows in micro_batches(indices, size):
-            batch = _padded(select(self.train, rows), size)
-            n = len(rows)
-            self.stage.rows = (size, n)
-            self._weights = (torch.arange(size) < n).to(torch.get_default_dtype())
+        for part in micro_batches(indices, rows * self.chunks):
+            batch = _padded(select(self.train, part), rows * self.chunks)
+            n = len(part)
+            self.stage.samples = [min(max(n - j * rows, 0), rows) for j in range(self.chunks)]
+            self._weights = [(torch.arange(rows) < s).to(torch.get_default_dtype()) for s in self.stage.samples]
+            self._loss_calls = 0
             if self.first:
                 _through_pipeline(self.schedule.step, batch[self.input_key])
             elif self.last:
                 _through_pipeline(self.schedule.step, target=batch["labels"])
             else:
                 _through_pipeline(self.schedule.step)
-            self.engine.engine.finish_micro_batch()
+            if self.engine.link.flat:  # the norms of all the round's chunks, summed over the stages
+                for _ in range(self.chunks):
+                    self.engine.engine.finish_micro_batch()
         report = self.engine.privatize()
         if before_update is not None:
             before_update(report)

@@ -219,6 +219,7 @@ class Bookkeeper:
         self.stash = StashMeter()
         self.forward_counts = [0] * len(index_of)
         self.generation = 0
+        self._waiting: dict[int, list[int]] = {}  # forwards in flight before the latest (pipelines)
         self.batch_hint: int | None = None
         self._active: _Active | None = None
         self._plain = 0
@@ -330,9 +331,23 @@ class Bookkeeper:
 
     # --------------------------------------------------------------- backward
 
-    def take_forward_counts(self) -> tuple[list[int], int]:
-        """Uses per parameter recorded since the last call, and the generation they
-        belong to; later forwards belong to the next generation."""
+    def start_forward(self) -> int:
+        """A new forward while earlier ones still wait for their backward (a pipeline's next
+        micro-batch): its uses count for a new generation, returned."""
+        if any(self.forward_counts):
+            self._waiting[self.generation] = self.forward_counts
+        self.forward_counts = [0] * len(self.forward_counts)
+        self.generation += 1
+        return self.generation
+
+    def take_forward_counts(self, generation: int | None = None) -> tuple[list[int], int]:
+        """Uses per parameter recorded by the forward of ``generation`` (None: the latest), and
+        its generation; after the latest's, later forwards belong to the next generation."""
+        if generation is not None and generation != self.generation:
+            if generation not in self._waiting:
+                raise EngineError(f"no forward of generation {generation} waits for its backward",
+                                  "call engine.start_forward() before each micro-batch's forward")
+            return self._waiting.pop(generation), generation
         counts, self.forward_counts = self.forward_counts, [0] * len(self.forward_counts)
         self.generation += 1
         return counts, self.generation - 1

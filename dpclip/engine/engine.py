@@ -11,6 +11,9 @@ function + threshold policy + noise allocation. It never owns the optimizer.
 
 What one micro-batch does (uses in backward order, groups finalized early) is
 :mod:`dpclip.engine.microbatch`'s.
+
+Length: just above 400 lines: the step's three entry points (backward, capture for pipeline
+stages, privatize) share the step's accumulators and the noise source.
 """
 
 from __future__ import annotations
@@ -180,7 +183,7 @@ class DPEngine:
         self._clipped = torch.zeros(len(self.groups), device=self._device, dtype=self._norm_dtype)
         self._nonfinite = torch.zeros(len(self.groups), device=self._device, dtype=torch.long)
         self._samples = 0
-        self._micro: tuple[MicroBatch, int] | None = None
+        self._captured: list[tuple[MicroBatch, int]] = []  # awaiting finish_micro_batch, oldest first
 
     def backward(self, per_sample_losses: Tensor) -> None:
         """Backward of one micro-batch: per-sample norms, clipping, clipped sums.
@@ -201,8 +204,14 @@ class DPEngine:
             torch.autograd.backward(losses, torch.ones_like(losses))
         self.finish_micro_batch()
 
+    def start_forward(self) -> int:
+        """Call before the forward of a micro-batch when earlier micro-batches still wait for their
+        backward (pipeline schedules); pass the returned generation to :meth:`capture`."""
+        return self._keeper.start_forward()
+
     @contextmanager
-    def capture(self, batch_size: int, samples: int | None = None) -> Iterator[None]:
+    def capture(self, batch_size: int, samples: int | None = None,
+                generation: int | None = None) -> Iterator[None]:
         """The backward of one micro-batch that someone else starts: a pipeline stage's
         backward begins at its output, from the gradient the next stage sent
         (docs/distributed.md, "Pipeline stages"). Inside, the engine collects the uses;
@@ -213,11 +222,10 @@ class DPEngine:
         threshold policy and the counts never see them.
         """
         samples = batch_size if samples is None else samples
-        if self._micro is not None or not 0 <= samples <= batch_size:
-            raise EngineError(f"engine.capture({batch_size}, samples={samples}): samples must be in [0, "
-                              f"batch_size], and the previous micro-batch finished", "call "
-                              "engine.finish_micro_batch() after each captured backward")
-        counts, generation = self._keeper.take_forward_counts()
+        if not 0 <= samples <= batch_size:
+            raise EngineError(f"engine.capture({batch_size}, samples={samples}): samples must be in "
+                              "[0, batch_size]", None)
+        counts, generation = self._keeper.take_forward_counts(generation)
         policy = self.policy
         micro = MicroBatch(self._context, StepTotals(self._sums, self._clipped, self._nonfinite),
                            batch_size, counts, policy.thresholds(),
@@ -241,15 +249,15 @@ class DPEngine:
         finally:
             for p, g in zip(self._params, saved):
                 p.grad = g
-        self._micro = (micro, samples)
+        self._captured.append((micro, samples))
 
     def finish_micro_batch(self) -> None:
-        """Clip what :meth:`capture` collected: per-sample norms (on a flat pipeline, summed over
-        the stages first), clip factors, clipped sums; the policy observes the norms."""
-        if self._micro is None:
+        """Clip the oldest micro-batch :meth:`capture` collected: per-sample norms (on a flat
+        pipeline, summed over the stages first), clip factors, clipped sums; the policy observes."""
+        if not self._captured:
             raise EngineError("engine.finish_micro_batch without a captured backward",
                               "wrap the backward in `with engine.capture(batch_size):` first")
-        (micro, samples), self._micro = self._micro, None
+        micro, samples = self._captured.pop(0)
         try:
             norms = micro.finish()
         except BaseException:
@@ -267,6 +275,8 @@ class DPEngine:
         :mod:`dpclip.engine.noise`); then ``p.grad = (sum + noise) / B`` with B the
         EXPECTED batch size. The policy releases its statistics after the noise.
         """
+        if self._captured:
+            raise EngineError("privatize with a captured micro-batch not finished", "call finish_micro_batch first")
         thresholds = self.policy.thresholds().detach().clone()
         std = self._noise_stds(self.policy.sensitivity_thresholds())
         batch = self.expected_batch_size

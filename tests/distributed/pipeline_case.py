@@ -23,6 +23,9 @@ CASES = {
     "noise-equal-budget": ({"grouping": {"stages": STAGES}, "threshold": {"kind": "fixed", "value": [0.2, 0.5]},
                             "noise_allocation": "equal-budget"}, 1.3),
     "flat": ({"grouping": {"stages": STAGES}, "threshold": {"kind": "fixed", "value": 0.6}}, 0.0),
+    # GPipe rounds of 2 chunks: (10, 10), then (4, 0): a chunk of padding only
+    "fixed-rounds": ({"grouping": {"stages": STAGES}, "threshold": {"kind": "fixed", "value": 0.6}}, 0.0),
+    "flat-rounds": ({"grouping": {"stages": STAGES}, "threshold": {"kind": "fixed", "value": 0.6}}, 0.0),
 }
 MICRO = 10  # 24 rows: micro-batches of 10, 10 and 4 (padded to 10 on the pipeline)
 
@@ -44,7 +47,7 @@ def _record(model, report) -> dict:
 
 def one_process(name: str, steps: int = 2) -> list[dict]:
     clipping, sigma = CASES[name]
-    if name == "flat":
+    if name.startswith("flat"):
         clipping = dict(clipping, grouping="all-layer")
     model, train = _model_and_data()
     engine = DPEngine(model, clipping, noise_multiplier=sigma, expected_batch_size=24, seed=0, sample_rate=0.5)
@@ -65,15 +68,16 @@ def pipeline(world, name: str, steps: int = 2) -> list[dict]:
     from dpclip.distributed.pipeline import PipelineStep, pipeline_engine
     clipping, sigma = CASES[name]
     model, train = _model_and_data()
-    engine = pipeline_engine(model, clipping, world, flat=name == "flat", noise_multiplier=sigma,
+    engine = pipeline_engine(model, clipping, world, flat=name.startswith("flat"), noise_multiplier=sigma,
                              expected_batch_size=24, seed=0, sample_rate=0.5)
     opt = torch.optim.SGD(engine.module.parameters(), lr=0.5)
-    step = PipelineStep(engine, opt, train, cross_entropy, "features", MICRO)
+    step = PipelineStep(engine, opt, train, cross_entropy, "features", MICRO,
+                        chunks=2 if name.endswith("rounds") else None)
     out = []
     for _ in range(steps):
         step(torch.arange(24), before_update=lambda report: out.append(_record(model, report)))
     engine.detach()
-    out.append({"sent_bytes": engine.link.sent_bytes})
+    out.append({"sent_bytes": engine.link.sent_bytes, "stash_peak": engine.engine.stash_bytes_peak})
     return out
 
 
