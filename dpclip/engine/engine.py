@@ -229,11 +229,12 @@ class DPEngine:
         self._nonfinite = torch.zeros(len(self.groups), device=self._device, dtype=torch.long)
         self._samples = 0
 
-    def backward(self, per_sample_losses: Tensor) -> None:
+    def backward(self, per_sample_losses: Tensor, *, loss_scale: float = 1.0) -> None:
         """Backward of one micro-batch: per-sample norms, clipping, clipped sums.
 
         ``per_sample_losses`` has shape [b] (``reduction="none"``, averaged over tokens
         per sample if needed). Calls the backward itself; do not call ``loss.backward()``.
+        ``loss_scale``: float16's, unscaled before clipping (docs/engine.md, "Mixed precision").
         """
         losses = per_sample_losses
         if not isinstance(losses, Tensor) or losses.dim() != 1:
@@ -248,13 +249,13 @@ class DPEngine:
         policy = self.policy
         micro = MicroBatch(self._context, StepTotals(self._sums, self._clipped, self._nonfinite),
                            b, counts, policy.thresholds(),
-                           policy.per_sample_thresholds if policy.per_sample else None)
+                           policy.per_sample_thresholds if policy.per_sample else None, loss_scale)
         saved = [p.grad for p in self._params]
         for p in self._params:
             p.grad = None
         try:
             with self._keeper.backward_scope(b, generation, micro.deliver):
-                torch.autograd.backward(losses, torch.ones_like(losses))
+                torch.autograd.backward(losses, torch.full_like(losses, loss_scale))
             stray = [self.groups.params[i].name for i, p in enumerate(self._params) if p.grad is not None]
             if stray:
                 raise EngineError(
