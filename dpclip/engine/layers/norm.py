@@ -60,6 +60,7 @@ class AffineNormRule(LayerRule):
             dims = tuple(range(2, xhat.dim()))
         else:
             dims = tuple(range(1, xhat.dim() - m.weight.dim()))
+        gy = widened(gy)   # sums over positions in float32, not in the output's bf16
         weight_grad = (gy * xhat).sum(dims) if dims else gy * xhat
         bias_grad = gy.sum(dims) if dims else gy
         uses: dict[str, Use] = {"weight": Dense(weight_grad)}
