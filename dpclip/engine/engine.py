@@ -232,9 +232,8 @@ class DPEngine:
     def backward(self, per_sample_losses: Tensor, *, loss_scale: float = 1.0) -> None:
         """Backward of one micro-batch: per-sample norms, clipping, clipped sums.
 
-        ``per_sample_losses`` has shape [b] (``reduction="none"``, averaged over tokens
-        per sample if needed). Calls the backward itself; do not call ``loss.backward()``.
-        ``loss_scale``: float16's, unscaled before clipping (docs/engine.md, "Mixed precision").
+        ``per_sample_losses``: shape [b] (``reduction="none"``, each sample's tokens averaged);
+        ``loss_scale``: float16's (docs/engine.md). Runs the backward itself: no ``loss.backward()``.
         """
         losses = per_sample_losses
         if not isinstance(losses, Tensor) or losses.dim() != 1:
