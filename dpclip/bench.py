@@ -7,6 +7,9 @@ timed interleaved (A B C A B C ...) in one process; medians are reported with th
 to non-private, the median over rounds of (step / non-private step of the same round), so
 that a slow stretch of the machine hits both sides of a ratio alike. The clipping function, threshold and noise come from the engine's
 defaults: the cost is set by the model, the batch and the grouping, not by those.
+Both sides run the recipe's ``training.precision`` (autocast for bf16), and the process is
+set up as ``dpclip train`` sets up its own (:func:`dpclip.configure_speed`: the allocator
+setting and the thread count); the result reports those settings.
 
 Memory, when asked for, is measured per configuration in a fresh child process
 (``python -m dpclip.bench``): how far the peak resident set (VmHWM, reset after setup)
@@ -29,12 +32,13 @@ from typing import Callable
 
 import torch
 
-from dpclip.allocator import keep_freed_memory
 from dpclip.data import load_data, select
 from dpclip.engine import DPEngine
+from dpclip.engine.precision import Precision
 from dpclip.models import build_model
 from dpclip.recipe import load_recipe
-from dpclip.train.step import PrivateStep
+from dpclip.threads import configure
+from dpclip.train.step import PrivateStep, step_precision
 
 GROUPINGS = ("all-layer", "layer", "param")
 NON_PRIVATE = "non-private"
@@ -42,7 +46,10 @@ NON_PRIVATE = "non-private"
 
 @dataclass
 class BenchResult:
-    """Medians in seconds, ratios to non-private, and step memory in MiB (when measured)."""
+    """Medians in seconds, ratios to non-private, and step memory in MiB (when measured).
+
+    ``settings``: what the process ran with: ``threads`` and ``keep_freed_memory`` (as
+    :func:`dpclip.configure_speed` returns them) and the recipe's ``precision``."""
 
     recipe: str
     batch_size: int
@@ -51,11 +58,12 @@ class BenchResult:
     median_s: dict[str, float]
     ratio: dict[str, float]
     memory_mib: dict[str, float] = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"recipe": self.recipe, "batch_size": self.batch_size, "threads": self.threads,
                 "repeats": self.repeats, "median_s": self.median_s, "ratio": self.ratio,
-                "memory_mib": self.memory_mib}
+                "memory_mib": self.memory_mib, "settings": self.settings}
 
 
 def method_names(groupings=GROUPINGS) -> list[str]:
@@ -70,21 +78,26 @@ def _setup(recipe):
     return model, loss_fn, select(data.train, torch.arange(size)), size
 
 
-def make_step(method: str, model, loss_fn, batch, size: int) -> Callable[[], None]:
+def make_step(method: str, model, loss_fn, batch, size: int,
+              precision: Precision | None = None) -> Callable[[], None]:
     """One training step of ``method`` on its own copy of ``model``: the baseline below, or
-    the one private step (:class:`~dpclip.train.step.PrivateStep`) on the whole batch."""
+    the one private step (:class:`~dpclip.train.step.PrivateStep`) on the whole batch, both
+    under ``precision``'s autocast (the baseline with the same loss scale, for float16)."""
     model = copy.deepcopy(model)
+    precision = precision or Precision()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1e-4)
     if method == NON_PRIVATE:
         def step():
-            loss_fn(model, batch).mean().backward()
+            with precision.autocast():
+                loss = loss_fn(model, batch).mean()
+            (loss * precision.scale).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         return step
     engine = DPEngine(model, {"grouping": method.removeprefix("dp ")}, noise_multiplier=1.0,
                       expected_batch_size=size)
-    private_step = PrivateStep(model, loss_fn, engine, opt, batch, micro_batch_size=None)
+    private_step = PrivateStep(model, loss_fn, engine, opt, batch, micro_batch_size=None, precision=precision)
     rows = torch.arange(size)
 
     def dp_step():
@@ -148,7 +161,7 @@ def step_memory_mib(step: Callable[[], None], steps: int = 2) -> float:
     return (status_kib("VmHWM") - before) / 1024
 
 
-def memory_in_child(recipe_path: Path, overrides: list[str], method: str, threads: int) -> float:
+def memory_in_child(recipe_path: Path, overrides: list[str], method: str, threads: int | None) -> float:
     """:func:`step_memory_mib` of ``method`` in a fresh ``python -m dpclip.bench`` process."""
     spec = json.dumps({"recipe": str(recipe_path), "overrides": list(overrides), "method": method,
                        "threads": threads})
@@ -158,23 +171,26 @@ def memory_in_child(recipe_path: Path, overrides: list[str], method: str, thread
 
 
 def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, groupings=GROUPINGS,
-                 repeats: int = 5, warmup: int = 1, threads: int | None = None,
+                 repeats: int = 5, warmup: int = 1, threads: int | str | None = "auto",
                  memory: bool = True) -> BenchResult:
-    """Time (and optionally measure memory of) non-private vs private steps for a recipe."""
+    """Time (and optionally measure memory of) non-private vs private steps for a recipe.
+
+    ``threads``: as ``dpclip train --threads`` ("auto", a number; None keeps torch's)."""
     overrides = list(overrides or [])
     recipe = load_recipe(recipe_path, overrides)
-    if threads:
-        torch.set_num_threads(threads)
-    threads = torch.get_num_threads()
+    settings = configure(threads)   # what `dpclip train` sets up (dpclip.configure_speed)
+    threads = settings["threads"]
     torch.manual_seed(recipe.seed)
     model, loss_fn, batch, size = _setup(recipe)
+    precision = step_precision(recipe, model)
     names = method_names(groupings)
-    steps = {name: make_step(name, model, loss_fn, batch, size) for name in names}
+    steps = {name: make_step(name, model, loss_fn, batch, size, precision) for name in names}
     times = time_rounds(steps, repeats, warmup)
     ratios = round_ratios(times, NON_PRIVATE)
     result = BenchResult(recipe.name, size, threads, repeats,
                          {name: statistics.median(ts) for name, ts in times.items()},
-                         {name: r[0] for name, r in ratios.items()})
+                         {name: r[0] for name, r in ratios.items()},
+                         settings={**settings, "precision": precision.name})
     if memory:
         result.memory_mib = {name: memory_in_child(Path(recipe_path), overrides, name, threads)
                              for name in names}
@@ -182,12 +198,11 @@ def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, group
 
 
 def _child(spec: dict) -> float:
-    keep_freed_memory()  # as in the `dpclip` process that asked for this measurement
-    torch.set_num_threads(spec["threads"])
+    configure(spec["threads"])  # as in the `dpclip` process that asked for this measurement
     recipe = load_recipe(Path(spec["recipe"]), spec["overrides"])
     torch.manual_seed(recipe.seed)
     model, loss_fn, batch, size = _setup(recipe)
-    return step_memory_mib(make_step(spec["method"], model, loss_fn, batch, size))
+    return step_memory_mib(make_step(spec["method"], model, loss_fn, batch, size, step_precision(recipe, model)))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@
 (:func:`auto_threads`), a number sets exactly that many. A script that trains through the
 Python API gets the same with one call::
 
-    import dpclip.threads
-    dpclip.threads.configure("auto")   # or configure(1); configure() keeps torch's thread count
+    import dpclip
+    dpclip.configure_speed()           # "auto" threads, as `dpclip train`; or configure_speed(1)
+
+(``dpclip.configure_speed`` is :func:`configure` with ``dpclip train``'s default;
+``configure()`` alone keeps torch's thread count.)
 
 Both settings are process-wide, which is why the library never applies them behind a
 user's back. Why ``auto`` is the default (two threads on two busy cores took several times

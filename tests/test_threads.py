@@ -50,3 +50,26 @@ def test_configure_refuses_a_word_other_than_auto():
     with pytest.raises(DpclipError) as info:
         configure("many")
     assert "'auto'" in info.value.message
+
+
+def test_configure_speed_sets_what_dpclip_train_sets_and_returns_it(monkeypatch):
+    import dpclip
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr("dpclip.threads.auto_threads", lambda: 1)
+    try:
+        applied = dpclip.configure_speed()          # "auto" by default, as `dpclip train --threads`
+        assert applied["threads"] == 1 == torch.get_num_threads()
+        assert applied == dpclip.threads.configure(None)   # the same settings, still in force
+        assert dpclip.configure_speed(None)["threads"] == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_importing_dpclip_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, dpclip; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

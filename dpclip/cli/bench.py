@@ -15,7 +15,8 @@ def bench(
     overrides: list[str] = typer.Argument(None, help="key=value overrides, e.g. training.batch_size=128"),
     repeats: int = typer.Option(5, "--repeats", min=1, help="Timed steps per configuration (median reported)."),
     warmup: int = typer.Option(1, "--warmup", min=0, help="Untimed steps per configuration first."),
-    threads: int = typer.Option(0, "--threads", min=0, help="torch threads (0: torch's default)."),
+    threads: str = typer.Option(None, "--threads", help="torch threads: a number, or auto (the default, as "
+                                "dpclip train: the cores the machine's load leaves free)."),
     memory: bool = typer.Option(True, "--memory/--no-memory",
                                 help="Measure step memory, one fresh process per configuration (Linux)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -23,14 +24,17 @@ def bench(
     """Step time and step memory of private training (per grouping style) against
     non-private training, for the recipe's model and batch size."""
     from dpclip.bench import NON_PRIVATE, bench_recipe
+    from dpclip.cli.train import _thread_count
 
     result = bench_recipe(recipe, overrides or [], repeats=repeats, warmup=warmup,
-                          threads=threads or None, memory=memory)
+                          threads=_thread_count(threads), memory=memory)
     if as_json:
         print_json(result.to_dict())
         return
-    table = Table(title=f"{result.recipe}: batch {result.batch_size}, {result.threads} threads, "
-                        f"median of {result.repeats} interleaved steps")
+    settings = result.settings
+    allocator = "freed memory kept" if settings["keep_freed_memory"] else "glibc default allocator"
+    table = Table(title=f"{result.recipe}: batch {result.batch_size}, {result.threads} threads, {allocator}, "
+                        f"{settings['precision']}, median of {result.repeats} interleaved steps")
     table.add_column("step")
     table.add_column("median s", justify="right")
     table.add_column("x non-private", justify="right")

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 from dpclip.engine.factors import Use
 from dpclip.engine.layers import LayerRule, find_layer_rule
 from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
+from dpclip.engine.precision import autocast_off
 from dpclip.errors import EngineError
 
 _BATCHNORM_HINT = "replace it with GroupNorm (e.g. nn.GroupNorm(8, C)) or LayerNorm"
@@ -357,7 +358,10 @@ class Bookkeeper:
                        sink: Callable[[int, Use], None]) -> Iterator[None]:
         self._active = _Active(batch_size, sink, generation)
         try:
-            yield
+            # The backward inherits the caller's autocast state; the rules' and the
+            # engine's math must not be cast down by it (dpclip.engine.precision).
+            with autocast_off({p.device.type for p in self.model.parameters()}):
+                yield
         finally:
             self._active = None
 

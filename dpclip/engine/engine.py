@@ -185,11 +185,11 @@ class DPEngine:
         self._samples = 0
         self._captured: list[tuple[MicroBatch, int]] = []  # awaiting finish_micro_batch, oldest first
 
-    def backward(self, per_sample_losses: Tensor) -> None:
+    def backward(self, per_sample_losses: Tensor, *, loss_scale: float = 1.0) -> None:
         """Backward of one micro-batch: per-sample norms, clipping, clipped sums.
 
-        ``per_sample_losses`` has shape [b] (``reduction="none"``, averaged over tokens
-        per sample if needed). Calls the backward itself; do not call ``loss.backward()``.
+        ``per_sample_losses``: shape [b] (``reduction="none"``, each sample's tokens averaged);
+        ``loss_scale``: float16's (docs/engine.md). Runs the backward itself: no ``loss.backward()``.
         """
         losses = per_sample_losses
         if not isinstance(losses, Tensor) or losses.dim() != 1:
@@ -200,8 +200,8 @@ class DPEngine:
         if losses.shape[0] == 0:
             self._keeper.take_forward_counts()
             return
-        with self.capture(losses.shape[0]):
-            torch.autograd.backward(losses, torch.ones_like(losses))
+        with self.capture(losses.shape[0], loss_scale=loss_scale):
+            torch.autograd.backward(losses, torch.full_like(losses, loss_scale))
         self.finish_micro_batch()
 
     def start_forward(self) -> int:
@@ -210,8 +210,8 @@ class DPEngine:
         return self._keeper.start_forward()
 
     @contextmanager
-    def capture(self, batch_size: int, samples: int | None = None,
-                generation: int | None = None) -> Iterator[None]:
+    def capture(self, batch_size: int, samples: int | None = None, generation: int | None = None,
+                loss_scale: float = 1.0) -> Iterator[None]:
         """The backward of one micro-batch that someone else starts: a pipeline stage's
         backward begins at its output, from the gradient the next stage sent
         (docs/distributed.md, "Pipeline stages"). Inside, the engine collects the uses;
@@ -229,7 +229,7 @@ class DPEngine:
         policy = self.policy
         micro = MicroBatch(self._context, StepTotals(self._sums, self._clipped, self._nonfinite),
                            batch_size, counts, policy.thresholds(),
-                           policy.per_sample_thresholds if policy.per_sample else None)
+                           policy.per_sample_thresholds if policy.per_sample else None, loss_scale)
         saved = [p.grad for p in self._params]
         for p in self._params:
             p.grad = None

@@ -48,6 +48,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from dpclip.engine.precision import widened
 from dpclip.errors import EngineError
 
 NORM_METHODS = ("auto", "ghost", "instantiate")
@@ -87,6 +88,15 @@ class Dense:
 
 
 Use = Bilinear | Dense
+
+
+def _widened_use(use: Use, dtype: torch.dtype) -> Use:
+    """``use`` with its half-precision float factors in ``dtype`` (ids stay integers)."""
+    if isinstance(use, Dense):
+        grad = widened(use.grad, dtype)
+        return use if grad is use.grad else Dense(grad)
+    left, right = (use.left if use.is_ids else widened(use.left, dtype)), widened(use.right, dtype)
+    return use if left is use.left and right is use.right else Bilinear(left, right, use.vocab)
 
 
 # ------------------------------------------------------------- norm² of one bundle
@@ -318,27 +328,36 @@ def param_norm_sq(uses: list[Use], shape: torch.Size, method: str = "auto",
     instantiated gradient replaces its factors when it is not larger than them, or when
     it is ``transient``, which makes the clipped sum a cheap Σ_i c_i G_i.
     """
+    # Half-precision factors (autocast) are widened for the arithmetic only; the parts
+    # returned keep them as they are, so the stash stays small (dpclip.engine.precision).
+    work_dtype = out_dtype or torch.float32
     inst: Tensor | None = None
     for u in uses:
         if isinstance(u, Dense):
-            inst = u.grad if inst is None else inst + u.grad
+            grad = widened(u.grad, work_dtype)
+            inst = grad if inst is None else inst + grad
     parts: list[_Part] = []
+    kept: list[Use] = []
     for group in ([u for u in uses if isinstance(u, Bilinear) and not u.is_ids],
                   [u for u in uses if isinstance(u, Bilinear) and u.is_ids]):
         if not group:
             continue
         bundle = _concat(group)
+        work = _widened_use(bundle, work_dtype)
         if choose_ghost(bundle, method, transient):
-            parts.append(_Part(bundle))
+            parts.append(_Part(work))
+            kept.append(bundle)
             continue
-        g = instantiate(bundle).reshape(bundle.right.shape[0], *shape)
+        g = instantiate(work).reshape(bundle.right.shape[0], *shape)
         inst_numel, factor_numel = _numel_per_sample(bundle)
         if transient or bundle.is_ids or inst_numel <= factor_numel:
             inst = g if inst is None else inst + g
         else:  # keep the (smaller) factors for the clipped sum, the gradient for the norm
-            parts.append(_Part(bundle, g))
+            parts.append(_Part(work, g))
+            kept.append(bundle)
     if inst is not None:
         parts.append(_Part(Dense(inst), inst))
+        kept.append(Dense(inst))
     if not parts:
         raise ValueError("param_norm_sq needs at least one use")
 
@@ -350,7 +369,7 @@ def param_norm_sq(uses: list[Use], shape: torch.Size, method: str = "auto",
             total = total + 2 * _cross_term(parts[a], parts[c])
     if out_dtype is not None:
         total = total.to(out_dtype)
-    return total, [p.use for p in parts]
+    return total, kept
 
 
 # ------------------------------------------------------------------ clipped sum
@@ -364,6 +383,7 @@ def clipped_sum(parts: list[Use], factors: Tensor, shape: torch.Size) -> Tensor:
     """
     out: Tensor | None = None
     for part in parts:
+        part = _widened_use(part, factors.dtype)   # half-precision factors: a float32 sum
         if isinstance(part, Dense):
             c = factors.to(part.grad.dtype)
             term = (c @ part.grad.reshape(part.grad.shape[0], -1)).reshape(shape)
@@ -445,7 +465,8 @@ def streamed_clip(bundles: list[Bilinear], shapes: list[torch.Size], base_norm_s
     norms = []
     for start in range(0, batch, chunk):
         rows = slice(start, start + chunk)
-        grads = [instantiate(Bilinear(b.left[rows], b.right[rows])).flatten(1) for b in bundles]
+        grads = [instantiate(_widened_use(Bilinear(b.left[rows], b.right[rows]), base_norm_sq.dtype)).flatten(1)
+                 for b in bundles]
         if meter is not None:
             meter.add(grads)
         sq = base_norm_sq[rows]

@@ -20,6 +20,7 @@ from torch import Tensor
 from dpclip.engine.bookkeeping import StashMeter
 from dpclip.engine.factors import (Use, clipped_sum, param_norm_sq, sqrt_or_zero, streamable,
                                    streamed_clip, zero_samples)
+from dpclip.engine.precision import autocast_off
 from dpclip.errors import EngineError
 
 
@@ -71,8 +72,16 @@ class MicroBatch:
     """
 
     def __init__(self, ctx: StepContext, totals: StepTotals, batch: int, pending: list[int],
-                 thresholds: Tensor, per_sample_thresholds: Callable | None = None):
+                 thresholds: Tensor, per_sample_thresholds: Callable | None = None,
+                 loss_scale: float = 1.0):
         self.ctx = ctx
+        # The backward was seeded with loss_scale (float16): every norm it gives is
+        # loss_scale times the sample's, so norms and clip factors are divided by it before
+        # anything compares them with a threshold (docs/engine.md, "Mixed precision").
+        if not (isinstance(loss_scale, (int, float)) and math.isfinite(loss_scale) and loss_scale > 0):
+            raise EngineError(f"loss_scale must be a positive finite number, got {loss_scale!r}",
+                              "use a power of two such as 1024")
+        self.unscale = None if loss_scale == 1.0 else 1.0 / loss_scale
         self.totals = totals
         self.batch = batch
         self.pending = pending
@@ -133,13 +142,19 @@ class MicroBatch:
         e, out = self.ctx, self.totals
         sq = self.norm_sq[k]
         streamed = [idx for idx in e.members[k] if idx in self.streamed]
+        unscale = self.unscale
         if streamed:
             base = sq if sq is not None else torch.zeros(self.batch, device=e.device,
                                                          dtype=e.norm_dtype)
             bundles = [self.parts[idx][0] for idx in streamed]
+            if unscale is None:
+                def clip(chunk_norms):
+                    return e.clip(chunk_norms, threshold)
+            else:  # the chunks' G_i are scaled: unscaled norms in, factors that also unscale out
+                def clip(chunk_norms):
+                    return e.clip(chunk_norms * unscale, threshold) * unscale
             norms, sums = streamed_clip(bundles, [e.params[idx].shape for idx in streamed], base,
-                                        lambda chunk_norms: e.clip(chunk_norms, threshold),
-                                        self.meter)
+                                        clip, self.meter)
             for idx, total in zip(streamed, sums):
                 self.meter.remove(self.parts[idx][0].tensors())
                 self.parts[idx] = None
@@ -148,6 +163,8 @@ class MicroBatch:
         else:
             norms = (sqrt_or_zero(sq) if sq is not None else
                      torch.zeros(self.batch, device=e.device, dtype=e.norm_dtype))
+        if unscale is not None:
+            norms = norms * unscale
         keep = None
         # A sample with a non-finite norm would put 0·inf = NaN into the sum: one example
         # could change the release without bound. It contributes zero instead, and reads
@@ -163,6 +180,8 @@ class MicroBatch:
         factors = e.clip(norms, threshold)
         if keep is not None:
             factors = torch.where(keep, factors, 0)
+        if unscale is not None:   # the parts hold the scaled gradient
+            factors = factors * unscale
         for idx in e.members[k]:
             parts, self.parts[idx] = self.parts[idx], None
             if not parts:
@@ -183,6 +202,10 @@ class MicroBatch:
 
     def finish(self) -> Tensor:
         """Finalize what the backward did not reach; return the norms [b, K]."""
+        with autocast_off((self.ctx.device.type,)):   # float32 math even inside an autocast region
+            return self._finish()
+
+    def _finish(self) -> Tensor:
         e = self.ctx
         for idx, n in enumerate(self.pending):
             if n > 0:  # some call's output never reached the loss: its gradient is zero
@@ -196,6 +219,8 @@ class MicroBatch:
                 norm_sq = e.exchange_norm_sq(norm_sq)
                 self.norm_sq = list(norm_sq.unbind(dim=1))
             norms = sqrt_or_zero(norm_sq)
+            if self.unscale is not None:
+                norms = norms * self.unscale
             if not math.isfinite(float(norms.sum())):   # NaN reads as +inf to the policy
                 norms = torch.where(torch.isfinite(norms), norms, math.inf)
             per_sample = None if self.per_sample_thresholds is None else self.per_sample_thresholds(norms)

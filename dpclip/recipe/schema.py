@@ -217,6 +217,10 @@ class Training(Section):
                             "clipping.grouping.stages each, per-device clipping; docs/distributed.md)")
     optimizer: OptimizerConfig
     schedule: Schedule = Field(default_factory=Schedule)
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="the forward and the loss under autocast: bf16 (CPU and CUDA) or fp16 (CUDA only, "
+        "static loss scale); weights, optimizer, per-sample norms, clipped sums and noise stay float32; "
+        "ε does not change (docs/engine.md, \"Mixed precision\")")
 
     @model_validator(mode="after")
     def _epochs_or_steps(self) -> Training:

@@ -15,6 +15,7 @@ import torch
 
 from dpclip.data import micro_batches, select
 from dpclip.engine import DPEngine, StepReport
+from dpclip.engine.precision import Precision
 
 
 @dataclass
@@ -39,8 +40,9 @@ class PrivateStep:
     1. split the batch (``indices`` into ``train``) into micro-batches of at most
        ``micro_batch_size`` rows (``None``: the whole batch in one backward, which a
        policy that ranks the whole batch needs, see docs/methods.md);
-    2. per micro-batch, per-example losses ``loss_fn(model, rows)`` go through
-       ``engine.backward`` (per-sample norms and clipped sums, docs/engine.md); an empty
+    2. per micro-batch, per-example losses ``loss_fn(model, rows)`` (under ``precision``'s
+       autocast, if any) go through ``engine.backward`` (per-sample norms and clipped sums,
+       with float16's loss scale undone before clipping; docs/engine.md); an empty
        Poisson draw runs no backward at all and the step releases noise only;
     3. ``engine.privatize()`` clips, adds the Gaussian noise, updates the threshold policy
        and writes ``p.grad = (Σ clipped + noise) / B`` with B the EXPECTED batch size;
@@ -53,7 +55,8 @@ class PrivateStep:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, engine: DPEngine,
                  optimizer: torch.optim.Optimizer, train: dict[str, torch.Tensor], *,
-                 micro_batch_size: int | None):
+                 micro_batch_size: int | None, precision: Precision | None = None):
+        self.precision = precision or Precision()
         self.model = model
         self.loss_fn = loss_fn
         self.engine = engine
@@ -67,9 +70,10 @@ class PrivateStep:
         chunk = self.micro_batch_size if self.micro_batch_size is not None else max(len(indices), 1)
         loss_sum = 0.0
         for rows in micro_batches(indices, chunk):
-            losses = self.loss_fn(self.model, select(self.train, rows))
+            with self.precision.autocast():
+                losses = self.loss_fn(self.model, select(self.train, rows))
             loss_sum += float(losses.detach().sum())
-            self.engine.backward(losses)
+            self.engine.backward(losses, loss_scale=self.precision.scale)
         report = self.engine.privatize()
         if before_update is not None:
             before_update(report)
@@ -86,3 +90,10 @@ def step_micro_batch_size(recipe) -> int | None:
     if recipe.clipping.threshold.ranks_whole_batch():
         return None
     return recipe.training.micro_batch_size or recipe.training.batch_size
+
+
+def step_precision(recipe, model: torch.nn.Module) -> Precision:
+    """The recipe's ``training.precision`` on the device the model lives on; fp16 off CUDA is
+    refused here, before a run directory exists (an EngineError with a hint)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return Precision(recipe.training.precision, device.type)

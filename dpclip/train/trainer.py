@@ -44,7 +44,7 @@ from dpclip.train.rundir import (
     PLAN_FIELDS, RunDir, _append_metrics, _check_canaries, _check_data, _check_same_release, _meta, _privacy_diff,
     _read_ledger, _released_part, _released_records, check_ledger, privacy_fingerprint, recipe_changes,
     record_resume_changes, run_statement, step_record)
-from dpclip.train.step import PrivateStep, step_micro_batch_size
+from dpclip.train.step import PrivateStep, step_micro_batch_size, step_precision
 from dpclip.train.tensorboard import check_logging, open_tensorboard
 
 
@@ -204,7 +204,8 @@ class Trainer:
                                              training.micro_batch_size or training.batch_size)
             return
         self.private_step = PrivateStep(self.model, self.loss_fn, self.engine, self.optimizer, self.data.train,
-                                        micro_batch_size=step_micro_batch_size(self.recipe))
+                                        micro_batch_size=step_micro_batch_size(self.recipe),
+                                        precision=step_precision(self.recipe, self.model))
 
     def _setup_sampler(self) -> None:
         training, plan = self.recipe.training, self.plan

@@ -33,7 +33,7 @@ from dpclip.models import build_model
 from dpclip.recipe.schema import Recipe
 from dpclip.train.optim import build_optimizer
 from dpclip.train.plan import timing_clipping as plan_timing_clipping
-from dpclip.train.step import PrivateStep, step_micro_batch_size
+from dpclip.train.step import PrivateStep, step_micro_batch_size, step_precision
 from dpclip.train.workflow import train
 
 #: Steps of the whole run that measures a run's fixed cost (the steps' own time is subtracted).
@@ -93,7 +93,8 @@ def measure_step_seconds(recipe: Recipe, steps: int, warmup_steps: int = 1,
     engine = DPEngine(model, timing_clipping(recipe), noise_multiplier=_TIMING_SIGMA,
                       expected_batch_size=batch_size, sample_rate=sample_rate)
     optimizer = build_optimizer(training.optimizer, [p for p in model.parameters() if p.requires_grad])
-    private_step = PrivateStep(model, loss_fn, engine, optimizer, data.train, micro_batch_size=step_micro_batch_size(recipe))
+    private_step = PrivateStep(model, loss_fn, engine, optimizer, data.train, micro_batch_size=step_micro_batch_size(recipe),
+                               precision=step_precision(recipe, model))
     sampler = PoissonSampler(data.num_train, sample_rate, warmup_steps + steps)
     seconds: list[float] = []
     model.train()

@@ -21,6 +21,32 @@ def test_bench_reports_each_grouping_against_non_private(cli):
     assert out["batch_size"] == 16 and out["memory_mib"] == {}
 
 
+def test_bench_reports_the_speed_settings_it_ran_with(cli, monkeypatch):
+    import torch
+
+    from dpclip.threads import configure
+
+    before = torch.get_num_threads()
+    try:
+        r = cli("bench", RECIPES / "quickstart.yaml", *SMALL, "training.precision=bf16", "--repeats", "1",
+                "--warmup", "0", "--no-memory", "--json", "--threads", "1")
+        assert r.code == 0, r.err
+        out = json.loads(r.out)
+        # what dpclip.configure_speed sets (and `dpclip train`), plus the recipe's precision
+        assert out["settings"] == {**configure(None), "precision": "bf16"}
+        assert out["settings"]["threads"] == out["threads"] == 1
+        table = cli("bench", RECIPES / "quickstart.yaml", *SMALL, "--repeats", "1", "--warmup", "0", "--no-memory",
+                    "--threads", "1")
+        assert "1 threads" in table.out and "fp32" in table.out
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bench_refuses_a_thread_count_that_is_not_a_number(cli):
+    r = cli("bench", RECIPES / "quickstart.yaml", "--threads", "many", "--no-memory")
+    assert r.code != 0 and "hint:" in r.err
+
+
 def test_bench_table_names_the_recipe(cli):
     r = cli("bench", RECIPES / "quickstart.yaml", *SMALL, "--repeats", "1", "--warmup", "0",
             "--no-memory")

@@ -12,8 +12,14 @@ def _loop_example() -> str:
 
 
 def test_the_own_training_loop_example_of_engine_md_runs_and_charges_every_step(capsys):
+    import torch
+
     namespace: dict = {}
-    exec(compile(_loop_example(), str(DOC), "exec"), namespace)
+    threads = torch.get_num_threads()
+    try:
+        exec(compile(_loop_example(), str(DOC), "exec"), namespace)
+    finally:
+        torch.set_num_threads(threads)   # the example sets the process's threads (configure_speed)
     ledger, engine, model = namespace["ledger"], namespace["engine"], namespace["model"]
     assert ledger.steps == namespace["steps"] and ledger.epsilon() > 0
     assert all(p.grad is None for p in model.parameters())

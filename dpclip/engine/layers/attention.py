@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from dpclip.engine.factors import Bilinear, Dense
 from dpclip.engine.layers import (Capture, Example, LayerRule, example_tensor, expand_batch,
                                   register_layer_rule, seeded)
+from dpclip.engine.precision import autocast_input, widened
 from dpclip.errors import EngineError
 
 _SLOTS = {"q": 0, "k": 1, "v": 2}
@@ -76,8 +77,8 @@ class _InProjection:
         else:
             uses[weight_name] = Bilinear(b.unsqueeze(1), a.unsqueeze(1))
         if m.in_proj_bias is not None:
-            bias = b.new_zeros(b.shape[0], 3 * m.embed_dim)
-            bias[:, rows] = b.sum(1)
+            bias = widened(b).new_zeros(b.shape[0], 3 * m.embed_dim)
+            bias[:, rows] = widened(b).sum(1)
             uses["in_proj_bias"] = Dense(bias)
         return uses
 
@@ -111,7 +112,7 @@ class MultiheadAttentionRule(LayerRule):
             weight_name = ("in_proj_weight" if m._qkv_same_embed_dim
                            else f"{slots}_proj_weight")
             names = [n for n in (weight_name, "in_proj_bias") if n in trainable]
-            y = capture.op(_IN_PROJECTION, expand_batch(x, capture.batch_hint),
+            y = capture.op(_IN_PROJECTION, autocast_input(expand_batch(x, capture.batch_hint)),
                            (slots, weight_name), names)
             for slot, part in zip(slots, y.chunk(len(slots), dim=-1)):
                 out[slot] = part

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from dpclip.engine.factors import Bilinear, Dense, Use
 from dpclip.engine.layers import (Example, LayerRule, example_tensor, expand_batch,
                                   register_layer_rule, seeded)
+from dpclip.engine.precision import autocast_input, widened
 
 
 def _tuple(v, n):
@@ -41,7 +42,7 @@ class ConvRule(LayerRule):
 
     def prepare(self, m, x, batch_hint):
         """Make padding explicit so unfold sees the same geometry as the convolution."""
-        x = expand_batch(x, batch_hint)
+        x = autocast_input(expand_batch(x, batch_hint))
         nd = len(m.kernel_size)
         padding = m.padding
         if m.padding_mode != "zeros":
@@ -81,7 +82,7 @@ class ConvRule(LayerRule):
         left = gyf.view(batch, g, -1, positions).transpose(2, 3)          # [B, g, P, out/g]
         uses: dict[str, Use] = {"weight": Bilinear(left, right)}
         if m.bias is not None:
-            uses["bias"] = Dense(gyf.sum(-1))
+            uses["bias"] = Dense(widened(gyf).sum(-1))
         return uses
 
     def examples(self):

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpclip.engine.factors import Dense
 from dpclip.engine.layers import Capture, LayerRule
+from dpclip.engine.precision import autocast_again, autocast_state
 from dpclip.errors import EngineError
 
 
@@ -97,8 +98,12 @@ class FunctorchRule(LayerRule):
         if not index:
             return out
 
+        # The per-sample recomputation runs in the backward, outside this autocast region:
+        # it re-enters it, so that it differentiates the forward that ran.
+        autocast = autocast_state(leaves[index[0]].device.type)
+
         def on_grads(grads: tuple[Tensor, ...], batch: int) -> dict[str, Dense]:
-            return per_sample_grads(capture, args, kwargs, index, grads, batch)
+            return per_sample_grads(capture, args, kwargs, index, grads, batch, autocast)
 
         tapped = capture.tap([leaves[i] for i in index], on_grads)
         for j, i in enumerate(index):
@@ -117,9 +122,10 @@ def is_rmsnorm_like(module: nn.Module) -> bool:
 
 
 def per_sample_grads(capture: Capture, args: tuple, kwargs: dict, out_index: list[int],
-                     grads: tuple[Tensor, ...], batch: int) -> dict[str, Dense]:
+                     grads: tuple[Tensor, ...], batch: int, autocast=None) -> dict[str, Dense]:
     """Per-sample gradients ``{param name: Dense([B, *shape])}`` of one call of
-    ``capture.module``; ``out_index`` picks the tapped leaves of its output."""
+    ``capture.module``; ``out_index`` picks the tapped leaves of its output; ``autocast``:
+    the forward's :func:`~dpclip.engine.precision.autocast_state`, re-entered to recompute."""
     module = capture.module
     leaves, spec = tree_flatten((args, kwargs))
     tensor_pos = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
@@ -133,7 +139,7 @@ def per_sample_grads(capture: Capture, args: tuple, kwargs: dict, out_index: lis
         for pos, t in zip(tensor_pos, sample_tensors):
             full[pos] = t
         call_args, call_kwargs = tree_unflatten(full, spec)
-        with capture.plain():
+        with capture.plain(), autocast_again(autocast):
             out = torch.func.functional_call(module, p, call_args, call_kwargs)
         out_leaves = tree_flatten(out)[0]
         return [out_leaves[i] for i in out_index]

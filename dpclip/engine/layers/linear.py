@@ -13,13 +13,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpclip.engine.factors import Bilinear, Dense, Use
-from dpclip.engine.layers import (Example, LayerRule, example_tensor, flat3, register_layer_rule,
-                                  seeded)
+from dpclip.engine.layers import (Example, LayerRule, example_tensor, expand_batch, flat3,
+                                  register_layer_rule, seeded)
+from dpclip.engine.precision import autocast_input, widened
 
 
 @register_layer_rule(nn.Linear)
 class LinearRule(LayerRule):
     name = "linear"
+
+    def prepare(self, m, x, batch_hint):
+        return autocast_input(expand_batch(x, batch_hint)), None
 
     def forward(self, m, x, info):
         return F.linear(x, m.weight, m.bias)
@@ -31,7 +35,7 @@ class LinearRule(LayerRule):
         b = flat3(gy)
         uses: dict[str, Use] = {"weight": Bilinear(b.unsqueeze(1), flat3(x).unsqueeze(1))}
         if m.bias is not None:
-            uses["bias"] = Dense(b.sum(1))
+            uses["bias"] = Dense(widened(b).sum(1))
         return uses
 
     def examples(self):
@@ -44,6 +48,9 @@ class HFConv1DRule(LayerRule):
 
     name = "conv1d_transformers"
 
+    def prepare(self, m, x, batch_hint):
+        return autocast_input(expand_batch(x, batch_hint)), None
+
     def forward(self, m, x, info):
         out = torch.addmm(m.bias, x.reshape(-1, x.shape[-1]), m.weight)
         return out.view(*x.shape[:-1], m.weight.shape[1])
@@ -53,7 +60,7 @@ class HFConv1DRule(LayerRule):
 
     def uses(self, m, x, gy, info):
         b = flat3(gy)
-        return {"weight": Bilinear(flat3(x).unsqueeze(1), b.unsqueeze(1)), "bias": Dense(b.sum(1))}
+        return {"weight": Bilinear(flat3(x).unsqueeze(1), b.unsqueeze(1)), "bias": Dense(widened(b).sum(1))}
 
     def examples(self):
         return [Example(seeded(HFConv1D(3, 4), 2), (example_tensor(5, 2, 4, seed=2),))]

@@ -14,6 +14,7 @@ from torch import nn
 from dpclip.engine.factors import Dense, Use
 from dpclip.engine.layers import (Example, LayerRule, example_tensor, expand_batch,
                                   register_layer_rule, seeded)
+from dpclip.engine.precision import LOW_PRECISION, widened
 
 _CHANNEL_NORMS = (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 
@@ -34,23 +35,32 @@ class AffineNormRule(LayerRule):
         raise NotImplementedError
 
     def prepare(self, m, x, batch_hint):
-        return self.normalise(m, expand_batch(x, batch_hint)), None
+        # A half-precision input is normalised in float32 and the output rounded once, as
+        # torch's own fused norm kernels do (``info``: the output dtype); CUDA autocast runs
+        # norms in float32 and returns float32, so there the output stays float32.
+        x = expand_batch(x, batch_hint)
+        low = x.dtype in LOW_PRECISION and not (x.is_cuda and torch.is_autocast_enabled("cuda"))
+        return self.normalise(m, widened(x)), (x.dtype if low else None)
 
     def forward(self, m, xhat, info):
         shape = _affine_shape(m, xhat)
         bias = getattr(m, "bias", None)
         if bias is None:
-            return xhat * m.weight.view(shape)
-        return torch.addcmul(bias.view(shape), xhat, m.weight.view(shape))
+            y = xhat * m.weight.view(shape)
+        else:
+            y = torch.addcmul(bias.view(shape), xhat, m.weight.view(shape))
+        return y if info is None else y.to(info)
 
     def input_grad(self, m, xhat, gy, info):
-        return gy * m.weight.view(_affine_shape(m, xhat)).to(gy.dtype)
+        dtype = torch.promote_types(gy.dtype, xhat.dtype)
+        return gy.to(dtype) * m.weight.view(_affine_shape(m, xhat)).to(dtype)
 
     def uses(self, m, xhat, gy, info):
         if isinstance(m, _CHANNEL_NORMS):
             dims = tuple(range(2, xhat.dim()))
         else:
             dims = tuple(range(1, xhat.dim() - m.weight.dim()))
+        gy = widened(gy)   # sums over positions in float32, not in the output's bf16
         weight_grad = (gy * xhat).sum(dims) if dims else gy * xhat
         bias_grad = gy.sum(dims) if dims else gy
         uses: dict[str, Use] = {"weight": Dense(weight_grad)}
