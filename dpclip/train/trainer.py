@@ -15,6 +15,7 @@ each part would reach into the others' attributes.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -355,7 +356,7 @@ class Trainer:
             return TrainResult(self.run_dir, self.step, self.plan.steps, float("nan"), float("nan"), self.plan.delta,
                                stopped)
         accounting = self.ledger.result()
-        statement = run_statement(self.recipe, self.ledger)
+        statement = run_statement(self.recipe, self.ledger, world_size=self.world.size)
         result = TrainResult(self.run_dir, self.step, self.plan.steps, accounting.epsilon, accounting.epsilon_rdp,
                              self.plan.delta, stopped, final_eval, statement.lines(), self.solved.step_metadata,
                              self.sigma_change, self.resume_changes)
@@ -374,7 +375,8 @@ class Trainer:
         self.engine.detach()
         solved = self.solved
         result = TrainResult(Path("-"), 0, self.plan.steps, solved.epsilon, solved.epsilon_rdp, self.plan.delta,
-                             "dry-run", statement=solved.statement.lines(), noise=solved.step_metadata,
+                             "dry-run", statement=replace(solved.statement, world_size=self.world.size).lines(),
+                             noise=solved.step_metadata,
                              sigma_change=self.sigma_change, resume_changes=self.resume_changes)
         self.observer.on_end(result)
         return result

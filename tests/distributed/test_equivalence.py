@@ -27,6 +27,10 @@ def _weights(run_dir):
     return load_file(run_dir / "checkpoints" / latest / "model.safetensors")
 
 
+def _statement(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())["statement"]
+
+
 def _ledger_entries(run_dir):
     return json.loads((run_dir / "ledger.json").read_text())["entries"]
 
@@ -62,6 +66,10 @@ def test_two_ranks_train_the_parameters_and_ledger_of_one_process(policy, two_ra
     for key in mine:
         torch.testing.assert_close(mine[key], theirs[key], rtol=1e-5, atol=1e-6)
     assert _ledger_entries(one) == _ledger_entries(two)
+    # The statements differ only by the line that says how the run was distributed.
+    statement_one, statement_two = _statement(one), _statement(two)
+    assert [line for line in statement_two if not line.startswith("distribution:")] == statement_one
+    assert not any(line.startswith("distribution:") for line in statement_one)
     steps_one = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
     steps_two = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
     # The realised batch (summed over ranks) and the thresholds match step by step.
@@ -71,6 +79,17 @@ def test_two_ranks_train_the_parameters_and_ledger_of_one_process(policy, two_ra
         assert ("thresholds" in a) == ("thresholds" in b)
         if "thresholds" in a:
             assert a["thresholds"] == pytest.approx(b["thresholds"], rel=1e-5)
+
+
+def test_a_two_rank_runs_statement_and_meta_name_its_two_processes(two_rank_runs):
+    from dpclip.train.rundir import spent
+
+    run = two_rank_runs / "layer"
+    line = "distribution: data parallel over 2 processes (sharded Poisson sampling, noise drawn once by rank 0)"
+    assert line in _statement(run)
+    assert json.loads((run / "meta.json").read_text())["plan"]["world_size"] == 2
+    _, statement = spent(run)  # what `dpclip account RUN_DIR` prints
+    assert line in statement.lines() and statement.world_size == 2
 
 
 def test_a_perturbed_rank_is_detected(two_rank_runs, tmp_path):
