@@ -9,9 +9,9 @@
 Pipeline stages with per-device clipping (docs/distributed.md, "Not yet") would live here too.
 """
 
-from dpclip.distributed.launch import announce_run_dir, launch, rank_threads
+from dpclip.distributed.launch import announce_interrupted, announce_run_dir, launch, rank_threads
 from dpclip.distributed.sampler import ShardedPoissonSampler
 from dpclip.distributed.world import PeerStopped, SumReducer, World, joined_world, launched
 
 __all__ = ["World", "SumReducer", "PeerStopped", "joined_world", "launched", "ShardedPoissonSampler", "launch",
-           "announce_run_dir", "rank_threads"]
+           "announce_run_dir", "announce_interrupted", "rank_threads"]
