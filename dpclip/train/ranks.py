@@ -58,11 +58,6 @@ def check_ranks(trainer) -> None:
         return
     recipe = trainer.recipe
     refused = []
-    if recipe.training.sampling != "poisson":
-        refused.append(("training.sampling: shuffle", "use sampling: poisson (the accounting assumes it anyway)"))
-    if recipe.clipping.threshold.ranks_whole_batch():
-        refused.append(("a threshold policy that ranks the whole logical batch (discriminative top_fraction)",
-                        "use tail_rule: threshold, whose rule is per sample"))
     if recipe.continual is not None:
         refused.append(("continual: (public phases)", "train the public phase in one process"))
     if recipe.diagnostics.every_steps:

@@ -23,7 +23,7 @@ import torch
 
 from dpclip.accounting import Ledger, solve
 from dpclip.data import PoissonSampler, ShuffleSampler, load_data
-from dpclip.distributed import ShardedPoissonSampler, World
+from dpclip.distributed import ShardedPoissonSampler, ShardedShuffleSampler, World
 from dpclip.data.canaries import make_canaries, with_canaries, write_canary_secret
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
@@ -194,10 +194,14 @@ class Trainer:
 
     def _setup_sampler(self) -> None:
         training, plan = self.recipe.training, self.plan
-        if self.world.size > 1:  # each rank draws its own examples' part of every batch
+        if self.world.size > 1 and training.sampling == "poisson":  # each rank draws its own examples' part
             self.sampler = ShardedPoissonSampler(self.data.num_train, plan.sample_rate, plan.steps,
                                                  rank=self.world.rank, world_size=self.world.size,
                                                  seed=self.seed_of_noise)
+        elif self.world.size > 1:  # rank 0 draws each epoch's permutation; each rank takes its slice
+            self.sampler = ShardedShuffleSampler(self.data.num_train, training.batch_size, plan.steps,
+                                                 rank=self.world.rank, world_size=self.world.size,
+                                                 broadcast_=self.world.broadcast_, seed=self.seed_of_noise)
         elif training.sampling == "poisson":
             self.sampler = PoissonSampler(self.data.num_train, plan.sample_rate, plan.steps, seed=self.seed_of_noise)
         else:

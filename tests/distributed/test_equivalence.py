@@ -3,7 +3,9 @@
 With the same sampled examples (seeded mode: the ranks' draws union to the one-process
 batch) and the noise drawn once, by rank 0, from the one-process stream, a 2-rank run must
 reach the same parameters (float tolerance: the sum over ranks adds in another order) and
-write the same ledger, for all-layer, layer-wise and adaptive (quantile) clipping.
+write the same ledger, for all-layer, layer-wise and adaptive (quantile) clipping, for
+shuffled batches (rank 0's permutation, interrupted and resumed) and for discriminative
+clipping's top-fraction rule (the norms of the whole batch gathered over the ranks).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from safetensors.torch import load_file
 
 from dpclip.train.workflow import train
 from tests.distributed import workers
-from tests.distributed.engine_case import grads_for
+from tests.distributed.engine_case import CLIPPING, grads_for, step_grads
 from tests.distributed.ranks import run_ranks
 
 POLICIES = list(workers.POLICIES)
@@ -45,7 +47,7 @@ def two_rank_runs(tmp_path_factory):
 
 def test_engine_sums_over_ranks_at_noise_zero_as_one_process(two_rank_runs):
     split = torch.load(two_rank_runs / "engine.pt")
-    for name in ("all-layer", "layer", "quantile", "dcsgd-p"):
+    for name in CLIPPING:
         whole = grads_for(name)
         for step in whole:
             for a, b in zip(whole[step]["grads"], split[name][step]["grads"]):
@@ -53,6 +55,23 @@ def test_engine_sums_over_ranks_at_noise_zero_as_one_process(two_rank_runs):
             torch.testing.assert_close(whole[step]["thresholds"], split[name][step]["thresholds"])
             torch.testing.assert_close(whole[step]["clip_fraction"], split[name][step]["clip_fraction"])
             assert whole[step]["samples"] == split[name][step]["samples"] == 24
+
+
+def test_top_fraction_ranks_the_whole_batch_across_ranks(two_rank_runs):
+    """The rule's cut falls inside the batch (some samples clipped at large, others at small),
+    and a rank with an empty part still joins the norm exchange: the gradient is the one
+    process's, whose top set differs from each rank's own top set."""
+    split = torch.load(two_rank_runs / "engine.pt")
+    whole = grads_for("top-fraction", steps=1)[0]
+    separately = [grads_for("top-fraction", rank, 2, steps=1)[0]["grads"] for rank in (0, 1)]
+    summed = [a + b for a, b in zip(*separately)]  # each rank ranking only its own half
+    assert any(not torch.allclose(a, b, rtol=1e-6, atol=1e-9) for a, b in zip(whole["grads"], summed))
+    for a, b in zip(step_grads(), split["empty-part"]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_shuffled_run_was_interrupted_and_resumed(two_rank_runs):
+    assert (two_rank_runs / "shuffle-first.txt").read_text() == f"interrupted {workers.SHUFFLE_STOP}"
 
 
 @pytest.mark.parametrize("policy", POLICIES)
