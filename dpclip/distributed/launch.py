@@ -112,9 +112,8 @@ def launch(args: list[str], nproc: int, *, master_port: int | None = None, debug
 
 def _quiet_agent_logs() -> None:
     """torchrun's modules set their loggers' levels one by one (LOGLEVEL, else WARNING), so a
-    parent logger's level does not reach them: lower each one."""
-    import torch.distributed.launcher.api  # noqa: F401 (creates the agent's loggers)
-
+    parent logger's level does not reach them: lower each one (called once the launcher's
+    modules, and so their loggers, are imported)."""
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)

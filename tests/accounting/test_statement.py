@@ -86,7 +86,8 @@ def test_a_data_parallel_run_says_how_many_processes_trained_it():
     assert _statement(world_size=1).lines() == one.lines()
     assert not any(line.startswith("distribution:") for line in one.lines())
     two = _statement(world_size=2).lines()
-    assert "distribution: data parallel over 2 processes (sharded Poisson sampling, noise drawn once by rank 0)" in two
+    line = "distribution: data parallel over 2 processes (sharded Poisson sampling, noise drawn once by rank 0)"
+    assert line in two
     assert [line for line in two if not line.startswith("distribution:")] == one.lines()
     shuffled = _statement(world_size=4, sampling="shuffle")
     assert any("over 4 processes (fixed-size shuffled batches from one permutation drawn by rank 0" in line
