@@ -11,6 +11,9 @@ class DpclipError(Exception):
     """An expected user mistake or impossible request, with a hint on how to fix it."""
 
     exit_code = 2
+    #: True when another process shows this error (a rank of a data-parallel run whose
+    #: launcher or rank 0 prints it once): the CLI then exits with its code, silently.
+    quiet = False
 
     def __init__(self, message: str, hint: str | None = None):
         super().__init__(message)

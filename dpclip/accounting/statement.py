@@ -26,6 +26,7 @@ __all__ = [
     "SEEDED_RANDOMNESS_WARNING",
     "GRADIENT_RELEASE",
     "PrivacyStatement",
+    "distribution_line",
     "statement_from_ledger",
 ]
 
@@ -48,6 +49,24 @@ SEEDED_RANDOMNESS_WARNING = (
 GRADIENT_RELEASE = "gradient (sensitivity 1 after clipping)"
 
 
+def distribution_line(world_size: int, sampling: str, parallel: str = "data") -> str | None:
+    """How the steps were computed across processes (docs/distributed.md), None for one process.
+
+    Nothing here moves ε: the sharded sampler's batches are Poisson at rate q over all N
+    examples, a shuffled permutation is drawn once (by rank 0) as in one process, and the
+    noise is added once to the sum over ranks. Pipeline stages clip and noise their own
+    parameters as the one-process ``stages`` grouping's groups (per-device clipping)."""
+    if world_size <= 1:
+        return None
+    if parallel == "pipeline":
+        batches = "Poisson batches" if sampling == "poisson" else "shuffled batches"
+        return (f"pipeline of {world_size} stages, one per process ({batches} drawn by rank 0; per-device "
+                "clipping: each stage clips and noises its own parameters)")
+    how = ("sharded Poisson sampling" if sampling == "poisson"
+           else "fixed-size shuffled batches from one permutation drawn by rank 0, split over the ranks")
+    return f"data parallel over {world_size} processes ({how}, noise drawn once by rank 0)"
+
+
 def _fmt(x: float | None, digits: int = 4) -> str:
     if x is None:
         return "n/a"
@@ -68,7 +87,8 @@ class PrivacyStatement:
     ``epsilon_rdp`` holds the RDP value alongside (None otherwise). ``sampling`` is how
     the loader forms batches: "poisson" (what the accountant assumes) or "shuffle"
     (fixed-size shuffled batches; adds :data:`SHUFFLE_CAVEAT`). A PLD->RDP fallback
-    adds its reason to ``caveats``.
+    adds its reason to ``caveats``. ``world_size``: the processes that trained the run
+    data-parallel (docs/distributed.md); above 1 it adds a ``distribution:`` line.
     """
 
     epsilon: float
@@ -89,6 +109,8 @@ class PrivacyStatement:
     neighbouring: str = "add/remove one example"
     seeded_randomness: bool = False
     not_covered: list[str] = field(default_factory=list)
+    world_size: int = 1
+    parallel: str = "data"   # across world_size processes: "data" or "pipeline"
 
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLINGS:
@@ -96,6 +118,9 @@ class PrivacyStatement:
                 f"unknown sampling {self.sampling!r}",
                 "use 'poisson' (what the accountant assumes) or 'shuffle' (fixed-size shuffled batches)",
             )
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise AccountingError(f"world_size must be a whole number >= 1, got {self.world_size!r}",
+                                  "the number of processes that trained the run (1 without --nproc)")
         self.releases = list(self.releases)
         self.caveats = list(self.caveats)
         self.not_covered = list(self.not_covered)
@@ -121,6 +146,9 @@ class PrivacyStatement:
             out.append(f"RDP ε alongside: {_fmt(self.epsilon_rdp)}")
         sampling = "Poisson" if self.sampling == "poisson" else "fixed-size shuffled batches"
         out.append(f"sampling: {sampling}, sample rate q = {_fmt(self.sample_rate, 6)}")
+        distribution = distribution_line(self.world_size, self.sampling, self.parallel)
+        if distribution is not None:
+            out.append(f"distribution: {distribution}")
         out.append(f"steps: {self.steps}")
         out.append(f"noise multiplier (total, joint over all releases): {_fmt(self.sigma_total, 6)}")
         if self.sigma_aux is not None:
@@ -161,11 +189,13 @@ def _gaussian_parameters(event: dp_accounting.DpEvent) -> tuple[float, float] | 
 
 
 def statement_from_ledger(ledger: "Ledger", sampling: str = "poisson", *, seeded_randomness: bool = False,
-                          not_covered: list[str] | tuple[str, ...] = ()) -> PrivacyStatement:
+                          not_covered: list[str] | tuple[str, ...] = (), world_size: int = 1,
+                          parallel: str = "data") -> PrivacyStatement:
     """The statement for what a run's ledger has spent (``dpclip account RUN_DIR``).
 
     Sample rate and noise multipliers are reported when every entry has the same ones;
-    otherwise they are n/a and a caveat points to the ledger. Release descriptions come
+    otherwise they are n/a and a caveat points to the ledger. ``world_size``: the processes
+    that trained the run (meta.json's plan). Release descriptions come
     from the entries' metadata (key "releases", as written by PlanResult.step_metadata).
     """
     result = ledger.result()
@@ -205,5 +235,7 @@ def statement_from_ledger(ledger: "Ledger", sampling: str = "poisson", *, seeded
         fallback_reason=result.fallback_reason,
         seeded_randomness=seeded_randomness,
         not_covered=list(not_covered),
+        world_size=world_size,
+        parallel=parallel,
     )
 

@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     except DpclipError as exc:
         if _debug["on"]:
             traceback.print_exc()
-        print_error(exc.message, exc.hint)
+        if not exc.quiet:
+            print_error(exc.message, exc.hint)
         return exc.exit_code
     except KeyboardInterrupt:
         print_error("interrupted")

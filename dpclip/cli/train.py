@@ -246,11 +246,16 @@ def train(
         if world is None or world.main:  # rank 0 shows the result
             _show(result, as_json, dry_run)
         if result.stopped == "interrupted":
+            from dpclip.distributed import announce_interrupted
             from dpclip.errors import InterruptedRun
 
             resume_command = f"dpclip train --resume {result.run_dir}" + (f" --nproc {world.size}" if world else "")
-            raise InterruptedRun(f"interrupted at step {result.steps_done}; a checkpoint was saved",
-                                 f"continue with: {resume_command}")
+            error = InterruptedRun(f"interrupted at step {result.steps_done}; a checkpoint was saved",
+                                   f"continue with: {resume_command}")
+            # Said once: by --nproc's launcher (rank 0 leaves it the note), else by rank 0.
+            told_launcher = world is not None and world.main and announce_interrupted(error.message, error.hint)
+            error.quiet = world is not None and (not world.main or told_launcher)
+            raise error
 
 
 def _show(result, as_json: bool, dry_run: bool) -> None:

@@ -95,7 +95,7 @@ class ShuffleSampler:
         self.steps = steps
         self.step = 0
         self.generator = private_generator(seed, self.purpose)
-        self.permutation = torch.randperm(num_examples, generator=self.generator)
+        self.permutation = self._draw_permutation()
         self.position = 0  # next unused entry of the current epoch's permutation
 
     def __len__(self) -> int:
@@ -105,13 +105,17 @@ class ShuffleSampler:
         taken = []
         while count > 0:
             if self.position == self.num_examples:
-                self.permutation = torch.randperm(self.num_examples, generator=self.generator)
+                self.permutation = self._draw_permutation()
                 self.position = 0
             chunk = self.permutation[self.position: self.position + count]
             self.position += len(chunk)
             count -= len(chunk)
             taken.append(chunk)
         return torch.cat(taken)
+
+    def _draw_permutation(self) -> torch.Tensor:
+        """The next epoch's order (across ranks, rank 0 draws it for all: dpclip.distributed)."""
+        return torch.randperm(self.num_examples, generator=self.generator)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         while self.step < self.steps:

@@ -8,23 +8,34 @@ Each rank runs ``python -m dpclip train ...`` with torchrun's environment (``RAN
 rendezvous port (or a clear error for a port in use), the threads each rank may use, and,
 when a rank fails, ONE ``error:``/``hint:`` naming the rank that failed first, its own
 message, and the command that continues the run.
+
+Ctrl-C (or SIGTERM) reaches the launcher only: torchrun's agent starts each rank in its own
+session, so a terminal's SIGINT does not reach the ranks directly. The agent forwards the
+signal to every rank and waits (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default) before it
+kills them; the ranks stop together at the next step boundary with a checkpoint, rank 0
+leaves a note of where (:func:`announce_interrupted`), and the launcher prints that one
+``error: interrupted ...`` with the resume command (exit 130).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import signal
 import socket
 import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
 
-from dpclip.errors import DpclipError
+from dpclip.errors import DpclipError, InterruptedRun
 
 # Rank 0 writes the run directory here as soon as it exists (for the launcher's resume hint).
 RUN_DIR_ENV = "DPCLIP_LAUNCH_RUN_DIR_FILE"
 MAX_NPROC = 512
+# The signals torchrun's agent takes over in the launcher (its TORCHELASTIC_SIGNALS_TO_HANDLE).
+AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 def check_port(port: int) -> None:
@@ -68,12 +79,12 @@ def launch(args: list[str], nproc: int, *, master_port: int | None = None, debug
     # Lazy: only the launcher pays for torch.distributed's launcher.
     import sys
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if not debug:  # the agent logs every failure at length; the ranks' own error lines say it better
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-        logging.getLogger("torch.distributed.launcher").setLevel(logging.CRITICAL)
+        _quiet_agent_logs()
     port = master_port if master_port is not None else free_port()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"dpclip-{uuid.uuid4()}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
@@ -82,16 +93,62 @@ def launch(args: list[str], nproc: int, *, master_port: int | None = None, debug
         run_dir_file = Path(tmp) / "run_dir"
         previous = os.environ.get(RUN_DIR_ENV)
         os.environ[RUN_DIR_ENV] = str(run_dir_file)  # the ranks inherit the launcher's environment
+        handlers = {name: signal.getsignal(getattr(signal, name)) for name in AGENT_SIGNALS if hasattr(signal, name)}
         try:
             elastic_launch(config, sys.executable)("-m", "dpclip", *args)
         except ChildFailedError as exc:
             run_dir = run_dir_file.read_text().strip() if run_dir_file.exists() else None
             raise failure_error(exc.failures, nproc, run_dir) from None
+        except SignalException as exc:  # Ctrl-C or SIGTERM to this process; the agent has ended the ranks
+            raise interrupted_error(run_dir_file, nproc, exc.sigval) from None
         finally:
+            for name, handler in handlers.items():  # the agent's handlers outlive it otherwise
+                signal.signal(getattr(signal, name), handler if handler is not None else signal.SIG_DFL)
             if previous is None:
                 os.environ.pop(RUN_DIR_ENV, None)
             else:
                 os.environ[RUN_DIR_ENV] = previous
+
+
+def _quiet_agent_logs() -> None:
+    """torchrun's modules set their loggers' levels one by one (LOGLEVEL, else WARNING), so a
+    parent logger's level does not reach them: lower each one (called once the launcher's
+    modules, and so their loggers, are imported)."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _interrupted_file() -> Path | None:
+    target = os.environ.get(RUN_DIR_ENV)
+    return Path(target).with_name("interrupted.json") if target else None
+
+
+def announce_interrupted(message: str, hint: str | None) -> bool:
+    """Rank 0 of a run started by ``--nproc``: leave the launcher the interruption's message
+    (where the ranks stopped, how to resume). False when no launcher of ours waits for it."""
+    path = _interrupted_file()
+    if path is None:
+        return False
+    path.write_text(json.dumps({"message": message, "hint": hint}), encoding="utf-8")
+    return True
+
+
+def interrupted_error(run_dir_file: Path, nproc: int, sigval: Any = None) -> InterruptedRun:
+    """The launcher's one error after a Ctrl-C or SIGTERM: rank 0's note when the ranks
+    stopped at a step boundary, else (killed first, or stopped before the run directory
+    existed) how to continue from the last checkpoint."""
+    note = run_dir_file.with_name("interrupted.json")
+    if note.exists():
+        data = json.loads(note.read_text(encoding="utf-8"))
+        return InterruptedRun(str(data["message"]), data.get("hint"))
+    name = getattr(sigval, "name", None) or "a signal"
+    if run_dir_file.exists():
+        run_dir = run_dir_file.read_text().strip()
+        return InterruptedRun(f"interrupted by {name} before the ranks reached a step boundary",
+                              f"the run continues from its last checkpoint with: dpclip train --resume {run_dir} "
+                              f"--nproc {nproc}")
+    return InterruptedRun(f"interrupted by {name} before the run directory was made", "nothing was trained")
 
 
 def announce_run_dir(run_dir: Path) -> None:
@@ -119,9 +176,8 @@ def failure_error(failures: dict[int, Any], nproc: int, run_dir: str | None) -> 
     if not ranked:  # only "another rank stopped" reports: name the lowest rank
         ranked = [(2, 0, rank, f, _reported(f)) for rank, f in failures.items()]
     _, _, rank, failure, info = min(ranked, key=lambda item: item[:3])
-    if info is not None and info.get("interrupted"):
-        return DpclipError(f"interrupted: {info['message']}",
-                           f"continue with: {resume}" if resume else info.get("hint"))
+    if info is not None and info.get("interrupted"):  # e.g. SIGTERM to one rank: all stopped at a step boundary
+        return InterruptedRun(info["message"], f"continue with: {resume}" if resume else info.get("hint"))
     if info is not None:
         message = f"rank {rank} stopped: {info['message']}"
         hint = info.get("hint") or ""

@@ -1,4 +1,6 @@
-"""Poisson sampling split over ranks (docs/distributed.md, "Why the sharded sampler is Poisson").
+"""Batches split over ranks: sharded Poisson sampling, and shuffled batches (docs/distributed.md).
+
+**Poisson** (:class:`ShardedPoissonSampler`, "The privacy argument" in the docs).
 
 Every example i has one owning rank, i mod W. At every step, each rank includes each of
 ITS examples independently with probability q. Inclusions of different examples are then
@@ -15,15 +17,24 @@ Randomness, as for :class:`dpclip.data.PoissonSampler` (:mod:`dpclip.rng`):
 - ``privacy.unsafe_seeded_randomness``: every rank uses the one-process sampler's seeded
   stream, draws the whole vector of N uniforms and keeps its own examples, so the union
   is EXACTLY the batch a one-process run draws (what the equivalence tests rely on).
+
+**Shuffled** (:class:`ShardedShuffleSampler`): the batches of the one-process
+:class:`~dpclip.data.ShuffleSampler`, each split over the ranks. Rank 0 draws every epoch's
+permutation from its private generator and broadcasts it; every rank walks the same
+permutation and keeps every W-th entry of each batch (entries rank, rank + W, ...). The
+logical batch, and so what is released and how it is accounted (as Poisson, with the
+statement's caveat that shuffled batches are not covered by that analysis), is the one
+process's. Every rank knows the whole permutation, unlike Poisson sharding where a rank
+knows only its own examples' draws: the ranks are trusted as the operator is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
-from dpclip.data import PoissonSampler
+from dpclip.data import PoissonSampler, ShuffleSampler
 
 
 class ShardedPoissonSampler(PoissonSampler):
@@ -46,6 +57,31 @@ class ShardedPoissonSampler(PoissonSampler):
                                                  dtype=torch.float64) < self.sample_rate]
             self.step += 1
             yield included
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "rank": self.rank, "world_size": self.world_size}
+
+
+class ShardedShuffleSampler(ShuffleSampler):
+    """Rank ``rank`` of ``world_size``'s part of each shuffled batch (module doc).
+
+    ``broadcast_(tensors)`` overwrites each tensor with rank 0's (``World.broadcast_``); it is
+    called on every rank at the same steps (construction and each new epoch)."""
+
+    def __init__(self, num_examples: int, batch_size: int, steps: int, *, rank: int, world_size: int,
+                 broadcast_: Callable[[list[torch.Tensor]], None], seed: int | None = None):
+        self.rank, self.world_size, self.broadcast_ = rank, world_size, broadcast_
+        super().__init__(num_examples, batch_size, steps, seed=seed)
+
+    def _draw_permutation(self) -> torch.Tensor:
+        # Only rank 0's generator draws: one permutation, as in one process.
+        order = super()._draw_permutation() if self.rank == 0 else torch.empty(self.num_examples, dtype=torch.long)
+        self.broadcast_([order])
+        return order
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for batch in super().__iter__():
+            yield batch[self.rank::self.world_size]
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "rank": self.rank, "world_size": self.world_size}

@@ -140,6 +140,7 @@ class SumReducer:
 
     def __init__(self, world: World):
         self.draws_noise = world.main
+        self.rank, self.size = world.rank, world.size
 
     def sum_(self, tensors: list[torch.Tensor]) -> None:
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -157,6 +158,20 @@ class SumReducer:
         out = tensor.detach().clone()
         _collective(dist.all_reduce, out)
         return out
+
+    def gather(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """All ranks' 1-d ``tensor`` in rank order, and this rank's offset in it: lengths are
+        exchanged first, then parts padded to the longest (all_gather needs equal sizes)."""
+        flat = tensor.detach().reshape(-1)
+        length = torch.tensor([flat.numel()], device=flat.device, dtype=torch.long)
+        lengths = [torch.zeros_like(length) for _ in range(self.size)]
+        _collective(dist.all_gather, lengths, length)
+        sizes = [int(n.item()) for n in lengths]
+        padded = torch.zeros(max(max(sizes), 1), device=flat.device, dtype=flat.dtype)
+        padded[:flat.numel()] = flat
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        _collective(dist.all_gather, parts, padded)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)]), sum(sizes[:self.rank])
 
 
 def _device() -> torch.device:

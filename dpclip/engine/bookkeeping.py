@@ -333,8 +333,7 @@ class Bookkeeper:
     # --------------------------------------------------------------- backward
 
     def start_forward(self) -> int:
-        """A new forward while earlier ones still wait for their backward (a pipeline's next
-        micro-batch): its uses count for a new generation, returned."""
+        """A new forward while earlier ones wait for their backward (pipelines): a new generation."""
         if any(self.forward_counts):
             self._waiting[self.generation] = self.forward_counts
         self.forward_counts = [0] * len(self.forward_counts)

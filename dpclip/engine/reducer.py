@@ -11,7 +11,11 @@ and calls it between the clipped sum and the update:
   ranks holds the noise once: Σ_r clipped_r + N(0, σ²S²) is what one process releases;
 - ``sum_(tensors)``: replace every tensor, in place, by its sum over ranks (every rank
   gets the same result);
-- ``sum(tensor)``: the sum over ranks of one tensor, as a new tensor.
+- ``sum(tensor)``: the sum over ranks of one tensor, as a new tensor;
+- ``gather(tensor)``: every rank's 1-d tensor (lengths may differ), concatenated in rank
+  order, and where this rank's part starts: discriminative clipping's top-fraction rule
+  ranks the norms of the whole logical batch, so every rank must see all of them (they stay
+  inside the run's processes, like the examples each rank holds, and are never released).
 
 Single process: no reducer, and the engine's step is exactly the one-process step.
 """
@@ -30,6 +34,8 @@ class Reducer(Protocol):
     def sum_(self, tensors: list[Tensor]) -> None: ...
 
     def sum(self, tensor: Tensor) -> Tensor: ...
+
+    def gather(self, tensor: Tensor) -> tuple[Tensor, int]: ...
 
 
 def sum_counts(reducer: Reducer, clipped: Tensor, nonfinite: Tensor, samples: int) -> tuple[Tensor, Tensor, int]:

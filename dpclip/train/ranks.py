@@ -58,14 +58,12 @@ def check_ranks(trainer) -> None:
     if recipe.training.parallel == "pipeline" and world.size == 1:
         raise DpclipError("training.parallel: pipeline runs one stage per process, and this is one process",
                           "start one process per stage of clipping.grouping.stages: dpclip train RECIPE --nproc K")
+    if recipe.training.parallel == "pipeline" and recipe.training.precision != "fp32":
+        raise DpclipError(f"training.precision: {recipe.training.precision} does not run on pipeline stages yet",
+                          "use training.precision: fp32 with training.parallel: pipeline")
     if world.size == 1:
         return
     refused = []
-    if recipe.training.sampling != "poisson":
-        refused.append(("training.sampling: shuffle", "use sampling: poisson (the accounting assumes it anyway)"))
-    if recipe.clipping.threshold.ranks_whole_batch():
-        refused.append(("a threshold policy that ranks the whole logical batch (discriminative top_fraction)",
-                        "use tail_rule: threshold, whose rule is per sample"))
     if recipe.continual is not None:
         refused.append(("continual: (public phases)", "train the public phase in one process"))
     if recipe.diagnostics.every_steps:

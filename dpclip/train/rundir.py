@@ -264,15 +264,25 @@ def spent(run_dir: Path):
     ledger = run.ledger()
     step_event, steps = planned_step(run.path, recipe)
     check_ledger(ledger, step_event, range(0, steps + 1), where=path)
-    return ledger, run_statement(recipe, ledger)
+    return ledger, run_statement(recipe, ledger, world_size=recorded_world_size(run.path))
 
 
-def run_statement(recipe: Recipe, ledger):
-    """The privacy statement of a run's ledger, with the recipe's randomness mode and
-    what the run releases outside ε."""
+def run_statement(recipe: Recipe, ledger, *, world_size: int = 1):
+    """The privacy statement of a run's ledger, with the recipe's randomness mode, what the
+    run releases outside ε, and how many processes trained it (docs/distributed.md)."""
     return statement_from_ledger(ledger, sampling=recipe.training.sampling,
                                  seeded_randomness=recipe.privacy.unsafe_seeded_randomness,
-                                 not_covered=not_covered(recipe))
+                                 not_covered=not_covered(recipe), world_size=world_size,
+                                 parallel=recipe.training.parallel)
+
+
+def recorded_world_size(run_dir: Path) -> int:
+    """The number of processes meta.json's plan says trained the run (1: runs before --nproc)."""
+    value = RunDir(run_dir).meta().get("plan", {}).get("world_size", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DpclipError(f"{RunDir(run_dir).meta_file} records world_size {value!r}, which is not a process count",
+                          "the run directory was modified: restore meta.json")
+    return value
 
 
 def _read_ledger(path: Path):

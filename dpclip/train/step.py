@@ -74,6 +74,8 @@ class PrivateStep:
                 losses = self.loss_fn(self.model, select(self.train, rows))
             loss_sum += float(losses.detach().sum())
             self.engine.backward(losses, loss_scale=self.precision.scale)
+        if len(indices) == 0:  # across ranks, the policy may exchange norms in the backward this rank skips
+            self.engine.policy.empty_part()
         report = self.engine.privatize()
         if before_update is not None:
             before_update(report)

@@ -15,6 +15,7 @@ each part would reach into the others' attributes.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 
 from dpclip.accounting import Ledger, solve
 from dpclip.data import PoissonSampler, ShuffleSampler, load_data
-from dpclip.distributed import ShardedPoissonSampler, World
+from dpclip.distributed import ShardedPoissonSampler, ShardedShuffleSampler, World
 from dpclip.distributed.pipeline import PipelineStep, pipeline_engine, pipeline_input, sync_stages
 from dpclip.data.canaries import make_canaries, with_canaries, write_canary_secret
 from dpclip.engine import DPEngine
@@ -209,10 +210,15 @@ class Trainer:
 
     def _setup_sampler(self) -> None:
         training, plan = self.recipe.training, self.plan
-        if self.world.size > 1 and not self.pipeline:  # each rank draws its own examples' part of every batch
+        sharded = self.world.size > 1 and not self.pipeline  # a pipeline's batches are rank 0's draws
+        if sharded and training.sampling == "poisson":  # each rank draws its own examples' part
             self.sampler = ShardedPoissonSampler(self.data.num_train, plan.sample_rate, plan.steps,
                                                  rank=self.world.rank, world_size=self.world.size,
                                                  seed=self.seed_of_noise)
+        elif sharded:  # rank 0 draws each epoch's permutation; each rank takes its slice
+            self.sampler = ShardedShuffleSampler(self.data.num_train, training.batch_size, plan.steps,
+                                                 rank=self.world.rank, world_size=self.world.size,
+                                                 broadcast_=self.world.broadcast_, seed=self.seed_of_noise)
         elif training.sampling == "poisson":
             self.sampler = PoissonSampler(self.data.num_train, plan.sample_rate, plan.steps, seed=self.seed_of_noise)
         else:
@@ -375,7 +381,7 @@ class Trainer:
             return TrainResult(self.run_dir, self.step, self.plan.steps, float("nan"), float("nan"), self.plan.delta,
                                stopped)
         accounting = self.ledger.result()
-        statement = run_statement(self.recipe, self.ledger)
+        statement = run_statement(self.recipe, self.ledger, world_size=self.world.size)
         result = TrainResult(self.run_dir, self.step, self.plan.steps, accounting.epsilon, accounting.epsilon_rdp,
                              self.plan.delta, stopped, final_eval, statement.lines(), self.solved.step_metadata,
                              self.sigma_change, self.resume_changes)
@@ -394,7 +400,9 @@ class Trainer:
         self.engine.detach()
         solved = self.solved
         result = TrainResult(Path("-"), 0, self.plan.steps, solved.epsilon, solved.epsilon_rdp, self.plan.delta,
-                             "dry-run", statement=solved.statement.lines(), noise=solved.step_metadata,
+                             "dry-run", statement=replace(solved.statement, world_size=self.world.size,
+                                                             parallel=self.recipe.training.parallel).lines(),
+                             noise=solved.step_metadata,
                              sigma_change=self.sigma_change, resume_changes=self.resume_changes)
         self.observer.on_end(result)
         return result

@@ -433,7 +433,8 @@ def _statement(ledger, q, sigma, steps, score_noise, mean, shape, seeded, sampli
         sample_rate=q, steps=steps, sigma_total=sigma,
         sigma_gradient=run_statement.sigma_gradient if run_statement is not None else sigma,
         sigma_aux=run_statement.sigma_aux if run_statement is not None else None, sampling=sampling, releases=releases,
-        fallback_reason=result.fallback_reason, seeded_randomness=seeded, not_covered=uncovered)
+        fallback_reason=result.fallback_reason, seeded_randomness=seeded, not_covered=uncovered,
+        world_size=run_statement.world_size if run_statement is not None else 1)
 
 
 def search_statement_lines(search_dir: Path) -> list[str]:

@@ -79,3 +79,32 @@ def test_statement_of_a_ledger_reports_its_rate_noise_and_epsilon():
     assert statement.sigma_aux == 9.0
     assert "quantile counts (K=1, sensitivity 0.5)" in statement.releases
     assert SHUFFLE_CAVEAT in statement.caveats
+
+
+def test_a_data_parallel_run_says_how_many_processes_trained_it():
+    one = _statement()
+    assert _statement(world_size=1).lines() == one.lines()
+    assert not any(line.startswith("distribution:") for line in one.lines())
+    two = _statement(world_size=2).lines()
+    line = "distribution: data parallel over 2 processes (sharded Poisson sampling, noise drawn once by rank 0)"
+    assert line in two
+    assert [line for line in two if not line.startswith("distribution:")] == one.lines()
+    shuffled = _statement(world_size=4, sampling="shuffle")
+    assert any("over 4 processes (fixed-size shuffled batches from one permutation drawn by rank 0" in line
+               for line in shuffled.lines())
+    assert f"CAVEAT: {SHUFFLE_CAVEAT}" in shuffled.lines()  # across ranks, shuffled is still not Poisson
+    assert json.loads(json.dumps(_statement(world_size=2).to_dict()))["world_size"] == 2
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_a_world_size_that_is_not_a_process_count_is_refused(bad):
+    with pytest.raises(AccountingError, match="world_size"):
+        _statement(world_size=bad)
+
+
+def test_a_pipeline_statement_names_its_stages_and_per_device_clipping():
+    from dpclip.accounting.statement import distribution_line
+    line = distribution_line(3, "poisson", "pipeline")
+    assert line.startswith("pipeline of 3 stages, one per process") and "per-device clipping" in line
+    assert distribution_line(1, "poisson", "pipeline") is None
+    assert distribution_line(2, "poisson").startswith("data parallel over 2 processes")

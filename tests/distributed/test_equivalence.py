@@ -3,7 +3,9 @@
 With the same sampled examples (seeded mode: the ranks' draws union to the one-process
 batch) and the noise drawn once, by rank 0, from the one-process stream, a 2-rank run must
 reach the same parameters (float tolerance: the sum over ranks adds in another order) and
-write the same ledger, for all-layer, layer-wise and adaptive (quantile) clipping.
+write the same ledger, for all-layer, layer-wise and adaptive (quantile) clipping, for
+shuffled batches (rank 0's permutation, interrupted and resumed) and for discriminative
+clipping's top-fraction rule (the norms of the whole batch gathered over the ranks).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from safetensors.torch import load_file
 
 from dpclip.train.workflow import train
 from tests.distributed import workers
-from tests.distributed.engine_case import grads_for
+from tests.distributed.engine_case import CLIPPING, grads_for, step_grads
 from tests.distributed.ranks import run_ranks
 
 POLICIES = list(workers.POLICIES)
@@ -25,6 +27,10 @@ POLICIES = list(workers.POLICIES)
 def _weights(run_dir):
     latest = (run_dir / "checkpoints" / "LATEST").read_text().strip()
     return load_file(run_dir / "checkpoints" / latest / "model.safetensors")
+
+
+def _statement(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())["statement"]
 
 
 def _ledger_entries(run_dir):
@@ -41,7 +47,7 @@ def two_rank_runs(tmp_path_factory):
 
 def test_engine_sums_over_ranks_at_noise_zero_as_one_process(two_rank_runs):
     split = torch.load(two_rank_runs / "engine.pt")
-    for name in ("all-layer", "layer", "quantile", "dcsgd-p"):
+    for name in CLIPPING:
         whole = grads_for(name)
         for step in whole:
             for a, b in zip(whole[step]["grads"], split[name][step]["grads"]):
@@ -49,6 +55,23 @@ def test_engine_sums_over_ranks_at_noise_zero_as_one_process(two_rank_runs):
             torch.testing.assert_close(whole[step]["thresholds"], split[name][step]["thresholds"])
             torch.testing.assert_close(whole[step]["clip_fraction"], split[name][step]["clip_fraction"])
             assert whole[step]["samples"] == split[name][step]["samples"] == 24
+
+
+def test_top_fraction_ranks_the_whole_batch_across_ranks(two_rank_runs):
+    """The rule's cut falls inside the batch (some samples clipped at large, others at small),
+    and a rank with an empty part still joins the norm exchange: the gradient is the one
+    process's, whose top set differs from each rank's own top set."""
+    split = torch.load(two_rank_runs / "engine.pt")
+    whole = grads_for("top-fraction", steps=1)[0]
+    separately = [grads_for("top-fraction", rank, 2, steps=1)[0]["grads"] for rank in (0, 1)]
+    summed = [a + b for a, b in zip(*separately)]  # each rank ranking only its own half
+    assert any(not torch.allclose(a, b, rtol=1e-6, atol=1e-9) for a, b in zip(whole["grads"], summed))
+    for a, b in zip(step_grads(), split["empty-part"]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_shuffled_run_was_interrupted_and_resumed(two_rank_runs):
+    assert (two_rank_runs / "shuffle-first.txt").read_text() == f"interrupted {workers.SHUFFLE_STOP}"
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -62,6 +85,10 @@ def test_two_ranks_train_the_parameters_and_ledger_of_one_process(policy, two_ra
     for key in mine:
         torch.testing.assert_close(mine[key], theirs[key], rtol=1e-5, atol=1e-6)
     assert _ledger_entries(one) == _ledger_entries(two)
+    # The statements differ only by the line that says how the run was distributed.
+    statement_one, statement_two = _statement(one), _statement(two)
+    assert [line for line in statement_two if not line.startswith("distribution:")] == statement_one
+    assert not any(line.startswith("distribution:") for line in statement_one)
     steps_one = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
     steps_two = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
     # The realised batch (summed over ranks) and the thresholds match step by step.
@@ -71,6 +98,17 @@ def test_two_ranks_train_the_parameters_and_ledger_of_one_process(policy, two_ra
         assert ("thresholds" in a) == ("thresholds" in b)
         if "thresholds" in a:
             assert a["thresholds"] == pytest.approx(b["thresholds"], rel=1e-5)
+
+
+def test_a_two_rank_runs_statement_and_meta_name_its_two_processes(two_rank_runs):
+    from dpclip.train.rundir import spent
+
+    run = two_rank_runs / "layer"
+    line = "distribution: data parallel over 2 processes (sharded Poisson sampling, noise drawn once by rank 0)"
+    assert line in _statement(run)
+    assert json.loads((run / "meta.json").read_text())["plan"]["world_size"] == 2
+    _, statement = spent(run)  # what `dpclip account RUN_DIR` prints
+    assert line in statement.lines() and statement.world_size == 2
 
 
 def test_a_perturbed_rank_is_detected(two_rank_runs, tmp_path):

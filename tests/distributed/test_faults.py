@@ -3,16 +3,19 @@ no ledger is ever half written."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import socket
 
 import pytest
 
 from dpclip.cli.main import main
-from dpclip.distributed.launch import check_port, failure_error
-from dpclip.errors import DpclipError
+from dpclip.distributed.launch import check_port, failure_error, interrupted_error
+from dpclip.errors import DpclipError, InterruptedRun
 from tests.distributed import workers
 from tests.distributed.ranks import run_ranks
+
+launch_module = importlib.import_module("dpclip.distributed.launch")  # the package exports a function `launch`
 
 
 def test_ranks_that_disagree_on_the_recipe_all_refuse_before_writing(tmp_path):
@@ -77,3 +80,43 @@ def test_resuming_with_another_world_size_is_refused(tmp_path, capsys):
     assert "--nproc 2" in info.value.hint
     with pytest.raises(DpclipError, match="trained by 1 rank, and this resume has 2"):
         check_world_size({}, 2, tmp_path)
+
+
+def test_an_interrupted_launch_reports_rank_0s_note_once_with_exit_130(tmp_path, monkeypatch):
+    run_dir_file = tmp_path / "run_dir"
+    monkeypatch.setenv(launch_module.RUN_DIR_ENV, str(run_dir_file))
+    before = interrupted_error(run_dir_file, 2)
+    assert isinstance(before, InterruptedRun) and "before the run directory was made" in before.message
+    run_dir_file.write_text("runs/r")
+    killed = interrupted_error(run_dir_file, 2)
+    assert "before the ranks reached a step boundary" in killed.message
+    assert "dpclip train --resume runs/r --nproc 2" in killed.hint
+    assert launch_module.announce_interrupted("interrupted at step 7; a checkpoint was saved", "continue with: x")
+    noted = interrupted_error(run_dir_file, 2)
+    assert (noted.message, noted.hint, noted.exit_code) == ("interrupted at step 7; a checkpoint was saved",
+                                                            "continue with: x", 130)
+    monkeypatch.delenv(launch_module.RUN_DIR_ENV)
+    assert not launch_module.announce_interrupted("m", None)  # under torchrun, rank 0 prints it itself
+
+
+def test_a_rank_stopped_by_sigterm_makes_the_launch_an_interruption():
+    stopped = {"message": "interrupted at step 3; a checkpoint was saved", "hint": "h", "secondary": False,
+               "interrupted": True, "ns": 2, "rank": 1}
+    error = failure_error({0: _Failure(dict(stopped, rank=0, ns=3)), 1: _Failure(stopped)}, 2, "runs/r")
+    assert isinstance(error, InterruptedRun) and error.exit_code == 130
+    assert error.message == "interrupted at step 3; a checkpoint was saved"
+    assert error.hint == "continue with: dpclip train --resume runs/r --nproc 2"
+
+
+def test_a_quiet_error_exits_with_its_code_and_prints_nothing(capsys, monkeypatch):
+    """A rank whose interruption the launcher (or rank 0) reports exits 130 without a line of its own."""
+    from dpclip.cli import main as main_module
+
+    def stop(*args, **kwargs):
+        error = InterruptedRun("interrupted at step 1", "continue")
+        error.quiet = True
+        raise error
+
+    monkeypatch.setattr(main_module, "app", stop)
+    assert main(["train", "x.yaml"]) == 130
+    assert capsys.readouterr().err == ""

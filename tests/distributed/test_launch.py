@@ -109,3 +109,46 @@ def test_two_nodes_through_torchrun_rendezvous_flags_on_one_machine(tmp_path):
     run_dir = next((tmp_path / "runs").iterdir())
     reference = train(small_recipe(tmp_path / "one", "layer"), run_dir=tmp_path / "one" / "run")
     assert json.loads((run_dir / "ledger.json").read_text()) == json.loads((reference.run_dir / "ledger.json").read_text())
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_launcher_stops_every_rank_cleanly_and_resume_completes(tmp_path):
+    """SIGINT to `dpclip train --nproc 2` (what Ctrl-C in a terminal sends it; the ranks are in
+    their own sessions): one error line, no traceback, exit 130, every rank gone; `--resume`
+    then trains the remaining steps and the ledger holds the plan's count."""
+    overrides = ["training.steps=40", "checkpoint.every_steps=100"]
+    recipe = small_recipe(tmp_path / "runs", "layer", *overrides)
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(recipe_to_yaml(recipe))
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "DPCLIP_TEST_TAG": tag, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "dpclip", "train", str(recipe_file), "--nproc", "2", "--threads", "1", "--json"]
+    launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    deadline = time.monotonic() + 600
+    while launcher.poll() is None and time.monotonic() < deadline and _steps_written(tmp_path / "runs") < 5:
+        time.sleep(0.02)
+    assert launcher.poll() is None, "the run ended before it could be interrupted"
+    launcher.send_signal(signal.SIGINT)
+    out, err = launcher.communicate(timeout=600)
+    assert launcher.returncode == 130, err
+    assert "Traceback" not in err and "SignalException" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 2, err  # one error and its hint: no rank's own line, no agent log
+    assert lines[0].startswith("error: interrupted at step ") and "a checkpoint was saved" in lines[0]
+    run_dir = next((tmp_path / "runs").iterdir())
+    assert lines[1] == f"hint: continue with: dpclip train --resume {run_dir} --nproc 2"
+    stopped_at = int(lines[0].split("step ")[1].split(";")[0])
+    assert 5 <= stopped_at < 40 and json.loads(out)["stopped"] == "interrupted"
+    assert (run_dir / "checkpoints" / "LATEST").read_text().strip() == f"step_{stopped_at:06d}"
+    assert _rank_pid(tag, 0) is None and _rank_pid(tag, 1) is None  # no rank left behind
+
+    resumed = subprocess.run([sys.executable, "-m", "dpclip", "train", "--resume", str(run_dir), "--nproc", "2",
+                              "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["stopped"] == "completed"
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert sum(entry["count"] for entry in ledger["entries"]) == 40
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval" not in r] == list(range(1, 41))  # each step written once

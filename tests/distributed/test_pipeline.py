@@ -8,6 +8,8 @@ same σ_eff (so the same ledger entry), with the last micro-batch padded on the 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -90,6 +92,8 @@ def test_a_pipeline_run_trains_the_weights_ledger_and_thresholds_of_one_process(
     for key in theirs:  # noise std 1e-6·C/B per step: far below the tolerance
         torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-6)
     assert (piped / "ledger.json").read_text() == (whole / "ledger.json").read_text()
+    statement = json.loads((piped / "summary.json").read_text())["statement"]
+    assert any(line.startswith("distribution: pipeline of 2 stages") for line in statement)
     ours = [r for r in read_jsonl(piped / "metrics.jsonl") if "diagnostics" in r]
     reference = [r for r in read_jsonl(whole / "metrics.jsonl") if "diagnostics" in r]
     assert len(ours) == len(reference) == 6

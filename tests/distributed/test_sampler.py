@@ -1,4 +1,5 @@
-"""The sharded Poisson sampler: disjoint shards whose union is a Poisson sample at rate q."""
+"""The sharded samplers: Poisson shards whose union is a Poisson sample at rate q, and
+shuffled batches split over ranks whose union is the one-process batch."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import math
 
 import torch
 
-from dpclip.data import PoissonSampler
-from dpclip.distributed import ShardedPoissonSampler
+from dpclip.data import PoissonSampler, ShuffleSampler
+from dpclip.distributed import ShardedPoissonSampler, ShardedShuffleSampler
 
 
 def _ranks(n, q, steps, world, seed=None):
@@ -64,3 +65,59 @@ def test_a_resumed_rank_draws_what_it_would_have_drawn():
     again.load_state_dict(saved)
     assert all(torch.equal(a, b) for a, b in zip(rest, list(again)))
     assert saved["rank"] == 1 and saved["world_size"] == 2
+
+
+class _Broadcast:
+    """Rank 0's permutations, handed to the other ranks in order (a broadcast, one process)."""
+
+    def __init__(self):
+        self.sent: list[torch.Tensor] = []
+        self.received = 0
+
+    def rank0(self, tensors):
+        self.sent.append(tensors[0].clone())
+
+    def other(self, tensors):
+        tensors[0].copy_(self.sent[self.received])
+        self.received += 1
+
+
+def _shuffled(n, batch, steps, seed=None):
+    link = _Broadcast()
+    ranks = [ShardedShuffleSampler(n, batch, steps, rank=r, world_size=2, seed=seed,
+                                   broadcast_=link.rank0 if r == 0 else link.other) for r in range(2)]
+    return ranks, link
+
+
+def test_shuffled_parts_union_to_the_one_process_batch_across_epochs():
+    """Seeded: rank 0 draws the one-process sampler's permutations (4 epochs in 10 steps of 13
+    from 37 examples); the ranks take alternate entries of each batch."""
+    one = list(ShuffleSampler(37, 13, 10, seed=5))
+    ranks, link = _shuffled(37, 13, 10, seed=5)
+    first = list(ranks[0])
+    second = list(ranks[1])  # after rank 0: its permutations are then all sent
+    assert len(link.sent) == 4 and link.received == 4
+    for step, batch in enumerate(one):
+        assert torch.equal(first[step], batch[0::2]) and torch.equal(second[step], batch[1::2])
+
+
+def test_only_rank_0_draws_the_permutation():
+    ranks, link = _shuffled(20, 5, 8)
+    before = ranks[1].generator.get_state()
+    list(ranks[0])
+    list(ranks[1])
+    assert torch.equal(ranks[1].generator.get_state(), before)  # rank 1's generator never drew
+    assert len(link.sent) == 2  # 40 draws of 20 examples: two epochs, both rank 0's
+    assert torch.equal(ranks[1].permutation, ranks[0].permutation)
+
+
+def test_a_resumed_shuffled_rank_draws_what_it_would_have_drawn():
+    ranks, link = _shuffled(30, 7, 12)
+    it = iter(ranks[0])
+    [next(it) for _ in range(5)]
+    saved = ranks[0].state_dict()
+    rest = list(it)
+    again = ShardedShuffleSampler(30, 7, 12, rank=0, world_size=2, broadcast_=lambda tensors: None)
+    again.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(rest, list(again)))
+    assert saved["rank"] == 0 and saved["world_size"] == 2

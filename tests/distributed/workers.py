@@ -10,12 +10,21 @@ from dpclip.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The three clipping set-ups the equivalence tests pin: all-layer, layer-wise, adaptive (quantile).
+# The set-ups the equivalence tests pin: all-layer, layer-wise, adaptive (quantile) clipping;
+# shuffled batches (B = 300 of N = 1437: the 6 steps cross an epoch, so a second permutation
+# is broadcast), interrupted after step 3 and resumed; discriminative clipping's top-fraction
+# rule, which ranks the norms of the whole logical batch (gathered over the ranks).
 POLICIES = {
     "all-layer": ["clipping.grouping=all-layer"],
     "layer": ["clipping.grouping=layer"],
     "quantile": ["clipping.grouping=layer", "clipping.threshold={kind: quantile, initial: 1.0, sigma: 2.0}"],
+    "shuffle": ["clipping.grouping=layer", "training.sampling=shuffle", "training.batch_size=300"],
+    "top-fraction": ["clipping.grouping=layer", "training.micro_batch_size=null",
+                     "clipping.threshold={kind: discriminative, small: 0.3, large: 1.5, tail_rule: top_fraction, "
+                     "top_fraction: 0.25}"],
 }
+# Rank 1 asks to stop after this step of the "shuffle" run, which every rank then resumes.
+SHUFFLE_STOP = 3
 
 
 def small_recipe(out: Path, policy: str, *extra: str):
@@ -33,16 +42,45 @@ def train_policies(world, out: str, run_names: list[str]) -> None:
     engine_grads(world, out)
     for policy in run_names:
         recipe = small_recipe(Path(out) / "runs", policy)
-        train(recipe, world=world, run_dir=Path(out) / policy)
+        if policy == "shuffle":
+            first = interrupted_at(world, SHUFFLE_STOP, lambda: train(recipe, world=world, run_dir=Path(out) / policy))
+            if world.main:
+                (Path(out) / "shuffle-first.txt").write_text(f"{first.stopped} {first.steps_done}")
+            train(resume=Path(out) / policy, world=world)
+        else:
+            train(recipe, world=world, run_dir=Path(out) / policy)
+
+
+def interrupted_at(world, step: int, run):
+    """``run()`` with rank 1 asking to stop (as SIGTERM would) after ``step`` steps."""
+    from dpclip.train import trainer
+
+    flags = []
+    enter, train_step = trainer._deferred_interrupt.__enter__, trainer.Trainer._train_step
+
+    def entered(self):
+        flags.append(self)
+        return enter(self)
+
+    def stepped(self, indices):
+        train_step(self, indices)
+        if world.rank == 1 and self.step == step:
+            flags[-1].requested = True
+
+    trainer._deferred_interrupt.__enter__, trainer.Trainer._train_step = entered, stepped
+    try:
+        return run()
+    finally:
+        trainer._deferred_interrupt.__enter__, trainer.Trainer._train_step = enter, train_step
 
 
 def engine_grads(world, out: str) -> None:
     """noise 0: each rank's half of one batch through DPEngine with the world's reducer; rank 0
     saves p.grad per policy (the one-process grads are computed by the test)."""
-    from tests.distributed.engine_case import grads_for
+    from tests.distributed.engine_case import CLIPPING, grads_for, step_grads
 
-    results = {name: grads_for(name, world.rank, world.size, world.reducer)
-               for name in ("all-layer", "layer", "quantile", "dcsgd-p")}
+    results = {name: grads_for(name, world.rank, world.size, world.reducer) for name in CLIPPING}
+    results["empty-part"] = step_grads(world.rank, world.size, world.reducer)
     if world.main:
         torch.save(results, Path(out) / "engine.pt")
 

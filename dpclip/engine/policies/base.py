@@ -21,6 +21,10 @@ The engine asks its policy, every logical batch:
                                  backward, when all K norms of a sample are known;
 ``sensitivity_thresholds()``     -> [K], the largest threshold any sample can get (the
                                  gradient's sensitivity is sqrt(Σ_k of their squares));
+``empty_part()``                 across ranks, instead of the step's backward when this
+                                 rank's part of the logical batch is empty: a policy that
+                                 exchanges norms with the other ranks in the backward
+                                 (discriminative top-fraction) takes part here;
 ``release(generator)``           once per step, after the gradient noise: the noisy
                                  statistics it used, as ``AuxRelease(sensitivity, sigma)``
                                  (or None). Its update applies from the next step;
@@ -106,6 +110,9 @@ class ThresholdPolicy:
 
     def per_sample_thresholds(self, norms: Tensor) -> Tensor | None:
         return None
+
+    def empty_part(self) -> None:
+        pass
 
     def release(self, generator: torch.Generator) -> list[AuxRelease] | None:
         return None

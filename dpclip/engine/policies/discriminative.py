@@ -29,6 +29,13 @@ gradient's sensitivity, :func:`gradient_sensitivity`, which the engine noises wi
   top set (the set size ⌈p·B⌉ uses the EXPECTED batch size B, so it does not move), changing
   that sample's contribution by at most c_large − c_small → sensitivity 2·c_large − c_small.
 
+Across ranks (docs/distributed.md) the rule still ranks the whole logical batch: every rank
+gathers all ranks' scores (in rank order) through the engine's reducer, applies the same
+rule to the same vector, and keeps its own part of the mask. The top set is then the one
+process's, and adding an example moves no other sample's place in the rank-ordered vector,
+so the bound above holds unchanged; the scores are never released. A rank with no samples
+still joins the exchange (:meth:`DiscriminativeThreshold.empty_part`).
+
 The authors' code adds noise for c_small although a sample can contribute c_large. With K
 groups, a float small/large is the total and each group gets small/√K, large/√K (as fixed
 thresholds); the whole sample is tail or body, in every group at once.
@@ -107,7 +114,14 @@ class DiscriminativeThreshold(ThresholdPolicy):
                               "set training.micro_batch_size to at least training.batch_size's Poisson "
                               "maximum (or leave it unset), or use tail_rule: threshold")
         self._ranked_this_step = True
-        return tail_mask_top(scores, self.top_fraction, self.expected_batch_size)
+        if self.reducer is None:
+            return tail_mask_top(scores, self.top_fraction, self.expected_batch_size)
+        everyone, start = self.reducer.gather(scores)
+        return tail_mask_top(everyone, self.top_fraction, self.expected_batch_size)[start: start + scores.shape[0]]
+
+    def empty_part(self) -> None:
+        if self.reducer is not None and self.tail_rule == "top_fraction":
+            self.tail_mask(torch.zeros(0, self.small.shape[0], device=self.small.device, dtype=self.small.dtype))
 
     def per_sample_thresholds(self, norms: Tensor) -> Tensor:
         tail = self.tail_mask(norms)[:, None]
