@@ -1,6 +1,9 @@
 """`dpclip bench RECIPE`: DP vs non-private step time and memory for the recipe's model."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,10 +66,11 @@ def test_bench_bad_recipe_is_an_error_line(cli, tmp_path):
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_step_memory_sees_a_large_allocation():
-    import torch
-
-    def step():
-        x = torch.ones(64, 1024, 1024)  # 256 MiB, touched
-        x.add_(1)
-
-    assert bench_module.step_memory_mib(step, steps=1) > 200
+    # in a fresh process, as step_memory_mib asks: this one's heap may hold freed memory of earlier
+    # tests (and their allocator setting), which a new allocation would reuse without raising RSS
+    code = ("import torch\nfrom dpclip.bench import step_memory_mib\n"
+            "def step():\n    x = torch.ones(64, 1024, 1024)\n    x.add_(1)\n"  # 256 MiB, touched
+            "print(step_memory_mib(step, steps=1))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(bench_module.__file__).parents[1])})
+    assert float(out.stdout.strip().splitlines()[-1]) > 200
