@@ -287,10 +287,12 @@ class DPEngine:
         batch = self.expected_batch_size
         std_grad = (std / batch).tolist()  # one device sync per step, not one per parameter
         draws, grads = self.noise_multiplier > 0 and (self.reducer is None or self.reducer.draws_noise), []
+        # drawn all at once: a large draw is split over threads (NoiseSource.gaussians)
+        noise = self.noise.gaussians(self._params, [std_grad[k] for k in self._group_of]) if draws else None
         for idx, p in enumerate(self._params):
             clipped = self._sums[idx]
             if draws:
-                grad = self.noise.gaussian_like(p, std_grad[self._group_of[idx]])
+                grad = noise[idx]
                 if clipped is not None:
                     grad.add_(clipped, alpha=1.0 / batch)
             elif clipped is not None:
