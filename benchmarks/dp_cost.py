@@ -30,7 +30,7 @@ instantiate) the engine's mixed rule picks for each layer shape at each T.
     python benchmarks/dp_cost.py --memory --scaling   # + memory and the GPT-2 scaling table
     python benchmarks/dp_cost.py --markdown           # tables as markdown (docs/performance.md)
     python benchmarks/dp_cost.py --smoke              # tiny sizes, 1 repeat (CI)
-    python benchmarks/dp_cost.py --workloads gpt2-small --memory   # about 25 minutes
+    python benchmarks/dp_cost.py --workloads gpt2-small --memory   # about 25 minutes, quiet machine
 
 Opacus is a benchmark extra (``pip install opacus``); without it the Opacus rows are
 skipped and the script says so.
@@ -277,6 +277,8 @@ def time_methods(w: Workload, methods: list[str], repeats: int, warmup: int) -> 
            "page_faults": {m: statistics.median(f[warmup:]) for m, f in faults.items()}}
     if "opacus hooks" in times:
         out["ratio_to_opacus_hooks"] = {m: r[0] for m, r in round_ratios(times, "opacus hooks").items()}
+    if "opacus ghost" in times:
+        out["ratio_to_opacus_ghost"] = {m: r[0] for m, r in round_ratios(times, "opacus ghost").items()}
     return out
 
 
@@ -324,7 +326,10 @@ def measure_memory(workload: str, method: str, sizes: dict, steps: int, threads:
     results = []
     for _ in range(runs):
         out = subprocess.run([sys.executable, __file__, "--allocator", allocator, "--child", spec],
-                             capture_output=True, text=True, check=True)
+                             capture_output=True, text=True)
+        if out.returncode != 0:  # say why (a child killed for memory has no traceback)
+            raise RuntimeError(f"memory child for {workload} / {method} exited with "
+                               f"{out.returncode}: {out.stderr[-2000:]}")
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     return {"step_mib": statistics.median(r["step_mib"] for r in results),
             "stash_peak_mib": results[0]["stash_peak_mib"]}
@@ -514,7 +519,7 @@ def main(argv=None) -> dict:
                     help="rounds for gpt2-small (a step takes seconds)")
     ap.add_argument("--gpt2-small-warmup", type=int, default=1)
     ap.add_argument("--gpt2-small-memory-runs", type=int, default=1)
-    ap.add_argument("--gpt2-small-memory-steps", type=int, default=2)
+    ap.add_argument("--gpt2-small-memory-steps", type=int, default=1)
     ap.add_argument("--scaling", action="store_true", help="GPT-2 ratio over a T x B grid")
     ap.add_argument("--scaling-seq", nargs="+", type=int, default=[32, 128, 512])
     ap.add_argument("--scaling-batch", nargs="+", type=int, default=[8, 32, 128])

@@ -264,6 +264,23 @@ def choose_ghost(use: Bilinear, method: str, transient: bool = False) -> bool:
     return inst > (2 * factors if transient else factors)
 
 
+def early_instance(use: Use, shape: torch.Size, method: str) -> Use:
+    """``Dense(G)`` for a dense Bilinear use whose per-sample gradient the memory rule
+    instantiates (G_i no larger than its factors), else ``use`` unchanged.
+
+    For a parameter whose other uses arrive later (GPT-2's lm_head, tied to wte): the
+    factors (lm_head's [B, T, V] output gradient) would otherwise wait for the last use
+    and then be instantiated anyway, the gradient and the factors both held at the end.
+    :func:`param_norm_sq` gives the same norm and parts either way (instantiated uses
+    are summed; their cross terms with the other uses are exact)."""
+    if not isinstance(use, Bilinear) or use.is_ids or choose_ghost(use, method):
+        return use
+    inst, factors = _numel_per_sample(use)
+    if inst > factors:  # "instantiate" forced on a wide layer: keep the smaller factors
+        return use
+    return Dense(instantiate(use).reshape(use.right.shape[0], *shape))
+
+
 @dataclass
 class _Part:
     """One summand of a parameter's per-sample gradient, with its instantiated form
@@ -480,5 +497,5 @@ def sqrt_or_zero(x: Tensor) -> Tensor:
 __all__ = [
     "Bilinear", "Dense", "Use", "NORM_METHODS", "batched_dot", "ghost_norm_sq", "ids_ghost_norm_sq",
     "instantiate", "param_norm_sq", "clipped_sum", "choose_ghost", "sqrt_or_zero", "streamable",
-    "streamed_clip", "zero_samples",
+    "streamed_clip", "zero_samples", "early_instance",
 ]

@@ -138,6 +138,12 @@ def _split_source(monkeypatch, seed=11, split_min=1000):
     return noise.NoiseSource(seed)
 
 
+def _draw(source, like, stds):
+    out = [torch.zeros_like(t) for t in like]
+    source.add_gaussians(out, stds)
+    return out
+
+
 def _corr(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x - x.mean(), y - y.mean()
     return float((x * y).sum() / (x.norm() * y.norm()))
@@ -149,7 +155,7 @@ def test_split_draw_has_each_tensors_std_and_independent_coordinates(monkeypatch
     source = _split_source(monkeypatch)
     like = [torch.zeros(40_000, dtype=DTYPE), torch.zeros(100, 240, dtype=DTYPE)]
     stds = [1.0, 3.0]
-    out = source.gaussians(like, stds)
+    out = _draw(source, like, stds)
     assert [o.shape for o in out] == [t.shape for t in like]
     for z, std in zip(out, stds):
         n = z.numel()
@@ -173,16 +179,16 @@ def test_split_draw_is_the_same_on_any_thread_count_and_moves_on_each_step(monke
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = _split_source(monkeypatch).gaussians(like, [1.0, 2.0])
+        one = _draw(_split_source(monkeypatch), like, [1.0, 2.0])
         torch.set_num_threads(3)
         source = _split_source(monkeypatch)
-        three = source.gaussians(like, [1.0, 2.0])
-        following = source.gaussians(like, [1.0, 2.0])
+        three = _draw(source, like, [1.0, 2.0])
+        following = _draw(source, like, [1.0, 2.0])
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, three))
     assert abs(_corr(three[0], following[0])) < 5 / math.sqrt(3000)   # a fresh split each step
-    unseeded = _split_source(monkeypatch, seed=None).gaussians(like, [1.0, 2.0])
+    unseeded = _draw(_split_source(monkeypatch, seed=None), like, [1.0, 2.0])
     assert not torch.equal(unseeded[0], one[0])
 
 
@@ -190,10 +196,27 @@ def test_below_the_split_size_one_generator_draws_everything_in_order():
     from dpclip.engine.noise import NoiseSource
 
     like = [torch.zeros(30), torch.zeros(4, 5)]
-    got = NoiseSource(5).gaussians(like, [1.0, 2.0])
+    got = _draw(NoiseSource(5), like, [1.0, 2.0])
     reference = NoiseSource(5)
     want = [reference.gaussian_like(t, s) for t, s in zip(like, [1.0, 2.0])]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_noise_is_added_in_place_in_chunks_with_the_same_distribution(monkeypatch):
+    from dpclip.engine import noise
+
+    monkeypatch.setattr(noise, "CHUNK", 1000)     # 25 chunks per tensor, drawn one after another
+    target = torch.full((25_000,), 7.0, dtype=DTYPE)
+    same = target
+    noise.NoiseSource(9).add_gaussians([target], [2.0])
+    assert target is same
+    z = (target - 7.0) / 2.0
+    n = z.numel()
+    assert abs(float(z.std()) - 1) < 5 / math.sqrt(2 * (n - 1)) and abs(float(z.mean())) < 5 / math.sqrt(n)
+    chunks = z.view(25, 1000)
+    assert all(abs(_corr(chunks[i], chunks[i + 1])) < 5 / math.sqrt(1000) for i in range(24))
+    with pytest.raises(ValueError):
+        noise.NoiseSource(9).add_gaussians([torch.zeros(4, 4).t()], [1.0])
 
 
 @pytest.mark.parametrize("seed", [3, None])
