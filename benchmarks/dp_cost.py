@@ -96,6 +96,20 @@ def instances(name: str, sizes: dict) -> list[tuple[str, dict]]:
     return [(f"{name} {b}x{t}", dict(base, batch=b, seq=t)) for b, t in sizes["shapes"]]
 
 
+def map_large_blocks() -> bool:
+    """glibc: blocks of 1 MiB or more are mmapped and unmapped when freed, and the heap
+    is trimmed eagerly, so the resident set follows the live tensors (``--allocator
+    map-large``: step memory without heap growth). True if glibc accepted it."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        return mallopt(-3, 1 << 20) == 1 and mallopt(-1, 0) == 1   # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def opacus_available() -> bool:
     return importlib.util.find_spec("opacus") is not None
 
@@ -529,14 +543,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     ap.add_argument("--json", type=Path, help="also write the raw result here")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, 1 repeat, no warm-up (CI)")
-    ap.add_argument("--allocator", default="keep-freed", choices=["keep-freed", "glibc-default"],
+    ap.add_argument("--allocator", default="keep-freed", choices=["keep-freed", "glibc-default", "map-large"],
                     help="keep-freed (default): glibc keeps freed memory between steps, as the "
-                         "dpclip command does (dpclip.allocator); applies to every method alike")
+                         "dpclip command does (dpclip.allocator); map-large: every block of 1 MiB "
+                         "or more is its own mapping, returned when freed, so step memory counts "
+                         "live tensors, not heap growth; applies to every method alike")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     allocator = args.allocator
     if allocator == "keep-freed" and not keep_freed_memory():
         allocator = "glibc-default (keep-freed unavailable here)"
+    if allocator == "map-large" and not map_large_blocks():
+        allocator = "glibc-default (map-large unavailable here)"
     if args.child:
         spec = json.loads(args.child)
         print(json.dumps(child_memory(**spec)))
