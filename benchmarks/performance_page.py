@@ -39,7 +39,7 @@ def measure(smoke: bool, repeats: int, phase_steps: int, small_phase_steps: int 
             "--workloads", *dp_cost.WORKLOADS]
     if smoke:
         args += ["--smoke", "--workloads", "gpt2", "gpt2-small", "--methods", "non-private",
-                 "dpclip all-layer", "dpclip layer", "opacus hooks", "opacus ghost"]
+                 "dpclip all-layer", "dpclip layer", "opacus hooks"]
     result = dp_cost.main(args)
     steps = 1 if smoke else phase_steps
     result["phases"] = profile_step.phase_times("gpt2", DP_METHODS, steps, smoke)

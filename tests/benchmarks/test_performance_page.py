@@ -48,6 +48,7 @@ def test_smoke_run_rewrites_only_the_generated_block(tmp_path):
     text = page.read_text()
     assert text.startswith("# title\n\nprose before") and text.endswith("prose after\n")
     assert "old tables" not in text and "### Goals" in text and "| forward |" in text
+    assert "### Goals (issue 16), GPT-2 small" in text and "### Where the time goes: GPT-2 small" in text
     # re-rendering the saved numbers gives the same page
     module.main(["--render", str(raw), "--page", str(page)])
     assert page.read_text() == text
