@@ -11,7 +11,11 @@ Step = forward, loss, backward(s), clipping, noise, SGD step. Methods:
 
 Workloads: gpt2 (docs/performance.md: 4 layers, n_embd 256, vocab 1024, T 128, B 16; position ids
 passed to every method, as Opacus needs them), cnn (the digits CNN of recipes/cnn-*.yaml on
-1x8x8 images, B 64), mlp (128 -> 512 -> 512 -> 10, B 1024).
+1x8x8 images, B 64), mlp (128 -> 512 -> 512 -> 10, B 1024), and gpt2-small (the 124M GPT-2
+small configuration: 12 layers, n_embd 768, 12 heads, vocab 50257, 1024 positions, tied
+embeddings, random init) at each (B, T) of its ``shapes``, (4, 256) and (2, 1024). A
+gpt2-small step takes seconds, so it is not in the default workloads and has its own,
+smaller round counts (``--gpt2-small-repeats`` and the options next to it).
 
 Timing: all methods of a workload are built in one process and timed interleaved
 (A B C ... A B C ...), medians reported, ratio to non-private. Memory (``--memory``): each
@@ -26,6 +30,7 @@ instantiate) the engine's mixed rule picks for each layer shape at each T.
     python benchmarks/dp_cost.py --memory --scaling   # + memory and the GPT-2 scaling table
     python benchmarks/dp_cost.py --markdown           # tables as markdown (docs/performance.md)
     python benchmarks/dp_cost.py --smoke              # tiny sizes, 1 repeat (CI)
+    python benchmarks/dp_cost.py --workloads gpt2-small --memory   # about 25 minutes, quiet machine
 
 Opacus is a benchmark extra (``pip install opacus``); without it the Opacus rows are
 skipped and the script says so.
@@ -64,17 +69,45 @@ from dpclip.allocator import keep_freed_memory  # noqa: E402
 
 GROUPINGS = ("all-layer", "layer", "param")
 METHODS = ("non-private",) + tuple(f"dpclip {g}" for g in GROUPINGS) + ("opacus hooks", "opacus ghost")
-WORKLOADS = ("gpt2", "cnn", "mlp")
+WORKLOADS = ("gpt2", "cnn", "mlp", "gpt2-small")
+DEFAULT_WORKLOADS = ("gpt2", "cnn", "mlp")
 FULL = {
     "gpt2": dict(layers=4, embd=256, vocab=1024, seq=128, batch=16),
     "cnn": dict(batch=64),
     "mlp": dict(features=128, hidden=512, batch=1024),
+    # transformers' GPT2Config() defaults: the 124M GPT-2 small
+    "gpt2-small": dict(layers=12, embd=768, heads=12, vocab=50257, positions=1024,
+                       shapes=[[4, 256], [2, 1024]]),
 }
 SMOKE = {
     "gpt2": dict(layers=1, embd=32, vocab=64, seq=16, batch=4),
     "cnn": dict(batch=8),
     "mlp": dict(features=16, hidden=32, batch=32),
+    "gpt2-small": dict(layers=2, embd=64, heads=2, vocab=500, positions=64, shapes=[[2, 16], [1, 64]]),
 }
+
+
+def instances(name: str, sizes: dict) -> list[tuple[str, dict]]:
+    """(result key, sizes) of each configuration a workload runs: one per (B, T) of its
+    ``shapes`` ("gpt2-small 4x256"), else the workload itself."""
+    if "shapes" not in sizes:
+        return [(name, sizes)]
+    base = {k: v for k, v in sizes.items() if k != "shapes"}
+    return [(f"{name} {b}x{t}", dict(base, batch=b, seq=t)) for b, t in sizes["shapes"]]
+
+
+def map_large_blocks() -> bool:
+    """glibc: blocks of 1 MiB or more are mmapped and unmapped when freed, and the heap
+    is trimmed eagerly, so the resident set follows the live tensors (``--allocator
+    map-large``: step memory without heap growth). True if glibc accepted it."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        return mallopt(-3, 1 << 20) == 1 and mallopt(-1, 0) == 1   # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        return False
 
 
 def opacus_available() -> bool:
@@ -102,11 +135,25 @@ class Workload:
         return tok.view(self.token_shape).mean(1) if self.token_shape else tok
 
 
+def resolve(key: str, smoke: bool = False) -> tuple[str, dict]:
+    """(workload name, sizes) of a configuration key: a workload ("gpt2"; for one with
+    shapes, its first) or one of :func:`instances`' keys ("gpt2-small 2x1024")."""
+    name = key.split(" ", 1)[0]
+    table = SMOKE if smoke else FULL
+    if name not in table:
+        raise ValueError(f"unknown workload {key!r}")
+    found = dict(instances(name, table[name]))
+    return name, found.get(key, next(iter(found.values())))
+
+
 def make_workload(name: str, sizes: dict) -> Workload:
     gen = torch.Generator().manual_seed(0)
     b = sizes["batch"]
-    if name == "gpt2":
-        model = build_gpt2(sizes["layers"], sizes["embd"], sizes["vocab"], sizes["seq"], "cpu")
+    if name in ("gpt2", "gpt2-small"):
+        if name == "gpt2":
+            model = build_gpt2(sizes["layers"], sizes["embd"], sizes["vocab"], sizes["seq"], "cpu")
+        else:
+            model = build_gpt2_small(sizes)
         ids = torch.randint(0, sizes["vocab"], (b, sizes["seq"]), generator=gen)
         pos = torch.arange(sizes["seq"]).expand(b, -1).contiguous()
 
@@ -132,6 +179,18 @@ def make_workload(name: str, sizes: dict) -> Workload:
         raise ValueError(f"unknown workload {name!r}")
     y = torch.randint(0, 10, (b,), generator=gen)
     return Workload(model, {"x": x}, lambda m, inp: m(inp["x"]), y, None, b)
+
+
+def build_gpt2_small(sizes: dict) -> nn.Module:
+    """GPT2LMHeadModel of ``sizes`` (layers, embd, heads, vocab, positions), random init,
+    lm_head tied to wte (transformers' default)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=sizes["layers"], n_embd=sizes["embd"], n_head=sizes["heads"],
+                     vocab_size=sizes["vocab"], n_positions=sizes["positions"],
+                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(cfg)
 
 
 # ------------------------------------------------------------------------------ steps
@@ -232,6 +291,8 @@ def time_methods(w: Workload, methods: list[str], repeats: int, warmup: int) -> 
            "page_faults": {m: statistics.median(f[warmup:]) for m, f in faults.items()}}
     if "opacus hooks" in times:
         out["ratio_to_opacus_hooks"] = {m: r[0] for m, r in round_ratios(times, "opacus hooks").items()}
+    if "opacus ghost" in times:
+        out["ratio_to_opacus_ghost"] = {m: r[0] for m, r in round_ratios(times, "opacus ghost").items()}
     return out
 
 
@@ -279,7 +340,10 @@ def measure_memory(workload: str, method: str, sizes: dict, steps: int, threads:
     results = []
     for _ in range(runs):
         out = subprocess.run([sys.executable, __file__, "--allocator", allocator, "--child", spec],
-                             capture_output=True, text=True, check=True)
+                             capture_output=True, text=True)
+        if out.returncode != 0:  # say why (a child killed for memory has no traceback)
+            raise RuntimeError(f"memory child for {workload} / {method} exited with "
+                               f"{out.returncode}: {out.stderr[-2000:]}")
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     return {"step_mib": statistics.median(r["step_mib"] for r in results),
             "stash_peak_mib": results[0]["stash_peak_mib"]}
@@ -347,6 +411,9 @@ def scaling(seqs, batches, base: dict, repeats: int, warmup: int,
 
 
 def describe(name: str, sizes: dict) -> str:
+    if name == "gpt2-small":
+        return (f"GPT-2 small ({sizes['layers']} layers, n_embd {sizes['embd']}, {sizes['heads']} heads, "
+                f"vocab {sizes['vocab']}, tied), B {sizes['batch']}, T {sizes['seq']}")
     if name == "gpt2":
         return (f"GPT-2 {sizes['layers']} layers, n_embd {sizes['embd']}, vocab {sizes['vocab']}, "
                 f"T {sizes['seq']}, B {sizes['batch']}")
@@ -374,8 +441,15 @@ def render(result: dict, markdown: bool) -> str:
     for name, wl in result["workloads"].items():
         lines.append("")
         lines.append(f"{'### ' if markdown else ''}{wl['description']}")
-        if wl.get("note"):
-            lines += ["", wl["note"]] if markdown else [wl["note"]]
+        notes = [wl["note"]] if wl.get("note") else []
+        if wl.get("rounds"):
+            notes.append(f"{wl['rounds']['repeats']} interleaved repeats, {wl['rounds']['warmup']} warm-up")
+        if wl.get("memory_rounds"):
+            mr = wl["memory_rounds"]
+            notes.append(f"memory: {mr['runs']} child, {mr['steps']} steps" if mr["runs"] == 1
+                         else f"memory: median of {mr['runs']} children, {mr['steps']} steps each")
+        if notes:
+            lines += ["", "; ".join(notes)] if markdown else ["; ".join(notes)]
         mem = wl.get("memory_mib")
         quart = wl.get("ratio_quartiles", {})
         hooks = wl.get("ratio_to_opacus_hooks")
@@ -447,7 +521,7 @@ def render(result: dict, markdown: bool) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    ap.add_argument("--workloads", nargs="+", default=list(DEFAULT_WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
@@ -455,6 +529,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--memory", action="store_true", help="peak step memory, one child process each")
     ap.add_argument("--memory-steps", type=int, default=3)
     ap.add_argument("--memory-runs", type=int, default=3, help="children per configuration (median)")
+    ap.add_argument("--gpt2-small-repeats", type=int, default=3,
+                    help="rounds for gpt2-small (a step takes seconds)")
+    ap.add_argument("--gpt2-small-warmup", type=int, default=1)
+    ap.add_argument("--gpt2-small-memory-runs", type=int, default=1)
+    ap.add_argument("--gpt2-small-memory-steps", type=int, default=1)
     ap.add_argument("--scaling", action="store_true", help="GPT-2 ratio over a T x B grid")
     ap.add_argument("--scaling-seq", nargs="+", type=int, default=[32, 128, 512])
     ap.add_argument("--scaling-batch", nargs="+", type=int, default=[8, 32, 128])
@@ -464,14 +543,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     ap.add_argument("--json", type=Path, help="also write the raw result here")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, 1 repeat, no warm-up (CI)")
-    ap.add_argument("--allocator", default="keep-freed", choices=["keep-freed", "glibc-default"],
+    ap.add_argument("--allocator", default="keep-freed", choices=["keep-freed", "glibc-default", "map-large"],
                     help="keep-freed (default): glibc keeps freed memory between steps, as the "
-                         "dpclip command does (dpclip.allocator); applies to every method alike")
+                         "dpclip command does (dpclip.allocator); map-large: every block of 1 MiB "
+                         "or more is its own mapping, returned when freed, so step memory counts "
+                         "live tensors, not heap growth; applies to every method alike")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     allocator = args.allocator
     if allocator == "keep-freed" and not keep_freed_memory():
         allocator = "glibc-default (keep-freed unavailable here)"
+    if allocator == "map-large" and not map_large_blocks():
+        allocator = "glibc-default (map-large unavailable here)"
     if args.child:
         spec = json.loads(args.child)
         print(json.dumps(child_memory(**spec)))
@@ -481,6 +564,8 @@ def main(argv=None) -> dict:
     if args.smoke:
         args.repeats, args.warmup, args.memory_steps, args.scaling_repeats = 1, 0, 1, 1
         args.memory_runs = 1
+        args.gpt2_small_repeats, args.gpt2_small_warmup = 1, 0
+        args.gpt2_small_memory_runs, args.gpt2_small_memory_steps = 1, 1
         args.scaling_seq, args.scaling_batch = [8, 16], [2]
 
     methods, skipped = list(args.methods), ""
@@ -494,20 +579,30 @@ def main(argv=None) -> dict:
     result = {"machine": machine(), "allocator": allocator, "repeats": args.repeats, "warmup": args.warmup,
               "skipped": skipped, "workloads": {}}
     for name in args.workloads:
-        print(f"timing {name} ...", flush=True)
-        timed = time_methods(make_workload(name, sizes[name]), methods, args.repeats, args.warmup)
-        wl = {"description": describe(name, sizes[name]), "sizes": sizes[name], **timed}
-        if name == "gpt2" and "opacus ghost" in methods:
-            wl["note"] = ("opacus ghost runs with lm_head untied: Opacus ghost clipping refuses "
-                          "tied parameters")
-        if args.memory:
-            print(f"memory {name} ...", flush=True)
-            mem = {m: measure_memory(name, m, sizes[name], args.memory_steps, args.threads,
-                                     args.allocator, args.memory_runs) for m in methods}
-            wl["memory_mib"] = {m: r["step_mib"] for m, r in mem.items()}
-            wl["stash_peak_mib"] = {m: r["stash_peak_mib"] for m, r in mem.items()
-                                    if r["stash_peak_mib"] is not None}
-        result["workloads"][name] = wl
+        big = name == "gpt2-small"
+        repeats, warmup = ((args.gpt2_small_repeats, args.gpt2_small_warmup) if big
+                           else (args.repeats, args.warmup))
+        mem_runs, mem_steps = ((args.gpt2_small_memory_runs, args.gpt2_small_memory_steps) if big
+                               else (args.memory_runs, args.memory_steps))
+        for key, inst in instances(name, sizes[name]):
+            print(f"timing {key} ...", flush=True)
+            timed = time_methods(make_workload(name, inst), methods, repeats, warmup)
+            wl = {"description": describe(name, inst), "workload": name, "sizes": inst, **timed}
+            if (repeats, warmup) != (args.repeats, args.warmup):
+                wl["rounds"] = {"repeats": repeats, "warmup": warmup}
+            if name.startswith("gpt2") and "opacus ghost" in methods:
+                wl["note"] = ("opacus ghost runs with lm_head untied: Opacus ghost clipping refuses "
+                              "tied parameters")
+            if args.memory:
+                print(f"memory {key} ...", flush=True)
+                mem = {m: measure_memory(name, m, inst, mem_steps, args.threads, args.allocator,
+                                         mem_runs) for m in methods}
+                wl["memory_mib"] = {m: r["step_mib"] for m, r in mem.items()}
+                wl["stash_peak_mib"] = {m: r["stash_peak_mib"] for m, r in mem.items()
+                                        if r["stash_peak_mib"] is not None}
+                if (mem_runs, mem_steps) != (args.memory_runs, args.memory_steps):
+                    wl["memory_rounds"] = {"runs": mem_runs, "steps": mem_steps}
+            result["workloads"][key] = wl
     if args.scaling:
         print("scaling gpt2 ...", flush=True)
         result["scaling"] = scaling(args.scaling_seq, args.scaling_batch, sizes["gpt2"],

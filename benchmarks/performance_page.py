@@ -1,11 +1,12 @@
 """Regenerate the measured part of docs/performance.md in one command.
 
-Runs benchmarks/dp_cost.py (timing, step memory, GPT-2 scaling) and
-benchmarks/profile_step.py --phases on this machine, then rewrites the block between the
-``<!-- generated -->`` markers of docs/performance.md: the result tables, the goals of
-issue 8 checked against them (computed here, not typed), and the phase profile.
+Runs benchmarks/dp_cost.py (timing, step memory, GPT-2 scaling; the gpt2, cnn, mlp and
+gpt2-small workloads) and benchmarks/profile_step.py --phases (GPT-2 and GPT-2 small at
+B 4, T 256) on this machine, then rewrites the block between the ``<!-- generated -->``
+markers of docs/performance.md: the result tables, the goals of issues 8 and 16 checked
+against them (computed here, not typed), and the phase profiles.
 
-    python benchmarks/performance_page.py                 # about 12 minutes on 2 vCPUs
+    python benchmarks/performance_page.py                 # about 35-45 minutes on 2 vCPUs
     python benchmarks/performance_page.py --json out.json # also keep the raw numbers
     python benchmarks/performance_page.py --render out.json   # re-render, no measuring
     python benchmarks/performance_page.py --smoke --page /tmp/p.md   # seconds (CI)
@@ -27,16 +28,26 @@ PAGE = HERE.parent / "docs" / "performance.md"
 START, END = "<!-- generated: start -->", "<!-- generated: end -->"
 DP_METHODS = ["dpclip all-layer", "dpclip layer", "dpclip param"]
 GOAL_TIME, GOAL_HOOKS, GOAL_MEMORY = 1.2, 0.6, 1.1
+# issue 16, GPT-2 small: step time at each (B, T) and step memory, x non-private
+SMALL_TIME = {(4, 256): 1.10, (2, 1024): 1.05}
+SMALL_MEMORY = 1.15
+SMALL_PHASES = "gpt2-small 4x256"
 
 
-def measure(smoke: bool, repeats: int, phase_steps: int) -> dict:
-    args = ["--memory", "--scaling", "--repeats", str(repeats), "--scaling-repeats", "5"]
+def measure(smoke: bool, repeats: int, phase_steps: int, small_phase_steps: int = 2) -> dict:
+    args = ["--memory", "--scaling", "--repeats", str(repeats), "--scaling-repeats", "5",
+            "--workloads", *dp_cost.WORKLOADS]
     if smoke:
-        args += ["--smoke", "--workloads", "gpt2", "--methods", "non-private", "dpclip all-layer",
-                 "dpclip layer", "opacus hooks"]
+        args += ["--smoke", "--workloads", "gpt2", "gpt2-small", "--methods", "non-private",
+                 "dpclip all-layer", "dpclip layer", "opacus hooks"]
     result = dp_cost.main(args)
-    result["phases"] = profile_step.phase_times("gpt2", DP_METHODS, 1 if smoke else phase_steps, smoke)
-    result["phase_steps"] = 1 if smoke else phase_steps
+    steps = 1 if smoke else phase_steps
+    result["phases"] = profile_step.phase_times("gpt2", DP_METHODS, steps, smoke)
+    result["phase_steps"] = steps
+    small_steps = 1 if smoke else small_phase_steps
+    result["phases_small"] = profile_step.phase_times(SMALL_PHASES, DP_METHODS, small_steps, smoke)
+    result["phase_steps_small"] = small_steps
+    result["phase_sizes_small"] = dp_cost.resolve(SMALL_PHASES, smoke)[1]
     return result
 
 
@@ -77,17 +88,61 @@ def goals(result: dict) -> str:
     return "\n".join(rows)
 
 
+def small_goals(result: dict) -> str | None:
+    """The goals of issue 16 on GPT-2 small, each with the measured numbers and whether it
+    holds; None when the run has no gpt2-small rows."""
+    small = {k: wl for k, wl in result["workloads"].items() if wl.get("workload") == "gpt2-small"}
+    if not small:
+        return None
+    pair = ["dpclip all-layer", "dpclip layer"]
+    rows = ["| goal | configuration | measured (all-layer, layer-wise) | |", "|---|---|---|---|"]
+    for key, wl in small.items():
+        shape = (wl["sizes"]["batch"], wl["sizes"]["seq"])
+        limit = SMALL_TIME.get(shape)
+        where = f"B {shape[0]}, T {shape[1]}"
+        if limit is not None:
+            ratio, quart = wl["ratio"], wl.get("ratio_quartiles", {})
+            text = ", ".join(f"{ratio[m]:.2f}x" + (f" ({quart[m][0]:.2f}-{quart[m][1]:.2f})"
+                                                   if m in quart else "") for m in pair)
+            rows.append(f"| DP step ≤ {limit:.2f}x non-private | {where} | {text} | "
+                        f"{_yes(all(ratio[m] <= limit for m in pair))} |")
+        mem = wl.get("memory_mib")
+        if mem:
+            ref = mem["non-private"]
+            rows.append(f"| step memory ≤ {SMALL_MEMORY:.2f}x non-private | {where} | "
+                        f"{mem[pair[0]] / ref:.2f}x, {mem[pair[1]] / ref:.2f}x | "
+                        f"{_yes(all(mem[m] / ref <= SMALL_MEMORY for m in pair))} |")
+    slower = []
+    for key, wl in result["workloads"].items():
+        for ref in ("opacus hooks", "opacus ghost"):
+            against = wl.get(f"ratio_to_{ref.replace(' ', '_')}")
+            if against is None:
+                continue
+            slower += [f"{m.split(' ', 1)[1]} vs {ref.split()[1]} on {key} ({against[m]:.2f}x)"
+                       for m in pair if against.get(m, 0) >= 1]
+    compared = [k for k, wl in result["workloads"].items() if "ratio_to_opacus_hooks" in wl
+                or "ratio_to_opacus_ghost" in wl]
+    if compared:
+        rows.append(f"| DP step faster than both Opacus modes | {', '.join(compared)} | "
+                    f"{'slower: ' + '; '.join(slower) if slower else 'faster everywhere'} | "
+                    f"{_yes(not slower)} |")
+    return "\n".join(rows)
+
+
 def block(result: dict) -> str:
-    phases = profile_step.render_phases(result["phases"], markdown=True)
-    return "\n\n".join([
-        START,
-        "### Goals (issue 8, item 5), GPT-2 of docs/performance.md",
-        goals(result),
-        dp_cost.render(result, markdown=True),
-        f"### Where the time goes: GPT-2, median of {result['phase_steps']} interleaved steps",
-        phases,
-        END,
-    ])
+    parts = [START, "### Goals (issue 8, item 5), GPT-2 of docs/performance.md", goals(result)]
+    small = small_goals(result)
+    if small:
+        parts += ["### Goals (issue 16), GPT-2 small", small]
+    parts += [dp_cost.render(result, markdown=True),
+              f"### Where the time goes: GPT-2, median of {result['phase_steps']} interleaved steps",
+              profile_step.render_phases(result["phases"], markdown=True)]
+    if result.get("phases_small"):
+        sizes = result["phase_sizes_small"]
+        parts += [f"### Where the time goes: GPT-2 small, B {sizes['batch']}, T {sizes['seq']}, "
+                  f"median of {result['phase_steps_small']} interleaved steps",
+                  profile_step.render_phases(result["phases_small"], markdown=True)]
+    return "\n\n".join(parts + [END])
 
 
 def write_page(text: str, page: Path) -> None:
@@ -108,12 +163,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--render", type=Path, help="render this saved --json file, measure nothing")
     ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--phase-steps", type=int, default=11)
+    ap.add_argument("--small-phase-steps", type=int, default=2,
+                    help="interleaved steps of the GPT-2 small phase profile (seconds each)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (CI)")
     args = ap.parse_args(argv)
     if args.render:
         result = json.loads(args.render.read_text())
     else:
-        result = measure(args.smoke, args.repeats, args.phase_steps)
+        result = measure(args.smoke, args.repeats, args.phase_steps, args.small_phase_steps)
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
     write_page(block(result), args.page)

@@ -14,6 +14,7 @@ which operators run, ``--phases`` for how long they take.)
 
     python benchmarks/profile_step.py --phases --methods "dpclip all-layer" "dpclip layer"
     python benchmarks/profile_step.py --method "dpclip all-layer" --steps 5 --top 25
+    python benchmarks/profile_step.py --phases --workload "gpt2-small 4x256" --steps 2
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ import dp_cost  # noqa: E402
 
 
 def profile_method(workload: str, method: str, steps: int, top: int, smoke: bool = False) -> str:
-    sizes = (dp_cost.SMOKE if smoke else dp_cost.FULL)[workload]
-    step = dp_cost.make_step(method, dp_cost.make_workload(workload, sizes))
+    name, sizes = dp_cost.resolve(workload, smoke)
+    step = dp_cost.make_step(method, dp_cost.make_workload(name, sizes))
     step()  # warm-up
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
@@ -64,8 +65,8 @@ def phase_times(workload: str, methods: list[str], steps: int, smoke: bool = Fal
     from dpclip.engine import microbatch
     from dpclip.engine import layers
 
-    sizes = (dp_cost.SMOKE if smoke else dp_cost.FULL)[workload]
-    w = dp_cost.make_workload(workload, sizes)
+    name, sizes = dp_cost.resolve(workload, smoke)
+    w = dp_cost.make_workload(name, sizes)
     acc: dict[str, float] = defaultdict(float)
     saved = (microbatch.param_norm_sq, microbatch.clipped_sum, microbatch.streamed_clip)
     microbatch.param_norm_sq = _timed(acc, "  per-sample norms", microbatch.param_norm_sq)
@@ -145,7 +146,9 @@ def render_phases(times: dict, markdown: bool) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default="gpt2", choices=dp_cost.WORKLOADS)
+    ap.add_argument("--workload", default="gpt2",
+                    help="a workload of dp_cost.py (" + ", ".join(dp_cost.WORKLOADS) + "), or one "
+                         "shape of it: \"gpt2-small 2x1024\" (default: its first shape)")
     ap.add_argument("--method", default="dpclip layer", choices=dp_cost.METHODS)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=20)

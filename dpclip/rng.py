@@ -34,7 +34,7 @@ import struct
 import torch
 
 __all__ = ["entropy_generator", "seeded_generator", "private_generator", "private_random",
-           "derived_seed"]
+           "derived_seed", "split_generator"]
 
 # torch's CPU generator state (CPUGeneratorImplState, 5056 bytes): u64 initial seed,
 # i32 left, i32 seeded, u64 next, u64 state[624] (each holding a 32-bit word), then the
@@ -114,6 +114,31 @@ def private_generator(seed: int | None, purpose: str, device: torch.device | str
     if seed is None:
         return entropy_generator(device)
     return seeded_generator(seed, purpose, device)
+
+
+# 256 bits drawn from the parent generator key each split (8 words of 32 bits).
+_SPLIT_KEY_WORDS = 8
+
+
+def split_generator(parent: torch.Generator, count: int, purpose: str) -> list[torch.Generator]:
+    """``count`` CPU generators for one batch of parallel draws, all derived from ``parent``.
+
+    Draws 256 bits from ``parent`` (advancing it) and fills child j's whole MT19937 state
+    with SHAKE-256(purpose, those bits, j). The children are private exactly when the
+    parent is (OS entropy, or a seed with ``unsafe_seeded_randomness``), and a parent
+    restored from a checkpoint splits into the same children again. The hash is there
+    because MT19937 is linear over GF(2): children built from raw parent output would
+    be linear images of one state; hashed, the streams are unrelated to each other and to
+    the parent's later output (and SHAKE-256 is what :func:`seeded_generator` relies on).
+    """
+    if parent.device.type != "cpu":
+        raise ValueError("split_generator splits CPU generators (a CUDA Philox generator "
+                         "draws in parallel by itself)")
+    key = torch.empty(_SPLIT_KEY_WORDS, dtype=torch.int64).random_(0, 2**32, generator=parent)
+    material = b"".join(int(w).to_bytes(4, "little") for w in key.tolist())
+    return [_cpu_generator_from_words(hashlib.shake_256(
+        f"dpclip-split:{purpose}:{j}:".encode() + material).digest(4 * _MT_WORDS))
+        for j in range(count)]
 
 
 def private_random(seed: int | None, purpose: str) -> random.Random:

@@ -21,19 +21,19 @@ from dpclip.engine.noise import NoiseSource
 def scaled_noise(factor: float) -> Iterator[None]:
     """Multiply the std of every gradient noise draw by ``factor`` while the block runs.
 
-    Patches :meth:`NoiseSource.gaussian_like`, which draws the Gaussian noise on the
-    summed clipped gradient; everything the engine reports (σ, noise std, DpEvent) and
+    Patches :meth:`NoiseSource.add_gaussians`, which draws the Gaussian noise on the
+    summed clipped gradients; everything the engine reports (σ, noise std, DpEvent) and
     so the ledger stay as planned. The original method is restored on exit.
     """
     if factor < 0:
         raise ValueError("factor must be >= 0")
-    original = NoiseSource.gaussian_like
+    original = NoiseSource.add_gaussians
 
-    def scaled(self, p, std):
-        return original(self, p, std * factor)
+    def scaled(self, targets, stds):
+        return original(self, targets, [std * factor for std in stds])
 
-    NoiseSource.gaussian_like = scaled
+    NoiseSource.add_gaussians = scaled
     try:
         yield
     finally:
-        NoiseSource.gaussian_like = original
+        NoiseSource.add_gaussians = original

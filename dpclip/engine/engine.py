@@ -281,20 +281,13 @@ class DPEngine:
         std = self._noise_stds(self.policy.sensitivity_thresholds())
         batch = self.expected_batch_size
         std_grad = (std / batch).tolist()  # one device sync per step, not one per parameter
-        draws, grads = self.noise_multiplier > 0 and (self.reducer is None or self.reducer.draws_noise), []
-        for idx, p in enumerate(self._params):
-            clipped = self._sums[idx]
-            if draws:
-                grad = self.noise.gaussian_like(p, std_grad[self._group_of[idx]])
-                if clipped is not None:
-                    grad.add_(clipped, alpha=1.0 / batch)
-            elif clipped is not None:
-                grad = clipped.div_(batch)
-            else:
-                grad = torch.zeros_like(p)
-            if idx in self._padding_rows:
-                grad[self._padding_rows[idx]] = 0
-            grads.append(grad)
+        draws = self.noise_multiplier > 0 and (self.reducer is None or self.reducer.draws_noise)
+        grads = [torch.zeros_like(p) if clipped is None else clipped.contiguous().div_(batch)
+                 for p, clipped in zip(self._params, self._sums)]
+        if draws:  # in place, all at once: a large draw is split over threads (NoiseSource)
+            self.noise.add_gaussians(grads, [std_grad[k] for k in self._group_of])
+        for idx, row in self._padding_rows.items():
+            grads[idx][row] = 0
         if self.reducer is not None:  # Σ over ranks of (clipped_r/B), plus the one rank's noise/B
             self.reducer.sum_(grads)
             self._clipped, self._nonfinite, self._samples = sum_counts(self.reducer, self._clipped,

@@ -274,6 +274,24 @@ def choose_ghost(use: Bilinear, method: str, transient: bool = False) -> bool:
     return inst > (2 * factors if transient else factors)
 
 
+def early_instance(use: Use, shape: torch.Size, method: str) -> Use:
+    """``Dense(G)`` for a dense Bilinear use whose per-sample gradient the memory rule
+    instantiates (G_i no larger than its factors), else ``use`` unchanged.
+
+    For a parameter whose other uses arrive later (GPT-2's lm_head, tied to wte): the
+    factors (lm_head's [B, T, V] output gradient) would otherwise wait for the last use
+    and then be instantiated anyway, the gradient and the factors both held at the end.
+    :func:`param_norm_sq` gives the same norm and parts either way (instantiated uses
+    are summed; their cross terms with the other uses are exact)."""
+    if not isinstance(use, Bilinear) or use.is_ids or choose_ghost(use, method):
+        return use
+    inst, factors = _numel_per_sample(use)
+    if inst > factors:  # "instantiate" forced on a wide layer: keep the smaller factors
+        return use
+    wide = _widened_use(use, torch.promote_types(use.right.dtype, torch.float32))  # bf16 factors: G_i in float32
+    return Dense(instantiate(wide).reshape(use.right.shape[0], *shape))
+
+
 @dataclass
 class _Part:
     """One summand of a parameter's per-sample gradient, with its instantiated form
@@ -450,9 +468,11 @@ def streamed_clip(bundles: list[Bilinear], shapes: list[torch.Size], base_norm_s
     For a group whose other parameters' norms² are known (``base_norm_sq`` [B]), sample
     i's group norm needs only its own G_i: instantiate G_i for a chunk of samples, add
     ||G_i||², clip (``clip``: norms -> factors), and add c_i G_i to the sums before the next
-    chunk. Same numbers as instantiating everything first; the chunk is sized so that the
-    chunk's G_i never take more memory than the factors already held, and they are still
-    in cache when the sum reads them. ``meter`` (add/remove of tensors, optional) counts
+    chunk. Same numbers as instantiating everything first; the chunk's G_i never take more
+    than twice the memory of the factors already held, the bound of the time rule
+    (:func:`choose_ghost`), so a bundle that rule instantiates is one chunk: one batched
+    matmul and one Σ_i c_i G_i, where chunks of one sample took about 1.8x as long on
+    GPT-2 small's MLP (docs/performance.md). ``meter`` (add/remove of tensors, optional) counts
     each chunk's G_i while it lives. A sample with a non-finite norm gets c_i = 0 and its
     G_i is zeroed before the sum (0·NaN would poison it). Returns (norms [B], non-finite
     ones included, and one sum per bundle).
@@ -460,7 +480,7 @@ def streamed_clip(bundles: list[Bilinear], shapes: list[torch.Size], base_norm_s
     batch = base_norm_sq.shape[0]
     inst = sum(_numel_per_sample(b)[0] for b in bundles)
     factors = sum(_numel_per_sample(b)[1] for b in bundles)
-    chunk = max(1, min(batch, batch * factors // max(inst, 1)))
+    chunk = max(1, min(batch, 2 * batch * factors // max(inst, 1)))
     sums: list[Tensor | None] = [None] * len(bundles)
     norms = []
     for start in range(0, batch, chunk):
@@ -480,8 +500,11 @@ def streamed_clip(bundles: list[Bilinear], shapes: list[torch.Size], base_norm_s
             c = torch.where(finite, c, 0)
             summed = [torch.where(finite[:, None], g, 0) for g in grads]
         for j, g in enumerate(summed):
-            term = c.to(g.dtype) @ g
-            sums[j] = term if sums[j] is None else sums[j].add_(term)
+            row = c.to(g.dtype).unsqueeze(0)
+            if sums[j] is None:
+                sums[j] = (row @ g).squeeze(0)
+            else:  # accumulate in the GEMM: no [m·n] temporary per chunk
+                sums[j].unsqueeze(0).addmm_(row, g)
         if meter is not None:
             meter.remove(grads)
         norms.append(chunk_norms)
@@ -496,5 +519,5 @@ def sqrt_or_zero(x: Tensor) -> Tensor:
 __all__ = [
     "Bilinear", "Dense", "Use", "NORM_METHODS", "batched_dot", "ghost_norm_sq", "ids_ghost_norm_sq",
     "instantiate", "param_norm_sq", "clipped_sum", "choose_ghost", "sqrt_or_zero", "streamable",
-    "streamed_clip", "zero_samples",
+    "streamed_clip", "zero_samples", "early_instance",
 ]

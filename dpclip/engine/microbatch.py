@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from dpclip.engine.bookkeeping import StashMeter
-from dpclip.engine.factors import (Use, clipped_sum, param_norm_sq, sqrt_or_zero, streamable,
-                                   streamed_clip, zero_samples)
+from dpclip.engine.factors import (Use, clipped_sum, early_instance, param_norm_sq, sqrt_or_zero,
+                                   streamable, streamed_clip, zero_samples)
 from dpclip.engine.precision import autocast_off
 from dpclip.errors import EngineError
 
@@ -106,6 +106,10 @@ class MicroBatch:
             raise EngineError(f"parameter {self.ctx.names[idx]} was used more "
                               "often in the backward than in the forward",
                               "call engine.backward once after each forward")
+        if self.pending[idx] > 1 and not self.ctx.transient[idx]:
+            # more uses to come (a tied weight): a G_i no larger than its factors replaces
+            # them now, instead of the factors waiting for the last use (docs/engine.md)
+            use = early_instance(use, self.ctx.params[idx].shape, self.ctx.norm_method)
         self.uses[idx].append(use)
         self.meter.add(use.tensors())
         self.pending[idx] -= 1

@@ -31,6 +31,17 @@ def test_smoke_times_every_dpclip_method_on_every_workload(capsys):
     assert "| dpclip param |" in out and "### GPT-2" in out
 
 
+def test_smoke_gpt2_small_runs_each_of_its_shapes():
+    result = load().main(["--smoke", "--workloads", "gpt2-small", "--methods", *DPCLIP,
+                          "--repeats", "2"])
+    assert set(result["workloads"]) == {"gpt2-small 2x16", "gpt2-small 1x64"}
+    for key, wl in result["workloads"].items():
+        assert wl["workload"] == "gpt2-small" and key.endswith(f"{wl['sizes']['batch']}x{wl['sizes']['seq']}")
+        assert list(wl["ratio"]) == DPCLIP and wl["ratio"]["non-private"] == 1.0
+    name, sizes = load().resolve("gpt2-small 2x1024")
+    assert (name, sizes["batch"], sizes["seq"], sizes["vocab"]) == ("gpt2-small", 2, 1024, 50257)
+
+
 def test_smoke_opacus_rows():
     pytest.importorskip("opacus")
     result = load().main(["--smoke", "--workloads", "gpt2", "--methods", "non-private",

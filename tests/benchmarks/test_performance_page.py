@@ -48,7 +48,41 @@ def test_smoke_run_rewrites_only_the_generated_block(tmp_path):
     text = page.read_text()
     assert text.startswith("# title\n\nprose before") and text.endswith("prose after\n")
     assert "old tables" not in text and "### Goals" in text and "| forward |" in text
+    assert "### Goals (issue 16), GPT-2 small" in text and "### Where the time goes: GPT-2 small" in text
     # re-rendering the saved numbers gives the same page
     module.main(["--render", str(raw), "--page", str(page)])
     assert page.read_text() == text
     assert "phases" in json.loads(raw.read_text())
+
+
+def _small(b, t, all_layer, layer, mem=(1000.0, 1100.0, 1050.0), hooks=2.0, ghost=2.5):
+    methods = ["non-private", "dpclip all-layer", "dpclip layer"]
+    ratio = dict(zip(methods, [1.0, all_layer, layer]))
+    return {"workload": "gpt2-small", "sizes": {"batch": b, "seq": t}, "ratio": ratio,
+            "ratio_quartiles": {m: [r - 0.01, r + 0.01] for m, r in ratio.items()},
+            "ratio_to_opacus_hooks": {m: r / hooks for m, r in ratio.items()},
+            "ratio_to_opacus_ghost": {m: r / ghost for m, r in ratio.items()},
+            "memory_mib": dict(zip(methods, mem))}
+
+
+def test_gpt2_small_goals_are_checked_per_shape_and_against_both_opacus_modes():
+    module = load()
+    result = _result(1.15, 1.10)
+    result["workloads"]["gpt2-small 4x256"] = _small(4, 256, 1.09, 1.08)
+    result["workloads"]["gpt2-small 2x1024"] = _small(2, 1024, 1.06, 1.04, mem=(1000.0, 1160.0, 1020.0))
+    table = module.small_goals(result)
+    rows = [line for line in table.splitlines()[2:]]
+    time_rows = [r for r in rows if r.startswith("| DP step ≤")]
+    assert "**met**" in time_rows[0] and "B 4, T 256" in time_rows[0]           # 1.09 ≤ 1.10
+    assert "**not met**" in time_rows[1] and "B 2, T 1024" in time_rows[1]      # 1.06 > 1.05
+    memory = [r for r in rows if r.startswith("| step memory")]
+    assert "**met**" in memory[0] and "**not met**" in memory[1]                 # 1.16x > 1.15x
+    opacus = [r for r in rows if "Opacus" in r]
+    assert len(opacus) == 1 and "**met**" in opacus[0]
+    result["workloads"]["gpt2-small 2x1024"] = _small(2, 1024, 1.06, 1.04, hooks=1.05)
+    opacus = [r for r in module.small_goals(result).splitlines() if "Opacus" in r][0]
+    assert "**not met**" in opacus and "all-layer vs hooks on gpt2-small 2x1024 (1.01x)" in opacus
+
+
+def test_page_without_gpt2_small_rows_has_no_issue_16_goals():
+    assert load().small_goals(_result(1.15, 1.10)) is None

@@ -126,3 +126,113 @@ def test_dp_event_is_gaussian_or_poisson_subsampled():
     engine = DPEngine(mlp(), {}, noise_multiplier=1.1, expected_batch_size=2, sample_rate=0.01)
     assert engine.privatize().dp_event == dp_accounting.PoissonSampledDpEvent(
         0.01, dp_accounting.GaussianDpEvent(1.1))
+
+
+# ------------------------------------------------ split draws (large models, several threads)
+
+
+def _split_source(monkeypatch, seed=11, split_min=1000):
+    from dpclip.engine import noise
+
+    monkeypatch.setattr(noise, "SPLIT_MIN_NUMEL", split_min)
+    return noise.NoiseSource(seed)
+
+
+def _draw(source, like, stds):
+    out = [torch.zeros_like(t) for t in like]
+    source.add_gaussians(out, stds)
+    return out
+
+
+def _corr(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x - x.mean(), y - y.mean()
+    return float((x * y).sum() / (x.norm() * y.norm()))
+
+
+def test_split_draw_has_each_tensors_std_and_independent_coordinates(monkeypatch):
+    from dpclip.engine.noise import STREAMS
+
+    source = _split_source(monkeypatch)
+    like = [torch.zeros(40_000, dtype=DTYPE), torch.zeros(100, 240, dtype=DTYPE)]
+    stds = [1.0, 3.0]
+    out = _draw(source, like, stds)
+    assert [o.shape for o in out] == [t.shape for t in like]
+    for z, std in zip(out, stds):
+        n = z.numel()
+        # sd of the sample std / true std ≈ 1/sqrt(2(n−1)); sd of the mean = std/sqrt(n)
+        assert abs(float(z.std()) / std - 1) < 5 / math.sqrt(2 * (n - 1))
+        assert abs(float(z.mean()) / std) < 5 / math.sqrt(n)
+    flat = torch.cat([out[0], out[1].flatten() / 3.0])   # unit variance, concatenation order
+    slices = flat.view(STREAMS, -1)                      # stream k's slice (64,000 / 8 each)
+    m = slices.shape[1]
+    # The streams must not be copies or shifts of each other: each pair, aligned and shifted
+    # by one, is uncorrelated (sd of a null correlation ≈ 1/sqrt(m)).
+    for a in range(STREAMS):
+        for b in range(a + 1, STREAMS):
+            assert abs(_corr(slices[a], slices[b])) < 5 / math.sqrt(m)
+            assert abs(_corr(slices[a][1:], slices[b][:-1])) < 5 / math.sqrt(m)
+    assert abs(_corr(flat[1:], flat[:-1])) < 5 / math.sqrt(flat.numel())
+
+
+def test_split_draw_is_the_same_on_any_thread_count_and_moves_on_each_step(monkeypatch):
+    like = [torch.zeros(3000), torch.zeros(5, 7)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _draw(_split_source(monkeypatch), like, [1.0, 2.0])
+        torch.set_num_threads(3)
+        source = _split_source(monkeypatch)
+        three = _draw(source, like, [1.0, 2.0])
+        following = _draw(source, like, [1.0, 2.0])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, three))
+    assert abs(_corr(three[0], following[0])) < 5 / math.sqrt(3000)   # a fresh split each step
+    unseeded = _draw(_split_source(monkeypatch, seed=None), like, [1.0, 2.0])
+    assert not torch.equal(unseeded[0], one[0])
+
+
+def test_below_the_split_size_one_generator_draws_everything_in_order():
+    from dpclip.engine.noise import NoiseSource
+
+    like = [torch.zeros(30), torch.zeros(4, 5)]
+    got = _draw(NoiseSource(5), like, [1.0, 2.0])
+    reference = NoiseSource(5)
+    want = [reference.gaussian_like(t, s) for t, s in zip(like, [1.0, 2.0])]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_noise_is_added_in_place_in_chunks_with_the_same_distribution(monkeypatch):
+    from dpclip.engine import noise
+
+    monkeypatch.setattr(noise, "CHUNK", 1000)     # 25 chunks per tensor, drawn one after another
+    target = torch.full((25_000,), 7.0, dtype=DTYPE)
+    same = target
+    noise.NoiseSource(9).add_gaussians([target], [2.0])
+    assert target is same
+    z = (target - 7.0) / 2.0
+    n = z.numel()
+    assert abs(float(z.std()) - 1) < 5 / math.sqrt(2 * (n - 1)) and abs(float(z.mean())) < 5 / math.sqrt(n)
+    chunks = z.view(25, 1000)
+    assert all(abs(_corr(chunks[i], chunks[i + 1])) < 5 / math.sqrt(1000) for i in range(24))
+    with pytest.raises(ValueError):
+        noise.NoiseSource(9).add_gaussians([torch.zeros(4, 4).t()], [1.0])
+
+
+@pytest.mark.parametrize("seed", [3, None])
+def test_split_noise_resumes_from_the_state_dict(monkeypatch, seed):
+    from dpclip.engine import noise
+
+    monkeypatch.setattr(noise, "SPLIT_MIN_NUMEL", 64)   # the mlp's parameters are drawn split
+    model = mlp()
+    twin = copy.deepcopy(model)
+    engine = DPEngine(model, {}, noise_multiplier=1.0, expected_batch_size=2, seed=seed)
+    engine.privatize()
+    state = engine.state_dict()
+    engine.privatize()
+    want = [p.grad.clone() for p in model.parameters()]
+    resumed = DPEngine(twin, {}, noise_multiplier=1.0, expected_batch_size=2, seed=None if seed is None else 99)
+    resumed.load_state_dict(state)
+    resumed.privatize()
+    for p, w in zip(twin.parameters(), want):
+        assert torch.equal(p.grad, w)

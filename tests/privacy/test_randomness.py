@@ -155,3 +155,22 @@ def test_private_generators_come_from_os_urandom(monkeypatch):
     monkeypatch.undo()
     third = draws()
     assert third[0] != first[0] and not torch.equal(third[1], first[1])
+
+
+def test_split_generators_follow_the_parent_and_differ_from_each_other():
+    from dpclip.rng import split_generator
+
+    def streams(parent):
+        return [torch.rand(16, generator=g) for g in split_generator(parent, 4, "gradient-noise")]
+
+    a = streams(seeded_generator(3, "gradient-noise"))
+    b = streams(seeded_generator(3, "gradient-noise"))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))           # the parent's state decides
+    assert len({tuple(x.tolist()) for x in a}) == 4                # four different streams
+    parent = seeded_generator(3, "gradient-noise")
+    first, second = streams(parent), streams(parent)               # the split advances the parent
+    assert not torch.equal(first[0], second[0])
+    other = streams(seeded_generator(4, "gradient-noise"))
+    assert not torch.equal(other[0], a[0])
+    fresh = streams(entropy_generator())
+    assert not any(torch.equal(x, y) for x, y in zip(fresh, a))
