@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dpclip.errors import DpclipError, InterruptedRun
+from dpclip.files import write_json_atomic
 
 # Rank 0 writes the run directory here as soon as it exists (for the launcher's resume hint).
 RUN_DIR_ENV = "DPCLIP_LAUNCH_RUN_DIR_FILE"
@@ -130,7 +131,7 @@ def announce_interrupted(message: str, hint: str | None) -> bool:
     path = _interrupted_file()
     if path is None:
         return False
-    path.write_text(json.dumps({"message": message, "hint": hint}), encoding="utf-8")
+    write_json_atomic(path, {"message": message, "hint": hint}, durable=False)  # the launcher reads it
     return True
 
 

@@ -20,7 +20,6 @@ its hint, where the launcher (:mod:`dpclip.distributed.launch`) reads it.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from dpclip.errors import DpclipError
+from dpclip.files import write_json_atomic
 
 RESUME_HINT = "the failing rank's error is above; continue the run with: dpclip train --resume RUN_DIR --nproc N"
 # How long a rank waits in a collective for the others (they may be evaluating or checkpointing).
@@ -247,8 +247,7 @@ def record_failure(exc: BaseException) -> None:
             "dpclip": {"message": message, "hint": hint, "secondary": isinstance(exc, PeerStopped),
                        "interrupted": type(exc).__name__ == "InterruptedRun", "rank": int(os.environ["RANK"]),
                        "ns": stamp}}
-    try:
-        with open(path, "w", encoding="utf-8") as fp:
-            json.dump(data, fp)
+    try:  # atomic: the agent may end this rank mid-write, and torchrun's reader fails on half a file
+        write_json_atomic(path, data, durable=False)
     except OSError:  # pragma: no cover - the error itself is still printed by the rank
         pass
