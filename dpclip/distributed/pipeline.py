@@ -105,7 +105,7 @@ class StageLinkOverRanks:
         if not aux and self.world.size == 1:
             return aux
         parts = self.world.all_gather([tuple(a) for a in aux])
-        self.sent_bytes += 24 * len(aux)
+        self.sent_bytes += 24 * len(aux)  # (Δ, σ, name) per release: an estimate of the pickled size
         return [type(aux[0])(*a) if aux else a for part in parts for a in part]
 
     def sum_norm_sq(self, norm_sq: torch.Tensor) -> torch.Tensor:
@@ -343,6 +343,9 @@ def _padded(batch: dict[str, torch.Tensor], size: int) -> dict[str, torch.Tensor
 
 
 class _Outcome:
+    """The fields of dpclip.train.step.StepOutcome (the trainer reads them); the train layer
+    sits above this one, so its class cannot be imported here."""
+
     def __init__(self, report, loss_sum, batch_size, seconds):
         self.report, self.loss_sum, self.batch_size, self.seconds = report, loss_sum, batch_size, seconds
 

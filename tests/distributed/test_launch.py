@@ -34,6 +34,19 @@ def _rank_pid(tag: str, rank: int) -> int | None:
     return None
 
 
+def _launch_two_ranks(recipe, tmp_path: Path):
+    """`dpclip train RECIPE --nproc 2` as a subprocess whose ranks carry a tag (to find their pids)."""
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(recipe_to_yaml(recipe))
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "DPCLIP_TEST_TAG": tag, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "dpclip", "train", str(recipe_file), "--nproc", "2", "--threads", "1", "--json"]
+    launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    return launcher, tag, env
+
+
 def _steps_written(runs: Path) -> int:
     files = list(runs.glob("*/metrics.jsonl"))
     return len(files[0].read_text().splitlines()) if files else 0
@@ -50,14 +63,7 @@ def test_kill_9_of_a_rank_then_resume_gives_the_uninterrupted_ledger(tmp_path, p
     if parallel == "pipeline":  # the one-process reference clips the same stages in one process
         overrides += PIPELINE
     recipe = small_recipe(tmp_path / "runs", "layer", *overrides, f"training.parallel={parallel}")
-    recipe_file = tmp_path / "recipe.yaml"
-    recipe_file.write_text(recipe_to_yaml(recipe))
-    tag = uuid.uuid4().hex
-    env = {**os.environ, "DPCLIP_TEST_TAG": tag, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "dpclip", "train", str(recipe_file), "--nproc", "2", "--threads", "1", "--json"]
-    launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+    launcher, tag, env = _launch_two_ranks(recipe, tmp_path)
     killed = False
     deadline = time.monotonic() + 600
     while launcher.poll() is None and time.monotonic() < deadline:
@@ -118,14 +124,7 @@ def test_ctrl_c_to_the_launcher_stops_every_rank_cleanly_and_resume_completes(tm
     then trains the remaining steps and the ledger holds the plan's count."""
     overrides = ["training.steps=40", "checkpoint.every_steps=100"]
     recipe = small_recipe(tmp_path / "runs", "layer", *overrides)
-    recipe_file = tmp_path / "recipe.yaml"
-    recipe_file.write_text(recipe_to_yaml(recipe))
-    tag = uuid.uuid4().hex
-    env = {**os.environ, "DPCLIP_TEST_TAG": tag, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "dpclip", "train", str(recipe_file), "--nproc", "2", "--threads", "1", "--json"]
-    launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+    launcher, tag, env = _launch_two_ranks(recipe, tmp_path)
     deadline = time.monotonic() + 600
     while launcher.poll() is None and time.monotonic() < deadline and _steps_written(tmp_path / "runs") < 5:
         time.sleep(0.02)
