@@ -349,6 +349,27 @@ def measure_memory(workload: str, method: str, sizes: dict, steps: int, threads:
             "stash_peak_mib": results[0]["stash_peak_mib"]}
 
 
+def time_in_child(workload: str, sizes: dict, methods: list[str], repeats: int, warmup: int,
+                  threads: int, allocator: str) -> dict:
+    """:func:`time_methods` in a fresh child process, so that the heap it keeps dies with it."""
+    spec = json.dumps({"workload": workload, "sizes": sizes, "methods": methods,
+                       "repeats": repeats, "warmup": warmup, "threads": threads})
+    out = subprocess.run([sys.executable, __file__, "--allocator", allocator, "--time-child", spec],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"timing child for {workload} {sizes.get('batch')}x{sizes.get('seq')} "
+                           f"exited with {out.returncode}: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def child_timing(workload: str, sizes: dict, methods: list[str], repeats: int, warmup: int,
+                 threads: int) -> dict:
+    torch.set_num_threads(threads)
+    result = time_methods(make_workload(workload, sizes), methods, repeats, warmup)
+    result["timing_process_peak_mib"] = status_kib("VmHWM") / 1024
+    return result
+
+
 # ---------------------------------------------------------------------------- scaling
 
 
@@ -549,6 +570,7 @@ def main(argv=None) -> dict:
                          "or more is its own mapping, returned when freed, so step memory counts "
                          "live tensors, not heap growth; applies to every method alike")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--time-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     allocator = args.allocator
     if allocator == "keep-freed" and not keep_freed_memory():
@@ -558,6 +580,9 @@ def main(argv=None) -> dict:
     if args.child:
         spec = json.loads(args.child)
         print(json.dumps(child_memory(**spec)))
+        return {}
+    if args.time_child:
+        print(json.dumps(child_timing(**json.loads(args.time_child))))
         return {}
     torch.set_num_threads(args.threads)
     sizes = SMOKE if args.smoke else FULL
@@ -586,7 +611,14 @@ def main(argv=None) -> dict:
                                else (args.memory_runs, args.memory_steps))
         for key, inst in instances(name, sizes[name]):
             print(f"timing {key} ...", flush=True)
-            timed = time_methods(make_workload(name, inst), methods, repeats, warmup)
+            if big:
+                # A fresh process per shape: with freed memory kept, the timing process keeps
+                # its heap at the peak of its largest step (about 17 GB at B 2, T 1024 beside
+                # six models), and the memory children below would need as much again.
+                timed = time_in_child(name, inst, methods, repeats, warmup, args.threads,
+                                      args.allocator)
+            else:
+                timed = time_methods(make_workload(name, inst), methods, repeats, warmup)
             wl = {"description": describe(name, inst), "workload": name, "sizes": inst, **timed}
             if (repeats, warmup) != (args.repeats, args.warmup):
                 wl["rounds"] = {"repeats": repeats, "warmup": warmup}

@@ -1,10 +1,11 @@
 """Regenerate the measured part of docs/performance.md in one command.
 
 Runs benchmarks/dp_cost.py (timing, step memory, GPT-2 scaling; the gpt2, cnn, mlp and
-gpt2-small workloads) and benchmarks/profile_step.py --phases (GPT-2 and GPT-2 small at
-B 4, T 256) on this machine, then rewrites the block between the ``<!-- generated -->``
+gpt2-small workloads) and benchmarks/profile_step.py --phases (GPT-2, and GPT-2 small at
+both of its shapes) on this machine, then rewrites the block between the ``<!-- generated -->``
 markers of docs/performance.md: the result tables, the goals of issues 8 and 16 checked
-against them (computed here, not typed), and the phase profiles.
+against them (computed here, not typed), the phase profiles, and for GPT-2 small where the
+extra time of each private step goes (from the profile of the same shape).
 
     python benchmarks/performance_page.py                 # about 35-45 minutes on 2 vCPUs
     python benchmarks/performance_page.py --json out.json # also keep the raw numbers
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -31,7 +34,6 @@ GOAL_TIME, GOAL_HOOKS, GOAL_MEMORY = 1.2, 0.6, 1.1
 # issue 16, GPT-2 small: step time at each (B, T) and step memory, x non-private
 SMALL_TIME = {(4, 256): 1.10, (2, 1024): 1.05}
 SMALL_MEMORY = 1.15
-SMALL_PHASES = "gpt2-small 4x256"
 
 
 def measure(smoke: bool, repeats: int, phase_steps: int, small_phase_steps: int = 2) -> dict:
@@ -45,10 +47,22 @@ def measure(smoke: bool, repeats: int, phase_steps: int, small_phase_steps: int 
     result["phases"] = profile_step.phase_times("gpt2", DP_METHODS, steps, smoke)
     result["phase_steps"] = steps
     small_steps = 1 if smoke else small_phase_steps
-    result["phases_small"] = profile_step.phase_times(SMALL_PHASES, DP_METHODS, small_steps, smoke)
+    table = dp_cost.SMOKE if smoke else dp_cost.FULL
+    result["phases_small"] = {key: {"sizes": sizes, "times": small_phases(key, small_steps, smoke)}
+                              for key, sizes in dp_cost.instances("gpt2-small", table["gpt2-small"])}
     result["phase_steps_small"] = small_steps
-    result["phase_sizes_small"] = dp_cost.resolve(SMALL_PHASES, smoke)[1]
     return result
+
+
+def small_phases(key: str, steps: int, smoke: bool) -> dict:
+    """profile_step.py --phases on one GPT-2 small shape, in a fresh process: the heap of a
+    B 2, T 1024 step (kept by the allocator setting) then dies with it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "phases.json"
+        cmd = [sys.executable, str(HERE / "profile_step.py"), "--phases", "--workload", key,
+               "--steps", str(steps), "--methods", *DP_METHODS, "--json", str(out)]
+        subprocess.run(cmd + (["--smoke"] if smoke else []), check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
 
 
 def _yes(ok: bool) -> str:
@@ -129,6 +143,22 @@ def small_goals(result: dict) -> str | None:
     return "\n".join(rows)
 
 
+def extra_time(times: dict, method: str) -> str:
+    """One line: how far ``method``'s step is above non-private's in a phase profile, and
+    which phases the difference is in. The parts add up to the difference: the forward, the
+    per-sample norms, the rest of the backward (autograd plus clipped sums and input
+    gradients, which replace autograd's weight gradients), the noise, the optimizer. Each
+    phase is a median over steps, so the sum can differ slightly from the totals' difference."""
+    base, dp = times["non-private"], times[method]
+    parts = {"forward": dp["forward"] - base["forward"],
+             "per-sample norms": dp.get("  per-sample norms", 0.0),
+             "rest of the backward": dp["backward"] - dp.get("  per-sample norms", 0.0) - base["backward"],
+             "noise and p.grad": dp["noise and p.grad"] - base["noise and p.grad"],
+             "optimizer": dp["optimizer step"] - base["optimizer step"]}
+    text = ", ".join(f"{name} {ms:+.0f} ms" for name, ms in parts.items())
+    return f"{method}: {sum(parts.values()):+.0f} ms per step over non-private: {text}"
+
+
 def block(result: dict) -> str:
     parts = [START, "### Goals (issue 8, item 5), GPT-2 of docs/performance.md", goals(result)]
     small = small_goals(result)
@@ -137,11 +167,13 @@ def block(result: dict) -> str:
     parts += [dp_cost.render(result, markdown=True),
               f"### Where the time goes: GPT-2, median of {result['phase_steps']} interleaved steps",
               profile_step.render_phases(result["phases"], markdown=True)]
-    if result.get("phases_small"):
-        sizes = result["phase_sizes_small"]
+    for phases in result.get("phases_small", {}).values():
+        sizes = phases["sizes"]
         parts += [f"### Where the time goes: GPT-2 small, B {sizes['batch']}, T {sizes['seq']}, "
                   f"median of {result['phase_steps_small']} interleaved steps",
-                  profile_step.render_phases(result["phases_small"], markdown=True)]
+                  profile_step.render_phases(phases["times"], markdown=True),
+                  "Extra time of each private step, by phase:\n\n" + "\n".join(
+                      f"- {extra_time(phases['times'], m)}" for m in DP_METHODS)]
     return "\n\n".join(parts + [END])
 
 
@@ -164,7 +196,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--phase-steps", type=int, default=11)
     ap.add_argument("--small-phase-steps", type=int, default=2,
-                    help="interleaved steps of the GPT-2 small phase profile (seconds each)")
+                    help="interleaved steps of the GPT-2 small phase profiles (seconds each)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (CI)")
     args = ap.parse_args(argv)
     if args.render:

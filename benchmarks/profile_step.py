@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import resource
 import statistics
 import sys
@@ -158,6 +159,7 @@ def main(argv=None) -> None:
     ap.add_argument("--methods", nargs="+", default=["dpclip all-layer", "dpclip layer"],
                     choices=[m for m in dp_cost.METHODS if m.startswith("dpclip")])
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--json", type=Path, help="with --phases: also write the times here")
     args = ap.parse_args(argv)
     from dpclip.allocator import keep_freed_memory
 
@@ -167,7 +169,10 @@ def main(argv=None) -> None:
         steps = max(args.steps, 1)
         print(f"{args.workload}: median of {steps} interleaved steps after one warm-up, "
               f"{torch.get_num_threads()} threads")
-        print(render_phases(phase_times(args.workload, args.methods, steps, args.smoke), args.markdown))
+        times = phase_times(args.workload, args.methods, steps, args.smoke)
+        print(render_phases(times, args.markdown))
+        if args.json:
+            args.json.write_text(json.dumps(times, indent=1))
         return
     for method in ("non-private", args.method):
         print(f"== {method} ({args.workload}, {args.steps} steps)")

@@ -86,3 +86,16 @@ def test_gpt2_small_goals_are_checked_per_shape_and_against_both_opacus_modes():
 
 def test_page_without_gpt2_small_rows_has_no_issue_16_goals():
     assert load().small_goals(_result(1.15, 1.10)) is None
+
+
+def test_extra_time_splits_the_difference_into_phases_that_add_up():
+    module = load()
+    base = {"forward": 100.0, "backward": 200.0, "noise and p.grad": 0.0, "optimizer step": 5.0,
+            "total": 305.0}
+    dp = {"forward": 110.0, "backward": 260.0, "  per-sample norms": 25.0, "noise and p.grad": 30.0,
+          "optimizer step": 5.0, "total": 405.0}
+    line = module.extra_time({"non-private": base, "dpclip layer": dp}, "dpclip layer")
+    # forward +10, norms +25, the rest of the backward 260 - 25 - 200 = +35, noise +30, optimizer 0
+    assert line.startswith("dpclip layer: +100 ms per step over non-private")
+    assert "forward +10 ms" in line and "per-sample norms +25 ms" in line
+    assert "rest of the backward +35 ms" in line and "noise and p.grad +30 ms" in line
