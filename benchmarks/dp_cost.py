@@ -31,6 +31,8 @@ instantiate) the engine's mixed rule picks for each layer shape at each T.
     python benchmarks/dp_cost.py --markdown           # tables as markdown (docs/performance.md)
     python benchmarks/dp_cost.py --smoke              # tiny sizes, 1 repeat (CI)
     python benchmarks/dp_cost.py --workloads gpt2-small --memory   # about 25 minutes, quiet machine
+    python benchmarks/dp_cost.py --workloads gpt2-small --gpt2-small-shapes 2x1024 \
+        --gpt2-small-repeats 7 --methods non-private "dpclip all-layer" "dpclip layer"
 
 Opacus is a benchmark extra (``pip install opacus``); without it the Opacus rows are
 skipped and the script says so.
@@ -94,6 +96,15 @@ def instances(name: str, sizes: dict) -> list[tuple[str, dict]]:
         return [(name, sizes)]
     base = {k: v for k, v in sizes.items() if k != "shapes"}
     return [(f"{name} {b}x{t}", dict(base, batch=b, seq=t)) for b, t in sizes["shapes"]]
+
+
+def parse_shape(text: str) -> list[int]:
+    """"2x1024" -> [2, 1024] (batch, sequence length)."""
+    try:
+        batch, seq = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"error: shape {text!r} is not BxT (for example 2x1024)") from None
+    return [batch, seq]
 
 
 def map_large_blocks() -> bool:
@@ -555,6 +566,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--gpt2-small-warmup", type=int, default=1)
     ap.add_argument("--gpt2-small-memory-runs", type=int, default=1)
     ap.add_argument("--gpt2-small-memory-steps", type=int, default=1)
+    ap.add_argument("--gpt2-small-shapes", nargs="+", metavar="BxT",
+                    help="only these (B, T) of gpt2-small, e.g. 2x1024 (default: all of its shapes)")
     ap.add_argument("--scaling", action="store_true", help="GPT-2 ratio over a T x B grid")
     ap.add_argument("--scaling-seq", nargs="+", type=int, default=[32, 128, 512])
     ap.add_argument("--scaling-batch", nargs="+", type=int, default=[8, 32, 128])
@@ -609,7 +622,10 @@ def main(argv=None) -> dict:
                            else (args.repeats, args.warmup))
         mem_runs, mem_steps = ((args.gpt2_small_memory_runs, args.gpt2_small_memory_steps) if big
                                else (args.memory_runs, args.memory_steps))
-        for key, inst in instances(name, sizes[name]):
+        table = sizes[name]
+        if big and args.gpt2_small_shapes:
+            table = dict(table, shapes=[parse_shape(text) for text in args.gpt2_small_shapes])
+        for key, inst in instances(name, table):
             print(f"timing {key} ...", flush=True)
             if big:
                 # A fresh process per shape: with freed memory kept, the timing process keeps

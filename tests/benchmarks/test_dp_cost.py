@@ -42,6 +42,17 @@ def test_smoke_gpt2_small_runs_each_of_its_shapes():
     assert (name, sizes["batch"], sizes["seq"], sizes["vocab"]) == ("gpt2-small", 2, 1024, 50257)
 
 
+def test_gpt2_small_shapes_option_times_only_the_named_shapes_each_in_its_own_process():
+    result = load().main(["--smoke", "--workloads", "gpt2-small", "--gpt2-small-shapes", "1x64",
+                          "--methods", "non-private", "dpclip layer"])
+    assert list(result["workloads"]) == ["gpt2-small 1x64"]
+    wl = result["workloads"]["gpt2-small 1x64"]
+    # timed in a child: its own peak resident set comes back with the times
+    assert wl["timing_process_peak_mib"] > 0 and list(wl["ratio"]) == ["non-private", "dpclip layer"]
+    with pytest.raises(SystemExit, match="not BxT"):
+        load().main(["--smoke", "--workloads", "gpt2-small", "--gpt2-small-shapes", "64"])
+
+
 def test_smoke_opacus_rows():
     pytest.importorskip("opacus")
     result = load().main(["--smoke", "--workloads", "gpt2", "--methods", "non-private",
