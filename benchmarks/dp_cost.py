@@ -348,14 +348,8 @@ def measure_memory(workload: str, method: str, sizes: dict, steps: int, threads:
     None for non-dpclip methods)."""
     spec = json.dumps({"workload": workload, "method": method, "sizes": sizes, "steps": steps,
                        "threads": threads})
-    results = []
-    for _ in range(runs):
-        out = subprocess.run([sys.executable, __file__, "--allocator", allocator, "--child", spec],
-                             capture_output=True, text=True)
-        if out.returncode != 0:  # say why (a child killed for memory has no traceback)
-            raise RuntimeError(f"memory child for {workload} / {method} exited with "
-                               f"{out.returncode}: {out.stderr[-2000:]}")
-        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    results = [run_child("--child", spec, allocator, f"memory child for {workload} / {method}")
+               for _ in range(runs)]
     return {"step_mib": statistics.median(r["step_mib"] for r in results),
             "stash_peak_mib": results[0]["stash_peak_mib"]}
 
@@ -365,11 +359,16 @@ def time_in_child(workload: str, sizes: dict, methods: list[str], repeats: int, 
     """:func:`time_methods` in a fresh child process, so that the heap it keeps dies with it."""
     spec = json.dumps({"workload": workload, "sizes": sizes, "methods": methods,
                        "repeats": repeats, "warmup": warmup, "threads": threads})
-    out = subprocess.run([sys.executable, __file__, "--allocator", allocator, "--time-child", spec],
+    return run_child("--time-child", spec, allocator,
+                     f"timing child for {workload} {sizes.get('batch')}x{sizes.get('seq')}")
+
+
+def run_child(flag: str, spec: str, allocator: str, what: str) -> dict:
+    """This script in a fresh process with ``flag spec``; its last stdout line, as JSON."""
+    out = subprocess.run([sys.executable, __file__, "--allocator", allocator, flag, spec],
                          capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"timing child for {workload} {sizes.get('batch')}x{sizes.get('seq')} "
-                           f"exited with {out.returncode}: {out.stderr[-2000:]}")
+    if out.returncode != 0:  # say why (a child killed for memory has no traceback)
+        raise RuntimeError(f"{what} exited with {out.returncode}: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
