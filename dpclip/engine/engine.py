@@ -34,9 +34,9 @@ from dpclip.engine.noise import (NoiseSource, allocation_weights, effective_nois
                                  noise_stds)
 from dpclip.engine.factors import NORM_METHODS
 from dpclip.engine.microbatch import MicroBatch, StepContext, StepTotals
-from dpclip.engine.policies import PolicyContext, build_policy
+from dpclip.engine.policies import PolicyContext, ThresholdPolicy, build_policy
 from dpclip.engine.reducer import Reducer, StageLink, sum_counts
-from dpclip.engine.report import QUANTILES, StepReport
+from dpclip.engine.report import QUANTILES, ClipDebug, StepReport
 from dpclip.errors import EngineError
 
 DEFAULT_CLIPPING = {
@@ -183,6 +183,7 @@ class DPEngine:
         self._clipped = torch.zeros(len(self.groups), device=self._device, dtype=self._norm_dtype)
         self._nonfinite = torch.zeros(len(self.groups), device=self._device, dtype=torch.long)
         self._samples = 0
+        self._paths: dict[str, str] = {}
         self._captured: list[tuple[MicroBatch, int]] = []  # awaiting finish_micro_batch, oldest first
 
     def backward(self, per_sample_losses: Tensor, *, loss_scale: float = 1.0) -> None:
@@ -264,6 +265,8 @@ class DPEngine:
             micro.discard()
             raise
         norms = norms[:samples]
+        for idx, path in micro.paths.items():
+            self._paths[self.groups.params[idx].name] = path
         self.policy.observe(norms)
         self._norms.append(norms.detach())
         self._samples += samples
@@ -325,6 +328,25 @@ class DPEngine:
         self.steps += 1
         self._reset_step()
         return report
+
+    def debug_clipped(self) -> ClipDebug:
+        """For tests and debugging only (never release it): the step's clipped sums without
+        noise, the per-sample group norms and each parameter's norm path (:class:`ClipDebug`).
+        Ends the step like :meth:`privatize` but draws no noise, charges nothing, moves no
+        threshold and leaves ``p.grad`` alone."""
+        if self._captured:
+            raise EngineError("debug_clipped with a captured micro-batch not finished",
+                              "call finish_micro_batch first")
+        if type(self.policy).observe is not ThresholdPolicy.observe:  # observations would leak into a release
+            raise EngineError("debug_clipped needs a threshold policy that releases nothing",
+                              "use clipping.threshold {kind: fixed} while debugging")
+        sums = {info.name: torch.zeros_like(p) if s is None else s.detach().clone()
+                for info, p, s in zip(self.groups.params, self._params, self._sums)}
+        norms = (torch.cat(self._norms) if self._norms else
+                 torch.zeros(0, len(self.groups), device=self._device, dtype=self._norm_dtype))
+        result = ClipDebug(self.group_names, sums, norms, dict(self._paths))
+        self._reset_step()
+        return result
 
     def _noise_stds(self, sens: Tensor) -> Tensor:
         """σ_g·S·w_k for this engine's groups (:func:`~dpclip.engine.noise.noise_stds`). A

@@ -18,8 +18,10 @@ import torch
 from torch import Tensor
 
 from dpclip.engine.bookkeeping import StashMeter
-from dpclip.engine.factors import (Use, clipped_sum, early_instance, param_norm_sq, sqrt_or_zero,
-                                   streamable, streamed_clip, zero_samples)
+from dpclip.engine.cancellation import cancellation_flags, certified_rows
+from dpclip.engine.factors import (Dense, Use, choose_ghost, clipped_sum, early_instance,
+                                   param_norm_sq, sqrt_or_zero, streamable, streamed_clip,
+                                   zero_samples)
 from dpclip.engine.precision import autocast_off
 from dpclip.errors import EngineError
 
@@ -95,6 +97,13 @@ class MicroBatch:
         self.norm_sq: list[Tensor | None] = [None] * k
         self.norms: list[Tensor | None] = [None] * k
         self.streamed: set[int] = set()   # parameters whose G_i are instantiated at finalization
+        # Cancellation (dpclip.engine.cancellation): per parameter read from factors, the
+        # samples whose norm² the working precision cannot vouch for, its norm² [b], and
+        # after certification the flagged rows' float64 parts (rows, parts).
+        self.flags: list[Tensor | None] = [None] * len(pending)
+        self.param_sq: list[Tensor | None] = [None] * len(pending)
+        self.exact: dict[int, tuple[Tensor, list[Use]]] = {}
+        self.paths: dict[int, str] = {}   # how each parameter's norm was computed (debugging)
         self.done = [False] * k
         self.thresholds = thresholds
         self.per_sample_thresholds = per_sample_thresholds
@@ -127,6 +136,7 @@ class MicroBatch:
                 self.meter.remove(use.tensors())
             self.parts[idx] = [bundle]
             self.streamed.add(idx)
+            self.paths[idx] = "instantiated (streamed)"
         elif uses:
             p = e.params[idx]
             norm_sq, parts = param_norm_sq(uses, p.shape, e.norm_method, e.norm_dtype,
@@ -136,14 +146,55 @@ class MicroBatch:
             for use in uses:
                 self.meter.remove(use.tensors())
             self.parts[idx] = parts
+            self.paths[idx] = self._path(parts, e.transient[idx])
+            flags = cancellation_flags(parts, norm_sq)
+            if flags is not None:
+                self.flags[idx], self.param_sq[idx] = flags.to(e.device), norm_sq.to(e.device)
             norm_sq = norm_sq.to(e.device)
             self.norm_sq[k] = norm_sq if self.norm_sq[k] is None else self.norm_sq[k] + norm_sq
         self.group_left[k] -= 1
         if self.group_left[k] == 0 and not self.defer:
             self._finalize(k, self.thresholds[k])
 
+    def _path(self, parts: list[Use], transient: bool) -> str:
+        def one(part: Use) -> str:
+            if isinstance(part, Dense):
+                return "instantiated"
+            kind = "ids " if part.is_ids else ""
+            if choose_ghost(part, self.ctx.norm_method, transient):
+                return kind + "ghost"
+            return kind + "instantiated norm, factor sum"
+        return " + ".join(one(p) for p in parts)
+
+    def _certify(self, k: int) -> None:
+        """Recompute in float64 the flagged samples of group k's parameters, and raise the
+        group's norm² to the certified bound (:func:`~dpclip.engine.cancellation.certified_rows`).
+        One device sync per group that has parameters read from factors."""
+        e = self.ctx
+        flagged = [(idx, self.flags[idx]) for idx in e.members[k] if self.flags[idx] is not None]
+        if not flagged:
+            return
+        hits = torch.stack([f.any() for _, f in flagged]).tolist()
+        for (idx, flags), hit in zip(flagged, hits):
+            self.flags[idx] = None
+            param_sq, self.param_sq[idx] = self.param_sq[idx], None
+            if not hit:
+                continue
+            rows = flags.nonzero().squeeze(1)
+            upper, parts64 = certified_rows(self.parts[idx], rows.to(e.params[idx].device),
+                                            e.params[idx].shape, e.norm_method)
+            # rounding the float64 bound to the norm dtype must not lower it
+            upper = (upper * (1 + 4 * torch.finfo(e.norm_dtype).eps)).to(e.norm_dtype).to(e.device)
+            raise_by = torch.zeros_like(param_sq).index_put_((rows,), upper - param_sq[rows])
+            self.norm_sq[k] = self.norm_sq[k] + raise_by
+            for part in parts64:
+                self.meter.add(part.tensors())
+            self.exact[idx] = (rows, parts64)
+            self.paths[idx] += f" + float64 for {rows.numel()} cancelling sample(s)"
+
     def _finalize(self, k: int, threshold: Tensor) -> None:
         e, out = self.ctx, self.totals
+        self._certify(k)
         sq = self.norm_sq[k]
         streamed = [idx for idx in e.members[k] if idx in self.streamed]
         unscale = self.unscale
@@ -191,8 +242,19 @@ class MicroBatch:
             if not parts:
                 continue
             p = e.params[idx]
-            summed = parts if keep is None else zero_samples(parts, keep.to(p.device))
+            exact = self.exact.pop(idx, None)
+            keep_rows = keep
+            if exact is not None:  # the flagged rows are summed from their float64 parts
+                kept = torch.ones(self.batch, dtype=torch.bool, device=e.device).index_fill_(0, exact[0], False)
+                keep_rows = kept if keep is None else keep & kept
+            summed = parts if keep_rows is None else zero_samples(parts, keep_rows.to(p.device))
             total = clipped_sum(summed, factors.to(p.device), p.shape)
+            if exact is not None:
+                rows, parts64 = exact
+                total = total + clipped_sum(parts64, factors[rows].to(p.device, torch.float64),
+                                            p.shape).to(total.dtype)
+                for part in parts64:
+                    self.meter.remove(part.tensors())
             for part in parts:
                 self.meter.remove(part.tensors())
             if out.sums[idx] is None:
@@ -216,6 +278,8 @@ class MicroBatch:
                 self.pending[idx] = 0
                 self._param_done(idx)
         if self.defer:
+            for k in range(len(e.members)):
+                self._certify(k)
             norm_sq = torch.stack([s if s is not None else
                                    torch.zeros(self.batch, device=e.device, dtype=e.norm_dtype)
                                    for s in self.norm_sq], dim=1)
@@ -244,6 +308,10 @@ class MicroBatch:
         for parts in self.parts:
             for part in parts or ():
                 self.meter.remove(part.tensors())
+        for _, parts64 in self.exact.values():
+            for part in parts64:
+                self.meter.remove(part.tensors())
+        self.exact.clear()
         self.uses = [[] for _ in self.pending]
         self.parts = [None] * len(self.pending)
         self.streamed.clear()

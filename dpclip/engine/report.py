@@ -60,3 +60,19 @@ class StepReport:
             "samples_seen": self.samples_seen,
             "expected_batch_size": self.expected_batch_size,
         }
+
+
+@dataclass
+class ClipDebug:
+    """What ``DPEngine.debug_clipped()`` hands back: for tests and debugging only.
+
+    Computed from the private batch WITHOUT noise: never log, release or train on it (not
+    covered by ε). ``sums``: Σ_i c_i g_i per parameter name, not divided by the batch size;
+    ``norms``: per-sample group norms [n, K] (the norms the clip factors were computed
+    from); ``paths``: how each parameter's per-sample norm was computed ("ghost",
+    "instantiated", "instantiated (streamed)", "... + float64 for k cancelling sample(s)")."""
+
+    group_names: list[str]
+    sums: dict[str, Tensor]
+    norms: Tensor
+    paths: dict[str, str]
