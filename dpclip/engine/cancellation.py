@@ -19,31 +19,12 @@ import math
 import torch
 from torch import Tensor
 
-from dpclip.engine.factors import Bilinear, Dense, Use, param_norm_sq
+from dpclip.engine.factors import Bilinear, Dense, Use, atom_sizes, param_norm_sq
 
 
 #: the relative error of a norm² the engine accepts from its working precision (2e-5 on
 #: the norm², 1e-5 on the norm: the clip invariant ‖c_i g_i‖ ≤ C·(1 + 1e-5))
 CANCELLATION_TOLERANCE = 2e-5
-
-
-def atom_sizes(use: Use, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Per sample: (D, M) = (Σ_t ||G_t||², Σ_t ||G_t||) over the atoms of ``use``.
-
-    A Bilinear use's atoms are its positions' rank-one terms G_t = L_tᵀR_t, with
-    ||G_t|| = ||L_t||·||R_t|| (a one-hot row has norm 1); a Dense gradient is one atom.
-    Both are sums of non-negative terms, so they carry no cancellation themselves; by
-    the triangle inequality ||G|| ≤ M."""
-    if isinstance(use, Dense):
-        size = torch.linalg.vector_norm(use.grad.flatten(1), dim=1, dtype=dtype)
-        return size.square(), size
-    right = torch.linalg.vector_norm(use.right, dim=-1, dtype=dtype)          # [B, g, T]
-    if use.is_ids:
-        size = right[:, 0]
-    else:
-        size = torch.linalg.vector_norm(use.left, dim=-1, dtype=dtype) * right
-    size = size.flatten(1)
-    return size.square().sum(1), size.sum(1)
 
 
 def _dims(parts: list[Use]) -> tuple[int, int, int]:
@@ -59,10 +40,11 @@ def _dims(parts: list[Use]) -> tuple[int, int, int]:
     return m, n, t
 
 
-def cancellation_flags(parts: list[Use], norm_sq: Tensor) -> Tensor | None:
+def cancellation_flags(parts: list[Use], norm_sq: Tensor, atoms_sq: Tensor) -> Tensor | None:
     """Samples whose norm² ``norm_sq`` [B] the working precision cannot vouch for, or None
     when nothing of ``parts`` is read from factors (instantiated gradients give the norm
-    and the sum from the same numbers: consistent whatever their round-off).
+    and the sum from the same numbers: consistent whatever their round-off). ``atoms_sq``:
+    D [B], the parts' atoms' squared sizes (``param_norm_sq(..., with_atoms=True)``).
 
     Flagged: N̂·ρ < u·sqrt(m + n + T)·D, with ρ = :data:`CANCELLATION_TOLERANCE`. Unflagged,
     the error λ·u·D (λ measured at most 0.52·sqrt(m + n + T) for m up to 8192 and K up to
@@ -70,11 +52,9 @@ def cancellation_flags(parts: list[Use], norm_sq: Tensor) -> Tensor | None:
     A NaN norm is not flagged (the non-finite handling zeroes that sample)."""
     if not any(isinstance(p, Bilinear) for p in parts):
         return None
-    dtype = norm_sq.dtype
-    d = sum(atom_sizes(p, dtype)[0] for p in parts)
     m, n, t = _dims(parts)
-    unit = torch.finfo(dtype).eps / 2
-    return norm_sq * CANCELLATION_TOLERANCE < (unit * math.sqrt(m + n + t)) * d
+    unit = torch.finfo(norm_sq.dtype).eps / 2
+    return norm_sq * CANCELLATION_TOLERANCE < (unit * math.sqrt(m + n + t)) * atoms_sq
 
 
 def certified_rows(parts: list[Use], rows: Tensor, shape: torch.Size,
@@ -101,4 +81,4 @@ def certified_rows(parts: list[Use], rows: Tensor, shape: torch.Size,
     return norm_sq.clamp_min(0) + gamma * size.square(), parts64
 
 
-__all__ = ["CANCELLATION_TOLERANCE", "atom_sizes", "cancellation_flags", "certified_rows"]
+__all__ = ["CANCELLATION_TOLERANCE", "cancellation_flags", "certified_rows"]

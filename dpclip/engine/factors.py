@@ -136,26 +136,32 @@ def _gram_dot(x: Tensor, y: Tensor) -> Tensor:
     return batched_dot(x.reshape(-1, *x.shape[-2:]), y.reshape(-1, *y.shape[-2:])).view(lead)
 
 
-def _symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool) -> Tensor:
-    """Σ_{t,s} (L Lᵀ)_{ts} (R Rᵀ)_{ts} over the T axis, using the symmetry of both Grams.
+def _symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool) -> tuple[Tensor, Tensor]:
+    """(Σ_{t,s} (L Lᵀ)_{ts} (R Rᵀ)_{ts}, Σ_t (L Lᵀ)_{tt} (R Rᵀ)_{tt}) over the T axis, using
+    the symmetry of both Grams.
 
     Split T into halves 1, 2: the sum is G(L₁,R₁) + G(L₂,R₂) + 2·<L₁L₂ᵀ, R₁R₂ᵀ>, and the
     diagonal terms recurse. Each level computes 3 of the 4 Gram blocks, so at depth k the
     Gram work is (1/2 + 2^-(k+1)) of the plain product: 3/4, 5/8, ... (exact, reordered sums).
+    The second value, the atoms' squared sizes Σ_t ||L_t||²||R_t||² that bound the first's
+    round-off (:mod:`dpclip.engine.cancellation`), is read off the Grams' diagonals for free.
     ``left`` is ``[..., T, m]`` (or ids ``[..., T]``), ``right`` ``[..., T, n]`` -> ``[...]``.
     """
     t = right.shape[-2]
     if t % 2 or t < 2 * GHOST_MIN_BLOCK:
-        return _gram_dot(_gram(left, left_ids), _gram(right, False))
+        gram_left, gram_right = _gram(left, left_ids), _gram(right, False)
+        atoms = (gram_left.diagonal(dim1=-2, dim2=-1).to(gram_right.dtype)
+                 * gram_right.diagonal(dim1=-2, dim2=-1)).sum(-1)
+        return _gram_dot(gram_left, gram_right), atoms
     h = t // 2
     # unflatten splits T in place (a view for any strides): [..., 2, h, k]
     lb = left.unflatten(-1 if left_ids else -2, (2, h))
     rb = right.unflatten(-2, (2, h))
-    diagonal = _symmetric_ghost(lb, rb, left_ids).sum(-1)
+    diagonal, atoms = _symmetric_ghost(lb, rb, left_ids)
     first, second = (lb[..., 0, :], lb[..., 1, :]) if left_ids else (lb[..., 0, :, :], lb[..., 1, :, :])
     off = _gram_dot(_cross_gram(first, second, left_ids),
                     _cross_gram(rb[..., 0, :, :], rb[..., 1, :, :], False))
-    return diagonal + 2 * off
+    return diagonal.sum(-1) + 2 * off, atoms.sum(-1)
 
 
 def ghost_norm_sq(left: Tensor, right: Tensor) -> Tensor:
@@ -166,7 +172,7 @@ def ghost_norm_sq(left: Tensor, right: Tensor) -> Tensor:
     symmetric, see :func:`_symmetric_ghost`), memory O(T²). Shapes ``[B, g, T, m]`` and
     ``[B, g, T, n]`` -> ``[B]`` (blocks summed).
     """
-    return _symmetric_ghost(left, right, False).sum(1)
+    return _symmetric_ghost(left, right, False)[0].sum(1)
 
 
 def ids_ghost_norm_sq(ids: Tensor, right: Tensor) -> Tensor:
@@ -174,7 +180,26 @@ def ids_ghost_norm_sq(ids: Tensor, right: Tensor) -> Tensor:
 
     ``ids`` ``[B, T]``, ``right`` ``[B, 1, T, n]`` -> ``[B]``.
     """
-    return _symmetric_ghost(ids, right[:, 0], True)
+    return _symmetric_ghost(ids, right[:, 0], True)[0]
+
+
+def atom_sizes(use: Use, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Per sample: (D, M) = (Σ_t ||G_t||², Σ_t ||G_t||) over the atoms of ``use``.
+
+    A Bilinear use's atoms are its positions' rank-one terms G_t = L_tᵀR_t, with
+    ||G_t|| = ||L_t||·||R_t|| (a one-hot row has norm 1); a Dense gradient is one atom.
+    Both are sums of non-negative terms, so they carry no cancellation themselves; by
+    the triangle inequality ||G|| ≤ M (docs/formulas.md, "Cancellation")."""
+    if isinstance(use, Dense):
+        size = torch.linalg.vector_norm(use.grad.flatten(1), dim=1, dtype=dtype)
+        return size.square(), size
+    right = torch.linalg.vector_norm(use.right, dim=-1, dtype=dtype)          # [B, g, T]
+    if use.is_ids:
+        size = right[:, 0]
+    else:
+        size = torch.linalg.vector_norm(use.left, dim=-1, dtype=dtype) * right
+    size = size.flatten(1)
+    return size.square().sum(1), size.sum(1)
 
 
 def _scatter_rows(rows: Tensor, index: Tensor, num: int) -> Tensor:
@@ -309,13 +334,18 @@ def _block_view(grad: Tensor, use: Bilinear) -> Tensor:
     return grad.reshape(batch, use.left.shape[1], use.left.shape[3], use.right.shape[3])
 
 
-def _self_term(p: _Part) -> Tensor:
+def _self_term(p: _Part) -> tuple[Tensor, Tensor]:
+    """(||part||², its atoms' squared sizes D)."""
     if p.inst is not None:
-        return torch.linalg.vector_norm(p.inst.flatten(1), dim=1).square()
+        value = torch.linalg.vector_norm(p.inst.flatten(1), dim=1).square()
+        if isinstance(p.use, Dense):
+            return value, value
+        return value, atom_sizes(p.use, value.dtype)[0]
     assert isinstance(p.use, Bilinear)
     if p.use.is_ids:
-        return ids_ghost_norm_sq(p.use.left, p.use.right)
-    return ghost_norm_sq(p.use.left, p.use.right)
+        return _symmetric_ghost(p.use.left, p.use.right[:, 0], True)
+    value, atoms = _symmetric_ghost(p.use.left, p.use.right, False)
+    return value.sum(1), atoms.sum(1)
 
 
 def _cross_term(a: _Part, c: _Part) -> Tensor:
@@ -331,8 +361,8 @@ def _cross_term(a: _Part, c: _Part) -> Tensor:
 
 
 def param_norm_sq(uses: list[Use], shape: torch.Size, method: str = "auto",
-                  out_dtype: torch.dtype | None = None,
-                  transient: bool = False) -> tuple[Tensor, list[Use]]:
+                  out_dtype: torch.dtype | None = None, transient: bool = False,
+                  with_atoms: bool = False) -> tuple[Tensor, list[Use]] | tuple[Tensor, list[Use], Tensor]:
     """Exact per-sample ||Σ_u G_{i,u}||² of one parameter over all its uses.
 
     Uses are merged into at most three parts: dense-factor Bilinear uses concatenated
@@ -344,7 +374,9 @@ def param_norm_sq(uses: list[Use], shape: torch.Size, method: str = "auto",
 
     Returns ``(norm_sq [B], parts)``; ``parts`` is what :func:`clipped_sum` needs. An
     instantiated gradient replaces its factors when it is not larger than them, or when
-    it is ``transient``, which makes the clipped sum a cheap Σ_i c_i G_i.
+    it is ``transient``, which makes the clipped sum a cheap Σ_i c_i G_i. ``with_atoms``
+    adds the parts' atoms' squared sizes D [B] (:func:`atom_sizes`; free for ghost parts,
+    read off the Grams), what the cancellation check compares the norm with.
     """
     # Half-precision factors (autocast) are widened for the arithmetic only; the parts
     # returned keep them as they are, so the stash stays small (dpclip.engine.precision).
@@ -379,15 +411,16 @@ def param_norm_sq(uses: list[Use], shape: torch.Size, method: str = "auto",
     if not parts:
         raise ValueError("param_norm_sq needs at least one use")
 
-    total = _self_term(parts[0])
+    total, atoms = _self_term(parts[0])
     for p in parts[1:]:
-        total = total + _self_term(p)
+        value, more = _self_term(p)
+        total, atoms = total + value, atoms + more
     for a in range(len(parts)):
         for c in range(a + 1, len(parts)):
             total = total + 2 * _cross_term(parts[a], parts[c])
     if out_dtype is not None:
-        total = total.to(out_dtype)
-    return total, kept
+        total, atoms = total.to(out_dtype), atoms.to(out_dtype)
+    return (total, kept, atoms) if with_atoms else (total, kept)
 
 
 # ------------------------------------------------------------------ clipped sum
@@ -519,5 +552,5 @@ def sqrt_or_zero(x: Tensor) -> Tensor:
 __all__ = [
     "Bilinear", "Dense", "Use", "NORM_METHODS", "batched_dot", "ghost_norm_sq", "ids_ghost_norm_sq",
     "instantiate", "param_norm_sq", "clipped_sum", "choose_ghost", "sqrt_or_zero", "streamable",
-    "streamed_clip", "zero_samples", "early_instance",
+    "streamed_clip", "zero_samples", "early_instance", "atom_sizes",
 ]

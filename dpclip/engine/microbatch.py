@@ -139,15 +139,15 @@ class MicroBatch:
             self.paths[idx] = "instantiated (streamed)"
         elif uses:
             p = e.params[idx]
-            norm_sq, parts = param_norm_sq(uses, p.shape, e.norm_method, e.norm_dtype,
-                                           transient=e.transient[idx])
+            norm_sq, parts, atoms_sq = param_norm_sq(uses, p.shape, e.norm_method, e.norm_dtype,
+                                                     transient=e.transient[idx], with_atoms=True)
             for part in parts:
                 self.meter.add(part.tensors())
             for use in uses:
                 self.meter.remove(use.tensors())
             self.parts[idx] = parts
             self.paths[idx] = self._path(parts, e.transient[idx])
-            flags = cancellation_flags(parts, norm_sq)
+            flags = cancellation_flags(parts, norm_sq, atoms_sq)
             if flags is not None:
                 self.flags[idx], self.param_sq[idx] = flags.to(e.device), norm_sq.to(e.device)
             norm_sq = norm_sq.to(e.device)

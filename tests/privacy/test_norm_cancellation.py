@@ -21,7 +21,7 @@ from torch import nn
 
 from dpclip.engine import DPEngine
 from dpclip.engine.cancellation import CANCELLATION_TOLERANCE, cancellation_flags, certified_rows
-from dpclip.engine.factors import Bilinear, ghost_norm_sq
+from dpclip.engine.factors import Bilinear, param_norm_sq
 
 C = 1.0
 SLACK = 1 + 1e-5
@@ -177,8 +177,8 @@ def test_unflagged_ghost_norms_are_within_the_tolerance_and_flagged_ones_are_bou
                        torch.randint(-4, 5, (t_extra, n), generator=g)])
     exact = _exact_norm_sq(left, right)
     use = Bilinear(left.float()[None, None], right.float()[None, None])
-    got = ghost_norm_sq(use.left, use.right)
-    flags = cancellation_flags([use], got)
+    got, _, atoms = param_norm_sq([use], torch.Size([m, n]), "ghost", with_atoms=True)
+    flags = cancellation_flags([use], got, atoms)
     if not bool(flags[0]):
         assert abs(float(got[0]) - exact) <= CANCELLATION_TOLERANCE * exact
     else:
