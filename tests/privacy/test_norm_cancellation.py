@@ -83,7 +83,7 @@ def group_contributions(make_engine, run, with_attack, without_attack) -> list[f
     return out
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp64"])
 @pytest.mark.parametrize("grouping", GROUPINGS)
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("scale", [1e3, 1e5])
@@ -93,6 +93,8 @@ def test_crafted_linear_input_moves_no_group_by_more_than_c(precision, grouping,
     torch.manual_seed(0)
     model = LinearProbe(d, p, bias)
     x = crafted_inputs(d, scale)
+    if precision == "fp64":
+        model, x = model.double(), x.double()
 
     def make_engine():
         return DPEngine(model, {"grouping": grouping, "norm_method": method,
@@ -107,7 +109,7 @@ def test_crafted_linear_input_moves_no_group_by_more_than_c(precision, grouping,
 
     contributions = group_contributions(make_engine, run, x, x[1:])
     assert max(contributions) <= C * SLACK, contributions
-    if precision == "fp32":  # clipped, not dropped (bf16 rounds both rows to ±bf16(K·u): 0)
+    if precision != "bf16":  # clipped, not dropped (bf16 rounds both rows to ±bf16(K·u): 0)
         assert max(contributions) > 0.5 * C
 
 
