@@ -162,17 +162,22 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
+def _short(frame) -> str:
+    path = frame.filename
+    path = "dpclip/" + path.split("/dpclip/", 1)[1] if "/dpclip/" in path else "/".join(path.split("/")[-2:])
+    return f"{path}:{frame.lineno} ({frame.name})"
+
+
 def _where(exc: BaseException) -> str | None:
-    """The innermost frame in dpclip; else the innermost outside torch (the model's code)."""
+    """The innermost dpclip frame, then the frame that raised, when that is elsewhere."""
     frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return None
     ours = [f for f in frames if "/dpclip/" in f.filename]
-    theirs = [f for f in frames if "/torch/" not in f.filename]
-    for f, marker in ((ours[-1] if ours else None, "/dpclip/"), (theirs[-1] if theirs else None, "/")):
-        if f is not None:
-            path = "dpclip/" + f.filename.split("/dpclip/", 1)[1] if marker == "/dpclip/" else \
-                "/".join(f.filename.split("/")[-2:])
-            return f"{path}:{f.lineno} ({f.name})"
-    return None
+    last = _short(frames[-1])
+    if not ours or ours[-1] is frames[-1]:
+        return last
+    return f"{_short(ours[-1])} > {last}"
 
 
 def judge(case: str, shape: str, grouping: str, method: str, precision: str) -> Result:

@@ -82,7 +82,7 @@ KNOWN_FAULTS: dict[tuple, str] = {
     ("deberta-v2-mlm", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
         "issue 25: crashed: query_proj(rel_embeddings.unsqueeze(0)) expanded to the batch; DeBERTa's bmm then fails",
     ("deberta-v2-mlm", "B==1", "*", "*", "*"):
-        "issue 25: refused: rel_embeddings.weight read outside its module's call (LayerNorm'd table fed to query_proj)",
+        "issue 25: refused: rel_embeddings.weight read directly (get_rel_embedding), not through its module's call",
     ("query-proj-repeat", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
         "issue 25: crashed: query_proj(rel.unsqueeze(0)) returns [B, R, d], so .repeat(B, 1, 1) gives B*B rows",
     ("query-proj-squeeze", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
@@ -92,17 +92,19 @@ KNOWN_FAULTS: dict[tuple, str] = {
     ("query-proj-squeeze", "B==1", "*", "*", "*"):
         "issue 25: refused: rel.weight read outside the Embedding's call",
     ("embeddingbag-sum-offsets", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
-        "issue 25: crashed: EmbeddingBag with 1-D input and offsets, B > 1 (functorch fallback splits the offsets)",
+        "issue 25: crashed: EmbeddingBag, 1-D input + offsets, B > 1: torch.func fallback vmaps the [B] offsets, not the input",
     ("embeddingbag-mean-offsets", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
-        "issue 25: crashed: EmbeddingBag with 1-D input and offsets, B > 1 (functorch fallback splits the offsets)",
+        "issue 25: crashed: EmbeddingBag, 1-D input + offsets, B > 1: torch.func fallback vmaps the [B] offsets, not the input",
     ("embeddingbag-max-offsets", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
-        "issue 25: crashed: EmbeddingBag with 1-D input and offsets, B > 1 (functorch fallback splits the offsets)",
+        "issue 25: crashed: EmbeddingBag, 1-D input + offsets, B > 1: torch.func fallback vmaps the [B] offsets, not the input",
     ("embeddingbag-sum-weighted", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
-        "issue 25: crashed: EmbeddingBag with offsets and per_sample_weights, B > 1 (functorch fallback)",
+        "issue 25: crashed: EmbeddingBag, offsets + per_sample_weights, B > 1: torch.func fallback vmaps the [B] offsets",
     ("lstmcell-loop", "*", "*", "*", "*"):
-        "issue 25: crashed: LSTMCell called without a state (torch makes [1, h] zeros): bookkeeping.py broadcast",
+        "issue 25: crashed: torch.func fallback vmaps LSTMCell.forward per sample; the first call, without a "
+        "state, takes the unbatched path (rnn.py) and fails: output [1, 4h] vs broadcast [B, 1, 4h]",
     ("grucell-loop", "*", "*", "*", "*"):
-        "issue 25: crashed: GRUCell called without a state (torch makes [1, h] zeros): bookkeeping.py broadcast",
+        "issue 25: crashed: torch.func fallback vmaps GRUCell.forward per sample; the first call, without a "
+        "state, takes the unbatched path (rnn.py) and fails: output [1, h] vs broadcast [B, 1, h]",
 }
 
 
