@@ -1,0 +1,128 @@
+"""The model zoo (tests/engine/zoo): every case's clipped sum equals the per-sample reference.
+
+Each run is one (case, shape family, grouping, norm method, precision), judged by
+tests/engine/zoo/judge.py against autograd on each sample alone: "exact", "refused"
+(EngineError), "wrong" (silently mismatched), "crashed" (any other exception). A run must
+be exact, or refused where EXPECTED_REFUSALS says why no exact answer exists; never wrong,
+never crashed.
+
+Today's faults (issue 25) are listed in KNOWN_FAULTS (tests/engine/zoo/known_faults.py) and
+run as strict xfails: when a fix makes a listed run exact, its xfail turns into a failure, and
+its entry must be deleted, so the table stays true.
+
+The unmarked subset is every case at two shape families (B ≠ T and B == T), all-layer, auto,
+fp32; the full cross product (cases x 4 shapes x 3 groupings x 3 methods x 2 precisions) is
+``slow`` (about two minutes on the 2-core machine).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from tests.engine.zoo import CASES, GROUPINGS, METHODS, PRECISIONS, SHAPES
+from tests.engine.zoo.judge import TOLERANCE, Result, judge
+from tests.engine.zoo.known_faults import EXPECTED_REFUSALS, KNOWN_FAULTS, known_fault
+
+FAST = [(case, shape, "all-layer", "auto", "fp32") for case in CASES for shape in ("generic", "B==T")]
+FULL = [key for key in itertools.product(CASES, SHAPES, GROUPINGS, METHODS, PRECISIONS) if key not in set(FAST)]
+
+
+def _params(keys, slow=False):
+    out = []
+    for key in keys:
+        marks = [pytest.mark.slow] if slow else []
+        reason = known_fault(*key)
+        if reason is not None:
+            marks.append(pytest.mark.xfail(strict=True, reason=reason))
+        out.append(pytest.param(*key, marks=marks, id="-".join(key)))
+    return out
+
+
+def _describe(r: Result) -> str:
+    return (f"{r.verdict}: max rel. error {r.max_rel_err} (tolerance {TOLERANCE[r.precision]}), "
+            f"norm error {r.norm_rel_err}, bias {r.norm_bias}, parameters {r.params}, "
+            f"message {r.message!r} at {r.where}")
+
+
+def _check(case, shape, grouping, method, precision):
+    r = judge(case, shape, grouping, method, precision)
+    if case in EXPECTED_REFUSALS:
+        assert r.verdict == "refused", _describe(r)
+    else:
+        assert r.verdict == "exact", _describe(r)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)       # tiny models: the verdicts of docs/engine.md's table were run so
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("case,shape,grouping,method,precision", _params(FAST))
+def test_zoo_case_is_exact_or_refused(case, shape, grouping, method, precision):
+    _check(case, shape, grouping, method, precision)
+
+
+@pytest.mark.parametrize("case,shape,grouping,method,precision", _params(FULL, slow=True))
+def test_zoo_full_cross_product_is_exact_or_refused(case, shape, grouping, method, precision):
+    _check(case, shape, grouping, method, precision)
+
+
+# ------------------------------------------------------------------ the table and the judge
+
+
+def test_zoo_has_twenty_architectures_and_every_family():
+    hf = [c for c in CASES.values() if c.family == "hf" and "variant" not in c.tags]
+    assert len(hf) >= 20, [c.name for c in hf]
+    assert {c.family for c in CASES.values()} == {"hf", "layer", "pattern"}
+
+
+def test_known_faults_name_real_runs_and_give_reasons():
+    for pattern, reason in KNOWN_FAULTS.items():
+        case, *rest = pattern
+        assert case in CASES, pattern
+        for value, domain in zip(rest, (SHAPES, GROUPINGS, METHODS, PRECISIONS)):
+            values = (value,) if isinstance(value, str) else value
+            assert all(v == "*" or v in domain for v in values), pattern
+        assert reason.startswith("issue 25: ") and len(reason) > 20, pattern
+    for case, reason in EXPECTED_REFUSALS.items():
+        assert case in CASES and reason
+
+
+def test_judge_calls_a_slightly_scaled_clipped_sum_wrong(monkeypatch):
+    """The judge can fail: an engine whose p.grad is off by 10 tolerances is 'wrong'."""
+    from tests.engine.zoo import judge as judge_module
+
+    class Scaled(judge_module.DPEngine):
+        def privatize(self):
+            report = super().privatize()
+            for p in self._params:
+                p.grad.mul_(1 + 10 * TOLERANCE["fp32"])
+            return report
+
+    monkeypatch.setattr(judge_module, "DPEngine", Scaled)
+    r = judge("linear-3d", "generic", "all-layer", "auto", "fp32")
+    assert r.verdict == "wrong" and r.params, _describe(r)
+
+
+def test_judge_calls_under_reported_norms_wrong(monkeypatch):
+    """Norms reported 5% low beside the right clipped sum: 'wrong' (the judge reads the
+    per-sample group norms the threshold policy observes)."""
+    from tests.engine.zoo import judge as judge_module
+
+    class Low(judge_module.DPEngine):
+        def finish_micro_batch(self):
+            micro = self._captured[0][0]
+            finish = micro.finish
+            micro.finish = lambda: finish() * 0.95
+            super().finish_micro_batch()
+
+    monkeypatch.setattr(judge_module, "DPEngine", Low)
+    for precision in PRECISIONS:
+        r = judge("linear-3d", "B==T+1", "layer", "auto", precision)
+        assert r.verdict == "wrong" and r.norm_rel_err > TOLERANCE[precision], _describe(r)
