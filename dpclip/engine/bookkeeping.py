@@ -164,6 +164,24 @@ class _Site:
         return self._keeper.plain()
 
 
+def _not_a_view(out: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:
+    """``out`` as a tensor autograd does not treat as a view, so that it may be modified in
+    place (``h += x``, ``nn.ReLU(inplace=True)``).
+
+    Autograd forbids in-place changes to a view made inside a custom Function, and
+    ``F.linear`` on a [B, T, d] input returns a view of its [B·T, p] ``addmm`` result (as
+    does ``addmm(...).view``). That buffer was made inside the op and nothing else holds or
+    saved it, so the same memory is returned as a plain tensor (``aten._unsafe_view``: no
+    copy). A view of one of the op's inputs would share their version counter's job and is
+    copied instead (no rule of dpclip's returns one)."""
+    if not out._is_view():
+        return out
+    storage = out.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() == storage for t in inputs):
+        return out.clone()
+    return torch.ops.aten._unsafe_view(out, out.shape)
+
+
 class _BookkeptOp(torch.autograd.Function):
     """y = layer(a); backward returns dL/da only and hands (a, dL/dy) to the engine.
 
@@ -177,7 +195,7 @@ class _BookkeptOp(torch.autograd.Function):
         ctx.call = call
         ctx.n_params = len(params)
         ctx.save_for_backward(x)
-        return call.rule.forward(call.unit.module, x, call.info)
+        return _not_a_view(call.rule.forward(call.unit.module, x, call.info), (x,) + params)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -190,14 +208,19 @@ class _BookkeptOp(torch.autograd.Function):
 
 
 class _OutputTap(torch.autograd.Function):
-    """Identity on a module's outputs; its backward sees all output grads at once."""
+    """Identity on a module's outputs; its backward sees all output grads at once.
+
+    The outputs are copies: a view would make an in-place change of the module's output
+    (``out += y``) an autograd error, and the module's own backward may have saved the
+    original. The copy is small beside the per-sample recomputation of the torch.func rule,
+    the only user of a tap."""
 
     @staticmethod
     def forward(ctx, call: _Call, n_out: int, *tensors: Tensor):
         ctx.call = call
         ctx.n_out = n_out
         ctx.n_params = len(tensors) - n_out
-        return tuple(t.view_as(t) for t in tensors[:n_out])
+        return tuple(t.clone() for t in tensors[:n_out])
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
@@ -226,6 +249,7 @@ class Bookkeeper:
         self._plain = 0
         self._lock = threading.Lock()
         self._handles: list = []
+        self.aliases: dict[int, list[str]] = {}   # parameter index -> names that do not deliver it
         self.units = self._build_units(model, strict)
 
     # ------------------------------------------------------------------ setup
@@ -257,6 +281,8 @@ class Bookkeeper:
                       for pname, p in module.named_parameters(recurse=False)
                       if id(p) in self.index_of]
             rule = find_layer_rule(module) or FUNCTORCH_RULE
+            if rule is FUNCTORCH_RULE and params:
+                params = self._without_aliases_below(module, name, params)
             if not params and not (rule.wrap_frozen and any(
                     id(p) in self.index_of for p in module.parameters())):
                 continue
@@ -271,6 +297,30 @@ class Bookkeeper:
             rule.check(module, unit.label)
             units.append(unit)
         return units
+
+    def _without_aliases_below(self, module: nn.Module, name: str,
+                               params: list[tuple[str, nn.Parameter, int]]):
+        """The torch.func rule differentiates the module's whole forward, so it would also
+        count the uses of a parameter by a submodule holding the same tensor (BERT's
+        ``predictions.bias is predictions.decoder.bias``), which that submodule's unit
+        delivers itself: the parameter belongs to the submodule alone. A use by this
+        module's own forward then reaches ``p.grad`` and is refused (:meth:`alias_note`)."""
+        below = {id(p) for sub in module.modules() if sub is not module
+                 for p in sub.parameters(recurse=False)}
+        kept = []
+        for pname, p, idx in params:
+            if id(p) in below:
+                path = f"{name}.{pname}" if name else pname
+                self.aliases.setdefault(idx, []).append(
+                    f"{path} ({type(module).__name__} holds it and has no layer rule; a "
+                    "submodule holding the same tensor owns it)")
+            else:
+                kept.append((pname, p, idx))
+        return kept
+
+    def alias_note(self, idx: int) -> str:
+        """Why parameter ``idx`` may reach ``p.grad``: the aliases not delivering its uses."""
+        return "; ".join(self.aliases.get(idx, ()))
 
     def install(self) -> None:
         wrapped = [u.label for u in self.units if "forward" in u.module.__dict__]
