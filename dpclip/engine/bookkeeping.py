@@ -38,6 +38,22 @@ from dpclip.errors import EngineError
 _BATCHNORM_HINT = "replace it with GroupNorm (e.g. nn.GroupNorm(8, C)) or LayerNorm"
 
 
+def _refuse_known_layouts(module: nn.Module, name: str, index_of: dict[int, int]) -> None:
+    """Architectures whose forward mixes a computation shared by all samples into each
+    sample in a way no hook can take apart, refused by name before anything runs."""
+    if (type(module).__name__ == "DisentangledSelfAttention"      # DeBERTa, DeBERTa-v2, SEW-D
+            and getattr(module, "relative_attention", False) and getattr(module, "pos_att_type", None)
+            and any(id(p) in index_of for p in module.parameters())):
+        raise EngineError(
+            f"module {name} ({type(module).__name__}) projects the relative-position table, "
+            "shared by all samples, with its own query/key projections and repeats the result "
+            "over the batch: the samples' gradients of that use are summed before any hook sees "
+            "them, so its per-sample gradients cannot be separated",
+            "set pos_att_type=[] (or relative_attention=False) in the model's config, freeze "
+            "its attention, or use an encoder without relative-position projections "
+            "(BERT, RoBERTa, ELECTRA)")
+
+
 @dataclass(eq=False)
 class Unit:
     """A module that owns trainable parameters directly, and how it is book-kept."""
@@ -277,6 +293,7 @@ class Bookkeeper:
                     f"{module.max_norm}: its forward renormalises the looked-up rows in place, "
                     "so the weights reveal which tokens were in the private batch",
                     "set max_norm=None (clip the gradient instead)")
+            _refuse_known_layouts(module, name, self.index_of)
             params = [(pname, p, self.index_of[id(p)])
                       for pname, p in module.named_parameters(recurse=False)
                       if id(p) in self.index_of]
