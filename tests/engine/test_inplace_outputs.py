@@ -129,7 +129,7 @@ def test_the_linear_output_shares_no_memory_it_should_not():
     engine.detach()
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(batch=st.integers(1, 6), length=st.integers(1, 5), width=st.integers(1, 5),
        seed=st.integers(0, 2**16))
 def test_property_linear_with_residual_in_place_is_exact_at_any_shape(batch, length, width, seed):

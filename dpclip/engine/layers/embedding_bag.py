@@ -65,11 +65,13 @@ class _Bags:
         batch = starts.numel()
         ends = torch.cat([starts[1:], starts.new_tensor([end])]) if batch else starts
         lengths = (ends - starts).clamp(min=0)
-        width = int(lengths.max()) if batch and ids.numel() else 0
+        # at least one slot: a batch of empty bags has gradient zero, not an empty factor
+        width = max(int(lengths.max()) if batch else 0, 1)
         pos = torch.arange(width, device=ids.device)
         self.index = (starts[:, None] + pos).clamp(max=max(ids.numel() - 1, 0))   # [B, L]
         self.valid = pos < lengths[:, None]                                        # [B, L]
-        self.ids = torch.where(self.valid, ids[self.index], 0) if width else self.index
+        self.ids = (torch.where(self.valid, ids[self.index], 0) if ids.numel()
+                    else torch.zeros_like(self.index))
         if m.padding_idx is not None:
             self.valid = self.valid & (self.ids != m.padding_idx)
 
