@@ -33,26 +33,9 @@ from dpclip.engine.factors import Use
 from dpclip.engine.layers import LayerRule, find_layer_rule
 from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
 from dpclip.engine.precision import autocast_off
+from dpclip.engine.refusals import refuse_unsupported
+from dpclip.engine.stash import StashMeter  # noqa: F401  (imported from here by microbatch)
 from dpclip.errors import EngineError
-
-_BATCHNORM_HINT = "replace it with GroupNorm (e.g. nn.GroupNorm(8, C)) or LayerNorm"
-
-
-def _refuse_known_layouts(module: nn.Module, name: str, index_of: dict[int, int]) -> None:
-    """Architectures whose forward mixes a computation shared by all samples into each
-    sample in a way no hook can take apart, refused by name before anything runs."""
-    if (type(module).__name__ == "DisentangledSelfAttention"      # DeBERTa, DeBERTa-v2, SEW-D
-            and getattr(module, "relative_attention", False) and getattr(module, "pos_att_type", None)
-            and any(id(p) in index_of for p in module.parameters())):
-        raise EngineError(
-            f"module {name} ({type(module).__name__}) projects the relative-position table, "
-            "shared by all samples, with its own query/key projections and repeats the result "
-            "over the batch: the samples' gradients of that use are summed before any hook sees "
-            "them, so its per-sample gradients cannot be separated",
-            "set pos_att_type=[] (or relative_attention=False) in the model's config, freeze "
-            "its attention, or use an encoder without relative-position projections "
-            "(BERT, RoBERTa, ELECTRA)")
-
 
 @dataclass(eq=False)
 class Unit:
@@ -70,48 +53,6 @@ class Unit:
     @property
     def label(self) -> str:
         return f"{self.name or '<root>'} ({type(self.module).__name__})"
-
-
-class StashMeter:
-    """Deterministic count of bytes held by the engine's stash (current and peak).
-
-    Tensors are keyed by (device, data pointer, numel, dtype), so views of one tensor
-    (and one activation feeding several layers) count once. This counts what the
-    engine keeps alive, not process memory.
-    """
-
-    def __init__(self) -> None:
-        self._refs: dict[tuple, list[int]] = {}
-        self.current = 0
-        self.peak = 0
-
-    @staticmethod
-    def _key(t: Tensor) -> tuple:
-        return (t.device, t.data_ptr(), t.numel(), t.dtype)
-
-    def add(self, tensors) -> None:
-        for t in tensors:
-            key = self._key(t)
-            ref = self._refs.get(key)
-            if ref is None:
-                nbytes = t.numel() * t.element_size()
-                self._refs[key] = [1, nbytes]
-                self.current += nbytes
-                self.peak = max(self.peak, self.current)
-            else:
-                ref[0] += 1
-
-    def remove(self, tensors) -> None:
-        for t in tensors:
-            key = self._key(t)
-            ref = self._refs[key]
-            ref[0] -= 1
-            if ref[0] == 0:
-                self.current -= ref[1]
-                del self._refs[key]
-
-    def reset_peak(self) -> None:
-        self.peak = self.current
 
 
 @dataclass
@@ -275,25 +216,7 @@ class Bookkeeper:
         (modules that mix samples, or read a child's parameters without calling it)."""
         units: list[Unit] = []
         for name, module in model.named_modules():
-            if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                raise EngineError(
-                    f"module {name or '<root>'} ({type(module).__name__}) normalises with "
-                    "batch statistics, which mixes samples: per-sample gradients and the "
-                    "privacy guarantee would not hold", _BATCHNORM_HINT)
-            if (isinstance(module, nn.modules.instancenorm._InstanceNorm)
-                    and module.track_running_stats):
-                raise EngineError(
-                    f"module {name} ({type(module).__name__}) tracks running statistics "
-                    "of the private data, released with the model", "set track_running_stats=False")
-            if (isinstance(module, (nn.Embedding, nn.EmbeddingBag))
-                    and module.max_norm is not None):
-                # Checked for frozen tables too: the renormalisation writes the weight anyway.
-                raise EngineError(
-                    f"module {name or '<root>'} ({type(module).__name__}) has max_norm="
-                    f"{module.max_norm}: its forward renormalises the looked-up rows in place, "
-                    "so the weights reveal which tokens were in the private batch",
-                    "set max_norm=None (clip the gradient instead)")
-            _refuse_known_layouts(module, name, self.index_of)
+            refuse_unsupported(module, name, self.index_of)
             params = [(pname, p, self.index_of[id(p)])
                       for pname, p in module.named_parameters(recurse=False)
                       if id(p) in self.index_of]
