@@ -128,9 +128,10 @@ def _not_a_view(out: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:
     Autograd forbids in-place changes to a view made inside a custom Function, and
     ``F.linear`` on a [B, T, d] input returns a view of its [B·T, p] ``addmm`` result (as
     does ``addmm(...).view``). That buffer was made inside the op and nothing else holds or
-    saved it, so the same memory is returned as a plain tensor (``aten._unsafe_view``: no
-    copy). A view of one of the op's inputs would share their version counter's job and is
-    copied instead (no rule of dpclip's returns one)."""
+    saved it (a rule never keeps its output), so the same memory is returned as a plain
+    tensor (``aten._unsafe_view``: no copy, but a version counter of its own). A view of one
+    of the op's inputs must stay tied to that input and is copied instead (no rule of
+    dpclip's returns one)."""
     if not out._is_view():
         return out
     storage = out.untyped_storage().data_ptr()
