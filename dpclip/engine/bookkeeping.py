@@ -33,10 +33,9 @@ from dpclip.engine.factors import Use
 from dpclip.engine.layers import LayerRule, find_layer_rule
 from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
 from dpclip.engine.precision import autocast_off
+from dpclip.engine.refusals import refuse_unsupported
+from dpclip.engine.stash import StashMeter  # noqa: F401  (imported from here by microbatch)
 from dpclip.errors import EngineError
-
-_BATCHNORM_HINT = "replace it with GroupNorm (e.g. nn.GroupNorm(8, C)) or LayerNorm"
-
 
 @dataclass(eq=False)
 class Unit:
@@ -54,48 +53,6 @@ class Unit:
     @property
     def label(self) -> str:
         return f"{self.name or '<root>'} ({type(self.module).__name__})"
-
-
-class StashMeter:
-    """Deterministic count of bytes held by the engine's stash (current and peak).
-
-    Tensors are keyed by (device, data pointer, numel, dtype), so views of one tensor
-    (and one activation feeding several layers) count once. This counts what the
-    engine keeps alive, not process memory.
-    """
-
-    def __init__(self) -> None:
-        self._refs: dict[tuple, list[int]] = {}
-        self.current = 0
-        self.peak = 0
-
-    @staticmethod
-    def _key(t: Tensor) -> tuple:
-        return (t.device, t.data_ptr(), t.numel(), t.dtype)
-
-    def add(self, tensors) -> None:
-        for t in tensors:
-            key = self._key(t)
-            ref = self._refs.get(key)
-            if ref is None:
-                nbytes = t.numel() * t.element_size()
-                self._refs[key] = [1, nbytes]
-                self.current += nbytes
-                self.peak = max(self.peak, self.current)
-            else:
-                ref[0] += 1
-
-    def remove(self, tensors) -> None:
-        for t in tensors:
-            key = self._key(t)
-            ref = self._refs[key]
-            ref[0] -= 1
-            if ref[0] == 0:
-                self.current -= ref[1]
-                del self._refs[key]
-
-    def reset_peak(self) -> None:
-        self.peak = self.current
 
 
 @dataclass
@@ -164,6 +121,25 @@ class _Site:
         return self._keeper.plain()
 
 
+def _not_a_view(out: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:
+    """``out`` as a tensor autograd does not treat as a view, so that it may be modified in
+    place (``h += x``, ``nn.ReLU(inplace=True)``).
+
+    Autograd forbids in-place changes to a view made inside a custom Function, and
+    ``F.linear`` on a [B, T, d] input returns a view of its [B·T, p] ``addmm`` result (as
+    does ``addmm(...).view``). That buffer was made inside the op and nothing else holds or
+    saved it (a rule never keeps its output), so the same memory is returned as a plain
+    tensor (``aten._unsafe_view``: no copy, but a version counter of its own). A view of one
+    of the op's inputs must stay tied to that input and is copied instead (no rule of
+    dpclip's returns one)."""
+    if not out._is_view():
+        return out
+    storage = out.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() == storage for t in inputs):
+        return out.clone()
+    return torch.ops.aten._unsafe_view(out, out.shape)
+
+
 class _BookkeptOp(torch.autograd.Function):
     """y = layer(a); backward returns dL/da only and hands (a, dL/dy) to the engine.
 
@@ -177,7 +153,7 @@ class _BookkeptOp(torch.autograd.Function):
         ctx.call = call
         ctx.n_params = len(params)
         ctx.save_for_backward(x)
-        return call.rule.forward(call.unit.module, x, call.info)
+        return _not_a_view(call.rule.forward(call.unit.module, x, call.info), (x,) + params)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -190,14 +166,19 @@ class _BookkeptOp(torch.autograd.Function):
 
 
 class _OutputTap(torch.autograd.Function):
-    """Identity on a module's outputs; its backward sees all output grads at once."""
+    """Identity on a module's outputs; its backward sees all output grads at once.
+
+    The outputs are copies: a view would make an in-place change of the module's output
+    (``out += y``) an autograd error, and the module's own backward may have saved the
+    original. The copy is small beside the per-sample recomputation of the torch.func rule,
+    the only user of a tap."""
 
     @staticmethod
     def forward(ctx, call: _Call, n_out: int, *tensors: Tensor):
         ctx.call = call
         ctx.n_out = n_out
         ctx.n_params = len(tensors) - n_out
-        return tuple(t.view_as(t) for t in tensors[:n_out])
+        return tuple(t.clone() for t in tensors[:n_out])
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
@@ -226,6 +207,7 @@ class Bookkeeper:
         self._plain = 0
         self._lock = threading.Lock()
         self._handles: list = []
+        self.aliases: dict[int, list[str]] = {}   # parameter index -> names that do not deliver it
         self.units = self._build_units(model, strict)
 
     # ------------------------------------------------------------------ setup
@@ -235,28 +217,13 @@ class Bookkeeper:
         (modules that mix samples, or read a child's parameters without calling it)."""
         units: list[Unit] = []
         for name, module in model.named_modules():
-            if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                raise EngineError(
-                    f"module {name or '<root>'} ({type(module).__name__}) normalises with "
-                    "batch statistics, which mixes samples: per-sample gradients and the "
-                    "privacy guarantee would not hold", _BATCHNORM_HINT)
-            if (isinstance(module, nn.modules.instancenorm._InstanceNorm)
-                    and module.track_running_stats):
-                raise EngineError(
-                    f"module {name} ({type(module).__name__}) tracks running statistics "
-                    "of the private data, released with the model", "set track_running_stats=False")
-            if (isinstance(module, (nn.Embedding, nn.EmbeddingBag))
-                    and module.max_norm is not None):
-                # Checked for frozen tables too: the renormalisation writes the weight anyway.
-                raise EngineError(
-                    f"module {name or '<root>'} ({type(module).__name__}) has max_norm="
-                    f"{module.max_norm}: its forward renormalises the looked-up rows in place, "
-                    "so the weights reveal which tokens were in the private batch",
-                    "set max_norm=None (clip the gradient instead)")
+            refuse_unsupported(module, name, self.index_of)
             params = [(pname, p, self.index_of[id(p)])
                       for pname, p in module.named_parameters(recurse=False)
                       if id(p) in self.index_of]
             rule = find_layer_rule(module) or FUNCTORCH_RULE
+            if rule is FUNCTORCH_RULE and params:
+                params = self._without_aliases_below(module, name, params)
             if not params and not (rule.wrap_frozen and any(
                     id(p) in self.index_of for p in module.parameters())):
                 continue
@@ -271,6 +238,30 @@ class Bookkeeper:
             rule.check(module, unit.label)
             units.append(unit)
         return units
+
+    def _without_aliases_below(self, module: nn.Module, name: str,
+                               params: list[tuple[str, nn.Parameter, int]]):
+        """The torch.func rule differentiates the module's whole forward, so it would also
+        count the uses of a parameter by a submodule holding the same tensor (BERT's
+        ``predictions.bias is predictions.decoder.bias``), which that submodule's unit
+        delivers itself: the parameter belongs to the submodule alone. A use by this
+        module's own forward then reaches ``p.grad`` and is refused (:meth:`alias_note`)."""
+        below = {id(p) for sub in module.modules() if sub is not module
+                 for p in sub.parameters(recurse=False)}
+        kept = []
+        for pname, p, idx in params:
+            if id(p) in below:
+                path = f"{name}.{pname}" if name else pname
+                self.aliases.setdefault(idx, []).append(
+                    f"{path} ({type(module).__name__} holds it and has no layer rule; a "
+                    "submodule holding the same tensor owns it)")
+            else:
+                kept.append((pname, p, idx))
+        return kept
+
+    def alias_note(self, idx: int) -> str:
+        """Why parameter ``idx`` may reach ``p.grad``: the aliases not delivering its uses."""
+        return "; ".join(self.aliases.get(idx, ()))
 
     def install(self) -> None:
         wrapped = [u.label for u in self.units if "forward" in u.module.__dict__]

@@ -237,13 +237,15 @@ class DPEngine:
         try:
             with self._keeper.backward_scope(batch_size, generation, micro.deliver):
                 yield
-            stray = [self.groups.params[i].name for i, p in enumerate(self._params) if p.grad is not None]
+            stray = [i for i, p in enumerate(self._params) if p.grad is not None]
             if stray:
                 raise EngineError(
                     "parameters received gradients outside the engine's hooks: "
-                    + ", ".join(stray) + " (a module reads them without calling their "
-                    "owner, e.g. `other.weight` inside a custom forward)",
-                    "call the owning module, or tie the parameter to a module that uses it")
+                    + ", ".join(self.groups.params[i].name + (f" [alias {note}]" if (
+                        note := self._keeper.alias_note(i)) else "") for i in stray)
+                    + " (a module reads them without calling their owner, e.g. `other.weight` "
+                    "inside a custom forward, or `self.bias` where `self.child.bias` is the same "
+                    "tensor)", "call the owning module, or tie the parameter to a module that uses it")
         except BaseException:
             micro.discard()
             raise

@@ -24,6 +24,8 @@ Modules without a rule get :data:`dpclip.engine.layers.functorch.FUNCTORCH_RULE`
 
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Callable, ContextManager, NamedTuple, Protocol
 
 import torch
@@ -186,13 +188,36 @@ def register_layer_rule(module_type: type, rule: LayerRule | type | None = None)
     return register if rule is None else register(rule)
 
 
+_LAZY_RULES: dict[tuple[str, str], LayerRule] = {}
+
+
+def register_lazy_layer_rule(module_name: str, class_name: str, rule: LayerRule) -> None:
+    """Register ``rule`` for class ``class_name`` of module ``module_name`` once that module
+    is imported (by whoever builds the model), without importing it here."""
+    _LAZY_RULES[(module_name, class_name)] = rule
+
+
+def _resolve_lazy(import_missing: bool) -> None:
+    for (module_name, class_name), rule in list(_LAZY_RULES.items()):
+        if module_name not in sys.modules and not import_missing:
+            continue
+        _LAZY_RULES.pop((module_name, class_name))
+        try:
+            module_type = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):  # pragma: no cover - another transformers
+            continue
+        _RULES.setdefault(module_type, rule)
+
+
 def unregister_layer_rule(module_type: type) -> LayerRule | None:
     """Remove the rule registered for exactly ``module_type``; return it (None if none)."""
+    _resolve_lazy(import_missing=False)
     return _RULES.pop(module_type, None)
 
 
 def registered_rules() -> dict[type, LayerRule]:
-    """A copy of the registry: module type -> rule."""
+    """A copy of the registry: module type -> rule (lazily registered ones imported)."""
+    _resolve_lazy(import_missing=True)
     return dict(_RULES)
 
 
@@ -200,6 +225,8 @@ def find_layer_rule(module: nn.Module) -> LayerRule | None:
     """The rule for ``module``: its class or the nearest base class with a rule whose
     ``forward`` the module did not override (a subclass with its own forward may compute
     something else, so it goes to the torch.func rule)."""
+    if _LAZY_RULES:
+        _resolve_lazy(import_missing=False)
     for cls in type(module).__mro__:
         rule = _RULES.get(cls)
         if rule is not None:
@@ -208,7 +235,7 @@ def find_layer_rule(module: nn.Module) -> LayerRule | None:
 
 
 __all__ = ["Capture", "Example", "LayerRule", "example_tensor", "expand_batch", "seeded", "find_layer_rule", "flat3",
-           "register_layer_rule", "registered_rules", "unregister_layer_rule"]
+           "register_lazy_layer_rule", "register_layer_rule", "registered_rules", "unregister_layer_rule"]
 
 # The layer families register their rules on import (after the registry exists).
 from dpclip.engine.layers import linear as _linear  # noqa: E402,F401
@@ -216,3 +243,4 @@ from dpclip.engine.layers import embedding as _embedding  # noqa: E402,F401
 from dpclip.engine.layers import conv as _conv  # noqa: E402,F401
 from dpclip.engine.layers import norm as _norm  # noqa: E402,F401
 from dpclip.engine.layers import attention as _attention  # noqa: E402,F401
+from dpclip.engine.layers import embedding_bag as _embedding_bag  # noqa: E402,F401

@@ -144,20 +144,24 @@ def per_sample_grads(capture: Capture, args: tuple, kwargs: dict, out_index: lis
         out_leaves = tree_flatten(out)[0]
         return [out_leaves[i] for i in out_index]
 
-    memo = capture.memo   # whether vmap works for this module, learnt on the first call
-    if memo.get("vmap_ok") is not False:
+    # Whether vmap works, learnt per kind of call: one module may be called in several
+    # ways (an RNN cell's first step gets hx=None and builds a zero state, which vmap
+    # cannot write into; its later steps get a state). The loop is exact whatever failed.
+    kind = tuple((None, type(t).__name__) if not isinstance(t, Tensor) else (t.dim(), t.dtype)
+                 for t in leaves) + tuple(in_dims) + tuple(out_dims)
+    vmap_ok = capture.memo.setdefault("vmap_ok", {})
+    result = None
+    if vmap_ok.get(kind) is not False:
         try:
             result = _vmapped(run, params, tensors, in_dims, grads, out_dims)
-            memo["vmap_ok"] = True
+            vmap_ok[kind] = True
         except EngineError:
             raise
         except Exception as exc:  # no batching rule for some op (e.g. nn.LSTM)
             if "random" in str(exc).lower():
                 raise _randomness_error(capture.label) from exc
-            if memo.get("vmap_ok"):
-                raise
-            memo["vmap_ok"] = False
-    if memo.get("vmap_ok") is False:
+            vmap_ok[kind] = False
+    if result is None:
         result = _looped(run, params, tensors, in_dims, grads, out_dims, batch, capture.label)
     return {name: Dense(g) for name, g in result.items()}
 

@@ -1,4 +1,5 @@
-"""``nn.Linear`` and transformers' ``Conv1D``: one Bilinear use per call (docs/engine.md).
+"""``nn.Linear``, transformers' ``Conv1D`` and ``FalconLinear``: one Bilinear use per call
+(docs/engine.md).
 
 For a Linear ``y = a Wᵀ + b`` with W of shape (p, d), sample i's weight gradient is
 ``G_i = b_iᵀ a_i`` over its T positions: L = output gradient, R = input. ``Conv1D``
@@ -14,7 +15,7 @@ from torch import nn
 
 from dpclip.engine.factors import Bilinear, Dense, Use
 from dpclip.engine.layers import (Example, LayerRule, example_tensor, expand_batch, flat3,
-                                  register_layer_rule, seeded)
+                                  register_lazy_layer_rule, register_layer_rule, seeded)
 from dpclip.engine.precision import autocast_input, widened
 
 
@@ -66,9 +67,27 @@ class HFConv1DRule(LayerRule):
         return [Example(seeded(HFConv1D(3, 4), 2), (example_tensor(5, 2, 4, seed=2),))]
 
 
+class FalconLinearRule(LinearRule):
+    """transformers' FalconLinear: an nn.Linear whose forward is ``x @ W.T + b``, the same
+    map as nn.Linear's, so the Linear rule (without it: the torch.func fallback)."""
+
+    name = "linear_falcon"
+
+    def examples(self):
+        from transformers.models.falcon.modeling_falcon import FalconLinear
+
+        return [Example(seeded(FalconLinear(4, 3), 15), (example_tensor(5, 2, 4, seed=15),)),
+                Example(seeded(FalconLinear(4, 3, bias=False), 16), (example_tensor(5, 4, seed=16),))]
+
+
 try:  # transformers is a dependency, but the engine must not break without it
     from transformers.pytorch_utils import Conv1D as HFConv1D
 
     register_layer_rule(HFConv1D, HFConv1DRule())
 except ImportError:  # pragma: no cover
     pass
+
+# Importing transformers' Falcon module costs more than a second: the rule is registered
+# when that module is imported anyway (by the model that uses it).
+register_lazy_layer_rule("transformers.models.falcon.modeling_falcon", "FalconLinear",
+                         FalconLinearRule())
