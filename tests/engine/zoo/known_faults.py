@@ -11,6 +11,9 @@ from __future__ import annotations
 #: cases for which a refusal is the right answer (no per-sample gradient exists)
 EXPECTED_REFUSALS: dict[str, str] = {
     "batchnorm": "BatchNorm normalises with batch statistics: per-sample gradients do not exist",
+    "deberta-v2-mlm": "DisentangledSelfAttention projects the relative-position table, shared by all samples, "
+                      "and repeats it over the batch: per-sample gradients of that use cannot be separated "
+                      "(config pos_att_type=[] or relative_attention=False is exact)",
 }
 
 NOT_T = ("generic", "B==T+1", "B==1")       # every shape family but B == T
@@ -51,38 +54,11 @@ KNOWN_FAULTS: dict[tuple, str] = {
         "issue 25: wrong: torch.func fallback maps a shared [T, d] tensor over samples when T == B (off by 0.28)",
     ("learned-query-index0", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
         "issue 25: wrong: lin(q)[0] on a learned [1, R, d] query: the batch's gradient lands on sample 0 (off by 0.41)",
-    ("opacus-dplstm", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
-        "issue 25: refused: DPLSTM returns its state as [1, B, h] (layers first)",
-    ("opacus-dplstm", "B==1", "*", "*", "*"):
-        "issue 25: wrong: DPLSTM at B == 1: per-sample norms reported 2.0x (clipped sum right)",
-    ("opacus-dpgru", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
-        "issue 25: refused: DPGRU returns its state as [1, B, h] (layers first)",
-    ("opacus-dpgru", "B==1", "*", "*", "*"):
-        "issue 25: wrong: DPGRU at B == 1: per-sample norms reported 2.0x (clipped sum right)",
     ("bart", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
         "issue 25: refused: BartLearnedPositionalEmbedding returns [1, T, d] (no batch axis) when B > 1",
     ("opt", "*", "*", "*", "*"):
         "issue 25: refused: OPT reshapes to [B*T, d] before fc1/fc2",
-    # --- one tensor under two names (parent.bias is child.bias): its norm counted twice
-    ("bert-mlm", "*", "*", "*", "*"):
-        "issue 25: wrong: cls.predictions.bias is decoder.bias: its per-sample norm 2.0x, clipped sum off by up to 0.95",
-    ("roberta-mlm", "*", "*", "*", "*"):
-        "issue 25: wrong: lm_head.bias is decoder.bias: its per-sample norm 2.0x, clipped sum off by up to 0.96",
-    ("albert-mlm", "*", "*", "*", "*"):
-        "issue 25: wrong: predictions.bias is decoder.bias: its per-sample norm 2.0x, clipped sum off by up to 0.95",
-    ("shared-bias", "*", "*", "*", "*"):
-        "issue 25: wrong: parent.bias is child.bias: its per-sample norm 2.0x, clipped sum off by up to 0.5",
     # --- crashes with internal tracebacks
-    ("falcon", "*", "*", "*", "*"):
-        "issue 25: crashed: in-place op on a view of the engine's _OutputTap output (modeling_falcon.py)",
-    ("inplace-add", "*", "*", "*", "*"):
-        "issue 25: crashed: `out += y` on a Linear's [B, T, d] output (view of _BookkeptOp modified in place)",
-    ("relu-inplace", "*", "*", "*", "*"):
-        "issue 25: crashed: nn.ReLU(inplace=True) after a Linear on [B, T, d] (view of _BookkeptOp modified in place)",
-    ("deberta-v2-mlm", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
-        "issue 25: crashed: query_proj(rel_embeddings.unsqueeze(0)) expanded to the batch; DeBERTa's bmm then fails",
-    ("deberta-v2-mlm", "B==1", "*", "*", "*"):
-        "issue 25: refused: rel_embeddings.weight read directly (get_rel_embedding), not through its module's call",
     ("query-proj-repeat", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
         "issue 25: crashed: query_proj(rel.unsqueeze(0)) returns [B, R, d], so .repeat(B, 1, 1) gives B*B rows",
     ("query-proj-squeeze", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
@@ -91,20 +67,6 @@ KNOWN_FAULTS: dict[tuple, str] = {
         "issue 25: refused: rel.weight read outside the Embedding's call",
     ("query-proj-squeeze", "B==1", "*", "*", "*"):
         "issue 25: refused: rel.weight read outside the Embedding's call",
-    ("embeddingbag-sum-offsets", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
-        "issue 25: crashed: EmbeddingBag, 1-D input + offsets, B > 1: torch.func fallback vmaps the [B] offsets, not the input",
-    ("embeddingbag-mean-offsets", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
-        "issue 25: crashed: EmbeddingBag, 1-D input + offsets, B > 1: torch.func fallback vmaps the [B] offsets, not the input",
-    ("embeddingbag-max-offsets", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
-        "issue 25: crashed: EmbeddingBag, 1-D input + offsets, B > 1: torch.func fallback vmaps the [B] offsets, not the input",
-    ("embeddingbag-sum-weighted", ("generic", "B==T", "B==T+1"), "*", "*", "*"):
-        "issue 25: crashed: EmbeddingBag, offsets + per_sample_weights, B > 1: torch.func fallback vmaps the [B] offsets",
-    ("lstmcell-loop", "*", "*", "*", "*"):
-        "issue 25: crashed: torch.func fallback vmaps LSTMCell.forward per sample; the first call, without a "
-        "state, takes the unbatched path (rnn.py) and fails: output [1, 4h] vs broadcast [B, 1, 4h]",
-    ("grucell-loop", "*", "*", "*", "*"):
-        "issue 25: crashed: torch.func fallback vmaps GRUCell.forward per sample; the first call, without a "
-        "state, takes the unbatched path (rnn.py) and fails: output [1, h] vs broadcast [B, 1, h]",
 }
 
 
