@@ -95,15 +95,15 @@ def test_known_faults_name_real_runs_and_give_reasons():
 
 
 def test_judge_calls_a_slightly_scaled_clipped_sum_wrong(monkeypatch):
-    """The judge can fail: an engine whose p.grad is off by 10 tolerances is 'wrong'."""
+    """The judge can fail: an engine whose clipped sums are off by 10 tolerances is 'wrong'."""
     from tests.engine.zoo import judge as judge_module
 
     class Scaled(judge_module.DPEngine):
-        def privatize(self):
-            report = super().privatize()
-            for p in self._params:
-                p.grad.mul_(1 + 10 * TOLERANCE["fp32"])
-            return report
+        def debug_clipped(self):
+            debug = super().debug_clipped()
+            for clipped in debug.sums.values():
+                clipped.mul_(1 + 10 * TOLERANCE["fp32"])
+            return debug
 
     monkeypatch.setattr(judge_module, "DPEngine", Scaled)
     r = judge("linear-3d", "generic", "all-layer", "auto", "fp32")
@@ -112,15 +112,14 @@ def test_judge_calls_a_slightly_scaled_clipped_sum_wrong(monkeypatch):
 
 def test_judge_calls_under_reported_norms_wrong(monkeypatch):
     """Norms reported 5% low beside the right clipped sum: 'wrong' (the judge reads the
-    per-sample group norms the threshold policy observes)."""
+    per-sample group norms of ``debug_clipped()``)."""
     from tests.engine.zoo import judge as judge_module
 
     class Low(judge_module.DPEngine):
-        def finish_micro_batch(self):
-            micro = self._captured[0][0]
-            finish = micro.finish
-            micro.finish = lambda: finish() * 0.95
-            super().finish_micro_batch()
+        def debug_clipped(self):
+            debug = super().debug_clipped()
+            debug.norms = debug.norms * 0.95
+            return debug
 
     monkeypatch.setattr(judge_module, "DPEngine", Low)
     for precision in PRECISIONS:

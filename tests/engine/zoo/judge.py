@@ -2,8 +2,9 @@
 
 A run is (case, shape family, grouping, norm method, precision). The engine gets
 ``DPEngine(model, clipping, noise_multiplier=0, expected_batch_size=B, seed=0)``, one
-``backward`` of the per-sample losses and ``privatize``; ``p.grad · B`` is then the clipped
-sum Σ_i c_ik g_i. The reference runs autograd on each sample alone:
+``backward`` of the per-sample losses and ``debug_clipped()``, which hands back the clipped
+sums Σ_i c_ik g_i and the per-sample group norms without noise (docs/engine.md). The
+reference runs autograd on each sample alone:
 
 - fp32: on a float64 copy of the model (float64 inputs), so the reference's own error is
   negligible against float32's;
@@ -211,19 +212,11 @@ def _run(result: Result) -> None:
     clipping = {"grouping": result.grouping, "fn": "abadi", "norm_method": result.method,
                 "threshold": {"kind": "fixed", "value": thresholds}}
     engine = DPEngine(model, clipping, noise_multiplier=0.0, expected_batch_size=B, seed=0)
-    observed: list[Tensor] = []
-    observe = engine.policy.observe
-
-    def spy(norms):
-        observed.append(norms.detach().double().clone())
-        return observe(norms)
-
-    engine.policy.observe = spy
     try:
         with autocast(precision):
             losses = CASES[case].loss(model, batch)
         engine.backward(losses)
-        engine.privatize()
+        debug = engine.debug_clipped()
     finally:
         engine.detach()
 
@@ -236,17 +229,16 @@ def _run(result: Result) -> None:
         k = group_of[name]
         ref = sum(float(factors[i, k]) * g[name] for i, g in enumerate(per_sample))
         scales[name] = sum(float(factors[i, k]) * float(g[name].norm()) for i, g in enumerate(per_sample))
-        if info.param.grad is None:
+        if name not in debug.sums:
             errors[name] = math.inf
             continue
-        got = info.param.grad.double() * B
-        errors[name] = float((got - ref).norm())
+        errors[name] = float((debug.sums[name].double() - ref).norm())
     floor = FLOOR[precision] * max(scales.values(), default=0.0)
     errors = {n: (e / max(scales[n], floor) if floor > 0 else e) for n, e in errors.items()}
     result.max_rel_err = max(errors.values(), default=0.0)
     result.params = [n for n, e in sorted(errors.items(), key=lambda kv: -kv[1]) if e > tol][:6]
 
-    got_norms = torch.cat(observed) if observed else torch.full_like(ref_norms, math.nan)
+    got_norms = debug.norms.double()
     norm_ok = True
     if got_norms.shape != ref_norms.shape:
         result.norm_rel_err = math.inf
