@@ -76,6 +76,8 @@ class _Bags:
             self.valid = self.valid & (self.ids != m.padding_idx)
 
     def gather(self, values: Tensor) -> Tensor:
+        if not values.numel():  # every bag empty: nothing to gather (and nothing to index)
+            return values.new_zeros(self.index.shape)
         return values[self.index] * self.valid.to(values.dtype)
 
 

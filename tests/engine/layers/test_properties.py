@@ -2,7 +2,8 @@
 (``DPEngine.debug_clipped()``, noise 0) equal a float64 per-example autograd loop.
 
 For each registered rule (``registered_rules()``: Linear, transformers' Conv1D, Conv1d/Conv2d,
-Embedding, LayerNorm/GroupNorm/RMSNorm/InstanceNorm, MultiheadAttention) and for the torch.func
+Embedding, EmbeddingBag, FalconLinear, LayerNorm/GroupNorm/RMSNorm/InstanceNorm,
+MultiheadAttention) and for the torch.func
 fallback (a custom module with its own nn.Parameters, nn.LSTM / nn.GRU), hypothesis draws the
 layer's sizes and options, then (:func:`_drawn_run`) the micro-batch size b — always among 1,
 T and T + 1 (T the layer's sequence or spatial length: where a batch axis guessed from a size
@@ -22,6 +23,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 from torch import nn
+from transformers.models.falcon.modeling_falcon import FalconLinear
 from transformers.pytorch_utils import Conv1D as HFConv1D
 
 from dpclip.engine.layers import registered_rules
@@ -56,11 +58,14 @@ def _drawn_run(draw, length: int) -> Run:
 
 
 def linear_case(draw) -> Case:
-    """nn.Linear or transformers' Conv1D on [b, d], [b, T, d] or [b, T, 2, d]."""
+    """nn.Linear, transformers' Conv1D or FalconLinear on [b, d], [b, T, d] or [b, T, 2, d]."""
     d, p, t = draw(sizes(1, 5)), draw(sizes(1, 5)), draw(sizes(1, 5))
     lead = draw(st.sampled_from([(), (t,), (t, 2)]), label="leading dims")
-    if draw(st.booleans(), label="transformers Conv1D"):
+    kind = draw(st.sampled_from(["linear", "conv1d", "falcon"]), label="linear kind")
+    if kind == "conv1d":
         layer = HFConv1D(p, d)
+    elif kind == "falcon":
+        layer = FalconLinear(d, p, bias=draw(st.booleans(), label="bias"))
     else:
         layer = nn.Linear(d, p, bias=draw(st.booleans(), label="bias"))
     return Case(layer, lambda n, g: {"x": _randn(g, n, *lead, d)}, lambda m, b: m(b["x"]), t)
@@ -99,6 +104,34 @@ def embedding_case(draw) -> Case:
         return {"ids": ids}
 
     return Case(nn.Embedding(vocab, dim, padding_idx=padding_idx), make, lambda m, b: m(b["ids"]), t)
+
+
+def embedding_bag_case(draw) -> Case:
+    """nn.EmbeddingBag, one bag per sample: [b, L] ids, or a flat input with offsets built
+    from per-sample lengths (bags of 0..L ids); sum, mean or max; per-sample weights (sum)."""
+    vocab, dim, length = draw(sizes(2, 6), label="vocab"), draw(sizes(1, 4)), draw(sizes(1, 5))
+    mode = draw(st.sampled_from(["sum", "mean", "max"]), label="bag mode")
+    flat = draw(st.booleans(), label="1-D input with offsets")
+    weighted = mode == "sum" and draw(st.booleans(), label="per_sample_weights")
+    padding_idx = draw(st.sampled_from([None, 0]), label="bag padding_idx")
+    layer = nn.EmbeddingBag(vocab, dim, mode=mode, padding_idx=padding_idx)
+
+    def make(n, g):
+        ids = torch.randint(0, vocab, (n, length), generator=g)
+        ids[:, -1] = ids[:, 0]                                   # a repeated id in every bag
+        low = 1 if (mode == "max" or not flat) else 0            # max of an empty bag is undefined
+        return {"ids": ids, "lengths": torch.randint(low, length + 1, (n,), generator=g),
+                "weights": _randn(g, n, length)}
+
+    def run(m, b):
+        weights = b["weights"].to(m.weight.dtype) if weighted else None
+        if not flat:
+            return m(b["ids"], per_sample_weights=weights)
+        keep = torch.arange(length).unsqueeze(0) < b["lengths"].unsqueeze(1)
+        offsets = torch.cat([b["lengths"].new_zeros(1), b["lengths"].cumsum(0)[:-1]])
+        return m(b["ids"][keep], offsets, per_sample_weights=None if weights is None else weights[keep])
+
+    return Case(layer, make, run, length)
 
 
 def norm_case(draw) -> Case:
@@ -210,9 +243,11 @@ def fallback_case(draw) -> Case:
 # ------------------------------------------------------------------ the tests
 
 BUILDERS = {"linear": linear_case, "conv": conv_case, "embedding": embedding_case,
+            "embedding_bag": embedding_bag_case,
             "norm": norm_case, "attention": attention_case, "fallback": fallback_case}
 #: the registered module types each builder draws (test_every_registered_rule_is_drawn)
-DRAWN_TYPES = {nn.Linear, HFConv1D, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.LayerNorm, nn.RMSNorm,
+DRAWN_TYPES = {nn.Linear, HFConv1D, FalconLinear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.EmbeddingBag,
+               nn.LayerNorm, nn.RMSNorm,
                nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
                nn.MultiheadAttention}
 
@@ -239,6 +274,7 @@ def _property(builder, profile, slow=False):
 test_linear_and_conv1d_rules_match_per_sample_loop = _property(linear_case, FAST)
 test_conv_rule_matches_per_sample_loop = _property(conv_case, FAST)
 test_embedding_rule_matches_per_sample_loop = _property(embedding_case, FAST)
+test_embedding_bag_rule_matches_per_sample_loop = _property(embedding_bag_case, FAST)
 test_norm_rules_match_per_sample_loop = _property(norm_case, FAST)
 test_attention_rule_matches_per_sample_loop = _property(attention_case, FAST)
 test_torch_func_fallback_matches_per_sample_loop = _property(fallback_case, FAST)
@@ -246,6 +282,7 @@ test_torch_func_fallback_matches_per_sample_loop = _property(fallback_case, FAST
 test_linear_and_conv1d_rules_thoroughly = _property(linear_case, THOROUGH, slow=True)
 test_conv_rule_thoroughly = _property(conv_case, THOROUGH, slow=True)
 test_embedding_rule_thoroughly = _property(embedding_case, THOROUGH, slow=True)
+test_embedding_bag_rule_thoroughly = _property(embedding_bag_case, THOROUGH, slow=True)
 test_norm_rules_thoroughly = _property(norm_case, THOROUGH, slow=True)
 test_attention_rule_thoroughly = _property(attention_case, THOROUGH, slow=True)
 test_torch_func_fallback_thoroughly = _property(fallback_case, THOROUGH, slow=True)
