@@ -1,0 +1,556 @@
+"""Which axis of each captured tensor is the batch: established by observation, never by a size.
+
+The engine's one contract on the model's inputs: the batch size B of a forward is dim 0 of
+the model's first tensor input. Inside the model, a layer's input may hold the batch in
+any axis ([T, B, d] sequence-first), merged with positions ([B·T, d], OPT's MLP), or not at
+all (positions ``arange(T)`` shared by every sample, a learned query): a size equal to B
+proves nothing (T == B), so the engine *probes* instead (docs/engine.md, "The batch axis").
+
+**Probe.** The first time the model runs under the engine, and whenever a later call of a
+book-kept module no longer fits what was established, the model's forward runs twice more
+with the book-keeping off and the RNG state forked and restored: once on the same inputs and
+once with the batch resized to B' (B - 1 rows, or B + 1 for B ≤ 2 with row 0 repeated; the
+model's tensor inputs of leading size B are resized, or, should that fail, the first one
+alone). Each call of each book-kept module (in call order) records the shapes of the
+tensors it receives and returns. Per tensor:
+
+- one axis whose size went B -> B': the batch axis;
+- one axis whose size went c·B -> c·B' (c ≥ 2): the batch merged with c positions; accepted
+  when the resized probe's rows are those of a batch-outer [B, c] ordering (compared by
+  per-row sums), and unflattened to [B, c, ...] by position-wise rules;
+- no axis moved: shared by every sample (:attr:`Layout.dim` None);
+- anything else (several axes moving, an axis moving out of proportion, a change of rank):
+  an error, raised when a rule needs that tensor.
+
+A shared input of a layer (GPT-2's position ids [1, T], nanoGPT's ``arange(T)``) has its
+output expanded over the batch so that its output gradient stays per-sample. That is exact
+only if every op consuming the expanded output would have broadcast it over the batch
+anyway; a second pair of probes runs the forward with those outputs expanded and checks
+each consumer (:class:`ConsumerCheck`). Where one is not such a broadcast (``lin(q)[0]``,
+T5's ``permute`` of its relative position bias), the call is refused before any noise.
+
+The answers are cached per (module, call ordinal within the forward), so a probe runs once,
+not per step; each later call only checks that its tensors still fit (same rank, the batch
+axis of size B).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from dpclip.errors import EngineError
+
+BATCH_HINT = ("pass the model's inputs with the batch in dim 0 (its first tensor input sets the "
+              "batch size) and build shared tensors (positions, masks) inside the forward "
+              "or with a leading dimension 1")
+BROADCAST_HINT = ("give the module a per-sample input (e.g. pass positions as [B, T]: "
+                  "ids.new_tensor(range(T)).expand(B, T)), or freeze the module")
+
+
+def tensor_leaves(tree) -> list[Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
+
+
+def call_leaves(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors of a module call, in the order layouts are recorded."""
+    if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
+        return [args[0]]
+    return tensor_leaves((args, kwargs))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the batch is in one tensor of a module call."""
+
+    ndim: int
+    dim: int | None = None    # the batch axis; None: shared by every sample
+    merged: bool = False      # ``dim`` holds the batch merged with positions, batch outer
+    lead1: bool = False       # shared, with size 1 in dim 0 (expanded there)
+    error: str | None = None  # why no batch axis could be established
+
+    def fits(self, t: Tensor, batch: int) -> bool:
+        if t.dim() != self.ndim:
+            return False
+        if self.dim is None:
+            return self.ndim == 0 or (t.shape[0] == 1) == self.lead1
+        size = t.shape[self.dim]
+        return size > 0 and size % batch == 0 if self.merged else size == batch
+
+
+@dataclass(frozen=True)
+class CallLayout:
+    """The layouts of one call of a book-kept module (its tensors in tree order)."""
+
+    inputs: tuple[Layout, ...] | None           # None: the batch in dim 0 of every tensor
+    outputs: tuple[Layout, ...] | None = None
+    refusal: str | None = None                  # why the call cannot be book-kept exactly
+
+    def fits(self, leaves: list[Tensor], batch: int) -> bool:
+        if self.inputs is None:
+            return True
+        return len(leaves) == len(self.inputs) and all(
+            lay.fits(t, batch) for lay, t in zip(self.inputs, leaves))
+
+    def input(self, i: int, t: Tensor) -> Layout:
+        return Layout(t.dim(), 0) if self.inputs is None else self.inputs[i]
+
+
+#: a rule's own call of a child module (MultiheadAttention's out_proj): batch first by construction
+BATCH_FIRST = CallLayout(None)
+
+
+def expand_shared(t: Tensor, lead1: bool, batch: int) -> Tensor:
+    """A shared tensor over the batch: its leading 1 expanded, or a batch axis prepended."""
+    return t.expand(batch, *t.shape[1:]) if lead1 else t.expand(batch, *t.shape)
+
+
+def shared_lead1(lay: Layout, t: Tensor, feature_dims: int | None) -> bool:
+    """Expand the leading 1 (GPT-2's [1, T] positions) unless it is a feature axis."""
+    return lay.lead1 and t.dim() > (feature_dims or 0)
+
+
+def _same(y: Tensor) -> Tensor:
+    return y
+
+
+def to_batch_first(t: Tensor, lay: Layout, batch: int, feature_dims: int | None,
+                   label: str) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """``t`` with the batch in dim 0, and the map that puts the output back in ``t``'s layout.
+
+    ``feature_dims``: None for a rule that needs the batch in dim 0 itself; an int f for a
+    position-wise rule (each position of the leading dims independent, f trailing feature
+    axes), which may have the batch moved to the front from any leading axis or unflattened
+    from a merged batch·position axis."""
+    if lay.error is not None:
+        raise EngineError(f"module {label}: the batch axis of its input of shape "
+                          f"{tuple(t.shape)} cannot be established: {lay.error}", BATCH_HINT)
+    k = lay.dim
+    if k == 0 and not lay.merged:
+        return t, _same
+    if k is None:
+        return expand_shared(t, shared_lead1(lay, t, feature_dims), batch), _same
+    if feature_dims is None or k >= t.dim() - feature_dims:
+        kind = "merged with positions " if lay.merged else ""
+        raise EngineError(
+            f"module {label} gets the batch {kind}in axis {k} of its input of shape "
+            f"{tuple(t.shape)}; its rule needs the batch in axis 0",
+            "put the batch first for this module (e.g. batch_first=True), or register a rule "
+            "that accepts this layout")
+    if lay.merged:
+        return (t.unflatten(k, (batch, -1)).movedim(k, 0),
+                lambda y: y.movedim(0, k).flatten(k, k + 1))
+    return t.movedim(k, 0), lambda y: y.movedim(0, k)
+
+
+# ----------------------------------------------------------------------- probing
+
+
+@dataclass
+class _Seen:
+    shape: tuple[int, ...]
+    sums: dict[int, Tensor]   # per-row sums along each axis of size c·batch, c ≥ 2
+
+
+def _seen(t: Tensor, batch: int) -> _Seen:
+    sums = {}
+    for k, size in enumerate(t.shape):
+        if size > batch and size % batch == 0:
+            others = [j for j in range(t.dim()) if j != k]
+            try:
+                with torch.no_grad():
+                    sums[k] = (t.detach().sum(dim=others, dtype=torch.float64) if others
+                               else t.detach().to(torch.float64)).cpu()
+            except (RuntimeError, TypeError):  # a dtype without a float64 sum: not comparable
+                pass
+    return _Seen(tuple(t.shape), sums)
+
+
+class Probe:
+    """One probing forward: per (unit, call ordinal), what each call received and returned.
+
+    ``expand`` (key -> function of (args, kwargs, orig) returning the output) replaces a
+    call's output by its batch-expanded version, as the engine will (consumer probes)."""
+
+    def __init__(self, batch: int, expand: dict | None = None, check: "ConsumerCheck | None" = None):
+        self.batch = batch
+        self.expand = expand or {}
+        self.check = check
+        self.ordinals: dict[int, int] = {}
+        self.calls: dict[tuple[int, int], tuple[list[_Seen], list[_Seen]]] = {}
+
+    def call(self, unit, orig: Callable, args: tuple, kwargs: dict):
+        n = self.ordinals.get(id(unit), 0)
+        self.ordinals[id(unit)] = n + 1
+        key = (id(unit), n)
+        if self.check is not None:   # consumer probe: the checks, not the shapes, are wanted
+            expander = self.expand.get(key)
+            return orig(*args, **kwargs) if expander is None else expander(args, kwargs, orig)
+        ins = [_seen(t, self.batch) for t in call_leaves(args, kwargs)]
+        out = orig(*args, **kwargs)
+        self.calls[key] = (ins, [_seen(t, self.batch) for t in tensor_leaves(out)])
+        return out
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    scale = float(a.abs().max()) if a.numel() else 0.0
+    return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * max(scale, 1.0)))
+
+
+def _rows(sums: Tensor, batch: int, new: int, c: int, outer: bool) -> Tensor:
+    """Per-row sums the resized probe would show for a [B, c] (outer) or [c, B] ordering."""
+    view = sums.view(batch, c) if outer else sums.view(c, batch).t()
+    view = view[:new] if new < batch else torch.cat([view, view[:new - batch]])
+    return view.reshape(-1) if outer else view.t().reshape(-1)
+
+
+def _layout(x: _Seen, y: _Seen, batch: int, new: int) -> Layout:
+    n = len(x.shape)
+    if len(y.shape) != n:
+        return Layout(n, error=f"its rank changes with the batch size ({x.shape} with {batch} "
+                               f"samples, {y.shape} with {new})")
+    moved = [k for k in range(n) if x.shape[k] != y.shape[k]]
+    if not moved:
+        return Layout(n, lead1=n >= 1 and x.shape[0] == 1)
+    if len(moved) > 1:
+        return Layout(n, error=f"axes {moved} all change with the batch size ({x.shape} with "
+                               f"{batch} samples, {y.shape} with {new}): it mixes samples")
+    k = moved[0]
+    if x.shape[k] == batch and y.shape[k] == new:
+        return Layout(n, k)
+    c = x.shape[k] // batch
+    if x.shape[k] % batch == 0 and c >= 2 and y.shape[k] == c * new:
+        a, b = x.sums.get(k), y.sums.get(k)
+        if (a is not None and b is not None and _close(_rows(a, batch, new, c, True), b)
+                and not _close(_rows(a, batch, new, c, False), b)):
+            return Layout(n, k, merged=True)
+        return Layout(n, error=f"axis {k} holds the batch merged with {c} positions, but not "
+                               "batch-outer ([B, T] flattened) as far as the probe can tell")
+    return Layout(n, error=f"axis {k} changes with the batch size out of proportion "
+                           f"({x.shape[k]} with {batch} samples, {y.shape[k]} with {new})")
+
+
+def compare(a: Probe, b: Probe) -> dict[tuple[int, int], CallLayout]:
+    """Layouts of the calls both probes made alike (same number of tensors in and out)."""
+    out = {}
+    for key, (ins, outs) in a.calls.items():
+        got = b.calls.get(key)
+        if got is None or len(got[0]) != len(ins) or len(got[1]) != len(outs):
+            continue
+        out[key] = CallLayout(
+            tuple(_layout(x, y, a.batch, b.batch) for x, y in zip(ins, got[0])),
+            tuple(_layout(x, y, a.batch, b.batch) for x, y in zip(outs, got[1])))
+    return out
+
+
+def resized(args: tuple, kwargs: dict, batch: int, new: int, first_only: bool):
+    """The model's inputs with the batch resized to ``new`` rows (detached)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    seen_first = False
+    out = []
+    for t in leaves:
+        if isinstance(t, Tensor):
+            t = t.detach()
+            if (not (first_only and seen_first)) and t.dim() >= 1 and t.shape[0] == batch:
+                t = t[:new] if new < batch else torch.cat([t, t[:new - batch]])
+            seen_first = True
+        out.append(t)
+    return tree_unflatten(out, spec)
+
+
+def detached(args: tuple, kwargs: dict):
+    leaves, spec = tree_flatten((args, kwargs))
+    return tree_unflatten([t.detach() if isinstance(t, Tensor) else t for t in leaves], spec)
+
+
+@contextmanager
+def forked_rng(devices: list) -> Iterator[None]:
+    """The probes draw nothing from the caller's RNG streams (dropout in the model)."""
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+# -------------------------------------------------------------- consumer check
+
+_BROADCASTING = {
+    "add", "sub", "mul", "div", "true_divide", "subtract", "multiply", "divide", "where",
+    "maximum", "minimum", "addcmul", "addcdiv", "masked_fill", "lerp", "pow",
+    "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__",
+    "__rmul__", "__imul__", "__truediv__", "__rtruediv__", "__itruediv__", "__pow__",
+    "add_", "sub_", "mul_", "div_", "addcmul_", "addcdiv_",
+}
+_PASS_THROUGH = {"to", "contiguous", "clone", "float", "double", "half", "bfloat16", "type_as",
+                 "detach", "requires_grad_"}
+_SHAPE_READS = {"shape", "size", "dim", "ndim", "ndimension", "numel", "nelement", "__len__",
+                "stride", "__iter__", "unbind", "tolist", "item"}
+
+
+def _name(func) -> str:
+    name = getattr(func, "__name__", "") or repr(func)
+    if name == "__get__":   # a property getter: name the property
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+class ConsumerCheck(TorchFunctionMode):
+    """During a consumer probe: every op that reads a tracked (batch-expanded shared) tensor
+    must be one that would have broadcast the unexpanded tensor to the same result shape
+    (the batch then comes from another operand), or pass it through unchanged."""
+
+    def __init__(self):
+        super().__init__()
+        self.tracked: dict[int, tuple[Tensor, tuple[int, ...], tuple]] = {}
+        self.failures: dict[tuple, str] = {}
+
+    def track(self, t: Tensor, shape: tuple[int, ...], key: tuple) -> None:
+        self.tracked[id(t)] = (t, tuple(shape), key)
+
+    def _hit(self, t) -> tuple | None:
+        entry = self.tracked.get(id(t)) if isinstance(t, Tensor) else None
+        return entry if entry is not None and entry[0] is t else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.tracked:
+            flat = tree_flatten((args, kwargs))[0]
+            hits = [h for h in map(self._hit, flat) if h is not None]
+            if hits:
+                self._check(func, flat, hits, out)
+        return out
+
+    def fail(self, key: tuple, why: str) -> None:
+        self.failures.setdefault(key, why)
+
+    def _check(self, func, flat: list, hits: list, out) -> None:
+        name, key = _name(func), hits[0][2]
+        if self._hit(out) is not None:          # returned itself (.to() on its own device)
+            return
+        if not isinstance(out, Tensor):
+            if name in _SHAPE_READS or isinstance(out, (tuple, list)):
+                self.fail(key, f"its output is read by `{name}`, which would see the batch "
+                               "the engine adds to it")
+            return
+        if name in _PASS_THROUGH and len(hits) == 1 and out.shape == hits[0][0].shape:
+            self.track(out, hits[0][1], key)
+            return
+        if name in _BROADCASTING:
+            shapes = []
+            for t in flat:
+                if isinstance(t, Tensor):
+                    hit = self._hit(t)
+                    shapes.append(hit[1] if hit is not None else tuple(t.shape))
+            try:
+                want = tuple(torch.broadcast_shapes(*shapes))
+            except RuntimeError:
+                want = None
+            if want == tuple(out.shape):        # broadcast over a batched operand: proven
+                return
+            self.fail(key, f"its output goes through `{name}` with no per-sample operand to "
+                           "broadcast it against")
+            return
+        self.fail(key, f"its output is consumed by `{name}`, which is not a broadcast over "
+                       "the batch (the engine would have to expand it, changing what "
+                       f"`{name}` computes)")
+
+
+def refusal_for(check: ConsumerCheck, key: tuple, layout: CallLayout) -> CallLayout:
+    why = check.failures.get(key)
+    if why is None or layout.refusal is not None:
+        return layout
+    return replace(layout, refusal=f"is fed a tensor shared by all samples, and {why}")
+
+
+# ------------------------------------------------------------------ the state
+
+
+class BatchAxes:
+    """The batch of the model's forward in progress and the established layouts.
+
+    ``units``: the book-kept units (``module``, ``rule``, ``label``); ``plain()``: a context
+    in which their forwards pass through (the probes run in it)."""
+
+    def __init__(self, model: torch.nn.Module, units: list, plain: Callable):
+        self.model = model
+        self.units = {id(u): u for u in units}
+        self.plain = plain
+        self.layouts: dict[tuple[int, int], CallLayout] = {}
+        self.probe: Probe | None = None     # while probing: the forwards only record
+        self.check: ConsumerCheck | None = None
+        self.batch: int | None = None       # B of the model's forward in progress
+        self.inputs: tuple | None = None    # that forward's (args, kwargs), for the probes
+        self.ordinals: dict[int, int] = {}
+        self.depth = 0                      # model forwards in progress
+        self.children = 0                   # inside a rule that calls children batch first
+        self.reprobed = False
+        self.probes = 0                     # probing forwards run so far (tests, docs)
+
+    # ---------------------------------------------------------------- hooks
+
+    def pre_hook(self, module, args, kwargs):
+        if self.probe is not None:
+            return None
+        self.depth += 1
+        if self.depth == 1:
+            leaves = tensor_leaves((args, kwargs))
+            self.batch = leaves[0].shape[0] if leaves and leaves[0].dim() > 0 else None
+            self.inputs = (args, kwargs)
+            self.ordinals = {}
+            self.reprobed = False
+        return None
+
+    def post_hook(self, module, args, kwargs, output):
+        if self.probe is not None:
+            return None
+        self.depth = max(self.depth - 1, 0)
+        if self.depth == 0:
+            self.inputs = None
+        return None
+
+    @contextmanager
+    def children_batch_first(self) -> Iterator[None]:
+        self.children += 1
+        try:
+            yield
+        finally:
+            self.children -= 1
+
+    # ------------------------------------------------------------- per call
+
+    def layout(self, unit, leaves: list[Tensor]) -> CallLayout:
+        """The established layout of this call of ``unit`` (probing first if needed)."""
+        if self.children:
+            return BATCH_FIRST
+        if self.depth == 0 or self.batch is None:
+            raise EngineError(
+                f"module {unit.label} was called outside a forward of the model the engine "
+                f"was built on ({type(self.model).__name__}), or that model's first tensor "
+                "input has no batch dimension; its batch axis cannot be established",
+                "call the model itself with the batch in dim 0 of its first tensor input")
+        n = self.ordinals.get(id(unit), 0)
+        self.ordinals[id(unit)] = n + 1
+        key = (id(unit), n)
+        lay = self.layouts.get(key)
+        if lay is None or not lay.fits(leaves, self.batch):
+            if not self.reprobed:
+                self.establish()
+                lay = self.layouts.get(key)
+            if lay is None or not lay.fits(leaves, self.batch):
+                shapes = [tuple(t.shape) for t in leaves]
+                raise EngineError(
+                    f"module {unit.label}: its call #{n + 1} in this forward (inputs of shapes "
+                    f"{shapes}) does not match the probe forwards of the model, so its batch "
+                    "axis cannot be established (does the model's control flow depend on "
+                    "the batch size, or are its shared inputs not broadcast-compatible?)",
+                    BATCH_HINT)
+        return lay
+
+    # --------------------------------------------------------------- probes
+
+    def _run(self, probe: Probe, args: tuple, kwargs: dict, check: ConsumerCheck | None = None):
+        devices = sorted({p.device.index or 0 for p in self.model.parameters()
+                          if p.device.type == "cuda"})
+        self.probe, self.check = probe, check
+        self.probes += 1
+        try:
+            with self.plain(), forked_rng(devices):
+                if check is None:
+                    return self.model(*args, **kwargs)
+                with check:
+                    out = self.model(*args, **kwargs)
+                for t in tensor_leaves(out):
+                    hit = check._hit(t)
+                    if hit is not None:
+                        check.fail(hit[2], "it is returned by the model unchanged")
+                return out
+        finally:
+            self.probe, self.check = None, None
+
+    def establish(self) -> None:
+        """Probe the model's forward in progress (its inputs, then resized) and merge the
+        layouts found into the cache."""
+        self.reprobed = True
+        args, kwargs = self.inputs
+        batch = self.batch
+        new = batch - 1 if batch >= 3 else batch + 1
+        same = detached(args, kwargs)
+        first = Probe(batch)
+        self._run(first, *same)
+        resized_inputs, errors = None, []
+        for first_only in (False, True):
+            candidate = resized(args, kwargs, batch, new, first_only)
+            try:
+                second = Probe(new)
+                self._run(second, *candidate)
+                resized_inputs = candidate
+                break
+            except EngineError:
+                raise
+            except Exception as exc:  # the resized inputs do not fit the model: try the next
+                errors.append(exc)
+        if resized_inputs is None:
+            raise EngineError(
+                f"the model's forward fails when the engine probes it with {new} samples "
+                f"instead of {batch} ({type(errors[-1]).__name__}: {errors[-1]}), so the "
+                "batch axis of its layers cannot be established", BATCH_HINT) from errors[-1]
+        layouts = compare(first, second)
+        expand = self._expanders(layouts)
+        if expand:
+            for size, inputs in ((batch, same), (new, resized_inputs)):
+                check = ConsumerCheck()
+                self._run(Probe(size, {k: self._expander(k, f, size, check)
+                                       for k, f in expand.items()}, check), *inputs, check=check)
+                for key in expand:
+                    layouts[key] = refusal_for(check, key, layouts[key])
+        self.layouts.update(layouts)
+
+    def _expanders(self, layouts: dict) -> dict:
+        """Calls whose output the engine expands over the batch: key -> which outputs."""
+        out = {}
+        for key, lay in layouts.items():
+            unit = self.units.get(key[0])
+            if unit is None or lay.refusal is not None:
+                continue
+            rule = unit.rule
+            if getattr(rule, "expands_shared_outputs", False):   # the torch.func rule
+                which = [i for i, o in enumerate(lay.outputs) if o.dim is None and o.error is None]
+                if which:
+                    out[key] = ("outputs", which)
+            elif getattr(rule, "default_call", False) and lay.inputs and lay.inputs[0].dim is None \
+                    and lay.inputs[0].error is None:
+                out[key] = ("input", None)
+        return out
+
+    def _expander(self, key, how, batch: int, check: ConsumerCheck):
+        unit = self.units[key[0]]
+
+        def run(args, kwargs, orig):
+            kind, which = how
+            if kind == "input":   # the engine runs the layer on its expanded input
+                x = call_leaves(args, kwargs)[0]
+                lead1 = shared_lead1(Layout(x.dim(), lead1=x.dim() >= 1 and x.shape[0] == 1), x,
+                                     unit.rule.feature_dims(unit.module))
+                y = orig(expand_shared(x, lead1, batch))
+                check.track(y, (1, *y.shape[1:]) if lead1 else tuple(y.shape[1:]), key)
+                return y
+            out = orig(*args, **kwargs)
+            leaves, spec = tree_flatten(out)
+            index = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
+            for j in which:
+                t = leaves[index[j]]
+                if not t.is_floating_point():
+                    continue
+                lead1 = t.dim() >= 1 and t.shape[0] == 1
+                leaves[index[j]] = expand_shared(t, lead1, batch)
+                check.track(leaves[index[j]], tuple(t.shape), key)
+            return tree_unflatten(leaves, spec)
+
+        return run
