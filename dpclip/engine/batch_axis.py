@@ -155,19 +155,26 @@ def to_batch_first(t: Tensor, lay: Layout, batch: int, feature_dims: int | None,
 @dataclass
 class _Seen:
     shape: tuple[int, ...]
-    sums: dict[int, Tensor]   # per-row sums along each axis of size c·batch, c ≥ 2
+    sums: dict[int, Tensor]   # per-row fingerprints along each axis of size c·batch, c ≥ 2
 
 
-def _seen(t: Tensor, batch: int) -> _Seen:
+def _fingerprint(t: Tensor, k: int) -> Tensor:
+    """One number per row of axis ``k``: a fixed random projection of the row (plain sums
+    vanish on normalised rows)."""
+    flat = t.detach().movedim(k, 0).reshape(t.shape[k], -1).to(torch.float64)
+    weights = torch.randn(flat.shape[1], generator=torch.Generator().manual_seed(20250),
+                          dtype=torch.float64).to(flat.device)
+    return (flat @ weights).cpu()
+
+
+def _seen(t: Tensor, batch: int, rows: bool = True) -> _Seen:
     sums = {}
     for k, size in enumerate(t.shape):
-        if size > batch and size % batch == 0:
-            others = [j for j in range(t.dim()) if j != k]
+        if rows and size > batch and size % batch == 0:
             try:
                 with torch.no_grad():
-                    sums[k] = (t.detach().sum(dim=others, dtype=torch.float64) if others
-                               else t.detach().to(torch.float64)).cpu()
-            except (RuntimeError, TypeError):  # a dtype without a float64 sum: not comparable
+                    sums[k] = _fingerprint(t, k)
+            except (RuntimeError, TypeError):  # a dtype with no float64 view: not comparable
                 pass
     return _Seen(tuple(t.shape), sums)
 
@@ -194,7 +201,8 @@ class Probe:
             return orig(*args, **kwargs) if expander is None else expander(args, kwargs, orig)
         ins = [_seen(t, self.batch) for t in call_leaves(args, kwargs)]
         out = orig(*args, **kwargs)
-        self.calls[key] = (ins, [_seen(t, self.batch) for t in tensor_leaves(out)])
+        # merged batch·position axes are accepted in inputs only: outputs need no fingerprints
+        self.calls[key] = (ins, [_seen(t, self.batch, rows=False) for t in tensor_leaves(out)])
         return out
 
 
@@ -319,7 +327,14 @@ class ConsumerCheck(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            if self.tracked:
+                for hit in filter(None, map(self._hit, tree_flatten((args, kwargs))[0])):
+                    self.fail(hit[2], f"`{_name(func)}` fails on its output once that is "
+                                      "expanded over the batch")
+            raise
         if self.tracked:
             flat = tree_flatten((args, kwargs))[0]
             hits = [h for h in map(self._hit, flat) if h is not None]
@@ -506,8 +521,14 @@ class BatchAxes:
         if expand:
             for size, inputs in ((batch, same), (new, resized_inputs)):
                 check = ConsumerCheck()
-                self._run(Probe(size, {k: self._expander(k, f, size, check)
-                                       for k, f in expand.items()}, check), *inputs, check=check)
+                try:
+                    self._run(Probe(size, {k: self._expander(k, f, size, check)
+                                           for k, f in expand.items()}, check), *inputs, check=check)
+                except Exception as exc:  # the forward breaks on an expanded output
+                    if not check.failures:
+                        for key in expand:
+                            check.fail(key, "the model's forward fails once its output is expanded "
+                                            f"over the batch ({type(exc).__name__}: {exc})")
                 for key in expand:
                     layouts[key] = refusal_for(check, key, layouts[key])
         self.layouts.update(layouts)
