@@ -91,6 +91,8 @@ class CallLayout:
     inputs: tuple[Layout, ...] | None           # None: the batch in dim 0 of every tensor
     outputs: tuple[Layout, ...] | None = None
     refusal: str | None = None                  # why the call cannot be book-kept exactly
+    #: a shared input whose output reaches the batch through a chain of ops: its consumers
+    consumers: tuple["Consumer", ...] | None = None
 
     def fits(self, leaves: list[Tensor], batch: int) -> bool:
         if self.inputs is None:
@@ -295,8 +297,15 @@ _BROADCASTING = {
     "__rmul__", "__imul__", "__truediv__", "__rtruediv__", "__itruediv__", "__pow__",
     "add_", "sub_", "mul_", "div_", "addcmul_", "addcdiv_",
 }
-_PASS_THROUGH = {"to", "contiguous", "clone", "float", "double", "half", "bfloat16", "type_as",
-                 "detach", "requires_grad_"}
+_MATMUL = {"matmul", "__matmul__", "__rmatmul__"}
+#: consumers that broadcast with no other tensor: the batch comes from their sizes
+_EXPANDS = {"expand", "broadcast_to"}
+#: ops that keep a shared tensor shared (no other tensor involved): the chain before a broadcast
+_CHAIN = {
+    "to", "contiguous", "clone", "float", "double", "half", "bfloat16", "detach", "permute",
+    "unsqueeze", "squeeze", "transpose", "t", "view", "reshape", "flatten", "unflatten",
+    "movedim", "narrow", "select", "__getitem__", "neg", "__neg__", "tanh", "sigmoid", "exp",
+} | _BROADCASTING
 _SHAPE_READS = {"shape", "size", "dim", "ndim", "ndimension", "numel", "nelement", "__len__",
                 "stride", "__iter__", "unbind", "tolist", "item"}
 
@@ -308,22 +317,38 @@ def _name(func) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class Consumer:
+    """An op that broadcasts a shared output (after its chain of ops) over the batch."""
+
+    name: str
+    result_batch: int    # the batch axis of the op's result
+    aligned: int         # the axis of the chained tensor facing it (< 0: none, prepended)
+
+
 class ConsumerCheck(TorchFunctionMode):
-    """During a consumer probe: every op that reads a tracked (batch-expanded shared) tensor
-    must be one that would have broadcast the unexpanded tensor to the same result shape
-    (the batch then comes from another operand), or pass it through unchanged."""
+    """During a consumer probe: follows each tracked output (a layer's output shared by all
+    samples) through the ops that keep it shared (its *chain*: views, ``.to()``, elementwise
+    ops with constants) to the ops that combine it with other tensors (*consumers*), which
+    must broadcast it (elementwise ops, matmul); anything else is a failure."""
 
     def __init__(self):
         super().__init__()
-        self.tracked: dict[int, tuple[Tensor, tuple[int, ...], tuple]] = {}
+        self.tracked: dict[int, tuple[Tensor, tuple, int]] = {}   # id -> (tensor, key, chain length)
+        self.events: dict[tuple, list[tuple[str, tuple, tuple, int]]] = {}
         self.failures: dict[tuple, str] = {}
+        self.shape_read: set[tuple] = set()
 
-    def track(self, t: Tensor, shape: tuple[int, ...], key: tuple) -> None:
-        self.tracked[id(t)] = (t, tuple(shape), key)
+    def track(self, t: Tensor, key: tuple, chain: int = 0) -> None:
+        self.tracked[id(t)] = (t, key, chain)
+        self.events.setdefault(key, [])
 
     def _hit(self, t) -> tuple | None:
         entry = self.tracked.get(id(t)) if isinstance(t, Tensor) else None
         return entry if entry is not None and entry[0] is t else None
+
+    def fail(self, key: tuple, why: str) -> None:
+        self.failures.setdefault(key, why)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -332,8 +357,7 @@ class ConsumerCheck(TorchFunctionMode):
         except Exception:
             if self.tracked:
                 for hit in filter(None, map(self._hit, tree_flatten((args, kwargs))[0])):
-                    self.fail(hit[2], f"`{_name(func)}` fails on its output once that is "
-                                      "expanded over the batch")
+                    self.fail(hit[1], f"`{_name(func)}` fails on its output")
             raise
         if self.tracked:
             flat = tree_flatten((args, kwargs))[0]
@@ -342,46 +366,144 @@ class ConsumerCheck(TorchFunctionMode):
                 self._check(func, flat, hits, out)
         return out
 
-    def fail(self, key: tuple, why: str) -> None:
-        self.failures.setdefault(key, why)
-
     def _check(self, func, flat: list, hits: list, out) -> None:
-        name, key = _name(func), hits[0][2]
+        name, key = _name(func), hits[0][1]
         if self._hit(out) is not None:          # returned itself (.to() on its own device)
             return
         if not isinstance(out, Tensor):
-            if name in _SHAPE_READS or isinstance(out, (tuple, list)):
-                self.fail(key, f"its output is read by `{name}`, which would see the batch "
-                               "the engine adds to it")
+            if name in _SHAPE_READS:
+                self.shape_read.add(key)
+            if isinstance(out, (tuple, list)) and any(isinstance(o, Tensor) for o in out):
+                self.fail(key, f"its output is split by `{name}`")
             return
-        if name in _PASS_THROUGH and len(hits) == 1 and out.shape == hits[0][0].shape:
-            self.track(out, hits[0][1], key)
-            return
-        if name in _BROADCASTING:
-            shapes = []
-            for t in flat:
-                if isinstance(t, Tensor):
-                    hit = self._hit(t)
-                    shapes.append(hit[1] if hit is not None else tuple(t.shape))
-            try:
-                want = tuple(torch.broadcast_shapes(*shapes))
-            except RuntimeError:
-                want = None
-            if want == tuple(out.shape):        # broadcast over a batched operand: proven
-                return
-            self.fail(key, f"its output goes through `{name}` with no per-sample operand to "
-                           "broadcast it against")
-            return
-        self.fail(key, f"its output is consumed by `{name}`, which is not a broadcast over "
-                       "the batch (the engine would have to expand it, changing what "
-                       f"`{name}` computes)")
+        others = [t for t in flat if isinstance(t, Tensor) and self._hit(t) is None]
+        if len(hits) > 1:
+            self.fail(key, f"its output meets another shared tensor in `{name}`")
+        elif not others and name in _CHAIN:
+            self.track(out, key, hits[0][2] + 1)
+        elif name in _BROADCASTING or name in _MATMUL or name in _EXPANDS:
+            self.events[key].append((name, tuple(out.shape), tuple(hits[0][0].shape), hits[0][2]))
+        else:
+            self.fail(key, f"its output is consumed by `{name}`, which is not a broadcast over "
+                           "the batch")
 
 
-def refusal_for(check: ConsumerCheck, key: tuple, layout: CallLayout) -> CallLayout:
-    why = check.failures.get(key)
-    if why is None or layout.refusal is not None:
-        return layout
-    return replace(layout, refusal=f"is fed a tensor shared by all samples, and {why}")
+def consumers(a: ConsumerCheck, b: ConsumerCheck, key: tuple, batch: int, new: int,
+              simple_aligned: int) -> tuple[tuple[Consumer, ...] | None, bool, str | None]:
+    """From the consumer probes with ``batch`` and ``new`` samples: (the consumers, whether
+    expanding the layer's output itself is exact, why not exact at all)."""
+    why = a.failures.get(key) or b.failures.get(key)
+    if why is not None:
+        return None, False, why
+    ea, eb = a.events.get(key, []), b.events.get(key, [])
+    if [e[0] for e in ea] != [e[0] for e in eb]:
+        return None, False, "its consumers differ with the batch size"
+    out, simple = [], key not in a.shape_read and key not in b.shape_read
+    for (name, res_a, shape, chain), (_, res_b, _, _) in zip(ea, eb):
+        moved = [k for k in range(len(res_a)) if len(res_a) == len(res_b) and res_a[k] != res_b[k]]
+        if len(moved) != 1 or res_a[moved[0]] != batch or res_b[moved[0]] != new:
+            return None, False, f"`{name}` does not broadcast its output over the batch"
+        r = moved[0]
+        j = r - (len(res_a) - len(shape))
+        if (j >= 0 and shape[j] != 1) or (name in _MATMUL and (len(shape) < 2 or r >= len(res_a) - 2)):
+            return None, False, f"`{name}` does not broadcast its output over the batch"
+        out.append(Consumer(name, r, j))
+        simple = simple and chain == 0 and j == simple_aligned and name not in _MATMUL
+    return tuple(out), simple, None
+
+
+# ------------------------------------------------------------- chained outputs
+
+
+class _Chained(Tensor):
+    """At run time: the output of a layer fed a shared input, whose probed consumers broadcast
+    it over the batch only after a chain of ops (T5's relative position bias: ``permute``,
+    ``unsqueeze``, then added to each layer's attention scores). It carries the output's
+    plain values; the chain's ops extend it; at each consumer the layer runs book-kept on its
+    input expanded over the batch (once per forward), the chain is replayed per sample on
+    that ([B, ...] via vmap) and the consumer gets it with the batch where the probe found
+    the broadcast: the same values, and an output gradient per sample."""
+
+    _dp_state: "ChainState"
+    _dp_chain: tuple
+
+    @staticmethod
+    def wrap(value: Tensor, state: "ChainState", chain: tuple = ()) -> "_Chained":
+        t = value.as_subclass(_Chained)
+        t._dp_state, t._dp_chain = state, chain
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, spec = tree_flatten((args, kwargs))
+        mine = [i for i, t in enumerate(flat) if isinstance(t, _Chained)]
+        name = _name(func)
+        with torch._C.DisableTorchFunctionSubclass():
+            if not mine:
+                return func(*args, **kwargs)
+            me = flat[mine[0]]
+            state = me._dp_state
+            if len(mine) > 1:
+                raise EngineError(f"module {state.label}: its output meets another shared "
+                                  f"tensor in `{name}`", BROADCAST_HINT)
+            others = [t for i, t in enumerate(flat) if i != mine[0] and isinstance(t, Tensor)]
+            if name in _SHAPE_READS or not (name in _CHAIN or name in _BROADCASTING
+                                            or name in _MATMUL or name in _EXPANDS):
+                out = func(*args, **kwargs)
+                if isinstance(out, Tensor) and out is not me:
+                    raise EngineError(f"module {state.label}: its output is consumed by `{name}`, "
+                                      "which the probe did not see", BROADCAST_HINT)
+                return out
+            if not others and name in _CHAIN:   # still shared: one more link of the chain
+                out = func(*args, **kwargs)
+                if out is me or not isinstance(out, Tensor):
+                    return out
+                i = mine[0]
+
+                def link(y, func=func, flat=flat, spec=spec, i=i):
+                    leaves = list(flat)
+                    leaves[i] = y
+                    a, k = tree_unflatten(leaves, spec)
+                    return func(*a, **k)
+
+                return _Chained.wrap(out, state, me._dp_chain + (link,))
+            # a consumer: broadcast over the batch
+            shape = tuple(me.shape)
+            leaves = list(flat)
+            leaves[mine[0]] = state.batched(me._dp_chain, shape, name)
+            a, k = tree_unflatten(leaves, spec)
+            return func(*a, **k)
+
+
+class ChainState:
+    """One chained output in one forward: its consumers so far and the book-kept output."""
+
+    def __init__(self, label: str, batch: int, consumers: tuple[Consumer, ...],
+                 materialize: Callable[[], Tensor]):
+        self.label, self.batch, self.expected = label, batch, consumers
+        self.materialize = materialize
+        self.seen = 0
+        self.output: Tensor | None = None
+
+    def batched(self, chain: tuple, shape: tuple, name: str) -> Tensor:
+        if self.seen >= len(self.expected) or self.expected[self.seen].name != name:
+            raise EngineError(f"module {self.label}: its output reaches `{name}`, not the op the "
+                              "probe forwards saw there", BROADCAST_HINT)
+        j = self.expected[self.seen].aligned
+        self.seen += 1
+        if self.output is None:
+            self.output = self.materialize()          # [B, ...]: book-kept, per-sample grads
+
+        def replay(y):
+            for link in chain:
+                y = link(y)
+            return y
+
+        per_sample = torch.func.vmap(replay)(self.output) if chain else self.output  # [B, *shape]
+        if j >= 0:
+            return per_sample.movedim(0, j).squeeze(j + 1)
+        return per_sample.reshape(self.batch, *([1] * (-j - 1)), *shape)
 
 
 # ------------------------------------------------------------------ the state
@@ -484,7 +606,7 @@ class BatchAxes:
                 for t in tensor_leaves(out):
                     hit = check._hit(t)
                     if hit is not None:
-                        check.fail(hit[2], "it is returned by the model unchanged")
+                        check.fail(hit[1], "it is returned by the model unchanged")
                 return out
         finally:
             self.probe, self.check = None, None
@@ -519,19 +641,44 @@ class BatchAxes:
         layouts = compare(first, second)
         expand = self._expanders(layouts)
         if expand:
-            for size, inputs in ((batch, same), (new, resized_inputs)):
-                check = ConsumerCheck()
-                try:
-                    self._run(Probe(size, {k: self._expander(k, f, size, check)
-                                           for k, f in expand.items()}, check), *inputs, check=check)
-                except Exception as exc:  # the forward breaks on an expanded output
-                    if not check.failures:
-                        for key in expand:
-                            check.fail(key, "the model's forward fails once its output is expanded "
-                                            f"over the batch ({type(exc).__name__}: {exc})")
-                for key in expand:
-                    layouts[key] = refusal_for(check, key, layouts[key])
+            self._check_consumers(layouts, expand, batch, new, same, resized_inputs)
         self.layouts.update(layouts)
+
+    def _check_consumers(self, layouts, expand, batch, new, same, resized_inputs) -> None:
+        """Two more probes follow each shared output to its consumers: expanding the output
+        itself is exact (GPT-2's positions), or expanding it at its consumers after its
+        chain of ops (T5's bias, layers with the default call only), or it is refused."""
+        checks, aligned = [], {}
+        for size, inputs in ((batch, same), (new, resized_inputs)):
+            check = ConsumerCheck()
+            try:
+                self._run(Probe(size, {k: self._tracker(k, f, check, aligned)
+                                       for k, f in expand.items()}, check), *inputs, check=check)
+            except Exception as exc:  # the forward failed in a consumer (or elsewhere)
+                if not check.failures:
+                    for key, (kind, which) in expand.items():
+                        check.fail((key, (which or [0])[0]), "the model's forward fails in the "
+                                   f"consumer probe ({type(exc).__name__}: {exc})")
+            checks.append(check)
+        for key, (kind, which) in expand.items():
+            found, why, simple = [], None, True
+            for j in which or [0]:
+                if (key, j) not in aligned:      # a non-float output: no gradient to keep apart
+                    continue
+                cons, ok, why = consumers(checks[0], checks[1], (key, j), batch, new,
+                                          aligned[(key, j)])
+                if why is not None:
+                    break
+                found.append(cons)
+                simple = simple and ok
+            lay = layouts[key]
+            if why is None and not simple and kind == "outputs":
+                why = ("its output is broadcast over the batch only after other ops, which the "
+                       "per-sample fallback cannot follow")
+            if why is not None:
+                layouts[key] = replace(lay, refusal=f"is fed a tensor shared by all samples, and {why}")
+            elif not simple:
+                layouts[key] = replace(lay, consumers=found[0])
 
     def _expanders(self, layouts: dict) -> dict:
         """Calls whose output the engine expands over the batch: key -> which outputs."""
@@ -550,28 +697,28 @@ class BatchAxes:
                 out[key] = ("input", None)
         return out
 
-    def _expander(self, key, how, batch: int, check: ConsumerCheck):
+    def _tracker(self, key, how, check: ConsumerCheck, aligned: dict):
+        """The call of ``key`` in a consumer probe: its shared output(s) tracked; ``aligned``
+        gets the axis that expanding the output itself would give the batch (0: its leading
+        1; -1: prepended)."""
         unit = self.units[key[0]]
 
         def run(args, kwargs, orig):
             kind, which = how
-            if kind == "input":   # the engine runs the layer on its expanded input
+            out = orig(*args, **kwargs)
+            if kind == "input":
                 x = call_leaves(args, kwargs)[0]
                 lead1 = shared_lead1(Layout(x.dim(), lead1=x.dim() >= 1 and x.shape[0] == 1), x,
                                      unit.rule.feature_dims(unit.module))
-                y = orig(expand_shared(x, lead1, batch))
-                check.track(y, (1, *y.shape[1:]) if lead1 else tuple(y.shape[1:]), key)
-                return y
-            out = orig(*args, **kwargs)
-            leaves, spec = tree_flatten(out)
-            index = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
+                aligned[(key, 0)] = 0 if lead1 else -1
+                check.track(out, (key, 0))
+                return out
+            leaves = tensor_leaves(out)
             for j in which:
-                t = leaves[index[j]]
-                if not t.is_floating_point():
-                    continue
-                lead1 = t.dim() >= 1 and t.shape[0] == 1
-                leaves[index[j]] = expand_shared(t, lead1, batch)
-                check.track(leaves[index[j]], tuple(t.shape), key)
-            return tree_unflatten(leaves, spec)
+                t = leaves[j]
+                if t.is_floating_point():
+                    aligned[(key, j)] = 0 if t.dim() >= 1 and t.shape[0] == 1 else -1
+                    check.track(t, (key, j))
+            return out
 
         return run

@@ -28,7 +28,8 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from dpclip.engine.batch_axis import (BROADCAST_HINT, BatchAxes, CallLayout, Layout, call_leaves,
+from dpclip.engine.batch_axis import (BROADCAST_HINT, BatchAxes, CallLayout, ChainState, Layout,
+                                      _Chained, call_leaves, expand_shared, shared_lead1,
                                       to_batch_first)
 from dpclip.engine.factors import Use
 from dpclip.engine.layers import LayerRule, find_layer_rule
@@ -156,6 +157,22 @@ class _Site:
         """``(t with the batch in dim 0, map putting an output back in t's layout)``
         (:func:`dpclip.engine.batch_axis.to_batch_first`)."""
         return to_batch_first(t, self.layout_of(t), self.batch_size, feature_dims, self.label)
+
+    def chained(self, rule, x: Tensor) -> Tensor:
+        """The output for a shared input ``x`` whose probed consumers broadcast it over the
+        batch after a chain of ops: plain values now; the book-kept call on ``x`` expanded
+        over the batch runs at the first consumer (:class:`~dpclip.engine.batch_axis._Chained`)."""
+        module, batch = self.module, self.batch_size
+        lead1 = shared_lead1(self.layout_of(x), x, rule.feature_dims(module))
+        with torch.no_grad(), self.bypass():
+            y = module(x)
+
+        def materialize() -> Tensor:     # [B, *y.shape]: sample i's copy of the output
+            a, info = rule.prepare(module, expand_shared(x, lead1, batch), batch)
+            out = self.op(rule, a, info)
+            return out.unsqueeze(1) if lead1 else out
+
+        return _Chained.wrap(y, ChainState(self.label, batch, self.layout.consumers, materialize))
 
     def op(self, rule, x: Tensor, info=None, names=None) -> Tensor:
         names = tuple(self._by_name) if names is None else tuple(names)

@@ -170,7 +170,8 @@ class MixedFallback(nn.Module):
 
 
 class PickedQuery(nn.Module):
-    """``lin(q)[0]`` on a learned [1, R, d] query: [0] picks the query, not a sample."""
+    """``lin(q)[0]`` on a [1, R, d] query: [0] picks the query, not a sample. With the query
+    learned by another layer (``query``), that layer's shared output feeds ``lin``."""
 
     def __init__(self, d=3, r=2, learned=False):
         super().__init__()
@@ -302,12 +303,46 @@ def test_opacus_rnn_sequence_first_is_exact(n):
 # ---------------------------------------------------------------- refusals
 
 
-@pytest.mark.parametrize("learned", [False, True])
+class ExpandedQuery(nn.Module):
+    """A learned query [1, R, d] (a module without a rule) expanded to the batch."""
+
+    def __init__(self, d=3, r=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.query = Query(r, d)
+        self.attn = nn.MultiheadAttention(d, 1, batch_first=True)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        q = self.query().expand(x.shape[0], -1, -1)
+        return self.head(self.attn(q, x, x, need_weights=False)[0].mean(1))
+
+
+class Query(nn.Module):
+    def __init__(self, r, d):
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(1, r, d))
+
+    def forward(self):
+        return torch.tanh(self.q)
+
+
 @pytest.mark.parametrize("n", SIZES)
-def test_indexing_the_output_of_a_shared_query_is_refused(n, learned):
-    err = refused(lambda: PickedQuery(learned=learned).to(DTYPE), _floats(n),
-                  r"module (lin \(Linear\)|query \(Linear\))")
-    assert "shared by all samples" in str(err)
+def test_indexing_the_output_of_a_shared_query_is_exact(n):
+    # lin(q) is shared; [0] and .t() keep it shared; x @ q0.t() broadcasts it over the batch
+    exact(lambda: PickedQuery().to(DTYPE), _floats(n), strict=True)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_a_shared_output_fed_to_another_layer_is_refused(n):
+    err = refused(lambda: PickedQuery(learned=True).to(DTYPE), _floats(n),
+                  r"module query \(Linear\) is fed a tensor shared by all samples")
+    assert "`linear`" in str(err)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_a_learned_query_expanded_to_the_batch_is_exact(n):
+    exact(lambda: ExpandedQuery().to(DTYPE), _floats(n))
 
 
 def test_a_layer_input_whose_batch_cannot_be_moved_is_refused():
@@ -396,11 +431,24 @@ def test_gpt2_stays_exact_when_the_batch_equals_the_sequence_length(n):
 
 
 @pytest.mark.parametrize("n", SIZES)
-def test_t5_relative_position_bias_is_refused_not_silently_wrong(n):
-    err = refused(_tiny("T5Config", "T5ForConditionalGeneration", **T5), _ids(n, seed=n),
-                  r"module encoder\.block\.0\.layer\.0\.SelfAttention\.relative_attention_bias "
-                  r"\(Embedding\)", _seq2seq_loss)
-    assert "permute" in str(err)
+def test_t5_relative_position_bias_is_exact(n):
+    # the bias Embedding gets shared [T, T] buckets; permute and unsqueeze keep its output
+    # shared, each layer's attention scores broadcast it over the batch
+    exact(_tiny("T5Config", "T5ForConditionalGeneration", **T5), _ids(n, seed=n), _seq2seq_loss)
+
+
+def test_t5_bias_is_book_kept_once_per_forward_and_probed_once():
+    model = _tiny("T5Config", "T5ForConditionalGeneration", num_layers=2, num_decoder_layers=2,
+                  **{k: v for k, v in T5.items() if k not in ("num_layers", "num_decoder_layers")})()
+    engine = DPEngine(model, {}, expected_batch_size=4, noise_multiplier=0.0)
+    for n in (3, 4):
+        engine.backward(_seq2seq_loss(model, _ids(n, seed=n)))
+    axes = engine._keeper.axes
+    assert axes.probes == 4
+    chained = [lay for lay in axes.layouts.values() if lay.consumers is not None]
+    assert len(chained) == 2                                   # encoder and decoder bias
+    assert all(len(lay.consumers) == 2 for lay in chained)      # reused by both layers
+    engine.detach()
 
 
 # -------------------------------------------------------------- the probes

@@ -70,6 +70,7 @@ class Capture(Protocol):
 
     def layout_of(self, t: Tensor): ...
     def batch_first(self, t: Tensor, feature_dims: int | None = None): ...
+    def chained(self, rule, x: Tensor) -> Tensor: ...
 
     def op(self, rule, x: Tensor, info=None, names: list[str] | None = None) -> Tensor: ...
     def tap(self, outputs: list[Tensor], on_grads: Callable) -> tuple[Tensor, ...]: ...
@@ -191,6 +192,8 @@ class LayerRule:
         if len(inputs) != 1:
             raise EngineError(f"module {capture.label} was called with {len(inputs)} arguments; "
                               "its rule takes the input tensor only", "call it as module(x)")
+        if capture.layout.consumers is not None:   # a shared input, broadcast after a chain
+            return capture.chained(self, inputs[0])
         x, restore = capture.batch_first(inputs[0], self.feature_dims(module))
         x, info = self.prepare(module, x, capture.batch_size)
         return restore(capture.op(self, x, info))
