@@ -205,6 +205,12 @@ class OpacusRNN(nn.Module):
         return self.head(out[:, -1] if self.batch_first else out[-1])
 
 
+def _layouts(engine) -> dict:
+    """The established layouts by "module label #call"."""
+    label = {id(u): u.label for u in engine._keeper.units}
+    return {f"{label[unit]} #{n}": lay for (unit, n), lay in engine._keeper.axes.layouts.items()}
+
+
 def _double(cls, *args, **kw):
     return lambda: cls(*args, **kw).to(DTYPE)
 
@@ -214,7 +220,10 @@ def _double(cls, *args, **kw):
 
 @pytest.mark.parametrize("n", SIZES)
 def test_sequence_first_embedding_and_linear_are_exact(n):
-    exact(_double(SeqFirst), _ids(n))
+    engine, _, _ = exact(_double(SeqFirst), _ids(n))
+    axis = {label: lay.inputs[0].dim for label, lay in _layouts(engine).items()}
+    assert axis["emb (Embedding) #0"] == 1 and axis["lin (Linear) #0"] == 1   # [T, B, ...]
+    assert axis["head (Linear) #0"] == 0
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -417,7 +426,10 @@ GPT2 = dict(vocab_size=VOCAB, n_embd=8, n_layer=1, n_head=2, n_positions=16, res
 
 @pytest.mark.parametrize("n", SIZES)
 def test_opt_merged_batch_and_positions_are_exact(n):
-    exact(_tiny("OPTConfig", "OPTForCausalLM", **OPT), _ids(n, seed=n), _lm_loss)
+    engine, _, _ = exact(_tiny("OPTConfig", "OPTForCausalLM", **OPT), _ids(n, seed=n), _lm_loss)
+    merged = {label for label, lay in _layouts(engine).items() if lay.inputs[0].merged}
+    assert merged == {f"model.decoder.layers.0.{name} #0"             # they get [B·T, d]
+                      for name in ("final_layer_norm (LayerNorm)", "fc1 (Linear)", "fc2 (Linear)")}
 
 
 @pytest.mark.parametrize("n", SIZES)
