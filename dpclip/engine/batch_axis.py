@@ -8,16 +8,16 @@ proves nothing (T == B), so the engine *probes* instead (docs/engine.md, "The ba
 
 **Probe.** The first time the model runs under the engine, and whenever a later call of a
 book-kept module no longer fits what was established, the model's forward runs twice more
-with the book-keeping off and the RNG state forked and restored: once on the same inputs and
-once with the batch resized to B' (B - 1 rows, or B + 1 for B ≤ 2 with row 0 repeated; the
+with the book-keeping off and the RNG state forked and restored: on the first two samples
+of the batch and on three (row 0 repeated where B < 3; one and two samples where B = 1; the
 model's tensor inputs of leading size B are resized, or, should that fail, the first one
 alone). Each call of each book-kept module (in call order) records the shapes of the
-tensors it receives and returns. Per tensor:
+tensors it receives and returns. Per tensor, comparing the two probes (p = 2 -> p' = 3):
 
-- one axis whose size went B -> B': the batch axis;
-- one axis whose size went c·B -> c·B' (c ≥ 2): the batch merged with c positions; accepted
-  when the resized probe's rows are those of a batch-outer [B, c] ordering (compared by
-  per-row sums), and unflattened to [B, c, ...] by position-wise rules;
+- one axis whose size went p -> p': the batch axis;
+- one axis whose size went c·p -> c·p' (c ≥ 2): the batch merged with c positions; accepted
+  when the second probe's rows are those of a batch-outer [p, c] ordering (compared by a
+  random projection of each row), and unflattened to [B, c, ...] by position-wise rules;
 - no axis moved: shared by every sample (:attr:`Layout.dim` None);
 - anything else (several axes moving, an axis moving out of proportion, a change of rank):
   an error, raised when a rule needs that tensor.
@@ -215,11 +215,13 @@ def _close(a: Tensor, b: Tensor) -> bool:
     return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * max(scale, 1.0)))
 
 
-def _rows(sums: Tensor, batch: int, new: int, c: int, outer: bool) -> Tensor:
-    """Per-row sums the resized probe would show for a [B, c] (outer) or [c, B] ordering."""
-    view = sums.view(batch, c) if outer else sums.view(c, batch).t()
-    view = view[:new] if new < batch else torch.cat([view, view[:new - batch]])
-    return view.reshape(-1) if outer else view.t().reshape(-1)
+def _same_samples(a: Tensor, b: Tensor, batch: int, new: int, c: int, outer: bool) -> bool:
+    """Whether per-row fingerprints ``a`` (``batch`` samples) and ``b`` (``new`` samples, the
+    same first ones) agree on their common samples, read as a [B, c] (outer) or [c, B] order."""
+    va = a.view(batch, c) if outer else a.view(c, batch).t()
+    vb = b.view(new, c) if outer else b.view(c, new).t()
+    m = min(batch, new)
+    return _close(va[:m].contiguous(), vb[:m].contiguous())
 
 
 def _layout(x: _Seen, y: _Seen, batch: int, new: int) -> Layout:
@@ -239,8 +241,8 @@ def _layout(x: _Seen, y: _Seen, batch: int, new: int) -> Layout:
     c = x.shape[k] // batch
     if x.shape[k] % batch == 0 and c >= 2 and y.shape[k] == c * new:
         a, b = x.sums.get(k), y.sums.get(k)
-        if (a is not None and b is not None and _close(_rows(a, batch, new, c, True), b)
-                and not _close(_rows(a, batch, new, c, False), b)):
+        if (a is not None and b is not None and _same_samples(a, b, batch, new, c, True)
+                and not _same_samples(a, b, batch, new, c, False)):
             return Layout(n, k, merged=True)
         return Layout(n, error=f"axis {k} holds the batch merged with {c} positions, but not "
                                "batch-outer ([B, T] flattened) as far as the probe can tell")
@@ -270,15 +272,10 @@ def resized(args: tuple, kwargs: dict, batch: int, new: int, first_only: bool):
         if isinstance(t, Tensor):
             t = t.detach()
             if (not (first_only and seen_first)) and t.dim() >= 1 and t.shape[0] == batch:
-                t = t[:new] if new < batch else torch.cat([t, t[:new - batch]])
+                t = t[:new] if new <= batch else torch.cat([t, t[:new - batch]])
             seen_first = True
         out.append(t)
     return tree_unflatten(out, spec)
-
-
-def detached(args: tuple, kwargs: dict):
-    leaves, spec = tree_flatten((args, kwargs))
-    return tree_unflatten([t.detach() if isinstance(t, Tensor) else t for t in leaves], spec)
 
 
 @contextmanager
@@ -521,7 +518,6 @@ class BatchAxes:
         self.plain = plain
         self.layouts: dict[tuple[int, int], CallLayout] = {}
         self.probe: Probe | None = None     # while probing: the forwards only record
-        self.check: ConsumerCheck | None = None
         self.batch: int | None = None       # B of the model's forward in progress
         self.inputs: tuple | None = None    # that forward's (args, kwargs), for the probes
         self.ordinals: dict[int, int] = {}
@@ -595,7 +591,7 @@ class BatchAxes:
     def _run(self, probe: Probe, args: tuple, kwargs: dict, check: ConsumerCheck | None = None):
         devices = sorted({p.device.index or 0 for p in self.model.parameters()
                           if p.device.type == "cuda"})
-        self.probe, self.check = probe, check
+        self.probe = probe
         self.probes += 1
         try:
             with self.plain(), forked_rng(devices):
@@ -609,51 +605,51 @@ class BatchAxes:
                         check.fail(hit[1], "it is returned by the model unchanged")
                 return out
         finally:
-            self.probe, self.check = None, None
+            self.probe = None
 
     def establish(self) -> None:
-        """Probe the model's forward in progress (its inputs, then resized) and merge the
-        layouts found into the cache."""
+        """Probe the model's forward in progress and merge the layouts found into the cache.
+
+        The probes run on the first two samples and on three (row 0 repeated if B < 3; one
+        and two samples if B = 1): cheap whatever B is, and what they establish is the
+        structure (which axis), checked against B at every call."""
         self.reprobed = True
         args, kwargs = self.inputs
         batch = self.batch
-        new = batch - 1 if batch >= 3 else batch + 1
-        same = detached(args, kwargs)
-        first = Probe(batch)
-        self._run(first, *same)
-        resized_inputs, errors = None, []
-        for first_only in (False, True):
-            candidate = resized(args, kwargs, batch, new, first_only)
+        sizes = (1, 2) if batch == 1 else (2, 3)
+        errors = []
+        for first_only in (False, True):    # every input of leading size B, or the first only
+            inputs = [resized(args, kwargs, batch, size, first_only) for size in sizes]
             try:
-                second = Probe(new)
-                self._run(second, *candidate)
-                resized_inputs = candidate
+                probes = [Probe(size) for size in sizes]
+                for probe, (a, k) in zip(probes, inputs):
+                    self._run(probe, a, k)
                 break
             except EngineError:
                 raise
             except Exception as exc:  # the resized inputs do not fit the model: try the next
                 errors.append(exc)
-        if resized_inputs is None:
+        else:
             raise EngineError(
-                f"the model's forward fails when the engine probes it with {new} samples "
-                f"instead of {batch} ({type(errors[-1]).__name__}: {errors[-1]}), so the "
-                "batch axis of its layers cannot be established", BATCH_HINT) from errors[-1]
-        layouts = compare(first, second)
+                f"the model's forward fails when the engine probes it with {sizes[0]} and "
+                f"{sizes[1]} of its {batch} samples ({type(errors[-1]).__name__}: {errors[-1]}), "
+                "so the batch axis of its layers cannot be established", BATCH_HINT) from errors[-1]
+        layouts = compare(*probes)
         expand = self._expanders(layouts)
         if expand:
-            self._check_consumers(layouts, expand, batch, new, same, resized_inputs)
+            self._check_consumers(layouts, expand, sizes, inputs)
         self.layouts.update(layouts)
 
-    def _check_consumers(self, layouts, expand, batch, new, same, resized_inputs) -> None:
+    def _check_consumers(self, layouts, expand, sizes, inputs) -> None:
         """Two more probes follow each shared output to its consumers: expanding the output
         itself is exact (GPT-2's positions), or expanding it at its consumers after its
         chain of ops (T5's bias, layers with the default call only), or it is refused."""
         checks, aligned = [], {}
-        for size, inputs in ((batch, same), (new, resized_inputs)):
+        for size, (args, kwargs) in zip(sizes, inputs):
             check = ConsumerCheck()
             try:
                 self._run(Probe(size, {k: self._tracker(k, f, check, aligned)
-                                       for k, f in expand.items()}, check), *inputs, check=check)
+                                       for k, f in expand.items()}, check), args, kwargs, check=check)
             except Exception as exc:  # the forward failed in a consumer (or elsewhere)
                 if not check.failures:
                     for key, (kind, which) in expand.items():
@@ -665,7 +661,7 @@ class BatchAxes:
             for j in which or [0]:
                 if (key, j) not in aligned:      # a non-float output: no gradient to keep apart
                     continue
-                cons, ok, why = consumers(checks[0], checks[1], (key, j), batch, new,
+                cons, ok, why = consumers(checks[0], checks[1], (key, j), *sizes,
                                           aligned[(key, j)])
                 if why is not None:
                     break
