@@ -29,8 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine.batch_axis import (BROADCAST_HINT, BatchAxes, CallLayout, ChainState, Layout,
-                                      _Chained, call_leaves, expand_shared, shared_lead1,
-                                      to_batch_first)
+                                      _Chained, _same, call_leaves, expand_shared,
+                                      shared_lead1, to_batch_first)
 from dpclip.engine.factors import Use
 from dpclip.engine.layers import LayerRule, find_layer_rule
 from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
@@ -156,7 +156,10 @@ class _Site:
     def batch_first(self, t: Tensor, feature_dims: int | None = None):
         """``(t with the batch in dim 0, map putting an output back in t's layout)``
         (:func:`dpclip.engine.batch_axis.to_batch_first`)."""
-        return to_batch_first(t, self.layout_of(t), self.batch_size, feature_dims, self.label)
+        lay = self.layout_of(t)
+        if lay.dim == 0 and not lay.merged:      # the common case: nothing to move
+            return t, _same
+        return to_batch_first(t, lay, self.batch_size, feature_dims, self.label)
 
     def chained(self, rule, x: Tensor) -> Tensor:
         """The output for a shared input ``x`` whose probed consumers broadcast it over the

@@ -539,3 +539,32 @@ def test_property_sequence_first_linear_and_embedding_match_the_per_example_loop
     g = torch.Generator().manual_seed(seed)
     batch = {"x": torch.randint(0, VOCAB, (n, t), generator=g), "y": torch.randint(0, 2, (n,), generator=g)}
     check_exact(lambda: _SeqFirstFloat(d, p).to(DTYPE), classify_loss, batch, fn="auto")
+
+
+class _Loop(nn.Module):
+    """A cell called once per time step: a longer sequence makes calls the probe never saw."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.cell = nn.Linear(3, 3)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = torch.zeros_like(x[:, 0])
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.cell(x[:, t]) + h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("lengths", [(2, 4, 3), (4, 2, 5)])
+def test_calls_beyond_the_probed_ones_probe_again_once_and_stay_exact(lengths):
+    for t in lengths:   # each length exact on a fresh engine, and on one engine in sequence
+        exact(lambda: _Loop().to(DTYPE), _floats(3, t=t, seed=t))
+    model = _Loop().to(DTYPE)
+    engine = DPEngine(model, {}, expected_batch_size=3, noise_multiplier=0.0)
+    for t in lengths:
+        engine.backward(classify_loss(model, _floats(3, t=t, seed=t)))
+    longest = [max(lengths[:i + 1]) for i in range(len(lengths))]
+    assert engine._keeper.axes.probes == 2 * len(set(longest))   # only a new longest probes
+    engine.detach()
