@@ -297,6 +297,8 @@ _BROADCASTING = {
 _MATMUL = {"matmul", "__matmul__", "__rmatmul__"}
 #: consumers that broadcast with no other tensor: the batch comes from their sizes
 _EXPANDS = {"expand", "broadcast_to"}
+_SDPA = "scaled_dot_product_attention"   # a consumer when the tensor is its attn_mask
+_EVENTS = _BROADCASTING | _MATMUL | _EXPANDS | {_SDPA}
 #: ops that keep a shared tensor shared (no other tensor involved): the chain before a broadcast
 _CHAIN = {
     "to", "contiguous", "clone", "float", "double", "half", "bfloat16", "detach", "permute",
@@ -316,11 +318,24 @@ def _name(func) -> str:
 
 @dataclass(frozen=True)
 class Consumer:
-    """An op that broadcasts a shared output (after its chain of ops) over the batch."""
+    """An op that combines a shared output (after its chain of ops) with other tensors: it
+    broadcasts it over the batch, or (``result_batch`` None) the others are shared too and
+    the result is one more link of the chain (T5's ``where(causal_mask, bias, min)``)."""
 
     name: str
-    result_batch: int    # the batch axis of the op's result
-    aligned: int         # the axis of the chained tensor facing it (< 0: none, prepended)
+    result_batch: int | None   # the batch axis of the op's result
+    aligned: int = 0           # the axis of the chained tensor facing it (< 0: none, prepended)
+
+
+def _sdpa_shape(args: tuple, kwargs: dict, t: Tensor) -> tuple | None:
+    """The [..., L, S] scores that sdpa broadcasts its ``attn_mask`` ``t`` to (None: ``t``
+    is not the mask)."""
+    q = args[0] if args else kwargs.get("query")
+    k = args[1] if len(args) > 1 else kwargs.get("key")
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    if mask is not t or not isinstance(q, Tensor) or not isinstance(k, Tensor):
+        return None
+    return (*q.shape[:-1], k.shape[-2])
 
 
 class ConsumerCheck(TorchFunctionMode):
@@ -329,12 +344,13 @@ class ConsumerCheck(TorchFunctionMode):
     ops with constants) to the ops that combine it with other tensors (*consumers*), which
     must broadcast it (elementwise ops, matmul); anything else is a failure."""
 
-    def __init__(self):
+    def __init__(self, links: set | frozenset = frozenset()):
         super().__init__()
         self.tracked: dict[int, tuple[Tensor, tuple, int]] = {}   # id -> (tensor, key, chain length)
         self.events: dict[tuple, list[tuple[str, tuple, tuple, int]]] = {}
         self.failures: dict[tuple, str] = {}
         self.shape_read: set[tuple] = set()
+        self.links = links    # (key, event index): events whose result stays shared (a link)
 
     def track(self, t: Tensor, key: tuple, chain: int = 0) -> None:
         self.tracked[id(t)] = (t, key, chain)
@@ -360,10 +376,10 @@ class ConsumerCheck(TorchFunctionMode):
             flat = tree_flatten((args, kwargs))[0]
             hits = [h for h in map(self._hit, flat) if h is not None]
             if hits:
-                self._check(func, flat, hits, out)
+                self._check(func, args, kwargs, flat, hits, out)
         return out
 
-    def _check(self, func, flat: list, hits: list, out) -> None:
+    def _check(self, func, args: tuple, kwargs: dict, flat: list, hits: list, out) -> None:
         name, key = _name(func), hits[0][1]
         if self._hit(out) is not None:          # returned itself (.to() on its own device)
             return
@@ -378,35 +394,52 @@ class ConsumerCheck(TorchFunctionMode):
             self.fail(key, f"its output meets another shared tensor in `{name}`")
         elif not others and name in _CHAIN:
             self.track(out, key, hits[0][2] + 1)
-        elif name in _BROADCASTING or name in _MATMUL or name in _EXPANDS:
-            self.events[key].append((name, tuple(out.shape), tuple(hits[0][0].shape), hits[0][2]))
+        elif name in _EVENTS:
+            result = tuple(out.shape)
+            if name == _SDPA:
+                result = _sdpa_shape(args, kwargs, hits[0][0])
+                if result is None:
+                    self.fail(key, "its output is a query, key or value of attention")
+                    return
+            events = self.events[key]
+            if (key, len(events)) in self.links:     # the others are shared too: still shared
+                self.track(out, key, hits[0][2] + 1)
+            events.append((name, result, tuple(hits[0][0].shape), hits[0][2]))
         else:
             self.fail(key, f"its output is consumed by `{name}`, which is not a broadcast over "
                            "the batch")
 
 
 def consumers(a: ConsumerCheck, b: ConsumerCheck, key: tuple, batch: int, new: int,
-              simple_aligned: int) -> tuple[tuple[Consumer, ...] | None, bool, str | None]:
-    """From the consumer probes with ``batch`` and ``new`` samples: (the consumers, whether
-    expanding the layer's output itself is exact, why not exact at all)."""
+              simple_aligned: int):
+    """From the consumer probes with ``batch`` and ``new`` samples: (the events, whether
+    expanding the layer's output itself is exact, why not exact at all, the indices of events
+    whose result did not move: links whose results the next probes must follow)."""
     why = a.failures.get(key) or b.failures.get(key)
     if why is not None:
-        return None, False, why
+        return None, False, why, set()
     ea, eb = a.events.get(key, []), b.events.get(key, [])
     if [e[0] for e in ea] != [e[0] for e in eb]:
-        return None, False, "its consumers differ with the batch size"
-    out, simple = [], key not in a.shape_read and key not in b.shape_read
-    for (name, res_a, shape, chain), (_, res_b, _, _) in zip(ea, eb):
+        return None, False, "its consumers differ with the batch size", set()
+    out, simple, unfollowed = [], key not in a.shape_read and key not in b.shape_read, set()
+    for i, ((name, res_a, shape, chain), (_, res_b, _, _)) in enumerate(zip(ea, eb)):
+        if res_a == res_b and name not in _EXPANDS:    # all operands shared: a link
+            out.append(Consumer(name, None))
+            simple = False
+            if (key, i) not in a.links:
+                unfollowed.add(i)
+            continue
         moved = [k for k in range(len(res_a)) if len(res_a) == len(res_b) and res_a[k] != res_b[k]]
         if len(moved) != 1 or res_a[moved[0]] != batch or res_b[moved[0]] != new:
-            return None, False, f"`{name}` does not broadcast its output over the batch"
+            return None, False, f"`{name}` does not broadcast its output over the batch", set()
         r = moved[0]
         j = r - (len(res_a) - len(shape))
-        if (j >= 0 and shape[j] != 1) or (name in _MATMUL and (len(shape) < 2 or r >= len(res_a) - 2)):
-            return None, False, f"`{name}` does not broadcast its output over the batch"
+        matrix = name in _MATMUL or name == _SDPA
+        if (j >= 0 and shape[j] != 1) or (matrix and (len(shape) < 2 or r >= len(res_a) - 2)):
+            return None, False, f"`{name}` does not broadcast its output over the batch", set()
         out.append(Consumer(name, r, j))
-        simple = simple and chain == 0 and j == simple_aligned and name not in _MATMUL
-    return tuple(out), simple, None
+        simple = simple and chain == 0 and j == simple_aligned and not matrix
+    return tuple(out), simple, None, unfollowed
 
 
 # ------------------------------------------------------------- chained outputs
@@ -445,30 +478,31 @@ class _Chained(Tensor):
                 raise EngineError(f"module {state.label}: its output meets another shared "
                                   f"tensor in `{name}`", BROADCAST_HINT)
             others = [t for i, t in enumerate(flat) if i != mine[0] and isinstance(t, Tensor)]
-            if name in _SHAPE_READS or not (name in _CHAIN or name in _BROADCASTING
-                                            or name in _MATMUL or name in _EXPANDS):
-                out = func(*args, **kwargs)
-                if isinstance(out, Tensor) and out is not me:
-                    raise EngineError(f"module {state.label}: its output is consumed by `{name}`, "
-                                      "which the probe did not see", BROADCAST_HINT)
-                return out
+            i = mine[0]
+
+            def link(y, func=func, flat=flat, spec=spec, i=i):
+                leaves = list(flat)
+                leaves[i] = y
+                a, k = tree_unflatten(leaves, spec)
+                return func(*a, **k)
+
             if not others and name in _CHAIN:   # still shared: one more link of the chain
                 out = func(*args, **kwargs)
                 if out is me or not isinstance(out, Tensor):
                     return out
-                i = mine[0]
-
-                def link(y, func=func, flat=flat, spec=spec, i=i):
-                    leaves = list(flat)
-                    leaves[i] = y
-                    a, k = tree_unflatten(leaves, spec)
-                    return func(*a, **k)
-
                 return _Chained.wrap(out, state, me._dp_chain + (link,))
-            # a consumer: broadcast over the batch
-            shape = tuple(me.shape)
+            if name not in _EVENTS:
+                out = func(*args, **kwargs)
+                if isinstance(out, Tensor) and out is not me:
+                    raise EngineError(f"module {state.label}: its output is consumed by `{name}`, "
+                                      "which the probe forwards did not see", BROADCAST_HINT)
+                return out                      # a metadata read (the unexpanded shape)
+            event = state.next_event(name)
+            if event.result_batch is None:      # the other operands are shared too: a link
+                return _Chained.wrap(func(*args, **kwargs), state, me._dp_chain + (link,))
+            # a consumer: the chained output with the batch where the probe found it
             leaves = list(flat)
-            leaves[mine[0]] = state.batched(me._dp_chain, shape, name)
+            leaves[i] = state.batched(me._dp_chain, tuple(me.shape), event)
             a, k = tree_unflatten(leaves, spec)
             return func(*a, **k)
 
@@ -483,12 +517,15 @@ class ChainState:
         self.seen = 0
         self.output: Tensor | None = None
 
-    def batched(self, chain: tuple, shape: tuple, name: str) -> Tensor:
+    def next_event(self, name: str) -> Consumer:
         if self.seen >= len(self.expected) or self.expected[self.seen].name != name:
             raise EngineError(f"module {self.label}: its output reaches `{name}`, not the op the "
                               "probe forwards saw there", BROADCAST_HINT)
-        j = self.expected[self.seen].aligned
         self.seen += 1
+        return self.expected[self.seen - 1]
+
+    def batched(self, chain: tuple, shape: tuple, event: Consumer) -> Tensor:
+        """The chained tensor (``shape``) per sample, with the batch in ``event``'s axis."""
         if self.output is None:
             self.output = self.materialize()          # [B, ...]: book-kept, per-sample grads
 
@@ -498,6 +535,7 @@ class ChainState:
             return y
 
         per_sample = torch.func.vmap(replay)(self.output) if chain else self.output  # [B, *shape]
+        j = event.aligned
         if j >= 0:
             return per_sample.movedim(0, j).squeeze(j + 1)
         return per_sample.reshape(self.batch, *([1] * (-j - 1)), *shape)
@@ -641,28 +679,44 @@ class BatchAxes:
         self.layouts.update(layouts)
 
     def _check_consumers(self, layouts, expand, sizes, inputs) -> None:
-        """Two more probes follow each shared output to its consumers: expanding the output
+        """More probes follow each shared output to its consumers: expanding the output
         itself is exact (GPT-2's positions), or expanding it at its consumers after its
-        chain of ops (T5's bias, layers with the default call only), or it is refused."""
-        checks, aligned = [], {}
-        for size, (args, kwargs) in zip(sizes, inputs):
-            check = ConsumerCheck()
-            try:
-                self._run(Probe(size, {k: self._tracker(k, f, check, aligned)
-                                       for k, f in expand.items()}, check), args, kwargs, check=check)
-            except Exception as exc:  # the forward failed in a consumer (or elsewhere)
-                if not check.failures:
-                    for key, (kind, which) in expand.items():
-                        check.fail((key, (which or [0])[0]), "the model's forward fails in the "
-                                   f"consumer probe ({type(exc).__name__}: {exc})")
-            checks.append(check)
+        chain of ops (T5's bias, layers with the default call only), or it is refused. An
+        op whose operands are all shared (a shared mask) continues the chain: the next pair
+        of probes follows its result too (at most three pairs)."""
+        links: set = set()
+        for _ in range(3):
+            checks, aligned = [], {}
+            for size, (args, kwargs) in zip(sizes, inputs):
+                check = ConsumerCheck(frozenset(links))
+                try:
+                    self._run(Probe(size, {k: self._tracker(k, f, check, aligned)
+                                           for k, f in expand.items()}, check), args, kwargs,
+                              check=check)
+                except Exception as exc:  # the forward failed in a consumer (or elsewhere)
+                    if not check.failures:
+                        for key, (kind, which) in expand.items():
+                            check.fail((key, (which or [0])[0]), "the model's forward fails in "
+                                       f"the consumer probe ({type(exc).__name__}: {exc})")
+                checks.append(check)
+            verdicts, more = {}, set()
+            for key, (kind, which) in expand.items():
+                for j in which or [0]:
+                    if (key, j) in aligned:    # a non-float output: no gradient to keep apart
+                        verdict = consumers(checks[0], checks[1], (key, j), *sizes, aligned[(key, j)])
+                        verdicts[(key, j)] = verdict
+                        more |= {((key, j), i) for i in verdict[3]}
+            if not more:
+                break
+            links |= more
         for key, (kind, which) in expand.items():
             found, why, simple = [], None, True
             for j in which or [0]:
-                if (key, j) not in aligned:      # a non-float output: no gradient to keep apart
+                if (key, j) not in verdicts:
                     continue
-                cons, ok, why = consumers(checks[0], checks[1], (key, j), *sizes,
-                                          aligned[(key, j)])
+                cons, ok, why, unfollowed = verdicts[(key, j)]
+                if why is None and unfollowed:
+                    why = "its output meets shared tensors through more ops than the probes follow"
                 if why is not None:
                     break
                 found.append(cons)

@@ -385,10 +385,10 @@ def test_a_model_mixing_samples_is_refused():
 # ------------------------------------------------------------- transformers
 
 
-def _tiny(config_cls, model_cls, **kw):
+def _tiny(config_cls, model_cls, attention="eager", **kw):
     transformers = pytest.importorskip("transformers")
     config = getattr(transformers, config_cls)(**kw)
-    config._attn_implementation = "eager"
+    config._attn_implementation = attention
 
     def factory():
         torch.manual_seed(0)
@@ -442,11 +442,31 @@ def test_gpt2_stays_exact_when_the_batch_equals_the_sequence_length(n):
     exact(_tiny("GPT2Config", "GPT2LMHeadModel", **GPT2), _ids(n, seed=n), _lm_loss, strict=True)
 
 
+def _padded_seq2seq_loss(model, batch):
+    ids = batch["x"]
+    mask = (torch.arange(ids.shape[1]) < ids.shape[1] - (ids[:, :1] % 2)).long()  # some padded
+    logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids, use_cache=False).logits
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("loss", [_seq2seq_loss, _padded_seq2seq_loss], ids=["plain", "padded"])
 @pytest.mark.parametrize("n", SIZES)
-def test_t5_relative_position_bias_is_exact(n):
+def test_t5_relative_position_bias_is_exact(n, loss, attention):
     # the bias Embedding gets shared [T, T] buckets; permute and unsqueeze keep its output
-    # shared, each layer's attention scores broadcast it over the batch
-    exact(_tiny("T5Config", "T5ForConditionalGeneration", **T5), _ids(n, seed=n), _seq2seq_loss)
+    # shared; eager adds it to each layer's scores, sdpa takes it as the mask (the decoder's
+    # after a where() with the shared causal mask, a padded encoder's with the per-sample one)
+    exact(_tiny("T5Config", "T5ForConditionalGeneration", attention, **T5), _ids(n, seed=n), loss)
+
+
+@pytest.mark.parametrize("model", ["GPT2", "OPT", "BART"])
+@pytest.mark.parametrize("n", [T, 1])
+def test_transformers_with_sdpa_attention_are_exact(model, n):
+    config, cls, kw, loss = {"GPT2": ("GPT2Config", "GPT2LMHeadModel", GPT2, _lm_loss),
+                             "OPT": ("OPTConfig", "OPTForCausalLM", OPT, _lm_loss),
+                             "BART": ("BartConfig", "BartForConditionalGeneration", BART,
+                                      _seq2seq_loss)}[model]
+    exact(_tiny(config, cls, "sdpa", **kw), _ids(n, seed=n), loss)
 
 
 def test_t5_bias_is_book_kept_once_per_forward_and_probed_once():
