@@ -176,7 +176,9 @@ class PickedQuery(nn.Module):
     def __init__(self, d=3, r=2, learned=False):
         super().__init__()
         torch.manual_seed(0)
-        if learned:
+        if learned == "root":
+            self.q = nn.Parameter(torch.randn(1, r, d))     # on the model itself (fallback)
+        elif learned:
             self.query = nn.Linear(1, r * d, bias=False)   # q = query(1): a learned [1, R, d]
         else:
             self.register_buffer("q", torch.randn(1, r, d))
@@ -185,7 +187,7 @@ class PickedQuery(nn.Module):
         self.head = nn.Linear(r, 3)
 
     def forward(self, x):                          # [B, T, d]
-        q = (self.query(x.new_ones(1, 1)).view(1, self.r, self.d) if self.learned else self.q)
+        q = (self.query(x.new_ones(1, 1)).view(1, self.r, self.d) if self.learned is True else self.q)
         q0 = self.lin(q)[0]                        # [R, d]
         return self.head(torch.tanh(x @ q0.t()).mean(1))
 
@@ -336,10 +338,12 @@ class Query(nn.Module):
         return torch.tanh(self.q)
 
 
+@pytest.mark.parametrize("learned", [False, "root"])
 @pytest.mark.parametrize("n", SIZES)
-def test_indexing_the_output_of_a_shared_query_is_exact(n):
-    # lin(q) is shared; [0] and .t() keep it shared; x @ q0.t() broadcasts it over the batch
-    exact(lambda: PickedQuery().to(DTYPE), _floats(n), strict=True)
+def test_indexing_the_output_of_a_shared_query_is_exact(n, learned):
+    # lin(q) is shared; [0] and .t() keep it shared; x @ q0.t() broadcasts it over the batch.
+    # A query learned on the model itself makes the model a torch.func unit (q's gradients).
+    exact(lambda: PickedQuery(learned=learned).to(DTYPE), _floats(n), strict=not learned)
 
 
 @pytest.mark.parametrize("n", SIZES)
