@@ -28,9 +28,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from dpclip.engine.batch_axis import (BROADCAST_HINT, BatchAxes, CallLayout, ChainState, Layout,
-                                      _Chained, _same, call_leaves, expand_shared,
-                                      shared_lead1, to_batch_first)
+from dpclip.engine.batch_axis import BatchAxes, SiteBatch, check_batch
 from dpclip.engine.factors import Use
 from dpclip.engine.layers import LayerRule, find_layer_rule
 from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
@@ -123,8 +121,9 @@ class _Call:
     batch: int = 0                                   # B of the forward that made it
 
 
-class _Site:
-    """The :class:`~dpclip.engine.layers.Capture` a rule's ``call`` gets for one unit."""
+class _Site(SiteBatch):
+    """The :class:`~dpclip.engine.layers.Capture` a rule's ``call`` gets for one unit (its
+    batch-axis part: :class:`~dpclip.engine.batch_axis.site.SiteBatch`)."""
 
     def __init__(self, keeper: "Bookkeeper", unit: Unit):
         self._keeper, self._unit = keeper, unit
@@ -133,49 +132,6 @@ class _Site:
         self.params = [(name, p) for name, p, _ in unit.params]
         self.memo = unit.memo
         self._by_name = {name: p for name, p, _ in unit.params}
-        self.layout: CallLayout | None = None     # of the call in progress (set before rule.call)
-        self._leaves: list[Tensor] = []
-
-    @property
-    def batch_size(self) -> int:
-        """B of the model's forward in progress (dim 0 of the model's first tensor input)."""
-        return self._keeper.axes.batch
-
-    @property
-    def batch_hint(self) -> int | None:   # the former name, kept for rules written against it
-        return self._keeper.axes.batch
-
-    def layout_of(self, t: Tensor) -> Layout:
-        """The established batch layout of ``t``, a tensor this call received."""
-        for i, leaf in enumerate(self._leaves):
-            if leaf is t:
-                return self.layout.input(i, t)
-        raise EngineError(f"module {self.label}: its rule asked for the batch layout of a tensor "
-                          "the module was not called with", "pass the call's own input tensors")
-
-    def batch_first(self, t: Tensor, feature_dims: int | None = None):
-        """``(t with the batch in dim 0, map putting an output back in t's layout)``
-        (:func:`dpclip.engine.batch_axis.to_batch_first`)."""
-        lay = self.layout_of(t)
-        if lay.dim == 0 and not lay.merged:      # the common case: nothing to move
-            return t, _same
-        return to_batch_first(t, lay, self.batch_size, feature_dims, self.label)
-
-    def chained(self, rule, x: Tensor) -> Tensor:
-        """The output for a shared input ``x`` whose probed consumers broadcast it over the
-        batch after a chain of ops: plain values now; the book-kept call on ``x`` expanded
-        over the batch runs at the first consumer (:class:`~dpclip.engine.batch_axis._Chained`)."""
-        module, batch = self.module, self.batch_size
-        lead1 = shared_lead1(self.layout_of(x), x, rule.feature_dims(module))
-        with torch.no_grad(), self.bypass():
-            y = module(x)
-
-        def materialize() -> Tensor:     # [B, *y.shape]: sample i's copy of the output
-            a, info = rule.prepare(module, expand_shared(x, lead1, batch), batch)
-            out = self.op(rule, a, info)
-            return out.unsqueeze(1) if lead1 else out
-
-        return _Chained.wrap(y, ChainState(self.label, batch, self.layout.consumers, materialize))
 
     def op(self, rule, x: Tensor, info=None, names=None) -> Tensor:
         names = tuple(self._by_name) if names is None else tuple(names)
@@ -353,21 +309,12 @@ class Bookkeeper:
         site = _Site(self, unit)
 
         axes = self.axes
-        children_first = getattr(unit.rule, "calls_children_batch_first", False)
-
         def forward(*args, **kwargs):
             if axes.probe is not None:    # a probing forward: record, book-keep nothing
                 return axes.probe.call(unit, orig, args, kwargs)
             if self._passthrough(unit) or axes.batch == 0:
                 return orig(*args, **kwargs)
-            leaves = call_leaves(args, kwargs)
-            layout = axes.layout(unit, leaves)
-            if layout.refusal is not None:
-                raise EngineError(f"module {unit.label} {layout.refusal}", BROADCAST_HINT)
-            site.layout, site._leaves = layout, leaves
-            if children_first:
-                with axes.children_batch_first():
-                    return unit.rule.call(unit.module, site, args, kwargs)
+            axes.enter(unit, site, args, kwargs)   # the call's established batch layout
             return unit.rule.call(unit.module, site, args, kwargs)
 
         return forward
@@ -429,7 +376,7 @@ class Bookkeeper:
 
     def deliver_layer(self, call: _Call, x: Tensor, grad_out: Tensor) -> None:
         active = self._check(call)
-        self._check_batch(call, active)
+        check_batch(call.unit.label, call.batch, active.batch_size)
         if x.dim() == 0 or x.shape[0] != active.batch_size or grad_out.shape[0] != active.batch_size:
             raise EngineError(   # a rule broke its contract: the batch first in both
                 f"module {call.unit.label}: its rule saved an input of shape {tuple(x.shape)} "
@@ -440,18 +387,9 @@ class Bookkeeper:
 
     def deliver_tap(self, call: _Call, grads: tuple[Tensor, ...]) -> None:
         active = self._check(call)
-        self._check_batch(call, active)
+        check_batch(call.unit.label, call.batch, active.batch_size)
         self._sink(active, call, call.on_grads(grads, active.batch_size))
 
-    @staticmethod
-    def _check_batch(call: _Call, active: _Active) -> None:
-        if call.batch != active.batch_size:
-            raise EngineError(
-                f"the forward that called module {call.unit.label} had a batch of "
-                f"{call.batch} samples (leading dimension {call.batch} of the model's first "
-                f"tensor input), but engine.backward got {active.batch_size} per-sample losses",
-                "pass the model's inputs with the batch in dim 0 (batch_first=True) and give "
-                "one loss per sample (reduction='none')")
 
     def _sink(self, active: _Active, call: _Call, uses: dict) -> None:
         with self._lock:  # autograd runs one thread per device on multi-GPU models

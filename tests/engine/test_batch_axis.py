@@ -592,3 +592,16 @@ def test_calls_beyond_the_probed_ones_probe_again_once_and_stay_exact(lengths):
     longest = [max(lengths[:i + 1]) for i in range(len(lengths))]
     assert engine._keeper.axes.probes == 2 * len(set(longest))   # only a new longest probes
     engine.detach()
+
+
+def test_the_models_forward_hooks_do_not_see_the_probes():
+    model = SeqFirst().to(DTYPE)
+    seen, pre = [], []
+    model.lin.register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
+    model.register_forward_pre_hook(lambda m, args: pre.append(args[0].shape[0]))
+    engine = DPEngine(model, {}, expected_batch_size=4, noise_multiplier=0.0)
+    engine.backward(classify_loss(model, _ids(5)))
+    assert engine._keeper.axes.probes == 2
+    assert seen == [(T, 5, 3)] and pre == [5]
+    assert len(model.lin._forward_hooks) == 1 and len(model._forward_pre_hooks) == 2
+    engine.detach()

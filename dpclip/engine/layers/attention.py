@@ -98,7 +98,6 @@ def _arguments(query, key, value, key_padding_mask=None, need_weights=True, attn
 class MultiheadAttentionRule(LayerRule):
     name = "multihead_attention"
     wrap_frozen = True   # out_proj must be called as a module even if in_proj is frozen
-    calls_children_batch_first = True   # out_proj gets the batch-first [B, L, E] output
 
     def check(self, m: nn.Module, label: str) -> None:
         if m.bias_k is not None or m.add_zero_attn:
@@ -172,7 +171,8 @@ class MultiheadAttentionRule(LayerRule):
                                              ("v", batch_first(value, "value"))])
         out, weights = _attention_core(m, proj["q"], proj["k"], proj["v"], key_padding_mask,
                                        attn_mask, need_weights, average_attn_weights, is_causal)
-        out = m.out_proj(out)     # a module call: book-kept by the Linear rule
+        with capture.children_batch_first():   # out_proj gets the batch-first [B, L, E]
+            out = m.out_proj(out)     # a module call: book-kept by the Linear rule
         return (out if m.batch_first else out.transpose(0, 1)), weights
 
     def examples(self):
