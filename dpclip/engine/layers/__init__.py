@@ -103,11 +103,10 @@ def seeded(module: nn.Module, seed: int) -> nn.Module:
 
 
 def expand_batch(x: Tensor, batch_hint: int | None) -> Tensor:
-    """Kept for rules written before the batch axis was established by the engine: the
+    """The identity, kept for rules written before the engine established the batch axis:
+    it used to expand any input of leading size 1 over the batch, a guess from a size. The
     input a rule's ``prepare`` gets now has the batch in dim 0 already (a shared input was
-    expanded by :meth:`Capture.batch_first`), so this is a no-op there."""
-    if batch_hint is not None and batch_hint > 1 and x.dim() > 0 and x.shape[0] == 1:
-        return x.expand(batch_hint, *x.shape[1:])
+    expanded by :meth:`Capture.batch_first` where its consumers were proven to broadcast it)."""
     return x
 
 
