@@ -32,7 +32,12 @@ from dpclip.engine.batch_axis.layout import CallLayout, Layout, call_leaves, ten
 @dataclass
 class _Seen:
     shape: tuple[int, ...]
-    sums: dict[int, Tensor]   # per-row fingerprints along each axis of size c·batch, c ≥ 2
+    sums: dict[int, Tensor]   # per-row fingerprints along the axes asked for
+
+
+#: the error of a layout whose merged axis needs the rows fingerprinted (a further probe pair)
+NEEDS_ROWS = ("an axis holds the batch merged with positions, in an order the probes did not "
+              "check")
 
 
 def _fingerprint(t: Tensor, k: int) -> Tensor:
@@ -44,10 +49,10 @@ def _fingerprint(t: Tensor, k: int) -> Tensor:
     return (flat @ weights).cpu()
 
 
-def _seen(t: Tensor, batch: int, rows: bool = True) -> _Seen:
+def _seen(t: Tensor, axes=()) -> _Seen:
     sums = {}
-    for k, size in enumerate(t.shape):
-        if rows and size > batch and size % batch == 0:
+    for k in axes:
+        if k < t.dim():
             try:
                 with torch.no_grad():
                     sums[k] = _fingerprint(t, k)
@@ -59,13 +64,15 @@ def _seen(t: Tensor, batch: int, rows: bool = True) -> _Seen:
 class Probe:
     """One probing forward: per (unit, call ordinal), what each call received and returned.
 
-    ``expand`` (key -> function of (args, kwargs, orig) returning the output) replaces a
-    call's output by its batch-expanded version, as the engine will (consumer probes)."""
+    ``rows``: (key, input index) -> the axes whose rows are fingerprinted (merged axes).
+    In a consumer probe (``check``), ``expand`` (key -> function of (args, kwargs, orig)
+    returning the output) runs the calls whose outputs are followed."""
 
-    def __init__(self, batch: int, expand: dict | None = None, check: "ConsumerCheck | None" = None):
+    def __init__(self, batch: int, expand: dict | None = None, check=None, rows: dict | None = None):
         self.batch = batch
         self.expand = expand or {}
         self.check = check
+        self.rows = rows or {}
         self.ordinals: dict[int, int] = {}
         self.calls: dict[tuple[int, int], tuple[list[_Seen], list[_Seen]]] = {}
 
@@ -76,10 +83,10 @@ class Probe:
         if self.check is not None:   # consumer probe: the checks, not the shapes, are wanted
             expander = self.expand.get(key)
             return orig(*args, **kwargs) if expander is None else expander(args, kwargs, orig)
-        ins = [_seen(t, self.batch) for t in call_leaves(args, kwargs)]
+        ins = [_seen(t, self.rows.get((key, i), ())) for i, t in enumerate(call_leaves(args, kwargs))]
         out = orig(*args, **kwargs)
         # merged batch·position axes are accepted in inputs only: outputs need no fingerprints
-        self.calls[key] = (ins, [_seen(t, self.batch, rows=False) for t in tensor_leaves(out)])
+        self.calls[key] = (ins, [_seen(t) for t in tensor_leaves(out)])
         return out
 
 
@@ -116,6 +123,8 @@ def _layout(x: _Seen, y: _Seen, batch: int, new: int) -> Layout:
     c = x.shape[k] // batch
     if x.shape[k] % batch == 0 and c >= 2 and y.shape[k] == c * new:
         a, b = x.sums.get(k), y.sums.get(k)
+        if a is None or b is None:
+            return Layout(n, k, merged=True, error=NEEDS_ROWS)
         if (a is not None and b is not None and _same_samples(a, b, batch, new, c, True)
                 and not _same_samples(a, b, batch, new, c, False)):
             return Layout(n, k, merged=True)

@@ -18,7 +18,7 @@ from torch import Tensor
 from dpclip.engine.batch_axis.consumers import ConsumerCheck, consumers
 from dpclip.engine.batch_axis.layout import (BATCH_FIRST, BATCH_HINT, BROADCAST_HINT, CallLayout,
                                              Layout, call_leaves, shared_lead1, tensor_leaves)
-from dpclip.engine.batch_axis.probe import Probe, compare, forked_rng, resized
+from dpclip.engine.batch_axis.probe import NEEDS_ROWS, Probe, compare, forked_rng, resized
 from dpclip.errors import EngineError
 
 
@@ -159,6 +159,13 @@ class BatchAxes:
                 f"{sizes[1]} of its {batch} samples ({type(errors[-1]).__name__}: {errors[-1]}), "
                 "so the batch axis of its layers cannot be established", BATCH_HINT) from errors[-1]
         layouts = compare(*probes)
+        rows = {(key, i): (lay.dim,) for key, call in layouts.items()
+                for i, lay in enumerate(call.inputs) if lay.error == NEEDS_ROWS}
+        if rows:   # merged axes: one more pair, fingerprinting their rows (OPT)
+            probes = [Probe(size, rows=rows) for size in sizes]
+            for probe, (a, k) in zip(probes, inputs):
+                self._run(probe, a, k)
+            layouts = compare(*probes)
         expand = self._expanders(layouts)
         if expand:
             self._check_consumers(layouts, expand, sizes, inputs)
