@@ -27,8 +27,8 @@ from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
+from dpclip.engine.batch_axis import BatchAxes, SiteBatch, check_batch
 from dpclip.engine.factors import Use
 from dpclip.engine.layers import LayerRule, find_layer_rule
 from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
@@ -75,10 +75,12 @@ class _Call:
     info: object = None
     names: tuple[str, ...] = ()                      # parameters it delivers a use for
     on_grads: Callable | None = None                 # for a tap: (grads, batch) -> uses
+    batch: int = 0                                   # B of the forward that made it
 
 
-class _Site:
-    """The :class:`~dpclip.engine.layers.Capture` a rule's ``call`` gets for one unit."""
+class _Site(SiteBatch):
+    """The :class:`~dpclip.engine.layers.Capture` a rule's ``call`` gets for one unit (its
+    batch-axis part: :class:`~dpclip.engine.batch_axis.site.SiteBatch`)."""
 
     def __init__(self, keeper: "Bookkeeper", unit: Unit):
         self._keeper, self._unit = keeper, unit
@@ -88,23 +90,20 @@ class _Site:
         self.memo = unit.memo
         self._by_name = {name: p for name, p, _ in unit.params}
 
-    @property
-    def batch_hint(self) -> int | None:
-        return self._keeper.batch_hint
-
     def op(self, rule, x: Tensor, info=None, names=None) -> Tensor:
         names = tuple(self._by_name) if names is None else tuple(names)
         if not names:  # nothing trainable: plain autograd through the frozen parameters
             return rule.forward(self.module, x, info)
         keeper, unit = self._keeper, self._unit
-        call = _Call(keeper, unit, keeper.generation, rule, info, names)
+        call = _Call(keeper, unit, keeper.generation, rule, info, names, batch=keeper.axes.batch)
         keeper.count(unit, names)
         return _BookkeptOp.apply(call, x, *[self._by_name[n] for n in names])
 
     def tap(self, outputs: list[Tensor], on_grads: Callable) -> tuple[Tensor, ...]:
         keeper, unit = self._keeper, self._unit
         names = tuple(self._by_name)
-        call = _Call(keeper, unit, keeper.generation, names=names, on_grads=on_grads)
+        call = _Call(keeper, unit, keeper.generation, names=names, on_grads=on_grads,
+                     batch=keeper.axes.batch)
         keeper.count(unit, names)
         return _OutputTap.apply(call, len(outputs), *outputs, *self._by_name.values())
 
@@ -202,13 +201,13 @@ class Bookkeeper:
         self.forward_counts = [0] * len(index_of)
         self.generation = 0
         self._waiting: dict[int, list[int]] = {}  # forwards in flight before the latest (pipelines)
-        self.batch_hint: int | None = None
         self._active: _Active | None = None
         self._plain = 0
         self._lock = threading.Lock()
         self._handles: list = []
         self.aliases: dict[int, list[str]] = {}   # parameter index -> names that do not deliver it
         self.units = self._build_units(model, strict)
+        self.axes = BatchAxes(model, self.units, self.plain)   # which axis is the batch
 
     # ------------------------------------------------------------------ setup
 
@@ -273,7 +272,9 @@ class Bookkeeper:
             unit.orig_forward = unit.module.forward
             unit.module.forward = self._routed_forward(unit)
         self._handles.append(
-            self.model.register_forward_pre_hook(self._note_batch, with_kwargs=True))
+            self.model.register_forward_pre_hook(self.axes.pre_hook, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(
+            self.axes.post_hook, with_kwargs=True, always_call=True))
 
     def remove(self) -> None:
         for unit in self.units:
@@ -282,13 +283,6 @@ class Bookkeeper:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-    def _note_batch(self, module, args, kwargs):
-        # The batch size of a forward = the largest leading dimension among the model's
-        # tensor inputs; inputs of leading size 1 inside it are broadcast over the batch.
-        dims = [t.shape[0] for t in tree_flatten((args, kwargs))[0]
-                if isinstance(t, Tensor) and t.dim() > 0]
-        self.batch_hint = max(dims) if dims else None
 
     # ---------------------------------------------------------------- forward
 
@@ -305,9 +299,13 @@ class Bookkeeper:
         orig = unit.orig_forward
         site = _Site(self, unit)
 
+        axes = self.axes
         def forward(*args, **kwargs):
-            if self._passthrough(unit):
+            if axes.probe is not None:    # a probing forward: record, book-keep nothing
+                return axes.probe.call(unit, orig, args, kwargs)
+            if self._passthrough(unit) or axes.batch == 0:
                 return orig(*args, **kwargs)
+            axes.enter(unit, site, args, kwargs)   # the call's established batch layout
             return unit.rule.call(unit.module, site, args, kwargs)
 
         return forward
@@ -369,19 +367,20 @@ class Bookkeeper:
 
     def deliver_layer(self, call: _Call, x: Tensor, grad_out: Tensor) -> None:
         active = self._check(call)
+        check_batch(call.unit.label, call.batch, active.batch_size)
         if x.dim() == 0 or x.shape[0] != active.batch_size or grad_out.shape[0] != active.batch_size:
-            raise EngineError(
-                f"module {call.unit.label} saw an input with leading dimension "
-                f"{x.shape[0] if x.dim() else 'none'}, but engine.backward got "
-                f"{active.batch_size} per-sample losses",
-                "the engine needs the batch in dim 0 of every layer input (batch_first=True) "
-                "and one loss per sample (reduction='none')")
+            raise EngineError(   # a rule broke its contract: the batch first in both
+                f"module {call.unit.label}: its rule saved an input of shape {tuple(x.shape)} "
+                f"and an output gradient of shape {tuple(grad_out.shape)}, but the batch has "
+                f"{active.batch_size} samples", "a rule's book-kept operation takes the batch in dim 0")
         uses = call.rule.uses(call.unit.module, x, grad_out, call.info)
         self._sink(active, call, uses)
 
     def deliver_tap(self, call: _Call, grads: tuple[Tensor, ...]) -> None:
         active = self._check(call)
+        check_batch(call.unit.label, call.batch, active.batch_size)
         self._sink(active, call, call.on_grads(grads, active.batch_size))
+
 
     def _sink(self, active: _Active, call: _Call, uses: dict) -> None:
         with self._lock:  # autograd runs one thread per device on multi-GPU models

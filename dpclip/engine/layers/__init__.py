@@ -15,7 +15,9 @@ one; each registers its rules on import::
         def examples(self): ...                       # for the contract tests
 
 The one-tensor protocol above (``prepare`` / ``forward`` / ``input_grad`` / ``uses``) is
-what :meth:`LayerRule.call` runs by default: the book-keeping saves the prepared input
+what :meth:`LayerRule.call` runs by default: the input arrives with the batch in dim 0
+(the engine established where the batch is, :mod:`dpclip.engine.batch_axis`, and moved it
+there, or expanded a shared input over it), the book-keeping saves the prepared input
 ``a``, its backward hands ``(a, grad_out)`` to ``uses``. A rule for a module with several
 inputs or inner structure (``nn.MultiheadAttention``) overrides :meth:`LayerRule.call`
 and composes book-kept sub-operations itself through the :class:`Capture` it receives.
@@ -49,17 +51,29 @@ class Capture(Protocol):
     """What the book-keeping hands a rule's :meth:`LayerRule.call` (one module, one call).
 
     ``op(rule, x, info, names)`` runs ``rule.forward(module, x, info)`` as one book-kept
-    operation: its backward returns ``rule.input_grad(...)`` and delivers
-    ``rule.uses(...)`` (one use for each parameter in ``names``; all of the module's
-    trainable parameters by default). ``tap(outputs, on_grads)`` is the identity on
+    operation (``x`` with the batch in dim 0): its backward returns ``rule.input_grad(...)``
+    and delivers ``rule.uses(...)`` (one use for each parameter in ``names``; all of the
+    module's trainable parameters by default). ``tap(outputs, on_grads)`` is the identity on
     ``outputs``; in the backward, ``on_grads(grads, batch)`` returns the uses.
+
+    ``layout`` is the call's :class:`~dpclip.engine.batch_axis.CallLayout`;
+    ``layout_of(t)`` the established :class:`~dpclip.engine.batch_axis.Layout` of one
+    tensor the module was called with; ``batch_first(t, feature_dims)`` moves (or expands)
+    its batch to dim 0 and returns the map that puts an output back.
     """
 
     module: nn.Module
     label: str
-    batch_hint: int | None
+    batch_size: int
+    batch_hint: int | None      # = batch_size (the former name)
     params: list[tuple[str, nn.Parameter]]
     memo: dict
+    layout: object
+
+    def layout_of(self, t: Tensor): ...
+    def batch_first(self, t: Tensor, feature_dims: int | None = None): ...
+    def chained(self, rule, x: Tensor) -> Tensor: ...
+    def children_batch_first(self) -> ContextManager[None]: ...
 
     def op(self, rule, x: Tensor, info=None, names: list[str] | None = None) -> Tensor: ...
     def tap(self, outputs: list[Tensor], on_grads: Callable) -> tuple[Tensor, ...]: ...
@@ -91,11 +105,10 @@ def seeded(module: nn.Module, seed: int) -> nn.Module:
 
 
 def expand_batch(x: Tensor, batch_hint: int | None) -> Tensor:
-    """An input of batch size 1 inside a batch of B (position ids of shape (1, T), a
-    learned query) is broadcast over the batch later; its output gradient would then be
-    summed over samples before the rule sees it. Expanding it first keeps samples apart."""
-    if batch_hint is not None and batch_hint > 1 and x.dim() > 0 and x.shape[0] == 1:
-        return x.expand(batch_hint, *x.shape[1:])
+    """The identity, kept for rules written before the engine established the batch axis:
+    it used to expand any input of leading size 1 over the batch, a guess from a size. The
+    input a rule's ``prepare`` gets now has the batch in dim 0 already (a shared input was
+    expanded by :meth:`Capture.batch_first` where its consumers were proven to broadcast it)."""
     return x
 
 
@@ -110,8 +123,9 @@ class LayerRule:
     Subclass and override the methods, or build one from functions (the original form,
     still accepted): ``LayerRule(name, prepare, forward, input_grad, uses)``.
 
-    prepare(module, x, batch_hint) -> (activation, info): runs under autograd before the
-        book-kept op (expands batch-broadcast inputs, pads, normalises for norm layers).
+    prepare(module, x, batch_size) -> (activation, info): runs under autograd before the
+        book-kept op, on ``x`` with the batch in dim 0 (pads, normalises for norm layers).
+    feature_dims(module): None, or the trailing feature axes of a position-wise rule.
     forward(module, activation, info) -> output: the layer's output, run without autograd.
     input_grad(module, activation, grad_out, info) -> grad of the activation.
     uses(module, activation, grad_out, info) -> {param name: Use}: per-sample gradients
@@ -126,6 +140,17 @@ class LayerRule:
     #: wrap the module even when it owns no trainable parameter (its forward must route
     #: a child's parameters through the child's call, as nn.MultiheadAttention's does not)
     wrap_frozen = False
+    def feature_dims(self, module: nn.Module) -> int | None:
+        """None: the rule needs the batch in axis 0 of its input. An int f: the rule is
+        position-wise (every position of the leading axes is independent; f trailing
+        feature axes), so the engine may move the batch to the front from any leading axis
+        or unflatten it from a batch·position axis (docs/engine.md, "The batch axis")."""
+        return None
+
+    @property
+    def default_call(self) -> bool:
+        """Whether :meth:`call` is the one-tensor default (not overridden)."""
+        return type(self).call is LayerRule.call
 
     def __init__(self, name: str | None = None, prepare: Callable | None = None,
                  forward: Callable | None = None, input_grad: Callable | None = None,
@@ -165,8 +190,11 @@ class LayerRule:
         if len(inputs) != 1:
             raise EngineError(f"module {capture.label} was called with {len(inputs)} arguments; "
                               "its rule takes the input tensor only", "call it as module(x)")
-        x, info = self.prepare(module, inputs[0], capture.batch_hint)
-        return capture.op(self, x, info)
+        if capture.layout.consumers is not None:   # a shared input, broadcast after a chain
+            return capture.chained(self, inputs[0])
+        x, restore = capture.batch_first(inputs[0], self.feature_dims(module))
+        x, info = self.prepare(module, x, capture.batch_size)
+        return restore(capture.op(self, x, info))
 
 
 _RULES: dict[type, LayerRule] = {}

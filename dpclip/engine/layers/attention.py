@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dpclip.engine.batch_axis import BATCH_HINT, expand_shared
 from dpclip.engine.factors import Bilinear, Dense
-from dpclip.engine.layers import (Capture, Example, LayerRule, example_tensor, expand_batch,
+from dpclip.engine.layers import (Capture, Example, LayerRule, example_tensor,
                                   register_layer_rule, seeded)
 from dpclip.engine.precision import autocast_input, widened
 from dpclip.errors import EngineError
@@ -112,8 +113,7 @@ class MultiheadAttentionRule(LayerRule):
             weight_name = ("in_proj_weight" if m._qkv_same_embed_dim
                            else f"{slots}_proj_weight")
             names = [n for n in (weight_name, "in_proj_bias") if n in trainable]
-            y = capture.op(_IN_PROJECTION, autocast_input(expand_batch(x, capture.batch_hint)),
-                           (slots, weight_name), names)
+            y = capture.op(_IN_PROJECTION, autocast_input(x), (slots, weight_name), names)
             for slot, part in zip(slots, y.chunk(len(slots), dim=-1)):
                 out[slot] = part
         return out
@@ -132,19 +132,47 @@ class MultiheadAttentionRule(LayerRule):
         attn_mask = F._canonical_mask(mask=attn_mask, mask_name="attn_mask", other_type=None,
                                       other_name="", target_type=query.dtype, check_other=False)
 
-        def batch_first(t: Tensor) -> Tensor:
+        axis = 0 if m.batch_first else 1
+        layouts = {name: capture.layout_of(t) for name, t in
+                   (("query", query), ("key", key), ("value", value))}
+        if all(lay.dim is None for lay in layouts.values()):
+            raise EngineError(f"module {capture.label} got a query, key and value shared by all "
+                              "samples: its output has no batch", BATCH_HINT)
+
+        def batch_first(t: Tensor, what: str) -> Tensor:
+            # The batch axis the engine established must be the one batch_first names; a
+            # tensor shared by all samples (a learned query [1, L, E]) is expanded over it.
+            lay = layouts[what]
+            if lay.dim is None and lay.error is None and t.dim() == 3 and t.shape[axis] == 1:
+                t = t.movedim(axis, 0)
+                t = expand_shared(t, True, capture.batch_size).movedim(0, axis)
+            elif lay.error is not None or lay.merged or lay.dim != axis:
+                if lay.error is not None:
+                    where = lay.error
+                elif lay.dim is None:
+                    where = "nowhere: it is shared by all samples"
+                else:
+                    where = f"in axis {lay.dim}" + (" merged with positions" if lay.merged else "")
+                raise EngineError(
+                    f"module {capture.label} (batch_first={m.batch_first}) expects the batch in "
+                    f"axis {axis} of its {what}, shape {tuple(t.shape)}; the engine found it "
+                    f"{where}", "construct it with the batch_first its inputs use, or pass a "
+                    "shared tensor with size 1 in the batch axis")
             return t if m.batch_first else t.transpose(0, 1)
 
         if query is key and key is value:
-            proj = self._project(m, capture, [("qkv", batch_first(query))])
+            proj = self._project(m, capture, [("qkv", batch_first(query, "query"))])
         elif key is value and m._qkv_same_embed_dim:
-            proj = self._project(m, capture, [("q", batch_first(query)), ("kv", batch_first(key))])
+            proj = self._project(m, capture, [("q", batch_first(query, "query")),
+                                             ("kv", batch_first(key, "key"))])
         else:
-            proj = self._project(m, capture, [("q", batch_first(query)), ("k", batch_first(key)),
-                                             ("v", batch_first(value))])
+            proj = self._project(m, capture, [("q", batch_first(query, "query")),
+                                             ("k", batch_first(key, "key")),
+                                             ("v", batch_first(value, "value"))])
         out, weights = _attention_core(m, proj["q"], proj["k"], proj["v"], key_padding_mask,
                                        attn_mask, need_weights, average_attn_weights, is_causal)
-        out = m.out_proj(out)     # a module call: book-kept by the Linear rule
+        with capture.children_batch_first():   # out_proj gets the batch-first [B, L, E]
+            out = m.out_proj(out)     # a module call: book-kept by the Linear rule
         return (out if m.batch_first else out.transpose(0, 1)), weights
 
     def examples(self):

@@ -19,6 +19,9 @@ from dpclip.errors import EngineError
 class EmbeddingRule(LayerRule):
     name = "embedding"
 
+    def feature_dims(self, m):   # position-wise over the ids: the batch may sit in any axis
+        return 0
+
     def prepare(self, m, x, batch_hint):
         if m.scale_grad_by_freq:
             raise EngineError(

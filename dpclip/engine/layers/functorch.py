@@ -12,10 +12,12 @@ with ``torch.func.vmap(vjp(functional_call(...)))``, or a plain loop over sample
 the module's operations have no batching rule (``nn.LSTM``). The result is exact; the
 cost is one extra forward and backward of that module per step.
 
-Which dimension is the batch: dim 0 of every input and output tensor whose dim 0 equals
-the number of samples (other tensors are shared by all samples), except for
-``nn.RNNBase`` modules, whose convention is known (``batch_first`` for the sequence,
-dim 1 for hidden states).
+Which axis is the batch: the one the engine established for each input and output tensor
+of the call by probing the model (:mod:`dpclip.engine.batch_axis`): an LSTM's hidden states
+[layers, B, H] have it in axis 1, whatever the sizes; an input shared by every sample is
+passed whole to each sample's recomputation; an output shared by every sample (BART's
+positional embedding, [1, T, d]) is expanded over the batch, which the probe has proven
+its consumers broadcast anyway, so that its output gradient stays per-sample.
 """
 
 from __future__ import annotations
@@ -25,34 +27,20 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dpclip.engine.batch_axis import BATCH_HINT, Layout, call_leaves, expand_shared
 from dpclip.engine.factors import Dense
 from dpclip.engine.layers import Capture, LayerRule
 from dpclip.engine.precision import autocast_again, autocast_state
 from dpclip.errors import EngineError
 
 
-def _input_dims(module: nn.Module, tensors: list[Tensor], batch: int) -> list[int | None]:
-    if isinstance(module, nn.RNNBase):
-        if tensors and tensors[0].dim() != 3:
-            raise EngineError(f"{type(module).__name__} got an unbatched input",
-                              "pass a batched [B, T, d] input (batch_first=True)")
-        first = 0 if module.batch_first else 1
-        return [first] + [1] * (len(tensors) - 1)
-    return [0 if t.dim() > 0 and t.shape[0] == batch else None for t in tensors]
-
-
-def _output_dims(module: nn.Module, positions: list[int], grads, batch: int, label: str) -> list[int]:
-    if isinstance(module, nn.RNNBase):
-        dims = [(0 if module.batch_first else 1) if pos == 0 else 1 for pos in positions]
-    else:
-        dims = [0] * len(positions)
-    for g, d in zip(grads, dims):
-        if g.dim() <= d or g.shape[d] != batch:
-            raise EngineError(
-                f"module {label} returned a tensor of shape {tuple(g.shape)} with no batch "
-                f"dimension of size {batch}; its per-sample gradients cannot be separated",
-                "return per-sample outputs with the batch in dim 0")
-    return dims
+def _usable(lay: Layout, t: Tensor, label: str, what: str) -> Layout:
+    if lay.error is not None or lay.merged:
+        why = lay.error or f"axis {lay.dim} holds the batch merged with other positions"
+        raise EngineError(f"module {label}: the batch axis of its {what} of shape "
+                          f"{tuple(t.shape)} cannot be used by the per-sample fallback: {why}",
+                          BATCH_HINT)
+    return lay
 
 
 class _RandomOpGuard(TorchDispatchMode):
@@ -83,6 +71,7 @@ class FunctorchRule(LayerRule):
 
     name = "functorch"
     exact_by_construction = False   # strict mode refuses it (except custom RMSNorms)
+    expands_shared_outputs = True   # a shared output is expanded over the batch (probed)
 
     def check(self, module: nn.Module, label: str) -> None:
         if isinstance(module, nn.RNNBase) and module.dropout > 0 and module.training:
@@ -90,20 +79,41 @@ class FunctorchRule(LayerRule):
                               "fallback cannot replay it", "set dropout=0 on the RNN")
 
     def call(self, module: nn.Module, capture: Capture, args: tuple, kwargs: dict):
+        layout, batch = capture.layout, capture.batch_size
+        in_dims = [_usable(capture.layout_of(t), t, capture.label, "input").dim
+                   for t in call_leaves(args, kwargs)]
         detached = {name: p.detach() for name, p in capture.params}
         with capture.bypass():  # the module's own parameters are constants here: no weight grads
             out = torch.func.functional_call(module, detached, args, kwargs)
         leaves, spec = tree_flatten(out)
-        index = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.is_floating_point()]
+        tensors = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
+        outs = layout.outputs
+        if outs is not None and len(outs) != len(tensors):
+            raise EngineError(f"module {capture.label} returned {len(tensors)} tensors, the probe "
+                              f"forwards saw {len(outs)}", BATCH_HINT)
+        index, out_dims = [], []    # out_dims: (batch axis, squeezed per sample)
+        for q, i in enumerate(tensors):
+            t = leaves[i]
+            if not t.is_floating_point():
+                continue
+            lay = _usable(Layout(t.dim(), 0) if outs is None else outs[q], t, capture.label, "output")
+            if lay.dim is None:   # shared: expanded over the batch (its consumers broadcast it)
+                lead1 = t.dim() >= 1 and t.shape[0] == 1
+                leaves[i] = expand_shared(t, lead1, batch)
+                out_dims.append((0, lead1))
+            else:
+                out_dims.append((lay.dim, True))
+            index.append(i)
         if not index:
-            return out
+            return tree_unflatten(leaves, spec)
 
         # The per-sample recomputation runs in the backward, outside this autocast region:
         # it re-enters it, so that it differentiates the forward that ran.
         autocast = autocast_state(leaves[index[0]].device.type)
 
         def on_grads(grads: tuple[Tensor, ...], batch: int) -> dict[str, Dense]:
-            return per_sample_grads(capture, args, kwargs, index, grads, batch, autocast)
+            return per_sample_grads(capture, args, kwargs, index, grads, batch, autocast,
+                                    in_dims, out_dims)
 
         tapped = capture.tap([leaves[i] for i in index], on_grads)
         for j, i in enumerate(index):
@@ -122,16 +132,25 @@ def is_rmsnorm_like(module: nn.Module) -> bool:
 
 
 def per_sample_grads(capture: Capture, args: tuple, kwargs: dict, out_index: list[int],
-                     grads: tuple[Tensor, ...], batch: int, autocast=None) -> dict[str, Dense]:
+                     grads: tuple[Tensor, ...], batch: int, autocast=None,
+                     in_dims: list[int | None] | None = None,
+                     out_dims: list[tuple[int, bool]] | None = None) -> dict[str, Dense]:
     """Per-sample gradients ``{param name: Dense([B, *shape])}`` of one call of
     ``capture.module``; ``out_index`` picks the tapped leaves of its output; ``autocast``:
-    the forward's :func:`~dpclip.engine.precision.autocast_state`, re-entered to recompute."""
+    the forward's :func:`~dpclip.engine.precision.autocast_state`, re-entered to recompute.
+    ``in_dims``: the batch axis of each tensor input (None: shared); ``out_dims``: per tapped
+    output, its batch axis and whether a sample's recomputed output keeps it (size 1); by
+    default the batch is in dim 0 of everything."""
     module = capture.module
     leaves, spec = tree_flatten((args, kwargs))
     tensor_pos = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
     tensors = [leaves[i].detach() for i in tensor_pos]
-    in_dims = _input_dims(module, tensors, batch)
-    out_dims = _output_dims(module, out_index, grads, batch, capture.label)
+    in_dims = [0] * len(tensors) if in_dims is None else in_dims
+    out_dims = [(0, True)] * len(out_index) if out_dims is None else out_dims
+    for g, (d, _) in zip(grads, out_dims):
+        if g.dim() <= d or g.shape[d] != batch:
+            raise EngineError(f"module {capture.label}: an output gradient of shape "
+                              f"{tuple(g.shape)} has no batch axis {d} of size {batch}", BATCH_HINT)
     params = {name: p.detach() for name, p in capture.params}
 
     def run(p, sample_tensors):
@@ -171,13 +190,14 @@ def _vmapped(run, params, tensors, in_dims, grads, out_dims) -> dict[str, Tensor
         restored = [t.unsqueeze(d) if d is not None else t for t, d in zip(sample_tensors, in_dims)]
 
         def f(p):
-            return tuple(o.squeeze(d) for o, d in zip(run(p, restored), out_dims))
+            return tuple(o.squeeze(d) if keeps else o
+                         for o, (d, keeps) in zip(run(p, restored), out_dims))
 
         _, vjp_fn = torch.func.vjp(f, params)
         return vjp_fn(tuple(sample_grads))[0]
 
-    return torch.func.vmap(one, in_dims=(tuple(in_dims), tuple(out_dims)), randomness="error")(
-        tuple(tensors), tuple(grads))
+    return torch.func.vmap(one, in_dims=(tuple(in_dims), tuple(d for d, _ in out_dims)),
+                           randomness="error")(tuple(tensors), tuple(grads))
 
 
 def _looped(run, params, tensors, in_dims, grads, out_dims, batch, label) -> dict[str, Tensor]:
@@ -187,7 +207,8 @@ def _looped(run, params, tensors, in_dims, grads, out_dims, batch, label) -> dic
             p = {name: t.detach().requires_grad_() for name, t in params.items()}
             sample = [t.narrow(d, i, 1) if d is not None else t for t, d in zip(tensors, in_dims)]
             outs = run(p, sample)
-            pairs = [(o, g.narrow(d, i, 1)) for o, g, d in zip(outs, grads, out_dims) if o.requires_grad]
+            pairs = [(o, g.narrow(d, i, 1) if keeps else g.select(d, i))
+                     for o, g, (d, keeps) in zip(outs, grads, out_dims) if o.requires_grad]
             got = torch.autograd.grad([o for o, _ in pairs], list(p.values()),
                                       [g for _, g in pairs], allow_unused=True) if pairs else [None] * len(p)
             for (name, t), g in zip(p.items(), got):

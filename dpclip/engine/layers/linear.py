@@ -23,6 +23,9 @@ from dpclip.engine.precision import autocast_input, widened
 class LinearRule(LayerRule):
     name = "linear"
 
+    def feature_dims(self, m):   # position-wise: the batch may sit in any leading axis
+        return 1
+
     def prepare(self, m, x, batch_hint):
         return autocast_input(expand_batch(x, batch_hint)), None
 
@@ -48,6 +51,9 @@ class HFConv1DRule(LayerRule):
     """transformers' Conv1D: a Linear with its weight stored (in, out)."""
 
     name = "conv1d_transformers"
+
+    def feature_dims(self, m):
+        return 1
 
     def prepare(self, m, x, batch_hint):
         return autocast_input(expand_batch(x, batch_hint)), None

@@ -71,6 +71,9 @@ class AffineNormRule(LayerRule):
 
 @register_layer_rule(nn.LayerNorm)
 class LayerNormRule(AffineNormRule):
+    def feature_dims(self, m):   # position-wise over the leading axes
+        return len(m.normalized_shape)
+
     def normalise(self, m, x):
         return F.layer_norm(x, m.normalized_shape, None, None, m.eps)
 
@@ -91,6 +94,9 @@ class GroupNormRule(AffineNormRule):
 
 @register_layer_rule(nn.RMSNorm)
 class RMSNormRule(AffineNormRule):
+    def feature_dims(self, m):
+        return len(m.normalized_shape)
+
     def normalise(self, m, x):
         return F.rms_norm(x, m.normalized_shape, None, m.eps)
 

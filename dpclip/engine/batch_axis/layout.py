@@ -1,0 +1,131 @@
+"""What is established about the batch of one tensor, and of one module call.
+
+A :class:`Layout` says where one tensor holds the batch (an axis, an axis merged with
+positions, or nowhere: shared by every sample); a :class:`CallLayout` gathers those of one
+call of a book-kept module. :func:`to_batch_first` hands a rule its input with the batch in
+axis 0 (moved, unflattened, or expanded over the batch) and the map back for its output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
+
+from dpclip.errors import EngineError
+
+BATCH_HINT = ("pass the model's inputs with the batch in dim 0 (its first tensor input sets the "
+              "batch size) and build shared tensors (positions, masks) inside the forward "
+              "or with a leading dimension 1")
+BROADCAST_HINT = ("give the module a per-sample input (e.g. pass positions as [B, T]: "
+                  "ids.new_tensor(range(T)).expand(B, T)), or freeze the module")
+
+
+def tensor_leaves(tree) -> list[Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
+
+
+def call_leaves(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors of a module call, in the order layouts are recorded."""
+    if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
+        return [args[0]]
+    return tensor_leaves((args, kwargs))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the batch is in one tensor of a module call."""
+
+    ndim: int
+    dim: int | None = None    # the batch axis; None: shared by every sample
+    merged: bool = False      # ``dim`` holds the batch merged with positions, batch outer
+    lead1: bool = False       # shared, with size 1 in dim 0 (expanded there)
+    error: str | None = None  # why no batch axis could be established
+
+    def fits(self, t: Tensor, batch: int) -> bool:
+        if t.dim() != self.ndim:
+            return False
+        if self.dim is None:
+            return self.ndim == 0 or (t.shape[0] == 1) == self.lead1
+        size = t.shape[self.dim]
+        return size > 0 and size % batch == 0 if self.merged else size == batch
+
+
+@dataclass(frozen=True)
+class CallLayout:
+    """The layouts of one call of a book-kept module (its tensors in tree order)."""
+
+    inputs: tuple[Layout, ...] | None           # None: the batch in dim 0 of every tensor
+    outputs: tuple[Layout, ...] | None = None
+    refusal: str | None = None                  # why the call cannot be book-kept exactly
+    #: a shared input whose output reaches the batch through a chain of ops: its consumers
+    consumers: tuple | None = None  # of consumers.Consumer
+
+    def fits(self, leaves: list[Tensor], batch: int) -> bool:
+        if self.inputs is None:
+            return True
+        return len(leaves) == len(self.inputs) and all(
+            lay.fits(t, batch) for lay, t in zip(self.inputs, leaves))
+
+    def input(self, i: int, t: Tensor) -> Layout:
+        return Layout(t.dim(), 0) if self.inputs is None else self.inputs[i]
+
+
+#: a rule's own call of a child module (MultiheadAttention's out_proj): batch first by construction
+BATCH_FIRST = CallLayout(None)
+
+
+def expand_shared(t: Tensor, lead1: bool, batch: int) -> Tensor:
+    """A shared tensor over the batch: its leading 1 expanded, or a batch axis prepended."""
+    return t.expand(batch, *t.shape[1:]) if lead1 else t.expand(batch, *t.shape)
+
+
+def shared_lead1(lay: Layout, t: Tensor, feature_dims: int | None) -> bool:
+    """Expand the leading 1 (GPT-2's [1, T] positions) unless it is a feature axis."""
+    return lay.lead1 and t.dim() > (feature_dims or 0)
+
+
+def _same(y: Tensor) -> Tensor:
+    return y
+
+
+def to_batch_first(t: Tensor, lay: Layout, batch: int, feature_dims: int | None,
+                   label: str) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """``t`` with the batch in dim 0, and the map that puts the output back in ``t``'s layout.
+
+    ``feature_dims``: None for a rule that needs the batch in dim 0 itself; an int f for a
+    position-wise rule (each position of the leading dims independent, f trailing feature
+    axes), which may have the batch moved to the front from any leading axis or unflattened
+    from a merged batch·position axis."""
+    if lay.error is not None:
+        raise EngineError(f"module {label}: the batch axis of its input of shape "
+                          f"{tuple(t.shape)} cannot be established: {lay.error}", BATCH_HINT)
+    k = lay.dim
+    if k == 0 and not lay.merged:
+        return t, _same
+    if k is None:
+        return expand_shared(t, shared_lead1(lay, t, feature_dims), batch), _same
+    if feature_dims is None or k >= t.dim() - feature_dims:
+        kind = "merged with positions " if lay.merged else ""
+        raise EngineError(
+            f"module {label} gets the batch {kind}in axis {k} of its input of shape "
+            f"{tuple(t.shape)}; its rule needs the batch in axis 0",
+            "put the batch first for this module (e.g. batch_first=True), or register a rule "
+            "that accepts this layout")
+    if lay.merged:
+        return (t.unflatten(k, (batch, -1)).movedim(k, 0),
+                lambda y: y.movedim(0, k).flatten(k, k + 1))
+    return t.movedim(k, 0), lambda y: y.movedim(0, k)
+
+
+def check_batch(label: str, forward_batch: int, batch: int) -> None:
+    """The per-sample losses of engine.backward must be the forward's batch."""
+    if forward_batch != batch:
+        raise EngineError(
+            f"the forward that called module {label} had a batch of {forward_batch} samples "
+            f"(leading dimension {forward_batch} of the model's first tensor input), but "
+            f"engine.backward got {batch} per-sample losses",
+            "pass the model's inputs with the batch in dim 0 (batch_first=True) and give one "
+            "loss per sample (reduction='none')")

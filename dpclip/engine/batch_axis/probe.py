@@ -1,0 +1,169 @@
+"""The probe forwards: per module call, the shapes it saw; two probes give the layouts.
+
+The model's forward runs with the book-keeping off and the RNG state forked and restored,
+on the first two samples of the batch and on three (row 0 repeated where B < 3; one and two
+samples where B = 1; the model's tensor inputs of leading size B are resized, or, should
+that fail, the first one alone). Each call of each book-kept module (in call order) records
+the shapes of the tensors it receives and returns. Per tensor, comparing the probes
+(p -> p' samples):
+
+- one axis whose size went p -> p': the batch axis;
+- one axis whose size went c·p -> c·p' (c ≥ 2): the batch merged with c positions; accepted
+  when the second probe's rows are those of a batch-outer [p, c] ordering (compared by a
+  random projection of each row), and unflattened to [B, c, ...] by position-wise rules;
+- no axis moved: shared by every sample (:attr:`Layout.dim` None);
+- anything else (several axes moving, an axis moving out of proportion, a change of rank):
+  an error, raised when a rule needs that tensor.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from dpclip.engine.batch_axis.layout import CallLayout, Layout, call_leaves, tensor_leaves
+
+
+@dataclass
+class _Seen:
+    shape: tuple[int, ...]
+    sums: dict[int, Tensor]   # per-row fingerprints along the axes asked for
+
+
+#: the error of a layout whose merged axis needs the rows fingerprinted (a further probe pair)
+NEEDS_ROWS = ("an axis holds the batch merged with positions, in an order the probes did not "
+              "check")
+
+
+def _fingerprint(t: Tensor, k: int) -> Tensor:
+    """One number per row of axis ``k``: a fixed random projection of the row (plain sums
+    vanish on normalised rows)."""
+    flat = t.detach().movedim(k, 0).reshape(t.shape[k], -1).to(torch.float64)
+    weights = torch.randn(flat.shape[1], generator=torch.Generator().manual_seed(20250),
+                          dtype=torch.float64).to(flat.device)
+    return (flat @ weights).cpu()
+
+
+def _seen(t: Tensor, axes=()) -> _Seen:
+    sums = {}
+    for k in axes:
+        if k < t.dim():
+            try:
+                with torch.no_grad():
+                    sums[k] = _fingerprint(t, k)
+            except (RuntimeError, TypeError):  # a dtype with no float64 view: not comparable
+                pass
+    return _Seen(tuple(t.shape), sums)
+
+
+class Probe:
+    """One probing forward: per (unit, call ordinal), what each call received and returned.
+
+    ``rows``: (key, input index) -> the axes whose rows are fingerprinted (merged axes).
+    In a consumer probe (``check``), ``expand`` (key -> function of (args, kwargs, orig)
+    returning the output) runs the calls whose outputs are followed."""
+
+    def __init__(self, batch: int, expand: dict | None = None, check=None, rows: dict | None = None):
+        self.batch = batch
+        self.expand = expand or {}
+        self.check = check
+        self.rows = rows or {}
+        self.ordinals: dict[int, int] = {}
+        self.calls: dict[tuple[int, int], tuple[list[_Seen], list[_Seen]]] = {}
+
+    def call(self, unit, orig: Callable, args: tuple, kwargs: dict):
+        n = self.ordinals.get(id(unit), 0)
+        self.ordinals[id(unit)] = n + 1
+        key = (id(unit), n)
+        if self.check is not None:   # consumer probe: the checks, not the shapes, are wanted
+            expander = self.expand.get(key)
+            return orig(*args, **kwargs) if expander is None else expander(args, kwargs, orig)
+        ins = [_seen(t, self.rows.get((key, i), ())) for i, t in enumerate(call_leaves(args, kwargs))]
+        out = orig(*args, **kwargs)
+        # merged batch·position axes are accepted in inputs only: outputs need no fingerprints
+        self.calls[key] = (ins, [_seen(t) for t in tensor_leaves(out)])
+        return out
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    scale = float(a.abs().max()) if a.numel() else 0.0
+    return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * max(scale, 1.0)))
+
+
+def _same_samples(a: Tensor, b: Tensor, batch: int, new: int, c: int, outer: bool) -> bool:
+    """Whether per-row fingerprints ``a`` (``batch`` samples) and ``b`` (``new`` samples, the
+    same first ones) agree on their common samples, read as a [B, c] (outer) or [c, B] order."""
+    va = a.view(batch, c) if outer else a.view(c, batch).t()
+    vb = b.view(new, c) if outer else b.view(c, new).t()
+    m = min(batch, new)
+    return _close(va[:m].contiguous(), vb[:m].contiguous())
+
+
+def _layout(x: _Seen, y: _Seen, batch: int, new: int) -> Layout:
+    n = len(x.shape)
+    if len(y.shape) != n:
+        return Layout(n, error=f"its rank changes with the batch size ({x.shape} with {batch} "
+                               f"samples, {y.shape} with {new})")
+    moved = [k for k in range(n) if x.shape[k] != y.shape[k]]
+    if not moved:
+        return Layout(n, lead1=n >= 1 and x.shape[0] == 1)
+    if len(moved) > 1:
+        return Layout(n, error=f"axes {moved} all change with the batch size ({x.shape} with "
+                               f"{batch} samples, {y.shape} with {new}): it mixes samples")
+    k = moved[0]
+    if x.shape[k] == batch and y.shape[k] == new:
+        return Layout(n, k)
+    c = x.shape[k] // batch
+    if x.shape[k] % batch == 0 and c >= 2 and y.shape[k] == c * new:
+        a, b = x.sums.get(k), y.sums.get(k)
+        if a is None or b is None:
+            return Layout(n, k, merged=True, error=NEEDS_ROWS)
+        if (a is not None and b is not None and _same_samples(a, b, batch, new, c, True)
+                and not _same_samples(a, b, batch, new, c, False)):
+            return Layout(n, k, merged=True)
+        return Layout(n, error=f"axis {k} holds the batch merged with {c} positions, but not "
+                               "batch-outer ([B, T] flattened) as far as the probe can tell")
+    return Layout(n, error=f"axis {k} changes with the batch size out of proportion "
+                           f"({x.shape[k]} with {batch} samples, {y.shape[k]} with {new})")
+
+
+def compare(a: Probe, b: Probe) -> dict[tuple[int, int], CallLayout]:
+    """Layouts of the calls both probes made alike (same number of tensors in and out)."""
+    out = {}
+    for key, (ins, outs) in a.calls.items():
+        got = b.calls.get(key)
+        if got is None or len(got[0]) != len(ins) or len(got[1]) != len(outs):
+            continue
+        out[key] = CallLayout(
+            tuple(_layout(x, y, a.batch, b.batch) for x, y in zip(ins, got[0])),
+            tuple(_layout(x, y, a.batch, b.batch) for x, y in zip(outs, got[1])))
+    return out
+
+
+def resized(args: tuple, kwargs: dict, batch: int, new: int, first_only: bool):
+    """The model's inputs with the batch resized to ``new`` rows (detached)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    seen_first = False
+    out = []
+    for t in leaves:
+        if isinstance(t, Tensor):
+            t = t.detach()
+            if (not (first_only and seen_first)) and t.dim() >= 1 and t.shape[0] == batch:
+                t = t[:new] if new <= batch else torch.cat([t, t[:new - batch]])
+            seen_first = True
+        out.append(t)
+    return tree_unflatten(out, spec)
+
+
+@contextmanager
+def forked_rng(devices: list) -> Iterator[None]:
+    """The probes draw nothing from the caller's RNG streams (dropout in the model)."""
+    with torch.random.fork_rng(devices=devices):
+        yield

@@ -1,0 +1,72 @@
+"""The batch-axis part of the capture a layer rule's ``call`` gets (bookkeeping's ``_Site``).
+
+``layout_of(t)``: the established layout of a tensor the module was called with;
+``batch_first(t, feature_dims)``: that tensor with the batch in axis 0 and the map back;
+``chained(rule, x)``: the output for a shared input broadcast after a chain of ops.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dpclip.engine.batch_axis.chained import ChainState, _Chained
+from dpclip.engine.batch_axis.layout import (CallLayout, Layout, _same, expand_shared,
+                                             shared_lead1, to_batch_first)
+from dpclip.errors import EngineError
+
+
+class SiteBatch:
+    """Mixed into the capture: needs ``_keeper`` (with ``axes``), ``module``, ``label``, ``op``
+    and ``bypass``; ``layout`` and ``_leaves`` are the call's in progress (set by
+    :meth:`~dpclip.engine.batch_axis.state.BatchAxes.enter` before the rule's ``call``)."""
+
+    layout: CallLayout | None = None
+    _leaves: list[Tensor] = []
+
+    def children_batch_first(self):
+        """Calls of child modules inside get the batch in dim 0 of every tensor (a rule
+        that calls a child itself with batch-first tensors: MultiheadAttention's out_proj;
+        the probes, which run the module's own forward, never see those calls)."""
+        return self._keeper.axes.children_batch_first()
+
+    @property
+    def batch_size(self) -> int:
+        """B of the model's forward in progress (dim 0 of the model's first tensor input)."""
+        return self._keeper.axes.batch
+
+    @property
+    def batch_hint(self) -> int | None:   # the former name, kept for rules written against it
+        return self._keeper.axes.batch
+
+    def layout_of(self, t: Tensor) -> Layout:
+        """The established batch layout of ``t``, a tensor this call received."""
+        for i, leaf in enumerate(self._leaves):
+            if leaf is t:
+                return self.layout.input(i, t)
+        raise EngineError(f"module {self.label}: its rule asked for the batch layout of a tensor "
+                          "the module was not called with", "pass the call's own input tensors")
+
+    def batch_first(self, t: Tensor, feature_dims: int | None = None):
+        """``(t with the batch in dim 0, map putting an output back in t's layout)``
+        (:func:`dpclip.engine.batch_axis.to_batch_first`)."""
+        lay = self.layout_of(t)
+        if lay.dim == 0 and not lay.merged:      # the common case: nothing to move
+            return t, _same
+        return to_batch_first(t, lay, self.batch_size, feature_dims, self.label)
+
+    def chained(self, rule, x: Tensor) -> Tensor:
+        """The output for a shared input ``x`` whose probed consumers broadcast it over the
+        batch after a chain of ops: plain values now; the book-kept call on ``x`` expanded
+        over the batch runs at the first consumer (:class:`~dpclip.engine.batch_axis._Chained`)."""
+        module, batch = self.module, self.batch_size
+        lead1 = shared_lead1(self.layout_of(x), x, rule.feature_dims(module))
+        with torch.no_grad(), self.bypass():
+            y = module(x)
+
+        def materialize() -> Tensor:     # [B, *y.shape]: sample i's copy of the output
+            a, info = rule.prepare(module, expand_shared(x, lead1, batch), batch)
+            out = self.op(rule, a, info)
+            return out.unsqueeze(1) if lead1 else out
+
+        return _Chained.wrap(y, ChainState(self.label, batch, self.layout.consumers, materialize))

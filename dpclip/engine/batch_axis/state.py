@@ -1,0 +1,286 @@
+"""The batch of the model's forward in progress, the established layouts, and when to probe.
+
+The answers are cached per (module, call ordinal within the forward), so probes run once,
+not per step; each later call only checks that its tensors still fit (same rank, the batch
+axis of size B). A call that does not fit, or one the probes never saw (a loop running
+longer), probes again once in that forward.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from dpclip.engine.batch_axis.consumers import ConsumerCheck, consumers
+from dpclip.engine.batch_axis.layout import (BATCH_FIRST, BATCH_HINT, BROADCAST_HINT, CallLayout,
+                                             Layout, call_leaves, shared_lead1, tensor_leaves)
+from dpclip.engine.batch_axis.probe import NEEDS_ROWS, Probe, compare, forked_rng, resized
+from dpclip.errors import EngineError
+
+
+class BatchAxes:
+    """The batch of the model's forward in progress and the established layouts.
+
+    ``units``: the book-kept units (``module``, ``rule``, ``label``); ``plain()``: a context
+    in which their forwards pass through (the probes run in it)."""
+
+    def __init__(self, model: torch.nn.Module, units: list, plain: Callable):
+        self.model = model
+        self.units = {id(u): u for u in units}
+        self.plain = plain
+        self.layouts: dict[tuple[int, int], CallLayout] = {}
+        self.probe: Probe | None = None     # while probing: the forwards only record
+        self.batch: int | None = None       # B of the model's forward in progress
+        self.inputs: tuple | None = None    # that forward's (args, kwargs), for the probes
+        self.ordinals: dict[int, int] = {}
+        self.depth = 0                      # model forwards in progress
+        self.children = 0                   # inside a rule that calls children batch first
+        self.reprobed = False
+        self.probes = 0                     # probing forwards run so far (tests, docs)
+
+    # ---------------------------------------------------------------- hooks
+
+    def pre_hook(self, module, args, kwargs):
+        if self.probe is not None:
+            return None
+        self.depth += 1
+        if self.depth == 1:
+            leaves = tensor_leaves((args, kwargs))
+            self.batch = leaves[0].shape[0] if leaves and leaves[0].dim() > 0 else None
+            self.inputs = (args, kwargs)
+            self.ordinals = {}
+            self.reprobed = False
+        return None
+
+    def post_hook(self, module, args, kwargs, output):
+        if self.probe is not None:
+            return None
+        self.depth = max(self.depth - 1, 0)
+        if self.depth == 0:
+            self.inputs = None
+        return None
+
+    @contextmanager
+    def children_batch_first(self) -> Iterator[None]:
+        self.children += 1
+        try:
+            yield
+        finally:
+            self.children -= 1
+
+    # ------------------------------------------------------------- per call
+
+    def enter(self, unit, site, args: tuple, kwargs: dict) -> None:
+        """Give ``site`` (the unit's capture) this call's tensors and established layout."""
+        leaves = call_leaves(args, kwargs)
+        layout = self.layout(unit, leaves)
+        if layout.refusal is not None:
+            raise EngineError(f"module {unit.label} {layout.refusal}", BROADCAST_HINT)
+        site.layout, site._leaves = layout, leaves
+
+    def layout(self, unit, leaves: list[Tensor]) -> CallLayout:
+        """The established layout of this call of ``unit`` (probing first if needed)."""
+        if self.children:
+            return BATCH_FIRST
+        if self.depth == 0 or self.batch is None:
+            raise EngineError(
+                f"module {unit.label} was called outside a forward of the model the engine "
+                f"was built on ({type(self.model).__name__}), or that model's first tensor "
+                "input has no batch dimension; its batch axis cannot be established",
+                "call the model itself with the batch in dim 0 of its first tensor input")
+        n = self.ordinals.get(id(unit), 0)
+        self.ordinals[id(unit)] = n + 1
+        key = (id(unit), n)
+        lay = self.layouts.get(key)
+        if lay is None or not lay.fits(leaves, self.batch):
+            if not self.reprobed:
+                self.establish()
+                lay = self.layouts.get(key)
+            if lay is None or not lay.fits(leaves, self.batch):
+                shapes = [tuple(t.shape) for t in leaves]
+                raise EngineError(
+                    f"module {unit.label}: its call #{n + 1} in this forward (inputs of shapes "
+                    f"{shapes}) does not match the probe forwards of the model, so its batch "
+                    "axis cannot be established (does the model's control flow depend on "
+                    "the batch size, or are its shared inputs not broadcast-compatible?)",
+                    BATCH_HINT)
+        return lay
+
+    # --------------------------------------------------------------- probes
+
+    def _run(self, probe: Probe, args: tuple, kwargs: dict, check: ConsumerCheck | None = None):
+        devices = sorted({p.device.index or 0 for p in self.model.parameters()
+                          if p.device.type == "cuda"})
+        self.probe = probe
+        self.probes += 1
+        try:
+            with self.plain(), forked_rng(devices), _hooks_off(self.model):
+                if check is None:
+                    return self.model(*args, **kwargs)
+                with check:
+                    out = self.model(*args, **kwargs)
+                for t in tensor_leaves(out):
+                    hit = check._hit(t)
+                    if hit is not None:
+                        check.fail(hit[1], "it is returned by the model unchanged")
+                return out
+        finally:
+            self.probe = None
+
+    def establish(self) -> None:
+        """Probe the model's forward in progress and merge the layouts found into the cache.
+
+        The probes run on the first two samples and on three (row 0 repeated if B < 3; one
+        and two samples if B = 1): cheap whatever B is, and what they establish is the
+        structure (which axis), checked against B at every call."""
+        self.reprobed = True
+        args, kwargs = self.inputs
+        batch = self.batch
+        sizes = (1, 2) if batch == 1 else (2, 3)
+        errors = []
+        for first_only in (False, True):    # every input of leading size B, or the first only
+            inputs = [resized(args, kwargs, batch, size, first_only) for size in sizes]
+            try:
+                probes = [Probe(size) for size in sizes]
+                for probe, (a, k) in zip(probes, inputs):
+                    self._run(probe, a, k)
+                break
+            except EngineError:
+                raise
+            except Exception as exc:  # the resized inputs do not fit the model: try the next
+                errors.append(exc)
+        else:
+            raise EngineError(
+                f"the model's forward fails when the engine probes it with {sizes[0]} and "
+                f"{sizes[1]} of its {batch} samples ({type(errors[-1]).__name__}: {errors[-1]}), "
+                "so the batch axis of its layers cannot be established", BATCH_HINT) from errors[-1]
+        layouts = compare(*probes)
+        rows = {(key, i): (lay.dim,) for key, call in layouts.items()
+                for i, lay in enumerate(call.inputs) if lay.error == NEEDS_ROWS}
+        if rows:   # merged axes: one more pair, fingerprinting their rows (OPT)
+            probes = [Probe(size, rows=rows) for size in sizes]
+            for probe, (a, k) in zip(probes, inputs):
+                self._run(probe, a, k)
+            layouts = compare(*probes)
+        expand = self._expanders(layouts)
+        if expand:
+            self._check_consumers(layouts, expand, sizes, inputs)
+        self.layouts.update(layouts)
+
+    def _check_consumers(self, layouts, expand, sizes, inputs) -> None:
+        """More probes follow each shared output to its consumers: expanding the output
+        itself is exact (GPT-2's positions), or expanding it at its consumers after its
+        chain of ops (T5's bias, layers with the default call only), or it is refused. An
+        op whose operands are all shared (a shared mask) continues the chain: the next pair
+        of probes follows its result too (at most three pairs)."""
+        links: set = set()
+        for _ in range(3):
+            checks, aligned = [], {}
+            for size, (args, kwargs) in zip(sizes, inputs):
+                check = ConsumerCheck(frozenset(links))
+                try:
+                    self._run(Probe(size, {k: self._tracker(k, f, check, aligned)
+                                           for k, f in expand.items()}, check), args, kwargs,
+                              check=check)
+                except Exception as exc:  # the forward failed in a consumer (or elsewhere)
+                    if not check.failures:
+                        for key, (kind, which) in expand.items():
+                            check.fail((key, (which or [0])[0]), "the model's forward fails in "
+                                       f"the consumer probe ({type(exc).__name__}: {exc})")
+                checks.append(check)
+            verdicts, more = {}, set()
+            for key, (kind, which) in expand.items():
+                for j in which or [0]:
+                    if (key, j) in aligned:    # a non-float output: no gradient to keep apart
+                        verdict = consumers(checks[0], checks[1], (key, j), *sizes, aligned[(key, j)])
+                        verdicts[(key, j)] = verdict
+                        more |= {((key, j), i) for i in verdict[3]}
+            if not more:
+                break
+            links |= more
+        for key, (kind, which) in expand.items():
+            found, why, simple = [], None, True
+            for j in which or [0]:
+                if (key, j) not in verdicts:
+                    continue
+                cons, ok, why, unfollowed = verdicts[(key, j)]
+                if why is None and unfollowed:
+                    why = "its output meets shared tensors through more ops than the probes follow"
+                if why is not None:
+                    break
+                found.append(cons)
+                simple = simple and ok
+            lay = layouts[key]
+            if why is None and not simple and kind == "outputs":
+                why = ("its output is broadcast over the batch only after other ops, which the "
+                       "per-sample fallback cannot follow")
+            if why is not None:
+                layouts[key] = replace(lay, refusal=f"is fed a tensor shared by all samples, and {why}")
+            elif not simple:
+                layouts[key] = replace(lay, consumers=found[0])
+
+    def _expanders(self, layouts: dict) -> dict:
+        """Calls whose output the engine expands over the batch: key -> which outputs."""
+        out = {}
+        for key, lay in layouts.items():
+            unit = self.units.get(key[0])
+            if unit is None or lay.refusal is not None:
+                continue
+            rule = unit.rule
+            if getattr(rule, "expands_shared_outputs", False):   # the torch.func rule
+                which = [i for i, o in enumerate(lay.outputs) if o.dim is None and o.error is None]
+                if which:
+                    out[key] = ("outputs", which)
+            elif getattr(rule, "default_call", False) and lay.inputs and lay.inputs[0].dim is None \
+                    and lay.inputs[0].error is None:
+                out[key] = ("input", None)
+        return out
+
+    def _tracker(self, key, how, check: ConsumerCheck, aligned: dict):
+        """The call of ``key`` in a consumer probe: its shared output(s) tracked; ``aligned``
+        gets the axis that expanding the output itself would give the batch (0: its leading
+        1; -1: prepended)."""
+        unit = self.units[key[0]]
+
+        def run(args, kwargs, orig):
+            kind, which = how
+            out = orig(*args, **kwargs)
+            if kind == "input":
+                x = call_leaves(args, kwargs)[0]
+                lead1 = shared_lead1(Layout(x.dim(), lead1=x.dim() >= 1 and x.shape[0] == 1), x,
+                                     unit.rule.feature_dims(unit.module))
+                aligned[(key, 0)] = 0 if lead1 else -1
+                check.track(out, (key, 0))
+                return out
+            leaves = tensor_leaves(out)
+            for j in which:
+                t = leaves[j]
+                if t.is_floating_point():
+                    aligned[(key, j)] = 0 if t.dim() >= 1 and t.shape[0] == 1 else -1
+                    check.track(t, (key, j))
+            return out
+
+        return run
+
+
+_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+          "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+@contextmanager
+def _hooks_off(model: torch.nn.Module) -> Iterator[None]:
+    """The model's forward hooks do not see the probes (a hook collecting activations, a
+    counter): each module's hook dicts are emptied for the probe and put back after."""
+    saved = [(m, name, getattr(m, name)) for m in model.modules() for name in _HOOKS
+             if getattr(m, name, None)]
+    for m, name, hooks in saved:
+        setattr(m, name, type(hooks)())
+    try:
+        yield
+    finally:
+        for m, name, hooks in saved:
+            setattr(m, name, hooks)
