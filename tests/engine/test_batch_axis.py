@@ -289,13 +289,6 @@ def test_rnn_hidden_states_have_the_batch_in_axis_1(kind, layers, batch_first, n
     exact(_double(TorchRNN, kind, layers, batch_first), _floats(n))
 
 
-# DPLSTM registers its cells' parameters on itself as well (opacus' RenameParamsMixin): a
-# parameter shared by a parent and its child is counted twice until the crash fixes of issue
-# 25 (bookkeeping._build_units) land; the batch axes themselves are right (exactly 2x).
-_SHARED_WITH_PARENT = pytest.mark.xfail(strict=False, reason="parameters shared by parent and child")
-
-
-@_SHARED_WITH_PARENT
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 @pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("n", SIZES)
@@ -304,7 +297,6 @@ def test_opacus_dplstm_and_dpgru_are_exact(kind, layers, n):
     exact(_double(OpacusRNN, kind, layers), _floats(n))
 
 
-@_SHARED_WITH_PARENT
 @pytest.mark.parametrize("n", [1, T])
 def test_opacus_rnn_sequence_first_is_exact(n):
     pytest.importorskip("opacus")

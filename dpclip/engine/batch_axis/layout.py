@@ -63,11 +63,13 @@ class CallLayout:
     #: a shared input whose output reaches the batch through a chain of ops: its consumers
     consumers: tuple | None = None  # of consumers.Consumer
 
-    def fits(self, leaves: list[Tensor], batch: int) -> bool:
+    def fits(self, leaves: list[Tensor], batch: int, ragged: frozenset[int] = frozenset()) -> bool:
+        """Every tensor still fits its layout, except the ``ragged`` ones (indices the rule
+        splits into samples itself: :meth:`~dpclip.engine.layers.LayerRule.ragged_inputs`)."""
         if self.inputs is None:
             return True
         return len(leaves) == len(self.inputs) and all(
-            lay.fits(t, batch) for lay, t in zip(self.inputs, leaves))
+            i in ragged or lay.fits(t, batch) for i, (lay, t) in enumerate(zip(self.inputs, leaves)))
 
     def input(self, i: int, t: Tensor) -> Layout:
         return Layout(t.dim(), 0) if self.inputs is None else self.inputs[i]

@@ -96,11 +96,12 @@ class BatchAxes:
         self.ordinals[id(unit)] = n + 1
         key = (id(unit), n)
         lay = self.layouts.get(key)
-        if lay is None or not lay.fits(leaves, self.batch):
+        ragged = unit.rule.ragged_inputs(unit.module, leaves)
+        if lay is None or not lay.fits(leaves, self.batch, ragged):
             if not self.reprobed:
                 self.establish()
                 lay = self.layouts.get(key)
-            if lay is None or not lay.fits(leaves, self.batch):
+            if lay is None or not lay.fits(leaves, self.batch, ragged):
                 shapes = [tuple(t.shape) for t in leaves]
                 raise EngineError(
                     f"module {unit.label}: its call #{n + 1} in this forward (inputs of shapes "

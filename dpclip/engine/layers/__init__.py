@@ -169,6 +169,12 @@ class LayerRule:
     def check(self, module: nn.Module, label: str) -> None:
         """Raise :class:`EngineError` for configurations the rule cannot make exact."""
 
+    def ragged_inputs(self, module: nn.Module, leaves: list[Tensor]) -> frozenset[int]:
+        """Indices of the call's tensors (in tree order) that hold several samples' rows
+        concatenated, which no axis separates and the rule splits itself (an EmbeddingBag's
+        1-D input, cut into bags by its offsets): their layout is not checked. Default: none."""
+        return frozenset()
+
     def prepare(self, module: nn.Module, x: Tensor, batch_hint: int | None):
         return expand_batch(x, batch_hint), None
 

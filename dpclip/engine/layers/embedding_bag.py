@@ -90,8 +90,26 @@ class EmbeddingBagRule(LayerRule):
             raise EngineError(f"module {label} scales gradients by token counts over the whole "
                               "batch, which mixes samples", "set scale_grad_by_freq=False")
 
+    def ragged_inputs(self, m, leaves):
+        """A 1-D input (and its per-sample weights) is the bags concatenated: the offsets,
+        whose axis is established, say where each sample's bag starts."""
+        if leaves and leaves[0].dim() == 1:
+            # with include_last_offset the offsets hold B + 1 entries: no axis of size B
+            offsets = {1} if m.include_last_offset else set()
+            return frozenset({0} | offsets | ({2} if len(leaves) > 2 else set()))
+        return frozenset()
+
     def call(self, m, capture: Capture, args: tuple, kwargs: dict):
         ids, offsets, weights = _arguments(*args, **kwargs)
+        # bag i is sample i: the bags' own axis (a 2-D input's dim 0, or the offsets') must be
+        # the batch axis the probe established, not one whose size happens to be B
+        # (offsets with include_last_offset, B + 1 entries, are checked by their count alone)
+        per_bag = ids if ids.dim() != 1 or offsets is None else offsets
+        lay = capture.layout_of(per_bag) if per_bag is ids or not m.include_last_offset else None
+        if lay is not None and (lay.dim != 0 or lay.merged):
+            raise EngineError(f"module {capture.label} got bags along an axis that is not the batch "
+                              f"({'shared by all samples' if lay.dim is None else f'axis {lay.dim}'})",
+                              "give it one bag per sample: a [B, L] input, or offsets of length B")
         ids, starts, end, weights = _flat(m, capture.label, ids, offsets, weights)
         if weights is not None and m.mode != "sum":
             raise EngineError(f"module {capture.label} got per_sample_weights in mode {m.mode}",

@@ -1,0 +1,52 @@
+"""A model the engine cannot vouch for: `dpclip train` says so before any noise or ε.
+
+The model reads a learned [1, R, d] query through a Linear and indexes `[0]`: the result is
+shared by every sample, so no per-sample gradient of that Linear can be told apart (the
+whole batch's would land on one sample). The engine must refuse it as a user sees it: an
+`error:` line naming the module's class and path, a `hint:` line, exit code 2, no
+traceback, and no step in the ledger (nothing released, nothing charged).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+
+MODEL = '''
+import torch
+from torch import nn
+
+
+class QueryPick(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(1, 4, 64) * 0.1)
+        self.lin = nn.Linear(64, 64)
+        self.head = nn.Linear(64, num_classes)
+
+    def forward(self, x):
+        key = self.lin(self.query)[0]          # [4, 64]: shared by all samples
+        return self.head(x.flatten(1) * key.mean(0))
+
+
+def make(num_classes):
+    return QueryPick(num_classes)
+'''
+
+
+def test_train_refuses_a_shared_learned_query_before_any_noise(cli, tmp_path, monkeypatch):
+    (tmp_path / "querypick.py").write_text(MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = cli("train", QUICKSTART, f"output_dir={tmp_path / 'runs'}", "training.epochs=null",
+                 "training.steps=2", "model={kind: custom, target: 'querypick:make'}")
+    assert result.code == 2, (result.out, result.err)
+    lines = [line for line in result.err.splitlines() if line.strip()]
+    error = next(line for line in lines if line.startswith("error:"))
+    assert "lin" in error and "Linear" in error, error
+    assert any(line.startswith("hint:") for line in lines), result.err
+    assert "Traceback" not in result.err
+    for ledger in (tmp_path / "runs").rglob("ledger.json"):
+        assert json.loads(ledger.read_text())["steps"] == 0
