@@ -83,7 +83,7 @@ def group_contributions(make_engine, run, with_attack, without_attack) -> list[f
     return out
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp64"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp64", "bf16-weights"])
 @pytest.mark.parametrize("grouping", GROUPINGS)
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("scale", [1e3, 1e5])
@@ -95,6 +95,8 @@ def test_crafted_linear_input_moves_no_group_by_more_than_c(precision, grouping,
     x = crafted_inputs(d, scale)
     if precision == "fp64":
         model, x = model.double(), x.double()
+    if precision == "bf16-weights":   # the model itself in bfloat16, no autocast
+        model, x = model.to(torch.bfloat16), x.to(torch.bfloat16)
 
     def make_engine():
         return DPEngine(model, {"grouping": grouping, "norm_method": method,
@@ -109,7 +111,7 @@ def test_crafted_linear_input_moves_no_group_by_more_than_c(precision, grouping,
 
     contributions = group_contributions(make_engine, run, x, x[1:])
     assert max(contributions) <= C * SLACK, contributions
-    if precision != "bf16":  # clipped, not dropped (bf16 rounds both rows to ±bf16(K·u): 0)
+    if not precision.startswith("bf16"):  # clipped, not dropped (bf16 rounds both rows to ±bf16(K·u): 0)
         assert max(contributions) > 0.5 * C
 
 
