@@ -3,63 +3,129 @@
 - transformers models: ``save_pretrained`` (``config.json``, ``model.safetensors`` with tied
   weights as transformers saves them) and the tokenizer;
 - peft LoRA models: the adapter as peft saves it (``adapter_config.json``,
-  ``adapter_model.safetensors``) and, in ``base/``, the frozen base model it was trained on;
+  ``adapter_model.safetensors``: every tensor trained under DP, the head included) and, in
+  ``base/``, the public starting model, rebuilt from its public source (:func:`public_lora_base`);
 - anything else (mlp, cnn, custom): ``model.safetensors`` with every state-dict name and
   ``model_card.json`` describing how to rebuild the module.
 
 The model is rebuilt from the checkpoint's ``model.json`` (written by
 dpclip/train/checkpoint.py), never from the data: exporting reads no private example.
+A LoRA base is rebuilt from the recipe's public source and seed, and written only when it
+equals the checkpoint's frozen tensors bit for bit.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import save_file
 
 from dpclip.data.tokenizers import ByteTokenizer, load_tokenizer
 from dpclip.errors import DpclipError
 from dpclip.files import write_json_atomic
+from dpclip.models.build import seeded_init
 from dpclip.models.hf import lora_config
 from dpclip.train.checkpoint import load_model_tensors, load_weights
 
 BYTE_TOKENIZER_FILE = "dpclip_tokenizer.json"
 
 
-def rebuild_hf(info: dict[str, Any], recipe, checkpoint: Path):
-    """The checkpoint's transformers (or peft) model, in eval mode, with its weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+def _hf_config(info: dict[str, Any]):
+    from transformers import AutoConfig
 
     settings = dict(info["hf_config"])
     model_type = settings.pop("model_type")
-    config = AutoConfig.for_model(model_type, **settings)
-    auto = AutoModelForCausalLM if info["task"] == "causal-lm" else AutoModelForSequenceClassification
-    model = auto.from_config(config)
+    return AutoConfig.for_model(model_type, **settings), model_type
+
+
+def _auto_class(task: str):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+
+
+def _add_lora(model, lora, task: str, model_type: str):
+    import peft
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="fan_in_fan_out", category=UserWarning)
+        return peft.get_peft_model(model, lora_config(lora, task, model_type))
+
+
+def rebuild_hf(info: dict[str, Any], recipe, checkpoint: Path):
+    """The checkpoint's transformers (or peft) model, in eval mode, with its weights."""
+    config, model_type = _hf_config(info)
+    model = _auto_class(info["task"]).from_config(config)
     lora = getattr(recipe.model, "lora", None)
     if info.get("peft_config") is not None:
         if lora is None:
             raise DpclipError(f"{checkpoint} holds a LoRA model but the run's recipe has no model.lora",
                               "the run directory was modified: restore recipe.yaml")
-        import peft
-
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="fan_in_fan_out", category=UserWarning)
-            model = peft.get_peft_model(model, lora_config(lora, info["task"], model_type))
+        model = _add_lora(model, lora, info["task"], model_type)
     load_weights(checkpoint, model)
     return model.eval()
+
+
+def public_lora_base(info: dict[str, Any], recipe, checkpoint: Path):
+    """A LoRA run's base model as its public source gives it, before any training: built
+    from the transformers config with the recipe seed's initial weights (the same
+    :func:`dpclip.models.build.seeded_init` as training), or loaded from
+    ``model.pretrained`` (a fresh head drawn from the seed, as in training).
+
+    Every tensor of it is then checked bit for bit against the checkpoint's frozen tensors
+    (those peft does not train), so the adapter applies to the base it was trained on;
+    the tensors trained under DP (the adapters and peft's ``modules_to_save``, a
+    classifier's head) stay with the adapter. When the two differ the export refuses:
+    it cannot show that ``base/`` holds nothing trained on the private data."""
+    config, model_type = _hf_config(info)
+    auto = _auto_class(info["task"])
+    source = recipe.model.pretrained
+    if source is not None and not Path(source).is_dir():
+        raise DpclipError(f"the LoRA run's base model {source!r} (model.pretrained) is not a directory here",
+                          "export where the pretrained directory the run was trained from is available: base/ "
+                          "is written from that public source, never from the checkpoint")
+    with seeded_init(recipe.seed):
+        if source is None:
+            base = auto.from_config(config)
+        else:
+            base = auto.from_pretrained(source, config=config, local_files_only=True,
+                                        ignore_mismatched_sizes=True)
+    differing = _frozen_tensors_differing(base, recipe.model.lora, info["task"], model_type, checkpoint)
+    if differing:
+        origin = f"model.pretrained {source!r}" if source else "model.config and seed"
+        raise DpclipError(
+            f"{checkpoint}: {len(differing)} frozen base tensor(s) differ from the public model the recipe's "
+            f"{origin} builds (e.g. {differing[0]!r}); base/ cannot be shown to carry no private information",
+            "export with the recipe and pretrained directory the run was trained with (unchanged); "
+            "a base that is not the public starting model is not exported")
+    return base.eval()
+
+
+def _frozen_tensors_differing(base, lora, task: str, model_type: str, checkpoint: Path) -> list[str]:
+    """Names of the tensors that peft keeps frozen on ``base`` whose checkpoint value differs."""
+    with torch.random.fork_rng(devices=[]):   # the adapters' own init draws from the global RNG
+        wrapped = _add_lora(copy.deepcopy(base), lora, task, model_type)
+    trained = {name for name, param in wrapped.named_parameters() if param.requires_grad}
+    saved = load_model_tensors(checkpoint / "model.safetensors")
+    return [name for name, tensor in wrapped.state_dict().items()
+            if name not in trained and (name not in saved or not torch.equal(saved[name], tensor))]
 
 
 def write_transformers(model, out: Path) -> None:
     model.save_pretrained(str(out))
 
 
-def write_peft(model, out: Path) -> None:
-    """The adapter in ``out`` (``PeftModel.from_pretrained(base, out)``), the base in ``out/base``."""
+def write_peft(model, public_base, out: Path) -> None:
+    """The adapter in ``out`` (``PeftModel.from_pretrained(base, out)``): every tensor trained
+    under DP, the adapters and peft's ``modules_to_save``; in ``out/base`` the public base
+    (:func:`public_lora_base`), never the checkpoint's: peft's ``unload()`` would put the
+    trained head there."""
     model.save_pretrained(str(out))
-    base = model.unload()   # the frozen base, adapters removed (not merged)
-    base.save_pretrained(str(out / "base"))
+    public_base.save_pretrained(str(out / "base"))
 
 
 def write_tokenizer(spec: str, max_length: int | None, out: Path) -> str:

@@ -125,11 +125,13 @@ def _write_model(info: dict[str, Any], recipe, checkpoint: Path, out: Path, card
     token_note = "" if tokenizer == "transformers" else \
         f"# tokenizer: dpclip's byte tokenizer, described in {weights.BYTE_TOKENIZER_FILE}\n"
     if info.get("peft_config") is not None:
-        weights.write_peft(model, out)
+        weights.write_peft(model, weights.public_lora_base(info, recipe, checkpoint), out)
         base = recipe.model.pretrained
-        note = ("`base/` holds the frozen base model the adapter was trained on"
-                + (f" (loaded from `{base}`)." if base else " (randomly initialised from the recipe's "
-                   "model.config and seed: it carries no information about the private data)."))
+        note = ("`base/` holds the public model the adapter was trained on, as it was before training"
+                + (f" (the weights of `{base}`" if base else " (randomly initialised from the recipe's "
+                   "model.config and seed") + ", with the classification head's initial weights, if any): it "
+                "carries no information about the private data. Everything trained under DP, the adapters "
+                "and the trained head (peft's modules_to_save), is in the adapter files.")
         write_text_atomic(out / "README.md", cards.readme(card, kind="peft", base_note=note,
                                                           how_to_load=LOAD_PEFT.format(auto=auto) + token_note))
         return "peft"

@@ -9,6 +9,8 @@ which the checkpoint writes as ``model.json`` (docs/export.md).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -62,6 +64,16 @@ def _build(config, data) -> tuple[nn.Module, PerSampleLoss]:
     raise DpclipError(f"unknown model.kind {config.kind!r}", "use mlp, cnn, hf or custom")
 
 
+@contextmanager
+def seeded_init(seed: int):
+    """Torch's global RNG seeded for a model's initial weights from the recipe ``seed``,
+    inside a forked RNG state: the same seed gives the same weights (an export rebuilds a
+    LoRA run's public base with it, dpclip/export/model.py), the caller's randomness is kept."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derived_seed(seed, "model-init"))
+        yield
+
+
 def build_model(config, data, *, seed: int = 0) -> tuple[nn.Module, PerSampleLoss]:
     """The model for a recipe's ``model`` section, sized to ``data`` (a PrivateData), and
     its per-sample loss ``loss_fn(model, batch) -> Tensor[b]``.
@@ -69,8 +81,7 @@ def build_model(config, data, *, seed: int = 0) -> tuple[nn.Module, PerSampleLos
     The same seed gives the same initial weights. The global torch RNG is seeded only
     inside a forked RNG state, so building a model leaves the caller's randomness as it was.
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derived_seed(seed, "model-init"))
+    with seeded_init(seed):
         model, loss_fn = _build(config, data)
     refuse_batchnorm(model)
     model.dpclip_model_info = _describe(config, data)
