@@ -163,7 +163,7 @@ def _exact_norm_sq(left: torch.Tensor, right: torch.Tensor) -> int:
     return sum(sum(lt[s][i] * rt[s][j] for s in range(t)) ** 2 for i in range(m) for j in range(n))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
 @given(t_extra=st.integers(0, 12), m=st.integers(1, 12), n=st.integers(1, 12),
        log_scale=st.integers(0, 18), seed=st.integers(0, 10_000))
 def test_unflagged_ghost_norms_are_within_the_tolerance_and_flagged_ones_are_bounded_above(
