@@ -17,6 +17,12 @@ import numpy as np
 
 DIGITS_MAX_GREY_LEVEL = 16.0
 
+# The public feature domain of each builtin table/image set, in the units the model sees:
+# what the data set's documentation declares, never measured on the data (the training
+# rows are private). Digits: scikit-learn documents "an integer in the range 0..16" per
+# pixel, which load_digits_arrays scales by 1/16.
+FEATURE_DOMAINS: dict[str, tuple[float, float]] = {"digits": (0.0, 1.0)}
+
 
 def load_digits_arrays(as_images: bool) -> tuple[np.ndarray, np.ndarray]:
     """(features float32 in [0, 1], labels int64): ``[1797, 64]`` or ``[1797, 1, 8, 8]``."""

@@ -8,8 +8,12 @@ Kinds (classification only: a canary needs a label the model can memorise):
 
 - ``mislabel``: a held-out (test) example with its label replaced by a different class
   drawn at random. Its input is in-distribution, its label is not.
-- ``ood``: an input of uniform noise within the training features' per-coordinate
-  range, with a random label (tables and images only).
+- ``ood``: an input of uniform noise in a PUBLIC domain ``[low, high]`` (every coordinate),
+  with a random label (tables and images only). The domain is ``audit.canaries.domain``,
+  or what a builtin data set declares of itself (:data:`dpclip.data.builtin.FEATURE_DOMAINS`);
+  it is never measured on the training set: the released model is trained on the
+  canaries, so a range taken from the private rows would leak through them. With neither,
+  the run is refused before training.
 
 Everything is drawn from the canary seed (``audit.canaries.seed``, default: derived
 from the recipe seed), so the audit can rebuild the canary inputs; the inclusion bits
@@ -35,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dpclip.data.builtin import FEATURE_DOMAINS
 from dpclip.errors import DpclipError
 from dpclip.files import write_json_atomic
 from dpclip.rng import derived_seed
@@ -77,6 +82,25 @@ def canary_seed(config, recipe_seed: int) -> int:
     return derived_seed(recipe_seed, "canaries")
 
 
+def ood_domain(config, source: str) -> tuple[float, float]:
+    """The public ``(low, high)`` of ood canaries: ``config.domain`` if declared, else the
+    builtin data set's own (``source`` is ``PrivateData.source``, e.g. ``builtin:digits``).
+
+    Only declared, public values: nothing here looks at the data's rows.
+    """
+    if getattr(config, "domain", None) is not None:
+        low, high = config.domain
+        return float(low), float(high)
+    kind, _, name = source.partition(":")
+    if kind == "builtin" and name in FEATURE_DOMAINS:
+        return FEATURE_DOMAINS[name]
+    raise DpclipError(f"ood canaries need a public feature domain, and {source} declares none "
+                      "(the private data's own range would leak through the canaries)",
+                      "set audit.canaries.domain: [low, high] to the range your features can take, from "
+                      "public knowledge of the data (e.g. [0, 255] for 8-bit pixels), not from the data; "
+                      "or use audit.canaries.kind: mislabel")
+
+
 def make_canaries(data, config, recipe_seed: int) -> CanarySet:
     """Build the canaries of ``config`` (a recipe's ``audit.canaries``) for ``data``.
 
@@ -106,8 +130,7 @@ def make_canaries(data, config, recipe_seed: int) -> CanarySet:
             raise DpclipError("ood canaries are uniform-noise feature vectors; this data set is text",
                               "use audit.canaries.kind: mislabel for text classification")
         features = data.train["features"]
-        low = features.min(dim=0).values.numpy()
-        high = features.max(dim=0).values.numpy()
+        low, high = ood_domain(config, data.source)
         noise = rng.random((count, *features.shape[1:])).astype(np.float32)
         tensors = {"features": torch.as_tensor(low + noise * (high - low), dtype=features.dtype),
                    "labels": torch.as_tensor(rng.integers(0, data.num_classes, size=count), dtype=torch.int64)}

@@ -8,11 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from dpclip.errors import DpclipError
 from dpclip.export import card as cards
 from dpclip.export import model as weights
 from dpclip.files import read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
-from dpclip.recipe import recipe_to_yaml
 from dpclip.train.checkpoint import latest_checkpoint
 from dpclip.train.rundir import RunDir
 
@@ -46,6 +47,41 @@ class ExportResult:
     def to_dict(self) -> dict[str, Any]:
         return {"out_dir": str(self.out_dir), "checkpoint": self.checkpoint, "kind": self.kind,
                 "files": self.files, "privacy": self.privacy}
+
+
+EXPORT_RECIPE_HEADER = """\
+# The recipe of the run this model was exported from, for reading (docs/export.md):
+# what was trained, on which data, with which privacy settings. Its `seed` and `audit`
+# settings are left out: the model does not need them, and they are the audit's secrets.
+"""
+
+# Left out of every export's recipe, audited or not (so that their absence says nothing).
+SECRET_RECIPE_KEYS = ("audit", "seed")
+
+
+def export_recipe(recipe) -> dict[str, Any]:
+    """The run's recipe as an export releases it: all of it but ``audit`` and ``seed``.
+
+    Why an export carries a recipe at all: its users need the model section to rebuild a
+    plain (mlp, cnn, custom) module, the data section for the tokenizer, input shape and
+    labels, and the training, privacy and clipping sections to read what the privacy
+    statement is about. They need nothing of the audit: ``audit.canaries`` (count, kind,
+    seed, domain) lets whoever holds it rebuild the canaries and, through their seed, the
+    inclusion bits, the audit's answer key (docs/accounting.md, "Threat model"). Without
+    ``audit.canaries.seed`` the canary seed is derived from the recipe's ``seed``
+    (:func:`dpclip.data.canaries.canary_seed`), so ``seed`` goes too; the exported weights
+    do not need it (it governs the split, the initial weights, dropout and the canaries).
+    Both are dropped from every export, audited or not, so that their absence does not tell
+    which runs were audited. The run directory keeps the full recipe.
+    """
+    released = recipe.model_dump(mode="json")
+    for key in SECRET_RECIPE_KEYS:
+        released.pop(key, None)
+    return released
+
+
+def export_recipe_yaml(recipe) -> str:
+    return EXPORT_RECIPE_HEADER + yaml.safe_dump(export_recipe(recipe), sort_keys=False)
 
 
 def _checkpoint(run: RunDir, name: str | None) -> Path:
@@ -104,7 +140,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | No
     try:
         kind = _write_model(info, recipe, path, staging, card)
         write_json_atomic(staging / "privacy.json", card)
-        write_text_atomic(staging / "recipe.yaml", recipe_to_yaml(recipe))
+        write_text_atomic(staging / "recipe.yaml", export_recipe_yaml(recipe))
         files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
         replace_dir_atomic(staging, out_dir)
     except BaseException:

@@ -21,6 +21,7 @@ recipe/tuning.py) and are imported here.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Literal, Union
 
@@ -369,6 +370,18 @@ class Canaries(Section):
         "mislabel", description="mislabel: held-out examples with a wrong label; ood: uniform-noise inputs")
     seed: Annotated[int, Field(ge=0)] | None = Field(
         None, description="draws the canaries and their inclusion; default derived from the recipe seed")
+    domain: tuple[float, float] | None = Field(
+        None, description="ood: the PUBLIC [low, high] every feature is drawn in (in the model's feature units); "
+        "default: what a builtin data set declares (digits: [0, 1], grey levels 0..16 scaled by 1/16); "
+        "never taken from the private data")
+
+    @model_validator(mode="after")
+    def _domain_is_an_interval(self) -> Canaries:
+        if self.domain is not None:
+            low, high = self.domain
+            if not (math.isfinite(low) and math.isfinite(high) and low < high):
+                raise ValueError(f"audit.canaries.domain must be [low, high] with finite low < high, not {list(self.domain)}")
+        return self
 
 
 class Audit(Section):

@@ -3,7 +3,11 @@ docs/export.md): none of the run's secret files, and the ε that `dpclip account
 
 import json
 
+import pytest
+import yaml
+
 from dpclip.export import export_run
+from dpclip.recipe.load import validate_recipe
 from dpclip.train.workflow import train
 
 
@@ -43,3 +47,33 @@ def test_a_seeded_run_carries_the_seeded_warning_into_the_card(tiny_recipe, tmp_
     card = json.loads((tmp_path / "out" / "privacy.json").read_text())
     assert card["seeded_randomness"] and "does NOT hold" in card["warning"]
     assert card["warning"] in (tmp_path / "out" / "README.md").read_text()
+
+
+def _exported_text(out):
+    return {p: p.read_text(errors="replace") for p in out.rglob("*") if p.is_file() and p.suffix != ".safetensors"}
+
+
+@pytest.mark.parametrize("canary_seed", [None, 987654321])
+def test_an_export_of_an_audited_run_names_nothing_of_the_canaries(tiny_recipe, tmp_path, canary_seed):
+    """The attacker holds the export: nothing in it identifies the canaries (issue 26, leak 4)."""
+    overrides = ["audit.canaries.count=20", "audit.canaries.kind=ood"]
+    if canary_seed is not None:
+        overrides.append(f"audit.canaries.seed={canary_seed}")
+    recipe = tiny_recipe(*overrides)
+    run_dir = train(recipe).run_dir
+    secret = json.loads((run_dir / "audit" / "canaries.json").read_text())
+    out = tmp_path / "exported"
+    export_run(run_dir, out)
+
+    assert not [p for p in out.rglob("*") if "canar" in p.name.lower() or "audit" in p.name.lower()]
+    texts = _exported_text(out)
+    for path, text in texts.items():
+        assert "canar" not in text.lower(), path
+        assert secret["fingerprint"] not in text and str(secret["seed"]) not in text, path
+    exported = yaml.safe_load((out / "recipe.yaml").read_text())
+    assert "audit" not in exported
+    # the canary seed is derived from the recipe's seed unless set: no export carries that seed
+    assert "seed" not in exported
+    # and the exported recipe still describes the model a user rebuilds
+    assert exported["model"] == recipe.model.model_dump(mode="json")
+    assert validate_recipe({**exported, "seed": 0}).audit.canaries is None
