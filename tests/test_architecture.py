@@ -24,7 +24,8 @@ LAYERS = [
     ("dpclip.distributed",),
     ("dpclip.data", "dpclip.models", "dpclip.engine", "dpclip.diagnose"),
     ("dpclip.accounting",),
-    ("dpclip", "dpclip.errors", "dpclip.rng", "dpclip.allocator", "dpclip.threads", "dpclip.files"),
+    ("dpclip", "dpclip.errors", "dpclip.rng", "dpclip.allocator", "dpclip.threads", "dpclip.files",
+     "dpclip.release"),
 ]
 
 # Third-party packages a layer must never import, and why.

@@ -1,0 +1,180 @@
+"""The release manifest: every file a run, search or export directory can hold, and what it releases.
+
+One table (:data:`MANIFEST`) classes each file, by a glob pattern relative to its directory,
+as
+
+- ``RELEASED``: covered by ε (a post-processing of the charged releases, or public facts);
+- ``LABELLED``: released but NOT covered by ε, and labelled so wherever it appears;
+- ``SECRET``: kept by the operator like the data itself (membership, generator states,
+  the audit's answer key).
+
+The threat model of docs/accounting.md renders this table (:func:`render_markdown`), and
+tests/privacy/test_release_manifest.py walks real directories of every kind and fails on any
+file :func:`unlisted` reports, so a new output cannot ship without an entry.
+
+Patterns are matched segment by segment: ``*`` and ``?`` stay inside one path segment,
+``**`` matches any number of segments. A search directory's trials under ``runs/<trial>/``
+are run directories and are classed by the run table. Distributed runs write through rank 0
+alone: their run directory holds exactly the files of a one-process run (the launcher's
+``interrupted.json`` lives in a temporary folder, never in the run directory).
+
+This module is a leaf: it imports nothing of dpclip.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from pathlib import Path
+
+RELEASED = "released"
+LABELLED = "not covered by ε"
+SECRET = "secret"
+
+RUN, SEARCH, EXPORT = "run", "search", "export"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One kind of file: where it lives, its pattern there, its class, what it is, who writes it."""
+
+    directory: str   # RUN, SEARCH or EXPORT
+    pattern: str     # glob relative to that directory, '/'-separated
+    release: str     # RELEASED, LABELLED or SECRET
+    what: str
+    writer: str      # the command that writes it
+
+
+def _run(pattern: str, release: str, what: str, writer: str = "dpclip train") -> Entry:
+    return Entry(RUN, pattern, release, what, writer)
+
+
+MANIFEST: tuple[Entry, ...] = (
+    # ---------------------------------------------------------------- train (dpclip/train/rundir.py, trainer)
+    _run("recipe.yaml", RELEASED, "the resolved recipe (its `seed` governs only public randomness)"),
+    _run("meta.json", SECRET, "member and non-member indices (membership), split and content fingerprints"),
+    _run("ledger.json", RELEASED, "every step's charged DpEvent, δ, accountant; ε so far"),
+    _run("metrics.jsonl", LABELLED, "per step: ε, lr, released thresholds and noise std (covered); "
+         "`diagnostics` and `eval` lines (exact, labelled `not_covered_by_epsilon`)"),
+    _run("summary.json", LABELLED, "the final summary; `final_eval` exact and labelled not covered by ε",
+         "dpclip train (rewritten by tune-cost --run for its selected run)"),
+    _run("search.json", RELEASED, "in a run selected by a search: the search directory, its ε and δ",
+         "dpclip tune-cost --run"),
+    _run("thresholds.png", RELEASED, "the released clipping thresholds over the run"),
+    _run("training.png", LABELLED, "loss and held-out metrics (titled not covered by ε) and ε over the steps"),
+    _run("checkpoints/LATEST", RELEASED, "name of the newest complete checkpoint"),
+    _run("checkpoints/step_*/model.safetensors", RELEASED, "the weights at that step (post-processing of the "
+         "releases charged so far)"),
+    _run("checkpoints/step_*/model.json", RELEASED, "what `dpclip export` needs to rebuild the model: "
+         "config, label names"),
+    _run("checkpoints/step_*/state.json", SECRET, "optimizer, sampler and noise-generator states, policy, "
+         "ledger (with them the noise can be regenerated)"),
+    _run("checkpoints/step_*/state.safetensors", SECRET, "the tensors of those states"),
+    # ---------------------------------------------------------------- continual / Hessian diagnostics
+    _run("diagnostics.jsonl", LABELLED, "Hessian diagnostics (on private data: not covered by ε, labelled; "
+         "on public data: post-processing of the weights)"),
+    _run("hessian_over_training.png", LABELLED, "plot of diagnostics.jsonl, labelled as its data"),
+    _run("improvement_vs_batch.png", LABELLED, "predicted improvement against batch size, from "
+         "diagnostics.jsonl, labelled as its data"),
+    # ---------------------------------------------------------------- TensorBoard, report
+    _run("tensorboard/events.out.tfevents.*", LABELLED, "the metrics.jsonl scalars; exact ones only under "
+         "the `not_covered_by_epsilon/` prefix", "dpclip train (logging.tensorboard: true)"),
+    _run("report.html", LABELLED, "plots and statement on one page (the exact ones labelled)", "dpclip report"),
+    # ---------------------------------------------------------------- audit (dpclip/audit, dpclip/data/canaries.py)
+    _run("audit/canaries.json", SECRET, "which canaries were trained on (the audit's answer key)",
+         "dpclip train (audit.canaries)"),
+    _run("audit/report.json", LABELLED, "attack metrics and ROC curves, measured on private data",
+         "dpclip audit-mia"),
+    _run("audit/roc.png", LABELLED, "the attacks' ROC under the DP bound (titled not covered by ε)",
+         "dpclip audit-mia"),
+    _run("audit/shadows/**", SECRET, "LiRA's shadow runs (run directories on private subsets) and keep.json, "
+         "each shadow's membership", "dpclip audit-mia --attack lira"),
+    # ---------------------------------------------------------------- search (dpclip/tuning/search.py)
+    Entry(SEARCH, "ledger.json", RELEASED, "the search's one repeat-and-select event", "dpclip tune-cost --run"),
+    Entry(SEARCH, "summary.json", RELEASED, "the search's ε, statement and the selected run (no exact scores)",
+          "dpclip tune-cost --run"),
+    # ---------------------------------------------------------------- export (dpclip/export)
+    Entry(EXPORT, "model.safetensors", RELEASED, "the exported weights (plain torch or transformers)",
+          "dpclip export"),
+    Entry(EXPORT, "privacy.json", RELEASED, "the privacy statement; its `not_covered_by_epsilon` names what "
+          "the run released outside ε", "dpclip export"),
+    Entry(EXPORT, "README.md", RELEASED, "the model card (the same facts as privacy.json)", "dpclip export"),
+    Entry(EXPORT, "model_card.json", RELEASED, "recipe's model section, input shape, classes", "dpclip export"),
+    Entry(EXPORT, "recipe.yaml", RELEASED, "the recipe without `audit` and `seed`", "dpclip export"),
+    Entry(EXPORT, "*config.json", RELEASED, "transformers / peft / generation configs", "dpclip export"),
+    Entry(EXPORT, "adapter_model.safetensors", RELEASED, "a LoRA run's adapters and DP-trained head",
+          "dpclip export"),
+    Entry(EXPORT, "base/*", RELEASED, "a LoRA run's public starting weights, bit for bit", "dpclip export"),
+    Entry(EXPORT, "dpclip_tokenizer.json", RELEASED, "the byte tokenizer's settings", "dpclip export"),
+    Entry(EXPORT, "tokenizer*", RELEASED, "the data's (public) tokenizer", "dpclip export"),
+    Entry(EXPORT, "special_tokens_map.json", RELEASED, "the tokenizer's special tokens", "dpclip export"),
+    Entry(EXPORT, "vocab.*", RELEASED, "the tokenizer's vocabulary", "dpclip export"),
+    Entry(EXPORT, "merges.txt", RELEASED, "the tokenizer's merges", "dpclip export"),
+    Entry(EXPORT, "chat_template.*", RELEASED, "the tokenizer's chat template", "dpclip export"),
+)
+
+
+def _match(parts: list[str], pattern: list[str]) -> bool:
+    """Segment-wise glob: ``**`` matches zero or more segments, other segments by fnmatch."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_match(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _match(parts[1:], pattern[1:])
+
+
+def classify(relpath: str | Path, directory: str = RUN) -> Entry | None:
+    """The entry of the file at ``relpath`` (relative to a ``directory`` of that kind), or None.
+
+    In a search directory, a file under ``runs/<trial>/`` is classed by the run table.
+    """
+    parts = Path(relpath).as_posix().split("/")
+    if directory == SEARCH and len(parts) > 2 and parts[0] == "runs":
+        return classify("/".join(parts[2:]), RUN)
+    for entry in MANIFEST:
+        if entry.directory == directory and _match(parts, entry.pattern.split("/")):
+            return entry
+    return None
+
+
+def directory_kind(directory: str | Path) -> str:
+    """What ``directory`` is: an export (privacy.json and no ledger), a search (runs/ and no
+    meta.json) or a run."""
+    path = Path(directory)
+    if (path / "privacy.json").is_file() and not (path / "ledger.json").exists():
+        return EXPORT
+    if (path / "runs").is_dir() and not (path / "meta.json").exists():
+        return SEARCH
+    return RUN
+
+
+def _hidden(relpath: Path) -> bool:
+    # a crash can leave an atomic write's temporary file or a checkpoint's staging folder
+    # (dot-named, dpclip/files.py, dpclip/train/checkpoint.py); they are never read as outputs
+    return any(part.startswith(".") for part in relpath.parts)
+
+
+def unlisted(directory: str | Path, kind: str | None = None) -> list[str]:
+    """Every file under ``directory`` (its kind guessed unless given) that no entry classes,
+    as sorted '/'-separated relative paths."""
+    root = Path(directory)
+    kind = kind or directory_kind(root)
+    found = []
+    for path in sorted(root.rglob("*")):
+        relpath = path.relative_to(root)
+        if path.is_file() and not _hidden(relpath) and classify(relpath, kind) is None:
+            found.append(relpath.as_posix())
+    return found
+
+
+BEGIN = "<!-- release manifest: generated by dpclip.release.render_markdown; do not edit -->"
+END = "<!-- end of release manifest -->"
+
+
+def render_markdown() -> str:
+    """The manifest as the Markdown table docs/accounting.md shows between BEGIN and END."""
+    lines = [BEGIN, "", "| directory | file | class | what | written by |", "|---|---|---|---|---|"]
+    for entry in MANIFEST:
+        lines.append(f"| {entry.directory} | `{entry.pattern}` | {entry.release} | {entry.what} | {entry.writer} |")
+    lines += ["", END]
+    return "\n".join(lines)

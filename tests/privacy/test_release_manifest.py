@@ -1,0 +1,175 @@
+"""Every file a run leaves is in the release manifest (dpclip/release.py; issue 26).
+
+Each test makes a real directory of one kind (train with every optional output, report,
+audit, export; a search; LiRA shadows; transformers and LoRA exports), walks it, and fails
+on any file the manifest does not class. A file dropped into a run directory without an
+entry is reported, so a new output cannot ship without someone deciding what it releases.
+"""
+
+import fnmatch
+import re
+from pathlib import Path
+
+import pytest
+
+from dpclip import release
+from dpclip.accounting import tuning as accounting_tuning
+from dpclip.export import export_run
+from dpclip.recipe import apply_overrides, read_yaml, validate_recipe
+from dpclip.train.workflow import train
+from dpclip.tuning.cost import StepTimer, tune_cost
+from dpclip.tuning.search import run_search
+from tests.export.conftest import gpt2_run, lora_run  # noqa: F401  (fixtures: tiny transformers runs)
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = REPO / "docs"
+# Every optional output of a one-process run: checkpoints, evaluation, canaries,
+# TensorBoard, Hessian diagnostics on private data (labelled).
+EVERYTHING = ["audit.canaries.count=20", "audit.canaries.kind=ood", "logging.tensorboard=true",
+              "eval.every_steps=2", "diagnostics.every_steps=2", "diagnostics.probes=2",
+              "diagnostics.per_sample=2", "diagnostics.data=private", "diagnostics.private_not_covered=true"]
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
+
+
+@pytest.fixture
+def full_run(tiny_recipe, cli, tmp_path):
+    """A trained run with every optional output, then `report`, `audit-mia` and `export` on it."""
+    run_dir = train(tiny_recipe(*EVERYTHING)).run_dir
+    assert cli("report", run_dir).code == 0
+    assert cli("audit-mia", run_dir, "--attack", "loss", "--attack", "one-run", "--bootstrap", "0").code == 0
+    out = tmp_path / "exported"
+    assert cli("export", run_dir, out).code == 0
+    return run_dir, out
+
+
+def test_every_file_of_a_run_with_every_output_report_audit_and_export_is_in_the_manifest(full_run):
+    run_dir, out = full_run
+    files = _files(run_dir)
+    # the run really wrote each kind of output the manifest must cover
+    for expected in ("meta.json", "ledger.json", "metrics.jsonl", "summary.json", "training.png",
+                     "thresholds.png", "diagnostics.jsonl", "hessian_over_training.png", "report.html",
+                     "audit/canaries.json", "audit/report.json", "audit/roc.png", "checkpoints/LATEST",
+                     "checkpoints/step_000004/state.json", "checkpoints/step_000004/model.safetensors"):
+        assert expected in files
+    assert any(f.startswith("tensorboard/") for f in files)
+    assert release.directory_kind(run_dir) == release.RUN
+    assert release.unlisted(run_dir) == []
+    assert release.directory_kind(out) == release.EXPORT
+    assert "privacy.json" in _files(out)
+    assert release.unlisted(out) == []
+
+
+def test_the_secret_files_of_a_run_are_classed_secret_and_the_weights_released():
+    assert release.classify("meta.json").release == release.SECRET
+    assert release.classify("audit/canaries.json").release == release.SECRET
+    assert release.classify("checkpoints/step_000004/state.json").release == release.SECRET
+    assert release.classify("checkpoints/step_000004/state.safetensors").release == release.SECRET
+    assert release.classify("audit/shadows/shadow_000/checkpoints/step_000002/model.safetensors").release \
+        == release.SECRET
+    assert release.classify("checkpoints/step_000004/model.safetensors").release == release.RELEASED
+    # a search's trial is a run directory: its generator states stay secret
+    assert release.classify("runs/q-trial-1/checkpoints/step_000002/state.json", release.SEARCH).release \
+        == release.SECRET
+    # an export has no secret entry at all, and a run's secrets are not export entries
+    assert not [e for e in release.MANIFEST if e.directory == release.EXPORT and e.release == release.SECRET]
+    assert release.classify("meta.json", release.EXPORT) is None
+    assert release.classify("state.json", release.EXPORT) is None
+
+
+@pytest.mark.parametrize("new_file", ["rng_state.pt", "checkpoints/step_000002/sampler.json",
+                                      "audit/answers.json", "tensorboard/extra.json", "runs/x/meta.json"])
+def test_a_new_file_dropped_into_a_run_directory_is_reported_unlisted(tiny_recipe, new_file):
+    run_dir = train(tiny_recipe()).run_dir
+    assert release.unlisted(run_dir) == []
+    (run_dir / new_file).parent.mkdir(parents=True, exist_ok=True)
+    (run_dir / new_file).write_text("{}")
+    assert release.unlisted(run_dir, release.RUN) == [new_file]
+
+
+def test_a_new_file_in_an_export_or_a_search_directory_is_reported_unlisted(tmp_path):
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "privacy.json").write_text("{}")
+    (export / "meta.json").write_text("{}")
+    assert release.unlisted(export) == ["meta.json"]
+    search = tmp_path / "search"
+    (search / "runs" / "trial").mkdir(parents=True)
+    for name in ("ledger.json", "summary.json", "runs/trial/meta.json", "trials.json"):
+        (search / name).write_text("{}")
+    assert release.unlisted(search) == ["trials.json"]
+
+
+# ------------------------------------------------------------------ a search (tune-cost --run)
+
+TINY_SEARCH = ["training.epochs=null", "training.steps=2", "model.hidden=[8]", "privacy.accountant=rdp",
+               "tuning.score=private", "tuning.score_noise=20"]
+
+
+def test_every_file_a_search_leaves_is_in_the_manifest(tmp_path, monkeypatch):
+    base = apply_overrides(read_yaml(REPO / "recipes" / "quickstart.yaml"),
+                           [f"output_dir={tmp_path / 'runs'}", *TINY_SEARCH])
+    recipe = validate_recipe(base)
+    grid = ["training.optimizer.lr=0.13,0.57"]
+    report = tune_cost(base, recipe, grid=grid, timer=StepTimer(fixed_seconds=0.01))
+    monkeypatch.setattr(accounting_tuning, "draw_trial_count", lambda mean, shape, rng: 2)
+    summary = run_search(base, recipe, report, grid=grid)
+    search_dir = Path(summary["search_dir"])
+    files = _files(search_dir)
+    assert "ledger.json" in files and any(f.endswith("/search.json") for f in files)
+    assert release.directory_kind(search_dir) == release.SEARCH
+    assert release.unlisted(search_dir) == []
+
+
+# ------------------------------------------------------------------ slow: LiRA shadows, transformers exports
+
+@pytest.mark.slow
+def test_every_file_of_a_lira_audit_is_in_the_manifest(tiny_recipe, cli):
+    run_dir = train(tiny_recipe("privacy.accountant=rdp", "data.test_fraction=0.5")).run_dir
+    result = cli("audit-mia", run_dir, "--attack", "lira", "--shadows", "2", "--bootstrap", "0")
+    assert result.code == 0, result.err
+    assert (run_dir / "audit" / "shadows").is_dir()
+    assert release.unlisted(run_dir) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", ["gpt2_run", "lora_run"])
+def test_every_file_of_a_transformers_or_lora_export_is_in_the_manifest(fixture, request, tmp_path):
+    run_dir = request.getfixturevalue(fixture)
+    assert release.unlisted(run_dir) == []
+    out = tmp_path / "exported"
+    export_run(run_dir, out)
+    assert release.directory_kind(out) == release.EXPORT
+    assert release.unlisted(out) == []
+
+
+# ------------------------------------------------------------------ the docs
+
+def _secret_paths_in_docs() -> list[str]:
+    """The paths docs/accounting.md's threat model lists under **Secret** (outside the
+    generated table) and those docs/training.md's run-directory layout marks SECRET."""
+    accounting = (DOCS / "accounting.md").read_text(encoding="utf-8")
+    start = accounting.index("**Secret**")
+    secret_list = accounting[start:accounting.index("**Randomness.**", start)]
+    paths = re.findall(r"^- `([^`]+)`", secret_list, flags=re.MULTILINE)
+    training = (DOCS / "training.md").read_text(encoding="utf-8")
+    paths += re.findall(r"^\s+(\S+)\s+SECRET", training, flags=re.MULTILINE)
+    return paths
+
+
+def test_every_secret_entry_is_one_the_threat_model_or_the_run_directory_docs_mark_secret():
+    documented = _secret_paths_in_docs()
+    assert "meta.json" in documented
+    for entry in release.MANIFEST:
+        if entry.release == release.SECRET:
+            assert any(fnmatch.fnmatchcase(entry.pattern, doc) for doc in documented), \
+                (entry.pattern, documented)
+
+
+def test_the_threat_models_table_is_the_rendering_of_the_manifest():
+    text = (DOCS / "accounting.md").read_text(encoding="utf-8")
+    assert release.BEGIN in text and release.END in text
+    block = text[text.index(release.BEGIN):text.index(release.END) + len(release.END)]
+    assert block == release.render_markdown()
