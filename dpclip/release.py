@@ -148,10 +148,12 @@ def directory_kind(directory: str | Path) -> str:
     return RUN
 
 
-def _hidden(relpath: Path) -> bool:
-    # a crash can leave an atomic write's temporary file or a checkpoint's staging folder
-    # (dot-named, dpclip/files.py, dpclip/train/checkpoint.py); they are never read as outputs
-    return any(part.startswith(".") for part in relpath.parts)
+def _leftover(relpath: Path) -> bool:
+    """An interrupted atomic write's temporary file (``.NAME.*.tmp``, dpclip/files.py) or a
+    checkpoint's staging folder (``.step_NNNNNN.staging``, dpclip/train/checkpoint.py): left
+    by a crash, never read as an output. Any other dot-named file is checked like the rest."""
+    name_is_tmp = relpath.name.startswith(".") and relpath.name.endswith(".tmp")
+    return name_is_tmp or any(fnmatch.fnmatchcase(part, ".step_*.staging") for part in relpath.parts[:-1])
 
 
 def unlisted(directory: str | Path, kind: str | None = None) -> list[str]:
@@ -162,7 +164,7 @@ def unlisted(directory: str | Path, kind: str | None = None) -> list[str]:
     found = []
     for path in sorted(root.rglob("*")):
         relpath = path.relative_to(root)
-        if path.is_file() and not _hidden(relpath) and classify(relpath, kind) is None:
+        if path.is_file() and not _leftover(relpath) and classify(relpath, kind) is None:
             found.append(relpath.as_posix())
     return found
 

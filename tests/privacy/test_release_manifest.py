@@ -79,14 +79,24 @@ def test_the_secret_files_of_a_run_are_classed_secret_and_the_weights_released()
     assert release.classify("state.json", release.EXPORT) is None
 
 
-@pytest.mark.parametrize("new_file", ["rng_state.pt", "checkpoints/step_000002/sampler.json",
-                                      "audit/answers.json", "tensorboard/extra.json", "runs/x/meta.json"])
-def test_a_new_file_dropped_into_a_run_directory_is_reported_unlisted(tiny_recipe, new_file):
+NEW_FILES = ["rng_state.pt", ".noise_state.json", "checkpoints/step_000002/sampler.json", "audit/answers.json",
+             "tensorboard/extra.json", "runs/x/meta.json"]
+
+
+def test_a_new_file_dropped_into_a_run_directory_is_reported_unlisted(tiny_recipe):
     run_dir = train(tiny_recipe()).run_dir
     assert release.unlisted(run_dir) == []
-    (run_dir / new_file).parent.mkdir(parents=True, exist_ok=True)
-    (run_dir / new_file).write_text("{}")
-    assert release.unlisted(run_dir, release.RUN) == [new_file]
+    for new_file in NEW_FILES:
+        path = run_dir / new_file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}")
+        assert release.unlisted(run_dir, release.RUN) == [new_file]
+        path.unlink()
+    # an interrupted atomic write's dot-named temporary file is not an output
+    (run_dir / ".summary.json.abc.tmp").write_text("{}")
+    (run_dir / "checkpoints" / ".step_000006.staging").mkdir()
+    (run_dir / "checkpoints" / ".step_000006.staging" / "state.json").write_text("{}")
+    assert release.unlisted(run_dir) == []
 
 
 def test_a_new_file_in_an_export_or_a_search_directory_is_reported_unlisted(tmp_path):
