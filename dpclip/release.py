@@ -51,7 +51,8 @@ def _run(pattern: str, release: str, what: str, writer: str = "dpclip train") ->
 
 MANIFEST: tuple[Entry, ...] = (
     # ---------------------------------------------------------------- train (dpclip/train/rundir.py, trainer)
-    _run("recipe.yaml", RELEASED, "the resolved recipe (its `seed` governs only public randomness)"),
+    _run("recipe.yaml", RELEASED, "the resolved recipe (its `seed` governs only public randomness); with canaries "
+         "its `audit` and `seed` identify them: share it only after the audit"),
     _run("meta.json", SECRET, "member and non-member indices (membership), split and content fingerprints"),
     _run("ledger.json", RELEASED, "every step's charged DpEvent, δ, accountant; ε so far"),
     _run("metrics.jsonl", LABELLED, "per step: ε, lr, released thresholds and noise std (covered); "
