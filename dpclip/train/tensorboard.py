@@ -4,7 +4,7 @@ docs/training.md, "Plots and logging".
 Each record the trainer writes to metrics.jsonl is forwarded here after it is written, so
 the event files under ``RUN_DIR/tensorboard/`` hold exactly what metrics.jsonl holds: the
 charged releases (ε, thresholds, noise std, the policy's released statistics) and the
-run's settings (lr, seconds per step) under their own tags, and the exact diagnostics and
+run's learning rate under its own tag, and the exact diagnostics, the step times and the
 held-out metrics only under the tag prefix ``not_covered_by_epsilon/``. Replayed steps of
 a resumed run are never forwarded (the trainer skips them), so no step is written twice;
 each record is flushed so that a killed run loses no event that metrics.jsonl kept.
@@ -71,7 +71,9 @@ def record_scalars(record: dict[str, Any], group_names: list[str]) -> list[tuple
         return out
     add("privacy/epsilon", record.get("epsilon"))
     add("train/lr", record.get("lr"))
-    add("train/seconds_per_step", record.get("seconds"))
+    # Step time follows the realised (private) batch size: labelled like the diagnostics,
+    # and absent from the record when privacy.exact_diagnostics is off.
+    add(NOT_COVERED_PREFIX + "seconds_per_step", record.get("seconds"))
     add("thresholds", record.get("thresholds"))
     add("noise_std", record.get("noise_std"))
     add("policy", record.get("policy"))
