@@ -57,6 +57,7 @@ from dpclip.rng import derived_seed, private_random
 from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
 from dpclip.train.plan import not_covered, private_seed
 from dpclip.train.rundir import RunDir, load_run_recipe, spent
+from dpclip.train.tensorboard import write_headline_epsilon
 from dpclip.tuning.privacy import REPEAT_AND_SELECT
 from dpclip.tuning.space import search_space
 
@@ -308,6 +309,8 @@ def _mark_selected(best: _Candidate, search_dir: Path, summary: Mapping[str, Any
                       *(f"  {line}" for line in record_statement)],
     })
     write_json_atomic(run.summary_file, record)
+    # The trial logged its own ε under another tag (dpclip/train/tensorboard.py): the headline is the search's.
+    write_headline_epsilon(run.path, summary["epsilon"], run.ledger().steps)
 
 
 # --------------------------------------------------------------------------- reading back
