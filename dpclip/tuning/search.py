@@ -19,7 +19,8 @@ nor the other trials, and with a private score no trial writes an exact held-out
 
 The search directory's ``ledger.json`` holds exactly the repeat-and-select event, so its
 ε is the one ``tune-cost`` promised; the selected run carries ``search.json`` pointing to
-it, and ``dpclip account`` reports the search's ε for both (:func:`read_search`).
+it, and ``dpclip account`` reports the search's ε for both (:func:`read_search`); every headline
+ε of the selected run comes from :func:`dpclip.tuning.headline.headline`.
 
 Length: above ~400 lines on purpose: writing a search directory and reading it back share
 its format, marker and event parts; a split would give them two homes.
