@@ -34,7 +34,7 @@ from dpclip.files import write_json_atomic
 from dpclip.models import build_model
 from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
 from dpclip.train.rundir import check_ledger, load_run_recipe, planned_step
-from dpclip.tuning.search import read_search, search_of_run
+from dpclip.tuning.headline import headline
 
 ATTACKS = ("loss", "logistic", "lira", "one-run")
 CANARY_HINT = ("add canaries to the recipe and train again, e.g. `audit: {canaries: {count: 200, kind: ood}}` "
@@ -96,15 +96,14 @@ def _ledger_at(run_dir: Path, recipe, checkpoint: Path, state: dict) -> tuple[fl
 def _charge_search(run_dir: Path, report: dict[str, Any]) -> None:
     """A run selected by a tuning search costs what the whole search spent: set that ε beside
     the measured leakage, not the run's own (smaller) one."""
-    search_dir = search_of_run(run_dir)
-    if search_dir is None:
+    found = headline(run_dir)
+    if found.search_dir is None:
         return
-    search = read_search(search_dir)
     report["ledger"]["epsilon_this_run_alone"] = report["ledger"]["epsilon"]
-    report["ledger"]["epsilon"] = search.ledger.epsilon()
-    report["ledger"]["search_dir"] = str(search_dir)
-    report["notes"].append(f"this run was selected by the tuning search {search_dir}: its ε is the search's "
-                           f"({search.ledger.epsilon():.4g}); the run's own ledger alone understates it")
+    report["ledger"]["epsilon"] = found.epsilon
+    report["ledger"]["search_dir"] = str(found.search_dir)
+    report["notes"].append(f"this run was selected by the tuning search {found.search_dir}: its ε is the search's "
+                           f"({found.epsilon:.4g}); the run's own ledger alone understates it")
 
 
 def _one_run(run_dir: Path, recipe, pool: Pool, model, loss_fn, delta: float, confidence: float) -> dict:

@@ -136,8 +136,8 @@ def _statistic(alias: str, groups: int, sigma: float | None, fraction: float | N
 
 def _account_directory(target: Path, as_json: bool) -> None:
     """What a run directory, or a search directory of `tune-cost --run`, has spent."""
-    from dpclip.train.rundir import spent
-    from dpclip.tuning.search import is_search_dir, read_search, search_of_run
+    from dpclip.tuning.headline import headline
+    from dpclip.tuning.search import is_search_dir, read_search
 
     if is_search_dir(target):
         search = read_search(target)
@@ -152,9 +152,10 @@ def _account_directory(target: Path, as_json: bool) -> None:
         return
     # A run selected by a search costs what the search spent: its own ledger covers its
     # training alone, not the other trials nor the selection.
-    search_dir = search_of_run(target)
-    ledger, statement = spent(target)
-    if search_dir is None:
+    found = headline(target)
+    ledger, statement = found.run_ledger, found.run_statement
+    selected_by = found.selected_by()
+    if selected_by is None:
         if as_json:
             print_json({"source": str(target), "ledger": ledger.to_dict(), "statement": statement.to_dict()})
         else:
@@ -162,23 +163,14 @@ def _account_directory(target: Path, as_json: bool) -> None:
             for line in statement.lines():
                 console.print(f"  {line}", soft_wrap=True)
         return
-    search = read_search(search_dir)
-    if search.selected_run is None or search.selected_run != target.resolve():
-        from dpclip.errors import DpclipError
-
-        raise DpclipError(f"{target} points to the search {search_dir}, which did not select it",
-                          "the run directory or the search directory was modified: restore them; a trial that "
-                          "was not selected is not a release")
-    selected_by = {"search_dir": str(search_dir), "epsilon": search.statement.epsilon,
-                   "delta": search.statement.delta, "run_epsilon_alone": statement.epsilon}
     if as_json:
-        print_json({"source": str(target), "kind": "selected run", "ledger": search.ledger.to_dict(),
-                    "statement": search.statement.to_dict(), "selected_by_search": selected_by,
+        print_json({"source": str(target), "kind": "selected run", "ledger": found.ledger.to_dict(),
+                    "statement": found.statement.to_dict(), "selected_by_search": selected_by,
                     "run_ledger": ledger.to_dict(), "run_statement": statement.to_dict()})
         return
-    console.print(f"[bold]run {target}[/]: selected by the search {search_dir}; publishing it costs the "
-                  f"search's ε = {fmt(search.statement.epsilon)} at δ = {search.statement.delta:g}", soft_wrap=True)
-    for line in search.statement.lines():
+    console.print(f"[bold]run {target}[/]: selected by the search {found.search_dir}; publishing it costs the "
+                  f"search's ε = {fmt(found.epsilon)} at δ = {found.delta:g}", soft_wrap=True)
+    for line in found.statement.lines():
         console.print(f"  {line}", soft_wrap=True)
     console.print(f"  this run's own ledger ({ledger.steps} steps, ε = {fmt(statement.epsilon)}) understates what "
                   "was spent: it leaves out the other trials and the selection", soft_wrap=True)

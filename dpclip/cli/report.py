@@ -26,6 +26,10 @@ def report(
     console.print(f"steps: {summary['steps_done']} of {summary['steps_planned']}   stopped: {summary['stopped']}")
     cap = "" if summary["epsilon_cap"] is None else f" (cap {fmt(summary['epsilon_cap'])})"
     console.print(f"ε = {fmt(summary['epsilon'])} at δ = {summary['delta']:g}{cap}, {summary['accountant']} accountant")
+    selected_by = summary.get("selected_by_search")
+    if selected_by is not None:
+        console.print(f"  the ε of the search {selected_by['search_dir']} that selected this run; this run's own "
+                      f"ledger (ε = {fmt(selected_by['run_epsilon_alone'])}) understates it", soft_wrap=True)
     if summary["final_eval"]:
         metrics = ", ".join(f"{k} {fmt(v)}" for k, v in summary["final_eval"].items())
         console.print(f"final held-out metrics ([red]not covered by ε[/]): {metrics}")

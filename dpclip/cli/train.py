@@ -56,7 +56,8 @@ class RichObserver:
 
             console.print(f"[bold red]{SEEDED_RANDOMNESS_WARNING}[/]", soft_wrap=True)
         if info.get("exact_diagnostics"):
-            console.print("loss, clip % and eval figures below are computed without noise from private data: "
+            console.print("loss, clip %, eval figures and time remaining below are computed without noise from "
+                          "private data: "
                           "not covered by ε (privacy.exact_diagnostics: false turns them off)", soft_wrap=True)
         if info.get("continual"):
             console.print(_continual_line(info["continual"]), soft_wrap=True)
@@ -64,7 +65,9 @@ class RichObserver:
             return
         self.progress = Progress(
             BarColumn(bar_width=16), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-            TimeRemainingColumn(), console=console, transient=False)
+            # Time remaining follows the step times, which follow the realised (private) batch
+            # sizes: shown only with the other exact diagnostics, labelled with them above.
+            *([TimeRemainingColumn()] if info.get("exact_diagnostics") else []), console=console, transient=False)
         self.progress.start()
         self.task = self.progress.add_task("train", total=info["steps"], completed=info.get("start_step", 0),
                                            status="")

@@ -12,27 +12,21 @@ from typing import Any
 
 from dpclip import __version__
 from dpclip.accounting.statement import SEEDED_RANDOMNESS_WARNING
-from dpclip.errors import DpclipError
-from dpclip.train.rundir import spent
 
 LABEL_NAMES_NOTE = ("label names: the class names of the data's label column, published as they are "
                     "(not covered by ε)")
 
 
 def released_statement(run_dir: Path) -> tuple[Any, dict[str, Any] | None]:
-    """(statement, search) of what publishing the run costs: its own ledger's statement,
-    or for a run selected by a ``tune-cost --run`` search, the search's (as ``dpclip
-    account RUN_DIR`` says: the other trials and the selection count too)."""
-    from dpclip.tuning.search import read_search, search_of_run
+    """(statement, search) of what publishing the run costs: :func:`dpclip.tuning.headline.headline`
+    (for a run selected by a ``tune-cost --run`` search, the search's statement)."""
+    from dpclip.tuning.headline import headline
 
-    search_dir = search_of_run(run_dir)
-    if search_dir is None:
-        return spent(run_dir)[1], None
-    search = read_search(search_dir)
-    if search.selected_run is None or search.selected_run != Path(run_dir).resolve():
-        raise DpclipError(f"{run_dir} points to the search {search_dir}, which did not select it",
-                          "a trial that was not selected is not a release: export the selected run")
-    return search.statement, {"search_dir": str(search_dir), "run_epsilon_alone": spent(run_dir)[1].epsilon}
+    found = headline(run_dir)
+    selected_by = found.selected_by()
+    search = None if selected_by is None else {"search_dir": selected_by["search_dir"],
+                                               "run_epsilon_alone": selected_by["run_epsilon_alone"]}
+    return found.statement, search
 
 
 def privacy_card(statement, *, recipe_name: str, checkpoint: str, checkpoint_step: int,

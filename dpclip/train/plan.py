@@ -112,6 +112,8 @@ def timing_clipping(recipe: Recipe, stand_in_sigma: float) -> dict[str, Any]:
 EXACT_DIAGNOSTICS = (
     "training loss, clip fraction, median norm and realised batch size of every step (progress bar, "
     "metrics.jsonl 'diagnostics'), computed without noise from the private batch",
+    "wall time of every step (metrics.jsonl 'seconds', TensorBoard, the progress bar's time remaining), which "
+    "follows the realised batch size",
     "held-out metrics (progress bar, metrics.jsonl 'eval', summary.json 'final_eval'), computed without "
     "noise on the held-out split of the private data",
 )

@@ -2,9 +2,10 @@
 plot of the run and its privacy statement (docs/cli.md, "report"; docs/training.md,
 "Plots and logging").
 
-The page is built from the run directory alone. ε, δ and the statement come from the
-run's ledger.json, checked against the plan re-solved from its recipe (the same check as
-``dpclip account RUN_DIR``); the held-out metrics and the audit's results are exact,
+The page is built from the run directory alone. ε, δ and the statement are the run's
+headline (:func:`dpclip.tuning.headline.headline`, as ``dpclip account RUN_DIR``): its
+ledger.json checked against the plan re-solved from its recipe, or for a run a
+``tune-cost --run`` search selected, the search's ledger (the run's own ε is shown beside it); the held-out metrics and the audit's results are exact,
 computed on private data, and are labelled "not covered by ε" wherever they appear.
 Plots missing from the run (a run that stopped before its end drew them) are drawn in
 memory from metrics.jsonl; the run directory itself is never written, except the page
@@ -24,7 +25,7 @@ from dpclip.errors import DpclipError
 from dpclip.files import read_json, write_text_atomic
 from dpclip.train.plots import (THRESHOLDS_PLOT, TRAINING_PLOT, read_metrics, threshold_rows, thresholds_figure,
                                 training_figure)
-from dpclip.train.rundir import RunDir, planned_step, spent
+from dpclip.train.rundir import RunDir, planned_step
 
 REPORT_FILE = "report.html"
 NOT_COVERED = "not covered by ε"
@@ -37,20 +38,30 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     if not run.path.is_dir():
         raise DpclipError(f"{run.path} is not a folder", "pass a run directory, e.g. runs/quickstart-20261121-101500")
     recipe = run.recipe()  # error + hint when the folder is not a run
-    ledger, statement = spent(run.path)
+    found = _headline(run.path)
+    ledger = found.run_ledger
     _, planned = planned_step(run.path, recipe)
     summary = run.summary() if run.summary_file.exists() else {}
     records = read_metrics(run.metrics_file)
     final_eval = summary.get("final_eval") or next((r["eval"] for r in reversed(records) if "eval" in r), {})
-    epsilon = ledger.epsilon() if ledger.steps else 0.0
     return {
         "run_dir": str(run.path), "name": recipe.name, "steps_done": ledger.steps, "steps_planned": planned,
-        "epsilon": epsilon, "delta": recipe.privacy.delta, "accountant": recipe.privacy.accountant,
+        # The headline: for a run a search selected, the search's ε (everything released with the run).
+        "epsilon": found.epsilon, **({"delta": recipe.privacy.delta, "accountant": recipe.privacy.accountant}
+                                     if found.search_dir is None else
+                                     {"delta": found.delta, "accountant": found.statement.accountant}),
         "epsilon_cap": recipe.privacy.epsilon,
+        "selected_by_search": found.selected_by(),
         "stopped": summary.get("stopped", "unfinished (no summary.json): resume with dpclip train --resume RUN_DIR"),
         "final_eval": final_eval, "not_covered_by_epsilon": ["final_eval"] if final_eval else [],
-        "statement": statement.lines(),
+        "statement": found.statement.lines(),
     }
+
+
+def _headline(run_dir: Path):
+    from dpclip.tuning.headline import headline  # lazy: the search module imports the training workflow
+
+    return headline(run_dir)
 
 
 def _png(figure) -> bytes:
@@ -62,9 +73,10 @@ def _png(figure) -> bytes:
     return buffer.getvalue()
 
 
-def run_plots(run_dir: Path) -> list[tuple[str, str, bytes]]:
+def run_plots(run_dir: Path, selected_by: dict[str, Any] | None = None) -> list[tuple[str, str, bytes]]:
     """(title, caption, PNG bytes) of every plot of a run: training.png, thresholds.png (drawn
-    in memory when the run has none) and the audit's PNGs if it has an audit/ folder."""
+    in memory when the run has none) and the audit's PNGs if it has an audit/ folder.
+    ``selected_by``: the search that selected the run (its ε curve is then the run's own alone)."""
     run = RunDir(run_dir)
     records = read_metrics(run.metrics_file)
     plots = []
@@ -77,7 +89,10 @@ def run_plots(run_dir: Path) -> list[tuple[str, str, bytes]]:
     else:
         data = None
     if data is not None:
-        plots.append(("training", "ε spent (charged in the ledger); the loss and held-out metrics are exact "
+        spent_caption = "ε spent (charged in the ledger)" if selected_by is None else (
+            f"ε of this run's own training alone; publishing it costs the search's ε = "
+            f"{selected_by['epsilon']:.4g}")
+        plots.append(("training", f"{spent_caption}; the loss and held-out metrics are exact "
                       f"diagnostics, {NOT_COVERED}", data))
     thresholds = run.path / THRESHOLDS_PLOT
     steps, rows = threshold_rows(records)
@@ -124,6 +139,12 @@ def report_html(summary: dict[str, Any], plots: list[tuple[str, str, bytes]],
     rows = [("run", summary["run_dir"]), ("steps", f"{summary['steps_done']} of {summary['steps_planned']}"),
             ("ε spent", f"{summary['epsilon']:.4g} at δ = {summary['delta']:.3g} ({summary['accountant']})"),
             ("ε cap", _fmt(summary["epsilon_cap"])), ("stopped", summary["stopped"])]
+    selected_by = summary.get("selected_by_search")
+    if selected_by is not None:
+        rows[2] = ("ε spent", f"{summary['epsilon']:.4g} at δ = {summary['delta']:.3g} ({summary['accountant']}): "
+                   f"the search {selected_by['search_dir']} that selected this run, every trial included")
+        rows.insert(3, ("ε of this run alone", f"{selected_by['run_epsilon_alone']:.4g} (understates what "
+                        "publishing the run costs)"))
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>dpclip report: {e(summary['name'])}</title>",
@@ -169,6 +190,6 @@ def write_report(run_dir: Path, out: Path | None = None) -> tuple[dict[str, Any]
         raise DpclipError(f"{out} is a folder", "pass a file name for --out, e.g. --out report.html")
     if not out.parent.is_dir():
         raise DpclipError(f"{out.parent} does not exist", "create the folder first, or choose another --out")
-    page = report_html(summary, run_plots(path), _audit_rows(path))
+    page = report_html(summary, run_plots(path, summary["selected_by_search"]), _audit_rows(path))
     write_text_atomic(out, page)
     return summary, out

@@ -33,6 +33,9 @@ class TrainResult:
     sigma_change: dict[str, Any] | None = None
     # Non-privacy fields a resume changed: {dotted field: [old, new]} (empty for a fresh run).
     resume_changes: dict[str, list[Any]] = field(default_factory=dict)
+    # Wall time of this process's private steps: in memory only, never written (it follows
+    # the realised batch sizes; tune-cost's fixed-cost measurement subtracts it).
+    step_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -372,13 +372,13 @@ def _released_part(record: dict[str, Any]) -> str:
 def step_record(step, report, epsilon, loss_sum, batch_len, expected_batch, lr, seconds, clip_fn,
                  diagnostics: bool = True) -> dict[str, Any]:
     """One step's line of metrics.jsonl: the released part (:data:`_RELEASED_FIELDS`) and,
-    with exact diagnostics on, the labelled diagnostics (docs/training.md, "metrics.jsonl")."""
+    with exact diagnostics on, the labelled diagnostics and the step's wall time ``seconds``
+    (docs/training.md, "metrics.jsonl"); with them off, neither is written."""
     summary = report.to_dict()
     record = {
         "step": step,
         "epsilon": epsilon,
         "lr": lr,
-        "seconds": round(seconds, 4),
         "thresholds": summary["thresholds"],
         "noise_std": summary["noise_std_grad"],
         "policy": summary["policy_summary"] or None,
@@ -392,7 +392,9 @@ def step_record(step, report, epsilon, loss_sum, batch_len, expected_batch, lr, 
             "norm_median": summary["norm_quantiles"].get("median"),
             "nonfinite": summary["nonfinite"],  # samples dropped for a non-finite norm, per group
         }
-        record["not_covered_by_epsilon"] = ["diagnostics"]
+        # The step's wall time follows its realised (private) Poisson batch size.
+        record["seconds"] = round(seconds, 4)
+        record["not_covered_by_epsilon"] = ["diagnostics", "seconds"]
     return record
 
 

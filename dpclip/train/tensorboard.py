@@ -4,7 +4,7 @@ docs/training.md, "Plots and logging".
 Each record the trainer writes to metrics.jsonl is forwarded here after it is written, so
 the event files under ``RUN_DIR/tensorboard/`` hold exactly what metrics.jsonl holds: the
 charged releases (ε, thresholds, noise std, the policy's released statistics) and the
-run's settings (lr, seconds per step) under their own tags, and the exact diagnostics and
+run's learning rate under its own tag, and the exact diagnostics, the step times and the
 held-out metrics only under the tag prefix ``not_covered_by_epsilon/``. Replayed steps of
 a resumed run are never forwarded (the trainer skips them), so no step is written twice;
 each record is flushed so that a killed run loses no event that metrics.jsonl kept.
@@ -23,6 +23,10 @@ from dpclip.errors import DpclipError
 
 TENSORBOARD_DIR = "tensorboard"
 NOT_COVERED_PREFIX = "not_covered_by_epsilon/"
+#: The headline ε: what publishing the run costs (for a run a search selected, the search's ε).
+EPSILON_TAG = "privacy/epsilon"
+#: A search trial's ε of its own training alone (it understates what publishing it costs).
+RUN_ALONE_EPSILON_TAG = "privacy/epsilon_this_run_alone"
 
 
 def tensorboard_installed() -> bool:
@@ -43,7 +47,8 @@ def _number(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def record_scalars(record: dict[str, Any], group_names: list[str]) -> list[tuple[str, float]]:
+def record_scalars(record: dict[str, Any], group_names: list[str],
+                   epsilon_tag: str = EPSILON_TAG) -> list[tuple[str, float]]:
     """(tag, value) pairs of one metrics.jsonl record (see the module doc for the tags).
 
     Per-group values are tagged by group name (``thresholds/fc1``); the diagnostics and
@@ -69,9 +74,11 @@ def record_scalars(record: dict[str, Any], group_names: list[str]) -> list[tuple
         for metric, value in record["eval"].items():
             add(f"{NOT_COVERED_PREFIX}eval_{metric}", value)
         return out
-    add("privacy/epsilon", record.get("epsilon"))
+    add(epsilon_tag, record.get("epsilon"))
     add("train/lr", record.get("lr"))
-    add("train/seconds_per_step", record.get("seconds"))
+    # Step time follows the realised (private) batch size: labelled like the diagnostics,
+    # and absent from the record when privacy.exact_diagnostics is off.
+    add(NOT_COVERED_PREFIX + "seconds_per_step", record.get("seconds"))
     add("thresholds", record.get("thresholds"))
     add("noise_std", record.get("noise_std"))
     add("policy", record.get("policy"))
@@ -83,16 +90,17 @@ def record_scalars(record: dict[str, Any], group_names: list[str]) -> list[tuple
 class TensorBoardLog:
     """A ``SummaryWriter`` over ``RUN_DIR/tensorboard/`` fed with metrics.jsonl records."""
 
-    def __init__(self, run_dir: Path, group_names: list[str]):
+    def __init__(self, run_dir: Path, group_names: list[str], epsilon_tag: str = EPSILON_TAG):
         from torch.utils.tensorboard import SummaryWriter  # lazy: an optional extra
 
         self.path = Path(run_dir) / TENSORBOARD_DIR
         self.group_names = list(group_names)
+        self.epsilon_tag = epsilon_tag
         self.writer = SummaryWriter(log_dir=str(self.path))
 
     def write(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
-        for tag, value in record_scalars(record, self.group_names):
+        for tag, value in record_scalars(record, self.group_names, self.epsilon_tag):
             self.writer.add_scalar(tag, value, global_step=step)
         self.writer.flush()
 
@@ -105,4 +113,22 @@ def open_tensorboard(recipe, run_dir: Path, group_names: list[str]) -> TensorBoa
     if not recipe.logging.tensorboard:
         return None
     check_logging(recipe)
-    return TensorBoardLog(run_dir, group_names)
+    # A trial of a tune-cost --run search: its ε alone is not what publishing it costs, so it
+    # is not written as the headline; the search writes its own ε there if it selects the run.
+    from dpclip.tuning.search import search_of_run  # lazy: the search imports the workflow
+
+    in_search = search_of_run(Path(run_dir)) is not None
+    return TensorBoardLog(run_dir, group_names, RUN_ALONE_EPSILON_TAG if in_search else EPSILON_TAG)
+
+
+def write_headline_epsilon(run_dir: Path, epsilon: float, step: int) -> None:
+    """Add the headline ε (:data:`EPSILON_TAG`) at ``step`` to a run's TensorBoard log, if it has one
+    (the search calls it for the run it selected)."""
+    path = Path(run_dir) / TENSORBOARD_DIR
+    if not path.is_dir() or not tensorboard_installed():
+        return
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(path))
+    writer.add_scalar(EPSILON_TAG, float(epsilon), global_step=int(step))
+    writer.close()

@@ -80,6 +80,7 @@ class Trainer:
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.pipeline = False  # one stage per rank (training.parallel: pipeline), set with the recipe
         self.step = 0
+        self.step_seconds = 0.0  # this process's private steps' wall time (never written: see TrainResult)
         # ledger.json counts every release that has left the process; after a crash it may be
         # ahead of the checkpoint we resume from, and it never moves back.
         self.released_steps = 0
@@ -384,7 +385,7 @@ class Trainer:
         statement = run_statement(self.recipe, self.ledger, world_size=self.world.size)
         result = TrainResult(self.run_dir, self.step, self.plan.steps, accounting.epsilon, accounting.epsilon_rdp,
                              self.plan.delta, stopped, final_eval, statement.lines(), self.solved.step_metadata,
-                             self.sigma_change, self.resume_changes)
+                             self.sigma_change, self.resume_changes, step_seconds=self.step_seconds)
         run = RunDir(self.run_dir)
         write_json_atomic(run.summary_file, result.to_dict())
         if self.tensorboard is not None:
@@ -438,6 +439,7 @@ class Trainer:
         outcome = global_outcome(self.world, outcome)  # loss and batch size of all ranks' parts
         self.ledger.record(step_event, metadata=self.solved.step_metadata)
         self.step += 1
+        self.step_seconds += outcome.seconds
         # Charged before anything of this step leaves the process (a crash between
         # the two leaves the ledger ahead, never behind).
         self._write_ledger(every_step=True)

@@ -19,7 +19,8 @@ nor the other trials, and with a private score no trial writes an exact held-out
 
 The search directory's ``ledger.json`` holds exactly the repeat-and-select event, so its
 ε is the one ``tune-cost`` promised; the selected run carries ``search.json`` pointing to
-it, and ``dpclip account`` reports the search's ε for both (:func:`read_search`).
+it, and ``dpclip account`` reports the search's ε for both (:func:`read_search`); every headline
+ε of the selected run comes from :func:`dpclip.tuning.headline.headline`.
 
 Length: above ~400 lines on purpose: writing a search directory and reading it back share
 its format, marker and event parts; a split would give them two homes.
@@ -57,6 +58,7 @@ from dpclip.rng import derived_seed, private_random
 from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
 from dpclip.train.plan import not_covered, private_seed
 from dpclip.train.rundir import RunDir, load_run_recipe, spent
+from dpclip.train.tensorboard import write_headline_epsilon
 from dpclip.tuning.privacy import REPEAT_AND_SELECT
 from dpclip.tuning.space import search_space
 
@@ -308,6 +310,8 @@ def _mark_selected(best: _Candidate, search_dir: Path, summary: Mapping[str, Any
                       *(f"  {line}" for line in record_statement)],
     })
     write_json_atomic(run.summary_file, record)
+    # The trial logged its own ε under another tag (dpclip/train/tensorboard.py): the headline is the search's.
+    write_headline_epsilon(run.path, summary["epsilon"], run.ledger().steps)
 
 
 # --------------------------------------------------------------------------- reading back
