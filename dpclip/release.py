@@ -54,6 +54,8 @@ MANIFEST: tuple[Entry, ...] = (
     _run("recipe.yaml", RELEASED, "the resolved recipe (its `seed` governs only public randomness); with canaries "
          "its `audit` and `seed` identify them: share it only after the audit"),
     _run("meta.json", SECRET, "member and non-member indices (membership), split and content fingerprints"),
+    _run("plan.json", RELEASED, "what the statement is rebuilt from: privacy fingerprint, training-set size "
+         "(the statement's sampling rate states it), process count, clipping group names"),
     _run("ledger.json", RELEASED, "every step's charged DpEvent, δ, accountant; ε so far"),
     _run("metrics.jsonl", LABELLED, "per step: ε, lr, released thresholds and noise std (covered); "
          "`diagnostics` and `eval` lines (exact, labelled `not_covered_by_epsilon`)"),

@@ -99,7 +99,7 @@ def run_plots(run_dir: Path, selected_by: dict[str, Any] | None = None) -> list[
     if thresholds.exists():
         data = thresholds.read_bytes()
     elif steps:
-        groups = run.meta().get("groups") or []
+        groups = run.public_plan().get("groups") or []
         data = _png(thresholds_figure(steps, rows, groups, policy=run.recipe().clipping.threshold.kind))
     else:
         data = None

@@ -98,6 +98,7 @@ class RunDir:
 
     RECIPE = "recipe.yaml"
     META = "meta.json"
+    PLAN = "plan.json"              # released: what the privacy statement is rebuilt from
     LEDGER = "ledger.json"
     METRICS = "metrics.jsonl"
     SUMMARY = "summary.json"
@@ -146,6 +147,10 @@ class RunDir:
         return self.path / self.META
 
     @property
+    def plan_file(self) -> Path:
+        return self.path / self.PLAN
+
+    @property
     def ledger_file(self) -> Path:
         return self.path / self.LEDGER
 
@@ -186,6 +191,16 @@ class RunDir:
         if not self.meta_file.exists():
             raise DpclipError(f"{self.path} has no meta.json", "pass the folder that `dpclip train` created under runs/")
         return read_json(self.meta_file)
+
+    def public_plan(self) -> dict[str, Any]:
+        """What the privacy statement is rebuilt from, read from plan.json (released): the
+        privacy fingerprint, the training-set size (the statement's sampling rate already
+        states it), the process count and the clipping groups' names. Readers of released
+        files (`dpclip report`, `dpclip export`, `dpclip account RUN`) use this, never
+        meta.json; runs made before plan.json existed fall back to meta.json's same fields."""
+        if self.plan_file.exists():
+            return read_json(self.plan_file)
+        return public_plan_record(self.meta())
 
     def ledger(self):
         """ledger.json as a Ledger (unchecked: see :func:`check_ledger`)."""
@@ -277,11 +292,11 @@ def run_statement(recipe: Recipe, ledger, *, world_size: int = 1):
 
 
 def recorded_world_size(run_dir: Path) -> int:
-    """The number of processes meta.json's plan says trained the run (1: runs before --nproc)."""
-    value = RunDir(run_dir).meta().get("plan", {}).get("world_size", 1)
+    """The number of processes plan.json says trained the run (1: runs before --nproc)."""
+    value = RunDir(run_dir).public_plan().get("world_size", 1)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise DpclipError(f"{RunDir(run_dir).meta_file} records world_size {value!r}, which is not a process count",
-                          "the run directory was modified: restore meta.json")
+        raise DpclipError(f"{RunDir(run_dir).plan_file} records world_size {value!r}, which is not a process count",
+                          "the run directory was modified: restore plan.json")
     return value
 
 
@@ -295,17 +310,17 @@ def _read_ledger(path: Path):
 
 def planned_step(run_dir: Path, recipe: Recipe):
     """(step event, planned steps) of the run in ``run_dir``, re-solved from its recipe and
-    the sizes in meta.json (the recipe's privacy fields must match the fingerprint)."""
+    the sizes in plan.json (the recipe's privacy fields must match the fingerprint)."""
     run = RunDir(run_dir)
-    meta_path = run.meta_file
-    meta = run.meta()
-    if meta.get("privacy_fingerprint") != privacy_fingerprint(recipe):
+    public = run.public_plan()
+    if public.get("privacy_fingerprint") != privacy_fingerprint(recipe):
         raise DpclipError(f"the privacy fields of {run.recipe_file} were edited after the run started",
                           "the ledger would no longer describe the run; restore recipe.yaml")
     try:
-        plan = privacy_plan(recipe, int(meta["plan"]["num_train"]), groups=len(meta["groups"]))
+        plan = privacy_plan(recipe, int(public["num_train"]), groups=len(public["groups"]))
     except (KeyError, TypeError, ValueError) as exc:
-        raise DpclipError(f"{meta_path} lacks the run's sizes ({exc})", "restore meta.json") from None
+        source = run.plan_file if run.plan_file.exists() else run.meta_file
+        raise DpclipError(f"{source} lacks the run's sizes ({exc})", f"restore {source.name}") from None
     return solve(plan).step_event, plan.steps
 
 
@@ -422,6 +437,14 @@ def _released_records(path: Path, last_step: int) -> dict[tuple[str, int], dict[
             later[("eval" if "eval" in record else "step", record["step"])] = record
     write_text_atomic(path, "".join(f"{line}\n" for line in kept))
     return later
+
+
+def public_plan_record(meta: dict[str, Any]) -> dict[str, Any]:
+    """plan.json's fields, from meta.json's: nothing of the membership, the data's
+    fingerprints, the seed or the canaries (docs/accounting.md, "Threat model")."""
+    plan = meta.get("plan", {})
+    return {"privacy_fingerprint": meta.get("privacy_fingerprint"), "num_train": plan.get("num_train"),
+            "world_size": plan.get("world_size", 1), "groups": meta.get("groups")}
 
 
 def _meta(recipe: Recipe, data, info: dict[str, Any]) -> dict[str, Any]:

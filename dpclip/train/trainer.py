@@ -43,6 +43,7 @@ from dpclip.train.ranks import (check_ranks, check_world_size, global_outcome, r
                                 share_run_state)
 from dpclip.train.rundir import (
     PLAN_FIELDS, RunDir, _append_metrics, _check_canaries, _check_data, _check_same_release, _meta, _privacy_diff,
+    public_plan_record,
     _read_ledger, _released_part, _released_records, check_ledger, privacy_fingerprint, recipe_changes,
     record_resume_changes, run_statement, step_record)
 from dpclip.train.step import PrivateStep, step_micro_batch_size, step_precision
@@ -264,7 +265,9 @@ class Trainer:
             raise DpclipError(f"{run.path} already holds a run", "resume it with --resume, or choose a new folder")
         run.path.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run.recipe_file, recipe_to_yaml(self.recipe))
-        write_json_atomic(run.meta_file, _meta(self.recipe, self.ordinary, info))
+        meta = _meta(self.recipe, self.ordinary, info)
+        write_json_atomic(run.meta_file, meta)
+        write_json_atomic(run.plan_file, public_plan_record(meta))
         if self.canaries is not None:
             write_canary_secret(run.path, self.canaries)
         run.metrics_file.touch()

@@ -213,8 +213,6 @@ def _opened_by(run) -> list[str]:
         _OPENED = None
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26, open: the privacy statement is rebuilt from meta.json's "
-                   "plan (num_train, groups): that public part needs a released file of its own")
 @pytest.mark.parametrize("command", ["export", "report"])
 def test_export_and_report_open_no_secret_file_of_the_run(tiny_recipe, cli, tmp_path, command):
     """`dpclip export` and `dpclip report` may read only what the manifest marks released:
