@@ -34,7 +34,7 @@ from dpclip.files import write_json_atomic
 from dpclip.models import build_model
 from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
 from dpclip.train.rundir import check_ledger, load_run_recipe, planned_step
-from dpclip.tuning.headline import headline
+from dpclip.train.searchdir import headline
 
 ATTACKS = ("loss", "logistic", "lira", "one-run")
 CANARY_HINT = ("add canaries to the recipe and train again, e.g. `audit: {canaries: {count: 200, kind: ood}}` "

@@ -136,7 +136,7 @@ def _statistic(alias: str, groups: int, sigma: float | None, fraction: float | N
 
 def _account_directory(target: Path, as_json: bool) -> None:
     """What a run directory, or a search directory of `tune-cost --run`, has spent."""
-    from dpclip.tuning.headline import headline
+    from dpclip.train.searchdir import headline
     from dpclip.tuning.search import is_search_dir, read_search
 
     if is_search_dir(target):

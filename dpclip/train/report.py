@@ -3,7 +3,7 @@ plot of the run and its privacy statement (docs/cli.md, "report"; docs/training.
 "Plots and logging").
 
 The page is built from the run directory alone. ε, δ and the statement are the run's
-headline (:func:`dpclip.tuning.headline.headline`, as ``dpclip account RUN_DIR``): its
+headline (:func:`dpclip.train.searchdir.headline`, as ``dpclip account RUN_DIR``): its
 ledger.json checked against the plan re-solved from its recipe, or for a run a
 ``tune-cost --run`` search selected, the search's ledger (the run's own ε is shown beside it); the held-out metrics and the audit's results are exact,
 computed on private data, and are labelled "not covered by ε" wherever they appear.
@@ -26,6 +26,7 @@ from dpclip.files import read_json, write_text_atomic
 from dpclip.train.plots import (THRESHOLDS_PLOT, TRAINING_PLOT, read_metrics, threshold_rows, thresholds_figure,
                                 training_figure)
 from dpclip.train.rundir import RunDir, planned_step
+from dpclip.train.searchdir import headline
 
 REPORT_FILE = "report.html"
 NOT_COVERED = "not covered by ε"
@@ -38,7 +39,7 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     if not run.path.is_dir():
         raise DpclipError(f"{run.path} is not a folder", "pass a run directory, e.g. runs/quickstart-20261121-101500")
     recipe = run.recipe()  # error + hint when the folder is not a run
-    found = _headline(run.path)
+    found = headline(run.path)
     ledger = found.run_ledger
     _, planned = planned_step(run.path, recipe)
     summary = run.summary() if run.summary_file.exists() else {}
@@ -56,12 +57,6 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
         "final_eval": final_eval, "not_covered_by_epsilon": ["final_eval"] if final_eval else [],
         "statement": found.statement.lines(),
     }
-
-
-def _headline(run_dir: Path):
-    from dpclip.tuning.headline import headline  # lazy: the search module imports the training workflow
-
-    return headline(run_dir)
 
 
 def _png(figure) -> bytes:

@@ -108,16 +108,15 @@ class TensorBoardLog:
         self.writer.close()
 
 
-def open_tensorboard(recipe, run_dir: Path, group_names: list[str]) -> TensorBoardLog | None:
-    """The run's TensorBoard log if the recipe asks for one, else None."""
+def open_tensorboard(recipe, run_dir: Path, group_names: list[str], *,
+                     in_search: bool = False) -> TensorBoardLog | None:
+    """The run's TensorBoard log if the recipe asks for one, else None. ``in_search``: the run
+    is a trial of a tune-cost --run search (:func:`dpclip.train.searchdir.search_of_run`): its ε
+    alone is not what publishing it costs, so it is not written as the headline; the search
+    writes its own ε there if it selects the run."""
     if not recipe.logging.tensorboard:
         return None
     check_logging(recipe)
-    # A trial of a tune-cost --run search: its ε alone is not what publishing it costs, so it
-    # is not written as the headline; the search writes its own ε there if it selects the run.
-    from dpclip.tuning.search import search_of_run  # lazy: the search imports the workflow
-
-    in_search = search_of_run(Path(run_dir)) is not None
     return TensorBoardLog(run_dir, group_names, RUN_ALONE_EPSILON_TAG if in_search else EPSILON_TAG)
 
 

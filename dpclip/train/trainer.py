@@ -41,6 +41,7 @@ from dpclip.train.plots import plot_run
 from dpclip.train.result import TrainObserver, TrainResult, _Null  # noqa: F401 (TrainObserver: re-exported)
 from dpclip.train.ranks import (check_ranks, check_world_size, global_outcome, rank_states, setup_recipe,
                                 share_run_state)
+from dpclip.train.searchdir import search_of_run
 from dpclip.train.rundir import (
     PLAN_FIELDS, RunDir, _append_metrics, _check_canaries, _check_data, _check_same_release, _meta, _privacy_diff,
     public_plan_record,
@@ -375,7 +376,9 @@ class Trainer:
             return self._dry_run(info)
         self._setup_run_dir(info)
         if self.world.main:
-            self.tensorboard = open_tensorboard(self.recipe, self.run_dir, self.engine.group_names)
+            self.tensorboard = open_tensorboard(self.recipe, self.run_dir, self.engine.group_names,
+                                                in_search=self.recipe.logging.tensorboard
+                                                and search_of_run(Path(self.run_dir)) is not None)
         self.observer.on_start({**info, **self.info(), "run_dir": str(self.run_dir), "start_step": self.step,
                                 "dry_run": False})  # self.info() again: the resumed phase
         stopped = self._loop()

@@ -20,7 +20,7 @@ nor the other trials, and with a private score no trial writes an exact held-out
 The search directory's ``ledger.json`` holds exactly the repeat-and-select event, so its
 ε is the one ``tune-cost`` promised; the selected run carries ``search.json`` pointing to
 it, and ``dpclip account`` reports the search's ε for both (:func:`read_search`); every headline
-ε of the selected run comes from :func:`dpclip.tuning.headline.headline`.
+ε of the selected run comes from :func:`dpclip.train.searchdir.headline`.
 
 Length: above ~400 lines on purpose: writing a search directory and reading it back share
 its format, marker and event parts; a split would give them two homes.
@@ -58,14 +58,14 @@ from dpclip.rng import derived_seed, private_random
 from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
 from dpclip.train.plan import not_covered, private_seed
 from dpclip.train.rundir import RunDir, load_run_recipe, spent
+from dpclip.train.searchdir import (SEARCH_FORMAT, SearchRecord, is_search_dir, read_search,  # noqa: F401
+                                    search_of_run, search_statement_lines)
 from dpclip.train.tensorboard import write_headline_epsilon
 from dpclip.tuning.privacy import REPEAT_AND_SELECT
 from dpclip.tuning.space import search_space
 
 #: Written in the selected run's directory: what publishing that run costs is the search's ε.
 SEARCH_MARKER = RunDir.SEARCH_MARKER
-#: The version of the search directory's summary.json (also how a search directory is recognised).
-SEARCH_FORMAT = 1
 #: The purpose of the search's private generator (K, configurations, choices, score noise).
 SEARCH_PURPOSE = "tuning-search"
 
@@ -317,129 +317,5 @@ def _mark_selected(best: _Candidate, search_dir: Path, summary: Mapping[str, Any
 # --------------------------------------------------------------------------- reading back
 
 
-@dataclass
-class SearchRecord:
-    """A search directory as ``dpclip account`` reads it (ledger checked, statement built)."""
-
-    search_dir: Path
-    ledger: Any
-    statement: Any
-    summary: dict[str, Any]
-    selected_run: Path | None
 
 
-def is_search_dir(path: Path) -> bool:
-    found = RunDir(path)
-    if not found.ledger_file.is_file() or found.recipe_file.exists():
-        return False
-    try:
-        return found.summary().get("search_format") == SEARCH_FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def search_of_run(run_dir: Path) -> Path | None:
-    """The search directory that selected ``run_dir``, or None for an ordinary run.
-
-    The marker file says so; a run inside a search's ``runs/`` is treated as selected even
-    without it, so deleting the marker cannot make the run's own ε the one reported."""
-    run_dir = Path(run_dir)
-    marker = RunDir(run_dir).search_marker
-    if marker.exists():
-        try:
-            pointer = read_json(marker)["search_dir"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise DpclipError(f"{marker} is unreadable", "restore it from the search directory's backup; the "
-                              "run's own ledger alone understates what publishing it costs") from None
-        search_dir = (run_dir / pointer).resolve()
-        if not is_search_dir(search_dir):
-            raise DpclipError(f"{run_dir} was selected by the search {search_dir}, whose ledger is missing",
-                              "restore the search directory: the run's own ledger alone understates what "
-                              "publishing it costs")
-        return search_dir
-    if run_dir.resolve().parent.name == "runs" and is_search_dir(run_dir.resolve().parent.parent):
-        return run_dir.resolve().parent.parent
-    return None
-
-
-def _search_parts(event) -> tuple[float, float, int, float | None, float, float]:
-    """(q, σ, steps, score noise, mean, shape) of a repeat-and-select event as the search writes it."""
-    if not isinstance(event, dp_event.RepeatAndSelectDpEvent):
-        raise ValueError("not a repeat-and-select event")
-    inner, score_noise = event.event, None
-    if isinstance(inner, dp_accounting.ComposedDpEvent):
-        if len(inner.events) != 2 or not isinstance(inner.events[1], dp_accounting.GaussianDpEvent):
-            raise ValueError("unexpected run event")
-        inner, score_noise = inner.events[0], inner.events[1].noise_multiplier
-    if not (isinstance(inner, dp_accounting.SelfComposedDpEvent)
-            and isinstance(inner.event, dp_accounting.PoissonSampledDpEvent)
-            and isinstance(inner.event.event, dp_accounting.GaussianDpEvent)):
-        raise ValueError("unexpected training event")
-    return (inner.event.sampling_probability, inner.event.event.noise_multiplier, inner.count, score_noise,
-            event.mean, event.shape)
-
-
-def read_search(search_dir: Path) -> SearchRecord:
-    """The search's ledger (one repeat-and-select entry, checked against its selected run)
-    and the statement of what it spent."""
-    search = RunDir(search_dir)
-    search_dir, path = search.path, search.ledger_file
-    hint = "the search directory was modified: restore it from a backup"
-    try:
-        ledger = Ledger.from_dict(read_json(path))
-        summary = search.summary()
-    except (OSError, ValueError, KeyError, TypeError, AccountingError) as exc:
-        raise DpclipError(f"{search_dir} is not a readable dpclip search ({exc})", hint) from None
-    entries = ledger.entries
-    try:
-        if ledger.accountant != "rdp" or len(entries) != 1 or entries[0].count != 1:
-            raise ValueError("a search ledger holds one repeat-and-select entry (RDP)")
-        q, sigma, steps, score_noise, mean, shape = _search_parts(entries[0].event)
-    except ValueError as exc:
-        raise DpclipError(f"{path} is not a search ledger: {exc}", hint) from None
-    metadata = entries[0].metadata or {}
-
-    selected, run_recipe, run_statement = None, None, None
-    if summary.get("selected_run_dir"):
-        selected = (search_dir / summary["selected_run_dir"]).resolve()
-        if selected.parent != search.search_runs.resolve():
-            raise DpclipError(f"{search_dir / 'summary.json'} names {summary['selected_run_dir']!r}, which is not "
-                              "one of its runs", hint)
-        run_ledger, run_statement = spent(selected)  # checked against the run's own recipe
-        if event_to_dict(run_ledger.composed_event()) != event_to_dict(training_event(q, sigma, steps)):
-            raise DpclipError(f"{path} does not describe the training of its selected run {selected}", hint)
-        run_recipe = load_run_recipe(selected)
-    seeded = bool(metadata.get("seeded_randomness") or summary.get("seeded_randomness")
-                  or (run_recipe is not None and run_recipe.privacy.unsafe_seeded_randomness))
-    sampling = run_recipe.training.sampling if run_recipe is not None else metadata.get("sampling", "poisson")
-    statement = _statement(ledger, q, sigma, steps, score_noise, mean, shape, seeded, sampling, run_recipe,
-                           run_statement)
-    return SearchRecord(search_dir, ledger, statement, summary, selected)
-
-
-def _statement(ledger, q, sigma, steps, score_noise, mean, shape, seeded, sampling, run_recipe, run_statement):
-    result = ledger.result()
-    law = "logarithmic" if shape == 0 else "geometric" if shape == 1 else f"truncated negative binomial η = {shape:g}"
-    releases = [
-        f"the best of K trial runs (repeat-and-select, Papernot & Steinke 2022): K ~ {law} with E[K] = {mean:g}, "
-        f"secret; only the selected run and its score are released; each run: {steps} Poisson-sampled steps",
-        *(run_statement.releases if run_statement is not None else [GRADIENT_RELEASE]),
-    ]
-    uncovered = list(not_covered(run_recipe)) if run_recipe is not None else []
-    if score_noise is not None:
-        releases.append(f"selection score, charged to every trial: correct held-out predictions + "
-                        f"N(0, {score_noise:g}²) (sensitivity 1)")
-    else:
-        uncovered.append("selection score: exact held-out accuracy, the held-out split being public data by the "
-                         "recipe's claim (tuning.score: public)")
-    return PrivacyStatement(
-        epsilon=result.epsilon, delta=ledger.delta, accountant=result.accountant, conversion=result.conversion,
-        sample_rate=q, steps=steps, sigma_total=sigma,
-        sigma_gradient=run_statement.sigma_gradient if run_statement is not None else sigma,
-        sigma_aux=run_statement.sigma_aux if run_statement is not None else None, sampling=sampling, releases=releases,
-        fallback_reason=result.fallback_reason, seeded_randomness=seeded, not_covered=uncovered,
-        world_size=run_statement.world_size if run_statement is not None else 1)
-
-
-def search_statement_lines(search_dir: Path) -> list[str]:
-    return read_search(search_dir).statement.lines()
