@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dpclip import release
 from dpclip.train.workflow import train
 from tests.distributed import workers
 from tests.distributed.engine_case import CLIPPING, grads_for, step_grads
@@ -109,6 +110,15 @@ def test_a_two_rank_runs_statement_and_meta_name_its_two_processes(two_rank_runs
     assert json.loads((run / "meta.json").read_text())["plan"]["world_size"] == 2
     _, statement = spent(run)  # what `dpclip account RUN_DIR` prints
     assert line in statement.lines() and statement.world_size == 2
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_file_and_field_of_a_two_rank_run_is_in_the_release_manifest(policy, two_rank_runs):
+    """Rank 0 alone writes: a distributed run's directory holds what the manifest classes
+    (docs/accounting.md), and no rank adds a file or a field of its own."""
+    run = two_rank_runs / policy
+    assert release.unlisted(run) == []
+    assert release.unlisted_fields(run) == []
 
 
 def test_a_perturbed_rank_is_detected(two_rank_runs, tmp_path):

@@ -15,6 +15,7 @@ import torch
 
 from safetensors.torch import load_file
 
+from dpclip import release
 from dpclip.files import read_jsonl
 from dpclip.train.workflow import train
 from tests.distributed.pipeline_case import CASES, one_process, pipeline_recipe, pipeline_worker
@@ -94,6 +95,7 @@ def test_a_pipeline_run_trains_the_weights_ledger_and_thresholds_of_one_process(
     assert (piped / "ledger.json").read_text() == (whole / "ledger.json").read_text()
     statement = json.loads((piped / "summary.json").read_text())["statement"]
     assert any(line.startswith("distribution: pipeline of 2 stages") for line in statement)
+    assert release.unlisted(piped) == [] and release.unlisted_fields(piped) == []   # docs/accounting.md
     ours = [r for r in read_jsonl(piped / "metrics.jsonl") if "diagnostics" in r]
     reference = [r for r in read_jsonl(whole / "metrics.jsonl") if "diagnostics" in r]
     assert len(ours) == len(reference) == 6

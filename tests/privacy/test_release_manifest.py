@@ -1,4 +1,4 @@
-"""Every file a run leaves is in the release manifest (dpclip/release.py; issue 26).
+"""Every file a run leaves is in the release manifest (dpclip/release/; issue 26).
 
 Each test makes a real directory of one kind (train with every optional output, report,
 audit, export; a search; LiRA shadows; transformers and LoRA exports), walks it, and fails
@@ -7,6 +7,7 @@ entry is reported, so a new output cannot ship without someone deciding what it 
 """
 
 import fnmatch
+import json
 import re
 from pathlib import Path
 
@@ -57,9 +58,11 @@ def test_every_file_of_a_run_with_every_output_report_audit_and_export_is_in_the
     assert any(f.startswith("tensorboard/") for f in files)
     assert release.directory_kind(run_dir) == release.RUN
     assert release.unlisted(run_dir) == []
+    assert release.unlisted_fields(run_dir) == []
     assert release.directory_kind(out) == release.EXPORT
     assert "privacy.json" in _files(out)
     assert release.unlisted(out) == []
+    assert release.unlisted_fields(out) == []
 
 
 def test_the_secret_files_of_a_run_are_classed_secret_and_the_weights_released():
@@ -112,6 +115,89 @@ def test_a_new_file_in_an_export_or_a_search_directory_is_reported_unlisted(tmp_
     assert release.unlisted(search) == ["trials.json"]
 
 
+# ------------------------------------------------------------------ fields inside the released files
+
+PUBLIC = ["data.public_fraction=0.1", "public={source: builtin, name: digits}"]
+KINDS = {
+    # every threshold policy that releases statistics, with TensorBoard (its tags are fields too)
+    "quantile": ["clipping.grouping=layer", "clipping.threshold={kind: quantile, initial: 1.0, sigma: 2.0}"],
+    "dcsgd-p": ["clipping.threshold={kind: dcsgd-p, percentile: 0.5, bins: 8, sigma_hist: 5.0, initial: 1.0, "
+                "range: 1.0}"],
+    "discriminative": ["clipping.threshold={kind: discriminative, small: 0.5, large: 2.0, tail_rule: threshold, "
+                       "tail_threshold: 4.0}"],
+    # continual: early stopping on the public validation loss, a linear probe, public diagnostics
+    "switch": [*PUBLIC, "continual={switch: {rule: early-stopping, every_steps: 1, patience: 1, "
+               "max_public_steps: 3}, at_switch: {reinit_head: true, linear_probe_epochs: 1}}",
+               "diagnostics.every_steps=2", "diagnostics.probes=2", "diagnostics.per_sample=2",
+               "diagnostics.data=public"],
+    "b-star": [*PUBLIC, "continual={switch: {rule: b-star, every_steps: 1, b_star_multiple: 2, max_public_steps: 2}}",
+               "diagnostics.probes=2", "diagnostics.per_sample=2"],
+    "dpmd": [*PUBLIC, "continual={schedule: dpmd}"],
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_field_of_each_policy_and_continual_run_is_in_the_manifest(tiny_recipe, kind):
+    run_dir = train(tiny_recipe("logging.tensorboard=true", "eval.every_steps=2", *KINDS[kind])).run_dir
+    assert release.unlisted(run_dir) == []
+    assert release.unlisted_fields(run_dir) == []
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _write_lines(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+def test_a_new_field_or_an_unnamed_labelled_field_is_reported(tiny_recipe):
+    """The checks can fail: a field with no entry, a labelled field its line does not name,
+    a new policy statistic, a JSON file with no field table."""
+    run_dir = Path(train(tiny_recipe("clipping.threshold={kind: quantile, initial: 1.0, sigma: 2.0}")).run_dir)
+    assert release.unlisted_fields(run_dir) == []
+    metrics = run_dir / "metrics.jsonl"
+    original = _lines(metrics)
+    step = next(i for i, record in enumerate(original) if "diagnostics" in record)
+
+    def reported(change) -> list[str]:
+        records = json.loads(json.dumps(original))
+        change(records[step])
+        _write_lines(metrics, records)
+        try:
+            return release.unlisted_fields(run_dir)
+        finally:
+            _write_lines(metrics, original)
+
+    assert reported(lambda r: r.update(batch_sizes_per_rank=[3, 4])) == ["metrics.jsonl: batch_sizes_per_rank"]
+    assert reported(lambda r: r["not_covered_by_epsilon"].remove("seconds")) == \
+        ["metrics.jsonl: seconds (labelled, but the record does not say so)"]
+    assert reported(lambda r: r["policy"].update(exact_unclipped_fraction=[0.5])) == \
+        ["metrics.jsonl: policy/exact_unclipped_fraction"]
+    assert reported(lambda r: r["diagnostics"].update(max_norm=3.0)) == []   # under a labelled key
+    # a public-phase line names nothing, but it cannot carry a private step's diagnostics unnamed
+    assert reported(lambda r: r.update(phase="public", not_covered_by_epsilon=[])) == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["final_eval"] = {"accuracy": 0.9}
+    summary["not_covered_by_epsilon"] = []
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    assert release.unlisted_fields(run_dir) == ["summary.json: final_eval/accuracy (labelled, but the record does "
+                                                 "not say so)"]
+    (run_dir / "summary.json").unlink()
+    (run_dir / "checkpoints" / "step_000002" / "model.json").write_text(json.dumps({"kind": "mlp", "rows": [1]}))
+    assert release.unlisted_fields(run_dir) == ["checkpoints/step_*/model.json: rows"]
+
+
+def test_every_released_json_file_of_the_manifest_has_a_field_table_or_a_reason():
+    for entry in release.MANIFEST:
+        name = entry.pattern.rsplit("/", 1)[-1]
+        if entry.release == release.SECRET or not (name.endswith((".json", ".jsonl")) or "tfevents" in name):
+            continue
+        opaque = any(fnmatch.fnmatchcase(name, pattern) or name == pattern for pattern in release.OPAQUE)
+        has_table = any(t.directory == entry.directory and t.pattern == entry.pattern for t in release.FIELDS)
+        assert opaque or has_table, entry.pattern
+
+
 # ------------------------------------------------------------------ a search (tune-cost --run)
 
 TINY_SEARCH = ["training.epochs=null", "training.steps=2", "model.hidden=[8]", "privacy.accountant=rdp",
@@ -131,6 +217,7 @@ def test_every_file_a_search_leaves_is_in_the_manifest(tmp_path, monkeypatch):
     assert "ledger.json" in files and any(f.endswith("/search.json") for f in files)
     assert release.directory_kind(search_dir) == release.SEARCH
     assert release.unlisted(search_dir) == []
+    assert release.unlisted_fields(search_dir) == [], "\n".join(release.unlisted_fields(search_dir))
 
 
 # ------------------------------------------------------------------ slow: LiRA shadows, transformers exports
@@ -142,6 +229,7 @@ def test_every_file_of_a_lira_audit_is_in_the_manifest(tiny_recipe, cli):
     assert result.code == 0, result.err
     assert (run_dir / "audit" / "shadows").is_dir()
     assert release.unlisted(run_dir) == []
+    assert release.unlisted_fields(run_dir) == []
 
 
 @pytest.mark.slow
@@ -149,10 +237,12 @@ def test_every_file_of_a_lira_audit_is_in_the_manifest(tiny_recipe, cli):
 def test_every_file_of_a_transformers_or_lora_export_is_in_the_manifest(fixture, request, tmp_path):
     run_dir = request.getfixturevalue(fixture)
     assert release.unlisted(run_dir) == []
+    assert release.unlisted_fields(run_dir) == []
     out = tmp_path / "exported"
     export_run(run_dir, out)
     assert release.directory_kind(out) == release.EXPORT
     assert release.unlisted(out) == []
+    assert release.unlisted_fields(out) == []
 
 
 # ------------------------------------------------------------------ the docs
@@ -182,7 +272,7 @@ def test_the_threat_models_table_is_the_rendering_of_the_manifest():
     text = (DOCS / "accounting.md").read_text(encoding="utf-8")
     assert release.BEGIN in text and release.END in text
     block = text[text.index(release.BEGIN):text.index(release.END) + len(release.END)]
-    assert block == release.render_markdown()
+    assert block == release.render_markdown(), "run: python scripts/render_manifest.py"
 
 
 # ------------------------------------------------- export and report read released files only

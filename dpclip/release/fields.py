@@ -1,0 +1,205 @@
+"""The field tables of the release manifest: what each field of a released JSON, JSON-lines or
+TensorBoard file is (docs/accounting.md, "The release manifest")."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from dpclip.release.files import EXPORT, LABELLED, RELEASED, RUN, SEARCH, SECRET, Entry, classify, directory_kind, \
+    is_leftover, match_path
+
+@dataclass(frozen=True)
+class Fields:
+    """The fields one released file may hold.
+
+    Field paths are '/'-separated keys from the record's top (lists are transparent: a list's
+    items sit at the list's own path), with ``*`` for any one key and ``**`` for any number.
+    ``self_labelled``: each record names its labelled top-level keys in its own
+    ``not_covered_by_epsilon`` list, unless it is computed from public data and the weights
+    alone (:data:`_PUBLIC_RECORDS`: a diagnostics record on public data, a continual run's
+    public-phase and switch lines).
+    """
+
+    directory: str
+    pattern: str                      # the file's MANIFEST pattern
+    released: tuple[str, ...]
+    labelled: tuple[str, ...] = ()
+    self_labelled: bool = False
+    what: str = ""
+
+
+_SIGMAS = ("sigma_total", "sigma_gradient", "sigma_aux", "aux_fraction", "aux_sensitivity", "releases/**")
+_STATEMENT = ("delta", "epsilon", "epsilon_rdp", "statement")
+#: The threshold policies' released (noisy) statistics (dpclip/engine/policies/).
+_POLICY_KEYS = ("range", "next_range", "noisy_total", "noisy_histogram", "noisy_unclipped_fraction", "tail_score",
+                "sensitivity")
+_POLICY = tuple(f"policy/{key}" for key in _POLICY_KEYS)
+#: A continual run's public-phase and switch lines (docs/continual.md).
+_CONTINUAL = ("phase", "public_step", "alpha", "public_loss", "public_eval/*", "b_star", "probe", "kind", "reason",
+              "reset", "reinit_head", "probe_steps")
+#: What a search writes into the run it selected (dpclip/tuning/search.py).
+_SELECTED = ("search_format", "search_dir", "ledger", "epsilon", "delta", "score", "configuration/*", "note")
+#: Records computed from public data and the weights alone: nothing in them is labelled.
+_PUBLIC_RECORDS = (("covered_by_epsilon", True), ("phase", "public"), ("kind", "switch"))
+
+FIELDS: tuple[Fields, ...] = (
+    Fields(RUN, "metrics.jsonl",
+           released=("step", "epsilon", "lr", "thresholds", "noise_std", "policy", *_POLICY, "not_covered_by_epsilon",
+                     *_CONTINUAL),
+           labelled=("diagnostics/*", "eval/*", "seconds"), self_labelled=True,
+           what="a step's charged releases and ε; its exact diagnostics, wall time and held-out metrics, "
+                "each named in the line's `not_covered_by_epsilon`; a public-phase line (`phase: public`) "
+                "and the switch line are computed from public data and the weights alone"),
+    Fields(RUN, "summary.json",
+           released=(*_STATEMENT, "run_dir", "steps_done", "steps_planned", "stopped",
+                     *(f"noise/{name}" for name in _SIGMAS), "sigma_change", "sigma_change/*", "sigma_change/changed/*",
+                     "epsilon_this_run_alone", *(f"selected_by_search/{field}" for field in _SELECTED),
+                     "not_covered_by_epsilon"),
+           labelled=("final_eval/*",), self_labelled=True),
+    Fields(RUN, "plan.json", released=("groups", "num_train", "privacy_fingerprint", "world_size")),
+    Fields(RUN, "ledger.json",
+           released=("format", "accountant", "accountant_used", "fallback_reason", "delta", "epsilon",
+                     "epsilon_rdp", "steps", "entries/count", "entries/event/**",
+                     *(f"entries/metadata/{name}" for name in _SIGMAS)),
+           what="dp_accounting's DpEvent of each step, as its JSON"),
+    Fields(RUN, "search.json", released=_SELECTED,
+           what="the selection score is noisy (tuning.score: private) or exact on a held-out split the recipe "
+                "declares public"),
+    Fields(RUN, "diagnostics.jsonl",
+           released=("step", "data", "covered_by_epsilon", "not_covered_by_epsilon", "batch_size",
+                     "probes", "per_sample", "noise_multiplier", "batch_size_dp", "clip_fn", "threshold",
+                     "public_batch_size"),
+           labelled=("trace_h", "trace_h_stderr", "gthg", "trace_h_sigma", "grad_norm_sq",
+                     "mean_sample_grad_norm_sq", "clip_factor", "decelerator", "b_star_dp", "improvement",
+                     "improvement_non_private", "alpha_star"),
+           self_labelled=True,
+           what="on private data the measured quantities are labelled; on public data (`covered_by_epsilon: "
+                "true`) they are post-processing of the weights"),
+    Fields(RUN, "checkpoints/step_*/model.json",
+           released=("kind", "task", "num_classes", "input_shape", "vocab_size", "model/**", "hf_class",
+                     "hf_config/**", "peft_config/**", "tied/*"),
+           labelled=("label_names", "hf_config/id2label/*", "hf_config/label2id/*"),
+           what="the label names are the label column's values as they are (an export labels them)"),
+    Fields(RUN, "audit/report.json", released=(), labelled=("**",),
+           what="the whole file is measured on private data"),
+    Fields(RUN, "tensorboard/events.out.tfevents.*",
+           released=("privacy/epsilon", "privacy/epsilon_this_run_alone", "train/lr", "thresholds/*",
+                     "noise_std/*", *(f"{key}/**" for key in _POLICY)),
+           labelled=("not_covered_by_epsilon/**",),
+           what="scalar tags; the exact ones only under `not_covered_by_epsilon/`"),
+    Fields(SEARCH, "ledger.json",
+           released=("format", "accountant", "accountant_used", "fallback_reason", "delta", "epsilon",
+                     "epsilon_rdp", "steps", "entries/count", "entries/event/**", "entries/metadata/**")),
+    Fields(SEARCH, "summary.json",
+           released=("search_format", "search_dir", "mechanism", "trials_distribution", "trials_mean", "trials_shape",
+                     "sigma_per_run", "sample_rate", "steps_per_run", "score", "score_meaning", "score_noise",
+                     "seeded_randomness", "promised_epsilon", "epsilon", "delta", "accountant", "stopped",
+                     "selected_run", "selected_run_dir", "selected_configuration", "selected_configuration/*",
+                     "selected_score", "not_released"),
+           what="`selected_score` as in a run's search.json"),
+    Fields(EXPORT, "privacy.json",
+           released=("format", "dpclip", "accountant", "checkpoint", "checkpoint_step", "conversion", "covers",
+                     "delta", "epsilon", "neighbouring", "noise_multiplier", "not_covered_by_epsilon", "recipe",
+                     "sample_rate", "sampling", "sampling_assumption", "seeded_randomness", "statement", "steps",
+                     "unit_of_privacy", "warning", "caveats", "search/*")),
+    Fields(EXPORT, "model_card.json",
+           released=("format", "input_shape", "model/**", "num_classes", "privacy/*", "privacy/search/*",
+                     "rebuild", "task", "weights", "vocab_size"),
+           labelled=("label_names",)),
+)
+
+#: Released JSON files whose fields are not dpclip's to class, and why.
+OPAQUE = {
+    "*config.json": "written by transformers / peft: the architecture (and label names, labelled in the card)",
+    "tokenizer*": "the data's public tokenizer, as transformers writes it",
+    "special_tokens_map.json": "the public tokenizer's",
+    "vocab.*": "the public tokenizer's",
+    "dpclip_tokenizer.json": "the byte tokenizer's fixed settings",
+}
+
+
+def field_paths(record: object, prefix: tuple[str, ...] = ()) -> list[str]:
+    """Every leaf of a JSON record as a '/'-separated key path (lists transparent)."""
+    if isinstance(record, dict):
+        return [path for key, value in record.items() for path in field_paths(value, (*prefix, str(key)))]
+    if isinstance(record, list):
+        return sorted({path for item in record for path in field_paths(item, prefix)}) or ["/".join(prefix)]
+    return ["/".join(prefix)]
+
+
+def fields_of(relpath: str | Path, directory: str = RUN) -> Fields | None:
+    """The field table of the file at ``relpath``, or None."""
+    parts = Path(relpath).as_posix().split("/")
+    if directory == SEARCH and len(parts) > 2 and parts[0] == "runs":
+        return fields_of("/".join(parts[2:]), RUN)
+    for table in FIELDS:
+        if table.directory == directory and match_path(parts, table.pattern.split("/")):
+            return table
+    return None
+
+
+def _field_class(path: str, table: Fields) -> str | None:
+    parts = path.split("/")
+    for release, patterns in ((LABELLED, table.labelled), (RELEASED, table.released)):
+        if any(match_path(parts, pattern.split("/")) for pattern in patterns):
+            return release
+    return None
+
+
+def _records(path: Path) -> list[object]:
+    """The records of a JSON, JSON-lines or TensorBoard events file (TensorBoard: one record,
+    its scalar tags)."""
+    if path.name.startswith("events.out.tfevents."):
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        accumulator = EventAccumulator(str(path))
+        accumulator.Reload()
+        return [{tag: None for tag in accumulator.Tags()["scalars"]}]
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [json.loads(text)]
+
+
+def _needs_fields(relpath: Path, entry: Entry) -> bool:
+    readable = relpath.suffix in (".json", ".jsonl") or relpath.name.startswith("events.out.tfevents.")
+    opaque = any(fnmatch.fnmatchcase(relpath.name, pattern) for pattern in OPAQUE)
+    return entry.release != SECRET and readable and not opaque
+
+
+def unlisted_fields(directory: str | Path, kind: str | None = None) -> list[str]:
+    """Every field of a released file under ``directory`` that :data:`FIELDS` does not class,
+    every labelled field a self-labelling record does not name, and every released JSON file
+    with no field table, as sorted ``'relpath: field'`` lines."""
+    root = Path(directory)
+    kind = kind or directory_kind(root)
+    found: set[str] = set()
+    for path in sorted(root.rglob("*")):
+        relpath = path.relative_to(root)
+        entry = classify(relpath, kind) if path.is_file() and not is_leftover(relpath) else None
+        if entry is None or not _needs_fields(relpath, entry):
+            continue
+        table = fields_of(relpath, kind)
+        if table is None:
+            found.add(f"{relpath.as_posix()}: (no field table)")
+            continue
+        for record in _records(path):
+            labels = record.get("not_covered_by_epsilon") if isinstance(record, dict) else None
+            covered = isinstance(record, dict) and any(record.get(key) == value for key, value in _PUBLIC_RECORDS)
+            for field in field_paths(record):
+                release = _field_class(field, table)
+                if release is None:
+                    found.add(f"{relpath.as_posix()}: {field}")
+                elif (release == LABELLED and table.self_labelled and not covered
+                      and field.split("/")[0] not in (labels or ())):
+                    found.add(f"{relpath.as_posix()}: {field} (labelled, but the record does not say so)")
+    return sorted({_generalise(line) for line in found})
+
+
+def _generalise(line: str) -> str:
+    """Checkpoint and trial names are not fields: one report line per kind of file."""
+    return re.sub(r"^runs/[^/]+/", "runs/<trial>/", re.sub(r"step_\d+", "step_*", line))
