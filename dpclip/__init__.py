@@ -22,3 +22,11 @@ def configure_speed(threads: int | str | None = "auto") -> dict[str, Any]:
     from dpclip.threads import configure  # lazy: `import dpclip` must not import torch
 
     return configure(threads)
+
+
+def make_private(*args: Any, **kwargs: Any) -> Any:
+    """dpclip in your own PyTorch loop, as Opacus users write it: see
+    :func:`dpclip.integrations.private.make_private` and docs/python-api.md."""
+    from dpclip.integrations.private import make_private as make  # lazy: `import dpclip` must not import torch
+
+    return make(*args, **kwargs)

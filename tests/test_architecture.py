@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dpclip"
 LAYERS = [
     ("dpclip.__main__", "dpclip.cli"),
     ("dpclip.audit", "dpclip.tuning", "dpclip.bench", "dpclip.export"),
-    ("dpclip.train",),
+    ("dpclip.train", "dpclip.integrations"),
     ("dpclip.recipe",),
     ("dpclip.distributed",),
     ("dpclip.data", "dpclip.models", "dpclip.engine", "dpclip.diagnose"),

@@ -1,0 +1,5 @@
+"""dpclip where a training loop already exists (docs/python-api.md).
+
+- :mod:`dpclip.integrations.private`: ``make_private``, the Opacus-style entry point for a
+  plain PyTorch loop.
+"""

@@ -1,0 +1,219 @@
+"""dpclip.make_private: the Opacus-style API in a plain PyTorch loop (docs/python-api.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import dp_accounting
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+import dpclip
+from dpclip.errors import DpclipError
+
+REPO = Path(__file__).resolve().parents[2]
+N, FEATURES, CLASSES = 60, 5, 3
+
+
+def _data(n: int = N) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, FEATURES, generator=generator), torch.randint(0, CLASSES, (n,),
+                                                                                        generator=generator))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, CLASSES))
+
+
+def _private(batch_size: int = 12, **kwargs):
+    model = _model()
+    options = {"criterion": nn.CrossEntropyLoss(), "delta": 1e-5, "noise_multiplier": 1.0, "steps": 4,
+               "max_grad_norm": 1.0, **kwargs}
+    return dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               DataLoader(_data(), batch_size=batch_size), **options)
+
+
+def _train(private) -> None:
+    model, optimizer, criterion, loader = private
+    for x, y in loader:
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        optimizer.step()
+
+
+def test_the_ledger_epsilon_equals_dpclip_account_and_dp_accounting_on_the_same_sigma_q_steps(cli, tmp_path):
+    private = _private(target_epsilon=3.0, noise_multiplier=None, steps=5)
+    _train(private)
+    written = private.save(tmp_path / "out")
+    ledger = json.loads((written / "ledger.json").read_text())
+    privacy = json.loads((written / "privacy.json").read_text())
+    sigma, q = private.noise_multiplier, 12 / N
+    assert ledger["steps"] == privacy["steps"] == 5
+    result = cli("account", "--sigma", repr(sigma), "-q", repr(q), "--steps", 5, "--delta", 1e-5, "--json")
+    assert result.code == 0, result.err
+    assert ledger["epsilon"] == privacy["epsilon"] == json.loads(result.out)["epsilon"]
+    assert privacy["epsilon"] <= 3.0 * 1.01   # calibrated to the target (within calibration's 1%)
+    accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), 5)
+    assert privacy["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-2)
+    assert privacy["statement"][0].startswith("ε = ")
+
+
+def test_a_step_writes_the_clipped_per_example_sum_over_the_expected_batch_size(monkeypatch):
+    """Noise removed, p.grad must be Σ_i min(1, C/‖g_i‖)·g_i / B with B the EXPECTED batch size
+    (never the realised one), g_i from autograd on each example alone."""
+    private = _private(batch_size=12, max_grad_norm=0.05, unsafe_seed=3)
+    monkeypatch.setattr(private.engine.noise, "add_gaussians", lambda grads, stds: None)
+    model, optimizer, criterion, loader = private
+    reference = _model()
+    x, y = next(iter(loader))
+    assert 0 < len(x) != 12   # a realised size other than B (this seed's first draw)
+    expected = [torch.zeros_like(p) for p in reference.parameters()]
+    for i in range(len(x)):
+        reference.zero_grad()
+        nn.functional.cross_entropy(reference(x[i:i + 1]), y[i:i + 1]).backward()
+        grads = [p.grad.detach().clone() for p in reference.parameters()]
+        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+        factor = min(1.0, 0.05 / float(norm))
+        for total, grad in zip(expected, grads):
+            total += factor * grad
+    captured = {}
+    monkeypatch.setattr(private.optimizer.original, "step",
+                        lambda: captured.update(grads=[p.grad.clone() for p in model.parameters()]))
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()
+    for got, want in zip(captured["grads"], expected):
+        torch.testing.assert_close(got, want / 12, rtol=1e-5, atol=1e-7)
+
+
+def test_a_logical_batch_in_several_backwards_is_the_same_step(monkeypatch):
+    """Opacus' BatchMemoryManager, without one: backward on parts of the drawn batch, then one
+    step; the clipped sums accumulate (noise removed for the comparison)."""
+    grads = []
+    for parts in (1, 3):
+        private = _private(max_grad_norm=0.05, unsafe_seed=5)
+        monkeypatch.setattr(private.engine.noise, "add_gaussians", lambda grads, stds: None)
+        model, optimizer, criterion, loader = private
+        x, y = next(iter(loader))
+        monkeypatch.setattr(private.optimizer.original, "step",
+                            lambda: grads.append([p.grad.clone() for p in model.parameters()]))
+        optimizer.zero_grad()
+        for x_part, y_part in zip(x.tensor_split(parts), y.tensor_split(parts)):
+            criterion(model(x_part), y_part).backward()
+        optimizer.step()
+    for whole, split in zip(*grads):
+        torch.testing.assert_close(whole, split, rtol=1e-5, atol=1e-8)
+
+
+def test_the_loader_draws_poisson_batches_with_empty_draws_as_zero_rows_and_charges_them():
+    """q = 1/N: the realised sizes are Binomial(N, 1/N); over 400 steps their mean lies within
+    4 standard errors of 1, and about (1 − 1/N)^N ≈ 37% of the draws are empty; each is a step."""
+    steps = 400
+    private = _private(batch_size=1, steps=steps)
+    model, optimizer, criterion, loader = private
+    assert len(loader) == N   # a pass is ⌈N/B⌉ steps
+    sizes = []
+    while private.ledger.steps < steps:
+        for x, y in loader:
+            sizes.append(len(x))
+            assert x.shape[1:] == (FEATURES,) and y.dtype == torch.int64
+            optimizer.zero_grad()
+            criterion(model(x), y).backward()
+            optimizer.step()
+    assert len(sizes) == private.ledger.steps == steps
+    q = 1 / N
+    mean, stderr = N * q, math.sqrt(N * q * (1 - q) / steps)
+    assert abs(sum(sizes) / steps - mean) < 4 * stderr
+    empty, p_empty = sizes.count(0), (1 - q) ** N
+    assert abs(empty / steps - p_empty) < 4 * math.sqrt(p_empty * (1 - p_empty) / steps)
+
+
+def test_a_pass_after_the_planned_steps_is_refused():
+    private = _private(steps=3)
+    _train(private)   # 3 steps in the first pass (a pass is 5)
+    assert private.ledger.steps == 3
+    with pytest.raises(DpclipError, match="3 planned steps are done") as info:
+        _train(private)
+    assert "epochs" in info.value.hint and private.ledger.steps == 3
+
+
+def test_adaptive_thresholds_share_the_budget_and_the_ledger_charges_the_joint_event(cli, tmp_path):
+    private = _private(max_grad_norm=None, noise_multiplier=1.2,
+                       clipping={"grouping": "layer", "threshold": {"kind": "quantile", "initial": 1.0}})
+    _train(private)
+    split = private.plan.split
+    assert split.sigma_aux is not None and split.sigma_gradient > split.sigma_total == 1.2
+    assert private.engine.noise_multiplier == pytest.approx(split.sigma_gradient)
+    epsilon = json.loads(cli("account", "--sigma", 1.2, "-q", repr(12 / N), "--steps", 4, "--delta", 1e-5,
+                             "--json").out)["epsilon"]
+    assert private.epsilon() == epsilon
+    assert any("quantile" in line for line in private.statement())
+
+
+def test_a_learning_rate_scheduler_drives_the_wrapped_optimizer():
+    private = _private()
+    scheduler = torch.optim.lr_scheduler.StepLR(private.optimizer, step_size=1, gamma=0.5)
+    model, optimizer, criterion, loader = private
+    for x, y in loader:
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        optimizer.step()
+        scheduler.step()
+    assert private.optimizer.original.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 4)
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        yield from ()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"criterion": lambda out, y: nn.functional.cross_entropy(out, y)}, "not one loss per sample"),
+    ({"target_epsilon": 8.0}, "exactly one of target_epsilon and noise_multiplier"),
+    ({"epochs": 1.0}, "exactly one of epochs and steps"),
+    ({"clipping": {"threshold": {"kind": "fixed", "value": 1.0}}}, "max_grad_norm or clipping"),
+    ({"max_grad_norm": None}, "no clipping threshold"),
+    ({"clipping": {"grouping": "layer", "fn": "nope"}}, "clipping.fn"),
+    ({"loader": DataLoader(_data(), batch_sampler=[[0, 1]])}, "no batch_size"),
+    ({"loader": DataLoader(_Stream(), batch_size=2)}, "a length and indexable rows"),
+    ({"loader": DataLoader(_data(), batch_size=N + 1)}, "not between 1"),
+    ({"extra_param": True}, "not trainable parameters of the model"),
+])
+def test_bad_input_is_refused_with_a_hint_before_any_step(change, message):
+    change = dict(change)
+    model = _model()
+    params = list(model.parameters()) + ([nn.Parameter(torch.zeros(2))] if change.pop("extra_param", False) else [])
+    loader = change.pop("loader", DataLoader(_data(), batch_size=12))
+    options = {"criterion": nn.CrossEntropyLoss(), "delta": 1e-5, "noise_multiplier": 1.0, "steps": 4,
+               "max_grad_norm": 1.0, **change}
+    with pytest.raises(DpclipError, match=re.escape(message)) as info:
+        private = dpclip.make_private(model, torch.optim.SGD(params, lr=0.1), loader, **options)
+        _train(private)   # the reduced loss is refused at the first batch, before backward
+    assert info.value.hint
+
+
+def test_the_python_api_docs_show_the_example_that_runs_as_a_test():
+    doc = (REPO / "docs" / "python-api.md").read_text(encoding="utf-8")
+    example = (REPO / "examples" / "make_private.py").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", doc, flags=re.DOTALL)
+    assert example in blocks, "docs/python-api.md must show examples/make_private.py verbatim"
+
+
+@pytest.mark.slow
+def test_the_make_private_example_trains_digits_and_writes_its_ledger(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["make_private.py", str(tmp_path / "out")])
+    runpy.run_path(str(REPO / "examples" / "make_private.py"), run_name="__main__")
+    printed = capsys.readouterr().out
+    accuracy = float(re.search(r"held-out accuracy ([0-9.]+)", printed).group(1))
+    assert accuracy > 0.5   # ten classes: chance is 0.1
+    privacy = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    assert privacy["steps"] == privacy["steps_planned"] and 7.5 < privacy["epsilon"] <= 8.0 * 1.01
