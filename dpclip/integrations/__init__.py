@@ -1,5 +1,6 @@
 """dpclip where a training loop already exists (docs/python-api.md).
 
 - :mod:`dpclip.integrations.private`: ``make_private``, the Opacus-style entry point for a
-  plain PyTorch loop.
+  plain PyTorch loop; :mod:`dpclip.integrations.parts`, the loader, criterion and optimizer
+  it returns.
 """
