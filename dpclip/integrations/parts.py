@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from dpclip.accounting import Ledger, PlanResult
 from dpclip.data.sampler import PoissonSampler
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
+from dpclip.integrations.setup import Account
 
 
 # ----------------------------------------------------------------------------- the loader
@@ -142,12 +142,11 @@ class PrivateOptimizer(torch.optim.Optimizer):
     writes ``p.grad``; the ledger charges the step; then ``optimizer`` steps. Its param groups,
     state and defaults are the wrapped optimizer's (learning-rate schedulers work on it)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: DPEngine, ledger: Ledger, plan: PlanResult):
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: DPEngine, account: Account):
         # Not Optimizer.__init__: the param groups and state are the wrapped optimizer's own.
         self.original = optimizer
         self.engine = engine
-        self.ledger = ledger
-        self.plan = plan
+        self.account = account
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
         self._optimizer_state_dict_pre_hooks = {}
@@ -170,8 +169,9 @@ class PrivateOptimizer(torch.optim.Optimizer):
                               "a closure would evaluate the loss again: compute it once, call loss.backward(), "
                               "then optimizer.step()")
         report = self.engine.privatize()
-        _check_same_release(report.dp_event, self.plan.step_event)
-        self.ledger.record(self.plan.step_event, metadata=self.plan.step_metadata)
+        plan = self.account.plan
+        _check_same_release(report.dp_event, plan.step_event)
+        self.account.ledger.record(plan.step_event, metadata=plan.step_metadata)
         self.original.step()
 
     def state_dict(self) -> dict[str, Any]:
