@@ -2,5 +2,8 @@
 
 - :mod:`dpclip.integrations.private`: ``make_private``, the Opacus-style entry point for a
   plain PyTorch loop; :mod:`dpclip.integrations.parts`, the loader, criterion and optimizer
-  it returns.
+  it returns;
+- :mod:`dpclip.integrations.transformers`: ``DPTrainer``, a Hugging Face ``Trainer`` made
+  private;
+- :mod:`dpclip.integrations.setup`: what both share (plan, engine, the account of the steps).
 """

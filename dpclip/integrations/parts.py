@@ -47,14 +47,14 @@ class PoissonBatches(torch.utils.data.Sampler):
             yield indices.tolist()
 
 
-def _empty_like(batch: Any) -> Any:
+def empty_batch_like(batch: Any) -> Any:
     """``batch`` with zero rows: the shapes and dtypes of a real batch, for an empty draw."""
     if isinstance(batch, Tensor):
         return batch[:0]
     if isinstance(batch, Mapping):
-        return type(batch)({key: _empty_like(value) for key, value in batch.items()})
+        return type(batch)({key: empty_batch_like(value) for key, value in batch.items()})
     if isinstance(batch, (list, tuple)):
-        items = [_empty_like(value) for value in batch]
+        items = [empty_batch_like(value) for value in batch]
         return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
     return batch
 
@@ -70,7 +70,7 @@ class _Collate:
     def __call__(self, rows: list) -> Any:
         if rows:
             return self.collate(rows)
-        return _empty_like(self.collate([self.dataset[0]]))
+        return empty_batch_like(self.collate([self.dataset[0]]))
 
 
 def poisson_loader(loader: DataLoader, sample_rate: float, steps: int, seed: int | None) -> DataLoader:

@@ -1,0 +1,181 @@
+"""``DPTrainer``: a Hugging Face ``Trainer`` script made private in a few lines (docs/python-api.md,
+"Hugging Face Trainer").
+
+    from dpclip.integrations.transformers import DPTrainer, PrivacyArguments
+
+    trainer = DPTrainer(model=model, args=TrainingArguments(..., max_grad_norm=0),
+                        train_dataset=train, data_collator=collate,
+                        privacy=PrivacyArguments(target_epsilon=8.0, delta=1e-5, max_grad_norm=1.0))
+    trainer.train()
+    trainer.save_model()      # the weights, plus ledger.json and privacy.json beside them
+
+What changes against a plain ``Trainer``:
+
+- the training loader draws each example into each logical batch with probability
+  q = B/N (B = per-device batch × gradient accumulation steps), from OS entropy; each draw
+  is cut into ``gradient_accumulation_steps`` micro-batches, so that the Trainer's own
+  accumulation sums one logical batch per optimizer step (an empty part skips its forward);
+- each micro-batch's per-sample losses (cross-entropy for classification, next-token
+  cross-entropy for causal LMs, or ``per_sample_loss``) go through the engine's one backward;
+- the optimizer step adds the noise, normalises by the expected B and charges the ledger;
+- the training loss the Trainer logs is computed without noise from the private batches:
+  it is listed in the statement as not covered by ε.
+
+Refused before any step: ``max_grad_norm > 0`` in the TrainingArguments (it would clip the
+noisy gradient again; the threshold is ``PrivacyArguments.max_grad_norm``), more than one
+process or GPU (``dpclip train --nproc`` trains data-parallel from a recipe), and resuming
+from a Trainer checkpoint (its ledger is not restored yet).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from transformers import Trainer
+
+from dpclip.data.sampler import PoissonSampler
+from dpclip.errors import DpclipError
+from dpclip.integrations.parts import PrivateOptimizer, empty_batch_like
+from dpclip.integrations.setup import Account, clipping_spec, private_engine
+from dpclip.models.losses import cross_entropy, next_token_cross_entropy
+
+LOGGED_LOSS = ("training loss logged by the Hugging Face Trainer (console, report_to integrations): computed "
+               "without noise from the private batches")
+
+
+@dataclass
+class PrivacyArguments:
+    """The privacy half of a DPTrainer's arguments (the other half is the TrainingArguments).
+
+    ``target_epsilon`` or ``noise_multiplier`` (the total σ), ``delta``, and ``max_grad_norm``
+    (a fixed threshold C) or ``clipping`` (a recipe's ``clipping:`` block: docs/recipes.md)."""
+
+    delta: float
+    target_epsilon: float | None = None
+    noise_multiplier: float | None = None
+    max_grad_norm: float | None = None
+    clipping: Mapping[str, Any] = field(default_factory=dict)
+    accountant: str = "pld"
+    unsafe_seed: int | None = None
+
+
+class PoissonParts(torch.utils.data.Sampler):
+    """Poisson draws of expected size B, each cut into ``parts`` consecutive index lists (the
+    Trainer's accumulation then sums them into one optimizer step)."""
+
+    def __init__(self, num_examples: int, sample_rate: float, steps: int, steps_per_pass: int, parts: int,
+                 seed: int | None):
+        self.draws = PoissonSampler(num_examples, sample_rate, steps, seed=seed)
+        self.steps_per_pass = steps_per_pass
+        self.parts = parts
+
+    def __len__(self) -> int:
+        return self.steps_per_pass * self.parts
+
+    def __iter__(self) -> Iterator[list[int]]:
+        draws = iter(self.draws)
+        for _ in range(self.steps_per_pass):
+            indices = next(draws, None)
+            if indices is None:
+                return
+            for part in indices.tensor_split(self.parts):
+                yield part.tolist()
+
+
+def _rows(inputs: Mapping[str, Any]) -> int:
+    return next((len(value) for value in inputs.values() if isinstance(value, Tensor) and value.dim()), 0)
+
+
+def default_per_sample_loss(model: nn.Module, inputs: Mapping[str, Tensor]) -> Tensor:
+    """One loss per example from the model's logits and ``inputs["labels"]``: cross-entropy for
+    logits ``[b, C]``, next-token cross-entropy (mean over each example's target tokens) for
+    ``[b, T, V]``."""
+    logits = model(**{key: value for key, value in inputs.items() if key != "labels"}).logits
+    batch = {"labels": inputs["labels"]}
+    return next_token_cross_entropy(logits, batch) if logits.dim() == 3 else cross_entropy(logits, batch)
+
+
+class DPTrainer(Trainer):
+    """A ``transformers.Trainer`` that trains with DP-SGD / DP-Adam (see the module doc)."""
+
+    def __init__(self, *args: Any, privacy: PrivacyArguments,
+                 per_sample_loss: Callable[[nn.Module, Mapping[str, Tensor]], Tensor] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        training = self.args
+        if training.max_grad_norm and training.max_grad_norm > 0:
+            raise DpclipError(f"TrainingArguments(max_grad_norm={training.max_grad_norm:g}) would clip the noisy "
+                              "gradient again", "set TrainingArguments(max_grad_norm=0); the clipping threshold is "
+                              "PrivacyArguments(max_grad_norm=...)")
+        if training.world_size > 1 or training.n_gpu > 1:
+            raise DpclipError("DPTrainer trains in one process on one device for now",
+                              "train data-parallel from a recipe with `dpclip train --nproc N` (docs/distributed.md)")
+        if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
+            raise DpclipError("DPTrainer needs a train_dataset with a length",
+                              "Poisson sampling draws examples by index: use a map-style dataset")
+        self.per_sample_loss = per_sample_loss or default_per_sample_loss
+        self.parts = training.gradient_accumulation_steps
+        num_examples = len(self.train_dataset)
+        self.expected_batch_size = training.per_device_train_batch_size * self.parts
+        self.steps_per_pass = math.ceil(num_examples / self.expected_batch_size)
+        steps = training.max_steps if training.max_steps > 0 else \
+            math.ceil(training.num_train_epochs * self.steps_per_pass)
+        spec = clipping_spec(privacy.clipping, privacy.max_grad_norm)
+        self.engine, self.account = private_engine(
+            self.model, spec, num_examples=num_examples, batch_size=self.expected_batch_size, steps=steps,
+            delta=privacy.delta, target_epsilon=privacy.target_epsilon, noise_multiplier=privacy.noise_multiplier,
+            accountant=privacy.accountant, sampling="poisson", unsafe_seed=privacy.unsafe_seed,
+            not_covered=(LOGGED_LOSS,))
+        self.unsafe_seed = privacy.unsafe_seed
+        self.train_sampler = None
+
+    # ------------------------------------------------------------------ the Trainer's hooks
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_sampler is None:  # one sampler for the whole run: its draws continue across passes
+            plan = self.account.plan.plan
+            self.train_sampler = PoissonParts(len(self.train_dataset), plan.sample_rate, plan.steps,
+                                              self.steps_per_pass, self.parts, self.unsafe_seed)
+        collate = self.data_collator
+        dataset = self.train_dataset
+        return DataLoader(dataset, batch_sampler=self.train_sampler,
+                          collate_fn=lambda rows: collate(rows) if rows else empty_batch_like(collate([dataset[0]])),
+                          num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
+        if not isinstance(optimizer, PrivateOptimizer):
+            self.optimizer = PrivateOptimizer(optimizer, self.engine, self.account)
+        return self.optimizer
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        if _rows(inputs) == 0:  # an empty part of the Poisson draw: nothing to clip, the step still adds noise
+            return torch.zeros((), device=self.args.device)
+        with self.compute_loss_context_manager():
+            losses = self.per_sample_loss(model, inputs)
+        if losses.dim() != 1 or len(losses) != _rows(inputs):
+            raise DpclipError(f"per_sample_loss returned shape {tuple(losses.shape)}, not one loss per example",
+                              "return the loss of each example (reduction='none'), never a batch mean")
+        self.engine.backward(losses)
+        # Summed over the accumulated parts by the Trainer: the logical batch's loss over B.
+        return losses.detach().sum() / self.expected_batch_size
+
+    def train(self, resume_from_checkpoint: Any = None, **kwargs: Any):
+        if resume_from_checkpoint:
+            raise DpclipError("DPTrainer cannot resume from a Trainer checkpoint yet: its ledger is not restored, "
+                              "so resumed steps would be charged from zero", "train again from the start")
+        result = super().train(**kwargs)
+        self.account.save(self.args.output_dir)
+        return result
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        if not _internal_call:
+            self.account.save(output_dir or self.args.output_dir)

@@ -1,0 +1,171 @@
+"""DPTrainer: a Hugging Face Trainer made private (docs/python-api.md, "Hugging Face Trainer")."""
+
+from __future__ import annotations
+
+import json
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+from dpclip.data.sampler import PoissonSampler
+from dpclip.errors import DpclipError
+from dpclip.integrations.transformers import LOGGED_LOSS, DPTrainer, PrivacyArguments
+
+REPO = Path(__file__).resolve().parents[2]
+N, LENGTH, VOCAB, CLASSES = 40, 8, 30, 3
+
+
+def _rows(n: int = N, lm: bool = False) -> list[dict]:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, VOCAB, (n, LENGTH), generator=generator)
+    labels = ids.clone() if lm else torch.randint(0, CLASSES, (n,), generator=generator)
+    return [{"input_ids": ids[i], "attention_mask": torch.ones(LENGTH, dtype=torch.int64), "labels": labels[i]}
+            for i in range(n)]
+
+
+def _collate(rows: list[dict]) -> dict:
+    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+
+
+def _bert() -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=32,
+                                                    max_position_embeddings=LENGTH, num_labels=CLASSES,
+                                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def _gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=LENGTH,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _args(tmp_path, **kwargs) -> TrainingArguments:
+    options = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 5, "max_steps": 3,
+               "learning_rate": 0.01, "report_to": [], "save_strategy": "no", "use_cpu": True, "max_grad_norm": 0,
+               "disable_tqdm": True, **kwargs}
+    return TrainingArguments(**options)
+
+
+def _trainer(tmp_path, model=None, privacy=None, **kwargs) -> DPTrainer:
+    privacy = privacy or PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0)
+    return DPTrainer(model=model or _bert(), args=_args(tmp_path, **kwargs), train_dataset=_rows(),
+                     data_collator=_collate, privacy=privacy)
+
+
+def test_training_writes_a_ledger_whose_epsilon_is_dpclip_accounts(tmp_path, cli, capsys):
+    trainer = _trainer(tmp_path, gradient_accumulation_steps=2)
+    trainer.train()
+    capsys.readouterr()   # the Trainer's own log lines
+    ledger = json.loads((tmp_path / "out" / "ledger.json").read_text())
+    privacy = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    assert ledger["steps"] == privacy["steps"] == 3   # optimizer steps, not micro-batches
+    q = 10 / N   # B = 5 per device × 2 accumulation steps
+    assert privacy["sample_rate"] == q
+    result = cli("account", "--sigma", 1.0, "-q", repr(q), "--steps", 3, "--delta", 1e-5, "--json")
+    assert ledger["epsilon"] == json.loads(result.out)["epsilon"]
+    assert LOGGED_LOSS in privacy["not_covered_by_epsilon"]
+
+
+def _clipped_reference(model, rows: list[dict], threshold: float, loss_of) -> list[torch.Tensor]:
+    """Σ_i min(1, C/‖g_i‖)·g_i over the rows, g_i by autograd on each row alone (float64 norms)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    for row in rows:
+        model.zero_grad()
+        loss_of(model, _collate([row])).sum().backward()
+        grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+        norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+        for acc, grad in zip(total, grads):
+            acc += min(1.0, threshold / norm) * grad
+    return total
+
+
+@pytest.mark.parametrize("lm", [False, True], ids=["bert-classification", "gpt2-causal-lm"])
+def test_one_step_in_two_accumulated_parts_is_the_clipped_per_example_sum_over_b(tmp_path, monkeypatch, lm):
+    """Noise removed: the update's gradient is Σ clip(g_i) / B over the Poisson draw, B the
+    expected batch (5 × 2), the draw cut in two parts that the Trainer accumulates."""
+    from dpclip.integrations.transformers import default_per_sample_loss
+
+    model = _gpt2() if lm else _bert()
+    model.config.attn_implementation = "eager"
+    trainer = DPTrainer(model=model, args=_args(tmp_path, max_steps=1, gradient_accumulation_steps=2,
+                                                learning_rate=0.0),
+                        train_dataset=_rows(lm=lm), data_collator=_collate,
+                        privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=0.05,
+                                                 unsafe_seed=11))
+    monkeypatch.setattr(trainer.engine.noise, "add_gaussians", lambda grads, stds: None)
+    privatize, captured = trainer.engine.privatize, {}
+
+    def privatize_and_keep():
+        report = privatize()
+        captured["grads"] = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        return report
+    monkeypatch.setattr(trainer.engine, "privatize", privatize_and_keep)
+    trainer.train()
+    # the seeded draw, regenerated: the same generator the trainer's sampler used
+    first = next(iter(PoissonSampler(N, 10 / N, 1, seed=11)))
+    rows = [_rows(lm=lm)[i] for i in first.tolist()]
+    assert 0 < len(rows) != 10
+    reference_model = _gpt2() if lm else _bert()
+    reference_model.config.attn_implementation = "eager"
+    reference_model.train()
+    expected = _clipped_reference(reference_model, rows, 0.05, default_per_sample_loss)
+    for got, want in zip(captured["grads"], expected):
+        torch.testing.assert_close(got, want / 10, rtol=1e-4, atol=1e-7)
+
+
+def test_a_peft_lora_model_trains_its_adapters_only(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_bert(), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["query", "value"],
+                                                         task_type="SEQ_CLS"))
+    frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
+    trainer = _trainer(tmp_path, model=model)
+    trainer.train()
+    assert trainer.account.ledger.steps == 3
+    for name, p in model.named_parameters():
+        if name in frozen:
+            assert torch.equal(p, frozen[name]), name
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"max_grad_norm": 1.0}, "would clip the noisy gradient again"),
+    ({"privacy": PrivacyArguments(delta=1e-5, noise_multiplier=1.0)}, "no clipping threshold"),
+    ({"privacy": PrivacyArguments(delta=1e-5, max_grad_norm=1.0)}, "exactly one of target_epsilon"),
+])
+def test_bad_arguments_are_refused_with_a_hint_before_any_step(tmp_path, change, message):
+    change = dict(change)
+    privacy = change.pop("privacy", None)
+    with pytest.raises(DpclipError, match=re.escape(message)) as info:
+        _trainer(tmp_path, privacy=privacy, **change)
+    assert info.value.hint
+
+
+def test_resuming_from_a_trainer_checkpoint_is_refused(tmp_path):
+    with pytest.raises(DpclipError, match="cannot resume") as info:
+        _trainer(tmp_path).train(resume_from_checkpoint=str(tmp_path))
+    assert info.value.hint
+
+
+def test_the_docs_show_the_trainer_example_that_runs_as_a_test():
+    doc = (REPO / "docs" / "python-api.md").read_text(encoding="utf-8")
+    example = (REPO / "examples" / "hf_trainer.py").read_text(encoding="utf-8")
+    assert example in re.findall(r"```python\n(.*?)```", doc, flags=re.DOTALL)
+
+
+@pytest.mark.slow
+def test_the_hf_trainer_example_runs_and_writes_its_ledger(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["hf_trainer.py", str(tmp_path / "out")])
+    runpy.run_path(str(REPO / "examples" / "hf_trainer.py"), run_name="__main__")
+    printed = capsys.readouterr().out
+    accuracy = float(re.search(r"held-out accuracy ([0-9.]+)", printed).group(1))
+    assert accuracy > 0.3   # seven classes: chance is 0.14
+    privacy = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    assert privacy["steps"] == privacy["steps_planned"] and 7.5 < privacy["epsilon"] <= 8.0 * 1.01
+    assert (tmp_path / "out" / "model.safetensors").is_file()
