@@ -73,7 +73,7 @@ def effective_noise_multiplier(sigma_gradient: float, aux: Iterable[tuple[float,
     the ledger share one formula. A zero σ_g (no noise) gives σ_eff = 0: no privacy.
     """
     if sigma_gradient < 0:
-        raise EngineError(f"noise_multiplier must be ≥ 0, got {sigma_gradient}", None)
+        raise EngineError(f"gradient_noise_multiplier must be ≥ 0, got {sigma_gradient}", None)
     if sigma_gradient == 0:
         return 0.0
     releases = [(float(r[0]), float(r[1])) for r in aux]
