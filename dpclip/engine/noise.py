@@ -116,11 +116,6 @@ class NoiseSource:
             self._generators[key] = gen
         return gen
 
-    def gaussian_like(self, p: Tensor, std: float) -> Tensor:
-        """N(0, std²) with the shape, dtype and device of ``p``, drawn and scaled in one pass."""
-        out = torch.empty(p.shape, device=p.device, dtype=p.dtype)
-        return out.normal_(0.0, float(std), generator=self.generator(p.device))
-
     def add_gaussians(self, targets: list[Tensor], stds: list[float]) -> None:
         """``targets[j] += N(0, stds[j]²)`` in place, every coordinate drawn independently.
 
