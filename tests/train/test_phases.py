@@ -122,8 +122,8 @@ def test_b_star_rule_switches_when_the_estimate_falls_below_the_multiple(continu
         def __init__(self):
             self.value = next(estimates)
 
-        def b_star_dp(self, noise_multiplier, clip_factor):
-            calls.append((noise_multiplier, clip_factor))
+        def b_star_dp(self, gradient_noise_multiplier, clip_factor):
+            calls.append((gradient_noise_multiplier, clip_factor))
             return self.value
 
     monkeypatch.setattr("dpclip.train.phases.measure",
@@ -134,7 +134,8 @@ def test_b_star_rule_switches_when_the_estimate_falls_below_the_multiple(continu
     assert switch["reason"] == "B*_DP estimate 100 fell below 2 x batch size 64"
     # quickstart: abadi, layer groups of C = 1 each (total C = sqrt(K)); E|g|² = 4 gives 1/|g| = 0.5
     sigma, clip = calls[0]
-    assert sigma == pytest.approx(result.noise["gradient_noise_multiplier"]) and clip == pytest.approx(min(0.5, 1 / math.sqrt(3)))
+    assert sigma == pytest.approx(result.noise["gradient_noise_multiplier"])
+    assert clip == pytest.approx(min(0.5, 1 / math.sqrt(3)))
 
 
 def test_dpmd_alpha_follows_one_minus_cosine():
