@@ -220,7 +220,7 @@ def make_step(method: str, w: Workload) -> Callable[[], None]:
     if method.startswith("dpclip "):
         from dpclip.engine import DPEngine
 
-        engine = DPEngine(model, {"grouping": method.split(" ", 1)[1]}, noise_multiplier=1.0,
+        engine = DPEngine(model, {"grouping": method.split(" ", 1)[1]}, gradient_noise_multiplier=1.0,
                           expected_batch_size=w.batch, seed=0)
 
         def step():

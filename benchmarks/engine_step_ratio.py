@@ -85,7 +85,7 @@ def main(argv=None) -> dict:
         m = copy.deepcopy(base)
         o = torch.optim.SGD(m.parameters(), lr=1e-4)
         engine = DPEngine(m, {"grouping": grouping, "norm_method": args.norm_method},
-                          noise_multiplier=1.0, expected_batch_size=args.batch, seed=0)
+                          gradient_noise_multiplier=1.0, expected_batch_size=args.batch, seed=0)
 
         def dp_step(m=m, o=o, engine=engine):
             engine.backward(per_sample_loss(m, ids))

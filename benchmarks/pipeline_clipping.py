@@ -84,7 +84,7 @@ def _rank(rank: int, port: int, sizes: dict, out: str) -> None:
         for name, (extra, flat) in CONFIGS.items():
             model = _model(width, depth)
             clipping = {"grouping": {"stages": ["^0$", cut]}, "threshold": {"kind": "fixed", "value": 1.0}, **extra}
-            engine = pipeline_engine(model, clipping, world, flat=flat, noise_multiplier=1.0,
+            engine = pipeline_engine(model, clipping, world, flat=flat, gradient_noise_multiplier=1.0,
                                      expected_batch_size=batch, sample_rate=0.01)
             optimizer = torch.optim.SGD(engine.module.parameters(), lr=0.01)
             steps[name] = PipelineStep(engine, optimizer, train, cross_entropy, "features", sizes["micro"])

@@ -97,7 +97,7 @@ def _interleaved_phases(w, methods: list[str], steps: int, acc: dict) -> dict:
         engine = None
         if method != "non-private":
             from dpclip.engine import DPEngine
-            engine = DPEngine(model, {"grouping": method.split(" ", 1)[1]}, noise_multiplier=1.0,
+            engine = DPEngine(model, {"grouping": method.split(" ", 1)[1]}, gradient_noise_multiplier=1.0,
                               expected_batch_size=w.batch, seed=0)
         runs[method] = (model, opt, engine)
     rows: dict[str, dict[str, list[float]]] = {m: defaultdict(list) for m in runs}

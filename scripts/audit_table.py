@@ -4,7 +4,7 @@
 
 Three runs of one recipe (an MLP on scikit-learn's digits, half the data held out, 200
 out-of-distribution canaries): non-DP (the engine's noise removed with the test seam
-dpclip.audit.testing.scaled_noise(0) and clipping at 100, i.e. effectively off), DP at
+tests/audit/seam.py's scaled_noise(0) and clipping at 100, i.e. effectively off), DP at
 ε = 8 and DP at ε = 1. Each run is audited with every attack; LiRA trains --shadows
 shadow models per run. Prints a markdown table; takes about 20 minutes on one thread.
 """
@@ -14,17 +14,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from dpclip.audit import audit
-from dpclip.audit.testing import scaled_noise
 from dpclip.recipe import load_recipe
 from dpclip.train.workflow import train
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the noise seam is a test helper: it ships in tests/, not in the package
+from tests.audit.seam import scaled_noise  # noqa: E402
 BASE = ["training.epochs=null", "training.steps=600", "training.batch_size=64", "training.micro_batch_size=64",
         "data.test_fraction=0.5", "model.hidden=[256]", "audit.canaries.count=200", "audit.canaries.kind=ood",
         "checkpoint.every_steps=null", "eval.every_steps=null", "training.optimizer.lr=0.5"]

@@ -206,7 +206,7 @@ def train_once(digits: Digits, clipping: dict, stat: str | None, sigma_total: fl
         sigma_g = sigma_total / math.sqrt(1 - QUANTILE_FRACTION)
     start = time.perf_counter()
     model, loss_fn = build_model(digits.recipe.model, data, seed=seed)
-    engine = DPEngine(model, clipping, noise_multiplier=sigma_g, expected_batch_size=batch, seed=seed, sample_rate=q)
+    engine = DPEngine(model, clipping, gradient_noise_multiplier=sigma_g, expected_batch_size=batch, seed=seed, sample_rate=q)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     sampler = torch.Generator().manual_seed(1000 + seed)
     private_step = PrivateStep(model, loss_fn, engine, optimizer, data.train, micro_batch_size=None)

@@ -29,7 +29,7 @@ from dpclip.accounting.events import (
 )
 from dpclip.accounting.ledger import LEDGER_FORMAT, Ledger, LedgerEntry
 from dpclip.accounting.plan import AuxSpec, PlanResult, PrivacyPlan, solve, steps_for_epochs
-from dpclip.accounting.split import NoiseSplit, check_aux_fits, split_noise
+from dpclip.accounting.split import NoiseSplit, check_aux_fits, split_noise, with_current_names
 from dpclip.accounting.statement import (
     GRADIENT_RELEASE,
     SAMPLINGS,
@@ -66,6 +66,7 @@ __all__ = [
     "NoiseSplit",
     "split_noise",
     "check_aux_fits",
+    "with_current_names",
     # ledger
     "LEDGER_FORMAT",
     "Ledger",

@@ -170,8 +170,8 @@ class PlanResult:
     def step_metadata(self) -> dict[str, Any]:
         """What the training loop passes to ``Ledger.record`` with ``step_event``: the split."""
         return {
-            "sigma_total": self.split.sigma_total,
-            "sigma_gradient": self.split.sigma_gradient,
+            "noise_multiplier": self.split.noise_multiplier,
+            "gradient_noise_multiplier": self.split.gradient_noise_multiplier,
             "sigma_aux": self.split.sigma_aux,
             "aux_sensitivity": self.split.aux_sensitivity,
             "aux_fraction": self.split.aux_fraction,
@@ -208,7 +208,7 @@ def solve(plan: PrivacyPlan) -> PlanResult:
 
     # The event is built from σ_eff itself (not re-derived from the split), so the
     # ledger of a run and this plan hold bit-identical events.
-    step_event = gradient_step_event(plan.sample_rate, split.sigma_total)
+    step_event = gradient_step_event(plan.sample_rate, split.noise_multiplier)
     total_event = dp_accounting.SelfComposedDpEvent(step_event, plan.steps)
     result = account(total_event, plan.delta, plan.accountant)
 
@@ -219,8 +219,8 @@ def solve(plan: PrivacyPlan) -> PlanResult:
         conversion=result.conversion,
         sample_rate=plan.sample_rate,
         steps=plan.steps,
-        sigma_total=split.sigma_total,
-        sigma_gradient=split.sigma_gradient,
+        noise_multiplier=split.noise_multiplier,
+        gradient_noise_multiplier=split.gradient_noise_multiplier,
         sigma_aux=split.sigma_aux,
         epsilon_rdp=result.epsilon_rdp if result.accountant == "pld" else None,
         sampling=plan.sampling,

@@ -21,13 +21,13 @@ this module only needs the number.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from dpclip.errors import AccountingError
 
-__all__ = ["NoiseSplit", "split_noise", "check_aux_fits"]
+__all__ = ["NoiseSplit", "split_noise", "check_aux_fits", "FORMER_NAMES", "with_current_names"]
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,16 @@ class NoiseSplit:
     """How a total noise multiplier is shared between gradient and auxiliary statistic.
 
     Attributes:
-        sigma_total: σ, the joint noise multiplier the accountant sees.
-        sigma_gradient: σ_g, the noise multiplier to put on the clipped gradient.
+        noise_multiplier: σ, the joint noise multiplier the accountant sees.
+        gradient_noise_multiplier: σ_g, the noise multiplier to put on the clipped gradient.
         sigma_aux: σ_a, the noise std of the statistic (None without one).
         aux_sensitivity: Δ, its L2 sensitivity (0 without one).
         aux_fraction: r = (Δ/σ_a)²·σ², its share of the budget (0 without one).
         inflation: σ_g/σ = 1/sqrt(1 − r), the gradient-noise price of the statistic.
     """
 
-    sigma_total: float
-    sigma_gradient: float
+    noise_multiplier: float
+    gradient_noise_multiplier: float
     sigma_aux: float | None
     aux_sensitivity: float
     aux_fraction: float
@@ -57,6 +57,21 @@ class NoiseSplit:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+#: Keys that run directories written before the names were unified (issue 27) hold, and
+#: what they are called now: one name per meaning (docs/formulas.md, "Names").
+FORMER_NAMES = {"sigma_total": "noise_multiplier", "sigma_gradient": "gradient_noise_multiplier"}
+
+
+def with_current_names(record: Mapping[str, Any]) -> dict[str, Any]:
+    """``record`` (a ledger entry's metadata, meta.json's plan, ...) with its former σ keys
+    renamed, so that old run directories stay readable; a current key wins over a former one."""
+    out = {FORMER_NAMES.get(key, key): value for key, value in record.items() if key not in FORMER_NAMES}
+    for former, current in FORMER_NAMES.items():
+        if former in record and current not in out:
+            out[current] = record[former]
+    return out
 
 
 def _smallest_aux_sigma_hint(sigma_total: float, sensitivity: float) -> str:
@@ -130,8 +145,8 @@ def split_noise(
             )
         sigma_g = (sigma**-2 - (delta_a / sigma_a) ** 2) ** -0.5
     return NoiseSplit(
-        sigma_total=sigma,
-        sigma_gradient=sigma_g,
+        noise_multiplier=sigma,
+        gradient_noise_multiplier=sigma_g,
         sigma_aux=sigma_a,
         aux_sensitivity=delta_a,
         aux_fraction=r,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import dp_accounting
 
+from dpclip.accounting.split import with_current_names
 from dpclip.errors import AccountingError
 
 if TYPE_CHECKING:  # only for annotations; avoids an import cycle with ledger
@@ -97,8 +98,8 @@ class PrivacyStatement:
     conversion: str
     sample_rate: float | None
     steps: int
-    sigma_total: float | None
-    sigma_gradient: float | None = None
+    noise_multiplier: float | None
+    gradient_noise_multiplier: float | None = None
     sigma_aux: float | None = None
     epsilon_rdp: float | None = None
     sampling: str = "poisson"
@@ -150,9 +151,9 @@ class PrivacyStatement:
         if distribution is not None:
             out.append(f"distribution: {distribution}")
         out.append(f"steps: {self.steps}")
-        out.append(f"noise multiplier (total, joint over all releases): {_fmt(self.sigma_total, 6)}")
+        out.append(f"noise multiplier (total, joint over all releases): {_fmt(self.noise_multiplier, 6)}")
         if self.sigma_aux is not None:
-            out.append(f"gradient noise multiplier: {_fmt(self.sigma_gradient, 6)}")
+            out.append(f"gradient noise multiplier: {_fmt(self.gradient_noise_multiplier, 6)}")
             out.append(f"auxiliary statistic noise std: {_fmt(self.sigma_aux, 6)}")
         for release in self.releases:
             out.append(f"release sharing the budget: {release}")
@@ -200,12 +201,13 @@ def statement_from_ledger(ledger: "Ledger", sampling: str = "poisson", *, seeded
     """
     result = ledger.result()
     parameters = {_gaussian_parameters(entry.event) for entry in ledger.entries}
-    metadatas = [entry.metadata or {} for entry in ledger.entries]
+    # A resumed run's ledger may hold entries written before the names were unified.
+    metadatas = [with_current_names(entry.metadata or {}) for entry in ledger.entries]
     caveats: list[str] = []
     if len(parameters) == 1 and None not in parameters:
-        sample_rate, sigma_total = next(iter(parameters))
+        sample_rate, noise_multiplier = next(iter(parameters))
     else:
-        sample_rate = sigma_total = None
+        sample_rate = noise_multiplier = None
         if ledger.entries:
             caveats.append("the ledger mixes several kinds of releases or noise levels; see its entries")
 
@@ -225,9 +227,10 @@ def statement_from_ledger(ledger: "Ledger", sampling: str = "poisson", *, seeded
         conversion=result.conversion,
         sample_rate=sample_rate,
         steps=ledger.steps,
-        sigma_total=sigma_total,
-        sigma_gradient=(common("sigma_gradient") or sigma_total) if sigma_total is not None else None,
-        sigma_aux=common("sigma_aux") if sigma_total is not None else None,
+        noise_multiplier=noise_multiplier,
+        gradient_noise_multiplier=((common("gradient_noise_multiplier") or noise_multiplier)
+                                   if noise_multiplier is not None else None),
+        sigma_aux=common("sigma_aux") if noise_multiplier is not None else None,
         epsilon_rdp=result.epsilon_rdp if result.accountant == "pld" else None,
         sampling=sampling,
         releases=releases or [GRADIENT_RELEASE],

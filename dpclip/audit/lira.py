@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from scipy.stats import norm
 
+from dpclip.accounting.split import with_current_names
 from dpclip.audit.attacks import model_outputs
 from dpclip.data import select
 from dpclip.data.split import split_fingerprint
@@ -47,7 +48,7 @@ from dpclip.train.workflow import train
 PER_EXAMPLE_VARIANCE_MIN = 32
 KEEP_FILE = "keep.json"
 # What a shadow takes over from the target's meta.json "plan" (σ split as in the target).
-IMITATED = ("sample_rate", "steps", "sigma_total", "sigma_gradient", "sigma_aux")
+IMITATED = ("sample_rate", "steps", "noise_multiplier", "gradient_noise_multiplier", "sigma_aux")
 
 
 def shadow_keep(num_shadows: int, pool_size: int, seed: int) -> np.ndarray:
@@ -69,7 +70,8 @@ def shadow_data(pool, keep: np.ndarray):
 def target_plan(run_dir: Path) -> dict[str, Any]:
     """What the target run released per step and for how long, from its meta.json."""
     meta = json.loads((Path(run_dir) / "meta.json").read_text(encoding="utf-8"))
-    return {key: meta["plan"][key] for key in IMITATED}
+    plan = with_current_names(meta["plan"])  # a run written before issue 27 holds sigma_total, sigma_gradient
+    return {key: plan[key] for key in IMITATED}
 
 
 def shadow_plan(target: dict[str, Any], num_train: int) -> dict[str, Any]:
@@ -83,7 +85,7 @@ def shadow_plan(target: dict[str, Any], num_train: int) -> dict[str, Any]:
     """
     batch = min(max(round(target["sample_rate"] * num_train), 1), num_train)
     return {"num_train": num_train, "batch_size": batch, "sample_rate": batch / num_train,
-            "steps": target["steps"], "sigma_total": target["sigma_total"]}
+            "steps": target["steps"], "noise_multiplier": target["noise_multiplier"]}
 
 
 def shadow_recipe(recipe, index: int, plan: dict[str, Any]):
@@ -99,7 +101,7 @@ def shadow_recipe(recipe, index: int, plan: dict[str, Any]):
     # fields the schema has by now.
     training = recipe.training.model_copy(update={"epochs": None, "steps": plan["steps"],
                                                   "batch_size": plan["batch_size"]})
-    privacy = recipe.privacy.model_copy(update={"epsilon": None, "noise_multiplier": plan["sigma_total"]})
+    privacy = recipe.privacy.model_copy(update={"epsilon": None, "noise_multiplier": plan["noise_multiplier"]})
     return recipe.model_copy(update={"name": f"shadow-{index:03d}", "seed": recipe.seed + 1 + index,
                                      "audit": Audit(), "training": training, "privacy": privacy})
 
@@ -115,14 +117,14 @@ def _load_or_make_keep(folder: Path, num_shadows: int, pool_size: int, seed: int
                               "planned for its own data size (another sample rate, number of steps and noise "
                               "multiplier), which makes LiRA weaker than it should be",
                               f"delete {folder} and run the audit again to train shadows that imitate the target")
-        if stored["imitates"] != target:
+        if with_current_names(stored["imitates"]) != target:
             raise DpclipError(f"the shadow models in {folder} imitate {stored['imitates']}, but the run's plan "
                               f"is now {target}", f"delete {folder} and run the audit again")
         if keep.shape != (num_shadows, pool_size):
             raise DpclipError(f"{folder} holds {keep.shape[0]} shadow models over {keep.shape[1]} examples, "
                               f"not {num_shadows} over {pool_size}",
                               f"pass --shadows {keep.shape[0]} to reuse them, or delete {folder} to start over")
-        return keep, stored["shadows"]
+        return keep, [with_current_names(plan) for plan in stored["shadows"]]
     keep = shadow_keep(num_shadows, pool_size, seed)
     plans = [shadow_plan(target, int(row.sum())) for row in keep]
     folder.mkdir(parents=True, exist_ok=True)
@@ -133,14 +135,14 @@ def _load_or_make_keep(folder: Path, num_shadows: int, pool_size: int, seed: int
 def _check_trained_as_planned(shadow_dir: Path, plan: dict[str, Any]) -> None:
     """A shadow found on disk must have been trained with ``plan`` (it may predate keep.json)."""
     trained = realised_plan(shadow_dir)
-    if any(trained[key] != plan[key] for key in ("num_train", "sample_rate", "steps", "sigma_total")):
+    if any(trained[key] != plan[key] for key in ("num_train", "sample_rate", "steps", "noise_multiplier")):
         raise DpclipError(f"{shadow_dir} was trained with {trained}, not with the plan in its {KEEP_FILE} ({plan})",
                           f"delete {shadow_dir.parent} and run the audit again")
 
 
 def realised_plan(shadow_dir: Path) -> dict[str, Any]:
     """What a shadow run planned and released (from its meta.json), for the audit report."""
-    plan = json.loads((Path(shadow_dir) / "meta.json").read_text(encoding="utf-8"))["plan"]
+    plan = with_current_names(json.loads((Path(shadow_dir) / "meta.json").read_text(encoding="utf-8"))["plan"])
     return {key: plan[key] for key in ("num_train", *IMITATED)}
 
 

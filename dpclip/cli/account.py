@@ -192,8 +192,8 @@ def _as_dict(plan, result, accountant: str, title: str | None, bins: int | None 
         "epsilon": result.epsilon,
         "epsilon_rdp": result.epsilon_rdp,
         "noise": {
-            "sigma_total": split.sigma_total,
-            "sigma_gradient": split.sigma_gradient,
+            "noise_multiplier": split.noise_multiplier,
+            "gradient_noise_multiplier": split.gradient_noise_multiplier,
             "sigma_aux": split.sigma_aux,
             "aux_sensitivity": split.aux_sensitivity,
             "aux_fraction": split.aux_fraction,
@@ -214,10 +214,10 @@ def _render(plan, result, accountant: str, title: str | None, bins: int | None =
     table.add_column("value", justify="right")
     table.add_column("meaning")
     if split.sigma_aux is None:
-        table.add_row("σ", fmt(split.sigma_total), "noise multiplier of the clipped gradient (std = σ × sensitivity)")
+        table.add_row("σ", fmt(split.noise_multiplier), "noise multiplier of the clipped gradient (std = σ × sensitivity)")
     else:
-        table.add_row("σ total", fmt(split.sigma_total), "one joint Gaussian release per step (gradient + statistic)")
-        table.add_row("σ gradient", fmt(split.sigma_gradient), "noise multiplier of the clipped gradient")
+        table.add_row("σ total", fmt(split.noise_multiplier), "one joint Gaussian release per step (gradient + statistic)")
+        table.add_row("σ gradient", fmt(split.gradient_noise_multiplier), "noise multiplier of the clipped gradient")
         table.add_row("σ statistic", fmt(split.sigma_aux), f"noise std of the statistic (sensitivity {fmt(split.aux_sensitivity)})")
         if bins is not None:
             table.add_row("histogram bins", str(bins), "b bins per group, N(0, σ_statistic²) each; "

@@ -65,7 +65,7 @@ def diagnose(
     table.add_row("tr(HΣ)", fmt(diag.trace_h_sigma))
     table.add_row("|G|²", fmt(diag.grad_norm_sq))
     table.add_row("E‖g_i‖²", fmt(diag.mean_sample_grad_norm_sq))
-    table.add_row("σ (gradient noise multiplier)", f"{fmt(record['noise_multiplier'])} (total {fmt(result.sigma_total)})")
+    table.add_row("σ (gradient noise multiplier)", f"{fmt(record['gradient_noise_multiplier'])} (total {fmt(result.noise_multiplier)})")
     table.add_row("c (typical clip factor)", f"{fmt(record['clip_factor'])} ({record['clip_fn']}, "
                   f"C = {fmt(record['threshold'])})")
     batch = record["batch_size_dp"]

@@ -39,7 +39,7 @@ class RichObserver:
         groups = info["groups"]
         table.add_row("clipping groups", f"{len(groups)}: " + ", ".join(groups[:4]) + (" …" if len(groups) > 4 else ""))
         table.add_row("trainable parameters", f"{info['parameters']:,}")
-        table.add_row("σ gradient", fmt(info["sigma_gradient"]))
+        table.add_row("σ gradient", fmt(info["gradient_noise_multiplier"]))
         if info["sigma_aux"] is not None:
             table.add_row("σ statistic", fmt(info["sigma_aux"]))
         table.add_row("planned ε", f"{fmt(info['planned_epsilon'])} at δ = {info['delta']:g} ({info['accountant']})")

@@ -187,7 +187,7 @@ def _render(report) -> None:
         else:
             shape = "Poisson" if detail["shape"] is None else f"truncated neg. binomial η = {detail['shape']:g}"
             notes.append(f"repeat-and-select: K ~ {shape}, E[K] = {detail['mean']:g} (rdp)")
-        eps.add_row(strategy.name, fmt(strategy.sigma_total), fmt(strategy.sigma_gradient), fmt(strategy.epsilon),
+        eps.add_row(strategy.name, fmt(strategy.noise_multiplier), fmt(strategy.gradient_noise_multiplier), fmt(strategy.epsilon),
                     f"{strategy.delta:g}")
     console.print(eps)
     for note in notes:
@@ -212,7 +212,8 @@ def _render(report) -> None:
             speedup = row["speedup_vs_fixed"]
             table.add_row(row["method"], str(row["runs"]), fmt(row["step_seconds"], 3),
                           _hours(row["search_hours"]), "n/a" if speedup is None else f"{speedup:.2f}x",
-                          fmt(row["sigma_gradient_repeat_and_select"]), fmt(row["sigma_gradient_naive"]))
+                          fmt(row["gradient_noise_multiplier_repeat_and_select"]),
+                          fmt(row["gradient_noise_multiplier_naive"]))
         console.print(table)
         for line in skipped:
             console.print(line, soft_wrap=True)

@@ -54,22 +54,22 @@ class HessianDiagnostics:
     probes: int               # Hutchinson probes k
     per_sample: int = 0       # rows of the per-sample subsample (tr(HΣ), E‖g_i‖²)
 
-    def decelerator(self, noise_multiplier: float, batch_size: int, clip_factor: float) -> float:
+    def decelerator(self, gradient_noise_multiplier: float, batch_size: int, clip_factor: float) -> float:
         """σ²·tr(H) / (B·c²), eq. (8): the term DP adds to the denominator of eq. (6)."""
-        return noise_multiplier ** 2 * self.trace_h / (batch_size * clip_factor ** 2)
+        return gradient_noise_multiplier ** 2 * self.trace_h / (batch_size * clip_factor ** 2)
 
-    def improvement(self, batch_size: int, noise_multiplier: float, clip_factor: float) -> float:
+    def improvement(self, batch_size: int, gradient_noise_multiplier: float, clip_factor: float) -> float:
         """ΔL*(B) = ½|G|⁴ / (B·GᵀHG + tr(HΣ) + σ²tr(H)/(B c²)), eq. (6); σ = 0, c = 1 gives eq. (7).
 
         ``inf`` where the denominator is not positive: the second-order model then has no
         best learning rate (the loss is not locally convex along the update)."""
         denominator = (batch_size * self.gthg + self.trace_h_sigma
-                       + self.decelerator(noise_multiplier, batch_size, clip_factor))
+                       + self.decelerator(gradient_noise_multiplier, batch_size, clip_factor))
         if not denominator > 0:
             return math.inf if math.isfinite(denominator) else math.nan
         return 0.5 * self.grad_norm_sq ** 2 / denominator
 
-    def b_star_dp(self, noise_multiplier: float, clip_factor: float) -> float:
+    def b_star_dp(self, gradient_noise_multiplier: float, clip_factor: float) -> float:
         """B*_DP = sqrt(σ²·tr(H) / (c²·GᵀHG)) (appendix A.4, Remark 3.2).
 
         It minimises B·GᵀHG + σ²tr(H)/(Bc²), the only part of eq. (6)'s denominator that
@@ -77,14 +77,14 @@ class HessianDiagnostics:
         ``inf`` when GᵀHG ≤ 0 < σ²tr(H) (larger batches always help), ``nan`` when the
         model has no interior optimum (tr(H) < 0, or both terms vanish)."""
         a = self.gthg
-        d = noise_multiplier ** 2 * self.trace_h / clip_factor ** 2
+        d = gradient_noise_multiplier ** 2 * self.trace_h / clip_factor ** 2
         if a > 0 and d >= 0:
             return math.sqrt(d / a)
         if a <= 0 < d:
             return math.inf
         return math.nan
 
-    def alpha_star(self, public_batch_size: int, private_batch_size: int, noise_multiplier: float,
+    def alpha_star(self, public_batch_size: int, private_batch_size: int, gradient_noise_multiplier: float,
                    clip_factor: float) -> float:
         """The best weight of the public gradient when mixing, eq. (10) (subscript 0 public, 1 private):
 
@@ -92,7 +92,7 @@ class HessianDiagnostics:
 
         for the mixed gradient g_α = α/B₀·Σ_public g_j + (1 − α)/B₁·(Σ_private C_i g_i + σN)."""
         b0, b1, c = public_batch_size, private_batch_size, clip_factor
-        noisy = self.trace_h_sigma + noise_multiplier ** 2 * self.trace_h / (b1 * c ** 2)
+        noisy = self.trace_h_sigma + gradient_noise_multiplier ** 2 * self.trace_h / (b1 * c ** 2)
         if noisy == 0:
             return math.nan
         return 1.0 / ((1.0 / c) * self.trace_h_sigma * (b1 / b0) / noisy + 1.0)

@@ -3,7 +3,7 @@
 A DPEngine is a composition: book-keeping (per-layer norm rules) + grouping + clip
 function + threshold policy + noise allocation. It never owns the optimizer.
 
-    engine = DPEngine(model, clipping={...}, noise_multiplier=1.0, expected_batch_size=256)
+    engine = DPEngine(model, clipping={...}, gradient_noise_multiplier=1.0, expected_batch_size=256)
     for micro in logical_batch:
         engine.backward(per_sample_losses)      # one backward; clipped sums accumulate
     report = engine.privatize()                  # p.grad = (Σ clipped + noise) / B
@@ -56,7 +56,12 @@ class DPEngine:
         model: any ``nn.Module``; build the engine after freezing what should stay frozen.
         clipping: the recipe's ``clipping:`` block as a dict; missing keys take
             :data:`DEFAULT_CLIPPING`.
-        noise_multiplier: σ_g, the gradient's noise multiplier (std / sensitivity).
+        gradient_noise_multiplier: σ_g, the gradient's noise multiplier (std / sensitivity).
+            With a threshold policy that releases a statistic, the total σ_eff the
+            accountant sees is smaller (``report.noise_multiplier``; docs/formulas.md).
+        noise_multiplier: the total σ_eff, accepted only where it is σ_g (a threshold
+            policy that releases nothing); otherwise an EngineError names
+            ``gradient_noise_multiplier`` (the engine does no budget split).
         expected_batch_size: B; ``p.grad`` is divided by it, never by the realised size.
         seed: None (default): the noise generator's whole state comes from OS entropy.
             An int makes the noise reproducible, and so removable by anyone who knows
@@ -68,7 +73,8 @@ class DPEngine:
     """
 
     def __init__(self, model: nn.Module, clipping: dict | None = None, *,
-                 noise_multiplier: float = 1.0, expected_batch_size: int, seed: int | None = None,
+                 gradient_noise_multiplier: float | None = None, expected_batch_size: int,
+                 seed: int | None = None, noise_multiplier: float | None = None,
                  sample_rate: float | None = None, reducer: Reducer | None = None,
                  stage: StageLink | None = None):
         cfg = dict(DEFAULT_CLIPPING)
@@ -85,12 +91,17 @@ class DPEngine:
                               f"{expected_batch_size!r}", None)
         if sample_rate is not None and not 0 < sample_rate <= 1:
             raise EngineError(f"sample_rate must be in (0, 1], got {sample_rate}", None)
-        if noise_multiplier < 0:
-            raise EngineError(f"noise_multiplier must be ≥ 0, got {noise_multiplier}", None)
+        if gradient_noise_multiplier is not None and noise_multiplier is not None:
+            raise EngineError("give gradient_noise_multiplier or noise_multiplier, not both",
+                              "gradient_noise_multiplier=σ_g is the gradient's noise multiplier")
+        sigma_g = gradient_noise_multiplier if noise_multiplier is None else noise_multiplier
+        sigma_g = 1.0 if sigma_g is None else sigma_g
+        if sigma_g < 0:
+            raise EngineError(f"gradient_noise_multiplier must be ≥ 0, got {sigma_g}", None)
 
         self.model = model
         self.config = cfg
-        self.noise_multiplier = float(noise_multiplier)
+        self.gradient_noise_multiplier = float(sigma_g)
         self.expected_batch_size = expected_batch_size
         self.sample_rate = sample_rate
         self.reducer = reducer
@@ -108,7 +119,12 @@ class DPEngine:
         self._device = first.device
         self.policy = build_policy(cfg["threshold"], PolicyContext(
             list(self.groups.names), self.groups.sizes, expected_batch_size,
-            self.noise_multiplier, first.device, self._norm_dtype))
+            self.gradient_noise_multiplier, first.device, self._norm_dtype))
+        if noise_multiplier is not None and type(self.policy).release is not ThresholdPolicy.release:
+            raise EngineError("noise_multiplier is the total σ_eff: with a threshold policy that releases a "
+                              "statistic it is not the gradient's, and the engine does no budget split",
+                              "pass gradient_noise_multiplier=σ_g (dpclip.accounting.split_noise gives it; "
+                              "docs/engine.md)")
         self.policy.reducer = reducer
         self._sizes = torch.tensor(self.groups.sizes, device=first.device, dtype=self._norm_dtype)
         allocation_weights(cfg["noise_allocation"], self.policy.thresholds(), self._sizes)
@@ -286,7 +302,7 @@ class DPEngine:
         std = self._noise_stds(self.policy.sensitivity_thresholds())
         batch = self.expected_batch_size
         std_grad = (std / batch).tolist()  # one device sync per step, not one per parameter
-        draws = self.noise_multiplier > 0 and (self.reducer is None or self.reducer.draws_noise)
+        draws = self.gradient_noise_multiplier > 0 and (self.reducer is None or self.reducer.draws_noise)
         grads = [torch.zeros_like(p) if clipped is None else clipped.contiguous().div_(batch)
                  for p, clipped in zip(self._params, self._sums)]
         if draws:  # in place, all at once: a large draw is split over threads (NoiseSource)
@@ -302,7 +318,7 @@ class DPEngine:
 
         aux = list(self.policy.release(self.noise.generator(self._device)) or [])
         released = aux if self.stage is None or self.stage.flat else self.stage.gather_releases(aux)
-        sigma_eff = effective_noise_multiplier(self.noise_multiplier, released)
+        sigma_eff = effective_noise_multiplier(self.gradient_noise_multiplier, released)
         # The accounting package builds the event, so engine and plan agree exactly.
         event = gradient_step_event(self.sample_rate if self.sample_rate is not None else 1.0, sigma_eff)
         if self.config["fn"] == "auto":  # AUTO rescales every sample: "clipped" means nothing
@@ -319,8 +335,8 @@ class DPEngine:
             nonfinite=self._nonfinite,
             noise_std_sum=std.detach(),
             noise_std_grad=std.detach() / batch,
-            sigma_gradient=self.noise_multiplier,
-            sigma_eff=sigma_eff,
+            gradient_noise_multiplier=self.gradient_noise_multiplier,
+            noise_multiplier=sigma_eff,
             aux_releases=aux,
             policy_summary=self.policy.summary(),
             dp_event=event,
@@ -358,13 +374,13 @@ class DPEngine:
         the other allocations gather the stages' thresholds (public values) once a step."""
         kind, stage = self.config["noise_allocation"], self.stage
         if stage is None or stage.flat:  # a flat stage clips at the one C: its sensitivity is C
-            return noise_stds(self.noise_multiplier, sens, allocation_weights(kind, sens, self._sizes))
+            return noise_stds(self.gradient_noise_multiplier, sens, allocation_weights(kind, sens, self._sizes))
         if kind == "equal-budget":
-            return self.noise_multiplier * math.sqrt(stage.num_groups) * sens
+            return self.gradient_noise_multiplier * math.sqrt(stage.num_groups) * sens
         every = stage.all_gather(sens)
         if self._stage_sizes is None:  # the sizes d_k never change: gathered once
             self._stage_sizes = stage.all_gather(self._sizes)
-        std = noise_stds(self.noise_multiplier, every, allocation_weights(kind, every, self._stage_sizes))
+        std = noise_stds(self.gradient_noise_multiplier, every, allocation_weights(kind, every, self._stage_sizes))
         return std[stage.offset:stage.offset + len(sens)]
 
     def _quantiles(self) -> dict[str, Tensor]:

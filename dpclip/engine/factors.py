@@ -175,14 +175,6 @@ def ghost_norm_sq(left: Tensor, right: Tensor) -> Tensor:
     return _symmetric_ghost(left, right, False)[0].sum(1)
 
 
-def ids_ghost_norm_sq(ids: Tensor, right: Tensor) -> Tensor:
-    """Embedding ghost norm: ||G||² = Σ_{t,s} 1[x_t = x_s] <b_t, b_s> (docs/engine.md).
-
-    ``ids`` ``[B, T]``, ``right`` ``[B, 1, T, n]`` -> ``[B]``.
-    """
-    return _symmetric_ghost(ids, right[:, 0], True)[0]
-
-
 def atom_sizes(use: Use, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Per sample: (D, M) = (Σ_t ||G_t||², Σ_t ||G_t||) over the atoms of ``use``.
 
@@ -550,7 +542,7 @@ def sqrt_or_zero(x: Tensor) -> Tensor:
 
 
 __all__ = [
-    "Bilinear", "Dense", "Use", "NORM_METHODS", "batched_dot", "ghost_norm_sq", "ids_ghost_norm_sq",
+    "Bilinear", "Dense", "Use", "NORM_METHODS", "batched_dot", "ghost_norm_sq",
     "instantiate", "param_norm_sq", "clipped_sum", "choose_ghost", "sqrt_or_zero", "streamable",
     "streamed_clip", "zero_samples", "early_instance", "atom_sizes",
 ]

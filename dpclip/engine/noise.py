@@ -73,7 +73,7 @@ def effective_noise_multiplier(sigma_gradient: float, aux: Iterable[tuple[float,
     the ledger share one formula. A zero σ_g (no noise) gives σ_eff = 0: no privacy.
     """
     if sigma_gradient < 0:
-        raise EngineError(f"noise_multiplier must be ≥ 0, got {sigma_gradient}", None)
+        raise EngineError(f"gradient_noise_multiplier must be ≥ 0, got {sigma_gradient}", None)
     if sigma_gradient == 0:
         return 0.0
     releases = [(float(r[0]), float(r[1])) for r in aux]
@@ -115,11 +115,6 @@ class NoiseSource:
             gen = private_generator(self.seed, self.purpose, device)
             self._generators[key] = gen
         return gen
-
-    def gaussian_like(self, p: Tensor, std: float) -> Tensor:
-        """N(0, std²) with the shape, dtype and device of ``p``, drawn and scaled in one pass."""
-        out = torch.empty(p.shape, device=p.device, dtype=p.dtype)
-        return out.normal_(0.0, float(std), generator=self.generator(p.device))
 
     def add_gaussians(self, targets: list[Tensor], stds: list[float]) -> None:
         """``targets[j] += N(0, stds[j]²)`` in place, every coordinate drawn independently.

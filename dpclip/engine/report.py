@@ -33,8 +33,8 @@ class StepReport:
     nonfinite: Tensor
     noise_std_sum: Tensor
     noise_std_grad: Tensor
-    sigma_gradient: float
-    sigma_eff: float
+    gradient_noise_multiplier: float
+    noise_multiplier: float
     aux_releases: list[AuxRelease]
     policy_summary: dict
     dp_event: dp_accounting.DpEvent
@@ -53,8 +53,8 @@ class StepReport:
             "nonfinite": lst(self.nonfinite),
             "noise_std_sum": lst(self.noise_std_sum),
             "noise_std_grad": lst(self.noise_std_grad),
-            "sigma_gradient": self.sigma_gradient,
-            "sigma_eff": self.sigma_eff,
+            "gradient_noise_multiplier": self.gradient_noise_multiplier,
+            "noise_multiplier": self.noise_multiplier,
             "aux_releases": [tuple(a) for a in self.aux_releases],
             "policy_summary": self.policy_summary,
             "samples_seen": self.samples_seen,

@@ -185,9 +185,5 @@ def render_markdown() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def documented_models() -> set[type[BaseModel]]:
-    return {model for _, model, _ in sections()}
-
-
 if __name__ == "__main__":
     print(render_markdown(), end="")

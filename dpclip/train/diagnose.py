@@ -41,7 +41,7 @@ class DiagnoseResult:
     step: int
     diagnostics: HessianDiagnostics
     record: dict[str, Any]          # as a line of diagnostics.jsonl: measurement, formulas, label
-    sigma_total: float
+    noise_multiplier: float
     out_dir: Path
     plots: list[str] = field(default_factory=list)
     history: int = 0                # records of the run's diagnostics.jsonl drawn beside this one
@@ -52,7 +52,7 @@ class DiagnoseResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "step": self.step, **self.record,
-                "sigma_total": self.sigma_total, "out_dir": str(self.out_dir), "plots": self.plots,
+                "noise_multiplier": self.noise_multiplier, "out_dir": str(self.out_dir), "plots": self.plots,
                 "history": self.history}
 
 
@@ -83,7 +83,7 @@ def diagnose(target: str | Path, overrides: list[str] | None = None, *, probes: 
         diag = measure_model(trainer.model, trainer.loss_fn, draw_rows(rows, size, generator), trainer.engine,
                              probes=probes or spec.probes, per_sample=per_sample or spec.per_sample,
                              generator=generator)
-        formulas = evaluate(diag, sigma=trainer.split.sigma_gradient, batch_size=recipe.training.batch_size,
+        formulas = evaluate(diag, sigma=trainer.split.gradient_noise_multiplier, batch_size=recipe.training.batch_size,
                             clip_fn=recipe.clipping.fn, threshold=clip_threshold(trainer.engine),
                             gamma=recipe.clipping.gamma, public_batch_size=public_batch_size(recipe, public))
     finally:
@@ -95,10 +95,10 @@ def diagnose(target: str | Path, overrides: list[str] | None = None, *, probes: 
     # The run's records beside this measurement, which replaces a record of the same step.
     history = [r for r in history if r.get("step") != step]
     plot_hessian_over_training(history + [record], out_dir / HESSIAN_PLOT)
-    plot_improvement(diag, out_dir / IMPROVEMENT_PLOT, sigma=formulas["noise_multiplier"],
+    plot_improvement(diag, out_dir / IMPROVEMENT_PLOT, sigma=formulas["gradient_noise_multiplier"],
                      clip_factor=formulas["clip_factor"], batch_size=recipe.training.batch_size,
                      private=data == "private")
-    return DiagnoseResult(recipe.name, source, step, diag, record, trainer.split.sigma_total, out_dir,
+    return DiagnoseResult(recipe.name, source, step, diag, record, trainer.split.noise_multiplier, out_dir,
                           [str(out_dir / HESSIAN_PLOT), str(out_dir / IMPROVEMENT_PLOT)], len(history))
 
 

@@ -93,7 +93,7 @@ def evaluate(diag: HessianDiagnostics, *, sigma: float, batch_size: int, clip_fn
     B*_DP, ΔL*(B) private and non-private (eqs. (6), (7)), α* when there is public data."""
     c = typical_clip_factor(diag, clip_fn, threshold, gamma)
     return {
-        "noise_multiplier": sigma, "batch_size_dp": batch_size, "clip_fn": clip_fn, "threshold": threshold,
+        "gradient_noise_multiplier": sigma, "batch_size_dp": batch_size, "clip_fn": clip_fn, "threshold": threshold,
         "clip_factor": c,
         "decelerator": diag.decelerator(sigma, batch_size, c),
         "b_star_dp": diag.b_star_dp(sigma, c),
@@ -206,4 +206,4 @@ def recorder_for(trainer, public_rows: dict[str, torch.Tensor] | None = None):
     rows = choose_rows(spec.data, private_rows=trainer.ordinary.train, public_rows=public,
                        allow_private=spec.private_not_covered)
     return DiagnosticsRecorder(recipe, trainer.model, trainer.loss_fn, trainer.engine, rows, data=spec.data,
-                               sigma=trainer.split.sigma_gradient, public_batch_size=public_batch_size(recipe, public))
+                               sigma=trainer.split.gradient_noise_multiplier, public_batch_size=public_batch_size(recipe, public))

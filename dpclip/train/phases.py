@@ -265,7 +265,7 @@ class Continual:
         clipping = self.trainer.recipe.clipping
         threshold = float(self.engine.policy.sensitivity_thresholds().double().norm())
         clip = typical_clip_factor(diagnostics, clipping.fn, threshold, clipping.gamma)
-        return float(diagnostics.b_star_dp(noise_multiplier=self.trainer.split.sigma_gradient, clip_factor=clip))
+        return float(diagnostics.b_star_dp(gradient_noise_multiplier=self.trainer.split.gradient_noise_multiplier, clip_factor=clip))
 
     # ----------------------------------------------------------------- the public phase
 

@@ -239,6 +239,6 @@ def solve_plan(plan: PrivacyPlan, accountant: str = "pld"):
         return solve(replace(plan, accountant=accountant))
     if plan.target_epsilon is None:
         return solve(replace(plan, accountant="pld"))
-    sigma_pld = solve(replace(plan, accountant="pld")).split.sigma_total
-    sigma_rdp = solve(replace(plan, accountant="rdp")).split.sigma_total
+    sigma_pld = solve(replace(plan, accountant="pld")).split.noise_multiplier
+    sigma_rdp = solve(replace(plan, accountant="rdp")).split.noise_multiplier
     return solve(replace(plan, accountant="pld", target_epsilon=None, noise_multiplier=max(sigma_pld, sigma_rdp)))

@@ -145,8 +145,8 @@ def _statement(ledger, q, sigma, steps, score_noise, mean, shape, seeded, sampli
                          "recipe's claim (tuning.score: public)")
     return PrivacyStatement(
         epsilon=result.epsilon, delta=ledger.delta, accountant=result.accountant, conversion=result.conversion,
-        sample_rate=q, steps=steps, sigma_total=sigma,
-        sigma_gradient=run_statement.sigma_gradient if run_statement is not None else sigma,
+        sample_rate=q, steps=steps, noise_multiplier=sigma,
+        gradient_noise_multiplier=run_statement.gradient_noise_multiplier if run_statement is not None else sigma,
         sigma_aux=run_statement.sigma_aux if run_statement is not None else None, sampling=sampling, releases=releases,
         fallback_reason=result.fallback_reason, seeded_randomness=seeded, not_covered=uncovered,
         world_size=run_statement.world_size if run_statement is not None else 1)

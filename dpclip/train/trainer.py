@@ -180,7 +180,7 @@ class Trainer:
             before = solve(privacy_plan(reference, self.ordinary.num_train, groups=num_groups))
         except DpclipError:
             return None  # the file's own plan is not feasible on this data; the run's is
-        return {"changed": changed, "sigma_file": before.split.sigma_total, "sigma": self.split.sigma_total,
+        return {"changed": changed, "sigma_file": before.split.noise_multiplier, "sigma": self.split.noise_multiplier,
                 "epsilon_file": before.epsilon, "epsilon": self.solved.epsilon,
                 "calibrated": self.plan.target_epsilon is not None}
 
@@ -188,12 +188,13 @@ class Trainer:
         training = self.recipe.training
         if self.pipeline:  # this rank's stage and its engine (docs/distributed.md, "Pipeline stages")
             self.engine = pipeline_engine(self.model, engine_clipping(self.recipe, self.split.sigma_aux), self.world,
-                                          noise_multiplier=self.split.sigma_gradient,
+                                          gradient_noise_multiplier=self.split.gradient_noise_multiplier,
                                           expected_batch_size=training.batch_size, seed=self.seed_of_noise,
                                           sample_rate=self.plan.sample_rate)
             return
         self.engine = DPEngine(self.model, engine_clipping(self.recipe, self.split.sigma_aux),
-                               noise_multiplier=self.split.sigma_gradient, expected_batch_size=training.batch_size,
+                               gradient_noise_multiplier=self.split.gradient_noise_multiplier,
+                               expected_batch_size=training.batch_size,
                                seed=self.seed_of_noise, sample_rate=self.plan.sample_rate, reducer=self.world.reducer)
 
     def _setup_optimizer(self) -> None:
@@ -234,8 +235,8 @@ class Trainer:
             "name": recipe.name, "steps": plan.steps, "sample_rate": plan.sample_rate,
             "num_train": self.ordinary.num_train, "num_test": self.data.num_test,
             "canaries_included": None if self.canaries is None else int(self.canaries.included.sum()),
-            "groups": self.engine.group_names, "sigma_total": split.sigma_total,
-            "sigma_gradient": split.sigma_gradient, "sigma_aux": split.sigma_aux,
+            "groups": self.engine.group_names, "noise_multiplier": split.noise_multiplier,
+            "gradient_noise_multiplier": split.gradient_noise_multiplier, "sigma_aux": split.sigma_aux,
             "planned_epsilon": self.solved.epsilon, "delta": plan.delta, "accountant": plan.accountant,
             "epsilon_cap": recipe.privacy.epsilon,
             "parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),

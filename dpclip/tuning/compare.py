@@ -138,8 +138,8 @@ def compare_methods(methods: Sequence[MethodSearch], recipe: Recipe, plan, timer
         rows.append({
             "method": method.name, "paper": method.paper, "runs": runs, "step_seconds": seconds,
             "search_hours": hours,
-            "sigma_gradient_naive": _gradient_or_none(method_plan, sigma_naive),
-            "sigma_gradient_repeat_and_select": _gradient_or_none(method_plan, sigma_select),
+            "gradient_noise_multiplier_naive": _gradient_or_none(method_plan, sigma_naive),
+            "gradient_noise_multiplier_repeat_and_select": _gradient_or_none(method_plan, sigma_select),
         })
     fixed = next((row for row in rows if row["method"] == "fixed" and "skipped" not in row), None)
     for row in rows:

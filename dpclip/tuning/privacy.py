@@ -61,17 +61,17 @@ class Strategy:
 
     Attributes:
         name: naive | liu-talwar | repeat-and-select.
-        sigma_total: per-run joint noise multiplier σ_eff that keeps the search within ε.
-        sigma_gradient: the gradient's share of it after the recipe's threshold statistic
-            (equal to ``sigma_total`` for a fixed threshold): the noise a user feels.
+        noise_multiplier: per-run joint noise multiplier σ_eff that keeps the search within ε.
+        gradient_noise_multiplier: the gradient's share of it after the recipe's threshold statistic
+            (equal to ``noise_multiplier`` for a fixed threshold): the noise a user feels.
         epsilon, delta: the search's guarantee at that σ.
         accountant: which accountant gave ``epsilon``.
         detail: strategy-specific numbers (runs, (ε₁, δ₁), T, mean and shape of K).
     """
 
     name: str
-    sigma_total: float | None      # None: no σ meets the budget (detail['infeasible'] says why)
-    sigma_gradient: float | None
+    noise_multiplier: float | None      # None: no σ meets the budget (detail['infeasible'] says why)
+    gradient_noise_multiplier: float | None
     epsilon: float
     delta: float
     accountant: str
@@ -124,7 +124,7 @@ def gradient_sigma(plan: PrivacyPlan, sigma_total: float) -> float:
     if plan.aux is None:
         return sigma_total
     split = split_noise(sigma_total, plan.aux.sensitivity, aux_sigma=plan.aux.sigma, aux_fraction=plan.aux.fraction)
-    return split.sigma_gradient
+    return split.gradient_noise_multiplier
 
 
 def trials_mean(recipe: Recipe, configurations: int) -> float:
@@ -149,7 +149,7 @@ def search_privacy(recipe: Recipe, plan: PrivacyPlan, configurations: int, *,
 
     # One run as the recipe trains it (σ calibrated to ε for ONE run, or given).
     solved = solve(plan)
-    recipe_sigma = solved.split.sigma_total
+    recipe_sigma = solved.split.noise_multiplier
     naive_at_recipe = account(naive_search_event(release.event(recipe_sigma), configurations),
                               delta, accountant).epsilon
 
@@ -200,7 +200,7 @@ def search_privacy(recipe: Recipe, plan: PrivacyPlan, configurations: int, *,
         result = account(repeat_and_select_event(release.event(sigma), mean, shape), delta, "rdp")
         strategies.append(Strategy(REPEAT_AND_SELECT, sigma, gradient_sigma(plan, sigma), result.epsilon, delta,
                                    "rdp", detail))
-    if all(s.sigma_total is None for s in strategies):
+    if all(s.noise_multiplier is None for s in strategies):
         reasons = strategies[0].detail["infeasible"]
         raise AccountingError(f"no per-run noise keeps this search within ε = {epsilon:g}: {reasons}",
                               "raise privacy.epsilon, search fewer configurations"

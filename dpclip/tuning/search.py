@@ -131,7 +131,7 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
     """
     privacy = report.privacy
     strategy = privacy.strategy(REPEAT_AND_SELECT)
-    if strategy.sigma_total is None:
+    if strategy.noise_multiplier is None:
         raise DpclipError(f"repeat-and-select cannot keep this search within ε: {strategy.detail['infeasible']}",
                           "raise privacy.epsilon or search fewer configurations")
     if strategy.detail["shape"] is None:
@@ -147,7 +147,7 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
                           "set tuning.score: public if the held-out split is public data")
     rng = search_random(recipe)
     configurations = search_space(base, recipe, grid, random_draws, rng=rng)
-    sigma = strategy.sigma_total
+    sigma = strategy.noise_multiplier
     mean = strategy.detail["mean"]
     shape = strategy.detail["shape"]
     private_score = privacy.score_noise is not None

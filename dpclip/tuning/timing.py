@@ -90,7 +90,7 @@ def measure_step_seconds(recipe: Recipe, steps: int, warmup_steps: int = 1,
     training = recipe.training
     batch_size = min(training.batch_size, data.num_train)
     sample_rate = batch_size / data.num_train
-    engine = DPEngine(model, timing_clipping(recipe), noise_multiplier=_TIMING_SIGMA,
+    engine = DPEngine(model, timing_clipping(recipe), gradient_noise_multiplier=_TIMING_SIGMA,
                       expected_batch_size=batch_size, sample_rate=sample_rate)
     optimizer = build_optimizer(training.optimizer, [p for p in model.parameters() if p.requires_grad])
     private_step = PrivateStep(model, loss_fn, engine, optimizer, data.train, micro_batch_size=step_micro_batch_size(recipe),

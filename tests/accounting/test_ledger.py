@@ -114,9 +114,9 @@ def test_budget_cap_allows_exactly_the_steps_within_the_cap(accountant):
 
 def test_ledger_round_trips_through_json():
     ledger = Ledger(1e-6, "pld")
-    ledger.record(STEP, 1234, metadata={"sigma_gradient": 1.1, "releases": ["gradient"]})
+    ledger.record(STEP, 1234, metadata={"gradient_noise_multiplier": 1.1, "releases": ["gradient"]})
     ledger.record(OTHER, 7)
-    ledger.record(STEP, 3, metadata={"sigma_gradient": 1.1, "releases": ["gradient"]})
+    ledger.record(STEP, 3, metadata={"gradient_noise_multiplier": 1.1, "releases": ["gradient"]})
     d = json.loads(json.dumps(ledger.to_dict(), allow_nan=False))
     assert d["delta"] == 1e-6 and d["accountant"] == "pld" and d["steps"] == 1244
     assert d["epsilon"] == pytest.approx(ledger.epsilon())
@@ -124,8 +124,8 @@ def test_ledger_round_trips_through_json():
     assert again == ledger
     assert again.epsilon() == ledger.epsilon()
     # Recording after a reload continues the last entry exactly like the original.
-    again.record(STEP, 1, metadata={"sigma_gradient": 1.1, "releases": ["gradient"]})
-    ledger.record(STEP, 1, metadata={"sigma_gradient": 1.1, "releases": ["gradient"]})
+    again.record(STEP, 1, metadata={"gradient_noise_multiplier": 1.1, "releases": ["gradient"]})
+    ledger.record(STEP, 1, metadata={"gradient_noise_multiplier": 1.1, "releases": ["gradient"]})
     assert again == ledger
 
 

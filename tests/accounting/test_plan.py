@@ -56,11 +56,11 @@ def test_plan_with_aux_total_sigma_is_the_joint_of_gradient_and_aux():
     aux = AuxSpec("quantile counts", 1.0, groups=4, fraction=0.05)
     result = solve(PrivacyPlan(sample_rate=0.004, steps=5000, delta=1e-5, target_epsilon=3.0, aux=aux))
     split = result.split
-    assert split.sigma_total == result.step_event.event.noise_multiplier
-    assert joint_noise_multiplier(split.sigma_gradient, [(aux.sensitivity, split.sigma_aux)]) == pytest.approx(
-        split.sigma_total, rel=1e-12
+    assert split.noise_multiplier == result.step_event.event.noise_multiplier
+    assert joint_noise_multiplier(split.gradient_noise_multiplier, [(aux.sensitivity, split.sigma_aux)]) == pytest.approx(
+        split.noise_multiplier, rel=1e-12
     )
-    assert split.sigma_gradient > split.sigma_total
+    assert split.gradient_noise_multiplier > split.noise_multiplier
 
 
 @pytest.mark.parametrize(
@@ -72,7 +72,7 @@ def test_adding_an_aux_statistic_at_fixed_total_sigma_leaves_epsilon_unchanged(a
     with_aux = solve(PrivacyPlan(sample_rate=0.01, steps=1000, delta=1e-5, noise_multiplier=1.2, aux=aux))
     assert with_aux.epsilon == plain.epsilon
     assert with_aux.step_event == plain.step_event
-    assert with_aux.split.sigma_gradient > plain.split.sigma_gradient
+    assert with_aux.split.gradient_noise_multiplier > plain.split.gradient_noise_multiplier
     assert len(with_aux.statement.releases) == 2
 
 

@@ -17,14 +17,14 @@ def test_budget_fraction_inflates_gradient_noise_as_published(fraction, inflatio
     """docs/accounting.md: r = 0.01 -> σ_g = 1.005σ; r = 0.1 -> 1.054σ."""
     split = split_noise(2.0, 1.0, aux_fraction=fraction)   # quantile counts of K = 4 groups: Δ = 1
     assert split.inflation == pytest.approx(inflation, abs=5e-4)
-    assert split.sigma_gradient == pytest.approx(2.0 * split.inflation, rel=1e-12)
+    assert split.gradient_noise_multiplier == pytest.approx(2.0 * split.inflation, rel=1e-12)
     assert split.aux_fraction == pytest.approx(fraction, rel=1e-12)
 
 
 def test_given_aux_sigma_reproduces_dc_sgd_example():
     """docs/accounting.md (DC-SGD): σ = 1.0, σ_H = 10, Δ = 1 -> σ_T = 1.00504."""
     split = split_noise(1.0, 1.0, aux_sigma=10.0)   # one histogram: Δ = 1
-    assert split.sigma_gradient == pytest.approx(1.00504, abs=1e-5)
+    assert split.gradient_noise_multiplier == pytest.approx(1.00504, abs=1e-5)
     assert split.aux_fraction == pytest.approx(0.01, rel=1e-12)
 
 
@@ -36,11 +36,11 @@ def test_given_aux_sigma_reproduces_dc_sgd_example():
 )
 def test_split_recombines_to_the_total_noise_multiplier(sigma, sensitivity, fraction):
     by_fraction = split_noise(sigma, sensitivity, aux_fraction=fraction)
-    joint = joint_noise_multiplier(by_fraction.sigma_gradient, [(sensitivity, by_fraction.sigma_aux)])
+    joint = joint_noise_multiplier(by_fraction.gradient_noise_multiplier, [(sensitivity, by_fraction.sigma_aux)])
     assert joint == pytest.approx(sigma, rel=1e-9)
     # Splitting by the σ_a just found gives back the same split.
     by_sigma = split_noise(sigma, sensitivity, aux_sigma=by_fraction.sigma_aux)
-    assert by_sigma.sigma_gradient == pytest.approx(by_fraction.sigma_gradient, rel=1e-9)
+    assert by_sigma.gradient_noise_multiplier == pytest.approx(by_fraction.gradient_noise_multiplier, rel=1e-9)
     assert by_sigma.aux_fraction == pytest.approx(fraction, rel=1e-9)
 
 
@@ -74,4 +74,4 @@ def test_non_positive_sensitivity_is_refused(sensitivity):
 
 def test_gradient_only_split_is_trivial():
     split = NoiseSplit.gradient_only(1.3)
-    assert (split.sigma_gradient, split.sigma_aux, split.aux_fraction, split.inflation) == (1.3, None, 0.0, 1.0)
+    assert (split.gradient_noise_multiplier, split.sigma_aux, split.aux_fraction, split.inflation) == (1.3, None, 0.0, 1.0)

@@ -24,7 +24,7 @@ def _statement(**overrides):
         conversion="privacy loss distribution",
         sample_rate=0.004,
         steps=2500,
-        sigma_total=1.1,
+        noise_multiplier=1.1,
         epsilon_rdp=2.9,
     )
     fields.update(overrides)
@@ -71,14 +71,28 @@ def test_statement_dict_is_json_safe_and_complete():
 
 def test_statement_of_a_ledger_reports_its_rate_noise_and_epsilon():
     ledger = Ledger(1e-5, "pld")
-    ledger.record(gradient_step_event(0.01, 1.2), 300, metadata={"sigma_gradient": 1.25, "sigma_aux": 9.0,
-                                                               "releases": ["gradient", "quantile counts (K=1, sensitivity 0.5)"]})
+    ledger.record(gradient_step_event(0.01, 1.2), 300,
+                  metadata={"gradient_noise_multiplier": 1.25, "sigma_aux": 9.0,
+                            "releases": ["gradient", "quantile counts (K=1, sensitivity 0.5)"]})
     statement = statement_from_ledger(ledger, sampling="shuffle")
     assert statement.epsilon == ledger.epsilon()
-    assert (statement.sample_rate, statement.sigma_total, statement.steps) == (0.01, 1.2, 300)
-    assert statement.sigma_aux == 9.0
+    assert (statement.sample_rate, statement.noise_multiplier, statement.steps) == (0.01, 1.2, 300)
+    assert (statement.gradient_noise_multiplier, statement.sigma_aux) == (1.25, 9.0)
     assert "quantile counts (K=1, sensitivity 0.5)" in statement.releases
     assert SHUFFLE_CAVEAT in statement.caveats
+
+
+def test_a_ledger_resumed_across_the_rename_of_its_noise_keys_states_the_gradients_noise():
+    """Entries written before issue 27 say sigma_total / sigma_gradient; a run resumed since adds
+    entries that say noise_multiplier / gradient_noise_multiplier. Both name the same values."""
+    ledger = Ledger(1e-5, "rdp")
+    ledger.record(gradient_step_event(0.01, 1.2), 3, metadata={"sigma_total": 1.2, "sigma_gradient": 1.25})
+    ledger.record(gradient_step_event(0.01, 1.2), 2,
+                  metadata={"noise_multiplier": 1.2, "gradient_noise_multiplier": 1.25})
+    statement = statement_from_ledger(ledger)
+    assert (statement.noise_multiplier, statement.gradient_noise_multiplier, statement.steps) == (1.2, 1.25, 5)
+    assert set(statement.to_dict()) >= {"noise_multiplier", "gradient_noise_multiplier"}
+    assert not {"sigma_total", "sigma_gradient"} & set(statement.to_dict())
 
 
 def test_a_data_parallel_run_says_how_many_processes_trained_it():

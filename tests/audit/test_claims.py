@@ -1,7 +1,7 @@
 """The audit catches what it should (issue 7, item 3).
 
 All three runs share one recipe shape (conftest.CANARY_RUN, ledger ε = 1); only the
-noise actually added differs, through the test-only seam dpclip.audit.testing.
+noise actually added differs, through the test-only seam tests/audit/seam.py.
 """
 
 import hashlib
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dpclip.audit import audit
-from dpclip.audit.testing import scaled_noise
 from dpclip.train.workflow import train
+from tests.audit.seam import scaled_noise
 
 
 def digest(path):

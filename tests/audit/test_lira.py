@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import numpy as np
@@ -8,7 +9,8 @@ from sklearn.metrics import roc_auc_score
 
 from dpclip.accounting import solve
 from dpclip.audit.attacks import logit_scaled_confidence
-from dpclip.audit.lira import lira_scores, shadow_keep, shadow_plan, shadow_recipe
+from dpclip.audit.lira import (lira_scores, realised_plan, shadow_keep, shadow_plan, shadow_recipe,
+                               target_plan)
 from dpclip.recipe import load_recipe, recipe_to_yaml, validate_recipe
 from dpclip.train.plan import privacy_plan
 
@@ -48,11 +50,11 @@ def test_lira_separates_members_when_training_shifts_confidence():
 
 @pytest.mark.parametrize("target_rate, size", [(64 / 1437, 898), (64 / 898, 899), (1.0, 500), (1e-4, 300)])
 def test_a_shadow_batch_is_the_integer_closest_to_the_targets_rate(target_rate, size):
-    plan = shadow_plan({"sample_rate": target_rate, "steps": 7, "sigma_total": 1.3}, size)
+    plan = shadow_plan({"sample_rate": target_rate, "steps": 7, "noise_multiplier": 1.3}, size)
     assert 1 <= plan["batch_size"] <= size and plan["sample_rate"] == plan["batch_size"] / size
     if target_rate * size >= 1:
         assert abs(plan["sample_rate"] - target_rate) <= 0.5 / size
-    assert plan["steps"] == 7 and plan["sigma_total"] == 1.3
+    assert plan["steps"] == 7 and plan["noise_multiplier"] == 1.3
 
 
 @pytest.mark.parametrize("shipped", ["quickstart", "quantile-layerwise", "dcsgd-p-digits"])
@@ -62,13 +64,22 @@ def test_a_shadow_recipe_plans_the_targets_release_for_its_own_size(shipped):
     # shadow recipe must survive the YAML round trip of its run directory, and its threshold
     # statistic (if any) must get the target's share of σ.
     recipe = load_recipe(REPO / "recipes" / f"{shipped}.yaml", ["training.epochs=1", "privacy.accountant=rdp"])
-    target_plan = solve(privacy_plan(recipe, 1437, groups=3))
-    target = {"sample_rate": target_plan.plan.sample_rate, "steps": target_plan.plan.steps,
-              "sigma_total": target_plan.split.sigma_total}
+    solved_target = solve(privacy_plan(recipe, 1437, groups=3))
+    target = {"sample_rate": solved_target.plan.sample_rate, "steps": solved_target.plan.steps,
+              "noise_multiplier": solved_target.split.noise_multiplier}
     plan = shadow_plan(target, 898)
     shadow = validate_recipe(yaml.safe_load(recipe_to_yaml(shadow_recipe(recipe, 0, plan))))
     assert shadow.privacy.epsilon is None and shadow.audit.canaries is None
     solved = solve(privacy_plan(shadow, 898, groups=3))
     assert solved.plan.steps == target["steps"]
     assert abs(solved.plan.sample_rate - target["sample_rate"]) <= 0.5 / 898
-    assert solved.split == target_plan.split
+    assert solved.split == solved_target.split
+
+
+def test_the_target_plan_of_a_run_written_before_the_noise_keys_were_renamed(tmp_path):
+    plan = {"sample_rate": 0.04, "steps": 7, "sigma_total": 1.3, "sigma_gradient": 1.37, "sigma_aux": 9.0,
+            "num_train": 100}
+    (tmp_path / "meta.json").write_text(json.dumps({"plan": plan}))
+    assert target_plan(tmp_path) == {"sample_rate": 0.04, "steps": 7, "noise_multiplier": 1.3,
+                                     "gradient_noise_multiplier": 1.37, "sigma_aux": 9.0}
+    assert realised_plan(tmp_path)["noise_multiplier"] == 1.3

@@ -39,7 +39,7 @@ def test_done_when_command_json_agrees_with_dp_accounting_called_directly(cli):
     payload = json.loads(result.out)
     q, steps = 256 / 60000, math.ceil(10 / (256 / 60000))
     assert payload["sample_rate"] == pytest.approx(q) and payload["steps"] == steps
-    sigma = payload["noise"]["sigma_total"]
+    sigma = payload["noise"]["noise_multiplier"]
     direct = pld_epsilon(sigma, q, steps, 1e-5)
     assert direct <= 8.0 * 1.005 and direct >= 8.0 * 0.98
     assert payload["epsilon"] == pytest.approx(direct, rel=0.01)
@@ -58,7 +58,7 @@ def test_epsilon_from_sigma_matches_dp_accounting(cli):
 def test_both_accountants_keep_epsilon_within_the_target(cli):
     payload = json.loads(cli("account", "--eps", "3", "--delta", "1e-5", "-q", "0.01", "--steps", "500",
                              "--accountant", "both", "--json").out)
-    sigma = payload["noise"]["sigma_total"]
+    sigma = payload["noise"]["noise_multiplier"]
     assert pld_epsilon(sigma, 0.01, 500, 1e-5) <= 3 * 1.005
     assert rdp_epsilon(sigma, 0.01, 500, 1e-5) <= 3 * 1.0001
 
@@ -71,9 +71,9 @@ def test_budget_split_by_fraction(cli, aux, groups, fraction, sensitivity):
     assert result.code == 0, result.err
     noise = json.loads(result.out)["noise"]
     assert noise["aux_sensitivity"] == pytest.approx(sensitivity)
-    assert noise["sigma_gradient"] == pytest.approx(noise["sigma_total"] / math.sqrt(1 - fraction))
-    joint = (noise["sigma_gradient"] ** -2 + (sensitivity / noise["sigma_aux"]) ** 2) ** -0.5
-    assert joint == pytest.approx(noise["sigma_total"])
+    assert noise["gradient_noise_multiplier"] == pytest.approx(noise["noise_multiplier"] / math.sqrt(1 - fraction))
+    joint = (noise["gradient_noise_multiplier"] ** -2 + (sensitivity / noise["sigma_aux"]) ** 2) ** -0.5
+    assert joint == pytest.approx(noise["noise_multiplier"])
     assert noise["inflation"] == pytest.approx(1 / math.sqrt(1 - fraction))
 
 
@@ -81,7 +81,7 @@ def test_histogram_split_by_sigma_gives_the_dcsgd_gradient_noise(cli):
     result = cli("account", "--sigma", "1.0", "--delta", "1e-5", "-q", "0.01", "--steps", "100", "--aux",
                  "histogram", "--aux-sigma", "10", "--json")
     noise = json.loads(result.out)["noise"]
-    assert noise["sigma_gradient"] == pytest.approx(1.00504, abs=1e-5)
+    assert noise["gradient_noise_multiplier"] == pytest.approx(1.00504, abs=1e-5)
 
 
 def test_histogram_preset_with_bins_prints_the_papers_gradient_noise(cli):
@@ -90,11 +90,11 @@ def test_histogram_preset_with_bins_prints_the_papers_gradient_noise(cli):
                  "histogram", "--bins", "20", "--aux-sigma", "5", "--json")
     assert "deprecated" in result.err and "changes nothing" in result.err     # --bins is kept, and says so
     noise = json.loads(result.out)["noise"]
-    assert noise["sigma_gradient"] == pytest.approx((1 - 1 / 25) ** -0.5, rel=1e-6)
+    assert noise["gradient_noise_multiplier"] == pytest.approx((1 - 1 / 25) ** -0.5, rel=1e-6)
     assert noise["bins"] == 20 and noise["aux_sensitivity"] == 1.0
     other = json.loads(cli("account", "--sigma", "1.0", "--delta", "1e-5", "-q", "0.01", "--steps", "100", "--aux",
                            "histogram", "--bins", "50", "--aux-sigma", "5", "--json").out)["noise"]
-    assert other["sigma_gradient"] == noise["sigma_gradient"]
+    assert other["gradient_noise_multiplier"] == noise["gradient_noise_multiplier"]
     text = cli("account", "--sigma", "1.0", "--delta", "1e-5", "-q", "0.01", "--steps", "100", "--aux",
                "histogram", "--bins", "20", "--aux-sigma", "5").out
     assert "histogram bins" in text and "1.021" in text
@@ -129,13 +129,13 @@ def test_recipe_plan_matches_the_same_settings_given_as_flags(cli):
     from_flags = json.loads(cli("account", "--eps", "8", "--delta", "1e-5", "-N", n, "-B", 64, "--epochs", 30,
                                 "--json").out)
     assert from_recipe["steps"] == from_flags["steps"]
-    assert from_recipe["noise"]["sigma_total"] == pytest.approx(from_flags["noise"]["sigma_total"])
+    assert from_recipe["noise"]["noise_multiplier"] == pytest.approx(from_flags["noise"]["noise_multiplier"])
 
 
 def test_recipe_overrides_reach_the_plan(cli):
     base = json.loads(cli("account", QUICKSTART, "--json").out)
     tighter = json.loads(cli("account", QUICKSTART, "privacy.epsilon=2", "--json").out)
-    assert tighter["noise"]["sigma_total"] > base["noise"]["sigma_total"]
+    assert tighter["noise"]["noise_multiplier"] > base["noise"]["noise_multiplier"]
 
 
 def test_recipe_with_model_dependent_groups_counts_them_on_its_model(cli):

@@ -38,10 +38,12 @@ def test_diagnose_json_reports_the_formulas_at_the_recipes_sigma(cli, tmp_path):
     payload = json.loads(result.out)
     assert payload["covered_by_epsilon"] is False and payload["data"] == "private"
     assert payload["step"] == 0 and payload["batch_size"] == 16 and payload["batch_size_dp"] == 64
-    sigma, c, b = payload["noise_multiplier"], payload["clip_factor"], payload["batch_size_dp"]
+    sigma, c, b = payload["gradient_noise_multiplier"], payload["clip_factor"], payload["batch_size_dp"]
     assert payload["decelerator"] == pytest.approx(sigma ** 2 * payload["trace_h"] / (b * c ** 2))
     account = cli("account", QUICKSTART, "--json")   # the same σ the trainer calibrates
-    assert sigma == pytest.approx(json.loads(account.out)["noise"]["sigma_gradient"], rel=1e-9)
+    noise = json.loads(account.out)["noise"]
+    assert sigma == pytest.approx(noise["gradient_noise_multiplier"], rel=1e-9)
+    assert payload["noise_multiplier"] == pytest.approx(noise["noise_multiplier"], rel=1e-9)  # the total
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -49,7 +49,7 @@ def test_liu_talwar_per_run_budget_and_sigma_for_dc_sgds_mnist_setting(cli):
     steps = math.ceil(MNIST_EPOCHS * MNIST_N / MNIST_B)
     assert report["privacy"]["steps"] == steps
     run = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(lt["sigma_total"])), steps)
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(lt["noise_multiplier"])), steps)
     achieved = rdp.RdpAccountant().compose(run).get_epsilon(delta_run)
     assert 0.99 * epsilon_run <= achieved <= epsilon_run
 

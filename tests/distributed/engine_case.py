@@ -28,7 +28,7 @@ def grads_for(name: str, rank: int = 0, size: int = 1, reducer=None, steps: int 
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     x = torch.randn(24, 6, dtype=torch.float64)
     y = torch.randint(0, 3, (24,))
-    engine = DPEngine(model, CLIPPING[name], noise_multiplier=0.0, expected_batch_size=24, seed=0,
+    engine = DPEngine(model, CLIPPING[name], gradient_noise_multiplier=0.0, expected_batch_size=24, seed=0,
                       reducer=reducer)
     out = {}
     for step in range(steps):
@@ -51,7 +51,7 @@ def step_grads(rank: int = 0, size: int = 1, reducer=None) -> list[torch.Tensor]
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     train = {"x": torch.randn(24, 6, dtype=torch.float64), "y": torch.randint(0, 3, (24,))}
-    engine = DPEngine(model, CLIPPING["top-fraction"], noise_multiplier=0.0, expected_batch_size=24, seed=0,
+    engine = DPEngine(model, CLIPPING["top-fraction"], gradient_noise_multiplier=0.0, expected_batch_size=24, seed=0,
                       reducer=reducer)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
 

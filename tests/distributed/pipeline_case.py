@@ -41,7 +41,7 @@ def _model_and_data():
 def _record(model, report) -> dict:
     return {"grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
             "thresholds": report.thresholds.clone(), "noise_std_sum": report.noise_std_sum.clone(),
-            "sigma_eff": report.sigma_eff, "samples": report.samples_seen, "groups": list(report.group_names),
+            "noise_multiplier": report.noise_multiplier, "samples": report.samples_seen, "groups": list(report.group_names),
             "clip_fraction": None if report.clip_fraction is None else report.clip_fraction.clone()}
 
 
@@ -50,7 +50,7 @@ def one_process(name: str, steps: int = 2) -> list[dict]:
     if name.startswith("flat"):
         clipping = dict(clipping, grouping="all-layer")
     model, train = _model_and_data()
-    engine = DPEngine(model, clipping, noise_multiplier=sigma, expected_batch_size=24, seed=0, sample_rate=0.5)
+    engine = DPEngine(model, clipping, gradient_noise_multiplier=sigma, expected_batch_size=24, seed=0, sample_rate=0.5)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     out = []
     for _ in range(steps):
@@ -68,7 +68,7 @@ def pipeline(world, name: str, steps: int = 2) -> list[dict]:
     from dpclip.distributed.pipeline import PipelineStep, pipeline_engine
     clipping, sigma = CASES[name]
     model, train = _model_and_data()
-    engine = pipeline_engine(model, clipping, world, flat=name.startswith("flat"), noise_multiplier=sigma,
+    engine = pipeline_engine(model, clipping, world, flat=name.startswith("flat"), gradient_noise_multiplier=sigma,
                              expected_batch_size=24, seed=0, sample_rate=0.5)
     opt = torch.optim.SGD(engine.module.parameters(), lr=0.5)
     step = PipelineStep(engine, opt, train, cross_entropy, "features", MICRO,

@@ -64,7 +64,7 @@ def test_stages_draw_the_noise_std_and_sigma_eff_of_one_process(stages, name):
     for rank in range(2):
         torch.testing.assert_close(stages[rank][name][0]["noise_std_sum"], whole[0]["noise_std_sum"])
         for step in range(2):  # σ_eff joins the per-stage counts' releases: as one process's K-vector
-            assert stages[rank][name][step]["sigma_eff"] == pytest.approx(whole[step]["sigma_eff"], rel=1e-12)
+            assert stages[rank][name][step]["noise_multiplier"] == pytest.approx(whole[step]["noise_multiplier"], rel=1e-12)
 
 
 def test_per_device_clipping_sends_no_per_sample_norms(stages):

@@ -92,7 +92,7 @@ def run_engine(model, loss_fn, batch, clipping, batch_size, micro=None, **kw):
 
     ``engine.observed_norms`` collects the per-sample group norms [b, K] of every
     micro-batch, as the threshold policy sees them."""
-    kw.setdefault("noise_multiplier", 0.0)
+    kw.setdefault("gradient_noise_multiplier", 0.0)
     engine = DPEngine(model, clipping, expected_batch_size=batch_size, **kw)
     engine.observed_norms = []
     observe = engine.policy.observe

@@ -70,7 +70,7 @@ def test_the_head_holding_only_an_alias_is_not_a_fallback_unit():
 @pytest.mark.parametrize("extra", [False, True], ids=["alias-only", "with-own-param"])
 def test_a_direct_use_of_the_alias_by_the_parent_is_refused_naming_both(extra):
     model = AliasedHead(extra, use_alias=True).to(DTYPE)
-    engine = DPEngine(model, {}, expected_batch_size=4, noise_multiplier=1.0)
+    engine = DPEngine(model, {}, expected_batch_size=4, gradient_noise_multiplier=1.0)
     with pytest.raises(EngineError) as err:
         engine.backward(head_loss(model, head_batch(n=3)))
     assert "bias" in err.value.message and "AliasedHead" in err.value.message

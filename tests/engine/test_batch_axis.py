@@ -42,7 +42,7 @@ def exact(factory, batch, loss=classify_loss, **kw):
 def refused(factory, batch, match, loss=classify_loss):
     """The engine refuses in the forward, naming the module; nothing reached backward."""
     model = factory()
-    engine = DPEngine(model, {}, expected_batch_size=8, noise_multiplier=1.0)
+    engine = DPEngine(model, {}, expected_batch_size=8, gradient_noise_multiplier=1.0)
     with pytest.raises(EngineError, match=match) as err:
         loss(model, batch)
     assert err.value.hint
@@ -468,7 +468,7 @@ def test_transformers_with_sdpa_attention_are_exact(model, n):
 def test_t5_bias_is_book_kept_once_per_forward_and_probed_once():
     model = _tiny("T5Config", "T5ForConditionalGeneration", num_layers=2, num_decoder_layers=2,
                   **{k: v for k, v in T5.items() if k not in ("num_layers", "num_decoder_layers")})()
-    engine = DPEngine(model, {}, expected_batch_size=4, noise_multiplier=0.0)
+    engine = DPEngine(model, {}, expected_batch_size=4, gradient_noise_multiplier=0.0)
     for n in (3, 4):
         engine.backward(_seq2seq_loss(model, _ids(n, seed=n)))
     axes = engine._keeper.axes
@@ -484,7 +484,7 @@ def test_t5_bias_is_book_kept_once_per_forward_and_probed_once():
 
 def test_the_probe_runs_once_not_per_step_and_poisson_sizes_reuse_it():
     model = SeqFirst().to(DTYPE)
-    engine = DPEngine(model, {}, expected_batch_size=4, noise_multiplier=0.0)
+    engine = DPEngine(model, {}, expected_batch_size=4, gradient_noise_multiplier=0.0)
     axes = engine._keeper.axes
     for n in (3, 4, 5, 1, 2, 4):
         engine.backward(classify_loss(model, _ids(n)))
@@ -495,7 +495,7 @@ def test_the_probe_runs_once_not_per_step_and_poisson_sizes_reuse_it():
 
 def test_the_common_batch_first_case_probes_once_and_checks_shapes_after():
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).to(DTYPE)
-    engine = DPEngine(model, {}, expected_batch_size=4, noise_multiplier=0.0)
+    engine = DPEngine(model, {}, expected_batch_size=4, gradient_noise_multiplier=0.0)
     for n in (4, 7, 2):
         x = torch.randn(n, 3, dtype=DTYPE)
         engine.backward(F.cross_entropy(model(x), torch.zeros(n, dtype=torch.long), reduction="none"))
@@ -509,7 +509,7 @@ def test_the_probes_leave_the_callers_random_stream_alone():
     x = torch.randn(5, 3, dtype=DTYPE)
     torch.manual_seed(7)
     want = model(x)
-    engine = DPEngine(model, {}, expected_batch_size=4, noise_multiplier=0.0)
+    engine = DPEngine(model, {}, expected_batch_size=4, gradient_noise_multiplier=0.0)
     torch.manual_seed(7)
     got = model(x)                   # probes ran first, with the RNG forked
     torch.testing.assert_close(got, want)
@@ -578,7 +578,7 @@ def test_calls_beyond_the_probed_ones_probe_again_once_and_stay_exact(lengths):
     for t in lengths:   # each length exact on a fresh engine, and on one engine in sequence
         exact(lambda: _Loop().to(DTYPE), _floats(3, t=t, seed=t))
     model = _Loop().to(DTYPE)
-    engine = DPEngine(model, {}, expected_batch_size=3, noise_multiplier=0.0)
+    engine = DPEngine(model, {}, expected_batch_size=3, gradient_noise_multiplier=0.0)
     for t in lengths:
         engine.backward(classify_loss(model, _floats(3, t=t, seed=t)))
     longest = [max(lengths[:i + 1]) for i in range(len(lengths))]
@@ -591,7 +591,7 @@ def test_the_models_forward_hooks_do_not_see_the_probes():
     seen, pre = [], []
     model.lin.register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
     model.register_forward_pre_hook(lambda m, args: pre.append(args[0].shape[0]))
-    engine = DPEngine(model, {}, expected_batch_size=4, noise_multiplier=0.0)
+    engine = DPEngine(model, {}, expected_batch_size=4, gradient_noise_multiplier=0.0)
     engine.backward(classify_loss(model, _ids(5)))
     assert engine._keeper.axes.probes == 2
     assert seen == [(T, 5, 3)] and pre == [5]

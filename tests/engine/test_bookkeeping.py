@@ -50,7 +50,7 @@ def test_frozen_parameters_get_no_grad_and_their_modules_are_not_wrapped():
     model = tiny_gpt2()
     for p in model.transformer.h[0].parameters():
         p.requires_grad_(False)
-    engine = DPEngine(model, {"grouping": "block"}, expected_batch_size=4, noise_multiplier=1.0)
+    engine = DPEngine(model, {"grouping": "block"}, expected_batch_size=4, gradient_noise_multiplier=1.0)
     assert "transformer.h.0" not in engine.group_names
     assert "forward" not in model.transformer.h[0].attn.c_attn.__dict__
     assert "forward" in model.transformer.h[1].attn.c_attn.__dict__
@@ -159,7 +159,7 @@ def test_layerwise_grouping_has_lower_peak_stash_than_all_layer():
 
 def test_lstm_padding_rows_get_no_noise_when_untied():
     model = LSTMNet().to(DTYPE)
-    engine = DPEngine(model, {}, expected_batch_size=4, noise_multiplier=1.0)
+    engine = DPEngine(model, {}, expected_batch_size=4, gradient_noise_multiplier=1.0)
     engine.backward(classify_loss(model, seq_batch()))
     engine.privatize()
     assert model.emb.weight.grad[0].abs().sum() == 0 and model.emb.weight.grad[1].abs().sum() > 0

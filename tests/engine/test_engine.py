@@ -169,7 +169,7 @@ def test_empty_micro_batches_are_accepted_and_the_step_still_divides_by_expected
 
 def test_logical_batch_without_samples_still_adds_noise():
     model = mlp()
-    engine = DPEngine(model, {"grouping": "layer"}, noise_multiplier=1.0, expected_batch_size=4)
+    engine = DPEngine(model, {"grouping": "layer"}, gradient_noise_multiplier=1.0, expected_batch_size=4)
     engine.backward(classify_loss(model, mlp_batch(n=0)))
     report = engine.privatize()
     assert report.samples_seen == 0
@@ -204,7 +204,7 @@ def _sens_setup(seed, grouping, fn, n):
 def test_each_example_contributes_at_most_the_total_sensitivity(seed, grouping, fn):
     model, batch, clipping, bound = _sens_setup(seed, grouping, fn, n=4)
     batch["w"][0] = 1e6                                  # one example with a huge gradient
-    engine = DPEngine(model, clipping, noise_multiplier=0.0, expected_batch_size=1)
+    engine = DPEngine(model, clipping, gradient_noise_multiplier=0.0, expected_batch_size=1)
     for i in range(4):
         engine.backward(_weighted_loss(model, {k: v[i:i + 1] for k, v in batch.items()}))
         engine.privatize()
@@ -222,7 +222,7 @@ def test_adding_one_huge_example_moves_the_sum_by_at_most_the_sensitivity(seed, 
     batch["w"][-1] = 1e8
     sums = []
     for n in (4, 5):
-        engine = DPEngine(model, clipping, noise_multiplier=0.0, expected_batch_size=3)
+        engine = DPEngine(model, clipping, gradient_noise_multiplier=0.0, expected_batch_size=3)
         engine.backward(_weighted_loss(model, {k: v[:n] for k, v in batch.items()}))
         engine.privatize()
         sums.append(torch.cat([p.grad.flatten() for p in model.parameters()]) * 3)
@@ -240,7 +240,7 @@ def test_tiny_gpt2_on_cuda_matches_per_example_loop():
 
     check_exact(on_cuda, loss, gpt2_batch(), "layer", micro=[2, 3])
     model = on_cuda()
-    engine = DPEngine(model, {"grouping": "block"}, noise_multiplier=1.0, expected_batch_size=4,
+    engine = DPEngine(model, {"grouping": "block"}, gradient_noise_multiplier=1.0, expected_batch_size=4,
                       sample_rate=0.1)
     engine.backward(loss(model, gpt2_batch(n=3)))
     report = engine.privatize()

@@ -4,8 +4,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dpclip.engine.factors import (Bilinear, Dense, choose_ghost, clipped_sum, ghost_norm_sq,
-                                   ids_ghost_norm_sq, instantiate, param_norm_sq, streamed_clip)
+from dpclip.engine.factors import (Bilinear, Dense, choose_ghost, clipped_sum, ghost_norm_sq, instantiate,
+                                   param_norm_sq, streamed_clip)
 from tests.engine.conftest import DTYPE, per_sample_reference
 
 FEW = settings(max_examples=8, deadline=None)
@@ -41,7 +41,8 @@ def test_embedding_ghost_norm_counts_repeated_tokens(b, t, vocab, n, seed):
     onehot = torch.nn.functional.one_hot(use.left, vocab).to(DTYPE)
     explicit = torch.einsum("btv,btn->bvn", onehot, use.right[:, 0])
     torch.testing.assert_close(instantiate(use)[:, 0], explicit)
-    torch.testing.assert_close(ids_ghost_norm_sq(use.left, use.right), explicit.flatten(1).pow(2).sum(1))
+    ghost = param_norm_sq([use], torch.Size([vocab, n]), "ghost", out_dtype=DTYPE)[0]
+    torch.testing.assert_close(ghost, explicit.flatten(1).pow(2).sum(1))
 
 
 @FEW
@@ -140,7 +141,7 @@ def test_symmetric_ghost_norm_matches_instantiation_for_long_sequences(t):
                                instantiate(Bilinear(left, right)).flatten(1).pow(2).sum(1),
                                rtol=1e-10, atol=0)
     ids = _ids(gen, 3, t, 9, 4)                  # 9 tokens over T positions: many repeats
-    torch.testing.assert_close(ids_ghost_norm_sq(ids.left, ids.right),
+    torch.testing.assert_close(param_norm_sq([ids], torch.Size([9, 4]), "ghost", out_dtype=DTYPE)[0],
                                instantiate(ids).flatten(1).pow(2).sum(1), rtol=1e-10, atol=0)
 
 

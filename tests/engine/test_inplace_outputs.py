@@ -118,7 +118,7 @@ def test_an_embedding_output_changed_in_place_is_exact():
 def test_the_linear_output_shares_no_memory_it_should_not():
     """The output is a plain tensor (no copy was made), and the module's input is untouched."""
     lin = nn.Linear(4, 4).to(DTYPE)
-    engine = DPEngine(lin, {}, expected_batch_size=2, noise_multiplier=0.0)
+    engine = DPEngine(lin, {}, expected_batch_size=2, gradient_noise_multiplier=0.0)
     x = torch.randn(2, 3, 4, dtype=DTYPE)
     kept = x.clone()
     y = lin(x)

@@ -49,7 +49,7 @@ def test_empirical_noise_std_per_group_matches_allocation(kind):
     model = _two_layer()
     engine = DPEngine(model, {"grouping": "layer", "noise_allocation": kind,
                               "threshold": {"kind": "fixed", "value": C.tolist()}},
-                      noise_multiplier=sigma, expected_batch_size=batch, seed=123)
+                      gradient_noise_multiplier=sigma, expected_batch_size=batch, seed=123)
     x = torch.randn(3, 30, dtype=DTYPE)
     samples = [[], []]
     for _ in range(steps):
@@ -71,7 +71,7 @@ def test_empirical_noise_std_per_group_matches_allocation(kind):
 
 def _noise_of(seed):
     model = mlp()
-    engine = DPEngine(model, {}, noise_multiplier=1.0, expected_batch_size=2, seed=seed)
+    engine = DPEngine(model, {}, gradient_noise_multiplier=1.0, expected_batch_size=2, seed=seed)
     engine.backward(0.0 * classify_loss(model, mlp_batch(n=2)))
     engine.privatize()
     return torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -88,12 +88,12 @@ def test_seed_gives_identical_noise_and_no_seed_draws_from_os_entropy():
 def test_state_dict_resumes_the_noise_stream_in_both_modes(seed):
     model = mlp()
     twin = copy.deepcopy(model)
-    engine = DPEngine(model, {}, noise_multiplier=1.0, expected_batch_size=2, seed=seed)
+    engine = DPEngine(model, {}, gradient_noise_multiplier=1.0, expected_batch_size=2, seed=seed)
     engine.privatize()
     state = engine.state_dict()
     engine.privatize()
     want = [p.grad.clone() for p in model.parameters()]
-    resumed = DPEngine(twin, {}, noise_multiplier=1.0, expected_batch_size=2, seed=None if seed is None else 99)
+    resumed = DPEngine(twin, {}, gradient_noise_multiplier=1.0, expected_batch_size=2, seed=None if seed is None else 99)
     resumed.load_state_dict(state)
     resumed.privatize()
     for p, w in zip(twin.parameters(), want):
@@ -102,8 +102,8 @@ def test_state_dict_resumes_the_noise_stream_in_both_modes(seed):
 
 
 def test_state_of_one_randomness_mode_is_refused_by_the_other():
-    seeded = DPEngine(mlp(), {}, noise_multiplier=1.0, expected_batch_size=2, seed=3)
-    entropy = DPEngine(mlp(), {}, noise_multiplier=1.0, expected_batch_size=2)
+    seeded = DPEngine(mlp(), {}, gradient_noise_multiplier=1.0, expected_batch_size=2, seed=3)
+    entropy = DPEngine(mlp(), {}, gradient_noise_multiplier=1.0, expected_batch_size=2)
     with pytest.raises(EngineError):
         entropy.load_state_dict(seeded.state_dict())
 
@@ -121,11 +121,33 @@ def test_effective_noise_multiplier_formula_and_edge_cases():
 
 
 def test_dp_event_is_gaussian_or_poisson_subsampled():
-    engine = DPEngine(mlp(), {}, noise_multiplier=1.1, expected_batch_size=2)
+    engine = DPEngine(mlp(), {}, gradient_noise_multiplier=1.1, expected_batch_size=2)
     assert engine.privatize().dp_event == dp_accounting.GaussianDpEvent(1.1)
-    engine = DPEngine(mlp(), {}, noise_multiplier=1.1, expected_batch_size=2, sample_rate=0.01)
+    engine = DPEngine(mlp(), {}, gradient_noise_multiplier=1.1, expected_batch_size=2, sample_rate=0.01)
     assert engine.privatize().dp_event == dp_accounting.PoissonSampledDpEvent(
         0.01, dp_accounting.GaussianDpEvent(1.1))
+
+
+
+def test_the_total_noise_multiplier_is_accepted_where_it_is_the_gradients():
+    """``noise_multiplier`` is the total σ_eff everywhere; with a threshold policy that releases
+    nothing it equals σ_g, so the engine takes it and reports both as one value."""
+    engine = DPEngine(mlp(), {}, noise_multiplier=1.1, expected_batch_size=2)
+    assert engine.gradient_noise_multiplier == 1.1
+    report = engine.privatize()
+    assert report.noise_multiplier == report.gradient_noise_multiplier == 1.1
+    assert report.dp_event == dp_accounting.GaussianDpEvent(1.1)
+
+
+def test_the_total_noise_multiplier_is_refused_where_a_statistic_shares_the_budget():
+    quantile = {"threshold": {"kind": "quantile", "sigma": 5.0, "initial": 1.0}}
+    with pytest.raises(EngineError) as info:
+        DPEngine(mlp(), quantile, noise_multiplier=1.1, expected_batch_size=2)
+    assert "gradient_noise_multiplier" in info.value.hint
+    report = DPEngine(mlp(), quantile, gradient_noise_multiplier=1.1, expected_batch_size=2).privatize()
+    assert report.gradient_noise_multiplier == 1.1 and report.noise_multiplier < 1.1  # the joint σ_eff
+    with pytest.raises(EngineError, match="not both"):
+        DPEngine(mlp(), {}, noise_multiplier=1.1, gradient_noise_multiplier=1.1, expected_batch_size=2)
 
 
 # ------------------------------------------------ split draws (large models, several threads)
@@ -198,7 +220,8 @@ def test_below_the_split_size_one_generator_draws_everything_in_order():
     like = [torch.zeros(30), torch.zeros(4, 5)]
     got = _draw(NoiseSource(5), like, [1.0, 2.0])
     reference = NoiseSource(5)
-    want = [reference.gaussian_like(t, s) for t, s in zip(like, [1.0, 2.0])]
+    want = [torch.empty_like(t).normal_(0.0, s, generator=reference.generator(t.device))
+            for t, s in zip(like, [1.0, 2.0])]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -226,12 +249,12 @@ def test_split_noise_resumes_from_the_state_dict(monkeypatch, seed):
     monkeypatch.setattr(noise, "SPLIT_MIN_NUMEL", 64)   # the mlp's parameters are drawn split
     model = mlp()
     twin = copy.deepcopy(model)
-    engine = DPEngine(model, {}, noise_multiplier=1.0, expected_batch_size=2, seed=seed)
+    engine = DPEngine(model, {}, gradient_noise_multiplier=1.0, expected_batch_size=2, seed=seed)
     engine.privatize()
     state = engine.state_dict()
     engine.privatize()
     want = [p.grad.clone() for p in model.parameters()]
-    resumed = DPEngine(twin, {}, noise_multiplier=1.0, expected_batch_size=2, seed=None if seed is None else 99)
+    resumed = DPEngine(twin, {}, gradient_noise_multiplier=1.0, expected_batch_size=2, seed=None if seed is None else 99)
     resumed.load_state_dict(state)
     resumed.privatize()
     for p, w in zip(twin.parameters(), want):

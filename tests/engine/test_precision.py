@@ -184,7 +184,7 @@ def engine_run(model, loss_fn, batch, grouping, thresholds, dtype=BF16, loss_sca
     model = copy.deepcopy(model)
     device = next(model.parameters()).device
     engine = DPEngine(model, {"grouping": grouping, "threshold": {"kind": "fixed", "value": thresholds}},
-                      noise_multiplier=0.0, expected_batch_size=1)
+                      gradient_noise_multiplier=0.0, expected_batch_size=1)
     seen = []
     observe = engine.policy.observe
     engine.policy.observe = lambda norms: (seen.append(norms.detach().clone()), observe(norms))[1]
@@ -251,7 +251,7 @@ def test_backward_inside_an_autocast_region_computes_in_float32_as_outside():
     grads = []
     for inside in (False, True):
         m = copy.deepcopy(model)
-        engine = DPEngine(m, {"threshold": {"kind": "fixed", "value": 0.5}}, noise_multiplier=0.0,
+        engine = DPEngine(m, {"threshold": {"kind": "fixed", "value": 0.5}}, gradient_noise_multiplier=0.0,
                           expected_batch_size=8)
         with torch.autocast("cpu", dtype=BF16):
             losses = classify_loss(m, batch)
@@ -302,7 +302,7 @@ def test_a_power_of_two_loss_scale_is_undone_exactly_before_clipping(grouping, t
     for scale in (1.0, DEFAULT_LOSS_SCALE):
         m = copy.deepcopy(model)
         engine = DPEngine(m, {"grouping": grouping, "threshold": threshold, "norm_method": norm_method},
-                          noise_multiplier=0.0, expected_batch_size=12)
+                          gradient_noise_multiplier=0.0, expected_batch_size=12)
         seen = []
         observe = engine.policy.observe
         engine.policy.observe = lambda norms: (seen.append(norms.clone()), observe(norms))[1]
@@ -323,7 +323,7 @@ def test_a_sample_whose_scaled_gradient_overflows_contributes_zero_and_the_step_
     # fp16's overflow, imitated in float32: sample 0's loss is scaled past float32's range.
     model = mlp()
     batch = batch_for("mlp")
-    engine = DPEngine(copy.deepcopy(model), {"threshold": {"kind": "fixed", "value": 1.0}}, noise_multiplier=0.0,
+    engine = DPEngine(copy.deepcopy(model), {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=0.0,
                       expected_batch_size=8)
     losses = classify_loss(engine.model, batch)
     weights = torch.ones(8)
@@ -333,7 +333,7 @@ def test_a_sample_whose_scaled_gradient_overflows_contributes_zero_and_the_step_
     assert report.nonfinite.tolist() == [1]
     grads = [p.grad.clone() for p in engine.model.parameters()]
     engine.detach()
-    clean = DPEngine(copy.deepcopy(model), {"threshold": {"kind": "fixed", "value": 1.0}}, noise_multiplier=0.0,
+    clean = DPEngine(copy.deepcopy(model), {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=0.0,
                      expected_batch_size=8)
     clean.backward(classify_loss(clean.model, {k: v[1:] for k, v in batch.items()}))
     clean.privatize()
@@ -345,7 +345,7 @@ def test_a_sample_whose_scaled_gradient_overflows_contributes_zero_and_the_step_
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
 def test_loss_scale_must_be_positive_and_finite(scale):
     model = mlp()
-    engine = DPEngine(model, noise_multiplier=0.0, expected_batch_size=8)
+    engine = DPEngine(model, gradient_noise_multiplier=0.0, expected_batch_size=8)
     with pytest.raises(EngineError) as info:
         engine.backward(classify_loss(model, batch_for("mlp")), loss_scale=scale)
     assert "loss_scale" in info.value.message and info.value.hint

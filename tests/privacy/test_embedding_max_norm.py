@@ -48,7 +48,7 @@ def test_engine_accepts_an_embedding_without_max_norm_and_leaves_unused_rows_alo
     emb = _embedding(max_norm=None)
     model = nn.Sequential(emb, nn.Linear(4, 2))
     before = emb.weight.detach().clone()
-    engine = DPEngine(model, {}, expected_batch_size=4, noise_multiplier=0.0, seed=0)
+    engine = DPEngine(model, {}, expected_batch_size=4, gradient_noise_multiplier=0.0, seed=0)
     engine.backward(model(torch.tensor([[3, 5], [5, 3]])).sum((1, 2)))
     assert torch.equal(emb.weight.detach(), before)     # the forward wrote nothing
     engine.privatize()

@@ -53,7 +53,7 @@ def _step(run_dir: Path) -> tuple[int, float, float]:
 
 
 def _picked(plan: dict) -> dict:
-    return {key: plan[key] for key in ("sample_rate", "steps", "sigma_total")}
+    return {key: plan[key] for key in ("sample_rate", "steps", "noise_multiplier")}
 
 
 def test_shadows_spend_the_targets_steps_rate_and_noise(target_run):
@@ -71,20 +71,20 @@ def test_shadows_spend_the_targets_steps_rate_and_noise(target_run):
         assert abs(shadow_rate - rate) <= 0.5 / shadow_size + 1e-15
     # keep.json holds the same record next to the target's, for whoever reads the audit.
     stored = json.loads((target_run / "audit" / "shadows" / "keep.json").read_text())
-    assert _picked(stored["imitates"]) == {"sample_rate": rate, "steps": steps, "sigma_total": sigma}
+    assert _picked(stored["imitates"]) == {"sample_rate": rate, "steps": steps, "noise_multiplier": sigma}
     for record, row in zip(stored["shadows"], keep):
         assert record["num_train"] == int(row.sum())
-        assert record["steps"] == steps and record["sigma_total"] == sigma
+        assert record["steps"] == steps and record["noise_multiplier"] == sigma
 
 
 def test_the_report_states_what_the_shadows_imitated(target_run):
     steps, rate, sigma = _step(target_run)
     report = audit(target_run, ["lira"], shadows=2, bootstrap=0, write=False)
     shadows = report["lira_shadows"]
-    assert _picked(shadows["target"]) == {"sample_rate": rate, "steps": steps, "sigma_total": sigma}
+    assert _picked(shadows["target"]) == {"sample_rate": rate, "steps": steps, "noise_multiplier": sigma}
     assert len(shadows["shadows"]) == 2
     for record in shadows["shadows"]:
-        assert record["steps"] == steps and record["sigma_total"] == sigma
+        assert record["steps"] == steps and record["noise_multiplier"] == sigma
         assert abs(record["sample_rate"] - rate) <= 0.5 / record["num_train"] + 1e-15
 
 

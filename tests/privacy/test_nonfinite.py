@@ -35,7 +35,7 @@ def _without_bad(batch):
 
 def _release(model, loss_fn, batch, clipping, micro=None, noise_multiplier=0.0, seed=0):
     engine = DPEngine(model, clipping, expected_batch_size=EXPECTED,
-                      noise_multiplier=noise_multiplier, seed=seed)
+                      gradient_noise_multiplier=noise_multiplier, seed=seed)
     n = next(iter(batch.values())).shape[0]
     start = 0
     for size in micro or [n]:

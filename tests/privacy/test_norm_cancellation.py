@@ -101,7 +101,7 @@ def test_crafted_linear_input_moves_no_group_by_more_than_c(precision, grouping,
     def make_engine():
         return DPEngine(model, {"grouping": grouping, "norm_method": method,
                                 "threshold": {"kind": "fixed", "value": C}},
-                        noise_multiplier=0.0, expected_batch_size=4)
+                        gradient_noise_multiplier=0.0, expected_batch_size=4)
 
     def run(m, batch):
         if precision == "bf16":
@@ -127,7 +127,7 @@ def test_crafted_embedding_gradients_move_no_group_by_more_than_c(grouping, meth
     def make_engine():
         return DPEngine(model, {"grouping": grouping, "norm_method": method,
                                 "threshold": {"kind": "fixed", "value": C}},
-                        noise_multiplier=0.0, expected_batch_size=4)
+                        gradient_noise_multiplier=0.0, expected_batch_size=4)
 
     def run(m, batch):
         return m(*batch)
@@ -140,7 +140,7 @@ def test_crafted_example_takes_the_float64_path_and_benign_ones_do_not():
     torch.manual_seed(0)
     model = LinearProbe(16, 8, bias=False)
     engine = DPEngine(model, {"norm_method": "ghost", "threshold": {"kind": "fixed", "value": C}},
-                      noise_multiplier=0.0, expected_batch_size=4)
+                      gradient_noise_multiplier=0.0, expected_batch_size=4)
     engine.backward(model(crafted_inputs(16, 1e5)))
     debug = engine.debug_clipped()
     assert debug.paths["lin.weight"] == "ghost + float64 for 1 cancelling sample(s)"

@@ -26,11 +26,11 @@ def test_padded_rows_change_no_sum_count_or_statistic():
     y = torch.randint(0, 3, (6,))
 
     plain_model = _model()
-    plain = DPEngine(plain_model, CLIPPING, noise_multiplier=0.0, expected_batch_size=8, seed=0)
+    plain = DPEngine(plain_model, CLIPPING, gradient_noise_multiplier=0.0, expected_batch_size=8, seed=0)
     plain.backward(nn.functional.cross_entropy(plain_model(x), y, reduction="none"))
 
     padded_model = _model()
-    padded = DPEngine(padded_model, CLIPPING, noise_multiplier=0.0, expected_batch_size=8, seed=0)
+    padded = DPEngine(padded_model, CLIPPING, gradient_noise_multiplier=0.0, expected_batch_size=8, seed=0)
     rows = torch.cat([x, torch.zeros(4, 5, dtype=torch.float64)])
     labels = torch.cat([y, torch.zeros(4, dtype=torch.long)])
     weights = torch.tensor([1.0] * 6 + [0.0] * 4, dtype=torch.float64)
@@ -52,7 +52,7 @@ def _padded_statistic(samples):
     torch.manual_seed(1)
     x = torch.randn(6, 5, dtype=torch.float64) * 3
     model = _model()
-    engine = DPEngine(model, CLIPPING, noise_multiplier=0.0, expected_batch_size=8, seed=0)
+    engine = DPEngine(model, CLIPPING, gradient_noise_multiplier=0.0, expected_batch_size=8, seed=0)
     rows = torch.cat([x, torch.zeros(4, 5, dtype=torch.float64)])
     weights = torch.tensor([1.0] * 6 + [0.0] * 4, dtype=torch.float64)
     losses = nn.functional.cross_entropy(model(rows), torch.zeros(10, dtype=torch.long), reduction="none") * weights

@@ -145,7 +145,7 @@ def test_private_generators_come_from_os_urandom(monkeypatch):
 
     def draws():
         sampler = PoissonSampler(1000, 0.1, 3)
-        noise = NoiseSource().gaussian_like(torch.zeros(50), 1.0)
+        noise = torch.randn(50, generator=NoiseSource().generator(torch.device("cpu")))
         search = private_random(None, "search").random()
         return [b.tolist() for b in sampler], noise, search
 

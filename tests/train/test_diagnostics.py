@@ -61,9 +61,9 @@ def test_diagnostics_jsonl_gets_a_labelled_record_every_k_steps(small_recipe, on
         assert record["data"] == "private" and record["covered_by_epsilon"] is False
         assert set(record["not_covered_by_epsilon"]) == set(MEASURED)
         assert record["probes"] == 4 and record["per_sample"] == 4 and record["batch_size"] == 64
-        assert record["noise_multiplier"] == pytest.approx(result.noise["sigma_gradient"])
+        assert record["gradient_noise_multiplier"] == pytest.approx(result.noise["gradient_noise_multiplier"])
         assert record["decelerator"] == pytest.approx(
-            record["noise_multiplier"] ** 2 * record["trace_h"] / (64 * record["clip_factor"] ** 2))
+            record["gradient_noise_multiplier"] ** 2 * record["trace_h"] / (64 * record["clip_factor"] ** 2))
         assert record["alpha_star"] is None  # no public data
     assert PRIVATE_HESSIAN_DIAGNOSTICS in result.statement[-1]
     assert (result.run_dir / HESSIAN_PLOT).read_bytes()[:4] == b"\x89PNG"

@@ -122,8 +122,8 @@ def test_b_star_rule_switches_when_the_estimate_falls_below_the_multiple(continu
         def __init__(self):
             self.value = next(estimates)
 
-        def b_star_dp(self, noise_multiplier, clip_factor):
-            calls.append((noise_multiplier, clip_factor))
+        def b_star_dp(self, gradient_noise_multiplier, clip_factor):
+            calls.append((gradient_noise_multiplier, clip_factor))
             return self.value
 
     monkeypatch.setattr("dpclip.train.phases.measure",
@@ -134,7 +134,8 @@ def test_b_star_rule_switches_when_the_estimate_falls_below_the_multiple(continu
     assert switch["reason"] == "B*_DP estimate 100 fell below 2 x batch size 64"
     # quickstart: abadi, layer groups of C = 1 each (total C = sqrt(K)); E|g|² = 4 gives 1/|g| = 0.5
     sigma, clip = calls[0]
-    assert sigma == pytest.approx(result.noise["sigma_gradient"]) and clip == pytest.approx(min(0.5, 1 / math.sqrt(3)))
+    assert sigma == pytest.approx(result.noise["gradient_noise_multiplier"])
+    assert clip == pytest.approx(min(0.5, 1 / math.sqrt(3)))
 
 
 def test_dpmd_alpha_follows_one_minus_cosine():
@@ -148,7 +149,7 @@ def test_mixed_step_gradient_is_alpha_public_mean_plus_private_clipped_mean():
     """With σ = 0: p.grad = α·mean_pub g + (1−α)·Σ clip(g_i)/B, checked by hand on a linear model."""
     torch.manual_seed(0)
     model = nn.Linear(3, 1, bias=False)
-    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 0.5}}, noise_multiplier=0.0,
+    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 0.5}}, gradient_noise_multiplier=0.0,
                       expected_batch_size=4)
     x_pub, x_priv = torch.randn(5, 3), torch.randn(3, 3) * 4
     with engine.paused():

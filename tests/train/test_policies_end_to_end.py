@@ -45,11 +45,11 @@ def test_dcsgd_ledger_epsilon_equals_dp_sgd_at_the_total_sigma(tmp_path, name, g
     meta = entry.metadata
     # the gradient gets sigma_T, each of the K histograms sigma_H: jointly sigma_total
     assert meta["sigma_aux"] == 5.0 and meta["aux_sensitivity"] == pytest.approx(math.sqrt(groups))
-    joint = (meta["sigma_gradient"] ** -2 + groups / meta["sigma_aux"] ** 2) ** -0.5
-    assert joint == pytest.approx(meta["sigma_total"], rel=1e-9)
-    assert meta["sigma_gradient"] > meta["sigma_total"]
+    joint = (meta["gradient_noise_multiplier"] ** -2 + groups / meta["sigma_aux"] ** 2) ** -0.5
+    assert joint == pytest.approx(meta["noise_multiplier"], rel=1e-9)
+    assert meta["gradient_noise_multiplier"] > meta["noise_multiplier"]
     q = entry.event.sampling_probability
-    assert result.epsilon == pytest.approx(dp_sgd_epsilon(meta["sigma_total"], q, 5, recipe.privacy.delta), rel=1e-3)
+    assert result.epsilon == pytest.approx(dp_sgd_epsilon(meta["noise_multiplier"], q, 5, recipe.privacy.delta), rel=1e-3)
     assert any("histogram" in release for release in statement.releases)
 
 
@@ -103,7 +103,7 @@ def test_every_policy_composes_with_every_grouping_and_clip_fn_or_is_refused(tmp
     recipe = short("quickstart", tmp_path, *overrides)
     data = load_data(recipe.data, seed=0)
     model, loss_fn = build_model(recipe.model, data)
-    engine = DPEngine(model, recipe.clipping.model_dump(), noise_multiplier=1.0, expected_batch_size=64,
+    engine = DPEngine(model, recipe.clipping.model_dump(), gradient_noise_multiplier=1.0, expected_batch_size=64,
                       sample_rate=0.05)
     for _ in range(2):
         engine.backward(loss_fn(model, select(data.train, torch.arange(40))))

@@ -172,7 +172,7 @@ def test_quantile_thresholds_move_and_their_counts_are_charged(small_recipe):
     ledger, statement = spent(result.run_dir)
     meta = ledger.entries[0].metadata
     assert meta["aux_fraction"] == pytest.approx(0.1)
-    assert meta["sigma_gradient"] == pytest.approx(meta["sigma_total"] / math.sqrt(0.9))
+    assert meta["gradient_noise_multiplier"] == pytest.approx(meta["noise_multiplier"] / math.sqrt(0.9))
     assert any("quantile" in release for release in statement.releases)
 
 
@@ -226,7 +226,7 @@ def test_engine_event_is_exactly_the_planned_event(small_recipe):
     solved = solve_plan(plan)
     clipping = recipe.clipping.model_dump()
     clipping["threshold"].update(sigma=solved.split.sigma_aux, budget_fraction=None)
-    engine = DPEngine(model, clipping, noise_multiplier=solved.split.sigma_gradient, expected_batch_size=64,
+    engine = DPEngine(model, clipping, gradient_noise_multiplier=solved.split.gradient_noise_multiplier, expected_batch_size=64,
                       sample_rate=plan.sample_rate)
     engine.backward(loss_fn(model, select(data.train, torch.arange(10))))
     report = engine.privatize()

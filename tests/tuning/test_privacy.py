@@ -31,7 +31,7 @@ def test_every_strategy_keeps_the_search_within_the_recipes_epsilon():
     recipe, privacy = _privacy("tuning.score=public")
     for strategy in privacy.strategies:
         assert strategy.epsilon <= recipe.privacy.epsilon * (1 + 1e-9)
-        assert strategy.sigma_total > privacy.recipe_sigma  # a search needs more noise than one run
+        assert strategy.noise_multiplier > privacy.recipe_sigma  # a search needs more noise than one run
 
 
 def test_naive_search_at_the_recipes_sigma_overspends():
@@ -43,7 +43,7 @@ def test_repeat_and_select_sigma_meets_epsilon_in_dp_accountings_rdp():
     recipe, privacy = _privacy("tuning.score=public")
     strategy = privacy.strategy(REPEAT_AND_SELECT)
     run = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
-        privacy.sample_rate, dp_accounting.GaussianDpEvent(strategy.sigma_total)), privacy.steps)
+        privacy.sample_rate, dp_accounting.GaussianDpEvent(strategy.noise_multiplier)), privacy.steps)
     event = dp_event.RepeatAndSelectDpEvent(run, 4.0, recipe.tuning.trials_shape)
     eps = rdp.RdpAccountant().compose(event).get_epsilon(privacy.delta)
     assert eps == pytest.approx(strategy.epsilon, rel=1e-12)
@@ -54,7 +54,7 @@ def test_a_private_score_costs_noise_that_a_public_one_does_not():
     _, public = _privacy("tuning.score=public")
     _, private = _privacy("tuning.score=private", "tuning.score_noise=5")
     for name in (NAIVE, REPEAT_AND_SELECT):
-        assert private.strategy(name).sigma_total > public.strategy(name).sigma_total
+        assert private.strategy(name).noise_multiplier > public.strategy(name).noise_multiplier
 
 
 def test_liu_talwar_uses_gamma_one_over_two_g_by_default():
@@ -66,14 +66,14 @@ def test_a_statistic_lowers_the_gradients_share_of_sigma():
     _, privacy = _privacy("tuning.score=public", "clipping.grouping=all-layer",
                           "clipping.threshold={kind: quantile, budget_fraction: 0.1}")
     strategy = privacy.strategy(NAIVE)
-    assert strategy.sigma_gradient > strategy.sigma_total
+    assert strategy.gradient_noise_multiplier > strategy.noise_multiplier
 
 
 def test_a_strategy_the_score_noise_makes_infeasible_is_reported_not_raised():
     # Liu–Talwar gives each run ε/3 at δ₁ ~ 1e-17, which a score noise of 2.5 alone exceeds.
     _, privacy = _privacy("tuning.score=private", "tuning.score_noise=2.5")
     assert "raise tuning.score_noise" in privacy.strategy(LIU_TALWAR).detail["infeasible"]
-    assert privacy.strategy(NAIVE).sigma_total is not None
+    assert privacy.strategy(NAIVE).noise_multiplier is not None
 
 
 def test_a_search_no_noise_can_make_private_is_an_error():

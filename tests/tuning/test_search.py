@@ -38,14 +38,14 @@ def test_search_ledger_spends_exactly_what_was_promised(public_search):
     assert ledger.epsilon() == pytest.approx(promised.epsilon, rel=1e-12)
     # ... and it is dp_accounting's RDP ε of repeat-and-select over one run at the per-run σ
     run = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
-        report.privacy.sample_rate, dp_accounting.GaussianDpEvent(promised.sigma_total)), report.privacy.steps)
+        report.privacy.sample_rate, dp_accounting.GaussianDpEvent(promised.noise_multiplier)), report.privacy.steps)
     direct = rdp.RdpAccountant().compose(dp_event.RepeatAndSelectDpEvent(run, 2.0, 1.0))
     assert ledger.epsilon() == pytest.approx(direct.get_epsilon(report.privacy.delta), rel=1e-12)
 
 
 def test_the_selected_run_trained_at_the_searchs_sigma_and_is_the_only_one_kept(public_search):
     report, summary = public_search
-    sigma = report.privacy.strategy("repeat-and-select").sigma_total
+    sigma = report.privacy.strategy("repeat-and-select").noise_multiplier
     search_dir = Path(summary["search_dir"])
     kept = list((search_dir / "runs").iterdir())
     assert summary["stopped"] == "completed"

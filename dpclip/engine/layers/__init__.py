@@ -120,8 +120,7 @@ def flat3(t: Tensor) -> Tensor:
 class LayerRule:
     """How one layer type is book-kept (one entry of the rule registry).
 
-    Subclass and override the methods, or build one from functions (the original form,
-    still accepted): ``LayerRule(name, prepare, forward, input_grad, uses)``.
+    Subclass it and override the methods (module doc; docs/engine.md, "Adding a layer rule").
 
     prepare(module, x, batch_size) -> (activation, info): runs under autograd before the
         book-kept op, on ``x`` with the batch in dim 0 (pads, normalises for norm layers).
@@ -151,17 +150,6 @@ class LayerRule:
     def default_call(self) -> bool:
         """Whether :meth:`call` is the one-tensor default (not overridden)."""
         return type(self).call is LayerRule.call
-
-    def __init__(self, name: str | None = None, prepare: Callable | None = None,
-                 forward: Callable | None = None, input_grad: Callable | None = None,
-                 uses: Callable | None = None, examples: Callable | None = None):
-        if name is not None:
-            self.name = name
-        # Functions given here become instance attributes: called without ``self``.
-        for attr, fn in (("prepare", prepare), ("forward", forward), ("input_grad", input_grad),
-                         ("uses", uses), ("examples", examples)):
-            if fn is not None:
-                setattr(self, attr, fn)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -76,7 +76,7 @@ class PolicyContext:
     group_names: list[str]
     group_sizes: list[int]           # d_k
     expected_batch_size: int
-    noise_multiplier: float          # σ_g
+    gradient_noise_multiplier: float  # σ_g
     device: torch.device
     dtype: torch.dtype
 

@@ -171,7 +171,7 @@ class HistogramThreshold(ThresholdPolicy):
         self.bins = bins
         self.sigma_hist = sigma_hist
         self.percentile = percentile
-        self.sigma_gradient = sigma_gradient
+        self.gradient_noise_multiplier = sigma_gradient
         self.total_dim = total_dim
         self.expected_batch_size = expected_batch_size
         self.min_threshold = min_threshold
@@ -217,7 +217,7 @@ class HistogramThreshold(ThresholdPolicy):
                 return c, r
             new = min(max(new, self.min_threshold), self.max_threshold)
             return new, 2 * new
-        new = error_threshold(c, noisy, r, self.sigma_gradient, self.total_dim, self.expected_batch_size,
+        new = error_threshold(c, noisy, r, self.gradient_noise_multiplier, self.total_dim, self.expected_batch_size,
                               self.min_threshold, self.max_threshold)
         return (c if new is None else new), error_range(r, noisy)
 
@@ -279,7 +279,7 @@ class HistogramFields(BudgetShare):
 
     def build(self, ctx: PolicyContext) -> HistogramThreshold:
         low, high = float(self.min_threshold), float(self.max_threshold)
-        if self.rule == "error" and ctx.noise_multiplier <= 0:
+        if self.rule == "error" and ctx.gradient_noise_multiplier <= 0:
             raise EngineError("dcsgd-e's error rule needs a positive gradient noise multiplier σ_T",
                               "without noise the variance term vanishes and E(C) is minimised by C → ∞")
         # A float initial/range is the total over groups, as for fixed thresholds: C0/√K each.
@@ -288,7 +288,7 @@ class HistogramFields(BudgetShare):
         ranges = torch.full((ctx.num_groups,), float(self.range) * scale, dtype=torch.float64)
         percentile = float(getattr(self, "percentile", 0.5))
         return HistogramThreshold(self.rule, initial, ranges, self.bins, float(self.sigma_hist), percentile,
-                                  ctx.noise_multiplier, int(sum(ctx.group_sizes)), ctx.expected_batch_size,
+                                  ctx.gradient_noise_multiplier, int(sum(ctx.group_sizes)), ctx.expected_batch_size,
                                   low, high)
 
 

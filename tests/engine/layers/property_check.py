@@ -135,7 +135,7 @@ def check_case(case: Case, run: Run) -> None:
     fallback = isinstance(case.layer, (nn.RNNBase, CustomLayer))
     clipping = {"grouping": run.grouping, "norm_method": run.method, "strict": not fallback,
                 "threshold": {"kind": "fixed", "value": thresholds}}
-    engine = DPEngine(model, clipping, noise_multiplier=0.0, expected_batch_size=n + 1)
+    engine = DPEngine(model, clipping, gradient_noise_multiplier=0.0, expected_batch_size=n + 1)
     try:
         for j in range(run.micro_batches):
             chunk = {k: v[j * run.batch:(j + 1) * run.batch] for k, v in batch.items()}

@@ -118,7 +118,7 @@ def test_transformer_encoder_layer_matches_per_example_loop(grouping):
 def test_engine_trains_a_transformer_encoder_classifier():
     model = EncoderClassifier(layers=2, dropout=0.1).to(DTYPE)
     before = copy.deepcopy(model.state_dict())
-    engine = DPEngine(model, {"grouping": "all-layer", "strict": True}, noise_multiplier=0.5,
+    engine = DPEngine(model, {"grouping": "all-layer", "strict": True}, gradient_noise_multiplier=0.5,
                       expected_batch_size=8, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):

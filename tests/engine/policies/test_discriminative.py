@@ -66,7 +66,7 @@ def test_engine_clips_each_sample_at_its_own_threshold_exactly():
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
     engine = DPEngine(model, {"grouping": "layer", "threshold": {
         "kind": "discriminative", "small": 0.3, "large": 3.0, "tail_rule": "threshold", "tail_threshold": 1.0}},
-        noise_multiplier=0.0, expected_batch_size=8)
+        gradient_noise_multiplier=0.0, expected_batch_size=8)
     x = torch.randn(6, 3) * torch.tensor([0.1, 1, 5, 0.2, 3, 10])[:, None]
     y = torch.randn(6)
     engine.backward((model(x).squeeze(1) - y) ** 2)
@@ -127,7 +127,7 @@ def test_gradient_noise_is_calibrated_to_large_not_small():
     model = nn.Linear(50, 1, bias=False)
     engine = DPEngine(model, {"threshold": {"kind": "discriminative", "small": small, "large": large,
                                             "tail_threshold": 1.0}},
-                      noise_multiplier=sigma, expected_batch_size=1, seed=0)
+                      gradient_noise_multiplier=sigma, expected_batch_size=1, seed=0)
     values = []
     for _ in range(40):
         engine.backward(model(torch.zeros(1, 50)).squeeze(1))   # gradient 0: p.grad is the noise
@@ -143,7 +143,7 @@ def test_top_fraction_noise_uses_two_large_minus_small():
     model = nn.Linear(3, 1)
     engine = DPEngine(model, {"threshold": {"kind": "discriminative", "small": 1.0, "large": 4.0,
                                             "tail_rule": "top_fraction", "top_fraction": 0.1}},
-                      noise_multiplier=2.0, expected_batch_size=4)
+                      gradient_noise_multiplier=2.0, expected_batch_size=4)
     engine.backward(model(torch.randn(4, 3)).squeeze(1))
     report = engine.privatize()
     assert report.noise_std_sum.item() == pytest.approx(2.0 * 7.0)

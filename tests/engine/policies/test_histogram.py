@@ -186,7 +186,7 @@ def test_new_threshold_applies_from_the_next_step_only():
     model = nn.Linear(3, 1)
     engine = DPEngine(model, {"threshold": {"kind": "dcsgd-p", "sigma_hist": 1e-9, "bins": 4, "range": 40.0,
                                             "percentile": 0.5, "initial": 1.0}},
-                      noise_multiplier=0.0, expected_batch_size=4)
+                      gradient_noise_multiplier=0.0, expected_batch_size=4)
     x = torch.randn(4, 3) * 10
     engine.backward((model(x).squeeze(1) - 1) ** 2)
     first = engine.privatize()
@@ -204,7 +204,7 @@ def test_policies_train_a_grouped_model_with_sgd_and_adam(kind, optimizer):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": kind, "sigma_hist": 5.0}},
-                      noise_multiplier=1.0, expected_batch_size=16, seed=0)
+                      gradient_noise_multiplier=1.0, expected_batch_size=16, seed=0)
     opt = optimizer(model.parameters(), lr=0.01)
     for _ in range(3):
         x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))

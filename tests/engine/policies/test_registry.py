@@ -77,7 +77,7 @@ def test_aux_release_enters_sigma_eff_and_the_poisson_event(engine_only_kind):
     model = mlp()
     engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "test-noisy-count",
                                                                  "sigma_b": 5.0}},
-                      noise_multiplier=1.2, expected_batch_size=4, sample_rate=0.02)
+                      gradient_noise_multiplier=1.2, expected_batch_size=4, sample_rate=0.02)
     batch = mlp_batch()
     engine.backward(classify_loss(model, {k: v[:2] for k, v in batch.items()}))
     engine.backward(classify_loss(model, {k: v[2:] for k, v in batch.items()}))
@@ -85,8 +85,8 @@ def test_aux_release_enters_sigma_eff_and_the_poisson_event(engine_only_kind):
     policy = made[0]
     assert policy.observed == [(2, 3), (3, 3)] and policy.releases == 1
     want = (1.2 ** -2 + (math.sqrt(3) / 2 / 5.0) ** 2) ** -0.5
-    assert report.sigma_eff == pytest.approx(want)
-    assert report.sigma_gradient == 1.2 and report.aux_releases == [AuxRelease(math.sqrt(3) / 2, 5.0, "counts")]
+    assert report.noise_multiplier == pytest.approx(want)
+    assert report.gradient_noise_multiplier == 1.2 and report.aux_releases == [AuxRelease(math.sqrt(3) / 2, 5.0, "counts")]
     assert report.dp_event == dp_accounting.PoissonSampledDpEvent(
         0.02, dp_accounting.GaussianDpEvent(want))
 
@@ -126,7 +126,7 @@ def test_per_sample_thresholds_clip_each_sample_at_its_own_level_and_set_the_noi
     ordered = total.sort().values  # a cut between two samples: none sits on it, where rounding decides
     cut = float(ordered[2] + ordered[3]) / 2
     engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "test-two-level", "cut": cut}},
-                      noise_multiplier=0.0, expected_batch_size=8)
+                      gradient_noise_multiplier=0.0, expected_batch_size=8)
     engine.backward(classify_loss(model, {k: v[:4] for k, v in batch.items()}))
     engine.backward(classify_loss(model, {k: v[4:] for k, v in batch.items()}))
     report = engine.privatize()
@@ -142,7 +142,7 @@ def test_per_sample_thresholds_clip_each_sample_at_its_own_level_and_set_the_noi
     assert (total > cut).any() and (total <= cut).any()
     # noise is calibrated to the large threshold, the true sensitivity
     engine2 = DPEngine(mlp(), {"grouping": "layer", "threshold": {"kind": "test-two-level", "cut": cut}},
-                       noise_multiplier=1.0, expected_batch_size=8)
+                       gradient_noise_multiplier=1.0, expected_batch_size=8)
     torch.testing.assert_close(engine2.privatize().noise_std_sum,
                                torch.full((3,), 0.5 * math.sqrt(3), dtype=DTYPE))
 
@@ -150,7 +150,7 @@ def test_per_sample_thresholds_clip_each_sample_at_its_own_level_and_set_the_noi
 def test_report_fields_for_abadi_and_auto():
     for fn in ("abadi", "auto"):
         model = mlp()
-        engine = DPEngine(model, {"grouping": "layer", "fn": fn}, noise_multiplier=1.0,
+        engine = DPEngine(model, {"grouping": "layer", "fn": fn}, gradient_noise_multiplier=1.0,
                           expected_batch_size=8)
         engine.backward(classify_loss(model, mlp_batch()))
         report = engine.privatize()

@@ -1,7 +1,7 @@
 """Judge one zoo run: the engine's clipped sum against a per-sample reference.
 
 A run is (case, shape family, grouping, norm method, precision). The engine gets
-``DPEngine(model, clipping, noise_multiplier=0, expected_batch_size=B, seed=0)``, one
+``DPEngine(model, clipping, gradient_noise_multiplier=0, expected_batch_size=B, seed=0)``, one
 ``backward`` of the per-sample losses and ``debug_clipped()``, which hands back the clipped
 sums Σ_i c_ik g_i and the per-sample group norms without noise (docs/engine.md). The
 reference runs autograd on each sample alone:
@@ -211,7 +211,7 @@ def _run(result: Result) -> None:
 
     clipping = {"grouping": result.grouping, "fn": "abadi", "norm_method": result.method,
                 "threshold": {"kind": "fixed", "value": thresholds}}
-    engine = DPEngine(model, clipping, noise_multiplier=0.0, expected_batch_size=B, seed=0)
+    engine = DPEngine(model, clipping, gradient_noise_multiplier=0.0, expected_batch_size=B, seed=0)
     try:
         with autocast(precision):
             losses = CASES[case].loss(model, batch)

@@ -3,10 +3,11 @@
     with scaled_noise(0.0):          # or 0.05: a run whose noise was cut by a "bug"
         result = train(recipe)       # ledger.json still states the recipe's σ and ε
 
-This exists to prove that the audit works (tests/audit): an under-noised run must be
-flagged by the one-run audit (empirical ε lower bound above the ledger's ε). It is
-reachable only by importing this module from Python: no recipe key, CLI flag or
-environment variable turns it on.
+This exists to prove that the audit works (tests/audit/test_claims.py) and for the non-DP
+row of docs/auditing.md (scripts/audit_table.py): an under-noised run must be flagged by
+the one-run audit (empirical ε lower bound above the ledger's ε). It lives under tests/, so
+the installed package cannot reach it: no recipe key, CLI flag or environment variable,
+nor any import of dpclip, turns it on.
 """
 
 from __future__ import annotations
