@@ -48,7 +48,7 @@ class Account:
     @property
     def noise_multiplier(self) -> float:
         """σ_eff, the total noise multiplier the accountant sees (``dpclip account --sigma``)."""
-        return self.plan.split.sigma_total
+        return self.plan.split.noise_multiplier
 
     def epsilon(self) -> float:
         """ε of the steps taken so far, at the plan's δ (0 before the first step)."""
@@ -60,7 +60,7 @@ class Account:
         if not self.ledger.steps:
             return self.plan.statement.lines()
         taken = replace(self.plan.plan, steps=self.ledger.steps, target_epsilon=None,
-                        noise_multiplier=self.plan.split.sigma_total)
+                        noise_multiplier=self.plan.split.noise_multiplier)
         with quiet_rdp_orders():
             return solve(taken).statement.lines()
 
@@ -80,7 +80,8 @@ class Account:
             "steps_planned": plan.steps,
             "sample_rate": plan.sample_rate,
             "sampling": plan.sampling,
-            "noise_multiplier": self.plan.split.sigma_total,
+            "noise_multiplier": self.plan.split.noise_multiplier,
+            "gradient_noise_multiplier": self.plan.split.gradient_noise_multiplier,
             "seeded_randomness": plan.seeded_randomness,
             "not_covered_by_epsilon": list(plan.not_covered),
             "statement": self.statement(),
@@ -114,7 +115,7 @@ def private_engine(model: nn.Module, spec: Clipping, *, num_examples: int, batch
             aux=spec.threshold.statistic(groups) if spec.threshold.releases_statistic() else None))
     engine_clipping = spec.model_dump(mode="python")
     engine_clipping["threshold"] = spec.threshold.engine_dict(plan.split.sigma_aux)
-    engine = DPEngine(model, engine_clipping, noise_multiplier=plan.split.sigma_gradient,
+    engine = DPEngine(model, engine_clipping, gradient_noise_multiplier=plan.split.gradient_noise_multiplier,
                       expected_batch_size=batch_size, seed=unsafe_seed, sample_rate=sample_rate)
     return engine, Account(Ledger(delta, accountant), plan)
 

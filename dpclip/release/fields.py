@@ -32,7 +32,7 @@ class Fields:
     what: str = ""
 
 
-_SIGMAS = ("sigma_total", "sigma_gradient", "sigma_aux", "aux_fraction", "aux_sensitivity", "releases/**")
+_SIGMAS = ("noise_multiplier", "gradient_noise_multiplier", "sigma_aux", "aux_fraction", "aux_sensitivity", "releases/**")
 _STATEMENT = ("delta", "epsilon", "epsilon_rdp", "statement")
 #: The threshold policies' released (noisy) statistics (dpclip/engine/policies/).
 _POLICY_KEYS = ("range", "next_range", "noisy_total", "noisy_histogram", "noisy_unclipped_fraction", "tail_score",
@@ -71,7 +71,7 @@ FIELDS: tuple[Fields, ...] = (
                 "declares public"),
     Fields(RUN, "diagnostics.jsonl",
            released=("step", "data", "covered_by_epsilon", "not_covered_by_epsilon", "batch_size",
-                     "probes", "per_sample", "noise_multiplier", "batch_size_dp", "clip_fn", "threshold",
+                     "probes", "per_sample", "gradient_noise_multiplier", "batch_size_dp", "clip_fn", "threshold",
                      "public_batch_size"),
            labelled=("trace_h", "trace_h_stderr", "gthg", "trace_h_sigma", "grad_norm_sq",
                      "mean_sample_grad_norm_sq", "clip_factor", "decelerator", "b_star_dp", "improvement",
@@ -103,7 +103,8 @@ FIELDS: tuple[Fields, ...] = (
            what="`selected_score` as in a run's search.json"),
     Fields(EXPORT, "privacy.json",
            released=("format", "dpclip", "accountant", "checkpoint", "checkpoint_step", "conversion", "covers",
-                     "delta", "epsilon", "neighbouring", "noise_multiplier", "not_covered_by_epsilon", "recipe",
+                     "delta", "epsilon", "neighbouring", "noise_multiplier", "gradient_noise_multiplier",
+                     "not_covered_by_epsilon", "recipe",
                      "sample_rate", "sampling", "sampling_assumption", "seeded_randomness", "statement", "steps",
                      "unit_of_privacy", "warning", "caveats", "search/*")),
     Fields(EXPORT, "model_card.json",

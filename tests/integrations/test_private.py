@@ -151,8 +151,8 @@ def test_adaptive_thresholds_share_the_budget_and_the_ledger_charges_the_joint_e
                        clipping={"grouping": "layer", "threshold": {"kind": "quantile", "initial": 1.0}})
     _train(private)
     split = private.plan.split
-    assert split.sigma_aux is not None and split.sigma_gradient > split.sigma_total == 1.2
-    assert private.engine.noise_multiplier == pytest.approx(split.sigma_gradient)
+    assert split.sigma_aux is not None and split.gradient_noise_multiplier > split.noise_multiplier == 1.2
+    assert private.engine.gradient_noise_multiplier == pytest.approx(split.gradient_noise_multiplier)
     epsilon = json.loads(cli("account", "--sigma", 1.2, "-q", repr(12 / N), "--steps", 4, "--delta", 1e-5,
                              "--json").out)["epsilon"]
     assert private.epsilon() == epsilon
