@@ -230,6 +230,7 @@ def test_adding_one_huge_example_moves_the_sum_by_at_most_the_sensitivity(seed, 
     assert float((sums[1] - sums[0]).norm()) <= bound + 1e-6
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_tiny_gpt2_on_cuda_matches_per_example_loop():
     def on_cuda():

@@ -415,6 +415,7 @@ def test_precision_runs_the_forward_under_its_autocast():
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("dtype, scale", [(BF16, 1.0), (torch.float16, DEFAULT_LOSS_SCALE)])
 @pytest.mark.parametrize("name", list(MODELS))
