@@ -64,7 +64,25 @@ CASES = {
 
 
 def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """sha256 of a weight file's content. A safetensors file is hashed canonically (tensor
+    names sorted, each with dtype, shape and bytes; the metadata sorted): safetensors writes
+    its header's metadata keys in a random order, so equal files differ byte for byte."""
+    if path.suffix != ".safetensors":
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    from safetensors import safe_open
+    digest = hashlib.sha256()
+    with safe_open(str(path), framework="pt") as f:
+        digest.update(json.dumps(f.metadata() or {}, sort_keys=True).encode())
+        for name in sorted(f.keys()):
+            tensor = f.get_tensor(name).contiguous()
+            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+            digest.update(tensor.view(-1).view(torch_uint8()).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def torch_uint8():
+    import torch
+    return torch.uint8
 
 
 def weight_hashes(folder: Path) -> dict[str, str]:
@@ -151,6 +169,19 @@ def run_case(name: str, out: Path) -> dict:
     return result
 
 
+def rehash(out: Path) -> None:
+    """Recompute the weight hashes of the runs already in ``out`` (results.json rewritten)."""
+    results = json.loads((out / "results.json").read_text())
+    for name, result in results.items():
+        run_dir = out / name / "run"
+        if not run_dir.exists():
+            run_dir = next((out / name / "runs").iterdir())
+        result["weights"] = weight_hashes(run_dir)
+        if (out / name / "export").exists():
+            result["weights"].update({f"export/{k}": v for k, v in weight_hashes(out / name / "export").items()})
+    (out / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True))
+
+
 def run_all(out: Path, names: list[str]) -> None:
     import torch
     torch.set_num_threads(1)
@@ -182,5 +213,7 @@ def compare(base_file: Path, new_file: Path) -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "run":
         run_all(Path(sys.argv[2]), sys.argv[3:])
+    elif sys.argv[1] == "rehash":
+        rehash(Path(sys.argv[2]))
     else:
         sys.exit(compare(Path(sys.argv[2]), Path(sys.argv[3])))
