@@ -223,7 +223,7 @@ def plot_thresholds(metrics_path: Path, out_path: Path, group_names: list[str], 
 
 def plot_run(run_dir: Path, group_names: list[str], *, policy: str | None = None,
              epsilon_cap: float | None = None, delta: float | None = None) -> None:
-    """Both plots of a run directory (the end of ``Trainer.train``)."""
+    """Both plots of a run directory (the end of a run: :func:`dpclip.train.workflow.train`)."""
     run_dir = Path(run_dir)
     metrics = run_dir / layout.METRICS
     plot_training(metrics, run_dir / TRAINING_PLOT, epsilon_cap=epsilon_cap, delta=delta)

@@ -1,4 +1,4 @@
-"""The trainer's part in a data-parallel run (docs/distributed.md, "What each rank does").
+"""A run across ranks (docs/distributed.md, "What each rank does").
 
 Every rank builds the same run (recipe, data, model, engine), draws its own part of each
 Poisson batch (:class:`~dpclip.distributed.sampler.ShardedPoissonSampler`), clips its own
