@@ -98,14 +98,17 @@ class RunParts:
         }
 
 
-def load_model(recipe: Recipe, data=None):
-    """(data, model, loss_fn): the global RNG seeded with the recipe's seed, then the data
-    (``data`` when given) and the model at its initial weights."""
+def seeded_data(recipe: Recipe, data=None):
+    """The global RNG seeded with the recipe's seed, then the data (``data`` when given)."""
     # The global RNG drives only what is not private (dropout); noise and batches have their own
     # generators from OS entropy (dpclip.rng).
     torch.manual_seed(recipe.seed)
-    if data is None:
-        data = load_data(recipe.data, seed=recipe.seed)
+    return load_data(recipe.data, seed=recipe.seed) if data is None else data
+
+
+def load_model(recipe: Recipe, data=None):
+    """(data, model, loss_fn): :func:`seeded_data`, then the model at its initial weights."""
+    data = seeded_data(recipe, data)
     model, loss_fn = build_model(recipe.model, data, seed=recipe.seed)
     return data, model, loss_fn
 
@@ -160,8 +163,9 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
     its plan; not on a resume)."""
     world = world or World()
     pipeline = recipe.training.parallel == "pipeline"
-    ordinary, model, loss_fn = load_model(recipe, data)
-    check_ranks(recipe, world, ordinary)
+    ordinary = seeded_data(recipe, data)
+    check_ranks(recipe, world, ordinary)  # before the model: a rank with other data stops here
+    model, loss_fn = build_model(recipe.model, ordinary, seed=recipe.seed)
     # A statistic's sensitivity grows with the number of groups, which depends on the model.
     num_groups = count_groups(recipe, model)
     # N is the number of ordinary training examples, counted before any canary goes in
