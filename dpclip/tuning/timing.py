@@ -1,8 +1,8 @@
 """Seconds per private step of a recipe on this machine, measured with a few real steps.
 
 A step here is the training loop's own: a Poisson batch through
-:class:`dpclip.train.step.PrivateStep` with the optimizer the run would build
-(:mod:`dpclip.train.optim`). The first ``warmup_steps`` are not timed (allocator,
+:class:`dpclip.train.step.PrivateStep` with the engine and optimizer the run would build,
+assembled by :func:`dpclip.train.parts.assemble_for_timing` (stand-in noise). The first ``warmup_steps`` are not timed (allocator,
 kernel selection, lazy initialisation); the result is the median of the timed steps, so
 one slow step (a page fault, another process) does not move it.
 
