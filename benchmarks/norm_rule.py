@@ -21,6 +21,7 @@ times the Gram trick of ``_symmetric_ghost`` against the plain product, and the 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dpclip.allocator import keep_freed_memory  # noqa: E402
-from dpclip.bench import time_steps  # noqa: E402
+from dpclip.bench import time_rounds  # noqa: E402
 from dpclip.engine import factors  # noqa: E402
 from dpclip.engine.factors import Bilinear, choose_ghost, clipped_sum, param_norm_sq  # noqa: E402
 
@@ -38,7 +39,7 @@ MAX_FACTOR_FLOATS = 64 * 256 * 1024   # skip cells whose B·T·n factor is large
 
 def median_ms(fns: dict, repeats: int) -> dict[str, float]:
     """Median milliseconds, interleaved after one warm-up round (dpclip.bench's timer)."""
-    return {k: v * 1e3 for k, v in time_steps(fns, repeats, warmup=1).items()}
+    return {k: statistics.median(ts) * 1e3 for k, ts in time_rounds(fns, repeats, warmup=1).items()}
 
 
 def rule_rows(batches, seqs, shapes, repeats: int) -> list[dict]:

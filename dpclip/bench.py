@@ -32,12 +32,11 @@ from typing import Callable
 
 import torch
 
-from dpclip.data import load_data, select
-from dpclip.engine import DPEngine
+from dpclip.data import select
 from dpclip.engine.precision import Precision
-from dpclip.models import build_model
 from dpclip.recipe import load_recipe
 from dpclip.threads import configure
+from dpclip.train.parts import TIMING_SIGMA, build_engine, load_model
 from dpclip.train.step import PrivateStep, step_precision
 
 GROUPINGS = ("all-layer", "layer", "param")
@@ -70,10 +69,10 @@ def method_names(groupings=GROUPINGS) -> list[str]:
     return [NON_PRIVATE] + [f"dp {g}" for g in groupings]
 
 
-def _setup(recipe):
-    """(model, loss_fn, batch, size): the recipe's model and its first ``batch_size`` training rows."""
-    data = load_data(recipe.data, seed=recipe.seed)
-    model, loss_fn = build_model(recipe.model, data, seed=recipe.seed)
+def set_up(recipe):
+    """(model, loss_fn, batch, size): the recipe's model (assembled as a run assembles it,
+    :func:`dpclip.train.parts.load_model`) and its first ``batch_size`` training rows."""
+    data, model, loss_fn = load_model(recipe)
     size = min(recipe.training.batch_size, data.num_train)
     return model, loss_fn, select(data.train, torch.arange(size)), size
 
@@ -95,8 +94,8 @@ def make_step(method: str, model, loss_fn, batch, size: int,
             opt.step()
             opt.zero_grad(set_to_none=True)
         return step
-    engine = DPEngine(model, {"grouping": method.removeprefix("dp ")}, noise_multiplier=1.0,
-                      expected_batch_size=size)
+    engine = build_engine(model, {"grouping": method.removeprefix("dp ")}, gradient_noise_multiplier=TIMING_SIGMA,
+                          batch_size=size)
     private_step = PrivateStep(model, loss_fn, engine, opt, batch, micro_batch_size=None, precision=precision)
     rows = torch.arange(size)
 
@@ -117,11 +116,6 @@ def time_rounds(steps: dict[str, Callable[[], None]], repeats: int, warmup: int)
             step()
             times[name].append(time.perf_counter() - t0)
     return times
-
-
-def time_steps(steps: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict[str, float]:
-    """Median seconds per step of :func:`time_rounds`."""
-    return {name: statistics.median(ts) for name, ts in time_rounds(steps, repeats, warmup).items()}
 
 
 def round_ratios(times: dict[str, list[float]], reference: str) -> dict[str, tuple[float, float, float]]:
@@ -180,8 +174,7 @@ def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, group
     recipe = load_recipe(recipe_path, overrides)
     settings = configure(threads)   # what `dpclip train` sets up (dpclip.configure_speed)
     threads = settings["threads"]
-    torch.manual_seed(recipe.seed)
-    model, loss_fn, batch, size = _setup(recipe)
+    model, loss_fn, batch, size = set_up(recipe)
     precision = step_precision(recipe, model)
     names = method_names(groupings)
     steps = {name: make_step(name, model, loss_fn, batch, size, precision) for name in names}
@@ -200,8 +193,7 @@ def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, group
 def _child(spec: dict) -> float:
     configure(spec["threads"])  # as in the `dpclip` process that asked for this measurement
     recipe = load_recipe(Path(spec["recipe"]), spec["overrides"])
-    torch.manual_seed(recipe.seed)
-    model, loss_fn, batch, size = _setup(recipe)
+    model, loss_fn, batch, size = set_up(recipe)
     return step_memory_mib(make_step(spec["method"], model, loss_fn, batch, size, step_precision(recipe, model)))
 
 

@@ -1,4 +1,6 @@
-"""The package's shape, checked: the layer order, no import cycles, module length.
+"""The package's shape, checked: the layer order, no import cycles, module length; no
+function that takes the whole trainer, no private name imported across modules, no run
+directory file name spelled outside dpclip/layout.py.
 
 The layers (docs/design.md), top to bottom. A module may import from its own layer and
 the layers below it, never from a layer above; and no set of modules may import each
@@ -25,7 +27,7 @@ LAYERS = [
     ("dpclip.data", "dpclip.models", "dpclip.engine", "dpclip.diagnose"),
     ("dpclip.accounting",),
     ("dpclip", "dpclip.errors", "dpclip.rng", "dpclip.allocator", "dpclip.threads", "dpclip.files",
-     "dpclip.release"),
+     "dpclip.release", "dpclip.layout"),
 ]
 
 # Third-party packages a layer must never import, and why.
@@ -220,6 +222,101 @@ def test_long_modules_say_why():
                 unexplained.append(f"{module} ({lines} lines)")
     assert not unexplained, (f"modules over {MAX_LINES} lines without a '{LENGTH_REASON} ...' line in their "
                              "docstring saying why: " + ", ".join(unexplained))
+
+
+# --- the run as explicit data (issue 27) -----------------------------------------------------
+
+# The only modules that may spell a run directory's file names: the layout, and the release
+# manifest's glob patterns and field tables (the dpclip.release package).
+LAYOUT_MODULES = {"dpclip.layout", "dpclip.release"}
+RUN_DIR_FILES = ("ledger.json", "metrics.jsonl", "meta.json", "summary.json", "plan.json", "state.json",
+                 "state.safetensors", "model.safetensors", "model.json", "recipe.yaml", "search.json", "report.html",
+                 "diagnostics.jsonl", "canaries.json", "LATEST", "training.png", "thresholds.png",
+                 "hessian_over_training.png", "improvement_vs_batch.png", "roc.png", "report.json")
+
+
+def trainer_parameters(tree: ast.AST) -> list[str]:
+    """Functions with a parameter named ``trainer`` or annotated ``Trainer``: the loop's
+    collaborators take the data they need (docs/design.md, "train/"), never the whole run."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            arguments = node.args
+            for arg in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
+                        *filter(None, [arguments.vararg, arguments.kwarg])]:
+                annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if arg.arg.lower() == "trainer" or "Trainer" in annotation:
+                    found.append(f"{getattr(node, 'name', 'lambda')}({arg.arg}) line {node.lineno}")
+    return found
+
+
+def underscore_imports(tree: ast.AST) -> list[str]:
+    """``from dpclip.x import _y``: a private name taken from another module (a relative
+    import counts too; ``import m as _m`` does not, the name imported is public)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "dpclip"):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{alias.name} from {'.' * node.level}{node.module or ''} line {node.lineno}")
+    return found
+
+
+def run_dir_literals(tree: ast.AST) -> list[str]:
+    """String literals that are a run directory file name, or a path ending in one (prose
+    that mentions a file, with spaces, is not a literal name)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and not any(c.isspace() for c in node.value):
+            if any(node.value == name or node.value.endswith("/" + name) for name in RUN_DIR_FILES):
+                found.append(f"{node.value!r} line {node.lineno}")
+    return found
+
+
+def _violations(rule, skip=()) -> list[str]:
+    """``rule``'s hits in every module but those in ``skip`` (a package there skips its modules)."""
+    out = []
+    for module, path in MODULES.items():
+        if not any(module == unit or module.startswith(unit + ".") for unit in skip):
+            out += [f"{module}: {hit}" for hit in rule(ast.parse(path.read_text(encoding="utf-8")))]
+    return out
+
+
+def test_no_function_takes_the_whole_trainer():
+    bad = _violations(trainer_parameters)
+    assert not bad, "pass the parts, the state or a small strategy object instead:\n" + "\n".join(bad)
+
+
+def test_no_private_name_is_imported_from_another_module():
+    bad = _violations(underscore_imports)
+    assert not bad, "make the name public (and its module's API), or keep its use inside its module:\n" + \
+        "\n".join(bad)
+
+
+def test_run_directory_file_names_are_spelled_only_in_the_layout():
+    bad = _violations(run_dir_literals, skip=LAYOUT_MODULES)
+    assert not bad, "use dpclip.layout's constant for these names:\n" + "\n".join(bad)
+
+
+def test_the_layout_module_spells_every_name_the_rule_refuses():
+    import dpclip.layout as layout
+
+    spelled = {value for value in vars(layout).values() if isinstance(value, str)}
+    assert set(RUN_DIR_FILES) <= spelled, set(RUN_DIR_FILES) - spelled
+
+
+@pytest.mark.parametrize("rule, bad, good", [
+    (trainer_parameters, "def f(trainer):\n    return trainer.step\n", "def f(parts, state):\n    pass\n"),
+    (trainer_parameters, "def f(run: 'Trainer'):\n    pass\n", "def f(run: 'RunParts'):\n    pass\n"),
+    (trainer_parameters, "class C:\n    def m(self, *, trainer=None):\n        pass\n", "def f(train):\n    pass\n"),
+    (underscore_imports, "from dpclip.train.rundir import _meta\n", "from dpclip.train.rundir import meta_record\n"),
+    (underscore_imports, "from .plots import _pyplot\n", "from dpclip.engine.layers import linear as _linear\n"),
+    (run_dir_literals, "path = run / 'ledger.json'\n", "LEDGER = layout.LEDGER\n"),
+    (run_dir_literals, "p = 'checkpoints/LATEST'\n", "raise E('no ledger.json in the run')\n"),
+])
+def test_each_new_rule_reports_a_bad_snippet_and_passes_a_good_one(rule, bad, good):
+    assert rule(ast.parse(bad)), f"{rule.__name__} missed: {bad!r}"
+    assert not rule(ast.parse(good)), f"{rule.__name__} reported: {good!r}"
 
 
 # --- the checker itself must be able to fail -------------------------------------------------

@@ -117,7 +117,7 @@ class AccountingResult:
         return PLD_METHOD if self.accountant == "pld" else RDP_CONVERSION
 
 
-def _check_accountant(accountant: str) -> None:
+def check_accountant(accountant: str) -> None:
     if accountant not in ACCOUNTANTS:
         raise AccountingError(
             f"unknown accountant {accountant!r}",
@@ -125,7 +125,7 @@ def _check_accountant(accountant: str) -> None:
         )
 
 
-def _check_delta(delta: float) -> None:
+def check_delta_value(delta: float) -> None:
     if not isinstance(delta, (int, float)) or not 0.0 < delta < 1.0:
         raise AccountingError(
             f"δ must be in (0, 1), got {delta!r}",
@@ -220,8 +220,8 @@ def account(event: dp_accounting.DpEvent, delta: float, accountant: str = "pld")
     of the fallback conditions in the module docstring holds, in which case it is the
     RDP ε and ``fallback_reason`` says why.
     """
-    _check_accountant(accountant)
-    _check_delta(delta)
+    check_accountant(accountant)
+    check_delta_value(delta)
     _check_event(event)
 
     rdp = _rdp_accountant(event)
@@ -306,7 +306,7 @@ def delta_for_epsilon(event: dp_accounting.DpEvent, epsilon: float, accountant: 
     With "pld", the PLD δ is used unless PLD fails (then RDP's δ); when both are
     available the smaller is returned, since both are valid upper bounds.
     """
-    _check_accountant(accountant)
+    check_accountant(accountant)
     _check_event(event)
     if not isinstance(epsilon, (int, float)) or not epsilon >= 0 or math.isinf(epsilon):
         raise AccountingError(

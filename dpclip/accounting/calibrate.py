@@ -13,8 +13,8 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 
-from dpclip.accounting.accountants import _check_accountant, _check_delta, account
-from dpclip.accounting.events import _check_sample_rate, training_event
+from dpclip.accounting.accountants import check_accountant, check_delta_value, account
+from dpclip.accounting.events import check_sample_rate, training_event
 from dpclip.accounting.split import check_aux_fits
 from dpclip.errors import AccountingError
 
@@ -33,7 +33,7 @@ SIGMA_MAX = 1e4
 
 
 @contextlib.contextmanager
-def _quiet_dp_accounting() -> Iterator[None]:
+def quiet_dp_accounting() -> Iterator[None]:
     """Silence warnings about the search's trial σ values, which the user never asked for.
 
     Very small trial σ make dp_accounting's RDP series skip some orders (logged through
@@ -51,7 +51,7 @@ def _quiet_dp_accounting() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _check_steps(steps: int) -> None:
+def check_steps(steps: int) -> None:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise AccountingError(
             f"steps must be an integer >= 1, got {steps!r}",
@@ -59,7 +59,7 @@ def _check_steps(steps: int) -> None:
         )
 
 
-def _check_target(target_epsilon: float) -> None:
+def check_target(target_epsilon: float) -> None:
     if not isinstance(target_epsilon, (int, float)) or not 0 < target_epsilon < math.inf:
         raise AccountingError(
             f"target ε must be a finite number > 0, got {target_epsilon!r}",
@@ -75,7 +75,7 @@ def epsilon_for_noise(
     accountant: str = "rdp",
 ) -> float:
     """ε after ``steps`` Poisson-sampled Gaussian steps with this noise multiplier."""
-    _check_steps(steps)
+    check_steps(steps)
     return account(training_event(sample_rate, noise_multiplier, steps), delta, accountant).epsilon
 
 
@@ -121,7 +121,7 @@ def _search(
     return hi
 
 
-def _sigma_for_epsilon(
+def sigma_for_epsilon(
     eps_of: Callable[[float], float],
     target: float,
     rtol: float,
@@ -192,11 +192,11 @@ def calibrate_noise_multiplier(
     bracket and the search continues with PLD. Each ε evaluation is one call to
     dp_accounting (see :mod:`dpclip.accounting.accountants`).
     """
-    _check_target(target_epsilon)
-    _check_delta(delta)
-    _check_sample_rate(sample_rate)
-    _check_steps(steps)
-    _check_accountant(accountant)
+    check_target(target_epsilon)
+    check_delta_value(delta)
+    check_sample_rate(sample_rate)
+    check_steps(steps)
+    check_accountant(accountant)
     if not 0 < rtol < 1:
         raise AccountingError(f"rtol must be in (0, 1), got {rtol!r}", "the default 0.01 means within 1%")
 
@@ -209,12 +209,12 @@ def calibrate_noise_multiplier(
 
         return eps
 
-    with _quiet_dp_accounting():
-        sigma = _sigma_for_epsilon(eps_of("rdp"), target_epsilon, rtol, 1.0, inputs)
+    with quiet_dp_accounting():
+        sigma = sigma_for_epsilon(eps_of("rdp"), target_epsilon, rtol, 1.0, inputs)
         if accountant == "pld":
             # dpclip's PLD ε is never above the RDP ε, so the RDP answer already meets the
             # target under PLD: restart the search from it for the smaller PLD σ.
-            sigma = _sigma_for_epsilon(eps_of("pld"), target_epsilon, rtol, sigma, inputs)
+            sigma = sigma_for_epsilon(eps_of("pld"), target_epsilon, rtol, sigma, inputs)
 
     if aux:
         check_aux_fits(sigma, aux)

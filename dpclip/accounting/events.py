@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 
-def _check_sample_rate(sample_rate: float) -> None:
+def check_sample_rate(sample_rate: float) -> None:
     if not (isinstance(sample_rate, (int, float)) and 0.0 < sample_rate <= 1.0):
         raise AccountingError(
             f"sample rate must be in (0, 1], got {sample_rate!r}",
@@ -67,7 +67,7 @@ def gradient_step_event(sample_rate: float, noise_multiplier: float) -> dp_accou
     A noise multiplier of 0 releases the exact clipped sum: that is not private at all,
     so the step is a ``NonPrivateDpEvent`` (its ε is infinite).
     """
-    _check_sample_rate(sample_rate)
+    check_sample_rate(sample_rate)
     _check_noise_multiplier(noise_multiplier)
     if noise_multiplier == 0:
         return dp_accounting.NonPrivateDpEvent()

@@ -23,7 +23,7 @@ from typing import Any
 
 import dp_accounting
 
-from dpclip.accounting.accountants import AccountingResult, _check_accountant, _check_delta, account
+from dpclip.accounting.accountants import AccountingResult, check_accountant, check_delta_value, account
 from dpclip.accounting.events import event_from_dict, event_to_dict
 from dpclip.errors import AccountingError
 
@@ -90,8 +90,8 @@ class Ledger:
     """
 
     def __init__(self, delta: float, accountant: str = "pld"):
-        _check_delta(delta)
-        _check_accountant(accountant)
+        check_delta_value(delta)
+        check_accountant(accountant)
         self.delta = float(delta)
         self.accountant = accountant
         self._entries: list[LedgerEntry] = []

@@ -15,9 +15,9 @@ from typing import Any
 
 import dp_accounting
 
-from dpclip.accounting.accountants import _check_accountant, _check_delta, account
-from dpclip.accounting.calibrate import _check_steps, _check_target, calibrate_noise_multiplier
-from dpclip.accounting.events import _check_sample_rate, gradient_step_event
+from dpclip.accounting.accountants import check_accountant, check_delta_value, account
+from dpclip.accounting.calibrate import check_steps, check_target, calibrate_noise_multiplier
+from dpclip.accounting.events import check_sample_rate, gradient_step_event
 from dpclip.accounting.split import NoiseSplit, split_noise
 from dpclip.accounting.statement import GRADIENT_RELEASE, SAMPLINGS, PrivacyStatement
 from dpclip.errors import AccountingError
@@ -31,7 +31,7 @@ def steps_for_epochs(epochs: float, sample_rate: float) -> int:
     rounded to 9 decimals first so floating-point noise (90 / 0.04 = 2250.0000000000005)
     does not add a step.
     """
-    _check_sample_rate(sample_rate)
+    check_sample_rate(sample_rate)
     if not isinstance(epochs, (int, float)) or not 0 < epochs < math.inf:
         raise AccountingError(f"epochs must be a finite number > 0, got {epochs!r}", "e.g. --epochs 10")
     return max(1, math.ceil(round(epochs / sample_rate, 9)))
@@ -113,10 +113,10 @@ class PrivacyPlan:
     not_covered: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_sample_rate(self.sample_rate)
-        _check_steps(self.steps)
-        _check_delta(self.delta)
-        _check_accountant(self.accountant)
+        check_sample_rate(self.sample_rate)
+        check_steps(self.steps)
+        check_delta_value(self.delta)
+        check_accountant(self.accountant)
         if self.sampling not in SAMPLINGS:
             raise AccountingError(
                 f"unknown sampling {self.sampling!r}",
@@ -128,7 +128,7 @@ class PrivacyPlan:
                 "--eps 8 calibrates the noise; --noise-multiplier 1.1 computes the ε it gives",
             )
         if self.target_epsilon is not None:
-            _check_target(self.target_epsilon)
+            check_target(self.target_epsilon)
         if self.noise_multiplier is not None and (
             not isinstance(self.noise_multiplier, (int, float)) or not 0 < self.noise_multiplier < math.inf
         ):

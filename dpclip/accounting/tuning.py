@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import dp_accounting
 from dp_accounting import dp_event
 
-from dpclip.accounting.accountants import _check_accountant, _check_delta, account
-from dpclip.accounting.calibrate import _check_target, _quiet_dp_accounting, _sigma_for_epsilon
+from dpclip.accounting.accountants import check_accountant, check_delta_value, account
+from dpclip.accounting.calibrate import check_target, quiet_dp_accounting, sigma_for_epsilon
 from dpclip.errors import AccountingError
 
 __all__ = [
@@ -152,8 +152,8 @@ def liu_talwar_per_run_budget(epsilon: float, delta: float, gamma: float, delta_
     Spending all of δ is the best split: ε₁ only loses 3√(2δ₁)/3 ≈ 1e-8 to it, while a
     larger δ₁ lowers the noise each run needs.
     """
-    _check_target(epsilon)
-    _check_delta(delta)
+    check_target(epsilon)
+    check_delta_value(delta)
     _check_stopping(gamma, delta_stop)
     if delta_stop >= delta:
         raise AccountingError(f"δ₂ = {delta_stop:g} leaves nothing of δ = {delta:g} for the runs",
@@ -184,16 +184,16 @@ def calibrate_search_noise(
     the answer has ε(σ) ∈ [(1 − rtol)·target, target], like
     :func:`~dpclip.accounting.calibrate_noise_multiplier` (same bracketed search).
     """
-    _check_target(target_epsilon)
-    _check_delta(delta)
-    _check_accountant(accountant)
+    check_target(target_epsilon)
+    check_delta_value(delta)
+    check_accountant(accountant)
 
     def eps(sigma: float) -> float:
         value = account(search_event_of(run_event_of(sigma)), delta, accountant).epsilon
         return math.inf if math.isnan(value) else value
 
-    with _quiet_dp_accounting():
-        return _sigma_for_epsilon(eps, target_epsilon, rtol, 1.0, f"δ = {delta:g}, the whole search")
+    with quiet_dp_accounting():
+        return sigma_for_epsilon(eps, target_epsilon, rtol, 1.0, f"δ = {delta:g}, the whole search")
 
 
 # ------------------------------------------------------------- drawing the number of trials

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from scipy.stats import norm
 
+from dpclip import layout
 from dpclip.accounting.split import with_current_names
 from dpclip.audit.attacks import model_outputs
 from dpclip.data import select
@@ -69,7 +70,7 @@ def shadow_data(pool, keep: np.ndarray):
 
 def target_plan(run_dir: Path) -> dict[str, Any]:
     """What the target run released per step and for how long, from its meta.json."""
-    meta = json.loads((Path(run_dir) / "meta.json").read_text(encoding="utf-8"))
+    meta = json.loads((Path(run_dir) / layout.META).read_text(encoding="utf-8"))
     plan = with_current_names(meta["plan"])  # a run written before issue 27 holds sigma_total, sigma_gradient
     return {key: plan[key] for key in IMITATED}
 
@@ -142,7 +143,7 @@ def _check_trained_as_planned(shadow_dir: Path, plan: dict[str, Any]) -> None:
 
 def realised_plan(shadow_dir: Path) -> dict[str, Any]:
     """What a shadow run planned and released (from its meta.json), for the audit report."""
-    plan = with_current_names(json.loads((Path(shadow_dir) / "meta.json").read_text(encoding="utf-8"))["plan"])
+    plan = with_current_names(json.loads((Path(shadow_dir) / layout.META).read_text(encoding="utf-8"))["plan"])
     return {key: plan[key] for key in ("num_train", *IMITATED)}
 
 
@@ -152,20 +153,20 @@ def train_shadows(run_dir: Path, recipe, pool, num_shadows: int, seed: int,
 
     ``observer_for(index, total)`` gives the TrainObserver of one shadow (a progress bar).
     """
-    folder = Path(run_dir) / "audit" / "shadows"
+    folder = layout.audit_dir(run_dir) / layout.SHADOWS
     keep, plans = _load_or_make_keep(folder, num_shadows, pool.size, seed, target_plan(run_dir))
     dirs = []
     for index in range(num_shadows):
         shadow_dir = folder / f"shadow_{index:03d}"
         dirs.append(shadow_dir)
-        if (shadow_dir / "meta.json").exists():
+        if (shadow_dir / layout.META).exists():
             _check_trained_as_planned(shadow_dir, plans[index])
-        summary = shadow_dir / "summary.json"
+        summary = shadow_dir / layout.SUMMARY
         if summary.exists() and json.loads(summary.read_text())["stopped"] == "completed":
             continue
         observer = observer_for(index, num_shadows) if observer_for else None
         data = shadow_data(pool, keep[index])
-        if (shadow_dir / "recipe.yaml").exists():
+        if (shadow_dir / layout.RECIPE).exists():
             train(resume=shadow_dir, data=data, observer=observer)
         else:
             train(shadow_recipe(recipe, index, plans[index]), data=data, run_dir=shadow_dir, observer=observer)

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from dpclip import layout
 from dpclip.accounting import Ledger
 from dpclip.audit.attacks import Outputs, logistic_attack, loss_attack, model_outputs
 from dpclip.audit.lira import lira_scores, realised_plan, shadow_confidences, target_plan, train_shadows
@@ -58,9 +59,9 @@ class Pool:
 def resolve_target(path: Path) -> tuple[Path, Path]:
     """(run_dir, checkpoint_dir) from a run directory or one of its checkpoint directories."""
     path = Path(path)
-    if (path / "model.safetensors").exists() and path.parent.name == "checkpoints":
+    if (path / layout.MODEL_WEIGHTS).exists() and path.parent.name == layout.CHECKPOINTS:
         return path.parent.parent, path
-    if (path / "recipe.yaml").exists():
+    if (path / layout.RECIPE).exists():
         checkpoint = latest_checkpoint(path)
         if checkpoint is None:
             raise DpclipError(f"{path} has no checkpoint yet", "train the run first (dpclip train RECIPE)")
@@ -70,7 +71,7 @@ def resolve_target(path: Path) -> tuple[Path, Path]:
 
 
 def build_pool(run_dir: Path, recipe) -> Pool:
-    meta = json.loads((run_dir / "meta.json").read_text(encoding="utf-8"))
+    meta = json.loads((run_dir / layout.META).read_text(encoding="utf-8"))
     data = load_data(recipe.data, seed=recipe.seed)
     if data.fingerprint != meta["data"]["split_fingerprint"]:
         raise DpclipError(f"the data of {run_dir} no longer splits as it did in training",
@@ -89,7 +90,7 @@ def _ledger_at(run_dir: Path, recipe, checkpoint: Path, state: dict) -> tuple[fl
     """(ε, δ) of the checkpoint's ledger, after checking it is this run's ledger at its step."""
     ledger = Ledger.from_dict(state["ledger"])
     step_event, _ = planned_step(run_dir, recipe)
-    check_ledger(ledger, step_event, int(state["step"]), where=checkpoint / "state.json")
+    check_ledger(ledger, step_event, int(state["step"]), where=checkpoint / layout.STATE)
     return (ledger.epsilon() if ledger.steps else 0.0), ledger.delta
 
 
@@ -174,11 +175,11 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
             report["notes"].append("the empirical ε lower bound exceeds the ledger's ε: the run leaks more "
                                    "than its accounting allows (a privacy bug, or a wrong ledger)")
     if write:
-        folder = run_dir / "audit"
+        folder = layout.audit_dir(run_dir)
         folder.mkdir(exist_ok=True)
-        write_json_atomic(folder / "report.json", report)
+        write_json_atomic(folder / layout.AUDIT_REPORT, report)
         if report["attacks"]:
-            plot_roc(report, folder / "roc.png")
+            plot_roc(report, folder / layout.ROC_PLOT)
     return report
 
 

@@ -9,6 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from dpclip import layout
 from dpclip.cli.render import console, fmt, print_json
 
 
@@ -73,7 +74,7 @@ def _table(report: dict) -> None:
                       f"at {100 * one_run['confidence']:.0f}% confidence, {verdict}", soft_wrap=True)
     for note in report["notes"]:
         console.print(f"  [yellow]note:[/] {note}", soft_wrap=True)
-    console.print(f"  report: {Path(report['run_dir']) / 'audit' / 'report.json'}, plot: roc.png")
+    console.print(f"  report: {layout.audit_dir(report['run_dir']) / layout.AUDIT_REPORT}, plot: roc.png")
 
 
 def audit_mia(

@@ -24,10 +24,10 @@ def bench(
     """Step time and step memory of private training (per grouping style) against
     non-private training, for the recipe's model and batch size."""
     from dpclip.bench import NON_PRIVATE, bench_recipe
-    from dpclip.cli.train import _thread_count
+    from dpclip.cli.train import thread_count
 
     result = bench_recipe(recipe, overrides or [], repeats=repeats, warmup=warmup,
-                          threads=_thread_count(threads), memory=memory)
+                          threads=thread_count(threads), memory=memory)
     if as_json:
         print_json(result.to_dict())
         return

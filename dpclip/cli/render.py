@@ -20,19 +20,19 @@ def print_error(message: str, hint: str | None = None) -> None:
         error_console.print(f"[yellow]hint:[/] {escape(hint)}", markup=True, soft_wrap=True)
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
 def print_json(payload: dict[str, Any]) -> None:
     """Plain JSON on stdout (no rich markup), so `| jq` and json.loads work."""
-    print(json.dumps(_json_safe(payload), indent=2))
+    print(json.dumps(json_safe(payload), indent=2))
 
 
 def fmt(value: float | None, digits: int = 4) -> str:

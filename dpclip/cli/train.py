@@ -153,7 +153,7 @@ def _sigma_line(change) -> str:
     return f"{moved}: ε {fmt(change['epsilon_file'], 3)} -> {fmt(change['epsilon'], 3)} at σ = {fmt(change['sigma'], 3)}"
 
 
-def _thread_count(threads: str | int | None) -> str | int:
+def thread_count(threads: str | int | None) -> str | int:
     """--threads: "auto" (also when absent) or a whole number; configure() checks the number."""
     if threads is None or threads == "auto" or isinstance(threads, int):
         return threads or "auto"
@@ -218,7 +218,7 @@ def train(
         from dpclip.train.rundir import recorded_threads
 
         threads = recorded_threads(resume)
-    configure(_thread_count(rank_threads(threads)))  # ranks on one machine share its cores
+    configure(thread_count(rank_threads(threads)))  # ranks on one machine share its cores
     overrides = list(overrides or [])
     if resume is not None and recipe is not None and _is_override(recipe):
         overrides, recipe = [recipe, *overrides], None  # `--resume RUN_DIR key=value ...`

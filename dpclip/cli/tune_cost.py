@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dpclip.cli.render import _json_safe, console, fmt, print_json
+from dpclip.cli.render import json_safe, console, fmt, print_json
 
 
 class ProgressBar:
@@ -103,7 +103,7 @@ def tune_cost(
     if run:
         report.search = run_search(base, recipe, report, grid=grid or [], random_draws=random_draws,
                                    on_trial=None if as_json else _show_trial)
-    payload = _json_safe(report.to_dict())
+    payload = json_safe(report.to_dict())
     if out is not None:
         out.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
     if as_json:

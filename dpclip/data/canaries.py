@@ -39,12 +39,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dpclip import layout
 from dpclip.data.builtin import FEATURE_DOMAINS
 from dpclip.errors import DpclipError
 from dpclip.files import write_json_atomic
 from dpclip.rng import derived_seed
 
-CANARY_FILE = Path("audit") / "canaries.json"
+CANARY_FILE = Path(layout.AUDIT) / layout.CANARIES
 
 
 @dataclass

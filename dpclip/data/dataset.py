@@ -337,7 +337,7 @@ def _hub_examples(config) -> Examples:
                                  max_length=config.max_length, origin=f"hf:{config.name}")
 
 
-def _source_name(config) -> str:
+def source_name(config) -> str:
     if config.source == "builtin":
         return f"builtin:{config.name}"
     if config.source == "files":
@@ -382,7 +382,7 @@ def load_data(config, seed: int) -> PrivateData:
         train_indices, test_indices = rows[train_at], rows[test_at]
         train = select(everything, torch.as_tensor(train_indices))
         test = select(everything, torch.as_tensor(test_indices))
-    return data_from_parts(examples, train, test, train_indices, test_indices, _source_name(config))
+    return data_from_parts(examples, train, test, train_indices, test_indices, source_name(config))
 
 
 def data_from_parts(examples: Examples, train, test, train_indices, test_indices, source: str) -> PrivateData:

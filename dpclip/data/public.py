@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dpclip.data.dataset import PrivateData, _source_name, data_from_parts, load_data, load_examples, select
+from dpclip.data.dataset import PrivateData, source_name, data_from_parts, load_data, load_examples, select
 from dpclip.data.split import carve_indices, split_indices
 from dpclip.errors import DpclipError
 
@@ -39,8 +39,8 @@ def describe_public(recipe) -> str:
     """The public data's source as the statement names it."""
     public, fraction = recipe.public, getattr(recipe.data, "public_fraction", None)
     if fraction is not None:
-        return f"{_source_name(recipe.data)}, the {fraction:g} share carved out before the private split"
-    return _source_name(public)
+        return f"{source_name(recipe.data)}, the {fraction:g} share carved out before the private split"
+    return source_name(public)
 
 
 def row_fingerprints(tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -67,13 +67,13 @@ def load_public(recipe, private: PrivateData | None = None) -> PrivateData:
     fraction = getattr(data, "public_fraction", None)
     if fraction is not None:
         if not same_source(public, data):
-            raise DpclipError(f"data.public_fraction carves public rows out of {_source_name(data)}, but public: "
-                              f"names {_source_name(public)}",
+            raise DpclipError(f"data.public_fraction carves public rows out of {source_name(data)}, but public: "
+                              f"names {source_name(public)}",
                               "with data.public_fraction, public: must name the same source as data: (its other "
                               "fields are taken from data:); or remove data.public_fraction")
         return _carved(recipe)
     if same_source(public, data):
-        raise DpclipError(f"public: names the private data's own source ({_source_name(public)}): its rows "
+        raise DpclipError(f"public: names the private data's own source ({source_name(public)}): its rows "
                           "would be private rows declared public", CARVE_HINT)
     loaded = load_data(public, seed=seed)
     if private is not None:

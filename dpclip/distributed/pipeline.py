@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from dpclip.data import micro_batches, select
-from dpclip.distributed.world import RESUME_HINT, PeerStopped, World, _collective
+from dpclip.distributed.world import RESUME_HINT, PeerStopped, World, run_collective
 from dpclip.engine import DPEngine, StepReport, build_groups, trainable_params
 from dpclip.errors import DpclipError
 
@@ -97,7 +97,7 @@ class StageLinkOverRanks:
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(tensor) for _ in range(self.world.size)]
-        _collective(dist.all_gather, parts, tensor.detach().contiguous())
+        run_collective(dist.all_gather, parts, tensor.detach().contiguous())
         self.sent_bytes += tensor.numel() * tensor.element_size()
         return torch.cat(parts)
 
@@ -110,7 +110,7 @@ class StageLinkOverRanks:
 
     def sum_norm_sq(self, norm_sq: torch.Tensor) -> torch.Tensor:
         out = norm_sq.detach().clone()
-        _collective(dist.all_reduce, out)
+        run_collective(dist.all_reduce, out)
         self.sent_bytes += out.numel() * out.element_size()
         return out
 
@@ -356,4 +356,4 @@ def sync_stages(model: nn.Module, bounds: list[tuple[int, int]], world: World) -
     for stage, (first, last) in enumerate(bounds):
         for index in range(first, last):
             for tensor in model[index].state_dict().values():
-                _collective(dist.broadcast, tensor, src=stage)
+                run_collective(dist.broadcast, tensor, src=stage)

@@ -60,7 +60,7 @@ class World:
         if self.size == 1:
             return bool(flag)
         value = torch.tensor([1.0 if flag else 0.0], device=_device())
-        _collective(dist.all_reduce, value, op=dist.ReduceOp.MAX)
+        run_collective(dist.all_reduce, value, op=dist.ReduceOp.MAX)
         return bool(value.item() > 0)
 
     def broadcast(self, obj: Any) -> Any:
@@ -68,7 +68,7 @@ class World:
         if self.size == 1:
             return obj
         box = [obj]
-        _collective(dist.broadcast_object_list, box, src=0)
+        run_collective(dist.broadcast_object_list, box, src=0)
         return box[0]
 
     def broadcast_(self, tensors: list[torch.Tensor]) -> None:
@@ -76,14 +76,14 @@ class World:
         if self.size == 1:
             return
         for t in tensors:
-            _collective(dist.broadcast, t.data, src=0)
+            run_collective(dist.broadcast, t.data, src=0)
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order, on every rank."""
         if self.size == 1:
             return [obj]
         out: list[Any] = [None] * self.size
-        _collective(dist.all_gather_object, out, obj)
+        run_collective(dist.all_gather_object, out, obj)
         return out
 
     def gather(self, obj: Any) -> list[Any] | None:
@@ -91,7 +91,7 @@ class World:
         if self.size == 1:
             return [obj]
         out: list[Any] | None = [None] * self.size if self.main else None
-        _collective(dist.gather_object, obj, out, dst=0)
+        run_collective(dist.gather_object, obj, out, dst=0)
         return out
 
     def scatter(self, objs: list[Any] | None) -> Any:
@@ -99,7 +99,7 @@ class World:
         if self.size == 1:
             return objs[0]
         box: list[Any] = [None]
-        _collective(dist.scatter_object_list, box, objs if self.main else None, src=0)
+        run_collective(dist.scatter_object_list, box, objs if self.main else None, src=0)
         return box[0]
 
     def on_main(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -148,7 +148,7 @@ class SumReducer:
             by_kind.setdefault((t.dtype, t.device), []).append(t)
         for group in by_kind.values():
             flat = torch.cat([t.reshape(-1) for t in group])
-            _collective(dist.all_reduce, flat)
+            run_collective(dist.all_reduce, flat)
             offset = 0
             for t in group:
                 t.copy_(flat[offset: offset + t.numel()].view_as(t))
@@ -156,7 +156,7 @@ class SumReducer:
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.detach().clone()
-        _collective(dist.all_reduce, out)
+        run_collective(dist.all_reduce, out)
         return out
 
     def gather(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -165,12 +165,12 @@ class SumReducer:
         flat = tensor.detach().reshape(-1)
         length = torch.tensor([flat.numel()], device=flat.device, dtype=torch.long)
         lengths = [torch.zeros_like(length) for _ in range(self.size)]
-        _collective(dist.all_gather, lengths, length)
+        run_collective(dist.all_gather, lengths, length)
         sizes = [int(n.item()) for n in lengths]
         padded = torch.zeros(max(max(sizes), 1), device=flat.device, dtype=flat.dtype)
         padded[:flat.numel()] = flat
         parts = [torch.empty_like(padded) for _ in range(self.size)]
-        _collective(dist.all_gather, parts, padded)
+        run_collective(dist.all_gather, parts, padded)
         return torch.cat([part[:n] for part, n in zip(parts, sizes)]), sum(sizes[:self.rank])
 
 
@@ -178,7 +178,7 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _collective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def run_collective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """A torch.distributed call whose failure (a peer gone) becomes :class:`PeerStopped`."""
     try:
         return fn(*args, **kwargs)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from dpclip import layout
 from dpclip.data.tokenizers import ByteTokenizer, load_tokenizer
 from dpclip.errors import DpclipError
 from dpclip.files import write_json_atomic
@@ -110,7 +111,7 @@ def _frozen_tensors_differing(base, lora, task: str, model_type: str, checkpoint
     with torch.random.fork_rng(devices=[]):   # the adapters' own init draws from the global RNG
         wrapped = _add_lora(copy.deepcopy(base), lora, task, model_type)
     trained = {name for name, param in wrapped.named_parameters() if param.requires_grad}
-    saved = load_model_tensors(checkpoint / "model.safetensors")
+    saved = load_model_tensors(checkpoint / layout.MODEL_WEIGHTS)
     return [name for name, tensor in wrapped.state_dict().items()
             if name not in trained and (name not in saved or not torch.equal(saved[name], tensor))]
 
@@ -148,13 +149,13 @@ def write_tokenizer(spec: str, max_length: int | None, out: Path) -> str:
 def write_plain(checkpoint: Path, out: Path) -> None:
     """``model.safetensors`` with every name of the state dict (tied names as copies), so
     ``module.load_state_dict(safetensors.torch.load_file(path))`` restores it."""
-    tensors = load_model_tensors(checkpoint / "model.safetensors")
+    tensors = load_model_tensors(checkpoint / layout.MODEL_WEIGHTS)
     seen: set[int] = set()
     for name, tensor in tensors.items():
         if id(tensor) in seen:
             tensors[name] = tensor.clone()
         seen.add(id(tensor))
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(out / layout.MODEL_WEIGHTS), metadata={"format": "pt"})
 
 
 def plain_model_card(info: dict[str, Any], recipe, card: dict[str, Any]) -> dict[str, Any]:
@@ -166,7 +167,7 @@ def plain_model_card(info: dict[str, Any], recipe, card: dict[str, Any]) -> dict
         "input_shape": info.get("input_shape"),
         "num_classes": info.get("num_classes"),
         "label_names": info.get("label_names"),
-        "weights": "model.safetensors",
+        "weights": layout.MODEL_WEIGHTS,
         "rebuild": "build the module from 'model' (dpclip's recipe model section; sizes from input_shape and "
                    "num_classes), then module.load_state_dict(safetensors.torch.load_file('model.safetensors'))",
         "privacy": {k: card[k] for k in ("epsilon", "delta", "unit_of_privacy", "accountant", "steps",

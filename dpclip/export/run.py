@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from dpclip import layout
 from dpclip.errors import DpclipError
 from dpclip.export import card as cards
 from dpclip.export import model as weights
@@ -92,7 +93,7 @@ def _checkpoint(run: RunDir, name: str | None) -> Path:
         return path
     available = sorted(p.name for p in run.checkpoints.glob("step_*") if p.is_dir()) if run.checkpoints.is_dir() else []
     path = run.checkpoints / name
-    if not _STEP_DIR.fullmatch(name) or not (path / "model.safetensors").is_file():
+    if not _STEP_DIR.fullmatch(name) or not (path / layout.MODEL_WEIGHTS).is_file():
         raise DpclipError(f"{run.path} has no checkpoint {name!r}",
                           "available: " + (", ".join(available) if available else "none"))
     return path
@@ -106,7 +107,7 @@ def _check_out_dir(out_dir: Path, force: bool) -> None:
 
 
 def _model_info(checkpoint: Path, recipe) -> dict[str, Any]:
-    path = checkpoint / "model.json"
+    path = checkpoint / layout.MODEL_INFO
     if path.is_file():
         return read_json(path)
     if recipe.model.kind == "hf":
@@ -140,7 +141,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | No
     try:
         kind = _write_model(info, recipe, path, staging, card)
         write_json_atomic(staging / "privacy.json", card)
-        write_text_atomic(staging / "recipe.yaml", export_recipe_yaml(recipe))
+        write_text_atomic(staging / layout.RECIPE, export_recipe_yaml(recipe))
         files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
         replace_dir_atomic(staging, out_dir)
     except BaseException:

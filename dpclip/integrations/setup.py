@@ -15,6 +15,7 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
+from dpclip import layout
 from dpclip.accounting import Ledger, PlanResult, PrivacyPlan, solve
 from dpclip.engine import DPEngine
 from dpclip.engine.groups import build_groups, trainable_params
@@ -69,7 +70,7 @@ class Account:
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         with quiet_rdp_orders():
-            write_json_atomic(out / "ledger.json", self.ledger.to_dict())
+            write_json_atomic(out / layout.LEDGER, self.ledger.to_dict())
         plan = self.plan.plan
         write_json_atomic(out / "privacy.json", {
             "format": PRIVACY_FORMAT,

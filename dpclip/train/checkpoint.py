@@ -30,6 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file
 
+from dpclip import layout
 from dpclip.errors import DpclipError
 from dpclip.models.build import model_info
 from dpclip.files import read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
@@ -124,25 +125,24 @@ def unflatten_state(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return tree
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
+step_dir_name = layout.step_dir_name  # checkpoints/step_000500
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dict[str, Any], keep: int) -> Path:
     """Write checkpoint ``step`` atomically, point LATEST at it, keep the newest ``keep``."""
-    root = run_dir / "checkpoints"
+    root = layout.checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
     staging = root / f".{final.name}.staging"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    tied = save_model_weights(model, staging / "model.safetensors")
-    write_json_atomic(staging / "model.json", _jsonable({**model_info(model), "tied": tied}))
+    tied = save_model_weights(model, staging / layout.MODEL_WEIGHTS)
+    write_json_atomic(staging / layout.MODEL_INFO, _jsonable({**model_info(model), "tied": tied}))
     tree, tensors = flatten_state(state)
-    save_file(tensors, str(staging / "state.safetensors"))
-    write_json_atomic(staging / "state.json", tree)
+    save_file(tensors, str(staging / layout.STATE_TENSORS))
+    write_json_atomic(staging / layout.STATE, tree)
     replace_dir_atomic(staging, final)
-    write_text_atomic(root / "LATEST", final.name + "\n")
+    write_text_atomic(root / layout.LATEST, final.name + "\n")
     kept = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
     for old in kept[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
@@ -154,7 +154,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
     LATEST is read as untrusted input: it must name a ``step_NNNNNN`` folder of this run's
     ``checkpoints/`` (no path, no ``..``), and that folder must be complete."""
-    pointer = Path(run_dir) / "checkpoints" / "LATEST"
+    pointer = layout.checkpoints_dir(run_dir) / layout.LATEST
     if not pointer.exists():
         return None
     name = pointer.read_text(encoding="utf-8", errors="replace").strip()
@@ -163,7 +163,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
                           "LATEST must hold a folder name like step_000500 inside checkpoints/; the run "
                           "directory was modified: restore it or start a new run")
     path = pointer.parent / name
-    if not all((path / f).is_file() for f in ("state.json", "state.safetensors", "model.safetensors")):
+    if not all((path / f).is_file() for f in layout.CHECKPOINT_FILES):
         raise DpclipError(f"{pointer} points to {path.name}, which is missing or incomplete",
                           "the run directory was modified by hand; restore the checkpoint or start a new run")
     return path
@@ -172,8 +172,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def load_checkpoint(path: Path, model: torch.nn.Module) -> dict[str, Any]:
     """Load weights into ``model`` (in place) and return the state tree."""
     load_weights(path, model)
-    tensors = load_file(str(path / "state.safetensors"))
-    state = unflatten_state(read_json(path / "state.json"), tensors)
+    tensors = load_file(str(path / layout.STATE_TENSORS))
+    state = unflatten_state(read_json(path / layout.STATE), tensors)
     if not isinstance(state, dict) or state.get("step") != int(path.name.split("_")[1]):
         raise DpclipError(f"checkpoint {path} does not hold step {path.name.split('_')[1].lstrip('0') or 0}",
                           "the run directory was modified: restore it or start a new run")
@@ -182,7 +182,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module) -> dict[str, Any]:
 
 def load_weights(path: Path, model: torch.nn.Module) -> None:
     """The weights of checkpoint folder ``path`` into ``model`` (in place, strict)."""
-    weights = path / "model.safetensors"
+    weights = path / layout.MODEL_WEIGHTS
     try:
         with safe_open(str(weights), framework="pt") as f:
             written_by_dpclip = _TIED in (f.metadata() or {})

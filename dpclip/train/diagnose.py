@@ -1,8 +1,8 @@
 """``dpclip diagnose RECIPE|RUN_DIR``: the Hessian diagnostics of a model, on their own
 (docs/continual.md, "Hessian diagnostics").
 
-A recipe is set up as training would set it up (:class:`~dpclip.train.trainer.Trainer`'s
-setup: data, model at its initial weights, the σ its ε gives, the engine's thresholds)
+A recipe is set up as training would set it up (:func:`dpclip.train.parts.assemble`: data,
+model at its initial weights, the σ its ε gives, the engine's thresholds)
 and measured at initialisation; a run directory is set up from its own recipe, its latest
 checkpoint's weights and thresholds are loaded, and it is measured there. Nothing is
 trained and no run directory is written except the two plots (into the run directory,
@@ -22,14 +22,17 @@ from dpclip.diagnose import HessianDiagnostics
 from dpclip.errors import DpclipError
 from dpclip.recipe import load_recipe
 from dpclip.rng import private_generator
+from dpclip.accounting import Ledger
 from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
 from dpclip.train.diagnostics import (DIAGNOSTICS_FILE, choose_rows, clip_threshold, draw_rows, evaluate,
                                       make_record, measure_model, public_batch_size, public_rows_of, read_records)
 from dpclip.train.diagnostics_plots import (HESSIAN_PLOT, IMPROVEMENT_PLOT, plot_hessian_over_training,
                                             plot_improvement)
 from dpclip.train.plan import private_seed
+from dpclip.train.parts import RunParts, assemble
 from dpclip.train.rundir import RunDir
-from dpclip.train.trainer import Trainer
+from dpclip.train.state import RunState, restore
+from dpclip.train.workflow import resolve_recipe
 
 
 @dataclass
@@ -67,27 +70,27 @@ def diagnose(target: str | Path, overrides: list[str] | None = None, *, probes: 
     ``allow_private`` or the recipe's ``diagnostics.private_not_covered: true``.
     ``public_rows``: public training rows the caller has loaded (else ``recipe.public``)."""
     target = Path(target)
-    trainer, source, step = _set_up(target, overrides or [])
+    parts, source, step = _set_up(target, overrides or [])
     try:
-        recipe = trainer.recipe
+        recipe = parts.recipe
         spec = recipe.diagnostics
         data = data or spec.data
-        public = public_rows_of(trainer, public_rows)
-        rows = choose_rows(data, private_rows=trainer.ordinary.train, public_rows=public,
+        public = public_rows_of(recipe, parts.ordinary, continual=parts.continual, public_rows=public_rows)
+        rows = choose_rows(data, private_rows=parts.ordinary.train, public_rows=public,
                            allow_private=allow_private or spec.private_not_covered)
         size = batch_size or recipe.training.batch_size
         if size < 2:
             raise DpclipError(f"--batch-size must be at least 2, got {size}", "e.g. --batch-size 64")
         # Which rows and which probes: private randomness, never the recipe's seed (dpclip.rng).
         generator = private_generator(private_seed(recipe), "hessian-diagnostics")
-        diag = measure_model(trainer.model, trainer.loss_fn, draw_rows(rows, size, generator), trainer.engine,
+        diag = measure_model(parts.model, parts.loss_fn, draw_rows(rows, size, generator), parts.engine,
                              probes=probes or spec.probes, per_sample=per_sample or spec.per_sample,
                              generator=generator)
-        formulas = evaluate(diag, sigma=trainer.split.gradient_noise_multiplier, batch_size=recipe.training.batch_size,
-                            clip_fn=recipe.clipping.fn, threshold=clip_threshold(trainer.engine),
+        formulas = evaluate(diag, sigma=parts.split.gradient_noise_multiplier, batch_size=recipe.training.batch_size,
+                            clip_fn=recipe.clipping.fn, threshold=clip_threshold(parts.engine),
                             gamma=recipe.clipping.gamma, public_batch_size=public_batch_size(recipe, public))
     finally:
-        trainer.engine.detach()
+        parts.engine.detach()
     record = make_record(step, diag, formulas, data)
     out_dir = Path(out) if out is not None else (target if source == "run" else Path(f"diagnose-{recipe.name}"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -98,30 +101,28 @@ def diagnose(target: str | Path, overrides: list[str] | None = None, *, probes: 
     plot_improvement(diag, out_dir / IMPROVEMENT_PLOT, sigma=formulas["gradient_noise_multiplier"],
                      clip_factor=formulas["clip_factor"], batch_size=recipe.training.batch_size,
                      private=data == "private")
-    return DiagnoseResult(recipe.name, source, step, diag, record, trainer.split.noise_multiplier, out_dir,
+    return DiagnoseResult(recipe.name, source, step, diag, record, parts.split.noise_multiplier, out_dir,
                           [str(out_dir / HESSIAN_PLOT), str(out_dir / IMPROVEMENT_PLOT)], len(history))
 
 
-def _set_up(target: Path, overrides: list[str]) -> tuple[Trainer, str, int]:
-    """(a set-up trainer, "recipe" or "run", the step of its weights)."""
+def _set_up(target: Path, overrides: list[str]) -> tuple[RunParts, str, int]:
+    """(the run's parts, "recipe" or "run", the step of its weights)."""
     if target.is_dir():
         if overrides:
             raise DpclipError("key=value overrides apply to a recipe, not to a run directory",
                               "diagnose the run as it was trained, or pass its recipe file with the overrides")
         run = RunDir(target)
         run.recipe()  # the error for a folder that is not a run
-        trainer = Trainer(resume=target)
-        trainer.setup()
+        parts = assemble(resolve_recipe(None, target)[0], resuming=True)
         try:
             checkpoint = latest_checkpoint(run.path)
             if checkpoint is None:
                 raise DpclipError(f"{run.path} has no checkpoint", "the run stopped before its first checkpoint")
-            state = load_checkpoint(checkpoint, trainer.model)
-            trainer.engine.load_state_dict(state["engine"])  # the thresholds the run had reached
+            state = RunState(Ledger(parts.plan.delta, parts.plan.accountant))
+            # The weights and the thresholds the run had reached (and the rest of its state).
+            restore(parts, state, load_checkpoint(checkpoint, parts.model))
         except BaseException:
-            trainer.engine.detach()
+            parts.engine.detach()
             raise
-        return trainer, "run", int(state["step"])
-    trainer = Trainer(load_recipe(target, overrides))
-    trainer.setup()
-    return trainer, "recipe", 0
+        return parts, "run", state.step
+    return assemble(load_recipe(target, overrides)), "recipe", 0

@@ -20,15 +20,16 @@ from typing import Any
 
 import torch
 
+from dpclip import layout
 from dpclip.data.public import load_public
 from dpclip.diagnose import HessianDiagnostics, measure, typical_clip_factor
 from dpclip.errors import DpclipError
 from dpclip.files import read_jsonl as read_records
 from dpclip.rng import private_generator
 from dpclip.train.plan import private_seed
-from dpclip.train.rundir import _append_metrics
+from dpclip.train.rundir import append_record
 
-DIAGNOSTICS_FILE = "diagnostics.jsonl"
+DIAGNOSTICS_FILE = layout.DIAGNOSTICS
 #: The fields of a record computed from the measured rows (the rest is the run's settings).
 MEASURED = ("trace_h", "trace_h_stderr", "gthg", "trace_h_sigma", "grad_norm_sq", "mean_sample_grad_norm_sq",
             "clip_factor", "decelerator", "b_star_dp", "improvement", "improvement_non_private", "alpha_star")
@@ -37,20 +38,21 @@ PRIVATE_HINT = ("measure on public data (a 'public:' block in the recipe), or ac
                 "--allow-private-not-covered-by-epsilon for dpclip diagnose")
 
 
-def public_rows_of(trainer, public_rows: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
-    """The public training rows: ``public_rows`` when the caller has them, else the
-    trainer's continual schedule's public data, else loaded from the recipe's ``public:``
-    block through :func:`dpclip.data.public.load_public` (which carves ``data.public_fraction``
-    and refuses public rows that are private ones: loading ``public:`` as plain data would
-    read the whole private set when the public rows are carved out of it), else None."""
+def public_rows_of(recipe, private_data, *, continual=None,
+                   public_rows: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
+    """The public training rows: ``public_rows`` when the caller has them, else the run's
+    continual schedule's public data (``continual``), else loaded from the recipe's
+    ``public:`` block through :func:`dpclip.data.public.load_public` (which carves
+    ``data.public_fraction`` out of ``private_data`` and refuses public rows that are private
+    ones: loading ``public:`` as plain data would read the whole private set when the public
+    rows are carved out of it), else None."""
     if public_rows is not None:
         return public_rows
-    continual = getattr(trainer, "continual", None)
     if continual is not None and continual.public is not None:
         return continual.public.train
-    if trainer.recipe.public is None:
+    if recipe.public is None:
         return None
-    return load_public(trainer.recipe, trainer.ordinary).train
+    return load_public(recipe, private_data).train
 
 
 def choose_rows(data: str, *, private_rows: dict[str, torch.Tensor], public_rows: dict[str, torch.Tensor] | None,
@@ -93,7 +95,7 @@ def evaluate(diag: HessianDiagnostics, *, sigma: float, batch_size: int, clip_fn
     B*_DP, ΔL*(B) private and non-private (eqs. (6), (7)), α* when there is public data."""
     c = typical_clip_factor(diag, clip_fn, threshold, gamma)
     return {
-        "gradient_noise_multiplier": sigma, "batch_size_dp": batch_size, "clip_fn": clip_fn, "threshold": threshold,
+        "noise_multiplier": sigma, "batch_size_dp": batch_size, "clip_fn": clip_fn, "threshold": threshold,
         "clip_factor": c,
         "decelerator": diag.decelerator(sigma, batch_size, c),
         "b_star_dp": diag.b_star_dp(sigma, c),
@@ -163,7 +165,7 @@ class DiagnosticsRecorder:
         if step <= self._last_step:
             return
         diag, formulas = self.measure()
-        _append_metrics(path, make_record(step, diag, formulas, self.data))
+        append_record(path, make_record(step, diag, formulas, self.data))
         self._last_step = step
 
     def finish(self, run_dir: Path) -> None:
@@ -175,7 +177,7 @@ class DiagnosticsRecorder:
             plot_hessian_over_training(records, Path(run_dir) / HESSIAN_PLOT)
 
 
-class _Off:
+class Off:
     """The recorder of a recipe without diagnostics: does nothing."""
 
     def maybe_record(self, step: int, run_dir: Path) -> None:
@@ -194,16 +196,16 @@ def public_batch_size(recipe, public_rows) -> int | None:
     return continual.public_batch_size if continual is not None else recipe.training.batch_size
 
 
-def recorder_for(trainer, public_rows: dict[str, torch.Tensor] | None = None):
-    """The recorder of a :class:`~dpclip.train.trainer.Trainer` after its setup (σ, engine,
-    data known). ``public_rows``: the public training rows, when the trainer has them
-    loaded; otherwise they are loaded from ``recipe.public``."""
-    recipe = trainer.recipe
+def recorder_for(recipe, *, model, loss_fn, engine, private_data, sigma: float,
+                 public_rows: dict[str, torch.Tensor] | None = None):
+    """The recorder of a run (σ of the gradient, engine, data known), or a no-op without
+    ``diagnostics.every_steps``. ``public_rows``: the public training rows, when the run has
+    them loaded (its continual schedule's); otherwise they are loaded from ``recipe.public``."""
     spec = recipe.diagnostics
     if not spec.every_steps:
-        return _Off()
-    public = public_rows_of(trainer, public_rows)   # α* needs it even when measuring on private rows
-    rows = choose_rows(spec.data, private_rows=trainer.ordinary.train, public_rows=public,
+        return Off()
+    public = public_rows_of(recipe, private_data, public_rows=public_rows)  # α* needs it even on private rows
+    rows = choose_rows(spec.data, private_rows=private_data.train, public_rows=public,
                        allow_private=spec.private_not_covered)
-    return DiagnosticsRecorder(recipe, trainer.model, trainer.loss_fn, trainer.engine, rows, data=spec.data,
-                               sigma=trainer.split.gradient_noise_multiplier, public_batch_size=public_batch_size(recipe, public))
+    return DiagnosticsRecorder(recipe, model, loss_fn, engine, rows, data=spec.data, sigma=sigma,
+                               public_batch_size=public_batch_size(recipe, public))

@@ -15,11 +15,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dpclip import layout
 from dpclip.diagnose import HessianDiagnostics
-from dpclip.train.plots import _integer_steps, _pyplot, save_figure
+from dpclip.train.plots import integer_steps, load_pyplot, save_figure
 
-HESSIAN_PLOT = "hessian_over_training.png"
-IMPROVEMENT_PLOT = "improvement_vs_batch.png"
+HESSIAN_PLOT = layout.HESSIAN_PLOT
+IMPROVEMENT_PLOT = layout.IMPROVEMENT_PLOT
 NOT_COVERED = "not covered by ε"
 
 
@@ -34,7 +35,7 @@ def _value(record: dict[str, Any], key: str) -> float:
 
 def hessian_figure(records: list[dict[str, Any]]):
     """tr(H) (± one standard error) and the denominator terms of eq. (6) against the step."""
-    plt = _pyplot()
+    plt = load_pyplot()
     records = sorted(records, key=lambda r: r["step"])
     steps = [int(r["step"]) for r in records]
     private = any(r.get("data") == "private" for r in records)
@@ -57,7 +58,7 @@ def hessian_figure(records: list[dict[str, Any]]):
     bottom.set_ylabel("denominator terms of ΔL*")
     bottom.set_xlabel("step")
     bottom.legend(fontsize=7)
-    _integer_steps(bottom)
+    integer_steps(bottom)
     figure.suptitle(f"Hessian diagnostics over training{_label(private)}", fontsize=9)
     figure.tight_layout()
     return figure
@@ -78,7 +79,7 @@ def batch_grid(*anchors: float, points: int = 200) -> list[float]:
 def improvement_figure(diag: HessianDiagnostics, *, sigma: float, clip_factor: float, batch_size: int,
                        private: bool):
     """ΔL*(B) of eq. (6) (DP-SGD at σ, c) and eq. (7) (SGD) over B, B*_DP and the recipe's B marked."""
-    plt = _pyplot()
+    plt = load_pyplot()
     best = diag.b_star_dp(sigma, clip_factor)
     grid = batch_grid(best, batch_size)
     dp = [diag.improvement(b, sigma, clip_factor) for b in grid]

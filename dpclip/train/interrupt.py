@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 
-class _deferred_interrupt:
+class DeferredInterrupt:
     """Turn Ctrl-C (SIGINT) and SIGTERM (``kill``, a batch scheduler's pre-emption) into a
     flag the loop reads between steps, so a step is never half done (a gradient applied but
     not yet in the ledger); the run then checkpoints at that step boundary. A second signal

@@ -18,8 +18,10 @@ so no public outcome moves it. The switch rules read public data only.
 
 :class:`Continual` holds the public data, the public batches (plain shuffled batches from a
 private-path generator, :mod:`dpclip.rng`), the public phase's optimizer and the switch
-state; the trainer asks it for the public phase, for each private step's step function, and
-for its checkpoint state.
+state. The loop (:mod:`dpclip.train.trainer`) asks it for the public phase, for each private
+step's step function and its record fields; the checkpointer for its state. It holds no
+reference to the loop: what it needs (the private step, where records go, how to save) is
+handed to it.
 """
 
 from __future__ import annotations
@@ -46,18 +48,21 @@ from dpclip.train.mixing import (PublicSampler, dpmd_alpha, find_head, mix_gradi
 from dpclip.train.plan import probe_steps
 
 class Continual:
-    """The continual schedule of one run (module doc); built by the trainer after its engine
-    and optimizer, from ``trainer``'s recipe, model, engine, optimizer and private data."""
+    """The continual schedule of one run (module doc); assembled after the engine, the
+    optimizer and the private step (:func:`dpclip.train.parts.assemble`)."""
 
-    def __init__(self, trainer):
-        recipe = trainer.recipe
-        self.trainer = trainer
+    def __init__(self, recipe, *, model, loss_fn, engine, optimizer, private_step, private_data, plan,
+                 gradient_noise_multiplier: float, seed: int | None):
+        self.recipe = recipe
         self.config = recipe.continual
         self.schedule = self.config.schedule
-        self.model, self.loss_fn, self.engine = trainer.model, trainer.loss_fn, trainer.engine
-        self.public = load_public(recipe, trainer.ordinary) if recipe.public is not None else None
-        self.planned_private = trainer.plan.steps
-        self.probe_steps = probe_steps(recipe, trainer.plan.sample_rate)
+        self.model, self.loss_fn, self.engine = model, loss_fn, engine
+        self.optimizer, self.private_step, self.private_data = optimizer, private_step, private_data
+        self.gradient_noise_multiplier, self.seed = gradient_noise_multiplier, seed
+        self.public = load_public(recipe, private_data) if recipe.public is not None else None
+        self.planned_private = plan.steps
+        self.probe_steps = probe_steps(recipe, plan.sample_rate)
+        self.at_step = 0  # the private steps done while the public phase runs (it does not move them)
         self.phase = "public" if self.schedule in ("switch", "only-public") else \
             ("mixed" if self.schedule in MIXING else "private")
         self.public_step = 0
@@ -69,10 +74,10 @@ class Continual:
         self.public_head: nn.Linear | None = None
         self.head = None
         if self.public is not None and self.schedule != "only-private":
-            self._check_compatible(trainer.ordinary)
+            self._check_compatible(private_data)
             batch = min(self.config.public_batch_size, self.public.num_train)
             # Unbounded: the rules draw batches too, and the phase ends by its own rule or cap.
-            self.public_sampler = PublicSampler(self.public.num_train, batch, 2 ** 62, seed=trainer.seed_of_noise)
+            self.public_sampler = PublicSampler(self.public.num_train, batch, 2 ** 62, seed=seed)
             self.public_batches = iter(self.public_sampler)
         self.public_optimizer = self._public_optimizer(recipe) if not self.switched else None
 
@@ -103,7 +108,7 @@ class Continual:
                                   "switch)")
             _, _, head = self.head
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(derived_seed(self.trainer.recipe.seed, "public-head"))
+                torch.manual_seed(derived_seed(self.recipe.seed, "public-head"))
                 self.public_head = nn.Linear(head.in_features, public.num_classes, bias=head.bias is not None)
             self.public_head.to(head.weight.device, head.weight.dtype)
 
@@ -118,7 +123,7 @@ class Continual:
             config = config.model_copy(update={"lr": self.config.public_lr})
         return build_optimizer(config, params)
 
-    # ----------------------------------------------------------------- what the trainer asks
+    # ----------------------------------------------------------------- what the loop asks
 
     def private_steps(self) -> int:
         """Private steps the run takes: the plan's, or none for only-public (ε = 0)."""
@@ -127,33 +132,31 @@ class Continual:
     def info(self) -> dict[str, Any]:
         """For the start of the run (progress display, meta.json)."""
         public = self.public
-        return {"schedule": self.schedule, "public_source": describe_public(self.trainer.recipe) if public else None,
+        return {"schedule": self.schedule, "public_source": describe_public(self.recipe) if public else None,
                 "public_train": public.num_train if public else 0, "public_validation": public.num_test if public else 0,
                 "rule": self.config.switch.rule, "max_public_steps": self.config.switch.max_public_steps,
                 "probe_steps": self.probe_steps, "phase": self.phase, "public_step": self.public_step}
 
-    def record_fields(self) -> dict[str, Any]:
-        """The phase fields of the last private step's metrics record."""
+    def record_fields(self, step: int) -> dict[str, Any]:
+        """The phase fields of private step ``step``'s metrics record (the step just taken)."""
         fields = {"phase": self.phase, "alpha": self.alpha}
-        if self.phase == "private" and self.trainer.step <= self.probe_steps and self.probe_steps:
+        if self.phase == "private" and step <= self.probe_steps and self.probe_steps:
             fields["probe"] = True
         return fields
 
-    def step_fn(self, indices: torch.Tensor, before_update=None):
-        """The private step at ``trainer.step``: mixed (dpmd, sample), linear probing, or plain."""
-        trainer = self.trainer
-        step = trainer.step
+    def step_fn(self, step: int, indices: torch.Tensor, before_update=None):
+        """Private step number ``step`` (counted from 0): mixed (dpmd, sample), linear probing, or plain."""
         if self.phase == "mixed":
             self.alpha = dpmd_alpha(step, self.planned_private) if self.schedule == "dpmd" else \
-                sample_alpha(self.public.num_train, trainer.ordinary.num_train)
+                sample_alpha(self.public.num_train, self.private_data.num_train)
             public = self._public_gradient(next(self.public_batches))
 
             def mixed(report):
                 if before_update is not None:
                     before_update(report)  # the release is checked before anything is mixed in
-                mix_gradients(self.engine._params, public, self.alpha)
+                mix_gradients(self.engine_params(), public, self.alpha)
 
-            return trainer.private_step(indices, before_update=mixed)
+            return self.private_step(indices, before_update=mixed)
         self.alpha = 0.0
         if step < self.probe_steps:
             head = {id(p) for p in self.head[2].parameters()}
@@ -161,12 +164,16 @@ class Continual:
             def probe(report):
                 if before_update is not None:
                     before_update(report)
-                for p in self.engine._params:
+                for p in self.engine_params():
                     if id(p) not in head:  # the body stays as it is: only the head is probed
                         p.grad = None
 
-            return trainer.private_step(indices, before_update=probe)
-        return trainer.private_step(indices, before_update=before_update)
+            return self.private_step(indices, before_update=probe)
+        return self.private_step(indices, before_update=before_update)
+
+    def engine_params(self) -> list[torch.Tensor]:
+        """The parameters the engine clips, in its order."""
+        return [info.param for info in self.engine.groups.params]
 
     # ----------------------------------------------------------------- public steps
 
@@ -208,14 +215,14 @@ class Continual:
         self.public_optimizer.step()
         self.public_optimizer.zero_grad(set_to_none=True)
         self.public_step += 1
-        return {"step": self.trainer.step, "phase": "public", "public_step": self.public_step, "alpha": 1.0,
+        return {"step": self.at_step, "phase": "public", "public_step": self.public_step, "alpha": 1.0,
                 "lr": self.public_optimizer.param_groups[0]["lr"], "seconds": round(time.perf_counter() - started, 4),
                 "public_loss": float(losses.mean())}
 
     def _public_metrics(self) -> dict[str, float]:
         with self._public_model():
             return evaluate(self.model, self.loss_fn, self.public.test, self.public.task,
-                            batch_size=self.trainer.recipe.eval.batch_size)
+                            batch_size=self.recipe.eval.batch_size)
 
     # ----------------------------------------------------------------- the switch rules
 
@@ -228,10 +235,10 @@ class Continual:
             return None, {}
         if rule.rule == "b-star":
             estimate = self._b_star()
-            limit = rule.b_star_multiple * self.trainer.recipe.training.batch_size
+            limit = rule.b_star_multiple * self.recipe.training.batch_size
             if estimate < limit:
                 return (f"B*_DP estimate {estimate:.4g} fell below {rule.b_star_multiple:g} x batch size "
-                        f"{self.trainer.recipe.training.batch_size}"), {"b_star": estimate}
+                        f"{self.recipe.training.batch_size}"), {"b_star": estimate}
             return None, {"b_star": estimate}
         metrics = self._public_metrics()
         if rule.metric not in metrics:
@@ -254,7 +261,7 @@ class Continual:
         run's σ and the plug-in clipping factor c of ``typical_clip_factor`` (docs/continual.md,
         "Hessian diagnostics")."""
         if not hasattr(self, "rule_generator"):
-            self.rule_generator = private_generator(self.trainer.seed_of_noise, "b-star-probes")
+            self.rule_generator = private_generator(self.seed, "b-star-probes")
         rows = select(self.public.train, next(self.public_batches))
         try:
             with self._public_model():
@@ -262,17 +269,20 @@ class Continual:
                                       per_sample=16, generator=self.rule_generator)
         finally:
             self.model.zero_grad(set_to_none=True)
-        clipping = self.trainer.recipe.clipping
+        clipping = self.recipe.clipping
         threshold = float(self.engine.policy.sensitivity_thresholds().double().norm())
         clip = typical_clip_factor(diagnostics, clipping.fn, threshold, clipping.gamma)
-        return float(diagnostics.b_star_dp(gradient_noise_multiplier=self.trainer.split.gradient_noise_multiplier, clip_factor=clip))
+        return float(diagnostics.b_star_dp(gradient_noise_multiplier=self.gradient_noise_multiplier, clip_factor=clip))
 
     # ----------------------------------------------------------------- the public phase
 
-    def run_public_phase(self, interrupt) -> str | None:
-        """Public steps until the rule fires or the cap; returns "interrupted" or None."""
+    def run_public_phase(self, interrupt, at_step: int, checkpointer, write) -> str | None:
+        """Public steps until the rule fires or the cap; returns "interrupted" or None.
+        ``at_step``: the private steps done (a resumed run's); ``checkpointer``: saves the run
+        (:class:`dpclip.train.state.Checkpointer`); ``write``: takes each public record."""
         if self.switched:
             return None
+        self.at_step = at_step
         cap = self.config.switch.max_public_steps
         self.model.train()
         while True:
@@ -280,31 +290,24 @@ class Continual:
                 return "interrupted"
             record = self._public_train_step()
             reason, seen = self._rule()
-            self._write(record)
+            write(record)
             if seen:
-                self._write({"step": self.trainer.step, "phase": "public", "public_step": self.public_step, **seen})
+                write({"step": at_step, "phase": "public", "public_step": self.public_step, **seen})
             if reason is None and self.public_step >= cap:
                 reason = f"cap of {cap} public steps reached: the {self.config.switch.rule} rule never fired"
             if reason is not None:
-                self._switch(reason)
-                self.trainer._save()
+                write(self._switch(reason))
+                checkpointer.save()
                 return None
-            if self._checkpoint_due():
-                self.trainer._save()
+            if checkpointer.due(self.public_step):
+                checkpointer.save()
 
-    def _checkpoint_due(self) -> bool:
-        checkpoint = self.trainer.recipe.checkpoint
-        if checkpoint.every_steps and self.public_step % checkpoint.every_steps == 0:
-            return True
-        return checkpoint.every_minutes is not None and \
-            time.monotonic() - self.trainer._last_save >= 60.0 * checkpoint.every_minutes
-
-    def _switch(self, reason: str) -> None:
+    def _switch(self, reason: str) -> dict[str, Any]:
         """End the public phase: carry the optimizer state over (reset per at_switch.reset),
-        re-initialise the head if asked, and say why (a ``switch`` record)."""
+        re-initialise the head if asked; returns the ``switch`` record that says why."""
         at_switch = self.config.at_switch
         head = {id(p) for p in self.head[2].parameters()} if at_switch.reinit_head else set()
-        private = self.trainer.optimizer
+        private = self.optimizer
         for group in private.param_groups:
             for p in group["params"]:
                 state = self.public_optimizer.state.get(p)
@@ -312,7 +315,7 @@ class Continual:
                     private.state[p] = reset_states(state, at_switch.reset)
         if at_switch.reinit_head:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(derived_seed(self.trainer.recipe.seed, "head-reinit"))
+                torch.manual_seed(derived_seed(self.recipe.seed, "head-reinit"))
                 self.head[2].reset_parameters()
         self.public_optimizer = None
         self.public_head = None
@@ -320,19 +323,9 @@ class Continual:
         self.phase = "private"
         if self.schedule == "only-public":
             reason = f"{reason}; only-public: no private step follows (ε = 0)"
-        self._write({"kind": "switch", "step": self.trainer.step, "public_step": self.public_step,
-                     "reason": reason, "reset": list(at_switch.reset), "reinit_head": at_switch.reinit_head,
-                     "probe_steps": self.probe_steps})
-
-    def _write(self, record: dict[str, Any]) -> None:
-        """A public-phase record: metrics.jsonl and the progress display (public data only,
-        nothing here is private)."""
-        trainer = self.trainer
-        with (trainer.run_dir / "metrics.jsonl").open("a", encoding="utf-8") as stream:
-            stream.write(json.dumps(record) + "\n")
-        on_phase = getattr(trainer.observer, "on_phase", None)
-        if on_phase is not None:
-            on_phase(record)
+        return {"kind": "switch", "step": self.at_step, "public_step": self.public_step,
+                "reason": reason, "reset": list(at_switch.reset), "reinit_head": at_switch.reinit_head,
+                "probe_steps": self.probe_steps}
 
     # ----------------------------------------------------------------- checkpoints
 
@@ -380,6 +373,7 @@ def _trim_public_records(path, public_step: int, switched: bool) -> None:
     write_text_atomic(path, "".join(f"{line}\n" for line in kept))
 
 
-def continual_run(trainer) -> Continual | None:
-    """The trainer's continual schedule, or None for a recipe without a continual section."""
-    return Continual(trainer) if trainer.recipe.continual is not None else None
+def continual_run(recipe, **parts) -> Continual | None:
+    """The run's continual schedule (``parts``: :class:`Continual`'s keywords), or None for a
+    recipe without a continual section."""
+    return Continual(recipe, **parts) if recipe.continual is not None else None

@@ -14,16 +14,17 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dpclip import layout
 from dpclip.files import read_jsonl as read_metrics  # noqa: F401  (re-exported: report.py, tests)
 
-TRAINING_PLOT = "training.png"
-THRESHOLDS_PLOT = "thresholds.png"
+TRAINING_PLOT = layout.TRAINING_PLOT
+THRESHOLDS_PLOT = layout.THRESHOLDS_PLOT
 #: Above this many groups thresholds.png is a heat-map (steps x groups) instead of lines.
 MAX_LINES = 12
 NOT_COVERED = "exact, NOT covered by ε"
 
 
-def _pyplot():
+def load_pyplot():
     import matplotlib  # lazy: slow to import, and only the end of a run (or a report) draws
 
     matplotlib.use("Agg")
@@ -34,7 +35,7 @@ def _pyplot():
 
 def save_figure(figure, out_path: Path) -> None:
     """Write ``figure`` as PNG atomically and close it."""
-    plt = _pyplot()
+    plt = load_pyplot()
     out_path = Path(out_path)
     tmp = out_path.with_name(out_path.name + ".tmp.png")
     figure.savefig(tmp, dpi=100, bbox_inches="tight")  # legends outside the axes are kept
@@ -70,7 +71,7 @@ def training_figure(records: list[dict[str, Any]], *, epsilon_cap: float | None 
                     delta: float | None = None):
     """Loss, held-out metrics and ε over the steps; the diagnostics' panels say they are
     not covered by ε, and without diagnostics only ε is drawn, with the reason."""
-    plt = _pyplot()
+    plt = load_pyplot()
     series = training_series(records)
     evals = sorted(k for k in series if k.startswith("eval_") and k != "eval_loss")
     losses = [k for k in ("train_loss", "eval_loss") if k in series]
@@ -103,7 +104,7 @@ def training_figure(records: list[dict[str, Any]], *, epsilon_cap: float | None 
             axis.set_title("privacy spent (charged in the ledger)", fontsize=9)
             axis.legend(fontsize=7, loc="lower right")
     axes[-1].set_xlabel("step")
-    _integer_steps(axes[-1])
+    integer_steps(axes[-1])
     figure.suptitle("training: loss and held-out metrics are diagnostics not covered by ε" if len(panels) > 1
                     else "training: privacy spent. No loss or accuracy: privacy.exact_diagnostics is false\n"
                     "(exact diagnostics would not be covered by ε)", fontsize=9)
@@ -147,7 +148,7 @@ def _names(names: list[str], limit: int = 4) -> str:
     return "\n".join(textwrap.wrap(shown, 70))
 
 
-def _integer_steps(axis) -> None:
+def integer_steps(axis) -> None:
     from matplotlib.ticker import MaxNLocator
 
     axis.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -164,7 +165,7 @@ def _tight(figure) -> None:
 def thresholds_figure(steps: list[int], rows: list[list[float]], group_names: list[str], *,
                       policy: str | None = None, max_lines: int = MAX_LINES):
     """C_t per named group over the steps (see :func:`threshold_layout`)."""
-    plt = _pyplot()
+    plt = load_pyplot()
     groups = len(rows[0])
     names = list(group_names)[:groups] + [f"group {k}" for k in range(len(group_names), groups)]
     layout = threshold_layout(rows, max_lines)
@@ -206,7 +207,7 @@ def thresholds_figure(steps: list[int], rows: list[list[float]], group_names: li
         axis.invert_yaxis()
         axis.set_xlabel("step")
         axis.set_title(f"thresholds of {groups} groups{about} (heat-map, log10 C)", fontsize=9)
-    _integer_steps(axis)
+    integer_steps(axis)
     _tight(figure)
     return figure
 
@@ -222,8 +223,8 @@ def plot_thresholds(metrics_path: Path, out_path: Path, group_names: list[str], 
 
 def plot_run(run_dir: Path, group_names: list[str], *, policy: str | None = None,
              epsilon_cap: float | None = None, delta: float | None = None) -> None:
-    """Both plots of a run directory (the end of ``Trainer.train``)."""
+    """Both plots of a run directory (the end of a run: :func:`dpclip.train.workflow.train`)."""
     run_dir = Path(run_dir)
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / layout.METRICS
     plot_training(metrics, run_dir / TRAINING_PLOT, epsilon_cap=epsilon_cap, delta=delta)
     plot_thresholds(metrics, run_dir / THRESHOLDS_PLOT, group_names, policy=policy)

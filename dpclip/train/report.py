@@ -21,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from dpclip import layout
 from dpclip.errors import DpclipError
 from dpclip.files import read_json, write_text_atomic
 from dpclip.train.plots import (THRESHOLDS_PLOT, TRAINING_PLOT, read_metrics, threshold_rows, thresholds_figure,
@@ -28,7 +29,7 @@ from dpclip.train.plots import (THRESHOLDS_PLOT, TRAINING_PLOT, read_metrics, th
 from dpclip.train.rundir import RunDir, planned_step
 from dpclip.train.searchdir import headline
 
-REPORT_FILE = "report.html"
+REPORT_FILE = layout.REPORT
 NOT_COVERED = "not covered by ε"
 
 
@@ -100,7 +101,7 @@ def run_plots(run_dir: Path, selected_by: dict[str, Any] | None = None) -> list[
         data = None
     if data is not None:
         plots.append(("thresholds", "clipping thresholds per group (released, charged in the ledger)", data))
-    audit = run.path / "audit"
+    audit = layout.audit_dir(run.path)
     if audit.is_dir():
         for path in sorted(audit.glob("*.png")):
             plots.append((f"audit: {path.stem}", "membership-inference attacks on the trained model, measured on "
@@ -110,7 +111,7 @@ def run_plots(run_dir: Path, selected_by: dict[str, Any] | None = None) -> list[
 
 
 def _audit_rows(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "audit" / "report.json"
+    path = layout.audit_dir(run_dir) / layout.AUDIT_REPORT
     if not path.exists():
         return []
     try:

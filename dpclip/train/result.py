@@ -48,7 +48,9 @@ class TrainResult:
         }
 
 
-class _Null:
+class NullObserver:
+    """The observer of a caller that watches nothing (and of every rank but 0)."""
+
     def on_start(self, info): pass
     def on_step(self, record): pass
     def on_eval(self, record): pass

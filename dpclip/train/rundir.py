@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dpclip import __version__
+from dpclip import __version__, layout
 from dpclip.accounting import Ledger, solve, statement_from_ledger
 from dpclip.data.canaries import read_canary_secret
 from dpclip.errors import DpclipError
@@ -74,7 +74,7 @@ def recipe_changes(old: Recipe, new: Recipe) -> dict[str, list[Any]]:
     return {key: [a.get(key), b.get(key)] for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)}
 
 
-def _privacy_diff(old: Recipe, new: Recipe) -> list[str]:
+def privacy_diff(old: Recipe, new: Recipe) -> list[str]:
     a, b = old.model_dump(mode="json"), new.model_dump(mode="json")
     changed = []
     for dotted in PRIVACY_FIELDS:
@@ -96,16 +96,16 @@ class RunDir:
     fresh name (``NAME-YYYYmmdd-HHMMSS``, with ``-2``, ``-3`` ... if that exists already).
     """
 
-    RECIPE = "recipe.yaml"
-    META = "meta.json"
-    PLAN = "plan.json"              # released: what the privacy statement is rebuilt from
-    LEDGER = "ledger.json"
-    METRICS = "metrics.jsonl"
-    SUMMARY = "summary.json"
-    CHECKPOINTS = "checkpoints"
-    THRESHOLDS_PLOT = "thresholds.png"
-    SEARCH_MARKER = "search.json"   # in a run selected by a search: points to the search directory
-    SEARCH_RUNS = "runs"            # in a search directory: its trials
+    # The file names are dpclip.layout's (the one place they are spelled).
+    RECIPE = layout.RECIPE
+    META = layout.META
+    PLAN = layout.PLAN
+    LEDGER = layout.LEDGER
+    METRICS = layout.METRICS
+    SUMMARY = layout.SUMMARY
+    CHECKPOINTS = layout.CHECKPOINTS
+    SEARCH_MARKER = layout.SEARCH_MARKER
+    SEARCH_RUNS = layout.SEARCH_RUNS
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -167,10 +167,6 @@ class RunDir:
         return self.path / self.CHECKPOINTS
 
     @property
-    def thresholds_plot(self) -> Path:
-        return self.path / self.THRESHOLDS_PLOT
-
-    @property
     def search_marker(self) -> Path:
         return self.path / self.SEARCH_MARKER
 
@@ -204,7 +200,7 @@ class RunDir:
 
     def ledger(self):
         """ledger.json as a Ledger (unchecked: see :func:`check_ledger`)."""
-        return _read_ledger(self.ledger_file)
+        return read_ledger(self.ledger_file)
 
     def summary(self) -> dict[str, Any]:
         return read_json(self.summary_file)
@@ -253,7 +249,7 @@ def data_fingerprint(data) -> str:
     return digest.hexdigest()[:16]
 
 
-def _check_data(run: RunDir, data) -> None:
+def check_data(run: RunDir, data) -> None:
     """On resume, the data must be the run's (runs started before the fingerprint was
     written are not checked)."""
     stored = run.meta().get("data", {}).get("content_fingerprint")
@@ -300,7 +296,7 @@ def recorded_world_size(run_dir: Path) -> int:
     return value
 
 
-def _read_ledger(path: Path):
+def read_ledger(path: Path):
     try:
         return Ledger.from_dict(read_json(path))
     except (ValueError, KeyError, TypeError) as exc:
@@ -341,12 +337,12 @@ def check_ledger(ledger, step_event, steps: int | range, *, where: Path | str) -
                           "the run directory was modified: restore it from a backup")
 
 
-def _check_canaries(run_dir: Path, canaries) -> None:
+def check_canaries(run_dir: Path, canaries) -> None:
     """On resume, the rebuilt canaries must be the ones the run started with."""
     stored = read_canary_secret(run_dir)
     if stored is None or stored["fingerprint"] != canaries.fingerprint() \
             or stored["included"] != [bool(b) for b in canaries.included]:
-        raise DpclipError(f"{run_dir / 'audit' / 'canaries.json'} does not match the recipe's canaries",
+        raise DpclipError(f"{layout.canaries_file(run_dir)} does not match the recipe's canaries",
                           "restore the file, or start a new run")
 
 
@@ -367,7 +363,7 @@ def _same_event(event, planned_event) -> bool:
     return math.isclose(engine_q, plan_q, rel_tol=1e-12) and math.isclose(engine_sigma, plan_sigma, rel_tol=1e-9)
 
 
-def _check_same_release(engine_event, planned_event) -> None:
+def check_same_release(engine_event, planned_event) -> None:
     """The engine's DpEvent must be the plan's (same q, same σ_eff up to rounding)."""
     if not _same_event(engine_event, planned_event):
         raise RuntimeError(f"engine released {engine_event} but the plan accounts {planned_event}: "
@@ -380,7 +376,7 @@ def _check_same_release(engine_event, planned_event) -> None:
 _RELEASED_FIELDS = ("thresholds", "noise_std", "policy")
 
 
-def _released_part(record: dict[str, Any]) -> str:
+def released_part(record: dict[str, Any]) -> str:
     return json.dumps({k: record.get(k) for k in _RELEASED_FIELDS}, sort_keys=True)
 
 
@@ -413,13 +409,13 @@ def step_record(step, report, epsilon, loss_sum, batch_len, expected_batch, lr, 
     return record
 
 
-def _append_metrics(path: Path, record: dict[str, Any]) -> None:
+def append_record(path: Path, record: dict[str, Any]) -> None:
     with path.open("a", encoding="utf-8") as stream:
         stream.write(json.dumps(record) + "\n")
         stream.flush()
 
 
-def _released_records(path: Path, last_step: int) -> dict[tuple[str, int], dict[str, Any]]:
+def released_records(path: Path, last_step: int) -> dict[tuple[str, int], dict[str, Any]]:
     """Records of metrics.jsonl after step ``last_step`` (they left the process before a
     crash), keyed by (kind, step); the file keeps every complete line, so the replayed
     steps are not written twice. A line cut by the crash is dropped."""
@@ -447,7 +443,7 @@ def public_plan_record(meta: dict[str, Any]) -> dict[str, Any]:
             "world_size": plan.get("world_size", 1), "groups": meta.get("groups")}
 
 
-def _meta(recipe: Recipe, data, info: dict[str, Any]) -> dict[str, Any]:
+def meta_record(recipe: Recipe, data, info: dict[str, Any]) -> dict[str, Any]:
     return {
         "dpclip": __version__,
         "torch": torch.__version__,

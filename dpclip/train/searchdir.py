@@ -18,6 +18,7 @@ from typing import Any
 import dp_accounting
 from dp_accounting import dp_event
 
+from dpclip import layout
 from dpclip.accounting import GRADIENT_RELEASE, Ledger, PrivacyStatement, event_to_dict, training_event
 from dpclip.errors import AccountingError, DpclipError
 from dpclip.files import read_json
@@ -68,7 +69,7 @@ def search_of_run(run_dir: Path) -> Path | None:
                               "restore the search directory: the run's own ledger alone understates what "
                               "publishing it costs")
         return search_dir
-    if run_dir.resolve().parent.name == "runs" and is_search_dir(run_dir.resolve().parent.parent):
+    if run_dir.resolve().parent.name == layout.SEARCH_RUNS and is_search_dir(run_dir.resolve().parent.parent):
         return run_dir.resolve().parent.parent
     return None
 
@@ -114,7 +115,7 @@ def read_search(search_dir: Path) -> SearchRecord:
     if summary.get("selected_run_dir"):
         selected = (search_dir / summary["selected_run_dir"]).resolve()
         if selected.parent != search.search_runs.resolve():
-            raise DpclipError(f"{search_dir / 'summary.json'} names {summary['selected_run_dir']!r}, which is not "
+            raise DpclipError(f"{Path(search_dir) / layout.SUMMARY} names {summary['selected_run_dir']!r}, which is not "
                               "one of its runs", hint)
         run_ledger, run_statement = spent(selected)  # checked against the run's own recipe
         if event_to_dict(run_ledger.composed_event()) != event_to_dict(training_event(q, sigma, steps)):

@@ -19,9 +19,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dpclip import layout
 from dpclip.errors import DpclipError
 
-TENSORBOARD_DIR = "tensorboard"
+TENSORBOARD_DIR = layout.TENSORBOARD
 NOT_COVERED_PREFIX = "not_covered_by_epsilon/"
 #: The headline ε: what publishing the run costs (for a run a search selected, the search's ε).
 EPSILON_TAG = "privacy/epsilon"

@@ -19,7 +19,7 @@ from typing import Any
 import dp_accounting
 
 from dpclip.accounting import PrivacyPlan, account, solve, split_noise, training_event
-from dpclip.accounting.calibrate import _quiet_dp_accounting
+from dpclip.accounting.calibrate import quiet_dp_accounting
 from dpclip.accounting.tuning import (
     calibrate_search_noise,
     liu_talwar_per_run_budget,
@@ -181,7 +181,7 @@ def search_privacy(recipe: Recipe, plan: PrivacyPlan, configurations: int, *,
         strategies.append(Strategy(LIU_TALWAR, None, None, epsilon, delta, accountant,
                                    {**detail, "infeasible": _infeasible(exc, release)}))
     else:
-        with _quiet_dp_accounting():  # PLD routinely falls back to RDP at δ₁ ~ 1e-17; the result says so
+        with quiet_dp_accounting():  # PLD routinely falls back to RDP at δ₁ ~ 1e-17; the result says so
             run_result = account(release.event(sigma), budget.delta_run, accountant)
         strategies.append(Strategy(LIU_TALWAR, sigma, gradient_sigma(plan, sigma), budget.epsilon, budget.delta,
                                    run_result.accountant, {**detail, "epsilon_run_achieved": run_result.epsilon}))

@@ -47,6 +47,7 @@ from dp_accounting import dp_event
 # ``workflow.train`` and ``tuning_math.draw_trial_count``.
 import dpclip.accounting.tuning as tuning_math
 import dpclip.train.workflow as workflow
+from dpclip import layout
 from dpclip.accounting import GRADIENT_RELEASE, Ledger, PrivacyStatement, event_to_dict, training_event
 from dpclip.accounting.tuning import repeat_and_select_event
 from dpclip.data import load_data
@@ -288,7 +289,7 @@ def _mark_selected(best: _Candidate, search_dir: Path, summary: Mapping[str, Any
     marker = {
         "search_format": SEARCH_FORMAT,
         "search_dir": Path(to_search).as_posix(),
-        "ledger": (Path(to_search) / "ledger.json").as_posix(),
+        "ledger": (Path(to_search) / layout.LEDGER).as_posix(),
         "epsilon": summary["epsilon"],
         "delta": summary["delta"],
         "score": best.score,

@@ -1,8 +1,8 @@
 """Seconds per private step of a recipe on this machine, measured with a few real steps.
 
 A step here is the training loop's own: a Poisson batch through
-:class:`dpclip.train.step.PrivateStep` with the optimizer the run would build
-(:mod:`dpclip.train.optim`). The first ``warmup_steps`` are not timed (allocator,
+:class:`dpclip.train.step.PrivateStep` with the engine and optimizer the run would build,
+assembled by :func:`dpclip.train.parts.assemble_for_timing` (stand-in noise). The first ``warmup_steps`` are not timed (allocator,
 kernel selection, lazy initialisation); the result is the median of the timed steps, so
 one slow step (a page fault, another process) does not move it.
 
@@ -24,16 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from dpclip.data import PoissonSampler, load_data
-from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
-from dpclip.models import build_model
 from dpclip.recipe.schema import Recipe
-from dpclip.train.optim import build_optimizer
+from dpclip.train.parts import TIMING_STATISTIC_SIGMA, assemble_for_timing
 from dpclip.train.plan import timing_clipping as plan_timing_clipping
-from dpclip.train.step import PrivateStep, step_micro_batch_size, step_precision
 from dpclip.train.workflow import train
 
 #: Steps of the whole run that measures a run's fixed cost (the steps' own time is subtracted).
@@ -46,10 +40,6 @@ STEP_COST_KEYS = ("data.", "model.", "training.batch_size", "training.micro_batc
                   "training.optimizer.kind", "clipping.grouping", "clipping.fn", "clipping.norm_method",
                   "clipping.noise_allocation", "clipping.threshold.kind", "clipping.threshold.subspace_dim",
                   "clipping.threshold.bins")
-
-# Stand-in noise for timing only: the cost of a step does not depend on σ.
-_TIMING_SIGMA = 1.0
-_TIMING_STATISTIC_SIGMA = 5.0
 
 
 def step_cost_signature(recipe: Recipe) -> str:
@@ -74,7 +64,7 @@ def timing_clipping(recipe: Recipe) -> dict[str, Any]:
     The training workflow derives a statistic's σ from its budget share; its value does
     not change the cost of a step, so timing uses a fixed one.
     """
-    return plan_timing_clipping(recipe, _TIMING_STATISTIC_SIGMA)
+    return plan_timing_clipping(recipe, TIMING_STATISTIC_SIGMA)
 
 
 def measure_step_seconds(recipe: Recipe, steps: int, warmup_steps: int = 1,
@@ -82,31 +72,18 @@ def measure_step_seconds(recipe: Recipe, steps: int, warmup_steps: int = 1,
     """Median seconds of ``steps`` private steps of ``recipe`` after ``warmup_steps``."""
     if steps < 1:
         raise DpclipError(f"--calibration-steps must be at least 1, got {steps}", "e.g. --calibration-steps 5")
-    # The global RNG drives only what is not private (dropout); noise and batches have their own
-    # generators from OS entropy (dpclip.rng).
-    torch.manual_seed(recipe.seed)
-    data = load_data(recipe.data, seed=recipe.seed)
-    model, loss_fn = build_model(recipe.model, data, seed=recipe.seed)
-    training = recipe.training
-    batch_size = min(training.batch_size, data.num_train)
-    sample_rate = batch_size / data.num_train
-    engine = DPEngine(model, timing_clipping(recipe), gradient_noise_multiplier=_TIMING_SIGMA,
-                      expected_batch_size=batch_size, sample_rate=sample_rate)
-    optimizer = build_optimizer(training.optimizer, [p for p in model.parameters() if p.requires_grad])
-    private_step = PrivateStep(model, loss_fn, engine, optimizer, data.train, micro_batch_size=step_micro_batch_size(recipe),
-                               precision=step_precision(recipe, model))
-    sampler = PoissonSampler(data.num_train, sample_rate, warmup_steps + steps)
+    parts = assemble_for_timing(recipe, warmup_steps + steps)
     seconds: list[float] = []
-    model.train()
+    parts.model.train()
     try:
-        for index, indices in enumerate(sampler):
-            outcome = private_step(indices)
+        for index, indices in enumerate(parts.sampler):
+            outcome = parts.private_step(indices)
             if index >= warmup_steps:
                 seconds.append(outcome.seconds)
             if on_step is not None:
                 on_step()
     finally:
-        engine.detach()
+        parts.engine.detach()
     return statistics.median(seconds)
 
 

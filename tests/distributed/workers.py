@@ -56,22 +56,22 @@ def interrupted_at(world, step: int, run):
     from dpclip.train import trainer
 
     flags = []
-    enter, train_step = trainer._deferred_interrupt.__enter__, trainer.Trainer._train_step
+    enter, train_step = trainer.DeferredInterrupt.__enter__, trainer.train_step
 
     def entered(self):
         flags.append(self)
         return enter(self)
 
-    def stepped(self, indices):
-        train_step(self, indices)
-        if world.rank == 1 and self.step == step:
+    def stepped(parts, state, indices, output):
+        train_step(parts, state, indices, output)
+        if world.rank == 1 and state.step == step:
             flags[-1].requested = True
 
-    trainer._deferred_interrupt.__enter__, trainer.Trainer._train_step = entered, stepped
+    trainer.DeferredInterrupt.__enter__, trainer.train_step = entered, stepped
     try:
         return run()
     finally:
-        trainer._deferred_interrupt.__enter__, trainer.Trainer._train_step = enter, train_step
+        trainer.DeferredInterrupt.__enter__, trainer.train_step = enter, train_step
 
 
 def engine_grads(world, out: str) -> None:

@@ -12,7 +12,8 @@ import pytest
 
 from dpclip.accounting import Ledger
 from dpclip.errors import DpclipError
-from dpclip.train import trainer
+from dpclip.train import output
+from dpclip.train import state as state_module
 from dpclip.train.workflow import train
 
 
@@ -24,7 +25,7 @@ def _disk_ledger_steps(run_dir) -> int:
 def test_ledger_on_disk_is_never_behind_what_left_the_process(tiny_recipe, monkeypatch):
     """Every metrics record and every checkpoint made current is already charged on disk."""
     seen = []
-    append, save = trainer._append_metrics, trainer.save_checkpoint
+    append, save = output.append_record, state_module.save_checkpoint
 
     def checked_append(path, record):
         seen.append(("metrics", record["step"], _disk_ledger_steps(path.parent)))
@@ -34,8 +35,8 @@ def test_ledger_on_disk_is_never_behind_what_left_the_process(tiny_recipe, monke
         seen.append(("checkpoint", step, _disk_ledger_steps(run_dir)))
         return save(run_dir, step, model, state, keep)
 
-    monkeypatch.setattr(trainer, "_append_metrics", checked_append)
-    monkeypatch.setattr(trainer, "save_checkpoint", checked_save)
+    monkeypatch.setattr(output, "append_record", checked_append)
+    monkeypatch.setattr(state_module, "save_checkpoint", checked_save)
     train(tiny_recipe("clipping.threshold={kind: quantile, budget_fraction: 0.1}", "eval.every_steps=2"))
     assert seen and all(charged >= step for _, step, charged in seen), seen
 

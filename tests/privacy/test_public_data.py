@@ -90,7 +90,6 @@ def test_membership_pool_of_a_continual_run_excludes_public_rows(quickstart, one
 def test_hessian_diagnostics_on_carved_public_data_never_measure_a_private_row(quickstart):
     """Loading `public:` as plain data would read the whole digits set, private rows included,
     when the public rows are carved out of it: the diagnostics must get the carved rows."""
-    from types import SimpleNamespace
 
     import torch
 
@@ -98,8 +97,7 @@ def test_hessian_diagnostics_on_carved_public_data_never_measure_a_private_row(q
 
     recipe = quickstart("data.public_fraction=0.1", "public={source: builtin, name: digits}")
     private = load_data(recipe.data, seed=recipe.seed)
-    trainer = SimpleNamespace(recipe=recipe, ordinary=private, continual=None)  # e.g. `dpclip diagnose`
-    measured = public_rows_of(trainer)["features"]
+    measured = public_rows_of(recipe, private)["features"]  # e.g. `dpclip diagnose`: no continual schedule
     assert len(measured) == load_public(recipe).num_train < 180
     carved = load_public(recipe)
     assert torch.equal(measured, carved.train["features"])

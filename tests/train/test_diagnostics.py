@@ -11,7 +11,7 @@ from dpclip.train import diagnostics as diagnostics_module
 from dpclip.train.diagnostics import DIAGNOSTICS_FILE, MEASURED, choose_rows, make_record, read_records
 from dpclip.train.diagnostics_plots import HESSIAN_PLOT
 from dpclip.train.plan import PRIVATE_HESSIAN_DIAGNOSTICS
-from dpclip.train.trainer import Trainer
+from dpclip.train.parts import assemble
 from dpclip.train.workflow import train
 
 PRIVATE = ("diagnostics.data=private", "diagnostics.private_not_covered=true")
@@ -86,9 +86,8 @@ def test_measuring_does_not_change_what_training_does(small_recipe, one_thread):
 
 
 def test_a_resumed_run_does_not_measure_a_step_twice(small_recipe, one_thread, tmp_path):
-    trainer = Trainer(small_recipe("diagnostics.every_steps=4", "diagnostics.probes=2", "diagnostics.per_sample=2",
-                                   *PRIVATE))
-    trainer.setup()
+    trainer = assemble(small_recipe("diagnostics.every_steps=4", "diagnostics.probes=2", "diagnostics.per_sample=2",
+                                    *PRIVATE))
     try:
         path = tmp_path / DIAGNOSTICS_FILE
         path.write_text(json.dumps({"step": 8, "data": "private"}) + "\n")
@@ -107,7 +106,6 @@ def test_the_probes_and_rows_come_from_a_private_generator_not_the_seed(small_re
     real = diagnostics_module.private_generator
     monkeypatch.setattr(diagnostics_module, "private_generator",
                         lambda seed, purpose, *a: asked.append((seed, purpose)) or real(seed, purpose, *a))
-    trainer = Trainer(small_recipe("seed=7", "diagnostics.every_steps=4", *PRIVATE))
-    trainer.setup()
+    trainer = assemble(small_recipe("seed=7", "diagnostics.every_steps=4", *PRIVATE))
     trainer.engine.detach()
     assert asked == [(None, "hessian-diagnostics")]  # OS entropy: the recipe's seed 7 is not used

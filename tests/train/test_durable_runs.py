@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from dpclip.errors import DpclipError
 from dpclip.recipe import recipe_to_yaml
-from dpclip.train import trainer
+from dpclip.train import state as state_module
 from dpclip.train.workflow import train
 
 
@@ -68,15 +68,15 @@ def test_a_checkpoint_is_made_when_every_minutes_have_passed(small_recipe, monke
         clock["now"] += 25.0  # every reading is 25 s later: a checkpoint is due every few steps
         return clock["now"]
 
-    monkeypatch.setattr(trainer.time, "monotonic", fake_monotonic)
+    monkeypatch.setattr(state_module.time, "monotonic", fake_monotonic)
     saved = []
-    save = trainer.save_checkpoint
+    save = state_module.save_checkpoint
 
     def recording_save(run_dir, step, model, state, keep):
         saved.append(step)
         return save(run_dir, step, model, state, keep)
 
-    monkeypatch.setattr(trainer, "save_checkpoint", recording_save)
+    monkeypatch.setattr(state_module, "save_checkpoint", recording_save)
     short = ("training.steps=6", "model.hidden=[16]", "checkpoint.every_steps=null", "eval.every_steps=null")
     train(small_recipe(*short, "checkpoint.every_minutes=1"))
     assert saved[0] == 0 and saved[-1] == 6 and len(saved) > 2, saved

@@ -14,7 +14,7 @@ from torch import nn
 from dpclip.accounting import Ledger, steps_for_epochs
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
-from dpclip.train import phases, trainer
+from dpclip.train import parts, phases, trainer
 from dpclip.train.phases import dpmd_alpha, mix_gradients, reset_states, sample_alpha
 from dpclip.train.workflow import train
 
@@ -66,14 +66,14 @@ def test_switch_run_charges_only_the_private_steps_as_dp_accounting_does(continu
 def test_public_phase_draws_no_private_batch(continual_recipe, monkeypatch):
     """The private sampler is touched only by private steps: as many draws as private steps."""
     draws = []
-    iterate = trainer.PoissonSampler.__iter__
+    iterate = parts.PoissonSampler.__iter__
 
     def counted(self):
         for batch in iterate(self):
             draws.append(len(draws))
             yield batch
 
-    monkeypatch.setattr(trainer.PoissonSampler, "__iter__", counted)
+    monkeypatch.setattr(parts.PoissonSampler, "__iter__", counted)
     seen = []
     public_step = phases.Continual._public_train_step
 
@@ -204,11 +204,12 @@ def test_switch_carries_adam_state_with_m_reset_and_reinitialises_the_head(conti
         head = self.head[2]
         seen["head_before"] = head.weight.detach().clone()
         seen["public_state"] = {id(p): {k: v.clone() for k, v in s.items()} for p, s in self.public_optimizer.state.items()}
-        switch(self, reason)
+        record = switch(self, reason)
         seen["head_after"] = head.weight.detach().clone()
         seen["private_state"] = {id(p): {k: v.clone() for k, v in s.items()}
-                                 for p, s in self.trainer.optimizer.state.items()}
+                                 for p, s in self.optimizer.state.items()}
         seen["head_ids"] = {id(p) for p in head.parameters()}
+        return record
 
     monkeypatch.setattr(phases.Continual, "_switch", spy)
     train(continual_recipe("training.optimizer={kind: adam, lr: 0.003}",
@@ -241,14 +242,14 @@ def test_linear_probe_steps_are_planned_charged_and_move_only_the_head(continual
     recipe = continual_recipe("continual={switch: {rule: step, at_step: 2}, at_switch: {reinit_head: true, "
                               "linear_probe_epochs: 0.1}}")
     moved = []
-    step = trainer.Trainer._train_step
+    step = trainer.train_step
 
-    def spy(self, indices):
-        before = {name: p.detach().clone() for name, p in self.model.named_parameters()}
-        step(self, indices)
-        moved.append({name for name, p in self.model.named_parameters() if not torch.equal(before[name], p)})
+    def spy(run, state, indices, output):
+        before = {name: p.detach().clone() for name, p in run.model.named_parameters()}
+        step(run, state, indices, output)
+        moved.append({name for name, p in run.model.named_parameters() if not torch.equal(before[name], p)})
 
-    monkeypatch.setattr(trainer.Trainer, "_train_step", spy)
+    monkeypatch.setattr(trainer, "train_step", spy)
     result = train(recipe)
     probe = steps_for_epochs(0.1, 64 / 1294)
     assert result.steps_planned == 6 + probe and result.steps_done == 6 + probe
@@ -274,11 +275,11 @@ def test_resume_mid_phase_continues_it_with_the_same_ledger(continual_recipe, tm
         count = 0
 
     public_step = phases.Continual._public_train_step
-    private_step = trainer.Trainer._train_step
+    private_step = trainer.train_step
 
     def stop_after(fn, n):
-        def wrapped(self, *args):
-            out = fn(self, *args)
+        def wrapped(*args):
+            out = fn(*args)
             Interrupt.count += 1
             if Interrupt.count == n:
                 signal_flag[0].requested = True
@@ -286,17 +287,17 @@ def test_resume_mid_phase_continues_it_with_the_same_ledger(continual_recipe, tm
         return wrapped
 
     signal_flag = []
-    deferred = trainer._deferred_interrupt.__enter__
+    deferred = trainer.DeferredInterrupt.__enter__
 
     def enter(self):
         signal_flag.append(self)
         return deferred(self)
 
-    monkeypatch.setattr(trainer._deferred_interrupt, "__enter__", enter)
+    monkeypatch.setattr(trainer.DeferredInterrupt, "__enter__", enter)
     if where == "public":
         monkeypatch.setattr(phases.Continual, "_public_train_step", stop_after(public_step, 3))
     else:
-        monkeypatch.setattr(trainer.Trainer, "_train_step", stop_after(private_step, 3))
+        monkeypatch.setattr(trainer, "train_step", stop_after(private_step, 3))
     first = train(recipe.model_copy(update={"output_dir": str(tmp_path / "again")}))
     assert first.stopped == "interrupted"
     monkeypatch.undo()

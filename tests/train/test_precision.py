@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dpclip.errors import DpclipError
-from dpclip.train.trainer import Trainer
+from dpclip.train.parts import assemble
 from dpclip.train.workflow import train
 from dpclip.train.plan import plan_for_recipe, solve_plan
 
@@ -23,8 +23,7 @@ def test_bf16_runs_a_recipe_end_to_end_on_cpu_with_float32_weights_and_the_plans
 
 
 def test_bf16_steps_run_the_forward_in_bf16_and_write_float32_gradients(small_recipe):
-    trainer = Trainer(small_recipe("training.precision=bf16", "privacy.unsafe_seeded_randomness=true"))
-    trainer.setup()
+    trainer = assemble(small_recipe("training.precision=bf16", "privacy.unsafe_seeded_randomness=true"))
     first = next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Linear))
     seen = []
     first.register_forward_hook(lambda module, args, out: seen.append(out.dtype))

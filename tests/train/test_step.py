@@ -7,22 +7,21 @@ import torch
 from dpclip.bench import make_step
 from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
 from dpclip.train.step import PrivateStep
-from dpclip.train.trainer import Trainer
+from dpclip.train.parts import RunParts, assemble
 from dpclip.train.workflow import train
 from dpclip.tuning.timing import measure_step_seconds
 
 SEEDED = ("privacy.unsafe_seeded_randomness=true", "model.hidden=[16]", "training.micro_batch_size=null")
 
 
-def _set_up(recipe) -> Trainer:
-    """A trainer built up to its first step (no run directory), its generators seeded by the recipe."""
-    trainer = Trainer(recipe)
-    trainer.setup()
-    trainer.schedule.apply(0)
-    return trainer
+def _set_up(recipe) -> RunParts:
+    """A run's parts, up to its first step (no run directory), its generators seeded by the recipe."""
+    parts = assemble(recipe)
+    parts.schedule.apply(0)
+    return parts
 
 
-def _by_hand(trainer: Trainer, indices: torch.Tensor) -> None:
+def _by_hand(trainer: RunParts, indices: torch.Tensor) -> None:
     """The private step written out as docs/training.md describes it, one backward per batch."""
     rows = {name: tensor[indices] for name, tensor in trainer.data.train.items()}
     if len(indices):

@@ -16,10 +16,10 @@ proves nothing (T == B), so the engine *probes* instead (docs/engine.md, "The ba
 - :mod:`.site`: what a layer rule's capture offers about the batch.
 """
 
-from dpclip.engine.batch_axis.chained import ChainState, _Chained
+from dpclip.engine.batch_axis.chained import ChainState, Chained
 from dpclip.engine.batch_axis.consumers import Consumer, ConsumerCheck
 from dpclip.engine.batch_axis.layout import (BATCH_FIRST, BATCH_HINT, BROADCAST_HINT, CallLayout,
-                                             Layout, _same, call_leaves, check_batch, expand_shared,
+                                             Layout, same_batch, call_leaves, check_batch, expand_shared,
                                              shared_lead1, tensor_leaves, to_batch_first)
 from dpclip.engine.batch_axis.probe import Probe, compare, resized
 from dpclip.engine.batch_axis.site import SiteBatch
@@ -27,4 +27,4 @@ from dpclip.engine.batch_axis.state import BatchAxes
 
 __all__ = ["BATCH_FIRST", "BATCH_HINT", "BROADCAST_HINT", "BatchAxes", "CallLayout", "ChainState",
            "Consumer", "ConsumerCheck", "Layout", "Probe", "call_leaves", "compare", "expand_shared",
-           "resized", "shared_lead1", "SiteBatch", "check_batch", "tensor_leaves", "to_batch_first", "_Chained", "_same"]
+           "resized", "shared_lead1", "SiteBatch", "check_batch", "tensor_leaves", "to_batch_first", "Chained", "same_batch"]

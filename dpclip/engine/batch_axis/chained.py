@@ -2,7 +2,7 @@
 
 T5's relative position bias: the bias Embedding gets shared [T, T] buckets, ``permute`` and
 ``unsqueeze`` keep its output shared, each layer's attention adds it to its scores (or takes
-it as sdpa's mask). :class:`_Chained` carries the output's plain values; at each consumer the
+it as sdpa's mask). :class:`Chained` carries the output's plain values; at each consumer the
 probes established, the layer runs book-kept on its input expanded over the batch (once per
 forward), the chain is replayed per sample (vmap), and the consumer gets the result with the
 batch where the probe found it: the same values, an output gradient per sample.
@@ -16,12 +16,12 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dpclip.engine.batch_axis.consumers import _CHAIN, _EVENTS, Consumer, _name
+from dpclip.engine.batch_axis.consumers import CHAIN, EVENTS, Consumer, func_name
 from dpclip.engine.batch_axis.layout import BROADCAST_HINT
 from dpclip.errors import EngineError
 
 
-class _Chained(Tensor):
+class Chained(Tensor):
     """At run time: the output of a layer fed a shared input, whose probed consumers broadcast
     it over the batch only after a chain of ops (T5's relative position bias: ``permute``,
     ``unsqueeze``, then added to each layer's attention scores). It carries the output's
@@ -34,8 +34,8 @@ class _Chained(Tensor):
     _dp_chain: tuple
 
     @staticmethod
-    def wrap(value: Tensor, state: "ChainState", chain: tuple = ()) -> "_Chained":
-        t = value.as_subclass(_Chained)
+    def wrap(value: Tensor, state: "ChainState", chain: tuple = ()) -> "Chained":
+        t = value.as_subclass(Chained)
         t._dp_state, t._dp_chain = state, chain
         return t
 
@@ -43,8 +43,8 @@ class _Chained(Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat, spec = tree_flatten((args, kwargs))
-        mine = [i for i, t in enumerate(flat) if isinstance(t, _Chained)]
-        name = _name(func)
+        mine = [i for i, t in enumerate(flat) if isinstance(t, Chained)]
+        name = func_name(func)
         with torch._C.DisableTorchFunctionSubclass():
             if not mine:
                 return func(*args, **kwargs)
@@ -62,12 +62,12 @@ class _Chained(Tensor):
                 a, k = tree_unflatten(leaves, spec)
                 return func(*a, **k)
 
-            if not others and name in _CHAIN:   # still shared: one more link of the chain
+            if not others and name in CHAIN:   # still shared: one more link of the chain
                 out = func(*args, **kwargs)
                 if out is me or not isinstance(out, Tensor):
                     return out
-                return _Chained.wrap(out, state, me._dp_chain + (link,))
-            if name not in _EVENTS:
+                return Chained.wrap(out, state, me._dp_chain + (link,))
+            if name not in EVENTS:
                 out = func(*args, **kwargs)
                 if isinstance(out, Tensor) and out is not me:
                     raise EngineError(f"module {state.label}: its output is consumed by `{name}`, "
@@ -75,7 +75,7 @@ class _Chained(Tensor):
                 return out                      # a metadata read (the unexpanded shape)
             event = state.next_event(name)
             if event.result_batch is None:      # the other operands are shared too: a link
-                return _Chained.wrap(func(*args, **kwargs), state, me._dp_chain + (link,))
+                return Chained.wrap(func(*args, **kwargs), state, me._dp_chain + (link,))
             # a consumer: the chained output with the batch where the probe found it
             leaves = list(flat)
             leaves[i] = state.batched(me._dp_chain, tuple(me.shape), event)

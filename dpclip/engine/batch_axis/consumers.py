@@ -30,9 +30,9 @@ _MATMUL = {"matmul", "__matmul__", "__rmatmul__"}
 #: consumers that broadcast with no other tensor: the batch comes from their sizes
 _EXPANDS = {"expand", "broadcast_to"}
 _SDPA = "scaled_dot_product_attention"   # a consumer when the tensor is its attn_mask
-_EVENTS = _BROADCASTING | _MATMUL | _EXPANDS | {_SDPA}
+EVENTS = _BROADCASTING | _MATMUL | _EXPANDS | {_SDPA}
 #: ops that keep a shared tensor shared (no other tensor involved): the chain before a broadcast
-_CHAIN = {
+CHAIN = {
     "to", "contiguous", "clone", "float", "double", "half", "bfloat16", "detach", "permute",
     "unsqueeze", "squeeze", "transpose", "t", "view", "reshape", "flatten", "unflatten",
     "movedim", "narrow", "select", "__getitem__", "neg", "__neg__", "tanh", "sigmoid", "exp",
@@ -41,7 +41,7 @@ _SHAPE_READS = {"shape", "size", "dim", "ndim", "ndimension", "numel", "nelement
                 "stride", "__iter__", "unbind", "tolist", "item"}
 
 
-def _name(func) -> str:
+def func_name(func) -> str:
     name = getattr(func, "__name__", "") or repr(func)
     if name == "__get__":   # a property getter: name the property
         name = getattr(getattr(func, "__self__", None), "__name__", name)
@@ -102,7 +102,7 @@ class ConsumerCheck(TorchFunctionMode):
         except Exception:
             if self.tracked:
                 for hit in filter(None, map(self._hit, tree_flatten((args, kwargs))[0])):
-                    self.fail(hit[1], f"`{_name(func)}` fails on its output")
+                    self.fail(hit[1], f"`{func_name(func)}` fails on its output")
             raise
         if self.tracked:
             flat = tree_flatten((args, kwargs))[0]
@@ -112,7 +112,7 @@ class ConsumerCheck(TorchFunctionMode):
         return out
 
     def _check(self, func, args: tuple, kwargs: dict, flat: list, hits: list, out) -> None:
-        name, key = _name(func), hits[0][1]
+        name, key = func_name(func), hits[0][1]
         if self._hit(out) is not None:          # returned itself (.to() on its own device)
             return
         if not isinstance(out, Tensor):
@@ -124,9 +124,9 @@ class ConsumerCheck(TorchFunctionMode):
         others = [t for t in flat if isinstance(t, Tensor) and self._hit(t) is None]
         if len(hits) > 1:
             self.fail(key, f"its output meets another shared tensor in `{name}`")
-        elif not others and name in _CHAIN:
+        elif not others and name in CHAIN:
             self.track(out, key, hits[0][2] + 1)
-        elif name in _EVENTS:
+        elif name in EVENTS:
             result = tuple(out.shape)
             if name == _SDPA:
                 result = _sdpa_shape(args, kwargs, hits[0][0])

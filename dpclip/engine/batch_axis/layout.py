@@ -89,7 +89,7 @@ def shared_lead1(lay: Layout, t: Tensor, feature_dims: int | None) -> bool:
     return lay.lead1 and t.dim() > (feature_dims or 0)
 
 
-def _same(y: Tensor) -> Tensor:
+def same_batch(y: Tensor) -> Tensor:
     return y
 
 
@@ -106,9 +106,9 @@ def to_batch_first(t: Tensor, lay: Layout, batch: int, feature_dims: int | None,
                           f"{tuple(t.shape)} cannot be established: {lay.error}", BATCH_HINT)
     k = lay.dim
     if k == 0 and not lay.merged:
-        return t, _same
+        return t, same_batch
     if k is None:
-        return expand_shared(t, shared_lead1(lay, t, feature_dims), batch), _same
+        return expand_shared(t, shared_lead1(lay, t, feature_dims), batch), same_batch
     if feature_dims is None or k >= t.dim() - feature_dims:
         kind = "merged with positions " if lay.merged else ""
         raise EngineError(

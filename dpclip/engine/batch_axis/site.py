@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dpclip.engine.batch_axis.chained import ChainState, _Chained
-from dpclip.engine.batch_axis.layout import (CallLayout, Layout, _same, expand_shared,
+from dpclip.engine.batch_axis.chained import ChainState, Chained
+from dpclip.engine.batch_axis.layout import (CallLayout, Layout, same_batch, expand_shared,
                                              shared_lead1, to_batch_first)
 from dpclip.errors import EngineError
 
@@ -52,13 +52,13 @@ class SiteBatch:
         (:func:`dpclip.engine.batch_axis.to_batch_first`)."""
         lay = self.layout_of(t)
         if lay.dim == 0 and not lay.merged:      # the common case: nothing to move
-            return t, _same
+            return t, same_batch
         return to_batch_first(t, lay, self.batch_size, feature_dims, self.label)
 
     def chained(self, rule, x: Tensor) -> Tensor:
         """The output for a shared input ``x`` whose probed consumers broadcast it over the
         batch after a chain of ops: plain values now; the book-kept call on ``x`` expanded
-        over the batch runs at the first consumer (:class:`~dpclip.engine.batch_axis._Chained`)."""
+        over the batch runs at the first consumer (:class:`~dpclip.engine.batch_axis.Chained`)."""
         module, batch = self.module, self.batch_size
         lead1 = shared_lead1(self.layout_of(x), x, rule.feature_dims(module))
         with torch.no_grad(), self.bypass():
@@ -69,4 +69,4 @@ class SiteBatch:
             out = self.op(rule, a, info)
             return out.unsqueeze(1) if lead1 else out
 
-        return _Chained.wrap(y, ChainState(self.label, batch, self.layout.consumers, materialize))
+        return Chained.wrap(y, ChainState(self.label, batch, self.layout.consumers, materialize))

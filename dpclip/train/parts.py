@@ -1,0 +1,234 @@
+"""Assembly: a recipe -> the frozen parts of a run (data, model, plan, engine, optimizer,
+sampler, step), in the one order that keeps a seeded run reproducible.
+
+Every caller that needs the training step builds it here: ``dpclip train``
+(:mod:`dpclip.train.workflow`), ``tune-cost``'s timing (:mod:`dpclip.tuning.timing`),
+``dpclip bench`` and ``dpclip diagnose`` (:mod:`dpclip.train.diagnose`). The order matters:
+the global RNG is seeded first and drives the model's initial weights and dropout (never
+noise or batches: those have their own generators, :mod:`dpclip.rng`).
+
+:class:`RunParts` is frozen: the loop (:mod:`dpclip.train.trainer`) steps a
+:class:`~dpclip.train.state.RunState` with the parts and never replaces one. The objects
+inside (model, optimizer, sampler, engine) do change as they train; their states are what
+a checkpoint holds (:mod:`dpclip.train.state`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dpclip.accounting import solve
+from dpclip.data import PoissonSampler, ShuffleSampler, load_data
+from dpclip.data.canaries import make_canaries, with_canaries
+from dpclip.distributed import ShardedPoissonSampler, ShardedShuffleSampler, World
+from dpclip.distributed.pipeline import PipelineStep, pipeline_engine, pipeline_input
+from dpclip.engine import DPEngine
+from dpclip.errors import DpclipError
+from dpclip.models import build_model
+from dpclip.recipe import Recipe
+from dpclip.train.diagnostics import recorder_for
+from dpclip.train.optim import LrSchedule, build_optimizer
+from dpclip.train.phases import continual_run
+from dpclip.train.plan import count_groups, engine_clipping, privacy_plan, private_seed, timing_clipping
+from dpclip.train.ranks import check_ranks
+from dpclip.train.rundir import PLAN_FIELDS, recipe_changes
+from dpclip.train.step import PrivateStep, step_micro_batch_size, step_precision
+
+# Stand-in noise for timing only: the cost of a step does not depend on σ.
+TIMING_SIGMA = 1.0
+TIMING_STATISTIC_SIGMA = 5.0
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """What a run is made of, built once by :func:`assemble` (module doc).
+
+    ``data`` is what the steps sample from (canaries included); ``ordinary`` the training
+    data before the canaries went in (N, the sampling rate's denominator, counts these).
+    ``plan`` and ``solved`` are None only for :func:`assemble_for_timing`'s stand-in parts."""
+
+    recipe: Recipe
+    world: World
+    data: Any
+    ordinary: Any
+    canaries: Any
+    model: torch.nn.Module
+    loss_fn: Any
+    plan: Any
+    solved: Any
+    seed_of_noise: int | None
+    engine: Any
+    optimizer: torch.optim.Optimizer
+    schedule: LrSchedule | None
+    private_step: Any          # PrivateStep, or a pipeline stage's PipelineStep
+    sampler: Any
+    continual: Any = None      # the continual schedule (dpclip.train.phases.Continual), or None
+    diagnostics: Any = None    # the Hessian diagnostics recorder (dpclip.train.diagnostics)
+    sigma_change: dict[str, Any] | None = None
+
+    @property
+    def split(self):
+        return self.solved.split
+
+    @property
+    def pipeline(self) -> bool:
+        return self.recipe.training.parallel == "pipeline"
+
+    def info(self, resume_changes: dict[str, list[Any]]) -> dict[str, Any]:
+        """What the run is about to do (the observer's start, and meta.json's plan)."""
+        recipe, plan, split = self.recipe, self.plan, self.split
+        return {
+            "name": recipe.name, "steps": plan.steps, "sample_rate": plan.sample_rate,
+            "num_train": self.ordinary.num_train, "num_test": self.data.num_test,
+            "canaries_included": None if self.canaries is None else int(self.canaries.included.sum()),
+            "groups": self.engine.group_names, "noise_multiplier": split.noise_multiplier,
+            "gradient_noise_multiplier": split.gradient_noise_multiplier, "sigma_aux": split.sigma_aux,
+            "planned_epsilon": self.solved.epsilon, "delta": plan.delta, "accountant": plan.accountant,
+            "epsilon_cap": recipe.privacy.epsilon,
+            "parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+            "seeded_randomness": recipe.privacy.unsafe_seeded_randomness,
+            "exact_diagnostics": recipe.privacy.exact_diagnostics,
+            "sigma_change": self.sigma_change, "resume_changes": resume_changes,
+            "threads": torch.get_num_threads(),  # a resume replays steps: same count (dpclip.threads)
+            "world_size": self.world.size,
+            "continual": None if self.continual is None else self.continual.info(),
+        }
+
+
+def seeded_data(recipe: Recipe, data=None):
+    """The global RNG seeded with the recipe's seed, then the data (``data`` when given)."""
+    # The global RNG drives only what is not private (dropout); noise and batches have their own
+    # generators from OS entropy (dpclip.rng).
+    torch.manual_seed(recipe.seed)
+    return load_data(recipe.data, seed=recipe.seed) if data is None else data
+
+
+def load_model(recipe: Recipe, data=None):
+    """(data, model, loss_fn): :func:`seeded_data`, then the model at its initial weights."""
+    data = seeded_data(recipe, data)
+    model, loss_fn = build_model(recipe.model, data, seed=recipe.seed)
+    return data, model, loss_fn
+
+
+def build_engine(model, clipping: dict[str, Any], *, gradient_noise_multiplier: float, batch_size: int,
+                 seed: int | None = None, sample_rate: float | None = None, world: World | None = None,
+                 pipeline: bool = False):
+    """The engine on ``model``: a :class:`~dpclip.engine.DPEngine`, or this rank's pipeline
+    stage (docs/distributed.md, "Pipeline stages")."""
+    if pipeline:
+        return pipeline_engine(model, clipping, world, gradient_noise_multiplier=gradient_noise_multiplier,
+                               expected_batch_size=batch_size, seed=seed, sample_rate=sample_rate)
+    return DPEngine(model, clipping, gradient_noise_multiplier=gradient_noise_multiplier, expected_batch_size=batch_size,
+                    seed=seed, sample_rate=sample_rate, reducer=None if world is None else world.reducer)
+
+
+def build_step(recipe: Recipe, model, loss_fn, engine, train_rows, *, pipeline: bool = False):
+    """(optimizer, private step): the recipe's optimizer over the trainable parameters this
+    process owns (a pipeline stage: its own), and the one private step."""
+    training = recipe.training
+    owned = engine.module if pipeline else model
+    optimizer = build_optimizer(training.optimizer, [p for p in owned.parameters() if p.requires_grad])
+    if pipeline:
+        return optimizer, PipelineStep(engine, optimizer, train_rows, loss_fn.criterion, pipeline_input(loss_fn),
+                                       training.micro_batch_size or training.batch_size)
+    return optimizer, PrivateStep(model, loss_fn, engine, optimizer, train_rows,
+                                  micro_batch_size=step_micro_batch_size(recipe),
+                                  precision=step_precision(recipe, model))
+
+
+def build_sampler(recipe: Recipe, plan, num_train: int, world: World, seed: int | None):
+    """The private batches: Poisson or shuffled, one process's or this rank's part."""
+    training = recipe.training
+    sharded = world.size > 1 and training.parallel != "pipeline"  # a pipeline's batches are rank 0's draws
+    if sharded and training.sampling == "poisson":  # each rank draws its own examples' part
+        return ShardedPoissonSampler(num_train, plan.sample_rate, plan.steps, rank=world.rank,
+                                     world_size=world.size, seed=seed)
+    if sharded:  # rank 0 draws each epoch's permutation; each rank takes its slice
+        return ShardedShuffleSampler(num_train, training.batch_size, plan.steps, rank=world.rank,
+                                     world_size=world.size, broadcast_=world.broadcast_, seed=seed)
+    if training.sampling == "poisson":
+        return PoissonSampler(num_train, plan.sample_rate, plan.steps, seed=seed)
+    return ShuffleSampler(num_train, training.batch_size, plan.steps, seed=seed)
+
+
+def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_recipe: Recipe | None = None,
+             resuming: bool = False) -> RunParts:
+    """The parts of a run of ``recipe``, in this order (the global RNG is seeded first, so the
+    order matters): data, the ranks' agreement on it, model, privacy plan (canaries join the
+    data after N is counted), engine, optimizer and step, sampler, continual schedule,
+    diagnostics. ``file_recipe``: the recipe before key=value overrides (σ is compared with
+    its plan; not on a resume)."""
+    world = world or World()
+    pipeline = recipe.training.parallel == "pipeline"
+    ordinary = seeded_data(recipe, data)
+    check_ranks(recipe, world, ordinary)  # before the model: a rank with other data stops here
+    model, loss_fn = build_model(recipe.model, ordinary, seed=recipe.seed)
+    # A statistic's sensitivity grows with the number of groups, which depends on the model.
+    num_groups = count_groups(recipe, model)
+    # N is the number of ordinary training examples, counted before any canary goes in
+    # (see dpclip.data.canaries: q = B/N applies to canaries too, as `dpclip account` says).
+    plan = privacy_plan(recipe, ordinary.num_train, groups=num_groups)
+    canaries, data = None, ordinary
+    if recipe.audit.canaries is not None:
+        canaries = make_canaries(ordinary, recipe.audit.canaries, recipe.seed)
+        data = with_canaries(ordinary, canaries)
+    solved = solve(plan)
+    sigma_change = None if resuming else _sigma_change(file_recipe, recipe, ordinary.num_train, num_groups, plan, solved)
+    # Private randomness (noise, batches) comes from OS entropy unless the recipe opts in.
+    seed = private_seed(recipe)
+    engine = build_engine(model, engine_clipping(recipe, solved.split.sigma_aux),
+                          gradient_noise_multiplier=solved.split.gradient_noise_multiplier, batch_size=recipe.training.batch_size,
+                          seed=seed, sample_rate=plan.sample_rate, world=world, pipeline=pipeline)
+    optimizer, private_step = build_step(recipe, model, loss_fn, engine, data.train, pipeline=pipeline)
+    # Base lrs are read now, before a resumed optimizer state overwrites the scheduled ones.
+    schedule = LrSchedule(optimizer, recipe.training.schedule, plan.steps)
+    sampler = build_sampler(recipe, plan, data.num_train, world, seed)
+    # Public data and phases (docs/continual.md), or None.
+    continual = continual_run(recipe, model=model, loss_fn=loss_fn, engine=engine, optimizer=optimizer,
+                              private_step=private_step, private_data=ordinary, plan=plan,
+                              gradient_noise_multiplier=solved.split.gradient_noise_multiplier, seed=seed)
+    diagnostics = recorder_for(recipe, model=model, loss_fn=loss_fn, engine=engine, private_data=ordinary,
+                               sigma=solved.split.gradient_noise_multiplier,
+                               public_rows=None if continual is None or continual.public is None
+                               else continual.public.train)
+    return RunParts(recipe, world, data, ordinary, canaries, model, loss_fn, plan, solved, seed, engine, optimizer,
+                    schedule, private_step, sampler, continual, diagnostics, sigma_change)
+
+
+def assemble_for_timing(recipe: Recipe, steps: int) -> RunParts:
+    """Stand-in parts that time ``steps`` private steps of ``recipe``: the same data, model,
+    engine, optimizer and step, with stand-in noise (its value does not change a step's cost)
+    and no privacy plan (nothing of these steps is released)."""
+    data, model, loss_fn = load_model(recipe)
+    batch_size = min(recipe.training.batch_size, data.num_train)
+    sample_rate = batch_size / data.num_train
+    clipping = timing_clipping(recipe, TIMING_STATISTIC_SIGMA)
+    engine = build_engine(model, clipping, gradient_noise_multiplier=TIMING_SIGMA, batch_size=batch_size,
+                          sample_rate=sample_rate)
+    optimizer, private_step = build_step(recipe, model, loss_fn, engine, data.train)
+    sampler = PoissonSampler(data.num_train, sample_rate, steps)
+    return RunParts(recipe, World(), data, data, None, model, loss_fn, None, None, None, engine, optimizer, None,
+                    private_step, sampler)
+
+
+def _sigma_change(reference: Recipe | None, recipe: Recipe, num_train: int, num_groups: int, plan,
+                  solved) -> dict[str, Any] | None:
+    """σ (or ε, at a given σ) of the recipe file's own plan beside this run's, when the
+    overrides changed what the plan depends on (steps, batch size, sampling): ε is what
+    the recipe fixes, so fewer steps mean less noise per step (docs/training.md)."""
+    if reference is None or reference.data != recipe.data:
+        return None
+    changed = {key: value for key, value in recipe_changes(reference, recipe).items()
+               if key in PLAN_FIELDS or key.startswith("privacy.")}
+    if not any(key in PLAN_FIELDS for key in changed):
+        return None
+    try:
+        before = solve(privacy_plan(reference, num_train, groups=num_groups))
+    except DpclipError:
+        return None  # the file's own plan is not feasible on this data; the run's is
+    return {"changed": changed, "sigma_file": before.split.noise_multiplier, "sigma": solved.split.noise_multiplier,
+            "epsilon_file": before.epsilon, "epsilon": solved.epsilon,
+            "calibrated": plan.target_epsilon is not None}

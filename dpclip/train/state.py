@@ -1,0 +1,150 @@
+"""A run's state, and the one checkpointer that saves and restores all of it.
+
+:class:`RunState` is what changes from step to step besides the weights: the step count,
+the ledger (and how many of its steps ledger.json already holds), the steps' wall time. The
+rest of a run's state lives in its parts while it trains (:mod:`dpclip.train.parts`): the
+optimizer's state, the sampler's and the engine's generators, the threshold policy, torch's
+global RNG (dropout), the continual schedule. :func:`checkpoint_tree` gathers all of it,
+:func:`restore` puts it back, and :class:`Checkpointer` is the only writer and reader of
+checkpoints (the file format: :mod:`dpclip.train.checkpoint`).
+
+Across ranks (docs/distributed.md): rank 0 writes the checkpoint with every rank's own part
+(sampler, RNG; a pipeline stage's optimizer and engine) gathered to it, and on resume hands
+each rank its part.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpclip.accounting import Ledger
+from dpclip.distributed.pipeline import sync_stages
+from dpclip.errors import DpclipError
+from dpclip.layout import STATE
+from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from dpclip.train.ranks import check_world_size, rank_states, share_run_dir
+from dpclip.train.rundir import (RunDir, check_canaries, check_data, check_ledger, read_ledger, record_resume_changes,
+                                 released_records)
+
+
+@dataclass
+class RunState:
+    """The step count and the ledger of a run (module doc). ``released_steps``: the steps
+    ledger.json holds, which may be ahead of a resumed checkpoint after a crash and never
+    move back. ``step_seconds``: this process's private steps' wall time (never written:
+    see :class:`~dpclip.train.result.TrainResult`)."""
+
+    ledger: Ledger
+    step: int = 0
+    released_steps: int = 0
+    step_seconds: float = 0.0
+
+
+def rank_local_state(parts) -> dict[str, Any]:
+    """What each rank holds of its own: its sampler and RNG (a pipeline stage: also its
+    optimizer and engine, its noise generator and thresholds)."""
+    state = {"sampler": parts.sampler.state_dict(), "torch_rng": torch.get_rng_state()}
+    if parts.pipeline:
+        state.update(optimizer=parts.optimizer.state_dict(), engine=parts.engine.state_dict())
+    return state
+
+
+def checkpoint_tree(parts, state: RunState, ranks: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """Everything a checkpoint holds besides the weights."""
+    tree = {"step": state.step, "optimizer": parts.optimizer.state_dict(), "sampler": parts.sampler.state_dict(),
+            "engine": parts.engine.state_dict(), "torch_rng": torch.get_rng_state(), "ledger": state.ledger.to_dict()}
+    if parts.continual is not None:
+        tree["continual"] = parts.continual.state_dict()
+    if ranks is not None:
+        tree["ranks"] = ranks
+    return tree
+
+
+def restore(parts, state: RunState, tree: dict[str, Any], local: dict[str, Any] | None = None) -> None:
+    """Put a checkpoint's ``tree`` back into ``parts`` and ``state``; ``local``: this rank's
+    own part of it (another rank than 0's), else the tree's."""
+    local = tree if local is None else local
+    state.step = int(tree["step"])
+    state.ledger = Ledger.from_dict(tree["ledger"])
+    parts.optimizer.load_state_dict((local if parts.pipeline else tree)["optimizer"])
+    parts.sampler.load_state_dict(local["sampler"])
+    parts.engine.load_state_dict((local if parts.pipeline else tree)["engine"])
+    torch.set_rng_state(local["torch_rng"])
+
+
+class Checkpointer:
+    """Saves ``state`` with ``parts`` into ``output``'s run directory, tells when a checkpoint
+    is due, and resumes a run from its latest checkpoint."""
+
+    def __init__(self, parts, state: RunState, output):
+        self.parts, self.state, self.output = parts, state, output
+        self.last_save = time.monotonic()  # checkpoint.every_minutes counts from it
+
+    def due(self, count: int) -> bool:
+        """checkpoint.every_steps (of ``count`` steps), or checkpoint.every_minutes since the
+        last checkpoint (a step boundary either way; docs/training.md, "Checkpoints and
+        resuming"). Every rank saves together: any rank's clock."""
+        every_steps, every_minutes = self.parts.recipe.checkpoint.every_steps, self.parts.recipe.checkpoint.every_minutes
+        due = bool(every_steps and count % every_steps == 0) or (
+            every_minutes is not None and time.monotonic() - self.last_save >= 60.0 * every_minutes)
+        return self.parts.world.any(due)
+
+    def save(self) -> None:
+        parts, world = self.parts, self.parts.world
+        if parts.pipeline:  # rank 0 saves the whole model: each stage's weights from its rank
+            sync_stages(parts.model, parts.engine.bounds, world)
+        ranks = rank_states(world, rank_local_state(parts))  # every rank's own part, on rank 0
+        if not world.main:
+            return
+        # The ledger goes to disk before the checkpoint that depends on it is made current.
+        self.output.write_ledger(self.state)
+        save_checkpoint(self.output.run_dir, self.state.step, parts.model, checkpoint_tree(parts, self.state, ranks),
+                        keep=parts.recipe.checkpoint.keep)
+        self.last_save = time.monotonic()
+
+    def start(self, run_dir: Path) -> None:
+        """A new run's step-0 checkpoint (with the generators' states), so that a crash
+        before the first regular checkpoint resumes into the same noise and batches."""
+        self.output.run_dir = share_run_dir(self.parts.world, run_dir, self.parts.model)
+        self.save()
+
+    def resume(self, run_dir: Path, resume_changes: dict[str, list[Any]]) -> None:
+        """Rank 0 reads the run's latest checkpoint and checks it; every rank takes its part."""
+        parts, world = self.parts, self.parts.world
+        tree = world.on_main(self._load, RunDir(run_dir), resume_changes)
+        self.output.run_dir = share_run_dir(world, Path(run_dir), parts.model)
+        if not world.main:
+            restore(parts, self.state, tree, tree["ranks"][world.rank])
+
+    def _load(self, run: RunDir, resume_changes: dict[str, list[Any]]) -> dict[str, Any]:
+        parts, state = self.parts, self.state
+        step_event, steps = parts.solved.step_event, parts.plan.steps
+        checkpoint = latest_checkpoint(run.path)
+        if checkpoint is None:
+            raise DpclipError(f"{run.path} has no checkpoint to resume from",
+                              "the run stopped before its first step was saved; start a new run")
+        tree = load_checkpoint(checkpoint, parts.model)
+        check_world_size(tree, parts.world.size, run.path)
+        restore(parts, state, tree)
+        check_ledger(state.ledger, step_event, state.step, where=checkpoint / STATE)
+        released = read_ledger(run.ledger_file) if run.ledger_file.exists() else state.ledger
+        check_ledger(released, step_event, range(state.step, steps + 1), where=run.ledger_file)
+        state.released_steps = released.steps
+        if parts.continual is not None:
+            parts.continual.load_state_dict(tree.get("continual"), run.metrics_file)
+        # Steps after the checkpoint that already left the process are redone with the
+        # checkpoint's generator states, so they must release exactly what they did.
+        self.output.replay = released_records(run.metrics_file, state.step)
+        if parts.canaries is not None:
+            check_canaries(run.path, parts.canaries)
+        check_data(run, parts.ordinary)
+        if resume_changes:
+            # The run directory says what its later steps were trained with (the privacy
+            # fields, and so the fingerprint, are unchanged: checked when the recipe was resolved).
+            record_resume_changes(run, parts.recipe, state.step, resume_changes)
+        return tree
