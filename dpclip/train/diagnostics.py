@@ -95,7 +95,7 @@ def evaluate(diag: HessianDiagnostics, *, sigma: float, batch_size: int, clip_fn
     B*_DP, ΔL*(B) private and non-private (eqs. (6), (7)), α* when there is public data."""
     c = typical_clip_factor(diag, clip_fn, threshold, gamma)
     return {
-        "noise_multiplier": sigma, "batch_size_dp": batch_size, "clip_fn": clip_fn, "threshold": threshold,
+        "gradient_noise_multiplier": sigma, "batch_size_dp": batch_size, "clip_fn": clip_fn, "threshold": threshold,
         "clip_factor": c,
         "decelerator": diag.decelerator(sigma, batch_size, c),
         "b_star_dp": diag.b_star_dp(sigma, c),
