@@ -29,6 +29,23 @@ def cli(capsys):
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(config, items):
+    """The default run (the README's `python -m pytest`) leaves out the `slow` tests: the
+    end-to-end runs, the model zoo's full cross product and the thorough property tests.
+    `python -m pytest -m slow` runs them (.ci/run does, after the default run); any `-m`
+    expression, or a slow test named by its node id, selects as written."""
+    if config.option.markexpr:
+        return
+    named = [arg.split("[")[0] for arg in config.args if "::" in arg]
+    kept, left_out = [], []
+    for item in items:
+        chosen = any(item.nodeid == arg or item.nodeid.startswith((arg + "[", arg + "::")) for arg in named)
+        (left_out if item.get_closest_marker("slow") and not chosen else kept).append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept
+
+
 @pytest.fixture
 def quickstart(tmp_path):
     """``quickstart(*overrides)``: the quickstart recipe with overrides, writing under tmp_path."""
