@@ -69,3 +69,33 @@ def test_ci_passes_when_both_runs_pass_and_runs_the_default_run_first(tmp_path):
 def test_ci_fails_when_either_run_fails_or_collects_no_tests(tmp_path, default_code, slow_code):
     code, runs = _ci_with(tmp_path, default_code, slow_code)
     assert code != 0 and len(runs) == 2
+
+
+class _Marked:
+    def __init__(self, nodeid: str, slow: bool):
+        self.nodeid, self.slow = nodeid, slow
+
+    def get_closest_marker(self, name):
+        return object() if name == "slow" and self.slow else None
+
+
+class _Config:
+    def __init__(self, markexpr: str, args: list[str]):
+        self.option = type("Option", (), {"markexpr": markexpr})()
+        self.args, self.deselected = args, []
+        self.hook = type("Hook", (), {"pytest_deselected": lambda _, items: self.deselected.extend(items)})()
+
+
+@pytest.mark.parametrize("markexpr,args,kept", [
+    ("", ["tests"], ["t.py::fast"]),                                     # the README's command
+    ("slow", ["tests"], ["t.py::fast", "t.py::slow", "t.py::slow_case[a]"]),  # -m: pytest's own selection
+    ("", ["t.py::slow_case"], ["t.py::fast", "t.py::slow_case[a]"]),     # a slow test named by its node id
+])
+def test_the_default_run_leaves_out_slow_tests_unless_selected(markexpr, args, kept):
+    from tests.conftest import pytest_collection_modifyitems
+
+    items = [_Marked("t.py::fast", False), _Marked("t.py::slow", True), _Marked("t.py::slow_case[a]", True)]
+    config = _Config(markexpr, args)
+    pytest_collection_modifyitems(config, items)
+    assert [i.nodeid for i in items] == kept
+    assert [i.nodeid for i in config.deselected] == [n for n in ("t.py::slow", "t.py::slow_case[a]") if n not in kept]
