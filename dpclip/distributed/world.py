@@ -237,8 +237,8 @@ def _import_what_would_outlive_the_group() -> None:
     that ``destroy_process_group`` cannot drop: the group's gloo threads then live on until
     the interpreter exits, and one that frees its last collective's tensors while Python
     finalizes takes the GIL there, which ends the thread inside C++ code that may not be
-    unwound: std::terminate, SIGABRT (seen on rank 1 of tests/distributed/test_pipeline.py in
-    about one run in ten). Imported first, it holds no group, and the group's threads end in
+    unwound: std::terminate, SIGABRT (rank 1 of tests/distributed/test_pipeline.py's workers,
+    2 runs in 28). Imported first, it holds no group, and the group's threads end in
     ``destroy_process_group`` (test: tests/distributed/test_teardown.py)."""
     import torch._dynamo  # noqa: F401
 
