@@ -1,9 +1,16 @@
-"""The README tells a newcomer the truth: its test command is what CI runs."""
+"""The README tells a newcomer the truth: its test command is what CI runs, then the slow tests."""
 
+import os
 import re
+import shutil
+import stat
+import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
+SLOW_RUN = "python -m pytest -m slow"
 
 
 def readme_commands() -> list[str]:
@@ -20,12 +27,75 @@ def test_readme_opens_with_a_main_job_and_a_test_command_both_pinning_torch():
     assert "pytest" in tests
 
 
-def test_ci_runs_the_readme_test_command_verbatim():
+def test_ci_runs_the_readme_test_command_verbatim_then_the_slow_tests_the_readme_names():
     tests = readme_commands()[1]
-    ci = (REPO / ".ci" / "run").read_text()
-    assert tests in ci.splitlines()
+    lines = (REPO / ".ci" / "run").read_text().splitlines()
+    assert tests in lines and SLOW_RUN in lines
+    assert lines.index(tests) < lines.index(SLOW_RUN)
+    assert f"`{SLOW_RUN}`" in (REPO / "README.md").read_text()
 
 
-def test_ci_treats_pytest_collecting_nothing_as_failure():
-    ci = (REPO / ".ci" / "run").read_text()
-    assert '"$status" -eq 5' in ci and "exit 1" in ci
+def _executable(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def _ci_with(tmp_path: Path, default_code: int, slow_code: int) -> tuple[int, list[str]]:
+    """.ci/run in a copy of the repo whose python3, pip and python are stubs: pytest's default
+    run exits ``default_code``, its slow run ``slow_code``; returns CI's exit code and the
+    pytest runs it made, in order."""
+    repo, stubs = tmp_path / "repo", tmp_path / "stubs"
+    (repo / ".ci").mkdir(parents=True)
+    stubs.mkdir()
+    shutil.copy(REPO / ".ci" / "run", repo / ".ci" / "run")
+    _executable(stubs / "python3", f'#!/bin/sh\nmkdir -p .venv/bin\necho \'export PATH="{stubs / "venv"}:$PATH"\' '
+                                   '> .venv/bin/activate\n')
+    (stubs / "venv").mkdir()
+    _executable(stubs / "venv" / "pip", "#!/bin/sh\nexit 0\n")
+    _executable(stubs / "venv" / "python", f'#!/bin/sh\necho "$*" >> {tmp_path / "runs.log"}\n'
+                                           f'case "$*" in *"-m slow"*) exit {slow_code};; esac\nexit {default_code}\n')
+    env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}")
+    done = subprocess.run(["bash", str(repo / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
+    runs = (tmp_path / "runs.log").read_text().splitlines() if (tmp_path / "runs.log").exists() else []
+    return done.returncode, runs
+
+
+def test_ci_passes_when_both_runs_pass_and_runs_the_default_run_first(tmp_path):
+    code, runs = _ci_with(tmp_path, 0, 0)
+    assert code == 0 and runs == ["-m pytest", "-m pytest -m slow"]
+
+
+@pytest.mark.parametrize("default_code,slow_code", [(1, 0), (0, 1), (5, 0), (0, 5), (2, 0)])
+def test_ci_fails_when_either_run_fails_or_collects_no_tests(tmp_path, default_code, slow_code):
+    code, runs = _ci_with(tmp_path, default_code, slow_code)
+    assert code != 0 and len(runs) == 2
+
+
+class _Marked:
+    def __init__(self, nodeid: str, slow: bool):
+        self.nodeid, self.slow = nodeid, slow
+
+    def get_closest_marker(self, name):
+        return object() if name == "slow" and self.slow else None
+
+
+class _Config:
+    def __init__(self, markexpr: str, args: list[str]):
+        self.option = type("Option", (), {"markexpr": markexpr})()
+        self.args, self.deselected = args, []
+        self.hook = type("Hook", (), {"pytest_deselected": lambda _, items: self.deselected.extend(items)})()
+
+
+@pytest.mark.parametrize("markexpr,args,kept", [
+    ("", ["tests"], ["t.py::fast"]),                                     # the README's command
+    ("slow", ["tests"], ["t.py::fast", "t.py::slow", "t.py::slow_case[a]"]),  # -m: pytest's own selection
+    ("", ["t.py::slow_case"], ["t.py::fast", "t.py::slow_case[a]"]),     # a slow test named by its node id
+])
+def test_the_default_run_leaves_out_slow_tests_unless_selected(markexpr, args, kept):
+    from tests.conftest import pytest_collection_modifyitems
+
+    items = [_Marked("t.py::fast", False), _Marked("t.py::slow", True), _Marked("t.py::slow_case[a]", True)]
+    config = _Config(markexpr, args)
+    pytest_collection_modifyitems(config, items)
+    assert [i.nodeid for i in items] == kept
+    assert [i.nodeid for i in config.deselected] == [n for n in ("t.py::slow", "t.py::slow_case[a]") if n not in kept]

@@ -211,6 +211,7 @@ def joined_world() -> Iterator[World | None]:
         torch.cuda.set_device(local_rank)
         backend = "cpu:gloo,cuda:nccl"
     timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "1800")))
+    _import_what_would_outlive_the_group()
     try:
         dist.init_process_group(backend, timeout=timeout)
     except Exception as exc:  # pragma: no cover - torchrun has already rendezvoused
@@ -226,6 +227,20 @@ def joined_world() -> Iterator[World | None]:
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _import_what_would_outlive_the_group() -> None:
+    """Import ``torch._dynamo`` before the process group exists.
+
+    Imported after ``init_process_group`` (``torch.distributed.pipelining`` imports it, and so
+    does the trainer, which imports the pipeline), it keeps a reference to the default group
+    that ``destroy_process_group`` cannot drop: the group's gloo threads then live on until
+    the interpreter exits, and one that frees its last collective's tensors while Python
+    finalizes takes the GIL there, which ends the thread inside C++ code that may not be
+    unwound: std::terminate, SIGABRT (rank 1 of tests/distributed/test_pipeline.py's workers,
+    2 runs in 28). Imported first, it holds no group, and the group's threads end in
+    ``destroy_process_group`` (test: tests/distributed/test_teardown.py)."""
+    import torch._dynamo  # noqa: F401
 
 
 def record_failure(exc: BaseException) -> None:

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -39,6 +41,20 @@ def test_goals_are_met_or_not_by_the_numbers():
     assert "**not met**" in lines["layer-wise peak below all-layer peak"]
 
 
+def test_rendering_the_saved_numbers_rewrites_only_the_generated_block(tmp_path):
+    module = load()
+    page = tmp_path / "performance.md"
+    page.write_text(f"# title\n\nprose before\n\n{module.START}\nold tables\n{module.END}\n\nprose after\n")
+    module.main(["--render", str(BENCH / "results" / "performance_page.json"), "--page", str(page)])
+    text = page.read_text()
+    assert text.startswith("# title\n\nprose before") and text.endswith("prose after\n")
+    assert "old tables" not in text and "### Goals" in text and "| forward |" in text
+    assert text.count(module.START) == 1 and text.count(module.END) == 1
+    module.main(["--render", str(BENCH / "results" / "performance_page.json"), "--page", str(page)])
+    assert page.read_text() == text
+
+
+@pytest.mark.slow  # an end-to-end smoke run of the benchmark: about a minute on 2 cores
 def test_smoke_run_rewrites_only_the_generated_block(tmp_path):
     module = load()
     page = tmp_path / "performance.md"

@@ -111,3 +111,23 @@ def raise_at_step(world, out: str, step: int) -> None:
 
         step_module.PrivateStep.__call__ = failing
     train(small_recipe(Path(out) / "runs", "layer", "training.steps=20"), world=world, run_dir=Path(out) / "run")
+
+
+def gloo_threads_after_the_world(rank: int, port: int, found) -> None:
+    """A spawned rank (not through run_ranks: it looks past the world's end) that imports the
+    pipeline's torch modules after joining, as the trainer does when a test's worker imports
+    it, runs a collective, leaves the world and puts on ``found``: (rank, whether torch._dynamo
+    was imported before joining, the names of this process's gloo threads still alive)."""
+    import os
+    import sys
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"})
+    from dpclip.distributed import joined_world
+
+    imported_before = "torch._dynamo" in sys.modules
+    with joined_world() as world:
+        import torch.distributed.pipelining  # noqa: F401
+        world.all_gather(rank)
+    names = [Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task")]
+    found.put((rank, imported_before, sorted(name for name in names if "gloo" in name)))

@@ -16,6 +16,7 @@ from dpclip.errors import DpclipError
 from dpclip.recipe import recipe_to_yaml
 from dpclip.train import state as state_module
 from dpclip.train.workflow import train
+from tests.conftest import FIXED_SIGMA
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -32,7 +33,7 @@ def _dpclip(*args, **kwargs):
 def test_sigterm_checkpoints_at_a_step_boundary_and_resume_ends_where_an_uninterrupted_run_does(
         small_recipe, tmp_path, signal_after_first_step):
     recipe = small_recipe("training.steps=400", "checkpoint.every_steps=null", "eval.every_steps=null",
-                          "model.hidden=[16]", "privacy.unsafe_seeded_randomness=true")
+                          "model.hidden=[16]", "privacy.unsafe_seeded_randomness=true", *FIXED_SIGMA)
     recipe_file = tmp_path / "recipe.yaml"
     recipe_file.write_text(recipe_to_yaml(recipe))
     command, env = _dpclip("train", recipe_file, "--threads", "1")
