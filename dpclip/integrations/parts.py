@@ -21,15 +21,15 @@ from dpclip.integrations.setup import Account
 # ----------------------------------------------------------------------------- the loader
 
 class PoissonBatches(torch.utils.data.Sampler):
-    """Batches of example indices, each example in each batch with probability ``sample_rate``.
+    """Batches of example indices, each example in each batch with probability q (``draws``: a
+    :class:`~dpclip.data.sampler.PoissonSampler`, or a rank's sharded one).
 
     One pass (an "epoch") is ``steps_per_pass`` batches; the passes together make the planned
-    ``steps``. A pass started after the plan is spent is refused: ε covers the planned steps.
+    steps. A pass started after the plan is spent is refused: ε covers the planned steps.
     """
 
-    def __init__(self, num_examples: int, sample_rate: float, steps: int, steps_per_pass: int,
-                 seed: int | None = None):
-        self.draws = PoissonSampler(num_examples, sample_rate, steps, seed=seed)
+    def __init__(self, draws: PoissonSampler, steps_per_pass: int):
+        self.draws = draws
         self.steps_per_pass = steps_per_pass
 
     def __len__(self) -> int:
@@ -73,14 +73,12 @@ class _Collate:
         return empty_batch_like(self.collate([self.dataset[0]]))
 
 
-def poisson_loader(loader: DataLoader, sample_rate: float, steps: int, seed: int | None) -> DataLoader:
+def poisson_loader(loader: DataLoader, draws: PoissonSampler, steps_per_pass: int) -> DataLoader:
     """``loader``'s dataset and settings, with Poisson-sampled batches (:class:`PoissonBatches`)."""
-    num_examples = len(loader.dataset)
-    batches = PoissonBatches(num_examples, sample_rate, steps, math.ceil(num_examples / loader.batch_size), seed)
-    return DataLoader(loader.dataset, batch_sampler=batches, collate_fn=_Collate(loader.dataset, loader.collate_fn),
-                      num_workers=loader.num_workers, pin_memory=loader.pin_memory,
-                      worker_init_fn=loader.worker_init_fn, prefetch_factor=loader.prefetch_factor,
-                      persistent_workers=loader.persistent_workers)
+    return DataLoader(loader.dataset, batch_sampler=PoissonBatches(draws, steps_per_pass),
+                      collate_fn=_Collate(loader.dataset, loader.collate_fn), num_workers=loader.num_workers,
+                      pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn,
+                      prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers)
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -95,8 +93,10 @@ class PrivateLoss:
         self.engine = engine
 
     def backward(self) -> None:
-        if self.per_sample.numel():  # an empty draw: nothing to clip, the step releases noise alone
+        if self.per_sample.numel():
             self.engine.backward(self.per_sample)
+        else:  # an empty draw: nothing to clip, the step releases noise alone; across ranks, a
+            self.engine.policy.empty_part()  # policy may exchange norms in the backward skipped here
 
     def item(self) -> float:
         return float(self.per_sample.detach().mean()) if self.per_sample.numel() else math.nan

@@ -30,6 +30,8 @@ clipping block asks for adaptive thresholds (docs/accounting.md, "Joint release"
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +42,8 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from dpclip.accounting import Ledger, PlanResult, steps_for_epochs
+from dpclip.data.sampler import PoissonSampler
+from dpclip.distributed import ShardedPoissonSampler, World
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
 from dpclip.integrations.parts import PrivateCriterion, PrivateOptimizer, poisson_loader
@@ -123,13 +127,38 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
         raise DpclipError("give exactly one of epochs and steps", "e.g. epochs=3")
     spec = clipping_spec(clipping, max_grad_norm)
     check_optimizer_params(model, optimizer)
-    num_examples, batch_size = len(dataset), data_loader.batch_size
+    world = running_world()
+    if world is not None and not poisson_sampling:
+        raise DpclipError("poisson_sampling=False across several processes is not supported",
+                          "keep poisson_sampling=True: each rank then draws its own examples' part of each batch")
+    # Each rank's loader holds its own share of the logical batch: B = batch_size × ranks.
+    num_examples, batch_size = len(dataset), data_loader.batch_size * (1 if world is None else world.size)
     planned_steps = steps_for_epochs(epochs, batch_size / num_examples) if steps is None else int(steps)
     engine, account = private_engine(
         model, spec, num_examples=num_examples, batch_size=batch_size, steps=planned_steps, delta=delta,
         target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
-        sampling="poisson" if poisson_sampling else "shuffle", unsafe_seed=unsafe_seed)
-    loader = poisson_loader(data_loader, account.plan.plan.sample_rate, planned_steps, unsafe_seed) \
-        if poisson_sampling else data_loader
+        sampling="poisson" if poisson_sampling else "shuffle", unsafe_seed=unsafe_seed, world=world)
+    loader = data_loader
+    if poisson_sampling:
+        sample_rate = account.plan.plan.sample_rate
+        if world is None:
+            draws = PoissonSampler(num_examples, sample_rate, planned_steps, seed=unsafe_seed)
+        else:  # every rank starts from rank 0's weights and draws its own examples' part
+            world.broadcast_([p.data for p in model.parameters()])
+            draws = ShardedPoissonSampler(num_examples, sample_rate, planned_steps, rank=world.rank,
+                                          world_size=world.size, seed=unsafe_seed)
+        loader = poisson_loader(data_loader, draws, math.ceil(num_examples / batch_size))
     return PrivateTraining(model, PrivateOptimizer(optimizer, engine, account), PrivateCriterion(criterion, engine),
                            loader, engine, account)
+
+
+def running_world() -> World | None:
+    """The data-parallel ranks this process belongs to, if torch.distributed is initialised
+    with more than one (torchrun, ``accelerate launch``, or your own ``init_process_group``)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    size = torch.distributed.get_world_size()
+    if size == 1:
+        return None
+    return World(torch.distributed.get_rank(), size, int(os.environ.get("LOCAL_RANK", 0)),
+                 int(os.environ.get("LOCAL_WORLD_SIZE", 1)))

@@ -17,6 +17,7 @@ from torch import nn
 
 from dpclip import layout
 from dpclip.accounting import Ledger, PlanResult, PrivacyPlan, solve
+from dpclip.distributed import World
 from dpclip.engine import DPEngine
 from dpclip.engine.groups import build_groups, trainable_params
 from dpclip.errors import DpclipError
@@ -45,6 +46,7 @@ class Account:
 
     ledger: Ledger
     plan: PlanResult
+    writes: bool = True   # False on the ranks other than 0 of a data-parallel run: rank 0 writes
 
     @property
     def noise_multiplier(self) -> float:
@@ -66,8 +68,11 @@ class Account:
             return solve(taken).statement.lines()
 
     def save(self, directory: str | Path) -> Path:
-        """Write ``ledger.json`` (every charged step) and ``privacy.json`` (ε, δ, statement)."""
+        """Write ``ledger.json`` (every charged step) and ``privacy.json`` (ε, δ, statement); on
+        rank 0 only, in a data-parallel run."""
         out = Path(directory)
+        if not self.writes:
+            return out
         out.mkdir(parents=True, exist_ok=True)
         with quiet_rdp_orders():
             write_json_atomic(out / layout.LEDGER, self.ledger.to_dict())
@@ -92,8 +97,8 @@ class Account:
 
 def private_engine(model: nn.Module, spec: Clipping, *, num_examples: int, batch_size: int, steps: int,
                    delta: float, target_epsilon: float | None, noise_multiplier: float | None, accountant: str,
-                   sampling: str, unsafe_seed: int | None, not_covered: tuple[str, ...] = ()
-                   ) -> tuple[DPEngine, Account]:
+                   sampling: str, unsafe_seed: int | None, not_covered: tuple[str, ...] = (),
+                   world: World | None = None) -> tuple[DPEngine, Account]:
     """The plan of ``steps`` Poisson steps at q = B/N (noise calibrated to ``target_epsilon`` or
     given as the total ``noise_multiplier``; a threshold statistic shares the budget), the
     engine that takes them, and an empty account."""
@@ -117,8 +122,9 @@ def private_engine(model: nn.Module, spec: Clipping, *, num_examples: int, batch
     engine_clipping = spec.model_dump(mode="python")
     engine_clipping["threshold"] = spec.threshold.engine_dict(plan.split.sigma_aux)
     engine = DPEngine(model, engine_clipping, gradient_noise_multiplier=plan.split.gradient_noise_multiplier,
-                      expected_batch_size=batch_size, seed=unsafe_seed, sample_rate=sample_rate)
-    return engine, Account(Ledger(delta, accountant), plan)
+                      expected_batch_size=batch_size, seed=unsafe_seed, sample_rate=sample_rate,
+                      reducer=None if world is None else world.reducer)
+    return engine, Account(Ledger(delta, accountant), plan, writes=world is None or world.main)
 
 
 def clipping_spec(clipping: Mapping[str, Any] | None, max_grad_norm: float | None) -> Clipping:
