@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dpclip.release.files import EXPORT, LABELLED, RELEASED, RUN, SEARCH, SECRET, Entry, classify, directory_kind, \
-    is_leftover, match_path
+    find, is_leftover, match_path
 
 @dataclass(frozen=True)
 class Fields:
@@ -134,13 +134,7 @@ def field_paths(record: object, prefix: tuple[str, ...] = ()) -> list[str]:
 
 def fields_of(relpath: str | Path, directory: str = RUN) -> Fields | None:
     """The field table of the file at ``relpath``, or None."""
-    parts = Path(relpath).as_posix().split("/")
-    if directory == SEARCH and len(parts) > 2 and parts[0] == "runs":
-        return fields_of("/".join(parts[2:]), RUN)
-    for table in FIELDS:
-        if table.directory == directory and match_path(parts, table.pattern.split("/")):
-            return table
-    return None
+    return find(relpath, directory, FIELDS)
 
 
 def _field_class(path: str, table: Fields) -> str | None:

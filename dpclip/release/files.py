@@ -48,8 +48,8 @@ MANIFEST: tuple[Entry, ...] = (
     _run("checkpoints/LATEST", RELEASED, "name of the newest complete checkpoint"),
     _run("checkpoints/step_*/model.safetensors", RELEASED, "the weights at that step (post-processing of the "
          "releases charged so far)"),
-    _run("checkpoints/step_*/model.json", RELEASED, "what `dpclip export` needs to rebuild the model: "
-         "config, label names"),
+    _run("checkpoints/step_*/model.json", LABELLED, "what `dpclip export` needs to rebuild the model: "
+         "config; and the label names, the label column's values as they are (not covered by ε)"),
     _run("checkpoints/step_*/state.json", SECRET, "optimizer, sampler and noise-generator states, policy, "
          "ledger (with them the noise can be regenerated)"),
     _run("checkpoints/step_*/state.safetensors", SECRET, "the tensors of those states"),
@@ -106,18 +106,20 @@ def match_path(parts: list[str], pattern: list[str]) -> bool:
     return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and match_path(parts[1:], pattern[1:])
 
 
-def classify(relpath: str | Path, directory: str = RUN) -> Entry | None:
-    """The entry of the file at ``relpath`` (relative to a ``directory`` of that kind), or None.
-
-    In a search directory, a file under ``runs/<trial>/`` is classed by the run table.
-    """
+def find(relpath: str | Path, directory: str, rows: tuple):
+    """The first of ``rows`` (each with a ``directory`` and a glob ``pattern``) that matches the
+    file at ``relpath`` in a ``directory`` of that kind, or None. In a search directory, a file
+    under ``runs/<trial>/`` is looked up as a run directory's (a trial is a run)."""
     parts = Path(relpath).as_posix().split("/")
     if directory == SEARCH and len(parts) > 2 and parts[0] == "runs":
-        return classify("/".join(parts[2:]), RUN)
-    for entry in MANIFEST:
-        if entry.directory == directory and match_path(parts, entry.pattern.split("/")):
-            return entry
-    return None
+        return find("/".join(parts[2:]), RUN, rows)
+    return next((row for row in rows if row.directory == directory
+                 and match_path(parts, row.pattern.split("/"))), None)
+
+
+def classify(relpath: str | Path, directory: str = RUN) -> Entry | None:
+    """The entry of the file at ``relpath`` (relative to a ``directory`` of that kind), or None."""
+    return find(relpath, directory, MANIFEST)
 
 
 def directory_kind(directory: str | Path) -> str:

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpclip
+from tests.integrations.reference import clipped_per_example_sum, noiseless_step_gradient
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 N, FEATURES, CLASSES, B = 60, 5, 3, 12
@@ -34,28 +35,11 @@ def _private(model: nn.Module, **kwargs):
 
 
 def test_make_private_on_cuda_writes_the_clipped_per_example_sum_over_b(monkeypatch):
-    model = _model().cuda()
-    private = _private(model, unsafe_seed=3)
-    monkeypatch.setattr(private.engine.noise, "add_gaussians", lambda grads, stds: None)
-    model, optimizer, criterion, loader = private
-    x, y = next(iter(loader))
+    private = _private(_model().cuda(), unsafe_seed=3)
+    x, y = next(iter(private.data_loader))
     x, y = x.cuda(), y.cuda()
-    reference = _model().cuda()
-    expected = [torch.zeros_like(p) for p in reference.parameters()]
-    for i in range(len(x)):
-        reference.zero_grad()
-        nn.functional.cross_entropy(reference(x[i:i + 1]), y[i:i + 1]).backward()
-        grads = [p.grad.detach().clone() for p in reference.parameters()]
-        factor = min(1.0, 0.05 / float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))))
-        for total, grad in zip(expected, grads):
-            total += factor * grad
-    captured = {}
-    monkeypatch.setattr(private.optimizer.original, "step",
-                        lambda: captured.update(grads=[p.grad.clone() for p in model.parameters()]))
-    optimizer.zero_grad()
-    criterion(model(x), y).backward()
-    optimizer.step()
-    for got, want in zip(captured["grads"], expected):
+    expected = clipped_per_example_sum(_model().cuda(), x, y, 0.05)
+    for got, want in zip(noiseless_step_gradient(private, x, y, monkeypatch), expected):
         assert got.is_cuda
         torch.testing.assert_close(got, want / B, rtol=1e-4, atol=1e-7)
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import runpy
-import sys
 from pathlib import Path
 
 import dp_accounting
@@ -17,6 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import dpclip
 from dpclip.errors import DpclipError
+from tests.integrations.reference import clipped_per_example_sum, noiseless_step_gradient, run_example
 
 REPO = Path(__file__).resolve().parents[2]
 N, FEATURES, CLASSES = 60, 5, 3
@@ -71,27 +70,10 @@ def test_a_step_writes_the_clipped_per_example_sum_over_the_expected_batch_size(
     """Noise removed, p.grad must be Σ_i min(1, C/‖g_i‖)·g_i / B with B the EXPECTED batch size
     (never the realised one), g_i from autograd on each example alone."""
     private = _private(batch_size=12, max_grad_norm=0.05, unsafe_seed=3)
-    monkeypatch.setattr(private.engine.noise, "add_gaussians", lambda grads, stds: None)
-    model, optimizer, criterion, loader = private
-    reference = _model()
-    x, y = next(iter(loader))
+    x, y = next(iter(private.data_loader))
     assert 0 < len(x) != 12   # a realised size other than B (this seed's first draw)
-    expected = [torch.zeros_like(p) for p in reference.parameters()]
-    for i in range(len(x)):
-        reference.zero_grad()
-        nn.functional.cross_entropy(reference(x[i:i + 1]), y[i:i + 1]).backward()
-        grads = [p.grad.detach().clone() for p in reference.parameters()]
-        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
-        factor = min(1.0, 0.05 / float(norm))
-        for total, grad in zip(expected, grads):
-            total += factor * grad
-    captured = {}
-    monkeypatch.setattr(private.optimizer.original, "step",
-                        lambda: captured.update(grads=[p.grad.clone() for p in model.parameters()]))
-    optimizer.zero_grad()
-    criterion(model(x), y).backward()
-    optimizer.step()
-    for got, want in zip(captured["grads"], expected):
+    expected = clipped_per_example_sum(_model(), x, y, 0.05)
+    for got, want in zip(noiseless_step_gradient(private, x, y, monkeypatch), expected):
         torch.testing.assert_close(got, want / 12, rtol=1e-5, atol=1e-7)
 
 
@@ -210,10 +192,6 @@ def test_the_python_api_docs_show_the_example_that_runs_as_a_test():
 
 @pytest.mark.slow
 def test_the_make_private_example_trains_digits_and_writes_its_ledger(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["make_private.py", str(tmp_path / "out")])
-    runpy.run_path(str(REPO / "examples" / "make_private.py"), run_name="__main__")
-    printed = capsys.readouterr().out
-    accuracy = float(re.search(r"held-out accuracy ([0-9.]+)", printed).group(1))
+    accuracy, privacy = run_example("make_private.py", tmp_path / "out", monkeypatch, capsys)
     assert accuracy > 0.5   # ten classes: chance is 0.1
-    privacy = json.loads((tmp_path / "out" / "privacy.json").read_text())
     assert privacy["steps"] == privacy["steps_planned"] and 7.5 < privacy["epsilon"] <= 8.0 * 1.01

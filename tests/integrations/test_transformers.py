@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from transformers import BertConfig, BertForSequenceClassification, GPT2Config, 
 from dpclip.data.sampler import PoissonSampler
 from dpclip.errors import DpclipError
 from dpclip.integrations.transformers import LOGGED_LOSS, DPTrainer, PrivacyArguments
+from tests.integrations.reference import run_example
 
 REPO = Path(__file__).resolve().parents[2]
 N, LENGTH, VOCAB, CLASSES = 40, 8, 30, 3
@@ -161,11 +160,7 @@ def test_the_docs_show_the_trainer_example_that_runs_as_a_test():
 
 @pytest.mark.slow
 def test_the_hf_trainer_example_runs_and_writes_its_ledger(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["hf_trainer.py", str(tmp_path / "out")])
-    runpy.run_path(str(REPO / "examples" / "hf_trainer.py"), run_name="__main__")
-    printed = capsys.readouterr().out
-    accuracy = float(re.search(r"held-out accuracy ([0-9.]+)", printed).group(1))
+    accuracy, privacy = run_example("hf_trainer.py", tmp_path / "out", monkeypatch, capsys)
     assert accuracy > 0.3   # seven classes: chance is 0.14
-    privacy = json.loads((tmp_path / "out" / "privacy.json").read_text())
     assert privacy["steps"] == privacy["steps_planned"] and 7.5 < privacy["epsilon"] <= 8.0 * 1.01
     assert (tmp_path / "out" / "model.safetensors").is_file()
