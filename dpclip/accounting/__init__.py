@@ -21,10 +21,12 @@ from dpclip.accounting.accountants import (
 from dpclip.accounting.calibrate import SIGMA_MAX, SIGMA_MIN, calibrate_noise_multiplier, epsilon_for_noise
 from dpclip.accounting.events import (
     SERIALIZABLE_EVENT_TYPES,
+    check_same_release,
     event_from_dict,
     event_to_dict,
     gradient_step_event,
     joint_noise_multiplier,
+    same_event,
     training_event,
 )
 from dpclip.accounting.ledger import LEDGER_FORMAT, Ledger, LedgerEntry
@@ -40,6 +42,8 @@ from dpclip.accounting.statement import (
 
 __all__ = [
     # events
+    "check_same_release",
+    "same_event",
     "gradient_step_event",
     "joint_noise_multiplier",
     "training_event",

@@ -238,3 +238,29 @@ def event_from_dict(d: Mapping[str, Any]) -> dp_accounting.DpEvent:
             f"invalid event {d['type']!r}: {exc}",
             "the file was written by another dpclip version or edited by hand",
         ) from exc
+
+
+# ----------------------------------------------------------------------------- the engine against the plan
+
+def _rate_and_sigma(event) -> tuple[float, float]:
+    inner = getattr(event, "event", None)
+    if inner is not None:
+        return float(event.sampling_probability), float(inner.noise_multiplier)
+    return 1.0, float(event.noise_multiplier)
+
+
+def same_event(event, planned_event) -> bool:
+    """Same kind, same q, same σ_eff (up to float rounding)."""
+    if type(event) is not type(planned_event) or \
+            type(getattr(event, "event", None)) is not type(getattr(planned_event, "event", None)):
+        return False
+    engine_q, engine_sigma = _rate_and_sigma(event)
+    plan_q, plan_sigma = _rate_and_sigma(planned_event)
+    return math.isclose(engine_q, plan_q, rel_tol=1e-12) and math.isclose(engine_sigma, plan_sigma, rel_tol=1e-9)
+
+
+def check_same_release(engine_event, planned_event) -> None:
+    """The engine's DpEvent must be the plan's (same q, same σ_eff up to rounding)."""
+    if not same_event(engine_event, planned_event):
+        raise RuntimeError(f"engine released {engine_event} but the plan accounts {planned_event}: "
+                           "this is a dpclip bug, the run stops before the ledger could be wrong")

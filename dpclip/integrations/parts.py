@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from dpclip.accounting import check_same_release
 from dpclip.data.sampler import PoissonSampler
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
@@ -59,7 +60,7 @@ def empty_batch_like(batch: Any) -> Any:
     return batch
 
 
-class _Collate:
+class EmptyDrawCollate:
     """The loader's collate function, and an empty Poisson draw as zero-row tensors (the step
     still happens: it releases noise and is charged)."""
 
@@ -76,7 +77,7 @@ class _Collate:
 def poisson_loader(loader: DataLoader, draws: PoissonSampler, steps_per_pass: int) -> DataLoader:
     """``loader``'s dataset and settings, with Poisson-sampled batches (:class:`PoissonBatches`)."""
     return DataLoader(loader.dataset, batch_sampler=PoissonBatches(draws, steps_per_pass),
-                      collate_fn=_Collate(loader.dataset, loader.collate_fn), num_workers=loader.num_workers,
+                      collate_fn=EmptyDrawCollate(loader.dataset, loader.collate_fn), num_workers=loader.num_workers,
                       pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn,
                       prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers)
 
@@ -170,7 +171,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
                               "then optimizer.step()")
         report = self.engine.privatize()
         plan = self.account.plan
-        _check_same_release(report.dp_event, plan.step_event)
+        check_same_release(report.dp_event, plan.step_event)   # before anything is charged or stepped
         self.account.ledger.record(plan.step_event, metadata=plan.step_metadata)
         self.original.step()
 
@@ -183,13 +184,3 @@ class PrivateOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"PrivateOptimizer({self.original!r})"
 
-
-def _check_same_release(engine_event, planned_event) -> None:
-    """The engine's DpEvent must be the plan's: the same q and σ_eff up to float rounding."""
-    def parts(event) -> tuple[float, float]:
-        return event.sampling_probability, event.event.noise_multiplier
-
-    (q, sigma), (plan_q, plan_sigma) = parts(engine_event), parts(planned_event)
-    if not (math.isclose(q, plan_q, rel_tol=1e-12) and math.isclose(sigma, plan_sigma, rel_tol=1e-9)):
-        raise RuntimeError(f"engine released {engine_event} but the plan accounts {planned_event}: "
-                           "this is a dpclip bug, nothing was charged or stepped")

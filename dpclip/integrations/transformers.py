@@ -41,8 +41,8 @@ from transformers import Trainer
 
 from dpclip.data.sampler import PoissonSampler
 from dpclip.errors import DpclipError
-from dpclip.integrations.parts import PrivateOptimizer, empty_batch_like
-from dpclip.integrations.setup import Account, clipping_spec, private_engine
+from dpclip.integrations.parts import EmptyDrawCollate, PoissonBatches, PrivateOptimizer
+from dpclip.integrations.setup import clipping_spec, private_engine
 from dpclip.models.losses import cross_entropy, next_token_cross_entropy
 
 LOGGED_LOSS = ("training loss logged by the Hugging Face Trainer (console, report_to integrations): computed "
@@ -65,26 +65,20 @@ class PrivacyArguments:
     unsafe_seed: int | None = None
 
 
-class PoissonParts(torch.utils.data.Sampler):
+class PoissonParts(PoissonBatches):
     """Poisson draws of expected size B, each cut into ``parts`` consecutive index lists (the
     Trainer's accumulation then sums them into one optimizer step)."""
 
-    def __init__(self, num_examples: int, sample_rate: float, steps: int, steps_per_pass: int, parts: int,
-                 seed: int | None):
-        self.draws = PoissonSampler(num_examples, sample_rate, steps, seed=seed)
-        self.steps_per_pass = steps_per_pass
+    def __init__(self, draws: PoissonSampler, steps_per_pass: int, parts: int):
+        super().__init__(draws, steps_per_pass)
         self.parts = parts
 
     def __len__(self) -> int:
         return self.steps_per_pass * self.parts
 
     def __iter__(self) -> Iterator[list[int]]:
-        draws = iter(self.draws)
-        for _ in range(self.steps_per_pass):
-            indices = next(draws, None)
-            if indices is None:
-                return
-            for part in indices.tensor_split(self.parts):
+        for batch in super().__iter__():
+            for part in torch.tensor(batch, dtype=torch.int64).tensor_split(self.parts):
                 yield part.tolist()
 
 
@@ -139,12 +133,10 @@ class DPTrainer(Trainer):
     def get_train_dataloader(self) -> DataLoader:
         if self.train_sampler is None:  # one sampler for the whole run: its draws continue across passes
             plan = self.account.plan.plan
-            self.train_sampler = PoissonParts(len(self.train_dataset), plan.sample_rate, plan.steps,
-                                              self.steps_per_pass, self.parts, self.unsafe_seed)
-        collate = self.data_collator
-        dataset = self.train_dataset
-        return DataLoader(dataset, batch_sampler=self.train_sampler,
-                          collate_fn=lambda rows: collate(rows) if rows else empty_batch_like(collate([dataset[0]])),
+            draws = PoissonSampler(len(self.train_dataset), plan.sample_rate, plan.steps, seed=self.unsafe_seed)
+            self.train_sampler = PoissonParts(draws, self.steps_per_pass, self.parts)
+        return DataLoader(self.train_dataset, batch_sampler=self.train_sampler,
+                          collate_fn=EmptyDrawCollate(self.train_dataset, self.data_collator),
                           num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:

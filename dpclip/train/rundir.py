@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import platform
 from datetime import datetime
 from importlib.metadata import version
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 
 from dpclip import __version__, layout
-from dpclip.accounting import Ledger, solve, statement_from_ledger
+from dpclip.accounting import Ledger, check_same_release, same_event, solve, statement_from_ledger
 from dpclip.data.canaries import read_canary_secret
 from dpclip.errors import DpclipError
 from dpclip.files import read_json, write_json_atomic, write_text_atomic
@@ -327,7 +326,7 @@ def check_ledger(ledger, step_event, steps: int | range, *, where: Path | str) -
     Ledgers are read from the run directory, which anyone with write access can edit; a
     ledger with fewer steps or a larger σ than were used would understate ε."""
     for entry in ledger.entries:
-        if not _same_event(entry.event, step_event):
+        if not same_event(entry.event, step_event):
             raise DpclipError(f"{where} records {entry.event}, which is not this run's step event {step_event}",
                               "the run directory was modified or mixed with another run's: restore it")
     allowed = range(steps, steps + 1) if isinstance(steps, int) else steps
@@ -344,30 +343,6 @@ def check_canaries(run_dir: Path, canaries) -> None:
             or stored["included"] != [bool(b) for b in canaries.included]:
         raise DpclipError(f"{layout.canaries_file(run_dir)} does not match the recipe's canaries",
                           "restore the file, or start a new run")
-
-
-def _rate_and_sigma(event) -> tuple[float, float]:
-    inner = getattr(event, "event", None)
-    if inner is not None:
-        return float(event.sampling_probability), float(inner.noise_multiplier)
-    return 1.0, float(event.noise_multiplier)
-
-
-def _same_event(event, planned_event) -> bool:
-    """Same kind, same q, same σ_eff (up to float rounding)."""
-    if type(event) is not type(planned_event) or \
-            type(getattr(event, "event", None)) is not type(getattr(planned_event, "event", None)):
-        return False
-    engine_q, engine_sigma = _rate_and_sigma(event)
-    plan_q, plan_sigma = _rate_and_sigma(planned_event)
-    return math.isclose(engine_q, plan_q, rel_tol=1e-12) and math.isclose(engine_sigma, plan_sigma, rel_tol=1e-9)
-
-
-def check_same_release(engine_event, planned_event) -> None:
-    """The engine's DpEvent must be the plan's (same q, same σ_eff up to rounding)."""
-    if not _same_event(engine_event, planned_event):
-        raise RuntimeError(f"engine released {engine_event} but the plan accounts {planned_event}: "
-                           "this is a dpclip bug, the run stops before the ledger could be wrong")
 
 
 #: Fields of a metrics record that are charged releases (what a replay must reproduce). The

@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
+from dpclip.accounting import check_same_release
 from dpclip.models import evaluate
 from dpclip.train.interrupt import DeferredInterrupt
 from dpclip.train.parts import RunParts
 from dpclip.train.ranks import global_outcome
-from dpclip.train.rundir import check_same_release, step_record
+from dpclip.train.rundir import step_record
 from dpclip.train.state import Checkpointer, RunState
 from dpclip.distributed.pipeline import sync_stages
 

@@ -175,7 +175,8 @@ def test_a_new_field_or_an_unnamed_labelled_field_is_reported(tiny_recipe):
     assert reported(lambda r: r["policy"].update(exact_unclipped_fraction=[0.5])) == \
         ["metrics.jsonl: policy/exact_unclipped_fraction"]
     assert reported(lambda r: r["diagnostics"].update(max_norm=3.0)) == []   # under a labelled key
-    # a public-phase line names nothing, but it cannot carry a private step's diagnostics unnamed
+    # a line that says it is computed from public data alone (phase: public) names nothing: the
+    # check takes the writer's word for the phase (docs/accounting.md)
     assert reported(lambda r: r.update(phase="public", not_covered_by_epsilon=[])) == []
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["final_eval"] = {"accuracy": 0.9}
