@@ -86,9 +86,19 @@ class _Site(SiteBatch):
         self._keeper, self._unit = keeper, unit
         self.module = unit.module
         self.label = unit.label
-        self.params = [(name, p) for name, p, _ in unit.params]
         self.memo = unit.memo
-        self._by_name = {name: p for name, p, _ in unit.params}
+        self._names = [name for name, _, _ in unit.params]
+
+    @property
+    def _by_name(self) -> dict[str, Tensor]:
+        # Read at each call, not kept: a sharded model (FSDP, docs/distributed.md) swaps the
+        # module's parameters for whole ones around its forward and backward.
+        parameters = self.module._parameters
+        return {name: parameters[name] for name in self._names}
+
+    @property
+    def params(self) -> list[tuple[str, Tensor]]:
+        return list(self._by_name.items())
 
     def op(self, rule, x: Tensor, info=None, names=None) -> Tensor:
         names = tuple(self._by_name) if names is None else tuple(names)

@@ -128,7 +128,7 @@ class DPEngine:
         self.policy.reducer = reducer
         self._sizes = torch.tensor(self.groups.sizes, device=first.device, dtype=self._norm_dtype)
         allocation_weights(cfg["noise_allocation"], self.policy.thresholds(), self._sizes)
-        self.noise = NoiseSource(seed)
+        self.noise = NoiseSource(seed, getattr(reducer, "noise_stream", None))
         for device in {p.device for p in self._params}:  # made now, so that a step-0 checkpoint holds them
             self.noise.generator(device)
 
@@ -185,6 +185,33 @@ class DPEngine:
         with self._keeper.plain():
             yield
 
+    def establish(self, forward) -> None:
+        """Run ``forward()``, a forward of the model on a few examples whose output is thrown
+        away, to probe its layers' batch axes now (otherwise the first step's forward does).
+        A model about to be sharded needs it: a probe runs the whole model, which a rank of a
+        sharded model cannot do alone (docs/distributed.md, "Sharded training")."""
+        with torch.enable_grad():
+            forward()
+        self._keeper.take_forward_counts()
+
+    def adopt_parameters(self, why_sealed: str) -> None:
+        """Take the model's parameters as they are now: FSDP's ``fully_shard`` replaced each by
+        a sharded one, under the same module and name. No probe may run after (``why_sealed``
+        says why, in the refusal that asks for one)."""
+        adopted = set()
+        for unit in self._keeper.units:
+            for k, (name, _, idx) in enumerate(unit.params):
+                param = unit.module._parameters[name]
+                unit.params[k] = (name, param, idx)
+                self._params[idx] = param
+                self.groups.params[idx].param = param
+                adopted.add(idx)
+        missed = [self.groups.params[i].name for i in range(len(self._params)) if i not in adopted]
+        if missed:
+            raise EngineError(f"parameters {', '.join(missed[:3])} belong to no book-kept module, so the engine "
+                              "cannot follow them when they are sharded", "freeze them, or use training.parallel: data")
+        self._keeper.axes.sealed = why_sealed
+
     def __enter__(self) -> "DPEngine":
         return self
 
@@ -202,11 +229,14 @@ class DPEngine:
         self._paths: dict[str, str] = {}
         self._captured: list[tuple[MicroBatch, int]] = []  # awaiting finish_micro_batch, oldest first
 
-    def backward(self, per_sample_losses: Tensor, *, loss_scale: float = 1.0) -> None:
+    def backward(self, per_sample_losses: Tensor, *, loss_scale: float = 1.0, samples: int | None = None) -> None:
         """Backward of one micro-batch: per-sample norms, clipping, clipped sums.
 
         ``per_sample_losses``: shape [b] (``reduction="none"``, each sample's tokens averaged);
         ``loss_scale``: float16's (docs/engine.md). Runs the backward itself: no ``loss.backward()``.
+        ``samples``: only the first ``samples`` rows are examples; the rest are padding whose
+        loss weight is 0 (a sharded model's ranks run the same number of backwards, each one a
+        collective: docs/distributed.md, "Sharded training").
         """
         losses = per_sample_losses
         if not isinstance(losses, Tensor) or losses.dim() != 1:
@@ -217,8 +247,11 @@ class DPEngine:
         if losses.shape[0] == 0:
             self._keeper.take_forward_counts()
             return
-        with self.capture(losses.shape[0], loss_scale=loss_scale):
-            torch.autograd.backward(losses, torch.full_like(losses, loss_scale))
+        weights = torch.full_like(losses, loss_scale)
+        if samples is not None:
+            weights[samples:] = 0
+        with self.capture(losses.shape[0], samples=samples, loss_scale=loss_scale):
+            torch.autograd.backward(losses, weights)
         self.finish_micro_batch()
 
     def start_forward(self) -> int:
@@ -302,19 +335,27 @@ class DPEngine:
         std = self._noise_stds(self.policy.sensitivity_thresholds())
         batch = self.expected_batch_size
         std_grad = (std / batch).tolist()  # one device sync per step, not one per parameter
-        draws = self.gradient_noise_multiplier > 0 and (self.reducer is None or self.reducer.draws_noise)
-        grads = [torch.zeros_like(p) if clipped is None else clipped.contiguous().div_(batch)
-                 for p, clipped in zip(self._params, self._sums)]
+        grads = [torch.zeros(p.shape, dtype=p.dtype, device=p.device) if clipped is None
+                 else clipped.contiguous().div_(batch) for p, clipped in zip(self._params, self._sums)]
+        sharded = self.reducer is not None and getattr(self.reducer, "shards", False)
+        if sharded:  # Σ over ranks of (clipped_r/B), this rank's shard of each parameter only
+            grads = self.reducer.sum_shards(grads, self._params)
+        draws = self.gradient_noise_multiplier > 0 and (self.reducer is None or sharded or self.reducer.draws_noise)
         if draws:  # in place, all at once: a large draw is split over threads (NoiseSource)
+            # Sharded: every rank draws its own shard's noise from its own stream, so each
+            # coordinate of the whole gradient gets noise exactly once.
             self.noise.add_gaussians(grads, [std_grad[k] for k in self._group_of])
         for idx, row in self._padding_rows.items():
-            grads[idx][row] = 0
-        if self.reducer is not None:  # Σ over ranks of (clipped_r/B), plus the one rank's noise/B
-            self.reducer.sum_(grads)
+            start = self.reducer.shard_start(self._params[idx]) if sharded else 0
+            if 0 <= row - start < grads[idx].shape[0]:
+                grads[idx][row - start] = 0
+        if self.reducer is not None:
+            if not sharded:  # Σ over ranks of (clipped_r/B), plus the one rank's noise/B
+                self.reducer.sum_(grads)
             self._clipped, self._nonfinite, self._samples = sum_counts(self.reducer, self._clipped,
                                                                        self._nonfinite, self._samples)
         for p, grad in zip(self._params, grads):
-            p.grad = grad.to(p.dtype)
+            p.grad = self.reducer.as_grad(grad.to(p.dtype), p) if sharded else grad.to(p.dtype)
 
         aux = list(self.policy.release(self.noise.generator(self._device)) or [])
         released = aux if self.stage is None or self.stage.flat else self.stage.gather_releases(aux)
@@ -358,7 +399,7 @@ class DPEngine:
         if type(self.policy).observe is not ThresholdPolicy.observe:  # observations would leak into a release
             raise EngineError("debug_clipped needs a threshold policy that releases nothing",
                               "use clipping.threshold {kind: fixed} while debugging")
-        sums = {info.name: torch.zeros_like(p) if s is None else s.detach().clone()
+        sums = {info.name: torch.zeros(p.shape, dtype=p.dtype, device=p.device) if s is None else s.detach().clone()
                 for info, p, s in zip(self.groups.params, self._params, self._sums)}
         norms = (torch.cat(self._norms) if self._norms else
                  torch.zeros(0, len(self.groups), device=self._device, dtype=self._norm_dtype))

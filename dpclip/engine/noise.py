@@ -100,8 +100,10 @@ class NoiseSource:
 
     purpose = "gradient-noise"
 
-    def __init__(self, seed: int | None = None):
+    def __init__(self, seed: int | None = None, stream: str | None = None):
         self.seed = None if seed is None else int(seed)
+        if stream is not None:  # a sharded run's ranks each draw their own shard's noise: their own streams
+            self.purpose = f"{NoiseSource.purpose}/{stream}"
         self._generators: dict[str, torch.Generator] = {}
 
     @property

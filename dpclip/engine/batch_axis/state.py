@@ -41,6 +41,7 @@ class BatchAxes:
         self.children = 0                   # inside a rule that calls children batch first
         self.reprobed = False
         self.probes = 0                     # probing forwards run so far (tests, docs)
+        self.sealed: str | None = None      # why no probe may run any more (a sharded model)
 
     # ---------------------------------------------------------------- hooks
 
@@ -138,6 +139,8 @@ class BatchAxes:
         The probes run on the first two samples and on three (row 0 repeated if B < 3; one
         and two samples if B = 1): cheap whatever B is, and what they establish is the
         structure (which axis), checked against B at every call."""
+        if self.sealed is not None:
+            raise EngineError(f"the batch axes must be probed again, and {self.sealed}", BATCH_HINT)
         self.reprobed = True
         args, kwargs = self.inputs
         batch = self.batch

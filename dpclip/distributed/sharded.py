@@ -1,0 +1,214 @@
+"""Sharded training (``training.parallel: fsdp``) on torch.distributed's FSDP2 (docs/distributed.md,
+"Sharded training").
+
+Each of the W ranks holds 1/W of every parameter (rows along dim 0, as ``torch.chunk`` cuts
+them), of its gradient and of the optimizer's state. FSDP2 (``fully_shard``) gathers a
+block's whole weights for its forward and its backward and frees them after. The private
+step stays the data-parallel one, with its sum and its noise changed:
+
+- each rank runs the book-keeping on its own examples. A layer's backward sees the layer's
+  whole weight and its examples' whole activations, so each example's norms are complete on
+  the rank that holds it: nothing about norms crosses ranks (a pipeline's stages, which each
+  hold only part of a model, must sum them; :mod:`dpclip.distributed.pipeline`);
+- the clipped sums (whole parameters, this rank's examples) are reduce-scattered: rank r gets
+  Σ over ranks of rows r of each parameter (:meth:`ShardReducer.sum_shards`);
+- every rank adds the noise of its own rows, from its own stream (``noise_stream``), so each
+  coordinate of the whole gradient gets N(0, σ²S²) exactly once, and no two coordinates share
+  a draw;
+- threshold statistics (histogram, quantile counts) are summed with their noise drawn on rank
+  0 alone, as in data-parallel training (:class:`~dpclip.distributed.world.SumReducer`).
+
+Every forward and backward of a sharded block is a collective, so the ranks run the same
+number of them in the same order: a step runs as many micro-batches on every rank as the
+busiest rank needs, padded with rows whose loss weight is 0 (:func:`lockstep_micro_batches`).
+
+:class:`Shards` holds what the run needs around the step: the blocks it sharded, a meta-device
+skeleton of the whole model on rank 0, :meth:`Shards.whole` (rank 0's whole weights, gathered
+for a checkpoint) and :meth:`Shards.load_whole` (rank 0's weights handed out as shards).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dpclip.distributed.world import SumReducer, World, run_collective
+from dpclip.errors import DpclipError
+
+FSDP_HINT = "use training.parallel: data (each rank holds the whole model), or docs/distributed.md, 'Sharded training'"
+
+
+def _reduce_scatter(out: Tensor, flat: Tensor) -> None:
+    single = getattr(dist, "reduce_scatter_single", None)  # the newer name of reduce_scatter_tensor
+    run_collective(single if single is not None else dist.reduce_scatter_tensor, out, flat)
+
+
+def shard_rows(rows: int, rank: int, size: int) -> tuple[int, int]:
+    """[start, stop) of the rows of a dim-0 size ``rows`` that rank ``rank`` of ``size`` holds:
+    ``torch.chunk``'s cut (chunks of ceil(rows / size); the last ranks' may be short or empty),
+    which is FSDP2's ``Shard(0)``."""
+    chunk = -(-rows // size) if rows else 0
+    start = min(rank * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+class ShardReducer(SumReducer):
+    """The engine's reducer on a sharded model (module doc): sums of statistics and counts as in
+    data-parallel training, and the clipped sums reduce-scattered to each rank's rows."""
+
+    shards = True
+
+    def __init__(self, world: World):
+        super().__init__(world)
+        # Each rank's noise stream is its own, seeded or not (identical streams would put the
+        # same draw on rows of different ranks, which their difference would cancel).
+        self.noise_stream = f"rank-{world.rank}-of-{world.size}"
+
+    def _rows(self, param: Tensor) -> tuple[int, int]:
+        rows = param.shape[0] if param.dim() else 1
+        start, stop = shard_rows(rows, self.rank, self.size)
+        local = param.to_local() if hasattr(param, "to_local") else None
+        if local is not None and local.dim() and local.shape[0] != stop - start:
+            raise DpclipError(f"a sharded parameter of shape {tuple(param.shape)} holds {local.shape[0]} rows on rank "
+                              f"{self.rank}, not the {stop - start} of an even dim-0 cut", FSDP_HINT)
+        return start, stop
+
+    def shard_start(self, param: Tensor) -> int:
+        return self._rows(param)[0]
+
+    def sum_shards(self, grads: list[Tensor], params: list[Tensor]) -> list[Tensor]:
+        """Per parameter, this rank's rows of Σ over ranks of ``grads`` (whole parameters):
+        one reduce-scatter per dtype and device, each rank's rows of every parameter padded to
+        the longest rank's so that the parts are equal."""
+        out: list[Tensor | None] = [None] * len(grads)
+        by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, g in enumerate(grads):
+            by_kind.setdefault((g.dtype, g.device), []).append(i)
+        for (dtype, device), members in by_kind.items():
+            cuts = [[shard_rows(grads[i].shape[0] if grads[i].dim() else 1, r, self.size) for i in members]
+                    for r in range(self.size)]
+            rows_numel = [grads[i].numel() // max(grads[i].shape[0], 1) if grads[i].dim() else 1 for i in members]
+            part = max(sum((stop - start) * n for (start, stop), n in zip(cut, rows_numel)) for cut in cuts)
+            flat = torch.zeros(self.size * part, dtype=dtype, device=device)
+            for r, cut in enumerate(cuts):
+                offset = r * part
+                for i, (start, stop), n in zip(members, cut, rows_numel):
+                    rows = grads[i].reshape(-1)[start * n:stop * n]
+                    flat[offset:offset + rows.numel()] = rows
+                    offset += rows.numel()
+            mine = torch.empty(part, dtype=dtype, device=device)
+            _reduce_scatter(mine, flat)
+            offset = 0
+            for i, (start, stop), n in zip(members, cuts[self.rank], rows_numel):
+                shape = (stop - start, *grads[i].shape[1:]) if grads[i].dim() else grads[i].shape
+                out[i] = mine[offset:offset + (stop - start) * n].view(shape).clone()
+                offset += (stop - start) * n
+        for p in params:
+            self._rows(p)  # refuses a parameter FSDP cut otherwise
+        return out  # type: ignore[return-value]
+
+    def as_grad(self, local: Tensor, param: Tensor) -> Tensor:
+        """This rank's rows as the sharded parameter's gradient (a DTensor like the parameter)."""
+        from torch.distributed.tensor import DTensor
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded as units of their own (gathered one at a time): a transformers
+    model's ``_no_split_modules`` classes, else the elements of every ``nn.ModuleList``."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+        if found:
+            return found
+    return [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
+
+
+class Shards:
+    """A model sharded over ``world`` (module doc), in two steps around the engine:
+
+    1. ``Shards(model, world)``, before the engine: rank 0 keeps a meta-device copy of the
+       whole model (its structure, for checkpoints);
+    2. the engine is built on the whole model with a :class:`ShardReducer` and probes its batch
+       axes (:meth:`DPEngine.establish`);
+    3. :meth:`shard` cuts the model (FSDP2's ``fully_shard``: each block, then the root), and
+       the engine adopts the shards (:meth:`DPEngine.adopt_parameters`);
+    4. the optimizer is built on the shards, so its state is sharded too.
+    """
+
+    def __init__(self, model: nn.Module, world: World):
+        if world.size < 2:
+            raise DpclipError("training.parallel: fsdp shards a model over processes, and this is one process",
+                              "start several: dpclip train RECIPE --nproc N (or use training.parallel: data)")
+        self.world = world
+        self.model = model
+        self.skeleton = copy.deepcopy(model).to("meta") if world.main else None
+        self.blocks: list[nn.Module] = []
+
+    def shard(self, engine=None) -> None:
+        from torch.distributed.fsdp import fully_shard
+        self.blocks = blocks_of(self.model)
+        for block in self.blocks:
+            fully_shard(block)
+        fully_shard(self.model)
+        if engine is not None:
+            engine.adopt_parameters("a sharded model's ranks cannot probe alone (docs/distributed.md, "
+                                    "'Sharded training')")
+
+    @contextmanager
+    def whole(self) -> Iterator[nn.Module | None]:
+        """Rank 0: the whole model with the current weights (gathered from every rank, a
+        collective: every rank enters); other ranks: None. The weights are freed after."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.world.main:
+            yield None
+            return
+        whole = self.skeleton.to_empty(device="cpu")
+        try:
+            whole.load_state_dict(state, strict=True)
+            yield whole
+        finally:
+            self.skeleton = whole.to("meta")
+
+    @contextmanager
+    def loading(self) -> Iterator[nn.Module | None]:
+        """Rank 0: an empty whole model to load weights into (a checkpoint's); on leaving, every
+        rank takes its shards of them (a collective: every rank enters)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        whole = self.skeleton.to_empty(device="cpu") if self.world.main else None
+        try:
+            yield whole
+            state = whole.state_dict() if whole is not None else {}
+            set_model_state_dict(self.model, state,
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        finally:
+            if whole is not None:
+                self.skeleton = whole.to("meta")
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict | None:
+        """The optimizer's whole state on rank 0 (parameters named, not numbered); None elsewhere."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        state = get_optimizer_state_dict(self.model, optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.world.main else None
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict | None) -> None:
+        """Rank 0's whole optimizer state (from :meth:`optimizer_state`) as every rank's shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        set_optimizer_state_dict(self.model, optimizer, state if self.world.main else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def lockstep_micro_batches(world: World, count: int) -> int:
+    """The number of micro-batches every rank runs this step: the most any rank needs, and at
+    least one (module doc)."""
+    value = torch.tensor([float(max(count, 1))])
+    run_collective(dist.all_reduce, value, op=dist.ReduceOp.MAX)
+    return int(value.item())
