@@ -56,7 +56,9 @@ def distribution_line(world_size: int, sampling: str, parallel: str = "data") ->
     Nothing here moves ε: the sharded sampler's batches are Poisson at rate q over all N
     examples, a shuffled permutation is drawn once (by rank 0) as in one process, and the
     noise is added once to the sum over ranks. Pipeline stages clip and noise their own
-    parameters as the one-process ``stages`` grouping's groups (per-device clipping)."""
+    parameters as the one-process ``stages`` grouping's groups (per-device clipping). A sharded
+    model's ranks each noise their own rows of the sum, each coordinate once, from their own
+    streams: the same Gaussian noise as one process's."""
     if world_size <= 1:
         return None
     if parallel == "pipeline":
@@ -65,6 +67,9 @@ def distribution_line(world_size: int, sampling: str, parallel: str = "data") ->
                 "clipping: each stage clips and noises its own parameters)")
     how = ("sharded Poisson sampling" if sampling == "poisson"
            else "fixed-size shuffled batches from one permutation drawn by rank 0, split over the ranks")
+    if parallel == "fsdp":
+        return (f"sharded (FSDP) over {world_size} processes ({how}; each rank noises its own shard of the summed "
+                "gradient, every coordinate once, from its own noise stream)")
     return f"data parallel over {world_size} processes ({how}, noise drawn once by rank 0)"
 
 
@@ -111,7 +116,7 @@ class PrivacyStatement:
     seeded_randomness: bool = False
     not_covered: list[str] = field(default_factory=list)
     world_size: int = 1
-    parallel: str = "data"   # across world_size processes: "data" or "pipeline"
+    parallel: str = "data"   # across world_size processes: "data", "pipeline" or "fsdp"
 
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLINGS:

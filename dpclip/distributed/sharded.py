@@ -161,11 +161,20 @@ class Shards:
             engine.adopt_parameters("a sharded model's ranks cannot probe alone (docs/distributed.md, "
                                     "'Sharded training')")
 
+    def reshard(self) -> None:
+        """Put every block back to its shards. A forward without a backward (an evaluation)
+        leaves the root gathered, and the optimizer and the engine hold the shards."""
+        from torch.distributed.fsdp import FSDPModule
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     @contextmanager
     def whole(self) -> Iterator[nn.Module | None]:
         """Rank 0: the whole model with the current weights (gathered from every rank, a
         collective: every rank enters); other ranks: None. The weights are freed after."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        self.reshard()
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.world.main:
             yield None
@@ -195,6 +204,7 @@ class Shards:
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict | None:
         """The optimizer's whole state on rank 0 (parameters named, not numbered); None elsewhere."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        self.reshard()
         state = get_optimizer_state_dict(self.model, optimizer,
                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if self.world.main else None
@@ -202,6 +212,16 @@ class Shards:
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict | None) -> None:
         """Rank 0's whole optimizer state (from :meth:`optimizer_state`) as every rank's shards."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        tensors = self.world.broadcast(self.world.main and any(
+            isinstance(v, Tensor) and v.dim() > 0 for entry in state["state"].values() for v in entry.values()))
+        if not tensors:  # no state per parameter (SGD without momentum, or no step yet): the groups alone,
+            # which torch's sharded loader cannot place (it takes the device from the state's tensors)
+            groups = self.world.broadcast(state["param_groups"] if self.world.main else None)
+            order = [id(p) for group in optimizer.param_groups for p in group["params"]]
+            position = {name: order.index(id(p)) for name, p in self.model.named_parameters() if id(p) in order}
+            optimizer.load_state_dict({"state": {}, "param_groups": [
+                {**group, "params": [position[name] for name in group["params"]]} for group in groups]})
+            return
         set_optimizer_state_dict(self.model, optimizer, state if self.world.main else {},
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 

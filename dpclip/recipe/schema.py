@@ -213,9 +213,10 @@ class Training(Section):
     micro_batch_size: PositiveInt | None = Field(None, description="physical chunk; default batch_size")
     sampling: Literal["poisson", "shuffle"] = Field(
         "poisson", description="shuffle = fixed-size batches; its ε carries an 'assumes Poisson' caveat")
-    parallel: Literal["data", "pipeline"] = Field(
-        "data", description="across --nproc N processes: data (each holds the model) or pipeline (one stage of "
-                            "clipping.grouping.stages each, per-device clipping; docs/distributed.md)")
+    parallel: Literal["data", "pipeline", "fsdp"] = Field(
+        "data", description="across --nproc N processes: data (each holds the model), pipeline (one stage of "
+                            "clipping.grouping.stages each, per-device clipping) or fsdp (each holds 1/N of every "
+                            "parameter, gradient and optimizer state: FSDP2; docs/distributed.md)")
     optimizer: OptimizerConfig
     schedule: Schedule = Field(default_factory=Schedule)
     precision: Literal["fp32", "bf16", "fp16"] = Field(

@@ -113,7 +113,10 @@ def _set_up(target: Path, overrides: list[str]) -> tuple[RunParts, str, int]:
                               "diagnose the run as it was trained, or pass its recipe file with the overrides")
         run = RunDir(target)
         run.recipe()  # the error for a folder that is not a run
-        parts = assemble(resolve_recipe(None, target)[0], resuming=True)
+        recipe = resolve_recipe(None, target)[0]
+        if recipe.training.parallel == "fsdp":  # measured in one process, on the whole model
+            recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update={"parallel": "data"})})
+        parts = assemble(recipe, resuming=True)
         try:
             checkpoint = latest_checkpoint(run.path)
             if checkpoint is None:

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 
 from dpclip.accounting import solve
-from dpclip.data import PoissonSampler, ShuffleSampler, load_data
+from dpclip.data import PoissonSampler, ShuffleSampler, load_data, select
 from dpclip.data.canaries import make_canaries, with_canaries
 from dpclip.distributed import ShardedPoissonSampler, ShardedShuffleSampler, World
 from dpclip.distributed.pipeline import PipelineStep, pipeline_engine, pipeline_input
+from dpclip.distributed.sharded import ShardReducer, Shards, lockstep_micro_batches
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
 from dpclip.models import build_model
@@ -68,6 +69,7 @@ class RunParts:
     continual: Any = None      # the continual schedule (dpclip.train.phases.Continual), or None
     diagnostics: Any = None    # the Hessian diagnostics recorder (dpclip.train.diagnostics)
     sigma_change: dict[str, Any] | None = None
+    shards: Shards | None = None  # training.parallel: fsdp (dpclip.distributed.sharded)
 
     @property
     def split(self):
@@ -115,28 +117,41 @@ def load_model(recipe: Recipe, data=None):
 
 def build_engine(model, clipping: dict[str, Any], *, gradient_noise_multiplier: float, batch_size: int,
                  seed: int | None = None, sample_rate: float | None = None, world: World | None = None,
-                 pipeline: bool = False):
+                 pipeline: bool = False, shards: Shards | None = None, probe_rows=None, loss_fn=None):
     """The engine on ``model``: a :class:`~dpclip.engine.DPEngine`, or this rank's pipeline
-    stage (docs/distributed.md, "Pipeline stages")."""
+    stage (docs/distributed.md, "Pipeline stages"). ``shards``: the model is cut over the ranks
+    once the engine has probed it on ``probe_rows`` (docs/distributed.md, "Sharded training")."""
     if pipeline:
         return pipeline_engine(model, clipping, world, gradient_noise_multiplier=gradient_noise_multiplier,
                                expected_batch_size=batch_size, seed=seed, sample_rate=sample_rate)
+    if shards is not None:
+        engine = DPEngine(model, clipping, gradient_noise_multiplier=gradient_noise_multiplier,
+                          expected_batch_size=batch_size, seed=seed, sample_rate=sample_rate,
+                          reducer=ShardReducer(shards.world))
+        engine.establish(lambda: loss_fn(model, probe_rows))
+        shards.shard(engine)
+        return engine
     return DPEngine(model, clipping, gradient_noise_multiplier=gradient_noise_multiplier, expected_batch_size=batch_size,
                     seed=seed, sample_rate=sample_rate, reducer=None if world is None else world.reducer)
 
 
-def build_step(recipe: Recipe, model, loss_fn, engine, train_rows, *, pipeline: bool = False):
+def build_step(recipe: Recipe, model, loss_fn, engine, train_rows, *, pipeline: bool = False,
+               world: World | None = None):
     """(optimizer, private step): the recipe's optimizer over the trainable parameters this
-    process owns (a pipeline stage: its own), and the one private step."""
+    process owns (a pipeline stage: its own; a sharded model: its shards), and the one private step."""
     training = recipe.training
     owned = engine.module if pipeline else model
     optimizer = build_optimizer(training.optimizer, [p for p in owned.parameters() if p.requires_grad])
     if pipeline:
         return optimizer, PipelineStep(engine, optimizer, train_rows, loss_fn.criterion, pipeline_input(loss_fn),
                                        training.micro_batch_size or training.batch_size)
+    lockstep = None
+    if training.parallel == "fsdp" and world is not None and world.size > 1:
+        def lockstep(count: int) -> int:
+            return lockstep_micro_batches(world, count)
     return optimizer, PrivateStep(model, loss_fn, engine, optimizer, train_rows,
                                   micro_batch_size=step_micro_batch_size(recipe),
-                                  precision=step_precision(recipe, model))
+                                  precision=step_precision(recipe, model), lockstep=lockstep)
 
 
 def build_sampler(recipe: Recipe, plan, num_train: int, world: World, seed: int | None):
@@ -166,6 +181,10 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
     ordinary = seeded_data(recipe, data)
     check_ranks(recipe, world, ordinary)  # before the model: a rank with other data stops here
     model, loss_fn = build_model(recipe.model, ordinary, seed=recipe.seed)
+    shards = None
+    if recipe.training.parallel == "fsdp":  # every rank starts from rank 0's weights, then holds its shards
+        world.broadcast_(list(model.state_dict().values()))
+        shards = Shards(model, world)
     # A statistic's sensitivity grows with the number of groups, which depends on the model.
     num_groups = count_groups(recipe, model)
     # N is the number of ordinary training examples, counted before any canary goes in
@@ -181,8 +200,10 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
     seed = private_seed(recipe)
     engine = build_engine(model, engine_clipping(recipe, solved.split.sigma_aux),
                           gradient_noise_multiplier=solved.split.gradient_noise_multiplier, batch_size=recipe.training.batch_size,
-                          seed=seed, sample_rate=plan.sample_rate, world=world, pipeline=pipeline)
-    optimizer, private_step = build_step(recipe, model, loss_fn, engine, data.train, pipeline=pipeline)
+                          seed=seed, sample_rate=plan.sample_rate, world=world, pipeline=pipeline, shards=shards,
+                          # the probe's rows stay in the process (it runs the model on them, nothing more)
+                          probe_rows=select(ordinary.train, torch.arange(min(3, ordinary.num_train))), loss_fn=loss_fn)
+    optimizer, private_step = build_step(recipe, model, loss_fn, engine, data.train, pipeline=pipeline, world=world)
     # Base lrs are read now, before a resumed optimizer state overwrites the scheduled ones.
     schedule = LrSchedule(optimizer, recipe.training.schedule, plan.steps)
     sampler = build_sampler(recipe, plan, data.num_train, world, seed)
@@ -195,7 +216,7 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
                                public_rows=None if continual is None or continual.public is None
                                else continual.public.train)
     return RunParts(recipe, world, data, ordinary, canaries, model, loss_fn, plan, solved, seed, engine, optimizer,
-                    schedule, private_step, sampler, continual, diagnostics, sigma_change)
+                    schedule, private_step, sampler, continual, diagnostics, sigma_change, shards)
 
 
 def assemble_for_timing(recipe: Recipe, steps: int) -> RunParts:

@@ -53,6 +53,8 @@ def check_ranks(recipe: Recipe, world: World, data) -> None:
     if recipe.training.parallel == "pipeline" and recipe.training.precision != "fp32":
         raise DpclipError(f"training.precision: {recipe.training.precision} does not run on pipeline stages yet",
                           "use training.precision: fp32 with training.parallel: pipeline")
+    if recipe.training.parallel == "fsdp":
+        check_shardable(recipe, world)
     if world.size == 1:
         return
     refused = []
@@ -65,6 +67,17 @@ def check_ranks(recipe: Recipe, world: World, data) -> None:
         raise DpclipError(f"{what} does not run across {world.size} ranks yet (docs/distributed.md)", hint)
     world.check_same("the training data (content fingerprint)", data_fingerprint(data),
                      "every rank must load the same data in the same order: the same files on every node")
+
+
+def check_shardable(recipe: Recipe, world: World) -> None:
+    """What training.parallel: fsdp cannot run (docs/distributed.md, "Sharded training")."""
+    if world.size == 1:
+        raise DpclipError("training.parallel: fsdp shards the model over processes, and this is one process",
+                          "start several: dpclip train RECIPE --nproc N (or use training.parallel: data)")
+    grouping = recipe.clipping.grouping
+    if isinstance(grouping, dict) and "stages" in grouping:
+        raise DpclipError("clipping.grouping {stages: ...} clips per pipeline stage, and training.parallel: fsdp "
+                          "has no stages", "use training.parallel: pipeline for per-device clipping, or another grouping")
 
 
 def rank_states(world: World, local: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -85,6 +98,15 @@ def check_world_size(state: dict[str, Any], world_size: int, where: Path) -> Non
                           f"with {saved} processes in all); each rank's sampler state is its own")
 
 
+def check_parallel(state: dict[str, Any], parallel: str, where: Path) -> None:
+    """A sharded run's checkpoint names its optimizer's parameters, any other's numbers them: a
+    resume keeps training.parallel fsdp, or keeps it other than fsdp."""
+    saved = state.get("parallel", "data")  # checkpoints from before sharded training: not sharded
+    if (saved == "fsdp") != (parallel == "fsdp"):
+        raise DpclipError(f"{where} was trained with training.parallel: {saved}, and this resume asks for {parallel}",
+                          f"resume with training.parallel: {saved} (the optimizer state is stored per parallel mode)")
+
+
 def share_run_dir(world: World, run_dir: Path, model) -> Path:
     """After rank 0 made or resumed the run directory: every rank takes its path and rank
     0's weights (a resume's further state: :meth:`dpclip.train.state.Checkpointer.resume`)."""
@@ -93,7 +115,8 @@ def share_run_dir(world: World, run_dir: Path, model) -> Path:
     if world.size == 1:
         return run_dir
     run_dir = Path(world.broadcast(str(run_dir)))
-    world.broadcast_(list(model.state_dict().values()))
+    if model is not None:  # None: a sharded model, whose ranks took their shards of rank 0's weights
+        world.broadcast_(list(model.state_dict().values()))
     return run_dir
 
 

@@ -9,8 +9,10 @@ global RNG (dropout), the continual schedule. :func:`checkpoint_tree` gathers al
 checkpoints (the file format: :mod:`dpclip.train.checkpoint`).
 
 Across ranks (docs/distributed.md): rank 0 writes the checkpoint with every rank's own part
-(sampler, RNG; a pipeline stage's optimizer and engine) gathered to it, and on resume hands
-each rank its part.
+(sampler, RNG; a pipeline stage's optimizer and engine; a sharded rank's noise generators)
+gathered to it, and on resume hands each rank its part. A sharded model's weights and
+optimizer state are gathered whole to rank 0 for the checkpoint (the same files as one
+process writes), and each rank takes its shards back on resume.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dpclip.distributed.pipeline import sync_stages
 from dpclip.errors import DpclipError
 from dpclip.layout import STATE
 from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from dpclip.train.ranks import check_world_size, rank_states, share_run_dir
+from dpclip.train.ranks import check_parallel, check_world_size, rank_states, share_run_dir
 from dpclip.train.rundir import (RunDir, check_canaries, check_data, check_ledger, read_ledger, record_resume_changes,
                                  released_records)
 
@@ -47,17 +49,24 @@ class RunState:
 
 def rank_local_state(parts) -> dict[str, Any]:
     """What each rank holds of its own: its sampler and RNG (a pipeline stage: also its
-    optimizer and engine, its noise generator and thresholds)."""
+    optimizer and engine, its noise generator and thresholds; a sharded rank: its engine,
+    whose noise stream is its own)."""
     state = {"sampler": parts.sampler.state_dict(), "torch_rng": torch.get_rng_state()}
     if parts.pipeline:
         state.update(optimizer=parts.optimizer.state_dict(), engine=parts.engine.state_dict())
+    elif parts.shards is not None:
+        state.update(engine=parts.engine.state_dict())
     return state
 
 
-def checkpoint_tree(parts, state: RunState, ranks: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """Everything a checkpoint holds besides the weights."""
-    tree = {"step": state.step, "optimizer": parts.optimizer.state_dict(), "sampler": parts.sampler.state_dict(),
-            "engine": parts.engine.state_dict(), "torch_rng": torch.get_rng_state(), "ledger": state.ledger.to_dict()}
+def checkpoint_tree(parts, state: RunState, ranks: list[dict[str, Any]] | None,
+                    optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything a checkpoint holds besides the weights (``optimizer_state``: a sharded
+    model's, gathered whole)."""
+    optimizer_state = parts.optimizer.state_dict() if optimizer_state is None else optimizer_state
+    tree = {"step": state.step, "optimizer": optimizer_state, "sampler": parts.sampler.state_dict(),
+            "engine": parts.engine.state_dict(), "torch_rng": torch.get_rng_state(), "ledger": state.ledger.to_dict(),
+            "parallel": parts.recipe.training.parallel}
     if parts.continual is not None:
         tree["continual"] = parts.continual.state_dict()
     if ranks is not None:
@@ -71,9 +80,13 @@ def restore(parts, state: RunState, tree: dict[str, Any], local: dict[str, Any] 
     local = tree if local is None else local
     state.step = int(tree["step"])
     state.ledger = Ledger.from_dict(tree["ledger"])
-    parts.optimizer.load_state_dict((local if parts.pipeline else tree)["optimizer"])
+    # A sharded model's ranks take theirs together (Checkpointer.resume); a sharded run's state,
+    # keyed by parameter name, is not loaded into an unsharded optimizer (dpclip diagnose measures
+    # such a run's weights in one process and takes no step).
+    if parts.shards is None and tree.get("parallel") != "fsdp":
+        parts.optimizer.load_state_dict((local if parts.pipeline else tree)["optimizer"])
     parts.sampler.load_state_dict(local["sampler"])
-    parts.engine.load_state_dict((local if parts.pipeline else tree)["engine"])
+    parts.engine.load_state_dict((local if parts.pipeline or parts.shards is not None else tree)["engine"])
     torch.set_rng_state(local["torch_rng"])
 
 
@@ -84,6 +97,7 @@ class Checkpointer:
     def __init__(self, parts, state: RunState, output):
         self.parts, self.state, self.output = parts, state, output
         self.last_save = time.monotonic()  # checkpoint.every_minutes counts from it
+        self._optimizer_state: dict[str, Any] | None = None  # a sharded resume's, on rank 0
 
     def due(self, count: int) -> bool:
         """checkpoint.every_steps (of ``count`` steps), or checkpoint.every_minutes since the
@@ -99,37 +113,54 @@ class Checkpointer:
         if parts.pipeline:  # rank 0 saves the whole model: each stage's weights from its rank
             sync_stages(parts.model, parts.engine.bounds, world)
         ranks = rank_states(world, rank_local_state(parts))  # every rank's own part, on rank 0
-        if not world.main:
+        if parts.shards is not None:  # every rank sends its shards; rank 0 writes the whole
+            optimizer_state = parts.shards.optimizer_state(parts.optimizer)
+            with parts.shards.whole() as whole:
+                if world.main:
+                    self._write(whole, checkpoint_tree(parts, self.state, ranks, optimizer_state))
             return
+        if world.main:
+            self._write(parts.model, checkpoint_tree(parts, self.state, ranks))
+
+    def _write(self, model, tree: dict[str, Any]) -> None:
         # The ledger goes to disk before the checkpoint that depends on it is made current.
         self.output.write_ledger(self.state)
-        save_checkpoint(self.output.run_dir, self.state.step, parts.model, checkpoint_tree(parts, self.state, ranks),
-                        keep=parts.recipe.checkpoint.keep)
+        save_checkpoint(self.output.run_dir, self.state.step, model, tree, keep=self.parts.recipe.checkpoint.keep)
         self.last_save = time.monotonic()
 
     def start(self, run_dir: Path) -> None:
         """A new run's step-0 checkpoint (with the generators' states), so that a crash
         before the first regular checkpoint resumes into the same noise and batches."""
-        self.output.run_dir = share_run_dir(self.parts.world, run_dir, self.parts.model)
+        # a sharded model's ranks started from rank 0's weights already (dpclip.train.parts.assemble)
+        self.output.run_dir = share_run_dir(self.parts.world, run_dir,
+                                            self.parts.model if self.parts.shards is None else None)
         self.save()
 
     def resume(self, run_dir: Path, resume_changes: dict[str, list[Any]]) -> None:
         """Rank 0 reads the run's latest checkpoint and checks it; every rank takes its part."""
         parts, world = self.parts, self.parts.world
-        tree = world.on_main(self._load, RunDir(run_dir), resume_changes)
-        self.output.run_dir = share_run_dir(world, Path(run_dir), parts.model)
+        if parts.shards is not None:  # rank 0 reads the whole weights; every rank takes its shards
+            with parts.shards.loading() as whole:
+                tree = world.on_main(self._load, RunDir(run_dir), resume_changes, whole)
+            parts.shards.load_optimizer_state(parts.optimizer, self._optimizer_state)
+            self._optimizer_state = None
+            self.output.run_dir = share_run_dir(world, Path(run_dir), None)
+        else:
+            tree = world.on_main(self._load, RunDir(run_dir), resume_changes, parts.model)
+            self.output.run_dir = share_run_dir(world, Path(run_dir), parts.model)
         if not world.main:
             restore(parts, self.state, tree, tree["ranks"][world.rank])
 
-    def _load(self, run: RunDir, resume_changes: dict[str, list[Any]]) -> dict[str, Any]:
+    def _load(self, run: RunDir, resume_changes: dict[str, list[Any]], model) -> dict[str, Any]:
         parts, state = self.parts, self.state
         step_event, steps = parts.solved.step_event, parts.plan.steps
         checkpoint = latest_checkpoint(run.path)
         if checkpoint is None:
             raise DpclipError(f"{run.path} has no checkpoint to resume from",
                               "the run stopped before its first step was saved; start a new run")
-        tree = load_checkpoint(checkpoint, parts.model)
+        tree = load_checkpoint(checkpoint, model)
         check_world_size(tree, parts.world.size, run.path)
+        check_parallel(tree, parts.recipe.training.parallel, run.path)
         restore(parts, state, tree)
         check_ledger(state.ledger, step_event, state.step, where=checkpoint / STATE)
         released = read_ledger(run.ledger_file) if run.ledger_file.exists() else state.ledger
@@ -147,4 +178,6 @@ class Checkpointer:
             # The run directory says what its later steps were trained with (the privacy
             # fields, and so the fingerprint, are unchanged: checked when the recipe was resolved).
             record_resume_changes(run, parts.recipe, state.step, resume_changes)
+        if parts.shards is not None:  # kept on rank 0, not broadcast with the rest: every rank loads its shards
+            self._optimizer_state = tree.pop("optimizer")
         return tree

@@ -51,11 +51,16 @@ class PrivateStep:
 
     No IO and no ledger: the caller charges the step (the trainer records the engine's
     DpEvent in the ledger right after this returns, before anything of the step is shown).
+
+    ``lockstep`` (a sharded model, whose every forward and backward is a collective): given
+    this rank's number of micro-batches, the number every rank runs; the missing ones are one
+    row of padding each, with loss weight 0 (docs/distributed.md, "Sharded training").
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, engine: DPEngine,
                  optimizer: torch.optim.Optimizer, train: dict[str, torch.Tensor], *,
-                 micro_batch_size: int | None, precision: Precision | None = None):
+                 micro_batch_size: int | None, precision: Precision | None = None,
+                 lockstep: Callable[[int], int] | None = None):
         self.precision = precision or Precision()
         self.model = model
         self.loss_fn = loss_fn
@@ -63,18 +68,24 @@ class PrivateStep:
         self.optimizer = optimizer
         self.train = train
         self.micro_batch_size = micro_batch_size
+        self.lockstep = lockstep
 
     def __call__(self, indices: torch.Tensor,
                  before_update: Callable[[StepReport], None] | None = None) -> StepOutcome:
         started = time.perf_counter()
         chunk = self.micro_batch_size if self.micro_batch_size is not None else max(len(indices), 1)
         loss_sum = 0.0
-        for rows in micro_batches(indices, chunk):
+        parts = [(rows, len(rows)) for rows in micro_batches(indices, chunk)]
+        if self.lockstep is not None:  # padding: any one row, weight 0 (it adds nothing, the policy never sees it)
+            padding = torch.zeros(1, dtype=torch.long)
+            parts += [(padding, 0)] * (self.lockstep(len(parts)) - len(parts))
+        for rows, samples in parts:
             with self.precision.autocast():
                 losses = self.loss_fn(self.model, select(self.train, rows))
-            loss_sum += float(losses.detach().sum())
-            self.engine.backward(losses, loss_scale=self.precision.scale)
-        if len(indices) == 0:  # across ranks, the policy may exchange norms in the backward this rank skips
+            loss_sum += float(losses.detach()[:samples].sum())
+            self.engine.backward(losses, loss_scale=self.precision.scale,
+                                 samples=None if samples == len(rows) else samples)
+        if not parts:  # across ranks, the policy may exchange norms in the backward this rank skips
             self.engine.policy.empty_part()
         report = self.engine.privatize()
         if before_update is not None:

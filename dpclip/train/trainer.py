@@ -85,13 +85,18 @@ def train_step(parts: RunParts, state: RunState, indices: torch.Tensor, output) 
 
 
 def run_eval(parts: RunParts, state: RunState, output) -> dict[str, Any]:
-    """Held-out metrics (exact: not covered by ε), only with privacy.exact_diagnostics, on rank 0."""
+    """Held-out metrics (exact: not covered by ε), only with privacy.exact_diagnostics, on rank 0
+    (a sharded model's ranks all run its forwards, which are collectives; rank 0 writes)."""
     exact = parts.recipe.privacy.exact_diagnostics
     if parts.pipeline and exact:  # rank 0 evaluates the whole model
         sync_stages(parts.model, parts.engine.bounds, parts.world)
-    if not exact or not parts.world.main:
+    if not exact or not (parts.world.main or parts.shards is not None):
         return {}
     metrics = evaluate(parts.model, parts.loss_fn, parts.data.test, parts.data.task,
                        batch_size=parts.recipe.eval.batch_size)
+    if parts.shards is not None:
+        parts.shards.reshard()
+    if not parts.world.main:
+        return {}
     output.emit({"step": state.step, "eval": metrics, "not_covered_by_epsilon": ["eval"]}, "eval")
     return metrics

@@ -1,5 +1,6 @@
 """`dpclip train RECIPE --nproc 2` end to end: a rank killed with -9 ends the run with one clear
-error, and `--resume ... --nproc 2` finishes it with the ledger of an uninterrupted run."""
+error, and `--resume ... --nproc 2` finishes it with the ledger of an uninterrupted run (data
+parallel, pipeline stages and a sharded model alike)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ PIPELINE = ["clipping.grouping={stages: ['^1$', '^3$']}"]  # quickstart's MLP cu
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the rank's pid in /proc")
-@pytest.mark.parametrize("parallel", ["data", "pipeline"])
+@pytest.mark.parametrize("parallel", ["data", "pipeline", "fsdp"])
 def test_kill_9_of_a_rank_then_resume_gives_the_uninterrupted_ledger(tmp_path, parallel):
     overrides = ["training.steps=60", "checkpoint.every_steps=10", "training.micro_batch_size=4"]
     if parallel == "pipeline":  # the one-process reference clips the same stages in one process
