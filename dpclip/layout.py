@@ -72,3 +72,6 @@ def audit_dir(run_dir: str | Path) -> Path:
 
 def canaries_file(run_dir: str | Path) -> Path:
     return audit_dir(run_dir) / CANARIES
+
+# ------------------------------------------------------ a Hugging Face Trainer checkpoint (DPTrainer)
+TRAINER_STATE = "dpclip_state_rank{rank}.pt"   # secret: a rank's sampler and noise generator states

@@ -47,6 +47,7 @@ class Account:
     ledger: Ledger
     plan: PlanResult
     writes: bool = True   # False on the ranks other than 0 of a data-parallel run: rank 0 writes
+    world_size: int = 1   # processes training together (the statement's distribution line)
 
     @property
     def noise_multiplier(self) -> float:
@@ -61,11 +62,11 @@ class Account:
     def statement(self) -> list[str]:
         """The privacy statement of the steps taken so far (the plan's before the first)."""
         if not self.ledger.steps:
-            return self.plan.statement.lines()
+            return replace(self.plan.statement, world_size=self.world_size).lines()
         taken = replace(self.plan.plan, steps=self.ledger.steps, target_epsilon=None,
                         noise_multiplier=self.plan.split.noise_multiplier)
         with quiet_rdp_orders():
-            return solve(taken).statement.lines()
+            return replace(solve(taken).statement, world_size=self.world_size).lines()
 
     def save(self, directory: str | Path) -> Path:
         """Write ``ledger.json`` (every charged step) and ``privacy.json`` (ε, δ, statement); on
@@ -124,7 +125,8 @@ def private_engine(model: nn.Module, spec: Clipping, *, num_examples: int, batch
     engine = DPEngine(model, engine_clipping, gradient_noise_multiplier=plan.split.gradient_noise_multiplier,
                       expected_batch_size=batch_size, seed=unsafe_seed, sample_rate=sample_rate,
                       reducer=None if world is None else world.reducer)
-    return engine, Account(Ledger(delta, accountant), plan, writes=world is None or world.main)
+    return engine, Account(Ledger(delta, accountant), plan, writes=world is None or world.main,
+                           world_size=1 if world is None else world.size)
 
 
 def clipping_spec(clipping: Mapping[str, Any] | None, max_grad_norm: float | None) -> Clipping:

@@ -21,15 +21,32 @@ What changes against a plain ``Trainer``:
 - the training loss the Trainer logs is computed without noise from the private batches:
   it is listed in the statement as not covered by ε.
 
+Launched on several processes (``torchrun``, ``accelerate launch``), it trains data-parallel as
+``dpclip train --nproc`` does (docs/distributed.md): B counts every rank's part (per-device
+batch × accumulation × processes), each rank draws its own examples' part of each Poisson
+batch, the engine sums the clipped gradients over the ranks with the noise drawn once by rank
+0, and rank 0 writes. The model is not wrapped in DistributedDataParallel: DDP all-reduces
+autograd's gradients, and the engine's backward leaves none (it sums the clipped ones itself).
+
+Checkpoints (``save_strategy``) hold, besides the Trainer's own files, ``ledger.json`` and
+``privacy.json`` of the steps so far and each rank's ``dpclip_state_rank{r}.pt``: its Poisson
+sampler and the engine's threshold policy and noise generators (a secret, as in dpclip's own
+checkpoints: docs/accounting.md, "Threat model"). ``train(resume_from_checkpoint=...)`` restores
+them with the Trainer's state, so the ledger goes on from the checkpoint's steps and the steps
+redone after it replay the same batches and noise (no new release); the Trainer's data skip is
+turned off, since the sampler continues where it stopped.
+
 Refused before any step: ``max_grad_norm > 0`` in the TrainingArguments (it would clip the
-noisy gradient again; the threshold is ``PrivacyArguments.max_grad_norm``), more than one
-process or GPU (``dpclip train --nproc`` trains data-parallel from a recipe), and resuming
-from a Trainer checkpoint (its ledger is not restored yet).
+noisy gradient again; the threshold is ``PrivacyArguments.max_grad_norm``), several GPUs in one
+process (``DataParallel``), and a resume from a checkpoint without dpclip's state or made under
+another privacy plan.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,10 +55,16 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from dpclip import layout
+from dpclip.accounting import Ledger
 
 from dpclip.data.sampler import PoissonSampler
+from dpclip.distributed import ShardedPoissonSampler
 from dpclip.errors import DpclipError
 from dpclip.integrations.parts import EmptyDrawCollate, PoissonBatches, PrivateOptimizer
+from dpclip.integrations.private import running_world
 from dpclip.integrations.setup import clipping_spec, private_engine
 from dpclip.models.losses import cross_entropy, next_token_cross_entropy
 
@@ -106,16 +129,19 @@ class DPTrainer(Trainer):
             raise DpclipError(f"TrainingArguments(max_grad_norm={training.max_grad_norm:g}) would clip the noisy "
                               "gradient again", "set TrainingArguments(max_grad_norm=0); the clipping threshold is "
                               "PrivacyArguments(max_grad_norm=...)")
-        if training.world_size > 1 or training.n_gpu > 1:
-            raise DpclipError("DPTrainer trains in one process on one device for now",
-                              "train data-parallel from a recipe with `dpclip train --nproc N` (docs/distributed.md)")
+        if training.n_gpu > 1:
+            raise DpclipError(f"DPTrainer trains on one device per process, and this process drives {training.n_gpu} "
+                              "GPUs (DataParallel)", "launch one process per GPU: torchrun --nproc-per-node N "
+                              "your_script.py (or accelerate launch)")
+        self.world = running_world() if training.world_size > 1 else None
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise DpclipError("DPTrainer needs a train_dataset with a length",
                               "Poisson sampling draws examples by index: use a map-style dataset")
         self.per_sample_loss = per_sample_loss or default_per_sample_loss
         self.parts = training.gradient_accumulation_steps
         num_examples = len(self.train_dataset)
-        self.expected_batch_size = training.per_device_train_batch_size * self.parts
+        self.ranks = 1 if self.world is None else self.world.size
+        self.expected_batch_size = training.per_device_train_batch_size * self.parts * self.ranks
         self.steps_per_pass = math.ceil(num_examples / self.expected_batch_size)
         steps = training.max_steps if training.max_steps > 0 else \
             math.ceil(training.num_train_epochs * self.steps_per_pass)
@@ -124,18 +150,35 @@ class DPTrainer(Trainer):
             self.model, spec, num_examples=num_examples, batch_size=self.expected_batch_size, steps=steps,
             delta=privacy.delta, target_epsilon=privacy.target_epsilon, noise_multiplier=privacy.noise_multiplier,
             accountant=privacy.accountant, sampling="poisson", unsafe_seed=privacy.unsafe_seed,
-            not_covered=(LOGGED_LOSS,))
+            not_covered=(LOGGED_LOSS,), world=self.world)
         self.unsafe_seed = privacy.unsafe_seed
         self.train_sampler = None
+        if self.world is not None:  # every rank starts from rank 0's weights; no DDP (module doc)
+            self.world.broadcast_([p.data for p in self.model.parameters()])
+            prepare_model = self.accelerator.prepare_model
+
+            def prepare_without_ddp(model: nn.Module, device_placement: bool | None = None,
+                                    evaluation_mode: bool = False) -> nn.Module:
+                # evaluation_mode: accelerate's device placement and mixed precision, without the DDP wrap
+                return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+            self.accelerator.prepare_model = prepare_without_ddp
 
     # ------------------------------------------------------------------ the Trainer's hooks
 
-    def get_train_dataloader(self) -> DataLoader:
+    def _sampler(self) -> PoissonParts:
         if self.train_sampler is None:  # one sampler for the whole run: its draws continue across passes
-            plan = self.account.plan.plan
-            draws = PoissonSampler(len(self.train_dataset), plan.sample_rate, plan.steps, seed=self.unsafe_seed)
+            plan, num_examples = self.account.plan.plan, len(self.train_dataset)
+            if self.world is None:
+                draws = PoissonSampler(num_examples, plan.sample_rate, plan.steps, seed=self.unsafe_seed)
+            else:  # this rank's examples' part of each draw
+                draws = ShardedPoissonSampler(num_examples, plan.sample_rate, plan.steps, rank=self.world.rank,
+                                              world_size=self.world.size, seed=self.unsafe_seed)
             self.train_sampler = PoissonParts(draws, self.steps_per_pass, self.parts)
-        return DataLoader(self.train_dataset, batch_sampler=self.train_sampler,
+        return self.train_sampler
+
+    def get_train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_dataset, batch_sampler=self._sampler(),
                           collate_fn=EmptyDrawCollate(self.train_dataset, self.data_collator),
                           num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
 
@@ -156,16 +199,65 @@ class DPTrainer(Trainer):
             raise DpclipError(f"per_sample_loss returned shape {tuple(losses.shape)}, not one loss per example",
                               "return the loss of each example (reduction='none'), never a batch mean")
         self.engine.backward(losses)
-        # Summed over the accumulated parts by the Trainer: the logical batch's loss over B.
-        return losses.detach().sum() / self.expected_batch_size
+        # Summed over the accumulated parts by the Trainer and averaged over the ranks when it
+        # logs: the logical batch's loss over B.
+        return losses.detach().sum() * self.ranks / self.expected_batch_size
 
     def train(self, resume_from_checkpoint: Any = None, **kwargs: Any):
         if resume_from_checkpoint:
-            raise DpclipError("DPTrainer cannot resume from a Trainer checkpoint yet: its ledger is not restored, "
-                              "so resumed steps would be charged from zero", "train again from the start")
-        result = super().train(**kwargs)
+            if resume_from_checkpoint is True:
+                resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+                if resume_from_checkpoint is None:
+                    raise DpclipError(f"no checkpoint in {self.args.output_dir} to resume from",
+                                      "train from the start, or pass the checkpoint's folder")
+            self._load_private_state(str(resume_from_checkpoint))
+            # The sampler continues where it stopped: the Trainer must not draw batches to skip them.
+            self.args.ignore_data_skip = True
+        result = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         self.account.save(self.args.output_dir)
         return result
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _plan_key(self) -> dict[str, Any]:
+        plan = self.account.plan.plan
+        return {"sample_rate": plan.sample_rate, "steps": plan.steps, "delta": plan.delta,
+                "accountant": plan.accountant, "noise_multiplier": self.account.noise_multiplier,
+                "ranks": self.ranks}
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        # Written before the Trainer's own files: a folder the Trainer finished always has them.
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        rank = 0 if self.world is None else self.world.rank
+        torch.save({"plan": self._plan_key(), "sampler": self._sampler().draws.state_dict(),
+                    "engine": self.engine.state_dict(), "steps": self.account.ledger.steps},
+                   os.path.join(folder, layout.TRAINER_STATE.format(rank=rank)))
+        self.account.save(folder)
+        super()._save_checkpoint(model, trial)
+
+    def _load_private_state(self, folder: str) -> None:
+        rank = 0 if self.world is None else self.world.rank
+        path = os.path.join(folder, layout.TRAINER_STATE.format(rank=rank))
+        ledger_path = os.path.join(folder, layout.LEDGER)
+        if not os.path.isfile(path) or not os.path.isfile(ledger_path):
+            raise DpclipError(f"{folder} has no dpclip state ({layout.TRAINER_STATE.format(rank=rank)}, ledger.json): it was "
+                              "not written by a DPTrainer, or by one with another number of processes",
+                              "resume from a checkpoint this DPTrainer script wrote, with the same number of processes")
+        state = torch.load(path, weights_only=True)
+        if state["plan"] != self._plan_key():
+            changed = sorted(k for k in state["plan"] if state["plan"][k] != self._plan_key().get(k))
+            raise DpclipError(f"{folder} was trained under another privacy plan (it differs in {', '.join(changed)})",
+                              "resume with the arguments the run started with (batch size, steps, ε or σ, δ, "
+                              "processes)")
+        with open(ledger_path) as handle:
+            ledger = Ledger.from_dict(json.load(handle))
+        if ledger.steps != state["steps"]:
+            raise DpclipError(f"{folder}: ledger.json holds {ledger.steps} steps and the state {state['steps']}",
+                              "the checkpoint was modified or half written: resume from an earlier one")
+        self.account.ledger = ledger
+        self._sampler().draws.load_state_dict(state["sampler"])
+        self.engine.load_state_dict(state["engine"])
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, TrainingArguments
+from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, TrainerCallback,
+                          TrainingArguments)
 
 from dpclip.data.sampler import PoissonSampler
 from dpclip.errors import DpclipError
@@ -146,10 +147,56 @@ def test_bad_arguments_are_refused_with_a_hint_before_any_step(tmp_path, change,
     assert info.value.hint
 
 
-def test_resuming_from_a_trainer_checkpoint_is_refused(tmp_path):
-    with pytest.raises(DpclipError, match="cannot resume") as info:
+def test_resuming_from_a_folder_without_dpclip_state_is_refused(tmp_path):
+    with pytest.raises(DpclipError, match="has no dpclip state") as info:
         _trainer(tmp_path).train(resume_from_checkpoint=str(tmp_path))
     assert info.value.hint
+
+
+class _CrashAfter(TrainerCallback):
+    """Stops the run with an exception after optimizer step ``step`` (its checkpoint saved)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step + 1:  # the checkpoint of `step` is on disk; this step is lost
+            raise KeyboardInterrupt
+
+
+def _seeded(tmp_path, callbacks=(), **kwargs) -> DPTrainer:
+    privacy = PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0, unsafe_seed=3)
+    trainer = _trainer(tmp_path, privacy=privacy, max_steps=6, save_strategy="steps", save_steps=2,
+                       optim="adamw_torch", **kwargs)
+    for callback in callbacks:
+        trainer.add_callback(callback)
+    return trainer
+
+
+def test_a_trainer_resumed_from_its_checkpoint_ends_as_the_run_that_never_stopped(tmp_path):
+    whole = _seeded(tmp_path / "whole")
+    whole.train()
+    crashed = _seeded(tmp_path / "split", callbacks=[_CrashAfter(4)])
+    with pytest.raises(KeyboardInterrupt):
+        crashed.train()
+    resumed = _seeded(tmp_path / "split")
+    resumed.train(resume_from_checkpoint=True)
+    for (name, a), b in zip(whole.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    ledger = json.loads((tmp_path / "split" / "out" / "ledger.json").read_text())
+    assert ledger == json.loads((tmp_path / "whole" / "out" / "ledger.json").read_text())
+    assert ledger["steps"] == 6   # the steps redone after checkpoint 4 replay the same draws: charged once
+    checkpoint = json.loads((tmp_path / "split" / "out" / "checkpoint-4" / "ledger.json").read_text())
+    assert checkpoint["steps"] == 4
+
+
+def test_a_resume_under_another_privacy_plan_is_refused(tmp_path):
+    _seeded(tmp_path).train()
+    other = _trainer(tmp_path, privacy=PrivacyArguments(delta=1e-5, noise_multiplier=2.0, max_grad_norm=1.0),
+                     max_steps=6, save_strategy="steps", save_steps=2)
+    with pytest.raises(DpclipError, match="another privacy plan") as info:
+        other.train(resume_from_checkpoint=True)
+    assert "noise_multiplier" in info.value.message and info.value.hint
 
 
 def test_the_docs_show_the_trainer_example_that_runs_as_a_test():
