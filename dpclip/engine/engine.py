@@ -425,10 +425,10 @@ class DPEngine:
         return std[stage.offset:stage.offset + len(sens)]
 
     def _quantiles(self) -> dict[str, Tensor]:
-        if not self._norms:
+        norms = torch.cat(self._norms) if self._norms else None
+        if norms is None or norms.shape[0] == 0:  # no example this step (a sharded run's padded rank)
             nan = torch.full((len(self.groups),), float("nan"), device=self._device, dtype=self._norm_dtype)
             return {k: nan for k in QUANTILES}
-        norms = torch.cat(self._norms)
         qs = torch.tensor(list(QUANTILES.values()), device=norms.device, dtype=norms.dtype)
         if math.isfinite(float(norms.sum())):
             values = torch.quantile(norms, qs, dim=0)
