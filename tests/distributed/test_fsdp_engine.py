@@ -12,7 +12,7 @@ noise on and no examples, ``p.grad`` is pure noise of std σ·C/B per coordinate
 per coordinate, independently on each rank's rows.
 
 One spawn per world size runs every case (process start-up is the cost): 2 ranks in the
-default run (about 30 s here), 4 ranks under ``slow`` (about 60 s on 2 cores).
+default run (about 20 to 40 s on 2 cores), 4 ranks under ``slow`` (about 40 s).
 """
 
 from __future__ import annotations
