@@ -20,8 +20,8 @@ gives every rank at most ceil(rows/N) of a parameter's rows, so a rank holds at 
 cut = Σ ceil(rows/N)·(row bytes) of the parameters, as much of their gradients, twice that of
 AdamW's moments, and AdamW's step counts whole (one 0-dim tensor a parameter, on every rank).
 
-Every rank also frees its sharded model and DTensor's caches before leaving the process group
-(``drop_sharded_state``): without that, a rank often aborted at exit.
+Every rank frees its sharded model before leaving the process group (``joined_world`` then
+clears DTensor's caches, which would keep the group alive).
 
 Not in those columns, and measured or counted separately:
 
@@ -29,11 +29,12 @@ Not in those columns, and measured or counted separately:
   examples, every parameter whole) held from the backward until ``privatize`` reduce-scatters
   them: their bytes just before ``privatize``, the largest over the steps. Without sharding
   they become the gradients (divided in place); sharded, they are held beside the shards;
-- "held in the reduce-scatter": inside ``privatize``, ``ShardReducer.sum_shards`` holds the
-  whole-size gradients it was given (the clipped sums, divided by B in place), the flat
-  buffer it reduce-scatters (every rank's rows, each rank's part padded to the longest), the
-  rank's part it receives and the rank's rows it returns: their bytes, as the benchmark's
-  wrappers around ``sum_shards`` and the reduce-scatter see them, the largest over the steps;
+- "held in the reduce-scatter": inside ``privatize``, ``ShardReducer.sum_shards`` sends the
+  whole-size gradients (the clipped sums, divided by B in place) in buckets of at most
+  ``BUCKET_ELEMENTS``, dropping each whole sum once it is copied into its bucket: it holds the
+  whole sums not yet sent, one bucket (every rank's rows, each part padded to the longest) and
+  the shards received. The reducer's own ``peak_bytes`` (the distinct storages it holds at
+  once, the most over the steps) is the column;
 - "largest gathered unit": FSDP2 gathers a unit's whole parameters (a transformer block, or the
   root: embeddings and final norm) for its forward and its backward: the bytes of the largest
   unit's parameters, counted from their shapes, not measured;
@@ -67,10 +68,14 @@ sys.path.insert(0, str(REPO))
 from dpclip.files import write_text_atomic  # noqa: E402
 
 RESULT = REPO / "benchmarks" / "results" / "fsdp_memory.txt"
-FULL = {"layers": 4, "embd": 256, "heads": 4, "vocab": 2048, "seq": 32, "batch": 8, "steps": 2, "ranks": [2, 4]}
+# bucket_elements: the reduce-scatter's bucket, smaller than the model here (dpclip's default,
+# 2^24 elements, exceeds this whole model) so that the column shows what bucketing holds.
+FULL = {"layers": 4, "embd": 256, "heads": 4, "vocab": 2048, "seq": 32, "batch": 8, "steps": 2, "ranks": [2, 4],
+        "bucket_elements": 2**18}
 # Odd row counts (vocab 101, 9 positions, 3 ranks): the last rank's shards are short, and the test
 # checks the shares against the bound of the uneven cut.
-SMOKE = {"layers": 2, "embd": 32, "heads": 2, "vocab": 101, "seq": 9, "batch": 4, "steps": 2, "ranks": [2, 3]}
+SMOKE = {"layers": 2, "embd": 32, "heads": 2, "vocab": 101, "seq": 9, "batch": 4, "steps": 2, "ranks": [2, 3],
+         "bucket_elements": 2**10}
 CLIPPING = {"threshold": {"kind": "fixed", "value": 1.0}}
 
 
@@ -172,32 +177,6 @@ def measure_whole(sizes: dict, out: str) -> None:
                                      "rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 
 
-def record_reduce_scatter(reducer) -> list[int]:
-    """Wrap ``reducer.sum_shards`` and the module's reduce-scatter so that each call appends the
-    bytes held at its end (module doc): the gradients given, the flat buffers sent, the parts
-    received, the rows returned."""
-    import dpclip.distributed.sharded as sharded
-
-    seen: list[int] = []
-    buffers: list[int] = []
-    reduce_scatter, sum_shards = sharded._reduce_scatter, reducer.sum_shards
-
-    def recording_reduce_scatter(out, flat):
-        buffers.append(local_bytes(out) + local_bytes(flat))
-        reduce_scatter(out, flat)
-
-    def recording_sum_shards(grads, params):
-        buffers.clear()
-        rows = sum_shards(grads, params)
-        given = {g.untyped_storage().data_ptr(): local_bytes(g) for g in grads}  # distinct storages
-        seen.append(sum(given.values()) + sum(buffers) + sum(local_bytes(r) for r in rows))
-        return rows
-
-    sharded._reduce_scatter = recording_reduce_scatter
-    reducer.sum_shards = recording_sum_shards
-    return seen
-
-
 def _rank(rank: int, size: int, port: int, sizes: dict, out: str) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size),
@@ -213,8 +192,8 @@ def _rank(rank: int, size: int, port: int, sizes: dict, out: str) -> None:
         model = build_model(sizes)
         cut = cut_bytes(model, size)
         shards = Shards(model, world)
-        reducer = ShardReducer(world)
-        in_reduce_scatter = record_reduce_scatter(reducer)
+        reducer = ShardReducer(world, **({"bucket_elements": sizes["bucket_elements"]}
+                                         if "bucket_elements" in sizes else {}))
         engine = DPEngine(model, CLIPPING, gradient_noise_multiplier=1.0, expected_batch_size=sizes["batch"],
                           seed=0, reducer=reducer)
         engine.establish(lambda: per_sample_loss(model, ids[:3]))
@@ -224,37 +203,14 @@ def _rank(rank: int, size: int, port: int, sizes: dict, out: str) -> None:
         started = time.perf_counter()
         held, peak = run_steps(model, engine, optimizer, mine, sizes["steps"])
         row = {**held, "sums_peak": peak, "cut_bytes": cut,
-               "reduce_scatter_peak": max(in_reduce_scatter),
+               "reduce_scatter_peak": reducer.peak_bytes,
                "seconds": time.perf_counter() - started,
                "rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
         rows = world.all_gather(row)
         if world.main:
             Path(out).write_text(json.dumps(rows))
         engine.detach()
-        del engine, shards, model, optimizer
-        drop_sharded_state()
-
-
-def drop_sharded_state() -> None:
-    """Free, before the process group is destroyed, what keeps it alive: the sharded model's
-    FSDP state and DTensors (the caller drops them) and DTensor's sharding-propagation caches
-    (torch internals, cleared where this torch has them), whose entries hold the DeviceMesh
-    and through it the group. Otherwise the group's gloo threads outlive
-    ``destroy_process_group`` and one of them can end the process with SIGABRT as Python exits
-    ("terminate called without an active exception": 3 of 4 smoke runs before this; compare
-    dpclip.distributed.world._import_what_would_outlive_the_group)."""
-    gc.collect()
-    from torch.distributed.tensor import DTensor
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    for cache in (getattr(propagator, "propagate_op_sharding", None),
-                  getattr(type(propagator), "_propagate_tensor_meta_cached", None)):
-        if hasattr(cache, "cache_clear"):
-            cache.cache_clear()
-    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if native is not None:
-        native()
-    gc.collect()
+        del engine, shards, model, optimizer  # joined_world then frees DTensor's caches before the group goes
 
 
 def _port() -> int:
@@ -298,7 +254,8 @@ def render(result: dict) -> str:
     s, whole = result["sizes"], result["whole"]
     lines = [f"GPT2LMHeadModel, {s['layers']} layers, n_embd {s['embd']}, {s['heads']} heads, vocab {s['vocab']}, "
              f"T {s['seq']}, tied lm_head, float32, random weights; global batch B {s['batch']} (B/N rows a rank), "
-             f"{s['steps']} private steps (fixed threshold 1, sigma 1) with AdamW; gloo, one torch thread a process, "
+             f"{s['steps']} private steps (fixed threshold 1, sigma 1) with AdamW; reduce-scatter bucket "
+             f"{s.get('bucket_elements', 'default')} elements; gloo, one torch thread a process, "
              f"{os.cpu_count()} cores, torch {torch.__version__}.",
              "Bytes held after the last optimizer step (before zero_grad): parameters, .grad, optimizer.state tensors, "
              "a DTensor by its local shard. share = (rank's params + grads + optimizer) / the whole's.",

@@ -30,6 +30,7 @@ for a checkpoint) and :meth:`Shards.load_whole` (rank 0's weights handed out as 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -40,6 +41,9 @@ from torch import Tensor, nn
 from dpclip.distributed.world import SumReducer, World, run_collective
 from dpclip.errors import DpclipError
 
+# Elements of whole gradients sent in one reduce-scatter (64 MiB in float32): a step holds the
+# whole sums not yet sent, one bucket and the shards, not every whole sum beside a copy of it.
+BUCKET_ELEMENTS = 1 << 24
 FSDP_HINT = "use training.parallel: data (each rank holds the whole model), or docs/distributed.md, 'Sharded training'"
 
 
@@ -63,8 +67,10 @@ class ShardReducer(SumReducer):
 
     shards = True
 
-    def __init__(self, world: World):
+    def __init__(self, world: World, bucket_elements: int = BUCKET_ELEMENTS):
         super().__init__(world)
+        self.bucket_elements = bucket_elements
+        self.peak_bytes = 0
         # Each rank's noise stream is its own, seeded or not (identical streams would put the
         # same draw on rows of different ranks, which their difference would cancel).
         self.noise_stream = f"rank-{world.rank}-of-{world.size}"
@@ -81,36 +87,64 @@ class ShardReducer(SumReducer):
     def shard_start(self, param: Tensor) -> int:
         return self._rows(param)[0]
 
-    def sum_shards(self, grads: list[Tensor], params: list[Tensor]) -> list[Tensor]:
-        """Per parameter, this rank's rows of Σ over ranks of ``grads`` (whole parameters):
-        one reduce-scatter per dtype and device, each rank's rows of every parameter padded to
-        the longest rank's so that the parts are equal."""
-        out: list[Tensor | None] = [None] * len(grads)
-        by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-        for i, g in enumerate(grads):
-            by_kind.setdefault((g.dtype, g.device), []).append(i)
-        for (dtype, device), members in by_kind.items():
-            cuts = [[shard_rows(grads[i].shape[0] if grads[i].dim() else 1, r, self.size) for i in members]
-                    for r in range(self.size)]
-            rows_numel = [grads[i].numel() // max(grads[i].shape[0], 1) if grads[i].dim() else 1 for i in members]
-            part = max(sum((stop - start) * n for (start, stop), n in zip(cut, rows_numel)) for cut in cuts)
-            flat = torch.zeros(self.size * part, dtype=dtype, device=device)
-            for r, cut in enumerate(cuts):
-                offset = r * part
-                for i, (start, stop), n in zip(members, cut, rows_numel):
-                    rows = grads[i].reshape(-1)[start * n:stop * n]
-                    flat[offset:offset + rows.numel()] = rows
-                    offset += rows.numel()
-            mine = torch.empty(part, dtype=dtype, device=device)
-            _reduce_scatter(mine, flat)
-            offset = 0
-            for i, (start, stop), n in zip(members, cuts[self.rank], rows_numel):
-                shape = (stop - start, *grads[i].shape[1:]) if grads[i].dim() else grads[i].shape
-                out[i] = mine[offset:offset + (stop - start) * n].view(shape).clone()
-                offset += (stop - start) * n
+    def sum_shards(self, grads: list[Tensor | None], params: list[Tensor]) -> list[Tensor]:
+        """Per parameter, this rank's rows of Σ over ranks of ``grads`` (whole parameters).
+
+        Reduce-scatters in buckets of at most ``bucket_elements`` (parameters in index order,
+        one dtype and device a bucket; each rank's rows padded to the longest rank's, so that
+        the parts are equal). Each whole gradient is dropped from ``grads`` once it is copied
+        into its bucket, so that the step holds the whole sums not yet sent, one bucket and the
+        shards received (``peak_bytes``: the most of these at once since the reducer was made, for
+        the benchmark); the
+        caller must hold no other reference to them."""
         for p in params:
             self._rows(p)  # refuses a parameter FSDP cut otherwise
+        out: list[Tensor | None] = [None] * len(grads)
+        bucket: list[int] = []
+        for i, g in enumerate(grads):
+            if bucket and ((g.dtype, g.device) != (grads[bucket[0]].dtype, grads[bucket[0]].device)
+                           or sum(grads[j].numel() for j in bucket) + g.numel() > self.bucket_elements):
+                self._scatter_bucket(bucket, grads, out)
+                bucket = []
+            bucket.append(i)
+        if bucket:
+            self._scatter_bucket(bucket, grads, out)
         return out  # type: ignore[return-value]
+
+    def _scatter_bucket(self, members: list[int], grads: list[Tensor | None], out: list[Tensor | None]) -> None:
+        first = grads[members[0]]
+        dtype, device = first.dtype, first.device
+        shapes = [grads[i].shape for i in members]
+        cuts = [[shard_rows(shape[0] if len(shape) else 1, r, self.size) for shape in shapes]
+                for r in range(self.size)]
+        rows_numel = [math.prod(shape[1:]) if len(shape) else 1 for shape in shapes]
+        part = max(sum((stop - start) * n for (start, stop), n in zip(cut, rows_numel)) for cut in cuts)
+        flat = torch.zeros(self.size * part, dtype=dtype, device=device)
+        self._note_held(grads, out, flat)
+        offsets = [r * part for r in range(self.size)]  # where rank r's rows of the next parameter go
+        for position, i in enumerate(members):
+            whole, n = grads[i].reshape(-1), rows_numel[position]
+            for r in range(self.size):
+                start, stop = cuts[r][position]
+                flat[offsets[r]:offsets[r] + (stop - start) * n] = whole[start * n:stop * n]
+                offsets[r] += (stop - start) * n
+            grads[i] = None   # copied into the bucket: the whole sum is not held any longer
+            del whole
+        mine = torch.empty(part, dtype=dtype, device=device)
+        self._note_held(grads, out, flat, mine)
+        _reduce_scatter(mine, flat)
+        offset = 0
+        for position, i in enumerate(members):
+            start, stop = cuts[self.rank][position]
+            count = (stop - start) * rows_numel[position]
+            out[i] = mine[offset:offset + count].view((stop - start, *shapes[position][1:]) if len(shapes[position])
+                                                       else shapes[position])
+            offset += count
+
+    def _note_held(self, grads: list[Tensor | None], out: list[Tensor | None], *buffers: Tensor) -> None:
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in [*grads, *out, *buffers] if t is not None}
+        self.peak_bytes = max(self.peak_bytes, sum(storages.values()))
 
     def as_grad(self, local: Tensor, param: Tensor) -> Tensor:
         """This rank's rows as the sharded parameter's gradient (a DTensor like the parameter)."""

@@ -339,6 +339,7 @@ class DPEngine:
                  else clipped.contiguous().div_(batch) for p, clipped in zip(self._params, self._sums)]
         sharded = self.reducer is not None and getattr(self.reducer, "shards", False)
         if sharded:  # Σ over ranks of (clipped_r/B), this rank's shard of each parameter only
+            self._sums = [None] * len(self._params)  # the reducer frees each whole sum once it is sent
             grads = self.reducer.sum_shards(grads, self._params)
         draws = self.gradient_noise_multiplier > 0 and (self.reducer is None or sharded or self.reducer.draws_noise)
         if draws:  # in place, all at once: a large draw is split over threads (NoiseSource)

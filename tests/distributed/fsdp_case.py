@@ -121,7 +121,8 @@ def sharded(world, make, loss_fn, batch, clipping, n, *, sigma=0.0, seed=None):
     model = make()
     shards = Shards(model, world)
     engine = DPEngine(model, clipping, gradient_noise_multiplier=sigma, expected_batch_size=n, seed=seed,
-                      reducer=ShardReducer(world))
+                      # buckets of 500 elements: every model's sum goes out in several reduce-scatters
+                      reducer=ShardReducer(world, bucket_elements=500))
     engine.establish(lambda: loss_fn(model, take(batch, range(3))))
     shards.shard(engine)
     return model, engine
