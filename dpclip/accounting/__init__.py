@@ -30,7 +30,7 @@ from dpclip.accounting.events import (
     training_event,
 )
 from dpclip.accounting.ledger import LEDGER_FORMAT, Ledger, LedgerEntry
-from dpclip.accounting.plan import AuxSpec, PlanResult, PrivacyPlan, solve, steps_for_epochs
+from dpclip.accounting.plan import AuxSpec, PlanResult, PrivacyPlan, participations, solve, steps_for_epochs
 from dpclip.accounting.split import NoiseSplit, check_aux_fits, split_noise, with_current_names
 from dpclip.accounting.statement import (
     GRADIENT_RELEASE,
@@ -41,6 +41,7 @@ from dpclip.accounting.statement import (
 )
 
 __all__ = [
+    "participations",
     # events
     "check_same_release",
     "same_event",

@@ -84,6 +84,25 @@ class AuxSpec:
         return f"{self.name} (K={self.groups}, sensitivity {round(self.sensitivity, 6)})"
 
 
+def check_bands(bands: int, steps: int, sample_rate: float) -> None:
+    """b of banded MF: a whole number in [1, steps], with q·b <= 1 (a group of N/b examples
+    must be able to give an expected batch of q·N)."""
+    if isinstance(bands, bool) or not isinstance(bands, int) or not 1 <= bands <= steps:
+        raise AccountingError(f"bands must be a whole number from 1 to the {steps} steps, got {bands!r}",
+                              "bands: 1 is DP-SGD; a few to a few dozen bands, well below the steps, suit most runs")
+    if sample_rate * bands > 1.0 + 1e-12:
+        raise AccountingError(
+            f"{bands} bands at sample rate q = {sample_rate:g}: each of the {bands} groups holds N/{bands} examples, "
+            f"fewer than the expected batch q·N (q·b = {sample_rate * bands:g} > 1)",
+            "use fewer bands (at most 1/q) or a smaller batch")
+
+
+def participations(steps: int, bands: int) -> int:
+    """⌈T/b⌉: the most steps one example takes part in under b-cyclic sampling (and the
+    number of compositions the accountant charges)."""
+    return -(-steps // bands)
+
+
 @dataclass(frozen=True)
 class PrivacyPlan:
     """What a run will do, for accounting purposes.
@@ -99,6 +118,13 @@ class PrivacyPlan:
         aux: an auxiliary statistic sharing the budget, if any.
         seeded_randomness: noise and batches derived from the recipe's seed (statement warns).
         not_covered: what the run releases outside ε (listed in the statement).
+        bands: b of banded matrix factorization (correlated noise; docs/formulas.md, "Banded
+            matrix factorization"); 1 is DP-SGD. With b > 1 the data are cut into b fixed
+            groups (example i in group i mod b), step t Poisson-samples group t mod b at rate
+            q·b, and each example takes part in at most ⌈T/b⌉ steps, b apart; with the
+            strategy's columns of norm at most 1 and disjoint b apart, the run is accounted as
+            ⌈T/b⌉ compositions of PoissonSampled(q·b, Gaussian(σ)) (Choquette-Choo et al.,
+            "Amplified banded matrix factorization", NeurIPS 2023, Thm. 4).
     """
 
     sample_rate: float
@@ -111,10 +137,16 @@ class PrivacyPlan:
     aux: AuxSpec | None = None
     seeded_randomness: bool = False
     not_covered: tuple[str, ...] = ()
+    bands: int = 1
 
     def __post_init__(self) -> None:
         check_sample_rate(self.sample_rate)
         check_steps(self.steps)
+        check_bands(self.bands, self.steps, self.sample_rate)
+        if self.bands > 1 and self.sampling != "poisson":
+            raise AccountingError(
+                f"banded matrix factorization ({self.bands} bands) needs cyclic Poisson sampling, not {self.sampling}",
+                "use sampling: poisson: its amplification and min-separation are what the accounting assumes")
         check_delta_value(self.delta)
         check_accountant(self.accountant)
         if self.sampling not in SAMPLINGS:
@@ -148,8 +180,10 @@ class PlanResult:
         split: how σ_eff is shared between gradient and auxiliary statistic.
         epsilon: ε of the whole run with the plan's accountant (after any fallback).
         epsilon_rdp: ε with RDP, alongside.
-        step_event: the per-step joint event PoissonSampled(q, Gaussian(σ_eff)) (docs/accounting.md, joint release).
-        total_event: SelfComposed(step_event, steps).
+        step_event: the per-step joint event PoissonSampled(q, Gaussian(σ_eff)) (docs/accounting.md, joint
+            release); with banded MF, the event of one participation, PoissonSampled(q·b, Gaussian(σ_eff)),
+            charged at the steps :meth:`charged_at` names.
+        total_event: SelfComposed(step_event, steps), or SelfComposed(step_event, ⌈T/b⌉).
         statement: the privacy statement for ``epsilon``.
         fallback_reason: why PLD fell back to RDP, if it did.
         accountant: the accountant that produced ``epsilon``.
@@ -165,6 +199,16 @@ class PlanResult:
     fallback_reason: str | None
     accountant: str
     plan: PrivacyPlan
+
+    def charged_at(self, step: int) -> bool:
+        """Whether the step with 0-based index ``step`` is charged in the ledger: every step of
+        DP-SGD; with b bands the first of each cycle of b steps (each example's group comes up
+        once a cycle, so a cycle is one participation at most)."""
+        return step % self.plan.bands == 0
+
+    def charges(self, steps: int) -> int:
+        """Ledger entries after ``steps`` steps: ⌈steps / b⌉."""
+        return participations(steps, self.plan.bands)
 
     @property
     def step_metadata(self) -> dict[str, Any]:
@@ -190,9 +234,11 @@ def solve(plan: PrivacyPlan) -> PlanResult:
     """
     if not isinstance(plan, PrivacyPlan):
         raise AccountingError(f"expected a PrivacyPlan, got {type(plan).__name__}", "build one with PrivacyPlan(...)")
+    # Banded MF charges ⌈T/b⌉ participations at rate q·b (PrivacyPlan.bands); b = 1 is DP-SGD's q and T.
+    charged_rate, charged_steps = plan.sample_rate * plan.bands, participations(plan.steps, plan.bands)
     if plan.target_epsilon is not None:
         sigma_total = calibrate_noise_multiplier(
-            plan.target_epsilon, plan.delta, plan.sample_rate, plan.steps, plan.accountant
+            plan.target_epsilon, plan.delta, charged_rate, charged_steps, plan.accountant
         )
     else:
         sigma_total = float(plan.noise_multiplier)
@@ -208,8 +254,8 @@ def solve(plan: PrivacyPlan) -> PlanResult:
 
     # The event is built from σ_eff itself (not re-derived from the split), so the
     # ledger of a run and this plan hold bit-identical events.
-    step_event = gradient_step_event(plan.sample_rate, split.noise_multiplier)
-    total_event = dp_accounting.SelfComposedDpEvent(step_event, plan.steps)
+    step_event = gradient_step_event(charged_rate, split.noise_multiplier)
+    total_event = dp_accounting.SelfComposedDpEvent(step_event, charged_steps)
     result = account(total_event, plan.delta, plan.accountant)
 
     statement = PrivacyStatement(
@@ -228,6 +274,7 @@ def solve(plan: PrivacyPlan) -> PlanResult:
         fallback_reason=result.fallback_reason,
         seeded_randomness=plan.seeded_randomness,
         not_covered=list(plan.not_covered),
+        bands=plan.bands,
     )
     return PlanResult(
         split=split,

@@ -117,6 +117,7 @@ class PrivacyStatement:
     not_covered: list[str] = field(default_factory=list)
     world_size: int = 1
     parallel: str = "data"   # across world_size processes: "data", "pipeline" or "fsdp"
+    bands: int = 1           # banded matrix factorization's b (1: DP-SGD, independent noise)
 
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLINGS:
@@ -156,6 +157,12 @@ class PrivacyStatement:
         if distribution is not None:
             out.append(f"distribution: {distribution}")
         out.append(f"steps: {self.steps}")
+        if self.bands > 1:
+            out.append(f"mechanism: banded matrix factorization, {self.bands} bands (noise correlated across steps); "
+                       f"cyclic Poisson sampling (example i in group i mod {self.bands}, step t samples group t mod "
+                       f"{self.bands} at rate q·b = {_fmt(self.sample_rate * self.bands, 6)}); accounted as "
+                       f"{-(-self.steps // self.bands)} participations, each PoissonSampled(q·b, Gaussian(σ)) "
+                       "(amplified banded MF, Choquette-Choo et al. 2023)")
         out.append(f"noise multiplier (total, joint over all releases): {_fmt(self.noise_multiplier, 6)}")
         if self.sigma_aux is not None:
             out.append(f"gradient noise multiplier: {_fmt(self.gradient_noise_multiplier, 6)}")

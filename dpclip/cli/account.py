@@ -22,6 +22,11 @@ class SamplingChoice(str, Enum):
     shuffle = "shuffle"
 
 
+class MechanismChoice(str, Enum):
+    dp_sgd = "dp-sgd"
+    banded_mf = "banded-mf"
+
+
 def account(
     target: Path = typer.Argument(None, help="A recipe YAML file (its plan) or a run directory (what it spent)."),
     overrides: list[str] = typer.Argument(None, help="key=value recipe overrides, e.g. privacy.epsilon=4"),
@@ -46,6 +51,10 @@ def account(
                                                 help="pld (RDP shown alongside), rdp, or both (σ safe under both)."),
     sampling: SamplingChoice = typer.Option(SamplingChoice.poisson, "--sampling",
                                             help="shuffle adds the caveat that the accounting assumes Poisson."),
+    mechanism: MechanismChoice = typer.Option(MechanismChoice.dp_sgd, "--mechanism",
+                                              help="dp-sgd (independent noise) or banded-mf (noise correlated over "
+                                              "--bands steps, cyclic Poisson sampling: docs/formulas.md)."),
+    bands: int = typer.Option(None, "--bands", help="b of --mechanism banded-mf (1 is DP-SGD)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """How much noise a private training needs, or what ε a given noise buys.
@@ -111,9 +120,15 @@ def account(
 
             raise AccountingError("--aux-sigma / --aux-fraction need --aux histogram|quantile",
                                   "e.g. --aux quantile --aux-fraction 0.01")
+        if (mechanism is MechanismChoice.banded_mf) != (bands is not None):
+            from dpclip.errors import AccountingError
+
+            raise AccountingError("--bands goes with --mechanism banded-mf, and banded-mf needs --bands",
+                                  "e.g. --mechanism banded-mf --bands 8")
         plan = planning.plan_from_flags(delta=delta, epsilon=eps, noise_multiplier=sigma, sample_rate=sample_rate,
                                         steps=steps, dataset_size=dataset_size, batch_size=batch_size,
-                                        epochs=epochs, accountant="pld", sampling=sampling.value, aux=aux_spec)
+                                        epochs=epochs, accountant="pld", sampling=sampling.value, aux=aux_spec,
+                                        bands=1 if bands is None else bands)
         title = None
     result = planning.solve_plan(plan, accountant_name)
     if as_json:
@@ -187,6 +202,7 @@ def _as_dict(plan, result, accountant: str, title: str | None, bins: int | None 
         "accountant": accountant,
         "sample_rate": plan.sample_rate,
         "steps": plan.steps,
+        "bands": plan.bands,
         "delta": plan.delta,
         "target_epsilon": plan.target_epsilon,
         "epsilon": result.epsilon,

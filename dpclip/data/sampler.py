@@ -33,21 +33,38 @@ class PoissonSampler:
     Iterating yields one int64 tensor of example indices (sorted) per remaining step, an
     empty tensor included: an empty batch is still a step, and the accountant counts it.
     ``len()`` is the total number of steps.
+
+    ``groups`` = b > 1: cyclic Poisson sampling, which banded matrix factorization's accounting
+    assumes (docs/formulas.md, "Banded matrix factorization"): example i belongs to group
+    i mod b, and step t draws from group t mod b alone, each of its examples with probability
+    ``sample_rate`` (pass q·b for an expected batch of q·N). An example then takes part in at
+    most one step of any b in a row. b = 1 draws exactly the batches of plain Poisson sampling.
     """
 
     purpose = "poisson-sampler"
 
-    def __init__(self, num_examples: int, sample_rate: float, steps: int, seed: int | None = None):
+    def __init__(self, num_examples: int, sample_rate: float, steps: int, seed: int | None = None,
+                 groups: int = 1):
         if num_examples < 1:
             raise DpclipError(f"cannot sample from {num_examples} examples", "the training set is empty")
         if not 0 < sample_rate <= 1:
             raise DpclipError(f"sample rate {sample_rate} is not in (0, 1]",
                               "the Poisson rate q = batch_size / N must be positive and at most 1")
+        if isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= num_examples:
+            raise DpclipError(f"{num_examples} examples cannot be cut into {groups!r} groups",
+                              "cyclic Poisson sampling needs 1 <= bands <= N: use fewer bands")
         self.num_examples = num_examples
         self.sample_rate = sample_rate
         self.steps = steps
+        self.groups = groups
         self.step = 0
         self.generator = private_generator(seed, self.purpose)
+
+    def in_turn(self, indices: torch.Tensor) -> torch.Tensor:
+        """Which of ``indices`` belong to the group whose turn the current step is (all, b = 1)."""
+        if self.groups == 1:
+            return torch.ones(len(indices), dtype=torch.bool)
+        return indices % self.groups == self.step % self.groups
 
     def __len__(self) -> int:
         return self.steps
@@ -60,6 +77,8 @@ class PoissonSampler:
             # probability ⌈q·2²⁴⌉/2²⁴ (19% above q at q = 3e-7); float64's grid is 2⁻⁵³.
             included = torch.rand(self.num_examples, generator=self.generator, dtype=torch.float64) \
                 < self.sample_rate
+            if self.groups > 1:
+                included &= self.in_turn(torch.arange(self.num_examples))
             self.step += 1
             yield included.nonzero().squeeze(1)
 

@@ -41,8 +41,8 @@ class ShardedPoissonSampler(PoissonSampler):
     """Rank ``rank`` of ``world_size``'s part of each logical batch (global indices, sorted)."""
 
     def __init__(self, num_examples: int, sample_rate: float, steps: int, *, rank: int, world_size: int,
-                 seed: int | None = None):
-        super().__init__(num_examples, sample_rate, steps, seed=seed)
+                 seed: int | None = None, groups: int = 1):
+        super().__init__(num_examples, sample_rate, steps, seed=seed, groups=groups)
         self.rank, self.world_size, self.seeded = rank, world_size, seed is not None
         self.owned = torch.arange(rank, num_examples, world_size)
 
@@ -50,11 +50,10 @@ class ShardedPoissonSampler(PoissonSampler):
         while self.step < self.steps:
             # float64 uniforms, as the one-process sampler (its comment explains why).
             if self.seeded:
-                included = self.owned[torch.rand(self.num_examples, generator=self.generator,
-                                                 dtype=torch.float64)[self.owned] < self.sample_rate]
+                drawn = torch.rand(self.num_examples, generator=self.generator, dtype=torch.float64)[self.owned]
             else:
-                included = self.owned[torch.rand(len(self.owned), generator=self.generator,
-                                                 dtype=torch.float64) < self.sample_rate]
+                drawn = torch.rand(len(self.owned), generator=self.generator, dtype=torch.float64)
+            included = self.owned[(drawn < self.sample_rate) & self.in_turn(self.owned)]
             self.step += 1
             yield included
 

@@ -195,7 +195,7 @@ def check_against_data(recipe: Recipe) -> int | None:
 def plan_from_flags(*, delta: float | None, epsilon: float | None = None, noise_multiplier: float | None = None,
                     sample_rate: float | None = None, steps: int | None = None, dataset_size: int | None = None,
                     batch_size: int | None = None, epochs: float | None = None, accountant: str = "pld",
-                    sampling: str = "poisson", aux: AuxSpec | None = None) -> PrivacyPlan:
+                    sampling: str = "poisson", aux: AuxSpec | None = None, bands: int = 1) -> PrivacyPlan:
     """A plan from `dpclip account` flags: (q, steps) or (N, B, epochs|steps), and ε or σ."""
     if delta is None:
         raise AccountingError("--delta is required", "e.g. --delta 1e-5 (below 1/N)")
@@ -223,7 +223,8 @@ def plan_from_flags(*, delta: float | None, epsilon: float | None = None, noise_
                               "give --sample-rate Q with --steps T (or --epochs E), or "
                               "--dataset-size N --batch-size B with --epochs E (or --steps T)")
     return PrivacyPlan(sample_rate=sample_rate, steps=steps, delta=delta, accountant=accountant,
-                       sampling=sampling, target_epsilon=epsilon, noise_multiplier=noise_multiplier, aux=aux)
+                       sampling=sampling, target_epsilon=epsilon, noise_multiplier=noise_multiplier, aux=aux,
+                       bands=bands)
 
 
 def plan_for_recipe(recipe: Recipe, dataset_size: int | None = None, groups: int | None = None) -> PrivacyPlan:

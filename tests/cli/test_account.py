@@ -189,3 +189,33 @@ def test_malformed_input_gives_error_and_hint_without_traceback(cli, args, fragm
     assert "\nhint: " in result.err
     assert fragment.lower() in result.err.lower()
     assert "Traceback" not in result.err and result.out == ""
+
+
+def test_banded_mf_calibration_agrees_with_dp_accounting_on_its_participations(cli):
+    result = cli(*DONE_WHEN, "--mechanism", "banded-mf", "--bands", "16", "--json")
+    assert result.code == 0, result.err
+    payload = json.loads(result.out)
+    q, steps = 256 / 60000, math.ceil(10 / (256 / 60000))
+    assert payload["bands"] == 16 and payload["steps"] == steps
+    sigma = payload["noise"]["noise_multiplier"]
+    direct = pld_epsilon(sigma, 16 * q, math.ceil(steps / 16), 1e-5)   # ⌈T/b⌉ participations at q·b
+    assert 8.0 * 0.98 <= direct <= 8.0 * 1.005
+    assert payload["epsilon_rdp"] == pytest.approx(rdp_epsilon(sigma, 16 * q, math.ceil(steps / 16), 1e-5), rel=1e-3)
+    assert payload["statement"]["bands"] == 16
+
+
+def test_one_band_gives_dp_sgds_sigma_to_the_digit(cli):
+    plain = json.loads(cli(*DONE_WHEN, "--json").out)
+    banded = json.loads(cli(*DONE_WHEN, "--mechanism", "banded-mf", "--bands", "1", "--json").out)
+    assert banded["noise"]["noise_multiplier"] == plain["noise"]["noise_multiplier"]
+    assert banded["epsilon"] == plain["epsilon"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--bands", "4"], "--bands goes with --mechanism banded-mf"),
+    (["--mechanism", "banded-mf"], "banded-mf needs --bands"),
+    (["--mechanism", "banded-mf", "--bands", "300"], "fewer than the expected batch"),
+])
+def test_banded_flags_that_cannot_work_are_refused_with_a_hint(cli, flags, message):
+    result = cli(*DONE_WHEN, *flags)
+    assert result.code != 0 and message in result.err and "hint:" in result.err and "Traceback" not in result.err

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dpclip.data import PoissonSampler, ShuffleSampler, micro_batches
+from dpclip.distributed import ShardedPoissonSampler
 from dpclip.errors import DpclipError
 
 
@@ -111,3 +112,41 @@ def test_micro_batches_split_a_logical_batch_into_ordered_chunks_of_at_most_the_
 
 def test_micro_batches_of_an_empty_logical_batch_are_none_at_all():
     assert list(micro_batches(torch.empty(0, dtype=torch.int64), 4)) == []
+
+
+# ------------------------------------------------------------- cyclic Poisson (banded MF)
+
+def test_one_group_draws_the_batches_of_plain_poisson_sampling():
+    plain = [b.clone() for b in PoissonSampler(500, 0.05, 20, seed=4)]
+    cyclic = [b.clone() for b in PoissonSampler(500, 0.05, 20, seed=4, groups=1)]
+    assert all(torch.equal(a, b) for a, b in zip(plain, cyclic))
+
+
+def test_cyclic_sampling_draws_each_step_from_its_group_alone_and_separates_participations():
+    bands, n, steps, rate = 4, 400, 40, 0.3
+    last_seen: dict[int, int] = {}
+    counts = torch.zeros(n)
+    for t, batch in enumerate(PoissonSampler(n, rate, steps, seed=1, groups=bands)):
+        assert bool((batch % bands == t % bands).all())   # only the group whose turn it is
+        for i in batch.tolist():
+            assert t - last_seen.get(i, -bands) >= bands       # b-min-separation
+            last_seen[i] = t
+        counts[batch] += 1
+    # Each example has steps/b = 10 turns, included with probability 0.3 in each: over all
+    # 400 examples the count has mean 400·10·0.3 = 1200 and variance 400·10·0.3·0.7 = 840;
+    # 5 standard deviations is about 145.
+    assert abs(float(counts.sum()) - 1200) < 5 * math.sqrt(840)
+
+
+def test_the_ranks_cyclic_parts_together_are_the_one_process_batch():
+    one = [b.clone() for b in PoissonSampler(301, 0.2, 12, seed=7, groups=3)]
+    ranks = [[b.clone() for b in ShardedPoissonSampler(301, 0.2, 12, rank=r, world_size=2, seed=7, groups=3)]
+             for r in range(2)]
+    for t in range(12):
+        assert torch.equal(torch.sort(torch.cat([ranks[0][t], ranks[1][t]])).values, one[t])
+
+
+def test_more_groups_than_examples_is_refused_with_a_hint():
+    with pytest.raises(DpclipError, match="cannot be cut into 11 groups") as caught:
+        PoissonSampler(10, 0.5, 5, groups=11)
+    assert caught.value.hint
