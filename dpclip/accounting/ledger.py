@@ -130,9 +130,14 @@ class Ledger:
     # ---------------------------------------------------------------- accounting
 
     def _runs(self) -> list[tuple[str, dp_accounting.DpEvent, int]]:
-        """Consecutive entries with the same event merged: (key, event, total count)."""
+        """Consecutive entries with the same event merged: (key, event, total count).
+
+        ``NoOpDpEvent`` entries (the uncharged steps of a banded-MF cycle, docs/formulas.md)
+        cost nothing and are left out, so the charged steps on either side form one run."""
         runs: list[tuple[str, dp_accounting.DpEvent, int]] = []
         for key, entry in zip(self._keys, self._entries):
+            if isinstance(entry.event, dp_accounting.NoOpDpEvent):
+                continue
             if runs and runs[-1][0] == key:
                 runs[-1] = (key, runs[-1][1], runs[-1][2] + entry.count)
             else:
@@ -142,6 +147,8 @@ class Ledger:
     @staticmethod
     def _with(runs: list, key: str, event: dp_accounting.DpEvent, count: int) -> list:
         """``runs`` after ``count`` more occurrences of ``event`` (merged if it continues the last run)."""
+        if isinstance(event, dp_accounting.NoOpDpEvent):
+            return runs
         if runs and runs[-1][0] == key:
             return runs[:-1] + [(key, runs[-1][1], runs[-1][2] + count)]
         return runs + [(key, event, count)]
@@ -210,6 +217,8 @@ class Ledger:
         _check_count(count)
         if not isinstance(epsilon_cap, (int, float)) or not epsilon_cap > 0:
             raise AccountingError(f"ε cap must be > 0, got {epsilon_cap!r}", "the cap is the recipe's target ε")
+        if isinstance(event, dp_accounting.NoOpDpEvent):  # costs nothing: allowed if the ledger is within the cap
+            return self.epsilon() <= epsilon_cap
         key = _event_key(event)
         runs = self._runs()
         if runs and runs[-1][0] == key:

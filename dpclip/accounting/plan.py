@@ -206,6 +206,12 @@ class PlanResult:
         once a cycle, so a cycle is one participation at most)."""
         return step % self.plan.bands == 0
 
+    def event_at(self, step: int) -> dp_accounting.DpEvent:
+        """What the ledger records for the step with 0-based index ``step``: the step event, or
+        ``NoOpDpEvent`` for a banded-MF step that is not the first of its cycle (the ledger
+        then counts every step, and charges ⌈T/b⌉ of them)."""
+        return self.step_event if self.charged_at(step) else dp_accounting.NoOpDpEvent()
+
     def charges(self, steps: int) -> int:
         """Ledger entries after ``steps`` steps: ⌈steps / b⌉."""
         return participations(steps, self.plan.bands)

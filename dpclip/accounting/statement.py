@@ -203,7 +203,7 @@ def _gaussian_parameters(event: dp_accounting.DpEvent) -> tuple[float, float] | 
 
 def statement_from_ledger(ledger: "Ledger", sampling: str = "poisson", *, seeded_randomness: bool = False,
                           not_covered: list[str] | tuple[str, ...] = (), world_size: int = 1,
-                          parallel: str = "data") -> PrivacyStatement:
+                          parallel: str = "data", bands: int = 1) -> PrivacyStatement:
     """The statement for what a run's ledger has spent (``dpclip account RUN_DIR``).
 
     Sample rate and noise multipliers are reported when every entry has the same ones;
@@ -212,15 +212,18 @@ def statement_from_ledger(ledger: "Ledger", sampling: str = "poisson", *, seeded
     from the entries' metadata (key "releases", as written by PlanResult.step_metadata).
     """
     result = ledger.result()
-    parameters = {_gaussian_parameters(entry.event) for entry in ledger.entries}
+    # A banded-MF run's uncharged steps are no-ops: they say nothing of its noise.
+    charged = [entry for entry in ledger.entries if not isinstance(entry.event, dp_accounting.NoOpDpEvent)]
+    parameters = {_gaussian_parameters(entry.event) for entry in charged}
     # A resumed run's ledger may hold entries written before the names were unified.
-    metadatas = [with_current_names(entry.metadata or {}) for entry in ledger.entries]
+    metadatas = [with_current_names(entry.metadata or {}) for entry in charged]
     caveats: list[str] = []
     if len(parameters) == 1 and None not in parameters:
         sample_rate, noise_multiplier = next(iter(parameters))
+        sample_rate /= bands  # a participation's event is at q·b; the statement states q
     else:
         sample_rate = noise_multiplier = None
-        if ledger.entries:
+        if charged:
             caveats.append("the ledger mixes several kinds of releases or noise levels; see its entries")
 
     def common(name: str) -> Any:
@@ -252,5 +255,6 @@ def statement_from_ledger(ledger: "Ledger", sampling: str = "poisson", *, seeded
         not_covered=list(not_covered),
         world_size=world_size,
         parallel=parallel,
+        bands=bands,
     )
 

@@ -29,6 +29,7 @@ from dpclip.accounting import gradient_step_event
 
 from dpclip.engine.bookkeeping import Bookkeeper
 from dpclip.engine.clip import make_clip_fn
+from dpclip.engine.correlated import CorrelatedNoise
 from dpclip.engine.groups import Groups, build_groups, trainable_params
 from dpclip.engine.noise import (NoiseSource, allocation_weights, effective_noise_multiplier,
                                  noise_stds)
@@ -70,13 +71,17 @@ class DPEngine:
         reducer: ranks sharing each logical batch (sums over ranks, noise once: :mod:`dpclip.engine.reducer`).
         stage: the other stages of a pipeline when ``model`` is one stage of it
             (:class:`~dpclip.engine.reducer.StageLink`; docs/distributed.md, "Pipeline stages").
+        noise_correlation: banded matrix factorization's strategy coefficients c (b of them,
+            Σc² = 1: :func:`dpclip.engine.correlated.banded_strategy`); the noise of a step is
+            then C⁻¹z, correlated with the b - 1 steps before (docs/formulas.md, "Banded matrix
+            factorization"); None or one coefficient: DP-SGD's independent noise.
     """
 
     def __init__(self, model: nn.Module, clipping: dict | None = None, *,
                  gradient_noise_multiplier: float | None = None, expected_batch_size: int,
                  seed: int | None = None, noise_multiplier: float | None = None,
                  sample_rate: float | None = None, reducer: Reducer | None = None,
-                 stage: StageLink | None = None):
+                 stage: StageLink | None = None, noise_correlation: Tensor | None = None):
         cfg = dict(DEFAULT_CLIPPING)
         unknown = set(clipping or {}) - set(DEFAULT_CLIPPING)
         if unknown:
@@ -129,6 +134,8 @@ class DPEngine:
         self._sizes = torch.tensor(self.groups.sizes, device=first.device, dtype=self._norm_dtype)
         allocation_weights(cfg["noise_allocation"], self.policy.thresholds(), self._sizes)
         self.noise = NoiseSource(seed, getattr(reducer, "noise_stream", None))
+        self.correlation = (CorrelatedNoise(noise_correlation)
+                            if noise_correlation is not None and len(noise_correlation) > 1 else None)
         for device in {p.device for p in self._params}:  # made now, so that a step-0 checkpoint holds them
             self.noise.generator(device)
 
@@ -342,10 +349,17 @@ class DPEngine:
             self._sums = [None] * len(self._params)  # the reducer frees each whole sum once it is sent
             grads = self.reducer.sum_shards(grads, self._params)
         draws = self.gradient_noise_multiplier > 0 and (self.reducer is None or sharded or self.reducer.draws_noise)
-        if draws:  # in place, all at once: a large draw is split over threads (NoiseSource)
+        if draws and self.correlation is None:  # in place, all at once: a large draw is split over threads
             # Sharded: every rank draws its own shard's noise from its own stream, so each
             # coordinate of the whole gradient gets noise exactly once.
             self.noise.add_gaussians(grads, [std_grad[k] for k in self._group_of])
+        elif draws:  # banded MF: the fresh draw z_t becomes C⁻¹z's row t (one gradient-sized buffer more)
+            fresh = [torch.zeros_like(grad) for grad in grads]
+            self.noise.add_gaussians(fresh, [std_grad[k] for k in self._group_of])
+            self.correlation.correlate_(fresh)
+            for grad, noise in zip(grads, fresh):
+                grad.add_(noise)
+            del fresh
         for idx, row in self._padding_rows.items():
             start = self.reducer.shard_start(self._params[idx]) if sharded else 0
             if 0 <= row - start < grads[idx].shape[0]:
@@ -478,10 +492,17 @@ class DPEngine:
 
     def state_dict(self) -> dict:
         """Policy state and the noise generators' states (a secret: see :class:`NoiseSource`)."""
-        return {"policy": self.policy.state_dict(), "noise": self.noise.state_dict(),
-                "steps": self.steps}
+        state = {"policy": self.policy.state_dict(), "noise": self.noise.state_dict(), "steps": self.steps}
+        if self.correlation is not None:  # the last b - 1 noise vectors: as secret as the generators
+            state["correlation"] = self.correlation.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.policy.load_state_dict(state["policy"])
         self.noise.load_state_dict(state["noise"])
         self.steps = int(state.get("steps", 0))
+        if self.correlation is not None:
+            if "correlation" not in state:
+                raise EngineError("the checkpoint holds no correlated-noise history, and this engine correlates its "
+                                  "noise (banded MF)", "resume with the mechanism the run was trained with")
+            self.correlation.load_state_dict(state["correlation"])

@@ -233,7 +233,28 @@ class Training(Section):
 
 # ----------------------------------------------------------------------- privacy
 
+class DpSgd(Section):
+    kind: Literal["dp-sgd"] = "dp-sgd"
+
+    @property
+    def bands(self) -> int:
+        return 1
+
+
+class BandedMF(Section):
+    kind: Literal["banded-mf"]
+    bands: PositiveInt = Field(description="b: the noise of a step is correlated with the b - 1 before it; the data "
+                               "are cut into b groups sampled in turn (cyclic Poisson); 1 is DP-SGD "
+                               "(docs/formulas.md, 'Banded matrix factorization')")
+
+
+MechanismConfig = Annotated[Union[DpSgd, BandedMF], Field(discriminator="kind")]
+
+
 class Privacy(Section):
+    mechanism: MechanismConfig = Field(
+        default_factory=DpSgd, description="dp-sgd (independent noise) or {kind: banded-mf, bands: b}: noise "
+        "correlated across steps, with cyclic Poisson sampling (docs/methods.md, 'Correlated noise')")
     epsilon: PositiveFloat | None = Field(
         None, description="target ε; σ is calibrated to it, and training never exceeds it")
     delta: Annotated[float, Field(gt=0, lt=1)] = Field(description="must be below 1/N")

@@ -174,6 +174,7 @@ def privacy_plan(recipe: Recipe, dataset_size: int, groups: int | None = None) -
         aux=aux_spec(recipe, groups),
         seeded_randomness=recipe.privacy.unsafe_seeded_randomness,
         not_covered=not_covered(recipe),
+        bands=privacy.mechanism.bands,
     )
 
 

@@ -55,6 +55,8 @@ def check_ranks(recipe: Recipe, world: World, data) -> None:
                           "use training.precision: fp32 with training.parallel: pipeline")
     if recipe.training.parallel == "fsdp":
         check_shardable(recipe, world)
+    if recipe.privacy.mechanism.bands > 1:
+        check_banded(recipe)
     if world.size == 1:
         return
     refused = []
@@ -67,6 +69,16 @@ def check_ranks(recipe: Recipe, world: World, data) -> None:
         raise DpclipError(f"{what} does not run across {world.size} ranks yet (docs/distributed.md)", hint)
     world.check_same("the training data (content fingerprint)", data_fingerprint(data),
                      "every rank must load the same data in the same order: the same files on every node")
+
+
+def check_banded(recipe: Recipe) -> None:
+    """What banded matrix factorization does not run with yet (docs/methods.md, "Correlated noise")."""
+    if recipe.continual is not None:
+        raise DpclipError("privacy.mechanism: banded-mf does not run with continual: (public phases) yet",
+                          "use privacy.mechanism: {kind: dp-sgd} for a continual run")
+    if recipe.training.parallel == "pipeline":
+        raise DpclipError("privacy.mechanism: banded-mf does not run on pipeline stages yet",
+                          "use training.parallel: data or fsdp, or privacy.mechanism: {kind: dp-sgd}")
 
 
 def check_shardable(recipe: Recipe, world: World) -> None:

@@ -20,10 +20,12 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import dp_accounting
 import torch
 
 from dpclip import __version__, layout
-from dpclip.accounting import Ledger, check_same_release, same_event, solve, statement_from_ledger
+from dpclip.accounting import (Ledger, check_same_release, participations, same_event, solve,
+                               statement_from_ledger)
 from dpclip.data.canaries import read_canary_secret
 from dpclip.errors import DpclipError
 from dpclip.files import read_json, write_json_atomic, write_text_atomic
@@ -273,7 +275,7 @@ def spent(run_dir: Path):
         raise DpclipError(f"{run.path} has no ledger.json", "the run never reached its first step")
     ledger = run.ledger()
     step_event, steps = planned_step(run.path, recipe)
-    check_ledger(ledger, step_event, range(0, steps + 1), where=path)
+    check_ledger(ledger, step_event, range(0, steps + 1), where=path, bands=recipe.privacy.mechanism.bands)
     return ledger, run_statement(recipe, ledger, world_size=recorded_world_size(run.path))
 
 
@@ -283,7 +285,7 @@ def run_statement(recipe: Recipe, ledger, *, world_size: int = 1):
     return statement_from_ledger(ledger, sampling=recipe.training.sampling,
                                  seeded_randomness=recipe.privacy.unsafe_seeded_randomness,
                                  not_covered=not_covered(recipe), world_size=world_size,
-                                 parallel=recipe.training.parallel)
+                                 parallel=recipe.training.parallel, bands=recipe.privacy.mechanism.bands)
 
 
 def recorded_world_size(run_dir: Path) -> int:
@@ -319,21 +321,29 @@ def planned_step(run_dir: Path, recipe: Recipe):
     return solve(plan).step_event, plan.steps
 
 
-def check_ledger(ledger, step_event, steps: int | range, *, where: Path | str) -> None:
-    """Refuse a ledger that is not the run's: every entry must be the plan's step event and
-    the number of recorded steps must be ``steps`` (an int, or a range of allowed counts).
+def check_ledger(ledger, step_event, steps: int | range, *, where: Path | str, bands: int = 1) -> None:
+    """Refuse a ledger that is not the run's: every entry must be the plan's step event (or,
+    with banded MF's ``bands`` > 1, an uncharged step's no-op), the number of recorded steps
+    must be ``steps`` (an int, or a range of allowed counts), and of them ⌈steps/b⌉ charged.
 
     Ledgers are read from the run directory, which anyone with write access can edit; a
     ledger with fewer steps or a larger σ than were used would understate ε."""
+    charged = 0
     for entry in ledger.entries:
+        if bands > 1 and isinstance(entry.event, dp_accounting.NoOpDpEvent):
+            continue
         if not same_event(entry.event, step_event):
             raise DpclipError(f"{where} records {entry.event}, which is not this run's step event {step_event}",
                               "the run directory was modified or mixed with another run's: restore it")
+        charged += entry.count
     allowed = range(steps, steps + 1) if isinstance(steps, int) else steps
     if ledger.steps not in allowed:
         want = str(steps) if isinstance(steps, int) else f"{allowed.start} to {allowed.stop - 1}"
         raise DpclipError(f"{where} records {ledger.steps} steps where the run allows {want}",
                           "the run directory was modified: restore it from a backup")
+    if charged != participations(ledger.steps, bands):
+        raise DpclipError(f"{where} charges {charged} of its {ledger.steps} steps where {bands} bands charge "
+                          f"{participations(ledger.steps, bands)}", "the run directory was modified: restore it")
 
 
 def check_canaries(run_dir: Path, canaries) -> None:

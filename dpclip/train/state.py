@@ -162,9 +162,10 @@ class Checkpointer:
         check_world_size(tree, parts.world.size, run.path)
         check_parallel(tree, parts.recipe.training.parallel, run.path)
         restore(parts, state, tree)
-        check_ledger(state.ledger, step_event, state.step, where=checkpoint / STATE)
+        bands = parts.plan.bands
+        check_ledger(state.ledger, step_event, state.step, where=checkpoint / STATE, bands=bands)
         released = read_ledger(run.ledger_file) if run.ledger_file.exists() else state.ledger
-        check_ledger(released, step_event, range(state.step, steps + 1), where=run.ledger_file)
+        check_ledger(released, step_event, range(state.step, steps + 1), where=run.ledger_file, bands=bands)
         state.released_steps = released.steps
         if parts.continual is not None:
             parts.continual.load_state_dict(tree.get("continual"), run.metrics_file)

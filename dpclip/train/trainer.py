@@ -28,7 +28,7 @@ from dpclip.distributed.pipeline import sync_stages
 
 def run_loop(parts: RunParts, state: RunState, checkpointer: Checkpointer, output) -> str:
     """Steps until done; returns why it stopped ("completed", "budget" or "interrupted")."""
-    step_event, cap = parts.solved.step_event, parts.recipe.privacy.epsilon
+    solved, cap = parts.solved, parts.recipe.privacy.epsilon
     phases = parts.continual
     parts.model.train()
     with DeferredInterrupt() as interrupt:
@@ -42,7 +42,7 @@ def run_loop(parts: RunParts, state: RunState, checkpointer: Checkpointer, outpu
                     return "interrupted"
                 # The cap is checked before the batch is touched, with the plan's event, which
                 # is asserted in each step to be the event the engine actually releases.
-                if cap is not None and not state.ledger.allows(step_event, cap):
+                if cap is not None and not state.ledger.allows(solved.event_at(state.step), cap):
                     return "budget"
                 train_step(parts, state, next(batches), output)
                 if checkpointer.due(state.step):
@@ -65,7 +65,8 @@ def train_step(parts: RunParts, state: RunState, indices: torch.Tensor, output) 
     else:
         outcome = parts.continual.step_fn(state.step, indices, before_update=checked)
     outcome = global_outcome(parts.world, outcome)  # loss and batch size of all ranks' parts
-    state.ledger.record(step_event, metadata=parts.solved.step_metadata)
+    # Banded MF charges the first step of each cycle of b and records the others as no-ops.
+    state.ledger.record(parts.solved.event_at(state.step), metadata=parts.solved.step_metadata)
     state.step += 1
     state.step_seconds += outcome.seconds
     # Charged before anything of this step leaves the process (a crash between
