@@ -145,6 +145,10 @@ _SECTIONS: list = [
     ("training.schedule", schema.Schedule, ""),
     ("privacy", schema.Privacy, "Give `epsilon` (σ is calibrated to it) or `noise_multiplier` (ε follows); "
                                 "with both, ε is a cap that training never exceeds."),
+    ("privacy.mechanism: {kind: dp-sgd}", schema.DpSgd, "Independent Gaussian noise at every step (the default)."),
+    ("privacy.mechanism: {kind: banded-mf}", schema.BandedMF,
+     "Banded matrix factorization: noise correlated over `bands` steps, cyclic Poisson sampling, a fixed "
+     "threshold; docs/methods.md, \"Correlated noise\"."),
     ("clipping", schema.Clipping, "`grouping` is one of: `all-layer` (one group), `layer` (weight and bias of "
                                   "a module), `param` (each tensor), `block` (transformer blocks), `{uniform: M}` "
                                   "(M contiguous groups of near-equal size), `{groups: [[regex, ...], ...]}` "

@@ -79,6 +79,11 @@ def check_banded(recipe: Recipe) -> None:
     if recipe.training.parallel == "pipeline":
         raise DpclipError("privacy.mechanism: banded-mf does not run on pipeline stages yet",
                           "use training.parallel: data or fsdp, or privacy.mechanism: {kind: dp-sgd}")
+    if recipe.clipping.threshold.kind != "fixed":
+        # Step t's noise covers its own and the b - 1 earlier steps' contributions: with a
+        # threshold that moves, a later step's smaller noise would cover an earlier, larger one.
+        raise DpclipError(f"privacy.mechanism: banded-mf needs a fixed clipping threshold, and this recipe's "
+                          f"moves ({recipe.clipping.threshold.kind})", "use clipping.threshold: {kind: fixed, value: C}")
 
 
 def check_shardable(recipe: Recipe, world: World) -> None:

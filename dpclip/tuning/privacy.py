@@ -115,6 +115,10 @@ def _infeasible(exc, release: RunRelease) -> str:
 
 
 def run_release(recipe: Recipe, plan: PrivacyPlan) -> RunRelease:
+    if plan.bands > 1:  # each run would be charged as DP-SGD's T steps at q, not its ⌈T/b⌉ participations
+        raise AccountingError("tune-cost does not account banded matrix factorization yet",
+                              "price the search with privacy.mechanism: {kind: dp-sgd}, or account one banded run "
+                              "with `dpclip account RECIPE`")
     score_noise = recipe.tuning.score_noise if recipe.tuning.score == "private" else None
     return RunRelease(plan.sample_rate, plan.steps, score_noise)
 

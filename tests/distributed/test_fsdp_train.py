@@ -26,10 +26,13 @@ def _weights(run_dir: Path) -> dict:
 
 
 # SGD without momentum keeps no state per parameter; AdamW keeps two sharded moments and a step count.
-OPTIMIZERS = {"sgd": [], "adamw": ["training.optimizer={kind: adamw, lr: 0.01}"]}
+# banded MF: each rank correlates its own shard's noise; its history must come back on resume.
+OPTIMIZERS = {"sgd": [], "adamw": ["training.optimizer={kind: adamw, lr: 0.01}"],
+              "banded": ["privacy.mechanism={kind: banded-mf, bands: 3}"]}
 
 
-@pytest.fixture(scope="module", params=["sgd", pytest.param("adamw", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["sgd", pytest.param("adamw", marks=pytest.mark.slow),
+                                        pytest.param("banded", marks=pytest.mark.slow)])
 def sharded_runs(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     errors = run_ranks(train_sharded, str(out), "quantile", *OPTIMIZERS[request.param])

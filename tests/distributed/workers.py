@@ -19,6 +19,8 @@ POLICIES = {
     "layer": ["clipping.grouping=layer"],
     "quantile": ["clipping.grouping=layer", "clipping.threshold={kind: quantile, initial: 1.0, sigma: 2.0}"],
     "shuffle": ["clipping.grouping=layer", "training.sampling=shuffle", "training.batch_size=300"],
+    # banded MF: cyclic Poisson parts on each rank, rank 0's correlated noise (and its history)
+    "banded": ["clipping.grouping=layer", "privacy.mechanism={kind: banded-mf, bands: 3}"],
     "top-fraction": ["clipping.grouping=layer", "training.micro_batch_size=null",
                      "clipping.threshold={kind: discriminative, small: 0.3, large: 1.5, tail_rule: top_fraction, "
                      "top_fraction: 0.25}"],
