@@ -26,24 +26,26 @@ def _weights(run_dir: Path) -> dict:
 
 
 # SGD without momentum keeps no state per parameter; AdamW keeps two sharded moments and a step count.
-# banded MF: each rank correlates its own shard's noise; its history must come back on resume.
-OPTIMIZERS = {"sgd": [], "adamw": ["training.optimizer={kind: adamw, lr: 0.01}"],
-              "banded": ["privacy.mechanism={kind: banded-mf, bands: 3}"]}
+# (threshold policy, overrides). banded MF (fixed threshold): each rank correlates its own
+# shard's noise, and its history must come back on resume.
+OPTIMIZERS = {"sgd": ("quantile", []), "adamw": ("quantile", ["training.optimizer={kind: adamw, lr: 0.01}"]),
+              "banded": ("layer", ["privacy.mechanism={kind: banded-mf, bands: 3}"])}
 
 
 @pytest.fixture(scope="module", params=["sgd", pytest.param("adamw", marks=pytest.mark.slow),
                                         pytest.param("banded", marks=pytest.mark.slow)])
 def sharded_runs(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    errors = run_ranks(train_sharded, str(out), "quantile", *OPTIMIZERS[request.param])
+    policy, overrides = OPTIMIZERS[request.param]
+    errors = run_ranks(train_sharded, str(out), policy, *overrides)
     assert errors == [], errors
     out.joinpath("optimizer.txt").write_text(request.param)
     return out
 
 
 def _reference(sharded_runs: Path, tmp_path: Path):
-    optimizer = sharded_runs.joinpath("optimizer.txt").read_text()
-    return train(small_recipe(tmp_path / "runs", "quantile", *OPTIMIZERS[optimizer]), run_dir=tmp_path / "one")
+    policy, overrides = OPTIMIZERS[sharded_runs.joinpath("optimizer.txt").read_text()]
+    return train(small_recipe(tmp_path / "runs", policy, *overrides), run_dir=tmp_path / "one")
 
 
 def test_a_sharded_run_charges_the_ledger_of_one_process(sharded_runs, tmp_path):
