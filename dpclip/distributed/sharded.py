@@ -24,7 +24,8 @@ busiest rank needs, padded with rows whose loss weight is 0 (:func:`lockstep_mic
 
 :class:`Shards` holds what the run needs around the step: the blocks it sharded, a meta-device
 skeleton of the whole model on rank 0, :meth:`Shards.whole` (rank 0's whole weights, gathered
-for a checkpoint) and :meth:`Shards.load_whole` (rank 0's weights handed out as shards).
+for a checkpoint), :meth:`Shards.loading` (rank 0's weights handed out as shards) and the
+optimizer's whole state likewise (:meth:`Shards.optimizer_state`, :meth:`Shards.load_optimizer_state`).
 """
 
 from __future__ import annotations
