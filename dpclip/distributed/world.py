@@ -185,10 +185,27 @@ def run_collective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except (RuntimeError, ValueError, ConnectionError) as exc:
-        # gloo's messages open with "[file.cc:line]": keep the words
-        first = re.sub(r"\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
-        first = first.strip() or type(exc).__name__
-        raise PeerStopped(f"another rank stopped, so this one cannot go on ({first[:200]})", RESUME_HINT) from exc
+        raise peer_stopped(exc) from exc
+
+
+def peer_stopped(exc: BaseException) -> PeerStopped:
+    """The :class:`PeerStopped` of a failed collective ``exc``."""
+    # gloo's messages open with "[file.cc:line]": keep the words
+    first = re.sub(r"\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+    first = first.strip() or type(exc).__name__
+    return PeerStopped(f"another rank stopped, so this one cannot go on ({first[:200]})", RESUME_HINT)
+
+
+# What a transport says when the rank at the other end is gone: collectives that dpclip does not
+# call itself (FSDP's gathers and reduce-scatters inside a forward or backward) fail with these.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+
+
+def lost_a_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective's failure because another rank stopped."""
+    distributed_error = getattr(dist, "DistNetworkError", ())
+    return (isinstance(exc, distributed_error) if distributed_error else False) or (
+        isinstance(exc, (RuntimeError, ConnectionError)) and any(text in str(exc) for text in _PEER_GONE))
 
 
 def launched() -> bool:
@@ -225,6 +242,10 @@ def joined_world() -> Iterator[World | None]:
     try:
         yield World(rank, size, local_rank, local_size)
     except BaseException as exc:
+        if not isinstance(exc, DpclipError) and lost_a_peer(exc):  # a collective torch ran for us (FSDP)
+            stopped = peer_stopped(exc)
+            record_failure(stopped)
+            raise stopped from exc
         record_failure(exc)
         raise
     finally:

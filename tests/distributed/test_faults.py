@@ -120,3 +120,16 @@ def test_a_quiet_error_exits_with_its_code_and_prints_nothing(capsys, monkeypatc
     monkeypatch.setattr(main_module, "app", stop)
     assert main(["train", "x.yaml"]) == 130
     assert capsys.readouterr().err == ""
+
+
+def test_a_transport_error_from_a_collective_torch_ran_is_a_peer_stopping():
+    """FSDP's own gathers fail with gloo's RuntimeError when a rank is killed: joined_world
+    reports it as another rank's stop, so the launcher names the killed rank, not this one."""
+    from dpclip.distributed.world import lost_a_peer, peer_stopped
+
+    gone = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Connection closed by peer "
+                        "[127.0.0.1]:36321")
+    assert lost_a_peer(gone)
+    assert peer_stopped(gone).message.startswith("another rank stopped, so this one cannot go on (Connection closed")
+    assert not lost_a_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not lost_a_peer(ValueError("Connection closed by peer"))
