@@ -46,7 +46,6 @@ Not in those columns, and measured or counted separately:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os

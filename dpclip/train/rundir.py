@@ -24,8 +24,7 @@ import dp_accounting
 import torch
 
 from dpclip import __version__, layout
-from dpclip.accounting import (Ledger, check_same_release, participations, same_event, solve,
-                               statement_from_ledger)
+from dpclip.accounting import Ledger, participations, same_event, solve, statement_from_ledger
 from dpclip.data.canaries import read_canary_secret
 from dpclip.errors import DpclipError
 from dpclip.files import read_json, write_json_atomic, write_text_atomic
