@@ -16,6 +16,10 @@ without a rule get).
 How a module's forward is re-routed: an instance attribute ``forward`` shadows the class
 method (``nn.Module.__call__`` looks it up on the instance), and :meth:`Bookkeeper.remove`
 deletes it again. Hooks registered by the user keep working.
+
+Length: just over 400 lines: the autograd functions, the capture sites they report to and the
+keeper that routes the forwards share one protocol (which forward a use belongs to, when it
+may be delivered); split apart, each would need the others' internals.
 """
 
 from __future__ import annotations
@@ -271,6 +275,18 @@ class Bookkeeper:
     def alias_note(self, idx: int) -> str:
         """Why parameter ``idx`` may reach ``p.grad``: the aliases not delivering its uses."""
         return "; ".join(self.aliases.get(idx, ()))
+
+    def adopt_current_parameters(self, why_sealed: str) -> dict[int, nn.Parameter]:
+        """Each unit's parameters as its module holds them now (FSDP replaced them by shards),
+        by index; no probe may run after (``why_sealed`` says why, in its refusal)."""
+        adopted = {}
+        for unit in self.units:
+            for k, (name, _, idx) in enumerate(unit.params):
+                param = unit.module._parameters[name]
+                unit.params[k] = (name, param, idx)
+                adopted[idx] = param
+        self.axes.sealed = why_sealed
+        return adopted
 
     def install(self) -> None:
         wrapped = [u.label for u in self.units if "forward" in u.module.__dict__]

@@ -12,7 +12,7 @@ function + threshold policy + noise allocation. It never owns the optimizer.
 What one micro-batch does (uses in backward order, groups finalized early) is
 :mod:`dpclip.engine.microbatch`'s.
 
-Length: just above 400 lines: the step's three entry points (backward, capture for pipeline
+Length: about 450 lines: the step's three entry points (backward, capture for pipeline
 stages, privatize) share the step's accumulators and the noise source.
 """
 
@@ -30,14 +30,15 @@ from dpclip.accounting import gradient_step_event
 from dpclip.engine.bookkeeping import Bookkeeper
 from dpclip.engine.clip import make_clip_fn
 from dpclip.engine.correlated import CorrelatedNoise
-from dpclip.engine.groups import Groups, build_groups, trainable_params
-from dpclip.engine.noise import (NoiseSource, allocation_weights, effective_noise_multiplier,
+from dpclip.engine.groups import (Groups, build_groups, sole_user_groups, trainable_params,
+                                  untied_padding_rows)
+from dpclip.engine.noise import (NoiseSource, add_step_noise, allocation_weights, effective_noise_multiplier,
                                  noise_stds)
 from dpclip.engine.factors import NORM_METHODS
 from dpclip.engine.microbatch import MicroBatch, StepContext, StepTotals
 from dpclip.engine.policies import PolicyContext, ThresholdPolicy, build_policy
 from dpclip.engine.reducer import Reducer, StageLink, sum_counts
-from dpclip.engine.report import QUANTILES, ClipDebug, StepReport
+from dpclip.engine.report import ClipDebug, StepReport, norm_quantiles
 from dpclip.errors import EngineError
 
 DEFAULT_CLIPPING = {
@@ -140,8 +141,9 @@ class DPEngine:
             self.noise.generator(device)
 
         self._keeper = Bookkeeper(model, {id(p): i for i, p in enumerate(self._params)}, strict=bool(cfg["strict"]))
-        self._padding_rows = self._untied_padding_rows()
-        self._transient = self._transient_params()
+        self._padding_rows = untied_padding_rows(self._keeper.units)
+        self._transient = ([False] * len(self._params) if self.policy.per_sample
+                           else sole_user_groups(self._keeper.units, self.groups.members, len(self._params)))
         flat_stage = stage is not None and stage.flat
         if flat_stage:  # nothing can be clipped before the other stages' norms arrive
             self._transient = [False] * len(self._params)
@@ -205,19 +207,13 @@ class DPEngine:
         """Take the model's parameters as they are now: FSDP's ``fully_shard`` replaced each by
         a sharded one, under the same module and name. No probe may run after (``why_sealed``
         says why, in the refusal that asks for one)."""
-        adopted = set()
-        for unit in self._keeper.units:
-            for k, (name, _, idx) in enumerate(unit.params):
-                param = unit.module._parameters[name]
-                unit.params[k] = (name, param, idx)
-                self._params[idx] = param
-                self.groups.params[idx].param = param
-                adopted.add(idx)
+        adopted = self._keeper.adopt_current_parameters(why_sealed)
         missed = [self.groups.params[i].name for i in range(len(self._params)) if i not in adopted]
         if missed:
             raise EngineError(f"parameters {', '.join(missed[:3])} belong to no book-kept module, so the engine "
                               "cannot follow them when they are sharded", "freeze them, or use training.parallel: data")
-        self._keeper.axes.sealed = why_sealed
+        for idx, param in adopted.items():
+            self._params[idx] = self.groups.params[idx].param = param
 
     def __enter__(self) -> "DPEngine":
         return self
@@ -349,17 +345,8 @@ class DPEngine:
             self._sums = [None] * len(self._params)  # the reducer frees each whole sum once it is sent
             grads = self.reducer.sum_shards(grads, self._params)
         draws = self.gradient_noise_multiplier > 0 and (self.reducer is None or sharded or self.reducer.draws_noise)
-        if draws and self.correlation is None:  # in place, all at once: a large draw is split over threads
-            # Sharded: every rank draws its own shard's noise from its own stream, so each
-            # coordinate of the whole gradient gets noise exactly once.
-            self.noise.add_gaussians(grads, [std_grad[k] for k in self._group_of])
-        elif draws:  # banded MF: the fresh draw z_t becomes C⁻¹z's row t (one gradient-sized buffer more)
-            fresh = [torch.zeros_like(grad) for grad in grads]
-            self.noise.add_gaussians(fresh, [std_grad[k] for k in self._group_of])
-            self.correlation.correlate_(fresh)
-            for grad, noise in zip(grads, fresh):
-                grad.add_(noise)
-            del fresh
+        if draws:  # sharded: every rank draws its own shard's noise from its own stream (each coordinate once)
+            add_step_noise(self.noise, grads, [std_grad[k] for k in self._group_of], self.correlation)
         for idx, row in self._padding_rows.items():
             start = self.reducer.shard_start(self._params[idx]) if sharded else 0
             if 0 <= row - start < grads[idx].shape[0]:
@@ -386,7 +373,7 @@ class DPEngine:
         report = StepReport(
             group_names=self.group_names,
             thresholds=thresholds,
-            norm_quantiles=self._quantiles(),
+            norm_quantiles=norm_quantiles(self._norms, len(self.groups), self._device, self._norm_dtype),
             clip_fraction=clip_fraction,
             nonfinite=self._nonfinite,
             noise_std_sum=std.detach(),
@@ -438,55 +425,6 @@ class DPEngine:
             self._stage_sizes = stage.all_gather(self._sizes)
         std = noise_stds(self.gradient_noise_multiplier, every, allocation_weights(kind, every, self._stage_sizes))
         return std[stage.offset:stage.offset + len(sens)]
-
-    def _quantiles(self) -> dict[str, Tensor]:
-        norms = torch.cat(self._norms) if self._norms else None
-        if norms is None or norms.shape[0] == 0:  # no example this step (a sharded run's padded rank)
-            nan = torch.full((len(self.groups),), float("nan"), device=self._device, dtype=self._norm_dtype)
-            return {k: nan for k in QUANTILES}
-        qs = torch.tensor(list(QUANTILES.values()), device=norms.device, dtype=norms.dtype)
-        if math.isfinite(float(norms.sum())):
-            values = torch.quantile(norms, qs, dim=0)
-        else:  # the non-finite ones are counted in `nonfinite`; as NaN, nanquantile skips them
-            values = torch.nanquantile(torch.where(torch.isfinite(norms), norms, math.nan), qs, dim=0)
-        return {k: values[j] for j, k in enumerate(QUANTILES)}
-
-    def _transient_params(self) -> list[bool]:
-        """Per parameter: is its group finalized as soon as its own backward is done?
-
-        True when one module is the only user of every parameter in the group (layer- and
-        param-wise grouping) and the policy does not wait for all groups; the norm rule
-        may then instantiate per-sample gradients that live only until that module's
-        clip factors are known (:func:`dpclip.engine.factors.choose_ghost`)."""
-        transient = [False] * len(self._params)
-        if self.policy.per_sample:
-            return transient
-        users: dict[int, set[int]] = {}
-        for unit in self._keeper.units:
-            for _, _, idx in unit.params:
-                users.setdefault(idx, set()).add(id(unit))
-        for members in self.groups.members:
-            modules = set().union(*(users.get(idx, set()) for idx in members))
-            if len(modules) == 1:
-                for idx in members:
-                    transient[idx] = True
-        return transient
-
-    def _untied_padding_rows(self) -> dict[int, int]:
-        """Embedding padding rows never get a gradient; keep noise off them too, unless
-        the weight is also used elsewhere (a tied head does train that row)."""
-        users: dict[int, int] = {}
-        for unit in self._keeper.units:
-            for _, _, idx in unit.params:
-                users[idx] = users.get(idx, 0) + 1
-        rows = {}
-        for unit in self._keeper.units:
-            m = unit.module
-            if isinstance(m, nn.Embedding) and m.padding_idx is not None:
-                for name, _, idx in unit.params:
-                    if name == "weight" and users[idx] == 1:
-                        rows[idx] = m.padding_idx
-        return rows
 
     # ------------------------------------------------------------ checkpoints
 

@@ -264,3 +264,41 @@ def _stages(model: nn.Module, params: list[ParamInfo], stages) -> Groups:
     bounds = starts + [len(params)]
     members = [list(range(bounds[k], bounds[k + 1])) for k in range(len(starts))]
     return Groups([f"stage{k}:{r.pattern}" for k, r in enumerate(compiled)], members, params)
+
+
+def sole_user_groups(units, members: list[list[int]], count: int) -> list[bool]:
+    """Per parameter (``count`` of them): is its group finalized as soon as its own backward
+    is done? True when one module is the only user of every parameter in the group (layer-
+    and param-wise grouping); the norm rule may then instantiate per-sample gradients that
+    live only until that module's clip factors are known
+    (:func:`dpclip.engine.factors.choose_ghost`). A policy that waits for all groups
+    (per-sample thresholds) makes none transient: the engine asks only otherwise."""
+    transient = [False] * count
+    users: dict[int, set[int]] = {}
+    for unit in units:
+        for _, _, idx in unit.params:
+            users.setdefault(idx, set()).add(id(unit))
+    for group in members:
+        modules = set().union(*(users.get(idx, set()) for idx in group))
+        if len(modules) == 1:
+            for idx in group:
+                transient[idx] = True
+    return transient
+
+
+
+def untied_padding_rows(units) -> dict[int, int]:
+    """Embedding padding rows never get a gradient; keep noise off them too, unless
+    the weight is also used elsewhere (a tied head does train that row)."""
+    users: dict[int, int] = {}
+    for unit in units:
+        for _, _, idx in unit.params:
+            users[idx] = users.get(idx, 0) + 1
+    rows = {}
+    for unit in units:
+        m = unit.module
+        if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+            for name, _, idx in unit.params:
+                if name == "weight" and users[idx] == 1:
+                    rows[idx] = m.padding_idx
+    return rows

@@ -176,3 +176,18 @@ class NoiseSource:
                               "resume with the run's own recipe and privacy.unsafe_seeded_randomness setting")
         for key, st in state.get("states", {}).items():
             self.generator(torch.device(key)).set_state(st)
+
+
+def add_step_noise(source: NoiseSource, targets: list[Tensor], stds: list[float], correlation=None) -> None:
+    """``targets[j] += `` one step's noise of std ``stds[j]`` per coordinate, in place: drawn
+    from ``source`` (independent, DP-SGD), or, with banded MF's ``correlation``
+    (:class:`~dpclip.engine.correlated.CorrelatedNoise`), the fresh draw z_t turned into row t
+    of C⁻¹Z (docs/formulas.md, "Banded matrix factorization"), at one gradient-sized buffer more."""
+    if correlation is None:  # all at once: a large draw is split over threads
+        source.add_gaussians(targets, stds)
+        return
+    fresh = [torch.zeros_like(t) for t in targets]
+    source.add_gaussians(fresh, stds)
+    correlation.correlate_(fresh)
+    for target, noise in zip(targets, fresh):
+        target.add_(noise)

@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import dp_accounting
+import torch
 from torch import Tensor
 
 from dpclip.engine.policies import AuxRelease
 
 QUANTILES = {"min": 0.0, "median": 0.5, "p90": 0.9, "max": 1.0}
+
+
+def norm_quantiles(norms: list[Tensor], groups: int, device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
+    """The :data:`QUANTILES` per group of the step's per-sample group norms (``norms``: one
+    [b, K] tensor a micro-batch); NaN when the step had no example (a sharded run's padded
+    rank). Non-finite norms are counted apart (``nonfinite``) and skipped here."""
+    whole = torch.cat(norms) if norms else None
+    if whole is None or whole.shape[0] == 0:
+        nan = torch.full((groups,), float("nan"), device=device, dtype=dtype)
+        return {k: nan for k in QUANTILES}
+    qs = torch.tensor(list(QUANTILES.values()), device=whole.device, dtype=whole.dtype)
+    if math.isfinite(float(whole.sum())):
+        values = torch.quantile(whole, qs, dim=0)
+    else:  # as NaN, nanquantile skips them
+        values = torch.nanquantile(torch.where(torch.isfinite(whole), whole, math.nan), qs, dim=0)
+    return {k: values[j] for j, k in enumerate(QUANTILES)}
 
 
 @dataclass

@@ -30,6 +30,7 @@ from pydantic.fields import FieldInfo
 
 from dpclip.engine.policies import on_registry_change, policy_spec, policy_specs
 from dpclip.engine.policies.base import PositiveFloat, PositiveInt, UnitOpen
+from dpclip.recipe.mechanism import BandedMF, DpSgd, MechanismConfig  # noqa: F401 (docs)
 from dpclip.recipe.continual import AtSwitch, Continual, Diagnostics, SwitchRule, check_continual  # noqa: F401 (docs)
 from dpclip.recipe.section import Section
 from dpclip.recipe.tuning import RandomRange, Tuning  # noqa: F401 (docs)
@@ -232,24 +233,6 @@ class Training(Section):
 
 
 # ----------------------------------------------------------------------- privacy
-
-class DpSgd(Section):
-    kind: Literal["dp-sgd"] = "dp-sgd"
-
-    @property
-    def bands(self) -> int:
-        return 1
-
-
-class BandedMF(Section):
-    kind: Literal["banded-mf"]
-    bands: PositiveInt = Field(description="b: the noise of a step is correlated with the b - 1 before it; the data "
-                               "are cut into b groups sampled in turn (cyclic Poisson); 1 is DP-SGD "
-                               "(docs/formulas.md, 'Banded matrix factorization')")
-
-
-MechanismConfig = Annotated[Union[DpSgd, BandedMF], Field(discriminator="kind")]
-
 
 class Privacy(Section):
     mechanism: MechanismConfig = Field(

@@ -13,7 +13,7 @@ from dpclip.accounting import AuxSpec, PrivacyPlan, solve, steps_for_epochs
 from dpclip.data import load_data
 from dpclip.data.size import public_summary, training_set_size
 from dpclip.engine import build_groups, trainable_params
-from dpclip.errors import AccountingError
+from dpclip.errors import AccountingError, DpclipError
 from dpclip.models import build_model
 from dpclip.recipe.schema import Recipe
 from dpclip.train.tensorboard import check_logging
@@ -176,6 +176,21 @@ def privacy_plan(recipe: Recipe, dataset_size: int, groups: int | None = None) -
         not_covered=not_covered(recipe),
         bands=privacy.mechanism.bands,
     )
+
+
+def check_banded(recipe: Recipe) -> None:
+    """What banded matrix factorization does not run with yet (docs/methods.md, "Correlated noise")."""
+    if recipe.continual is not None:
+        raise DpclipError("privacy.mechanism: banded-mf does not run with continual: (public phases) yet",
+                          "use privacy.mechanism: {kind: dp-sgd} for a continual run")
+    if recipe.training.parallel == "pipeline":
+        raise DpclipError("privacy.mechanism: banded-mf does not run on pipeline stages yet",
+                          "use training.parallel: data or fsdp, or privacy.mechanism: {kind: dp-sgd}")
+    if recipe.clipping.threshold.kind != "fixed":
+        # Step t's noise covers its own and the b - 1 earlier steps' contributions: with a
+        # threshold that moves, a later step's smaller noise would cover an earlier, larger one.
+        raise DpclipError(f"privacy.mechanism: banded-mf needs a fixed clipping threshold, and this recipe's "
+                          f"moves ({recipe.clipping.threshold.kind})", "use clipping.threshold: {kind: fixed, value: C}")
 
 
 def check_against_data(recipe: Recipe) -> int | None:

@@ -27,6 +27,7 @@ import torch
 from dpclip.distributed import World, announce_run_dir
 from dpclip.errors import DpclipError
 from dpclip.recipe import Recipe, recipe_to_yaml
+from dpclip.train.plan import check_banded
 from dpclip.train.rundir import data_fingerprint
 
 SAME_RECIPE_HINT = ("start every rank with the same recipe file and key=value overrides (torchrun passes the "
@@ -69,21 +70,6 @@ def check_ranks(recipe: Recipe, world: World, data) -> None:
         raise DpclipError(f"{what} does not run across {world.size} ranks yet (docs/distributed.md)", hint)
     world.check_same("the training data (content fingerprint)", data_fingerprint(data),
                      "every rank must load the same data in the same order: the same files on every node")
-
-
-def check_banded(recipe: Recipe) -> None:
-    """What banded matrix factorization does not run with yet (docs/methods.md, "Correlated noise")."""
-    if recipe.continual is not None:
-        raise DpclipError("privacy.mechanism: banded-mf does not run with continual: (public phases) yet",
-                          "use privacy.mechanism: {kind: dp-sgd} for a continual run")
-    if recipe.training.parallel == "pipeline":
-        raise DpclipError("privacy.mechanism: banded-mf does not run on pipeline stages yet",
-                          "use training.parallel: data or fsdp, or privacy.mechanism: {kind: dp-sgd}")
-    if recipe.clipping.threshold.kind != "fixed":
-        # Step t's noise covers its own and the b - 1 earlier steps' contributions: with a
-        # threshold that moves, a later step's smaller noise would cover an earlier, larger one.
-        raise DpclipError(f"privacy.mechanism: banded-mf needs a fixed clipping threshold, and this recipe's "
-                          f"moves ({recipe.clipping.threshold.kind})", "use clipping.threshold: {kind: fixed, value: C}")
 
 
 def check_shardable(recipe: Recipe, world: World) -> None:

@@ -133,3 +133,20 @@ def test_a_transport_error_from_a_collective_torch_ran_is_a_peer_stopping():
     assert peer_stopped(gone).message.startswith("another rank stopped, so this one cannot go on (Connection closed")
     assert not lost_a_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not lost_a_peer(ValueError("Connection closed by peer"))
+
+
+def test_a_resume_that_switches_into_or_out_of_sharding_is_refused_with_a_hint():
+    """A sharded run's checkpoint names its optimizer's parameters, any other numbers them."""
+    from pathlib import Path
+
+    from dpclip.errors import DpclipError
+    from dpclip.train.ranks import check_parallel
+
+    check_parallel({"parallel": "fsdp"}, "fsdp", Path("run"))
+    check_parallel({"parallel": "data"}, "pipeline", Path("run"))
+    check_parallel({}, "data", Path("run"))   # checkpoints from before sharded training
+    for saved, asked in (("fsdp", "data"), ("data", "fsdp"), (None, "fsdp")):
+        state = {} if saved is None else {"parallel": saved}
+        with pytest.raises(DpclipError, match="resume asks for") as caught:
+            check_parallel(state, asked, Path("run"))
+        assert "training.parallel" in caught.value.hint
