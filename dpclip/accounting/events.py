@@ -250,7 +250,9 @@ def _rate_and_sigma(event) -> tuple[float, float]:
 
 
 def same_event(event, planned_event) -> bool:
-    """Same kind, same q, same σ_eff (up to float rounding)."""
+    """Same kind, same q, same σ_eff (up to float rounding); two no-ops are the same."""
+    if isinstance(event, dp_accounting.NoOpDpEvent) or isinstance(planned_event, dp_accounting.NoOpDpEvent):
+        return type(event) is type(planned_event)
     if type(event) is not type(planned_event) or \
             type(getattr(event, "event", None)) is not type(getattr(planned_event, "event", None)):
         return False

@@ -16,6 +16,7 @@ from typing import Any
 import dp_accounting
 
 from dpclip.accounting.accountants import check_accountant, check_delta_value, account
+from dpclip.accounting.blt import blt_event, blt_groups, calibrate_blt, check_sensitivities, increment_events
 from dpclip.accounting.calibrate import check_steps, check_target, calibrate_noise_multiplier
 from dpclip.accounting.events import check_sample_rate, gradient_step_event
 from dpclip.accounting.split import NoiseSplit, split_noise
@@ -125,6 +126,12 @@ class PrivacyPlan:
             strategy's columns of norm at most 1 and disjoint b apart, the run is accounted as
             ⌈T/b⌉ compositions of PoissonSampled(q·b, Gaussian(σ)) (Choquette-Choo et al.,
             "Amplified banded matrix factorization", NeurIPS 2023, Thm. 4).
+        buffers: k of the BLT mechanism (docs/formulas.md, "BLT"); 0: not BLT. The data are
+            cut into G = ⌊1/q⌋ groups sampled in turn at rate q·G, and the run is one Gaussian
+            mechanism, charged one participation at a time (:mod:`dpclip.accounting.blt`).
+        sensitivities: with ``buffers``, the squared sensitivity of the run's first j + 1
+            cycles of G steps, one per participation (the engine computes them from the
+            strategy: :func:`dpclip.engine.blt.participation_sensitivities`).
     """
 
     sample_rate: float
@@ -138,15 +145,24 @@ class PrivacyPlan:
     seeded_randomness: bool = False
     not_covered: tuple[str, ...] = ()
     bands: int = 1
+    buffers: int = 0
+    sensitivities: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         check_sample_rate(self.sample_rate)
         check_steps(self.steps)
         check_bands(self.bands, self.steps, self.sample_rate)
-        if self.bands > 1 and self.sampling != "poisson":
+        if self.groups > 1 and self.sampling != "poisson":
             raise AccountingError(
-                f"banded matrix factorization ({self.bands} bands) needs cyclic Poisson sampling, not {self.sampling}",
-                "use sampling: poisson: its amplification and min-separation are what the accounting assumes")
+                f"{self.mechanism} needs cyclic Poisson sampling, not {self.sampling}",
+                "use sampling: poisson: the min-separation of participations is what the accounting assumes")
+        if self.buffers:
+            if self.bands > 1:
+                raise AccountingError("a plan is banded MF or BLT, not both", "give bands or buffers")
+            if self.aux is not None:
+                raise AccountingError("BLT does not share its budget with a threshold statistic",
+                                      "use a fixed clipping threshold")
+            check_sensitivities(self.sensitivities, participations(self.steps, self.groups))
         check_delta_value(self.delta)
         check_accountant(self.accountant)
         if self.sampling not in SAMPLINGS:
@@ -171,6 +187,21 @@ class PrivacyPlan:
         if self.aux is not None and not isinstance(self.aux, AuxSpec):
             raise AccountingError(f"aux must be an AuxSpec, got {type(self.aux).__name__}", "AuxSpec('quantile counts', sensitivity=1.0, groups=4, fraction=0.05)")
 
+    @property
+    def mechanism(self) -> str:
+        return "blt" if self.buffers else "banded-mf" if self.bands > 1 else "dp-sgd"
+
+    @property
+    def groups(self) -> int:
+        """G: the groups sampled in turn (an example's participations are at least G steps
+        apart): b for banded MF, ⌊1/q⌋ for BLT, 1 for DP-SGD."""
+        return blt_groups(self.sample_rate) if self.buffers else self.bands
+
+    @property
+    def group_rate(self) -> float:
+        """q·G, the rate at which a step samples its group (never above 1 by rounding)."""
+        return min(1.0, self.sample_rate * self.groups)
+
 
 @dataclass(frozen=True)
 class PlanResult:
@@ -188,6 +219,7 @@ class PlanResult:
         fallback_reason: why PLD fell back to RDP, if it did.
         accountant: the accountant that produced ``epsilon``.
         plan: the plan that was solved.
+        participation_events: BLT's charges, one per participation (:mod:`dpclip.accounting.blt`).
     """
 
     split: NoiseSplit
@@ -199,22 +231,27 @@ class PlanResult:
     fallback_reason: str | None
     accountant: str
     plan: PrivacyPlan
+    participation_events: tuple = ()
 
     def charged_at(self, step: int) -> bool:
         """Whether the step with 0-based index ``step`` is charged in the ledger: every step of
         DP-SGD; with b bands the first of each cycle of b steps (each example's group comes up
-        once a cycle, so a cycle is one participation at most)."""
-        return step % self.plan.bands == 0
+        once a cycle, so a cycle is one participation at most); BLT likewise with its G groups."""
+        return step % self.plan.groups == 0
 
     def event_at(self, step: int) -> dp_accounting.DpEvent:
         """What the ledger records for the step with 0-based index ``step``: the step event, or
         ``NoOpDpEvent`` for a banded-MF step that is not the first of its cycle (the ledger
         then counts every step, and charges ⌈T/b⌉ of them)."""
-        return self.step_event if self.charged_at(step) else dp_accounting.NoOpDpEvent()
+        if not self.charged_at(step):
+            return dp_accounting.NoOpDpEvent()
+        if self.participation_events:  # BLT: the participation's increment
+            return self.participation_events[step // self.plan.groups]
+        return self.step_event
 
     def charges(self, steps: int) -> int:
-        """Ledger entries after ``steps`` steps: ⌈steps / b⌉."""
-        return participations(steps, self.plan.bands)
+        """Ledger entries after ``steps`` steps: ⌈steps / G⌉."""
+        return participations(steps, self.plan.groups)
 
     @property
     def step_metadata(self) -> dict[str, Any]:
@@ -226,7 +263,8 @@ class PlanResult:
             "aux_sensitivity": self.split.aux_sensitivity,
             "aux_fraction": self.split.aux_fraction,
             "releases": list(self.statement.releases),
-        }
+        } | ({"sample_rate": self.plan.sample_rate, "groups": self.plan.groups, "buffers": self.plan.buffers,
+              "sensitivity": math.sqrt(self.plan.sensitivities[-1])} if self.plan.buffers else {})
 
 
 def solve(plan: PrivacyPlan) -> PlanResult:
@@ -241,7 +279,9 @@ def solve(plan: PrivacyPlan) -> PlanResult:
     if not isinstance(plan, PrivacyPlan):
         raise AccountingError(f"expected a PrivacyPlan, got {type(plan).__name__}", "build one with PrivacyPlan(...)")
     # Banded MF charges ⌈T/b⌉ participations at rate q·b (PrivacyPlan.bands); b = 1 is DP-SGD's q and T.
-    charged_rate, charged_steps = plan.sample_rate * plan.bands, participations(plan.steps, plan.bands)
+    charged_rate, charged_steps = plan.group_rate, participations(plan.steps, plan.bands)
+    if plan.buffers:
+        return _solve_blt(plan)
     if plan.target_epsilon is not None:
         sigma_total = calibrate_noise_multiplier(
             plan.target_epsilon, plan.delta, charged_rate, charged_steps, plan.accountant
@@ -293,3 +333,27 @@ def solve(plan: PrivacyPlan) -> PlanResult:
         accountant=result.accountant,
         plan=plan,
     )
+
+
+def _solve_blt(plan: PrivacyPlan) -> PlanResult:
+    """BLT: σ calibrated on (or ε computed for) the composed participation charges
+    (:mod:`dpclip.accounting.blt`); the step event is what the engine reports each step."""
+    if plan.target_epsilon is not None:
+        sigma = calibrate_blt(plan.target_epsilon, plan.delta, plan.sensitivities, plan.accountant)
+    else:
+        sigma = float(plan.noise_multiplier)
+    split = NoiseSplit.gradient_only(sigma)
+    charges = increment_events(sigma, plan.sensitivities)
+    total_event = blt_event(sigma, plan.sensitivities)
+    result = account(total_event, plan.delta, plan.accountant)
+    statement = PrivacyStatement(
+        epsilon=result.epsilon, delta=plan.delta, accountant=result.accountant, conversion=result.conversion,
+        sample_rate=plan.sample_rate, steps=plan.steps, noise_multiplier=sigma, gradient_noise_multiplier=sigma,
+        epsilon_rdp=result.epsilon_rdp if result.accountant == "pld" else None, sampling=plan.sampling,
+        releases=[GRADIENT_RELEASE], fallback_reason=result.fallback_reason,
+        seeded_randomness=plan.seeded_randomness, not_covered=list(plan.not_covered),
+        buffers=plan.buffers, groups=plan.groups, sensitivity=math.sqrt(plan.sensitivities[-1]))
+    return PlanResult(split=split, epsilon=result.epsilon, epsilon_rdp=result.epsilon_rdp,
+                      step_event=gradient_step_event(plan.group_rate, sigma),
+                      total_event=total_event, statement=statement, fallback_reason=result.fallback_reason,
+                      accountant=result.accountant, plan=plan, participation_events=charges)

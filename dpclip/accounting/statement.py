@@ -118,6 +118,9 @@ class PrivacyStatement:
     world_size: int = 1
     parallel: str = "data"   # across world_size processes: "data", "pipeline" or "fsdp"
     bands: int = 1           # banded matrix factorization's b (1: DP-SGD, independent noise)
+    buffers: int = 0         # the BLT mechanism's k (0: not BLT)
+    groups: int = 1          # BLT: the G groups sampled in turn
+    sensitivity: float | None = None  # BLT: the whole run's sensitivity per unit clip norm
 
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLINGS:
@@ -146,7 +149,8 @@ class PrivacyStatement:
         out = [SEEDED_RANDOMNESS_WARNING] if self.seeded_randomness else []
         out += [
             f"ε = {_fmt(self.epsilon)} at δ = {self.delta:g}",
-            f"privacy unit: {self.unit}; neighbouring data sets: {self.neighbouring}",
+            f"privacy unit: {self.unit}; neighbouring data sets: {self.neighbouring}"
+            + (" (every other example keeping its group)" if self.bands > 1 or self.buffers else ""),
             f"accountant: {self.accountant.upper()}: {self.conversion}",
         ]
         if self.epsilon_rdp is not None:
@@ -163,6 +167,17 @@ class PrivacyStatement:
                        f"{self.bands} at rate q·b = {_fmt(self.sample_rate * self.bands, 6)}); accounted as "
                        f"{-(-self.steps // self.bands)} participations, each PoissonSampled(q·b, Gaussian(σ)) "
                        "(amplified banded MF, Choquette-Choo et al. 2023)")
+        if self.buffers:
+            rate = None if self.sample_rate is None else min(1.0, self.sample_rate * self.groups)
+            participations = -(-self.steps // self.groups)
+            out.append(f"mechanism: BLT (buffered linear Toeplitz), {self.buffers} buffers (noise correlated across "
+                       f"all steps); cyclic sampling (example i in group i mod {self.groups}, step t takes group t "
+                       f"mod {self.groups} at rate {_fmt(rate, 6)}); at most {participations} participations, "
+                       f"{self.groups} steps apart; no amplification by sampling is claimed: the run is one Gaussian "
+                       f"mechanism of sensitivity {_fmt(self.sensitivity, 6)} per unit clip norm (worst participation "
+                       f"pattern, Kalinin & Lampert 2024), multiplier σ/sensitivity = "
+                       f"{_fmt(None if self.noise_multiplier is None or not self.sensitivity else self.noise_multiplier / self.sensitivity, 6)}, "
+                       "charged one participation at a time")
         out.append(f"noise multiplier (total, joint over all releases): {_fmt(self.noise_multiplier, 6)}")
         if self.sigma_aux is not None:
             out.append(f"gradient noise multiplier: {_fmt(self.gradient_noise_multiplier, 6)}")
@@ -218,17 +233,20 @@ def statement_from_ledger(ledger: "Ledger", sampling: str = "poisson", *, seeded
     # A resumed run's ledger may hold entries written before the names were unified.
     metadatas = [with_current_names(entry.metadata or {}) for entry in charged]
     caveats: list[str] = []
-    if len(parameters) == 1 and None not in parameters:
+    def common(name: str) -> Any:
+        values = [m.get(name) for m in metadatas]
+        return values[0] if values and all(v == values[0] for v in values) else None
+
+    blt = {name: common(name) for name in ("buffers", "groups", "sample_rate", "sensitivity", "noise_multiplier")}
+    if charged and blt["buffers"]:  # BLT: each participation's charge differs; its metadata names the mechanism
+        sample_rate, noise_multiplier = blt["sample_rate"], blt["noise_multiplier"]
+    elif len(parameters) == 1 and None not in parameters:
         sample_rate, noise_multiplier = next(iter(parameters))
         sample_rate /= bands  # a participation's event is at q·b; the statement states q
     else:
         sample_rate = noise_multiplier = None
         if charged:
             caveats.append("the ledger mixes several kinds of releases or noise levels; see its entries")
-
-    def common(name: str) -> Any:
-        values = [m.get(name) for m in metadatas]
-        return values[0] if values and all(v == values[0] for v in values) else None
 
     releases: list[str] = []
     for m in metadatas:
@@ -256,5 +274,8 @@ def statement_from_ledger(ledger: "Ledger", sampling: str = "poisson", *, seeded
         world_size=world_size,
         parallel=parallel,
         bands=bands,
+        buffers=int(blt["buffers"] or 0),
+        groups=int(blt["groups"] or 1),
+        sensitivity=blt["sensitivity"],
     )
 

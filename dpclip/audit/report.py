@@ -89,9 +89,8 @@ def build_pool(run_dir: Path, recipe) -> Pool:
 def _ledger_at(run_dir: Path, recipe, checkpoint: Path, state: dict) -> tuple[float, float]:
     """(ε, δ) of the checkpoint's ledger, after checking it is this run's ledger at its step."""
     ledger = Ledger.from_dict(state["ledger"])
-    step_event, _ = planned_step(run_dir, recipe)
-    check_ledger(ledger, step_event, int(state["step"]), where=checkpoint / layout.STATE,
-                 bands=recipe.privacy.mechanism.bands)
+    solved, _ = planned_step(run_dir, recipe)
+    check_ledger(ledger, solved, int(state["step"]), where=checkpoint / layout.STATE)
     return (ledger.epsilon() if ledger.steps else 0.0), ledger.delta
 
 

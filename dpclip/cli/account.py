@@ -25,6 +25,7 @@ class SamplingChoice(str, Enum):
 class MechanismChoice(str, Enum):
     dp_sgd = "dp-sgd"
     banded_mf = "banded-mf"
+    blt = "blt"
 
 
 def account(
@@ -52,9 +53,11 @@ def account(
     sampling: SamplingChoice = typer.Option(SamplingChoice.poisson, "--sampling",
                                             help="shuffle adds the caveat that the accounting assumes Poisson."),
     mechanism: MechanismChoice = typer.Option(MechanismChoice.dp_sgd, "--mechanism",
-                                              help="dp-sgd (independent noise) or banded-mf (noise correlated over "
-                                              "--bands steps, cyclic Poisson sampling: docs/formulas.md)."),
+                                              help="dp-sgd (independent noise), banded-mf (noise correlated over "
+                                              "--bands steps, cyclic Poisson sampling) or blt (correlated over all "
+                                              "steps from --buffers buffers, no amplification: docs/formulas.md)."),
     bands: int = typer.Option(None, "--bands", help="b of --mechanism banded-mf (1 is DP-SGD)."),
+    buffers: int = typer.Option(None, "--buffers", help="k of --mechanism blt (1 to 8)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """How much noise a private training needs, or what ε a given noise buys.
@@ -125,10 +128,15 @@ def account(
 
             raise AccountingError("--bands goes with --mechanism banded-mf, and banded-mf needs --bands",
                                   "e.g. --mechanism banded-mf --bands 8")
+        if (mechanism is MechanismChoice.blt) != (buffers is not None):
+            from dpclip.errors import AccountingError
+
+            raise AccountingError("--buffers goes with --mechanism blt, and blt needs --buffers",
+                                  "e.g. --mechanism blt --buffers 2")
         plan = planning.plan_from_flags(delta=delta, epsilon=eps, noise_multiplier=sigma, sample_rate=sample_rate,
                                         steps=steps, dataset_size=dataset_size, batch_size=batch_size,
                                         epochs=epochs, accountant="pld", sampling=sampling.value, aux=aux_spec,
-                                        bands=1 if bands is None else bands)
+                                        bands=1 if bands is None else bands, buffers=buffers or 0)
         title = None
     result = planning.solve_plan(plan, accountant_name)
     if as_json:
@@ -203,6 +211,9 @@ def _as_dict(plan, result, accountant: str, title: str | None, bins: int | None 
         "sample_rate": plan.sample_rate,
         "steps": plan.steps,
         "bands": plan.bands,
+        "mechanism": plan.mechanism,
+        "buffers": plan.buffers,
+        "groups": plan.groups,
         "delta": plan.delta,
         "target_epsilon": plan.target_epsilon,
         "epsilon": result.epsilon,

@@ -29,7 +29,7 @@ from dpclip.accounting import gradient_step_event
 
 from dpclip.engine.bookkeeping import Bookkeeper
 from dpclip.engine.clip import make_clip_fn
-from dpclip.engine.correlated import CorrelatedNoise
+from dpclip.engine.blt import noise_streamer
 from dpclip.engine.groups import (Groups, build_groups, sole_user_groups, trainable_params,
                                   untied_padding_rows)
 from dpclip.engine.noise import (NoiseSource, add_step_noise, allocation_weights, effective_noise_multiplier,
@@ -75,7 +75,9 @@ class DPEngine:
         noise_correlation: banded matrix factorization's strategy coefficients c (b of them,
             Σc² = 1: :func:`dpclip.engine.correlated.banded_strategy`); the noise of a step is
             then C⁻¹z, correlated with the b - 1 steps before (docs/formulas.md, "Banded matrix
-            factorization"); None or one coefficient: DP-SGD's independent noise.
+            factorization"); or a BLT strategy (:func:`dpclip.engine.blt.blt_strategy`), whose
+            noise is correlated across all steps through k buffers (docs/formulas.md, "BLT");
+            None or one coefficient: DP-SGD's independent noise.
     """
 
     def __init__(self, model: nn.Module, clipping: dict | None = None, *,
@@ -135,8 +137,7 @@ class DPEngine:
         self._sizes = torch.tensor(self.groups.sizes, device=first.device, dtype=self._norm_dtype)
         allocation_weights(cfg["noise_allocation"], self.policy.thresholds(), self._sizes)
         self.noise = NoiseSource(seed, getattr(reducer, "noise_stream", None))
-        self.correlation = (CorrelatedNoise(noise_correlation)
-                            if noise_correlation is not None and len(noise_correlation) > 1 else None)
+        self.correlation = noise_streamer(noise_correlation)
         for device in {p.device for p in self._params}:  # made now, so that a step-0 checkpoint holds them
             self.noise.generator(device)
 
@@ -431,7 +432,7 @@ class DPEngine:
     def state_dict(self) -> dict:
         """Policy state and the noise generators' states (a secret: see :class:`NoiseSource`)."""
         state = {"policy": self.policy.state_dict(), "noise": self.noise.state_dict(), "steps": self.steps}
-        if self.correlation is not None:  # the last b - 1 noise vectors: as secret as the generators
+        if self.correlation is not None:  # the last b - 1 noises or BLT's buffers: as secret as the generators
             state["correlation"] = self.correlation.state_dict()
         return state
 
@@ -442,5 +443,5 @@ class DPEngine:
         if self.correlation is not None:
             if "correlation" not in state:
                 raise EngineError("the checkpoint holds no correlated-noise history, and this engine correlates its "
-                                  "noise (banded MF)", "resume with the mechanism the run was trained with")
+                                  "noise (banded MF or BLT)", "resume with the mechanism the run was trained with")
             self.correlation.load_state_dict(state["correlation"])

@@ -180,9 +180,10 @@ class NoiseSource:
 
 def add_step_noise(source: NoiseSource, targets: list[Tensor], stds: list[float], correlation=None) -> None:
     """``targets[j] += `` one step's noise of std ``stds[j]`` per coordinate, in place: drawn
-    from ``source`` (independent, DP-SGD), or, with banded MF's ``correlation``
-    (:class:`~dpclip.engine.correlated.CorrelatedNoise`), the fresh draw z_t turned into row t
-    of C⁻¹Z (docs/formulas.md, "Banded matrix factorization"), at one gradient-sized buffer more."""
+    from ``source`` (independent, DP-SGD), or, with a ``correlation`` (banded MF's
+    :class:`~dpclip.engine.correlated.CorrelatedNoise` or BLT's
+    :class:`~dpclip.engine.blt.BufferedNoise`), the fresh draw z_t turned into row t of C⁻¹Z
+    (docs/formulas.md, "Banded matrix factorization", "BLT"), at one gradient-sized buffer more."""
     if correlation is None:  # all at once: a large draw is split over threads
         source.add_gaussians(targets, stds)
         return

@@ -1,8 +1,10 @@
 """``privacy.mechanism``: how noise is added across steps (docs/methods.md, "Correlated noise").
 
 ``{kind: dp-sgd}`` (the default) draws independent noise at every step; ``{kind: banded-mf,
-bands: b}`` correlates it over b steps (banded matrix factorization, docs/formulas.md). Both
-say how many ``bands`` the accounting and the sampler use: 1 is DP-SGD.
+bands: b}`` correlates it over b steps (banded matrix factorization, docs/formulas.md);
+``{kind: blt, buffers: k}`` over all steps from k buffers (docs/formulas.md, "BLT"). Each says
+how many ``bands`` the banded accounting uses (1 is DP-SGD) and how many ``buffers`` BLT keeps
+(0: not BLT).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ class DpSgd(Section):
     def bands(self) -> int:
         return 1
 
+    @property
+    def buffers(self) -> int:
+        return 0
+
 
 class BandedMF(Section):
     kind: Literal["banded-mf"]
@@ -29,5 +35,21 @@ class BandedMF(Section):
                                "are cut into b groups sampled in turn (cyclic Poisson); 1 is DP-SGD "
                                "(docs/formulas.md, 'Banded matrix factorization')")
 
+    @property
+    def buffers(self) -> int:
+        return 0
 
-MechanismConfig = Annotated[Union[DpSgd, BandedMF], Field(discriminator="kind")]
+
+class Blt(Section):
+    kind: Literal["blt"]
+    buffers: PositiveInt = Field(description="k: the noise is correlated across all steps through k buffers (memory "
+                                 "k x the model); the data are cut into G = floor(1/q) groups taken in turn, and "
+                                 "no amplification by sampling is claimed (docs/formulas.md, 'BLT'); 2 to 4 suit most "
+                                 "runs, at most 8")
+
+    @property
+    def bands(self) -> int:
+        return 1
+
+
+MechanismConfig = Annotated[Union[DpSgd, BandedMF, Blt], Field(discriminator="kind")]

@@ -30,7 +30,7 @@ from pydantic.fields import FieldInfo
 
 from dpclip.engine.policies import on_registry_change, policy_spec, policy_specs
 from dpclip.engine.policies.base import PositiveFloat, PositiveInt, UnitOpen
-from dpclip.recipe.mechanism import BandedMF, DpSgd, MechanismConfig  # noqa: F401 (docs)
+from dpclip.recipe.mechanism import BandedMF, Blt, DpSgd, MechanismConfig  # noqa: F401 (docs)
 from dpclip.recipe.continual import AtSwitch, Continual, Diagnostics, SwitchRule, check_continual  # noqa: F401 (docs)
 from dpclip.recipe.section import Section
 from dpclip.recipe.tuning import RandomRange, Tuning  # noqa: F401 (docs)

@@ -27,6 +27,7 @@ from dpclip.distributed import ShardedPoissonSampler, ShardedShuffleSampler, Wor
 from dpclip.distributed.pipeline import PipelineStep, pipeline_engine, pipeline_input
 from dpclip.distributed.sharded import ShardReducer, Shards, lockstep_micro_batches
 from dpclip.engine import DPEngine
+from dpclip.engine.blt import blt_strategy
 from dpclip.engine.correlated import banded_strategy
 from dpclip.errors import DpclipError
 from dpclip.models import build_model
@@ -116,6 +117,14 @@ def load_model(recipe: Recipe, data=None):
     return data, model, loss_fn
 
 
+def noise_strategy(plan):
+    """The strategy the engine correlates its noise with: banded MF's coefficients, BLT's
+    poles (the ones the plan's sensitivities were computed from), or None for DP-SGD."""
+    if plan.buffers:
+        return blt_strategy(plan.buffers, plan.steps, plan.groups)
+    return banded_strategy(plan.bands, plan.steps) if plan.bands > 1 else None
+
+
 def build_engine(model, clipping: dict[str, Any], *, gradient_noise_multiplier: float, batch_size: int,
                  seed: int | None = None, sample_rate: float | None = None, world: World | None = None,
                  pipeline: bool = False, shards: Shards | None = None, probe_rows=None, loss_fn=None,
@@ -160,16 +169,16 @@ def build_step(recipe: Recipe, model, loss_fn, engine, train_rows, *, pipeline: 
 def build_sampler(recipe: Recipe, plan, num_train: int, world: World, seed: int | None):
     """The private batches: Poisson or shuffled, one process's or this rank's part."""
     training = recipe.training
-    bands = plan.bands  # banded MF: b groups sampled in turn, each at q·b (cyclic Poisson; 1: plain Poisson)
+    groups, rate = plan.groups, plan.group_rate  # banded MF, BLT: G groups sampled in turn at q·G (1: plain Poisson)
     sharded = world.size > 1 and training.parallel != "pipeline"  # a pipeline's batches are rank 0's draws
     if sharded and training.sampling == "poisson":  # each rank draws its own examples' part
-        return ShardedPoissonSampler(num_train, plan.sample_rate * bands, plan.steps, rank=world.rank,
-                                     world_size=world.size, seed=seed, groups=bands)
+        return ShardedPoissonSampler(num_train, rate, plan.steps, rank=world.rank,
+                                     world_size=world.size, seed=seed, groups=groups)
     if sharded:  # rank 0 draws each epoch's permutation; each rank takes its slice
         return ShardedShuffleSampler(num_train, training.batch_size, plan.steps, rank=world.rank,
                                      world_size=world.size, broadcast_=world.broadcast_, seed=seed)
     if training.sampling == "poisson":
-        return PoissonSampler(num_train, plan.sample_rate * bands, plan.steps, seed=seed, groups=bands)
+        return PoissonSampler(num_train, rate, plan.steps, seed=seed, groups=groups)
     return ShuffleSampler(num_train, training.batch_size, plan.steps, seed=seed)
 
 
@@ -202,11 +211,10 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
     sigma_change = None if resuming else _sigma_change(file_recipe, recipe, ordinary.num_train, num_groups, plan, solved)
     # Private randomness (noise, batches) comes from OS entropy unless the recipe opts in.
     seed = private_seed(recipe)
-    bands = plan.bands
     engine = build_engine(model, engine_clipping(recipe, solved.split.sigma_aux),
                           gradient_noise_multiplier=solved.split.gradient_noise_multiplier, batch_size=recipe.training.batch_size,
-                          seed=seed, sample_rate=plan.sample_rate * bands, world=world, pipeline=pipeline, shards=shards,
-                          noise_correlation=banded_strategy(bands, plan.steps) if bands > 1 else None,
+                          seed=seed, sample_rate=plan.group_rate, world=world, pipeline=pipeline, shards=shards,
+                          noise_correlation=noise_strategy(plan),
                           # the probe's rows stay in the process (it runs the model on them, nothing more)
                           probe_rows=select(ordinary.train, torch.arange(min(3, ordinary.num_train))), loss_fn=loss_fn)
     optimizer, private_step = build_step(recipe, model, loss_fn, engine, data.train, pipeline=pipeline, world=world)

@@ -10,9 +10,11 @@ from dataclasses import replace
 from typing import Any
 
 from dpclip.accounting import AuxSpec, PrivacyPlan, solve, steps_for_epochs
+from dpclip.accounting.blt import blt_groups
 from dpclip.data import load_data
 from dpclip.data.size import public_summary, training_set_size
 from dpclip.engine import build_groups, trainable_params
+from dpclip.engine.blt import blt_strategy, participation_sensitivities
 from dpclip.errors import AccountingError, DpclipError
 from dpclip.models import build_model
 from dpclip.recipe.schema import Recipe
@@ -175,21 +177,33 @@ def privacy_plan(recipe: Recipe, dataset_size: int, groups: int | None = None) -
         seeded_randomness=recipe.privacy.unsafe_seeded_randomness,
         not_covered=not_covered(recipe),
         bands=privacy.mechanism.bands,
+        **blt_fields(privacy.mechanism.buffers, sample_rate, steps),
     )
 
 
+def blt_fields(buffers: int, sample_rate: float, steps: int) -> dict:
+    """The PrivacyPlan fields of a BLT run (none otherwise): its buffers and the squared
+    sensitivities of its strategy, one per participation (docs/formulas.md, "BLT")."""
+    if not buffers:
+        return {}
+    groups = blt_groups(sample_rate)
+    strategy = blt_strategy(buffers, steps, groups)
+    return {"buffers": buffers, "sensitivities": participation_sensitivities(strategy, steps, groups)}
+
+
 def check_banded(recipe: Recipe) -> None:
-    """What banded matrix factorization does not run with yet (docs/methods.md, "Correlated noise")."""
+    """What correlated noise (banded MF, BLT) does not run with yet (docs/methods.md, "Correlated noise")."""
+    kind = recipe.privacy.mechanism.kind
     if recipe.continual is not None:
-        raise DpclipError("privacy.mechanism: banded-mf does not run with continual: (public phases) yet",
+        raise DpclipError(f"privacy.mechanism: {kind} does not run with continual: (public phases) yet",
                           "use privacy.mechanism: {kind: dp-sgd} for a continual run")
     if recipe.training.parallel == "pipeline":
-        raise DpclipError("privacy.mechanism: banded-mf does not run on pipeline stages yet",
+        raise DpclipError(f"privacy.mechanism: {kind} does not run on pipeline stages yet",
                           "use training.parallel: data or fsdp, or privacy.mechanism: {kind: dp-sgd}")
     if recipe.clipping.threshold.kind != "fixed":
         # Step t's noise covers its own and the b - 1 earlier steps' contributions: with a
         # threshold that moves, a later step's smaller noise would cover an earlier, larger one.
-        raise DpclipError(f"privacy.mechanism: banded-mf needs a fixed clipping threshold, and this recipe's "
+        raise DpclipError(f"privacy.mechanism: {kind} needs a fixed clipping threshold, and this recipe's "
                           f"moves ({recipe.clipping.threshold.kind})", "use clipping.threshold: {kind: fixed, value: C}")
 
 
@@ -211,7 +225,8 @@ def check_against_data(recipe: Recipe) -> int | None:
 def plan_from_flags(*, delta: float | None, epsilon: float | None = None, noise_multiplier: float | None = None,
                     sample_rate: float | None = None, steps: int | None = None, dataset_size: int | None = None,
                     batch_size: int | None = None, epochs: float | None = None, accountant: str = "pld",
-                    sampling: str = "poisson", aux: AuxSpec | None = None, bands: int = 1) -> PrivacyPlan:
+                    sampling: str = "poisson", aux: AuxSpec | None = None, bands: int = 1,
+                    buffers: int = 0) -> PrivacyPlan:
     """A plan from `dpclip account` flags: (q, steps) or (N, B, epochs|steps), and ε or σ."""
     if delta is None:
         raise AccountingError("--delta is required", "e.g. --delta 1e-5 (below 1/N)")
@@ -240,7 +255,7 @@ def plan_from_flags(*, delta: float | None, epsilon: float | None = None, noise_
                               "--dataset-size N --batch-size B with --epochs E (or --steps T)")
     return PrivacyPlan(sample_rate=sample_rate, steps=steps, delta=delta, accountant=accountant,
                        sampling=sampling, target_epsilon=epsilon, noise_multiplier=noise_multiplier, aux=aux,
-                       bands=bands)
+                       bands=bands, **blt_fields(buffers, sample_rate, steps))
 
 
 def plan_for_recipe(recipe: Recipe, dataset_size: int | None = None, groups: int | None = None) -> PrivacyPlan:

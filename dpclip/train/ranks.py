@@ -56,7 +56,7 @@ def check_ranks(recipe: Recipe, world: World, data) -> None:
                           "use training.precision: fp32 with training.parallel: pipeline")
     if recipe.training.parallel == "fsdp":
         check_shardable(recipe, world)
-    if recipe.privacy.mechanism.bands > 1:
+    if recipe.privacy.mechanism.kind != "dp-sgd":
         check_banded(recipe)
     if world.size == 1:
         return

@@ -24,7 +24,7 @@ import dp_accounting
 import torch
 
 from dpclip import __version__, layout
-from dpclip.accounting import Ledger, participations, same_event, solve, statement_from_ledger
+from dpclip.accounting import Ledger, same_event, solve, statement_from_ledger
 from dpclip.data.canaries import read_canary_secret
 from dpclip.errors import DpclipError
 from dpclip.files import read_json, write_json_atomic, write_text_atomic
@@ -273,8 +273,8 @@ def spent(run_dir: Path):
     if not path.exists():
         raise DpclipError(f"{run.path} has no ledger.json", "the run never reached its first step")
     ledger = run.ledger()
-    step_event, steps = planned_step(run.path, recipe)
-    check_ledger(ledger, step_event, range(0, steps + 1), where=path, bands=recipe.privacy.mechanism.bands)
+    solved, steps = planned_step(run.path, recipe)
+    check_ledger(ledger, solved, range(0, steps + 1), where=path)
     return ledger, run_statement(recipe, ledger, world_size=recorded_world_size(run.path))
 
 
@@ -305,7 +305,7 @@ def read_ledger(path: Path):
 
 
 def planned_step(run_dir: Path, recipe: Recipe):
-    """(step event, planned steps) of the run in ``run_dir``, re-solved from its recipe and
+    """(solved plan, planned steps) of the run in ``run_dir``, re-solved from its recipe and
     the sizes in plan.json (the recipe's privacy fields must match the fingerprint)."""
     run = RunDir(run_dir)
     public = run.public_plan()
@@ -317,32 +317,31 @@ def planned_step(run_dir: Path, recipe: Recipe):
     except (KeyError, TypeError, ValueError) as exc:
         source = run.plan_file if run.plan_file.exists() else run.meta_file
         raise DpclipError(f"{source} lacks the run's sizes ({exc})", f"restore {source.name}") from None
-    return solve(plan).step_event, plan.steps
+    return solve(plan), plan.steps
 
 
-def check_ledger(ledger, step_event, steps: int | range, *, where: Path | str, bands: int = 1) -> None:
-    """Refuse a ledger that is not the run's: every entry must be the plan's step event (or,
-    with banded MF's ``bands`` > 1, an uncharged step's no-op), the number of recorded steps
-    must be ``steps`` (an int, or a range of allowed counts), and of them ⌈steps/b⌉ charged.
+def check_ledger(ledger, solved, steps: int | range, *, where: Path | str) -> None:
+    """Refuse a ledger that is not the run's: the entry of every recorded step must be the
+    plan's event for that step (``solved.event_at``: the step event, a banded-MF or BLT cycle's
+    no-op, BLT's participation charge), and the number of recorded steps must be ``steps``
+    (an int, or a range of allowed counts).
 
     Ledgers are read from the run directory, which anyone with write access can edit; a
     ledger with fewer steps or a larger σ than were used would understate ε."""
-    charged = 0
+    step = 0
     for entry in ledger.entries:
-        if bands > 1 and isinstance(entry.event, dp_accounting.NoOpDpEvent):
-            continue
-        if not same_event(entry.event, step_event):
-            raise DpclipError(f"{where} records {entry.event}, which is not this run's step event {step_event}",
-                              "the run directory was modified or mixed with another run's: restore it")
-        charged += entry.count
+        for offset in range(entry.count):
+            expected = solved.event_at(step + offset)
+            if not same_event(entry.event, expected):
+                raise DpclipError(f"{where} records {entry.event} at step {step + offset + 1}, which is not this "
+                                  f"run's step event there, {expected}",
+                                  "the run directory was modified or mixed with another run's: restore it")
+        step += entry.count
     allowed = range(steps, steps + 1) if isinstance(steps, int) else steps
     if ledger.steps not in allowed:
         want = str(steps) if isinstance(steps, int) else f"{allowed.start} to {allowed.stop - 1}"
         raise DpclipError(f"{where} records {ledger.steps} steps where the run allows {want}",
                           "the run directory was modified: restore it from a backup")
-    if charged != participations(ledger.steps, bands):
-        raise DpclipError(f"{where} charges {charged} of its {ledger.steps} steps where {bands} bands charge "
-                          f"{participations(ledger.steps, bands)}", "the run directory was modified: restore it")
 
 
 def check_canaries(run_dir: Path, canaries) -> None:

@@ -153,7 +153,7 @@ class Checkpointer:
 
     def _load(self, run: RunDir, resume_changes: dict[str, list[Any]], model) -> dict[str, Any]:
         parts, state = self.parts, self.state
-        step_event, steps = parts.solved.step_event, parts.plan.steps
+        solved, steps = parts.solved, parts.plan.steps
         checkpoint = latest_checkpoint(run.path)
         if checkpoint is None:
             raise DpclipError(f"{run.path} has no checkpoint to resume from",
@@ -162,10 +162,9 @@ class Checkpointer:
         check_world_size(tree, parts.world.size, run.path)
         check_parallel(tree, parts.recipe.training.parallel, run.path)
         restore(parts, state, tree)
-        bands = parts.plan.bands
-        check_ledger(state.ledger, step_event, state.step, where=checkpoint / STATE, bands=bands)
+        check_ledger(state.ledger, solved, state.step, where=checkpoint / STATE)
         released = read_ledger(run.ledger_file) if run.ledger_file.exists() else state.ledger
-        check_ledger(released, step_event, range(state.step, steps + 1), where=run.ledger_file, bands=bands)
+        check_ledger(released, solved, range(state.step, steps + 1), where=run.ledger_file)
         state.released_steps = released.steps
         if parts.continual is not None:
             parts.continual.load_state_dict(tree.get("continual"), run.metrics_file)

@@ -19,6 +19,8 @@ from typing import Any
 import dp_accounting
 
 from dpclip.accounting import PrivacyPlan, account, solve, split_noise, training_event
+from dpclip.accounting.blt import blt_event
+from dpclip.accounting.plan import participations
 from dpclip.accounting.calibrate import quiet_dp_accounting
 from dpclip.accounting.tuning import (
     calibrate_search_noise,
@@ -42,9 +44,17 @@ class RunRelease:
     sample_rate: float
     steps: int
     score_noise: float | None  # None: public score, nothing released besides the model
+    bands: int = 1                        # banded MF's b
+    sensitivities: tuple[float, ...] = ()  # BLT's squared prefix sensitivities (PrivacyPlan)
 
     def training(self, sigma: float) -> dp_accounting.DpEvent:
-        """The run's training alone: ``steps`` Poisson-sampled Gaussian steps at σ."""
+        """The run's training alone, as its ledger composes it: ``steps`` Poisson-sampled
+        Gaussian steps at σ; banded MF's ⌈T/b⌉ participations at q·b; BLT's charges
+        (docs/formulas.md)."""
+        if self.sensitivities:
+            return blt_event(sigma, self.sensitivities)
+        if self.bands > 1:
+            return training_event(min(1.0, self.sample_rate * self.bands), sigma, participations(self.steps, self.bands))
         return training_event(self.sample_rate, sigma, self.steps)
 
     def event(self, sigma: float) -> dp_accounting.DpEvent:
@@ -94,11 +104,13 @@ class SearchPrivacy:
     epsilon_one_run: float
     epsilon_naive_at_recipe_sigma: float
     strategies: list[Strategy]
+    bands: int = 1
+    sensitivities: tuple[float, ...] = ()
 
     @property
     def release(self) -> RunRelease:
         """What one run of this search releases (:class:`RunRelease`)."""
-        return RunRelease(self.sample_rate, self.steps, self.score_noise)
+        return RunRelease(self.sample_rate, self.steps, self.score_noise, self.bands, self.sensitivities)
 
     def strategy(self, name: str) -> Strategy:
         return next(s for s in self.strategies if s.name == name)
@@ -115,12 +127,8 @@ def _infeasible(exc, release: RunRelease) -> str:
 
 
 def run_release(recipe: Recipe, plan: PrivacyPlan) -> RunRelease:
-    if plan.bands > 1:  # each run would be charged as DP-SGD's T steps at q, not its ⌈T/b⌉ participations
-        raise AccountingError("tune-cost does not account banded matrix factorization yet",
-                              "price the search with privacy.mechanism: {kind: dp-sgd}, or account one banded run "
-                              "with `dpclip account RECIPE`")
     score_noise = recipe.tuning.score_noise if recipe.tuning.score == "private" else None
-    return RunRelease(plan.sample_rate, plan.steps, score_noise)
+    return RunRelease(plan.sample_rate, plan.steps, score_noise, plan.bands, tuple(plan.sensitivities))
 
 
 def gradient_sigma(plan: PrivacyPlan, sigma_total: float) -> float:
@@ -211,7 +219,8 @@ def search_privacy(recipe: Recipe, plan: PrivacyPlan, configurations: int, *,
                               + (", or raise tuning.score_noise" if release.score_noise is not None else ""))
 
     return SearchPrivacy(configurations, float(epsilon), delta, accountant, plan.sample_rate, plan.steps,
-                         tuning.score, release.score_noise, recipe_sigma, solved.epsilon, naive_at_recipe, strategies)
+                         tuning.score, release.score_noise, recipe_sigma, solved.epsilon, naive_at_recipe, strategies,
+                         release.bands, release.sensitivities)
 
 
 __all__ = ["NAIVE", "LIU_TALWAR", "REPEAT_AND_SELECT", "RunRelease", "Strategy", "SearchPrivacy",

@@ -77,7 +77,7 @@ def test_a_ledger_with_a_charge_removed_is_refused(small_recipe):
     first = next(e for e in data["entries"] if e["event"] != {"type": "NoOp"})
     first["event"] = {"type": "NoOp"}   # one charged step turned into a free one: ε would drop
     path.write_text(json.dumps(data))
-    with pytest.raises(DpclipError, match="charges"):
+    with pytest.raises(DpclipError, match="not this run's step event there"):
         spent(result.run_dir)
 
 

@@ -1,0 +1,87 @@
+"""Accounting for the BLT mechanism (docs/formulas.md, "BLT"): one Gaussian mechanism.
+
+A BLT run releases x + C⁻¹z over its T steps, x the clipped sums and z i.i.d. N(0, σ²S²):
+equivalently Cx + z, a Gaussian mechanism whose sensitivity is S·s, s the norm of the
+strategy's worst participation pattern (computed by the engine from the strategy:
+:func:`dpclip.engine.blt.participation_sensitivities`, passed here as numbers so that this
+package stays free of torch). Inputs may depend on earlier outputs (C is lower triangular),
+which the Gaussian mechanism's guarantee allows (Denisov et al., "Improved differential
+privacy for SGD via optimal private linear operators on adaptive streams", NeurIPS 2022).
+
+No amplification by sampling is claimed: the whole run is GaussianDpEvent(σ/s). The ledger
+charges it as it goes, at the first step of each cycle of G steps: participation j adds the
+squared sensitivity its cycle adds, s_j² − s_{j−1}², as GaussianDpEvent(σ/√(s_j² − s_{j−1}²)).
+Gaussian mechanisms compose exactly (1/σ² adds), so the first j + 1 charges are exactly the
+mechanism of the run's first j + 1 cycles, and all K of them the whole run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import dp_accounting
+
+from dpclip.accounting.accountants import account, check_accountant, check_delta_value
+from dpclip.accounting.calibrate import check_target, quiet_dp_accounting, sigma_for_epsilon
+from dpclip.errors import AccountingError
+
+
+def blt_groups(sample_rate: float) -> int:
+    """G = ⌊1/q⌋: the data cut into as many groups as an epoch has batches (each example in
+    one step per epoch, G steps apart; q·G <= 1)."""
+    return max(1, math.floor(1.0 / sample_rate + 1e-9))
+
+
+def check_sensitivities(sensitivities: Sequence[float], participations: int) -> None:
+    """One squared prefix sensitivity per participation, positive and increasing."""
+    values = list(sensitivities)
+    if len(values) != participations:
+        raise AccountingError(f"BLT needs one sensitivity per participation ({participations}), got {len(values)}",
+                              "compute them with dpclip.engine.blt.participation_sensitivities")
+    if any(not math.isfinite(v) or v <= 0 for v in values) or any(b <= a for a, b in zip(values, values[1:])):
+        raise AccountingError("BLT's squared prefix sensitivities must be finite, positive and increasing",
+                              "compute them with dpclip.engine.blt.participation_sensitivities")
+
+
+def increment_events(noise_multiplier: float, sensitivities: Sequence[float]) -> tuple[dp_accounting.DpEvent, ...]:
+    """Participation j's charge: GaussianDpEvent(σ/√(s_j² − s_{j−1}²)) (module doc)."""
+    if not 0 < noise_multiplier < math.inf:
+        raise AccountingError(f"noise multiplier must be a finite number > 0, got {noise_multiplier!r}",
+                              "without noise there is no privacy guarantee")
+    previous, events = 0.0, []
+    for squared in sensitivities:
+        events.append(dp_accounting.GaussianDpEvent(noise_multiplier / math.sqrt(squared - previous)))
+        previous = squared
+    return tuple(events)
+
+
+def blt_event(noise_multiplier: float, sensitivities: Sequence[float]) -> dp_accounting.DpEvent:
+    """The whole run exactly as a ledger of its charges composes it (each charge its own
+    SelfComposed(·, 1), Composed when more than one), so that the two compare equal."""
+    parts = [dp_accounting.SelfComposedDpEvent(event, 1) for event in increment_events(noise_multiplier, sensitivities)]
+    return parts[0] if len(parts) == 1 else dp_accounting.ComposedDpEvent(parts)
+
+
+def calibrate_blt(target_epsilon: float, delta: float, sensitivities: Sequence[float], accountant: str = "pld",
+                  *, rtol: float = 0.01) -> float:
+    """σ with ε(:func:`blt_event`) in [(1 − rtol)·target, target]: the search of
+    :mod:`dpclip.accounting.calibrate` on the composed charges, started from μ·s (μ the single
+    Gaussian's multiplier from RDP's closed form, which the charges' composition equals)."""
+    check_target(target_epsilon)
+    check_delta_value(delta)
+    check_accountant(accountant)
+    whole = math.sqrt(sensitivities[-1])
+    inputs = f"δ = {delta:g}, BLT sensitivity {whole:.4g}"
+
+    def eps_of(method: str):
+        def eps(sigma: float) -> float:
+            value = account(blt_event(sigma, sensitivities), delta, method).epsilon
+            return math.inf if math.isnan(value) else value
+        return eps
+
+    with quiet_dp_accounting():
+        sigma = sigma_for_epsilon(eps_of("rdp"), target_epsilon, rtol, whole, inputs)
+        if accountant == "pld":
+            sigma = sigma_for_epsilon(eps_of("pld"), target_epsilon, rtol, sigma, inputs)
+    return sigma
