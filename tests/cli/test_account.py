@@ -219,3 +219,29 @@ def test_one_band_gives_dp_sgds_sigma_to_the_digit(cli):
 def test_banded_flags_that_cannot_work_are_refused_with_a_hint(cli, flags, message):
     result = cli(*DONE_WHEN, *flags)
     assert result.code != 0 and message in result.err and "hint:" in result.err and "Traceback" not in result.err
+
+
+def test_blt_calibration_is_one_gaussian_of_multiplier_sigma_over_its_sensitivity(cli):
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    from dpclip.accounting.accountants import RDP_ORDERS
+
+    result = cli(*DONE_WHEN, "--mechanism", "blt", "--buffers", "2", "--json")
+    assert result.code == 0, result.err
+    payload = json.loads(result.out)
+    assert payload["mechanism"] == "blt" and payload["buffers"] == 2 and payload["groups"] == 60000 // 256
+    sigma, sensitivity = payload["noise"]["noise_multiplier"], payload["statement"]["sensitivity"]
+    gaussian = dp_accounting.GaussianDpEvent(sigma / sensitivity)
+    rdp = rdp_privacy_accountant.RdpAccountant(list(RDP_ORDERS)).compose(gaussian).get_epsilon(1e-5)
+    assert payload["epsilon_rdp"] == pytest.approx(rdp, rel=1e-6)
+    assert 8.0 * 0.99 <= payload["epsilon"] <= 8.0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--buffers", "2"], "--buffers goes with --mechanism blt"),
+    (["--mechanism", "blt"], "blt needs --buffers"),
+    (["--mechanism", "blt", "--buffers", "9"], "buffers must be at most 8"),
+])
+def test_blt_flags_that_cannot_work_are_refused_with_a_hint(cli, flags, message):
+    result = cli(*DONE_WHEN, *flags)
+    assert result.code != 0 and message in result.err and "hint:" in result.err and "Traceback" not in result.err

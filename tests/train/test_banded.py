@@ -114,8 +114,9 @@ def test_what_banded_mf_cannot_run_is_refused_before_a_run_directory_exists(smal
 
 
 @pytest.mark.slow
-def test_kill_9_then_resume_of_a_seeded_banded_run_ends_with_the_weights_of_one_that_never_stopped(small_recipe,
-                                                                                                  tmp_path):
+@pytest.mark.parametrize("mechanism", [BANDED, ["privacy.mechanism={kind: blt, buffers: 2}"]], ids=["banded", "blt"])
+def test_kill_9_then_resume_of_a_seeded_correlated_run_ends_with_the_weights_of_one_that_never_stopped(
+        small_recipe, tmp_path, mechanism):
     import signal
     import subprocess
     import sys
@@ -123,7 +124,7 @@ def test_kill_9_then_resume_of_a_seeded_banded_run_ends_with_the_weights_of_one_
 
     from dpclip.recipe import recipe_to_yaml
 
-    overrides = (*BANDED, *SEEDED, "training.steps=200", "checkpoint.every_steps=5", "eval.every_steps=null",
+    overrides = (*mechanism, *SEEDED, "training.steps=200", "checkpoint.every_steps=5", "eval.every_steps=null",
                  "privacy.epsilon=null", "privacy.noise_multiplier=1.0")
     recipe_file = tmp_path / "recipe.yaml"
     recipe_file.write_text(recipe_to_yaml(small_recipe(*overrides)))

@@ -1,0 +1,100 @@
+"""BLT's accounting (docs/formulas.md, "BLT"): the whole run is one Gaussian mechanism of
+multiplier σ/s, charged one participation at a time as Gaussians that compose to exactly it;
+checked against dp_accounting called directly. The squared prefix sensitivities are plain
+numbers here (the engine's tests check how they are computed)."""
+
+from __future__ import annotations
+
+import math
+
+import dp_accounting
+import pytest
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from dpclip.accounting import PrivacyPlan, solve
+from dpclip.accounting.accountants import RDP_ORDERS, account
+from dpclip.accounting.blt import blt_groups
+from dpclip.errors import AccountingError
+
+# q = 0.05: G = 20 groups; 100 steps: 5 participations. Increasing squared prefix sensitivities.
+Q, STEPS, SENSITIVITIES = 0.05, 100, (1.5, 4.0, 7.5, 12.0, 17.5)
+
+
+def plan(**change) -> PrivacyPlan:
+    kwargs = {"sample_rate": Q, "steps": STEPS, "delta": 1e-5, "noise_multiplier": 6.0, "buffers": 2,
+              "sensitivities": SENSITIVITIES, **change}
+    return PrivacyPlan(**kwargs)
+
+
+def test_groups_are_the_batches_of_an_epoch():
+    assert [blt_groups(q) for q in (0.05, 1 / 28, 64 / 1437, 0.6, 1.0)] == [20, 28, 22, 1, 1]
+
+
+def test_blt_epsilon_is_dp_accounting_on_one_gaussian_of_multiplier_sigma_over_s():
+    result = solve(plan())
+    whole = dp_accounting.GaussianDpEvent(6.0 / math.sqrt(SENSITIVITIES[-1]))
+    # RDP of Gaussians adds exactly (α/2σ²): the composed charges are the one Gaussian.
+    rdp = rdp_privacy_accountant.RdpAccountant(list(RDP_ORDERS)).compose(whole).get_epsilon(1e-5)
+    assert result.epsilon_rdp == pytest.approx(rdp, rel=1e-9)
+    # PLD: dp_accounting directly on the ledger's composition, at dpclip's stated discretisation ...
+    interval = account(result.total_event, 1e-5, "pld").pld_interval
+    direct = pld_privacy_accountant.PLDAccountant(value_discretization_interval=interval).compose(result.total_event)
+    assert result.epsilon == pytest.approx(direct.get_epsilon(1e-5), rel=1e-12)
+    # ... and within its (pessimistic) discretisation of the single Gaussian's exact ε.
+    single = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-5).compose(whole).get_epsilon(1e-5)
+    assert single <= result.epsilon <= single * 1.01
+
+
+def test_the_charges_are_the_increments_of_the_squared_sensitivity():
+    result = solve(plan())
+    charged = [step for step in range(STEPS) if result.charged_at(step)]
+    assert charged == [0, 20, 40, 60, 80]
+    events = [result.event_at(step) for step in charged]
+    previous = 0.0
+    for event, squared in zip(events, SENSITIVITIES):
+        assert event == dp_accounting.GaussianDpEvent(6.0 / math.sqrt(squared - previous))
+        previous = squared
+    assert isinstance(result.event_at(1), dp_accounting.NoOpDpEvent)
+    # After j + 1 cycles the charges so far are exactly the Gaussian of the first j + 1 cycles.
+    for j in range(len(SENSITIVITIES)):
+        so_far = dp_accounting.ComposedDpEvent(list(events[:j + 1]))
+        rdp = rdp_privacy_accountant.RdpAccountant(list(RDP_ORDERS)).compose(so_far).get_epsilon(1e-5)
+        gaussian = dp_accounting.GaussianDpEvent(6.0 / math.sqrt(SENSITIVITIES[j]))
+        assert rdp == pytest.approx(
+            rdp_privacy_accountant.RdpAccountant(list(RDP_ORDERS)).compose(gaussian).get_epsilon(1e-5), rel=1e-9)
+
+
+def test_calibration_reaches_the_target_on_the_charges():
+    result = solve(plan(noise_multiplier=None, target_epsilon=4.0))
+    assert 4.0 * 0.99 <= result.epsilon <= 4.0
+    again = solve(plan(noise_multiplier=result.split.noise_multiplier))
+    assert again.epsilon == result.epsilon
+
+
+def test_the_engine_reports_its_group_rate_not_an_amplified_event():
+    result = solve(plan())
+    assert result.step_event == dp_accounting.GaussianDpEvent(6.0)   # q·G = 1: the whole group
+    odd = solve(plan(sample_rate=0.045, steps=90, sensitivities=(1.0, 2.0, 3.0, 4.0, 5.0)))  # G = 22, q·G = 0.99
+    assert odd.step_event == dp_accounting.PoissonSampledDpEvent(0.045 * 22, dp_accounting.GaussianDpEvent(6.0))
+
+
+def test_the_statement_says_no_amplification_and_the_sensitivity():
+    lines = solve(plan()).statement.lines()
+    line = next(line for line in lines if line.startswith("mechanism: BLT"))
+    assert "2 buffers" in line and "no amplification by sampling" in line and "20 steps apart" in line
+    assert f"sensitivity {math.sqrt(17.5):.4f}"[:16] in line
+    assert any("every other example keeping its group" in line for line in lines)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"sensitivities": (1.0, 2.0)}, "one sensitivity per participation"),
+    ({"sensitivities": (1.0, 2.0, 2.0, 3.0, 4.0)}, "increasing"),
+    ({"sensitivities": (0.0, 2.0, 3.0, 4.0, 5.0)}, "positive"),
+    ({"bands": 2}, "not both"),
+    ({"sampling": "shuffle"}, "needs cyclic Poisson sampling"),
+])
+def test_blt_plans_that_cannot_be_accounted_are_refused_with_a_hint(change, message):
+    with pytest.raises(AccountingError, match=message) as caught:
+        plan(**change)
+    assert caught.value.hint

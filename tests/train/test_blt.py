@@ -1,0 +1,102 @@
+"""`dpclip train` with privacy.mechanism blt (docs/methods.md, "Correlated noise"): the
+engine's noise is the dense C⁻¹Z of its own draws, the ledger charges each participation's
+Gaussian increment so that the run's ε is dp_accounting's for one Gaussian of multiplier σ/s,
+a resumed run ends with the weights of the run that never stopped, and what cannot run is
+refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import dp_accounting
+import pytest
+import torch
+from dp_accounting.rdp import rdp_privacy_accountant
+from safetensors.torch import load_file
+
+from dpclip.accounting import Ledger
+from dpclip.accounting.accountants import RDP_ORDERS
+from dpclip.engine.blt import blt_strategy, participation_sensitivities
+from dpclip.errors import DpclipError
+from dpclip.layout import MODEL_WEIGHTS
+from dpclip.train.checkpoint import latest_checkpoint
+from dpclip.train.rundir import spent
+from dpclip.train.workflow import train
+from tests.train.test_banded import _noise_of_empty_steps
+
+BLT = ["privacy.mechanism={kind: blt, buffers: 2}"]
+SEEDED = ["privacy.unsafe_seeded_randomness=true"]
+STEPS = ["training.steps=50", "checkpoint.every_steps=10", "checkpoint.keep=10"]   # q = 64/1438: G = 22 groups, 3 participations
+
+
+def test_the_engines_noise_is_the_dense_inverse_strategy_times_its_own_draws():
+    steps, strategy = 9, blt_strategy(2, 9, 3)
+    fresh = _noise_of_empty_steps(None, steps)              # the same stream, uncorrelated: Z
+    correlated = _noise_of_empty_steps(strategy, steps)
+    c = strategy.coefficients(steps)
+    dense = torch.stack([torch.cat([c[:t + 1].flip(0), c.new_zeros(steps - t - 1)]) for t in range(steps)])
+    expected = torch.linalg.solve_triangular(dense, fresh, upper=False)   # C⁻¹Z
+    assert torch.allclose(correlated, expected, atol=1e-12, rtol=0)
+    assert not torch.allclose(correlated[1:], fresh[1:])
+
+
+def test_a_blt_run_is_one_gaussian_of_multiplier_sigma_over_its_sensitivity(small_recipe):
+    result = train(small_recipe(*BLT, *STEPS, "privacy.noise_multiplier=8.0", "privacy.epsilon=null"))
+    ledger = Ledger.from_dict(json.loads((result.run_dir / "ledger.json").read_text()))
+    assert ledger.steps == 50
+    charged = [entry for entry in ledger.entries if not isinstance(entry.event, dp_accounting.NoOpDpEvent)]
+    assert sum(entry.count for entry in charged) == 3   # steps 0, 22, 44
+    groups = math.floor(1438 / 64)
+    squared = participation_sensitivities(blt_strategy(2, 50, groups), 50, groups)[-1]
+    whole = dp_accounting.GaussianDpEvent(8.0 / math.sqrt(squared))
+    rdp = rdp_privacy_accountant.RdpAccountant(list(RDP_ORDERS)).compose(whole).get_epsilon(1e-5)
+    assert ledger.result().epsilon_rdp == pytest.approx(rdp, rel=1e-9)
+    _, statement = spent(result.run_dir)
+    assert statement.epsilon == ledger.epsilon() and statement.noise_multiplier == 8.0
+    assert any(line.startswith("mechanism: BLT") and "no amplification" in line for line in statement.lines())
+
+
+def test_a_ledger_with_a_charge_lowered_is_refused(small_recipe):
+    result = train(small_recipe(*BLT, *STEPS))
+    path = result.run_dir / "ledger.json"
+    data = json.loads(path.read_text())
+    charges = [e for e in data["entries"] if e["event"] != {"type": "NoOp"}]
+    charges[1]["event"] = charges[0]["event"]   # the second participation charged like the first: cheaper
+    path.write_text(json.dumps(data))
+    with pytest.raises(DpclipError, match="not this run's step event there"):
+        spent(result.run_dir)
+
+
+def test_a_resumed_blt_run_ends_as_the_run_that_never_stopped(small_recipe, tmp_path):
+    full = train(small_recipe(*BLT, *SEEDED, *STEPS)).run_dir
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    for later in ("step_000040", "step_000050"):
+        shutil.rmtree(cut / "checkpoints" / later)
+    (cut / "checkpoints" / "LATEST").write_text("step_000030\n")
+    state = json.loads((cut / "checkpoints" / "step_000030" / "state.json").read_text())
+    (cut / "ledger.json").write_text(json.dumps(Ledger.from_dict(state["ledger"]).to_dict()))
+    lines = (cut / "metrics.jsonl").read_text().splitlines()
+    (cut / "metrics.jsonl").write_text("".join(l + "\n" for l in lines if json.loads(l).get("step", 0) <= 30))
+    resumed = train(resume=cut)
+    assert resumed.steps_done == 50
+    a = load_file(str(latest_checkpoint(full) / MODEL_WEIGHTS))
+    b = load_file(str(latest_checkpoint(cut) / MODEL_WEIGHTS))
+    assert all(torch.equal(a[k], b[k]) for k in a)   # the buffers came back with the generators
+    assert Ledger.from_dict(json.loads((cut / "ledger.json").read_text())) == \
+        Ledger.from_dict(json.loads((full / "ledger.json").read_text()))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["training.sampling=shuffle"], "needs cyclic Poisson sampling"),
+    (["privacy.mechanism={kind: blt, buffers: 9}"], "buffers must be at most 8"),
+    (["privacy.mechanism={kind: blt, buffers: 0}"], "buffers"),
+    (["training.parallel=pipeline"], "pipeline"),
+    (["clipping.threshold={kind: quantile, initial: 1.0, sigma: 2.0}"], "needs a fixed clipping threshold"),
+])
+def test_what_blt_cannot_run_is_refused_before_a_run_directory_exists(small_recipe, tmp_path, extra, message):
+    with pytest.raises(DpclipError, match=message) as caught:
+        train(small_recipe(*BLT, *extra), run_dir=tmp_path / "run")
+    assert caught.value.hint and not (tmp_path / "run").exists()
