@@ -45,7 +45,7 @@ from dpclip.engine.correlated import LBFGS_ITERATIONS, MAX_HORIZON, CorrelatedNo
 from dpclip.errors import EngineError
 
 #: At most this many buffers: each is one more |θ| of memory, and beyond a handful the poles
-#: crowd together (their differences divide ω) with no measurable gain in error.
+#: crowd together (their differences divide ω).
 MAX_BUFFERS = 8
 F64 = torch.float64
 
@@ -208,7 +208,7 @@ def blt_strategy(buffers: int, steps: int, groups: int) -> BltStrategy:
                               "pass the number of buffers, the run's steps and its participation groups")
     if buffers > MAX_BUFFERS:
         raise EngineError(f"buffers must be at most {MAX_BUFFERS}, got {buffers}",
-                          "2 to 6 buffers suit most runs; more only crowd the poles together")
+                          "a few buffers: more only crowd the poles together")
     return _optimised(buffers, min(steps, MAX_HORIZON), groups)
 
 

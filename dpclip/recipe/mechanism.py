@@ -44,8 +44,7 @@ class Blt(Section):
     kind: Literal["blt"]
     buffers: PositiveInt = Field(description="k: the noise is correlated across all steps through k buffers (memory "
                                  "k x the model); the data are cut into G = floor(1/q) groups taken in turn, and "
-                                 "no amplification by sampling is claimed (docs/formulas.md, 'BLT'); 2 to 4 suit most "
-                                 "runs, at most 8")
+                                 "no amplification by sampling is claimed (docs/formulas.md, 'BLT'); at most 8")
 
     @property
     def bands(self) -> int:

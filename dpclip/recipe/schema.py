@@ -236,8 +236,8 @@ class Training(Section):
 
 class Privacy(Section):
     mechanism: MechanismConfig = Field(
-        default_factory=DpSgd, description="dp-sgd (independent noise) or {kind: banded-mf, bands: b}: noise "
-        "correlated across steps, with cyclic Poisson sampling (docs/methods.md, 'Correlated noise')")
+        default_factory=DpSgd, description="dp-sgd (independent noise), {kind: banded-mf, bands: b} or {kind: blt, "
+        "buffers: k}: noise correlated across steps, with cyclic sampling (docs/methods.md, 'Correlated noise')")
     epsilon: PositiveFloat | None = Field(
         None, description="target ε; σ is calibrated to it, and training never exceeds it")
     delta: Annotated[float, Field(gt=0, lt=1)] = Field(description="must be below 1/N")

@@ -51,7 +51,7 @@ MANIFEST: tuple[Entry, ...] = (
     _run("checkpoints/step_*/model.json", LABELLED, "what `dpclip export` needs to rebuild the model: "
          "config; and the label names, the label column's values as they are (not covered by ε)"),
     _run("checkpoints/step_*/state.json", SECRET, "optimizer, sampler and noise-generator states, policy, "
-         "banded MF's noise history, ledger (with them the noise can be regenerated)"),
+         "banded MF's noise history or BLT's buffers, ledger (with them the noise can be regenerated)"),
     _run("checkpoints/step_*/state.safetensors", SECRET, "the tensors of those states"),
     # ---------------------------------------------------------------- continual / Hessian diagnostics
     _run("diagnostics.jsonl", LABELLED, "Hessian diagnostics (on private data: not covered by ε, labelled; "

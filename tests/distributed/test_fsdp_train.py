@@ -26,14 +26,16 @@ def _weights(run_dir: Path) -> dict:
 
 
 # SGD without momentum keeps no state per parameter; AdamW keeps two sharded moments and a step count.
-# (threshold policy, overrides). banded MF (fixed threshold): each rank correlates its own
-# shard's noise, and its history must come back on resume.
+# (threshold policy, overrides). banded MF and BLT (fixed threshold): each rank correlates its
+# own shard's noise, and its history or buffers must come back on resume.
 OPTIMIZERS = {"sgd": ("quantile", []), "adamw": ("quantile", ["training.optimizer={kind: adamw, lr: 0.01}"]),
-              "banded": ("layer", ["privacy.mechanism={kind: banded-mf, bands: 3}"])}
+              "banded": ("layer", ["privacy.mechanism={kind: banded-mf, bands: 3}"]),
+              "blt": ("layer", ["privacy.mechanism={kind: blt, buffers: 2}"])}
 
 
 @pytest.fixture(scope="module", params=["sgd", pytest.param("adamw", marks=pytest.mark.slow),
-                                        pytest.param("banded", marks=pytest.mark.slow)])
+                                        pytest.param("banded", marks=pytest.mark.slow),
+                                        pytest.param("blt", marks=pytest.mark.slow)])
 def sharded_runs(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     policy, overrides = OPTIMIZERS[request.param]

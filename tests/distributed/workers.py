@@ -21,6 +21,8 @@ POLICIES = {
     "shuffle": ["clipping.grouping=layer", "training.sampling=shuffle", "training.batch_size=300"],
     # banded MF: cyclic Poisson parts on each rank, rank 0's correlated noise (and its history)
     "banded": ["clipping.grouping=layer", "privacy.mechanism={kind: banded-mf, bands: 3}"],
+    # BLT: the same cyclic parts (22 groups here), rank 0's buffers
+    "blt": ["clipping.grouping=layer", "privacy.mechanism={kind: blt, buffers: 2}"],
     "top-fraction": ["clipping.grouping=layer", "training.micro_batch_size=null",
                      "clipping.threshold={kind: discriminative, small: 0.3, large: 1.5, tail_rule: top_fraction, "
                      "top_fraction: 0.25}"],
