@@ -134,7 +134,8 @@ def build_engine(model, clipping: dict[str, Any], *, gradient_noise_multiplier: 
     once the engine has probed it on ``probe_rows`` (docs/distributed.md, "Sharded training")."""
     if pipeline:
         return pipeline_engine(model, clipping, world, gradient_noise_multiplier=gradient_noise_multiplier,
-                               expected_batch_size=batch_size, seed=seed, sample_rate=sample_rate)
+                               expected_batch_size=batch_size, seed=seed, sample_rate=sample_rate,
+                               noise_correlation=noise_correlation)  # each stage correlates its own parameters' noise
     if shards is not None:
         engine = DPEngine(model, clipping, gradient_noise_multiplier=gradient_noise_multiplier,
                           expected_batch_size=batch_size, seed=seed, sample_rate=sample_rate,

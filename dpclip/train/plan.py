@@ -197,9 +197,6 @@ def check_banded(recipe: Recipe) -> None:
     if recipe.continual is not None:
         raise DpclipError(f"privacy.mechanism: {kind} does not run with continual: (public phases) yet",
                           "use privacy.mechanism: {kind: dp-sgd} for a continual run")
-    if recipe.training.parallel == "pipeline":
-        raise DpclipError(f"privacy.mechanism: {kind} does not run on pipeline stages yet",
-                          "use training.parallel: data or fsdp, or privacy.mechanism: {kind: dp-sgd}")
     if recipe.clipping.threshold.kind != "fixed":
         # Step t's noise covers its own and the b - 1 earlier steps' contributions: with a
         # threshold that moves, a later step's smaller noise would cover an earlier, larger one.

@@ -102,3 +102,21 @@ def pipeline_worker(world, out_dir: str, names: list[str]) -> None:
     torch.save(results, f"{out_dir}/pipeline-{world.rank}.pt")
     train(pipeline_recipe(Path(out_dir) / "runs", "training.parallel=pipeline"), world=world,
           run_dir=Path(out_dir) / "run")
+
+
+# Correlated noise on the stages: a fixed threshold (the mechanism's rule), each stage streams
+# its own parameters' noise.
+CORRELATED = {"banded": "privacy.mechanism={kind: banded-mf, bands: 3}",
+              "blt": "privacy.mechanism={kind: blt, buffers: 2}"}
+
+
+def correlated_recipe(out, mechanism: str, *extra: str):
+    return pipeline_recipe(out, "clipping.threshold={kind: fixed, value: 1.0}", CORRELATED[mechanism],
+                           "training.steps=30", "checkpoint.every_steps=10", *extra)
+
+
+def correlated_pipeline_worker(world, out_dir: str, mechanism: str) -> None:
+    from pathlib import Path
+    from dpclip.train.workflow import train
+    train(correlated_recipe(Path(out_dir) / "runs", mechanism, "training.parallel=pipeline"), world=world,
+          run_dir=Path(out_dir) / "run")

@@ -102,3 +102,32 @@ def test_a_pipeline_run_trains_the_weights_ledger_and_thresholds_of_one_process(
     for a, b in zip(ours, reference):  # the same batches, per-stage thresholds and groups
         assert a["diagnostics"]["batch_size"] == b["diagnostics"]["batch_size"]
         assert a["thresholds"] == pytest.approx(b["thresholds"], rel=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mechanism", ["banded", "blt"])
+def test_pipeline_stages_correlate_their_own_noise_and_charge_the_ledger_of_one_process(mechanism, tmp_path):
+    """Banded MF and BLT on 2 stages: each stage keeps the history (or buffers) of its own
+    parameters only, the run charges exactly the one-process ledger, and trains its weights
+    (noise 1e-6 per step)."""
+    from dpclip.files import read_json
+    from dpclip.train.checkpoint import latest_checkpoint, unflatten_state
+    from tests.distributed.pipeline_case import correlated_pipeline_worker, correlated_recipe
+
+    torch.set_num_threads(1)
+    assert run_ranks(correlated_pipeline_worker, str(tmp_path), mechanism) == []
+    piped = tmp_path / "run"
+    whole = train(correlated_recipe(tmp_path / "runs", mechanism), run_dir=tmp_path / "one").run_dir
+    assert (piped / "ledger.json").read_text() == (whole / "ledger.json").read_text()
+    mine, theirs = _weights(piped), _weights(whole)
+    for key in theirs:
+        torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-5)
+    checkpoint = latest_checkpoint(piped)
+    tree = unflatten_state(read_json(checkpoint / "state.json"), load_file(str(checkpoint / "state.safetensors")))
+    kept = []
+    for rank in range(2):
+        correlation = tree["ranks"][rank]["engine"]["correlation"]
+        assert correlation["step"] == 30
+        store = correlation["history"] if mechanism == "banded" else correlation["buffers"]
+        kept.append(len(store))
+    assert sum(kept) == len(mine) and all(kept)   # every parameter once, split over the stages

@@ -93,7 +93,8 @@ def test_a_resumed_blt_run_ends_as_the_run_that_never_stopped(small_recipe, tmp_
     (["training.sampling=shuffle"], "needs cyclic Poisson sampling"),
     (["privacy.mechanism={kind: blt, buffers: 9}"], "buffers must be at most 8"),
     (["privacy.mechanism={kind: blt, buffers: 0}"], "buffers"),
-    (["training.parallel=pipeline"], "pipeline"),
+    (["data.public_fraction=0.1", "public={source: builtin, name: digits}",
+      "continual={switch: {rule: step, at_step: 5}}"], "does not run with continual"),
     (["clipping.threshold={kind: quantile, initial: 1.0, sigma: 2.0}"], "needs a fixed clipping threshold"),
 ])
 def test_what_blt_cannot_run_is_refused_before_a_run_directory_exists(small_recipe, tmp_path, extra, message):
