@@ -46,6 +46,8 @@ class RichObserver:
         console.print(table)
         if info.get("sigma_change"):
             console.print(f"[bold yellow]warning:[/] {_sigma_line(info['sigma_change'])}", soft_wrap=True)
+        if info.get("correlated_noise_note"):
+            console.print(f"[bold yellow]warning:[/] {info['correlated_noise_note']}", soft_wrap=True)
         if info.get("resume_changes"):
             changed = ", ".join(f"{key} {_value(old)} -> {_value(new)}"
                                 for key, (old, new) in info["resume_changes"].items())

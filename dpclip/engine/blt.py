@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dpclip.engine.correlated import LBFGS_ITERATIONS, MAX_HORIZON, CorrelatedNoise
+from dpclip.engine.correlated import LBFGS_ITERATIONS, MAX_HORIZON, SGD, CorrelatedNoise, Workload
 from dpclip.errors import EngineError
 
 #: At most this many buffers: each is one more |θ| of memory, and beyond a handful the poles
@@ -131,19 +131,20 @@ def _positions(logits: Tensor) -> tuple[Tensor, Tensor]:
     return positions[1::2], positions[0::2]
 
 
-def log_loss(theta: Tensor, theta_hat: Tensor, steps: int, groups: int) -> Tensor:
+def log_loss(theta: Tensor, theta_hat: Tensor, steps: int, groups: int, workload: Workload = SGD) -> Tensor:
     """log(‖A C⁻¹‖_F² · s²): the prefix-sum error of the noise C⁻¹z (A lower-triangular ones,
-    error Σ_m (n − m)·e_m² with e the prefix sums of d) times the squared sensitivity over the
-    whole horizon: scale-free, what the optimiser minimises."""
+    error Σ_m (n − m)·e_m² with e the prefix sums of d; with momentum, of the momentum's
+    response h * d: :class:`~dpclip.engine.correlated.Workload`) times the squared sensitivity
+    over the whole horizon: scale-free, what the optimiser minimises."""
     d = _series(theta_hat, _weights(theta_hat, theta), steps)
-    e = d.cumsum(dim=0)
+    e = workload.response(d).cumsum(dim=0)
     error = (torch.arange(steps, 0, -1, dtype=F64) * e.square()).sum()
     c = _series(theta, _weights(theta, theta_hat), steps)
     sensitivity = participation_vector(c, groups).square().sum()
     return error.log() + sensitivity.log()
 
 
-def _refine(logits: Tensor, horizon: int, groups: int) -> tuple[Tensor, float]:
+def _refine(logits: Tensor, horizon: int, groups: int, workload: Workload) -> tuple[Tensor, float]:
     """L-BFGS from ``logits``: (the better of the start and where it ends, its loss)."""
     start = logits.detach().clone()
     logits = start.clone().requires_grad_(True)
@@ -152,13 +153,13 @@ def _refine(logits: Tensor, horizon: int, groups: int) -> tuple[Tensor, float]:
 
     def closure() -> Tensor:
         optimiser.zero_grad()
-        loss = log_loss(*_positions(logits), horizon, groups)
+        loss = log_loss(*_positions(logits), horizon, groups, workload)
         loss.backward()
         return loss
 
     optimiser.step(closure)
     with torch.no_grad():
-        found, initial = (float(log_loss(*_positions(x), horizon, groups)) for x in (logits.detach(), start))
+        found, initial = (float(log_loss(*_positions(x), horizon, groups, workload)) for x in (logits.detach(), start))
     if not math.isfinite(found) or found > initial:
         return start, initial
     return logits.detach().clone(), found
@@ -172,7 +173,7 @@ def _logits(theta_hat_and_theta: list[float]) -> Tensor:
 
 
 @functools.lru_cache(maxsize=32)
-def _optimised(buffers: int, horizon: int, groups: int) -> BltStrategy:
+def _optimised(buffers: int, horizon: int, groups: int, workload: Workload = SGD) -> BltStrategy:
     # Two starts, the better end kept. (1) The 2k poles spread evenly in log(1 − x) between
     # 1 − n^{−1/(2k+1)} and 1 − n^{−2k/(2k+1)}: rational approximations of a Stieltjes function
     # such as (1 − x)^{−1/2}, the prefix sums' square root, have their poles spread like this.
@@ -181,27 +182,28 @@ def _optimised(buffers: int, horizon: int, groups: int) -> BltStrategy:
     count = 2 * buffers
     starts = [_logits([1.0 - horizon ** (-(i + 1) / (count + 1)) for i in range(count)])]
     if buffers > 1:
-        fewer = _optimised(buffers - 1, horizon, groups)
+        fewer = _optimised(buffers - 1, horizon, groups, workload)
         lowest = fewer.theta_hat[0]
         interlaced = [v for pair in zip(fewer.theta_hat, fewer.theta) for v in pair]
         starts.append(_logits([lowest / 3.0, lowest / 3.0 * (1 + 1e-6)] + interlaced))
     best, best_loss = None, math.inf
     for start in starts:
-        logits, loss = _refine(start, horizon, groups)
+        logits, loss = _refine(start, horizon, groups, workload)
         if loss < best_loss:
             best, best_loss = logits, loss
     theta, theta_hat = _positions(best)
     return BltStrategy(tuple(float(v) for v in theta), tuple(float(v) for v in theta_hat))
 
 
-def blt_strategy(buffers: int, steps: int, groups: int) -> BltStrategy:
+def blt_strategy(buffers: int, steps: int, groups: int, workload: Workload = SGD) -> BltStrategy:
     """The BLT strategy with ``buffers`` buffers for a run of ``steps`` steps whose examples take
     part at most once every ``groups`` steps.
 
     Minimises the error of the noise on the running sum times the sensitivity² under that
     participation (:func:`log_loss`) over the first n = min(steps, 8192) steps, by L-BFGS in
-    float64 from a fixed start: a function of (buffers, n, groups) only, public inputs, cached,
-    no privacy budget. The poles stay interlaced in (0, 1) (module doc)."""
+    float64 from a fixed start: a function of (buffers, n, groups, workload) only, public
+    inputs, cached, no privacy budget. The poles stay interlaced in (0, 1) (module doc). With a
+    momentum ``workload`` the error is that of the momentum's running sum."""
     for name, value in (("buffers", buffers), ("steps", steps), ("groups", groups)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise EngineError(f"{name} must be a whole number >= 1, got {value!r}",
@@ -209,7 +211,7 @@ def blt_strategy(buffers: int, steps: int, groups: int) -> BltStrategy:
     if buffers > MAX_BUFFERS:
         raise EngineError(f"buffers must be at most {MAX_BUFFERS}, got {buffers}",
                           "a few buffers: more only crowd the poles together")
-    return _optimised(buffers, min(steps, MAX_HORIZON), groups)
+    return _optimised(buffers, min(steps, MAX_HORIZON), groups, workload)
 
 
 blt_strategy.cache_clear = _optimised.cache_clear  # type: ignore[attr-defined]

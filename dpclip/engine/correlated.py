@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -51,6 +52,52 @@ LBFGS_ITERATIONS = 200
 # C⁻¹'s coefficients are computed block by block (prefix_sum_error): a block of at least
 # this many steps amortises the per-block Python overhead; blocks are never shorter than b-1.
 MIN_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the optimizer does with the noisy gradients, as far as the strategy is optimised
+    for it: SGD's heavy-ball ``momentum`` β (m_t = β m_{t−1} + g_t, step −η m_t) or Nesterov's
+    (step −η (g_t + β m_t)), at a constant learning rate. The parameters move by the running sum
+    of h * g, h the impulse response of one gradient on the steps: h_j = β^j (heavy ball),
+    h_0 = 1 + β and h_j = β^{j+1} (Nesterov); β = 0 is plain SGD, whose workload is the prefix
+    sums. Learning-rate schedules and Adam are not modelled (docs/methods.md)."""
+
+    momentum: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.momentum < 1.0:
+            raise EngineError(f"momentum must be in [0, 1), got {self.momentum!r}", "SGD's momentum β")
+
+    def momentum_matrix(self, size: int) -> Tensor:
+        """M[i, j] = β^{i−j} for i >= j: m = M v + β^{i+1}·m_before over a block of ``size``."""
+        lag = torch.arange(size, dtype=torch.float64).reshape(-1, 1) - torch.arange(size, dtype=torch.float64)
+        return torch.where(lag >= 0, self.momentum ** lag.clamp_min(0), torch.zeros((), dtype=torch.float64))
+
+    def respond(self, block: Tensor, momentum_before: Tensor, matrix: Tensor) -> tuple[Tensor, Tensor]:
+        """(h * d over the block, the momentum state at its end), from the block's d and the
+        state before it (heavy ball: the response is the momentum itself)."""
+        if self.momentum == 0.0:
+            return block, momentum_before
+        powers = self.momentum ** torch.arange(1, block.numel() + 1, dtype=torch.float64)
+        state = matrix[:block.numel(), :block.numel()] @ block + powers * momentum_before
+        response = block + self.momentum * state if self.nesterov else state
+        return response, state[-1]
+
+
+    def response(self, d: Tensor) -> Tensor:
+        """h * d over a whole (moderate) vector, block by block (:meth:`respond`)."""
+        if self.momentum == 0.0:
+            return d
+        matrix, state, parts = self.momentum_matrix(MIN_BLOCK), torch.zeros((), dtype=torch.float64), []
+        for lo in range(0, d.numel(), MIN_BLOCK):
+            part, state = self.respond(d[lo:lo + MIN_BLOCK], state, matrix)
+            parts.append(part)
+        return torch.cat(parts)
+
+
+SGD = Workload()
 
 
 def toeplitz_strategy(coefficients: Tensor, steps: int) -> Tensor:
@@ -88,8 +135,12 @@ def _block_recurrence(c: Tensor) -> tuple[Tensor, Tensor]:
     return first, -torch.linalg.solve_triangular(low, up, upper=False)
 
 
-def log_prefix_sum_error(coefficients: Tensor, steps: int) -> Tensor:
+def log_prefix_sum_error(coefficients: Tensor, steps: int, workload: Workload = SGD) -> Tensor:
     """log ||A C⁻¹||_F² (:func:`prefix_sum_error`), finite even where C⁻¹ explodes.
+
+    With a :class:`Workload` of momentum β, A is the running sum of the momentum's response
+    (A[t, s] = Σ_{u=s}^{t} h_{u−s}), still Toeplitz: e becomes the prefix sums of h * d, the
+    momentum filter run over each block with its state carried (and rescaled) like e's.
 
     A (lower-triangular ones) and C⁻¹ (lower-triangular Toeplitz with coefficients d,
     :func:`_block_recurrence`) multiply into a lower-triangular Toeplitz A C⁻¹ with
@@ -114,27 +165,30 @@ def log_prefix_sum_error(coefficients: Tensor, steps: int) -> Tensor:
     block = v.numel()
     weights = torch.arange(steps, 0, -1, dtype=torch.float64)
     carry = torch.zeros((), dtype=torch.float64)  # e at the end of the previous block, scaled
-    exponent = 0  # the true d and e are 2**exponent times v and carry
+    state = torch.zeros((), dtype=torch.float64)  # the workload's momentum after the previous block, scaled
+    matrix = workload.momentum_matrix(block) if workload.momentum else None
+    exponent = 0  # the true d, e and momentum are 2**exponent times v, carry and state
     terms = []
     for lo in range(0, steps, block):
         if lo:
             v = step @ v
-        e = carry + torch.cumsum(v[:steps - lo], 0)
+        response, state = workload.respond(v[:steps - lo], state, matrix)
+        e = carry + torch.cumsum(response, 0)
         # Σ w e² = m² Σ w (e/m)², m the largest |e| (a constant: any m gives the same value
         # and gradient), so no square overflows.
         m = e.detach().abs().max().clamp_min(torch.finfo(torch.float64).tiny)
         part = (weights[lo:lo + block] * (e / m).square()).sum()
         terms.append(part.log() + 2 * (m.log() + exponent * math.log(2.0)))
         carry = e[-1]
-        big = max(float(v.detach().abs().max()), abs(float(carry.detach())))
+        big = max(float(v.detach().abs().max()), abs(float(carry.detach())), abs(float(state.detach())))
         if math.isfinite(big) and big > 2.0 ** 64:
             shift = math.frexp(big)[1]
-            v, carry, exponent = torch.ldexp(v, torch.tensor(-shift)), torch.ldexp(carry, torch.tensor(-shift)), \
-                exponent + shift
+            v, carry, state = (torch.ldexp(x, torch.tensor(-shift)) for x in (v, carry, state))
+            exponent += shift
     return torch.logsumexp(torch.stack(terms), 0)
 
 
-def prefix_sum_error(coefficients: Tensor, steps: int) -> Tensor:
+def prefix_sum_error(coefficients: Tensor, steps: int, workload: Workload = SGD) -> Tensor:
     """||A C⁻¹||_F² for the prefix-sum workload A over ``steps`` steps: Σ_k (n-k)·e_k², e the
     prefix sums of C⁻¹'s coefficients (:func:`log_prefix_sum_error` gives the derivation).
 
@@ -144,7 +198,7 @@ def prefix_sum_error(coefficients: Tensor, steps: int) -> Tensor:
     on the running sum is σ²S²·(parameters)·prefix_sum_error(c, n); DP-SGD's (c = [1]) is
     σ²S²·(parameters)·n(n+1)/2.
     """
-    return log_prefix_sum_error(coefficients, steps).exp()
+    return log_prefix_sum_error(coefficients, steps, workload).exp()
 
 
 def square_root_coefficients(bands: int) -> Tensor:
@@ -163,22 +217,22 @@ def square_root_coefficients(bands: int) -> Tensor:
     return torch.tensor(r, dtype=torch.float64)
 
 
-def scale_free_error(coefficients: Tensor, steps: int) -> Tensor:
+def scale_free_error(coefficients: Tensor, steps: int, workload: Workload = SGD) -> Tensor:
     """prefix_sum_error(c, steps) · Σ_j c_j²: the error at unit max column norm.
 
     Scaling c by α scales C⁻¹ by 1/α and the sensitivity by α, so this product (error after
     normalising to Σ c² = 1) is what a strategy is judged by."""
     c = coefficients.reshape(-1).to(torch.float64)
-    return prefix_sum_error(c, steps) * c.square().sum()
+    return prefix_sum_error(c, steps, workload) * c.square().sum()
 
 
-def _log_scale_free_error(c: Tensor, steps: int) -> Tensor:
+def _log_scale_free_error(c: Tensor, steps: int, workload: Workload = SGD) -> Tensor:
     """log of :func:`scale_free_error`, finite for unstable C (the optimiser's objective)."""
-    return log_prefix_sum_error(c, steps) + c.square().sum().log()
+    return log_prefix_sum_error(c, steps, workload) + c.square().sum().log()
 
 
 @functools.lru_cache(maxsize=64)
-def _optimised(bands: int, horizon: int) -> tuple[float, ...]:
+def _optimised(bands: int, horizon: int, workload: Workload = SGD) -> tuple[float, ...]:
     """The normalised optimal coefficients as plain floats (immutable, safe to cache)."""
     start = square_root_coefficients(bands)
     start = start / start.norm()
@@ -191,7 +245,7 @@ def _optimised(bands: int, horizon: int) -> tuple[float, ...]:
 
     def closure() -> Tensor:
         optimiser.zero_grad()
-        loss = _log_scale_free_error(x, horizon)
+        loss = _log_scale_free_error(x, horizon, workload)
         loss.backward()
         return loss
 
@@ -203,14 +257,14 @@ def _optimised(bands: int, horizon: int) -> tuple[float, ...]:
     # A search that ended somewhere non-finite or worse than it began falls back to the
     # square root, which is always a valid (stable) strategy.
     with torch.no_grad():
-        found, initial = _log_scale_free_error(best, horizon), _log_scale_free_error(start, horizon)
+        found, initial = _log_scale_free_error(best, horizon, workload), _log_scale_free_error(start, horizon, workload)
     if not bool(torch.isfinite(found)) or found > initial:
         best = start
     best = best / best.norm()
     return tuple(float(v) for v in best)
 
 
-def banded_strategy(bands: int, steps: int) -> Tensor:
+def banded_strategy(bands: int, steps: int, workload: Workload = SGD) -> Tensor:
     """The b coefficients c of the banded Toeplitz strategy for a run of ``steps`` steps.
 
     Minimises the scale-free error prefix_sum_error(c, n) · Σ_j c_j² (:func:`scale_free_error`)
@@ -221,7 +275,8 @@ def banded_strategy(bands: int, steps: int) -> Tensor:
     coefficients directly rather than a dense n×n C). The result is normalised so that
     Σ_j c_j² = 1 (max column norm 1: sensitivity exactly DP-SGD's, module doc), with c_0 > 0.
 
-    Nothing random: c is a function of (bands, steps) only, public inputs, so it is
+    With a momentum ``workload`` the error is that of the momentum's running sum
+    (:class:`Workload`). Nothing random: c is a function of (bands, steps, workload) only, public inputs, so it is
     recomputed rather than stored and needs no privacy budget. Results are cached per
     (bands, horizon); a fresh tensor is returned on each call. bands = 1 is DP-SGD: [1.0].
     """
@@ -234,7 +289,7 @@ def banded_strategy(bands: int, steps: int) -> Tensor:
                           "the sampler must keep each example's participations at least b steps apart")
     if bands == 1:
         return torch.tensor([1.0], dtype=torch.float64)
-    return torch.tensor(_optimised(bands, min(steps, MAX_HORIZON)), dtype=torch.float64)
+    return torch.tensor(_optimised(bands, min(steps, MAX_HORIZON), workload), dtype=torch.float64)
 
 
 # The cache is on the private solver; this clears it (tests, or to free memory).

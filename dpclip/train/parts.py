@@ -28,14 +28,15 @@ from dpclip.distributed.pipeline import PipelineStep, pipeline_engine, pipeline_
 from dpclip.distributed.sharded import ShardReducer, Shards, lockstep_micro_batches
 from dpclip.engine import DPEngine
 from dpclip.engine.blt import blt_strategy
-from dpclip.engine.correlated import banded_strategy
+from dpclip.engine.correlated import SGD, banded_strategy
 from dpclip.errors import DpclipError
 from dpclip.models import build_model
 from dpclip.recipe import Recipe
 from dpclip.train.diagnostics import recorder_for
 from dpclip.train.optim import LrSchedule, build_optimizer
 from dpclip.train.phases import continual_run
-from dpclip.train.plan import count_groups, engine_clipping, privacy_plan, private_seed, timing_clipping
+from dpclip.train.plan import (correlated_noise_note, count_groups, engine_clipping, privacy_plan, private_seed,
+                               strategy_workload, timing_clipping)
 from dpclip.train.ranks import check_ranks
 from dpclip.train.rundir import PLAN_FIELDS, recipe_changes
 from dpclip.train.step import PrivateStep, step_micro_batch_size, step_precision
@@ -99,6 +100,7 @@ class RunParts:
             "threads": torch.get_num_threads(),  # a resume replays steps: same count (dpclip.threads)
             "world_size": self.world.size,
             "continual": None if self.continual is None else self.continual.info(),
+            "correlated_noise_note": correlated_noise_note(recipe),
         }
 
 
@@ -117,12 +119,13 @@ def load_model(recipe: Recipe, data=None):
     return data, model, loss_fn
 
 
-def noise_strategy(plan):
-    """The strategy the engine correlates its noise with: banded MF's coefficients, BLT's
+def noise_strategy(plan, workload=SGD):
+    """The strategy the engine correlates its noise with, optimised for ``workload`` (the
+    recipe's: :func:`~dpclip.train.plan.strategy_workload`): banded MF's coefficients, BLT's
     poles (the ones the plan's sensitivities were computed from), or None for DP-SGD."""
     if plan.buffers:
-        return blt_strategy(plan.buffers, plan.steps, plan.groups)
-    return banded_strategy(plan.bands, plan.steps) if plan.bands > 1 else None
+        return blt_strategy(plan.buffers, plan.steps, plan.groups, workload)
+    return banded_strategy(plan.bands, plan.steps, workload) if plan.bands > 1 else None
 
 
 def build_engine(model, clipping: dict[str, Any], *, gradient_noise_multiplier: float, batch_size: int,
@@ -215,7 +218,7 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
     engine = build_engine(model, engine_clipping(recipe, solved.split.sigma_aux),
                           gradient_noise_multiplier=solved.split.gradient_noise_multiplier, batch_size=recipe.training.batch_size,
                           seed=seed, sample_rate=plan.group_rate, world=world, pipeline=pipeline, shards=shards,
-                          noise_correlation=noise_strategy(plan),
+                          noise_correlation=noise_strategy(plan, strategy_workload(recipe)),
                           # the probe's rows stay in the process (it runs the model on them, nothing more)
                           probe_rows=select(ordinary.train, torch.arange(min(3, ordinary.num_train))), loss_fn=loss_fn)
     optimizer, private_step = build_step(recipe, model, loss_fn, engine, data.train, pipeline=pipeline, world=world)

@@ -15,6 +15,7 @@ from dpclip.data import load_data
 from dpclip.data.size import public_summary, training_set_size
 from dpclip.engine import build_groups, trainable_params
 from dpclip.engine.blt import blt_strategy, participation_sensitivities
+from dpclip.engine.correlated import SGD, Workload
 from dpclip.errors import AccountingError, DpclipError
 from dpclip.models import build_model
 from dpclip.recipe.schema import Recipe
@@ -177,18 +178,44 @@ def privacy_plan(recipe: Recipe, dataset_size: int, groups: int | None = None) -
         seeded_randomness=recipe.privacy.unsafe_seeded_randomness,
         not_covered=not_covered(recipe),
         bands=privacy.mechanism.bands,
-        **blt_fields(privacy.mechanism.buffers, sample_rate, steps),
+        **blt_fields(privacy.mechanism.buffers, sample_rate, steps, strategy_workload(recipe)),
     )
 
 
-def blt_fields(buffers: int, sample_rate: float, steps: int) -> dict:
+def blt_fields(buffers: int, sample_rate: float, steps: int, workload: Workload = SGD) -> dict:
     """The PrivacyPlan fields of a BLT run (none otherwise): its buffers and the squared
     sensitivities of its strategy, one per participation (docs/formulas.md, "BLT")."""
     if not buffers:
         return {}
     groups = blt_groups(sample_rate)
-    strategy = blt_strategy(buffers, steps, groups)
+    strategy = blt_strategy(buffers, steps, groups, workload)
     return {"buffers": buffers, "sensitivities": participation_sensitivities(strategy, steps, groups)}
+
+
+def strategy_workload(recipe: Recipe) -> Workload:
+    """What the correlated noise's strategy is optimised for: SGD's momentum (heavy ball or
+    Nesterov) at a constant learning rate; plain prefix sums for any other optimizer."""
+    optimizer = recipe.training.optimizer
+    if optimizer.kind == "sgd":
+        return Workload(float(optimizer.momentum), bool(optimizer.nesterov and optimizer.momentum))
+    return SGD
+
+
+def correlated_noise_note(recipe: Recipe) -> str | None:
+    """A warning when the recipe's optimizer does something the strategy does not model."""
+    kind = recipe.privacy.mechanism.kind
+    if kind == "dp-sgd":
+        return None
+    unmodelled = []
+    if recipe.training.optimizer.kind != "sgd":
+        unmodelled.append(f"{recipe.training.optimizer.kind} (its steps are not a running sum of the gradients; on "
+                          "the digits CNN banded MF lost to DP-SGD with Adam, docs/methods.md)")
+    if recipe.training.schedule.kind != "constant" or recipe.training.schedule.warmup_steps:
+        unmodelled.append(f"the {recipe.training.schedule.kind} learning-rate schedule")
+    if not unmodelled:
+        return None
+    return (f"privacy.mechanism {kind}: the noise's strategy is optimised for SGD at a constant learning rate "
+            f"(with its momentum), not for " + " nor for ".join(unmodelled) + "; ε is unaffected, the utility may be")
 
 
 def check_banded(recipe: Recipe) -> None:

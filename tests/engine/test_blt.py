@@ -218,3 +218,19 @@ def test_the_streamer_follows_the_strategy_kind():
     assert isinstance(noise_streamer(blt_strategy(1, 10, 2)), BufferedNoise)
     assert isinstance(noise_streamer(torch.tensor([0.8, 0.6], dtype=F64)), CorrelatedNoise)
     assert noise_streamer(torch.tensor([1.0], dtype=F64)) is None and noise_streamer(None) is None
+
+
+def test_a_blt_optimised_for_momentum_is_no_worse_on_momentum_than_the_prefix_sum_one():
+    from dpclip.engine.correlated import Workload
+
+    steps, groups, momentum = 120, 10, Workload(0.9)
+    aware, plain = blt_strategy(2, steps, groups, momentum), blt_strategy(2, steps, groups)
+    assert aware != plain
+
+    def loss(strategy):  # dense, with the momentum's running sum simulated as in test_correlated
+        from tests.engine.test_correlated import dense_momentum_error
+        c = strategy.coefficients(steps)
+        # dense_momentum_error takes banded coefficients: C⁻¹ over all n steps needs all of c
+        return dense_momentum_error(c, steps, 0.9, False) * participation_sensitivity_dense(c, groups)
+
+    assert loss(aware) < loss(plain)

@@ -242,3 +242,37 @@ def test_strategy_time_for_sixteen_bands_over_two_thousand_steps():
     print(f"\nbanded_strategy(16, 2000): {elapsed:.3f} s; scale-free error {float(scale_free_error(c, 2000)):.1f}"
           f" (square root {float(scale_free_error(square_root_coefficients(16), 2000)):.1f}, "
           f"DP-SGD {2000 * 2001 / 2:.1f})")
+
+
+def dense_momentum_error(c: torch.Tensor, n: int, beta: float, nesterov: bool) -> float:
+    """||A C⁻¹||_F² for A the running sum of SGD-with-momentum's steps, built row by row by
+    simulating the optimizer on unit gradients (independent of Workload's response formula)."""
+    a = torch.zeros(n, n, dtype=F64)
+    for s in range(n):          # the parameters' displacement at every step from one gradient at step s
+        momentum, position = 0.0, 0.0
+        for t in range(s, n):
+            gradient = 1.0 if t == s else 0.0
+            momentum = beta * momentum + gradient
+            position += gradient + beta * momentum if nesterov else momentum
+            a[t, s] = position
+    return float((a @ torch.linalg.inv(dense_c(c, n))).square().sum())
+
+
+@pytest.mark.parametrize("beta, nesterov", [(0.5, False), (0.9, False), (0.9, True)])
+def test_momentum_error_matches_the_dense_error_of_the_simulated_optimizer(beta, nesterov):
+    from dpclip.engine.correlated import Workload
+
+    c = banded_strategy(5, 150)
+    for steps in (40, 150):
+        assert float(prefix_sum_error(c, steps, Workload(beta, nesterov))) == \
+            pytest.approx(dense_momentum_error(c, steps, beta, nesterov), rel=1e-9)
+
+
+def test_a_strategy_optimised_for_momentum_beats_the_prefix_sum_one_on_momentum():
+    from dpclip.engine.correlated import Workload
+
+    momentum = Workload(0.9)
+    aware, plain = banded_strategy(8, 600, momentum), banded_strategy(8, 600)
+    assert not torch.equal(aware, plain)
+    assert float(scale_free_error(aware, 600, momentum)) < 0.995 * float(scale_free_error(plain, 600, momentum))
+    assert float(scale_free_error(aware, 600)) > float(scale_free_error(plain, 600))   # and is worse without it

@@ -101,3 +101,22 @@ def test_what_blt_cannot_run_is_refused_before_a_run_directory_exists(small_reci
     with pytest.raises(DpclipError, match=message) as caught:
         train(small_recipe(*BLT, *extra), run_dir=tmp_path / "run")
     assert caught.value.hint and not (tmp_path / "run").exists()
+
+
+def test_the_strategy_follows_the_recipes_momentum_and_other_optimizers_are_warned_about(small_recipe):
+    from dpclip.engine.correlated import Workload
+    from dpclip.train.parts import assemble
+    from dpclip.train.plan import correlated_noise_note, strategy_workload
+
+    banded = ["privacy.mechanism={kind: banded-mf, bands: 4}"]
+    momentum = small_recipe(*banded, "training.optimizer={kind: sgd, lr: 0.1, momentum: 0.9, nesterov: true}")
+    assert strategy_workload(momentum) == Workload(0.9, True) and correlated_noise_note(momentum) is None
+    parts = assemble(momentum)
+    from dpclip.engine.correlated import banded_strategy
+    assert torch.equal(parts.engine.correlation.coefficients, banded_strategy(4, 12, Workload(0.9, True)))
+    parts.engine.detach()
+    adam = small_recipe(*BLT, "training.optimizer={kind: adam, lr: 0.01}", "training.schedule={kind: cosine}")
+    assert strategy_workload(adam) == Workload()
+    note = correlated_noise_note(adam)
+    assert "adam" in note and "cosine" in note and "ε is unaffected" in note
+    assert correlated_noise_note(small_recipe()) is None
