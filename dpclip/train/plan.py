@@ -219,14 +219,12 @@ def correlated_noise_note(recipe: Recipe) -> str | None:
 
 
 def check_banded(recipe: Recipe) -> None:
-    """What correlated noise (banded MF, BLT) does not run with yet (docs/methods.md, "Correlated noise")."""
+    """What correlated noise (banded MF, BLT) cannot run with (docs/methods.md, "Correlated noise")."""
     kind = recipe.privacy.mechanism.kind
-    if recipe.continual is not None:
-        raise DpclipError(f"privacy.mechanism: {kind} does not run with continual: (public phases) yet",
-                          "use privacy.mechanism: {kind: dp-sgd} for a continual run")
     if recipe.clipping.threshold.kind != "fixed":
-        # Step t's noise covers its own and the b - 1 earlier steps' contributions: with a
-        # threshold that moves, a later step's smaller noise would cover an earlier, larger one.
+        # Step t's noise covers its own and earlier steps' contributions (b - 1 of them for
+        # banded MF, all for BLT): with a threshold that moves, a later step's smaller noise
+        # would cover an earlier, larger one.
         raise DpclipError(f"privacy.mechanism: {kind} needs a fixed clipping threshold, and this recipe's "
                           f"moves ({recipe.clipping.threshold.kind})", "use clipping.threshold: {kind: fixed, value: C}")
 

@@ -104,8 +104,6 @@ def test_a_resumed_banded_run_ends_as_the_run_that_never_stopped(small_recipe, t
     (["training.sampling=shuffle"], "needs cyclic Poisson sampling"),
     (["privacy.mechanism={kind: banded-mf, bands: 13}"], "bands must be a whole number from 1 to the 12 steps"),
     (["privacy.mechanism={kind: banded-mf, bands: 12}", "training.batch_size=200"], "fewer than the expected batch"),
-    (["data.public_fraction=0.1", "public={source: builtin, name: digits}",
-      "continual={switch: {rule: step, at_step: 5}}"], "does not run with continual"),
     (["clipping.threshold={kind: quantile, initial: 1.0, sigma: 2.0}"], "needs a fixed clipping threshold"),
 ])
 def test_what_banded_mf_cannot_run_is_refused_before_a_run_directory_exists(small_recipe, tmp_path, extra, message):

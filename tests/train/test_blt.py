@@ -93,8 +93,6 @@ def test_a_resumed_blt_run_ends_as_the_run_that_never_stopped(small_recipe, tmp_
     (["training.sampling=shuffle"], "needs cyclic Poisson sampling"),
     (["privacy.mechanism={kind: blt, buffers: 9}"], "buffers must be at most 8"),
     (["privacy.mechanism={kind: blt, buffers: 0}"], "buffers"),
-    (["data.public_fraction=0.1", "public={source: builtin, name: digits}",
-      "continual={switch: {rule: step, at_step: 5}}"], "does not run with continual"),
     (["clipping.threshold={kind: quantile, initial: 1.0, sigma: 2.0}"], "needs a fixed clipping threshold"),
 ])
 def test_what_blt_cannot_run_is_refused_before_a_run_directory_exists(small_recipe, tmp_path, extra, message):
@@ -120,3 +118,23 @@ def test_the_strategy_follows_the_recipes_momentum_and_other_optimizers_are_warn
     note = correlated_noise_note(adam)
     assert "adam" in note and "cosine" in note and "ε is unaffected" in note
     assert correlated_noise_note(small_recipe()) is None
+
+
+@pytest.mark.parametrize("mechanism, groups", [("{kind: banded-mf, bands: 3}", 3), ("{kind: blt, buffers: 2}", None)])
+def test_a_continual_run_correlates_only_its_private_steps(small_recipe, mechanism, groups):
+    """Public steps draw no private batch and add no noise: the noise stream and the ledger
+    advance with the private steps alone, and the run directory checks as its plan."""
+    from dpclip.files import read_json
+    from dpclip.train.checkpoint import unflatten_state
+
+    result = train(small_recipe(f"privacy.mechanism={mechanism}", "data.public_fraction=0.1",
+                                "public={source: builtin, name: digits}", "continual={switch: {rule: step, at_step: 5}}",
+                                "checkpoint.keep=10"))
+    ledger, statement = spent(result.run_dir)
+    assert ledger.steps == 12   # the private steps; the 5 public ones are not in the ledger
+    groups = groups or math.floor(1 / statement.sample_rate)
+    charged = sum(e.count for e in ledger.entries if not isinstance(e.event, dp_accounting.NoOpDpEvent))
+    assert charged == math.ceil(12 / groups)
+    checkpoint = latest_checkpoint(result.run_dir)
+    tree = unflatten_state(read_json(checkpoint / "state.json"), load_file(str(checkpoint / "state.safetensors")))
+    assert tree["engine"]["correlation"]["step"] == 12
