@@ -182,13 +182,19 @@ def add_step_noise(source: NoiseSource, targets: list[Tensor], stds: list[float]
     """``targets[j] += `` one step's noise of std ``stds[j]`` per coordinate, in place: drawn
     from ``source`` (independent, DP-SGD), or, with a ``correlation`` (banded MF's
     :class:`~dpclip.engine.correlated.CorrelatedNoise` or BLT's
-    :class:`~dpclip.engine.blt.BufferedNoise`), the fresh draw z_t turned into row t of C⁻¹Z
-    (docs/formulas.md, "Banded matrix factorization", "BLT"), at one gradient-sized buffer more."""
+    :class:`~dpclip.engine.blt.BufferedNoise`), row t of C⁻¹Z for unit draws Z, times this
+    step's std (docs/formulas.md, "Banded matrix factorization", "BLT"), at one gradient-sized
+    buffer more.
+
+    Correlating unit draws and scaling afterwards is the mechanism on the normalised sums
+    x_t/std_t (each of sensitivity 1/σ): the release x_t + std_t·(C⁻¹Z)_t is std_t times it,
+    so a std that moves between steps (an adaptive threshold, set from earlier releases) is
+    post-processing, and never lets a step's smaller noise stand in for an earlier step's."""
     if correlation is None:  # all at once: a large draw is split over threads
         source.add_gaussians(targets, stds)
         return
     fresh = [torch.zeros_like(t) for t in targets]
-    source.add_gaussians(fresh, stds)
+    source.add_gaussians(fresh, [1.0] * len(fresh))
     correlation.correlate_(fresh)
-    for target, noise in zip(targets, fresh):
-        target.add_(noise)
+    for target, noise, std in zip(targets, fresh, stds):
+        target.add_(noise, alpha=std)

@@ -147,8 +147,8 @@ _SECTIONS: list = [
                                 "with both, ε is a cap that training never exceeds."),
     ("privacy.mechanism: {kind: dp-sgd}", schema.DpSgd, "Independent Gaussian noise at every step (the default)."),
     ("privacy.mechanism: {kind: banded-mf}", schema.BandedMF,
-     "Banded matrix factorization: noise correlated over `bands` steps, cyclic Poisson sampling, a fixed "
-     "threshold; docs/methods.md, \"Correlated noise\"."),
+     "Banded matrix factorization: noise correlated over `bands` steps, cyclic Poisson sampling, any "
+     "threshold policy; docs/methods.md, \"Correlated noise\"."),
     ("privacy.mechanism: {kind: blt}", schema.Blt,
      "Buffered linear Toeplitz: noise correlated over all steps through `buffers` buffers, the data cut into "
      "⌊1/q⌋ groups taken in turn, no amplification by sampling, a fixed threshold; docs/methods.md, "

@@ -221,12 +221,13 @@ def correlated_noise_note(recipe: Recipe) -> str | None:
 def check_banded(recipe: Recipe) -> None:
     """What correlated noise (banded MF, BLT) cannot run with (docs/methods.md, "Correlated noise")."""
     kind = recipe.privacy.mechanism.kind
-    if recipe.clipping.threshold.kind != "fixed":
-        # Step t's noise covers its own and earlier steps' contributions (b - 1 of them for
-        # banded MF, all for BLT): with a threshold that moves, a later step's smaller noise
-        # would cover an earlier, larger one.
-        raise DpclipError(f"privacy.mechanism: {kind} needs a fixed clipping threshold, and this recipe's "
-                          f"moves ({recipe.clipping.threshold.kind})", "use clipping.threshold: {kind: fixed, value: C}")
+    if kind == "blt" and recipe.clipping.threshold.kind != "fixed":
+        # A statistic released at every participation adds to each one's charge; BLT's
+        # calibration on the whole run's Gaussian does not share its budget with one yet.
+        raise DpclipError(f"privacy.mechanism: blt does not share its budget with an adaptive threshold's statistic "
+                          f"yet ({recipe.clipping.threshold.kind})",
+                          "use clipping.threshold: {kind: fixed, value: C}, or privacy.mechanism: {kind: banded-mf, "
+                          "bands: b}, which runs with every threshold policy")
 
 
 def check_against_data(recipe: Recipe) -> int | None:

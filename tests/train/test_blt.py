@@ -93,7 +93,7 @@ def test_a_resumed_blt_run_ends_as_the_run_that_never_stopped(small_recipe, tmp_
     (["training.sampling=shuffle"], "needs cyclic Poisson sampling"),
     (["privacy.mechanism={kind: blt, buffers: 9}"], "buffers must be at most 8"),
     (["privacy.mechanism={kind: blt, buffers: 0}"], "buffers"),
-    (["clipping.threshold={kind: quantile, initial: 1.0, sigma: 2.0}"], "needs a fixed clipping threshold"),
+    (["clipping.threshold={kind: quantile, initial: 1.0, sigma: 2.0}"], "adaptive threshold's statistic"),
 ])
 def test_what_blt_cannot_run_is_refused_before_a_run_directory_exists(small_recipe, tmp_path, extra, message):
     with pytest.raises(DpclipError, match=message) as caught:
