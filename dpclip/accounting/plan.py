@@ -129,6 +129,10 @@ class PrivacyPlan:
         buffers: k of the BLT mechanism (docs/formulas.md, "BLT"); 0: not BLT. The data are
             cut into G = ⌊1/q⌋ groups sampled in turn at rate q·G, and the run is one Gaussian
             mechanism, charged one participation at a time (:mod:`dpclip.accounting.blt`).
+        unit: "example" (a record) or "user" (all records of one person: ``sample_rate`` is
+            then expected people per batch / ``users``, and at most ``max_examples_per_user``
+            records of a person go into a step; docs/users.md). The events are the same; the
+            statement says which unit they protect.
         sensitivities: with ``buffers``, the squared sensitivity of the run's first j + 1
             cycles of G steps, one per participation (the engine computes them from the
             strategy: :func:`dpclip.engine.blt.participation_sensitivities`).
@@ -147,8 +151,16 @@ class PrivacyPlan:
     bands: int = 1
     buffers: int = 0
     sensitivities: tuple[float, ...] = ()
+    unit: str = "example"
+    users: int | None = None
+    max_examples_per_user: int | None = None
 
     def __post_init__(self) -> None:
+        if self.unit not in ("example", "user"):
+            raise AccountingError(f"unknown privacy unit {self.unit!r}", "use 'example' or 'user'")
+        if self.unit == "user" and (not isinstance(self.max_examples_per_user, int) or self.max_examples_per_user < 1):
+            raise AccountingError(f"user-level privacy needs k >= 1 records per person, got "
+                                  f"{self.max_examples_per_user!r}", "e.g. --max-examples-per-user 8")
         check_sample_rate(self.sample_rate)
         check_steps(self.steps)
         check_bands(self.bands, self.steps, self.sample_rate)
@@ -321,6 +333,7 @@ def solve(plan: PrivacyPlan) -> PlanResult:
         seeded_randomness=plan.seeded_randomness,
         not_covered=list(plan.not_covered),
         bands=plan.bands,
+        **unit_fields(plan),
     )
     return PlanResult(
         split=split,
@@ -352,8 +365,21 @@ def _solve_blt(plan: PrivacyPlan) -> PlanResult:
         epsilon_rdp=result.epsilon_rdp if result.accountant == "pld" else None, sampling=plan.sampling,
         releases=[GRADIENT_RELEASE], fallback_reason=result.fallback_reason,
         seeded_randomness=plan.seeded_randomness, not_covered=list(plan.not_covered),
-        buffers=plan.buffers, groups=plan.groups, sensitivity=math.sqrt(plan.sensitivities[-1]))
+        buffers=plan.buffers, groups=plan.groups, sensitivity=math.sqrt(plan.sensitivities[-1]), **unit_fields(plan))
     return PlanResult(split=split, epsilon=result.epsilon, epsilon_rdp=result.epsilon_rdp,
                       step_event=gradient_step_event(plan.group_rate, sigma),
                       total_event=total_event, statement=statement, fallback_reason=result.fallback_reason,
                       accountant=result.accountant, plan=plan, participation_events=charges)
+
+
+def unit_fields(plan: PrivacyPlan) -> dict[str, str]:
+    """The statement's privacy unit and neighbouring relation (none: example-level defaults)."""
+    if plan.unit != "user":
+        return {}
+    return user_unit(plan.users, plan.max_examples_per_user)
+
+
+def user_unit(users: int | None, max_examples_per_user: int | None) -> dict[str, str]:
+    people = f"{users} people, " if users is not None else ""
+    return {"unit": f"user-level ({people}at most {max_examples_per_user} records of a person in a step)",
+            "neighbouring": "add/remove all records of one person"}

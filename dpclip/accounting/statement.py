@@ -218,8 +218,12 @@ def _gaussian_parameters(event: dp_accounting.DpEvent) -> tuple[float, float] | 
 
 def statement_from_ledger(ledger: "Ledger", sampling: str = "poisson", *, seeded_randomness: bool = False,
                           not_covered: list[str] | tuple[str, ...] = (), world_size: int = 1,
-                          parallel: str = "data", bands: int = 1) -> PrivacyStatement:
+                          parallel: str = "data", bands: int = 1,
+                          unit: dict[str, str] | None = None) -> PrivacyStatement:
     """The statement for what a run's ledger has spent (``dpclip account RUN_DIR``).
+
+    ``unit``: the privacy unit's ``unit`` and ``neighbouring`` lines for a user-level run
+    (:func:`dpclip.accounting.plan.user_unit`); None: example-level.
 
     Sample rate and noise multipliers are reported when every entry has the same ones;
     otherwise they are n/a and a caveat points to the ledger. ``world_size``: the processes
@@ -277,5 +281,6 @@ def statement_from_ledger(ledger: "Ledger", sampling: str = "poisson", *, seeded
         buffers=int(blt["buffers"] or 0),
         groups=int(blt["groups"] or 1),
         sensitivity=blt["sensitivity"],
+        **(unit or {}),
     )
 

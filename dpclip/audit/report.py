@@ -132,6 +132,9 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
         raise DpclipError(f"unknown attack {unknown[0]!r}", "use loss, logistic, lira, one-run or all")
     run_dir, checkpoint = resolve_target(target)
     recipe = load_run_recipe(run_dir)
+    if recipe.privacy.unit == "user" and set(attacks) - {"loss"}:
+        raise DpclipError(f"the {', '.join(sorted(set(attacks) - {'loss'}))} attack does not run at the user level "
+                          "yet", "run --attack loss: it scores each person by the mean loss of their records")
     pool = build_pool(run_dir, recipe)
     model, loss_fn = build_model(recipe.model, pool.data, seed=recipe.seed)
     state = load_checkpoint(checkpoint, model)
@@ -149,6 +152,12 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
 
     scored = Outputs(outputs.losses[attacked], None if outputs.logits is None else outputs.logits[attacked],
                      outputs.confidence[attacked])
+    if recipe.privacy.unit == "user":
+        scored, members = per_person(scored, members, pool.data)
+        report["unit"] = "user"
+        report["notes"].append(f"user-level: a member is a person ({int(members.sum())} of the training set, "
+                               f"{int((members == 0).sum())} held out); each person's score is the mean over "
+                               "their records")
     for name in attacks:
         if name == "loss":
             report["attacks"]["loss"] = loss_attack(scored, members, bootstrap=bootstrap, seed=seed)
@@ -181,6 +190,18 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
         if report["attacks"]:
             plot_roc(report, folder / layout.ROC_PLOT)
     return report
+
+
+def per_person(scored: Outputs, members: np.ndarray, data) -> tuple[Outputs, np.ndarray]:
+    """The attack's view at the user level (docs/users.md): one score per person, the mean
+    loss and confidence over their records; a member is a person of the training set."""
+    people = torch.cat([data.train_users, data.test_users]).numpy()
+    ids, inverse = np.unique(people, return_inverse=True)
+    counts = np.bincount(inverse)
+    mean = lambda values: np.bincount(inverse, weights=values) / counts  # noqa: E731
+    person_members = np.zeros(len(ids), dtype=int)
+    person_members[inverse[members == 1]] = 1
+    return Outputs(mean(scored.losses), None, mean(scored.confidence)), person_members
 
 
 def _lira(run_dir, recipe, pool: Pool, target_confidence, shadows: int, seed: int, bootstrap: int,

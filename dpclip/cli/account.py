@@ -22,6 +22,11 @@ class SamplingChoice(str, Enum):
     shuffle = "shuffle"
 
 
+class UnitChoice(str, Enum):
+    example = "example"
+    user = "user"
+
+
 class MechanismChoice(str, Enum):
     dp_sgd = "dp-sgd"
     banded_mf = "banded-mf"
@@ -58,6 +63,15 @@ def account(
                                               "steps from --buffers buffers, no amplification: docs/formulas.md)."),
     bands: int = typer.Option(None, "--bands", help="b of --mechanism banded-mf (1 is DP-SGD)."),
     buffers: int = typer.Option(None, "--buffers", help="k of --mechanism blt (1 to 8)."),
+    unit: UnitChoice = typer.Option(UnitChoice.example, "--unit", help="What ε protects: one record (example) or "
+                                    "all records of one person (user: --users, --users-per-batch, "
+                                    "--max-examples-per-user; docs/users.md)."),
+    users: int = typer.Option(None, "--users", help="--unit user: the number of people (N in q = B/N)."),
+    users_per_batch: int = typer.Option(None, "--users-per-batch", help="--unit user: expected people per batch."),
+    max_examples_per_user: int = typer.Option(None, "--max-examples-per-user",
+                                              help="--unit user: k, the most records of a person in a step."),
+    group_size: int = typer.Option(None, "--group-size", help="Also show the ε that protects a group of k records "
+                                   "at once (group privacy: kε, k·e^((k−1)ε)·δ), e.g. all records of one person."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """How much noise a private training needs, or what ε a given noise buys.
@@ -78,7 +92,7 @@ def account(
 
     accountant_name = accountant.value
     if target is not None and target.is_dir():
-        _account_directory(target, as_json)
+        _account_directory(target, as_json, group_size)
         return
     if target is not None:
         flags = {"--eps": eps, "--delta": delta, "--sigma": sigma, "--sample-rate": sample_rate, "--steps": steps,
@@ -128,6 +142,14 @@ def account(
 
             raise AccountingError("--bands goes with --mechanism banded-mf, and banded-mf needs --bands",
                                   "e.g. --mechanism banded-mf --bands 8")
+        if unit is UnitChoice.user:
+            dataset_size, batch_size = _user_flags(users, users_per_batch, max_examples_per_user, dataset_size,
+                                                   batch_size, sample_rate)
+        elif users is not None or users_per_batch is not None or max_examples_per_user is not None:
+            from dpclip.errors import AccountingError
+
+            raise AccountingError("--users, --users-per-batch and --max-examples-per-user go with --unit user",
+                                  "e.g. --unit user --users 10000 --users-per-batch 256 --max-examples-per-user 8")
         if (mechanism is MechanismChoice.blt) != (buffers is not None):
             from dpclip.errors import AccountingError
 
@@ -136,13 +158,45 @@ def account(
         plan = planning.plan_from_flags(delta=delta, epsilon=eps, noise_multiplier=sigma, sample_rate=sample_rate,
                                         steps=steps, dataset_size=dataset_size, batch_size=batch_size,
                                         epochs=epochs, accountant="pld", sampling=sampling.value, aux=aux_spec,
-                                        bands=1 if bands is None else bands, buffers=buffers or 0)
+                                        bands=1 if bands is None else bands, buffers=buffers or 0,
+                                        unit=unit.value, max_examples_per_user=max_examples_per_user)
         title = None
     result = planning.solve_plan(plan, accountant_name)
+    group = None if group_size is None else _group(result.epsilon, plan.delta, group_size)
     if as_json:
-        print_json(_as_dict(plan, result, accountant_name, title, bins))
+        print_json(_as_dict(plan, result, accountant_name, title, bins) | ({"group": group} if group else {}))
     else:
         _render(plan, result, accountant_name, title, bins)
+        if group:
+            console.print(_group_line(group), soft_wrap=True)
+
+
+def _user_flags(users, users_per_batch, max_examples_per_user, dataset_size, batch_size, sample_rate):
+    """(N, B) of a user-level plan from its flags: people and expected people per batch."""
+    from dpclip.errors import AccountingError
+
+    if dataset_size is not None or batch_size is not None:
+        raise AccountingError("--unit user counts people: give --users and --users-per-batch, not --dataset-size "
+                              "and --batch-size", "e.g. --unit user --users 10000 --users-per-batch 256")
+    if max_examples_per_user is None:
+        raise AccountingError("--unit user needs --max-examples-per-user (k, the most records of a person in a step)",
+                              "e.g. --max-examples-per-user 8")
+    if sample_rate is None and (users is None or users_per_batch is None):
+        raise AccountingError("--unit user needs --users and --users-per-batch (or --sample-rate, people per batch / "
+                              "people)", "e.g. --unit user --users 10000 --users-per-batch 256")
+    return users, users_per_batch
+
+
+def _group(epsilon: float, delta: float, group_size: int) -> dict:
+    from dpclip.accounting.group import group_privacy
+
+    group_epsilon, group_delta = group_privacy(epsilon, delta, group_size)
+    return {"group_size": group_size, "epsilon": group_epsilon, "delta": group_delta}
+
+
+def _group_line(group: dict) -> str:
+    return (f"group privacy: a group of {group['group_size']} records (e.g. one person's) is protected at "
+            f"ε = {fmt(group['epsilon'])}, δ = {group['delta']:.3g} (kε, k·e^((k−1)ε)·δ; docs/users.md)")
 
 
 def _statistic(alias: str, groups: int, sigma: float | None, fraction: float | None):
@@ -157,7 +211,7 @@ def _statistic(alias: str, groups: int, sigma: float | None, fraction: float | N
     return spec.aux_spec(groups, sigma, fraction)
 
 
-def _account_directory(target: Path, as_json: bool) -> None:
+def _account_directory(target: Path, as_json: bool, group_size: int | None = None) -> None:
     """What a run directory, or a search directory of `tune-cost --run`, has spent."""
     from dpclip.train.searchdir import headline
     from dpclip.tuning.search import is_search_dir, read_search
@@ -178,13 +232,17 @@ def _account_directory(target: Path, as_json: bool) -> None:
     found = headline(target)
     ledger, statement = found.run_ledger, found.run_statement
     selected_by = found.selected_by()
+    group = None if group_size is None else _group(statement.epsilon, statement.delta, group_size)
     if selected_by is None:
         if as_json:
-            print_json({"source": str(target), "ledger": ledger.to_dict(), "statement": statement.to_dict()})
+            print_json({"source": str(target), "ledger": ledger.to_dict(), "statement": statement.to_dict()}
+                       | ({"group": group} if group else {}))
         else:
             console.print(f"[bold]run {target}[/]: {ledger.steps} steps recorded")
             for line in statement.lines():
                 console.print(f"  {line}", soft_wrap=True)
+            if group:
+                console.print(_group_line(group), soft_wrap=True)
         return
     if as_json:
         print_json({"source": str(target), "kind": "selected run", "ledger": found.ledger.to_dict(),

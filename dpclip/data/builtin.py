@@ -3,6 +3,9 @@
 - ``digits``: scikit-learn's bundled 1,797 handwritten digits (8x8 grey levels 0..16).
 - ``synthetic-cuisine``: the same kind of sentences, each mentioning a cuisine, labelled
   with that cuisine (7 classes): a text-classification task for encoder recipes.
+- ``synthetic-users``: such descriptions written by a number of synthetic people, each with a
+  style of their own (a favourite cuisine and area, a way of ending a sentence, a sign-off)
+  and a number of records of their own: the data set for user-level privacy.
 - ``synthetic-text``: short restaurant descriptions generated from slot values, in the
   spirit of the E2E NLG challenge data (name, food, area, price range, rating,
   family-friendly, near). Structured enough that a tiny language model visibly learns
@@ -108,3 +111,40 @@ def synthetic_cuisine_sentences(num_examples: int, seed: int) -> tuple[list[str]
         sentences.append(rng.choice(CUISINE_TEMPLATES).format(**slots))
         labels.append(label)
     return sentences, np.asarray(labels, dtype=np.int64)
+
+
+SIGN_OFFS = ["Ana", "Ben", "Caro", "Dev", "Eli", "Femi", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lena", "Mo", "Nia",
+             "Otto", "Pia", "Raj", "Sol", "Tam", "Uma", "Vic", "Wen", "Xia", "Yul", "Zoe"]
+ENDINGS = [".", "!", "!!", "...", " :)"]
+
+
+def synthetic_user_sentences(num_examples: int, num_users: int, seed: int) -> tuple[list[str], np.ndarray]:
+    """(sentences, the user id of each): ``num_users`` people write ``num_examples``
+    restaurant descriptions between them, every person at least one.
+
+    A person has a favourite cuisine and area (used 80% of the time), an ending and a
+    sign-off ("~Ana7"), so a model that memorises a person's records learns their style:
+    what user-level privacy is about. How many records each person writes varies a lot
+    (weights exp(N(0, 1)) over the records beyond the first), as real contribution counts do.
+    """
+    if num_users > num_examples:
+        raise ValueError(f"{num_users} users cannot each write one of {num_examples} sentences")
+    rng = random.Random(seed)
+    styles = [(rng.randrange(len(FOODS)), rng.choice(AREAS), rng.choice(ENDINGS),
+               f"{rng.choice(SIGN_OFFS)}{rng.randrange(10)}") for _ in range(num_users)]
+    weights = [rng.lognormvariate(0.0, 1.0) for _ in range(num_users)]
+    authors = list(range(num_users)) + rng.choices(range(num_users), weights=weights, k=num_examples - num_users)
+    rng.shuffle(authors)
+    sentences = []
+    for user in authors:
+        favourite, area, ending, sign_off = styles[user]
+        food = FOODS[favourite] if rng.random() < 0.8 else rng.choice(FOODS)
+        slots = {
+            "name": rng.choice(RESTAURANT_NAMES), "food": food, "a_food": _with_article(food),
+            "area": area if rng.random() < 0.8 else rng.choice(AREAS), "price": rng.choice(PRICE_RANGES),
+            "rating": rng.choice(RATINGS), "a_family": _with_article(rng.choice(FAMILY)),
+            "near": rng.choice(LANDMARKS),
+        }
+        sentence = rng.choice(TEMPLATES).format(**slots).rstrip(".")
+        sentences.append(f"{sentence}{ending} ~{sign_off}")
+    return sentences, np.asarray(authors, dtype=np.int64)

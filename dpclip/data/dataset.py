@@ -18,17 +18,26 @@ The label column decides the task: integer, boolean or string labels mean classi
 
 The train/test split is :func:`dpclip.data.split.split_indices` with the recipe's seed,
 unless a separate test file or split is given; either way the split's fingerprint is
-recorded so an audit can rebuild members and non-members later.
+recorded so an audit can rebuild members and non-members later. Data with users (builtin
+synthetic-users, or ``data.user_field``) are split by person instead: the test set holds
+test_fraction of the people with all their records, and ``PrivateData.train_users`` says
+who wrote each training row (docs/users.md).
+
+Length: a little under 500 lines: every source's loading and the column rules they share
+are one path, which is easier to follow in one file than split by source.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
-from dpclip.data.builtin import FOODS, load_digits_arrays, synthetic_cuisine_sentences, synthetic_restaurant_sentences
+from dpclip.data.builtin import (FOODS, load_digits_arrays, synthetic_cuisine_sentences, synthetic_restaurant_sentences,
+                                 synthetic_user_sentences)
 from dpclip.data.files import Columns, read_table, read_text_lines
 from dpclip.data.hub import load_hub_columns
 from dpclip.data.split import carve_indices, split_fingerprint, split_indices
@@ -72,11 +81,22 @@ class PrivateData:
     vocab_size: int | None = None
     pad_token_id: int | None = None
     tokenizer: Tokenizer | None = field(default=None, repr=False)
+    # Who wrote each training row: user ids 0..U-1 (int64, one per row of ``train``), or None
+    # for data without users. Kept out of ``train`` so that no batch ever feeds it to a model.
+    train_users: torch.Tensor | None = field(default=None, repr=False)
+    # The same for the held-out rows, numbered on from the training people (U..): the people of
+    # a user-level audit's non-members.
+    test_users: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_train(self) -> int:
         """N, the number of private examples the sampler draws from."""
         return len(self.train["labels"])
+
+    @property
+    def num_users(self) -> int | None:
+        """U, the number of people in the training set (None: data without users)."""
+        return None if self.train_users is None else int(self.train_users.max()) + 1 if len(self.train_users) else 0
 
     @property
     def num_test(self) -> int:
@@ -120,6 +140,7 @@ class Examples:
     num_classes: int | None = None
     label_names: list[str] | None = None
     tokenizer: Tokenizer | None = None
+    users: list[np.ndarray] | None = None   # per part, who wrote each row (any hashable keys)
 
 
 # ------------------------------------------------------------------ text and labels
@@ -309,8 +330,16 @@ def _builtin_examples(config, seed: int) -> Examples:
         part = text_tensors(texts, text_tokenizer, config.max_length, labels=torch.as_tensor(labels))
         return Examples([part], "classification", (config.max_length,), num_classes=len(FOODS),
                         label_names=list(FOODS), tokenizer=text_tokenizer)
+    if config.name == "synthetic-users":
+        text_tokenizer = load_tokenizer(config.tokenizer)
+        if config.num_users > config.num_examples:
+            raise DpclipError(f"data.num_users ({config.num_users}) is above data.num_examples ({config.num_examples})",
+                              "every synthetic user writes at least one sentence: use fewer users")
+        texts, users = synthetic_user_sentences(config.num_examples, config.num_users, seed)
+        part = text_tensors(texts, text_tokenizer, config.max_length)
+        return Examples([part], "causal-lm", (config.max_length,), tokenizer=text_tokenizer, users=[users])
     raise DpclipError(f"unknown builtin data set {config.name!r}",
-                      "use digits, synthetic-text or synthetic-cuisine")
+                      "use digits, synthetic-text, synthetic-cuisine or synthetic-users")
 
 
 def _files_examples(config) -> Examples:
@@ -324,17 +353,51 @@ def _files_examples(config) -> Examples:
         parts = [text_tensors(read_text_lines(path), text_tokenizer, config.max_length) for path in paths]
         return Examples(parts, "causal-lm", (config.max_length,), tokenizer=text_tokenizer)
     tables = [read_table(path, config.format) for path in paths]
-    return examples_from_columns(tables, label_field=config.label_field, text_field=config.text_field,
-                                 feature_fields=config.feature_fields, tokenizer=config.tokenizer,
-                                 max_length=config.max_length, origin=origin)
+    users = user_column(tables, config.user_field, origin)
+    examples = examples_from_columns(tables, label_field=config.label_field, text_field=config.text_field,
+                                     feature_fields=_without(config.feature_fields, config.user_field, tables,
+                                                             config.label_field, config.text_field),
+                                     tokenizer=config.tokenizer, max_length=config.max_length, origin=origin)
+    return replace(examples, users=users)
 
 
 def _hub_examples(config) -> Examples:
     train, test = load_hub_columns(config.name, config.config, config.split, config.test_split)
     tables = [train] if test is None else [train, test]
-    return examples_from_columns(tables, label_field=config.label_field, text_field=config.text_field,
-                                 feature_fields=None, tokenizer=config.tokenizer,
-                                 max_length=config.max_length, origin=f"hf:{config.name}")
+    origin = f"hf:{config.name}"
+    users = user_column(tables, config.user_field, origin)
+    examples = examples_from_columns(tables, label_field=config.label_field, text_field=config.text_field,
+                                     feature_fields=_without(None, config.user_field, tables, config.label_field,
+                                                             config.text_field),
+                                     tokenizer=config.tokenizer, max_length=config.max_length, origin=origin)
+    return replace(examples, users=users)
+
+
+def user_column(tables: list[Columns], user_field: str | None, origin: str) -> list[np.ndarray] | None:
+    """Who wrote each row, from the column ``user_field`` of every table (None without one).
+    Refuses a missing column and any missing value: a record of nobody cannot be protected."""
+    if user_field is None:
+        return None
+    _require_columns(tables, [user_field], origin, "user")
+    columns = []
+    for table in tables:
+        values = np.asarray(table[user_field], dtype=object)
+        missing = [i for i, v in enumerate(values) if v is None or (isinstance(v, float) and math.isnan(v))
+                   or (isinstance(v, str) and not v.strip())]
+        if missing:
+            raise DpclipError(f"{origin}: {len(missing)} rows have no {user_field!r} (first: row {missing[0] + 1})",
+                              "every record must name the person it belongs to: fill the column or drop those rows")
+        columns.append(np.asarray([str(v) for v in values], dtype=object))
+    return columns
+
+
+def _without(feature_fields, user_field, tables, label_field, text_field):
+    """The feature columns with the user column left out (it names a person: never an input)."""
+    if user_field is None or text_field is not None:
+        return feature_fields
+    if feature_fields is None:
+        return [name for name in tables[0] if name not in (label_field, user_field)]
+    return [name for name in feature_fields if name != user_field]
 
 
 def source_name(config) -> str:
@@ -367,6 +430,8 @@ def load_data(config, seed: int) -> PrivateData:
     """
     examples = load_examples(config, seed)
     fraction = getattr(config, "public_fraction", None)
+    if examples.users is not None:
+        return _split_by_users(examples, config, seed)
     if len(examples.parts) == 2:
         train, test = examples.parts
         train_indices, test_indices = np.arange(len(train["labels"])), np.arange(len(test["labels"]))
@@ -383,6 +448,41 @@ def load_data(config, seed: int) -> PrivateData:
         train = select(everything, torch.as_tensor(train_indices))
         test = select(everything, torch.as_tensor(test_indices))
     return data_from_parts(examples, train, test, train_indices, test_indices, source_name(config))
+
+
+def _split_by_users(examples: Examples, config, seed: int) -> PrivateData:
+    """Train and test hold different people (a member is a person): test_fraction of the
+    users, drawn with the recipe's seed, and all their records go to the test set; a separate
+    test file is taken as it is. Users are renumbered 0..U-1 in order of first appearance."""
+    if getattr(config, "public_fraction", None) is not None:
+        raise DpclipError("data.public_fraction with users is not built yet",
+                          "carve public data from data without users, or name a separate public: block")
+    if len(examples.parts) == 2:
+        train, test = examples.parts
+        keys, test_keys = examples.users
+        train_indices, test_indices = np.arange(len(keys)), np.arange(len(test["labels"]))
+    else:
+        everything, = examples.parts
+        all_keys = examples.users[0]
+        people = list(dict.fromkeys(all_keys.tolist()))
+        train_at, _ = split_indices(len(people), config.test_fraction, seed)
+        train_people = {people[i] for i in train_at}
+        in_train = np.asarray([key in train_people for key in all_keys])
+        train_indices, test_indices = np.flatnonzero(in_train), np.flatnonzero(~in_train)
+        train = select(everything, torch.as_tensor(train_indices))
+        test = select(everything, torch.as_tensor(test_indices))
+        keys, test_keys = all_keys[train_indices], all_keys[test_indices]
+    if len(keys) == 0:
+        raise DpclipError("no training records are left once the test users are set aside",
+                          "lower data.test_fraction, or add users")
+    numbering = {key: number for number, key in enumerate(dict.fromkeys(keys.tolist()))}
+    users = torch.as_tensor([numbering[key] for key in keys.tolist()], dtype=torch.int64)
+    # A person of a separate test file who also wrote training records keeps their number.
+    for key in test_keys.tolist():
+        numbering.setdefault(key, len(numbering))
+    test_users = torch.as_tensor([numbering[key] for key in test_keys.tolist()], dtype=torch.int64)
+    data = data_from_parts(examples, train, test, train_indices, test_indices, source_name(config))
+    return replace(data, train_users=users, test_users=test_users)
 
 
 def data_from_parts(examples: Examples, train, test, train_indices, test_indices, source: str) -> PrivateData:

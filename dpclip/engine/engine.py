@@ -233,7 +233,8 @@ class DPEngine:
         self._paths: dict[str, str] = {}
         self._captured: list[tuple[MicroBatch, int]] = []  # awaiting finish_micro_batch, oldest first
 
-    def backward(self, per_sample_losses: Tensor, *, loss_scale: float = 1.0, samples: int | None = None) -> None:
+    def backward(self, per_sample_losses: Tensor, *, loss_scale: float = 1.0, samples: int | None = None,
+                 row_weights: Tensor | None = None) -> None:
         """Backward of one micro-batch: per-sample norms, clipping, clipped sums.
 
         ``per_sample_losses``: shape [b] (``reduction="none"``, each sample's tokens averaged);
@@ -241,6 +242,9 @@ class DPEngine:
         ``samples``: only the first ``samples`` rows are examples; the rest are padding whose
         loss weight is 0 (a sharded model's ranks run the same number of backwards, each one a
         collective: docs/distributed.md, "Sharded training").
+        ``row_weights``: [b] weights in [0, 1] on the rows' clipped gradients (user-level
+        privacy: 1/(records of the row's person in the batch), docs/users.md); the caller
+        keeps each person's weights summing to at most 1.
         """
         losses = per_sample_losses
         if not isinstance(losses, Tensor) or losses.dim() != 1:
@@ -254,7 +258,7 @@ class DPEngine:
         weights = torch.full_like(losses, loss_scale)
         if samples is not None:
             weights[samples:] = 0
-        with self.capture(losses.shape[0], samples=samples, loss_scale=loss_scale):
+        with self.capture(losses.shape[0], samples=samples, loss_scale=loss_scale, row_weights=row_weights):
             torch.autograd.backward(losses, weights)
         self.finish_micro_batch()
 
@@ -265,7 +269,7 @@ class DPEngine:
 
     @contextmanager
     def capture(self, batch_size: int, samples: int | None = None, generation: int | None = None,
-                loss_scale: float = 1.0) -> Iterator[None]:
+                loss_scale: float = 1.0, row_weights: Tensor | None = None) -> Iterator[None]:
         """The backward of one micro-batch that someone else starts: a pipeline stage's
         backward begins at its output, from the gradient the next stage sent
         (docs/distributed.md, "Pipeline stages"). Inside, the engine collects the uses;
@@ -279,11 +283,16 @@ class DPEngine:
         if not 0 <= samples <= batch_size:
             raise EngineError(f"engine.capture({batch_size}, samples={samples}): samples must be in "
                               "[0, batch_size]", None)
+        if row_weights is not None and (row_weights.shape != (batch_size,) or not bool(
+                ((row_weights >= 0) & (row_weights <= 1)).all())):
+            raise EngineError(f"row_weights must be {batch_size} numbers in [0, 1], got shape "
+                              f"{tuple(row_weights.shape)}", "pass dpclip.data.user_sampler.user_weights of the "
+                              "batch's users, one weight per row")
         counts, generation = self._keeper.take_forward_counts(generation)
         policy = self.policy
         micro = MicroBatch(self._context, StepTotals(self._sums, self._clipped, self._nonfinite),
                            batch_size, counts, policy.thresholds(),
-                           policy.per_sample_thresholds if policy.per_sample else None, loss_scale)
+                           policy.per_sample_thresholds if policy.per_sample else None, loss_scale, row_weights)
         saved = [p.grad for p in self._params]
         for p in self._params:
             p.grad = None

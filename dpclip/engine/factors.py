@@ -487,12 +487,12 @@ def streamable(uses: list[Use], method: str) -> Bilinear | None:
 
 
 def streamed_clip(bundles: list[Bilinear], shapes: list[torch.Size], base_norm_sq: Tensor,
-                  clip: Callable[[Tensor], Tensor], meter=None) -> tuple[Tensor, list[Tensor]]:
+                  clip: Callable[[Tensor, slice], Tensor], meter=None) -> tuple[Tensor, list[Tensor]]:
     """Group norms and Σ_i c_i G_i of instantiated parameters, a chunk of samples at a time.
 
     For a group whose other parameters' norms² are known (``base_norm_sq`` [B]), sample
     i's group norm needs only its own G_i: instantiate G_i for a chunk of samples, add
-    ||G_i||², clip (``clip``: norms -> factors), and add c_i G_i to the sums before the next
+    ||G_i||², clip (``clip``: the chunk's norms and rows -> factors), and add c_i G_i to the sums before the next
     chunk. Same numbers as instantiating everything first; the chunk's G_i never take more
     than twice the memory of the factors already held, the bound of the time rule
     (:func:`choose_ghost`), so a bundle that rule instantiates is one chunk: one batched
@@ -518,7 +518,7 @@ def streamed_clip(bundles: list[Bilinear], shapes: list[torch.Size], base_norm_s
         for g in grads:
             sq = sq + torch.linalg.vector_norm(g, dim=1).square().to(sq.dtype)
         chunk_norms = sqrt_or_zero(sq)
-        c = clip(chunk_norms)
+        c = clip(chunk_norms, rows)
         summed = grads
         if not math.isfinite(float(chunk_norms.sum())):  # norms ≥ 0: one cheap check per chunk
             finite = torch.isfinite(chunk_norms)

@@ -75,8 +75,12 @@ class MicroBatch:
 
     def __init__(self, ctx: StepContext, totals: StepTotals, batch: int, pending: list[int],
                  thresholds: Tensor, per_sample_thresholds: Callable | None = None,
-                 loss_scale: float = 1.0):
+                 loss_scale: float = 1.0, row_weights: Tensor | None = None):
         self.ctx = ctx
+        # Per-row weights on the clip factors (a person's records weigh 1 together under
+        # user-level privacy, docs/users.md): each row's clipped gradient is scaled by its
+        # weight, so the sum moves by at most Σ weights · C when those rows go.
+        self.row_weights = None if row_weights is None else row_weights.to(ctx.device, ctx.norm_dtype)
         # The backward was seeded with loss_scale (float16): every norm it gives is
         # loss_scale times the sample's, so norms and clip factors are divided by it before
         # anything compares them with a threshold (docs/engine.md, "Mixed precision").
@@ -202,12 +206,15 @@ class MicroBatch:
             base = sq if sq is not None else torch.zeros(self.batch, device=e.device,
                                                          dtype=e.norm_dtype)
             bundles = [self.parts[idx][0] for idx in streamed]
+            weights = self.row_weights
             if unscale is None:
-                def clip(chunk_norms):
-                    return e.clip(chunk_norms, threshold)
+                def clip(chunk_norms, rows):
+                    factors = e.clip(chunk_norms, threshold)
+                    return factors if weights is None else factors * weights[rows]
             else:  # the chunks' G_i are scaled: unscaled norms in, factors that also unscale out
-                def clip(chunk_norms):
-                    return e.clip(chunk_norms * unscale, threshold) * unscale
+                def clip(chunk_norms, rows):
+                    factors = e.clip(chunk_norms * unscale, threshold) * unscale
+                    return factors if weights is None else factors * weights[rows]
             norms, sums = streamed_clip(bundles, [e.params[idx].shape for idx in streamed], base,
                                         clip, self.meter)
             for idx, total in zip(streamed, sums):
@@ -233,6 +240,8 @@ class MicroBatch:
                 norms = torch.where(keep, norms, math.inf)
                 out.nonfinite[k] += (~keep).sum()
         factors = e.clip(norms, threshold)
+        if self.row_weights is not None:
+            factors = factors * self.row_weights
         if keep is not None:
             factors = torch.where(keep, factors, 0)
         if unscale is not None:   # the parts hold the scaled gradient

@@ -34,21 +34,25 @@ from dpclip.recipe.mechanism import BandedMF, Blt, DpSgd, MechanismConfig  # noq
 from dpclip.recipe.continual import AtSwitch, Continual, Diagnostics, SwitchRule, check_continual  # noqa: F401 (docs)
 from dpclip.recipe.section import Section
 from dpclip.recipe.tuning import RandomRange, Tuning  # noqa: F401 (docs)
+from dpclip.recipe.users import DataUsers, check_users
 
 
 # --------------------------------------------------------------------------- data
 
-class BuiltinData(Section):
+class BuiltinData(DataUsers):
     """Data shipped with dpclip: no download, ever."""
 
     source: Literal["builtin"]
-    name: Literal["digits", "synthetic-text", "synthetic-cuisine"] = Field(
+    name: Literal["digits", "synthetic-text", "synthetic-cuisine", "synthetic-users"] = Field(
         description="digits: scikit-learn's 1,797 8x8 handwritten digits; "
         "synthetic-text: seeded short structured sentences for causal-LM recipes; "
-        "synthetic-cuisine: such sentences labelled with their cuisine (7 classes)")
+        "synthetic-cuisine: such sentences labelled with their cuisine (7 classes); "
+        "synthetic-users: such sentences written by num_users people, each with a style of their own and "
+        "a varying number of records (for privacy.unit: user)")
     test_fraction: UnitOpen = Field(0.2, description="held-out share, split with the recipe's seed")
     as_images: bool = Field(False, description="digits as 1x8x8 images (for cnn) instead of 64-vectors")
-    num_examples: PositiveInt = Field(2000, description="synthetic-text/-cuisine: sentences to generate")
+    num_examples: PositiveInt = Field(2000, description="synthetic-text/-cuisine/-users: sentences to generate")
+    num_users: PositiveInt = Field(200, description="synthetic-users: people writing them")
     tokenizer: str = Field("byte", description="'byte' (builtin, no download) or a local HF tokenizer path "
                            "(relative: to the recipe file's directory)")
     max_length: PositiveInt = Field(64, description="text only: tokens per example after truncation/padding")
@@ -58,7 +62,7 @@ class BuiltinData(Section):
         "(docs/continual.md, \"Public data\")")
 
 
-class HFData(Section):
+class HFData(DataUsers):
     """A Hugging Face ``datasets`` data set: a hub name (needs network or a local cache) or a
     local folder of data files (csv, json, parquet; e.g. a downloaded hub repository),
     both read with ``datasets.load_dataset``. A folder written by ``save_to_disk`` is not
@@ -80,7 +84,7 @@ class HFData(Section):
         "(docs/continual.md, \"Public data\")")
 
 
-class FilesData(Section):
+class FilesData(DataUsers):
     """Local files: tables read into pandas (csv by pandas, json/jsonl by Python's json
     module, parquet by pyarrow) or text (one example per line); ``datasets`` is not used.
     Relative paths are relative to the recipe file's directory."""
@@ -235,6 +239,9 @@ class Training(Section):
 # ----------------------------------------------------------------------- privacy
 
 class Privacy(Section):
+    unit: Literal["example", "user"] = Field(
+        "example", description="what ε protects: one record (example) or all records of one person (user: "
+        "data.user_field and data.max_examples_per_user; docs/users.md)")
     mechanism: MechanismConfig = Field(
         default_factory=DpSgd, description="dp-sgd (independent noise), {kind: banded-mf, bands: b} or {kind: blt, "
         "buffers: k}: noise correlated across steps, with cyclic sampling (docs/methods.md, 'Correlated noise')")
@@ -433,6 +440,7 @@ class Recipe(Section):
                 and not self.data.as_images:
             raise ValueError("model.kind 'cnn' needs images: set data.as_images: true")
         check_continual(self)
+        check_users(self)
         return self
 
 

@@ -62,7 +62,7 @@ FIELDS: tuple[Fields, ...] = (
                      "epsilon_this_run_alone", *(f"selected_by_search/{field}" for field in _SELECTED),
                      "not_covered_by_epsilon"),
            labelled=("final_eval/*",), self_labelled=True),
-    Fields(RUN, "plan.json", released=("groups", "num_train", "privacy_fingerprint", "world_size")),
+    Fields(RUN, "plan.json", released=("groups", "num_train", "num_users", "privacy_fingerprint", "world_size")),
     Fields(RUN, "ledger.json",
            released=("format", "accountant", "accountant_used", "fallback_reason", "delta", "epsilon",
                      "epsilon_rdp", "steps", "entries/count", "entries/event/**",

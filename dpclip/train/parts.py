@@ -23,6 +23,7 @@ import torch
 from dpclip.accounting import solve
 from dpclip.data import PoissonSampler, ShuffleSampler, load_data, select
 from dpclip.data.canaries import make_canaries, with_canaries
+from dpclip.data.user_sampler import UserPoissonSampler
 from dpclip.distributed import ShardedPoissonSampler, ShardedShuffleSampler, World
 from dpclip.distributed.pipeline import PipelineStep, pipeline_engine, pipeline_input
 from dpclip.distributed.sharded import ShardReducer, Shards, lockstep_micro_batches
@@ -35,8 +36,8 @@ from dpclip.recipe import Recipe
 from dpclip.train.diagnostics import recorder_for
 from dpclip.train.optim import LrSchedule, build_optimizer
 from dpclip.train.phases import continual_run
-from dpclip.train.plan import (correlated_noise_note, count_groups, engine_clipping, privacy_plan, private_seed,
-                               strategy_workload, timing_clipping)
+from dpclip.train.plan import (correlated_noise_note, count_groups, engine_clipping, privacy_plan, privacy_units,
+                               private_seed, strategy_workload, timing_clipping)
 from dpclip.train.ranks import check_ranks
 from dpclip.train.rundir import PLAN_FIELDS, recipe_changes
 from dpclip.train.step import PrivateStep, step_micro_batch_size, step_precision
@@ -88,6 +89,7 @@ class RunParts:
         return {
             "name": recipe.name, "steps": plan.steps, "sample_rate": plan.sample_rate,
             "num_train": self.ordinary.num_train, "num_test": self.data.num_test,
+            "num_users": self.plan.users,
             "canaries_included": None if self.canaries is None else int(self.canaries.included.sum()),
             "groups": self.engine.group_names, "noise_multiplier": split.noise_multiplier,
             "gradient_noise_multiplier": split.gradient_noise_multiplier, "sigma_aux": split.sigma_aux,
@@ -152,7 +154,7 @@ def build_engine(model, clipping: dict[str, Any], *, gradient_noise_multiplier: 
 
 
 def build_step(recipe: Recipe, model, loss_fn, engine, train_rows, *, pipeline: bool = False,
-               world: World | None = None):
+               world: World | None = None, users=None):
     """(optimizer, private step): the recipe's optimizer over the trainable parameters this
     process owns (a pipeline stage: its own; a sharded model: its shards), and the one private step."""
     training = recipe.training
@@ -167,12 +169,15 @@ def build_step(recipe: Recipe, model, loss_fn, engine, train_rows, *, pipeline: 
             return lockstep_micro_batches(world, count)
     return optimizer, PrivateStep(model, loss_fn, engine, optimizer, train_rows,
                                   micro_batch_size=step_micro_batch_size(recipe),
-                                  precision=step_precision(recipe, model), lockstep=lockstep)
+                                  precision=step_precision(recipe, model), lockstep=lockstep, users=users)
 
 
-def build_sampler(recipe: Recipe, plan, num_train: int, world: World, seed: int | None):
-    """The private batches: Poisson or shuffled, one process's or this rank's part."""
+def build_sampler(recipe: Recipe, plan, num_train: int, world: World, seed: int | None, users=None):
+    """The private batches: Poisson or shuffled, one process's or this rank's part; people,
+    at most k records each, for a user-level recipe (docs/users.md)."""
     training = recipe.training
+    if recipe.privacy.unit == "user":
+        return UserPoissonSampler(users, plan.sample_rate, plan.steps, recipe.data.max_examples_per_user, seed=seed)
     groups, rate = plan.groups, plan.group_rate  # banded MF, BLT: G groups sampled in turn at q·G (1: plain Poisson)
     sharded = world.size > 1 and training.parallel != "pipeline"  # a pipeline's batches are rank 0's draws
     if sharded and training.sampling == "poisson":  # each rank draws its own examples' part
@@ -206,13 +211,14 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
     num_groups = count_groups(recipe, model)
     # N is the number of ordinary training examples, counted before any canary goes in
     # (see dpclip.data.canaries: q = B/N applies to canaries too, as `dpclip account` says).
-    plan = privacy_plan(recipe, ordinary.num_train, groups=num_groups)
+    plan = privacy_plan(recipe, privacy_units(recipe, ordinary), groups=num_groups)
     canaries, data = None, ordinary
     if recipe.audit.canaries is not None:
         canaries = make_canaries(ordinary, recipe.audit.canaries, recipe.seed)
         data = with_canaries(ordinary, canaries)
     solved = solve(plan)
-    sigma_change = None if resuming else _sigma_change(file_recipe, recipe, ordinary.num_train, num_groups, plan, solved)
+    sigma_change = None if resuming else _sigma_change(file_recipe, recipe, privacy_units(recipe, ordinary), num_groups,
+                                                       plan, solved)
     # Private randomness (noise, batches) comes from OS entropy unless the recipe opts in.
     seed = private_seed(recipe)
     engine = build_engine(model, engine_clipping(recipe, solved.split.sigma_aux),
@@ -221,10 +227,11 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
                           noise_correlation=noise_strategy(plan, strategy_workload(recipe)),
                           # the probe's rows stay in the process (it runs the model on them, nothing more)
                           probe_rows=select(ordinary.train, torch.arange(min(3, ordinary.num_train))), loss_fn=loss_fn)
-    optimizer, private_step = build_step(recipe, model, loss_fn, engine, data.train, pipeline=pipeline, world=world)
+    optimizer, private_step = build_step(recipe, model, loss_fn, engine, data.train, pipeline=pipeline, world=world,
+                                         users=data.train_users if recipe.privacy.unit == "user" else None)
     # Base lrs are read now, before a resumed optimizer state overwrites the scheduled ones.
     schedule = LrSchedule(optimizer, recipe.training.schedule, plan.steps)
-    sampler = build_sampler(recipe, plan, data.num_train, world, seed)
+    sampler = build_sampler(recipe, plan, data.num_train, world, seed, users=data.train_users)
     # Public data and phases (docs/continual.md), or None.
     continual = continual_run(recipe, model=model, loss_fn=loss_fn, engine=engine, optimizer=optimizer,
                               private_step=private_step, private_data=ordinary, plan=plan,

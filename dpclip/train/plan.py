@@ -179,7 +179,21 @@ def privacy_plan(recipe: Recipe, dataset_size: int, groups: int | None = None) -
         not_covered=not_covered(recipe),
         bands=privacy.mechanism.bands,
         **blt_fields(privacy.mechanism.buffers, sample_rate, steps, strategy_workload(recipe)),
+        unit=privacy.unit,
+        users=dataset_size if privacy.unit == "user" else None,
+        max_examples_per_user=recipe.data.max_examples_per_user,
     )
+
+
+def privacy_units(recipe: Recipe, data) -> int:
+    """What q = batch_size / N counts: the training records, or with ``privacy.unit: user``
+    the people (docs/users.md)."""
+    if recipe.privacy.unit != "user":
+        return data.num_train
+    if data.num_users is None:
+        raise DpclipError("privacy.unit 'user' but the data carry no users",
+                          "name the person's column in data.user_field (or use builtin synthetic-users)")
+    return data.num_users
 
 
 def blt_fields(buffers: int, sample_rate: float, steps: int, workload: Workload = SGD) -> dict:
@@ -233,11 +247,12 @@ def check_banded(recipe: Recipe) -> None:
 def check_against_data(recipe: Recipe) -> int | None:
     """The rules that need N (batch ≤ N, δ < 1/N), where N is known without loading tensors.
 
-    Returns N, or None for sources whose size is only known after loading (Hugging Face).
-    Also refuses a logging.tensorboard the environment cannot serve.
+    Returns N, or None for sources whose size is only known after loading (Hugging Face, and
+    the people of a user-level recipe). Also refuses a logging.tensorboard the environment
+    cannot serve.
     """
     check_logging(recipe)
-    if recipe.data.source == "hf":
+    if recipe.data.source == "hf" or recipe.privacy.unit == "user":
         return None
     dataset_size = training_set_size(recipe.data)
     sampling_schedule(dataset_size, recipe.training.batch_size, recipe.training.epochs, recipe.training.steps)
@@ -249,7 +264,7 @@ def plan_from_flags(*, delta: float | None, epsilon: float | None = None, noise_
                     sample_rate: float | None = None, steps: int | None = None, dataset_size: int | None = None,
                     batch_size: int | None = None, epochs: float | None = None, accountant: str = "pld",
                     sampling: str = "poisson", aux: AuxSpec | None = None, bands: int = 1,
-                    buffers: int = 0) -> PrivacyPlan:
+                    buffers: int = 0, unit: str = "example", max_examples_per_user: int | None = None) -> PrivacyPlan:
     """A plan from `dpclip account` flags: (q, steps) or (N, B, epochs|steps), and ε or σ."""
     if delta is None:
         raise AccountingError("--delta is required", "e.g. --delta 1e-5 (below 1/N)")
@@ -278,13 +293,18 @@ def plan_from_flags(*, delta: float | None, epsilon: float | None = None, noise_
                               "--dataset-size N --batch-size B with --epochs E (or --steps T)")
     return PrivacyPlan(sample_rate=sample_rate, steps=steps, delta=delta, accountant=accountant,
                        sampling=sampling, target_epsilon=epsilon, noise_multiplier=noise_multiplier, aux=aux,
-                       bands=bands, **blt_fields(buffers, sample_rate, steps))
+                       bands=bands, **blt_fields(buffers, sample_rate, steps), unit=unit,
+                       users=dataset_size if unit == "user" else None, max_examples_per_user=max_examples_per_user)
 
 
 def plan_for_recipe(recipe: Recipe, dataset_size: int | None = None, groups: int | None = None) -> PrivacyPlan:
-    """The plan of a recipe; N is read from its data section unless given."""
+    """The plan of a recipe; N is read from its data section unless given (the people, loaded,
+    for a user-level recipe)."""
     if dataset_size is None:
-        dataset_size = training_set_size(recipe.data)
+        if recipe.privacy.unit == "user":
+            dataset_size = privacy_units(recipe, load_data(recipe.data, seed=recipe.seed))
+        else:
+            dataset_size = training_set_size(recipe.data)
     return privacy_plan(recipe, dataset_size, groups)
 
 

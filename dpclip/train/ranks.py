@@ -58,6 +58,8 @@ def check_ranks(recipe: Recipe, world: World, data) -> None:
         check_shardable(recipe, world)
     if recipe.privacy.mechanism.kind != "dp-sgd":
         check_banded(recipe)
+    if recipe.privacy.unit == "user":
+        check_user_level(recipe, world, data)
     if world.size == 1:
         return
     refused = []
@@ -131,3 +133,28 @@ def global_outcome(world: World, outcome):
     outcome.loss_sum, outcome.batch_size = float(totals[0]), int(round(float(totals[1])))
     return outcome
 
+
+
+def check_user_level(recipe: Recipe, world: World, data) -> None:
+    """What user-level privacy runs with so far (docs/users.md, "Not built yet"), and data
+    that must name a person for every record."""
+    if data.train_users is None:
+        raise DpclipError("privacy.unit 'user' but the data carry no users",
+                          "name the person's column in data.user_field (or use builtin synthetic-users)")
+    refused = [
+        (world.size > 1, f"across {world.size} processes", "run one process (users are not sharded over ranks yet)"),
+        (recipe.training.sampling != "poisson", "with shuffled batches",
+         "use training.sampling: poisson (people are Poisson-sampled)"),
+        (recipe.privacy.mechanism.kind != "dp-sgd", f"with privacy.mechanism {recipe.privacy.mechanism.kind}",
+         "use privacy.mechanism: {kind: dp-sgd}"),
+        (recipe.clipping.threshold.kind != "fixed", f"with the {recipe.clipping.threshold.kind} threshold "
+         "(its statistics are not counted per person yet)", "use clipping.threshold: {kind: fixed, value: C}"),
+        (recipe.continual is not None, "with continual: phases", "remove the continual: block"),
+        (recipe.audit.canaries is not None, "with audit.canaries (canary people are not built yet)",
+         "remove audit.canaries"),
+        (recipe.training.parallel != "data", f"with training.parallel: {recipe.training.parallel}",
+         "use training.parallel: data in one process"),
+    ]
+    for refuse, what, hint in refused:
+        if refuse:
+            raise DpclipError(f"privacy.unit: user does not run {what} yet", hint)

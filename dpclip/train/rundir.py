@@ -25,6 +25,7 @@ import torch
 
 from dpclip import __version__, layout
 from dpclip.accounting import Ledger, same_event, solve, statement_from_ledger
+from dpclip.accounting.plan import user_unit
 from dpclip.data.canaries import read_canary_secret
 from dpclip.errors import DpclipError
 from dpclip.files import read_json, write_json_atomic, write_text_atomic
@@ -275,16 +276,19 @@ def spent(run_dir: Path):
     ledger = run.ledger()
     solved, steps = planned_step(run.path, recipe)
     check_ledger(ledger, solved, range(0, steps + 1), where=path)
-    return ledger, run_statement(recipe, ledger, world_size=recorded_world_size(run.path))
+    return ledger, run_statement(recipe, ledger, world_size=recorded_world_size(run.path),
+                                 users=run.public_plan().get("num_users"))
 
 
-def run_statement(recipe: Recipe, ledger, *, world_size: int = 1):
+def run_statement(recipe: Recipe, ledger, *, world_size: int = 1, users: int | None = None):
     """The privacy statement of a run's ledger, with the recipe's randomness mode, what the
     run releases outside ε, and how many processes trained it (docs/distributed.md)."""
+    unit = user_unit(users, recipe.data.max_examples_per_user) if recipe.privacy.unit == "user" else None
     return statement_from_ledger(ledger, sampling=recipe.training.sampling,
                                  seeded_randomness=recipe.privacy.unsafe_seeded_randomness,
                                  not_covered=not_covered(recipe), world_size=world_size,
-                                 parallel=recipe.training.parallel, bands=recipe.privacy.mechanism.bands)
+                                 parallel=recipe.training.parallel, bands=recipe.privacy.mechanism.bands,
+                                 unit=unit)
 
 
 def recorded_world_size(run_dir: Path) -> int:
@@ -313,7 +317,8 @@ def planned_step(run_dir: Path, recipe: Recipe):
         raise DpclipError(f"the privacy fields of {run.recipe_file} were edited after the run started",
                           "the ledger would no longer describe the run; restore recipe.yaml")
     try:
-        plan = privacy_plan(recipe, int(public["num_train"]), groups=len(public["groups"]))
+        units = public["num_users"] if recipe.privacy.unit == "user" else public["num_train"]
+        plan = privacy_plan(recipe, int(units), groups=len(public["groups"]))
     except (KeyError, TypeError, ValueError) as exc:
         source = run.plan_file if run.plan_file.exists() else run.meta_file
         raise DpclipError(f"{source} lacks the run's sizes ({exc})", f"restore {source.name}") from None
@@ -422,8 +427,11 @@ def public_plan_record(meta: dict[str, Any]) -> dict[str, Any]:
     """plan.json's fields, from meta.json's: nothing of the membership, the data's
     fingerprints, the seed or the canaries (docs/accounting.md, "Threat model")."""
     plan = meta.get("plan", {})
-    return {"privacy_fingerprint": meta.get("privacy_fingerprint"), "num_train": plan.get("num_train"),
-            "world_size": plan.get("world_size", 1), "groups": meta.get("groups")}
+    record = {"privacy_fingerprint": meta.get("privacy_fingerprint"), "num_train": plan.get("num_train"),
+              "world_size": plan.get("world_size", 1), "groups": meta.get("groups")}
+    if plan.get("num_users") is not None:  # user-level: q counts people (docs/users.md)
+        record["num_users"] = plan["num_users"]
+    return record
 
 
 def meta_record(recipe: Recipe, data, info: dict[str, Any]) -> dict[str, Any]:

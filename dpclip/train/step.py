@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dpclip.data import micro_batches, select
+from dpclip.data.user_sampler import user_weights
 from dpclip.engine import DPEngine, StepReport
 from dpclip.engine.precision import Precision
 
@@ -60,8 +61,11 @@ class PrivateStep:
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, engine: DPEngine,
                  optimizer: torch.optim.Optimizer, train: dict[str, torch.Tensor], *,
                  micro_batch_size: int | None, precision: Precision | None = None,
-                 lockstep: Callable[[int], int] | None = None):
+                 lockstep: Callable[[int], int] | None = None, users: torch.Tensor | None = None):
         self.precision = precision or Precision()
+        # User-level privacy: the person of each training row; each row's clipped gradient is
+        # weighted by 1/(rows of its person in the batch) (docs/users.md).
+        self.users = users
         self.model = model
         self.loss_fn = loss_fn
         self.engine = engine
@@ -75,16 +79,20 @@ class PrivateStep:
         started = time.perf_counter()
         chunk = self.micro_batch_size if self.micro_batch_size is not None else max(len(indices), 1)
         loss_sum = 0.0
+        weights = None if self.users is None else user_weights(self.users[indices])
         parts = [(rows, len(rows)) for rows in micro_batches(indices, chunk)]
         if self.lockstep is not None:  # padding: any one row, weight 0 (it adds nothing, the policy never sees it)
             padding = torch.zeros(1, dtype=torch.long)
             parts += [(padding, 0)] * (self.lockstep(len(parts)) - len(parts))
+        done = 0
         for rows, samples in parts:
             with self.precision.autocast():
                 losses = self.loss_fn(self.model, select(self.train, rows))
             loss_sum += float(losses.detach()[:samples].sum())
             self.engine.backward(losses, loss_scale=self.precision.scale,
-                                 samples=None if samples == len(rows) else samples)
+                                 samples=None if samples == len(rows) else samples,
+                                 row_weights=None if weights is None else weights[done:done + len(rows)])
+            done += samples
         if not parts:  # across ranks, the policy may exchange norms in the backward this rank skips
             self.engine.policy.empty_part()
         report = self.engine.privatize()

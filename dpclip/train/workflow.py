@@ -118,7 +118,7 @@ def _finish(parts: RunParts, state: RunState, output: RunOutput, stopped: str, f
     if not parts.world.main:
         return TrainResult(output.run_dir, state.step, plan.steps, float("nan"), float("nan"), plan.delta, stopped)
     accounting = state.ledger.result()
-    statement = run_statement(recipe, state.ledger, world_size=parts.world.size)
+    statement = run_statement(recipe, state.ledger, world_size=parts.world.size, users=parts.plan.users)
     result = TrainResult(output.run_dir, state.step, plan.steps, accounting.epsilon, accounting.epsilon_rdp,
                          plan.delta, stopped, final_eval, statement.lines(), parts.solved.step_metadata,
                          parts.sigma_change, resume_changes, step_seconds=state.step_seconds)

@@ -245,3 +245,36 @@ def test_blt_calibration_is_one_gaussian_of_multiplier_sigma_over_its_sensitivit
 def test_blt_flags_that_cannot_work_are_refused_with_a_hint(cli, flags, message):
     result = cli(*DONE_WHEN, *flags)
     assert result.code != 0 and message in result.err and "hint:" in result.err and "Traceback" not in result.err
+
+
+def test_user_level_flags_count_people_and_the_statement_says_so(cli):
+    result = cli("account", "--eps", "8", "--delta", "1e-5", "--unit", "user", "--users", "10000",
+                 "--users-per-batch", "256", "--epochs", "10", "--max-examples-per-user", "8", "--json")
+    assert result.code == 0, result.err
+    payload = json.loads(result.out)
+    assert payload["sample_rate"] == pytest.approx(256 / 10000)
+    assert payload["statement"]["unit"] == "user-level (10000 people, at most 8 records of a person in a step)"
+    assert payload["statement"]["neighbouring"] == "add/remove all records of one person"
+    plain = json.loads(cli(*DONE_WHEN[:3], "--delta", "1e-5", "--dataset-size", "10000", "--batch-size", "256",
+                           "--epochs", "10", "--json").out)
+    assert payload["noise"]["noise_multiplier"] == plain["noise"]["noise_multiplier"]   # the same event, per person
+
+
+def test_group_size_adds_the_group_privacy_guarantee(cli):
+    result = cli(*DONE_WHEN, "--group-size", "8", "--json")
+    payload = json.loads(result.out)
+    epsilon = payload["epsilon"]
+    assert payload["group"] == {"group_size": 8, "epsilon": pytest.approx(8 * epsilon),
+                                "delta": pytest.approx(min(1.0, 8 * math.exp(7 * epsilon) * 1e-5))}
+    assert "group privacy: a group of 8 records" in cli(*DONE_WHEN, "--group-size", "8").out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--unit", "user", "--users", "100", "--users-per-batch", "10", "--epochs", "1"], "--max-examples-per-user"),
+    (["--unit", "user", "--dataset-size", "100", "--batch-size", "10", "--epochs", "1",
+      "--max-examples-per-user", "2"], "counts people"),
+    (["--users", "100", "--users-per-batch", "10", "--epochs", "1"], "go with --unit user"),
+])
+def test_user_flags_that_cannot_work_are_refused_with_a_hint(cli, flags, message):
+    result = cli("account", "--eps", "8", "--delta", "1e-5", *flags)
+    assert result.code != 0 and message in result.err and "hint:" in result.err and "Traceback" not in result.err

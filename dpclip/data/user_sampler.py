@@ -1,0 +1,71 @@
+"""User-level Poisson sampling (docs/users.md): people, not records, are the sampled unit.
+
+Each step includes each of the U people independently with probability q (expected users
+per batch / U), and takes at most k of an included person's records, chosen uniformly at
+random by the private generator. Whether a person is in a step and which of their records it
+takes depend on that person's own draws alone, so adding or removing a person changes one
+term of the sampled sum: the Poisson-subsampled Gaussian's analysis holds with the person as
+the unit. :func:`user_weights` then weights each taken record by 1/(records taken of its
+person), so that a person's clipped contribution is at most C (the engine's ``row_weights``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from dpclip.data.sampler import PoissonSampler
+from dpclip.errors import DpclipError
+
+
+class UserPoissonSampler(PoissonSampler):
+    """``steps`` batches of record indices (sorted), people sampled at ``sample_rate``, at most
+    ``max_per_user`` records each. ``users[i]`` is the person of record i (ids 0..U-1)."""
+
+    purpose = "user-poisson-sampler"
+
+    def __init__(self, users: torch.Tensor, sample_rate: float, steps: int, max_per_user: int,
+                 seed: int | None = None):
+        users = torch.as_tensor(users, dtype=torch.int64)
+        if users.dim() != 1 or len(users) == 0:
+            raise DpclipError("user-level sampling needs one user id per record", "the training set is empty")
+        num_users = int(users.max()) + 1
+        if int(users.min()) < 0 or torch.bincount(users, minlength=num_users).min() == 0:
+            raise DpclipError("user ids must number the people 0..U-1, each with at least one record",
+                              "load the data with dpclip.data.load_data, which numbers them")
+        if isinstance(max_per_user, bool) or not isinstance(max_per_user, int) or max_per_user < 1:
+            raise DpclipError(f"max_examples_per_user must be a whole number >= 1, got {max_per_user!r}",
+                              "k is the most records of one person a step takes, e.g. 8")
+        super().__init__(num_users, sample_rate, steps, seed)
+        self.users = users
+        self.max_per_user = max_per_user
+        # Records sorted by person: a person's records are one contiguous run of `order`.
+        self.order = torch.argsort(users, stable=True)
+        self.first = torch.searchsorted(users[self.order], torch.arange(num_users))
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while self.step < self.steps:
+            # One uniform per person and one per record every step, used or not: the
+            # generator's position is a function of the step count alone (resume).
+            included = torch.rand(self.num_examples, generator=self.generator, dtype=torch.float64) < self.sample_rate
+            keys = torch.rand(len(self.users), generator=self.generator, dtype=torch.float64)
+            self.step += 1
+            yield self._take(included, keys)
+
+    def _take(self, included: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """The records of the included people, at most k each: those with the k smallest keys."""
+        # Sort by (person, key): person ids are whole numbers and keys lie in [0, 1).
+        ranked = torch.argsort(self.users.to(torch.float64) + keys)
+        rank_in_person = torch.arange(len(ranked)) - self.first[self.users[ranked]]
+        chosen = ranked[(rank_in_person < self.max_per_user) & included[self.users[ranked]]]
+        return torch.sort(chosen).values
+
+
+def user_weights(users_of_rows: torch.Tensor) -> torch.Tensor:
+    """1/(rows of the same person in the batch) for each row: a person's rows weigh 1 together,
+    so their clipped contribution is at most C, whatever the number of records taken."""
+    if len(users_of_rows) == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    _, inverse, counts = torch.unique(users_of_rows, return_inverse=True, return_counts=True)
+    return 1.0 / counts[inverse].to(torch.float64)

@@ -1,0 +1,124 @@
+"""`dpclip train` with privacy.unit: user (docs/users.md): people are sampled, the ledger
+charges the user-level event exactly as dp_accounting does, every statement says "per
+person", and what cannot run yet is refused with a hint before any private step."""
+
+from __future__ import annotations
+
+import json
+
+import dp_accounting
+import pytest
+from dp_accounting.pld import pld_privacy_accountant
+
+from dpclip.accounting import Ledger
+from dpclip.accounting.accountants import account
+from dpclip.data import load_data
+from dpclip.errors import DpclipError, RecipeError
+from dpclip.recipe import load_recipe
+from dpclip.train.rundir import spent
+from dpclip.train.workflow import train
+from tests.conftest import REPO
+
+SMALL = ["data.num_examples=300", "data.num_users=60", "data.max_length=24", "training.epochs=null",
+         "training.steps=6", "training.batch_size=8", "training.micro_batch_size=32", "eval.every_steps=null",
+         "model.config={model_type: gpt2, n_layer: 2, n_embd: 16, n_head: 2, n_positions: 24}"]
+
+
+@pytest.fixture
+def user_recipe(tmp_path):
+    def make(*overrides):
+        return load_recipe(REPO / "recipes" / "user-text.yaml", [f"output_dir={tmp_path / 'runs'}", *SMALL, *overrides])
+    return make
+
+
+def test_a_user_level_run_charges_the_user_level_event_and_says_per_person(user_recipe):
+    recipe = user_recipe("privacy.epsilon=null", "privacy.noise_multiplier=1.5")
+    people = load_data(recipe.data, recipe.seed).num_users
+    result = train(recipe)
+    ledger = Ledger.from_dict(json.loads((result.run_dir / "ledger.json").read_text()))
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(8 / people, dp_accounting.GaussianDpEvent(1.5)), 6)
+    assert ledger.composed_event() == event
+    interval = account(event, 1e-5, "pld").pld_interval
+    direct = pld_privacy_accountant.PLDAccountant(value_discretization_interval=interval).compose(event)
+    assert ledger.epsilon() == pytest.approx(direct.get_epsilon(1e-5), rel=1e-12)
+    _, statement = spent(result.run_dir)
+    assert statement.unit == f"user-level ({people} people, at most 8 records of a person in a step)"
+    assert statement.neighbouring == "add/remove all records of one person"
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert any("user-level" in line for line in summary["statement"])
+    assert json.loads((result.run_dir / "plan.json").read_text())["num_users"] == people
+
+
+def test_train_and_test_hold_different_people(user_recipe):
+    recipe = user_recipe()
+    data = load_data(recipe.data, recipe.seed)
+    from dpclip.data.builtin import synthetic_user_sentences
+    _, authors = synthetic_user_sentences(300, 60, recipe.seed)
+    train_people, test_people = set(authors[data.train_indices]), set(authors[data.test_indices])
+    assert train_people and test_people and not train_people & test_people
+    assert data.num_users == len(train_people) and len(data.train_users) == data.num_train
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["clipping.threshold={kind: quantile, initial: 1.0, sigma: 2.0}"], "counted per person"),
+    (["privacy.mechanism={kind: banded-mf, bands: 2}"], "privacy.mechanism"),
+    (["training.sampling=shuffle"], "shuffled batches"),
+])
+def test_what_user_level_cannot_run_yet_is_refused_before_a_run_directory_exists(user_recipe, tmp_path, extra,
+                                                                                  message):
+    with pytest.raises(DpclipError, match=message) as caught:
+        train(user_recipe(*extra), run_dir=tmp_path / "run")
+    assert caught.value.hint and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["privacy.unit=user"], "needs to know who wrote each record"),
+    (["privacy.unit=user", "data={source: builtin, name: synthetic-users}"], "max_examples_per_user"),
+    (["data.max_examples_per_user=4"], "belong to user-level privacy"),
+    (["privacy.unit=user", "data={source: builtin, name: synthetic-users, max_examples_per_user: 0}"], "greater than"),
+])
+def test_user_level_recipes_without_users_or_k_are_refused(quickstart, overrides, message):
+    with pytest.raises(RecipeError, match=message):
+        quickstart(*overrides)
+
+
+def test_a_user_field_names_the_person_and_is_never_a_feature(tmp_path):
+    table = tmp_path / "visits.csv"
+    table.write_text("patient,age,label\n" + "".join(f"p{i % 7},{i},{i % 2}\n" for i in range(40)))
+    config = load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        f"output_dir={tmp_path}", f"data={{source: files, format: csv, train: {table}, label_field: label, "
+        "user_field: patient, max_examples_per_user: 3}", "privacy.unit=user"]).data
+    data = load_data(config, 0)
+    assert data.input_shape == (1,)   # age only: the patient column is not an input
+    assert data.num_users == 6 and len(data.train_users) == data.num_train   # 7 patients, 1 in the test set
+
+
+@pytest.mark.parametrize("content, message", [
+    ("age,label\n1,0\n2,1\n", "user"),
+    ("patient,age,label\np1,1,0\n,2,1\np2,3,0\n", "rows have no 'patient'"),
+])
+def test_a_missing_or_partly_missing_user_field_is_refused(tmp_path, content, message):
+    table = tmp_path / "visits.csv"
+    table.write_text(content)
+    config = load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        f"output_dir={tmp_path}", f"data={{source: files, format: csv, train: {table}, label_field: label, "
+        "user_field: patient, max_examples_per_user: 3, test_fraction: 0.3}", "privacy.unit=user"]).data
+    with pytest.raises(DpclipError, match=message) as caught:
+        load_data(config, 0)
+    assert caught.value.hint
+
+
+def test_a_user_level_audit_attacks_people_and_refuses_what_it_cannot(user_recipe):
+    from dpclip.audit.report import audit
+
+    recipe = user_recipe()
+    result = train(recipe)
+    report = audit(result.run_dir, ["loss"], bootstrap=10, write=False)
+    data = load_data(recipe.data, recipe.seed)
+    loss = report["attacks"]["loss"]
+    assert report["unit"] == "user"
+    assert loss["members"] == data.num_users and loss["non_members"] == len(set(data.test_users.tolist()))
+    with pytest.raises(DpclipError, match="user level") as caught:
+        audit(result.run_dir, ["lira"], write=False)
+    assert caught.value.hint
