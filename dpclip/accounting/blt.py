@@ -44,30 +44,40 @@ def check_sensitivities(sensitivities: Sequence[float], participations: int) -> 
                               "compute them with dpclip.engine.blt.participation_sensitivities")
 
 
-def increment_events(noise_multiplier: float, sensitivities: Sequence[float]) -> tuple[dp_accounting.DpEvent, ...]:
-    """Participation j's charge: GaussianDpEvent(σ/√(s_j² − s_{j−1}²)) (module doc)."""
+def increment_events(noise_multiplier: float, sensitivities: Sequence[float],
+                     aux_ratio_sq: float = 0.0) -> tuple[dp_accounting.DpEvent, ...]:
+    """Participation j's charge: GaussianDpEvent(σ/√(s_j² − s_{j−1}²)) (module doc).
+
+    With a threshold statistic released at every step (noise σ_a, sensitivity Δ_a, the
+    gradient's multiplier σ = σ_g), each participation also adds the statistic of its own
+    step: the charge is the joint Gaussian with 1/μ_j² = (s_j² − s_{j−1}²)/σ_g² + (Δ_a/σ_a)²
+    (``aux_ratio_sq`` = (Δ_a/σ_a)²; docs/accounting.md, joint release)."""
     if not 0 < noise_multiplier < math.inf:
         raise AccountingError(f"noise multiplier must be a finite number > 0, got {noise_multiplier!r}",
                               "without noise there is no privacy guarantee")
     previous, events = 0.0, []
     for squared in sensitivities:
-        events.append(dp_accounting.GaussianDpEvent(noise_multiplier / math.sqrt(squared - previous)))
+        events.append(dp_accounting.GaussianDpEvent(
+            1.0 / math.sqrt((squared - previous) / noise_multiplier ** 2 + aux_ratio_sq)))
         previous = squared
     return tuple(events)
 
 
-def blt_event(noise_multiplier: float, sensitivities: Sequence[float]) -> dp_accounting.DpEvent:
+def blt_event(noise_multiplier: float, sensitivities: Sequence[float], aux_ratio_sq: float = 0.0
+              ) -> dp_accounting.DpEvent:
     """The whole run exactly as a ledger of its charges composes it (each charge its own
     SelfComposed(·, 1), Composed when more than one), so that the two compare equal."""
-    parts = [dp_accounting.SelfComposedDpEvent(event, 1) for event in increment_events(noise_multiplier, sensitivities)]
+    parts = [dp_accounting.SelfComposedDpEvent(event, 1)
+             for event in increment_events(noise_multiplier, sensitivities, aux_ratio_sq)]
     return parts[0] if len(parts) == 1 else dp_accounting.ComposedDpEvent(parts)
 
 
 def calibrate_blt(target_epsilon: float, delta: float, sensitivities: Sequence[float], accountant: str = "pld",
-                  *, rtol: float = 0.01) -> float:
+                  *, rtol: float = 0.01, split=None) -> float:
     """σ with ε(:func:`blt_event`) in [(1 − rtol)·target, target]: the search of
-    :mod:`dpclip.accounting.calibrate` on the composed charges, started from μ·s (μ the single
-    Gaussian's multiplier from RDP's closed form, which the charges' composition equals)."""
+    :mod:`dpclip.accounting.calibrate` on the composed charges, started from s (the whole
+    run's sensitivity). ``split``: σ_eff -> (σ_g, (Δ_a/σ_a)²) when a threshold statistic shares
+    the budget (the search is then over σ_eff)."""
     check_target(target_epsilon)
     check_delta_value(delta)
     check_accountant(accountant)
@@ -76,7 +86,8 @@ def calibrate_blt(target_epsilon: float, delta: float, sensitivities: Sequence[f
 
     def eps_of(method: str):
         def eps(sigma: float) -> float:
-            value = account(blt_event(sigma, sensitivities), delta, method).epsilon
+            gradient, aux_ratio_sq = (sigma, 0.0) if split is None else split(sigma)
+            value = account(blt_event(gradient, sensitivities, aux_ratio_sq), delta, method).epsilon
             return math.inf if math.isnan(value) else value
         return eps
 

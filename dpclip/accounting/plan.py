@@ -171,9 +171,6 @@ class PrivacyPlan:
         if self.buffers:
             if self.bands > 1:
                 raise AccountingError("a plan is banded MF or BLT, not both", "give bands or buffers")
-            if self.aux is not None:
-                raise AccountingError("BLT does not share its budget with a threshold statistic",
-                                      "use a fixed clipping threshold")
             check_sensitivities(self.sensitivities, participations(self.steps, self.groups))
         check_delta_value(self.delta)
         check_accountant(self.accountant)
@@ -350,20 +347,34 @@ def solve(plan: PrivacyPlan) -> PlanResult:
 
 def _solve_blt(plan: PrivacyPlan) -> PlanResult:
     """BLT: σ calibrated on (or ε computed for) the composed participation charges
-    (:mod:`dpclip.accounting.blt`); the step event is what the engine reports each step."""
+    (:mod:`dpclip.accounting.blt`); the step event is what the engine reports each step. With a
+    threshold statistic, σ is the joint σ_eff, split as for DP-SGD, and each charge is joint."""
+    def split_of(sigma: float) -> NoiseSplit:
+        if plan.aux is None:
+            return NoiseSplit.gradient_only(sigma)
+        return split_noise(sigma, plan.aux.sensitivity, aux_sigma=plan.aux.sigma, aux_fraction=plan.aux.fraction)
+
+    def ratios(sigma: float) -> tuple[float, float]:
+        split = split_of(sigma)
+        aux_ratio_sq = 0.0 if split.sigma_aux is None else (split.aux_sensitivity / split.sigma_aux) ** 2
+        return split.gradient_noise_multiplier, aux_ratio_sq
+
     if plan.target_epsilon is not None:
-        sigma = calibrate_blt(plan.target_epsilon, plan.delta, plan.sensitivities, plan.accountant)
+        sigma = calibrate_blt(plan.target_epsilon, plan.delta, plan.sensitivities, plan.accountant, split=ratios)
     else:
         sigma = float(plan.noise_multiplier)
-    split = NoiseSplit.gradient_only(sigma)
-    charges = increment_events(sigma, plan.sensitivities)
-    total_event = blt_event(sigma, plan.sensitivities)
+    split = split_of(sigma)
+    gradient, aux_ratio_sq = ratios(sigma)
+    charges = increment_events(gradient, plan.sensitivities, aux_ratio_sq)
+    total_event = blt_event(gradient, plan.sensitivities, aux_ratio_sq)
     result = account(total_event, plan.delta, plan.accountant)
+    releases = [GRADIENT_RELEASE] if plan.aux is None else [GRADIENT_RELEASE, plan.aux.release()]
     statement = PrivacyStatement(
         epsilon=result.epsilon, delta=plan.delta, accountant=result.accountant, conversion=result.conversion,
-        sample_rate=plan.sample_rate, steps=plan.steps, noise_multiplier=sigma, gradient_noise_multiplier=sigma,
+        sample_rate=plan.sample_rate, steps=plan.steps, noise_multiplier=sigma,
+        gradient_noise_multiplier=split.gradient_noise_multiplier, sigma_aux=split.sigma_aux,
         epsilon_rdp=result.epsilon_rdp if result.accountant == "pld" else None, sampling=plan.sampling,
-        releases=[GRADIENT_RELEASE], fallback_reason=result.fallback_reason,
+        releases=releases, fallback_reason=result.fallback_reason,
         seeded_randomness=plan.seeded_randomness, not_covered=list(plan.not_covered),
         buffers=plan.buffers, groups=plan.groups, sensitivity=math.sqrt(plan.sensitivities[-1]), **unit_fields(plan))
     return PlanResult(split=split, epsilon=result.epsilon, epsilon_rdp=result.epsilon_rdp,

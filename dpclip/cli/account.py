@@ -162,7 +162,7 @@ def account(
                                         unit=unit.value, max_examples_per_user=max_examples_per_user)
         title = None
     result = planning.solve_plan(plan, accountant_name)
-    group = None if group_size is None else _group(result.epsilon, plan.delta, group_size)
+    group = None if group_size is None else _group(result.epsilon, plan.delta, group_size, plan.unit)
     if as_json:
         print_json(_as_dict(plan, result, accountant_name, title, bins) | ({"group": group} if group else {}))
     else:
@@ -187,15 +187,17 @@ def _user_flags(users, users_per_batch, max_examples_per_user, dataset_size, bat
     return users, users_per_batch
 
 
-def _group(epsilon: float, delta: float, group_size: int) -> dict:
+def _group(epsilon: float, delta: float, group_size: int, unit: str = "example") -> dict:
     from dpclip.accounting.group import group_privacy
 
     group_epsilon, group_delta = group_privacy(epsilon, delta, group_size)
-    return {"group_size": group_size, "epsilon": group_epsilon, "delta": group_delta}
+    return {"group_size": group_size, "of": "people" if unit == "user" else "records", "epsilon": group_epsilon,
+            "delta": group_delta}
 
 
 def _group_line(group: dict) -> str:
-    return (f"group privacy: a group of {group['group_size']} records (e.g. one person's) is protected at "
+    whose = " (e.g. one person's)" if group["of"] == "records" else ""
+    return (f"group privacy: a group of {group['group_size']} {group['of']}{whose} is protected at "
             f"ε = {fmt(group['epsilon'])}, δ = {group['delta']:.3g} (kε, k·e^((k−1)ε)·δ; docs/users.md)")
 
 
@@ -232,7 +234,8 @@ def _account_directory(target: Path, as_json: bool, group_size: int | None = Non
     found = headline(target)
     ledger, statement = found.run_ledger, found.run_statement
     selected_by = found.selected_by()
-    group = None if group_size is None else _group(statement.epsilon, statement.delta, group_size)
+    unit = "user" if statement.unit.startswith("user-level") else "example"
+    group = None if group_size is None else _group(statement.epsilon, statement.delta, group_size, unit)
     if selected_by is None:
         if as_json:
             print_json({"source": str(target), "ledger": ledger.to_dict(), "statement": statement.to_dict()}

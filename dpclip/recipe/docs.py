@@ -151,7 +151,7 @@ _SECTIONS: list = [
      "threshold policy; docs/methods.md, \"Correlated noise\"."),
     ("privacy.mechanism: {kind: blt}", schema.Blt,
      "Buffered linear Toeplitz: noise correlated over all steps through `buffers` buffers, the data cut into "
-     "⌊1/q⌋ groups taken in turn, no amplification by sampling, a fixed threshold; docs/methods.md, "
+     "⌊1/q⌋ groups taken in turn, no amplification by sampling, any threshold policy; docs/methods.md, "
      "\"Correlated noise\"."),
     ("clipping", schema.Clipping, "`grouping` is one of: `all-layer` (one group), `layer` (weight and bias of "
                                   "a module), `param` (each tensor), `block` (transformer blocks), `{uniform: M}` "

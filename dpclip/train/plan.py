@@ -232,18 +232,6 @@ def correlated_noise_note(recipe: Recipe) -> str | None:
             f"(with its momentum), not for " + " nor for ".join(unmodelled) + "; ε is unaffected, the utility may be")
 
 
-def check_banded(recipe: Recipe) -> None:
-    """What correlated noise (banded MF, BLT) cannot run with (docs/methods.md, "Correlated noise")."""
-    kind = recipe.privacy.mechanism.kind
-    if kind == "blt" and recipe.clipping.threshold.kind != "fixed":
-        # A statistic released at every participation adds to each one's charge; BLT's
-        # calibration on the whole run's Gaussian does not share its budget with one yet.
-        raise DpclipError(f"privacy.mechanism: blt does not share its budget with an adaptive threshold's statistic "
-                          f"yet ({recipe.clipping.threshold.kind})",
-                          "use clipping.threshold: {kind: fixed, value: C}, or privacy.mechanism: {kind: banded-mf, "
-                          "bands: b}, which runs with every threshold policy")
-
-
 def check_against_data(recipe: Recipe) -> int | None:
     """The rules that need N (batch ≤ N, δ < 1/N), where N is known without loading tensors.
 

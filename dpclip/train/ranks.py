@@ -27,7 +27,6 @@ import torch
 from dpclip.distributed import World, announce_run_dir
 from dpclip.errors import DpclipError
 from dpclip.recipe import Recipe, recipe_to_yaml
-from dpclip.train.plan import check_banded
 from dpclip.train.rundir import data_fingerprint
 
 SAME_RECIPE_HINT = ("start every rank with the same recipe file and key=value overrides (torchrun passes the "
@@ -56,8 +55,6 @@ def check_ranks(recipe: Recipe, world: World, data) -> None:
                           "use training.precision: fp32 with training.parallel: pipeline")
     if recipe.training.parallel == "fsdp":
         check_shardable(recipe, world)
-    if recipe.privacy.mechanism.kind != "dp-sgd":
-        check_banded(recipe)
     if recipe.privacy.unit == "user":
         check_user_level(recipe, world, data)
     if world.size == 1:

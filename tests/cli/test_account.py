@@ -264,7 +264,7 @@ def test_group_size_adds_the_group_privacy_guarantee(cli):
     result = cli(*DONE_WHEN, "--group-size", "8", "--json")
     payload = json.loads(result.out)
     epsilon = payload["epsilon"]
-    assert payload["group"] == {"group_size": 8, "epsilon": pytest.approx(8 * epsilon),
+    assert payload["group"] == {"group_size": 8, "of": "records", "epsilon": pytest.approx(8 * epsilon),
                                 "delta": pytest.approx(min(1.0, 8 * math.exp(7 * epsilon) * 1e-5))}
     assert "group privacy: a group of 8 records" in cli(*DONE_WHEN, "--group-size", "8").out
 
