@@ -41,7 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dpclip.engine.correlated import LBFGS_ITERATIONS, MAX_HORIZON, SGD, CorrelatedNoise, Workload
+from dpclip.engine.correlated import LBFGS_ITERATIONS, MAX_HORIZON, CorrelatedNoise, check_same_tensors
+from dpclip.engine.workload import SGD, Workload
 from dpclip.errors import EngineError
 
 #: At most this many buffers: each is one more |θ| of memory, and beyond a handful the poles
@@ -255,17 +256,7 @@ class BufferedNoise:
 
     def _check(self, fresh: list[Tensor]) -> None:
         assert self._buffers is not None
-        if len(fresh) != len(self._buffers):
-            raise EngineError(f"BLT noise got {len(fresh)} tensors, its buffers hold {len(self._buffers)}",
-                              "pass one tensor per parameter, the same parameters in the same order every step")
-        for i, (z, buffers) in enumerate(zip(fresh, self._buffers)):
-            kept = buffers[0]
-            if z.shape != kept.shape or z.dtype != kept.dtype:
-                raise EngineError(f"BLT noise tensor {i} is {tuple(z.shape)} {z.dtype}, its buffers are "
-                                  f"{tuple(kept.shape)} {kept.dtype}",
-                                  "pass the same parameters in the same order and precision every step")
-            if z.device != kept.device:  # a checkpoint loaded on another device: a bit-exact move
-                buffers[:] = [b.to(z.device) for b in buffers]
+        check_same_tensors(fresh, self._buffers, "BLT noise", "buffers")
 
     def state_dict(self) -> dict:
         """Step count, poles and buffer copies. Secret: save with the generator states."""

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from dpclip.engine.workload import SGD, Workload
 from dpclip.errors import EngineError
 
 # The strategy is optimised over at most this many steps, which keeps banded_strategy well
@@ -54,50 +54,6 @@ LBFGS_ITERATIONS = 200
 MIN_BLOCK = 64
 
 
-@dataclass(frozen=True)
-class Workload:
-    """What the optimizer does with the noisy gradients, as far as the strategy is optimised
-    for it: SGD's heavy-ball ``momentum`` β (m_t = β m_{t−1} + g_t, step −η m_t) or Nesterov's
-    (step −η (g_t + β m_t)), at a constant learning rate. The parameters move by the running sum
-    of h * g, h the impulse response of one gradient on the steps: h_j = β^j (heavy ball),
-    h_0 = 1 + β and h_j = β^{j+1} (Nesterov); β = 0 is plain SGD, whose workload is the prefix
-    sums. Learning-rate schedules and Adam are not modelled (docs/methods.md)."""
-
-    momentum: float = 0.0
-    nesterov: bool = False
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.momentum < 1.0:
-            raise EngineError(f"momentum must be in [0, 1), got {self.momentum!r}", "SGD's momentum β")
-
-    def momentum_matrix(self, size: int) -> Tensor:
-        """M[i, j] = β^{i−j} for i >= j: m = M v + β^{i+1}·m_before over a block of ``size``."""
-        lag = torch.arange(size, dtype=torch.float64).reshape(-1, 1) - torch.arange(size, dtype=torch.float64)
-        return torch.where(lag >= 0, self.momentum ** lag.clamp_min(0), torch.zeros((), dtype=torch.float64))
-
-    def respond(self, block: Tensor, momentum_before: Tensor, matrix: Tensor) -> tuple[Tensor, Tensor]:
-        """(h * d over the block, the momentum state at its end), from the block's d and the
-        state before it (heavy ball: the response is the momentum itself)."""
-        if self.momentum == 0.0:
-            return block, momentum_before
-        powers = self.momentum ** torch.arange(1, block.numel() + 1, dtype=torch.float64)
-        state = matrix[:block.numel(), :block.numel()] @ block + powers * momentum_before
-        response = block + self.momentum * state if self.nesterov else state
-        return response, state[-1]
-
-
-    def response(self, d: Tensor) -> Tensor:
-        """h * d over a whole (moderate) vector, block by block (:meth:`respond`)."""
-        if self.momentum == 0.0:
-            return d
-        matrix, state, parts = self.momentum_matrix(MIN_BLOCK), torch.zeros((), dtype=torch.float64), []
-        for lo in range(0, d.numel(), MIN_BLOCK):
-            part, state = self.respond(d[lo:lo + MIN_BLOCK], state, matrix)
-            parts.append(part)
-        return torch.cat(parts)
-
-
-SGD = Workload()
 
 
 def toeplitz_strategy(coefficients: Tensor, steps: int) -> Tensor:
@@ -296,6 +252,23 @@ def banded_strategy(bands: int, steps: int, workload: Workload = SGD) -> Tensor:
 banded_strategy.cache_clear = _optimised.cache_clear  # type: ignore[attr-defined]
 
 
+def check_same_tensors(fresh: list[Tensor], kept: list[list[Tensor]], what: str, held: str) -> None:
+    """A stream's state holds ``kept[p]`` for parameter p: the same parameters every step, in
+    the same order, shape and precision (another list would mix the noise of one parameter into
+    another's). State loaded on another device is moved once, a bit-exact copy."""
+    if len(fresh) != len(kept):
+        raise EngineError(f"{what} got {len(fresh)} tensors, its {held} has {len(kept)}",
+                          "pass one tensor per parameter, the same parameters in the same order every step")
+    for i, (z, state) in enumerate(zip(fresh, kept)):
+        first = state[0]
+        if z.shape != first.shape or z.dtype != first.dtype:
+            raise EngineError(f"{what} tensor {i} is {tuple(z.shape)} {z.dtype}, its {held} is "
+                              f"{tuple(first.shape)} {first.dtype}",
+                              "pass the same parameters in the same order and precision every step")
+        if z.device != first.device:
+            state[:] = [w.to(z.device) for w in state]
+
+
 class CorrelatedNoise:
     """Streamed correlated noise w = C⁻¹ z for a banded Toeplitz C with ``coefficients``.
 
@@ -343,21 +316,8 @@ class CorrelatedNoise:
         self.step += 1
 
     def _check(self, fresh: list[Tensor]) -> None:
-        """The same parameters every step: a different list would mix the noise of one
-        parameter into another's."""
         assert self._ring is not None
-        if len(fresh) != len(self._ring):
-            raise EngineError(f"correlated noise got {len(fresh)} tensors, its history has {len(self._ring)}",
-                              "pass one tensor per parameter, the same parameters in the same order every step")
-        for i, (z, ring) in enumerate(zip(fresh, self._ring)):
-            kept = ring[0]
-            if z.shape != kept.shape or z.dtype != kept.dtype:
-                raise EngineError(f"correlated noise tensor {i} is {tuple(z.shape)} {z.dtype}, its history is "
-                                  f"{tuple(kept.shape)} {kept.dtype}",
-                                  "pass the same parameters in the same order and precision every step")
-            if z.device != kept.device:
-                # A checkpoint loaded on another device: move once, a bit-exact copy.
-                ring[:] = [w.to(z.device) for w in ring]
+        check_same_tensors(fresh, self._ring, "correlated noise", "history")
 
     def state_dict(self) -> dict:
         """Step count, coefficients and the kept noises, newest first (copies: the live

@@ -29,7 +29,8 @@ from dpclip.distributed.pipeline import PipelineStep, pipeline_engine, pipeline_
 from dpclip.distributed.sharded import ShardReducer, Shards, lockstep_micro_batches
 from dpclip.engine import DPEngine
 from dpclip.engine.blt import blt_strategy
-from dpclip.engine.correlated import SGD, banded_strategy
+from dpclip.engine.correlated import banded_strategy
+from dpclip.engine.workload import SGD
 from dpclip.errors import DpclipError
 from dpclip.models import build_model
 from dpclip.recipe import Recipe

@@ -15,7 +15,7 @@ from dpclip.data import load_data
 from dpclip.data.size import public_summary, training_set_size
 from dpclip.engine import build_groups, trainable_params
 from dpclip.engine.blt import blt_strategy, participation_sensitivities
-from dpclip.engine.correlated import SGD, Workload
+from dpclip.engine.workload import SGD, Workload
 from dpclip.errors import AccountingError, DpclipError
 from dpclip.models import build_model
 from dpclip.recipe.schema import Recipe

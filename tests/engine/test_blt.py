@@ -51,13 +51,8 @@ def dense_toeplitz(c: torch.Tensor) -> torch.Tensor:
 
 def stream(strategy: BltStrategy, z: torch.Tensor) -> torch.Tensor:
     """BufferedNoise over z's rows (steps), each row split into two 'parameters'."""
-    noise = BufferedNoise(strategy)
-    out = []
-    for row in z:
-        fresh = [row[:6].clone().reshape(2, 3), row[6:].clone()]
-        noise.correlate_(fresh)
-        out.append(torch.cat([fresh[0].reshape(-1), fresh[1]]))
-    return torch.stack(out)
+    from tests.engine.test_correlated import run_stream
+    return run_stream(BufferedNoise(strategy), z)
 
 
 @pytest.mark.parametrize("buffers", [1, 2, 3])
@@ -221,7 +216,7 @@ def test_the_streamer_follows_the_strategy_kind():
 
 
 def test_a_blt_optimised_for_momentum_is_no_worse_on_momentum_than_the_prefix_sum_one():
-    from dpclip.engine.correlated import Workload
+    from dpclip.engine.workload import Workload
 
     steps, groups, momentum = 120, 10, Workload(0.9)
     aware, plain = blt_strategy(2, steps, groups, momentum), blt_strategy(2, steps, groups)

@@ -43,7 +43,11 @@ def dense_error(c: torch.Tensor, n: int) -> float:
 
 def stream(c: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """Run CorrelatedNoise over z's rows (steps), each row split into two 'parameters'."""
-    noise = CorrelatedNoise(c)
+    return run_stream(CorrelatedNoise(c), z)
+
+
+def run_stream(noise, z: torch.Tensor) -> torch.Tensor:
+    """A noise stream (anything with correlate_) over z's rows, each split into two 'parameters'."""
     out = []
     for row in z:
         fresh = [row[:6].clone().reshape(2, 3), row[6:].clone()]
@@ -260,7 +264,7 @@ def dense_momentum_error(c: torch.Tensor, n: int, beta: float, nesterov: bool) -
 
 @pytest.mark.parametrize("beta, nesterov", [(0.5, False), (0.9, False), (0.9, True)])
 def test_momentum_error_matches_the_dense_error_of_the_simulated_optimizer(beta, nesterov):
-    from dpclip.engine.correlated import Workload
+    from dpclip.engine.workload import Workload
 
     c = banded_strategy(5, 150)
     for steps in (40, 150):
@@ -269,7 +273,7 @@ def test_momentum_error_matches_the_dense_error_of_the_simulated_optimizer(beta,
 
 
 def test_a_strategy_optimised_for_momentum_beats_the_prefix_sum_one_on_momentum():
-    from dpclip.engine.correlated import Workload
+    from dpclip.engine.workload import Workload
 
     momentum = Workload(0.9)
     aware, plain = banded_strategy(8, 600, momentum), banded_strategy(8, 600)

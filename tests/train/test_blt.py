@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import dp_accounting
 import pytest
@@ -20,11 +19,10 @@ from dpclip.accounting import Ledger
 from dpclip.accounting.accountants import RDP_ORDERS
 from dpclip.engine.blt import blt_strategy, participation_sensitivities
 from dpclip.errors import DpclipError
-from dpclip.layout import MODEL_WEIGHTS
 from dpclip.train.checkpoint import latest_checkpoint
 from dpclip.train.rundir import spent
 from dpclip.train.workflow import train
-from tests.train.test_banded import _noise_of_empty_steps
+from tests.train.test_banded import _noise_of_empty_steps, resume_from
 
 BLT = ["privacy.mechanism={kind: blt, buffers: 2}"]
 SEEDED = ["privacy.unsafe_seeded_randomness=true"]
@@ -71,22 +69,7 @@ def test_a_ledger_with_a_charge_lowered_is_refused(small_recipe):
 
 def test_a_resumed_blt_run_ends_as_the_run_that_never_stopped(small_recipe, tmp_path):
     full = train(small_recipe(*BLT, *SEEDED, *STEPS)).run_dir
-    cut = tmp_path / "cut"
-    shutil.copytree(full, cut)
-    for later in ("step_000040", "step_000050"):
-        shutil.rmtree(cut / "checkpoints" / later)
-    (cut / "checkpoints" / "LATEST").write_text("step_000030\n")
-    state = json.loads((cut / "checkpoints" / "step_000030" / "state.json").read_text())
-    (cut / "ledger.json").write_text(json.dumps(Ledger.from_dict(state["ledger"]).to_dict()))
-    lines = (cut / "metrics.jsonl").read_text().splitlines()
-    (cut / "metrics.jsonl").write_text("".join(l + "\n" for l in lines if json.loads(l).get("step", 0) <= 30))
-    resumed = train(resume=cut)
-    assert resumed.steps_done == 50
-    a = load_file(str(latest_checkpoint(full) / MODEL_WEIGHTS))
-    b = load_file(str(latest_checkpoint(cut) / MODEL_WEIGHTS))
-    assert all(torch.equal(a[k], b[k]) for k in a)   # the buffers came back with the generators
-    assert Ledger.from_dict(json.loads((cut / "ledger.json").read_text())) == \
-        Ledger.from_dict(json.loads((full / "ledger.json").read_text()))
+    resume_from(full, tmp_path / "cut", 30, [40, 50])   # mid-cycle: participations at 0, 22, 44
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -101,7 +84,7 @@ def test_what_blt_cannot_run_is_refused_before_a_run_directory_exists(small_reci
 
 
 def test_the_strategy_follows_the_recipes_momentum_and_other_optimizers_are_warned_about(small_recipe):
-    from dpclip.engine.correlated import Workload
+    from dpclip.engine.workload import Workload
     from dpclip.train.parts import assemble
     from dpclip.train.plan import correlated_noise_note, strategy_workload
 
