@@ -21,12 +21,17 @@ from dpclip.errors import DpclipError
 
 class UserPoissonSampler(PoissonSampler):
     """``steps`` batches of record indices (sorted), people sampled at ``sample_rate``, at most
-    ``max_per_user`` records each. ``users[i]`` is the person of record i (ids 0..U-1)."""
+    ``max_per_user`` records each. ``users[i]`` is the person of record i (ids 0..U-1).
+
+    Across ranks (``rank`` of ``world_size``), each rank samples the people u with u mod W =
+    rank and takes their records: a person's records are all on one rank, so their weights
+    (:func:`user_weights`) are computed there, and the union of the ranks' parts is one batch
+    of people (with seeded randomness, exactly the one-process batch)."""
 
     purpose = "user-poisson-sampler"
 
     def __init__(self, users: torch.Tensor, sample_rate: float, steps: int, max_per_user: int,
-                 seed: int | None = None):
+                 seed: int | None = None, *, rank: int = 0, world_size: int = 1):
         users = torch.as_tensor(users, dtype=torch.int64)
         if users.dim() != 1 or len(users) == 0:
             raise DpclipError("user-level sampling needs one user id per record", "the training set is empty")
@@ -43,12 +48,17 @@ class UserPoissonSampler(PoissonSampler):
         # Records sorted by person: a person's records are one contiguous run of `order`.
         self.order = torch.argsort(users, stable=True)
         self.first = torch.searchsorted(users[self.order], torch.arange(num_users))
+        self.rank, self.world_size = rank, world_size
+        self.owned = torch.arange(num_users) % world_size == rank
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         while self.step < self.steps:
             # One uniform per person and one per record every step, used or not: the
             # generator's position is a function of the step count alone (resume).
+            # Every rank draws for every person and record (its own generator, or the shared
+            # seeded one) and keeps its own people.
             included = torch.rand(self.num_examples, generator=self.generator, dtype=torch.float64) < self.sample_rate
+            included &= self.owned
             keys = torch.rand(len(self.users), generator=self.generator, dtype=torch.float64)
             self.step += 1
             yield self._take(included, keys)
@@ -60,6 +70,10 @@ class UserPoissonSampler(PoissonSampler):
         rank_in_person = torch.arange(len(ranked)) - self.first[self.users[ranked]]
         chosen = ranked[(rank_in_person < self.max_per_user) & included[self.users[ranked]]]
         return torch.sort(chosen).values
+
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "rank": self.rank, "world_size": self.world_size}
 
 
 def user_weights(users_of_rows: torch.Tensor) -> torch.Tensor:

@@ -165,6 +165,26 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     return [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
 
 
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """alias -> the first name of the same Parameter, for every parameter shared by two names."""
+    first: dict[int, str] = {}
+    ties = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            ties[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return ties
+
+
+def retie(model: nn.Module, ties: dict[str, str]) -> nn.Module:
+    """``model`` with each alias set to its first name's Parameter again (in place)."""
+    for alias, name in ties.items():
+        owner, _, attribute = alias.rpartition(".")
+        setattr(model.get_submodule(owner), attribute, model.get_parameter(name))
+    return model
+
+
 class Shards:
     """A model sharded over ``world`` (module doc), in two steps around the engine:
 
@@ -184,6 +204,9 @@ class Shards:
         self.world = world
         self.model = model
         self.skeleton = copy.deepcopy(model).to("meta") if world.main else None
+        # to_empty gives every parameter its own storage, which unties tied weights (a GPT-2's
+        # lm_head and wte): the whole model re-ties them, so its checkpoint is one process's.
+        self.ties = tied_names(model)
         self.blocks: list[nn.Module] = []
 
     def shard(self, engine=None) -> None:
@@ -214,7 +237,7 @@ class Shards:
         if not self.world.main:
             yield None
             return
-        whole = self.skeleton.to_empty(device="cpu")
+        whole = retie(self.skeleton.to_empty(device="cpu"), self.ties)
         try:
             whole.load_state_dict(state, strict=True)
             yield whole
@@ -226,7 +249,7 @@ class Shards:
         """Rank 0: an empty whole model to load weights into (a checkpoint's); on leaving, every
         rank takes its shards of them (a collective: every rank enters)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        whole = self.skeleton.to_empty(device="cpu") if self.world.main else None
+        whole = retie(self.skeleton.to_empty(device="cpu"), self.ties) if self.world.main else None
         try:
             yield whole
             state = whole.state_dict() if whole is not None else {}

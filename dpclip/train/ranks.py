@@ -139,7 +139,6 @@ def check_user_level(recipe: Recipe, world: World, data) -> None:
         raise DpclipError("privacy.unit 'user' but the data carry no users",
                           "name the person's column in data.user_field (or use builtin synthetic-users)")
     refused = [
-        (world.size > 1, f"across {world.size} processes", "run one process (users are not sharded over ranks yet)"),
         (recipe.training.sampling != "poisson", "with shuffled batches",
          "use training.sampling: poisson (people are Poisson-sampled)"),
         (recipe.privacy.mechanism.kind != "dp-sgd", f"with privacy.mechanism {recipe.privacy.mechanism.kind}",
@@ -149,8 +148,7 @@ def check_user_level(recipe: Recipe, world: World, data) -> None:
         (recipe.continual is not None, "with continual: phases", "remove the continual: block"),
         (recipe.audit.canaries is not None, "with audit.canaries (canary people are not built yet)",
          "remove audit.canaries"),
-        (recipe.training.parallel != "data", f"with training.parallel: {recipe.training.parallel}",
-         "use training.parallel: data in one process"),
+        (recipe.training.parallel == "pipeline", "on pipeline stages", "use training.parallel: data or fsdp"),
     ]
     for refuse, what, hint in refused:
         if refuse:

@@ -91,7 +91,7 @@ class PrivateStep:
             loss_sum += float(losses.detach()[:samples].sum())
             self.engine.backward(losses, loss_scale=self.precision.scale,
                                  samples=None if samples == len(rows) else samples,
-                                 row_weights=None if weights is None else weights[done:done + len(rows)])
+                                 row_weights=None if weights is None or not samples else weights[done:done + len(rows)])
             done += samples
         if not parts:  # across ranks, the policy may exchange norms in the backward this rank skips
             self.engine.policy.empty_part()

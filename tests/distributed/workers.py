@@ -135,3 +135,20 @@ def gloo_threads_after_the_world(rank: int, port: int, found) -> None:
         world.all_gather(rank)
     names = [Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task")]
     found.put((rank, imported_before, sorted(name for name in names if "gloo" in name)))
+
+
+USER_LEVEL = ["data.num_examples=300", "data.num_users=60", "data.max_length=24", "training.epochs=null",
+              "training.steps=5", "training.batch_size=8", "training.micro_batch_size=32", "eval.every_steps=null",
+              "checkpoint.every_steps=5", "privacy.unsafe_seeded_randomness=true",
+              "model.config={model_type: gpt2, n_layer: 2, n_embd: 16, n_head: 2, n_positions: 24, resid_pdrop: 0.0, "
+              "embd_pdrop: 0.0, attn_pdrop: 0.0}"]  # no dropout: its masks follow each rank's rows
+
+
+def user_recipe(out: Path, *extra: str):
+    """The user-text recipe, a few seeded steps of a tiny model (people sampled per rank)."""
+    return load_recipe(REPO / "recipes" / "user-text.yaml", [f"output_dir={out}", *USER_LEVEL, *extra])
+
+
+def train_users(world, out: str, parallel: str) -> None:
+    from dpclip.train.workflow import train
+    train(user_recipe(Path(out) / "runs", f"training.parallel={parallel}"), world=world, run_dir=Path(out) / "run")
