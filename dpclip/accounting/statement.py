@@ -161,9 +161,10 @@ class PrivacyStatement:
         if distribution is not None:
             out.append(f"distribution: {distribution}")
         out.append(f"steps: {self.steps}")
+        member = "person u in group u" if self.unit.startswith("user-level") else "example i in group i"
         if self.bands > 1:
             out.append(f"mechanism: banded matrix factorization, {self.bands} bands (noise correlated across steps); "
-                       f"cyclic Poisson sampling (example i in group i mod {self.bands}, step t samples group t mod "
+                       f"cyclic Poisson sampling ({member} mod {self.bands}, step t samples group t mod "
                        f"{self.bands} at rate q·b = {_fmt(self.sample_rate * self.bands, 6)}); accounted as "
                        f"{-(-self.steps // self.bands)} participations, each PoissonSampled(q·b, Gaussian(σ)) "
                        "(amplified banded MF, Choquette-Choo et al. 2023)")
@@ -171,7 +172,7 @@ class PrivacyStatement:
             rate = None if self.sample_rate is None else min(1.0, self.sample_rate * self.groups)
             participations = -(-self.steps // self.groups)
             out.append(f"mechanism: BLT (buffered linear Toeplitz), {self.buffers} buffers (noise correlated across "
-                       f"all steps); cyclic sampling (example i in group i mod {self.groups}, step t takes group t "
+                       f"all steps); cyclic sampling ({member} mod {self.groups}, step t takes group t "
                        f"mod {self.groups} at rate {_fmt(rate, 6)}); at most {participations} participations, "
                        f"{self.groups} steps apart; no amplification by sampling is claimed: the run is one Gaussian "
                        f"mechanism of sensitivity {_fmt(self.sensitivity, 6)} per unit clip norm (worst participation "

@@ -23,6 +23,10 @@ class UserPoissonSampler(PoissonSampler):
     """``steps`` batches of record indices (sorted), people sampled at ``sample_rate``, at most
     ``max_per_user`` records each. ``users[i]`` is the person of record i (ids 0..U-1).
 
+    ``groups`` = G > 1: cyclic sampling of people for correlated noise (person u in group
+    u mod G, step t samples group t mod G at ``sample_rate`` = q·G), as
+    :class:`~dpclip.data.sampler.PoissonSampler` does for records.
+
     Across ranks (``rank`` of ``world_size``), each rank samples the people u with u mod W =
     rank and takes their records: a person's records are all on one rank, so their weights
     (:func:`user_weights`) are computed there, and the union of the ranks' parts is one batch
@@ -31,7 +35,7 @@ class UserPoissonSampler(PoissonSampler):
     purpose = "user-poisson-sampler"
 
     def __init__(self, users: torch.Tensor, sample_rate: float, steps: int, max_per_user: int,
-                 seed: int | None = None, *, rank: int = 0, world_size: int = 1):
+                 seed: int | None = None, *, rank: int = 0, world_size: int = 1, groups: int = 1):
         users = torch.as_tensor(users, dtype=torch.int64)
         if users.dim() != 1 or len(users) == 0:
             raise DpclipError("user-level sampling needs one user id per record", "the training set is empty")
@@ -42,7 +46,7 @@ class UserPoissonSampler(PoissonSampler):
         if isinstance(max_per_user, bool) or not isinstance(max_per_user, int) or max_per_user < 1:
             raise DpclipError(f"max_examples_per_user must be a whole number >= 1, got {max_per_user!r}",
                               "k is the most records of one person a step takes, e.g. 8")
-        super().__init__(num_users, sample_rate, steps, seed)
+        super().__init__(num_users, sample_rate, steps, seed, groups=groups)
         self.users = users
         self.max_per_user = max_per_user
         # Records sorted by person: a person's records are one contiguous run of `order`.
@@ -58,7 +62,7 @@ class UserPoissonSampler(PoissonSampler):
             # Every rank draws for every person and record (its own generator, or the shared
             # seeded one) and keeps its own people.
             included = torch.rand(self.num_examples, generator=self.generator, dtype=torch.float64) < self.sample_rate
-            included &= self.owned
+            included &= self.owned & self.in_turn(torch.arange(self.num_examples))
             keys = torch.rand(len(self.users), generator=self.generator, dtype=torch.float64)
             self.step += 1
             yield self._take(included, keys)

@@ -177,10 +177,10 @@ def build_sampler(recipe: Recipe, plan, num_train: int, world: World, seed: int 
     """The private batches: Poisson or shuffled, one process's or this rank's part; people,
     at most k records each, for a user-level recipe (docs/users.md)."""
     training = recipe.training
-    if recipe.privacy.unit == "user":  # each rank its own people (u mod W), all their records
-        return UserPoissonSampler(users, plan.sample_rate, plan.steps, recipe.data.max_examples_per_user, seed=seed,
-                                  rank=world.rank, world_size=world.size)
     groups, rate = plan.groups, plan.group_rate  # banded MF, BLT: G groups sampled in turn at q·G (1: plain Poisson)
+    if recipe.privacy.unit == "user":  # each rank its own people (u mod W), all their records
+        return UserPoissonSampler(users, rate, plan.steps, recipe.data.max_examples_per_user, seed=seed,
+                                  rank=world.rank, world_size=world.size, groups=groups)
     sharded = world.size > 1 and training.parallel != "pipeline"  # a pipeline's batches are rank 0's draws
     if sharded and training.sampling == "poisson":  # each rank draws its own examples' part
         return ShardedPoissonSampler(num_train, rate, plan.steps, rank=world.rank,

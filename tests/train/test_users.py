@@ -62,7 +62,6 @@ def test_train_and_test_hold_different_people(user_recipe):
 
 @pytest.mark.parametrize("extra, message", [
     (["clipping.threshold={kind: quantile, initial: 1.0, sigma: 2.0}"], "counted per person"),
-    (["privacy.mechanism={kind: banded-mf, bands: 2}"], "privacy.mechanism"),
     (["training.sampling=shuffle"], "shuffled batches"),
 ])
 def test_what_user_level_cannot_run_yet_is_refused_before_a_run_directory_exists(user_recipe, tmp_path, extra,
@@ -122,3 +121,35 @@ def test_a_user_level_audit_attacks_people_and_refuses_what_it_cannot(user_recip
     with pytest.raises(DpclipError, match="user level") as caught:
         audit(result.run_dir, ["lira"], write=False)
     assert caught.value.hint
+
+
+@pytest.mark.parametrize("mechanism, groups", [("{kind: banded-mf, bands: 3}", 3), ("{kind: blt, buffers: 2}", None)])
+def test_correlated_noise_samples_people_in_turn(user_recipe, mechanism, groups):
+    """Banded MF and BLT over people: person u is in group u mod G and only ever in steps
+    t ≡ u (mod G); the ledger charges ⌈T/G⌉ participations."""
+    from dpclip.data.user_sampler import UserPoissonSampler
+    from dpclip.train.parts import assemble
+
+    recipe = user_recipe(f"privacy.mechanism={mechanism}", "training.steps=12")
+    parts = assemble(recipe)
+    parts.engine.detach()
+    sampler, users = parts.sampler, parts.data.train_users
+    assert isinstance(sampler, UserPoissonSampler)
+    groups = groups or parts.plan.groups
+    assert sampler.groups == groups > 1
+    for step, batch in enumerate(sampler):
+        assert bool((users[batch] % groups == step % groups).all())
+    result = train(recipe)
+    ledger, statement = spent(result.run_dir)
+    charged = sum(e.count for e in ledger.entries if not isinstance(e.event, dp_accounting.NoOpDpEvent))
+    assert charged == -(-12 // groups)
+    assert any("person u in group u mod" in line for line in statement.lines())
+
+
+def test_a_continual_run_charges_its_private_steps_per_person(user_recipe):
+    recipe = user_recipe("data.max_length=80", "model.config.n_positions=80",
+                         "public={source: builtin, name: synthetic-text, num_examples: 200, max_length: 80}",
+                         "continual={switch: {rule: step, at_step: 3}}")
+    result = train(recipe)
+    ledger, statement = spent(result.run_dir)
+    assert ledger.steps == 6 and statement.unit.startswith("user-level")
