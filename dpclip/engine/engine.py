@@ -331,7 +331,8 @@ class DPEngine:
         norms = norms[:samples]
         for idx, path in micro.paths.items():
             self._paths[self.groups.params[idx].name] = path
-        self.policy.observe(norms)
+        weights = micro.row_weights   # passed only when given: a policy may take the norms alone
+        self.policy.observe(norms) if weights is None else self.policy.observe(norms, weights[:samples])
         self._norms.append(norms.detach())
         self._samples += samples
 

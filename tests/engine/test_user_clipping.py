@@ -123,3 +123,33 @@ def test_row_weights_of_the_wrong_shape_or_range_are_refused():
     with pytest.raises(EngineError, match="row_weights"):
         engine.backward(losses, row_weights=torch.tensor([0.5, 2.0, 0.5]))
     engine.detach()
+
+
+@pytest.mark.parametrize("threshold, bound", [
+    ({"kind": "quantile", "target": 0.5, "lr": 0.3, "initial": 0.3, "sigma": 1.0}, 0.5),
+    ({"kind": "dcsgd-p", "percentile": 0.5, "bins": 5, "sigma_hist": 1.0, "initial": 0.3, "range": 1.0}, 1.0),
+])
+def test_a_persons_rows_move_the_threshold_statistic_by_at_most_one_records_sensitivity(threshold, bound):
+    """Quantile counts (shifted by ½: sensitivity ½) and DC-SGD's histogram (L2 sensitivity 1):
+    with the rows weighted per person, removing all of a person's rows moves the statistic by no
+    more than one record moves it without weights; without weights, person 3 moves it 3x."""
+    _, _, users = _data()
+    rows = torch.arange(10)
+
+    def statistic(chosen, weighted=True):
+        model = _model()
+        engine = DPEngine(model, {"grouping": "all-layer", "threshold": threshold}, gradient_noise_multiplier=1.0,
+                          expected_batch_size=1)
+        x, y, _ = _data()
+        losses = nn.functional.cross_entropy(model(x[chosen]), y[chosen], reduction="none")
+        engine.backward(losses, row_weights=user_weights(users[chosen]) if weighted else None)
+        value = engine.policy.pending_statistic().clone()
+        engine.detach()
+        return value
+
+    full = statistic(rows)
+    for person in range(4):
+        moved = float((full - statistic(rows[users != person])).norm())
+        assert moved <= bound * (1 + 1e-9)
+    unweighted = float((statistic(rows, False) - statistic(rows[users != 3], False)).norm())
+    assert unweighted > 1.5 * bound

@@ -61,7 +61,8 @@ def test_train_and_test_hold_different_people(user_recipe):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["clipping.threshold={kind: quantile, initial: 1.0, sigma: 2.0}"], "counted per person"),
+    (["clipping.threshold={kind: discriminative, small: 0.5, large: 2.0, tail_rule: threshold, tail_threshold: 4.0}",
+      "training.micro_batch_size=null"], "ranks records, not people"),
     (["training.sampling=shuffle"], "shuffled batches"),
 ])
 def test_what_user_level_cannot_run_yet_is_refused_before_a_run_directory_exists(user_recipe, tmp_path, extra,
@@ -153,3 +154,21 @@ def test_a_continual_run_charges_its_private_steps_per_person(user_recipe):
     result = train(recipe)
     ledger, statement = spent(result.run_dir)
     assert ledger.steps == 6 and statement.unit.startswith("user-level")
+
+
+@pytest.mark.parametrize("threshold", ["{kind: quantile, target: 0.5, lr: 0.3, budget_fraction: 0.01, initial: 1.0}",
+                                       "{kind: dcsgd-p, percentile: 0.5, bins: 20, sigma_hist: 5.0, initial: 1.0, "
+                                       "range: 1.0}"])
+def test_adaptive_thresholds_count_people_and_charge_the_joint_event(user_recipe, threshold):
+    from dpclip.accounting import solve
+    from dpclip.train.plan import privacy_plan
+
+    recipe = user_recipe(f"clipping.threshold={threshold}")
+    result = train(recipe)
+    ledger, statement = spent(result.run_dir)
+    groups = len(json.loads((result.run_dir / "plan.json").read_text())["groups"])
+    people = load_data(recipe.data, recipe.seed).num_users
+    sigma = solve(privacy_plan(recipe, people, groups=groups)).split.noise_multiplier
+    event = dp_accounting.PoissonSampledDpEvent(8 / people, dp_accounting.GaussianDpEvent(sigma))
+    assert ledger.composed_event() == dp_accounting.SelfComposedDpEvent(event, 6)
+    assert statement.sigma_aux is not None and statement.unit.startswith("user-level")

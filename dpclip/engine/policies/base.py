@@ -105,8 +105,10 @@ class ThresholdPolicy:
     def sensitivity_thresholds(self) -> Tensor:
         return self.thresholds()
 
-    def observe(self, norms: Tensor) -> None:
-        pass
+    def observe(self, norms: Tensor, weights: Tensor | None = None) -> None:
+        """See a micro-batch's per-sample norms [b, K]; ``weights`` [b] (user-level privacy:
+        a person's rows weigh 1 together, docs/users.md) scale each row's contribution to a
+        statistic, which keeps its sensitivity per person what it is per record."""
 
     def per_sample_thresholds(self, norms: Tensor) -> Tensor | None:
         return None

@@ -71,15 +71,19 @@ def histogram_sensitivity(groups: int) -> float:
     return math.sqrt(groups)
 
 
-def histogram_counts(norms: Tensor, range_: float, bins: int) -> Tensor:
+def histogram_counts(norms: Tensor, range_: float, bins: int, weights: Tensor | None = None) -> Tensor:
     """Counts H[j] of the norms in ``bins`` equal bins over [0, R); a norm ≥ R goes to the last bin.
 
     bin(i) = min(b − 1, floor(b · n_i / R))   (Wei et al. Algorithm 2; the paper's "max" is a typo:
     with max every norm would land in the last bin). A non-finite norm (the engine passes
     it as +inf; NaN too) is an overflow: one count in the last bin, sensitivity unchanged.
+    ``weights``: each norm counts its weight (a person's rows weigh 1 together: the person's
+    counts have L1 norm 1, so L2 at most 1, one record's sensitivity).
     """
     norms = torch.nan_to_num(norms.to(torch.float64), nan=math.inf)
     index = torch.floor(norms * bins / range_).clamp(min=0, max=bins - 1).long()
+    if weights is not None:
+        return torch.bincount(index, weights=weights.to(torch.float64), minlength=bins)
     return torch.bincount(index, minlength=bins).to(torch.float64)
 
 
@@ -182,11 +186,12 @@ class HistogramThreshold(ThresholdPolicy):
     def thresholds(self) -> Tensor:
         return self._values
 
-    def observe(self, norms: Tensor) -> None:
+    def observe(self, norms: Tensor, weights: Tensor | None = None) -> None:
         # Bins use this step's R_k; micro-batches of one logical batch add up.
         norms = norms.detach().to("cpu", torch.float64)
+        weights = None if weights is None else weights.detach().to("cpu", torch.float64)
         for k, r in enumerate(self._ranges):
-            self._counts[k] += histogram_counts(norms[:, k], r, self.bins)
+            self._counts[k] += histogram_counts(norms[:, k], r, self.bins, weights)
 
     def pending_statistic(self) -> Tensor:
         return self._counts.flatten()

@@ -49,9 +49,11 @@ class QuantileThreshold(ThresholdPolicy):
     def thresholds(self) -> Tensor:
         return self._values
 
-    def observe(self, norms: Tensor) -> None:
-        unclipped = (norms <= self._values).to(self._values.dtype)
-        self._shifted_counts = self._shifted_counts + (unclipped - 0.5).sum(dim=0)
+    def observe(self, norms: Tensor, weights: Tensor | None = None) -> None:
+        shifted = (norms <= self._values).to(self._values.dtype) - 0.5
+        if weights is not None:   # a person's rows weigh 1 together: |Σ w_i (u_i − ½)| <= ½
+            shifted = shifted * weights.to(shifted)[:, None]
+        self._shifted_counts = self._shifted_counts + shifted.sum(dim=0)
 
     def pending_statistic(self) -> Tensor:
         return self._shifted_counts
