@@ -289,11 +289,16 @@ def plan_for_recipe(recipe: Recipe, dataset_size: int | None = None, groups: int
     """The plan of a recipe; N is read from its data section unless given (the people, loaded,
     for a user-level recipe)."""
     if dataset_size is None:
-        if recipe.privacy.unit == "user":
-            dataset_size = privacy_units(recipe, load_data(recipe.data, seed=recipe.seed))
-        else:
-            dataset_size = training_set_size(recipe.data)
+        dataset_size = recipe_units(recipe)
     return privacy_plan(recipe, dataset_size, groups)
+
+
+def recipe_units(recipe: Recipe) -> int:
+    """N of q = B/N for a recipe, read from its data: the records (counted without loading
+    where the source allows), or the people of a user-level recipe (loaded)."""
+    if recipe.privacy.unit == "user":
+        return privacy_units(recipe, load_data(recipe.data, seed=recipe.seed))
+    return training_set_size(recipe.data)
 
 
 def solve_plan(plan: PrivacyPlan, accountant: str = "pld"):

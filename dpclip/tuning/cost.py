@@ -20,11 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from dpclip.data.size import training_set_size
 from dpclip.errors import DpclipError, RecipeError
 from dpclip.recipe.load import validate_recipe
 from dpclip.recipe.schema import Recipe
-from dpclip.train.plan import privacy_plan, sampling_schedule, statistic_groups
+from dpclip.train.plan import privacy_plan, recipe_units, sampling_schedule, statistic_groups
 from dpclip.tuning.privacy import SearchPrivacy, search_privacy
 from dpclip.tuning.space import Configuration, search_space
 from dpclip.tuning.timing import measure_fixed_seconds, measure_step_seconds, step_cost_signature
@@ -213,7 +212,7 @@ def tune_cost(base: Mapping[str, Any], recipe: Recipe, *, grid: Sequence[str] = 
     timer = timer or StepTimer()
     configurations = search_space(base, recipe, grid, random_draws)
     if dataset_size is None:
-        dataset_size = training_set_size(recipe.data)
+        dataset_size = recipe_units(recipe)   # people for a user-level recipe
     elif dataset_size < 1:
         raise DpclipError(f"--dataset-size must be positive, got {dataset_size}", "e.g. --dataset-size 60000")
     check_same_privacy(configurations, dataset_size)

@@ -172,3 +172,14 @@ def test_adaptive_thresholds_count_people_and_charge_the_joint_event(user_recipe
     event = dp_accounting.PoissonSampledDpEvent(8 / people, dp_accounting.GaussianDpEvent(sigma))
     assert ledger.composed_event() == dp_accounting.SelfComposedDpEvent(event, 6)
     assert statement.sigma_aux is not None and statement.unit.startswith("user-level")
+
+
+def test_tune_cost_of_a_user_level_recipe_counts_people(tmp_path):
+    from dpclip.recipe import apply_overrides, read_yaml, validate_recipe
+    from dpclip.tuning.cost import StepTimer, tune_cost
+
+    base = apply_overrides(read_yaml(REPO / "recipes" / "user-text.yaml"), [f"output_dir={tmp_path}", *SMALL])
+    recipe = validate_recipe(base)
+    report = tune_cost(base, recipe, grid=["training.optimizer.lr=0.01,0.02"], timer=StepTimer(fixed_seconds=0.01))
+    people = load_data(recipe.data, recipe.seed).num_users
+    assert report.dataset_size == people and report.plan.sample_rate == pytest.approx(8 / people)
