@@ -34,6 +34,7 @@ from dpclip.errors import DpclipError
 from dpclip.files import write_json_atomic
 from dpclip.models import build_model
 from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
+from dpclip.train.parts import canary_records
 from dpclip.train.rundir import check_ledger, load_run_recipe, planned_step
 from dpclip.train.searchdir import headline
 
@@ -112,13 +113,15 @@ def _one_run(run_dir: Path, recipe, pool: Pool, model, loss_fn, delta: float, co
     if secret is None or recipe.audit.canaries is None:
         raise DpclipError(f"{run_dir} was trained without canaries, so the one-run audit has nothing to guess",
                           CANARY_HINT)
-    canaries = make_canaries(pool.data, recipe.audit.canaries, recipe.seed)
+    canaries = make_canaries(pool.data, recipe.audit.canaries, recipe.seed, records=canary_records(recipe))
     if canaries.fingerprint() != secret["fingerprint"]:
         raise DpclipError("the canaries rebuilt from the recipe differ from those the run trained with",
                           "the data or the recipe changed since training; the one-run audit cannot be done")
     outputs = model_outputs(model, loss_fn, canaries.tensors, pool.data.task)
-    # Score = −loss on the canary's own (wrong or random) label: memorised canaries score high.
-    result = one_run_audit(-outputs.losses, np.asarray(secret["included"], dtype=bool), delta, confidence)
+    # Score = −loss on the canary's own (wrong or random) label: memorised canaries score high;
+    # a canary person's score is the mean over their records.
+    scores = -outputs.losses.reshape(canaries.count, canaries.records).mean(axis=1)
+    result = one_run_audit(scores, np.asarray(secret["included"], dtype=bool), delta, confidence)
     result["kind"] = secret["kind"]
     return result
 
@@ -132,9 +135,10 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
         raise DpclipError(f"unknown attack {unknown[0]!r}", "use loss, logistic, lira, one-run or all")
     run_dir, checkpoint = resolve_target(target)
     recipe = load_run_recipe(run_dir)
-    if recipe.privacy.unit == "user" and set(attacks) - {"loss"}:
-        raise DpclipError(f"the {', '.join(sorted(set(attacks) - {'loss'}))} attack does not run at the user level "
-                          "yet", "run --attack loss: it scores each person by the mean loss of their records")
+    if recipe.privacy.unit == "user" and set(attacks) - {"loss", "one-run"}:
+        raise DpclipError(f"the {', '.join(sorted(set(attacks) - {'loss', 'one-run'}))} attack does not run at the "
+                          "user level yet", "run --attack loss (each person scored by the mean loss of their "
+                          "records) or --attack one-run (canary people)")
     pool = build_pool(run_dir, recipe)
     model, loss_fn = build_model(recipe.model, pool.data, seed=recipe.seed)
     state = load_checkpoint(checkpoint, model)

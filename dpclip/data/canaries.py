@@ -20,6 +20,11 @@ from the recipe seed), so the audit can rebuild the canary inputs; the inclusion
 are also written to ``audit/canaries.json`` in the run directory, which is therefore a
 secret of the run: whoever reads it knows which canaries were trained on.
 
+User-level runs (``privacy.unit: user``, docs/users.md) get canary PEOPLE: each canary is a new
+person with ``records`` records (k, the recipe's max_examples_per_user) that all go in or all
+stay out together, with inputs of the kind above and one label per person (mislabel: each
+record its own wrong label); the audit scores a canary person by the mean over their records.
+
 Accounting: the canaries do NOT change N. The Poisson rate is q = batch_size / N with N
 the number of ordinary training examples (what `dpclip account RECIPE` uses), and the
 sampler draws every example, canaries included, with that same q. The DP guarantee of
@@ -50,17 +55,24 @@ CANARY_FILE = Path(layout.AUDIT) / layout.CANARIES
 
 @dataclass
 class CanarySet:
-    """The canaries of a run: tensors (one row per canary) and the inclusion secret."""
+    """The canaries of a run: tensors (``records`` rows per canary, canary j's rows together)
+    and the inclusion secret."""
 
     kind: str
     seed: int
     tensors: dict[str, torch.Tensor]        # same keys as PrivateData.train; labels are canary labels
     included: np.ndarray                    # bool [count]: trained on or not (the secret)
-    sources: list[int | None]               # mislabel: row of data.test the input came from
+    sources: list[int | None]               # mislabel: row of data.test the input came from (per row)
+    records: int = 1                        # rows per canary: 1, or k for a canary person (user-level)
 
     @property
     def count(self) -> int:
         return len(self.included)
+
+    @property
+    def rows_included(self) -> np.ndarray:
+        """bool per row: the rows of the included canaries."""
+        return np.repeat(self.included, self.records)
 
     def fingerprint(self) -> str:
         """Hash of the canary tensors, so an audit can check it rebuilt the same canaries."""
@@ -73,7 +85,7 @@ class CanarySet:
     def to_dict(self) -> dict:
         return {"kind": self.kind, "seed": self.seed, "count": self.count, "fingerprint": self.fingerprint(),
                 "included": [bool(b) for b in self.included], "sources": self.sources,
-                "labels": [int(y) for y in self.tensors["labels"]]}
+                "labels": [int(y) for y in self.tensors["labels"]], "records": self.records}
 
 
 def canary_seed(config, recipe_seed: int) -> int:
@@ -102,8 +114,9 @@ def ood_domain(config, source: str) -> tuple[float, float]:
                       "or use audit.canaries.kind: mislabel")
 
 
-def make_canaries(data, config, recipe_seed: int) -> CanarySet:
-    """Build the canaries of ``config`` (a recipe's ``audit.canaries``) for ``data``.
+def make_canaries(data, config, recipe_seed: int, records: int = 1) -> CanarySet:
+    """Build the canaries of ``config`` (a recipe's ``audit.canaries``) for ``data``;
+    ``records`` > 1: canary people of that many records each (module doc).
 
     Deterministic in the canary seed: calling it twice gives the same inputs, labels and
     inclusion bits.
@@ -115,15 +128,17 @@ def make_canaries(data, config, recipe_seed: int) -> CanarySet:
     rng = np.random.default_rng(seed)
     count = config.count
     included = rng.random(count) < 0.5
+    rows_needed = count * records
     if config.kind == "mislabel":
-        if count > data.num_test:
-            raise DpclipError(f"{count} mislabel canaries need {count} held-out examples, the test split has "
-                              f"{data.num_test}", "lower audit.canaries.count, or use kind: ood")
-        rows = np.sort(rng.choice(data.num_test, size=count, replace=False))
+        if rows_needed > data.num_test:
+            raise DpclipError(f"{count} mislabel canaries of {records} records need {rows_needed} held-out examples, "
+                              f"the test split has {data.num_test}", "lower audit.canaries.count, or use kind: ood")
+        rows = rng.choice(data.num_test, size=rows_needed, replace=False)
+        rows = np.sort(rows) if records == 1 else rows
         tensors = {name: t[torch.as_tensor(rows)].clone() for name, t in data.test.items()}
         true = tensors["labels"].numpy()
         # A different class, uniformly: true + shift (mod C), shift in 1..C-1.
-        shift = rng.integers(1, data.num_classes, size=count)
+        shift = rng.integers(1, data.num_classes, size=rows_needed)
         tensors["labels"] = torch.as_tensor((true + shift) % data.num_classes, dtype=torch.int64)
         sources: list[int | None] = [int(r) for r in rows]
     elif config.kind == "ood":
@@ -132,13 +147,14 @@ def make_canaries(data, config, recipe_seed: int) -> CanarySet:
                               "use audit.canaries.kind: mislabel for text classification")
         features = data.train["features"]
         low, high = ood_domain(config, data.source)
-        noise = rng.random((count, *features.shape[1:])).astype(np.float32)
+        noise = rng.random((rows_needed, *features.shape[1:])).astype(np.float32)
+        labels = np.repeat(rng.integers(0, data.num_classes, size=count), records)   # one label per canary
         tensors = {"features": torch.as_tensor(low + noise * (high - low), dtype=features.dtype),
-                   "labels": torch.as_tensor(rng.integers(0, data.num_classes, size=count), dtype=torch.int64)}
-        sources = [None] * count
+                   "labels": torch.as_tensor(labels, dtype=torch.int64)}
+        sources = [None] * rows_needed
     else:
         raise DpclipError(f"unknown canary kind {config.kind!r}", "use mislabel or ood")
-    return CanarySet(config.kind, seed, tensors, included, sources)
+    return CanarySet(config.kind, seed, tensors, included, sources, records)
 
 
 def with_canaries(data, canaries: CanarySet):
@@ -147,9 +163,14 @@ def with_canaries(data, canaries: CanarySet):
     ``train_indices`` (positions in the original data set, recorded as the run's
     members) is left as it was: canaries are not members of the data set.
     """
-    keep = torch.as_tensor(np.flatnonzero(canaries.included))
+    keep = torch.as_tensor(np.flatnonzero(canaries.rows_included))
     train = {name: torch.cat([t, canaries.tensors[name][keep].to(t.dtype)]) for name, t in data.train.items()}
-    return replace(data, train=train)
+    if data.train_users is None:
+        return replace(data, train=train)
+    # Each included canary is a new person, numbered after the training people.
+    people = torch.arange(int(canaries.included.sum()), dtype=torch.int64).repeat_interleave(canaries.records)
+    start = int(data.train_users.max()) + 1 if len(data.train_users) else 0
+    return replace(data, train=train, train_users=torch.cat([data.train_users, start + people]))
 
 
 def write_canary_secret(run_dir: Path, canaries: CanarySet) -> None:

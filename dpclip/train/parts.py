@@ -122,6 +122,11 @@ def load_model(recipe: Recipe, data=None):
     return data, model, loss_fn
 
 
+def canary_records(recipe: Recipe) -> int:
+    """Records per canary: k for a user-level run's canary people, else 1."""
+    return recipe.data.max_examples_per_user if recipe.privacy.unit == "user" else 1
+
+
 def noise_strategy(plan, workload=SGD):
     """The strategy the engine correlates its noise with, optimised for ``workload`` (the
     recipe's: :func:`~dpclip.train.plan.strategy_workload`): banded MF's coefficients, BLT's
@@ -216,7 +221,7 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
     plan = privacy_plan(recipe, privacy_units(recipe, ordinary), groups=num_groups)
     canaries, data = None, ordinary
     if recipe.audit.canaries is not None:
-        canaries = make_canaries(ordinary, recipe.audit.canaries, recipe.seed)
+        canaries = make_canaries(ordinary, recipe.audit.canaries, recipe.seed, records=canary_records(recipe))
         data = with_canaries(ordinary, canaries)
     solved = solve(plan)
     sigma_change = None if resuming else _sigma_change(file_recipe, recipe, privacy_units(recipe, ordinary), num_groups,

@@ -143,8 +143,6 @@ def check_user_level(recipe: Recipe, world: World, data) -> None:
          "use training.sampling: poisson (people are Poisson-sampled)"),
         (recipe.clipping.threshold.kind == "discriminative", "with the discriminative threshold (its top-fraction "
          "rule ranks records, not people)", "use clipping.threshold: fixed, quantile, dcsgd-p or dcsgd-e"),
-        (recipe.audit.canaries is not None, "with audit.canaries (canary people are not built yet)",
-         "remove audit.canaries"),
         (recipe.training.parallel == "pipeline", "on pipeline stages", "use training.parallel: data or fsdp"),
     ]
     for refuse, what, hint in refused:

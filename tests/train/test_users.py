@@ -183,3 +183,45 @@ def test_tune_cost_of_a_user_level_recipe_counts_people(tmp_path):
     report = tune_cost(base, recipe, grid=["training.optimizer.lr=0.01,0.02"], timer=StepTimer(fixed_seconds=0.01))
     people = load_data(recipe.data, recipe.seed).num_users
     assert report.dataset_size == people and report.plan.sample_rate == pytest.approx(8 / people)
+
+
+def _digit_people(tmp_path, people: int = 300):
+    """Digits as a table whose rows belong to ``people`` people (row i to person i mod people)."""
+    from dpclip.data.builtin import load_digits_arrays
+
+    features, labels = load_digits_arrays(False)
+    table = tmp_path / "digits.csv"
+    names = [f"x{j}" for j in range(features.shape[1])]
+    rows = [",".join(f"{v:.4f}" for v in row) + f",{y},p{i % people}" for i, (row, y) in enumerate(zip(features, labels))]
+    table.write_text(",".join(names) + ",label,person\n" + "\n".join(rows) + "\n")
+    return table
+
+
+def test_canary_people_go_in_whole_and_the_one_run_audit_guesses_people(tmp_path):
+    """Each canary is a new person of k records that all go in or stay out together; the one-run
+    audit scores a canary person by their records' mean and charges nothing to N."""
+    from dpclip.audit.report import audit
+    from dpclip.data.canaries import make_canaries, with_canaries
+
+    table = _digit_people(tmp_path)
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        f"output_dir={tmp_path / 'runs'}", f"data={{source: files, format: csv, train: {table}, label_field: label, "
+        "user_field: person, max_examples_per_user: 3}", "privacy.unit=user", "training.epochs=null",
+        "training.steps=10", "training.batch_size=32", "eval.every_steps=null",
+        "audit={canaries: {count: 20, kind: ood, domain: [0.0, 1.0]}}"])
+    data = load_data(recipe.data, recipe.seed)
+    canaries = make_canaries(data, recipe.audit.canaries, recipe.seed, records=3)
+    assert canaries.records == 3 and len(canaries.tensors["labels"]) == 60
+    assert all(len(set(canaries.tensors["labels"][3 * j:3 * j + 3].tolist())) == 1 for j in range(20))
+    joined = with_canaries(data, canaries)
+    added = joined.train_users[data.num_train:]
+    assert len(added) == 3 * int(canaries.included.sum())
+    assert int(added.min()) == data.num_users and len(set(added.tolist())) == int(canaries.included.sum())
+    result = train(recipe)
+    ledger, statement = spent(result.run_dir)
+    q = 32 / data.num_users   # N counts the ordinary people only
+    assert ledger.composed_event().event.sampling_probability == pytest.approx(q)
+    report = audit(result.run_dir, ["one-run"], write=False)
+    assert report["one_run"]["canaries"] == 20   # people, not their 60 records
+    assert report["one_run"]["included"] == int(canaries.included.sum())
+    assert 0.0 <= report["one_run"]["epsilon_lower_bound"] <= ledger.epsilon()
