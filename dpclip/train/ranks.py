@@ -141,8 +141,9 @@ def check_user_level(recipe: Recipe, world: World, data) -> None:
     refused = [
         (recipe.training.sampling != "poisson", "with shuffled batches",
          "use training.sampling: poisson (people are Poisson-sampled)"),
-        (recipe.clipping.threshold.kind == "discriminative", "with the discriminative threshold (its top-fraction "
-         "rule ranks records, not people)", "use clipping.threshold: fixed, quantile, dcsgd-p or dcsgd-e"),
+        (getattr(recipe.clipping.threshold, "tail_rule", None) == "top_fraction", "with the discriminative "
+         "threshold's top_fraction rule (it ranks records: one person's k records could push k others out of the "
+         "tail)", "use tail_rule: threshold (each record on its own score), or another threshold policy"),
         (recipe.training.parallel == "pipeline", "on pipeline stages", "use training.parallel: data or fsdp"),
     ]
     for refuse, what, hint in refused:

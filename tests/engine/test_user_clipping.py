@@ -153,3 +153,27 @@ def test_a_persons_rows_move_the_threshold_statistic_by_at_most_one_records_sens
         assert moved <= bound * (1 + 1e-9)
     unweighted = float((statistic(rows, False) - statistic(rows[users != 3], False)).norm())
     assert unweighted > 1.5 * bound
+
+
+def test_discriminative_per_record_thresholds_keep_a_person_within_the_large_threshold():
+    """tail_rule threshold: each record clipped at small or large by its own norm, then weighted:
+    removing a person moves the sum by at most large (the policy's sensitivity)."""
+    _, _, users = _data()
+    rows = torch.arange(10)
+    clipping = {"grouping": "all-layer", "threshold": {"kind": "discriminative", "small": 0.05, "large": 0.3,
+                                                       "tail_rule": "threshold", "tail_threshold": 0.5}}
+
+    def clipped_sum(chosen):
+        model = _model()
+        engine = DPEngine(model, clipping, gradient_noise_multiplier=0.0, expected_batch_size=1)
+        x, y, _ = _data()
+        losses = nn.functional.cross_entropy(model(x[chosen]), y[chosen], reduction="none")
+        engine.backward(losses, row_weights=user_weights(users[chosen]))
+        engine.privatize()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        engine.detach()
+        return flat
+
+    full = clipped_sum(rows)
+    moved = [float((full - clipped_sum(rows[users != person])).norm()) for person in range(4)]
+    assert all(m <= 0.3 * (1 + 1e-9) for m in moved) and max(moved) > 0.05

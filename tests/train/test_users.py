@@ -61,8 +61,8 @@ def test_train_and_test_hold_different_people(user_recipe):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["clipping.threshold={kind: discriminative, small: 0.5, large: 2.0, tail_rule: threshold, tail_threshold: 4.0}",
-      "training.micro_batch_size=null"], "ranks records, not people"),
+    (["clipping.threshold={kind: discriminative, small: 0.5, large: 2.0, tail_rule: top_fraction, "
+      "top_fraction: 0.25}", "training.micro_batch_size=null"], "top_fraction rule"),
     (["training.sampling=shuffle"], "shuffled batches"),
 ])
 def test_what_user_level_cannot_run_yet_is_refused_before_a_run_directory_exists(user_recipe, tmp_path, extra,
@@ -158,7 +158,9 @@ def test_a_continual_run_charges_its_private_steps_per_person(user_recipe):
 
 @pytest.mark.parametrize("threshold", ["{kind: quantile, target: 0.5, lr: 0.3, budget_fraction: 0.01, initial: 1.0}",
                                        "{kind: dcsgd-p, percentile: 0.5, bins: 20, sigma_hist: 5.0, initial: 1.0, "
-                                       "range: 1.0}"])
+                                       "range: 1.0}",
+                                       "{kind: discriminative, small: 0.5, large: 2.0, tail_rule: threshold, "
+                                       "tail_threshold: 4.0}"])
 def test_adaptive_thresholds_count_people_and_charge_the_joint_event(user_recipe, threshold):
     from dpclip.accounting import solve
     from dpclip.train.plan import privacy_plan
@@ -171,7 +173,8 @@ def test_adaptive_thresholds_count_people_and_charge_the_joint_event(user_recipe
     sigma = solve(privacy_plan(recipe, people, groups=groups)).split.noise_multiplier
     event = dp_accounting.PoissonSampledDpEvent(8 / people, dp_accounting.GaussianDpEvent(sigma))
     assert ledger.composed_event() == dp_accounting.SelfComposedDpEvent(event, 6)
-    assert statement.sigma_aux is not None and statement.unit.startswith("user-level")
+    assert statement.unit.startswith("user-level")
+    assert (statement.sigma_aux is not None) == ("discriminative" not in threshold)   # it releases nothing
 
 
 def test_tune_cost_of_a_user_level_recipe_counts_people(tmp_path):
