@@ -224,7 +224,10 @@ def test_canary_people_go_in_whole_and_the_one_run_audit_guesses_people(tmp_path
     ledger, statement = spent(result.run_dir)
     q = 32 / data.num_users   # N counts the ordinary people only
     assert ledger.composed_event().event.sampling_probability == pytest.approx(q)
-    report = audit(result.run_dir, ["one-run"], write=False)
+    report = audit(result.run_dir, ["one-run", "logistic"], bootstrap=10, write=False)
     assert report["one_run"]["canaries"] == 20   # people, not their 60 records
+    scored = report["attacks"]["logistic"]
+    assert scored["features"] == 11   # the 10 mean logits and the mean loss of each person
+    assert scored["members"] + scored["non_members"] <= data.num_users + len(set(data.test_users.tolist()))
     assert report["one_run"]["included"] == int(canaries.included.sum())
     assert 0.0 <= report["one_run"]["epsilon_lower_bound"] <= ledger.epsilon()
