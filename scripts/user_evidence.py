@@ -114,14 +114,20 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def table(rows: list[dict]) -> str:
+    """One line per (ε, way); group, ε and σ per seed where the seeds differ (the largest person
+    of each seed's split sets the group of "all records")."""
+    def each(found, key, fmt):
+        values = list(dict.fromkeys(fmt.format(r[key]) for r in found))
+        return " / ".join(values)
+
     lines = ["| ε per person | way | group k | ε of the run | σ | held-out perplexity (mean) | runs |",
              "|---|---|---|---|---|---|---|"]
     for epsilon in sorted({r["epsilon_person"] for r in rows}):
         for way in dict.fromkeys(r["way"] for r in rows):
             found = [r for r in rows if r["epsilon_person"] == epsilon and r["way"] == way]
             values = [r["final_eval"]["perplexity"] for r in found]
-            lines.append(f"| {epsilon:g} | {way} | {found[0]['group']} | {found[0]['epsilon']:.3g} | "
-                         f"{found[0]['sigma']:.3f} | {statistics.mean(values):.3f} | "
+            lines.append(f"| {epsilon:g} | {way} | {each(found, 'group', '{}')} | {each(found, 'epsilon', '{:.3g}')} | "
+                         f"{each(found, 'sigma', '{:.3f}')} | {statistics.mean(values):.3f} | "
                          + ", ".join(f"{v:.3f}" for v in values) + " |")
     return "\n".join(lines)
 
