@@ -156,9 +156,11 @@ def test_kill_9_then_resume_of_a_seeded_correlated_run_ends_with_the_weights_of_
 
 @pytest.mark.parametrize("threshold", [
     "{kind: quantile, target: 0.5, lr: 0.3, budget_fraction: 0.01, initial: 1.0}",
-    "{kind: dcsgd-p, percentile: 0.5, bins: 20, sigma_hist: 5.0, initial: 1.0, range: 1.0}",
-    "{kind: dcsgd-e, bins: 20, sigma_hist: 5.0, initial: 1.0, range: 20.0}",
-    "{kind: discriminative, small: 0.5, large: 2.0, tail_rule: threshold, tail_threshold: 4.0}",
+    pytest.param("{kind: dcsgd-p, percentile: 0.5, bins: 20, sigma_hist: 5.0, initial: 1.0, range: 1.0}",
+                 marks=pytest.mark.slow),
+    pytest.param("{kind: dcsgd-e, bins: 20, sigma_hist: 5.0, initial: 1.0, range: 20.0}", marks=pytest.mark.slow),
+    pytest.param("{kind: discriminative, small: 0.5, large: 2.0, tail_rule: threshold, tail_threshold: 4.0}",
+                 marks=pytest.mark.slow),
 ])
 def test_banded_mf_runs_with_every_threshold_policy_and_charges_its_joint_participations(small_recipe, threshold):
     """The noise is correlated at unit scale and scaled by each step's std (dpclip/engine/noise.py),

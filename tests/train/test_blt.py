@@ -102,6 +102,7 @@ def test_the_strategy_follows_the_recipes_momentum_and_other_optimizers_are_warn
     assert correlated_noise_note(small_recipe()) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mechanism, groups", [("{kind: banded-mf, bands: 3}", 3), ("{kind: blt, buffers: 2}", None)])
 def test_a_continual_run_correlates_only_its_private_steps(small_recipe, mechanism, groups):
     """Public steps draw no private batch and add no noise: the noise stream and the ledger

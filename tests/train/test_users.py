@@ -109,6 +109,7 @@ def test_a_missing_or_partly_missing_user_field_is_refused(tmp_path, content, me
     assert caught.value.hint
 
 
+@pytest.mark.slow
 def test_a_user_level_audit_attacks_people_and_refuses_what_it_cannot(user_recipe):
     from dpclip.audit.report import audit
 
@@ -124,6 +125,7 @@ def test_a_user_level_audit_attacks_people_and_refuses_what_it_cannot(user_recip
     assert caught.value.hint
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mechanism, groups", [("{kind: banded-mf, bands: 3}", 3), ("{kind: blt, buffers: 2}", None)])
 def test_correlated_noise_samples_people_in_turn(user_recipe, mechanism, groups):
     """Banded MF and BLT over people: person u is in group u mod G and only ever in steps
@@ -147,6 +149,7 @@ def test_correlated_noise_samples_people_in_turn(user_recipe, mechanism, groups)
     assert any("person u in group u mod" in line for line in statement.lines())
 
 
+@pytest.mark.slow
 def test_a_continual_run_charges_its_private_steps_per_person(user_recipe):
     recipe = user_recipe("data.max_length=80", "model.config.n_positions=80",
                          "public={source: builtin, name: synthetic-text, num_examples: 200, max_length: 80}",
@@ -156,6 +159,7 @@ def test_a_continual_run_charges_its_private_steps_per_person(user_recipe):
     assert ledger.steps == 6 and statement.unit.startswith("user-level")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threshold", ["{kind: quantile, target: 0.5, lr: 0.3, budget_fraction: 0.01, initial: 1.0}",
                                        "{kind: dcsgd-p, percentile: 0.5, bins: 20, sigma_hist: 5.0, initial: 1.0, "
                                        "range: 1.0}",
@@ -177,6 +181,7 @@ def test_adaptive_thresholds_count_people_and_charge_the_joint_event(user_recipe
     assert (statement.sigma_aux is not None) == ("discriminative" not in threshold)   # it releases nothing
 
 
+@pytest.mark.slow
 def test_tune_cost_of_a_user_level_recipe_counts_people(tmp_path):
     from dpclip.recipe import apply_overrides, read_yaml, validate_recipe
     from dpclip.tuning.cost import StepTimer, tune_cost
@@ -200,6 +205,7 @@ def _digit_people(tmp_path, people: int = 300):
     return table
 
 
+@pytest.mark.slow
 def test_canary_people_go_in_whole_and_the_one_run_audit_guesses_people(tmp_path):
     """Each canary is a new person of k records that all go in or stay out together; the one-run
     audit scores a canary person by their records' mean and charges nothing to N."""
