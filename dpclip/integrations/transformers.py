@@ -52,6 +52,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+# Before any process group exists (TrainingArguments makes one under torchrun): imported after
+# it, torch._dynamo keeps a reference to the group, whose gloo threads then outlive
+# destroy_process_group and can end a finished run with SIGABRT at exit (dpclip.distributed.world,
+# _import_what_would_outlive_the_group; a two-process DPTrainer run aborted so in CI).
+import torch._dynamo  # noqa: F401
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from transformers import Trainer

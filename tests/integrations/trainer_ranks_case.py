@@ -33,6 +33,8 @@ def main(out: str) -> None:
                         privacy=PrivacyArguments(noise_multiplier=1.0, delta=1e-5, max_grad_norm=0.5, unsafe_seed=0))
     trainer.train()
     trainer.save_model()
+    if torch.distributed.is_initialized():   # the group's gloo threads end here, not while Python exits
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
