@@ -102,3 +102,22 @@ def test_a_search_that_fails_releases_nothing(tiny, public_search, monkeypatch):
     summary = json.loads((search_dir / "summary.json").read_text())
     assert summary["stopped"] == "failed" and summary["selected_run"] is None
     assert (search_dir / "ledger.json").exists()  # the runs happened: the charge stands
+
+
+@pytest.mark.parametrize("mechanism", ["{kind: banded-mf, bands: 3}", "{kind: blt, buffers: 2}"])
+def test_tune_cost_prices_correlated_noise_by_its_participations(tmp_path, mechanism):
+    """Each run of the search is charged what its ledger will hold: banded MF's ⌈T/b⌉
+    participations at q·b, BLT's per-participation Gaussians, not T DP-SGD steps at q."""
+    from dpclip.accounting import solve
+
+    base = apply_overrides(read_yaml(REPO / "recipes" / "quickstart.yaml"),
+                           [f"output_dir={tmp_path}", "training.epochs=null", "training.steps=12", "model.hidden=[8]",
+                            f"privacy.mechanism={mechanism}"])
+    recipe = validate_recipe(base)
+    report = tune_cost(base, recipe, grid=["training.optimizer.lr=0.1,0.5"], timer=StepTimer(fixed_seconds=0.01))
+    solved = solve(report.plan)
+    sigma = solved.split.noise_multiplier
+    assert report.privacy.release.training(sigma) == solved.total_event
+    plain = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(report.plan.sample_rate, dp_accounting.GaussianDpEvent(sigma)), 12)
+    assert report.privacy.release.training(sigma) != plain
