@@ -36,7 +36,7 @@ from dpclip.engine.batch_axis import BatchAxes, SiteBatch, check_batch
 from dpclip.engine.factors import Use
 from dpclip.engine.layers import LayerRule, find_layer_rule
 from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
-from dpclip.engine.precision import autocast_off
+from dpclip.engine.precision import engine_math
 from dpclip.engine.refusals import refuse_unsupported
 from dpclip.engine.stash import StashMeter  # noqa: F401  (imported from here by microbatch)
 from dpclip.errors import EngineError
@@ -372,9 +372,10 @@ class Bookkeeper:
                        sink: Callable[[int, Use], None]) -> Iterator[None]:
         self._active = _Active(batch_size, sink, generation)
         try:
-            # The backward inherits the caller's autocast state; the rules' and the
-            # engine's math must not be cast down by it (dpclip.engine.precision).
-            with autocast_off({p.device.type for p in self.model.parameters()}):
+            # The backward inherits the caller's autocast state and TF32 flags; the rules'
+            # and the engine's math must be neither cast down nor rounded to TF32 by them
+            # (dpclip.engine.precision).
+            with engine_math({p.device.type for p in self.model.parameters()}):
                 yield
         finally:
             self._active = None

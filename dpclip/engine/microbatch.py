@@ -22,7 +22,7 @@ from dpclip.engine.cancellation import cancellation_flags, certified_rows
 from dpclip.engine.factors import (Dense, Use, choose_ghost, clipped_sum, early_instance,
                                    param_norm_sq, sqrt_or_zero, streamable, streamed_clip,
                                    zero_samples)
-from dpclip.engine.precision import autocast_off
+from dpclip.engine.precision import engine_math
 from dpclip.errors import EngineError
 
 
@@ -277,7 +277,7 @@ class MicroBatch:
 
     def finish(self) -> Tensor:
         """Finalize what the backward did not reach; return the norms [b, K]."""
-        with autocast_off((self.ctx.device.type,)):   # float32 math even inside an autocast region
+        with engine_math((self.ctx.device.type,)):   # float32 math even inside an autocast region
             return self._finish()
 
     def _finish(self) -> Tensor:

@@ -85,6 +85,62 @@ def autocast_off(device_types: Iterable[str] = ("cpu",)) -> Iterator[None]:
         yield
 
 
+AutocastState = dict[str, tuple[bool, torch.dtype, bool]]
+
+
+def autocast_snapshot(device_types: Iterable[str]) -> AutocastState:
+    """Per device type (and CPU): autocast's enabled flag, dtype and cache flag."""
+    return {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
+            for d in sorted(set(device_types) | {"cpu"}) if torch.amp.is_autocast_available(d)}
+
+
+def autocast_restore(state: AutocastState) -> None:
+    """Put back an :func:`autocast_snapshot`.
+
+    The batch-axis probes run the model's forward again from inside that forward. A forward
+    wrapped in one ``torch.autocast`` instance (``torch.autocast(...)(model.forward)``, as
+    accelerate and so the Hugging Face Trainer wrap it) is then entered twice, and the
+    instance keeps a single "previous state": the inner entry overwrites it, and the outer
+    exit leaves autocast switched on after the forward. Restoring the state the forward
+    started with undoes exactly that."""
+    for device_type, (enabled, dtype, cache) in state.items():
+        torch.set_autocast_enabled(device_type, enabled)
+        torch.set_autocast_dtype(device_type, dtype)
+        torch.set_autocast_cache_enabled(cache)
+
+
+@contextlib.contextmanager
+def ieee_float32() -> Iterator[None]:
+    """float32 matmuls and convolutions in full precision inside, whatever the caller chose.
+
+    With TF32 allowed (``torch.backends.fp32_precision = "tf32"``, ``allow_tf32``, or a
+    trainer's ``tf32=True``) CUDA rounds float32 matmul inputs to 10 bits: a per-sample norm
+    would be off by up to about 2^-11 relative, and a clip factor with it, so a clipped
+    gradient could exceed C. The flags are process-wide: they are restored on exit."""
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(matmul, "fp32_precision"):          # torch >= 2.9
+        saved = matmul.fp32_precision, conv.conv.fp32_precision
+        matmul.fp32_precision = conv.conv.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision, conv.conv.fp32_precision = saved
+    else:
+        saved = matmul.allow_tf32, conv.allow_tf32
+        matmul.allow_tf32 = conv.allow_tf32 = False
+        try:
+            yield
+        finally:
+            matmul.allow_tf32, conv.allow_tf32 = saved
+
+
+@contextlib.contextmanager
+def engine_math(device_types: Iterable[str] = ("cpu",)) -> Iterator[None]:
+    """Where the engine computes norms and clipped sums: no autocast, no TF32."""
+    with autocast_off(device_types), ieee_float32():
+        yield
+
+
 @dataclass(frozen=True)
 class Precision:
     """How the forward of a step runs: ``fp32`` (as is), ``bf16`` or ``fp16`` (autocast).
@@ -132,4 +188,5 @@ class Precision:
 
 
 __all__ = ["DEFAULT_LOSS_SCALE", "LOW_PRECISION", "PRECISIONS", "Precision", "autocast_again", "autocast_input",
-           "autocast_off", "autocast_state", "widened"]
+           "autocast_off", "autocast_restore", "autocast_snapshot", "autocast_state", "engine_math",
+           "ieee_float32", "widened"]

@@ -134,9 +134,9 @@ def check_exact(factory, loss_fn, batch, grouping="all-layer", fn="abadi", micro
         assert info.param.grad is not None, info.name
         torch.testing.assert_close(info.param.grad, ref.grads[info.name], rtol=1e-9, atol=1e-12,
                                    msg=lambda m: f"{info.name}: {m}")
-    torch.testing.assert_close(report.norm_quantiles["max"], ref.norms.max(dim=0).values)
+    torch.testing.assert_close(report.norm_quantiles["max"].cpu(), ref.norms.max(dim=0).values.cpu())
     # every sample's group norms, not only their maximum
-    torch.testing.assert_close(torch.cat(engine.observed_norms), ref.norms, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(torch.cat(engine.observed_norms).cpu(), ref.norms.cpu(), rtol=1e-9, atol=1e-12)
     if fn == "abadi" and len(thresholds) == len(groups):
         c = torch.tensor(thresholds, dtype=DTYPE)
         live = ref.norms.max(dim=0).values > 0
@@ -239,7 +239,7 @@ T_GPT = 6
 
 def gpt2_loss(model, batch):
     ids = batch["ids"]
-    position_ids = torch.arange(ids.shape[1]).unsqueeze(0)      # (1, T): broadcast
+    position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)      # (1, T): broadcast
     logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
     tok = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
     return tok.mean(1)

@@ -597,3 +597,23 @@ def test_the_models_forward_hooks_do_not_see_the_probes():
     assert seen == [(T, 5, 3)] and pre == [5]
     assert len(model.lin._forward_hooks) == 1 and len(model._forward_pre_hooks) == 2
     engine.detach()
+
+
+def test_a_forward_wrapped_in_one_autocast_instance_leaves_autocast_off_after_the_probes():
+    """accelerate (and so the Hugging Face Trainer) wraps ``model.forward`` in a single
+    ``torch.autocast`` instance. The probes re-enter that forward from inside it; the
+    instance's one saved state was overwritten and autocast stayed on after the step (seen
+    on a GPU: a later float16 run rounded through a leftover bf16 region)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=0.0,
+                      expected_batch_size=4)
+    assert not torch.is_autocast_enabled("cpu")
+    for _ in range(2):   # the probing step and an ordinary one
+        x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+        engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+        assert not torch.is_autocast_enabled("cpu")
+        engine.privatize()
+    assert engine._keeper.axes.probes > 0   # the probes did run inside the wrapped forward
+    engine.detach()

@@ -32,7 +32,9 @@ norms, a float32 reference 7-11·TOL on the norms and 2.5-3·TOL on the sums).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from typing import Iterator
 
 import pytest
 import torch
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpclip.engine import DPEngine, build_groups, trainable_params
-from dpclip.engine.precision import DEFAULT_LOSS_SCALE, Precision, autocast_off, widened
+from dpclip.engine.precision import DEFAULT_LOSS_SCALE, Precision, autocast_off, ieee_float32, widened
 from dpclip.errors import EngineError
 
 U = 2.0 ** -8          # bfloat16's unit roundoff
@@ -126,13 +128,10 @@ def _autocast_multiplies(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, Conv1D))
 
 
-def reference(model: nn.Module, loss_fn, batch, dtype=BF16, loss_scale: float = 1.0) -> list[dict]:
-    """Per-example gradients {parameter name: float64 tensor} (see the module docstring);
-    ``dtype=None`` runs the reference without autocast."""
-    model = copy.deepcopy(model)
-    device = next(model.parameters()).device
-    names = {id(p): name for name, p in model.named_parameters()}       # tied: the first name
-    calls = []                                                         # [module, a, b]
+@contextlib.contextmanager
+def capturing(model: nn.Module) -> Iterator[list]:
+    """Record [module, input a, output gradient b] of each parametrised module's calls."""
+    calls = []
 
     def keep_input(module, args):
         call = [module, args[0].detach(), None]
@@ -146,15 +145,17 @@ def reference(model: nn.Module, loss_fn, batch, dtype=BF16, loss_scale: float = 
     for module in model.modules():
         if any(p.requires_grad for p in module.parameters(recurse=False)):
             handles += [module.register_forward_pre_hook(keep_input), module.register_forward_hook(keep_output)]
-    region = (torch.autocast(device.type, dtype=dtype) if dtype is not None
-              else torch.autocast(device.type, enabled=False))
-    with region:
-        losses = loss_fn(model, batch)
-    (losses.sum() * loss_scale).backward()
-    for h in handles:
-        h.remove()
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
 
-    n = losses.shape[0]
+
+def per_example_from(model: nn.Module, calls: list, n: int, dtype, loss_scale: float) -> list[dict]:
+    """Per-example float64 gradients {parameter name: tensor} from captured (a, b)."""
+    device = next(model.parameters()).device
+    names = {id(p): name for name, p in model.named_parameters()}       # tied: the first name
     per = [{name: torch.zeros(p.shape, dtype=torch.float64, device=device)
             for name, p in model.named_parameters()} for _ in range(n)]
     for module, a, b in calls:
@@ -172,6 +173,20 @@ def reference(model: nn.Module, loss_fn, batch, dtype=BF16, loss_scale: float = 
     return per
 
 
+def reference(model: nn.Module, loss_fn, batch, dtype=BF16, loss_scale: float = 1.0) -> list[dict]:
+    """Per-example gradients {parameter name: float64 tensor} (see the module docstring);
+    ``dtype=None`` runs the reference without autocast."""
+    model = copy.deepcopy(model)
+    device = next(model.parameters()).device
+    region = (torch.autocast(device.type, dtype=dtype) if dtype is not None
+              else torch.autocast(device.type, enabled=False))
+    with capturing(model) as calls:
+        with region:
+            losses = loss_fn(model, batch)
+        (losses.sum() * loss_scale).backward()
+    return per_example_from(model, calls, losses.shape[0], dtype, loss_scale)
+
+
 def group_norms(per: list[dict], groups) -> torch.Tensor:
     """[n, K] per-sample group norms (float64)."""
     names = [[groups.params[j].name for j in members] for members in groups.members]
@@ -179,8 +194,9 @@ def group_norms(per: list[dict], groups) -> torch.Tensor:
                         for g in per])
 
 
-def engine_run(model, loss_fn, batch, grouping, thresholds, dtype=BF16, loss_scale=1.0):
-    """(per-sample group norms [n, K], clipped sums by name) of the engine under autocast."""
+def engine_run(model, loss_fn, batch, grouping, thresholds, dtype=BF16, loss_scale=1.0, same_run=False):
+    """(per-sample group norms [n, K], clipped sums by name, and with ``same_run`` the
+    reference's per-example gradients from the engine's own run) under autocast."""
     model = copy.deepcopy(model)
     device = next(model.parameters()).device
     engine = DPEngine(model, {"grouping": grouping, "threshold": {"kind": "fixed", "value": thresholds}},
@@ -188,23 +204,33 @@ def engine_run(model, loss_fn, batch, grouping, thresholds, dtype=BF16, loss_sca
     seen = []
     observe = engine.policy.observe
     engine.policy.observe = lambda norms: (seen.append(norms.detach().clone()), observe(norms))[1]
-    with torch.autocast(device.type, dtype=dtype):
-        losses = loss_fn(model, batch)
-    engine.backward(losses, loss_scale=loss_scale)
+    with capturing(model) if same_run else contextlib.nullcontext([]) as calls:
+        with torch.autocast(device.type, dtype=dtype):
+            losses = loss_fn(model, batch)
+        engine.backward(losses, loss_scale=loss_scale)
     engine.privatize()
     sums = {info.name: info.param.grad.double() for info in trainable_params(model)}   # B = 1: p.grad = Σ
-    engine.detach()
-    return torch.cat(seen).double(), sums
+    engine.detach()   # the modules' own forwards again, for the float64 re-runs
+    per = per_example_from(model, calls, losses.shape[0], dtype, loss_scale) if same_run else None
+    return torch.cat(seen).double(), sums, per
 
 
-def worst(model, loss_fn, batch, grouping, ref_dtype=BF16, dtype=BF16, loss_scale=1.0) -> dict[str, float]:
-    """The largest error of norms and clipped sums, each as a multiple of its tolerance."""
+def worst(model, loss_fn, batch, grouping, ref_dtype=BF16, dtype=BF16, loss_scale=1.0,
+          same_run=False) -> dict[str, float]:
+    """The largest error of norms and clipped sums, each as a multiple of its tolerance.
+
+    ``same_run``: the reference takes its (a, b) from the engine's own forward and backward
+    instead of a run of its own (the thresholds still come from a run of its own), so that
+    only the engine's own arithmetic is compared, whatever state the process is in. A
+    separate run is the stronger check of the whole step: it caught autocast left on by an
+    earlier trainer run (tests/engine/test_batch_axis.py), which same_run would not."""
     groups = build_groups(copy.deepcopy(model), grouping)
     per = reference(model, loss_fn, batch, ref_dtype, loss_scale)
+    thresholds = group_norms(per, groups).median(dim=0).values   # some samples clipped, some not, per group
+    got_norms, sums, same = engine_run(model, loss_fn, batch, grouping, [float(t) for t in thresholds], dtype,
+                                       loss_scale, same_run)
+    per = same if same_run else per
     norms = group_norms(per, groups)
-    thresholds = norms.median(dim=0).values          # some samples clipped, some not, per group
-    got_norms, sums = engine_run(model, loss_fn, batch, grouping, [float(t) for t in thresholds], dtype,
-                                 loss_scale)
     factors = torch.clamp(thresholds / norms, max=1.0)                                   # [n, K]
     sum_err, sum_scale = 0.0, 0.0
     for k, members in enumerate(groups.members):
@@ -383,6 +409,39 @@ def test_autocast_off_disables_cpu_autocast_inside():
             assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
 
 
+def test_ieee_float32_turns_tf32_off_inside_and_restores_the_callers_choice():
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "tf32"
+        with ieee_float32():
+            assert matmul.fp32_precision == "ieee" and torch.backends.cudnn.conv.fp32_precision == "ieee"
+        assert matmul.fp32_precision == "tf32"
+        with pytest.raises(RuntimeError), ieee_float32():
+            raise RuntimeError("the flags come back after an error too")
+        assert matmul.fp32_precision == "tf32"
+    finally:
+        matmul.fp32_precision = saved
+
+
+def test_the_engine_backward_runs_with_tf32_off():
+    seen = []   # the flag as a hook inside the engine's backward finds it
+    model = mlp()
+    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=0.0,
+                      expected_batch_size=8)
+    first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    first.weight.register_hook(lambda g: seen.append(torch.backends.cuda.matmul.fp32_precision))
+    saved = torch.backends.cuda.matmul.fp32_precision
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        engine.backward(classify_loss(model, batch_for("mlp")))
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = saved
+    engine.detach()
+    assert seen and set(seen) == {"ieee"}, seen
+
+
 def test_precision_fp16_is_refused_on_cpu_with_a_hint():
     with pytest.raises(EngineError) as info:
         Precision("fp16", "cpu")
@@ -426,3 +485,27 @@ def test_on_cuda_norms_and_clipped_sums_match_the_reference(name, dtype, scale):
     errors = worst(factory().cuda(), loss_fn, batch_for(name, "cuda"), "all-layer", ref_dtype=dtype, dtype=dtype,
                    loss_scale=scale)
     assert errors["norms"] <= 1 and errors["sums"] <= 1, errors
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("guarded", [True, False])
+def test_on_cuda_fp16_sums_stay_float32_exact_when_the_caller_allows_tf32(guarded, monkeypatch):
+    """TF32 rounds each float32 matmul input to 10 bits (2^-11 relative, a float16 factor
+    keeps 11): a clipped sum of K products then errs by about 2^-11/sqrt(K) relative, a tenth
+    of the sums' unit here (2·TOL = 2^-11), where float32 leaves about 2^-24·sqrt(K), 10^-4
+    of it. Measured on an H200: 4·10^-5 with the guard, 0.086 without. 10^-2 lies between;
+    with ieee_float32 replaced by nothing the check must fail (the control)."""
+    import dpclip.engine.bookkeeping as bookkeeping
+    import dpclip.engine.microbatch as microbatch
+    if not guarded:
+        for module in (bookkeeping, microbatch):
+            monkeypatch.setattr(module, "engine_math", autocast_off)
+    saved = torch.backends.cuda.matmul.fp32_precision
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        errors = worst(mlp().cuda(), classify_loss, batch_for("mlp", "cuda"), "all-layer", ref_dtype=torch.float16,
+                       dtype=torch.float16, loss_scale=DEFAULT_LOSS_SCALE, same_run=True)
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = saved
+    assert (errors["norms"] <= 1 and errors["sums"] < 1e-2) == guarded, errors

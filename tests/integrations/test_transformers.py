@@ -73,6 +73,15 @@ def test_training_writes_a_ledger_whose_epsilon_is_dpclip_accounts(tmp_path, cli
     assert LOGGED_LOSS in privacy["not_covered_by_epsilon"]
 
 
+def test_a_bf16_trainer_leaves_autocast_off_after_training(tmp_path):
+    """accelerate wraps the forward in one autocast instance; the engine's first-step probes
+    re-enter it, which used to leave autocast on after train() (tests/engine/test_batch_axis.py)."""
+    trainer = _trainer(tmp_path, bf16=True)
+    trainer.train()
+    assert trainer.account.ledger.steps == 3
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def _clipped_reference(model, rows: list[dict], threshold: float, loss_of) -> list[torch.Tensor]:
     """Σ_i min(1, C/‖g_i‖)·g_i over the rows, g_i by autograd on each row alone (float64 norms)."""
     params = [p for p in model.parameters() if p.requires_grad]

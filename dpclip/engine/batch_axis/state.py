@@ -19,6 +19,7 @@ from dpclip.engine.batch_axis.consumers import ConsumerCheck, consumers
 from dpclip.engine.batch_axis.layout import (BATCH_FIRST, BATCH_HINT, BROADCAST_HINT, CallLayout,
                                              Layout, call_leaves, shared_lead1, tensor_leaves)
 from dpclip.engine.batch_axis.probe import NEEDS_ROWS, Probe, compare, forked_rng, resized
+from dpclip.engine.precision import autocast_restore, autocast_snapshot
 from dpclip.errors import EngineError
 
 
@@ -42,6 +43,7 @@ class BatchAxes:
         self.reprobed = False
         self.probes = 0                     # probing forwards run so far (tests, docs)
         self.sealed: str | None = None      # why no probe may run any more (a sharded model)
+        self.autocast_at_entry = None       # autocast as the forward in progress found it
 
     # ---------------------------------------------------------------- hooks
 
@@ -55,6 +57,7 @@ class BatchAxes:
             self.inputs = (args, kwargs)
             self.ordinals = {}
             self.reprobed = False
+            self.autocast_at_entry = autocast_snapshot({p.device.type for p in self.model.parameters()})
         return None
 
     def post_hook(self, module, args, kwargs, output):
@@ -63,6 +66,8 @@ class BatchAxes:
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0:
             self.inputs = None
+            if self.reprobed:   # a probe re-entered this forward (dpclip.engine.precision.autocast_restore)
+                autocast_restore(self.autocast_at_entry)
         return None
 
     @contextmanager
