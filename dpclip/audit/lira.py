@@ -16,6 +16,10 @@ Means are always per example. Variances are per example only with at least
 ``PER_EXAMPLE_VARIANCE_MIN`` observations on each side; with fewer shadows a variance
 pooled over all examples is used, as the paper recommends for small shadow counts.
 
+At the user level (``privacy.unit: user``) the unit is a person: each shadow trains on a
+random half of the people with all their records, at the target's per-person sample rate,
+and the attack scores each person by the mean φ over their records (dpclip.audit.report).
+
 Shadow runs live in ``RUN/audit/shadows/shadow_NNN/`` (ordinary run directories; the
 split of each, the target's plan and each shadow's plan are in
 ``RUN/audit/shadows/keep.json``); a finished shadow is reused and a partly trained one
@@ -60,12 +64,22 @@ def shadow_keep(num_shadows: int, pool_size: int, seed: int) -> np.ndarray:
     return ranks < num_shadows // 2
 
 
-def shadow_data(pool, keep: np.ndarray):
-    """The PrivateData a shadow trains on: its kept pool examples, the rest held out."""
+def shadow_data(pool, keep: np.ndarray, people: np.ndarray | None = None):
+    """The PrivateData a shadow trains on: its kept pool rows, the rest held out. With
+    ``people`` (the person index of each pool row) the shadow's people are numbered
+    0..P'-1 in order of first appearance and its held-out people on from there, as the data
+    loader numbers them."""
     train_idx, test_idx = np.flatnonzero(keep), np.flatnonzero(~keep)
-    return replace(pool.data, train=select(pool.tensors, torch.as_tensor(train_idx)),
+    data = replace(pool.data, train=select(pool.tensors, torch.as_tensor(train_idx)),
                    test=select(pool.tensors, torch.as_tensor(test_idx)), train_indices=train_idx,
                    test_indices=test_idx, fingerprint=split_fingerprint(train_idx, test_idx))
+    if people is None:
+        return data
+    numbering = {int(person): n for n, person in enumerate(dict.fromkeys(people[train_idx].tolist()))}
+    for person in people[test_idx].tolist():
+        numbering.setdefault(int(person), len(numbering))
+    number = lambda rows: torch.as_tensor([numbering[int(p)] for p in people[rows]], dtype=torch.int64)  # noqa: E731
+    return replace(data, train_users=number(train_idx), test_users=number(test_idx))
 
 
 def target_plan(run_dir: Path) -> dict[str, Any]:
@@ -75,18 +89,23 @@ def target_plan(run_dir: Path) -> dict[str, Any]:
     return {key: plan[key] for key in IMITATED}
 
 
-def shadow_plan(target: dict[str, Any], num_train: int) -> dict[str, Any]:
-    """How a shadow with ``num_train`` examples imitates ``target`` (a ``target_plan``).
+def shadow_plan(target: dict[str, Any], num_train: int, num_users: int | None = None) -> dict[str, Any]:
+    """How a shadow with ``num_train`` examples (of ``num_users`` people at the user level)
+    imitates ``target`` (a ``target_plan``).
 
     Re-planning the recipe for the shadow's own N' would give q' = B/N', as many steps as
     its epochs make at that rate and, with privacy.epsilon set, a σ calibrated for both:
     a different mechanism from the target's, and so a weaker attack. Instead the expected
     batch is round(q·N'), the closest an integer batch gets to q (|q' − q| ≤ 1/(2N')),
-    and steps and σ are the target's.
+    and steps and σ are the target's. At the user level N' counts people (q = B/U).
     """
-    batch = min(max(round(target["sample_rate"] * num_train), 1), num_train)
-    return {"num_train": num_train, "batch_size": batch, "sample_rate": batch / num_train,
+    units = num_train if num_users is None else num_users
+    batch = min(max(round(target["sample_rate"] * units), 1), units)
+    plan = {"num_train": num_train, "batch_size": batch, "sample_rate": batch / units,
             "steps": target["steps"], "noise_multiplier": target["noise_multiplier"]}
+    if num_users is not None:
+        plan["num_users"] = num_users
+    return plan
 
 
 def shadow_recipe(recipe, index: int, plan: dict[str, Any]):
@@ -107,8 +126,10 @@ def shadow_recipe(recipe, index: int, plan: dict[str, Any]):
                                      "audit": Audit(), "training": training, "privacy": privacy})
 
 
-def _load_or_make_keep(folder: Path, num_shadows: int, pool_size: int, seed: int,
-                       target: dict[str, Any]) -> tuple[np.ndarray, list[dict[str, Any]]]:
+def _load_or_make_keep(folder: Path, num_shadows: int, pool_size: int, seed: int, target: dict[str, Any],
+                       people: np.ndarray | None = None) -> tuple[np.ndarray, list[dict[str, Any]]]:
+    """(keep [M, units], each shadow's plan); the units are the pool's rows, or its people."""
+    units = pool_size if people is None else int(people.max()) + 1
     path = folder / KEEP_FILE
     if path.exists():
         stored = json.loads(path.read_text(encoding="utf-8"))
@@ -121,22 +142,28 @@ def _load_or_make_keep(folder: Path, num_shadows: int, pool_size: int, seed: int
         if with_current_names(stored["imitates"]) != target:
             raise DpclipError(f"the shadow models in {folder} imitate {stored['imitates']}, but the run's plan "
                               f"is now {target}", f"delete {folder} and run the audit again")
-        if keep.shape != (num_shadows, pool_size):
-            raise DpclipError(f"{folder} holds {keep.shape[0]} shadow models over {keep.shape[1]} examples, "
-                              f"not {num_shadows} over {pool_size}",
+        unit = "people" if people is not None else "examples"
+        if stored.get("unit", "examples") != unit or keep.shape != (num_shadows, units):
+            raise DpclipError(f"{folder} holds {keep.shape[0]} shadow models over {keep.shape[1]} "
+                              f"{stored.get('unit', 'examples')}, not {num_shadows} over {units} {unit}",
                               f"pass --shadows {keep.shape[0]} to reuse them, or delete {folder} to start over")
         return keep, [with_current_names(plan) for plan in stored["shadows"]]
-    keep = shadow_keep(num_shadows, pool_size, seed)
-    plans = [shadow_plan(target, int(row.sum())) for row in keep]
+    keep = shadow_keep(num_shadows, units, seed)
+    if people is None:
+        plans = [shadow_plan(target, int(row.sum())) for row in keep]
+    else:
+        plans = [shadow_plan(target, int(row[people].sum()), int(row.sum())) for row in keep]
     folder.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, {"seed": seed, "imitates": target, "shadows": plans, "keep": keep.astype(int).tolist()})
+    write_json_atomic(path, {"seed": seed, "imitates": target, "unit": "examples" if people is None else "people",
+                             "shadows": plans, "keep": keep.astype(int).tolist()})
     return keep, plans
 
 
 def _check_trained_as_planned(shadow_dir: Path, plan: dict[str, Any]) -> None:
     """A shadow found on disk must have been trained with ``plan`` (it may predate keep.json)."""
     trained = realised_plan(shadow_dir)
-    if any(trained[key] != plan[key] for key in ("num_train", "sample_rate", "steps", "noise_multiplier")):
+    if any(trained.get(key) != plan.get(key) for key in ("num_train", "num_users", "sample_rate", "steps",
+                                                          "noise_multiplier")):
         raise DpclipError(f"{shadow_dir} was trained with {trained}, not with the plan in its {KEEP_FILE} ({plan})",
                           f"delete {shadow_dir.parent} and run the audit again")
 
@@ -144,17 +171,22 @@ def _check_trained_as_planned(shadow_dir: Path, plan: dict[str, Any]) -> None:
 def realised_plan(shadow_dir: Path) -> dict[str, Any]:
     """What a shadow run planned and released (from its meta.json), for the audit report."""
     plan = with_current_names(json.loads((Path(shadow_dir) / layout.META).read_text(encoding="utf-8"))["plan"])
-    return {key: plan[key] for key in ("num_train", *IMITATED)}
+    realised = {key: plan[key] for key in ("num_train", *IMITATED)}
+    if plan.get("num_users") is not None:
+        realised["num_users"] = plan["num_users"]
+    return realised
 
 
 def train_shadows(run_dir: Path, recipe, pool, num_shadows: int, seed: int,
                   observer_for: Callable[[int, int], Any] | None = None) -> tuple[np.ndarray, list[Path]]:
-    """Train (or finish, or reuse) the shadow models; returns (keep [M, n], shadow dirs).
+    """Train (or finish, or reuse) the shadow models; returns (keep [M, units], shadow dirs),
+    the units being the pool's rows, or at the user level its people (``pool.people``).
 
     ``observer_for(index, total)`` gives the TrainObserver of one shadow (a progress bar).
     """
     folder = layout.audit_dir(run_dir) / layout.SHADOWS
-    keep, plans = _load_or_make_keep(folder, num_shadows, pool.size, seed, target_plan(run_dir))
+    people = pool.people if recipe.privacy.unit == "user" else None
+    keep, plans = _load_or_make_keep(folder, num_shadows, pool.size, seed, target_plan(run_dir), people)
     dirs = []
     for index in range(num_shadows):
         shadow_dir = folder / f"shadow_{index:03d}"
@@ -165,7 +197,7 @@ def train_shadows(run_dir: Path, recipe, pool, num_shadows: int, seed: int,
         if summary.exists() and json.loads(summary.read_text())["stopped"] == "completed":
             continue
         observer = observer_for(index, num_shadows) if observer_for else None
-        data = shadow_data(pool, keep[index])
+        data = shadow_data(pool, keep[index] if people is None else keep[index][people], people)
         if (shadow_dir / layout.RECIPE).exists():
             train(resume=shadow_dir, data=data, observer=observer)
         else:

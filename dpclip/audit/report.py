@@ -56,6 +56,15 @@ class Pool:
     def size(self) -> int:
         return len(self.is_member)
 
+    @property
+    def people(self) -> np.ndarray | None:
+        """Person index 0..P-1 of each row (train rows' people, then the held-out ones), or
+        None for data without users."""
+        if self.data.train_users is None:
+            return None
+        ids = torch.cat([self.data.train_users, self.data.test_users]).numpy()
+        return np.unique(ids, return_inverse=True)[1]
+
 
 def resolve_target(path: Path) -> tuple[Path, Path]:
     """(run_dir, checkpoint_dir) from a run directory or one of its checkpoint directories."""
@@ -135,10 +144,6 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
         raise DpclipError(f"unknown attack {unknown[0]!r}", "use loss, logistic, lira, one-run or all")
     run_dir, checkpoint = resolve_target(target)
     recipe = load_run_recipe(run_dir)
-    if recipe.privacy.unit == "user" and "lira" in attacks:
-        raise DpclipError("the lira attack does not run at the user level yet (its shadow models would have to "
-                          "sample people)", "run --attack loss or logistic (each person scored by the mean over "
-                          "their records) or one-run (canary people)")
     pool = build_pool(run_dir, recipe)
     model, loss_fn = build_model(recipe.model, pool.data, seed=recipe.seed)
     state = load_checkpoint(checkpoint, model)
@@ -157,7 +162,7 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
     scored = Outputs(outputs.losses[attacked], None if outputs.logits is None else outputs.logits[attacked],
                      outputs.confidence[attacked])
     if recipe.privacy.unit == "user":
-        scored, members = per_person(scored, members, pool.data)
+        scored, members = per_person(scored, members, pool.people[attacked])
         report["unit"] = "user"
         report["notes"].append(f"user-level: a member is a person ({int(members.sum())} of the training set, "
                                f"{int((members == 0).sum())} held out); each person's score is the mean over "
@@ -196,30 +201,52 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
     return report
 
 
-def per_person(scored: Outputs, members: np.ndarray, data) -> tuple[Outputs, np.ndarray]:
+def per_person(scored: Outputs, members: np.ndarray, people: np.ndarray) -> tuple[Outputs, np.ndarray]:
     """The attack's view at the user level (docs/users.md): one score per person, the mean
-    loss, confidence and logits over their records; a member is a person of the training set."""
-    people = torch.cat([data.train_users, data.test_users]).numpy()
+    loss, confidence and logits over their scored records (``people``: the person index of
+    each scored row); a member is a person of the training set."""
     ids, inverse = np.unique(people, return_inverse=True)
-    counts = np.bincount(inverse)
-    mean = lambda values: np.bincount(inverse, weights=values) / counts  # noqa: E731
-    logits = None if scored.logits is None else np.stack([mean(column) for column in scored.logits.T], axis=1)
+    logits = None if scored.logits is None else np.stack([person_mean(column, inverse) for column in scored.logits.T],
+                                                         axis=1)
     person_members = np.zeros(len(ids), dtype=int)
     person_members[inverse[members == 1]] = 1
-    return Outputs(mean(scored.losses), logits, mean(scored.confidence)), person_members
+    return Outputs(person_mean(scored.losses, inverse), logits, person_mean(scored.confidence, inverse)), person_members
+
+
+def person_mean(values: np.ndarray, inverse: np.ndarray) -> np.ndarray:
+    """Mean of ``values`` [..., rows] over each person's rows (``inverse``: person of each row)."""
+    counts = np.bincount(inverse)
+    if values.ndim == 1:
+        return np.bincount(inverse, weights=values) / counts
+    return np.stack([np.bincount(inverse, weights=row) / counts for row in values])
 
 
 def _lira(run_dir, recipe, pool: Pool, target_confidence, shadows: int, seed: int, bootstrap: int,
           observer_for) -> tuple[dict, dict]:
-    """(the two LiRA results, what the shadows imitated and what each one actually trained with)."""
+    """(the two LiRA results, what the shadows imitated and what each one actually trained with).
+
+    At the user level a shadow trains on a random half of the people with all their records,
+    and each person is scored once: the Gaussians are fitted to, and the target scored on, the
+    mean φ over the person's scored records (docs/users.md)."""
     if shadows < 1:
         raise DpclipError("LiRA needs at least one shadow model", "pass --shadows N (16 or more for a strong attack)")
     keep, dirs = train_shadows(run_dir, recipe, pool, shadows, seed, observer_for)
-    scores = lira_scores(target_confidence, shadow_confidences(dirs, pool), keep)
     attacked = pool.attacked
+    shadow_values = shadow_confidences(dirs, pool)
+    if recipe.privacy.unit == "user":
+        people = pool.people[attacked]
+        inverse = np.unique(people, return_inverse=True)[1]
+        target = person_mean(target_confidence[attacked], inverse)
+        scores = lira_scores(target, person_mean(shadow_values[:, attacked], inverse),
+                             keep[:, np.unique(people)])   # the people with a scored record, in that order
+        members = (np.bincount(inverse, weights=pool.is_member[attacked], minlength=len(target)) > 0).astype(int)
+    else:
+        scores = {variant: values[attacked]
+                  for variant, values in lira_scores(target_confidence, shadow_values, keep).items()}
+        members = pool.is_member[attacked]
     out = {}
     for variant, values in scores.items():
-        result = attack_metrics(pool.is_member[attacked], values[attacked], bootstrap=bootstrap, seed=seed)
+        result = attack_metrics(members, values, bootstrap=bootstrap, seed=seed)
         result["shadows"] = shadows
         out[f"lira-{variant}"] = result
     imitation = {"target": target_plan(run_dir), "shadows": [realised_plan(d) for d in dirs]}

@@ -83,3 +83,36 @@ def test_the_target_plan_of_a_run_written_before_the_noise_keys_were_renamed(tmp
     assert target_plan(tmp_path) == {"sample_rate": 0.04, "steps": 7, "noise_multiplier": 1.3,
                                      "gradient_noise_multiplier": 1.37, "sigma_aux": 9.0}
     assert realised_plan(tmp_path)["noise_multiplier"] == 1.3
+
+
+def test_a_user_level_shadow_takes_or_leaves_all_of_a_persons_records_and_numbers_its_people():
+    from dpclip.audit.lira import shadow_data
+    from dpclip.audit.report import Pool
+    from dpclip.data import load_data
+
+    recipe = load_recipe(REPO / "recipes" / "user-text.yaml", ["data.num_examples=200", "data.num_users=40",
+                                                               "data.max_length=16"])
+    data = load_data(recipe.data, recipe.seed)
+    tensors = {name: torch.cat([data.train[name], data.test[name]]) for name in data.train}
+    is_member = np.r_[np.ones(data.num_train, dtype=int), np.zeros(data.num_test, dtype=int)]
+    pool = Pool(data, tensors, is_member, np.ones(len(is_member), dtype=bool))
+    people = pool.people
+    assert len(people) == pool.size and people.max() + 1 == len(set(people.tolist()))
+    keep_people = shadow_keep(4, int(people.max()) + 1, seed=0)
+    for row in keep_people:
+        shadow = shadow_data(pool, row[people], people)
+        kept = np.flatnonzero(row[people])
+        assert shadow.num_train == len(kept) and shadow.num_users == int(row.sum())
+        # the shadow's person of each row is the pool's person, renumbered one to one
+        pairs = set(zip(people[kept].tolist(), shadow.train_users.tolist()))
+        assert len(pairs) == len({p for p, _ in pairs}) == len({s for _, s in pairs}) == int(row.sum())
+        assert sorted({s for _, s in pairs}) == list(range(int(row.sum())))
+        held = set(shadow.test_users.tolist())
+        assert held.isdisjoint(set(shadow.train_users.tolist()))   # no person is on both sides
+        assert len(held) == len(set(people.tolist())) - int(row.sum())
+
+
+def test_a_user_level_shadow_plan_counts_people_for_its_rate():
+    plan = shadow_plan({"sample_rate": 8 / 48, "steps": 6, "noise_multiplier": 1.1}, num_train=130, num_users=24)
+    assert plan["batch_size"] == 4 and plan["sample_rate"] == 4 / 24
+    assert plan["num_users"] == 24 and plan["num_train"] == 130

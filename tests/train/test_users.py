@@ -110,7 +110,7 @@ def test_a_missing_or_partly_missing_user_field_is_refused(tmp_path, content, me
 
 
 @pytest.mark.slow
-def test_a_user_level_audit_attacks_people_and_refuses_what_it_cannot(user_recipe):
+def test_a_user_level_audit_attacks_people_with_loss_and_lira(user_recipe):
     from dpclip.audit.report import audit
 
     recipe = user_recipe()
@@ -120,9 +120,17 @@ def test_a_user_level_audit_attacks_people_and_refuses_what_it_cannot(user_recip
     loss = report["attacks"]["loss"]
     assert report["unit"] == "user"
     assert loss["members"] == data.num_users and loss["non_members"] == len(set(data.test_users.tolist()))
-    with pytest.raises(DpclipError, match="user level") as caught:
-        audit(result.run_dir, ["lira"], write=False)
-    assert caught.value.hint
+    lira = audit(result.run_dir, ["lira"], shadows=2, bootstrap=10, write=False)
+    for variant in ("lira-online", "lira-offline"):
+        assert lira["attacks"][variant]["members"] == loss["members"]
+        assert lira["attacks"][variant]["non_members"] == loss["non_members"]
+    keep = json.loads((result.run_dir / "audit" / "shadows" / "keep.json").read_text())
+    assert keep["unit"] == "people"
+    people = len(set(data.train_users.tolist()) | set(data.test_users.tolist()))
+    for row, plan, shadow in zip(keep["keep"], keep["shadows"], lira["lira_shadows"]["shadows"]):
+        assert len(row) == people and shadow["num_users"] == plan["num_users"] == sum(row)
+        assert shadow["sample_rate"] == pytest.approx(plan["batch_size"] / sum(row))
+        assert abs(shadow["sample_rate"] - lira["lira_shadows"]["target"]["sample_rate"]) <= 0.5 / sum(row)
 
 
 @pytest.mark.slow
