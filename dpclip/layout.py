@@ -15,7 +15,7 @@ directory") and docs/accounting.md ("Threat model").
       search.json (a search's selected run)  report.html  tensorboard/
       checkpoints/LATEST  checkpoints/step_NNNNNN/{model.safetensors, model.json,
                                                    state.json, state.safetensors}
-      audit/canaries.json (secret)  audit/report.json  audit/roc.png  audit/shadows/
+      audit/canaries.json (secret)  audit/exposure.json (secret)  audit/report.json  audit/roc.png  audit/shadows/
     SEARCH_DIR/runs/<trial>/   (a search directory: its trials are run directories)
 """
 
@@ -51,6 +51,7 @@ CHECKPOINT_FILES = (STATE, STATE_TENSORS, MODEL_WEIGHTS)  # a complete checkpoin
 # --------------------------------------------------------------------- audit and search
 AUDIT = "audit"
 CANARIES = "canaries.json"        # under audit/: secret (which canaries were included)
+EXPOSURE = "exposure.json"        # under audit/: secret (the planted secrets of canary exposure)
 AUDIT_REPORT = "report.json"      # under audit/: audit-mia's result
 SHADOWS = "shadows"               # under audit/: LiRA's shadow runs
 ROC_PLOT = "roc.png"

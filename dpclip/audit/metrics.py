@@ -20,6 +20,8 @@ def dp_tpr_bound(fpr: np.ndarray, epsilon: float, delta: float) -> np.ndarray:
     (Kairouz, Oh, Viswanath 2015, the hypothesis-testing view of DP).
     """
     fpr = np.asarray(fpr, dtype=float)
+    if epsilon > 700:   # e^ε overflows a float: the bound allows every TPR (np.exp would warn, math raise)
+        return np.ones_like(fpr)
     first = math.exp(epsilon) * fpr + delta
     second = 1.0 - math.exp(-epsilon) * (1.0 - delta - fpr)
     return np.clip(np.minimum(first, second), 0.0, 1.0)

@@ -24,12 +24,14 @@ import torch
 from dpclip import layout
 from dpclip.accounting import Ledger
 from dpclip.audit.attacks import Outputs, logistic_attack, loss_attack, model_outputs
+from dpclip.audit.exposure import exposure_audit
 from dpclip.audit.lira import lira_scores, realised_plan, shadow_confidences, target_plan, train_shadows
 from dpclip.audit.metrics import attack_metrics, dp_tpr_bound
 from dpclip.audit.one_run import one_run_audit
 from dpclip.audit.plot import plot_roc
 from dpclip.data import load_data
 from dpclip.data.canaries import make_canaries, read_canary_secret
+from dpclip.data.exposure import stored_exposure
 from dpclip.errors import DpclipError
 from dpclip.files import write_json_atomic
 from dpclip.models import build_model
@@ -38,7 +40,7 @@ from dpclip.train.parts import canary_records
 from dpclip.train.rundir import check_ledger, load_run_recipe, planned_step
 from dpclip.train.searchdir import headline
 
-ATTACKS = ("loss", "logistic", "lira", "one-run")
+ATTACKS = ("loss", "logistic", "lira", "one-run", "exposure")
 CANARY_HINT = ("add canaries to the recipe and train again, e.g. `audit: {canaries: {count: 200, kind: ood}}` "
                "(or the override audit.canaries.count=200); each canary goes in with probability 1/2")
 
@@ -135,13 +137,22 @@ def _one_run(run_dir: Path, recipe, pool: Pool, model, loss_fn, delta: float, co
     return result
 
 
+def _exposure(run_dir: Path, recipe, pool: Pool, model, loss_fn, seed: int) -> dict:
+    if recipe.audit.exposure is None:
+        raise DpclipError(f"{run_dir} was trained without planted secrets, so there is no exposure to measure",
+                          "add audit: {exposure: {repetitions: [1, 4, 16]}} to a causal-LM recipe and train again")
+    exposure = stored_exposure(run_dir, recipe.audit.exposure)
+    return exposure_audit(model, loss_fn, exposure, pool.data.tokenizer, pool.data.input_shape[0],
+                          recipe.audit.exposure.candidates, seed)
+
+
 def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, bootstrap: int = 200,
           confidence: float = 0.95, shadow_observer: Callable[[int, int], Any] | None = None,
           write: bool = True) -> dict:
     """Run ``attacks`` against the run or checkpoint ``target``; return (and write) the report."""
     unknown = [a for a in attacks if a not in ATTACKS]
     if unknown:
-        raise DpclipError(f"unknown attack {unknown[0]!r}", "use loss, logistic, lira, one-run or all")
+        raise DpclipError(f"unknown attack {unknown[0]!r}", "use loss, logistic, lira, one-run, exposure or all")
     run_dir, checkpoint = resolve_target(target)
     recipe = load_run_recipe(run_dir)
     pool = build_pool(run_dir, recipe)
@@ -183,6 +194,8 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
                                        "models trained longer than it was")
         elif name == "one-run":
             report["one_run"] = _one_run(run_dir, recipe, pool, model, loss_fn, delta, confidence)
+        elif name == "exposure":
+            report["exposure"] = _exposure(run_dir, recipe, pool, model, loss_fn, seed)
     small = [r["non_members"] for r in report["attacks"].values() if r["non_members"] < 1000]
     if small:
         report["notes"].append(f"only {min(small)} non-members are scored: an FPR below 1/{min(small)} cannot be "
@@ -228,8 +241,9 @@ def _lira(run_dir, recipe, pool: Pool, target_confidence, shadows: int, seed: in
     At the user level a shadow trains on a random half of the people with all their records,
     and each person is scored once: the Gaussians are fitted to, and the target scored on, the
     mean φ over the person's scored records (docs/users.md)."""
-    if shadows < 1:
-        raise DpclipError("LiRA needs at least one shadow model", "pass --shadows N (16 or more for a strong attack)")
+    if shadows < 2:   # each example is in ⌊M/2⌋ shadows: one shadow would train on nothing
+        raise DpclipError(f"LiRA needs at least two shadow models, got {shadows}",
+                          "pass --shadows N (16 or more for a strong attack)")
     keep, dirs = train_shadows(run_dir, recipe, pool, shadows, seed, observer_for)
     attacked = pool.attacked
     shadow_values = shadow_confidences(dirs, pool)

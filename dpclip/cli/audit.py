@@ -18,6 +18,7 @@ class AttackChoice(str, Enum):
     logistic = "logistic"
     lira = "lira"
     one_run = "one-run"
+    exposure = "exposure"
     all = "all"
 
 
@@ -72,9 +73,18 @@ def _table(report: dict) -> None:
         console.print(f"  one-run audit: {one_run['correct']}/{one_run['guesses']} guesses right on "
                       f"{one_run['canaries']} {one_run['kind']} canaries → ε ≥ {one_run['epsilon_lower_bound']:.3f} "
                       f"at {100 * one_run['confidence']:.0f}% confidence, {verdict}", soft_wrap=True)
+    exposure = report.get("exposure")
+    if exposure:
+        planted = ", ".join(f"{row['exposure']:.1f} ({row['repetitions']}x{'' if row['how'] != 'extrapolated' else ', extrapolated'})"
+                            for row in exposure["planted"])
+        console.print(f"  canary exposure (bits, of at most {exposure['max_exposure']:.1f}; ranked among "
+                      f"{exposure['ranked']}): planted {planted}; {exposure['controls']['count']} never-planted "
+                      f"controls {fmt(exposure['controls']['mean_exposure'])} on average "
+                      f"(chance {exposure['chance']:.2f})", soft_wrap=True)
     for note in report["notes"]:
         console.print(f"  [yellow]note:[/] {note}", soft_wrap=True)
-    console.print(f"  report: {layout.audit_dir(report['run_dir']) / layout.AUDIT_REPORT}, plot: roc.png")
+    plot = f", plot: {layout.ROC_PLOT}" if report["attacks"] else ""
+    console.print(f"  report: {layout.audit_dir(report['run_dir']) / layout.AUDIT_REPORT}{plot}")
 
 
 def audit_mia(
@@ -95,10 +105,13 @@ def audit_mia(
       dpclip audit-mia runs/quickstart-20261121-101500 --attack lira --shadows 16
 
       dpclip audit-mia runs/canaries-20261121-101500/checkpoints/step_000600 --attack one-run --json
+
+      dpclip audit-mia runs/gpt2-tiny-text-20261126-101500 --attack exposure
     """
     from dpclip.audit import ATTACKS
     from dpclip.audit.report import audit
     from dpclip.data.canaries import read_canary_secret
+    from dpclip.data.exposure import read_exposure_secret
     from dpclip.errors import DpclipError
 
     chosen = [a.value for a in attack]
@@ -114,6 +127,8 @@ def audit_mia(
         if read_canary_secret(run_dir) is None:
             names.remove("one-run")
             notes.append("one-run audit skipped: the run has no canaries (add audit.canaries to the recipe)")
+        if read_exposure_secret(run_dir) is None:
+            names.remove("exposure")
     if bootstrap < 0:
         raise DpclipError(f"--bootstrap must be ≥ 0, got {bootstrap}", "e.g. --bootstrap 200")
     progress = None

@@ -164,6 +164,7 @@ _SECTIONS: list = [
                                 "\"Plots and logging\"."),
     ("audit", schema.Audit, ""),
     ("audit.canaries", schema.Canaries, ""),
+    ("audit.exposure", schema.Exposure, ""),
     ("tuning", schema.Tuning, ""),
     ("tuning.ranges.KEY", schema.RandomRange, ""),
     ("diagnostics", schema.Diagnostics, "Measured on private data they are exact and not covered by ε: "

@@ -30,6 +30,7 @@ from pydantic.fields import FieldInfo
 
 from dpclip.engine.policies import on_registry_change, policy_spec, policy_specs
 from dpclip.engine.policies.base import PositiveFloat, PositiveInt, UnitOpen
+from dpclip.recipe.audit import Audit, Canaries, Exposure, check_audit  # noqa: F401 (docs)
 from dpclip.recipe.mechanism import BandedMF, Blt, DpSgd, MechanismConfig  # noqa: F401 (docs)
 from dpclip.recipe.continual import AtSwitch, Continual, Diagnostics, SwitchRule, check_continual  # noqa: F401 (docs)
 from dpclip.recipe.section import Section
@@ -376,31 +377,6 @@ class Logging(Section):
                               "(diagnostics tagged not_covered_by_epsilon/); needs pip install 'dpclip[tensorboard]'")
 
 
-class Canaries(Section):
-    count: PositiveInt = Field(100, description="canaries made; each goes into the training set with prob 1/2")
-    kind: Literal["mislabel", "ood"] = Field(
-        "mislabel", description="mislabel: held-out examples with a wrong label; ood: uniform-noise inputs")
-    seed: Annotated[int, Field(ge=0)] | None = Field(
-        None, description="draws the canaries and their inclusion; default derived from the recipe seed")
-    domain: tuple[float, float] | None = Field(
-        None, description="ood: the PUBLIC [low, high] every feature is drawn in (in the model's feature units); "
-        "default: what a builtin data set declares (digits: [0, 1], grey levels 0..16 scaled by 1/16); "
-        "never taken from the private data")
-
-    @model_validator(mode="after")
-    def _domain_is_an_interval(self) -> Canaries:
-        if self.domain is not None:
-            low, high = self.domain
-            if not (math.isfinite(low) and math.isfinite(high) and low < high):
-                raise ValueError(f"audit.canaries.domain must be [low, high] with finite low < high, not {list(self.domain)}")
-        return self
-
-
-class Audit(Section):
-    canaries: Canaries | None = Field(
-        None, description="one-run audit canaries; the inclusion secret is kept in the run's audit/canaries.json")
-
-
 class Recipe(Section):
     """A dpclip recipe. See docs/recipes.md."""
 
@@ -441,6 +417,7 @@ class Recipe(Section):
             raise ValueError("model.kind 'cnn' needs images: set data.as_images: true")
         check_continual(self)
         check_users(self)
+        check_audit(self)
         return self
 
 

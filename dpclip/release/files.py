@@ -66,6 +66,8 @@ MANIFEST: tuple[Entry, ...] = (
     # ---------------------------------------------------------------- audit (dpclip/audit, dpclip/data/canaries.py)
     _run("audit/canaries.json", SECRET, "which canaries were trained on (the audit's answer key)",
          "dpclip train (audit.canaries)"),
+    _run("audit/exposure.json", SECRET, "the secrets planted in the training text and their OS entropy "
+         "(canary exposure's answer key)", "dpclip train (audit.exposure)"),
     _run("audit/report.json", LABELLED, "attack metrics and ROC curves, measured on private data",
          "dpclip audit-mia"),
     _run("audit/roc.png", LABELLED, "the attacks' ROC under the DP bound (titled not covered by ε)",

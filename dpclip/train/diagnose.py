@@ -116,7 +116,7 @@ def _set_up(target: Path, overrides: list[str]) -> tuple[RunParts, str, int]:
         recipe = resolve_recipe(None, target)[0]
         if recipe.training.parallel == "fsdp":  # measured in one process, on the whole model
             recipe = recipe.model_copy(update={"training": recipe.training.model_copy(update={"parallel": "data"})})
-        parts = assemble(recipe, resuming=True)
+        parts = assemble(recipe, resuming=True, run_dir=run.path)
         try:
             checkpoint = latest_checkpoint(run.path)
             if checkpoint is None:

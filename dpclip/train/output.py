@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dpclip.data.canaries import write_canary_secret
+from dpclip.data.exposure import write_exposure_secret
 from dpclip.errors import DpclipError
 from dpclip.files import write_json_atomic, write_text_atomic
 from dpclip.recipe import recipe_to_yaml
@@ -29,9 +30,10 @@ class RunOutput:
         # Records of steps after the resumed checkpoint that already left the process.
         self.replay: dict[tuple[str, int], dict[str, Any]] = {}
 
-    def create(self, recipe, ordinary, canaries, info: dict[str, Any], run_dir: Path | None) -> Path:
+    def create(self, recipe, ordinary, canaries, info: dict[str, Any], run_dir: Path | None,
+               exposure=None) -> Path:
         """A new run directory (``run_dir``, else a fresh one under the recipe's output_dir):
-        recipe.yaml, meta.json, plan.json, the canaries' secret, an empty metrics.jsonl."""
+        recipe.yaml, meta.json, plan.json, the canaries' and planted secrets, an empty metrics.jsonl."""
         run = RunDir.new_run(recipe) if run_dir is None else RunDir(run_dir)
         if run.recipe_file.exists():
             raise DpclipError(f"{run.path} already holds a run", "resume it with --resume, or choose a new folder")
@@ -42,6 +44,8 @@ class RunOutput:
         write_json_atomic(run.plan_file, public_plan_record(meta))
         if canaries is not None:
             write_canary_secret(run.path, canaries)
+        if exposure is not None:
+            write_exposure_secret(run.path, exposure)
         run.metrics_file.touch()
         self.run_dir = run.path
         return run.path

@@ -15,7 +15,9 @@ a checkpoint holds (:mod:`dpclip.train.state`).
 
 from __future__ import annotations
 
+import secrets as os_entropy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ import torch
 from dpclip.accounting import solve
 from dpclip.data import PoissonSampler, ShuffleSampler, load_data, select
 from dpclip.data.canaries import make_canaries, with_canaries
+from dpclip.data.exposure import draw_exposure, stored_exposure, with_exposure
 from dpclip.data.user_sampler import UserPoissonSampler
 from dpclip.distributed import ShardedPoissonSampler, ShardedShuffleSampler, World
 from dpclip.distributed.pipeline import PipelineStep, pipeline_engine, pipeline_input
@@ -52,8 +55,8 @@ TIMING_STATISTIC_SIGMA = 5.0
 class RunParts:
     """What a run is made of, built once by :func:`assemble` (module doc).
 
-    ``data`` is what the steps sample from (canaries included); ``ordinary`` the training
-    data before the canaries went in (N, the sampling rate's denominator, counts these).
+    ``data`` is what the steps sample from (canaries and planted secrets included); ``ordinary``
+    the training data before the canaries went in (N, the sampling rate's denominator, counts these).
     ``plan`` and ``solved`` are None only for :func:`assemble_for_timing`'s stand-in parts."""
 
     recipe: Recipe
@@ -75,6 +78,7 @@ class RunParts:
     diagnostics: Any = None    # the Hessian diagnostics recorder (dpclip.train.diagnostics)
     sigma_change: dict[str, Any] | None = None
     shards: Shards | None = None  # training.parallel: fsdp (dpclip.distributed.sharded)
+    exposure: Any = None       # the planted secrets of audit.exposure (dpclip.data.exposure), or None
 
     @property
     def split(self):
@@ -199,12 +203,13 @@ def build_sampler(recipe: Recipe, plan, num_train: int, world: World, seed: int 
 
 
 def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_recipe: Recipe | None = None,
-             resuming: bool = False) -> RunParts:
+             resuming: bool = False, run_dir: Path | None = None) -> RunParts:
     """The parts of a run of ``recipe``, in this order (the global RNG is seeded first, so the
     order matters): data, the ranks' agreement on it, model, privacy plan (canaries join the
     data after N is counted), engine, optimizer and step, sampler, continual schedule,
     diagnostics. ``file_recipe``: the recipe before key=value overrides (σ is compared with
-    its plan; not on a resume)."""
+    its plan; not on a resume). ``run_dir``: the run being resumed, whose planted secrets
+    (audit.exposure) are read back instead of drawn."""
     world = world or World()
     pipeline = recipe.training.parallel == "pipeline"
     ordinary = seeded_data(recipe, data)
@@ -223,6 +228,12 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
     if recipe.audit.canaries is not None:
         canaries = make_canaries(ordinary, recipe.audit.canaries, recipe.seed, records=canary_records(recipe))
         data = with_canaries(ordinary, canaries)
+    exposure = None
+    if recipe.audit.exposure is not None:
+        # Fresh OS entropy, never the recipe seed (dpclip.data.exposure); rank 0's for every rank.
+        exposure = (stored_exposure(run_dir, recipe.audit.exposure) if run_dir is not None
+                    else draw_exposure(recipe.audit.exposure, world.broadcast(os_entropy.randbits(128))))
+        data = with_exposure(data, exposure)
     solved = solve(plan)
     sigma_change = None if resuming else _sigma_change(file_recipe, recipe, privacy_units(recipe, ordinary), num_groups,
                                                        plan, solved)
@@ -248,7 +259,7 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
                                public_rows=None if continual is None or continual.public is None
                                else continual.public.train)
     return RunParts(recipe, world, data, ordinary, canaries, model, loss_fn, plan, solved, seed, engine, optimizer,
-                    schedule, private_step, sampler, continual, diagnostics, sigma_change, shards)
+                    schedule, private_step, sampler, continual, diagnostics, sigma_change, shards, exposure)
 
 
 def assemble_for_timing(recipe: Recipe, steps: int) -> RunParts:

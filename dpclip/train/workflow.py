@@ -55,7 +55,8 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
     resume = None if resume is None else Path(resume)
     # Across ranks: rank 0 resolves it, every rank checks it meant the same.
     recipe, resume_changes = agree_on_recipe(world, recipe, lambda: resolve_recipe(recipe, resume))
-    parts = assemble(recipe, data=data, world=world, file_recipe=file_recipe, resuming=resume is not None)
+    parts = assemble(recipe, data=data, world=world, file_recipe=file_recipe, resuming=resume is not None,
+                     run_dir=resume)
     check_logging(recipe)  # before the run directory exists
     info = parts.info(resume_changes)
     output = RunOutput(world.main, observer)
@@ -66,7 +67,8 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
     if resume is not None:
         checkpointer.resume(resume, resume_changes)
     else:
-        checkpointer.start(world.on_main(output.create, recipe, parts.ordinary, parts.canaries, info, run_dir))
+        checkpointer.start(world.on_main(output.create, recipe, parts.ordinary, parts.canaries, info, run_dir,
+                                         parts.exposure))
     output.write_ledger(state)
     if world.main:
         output.tensorboard = open_tensorboard(recipe, output.run_dir, parts.engine.group_names,

@@ -18,6 +18,12 @@ def test_dp_bound_never_exceeds_one_and_is_the_diagonal_at_epsilon_zero():
     assert np.allclose(dp_tpr_bound(fpr, 0.0, 0.0), fpr)
 
 
+def test_dp_bound_of_a_barely_noised_run_allows_every_tpr_without_overflow():
+    # σ = 0.01 gives ε in the thousands: e^ε overflows a float (it raised in the ROC plot)
+    assert dp_tpr_bound(np.array([0.0, 1e-3, 0.5]), 5e4, 1e-5).tolist() == [1.0, 1.0, 1.0]
+    assert dp_tpr_bound(np.array([1e-3]), 699.0, 1e-5)[0] == 1.0
+
+
 def test_null_auc_standard_error_for_1000_and_1000():
     assert null_auc_std(1000, 1000) == pytest.approx(0.013, abs=5e-4)
 

@@ -59,6 +59,14 @@ def test_one_run_without_canaries_explains_how_to_add_them(cli, plain_run):
     assert "Traceback" not in result.err
 
 
+def test_exposure_without_planted_secrets_and_lira_with_one_shadow_are_refused_with_a_hint(cli, plain_run):
+    result = cli("audit-mia", plain_run, "--attack", "exposure")
+    assert result.code == 2 and "without planted secrets" in result.err and "audit: {exposure" in result.err
+    result = cli("audit-mia", plain_run, "--attack", "lira", "--shadows", "1")
+    assert result.code == 2 and "at least two shadow models" in result.err and "hint:" in result.err
+    assert "Traceback" not in result.err
+
+
 def test_a_checkpoint_directory_is_audited_with_its_own_ledger(cli, plain_run):
     run = plain_run
     final = json.loads(cli("audit-mia", run, "--attack", "loss", "--bootstrap", "0", "--json").out)

@@ -68,6 +68,7 @@ def test_every_file_of_a_run_with_every_output_report_audit_and_export_is_in_the
 def test_the_secret_files_of_a_run_are_classed_secret_and_the_weights_released():
     assert release.classify("meta.json").release == release.SECRET
     assert release.classify("audit/canaries.json").release == release.SECRET
+    assert release.classify("audit/exposure.json").release == release.SECRET
     assert release.classify("checkpoints/step_000004/state.json").release == release.SECRET
     assert release.classify("checkpoints/step_000004/state.safetensors").release == release.SECRET
     assert release.classify("audit/shadows/shadow_000/checkpoints/step_000002/model.safetensors").release \
