@@ -4,7 +4,8 @@
 - logistic regression on (logits, loss), the pre-training paper's attack (§5.4, B.4):
   fit on one half of the members and non-members, score the other half.
 
-LiRA lives in :mod:`dpclip.audit.lira`, the one-run audit in :mod:`dpclip.audit.one_run`.
+LiRA lives in :mod:`dpclip.audit.lira`, RMIA in :mod:`dpclip.audit.rmia`, the one-run audit in
+:mod:`dpclip.audit.one_run`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Members and non-members are rebuilt from the run directory alone: the recipe rel
 data with the run's seed, and the split's fingerprint must match the one in meta.json.
 The model is loaded from safetensors (never a pickle), the ε and δ to compare with come
 from the checkpoint's own ledger state, and the audit writes only under ``RUN/audit/``:
-``report.json``, ``roc.png`` and, for LiRA, ``shadows/``. ledger.json is never written.
+``report.json``, ``roc.png`` and, for LiRA and RMIA, ``shadows/``. ledger.json is never written.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dpclip.audit.lira import lira_scores, realised_plan, shadow_confidences, ta
 from dpclip.audit.metrics import attack_metrics, dp_tpr_bound
 from dpclip.audit.one_run import one_run_audit
 from dpclip.audit.plot import plot_roc
+from dpclip.audit.rmia import DEFAULT_GAMMA, DEFAULT_OFFLINE_A, label_probability, rmia_scores
 from dpclip.data import load_data
 from dpclip.data.canaries import make_canaries, read_canary_secret
 from dpclip.data.exposure import stored_exposure
@@ -40,7 +41,7 @@ from dpclip.train.parts import canary_records
 from dpclip.train.rundir import check_ledger, load_run_recipe, planned_step
 from dpclip.train.searchdir import headline
 
-ATTACKS = ("loss", "logistic", "lira", "one-run", "exposure")
+ATTACKS = ("loss", "logistic", "lira", "rmia", "one-run", "exposure")
 CANARY_HINT = ("add canaries to the recipe and train again, e.g. `audit: {canaries: {count: 200, kind: ood}}` "
                "(or the override audit.canaries.count=200); each canary goes in with probability 1/2")
 
@@ -152,7 +153,8 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
     """Run ``attacks`` against the run or checkpoint ``target``; return (and write) the report."""
     unknown = [a for a in attacks if a not in ATTACKS]
     if unknown:
-        raise DpclipError(f"unknown attack {unknown[0]!r}", "use loss, logistic, lira, one-run, exposure or all")
+        raise DpclipError(f"unknown attack {unknown[0]!r}",
+                          "use loss, logistic, lira, rmia, one-run, exposure or all")
     run_dir, checkpoint = resolve_target(target)
     recipe = load_run_recipe(run_dir)
     pool = build_pool(run_dir, recipe)
@@ -187,11 +189,12 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
             attacks_lira, report["lira_shadows"] = _lira(run_dir, recipe, pool, outputs.confidence, shadows, seed,
                                                          bootstrap, shadow_observer)
             report["attacks"].update(attacks_lira)
-            trained_steps = report["lira_shadows"]["target"]["steps"]
-            if report["step"] != trained_steps:
-                report["notes"].append(f"the shadow models imitate the whole run ({trained_steps} steps), but the "
-                                       f"audited checkpoint is at step {report['step']}: LiRA compares it with "
-                                       "models trained longer than it was")
+            _note_shadow_steps(report, "LiRA")
+        elif name == "rmia":
+            attacks_rmia, report["lira_shadows"] = _rmia(run_dir, recipe, pool, outputs.confidence, shadows, seed,
+                                                         bootstrap, shadow_observer)
+            report["attacks"].update(attacks_rmia)
+            _note_shadow_steps(report, "RMIA")
         elif name == "one-run":
             report["one_run"] = _one_run(run_dir, recipe, pool, model, loss_fn, delta, confidence)
         elif name == "exposure":
@@ -263,6 +266,48 @@ def _lira(run_dir, recipe, pool: Pool, target_confidence, shadows: int, seed: in
         result = attack_metrics(members, values, bootstrap=bootstrap, seed=seed)
         result["shadows"] = shadows
         out[f"lira-{variant}"] = result
+    imitation = {"target": target_plan(run_dir), "shadows": [realised_plan(d) for d in dirs]}
+    return out, imitation
+
+
+def _note_shadow_steps(report: dict, attack: str) -> None:
+    trained_steps = report["lira_shadows"]["target"]["steps"]
+    if report["step"] != trained_steps:
+        report["notes"].append(f"the shadow models imitate the whole run ({trained_steps} steps), but the "
+                               f"audited checkpoint is at step {report['step']}: {attack} compares it with "
+                               "models trained longer than it was")
+
+
+def _rmia(run_dir, recipe, pool: Pool, target_confidence, shadows: int, seed: int, bootstrap: int,
+          observer_for) -> tuple[dict, dict]:
+    """(the two RMIA results, the shadows' imitation record as for LiRA).
+
+    The reference models are LiRA's shadows (trained here only if no LiRA audit left them);
+    the population is the scored non-members. At the user level Pr(x|θ) of a person is the
+    mean of their scored records' probabilities, and people are the unit of keep and of the
+    population."""
+    if shadows < 1:
+        raise DpclipError("RMIA needs at least one reference (shadow) model", "pass --shadows N (2 or more)")
+    keep, dirs = train_shadows(run_dir, recipe, pool, shadows, seed, observer_for)
+    attacked = pool.attacked
+    task = pool.data.task
+    target = label_probability(target_confidence[attacked], task)
+    references = label_probability(shadow_confidences(dirs, pool)[:, attacked], task)
+    members = pool.is_member[attacked]
+    if recipe.privacy.unit == "user":
+        people = pool.people[attacked]
+        inverse = np.unique(people, return_inverse=True)[1]
+        target, references = person_mean(target, inverse), person_mean(references, inverse)
+        keep = keep[:, np.unique(people)]   # the people with a scored record, in that order
+        members = (np.bincount(inverse, weights=members, minlength=len(target)) > 0).astype(int)
+    else:
+        keep = keep[:, attacked]
+    out = {}
+    for variant, values in rmia_scores(target, references, keep, members == 0).items():
+        result = attack_metrics(members, values, bootstrap=bootstrap, seed=seed)
+        result.update(shadows=shadows, population=int((members == 0).sum()), gamma=DEFAULT_GAMMA,
+                      offline_a=DEFAULT_OFFLINE_A)
+        out[f"rmia-{variant}"] = result
     imitation = {"target": target_plan(run_dir), "shadows": [realised_plan(d) for d in dirs]}
     return out, imitation
 

@@ -17,6 +17,7 @@ class AttackChoice(str, Enum):
     loss = "loss"
     logistic = "logistic"
     lira = "lira"
+    rmia = "rmia"
     one_run = "one-run"
     exposure = "exposure"
     all = "all"
@@ -91,7 +92,8 @@ def audit_mia(
     target: Path = typer.Argument(..., help="A run directory, or one of its checkpoints/step_NNNNNN folders."),
     attack: list[AttackChoice] = typer.Option([AttackChoice.all], "--attack", "-a",
                                               help="Attack(s) to run; repeat the option for several."),
-    shadows: int = typer.Option(8, "--shadows", help="LiRA: shadow models trained from the run's recipe."),
+    shadows: int = typer.Option(8, "--shadows", help="LiRA and RMIA: shadow models trained from the run's recipe "
+                                "(shared: RMIA's reference models are LiRA's shadows)."),
     seed: int = typer.Option(0, "--seed", help="Seeds the attack's splits, bootstrap and shadow subsets."),
     bootstrap: int = typer.Option(200, "--bootstrap", help="Bootstrap rounds of the AUC interval (0: none)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON (no table, no progress bar)."),
@@ -103,6 +105,8 @@ def audit_mia(
       dpclip audit-mia runs/quickstart-20261121-101500 --attack loss --attack logistic
 
       dpclip audit-mia runs/quickstart-20261121-101500 --attack lira --shadows 16
+
+      dpclip audit-mia runs/quickstart-20261121-101500 --attack rmia --shadows 2
 
       dpclip audit-mia runs/canaries-20261121-101500/checkpoints/step_000600 --attack one-run --json
 
@@ -133,7 +137,7 @@ def audit_mia(
         raise DpclipError(f"--bootstrap must be ≥ 0, got {bootstrap}", "e.g. --bootstrap 200")
     progress = None
     observer_for = None
-    if "lira" in names and not as_json:
+    if {"lira", "rmia"} & set(names) and not as_json:
         progress = Progress(TextColumn("{task.description}"), BarColumn(bar_width=16), MofNCompleteColumn(),
                             TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console)
         progress.start()

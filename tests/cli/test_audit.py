@@ -81,7 +81,8 @@ def test_all_attacks_show_a_table_and_shadows_are_reused(cli, tiny_run):
     run = tiny_run("audit.canaries.count=40", "audit.canaries.kind=mislabel")
     result = cli("audit-mia", run, "--shadows", "2", "--bootstrap", "20")
     assert result.code == 0, result.err
-    for text in ("loss", "logistic", "lira-online", "lira-offline", "DP bound", "one-run audit"):
+    for text in ("loss", "logistic", "lira-online", "lira-offline", "rmia-online", "rmia-offline", "DP bound",
+                 "one-run audit"):
         assert text in result.out
     shadows = run / "audit" / "shadows"
     assert (shadows / "keep.json").exists()
