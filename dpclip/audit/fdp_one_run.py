@@ -70,7 +70,7 @@ from scipy.special import log_ndtr, ndtr, ndtri
 
 
 def gaussian_tradeoff(alpha, mu: float):
-    """f_μ(α) = Φ(Φ⁻¹(1 − α) − μ) (Dong, Roth, Su, "Gaussian Differential Privacy", eq. 2.4)."""
+    """f_μ(α) = Φ(Φ⁻¹(1 − α) − μ): the trade-off curve of N(0, 1) against N(μ, 1) (GDP paper)."""
     return ndtr(ndtri(1.0 - np.asarray(alpha, dtype=float)) - mu)
 
 
