@@ -11,6 +11,9 @@ with accuracy p = e^ε / (1 + e^ε) gives, up to the δ term (the paper's Theore
 
 The ε lower bound at confidence 1 − α is the largest ε for which this p-value is still
 below α: any smaller ε is rejected by the observed v.
+
+:func:`one_run_audit` also reports, from the same guesses, the f-DP bound of
+:mod:`dpclip.audit.fdp_one_run` (a Gaussian trade-off curve; under ``"fdp"``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import math
 
 import numpy as np
 from scipy.stats import binom
+
+from dpclip.audit.fdp_one_run import gdp_epsilon, mu_lower_bound
 
 
 def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
@@ -67,6 +72,10 @@ def one_run_audit(scores: np.ndarray, included: np.ndarray, delta: float, confid
 
     Several guess counts k are tried; to keep the overall confidence, each is tested at
     level α / (number of k's) (Bonferroni), and the best bound is reported.
+
+    ``"fdp"`` holds the f-DP bound (Mahloujifar, Melis, Chaudhuri 2024) of the same
+    guesses at the same levels: the largest μ-GDP the counts reject and its ε at ``delta``
+    (:mod:`dpclip.audit.fdp_one_run`), for the k whose μ is largest.
     """
     scores = np.asarray(scores, dtype=float)
     included = np.asarray(included, dtype=bool)
@@ -81,9 +90,18 @@ def one_run_audit(scores: np.ndarray, included: np.ndarray, delta: float, confid
         tried.append({"k": k, "guesses": 2 * k, "correct": correct,
                       "epsilon_lower_bound": epsilon_lower_bound(m, 2 * k, correct, delta, alpha)})
     best = max(tried, key=lambda t: t["epsilon_lower_bound"]) if tried else None
+    fdp_tried = [{"k": t["k"], "guesses": t["guesses"], "correct": t["correct"],
+                  "mu_lower_bound": mu_lower_bound(m, t["guesses"], t["correct"], alpha)} for t in tried]
+    fdp_best = max(fdp_tried, key=lambda t: t["mu_lower_bound"]) if fdp_tried else None
+    fdp_mu = fdp_best["mu_lower_bound"] if fdp_best else 0.0
     return {
         "canaries": m, "included": int(included.sum()), "confidence": confidence, "delta": delta,
         "epsilon_lower_bound": best["epsilon_lower_bound"] if best else 0.0,
         "guesses": best["guesses"] if best else 0, "correct": best["correct"] if best else 0,
         "tried": tried,
+        "fdp": {
+            "curve": "gaussian", "mu_lower_bound": fdp_mu, "epsilon_lower_bound": gdp_epsilon(fdp_mu, delta),
+            "guesses": fdp_best["guesses"] if fdp_best else 0, "correct": fdp_best["correct"] if fdp_best else 0,
+            "tried": fdp_tried,
+        },
     }
