@@ -216,26 +216,44 @@ def shadow_confidences(dirs: list[Path], pool) -> np.ndarray:
     return np.stack(rows)
 
 
-def _fit(values: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-example mean and std of ``values`` [M, n] where ``mask``; pooled std with few shadows."""
+def _fit(values: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per-example mean and std of ``values`` [M, n] where ``mask``; pooled std with few
+    shadows; std None when no example has two observations on this side (pooling has no
+    degree of freedom: two shadows give each example one "in" and one "out")."""
     counts = mask.sum(axis=0)
     safe = np.maximum(counts, 1)
     mean = np.where(mask, values, 0.0).sum(axis=0) / safe
     deviation = np.where(mask, values - mean, 0.0)
     if counts.min() >= PER_EXAMPLE_VARIANCE_MIN:
-        std = np.sqrt((deviation ** 2).sum(axis=0) / (counts - 1))
-    else:
-        pooled = (deviation ** 2).sum() / max(int((counts - 1).clip(min=0).sum()), 1)
-        std = np.full(values.shape[1], np.sqrt(pooled))
-    return mean, np.maximum(std, 1e-6)
+        return mean, np.maximum(np.sqrt((deviation ** 2).sum(axis=0) / (counts - 1)), 1e-6)
+    freedom = int((counts - 1).clip(min=0).sum())
+    if freedom == 0:
+        return mean, None
+    return mean, np.full(values.shape[1], max(np.sqrt((deviation ** 2).sum() / freedom), 1e-6))
+
+
+def gaussians(shadows: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(μ_in, σ_in, μ_out, σ_out) per example from the shadows' φ [M, n] (module doc).
+
+    Where a side has no degree of freedom for its variance, both sides are taken to share
+    one σ, estimated from the examples seen on both sides: Var(φ_in − φ_out) = 2σ² around
+    the mean gap."""
+    mu_in, sd_in = _fit(shadows, keep)
+    mu_out, sd_out = _fit(shadows, ~keep)
+    if sd_in is None or sd_out is None:
+        both = (keep.sum(axis=0) > 0) & ((~keep).sum(axis=0) > 0)
+        gap = (mu_in - mu_out)[both]
+        shared = max(float(np.sqrt(np.var(gap, ddof=1) / 2)) if gap.size > 1 else 1.0, 1e-6)
+        sd_in = np.full(shadows.shape[1], shared) if sd_in is None else sd_in
+        sd_out = np.full(shadows.shape[1], shared) if sd_out is None else sd_out
+    return mu_in, sd_in, mu_out, sd_out
 
 
 def lira_scores(target: np.ndarray, shadows: np.ndarray, keep: np.ndarray) -> dict[str, np.ndarray]:
     """Online and offline LiRA scores of the target's confidences ``target`` [n] (module doc)."""
-    mu_in, sd_in = _fit(shadows, keep)
-    mu_out, sd_out = _fit(shadows, ~keep)
+    mu_in, sd_in, mu_out, sd_out = gaussians(shadows, keep)
     no_in = keep.sum(axis=0) == 0
-    if no_in.any():  # a single shadow: no "in" fit for some examples, shift the "out" fit by the mean gap
+    if no_in.any():  # no "in" fit for some examples: shift the "out" fit by the mean gap
         gap = np.mean(mu_in[~no_in] - mu_out[~no_in]) if (~no_in).any() else 0.0
         mu_in = np.where(no_in, mu_out + gap, mu_in)
     online = norm.logpdf(target, mu_in, sd_in) - norm.logpdf(target, mu_out, sd_out)

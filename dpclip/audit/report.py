@@ -208,6 +208,8 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
         if report["flagged"]:
             report["notes"].append("the empirical ε lower bound exceeds the ledger's ε: the run leaks more "
                                    "than its accounting allows (a privacy bug, or a wrong ledger)")
+    # What the ledger's (ε, δ) allows any attack, for the tables of audit-mia and `dpclip report`.
+    report["ledger"]["tpr_bound"] = {"fpr_0.1%": dp_bound_at(report, 0.001), "fpr_1%": dp_bound_at(report, 0.01)}
     if write:
         folder = layout.audit_dir(run_dir)
         folder.mkdir(exist_ok=True)

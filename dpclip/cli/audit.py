@@ -74,6 +74,11 @@ def _table(report: dict) -> None:
         console.print(f"  one-run audit: {one_run['correct']}/{one_run['guesses']} guesses right on "
                       f"{one_run['canaries']} {one_run['kind']} canaries → ε ≥ {one_run['epsilon_lower_bound']:.3f} "
                       f"at {100 * one_run['confidence']:.0f}% confidence, {verdict}", soft_wrap=True)
+        fdp = one_run.get("fdp")
+        if fdp:
+            console.print(f"  f-DP one-run audit (Gaussian trade-off curve): {fdp['correct']}/{fdp['guesses']} right "
+                          f"→ μ ≥ {fdp['mu_lower_bound']:.3f}, ε ≥ {fmt(fdp['epsilon_lower_bound'])} "
+                          "(a lower bound if the curve is Gaussian)", soft_wrap=True)
     exposure = report.get("exposure")
     if exposure:
         planted = ", ".join(f"{row['exposure']:.1f} ({row['repetitions']}x{'' if row['how'] != 'extrapolated' else ', extrapolated'})"

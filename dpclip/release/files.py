@@ -72,8 +72,8 @@ MANIFEST: tuple[Entry, ...] = (
          "dpclip audit-mia"),
     _run("audit/roc.png", LABELLED, "the attacks' ROC under the DP bound (titled not covered by ε)",
          "dpclip audit-mia"),
-    _run("audit/shadows/**", SECRET, "LiRA's shadow runs (run directories on private subsets) and keep.json, "
-         "each shadow's membership", "dpclip audit-mia --attack lira"),
+    _run("audit/shadows/**", SECRET, "LiRA's and RMIA's shadow runs (run directories on private subsets) and "
+         "keep.json, each shadow's membership", "dpclip audit-mia --attack lira|rmia"),
     # ---------------------------------------------------------------- search (dpclip/tuning/search.py)
     Entry(SEARCH, "ledger.json", RELEASED, "the search's one repeat-and-select event", "dpclip tune-cost --run"),
     Entry(SEARCH, "summary.json", RELEASED, "the search's ε, statement and the selected run (no exact scores)",

@@ -110,16 +110,62 @@ def run_plots(run_dir: Path, selected_by: dict[str, Any] | None = None) -> list[
     return plots
 
 
-def _audit_rows(run_dir: Path) -> list[dict[str, Any]]:
+def _audit(run_dir: Path) -> dict[str, Any] | None:
+    """The run's audit/report.json (dpclip audit-mia), or None when it has none or it is unreadable."""
     path = layout.audit_dir(run_dir) / layout.AUDIT_REPORT
     if not path.exists():
-        return []
+        return None
     try:
         report = read_json(path)
-        return [{"attack": name, "auc": r["auc"], "tpr_at_1%_fpr": r["tpr_at_1%_fpr"]}
-                for name, r in report.get("attacks", {}).items()]
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return []
+        return report if isinstance(report, dict) else None
+    except ValueError:
+        return None
+
+
+def _audit_html(report: dict[str, Any]) -> list[str]:
+    """The attacks compared on one run: a row per attack, the ledger's bound under them, the
+    one-run audits' ε lower bounds beside the ledger's ε, and the canary exposure."""
+    e = html.escape
+    ledger = report.get("ledger", {})
+    out = [f'<h2>Membership-inference audit <span class="nc">({NOT_COVERED})</span></h2>',
+           f"<p>{e(str(report.get('checkpoint', '')))}, step {e(_fmt(report.get('step')))}; the ledger's "
+           f"ε = {e(_fmt(ledger.get('epsilon')))} at δ = {e(_fmt(ledger.get('delta')))}</p>"]
+    attacks = report.get("attacks", {})
+    if attacks:
+        out.append("<table><tr><th>attack</th><th>AUC [95% CI]</th><th>TPR at 0.1% FPR</th><th>TPR at 1% FPR</th>"
+                   "<th>members / non-members</th></tr>")
+        for name, r in attacks.items():
+            low, high = (r.get("auc_ci95") or [None, None])[:2]
+            ci = f" [{_fmt(low)}, {_fmt(high)}]" if low is not None else ""
+            out.append(f"<tr><td>{e(name)}</td><td>{_fmt(r.get('auc'))}{ci}</td>"
+                       f"<td>{_fmt(r.get('tpr_at_0.1%_fpr'))}</td><td>{_fmt(r.get('tpr_at_1%_fpr'))}</td>"
+                       f"<td>{e(_fmt(r.get('members')))} / {e(_fmt(r.get('non_members')))}</td></tr>")
+        bound = ledger.get("tpr_bound")
+        if bound:
+            out.append(f"<tr><td><i>what the ledger allows</i></td><td></td><td>≤ {_fmt(bound.get('fpr_0.1%'))}</td>"
+                       f"<td>≤ {_fmt(bound.get('fpr_1%'))}</td><td></td></tr>")
+        out.append("</table>")
+    one_run = report.get("one_run")
+    if one_run:
+        items = [f"Steinke et al. (any trade-off curve): {one_run.get('correct')}/{one_run.get('guesses')} right → "
+                 f"ε ≥ {_fmt(one_run.get('epsilon_lower_bound'))}"]
+        fdp = one_run.get("fdp")
+        if fdp:
+            items.append(f"f-DP, Gaussian curve: {fdp.get('correct')}/{fdp.get('guesses')} right → μ ≥ "
+                         f"{_fmt(fdp.get('mu_lower_bound'))}, ε ≥ {_fmt(fdp.get('epsilon_lower_bound'))}")
+        verdict = "exceeds the ledger's ε: a privacy bug, or a wrong ledger" if report.get("flagged") \
+            else "within the ledger's ε"
+        out.append(f"<p>One-run audit on {e(_fmt(one_run.get('canaries')))} canaries ({verdict}):</p><ul>"
+                   + "".join(f"<li>{e(item)}</li>" for item in items) + "</ul>")
+    exposure = report.get("exposure")
+    if exposure:
+        planted = ", ".join(f"{_fmt(row.get('exposure'))} bits ({row.get('repetitions')}x)"
+                            for row in exposure.get("planted", []))
+        controls = exposure.get("controls", {})
+        out.append(f"<p>Canary exposure (of at most {_fmt(exposure.get('max_exposure'))} bits): planted {e(planted)}; "
+                   f"{e(_fmt(controls.get('count')))} never-planted controls {_fmt(controls.get('mean_exposure'))} "
+                   f"on average (chance {_fmt(exposure.get('chance'))}).</p>")
+    return out
 
 
 def _fmt(value: Any) -> str:
@@ -129,7 +175,7 @@ def _fmt(value: Any) -> str:
 
 
 def report_html(summary: dict[str, Any], plots: list[tuple[str, str, bytes]],
-                audit_rows: list[dict[str, Any]] | None = None) -> str:
+                audit: dict[str, Any] | None = None) -> str:
     """One self-contained HTML page (PNG images embedded as base64)."""
     e = html.escape
     rows = [("run", summary["run_dir"]), ("steps", f"{summary['steps_done']} of {summary['steps_planned']}"),
@@ -158,12 +204,8 @@ def report_html(summary: dict[str, Any], plots: list[tuple[str, str, bytes]],
     parts.append("<h2>Privacy statement</h2><ul>")
     parts += [f"<li>{e(line)}</li>" for line in summary["statement"]]
     parts.append("</ul>")
-    if audit_rows:
-        parts.append(f'<h2>Membership-inference audit <span class="nc">({NOT_COVERED})</span></h2><table>'
-                     "<tr><th>attack</th><th>AUC</th><th>TPR at 1% FPR</th></tr>")
-        parts += [f"<tr><td>{e(r['attack'])}</td><td>{_fmt(r['auc'])}</td><td>{_fmt(r['tpr_at_1%_fpr'])}</td></tr>"
-                  for r in audit_rows]
-        parts.append("</table>")
+    if audit:
+        parts += _audit_html(audit)
     parts.append("<h2>Plots</h2>")
     for title, caption, data in plots:
         encoded = base64.b64encode(data).decode("ascii")
@@ -186,6 +228,6 @@ def write_report(run_dir: Path, out: Path | None = None) -> tuple[dict[str, Any]
         raise DpclipError(f"{out} is a folder", "pass a file name for --out, e.g. --out report.html")
     if not out.parent.is_dir():
         raise DpclipError(f"{out.parent} does not exist", "create the folder first, or choose another --out")
-    page = report_html(summary, run_plots(path, summary["selected_by_search"]), _audit_rows(path))
+    page = report_html(summary, run_plots(path, summary["selected_by_search"]), _audit(path))
     write_text_atomic(out, page)
     return summary, out

@@ -116,3 +116,25 @@ def test_a_user_level_shadow_plan_counts_people_for_its_rate():
     plan = shadow_plan({"sample_rate": 8 / 48, "steps": 6, "noise_multiplier": 1.1}, num_train=130, num_users=24)
     assert plan["batch_size"] == 4 and plan["sample_rate"] == 4 / 24
     assert plan["num_users"] == 24 and plan["num_train"] == 130
+
+
+def test_two_shadows_still_fit_a_variance_and_do_not_saturate_the_offline_score():
+    """Two shadows give each example one "in" and one "out" observation: no degree of freedom
+    for a pooled variance (it was 0, floored at 1e-6, and the offline scores tied at the top).
+    The shared σ from Var(φ_in − φ_out) = 2σ² recovers the world's 0.5: over 400 examples its
+    standard error is about 0.5/sqrt(2·400) = 0.018, so within 0.07 (4 standard errors)."""
+    from dpclip.audit.lira import gaussians
+
+    rng = np.random.default_rng(0)
+    n = 400
+    difficulty = rng.normal(0, 3, size=n)
+    keep = shadow_keep(2, n, seed=0)
+    observed = difficulty + keep + rng.normal(0, 0.5, size=(2, n))
+    _, sd_in, _, sd_out = gaussians(observed, keep)
+    assert np.allclose(sd_in, sd_in[0]) and np.allclose(sd_out, sd_in[0])
+    assert abs(sd_in[0] - 0.5) < 0.07
+    member = rng.random(n) < 0.5
+    target = difficulty + member + rng.normal(0, 0.5, size=n)
+    offline = lira_scores(target, observed, keep)["offline"]
+    assert len(np.unique(offline)) > 0.99 * n            # no saturation into ties
+    assert roc_auc_score(member, offline) > 0.6

@@ -72,3 +72,25 @@ def test_report_of_a_folder_that_is_not_a_run_is_an_error_with_a_hint(cli, tmp_p
     assert "Traceback" not in result.err
     missing = cli("report", tmp_path / "nope")
     assert missing.code == 2 and "hint:" in missing.err
+
+
+def test_the_report_page_compares_every_attack_under_the_ledgers_bound_with_both_one_run_bounds():
+    from dpclip.train.report import _audit_html
+
+    audit = {"checkpoint": "step_000600", "step": 600, "ledger": {"epsilon": 1.0, "delta": 1e-5,
+                                                                  "tpr_bound": {"fpr_0.1%": 0.0027, "fpr_1%": 0.0272}},
+             "attacks": {name: {"auc": auc, "auc_ci95": [auc - 0.01, auc + 0.01], "tpr_at_0.1%_fpr": 0.001,
+                                "tpr_at_1%_fpr": 0.012, "members": 899, "non_members": 898}
+                         for name, auc in (("loss", 0.51), ("lira-online", 0.53), ("rmia-online", 0.54))},
+             "one_run": {"canaries": 200, "correct": 61, "guesses": 100, "epsilon_lower_bound": 0.0,
+                         "fdp": {"correct": 61, "guesses": 100, "mu_lower_bound": 0.12, "epsilon_lower_bound": 0.31}},
+             "flagged": False,
+             "exposure": {"max_exposure": 16.6, "chance": 1.4427, "planted": [{"repetitions": 16, "exposure": 2.5}],
+                          "controls": {"count": 16, "mean_exposure": 1.3}}}
+    page = "\n".join(_audit_html(audit))
+    for name in ("loss", "lira-online", "rmia-online"):
+        assert f"<td>{name}</td>" in page
+    assert "≤ 0.0027" in page and "≤ 0.0272" in page          # the ledger's bound under the attacks
+    assert "ε ≥ 0" in page and "μ ≥ 0.12, ε ≥ 0.31" in page and "within the ledger's ε" in page
+    assert "2.5 bits (16x)" in page and "16 never-planted controls 1.3" in page
+    assert "not covered by ε" in page
