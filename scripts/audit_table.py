@@ -6,7 +6,9 @@ Three runs of one recipe (an MLP on scikit-learn's digits, half the data held ou
 out-of-distribution canaries): non-DP (the engine's noise removed with the test seam
 tests/audit/seam.py's scaled_noise(0) and clipping at 100, i.e. effectively off), DP at
 ε = 8 and DP at ε = 1. Each run is audited with every attack; LiRA trains --shadows
-shadow models per run. Prints a markdown table; takes about 20 minutes on one thread.
+shadow models per run, which RMIA reuses as its reference models. Prints two markdown
+tables (the attacks side by side; both one-run ε lower bounds against the ledger) and
+writes the rows to OUT/audit-table.json; takes about 20 minutes on one thread.
 """
 
 from __future__ import annotations
@@ -42,20 +44,23 @@ def main() -> None:
     parser.add_argument("--shadows", type=int, default=16)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "audit-table")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="20 steps, 2 shadows, no bootstrap: checks the script")
     args = parser.parse_args()
+    base = [*BASE, "training.steps=20"] if args.smoke else BASE
+    shadows, bootstrap = (2, 0) if args.smoke else (args.shadows, 200)
     torch.set_num_threads(1)
     rows = []
     for label, noise, overrides in SETTINGS:
         started = time.time()
         name = "audit-" + label.split(" ")[0].lower().replace(",", "") + "-" + overrides[0].split("=")[1]
         recipe = load_recipe(REPO / "recipes" / "quickstart.yaml",
-                             [f"output_dir={args.out}", f"name={name}", f"seed={args.seed}", *BASE, *overrides])
+                             [f"output_dir={args.out}", f"name={name}", f"seed={args.seed}", *base, *overrides])
         # The shadows must be trained the way the target was, so the seam covers both.
         seam = scaled_noise(0.0) if noise == 0.0 else contextlib.nullcontext()
         with seam:
             result = train(recipe)
-            report = audit(result.run_dir, ["loss", "logistic", "lira", "one-run"], shadows=args.shadows,
-                           seed=args.seed, bootstrap=200)
+            report = audit(result.run_dir, ["loss", "logistic", "lira", "rmia", "one-run"], shadows=shadows,
+                           seed=args.seed, bootstrap=bootstrap)
         attacks = report["attacks"]
         rows.append({
             "setting": label, "accuracy": result.final_eval.get("accuracy"),
@@ -65,24 +70,41 @@ def main() -> None:
             "lira_offline_auc": attacks["lira-offline"]["auc"],
             "lira_tpr_1": attacks["lira-online"]["tpr_at_1%_fpr"],
             "lira_tpr_01": attacks["lira-online"]["tpr_at_0.1%_fpr"],
+            "rmia_auc": attacks["rmia-online"]["auc"], "rmia_offline_auc": attacks["rmia-offline"]["auc"],
+            "rmia_tpr_1": attacks["rmia-online"]["tpr_at_1%_fpr"],
+            "rmia_tpr_01": attacks["rmia-online"]["tpr_at_0.1%_fpr"],
+            "loss_tpr_01": attacks["loss"]["tpr_at_0.1%_fpr"],
             "null_std": attacks["loss"]["auc_null_std"],
             "eps_lb": report["one_run"]["epsilon_lower_bound"],
+            "fdp_eps_lb": report["one_run"]["fdp"]["epsilon_lower_bound"],
+            "fdp_mu_lb": report["one_run"]["fdp"]["mu_lower_bound"],
             "canary_guesses": f"{report['one_run']['correct']}/{report['one_run']['guesses']}",
             "run_dir": str(result.run_dir), "minutes": (time.time() - started) / 60,
         })
         print(json.dumps(rows[-1]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "audit-table.json").write_text(json.dumps(rows, indent=1))
     print()
     print("| setting | test acc. | ledger ε | loss AUC | logistic AUC | LiRA online AUC [95% CI] | LiRA offline AUC "
-          "| LiRA TPR @ 1% FPR | LiRA TPR @ 0.1% FPR | canary guesses right | one-run ε lower bound |")
+          "| RMIA online AUC | RMIA offline AUC | TPR @ 0.1% FPR: loss / LiRA / RMIA | TPR @ 1% FPR: LiRA / RMIA |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         eps = "∞ (noise removed)" if r["ledger_epsilon"] is None else f"{r['ledger_epsilon']:.2f}"
         low, high = r["lira_ci"]
+        ci = f" [{low:.3f}, {high:.3f}]" if low is not None else ""
         print(f"| {r['setting']} | {r['accuracy']:.3f} | {eps} | {r['loss_auc']:.3f} | {r['logistic_auc']:.3f} "
-              f"| {r['lira_auc']:.3f} [{low:.3f}, {high:.3f}] | {r['lira_offline_auc']:.3f} | {r['lira_tpr_1']:.3f} "
-              f"| {r['lira_tpr_01']:.3f} | {r['canary_guesses']} | {r['eps_lb']:.2f} |")
+              f"| {r['lira_auc']:.3f}{ci} | {r['lira_offline_auc']:.3f} | {r['rmia_auc']:.3f} "
+              f"| {r['rmia_offline_auc']:.3f} | {r['loss_tpr_01']:.3f} / {r['lira_tpr_01']:.3f} / "
+              f"{r['rmia_tpr_01']:.3f} | {r['lira_tpr_1']:.3f} / {r['rmia_tpr_1']:.3f} |")
+    print()
+    print("| setting | ledger ε | canary guesses right | one-run ε ≥ (Steinke et al.) | f-DP ε ≥ (μ ≥) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        eps = "∞ (noise removed)" if r["ledger_epsilon"] is None else f"{r['ledger_epsilon']:.2f}"
+        print(f"| {r['setting']} | {eps} | {r['canary_guesses']} | {r['eps_lb']:.2f} | {r['fdp_eps_lb']:.2f} "
+              f"({r['fdp_mu_lb']:.2f}) |")
     print(f"\nnull AUC standard error (members vs non-members): {rows[0]['null_std']:.4f}; "
-          f"LiRA with {args.shadows} shadow models; one-run bound at 95% confidence, δ = 1e-5.")
+          f"LiRA and RMIA on {shadows} shadow models; one-run bounds at 95% confidence each, δ = 1e-5.")
 
 
 if __name__ == "__main__":
