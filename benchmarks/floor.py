@@ -1,0 +1,397 @@
+"""The floor: the fewest extra flops exact per-sample clipping must add to a training step.
+
+A private step computes everything a non-private step does, plus each sample's gradient
+norm, and it replaces each weight gradient Σ_i G_i with the clipped Σ_i c_i G_i. This
+model counts, per layer and for a given batch B and sequence length T, the non-private
+flops and the cheapest way to get an exact norm and the clipped sum, and reports
+
+    floor ratio = (non-private flops + floor extra flops) / non-private flops,
+
+and beside it the all-ghost ratio: every weight ghost-normed, no per-sample gradient
+ever held (what a step must cost when memory rules out instantiation).
+
+A measured ratio can only approach it from above: it adds the noise draw, memory
+traffic and overheads that flops do not count. One flop is one addition or one
+multiplication (a multiply-add is 2).
+
+Non-private flops (only matmuls and parameter operations; elementwise work, softmax
+and the loss are left out: under 2% of a GPT-2 small step at these shapes, and counting
+them would lower every floor ratio a little):
+
+    dense p x d layer over B·T tokens  forward 2·B·T·p·d, backward 2·B·T·p·d (weight
+                                       gradient) + 2·B·T·p·d (input gradient, when the
+                                       layer's input needs one: not for a model's first layer)
+    embedding V x d                    forward 0 (a gather), backward B·T·d (scatter-add)
+    vector n (bias, LayerNorm affine)  forward B·T·n, backward 2·B·T·n
+    attention (no parameters)          forward 4·B·T²·d per layer (QKᵀ and AV, all heads),
+                                       backward 8·B·T²·d (two gradients of each); counted in
+                                       full, as eager attention computes it
+
+Extra flops of one parameter, the cheaper of (Bu et al. 2023, "Differentially private
+optimization on large model at small cost", ICML, Table 2 (complexity of ghost norm and
+per-sample instantiation); docs/engine.md):
+
+    ghost        dense (factors L_i: T x m, R_i: T x n):
+                     ||L_iᵀ R_i||² = <L_i L_iᵀ, R_i R_iᵀ>
+                     full:      2·B·T²·(m+n) (two Grams) + 2·B·T² (their inner product)
+                     symmetric: B·T(T+1)·(m+n) + B·T(T+1) (only the T(T+1)/2 entries on and
+                                above the diagonal of each Gram, the off-diagonal ones twice)
+                     + B·T·min(m, n) to scale the thinner factor by c_i; the clipped sum
+                     Lᵀ diag(c) R then costs what the weight gradient did: 0 extra
+                 ids (embedding): the one-hot Gram is an id-equality test (comparisons, no
+                     flops, no V cost): B·T(T+1)·d + B·T(T+1)/2 symmetric (2·B·T²·d + B·T²
+                     full), + B·T·d to scale
+    instantiate  dense: G_i = L_iᵀ R_i costs 2·B·T·m·n, exactly the non-private weight
+                     gradient it replaces (the same products, not summed over samples);
+                     then ||G_i||² 2·B·m·n and Σ_i c_i G_i 2·B·m·n: 4·B·m·n extra
+                 ids: G_i has at most u = min(T, V) non-zero rows; summing a sample's rows
+                     by id replaces the non-private scatter: 4·B·u·d extra (u = T: every
+                     id distinct, the most a sample can have)
+    vector       per-sample sums over a sample's tokens are the non-private sum split by
+                 sample: 4·B·n extra (norm and clipped sum)
+
+The floor takes the symmetric count (``--gram full`` the other): exact Gram work cannot
+go below one product per entry on and above the diagonal. The engine's recursive blocks
+(``dpclip.engine.factors._symmetric_ghost``) reach 1/2 + 2^-(k+1) of the full product at
+depth k (5/8 at depth 2), approaching it.
+
+A tied parameter (GPT-2's wte and lm_head: one tensor, an ids use and a dense use) is
+one parameter, as in the engine: its norm is ||E_i + H_i||² = ||E_i||² + ||H_i||² +
+2<E_i, H_i>, and the floor is the cheapest of: both instantiated (4·B·V·d: E_i's rows are
+added into H_i, replacing the non-private scatter); both ghost-normed with the cross term
+Σ_{t,s} b_i[s, x_t]·<e_t, h_s> (2·B·T_h·T_e·d + 2·B·T_h·T_e); or E_i instantiated
+(4·B·u·d), H_i ghost-normed and the cross term from H_i's u rows at E_i's ids
+(2·B·u·T_h·d + 2·B·u·d).
+
+Noise (one Gaussian per parameter per step) is not a flop count; the tables list the
+parameter count beside the floor. Memory is not counted either: the floor may
+instantiate a G_i the engine could not hold (all-layer clipping keeps every layer's until
+the end of the backward), and memory traffic is why the engine's time rule keeps GPT-2
+small's wide layers ghost-normed at T 256 although instantiating them costs fewer flops
+(docs/performance.md, "The floor").
+
+    python benchmarks/floor.py                                  # GPT-2 small, four shapes
+    python benchmarks/floor.py --shape 4x256 --shape 2x1024 --per-layer --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+GPT2_SMALL = dict(layers=12, embd=768, heads=12, vocab=50257, positions=1024)
+SHAPES = ((4, 256), (2, 1024), (16, 256), (8, 1024))
+GRAMS = ("symmetric", "full")
+
+
+# ------------------------------------------------------------------ counts of one use
+
+
+def gram_flops(batch: int, seq: int, width: int, gram: str) -> int:
+    """Flops of B Grams X Xᵀ of X: T x width (symmetric: the T(T+1)/2 upper entries)."""
+    return batch * seq * (seq + 1) * width if gram == "symmetric" else 2 * batch * seq * seq * width
+
+
+def gram_dot_flops(batch: int, seq: int, gram: str) -> int:
+    """Flops of B inner products <A, C> of two T x T Grams (symmetric: upper entries)."""
+    return batch * seq * (seq + 1) if gram == "symmetric" else 2 * batch * seq * seq
+
+
+def dense_ghost(batch: int, seq: int, m: int, n: int, gram: str) -> int:
+    """Ghost norm of a dense use, plus scaling its thinner factor by c_i."""
+    return (gram_flops(batch, seq, m, gram) + gram_flops(batch, seq, n, gram)
+            + gram_dot_flops(batch, seq, gram) + batch * seq * min(m, n))
+
+
+def dense_instantiate(batch: int, m: int, n: int) -> int:
+    """||G_i||² and Σ_i c_i G_i; forming G_i replaces the weight gradient."""
+    return 4 * batch * m * n
+
+
+def ids_ghost(batch: int, seq: int, width: int, gram: str) -> int:
+    """Ghost norm of an embedding use (id-equality Gram: no flops), plus scaling."""
+    masked_sum = batch * seq * (seq + 1) // 2 if gram == "symmetric" else batch * seq * seq
+    return gram_flops(batch, seq, width, gram) + masked_sum + batch * seq * width
+
+
+def ids_instantiate(batch: int, seq: int, vocab: int, width: int) -> int:
+    """Norm and clipped sum of G_i's at most min(T, V) non-zero rows."""
+    return 4 * batch * min(seq, vocab) * width
+
+
+# ------------------------------------------------------------------ a model's layers
+
+
+@dataclass
+class Call:
+    """One call of a parameterized op: ``kind`` dense (a p x d weight: m, n), ids (an
+    embedding V x d: m = V, n = d) or vector (n entries); ``seq`` tokens per sample."""
+
+    kind: str
+    m: int
+    n: int
+    seq: int
+    input_grad: bool = True
+
+
+@dataclass
+class Param:
+    name: str
+    module: str
+    numel: int
+    calls: list[Call] = field(default_factory=list)
+
+
+def walk(model: nn.Module, inputs: dict, batch: int) -> list[Param]:
+    """Run ``model(**inputs)`` (meta tensors are enough) with hooks on its Linear, Conv1D,
+    Embedding and LayerNorm modules, and return each parameter with its calls' shapes.
+    A tensor shared by several modules (tied weights) is one Param with several calls."""
+    by_tensor: dict[int, Param] = {}
+    order: list[Param] = []
+
+    def param(module_name: str, attr: str, tensor: torch.Tensor) -> Param:
+        if id(tensor) not in by_tensor:
+            by_tensor[id(tensor)] = Param(f"{module_name}.{attr}", module_name, tensor.numel())
+            order.append(by_tensor[id(tensor)])
+        return by_tensor[id(tensor)]
+
+    def hook_for(name: str, module: nn.Module):
+        kind = type(module).__name__
+
+        def hook(mod, args, out):
+            x = args[0]
+            if kind == "Embedding":
+                # a broadcast input (GPT-2's position ids, [1, T]) still serves every sample
+                seq = x.numel() // x.shape[0]
+                param(name, "weight", mod.weight).calls.append(Call("ids", *mod.weight.shape, seq))
+                return
+            width = x.shape[-1]
+            seq = x.numel() // width // batch
+            if kind == "LayerNorm":
+                for attr in ("weight", "bias"):
+                    if getattr(mod, attr, None) is not None:
+                        param(name, attr, getattr(mod, attr)).calls.append(Call("vector", 1, width, seq))
+                return
+            m, n = mod.weight.shape
+            param(name, "weight", mod.weight).calls.append(Call("dense", m, n, seq, x.requires_grad))
+            if mod.bias is not None:
+                param(name, "bias", mod.bias).calls.append(Call("vector", 1, mod.bias.numel(), seq))
+        return hook
+
+    handles = [module.register_forward_hook(hook_for(name, module))
+               for name, module in model.named_modules()
+               if type(module).__name__ in ("Linear", "Conv1D", "Embedding", "LayerNorm")]
+    try:
+        model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return order
+
+
+# ------------------------------------------------------------------ one parameter
+
+
+def param_costs(p: Param, batch: int, gram: str) -> dict:
+    """Non-private forward and backward flops of ``p``'s calls, and the extra flops of each
+    way to get its exact per-sample norm and clipped sum; ``floor`` is the cheapest."""
+    dense = [c for c in p.calls if c.kind == "dense"]
+    ids = [c for c in p.calls if c.kind == "ids"]
+    vectors = [c for c in p.calls if c.kind == "vector"]
+    fwd = bwd = 0
+    for c in dense:
+        fwd += 2 * batch * c.seq * c.m * c.n
+        bwd += (4 if c.input_grad else 2) * batch * c.seq * c.m * c.n
+    for c in ids:
+        bwd += batch * c.seq * c.n
+    for c in vectors:
+        fwd += batch * c.seq * c.n
+        bwd += 2 * batch * c.seq * c.n
+    if vectors:
+        options = {"per-sample sum": 4 * batch * vectors[0].n}
+    elif dense and ids:  # tied: one parameter, one norm, a cross term
+        t_h, t_e = sum(c.seq for c in dense), sum(c.seq for c in ids)
+        m, n = dense[0].m, dense[0].n
+        vocab, width = ids[0].m, ids[0].n
+        rows = min(t_e, vocab)
+        h_ghost = dense_ghost(batch, t_h, m, n, gram)
+        options = {
+            "instantiate": dense_instantiate(batch, m, n),
+            "ghost": (h_ghost + ids_ghost(batch, t_e, width, gram)
+                      + 2 * batch * t_h * t_e * width + 2 * batch * t_h * t_e),
+            "mixed": (h_ghost + ids_instantiate(batch, t_e, vocab, width)
+                      + 2 * batch * rows * t_h * width + 2 * batch * rows * width),
+        }
+    elif dense:  # calls of one weight concatenate along T
+        seq, m, n = sum(c.seq for c in dense), dense[0].m, dense[0].n
+        options = {"ghost": dense_ghost(batch, seq, m, n, gram),
+                   "instantiate": dense_instantiate(batch, m, n)}
+    else:
+        seq, vocab, width = sum(c.seq for c in ids), ids[0].m, ids[0].n
+        options = {"ghost": ids_ghost(batch, seq, width, gram),
+                   "instantiate": ids_instantiate(batch, seq, vocab, width)}
+    choice = min(options, key=options.get)
+    return {"forward": fwd, "backward": bwd, "options": options, "choice": choice,
+            "floor": options[choice]}
+
+
+def engine_choice(p: Param, grouping: str) -> str | None:
+    """What the engine's mixed rule (``dpclip.engine.factors.choose_ghost``) picks for
+    ``p``'s weight, asked with its factor shapes on the meta device: layer-wise clips a
+    single-module parameter at once (the time rule), all-layer and a tied parameter wait
+    (the memory rule). None for vectors (always instantiated)."""
+    from dpclip.engine.factors import Bilinear, choose_ghost
+
+    dense = [c for c in p.calls if c.kind == "dense"]
+    ids = [c for c in p.calls if c.kind == "ids"]
+    if not dense and not ids:
+        return None
+    transient = grouping == "layer" and len({c.kind for c in p.calls}) == 1
+    words = []
+    for calls in (dense, ids):
+        if not calls:
+            continue
+        seq, m, n = sum(c.seq for c in calls), calls[0].m, calls[0].n
+        right = torch.empty(1, 1, seq, n, device="meta")
+        if calls[0].kind == "ids":
+            use = Bilinear(torch.empty(1, seq, dtype=torch.long, device="meta"), right, vocab=m)
+        else:
+            use = Bilinear(torch.empty(1, 1, seq, m, device="meta"), right)
+        words.append("ghost" if choose_ghost(use, "auto", transient) else "instantiate")
+    return "+".join(words)
+
+
+# ------------------------------------------------------------------ a model at (B, T)
+
+
+def layer_kind(p: Param, tied: bool) -> str:
+    """Row label: the module name with block indices as '*'; a tied tensor by its modules."""
+    return "wte/lm_head (tied)" if tied else re.sub(r"\.\d+\.", ".*.", p.module)
+
+
+def floor(params: list[Param], batch: int, gram: str = "symmetric",
+          attention: tuple[int, int, int] | None = None) -> dict:
+    """Totals and per-layer-kind rows for ``params`` at batch ``batch``. ``attention``
+    (layers, seq, embd) adds the parameter-free QKᵀ and AV matmuls to the non-private
+    flops: 4·B·T²·d forward and 8·B·T²·d backward per layer."""
+    rows: dict[str, dict] = {}
+    for p in params:
+        cost = param_costs(p, batch, gram)
+        tied = len({c.kind for c in p.calls}) > 1
+        row = rows.setdefault(layer_kind(p, tied), dict(modules=set(), forward=0, backward=0, extra=0,
+                                                          ghost=0, instantiate=0, choice=None,
+                                                          engine=None, shape=None))
+        row["modules"].add(p.module)
+        row["forward"] += cost["forward"]
+        row["backward"] += cost["backward"]
+        row["extra"] += cost["floor"]
+        if cost["choice"] != "per-sample sum":  # a module's weight decides its row's words
+            row["ghost"] += cost["options"]["ghost"]
+            row["instantiate"] += cost["options"]["instantiate"]
+            row["choice"] = cost["choice"]
+            row["shape"] = "x".join(str(s) for s in (p.calls[0].m, p.calls[0].n))
+            row["engine"] = f"{engine_choice(p, 'all-layer')} / {engine_choice(p, 'layer')}"
+        else:
+            row["ghost"] += cost["floor"]
+            row["instantiate"] += cost["floor"]
+    if attention is not None:
+        layers, seq, embd = attention
+        rows["attention matmuls (no parameters)"] = dict(
+            modules=set(range(layers)), forward=4 * batch * seq * seq * embd * layers,
+            backward=8 * batch * seq * seq * embd * layers, extra=0, ghost=0, instantiate=0,
+            choice=None, engine=None, shape=None)
+    out_rows = []
+    for kind, r in rows.items():
+        out_rows.append(dict(kind=kind, count=len(r["modules"]), shape=r["shape"],
+                             nonprivate=r["forward"] + r["backward"], forward=r["forward"],
+                             backward=r["backward"], extra=r["extra"], ghost=r["ghost"],
+                             instantiate=r["instantiate"], choice=r["choice"], engine=r["engine"]))
+    nonprivate = sum(r["nonprivate"] for r in out_rows)
+    extra = sum(r["extra"] for r in out_rows)
+    ghost = sum(r["ghost"] for r in out_rows)
+    return dict(batch=batch, nonprivate=nonprivate, extra=extra, ratio=(nonprivate + extra) / nonprivate,
+                ghost_extra=ghost, ghost_ratio=(nonprivate + ghost) / nonprivate,
+                parameters=sum(p.numel for p in params), gram=gram, layers=out_rows)
+
+
+def gpt2_floor(batch: int, seq: int, gram: str = "symmetric", **sizes) -> dict:
+    """The floor of a transformers GPT2LMHeadModel (``sizes``: layers, embd, heads, vocab,
+    positions; GPT-2 small by default) at (B, T), built and run on the meta device."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    s = dict(GPT2_SMALL, **sizes)
+    cfg = GPT2Config(n_layer=s["layers"], n_embd=s["embd"], n_head=s["heads"], vocab_size=s["vocab"],
+                     n_positions=s["positions"], bos_token_id=0, eos_token_id=0)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(cfg)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    params = walk(model, {"input_ids": ids}, batch)
+    result = floor(params, batch, gram, attention=(s["layers"], seq, s["embd"]))
+    return dict(result, seq=seq, sizes=s)
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    try:
+        batch, seq = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"error: shape {text!r} is not BxT (for example 2x1024)") from None
+    return batch, seq
+
+
+def render(results: list[dict], per_layer: bool) -> str:
+    g = 1e9
+    lines = ["| B x T | non-private GFLOP | floor extra GFLOP | floor ratio | all-ghost extra GFLOP "
+             "| all-ghost ratio |", "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['batch']} x {r['seq']} | {r['nonprivate'] / g:.1f} | {r['extra'] / g:.3f} "
+                     f"| {r['ratio']:.4f}x | {r['ghost_extra'] / g:.1f} | {r['ghost_ratio']:.4f}x |")
+    s = results[0]["sizes"]
+    lines.append("")
+    lines.append(f"GPT2LMHeadModel {s['layers']} layers, n_embd {s['embd']}, {s['heads']} heads, vocab "
+                 f"{s['vocab']}, tied; {results[0]['parameters']:,} parameters (one Gaussian draw "
+                 f"each per step, not counted); Gram count: {results[0]['gram']}")
+    if per_layer:
+        for r in results:
+            lines += ["", f"B {r['batch']}, T {r['seq']}", "",
+                      "| layer | n | weight | non-private GFLOP | ghost extra | instantiate extra "
+                      "| floor picks | floor extra GFLOP | engine (all-layer / layer-wise) |",
+                      "|---|---:|---|---:|---:|---:|---|---:|---|"]
+            for row in r["layers"]:
+                lines.append(f"| {row['kind']} | {row['count']} | {row['shape'] or '-'} | {row['nonprivate'] / g:.2f} "
+                             f"| {row['ghost'] / g:.4f} | {row['instantiate'] / g:.4f} | {row['choice'] or '-'} "
+                             f"| {row['extra'] / g:.4f} | {row['engine'] or '-'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", action="append", metavar="BxT", help="repeatable; default the four of the docs")
+    ap.add_argument("--per-layer", action="store_true", help="a row per layer kind")
+    ap.add_argument("--gram", choices=GRAMS, default="symmetric")
+    ap.add_argument("--json", metavar="FILE")
+    for key, value in GPT2_SMALL.items():
+        ap.add_argument(f"--{key}", type=int, default=value)
+    args = ap.parse_args(argv)
+    shapes = [parse_shape(s) for s in args.shape] if args.shape else list(SHAPES)
+    sizes = {k: getattr(args, k) for k in GPT2_SMALL}
+    results = [gpt2_floor(b, t, args.gram, **sizes) for b, t in shapes]
+    print(render(results, args.per_layer))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    return results
+
+
+if __name__ == "__main__":
+    main()
