@@ -164,24 +164,42 @@ def with_canaries(data, canaries: CanarySet):
     members) is left as it was: canaries are not members of the data set.
     """
     keep = torch.as_tensor(np.flatnonzero(canaries.rows_included))
-    train = {name: torch.cat([t, canaries.tensors[name][keep].to(t.dtype)]) for name, t in data.train.items()}
+    rows = {name: t[keep] for name, t in canaries.tensors.items()}
+    return append_people(data, rows, [canaries.records] * int(canaries.included.sum()))
+
+
+def append_people(data, rows: dict[str, torch.Tensor], records: list[int]):
+    """A copy of ``data`` whose training set ends with ``rows`` (canaries, planted secrets);
+    at the user level each entry of ``records`` is a new person with that many of the rows
+    in turn, numbered after the training people."""
+    train = {name: torch.cat([t, rows[name].to(t.dtype)]) for name, t in data.train.items()}
     if data.train_users is None:
         return replace(data, train=train)
-    # Each included canary is a new person, numbered after the training people.
-    people = torch.arange(int(canaries.included.sum()), dtype=torch.int64).repeat_interleave(canaries.records)
+    people = torch.repeat_interleave(torch.arange(len(records), dtype=torch.int64),
+                                     torch.as_tensor(records, dtype=torch.int64))
     start = int(data.train_users.max()) + 1 if len(data.train_users) else 0
     return replace(data, train=train, train_users=torch.cat([data.train_users, start + people]))
 
 
-def write_canary_secret(run_dir: Path, canaries: CanarySet) -> None:
-    path = Path(run_dir) / CANARY_FILE
+def write_secret(run_dir: Path, relative: Path, record: dict) -> None:
+    """A secret file of the run (the audit's answer key), written atomically."""
+    path = Path(run_dir) / relative
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, canaries.to_dict())
+    write_json_atomic(path, record)
+
+
+def read_secret(run_dir: Path, relative: Path) -> dict | None:
+    """A secret file of the run, or None when the run has none."""
+    path = Path(run_dir) / relative
+    if not path.exists():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def write_canary_secret(run_dir: Path, canaries: CanarySet) -> None:
+    write_secret(run_dir, CANARY_FILE, canaries.to_dict())
 
 
 def read_canary_secret(run_dir: Path) -> dict | None:
     """The run's audit/canaries.json, or None when the run has no canaries."""
-    path = Path(run_dir) / CANARY_FILE
-    if not path.exists():
-        return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    return read_secret(run_dir, CANARY_FILE)

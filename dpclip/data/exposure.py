@@ -25,16 +25,16 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets as os_entropy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from dpclip import layout
+from dpclip.data.canaries import append_people, read_secret, write_secret
 from dpclip.data.dataset import text_tensors
 from dpclip.errors import DpclipError
-from dpclip.files import write_json_atomic
 
 EXPOSURE_FILE = Path(layout.AUDIT) / layout.EXPOSURE
 SECRET_SLOT = "{secret}"   # where a template takes its secret (audit.exposure.template)
@@ -110,27 +110,16 @@ def with_exposure(data, exposure: ExposureSet):
         raise DpclipError("audit.exposure plants secrets in text, and this data set is not text",
                           "use audit.canaries for tables and images")
     rows = exposure_rows(data, exposure)
-    train = {name: torch.cat([t, rows[name].to(t.dtype)]) for name, t in data.train.items()}
-    if data.train_users is None:
-        return replace(data, train=train)
-    planted = [r for r in exposure.repetitions if r > 0]
-    people = torch.repeat_interleave(torch.arange(len(planted), dtype=torch.int64), torch.as_tensor(planted))
-    start = int(data.train_users.max()) + 1 if len(data.train_users) else 0
-    return replace(data, train=train, train_users=torch.cat([data.train_users, start + people]))
+    return append_people(data, rows, [r for r in exposure.repetitions if r > 0])
 
 
 def write_exposure_secret(run_dir: Path, exposure: ExposureSet) -> None:
-    path = Path(run_dir) / EXPOSURE_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, exposure.to_dict())
+    write_secret(run_dir, EXPOSURE_FILE, exposure.to_dict())
 
 
 def read_exposure_secret(run_dir: Path) -> dict | None:
     """The run's audit/exposure.json, or None when the run planted no secrets."""
-    path = Path(run_dir) / EXPOSURE_FILE
-    if not path.exists():
-        return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    return read_secret(run_dir, EXPOSURE_FILE)
 
 
 def stored_exposure(run_dir: Path, config) -> ExposureSet:
