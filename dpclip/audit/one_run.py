@@ -32,11 +32,13 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
         raise ValueError(f"need 0 <= v <= r <= m, got v={v}, r={r}, m={m}")
     p = 1.0 / (1.0 + math.exp(-epsilon))
     tail = float(binom.sf(v - 1, r, p))           # P[Binomial(r, p) ≥ v]
-    # max over i of P[v − i ≤ Binomial < v] / i: the window grows one pmf term per i.
-    window, worst = 0.0, 0.0
-    for i in range(1, v + 1):
-        window += float(binom.pmf(v - i, r, p))
-        worst = max(worst, window / i)
+    if v == 0:
+        return min(1.0, tail)
+    # max over i = 1..v of P[v − i ≤ Binomial < v] / i, the windows as cumulative sums of
+    # the pmf below v (one vectorised call, not v scalar ones: r = 1000 took ~0.5 s a bound)
+    i = np.arange(1, v + 1)
+    windows = np.cumsum(binom.pmf(v - i, r, p))
+    worst = float(np.max(windows / i))
     return min(1.0, tail + 2.0 * m * delta * worst)
 
 

@@ -43,3 +43,17 @@ def test_perfect_scores_reach_the_bonferroni_ceiling():
     result = one_run_audit(included.astype(float), included, delta=1e-5)
     assert result["correct"] == result["guesses"] and result["epsilon_lower_bound"] > 3.0
     assert guess_counts(200) == [10, 20, 50, 100]
+
+
+@pytest.mark.parametrize("m, r, v, epsilon, delta", [(200, 100, 60, 0.5, 1e-5), (400, 300, 190, 1.0, 1e-5),
+                                                     (50, 20, 20, 2.0, 1e-3), (10, 4, 0, 0.1, 1e-5)])
+def test_the_p_value_equals_the_theorems_sum_term_by_term(m, r, v, epsilon, delta):
+    """Steinke et al. Thm 3.1 written out with one scalar pmf per term, as in the paper."""
+    import math
+    from scipy.stats import binom
+    from dpclip.audit.one_run import p_value
+    q = math.exp(epsilon) / (1 + math.exp(epsilon))
+    pmf = [binom.pmf(v - j, r, q) for j in range(1, v + 1)]
+    worst = max([sum(pmf[:i]) / i for i in range(1, v + 1)], default=0.0)
+    expected = min(1.0, binom.sf(v - 1, r, q) + 2 * m * delta * worst)
+    assert p_value(m, r, v, epsilon, delta) == pytest.approx(expected, rel=1e-12, abs=1e-300)
