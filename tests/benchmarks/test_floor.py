@@ -169,9 +169,104 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "floor.json"
     results = floor.main(["--shape", "2x16", "--shape", "1x64", "--per-layer", "--json", str(out),
                           "--layers", "2", "--embd", "64", "--heads", "2", "--vocab", "500",
-                          "--positions", "64"])
+                          "--positions", "64", "--memory"])
     text = capsys.readouterr().out
+    assert "memory-aware all-layer" in text and "- 1 x 64, layer: " in text
     assert "| 2 x 16 |" in text and "| 1 x 64 |" in text and "wte/lm_head (tied)" in text
     saved = json.loads(out.read_text())
     assert [(r["batch"], r["seq"]) for r in saved] == [(2, 16), (1, 64)]
     assert saved[0]["ratio"] == results[0]["ratio"] > 1
+
+
+# ------------------------------------------------------------------ the memory-aware floor
+
+
+def test_two_linear_layers_memory_matches_the_hand_count():
+    params = two_linear_layers()
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    # autograd saves each Linear's input for its weight gradient (weights are parameters,
+    # left out): x 2·5·3 = 30 floats and the hidden 2·5·4 = 40: 70 floats, 280 bytes
+    assert floor.saved_bytes(model, {"input": torch.empty(2, 5, 3, device="meta")}) == 280
+    options = {p.name: {o.name: (o.flops, o.held, o.transient)
+                        for o in floor.memory_options(p, 2, "symmetric", "all-layer")} for p in params}
+    # Linear(3 -> 4), all-layer: ghost holds b_i 2·5·4 = 40 floats, its Grams B·T² = 50 at
+    # once; instantiation holds B·m·n = 2·4·3 = 24; norm only holds b_i and one G_i (12) at
+    # a time, flops 2·2·5·12 + 2·2·12 + 2·5·3 = 318
+    assert options["0.weight"] == {"ghost": (510, 40, 50), "instantiate": (96, 24, 0), "norm only": (318, 40, 12)}
+    assert options["0.bias"] == {"per-sample sum": (32, 8, 0)}
+    # Linear(4 -> 2): b_i 2·5·2 = 20, G_i 2·2·4 = 16; norm only 2·2·5·8 + 2·2·8 + 2·5·2 = 212
+    assert options["1.weight"] == {"ghost": (440, 20, 50), "instantiate": (64, 16, 0), "norm only": (212, 20, 8)}
+    # layer-wise holds nothing; instantiation streams chunks of
+    # max(1, min(B, 2·B·T·(m+n) // (m·n))) = min(2, 140 // 12) = 2 samples: 24 floats
+    layer = {o.name: (o.held, o.transient) for o in floor.memory_options(params[0], 2, "symmetric", "layer")}
+    assert layer == {"ghost": (0, 50), "instantiate": (0, 24), "norm only": (0, 24)}
+    # all instantiated: held 24 + 8 + 16 + 4 = 52 floats, less the gradients book-keeping
+    # has not formed (26 parameters): 26 floats, 104 bytes; all ghost: 72 - 26 + 50 = 96, 384 bytes
+    assert floor.config_memory(params, 2, "all-layer", floor.cheapest) == 104
+    assert floor.config_memory(params, 2, "all-layer", floor.all_ghost) == 384
+    found = floor.memory_floor(params, 2, 104, "all-layer")
+    assert (found["extra"], found["memory"]) == (208, 104)
+    assert floor.memory_floor(params, 2, 103, "all-layer") is None
+
+
+def wide_layers(batch=4, seq=8):
+    # two Linear(16 -> 16) at B 4, T 8: instantiating costs fewer flops (4·16·16 = 1024 a
+    # sample against the Grams' 8·9·32 + 72 + 128 = 2504) but holds more (G_i 256 floats a
+    # sample against b_i's 8·16 = 128), the trade the memory-aware floor is about
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    return floor.walk(model, {"input": torch.empty(batch, seq, 16, device="meta")}, batch)
+
+
+@pytest.mark.parametrize("grouping", floor.GROUPINGS)
+def test_the_memory_aware_floor_is_the_flop_floor_with_unlimited_memory(grouping):
+    for params, batch in ((two_linear_layers(), 2), (wide_layers(), 4)):
+        flop = floor.floor(params, batch)
+        found = floor.memory_floor(params, batch, float("inf"), grouping)
+        assert found["extra"] == flop["extra"]
+
+
+def test_with_only_the_ghost_steps_memory_the_floor_is_the_all_ghost_cost():
+    params = wide_layers()
+    flop = floor.floor(params, 4)
+    # all-layer, all ghost: held 2·4·8·16 = 1024 + biases 2·4·16 = 128, less 544 gradients
+    # not formed, + Grams 4·8² = 256: 864 floats, 3456 bytes. Instantiating either layer
+    # holds 4·256 - 512 = 512 floats more; nothing holds less
+    ghost_memory = floor.config_memory(params, 4, "all-layer", floor.all_ghost)
+    assert ghost_memory == 3456
+    assert floor.memory_floor(params, 4, ghost_memory, "all-layer")["extra"] == flop["ghost_extra"]
+    one = floor.memory_floor(params, 4, ghost_memory + 4 * 512, "all-layer")
+    assert flop["extra"] < one["extra"] < flop["ghost_extra"]
+    assert floor.memory_floor(params, 4, ghost_memory - 1, "all-layer") is None
+    # no memory at all: nothing exact fits, every way needs its Grams or its G_i
+    assert floor.memory_floor(params, 4, 0, "all-layer") is None
+
+
+@pytest.mark.parametrize("grouping", floor.GROUPINGS)
+def test_the_memory_aware_floor_is_what_enumerating_every_choice_finds(grouping):
+    import itertools
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 24), nn.Linear(24, 16), nn.Linear(16, 24), nn.Linear(24, 8))
+    params = floor.walk(model, {"input": torch.empty(3, 6, 8, device="meta")}, 3)
+    options = [floor.memory_options(p, 3, "symmetric", grouping) for p in params]
+    credit = sum(p.numel for p in params) if grouping == "all-layer" else 0
+    every = [(sum(o.flops for o in pick),
+              floor.extra_memory(sum(o.held for o in pick), max(o.transient for o in pick), credit))
+             for pick in itertools.product(*options)]
+    for budget in sorted({m for _, m in every}):
+        best = min(f for f, m in every if m <= budget)
+        assert floor.memory_floor(params, 3, budget, grouping)["extra"] == best
+
+
+def test_gpt2_small_memory_aware_floor_lies_between_the_flop_floor_and_all_ghost():
+    result = floor.gpt2_memory_floor(4, 256)
+    for grouping in floor.GROUPINGS:
+        found = result[grouping]["found"]
+        assert result["flop_ratio"] < result[grouping]["ratio"] < result["ghost_ratio"]
+        assert found["memory"] <= result["budget"] < result[grouping]["floor_memory"]
+    # at T 1024 G_i (768·p) is smaller than b_i (T·p) for three of a block's four weights:
+    # the flop floor fits
+    long = floor.gpt2_memory_floor(2, 1024)
+    assert long["all-layer"]["ratio"] == long["layer"]["ratio"] == long["flop_ratio"]
