@@ -40,6 +40,7 @@ def test_a_correct_dp_run_at_epsilon_one_stays_within_its_ledger(canary_recipe, 
     assert (run / "audit" / "report.json").exists() and (run / "audit" / "roc.png").exists()
 
 
+@pytest.mark.slow  # 26 s: trains 4 shadows
 def test_a_noise_free_run_memorises_canaries_and_lira_sees_members(canary_recipe):
     recipe = canary_recipe("clipping.threshold.value=10", "training.optimizer.lr=1.0")
     with scaled_noise(0.0):  # no noise at all: a non-private run (shadows are trained the same way)

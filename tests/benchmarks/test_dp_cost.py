@@ -31,6 +31,7 @@ def test_smoke_times_every_dpclip_method_on_every_workload(capsys):
     assert "| dpclip param |" in out and "### GPT-2" in out
 
 
+@pytest.mark.slow  # 12 s
 def test_smoke_gpt2_small_runs_each_of_its_shapes():
     result = load().main(["--smoke", "--workloads", "gpt2-small", "--methods", *DPCLIP,
                           "--repeats", "2"])

@@ -4,6 +4,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -15,6 +17,7 @@ def load():
     return module
 
 
+@pytest.mark.slow
 def test_smoke_times_and_profiles_the_private_step_against_the_non_private_one(capsys, tmp_path):
     result = load().main(["--smoke", "--methods", "non-private", "dpclip all-layer", "--profile", "2x16",
                           "--json", str(tmp_path / "rows.json")])

@@ -73,6 +73,7 @@ def test_training_writes_a_ledger_whose_epsilon_is_dpclip_accounts(tmp_path, cli
     assert LOGGED_LOSS in privacy["not_covered_by_epsilon"]
 
 
+@pytest.mark.slow
 def test_a_bf16_trainer_leaves_autocast_off_after_training(tmp_path):
     """accelerate wraps the forward in one autocast instance; the engine's first-step probes
     re-enter it, which used to leave autocast on after train() (tests/engine/test_batch_axis.py)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dpclip import release
 from dpclip.export import export_run
 from dpclip.recipe import load_recipe
@@ -19,6 +21,7 @@ TINY = ["training.epochs=null", "training.steps=2", "training.batch_size=16", "t
         "privacy.noise_multiplier=1.0"]
 
 
+@pytest.mark.slow
 def test_an_attacker_with_the_recipe_and_the_released_files_cannot_read_the_secrets(tmp_path):
     recipe = load_recipe(REPO / "recipes" / "gpt2-tiny-text.yaml", [f"output_dir={tmp_path / 'runs'}", *TINY])
     first, second = train(recipe).run_dir, train(recipe).run_dir
