@@ -78,13 +78,17 @@ class DPEngine:
             factorization"); or a BLT strategy (:func:`dpclip.engine.blt.blt_strategy`), whose
             noise is correlated across all steps through k buffers (docs/formulas.md, "BLT");
             None or one coefficient: DP-SGD's independent noise.
+        records_per_unit: the most rows one privacy unit has in a step (``row_weights`` at the
+            user level: k); a threshold policy whose bound depends on it (the discriminative
+            top-fraction rule) noises for it.
     """
 
     def __init__(self, model: nn.Module, clipping: dict | None = None, *,
                  gradient_noise_multiplier: float | None = None, expected_batch_size: int,
                  seed: int | None = None, noise_multiplier: float | None = None,
                  sample_rate: float | None = None, reducer: Reducer | None = None,
-                 stage: StageLink | None = None, noise_correlation: Tensor | None = None):
+                 stage: StageLink | None = None, noise_correlation: Tensor | None = None,
+                 records_per_unit: int = 1):
         cfg = dict(DEFAULT_CLIPPING)
         unknown = set(clipping or {}) - set(DEFAULT_CLIPPING)
         if unknown:
@@ -125,9 +129,12 @@ class DPEngine:
         first = self._params[0]
         self._norm_dtype = torch.promote_types(first.dtype, torch.float32)
         self._device = first.device
+        if not isinstance(records_per_unit, int) or records_per_unit < 1:
+            raise EngineError(f"records_per_unit must be a positive integer, got {records_per_unit!r}",
+                              "1 for example-level privacy; k (max_examples_per_user) at the user level")
         self.policy = build_policy(cfg["threshold"], PolicyContext(
             list(self.groups.names), self.groups.sizes, expected_batch_size,
-            self.gradient_noise_multiplier, first.device, self._norm_dtype))
+            self.gradient_noise_multiplier, first.device, self._norm_dtype, records_per_unit))
         if noise_multiplier is not None and type(self.policy).release is not ThresholdPolicy.release:
             raise EngineError("noise_multiplier is the total σ_eff: with a threshold policy that releases a "
                               "statistic it is not the gradient's, and the engine does no budget split",

@@ -141,9 +141,6 @@ def check_user_level(recipe: Recipe, world: World, data) -> None:
     refused = [
         (recipe.training.sampling != "poisson", "with shuffled batches",
          "use training.sampling: poisson (people are Poisson-sampled)"),
-        (getattr(recipe.clipping.threshold, "tail_rule", None) == "top_fraction", "with the discriminative "
-         "threshold's top_fraction rule (it ranks records: one person's k records could push k others out of the "
-         "tail)", "use tail_rule: threshold (each record on its own score), or another threshold policy"),
         (recipe.training.parallel == "pipeline", "on pipeline stages", "use training.parallel: data or fsdp"),
     ]
     for refuse, what, hint in refused:

@@ -61,8 +61,6 @@ def test_train_and_test_hold_different_people(user_recipe):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["clipping.threshold={kind: discriminative, small: 0.5, large: 2.0, tail_rule: top_fraction, "
-      "top_fraction: 0.25}", "training.micro_batch_size=null"], "top_fraction rule"),
     (["training.sampling=shuffle"], "shuffled batches"),
 ])
 def test_what_user_level_cannot_run_yet_is_refused_before_a_run_directory_exists(user_recipe, tmp_path, extra,
@@ -70,6 +68,18 @@ def test_what_user_level_cannot_run_yet_is_refused_before_a_run_directory_exists
     with pytest.raises(DpclipError, match=message) as caught:
         train(user_recipe(*extra), run_dir=tmp_path / "run")
     assert caught.value.hint and not (tmp_path / "run").exists()
+
+
+def test_the_top_fraction_rule_at_the_user_level_noises_for_k_rows_pushed_out(user_recipe):
+    """A person brings up to k = 8 rows: the engine noises for large + 8·(large − small)
+    (dpclip/engine/policies/discriminative.py), not the 2·large − small of one record."""
+    from dpclip.train.parts import assemble
+
+    parts = assemble(user_recipe("clipping.threshold={kind: discriminative, small: 0.5, large: 2.0, "
+                                 "tail_rule: top_fraction, top_fraction: 0.25}", "training.micro_batch_size=null"))
+    bound = float(parts.engine.policy.sensitivity_thresholds().double().norm())
+    assert bound == pytest.approx(2.0 + 8 * (2.0 - 0.5))
+    parts.engine.detach()
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -79,6 +79,7 @@ class PolicyContext:
     gradient_noise_multiplier: float  # σ_g
     device: torch.device
     dtype: torch.dtype
+    records_per_unit: int = 1         # the most rows one privacy unit has in a step: k at the user level
 
     @property
     def num_groups(self) -> int:

@@ -28,6 +28,10 @@ gradient's sensitivity, :func:`gradient_sensitivity`, which the engine noises wi
 - top-fraction rule: adding an example can also push ONE other sample out of (or into) the
   top set (the set size ⌈p·B⌉ uses the EXPECTED batch size B, so it does not move), changing
   that sample's contribution by at most c_large − c_small → sensitivity 2·c_large − c_small.
+- top-fraction rule at the user level (docs/users.md): a person brings up to k rows, each
+  weighted 1/(their rows in the step), so together at most c_large; they can push up to k
+  rows of other people out of the top set, each weighted at most 1 → sensitivity
+  c_large + k·(c_large − c_small) (k = 1 gives the line above). The rule still ranks rows.
 
 Across ranks (docs/distributed.md) the rule still ranks the whole logical batch: every rank
 gathers all ranks' scores (in rank order) through the engine's reducer, applies the same
@@ -71,12 +75,13 @@ def tail_mask_top(scores: Tensor, fraction: float, expected_batch_size: int) -> 
     return mask
 
 
-def gradient_sensitivity(small, large, tail_rule: str):
-    """Sensitivity of the clipped sum: c_large (per-sample rule), 2·c_large − c_small (top fraction).
+def gradient_sensitivity(small, large, tail_rule: str, records_per_unit: int = 1):
+    """Sensitivity of the clipped sum: c_large (per-sample rule), c_large + k·(c_large − c_small)
+    (top fraction, k = ``records_per_unit``: 2·c_large − c_small for one record; module doc).
 
     Floats give the total; per-group tensors give the per-group bound, whose L2 norm is the total.
     """
-    return large if tail_rule == "threshold" else 2 * large - small
+    return large if tail_rule == "threshold" else large + records_per_unit * (large - small)
 
 
 class DiscriminativeThreshold(ThresholdPolicy):
@@ -85,8 +90,9 @@ class DiscriminativeThreshold(ThresholdPolicy):
     per_sample = True
 
     def __init__(self, small: Tensor, large: Tensor, tail_rule: str, tail_threshold: float | None,
-                 top_fraction: float, expected_batch_size: int, subspace_dim: int):
+                 top_fraction: float, expected_batch_size: int, subspace_dim: int, records_per_unit: int = 1):
         self.small = small
+        self.records_per_unit = records_per_unit
         self.large = large
         self.tail_rule = tail_rule
         self.tail_threshold = tail_threshold
@@ -99,8 +105,8 @@ class DiscriminativeThreshold(ThresholdPolicy):
         return self.small
 
     def sensitivity_thresholds(self) -> Tensor:
-        # Per group: large_k (or 2·large_k − small_k); their L2 norm is the total sensitivity.
-        return gradient_sensitivity(self.small, self.large, self.tail_rule)
+        # Per group: large_k (or large_k + k·(large_k − small_k)); their L2 norm is the total sensitivity.
+        return gradient_sensitivity(self.small, self.large, self.tail_rule, self.records_per_unit)
 
     def tail_mask(self, norms: Tensor) -> Tensor:
         scores = norms.norm(dim=1)        # the sample's gradient norm over all groups
@@ -170,8 +176,8 @@ class DiscriminativeSpec(PolicySpec):
             raise ValueError("tail_rule 'threshold' needs 'tail_threshold'")
         return self
 
-    def gradient_sensitivity(self) -> float:
-        return gradient_sensitivity(self.small, self.large, self.tail_rule)
+    def gradient_sensitivity(self, records_per_unit: int = 1) -> float:
+        return gradient_sensitivity(self.small, self.large, self.tail_rule, records_per_unit)
 
     def ranks_whole_batch(self) -> bool:
         return self.tail_rule == "top_fraction"
@@ -185,4 +191,4 @@ class DiscriminativeSpec(PolicySpec):
         return DiscriminativeThreshold(initial_thresholds(self.small, ctx, "threshold.small"),
                                        initial_thresholds(self.large, ctx, "threshold.large"), self.tail_rule,
                                        self.tail_threshold, self.top_fraction, ctx.expected_batch_size,
-                                       self.subspace_dim)
+                                       self.subspace_dim, ctx.records_per_unit)

@@ -158,3 +158,63 @@ def test_bad_specs_are_refused_with_hints():
     with pytest.raises(EngineError) as info:
         policy(tail_threshold=1.0, trace_noise=1.0)
     assert info.value.hint
+
+
+def test_top_fraction_at_the_user_level_noises_for_large_plus_k_times_the_gap():
+    """A person of k rows (weighted 1/k) adds at most c_large and can push k rows of other
+    people out of the top set, each changing by c_large − c_small (module doc). Worst case,
+    k = 2, small 1, large 4, top set of 2 rows: two people of norm 10 sit in the top set; a
+    person with two rows of norm 100, pointing the other way, takes both places. The sum moves
+    by 4 (theirs) + 2·(4 − 1) (the two pushed out) = 10 = large + k·(large − small), more than
+    the 2·large − small = 7 of one record. Computed here by per-row clipping, not by the engine."""
+    def clipped_sum(rows: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
+        ranked = sorted(range(len(rows)), key=lambda i: -float(rows[i][0].norm()))
+        top = set(ranked[:2])
+        total = torch.zeros(2, dtype=torch.float64)
+        for i, (g, w) in enumerate(rows):
+            c = 4.0 if i in top else 1.0
+            total += w * g * min(1.0, c / float(g.norm()))
+        return total
+
+    e1 = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    before = [(10 * e1, 1.0), (10 * e1, 1.0), (5 * e1, 1.0), (5 * e1, 1.0)]
+    after = before + [(-100 * e1, 0.5), (-100 * e1, 0.5)]
+    moved = float((clipped_sum(after) - clipped_sum(before)).norm())
+    assert moved == pytest.approx(10.0) and moved > 2 * 4.0 - 1.0
+    # the engine noises for exactly that bound at k = 2, and for 7 at k = 1
+    for k, bound in ((2, 10.0), (1, 7.0)):
+        model = nn.Linear(2, 1, bias=False)
+        engine = DPEngine(model, {"threshold": {"kind": "discriminative", "small": 1.0, "large": 4.0,
+                                                "tail_rule": "top_fraction", "top_fraction": 0.5}},
+                          gradient_noise_multiplier=2.0, expected_batch_size=4, records_per_unit=k)
+        engine.backward(model(torch.zeros(1, 2)).squeeze(1))
+        report = engine.privatize()
+        assert report.noise_std_sum.item() == pytest.approx(2.0 * bound)
+        engine.detach()
+
+
+def test_the_engine_clips_a_persons_rows_by_the_top_fraction_rule_as_the_reference():
+    """The same worst case through the engine (σ = 0, B = 4): p.grad·B equals the per-row
+    reference's sums, so the bound above is about what the engine computes."""
+    e1 = torch.tensor([1.0, 0.0])
+    rows = torch.stack([10 * e1, 10 * e1, 5 * e1, 5 * e1, -100 * e1, -100 * e1])
+    weights = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.5, 0.5])
+    sums = []
+    for x, w in ((rows[:4], weights[:4]), (rows, weights)):
+        model = nn.Linear(2, 1, bias=False)
+        engine = DPEngine(model, {"threshold": {"kind": "discriminative", "small": 1.0, "large": 4.0,
+                                                "tail_rule": "top_fraction", "top_fraction": 0.5}},
+                          gradient_noise_multiplier=0.0, expected_batch_size=4, records_per_unit=2)
+        engine.backward(model(x).squeeze(1), row_weights=w)
+        engine.privatize()
+        sums.append(model.weight.grad.squeeze(0) * 4)
+        engine.detach()
+    torch.testing.assert_close(sums[0], torch.tensor([4.0 + 4.0 + 1.0 + 1.0, 0.0]))
+    torch.testing.assert_close(sums[1], torch.tensor([1.0 + 1.0 + 1.0 + 1.0 - 4.0, 0.0]))
+    assert float((sums[1] - sums[0]).norm()) == pytest.approx(10.0)
+
+
+def test_records_per_unit_must_be_a_positive_integer():
+    with pytest.raises(EngineError) as info:
+        DPEngine(nn.Linear(2, 1), {}, gradient_noise_multiplier=1.0, expected_batch_size=4, records_per_unit=0)
+    assert info.value.hint
