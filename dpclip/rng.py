@@ -45,7 +45,7 @@ _MT_OFFSET = 24
 
 
 def derived_seed(seed: int, purpose: str) -> int:
-    """A 63-bit number for one purpose ("model-init", "canaries", ...) from the recipe seed.
+    """A 63-bit number for one purpose ("model-init", "search-trial-3", ...) from the recipe seed.
 
     For randomness that is *not* private (initial weights, data split, canaries): the
     recipe seed governs it, reproducibly."""

@@ -125,7 +125,7 @@ def _one_run(run_dir: Path, recipe, pool: Pool, model, loss_fn, delta: float, co
     if secret is None or recipe.audit.canaries is None:
         raise DpclipError(f"{run_dir} was trained without canaries, so the one-run audit has nothing to guess",
                           CANARY_HINT)
-    canaries = make_canaries(pool.data, recipe.audit.canaries, recipe.seed, records=canary_records(recipe))
+    canaries = make_canaries(pool.data, recipe.audit.canaries, int(secret["seed"]), records=canary_records(recipe))
     if canaries.fingerprint() != secret["fingerprint"]:
         raise DpclipError("the canaries rebuilt from the recipe differ from those the run trained with",
                           "the data or the recipe changed since training; the one-run audit cannot be done")

@@ -15,10 +15,13 @@ Kinds (classification only: a canary needs a label the model can memorise):
   canaries, so a range taken from the private rows would leak through them. With neither,
   the run is refused before training.
 
-Everything is drawn from the canary seed (``audit.canaries.seed``, default: derived
-from the recipe seed), so the audit can rebuild the canary inputs; the inclusion bits
-are also written to ``audit/canaries.json`` in the run directory, which is therefore a
-secret of the run: whoever reads it knows which canaries were trained on.
+Everything is drawn from the canary seed, which is fresh OS entropy at the start of a run
+(never the recipe seed: whoever holds the recipe must not be able to rebuild the answer
+key), or ``audit.canaries.seed`` if the recipe sets one (reproducible, and then the recipe
+is as secret as the answer key). The seed and the inclusion bits are written to
+``audit/canaries.json`` in the run directory, which is therefore a secret of the run:
+whoever reads it knows which canaries were trained on. A resumed run and the audit rebuild
+the canaries from the seed stored there.
 
 User-level runs (``privacy.unit: user``, docs/users.md) get canary PEOPLE: each canary is a new
 person with ``records`` records (k, the recipe's max_examples_per_user) that all go in or all
@@ -48,7 +51,6 @@ from dpclip import layout
 from dpclip.data.builtin import FEATURE_DOMAINS
 from dpclip.errors import DpclipError
 from dpclip.files import write_json_atomic
-from dpclip.rng import derived_seed
 
 CANARY_FILE = Path(layout.AUDIT) / layout.CANARIES
 
@@ -88,11 +90,19 @@ class CanarySet:
                 "labels": [int(y) for y in self.tensors["labels"]], "records": self.records}
 
 
-def canary_seed(config, recipe_seed: int) -> int:
-    """The seed of the canaries: ``config.seed`` if given, else one derived from the recipe seed."""
+def canary_seed(config, run_dir: Path | None = None) -> int | None:
+    """The seed of a run's canaries: the one stored in ``run_dir``'s audit/canaries.json (a
+    resumed or audited run), else ``config.seed`` if the recipe sets one, else None: the
+    caller draws fresh OS entropy (module doc)."""
+    if run_dir is not None:
+        stored = read_canary_secret(run_dir)
+        if stored is None:
+            raise DpclipError(f"{Path(run_dir) / CANARY_FILE} is missing, so the run's canaries cannot be rebuilt",
+                              "the answer key was deleted; train a new run with audit.canaries")
+        return int(stored["seed"])
     if getattr(config, "seed", None) is not None:
         return int(config.seed)
-    return derived_seed(recipe_seed, "canaries")
+    return None
 
 
 def ood_domain(config, source: str) -> tuple[float, float]:
@@ -114,17 +124,16 @@ def ood_domain(config, source: str) -> tuple[float, float]:
                       "or use audit.canaries.kind: mislabel")
 
 
-def make_canaries(data, config, recipe_seed: int, records: int = 1) -> CanarySet:
-    """Build the canaries of ``config`` (a recipe's ``audit.canaries``) for ``data``;
-    ``records`` > 1: canary people of that many records each (module doc).
+def make_canaries(data, config, seed: int, records: int = 1) -> CanarySet:
+    """Build the canaries of ``config`` (a recipe's ``audit.canaries``) for ``data`` from the
+    canary ``seed`` (:func:`canary_seed`); ``records`` > 1: canary people of that many records
+    each (module doc).
 
-    Deterministic in the canary seed: calling it twice gives the same inputs, labels and
-    inclusion bits.
+    Deterministic in the seed: calling it twice gives the same inputs, labels and inclusion bits.
     """
     if data.task != "classification" or not data.num_classes or data.num_classes < 2:
         raise DpclipError(f"canaries need a classification task with at least 2 classes, not {data.task}",
                           "remove audit.canaries from the recipe, or audit this run with --attack loss|lira")
-    seed = canary_seed(config, recipe_seed)
     rng = np.random.default_rng(seed)
     count = config.count
     included = rng.random(count) < 0.5

@@ -69,9 +69,10 @@ def export_recipe(recipe) -> dict[str, Any]:
     statement is about. They need nothing of the audit: ``audit.canaries`` (count, kind,
     seed, domain) lets whoever holds it rebuild the canaries and, through their seed, the
     inclusion bits, the audit's answer key (docs/accounting.md, "Threat model"). Without
-    ``audit.canaries.seed`` the canary seed is derived from the recipe's ``seed``
-    (:func:`dpclip.data.canaries.canary_seed`), so ``seed`` goes too; the exported weights
-    do not need it (it governs the split, the initial weights, dropout and the canaries).
+    ``audit.canaries.seed`` the canaries come from OS entropy (runs before 2026-11-26 derived
+    them from the recipe's ``seed``: :func:`dpclip.data.canaries.canary_seed`), and ``seed``
+    goes too; the exported weights do not need it (it governs the split, the initial
+    weights and dropout).
     Both are dropped from every export, audited or not, so that their absence does not tell
     which runs were audited. The run directory keeps the full recipe.
     """

@@ -25,7 +25,9 @@ class Canaries(Section):
     kind: Literal["mislabel", "ood"] = Field(
         "mislabel", description="mislabel: held-out examples with a wrong label; ood: uniform-noise inputs")
     seed: Annotated[int, Field(ge=0)] | None = Field(
-        None, description="draws the canaries and their inclusion; default derived from the recipe seed")
+        None, description="draws the canaries and their inclusion; default: fresh OS entropy, kept in the run's "
+        "audit/canaries.json. Setting it makes them reproducible from the recipe, which is then as secret as "
+        "that answer key")
     domain: tuple[float, float] | None = Field(
         None, description="ood: the PUBLIC [low, high] every feature is drawn in (in the model's feature units); "
         "default: what a builtin data set declares (digits: [0, 1], grey levels 0..16 scaled by 1/16); "

@@ -382,8 +382,8 @@ class Recipe(Section):
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="run name; used in the run directory")
     seed: Annotated[int, Field(ge=0)] = Field(
-        0, description="seeds what is not private: the data split, the model init, dropout, canaries. Noise and "
-        "batches come from OS entropy (see privacy.unsafe_seeded_randomness)")
+        0, description="seeds what is not private: the data split, the model init, dropout. Noise, batches and "
+        "the audit's canaries and planted secrets come from OS entropy (see privacy.unsafe_seeded_randomness)")
     output_dir: str = Field("runs", description="where run directories are created")
     data: DataConfig = Field(description="where the private training data comes from")
     model: ModelConfig = Field(description="what is trained; input and output sizes are inferred from the data")

@@ -31,8 +31,8 @@ def _run(pattern: str, release: str, what: str, writer: str = "dpclip train") ->
 
 MANIFEST: tuple[Entry, ...] = (
     # ---------------------------------------------------------------- train (dpclip/train/rundir.py, trainer)
-    _run("recipe.yaml", RELEASED, "the resolved recipe (its `seed` governs only public randomness); with canaries "
-         "its `audit` and `seed` identify them: share it only after the audit"),
+    _run("recipe.yaml", RELEASED, "the resolved recipe (its `seed` governs only public randomness); with "
+         "`audit.canaries.seed` set it identifies the canaries: share it only after the audit"),
     _run("meta.json", SECRET, "member and non-member indices (membership), split and content fingerprints"),
     _run("plan.json", RELEASED, "what the statement is rebuilt from: privacy fingerprint, training-set size "
          "(the statement's sampling rate states it), process count, clipping group names"),

@@ -24,7 +24,7 @@ import torch
 
 from dpclip.accounting import solve
 from dpclip.data import PoissonSampler, ShuffleSampler, load_data, select
-from dpclip.data.canaries import make_canaries, with_canaries
+from dpclip.data.canaries import canary_seed, make_canaries, with_canaries
 from dpclip.data.exposure import draw_exposure, stored_exposure, with_exposure
 from dpclip.data.user_sampler import UserPoissonSampler
 from dpclip.distributed import ShardedPoissonSampler, ShardedShuffleSampler, World
@@ -227,7 +227,11 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
     plan = privacy_plan(recipe, privacy_units(recipe, ordinary), groups=num_groups)
     canaries, data = None, ordinary
     if recipe.audit.canaries is not None:
-        canaries = make_canaries(ordinary, recipe.audit.canaries, recipe.seed, records=canary_records(recipe))
+        # The stored seed on a resume, the recipe's if it sets one, else fresh OS entropy (rank 0's).
+        seed_of_canaries = canary_seed(recipe.audit.canaries, run_dir)
+        if seed_of_canaries is None:
+            seed_of_canaries = world.broadcast(os_entropy.randbits(63))
+        canaries = make_canaries(ordinary, recipe.audit.canaries, seed_of_canaries, records=canary_records(recipe))
         data = with_canaries(ordinary, canaries)
     exposure = None
     if recipe.audit.exposure is not None:

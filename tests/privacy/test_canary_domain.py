@@ -80,3 +80,22 @@ def test_ood_canaries_without_a_public_domain_are_refused_before_training(quicks
 def test_a_domain_that_is_not_an_interval_is_refused(quickstart, tmp_path, domain):
     with pytest.raises(DpclipError, match="domain"):
         _files_recipe(quickstart, _csv(tmp_path / "ours.csv", ROWS), f"audit.canaries.domain={domain}")
+
+
+def test_two_runs_of_one_recipe_plant_different_canaries_unless_the_recipe_sets_their_seed(tiny_recipe):
+    """An attacker holding the run's recipe.yaml must not rebuild the answer key: the canary
+    seed is fresh OS entropy (20 inclusion bits agree by chance with probability 2^-20), and a
+    resumed run and the audit read it back from audit/canaries.json."""
+    import json
+
+    from dpclip.data.canaries import canary_seed
+
+    recipe = tiny_recipe("audit.canaries.count=20", "audit.canaries.kind=ood")
+    secrets = []
+    for _ in range(2):
+        run = train(recipe).run_dir
+        secrets.append(json.loads((run / "audit" / "canaries.json").read_text()))
+        assert canary_seed(recipe.audit.canaries, run) == secrets[-1]["seed"]
+    assert secrets[0]["seed"] != secrets[1]["seed"] and secrets[0]["included"] != secrets[1]["included"]
+    seeded = tiny_recipe("audit.canaries.count=20", "audit.canaries.kind=ood", "audit.canaries.seed=7")
+    assert canary_seed(seeded.audit.canaries) == 7 and canary_seed(recipe.audit.canaries) is None
