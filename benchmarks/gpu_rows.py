@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import dp_cost  # noqa: E402
-from dpclip.bench import round_ratios  # noqa: E402
+from dpclip.bench import round_ratios, time_rounds  # noqa: E402
 
 SHAPES = [(4, 256), (2, 1024), (16, 256), (8, 1024)]
 
@@ -61,17 +60,7 @@ def measure_shape(sizes: dict, methods: list[str], repeats: int, warmup: int, de
     w = to_device(dp_cost.make_workload("gpt2-small", sizes), device)
     steps = {m: dp_cost.make_step(m, w) for m in methods}
     memory = {m: step_memory(s, device) for m, s in steps.items()}  # also the first (probing) step
-    for _ in range(warmup):
-        for s in steps.values():
-            s()
-    times: dict[str, list[float]] = {m: [] for m in steps}
-    for _ in range(repeats):
-        for m, s in steps.items():
-            sync(device)
-            t0 = time.perf_counter()
-            s()
-            sync(device)
-            times[m].append(time.perf_counter() - t0)
+    times = time_rounds(steps, repeats, warmup, sync=lambda: sync(device))
     ratios = round_ratios(times, "non-private")
     out = {"median_s": {m: statistics.median(ts) for m, ts in times.items()},
            "ratio": {m: r[0] for m, r in ratios.items()},

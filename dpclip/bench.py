@@ -104,16 +104,20 @@ def make_step(method: str, model, loss_fn, batch, size: int,
     return dp_step
 
 
-def time_rounds(steps: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict[str, list[float]]:
-    """Seconds per step, one entry per round, interleaved A B C A B C ... after ``warmup`` rounds."""
+def time_rounds(steps: dict[str, Callable[[], None]], repeats: int, warmup: int,
+                sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+    """Seconds per step, one entry per round, interleaved A B C A B C ... after ``warmup`` rounds.
+    ``sync`` waits for queued device work (``torch.cuda.synchronize``) before and after each step."""
     for _ in range(warmup):
         for step in steps.values():
             step()
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
+            sync()
             t0 = time.perf_counter()
             step()
+            sync()
             times[name].append(time.perf_counter() - t0)
     return times
 

@@ -49,7 +49,8 @@ def _table(report: dict) -> None:
     from dpclip.audit.report import dp_bound_at, summary_rows
 
     ledger = report["ledger"]
-    title = (f"[bold]membership inference[/] — {report['checkpoint']} (step {report['step']}), "
+    # every figure below is measured on private data (audit/report.json is labelled so too)
+    title = (f"[bold]membership inference[/] (not covered by ε) — {report['checkpoint']} (step {report['step']}), "
              f"ledger ε = {fmt(ledger['epsilon'])} at δ = {ledger['delta']:g}")
     if report["attacks"]:
         table = Table(title=title)

@@ -4,25 +4,16 @@ Every expected number below is written out by hand from the formulas in the modu
 docstring (one flop = one add or one multiply); none is computed by the code under test.
 """
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
+from tests.benchmarks.loader import load_benchmark
 
 def load():
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("floor", BENCHMARKS / "floor.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["floor"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("floor")
 
 
 floor = load()

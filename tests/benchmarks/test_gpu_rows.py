@@ -1,20 +1,12 @@
 """benchmarks/gpu_rows.py --smoke runs on the CPU (its rows are measured where a GPU is lent)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.benchmarks.loader import load_benchmark
 
 
 def load():
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("gpu_rows", BENCHMARKS / "gpu_rows.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_rows")
 
 
 @pytest.mark.slow

@@ -1,22 +1,15 @@
 """benchmarks/performance_page.py: the goals are computed from the measurements, and the
 generated block of the page is replaced in place."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.benchmarks.loader import BENCHMARKS as BENCH, load_benchmark
 
 
 def load():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("performance_page", BENCH / "performance_page.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("performance_page")
 
 
 def _result(all_layer, layer, hooks=1.7, mem=(100.0, 108.0, 104.0), stash=(40.0, 12.0)):

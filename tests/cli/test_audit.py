@@ -101,3 +101,14 @@ def test_all_attacks_show_a_table_and_shadows_are_reused(cli, tiny_run):
 def test_a_folder_that_is_not_a_run_is_an_error(cli, tmp_path):
     result = cli("audit-mia", tmp_path, "--attack", "loss")
     assert result.code == 2 and "neither a run directory" in result.err
+
+
+def test_the_audit_table_says_its_figures_are_not_covered_by_epsilon(cli, plain_run):
+    result = cli("audit-mia", plain_run, "--attack", "loss", "--bootstrap", "0")
+    assert result.code == 0 and "(not covered by ε)" in " ".join(result.out.split())
+    # report.json keeps the TPR the ledger allows at 1% FPR: min(e^ε·FPR + δ, 1 − e^−ε·(1 − δ − FPR))
+    import math
+    ledger = json.loads((plain_run / "audit" / "report.json").read_text())["ledger"]
+    eps, delta = ledger["epsilon"], ledger["delta"]
+    allowed = min(math.exp(eps) * 0.01 + delta, 1 - math.exp(-eps) * (1 - delta - 0.01), 1.0)
+    assert ledger["tpr_bound"]["fpr_1%"] == pytest.approx(allowed)
