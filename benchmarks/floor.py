@@ -51,9 +51,9 @@ per-sample instantiation); docs/engine.md):
                  sample: 4·B·n extra (norm and clipped sum)
 
 The floor takes the symmetric count (``--gram full`` the other): exact Gram work cannot
-go below one product per entry on and above the diagonal. The engine's recursive blocks
-(``dpclip.engine.factors._symmetric_ghost``) reach 1/2 + 2^-(k+1) of the full product at
-depth k (5/8 at depth 2), approaching it.
+go below one product per entry on and above the diagonal. The engine's column strips
+(``dpclip.engine.factors._symmetric_ghost``) reach (k+1)/(2k) of the full product with k
+strips (5/8 at its k = 4, from T 128 on the CPU), approaching it.
 
 A tied parameter (GPT-2's wte and lm_head: one tensor, an ids use and a dense use) is
 one parameter, as in the engine: its norm is ||E_i + H_i||² = ||E_i||² + ||H_i||² +
@@ -391,10 +391,16 @@ class Option:
 
 
 def gram_live(batch: int, seq: int, gram: str) -> int:
-    """Floats of Gram blocks live at once: both T x T Grams (full), or the engine's
-    recursive blocks, at most B·T² (two halves' Grams at the first split of 2·B·(T/2)²
-    each, or its off-diagonal pair; ``dpclip.engine.factors._symmetric_ghost``)."""
-    return batch * seq * seq if gram == "symmetric" else 2 * batch * seq * seq
+    """Floats of Gram blocks live at once: both T x T Grams (full), or one column strip of
+    each and their product, 3·B·T·ceil(T/k) for the engine's k strips
+    (``dpclip.engine.factors._symmetric_ghost``; the CPU's k)."""
+    if gram != "symmetric":
+        return 2 * batch * seq * seq
+    from dpclip.engine.factors import ghost_strips
+    strips = ghost_strips(seq, torch.device("cpu"))
+    if strips == 1:
+        return 2 * batch * seq * seq
+    return 3 * batch * seq * -(-seq // strips)
 
 
 def stream_chunk(batch: int, seq: int, m: int, n: int) -> int:

@@ -14,7 +14,13 @@ picks for groups clipped right after their layer (layer-wise, param-wise). A sec
 times the Gram trick of ``_symmetric_ghost`` against the plain product, and the reduction
 ``batched_dot`` against the bmm form it replaced.
 
+``--strips`` instead times ``_symmetric_ghost`` with k = 1, 2, 4, 8 column strips on GPT-2
+small's layer shapes (B 4, T 256 and B 2, T 1024; ``--device cuda`` on a GPU), beside the
+k the engine picks there (``factors.ghost_strips``): how GHOST_MIN_BLOCK and
+GHOST_MAX_STRIPS were chosen.
+
     python benchmarks/norm_rule.py            # B 16 and 64, T 16..256, GPT-2-like shapes
+    python benchmarks/norm_rule.py --strips   # the strip counts, GPT-2 small's shapes
     python benchmarks/norm_rule.py --smoke    # tiny, one repeat (CI)
 """
 
@@ -93,14 +99,56 @@ def gram_rows(seqs, shapes, batch: int, repeats: int) -> list[dict]:
     return rows
 
 
+GPT2_SMALL = {"attn.c_attn": (768, 2304), "attn.c_proj": (768, 768), "mlp.c_fc": (768, 3072),
+              "mlp.c_proj": (3072, 768), "lm_head": (768, 50257)}
+STRIPS = (1, 2, 4, 8)
+
+
+def strip_rows(configs, shapes: dict, device: str, repeats: int) -> list[dict]:
+    """Milliseconds of one ghost norm per strip count, per (B, T) and layer shape."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows = []
+    for b, t in configs:
+        for name, (m, n) in shapes.items():
+            gen = torch.Generator().manual_seed(t + m)
+            left = torch.randn(b, 1, t, m, generator=gen).to(device)
+            right = torch.randn(b, 1, t, n, generator=gen).to(device)
+            fns = {k: (lambda k=k: factors._symmetric_ghost(left, right, False, strips=k)) for k in STRIPS}
+            ms = {k: statistics.median(ts) * 1e3
+                  for k, ts in time_rounds(fns, repeats, warmup=1, sync=sync).items()}
+            rows.append({"B": b, "T": t, "layer": name, "ms": ms,
+                         "engine": factors.ghost_strips(t, torch.device(device))})
+    return rows
+
+
+def print_strips(rows: list[dict]) -> None:
+    print("ghost norm (ms) by column strips k; engine = the k factors.ghost_strips picks")
+    print(f"{'B x T':>9}  {'layer':<12}" + "".join(f"{'k=' + str(k):>9}" for k in STRIPS) + f"{'engine':>8}")
+    for r in rows:
+        print(f"{str(r['B']) + ' x ' + str(r['T']):>9}  {r['layer']:<12}"
+              + "".join(f"{r['ms'][k]:>9.2f}" for k in STRIPS) + f"{r['engine']:>8}")
+    totals = {k: sum(r["ms"][k] * (1 if r["layer"] == "lm_head" else 12) for r in rows) for k in STRIPS}
+    print("per step, 12 blocks + lm_head, all shapes above: "
+          + ", ".join(f"k={k} {v:.1f} ms" for k, v in totals.items()))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--strips", action="store_true", help="time the strip counts of the symmetric Grams")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
     keep_freed_memory()
     torch.set_num_threads(args.threads)
+    if args.strips:
+        configs, shapes = [(4, 256), (2, 1024)], GPT2_SMALL
+        if args.smoke:
+            configs, shapes, args.repeats = [(2, 64)], {"tiny": (8, 12)}, 1
+        print(f"torch {torch.__version__}, {args.device}, median of {args.repeats}")
+        print_strips(strip_rows(configs, shapes, args.device, args.repeats))
+        return
     batches, seqs, shapes = [16, 64], [16, 32, 64, 128, 256], SHAPES
     if args.smoke:
         batches, seqs, shapes, args.repeats = [2], [4, 64], [(8, 12)], 1
@@ -115,7 +163,7 @@ def main(argv=None) -> None:
     worst = max(rows, key=lambda r: r["loss"])
     print(f"\nrule picked the faster path in {agree} of {len(rows)} cells; worst cell "
           f"B {worst['B']} T {worst['T']} {worst['m']}x{worst['n']}: {worst['loss']:.2f}x the faster path")
-    print("\nGram trick and reduction (B 16): plain Grams vs symmetric halves; bmm vs vecdot dot")
+    print("\nGram trick and reduction (B 16): plain Grams vs symmetric strips; bmm vs vecdot dot")
     print(f"{'T':>5}{'m x n':>12}{'plain':>10}{'symm':>10}{'bmm dot':>10}{'vecdot':>10}")
     for r in gram_rows(seqs, shapes, 2 if args.smoke else 16, args.repeats):
         print(f"{r['T']:>5}{str(r['m']) + 'x' + str(r['n']):>12}{r['plain Grams']:>10.2f}"

@@ -111,9 +111,21 @@ def batched_dot(x: Tensor, y: Tensor) -> Tensor:
     return torch.linalg.vecdot(x.reshape(batch, -1), y.reshape(batch, -1), dim=1)
 
 
-# Below this many rows a Gram block is not split further: smaller GEMMs lose more to
-# overhead than the halving saves (benchmarks/norm_rule.py measures it).
-GHOST_MIN_BLOCK = 32
+# A Gram is computed in column strips of at least this many columns (the second GEMM
+# dimension): narrower strips lose more to GEMM overhead than the skipped half saves. On
+# CUDA the full product of a short sequence is one kernel, and the launches of many strips
+# cost more than their flops (benchmarks/norm_rule.py measures it; docs/performance.md).
+GHOST_MIN_BLOCK = {"cpu": 32, "cuda": 256}
+# At most this many strips (5/8 of the plain product's work): more, narrower strips measured
+# no faster on GPT-2 small's layers at T 256, and slower on its [T, 50257] output gradient,
+# which no cache holds and each strip reads again.
+GHOST_MAX_STRIPS = 4
+
+
+def ghost_strips(seq: int, device: torch.device) -> int:
+    """How many column strips :func:`_symmetric_ghost` cuts a T x T Gram into."""
+    block = GHOST_MIN_BLOCK.get(torch.device(device).type, GHOST_MIN_BLOCK["cuda"])
+    return max(1, min(GHOST_MAX_STRIPS, seq // block))
 
 
 def _gram(x: Tensor, is_ids: bool) -> Tensor:
@@ -136,39 +148,51 @@ def _gram_dot(x: Tensor, y: Tensor) -> Tensor:
     return batched_dot(x.reshape(-1, *x.shape[-2:]), y.reshape(-1, *y.shape[-2:])).view(lead)
 
 
-def _symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool) -> tuple[Tensor, Tensor]:
+def _symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
+                     strips: int | None = None) -> tuple[Tensor, Tensor]:
     """(Σ_{t,s} (L Lᵀ)_{ts} (R Rᵀ)_{ts}, Σ_t (L Lᵀ)_{tt} (R Rᵀ)_{tt}) over the T axis, using
     the symmetry of both Grams.
 
-    Split T into halves 1, 2: the sum is G(L₁,R₁) + G(L₂,R₂) + 2·<L₁L₂ᵀ, R₁R₂ᵀ>, and the
-    diagonal terms recurse. Each level computes 3 of the 4 Gram blocks, so at depth k the
-    Gram work is (1/2 + 2^-(k+1)) of the plain product: 3/4, 5/8, ... (exact, reordered sums).
-    The second value, the atoms' squared sizes Σ_t ||L_t||²||R_t||² that bound the first's
-    round-off (:mod:`dpclip.engine.cancellation`), is read off the Grams' diagonals for free.
-    ``left`` is ``[..., T, m]`` (or ids ``[..., T]``), ``right`` ``[..., T, n]`` -> ``[...]``.
+    Cut the columns s into k strips [lo_j, hi_j) (:func:`ghost_strips`). Strip j of a Gram,
+    rows t < hi_j, is one GEMM, X[:hi_j] X[lo_j:hi_j]ᵀ; its rows t < lo_j lie above the
+    diagonal and stand for their mirror images too (weight 2), its rows lo_j ≤ t < hi_j are
+    the diagonal block (weight 1). So the sum is exact (reordered), and the Gram work is
+    (k+1)/(2k) of the plain product: 3/4 and 5/8 at k = 2 and 4, in k GEMMs whose rows
+    stay whole (the recursive halving this replaced reached the same counts in many smaller
+    GEMMs, and measured slower: docs/performance.md, "The floor"). The second value, the
+    atoms' squared sizes Σ_t ||L_t||²||R_t||² that bound the first's round-off
+    (:mod:`dpclip.engine.cancellation`), is read off the diagonal blocks for free.
+    ``left`` is ``[..., T, m]`` (or ids ``[..., T]``), ``right`` ``[..., T, n]`` -> ``[...]``;
+    ``strips`` overrides k (benchmarks/norm_rule.py compares them).
     """
     t = right.shape[-2]
-    if t % 2 or t < 2 * GHOST_MIN_BLOCK:
+    strips = ghost_strips(t, right.device) if strips is None else max(1, min(int(strips), t))
+    if strips == 1:
         gram_left, gram_right = _gram(left, left_ids), _gram(right, False)
         atoms = (gram_left.diagonal(dim1=-2, dim2=-1).to(gram_right.dtype)
                  * gram_right.diagonal(dim1=-2, dim2=-1)).sum(-1)
         return _gram_dot(gram_left, gram_right), atoms
-    h = t // 2
-    # unflatten splits T in place (a view for any strides): [..., 2, h, k]
-    lb = left.unflatten(-1 if left_ids else -2, (2, h))
-    rb = right.unflatten(-2, (2, h))
-    diagonal, atoms = _symmetric_ghost(lb, rb, left_ids)
-    first, second = (lb[..., 0, :], lb[..., 1, :]) if left_ids else (lb[..., 0, :, :], lb[..., 1, :, :])
-    off = _gram_dot(_cross_gram(first, second, left_ids),
-                    _cross_gram(rb[..., 0, :, :], rb[..., 1, :, :], False))
-    return diagonal.sum(-1) + 2 * off, atoms.sum(-1)
+    rows = (lambda x, lo, hi: x[..., lo:hi]) if left_ids else (lambda x, lo, hi: x[..., lo:hi, :])
+    bounds = [j * t // strips for j in range(strips + 1)]
+    total = atoms = None
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        gram_left = _cross_gram(rows(left, 0, hi), rows(left, lo, hi), left_ids)        # [..., hi, h]
+        gram_right = _cross_gram(right[..., :hi, :], right[..., lo:hi, :], False)
+        product = gram_left.to(gram_right.dtype) * gram_right
+        value = product[..., lo:, :].sum((-2, -1))
+        if lo:
+            value = value + 2 * product[..., :lo, :].sum((-2, -1))
+        diagonal = product[..., lo:, :].diagonal(dim1=-2, dim2=-1).sum(-1)
+        total = value if total is None else total + value
+        atoms = diagonal if atoms is None else atoms + diagonal
+    return total, atoms
 
 
 def ghost_norm_sq(left: Tensor, right: Tensor) -> Tensor:
     """||Σ_t L_tᵀ R_t||_F² per sample without forming the gradient ("ghost norm").
 
     ||G||_F² = Σ_{t,s} (L Lᵀ)_{ts} (R Rᵀ)_{ts}  (docs/engine.md; Li et al. 2021 via the
-    groupwise-clipping paper §2.2). Cost O(T²(m+n)) (about 5/8 of it: both Grams are
+    groupwise-clipping paper §2.2). Cost O(T²(m+n)) (5/8 of it at T ≥ 128: both Grams are
     symmetric, see :func:`_symmetric_ghost`), memory O(T²). Shapes ``[B, g, T, m]`` and
     ``[B, g, T, n]`` -> ``[B]`` (blocks summed).
     """
@@ -278,7 +302,7 @@ def choose_ghost(use: Bilinear, method: str, transient: bool = False) -> bool:
 
     ``transient=True`` (the group is finalized right after this parameter, e.g. layer-wise
     clipping): a time rule. Instantiating costs one per-sample matmul (T·m·n) and then a
-    cheap Σ_i c_i G_i; ghost costs the Grams (≈ 5/8·T²(m+n)) plus the clipped GEMM
+    cheap Σ_i c_i G_i; ghost costs the Grams (≈ 5/8·T²(m+n) on CPU) plus the clipped GEMM
     (T·m·n). Instantiate iff G_i is at most twice its factors, m·n ≤ 2·T·(m+n): where
     this machine measured instantiation faster (benchmarks/norm_rule.py), and it bounds the
     short-lived G_i by twice the layer's own activation and output gradient.

@@ -109,6 +109,9 @@ def test_norm_rule_smoke_runs_the_engines_functions(capsys):
     module.main(["--smoke"])
     out = capsys.readouterr().out
     assert "rule picked the faster path in" in out and "vecdot" in out
+    module.main(["--smoke", "--strips"])
+    out = capsys.readouterr().out
+    assert "k=4" in out and "per step, 12 blocks + lm_head" in out
 
 
 def test_profile_phases_smoke_times_every_phase():

@@ -128,7 +128,7 @@ def test_transient_instantiation_keeps_the_gradient_instead_of_its_factors():
 
 @pytest.mark.parametrize("t", [63, 64, 96, 128, 130, 200, 256])
 def test_symmetric_ghost_norm_matches_instantiation_for_long_sequences(t):
-    # T ≥ 64 splits the Grams into halves (recursively); odd halves stop the recursion.
+    # T ≥ 64 cuts the Grams into column strips (up to 4 at T ≥ 128); T need not divide evenly.
     gen = torch.Generator().manual_seed(t)
     for g in (1, 2):
         use = _dense(gen, 3, g, t, 5, 7)
