@@ -208,7 +208,10 @@ def build_gpt2_small(sizes: dict) -> nn.Module:
 
 
 def make_step(method: str, w: Workload) -> Callable[[], None]:
-    """A closure running one training step of ``method`` on its own copy of the model."""
+    """A closure running one training step of ``method`` on its own copy of the model
+    (:data:`NOISE_DRAW`: the noise draw alone, no copy)."""
+    if method == NOISE_DRAW:
+        return noise_draw_step(w.model)
     model = copy.deepcopy(w.model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     if method == "non-private":
@@ -233,6 +236,26 @@ def make_step(method: str, w: Workload) -> Callable[[], None]:
     if method.startswith("opacus "):
         return _opacus_step(method.split(" ", 1)[1], w, model, opt)
     raise ValueError(f"unknown method {method!r}")
+
+
+# Not a training method: one Gaussian per parameter, as the engine draws it each step.
+NOISE_DRAW = "noise draw"
+
+
+def noise_draw_step(model: nn.Module) -> Callable[[], None]:
+    """The noise of a private step alone: ``NoiseSource.add_gaussians`` (the engine's own
+    draw, split over threads on CPU) into one gradient-sized buffer per parameter. The
+    work a private step must add that no flop count holds (benchmarks/floor_gap.py)."""
+    from dpclip.engine.noise import NoiseSource
+
+    source = NoiseSource(seed=0)
+    buffers = [torch.zeros_like(p) for p in model.parameters() if p.requires_grad]
+    stds = [1.0] * len(buffers)
+
+    def step():
+        source.add_gaussians(buffers, stds)
+    step.buffers = buffers
+    return step
 
 
 def untie_output_embedding(model: nn.Module) -> bool:

@@ -391,16 +391,11 @@ class Option:
 
 
 def gram_live(batch: int, seq: int, gram: str) -> int:
-    """Floats of Gram blocks live at once: both T x T Grams (full), or one column strip of
-    each and their product, 3·B·T·ceil(T/k) for the engine's k strips
-    (``dpclip.engine.factors._symmetric_ghost``; the CPU's k)."""
-    if gram != "symmetric":
-        return 2 * batch * seq * seq
-    from dpclip.engine.factors import ghost_strips
-    strips = ghost_strips(seq, torch.device("cpu"))
-    if strips == 1:
-        return 2 * batch * seq * seq
-    return 3 * batch * seq * -(-seq // strips)
+    """Floats of Gram blocks live at once: both T x T Grams (full), or B·T² (symmetric):
+    computed in k column strips, one strip of each Gram and their product hold
+    3·B·T·T/k, within B·T² from k = 3 (the engine's 4 strips from T 128 on the CPU;
+    ``dpclip.engine.factors._symmetric_ghost``; shorter sequences' whole Grams are small)."""
+    return batch * seq * seq if gram == "symmetric" else 2 * batch * seq * seq
 
 
 def stream_chunk(batch: int, seq: int, m: int, n: int) -> int:

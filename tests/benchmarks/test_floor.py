@@ -261,3 +261,30 @@ def test_gpt2_small_memory_aware_floor_lies_between_the_flop_floor_and_all_ghost
     # the flop floor fits
     long = floor.gpt2_memory_floor(2, 1024)
     assert long["all-layer"]["ratio"] == long["layer"]["ratio"] == long["flop_ratio"]
+
+
+
+def test_floor_gap_divides_each_rounds_ratio_by_flop_floor_plus_noise_share(capsys):
+    result = load_benchmark("floor_gap").main(["--smoke"])
+    shape = result["shapes"][0]
+    times = shape["median_s"]      # one round: medians are that round's times
+    noise = times["noise draw"] / times["non-private"]
+    assert shape["noise_share"][0] == pytest.approx(noise)
+    for grouping in ("all-layer", "layer"):
+        row = shape["groupings"][grouping]
+        measured = times[f"dpclip {grouping}"] / times["non-private"]
+        assert row["measured"][0] == pytest.approx(measured)
+        assert row["floor"][0] == pytest.approx(row["flop_floor"] + noise)
+        assert row["gap"][0] == pytest.approx(measured / (row["flop_floor"] + noise))
+    assert "measured / floor" in capsys.readouterr().out
+
+
+def test_noise_draw_step_adds_one_unit_gaussian_per_parameter():
+    model = nn.Linear(1000, 500)                   # 500,500 parameters: one draw each
+    step = load_benchmark("dp_cost").noise_draw_step(model)
+    step()
+    drawn = torch.cat([b.flatten() for b in step.buffers])
+    assert drawn.numel() == 500_500
+    # E[z²] = 1 with Var(z²) = 2: the mean of n squares is within 5 standard errors of 1
+    assert abs(drawn.pow(2).mean().item() - 1) < 5 * (2 / drawn.numel()) ** 0.5
+    assert abs(drawn.mean().item()) < 5 / drawn.numel() ** 0.5
