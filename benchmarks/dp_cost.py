@@ -212,6 +212,8 @@ def make_step(method: str, w: Workload) -> Callable[[], None]:
     (:data:`NOISE_DRAW`: the noise draw alone, no copy)."""
     if method == NOISE_DRAW:
         return noise_draw_step(w.model)
+    if method == FLAT_NOISE_DRAW:
+        return flat_noise_draw_step(w.model)
     model = copy.deepcopy(w.model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     if method == "non-private":
@@ -238,8 +240,23 @@ def make_step(method: str, w: Workload) -> Callable[[], None]:
     raise ValueError(f"unknown method {method!r}")
 
 
-# Not a training method: one Gaussian per parameter, as the engine draws it each step.
+# Not training methods: one Gaussian per parameter, as the engine draws it each step, and
+# as one normal_ call over a flat parameter-sized buffer draws it (no add: a lower bound).
 NOISE_DRAW = "noise draw"
+FLAT_NOISE_DRAW = "noise draw, flat"
+
+
+def flat_noise_draw_step(model: nn.Module) -> Callable[[], None]:
+    """One ``normal_`` over a buffer of all trainable parameters' size: the fewest launches
+    a GPU can draw them in (on a CPU, one core draws it: the engine's split draw is faster)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    buffer = torch.empty(sum(p.numel() for p in params), device=params[0].device)
+    generator = torch.Generator(device=buffer.device).manual_seed(0)
+
+    def step():
+        buffer.normal_(generator=generator)
+    step.buffers = [buffer]
+    return step
 
 
 def noise_draw_step(model: nn.Module) -> Callable[[], None]:

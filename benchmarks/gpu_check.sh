@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, on a machine with one CUDA device and dpclip's dependencies
-# installed: the CUDA tests, then the GPU rows of docs/performance.md.
-#   bash benchmarks/gpu_check.sh OUT_DIR     # about 5 minutes on one H100/H200
+# installed: the CUDA tests, the ghost-norm strip counts on CUDA, GPT-2 small against its
+# floor, then (with ROWS=1) the GPU rows of docs/performance.md with Opacus.
+#   bash benchmarks/gpu_check.sh OUT_DIR          # about 4 minutes on one H200
+#   ROWS=1 bash benchmarks/gpu_check.sh OUT_DIR   # about 5 more
 set -o pipefail
 out=${1:-.}
 mkdir -p "$out"
@@ -10,4 +12,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
 timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider tests/cuda tests/engine/test_engine.py \
     tests/engine/test_precision.py 2>&1 | tee "$out/cuda_tests.txt"
-timeout 330 python3 benchmarks/gpu_rows.py --json "$out/gpu_rows.json" --profile 4x256 8x1024 2>&1 | tee "$out/gpu_rows.txt"
+timeout 120 python3 benchmarks/norm_rule.py --strips --device cuda --repeats 10 2>&1 | tee "$out/strips.txt"
+timeout 300 python3 benchmarks/floor_gap.py --device cuda --memory --repeats 10 \
+    --shapes 4x256 2x1024 16x256 8x1024 --json "$out/floor_gap.json" 2>&1 | tee "$out/floor_gap.txt"
+if [ "${ROWS:-0}" = 1 ]; then
+    timeout 330 python3 benchmarks/gpu_rows.py --json "$out/gpu_rows.json" --profile 4x256 8x1024 2>&1 \
+        | tee "$out/gpu_rows.txt"
+fi

@@ -113,9 +113,11 @@ def batched_dot(x: Tensor, y: Tensor) -> Tensor:
 
 # A Gram is computed in column strips of at least this many columns (the second GEMM
 # dimension): narrower strips lose more to GEMM overhead than the skipped half saves. On
-# CUDA the full product of a short sequence is one kernel, and the launches of many strips
-# cost more than their flops (benchmarks/norm_rule.py measures it; docs/performance.md).
-GHOST_MIN_BLOCK = {"cpu": 32, "cuda": 256}
+# CUDA the full product is one kernel, and on an H200 it beat 2, 4 and 8 strips on every
+# GPT-2 small layer at T 256 and 1024 (each strip's launches cost more than its flops), so
+# CUDA splits only from T 4096, unmeasured (benchmarks/norm_rule.py --strips;
+# benchmarks/results/strips_h200.txt).
+GHOST_MIN_BLOCK = {"cpu": 32, "cuda": 2048}
 # At most this many strips (5/8 of the plain product's work): more, narrower strips measured
 # no faster on GPT-2 small's layers at T 256, and slower on its [T, 50257] output gradient,
 # which no cache holds and each strip reads again.

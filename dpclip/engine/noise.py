@@ -38,12 +38,47 @@ STREAMS = 8
 CHUNK = 1 << 20
 
 
-def _add_drawn(flat: Tensor, std: float, generator: torch.Generator) -> None:
-    """flat += N(0, std²), drawn with ``generator`` in pieces of :data:`CHUNK` elements."""
-    scratch = torch.empty(min(CHUNK, flat.numel()), device=flat.device, dtype=flat.dtype)
-    for lo in range(0, flat.numel(), CHUNK):
-        piece = flat[lo:lo + CHUNK]
+# On a GPU: elements per draw (64 MiB of float32 scratch), and small tensors are packed into
+# one draw. Each normal_ and add_ is a kernel launch, and GPT-2 small's 148 gradients in
+# 1 MiB pieces took about 300 launches, 5.7 ms of host time per step on an H200 where the
+# draw itself needs well under one (docs/performance.md, "The floor").
+DEVICE_CHUNK = 1 << 24
+
+
+def _add_drawn(flat: Tensor, std: float, generator: torch.Generator, chunk: int = CHUNK) -> None:
+    """flat += N(0, std²), drawn with ``generator`` in pieces of ``chunk`` elements."""
+    scratch = torch.empty(min(chunk, flat.numel()), device=flat.device, dtype=flat.dtype)
+    for lo in range(0, flat.numel(), chunk):
+        piece = flat[lo:lo + chunk]
         piece.add_(scratch[:piece.numel()].normal_(0.0, std, generator=generator))
+
+
+def _add_drawn_packed(flats: list[Tensor], stds: list[float], generator: torch.Generator,
+                      chunk: int = DEVICE_CHUNK) -> None:
+    """flats[j] += N(0, stds[j]²) for tensors on one device: runs of consecutive tensors of
+    one dtype, at most ``chunk`` elements together, share one unit draw, scaled and added
+    with one multi-tensor kernel each (``torch._foreach_mul_``, ``_foreach_add_``, as
+    torch's optimizers use); a tensor of ``chunk`` elements or more is drawn alone."""
+    run: list[tuple[Tensor, float]] = []
+
+    def flush() -> None:
+        if not run:
+            return
+        sizes = [t.numel() for t, _ in run]
+        scratch = torch.empty(sum(sizes), device=run[0][0].device, dtype=run[0][0].dtype)
+        pieces = list(scratch.normal_(generator=generator).split(sizes))
+        torch._foreach_mul_(pieces, [std for _, std in run])
+        torch._foreach_add_([t for t, _ in run], pieces)
+        run.clear()
+
+    for flat, std in zip(flats, stds):
+        if flat.numel() >= chunk:
+            _add_drawn(flat, std, generator, chunk)
+            continue
+        if run and (sum(t.numel() for t, _ in run) + flat.numel() > chunk or flat.dtype != run[0][0].dtype):
+            flush()
+        run.append((flat, std))
+    flush()
 
 ALLOCATIONS = ("global", "equal-budget", "weighted")
 
@@ -122,7 +157,8 @@ class NoiseSource:
         """``targets[j] += N(0, stds[j]²)`` in place, every coordinate drawn independently.
 
         In place, so a step holds no second copy of the model's gradients: the noise is
-        drawn :data:`CHUNK` elements at a time into a scratch buffer and added. On CPU,
+        drawn :data:`CHUNK` elements at a time into a scratch buffer and added (on a GPU,
+        up to :data:`DEVICE_CHUNK` at a time, small tensors packed into one draw). On CPU,
         when the targets hold :data:`SPLIT_MIN_NUMEL` elements or more, their
         concatenation (in order) is cut into :data:`STREAMS` equal slices; slice k is drawn
         with the k-th generator of :func:`dpclip.rng.split_generator` (its whole state
@@ -135,9 +171,16 @@ class NoiseSource:
         cpu = [j for j, t in enumerate(targets) if t.device.type == "cpu"]
         total = sum(targets[j].numel() for j in cpu)
         split = total >= SPLIT_MIN_NUMEL
+        by_device: dict[torch.device, list[int]] = {}
         for j, t in enumerate(targets):
-            if not (split and t.device.type == "cpu"):
-                _add_drawn(t.view(-1), float(stds[j]), self.generator(t.device))
+            if t.device.type == "cpu":
+                if not split:
+                    _add_drawn(t.view(-1), float(stds[j]), self.generator(t.device))
+            else:
+                by_device.setdefault(t.device, []).append(j)
+        for device, js in by_device.items():
+            _add_drawn_packed([targets[j].view(-1) for j in js], [float(stds[j]) for j in js],
+                              self.generator(device))
         if split:
             self._split_add([(targets[j].view(-1), float(stds[j])) for j in cpu], total)
 

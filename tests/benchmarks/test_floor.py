@@ -268,7 +268,7 @@ def test_floor_gap_divides_each_rounds_ratio_by_flop_floor_plus_noise_share(caps
     result = load_benchmark("floor_gap").main(["--smoke"])
     shape = result["shapes"][0]
     times = shape["median_s"]      # one round: medians are that round's times
-    noise = times["noise draw"] / times["non-private"]
+    noise = min(times["noise draw"], times["noise draw, flat"]) / times["non-private"]
     assert shape["noise_share"][0] == pytest.approx(noise)
     for grouping in ("all-layer", "layer"):
         row = shape["groupings"][grouping]
@@ -279,9 +279,11 @@ def test_floor_gap_divides_each_rounds_ratio_by_flop_floor_plus_noise_share(caps
     assert "measured / floor" in capsys.readouterr().out
 
 
-def test_noise_draw_step_adds_one_unit_gaussian_per_parameter():
+@pytest.mark.parametrize("flat", [False, True])
+def test_noise_draw_step_adds_one_unit_gaussian_per_parameter(flat):
     model = nn.Linear(1000, 500)                   # 500,500 parameters: one draw each
-    step = load_benchmark("dp_cost").noise_draw_step(model)
+    dp_cost = load_benchmark("dp_cost")
+    step = (dp_cost.flat_noise_draw_step if flat else dp_cost.noise_draw_step)(model)
     step()
     drawn = torch.cat([b.flatten() for b in step.buffers])
     assert drawn.numel() == 500_500

@@ -259,3 +259,25 @@ def test_split_noise_resumes_from_the_state_dict(monkeypatch, seed):
     resumed.privatize()
     for p, w in zip(twin.parameters(), want):
         assert torch.equal(p.grad, w)
+
+
+def test_packed_device_draw_gives_each_tensor_its_own_std_in_place():
+    # The GPU path (_add_drawn_packed, device-agnostic) run on CPU tensors: small tensors share
+    # a draw, a dtype change or a full run starts a new one, a large tensor is drawn alone.
+    from dpclip.engine import noise
+
+    gen = torch.Generator().manual_seed(11)
+    sizes = [500, 500] + [int(n) for n in torch.randint(1, 3000, (60,), generator=gen)] + [5000]
+    dtypes = [torch.float64 if i % 7 == 3 else torch.float32 for i in range(len(sizes))]
+    stds = [(0.5, 1.0, 3.0)[i % 3] for i in range(len(sizes))]
+    targets = [torch.full((n,), 7.0, dtype=d) for n, d in zip(sizes, dtypes)]
+    same = list(targets)
+    noise._add_drawn_packed(targets, stds, torch.Generator().manual_seed(4), chunk=2000)
+    assert all(a is b for a, b in zip(targets, same))
+    for std in (0.5, 1.0, 3.0):
+        z = torch.cat([((t - 7.0) / s).double() for t, s in zip(targets, stds) if s == std])
+        n = z.numel()
+        assert abs(float(z.std()) - 1) < 5 / math.sqrt(2 * (n - 1)) and abs(float(z.mean())) < 5 / math.sqrt(n)
+    # consecutive tensors of one run are different slices of one draw: uncorrelated
+    first, second = ((targets[i] - 7.0).double() for i in (0, 1))
+    assert abs(_corr(first, second)) < 5 / math.sqrt(500)
