@@ -617,3 +617,35 @@ def test_a_forward_wrapped_in_one_autocast_instance_leaves_autocast_off_after_th
         engine.privatize()
     assert engine._keeper.axes.probes > 0   # the probes did run inside the wrapped forward
     engine.detach()
+
+
+def test_probe_forwards_keep_no_activations_for_a_backward():
+    # The probes run with gradients on but keep nothing for a backward that never comes: a
+    # 3-sample probe at B 2 once held 1.5x the step's own activations (first-step peak).
+    outputs = []
+
+    class Squares(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.lin(x)
+            y = h * h                     # autograd saves h for the product's backward
+            outputs.append(y)
+            return y.sum(-1)
+
+    model = Squares()
+    engine = DPEngine(model, {}, gradient_noise_multiplier=1.0, expected_batch_size=5, seed=0)
+    losses = model(torch.randn(5, 4))
+    probes = [y for y in outputs if y.shape[0] != 5]
+    assert sorted(y.shape[0] for y in probes) == [2, 3]
+    assert all(y.requires_grad for y in probes)          # gradients were on
+    for y in probes:
+        with pytest.raises(RuntimeError, match="has no backward"):
+            y.grad_fn._saved_self
+    (real,) = [y for y in outputs if y.shape[0] == 5]
+    assert real.grad_fn._saved_self.shape == (5, 3)      # the step's own forward saves as usual
+    engine.backward(losses)
+    engine.privatize()
+    assert model.lin.weight.grad is not None

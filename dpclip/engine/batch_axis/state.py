@@ -125,7 +125,7 @@ class BatchAxes:
         self.probe = probe
         self.probes += 1
         try:
-            with self.plain(), forked_rng(devices), _hooks_off(self.model):
+            with self.plain(), forked_rng(devices), _hooks_off(self.model), _nothing_saved():
                 if check is None:
                     return self.model(*args, **kwargs)
                 with check:
@@ -278,6 +278,23 @@ class BatchAxes:
 
 _HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
           "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _not_kept(tensor: Tensor) -> None:
+    return None
+
+
+def _never_unpacked(_) -> Tensor:
+    raise RuntimeError("a batch-axis probe's forward has no backward")
+
+
+def _nothing_saved():
+    """Autograd keeps no tensor for a probe's backward, which never runs. The probe still
+    runs with gradients on (a module may take another path without them: PyTorch's fused
+    attention in eval mode), but without the activations a backward would need: the
+    probe of three samples at B 2 held 1.5 times the step's own (GPT-2 small at T 1024:
+    the first step's peak 1.24x non-private's, 1.08x with this)."""
+    return torch.autograd.graph.saved_tensors_hooks(_not_kept, _never_unpacked)
 
 
 @contextmanager
