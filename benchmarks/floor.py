@@ -105,7 +105,7 @@ import json
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import combinations_with_replacement
 from pathlib import Path
 
@@ -113,162 +113,16 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dpclip.floor import (Call, Param, dense_ghost, dense_instantiate, gram_dot_flops,  # noqa: E402,F401
+                          gram_flops, ids_ghost, ids_instantiate, param_costs, walk)
 
 GPT2_SMALL = dict(layers=12, embd=768, heads=12, vocab=50257, positions=1024)
 SHAPES = ((4, 256), (2, 1024), (16, 256), (8, 1024))
 GRAMS = ("symmetric", "full")
 
 
-# ------------------------------------------------------------------ counts of one use
-
-
-def gram_flops(batch: int, seq: int, width: int, gram: str) -> int:
-    """Flops of B Grams X Xᵀ of X: T x width (symmetric: the T(T+1)/2 upper entries)."""
-    return batch * seq * (seq + 1) * width if gram == "symmetric" else 2 * batch * seq * seq * width
-
-
-def gram_dot_flops(batch: int, seq: int, gram: str) -> int:
-    """Flops of B inner products <A, C> of two T x T Grams (symmetric: upper entries)."""
-    return batch * seq * (seq + 1) if gram == "symmetric" else 2 * batch * seq * seq
-
-
-def dense_ghost(batch: int, seq: int, m: int, n: int, gram: str) -> int:
-    """Ghost norm of a dense use, plus scaling its thinner factor by c_i."""
-    return (gram_flops(batch, seq, m, gram) + gram_flops(batch, seq, n, gram)
-            + gram_dot_flops(batch, seq, gram) + batch * seq * min(m, n))
-
-
-def dense_instantiate(batch: int, m: int, n: int) -> int:
-    """||G_i||² and Σ_i c_i G_i; forming G_i replaces the weight gradient."""
-    return 4 * batch * m * n
-
-
-def ids_ghost(batch: int, seq: int, width: int, gram: str) -> int:
-    """Ghost norm of an embedding use (id-equality Gram: no flops), plus scaling."""
-    masked_sum = batch * seq * (seq + 1) // 2 if gram == "symmetric" else batch * seq * seq
-    return gram_flops(batch, seq, width, gram) + masked_sum + batch * seq * width
-
-
-def ids_instantiate(batch: int, seq: int, vocab: int, width: int) -> int:
-    """Norm and clipped sum of G_i's at most min(T, V) non-zero rows."""
-    return 4 * batch * min(seq, vocab) * width
-
-
-# ------------------------------------------------------------------ a model's layers
-
-
-@dataclass
-class Call:
-    """One call of a parameterized op: ``kind`` dense (a p x d weight: m, n), ids (an
-    embedding V x d: m = V, n = d) or vector (n entries); ``seq`` tokens per sample."""
-
-    kind: str
-    m: int
-    n: int
-    seq: int
-    input_grad: bool = True
-    out: int = 0  # width of a dense call's output gradient (m for nn.Linear, n for Conv1D)
-
-
-@dataclass
-class Param:
-    name: str
-    module: str
-    numel: int
-    calls: list[Call] = field(default_factory=list)
-
-
-def walk(model: nn.Module, inputs: dict, batch: int) -> list[Param]:
-    """Run ``model(**inputs)`` (meta tensors are enough) with hooks on its Linear, Conv1D,
-    Embedding and LayerNorm modules, and return each parameter with its calls' shapes.
-    A tensor shared by several modules (tied weights) is one Param with several calls."""
-    by_tensor: dict[int, Param] = {}
-    order: list[Param] = []
-
-    def param(module_name: str, attr: str, tensor: torch.Tensor) -> Param:
-        if id(tensor) not in by_tensor:
-            by_tensor[id(tensor)] = Param(f"{module_name}.{attr}", module_name, tensor.numel())
-            order.append(by_tensor[id(tensor)])
-        return by_tensor[id(tensor)]
-
-    def hook_for(name: str, module: nn.Module):
-        kind = type(module).__name__
-
-        def hook(mod, args, out):
-            x = args[0]
-            if kind == "Embedding":
-                # a broadcast input (GPT-2's position ids, [1, T]) still serves every sample
-                seq = x.numel() // x.shape[0]
-                param(name, "weight", mod.weight).calls.append(Call("ids", *mod.weight.shape, seq))
-                return
-            width = x.shape[-1]
-            seq = x.numel() // width // batch
-            if kind == "LayerNorm":
-                for attr in ("weight", "bias"):
-                    if getattr(mod, attr, None) is not None:
-                        param(name, attr, getattr(mod, attr)).calls.append(Call("vector", 1, width, seq))
-                return
-            m, n = mod.weight.shape
-            param(name, "weight", mod.weight).calls.append(Call("dense", m, n, seq, x.requires_grad, out.shape[-1]))
-            if mod.bias is not None:
-                param(name, "bias", mod.bias).calls.append(Call("vector", 1, mod.bias.numel(), seq))
-        return hook
-
-    handles = [module.register_forward_hook(hook_for(name, module))
-               for name, module in model.named_modules()
-               if type(module).__name__ in ("Linear", "Conv1D", "Embedding", "LayerNorm")]
-    try:
-        model(**inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    return order
-
-
-# ------------------------------------------------------------------ one parameter
-
-
-def param_costs(p: Param, batch: int, gram: str) -> dict:
-    """Non-private forward and backward flops of ``p``'s calls, and the extra flops of each
-    way to get its exact per-sample norm and clipped sum; ``floor`` is the cheapest."""
-    dense = [c for c in p.calls if c.kind == "dense"]
-    ids = [c for c in p.calls if c.kind == "ids"]
-    vectors = [c for c in p.calls if c.kind == "vector"]
-    fwd = bwd = 0
-    for c in dense:
-        fwd += 2 * batch * c.seq * c.m * c.n
-        bwd += (4 if c.input_grad else 2) * batch * c.seq * c.m * c.n
-    for c in ids:
-        bwd += batch * c.seq * c.n
-    for c in vectors:
-        fwd += batch * c.seq * c.n
-        bwd += 2 * batch * c.seq * c.n
-    if vectors:
-        options = {"per-sample sum": 4 * batch * vectors[0].n}
-    elif dense and ids:  # tied: one parameter, one norm, a cross term
-        t_h, t_e = sum(c.seq for c in dense), sum(c.seq for c in ids)
-        m, n = dense[0].m, dense[0].n
-        vocab, width = ids[0].m, ids[0].n
-        rows = min(t_e, vocab)
-        h_ghost = dense_ghost(batch, t_h, m, n, gram)
-        options = {
-            "instantiate": dense_instantiate(batch, m, n),
-            "ghost": (h_ghost + ids_ghost(batch, t_e, width, gram)
-                      + 2 * batch * t_h * t_e * width + 2 * batch * t_h * t_e),
-            "mixed": (h_ghost + ids_instantiate(batch, t_e, vocab, width)
-                      + 2 * batch * rows * t_h * width + 2 * batch * rows * width),
-        }
-    elif dense:  # calls of one weight concatenate along T
-        seq, m, n = sum(c.seq for c in dense), dense[0].m, dense[0].n
-        options = {"ghost": dense_ghost(batch, seq, m, n, gram),
-                   "instantiate": dense_instantiate(batch, m, n)}
-    else:
-        seq, vocab, width = sum(c.seq for c in ids), ids[0].m, ids[0].n
-        options = {"ghost": ids_ghost(batch, seq, width, gram),
-                   "instantiate": ids_instantiate(batch, seq, vocab, width)}
-    choice = min(options, key=options.get)
-    return {"forward": fwd, "backward": bwd, "options": options, "choice": choice,
-            "floor": options[choice]}
+# ------------------------------------------------------------------ per use and per parameter
+# (dpclip/floor.py: the counts ``dpclip bench`` shares)
 
 
 def engine_choice(p: Param, grouping: str) -> str | None:

@@ -15,6 +15,10 @@ Memory, when asked for, is measured per configuration in a fresh child process
 (``python -m dpclip.bench``): how far the peak resident set (VmHWM, reset after setup)
 rises during the steps above the resident set after setup, i.e. what the steps need
 (activations, gradients, per-sample quantities), imports and weights excluded. Linux only.
+
+The floor (:func:`floor_of`, on by default): the flop floor of exact per-sample clipping
+for this model and batch (:mod:`dpclip.floor`) plus the noise draw, timed in the same
+rounds; each private ratio is also given over it (docs/performance.md, "The floor").
 """
 
 from __future__ import annotations
@@ -58,11 +62,12 @@ class BenchResult:
     ratio: dict[str, float]
     memory_mib: dict[str, float] = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
+    floor: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"recipe": self.recipe, "batch_size": self.batch_size, "threads": self.threads,
                 "repeats": self.repeats, "median_s": self.median_s, "ratio": self.ratio,
-                "memory_mib": self.memory_mib, "settings": self.settings}
+                "memory_mib": self.memory_mib, "settings": self.settings, "floor": self.floor}
 
 
 def method_names(groupings=GROUPINGS) -> list[str]:
@@ -136,6 +141,50 @@ def round_ratios(times: dict[str, list[float]], reference: str) -> dict[str, tup
     return out
 
 
+NOISE_DRAWS = ("noise draw", "noise draw, flat")
+
+
+def noise_draws(model) -> dict[str, Callable[[], None]]:
+    """The noise of a private step alone, two ways: the engine's draw (``NoiseSource``,
+    split over threads on a CPU, packed on a GPU) added to gradient-sized buffers, and one
+    ``normal_`` over a flat buffer of all parameters (no add: a lower bound). Nothing
+    private is drawn for, so neither generator is secret."""
+    from dpclip.engine.noise import NoiseSource
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    source = NoiseSource()
+    buffers = [torch.zeros_like(p) for p in params]
+    stds = [1.0] * len(buffers)
+    flat = torch.empty(sum(p.numel() for p in params), device=params[0].device)
+    generator = torch.Generator(device=flat.device)
+    return {NOISE_DRAWS[0]: lambda: source.add_gaussians(buffers, stds),
+            NOISE_DRAWS[1]: lambda: flat.normal_(generator=generator)}
+
+
+def floor_of(model, loss_fn, batch, size: int, times: dict[str, list[float]]) -> dict:
+    """The floor beside the measured ratios (docs/performance.md, "The floor"): the flop
+    floor of exact per-sample norms and clipped sums (:func:`dpclip.floor.step_floor`), plus
+    the noise share, the faster noise draw over the non-private step of the same round; per
+    private method, the median over rounds of (its ratio / the floor)."""
+    from dpclip.floor import step_floor
+
+    model = copy.deepcopy(model)
+    flops = step_floor(model, lambda: loss_fn(model, batch).mean().backward(),
+                       lambda: loss_fn(model, batch), size)
+    base = times[NON_PRIVATE]
+    noise = [min(a, b) / r for a, b, r in zip(times[NOISE_DRAWS[0]], times[NOISE_DRAWS[1]], base)]
+    out = {"flop_ratio": flops["ratio"], "nonprivate_flops": flops["nonprivate_flops"],
+           "extra_flops": flops["extra_flops"], "unmodelled": flops["unmodelled"],
+           "noise_share": statistics.median(noise), "noise_s": {d: statistics.median(times[d]) for d in NOISE_DRAWS}}
+    if flops["ratio"] is None:
+        return out
+    out["floor"] = flops["ratio"] + out["noise_share"]
+    out["gap"] = {name: statistics.median(t / r / (flops["ratio"] + share)
+                                          for t, r, share in zip(ts, base, noise))
+                  for name, ts in times.items() if name not in NOISE_DRAWS and name != NON_PRIVATE}
+    return out
+
+
 def status_kib(name: str) -> int:
     """A ``/proc/self/status`` field (VmRSS, VmHWM) in KiB."""
     with open("/proc/self/status") as f:
@@ -170,8 +219,9 @@ def memory_in_child(recipe_path: Path, overrides: list[str], method: str, thread
 
 def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, groupings=GROUPINGS,
                  repeats: int = 5, warmup: int = 1, threads: int | str | None = "auto",
-                 memory: bool = True) -> BenchResult:
-    """Time (and optionally measure memory of) non-private vs private steps for a recipe.
+                 memory: bool = True, floor: bool = True) -> BenchResult:
+    """Time (and optionally measure memory of) non-private vs private steps for a recipe,
+    and (``floor``) set each private ratio against the floor (:func:`floor_of`).
 
     ``threads``: as ``dpclip train --threads`` ("auto", a number; None keeps torch's)."""
     overrides = list(overrides or [])
@@ -182,12 +232,16 @@ def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, group
     precision = step_precision(recipe, model)
     names = method_names(groupings)
     steps = {name: make_step(name, model, loss_fn, batch, size, precision) for name in names}
+    if floor:
+        steps.update(noise_draws(model))
     times = time_rounds(steps, repeats, warmup)
+    floor_info = floor_of(model, loss_fn, batch, size, times) if floor else {}
+    times = {name: ts for name, ts in times.items() if name not in NOISE_DRAWS}
     ratios = round_ratios(times, NON_PRIVATE)
     result = BenchResult(recipe.name, size, threads, repeats,
                          {name: statistics.median(ts) for name, ts in times.items()},
                          {name: r[0] for name, r in ratios.items()},
-                         settings={**settings, "precision": precision.name})
+                         settings={**settings, "precision": precision.name}, floor=floor_info)
     if memory:
         result.memory_mib = {name: memory_in_child(Path(recipe_path), overrides, name, threads)
                              for name in names}

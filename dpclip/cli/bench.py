@@ -19,6 +19,9 @@ def bench(
                                 "dpclip train: the cores the machine's load leaves free)."),
     memory: bool = typer.Option(True, "--memory/--no-memory",
                                 help="Measure step memory, one fresh process per configuration (Linux)."),
+    floor: bool = typer.Option(True, "--floor/--no-floor",
+                               help="Set each private step against its floor: the fewest extra flops of "
+                                    "exact per-sample clipping plus the measured noise draw."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Step time and step memory of private training (per grouping style) against
@@ -27,7 +30,7 @@ def bench(
     from dpclip.cli.train import thread_count
 
     result = bench_recipe(recipe, overrides or [], repeats=repeats, warmup=warmup,
-                          threads=thread_count(threads), memory=memory)
+                          threads=thread_count(threads), memory=memory, floor=floor)
     if as_json:
         print_json(result.to_dict())
         return
@@ -38,16 +41,39 @@ def bench(
     table.add_column("step")
     table.add_column("median s", justify="right")
     table.add_column("x non-private", justify="right")
+    gap = result.floor.get("gap")
+    if gap:
+        table.add_column("x floor", justify="right")
     if result.memory_mib:
         table.add_column("step memory MiB", justify="right")
         table.add_column("x non-private", justify="right")
     ref_mem = result.memory_mib.get(NON_PRIVATE)
     for name, seconds in result.median_s.items():
         row = [name, f"{seconds:.4f}", f"{result.ratio[name]:.2f}"]
+        if gap:
+            row.append(f"{gap[name]:.3f}" if name in gap else "-")
         if result.memory_mib:
             mib = result.memory_mib[name]
             row += [f"{mib:.1f}", f"{mib / ref_mem:.2f}" if ref_mem and ref_mem > 0 else "-"]
         table.add_row(*row)
     console.print(table)
+    if result.floor:
+        console.print(floor_text(result.floor))
     console.print("Step memory: peak resident-set rise during the steps in a fresh process "
                   "(activations, gradients, per-sample quantities; weights and imports excluded).")
+
+
+def floor_text(floor: dict) -> str:
+    """What the floor column means, with its two parts (docs/performance.md, "The floor")."""
+    noise = (f"the noise draw {floor['noise_share']:.3f} of a non-private step "
+             "(one Gaussian per parameter, the faster of two ways, measured in the same rounds)")
+    if floor.get("floor") is None:
+        return f"Floor: no flops counted for this model's step; {noise}."
+    text = (f"Floor: {floor['floor']:.3f}x = {floor['flop_ratio']:.4f}x in flops (the fewest an exact "
+            f"per-sample norm and clipped sum add: {floor['extra_flops'] / 1e9:.3g} GFLOP on "
+            f"{floor['nonprivate_flops'] / 1e9:.3g}) + {noise}; memory traffic and memory limits are "
+            "not counted. x floor = (x non-private) / floor, median over rounds.")
+    if floor["unmodelled"]:
+        shown = ", ".join(floor["unmodelled"][:5]) + (", ..." if len(floor["unmodelled"]) > 5 else "")
+        text += f" Not modelled, counted at no extra cost (the floor stays a lower bound): {shown}."
+    return text

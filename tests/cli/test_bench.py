@@ -74,3 +74,24 @@ def test_step_memory_sees_a_large_allocation():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(Path(bench_module.__file__).parents[1])})
     assert float(out.stdout.strip().splitlines()[-1]) > 200
+
+
+def test_bench_sets_each_private_step_against_its_floor(cli):
+    r = cli("bench", RECIPES / "quickstart.yaml", *SMALL, "--repeats", "1", "--warmup", "0",
+            "--no-memory", "--json")
+    assert r.code == 0, r.err
+    out = json.loads(r.out)
+    floor = out["floor"]
+    assert floor["flop_ratio"] == (floor["nonprivate_flops"] + floor["extra_flops"]) / floor["nonprivate_flops"]
+    assert floor["flop_ratio"] > 1 and floor["noise_share"] > 0
+    assert floor["floor"] == floor["flop_ratio"] + floor["noise_share"]
+    # one round: each gap is that round's ratio over the floor
+    assert set(floor["gap"]) == {"dp all-layer", "dp layer", "dp param"}
+    for name, gap in floor["gap"].items():
+        assert gap == pytest.approx(out["ratio"][name] / floor["floor"])
+    assert "noise draw" not in out["median_s"]          # the draws are the floor's, not methods
+    table = cli("bench", RECIPES / "quickstart.yaml", *SMALL, "--repeats", "1", "--warmup", "0", "--no-memory")
+    assert "x floor" in table.out and "Floor:" in table.out
+    plain = cli("bench", RECIPES / "quickstart.yaml", *SMALL, "--repeats", "1", "--warmup", "0", "--no-memory",
+                "--no-floor", "--json")
+    assert json.loads(plain.out)["floor"] == {}
