@@ -64,7 +64,8 @@ added into H_i, replacing the non-private scatter); both ghost-normed with the c
 (2·B·u·T_h·d + 2·B·u·d).
 
 Noise (one Gaussian per parameter per step) is not a flop count; the tables list the
-parameter count beside the floor. The flop floor counts no memory: it may instantiate a
+parameter count beside the floor, and benchmarks/floor_gap.py adds the draw, measured in
+the same rounds as the steps, to the floor it holds them against. The flop floor counts no memory: it may instantiate a
 G_i the engine could not hold (all-layer clipping keeps every layer's until the end of
 the backward), and memory traffic is why the engine's time rule keeps GPT-2 small's wide
 layers ghost-normed at T 256 although instantiating them costs fewer flops

@@ -21,8 +21,9 @@ the gap is
 
 and the table shows its median over rounds with quartiles: how many times the floor the
 step takes (issue 32's goal: at most 1.03). Step memory (``--memory``): on the CPU, each
-configuration alone in a fresh child process (dp_cost.py's measure, peak resident set
-above setup); on CUDA, the peak allocated during a step above what was allocated before it
+configuration alone in fresh child processes (dp_cost.py's measure, peak resident set
+above setup, median of ``--memory-runs`` children: with freed memory kept, one child's peak
+moved by up to 440 MiB from the next at B 4, T 256, in two modes); on CUDA, the peak allocated during a step above what was allocated before it
 (gpu_rows.py's).
 
     python benchmarks/floor_gap.py --memory --json benchmarks/results/floor_gap_cpu.json
@@ -70,12 +71,14 @@ def floors(sizes: dict) -> dict:
             **{g: found[g]["ratio"] for g in GROUPINGS}}
 
 
-def measure(sizes: dict, repeats: int, warmup: int, device: str, memory: bool, threads: int) -> dict:
+def measure(sizes: dict, repeats: int, warmup: int, device: str, memory: bool, threads: int,
+            memory_runs: int = 3) -> dict:
     methods = [NON_PRIVATE] + [f"dpclip {g}" for g in GROUPINGS]
     memory_mib = {}
     if memory and device == "cpu":  # children first: this process grows with the models
         for m in methods:
-            memory_mib[m] = dp_cost.measure_memory("gpt2-small", m, sizes, 1, threads)["step_mib"]
+            memory_mib[m] = dp_cost.measure_memory("gpt2-small", m, sizes, 1, threads,
+                                                   runs=memory_runs)["step_mib"]
     w = gpu_rows.to_device(dp_cost.make_workload("gpt2-small", sizes), device)
     draws = [dp_cost.NOISE_DRAW, dp_cost.FLAT_NOISE_DRAW]
     steps = {m: dp_cost.make_step(m, w) for m in methods + draws}
@@ -109,6 +112,8 @@ def render(result: dict) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     draws = sorted({shape.get("faster_draw", "engine's") for shape in result["shapes"]})
     lines[0] += f"; noise share: the {' or '.join(draws)} draw (the faster)"
+    if result.get("memory_runs"):
+        lines[0] += f"; step memory: median of {result['memory_runs']} fresh processes"
     for shape in result["shapes"]:
         noise = shape["noise_share"]
         for g, row in shape["groupings"].items():
@@ -139,6 +144,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--memory", action="store_true", help="also step memory against non-private")
+    ap.add_argument("--memory-runs", type=int, default=3, help="CPU: children per configuration (median)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--render", type=Path, metavar="FILE", help="print the table of a saved --json run")
     ap.add_argument("--smoke", action="store_true")
@@ -154,10 +160,11 @@ def main(argv=None) -> dict:
     if args.smoke:
         args.repeats, args.warmup = 1, 0
     result = {"machine": machine(args.device), "repeats": args.repeats, "warmup": args.warmup,
+              "memory_runs": args.memory_runs if args.device == "cpu" else None,
               "device": args.device, "shapes": []}
     for b, t in shapes:
         result["shapes"].append(measure(dict(base, batch=b, seq=t), args.repeats, args.warmup,
-                                        args.device, args.memory, args.threads))
+                                        args.device, args.memory, args.threads, args.memory_runs))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))

@@ -129,7 +129,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", nargs="*", default=[], metavar="BxT",
-                    help="also profile non-private and dpclip all-layer at these shapes")
+                    help="also profile these shapes: non-private and dpclip all-layer, or the "
+                         "non-Opacus --methods named")
     ap.add_argument("--smoke", action="store_true", help="tiny GPT-2, 1 round, CPU when there is no GPU")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -156,7 +157,9 @@ def main(argv=None) -> dict:
         print(render(result))
     for text in args.profile:
         b, t = (int(x) for x in text.lower().split("x"))
-        print(profile_shape(dict(base, batch=b, seq=t), ["non-private", "dpclip all-layer"], device))
+        profiled = [m for m in methods if not m.startswith("opacus")] if args.methods != list(dp_cost.METHODS) \
+            else ["non-private", "dpclip all-layer"]
+        print(profile_shape(dict(base, batch=b, seq=t), profiled, device))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return result
