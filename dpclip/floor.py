@@ -76,6 +76,7 @@ class Call:
     seq: int
     input_grad: bool = True
     out: int = 0  # width of a dense call's output gradient (m for nn.Linear, n for Conv1D)
+    source: int = field(default=0, compare=False)  # which input tensor a dense call read (0: unknown)
 
 
 @dataclass
@@ -94,6 +95,7 @@ def walk(model: nn.Module, inputs: dict, batch: int, run: Callable[[], object] |
     a grouped one is left out."""
     by_tensor: dict[int, Param] = {}
     order: list[Param] = []
+    held: list = []
 
     def param(module_name: str, attr: str, tensor: torch.Tensor) -> Param:
         if id(tensor) not in by_tensor:
@@ -134,7 +136,9 @@ def walk(model: nn.Module, inputs: dict, batch: int, run: Callable[[], object] |
                         param(name, attr, getattr(mod, attr)).calls.append(Call("vector", 1, width, seq))
                 return
             m, n = mod.weight.shape
-            param(name, "weight", mod.weight).calls.append(Call("dense", m, n, seq, x.requires_grad, out.shape[-1]))
+            held.append(x)   # alive to the end of the walk: its id names it
+            param(name, "weight", mod.weight).calls.append(
+                Call("dense", m, n, seq, x.requires_grad, out.shape[-1], source=id(x)))
             if mod.bias is not None:
                 param(name, "bias", mod.bias).calls.append(Call("vector", 1, mod.bias.numel(), seq))
         return hook
@@ -196,6 +200,28 @@ def param_costs(p: Param, batch: int, gram: str) -> dict:
             "floor": options[choice]}
 
 
+def shared_input_saving(params: list[Param], batch: int, gram: str = "symmetric") -> int:
+    """Flops the floor need not count twice: weights whose single dense call reads the same
+    input tensor as an earlier one (Llama's q, k, v; gate, up) need that input's Gram once
+    (the engine's :class:`~dpclip.engine.factors.GramCache`). Each later sharer is counted
+    at min(ghost without the input Gram, instantiate): a lower bound, whichever the first
+    one picks."""
+    seen: set[int] = set()
+    saving = 0
+    for p in params:
+        if len(p.calls) != 1 or p.calls[0].kind != "dense" or not p.calls[0].source:
+            continue
+        call = p.calls[0]
+        if call.source not in seen:
+            seen.add(call.source)
+            continue
+        options = param_costs(p, batch, gram)["options"]
+        width = call.n if call.out == call.m else call.m
+        cheaper = min(options["ghost"] - gram_flops(batch, call.seq, width, gram), options["instantiate"])
+        saving += min(options.values()) - min(cheaper, min(options.values()))
+    return saving
+
+
 def step_floor(model: nn.Module, step: Callable[[], None], forward: Callable[[], object], batch: int) -> dict:
     """The flop floor of one training step of ``model``: ``step`` runs the non-private
     forward and backward once under ``FlopCounterMode`` (its matmul, convolution and
@@ -220,7 +246,7 @@ def step_floor(model: nn.Module, step: Callable[[], None], forward: Callable[[],
                 modelled_ids.add(id(t))
     unmodelled = sorted({named[id(t)] for t in model.parameters()
                          if t.requires_grad and id(t) not in modelled_ids})
-    extra = sum(param_costs(p, batch, "symmetric")["floor"] for p in params)
+    extra = sum(param_costs(p, batch, "symmetric")["floor"] for p in params) - shared_input_saving(params, batch)
     return {"nonprivate_flops": nonprivate, "extra_flops": extra,
             "ratio": (nonprivate + extra) / nonprivate if nonprivate else None,
             "parameters": sum(t.numel() for t in model.parameters() if t.requires_grad),

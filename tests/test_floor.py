@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from dpclip.floor import Call, step_floor, walk
+from dpclip.floor import Call, param_costs, step_floor, walk
 
 
 def _step_floor(model, x, batch):
@@ -46,3 +46,24 @@ def test_a_convolution_is_a_dense_use_over_its_output_positions():
     assert calls["1.weight"] == [Call("vector", 1, 2, 9)]
     grouped = nn.Conv2d(2, 2, 3, groups=2)
     assert walk(grouped, {}, 4, run=lambda: grouped(torch.randn(4, 2, 5, 5))) == []
+
+
+def test_weights_reading_one_input_count_its_gram_once():
+    class SharedInput(nn.Module):                   # q, k, v of one input, T 8
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(512, 512), nn.Linear(512, 128), nn.Linear(512, 128)
+
+        def forward(self, x):
+            return self.q(x).sum((1, 2)) + self.k(x).sum((1, 2)) + self.v(x).sum((1, 2))
+
+    model = SharedInput()
+    b, t = 2, 8
+    x = torch.randn(b, t, 512)
+    alone = sum(param_costs(p, b, "symmetric")["floor"]
+                for p in walk(model, {}, b, run=lambda: model(x)))
+    found = _step_floor(model, x, b)
+    # ghost is the cheaper for each weight at T 8 (about T²(m+n) against 4·m·n); k and v
+    # need no Gram of the 512-wide input: 2·B·T(T+1)·512 less
+    gram = b * t * (t + 1) * 512
+    assert alone - found["extra_flops"] == 2 * gram

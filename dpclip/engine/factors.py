@@ -150,8 +150,42 @@ def _gram_dot(x: Tensor, y: Tensor) -> Tensor:
     return batched_dot(x.reshape(-1, *x.shape[-2:]), y.reshape(-1, *y.shape[-2:])).view(lead)
 
 
+class GramCache:
+    """The Gram strips of the factors of the last ghost norm, for the next layer that reads
+    the same input (Llama's q, k and v projections, its gate and up projections: one
+    activation, one Gram). Two entries (a norm's two factors), each holding its factor, so
+    that the factor's memory cannot be reused while the entry lives; a hit needs the very
+    same memory (storage, offset, shape, strides, dtype) at the version it had when cached
+    (no in-place change since). ``hits`` counts the Grams reused."""
+
+    SIZE = 2
+
+    def __init__(self):
+        self._entries: list[tuple[Tensor, int, int, list[Tensor]]] = []   # factor, version, k, strips
+        self.hits = 0
+
+    @staticmethod
+    def _same(a: Tensor, version: int, b: Tensor) -> bool:
+        return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+                and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+                and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                and a._version == b._version == version)
+
+    def strips(self, factor: Tensor, count: int, compute: Callable[[], list[Tensor]]) -> list[Tensor]:
+        for entry in self._entries:
+            cached, version, k, value = entry
+            if k == count and self._same(cached, version, factor):
+                self.hits += 1
+                self._entries.remove(entry)
+                self._entries.append(entry)      # most recently used last
+                return value
+        value = compute()
+        self._entries = (self._entries + [(factor, factor._version, count, value)])[-self.SIZE:]
+        return value
+
+
 def _symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
-                     strips: int | None = None) -> tuple[Tensor, Tensor]:
+                     strips: int | None = None, cache: GramCache | None = None) -> tuple[Tensor, Tensor]:
     """(Σ_{t,s} (L Lᵀ)_{ts} (R Rᵀ)_{ts}, Σ_t (L Lᵀ)_{tt} (R Rᵀ)_{tt}) over the T axis, using
     the symmetry of both Grams.
 
@@ -165,21 +199,42 @@ def _symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
     atoms' squared sizes Σ_t ||L_t||²||R_t||² that bound the first's round-off
     (:mod:`dpclip.engine.cancellation`), is read off the diagonal blocks for free.
     ``left`` is ``[..., T, m]`` (or ids ``[..., T]``), ``right`` ``[..., T, n]`` -> ``[...]``;
-    ``strips`` overrides k (benchmarks/norm_rule.py compares them).
+    ``strips`` overrides k (benchmarks/norm_rule.py compares them); ``cache`` lends the Gram
+    of a factor a previous call already read (:class:`GramCache`).
     """
     t = right.shape[-2]
     strips = ghost_strips(t, right.device) if strips is None else max(1, min(int(strips), t))
     if strips == 1:
-        gram_left, gram_right = _gram(left, left_ids), _gram(right, False)
+        if cache is None:
+            gram_right = _gram(right, False)
+        else:
+            (gram_right,) = cache.strips(right, 1, lambda: [_gram(right, False)])
+        if cache is None or left_ids:
+            gram_left = _gram(left, left_ids)
+        else:
+            (gram_left,) = cache.strips(left, 1, lambda: [_gram(left, False)])
         atoms = (gram_left.diagonal(dim1=-2, dim2=-1).to(gram_right.dtype)
                  * gram_right.diagonal(dim1=-2, dim2=-1)).sum(-1)
         return _gram_dot(gram_left, gram_right), atoms
     rows = (lambda x, lo, hi: x[..., lo:hi]) if left_ids else (lambda x, lo, hi: x[..., lo:hi, :])
     bounds = [j * t // strips for j in range(strips + 1)]
+    spans = list(zip(bounds[:-1], bounds[1:]))
+
+    def left_strip(lo: int, hi: int) -> Tensor:   # [..., hi, h]
+        return _cross_gram(rows(left, 0, hi), rows(left, lo, hi), left_ids)
+
+    def right_strip(lo: int, hi: int) -> Tensor:
+        return _cross_gram(right[..., :hi, :], right[..., lo:hi, :], False)
+
+    lefts = rights = None
+    if cache is not None:   # all strips at once, kept for a layer reading the same input
+        rights = cache.strips(right, strips, lambda: [right_strip(lo, hi) for lo, hi in spans])
+        if not left_ids:
+            lefts = cache.strips(left, strips, lambda: [left_strip(lo, hi) for lo, hi in spans])
     total = atoms = None
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        gram_left = _cross_gram(rows(left, 0, hi), rows(left, lo, hi), left_ids)        # [..., hi, h]
-        gram_right = _cross_gram(right[..., :hi, :], right[..., lo:hi, :], False)
+    for j, (lo, hi) in enumerate(spans):
+        gram_left = lefts[j] if lefts is not None else left_strip(lo, hi)
+        gram_right = rights[j] if rights is not None else right_strip(lo, hi)
         product = gram_left.to(gram_right.dtype) * gram_right
         value = product[..., lo:, :].sum((-2, -1))
         if lo:
@@ -352,7 +407,7 @@ def _block_view(grad: Tensor, use: Bilinear) -> Tensor:
     return grad.reshape(batch, use.left.shape[1], use.left.shape[3], use.right.shape[3])
 
 
-def _self_term(p: _Part) -> tuple[Tensor, Tensor]:
+def _self_term(p: _Part, cache: GramCache | None = None) -> tuple[Tensor, Tensor]:
     """(||part||², its atoms' squared sizes D)."""
     if p.inst is not None:
         value = torch.linalg.vector_norm(p.inst.flatten(1), dim=1).square()
@@ -362,7 +417,7 @@ def _self_term(p: _Part) -> tuple[Tensor, Tensor]:
     assert isinstance(p.use, Bilinear)
     if p.use.is_ids:
         return _symmetric_ghost(p.use.left, p.use.right[:, 0], True)
-    value, atoms = _symmetric_ghost(p.use.left, p.use.right, False)
+    value, atoms = _symmetric_ghost(p.use.left, p.use.right, False, cache=cache)
     return value.sum(1), atoms.sum(1)
 
 
@@ -380,7 +435,8 @@ def _cross_term(a: _Part, c: _Part) -> Tensor:
 
 def param_norm_sq(uses: list[Use], shape: torch.Size, method: str = "auto",
                   out_dtype: torch.dtype | None = None, transient: bool = False,
-                  with_atoms: bool = False) -> tuple[Tensor, list[Use]] | tuple[Tensor, list[Use], Tensor]:
+                  with_atoms: bool = False, gram_cache: GramCache | None = None,
+                  ) -> tuple[Tensor, list[Use]] | tuple[Tensor, list[Use], Tensor]:
     """Exact per-sample ||Σ_u G_{i,u}||² of one parameter over all its uses.
 
     Uses are merged into at most three parts: dense-factor Bilinear uses concatenated
@@ -394,7 +450,8 @@ def param_norm_sq(uses: list[Use], shape: torch.Size, method: str = "auto",
     instantiated gradient replaces its factors when it is not larger than them, or when
     it is ``transient``, which makes the clipped sum a cheap Σ_i c_i G_i. ``with_atoms``
     adds the parts' atoms' squared sizes D [B] (:func:`atom_sizes`; free for ghost parts,
-    read off the Grams), what the cancellation check compares the norm with.
+    read off the Grams), what the cancellation check compares the norm with. ``gram_cache``
+    reuses the Gram of a factor the previous parameter read (:class:`GramCache`).
     """
     # Half-precision factors (autocast) are widened for the arithmetic only; the parts
     # returned keep them as they are, so the stash stays small (dpclip.engine.precision).
@@ -429,9 +486,9 @@ def param_norm_sq(uses: list[Use], shape: torch.Size, method: str = "auto",
     if not parts:
         raise ValueError("param_norm_sq needs at least one use")
 
-    total, atoms = _self_term(parts[0])
+    total, atoms = _self_term(parts[0], gram_cache)
     for p in parts[1:]:
-        value, more = _self_term(p)
+        value, more = _self_term(p, gram_cache)
         total, atoms = total + value, atoms + more
     for a in range(len(parts)):
         for c in range(a + 1, len(parts)):
@@ -568,7 +625,7 @@ def sqrt_or_zero(x: Tensor) -> Tensor:
 
 
 __all__ = [
-    "Bilinear", "Dense", "Use", "NORM_METHODS", "batched_dot", "ghost_norm_sq",
+    "Bilinear", "Dense", "Use", "NORM_METHODS", "GramCache", "batched_dot", "ghost_norm_sq",
     "instantiate", "param_norm_sq", "clipped_sum", "choose_ghost", "sqrt_or_zero", "streamable",
     "streamed_clip", "zero_samples", "early_instance", "atom_sizes",
 ]

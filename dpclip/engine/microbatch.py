@@ -19,7 +19,7 @@ from torch import Tensor
 
 from dpclip.engine.bookkeeping import StashMeter
 from dpclip.engine.cancellation import cancellation_flags, certified_rows
-from dpclip.engine.factors import (Dense, Use, choose_ghost, clipped_sum, early_instance,
+from dpclip.engine.factors import (Dense, GramCache, Use, choose_ghost, clipped_sum, early_instance,
                                    param_norm_sq, sqrt_or_zero, streamable, streamed_clip,
                                    zero_samples)
 from dpclip.engine.precision import engine_math
@@ -113,6 +113,8 @@ class MicroBatch:
         self.per_sample_thresholds = per_sample_thresholds
         self.defer = per_sample_thresholds is not None or ctx.exchange_norm_sq is not None
         self.meter = ctx.meter
+        # Layers that read one input (Llama's q, k, v) ghost-norm it with one Gram.
+        self.gram_cache = GramCache()
 
     def deliver(self, idx: int, use: Use) -> None:
         if self.pending[idx] <= 0:
@@ -144,7 +146,8 @@ class MicroBatch:
         elif uses:
             p = e.params[idx]
             norm_sq, parts, atoms_sq = param_norm_sq(uses, p.shape, e.norm_method, e.norm_dtype,
-                                                     transient=e.transient[idx], with_atoms=True)
+                                                     transient=e.transient[idx], with_atoms=True,
+                                                     gram_cache=self.gram_cache)
             for part in parts:
                 self.meter.add(part.tensors())
             for use in uses:

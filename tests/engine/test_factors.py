@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch import nn
 from hypothesis import given, settings, strategies as st
 
 from dpclip.engine.factors import (Bilinear, Dense, choose_ghost, clipped_sum, ghost_norm_sq, instantiate,
@@ -167,3 +168,67 @@ def test_streamed_clip_equals_clipping_fully_instantiated_gradients():
     torch.testing.assert_close(norms, norms_ref)
     for total, g in zip(sums, full):
         torch.testing.assert_close(total, torch.einsum("b,bmn->mn", factors, g))
+
+
+def test_gram_cache_reuses_the_left_gram_only_for_the_same_unchanged_memory():
+    from dpclip.engine.factors import GramCache, _symmetric_ghost
+
+    gen = torch.Generator().manual_seed(21)
+    left = torch.randn(3, 1, 130, 6, generator=gen, dtype=DTYPE)
+    rights = [torch.randn(3, 1, 130, n, generator=gen, dtype=DTYPE) for n in (5, 7, 4)]
+    for strips in (1, 4):     # the shared factor on the left here; in the engine, a Linear's input is the right
+        cache = GramCache()
+        for right in rights:                    # q, k, v of one input: one left Gram
+            got = _symmetric_ghost(left.view(3, 1, 130, 6), right, False, strips=strips, cache=cache)
+            want = _symmetric_ghost(left, right, False, strips=strips)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            torch.testing.assert_close(got[0].sum(1), instantiate(Bilinear(left, right)).flatten(1).pow(2).sum(1),
+                                       rtol=1e-10, atol=0)
+        assert cache.hits == 2
+        fresh = [torch.randn(3, 1, 130, 2, generator=gen, dtype=DTYPE) for _ in range(2)]
+        # equal values in other memory: computed afresh (the entry's memory is not that one)
+        twin = left.clone()
+        _symmetric_ghost(twin, fresh[0], False, strips=strips, cache=cache)
+        assert cache.hits == 2
+        # changed in place: the version moved, the old Gram is not used
+        twin.mul_(2)
+        got = _symmetric_ghost(twin, fresh[1], False, strips=strips, cache=cache)
+        assert cache.hits == 2
+        torch.testing.assert_close(got[0].sum(1), instantiate(Bilinear(twin, fresh[1])).flatten(1).pow(2).sum(1),
+                                   rtol=1e-10, atol=0)
+        # the right factor is looked up too (a Linear's input is its right factor)
+        _symmetric_ghost(fresh[0], fresh[1], False, strips=strips, cache=cache)
+        assert cache.hits == 3
+
+
+class _SharedInput(nn.Module):
+    """q, k, v read one normalised input, as in Llama's attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(6)
+        self.q, self.k, self.v = nn.Linear(6, 5), nn.Linear(6, 3), nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return (self.q(h).sum(-1) + self.k(h).pow(2).sum(-1) - self.v(h).sum(-1)).sum(-1)
+
+
+@pytest.mark.parametrize("grouping", ["all-layer", "layer"])
+def test_layers_sharing_an_input_get_exact_norms_with_one_gram(grouping, monkeypatch):
+    from dpclip.engine import microbatch
+    from tests.engine.conftest import check_exact
+
+    caches = []
+
+    class Counting(microbatch.GramCache):
+        def __init__(self):
+            super().__init__()
+            caches.append(self)
+
+    monkeypatch.setattr(microbatch, "GramCache", Counting)
+    torch.manual_seed(0)
+    x = torch.randn(5, 70, 6, dtype=DTYPE)
+    check_exact(lambda: _SharedInput().to(DTYPE), lambda model, batch: model(batch["x"]), {"x": x},
+                grouping=grouping, norm_method="ghost")
+    assert sum(c.hits for c in caches) == 2      # k and v reuse q's input Gram (reverse order)
