@@ -52,7 +52,7 @@ per-sample instantiation); docs/engine.md):
 
 The floor takes the symmetric count (``--gram full`` the other): exact Gram work cannot
 go below one product per entry on and above the diagonal. The engine's column strips
-(``dpclip.engine.factors._symmetric_ghost``) reach (k+1)/(2k) of the full product with k
+(``dpclip.engine.grams.symmetric_ghost``) reach (k+1)/(2k) of the full product with k
 strips (5/8 at its k = 4, from T 128 on the CPU), approaching it.
 
 A tied parameter (GPT-2's wte and lm_head: one tensor, an ids use and a dense use) is
@@ -249,7 +249,7 @@ def gram_live(batch: int, seq: int, gram: str) -> int:
     """Floats of Gram blocks live at once: both T x T Grams (full), or B·T² (symmetric):
     computed in k column strips, one strip of each Gram and their product hold
     3·B·T·T/k, within B·T² from k = 3 (the engine's 4 strips from T 128 on the CPU;
-    ``dpclip.engine.factors._symmetric_ghost``; shorter sequences' whole Grams are small)."""
+    ``dpclip.engine.grams.symmetric_ghost``; shorter sequences' whole Grams are small)."""
     return batch * seq * seq if gram == "symmetric" else 2 * batch * seq * seq
 
 

@@ -11,12 +11,12 @@ Both run here through the engine's own functions (``param_norm_sq``, ``clipped_s
 random factors, timed interleaved, median. The table shows which is faster and what the
 engine's time rule (``choose_ghost(..., transient=True)``: instantiate iff m·n ≤ 2T(m+n))
 picks for groups clipped right after their layer (layer-wise, param-wise). A second table
-times the Gram trick of ``_symmetric_ghost`` against the plain product, and the reduction
+times the Gram trick of ``symmetric_ghost`` against the plain product, and the reduction
 ``batched_dot`` against the bmm form it replaced.
 
-``--strips`` instead times ``_symmetric_ghost`` with k = 1, 2, 4, 8 column strips on GPT-2
+``--strips`` instead times ``symmetric_ghost`` with k = 1, 2, 4, 8 column strips on GPT-2
 small's layer shapes (B 4, T 256 and B 2, T 1024; ``--device cuda`` on a GPU), beside the
-k the engine picks there (``factors.ghost_strips``): how GHOST_MIN_BLOCK and
+k the engine picks there (``grams.ghost_strips``): how GHOST_MIN_BLOCK and
 GHOST_MAX_STRIPS were chosen.
 
     python benchmarks/norm_rule.py            # B 16 and 64, T 16..256, GPT-2-like shapes
@@ -113,7 +113,7 @@ def strip_rows(configs, shapes: dict, device: str, repeats: int) -> list[dict]:
             gen = torch.Generator().manual_seed(t + m)
             left = torch.randn(b, 1, t, m, generator=gen).to(device)
             right = torch.randn(b, 1, t, n, generator=gen).to(device)
-            fns = {k: (lambda k=k: factors._symmetric_ghost(left, right, False, strips=k)) for k in STRIPS}
+            fns = {k: (lambda k=k: factors.symmetric_ghost(left, right, False, strips=k)) for k in STRIPS}
             ms = {k: statistics.median(ts) * 1e3
                   for k, ts in time_rounds(fns, repeats, warmup=1, sync=sync).items()}
             rows.append({"B": b, "T": t, "layer": name, "ms": ms,

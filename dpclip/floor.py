@@ -203,7 +203,7 @@ def param_costs(p: Param, batch: int, gram: str) -> dict:
 def shared_input_saving(params: list[Param], batch: int, gram: str = "symmetric") -> int:
     """Flops the floor need not count twice: weights whose single dense call reads the same
     input tensor as an earlier one (Llama's q, k, v; gate, up) need that input's Gram once
-    (the engine's :class:`~dpclip.engine.factors.GramCache`). Each later sharer is counted
+    (the engine's :class:`~dpclip.engine.grams.GramCache`). Each later sharer is counted
     at min(ghost without the input Gram, instantiate): a lower bound, whichever the first
     one picks."""
     seen: set[int] = set()

@@ -4,8 +4,9 @@ Everything here is pure tensor math on what one backward pass hands over; captur
 those tensors is :mod:`dpclip.engine.bookkeeping`'s job, and turning one layer's tensors
 into :class:`Bilinear` / :class:`Dense` uses is its layer rule's (:mod:`dpclip.engine.layers`).
 
-Length: a little over 400 lines, because it is the one home of the Gram / ghost-norm
-math, and splitting the cross terms from the norms they feed would scatter one derivation.
+Length: a little over 400 lines, because it is the one home of the norm math of a
+parameter's uses, and splitting the cross terms from the norms they feed would scatter one
+derivation (the Gram matrices themselves are in :mod:`dpclip.engine.grams`).
 
 How a per-sample gradient is represented
 ----------------------------------------
@@ -48,6 +49,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from dpclip.engine.grams import (GHOST_MAX_STRIPS, GHOST_MIN_BLOCK, GramCache,  # noqa: F401 (re-exported)
+                                 symmetric_ghost, batched_dot, ghost_strips)
 from dpclip.engine.precision import widened
 from dpclip.errors import EngineError
 
@@ -102,158 +105,15 @@ def _widened_use(use: Use, dtype: torch.dtype) -> Use:
 # ------------------------------------------------------------- norm² of one bundle
 
 
-def batched_dot(x: Tensor, y: Tensor) -> Tensor:
-    """Σ over all but the first dim of x ⊙ y.
-
-    ``linalg.vecdot``, not a [1, N] x [N, 1] bmm: on CPU the bmm form is 10x slower
-    (benchmarks/norm_rule.py prints both)."""
-    batch = x.shape[0]
-    return torch.linalg.vecdot(x.reshape(batch, -1), y.reshape(batch, -1), dim=1)
-
-
-# A Gram is computed in column strips of at least this many columns (the second GEMM
-# dimension): narrower strips lose more to GEMM overhead than the skipped half saves. On
-# CUDA the full product is one kernel, and on an H200 it beat 2, 4 and 8 strips on every
-# GPT-2 small layer at T 256 and 1024 (each strip's launches cost more than its flops), so
-# CUDA splits only from T 4096, unmeasured (benchmarks/norm_rule.py --strips;
-# benchmarks/results/strips_h200.txt).
-GHOST_MIN_BLOCK = {"cpu": 32, "cuda": 2048}
-# At most this many strips (5/8 of the plain product's work): more, narrower strips measured
-# no faster on GPT-2 small's layers at T 256, and slower on its [T, 50257] output gradient,
-# which no cache holds and each strip reads again.
-GHOST_MAX_STRIPS = 4
-
-
-def ghost_strips(seq: int, device: torch.device) -> int:
-    """How many column strips :func:`_symmetric_ghost` cuts a T x T Gram into."""
-    block = GHOST_MIN_BLOCK.get(torch.device(device).type, GHOST_MIN_BLOCK["cuda"])
-    return max(1, min(GHOST_MAX_STRIPS, seq // block))
-
-
-def _gram(x: Tensor, is_ids: bool) -> Tensor:
-    """x xᵀ over the last two dims; for ids [.., T] the one-hot Gram 1[x_t = x_s]."""
-    if is_ids:
-        return x.unsqueeze(-1) == x.unsqueeze(-2)
-    return x @ x.transpose(-1, -2)
-
-
-def _cross_gram(x: Tensor, y: Tensor, is_ids: bool) -> Tensor:
-    if is_ids:
-        return x.unsqueeze(-1) == y.unsqueeze(-2)
-    return x @ y.transpose(-1, -2)
-
-
-def _gram_dot(x: Tensor, y: Tensor) -> Tensor:
-    """Σ_{t,s} x_ts y_ts over the last two dims."""
-    lead = y.shape[:-2]
-    x = x.to(y.dtype)
-    return batched_dot(x.reshape(-1, *x.shape[-2:]), y.reshape(-1, *y.shape[-2:])).view(lead)
-
-
-class GramCache:
-    """The Gram strips of the factors of the last ghost norm, for the next layer that reads
-    the same input (Llama's q, k and v projections, its gate and up projections: one
-    activation, one Gram). Two entries (a norm's two factors), each holding its factor, so
-    that the factor's memory cannot be reused while the entry lives; a hit needs the very
-    same memory (storage, offset, shape, strides, dtype) at the version it had when cached
-    (no in-place change since). ``hits`` counts the Grams reused."""
-
-    SIZE = 2
-
-    def __init__(self):
-        self._entries: list[tuple[Tensor, int, int, list[Tensor]]] = []   # factor, version, k, strips
-        self.hits = 0
-
-    @staticmethod
-    def _same(a: Tensor, version: int, b: Tensor) -> bool:
-        return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
-                and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
-                and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-                and a._version == b._version == version)
-
-    def strips(self, factor: Tensor, count: int, compute: Callable[[], list[Tensor]]) -> list[Tensor]:
-        for entry in self._entries:
-            cached, version, k, value = entry
-            if k == count and self._same(cached, version, factor):
-                self.hits += 1
-                self._entries.remove(entry)
-                self._entries.append(entry)      # most recently used last
-                return value
-        value = compute()
-        self._entries = (self._entries + [(factor, factor._version, count, value)])[-self.SIZE:]
-        return value
-
-
-def _symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
-                     strips: int | None = None, cache: GramCache | None = None) -> tuple[Tensor, Tensor]:
-    """(Σ_{t,s} (L Lᵀ)_{ts} (R Rᵀ)_{ts}, Σ_t (L Lᵀ)_{tt} (R Rᵀ)_{tt}) over the T axis, using
-    the symmetry of both Grams.
-
-    Cut the columns s into k strips [lo_j, hi_j) (:func:`ghost_strips`). Strip j of a Gram,
-    rows t < hi_j, is one GEMM, X[:hi_j] X[lo_j:hi_j]ᵀ; its rows t < lo_j lie above the
-    diagonal and stand for their mirror images too (weight 2), its rows lo_j ≤ t < hi_j are
-    the diagonal block (weight 1). So the sum is exact (reordered), and the Gram work is
-    (k+1)/(2k) of the plain product: 3/4 and 5/8 at k = 2 and 4, in k GEMMs whose rows
-    stay whole (the recursive halving this replaced reached the same counts in many smaller
-    GEMMs, and measured slower: docs/performance.md, "The floor"). The second value, the
-    atoms' squared sizes Σ_t ||L_t||²||R_t||² that bound the first's round-off
-    (:mod:`dpclip.engine.cancellation`), is read off the diagonal blocks for free.
-    ``left`` is ``[..., T, m]`` (or ids ``[..., T]``), ``right`` ``[..., T, n]`` -> ``[...]``;
-    ``strips`` overrides k (benchmarks/norm_rule.py compares them); ``cache`` lends the Gram
-    of a factor a previous call already read (:class:`GramCache`).
-    """
-    t = right.shape[-2]
-    strips = ghost_strips(t, right.device) if strips is None else max(1, min(int(strips), t))
-    if strips == 1:
-        if cache is None:
-            gram_right = _gram(right, False)
-        else:
-            (gram_right,) = cache.strips(right, 1, lambda: [_gram(right, False)])
-        if cache is None or left_ids:
-            gram_left = _gram(left, left_ids)
-        else:
-            (gram_left,) = cache.strips(left, 1, lambda: [_gram(left, False)])
-        atoms = (gram_left.diagonal(dim1=-2, dim2=-1).to(gram_right.dtype)
-                 * gram_right.diagonal(dim1=-2, dim2=-1)).sum(-1)
-        return _gram_dot(gram_left, gram_right), atoms
-    rows = (lambda x, lo, hi: x[..., lo:hi]) if left_ids else (lambda x, lo, hi: x[..., lo:hi, :])
-    bounds = [j * t // strips for j in range(strips + 1)]
-    spans = list(zip(bounds[:-1], bounds[1:]))
-
-    def left_strip(lo: int, hi: int) -> Tensor:   # [..., hi, h]
-        return _cross_gram(rows(left, 0, hi), rows(left, lo, hi), left_ids)
-
-    def right_strip(lo: int, hi: int) -> Tensor:
-        return _cross_gram(right[..., :hi, :], right[..., lo:hi, :], False)
-
-    lefts = rights = None
-    if cache is not None:   # all strips at once, kept for a layer reading the same input
-        rights = cache.strips(right, strips, lambda: [right_strip(lo, hi) for lo, hi in spans])
-        if not left_ids:
-            lefts = cache.strips(left, strips, lambda: [left_strip(lo, hi) for lo, hi in spans])
-    total = atoms = None
-    for j, (lo, hi) in enumerate(spans):
-        gram_left = lefts[j] if lefts is not None else left_strip(lo, hi)
-        gram_right = rights[j] if rights is not None else right_strip(lo, hi)
-        product = gram_left.to(gram_right.dtype) * gram_right
-        value = product[..., lo:, :].sum((-2, -1))
-        if lo:
-            value = value + 2 * product[..., :lo, :].sum((-2, -1))
-        diagonal = product[..., lo:, :].diagonal(dim1=-2, dim2=-1).sum(-1)
-        total = value if total is None else total + value
-        atoms = diagonal if atoms is None else atoms + diagonal
-    return total, atoms
-
-
 def ghost_norm_sq(left: Tensor, right: Tensor) -> Tensor:
     """||Σ_t L_tᵀ R_t||_F² per sample without forming the gradient ("ghost norm").
 
     ||G||_F² = Σ_{t,s} (L Lᵀ)_{ts} (R Rᵀ)_{ts}  (docs/engine.md; Li et al. 2021 via the
     groupwise-clipping paper §2.2). Cost O(T²(m+n)) (5/8 of it at T ≥ 128: both Grams are
-    symmetric, see :func:`_symmetric_ghost`), memory O(T²). Shapes ``[B, g, T, m]`` and
+    symmetric, see :func:`symmetric_ghost`), memory O(T²). Shapes ``[B, g, T, m]`` and
     ``[B, g, T, n]`` -> ``[B]`` (blocks summed).
     """
-    return _symmetric_ghost(left, right, False)[0].sum(1)
+    return symmetric_ghost(left, right, False)[0].sum(1)
 
 
 def atom_sizes(use: Use, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -416,8 +276,8 @@ def _self_term(p: _Part, cache: GramCache | None = None) -> tuple[Tensor, Tensor
         return value, atom_sizes(p.use, value.dtype)[0]
     assert isinstance(p.use, Bilinear)
     if p.use.is_ids:
-        return _symmetric_ghost(p.use.left, p.use.right[:, 0], True)
-    value, atoms = _symmetric_ghost(p.use.left, p.use.right, False, cache=cache)
+        return symmetric_ghost(p.use.left, p.use.right[:, 0], True)
+    value, atoms = symmetric_ghost(p.use.left, p.use.right, False, cache=cache)
     return value.sum(1), atoms.sum(1)
 
 

@@ -171,7 +171,7 @@ def test_streamed_clip_equals_clipping_fully_instantiated_gradients():
 
 
 def test_gram_cache_reuses_the_left_gram_only_for_the_same_unchanged_memory():
-    from dpclip.engine.factors import GramCache, _symmetric_ghost
+    from dpclip.engine.factors import GramCache, symmetric_ghost
 
     gen = torch.Generator().manual_seed(21)
     left = torch.randn(3, 1, 130, 6, generator=gen, dtype=DTYPE)
@@ -179,8 +179,8 @@ def test_gram_cache_reuses_the_left_gram_only_for_the_same_unchanged_memory():
     for strips in (1, 4):     # the shared factor on the left here; in the engine, a Linear's input is the right
         cache = GramCache()
         for right in rights:                    # q, k, v of one input: one left Gram
-            got = _symmetric_ghost(left.view(3, 1, 130, 6), right, False, strips=strips, cache=cache)
-            want = _symmetric_ghost(left, right, False, strips=strips)
+            got = symmetric_ghost(left.view(3, 1, 130, 6), right, False, strips=strips, cache=cache)
+            want = symmetric_ghost(left, right, False, strips=strips)
             torch.testing.assert_close(got, want, rtol=0, atol=0)
             torch.testing.assert_close(got[0].sum(1), instantiate(Bilinear(left, right)).flatten(1).pow(2).sum(1),
                                        rtol=1e-10, atol=0)
@@ -188,16 +188,16 @@ def test_gram_cache_reuses_the_left_gram_only_for_the_same_unchanged_memory():
         fresh = [torch.randn(3, 1, 130, 2, generator=gen, dtype=DTYPE) for _ in range(2)]
         # equal values in other memory: computed afresh (the entry's memory is not that one)
         twin = left.clone()
-        _symmetric_ghost(twin, fresh[0], False, strips=strips, cache=cache)
+        symmetric_ghost(twin, fresh[0], False, strips=strips, cache=cache)
         assert cache.hits == 2
         # changed in place: the version moved, the old Gram is not used
         twin.mul_(2)
-        got = _symmetric_ghost(twin, fresh[1], False, strips=strips, cache=cache)
+        got = symmetric_ghost(twin, fresh[1], False, strips=strips, cache=cache)
         assert cache.hits == 2
         torch.testing.assert_close(got[0].sum(1), instantiate(Bilinear(twin, fresh[1])).flatten(1).pow(2).sum(1),
                                    rtol=1e-10, atol=0)
         # the right factor is looked up too (a Linear's input is its right factor)
-        _symmetric_ghost(fresh[0], fresh[1], False, strips=strips, cache=cache)
+        symmetric_ghost(fresh[0], fresh[1], False, strips=strips, cache=cache)
         assert cache.hits == 3
 
 
