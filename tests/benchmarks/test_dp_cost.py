@@ -127,3 +127,13 @@ def test_profile_phases_smoke_times_every_phase():
     assert "  per-sample norms" not in times["non-private"]  # the engine's timers stay silent
     for t in times.values():
         assert t["total"] >= t["forward"] + t["backward"]
+
+
+def test_gram_cache_ab_smoke_times_both_sides_and_restores_the_cache():
+    from dpclip.engine import grams, microbatch
+    from tests.benchmarks.loader import load_benchmark
+
+    out = load_benchmark("gram_cache_ab").main(["--smoke"])
+    assert set(out["2x16"]["ratio"]) == {"non-private", "all-layer cache", "all-layer no cache",
+                                         "layer cache", "layer no cache"}
+    assert microbatch.GramCache is grams.GramCache
