@@ -128,8 +128,9 @@ def test_kill_9_then_resume_of_a_seeded_correlated_run_ends_with_the_weights_of_
 
     from dpclip.recipe import recipe_to_yaml
 
-    overrides = (*mechanism, *SEEDED, "training.steps=200", "checkpoint.every_steps=5", "eval.every_steps=null",
-                 "privacy.epsilon=null", "privacy.noise_multiplier=1.0")
+    # every checkpoint kept: with the default 2, a fast run pruned step 10 before the poll saw it
+    overrides = (*mechanism, *SEEDED, "training.steps=200", "checkpoint.every_steps=5", "checkpoint.keep=100",
+                 "eval.every_steps=null", "privacy.epsilon=null", "privacy.noise_multiplier=1.0")
     recipe_file = tmp_path / "recipe.yaml"
     recipe_file.write_text(recipe_to_yaml(small_recipe(*overrides)))
     process = subprocess.Popen([sys.executable, "-m", "dpclip", "train", str(recipe_file), "--json"],

@@ -98,7 +98,9 @@ def test_kill_minus_nine_then_resume_replays_what_left_and_ends_with_the_planned
     killed process had already released (a mismatch would stop the resume with an error),
     and the ledger on disk was never behind what had left the process."""
     # Long enough that the poller below always kills the child well before its end, even on a loaded machine.
-    recipe = small_recipe("training.steps=300", "checkpoint.every_steps=5", "eval.every_steps=null", *FIXED_SIGMA)
+    # Every checkpoint kept: with the default 2, a fast run could prune step 10 before the poll saw it.
+    recipe = small_recipe("training.steps=300", "checkpoint.every_steps=5", "checkpoint.keep=100",
+                          "eval.every_steps=null", *FIXED_SIGMA)
     recipe_file = tmp_path / "recipe.yaml"
     from dpclip.recipe import recipe_to_yaml
 
