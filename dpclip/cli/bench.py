@@ -26,7 +26,7 @@ def bench(
 ) -> None:
     """Step time and step memory of private training (per grouping style) against
     non-private training, for the recipe's model and batch size."""
-    from dpclip.bench import NON_PRIVATE, bench_recipe
+    from dpclip.bench import NON_PRIVATE, NOT_COVERED, bench_recipe
     from dpclip.cli.train import thread_count
 
     result = bench_recipe(recipe, overrides or [], repeats=repeats, warmup=warmup,
@@ -61,6 +61,7 @@ def bench(
         console.print(floor_text(result.floor))
     console.print("Step memory: peak resident-set rise during the steps in a fresh process "
                   "(activations, gradients, per-sample quantities; weights and imports excluded).")
+    console.print(NOT_COVERED[0].upper() + NOT_COVERED[1:] + ".")
 
 
 def floor_text(floor: dict) -> str:

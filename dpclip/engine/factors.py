@@ -42,9 +42,7 @@ uses and its norm needs every cross term, ``||Σ_u G_u||² = Σ_{u,v} <G_u, G_v>
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -93,7 +91,7 @@ class Dense:
 Use = Bilinear | Dense
 
 
-def _widened_use(use: Use, dtype: torch.dtype) -> Use:
+def widened_use(use: Use, dtype: torch.dtype) -> Use:
     """``use`` with its half-precision float factors in ``dtype`` (ids stay integers)."""
     if isinstance(use, Dense):
         grad = widened(use.grad, dtype)
@@ -188,7 +186,7 @@ def _cross_bilinear_dense(use: Bilinear, grad: Tensor) -> Tensor:
 # ------------------------------------------------------------------ param level
 
 
-def _concat(uses: list[Bilinear]) -> Bilinear:
+def concat_uses(uses: list[Bilinear]) -> Bilinear:
     """Calls of one factor kind concatenate along T: Σ_u L_uᵀR_u = [L_1;L_2]ᵀ[R_1;R_2]."""
     if len(uses) == 1:
         return uses[0]
@@ -201,7 +199,7 @@ def _concat(uses: list[Bilinear]) -> Bilinear:
                     torch.cat([u.right for u in uses], dim=2))
 
 
-def _numel_per_sample(use: Bilinear) -> tuple[int, int]:
+def numel_per_sample(use: Bilinear) -> tuple[int, int]:
     """(numel of one instantiated G_i, numel of its stored factors L_i and R_i)."""
     g, n = use.right.shape[1], use.right.shape[3]
     m = use.vocab if use.is_ids else use.left.shape[3]
@@ -228,7 +226,7 @@ def choose_ghost(use: Bilinear, method: str, transient: bool = False) -> bool:
         return True
     if method == "instantiate":
         return False
-    inst, factors = _numel_per_sample(use)
+    inst, factors = numel_per_sample(use)
     return inst > (2 * factors if transient else factors)
 
 
@@ -243,10 +241,10 @@ def early_instance(use: Use, shape: torch.Size, method: str) -> Use:
     are summed; their cross terms with the other uses are exact)."""
     if not isinstance(use, Bilinear) or use.is_ids or choose_ghost(use, method):
         return use
-    inst, factors = _numel_per_sample(use)
+    inst, factors = numel_per_sample(use)
     if inst > factors:  # "instantiate" forced on a wide layer: keep the smaller factors
         return use
-    wide = _widened_use(use, torch.promote_types(use.right.dtype, torch.float32))  # bf16 factors: G_i in float32
+    wide = widened_use(use, torch.promote_types(use.right.dtype, torch.float32))  # bf16 factors: G_i in float32
     return Dense(instantiate(wide).reshape(use.right.shape[0], *shape))
 
 
@@ -327,14 +325,14 @@ def param_norm_sq(uses: list[Use], shape: torch.Size, method: str = "auto",
                   [u for u in uses if isinstance(u, Bilinear) and u.is_ids]):
         if not group:
             continue
-        bundle = _concat(group)
-        work = _widened_use(bundle, work_dtype)
+        bundle = concat_uses(group)
+        work = widened_use(bundle, work_dtype)
         if choose_ghost(bundle, method, transient):
             parts.append(_Part(work))
             kept.append(bundle)
             continue
         g = instantiate(work).reshape(bundle.right.shape[0], *shape)
-        inst_numel, factor_numel = _numel_per_sample(bundle)
+        inst_numel, factor_numel = numel_per_sample(bundle)
         if transient or bundle.is_ids or inst_numel <= factor_numel:
             inst = g if inst is None else inst + g
         else:  # keep the (smaller) factors for the clipped sum, the gradient for the norm
@@ -369,7 +367,7 @@ def clipped_sum(parts: list[Use], factors: Tensor, shape: torch.Size) -> Tensor:
     """
     out: Tensor | None = None
     for part in parts:
-        part = _widened_use(part, factors.dtype)   # half-precision factors: a float32 sum
+        part = widened_use(part, factors.dtype)   # half-precision factors: a float32 sum
         if isinstance(part, Dense):
             c = factors.to(part.grad.dtype)
             term = (c @ part.grad.reshape(part.grad.shape[0], -1)).reshape(shape)
@@ -420,65 +418,6 @@ def zero_samples(parts: list[Use], keep: Tensor) -> list[Use]:
     return out
 
 
-def streamable(uses: list[Use], method: str) -> Bilinear | None:
-    """The single dense bundle of a transient parameter that the mixed rule instantiates,
-    or None (ids, instantiated uses, several parts: those take :func:`param_norm_sq`)."""
-    if not uses or not all(isinstance(u, Bilinear) and not u.is_ids for u in uses):
-        return None
-    bundle = _concat(uses)
-    return None if choose_ghost(bundle, method, transient=True) else bundle
-
-
-def streamed_clip(bundles: list[Bilinear], shapes: list[torch.Size], base_norm_sq: Tensor,
-                  clip: Callable[[Tensor, slice], Tensor], meter=None) -> tuple[Tensor, list[Tensor]]:
-    """Group norms and Σ_i c_i G_i of instantiated parameters, a chunk of samples at a time.
-
-    For a group whose other parameters' norms² are known (``base_norm_sq`` [B]), sample
-    i's group norm needs only its own G_i: instantiate G_i for a chunk of samples, add
-    ||G_i||², clip (``clip``: the chunk's norms and rows -> factors), and add c_i G_i to the sums before the next
-    chunk. Same numbers as instantiating everything first; the chunk's G_i never take more
-    than twice the memory of the factors already held, the bound of the time rule
-    (:func:`choose_ghost`), so a bundle that rule instantiates is one chunk: one batched
-    matmul and one Σ_i c_i G_i, where chunks of one sample took about 1.8x as long on
-    GPT-2 small's MLP (docs/performance.md). ``meter`` (add/remove of tensors, optional) counts
-    each chunk's G_i while it lives. A sample with a non-finite norm gets c_i = 0 and its
-    G_i is zeroed before the sum (0·NaN would poison it). Returns (norms [B], non-finite
-    ones included, and one sum per bundle).
-    """
-    batch = base_norm_sq.shape[0]
-    inst = sum(_numel_per_sample(b)[0] for b in bundles)
-    factors = sum(_numel_per_sample(b)[1] for b in bundles)
-    chunk = max(1, min(batch, 2 * batch * factors // max(inst, 1)))
-    sums: list[Tensor | None] = [None] * len(bundles)
-    norms = []
-    for start in range(0, batch, chunk):
-        rows = slice(start, start + chunk)
-        grads = [instantiate(_widened_use(Bilinear(b.left[rows], b.right[rows]), base_norm_sq.dtype)).flatten(1)
-                 for b in bundles]
-        if meter is not None:
-            meter.add(grads)
-        sq = base_norm_sq[rows]
-        for g in grads:
-            sq = sq + torch.linalg.vector_norm(g, dim=1).square().to(sq.dtype)
-        chunk_norms = sqrt_or_zero(sq)
-        c = clip(chunk_norms, rows)
-        summed = grads
-        if not math.isfinite(float(chunk_norms.sum())):  # norms ≥ 0: one cheap check per chunk
-            finite = torch.isfinite(chunk_norms)
-            c = torch.where(finite, c, 0)
-            summed = [torch.where(finite[:, None], g, 0) for g in grads]
-        for j, g in enumerate(summed):
-            row = c.to(g.dtype).unsqueeze(0)
-            if sums[j] is None:
-                sums[j] = (row @ g).squeeze(0)
-            else:  # accumulate in the GEMM: no [m·n] temporary per chunk
-                sums[j].unsqueeze(0).addmm_(row, g)
-        if meter is not None:
-            meter.remove(grads)
-        norms.append(chunk_norms)
-    return torch.cat(norms), [t.reshape(shape) for t, shape in zip(sums, shapes)]
-
-
 def sqrt_or_zero(x: Tensor) -> Tensor:
     """Norm from norm², tolerating tiny negative round-off of cancelling cross terms."""
     return x.clamp_min(0).sqrt()
@@ -486,6 +425,6 @@ def sqrt_or_zero(x: Tensor) -> Tensor:
 
 __all__ = [
     "Bilinear", "Dense", "Use", "NORM_METHODS", "GramCache", "batched_dot", "ghost_norm_sq",
-    "instantiate", "param_norm_sq", "clipped_sum", "choose_ghost", "sqrt_or_zero", "streamable",
-    "streamed_clip", "zero_samples", "early_instance", "atom_sizes",
+    "instantiate", "param_norm_sq", "clipped_sum", "choose_ghost", "sqrt_or_zero", "zero_samples",
+    "early_instance", "atom_sizes", "concat_uses", "numel_per_sample", "widened_use",
 ]

@@ -20,9 +20,9 @@ from torch import Tensor
 from dpclip.engine.bookkeeping import StashMeter
 from dpclip.engine.cancellation import cancellation_flags, certified_rows
 from dpclip.engine.factors import (Dense, GramCache, Use, choose_ghost, clipped_sum, early_instance,
-                                   param_norm_sq, sqrt_or_zero, streamable, streamed_clip,
-                                   zero_samples)
+                                   param_norm_sq, sqrt_or_zero, zero_samples)
 from dpclip.engine.precision import engine_math
+from dpclip.engine.streamed import streamable, streamed_clip
 from dpclip.errors import EngineError
 
 

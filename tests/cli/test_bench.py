@@ -92,6 +92,7 @@ def test_bench_sets_each_private_step_against_its_floor(cli):
     assert "noise draw" not in out["median_s"]          # the draws are the floor's, not methods
     table = cli("bench", RECIPES / "quickstart.yaml", *SMALL, "--repeats", "1", "--warmup", "0", "--no-memory")
     assert "x floor" in table.out and "Floor:" in table.out
+    assert "Not covered by ε" in table.out and out["not_covered_by_epsilon"].startswith("not covered by ε")
     plain = cli("bench", RECIPES / "quickstart.yaml", *SMALL, "--repeats", "1", "--warmup", "0", "--no-memory",
                 "--no-floor", "--json")
     assert json.loads(plain.out)["floor"] == {}
