@@ -14,7 +14,7 @@ picks for groups clipped right after their layer (layer-wise, param-wise). A sec
 times the Gram trick of ``symmetric_ghost`` against the plain product, and the reduction
 ``batched_dot`` against the bmm form it replaced.
 
-``--strips`` instead times ``symmetric_ghost`` with k = 1, 2, 4, 8 column strips on GPT-2
+``--strips`` instead times ``symmetric_ghost`` with k = 1, 2, 3, 4, 8 column strips on GPT-2
 small's layer shapes (B 4, T 256 and B 2, T 1024; ``--device cuda`` on a GPU), beside the
 k the engine picks there (``grams.ghost_strips``): how GHOST_MIN_BLOCK and
 GHOST_MAX_STRIPS were chosen.
@@ -101,7 +101,7 @@ def gram_rows(seqs, shapes, batch: int, repeats: int) -> list[dict]:
 
 GPT2_SMALL = {"attn.c_attn": (768, 2304), "attn.c_proj": (768, 768), "mlp.c_fc": (768, 3072),
               "mlp.c_proj": (3072, 768), "lm_head": (768, 50257)}
-STRIPS = (1, 2, 4, 8)
+STRIPS = (1, 2, 3, 4, 8)
 
 
 def strip_rows(configs, shapes: dict, device: str, repeats: int) -> list[dict]:
@@ -117,7 +117,7 @@ def strip_rows(configs, shapes: dict, device: str, repeats: int) -> list[dict]:
             ms = {k: statistics.median(ts) * 1e3
                   for k, ts in time_rounds(fns, repeats, warmup=1, sync=sync).items()}
             rows.append({"B": b, "T": t, "layer": name, "ms": ms,
-                         "engine": factors.ghost_strips(t, torch.device(device))})
+                         "engine": factors.ghost_strips(t, torch.device(device), t * max(m, n) * 4)})
     return rows
 
 

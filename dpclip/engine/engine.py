@@ -299,7 +299,8 @@ class DPEngine:
         policy = self.policy
         micro = MicroBatch(self._context, StepTotals(self._sums, self._clipped, self._nonfinite),
                            batch_size, counts, policy.thresholds(),
-                           policy.per_sample_thresholds if policy.per_sample else None, loss_scale, row_weights)
+                           policy.per_sample_thresholds if policy.per_sample else None, loss_scale, row_weights,
+                           sum_scale=1.0 / self.expected_batch_size)
         saved = [p.grad for p in self._params]
         for p in self._params:
             p.grad = None
@@ -356,8 +357,9 @@ class DPEngine:
         std = self._noise_stds(self.policy.sensitivity_thresholds())
         batch = self.expected_batch_size
         std_grad = (std / batch).tolist()  # one device sync per step, not one per parameter
+        # The sums already carry the 1/B (MicroBatch's sum_scale, on the clip factors).
         grads = [torch.zeros(p.shape, dtype=p.dtype, device=p.device) if clipped is None
-                 else clipped.contiguous().div_(batch) for p, clipped in zip(self._params, self._sums)]
+                 else clipped.contiguous() for p, clipped in zip(self._params, self._sums)]
         sharded = self.reducer is not None and getattr(self.reducer, "shards", False)
         if sharded:  # Σ over ranks of (clipped_r/B), this rank's shard of each parameter only
             self._sums = [None] * len(self._params)  # the reducer frees each whole sum once it is sent
@@ -419,7 +421,8 @@ class DPEngine:
         if type(self.policy).observe is not ThresholdPolicy.observe:  # observations would leak into a release
             raise EngineError("debug_clipped needs a threshold policy that releases nothing",
                               "use clipping.threshold {kind: fixed} while debugging")
-        sums = {info.name: torch.zeros(p.shape, dtype=p.dtype, device=p.device) if s is None else s.detach().clone()
+        sums = {info.name: torch.zeros(p.shape, dtype=p.dtype, device=p.device) if s is None
+                else s.detach() * self.expected_batch_size   # the engine keeps Σ_i c_i G_i / B
                 for info, p, s in zip(self.groups.params, self._params, self._sums)}
         norms = (torch.cat(self._norms) if self._norms else
                  torch.zeros(0, len(self.groups), device=self._device, dtype=self._norm_dtype))

@@ -33,11 +33,23 @@ GHOST_MIN_BLOCK = {"cpu": 32, "cuda": 2048}
 # no faster on GPT-2 small's layers at T 256, and slower on its [T, 50257] output gradient,
 # which no cache holds and each strip reads again.
 GHOST_MAX_STRIPS = 4
+# ... and of at least this many columns where a factor holds more than GHOST_WIDE_BYTES per
+# sample (T·n·itemsize), which no cache holds: each strip streams its rows from memory
+# again, so a narrow strip is bound by memory, not by its flops. On the CPU, GPT-2 small's
+# tied lm_head (a [T, 50257] output gradient) took 73, 66, 73 and 76 ms at 1, 2, 3 and 4
+# strips at T 256 (strips of 128 columns fastest), and 549, 419, 422 and 375 ms at T 1024
+# (256 columns), while its MLP factors (3 MB a sample at T 256) were fastest at 4 strips of
+# 64 (benchmarks/norm_rule.py --strips).
+GHOST_WIDE_BYTES = 16 << 20
+GHOST_WIDE_MIN_BLOCK = 128
 
 
-def ghost_strips(seq: int, device: torch.device) -> int:
-    """How many column strips :func:`symmetric_ghost` cuts a T x T Gram into."""
+def ghost_strips(seq: int, device: torch.device, sample_bytes: int = 0) -> int:
+    """How many column strips :func:`symmetric_ghost` cuts a T x T Gram into; ``sample_bytes``:
+    the wider factor's size per sample."""
     block = GHOST_MIN_BLOCK.get(torch.device(device).type, GHOST_MIN_BLOCK["cuda"])
+    if sample_bytes > GHOST_WIDE_BYTES:
+        block = max(block, GHOST_WIDE_MIN_BLOCK)
     return max(1, min(GHOST_MAX_STRIPS, seq // block))
 
 
@@ -114,7 +126,10 @@ def symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
     of a factor a previous call already read (:class:`GramCache`).
     """
     t = right.shape[-2]
-    strips = ghost_strips(t, right.device) if strips is None else max(1, min(int(strips), t))
+    if strips is None:
+        wide = max(right.shape[-1] * right.element_size(), 0 if left_ids else left.shape[-1] * left.element_size())
+        strips = ghost_strips(t, right.device, t * wide)
+    strips = max(1, min(int(strips), t))
     if strips == 1:
         if cache is None:
             gram_right = _gram(right, False)
@@ -156,4 +171,4 @@ def symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
     return total, atoms
 
 
-__all__ = ["GHOST_MAX_STRIPS", "GHOST_MIN_BLOCK", "GramCache", "batched_dot", "ghost_strips", "symmetric_ghost"]
+__all__ = ["GHOST_MAX_STRIPS", "GHOST_MIN_BLOCK", "GHOST_WIDE_BYTES", "GHOST_WIDE_MIN_BLOCK", "GramCache", "batched_dot", "ghost_strips", "symmetric_ghost"]

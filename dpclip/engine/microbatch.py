@@ -75,8 +75,12 @@ class MicroBatch:
 
     def __init__(self, ctx: StepContext, totals: StepTotals, batch: int, pending: list[int],
                  thresholds: Tensor, per_sample_thresholds: Callable | None = None,
-                 loss_scale: float = 1.0, row_weights: Tensor | None = None):
+                 loss_scale: float = 1.0, row_weights: Tensor | None = None, sum_scale: float = 1.0):
         self.ctx = ctx
+        # The sums are wanted as Σ_i c_i G_i / B (``p.grad`` before noise, B the expected batch
+        # size): the 1/B rides on the clip factors, B numbers, instead of a pass over every
+        # gradient coordinate at the end of the step.
+        self.sum_scale = None if sum_scale == 1.0 else float(sum_scale)
         # Per-row weights on the clip factors (a person's records weigh 1 together under
         # user-level privacy, docs/users.md): each row's clipped gradient is scaled by its
         # weight, so the sum moves by at most Σ weights · C when those rows go.
@@ -210,14 +214,15 @@ class MicroBatch:
                                                          dtype=e.norm_dtype)
             bundles = [self.parts[idx][0] for idx in streamed]
             weights = self.row_weights
-            if unscale is None:
-                def clip(chunk_norms, rows):
-                    factors = e.clip(chunk_norms, threshold)
-                    return factors if weights is None else factors * weights[rows]
-            else:  # the chunks' G_i are scaled: unscaled norms in, factors that also unscale out
-                def clip(chunk_norms, rows):
-                    factors = e.clip(chunk_norms * unscale, threshold) * unscale
-                    return factors if weights is None else factors * weights[rows]
+            # the chunks' G_i are scaled by the loss scale: unscaled norms in, factors that also
+            # unscale out; and the sums carry 1/B
+            to_sum = (unscale or 1.0) * (self.sum_scale or 1.0)
+
+            def clip(chunk_norms, rows):
+                factors = e.clip(chunk_norms if unscale is None else chunk_norms * unscale, threshold)
+                if weights is not None:
+                    factors = factors * weights[rows]
+                return factors if to_sum == 1.0 else factors * to_sum
             norms, sums = streamed_clip(bundles, [e.params[idx].shape for idx in streamed], base,
                                         clip, self.meter)
             for idx, total in zip(streamed, sums):
@@ -249,6 +254,8 @@ class MicroBatch:
             factors = torch.where(keep, factors, 0)
         if unscale is not None:   # the parts hold the scaled gradient
             factors = factors * unscale
+        if self.sum_scale is not None:
+            factors = factors * self.sum_scale
         for idx in e.members[k]:
             parts, self.parts[idx] = self.parts[idx], None
             if not parts:

@@ -147,6 +147,25 @@ def test_symmetric_ghost_norm_matches_instantiation_for_long_sequences(t):
                                instantiate(ids).flatten(1).pow(2).sum(1), rtol=1e-10, atol=0)
 
 
+def test_wide_factor_is_cut_into_fewer_wider_strips_and_stays_exact(monkeypatch):
+    # A factor no cache holds (an lm_head's [T, vocab] output gradient) is re-read by every
+    # strip: strips of at least GHOST_WIDE_MIN_BLOCK columns. Shrink the threshold so a small
+    # factor counts as wide, and check both the strip count symmetric_ghost takes and the norm.
+    from dpclip.engine import grams
+    seen = []
+    real = grams.ghost_strips
+    monkeypatch.setattr(grams, "ghost_strips", lambda *a: seen.append(real(*a)) or seen[-1])
+    gen = torch.Generator().manual_seed(5)
+    use = _dense(gen, 2, 1, 256, 5, 300)                          # 256 x 300 float64: 600 KiB a sample
+    want = instantiate(use).flatten(1).pow(2).sum(1)
+    torch.testing.assert_close(ghost_norm_sq(use.left, use.right), want, rtol=1e-10, atol=0)
+    assert seen[-1] == 4                                          # 64-column strips
+    monkeypatch.setattr(grams, "GHOST_WIDE_BYTES", 256 * 300 * 8 - 1)
+    torch.testing.assert_close(ghost_norm_sq(use.left, use.right), want, rtol=1e-10, atol=0)
+    assert seen[-1] == 256 // grams.GHOST_WIDE_MIN_BLOCK == 2     # 128-column strips
+    assert real(1024, torch.device("cpu"), grams.GHOST_WIDE_BYTES + 1) == 4   # wide, but 256-column strips
+
+
 def test_streamed_clip_equals_clipping_fully_instantiated_gradients():
     gen = torch.Generator().manual_seed(8)
     # G_i 40 and 54 entries vs factors 13 and 15 (T = 1): G of a chunk ≤ twice the
