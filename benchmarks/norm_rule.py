@@ -38,6 +38,7 @@ from dpclip.allocator import keep_freed_memory  # noqa: E402
 from dpclip.bench import time_rounds  # noqa: E402
 from dpclip.engine import factors  # noqa: E402
 from dpclip.engine.factors import Bilinear, choose_ghost, clipped_sum, param_norm_sq  # noqa: E402
+from dpclip.engine.streamed import streamed_clip  # noqa: E402
 
 SHAPES = [(256, 768), (256, 256), (256, 1024), (1024, 256), (64, 64), (1024, 4096)]
 MAX_FACTOR_FLOATS = 64 * 256 * 1024   # skip cells whose B·T·n factor is larger (time budget)
@@ -61,15 +62,18 @@ def rule_rows(batches, seqs, shapes, repeats: int) -> list[dict]:
                 shape = torch.Size([m, n])
                 c = torch.rand(b, generator=gen)
 
-                def path(method):
-                    def run():
-                        _, parts = param_norm_sq([use], shape, method, transient=True)
-                        clipped_sum(parts, c, shape)
-                    return run
+                def ghost():
+                    _, parts = param_norm_sq([use], shape, "ghost", transient=True)
+                    clipped_sum(parts, c, shape)
 
-                ms = median_ms({"ghost": path("ghost"), "instantiate": path("instantiate")}, repeats)
+                def streamed(one_at_a_time=None):   # the engine's instantiation of a transient group
+                    return lambda: streamed_clip([use], [shape], torch.zeros(b), lambda norms, rows: c[rows],
+                                                 one_at_a_time=one_at_a_time)
+
+                ms = median_ms({"ghost": ghost, "instantiate": streamed(), "chunks": streamed(False)}, repeats)
+                ms = {"ghost": ms["ghost"], "instantiate": ms["instantiate"], "chunks": ms["chunks"]}
                 rule = "ghost" if choose_ghost(use, "auto", transient=True) else "instantiate"
-                faster = min(ms, key=ms.get)
+                faster = min(("ghost", "instantiate"), key=ms.get)
                 rows.append({"B": b, "T": t, "m": m, "n": n, **ms, "rule": rule, "faster": faster,
                              "loss": ms[rule] / ms[faster]})
     return rows
@@ -150,15 +154,22 @@ def main(argv=None) -> None:
         print_strips(strip_rows(configs, shapes, args.device, args.repeats))
         return
     batches, seqs, shapes = [16, 64], [16, 32, 64, 128, 256], SHAPES
+    gpt2 = [((4,), (256,)), ((2,), (1024,))]   # GPT-2 small's block weights at the table's shapes
     if args.smoke:
-        batches, seqs, shapes, args.repeats = [2], [4, 64], [(8, 12)], 1
+        batches, seqs, shapes, args.repeats, gpt2 = [2], [4, 64], [(8, 12)], 1, []
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.repeats}, ms")
-    print("\nghost path vs instantiate path (norm + clipped sum); rule = time rule for transient groups")
-    print(f"{'B':>4}{'T':>5}{'m x n':>12}{'ghost':>10}{'inst':>10}  {'rule':<12}{'faster':<12}{'rule/best':>9}")
+    print("\nghost path vs instantiate path (norm + clipped sum; instantiate = the engine's streamed_clip,\n"
+          "one sample at a time on the CPU; chunks = its batched chunks, as on other devices);\n"
+          "rule = time rule for transient groups")
+    print(f"{'B':>4}{'T':>5}{'m x n':>12}{'ghost':>10}{'inst':>10}{'chunks':>10}  {'rule':<12}{'faster':<12}"
+          f"{'rule/best':>9}")
     rows = rule_rows(batches, seqs, shapes, args.repeats)
+    gpt2_shapes = [shape for name, shape in GPT2_SMALL.items() if name != "lm_head"]
+    for b, t in gpt2:
+        rows += rule_rows(b, t, gpt2_shapes, args.repeats)
     for r in rows:
         print(f"{r['B']:>4}{r['T']:>5}{str(r['m']) + 'x' + str(r['n']):>12}{r['ghost']:>10.2f}"
-              f"{r['instantiate']:>10.2f}  {r['rule']:<12}{r['faster']:<12}{r['loss']:>9.2f}")
+              f"{r['instantiate']:>10.2f}{r['chunks']:>10.2f}  {r['rule']:<12}{r['faster']:<12}{r['loss']:>9.2f}")
     agree = sum(r["rule"] == r["faster"] for r in rows)
     worst = max(rows, key=lambda r: r["loss"])
     print(f"\nrule picked the faster path in {agree} of {len(rows)} cells; worst cell "

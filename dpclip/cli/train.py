@@ -143,6 +143,8 @@ def _continual_line(continual) -> str:
 
 
 def _value(value) -> str:
+    if value is None:   # a field the other mechanism does not have (DP-SGD has no bands)
+        return "unset"
     return fmt(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 

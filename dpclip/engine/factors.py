@@ -206,6 +206,16 @@ def numel_per_sample(use: Bilinear) -> tuple[int, int]:
     return g * m * n, use.left[0].numel() + use.right[0].numel()
 
 
+# How much larger than its factors a transient G_i may be and still be instantiated
+# (:func:`choose_ghost`). On the CPU, where :mod:`dpclip.engine.streamed` forms a large G_i
+# one sample at a time in a buffer that stays in cache, instantiation measured faster than
+# the ghost norm up to m·n = 2.4·T(m+n) (GPT-2 small's MLP weights at B 4, T 256: 16.2 and
+# 17.1 ms against 17.5 and 17.9; ghost faster from 3.0 on: benchmarks/norm_rule.py). Other
+# devices keep the factor 2 this rule was first measured with.
+TRANSIENT_FACTOR = {"cpu": 2.5}
+TRANSIENT_FACTOR_DEFAULT = 2.0
+
+
 def choose_ghost(use: Bilinear, method: str, transient: bool = False) -> bool:
     """The mixed rule: ghost-norm this use, or instantiate its per-sample gradient?
 
@@ -218,16 +228,20 @@ def choose_ghost(use: Bilinear, method: str, transient: bool = False) -> bool:
     ``transient=True`` (the group is finalized right after this parameter, e.g. layer-wise
     clipping): a time rule. Instantiating costs one per-sample matmul (T·m·n) and then a
     cheap Σ_i c_i G_i; ghost costs the Grams (≈ 5/8·T²(m+n) on CPU) plus the clipped GEMM
-    (T·m·n). Instantiate iff G_i is at most twice its factors, m·n ≤ 2·T·(m+n): where
-    this machine measured instantiation faster (benchmarks/norm_rule.py), and it bounds the
-    short-lived G_i by twice the layer's own activation and output gradient.
+    (T·m·n). Instantiate iff G_i is at most κ times its factors, m·n ≤ κ·T·(m+n), κ = 2.5
+    on the CPU and 2 elsewhere (:data:`TRANSIENT_FACTOR`): where instantiation measured
+    faster (benchmarks/norm_rule.py). :func:`~dpclip.engine.streamed.streamed_clip` holds
+    at most twice the factors' memory in G_i at a time whatever κ is.
     """
     if method == "ghost":
         return True
     if method == "instantiate":
         return False
     inst, factors = numel_per_sample(use)
-    return inst > (2 * factors if transient else factors)
+    if not transient:
+        return inst > factors
+    kappa = TRANSIENT_FACTOR.get(use.right.device.type, TRANSIENT_FACTOR_DEFAULT)
+    return inst > kappa * factors
 
 
 def early_instance(use: Use, shape: torch.Size, method: str) -> Use:
@@ -427,4 +441,5 @@ __all__ = [
     "Bilinear", "Dense", "Use", "NORM_METHODS", "GramCache", "batched_dot", "ghost_norm_sq",
     "instantiate", "param_norm_sq", "clipped_sum", "choose_ghost", "sqrt_or_zero", "zero_samples",
     "early_instance", "atom_sizes", "concat_uses", "numel_per_sample", "widened_use",
+    "TRANSIENT_FACTOR", "TRANSIENT_FACTOR_DEFAULT",
 ]

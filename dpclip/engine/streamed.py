@@ -17,6 +17,15 @@ from dpclip.engine import factors
 from dpclip.engine.factors import Bilinear, Use, concat_uses, instantiate, numel_per_sample, sqrt_or_zero, widened_use
 
 
+# On the CPU a transient G_i of at least this many elements (all the group's bundles
+# together, per sample) is formed one sample at a time (:func:`_one_sample_at_a_time`);
+# smaller ones in batched chunks, whose one matmul beat B small ones: at B 16 and 64,
+# T 16 to 256, batched chunks were faster for every G_i up to 256 x 1024, one sample at a
+# time for GPT-2 small's 768 x 2304 and 768 x 3072 at B 4, T 256 (12.6 and 16.2 ms
+# against 14.7 and 20.0) and for 1024 x 4096 in 5 of 6 cells (benchmarks/norm_rule.py).
+ONE_AT_A_TIME_MIN_NUMEL = 1 << 20
+
+
 def streamable(uses: list[Use], method: str) -> Bilinear | None:
     """The single dense bundle of a transient parameter that the mixed rule instantiates,
     or None (ids, instantiated uses, several parts: those take :func:`param_norm_sq`)."""
@@ -27,23 +36,29 @@ def streamable(uses: list[Use], method: str) -> Bilinear | None:
 
 
 def streamed_clip(bundles: list[Bilinear], shapes: list[torch.Size], base_norm_sq: Tensor,
-                  clip: Callable[[Tensor, slice], Tensor], meter=None) -> tuple[Tensor, list[Tensor]]:
+                  clip: Callable[[Tensor, slice], Tensor], meter=None,
+                  one_at_a_time: bool | None = None) -> tuple[Tensor, list[Tensor]]:
     """Group norms and Σ_i c_i G_i of instantiated parameters, a chunk of samples at a time.
 
     For a group whose other parameters' norms² are known (``base_norm_sq`` [B]), sample
     i's group norm needs only its own G_i: instantiate G_i for a chunk of samples, add
     ||G_i||², clip (``clip``: the chunk's norms and rows -> factors), and add c_i G_i to the sums before the next
-    chunk. Same numbers as instantiating everything first; the chunk's G_i never take more
-    than twice the memory of the factors already held, the bound of the time rule
-    (:func:`choose_ghost`), so a bundle that rule instantiates is one chunk: one batched
-    matmul and one Σ_i c_i G_i, where chunks of one sample took about 1.8x as long on
-    GPT-2 small's MLP (docs/performance.md). ``meter`` (add/remove of tensors, optional) counts
-    each chunk's G_i while it lives. A sample with a non-finite norm gets c_i = 0 and its
-    G_i is zeroed before the sum (0·NaN would poison it). Returns (norms [B], non-finite
-    ones included, and one sum per bundle).
+    chunk. Same numbers as instantiating everything first. On the CPU a large G_i's chunk is
+    one sample (:func:`_one_sample_at_a_time`, :data:`ONE_AT_A_TIME_MIN_NUMEL`); otherwise a
+    chunk's G_i take at most twice the memory of the factors already held (one chunk, one
+    batched matmul and one Σ_i c_i G_i, for a bundle within twice its factors: the time
+    rule's bound off the CPU, :func:`choose_ghost`). ``meter`` (add/remove of tensors,
+    optional) counts each chunk's G_i while it lives. A sample with a non-finite norm gets
+    c_i = 0 and its G_i adds nothing (0·NaN would poison the sum). Returns (norms [B], non-finite
+    ones included, and one sum per bundle). ``one_at_a_time`` overrides the choice by device.
     """
     batch = base_norm_sq.shape[0]
     inst = sum(numel_per_sample(b)[0] for b in bundles)
+    if one_at_a_time is None:
+        one_at_a_time = (inst >= ONE_AT_A_TIME_MIN_NUMEL
+                         and all(b.right.device.type == "cpu" for b in bundles))
+    if one_at_a_time:
+        return _one_sample_at_a_time(bundles, shapes, base_norm_sq, clip, meter)
     held = sum(numel_per_sample(b)[1] for b in bundles)
     chunk = max(1, min(batch, 2 * batch * held // max(inst, 1)))
     sums: list[Tensor | None] = [None] * len(bundles)
@@ -76,4 +91,41 @@ def streamed_clip(bundles: list[Bilinear], shapes: list[torch.Size], base_norm_s
     return torch.cat(norms), [t.reshape(shape) for t, shape in zip(sums, shapes)]
 
 
-__all__ = ["streamable", "streamed_clip"]
+def _one_sample_at_a_time(bundles: list[Bilinear], shapes: list[torch.Size], base_norm_sq: Tensor,
+                          clip: Callable[[Tensor, slice], Tensor], meter=None) -> tuple[Tensor, list[Tensor]]:
+    """:func:`streamed_clip` on the CPU: one sample's G_i at a time, in one buffer per bundle
+    that stays in cache while its norm is taken and c_i G_i is added (the first sample's is
+    written straight into the sum). On GPT-2 small at B 4, T 256 this took 12.3, 16.3 and
+    17.9 ms on ``attn.c_attn``, ``mlp.c_fc`` and ``mlp.c_proj`` against 17.6, 22.7 and 22.2
+    ms in batched chunks, and 15.4, 19.1 and 19.5 ms ghost-normed (docs/performance.md)."""
+    batch = base_norm_sq.shape[0]
+    dtype = base_norm_sq.dtype
+    # [g, m, n] per bundle: sample 0's G_0 is computed into the sum itself
+    sums = [torch.empty(b.left.shape[1], b.left.shape[3], b.right.shape[3], dtype=dtype, device=b.right.device)
+            for b in bundles]
+    buffers = [torch.empty_like(t) for t in sums] if batch > 1 else []
+    if meter is not None:
+        meter.add(sums + buffers)
+    norms = []
+    for i in range(batch):
+        grads = sums if i == 0 else buffers
+        sq = base_norm_sq[i:i + 1]
+        for b, g in zip(bundles, grads):
+            one = widened_use(Bilinear(b.left[i], b.right[i]), dtype)   # bf16 factors: G_i in float32
+            torch.matmul(one.left.transpose(-1, -2), one.right, out=g)
+            sq = sq + torch.linalg.vector_norm(g).square().to(dtype)
+        norm = sqrt_or_zero(sq)
+        c = clip(norm, slice(i, i + 1))
+        finite = math.isfinite(float(norm))   # a CPU tensor: no device to wait for
+        for total, g in zip(sums, grads):
+            if i == 0:   # a non-finite sample adds nothing (0·inf would be NaN)
+                total.mul_(c.to(dtype)) if finite else total.zero_()
+            elif finite:
+                total.addcmul_(g, c.to(dtype))
+        norms.append(norm)
+    if meter is not None:
+        meter.remove(sums + buffers)
+    return torch.cat(norms), [t.reshape(shape) for t, shape in zip(sums, shapes)]
+
+
+__all__ = ["ONE_AT_A_TIME_MIN_NUMEL", "streamable", "streamed_clip"]

@@ -120,6 +120,13 @@ def test_overriding_the_epochs_says_how_sigma_moved_at_fixed_epsilon(cli, tmp_pa
     assert plain["sigma_change"] is None
 
 
+def test_switching_the_mechanism_names_a_field_dp_sgd_lacks_as_unset(cli, tmp_path):
+    result = cli("train", QUICKSTART, f"output_dir={tmp_path / 'runs'}", "privacy.mechanism.kind=banded-mf",
+                 "privacy.mechanism.bands=4", "--dry-run")
+    assert result.code == 0, result.err
+    assert "bands unset -> 4" in result.out and "None" not in result.out
+
+
 def test_overriding_the_steps_at_a_given_sigma_says_how_epsilon_moved(cli, tmp_path):
     result = cli("train", QUICKSTART, f"output_dir={tmp_path / 'runs'}", "privacy.epsilon=null",
                  "privacy.noise_multiplier=1.0", "training.batch_size=32", "--dry-run", "--json")

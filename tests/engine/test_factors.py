@@ -100,13 +100,16 @@ def test_memory_rule_instantiates_wherever_fastdp_space_rule_does(t, m, n):
         assert not choose_ghost(use, "auto")
 
 
-def test_transient_rule_instantiates_when_gradient_is_at_most_twice_its_factors():
-    # m = n = 128: twice the factors (T·512) reaches G_i's 16384 entries at T = 32, where
-    # the memory rule still ghost-norms (until T = 64).
-    def use(t):
-        return Bilinear(torch.zeros(1, 1, t, 128), torch.zeros(1, 1, t, 128))
-    assert choose_ghost(use(31), "auto", transient=True)
-    assert not choose_ghost(use(32), "auto", transient=True)
+def test_transient_rule_instantiates_when_gradient_is_at_most_kappa_times_its_factors():
+    # m = n = 128: G_i has 16384 entries, the factors T·256. Off the CPU κ = 2 reaches it at
+    # T = 32; on the CPU κ = 2.5 at T = 26 (16384 ≤ 2.5·26·256). The memory rule still
+    # ghost-norms until T = 64.
+    def use(t, device="cpu"):
+        return Bilinear(torch.zeros(1, 1, t, 128, device=device), torch.zeros(1, 1, t, 128, device=device))
+    assert choose_ghost(use(25), "auto", transient=True)
+    assert not choose_ghost(use(26), "auto", transient=True)
+    assert choose_ghost(use(31, "meta"), "auto", transient=True)
+    assert not choose_ghost(use(32, "meta"), "auto", transient=True)
     assert choose_ghost(use(32), "auto") and choose_ghost(use(63), "auto")
     assert choose_ghost(use(64), "ghost", transient=True)
     # ids factors are T integers + T·n: a 1000-row embedding stays ghost-normed at T = 64
@@ -166,7 +169,15 @@ def test_wide_factor_is_cut_into_fewer_wider_strips_and_stays_exact(monkeypatch)
     assert real(1024, torch.device("cpu"), grams.GHOST_WIDE_BYTES + 1) == 4   # wide, but 256-column strips
 
 
-def test_streamed_clip_equals_clipping_fully_instantiated_gradients():
+@pytest.mark.parametrize("one_at_a_time, min_numel, per_sample", [
+    (False, None, False), (True, None, True),
+    (None, None, False),    # the default on the CPU: G_i of 94 entries is batched
+    (None, 94, True)])      # ... and one sample at a time from ONE_AT_A_TIME_MIN_NUMEL on
+def test_streamed_clip_equals_clipping_fully_instantiated_gradients(one_at_a_time, min_numel, per_sample,
+                                                                     monkeypatch):
+    from dpclip.engine import streamed
+    if min_numel is not None:
+        monkeypatch.setattr(streamed, "ONE_AT_A_TIME_MIN_NUMEL", min_numel)
     gen = torch.Generator().manual_seed(8)
     # G_i 40 and 54 entries vs factors 13 and 15 (T = 1): G of a chunk ≤ twice the
     # factors held, chunks of 7·2·28//94 = 4 samples (4 + 3)
@@ -183,11 +194,28 @@ def test_streamed_clip_equals_clipping_fully_instantiated_gradients():
         calls.append((rows.start, chunk_norms.shape[0]))   # the rows let a caller weight them
         return (threshold / chunk_norms).clamp(max=1.0)
 
-    norms, sums = streamed_clip(bundles, shapes, base, clip)
-    assert calls == [(0, 4), (4, 3)]
+    norms, sums = streamed_clip(bundles, shapes, base, clip, one_at_a_time=one_at_a_time)
+    assert calls == ([(i, 1) for i in range(7)] if per_sample else [(0, 4), (4, 3)])
     torch.testing.assert_close(norms, norms_ref)
     for total, g in zip(sums, full):
         torch.testing.assert_close(total, torch.einsum("b,bmn->mn", factors, g))
+
+
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_streamed_clip_drops_a_nonfinite_first_sample(one_at_a_time):
+    # The per-sample path computes sample 0's G_0 into the sum itself: a NaN there must not
+    # survive into the sum, nor one in a later sample.
+    gen = torch.Generator().manual_seed(9)
+    use = _dense(gen, 5, 1, 3, 4, 6)
+    use.left[0, 0, 1, 2] = float("nan")
+    use.right[3, 0, 0, 1] = float("inf")
+    full = per_sample_reference([use], torch.Size([4, 6]))
+    norms, (total,) = streamed_clip([use], [torch.Size([4, 6])], torch.zeros(5, dtype=DTYPE),
+                                    lambda n, rows: (1.0 / n).clamp(max=1.0), one_at_a_time=one_at_a_time)
+    assert not norms[0].isfinite() and not norms[3].isfinite() and norms[[1, 2, 4]].isfinite().all()
+    keep = [1, 2, 4]
+    want = torch.einsum("b,bmn->mn", (1.0 / full[keep].flatten(1).norm(dim=1)).clamp(max=1.0), full[keep])
+    torch.testing.assert_close(total, want)
 
 
 def test_gram_cache_reuses_the_left_gram_only_for_the_same_unchanged_memory():

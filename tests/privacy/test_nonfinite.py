@@ -94,15 +94,17 @@ def test_nan_example_in_an_mlp_contributes_zero_to_every_group(grouping, fn, mic
         assert torch.isfinite(values).all(), q
 
 
-def test_streamed_groups_drop_the_nonfinite_sample(monkeypatch):
+@pytest.mark.parametrize("one_at_a_time", [True, False], ids=["cpu-per-sample", "batched-chunks"])
+def test_streamed_groups_drop_the_nonfinite_sample(monkeypatch, one_at_a_time):
     # Layer-wise grouping with instantiated gradients: G_i is formed chunk by chunk
-    # (streamed_clip), so the NaN rows must be dropped inside the chunks too.
+    # (streamed_clip: one sample at a time on the CPU, batched chunks on other devices),
+    # so the NaN rows must be dropped inside the chunks too.
     calls = []
     original = microbatch_module.streamed_clip
 
     def spy(*args, **kwargs):
         calls.append(1)
-        return original(*args, **kwargs)
+        return original(*args, **kwargs, one_at_a_time=one_at_a_time)
 
     monkeypatch.setattr(microbatch_module, "streamed_clip", spy)
     g = torch.Generator().manual_seed(7)
