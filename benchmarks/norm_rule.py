@@ -21,6 +21,7 @@ GHOST_MAX_STRIPS were chosen.
 
     python benchmarks/norm_rule.py            # B 16 and 64, T 16..256, GPT-2-like shapes
     python benchmarks/norm_rule.py --strips   # the strip counts, GPT-2 small's shapes
+    python benchmarks/norm_rule.py --traffic  # the parts of one-sample-at-a-time instantiation
     python benchmarks/norm_rule.py --smoke    # tiny, one repeat (CI)
 """
 
@@ -125,6 +126,23 @@ def strip_rows(configs, shapes: dict, device: str, repeats: int) -> list[dict]:
     return rows
 
 
+def traffic_rows(b: int, t: int, shapes: dict, repeats: int) -> list[dict]:
+    """Where one-sample-at-a-time instantiation spends its time, per GPT-2 small block weight:
+    the weight gradient's one GEMM against the B per-sample matmuls (the same multiply), the
+    B norms of G_i and the B scaled adds c_i G_i (passes over memory a flop count cannot see)."""
+    rows = []
+    for name, (m, n) in shapes.items():
+        gen = torch.Generator().manual_seed(m + n)
+        left, right = torch.randn(b, t, m, generator=gen), torch.randn(b, t, n, generator=gen)
+        buf, total, c = torch.empty(m, n), torch.zeros(m, n), torch.tensor([0.5])
+        fns = {"weight gradient": lambda: left.reshape(-1, m).t() @ right.reshape(-1, n),
+               "B matmuls": lambda: [torch.mm(left[i].t(), right[i], out=buf) for i in range(b)],
+               "B norms": lambda: [torch.linalg.vector_norm(buf) for _ in range(b)],
+               "B scaled adds": lambda: [total.addcmul_(buf, c) for _ in range(b)]}
+        rows.append({"layer": name, **median_ms(fns, repeats)})
+    return rows
+
+
 def print_strips(rows: list[dict]) -> None:
     print("ghost norm (ms) by column strips k; engine = the k factors.ghost_strips picks")
     print(f"{'B x T':>9}  {'layer':<12}" + "".join(f"{'k=' + str(k):>9}" for k in STRIPS) + f"{'engine':>8}")
@@ -143,9 +161,21 @@ def main(argv=None) -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--strips", action="store_true", help="time the strip counts of the symmetric Grams")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--traffic", action="store_true",
+                    help="time the parts of one-sample-at-a-time instantiation (GPT-2 small, B 4, T 256)")
     args = ap.parse_args(argv)
     keep_freed_memory()
     torch.set_num_threads(args.threads)
+    if args.traffic:
+        shapes = {k: v for k, v in GPT2_SMALL.items() if k != "lm_head"}
+        b, t = (4, 256) if not args.smoke else (2, 8)
+        rows = traffic_rows(b, t, shapes, 1 if args.smoke else args.repeats)
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; B {b}, T {t}; median ms")
+        cols = [k for k in rows[0] if k != "layer"]
+        print(f"{'layer':<12}" + "".join(f"{k:>17}" for k in cols))
+        for r in rows:
+            print(f"{r['layer']:<12}" + "".join(f"{r[k]:>17.2f}" for k in cols))
+        return
     if args.strips:
         configs, shapes = [(4, 256), (2, 1024)], GPT2_SMALL
         if args.smoke:

@@ -112,6 +112,9 @@ def test_norm_rule_smoke_runs_the_engines_functions(capsys):
     module.main(["--smoke", "--strips"])
     out = capsys.readouterr().out
     assert "k=4" in out and "per step, 12 blocks + lm_head" in out
+    module.main(["--smoke", "--traffic"])
+    out = capsys.readouterr().out
+    assert "B scaled adds" in out and "mlp.c_proj" in out
 
 
 def test_profile_phases_smoke_times_every_phase():

@@ -122,9 +122,9 @@ def test_overriding_the_epochs_says_how_sigma_moved_at_fixed_epsilon(cli, tmp_pa
 
 def test_switching_the_mechanism_names_a_field_dp_sgd_lacks_as_unset(cli, tmp_path):
     result = cli("train", QUICKSTART, f"output_dir={tmp_path / 'runs'}", "privacy.mechanism.kind=banded-mf",
-                 "privacy.mechanism.bands=4", "--dry-run")
+                 "privacy.mechanism.bands=4", "training.epochs=10", "--dry-run")
     assert result.code == 0, result.err
-    assert "bands unset -> 4" in result.out and "None" not in result.out
+    assert "privacy.mechanism.bands unset -> 4" in result.out and "None" not in result.out
 
 
 def test_overriding_the_steps_at_a_given_sigma_says_how_epsilon_moved(cli, tmp_path):
