@@ -100,8 +100,10 @@ def _one_sample_at_a_time(bundles: list[Bilinear], shapes: list[torch.Size], bas
     ms in batched chunks, and 15.4, 19.1 and 19.5 ms ghost-normed (docs/performance.md)."""
     batch = base_norm_sq.shape[0]
     dtype = base_norm_sq.dtype
-    # [g, m, n] per bundle: sample 0's G_0 is computed into the sum itself
-    sums = [torch.empty(b.left.shape[1], b.left.shape[3], b.right.shape[3], dtype=dtype, device=b.right.device)
+    # [g, m, n] per bundle, in the dtype of its (widened) factors, as the batched chunks'
+    # sums are: sample 0's G_0 is computed into the sum itself
+    sums = [torch.empty(b.left.shape[1], b.left.shape[3], b.right.shape[3], device=b.right.device,
+                        dtype=widened_use(Bilinear(b.left[:1], b.right[:1]), dtype).right.dtype)
             for b in bundles]
     buffers = [torch.empty_like(t) for t in sums] if batch > 1 else []
     if meter is not None:
@@ -119,9 +121,9 @@ def _one_sample_at_a_time(bundles: list[Bilinear], shapes: list[torch.Size], bas
         finite = math.isfinite(float(norm))   # a CPU tensor: no device to wait for
         for total, g in zip(sums, grads):
             if i == 0:   # a non-finite sample adds nothing (0·inf would be NaN)
-                total.mul_(c.to(dtype)) if finite else total.zero_()
+                total.mul_(c.to(total.dtype)) if finite else total.zero_()
             elif finite:
-                total.addcmul_(g, c.to(dtype))
+                total.addcmul_(g, c.to(total.dtype))
         norms.append(norm)
     if meter is not None:
         meter.remove(sums + buffers)

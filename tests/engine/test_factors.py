@@ -218,6 +218,22 @@ def test_streamed_clip_drops_a_nonfinite_first_sample(one_at_a_time):
     torch.testing.assert_close(total, want)
 
 
+@pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16])
+def test_streamed_clip_paths_agree_when_norms_are_wider_than_the_factors(factor_dtype):
+    # float32 (or bf16) factors with float64 norms, as a model whose first parameter is
+    # float64 gives: both paths keep G_i in the factors' (widened) dtype and agree.
+    gen = torch.Generator().manual_seed(10)
+    use = Bilinear(torch.randn(3, 1, 5, 4, generator=gen).to(factor_dtype),
+                   torch.randn(3, 1, 5, 6, generator=gen).to(factor_dtype))
+    base = torch.rand(3, generator=gen, dtype=torch.float64)
+    clip = lambda n, rows: (2.0 / n).clamp(max=1.0)   # noqa: E731
+    got = streamed_clip([use], [torch.Size([4, 6])], base, clip, one_at_a_time=True)
+    want = streamed_clip([use], [torch.Size([4, 6])], base, clip, one_at_a_time=False)
+    assert got[1][0].dtype == want[1][0].dtype == (torch.float32 if factor_dtype == torch.float32 else torch.float64)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1][0], want[1][0])
+
+
 def test_gram_cache_reuses_the_left_gram_only_for_the_same_unchanged_memory():
     from dpclip.engine.factors import GramCache, symmetric_ghost
 
