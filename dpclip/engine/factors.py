@@ -209,8 +209,8 @@ def numel_per_sample(use: Bilinear) -> tuple[int, int]:
 # How much larger than its factors a transient G_i may be and still be instantiated
 # (:func:`choose_ghost`). On the CPU, where :mod:`dpclip.engine.streamed` forms a large G_i
 # one sample at a time in a buffer that stays in cache, instantiation measured faster than
-# the ghost norm up to m·n = 2.4·T(m+n) (GPT-2 small's MLP weights at B 4, T 256: 16.2 and
-# 17.1 ms against 17.5 and 17.9; ghost faster from 3.0 on: benchmarks/norm_rule.py). Other
+# the ghost norm up to m·n = 2.4·T(m+n) (GPT-2 small's MLP weights at B 4, T 256: 17.0 and
+# 17.5 ms against 18.0 and 18.2; ghost faster from 3.0 on: benchmarks/norm_rule.py). Other
 # devices keep the factor 2 this rule was first measured with.
 TRANSIENT_FACTOR = {"cpu": 2.5}
 TRANSIENT_FACTOR_DEFAULT = 2.0

@@ -21,8 +21,9 @@ from dpclip.engine.factors import Bilinear, Use, concat_uses, instantiate, numel
 # together, per sample) is formed one sample at a time (:func:`_one_sample_at_a_time`);
 # smaller ones in batched chunks, whose one matmul beat B small ones: at B 16 and 64,
 # T 16 to 256, batched chunks were faster for every G_i up to 256 x 1024, one sample at a
-# time for GPT-2 small's 768 x 2304 and 768 x 3072 at B 4, T 256 (12.6 and 16.2 ms
-# against 14.7 and 20.0) and for 1024 x 4096 in 5 of 6 cells (benchmarks/norm_rule.py).
+# time for GPT-2 small's 768 x 2304 and 768 x 3072 at B 4, T 256 (13.1 and 17.0 ms
+# against 15.3 and 21.5) and for 1024 x 4096 in 6 of 8 cells (benchmarks/norm_rule.py;
+# benchmarks/results/norm_rule_cpu.txt).
 ONE_AT_A_TIME_MIN_NUMEL = 1 << 20
 
 
@@ -95,9 +96,10 @@ def _one_sample_at_a_time(bundles: list[Bilinear], shapes: list[torch.Size], bas
                           clip: Callable[[Tensor, slice], Tensor], meter=None) -> tuple[Tensor, list[Tensor]]:
     """:func:`streamed_clip` on the CPU: one sample's G_i at a time, in one buffer per bundle
     that stays in cache while its norm is taken and c_i G_i is added (the first sample's is
-    written straight into the sum). On GPT-2 small at B 4, T 256 this took 12.3, 16.3 and
-    17.9 ms on ``attn.c_attn``, ``mlp.c_fc`` and ``mlp.c_proj`` against 17.6, 22.7 and 22.2
-    ms in batched chunks, and 15.4, 19.1 and 19.5 ms ghost-normed (docs/performance.md)."""
+    written straight into the sum). On GPT-2 small at B 4, T 256 this took 13.1, 17.0 and
+    17.5 ms on ``attn.c_attn``, ``mlp.c_fc`` and ``mlp.c_proj`` against 15.3, 21.5 and 21.0
+    ms in batched chunks, and 13.8, 18.0 and 18.2 ms ghost-normed (benchmarks/norm_rule.py;
+    benchmarks/results/norm_rule_cpu.txt)."""
     batch = base_norm_sq.shape[0]
     dtype = base_norm_sq.dtype
     # [g, m, n] per bundle, in the dtype of its (widened) factors, as the batched chunks'

@@ -77,6 +77,7 @@ def test_a_checkpoint_directory_is_audited_with_its_own_ledger(cli, plain_run):
     assert report["ledger"]["epsilon"] < final["ledger"]["epsilon"]
 
 
+@pytest.mark.slow   # 4-7 s: the default run keeps under 10 minutes
 def test_all_attacks_show_a_table_and_shadows_are_reused(cli, tiny_run):
     run = tiny_run("audit.canaries.count=40", "audit.canaries.kind=mislabel")
     result = cli("audit-mia", run, "--shadows", "2", "--bootstrap", "20")

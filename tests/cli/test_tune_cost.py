@@ -61,6 +61,7 @@ def test_compute_is_runs_times_steps_times_step_seconds(cli):
     assert compute["search_hours"] == pytest.approx(3 * 3 * 0.05 / 3600)
 
 
+@pytest.mark.slow   # 4-7 s: the default run keeps under 10 minutes
 def test_compare_measures_steps_and_shows_what_dcsgd_e_saves_over_a_c_grid(cli, tmp_path):
     from dpclip.engine.policies import threshold_kinds
 

@@ -28,6 +28,7 @@ def test_no_gloo_thread_outlives_the_world_after_the_pipeline_modules_were_impor
         assert gloo_threads == [], f"rank {rank} still runs {gloo_threads} after leaving the world"
 
 
+@pytest.mark.slow   # 4-7 s: the default run keeps under 10 minutes
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names in /proc")
 def test_no_gloo_thread_outlives_the_world_after_a_sharded_step():
     """DTensor's sharding caches hold the device mesh, and with it the group, past

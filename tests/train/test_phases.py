@@ -167,6 +167,7 @@ def test_mixed_step_gradient_is_alpha_public_mean_plus_private_clipped_mean():
     assert torch.allclose(model.weight.grad.squeeze(0), expected, atol=1e-6)
 
 
+@pytest.mark.slow   # 4-7 s: the default run keeps under 10 minutes
 @pytest.mark.parametrize("schedule", ["dpmd", "sample"])
 def test_mixing_schedules_charge_every_step_like_a_plain_run(continual_recipe, schedule):
     mixed = train(continual_recipe(f"continual={{schedule: {schedule}}}"))

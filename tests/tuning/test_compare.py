@@ -21,6 +21,7 @@ def test_methods_are_the_registered_threshold_kinds(tiny, monkeypatch):
     assert [m.name for m in method_searches(base, recipe, [])] == ["fixed", "quantile", "auto"]
 
 
+@pytest.mark.slow   # 4-7 s: the default run keeps under 10 minutes
 def test_speedup_is_the_ratio_of_search_times(tiny):
     base, recipe = tiny("privacy.accountant=rdp", "tuning.score=public")
     report = tune_cost_compared(base, recipe, grid=["training.optimizer.lr=0.1,0.5"],
