@@ -357,9 +357,8 @@ class DPEngine:
         std = self._noise_stds(self.policy.sensitivity_thresholds())
         batch = self.expected_batch_size
         std_grad = (std / batch).tolist()  # one device sync per step, not one per parameter
-        # The sums already carry the 1/B (MicroBatch's sum_scale, on the clip factors).
-        grads = [torch.zeros(p.shape, dtype=p.dtype, device=p.device) if clipped is None
-                 else clipped.contiguous() for p, clipped in zip(self._params, self._sums)]
+        grads = [torch.zeros(p.shape, dtype=p.dtype, device=p.device) if clipped is None  # sums carry 1/B
+                 else clipped.contiguous() for p, clipped in zip(self._params, self._sums)]  # (MicroBatch.sum_scale)
         sharded = self.reducer is not None and getattr(self.reducer, "shards", False)
         if sharded:  # Σ over ranks of (clipped_r/B), this rank's shard of each parameter only
             self._sums = [None] * len(self._params)  # the reducer frees each whole sum once it is sent

@@ -171,4 +171,5 @@ def symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
     return total, atoms
 
 
-__all__ = ["GHOST_MAX_STRIPS", "GHOST_MIN_BLOCK", "GHOST_WIDE_BYTES", "GHOST_WIDE_MIN_BLOCK", "GramCache", "batched_dot", "ghost_strips", "symmetric_ghost"]
+__all__ = ["GHOST_MAX_STRIPS", "GHOST_MIN_BLOCK", "GHOST_WIDE_BYTES", "GHOST_WIDE_MIN_BLOCK", "GramCache",
+           "batched_dot", "ghost_strips", "symmetric_ghost"]
