@@ -136,8 +136,8 @@ def atom_sizes(use: Use, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 def _scatter_rows(rows: Tensor, index: Tensor, num: int) -> Tensor:
     """out[v] = Σ_{j: index_j = v} rows_j, shape [num, n].
 
-    The embedding's own backward kernel: the same sum as ``index_add_``, but ~100x
-    faster on CPU (index_add_ serialises), and what autograd itself uses."""
+    The embedding's own backward kernel, what autograd itself uses: deterministic on CUDA,
+    where ``index_add_`` is not."""
     return torch.ops.aten.embedding_dense_backward(rows, index, num, -1, False)
 
 
@@ -377,19 +377,30 @@ def clipped_sum(parts: list[Use], factors: Tensor, shape: torch.Size) -> Tensor:
     """Σ_i c_i G_i for one parameter, from its parts (groupwise paper Alg. 1 line 10).
 
     Bilinear: Lᵀ diag(c) R, one matmul the size of the usual weight gradient; ids: a
-    scatter-add of the scaled rows; Dense: a contraction over the batch.
+    scatter-add of the scaled rows; Dense: a contraction over the batch. The first term
+    is a new tensor and the others are added into it in place; an ids part (a tied
+    embedding's rows) comes last, so that on the CPU its rows are added straight into the
+    head's V x n sum (``index_add_``) instead of being scattered into a V x n tensor of
+    their own and added (two passes over the table: about 20 ms a step for GPT-2 small
+    at B 4, T 256, docs/performance.md).
     """
     out: Tensor | None = None
-    for part in parts:
+    ordered = [p for p in parts if not (isinstance(p, Bilinear) and p.is_ids)]
+    ordered += [p for p in parts if isinstance(p, Bilinear) and p.is_ids]
+    for part in ordered:
         part = widened_use(part, factors.dtype)   # half-precision factors: a float32 sum
         if isinstance(part, Dense):
             c = factors.to(part.grad.dtype)
             term = (c @ part.grad.reshape(part.grad.shape[0], -1)).reshape(shape)
         elif part.is_ids:
             r = part.right[:, 0]
-            vals = r * factors.to(r.dtype).view(-1, 1, 1)
-            term = _scatter_rows(vals.reshape(-1, r.shape[-1]), part.left.reshape(-1),
-                                 part.vocab).reshape(shape)
+            rows = (r * factors.to(r.dtype).view(-1, 1, 1)).reshape(-1, r.shape[-1])
+            ids = part.left.reshape(-1)
+            if out is not None and out.device.type == "cpu":
+                # deterministic on the CPU (CUDA's index_add_ is not: there the scatter below)
+                out.view(-1, r.shape[-1]).index_add_(0, ids, rows)
+                continue
+            term = _scatter_rows(rows, ids, part.vocab).reshape(shape)
         else:
             left, right = part.left, part.right
             c = factors.to(left.dtype).view(-1, 1, 1, 1)
@@ -406,7 +417,7 @@ def clipped_sum(parts: list[Use], factors: Tensor, shape: torch.Size) -> Tensor:
                 lf = left.transpose(0, 1).reshape(g, batch * t, m)
                 rf = right.transpose(0, 1).reshape(g, batch * t, n)
                 term = torch.bmm(lf.transpose(1, 2), rf).reshape(shape)
-        out = term if out is None else out + term
+        out = term if out is None else out.add_(term)
     if out is None:
         raise ValueError("clipped_sum needs at least one part")
     return out
