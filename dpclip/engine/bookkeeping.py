@@ -221,7 +221,11 @@ class Bookkeeper:
         self._handles: list = []
         self.aliases: dict[int, list[str]] = {}   # parameter index -> names that do not deliver it
         self.units = self._build_units(model, strict)
-        self.axes = BatchAxes(model, self.units, self.plain)   # which axis is the batch
+        # Where the model's parameters live, read at every forward and backward: from a list
+        # taken once (walking the module tree for it cost ~1 ms a step on a 12-block GPT-2,
+        # benchmarks/engine_step_ratio.py); a module's .to() moves these same tensors.
+        self._all_params = list(model.parameters())
+        self.axes = BatchAxes(model, self.units, self.plain, self.device_types)   # which axis is the batch
 
     # ------------------------------------------------------------------ setup
 
@@ -285,8 +289,13 @@ class Bookkeeper:
                 param = unit.module._parameters[name]
                 unit.params[k] = (name, param, idx)
                 adopted[idx] = param
+        self._all_params = list(self.model.parameters())
         self.axes.sealed = why_sealed
         return adopted
+
+    def device_types(self) -> set[str]:
+        """The device types of the model's parameters ("cpu", "cuda")."""
+        return {p.device.type for p in self._all_params}
 
     def install(self) -> None:
         wrapped = [u.label for u in self.units if "forward" in u.module.__dict__]
@@ -375,7 +384,7 @@ class Bookkeeper:
             # The backward inherits the caller's autocast state and TF32 flags; the rules'
             # and the engine's math must be neither cast down nor rounded to TF32 by them
             # (dpclip.engine.precision).
-            with engine_math({p.device.type for p in self.model.parameters()}):
+            with engine_math(self.device_types()):
                 yield
         finally:
             self._active = None

@@ -27,10 +27,13 @@ class BatchAxes:
     """The batch of the model's forward in progress and the established layouts.
 
     ``units``: the book-kept units (``module``, ``rule``, ``label``); ``plain()``: a context
-    in which their forwards pass through (the probes run in it)."""
+    in which their forwards pass through (the probes run in it); ``device_types()``: where
+    the model's parameters live (default: read off the model)."""
 
-    def __init__(self, model: torch.nn.Module, units: list, plain: Callable):
+    def __init__(self, model: torch.nn.Module, units: list, plain: Callable,
+                 device_types: Callable[[], set[str]] | None = None):
         self.model = model
+        self.device_types = device_types or (lambda: {p.device.type for p in model.parameters()})
         self.units = {id(u): u for u in units}
         self.plain = plain
         self.layouts: dict[tuple[int, int], CallLayout] = {}
@@ -57,7 +60,7 @@ class BatchAxes:
             self.inputs = (args, kwargs)
             self.ordinals = {}
             self.reprobed = False
-            self.autocast_at_entry = autocast_snapshot({p.device.type for p in self.model.parameters()})
+            self.autocast_at_entry = autocast_snapshot(self.device_types())
         return None
 
     def post_hook(self, module, args, kwargs, output):
