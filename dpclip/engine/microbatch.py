@@ -177,16 +177,24 @@ class MicroBatch:
             return kind + "instantiated norm, factor sum"
         return " + ".join(one(p) for p in parts)
 
-    def _certify(self, k: int) -> None:
+    def _certify(self, k: int, also: Tensor | None = None) -> tuple[bool, float | None]:
         """Recompute in float64 the flagged samples of group k's parameters, and raise the
         group's norm² to the certified bound (:func:`~dpclip.engine.cancellation.certified_rows`).
-        One device sync per group that has parameters read from factors."""
+
+        One read from the device for the group: whether any parameter read from factors has
+        a flagged sample, and, if given, the 0-dim tensor ``also`` (a caller's check, read in
+        the same transfer: a GPU step waits once per group, not twice). Returns (whether a
+        norm² was raised, ``also``'s value)."""
         e = self.ctx
         flagged = [(idx, self.flags[idx]) for idx in e.members[k] if self.flags[idx] is not None]
-        if not flagged:
-            return
-        hits = torch.stack([f.any() for _, f in flagged]).tolist()
-        for (idx, flags), hit in zip(flagged, hits):
+        if not flagged and also is None:
+            return False, None
+        probes = [f.any().to(e.norm_dtype) for _, f in flagged]
+        if also is not None:
+            probes.append(also.to(e.norm_dtype))
+        values = torch.stack(probes).tolist()
+        raised = False
+        for (idx, flags), hit in zip(flagged, values):
             self.flags[idx] = None
             param_sq, self.param_sq[idx] = self.param_sq[idx], None
             if not hit:
@@ -202,12 +210,17 @@ class MicroBatch:
                 self.meter.add(part.tensors())
             self.exact[idx] = (rows, parts64)
             self.paths[idx] += f" + float64 for {rows.numel()} cancelling sample(s)"
+            raised = True
+        return raised, (values[-1] if also is not None else None)
 
     def _finalize(self, k: int, threshold: Tensor) -> None:
         e, out = self.ctx, self.totals
-        self._certify(k)
         sq = self.norm_sq[k]
         streamed = [idx for idx in e.members[k] if idx in self.streamed]
+        # Σ_i norm²_i is finite iff every norm² is (or it overflows: the slow path below
+        # then finds nothing to drop); read with the cancellation check's flags
+        raised, total_sq = self._certify(k, sq.sum() if sq is not None and not streamed else None)
+        sq = self.norm_sq[k]
         unscale = self.unscale
         if streamed:
             base = sq if sq is not None else torch.zeros(self.batch, device=e.device,
@@ -241,7 +254,7 @@ class MicroBatch:
         # as +inf (clipped, above every threshold) to the policy. The norms are ≥ 0, so
         # their sum is finite unless one is not (or it overflows: then the slow path finds
         # nothing to drop); one reduction per group is ~4x cheaper than isfinite().all().
-        if not math.isfinite(float(norms.sum())):
+        if not math.isfinite(total_sq if total_sq is not None and not raised else float(norms.sum())):
             finite = torch.isfinite(norms)
             if not bool(finite.all()):
                 keep = finite
