@@ -222,8 +222,8 @@ class Bookkeeper:
         self.aliases: dict[int, list[str]] = {}   # parameter index -> names that do not deliver it
         self.units = self._build_units(model, strict)
         # Where the model's parameters live, read at every forward and backward: from a list
-        # taken once (walking the module tree for it cost ~1 ms a step on a 12-block GPT-2,
-        # benchmarks/engine_step_ratio.py); a module's .to() moves these same tensors.
+        # taken once, not a walk of the module tree each time (a module's .to() moves these
+        # same tensors; FSDP's replacements are taken up in adopt_current_parameters).
         self._all_params = list(model.parameters())
         self.axes = BatchAxes(model, self.units, self.plain, self.device_types)   # which axis is the batch
 
