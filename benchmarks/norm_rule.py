@@ -16,8 +16,9 @@ times the Gram trick of ``symmetric_ghost`` against the plain product, and the r
 
 ``--strips`` instead times ``symmetric_ghost`` with k = 1, 2, 3, 4, 8 column strips on GPT-2
 small's layer shapes (B 4, T 256 and B 2, T 1024; ``--device cuda`` on a GPU), beside the
-k the engine picks there (``grams.ghost_strips``): how GHOST_MIN_BLOCK and
-GHOST_MAX_STRIPS were chosen.
+k the engine picks there (``grams.ghost_strips``) and the engine's own ghost norm timed (with
+its panels for a wide factor, ``grams.ghost_panel``): how GHOST_MIN_BLOCK, GHOST_MAX_STRIPS
+and the panels were chosen.
 
     python benchmarks/norm_rule.py            # B 16 and 64, T 16..256, GPT-2-like shapes
     python benchmarks/norm_rule.py --strips   # the strip counts, GPT-2 small's shapes
@@ -37,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dpclip.allocator import keep_freed_memory  # noqa: E402
 from dpclip.bench import time_rounds  # noqa: E402
-from dpclip.engine import factors  # noqa: E402
+from dpclip.engine import factors, grams  # noqa: E402
 from dpclip.engine.factors import Bilinear, choose_ghost, clipped_sum, param_norm_sq  # noqa: E402
 from dpclip.engine.streamed import streamed_clip  # noqa: E402
 
@@ -119,10 +120,14 @@ def strip_rows(configs, shapes: dict, device: str, repeats: int) -> list[dict]:
             left = torch.randn(b, 1, t, m, generator=gen).to(device)
             right = torch.randn(b, 1, t, n, generator=gen).to(device)
             fns = {k: (lambda k=k: factors.symmetric_ghost(left, right, False, strips=k)) for k in STRIPS}
+            fns["engine"] = lambda: factors.symmetric_ghost(left, right, False)   # its own k, panels
             ms = {k: statistics.median(ts) * 1e3
                   for k, ts in time_rounds(fns, repeats, warmup=1, sync=sync).items()}
+            wide = t * max(m, n) * 4
+            panel = grams.ghost_panel(t, torch.device(device), wide)
             rows.append({"B": b, "T": t, "layer": name, "ms": ms,
-                         "engine": factors.ghost_strips(t, torch.device(device), t * max(m, n) * 4)})
+                         "engine": f"{factors.ghost_strips(t, torch.device(device), wide)}"
+                                   + (f"/p{panel}" if panel else "")})
     return rows
 
 
@@ -144,12 +149,16 @@ def traffic_rows(b: int, t: int, shapes: dict, repeats: int) -> list[dict]:
 
 
 def print_strips(rows: list[dict]) -> None:
-    print("ghost norm (ms) by column strips k; engine = the k factors.ghost_strips picks")
-    print(f"{'B x T':>9}  {'layer':<12}" + "".join(f"{'k=' + str(k):>9}" for k in STRIPS) + f"{'engine':>8}")
+    print("ghost norm (ms) by column strips k (each strip reads the whole factor); engine = the "
+          "engine's own choice, timed: its k (grams.ghost_strips), /pN where a wide factor is "
+          "read in panels of N columns (grams.ghost_panel)")
+    keys = STRIPS + ("engine",)
+    print(f"{'B x T':>9}  {'layer':<12}" + "".join(f"{'k=' + str(k):>9}" for k in STRIPS)
+          + f"{'engine':>9}{'k':>8}")
     for r in rows:
         print(f"{str(r['B']) + ' x ' + str(r['T']):>9}  {r['layer']:<12}"
-              + "".join(f"{r['ms'][k]:>9.2f}" for k in STRIPS) + f"{r['engine']:>8}")
-    totals = {k: sum(r["ms"][k] * (1 if r["layer"] == "lm_head" else 12) for r in rows) for k in STRIPS}
+              + "".join(f"{r['ms'][k]:>9.2f}" for k in keys) + f"{r['engine']:>8}")
+    totals = {k: sum(r["ms"][k] * (1 if r["layer"] == "lm_head" else 12) for r in rows) for k in keys}
     print("per step, 12 blocks + lm_head, all shapes above: "
           + ", ".join(f"k={k} {v:.1f} ms" for k, v in totals.items()))
 

@@ -42,15 +42,54 @@ GHOST_MAX_STRIPS = 4
 # 64 (benchmarks/norm_rule.py --strips).
 GHOST_WIDE_BYTES = 16 << 20
 GHOST_WIDE_MIN_BLOCK = 128
+# ... unless the strips are read in panels: up to T = 256 on the CPU, a wide factor is read
+# GHOST_PANEL_COLUMNS columns at a time, and every strip's product with the panel is added
+# while the panel is in cache, so the factor streams from memory once whatever the strip
+# count: 8 strips of 32 (9/16 of the product). GPT-2's tied lm_head ([T, 50257] output
+# gradient) at B 4, T 256 took 58.8 ms so against 65.4 ms in 2 plain strips
+# (benchmarks/results/norm_strips_cpu.txt). Longer sequences keep plain strips (at T 1024, 4
+# of 256, 375 ms there): a strip that tall amortises its read of the factor, and panels
+# did not beat it in a trial at T 1024.
+GHOST_PANEL_COLUMNS = 512
+GHOST_PANEL_MAX_SEQ = 256
+GHOST_PANEL_MAX_STRIPS = 8
 
 
-def ghost_strips(seq: int, device: torch.device, sample_bytes: int = 0) -> int:
+def ghost_panel(seq: int, device: torch.device, sample_bytes: int = 0) -> int | None:
+    """The panel width (columns of the factor) :func:`symmetric_ghost` reads a wide factor in,
+    or None (plain strips, each reading the whole factor)."""
+    if (torch.device(device).type == "cpu" and sample_bytes > GHOST_WIDE_BYTES
+            and seq <= GHOST_PANEL_MAX_SEQ):
+        return GHOST_PANEL_COLUMNS
+    return None
+
+
+def ghost_strips(seq: int, device: torch.device, sample_bytes: int = 0,
+                 panelled: bool | None = None) -> int:
     """How many column strips :func:`symmetric_ghost` cuts a T x T Gram into; ``sample_bytes``:
-    the wider factor's size per sample."""
+    the wider factor's size per sample; ``panelled``: whether that factor is read in panels
+    (default: wherever :func:`ghost_panel` says so)."""
     block = GHOST_MIN_BLOCK.get(torch.device(device).type, GHOST_MIN_BLOCK["cuda"])
+    if panelled is None:
+        panelled = ghost_panel(seq, device, sample_bytes) is not None
+    if panelled:
+        return max(1, min(GHOST_PANEL_MAX_STRIPS, seq // block))
     if sample_bytes > GHOST_WIDE_BYTES:
         block = max(block, GHOST_WIDE_MIN_BLOCK)
     return max(1, min(GHOST_MAX_STRIPS, seq // block))
+
+
+def _panel_strips(x: Tensor, spans: list[tuple[int, int]], panel: int) -> list[Tensor]:
+    """The strips X[:hi] X[lo:hi]ᵀ of :func:`symmetric_ghost`, read ``panel`` columns of
+    ``x`` [..., T, n] at a time: Σ over panels of the panel's strips (the same sums,
+    reordered)."""
+    flat = x.reshape(-1, *x.shape[-2:])
+    outs = [flat.new_zeros(flat.shape[0], hi, hi - lo) for lo, hi in spans]
+    for start in range(0, flat.shape[-1], panel):
+        cols = flat[..., start:start + panel]
+        for (lo, hi), out in zip(spans, outs):
+            out.baddbmm_(cols[:, :hi], cols[:, lo:hi].transpose(1, 2))
+    return [out.view(*x.shape[:-2], *out.shape[1:]) for out in outs]
 
 
 def _gram(x: Tensor, is_ids: bool) -> Tensor:
@@ -126,9 +165,19 @@ def symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
     of a factor a previous call already read (:class:`GramCache`).
     """
     t = right.shape[-2]
+    panel_left = panel_right = None
     if strips is None:
-        wide = max(right.shape[-1] * right.element_size(), 0 if left_ids else left.shape[-1] * left.element_size())
-        strips = ghost_strips(t, right.device, t * wide)
+        left_bytes = 0 if left_ids else t * left.shape[-1] * left.element_size()
+        right_bytes = t * right.shape[-1] * right.element_size()
+        wider = left if left_bytes > right_bytes else right
+        panel = ghost_panel(t, right.device, max(left_bytes, right_bytes))
+        if wider.dtype not in (torch.float32, torch.float64):
+            panel = None   # a half-precision panel sum would round at every panel
+        if wider is left:
+            panel_left = panel
+        else:
+            panel_right = panel
+        strips = ghost_strips(t, right.device, max(left_bytes, right_bytes), panelled=panel is not None)
     strips = max(1, min(int(strips), t))
     if strips == 1:
         if cache is None:
@@ -152,11 +201,19 @@ def symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
     def right_strip(lo: int, hi: int) -> Tensor:
         return _cross_gram(right[..., :hi, :], right[..., lo:hi, :], False)
 
-    lefts = rights = None
-    if cache is not None:   # all strips at once, kept for a layer reading the same input
-        rights = cache.strips(right, strips, lambda: [right_strip(lo, hi) for lo, hi in spans])
-        if not left_ids:
-            lefts = cache.strips(left, strips, lambda: [left_strip(lo, hi) for lo, hi in spans])
+    def all_strips(x: Tensor, panel: int | None, one: Callable[[int, int], Tensor]) -> list[Tensor] | None:
+        """Every strip of x at once: read panel by panel, or kept for a layer reading the
+        same input (``cache``); None: strip by strip in the loop below."""
+        if panel is not None:
+            compute = lambda: _panel_strips(x, spans, panel)   # noqa: E731
+        elif cache is not None:
+            compute = lambda: [one(lo, hi) for lo, hi in spans]   # noqa: E731
+        else:
+            return None
+        return compute() if cache is None else cache.strips(x, strips, compute)
+
+    rights = all_strips(right, panel_right, right_strip)
+    lefts = None if left_ids else all_strips(left, panel_left, left_strip)
     total = atoms = None
     for j, (lo, hi) in enumerate(spans):
         gram_left = lefts[j] if lefts is not None else left_strip(lo, hi)
@@ -171,5 +228,6 @@ def symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
     return total, atoms
 
 
-__all__ = ["GHOST_MAX_STRIPS", "GHOST_MIN_BLOCK", "GHOST_WIDE_BYTES", "GHOST_WIDE_MIN_BLOCK", "GramCache",
-           "batched_dot", "ghost_strips", "symmetric_ghost"]
+__all__ = ["GHOST_MAX_STRIPS", "GHOST_MIN_BLOCK", "GHOST_PANEL_COLUMNS", "GHOST_PANEL_MAX_SEQ",
+           "GHOST_PANEL_MAX_STRIPS", "GHOST_WIDE_BYTES", "GHOST_WIDE_MIN_BLOCK", "GramCache", "batched_dot",
+           "ghost_panel", "ghost_strips", "symmetric_ghost"]

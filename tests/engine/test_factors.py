@@ -150,23 +150,39 @@ def test_symmetric_ghost_norm_matches_instantiation_for_long_sequences(t):
                                instantiate(ids).flatten(1).pow(2).sum(1), rtol=1e-10, atol=0)
 
 
-def test_wide_factor_is_cut_into_fewer_wider_strips_and_stays_exact(monkeypatch):
-    # A factor no cache holds (an lm_head's [T, vocab] output gradient) is re-read by every
-    # strip: strips of at least GHOST_WIDE_MIN_BLOCK columns. Shrink the threshold so a small
-    # factor counts as wide, and check both the strip count symmetric_ghost takes and the norm.
+def test_wide_factor_is_read_in_panels_or_wider_strips_and_stays_exact(monkeypatch):
+    # A factor no cache holds (an lm_head's [T, vocab] output gradient) would be re-read by
+    # every strip: up to T 256 on the CPU it is read in panels of columns, every strip's
+    # product with a panel added while it is in cache (8 strips of 32); longer sequences
+    # take strips of at least GHOST_WIDE_MIN_BLOCK columns. Shrink the thresholds so a small
+    # factor counts as wide and spans several panels, and check the strip count
+    # symmetric_ghost takes and the norm, with the wide factor on either side.
     from dpclip.engine import grams
     seen = []
     real = grams.ghost_strips
-    monkeypatch.setattr(grams, "ghost_strips", lambda *a: seen.append(real(*a)) or seen[-1])
+    monkeypatch.setattr(grams, "ghost_strips", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     gen = torch.Generator().manual_seed(5)
     use = _dense(gen, 2, 1, 256, 5, 300)                          # 256 x 300 float64: 600 KiB a sample
     want = instantiate(use).flatten(1).pow(2).sum(1)
     torch.testing.assert_close(ghost_norm_sq(use.left, use.right), want, rtol=1e-10, atol=0)
     assert seen[-1] == 4                                          # 64-column strips
     monkeypatch.setattr(grams, "GHOST_WIDE_BYTES", 256 * 300 * 8 - 1)
+    monkeypatch.setattr(grams, "GHOST_PANEL_COLUMNS", 64)         # 5 panels, the last of 44
+    panels = []
+    real_panels = grams._panel_strips
+    monkeypatch.setattr(grams, "_panel_strips", lambda x, *a: panels.append(x.shape[-1]) or real_panels(x, *a))
     torch.testing.assert_close(ghost_norm_sq(use.left, use.right), want, rtol=1e-10, atol=0)
-    assert seen[-1] == 256 // grams.GHOST_WIDE_MIN_BLOCK == 2     # 128-column strips
-    assert real(1024, torch.device("cpu"), grams.GHOST_WIDE_BYTES + 1) == 4   # wide, but 256-column strips
+    assert seen[-1] == 256 // grams.GHOST_MIN_BLOCK["cpu"] == 8 and panels == [300]
+    swapped = Bilinear(use.right, use.left)                       # the wide factor on the left
+    torch.testing.assert_close(ghost_norm_sq(swapped.left, swapped.right),
+                               instantiate(swapped).flatten(1).pow(2).sum(1), rtol=1e-10, atol=0)
+    assert panels == [300, 300]
+    wide = grams.GHOST_WIDE_BYTES + 1
+    assert grams.ghost_panel(512, torch.device("cpu"), wide) is None
+    assert real(512, torch.device("cpu"), wide) == 4              # 128-column strips
+    assert real(1024, torch.device("cpu"), wide) == 4             # 256-column strips
+    assert grams.ghost_panel(256, torch.device("meta"), wide) is None      # not on other devices
+    assert grams.ghost_panel(256, torch.device("cpu"), wide - 1) is None   # nor for narrow factors
 
 
 @pytest.mark.parametrize("one_at_a_time, min_numel, per_sample", [
