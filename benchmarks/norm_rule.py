@@ -23,6 +23,7 @@ and the panels were chosen.
     python benchmarks/norm_rule.py            # B 16 and 64, T 16..256, GPT-2-like shapes
     python benchmarks/norm_rule.py --strips   # the strip counts, GPT-2 small's shapes
     python benchmarks/norm_rule.py --traffic  # the parts of one-sample-at-a-time instantiation
+    python benchmarks/norm_rule.py --norms    # a LayerNorm's backward, book-kept three ways
     python benchmarks/norm_rule.py --smoke    # tiny, one repeat (CI)
 """
 
@@ -163,6 +164,51 @@ def print_strips(rows: list[dict]) -> None:
           + ", ".join(f"k={k} {v:.1f} ms" for k, v in totals.items()))
 
 
+def layernorm_rows(configs, d: int, repeats: int) -> list[dict]:
+    """A LayerNorm's backward book-kept three ways, ms: the fused backward once per sample
+    (input gradient, Σ_t gy ⊙ x̂ and Σ_t gy in one pass; the engine on the CPU), the batch's
+    fused input gradient then x̂ and the two sums (off the CPU), and the two-step path
+    (autograd's normalisation backward, then the affine's input gradient, x̂'s product and
+    the sums; half precision)."""
+    from torch import nn
+
+    from dpclip.engine.layers.norm import AffineNormRule, LayerNormRule, _Statistics
+
+    rows = []
+    for b, t in configs:
+        gen = torch.Generator().manual_seed(b * t)
+        norm = nn.LayerNorm(d)
+        x = torch.randn(b, t, d, generator=gen)
+        gy = torch.randn(b, t, d, generator=gen)
+        rule, two_step = LayerNormRule(), AffineNormRule()
+        info = _Statistics()
+        rule.forward(norm, x, info)
+        xin = x.clone().requires_grad_()
+        xhat = rule.normalise(norm, xin)
+
+        def per_sample():
+            rule._per_sample_backward(norm, x, gy, info)
+            rule.uses(norm, x, gy, info)
+
+        def batched():
+            torch.ops.aten.native_layer_norm_backward(gy, x, (d,), info.mean, info.rstd, norm.weight,
+                                                      norm.bias, [True, False, False])
+            fresh = _Statistics()
+            fresh.mean, fresh.rstd = info.mean, info.rstd
+            rule.uses(norm, x, gy, fresh)
+
+        def two_step_path():
+            grad_xhat = two_step.input_grad(norm, xhat.detach(), gy, None)
+            torch.autograd.grad(xhat, xin, grad_xhat, retain_graph=True)
+            two_step.uses(norm, xhat.detach(), gy, None)
+
+        with torch.no_grad():
+            ms = median_ms({"per sample (CPU)": per_sample, "batched": batched}, repeats)
+        ms.update(median_ms({"two-step": two_step_path}, repeats))
+        rows.append({"B": b, "T": t, **ms})
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=15)
@@ -172,9 +218,21 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--traffic", action="store_true",
                     help="time the parts of one-sample-at-a-time instantiation (GPT-2 small, B 4, T 256)")
+    ap.add_argument("--norms", action="store_true",
+                    help="time a LayerNorm's backward, book-kept three ways (GPT-2 small's width)")
     args = ap.parse_args(argv)
     keep_freed_memory()
     torch.set_num_threads(args.threads)
+    if args.norms:
+        configs, d = ([(4, 256), (2, 1024)], 768) if not args.smoke else ([(2, 8)], 16)
+        rows = layernorm_rows(configs, d, 1 if args.smoke else args.repeats)
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; LayerNorm({d}) backward "
+              "and per-sample gradients, median ms")
+        cols = [k for k in rows[0] if k not in ("B", "T")]
+        print(f"{'B x T':>9}" + "".join(f"{k:>18}" for k in cols))
+        for r in rows:
+            print(f"{str(r['B']) + ' x ' + str(r['T']):>9}" + "".join(f"{r[k]:>18.3f}" for k in cols))
+        return
     if args.traffic:
         shapes = {k: v for k, v in GPT2_SMALL.items() if k != "lm_head"}
         b, t = (4, 256) if not args.smoke else (2, 8)

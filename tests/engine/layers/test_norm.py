@@ -10,29 +10,42 @@ from tests.engine.conftest import DTYPE, check_exact, classify_loss
 
 
 class _Normed(nn.Module):
-    def __init__(self, norm):
+    def __init__(self, norm, norm_first=False):
         super().__init__()
-        self.inner, self.norm, self.head = nn.Linear(4, 6), norm, nn.Linear(6, 3)
+        self.inner, self.norm, self.head = nn.Linear(4 if not norm_first else 6, 6), norm, nn.Linear(6, 3)
+        self.norm_first = norm_first
 
     def forward(self, x):
+        if self.norm_first:   # the input needs no gradient: the backward forms none for it
+            return self.head(torch.tanh(self.inner(self.norm(x))).mean(1))
         return self.head(torch.tanh(self.norm(self.inner(x))).mean(1))
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("fused", [True, False])
-def test_layernorm_fused_and_two_step_paths_match_per_example_loop(monkeypatch, bias, fused):
+@pytest.mark.parametrize("path", ["per-sample", "batched", "two-step"])
+def test_layernorm_paths_match_per_example_loop(monkeypatch, path, bias, norm_first):
+    from dpclip.engine.layers import norm as norm_rules
+
     calls = []
     real = LayerNormRule._fused
-    monkeypatch.setattr(LayerNormRule, "_fused",
-                        staticmethod(lambda m, x: calls.append(real(m, x)) or (real(m, x) and fused)))
+    monkeypatch.setattr(LayerNormRule, "_fused", staticmethod(
+        lambda m, x: calls.append(real(m, x)) or (real(m, x) and path != "two-step")))
+    if path == "batched":   # the fused input gradient of the whole batch, as off the CPU
+        monkeypatch.setattr(norm_rules, "PER_SAMPLE_BACKWARD_DEVICES", ())
+    per_sample = []
+    real_per_sample = LayerNormRule._per_sample_backward
+    monkeypatch.setattr(LayerNormRule, "_per_sample_backward", staticmethod(
+        lambda *a: per_sample.append(1) or real_per_sample(*a)))
     gen = torch.Generator().manual_seed(3 + bias)
-    batch = {"x": torch.randn(5, 7, 4, generator=gen, dtype=DTYPE),
+    batch = {"x": torch.randn(5, 7, 6 if norm_first else 4, generator=gen, dtype=DTYPE),
              "y": torch.randint(0, 3, (5,), generator=gen)}
-    factory = lambda: _Normed(nn.LayerNorm(6, bias=bias)).to(DTYPE)   # noqa: E731
+    factory = lambda: _Normed(nn.LayerNorm(6, bias=bias), norm_first).to(DTYPE)   # noqa: E731
     check_exact(factory, classify_loss, batch, "param")
-    # The inner Linear's input gradient flows through the norm's backward, so a wrong
-    # input gradient fails check_exact on inner.weight; and the fused path did run.
+    # The inner Linear's input gradient flows through the norm's backward, so a wrong input
+    # gradient fails check_exact on inner.weight; and the path under test did run.
     assert calls and all(calls)
+    assert bool(per_sample) == (path == "per-sample" and not norm_first)
 
 
 def test_layernorm_takes_the_fused_path_only_for_full_precision_outside_autocast():
