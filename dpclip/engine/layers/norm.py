@@ -136,7 +136,7 @@ class LayerNormRule(AffineNormRule):
         0.82 for the batch's input gradient, x̂ and the two sums (B 4, T 256), 0.91 against
         1.61 (B 2, T 1024; benchmarks/results/norm_layernorm_cpu.txt). Not on a GPU: B
         launches of it per norm would grow with the batch."""
-        grad_x = torch.empty_like(x)
+        grad_x = x.new_empty(x.shape)   # contiguous: each sample's rows are written in place
         info.weight_grad = x.new_empty(x.shape[0], *m.weight.shape)
         if m.bias is not None:
             info.bias_grad = x.new_empty(x.shape[0], *m.bias.shape)

@@ -73,3 +73,28 @@ def test_fused_layernorm_saves_no_normalised_copy_of_its_input():
     full = [s for s in saved if tuple(s) == (4, 7, 6)]
     # the norm's input (x), the tanh's output: no third [4, 7, 6] for x̂
     assert len(full) == 2, saved
+
+
+class _SeqFirst(nn.Module):
+    """A [T, B, d] activation: the norm's output gradient reaches its backward batch-first
+    as a view that is not contiguous."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.norm, self.head = nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.inner(x).transpose(0, 1)            # [T, B, 6]
+        return self.head(torch.tanh(self.norm(h)).mean(0))
+
+
+@pytest.mark.parametrize("path", ["per-sample", "batched"])
+def test_fused_layernorm_with_a_non_contiguous_output_gradient_matches_per_example_loop(monkeypatch, path):
+    from dpclip.engine.layers import norm as norm_rules
+
+    if path == "batched":
+        monkeypatch.setattr(norm_rules, "PER_SAMPLE_BACKWARD_DEVICES", ())
+    gen = torch.Generator().manual_seed(11)
+    batch = {"x": torch.randn(5, 7, 4, generator=gen, dtype=DTYPE),
+             "y": torch.randint(0, 3, (5,), generator=gen)}
+    check_exact(lambda: _SeqFirst().to(DTYPE), classify_loss, batch, "param")
