@@ -221,3 +221,32 @@ def test_a_sample_is_dropped_only_from_the_groups_where_its_norm_is_nonfinite():
     for name in ("0.weight", "0.bias"):
         torch.testing.assert_close(grads[name], clean[name], rtol=1e-9, atol=1e-12)
     assert not torch.allclose(grads["4.weight"], clean["4.weight"])
+
+
+class _Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.norm, self.head = nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.norm(self.inner(x))))
+
+
+@pytest.mark.parametrize("path", ["per-sample", "batched"])
+@pytest.mark.parametrize("grouping", ["all-layer", "layer"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_nonfinite_example_contributes_zero_through_a_fused_layernorm(monkeypatch, grouping, path, value):
+    # The fused LayerNorm's backward runs once per sample on the CPU (one call per row) or
+    # for the whole batch: either way the poisoned row's gradients stay in its own row, and
+    # the example adds nothing to any group.
+    from dpclip.engine.layers import norm as norm_rules
+
+    if path == "batched":
+        monkeypatch.setattr(norm_rules, "PER_SAMPLE_BACKWARD_DEVICES", ())
+
+    def normed():
+        torch.manual_seed(0)
+        return _Normed().to(DTYPE)
+
+    _assert_bad_example_contributes_nothing(normed, classify_loss, _poison(mlp_batch(), value),
+                                            _clipping(grouping, "abadi"))
