@@ -172,7 +172,7 @@ def layernorm_rows(configs, d: int, repeats: int) -> list[dict]:
     the sums; half precision)."""
     from torch import nn
 
-    from dpclip.engine.layers.norm import AffineNormRule, LayerNormRule, _Statistics
+    from dpclip.engine.layers.norm import AffineNormRule, LayerNormRule
 
     rows = []
     for b, t in configs:
@@ -181,19 +181,19 @@ def layernorm_rows(configs, d: int, repeats: int) -> list[dict]:
         x = torch.randn(b, t, d, generator=gen)
         gy = torch.randn(b, t, d, generator=gen)
         rule, two_step = LayerNormRule(), AffineNormRule()
-        info = _Statistics()
+        _, info = rule.prepare(norm, x, None)   # the fused path's statistics
         rule.forward(norm, x, info)
         xin = x.clone().requires_grad_()
         xhat = rule.normalise(norm, xin)
 
-        def per_sample():
-            rule._per_sample_backward(norm, x, gy, info)
+        def per_sample():   # the rule's own backward: per sample on the CPU
+            rule.input_grad(norm, x, gy, info)
             rule.uses(norm, x, gy, info)
 
         def batched():
             torch.ops.aten.native_layer_norm_backward(gy, x, (d,), info.mean, info.rstd, norm.weight,
                                                       norm.bias, [True, False, False])
-            fresh = _Statistics()
+            _, fresh = rule.prepare(norm, x, None)
             fresh.mean, fresh.rstd = info.mean, info.rstd
             rule.uses(norm, x, gy, fresh)
 
