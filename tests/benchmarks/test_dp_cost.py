@@ -115,6 +115,9 @@ def test_norm_rule_smoke_runs_the_engines_functions(capsys):
     module.main(["--smoke", "--traffic"])
     out = capsys.readouterr().out
     assert "B scaled adds" in out and "mlp.c_proj" in out
+    module.main(["--smoke", "--norms"])
+    out = capsys.readouterr().out
+    assert "per sample (CPU)" in out and "two-step" in out and "2 x 8" in out
 
 
 def test_profile_phases_smoke_times_every_phase():
