@@ -377,17 +377,13 @@ def clipped_sum(parts: list[Use], factors: Tensor, shape: torch.Size) -> Tensor:
     """Σ_i c_i G_i for one parameter, from its parts (groupwise paper Alg. 1 line 10).
 
     Bilinear: Lᵀ diag(c) R, one matmul the size of the usual weight gradient; ids: a
-    scatter-add of the scaled rows; Dense: a contraction over the batch. The first term
-    is a new tensor and the others are added into it in place; an ids part (a tied
-    embedding's rows) comes last, so that on the CPU its rows are added straight into the
-    head's V x n sum (``index_add_``) instead of being scattered into a V x n tensor of
-    their own and added (two passes over the table: about 20 ms a step for GPT-2 small
-    at B 4, T 256, docs/performance.md).
+    scatter-add of the scaled rows; Dense: a contraction over the batch. Later terms are
+    added into the first in place; ids parts (a tied embedding's rows) come last, so that
+    on the CPU their rows go straight into the head's V x n sum (``index_add_``), not into
+    a V x n tensor of their own that is then added (two passes over the table).
     """
     out: Tensor | None = None
-    ordered = [p for p in parts if not (isinstance(p, Bilinear) and p.is_ids)]
-    ordered += [p for p in parts if isinstance(p, Bilinear) and p.is_ids]
-    for part in ordered:
+    for part in sorted(parts, key=lambda p: isinstance(p, Bilinear) and p.is_ids):   # stable
         part = widened_use(part, factors.dtype)   # half-precision factors: a float32 sum
         if isinstance(part, Dense):
             c = factors.to(part.grad.dtype)
@@ -448,9 +444,7 @@ def sqrt_or_zero(x: Tensor) -> Tensor:
     return x.clamp_min(0).sqrt()
 
 
-__all__ = [
-    "Bilinear", "Dense", "Use", "NORM_METHODS", "GramCache", "batched_dot", "ghost_norm_sq",
-    "instantiate", "param_norm_sq", "clipped_sum", "choose_ghost", "sqrt_or_zero", "zero_samples",
-    "early_instance", "atom_sizes", "concat_uses", "numel_per_sample", "widened_use",
-    "TRANSIENT_FACTOR", "TRANSIENT_FACTOR_DEFAULT",
-]
+__all__ = ["Bilinear", "Dense", "Use", "NORM_METHODS", "GramCache", "batched_dot", "ghost_norm_sq", "instantiate",
+           "param_norm_sq", "clipped_sum", "choose_ghost", "sqrt_or_zero", "zero_samples", "early_instance",
+           "atom_sizes", "concat_uses", "numel_per_sample", "widened_use", "TRANSIENT_FACTOR",
+           "TRANSIENT_FACTOR_DEFAULT"]
