@@ -7,6 +7,12 @@ them alike; the medians and their ratios are printed, plus one JSON line.
 
     python benchmarks/engine_step_ratio.py              # GPT-2 4 layers, d 256, V 1024, T 128, B 16
     python benchmarks/engine_step_ratio.py --smoke      # tiny sizes, 1 repeat (CI)
+
+A step with tiny layers is all host work: ``--layers 12 --embd 16 --vocab 64 --seq 4 --batch
+2 --threads 1`` times what a GPU's host does per step for GPT-2 small's 148 parameters, less
+the launches. ``--count-ops`` also counts the tensor operations of one step of each (aten
+operations that are not views: on a GPU each is a kernel launch), a number that does not
+depend on the machine.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--norm-method", default="auto", choices=["auto", "ghost", "instantiate"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, 1 repeat, no warm-up")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="also count the non-view aten operations of one step of each")
     args = ap.parse_args(argv)
     from dpclip.allocator import keep_freed_memory
 
@@ -109,6 +117,7 @@ def main(argv=None) -> dict:
 
     med = {name: statistics.median(ts) for name, ts in times.items()}
     ref = med["non-DP"]
+    ops = {name: count_ops(run) for name, run in runners.items()} if args.count_ops else None
     result = {
         "setting": {k: getattr(args, k) for k in ("layers", "embd", "vocab", "seq", "batch",
                                                     "threads", "repeats", "norm_method", "device")},
@@ -116,14 +125,39 @@ def main(argv=None) -> dict:
         "median_s": med,
         "ratio": {name: t / ref for name, t in med.items()},
     }
+    if ops is not None:
+        result["ops_per_step"] = ops
     print(f"GPT-2 {args.layers} layers, n_embd {args.embd}, vocab {args.vocab}, T {args.seq}, "
           f"B {args.batch}, {args.threads} threads, {args.repeats} interleaved repeats "
           f"(median), device {args.device}")
-    print(f"{'step':<18}{'median s':>10}{'ratio':>8}")
+    print(f"{'step':<18}{'median s':>10}{'ratio':>8}" + (f"{'ops':>8}" if ops else ""))
     for name, t in med.items():
-        print(f"{name:<18}{t:>10.4f}{t / ref:>8.2f}")
+        print(f"{name:<18}{t:>10.4f}{t / ref:>8.2f}" + (f"{ops[name]:>8}" if ops else ""))
     print(json.dumps(result))
     return result
+
+
+# aten operations that only make views (no kernel on any device)
+VIEW_OPS = {"view", "_unsafe_view", "slice", "transpose", "expand", "select", "unsqueeze", "squeeze",
+            "squeeze_", "t", "diagonal", "detach", "reshape", "split", "alias", "permute", "as_strided",
+            "unbind", "lift_fresh", "promote_types"}
+
+
+def count_ops(run) -> int:
+    """Non-view aten operations of one call of ``run``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] not in VIEW_OPS:
+                Count.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        run()
+    return Count.count
 
 
 if __name__ == "__main__":

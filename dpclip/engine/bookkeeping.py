@@ -105,21 +105,23 @@ class _Site(SiteBatch):
         return list(self._by_name.items())
 
     def op(self, rule, x: Tensor, info=None, names=None) -> Tensor:
-        names = tuple(self._by_name) if names is None else tuple(names)
+        by_name = self._by_name   # built once per call: the host's time bounds a small GPU step
+        names = tuple(by_name) if names is None else tuple(names)
         if not names:  # nothing trainable: plain autograd through the frozen parameters
             return rule.forward(self.module, x, info)
         keeper, unit = self._keeper, self._unit
         call = _Call(keeper, unit, keeper.generation, rule, info, names, batch=keeper.axes.batch)
         keeper.count(unit, names)
-        return _BookkeptOp.apply(call, x, *[self._by_name[n] for n in names])
+        return _BookkeptOp.apply(call, x, *[by_name[n] for n in names])
 
     def tap(self, outputs: list[Tensor], on_grads: Callable) -> tuple[Tensor, ...]:
         keeper, unit = self._keeper, self._unit
-        names = tuple(self._by_name)
+        by_name = self._by_name
+        names = tuple(by_name)
         call = _Call(keeper, unit, keeper.generation, names=names, on_grads=on_grads,
                      batch=keeper.axes.batch)
         keeper.count(unit, names)
-        return _OutputTap.apply(call, len(outputs), *outputs, *self._by_name.values())
+        return _OutputTap.apply(call, len(outputs), *outputs, *by_name.values())
 
     @contextmanager
     def bypass(self) -> Iterator[None]:

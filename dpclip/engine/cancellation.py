@@ -14,6 +14,7 @@ never below the exact norm of what is summed (:mod:`dpclip.engine.microbatch` ap
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -40,6 +41,15 @@ def _dims(parts: list[Use]) -> tuple[int, int, int]:
     return m, n, t
 
 
+def cancellation_bound(parts: list[Use], dtype: torch.dtype) -> float | None:
+    """u·sqrt(m + n + T) of :func:`cancellation_flags` for ``parts`` and a norm² of ``dtype``
+    (u its unit round-off), or None when nothing of ``parts`` is read from factors."""
+    if not any(isinstance(p, Bilinear) for p in parts):
+        return None
+    m, n, t = _dims(parts)
+    return torch.finfo(dtype).eps / 2 * math.sqrt(m + n + t)
+
+
 def cancellation_flags(parts: list[Use], norm_sq: Tensor, atoms_sq: Tensor) -> Tensor | None:
     """Samples whose norm² ``norm_sq`` [B] the working precision cannot vouch for, or None
     when nothing of ``parts`` is read from factors (instantiated gradients give the norm
@@ -50,11 +60,26 @@ def cancellation_flags(parts: list[Use], norm_sq: Tensor, atoms_sq: Tensor) -> T
     the error λ·u·D (λ measured at most 0.52·sqrt(m + n + T) for m up to 8192 and K up to
     10⁵, benchmarks/cancellation.py) is below 0.52·ρ·N̂, so the norm is within 5.2e-6 of exact.
     A NaN norm is not flagged (the non-finite handling zeroes that sample)."""
-    if not any(isinstance(p, Bilinear) for p in parts):
+    bound = cancellation_bound(parts, norm_sq.dtype)
+    if bound is None:
         return None
-    m, n, t = _dims(parts)
-    unit = torch.finfo(norm_sq.dtype).eps / 2
-    return norm_sq * CANCELLATION_TOLERANCE < (unit * math.sqrt(m + n + t)) * atoms_sq
+    return norm_sq * CANCELLATION_TOLERANCE < bound * atoms_sq
+
+
+def stacked_cancellation_flags(norm_sq: Tensor, atoms_sq: Tensor, bounds: list[float]) -> Tensor:
+    """:func:`cancellation_flags` of P parameters at once: ``norm_sq`` and ``atoms_sq``
+    [P, B] stacked, ``bounds`` their :func:`cancellation_bound` -> flags [P, B]. The same
+    comparison in four kernels for a whole group instead of three per parameter (a GPU
+    step's host time is bounded by its launches)."""
+    scale = _bound_column(tuple(bounds), norm_sq.dtype, norm_sq.device)
+    return norm_sq * CANCELLATION_TOLERANCE < scale * atoms_sq
+
+
+@functools.lru_cache(maxsize=64)
+def _bound_column(bounds: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The bounds as a [P, 1] tensor, made once per group layout (a copy to the device otherwise
+    at every step)."""
+    return torch.tensor(bounds, dtype=dtype, device=device).unsqueeze(1)
 
 
 def certified_rows(parts: list[Use], rows: Tensor, shape: torch.Size,
@@ -81,4 +106,5 @@ def certified_rows(parts: list[Use], rows: Tensor, shape: torch.Size,
     return norm_sq.clamp_min(0) + gamma * size.square(), parts64
 
 
-__all__ = ["CANCELLATION_TOLERANCE", "cancellation_flags", "certified_rows"]
+__all__ = ["CANCELLATION_TOLERANCE", "cancellation_bound", "cancellation_flags", "certified_rows",
+           "stacked_cancellation_flags"]

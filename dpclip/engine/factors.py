@@ -289,8 +289,8 @@ def _self_term(p: _Part, cache: GramCache | None = None) -> tuple[Tensor, Tensor
     assert isinstance(p.use, Bilinear)
     if p.use.is_ids:
         return symmetric_ghost(p.use.left, p.use.right[:, 0], True)
-    value, atoms = symmetric_ghost(p.use.left, p.use.right, False, cache=cache)
-    return value.sum(1), atoms.sum(1)
+    value, atoms = symmetric_ghost(p.use.left, p.use.right, False, cache=cache)   # [B, g]: g = 1 a view, no kernel
+    return (value[:, 0], atoms[:, 0]) if value.shape[1] == 1 else (value.sum(1), atoms.sum(1))
 
 
 def _cross_term(a: _Part, c: _Part) -> Tensor:

@@ -6,6 +6,10 @@ of a group are done, the group is *finalized*: clip factors, clipped sums, and i
 is freed (groupwise-clipping paper Alg. 1 and §6: finer groups release memory earlier;
 docs/engine.md, "Groups and early finalization"). :class:`DPEngine` builds the
 :class:`StepContext` once and hands every micro-batch what it needs explicitly.
+
+Length: a little over 400 lines, because a group's norm², its certification, its clip factors
+and its sums are one protocol over the same per-group state (what is pending, what is
+stashed, what the check read back); split apart, each part would need the others' fields.
 """
 
 from __future__ import annotations
@@ -18,12 +22,20 @@ import torch
 from torch import Tensor
 
 from dpclip.engine.bookkeeping import StashMeter
-from dpclip.engine.cancellation import cancellation_flags, certified_rows
+from dpclip.engine.cancellation import cancellation_bound, certified_rows, stacked_cancellation_flags
 from dpclip.engine.factors import (Dense, GramCache, Use, choose_ghost, clipped_sum, early_instance,
                                    param_norm_sq, sqrt_or_zero, zero_samples)
-from dpclip.engine.precision import engine_math
+from dpclip.engine.precision import LOW_PRECISION, engine_math, widened
 from dpclip.engine.streamed import streamable, streamed_clip
 from dpclip.errors import EngineError
+
+
+# A parameter's instantiated per-sample gradient of at most this many elements per sample
+# is normed in one concatenation with its group's others: GPT-2 small's 98 biases and
+# LayerNorm weights cost three kernels a group instead of two each (on a GPU the host's
+# launches bound a small step: docs/performance.md). Larger ones, say a fallback module's
+# whole weight, are normed alone, so the copy stays small.
+DENSE_BATCH_MAX_NUMEL = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -102,14 +114,22 @@ class MicroBatch:
         for idx, n in enumerate(pending):
             if n > 0:
                 self.group_left[ctx.group_of[idx]] += 1
-        self.norm_sq: list[Tensor | None] = [None] * k
+        # Group k's norm² [b]: its parameters' terms, summed when first read (one stack and
+        # one sum for a group of many parameters, not one add per parameter: on a GPU each
+        # is a kernel launch, and the host's launches bound a small step; docs/engine.md).
+        self.sq_terms: list[list[Tensor]] = [[] for _ in range(k)]
+        # Small instantiated gradients (biases, a norm's affine): (index, G [b, ...]) per group,
+        # normed together in one concatenation when the group's norm² is first read, and
+        # clipped and summed from it in one product (_dense_sums).
+        self.dense_terms: list[list[tuple[int, Tensor]]] = [[] for _ in range(k)]
+        self.dense_flat: list[tuple[Tensor, list[int]] | None] = [None] * k
         self.norms: list[Tensor | None] = [None] * k
         self.streamed: set[int] = set()   # parameters whose G_i are instantiated at finalization
-        # Cancellation (dpclip.engine.cancellation): per parameter read from factors, the
-        # samples whose norm² the working precision cannot vouch for, its norm² [b], and
-        # after certification the flagged rows' float64 parts (rows, parts).
-        self.flags: list[Tensor | None] = [None] * len(pending)
-        self.param_sq: list[Tensor | None] = [None] * len(pending)
+        # Cancellation (dpclip.engine.cancellation): per parameter read from factors, what
+        # its check needs (norm² [b], atoms' D [b], the bound's factor), checked for the
+        # whole group at once when it is certified; after certification the flagged rows'
+        # float64 parts (rows, parts).
+        self.checks: dict[int, tuple[Tensor, Tensor, float]] = {}
         self.exact: dict[int, tuple[Tensor, list[Use]]] = {}
         self.paths: dict[int, str] = {}   # how each parameter's norm was computed (debugging)
         self.done = [False] * k
@@ -147,6 +167,13 @@ class MicroBatch:
             self.parts[idx] = [bundle]
             self.streamed.add(idx)
             self.paths[idx] = "instantiated (streamed)"
+        elif self._batchable(uses):   # its norm with the group's other small ones (_group_norm_sq)
+            grad = widened(uses[0].grad, e.norm_dtype)
+            self.meter.add(Dense(grad).tensors())
+            self.meter.remove(uses[0].tensors())
+            self.parts[idx] = [Dense(grad)]
+            self.dense_terms[k].append((idx, grad))
+            self.paths[idx] = "instantiated"
         elif uses:
             p = e.params[idx]
             norm_sq, parts, atoms_sq = param_norm_sq(uses, p.shape, e.norm_method, e.norm_dtype,
@@ -158,11 +185,11 @@ class MicroBatch:
                 self.meter.remove(use.tensors())
             self.parts[idx] = parts
             self.paths[idx] = self._path(parts, e.transient[idx])
-            flags = cancellation_flags(parts, norm_sq, atoms_sq)
-            if flags is not None:
-                self.flags[idx], self.param_sq[idx] = flags.to(e.device), norm_sq.to(e.device)
             norm_sq = norm_sq.to(e.device)
-            self.norm_sq[k] = norm_sq if self.norm_sq[k] is None else self.norm_sq[k] + norm_sq
+            bound = cancellation_bound(parts, norm_sq.dtype)
+            if bound is not None:
+                self.checks[idx] = (norm_sq, atoms_sq.to(e.device), bound)
+            self.sq_terms[k].append(norm_sq)
         self.group_left[k] -= 1
         if self.group_left[k] == 0 and not self.defer:
             self._finalize(k, self.thresholds[k])
@@ -177,6 +204,32 @@ class MicroBatch:
             return kind + "instantiated norm, factor sum"
         return " + ".join(one(p) for p in parts)
 
+    def _batchable(self, uses: list[Use]) -> bool:
+        """One instantiated use, small, in the norm dtype once widened, on the engine's device:
+        normed in one concatenation with its group's others (exact: the same sum of squares)."""
+        if len(uses) != 1 or not isinstance(uses[0], Dense):
+            return False
+        grad, norm_dtype = uses[0].grad, self.ctx.norm_dtype
+        dtype = norm_dtype if grad.dtype in LOW_PRECISION else grad.dtype   # as widened() gives it
+        return (dtype == norm_dtype and grad.device == self.ctx.device
+                and math.prod(grad.shape[1:]) <= DENSE_BATCH_MAX_NUMEL)
+
+    def _group_norm_sq(self, k: int) -> Tensor | None:
+        """Group k's norm² [b] so far (its terms summed and kept as one), or None."""
+        dense = self.dense_terms[k]
+        if dense:
+            flat = (dense[0][1].flatten(1) if len(dense) == 1 else
+                    torch.cat([grad.flatten(1) for _, grad in dense], dim=1))
+            if len(dense) > 1:
+                self.meter.add([flat])
+            self.sq_terms[k].append(torch.linalg.vector_norm(flat, dim=1).square())
+            self.dense_flat[k] = (flat, [idx for idx, _ in dense])
+            dense.clear()
+        terms = self.sq_terms[k]
+        if len(terms) > 1:
+            terms[:] = [terms[0] + terms[1] if len(terms) == 2 else torch.stack(terms).sum(0)]
+        return terms[0] if terms else None
+
     def _certify(self, k: int, also: Tensor | None = None) -> tuple[bool, float | None]:
         """Recompute in float64 the flagged samples of group k's parameters, and raise the
         group's norm² to the certified bound (:func:`~dpclip.engine.cancellation.certified_rows`).
@@ -186,26 +239,30 @@ class MicroBatch:
         the same transfer: a GPU step waits once per group, not twice). Returns (whether a
         norm² was raised, ``also``'s value)."""
         e = self.ctx
-        flagged = [(idx, self.flags[idx]) for idx in e.members[k] if self.flags[idx] is not None]
-        if not flagged and also is None:
+        checked = [idx for idx in e.members[k] if idx in self.checks]
+        if not checked and also is None:
             return False, None
-        probes = [f.any().to(e.norm_dtype) for _, f in flagged]
+        probes: list[Tensor] = []
+        if checked:
+            entries = [self.checks.pop(idx) for idx in checked]
+            param_sq, atoms_sq = (torch.stack([entry[j] for entry in entries]) if len(entries) > 1
+                                  else entries[0][j].unsqueeze(0) for j in (0, 1))   # [P, b]
+            flags = stacked_cancellation_flags(param_sq, atoms_sq, [entry[2] for entry in entries])
+            probes.append(flags.any(dim=1).to(e.norm_dtype))
         if also is not None:
-            probes.append(also.to(e.norm_dtype))
-        values = torch.stack(probes).tolist()
+            probes.append(also.to(e.norm_dtype).reshape(1))
+        values = (torch.cat(probes) if len(probes) > 1 else probes[0]).tolist()
         raised = False
-        for (idx, flags), hit in zip(flagged, values):
-            self.flags[idx] = None
-            param_sq, self.param_sq[idx] = self.param_sq[idx], None
-            if not hit:
+        for j, idx in enumerate(checked):
+            if not values[j]:
                 continue
-            rows = flags.nonzero().squeeze(1)
+            rows = flags[j].nonzero().squeeze(1)
             upper, parts64 = certified_rows(self.parts[idx], rows.to(e.params[idx].device),
                                             e.params[idx].shape, e.norm_method)
             # rounding the float64 bound to the norm dtype must not lower it
             upper = (upper * (1 + 4 * torch.finfo(e.norm_dtype).eps)).to(e.norm_dtype).to(e.device)
-            raise_by = torch.zeros_like(param_sq).index_put_((rows,), upper - param_sq[rows])
-            self.norm_sq[k] = self.norm_sq[k] + raise_by
+            raise_by = torch.zeros_like(param_sq[j]).index_put_((rows,), upper - param_sq[j][rows])
+            self.sq_terms[k].append(raise_by)
             for part in parts64:
                 self.meter.add(part.tensors())
             self.exact[idx] = (rows, parts64)
@@ -215,12 +272,12 @@ class MicroBatch:
 
     def _finalize(self, k: int, threshold: Tensor) -> None:
         e, out = self.ctx, self.totals
-        sq = self.norm_sq[k]
+        sq = self._group_norm_sq(k)
         streamed = [idx for idx in e.members[k] if idx in self.streamed]
         # Σ_i norm²_i is finite iff every norm² is (or it overflows: the slow path below
         # then finds nothing to drop); read with the cancellation check's flags
         raised, total_sq = self._certify(k, sq.sum() if sq is not None and not streamed else None)
-        sq = self.norm_sq[k]
+        sq = self._group_norm_sq(k)
         unscale = self.unscale
         if streamed:
             base = sq if sq is not None else torch.zeros(self.batch, device=e.device,
@@ -269,6 +326,7 @@ class MicroBatch:
             factors = factors * unscale
         if self.sum_scale is not None:
             factors = factors * self.sum_scale
+        self._dense_sums(k, factors, keep)
         for idx in e.members[k]:
             parts, self.parts[idx] = self.parts[idx], None
             if not parts:
@@ -293,10 +351,31 @@ class MicroBatch:
                 out.sums[idx] = total
             else:
                 out.sums[idx].add_(total)
-        if e.count_clipped:
-            out.clipped[k] += (norms > threshold).sum()
-        self.norms[k] = norms
+        self.norms[k] = norms   # the clipped ones are counted for all groups at once (_finish)
         self.done[k] = True
+
+    def _dense_sums(self, k: int, factors: Tensor, keep: Tensor | None) -> None:
+        """Σ_i c_i G_i of group k's small instantiated gradients, from their concatenation
+        (:meth:`_group_norm_sq`): one [b] x [b, N] product for all of them, each parameter's sum
+        a slice of it (as a bucketed data-parallel gradient is a view of its bucket)."""
+        batched, self.dense_flat[k] = self.dense_flat[k], None
+        if batched is None:
+            return
+        flat, indices = batched
+        # a non-finite sample's row would give 0·inf = NaN with its zero factor
+        rows = flat if keep is None else torch.where(keep.view(-1, 1), flat, 0)
+        summed = factors.to(flat.dtype) @ rows
+        out, offset = self.totals, 0
+        for idx in indices:
+            shape = self.ctx.params[idx].shape
+            total = summed[offset:offset + shape.numel()].view(shape)
+            offset += shape.numel()
+            out.sums[idx] = total if out.sums[idx] is None else out.sums[idx].add_(total)
+            for part in self.parts[idx]:
+                self.meter.remove(part.tensors())
+            self.parts[idx] = None
+        if len(indices) > 1:
+            self.meter.remove([flat])
 
     def finish(self) -> Tensor:
         """Finalize what the backward did not reach; return the norms [b, K]."""
@@ -312,12 +391,13 @@ class MicroBatch:
         if self.defer:
             for k in range(len(e.members)):
                 self._certify(k)
+            norm_sq = [self._group_norm_sq(k) for k in range(len(e.members))]
             norm_sq = torch.stack([s if s is not None else
                                    torch.zeros(self.batch, device=e.device, dtype=e.norm_dtype)
-                                   for s in self.norm_sq], dim=1)
+                                   for s in norm_sq], dim=1)
             if e.exchange_norm_sq is not None:
                 norm_sq = e.exchange_norm_sq(norm_sq)
-                self.norm_sq = list(norm_sq.unbind(dim=1))
+                self.sq_terms = [[column] for column in norm_sq.unbind(dim=1)]
             norms = sqrt_or_zero(norm_sq)
             if self.unscale is not None:
                 norms = norms * self.unscale
@@ -327,10 +407,14 @@ class MicroBatch:
             for k in range(len(e.members)):
                 self._finalize(k, self.thresholds[k] if per_sample is None else per_sample[:, k])
         else:
+            per_sample = None
             for k in range(len(e.members)):
                 if not self.done[k]:
                     self._finalize(k, self.thresholds[k])
-        return torch.stack(self.norms, dim=1)
+        norms = torch.stack(self.norms, dim=1)
+        if e.count_clipped:   # each group's count against the threshold it was clipped at
+            self.totals.clipped += (norms > (self.thresholds if per_sample is None else per_sample)).sum(0)
+        return norms
 
     def discard(self) -> None:
         """Release the stash after a failed backward."""
@@ -346,4 +430,9 @@ class MicroBatch:
         self.exact.clear()
         self.uses = [[] for _ in self.pending]
         self.parts = [None] * len(self.pending)
+        for k, batched in enumerate(self.dense_flat):
+            if batched is not None and len(batched[1]) > 1:
+                self.meter.remove([batched[0]])
+        self.dense_terms = [[] for _ in self.dense_terms]
+        self.dense_flat = [None] * len(self.dense_flat)
         self.streamed.clear()

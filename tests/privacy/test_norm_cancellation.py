@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from dpclip.engine import DPEngine
-from dpclip.engine.cancellation import CANCELLATION_TOLERANCE, cancellation_flags, certified_rows
-from dpclip.engine.factors import Bilinear, param_norm_sq
+from dpclip.engine.cancellation import (CANCELLATION_TOLERANCE, cancellation_bound, cancellation_flags, certified_rows,
+                                        stacked_cancellation_flags)
+from dpclip.engine.factors import Bilinear, Dense, param_norm_sq
 
 C = 1.0
 SLACK = 1 + 1e-5
@@ -190,3 +191,29 @@ def test_unflagged_ghost_norms_are_within_the_tolerance_and_flagged_ones_are_bou
         size = float((left.double().norm(dim=1) * right.double().norm(dim=1)).sum())
         gamma = 2 * (m + n + left.shape[0] ** 2 + 8) * 2.0 ** -53
         assert exact <= float(upper[0]) <= exact * (1 + 1e-12) + 2 * gamma * size ** 2
+
+
+def test_a_groups_stacked_check_flags_exactly_the_samples_each_parameters_own_check_flags():
+    """The engine checks a group's parameters in one stacked comparison
+    (stacked_cancellation_flags); it must flag what each parameter's own check flags, at the
+    boundary too. Parameters of different widths and lengths (different bounds); samples
+    with a norm² just above, at and below u·sqrt(m + n + T)·D/ρ, with a NaN and with a zero."""
+    g = torch.Generator().manual_seed(5)
+    shapes = [(3, 4, 7), (9, 2, 5), (1, 16, 3)]   # (m, n, T)
+    uses, norms, atoms = [], [], []
+    for m, n, t in shapes:
+        use = Bilinear(torch.randn(6, 1, t, m, generator=g), torch.randn(6, 1, t, n, generator=g))
+        bound = cancellation_bound([use], torch.float32)
+        atom = torch.rand(6, generator=g) + 0.5
+        edge = bound * atom / CANCELLATION_TOLERANCE
+        norm = torch.stack([edge * 1.0001, edge, edge * 0.9999, torch.full_like(edge, float("nan")),
+                            torch.zeros_like(edge), edge * 100]).diagonal()
+        uses.append(use)
+        norms.append(norm)
+        atoms.append(atom)
+    own = torch.stack([cancellation_flags([u], s, a) for u, s, a in zip(uses, norms, atoms)])
+    stacked = stacked_cancellation_flags(torch.stack(norms), torch.stack(atoms),
+                                         [cancellation_bound([u], torch.float32) for u in uses])
+    assert torch.equal(stacked, own)
+    assert own[:, 2].all() and own[:, 4].all() and not own[:, 0].any() and not own[:, 3].any()
+    assert cancellation_bound([Dense(torch.ones(6, 3))], torch.float32) is None
