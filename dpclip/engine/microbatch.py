@@ -7,9 +7,10 @@ is freed (groupwise-clipping paper Alg. 1 and §6: finer groups release memory e
 docs/engine.md, "Groups and early finalization"). :class:`DPEngine` builds the
 :class:`StepContext` once and hands every micro-batch what it needs explicitly.
 
-Length: a little over 400 lines, because a group's norm², its certification, its clip factors
-and its sums are one protocol over the same per-group state (what is pending, what is
-stashed, what the check read back); split apart, each part would need the others' fields.
+Length: about 500 lines, because a group's norm², its certification, its clip factors and
+its sums are one protocol over the same per-group state (what is pending, what is stashed,
+what the check read back, which groups wait to be finalized together); split apart, each
+part would need the others' fields.
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ from dpclip.engine.precision import LOW_PRECISION, engine_math, widened
 from dpclip.engine.streamed import streamable, streamed_clip
 from dpclip.errors import EngineError
 
+
+# Groups whose last use arrived are finalized this many at a time (all at once: one read of
+# the device for their checks, one clip of their norms [b, K'] instead of K'). On a GPU a
+# group's own work is a dozen small kernels and a wait, and the host bounds a small step;
+# holding a few groups' stash a little longer costs little there. On the CPU each group
+# still goes at once, which keeps layer-wise clipping's memory lowest.
+FINALIZE_BATCH = {"cpu": 1}
+FINALIZE_BATCH_DEFAULT = 4
 
 # A parameter's instantiated per-sample gradient of at most this many elements per sample
 # is normed in one concatenation with its group's others: GPT-2 small's 98 biases and
@@ -133,6 +142,8 @@ class MicroBatch:
         self.exact: dict[int, tuple[Tensor, list[Use]]] = {}
         self.paths: dict[int, str] = {}   # how each parameter's norm was computed (debugging)
         self.done = [False] * k
+        self.ready: list[int] = []   # groups complete but not yet finalized (FINALIZE_BATCH)
+        self.finalize_batch = FINALIZE_BATCH.get(ctx.device.type, FINALIZE_BATCH_DEFAULT)
         self.thresholds = thresholds
         self.per_sample_thresholds = per_sample_thresholds
         self.defer = per_sample_thresholds is not None or ctx.exchange_norm_sq is not None
@@ -192,7 +203,12 @@ class MicroBatch:
             self.sq_terms[k].append(norm_sq)
         self.group_left[k] -= 1
         if self.group_left[k] == 0 and not self.defer:
-            self._finalize(k, self.thresholds[k])
+            if any(member in self.streamed for member in e.members[k]):
+                self._finalize(k, self.thresholds[k])   # its G_i are formed now, chunk by chunk
+            else:
+                self.ready.append(k)
+                if len(self.ready) >= self.finalize_batch:
+                    self._finalize_ready()
 
     def _path(self, parts: list[Use], transient: bool) -> str:
         def one(part: Use) -> str:
@@ -230,16 +246,16 @@ class MicroBatch:
             terms[:] = [terms[0] + terms[1] if len(terms) == 2 else torch.stack(terms).sum(0)]
         return terms[0] if terms else None
 
-    def _certify(self, k: int, also: Tensor | None = None) -> tuple[bool, float | None]:
-        """Recompute in float64 the flagged samples of group k's parameters, and raise the
-        group's norm² to the certified bound (:func:`~dpclip.engine.cancellation.certified_rows`).
+    def _certify(self, groups: list[int], also: Tensor | None = None) -> tuple[bool, float | None]:
+        """Recompute in float64 the flagged samples of the parameters of ``groups``, and raise
+        their groups' norms² to the certified bound (:func:`~dpclip.engine.cancellation.certified_rows`).
 
-        One read from the device for the group: whether any parameter read from factors has
+        One read from the device for all of them: whether any parameter read from factors has
         a flagged sample, and, if given, the 0-dim tensor ``also`` (a caller's check, read in
-        the same transfer: a GPU step waits once per group, not twice). Returns (whether a
-        norm² was raised, ``also``'s value)."""
+        the same transfer: a GPU step waits once per finalization, not twice). Returns (whether
+        a norm² was raised, ``also``'s value)."""
         e = self.ctx
-        checked = [idx for idx in e.members[k] if idx in self.checks]
+        checked = [idx for k in groups for idx in e.members[k] if idx in self.checks]
         if not checked and also is None:
             return False, None
         probes: list[Tensor] = []
@@ -262,7 +278,7 @@ class MicroBatch:
             # rounding the float64 bound to the norm dtype must not lower it
             upper = (upper * (1 + 4 * torch.finfo(e.norm_dtype).eps)).to(e.norm_dtype).to(e.device)
             raise_by = torch.zeros_like(param_sq[j]).index_put_((rows,), upper - param_sq[j][rows])
-            self.sq_terms[k].append(raise_by)
+            self.sq_terms[e.group_of[idx]].append(raise_by)
             for part in parts64:
                 self.meter.add(part.tensors())
             self.exact[idx] = (rows, parts64)
@@ -271,61 +287,114 @@ class MicroBatch:
         return raised, (values[-1] if also is not None else None)
 
     def _finalize(self, k: int, threshold: Tensor) -> None:
+        """Finalize group k alone (a group with streamed parameters: their G_i are formed here,
+        a chunk of samples at a time, :func:`~dpclip.engine.streamed.streamed_clip`)."""
         e, out = self.ctx, self.totals
-        sq = self._group_norm_sq(k)
         streamed = [idx for idx in e.members[k] if idx in self.streamed]
-        # Σ_i norm²_i is finite iff every norm² is (or it overflows: the slow path below
-        # then finds nothing to drop); read with the cancellation check's flags
-        raised, total_sq = self._certify(k, sq.sum() if sq is not None and not streamed else None)
+        if not streamed:
+            self._finalize_groups([k], threshold.unsqueeze(-1))
+            return
+        self._certify([k])
         sq = self._group_norm_sq(k)
         unscale = self.unscale
-        if streamed:
-            base = sq if sq is not None else torch.zeros(self.batch, device=e.device,
-                                                         dtype=e.norm_dtype)
-            bundles = [self.parts[idx][0] for idx in streamed]
-            weights = self.row_weights
-            # the chunks' G_i are scaled by the loss scale: unscaled norms in, factors that also
-            # unscale out; and the sums carry 1/B
-            to_sum = (unscale or 1.0) * (self.sum_scale or 1.0)
+        base = sq if sq is not None else torch.zeros(self.batch, device=e.device, dtype=e.norm_dtype)
+        bundles = [self.parts[idx][0] for idx in streamed]
+        weights = self.row_weights
+        # the chunks' G_i are scaled by the loss scale: unscaled norms in, factors that also
+        # unscale out; and the sums carry 1/B
+        to_sum = (unscale or 1.0) * (self.sum_scale or 1.0)
 
-            def clip(chunk_norms, rows):
-                factors = e.clip(chunk_norms if unscale is None else chunk_norms * unscale, threshold)
-                if weights is not None:
-                    factors = factors * weights[rows]
-                return factors if to_sum == 1.0 else factors * to_sum
-            norms, sums = streamed_clip(bundles, [e.params[idx].shape for idx in streamed], base,
-                                        clip, self.meter)
-            for idx, total in zip(streamed, sums):
-                self.meter.remove(self.parts[idx][0].tensors())
-                self.parts[idx] = None
-                self.streamed.discard(idx)
-                out.sums[idx] = total if out.sums[idx] is None else out.sums[idx].add_(total)
-        else:
-            norms = (sqrt_or_zero(sq) if sq is not None else
-                     torch.zeros(self.batch, device=e.device, dtype=e.norm_dtype))
+        def clip(chunk_norms, rows):
+            factors = e.clip(chunk_norms if unscale is None else chunk_norms * unscale, threshold)
+            if weights is not None:
+                factors = factors * weights[rows]
+            return factors if to_sum == 1.0 else factors * to_sum
+        norms, sums = streamed_clip(bundles, [e.params[idx].shape for idx in streamed], base,
+                                    clip, self.meter)
+        for idx, total in zip(streamed, sums):
+            self.meter.remove(self.parts[idx][0].tensors())
+            self.parts[idx] = None
+            self.streamed.discard(idx)
+            out.sums[idx] = total if out.sums[idx] is None else out.sums[idx].add_(total)
         if unscale is not None:
             norms = norms * unscale
-        keep = None
-        # A sample with a non-finite norm would put 0·inf = NaN into the sum: one example
-        # could change the release without bound. It contributes zero instead, and reads
-        # as +inf (clipped, above every threshold) to the policy. The norms are ≥ 0, so
-        # their sum is finite unless one is not (or it overflows: then the slow path finds
-        # nothing to drop); one reduction per group is ~4x cheaper than isfinite().all().
-        if not math.isfinite(total_sq if total_sq is not None and not raised else float(norms.sum())):
-            finite = torch.isfinite(norms)
-            if not bool(finite.all()):
-                keep = finite
-                norms = torch.where(keep, norms, math.inf)
-                out.nonfinite[k] += (~keep).sum()
-        factors = e.clip(norms, threshold)
+        norms, keep = self._nonfinite(norms.unsqueeze(1), [k], None)
+        factors = self._factors(norms, threshold.unsqueeze(-1), keep)
+        self._group_sums(k, factors[:, 0], None if keep is None else keep[:, 0], norms[:, 0])
+
+    def _finalize_ready(self) -> None:
+        """Finalize the groups waiting in ``ready`` together (:data:`FINALIZE_BATCH`)."""
+        groups, self.ready = sorted(self.ready), []
+        if not groups:
+            return
+        if groups == list(range(groups[0], groups[-1] + 1)):
+            thresholds = self.thresholds[groups[0]:groups[-1] + 1]   # a view, no kernel
+        else:
+            thresholds = torch.stack([self.thresholds[k] for k in groups])
+        self._finalize_groups(groups, thresholds)
+
+    def _finalize_groups(self, groups: list[int], thresholds: Tensor) -> None:
+        """Finalize ``groups`` (none with streamed parameters) at once: their norms [b, K'],
+        one certification read, one clip; ``thresholds`` [K'] or per sample [b, K']."""
+        e = self.ctx
+        zeros = None
+        columns = []
+        for k in groups:
+            sq = self._group_norm_sq(k)
+            if sq is None:
+                zeros = torch.zeros(self.batch, device=e.device, dtype=e.norm_dtype) if zeros is None else zeros
+                sq = zeros
+            columns.append(sq)
+        sq = columns[0].unsqueeze(1) if len(columns) == 1 else torch.stack(columns, dim=1)   # [b, K']
+        # Σ norm² is finite iff every norm² is (or it overflows: the slow path in _nonfinite
+        # then finds nothing to drop); read with the cancellation check's flags
+        raised, total_sq = self._certify(groups, sq.sum())
+        if raised:
+            columns = [self._group_norm_sq(k) for k in groups]
+            sq = torch.stack([c if c is not None else zeros for c in columns], dim=1)
+        norms = sqrt_or_zero(sq)
+        if self.unscale is not None:
+            norms = norms * self.unscale
+        norms, keep = self._nonfinite(norms, groups, None if raised else total_sq)
+        factors = self._factors(norms, thresholds, keep)
+        for j, k in enumerate(groups):
+            self._group_sums(k, factors[:, j], None if keep is None else keep[:, j], norms[:, j])
+
+    def _nonfinite(self, norms: Tensor, groups: list[int], total_sq: float | None) -> tuple[Tensor, Tensor | None]:
+        """``norms`` [b, K'] with every non-finite one read as +inf, and which to keep (None: all).
+
+        A sample with a non-finite norm would put 0·inf = NaN into the sum: one example could
+        change the release without bound. It contributes zero instead, and reads as +inf
+        (clipped, above every threshold) to the policy. The norms are ≥ 0, so their sum
+        (``total_sq``: Σ norm², already read; else summed here) is finite unless one is not
+        (or it overflows: then nothing is dropped); one reduction is ~4x cheaper than
+        isfinite().all()."""
+        if math.isfinite(total_sq if total_sq is not None else float(norms.sum())):
+            return norms, None
+        finite = torch.isfinite(norms)
+        if bool(finite.all()):
+            return norms, None
+        for j, k in enumerate(groups):
+            self.totals.nonfinite[k] += (~finite[:, j]).sum()
+        return torch.where(finite, norms, math.inf), finite
+
+    def _factors(self, norms: Tensor, thresholds: Tensor, keep: Tensor | None) -> Tensor:
+        """Clip factors [b, K'] of ``norms`` [b, K'], with the row weights, the loss scale's
+        1/scale (the parts hold the scaled gradient) and the sums' 1/B on them."""
+        factors = self.ctx.clip(norms, thresholds)
         if self.row_weights is not None:
-            factors = factors * self.row_weights
+            factors = factors * self.row_weights.unsqueeze(1)
         if keep is not None:
             factors = torch.where(keep, factors, 0)
-        if unscale is not None:   # the parts hold the scaled gradient
-            factors = factors * unscale
+        if self.unscale is not None:
+            factors = factors * self.unscale
         if self.sum_scale is not None:
             factors = factors * self.sum_scale
+        return factors
+
+    def _group_sums(self, k: int, factors: Tensor, keep: Tensor | None, norms: Tensor) -> None:
+        """Σ_i c_i G_i of group k's parameters (``factors`` [b]) into the step's sums; its stash freed."""
+        e, out = self.ctx, self.totals
         self._dense_sums(k, factors, keep)
         for idx in e.members[k]:
             parts, self.parts[idx] = self.parts[idx], None
@@ -389,8 +458,7 @@ class MicroBatch:
                 self.pending[idx] = 0
                 self._param_done(idx)
         if self.defer:
-            for k in range(len(e.members)):
-                self._certify(k)
+            self._certify(list(range(len(e.members))))   # every group's checks: one read
             norm_sq = [self._group_norm_sq(k) for k in range(len(e.members))]
             norm_sq = torch.stack([s if s is not None else
                                    torch.zeros(self.batch, device=e.device, dtype=e.norm_dtype)
@@ -408,6 +476,7 @@ class MicroBatch:
                 self._finalize(k, self.thresholds[k] if per_sample is None else per_sample[:, k])
         else:
             per_sample = None
+            self._finalize_ready()
             for k in range(len(e.members)):
                 if not self.done[k]:
                     self._finalize(k, self.thresholds[k])
@@ -435,4 +504,5 @@ class MicroBatch:
                 self.meter.remove([batched[0]])
         self.dense_terms = [[] for _ in self.dense_terms]
         self.dense_flat = [None] * len(self.dense_flat)
+        self.ready = []
         self.streamed.clear()

@@ -56,6 +56,16 @@ def test_reads_grow_by_one_per_added_layer(monkeypatch):
     assert deep - shallow == 4, (shallow, deep)
 
 
+def test_groups_finalized_together_read_the_device_once_per_finalization(monkeypatch):
+    """On a GPU groups are finalized FINALIZE_BATCH at a time: one read for their checks."""
+    from dpclip.engine import microbatch
+
+    monkeypatch.setitem(microbatch.FINALIZE_BATCH, "cpu", 3)
+    reads, groups = _reads_per_step(monkeypatch, "layer", depth=8)
+    assert groups == 9
+    assert reads <= 3 + 2, reads   # 9 groups, 3 at a time
+
+
 # ------------------------------------------------------------------ kernels per step
 #
 # On a GPU each tensor operation is a kernel launch that the host pays for, and GPT-2 small's
@@ -141,10 +151,11 @@ _DISCRIMINATIVE = {"kind": "discriminative", "small": 0.3, "large": 0.6, "tail_r
                    "tail_threshold": 0.49}
 
 
-def _step(monkeypatch, grouping, threshold, batched, nonfinite):
+def _step(monkeypatch, grouping, threshold, batched, nonfinite, finalize_batch=1):
     """p.grad (σ = 0), the clip fractions and the per-sample norms of one step of _Stack."""
     if not batched:   # every small gradient normed and summed on its own, as before
         monkeypatch.setattr(microbatch, "DENSE_BATCH_MAX_NUMEL", -1)
+    monkeypatch.setitem(microbatch.FINALIZE_BATCH, "cpu", finalize_batch)
     torch.manual_seed(3)
     model = _Stack(3)
     clipping = {"grouping": grouping, "norm_method": "ghost", "threshold": threshold}
@@ -159,14 +170,21 @@ def _step(monkeypatch, grouping, threshold, batched, nonfinite):
     return [p.grad.clone() for p in model.parameters()], report.clip_fraction, norms
 
 
-@pytest.mark.parametrize("threshold", [{"kind": "fixed"}, _DISCRIMINATIVE], ids=["fixed", "per-sample"])
-@pytest.mark.parametrize("grouping", ["all-layer", "layer"])
+@pytest.mark.parametrize("threshold", [{"kind": "fixed"}, {"kind": "fixed", "value": "one per group"}, _DISCRIMINATIVE],
+                         ids=["fixed", "fixed-per-group", "per-sample"])
+@pytest.mark.parametrize("grouping", ["all-layer", "layer", "param"])
 @pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "one-inf-sample"])
+@pytest.mark.parametrize("finalize_batch", [1, 4], ids=["groups-one-by-one", "groups-four-at-a-time"])
 def test_small_gradients_normed_and_summed_together_match_one_at_a_time(monkeypatch, grouping, threshold,
-                                                                        nonfinite):
-    if threshold["kind"] == "fixed":   # between the samples' norms: some clipped, some not
+                                                                        nonfinite, finalize_batch):
+    """Against every group finalized alone and every small gradient normed and summed alone."""
+    if threshold == {"kind": "fixed"}:   # between the samples' norms: some clipped, some not
         threshold = {"kind": "fixed", "value": 0.49 if grouping == "all-layer" else 0.2}
-    grads, fraction, norms = _step(monkeypatch, grouping, threshold, True, nonfinite)
+    elif threshold["kind"] == "fixed":   # a different C_k for each group, around its norms
+        groups = {"all-layer": 1, "layer": 6, "param": 12}[grouping]
+        threshold = {"kind": "fixed", "value": [0.49] if groups == 1 else
+                     [0.02 + 0.3 * (k % 5) / 4 for k in range(groups)]}
+    grads, fraction, norms = _step(monkeypatch, grouping, threshold, True, nonfinite, finalize_batch)
     ref_grads, ref_fraction, ref_norms = _step(monkeypatch, grouping, threshold, False, nonfinite)
     finite = torch.isfinite(ref_norms)
     assert torch.equal(torch.isfinite(norms), finite)
@@ -176,7 +194,9 @@ def test_small_gradients_normed_and_summed_together_match_one_at_a_time(monkeypa
     assert (fraction > 0).any() and (fraction < 1).any(), fraction
     # each group's count against the threshold its samples were clipped at, recomputed here
     groups = norms.shape[1]
-    if threshold["kind"] == "fixed":
+    if threshold["kind"] == "fixed" and isinstance(threshold["value"], list):
+        per_sample = torch.tensor(threshold["value"]).expand_as(norms)
+    elif threshold["kind"] == "fixed":
         per_sample = torch.full_like(norms, threshold["value"] / groups ** 0.5)   # a float: the total
     else:
         tail = ref_norms.nan_to_num(posinf=1e30).norm(dim=1, keepdim=True) > threshold["tail_threshold"]
