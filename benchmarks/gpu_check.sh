@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, on a machine with one CUDA device and dpclip's dependencies
 # installed: the CUDA tests, the ghost-norm strip counts on CUDA, GPT-2 small against its
-# floor, then (with ROWS=1) the GPU rows of docs/performance.md with Opacus.
+# floor, where its host time goes (host_profile.py), then (with ROWS=1) the GPU rows of
+# docs/performance.md with Opacus.
 #   bash benchmarks/gpu_check.sh OUT_DIR          # about 4 minutes on one H200
 #   ROWS=1 bash benchmarks/gpu_check.sh OUT_DIR   # about 5 more
 set -o pipefail
@@ -15,6 +16,8 @@ timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider tests/cuda tests/en
 timeout 120 python3 benchmarks/norm_rule.py --strips --device cuda --repeats 10 2>&1 | tee "$out/strips.txt"
 timeout 300 python3 benchmarks/floor_gap.py --device cuda --memory --repeats 10 \
     --shapes 4x256 2x1024 16x256 8x1024 --json "$out/floor_gap.json" 2>&1 | tee "$out/floor_gap.txt"
+timeout 120 python3 benchmarks/host_profile.py --device cuda --shape 4x256 --out "$out/host_profile.txt" \
+    --json "$out/host_profile.json" > /dev/null 2>&1
 if [ "${ROWS:-0}" = 1 ]; then
     timeout 330 python3 benchmarks/gpu_rows.py --json "$out/gpu_rows.json" --profile 4x256 8x1024 2>&1 \
         | tee "$out/gpu_rows.txt"
