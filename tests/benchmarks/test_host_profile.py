@@ -3,24 +3,15 @@ operations of a step are counted where they happen, so the GPU diagnosis cannot 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "host_profile.py"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("host_profile_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmarks.loader import load_benchmark
 
 
 def test_host_profile_counts_the_reads_and_operations_of_each_step(tmp_path, monkeypatch, capsys):
     from dpclip.engine import microbatch
 
-    bench = load()
+    bench = load_benchmark("host_profile")
     one_by_one = bench.main(["--smoke", "--json", str(tmp_path / "one.json"), "--out", str(tmp_path / "one.txt")])
     monkeypatch.setitem(microbatch.FINALIZE_BATCH, "cpu", 4)   # the GPU's finalization
     four = bench.main(["--smoke"])
