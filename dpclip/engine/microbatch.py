@@ -7,10 +7,9 @@ is freed (groupwise-clipping paper Alg. 1 and §6: finer groups release memory e
 docs/engine.md, "Groups and early finalization"). :class:`DPEngine` builds the
 :class:`StepContext` once and hands every micro-batch what it needs explicitly.
 
-Length: about 500 lines, because a group's norm², its certification, its clip factors and
-its sums are one protocol over the same per-group state (what is pending, what is stashed,
-what the check read back, which groups wait to be finalized together); split apart, each
-part would need the others' fields.
+Length: over 400 lines, because a group's norm², its certification, its clip factors and
+its sums are one protocol over the same per-group state (pending, stashed, read back,
+waiting to be finalized together); the arithmetic itself is in :mod:`dpclip.engine.groupwise`.
 """
 
 from __future__ import annotations
@@ -24,8 +23,10 @@ from torch import Tensor
 
 from dpclip.engine.bookkeeping import StashMeter
 from dpclip.engine.cancellation import cancellation_bound, certified_rows, stacked_cancellation_flags
-from dpclip.engine.factors import (Dense, GramCache, Use, choose_ghost, clipped_sum, early_instance,
-                                   param_norm_sq, sqrt_or_zero, zero_samples)
+from dpclip.engine.factors import (Dense, GramCache, Use, clipped_sum, early_instance, param_norm_sq,
+                                   sqrt_or_zero, zero_samples)
+from dpclip.engine.groupwise import (chunk_clip, clip_factors, concatenated_norm_sq, describe_path,
+                                     nonfinite_norms, sliced_sums, stacked_columns, thresholds_of)
 from dpclip.engine.precision import LOW_PRECISION, engine_math, widened
 from dpclip.engine.streamed import streamable, streamed_clip
 from dpclip.errors import EngineError
@@ -41,9 +42,8 @@ FINALIZE_BATCH_DEFAULT = 4
 
 # A parameter's instantiated per-sample gradient of at most this many elements per sample
 # is normed in one concatenation with its group's others: GPT-2 small's 98 biases and
-# LayerNorm weights cost three kernels a group instead of two each (on a GPU the host's
-# launches bound a small step: docs/performance.md). Larger ones, say a fallback module's
-# whole weight, are normed alone, so the copy stays small.
+# LayerNorm weights cost three kernels a group instead of two each (docs/performance.md).
+# Larger ones, say a fallback module's whole weight, are normed alone: the copy stays small.
 DENSE_BATCH_MAX_NUMEL = 1 << 16
 
 
@@ -195,7 +195,7 @@ class MicroBatch:
             for use in uses:
                 self.meter.remove(use.tensors())
             self.parts[idx] = parts
-            self.paths[idx] = self._path(parts, e.transient[idx])
+            self.paths[idx] = describe_path(parts, e.norm_method, e.transient[idx])
             norm_sq = norm_sq.to(e.device)
             bound = cancellation_bound(parts, norm_sq.dtype)
             if bound is not None:
@@ -209,16 +209,6 @@ class MicroBatch:
                 self.ready.append(k)
                 if len(self.ready) >= self.finalize_batch:
                     self._finalize_ready()
-
-    def _path(self, parts: list[Use], transient: bool) -> str:
-        def one(part: Use) -> str:
-            if isinstance(part, Dense):
-                return "instantiated"
-            kind = "ids " if part.is_ids else ""
-            if choose_ghost(part, self.ctx.norm_method, transient):
-                return kind + "ghost"
-            return kind + "instantiated norm, factor sum"
-        return " + ".join(one(p) for p in parts)
 
     def _batchable(self, uses: list[Use]) -> bool:
         """One instantiated use, small, in the norm dtype once widened, on the engine's device:
@@ -234,11 +224,10 @@ class MicroBatch:
         """Group k's norm² [b] so far (its terms summed and kept as one), or None."""
         dense = self.dense_terms[k]
         if dense:
-            flat = (dense[0][1].flatten(1) if len(dense) == 1 else
-                    torch.cat([grad.flatten(1) for _, grad in dense], dim=1))
+            flat, sq = concatenated_norm_sq([grad for _, grad in dense])
             if len(dense) > 1:
                 self.meter.add([flat])
-            self.sq_terms[k].append(torch.linalg.vector_norm(flat, dim=1).square())
+            self.sq_terms[k].append(sq)
             self.dense_flat[k] = (flat, [idx for idx, _ in dense])
             dense.clear()
         terms = self.sq_terms[k]
@@ -299,16 +288,7 @@ class MicroBatch:
         unscale = self.unscale
         base = sq if sq is not None else torch.zeros(self.batch, device=e.device, dtype=e.norm_dtype)
         bundles = [self.parts[idx][0] for idx in streamed]
-        weights = self.row_weights
-        # the chunks' G_i are scaled by the loss scale: unscaled norms in, factors that also
-        # unscale out; and the sums carry 1/B
-        to_sum = (unscale or 1.0) * (self.sum_scale or 1.0)
-
-        def clip(chunk_norms, rows):
-            factors = e.clip(chunk_norms if unscale is None else chunk_norms * unscale, threshold)
-            if weights is not None:
-                factors = factors * weights[rows]
-            return factors if to_sum == 1.0 else factors * to_sum
+        clip = chunk_clip(e.clip, threshold, self.row_weights, unscale, self.sum_scale)
         norms, sums = streamed_clip(bundles, [e.params[idx].shape for idx in streamed], base,
                                     clip, self.meter)
         for idx, total in zip(streamed, sums):
@@ -325,33 +305,21 @@ class MicroBatch:
     def _finalize_ready(self) -> None:
         """Finalize the groups waiting in ``ready`` together (:data:`FINALIZE_BATCH`)."""
         groups, self.ready = sorted(self.ready), []
-        if not groups:
-            return
-        if groups == list(range(groups[0], groups[-1] + 1)):
-            thresholds = self.thresholds[groups[0]:groups[-1] + 1]   # a view, no kernel
-        else:
-            thresholds = torch.stack([self.thresholds[k] for k in groups])
-        self._finalize_groups(groups, thresholds)
+        if groups:
+            self._finalize_groups(groups, thresholds_of(self.thresholds, groups))
 
     def _finalize_groups(self, groups: list[int], thresholds: Tensor) -> None:
         """Finalize ``groups`` (none with streamed parameters) at once: their norms [b, K'],
         one certification read, one clip; ``thresholds`` [K'] or per sample [b, K']."""
         e = self.ctx
-        zeros = None
-        columns = []
-        for k in groups:
-            sq = self._group_norm_sq(k)
-            if sq is None:
-                zeros = torch.zeros(self.batch, device=e.device, dtype=e.norm_dtype) if zeros is None else zeros
-                sq = zeros
-            columns.append(sq)
-        sq = columns[0].unsqueeze(1) if len(columns) == 1 else torch.stack(columns, dim=1)   # [b, K']
-        # Σ norm² is finite iff every norm² is (or it overflows: the slow path in _nonfinite
+        def stacked():
+            return stacked_columns([self._group_norm_sq(k) for k in groups], self.batch, e.device, e.norm_dtype)
+        sq = stacked()   # [b, K']
+        # Σ norm² is finite iff every norm² is (or it overflows: nonfinite_norms' slow path
         # then finds nothing to drop); read with the cancellation check's flags
         raised, total_sq = self._certify(groups, sq.sum())
         if raised:
-            columns = [self._group_norm_sq(k) for k in groups]
-            sq = torch.stack([c if c is not None else zeros for c in columns], dim=1)
+            sq = stacked()
         norms = sqrt_or_zero(sq)
         if self.unscale is not None:
             norms = norms * self.unscale
@@ -361,36 +329,16 @@ class MicroBatch:
             self._group_sums(k, factors[:, j], None if keep is None else keep[:, j], norms[:, j])
 
     def _nonfinite(self, norms: Tensor, groups: list[int], total_sq: float | None) -> tuple[Tensor, Tensor | None]:
-        """``norms`` [b, K'] with every non-finite one read as +inf, and which to keep (None: all).
-
-        A sample with a non-finite norm would put 0·inf = NaN into the sum: one example could
-        change the release without bound. It contributes zero instead, and reads as +inf
-        (clipped, above every threshold) to the policy. The norms are ≥ 0, so their sum
-        (``total_sq``: Σ norm², already read; else summed here) is finite unless one is not
-        (or it overflows: then nothing is dropped); one reduction is ~4x cheaper than
-        isfinite().all()."""
-        if math.isfinite(total_sq if total_sq is not None else float(norms.sum())):
-            return norms, None
-        finite = torch.isfinite(norms)
-        if bool(finite.all()):
-            return norms, None
-        for j, k in enumerate(groups):
-            self.totals.nonfinite[k] += (~finite[:, j]).sum()
-        return torch.where(finite, norms, math.inf), finite
+        """:func:`~dpclip.engine.groupwise.nonfinite_norms`, the dropped samples counted per group."""
+        norms, keep = nonfinite_norms(norms, total_sq)
+        if keep is not None:
+            for j, k in enumerate(groups):
+                self.totals.nonfinite[k] += (~keep[:, j]).sum()
+        return norms, keep
 
     def _factors(self, norms: Tensor, thresholds: Tensor, keep: Tensor | None) -> Tensor:
-        """Clip factors [b, K'] of ``norms`` [b, K'], with the row weights, the loss scale's
-        1/scale (the parts hold the scaled gradient) and the sums' 1/B on them."""
-        factors = self.ctx.clip(norms, thresholds)
-        if self.row_weights is not None:
-            factors = factors * self.row_weights.unsqueeze(1)
-        if keep is not None:
-            factors = torch.where(keep, factors, 0)
-        if self.unscale is not None:
-            factors = factors * self.unscale
-        if self.sum_scale is not None:
-            factors = factors * self.sum_scale
-        return factors
+        return clip_factors(self.ctx.clip, norms, thresholds, keep, self.row_weights, self.unscale,
+                            self.sum_scale)
 
     def _group_sums(self, k: int, factors: Tensor, keep: Tensor | None, norms: Tensor) -> None:
         """Σ_i c_i G_i of group k's parameters (``factors`` [b]) into the step's sums; its stash freed."""
@@ -425,20 +373,14 @@ class MicroBatch:
 
     def _dense_sums(self, k: int, factors: Tensor, keep: Tensor | None) -> None:
         """Σ_i c_i G_i of group k's small instantiated gradients, from their concatenation
-        (:meth:`_group_norm_sq`): one [b] x [b, N] product for all of them, each parameter's sum
-        a slice of it (as a bucketed data-parallel gradient is a view of its bucket)."""
+        (:meth:`_group_norm_sq`; :func:`~dpclip.engine.groupwise.sliced_sums`)."""
         batched, self.dense_flat[k] = self.dense_flat[k], None
         if batched is None:
             return
         flat, indices = batched
-        # a non-finite sample's row would give 0·inf = NaN with its zero factor
-        rows = flat if keep is None else torch.where(keep.view(-1, 1), flat, 0)
-        summed = factors.to(flat.dtype) @ rows
-        out, offset = self.totals, 0
-        for idx in indices:
-            shape = self.ctx.params[idx].shape
-            total = summed[offset:offset + shape.numel()].view(shape)
-            offset += shape.numel()
+        out = self.totals
+        totals = sliced_sums(flat, [self.ctx.params[idx].shape for idx in indices], factors, keep)
+        for idx, total in zip(indices, totals):
             out.sums[idx] = total if out.sums[idx] is None else out.sums[idx].add_(total)
             for part in self.parts[idx]:
                 self.meter.remove(part.tensors())
