@@ -26,6 +26,7 @@ holds the recipe.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import random
@@ -53,18 +54,24 @@ def derived_seed(seed: int, purpose: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def _check_cpu_layout(state: torch.Tensor) -> None:
-    """Refuse to write a state whose layout is not the one this module knows.
+@functools.lru_cache(maxsize=1)
+def _cpu_layout_known() -> bool:
+    """Whether this torch's CPU generator state has the layout this module writes.
 
     A generator seeded with s has its initial seed at offset 0, ``left`` = 1, ``seeded``
-    = 1 at offset 8, and MT19937's first state word (= s) at offset 24."""
+    = 1 at offset 8, and MT19937's first state word (= s) at offset 24. Probed once per
+    process: the layout is a property of the torch build."""
     probe = torch.Generator()
     probe.manual_seed(0x1234_5678)
     raw = probe.get_state().numpy().tobytes()
-    ok = (state.numel() == _CPU_STATE_BYTES and len(raw) == _CPU_STATE_BYTES
-          and struct.unpack_from("<QiiQ", raw, 0) == (0x1234_5678, 1, 1, 0)
-          and struct.unpack_from("<Q", raw, _MT_OFFSET)[0] == 0x1234_5678)
-    if not ok:  # pragma: no cover - only a torch with another generator layout gets here
+    return (len(raw) == _CPU_STATE_BYTES
+            and struct.unpack_from("<QiiQ", raw, 0) == (0x1234_5678, 1, 1, 0)
+            and struct.unpack_from("<Q", raw, _MT_OFFSET)[0] == 0x1234_5678)
+
+
+def _check_cpu_layout(state: torch.Tensor) -> None:
+    """Refuse to write a state whose layout is not the one this module knows."""
+    if state.numel() != _CPU_STATE_BYTES or not _cpu_layout_known():  # pragma: no cover
         raise RuntimeError("this torch's CPU generator state has an unknown layout; dpclip cannot "
                            "fill it from OS entropy (report this, with the torch version)")
 
@@ -76,9 +83,8 @@ def _cpu_generator_from_words(words: bytes) -> torch.Generator:
     state = generator.get_state()
     _check_cpu_layout(state)
     raw = bytearray(state.numpy().tobytes())
-    for i in range(_MT_WORDS):
-        word = int.from_bytes(words[4 * i: 4 * i + 4], "little")
-        struct.pack_into("<Q", raw, _MT_OFFSET + 8 * i, word)
+    # each 32-bit word widened to the u64 slot the state keeps it in
+    struct.pack_into(f"<{_MT_WORDS}Q", raw, _MT_OFFSET, *struct.unpack(f"<{_MT_WORDS}I", words[: 4 * _MT_WORDS]))
     # left = 1, next = 0: the next draw regenerates the state block (as after seeding).
     struct.pack_into("<QiiQ", raw, 0, 0, 1, 1, 0)
     generator.set_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
@@ -120,25 +126,39 @@ def private_generator(seed: int | None, purpose: str, device: torch.device | str
 _SPLIT_KEY_WORDS = 8
 
 
-def split_generator(parent: torch.Generator, count: int, purpose: str) -> list[torch.Generator]:
-    """``count`` CPU generators for one batch of parallel draws, all derived from ``parent``.
+def split_key(parent: torch.Generator) -> bytes:
+    """256 bits drawn from the CPU generator ``parent`` (advancing it): the key of one split.
 
-    Draws 256 bits from ``parent`` (advancing it) and fills child j's whole MT19937 state
-    with SHAKE-256(purpose, those bits, j). The children are private exactly when the
-    parent is (OS entropy, or a seed with ``unsafe_seeded_randomness``), and a parent
-    restored from a checkpoint splits into the same children again. The hash is there
-    because MT19937 is linear over GF(2): children built from raw parent output would
-    be linear images of one state; hashed, the streams are unrelated to each other and to
-    the parent's later output (and SHAKE-256 is what :func:`seeded_generator` relies on).
-    """
+    :func:`child_generator` makes the split's children from it."""
     if parent.device.type != "cpu":
         raise ValueError("split_generator splits CPU generators (a CUDA Philox generator "
                          "draws in parallel by itself)")
     key = torch.empty(_SPLIT_KEY_WORDS, dtype=torch.int64).random_(0, 2**32, generator=parent)
-    material = b"".join(int(w).to_bytes(4, "little") for w in key.tolist())
-    return [_cpu_generator_from_words(hashlib.shake_256(
-        f"dpclip-split:{purpose}:{j}:".encode() + material).digest(4 * _MT_WORDS))
-        for j in range(count)]
+    return b"".join(int(w).to_bytes(4, "little") for w in key.tolist())
+
+
+def child_generator(key: bytes, purpose: str, index: int) -> torch.Generator:
+    """Child ``index`` of the split with ``key``: a CPU generator whose whole MT19937 state is
+    SHAKE-256(purpose, key, index). Any thread can make any child, in any order, and gets the
+    same stream."""
+    return _cpu_generator_from_words(hashlib.shake_256(
+        f"dpclip-split:{purpose}:{index}:".encode() + key).digest(4 * _MT_WORDS))
+
+
+def split_generator(parent: torch.Generator, count: int, purpose: str) -> list[torch.Generator]:
+    """``count`` CPU generators for one batch of parallel draws, all derived from ``parent``.
+
+    Draws 256 bits from ``parent`` (advancing it, :func:`split_key`) and fills child j's whole
+    MT19937 state with SHAKE-256(purpose, those bits, j) (:func:`child_generator`). The
+    children are private exactly when the parent is (OS entropy, or a seed with
+    ``unsafe_seeded_randomness``), and a parent restored from a checkpoint splits into the
+    same children again. The hash is there because MT19937 is linear over GF(2): children
+    built from raw parent output would be linear images of one state; hashed, the streams
+    are unrelated to each other and to the parent's later output (and SHAKE-256 is what
+    :func:`seeded_generator` relies on).
+    """
+    key = split_key(parent)
+    return [child_generator(key, purpose, j) for j in range(count)]
 
 
 def private_random(seed: int | None, purpose: str) -> random.Random:

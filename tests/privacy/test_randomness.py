@@ -8,6 +8,7 @@ that shows the attack has the power to detect a leak)."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import pytest
@@ -125,6 +126,20 @@ def test_entropy_generator_fills_the_whole_state_not_a_32_bit_seed():
     seeded.manual_seed(2 ** 63 - 25)
     assert _follows_mt_seeding(_mt_words(seeded))  # the check recognises a seeded state
     assert not _follows_mt_seeding(_mt_words(entropy_generator()))
+
+
+def test_generator_from_words_holds_exactly_those_words_and_draws_from_them():
+    from dpclip.rng import _cpu_generator_from_words
+
+    words = os.urandom(4 * 624)
+    want = [int.from_bytes(words[4 * i:4 * i + 4], "little") for i in range(624)]
+    generator = _cpu_generator_from_words(words)
+    assert _mt_words(generator) == want                       # every word, in order, none shifted
+    twin = _cpu_generator_from_words(words)
+    assert torch.equal(torch.rand(64, generator=generator), torch.rand(64, generator=twin))
+    flipped = bytearray(words)
+    flipped[4 * 623] ^= 1                                     # the last word reaches the stream too
+    assert _mt_words(_cpu_generator_from_words(bytes(flipped)))[623] == want[623] ^ 1
 
 
 def test_manual_seed_keeps_32_bits_but_seeded_generator_uses_every_bit():
