@@ -18,6 +18,7 @@ def digest(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow  # an end-to-end run: the slow set (README)
 def test_a_correct_dp_run_at_epsilon_one_stays_within_its_ledger(canary_recipe, monkeypatch):
     # Clip 1 and lr 0.5 so the ε = 1 model still learns (not a vacuous pass on a broken model).
     run = train(canary_recipe("clipping.threshold.value=1", "training.optimizer.lr=0.5")).run_dir
@@ -61,6 +62,7 @@ def test_a_noise_free_run_memorises_canaries_and_lira_sees_members(canary_recipe
     assert report["attacks"]["lira-offline"]["auc_ci95"][0] > 0.5
 
 
+@pytest.mark.slow  # an end-to-end run: the slow set (README)
 def test_an_under_noised_run_is_flagged(canary_recipe):
     recipe = canary_recipe("clipping.threshold.value=10", "training.optimizer.lr=1.0")
     with scaled_noise(0.01):  # the "bug": 1% of the noise the ledger accounts for

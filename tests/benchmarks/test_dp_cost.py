@@ -43,6 +43,7 @@ def test_smoke_gpt2_small_runs_each_of_its_shapes():
     assert (name, sizes["batch"], sizes["seq"], sizes["vocab"]) == ("gpt2-small", 2, 1024, 50257)
 
 
+@pytest.mark.slow  # a benchmark smoke run: the slow set (README)
 def test_gpt2_small_shapes_option_times_only_the_named_shapes_each_in_its_own_process():
     result = load().main(["--smoke", "--workloads", "gpt2-small", "--gpt2-small-shapes", "1x64",
                           "--methods", "non-private", "dpclip layer"])
@@ -69,6 +70,7 @@ def test_missing_opacus_is_reported_not_fatal(monkeypatch, capsys):
     assert set(result["workloads"]["mlp"]["ratio"]) == set(DPCLIP)
 
 
+@pytest.mark.slow  # a benchmark smoke run: the slow set (README)
 def test_memory_child_measures_step_memory_in_a_fresh_process():
     module = load()
     mem = module.measure_memory("mlp", "dpclip layer", dict(features=64, hidden=512, batch=512), 1, 1)

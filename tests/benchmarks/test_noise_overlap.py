@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.benchmarks.loader import load_benchmark
 
 
+@pytest.mark.slow  # a benchmark smoke run: the slow set (README)
 def test_noise_overlap_times_every_run_and_costs_each_draw_against_its_own_round(tmp_path, capsys):
     bench = load_benchmark("noise_overlap")
     result = bench.main(["--smoke", "--json", str(tmp_path / "r.json")])

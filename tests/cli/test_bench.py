@@ -64,6 +64,7 @@ def test_bench_bad_recipe_is_an_error_line(cli, tmp_path):
     assert r.code != 0
 
 
+@pytest.mark.slow  # a benchmark smoke run: the slow set (README)
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_step_memory_sees_a_large_allocation():
     # in a fresh process, as step_memory_mib asks: this one's heap may hold freed memory of earlier

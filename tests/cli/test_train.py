@@ -95,7 +95,8 @@ def test_resume_with_overrides_applies_non_privacy_fields_and_says_which(cli, tm
 
 @pytest.mark.parametrize("override, fragment", [
     ("privacy.epsilon=4", "privacy.epsilon"), ("training.steps=12", "training.steps"),
-    ("model.hidden=[8]", "model"), ("training.optimizer.lr=-1", "training.optimizer.lr")])
+    pytest.param("model.hidden=[8]", "model", marks=pytest.mark.slow),  # each case a run: two in the default
+    pytest.param("training.optimizer.lr=-1", "training.optimizer.lr", marks=pytest.mark.slow)])
 def test_resume_refuses_overrides_of_privacy_fields_and_the_model_with_a_hint(cli, tmp_path, override, fragment):
     summary = json.loads(cli("train", *short(tmp_path), "--json").out)
     before = (Path(summary["run_dir"]) / "recipe.yaml").read_text()

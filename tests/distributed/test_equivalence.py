@@ -22,6 +22,9 @@ from tests.distributed import workers
 from tests.distributed.engine_case import CLIPPING, grads_for, step_grads
 from tests.distributed.ranks import run_ranks
 
+# every test reads the two-rank runs of one module fixture (two process launches): slow
+pytestmark = pytest.mark.slow
+
 POLICIES = list(workers.POLICIES)
 
 

@@ -18,6 +18,7 @@ from tests.distributed.ranks import run_ranks
 launch_module = importlib.import_module("dpclip.distributed.launch")  # the package exports a function `launch`
 
 
+@pytest.mark.slow
 def test_ranks_that_disagree_on_the_recipe_all_refuse_before_writing(tmp_path):
     errors = run_ranks(workers.disagree, str(tmp_path))
     assert [e[0] for e in errors] == [0, 1]
@@ -27,6 +28,7 @@ def test_ranks_that_disagree_on_the_recipe_all_refuse_before_writing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_stops_every_rank_with_the_ledger_whole(tmp_path):
     errors = run_ranks(workers.raise_at_step, str(tmp_path), 5)
     by_rank = {e[0]: e for e in errors}

@@ -80,8 +80,9 @@ def ranks(request):
 
 
 def _sizes(*sizes):
-    """The world sizes as parameters: 4 ranks under ``slow`` (their spawn takes about a minute)."""
-    return pytest.mark.parametrize("ranks", [pytest.param(s, marks=[pytest.mark.slow] if s == 4 else [], id=f"{s}ranks")
+    """The world sizes as parameters, all under ``slow``: each is one launch of that many
+    processes (2 ranks about 15 s, 4 about a minute)."""
+    return pytest.mark.parametrize("ranks", [pytest.param(s, marks=[pytest.mark.slow], id=f"{s}ranks")
                                              for s in sizes], indirect=True)
 
 
@@ -191,6 +192,7 @@ def test_noise_of_a_step_without_examples_has_std_sigma_C_over_B(ranks, seed):
     _check_std(flat, NOISE_SIGMA * 1.0 / NOISE_B)
 
 
+@pytest.mark.slow
 def test_different_seeds_draw_different_noise(two_ranks):
     noise = _noise(two_ranks)
     a, b = (torch.cat([g.reshape(-1) for g in noise[("global", s)]["grads"].values()]) for s in NOISE_SEEDS)

@@ -33,7 +33,8 @@ OPTIMIZERS = {"sgd": ("quantile", []), "adamw": ("quantile", ["training.optimize
               "blt": ("layer", ["privacy.mechanism={kind: blt, buffers: 2}"])}
 
 
-@pytest.fixture(scope="module", params=["sgd", pytest.param("adamw", marks=pytest.mark.slow),
+@pytest.fixture(scope="module", params=[pytest.param("sgd", marks=pytest.mark.slow),
+                                        pytest.param("adamw", marks=pytest.mark.slow),
                                         pytest.param("banded", marks=pytest.mark.slow),
                                         pytest.param("blt", marks=pytest.mark.slow)])
 def sharded_runs(request, tmp_path_factory):

@@ -22,6 +22,10 @@ from tests.distributed.pipeline_case import CASES, one_process, pipeline_recipe,
 from tests.distributed.ranks import run_ranks
 
 
+# every test reads the module fixture's pipeline launches (or launches its own): slow
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline")

@@ -183,6 +183,7 @@ def _seeded(tmp_path, callbacks=(), **kwargs) -> DPTrainer:
     return trainer
 
 
+@pytest.mark.slow  # an end-to-end run: the slow set (README)
 def test_a_trainer_resumed_from_its_checkpoint_ends_as_the_run_that_never_stopped(tmp_path):
     whole = _seeded(tmp_path / "whole")
     whole.train()

@@ -71,6 +71,7 @@ def test_account_report_and_export_read_a_run_written_with_the_former_names(cli,
     assert card["gradient_noise_multiplier"] == statement["gradient_noise_multiplier"]
 
 
+@pytest.mark.slow  # an end-to-end run: the slow set (README)
 def test_resuming_a_checkpoint_written_with_the_former_names_ends_as_an_untouched_resume(run_dir, tmp_path):
     """A crash after step 2: the newest checkpoint is step 2's, ledger.json has moved on."""
     twin = tmp_path / "twin"

@@ -187,6 +187,7 @@ def tiny(script, tmp_path_factory):
     return folder, json.loads((folder / "runs.json").read_text(encoding="utf-8")), page.read_text(encoding="utf-8")
 
 
+@pytest.mark.slow  # tiny training runs of the script: the slow set (README)
 def test_tiny_runs_record_steps_epsilon_and_the_switch(tiny):
     _, result, _ = tiny
     runs = {run["config"]: run for run in result["runs"]}

@@ -69,6 +69,7 @@ def test_diagnostics_jsonl_gets_a_labelled_record_every_k_steps(small_recipe, on
     assert (result.run_dir / HESSIAN_PLOT).read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # an end-to-end run: the slow set (README)
 def test_measuring_does_not_change_what_training_does(small_recipe, one_thread):
     """Same seeded noise and batches: the run with diagnostics every 2 steps trains exactly
     as the run without (eval mode, no gradients left, the engine's book-keeping intact)."""

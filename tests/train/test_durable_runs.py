@@ -62,6 +62,7 @@ def test_sigterm_checkpoints_at_a_step_boundary_and_resume_ends_where_an_uninter
     assert json.loads((full / "ledger.json").read_text()) == json.loads((run_dir / "ledger.json").read_text())
 
 
+@pytest.mark.slow  # an end-to-end run: the slow set (README)
 def test_a_checkpoint_is_made_when_every_minutes_have_passed(small_recipe, monkeypatch):
     clock = {"now": 0.0}
 
@@ -90,6 +91,7 @@ def test_checkpoints_by_the_clock_are_on_by_default(quickstart):
     assert quickstart().checkpoint.every_minutes == 10 and quickstart().checkpoint.every_steps is None
 
 
+@pytest.mark.slow  # an end-to-end run: the slow set (README)
 def test_a_run_directory_resumes_and_accounts_from_another_directory(tmp_path, monkeypatch, cli):
     import numpy as np
 

@@ -36,6 +36,7 @@ def test_speedup_is_the_ratio_of_search_times(tiny):
     assert rows["auto"][key] < fixed[key]
 
 
+@pytest.mark.slow  # an end-to-end run: the slow set (README)
 def test_a_method_the_recipe_cannot_use_is_left_out_with_the_reason(tiny):
     from dpclip.engine.policies import threshold_kinds
 
