@@ -84,7 +84,8 @@ def _cpu_generator_from_words(words: bytes) -> torch.Generator:
     _check_cpu_layout(state)
     raw = bytearray(state.numpy().tobytes())
     # each 32-bit word widened to the u64 slot the state keeps it in
-    struct.pack_into(f"<{_MT_WORDS}Q", raw, _MT_OFFSET, *struct.unpack(f"<{_MT_WORDS}I", words[: 4 * _MT_WORDS]))
+    widened = struct.unpack(f"<{_MT_WORDS}I", words[: 4 * _MT_WORDS])
+    struct.pack_into(f"<{_MT_WORDS}Q", raw, _MT_OFFSET, *widened)
     # left = 1, next = 0: the next draw regenerates the state block (as after seeding).
     struct.pack_into("<QiiQ", raw, 0, 0, 1, 1, 0)
     generator.set_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
@@ -126,39 +127,25 @@ def private_generator(seed: int | None, purpose: str, device: torch.device | str
 _SPLIT_KEY_WORDS = 8
 
 
-def split_key(parent: torch.Generator) -> bytes:
-    """256 bits drawn from the CPU generator ``parent`` (advancing it): the key of one split.
+def split_generator(parent: torch.Generator, count: int, purpose: str) -> list[torch.Generator]:
+    """``count`` CPU generators for one batch of parallel draws, all derived from ``parent``.
 
-    :func:`child_generator` makes the split's children from it."""
+    Draws 256 bits from ``parent`` (advancing it) and fills child j's whole MT19937 state
+    with SHAKE-256(purpose, those bits, j). The children are private exactly when the
+    parent is (OS entropy, or a seed with ``unsafe_seeded_randomness``), and a parent
+    restored from a checkpoint splits into the same children again. The hash is there
+    because MT19937 is linear over GF(2): children built from raw parent output would
+    be linear images of one state; hashed, the streams are unrelated to each other and to
+    the parent's later output (and SHAKE-256 is what :func:`seeded_generator` relies on).
+    """
     if parent.device.type != "cpu":
         raise ValueError("split_generator splits CPU generators (a CUDA Philox generator "
                          "draws in parallel by itself)")
     key = torch.empty(_SPLIT_KEY_WORDS, dtype=torch.int64).random_(0, 2**32, generator=parent)
-    return b"".join(int(w).to_bytes(4, "little") for w in key.tolist())
-
-
-def child_generator(key: bytes, purpose: str, index: int) -> torch.Generator:
-    """Child ``index`` of the split with ``key``: a CPU generator whose whole MT19937 state is
-    SHAKE-256(purpose, key, index). Any thread can make any child, in any order, and gets the
-    same stream."""
-    return _cpu_generator_from_words(hashlib.shake_256(
-        f"dpclip-split:{purpose}:{index}:".encode() + key).digest(4 * _MT_WORDS))
-
-
-def split_generator(parent: torch.Generator, count: int, purpose: str) -> list[torch.Generator]:
-    """``count`` CPU generators for one batch of parallel draws, all derived from ``parent``.
-
-    Draws 256 bits from ``parent`` (advancing it, :func:`split_key`) and fills child j's whole
-    MT19937 state with SHAKE-256(purpose, those bits, j) (:func:`child_generator`). The
-    children are private exactly when the parent is (OS entropy, or a seed with
-    ``unsafe_seeded_randomness``), and a parent restored from a checkpoint splits into the
-    same children again. The hash is there because MT19937 is linear over GF(2): children
-    built from raw parent output would be linear images of one state; hashed, the streams
-    are unrelated to each other and to the parent's later output (and SHAKE-256 is what
-    :func:`seeded_generator` relies on).
-    """
-    key = split_key(parent)
-    return [child_generator(key, purpose, j) for j in range(count)]
+    material = b"".join(int(w).to_bytes(4, "little") for w in key.tolist())
+    return [_cpu_generator_from_words(hashlib.shake_256(
+        f"dpclip-split:{purpose}:{j}:".encode() + material).digest(4 * _MT_WORDS))
+        for j in range(count)]
 
 
 def private_random(seed: int | None, purpose: str) -> random.Random:
