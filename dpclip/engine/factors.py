@@ -48,7 +48,8 @@ import torch
 from torch import Tensor
 
 from dpclip.engine.grams import (GHOST_MAX_STRIPS, GHOST_MIN_BLOCK, GramCache,  # noqa: F401 (re-exported)
-                                 symmetric_ghost, batched_dot, ghost_strips)
+                                 symmetric_ghost, ghost_strips)
+from dpclip.engine.sums import batched_dot, sum_of_squares
 from dpclip.engine.precision import widened
 from dpclip.errors import EngineError
 
@@ -282,7 +283,7 @@ def _block_view(grad: Tensor, use: Bilinear) -> Tensor:
 def _self_term(p: _Part, cache: GramCache | None = None) -> tuple[Tensor, Tensor]:
     """(||part||², its atoms' squared sizes D)."""
     if p.inst is not None:
-        value = torch.linalg.vector_norm(p.inst.flatten(1), dim=1).square()
+        value = sum_of_squares(p.inst)   # blocked: a bound that does not grow with m·n
         if isinstance(p.use, Dense):
             return value, value
         return value, atom_sizes(p.use, value.dtype)[0]

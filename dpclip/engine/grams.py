@@ -12,14 +12,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-
-def batched_dot(x: Tensor, y: Tensor) -> Tensor:
-    """Σ over all but the first dim of x ⊙ y.
-
-    ``linalg.vecdot``, not a [1, N] x [N, 1] bmm: on CPU the bmm form is 10x slower
-    (benchmarks/norm_rule.py prints both)."""
-    batch = x.shape[0]
-    return torch.linalg.vecdot(x.reshape(batch, -1), y.reshape(batch, -1), dim=1)
+from dpclip.engine.sums import batched_dot
 
 
 # A Gram is computed in column strips of at least this many columns (the second GEMM
@@ -229,5 +222,5 @@ def symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
 
 
 __all__ = ["GHOST_MAX_STRIPS", "GHOST_MIN_BLOCK", "GHOST_PANEL_COLUMNS", "GHOST_PANEL_MAX_SEQ",
-           "GHOST_PANEL_MAX_STRIPS", "GHOST_WIDE_BYTES", "GHOST_WIDE_MIN_BLOCK", "GramCache", "batched_dot",
+           "GHOST_PANEL_MAX_STRIPS", "GHOST_WIDE_BYTES", "GHOST_WIDE_MIN_BLOCK", "GramCache",
            "ghost_panel", "ghost_strips", "symmetric_ghost"]

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from dpclip.engine import factors
 from dpclip.engine.factors import Bilinear, Use, concat_uses, instantiate, numel_per_sample, sqrt_or_zero, widened_use
+from dpclip.engine.sums import sum_of_squares
 
 
 # On the CPU a transient G_i of at least this many elements (all the group's bundles
@@ -72,7 +73,7 @@ def streamed_clip(bundles: list[Bilinear], shapes: list[torch.Size], base_norm_s
             meter.add(grads)
         sq = base_norm_sq[rows]
         for g in grads:
-            sq = sq + torch.linalg.vector_norm(g, dim=1).square().to(sq.dtype)
+            sq = sq + sum_of_squares(g).to(sq.dtype)
         chunk_norms = sqrt_or_zero(sq)
         c = clip(chunk_norms, rows)
         summed = grads
@@ -117,7 +118,7 @@ def _one_sample_at_a_time(bundles: list[Bilinear], shapes: list[torch.Size], bas
         for b, g in zip(bundles, grads):
             one = widened_use(Bilinear(b.left[i], b.right[i]), dtype)   # bf16 factors: G_i in float32
             torch.matmul(one.left.transpose(-1, -2), one.right, out=g)
-            sq = sq + torch.linalg.vector_norm(g).square().to(dtype)
+            sq = sq + sum_of_squares(g.unsqueeze(0)).to(dtype)
         norm = sqrt_or_zero(sq)
         c = clip(norm, slice(i, i + 1))
         finite = math.isfinite(float(norm))   # a CPU tensor: no device to wait for

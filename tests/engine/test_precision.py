@@ -258,8 +258,12 @@ def test_bf16_norms_and_clipped_sums_match_a_float64_per_example_reference(name,
 def test_the_tolerance_rejects_norms_computed_in_bf16(name, monkeypatch):
     # The engine's factor math with its float32 widening replaced by a cast to bf16:
     # Grams, norms and clipped sums rounded to 8 bits, as an engine without it would be.
+    # The blocked sums of squares (dpclip/engine/sums.py) widen half precision themselves:
+    # kept in bf16 too.
     import dpclip.engine.factors as factors
+    import dpclip.engine.sums as sums
     monkeypatch.setattr(factors, "widened", lambda t, dtype=None: t.to(BF16) if t.is_floating_point() else t)
+    monkeypatch.setattr(sums, "_working_dtype", lambda t: t.dtype)
     factory, loss_fn = MODELS[name]
     errors = worst(factory(), loss_fn, batch_for(name), "all-layer")
     assert errors["norms"] > 1, errors
