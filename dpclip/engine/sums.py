@@ -45,6 +45,11 @@ def relative_bound(dtype: torch.dtype) -> float:
     return k * unit / (1 - k * unit) + unit
 
 
+def _rows(x: Tensor) -> Tensor:
+    """x [B, ...] as [B, N] (a view where the layout allows)."""
+    return x.flatten(1) if x.dim() > 1 else x.unsqueeze(1)
+
+
 def _blocks(x: Tensor) -> tuple[Tensor, Tensor | None]:
     """x [B, N] as [B, N // BLOCK, BLOCK] and its last N % BLOCK columns (None if none)."""
     batch, n = x.shape
@@ -58,14 +63,20 @@ def sum_of_squares(x: Tensor) -> Tensor:
     relative error at most :func:`relative_bound` (3.9e-6 on the norm in float32), whatever
     the row's length. In float64 for float64 ``x``, else float32."""
     dtype = _working_dtype(x)
-    flat = x.reshape(x.shape[0], -1)
+    flat = _rows(x)
+    if flat.numel() == 0:
+        return torch.zeros(flat.shape[0], dtype=dtype, device=x.device)
     head, tail = _blocks(flat)
-    # vector_norm of a block, not Σ x²: no [B, N] temporary; its sqrt and the square in
-    # float64 add one rounding (u) to the block's bound
-    total = torch.linalg.vector_norm(head, dim=-1, dtype=dtype).to(torch.float64).square().sum(-1)
+    # vector_norm of each block, not Σ x²: no [B, N] temporary. The blocks' norms are then
+    # summed in float64 by a second vector_norm (its sqrt and the square add a few u₆₄),
+    # four kernels in all: on a GPU each is a launch the host pays for
+    if tail is None and flat.is_contiguous():   # one [B·N/k, k] reduction: on the CPU as fast
+        blocks = torch.linalg.vector_norm(flat.view(-1, BLOCK), dim=-1, dtype=dtype).view(flat.shape[0], -1)
+    else:                                        # as the whole row at B 4 ([B, N/k, k]: up to 1.6x slower)
+        blocks = torch.linalg.vector_norm(head, dim=-1, dtype=dtype)
     if tail is not None:
-        total = total + torch.linalg.vector_norm(tail, dim=-1, dtype=dtype).to(torch.float64).square()
-    return total.to(dtype)
+        blocks = torch.cat([blocks, torch.linalg.vector_norm(tail, dim=-1, dtype=dtype, keepdim=True)], dim=1)
+    return torch.linalg.vector_norm(blocks, dim=-1, dtype=torch.float64).square().to(dtype)
 
 
 def batched_dot(x: Tensor, y: Tensor) -> Tensor:
@@ -75,8 +86,9 @@ def batched_dot(x: Tensor, y: Tensor) -> Tensor:
     ``linalg.vecdot`` per block, not a [1, N] x [N, 1] bmm: on the CPU the bmm form is 10x
     slower (benchmarks/norm_rule.py prints both)."""
     dtype = torch.promote_types(_working_dtype(x), _working_dtype(y))
-    batch = x.shape[0]
-    fx, fy = x.reshape(batch, -1).to(dtype), y.reshape(batch, -1).to(dtype)
+    fx, fy = _rows(x).to(dtype), _rows(y).to(dtype)
+    if fx.numel() == 0:
+        return torch.zeros(fx.shape[0], dtype=dtype, device=x.device)
     (hx, tx), (hy, ty) = _blocks(fx), _blocks(fy)
     total = torch.linalg.vecdot(hx, hy, dim=-1).to(torch.float64).sum(-1)
     if tx is not None:

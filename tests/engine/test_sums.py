@@ -44,6 +44,9 @@ def test_sum_of_squares_takes_any_shape_and_layout_and_keeps_rows_apart():
     for i in range(3):
         assert float(sum_of_squares(x[i:i + 1])[0]) == pytest.approx(float(exact[i]), rel=relative_bound(torch.float32))
     assert sum_of_squares(torch.zeros(2, 0)).tolist() == [0.0, 0.0]
+    assert sum_of_squares(torch.zeros(0, 300)).shape == (0,)                 # an empty batch
+    assert batched_dot(torch.zeros(0, 300), torch.zeros(0, 300)).shape == (0,)
+    assert sum_of_squares(torch.tensor([3.0, -4.0])).tolist() == [9.0, 16.0]   # [B]: one entry each
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
