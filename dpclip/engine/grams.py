@@ -48,6 +48,23 @@ GHOST_PANEL_MAX_SEQ = 256
 GHOST_PANEL_MAX_STRIPS = 8
 
 
+# Rounding (docs/formulas.md, "Rounding of a norm"): each Gram entry is one GEMM's sum over
+# the factor's width, and on rows of constant entries its round-off grows with that width,
+# in one direction: a ghost norm² came out 1.3e-5 low at width 16384 and 5.8e-5 at 65536
+# (benchmarks/norm_rounding.py), past the unflagged tolerance ρ = 2e-5. A float32/64 factor
+# wider than this is read in panels of at most this many columns, whatever the speed rules
+# say: the error is then that of an 8192-wide product (7e-6 measured) plus one rounding per
+# panel.
+GHOST_ROUNDING_MAX_WIDTH = 8192
+
+
+def _rounding_panel(panel: int | None, x: Tensor, is_ids: bool) -> int | None:
+    """``panel`` capped at :data:`GHOST_ROUNDING_MAX_WIDTH` for a wide float32/64 factor."""
+    if is_ids or x.dtype not in (torch.float32, torch.float64) or x.shape[-1] <= GHOST_ROUNDING_MAX_WIDTH:
+        return panel
+    return min(panel or GHOST_ROUNDING_MAX_WIDTH, GHOST_ROUNDING_MAX_WIDTH)
+
+
 def ghost_panel(seq: int, device: torch.device, sample_bytes: int = 0) -> int | None:
     """The panel width (columns of the factor) :func:`symmetric_ghost` reads a wide factor in,
     or None (plain strips, each reading the whole factor)."""
@@ -172,7 +189,9 @@ def symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
             panel_right = panel
         strips = ghost_strips(t, right.device, max(left_bytes, right_bytes), panelled=panel is not None)
     strips = max(1, min(int(strips), t))
-    if strips == 1:
+    panel_left = _rounding_panel(panel_left, left, left_ids)
+    panel_right = _rounding_panel(panel_right, right, False)
+    if strips == 1 and panel_left is None and panel_right is None:
         if cache is None:
             gram_right = _gram(right, False)
         else:
@@ -222,5 +241,5 @@ def symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
 
 
 __all__ = ["GHOST_MAX_STRIPS", "GHOST_MIN_BLOCK", "GHOST_PANEL_COLUMNS", "GHOST_PANEL_MAX_SEQ",
-           "GHOST_PANEL_MAX_STRIPS", "GHOST_WIDE_BYTES", "GHOST_WIDE_MIN_BLOCK", "GramCache",
+           "GHOST_PANEL_MAX_STRIPS", "GHOST_ROUNDING_MAX_WIDTH", "GHOST_WIDE_BYTES", "GHOST_WIDE_MIN_BLOCK", "GramCache",
            "ghost_panel", "ghost_strips", "symmetric_ghost"]

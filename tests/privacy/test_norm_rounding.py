@@ -9,7 +9,8 @@ noise is calibrated to. The engine sums squares in blocks (dpclip/engine/sums.py
 docs/formulas.md, "Rounding of a norm"). Tested here through the engine's own clipped
 sums, on each path an instantiated norm takes: all-layer (the parameter's G_i), layer-wise
 one sample at a time (G_i of 2^20 entries and more on the CPU) and in batched chunks, and
-the ghost norm beside them.
+the ghost norm beside them, whose Gram entries are sums over a factor's width: wide
+factors are read in panels for the same reason.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 from torch import nn
 
 from dpclip.engine import DPEngine
+from dpclip.engine.cancellation import CANCELLATION_TOLERANCE, cancellation_flags
+from dpclip.engine.factors import Bilinear, param_norm_sq
 from tests.privacy.test_norm_cancellation import C, SLACK, group_contributions
 
 # (activation, output gradient) entries: each moved the sum past C with the whole-row norm
@@ -58,3 +61,20 @@ def test_constant_entry_example_moves_no_group_by_more_than_c(grouping, method, 
 
     contributions = group_contributions(make_engine, lambda m, batch: m(batch), x, x[1:])
     assert C * 0.5 < max(contributions) <= C * SLACK, contributions
+
+
+@pytest.mark.parametrize("m, n, t", [(32768, 768, 4), (256, 65536, 2)])
+def test_ghost_norm_of_a_wide_constant_factor_is_within_the_tolerance(m, n, t):
+    """A Gram entry is a GEMM's sum over the factor's width; on constant rows its round-off
+    grows with the width in one direction (5.8e-5 of the norm² at 65536 before the Grams of
+    wide factors were read in panels, grams.GHOST_ROUNDING_MAX_WIDTH). Unflagged, a ghost
+    norm² must be within CANCELLATION_TOLERANCE of the exact one (docs/formulas.md)."""
+    worst = 0.0
+    for a in (0.7, 1 / 3, 1.1, 0.1):
+        for v in (0.7, 1 / 3, 1.1, 0.1):
+            left, right = torch.full((1, 1, t, m), a), torch.full((1, 1, t, n), v)
+            got, _, atoms = param_norm_sq([Bilinear(left, right)], torch.Size([m, n]), "ghost", with_atoms=True)
+            assert not bool(cancellation_flags([Bilinear(left, right)], got, atoms)[0])
+            exact = float((left[0, 0].double().T @ right[0, 0].double()).square().sum())
+            worst = max(worst, 1 - float(got[0]) / exact)
+    assert worst <= CANCELLATION_TOLERANCE, worst
