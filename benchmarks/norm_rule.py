@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dpclip.allocator import keep_freed_memory  # noqa: E402
 from dpclip.bench import time_rounds  # noqa: E402
 from dpclip.engine import factors, grams  # noqa: E402
+from dpclip.engine.sums import sum_of_squares  # noqa: E402
 from dpclip.engine.factors import Bilinear, choose_ghost, clipped_sum, param_norm_sq  # noqa: E402
 from dpclip.engine.streamed import streamed_clip  # noqa: E402
 
@@ -135,7 +136,9 @@ def strip_rows(configs, shapes: dict, device: str, repeats: int) -> list[dict]:
 def traffic_rows(b: int, t: int, shapes: dict, repeats: int) -> list[dict]:
     """Where one-sample-at-a-time instantiation spends its time, per GPT-2 small block weight:
     the weight gradient's one GEMM against the B per-sample matmuls (the same multiply), the
-    B norms of G_i and the B scaled adds c_i G_i (passes over memory a flop count cannot see)."""
+    B norms of G_i (the engine's blocked sums, dpclip/engine/sums.py, and the whole-row
+    reduction they replaced) and the B scaled adds c_i G_i (passes over memory a flop count
+    cannot see)."""
     rows = []
     for name, (m, n) in shapes.items():
         gen = torch.Generator().manual_seed(m + n)
@@ -143,7 +146,8 @@ def traffic_rows(b: int, t: int, shapes: dict, repeats: int) -> list[dict]:
         buf, total, c = torch.empty(m, n), torch.zeros(m, n), torch.tensor([0.5])
         fns = {"weight gradient": lambda: left.reshape(-1, m).t() @ right.reshape(-1, n),
                "B matmuls": lambda: [torch.mm(left[i].t(), right[i], out=buf) for i in range(b)],
-               "B norms": lambda: [torch.linalg.vector_norm(buf) for _ in range(b)],
+               "B norms": lambda: [sum_of_squares(buf.unsqueeze(0)) for _ in range(b)],
+               "whole-row norms": lambda: [torch.linalg.vector_norm(buf) for _ in range(b)],
                "B scaled adds": lambda: [total.addcmul_(buf, c) for _ in range(b)]}
         rows.append({"layer": name, **median_ms(fns, repeats)})
     return rows
