@@ -4,20 +4,23 @@ A clip factor c_i = min(1, C/‖G_i‖) is only as sound as the norm it divides 
 computed too small lets the sample add more than C (docs/formulas.md, "Rounding of a
 norm"). torch's reductions sum a long row in a few dozen running float32 accumulators, so
 their round-off grows with the row's length and, for entries of near-constant size, in one
-direction: the norm of an instantiated 3072 x 768 gradient with constant entries came out
-up to 1.7e-3 too small (``torch.linalg.vector_norm``), and a crafted example then moved the
+direction: the norm² of an instantiated 3072 x 768 gradient with constant entries came out
+up to 3.6e-3 too small (``torch.linalg.vector_norm``), and a crafted example then moved the
 clipped sum by C·(1 + 1.35e-3) (tests/privacy/test_norm_rounding.py).
 
 Here each row is cut into blocks of :data:`BLOCK` entries. A block is reduced in the
 working precision, in whatever order the backend likes: for any order,
 
-    |ŝ_block − s_block| ≤ γ_k · Σ_j |x_j y_j|,   γ_k = k·u / (1 − k·u),   k = BLOCK + 1
+    |ŝ_block − s_block| ≤ γ_k · Σ_j |x_j y_j|,   γ_k = k·u / (1 − k·u)
 
-(k − 1 additions and one rounding of each product; Higham, "Accuracy and Stability of
-Numerical Algorithms", 2nd ed., §3.1), and the blocks are summed in float64, whose own
-round-off (γ over at most 2^31 blocks in u = 2^-53) is below 10^-6 of that. For float32,
-γ_129 = 7.7e-6 on a norm², 3.9e-6 on the norm: within the clip invariant's 10^-5. Half-
-precision rows are reduced in float32 (their squares would round at 2^-8). Pure torch.
+with k = BLOCK for a dot product (BLOCK − 1 additions and one rounding of each product;
+Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., §3.1) and k = BLOCK + 2
+for a sum of squares, which ``vector_norm`` returns as a rounded square root, squared again
+(two more roundings). The blocks are summed in float64 (γ over at most 2^24 blocks in
+u₆₄ = 2^-53: at most 2^-29), and the total is rounded once to the working precision (one
+more u). So a norm² is within :func:`relative_bound` = γ_(BLOCK+3) + 2^-29: 7.8e-6 in
+float32, 3.9e-6 on the norm, within the clip invariant's 10^-5 whatever the row's length.
+Half-precision rows are reduced in float32 (their squares would round at 2^-8). Pure torch.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-#: entries per block: the bound is γ_(BLOCK+1) of the working precision. At 128 the blocked
+#: entries per block: the bound is γ_(BLOCK+3) of the working precision. At 128 the blocked
 #: norms of a GPT-2 small block's per-sample gradients took about what the whole-row reduction
 #: did on the CPU (benchmarks/norm_rule.py --traffic; shorter blocks were slower).
 BLOCK = 128
@@ -36,14 +39,14 @@ def _working_dtype(x: Tensor) -> torch.dtype:
 
 
 def relative_bound(dtype: torch.dtype) -> float:
-    """γ_(BLOCK+1) of ``dtype``'s working precision plus the final rounding to it: the
-    relative error bound of :func:`sum_of_squares` (against Σ_j x_j², computed from the
-    same stored x), and of :func:`batched_dot` against Σ_j |x_j y_j|."""
+    """γ_(BLOCK+3) of ``dtype``'s working precision + 2^-29 (module doc): the relative error
+    bound of :func:`sum_of_squares` (against Σ_j x_j² of the same stored x), and of
+    :func:`batched_dot` against Σ_j |x_j y_j|."""
     if dtype in (torch.float16, torch.bfloat16):
         dtype = torch.float32
     unit = torch.finfo(dtype).eps / 2
-    k = BLOCK + 1
-    return k * unit / (1 - k * unit) + unit
+    k = BLOCK + 3
+    return k * unit / (1 - k * unit) + 2.0 ** -29
 
 
 def _rows(x: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""Blocked per-sample sums: their round-off is bounded by γ_(BLOCK+1), whatever the length.
+"""Blocked per-sample sums: their round-off is bounded by γ_(BLOCK+3), whatever the length.
 
 The exact value is the float64 sum of the stored (float32 or half) entries: every product of
 two float32 numbers is exact in float64, and a float64 sum of up to 10^7 such terms is
@@ -64,7 +64,7 @@ def test_float64_rows_stay_float64_with_their_own_bound():
     x = torch.full((1, 10_000), 1 / 3, dtype=torch.float64)
     got = sum_of_squares(x)
     assert got.dtype == torch.float64
-    assert relative_bound(torch.float64) < 1e-13
+    assert relative_bound(torch.float64) < 2e-9     # the float64 sum of up to 2^24 blocks
     assert abs(float(got[0]) - 10_000 / 9) <= 1e-9
 
 
