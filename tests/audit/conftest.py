@@ -17,6 +17,10 @@ CANARY_RUN = [
     "training.epochs=null", "training.steps=600", "training.batch_size=32", "training.micro_batch_size=32",
     "data.test_fraction=0.5", "model.hidden=[256]", "privacy.epsilon=1", "privacy.accountant=rdp",
     "audit.canaries.count=200", "audit.canaries.kind=ood", "checkpoint.every_steps=null", "eval.every_steps=null",
+    # The claims below are statistical: fixed seeds make them the same test on every run
+    # (canaries, Poisson batches and noise from OS entropy had made one fail 1 run in a few).
+    # Tests only: a seeded run's ε does not hold against whoever holds its recipe.
+    "privacy.unsafe_seeded_randomness=true", "audit.canaries.seed=12345",
 ]
 
 
