@@ -50,10 +50,10 @@ GHOST_PANEL_MAX_STRIPS = 8
 
 # Rounding (docs/formulas.md, "Rounding of a norm"): each Gram entry is one GEMM's sum over
 # the factor's width, and on rows of constant entries its round-off grows with that width,
-# in one direction: a ghost norm² came out 1.3e-5 low at width 16384 and 5.8e-5 at 65536
+# in one direction: a ghost norm² came out 1.3e-5 low at width 16384 and 4.7e-5 at 65536
 # (benchmarks/norm_rounding.py), past the unflagged tolerance ρ = 2e-5. A float32/64 factor
 # wider than this is read in panels of at most this many columns, whatever the speed rules
-# say: the error is then that of an 8192-wide product (7e-6 measured) plus one rounding per
+# say: the error is then that of an 8192-wide product (7.8e-6 measured) plus one rounding per
 # panel.
 GHOST_ROUNDING_MAX_WIDTH = 8192
 

@@ -66,7 +66,7 @@ def test_constant_entry_example_moves_no_group_by_more_than_c(grouping, method, 
 @pytest.mark.parametrize("m, n, t", [(32768, 768, 4), (256, 65536, 2)])
 def test_ghost_norm_of_a_wide_constant_factor_is_within_the_tolerance(m, n, t):
     """A Gram entry is a GEMM's sum over the factor's width; on constant rows its round-off
-    grows with the width in one direction (5.8e-5 of the norm² at 65536 before the Grams of
+    grows with the width in one direction (4.7e-5 of the norm² at 65536 before the Grams of
     wide factors were read in panels, grams.GHOST_ROUNDING_MAX_WIDTH). Unflagged, a ghost
     norm² must be within CANCELLATION_TOLERANCE of the exact one (docs/formulas.md)."""
     worst = 0.0
