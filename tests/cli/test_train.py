@@ -77,6 +77,7 @@ def test_bad_training_input_gives_error_and_hint_without_traceback(cli, tmp_path
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow  # an end-to-end resume (5 s); tests/privacy/test_crash_and_resume.py stays in the default run
 def test_resume_with_overrides_applies_non_privacy_fields_and_says_which(cli, tmp_path):
     summary = json.loads(cli("train", *short(tmp_path), "--json").out)
     run_dir = Path(summary["run_dir"])

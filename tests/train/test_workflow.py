@@ -66,6 +66,7 @@ def _without_timing(path: Path) -> list[dict]:
     return records
 
 
+@pytest.mark.slow  # an end-to-end resume (5 s); tests/privacy/test_crash_and_resume.py stays in the default run
 def test_resume_from_a_checkpoint_matches_an_uninterrupted_run(small_recipe, tmp_path):
     import shutil
 
