@@ -47,8 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dpclip.engine.grams import (GHOST_MAX_STRIPS, GHOST_MIN_BLOCK, GramCache,  # noqa: F401 (re-exported)
-                                 symmetric_ghost, ghost_strips)
+from dpclip.engine.grams import GHOST_MAX_STRIPS, GHOST_MIN_BLOCK, GramCache, symmetric_ghost, ghost_strips  # noqa: F401
 from dpclip.engine.sums import batched_dot, sum_of_squares
 from dpclip.engine.precision import widened
 from dpclip.errors import EngineError
