@@ -14,7 +14,7 @@ from dpclip.engine.groupwise import concatenated_norm_sq
 from dpclip.engine.sums import BLOCK, batched_dot, relative_bound, sum_of_squares
 
 CONSTANTS = [1 / 3, 0.7, 1.1, 0.1]
-LENGTHS = [3072 * 768, 4097, BLOCK + 1, 7]
+LENGTHS = [3072 * 768, 4097, BLOCK + 1, BLOCK, 7]
 
 
 def _exact_sq(x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +68,7 @@ def test_float64_rows_stay_float64_with_their_own_bound():
     assert abs(float(got[0]) - 10_000 / 9) <= 1e-9
 
 
-@pytest.mark.parametrize("length", [3072 * 768, 1000])
+@pytest.mark.parametrize("length", [3072 * 768, 1000, BLOCK, 5])
 def test_batched_dot_error_is_bounded_by_the_absolute_products(length):
     """Signed terms may cancel: the bound is γ·Σ|x_j y_j|, not relative to the result."""
     g = torch.Generator().manual_seed(1)
@@ -97,3 +97,33 @@ def test_a_groups_concatenated_small_gradients_get_the_blocked_norm():
     flat, sq = concatenated_norm_sq(grads)
     exact = _exact_sq(flat)
     assert torch.all((sq.double() - exact).abs() <= relative_bound(torch.float32) * exact)
+
+
+def _kernels(fn) -> int:
+    """aten operations a call makes that are not views (on a GPU each is a launch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    views = {"view", "_unsafe_view", "slice", "unsqueeze", "reshape", "alias", "detach", "promote_types"}
+    count = 0
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal count
+            count += func.__name__.split(".")[0] not in views
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return count
+
+
+def test_blocked_sums_launch_few_kernels():
+    """A GPU step is bound by its host: each kernel is a launch it pays for, one per
+    parameter and step (docs/performance.md). A row of one block is one reduction (a dot
+    product on the CPU is a product and its sum); a long contiguous row four kernels,
+    whatever its length."""
+    short, long_ = torch.ones(4, BLOCK), torch.ones(4, 512 * BLOCK)
+    assert _kernels(lambda: sum_of_squares(short)) <= 2
+    assert _kernels(lambda: batched_dot(short, short)) <= 2
+    assert _kernels(lambda: sum_of_squares(long_)) <= 4
+    assert _kernels(lambda: batched_dot(long_, long_)) <= 4
