@@ -30,7 +30,9 @@ from dpclip.rng import private_generator, split_generator
 # A CPU draw of at least this many elements is split into STREAMS streams drawn in
 # parallel (docs/performance.md, "The noise draw"): torch's CPU normal_ runs on one core
 # with one generator, about 7 ns per element here (0.8 s for GPT-2 small's 124M). Below it
-# (about 30 ms of drawing) one generator draws everything, as it always did.
+# (about 30 ms of drawing) one generator draws everything, in parameter order, small
+# tensors packed into one draw as on a GPU (:func:`_add_drawn_packed`): a small model's
+# 100-odd parameters would otherwise cost three tensor operations each a step.
 SPLIT_MIN_NUMEL = 1 << 22
 # A constant, not the thread count: a seeded run draws the same noise on any machine.
 STREAMS = 8
@@ -157,8 +159,8 @@ class NoiseSource:
         """``targets[j] += N(0, stds[j]²)`` in place, every coordinate drawn independently.
 
         In place, so a step holds no second copy of the model's gradients: the noise is
-        drawn :data:`CHUNK` elements at a time into a scratch buffer and added (on a GPU,
-        up to :data:`DEVICE_CHUNK` at a time, small tensors packed into one draw). On CPU,
+        drawn :data:`CHUNK` elements at a time into a scratch buffer and added, small
+        tensors packed into one draw (on a GPU up to :data:`DEVICE_CHUNK` at a time). On CPU,
         when the targets hold :data:`SPLIT_MIN_NUMEL` elements or more, their
         concatenation (in order) is cut into :data:`STREAMS` equal slices; slice k is drawn
         with the k-th generator of :func:`dpclip.rng.split_generator` (its whole state
@@ -173,14 +175,11 @@ class NoiseSource:
         split = total >= SPLIT_MIN_NUMEL
         by_device: dict[torch.device, list[int]] = {}
         for j, t in enumerate(targets):
-            if t.device.type == "cpu":
-                if not split:
-                    _add_drawn(t.view(-1), float(stds[j]), self.generator(t.device))
-            else:
+            if t.device.type != "cpu" or not split:
                 by_device.setdefault(t.device, []).append(j)
-        for device, js in by_device.items():
+        for device, js in by_device.items():   # a small CPU draw is packed too: CHUNK at a time
             _add_drawn_packed([targets[j].view(-1) for j in js], [float(stds[j]) for j in js],
-                              self.generator(device))
+                              self.generator(device), CHUNK if device.type == "cpu" else DEVICE_CHUNK)
         if split:
             self._split_add([(targets[j].view(-1), float(stds[j])) for j in cpu], total)
 

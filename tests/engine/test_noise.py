@@ -217,11 +217,12 @@ def test_split_draw_is_the_same_on_any_thread_count_and_moves_on_each_step(monke
 def test_below_the_split_size_one_generator_draws_everything_in_order():
     from dpclip.engine.noise import NoiseSource
 
+    # small tensors share one unit draw over their concatenation, in order, each piece scaled
     like = [torch.zeros(30), torch.zeros(4, 5)]
     got = _draw(NoiseSource(5), like, [1.0, 2.0])
     reference = NoiseSource(5)
-    want = [torch.empty_like(t).normal_(0.0, s, generator=reference.generator(t.device))
-            for t, s in zip(like, [1.0, 2.0])]
+    unit = torch.empty(50).normal_(generator=reference.generator(torch.device("cpu")))
+    want = [unit[:30] * 1.0, (unit[30:] * 2.0).view(4, 5)]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
