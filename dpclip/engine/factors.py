@@ -42,6 +42,7 @@ uses and its norm needs every cross term, ``||Σ_u G_u||² = Σ_{u,v} <G_u, G_v>
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -201,9 +202,11 @@ def concat_uses(uses: list[Bilinear]) -> Bilinear:
 
 def numel_per_sample(use: Bilinear) -> tuple[int, int]:
     """(numel of one instantiated G_i, numel of its stored factors L_i and R_i)."""
-    g, n = use.right.shape[1], use.right.shape[3]
+    right_shape = use.right.shape
+    g, n = right_shape[1], right_shape[3]
     m = use.vocab if use.is_ids else use.left.shape[3]
-    return g * m * n, use.left[0].numel() + use.right[0].numel()
+    # from the shapes: indexing a sample out would make two views, on the host's time
+    return g * m * n, math.prod(use.left.shape[1:]) + math.prod(right_shape[1:])
 
 
 # How much larger than its factors a transient G_i may be and still be instantiated

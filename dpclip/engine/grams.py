@@ -138,8 +138,10 @@ class GramCache:
 
     @staticmethod
     def _same(a: Tensor, version: int, b: Tensor) -> bool:
-        return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
-                and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+        # the data pointer first: it tells most misses apart in one call
+        return (a.data_ptr() == b.data_ptr() and a.device == b.device and a.dtype == b.dtype
+                and a.shape == b.shape and a.stride() == b.stride()
+                and a.storage_offset() == b.storage_offset()
                 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
                 and a._version == b._version == version)
 

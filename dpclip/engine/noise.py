@@ -45,6 +45,11 @@ CHUNK = 1 << 20
 # 1 MiB pieces took about 300 launches, 5.7 ms of host time per step on an H200 where the
 # draw itself needs well under one (docs/performance.md, "The floor").
 DEVICE_CHUNK = 1 << 24
+# A packed draw is scaled by one multiply per span of tensors with one std, up to this many
+# spans (more: one multi-tensor multiply, which on a GPU takes few launches); None: any
+# number (on the CPU a multi-tensor multiply is a loop over the tensors).
+MAX_SCALED_SPANS: dict[str, int | None] = {"cpu": None}
+MAX_SCALED_SPANS_DEFAULT = 8
 
 
 def _add_drawn(flat: Tensor, std: float, generator: torch.Generator, chunk: int = CHUNK) -> None:
@@ -58,28 +63,49 @@ def _add_drawn(flat: Tensor, std: float, generator: torch.Generator, chunk: int 
 def _add_drawn_packed(flats: list[Tensor], stds: list[float], generator: torch.Generator,
                       chunk: int = DEVICE_CHUNK) -> None:
     """flats[j] += N(0, stds[j]²) for tensors on one device: runs of consecutive tensors of
-    one dtype, at most ``chunk`` elements together, share one unit draw, scaled and added
-    with one multi-tensor kernel each (``torch._foreach_mul_``, ``_foreach_add_``, as
-    torch's optimizers use); a tensor of ``chunk`` elements or more is drawn alone."""
+    one dtype, at most ``chunk`` elements together, share one unit draw, scaled span by span
+    of one std and added with one multi-tensor kernel (``torch._foreach_add_``, as torch's
+    optimizers use); a tensor of ``chunk`` elements or more is drawn alone."""
     run: list[tuple[Tensor, float]] = []
+    sizes: list[int] = []   # of the tensors in run; their sum kept as we go (not re-summed per tensor)
+    size = 0
 
     def flush() -> None:
+        nonlocal size
         if not run:
             return
-        sizes = [t.numel() for t, _ in run]
-        scratch = torch.empty(sum(sizes), device=run[0][0].device, dtype=run[0][0].dtype)
-        pieces = list(scratch.normal_(generator=generator).split(sizes))
-        torch._foreach_mul_(pieces, [std for _, std in run])
+        scratch = torch.empty(size, device=run[0][0].device, dtype=run[0][0].dtype).normal_(generator=generator)
+        # scaled span by span of one std: one span under the global allocation, where every
+        # group has the same std (a multi-tensor multiply costs the host per tensor, on the
+        # CPU about 2 µs each); many spans on a GPU: one multi-tensor multiply
+        spans, start, end = [], 0, 0
+        for j, (_, std) in enumerate(run):
+            end += sizes[j]
+            if j + 1 == len(run) or run[j + 1][1] != std:
+                spans.append((start, end, std))
+                start = end
+        pieces = list(scratch.split(sizes))
+        limit = MAX_SCALED_SPANS.get(scratch.device.type, MAX_SCALED_SPANS_DEFAULT)
+        if limit is None or len(spans) <= limit:
+            for lo, hi, std in spans:
+                scratch[lo:hi].mul_(std)
+        else:
+            torch._foreach_mul_(pieces, [std for _, std in run])
         torch._foreach_add_([t for t, _ in run], pieces)
         run.clear()
+        sizes.clear()
+        size = 0
 
     for flat, std in zip(flats, stds):
-        if flat.numel() >= chunk:
+        numel = flat.numel()
+        if numel >= chunk:
             _add_drawn(flat, std, generator, chunk)
             continue
-        if run and (sum(t.numel() for t, _ in run) + flat.numel() > chunk or flat.dtype != run[0][0].dtype):
+        if run and (size + numel > chunk or flat.dtype != run[0][0].dtype):
             flush()
         run.append((flat, std))
+        sizes.append(numel)
+        size += numel
     flush()
 
 ALLOCATIONS = ("global", "equal-budget", "weighted")

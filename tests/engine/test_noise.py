@@ -262,10 +262,14 @@ def test_split_noise_resumes_from_the_state_dict(monkeypatch, seed):
         assert torch.equal(p.grad, w)
 
 
-def test_packed_device_draw_gives_each_tensor_its_own_std_in_place():
+@pytest.mark.parametrize("scaled_spans", [None, 0], ids=["span by span", "multi-tensor multiply"])
+def test_packed_device_draw_gives_each_tensor_its_own_std_in_place(monkeypatch, scaled_spans):
     # The GPU path (_add_drawn_packed, device-agnostic) run on CPU tensors: small tensors share
-    # a draw, a dtype change or a full run starts a new one, a large tensor is drawn alone.
+    # a draw, a dtype change or a full run starts a new one, a large tensor is drawn alone;
+    # scaled by one multiply per span of one std, or (many spans on a GPU) per tensor.
     from dpclip.engine import noise
+
+    monkeypatch.setitem(noise.MAX_SCALED_SPANS, "cpu", scaled_spans)
 
     gen = torch.Generator().manual_seed(11)
     sizes = [500, 500] + [int(n) for n in torch.randint(1, 3000, (60,), generator=gen)] + [5000]
