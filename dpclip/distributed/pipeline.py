@@ -166,7 +166,7 @@ class PipelineEngine:
             return report
         parts = self.link.world.all_gather({
             "thresholds": report.thresholds, "clip_fraction": report.clip_fraction, "nonfinite": report.nonfinite,
-            "noise_std_sum": report.noise_std_sum, "quantiles": report.norm_quantiles,
+            "noise_std_sum": report.noise_std_sum, "quantiles": dict(report.norm_quantiles),
             "summary": report.policy_summary})
         cat = lambda key: torch.cat([p[key] for p in parts])  # noqa: E731
         summary: dict = {}

@@ -38,7 +38,7 @@ from dpclip.engine.factors import NORM_METHODS
 from dpclip.engine.microbatch import MicroBatch, StepContext, StepTotals
 from dpclip.engine.policies import PolicyContext, ThresholdPolicy, build_policy
 from dpclip.engine.reducer import Reducer, StageLink, sum_counts
-from dpclip.engine.report import ClipDebug, StepReport, norm_quantiles
+from dpclip.engine.report import ClipDebug, LazyQuantiles, StepReport
 from dpclip.errors import EngineError
 
 DEFAULT_CLIPPING = {
@@ -392,7 +392,7 @@ class DPEngine:
         report = StepReport(
             group_names=self.group_names,
             thresholds=thresholds,
-            norm_quantiles=norm_quantiles(self._norms, len(self.groups), self._device, self._norm_dtype),
+            norm_quantiles=LazyQuantiles(self._norms, len(self.groups), self._device, self._norm_dtype),
             clip_fraction=clip_fraction,
             nonfinite=self._nonfinite,
             noise_std_sum=std.detach(),

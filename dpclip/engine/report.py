@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import dp_accounting
@@ -30,6 +31,34 @@ def norm_quantiles(norms: list[Tensor], groups: int, device: torch.device, dtype
     return {k: values[j] for j, k in enumerate(QUANTILES)}
 
 
+class LazyQuantiles(Mapping):
+    """:func:`norm_quantiles` computed on first read. Most steps' reports are never read
+    for them (the Python API, benchmarks), and the computation is a sort and, on a GPU, a
+    wait for the device: a host cost of every step otherwise (docs/performance.md)."""
+
+    def __init__(self, norms: list[Tensor], groups: int, device: torch.device, dtype: torch.dtype):
+        self._args: tuple | None = (list(norms), groups, device, dtype)
+        self._values: dict[str, Tensor] | None = None
+
+    def _computed(self) -> dict[str, Tensor]:
+        if self._values is None:
+            self._values = norm_quantiles(*self._args)
+            self._args = None   # the norms are let go once read
+        return self._values
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self._computed()[key]
+
+    def __iter__(self):
+        return iter(QUANTILES)
+
+    def __len__(self) -> int:
+        return len(QUANTILES)
+
+    def __repr__(self) -> str:
+        return repr(self._computed())
+
+
 @dataclass
 class StepReport:
     """What one ``privatize()`` did. Tensors have one entry per group.
@@ -46,7 +75,7 @@ class StepReport:
 
     group_names: list[str]
     thresholds: Tensor
-    norm_quantiles: dict[str, Tensor]
+    norm_quantiles: Mapping[str, Tensor]   # computed on first read (LazyQuantiles)
     clip_fraction: Tensor | None
     nonfinite: Tensor
     noise_std_sum: Tensor

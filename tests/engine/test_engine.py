@@ -177,6 +177,30 @@ def test_logical_batch_without_samples_still_adds_noise():
     assert torch.isnan(report.norm_quantiles["median"]).all()
 
 
+def test_report_quantiles_are_computed_when_first_read_from_that_steps_norms(monkeypatch):
+    """A report nobody reads costs no sort (and, on a GPU, no wait for the device); read
+    after the next step, it still holds its own step's norms."""
+    from dpclip.engine import report as report_module
+
+    calls = []
+    eager = report_module.norm_quantiles
+    monkeypatch.setattr(report_module, "norm_quantiles", lambda *a: calls.append(1) or eager(*a))
+    model = mlp()
+    engine = DPEngine(model, {"grouping": "layer"}, gradient_noise_multiplier=0.0, expected_batch_size=4)
+    reports, norms = [], []
+    for seed in (1, 2):
+        engine.backward(classify_loss(model, mlp_batch(n=4, seed=seed)))
+        norms.append(engine._norms[0].clone())
+        reports.append(engine.privatize())
+    assert calls == []
+    first = dict(reports[0].norm_quantiles)
+    assert calls == [1]
+    torch.testing.assert_close(first["max"], norms[0].max(dim=0).values)
+    torch.testing.assert_close(first["min"], norms[0].min(dim=0).values)
+    assert not torch.equal(first["max"], norms[1].max(dim=0).values)
+    assert reports[0].norm_quantiles["median"] is first["median"] and calls == [1]   # once
+
+
 # ----------------------------------------------------------------- sensitivity
 
 SENS_GROUPINGS = ["all-layer", "layer", "param", {"uniform": 2}]
