@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, on a machine with one CUDA device and dpclip's dependencies
 # installed: the CUDA tests, the ghost-norm strip counts on CUDA, GPT-2 small against its
-# floor, where its host time goes (host_profile.py), then (with ROWS=1) the GPU rows of
+# floor, where its host time goes (host_profile.py, and the tiny GPT-2 whose step is all host
+# work, engine_step_ratio.py), then (with ROWS=1) the GPU rows of
 # docs/performance.md with Opacus.
 #   bash benchmarks/gpu_check.sh OUT_DIR          # about 4 minutes on one H200
 #   ROWS=1 bash benchmarks/gpu_check.sh OUT_DIR   # about 5 more
@@ -18,6 +19,9 @@ timeout 300 python3 benchmarks/floor_gap.py --device cuda --memory --repeats 10 
     --shapes 4x256 2x1024 16x256 8x1024 --json "$out/floor_gap.json" 2>&1 | tee "$out/floor_gap.txt"
 timeout 120 python3 benchmarks/host_profile.py --device cuda --shape 4x256 --out "$out/host_profile.txt" \
     --json "$out/host_profile.json" > /dev/null 2>&1
+# the host-bound tiny GPT-2 of benchmarks/results/host_overhead_cpu.txt, on the GPU's host
+timeout 120 python3 benchmarks/engine_step_ratio.py --device cuda --layers 12 --embd 16 --vocab 64 --seq 4 \
+    --batch 2 --threads 1 --repeats 30 --count-ops 2>&1 | tee "$out/host_overhead.txt"
 if [ "${ROWS:-0}" = 1 ]; then
     timeout 330 python3 benchmarks/gpu_rows.py --json "$out/gpu_rows.json" --profile 4x256 8x1024 2>&1 \
         | tee "$out/gpu_rows.txt"
