@@ -165,6 +165,36 @@ def test_pld_is_fast_for_ten_thousand_steps():
     assert elapsed < 5.0  # typically ~0.2 s; generous because the machine is shared
 
 
+def test_an_equal_event_is_composed_once_and_a_different_one_again(monkeypatch):
+    """A run asks about one ledger many times: the composed accountants are kept by the
+    event's every field, so an equal event built anew reuses them, and σ one bit apart does
+    not (its ε is its own, as dp_accounting's)."""
+    composed = []
+    for cls in (rdp_privacy_accountant.RdpAccountant, pld_privacy_accountant.PLDAccountant):
+        original = cls.compose
+        monkeypatch.setattr(cls, "compose", lambda self, event, count=1, _o=original, _c=cls:
+                            composed.append(_c.__name__) or _o(self, event, count))
+    sigma = 1.2345678901234567
+    first = account(training_event(0.013, sigma, 37), 1e-5, "pld")
+    assert sorted(composed) == ["PLDAccountant", "RdpAccountant"]
+    again = account(training_event(0.013, sigma, 37), 1e-5, "pld")
+    assert again == first and len(composed) == 2
+    assert delta_for_epsilon(training_event(0.013, sigma, 37), first.epsilon, "rdp") > 0
+    assert len(composed) == 2            # δ from the same RDP accountant
+    apart = math.nextafter(sigma, 2.0)
+    other = account(training_event(0.013, apart, 37), 1e-5, "pld")
+    assert len(composed) == 4
+    assert other.epsilon == _pld_direct(training_event(0.013, apart, 37), 1e-5, other.pld_interval)
+    assert other.epsilon_rdp == _rdp_direct(training_event(0.013, apart, 37), 1e-5)
+
+
+def test_the_accountant_caches_are_bounded():
+    for k in range(accountants_module._RDP_CACHE_SIZE + 5):
+        account(training_event(0.01, 1.0 + k / 1000, 3), 1e-5, "rdp")
+    assert len(accountants_module._RDP_CACHE) == accountants_module._RDP_CACHE_SIZE
+    assert len(accountants_module._PLD_CACHE) <= accountants_module._PLD_CACHE_SIZE
+
+
 # -------------------------------------------------------------------------- fallback
 
 
