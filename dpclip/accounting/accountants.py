@@ -186,17 +186,23 @@ _RDP_CACHE: OrderedDict[str, rdp_privacy_accountant.RdpAccountant | None] = Orde
 _RDP_CACHE_SIZE = 256
 
 
+def _kept(cache: OrderedDict, size: int, key, compose):
+    """``cache[key]``, composed by ``compose()`` on a miss (an exception caches nothing);
+    the least recently used entry beyond ``size`` is dropped."""
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    cache[key] = value = compose()
+    if len(cache) > size:
+        cache.popitem(last=False)
+    return value
+
+
 def _rdp_accountant(event: dp_accounting.DpEvent) -> rdp_privacy_accountant.RdpAccountant | None:
-    key = repr(event)
-    if key in _RDP_CACHE:
-        _RDP_CACHE.move_to_end(key)
-        return _RDP_CACHE[key]
-    accountant = rdp_privacy_accountant.RdpAccountant(list(RDP_ORDERS))
-    composed = accountant.compose(event) if accountant.supports(event) else None
-    _RDP_CACHE[key] = composed
-    if len(_RDP_CACHE) > _RDP_CACHE_SIZE:
-        _RDP_CACHE.popitem(last=False)
-    return composed
+    def compose():
+        accountant = rdp_privacy_accountant.RdpAccountant(list(RDP_ORDERS))
+        return accountant.compose(event) if accountant.supports(event) else None
+    return _kept(_RDP_CACHE, _RDP_CACHE_SIZE, repr(event), compose)
 
 
 def rdp_curve(
@@ -222,16 +228,8 @@ _PLD_CACHE_SIZE = 16
 
 
 def _pld_accountant(event: dp_accounting.DpEvent, interval: float) -> pld_privacy_accountant.PLDAccountant:
-    key = (repr(event), interval)
-    if key in _PLD_CACHE:
-        _PLD_CACHE.move_to_end(key)
-        return _PLD_CACHE[key]
-    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=interval)
-    composed = accountant.compose(event)   # raises for what PLD cannot compose: nothing cached
-    _PLD_CACHE[key] = composed
-    if len(_PLD_CACHE) > _PLD_CACHE_SIZE:
-        _PLD_CACHE.popitem(last=False)
-    return composed
+    return _kept(_PLD_CACHE, _PLD_CACHE_SIZE, (repr(event), interval),   # what PLD cannot compose raises
+                 lambda: pld_privacy_accountant.PLDAccountant(value_discretization_interval=interval).compose(event))
 
 
 def _unsupported(event: dp_accounting.DpEvent) -> AccountingError:

@@ -42,7 +42,6 @@ uses and its norm needs every cross term, ``||Σ_u G_u||² = Σ_{u,v} <G_u, G_v>
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -202,11 +201,9 @@ def concat_uses(uses: list[Bilinear]) -> Bilinear:
 
 def numel_per_sample(use: Bilinear) -> tuple[int, int]:
     """(numel of one instantiated G_i, numel of its stored factors L_i and R_i)."""
-    right_shape = use.right.shape
-    g, n = right_shape[1], right_shape[3]
+    g, n = use.right.shape[1], use.right.shape[3]
     m = use.vocab if use.is_ids else use.left.shape[3]
-    # from the shapes: indexing a sample out would make two views, on the host's time
-    return g * m * n, math.prod(use.left.shape[1:]) + math.prod(right_shape[1:])
+    return g * m * n, use.left.shape[1:].numel() + use.right.shape[1:].numel()   # no views made
 
 
 # How much larger than its factors a transient G_i may be and still be instantiated
