@@ -95,10 +95,12 @@ def measure(sizes: dict, repeats: int, warmup: int, device: str, memory: bool, t
            "noise_share": quartiles(noise_share), "memory_mib": memory_mib, "groupings": {}}
     for g in GROUPINGS:
         ratios = [t / b for t, b in zip(times[f"dpclip {g}"], base)]
-        row = {"measured": quartiles(ratios), "flop_floor": flop[g]}
+        row = {"measured": quartiles(ratios), "flop_floor": flop[g], "measured_rounds": ratios}
         if flop[g] is not None:
+            gaps = [r / (flop[g] + s) for r, s in zip(ratios, noise_share)]
             row["floor"] = quartiles([flop[g] + s for s in noise_share])
-            row["gap"] = quartiles([r / (flop[g] + s) for r, s in zip(ratios, noise_share)])
+            row["gap"] = quartiles(gaps)
+            row["gap_rounds"] = gaps   # every round's, for pooling over processes (floor_gap_pooled.py)
         if memory_mib:
             row["memory_ratio"] = memory_mib[f"dpclip {g}"] / memory_mib[NON_PRIVATE]
         out["groupings"][g] = row
