@@ -138,17 +138,22 @@ def traffic_rows(b: int, t: int, shapes: dict, repeats: int) -> list[dict]:
     the weight gradient's one GEMM against the B per-sample matmuls (the same multiply), the
     B norms of G_i (the engine's blocked sums, dpclip/engine/sums.py, and the whole-row
     reduction they replaced) and the B scaled adds c_i G_i (passes over memory a flop count
-    cannot see)."""
+    cannot see); beside them, Σ_i c_i G_i as one product c·[G_1; ...; G_B] (every G_i held
+    at once: each read once, the sum written once) and the ghost norm the other path takes
+    instead of the instantiation (``symmetric_ghost``, the engine's strips)."""
     rows = []
     for name, (m, n) in shapes.items():
         gen = torch.Generator().manual_seed(m + n)
         left, right = torch.randn(b, t, m, generator=gen), torch.randn(b, t, n, generator=gen)
         buf, total, c = torch.empty(m, n), torch.zeros(m, n), torch.tensor([0.5])
+        held, weights = torch.randn(b, m * n, generator=gen), torch.full((1, b), 0.5)
         fns = {"weight gradient": lambda: left.reshape(-1, m).t() @ right.reshape(-1, n),
                "B matmuls": lambda: [torch.mm(left[i].t(), right[i], out=buf) for i in range(b)],
                "B norms": lambda: [sum_of_squares(buf.unsqueeze(0)) for _ in range(b)],
                "whole-row norms": lambda: [torch.linalg.vector_norm(buf) for _ in range(b)],
-               "B scaled adds": lambda: [total.addcmul_(buf, c) for _ in range(b)]}
+               "B scaled adds": lambda: [total.addcmul_(buf, c) for _ in range(b)],
+               "one product": lambda: torch.mm(weights, held, out=total.view(1, -1)),
+               "ghost norm": lambda: grams.symmetric_ghost(left.unsqueeze(1), right.unsqueeze(1), False)}
         rows.append({"layer": name, **median_ms(fns, repeats)})
     return rows
 
