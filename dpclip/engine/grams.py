@@ -22,19 +22,23 @@ from dpclip.engine.sums import batched_dot
 # CUDA splits only from T 4096, unmeasured (benchmarks/norm_rule.py --strips;
 # benchmarks/results/strips_h200.txt).
 GHOST_MIN_BLOCK = {"cpu": 32, "cuda": 2048}
-# At most this many strips (5/8 of the plain product's work): more, narrower strips measured
-# no faster on GPT-2 small's layers at T 256, and slower on its [T, 50257] output gradient,
-# which no cache holds and each strip reads again.
-GHOST_MAX_STRIPS = 4
-# ... and of at least this many columns where a factor holds more than GHOST_WIDE_BYTES per
-# sample (T·n·itemsize), which no cache holds: each strip streams its rows from memory
-# again, so a narrow strip is bound by memory, not by its flops. On the CPU, GPT-2 small's
-# tied lm_head (a [T, 50257] output gradient) took 73, 66, 73 and 76 ms at 1, 2, 3 and 4
-# strips at T 256 (strips of 128 columns fastest), and 549, 419, 422 and 375 ms at T 1024
-# (256 columns), while its MLP factors (3 MB a sample at T 256) were fastest at 4 strips of
-# 64 (benchmarks/norm_rule.py --strips).
+# At most this many strips (9/16 of the plain product's work at 8). On the Intel VM, 8
+# strips against 4 on GPT-2 small's block weights, three runs on two days: at B 2, T 1024
+# faster in 11 of 12 (up to 13%; one tie), at B 4, T 256 in 9 of 12 (both MLP weights in
+# every run, by up to 8%; attn.c_proj up to 11% slower, 0.2 ms) (benchmarks/norm_rule.py
+# --strips; benchmarks/results/norm_strips_cpu.txt).
+GHOST_MAX_STRIPS = 8
+# ... and of at least this many columns, at most GHOST_WIDE_MAX_STRIPS of them, where a
+# factor holds more than GHOST_WIDE_BYTES per sample (T·n·itemsize), which no cache holds:
+# each strip streams its rows from memory again, so a narrow strip is bound by memory, not
+# by its flops. On the CPU, GPT-2 small's tied lm_head (a [T, 50257] output gradient) took
+# 73, 66, 73 and 76 ms at 1, 2, 3 and 4 strips at T 256 (strips of 128 columns fastest), and
+# 549, 419, 422 and 375 ms at T 1024 (256 columns), 441 ms at 8 (one day; 482 at 4 and 447
+# at 8 the next: kept at 4), while its MLP factors (3 MB a sample at T 256) were fastest
+# at 4 strips of 64 then (benchmarks/norm_rule.py --strips).
 GHOST_WIDE_BYTES = 16 << 20
 GHOST_WIDE_MIN_BLOCK = 128
+GHOST_WIDE_MAX_STRIPS = 4
 # ... unless the strips are read in panels: up to T = 256 on the CPU, a wide factor is read
 # GHOST_PANEL_COLUMNS columns at a time, and every strip's product with the panel is added
 # while the panel is in cache, so the factor streams from memory once whatever the strip
@@ -85,7 +89,7 @@ def ghost_strips(seq: int, device: torch.device, sample_bytes: int = 0,
     if panelled:
         return max(1, min(GHOST_PANEL_MAX_STRIPS, seq // block))
     if sample_bytes > GHOST_WIDE_BYTES:
-        block = max(block, GHOST_WIDE_MIN_BLOCK)
+        return max(1, min(GHOST_WIDE_MAX_STRIPS, seq // max(block, GHOST_WIDE_MIN_BLOCK)))
     return max(1, min(GHOST_MAX_STRIPS, seq // block))
 
 
@@ -167,7 +171,7 @@ def symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
     rows t < hi_j, is one GEMM, X[:hi_j] X[lo_j:hi_j]ᵀ; its rows t < lo_j lie above the
     diagonal and stand for their mirror images too (weight 2), its rows lo_j ≤ t < hi_j are
     the diagonal block (weight 1). So the sum is exact (reordered), and the Gram work is
-    (k+1)/(2k) of the plain product: 3/4 and 5/8 at k = 2 and 4, in k GEMMs whose rows
+    (k+1)/(2k) of the plain product: 3/4, 5/8 and 9/16 at k = 2, 4 and 8, in k GEMMs whose rows
     stay whole (the recursive halving this replaced reached the same counts in many smaller
     GEMMs, and measured slower: docs/performance.md, "The floor"). The second value, the
     atoms' squared sizes Σ_t ||L_t||²||R_t||² that bound the first's round-off
@@ -243,5 +247,5 @@ def symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
 
 
 __all__ = ["GHOST_MAX_STRIPS", "GHOST_MIN_BLOCK", "GHOST_PANEL_COLUMNS", "GHOST_PANEL_MAX_SEQ",
-           "GHOST_PANEL_MAX_STRIPS", "GHOST_ROUNDING_MAX_WIDTH", "GHOST_WIDE_BYTES", "GHOST_WIDE_MIN_BLOCK", "GramCache",
+           "GHOST_PANEL_MAX_STRIPS", "GHOST_ROUNDING_MAX_WIDTH", "GHOST_WIDE_BYTES", "GHOST_WIDE_MAX_STRIPS", "GHOST_WIDE_MIN_BLOCK", "GramCache",
            "ghost_panel", "ghost_strips", "symmetric_ghost"]

@@ -133,7 +133,7 @@ def test_transient_instantiation_keeps_the_gradient_instead_of_its_factors():
 
 @pytest.mark.parametrize("t", [63, 64, 96, 128, 130, 200, 256])
 def test_symmetric_ghost_norm_matches_instantiation_for_long_sequences(t):
-    # T ≥ 64 cuts the Grams into column strips (up to 4 at T ≥ 128); T need not divide evenly.
+    # T ≥ 64 cuts the Grams into column strips (4 at T 128, 8 from T 256); T need not divide evenly.
     gen = torch.Generator().manual_seed(t)
     for g in (1, 2):
         use = _dense(gen, 3, g, t, 5, 7)
@@ -165,7 +165,7 @@ def test_wide_factor_is_read_in_panels_or_wider_strips_and_stays_exact(monkeypat
     use = _dense(gen, 2, 1, 256, 5, 300)                          # 256 x 300 float64: 600 KiB a sample
     want = instantiate(use).flatten(1).pow(2).sum(1)
     torch.testing.assert_close(ghost_norm_sq(use.left, use.right), want, rtol=1e-10, atol=0)
-    assert seen[-1] == 4                                          # 64-column strips
+    assert seen[-1] == 8                                          # 32-column strips
     monkeypatch.setattr(grams, "GHOST_WIDE_BYTES", 256 * 300 * 8 - 1)
     monkeypatch.setattr(grams, "GHOST_PANEL_COLUMNS", 64)         # 5 panels, the last of 44
     panels = []
@@ -181,6 +181,8 @@ def test_wide_factor_is_read_in_panels_or_wider_strips_and_stays_exact(monkeypat
     assert grams.ghost_panel(512, torch.device("cpu"), wide) is None
     assert real(512, torch.device("cpu"), wide) == 4              # 128-column strips
     assert real(1024, torch.device("cpu"), wide) == 4             # 256-column strips
+    # a narrow factor: 32-column strips, at most 8 of them (128 columns at T 1024)
+    assert [real(t, torch.device("cpu"), wide - 1) for t in (64, 128, 256, 1024)] == [2, 4, 8, 8]
     assert grams.ghost_panel(256, torch.device("meta"), wide) is None      # not on other devices
     assert grams.ghost_panel(256, torch.device("cpu"), wide - 1) is None   # nor for narrow factors
 
