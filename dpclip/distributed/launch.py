@@ -164,18 +164,40 @@ def _reported(failure: Any) -> dict[str, Any] | None:
     return data.get("dpclip") if isinstance(data, dict) else None
 
 
+def _killed_by(failure: Any) -> str | None:
+    exitcode = getattr(failure, "exitcode", None)
+    return failure.signal_name() if isinstance(exitcode, int) and exitcode < 0 else None
+
+
+def _failure_order(failure: Any, info: dict[str, Any] | None) -> int:
+    """How surely a rank's failure is where the launch went wrong (lower is surer).
+
+    Once one rank fails, torchrun's agent sends SIGTERM to the others and records them too: a
+    rank then dies of that SIGTERM (between steps, where the signal keeps its default) or
+    stops at a step boundary and reports an interruption. Neither may hide the rank that
+    failed, e.g. one killed by SIGKILL that could report nothing (a kill -9 or the OOM killer)."""
+    if info is not None and not info.get("interrupted"):
+        return 0  # the rank's own error
+    if info is None and _killed_by(failure) != "SIGTERM":
+        return 1  # killed by another signal, or exited without a report
+    if info is not None:
+        return 2  # stopped at a step boundary: a SIGTERM sent to it (or the agent's)
+    return 3  # died of a SIGTERM: most likely the agent ending the survivors
+
+
 def failure_error(failures: dict[int, Any], nproc: int, run_dir: str | None) -> DpclipError:
     """One error for a failed launch: the rank that failed first (a rank's own error or a
-    signal beats the others' "another rank stopped"), its message and hint, and how to resume."""
+    signal beats the others' "another rank stopped" and the SIGTERM with which torchrun's
+    agent ends the survivors, :func:`_failure_order`), its message and hint, and how to resume."""
     resume = f"dpclip train --resume {run_dir} --nproc {nproc}" if run_dir else None
     ranked = []
     for rank, failure in failures.items():
         info = _reported(failure)
         if info is not None and info.get("secondary"):
             continue
-        ranked.append((0 if info is not None else 1, info["ns"] if info else 0, rank, failure, info))
+        ranked.append((_failure_order(failure, info), info["ns"] if info else 0, rank, failure, info))
     if not ranked:  # only "another rank stopped" reports: name the lowest rank
-        ranked = [(2, 0, rank, f, _reported(f)) for rank, f in failures.items()]
+        ranked = [(4, 0, rank, f, _reported(f)) for rank, f in failures.items()]
     _, _, rank, failure, info = min(ranked, key=lambda item: item[:3])
     if info is not None and info.get("interrupted"):  # e.g. SIGTERM to one rank: all stopped at a step boundary
         return InterruptedRun(info["message"], f"continue with: {resume}" if resume else info.get("hint"))
@@ -183,9 +205,9 @@ def failure_error(failures: dict[int, Any], nproc: int, run_dir: str | None) -> 
         message = f"rank {rank} stopped: {info['message']}"
         hint = info.get("hint") or ""
     else:
-        exitcode = getattr(failure, "exitcode", None)
-        how = (f"was killed by {failure.signal_name()}" if isinstance(exitcode, int) and exitcode < 0
-               else f"exited with code {exitcode}")
+        signal_name = _killed_by(failure)
+        how = (f"was killed by {signal_name}" if signal_name is not None
+               else f"exited with code {getattr(failure, 'exitcode', None)}")
         message = f"rank {rank} {how} before it could report an error"
         hint = "out of memory and a kill -9 look like this; check the system log"
     if resume and "--resume" not in hint:

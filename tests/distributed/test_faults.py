@@ -73,6 +73,24 @@ def test_the_launcher_names_the_rank_that_failed_first():
     assert raised.message == "rank 1 stopped: bad thing" and raised.hint == "fix it"
 
 
+def test_the_agents_sigterm_to_a_survivor_does_not_hide_the_rank_killed_first():
+    """Once rank 1 is killed, torchrun's agent ends rank 0 with SIGTERM and records it too
+    (a slow CI run, pipeline parallel): rank 0, lower and killed by a signal as well, must not
+    be named in rank 1's place, whether it died of that SIGTERM or stopped at a step boundary."""
+    died = failure_error({0: _Failure(exitcode=-15, signal="SIGTERM"), 1: _Failure(exitcode=-9)}, 2, "runs/r")
+    assert died.message == "rank 1 was killed by SIGKILL before it could report an error"
+    assert "dpclip train --resume runs/r --nproc 2" in died.hint
+    stopped = {"message": "interrupted at step 12; a checkpoint was saved", "hint": "h", "secondary": False,
+               "interrupted": True, "ns": 1, "rank": 0}
+    interrupted = failure_error({0: _Failure(stopped), 1: _Failure(exitcode=-9)}, 2, "runs/r")
+    assert not isinstance(interrupted, InterruptedRun)
+    assert interrupted.message == "rank 1 was killed by SIGKILL before it could report an error"
+    exited = failure_error({1: _Failure(exitcode=-15, signal="SIGTERM"), 0: _Failure(exitcode=3)}, 2, None)
+    assert exited.message == "rank 0 exited with code 3 before it could report an error"
+    alone = failure_error({0: _Failure(exitcode=-15, signal="SIGTERM")}, 1, None)  # a SIGTERM is all there is
+    assert alone.message == "rank 0 was killed by SIGTERM before it could report an error"
+
+
 def test_resuming_with_another_world_size_is_refused(tmp_path, capsys):
     """A checkpoint made by 2 ranks (its 'ranks' list) refuses a 1-process resume."""
     from dpclip.train.ranks import check_world_size
