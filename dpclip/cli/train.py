@@ -39,6 +39,7 @@ class RichObserver:
         groups = info["groups"]
         table.add_row("clipping groups", f"{len(groups)}: " + ", ".join(groups[:4]) + (" …" if len(groups) > 4 else ""))
         table.add_row("trainable parameters", f"{info['parameters']:,}")
+        table.add_row("device", info.get("device", "cpu"))  # training.device, resolved (docs/training.md)
         table.add_row("σ gradient", fmt(info["gradient_noise_multiplier"]))
         if info["sigma_aux"] is not None:
             table.add_row("σ statistic", fmt(info["sigma_aux"]))

@@ -159,7 +159,8 @@ class Precision:
             raise EngineError(f"unknown precision {self.name!r}", "use one of: " + ", ".join(PRECISIONS))
         if self.name == "fp16" and self.device_type != "cuda":
             raise EngineError(f"precision fp16 needs a CUDA device; this model is on {self.device_type}",
-                              "use bf16 (training.precision: bf16; CPU and CUDA, no loss scale) or fp32")
+                              "use bf16 (training.precision: bf16; CPU and CUDA, no loss scale) or fp32, or train "
+                              "on a GPU (a recipe's training.device: cuda)")
         if self.loss_scale is not None:
             if self.name != "fp16":
                 raise EngineError(f"loss_scale applies to fp16 only, not {self.name}",

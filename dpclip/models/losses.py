@@ -98,4 +98,16 @@ class PerSampleLoss:
     criterion: Callable[[torch.Tensor, Batch], torch.Tensor]
 
     def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        batch = batch_on_model_device(model, batch)
         return self.criterion(self.forward(model, batch), batch)
+
+
+def batch_on_model_device(model: nn.Module, batch: Batch) -> Batch:
+    """``batch`` on the device of ``model``'s parameters, the batch itself where it is there
+    already (the CPU; ``training.device``, docs/training.md): every forward of a run, private,
+    public or diagnostic, goes through :class:`PerSampleLoss`, so the rows move here, one
+    batch at a time, and the data stays where it was loaded."""
+    device = next((p.device for p in model.parameters()), None)
+    if device is None or all(not isinstance(t, torch.Tensor) or t.device == device for t in batch.values()):
+        return batch
+    return {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in batch.items()}

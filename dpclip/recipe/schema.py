@@ -229,6 +229,16 @@ class Training(Section):
         "fp32", description="the forward and the loss under autocast: bf16 (CPU and CUDA) or fp16 (CUDA only, "
         "static loss scale); weights, optimizer, per-sample norms, clipped sums and noise stay float32; "
         "ε does not change (docs/engine.md, \"Mixed precision\")")
+    device: str = Field(
+        "cpu", description="where the run trains: cpu, cuda (the current GPU), cuda:N, or auto (cuda where torch "
+        "sees one and one process trains, else cpu); a resumed run keeps its device (docs/training.md, \"Device\")")
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, value: Any) -> str:
+        if not isinstance(value, str) or not re.fullmatch(r"cpu|auto|cuda(:\d+)?", value):
+            raise ValueError(f"{value!r} is not a device: use cpu, cuda, cuda:N (e.g. cuda:1) or auto")
+        return value
 
     @model_validator(mode="after")
     def _epochs_or_steps(self) -> Training:

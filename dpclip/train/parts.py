@@ -37,6 +37,7 @@ from dpclip.engine.workload import SGD
 from dpclip.errors import DpclipError
 from dpclip.models import build_model
 from dpclip.recipe import Recipe
+from dpclip.train.device import resolve_device
 from dpclip.train.diagnostics import recorder_for
 from dpclip.train.optim import LrSchedule, build_optimizer
 from dpclip.train.phases import continual_run
@@ -79,6 +80,7 @@ class RunParts:
     sigma_change: dict[str, Any] | None = None
     shards: Shards | None = None  # training.parallel: fsdp (dpclip.distributed.sharded)
     exposure: Any = None       # the planted secrets of audit.exposure (dpclip.data.exposure), or None
+    device: torch.device = torch.device("cpu")  # training.device, resolved (dpclip.train.device)
 
     @property
     def split(self):
@@ -105,6 +107,7 @@ class RunParts:
             "exact_diagnostics": recipe.privacy.exact_diagnostics,
             "sigma_change": self.sigma_change, "resume_changes": resume_changes,
             "threads": torch.get_num_threads(),  # a resume replays steps: same count (dpclip.threads)
+            "device": str(self.device),  # and on the same kind of device (dpclip.train.device)
             "world_size": self.world.size,
             "continual": None if self.continual is None else self.continual.info(),
             "correlated_noise_note": correlated_noise_note(recipe),
@@ -213,9 +216,11 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
     (audit.exposure) are read back instead of drawn."""
     world = world or World()
     pipeline = recipe.training.parallel == "pipeline"
+    device = resolve_device(recipe.training.device, world.size)  # before anything is loaded or written
     ordinary = seeded_data(recipe, data)
     check_ranks(recipe, world, ordinary)  # before the model: a rank with other data stops here
     model, loss_fn = build_model(recipe.model, ordinary, seed=recipe.seed)
+    model.to(device)  # built on the CPU from the seeded global RNG: the same initial weights on any device
     shards = None
     if recipe.training.parallel == "fsdp":  # every rank starts from rank 0's weights, then holds its shards
         world.broadcast_(list(model.state_dict().values()))
@@ -265,14 +270,16 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
                                public_rows=None if continual is None or continual.public is None
                                else continual.public.train)
     return RunParts(recipe, world, data, ordinary, canaries, model, loss_fn, plan, solved, seed, engine, optimizer,
-                    schedule, private_step, sampler, continual, diagnostics, sigma_change, shards, exposure)
+                    schedule, private_step, sampler, continual, diagnostics, sigma_change, shards, exposure, device)
 
 
 def assemble_for_timing(recipe: Recipe, steps: int) -> RunParts:
     """Stand-in parts that time ``steps`` private steps of ``recipe``: the same data, model,
     engine, optimizer and step, with stand-in noise (its value does not change a step's cost)
     and no privacy plan (nothing of these steps is released)."""
+    device = resolve_device(recipe.training.device)
     data, model, loss_fn = load_model(recipe)
+    model.to(device)
     batch_size = min(recipe.training.batch_size, data.num_train)
     sample_rate = batch_size / data.num_train
     clipping = timing_clipping(recipe, TIMING_STATISTIC_SIGMA)
@@ -281,7 +288,7 @@ def assemble_for_timing(recipe: Recipe, steps: int) -> RunParts:
     optimizer, private_step = build_step(recipe, model, loss_fn, engine, data.train)
     sampler = PoissonSampler(data.num_train, sample_rate, steps)
     return RunParts(recipe, World(), data, data, None, model, loss_fn, None, None, None, engine, optimizer, None,
-                    private_step, sampler)
+                    private_step, sampler, device=device)
 
 
 def _sigma_change(reference: Recipe | None, recipe: Recipe, num_train: int, num_groups: int, plan,

@@ -69,6 +69,8 @@ def checkpoint_tree(parts, state: RunState, ranks: list[dict[str, Any]] | None,
             "parallel": parts.recipe.training.parallel}
     if parts.continual is not None:
         tree["continual"] = parts.continual.state_dict()
+    if parts.device.type == "cuda":  # dropout on a GPU draws from its generator, not the CPU's
+        tree["cuda_rng"] = torch.cuda.get_rng_state(parts.device)
     if ranks is not None:
         tree["ranks"] = ranks
     return tree
@@ -88,6 +90,8 @@ def restore(parts, state: RunState, tree: dict[str, Any], local: dict[str, Any] 
     parts.sampler.load_state_dict(local["sampler"])
     parts.engine.load_state_dict((local if parts.pipeline or parts.shards is not None else tree)["engine"])
     torch.set_rng_state(local["torch_rng"])
+    if "cuda_rng" in tree and parts.device.type == "cuda":  # a resume keeps the run's device (dpclip.train.device)
+        torch.cuda.set_rng_state(tree["cuda_rng"], parts.device)
 
 
 class Checkpointer:
