@@ -75,3 +75,10 @@ def test_a_run_records_its_device_and_its_resume_checks_it(small_recipe, monkeyp
     (run / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(DpclipError, match="trained on cuda:0, and this resume would train on cpu"):
         train(resume=run)
+
+
+def test_the_start_table_names_the_device_a_run_trains_on(cli):
+    result = cli("train", REPO / "recipes" / "quickstart.yaml", "--dry-run", "training.device=auto")
+    expected = "cuda:" if torch.cuda.is_available() else "cpu"
+    assert result.code == 0
+    assert any(line.split()[:1] == ["device"] and expected in line for line in result.out.splitlines()), result.out
