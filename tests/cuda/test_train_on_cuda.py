@@ -24,17 +24,6 @@ RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 SEEDED = ("privacy.unsafe_seeded_randomness=true", "privacy.epsilon=null", "privacy.noise_multiplier=1.0")
 
 
-@pytest.fixture
-def small_recipe(quickstart):
-    """The quickstart recipe, cut to 12 steps with a checkpoint every 4, writing under tmp_path."""
-
-    def make(*overrides):
-        return quickstart("training.epochs=null", "training.steps=12", "checkpoint.every_steps=4",
-                          "eval.every_steps=6", *overrides)
-
-    return make
-
-
 def _weights(run_dir: Path, step: str | None = None) -> dict[str, torch.Tensor]:
     latest = step or (run_dir / "checkpoints" / "LATEST").read_text().strip()
     return load_file(str(run_dir / "checkpoints" / latest / "model.safetensors"))

@@ -5,17 +5,6 @@ import pytest
 
 
 @pytest.fixture
-def small_recipe(quickstart):
-    """The quickstart recipe, shortened to a few seconds of training, writing under tmp_path."""
-
-    def make(*overrides):
-        return quickstart("training.epochs=null", "training.steps=12", "checkpoint.every_steps=4",
-                          "eval.every_steps=6", *overrides)
-
-    return make
-
-
-@pytest.fixture
 def signal_after_first_step():
     """``signal_after_first_step(command, env, runs_dir, signum)``: start ``dpclip train`` as
     ``command``, send ``signum`` once its first metrics line is written, wait for it to end;
