@@ -13,15 +13,32 @@ never been run, so ``cuda`` is refused there and ``auto`` means ``cpu``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from dpclip.errors import DpclipError
+from dpclip.files import read_json
+from dpclip.train.rundir import RunDir
 
 CPU_ONLY_HINT = "set training.device=cpu (or auto, which takes a GPU only where one process trains)"
 
 
-def resolve_device(spec: str, world_size: int = 1) -> torch.device:
-    """The torch device of the recipe's ``training.device`` (module doc), or a DpclipError."""
+def resolve_device(spec: str, world_size: int = 1, trained_on: str | None = None) -> torch.device:
+    """The torch device of the recipe's ``training.device`` (module doc), or a DpclipError.
+    ``trained_on``: the device a resumed run recorded (``"cpu"`` for a run from before the
+    setting); the resume must be on its kind (:func:`check_resume_device`)."""
+    if trained_on is not None and torch.device(trained_on).type == "cuda" and not torch.cuda.is_available():
+        raise DpclipError(f"the run trained on {trained_on}, and torch sees no CUDA device on this machine",
+                          "resume it (or diagnose it) where torch sees a GPU: its checkpoints hold that "
+                          "device's noise generator, and the steps after the last one must replay exactly")
+    device = _resolve(spec, world_size)
+    if trained_on is not None:
+        check_resume_device(trained_on, device)
+    return device
+
+
+def _resolve(spec: str, world_size: int) -> torch.device:
     if spec == "auto":
         spec = "cuda" if world_size == 1 and torch.cuda.is_available() else "cpu"
     if spec == "cpu":
@@ -53,4 +70,12 @@ def check_resume_device(recorded: str | None, device: torch.device) -> None:
                           "device's noise generator, and the steps after it must replay exactly as first run")
 
 
-__all__ = ["check_resume_device", "resolve_device"]
+def recorded_device(run_dir: Path) -> str:
+    """The device the run trained on (meta.json; ``"cpu"`` for a run from before
+    ``training.device``, and for a folder without meta.json, which the resume refuses anyway)."""
+    meta_file = RunDir(run_dir).meta_file
+    device = read_json(meta_file).get("plan", {}).get("device") if meta_file.exists() else None
+    return device if isinstance(device, str) else "cpu"
+
+
+__all__ = ["check_resume_device", "recorded_device", "resolve_device"]

@@ -37,7 +37,7 @@ from dpclip.engine.workload import SGD
 from dpclip.errors import DpclipError
 from dpclip.models import build_model
 from dpclip.recipe import Recipe
-from dpclip.train.device import resolve_device
+from dpclip.train.device import recorded_device, resolve_device
 from dpclip.train.diagnostics import recorder_for
 from dpclip.train.optim import LrSchedule, build_optimizer
 from dpclip.train.phases import continual_run
@@ -216,7 +216,9 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
     (audit.exposure) are read back instead of drawn."""
     world = world or World()
     pipeline = recipe.training.parallel == "pipeline"
-    device = resolve_device(recipe.training.device, world.size)  # before anything is loaded or written
+    # Before anything is loaded or written; a resumed run keeps its device (dpclip.train.device).
+    trained_on = recorded_device(run_dir) if resuming and run_dir is not None else None
+    device = resolve_device(recipe.training.device, world.size, trained_on)
     ordinary = seeded_data(recipe, data)
     check_ranks(recipe, world, ordinary)  # before the model: a rank with other data stops here
     model, loss_fn = build_model(recipe.model, ordinary, seed=recipe.seed)

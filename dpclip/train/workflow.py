@@ -23,7 +23,6 @@ from dpclip.files import write_json_atomic
 from dpclip.recipe import Recipe
 from dpclip.train.output import RunOutput
 from dpclip.train.parts import RunParts, assemble
-from dpclip.train.device import check_resume_device
 from dpclip.train.plots import plot_run
 from dpclip.train.ranks import agree_on_recipe
 from dpclip.train.result import TrainObserver, TrainResult
@@ -66,7 +65,6 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
     state = RunState(Ledger(parts.plan.delta, parts.plan.accountant))
     checkpointer = Checkpointer(parts, state, output)
     if resume is not None:
-        check_resume_device(RunDir(resume).meta().get("plan", {}).get("device"), parts.device)
         checkpointer.resume(resume, resume_changes)
     else:
         checkpointer.start(world.on_main(output.create, recipe, parts.ordinary, parts.canaries, info, run_dir,

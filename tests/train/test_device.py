@@ -8,7 +8,7 @@ import torch
 
 from dpclip.errors import DpclipError, RecipeError
 from dpclip.recipe import load_recipe
-from dpclip.train.device import check_resume_device, resolve_device
+from dpclip.train.device import check_resume_device, recorded_device, resolve_device
 from dpclip.train.workflow import train
 from tests.conftest import REPO
 
@@ -66,15 +66,29 @@ def test_a_resume_on_another_kind_of_device_is_refused():
     check_resume_device(None, torch.device("cpu"))
 
 
-def test_a_run_records_its_device_and_its_resume_checks_it(small_recipe, monkeypatch):
+def test_a_run_records_its_device_and_its_resume_checks_it(small_recipe):
     run = train(small_recipe("training.steps=2", "checkpoint.every_steps=1", "eval.every_steps=null")).run_dir
     meta = json.loads((run / "meta.json").read_text())
-    assert meta["plan"]["device"] == "cpu"
-    # What a GPU machine would resolve a recipe's cuda to (this one has none: the check runs all the same).
+    assert meta["plan"]["device"] == "cpu" and recorded_device(run) == "cpu"
+    # What a GPU machine would record for a recipe's cuda.
     meta["plan"]["device"] = "cuda:0"
     (run / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(DpclipError, match="trained on cuda:0, and this resume would train on cpu"):
+    expected = ("trained on cuda:0, and this resume would train on cpu" if torch.cuda.is_available()
+                else "the run trained on cuda:0, and torch sees no CUDA device on this machine")
+    with pytest.raises(DpclipError, match=expected) as info:
         train(resume=run)
+    assert "--resume" not in info.value.message and info.value.hint
+    del meta["plan"]["device"]  # a run from before the setting trained on the CPU
+    (run / "meta.json").write_text(json.dumps(meta))
+    assert recorded_device(run) == "cpu"
+
+
+@NO_CUDA
+def test_a_gpu_run_is_not_resumed_on_a_machine_without_one_whatever_the_recipe_says():
+    for spec in ("cpu", "auto", "cuda"):
+        with pytest.raises(DpclipError, match="the run trained on cuda:0, and torch sees no CUDA device"):
+            resolve_device(spec, trained_on="cuda:0")
+    assert resolve_device("auto", trained_on="cpu") == torch.device("cpu")
 
 
 def test_the_start_table_names_the_device_a_run_trains_on(cli):
