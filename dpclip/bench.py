@@ -16,6 +16,11 @@ Memory, when asked for, is measured per configuration in a fresh child process
 rises during the steps above the resident set after setup, i.e. what the steps need
 (activations, gradients, per-sample quantities), imports and weights excluded. Linux only.
 
+A recipe with ``training.device: cuda`` is measured on its GPU (docs/training.md, "Device"):
+each timed step is bracketed by ``torch.cuda.synchronize()``, and step memory is the peak
+allocated during two steps above what was allocated before them, in this process (the
+caching allocator keeps what it frees, but its counts are of live tensors).
+
 The floor (:func:`floor_of`, on by default): the flop floor of exact per-sample clipping
 for this model and batch (:mod:`dpclip.floor`) plus the noise draw, timed in the same
 rounds; each private ratio is also given over it (docs/performance.md, "The floor").
@@ -40,6 +45,7 @@ from dpclip.data import select
 from dpclip.engine.precision import Precision
 from dpclip.recipe import load_recipe
 from dpclip.threads import configure
+from dpclip.train.device import resolve_device
 from dpclip.train.parts import TIMING_SIGMA, build_engine, load_model
 from dpclip.train.step import PrivateStep, step_precision
 
@@ -80,8 +86,10 @@ def method_names(groupings=GROUPINGS) -> list[str]:
 
 def set_up(recipe):
     """(model, loss_fn, batch, size): the recipe's model (assembled as a run assembles it,
-    :func:`dpclip.train.parts.load_model`) and its first ``batch_size`` training rows."""
+    :func:`dpclip.train.parts.load_model`, on the recipe's device) and its first
+    ``batch_size`` training rows (moved there by the loss, as in a run)."""
     data, model, loss_fn = load_model(recipe)
+    model.to(resolve_device(recipe.training.device))
     size = min(recipe.training.batch_size, data.num_train)
     return model, loss_fn, select(data.train, torch.arange(size)), size
 
@@ -212,6 +220,18 @@ def step_memory_mib(step: Callable[[], None], steps: int = 2) -> float:
     return (status_kib("VmHWM") - before) / 1024
 
 
+def gpu_step_memory_mib(step: Callable[[], None], steps: int = 2) -> float:
+    """Peak allocated on the GPU (MiB) during ``steps`` steps above what was allocated before."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def memory_in_child(recipe_path: Path, overrides: list[str], method: str, threads: int | None) -> float:
     """:func:`step_memory_mib` of ``method`` in a fresh ``python -m dpclip.bench`` process."""
     spec = json.dumps({"recipe": str(recipe_path), "overrides": list(overrides), "method": method,
@@ -238,15 +258,20 @@ def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, group
     steps = {name: make_step(name, model, loss_fn, batch, size, precision) for name in names}
     if floor:
         steps.update(noise_draws(model))
-    times = time_rounds(steps, repeats, warmup)
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    times = time_rounds(steps, repeats, warmup, sync=torch.cuda.synchronize if on_gpu else (lambda: None))
     floor_info = floor_of(model, loss_fn, batch, size, times) if floor else {}
     times = {name: ts for name, ts in times.items() if name not in NOISE_DRAWS}
     ratios = round_ratios(times, NON_PRIVATE)
     result = BenchResult(recipe.name, size, threads, repeats,
                          {name: statistics.median(ts) for name, ts in times.items()},
                          {name: r[0] for name, r in ratios.items()},
-                         settings={**settings, "precision": precision.name}, floor=floor_info)
-    if memory:
+                         settings={**settings, "precision": precision.name,
+                                   "device": str(next(model.parameters()).device)}, floor=floor_info)
+    if memory and on_gpu:
+        result.memory_mib = {name: gpu_step_memory_mib(make_step(name, model, loss_fn, batch, size, precision))
+                             for name in names}
+    elif memory:
         result.memory_mib = {name: memory_in_child(Path(recipe_path), overrides, name, threads)
                              for name in names}
     return result

@@ -36,8 +36,10 @@ def bench(
         return
     settings = result.settings
     allocator = "freed memory kept" if settings["keep_freed_memory"] else "glibc default allocator"
+    device = settings.get("device", "cpu")
     table = Table(title=f"{result.recipe}: batch {result.batch_size}, {result.threads} threads, {allocator}, "
-                        f"{settings['precision']}, median of {result.repeats} interleaved steps")
+                        f"{settings['precision']}" + ("" if device == "cpu" else f", {device}")
+                        + f", median of {result.repeats} interleaved steps")
     table.add_column("step")
     table.add_column("median s", justify="right")
     table.add_column("x non-private", justify="right")
@@ -59,8 +61,12 @@ def bench(
     console.print(table)
     if result.floor:
         console.print(floor_text(result.floor))
-    console.print("Step memory: peak resident-set rise during the steps in a fresh process "
-                  "(activations, gradients, per-sample quantities; weights and imports excluded).")
+    if device != "cpu":
+        console.print("Step memory: peak allocated on the GPU during two steps above what was allocated "
+                      "before them (activations, gradients, per-sample quantities; weights excluded).")
+    else:
+        console.print("Step memory: peak resident-set rise during the steps in a fresh process "
+                      "(activations, gradients, per-sample quantities; weights and imports excluded).")
     console.print(NOT_COVERED[0].upper() + NOT_COVERED[1:] + ".")
 
 

@@ -36,7 +36,7 @@ def test_bench_reports_the_speed_settings_it_ran_with(cli, monkeypatch):
         assert r.code == 0, r.err
         out = json.loads(r.out)
         # what dpclip.configure_speed sets (and `dpclip train`), plus the recipe's precision
-        assert out["settings"] == {**configure(None), "precision": "bf16"}
+        assert out["settings"] == {**configure(None), "precision": "bf16", "device": "cpu"}
         assert out["settings"]["threads"] == out["threads"] == 1
         table = cli("bench", RECIPES / "quickstart.yaml", *SMALL, "--repeats", "1", "--warmup", "0", "--no-memory",
                     "--threads", "1")
@@ -97,3 +97,10 @@ def test_bench_sets_each_private_step_against_its_floor(cli):
     plain = cli("bench", RECIPES / "quickstart.yaml", *SMALL, "--repeats", "1", "--warmup", "0", "--no-memory",
                 "--no-floor", "--json")
     assert json.loads(plain.out)["floor"] == {}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_bench_of_a_gpu_recipe_on_a_machine_without_one_is_an_error_with_a_hint(cli):
+    r = cli("bench", RECIPES / "quickstart.yaml", *SMALL, "training.device=cuda", "--no-memory")
+    assert r.code == 2 and "error: training.device is cuda, but torch sees no CUDA device" in r.err
+    assert "hint:" in r.err and "Traceback" not in r.err
