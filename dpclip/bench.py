@@ -258,7 +258,8 @@ def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, group
     steps = {name: make_step(name, model, loss_fn, batch, size, precision) for name in names}
     if floor:
         steps.update(noise_draws(model))
-    on_gpu = next(model.parameters()).device.type == "cuda"
+    device = next(model.parameters()).device
+    on_gpu = device.type == "cuda"
     times = time_rounds(steps, repeats, warmup, sync=torch.cuda.synchronize if on_gpu else (lambda: None))
     floor_info = floor_of(model, loss_fn, batch, size, times) if floor else {}
     times = {name: ts for name, ts in times.items() if name not in NOISE_DRAWS}
@@ -266,8 +267,8 @@ def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, group
     result = BenchResult(recipe.name, size, threads, repeats,
                          {name: statistics.median(ts) for name, ts in times.items()},
                          {name: r[0] for name, r in ratios.items()},
-                         settings={**settings, "precision": precision.name,
-                                   "device": str(next(model.parameters()).device)}, floor=floor_info)
+                         settings={**settings, "precision": precision.name, "device": str(device)},
+                         floor=floor_info)
     if memory and on_gpu:
         result.memory_mib = {name: gpu_step_memory_mib(make_step(name, model, loss_fn, batch, size, precision))
                              for name in names}
