@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from scipy.stats import skewnorm
 
-from dpclip.data.dataset import IGNORE_INDEX, text_tensors
+from dpclip.data.columns import IGNORE_INDEX, text_tensors
 
 CHANCE = 1 / math.log(2)   # mean exposure of a secret the model is independent of
 

@@ -21,7 +21,7 @@ _EXPORTS = {
     "make_canaries": "dpclip.data.canaries",
     "read_canary_secret": "dpclip.data.canaries",
     "with_canaries": "dpclip.data.canaries",
-    "IGNORE_INDEX": "dpclip.data.dataset",
+    "IGNORE_INDEX": "dpclip.data.columns",
     "TASKS": "dpclip.data.dataset",
     "PrivateData": "dpclip.data.dataset",
     "load_data": "dpclip.data.dataset",

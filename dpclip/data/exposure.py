@@ -33,7 +33,7 @@ import torch
 
 from dpclip import layout
 from dpclip.data.canaries import append_people, read_secret, write_secret
-from dpclip.data.dataset import text_tensors
+from dpclip.data.columns import text_tensors
 from dpclip.errors import DpclipError
 
 EXPOSURE_FILE = Path(layout.AUDIT) / layout.EXPOSURE

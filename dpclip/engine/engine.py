@@ -12,13 +12,12 @@ function + threshold policy + noise allocation. It never owns the optimizer.
 What one micro-batch does (uses in backward order, groups finalized early) is
 :mod:`dpclip.engine.microbatch`'s.
 
-Length: about 450 lines: the step's three entry points (backward, capture for pipeline
-stages, privatize) share the step's accumulators and the noise source.
+Length: a little under 450 lines: the step's three entry points (backward, capture for
+pipeline stages, privatize) share the step's accumulators and the noise source.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -33,7 +32,7 @@ from dpclip.engine.blt import noise_streamer
 from dpclip.engine.groups import (Groups, build_groups, sole_user_groups, trainable_params,
                                   untied_padding_rows)
 from dpclip.engine.noise import (NoiseSource, add_step_noise, allocation_weights, effective_noise_multiplier,
-                                 noise_stds)
+                                 stage_noise_stds)
 from dpclip.engine.factors import NORM_METHODS
 from dpclip.engine.microbatch import MicroBatch, StepContext, StepTotals
 from dpclip.engine.policies import PolicyContext, ThresholdPolicy, build_policy
@@ -118,7 +117,7 @@ class DPEngine:
         self.sample_rate = sample_rate
         self.reducer = reducer
         self.stage = stage
-        self._stage_sizes: Tensor | None = None
+        self._stage_sizes: dict = {}  # a pipeline's group sizes, gathered once (stage_noise_stds)
         self.steps = 0
 
         params = trainable_params(model)
@@ -354,7 +353,8 @@ class DPEngine:
         if self._captured:
             raise EngineError("privatize with a captured micro-batch not finished", "call finish_micro_batch first")
         thresholds = self.policy.thresholds().detach().clone()
-        std = self._noise_stds(self.policy.sensitivity_thresholds())
+        std = stage_noise_stds(self.gradient_noise_multiplier, self.policy.sensitivity_thresholds(),
+                               self.config["noise_allocation"], self._sizes, self.stage, self._stage_sizes)
         batch = self.expected_batch_size
         std_grad = (std / batch).tolist()  # one device sync per step, not one per parameter
         grads = [torch.zeros(p.shape, dtype=p.dtype, device=p.device) if clipped is None  # sums carry 1/B
@@ -428,23 +428,6 @@ class DPEngine:
         result = ClipDebug(self.group_names, sums, norms, dict(self._paths))
         self._reset_step()
         return result
-
-    def _noise_stds(self, sens: Tensor) -> Tensor:
-        """σ_g·S·w_k for this engine's groups (:func:`~dpclip.engine.noise.noise_stds`). A
-        per-device pipeline stage has only its own C_k: S = sqrt(Σ_k C_k²/w_k²) runs over all
-        the pipeline's groups. Equal-budget (w_k = C_k) gives S = sqrt(K) and needs nothing from
-        the other stages, which is why the adaptive-per-layer paper (§4, App. C) chose it;
-        the other allocations gather the stages' thresholds (public values) once a step."""
-        kind, stage = self.config["noise_allocation"], self.stage
-        if stage is None or stage.flat:  # a flat stage clips at the one C: its sensitivity is C
-            return noise_stds(self.gradient_noise_multiplier, sens, allocation_weights(kind, sens, self._sizes))
-        if kind == "equal-budget":
-            return self.gradient_noise_multiplier * math.sqrt(stage.num_groups) * sens
-        every = stage.all_gather(sens)
-        if self._stage_sizes is None:  # the sizes d_k never change: gathered once
-            self._stage_sizes = stage.all_gather(self._sizes)
-        std = noise_stds(self.gradient_noise_multiplier, every, allocation_weights(kind, every, self._stage_sizes))
-        return std[stage.offset:stage.offset + len(sens)]
 
     # ------------------------------------------------------------ checkpoints
 

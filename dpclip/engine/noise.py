@@ -17,6 +17,7 @@ does not depend on the allocation.
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
@@ -127,6 +128,27 @@ def noise_stds(sigma: float, thresholds: Tensor, weights: Tensor) -> Tensor:
     clipped gradient (before dividing by the expected batch size)."""
     s = (thresholds.pow(2) / weights.pow(2)).sum().sqrt()
     return sigma * s * weights
+
+
+def stage_noise_stds(sigma: float, thresholds: Tensor, kind: str, sizes: Tensor, stage=None,
+                     gathered: dict | None = None) -> Tensor:
+    """:func:`noise_stds` of one engine's groups, whole or one pipeline stage of a model
+    (``stage``: :class:`~dpclip.engine.reducer.StageLink`). A per-device stage has only its own
+    C_k, yet S = sqrt(Σ_k C_k²/w_k²) runs over all the pipeline's groups. Equal-budget
+    (w_k = C_k) gives S = sqrt(K) and needs nothing from the other stages, which is why the
+    adaptive-per-layer paper (§4, App. C) chose it; the other allocations gather the stages'
+    thresholds (public values) once a step, and their sizes d_k once (kept in ``gathered``).
+    A flat stage clips at the one C: its sensitivity is its own."""
+    if stage is None or stage.flat:
+        return noise_stds(sigma, thresholds, allocation_weights(kind, thresholds, sizes))
+    if kind == "equal-budget":
+        return sigma * math.sqrt(stage.num_groups) * thresholds
+    every = stage.all_gather(thresholds)
+    gathered = {} if gathered is None else gathered
+    if "sizes" not in gathered:
+        gathered["sizes"] = stage.all_gather(sizes)
+    std = noise_stds(sigma, every, allocation_weights(kind, every, gathered["sizes"]))
+    return std[stage.offset:stage.offset + len(thresholds)]
 
 
 def effective_noise_multiplier(sigma_gradient: float, aux: Iterable[tuple[float, float]] = ()) -> float:

@@ -12,7 +12,8 @@ import math
 import torch
 from torch import nn
 
-from dpclip.data.dataset import IGNORE_INDEX, select
+from dpclip.data.columns import IGNORE_INDEX
+from dpclip.data.dataset import select
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpclip.data.dataset import IGNORE_INDEX
+from dpclip.data.columns import IGNORE_INDEX
 from dpclip.errors import DpclipError
 
 Batch = dict[str, torch.Tensor]

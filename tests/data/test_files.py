@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dpclip.data import load_data
-from dpclip.data.dataset import examples_from_columns
+from dpclip.data.columns import examples_from_columns
 from dpclip.data.size import training_set_size
 from dpclip.errors import DpclipError
 from dpclip.recipe.schema import FilesData
