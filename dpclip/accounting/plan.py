@@ -15,7 +15,7 @@ from typing import Any
 
 import dp_accounting
 
-from dpclip.accounting.accountants import check_accountant, check_delta_value, account
+from dpclip.accounting.accountants import check_accountant, check_delta_value, account, note_slow_pld
 from dpclip.accounting.blt import blt_event, blt_groups, calibrate_blt, check_sensitivities, increment_events
 from dpclip.accounting.calibrate import check_steps, check_target, calibrate_noise_multiplier
 from dpclip.accounting.events import check_sample_rate, gradient_step_event
@@ -291,6 +291,7 @@ def solve(plan: PrivacyPlan) -> PlanResult:
     charged_rate, charged_steps = plan.group_rate, participations(plan.steps, plan.bands)
     if plan.buffers:
         return _solve_blt(plan)
+    note_slow_pld(charged_steps, plan.accountant)
     if plan.target_epsilon is not None:
         sigma_total = calibrate_noise_multiplier(
             plan.target_epsilon, plan.delta, charged_rate, charged_steps, plan.accountant

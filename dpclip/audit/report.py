@@ -36,7 +36,7 @@ from dpclip.data.exposure import stored_exposure
 from dpclip.errors import DpclipError
 from dpclip.files import write_json_atomic
 from dpclip.models import build_model
-from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
+from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint, missing_checkpoint_hint
 from dpclip.train.parts import canary_records
 from dpclip.train.rundir import check_ledger, load_run_recipe, planned_step
 from dpclip.train.searchdir import headline
@@ -77,7 +77,7 @@ def resolve_target(path: Path) -> tuple[Path, Path]:
     if (path / layout.RECIPE).exists():
         checkpoint = latest_checkpoint(path)
         if checkpoint is None:
-            raise DpclipError(f"{path} has no checkpoint yet", "train the run first (dpclip train RECIPE)")
+            raise DpclipError(f"{path} has no checkpoint to attack", missing_checkpoint_hint(path))
         return path, checkpoint
     raise DpclipError(f"{path} is neither a run directory nor a checkpoint directory",
                       "pass the folder `dpclip train` created under runs/, or one of its checkpoints/step_NNNNNN")

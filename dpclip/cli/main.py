@@ -16,7 +16,7 @@ from dpclip.cli import audit
 from dpclip.cli import bench
 from dpclip.cli import diagnose
 from dpclip.cli import export
-from dpclip.cli.render import print_error
+from dpclip.cli.render import print_error, show_library_warnings
 from dpclip.errors import DpclipError
 
 app = typer.Typer(
@@ -68,9 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         # dp_accounting logs through absl when its RDP series skips an order (harmless: the
         # remaining orders still bound ε); users see such details only with --debug.
         logging.getLogger("absl").setLevel(logging.ERROR)
+    show_library_warnings()
     try:
-        app(args=args, prog_name="dpclip", standalone_mode=False)
-        return 0
+        code = app(args=args, prog_name="dpclip", standalone_mode=False)
+        # Outside standalone mode Typer returns an Exit's code instead of raising it, and it
+        # turns Ctrl-C into Exit(130): without this, an interrupted command exited 0, silently.
+        if code == 130:
+            print_error("interrupted")
+            return 130
+        return code if isinstance(code, int) and not isinstance(code, bool) else 0
     except DpclipError as exc:
         if _debug["on"]:
             traceback.print_exc()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from typing import Any
 
@@ -18,6 +19,24 @@ def print_error(message: str, hint: str | None = None) -> None:
     error_console.print(f"[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True)
     if hint:
         error_console.print(f"[yellow]hint:[/] {escape(hint)}", markup=True, soft_wrap=True)
+
+
+class WarningLines(logging.Handler):
+    """dpclip's own log records of level WARNING and above as ``warning:`` lines on stderr
+    (the library logs; the command renders)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        error_console.print(f"[bold yellow]warning:[/] {escape(record.getMessage())}", markup=True, soft_wrap=True)
+
+
+def show_library_warnings() -> None:
+    """Route the ``dpclip`` loggers' warnings to :class:`WarningLines` (once per process)."""
+    logger = logging.getLogger("dpclip")
+    if not any(isinstance(handler, WarningLines) for handler in logger.handlers):
+        logger.addHandler(WarningLines())
 
 
 def json_safe(value: Any) -> Any:

@@ -154,7 +154,8 @@ def _sigma_line(change) -> str:
     moved = ", ".join(f"{key} {_value(old)} -> {_value(new)}" for key, (old, new) in change["changed"].items())
     if change["calibrated"]:
         return (f"{moved}: σ {fmt(change['sigma_file'], 3)} -> {fmt(change['sigma'], 3)} "
-                f"for ε = {fmt(change['epsilon'], 3)} (ε stays fixed; the noise per step changes)")
+                f"for ε = {fmt(change.get('target_epsilon', change['epsilon']), 3)} "   # the recipe's target, not
+                "(ε stays fixed; the noise per step changes)")                         # its calibrated 7.96
     return f"{moved}: ε {fmt(change['epsilon_file'], 3)} -> {fmt(change['epsilon'], 3)} at σ = {fmt(change['sigma'], 3)}"
 
 

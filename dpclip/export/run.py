@@ -15,7 +15,7 @@ from dpclip.errors import DpclipError
 from dpclip.export import card as cards
 from dpclip.export import model as weights
 from dpclip.files import read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
-from dpclip.train.checkpoint import latest_checkpoint
+from dpclip.train.checkpoint import latest_checkpoint, missing_checkpoint_hint
 from dpclip.train.rundir import RunDir
 
 _STEP_DIR = re.compile(r"step_[0-9]{6,}")
@@ -90,7 +90,7 @@ def _checkpoint(run: RunDir, name: str | None) -> Path:
     if name is None:
         path = latest_checkpoint(run.path)
         if path is None:
-            raise DpclipError(f"{run.path} has no checkpoint to export", "train the run to its end (or resume it)")
+            raise DpclipError(f"{run.path} has no checkpoint to export", missing_checkpoint_hint(run.path))
         return path
     available = sorted(p.name for p in run.checkpoints.glob("step_*") if p.is_dir()) if run.checkpoints.is_dir() else []
     path = run.checkpoints / name

@@ -28,7 +28,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.exists():
         hint = "check the path"
         if path.stem in shipped_names():
-            hint = f"'{path.stem}' is a shipped recipe: use recipes/{path.stem}.yaml or `dpclip recipes copy {path.stem} .`"
+            copy = f"`dpclip recipes copy {path.stem} .`, then use {path.stem}.yaml"
+            if path.parent.name == "recipes":   # recipes/NAME.yaml outside the repository's root
+                hint = (f"'{path.stem}' is a shipped recipe, but this folder has no recipes/ folder of the "
+                        f"repository: run from its root, or {copy}")
+            else:
+                hint = f"'{path.stem}' is a shipped recipe: use recipes/{path.stem}.yaml or {copy}"
         else:
             hint += "; `dpclip recipes list` shows the shipped recipes"
         raise RecipeError(f"recipe file not found: {path}", hint)

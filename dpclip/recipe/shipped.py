@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from importlib import resources
 from pathlib import Path
@@ -29,12 +30,24 @@ def shipped_text(name: str) -> str:
     return (_recipe_dir() / f"{name}.yaml").read_text(encoding="utf-8")
 
 
+# A sentence ends at a full stop before a space or the end, except after "et al" (Bu et al. 2023).
+_SENTENCE_END = re.compile(r"(?<!\bal)\.(?=\s|$)")
+
+
 def shipped_summary(name: str) -> str:
-    """First comment line of a shipped recipe: what it shows."""
+    """The first sentence of a shipped recipe's opening comment: what it shows (a sentence
+    may run over several comment lines; the "reaches ..." results line ends the comment)."""
+    lines = []
     for line in shipped_text(name).splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-    return ""
+        if not line.startswith("#"):
+            break
+        text = line.lstrip("#").strip()
+        if text.startswith("reaches "):
+            break
+        lines.append(text)
+    comment = " ".join(lines)
+    end = _SENTENCE_END.search(comment)
+    return comment[:end.end()] if end else comment
 
 
 def copy_shipped(name: str, destination: str | Path, overwrite: bool = False) -> Path:

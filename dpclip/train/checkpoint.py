@@ -149,6 +149,16 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dic
     return final
 
 
+def missing_checkpoint_hint(run_dir: Path) -> str:
+    """The hint for a run directory without a checkpoint: not yet trained, or its checkpoints
+    removed after training (its ledger.json or summary.json says it trained)."""
+    run_dir = Path(run_dir)
+    if (run_dir / layout.LEDGER).exists() or (run_dir / layout.SUMMARY).exists():
+        return (f"the run trained, but {layout.checkpoints_dir(run_dir)} holds no complete checkpoint: "
+                "restore that folder from a backup")
+    return "train the run first (dpclip train RECIPE), or resume it (dpclip train --resume RUN_DIR)"
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint folder LATEST names, or None before the first checkpoint.
 

@@ -23,7 +23,7 @@ from dpclip.errors import DpclipError
 from dpclip.recipe import load_recipe
 from dpclip.rng import private_generator
 from dpclip.accounting import Ledger
-from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
+from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint, missing_checkpoint_hint
 from dpclip.train.diagnostics import (DIAGNOSTICS_FILE, choose_rows, clip_threshold, draw_rows, evaluate,
                                       make_record, measure_model, public_batch_size, public_rows_of, read_records)
 from dpclip.train.diagnostics_plots import (HESSIAN_PLOT, IMPROVEMENT_PLOT, plot_hessian_over_training,
@@ -120,7 +120,7 @@ def _set_up(target: Path, overrides: list[str]) -> tuple[RunParts, str, int]:
         try:
             checkpoint = latest_checkpoint(run.path)
             if checkpoint is None:
-                raise DpclipError(f"{run.path} has no checkpoint", "the run stopped before its first checkpoint")
+                raise DpclipError(f"{run.path} has no checkpoint to measure", missing_checkpoint_hint(run.path))
             state = RunState(Ledger(parts.plan.delta, parts.plan.accountant))
             # The weights and the thresholds the run had reached (and the rest of its state).
             restore(parts, state, load_checkpoint(checkpoint, parts.model))

@@ -310,4 +310,4 @@ def _sigma_change(reference: Recipe | None, recipe: Recipe, num_train: int, num_
         return None  # the file's own plan is not feasible on this data; the run's is
     return {"changed": changed, "sigma_file": before.split.noise_multiplier, "sigma": solved.split.noise_multiplier,
             "epsilon_file": before.epsilon, "epsilon": solved.epsilon,
-            "calibrated": plan.target_epsilon is not None}
+            "calibrated": plan.target_epsilon is not None, "target_epsilon": plan.target_epsilon}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import dp_accounting
@@ -129,3 +130,19 @@ def test_impossible_aux_split_is_refused_by_solve():
 def test_invalid_aux_spec_is_refused(kwargs):
     with pytest.raises(AccountingError):
         AuxSpec(**kwargs)
+
+
+def test_a_pld_plan_over_more_steps_than_it_answers_quickly_says_so_once(monkeypatch, caplog):
+    import dpclip.accounting.accountants as accountants
+
+    # the real threshold is 10⁶ steps, whose PLD takes seconds to minutes: lowered to keep this fast
+    monkeypatch.setattr(accountants, "PLD_SLOW_STEPS", 50)
+    monkeypatch.setattr(accountants, "_warned_slow", set())
+    caplog.set_level(logging.WARNING, logger="dpclip")
+    solve(PrivacyPlan(sample_rate=0.01, steps=50, delta=1e-5, noise_multiplier=1.0))
+    solve(PrivacyPlan(sample_rate=0.01, steps=51, delta=1e-5, noise_multiplier=1.0, accountant="rdp"))
+    assert not caplog.records, "at the threshold, and with RDP, nothing to say"
+    for _ in range(2):
+        solve(PrivacyPlan(sample_rate=0.01, steps=51, delta=1e-5, noise_multiplier=1.0))
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 1 and "PLD accounting of 51 steps" in notes[0] and "accountant: rdp" in notes[0]

@@ -278,3 +278,16 @@ def test_group_size_adds_the_group_privacy_guarantee(cli):
 def test_user_flags_that_cannot_work_are_refused_with_a_hint(cli, flags, message):
     result = cli("account", "--eps", "8", "--delta", "1e-5", *flags)
     assert result.code != 0 and message in result.err and "hint:" in result.err and "Traceback" not in result.err
+
+
+def test_account_over_very_many_steps_warns_before_the_long_pld_answer(cli, monkeypatch):
+    import dpclip.accounting.accountants as accountants
+
+    # 10⁸ steps (an extra zero) once looked like a hang: now a warning line comes first
+    monkeypatch.setattr(accountants, "PLD_SLOW_STEPS", 100)
+    monkeypatch.setattr(accountants, "_warned_slow", set())
+    result = cli("account", "--sigma", "1", "--delta", "1e-5", "-q", "0.01", "--steps", "200")
+    assert result.code == 0
+    assert result.err.startswith("warning: PLD accounting of 200 steps") and "--accountant rdp" in result.err
+    quiet = cli("account", "--sigma", "1", "--delta", "1e-5", "-q", "0.01", "--steps", "200", "--accountant", "rdp")
+    assert quiet.code == 0 and "warning" not in quiet.err

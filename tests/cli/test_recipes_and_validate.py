@@ -2,7 +2,7 @@ from pathlib import Path
 
 import yaml
 
-from dpclip.recipe.shipped import shipped_names
+from dpclip.recipe.shipped import shipped_names, shipped_summary
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
@@ -13,6 +13,17 @@ def test_recipes_list_shows_every_shipped_recipe(cli):
     assert result.code == 0
     for name in shipped_names():
         assert name in result.out
+
+
+def test_recipe_summaries_are_whole_first_sentences_even_across_comment_lines():
+    for name in shipped_names():
+        summary = shipped_summary(name)
+        assert summary.endswith("."), f"{name}: {summary!r} stops mid-sentence"
+        assert "reaches" not in summary   # the results line is not part of what a recipe shows
+    # its first sentence runs over two comment lines; "Bu et al.)" does not end one
+    assert shipped_summary("bert-tiny-classify").endswith("synthetic restaurant sentences with DP-AdamW, "
+                                                          "layer-wise clipping.")
+    assert shipped_summary("cnn-layer").endswith("one fixed C split as C/sqrt(K).")
 
 
 def test_shipped_recipes_are_the_files_in_recipes_dir():

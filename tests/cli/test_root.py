@@ -55,6 +55,23 @@ def test_an_unexpected_exception_gives_one_error_line_and_debug_gives_the_traceb
     assert debug.code == 1 and "Traceback" in debug.err and "do-not-print-me" not in debug.err
 
 
+@pytest.mark.parametrize("command", [("validate", "recipe"), ("account", "--sigma", "1", "--delta", "1e-5", "-q",
+                                                                 "0.01", "--steps", "10")])
+def test_ctrl_c_outside_the_training_loop_exits_130_and_says_interrupted(cli, monkeypatch, command):
+    import dpclip.recipe as recipe_module  # `dpclip validate` imports load_recipe from here when it runs
+    import dpclip.train.plan as planning    # `dpclip account` solves its plan through this module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(recipe_module, "load_recipe", interrupted)
+    monkeypatch.setattr(planning, "solve_plan", interrupted)
+    args = [REPO / "recipes" / "quickstart.yaml" if a == "recipe" else a for a in command]
+    result = cli(*args)
+    # a script's `dpclip ... && next-step` must not go on after a Ctrl-C
+    assert result.code == 130 and "error: interrupted" in result.err
+
+
 def test_user_error_with_debug_shows_the_traceback_too(cli, tmp_path):
     result = cli("--debug", "validate", tmp_path / "missing.yaml")
     assert result.code == 2 and "Traceback" in result.err and "error: recipe file not found" in result.err

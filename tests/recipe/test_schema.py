@@ -167,6 +167,14 @@ def test_missing_file_points_to_the_shipped_recipe_of_that_name(tmp_path):
     assert "not found" in info.value.message and "recipes copy quickstart" in info.value.hint
 
 
+def test_missing_recipes_path_outside_the_repository_does_not_suggest_the_same_path(tmp_path):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(tmp_path / "recipes" / "quickstart.yaml")   # the README's command, run from another folder
+    hint = info.value.hint
+    assert "use recipes/quickstart.yaml" not in hint
+    assert "run from its root" in hint and "dpclip recipes copy quickstart ." in hint and "quickstart.yaml" in hint
+
+
 def test_resolved_recipe_round_trips_through_yaml():
     recipe = load_recipe(QUICKSTART, ["clipping.threshold={kind: quantile, target: 0.7}"])
     again = validate_recipe(yaml.safe_load(recipe_to_yaml(recipe)))

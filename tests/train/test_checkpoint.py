@@ -80,3 +80,22 @@ def test_weights_of_another_model_are_a_clear_error(text, tmp_path):
     other, _ = build_model(HFModel(kind="hf", task="causal-lm", config={**TINY_GPT2, "n_layer": 2}), text)
     with pytest.raises(DpclipError, match="does not match the model"):
         load_weights(path, other)
+
+
+def test_a_run_without_checkpoints_is_told_apart_from_one_whose_checkpoints_were_removed(tmp_path):
+    from dpclip import layout
+    from dpclip.audit.report import resolve_target
+    from dpclip.train.checkpoint import missing_checkpoint_hint
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / layout.RECIPE).write_text("name: x\n")
+    with pytest.raises(DpclipError, match="no checkpoint") as fresh:
+        resolve_target(run)
+    assert "train the run first" in fresh.value.hint
+    (run / layout.LEDGER).write_text("{}")   # it trained; then someone deleted checkpoints/
+    with pytest.raises(DpclipError, match="no checkpoint") as removed:
+        resolve_target(run)
+    assert "the run trained" in removed.value.hint and "restore" in removed.value.hint
+    assert "train the run first" not in removed.value.hint
+    assert missing_checkpoint_hint(run) == removed.value.hint
