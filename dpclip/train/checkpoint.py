@@ -156,7 +156,7 @@ def missing_checkpoint_hint(run_dir: Path) -> str:
     if (run_dir / layout.LEDGER).exists() or (run_dir / layout.SUMMARY).exists():
         return (f"the run trained, but {layout.checkpoints_dir(run_dir)} holds no complete checkpoint: "
                 "restore that folder from a backup")
-    return "train the run first (dpclip train RECIPE), or resume it (dpclip train --resume RUN_DIR)"
+    return "train the run first (dpclip train RECIPE)"
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
