@@ -221,7 +221,7 @@ def train(
         launch(args, nproc, master_port=master_port, debug=bool(os.environ.get("DPCLIP_DEBUG")))
         return
     if threads is None and resume is not None:
-        from dpclip.train.rundir import recorded_threads
+        from dpclip.train.device import recorded_threads
 
         threads = recorded_threads(resume)
     configure(thread_count(rank_threads(threads)))  # ranks on one machine share its cores

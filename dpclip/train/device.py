@@ -1,4 +1,5 @@
-"""``training.device``: where a run's model, batches, gradients and noise live (docs/training.md, "Device").
+"""``training.device``: where a run's model, batches, gradients and noise live (docs/training.md, "Device");
+and, for ``--resume``, the device and thread count a run was trained with.
 
 ``cpu`` (the default), ``cuda``, ``cuda:N`` or ``auto`` (``cuda`` when torch sees a CUDA
 device, else ``cpu``). The device is resolved once, before the run directory exists, so a
@@ -70,12 +71,24 @@ def check_resume_device(recorded: str | None, device: torch.device) -> None:
                           "device's noise generator, and the steps after it must replay exactly as first run")
 
 
-def recorded_device(run_dir: Path) -> str:
-    """The device the run trained on (meta.json; ``"cpu"`` for a run from before
-    ``training.device``, and for a folder without meta.json, which the resume refuses anyway)."""
+def _recorded(run_dir: Path, key: str):
+    """meta.json's ``plan[key]``: None for a folder without meta.json (the resume refuses it
+    anyway) and for a run from before the key was recorded."""
     meta_file = RunDir(run_dir).meta_file
-    device = read_json(meta_file).get("plan", {}).get("device") if meta_file.exists() else None
+    return read_json(meta_file).get("plan", {}).get(key) if meta_file.exists() else None
+
+
+def recorded_device(run_dir: Path) -> str:
+    """The device the run trained on (``"cpu"`` for a run from before ``training.device``)."""
+    device = _recorded(run_dir, "device")
     return device if isinstance(device, str) else "cpu"
 
 
-__all__ = ["check_resume_device", "recorded_device", "resolve_device"]
+def recorded_threads(run_dir: Path) -> int | None:
+    """The torch thread count the run started with, None when not recorded: ``--resume``
+    uses it so that replayed steps reduce in the same order (dpclip.threads)."""
+    threads = _recorded(run_dir, "threads")
+    return threads if isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1 else None
+
+
+__all__ = ["check_resume_device", "recorded_device", "recorded_threads", "resolve_device"]

@@ -7,7 +7,8 @@ the run started. Which files are secret and which may be shared: docs/accounting
 "Threat model"; the layout: docs/training.md.
 
 Length: a little over 400 lines: every reader and writer of a run directory's files (and
-the checks that make them trustworthy) is here, so the layout has one home.
+the checks that make them trustworthy) is here, so the layout has one home; only the device
+and thread count a run recorded are read back in :mod:`dpclip.train.device`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-import dp_accounting
 import torch
 
 from dpclip import __version__, layout
@@ -205,14 +205,6 @@ class RunDir:
 
     def summary(self) -> dict[str, Any]:
         return read_json(self.summary_file)
-
-
-def recorded_threads(run_dir: Path) -> int | None:
-    """The torch thread count the run started with (meta.json), None when not recorded:
-    ``--resume`` uses it so that replayed steps reduce in the same order (dpclip.threads)."""
-    meta_file = RunDir(run_dir).meta_file
-    threads = read_json(meta_file).get("plan", {}).get("threads") if meta_file.exists() else None
-    return threads if isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1 else None
 
 
 def run_recipe_with(run_dir: Path, overrides: list[str]) -> Recipe:
