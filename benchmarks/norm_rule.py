@@ -24,6 +24,7 @@ and the panels were chosen.
     python benchmarks/norm_rule.py --strips   # the strip counts, GPT-2 small's shapes
     python benchmarks/norm_rule.py --traffic  # the parts of one-sample-at-a-time instantiation
     python benchmarks/norm_rule.py --norms    # a LayerNorm's backward, book-kept three ways
+    python benchmarks/norm_rule.py --reductions   # sums of squares of one G_i, in cache and out
     python benchmarks/norm_rule.py --smoke    # tiny, one repeat (CI)
 """
 
@@ -158,6 +159,28 @@ def traffic_rows(b: int, t: int, shapes: dict, repeats: int) -> list[dict]:
     return rows
 
 
+def reduction_rows(sizes: dict, repeats: int) -> list[dict]:
+    """Σ x² of one per-sample gradient, the engine's way (``sum_of_squares``: vector_norm over
+    blocks of 128) beside other blocked reductions with the same rounding bound, and beside
+    one whole-row ``torch.dot`` (no such bound: docs/formulas.md, "Rounding of a norm"), on a
+    G_i that fits in L2 and one that does not. If the engine's form runs at the same GB/s on
+    both, it is bound by its arithmetic, and forming G_i in cache-sized panels would not
+    make its norm cheaper."""
+    rows = []
+    for label, (m, n) in sizes.items():
+        x = torch.randn(m * n)
+        blocks, scratch, ones = x.view(-1, 128), torch.empty(m * n), torch.ones(128)
+        fns = {"sum_of_squares": lambda: sum_of_squares(x.view(1, -1)),
+               "vecdot blocks": lambda: torch.linalg.vecdot(blocks, blocks),
+               "square().sum": lambda: blocks.square().sum(-1),
+               "mul + mv": lambda: torch.mv(torch.mul(x, x, out=scratch).view(-1, 128), ones),
+               "dot (unbounded)": lambda: torch.dot(x, x)}
+        ms = median_ms(fns, repeats)
+        rows.append({"G_i": f"{label} {m}x{n}", "MiB": m * n * 4 / 2**20,
+                     **{k: (v, m * n * 4 / v / 1e6) for k, v in ms.items()}})
+    return rows
+
+
 def print_strips(rows: list[dict]) -> None:
     print("ghost norm (ms) by column strips k (each strip reads the whole factor); engine = the "
           "engine's own choice, timed: its k (grams.ghost_strips), /pN where a wide factor is "
@@ -229,6 +252,8 @@ def main(argv=None) -> None:
                     help="time the parts of one-sample-at-a-time instantiation (GPT-2 small, B 4, T 256)")
     ap.add_argument("--norms", action="store_true",
                     help="time a LayerNorm's backward, book-kept three ways (GPT-2 small's width)")
+    ap.add_argument("--reductions", action="store_true",
+                    help="time sums of squares of one G_i in L2-sized and larger buffers")
     args = ap.parse_args(argv)
     keep_freed_memory()
     torch.set_num_threads(args.threads)
@@ -241,6 +266,16 @@ def main(argv=None) -> None:
         print(f"{'B x T':>9}" + "".join(f"{k:>18}" for k in cols))
         for r in rows:
             print(f"{str(r['B']) + ' x ' + str(r['T']):>9}" + "".join(f"{r[k]:>18.3f}" for k in cols))
+        return
+    if args.reductions:
+        sizes = {"in L2": (768, 256), "beyond L2": (768, 3072)} if not args.smoke else {"tiny": (4, 64)}
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median ms (GB/s read)")
+        rows = reduction_rows(sizes, 1 if args.smoke else args.repeats)
+        cols = [k for k in rows[0] if k not in ("G_i", "MiB")]
+        print(f"{'G_i':<22}{'MiB':>6}" + "".join(f"{k:>20}" for k in cols))
+        for r in rows:
+            print(f"{r['G_i']:<22}{r['MiB']:>6.2f}"
+                  + "".join(f"{r[k][0]:>12.4f} ({r[k][1]:>5.1f})" for k in cols))
         return
     if args.traffic:
         shapes = {k: v for k, v in GPT2_SMALL.items() if k != "lm_head"}

@@ -24,9 +24,18 @@ def configure_speed(threads: int | str | None = "auto") -> dict[str, Any]:
     return configure(threads)
 
 
-def make_private(*args: Any, **kwargs: Any) -> Any:
-    """dpclip in your own PyTorch loop, as Opacus users write it: see
-    :func:`dpclip.integrations.private.make_private` and docs/python-api.md."""
-    from dpclip.integrations.private import make_private as make  # lazy: `import dpclip` must not import torch
+def __getattr__(name: str) -> Any:
+    """``dpclip.make_private``: dpclip in your own PyTorch loop, as Opacus users write it
+    (:func:`dpclip.integrations.private.make_private`, docs/python-api.md). Imported on first
+    use (PEP 562), so that ``import dpclip`` imports no torch, and it is the function itself:
+    ``help()`` and ``inspect.signature`` show its arguments."""
+    if name == "make_private":
+        from dpclip.integrations.private import make_private
 
-    return make(*args, **kwargs)
+        globals()["make_private"] = make_private
+        return make_private
+    raise AttributeError(f"module 'dpclip' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), "make_private"])

@@ -114,7 +114,8 @@ def test_every_module_has_a_layer():
 # Downward-pointing imports allowed by name, each with its reason.
 LAZY_ENTRY_POINTS = {
     ("dpclip", "dpclip.integrations.private"): "dpclip.make_private, where Opacus users look for it; imported "
-                                                "inside the function so that `import dpclip` imports no torch",
+                                                "on first use (the package's __getattr__) so that `import dpclip` "
+                                                "imports no torch",
 }
 
 

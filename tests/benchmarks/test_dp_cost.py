@@ -120,6 +120,9 @@ def test_norm_rule_smoke_runs_the_engines_functions(capsys):
     module.main(["--smoke", "--norms"])
     out = capsys.readouterr().out
     assert "per sample (CPU)" in out and "two-step" in out and "2 x 8" in out
+    module.main(["--smoke", "--reductions"])
+    out = capsys.readouterr().out
+    assert "sum_of_squares" in out and "dot (unbounded)" in out and "tiny 4x64" in out
 
 
 def test_profile_phases_smoke_times_every_phase():

@@ -63,6 +63,22 @@ def test_a_lora_export_loads_with_peft_on_its_base_and_gives_the_checkpoints_log
     assert list(config["id2label"].values()) == data.label_names
 
 
+def test_load_exported_gives_back_the_module_of_a_plain_torch_export(mlp_run, gpt2_run, tmp_path):
+    from dpclip.export import load_exported
+
+    export_run(mlp_run, tmp_path / "out")
+    loaded = load_exported(tmp_path / "out")   # from the card alone: no recipe, no data
+    model, data = _checkpoint_model(mlp_run)
+    x = data.train["features"][:4]
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    assert not loaded.training
+    export_run(gpt2_run, tmp_path / "hf")
+    with pytest.raises(DpclipError, match="model_card.json") as info:
+        load_exported(tmp_path / "hf")
+    assert "from_pretrained" in info.value.hint
+
+
 def test_an_mlp_export_is_safetensors_and_a_model_card_that_rebuilds_it(mlp_run, tmp_path):
     result = export_run(mlp_run, tmp_path / "out")
     assert result.kind == "safetensors"

@@ -195,3 +195,17 @@ def test_the_make_private_example_trains_digits_and_writes_its_ledger(tmp_path, 
     accuracy, privacy = run_example("make_private.py", tmp_path / "out", monkeypatch, capsys)
     assert accuracy > 0.5   # ten classes: chance is 0.1
     assert privacy["steps"] == privacy["steps_planned"] and 7.5 < privacy["epsilon"] <= 8.0 * 1.01
+
+
+def test_dpclip_make_private_is_the_function_itself_yet_import_dpclip_imports_no_torch():
+    import inspect
+    import subprocess
+    import sys
+
+    from dpclip.integrations.private import make_private
+
+    assert dpclip.make_private is make_private   # help() and IDEs show its arguments
+    assert {"criterion", "delta", "max_grad_norm"} <= set(inspect.signature(dpclip.make_private).parameters)
+    probe = "import sys, dpclip; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
