@@ -17,7 +17,7 @@ How a module's forward is re-routed: an instance attribute ``forward`` shadows t
 method (``nn.Module.__call__`` looks it up on the instance), and :meth:`Bookkeeper.remove`
 deletes it again. Hooks registered by the user keep working.
 
-Length: just over 400 lines: the autograd functions, the capture sites they report to and the
+Length: about 450 lines: the autograd functions, the capture sites they report to and the
 keeper that routes the forwards share one protocol (which forward a use belongs to, when it
 may be delivered); split apart, each would need the others' internals.
 """
@@ -33,13 +33,24 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine.batch_axis import BatchAxes, SiteBatch, check_batch
+from dpclip.engine.batch_axis.layout import tensor_leaves
 from dpclip.engine.factors import Use
 from dpclip.engine.layers import LayerRule, find_layer_rule
 from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
 from dpclip.engine.precision import engine_math
 from dpclip.engine.refusals import refuse_unsupported
 from dpclip.engine.stash import StashMeter  # noqa: F401  (imported from here by microbatch)
-from dpclip.errors import EngineError
+from dpclip.errors import DpclipError, EngineError
+
+
+def engine_failure(label: str, operation: str, tensors, exc: Exception) -> EngineError:
+    """An exception raised inside the engine's hooks, as an EngineError naming the module, the
+    operation and the shapes it had (``dpclip --debug`` keeps the original traceback)."""
+    shapes = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in tensors][:6]
+    return EngineError(f"module {label}: the engine's {operation} failed on tensors of shapes {shapes} "
+                       f"({type(exc).__name__}: {exc})",
+                       "the engine cannot follow this module's per-sample gradients: freeze it, replace it, "
+                       "or report the model with `dpclip --debug` output (docs/engine.md, \"What is refused\")")
 
 @dataclass(eq=False)
 class Unit:
@@ -175,8 +186,15 @@ class _BookkeptOp(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         call: _Call = ctx.call
         rule, module = call.rule, call.unit.module
-        grad_x = rule.input_grad(module, x, grad_out, call.info) if ctx.needs_input_grad[1] else None
-        call.keeper.deliver_layer(call, x, grad_out)
+        if call.keeper.silent:   # the certificate reads the loss head's cotangents: zeros flow here
+            return (None, torch.zeros_like(x) if ctx.needs_input_grad[1] else None) + (None,) * ctx.n_params
+        try:
+            grad_x = rule.input_grad(module, x, grad_out, call.info) if ctx.needs_input_grad[1] else None
+            call.keeper.deliver_layer(call, x, grad_out)
+        except DpclipError:
+            raise
+        except Exception as exc:
+            raise engine_failure(call.unit.label, f"backward ({rule.name} rule)", (x, grad_out), exc) from exc
         return (None, grad_x) + (None,) * ctx.n_params
 
 
@@ -197,7 +215,16 @@ class _OutputTap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
-        ctx.call.keeper.deliver_tap(ctx.call, grads)
+        if ctx.call.keeper.silent:   # the certificate reads the loss head's cotangents (above)
+            passed = tuple(torch.zeros_like(g) if ctx.needs_input_grad[2 + i] and g is not None else None
+                           for i, g in enumerate(grads))
+            return (None, None) + passed + (None,) * ctx.n_params
+        try:
+            ctx.call.keeper.deliver_tap(ctx.call, grads)
+        except DpclipError:
+            raise
+        except Exception as exc:
+            raise engine_failure(ctx.call.unit.label, "per-sample backward (torch.func fallback)", grads, exc) from exc
         passed = tuple(g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(grads))
         return (None, None) + passed + (None,) * ctx.n_params
 
@@ -219,6 +246,9 @@ class Bookkeeper:
         self._waiting: dict[int, list[int]] = {}  # forwards in flight before the latest (pipelines)
         self._active: _Active | None = None
         self._plain = 0
+        # True while the certificate reads the loss head's cotangents: the zeros its hooks pass
+        # into the model reach book-kept operations, which then deliver nothing
+        self.silent = False
         self._lock = threading.Lock()
         self._handles: list = []
         self.aliases: dict[int, list[str]] = {}   # parameter index -> names that do not deliver it
@@ -343,7 +373,13 @@ class Bookkeeper:
             if self._passthrough(unit) or axes.batch == 0:
                 return orig(*args, **kwargs)
             axes.enter(unit, site, args, kwargs)   # the call's established batch layout
-            return unit.rule.call(unit.module, site, args, kwargs)
+            try:
+                return unit.rule.call(unit.module, site, args, kwargs)
+            except DpclipError:
+                raise
+            except Exception as exc:
+                raise engine_failure(unit.label, f"forward ({unit.rule.name} rule)",
+                                     tensor_leaves((args, kwargs)), exc) from exc
 
         return forward
 

@@ -12,8 +12,9 @@ function + threshold policy + noise allocation. It never owns the optimizer.
 What one micro-batch does (uses in backward order, groups finalized early) is
 :mod:`dpclip.engine.microbatch`'s.
 
-Length: a little under 450 lines: the step's three entry points (backward, capture for
-pipeline stages, privatize) share the step's accumulators and the noise source.
+Length: about 510 lines: the step's three entry points (backward, capture for pipeline
+stages, privatize) share the step's accumulators and the noise source, and the certificate's
+check (:mod:`dpclip.engine.certificate`) runs inside the first two.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from torch import Tensor, nn
 from dpclip.accounting import gradient_step_event
 
 from dpclip.engine.bookkeeping import Bookkeeper
+from dpclip.engine.certificate import Certificate, NotReproducible
+from dpclip.engine.certificate.dry import check_in_eval_mode
 from dpclip.engine.clip import make_clip_fn
 from dpclip.engine.blt import noise_streamer
 from dpclip.engine.groups import (Groups, build_groups, sole_user_groups, trainable_params,
@@ -80,6 +83,9 @@ class DPEngine:
         records_per_unit: the most rows one privacy unit has in a step (``row_weights`` at the
             user level: k); a threshold policy whose bound depends on it (the discriminative
             top-fraction rule) noises for it.
+        verify_every: the certificate (:mod:`dpclip.engine.certificate`) checks the engine's
+            attribution against the samples' own gradients at the first step, on each new shape
+            family of the batch and after :meth:`load_state_dict`; N > 0 also every N steps.
     """
 
     def __init__(self, model: nn.Module, clipping: dict | None = None, *,
@@ -87,7 +93,7 @@ class DPEngine:
                  seed: int | None = None, noise_multiplier: float | None = None,
                  sample_rate: float | None = None, reducer: Reducer | None = None,
                  stage: StageLink | None = None, noise_correlation: Tensor | None = None,
-                 records_per_unit: int = 1):
+                 records_per_unit: int = 1, verify_every: int = 0):
         cfg = dict(DEFAULT_CLIPPING)
         unknown = set(clipping or {}) - set(DEFAULT_CLIPPING)
         if unknown:
@@ -162,6 +168,11 @@ class DPEngine:
             device=self._device, meter=self._keeper.stash,
             exchange_norm_sq=stage.sum_norm_sq if flat_stage else None)
         self._keeper.install()
+        self.certificate = Certificate(model, self._params, self._context.names, list(self._group_of),
+                                       self._clip, self._keeper.plain, lambda: self._keeper._plain > 0,
+                                       verify_every, silence=lambda on: setattr(self._keeper, "silent", on))
+        if stage is not None:   # a stage's backward starts from the next stage's gradient (capture)
+            self.certificate.disabled = "a pipeline stage's backward starts inside the model"
         self._reset_step()
 
     # --------------------------------------------------------------- properties
@@ -191,6 +202,7 @@ class DPEngine:
     def detach(self) -> None:
         """Give the model its original forwards back (the engine is unusable after)."""
         self._keeper.remove()
+        self.certificate.remove()
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -221,6 +233,7 @@ class DPEngine:
                               "cannot follow them when they are sharded", "freeze them, or use training.parallel: data")
         for idx, param in adopted.items():
             self._params[idx] = self.groups.params[idx].param = param
+        self.certificate.disabled = why_sealed
 
     def __enter__(self) -> "DPEngine":
         return self
@@ -258,15 +271,21 @@ class DPEngine:
             raise EngineError(f"engine.backward needs one loss per sample (shape [b]), got {shape}",
                               "compute the loss with reduction='none' and average each "
                               "sample's tokens yourself")
+        forwards = self.certificate.take(losses.shape[0])
         if losses.shape[0] == 0:
             self._keeper.take_forward_counts()
             return
         weights = torch.full_like(losses, loss_scale)
         if samples is not None:
             weights[samples:] = 0
-        with self.capture(losses.shape[0], samples=samples, loss_scale=loss_scale, row_weights=row_weights):
+        watch = None
+        if forwards and (samples is None or samples > 0):   # the certificate's rows, before the graph is freed
+            rows = self.certificate.rows(losses.shape[0] if samples is None else samples)
+            watch = (rows, self.certificate.cotangents(losses, rows, forwards), forwards)
+        with self.capture(losses.shape[0], samples=samples, loss_scale=loss_scale, row_weights=row_weights,
+                          _watch=None if watch is None else watch[0]):
             torch.autograd.backward(losses, weights)
-        self.finish_micro_batch()
+        self.finish_micro_batch(_watch=watch)
 
     def start_forward(self) -> int:
         """Call before the forward of a micro-batch when earlier micro-batches still wait for their
@@ -275,7 +294,8 @@ class DPEngine:
 
     @contextmanager
     def capture(self, batch_size: int, samples: int | None = None, generation: int | None = None,
-                loss_scale: float = 1.0, row_weights: Tensor | None = None) -> Iterator[None]:
+                loss_scale: float = 1.0, row_weights: Tensor | None = None,
+                _watch: list[int] | None = None) -> Iterator[None]:
         """The backward of one micro-batch that someone else starts: a pipeline stage's
         backward begins at its output, from the gradient the next stage sent
         (docs/distributed.md, "Pipeline stages"). Inside, the engine collects the uses;
@@ -300,6 +320,8 @@ class DPEngine:
                            batch_size, counts, policy.thresholds(),
                            policy.per_sample_thresholds if policy.per_sample else None, loss_scale, row_weights,
                            sum_scale=1.0 / self.expected_batch_size)
+        if _watch:
+            micro.watch(_watch)
         saved = [p.grad for p in self._params]
         for p in self._params:
             p.grad = None
@@ -323,9 +345,10 @@ class DPEngine:
                 p.grad = g
         self._captured.append((micro, samples))
 
-    def finish_micro_batch(self) -> None:
+    def finish_micro_batch(self, _watch: tuple | None = None) -> None:
         """Clip the oldest micro-batch :meth:`capture` collected: per-sample norms (on a flat
-        pipeline, summed over the stages first), clip factors, clipped sums; the policy observes."""
+        pipeline, summed over the stages first), clip factors, clipped sums; the policy observes.
+        (``_watch``: the certificate's rows, cotangents and forwards, from :meth:`backward`.)"""
         if not self._captured:
             raise EngineError("engine.finish_micro_batch without a captured backward",
                               "wrap the backward in `with engine.capture(batch_size):` first")
@@ -336,12 +359,49 @@ class DPEngine:
             micro.discard()
             raise
         norms = norms[:samples]
+        if _watch is not None:   # before the policy observes anything: a refusal stops here
+            rows, cots, forwards = _watch
+            self.certificate.step = self.steps
+            scale = 1.0 / self.expected_batch_size
+            try:
+                self.certificate.check(self.steps, forwards, rows, cots, norms, micro.witness, micro.used_thresholds,
+                                       micro.row_weights, scale, micro.cancelling)
+            except NotReproducible:
+                check_in_eval_mode(self.certificate, self.model, forwards, rows, cots,
+                                   lambda losses, watched: self._scratch_micro_batch(losses, watched, micro.row_weights),
+                                   self.steps, scale, micro.row_weights)
+            micro.witness.clear()
         for idx, path in micro.paths.items():
             self._paths[self.groups.params[idx].name] = path
         weights = micro.row_weights   # passed only when given: a policy may take the norms alone
         self.policy.observe(norms) if weights is None else self.policy.observe(norms, weights[:samples])
         self._norms.append(norms.detach())
         self._samples += samples
+
+    def _scratch_micro_batch(self, losses: Tensor, rows: list[int], row_weights: Tensor | None) -> tuple:
+        """The certificate's dry micro-batch (:mod:`dpclip.engine.certificate.dry`): the backward of
+        ``losses`` into scratch sums that are thrown away, watching ``rows``; no policy observes it.
+        Returns (norms [b, K], witness sums, thresholds used, groups recomputed in float64 per row)."""
+        batch = losses.shape[0]
+        counts, generation = self._keeper.take_forward_counts()
+        scratch = StepTotals([None] * len(self._params), torch.zeros_like(self._clipped),
+                             torch.zeros_like(self._nonfinite))
+        micro = MicroBatch(self._context, scratch, batch, counts, self.policy.thresholds(),
+                           self.policy.per_sample_thresholds if self.policy.per_sample else None,
+                           1.0, row_weights, sum_scale=1.0 / self.expected_batch_size)
+        micro.watch(rows)
+        saved = [p.grad for p in self._params]
+        try:
+            with self._keeper.backward_scope(batch, generation, micro.deliver):
+                torch.autograd.backward(losses, torch.ones_like(losses))
+            norms = micro.finish()
+        except BaseException:
+            micro.discard()
+            raise
+        finally:
+            for p, g in zip(self._params, saved):
+                p.grad = g
+        return norms, micro.witness, micro.used_thresholds, micro.cancelling
 
     def privatize(self) -> StepReport:
         """Noise the accumulated clipped sums, write ``p.grad``, return the report.
@@ -404,8 +464,11 @@ class DPEngine:
             dp_event=event,
             samples_seen=self._samples,
             expected_batch_size=batch,
+            certificate=self.certificate.last if self.certificate.last is not None
+            and self.certificate.last.step == self.steps else None,
         )
         self.steps += 1
+        self.certificate.step = self.steps
         self._reset_step()
         return report
 
@@ -439,6 +502,7 @@ class DPEngine:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        self.certificate.reset()   # a resumed run is checked again at its first step
         self.policy.load_state_dict(state["policy"])
         self.noise.load_state_dict(state["noise"])
         self.steps = int(state.get("steps", 0))

@@ -150,6 +150,26 @@ class MicroBatch:
         self.meter = ctx.meter
         # Layers that read one input (Llama's q, k, v) ghost-norm it with one Gram.
         self.gram_cache = GramCache()
+        # The certificate's rows (dpclip.engine.certificate): for each, the engine's own clipped
+        # sum with every clip factor but that row's set to 0, per parameter (its *witness*), and
+        # the thresholds the rows were clipped at ([K], or [b, K] for a per-sample policy).
+        self.witness_rows: list[int] = []
+        self.witness: dict[int, dict[int, Tensor]] = {}
+        self.used_thresholds: Tensor | None = None
+        self.cancelling: dict[int, set[int]] = {}   # watched row -> groups recomputed in float64 for it
+
+    def watch(self, rows: list[int]) -> None:
+        """Keep a witness sum for each of ``rows`` (the certificate's checked samples)."""
+        self.witness_rows = list(rows)
+        self.witness = {r: {} for r in rows}
+
+    def _witness(self, idx: int, sum_of: Callable[[Tensor], Tensor], factors: Tensor) -> None:
+        """Witness sums of parameter ``idx``: ``sum_of`` (the clipped-sum code just used) run
+        once per watched row with the other rows' factors zeroed."""
+        for r in self.witness_rows:
+            masked = torch.zeros_like(factors)
+            masked[r] = factors[r]
+            self.witness[r][idx] = sum_of(masked).detach().clone()
 
     def deliver(self, idx: int, use: Use) -> None:
         if self.pending[idx] <= 0:
@@ -262,6 +282,8 @@ class MicroBatch:
             if not values[j]:
                 continue
             rows = flags[j].nonzero().squeeze(1)
+            for r in set(rows.tolist()) & set(self.witness_rows):
+                self.cancelling.setdefault(r, set()).add(e.group_of[idx])
             upper, parts64 = certified_rows(self.parts[idx], rows.to(e.params[idx].device),
                                             e.params[idx].shape, e.norm_method)
             # rounding the float64 bound to the norm dtype must not lower it
@@ -289,8 +311,12 @@ class MicroBatch:
         base = sq if sq is not None else torch.zeros(self.batch, device=e.device, dtype=e.norm_dtype)
         bundles = [self.parts[idx][0] for idx in streamed]
         clip = chunk_clip(e.clip, threshold, self.row_weights, unscale, self.sum_scale)
-        norms, sums = streamed_clip(bundles, [e.params[idx].shape for idx in streamed], base,
-                                    clip, self.meter)
+        shapes = [e.params[idx].shape for idx in streamed]
+        for r in self.witness_rows:   # before the sums: streamed_clip may free nothing, but keep the order plain
+            _, witnessed = streamed_clip(bundles, shapes, base, _only_row(clip, r))
+            for idx, total in zip(streamed, witnessed):
+                self.witness[r][idx] = total.detach().clone()
+        norms, sums = streamed_clip(bundles, shapes, base, clip, self.meter)
         for idx, total in zip(streamed, sums):
             self.meter.remove(self.parts[idx][0].tensors())
             self.parts[idx] = None
@@ -355,11 +381,19 @@ class MicroBatch:
                 kept = torch.ones(self.batch, dtype=torch.bool, device=e.device).index_fill_(0, exact[0], False)
                 keep_rows = kept if keep is None else keep & kept
             summed = parts if keep_rows is None else zero_samples(parts, keep_rows.to(p.device))
-            total = clipped_sum(summed, factors.to(p.device), p.shape)
+
+            def sum_of(c: Tensor, summed=summed, exact=exact, p=p) -> Tensor:
+                total = clipped_sum(summed, c.to(p.device), p.shape)
+                if exact is not None:
+                    rows, parts64 = exact
+                    total = total + clipped_sum(parts64, c[rows].to(p.device, torch.float64),
+                                                p.shape).to(total.dtype)
+                return total
+            if self.witness_rows:
+                self._witness(idx, sum_of, factors)
+            total = sum_of(factors)
             if exact is not None:
                 rows, parts64 = exact
-                total = total + clipped_sum(parts64, factors[rows].to(p.device, torch.float64),
-                                            p.shape).to(total.dtype)
                 for part in parts64:
                     self.meter.remove(part.tensors())
             for part in parts:
@@ -379,7 +413,13 @@ class MicroBatch:
             return
         flat, indices = batched
         out = self.totals
-        totals = sliced_sums(flat, [self.ctx.params[idx].shape for idx in indices], factors, keep)
+        shapes = [self.ctx.params[idx].shape for idx in indices]
+        for r in self.witness_rows:
+            masked = torch.zeros_like(factors)
+            masked[r] = factors[r]
+            for idx, total in zip(indices, sliced_sums(flat, shapes, masked, keep)):
+                self.witness[r][idx] = total.detach().clone()
+        totals = sliced_sums(flat, shapes, factors, keep)
         for idx, total in zip(indices, totals):
             out.sums[idx] = total if out.sums[idx] is None else out.sums[idx].add_(total)
             for part in self.parts[idx]:
@@ -414,10 +454,12 @@ class MicroBatch:
             if not math.isfinite(float(norms.sum())):   # NaN reads as +inf to the policy
                 norms = torch.where(torch.isfinite(norms), norms, math.inf)
             per_sample = None if self.per_sample_thresholds is None else self.per_sample_thresholds(norms)
+            self.used_thresholds = self.thresholds if per_sample is None else per_sample
             for k in range(len(e.members)):
                 self._finalize(k, self.thresholds[k] if per_sample is None else per_sample[:, k])
         else:
             per_sample = None
+            self.used_thresholds = self.thresholds
             self._finalize_ready()
             for k in range(len(e.members)):
                 if not self.done[k]:
@@ -429,6 +471,7 @@ class MicroBatch:
 
     def discard(self) -> None:
         """Release the stash after a failed backward."""
+        self.witness.clear()
         for uses in self.uses:
             for use in uses:
                 self.meter.remove(use.tensors())
@@ -448,3 +491,13 @@ class MicroBatch:
         self.dense_flat = [None] * len(self.dense_flat)
         self.ready = []
         self.streamed.clear()
+
+
+def _only_row(clip: Callable[[Tensor, slice], Tensor], row: int) -> Callable[[Tensor, slice], Tensor]:
+    """A streamed group's clip (:func:`~dpclip.engine.groupwise.chunk_clip`) with every factor but
+    ``row``'s set to 0: the certificate's witness of that row."""
+    def factors_of(chunk_norms: Tensor, rows: slice) -> Tensor:
+        factors = clip(chunk_norms, rows)
+        index = torch.arange(rows.start, rows.start + factors.shape[0], device=factors.device)
+        return torch.where(index == row, factors, 0)
+    return factors_of

@@ -87,6 +87,9 @@ class StepReport:
     dp_event: dp_accounting.DpEvent
     samples_seen: int
     expected_batch_size: int
+    # What the certificate verified in this step (docs/engine.md, "The certificate"), or None
+    # when no check was due: the step, the rows checked, the mode (alone, batch, eval).
+    certificate: object = None
 
     def to_dict(self) -> dict:
         """Plain Python values (for JSON logs)."""
@@ -106,6 +109,8 @@ class StepReport:
             "policy_summary": self.policy_summary,
             "samples_seen": self.samples_seen,
             "expected_batch_size": self.expected_batch_size,
+            "certificate": None if self.certificate is None else {
+                "rows": self.certificate.rows, "mode": self.certificate.mode},
         }
 
 

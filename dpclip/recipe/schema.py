@@ -25,7 +25,7 @@ import math
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, NonNegativeInt, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from dpclip.engine.policies import on_registry_change, policy_spec, policy_specs
@@ -267,6 +267,10 @@ class Privacy(Section):
         "Poisson batches from 'seed', so a run can be repeated exactly. Anyone who holds the recipe can then "
         "regenerate and subtract the noise and knows every batch: ε does not hold against them. "
         "Default: OS entropy, independent of 'seed'")
+    verify_every: NonNegativeInt = Field(
+        0, description="the certificate checks the engine's per-sample clipping against each checked sample's "
+        "own gradient at the first step, on each new shape of the batch and after each resume; N > 0 also "
+        "every N steps (docs/engine.md, 'The certificate')")
     exact_diagnostics: bool = Field(
         True, description="show and write training loss, clip fraction, norm median, realised batch size and "
         "held-out metrics; they are computed WITHOUT noise from private data and are not covered by ε. "

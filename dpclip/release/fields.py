@@ -52,7 +52,7 @@ FIELDS: tuple[Fields, ...] = (
     Fields(RUN, "metrics.jsonl",
            released=("step", "epsilon", "lr", "thresholds", "noise_std", "policy", *_POLICY, "not_covered_by_epsilon",
                      *_CONTINUAL),
-           labelled=("diagnostics/*", "eval/*", "seconds"), self_labelled=True,
+           labelled=("diagnostics/*", "diagnostics/certificate/*", "eval/*", "seconds"), self_labelled=True,
            what="a step's charged releases and ε; its exact diagnostics, wall time and held-out metrics, "
                 "each named in the line's `not_covered_by_epsilon`; a public-phase line (`phase: public`) "
                 "and the switch line are computed from public data and the weights alone"),

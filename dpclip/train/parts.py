@@ -146,7 +146,7 @@ def noise_strategy(plan, workload=SGD):
 def build_engine(model, clipping: dict[str, Any], *, gradient_noise_multiplier: float, batch_size: int,
                  seed: int | None = None, sample_rate: float | None = None, world: World | None = None,
                  pipeline: bool = False, shards: Shards | None = None, probe_rows=None, loss_fn=None,
-                 noise_correlation=None, records_per_unit: int = 1):
+                 noise_correlation=None, records_per_unit: int = 1, verify_every: int = 0):
     """The engine on ``model``: a :class:`~dpclip.engine.DPEngine`, or this rank's pipeline
     stage (docs/distributed.md, "Pipeline stages"). ``shards``: the model is cut over the ranks
     once the engine has probed it on ``probe_rows`` (docs/distributed.md, "Sharded training")."""
@@ -158,13 +158,14 @@ def build_engine(model, clipping: dict[str, Any], *, gradient_noise_multiplier: 
         engine = DPEngine(model, clipping, gradient_noise_multiplier=gradient_noise_multiplier,
                           expected_batch_size=batch_size, seed=seed, sample_rate=sample_rate,
                           reducer=ShardReducer(shards.world), noise_correlation=noise_correlation,
-                          records_per_unit=records_per_unit)
+                          records_per_unit=records_per_unit, verify_every=verify_every)
         engine.establish(lambda: loss_fn(model, probe_rows))
         shards.shard(engine)
         return engine
     return DPEngine(model, clipping, gradient_noise_multiplier=gradient_noise_multiplier, expected_batch_size=batch_size,
                     seed=seed, sample_rate=sample_rate, reducer=None if world is None else world.reducer,
-                    noise_correlation=noise_correlation, records_per_unit=records_per_unit)
+                    noise_correlation=noise_correlation, records_per_unit=records_per_unit,
+                    verify_every=verify_every)
 
 
 def build_step(recipe: Recipe, model, loss_fn, engine, train_rows, *, pipeline: bool = False,
@@ -257,7 +258,8 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
                           noise_correlation=noise_strategy(plan, strategy_workload(recipe)),
                           # the probe's rows stay in the process (it runs the model on them, nothing more)
                           probe_rows=select(ordinary.train, torch.arange(min(3, ordinary.num_train))), loss_fn=loss_fn,
-                          records_per_unit=recipe.data.max_examples_per_user if recipe.privacy.unit == "user" else 1)
+                          records_per_unit=recipe.data.max_examples_per_user if recipe.privacy.unit == "user" else 1,
+                          verify_every=recipe.privacy.verify_every)
     optimizer, private_step = build_step(recipe, model, loss_fn, engine, data.train, pipeline=pipeline, world=world,
                                          users=data.train_users if recipe.privacy.unit == "user" else None)
     # Base lrs are read now, before a resumed optimizer state overwrites the scheduled ones.

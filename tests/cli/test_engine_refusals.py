@@ -50,3 +50,60 @@ def test_train_refuses_a_shared_learned_query_before_any_noise(cli, tmp_path, mo
     assert "Traceback" not in result.err
     for ledger in (tmp_path / "runs").rglob("ledger.json"):
         assert json.loads(ledger.read_text())["steps"] == 0
+
+
+MIXING = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Center(nn.Module):
+    def forward(self, x):
+        return x - x.mean(0)
+
+
+class FunctionalBatchNorm(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(width))
+        self.register_buffer("running_var", torch.ones(width))
+
+    def forward(self, x):
+        return F.batch_norm(x, self.running_mean, self.running_var, training=True)
+
+
+class CopyRow(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.register_buffer("row", torch.zeros(width))
+
+    def forward(self, x):
+        self.row.copy_(x[0].detach())
+        return x
+
+
+def make(num_classes, kind):
+    mixer = {"center": Center(), "batchnorm": FunctionalBatchNorm(32), "buffer": CopyRow(32)}[kind]
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), mixer, nn.ReLU(), nn.Linear(32, num_classes))
+'''
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("kind, named", [("center", "2 (Center)"), ("batchnorm", "2 (FunctionalBatchNorm)"),
+                                         ("buffer", "buffer 2.row")])
+def test_train_refuses_a_model_that_mixes_samples_naming_the_module(cli, tmp_path, monkeypatch, kind, named):
+    (tmp_path / "mixing.py").write_text(MIXING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = cli("train", QUICKSTART, f"output_dir={tmp_path / 'runs'}", "training.epochs=null",
+                 "training.steps=2", f"model={{kind: custom, target: 'mixing:make', kwargs: {{kind: {kind}}}}}")
+    assert result.code == 2, (result.out, result.err)
+    lines = [line for line in result.err.splitlines() if line.strip()]
+    error = next(line for line in lines if line.startswith("error:"))
+    assert named in error, error
+    assert any(line.startswith("hint:") for line in lines), result.err
+    assert "Traceback" not in result.err
+    for ledger in (tmp_path / "runs").rglob("ledger.json"):
+        assert json.loads(ledger.read_text())["steps"] == 0

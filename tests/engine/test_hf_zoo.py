@@ -24,9 +24,10 @@ import torch
 
 from tests.engine.zoo import CASES, GROUPINGS, METHODS, PRECISIONS, SHAPES
 from tests.engine.zoo.judge import TOLERANCE, Result, judge
-from tests.engine.zoo.known_faults import EXPECTED_REFUSALS, KNOWN_FAULTS, known_fault
+from tests.engine.zoo.known_faults import EXPECTED_REFUSALS, KNOWN_FAULTS, REFUSED_FROM_TWO_SAMPLES, known_fault
 
-FAST = [(case, shape, "all-layer", "auto", "fp32") for case in CASES for shape in ("generic", "B==T")]
+FAST = [(case, shape, "all-layer", "auto", "fp32") for case in CASES for shape in ("generic", "B==T")
+        if "outside" not in CASES[case].tags]   # issue 49's cases: the slow suite runs all of theirs
 FULL = [key for key in itertools.product(CASES, SHAPES, GROUPINGS, METHODS, PRECISIONS) if key not in set(FAST)]
 
 
@@ -51,6 +52,8 @@ def _check(case, shape, grouping, method, precision):
     r = judge(case, shape, grouping, method, precision)
     if case in EXPECTED_REFUSALS:
         assert r.verdict == "refused", _describe(r)
+    elif case in REFUSED_FROM_TWO_SAMPLES:
+        assert r.verdict == ("exact" if SHAPES[shape][0] == 1 else "refused"), _describe(r)
     else:
         assert r.verdict == "exact", _describe(r)
 

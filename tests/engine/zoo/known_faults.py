@@ -19,6 +19,32 @@ EXPECTED_REFUSALS: dict[str, str] = {
                          "gradient can be separated (DeBERTa's pattern)",
     "query-proj-squeeze": "the shared table's weight is read outside its module's call (`rel.weight`), "
                           "so its gradient would bypass the engine: refused as a stray gradient",
+    # issue 49's outside cases (tests/engine/zoo/outside.py)
+    "mobilebert-mlm": "its LM head multiplies by torch.cat([decoder.weight.t(), dense.weight]): the word embedding "
+                      "is used functionally, outside its module's call: refused as a stray gradient (issue 52)",
+    "weight-norm-linear": "a weight_norm parametrization: the engine gives original0/original1 no per-sample "
+                          "gradient; the certificate refuses it (exact handling: issue 49's next step)",
+    "weight-norm-grouped-conv": "as weight-norm-linear, on a grouped Conv1d",
+    "spectral-norm-linear": "as weight-norm-linear, for spectral_norm's parametrization",
+    "wav2vec2": "its positional convolution is weight-normed: refused by the certificate (as weight-norm-linear)",
+    "gather-across-batch": "tokens gathered across the batch: no per-sample layout of the gathered rows "
+                           "(refused by the probe, or by the certificate where the row count fits)",
+    "size-from-batch": "a torch.Size of the whole batch handed to a torch.func fallback module: the per-sample "
+                       "recomputation cannot reshape one sample to it (its error, named, not a crash)",
+    "swin": "its relative position bias table, shared by all samples, reaches scaled_dot_product_attention as "
+            "a bias the probes cannot follow (issue 52)",
+    "resnet": "BatchNorm normalises with batch statistics: per-sample gradients do not exist",
+    "packed-lstm": "nn.LSTM on a PackedSequence: the packed rows are not laid out by sample (issue 52)",
+}
+
+#: cases that mix samples (or keep data in a buffer): refused wherever the batch has two samples
+#: or more; with one sample there is nothing to mix, and the run is exact
+REFUSED_FROM_TWO_SAMPLES: dict[str, str] = {
+    "permuted-batch": "the batch permuted inside the forward: the engine's row i is another sample",
+    "centered-batch": "x - x.mean(0): each sample's output depends on the others",
+    "functional-batchnorm": "F.batch_norm with batch statistics: each sample's output depends on the others",
+    "row-in-buffer": "the forward writes a training row into a buffer (released with the model)",
+    "mean-normalised-loss": "per-sample losses minus their batch mean: each loss depends on the others",
 }
 
 

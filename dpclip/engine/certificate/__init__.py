@@ -1,0 +1,379 @@
+"""The certificate: each clip checked against the sample's own gradient (docs/engine.md, "The certificate").
+
+The engine attributes the rows of every layer's input and output gradient to samples by
+probing the forward (dpclip.engine.batch_axis). A probe is an inference; the certificate
+checks its consequences on the real model and a real batch, before the first noisy step:
+
+1. **The loss head.** For a few rows i of the micro-batch (the first, the last and two drawn
+   from OS entropy), the cotangent of loss_i with respect to the model's returned tensors,
+   read from the losses' own graph (:class:`~dpclip.engine.certificate.replay.Cotangents`).
+2. **The sample's own gradient.** The model's forward replayed by plain autograd, its layers'
+   own forwards with the book-keeping off, under the autocast and the RNG state the real
+   forward had (:mod:`dpclip.engine.certificate.replay`): on sample i alone when the forward
+   draws no random numbers, on the whole batch when it does (dropout: the same masks).
+   g_i = J(θ)ᵀ cot_i.
+3. **The comparison** (:func:`~dpclip.engine.certificate.verdict.compare`): the engine's group
+   norms of row i against ‖g_{i,k}‖, and its *witness* (its own clipped-sum code run with every
+   clip factor but row i's set to 0, :meth:`dpclip.engine.microbatch.MicroBatch.watch`) against
+   c_{i,k}·w_i·g_i / B, parameter by parameter, within the rounding bound :data:`RTOL`.
+4. **Sample independence.** Alone, sample i's outputs must be its outputs in the batch, its
+   loss's cotangent must vanish off its own rows, and a buffer the forward writes must be left
+   alike by two different samples. With a random forward the batch is replayed again with one
+   other sample replaced, and the other checked rows' gradients must not move.
+
+A random forward whose replay does not reproduce the step (a layer rule drawing its dropout in
+another order than the module) is checked on a dry micro-batch in eval mode instead
+(:mod:`dpclip.engine.certificate.dry`). Nothing of the step is disturbed: see replay.py.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from dpclip.engine.batch_axis.layout import tensor_leaves
+from dpclip.engine.certificate.replay import (Buffers, Cotangents, Forward, Replayer, batch_axis, buffers_kept,
+                                              close, module_stack, release, replaying, rng_state, same_rng,
+                                              select, vjp, vjp_rows)
+from dpclip.engine.certificate.verdict import MIXING_HINT, compare, mixing_error
+from dpclip.engine.precision import autocast_snapshot
+from dpclip.errors import EngineError
+
+#: relative rounding bound of a comparison, by the lowest precision the forward computed in
+RTOL = {torch.float64: 1e-7, torch.float32: 1e-3, torch.bfloat16: 2.0 ** -5, torch.float16: 2.0 ** -5}
+#: float32 matmuls rounded to TF32 on CUDA (the caller's choice, kept by the replays)
+TF32_RTOL = 2.0 ** -8
+#: a float32 check's allowance for its own rounding, in units of the float32 gradient's distance
+#: from the float64 one (both sum the same terms; the engine's float32 sums round like autograd's)
+FLOAT32_SLACK = 4.0
+#: the random rows checked besides the first and the last
+RANDOM_ROWS = 2
+#: forwards kept for one backward (a model called several times before its losses)
+MAX_FORWARDS = 8
+
+
+@dataclass
+class CertificateRecord:
+    """What a check verified (the report's; no data in it)."""
+
+    step: int
+    rows: int
+    mode: str          # alone: each checked sample replayed alone; batch: the batch replayed; eval: dry, in eval mode
+    unchecked_rows: int = 0   # checked rows with a group the engine recomputed in float64 (left out)
+
+
+class NotReproducible(Exception):
+    """The model's own forward, replayed on the batch from the same RNG state, does not give the
+    book-kept forward's outputs: the engine checks a dry micro-batch in eval mode instead."""
+
+
+def shape_family(args: tuple, kwargs: dict, batch: int) -> tuple:
+    """What a new check is due for: each input tensor's shape with its batch size left out, its
+    dtype, and whether B is 1 or equals another size of an input (layouts a probe can confuse)."""
+    leaves = tensor_leaves((args, kwargs))
+    shapes = tuple((str(t.dtype),) + tuple(t.shape[1:]) if t.dim() and t.shape[0] == batch
+                   else (str(t.dtype), "shared") + tuple(t.shape) for t in leaves)
+    return shapes + ((batch == 1, any(batch in t.shape[1:] for t in leaves)),)
+
+
+class Certificate:
+    """When a check is due, the forwards it needs, and the check itself (module doc).
+
+    ``params``/``names``/``group_of``: the engine's trainable parameters, their names and groups;
+    ``clip``: the clip function; ``plain``: a context in which the book-kept layers run their own
+    forwards, ``is_plain()`` whether one is open; ``silence(on)`` makes the book-kept operations
+    deliver nothing while the loss head's cotangents are read; ``every``: a periodic check every that many steps
+    (0: none beyond the first step, new shape families and resumes)."""
+
+    def __init__(self, model: nn.Module, params: list[Tensor], names: list[str], group_of: list[int],
+                 clip: Callable[[Tensor, Tensor], Tensor], plain: Callable, is_plain: Callable[[], bool],
+                 every: int = 0, silence: Callable[[bool], None] = lambda on: None):
+        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+            raise EngineError(f"verify_every must be a whole number ≥ 0, got {every!r}",
+                              "0 checks at the first step, on each new shape of the batch and after "
+                              "each resume; N also every N steps")
+        self.model, self.params, self.names, self.group_of = model, params, names, group_of
+        self.clip, self.plain, self.is_plain, self.every = clip, plain, is_plain, every
+        self.replayer = Replayer(model, names, params)
+        self.families: set = set()
+        self.last_step: int | None = None
+        self.step = 0                          # the engine's step count, for verify_every
+        self.forwards: list[Forward] = []
+        self.armed = False
+        self.depth = 0
+        self.disabled: str | None = None       # why no check can run (a sharded model, a pipeline stage)
+        self.suspended = False                 # the engine's own dry forwards are not recorded
+        self.last: CertificateRecord | None = None
+        self.checks = 0
+        self._cotangents = Cotangents(silence)
+        self._devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+        self._handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
+                         model.register_forward_hook(self._post, with_kwargs=True, always_call=True)]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for f in self.forwards:
+            release(f)
+        self.forwards.clear()
+
+    def reset(self) -> None:
+        """A resume: the next micro-batch is checked whatever its shape."""
+        self.families.clear()
+        self.last_step = None
+
+    # ------------------------------------------------------------ recording
+
+    def _due(self, family: tuple) -> bool:
+        if self.disabled is not None:
+            return False
+        if self.last_step is None or family not in self.families:
+            return True
+        return self.every > 0 and self.step - self.last_step >= self.every
+
+    def _pre(self, module, args, kwargs):
+        self.depth += 1
+        if self.depth != 1 or not torch.is_grad_enabled() or self.is_plain() or self.suspended:
+            return None
+        leaves = tensor_leaves((args, kwargs))
+        if not leaves or leaves[0].dim() == 0:
+            return None
+        batch = leaves[0].shape[0]
+        if not self.forwards:
+            self.armed = self._due(shape_family(args, kwargs, batch))
+        if self.armed and len(self.forwards) < MAX_FORWARDS:
+            self.forwards.append(Forward(args, kwargs, batch, rng_state(self._devices),
+                                         autocast_snapshot({p.device.type for p in self.params})))
+        return None
+
+    def _post(self, module, args, kwargs, output):
+        self.depth = max(self.depth - 1, 0)
+        if self.depth == 0 and self.armed and self.forwards and not self.forwards[-1].edges:
+            forward = self.forwards[-1]
+            self._cotangents.attach(forward, [t for t in tensor_leaves(output) if t.requires_grad])
+            forward.random = not same_rng(forward.rng, rng_state(self._devices))
+        return None
+
+    def take(self, batch: int) -> list[Forward]:
+        """The forwards recorded for the backward of a micro-batch of ``batch`` rows (forgotten here)."""
+        forwards, self.forwards, self.armed = self.forwards, [], False
+        kept = [f for f in forwards if f.batch == batch and f.outputs]
+        for f in forwards:
+            if f not in kept:
+                release(f)
+        return kept
+
+    # ------------------------------------------------------------ the check
+
+    def rows(self, samples: int) -> list[int]:
+        """The rows checked: the first, the last and two others drawn from OS entropy."""
+        others = list(range(1, samples - 1))
+        return sorted({0, samples - 1} | set(secrets.SystemRandom().sample(others, min(RANDOM_ROWS, len(others)))))
+
+    def cotangents(self, losses: Tensor, rows: list[int], forwards: list[Forward]) -> dict:
+        """Per checked row, its loss's direct cotangent on each forward's returned tensors."""
+        try:
+            cots = {r: self._cotangents.of(losses[r], forwards) for r in rows}
+        finally:
+            for f in forwards:
+                release(f)
+        if all(c is None for r in rows for per in cots[r] for c in per):
+            raise EngineError("the per-sample losses given to engine.backward do not depend on any tensor "
+                              "the model's forward returned, so the engine cannot check its attribution",
+                              "compute the losses from the model's outputs (model(x) -> logits -> loss), "
+                              "not from tensors taken out of the model by hooks")
+        return cots
+
+    def check(self, step: int, forwards: list[Forward], rows: list[int], cots: dict, norms: Tensor,
+              witness: dict, thresholds: Tensor, weights: Tensor | None, scale: float,
+              cancelling: dict[int, set[int]] | None = None, mode: str | None = None) -> None:
+        """Compare the engine's norms [b, K] and witness sums with each checked row's own gradient;
+        an EngineError on a mismatch. ``scale``: the witness's 1/B; ``weights``: row weights;
+        ``cancelling``: row -> groups the engine recomputed in float64 for it (not compared)."""
+        rtol = max(self._rtol(f) for f in forwards)
+        random = any(f.random for f in forwards) or forwards[0].batch == 1
+        with replaying(self.model, self.plain, self._devices), buffers_kept(self.model) as buffers:
+            if random:
+                own = self._batch_gradients(forwards, rows, cots, rtol)
+                self._independent_in_batch(forwards, rows, cots, own, rtol, buffers)
+            else:
+                own = self._alone_gradients(forwards, rows, cots, rtol, buffers)
+        cancelling = cancelling or {}
+        for r in rows:
+            args = (norms[r], witness.get(r, {}), thresholds if thresholds.dim() == 1 else thresholds[r],
+                    1.0 if weights is None else float(weights[r]), scale, rtol, self.clip, self.group_of,
+                    self.names, cancelling.get(r, set()))
+            try:
+                compare(r, own[r], *args)
+            except EngineError:
+                exact = self._in_float64(forwards, r, cots, random)
+                if exact is None:
+                    raise
+                # the float32 gradient's distance from the float64 one measures the working
+                # precision's rounding of this row's sums (terms that cancel), which the engine's
+                # float32 sums share: four times it is allowed on top of the bound
+                compare(r, exact, *args, slack=[FLOAT32_SLACK * float((a.double() - b).norm())
+                                                for a, b in zip(own[r], exact)])
+        self.families.add(shape_family(forwards[0].args, forwards[0].kwargs, forwards[0].batch))
+        self.last_step = step
+        self.checks += 1
+        self.last = CertificateRecord(step, len(rows), mode or ("batch" if random else "alone"),
+                                      sum(1 for r in rows if cancelling.get(r)))
+
+    def _in_float64(self, forwards: list[Forward], r: int, cots: dict, random: bool) -> list[Tensor] | None:
+        """Row ``r``'s gradient replayed in float64 (for a float32 model outside autocast), or None
+        where that reference cannot be had (autocast, a float64 model, a forward that fails in
+        float64, random draws that float64 does not reproduce)."""
+        if any(enabled for f in forwards for enabled, _, _ in f.autocast.values()) or \
+                any(p.dtype != torch.float32 for p in self.params):
+            return None
+        plain32, self.replayer = self.replayer, Replayer(self.model, self.names, self.params, torch.float64)
+        try:
+            with replaying(self.model, self.plain, self._devices), buffers_kept(self.model) as buffers:
+                # the outputs are not compared again: float32's own rounding of them is what this measures
+                if random:
+                    got = self._batch_gradients(forwards, [r], cots, RTOL[torch.float32], outputs=False)[r]
+                else:
+                    got = self._alone_gradients(forwards, [r], cots, RTOL[torch.float32], buffers, outputs=False)[r]
+            return [g.double() for g in got]
+        except (NotReproducible, EngineError, RuntimeError, TypeError, ValueError):
+            return None
+        finally:
+            self.replayer = plain32
+
+    def _rtol(self, forward: Forward) -> float:
+        dtypes = {p.dtype for p in self.params}
+        dtypes |= {dtype for enabled, dtype, _ in forward.autocast.values() if enabled}
+        rtol = max(RTOL.get(d, 2.0 ** -5) for d in dtypes)
+        if self._devices and torch.backends.cuda.matmul.allow_tf32:
+            rtol = max(rtol, TF32_RTOL)
+        return rtol
+
+    def _refuse_buffer(self, found: str | None) -> None:
+        if found is not None:
+            raise EngineError(f"the model's forward writes buffer {found} from the data: statistics of "
+                              "private data would be released with the model",
+                              "keep no data in buffers: compute such statistics without storing them")
+
+    # ------------------------------------------------------------ alone
+
+    def _alone_gradients(self, forwards: list[Forward], rows: list[int], cots: dict, rtol: float,
+                         buffers: Buffers, outputs: bool = True) -> dict[int, list[Tensor]]:
+        """Each checked sample's gradient from replays on that sample alone; its outputs alone must
+        be its outputs in the batch, and its loss's cotangent must vanish off its rows."""
+        own: dict[int, list[Tensor]] = {}
+        for r in rows:
+            total = None
+            for j, f in enumerate(forwards):
+                leaves = self.replayer.leaves()
+                outs = [o for o in self._alone(f, r, leaves) if o.requires_grad][:len(f.outputs)]
+                if len(outs) < len(f.outputs):
+                    raise mixing_error(self.model, self.replayer, f, r, "returns fewer tensors on one sample "
+                                       "alone than in its batch", rtol)
+                narrowed = []
+                for k, (full, alone) in enumerate(zip(f.outputs, outs)):
+                    if all(cots[q][j][k] is None for q in cots):   # a returned tensor no loss uses (HF's batch-mean loss)
+                        narrowed.append(None)
+                        continue
+                    axis, cot = batch_axis(full, alone, f.batch), cots[r][j][k]
+                    if axis == "mixed":
+                        if cot is not None and bool(cot.abs().max() > 0):
+                            raise mixing_error(self.model, self.replayer, f, r, f"returns a tensor of shape "
+                                               f"{tuple(full.shape)} whose rows cannot be attributed to samples "
+                                               "(on one sample alone no single axis shrinks from B to 1: rows "
+                                               "gathered across the batch?)", rtol)
+                        narrowed.append(None)
+                        continue
+                    if outputs and not close(full if axis is None else full.narrow(axis, r, 1), alone, rtol):
+                        raise mixing_error(self.model, self.replayer, f, r, f"gives sample {r} other outputs "
+                                           "alone than in its batch", rtol)
+                    if cot is not None and axis is not None:
+                        outside = cot.clone()
+                        outside.narrow(axis, r, 1).zero_()
+                        if bool(outside.abs().max() > rtol * max(float(cot.abs().max()), 1e-30)):
+                            raise EngineError(
+                                f"the loss of sample {r} depends on other samples' outputs (the per-sample "
+                                "losses mix samples, e.g. a loss normalised over the batch)",
+                                "compute each sample's loss from its own outputs only (reduction='none', "
+                                "then each sample's tokens averaged)")
+                        cot = cot.narrow(axis, r, 1)
+                    narrowed.append(cot)
+                g = vjp(outs, narrowed, leaves)
+                total = g if total is None else [a + b for a, b in zip(total, g)]
+            self._refuse_buffer(buffers.after(f"sample {r} alone"))
+            own[r] = total
+        return own
+
+    def _alone(self, forward: Forward, r: int, leaves: list[Tensor]) -> list[Tensor]:
+        errors = []
+        for first_only in (False, True):
+            inputs = select(forward.args, forward.kwargs, forward.batch, torch.tensor([r]), first_only)
+            try:
+                return self.replayer.run(forward, inputs, leaves)
+            except EngineError:
+                raise
+            except Exception as exc:   # the inputs cut to one row do not fit: the first only
+                errors.append((exc, inputs))
+        exc, inputs = errors[0]
+        failed_in = None
+        try:   # once more, to see where it fails
+            with module_stack(self.model) as stack:
+                self.replayer.run(forward, inputs, leaves)
+        except Exception:
+            failed_in = stack[-1] if len(stack) > 1 else None
+        if failed_in is not None:
+            name = next((n for n, m in self.model.named_modules() if m is failed_in), "")
+            raise EngineError(f"module {name or '<root>'} ({type(failed_in).__name__}) mixes samples: it fails on "
+                              f"one sample alone ({type(exc).__name__}: {exc}), so its output depends on the "
+                              "rest of the batch; a per-sample gradient, and so the privacy guarantee, would "
+                              "not hold", MIXING_HINT) from exc
+        last = errors[-1][0]
+        raise EngineError(f"the certificate could not run the model's forward on sample {r} alone "
+                          f"({type(last).__name__}: {last})",
+                          "the model's inputs must hold the batch in dim 0 of each input tensor "
+                          "(docs/engine.md, \"The batch axis\")") from last
+
+    # ------------------------------------------------------------ batch (a random forward)
+
+    def _batch_gradients(self, forwards, rows, cots, rtol, outputs: bool = True) -> dict[int, list[Tensor]]:
+        """Each checked row's gradient from one replay of the whole batch (the same random draws)."""
+        own: dict[int, list[Tensor] | None] = {r: None for r in rows}
+        for j, f in enumerate(forwards):
+            leaves = self.replayer.leaves()
+            outs = [o for o in self.replayer.run(f, (f.args, f.kwargs), leaves) if o.requires_grad]
+            if len(outs) != len(f.outputs) or outputs and not all(close(a, b, rtol) for a, b in zip(f.outputs, outs)):
+                raise NotReproducible()
+            for r, g in vjp_rows(outs, {r: cots[r][j] for r in rows}, leaves).items():
+                own[r] = g if own[r] is None else [a + b for a, b in zip(own[r], g)]
+        return own
+
+    def _independent_in_batch(self, forwards, rows, cots, own, rtol, buffers: Buffers) -> None:
+        """The batch replayed with the last checked row replaced by the first: the other checked
+        rows' gradients must not move, nor may the buffers differ."""
+        if len(rows) < 2:
+            return
+        self._refuse_buffer(buffers.after("the batch"))
+        j, source = rows[-1], rows[0]
+        moved = {r: None for r in rows[:-1]}
+        for i, f in enumerate(forwards):
+            leaves = self.replayer.leaves()
+            outs = [o for o in self.replayer.run(f, select(f.args, f.kwargs, f.batch, None, False, (j, source)),
+                                                 leaves) if o.requires_grad][:len(f.outputs)]
+            for r, g in vjp_rows(outs, {r: cots[r][i] for r in moved}, leaves).items():
+                moved[r] = g if moved[r] is None else [a + b for a, b in zip(moved[r], g)]
+        self._refuse_buffer(buffers.after(f"the batch with sample {j} replaced"))
+        for r, g in moved.items():
+            scale = math.sqrt(sum(float(x.double().square().sum()) for x in own[r]))
+            err = math.sqrt(sum(float((a - b).double().square().sum()) for a, b in zip(g, own[r])))
+            if err > rtol * max(scale, 1e-30):
+                raise mixing_error(self.model, self.replayer, forwards[0], r, f"changes sample {r}'s gradient "
+                                   f"when sample {j} is replaced", rtol, replace=(j, source))
+
+
+__all__ = ["Certificate", "CertificateRecord", "Forward", "NotReproducible", "RTOL", "shape_family"]

@@ -1,0 +1,50 @@
+"""The certificate on a dry micro-batch, in eval mode: for a forward that draws random numbers the
+replay cannot reproduce.
+
+A layer rule may draw its dropout in another order than the module's own forward
+(``nn.MultiheadAttention``'s rule recomputes the attention with torch's operations; the module
+itself calls the fused kernel): replayed from the same RNG state, the plain forward then gives
+other outputs than the step's. The check then runs on the same inputs with the model in eval
+mode (no dropout): the engine's book-kept forward and backward of surrogate per-sample losses
+L_i = Σ_o ⟨cot_{i,o}, o⟩ (the checked rows' cotangents from the real step), its norms and witness
+sums against each row's own gradient replayed alone. The dry micro-batch's sums are thrown away,
+no threshold policy sees its norms, and the module's training flags are put back.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from dpclip.engine.batch_axis.layout import tensor_leaves
+from dpclip.engine.certificate import Certificate, Forward
+
+
+def check_in_eval_mode(cert: Certificate, model: nn.Module, forwards: list[Forward], rows: list[int], cots: dict,
+                       micro_batch: Callable[[Tensor, list[int]], tuple], step: int, scale: float,
+                       row_weights: Tensor | None) -> None:
+    """``micro_batch(losses, rows)``: the engine's backward of ``losses`` on a scratch micro-batch
+    watching ``rows``, returning (norms [b, K], witness, thresholds used, cancelling groups per row)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    cert.suspended = True
+    batch = forwards[0].batch
+    devices = sorted({p.device.index or 0 for p in cert.params if p.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            dry, terms = [], {r: [] for r in rows}
+            for j, f in enumerate(forwards):
+                outs = [t for t in tensor_leaves(model(*f.args, **f.kwargs)) if t.requires_grad][:len(f.outputs)]
+                dry.append(Forward(f.args, f.kwargs, batch, f.rng, f.autocast, outs))
+                for r in rows:
+                    terms[r] += [(o * c.to(o.dtype)).sum() for o, c in zip(outs, cots[r][j]) if c is not None]
+            zero = torch.zeros((), device=cert.params[0].device)
+            losses = torch.stack([torch.stack(terms[r]).sum() if terms.get(r) else zero for r in range(batch)])
+            norms, witness, thresholds, cancelling = micro_batch(losses, rows)
+            cert.check(step, dry, rows, cots, norms, witness, thresholds, row_weights, scale, cancelling, mode="eval")
+    finally:
+        for m, training in modes:
+            m.training = training
+        cert.suspended = False

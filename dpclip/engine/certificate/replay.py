@@ -1,0 +1,329 @@
+"""The certificate's replays: a recorded forward, its inputs cut or changed, the model run again by
+plain autograd with nothing of the step disturbed (RNG streams, buffers, hooks, parameters' hooks).
+
+A replay runs the layers' own forwards (the book-keeping passes through), with the model's and
+the user's forward hooks silenced, the RNG streams set to the state the real forward started
+from and restored after, the real forward's autocast state, and the trainable parameters
+swapped for detached leaves (:func:`torch.func.functional_call`), so that hooks on the
+parameters never see a per-sample gradient.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from dpclip.engine.batch_axis.layout import tensor_leaves
+from dpclip.engine.precision import AutocastState, autocast_restore, autocast_snapshot
+
+
+@dataclass(eq=False)
+class Forward:
+    """One forward of the model recorded for a check."""
+
+    args: tuple
+    kwargs: dict
+    batch: int
+    rng: tuple[Tensor, dict]                  # the CPU state and each CUDA device's, at entry
+    autocast: AutocastState
+    outputs: list[Tensor] = field(default_factory=list)   # the returned tensors' values at the end
+    random: bool = False                       # whether the forward drew random numbers
+    edges: list = field(default_factory=list)     # their autograd edges then (before any in-place change)
+    handles: list = field(default_factory=list)   # hooks that read the cotangents at those edges
+
+
+def release(forward: Forward) -> None:
+    """Remove a recorded forward's hooks (its check is done, or it was never needed)."""
+    for h in forward.handles:
+        h.remove()
+    forward.handles.clear()
+
+
+def rng_state(devices: list[int]) -> tuple[Tensor, dict]:
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
+
+
+def same_rng(a: tuple[Tensor, dict], b: tuple[Tensor, dict]) -> bool:
+    return torch.equal(a[0], b[0]) and all(torch.equal(a[1][d], b[1][d]) for d in a[1])
+
+
+def select(args: tuple, kwargs: dict, batch: int, rows: Tensor | None, first_only: bool,
+           replace: tuple[int, int] | None = None):
+    """The inputs with the batch rows ``rows`` (None: all), or with row j replaced by row s
+    (``replace``); the batch is dim 0 of each input tensor of leading size B, or of the first
+    tensor only (``first_only``)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    out, seen = [], False
+    for t in leaves:
+        if isinstance(t, Tensor):
+            t = t.detach()
+            if not (first_only and seen) and t.dim() >= 1 and t.shape[0] == batch:
+                if rows is not None:
+                    t = t[rows.to(t.device)]
+                if replace is not None:
+                    j, s = replace
+                    t = t.clone()
+                    t[j] = t[s]
+            seen = True
+        out.append(t)
+    return tree_unflatten(out, spec)
+
+
+class Cotangents:
+    """Hooks on the returned tensors, registered when the forward ends. While ``reading``, each
+    records its tensor's gradient and passes zero on, so that a returned tensor upstream of
+    another gets its direct part only; otherwise they let the gradient through untouched (the
+    engine's own backward). Registered before any in-place change of an output, they see the
+    gradient of the value the forward returned."""
+
+    def __init__(self, silence: Callable[[bool], None] = lambda on: None):
+        self.reading = False
+        self.silence = silence       # the book-kept operations deliver nothing while reading
+        self.got: dict[tuple[int, int], Tensor] = {}
+
+    def attach(self, forward: Forward, returned: list[Tensor]) -> None:
+        forward.outputs = [t.detach().clone() for t in returned]
+        forward.edges = [torch.autograd.graph.get_gradient_edge(t) for t in returned]
+        forward.handles = [t.register_hook(self._hook((id(forward), j))) for j, t in enumerate(returned)]
+
+    def _hook(self, key: tuple[int, int]):
+        def read(grad):
+            if not self.reading:
+                return None
+            self.got[key] = grad.detach().clone()
+            return torch.zeros_like(grad)
+        return read
+
+    def of(self, loss: Tensor, forwards: list[Forward]) -> list[list[Tensor | None]]:
+        """∂loss/∂o (its direct part) for each forward's returned tensors o."""
+        self.got, self.reading = {}, True
+        self.silence(True)
+        try:
+            torch.autograd.grad(loss, [e for f in forwards for e in f.edges], retain_graph=True,
+                                allow_unused=True)
+        finally:
+            self.reading = False
+            self.silence(False)
+        return [[self.got.get((id(f), j)) for j in range(len(f.edges))] for f in forwards]
+
+
+def batch_axis(full: Tensor, alone: Tensor, batch: int) -> int | None | str:
+    """The axis of ``full`` (a batch of ``batch``) that holds the batch, read off the same tensor
+    computed on one sample alone: an int, None (no axis moved: shared by all samples), or
+    "mixed" (no single axis went from B to 1)."""
+    if batch == 1:
+        return 0 if full.dim() and full.shape[0] == 1 else None
+    if full.shape == alone.shape:
+        return None
+    if full.dim() != alone.dim():
+        return "mixed"
+    moved = [k for k in range(full.dim()) if full.shape[k] != alone.shape[k]]
+    if len(moved) == 1 and full.shape[moved[0]] == batch and alone.shape[moved[0]] == 1:
+        return moved[0]
+    return "mixed"
+
+
+def close(a: Tensor, b: Tensor, rtol: float) -> bool:
+    """Equal within ``rtol`` of ``a``'s largest entry (the same entries non-finite)."""
+    if a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    a, b = a.detach(), b.detach().to(a.dtype)
+    finite = torch.isfinite(a)
+    if not bool(finite.all()):
+        if not torch.equal(finite, torch.isfinite(b)):
+            return False
+        a, b = a[finite], b[finite]
+    if a.numel() == 0:
+        return True
+    return bool((a - b).abs().max() <= rtol * a.abs().max().clamp_min(1e-30))
+
+
+_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+          "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+@contextmanager
+def hooks_silenced(model: nn.Module, keep=()) -> Iterator[None]:
+    """The model's forward hooks (the user's and the engine's own) do not see a replay, except the
+    handles in ``keep``."""
+    kept = {h.id for h in keep}
+    saved = []
+    for m in model.modules():
+        for name in _HOOKS:
+            hooks = getattr(m, name, None)
+            if hooks:
+                saved.append((m, name, hooks))
+                setattr(m, name, type(hooks)((k, v) for k, v in hooks.items() if k in kept))
+    try:
+        yield
+    finally:
+        for m, name, hooks in saved:
+            setattr(m, name, hooks)
+
+
+@contextmanager
+def replaying(model: nn.Module, plain: Callable, devices: list[int]) -> Iterator[None]:
+    """Replays run the layers' own forwards, with gradients, without hooks; the RNG streams are
+    put back afterwards."""
+    with plain(), torch.random.fork_rng(devices=devices), hooks_silenced(model), torch.enable_grad():
+        yield
+
+
+class Replayer:
+    """Runs a recorded forward again on ``model`` with its trainable parameters (by name) swapped
+    for detached leaves: the gradients it gives are the replay's own. ``dtype`` float64: the
+    parameters, buffers and floating inputs in float64 (the reference a float32 check falls back
+    on, :meth:`dpclip.engine.certificate.Certificate.check`)."""
+
+    def __init__(self, model: nn.Module, names: list[str], params: list[Tensor], dtype: torch.dtype | None = None):
+        self.model, self.names, self.params, self.dtype = model, names, params, dtype
+
+    def leaves(self) -> list[Tensor]:
+        if self.dtype is None:
+            return [p.detach().requires_grad_(True) for p in self.params]
+        return [p.detach().to(self.dtype).requires_grad_(True) for p in self.params]
+
+    def _widened(self, tree):
+        leaves, spec = tree_flatten(tree)
+        return tree_unflatten([t.to(self.dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
+                               for t in leaves], spec)
+
+    def run(self, forward: Forward, inputs, leaves: list[Tensor]) -> list[Tensor]:
+        args, kwargs = inputs if self.dtype is None else self._widened(inputs)
+        swapped = dict(zip(self.names, leaves))
+        if self.dtype is not None:
+            swapped.update({n: b.to(self.dtype) if b.is_floating_point() else b
+                            for n, b in self.model.named_buffers() if b is not None})
+        torch.set_rng_state(forward.rng[0])
+        for d, state in forward.rng[1].items():
+            torch.cuda.set_rng_state(state, d)
+        saved = autocast_snapshot(forward.autocast.keys())
+        autocast_restore(forward.autocast)
+        try:
+            out = torch.func.functional_call(self.model, swapped, args, kwargs, strict=False)
+        finally:
+            autocast_restore(saved)
+        return tensor_leaves(out)
+
+
+def vjp(outputs: list[Tensor], cotangents: list[Tensor | None], leaves: list[Tensor]) -> list[Tensor]:
+    """Σ_o J_o(θ)ᵀ cot_o over the outputs with a cotangent, per parameter leaf (zeros where unused)."""
+    pairs = [(o, c) for o, c in zip(outputs, cotangents) if c is not None and o.requires_grad]
+    if not pairs:
+        return [torch.zeros_like(p) for p in leaves]
+    grads = torch.autograd.grad([o for o, _ in pairs], leaves, [c.to(o.dtype) for o, c in pairs],
+                                retain_graph=True, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(leaves, grads)]
+
+
+def vjp_rows(outputs: list[Tensor], cotangents: dict[int, list[Tensor | None]],
+             leaves: list[Tensor]) -> dict[int, list[Tensor]]:
+    """:func:`vjp` for several rows' cotangents on the same outputs: one backward batched over the
+    rows (``is_grads_batched``, torch's vmap of the backward) where torch can, one per row where not."""
+    rows = list(cotangents)
+    used = [k for k, o in enumerate(outputs) if o.requires_grad and any(cotangents[r][k] is not None for r in rows)]
+    if len(rows) > 1 and used:
+        stacked = [torch.stack([torch.zeros_like(outputs[k]) if cotangents[r][k] is None
+                                else cotangents[r][k].to(outputs[k].dtype) for r in rows]) for k in used]
+        try:
+            grads = torch.autograd.grad([outputs[k] for k in used], leaves, stacked, retain_graph=True,
+                                        allow_unused=True, is_grads_batched=True)
+        except RuntimeError:   # an operation without a batching rule: one backward per row
+            pass
+        else:
+            return {r: [torch.zeros_like(p) if g is None else g[i].detach() for p, g in zip(leaves, grads)]
+                    for i, r in enumerate(rows)}
+    return {r: vjp(outputs, cotangents[r], leaves) for r in rows}
+
+
+class Buffers:
+    """The model's buffers before the replays. After each replay, what it wrote is compared with
+    the previous replay's writes (two different samples must leave a buffer alike), then undone."""
+
+    def __init__(self, model: nn.Module):
+        self.buffers = [(n, b) for n, b in model.named_buffers() if b is not None]
+        self.before = [b.detach().clone() for _, b in self.buffers]
+        self.written: tuple[str, list[Tensor]] | None = None
+
+    def after(self, what: str) -> str | None:
+        """The name of a buffer this replay left otherwise than the last one did (with what did
+        it), or None; the buffers are put back either way."""
+        now = [b.detach().clone() for _, b in self.buffers]
+        changed = [i for i, (a, b) in enumerate(zip(self.before, now)) if not _equal(a, b)]
+        found = None
+        if self.written is not None and changed:
+            prev_what, prev = self.written
+            for i in changed:
+                if not _equal(prev[i], now[i]):
+                    found = f"{self.buffers[i][0]} ({prev_what} and {what} leave it different)"
+                    break
+        if changed:
+            self.written = (what, now)
+        self.restore()
+        return found
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for (_, b), saved in zip(self.buffers, self.before):
+                b.copy_(saved)
+
+
+def _equal(a: Tensor, b: Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@contextmanager
+def buffers_kept(model: nn.Module) -> Iterator[Buffers]:
+    buffers = Buffers(model)
+    try:
+        yield buffers
+    finally:
+        buffers.restore()
+
+
+@contextmanager
+def module_stack(model: nn.Module) -> Iterator[list[nn.Module]]:
+    """The modules whose forward is in progress, innermost last (left as it was when a forward
+    raised: its last entry is where)."""
+    stack: list[nn.Module] = []
+
+    def enter(m, args):
+        stack.append(m)
+
+    def leave(m, args, out):
+        stack.pop()
+    handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
+    handles += [m.register_forward_hook(leave) for m in model.modules()]
+    try:
+        with hooks_silenced(model, keep=handles):
+            yield stack
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def module_outputs(model: nn.Module) -> Iterator[list]:
+    """Each module call's (module, output tensors), in the order the calls finish."""
+    calls: list = []
+
+    def record(m, args, out):
+        calls.append((m, [t.detach() for t in tensor_leaves(out)]))
+    handles = [m.register_forward_hook(record) for m in model.modules()]
+    try:
+        with hooks_silenced(model, keep=handles):
+            yield calls
+    finally:
+        for h in handles:
+            h.remove()

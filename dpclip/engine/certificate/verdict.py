@@ -1,0 +1,130 @@
+"""The certificate's verdicts: a checked row's numbers from the engine against its own gradient,
+and, when samples mix, the module where they meet."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from dpclip.engine.certificate.replay import Forward, Replayer, batch_axis, close, module_outputs, select
+from dpclip.errors import EngineError
+
+HINT = ("the engine's per-sample attribution does not hold for this model; freeze the named "
+        "parameters, replace the module, or report the model (docs/engine.md, \"The certificate\")")
+MIXING_HINT = ("each sample's output must depend on that sample alone: replace batch statistics "
+               "(BatchNorm, x - x.mean(0)) by per-sample ones (GroupNorm, LayerNorm) and keep no "
+               "data in buffers (docs/engine.md, \"The certificate\")")
+
+
+def compare(row: int, own: list[Tensor], norms: Tensor, witness: dict[int, Tensor], thresholds: Tensor,
+            weight: float, scale: float, rtol: float, clip: Callable[[Tensor, Tensor], Tensor],
+            group_of: list[int], names: list[str], unchecked_groups: set[int] = frozenset(),
+            slack: list[float] | None = None) -> None:
+    """Raise an EngineError unless the engine's group norms ``norms`` [K] of ``row`` and its witness
+    sums (per parameter index: Σ over the batch with every clip factor but this row's zeroed) match
+    the row's own gradient ``own`` (per parameter): ‖g_k‖, and c_k·w·scale·g with c_k the clip
+    factor of ‖g_k‖ at ``thresholds`` [K]. A group whose engine norm is non-finite must contribute
+    nothing (the engine drops such a sample); ``unchecked_groups`` are the groups whose norm the
+    engine recomputed in float64 for this row (terms that cancel: float32 autograd cannot give a
+    reference there). ``slack`` (per parameter): an allowance for the working precision's own
+    rounding of this row's gradient, added to the bound (a float64 reference's retry)."""
+    groups = norms.shape[0]
+    group_index = torch.tensor(group_of)
+    own64 = [g.detach().double().cpu() for g in own]
+    own_sq = torch.stack([g.square().sum() for g in own64])                       # [P]
+    sq = torch.zeros(groups, dtype=torch.float64).index_add_(0, group_index, own_sq)
+    ref = sq.sqrt()
+    total = ref.norm()
+    slack_p = torch.tensor(slack if slack is not None else [0.0] * len(own), dtype=torch.float64)
+    group_slack = torch.zeros(groups, dtype=torch.float64).index_add_(0, group_index, slack_p.square()).sqrt()
+    engine_norms = norms.detach().double().cpu()
+    dropped = ~torch.isfinite(engine_norms)
+    unchecked = torch.zeros(groups, dtype=torch.bool)
+    unchecked[list(unchecked_groups)] = True
+    norm_err = (engine_norms - ref).abs()
+    wrong_mask = ~dropped & ~unchecked & (norm_err > rtol * (ref + 1e-3 * total) + group_slack + 1e-30)
+    factors = clip(ref.to(thresholds.dtype).to(thresholds.device), thresholds.detach()).double().cpu() * weight * scale
+    factors = torch.where(dropped, 0.0, factors)
+    expected_total = (factors.square() * sq).nan_to_num(0.0).sum().sqrt()
+    per_factor = factors[group_index]                                              # [P]
+    errs, sizes = [], []
+    for idx, g in enumerate(own64):
+        got = witness.get(idx)
+        got = torch.zeros_like(g) if got is None else got.detach().double().cpu()
+        expected = g * per_factor[idx]
+        errs.append((got - expected).norm())
+        sizes.append(expected.norm())
+    errs, sizes = torch.stack(errs), torch.stack(sizes)
+    bad_mask = ~unchecked[group_index] & (errs > rtol * (sizes + 1e-3 * expected_total)
+                                          + per_factor.abs() * slack_p + 1e-30)
+    wrong = wrong_mask.nonzero().flatten().tolist()
+    bad = [(idx, float(errs[idx] / sizes[idx].clamp_min(1e-30))) for idx in bad_mask.nonzero().flatten().tolist()]
+    if not wrong and not bad:
+        return
+    named = [f"{names[idx]} (relative error {e:.2g})" for idx, e in bad[:6]]
+    if not named:
+        named = [", ".join(names[i] for i, kk in enumerate(group_of) if kk == k)[:200] for k in wrong[:3]]
+    raise EngineError(
+        f"the certificate refused this model: for sample {row} of the batch, the engine's per-sample "
+        f"{'norms and ' if wrong else ''}clipped gradients disagree with the sample's own gradient "
+        f"(plain autograd) beyond the rounding bound {rtol:.1g}, at: " + "; ".join(named), HINT)
+
+
+def mixing_error(model: nn.Module, replayer: Replayer, forward: Forward, row: int, what: str, rtol: float,
+                 replace: tuple[int, int] | None = None) -> EngineError:
+    """The refusal of a model whose samples mix, naming where they meet if a replay finds it."""
+    module = where_samples_meet(model, replayer, forward, row, rtol, replace)
+    where = f"module {module}" if module else f"the model ({type(model).__name__})"
+    return EngineError(f"{where} mixes samples: the model {what}; a per-sample gradient, and so the "
+                       "privacy guarantee, would not hold", MIXING_HINT)
+
+
+def where_samples_meet(model: nn.Module, replayer: Replayer, forward: Forward, row: int, rtol: float,
+                       replace: tuple[int, int] | None = None) -> str | None:
+    """The first module (in the order calls finish) whose output differs between the batch and
+    sample ``row`` alone (or the batch with row j replaced by row s, ``replace``: its other rows)."""
+    names = {m: n for n, m in model.named_modules()}
+    runs = []
+    alone = None if replace else torch.tensor([row])
+    for inputs in ((forward.args, forward.kwargs),
+                   select(forward.args, forward.kwargs, forward.batch, alone, False, replace)):
+        try:
+            with module_outputs(model) as calls, torch.no_grad():
+                replayer.run(forward, inputs, replayer.leaves())
+        except Exception:   # a forward that fails alone is named by its own refusal
+            return None
+        runs.append(calls)
+
+    def label(m: nn.Module) -> str:
+        return f"{names.get(m) or '<root>'} ({type(m).__name__})"
+    for (m, full), (m2, other) in zip(*runs):
+        if m is not m2 or len(full) != len(other):
+            return None
+        for a, b in zip(full, other):
+            if not a.is_floating_point():
+                continue
+            if replace is None:
+                axis = batch_axis(a, b, forward.batch)
+                if axis == "mixed" or not close(a if axis is None else a.narrow(axis, row, 1), b, rtol):
+                    return label(m)
+            elif not _same_but_row(a, b, forward.batch, replace[0], rtol):
+                return label(m)
+    return None
+
+
+def _same_but_row(a: Tensor, b: Tensor, batch: int, j: int, rtol: float) -> bool:
+    """Whether ``a`` and ``b`` agree everywhere but at index ``j`` of some axis of size ``batch``."""
+    if a.shape != b.shape:
+        return False
+    if close(a, b, rtol):
+        return True
+    for axis in range(a.dim()):
+        if a.shape[axis] != batch:
+            continue
+        keep = torch.ones(batch, dtype=torch.bool, device=a.device)
+        keep[j] = False
+        if close(a[(slice(None),) * axis + (keep,)], b[(slice(None),) * axis + (keep,)], rtol):
+            return True
+    return False

@@ -1,0 +1,332 @@
+"""The certificate: the engine's attribution checked against each sample's own gradient
+(dpclip/engine/certificate.py; docs/engine.md, "The certificate")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpclip.engine.microbatch as microbatch
+from dpclip.engine import DPEngine
+from dpclip.errors import EngineError
+
+
+def _engine(model, batch, **kw):
+    clipping = {"grouping": kw.pop("grouping", "all-layer"), "threshold": {"kind": "fixed", "value": 1.0}}
+    clipping.update(kw.pop("clipping", {}))
+    return DPEngine(model, clipping, gradient_noise_multiplier=0.0, expected_batch_size=batch, **kw)
+
+
+def _step(engine, model, x, y, loss=None):
+    out = model(x)
+    losses = F.cross_entropy(out, y, reduction="none") if loss is None else loss(out, y)
+    engine.backward(losses)
+    return engine.privatize()
+
+
+def _mlp(dropout: float = 0.0):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Dropout(dropout), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _data(b=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, 5, generator=g), torch.randint(0, 3, (b,), generator=g)
+
+
+@pytest.mark.parametrize("dropout, mode", [(0.0, "alone"), (0.3, "batch")])
+@pytest.mark.parametrize("grouping", ["all-layer", "layer", "param"])
+def test_exact_model_passes_the_check_at_the_first_step(dropout, mode, grouping):
+    model = _mlp(dropout)
+    x, y = _data()
+    engine = _engine(model, 6, grouping=grouping)
+    _step(engine, model, x, y)
+    assert engine.certificate.checks == 1
+    assert engine.certificate.last.mode == mode
+    assert engine.certificate.last.rows == 4
+
+
+def test_check_runs_on_a_new_shape_family_every_n_steps_and_after_a_resume():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+    engine = _engine(model, 6, verify_every=3)
+    x, y = _data()
+    for _ in range(2):
+        _step(engine, model, x, y)
+    assert engine.certificate.checks == 1            # the same family: once
+    _step(engine, model, x[:4], y[:4])               # another batch size, same family
+    assert engine.certificate.checks == 1
+    _step(engine, model, x, y)                       # step 3: every 3 steps
+    assert engine.certificate.checks == 2
+    _step(engine, model, x[:1], y[:1])               # B = 1 is a family of its own
+    assert engine.certificate.checks == 3
+    engine.load_state_dict(engine.state_dict())      # a resume
+    _step(engine, model, x, y)
+    assert engine.certificate.checks == 4
+
+
+def test_new_sequence_length_is_checked_again():
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(11, 4), nn.Linear(4, 3)
+
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = emb, head
+
+        def forward(self, ids):
+            return self.head(self.emb(ids)).mean(1)
+    model = Tokens()
+    engine = _engine(model, 4)
+    y = torch.tensor([0, 1, 2, 0])
+    _step(engine, model, torch.randint(0, 11, (4, 5)), y)
+    _step(engine, model, torch.randint(0, 11, (4, 5)), y)
+    assert engine.certificate.checks == 1
+    _step(engine, model, torch.randint(0, 11, (4, 7)), y)
+    assert engine.certificate.checks == 2
+
+
+def test_engine_giving_a_row_the_wrong_clip_factor_is_refused_at_the_first_step(monkeypatch):
+    real = microbatch.clip_factors
+
+    def rolled(*args, **kwargs):   # sabotage: row i gets row i+1's clip factor
+        return real(*args, **kwargs).roll(1, dims=0)
+    monkeypatch.setattr(microbatch, "clip_factors", rolled)
+    model = _mlp()
+    x, y = _data()
+    x[0] *= 50   # one sample's norm far above the others', so a swapped factor shows
+    engine = _engine(model, 6, grouping="layer")
+    with pytest.raises(EngineError, match="certificate refused") as err:
+        _step(engine, model, x, y)
+    assert "0.weight" in err.value.message or "3.weight" in err.value.message
+
+
+def test_engine_giving_a_row_the_wrong_norm_is_refused_at_the_first_step(monkeypatch):
+    real = microbatch.sqrt_or_zero
+
+    def rolled(sq):   # sabotage: the norms of row i are row i+1's
+        return real(sq).roll(1, dims=0)
+    monkeypatch.setattr(microbatch, "sqrt_or_zero", rolled)
+    model = _mlp()
+    x, y = _data()
+    engine = _engine(model, 6)
+    with pytest.raises(EngineError, match="norms and clipped gradients disagree"):
+        _step(engine, model, x, y)
+
+
+def test_without_the_certificate_the_sabotage_would_pass_silently(monkeypatch):
+    """The sabotage above is a real fault: with the check off, the step completes."""
+    real = microbatch.clip_factors
+    monkeypatch.setattr(microbatch, "clip_factors", lambda *a, **k: real(*a, **k).roll(1, dims=0))
+    model = _mlp()
+    x, y = _data()
+    engine = _engine(model, 6)
+    engine.certificate.disabled = "test"
+    _step(engine, model, x, y)
+
+
+class Center(nn.Module):
+    def forward(self, x):
+        return x - x.mean(0)
+
+
+class FunctionalBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(8))
+        self.register_buffer("var", torch.ones(8))
+
+    def forward(self, x):
+        return F.batch_norm(x, self.mean, self.var, training=True)
+
+
+class CopyRow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("row", torch.zeros(5))
+
+    def forward(self, x):
+        self.row.copy_(x[0].detach())
+        return x
+
+
+@pytest.mark.parametrize("build, module, why", [
+    (lambda: nn.Sequential(Center(), nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)), "0 (Center)", "mixes samples"),
+    (lambda: nn.Sequential(nn.Linear(5, 8), Center(), nn.ReLU(), nn.Linear(8, 3)), "1 (Center)", "mixes samples"),
+    (lambda: nn.Sequential(nn.Linear(5, 8), FunctionalBatchNorm(), nn.Linear(8, 3)), "1 (FunctionalBatchNorm)",
+     "mixes samples"),
+    (lambda: nn.Sequential(CopyRow(), nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)), "buffer 0.row", "from the data"),
+])
+def test_mixing_models_are_refused_naming_the_module(build, module, why):
+    torch.manual_seed(0)
+    model = build()
+    x, y = _data()
+    engine = _engine(model, 6)
+    with pytest.raises(EngineError, match=why) as err:
+        _step(engine, model, x, y)
+    assert module in err.value.message
+
+
+def test_mixing_model_with_dropout_is_refused_in_batch_mode():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), Center(), nn.Dropout(0.2), nn.ReLU(), nn.Linear(8, 3))
+    x, y = _data()
+    engine = _engine(model, 6)
+    with pytest.raises(EngineError, match="mixes samples"):
+        _step(engine, model, x, y)
+
+
+def test_loss_normalised_over_the_batch_is_refused():
+    model = _mlp()
+    x, y = _data()
+    engine = _engine(model, 6)
+
+    def centred(out, y):
+        ce = F.cross_entropy(out, y, reduction="none")
+        return ce - ce.mean()
+    with pytest.raises(EngineError, match="loss of sample .* depends on other samples"):
+        _step(engine, model, x, y, loss=centred)
+
+
+def test_weight_norm_parametrization_is_refused_not_silently_wrong():
+    torch.manual_seed(0)
+    model = nn.Sequential(torch.nn.utils.parametrizations.weight_norm(nn.Linear(5, 8)), nn.ReLU(), nn.Linear(8, 3))
+    x, y = _data()
+    engine = _engine(model, 6)
+    with pytest.raises(EngineError, match="certificate refused") as err:
+        _step(engine, model, x, y)
+    assert "original0" in err.value.message
+
+
+class SortedInside(nn.Module):
+    """The batch sorted, processed and put back inside the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        order = torch.argsort(x[:, 0])
+        return self.b(torch.relu(self.a(x[order])))[torch.argsort(order)]
+
+
+def test_batch_permuted_inside_the_forward_is_refused():
+    torch.manual_seed(0)
+    model = SortedInside()
+    x, y = _data()
+    x[:, 0] = torch.tensor([5.0, 4, 3, 2, 1, 0])   # a permutation that moves the first and last rows
+    engine = _engine(model, 6)
+    with pytest.raises(EngineError, match="certificate refused"):
+        _step(engine, model, x, y)
+
+
+class GatherTokens(nn.Module):
+    """ModernBERT's sparse prediction: only some tokens of the whole batch reach the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(10, 4), nn.Linear(4, 3)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(h.flatten(0, 1)[(ids % 2 == 0).flatten()])
+
+
+def test_tokens_gathered_across_the_batch_are_refused():
+    torch.manual_seed(0)
+    model = GatherTokens()
+    ids = torch.tensor([[0, 2, 1], [2, 4, 3], [6, 1, 8], [5, 7, 2], [2, 2, 2], [4, 1, 0]])
+    mask = (ids % 2 == 0).flatten()
+    sample = torch.arange(6).repeat_interleave(3)[mask]
+    engine = _engine(model, 6)
+
+    def per_sample(out, _):
+        tok = F.cross_entropy(out, torch.zeros(out.shape[0], dtype=torch.long), reduction="none")
+        return torch.zeros(6).index_add(0, sample, tok)
+    with pytest.raises(EngineError, match="cannot be attributed to samples"):
+        _step(engine, model, ids, None, loss=per_sample)
+
+
+def test_losses_not_from_the_model_outputs_are_refused():
+    model = _mlp()
+    x, y = _data()
+    engine = _engine(model, 6)
+    captured = {}
+    hook = model[0].register_forward_hook(lambda m, a, o: captured.update(h=o))
+    model(x)
+    hook.remove()
+    with pytest.raises(EngineError, match="do not depend on any tensor"):
+        engine.backward(captured["h"].square().sum(1))
+
+
+def test_the_check_changes_nothing_the_step_releases():
+    """With seeded noise, the step's gradient is the same with and without the check, the
+    global RNG stream goes on as if no check had run, and the buffers are as the forward left them."""
+    results = []
+    for check in (True, False):
+        model = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.3), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 3))
+        model.register_buffer("calls", torch.zeros(()))
+        model.register_forward_pre_hook(lambda m, a: (m.calls.add_(1), None)[1])
+        torch.manual_seed(0)
+        model.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()} | {"calls": torch.zeros(())})
+        engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 0.5}}, gradient_noise_multiplier=1.0,
+                          expected_batch_size=6, seed=7)
+        if not check:
+            engine.certificate.disabled = "test"
+        x, y = _data()
+        torch.manual_seed(3)
+        _step(engine, model, x, y)
+        results.append(([p.grad.clone() for p in model.parameters()], torch.rand(3), model.calls.clone()))
+        assert engine.certificate.checks == int(check)
+    (g1, r1, c1), (g2, r2, c2) = results
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+    assert torch.equal(r1, r2)
+    assert torch.equal(c1, c2)
+
+
+def test_transformers_models_pass(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64, n_positions=32,
+                                     resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    model = transformers.GPT2LMHeadModel(config).train()
+    tokens = torch.randint(0, 64, (4, 7))
+
+    def lm(out, _):
+        logits = out.logits[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, 64), tokens[:, 1:].reshape(-1), reduction="none").view(4, -1).mean(1)
+    engine = _engine(model, 4, grouping="layer")
+    _step(engine, model, tokens, None, loss=lm)
+    assert engine.certificate.checks == 1
+
+
+def test_random_draws_the_replay_cannot_reproduce_are_checked_in_eval_mode():
+    """nn.MultiheadAttention's rule draws its dropout in another order than the module does: the
+    engine then certifies a dry micro-batch with dropout off, and the real step is unchanged."""
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.2, batch_first=True)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.layer(x).mean(1))
+    x, y = torch.randn(5, 4, 8), torch.randint(0, 3, (5,))
+    results = []
+    for check in (True, False):
+        torch.manual_seed(0)
+        model = Encoder().train()
+        engine = _engine(model, 5)
+        if not check:
+            engine.certificate.disabled = "test"
+        torch.manual_seed(5)
+        engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+        results.append(engine.debug_clipped())
+        if check:
+            assert engine.certificate.last.mode == "eval"
+            assert model.training and model.layer.training and model.layer.dropout.training
+    checked, plain = results
+    assert all(torch.equal(checked.sums[k], plain.sums[k]) for k in plain.sums)
+    assert torch.equal(checked.norms, plain.norms)
