@@ -54,6 +54,9 @@ GROUPINGS = ("all-layer", "layer", "param")
 NOT_COVERED = ("not covered by ε: step times, step memory and the floor's flop counts, measured on the "
                "first batch of the training data (they follow its shapes, e.g. its sequence lengths)")
 NON_PRIVATE = "non-private"
+# A private step whose certificate runs every time (docs/engine.md, "The certificate"): what the
+# first step of a run, and each new batch shape, costs on top of a steady step.
+CHECKED = ", checked"
 
 
 @dataclass
@@ -111,12 +114,15 @@ def make_step(method: str, model, loss_fn, batch, size: int,
             opt.step()
             opt.zero_grad(set_to_none=True)
         return step
-    engine = build_engine(model, {"grouping": method.removeprefix("dp ")}, gradient_noise_multiplier=TIMING_SIGMA,
-                          batch_size=size)
+    checked = method.endswith(CHECKED)
+    engine = build_engine(model, {"grouping": method.removeprefix("dp ").removesuffix(CHECKED)},
+                          gradient_noise_multiplier=TIMING_SIGMA, batch_size=size)
     private_step = PrivateStep(model, loss_fn, engine, opt, batch, micro_batch_size=None, precision=precision)
     rows = torch.arange(size)
 
     def dp_step():
+        if checked:   # the next micro-batch is checked again, as after a resume
+            engine.certificate.reset()
         private_step(rows)
     return dp_step
 
@@ -193,7 +199,8 @@ def floor_of(model, loss_fn, batch, size: int, times: dict[str, list[float]]) ->
     out["floor"] = flops["ratio"] + out["noise_share"]
     out["gap"] = {name: statistics.median(t / r / (flops["ratio"] + share)
                                           for t, r, share in zip(ts, base, noise))
-                  for name, ts in times.items() if name not in NOISE_DRAWS and name != NON_PRIVATE}
+                  for name, ts in times.items() if name not in NOISE_DRAWS and name != NON_PRIVATE
+                  and not name.endswith(CHECKED)}
     return out
 
 
@@ -255,7 +262,8 @@ def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, group
     model, loss_fn, batch, size = set_up(recipe)
     precision = step_precision(recipe, model)
     names = method_names(groupings)
-    steps = {name: make_step(name, model, loss_fn, batch, size, precision) for name in names}
+    steps = {name: make_step(name, model, loss_fn, batch, size, precision)
+             for name in names + [names[1] + CHECKED]}
     if floor:
         steps.update(noise_draws(model))
     device = next(model.parameters()).device

@@ -26,7 +26,7 @@ def bench(
 ) -> None:
     """Step time and step memory of private training (per grouping style) against
     non-private training, for the recipe's model and batch size."""
-    from dpclip.bench import NON_PRIVATE, NOT_COVERED, bench_recipe
+    from dpclip.bench import CHECKED, NON_PRIVATE, NOT_COVERED, bench_recipe
     from dpclip.cli.train import thread_count
 
     result = bench_recipe(recipe, overrides or [], repeats=repeats, warmup=warmup,
@@ -55,10 +55,12 @@ def bench(
         if gap:
             row.append(f"{gap[name]:.3f}" if name in gap else "-")
         if result.memory_mib:
-            mib = result.memory_mib[name]
-            row += [f"{mib:.1f}", f"{mib / ref_mem:.2f}" if ref_mem and ref_mem > 0 else "-"]
+            mib = result.memory_mib.get(name)
+            row += ["-", "-"] if mib is None else [f"{mib:.1f}", f"{mib / ref_mem:.2f}" if ref_mem and ref_mem > 0 else "-"]
         table.add_row(*row)
     console.print(table)
+    console.print(f"{CHECKED.strip(', ').capitalize()}: a step that also runs the certificate, as the first step of "
+                  "a run and of each new batch shape do (docs/engine.md, \"The certificate\").")
     if result.floor:
         console.print(floor_text(result.floor))
     if device != "cpu":

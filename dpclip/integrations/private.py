@@ -96,7 +96,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
                  noise_multiplier: float | None = None, epochs: float | None = None, steps: int | None = None,
                  max_grad_norm: float | None = None, clipping: Mapping[str, Any] | None = None,
                  accountant: str = "pld", poisson_sampling: bool = True,
-                 unsafe_seed: int | None = None) -> PrivateTraining:
+                 unsafe_seed: int | None = None, verify_every: int = 0) -> PrivateTraining:
     """Make ``model``, ``optimizer``, ``criterion`` and ``data_loader`` train with DP-SGD (or
     DP-Adam, with an Adam optimizer): see the module doc and docs/python-api.md.
 
@@ -114,6 +114,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
             they were accounted as if Poisson-sampled.
         unsafe_seed: None (default): noise and batches come from OS entropy. An int makes them
             reproducible, and removable, by anyone who knows it: tests and experiments only.
+        verify_every: the certificate checks the clipping against the checked samples' own
+            gradients at the first step, on each new batch shape and every ``verify_every`` steps
+            if > 0 (docs/engine.md, "The certificate").
     """
     dataset = data_loader.dataset
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
@@ -137,7 +140,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
     engine, account = private_engine(
         model, spec, num_examples=num_examples, batch_size=batch_size, steps=planned_steps, delta=delta,
         target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
-        sampling="poisson" if poisson_sampling else "shuffle", unsafe_seed=unsafe_seed, world=world)
+        sampling="poisson" if poisson_sampling else "shuffle", unsafe_seed=unsafe_seed, world=world,
+        verify_every=verify_every)
     loader = data_loader
     if poisson_sampling:
         sample_rate = account.plan.plan.sample_rate

@@ -98,7 +98,7 @@ class Account:
 
 def private_engine(model: nn.Module, spec: Clipping, *, num_examples: int, batch_size: int, steps: int,
                    delta: float, target_epsilon: float | None, noise_multiplier: float | None, accountant: str,
-                   sampling: str, unsafe_seed: int | None, not_covered: tuple[str, ...] = (),
+                   sampling: str, unsafe_seed: int | None, not_covered: tuple[str, ...] = (), verify_every: int = 0,
                    world: World | None = None) -> tuple[DPEngine, Account]:
     """The plan of ``steps`` Poisson steps at q = B/N (noise calibrated to ``target_epsilon`` or
     given as the total ``noise_multiplier``; a threshold statistic shares the budget), the
@@ -124,7 +124,7 @@ def private_engine(model: nn.Module, spec: Clipping, *, num_examples: int, batch
     engine_clipping["threshold"] = spec.threshold.engine_dict(plan.split.sigma_aux)
     engine = DPEngine(model, engine_clipping, gradient_noise_multiplier=plan.split.gradient_noise_multiplier,
                       expected_batch_size=batch_size, seed=unsafe_seed, sample_rate=sample_rate,
-                      reducer=None if world is None else world.reducer)
+                      reducer=None if world is None else world.reducer, verify_every=verify_every)
     return engine, Account(Ledger(delta, accountant), plan, writes=world is None or world.main,
                            world_size=1 if world is None else world.size)
 

@@ -91,6 +91,7 @@ class PrivacyArguments:
     clipping: Mapping[str, Any] = field(default_factory=dict)
     accountant: str = "pld"
     unsafe_seed: int | None = None
+    verify_every: int = 0   # the certificate's period in steps, beyond its own checks (docs/engine.md)
 
 
 class PoissonParts(PoissonBatches):
@@ -155,7 +156,7 @@ class DPTrainer(Trainer):
             self.model, spec, num_examples=num_examples, batch_size=self.expected_batch_size, steps=steps,
             delta=privacy.delta, target_epsilon=privacy.target_epsilon, noise_multiplier=privacy.noise_multiplier,
             accountant=privacy.accountant, sampling="poisson", unsafe_seed=privacy.unsafe_seed,
-            not_covered=(LOGGED_LOSS,), world=self.world)
+            not_covered=(LOGGED_LOSS,), world=self.world, verify_every=privacy.verify_every)
         self.unsafe_seed = privacy.unsafe_seed
         self.train_sampler = None
         if self.world is not None:  # every rank starts from rank 0's weights; no DDP (module doc)

@@ -188,6 +188,7 @@ def test_an_equal_event_is_composed_once_and_a_different_one_again(monkeypatch):
     assert other.epsilon_rdp == _rdp_direct(training_event(0.013, apart, 37), 1e-5)
 
 
+@pytest.mark.slow   # a few hundred RDP accountings: thorough, and 13 s on the 2-core machine
 def test_the_accountant_caches_are_bounded():
     for k in range(accountants_module._RDP_CACHE_SIZE + 5):
         account(training_event(0.01, 1.0 + k / 1000, 3), 1e-5, "rdp")

@@ -5,6 +5,7 @@ ledger is the same."""
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -12,6 +13,7 @@ from tests.distributed import api_case
 from tests.distributed.ranks import run_ranks
 
 
+@pytest.mark.slow   # a two-rank run (README: the slow tests)
 def test_two_ranks_of_make_private_train_the_weights_and_ledger_of_one_process(tmp_path):
     assert run_ranks(api_case.rank_main, str(tmp_path / "two")) == []
     api_case.train(tmp_path / "one", per_rank_batch=12, seed_model=100)   # B = 6 per rank × 2 ranks

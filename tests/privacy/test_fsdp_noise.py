@@ -69,11 +69,13 @@ def _cancels(grads: dict[str, torch.Tensor]) -> bool:
     return True
 
 
+@pytest.mark.slow   # two sharded ranks (README: the slow tests)
 @pytest.mark.parametrize("seed", SEEDS, ids=["entropy", "seeded"])
 def test_rows_of_two_ranks_do_not_cancel(released, seed):
     assert not _cancels(released[seed])
 
 
+@pytest.mark.slow   # the two sharded ranks of `released`
 def test_the_difference_attack_detects_shared_streams(released):
     shapes = {name: g.shape for name, g in released[0].items()}
     assert _cancels(_leaky_release(shapes, seed=0))
@@ -94,6 +96,7 @@ def _regenerated(grads: dict[str, torch.Tensor], seed: int) -> dict[str, torch.T
     return guess
 
 
+@pytest.mark.slow   # the two sharded ranks of `released`
 def test_the_seed_regenerates_the_noise_only_of_a_seeded_run(released):
     """The documented price of privacy.unsafe_seeded_randomness, per rank: from the seed the
     attacker regenerates every rank's noise exactly, and a default run's noise not at all

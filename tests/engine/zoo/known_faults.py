@@ -27,10 +27,6 @@ EXPECTED_REFUSALS: dict[str, str] = {
     "weight-norm-grouped-conv": "as weight-norm-linear, on a grouped Conv1d",
     "spectral-norm-linear": "as weight-norm-linear, for spectral_norm's parametrization",
     "wav2vec2": "its positional convolution is weight-normed: refused by the certificate (as weight-norm-linear)",
-    "gather-across-batch": "tokens gathered across the batch: no per-sample layout of the gathered rows "
-                           "(refused by the probe, or by the certificate where the row count fits)",
-    "size-from-batch": "a torch.Size of the whole batch handed to a torch.func fallback module: the per-sample "
-                       "recomputation cannot reshape one sample to it (its error, named, not a crash)",
     "swin": "its relative position bias table, shared by all samples, reaches scaled_dot_product_attention as "
             "a bias the probes cannot follow (issue 52)",
     "resnet": "BatchNorm normalises with batch statistics: per-sample gradients do not exist",
@@ -45,6 +41,10 @@ REFUSED_FROM_TWO_SAMPLES: dict[str, str] = {
     "functional-batchnorm": "F.batch_norm with batch statistics: each sample's output depends on the others",
     "row-in-buffer": "the forward writes a training row into a buffer (released with the model)",
     "mean-normalised-loss": "per-sample losses minus their batch mean: each loss depends on the others",
+    "gather-across-batch": "tokens gathered across the batch: no per-sample layout of the gathered rows "
+                           "(refused by the probe, or by the certificate where the row count fits)",
+    "size-from-batch": "a torch.Size of the whole batch handed to a torch.func fallback module: the per-sample "
+                       "recomputation cannot reshape one sample to it (its error, named, not a crash)",
 }
 
 

@@ -1,0 +1,72 @@
+"""The certificate releases nothing (docs/accounting.md, "The certificate releases nothing").
+
+An attacker holds the recipe (its seed), the released weights and buffers, and the run's
+released files. The check replays the model on private samples; it must leave no trace they
+can read: the weights and every buffer after training are bit for bit those of the same run
+without the check (same seeded noise, same batches), the caller's RNG stream goes on as if no
+check had run, and which rows are checked does not follow from any seed they hold.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpclip.engine import DPEngine
+from dpclip.engine.certificate import Certificate
+
+
+class Counted(nn.Module):
+    """Dropout (the check replays the whole batch), a LayerNorm, and a buffer counting forwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.25), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 3))
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.forwards += 1
+        return self.net(x)
+
+
+def _train(check: bool, steps: int = 4) -> tuple[dict, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Counted()
+    data = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(2))
+    engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": 0.5}},
+                      gradient_noise_multiplier=1.0, expected_batch_size=16, seed=11, verify_every=2)
+    if not check:
+        engine.certificate.disabled = "the comparison run"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(5)
+    for step in range(steps):
+        rows = torch.arange(16 * step, 16 * step + 16 - step)   # a new batch size each step
+        engine.backward(F.cross_entropy(model(data[rows]), labels[rows], reduction="none"))
+        engine.privatize()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    checks = engine.certificate.checks
+    engine.detach()
+    assert checks == (2 if check else 0)   # the first step and step 2 (verify_every 2): one shape family
+    return {k: v.clone() for k, v in model.state_dict().items()}, torch.rand(4)
+
+
+def test_a_checked_run_releases_the_same_weights_buffers_and_rng_stream_as_an_unchecked_one():
+    checked, rng_checked = _train(True)
+    plain, rng_plain = _train(False)
+    assert checked.keys() == plain.keys()
+    for name in plain:
+        assert torch.equal(checked[name], plain[name]), name
+    assert torch.equal(rng_checked, rng_plain)
+
+
+def test_the_checked_rows_do_not_follow_from_any_seed():
+    """Under the same torch seed, the random rows differ between draws: they come from OS entropy."""
+    picks = set()
+    for _ in range(8):
+        torch.manual_seed(0)
+        picks.add(tuple(Certificate.rows(None, 40)))
+    assert len(picks) > 1
+    assert all(p[0] == 0 and p[-1] == 39 and len(p) == 4 for p in picks)
