@@ -163,7 +163,7 @@ class Certificate:
     def take(self, batch: int) -> list[Forward]:
         """The forwards recorded for the backward of a micro-batch of ``batch`` rows (forgotten here)."""
         forwards, self.forwards, self.armed = self.forwards, [], False
-        kept = [f for f in forwards if f.batch == batch and f.outputs]
+        kept = [f for f in forwards if f.batch == batch and f.outputs] if self.disabled is None else []
         for f in forwards:
             if f not in kept:
                 release(f)
