@@ -11,6 +11,7 @@ from torch import nn
 import dpclip.engine.microbatch as microbatch
 from dpclip.engine import DPEngine
 from dpclip.errors import EngineError
+from tests.engine.mixing_models import Center, CopyRow, FunctionalBatchNorm
 
 
 def _engine(model, batch, **kw):
@@ -127,37 +128,12 @@ def test_without_the_certificate_the_sabotage_would_pass_silently(monkeypatch):
     _step(engine, model, x, y)
 
 
-class Center(nn.Module):
-    def forward(self, x):
-        return x - x.mean(0)
-
-
-class FunctionalBatchNorm(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("mean", torch.zeros(8))
-        self.register_buffer("var", torch.ones(8))
-
-    def forward(self, x):
-        return F.batch_norm(x, self.mean, self.var, training=True)
-
-
-class CopyRow(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("row", torch.zeros(5))
-
-    def forward(self, x):
-        self.row.copy_(x[0].detach())
-        return x
-
-
 @pytest.mark.parametrize("build, module, why", [
     (lambda: nn.Sequential(Center(), nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)), "0 (Center)", "mixes samples"),
     (lambda: nn.Sequential(nn.Linear(5, 8), Center(), nn.ReLU(), nn.Linear(8, 3)), "1 (Center)", "mixes samples"),
-    (lambda: nn.Sequential(nn.Linear(5, 8), FunctionalBatchNorm(), nn.Linear(8, 3)), "1 (FunctionalBatchNorm)",
+    (lambda: nn.Sequential(nn.Linear(5, 8), FunctionalBatchNorm(8), nn.Linear(8, 3)), "1 (FunctionalBatchNorm)",
      "mixes samples"),
-    (lambda: nn.Sequential(CopyRow(), nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)), "buffer 0.row", "from the data"),
+    (lambda: nn.Sequential(CopyRow(5), nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)), "buffer 0.row", "from the data"),
 ])
 def test_mixing_models_are_refused_naming_the_module(build, module, why):
     torch.manual_seed(0)

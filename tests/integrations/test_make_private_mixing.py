@@ -5,41 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpclip
 from dpclip.errors import EngineError
+from tests.engine.mixing_models import Center, CopyRow, FunctionalBatchNorm
 
 
-class Center(nn.Module):
-    def forward(self, x):
-        return x - x.mean(0)
-
-
-class FunctionalBatchNorm(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("running_mean", torch.zeros(16))
-        self.register_buffer("running_var", torch.ones(16))
-
-    def forward(self, x):
-        return F.batch_norm(x, self.running_mean, self.running_var, training=True)
-
-
-class CopyRow(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("row", torch.zeros(16))
-
-    def forward(self, x):
-        self.row.copy_(x[0].detach())
-        return x
-
-
-@pytest.mark.parametrize("mixer, named", [(Center, "1 (Center)"), (FunctionalBatchNorm, "1 (FunctionalBatchNorm)"),
-                                          (CopyRow, "buffer 1.row")])
+@pytest.mark.parametrize("mixer, named", [(Center, "1 (Center)"),
+                                          (lambda: FunctionalBatchNorm(16), "1 (FunctionalBatchNorm)"),
+                                          (lambda: CopyRow(16), "buffer 1.row")])
 def test_make_private_refuses_a_mixing_model_at_its_first_step(mixer, named):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), mixer(), nn.ReLU(), nn.Linear(16, 3))
