@@ -25,18 +25,20 @@ may be delivered); split apart, each would need the others' internals.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from dpclip.engine.batch_axis import BatchAxes, SiteBatch, check_batch
 from dpclip.engine.batch_axis.layout import tensor_leaves
 from dpclip.engine.factors import Use
 from dpclip.engine.layers import LayerRule, find_layer_rule
 from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
+from dpclip.engine.parametrized import Derived, derived_tensors, is_parametrization, original_uses, pinned
 from dpclip.engine.precision import engine_math
 from dpclip.engine.refusals import refuse_unsupported
 from dpclip.engine.stash import StashMeter  # noqa: F401  (imported from here by microbatch)
@@ -64,6 +66,7 @@ class Unit:
     orig_forward: Callable | None = None
     bypass: bool = False
     memo: dict = field(default_factory=dict)      # the rule's per-module state
+    derived: Derived = field(default_factory=list)   # parametrized tensors (dpclip.engine.parametrized)
 
     @property
     def label(self) -> str:
@@ -91,6 +94,7 @@ class _Call:
     names: tuple[str, ...] = ()                      # parameters it delivers a use for
     on_grads: Callable | None = None                 # for a tap: (grads, batch) -> uses
     batch: int = 0                                   # B of the forward that made it
+    weights: dict = field(default_factory=dict)      # parametrized tensors as this call computed them
 
 
 class _Site(SiteBatch):
@@ -103,13 +107,27 @@ class _Site(SiteBatch):
         self.label = unit.label
         self.memo = unit.memo
         self._names = [name for name, _, _ in unit.params]
+        self._derived = {name: [p for _, p, _ in originals] for name, originals in unit.derived}
 
     @property
     def _by_name(self) -> dict[str, Tensor]:
         # Read at each call, not kept: a sharded model (FSDP, docs/distributed.md) swaps the
-        # module's parameters for whole ones around its forward and backward.
+        # module's parameters for whole ones around its forward and backward. A parametrized
+        # tensor is evaluated (once per call: the call runs under parametrize.cached()).
         parameters = self.module._parameters
-        return {name: parameters[name] for name in self._names}
+        by_name = {name: parameters[name] for name in self._names}
+        for name in self._derived:
+            by_name[name] = getattr(self.module, name)
+        return by_name
+
+    def _op_inputs(self, by_name: dict[str, Tensor], names: tuple[str, ...]) -> list[Tensor]:
+        """The tensors a book-kept call takes as inputs so that autograd runs its backward
+        (returning None for them): the parameters, and for a parametrized tensor its originals
+        (W itself is not an input: its graph to the originals is walked by the engine alone)."""
+        leaves = []
+        for n in names:
+            leaves.extend(self._derived.get(n, (by_name[n],)))
+        return leaves
 
     @property
     def params(self) -> list[tuple[str, Tensor]]:
@@ -121,18 +139,19 @@ class _Site(SiteBatch):
         if not names:  # nothing trainable: plain autograd through the frozen parameters
             return rule.forward(self.module, x, info)
         keeper, unit = self._keeper, self._unit
-        call = _Call(keeper, unit, keeper.generation, rule, info, names, batch=keeper.axes.batch)
+        call = _Call(keeper, unit, keeper.generation, rule, info, names, batch=keeper.axes.batch,
+                     weights={n: by_name[n] for n in names if n in self._derived})
         keeper.count(unit, names)
-        return _BookkeptOp.apply(call, x, *[by_name[n] for n in names])
+        return _BookkeptOp.apply(call, x, *self._op_inputs(by_name, names))
 
     def tap(self, outputs: list[Tensor], on_grads: Callable) -> tuple[Tensor, ...]:
         keeper, unit = self._keeper, self._unit
         by_name = self._by_name
         names = tuple(by_name)
         call = _Call(keeper, unit, keeper.generation, names=names, on_grads=on_grads,
-                     batch=keeper.axes.batch)
+                     batch=keeper.axes.batch, weights={n: by_name[n] for n in self._derived})
         keeper.count(unit, names)
-        return _OutputTap.apply(call, len(outputs), *outputs, *by_name.values())
+        return _OutputTap.apply(call, len(outputs), *outputs, *self._op_inputs(by_name, names))
 
     @contextmanager
     def bypass(self) -> Iterator[None]:
@@ -189,8 +208,9 @@ class _BookkeptOp(torch.autograd.Function):
         if call.keeper.silent:   # the certificate reads the loss head's cotangents: zeros flow here
             return (None, torch.zeros_like(x) if ctx.needs_input_grad[1] else None) + (None,) * ctx.n_params
         try:
-            grad_x = rule.input_grad(module, x, grad_out, call.info) if ctx.needs_input_grad[1] else None
-            call.keeper.deliver_layer(call, x, grad_out)
+            with pinned(module, call.weights):
+                grad_x = rule.input_grad(module, x, grad_out, call.info) if ctx.needs_input_grad[1] else None
+                call.keeper.deliver_layer(call, x, grad_out)
         except DpclipError:
             raise
         except Exception as exc:
@@ -220,7 +240,8 @@ class _OutputTap(torch.autograd.Function):
                            for i, g in enumerate(grads))
             return (None, None) + passed + (None,) * ctx.n_params
         try:
-            ctx.call.keeper.deliver_tap(ctx.call, grads)
+            with pinned(ctx.call.unit.module, ctx.call.weights):
+                ctx.call.keeper.deliver_tap(ctx.call, grads)
         except DpclipError:
             raise
         except Exception as exc:
@@ -267,17 +288,20 @@ class Bookkeeper:
         units: list[Unit] = []
         for name, module in model.named_modules():
             refuse_unsupported(module, name, self.index_of)
+            if is_parametrization(module):   # its originals are delivered by the module it parametrizes
+                continue
             params = [(pname, p, self.index_of[id(p)])
                       for pname, p in module.named_parameters(recurse=False)
                       if id(p) in self.index_of]
+            derived = derived_tensors(module, name, self.index_of)
             rule = find_layer_rule(module) or FUNCTORCH_RULE
             if rule is FUNCTORCH_RULE and params:
                 params = self._without_aliases_below(module, name, params)
-            if not params and not (rule.wrap_frozen and any(
+            if not params and not derived and not (rule.wrap_frozen and any(
                     id(p) in self.index_of for p in module.parameters())):
                 continue
             unit = Unit(module, name, params, rule,
-                        not rule.exact_by_construction and not is_rmsnorm_like(module))
+                        not rule.exact_by_construction and not is_rmsnorm_like(module), derived=derived)
             if unit.is_fallback and strict:
                 raise EngineError(
                     f"module {unit.label} has trainable "
@@ -357,10 +381,15 @@ class Bookkeeper:
         return unit.bypass or self._plain > 0 or not torch.is_grad_enabled()
 
     def count(self, unit: Unit, names: tuple[str, ...]) -> None:
-        """One more forward use of each named parameter of ``unit``."""
+        """One more forward use of each named parameter of ``unit`` (of each original of a
+        named parametrized tensor)."""
         for name, _, idx in unit.params:
             if name in names:
                 self.forward_counts[idx] += 1
+        for name, originals in unit.derived:
+            if name in names:
+                for _, _, idx in originals:
+                    self.forward_counts[idx] += 1
 
     def _routed_forward(self, unit: Unit):
         orig = unit.orig_forward
@@ -374,7 +403,8 @@ class Bookkeeper:
                 return orig(*args, **kwargs)
             axes.enter(unit, site, args, kwargs)   # the call's established batch layout
             try:
-                return unit.rule.call(unit.module, site, args, kwargs)
+                with parametrize.cached() if unit.derived else nullcontext():   # P once per call
+                    return unit.rule.call(unit.module, site, args, kwargs)
             except DpclipError:
                 raise
             except Exception as exc:
@@ -457,7 +487,12 @@ class Bookkeeper:
 
 
     def _sink(self, active: _Active, call: _Call, uses: dict) -> None:
+        derived = [(idx, use) for name, originals in call.unit.derived if name in call.names
+                   for (_, _, idx), use in zip(originals, original_uses(
+                       call.weights[name], [p for _, p, _ in originals], uses[name]))]
         with self._lock:  # autograd runs one thread per device on multi-GPU models
             for name, _, idx in call.unit.params:
                 if name in call.names:  # exactly the parameters its forward counted
                     active.sink(idx, uses[name])
+            for idx, use in derived:
+                active.sink(idx, use)

@@ -12,7 +12,7 @@ function + threshold policy + noise allocation. It never owns the optimizer.
 What one micro-batch does (uses in backward order, groups finalized early) is
 :mod:`dpclip.engine.microbatch`'s.
 
-Length: about 510 lines: the step's three entry points (backward, capture for pipeline
+Length: about 520 lines: the step's three entry points (backward, capture for pipeline
 stages, privatize) share the step's accumulators and the noise source, and the certificate's
 check (:mod:`dpclip.engine.certificate`) runs inside the first two.
 """
@@ -315,13 +315,25 @@ class DPEngine:
                               f"{tuple(row_weights.shape)}", "pass dpclip.data.user_sampler.user_weights of the "
                               "batch's users, one weight per row")
         counts, generation = self._keeper.take_forward_counts(generation)
-        policy = self.policy
-        micro = MicroBatch(self._context, StepTotals(self._sums, self._clipped, self._nonfinite),
-                           batch_size, counts, policy.thresholds(),
-                           policy.per_sample_thresholds if policy.per_sample else None, loss_scale, row_weights,
-                           sum_scale=1.0 / self.expected_batch_size)
+        micro = self._micro_batch(StepTotals(self._sums, self._clipped, self._nonfinite), batch_size, counts,
+                                  loss_scale, row_weights)
         if _watch:
             micro.watch(_watch)
+        with self._collecting(micro, batch_size, generation):
+            yield
+        self._captured.append((micro, samples))
+
+    def _micro_batch(self, totals: StepTotals, batch_size: int, counts: list[int], loss_scale: float,
+                     row_weights: Tensor | None) -> MicroBatch:
+        policy = self.policy
+        return MicroBatch(self._context, totals, batch_size, counts, policy.thresholds(),
+                          policy.per_sample_thresholds if policy.per_sample else None, loss_scale, row_weights,
+                          sum_scale=1.0 / self.expected_batch_size)
+
+    @contextmanager
+    def _collecting(self, micro: MicroBatch, batch_size: int, generation: int) -> Iterator[None]:
+        """The backward inside delivers its uses into ``micro``; ``p.grad`` is left as the caller had
+        it, and a gradient that reached it outside the engine's hooks is refused."""
         saved = [p.grad for p in self._params]
         for p in self._params:
             p.grad = None
@@ -343,7 +355,6 @@ class DPEngine:
         finally:
             for p, g in zip(self._params, saved):
                 p.grad = g
-        self._captured.append((micro, samples))
 
     def finish_micro_batch(self, _watch: tuple | None = None) -> None:
         """Clip the oldest micro-batch :meth:`capture` collected: per-sample norms (on a flat
@@ -386,21 +397,15 @@ class DPEngine:
         counts, generation = self._keeper.take_forward_counts()
         scratch = StepTotals([None] * len(self._params), torch.zeros_like(self._clipped),
                              torch.zeros_like(self._nonfinite))
-        micro = MicroBatch(self._context, scratch, batch, counts, self.policy.thresholds(),
-                           self.policy.per_sample_thresholds if self.policy.per_sample else None,
-                           1.0, row_weights, sum_scale=1.0 / self.expected_batch_size)
+        micro = self._micro_batch(scratch, batch, counts, 1.0, row_weights)
         micro.watch(rows)
-        saved = [p.grad for p in self._params]
+        with self._collecting(micro, batch, generation):
+            torch.autograd.backward(losses, torch.ones_like(losses))
         try:
-            with self._keeper.backward_scope(batch, generation, micro.deliver):
-                torch.autograd.backward(losses, torch.ones_like(losses))
             norms = micro.finish()
         except BaseException:
             micro.discard()
             raise
-        finally:
-            for p, g in zip(self._params, saved):
-                p.grad = g
         return norms, micro.witness, micro.used_thresholds, micro.cancelling
 
     def privatize(self) -> StepReport:

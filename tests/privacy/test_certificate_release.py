@@ -9,6 +9,9 @@ check had run, and which rows are checked does not follow from any seed they hol
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,7 +21,7 @@ from dpclip.engine.certificate import Certificate
 
 
 class Counted(nn.Module):
-    """Dropout (the check replays the whole batch), a LayerNorm, and a buffer counting forwards."""
+    """Dropout (the check cuts its recorded masks per sample), a LayerNorm, and a buffer counting forwards."""
 
     def __init__(self):
         super().__init__()
@@ -70,3 +73,27 @@ def test_the_checked_rows_do_not_follow_from_any_seed():
         picks.add(tuple(Certificate.rows(None, 40)))
     assert len(picks) > 1
     assert all(p[0] == 0 and p[-1] == 39 and len(p) == 4 for p in picks)
+
+
+def test_the_recorded_dropout_masks_are_dropped_when_the_check_ends(monkeypatch):
+    """The masks a checked forward drew (kept to replay each sample alone) are held by nothing
+    once the step is done: not by the certificate, the engine's state or the model."""
+    import dpclip.engine.certificate as certificate
+
+    recorded = []
+
+    class Watched(certificate.Recorder):
+        def __exit__(self, *exc):
+            recorded.extend(weakref.ref(t) for t in self.draws or [])
+            return super().__exit__(*exc)
+    monkeypatch.setattr(certificate, "Recorder", Watched)
+    torch.manual_seed(0)
+    model = Counted()
+    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 0.5}}, gradient_noise_multiplier=1.0,
+                      expected_batch_size=8, seed=3)
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+    engine.privatize()
+    assert engine.certificate.last is not None and engine.certificate.last.mode == "alone"
+    gc.collect()
+    assert recorded and all(ref() is None for ref in recorded)

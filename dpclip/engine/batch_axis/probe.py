@@ -167,3 +167,19 @@ def forked_rng(devices: list) -> Iterator[None]:
     """The probes draw nothing from the caller's RNG streams (dropout in the model)."""
     with torch.random.fork_rng(devices=devices):
         yield
+
+
+@contextmanager
+def untouched_buffers(model: torch.nn.Module) -> Iterator[None]:
+    """The probes leave the model's buffers as they found them: a probe forward is not a
+    training forward, and must not advance what one advances (spectral_norm's power
+    iteration, a step counter), nor leave its sample rows in a buffer."""
+    saved = [(module, name, b, b.detach().clone()) for module in model.modules()
+             for name, b in module.named_buffers(recurse=False)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, name, b, value in saved:
+                setattr(module, name, b)      # a forward may have assigned a new tensor
+                b.copy_(value)

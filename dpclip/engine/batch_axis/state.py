@@ -18,7 +18,7 @@ from torch import Tensor
 from dpclip.engine.batch_axis.consumers import ConsumerCheck, consumers
 from dpclip.engine.batch_axis.layout import (BATCH_FIRST, BATCH_HINT, BROADCAST_HINT, CallLayout,
                                              Layout, call_leaves, shared_lead1, tensor_leaves)
-from dpclip.engine.batch_axis.probe import NEEDS_ROWS, Probe, compare, forked_rng, resized
+from dpclip.engine.batch_axis.probe import NEEDS_ROWS, Probe, compare, forked_rng, resized, untouched_buffers
 from dpclip.engine.precision import autocast_restore, autocast_snapshot
 from dpclip.errors import EngineError
 
@@ -128,7 +128,8 @@ class BatchAxes:
         self.probe = probe
         self.probes += 1
         try:
-            with self.plain(), forked_rng(devices), _hooks_off(self.model), _nothing_saved():
+            with self.plain(), forked_rng(devices), untouched_buffers(self.model), _hooks_off(self.model), \
+                    _nothing_saved():
                 if check is None:
                     return self.model(*args, **kwargs)
                 with check:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,10 +38,11 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine.batch_axis.layout import tensor_leaves
+from dpclip.engine.certificate.draws import DrawsNotCut, Recorder, Substitute
 from dpclip.engine.certificate.replay import (Buffers, Cotangents, Forward, Replayer, batch_axis, buffers_kept,
                                               close, module_stack, release, replaying, rng_state, same_rng,
                                               select, vjp, vjp_rows)
-from dpclip.engine.certificate.verdict import MIXING_HINT, compare, mixing_error
+from dpclip.engine.certificate.verdict import MIXING_HINT, NOT_COVERED, compare, mixing_error
 from dpclip.engine.precision import autocast_snapshot
 from dpclip.errors import EngineError
 
@@ -111,6 +113,7 @@ class Certificate:
         self.last: CertificateRecord | None = None
         self.checks = 0
         self._cotangents = Cotangents(silence)
+        self._recorder: Recorder | None = None
         self._devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
         self._handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
                          model.register_forward_hook(self._post, with_kwargs=True, always_call=True)]
@@ -150,14 +153,21 @@ class Certificate:
         if self.armed and len(self.forwards) < MAX_FORWARDS:
             self.forwards.append(Forward(args, kwargs, batch, rng_state(self._devices),
                                          autocast_snapshot({p.device.type for p in self.params})))
+            self._recorder = Recorder(self.is_plain)   # the forward's random draws (draws.py)
+            self._recorder.__enter__()
         return None
 
     def _post(self, module, args, kwargs, output):
         self.depth = max(self.depth - 1, 0)
+        recorder = self._recorder if self.depth == 0 else None
+        if recorder is not None:
+            self._recorder = None
+            recorder.__exit__(None, None, None)
         if self.depth == 0 and self.armed and self.forwards and not self.forwards[-1].edges:
             forward = self.forwards[-1]
             self._cotangents.attach(forward, [t for t in tensor_leaves(output) if t.requires_grad])
             forward.random = not same_rng(forward.rng, rng_state(self._devices))
+            forward.draws = recorder.draws if recorder is not None else None
         return None
 
     def take(self, batch: int) -> list[Forward]:
@@ -198,12 +208,21 @@ class Certificate:
         ``cancelling``: row -> groups the engine recomputed in float64 for it (not compared)."""
         rtol = max(self._rtol(f) for f in forwards)
         random = any(f.random for f in forwards) or forwards[0].batch == 1
+        # a random forward whose draws were recorded: each checked sample alone, with its part of them
+        cut = random and forwards[0].batch > 1 and all(f.draws is not None for f in forwards)
         with replaying(self.model, self.plain, self._devices), buffers_kept(self.model) as buffers:
-            if random:
+            own = None
+            if cut:
+                try:
+                    own = self._alone_gradients(forwards, rows, cots, rtol, buffers, cut=True)
+                except NotReproducible:
+                    cut, buffers.written = False, None
+            if own is None and random:
                 own = self._batch_gradients(forwards, rows, cots, rtol)
                 self._independent_in_batch(forwards, rows, cots, own, rtol, buffers)
-            else:
+            elif own is None:
                 own = self._alone_gradients(forwards, rows, cots, rtol, buffers)
+        batch_mode = random and not cut
         cancelling = cancelling or {}
         for r in rows:
             args = (norms[r], witness.get(r, {}), thresholds if thresholds.dim() == 1 else thresholds[r],
@@ -212,7 +231,7 @@ class Certificate:
             try:
                 compare(r, own[r], *args)
             except EngineError:
-                exact = self._in_float64(forwards, r, cots, random)
+                exact = self._in_float64(forwards, r, cots, batch_mode)
                 if exact is None:
                     raise
                 # the float32 gradient's distance from the float64 one measures the working
@@ -223,10 +242,10 @@ class Certificate:
         self.families.add(shape_family(forwards[0].args, forwards[0].kwargs, forwards[0].batch))
         self.last_step = step
         self.checks += 1
-        self.last = CertificateRecord(step, len(rows), mode or ("batch" if random else "alone"),
+        self.last = CertificateRecord(step, len(rows), mode or ("batch" if batch_mode else "alone"),
                                       sum(1 for r in rows if cancelling.get(r)))
 
-    def _in_float64(self, forwards: list[Forward], r: int, cots: dict, random: bool) -> list[Tensor] | None:
+    def _in_float64(self, forwards: list[Forward], r: int, cots: dict, batch_mode: bool) -> list[Tensor] | None:
         """Row ``r``'s gradient replayed in float64 (for a float32 model outside autocast), or None
         where that reference cannot be had (autocast, a float64 model, a forward that fails in
         float64, random draws that float64 does not reproduce)."""
@@ -237,10 +256,11 @@ class Certificate:
         try:
             with replaying(self.model, self.plain, self._devices), buffers_kept(self.model) as buffers:
                 # the outputs are not compared again: float32's own rounding of them is what this measures
-                if random:
+                if batch_mode:
                     got = self._batch_gradients(forwards, [r], cots, RTOL[torch.float32], outputs=False)[r]
                 else:
-                    got = self._alone_gradients(forwards, [r], cots, RTOL[torch.float32], buffers, outputs=False)[r]
+                    got = self._alone_gradients(forwards, [r], cots, RTOL[torch.float32], buffers, outputs=False,
+                                                cut=any(f.random for f in forwards))[r]
             return [g.double() for g in got]
         except (NotReproducible, EngineError, RuntimeError, TypeError, ValueError):
             return None
@@ -258,22 +278,27 @@ class Certificate:
     def _refuse_buffer(self, found: str | None) -> None:
         if found is not None:
             raise EngineError(f"the model's forward writes buffer {found} from the data: statistics of "
-                              "private data would be released with the model",
+                              "private data would be released with the model" + NOT_COVERED,
                               "keep no data in buffers: compute such statistics without storing them")
 
     # ------------------------------------------------------------ alone
 
     def _alone_gradients(self, forwards: list[Forward], rows: list[int], cots: dict, rtol: float,
-                         buffers: Buffers, outputs: bool = True) -> dict[int, list[Tensor]]:
+                         buffers: Buffers, outputs: bool = True, cut: bool = False) -> dict[int, list[Tensor]]:
         """Each checked sample's gradient from replays on that sample alone; its outputs alone must
-        be its outputs in the batch, and its loss's cotangent must vanish off its rows."""
+        be its outputs in the batch, and its loss's cotangent must vanish off its rows. ``cut``: the
+        replays get the sample's part of the recorded random draws (draws.py); where that part does
+        not reproduce the sample's outputs, :class:`NotReproducible`."""
         own: dict[int, list[Tensor]] = {}
         for r in rows:
             total = None
             for j, f in enumerate(forwards):
                 leaves = self.replayer.leaves()
-                outs = [o for o in self._alone(f, r, leaves) if o.requires_grad][:len(f.outputs)]
+                outs = [o for o in self._alone(f, r, leaves, f.draws if cut else None)
+                        if o.requires_grad][:len(f.outputs)]
                 if len(outs) < len(f.outputs):
+                    if cut:
+                        raise NotReproducible()
                     raise mixing_error(self.model, self.replayer, f, r, "returns fewer tensors on one sample "
                                        "alone than in its batch", rtol)
                 narrowed = []
@@ -291,6 +316,8 @@ class Certificate:
                         narrowed.append(None)
                         continue
                     if outputs and not close(full if axis is None else full.narrow(axis, r, 1), alone, rtol):
+                        if cut:
+                            raise NotReproducible()
                         raise mixing_error(self.model, self.replayer, f, r, f"gives sample {r} other outputs "
                                            "alone than in its batch", rtol)
                     if cot is not None and axis is not None:
@@ -299,7 +326,7 @@ class Certificate:
                         if bool(outside.abs().max() > rtol * max(float(cot.abs().max()), 1e-30)):
                             raise EngineError(
                                 f"the loss of sample {r} depends on other samples' outputs (the per-sample "
-                                "losses mix samples, e.g. a loss normalised over the batch)",
+                                "losses mix samples, e.g. a loss normalised over the batch)" + NOT_COVERED,
                                 "compute each sample's loss from its own outputs only (reduction='none', "
                                 "then each sample's tokens averaged)")
                         cot = cot.narrow(axis, r, 1)
@@ -310,14 +337,20 @@ class Certificate:
             own[r] = total
         return own
 
-    def _alone(self, forward: Forward, r: int, leaves: list[Tensor]) -> list[Tensor]:
+    def _alone(self, forward: Forward, r: int, leaves: list[Tensor], draws: list[Tensor] | None = None) -> list[Tensor]:
         errors = []
         for first_only in (False, True):
             inputs = select(forward.args, forward.kwargs, forward.batch, torch.tensor([r]), first_only)
             try:
-                return self.replayer.run(forward, inputs, leaves)
+                with Substitute(draws, r, forward.batch) if draws is not None else nullcontext() as sub:
+                    out = self.replayer.run(forward, inputs, leaves)
+                if sub is not None and sub.next != len(draws):
+                    raise DrawsNotCut()
+                return out
             except EngineError:
                 raise
+            except DrawsNotCut as exc:
+                raise NotReproducible() from exc
             except Exception as exc:   # the inputs cut to one row do not fit: the first only
                 errors.append((exc, inputs))
         exc, inputs = errors[0]
@@ -332,10 +365,10 @@ class Certificate:
             raise EngineError(f"module {name or '<root>'} ({type(failed_in).__name__}) mixes samples: it fails on "
                               f"one sample alone ({type(exc).__name__}: {exc}), so its output depends on the "
                               "rest of the batch; a per-sample gradient, and so the privacy guarantee, would "
-                              "not hold", MIXING_HINT) from exc
+                              "not hold" + NOT_COVERED, MIXING_HINT) from exc
         last = errors[-1][0]
         raise EngineError(f"the certificate could not run the model's forward on sample {r} alone "
-                          f"({type(last).__name__}: {last})",
+                          f"({type(last).__name__}: {last})" + NOT_COVERED,
                           "the model's inputs must hold the batch in dim 0 of each input tensor "
                           "(docs/engine.md, \"The batch axis\")") from last
 

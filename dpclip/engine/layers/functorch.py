@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dpclip.engine.batch_axis import BATCH_HINT, Layout, call_leaves, expand_shared
 from dpclip.engine.factors import Dense
 from dpclip.engine.layers import Capture, LayerRule
+from dpclip.engine.parametrized import functional_call
 from dpclip.engine.precision import autocast_again, autocast_state
 from dpclip.errors import EngineError
 
@@ -84,7 +85,7 @@ class FunctorchRule(LayerRule):
                    for t in call_leaves(args, kwargs)]
         detached = {name: p.detach() for name, p in capture.params}
         with capture.bypass():  # the module's own parameters are constants here: no weight grads
-            out = torch.func.functional_call(module, detached, args, kwargs)
+            out = functional_call(module, detached, args, kwargs)
         leaves, spec = tree_flatten(out)
         tensors = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
         outs = layout.outputs
@@ -159,7 +160,7 @@ def per_sample_grads(capture: Capture, args: tuple, kwargs: dict, out_index: lis
             full[pos] = t
         call_args, call_kwargs = tree_unflatten(full, spec)
         with capture.plain(), autocast_again(autocast):
-            out = torch.func.functional_call(module, p, call_args, call_kwargs)
+            out = functional_call(module, p, call_args, call_kwargs)
         out_leaves = tree_flatten(out)[0]
         return [out_leaves[i] for i in out_index]
 

@@ -22,11 +22,6 @@ EXPECTED_REFUSALS: dict[str, str] = {
     # issue 49's outside cases (tests/engine/zoo/outside.py)
     "mobilebert-mlm": "its LM head multiplies by torch.cat([decoder.weight.t(), dense.weight]): the word embedding "
                       "is used functionally, outside its module's call: refused as a stray gradient (issue 52)",
-    "weight-norm-linear": "a weight_norm parametrization: the engine gives original0/original1 no per-sample "
-                          "gradient; the certificate refuses it (exact handling: issue 49's next step)",
-    "weight-norm-grouped-conv": "as weight-norm-linear, on a grouped Conv1d",
-    "spectral-norm-linear": "as weight-norm-linear, for spectral_norm's parametrization",
-    "wav2vec2": "its positional convolution is weight-normed: refused by the certificate (as weight-norm-linear)",
     "swin": "its relative position bias table, shared by all samples, reaches scaled_dot_product_attention as "
             "a bias the probes cannot follow (issue 52)",
     "resnet": "BatchNorm normalises with batch statistics: per-sample gradients do not exist",

@@ -1,0 +1,100 @@
+"""The random draws of a checked forward, recorded, and handed to each sample's replay alone.
+
+Dropout draws one mask for the whole batch; replayed on one sample alone from the same RNG
+state, the forward would draw other masks, so a random forward used to be checked by replaying
+the whole batch (the cost of a batch per check, not of the checked samples). Instead, while a
+checked forward runs, :class:`Recorder` keeps the output of every operation that only draws
+random numbers (``bernoulli_``, ``rand``, ``randn``, …: what dropout, drop-path and noise
+layers compute their masks with on the CPU). A replay on sample r alone then gets, draw by
+draw, the recorded draw's part that belongs to sample r (:class:`Substitute`): the slice of the
+one axis that went from B·k to k. Each checked sample costs one forward and one backward of
+that sample alone, random or not.
+
+What cannot be cut so is not guessed at: a seeded operation that also computes with its inputs
+(CUDA's fused ``native_dropout``, a fused attention kernel's dropout), a draw whose shapes do not
+match, or a replay whose outputs differ from the sample's outputs in the batch raises
+:class:`~dpclip.engine.certificate.NotReproducible`, and the check replays the whole batch as
+before.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: operations whose output is random numbers and nothing else (no gradient flows through them)
+PURE_DRAWS = frozenset({
+    "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
+    "randperm", "uniform_", "normal_", "exponential_", "random_", "geometric_", "log_normal_", "cauchy_",
+    "multinomial",
+})
+
+
+class DrawsNotCut(Exception):
+    """A draw of the replay cannot be matched to a recorded draw."""
+
+
+def _pure(func) -> bool:
+    return func.overloadpacket.__name__ in PURE_DRAWS
+
+
+def _seeded(func) -> bool:
+    return torch.Tag.nondeterministic_seeded in func.tags
+
+
+class Recorder(TorchDispatchMode):
+    """Active during one checked forward: keeps each pure draw's value (``draws``), or marks the
+    forward as not recordable (``draws`` None). ``skip()`` true: the engine's own probes and
+    replays, whose draws are not the step's."""
+
+    def __init__(self, skip: Callable[[], bool]):
+        super().__init__()
+        self.skip = skip
+        self.draws: list[Tensor] | None = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.draws is not None and _seeded(func) and not self.skip():
+            if _pure(func) and isinstance(out, Tensor):
+                self.draws.append(out.detach().clone())
+            else:
+                self.draws = None
+        return out
+
+
+def _cut(recorded: Tensor, shape: torch.Size, row: int, batch: int) -> Tensor:
+    """The part of a batch's draw that belongs to sample ``row``, for a draw of ``shape`` alone."""
+    if recorded.shape == shape:
+        return recorded
+    if recorded.dim() != len(shape):
+        raise DrawsNotCut()
+    moved = [k for k in range(len(shape)) if recorded.shape[k] != shape[k]]
+    if len(moved) != 1 or recorded.shape[moved[0]] != batch * shape[moved[0]]:
+        raise DrawsNotCut()
+    axis = moved[0]
+    return recorded.narrow(axis, row * shape[axis], shape[axis])
+
+
+class Substitute(TorchDispatchMode):
+    """Active during a replay on sample ``row`` alone: each pure draw returns, in order, sample
+    ``row``'s part of the recorded draw; any other seeded operation, a draw too many or a shape
+    that does not fit raises :class:`DrawsNotCut`."""
+
+    def __init__(self, draws: list[Tensor], row: int, batch: int):
+        super().__init__()
+        self.draws, self.row, self.batch, self.next = draws, row, batch, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not _seeded(func):
+            return out
+        if not _pure(func) or not isinstance(out, Tensor) or self.next >= len(self.draws):
+            raise DrawsNotCut()
+        part = _cut(self.draws[self.next], out.shape, self.row, self.batch)
+        self.next += 1
+        with torch.no_grad():
+            out.copy_(part)
+        return out
