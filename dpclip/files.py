@@ -1,4 +1,10 @@
-"""Atomic file writes: a crash leaves either the old file or the new one, never half of one."""
+"""Atomic file writes: a crash leaves either the old file or the new one, never half of one.
+
+Every file dpclip writes into a run, search or export directory is readable by its owner only
+(:data:`OWNER_ONLY`), whatever the release manifest classes it as: the operator decides what to
+publish (docs/accounting.md, "Threat model"). Atomic writes get it from ``mkstemp``; files written
+by other libraries (safetensors, matplotlib, tensorboard) get it from :func:`owner_only`.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,26 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+
+#: the mode of every file dpclip writes (the owner reads and writes; nobody else anything)
+OWNER_ONLY = 0o600
+
+
+def owner_only(path: str | Path) -> Path:
+    """``path`` (a file, or every file under a folder) made readable by its owner only."""
+    path = Path(path)
+    for file in ([path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]):
+        os.chmod(file, OWNER_ONLY)
+    return path
+
+
+def append_line(path: str | Path, line: str) -> None:
+    """Append one line (a JSON-lines record) to ``path``, flushed; a new file is created owner-only."""
+    handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, OWNER_ONLY)
+    with os.fdopen(handle, "a", encoding="utf-8") as stream:
+        stream.write(line + "\n")
+        stream.flush()
 
 
 def write_bytes_atomic(path: str | Path, data: bytes, durable: bool = True) -> None:

@@ -120,8 +120,8 @@ class PrivacyPlan:
         seeded_randomness: noise and batches derived from the recipe's seed (statement warns).
         not_covered: what the run releases outside ε (listed in the statement).
         bands: b of banded matrix factorization (correlated noise; docs/formulas.md, "Banded
-            matrix factorization"); 1 is DP-SGD. With b > 1 the data are cut into b fixed
-            groups (example i in group i mod b), step t Poisson-samples group t mod b at rate
+            matrix factorization"); 1 is DP-SGD. With b > 1 the data are cut into b groups
+            (each example's drawn privately: "Cyclic groups"), step t Poisson-samples group t mod b at rate
             q·b, and each example takes part in at most ⌈T/b⌉ steps, b apart; with the
             strategy's columns of norm at most 1 and disjoint b apart, the run is accounted as
             ⌈T/b⌉ compositions of PoissonSampled(q·b, Gaussian(σ)) (Choquette-Choo et al.,

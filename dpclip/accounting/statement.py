@@ -150,7 +150,7 @@ class PrivacyStatement:
         out += [
             f"ε = {_fmt(self.epsilon)} at δ = {self.delta:g}",
             f"privacy unit: {self.unit}; neighbouring data sets: {self.neighbouring}"
-            + (" (every other example keeping its group)" if self.bands > 1 or self.buffers else ""),
+            + (" (the cyclic groups drawn privately, independently for each)" if self.bands > 1 or self.buffers else ""),
             f"accountant: {self.accountant.upper()}: {self.conversion}",
         ]
         if self.epsilon_rdp is not None:
@@ -161,10 +161,10 @@ class PrivacyStatement:
         if distribution is not None:
             out.append(f"distribution: {distribution}")
         out.append(f"steps: {self.steps}")
-        member = "person u in group u" if self.unit.startswith("user-level") else "example i in group i"
+        member = "each person's group" if self.unit.startswith("user-level") else "each example's group"
         if self.bands > 1:
             out.append(f"mechanism: banded matrix factorization, {self.bands} bands (noise correlated across steps); "
-                       f"cyclic Poisson sampling ({member} mod {self.bands}, step t samples group t mod "
+                       f"cyclic Poisson sampling ({member} drawn privately from 0..{self.bands - 1}, step t samples group t mod "
                        f"{self.bands} at rate q·b = {_fmt(self.sample_rate * self.bands, 6)}); accounted as "
                        f"{-(-self.steps // self.bands)} participations, each PoissonSampled(q·b, Gaussian(σ)) "
                        "(amplified banded MF, Choquette-Choo et al. 2023)")
@@ -172,7 +172,7 @@ class PrivacyStatement:
             rate = None if self.sample_rate is None else min(1.0, self.sample_rate * self.groups)
             participations = -(-self.steps // self.groups)
             out.append(f"mechanism: BLT (buffered linear Toeplitz), {self.buffers} buffers (noise correlated across "
-                       f"all steps); cyclic sampling ({member} mod {self.groups}, step t takes group t "
+                       f"all steps); cyclic sampling ({member} drawn privately from 0..{self.groups - 1}, step t takes group t "
                        f"mod {self.groups} at rate {_fmt(rate, 6)}); at most {participations} participations, "
                        f"{self.groups} steps apart; no amplification by sampling is claimed: the run is one Gaussian "
                        f"mechanism of sensitivity {_fmt(self.sensitivity, 6)} per unit clip norm (worst participation "

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from dpclip.audit.metrics import dp_tpr_bound
+from dpclip.files import owner_only
 
 
 def axis_floors(report: dict) -> tuple[float, float]:
@@ -96,4 +97,4 @@ def plot_roc(report: dict, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
-    tmp.replace(path)
+    owner_only(tmp).replace(path)

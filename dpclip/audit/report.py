@@ -85,7 +85,8 @@ def resolve_target(path: Path) -> tuple[Path, Path]:
 
 def build_pool(run_dir: Path, recipe) -> Pool:
     meta = json.loads((run_dir / layout.META).read_text(encoding="utf-8"))
-    data = load_data(recipe.data, seed=recipe.seed)
+    key = meta.get("split_key")   # the run's private split key (None: its recipe's seed drew the split)
+    data = load_data(recipe.data, seed=recipe.seed, split_key=None if key is None else int(key))
     if data.fingerprint != meta["data"]["split_fingerprint"]:
         raise DpclipError(f"the data of {run_dir} no longer splits as it did in training",
                           "the data files changed since the run; the members cannot be rebuilt")

@@ -9,9 +9,11 @@ One entry point, :func:`load_data`, for every source:
 Whatever the source, the columns are read first and then turned into tensors by the same
 rules (:mod:`dpclip.data.columns`: the task from the label column, text, tables, images).
 
-The train/test split is :func:`dpclip.data.split.split_indices` with the recipe's seed,
-unless a separate test file or split is given; either way the split's fingerprint is
-recorded so an audit can rebuild members and non-members later. Data with users (builtin
+The train/test split is :func:`dpclip.data.split.split_indices` with a *split key*: a run's
+is drawn from OS entropy and kept in its meta.json (secret), so that nobody holding the
+released recipe (and its seed) can recompute who is a member; without a key (tests, plans that
+count rows) the recipe's seed draws it. A separate test file or split is taken as it is. Either
+way the split's fingerprint is recorded so an audit can rebuild members and non-members later. Data with users (builtin
 synthetic-users, or ``data.user_field``) are split by person instead: the test set holds
 test_fraction of the people with all their records, and ``PrivateData.train_users`` says
 who wrote each training row (docs/users.md).
@@ -72,6 +74,8 @@ class PrivateData:
     # The same for the held-out rows, numbered on from the training people (U..): the people of
     # a user-level audit's non-members.
     test_users: torch.Tensor | None = field(default=None, repr=False)
+    # The key the train/test split was drawn with (None: the recipe's seed); secret, like the members
+    split_key: int | None = field(default=None, repr=False)
 
     @property
     def num_train(self) -> int:
@@ -219,18 +223,19 @@ def load_examples(config, seed: int) -> Examples:
     raise DpclipError(f"unknown data source {config.source!r}", "use builtin, files or hf")
 
 
-def load_data(config, seed: int) -> PrivateData:
+def load_data(config, seed: int, split_key: int | None = None) -> PrivateData:
     """Load a recipe's ``data`` section (a BuiltinData, FilesData or HFData) and split it.
 
-    ``seed`` is the recipe's seed: it draws the train/test split and, for synthetic
-    text, the sentences. With ``data.public_fraction`` the carved public rows
+    ``seed`` is the recipe's seed: it draws, for synthetic text, the sentences, and the
+    train/test split unless ``split_key`` is given (a run's private key, module doc). With ``data.public_fraction`` the carved public rows
     (:func:`dpclip.data.split.carve_indices`) are left out first; the indices stay
     positions in the whole data set, so members and non-members never name a public row.
     """
     examples = load_examples(config, seed)
     fraction = getattr(config, "public_fraction", None)
+    split_seed = seed if split_key is None else split_key
     if examples.users is not None:
-        return _split_by_users(examples, config, seed)
+        return replace(_split_by_users(examples, config, split_seed), split_key=split_key)
     if len(examples.parts) == 2:
         train, test = examples.parts
         train_indices, test_indices = np.arange(len(train["labels"])), np.arange(len(test["labels"]))
@@ -242,16 +247,17 @@ def load_data(config, seed: int) -> PrivateData:
         rows = np.arange(len(everything["labels"]))
         if fraction is not None:
             _, rows = carve_indices(len(rows), fraction, seed)
-        train_at, test_at = split_indices(len(rows), config.test_fraction, seed)
+        train_at, test_at = split_indices(len(rows), config.test_fraction, split_seed)
         train_indices, test_indices = rows[train_at], rows[test_at]
         train = select(everything, torch.as_tensor(train_indices))
         test = select(everything, torch.as_tensor(test_indices))
-    return data_from_parts(examples, train, test, train_indices, test_indices, source_name(config))
+    data = data_from_parts(examples, train, test, train_indices, test_indices, source_name(config))
+    return replace(data, split_key=split_key)
 
 
 def _split_by_users(examples: Examples, config, seed: int) -> PrivateData:
     """Train and test hold different people (a member is a person): test_fraction of the
-    users, drawn with the recipe's seed, and all their records go to the test set; a separate
+    users, drawn with ``seed`` (the split key, or the recipe's seed), and all their records go to the test set; a separate
     test file is taken as it is. Users are renumbered 0..U-1 in order of first appearance."""
     if getattr(config, "public_fraction", None) is not None:
         raise DpclipError("data.public_fraction with users is not built yet",

@@ -35,10 +35,13 @@ class PoissonSampler:
     ``len()`` is the total number of steps.
 
     ``groups`` = b > 1: cyclic Poisson sampling, which banded matrix factorization's accounting
-    assumes (docs/formulas.md, "Banded matrix factorization"): example i belongs to group
-    i mod b, and step t draws from group t mod b alone, each of its examples with probability
-    ``sample_rate`` (pass q·b for an expected batch of q·N). An example then takes part in at
-    most one step of any b in a row. b = 1 draws exactly the batches of plain Poisson sampling.
+    assumes (docs/formulas.md, "Cyclic groups"): each example's group is drawn once, uniformly
+    from 0..b-1, by the private generator (``group_of``, kept in the secret state), and step t
+    draws from group t mod b alone, each of its examples with probability ``sample_rate`` (pass
+    q·b for an expected batch of q·N). An example then takes part in at most one step of any b
+    in a row, and adding or removing one example leaves every other example's group as it was
+    (by index, i mod b, removing example 0 would move every later example to another group).
+    b = 1 draws exactly the batches of plain Poisson sampling.
     """
 
     purpose = "poisson-sampler"
@@ -59,12 +62,15 @@ class PoissonSampler:
         self.groups = groups
         self.step = 0
         self.generator = private_generator(seed, self.purpose)
+        # drawn before any step, so the generator's position stays a function of the step count
+        self.group_of = (torch.randint(0, groups, (num_examples,), generator=self.generator, dtype=torch.int64)
+                         if groups > 1 else None)
 
     def in_turn(self, indices: torch.Tensor) -> torch.Tensor:
         """Which of ``indices`` belong to the group whose turn the current step is (all, b = 1)."""
-        if self.groups == 1:
+        if self.group_of is None:
             return torch.ones(len(indices), dtype=torch.bool)
-        return indices % self.groups == self.step % self.groups
+        return self.group_of[indices] == self.step % self.groups
 
     def __len__(self) -> int:
         return self.steps
@@ -83,10 +89,25 @@ class PoissonSampler:
             yield included.nonzero().squeeze(1)
 
     def state_dict(self) -> dict:
-        """Step counter and generator state (tensors and ints: safe for weights_only loading)."""
-        return {"step": self.step, "generator": self.generator.get_state()}
+        """Step counter, generator state and the examples' groups (tensors and ints: safe for
+        weights_only loading; as secret as the generator)."""
+        state = {"step": self.step, "generator": self.generator.get_state()}
+        if self.group_of is not None:
+            state["group_of"] = self.group_of.clone()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        if self.group_of is not None:
+            if "group_of" not in state:
+                raise DpclipError("this checkpoint's cyclic sampling put example i in group i mod b, which does "
+                                  "not hold under adding or removing one example",
+                                  "start the run again: groups are now drawn privately (docs/formulas.md, "
+                                  "\"Cyclic groups\")")
+            group_of = torch.as_tensor(state["group_of"], dtype=torch.int64)
+            if group_of.shape != self.group_of.shape:
+                raise DpclipError(f"the checkpoint's sampler has {len(group_of)} examples, this run "
+                                  f"{len(self.group_of)}", "resume with the data the run was trained on")
+            self.group_of = group_of.clone()
         self.step = int(state["step"])
         self.generator.set_state(state["generator"])
 

@@ -23,9 +23,9 @@ class UserPoissonSampler(PoissonSampler):
     """``steps`` batches of record indices (sorted), people sampled at ``sample_rate``, at most
     ``max_per_user`` records each. ``users[i]`` is the person of record i (ids 0..U-1).
 
-    ``groups`` = G > 1: cyclic sampling of people for correlated noise (person u in group
-    u mod G, step t samples group t mod G at ``sample_rate`` = q·G), as
-    :class:`~dpclip.data.sampler.PoissonSampler` does for records.
+    ``groups`` = G > 1: cyclic sampling of people for correlated noise (each person's group
+    drawn once by the private generator, step t samples group t mod G at ``sample_rate`` = q·G),
+    as :class:`~dpclip.data.sampler.PoissonSampler` does for records.
 
     Across ranks (``rank`` of ``world_size``), each rank samples the people u with u mod W =
     rank and takes their records: a person's records are all on one rank, so their weights

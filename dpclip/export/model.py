@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from dpclip import layout
 from dpclip.data.tokenizers import ByteTokenizer, load_tokenizer
 from dpclip.errors import DpclipError
-from dpclip.files import write_json_atomic
+from dpclip.files import owner_only, write_json_atomic
 from dpclip.models.build import seeded_init
 from dpclip.models.hf import lora_config
 from dpclip.train.checkpoint import load_model_tensors, load_weights
@@ -156,6 +156,7 @@ def write_plain(checkpoint: Path, out: Path) -> None:
             tensors[name] = tensor.clone()
         seen.add(id(tensor))
     save_file(tensors, str(out / layout.MODEL_WEIGHTS), metadata={"format": "pt"})
+    owner_only(out / layout.MODEL_WEIGHTS)
 
 
 def plain_model_card(info: dict[str, Any], recipe, card: dict[str, Any]) -> dict[str, Any]:

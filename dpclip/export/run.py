@@ -14,7 +14,7 @@ from dpclip import layout
 from dpclip.errors import DpclipError
 from dpclip.export import card as cards
 from dpclip.export import model as weights
-from dpclip.files import read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
+from dpclip.files import owner_only, read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
 from dpclip.train.checkpoint import latest_checkpoint, missing_checkpoint_hint
 from dpclip.train.rundir import RunDir
 
@@ -138,12 +138,12 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | No
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.parent / f".{out_dir.name}.export-staging"
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    staging.mkdir(mode=0o700)
     try:
         kind = _write_model(info, recipe, path, staging, card)
         write_json_atomic(staging / "privacy.json", card)
         write_text_atomic(staging / layout.RECIPE, export_recipe_yaml(recipe))
-        files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
+        files = sorted(str(p.relative_to(staging)) for p in owner_only(staging).rglob("*") if p.is_file())
         replace_dir_atomic(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

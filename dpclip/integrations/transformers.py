@@ -63,6 +63,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from dpclip import layout
+from dpclip.files import owner_only
 from dpclip.accounting import Ledger
 
 from dpclip.data.sampler import PoissonSampler
@@ -236,9 +237,10 @@ class DPTrainer(Trainer):
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         os.makedirs(folder, exist_ok=True)
         rank = 0 if self.world is None else self.world.rank
+        secret = os.path.join(folder, layout.TRAINER_STATE.format(rank=rank))   # generators' states
         torch.save({"plan": self._plan_key(), "sampler": self._sampler().draws.state_dict(),
-                    "engine": self.engine.state_dict(), "steps": self.account.ledger.steps},
-                   os.path.join(folder, layout.TRAINER_STATE.format(rank=rank)))
+                    "engine": self.engine.state_dict(), "steps": self.account.ledger.steps}, secret)
+        owner_only(secret)
         self.account.save(folder)
         super()._save_checkpoint(model, trial)
 

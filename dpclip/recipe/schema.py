@@ -50,7 +50,7 @@ class BuiltinData(DataUsers):
         "synthetic-cuisine: such sentences labelled with their cuisine (7 classes); "
         "synthetic-users: such sentences written by num_users people, each with a style of their own and "
         "a varying number of records (for privacy.unit: user)")
-    test_fraction: UnitOpen = Field(0.2, description="held-out share, split with the recipe's seed")
+    test_fraction: UnitOpen = Field(0.2, description="held-out share, split with a key from OS entropy kept in meta.json (secret)")
     as_images: bool = Field(False, description="digits as 1x8x8 images (for cnn) instead of 64-vectors")
     num_examples: PositiveInt = Field(2000, description="synthetic-text/-cuisine/-users: sentences to generate")
     num_users: PositiveInt = Field(200, description="synthetic-users: people writing them")
@@ -396,8 +396,9 @@ class Recipe(Section):
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="run name; used in the run directory")
     seed: Annotated[int, Field(ge=0)] = Field(
-        0, description="seeds what is not private: the data split, the model init, dropout. Noise, batches and "
-        "the audit's canaries and planted secrets come from OS entropy (see privacy.unsafe_seeded_randomness)")
+        0, description="seeds what is not private: the model init, dropout, synthetic data. Noise, batches, the "
+        "train/test split (who is a member) and the audit's canaries and planted secrets come from OS entropy "
+        "(see privacy.unsafe_seeded_randomness)")
     output_dir: str = Field("runs", description="where run directories are created")
     data: DataConfig = Field(description="where the private training data comes from")
     model: ModelConfig = Field(description="what is trained; input and output sizes are inferred from the data")

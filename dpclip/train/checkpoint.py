@@ -33,7 +33,7 @@ from safetensors.torch import load_file, load_model, save_file
 from dpclip import layout
 from dpclip.errors import DpclipError
 from dpclip.models.build import model_info
-from dpclip.files import read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
+from dpclip.files import owner_only, read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
 
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
@@ -61,6 +61,7 @@ def save_model_weights(model: torch.nn.Module, path: Path) -> dict[str, str]:
     """``model.safetensors`` at ``path`` (tied weights once, see module doc); returns the tied names."""
     tensors, tied = model_tensors(model)
     save_file(tensors, str(path), metadata={"format": "pt", _TIED: json.dumps(tied)})
+    owner_only(path)
     return tied
 
 
@@ -135,11 +136,12 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dic
     final = root / step_dir_name(step)
     staging = root / f".{final.name}.staging"
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    staging.mkdir(mode=0o700)   # nothing in it readable by others while it is written
     tied = save_model_weights(model, staging / layout.MODEL_WEIGHTS)
     write_json_atomic(staging / layout.MODEL_INFO, _jsonable({**model_info(model), "tied": tied}))
     tree, tensors = flatten_state(state)
     save_file(tensors, str(staging / layout.STATE_TENSORS))
+    owner_only(staging / layout.STATE_TENSORS)   # the generators' states: secret
     write_json_atomic(staging / layout.STATE, tree)
     replace_dir_atomic(staging, final)
     write_text_atomic(root / layout.LATEST, final.name + "\n")

@@ -44,7 +44,7 @@ from dpclip.train.phases import continual_run
 from dpclip.train.plan import (correlated_noise_note, count_groups, engine_clipping, privacy_plan, privacy_units,
                                private_seed, strategy_workload, timing_clipping)
 from dpclip.train.ranks import check_ranks
-from dpclip.train.rundir import PLAN_FIELDS, recipe_changes
+from dpclip.train.rundir import PLAN_FIELDS, recipe_changes, stored_split_key
 from dpclip.train.step import PrivateStep, step_micro_batch_size, step_precision
 
 # Stand-in noise for timing only: the cost of a step does not depend on σ.
@@ -114,12 +114,25 @@ class RunParts:
         }
 
 
-def seeded_data(recipe: Recipe, data=None):
-    """The global RNG seeded with the recipe's seed, then the data (``data`` when given)."""
+def seeded_data(recipe: Recipe, data=None, split_key: int | None = None):
+    """The global RNG seeded with the recipe's seed, then the data (``data`` when given), split
+    with ``split_key`` (:func:`split_key`; None: the recipe's seed)."""
     # The global RNG drives only what is not private (dropout); noise and batches have their own
     # generators from OS entropy (dpclip.rng).
     torch.manual_seed(recipe.seed)
-    return load_data(recipe.data, seed=recipe.seed) if data is None else data
+    return load_data(recipe.data, seed=recipe.seed, split_key=split_key) if data is None else data
+
+
+def split_key(recipe: Recipe, world: World, run_dir: Path | None) -> int | None:
+    """The key of the run's train/test split, i.e. of who is a member (dpclip.data.dataset): the
+    run's own, from its meta.json (secret), when resuming; None (the recipe's seed draws the split)
+    with privacy.unsafe_seeded_randomness, or for a run made before runs had a key; otherwise fresh
+    OS entropy, rank 0's on every rank. The released recipe's seed then says nothing of membership."""
+    if run_dir is not None:
+        return stored_split_key(run_dir)
+    if recipe.privacy.unsafe_seeded_randomness:
+        return None
+    return world.broadcast(os_entropy.randbits(63))
 
 
 def load_model(recipe: Recipe, data=None):
@@ -220,7 +233,7 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
     # Before anything is loaded or written; a resumed run keeps its device (dpclip.train.device).
     trained_on = recorded_device(run_dir) if resuming and run_dir is not None else None
     device = resolve_device(recipe.training.device, world.size, trained_on)
-    ordinary = seeded_data(recipe, data)
+    ordinary = seeded_data(recipe, data, None if data is not None else split_key(recipe, world, run_dir))
     check_ranks(recipe, world, ordinary)  # before the model: a rank with other data stops here
     model, loss_fn = build_model(recipe.model, ordinary, seed=recipe.seed)
     model.to(device)  # built on the CPU from the seeded global RNG: the same initial weights on any device

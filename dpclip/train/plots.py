@@ -16,6 +16,7 @@ from typing import Any
 
 from dpclip import layout
 from dpclip.files import read_jsonl as read_metrics  # noqa: F401  (re-exported: report.py, tests)
+from dpclip.files import owner_only
 
 TRAINING_PLOT = layout.TRAINING_PLOT
 THRESHOLDS_PLOT = layout.THRESHOLDS_PLOT
@@ -40,7 +41,7 @@ def save_figure(figure, out_path: Path) -> None:
     tmp = out_path.with_name(out_path.name + ".tmp.png")
     figure.savefig(tmp, dpi=100, bbox_inches="tight")  # legends outside the axes are kept
     plt.close(figure)
-    tmp.replace(out_path)
+    owner_only(tmp).replace(out_path)
 
 
 # ------------------------------------------------------------------ training.png

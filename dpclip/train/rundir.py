@@ -28,7 +28,7 @@ from dpclip.accounting import Ledger, same_event, solve, statement_from_ledger
 from dpclip.accounting.plan import user_unit
 from dpclip.data.canaries import read_canary_secret
 from dpclip.errors import DpclipError
-from dpclip.files import read_json, write_json_atomic, write_text_atomic
+from dpclip.files import OWNER_ONLY, append_line, read_json, write_json_atomic, write_text_atomic
 from dpclip.recipe import Recipe, apply_overrides, read_yaml, recipe_to_yaml, validate_recipe
 from dpclip.train.plan import not_covered, privacy_plan
 
@@ -392,9 +392,7 @@ def step_record(step, report, epsilon, loss_sum, batch_len, expected_batch, lr, 
 
 
 def append_record(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a", encoding="utf-8") as stream:
-        stream.write(json.dumps(record) + "\n")
-        stream.flush()
+    append_line(path, json.dumps(record))
 
 
 def released_records(path: Path, last_step: int) -> dict[tuple[str, int], dict[str, Any]]:
@@ -402,7 +400,7 @@ def released_records(path: Path, last_step: int) -> dict[tuple[str, int], dict[s
     crash), keyed by (kind, step); the file keeps every complete line, so the replayed
     steps are not written twice. A line cut by the crash is dropped."""
     if not path.exists():
-        path.touch()
+        path.touch(mode=OWNER_ONLY)
         return {}
     kept, later = [], {}
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -428,6 +426,17 @@ def public_plan_record(meta: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
+def stored_split_key(run_dir: Path) -> int | None:
+    """The key a run's train/test split was drawn with (meta.json, secret); None for a run whose
+    split the recipe's seed drew (seeded randomness, or made before runs had a key)."""
+    path = Path(run_dir) / layout.META
+    if not path.exists():
+        raise DpclipError(f"{run_dir} has no meta.json, so its members cannot be rebuilt",
+                          "pass the folder that `dpclip train` created under runs/")
+    key = json.loads(path.read_text(encoding="utf-8")).get("split_key")
+    return None if key is None else int(key)
+
+
 def meta_record(recipe: Recipe, data, info: dict[str, Any]) -> dict[str, Any]:
     return {
         "dpclip": __version__,
@@ -439,6 +448,8 @@ def meta_record(recipe: Recipe, data, info: dict[str, Any]) -> dict[str, Any]:
         "data": {**data.describe(), "content_fingerprint": data_fingerprint(data)},
         "members": [int(i) for i in data.train_indices],
         "non_members": [int(i) for i in data.test_indices],
+        # what drew the members (dpclip.train.parts.split_key): as secret as they are
+        "split_key": getattr(data, "split_key", None),
         "plan": {k: v for k, v in info.items() if k != "groups"},
         "groups": info["groups"],
         "created": datetime.now().isoformat(timespec="seconds"),

@@ -21,6 +21,7 @@ from typing import Any
 
 from dpclip import layout
 from dpclip.errors import DpclipError
+from dpclip.files import owner_only
 
 TENSORBOARD_DIR = layout.TENSORBOARD
 NOT_COVERED_PREFIX = "not_covered_by_epsilon/"
@@ -97,7 +98,9 @@ class TensorBoardLog:
         self.path = Path(run_dir) / TENSORBOARD_DIR
         self.group_names = list(group_names)
         self.epsilon_tag = epsilon_tag
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.writer = SummaryWriter(log_dir=str(self.path))
+        owner_only(self.path)   # the event file it just created (docs/accounting.md, "Threat model")
 
     def write(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
@@ -132,3 +135,4 @@ def write_headline_epsilon(run_dir: Path, epsilon: float, step: int) -> None:
     writer = SummaryWriter(log_dir=str(path))
     writer.add_scalar(EPSILON_TAG, float(epsilon), global_step=int(step))
     writer.close()
+    owner_only(path)

@@ -140,9 +140,11 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
         raise DpclipError("--run cannot record a Poisson number of trials in the search ledger yet",
                           "use tuning.trials: truncated-negative-binomial (the default; tuning.trials_shape=1 is "
                           "geometric)")
-    # One split for every trial: the recipe's seed decides it, even where a trial's own
-    # seed differs (unsafe seeded mode), so all trials are scored on the same held-out split.
-    data = load_data(recipe.data, seed=recipe.seed)
+    # One split for every trial, so all are scored on the same held-out split: drawn with a key
+    # from OS entropy (each trial's meta.json keeps it, secret), the recipe's seed only in unsafe
+    # seeded mode, so that the released recipe says nothing of who is a member.
+    key = None if recipe.privacy.unsafe_seeded_randomness else secrets.randbits(63)
+    data = load_data(recipe.data, seed=recipe.seed, split_key=key)
     if privacy.score_noise is not None and data.task != "classification":
         raise DpclipError("a private selection score needs held-out accuracy (a classification task)",
                           "set tuning.score: public if the held-out split is public data")

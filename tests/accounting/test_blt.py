@@ -85,7 +85,7 @@ def test_the_statement_says_no_amplification_and_the_sensitivity():
     line = next(line for line in lines if line.startswith("mechanism: BLT"))
     assert "2 buffers" in line and "no amplification by sampling" in line and "20 steps apart" in line
     assert f"sensitivity {math.sqrt(17.5):.4f}"[:16] in line
-    assert any("every other example keeping its group" in line for line in lines)
+    assert any("the cyclic groups drawn privately, independently for each" in line for line in lines)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -126,8 +126,10 @@ def test_cyclic_sampling_draws_each_step_from_its_group_alone_and_separates_part
     bands, n, steps, rate = 4, 400, 40, 0.3
     last_seen: dict[int, int] = {}
     counts = torch.zeros(n)
-    for t, batch in enumerate(PoissonSampler(n, rate, steps, seed=1, groups=bands)):
-        assert bool((batch % bands == t % bands).all())   # only the group whose turn it is
+    sampler = PoissonSampler(n, rate, steps, seed=1, groups=bands)
+    group_of = sampler.group_of.clone()
+    for t, batch in enumerate(sampler):
+        assert bool((group_of[batch] == t % bands).all())   # only the group whose turn it is
         for i in batch.tolist():
             assert t - last_seen.get(i, -bands) >= bands       # b-min-separation
             last_seen[i] = t
@@ -150,3 +152,39 @@ def test_more_groups_than_examples_is_refused_with_a_hint():
     with pytest.raises(DpclipError, match="cannot be cut into 11 groups") as caught:
         PoissonSampler(10, 0.5, 5, groups=11)
     assert caught.value.hint
+
+
+def test_cyclic_groups_are_drawn_privately_and_uniformly():
+    """Each example's group is its own private draw (not i mod b): two unseeded samplers disagree,
+    and over 4000 examples each of 4 groups holds about a quarter (Binomial(4000, 1/4): std 27)."""
+    a, b = PoissonSampler(4000, 0.1, 8, groups=4), PoissonSampler(4000, 0.1, 8, groups=4)
+    assert not torch.equal(a.group_of, b.group_of)
+    assert not torch.equal(a.group_of, torch.arange(4000) % 4)
+    sizes = torch.bincount(a.group_of, minlength=4)
+    assert bool(((sizes - 1000).abs() < 5 * math.sqrt(4000 * 0.25 * 0.75)).all()), sizes
+
+
+def test_a_resumed_cyclic_sampler_keeps_its_groups_and_batches():
+    whole = PoissonSampler(300, 0.2, 12, groups=3)
+    first = PoissonSampler(300, 0.2, 12, groups=3)
+    first.load_state_dict(whole.state_dict())
+    expected = [b.clone() for b in whole]
+    got = []
+    for t, batch in enumerate(first):
+        got.append(batch.clone())
+        if t == 4:
+            break
+    resumed = PoissonSampler(300, 0.2, 12, groups=3)
+    resumed.load_state_dict(first.state_dict())
+    got += [b.clone() for b in resumed]
+    assert torch.equal(resumed.group_of, whole.group_of)
+    assert len(got) == len(expected) and all(torch.equal(x, y) for x, y in zip(got, expected))
+
+
+def test_a_checkpoint_with_index_assigned_groups_is_refused_with_a_hint():
+    sampler = PoissonSampler(50, 0.2, 10, groups=2)
+    state = sampler.state_dict()
+    del state["group_of"]
+    with pytest.raises(DpclipError, match="group i mod b") as caught:
+        PoissonSampler(50, 0.2, 10, groups=2).load_state_dict(state)
+    assert "start the run again" in caught.value.hint

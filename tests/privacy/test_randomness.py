@@ -100,6 +100,32 @@ def test_batches_cannot_be_predicted_from_the_recipe_unless_opted_in(tiny_recipe
     assert (released in predicted) == opt_in
 
 
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_members_cannot_be_recomputed_from_the_released_recipe_unless_opted_in(tiny_recipe, opt_in):
+    """The attacker re-splits the data with the released recipe's seed (the split every workflow used
+    to draw from it) and compares with the members meta.json (secret) lists."""
+    import numpy as np
+    import yaml
+
+    from dpclip.data.split import split_indices
+
+    extra = ["privacy.unsafe_seeded_randomness=true"] if opt_in else []
+    recipe = tiny_recipe("training.steps=1", "checkpoint.every_steps=null", *extra)
+    run_dir = train(recipe).run_dir
+    released = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    meta = json.loads((run_dir / "meta.json").read_text())
+    members = np.asarray(meta["members"])
+    total = len(members) + len(meta["non_members"])
+    guess, _ = split_indices(total, released["data"]["test_fraction"], released["seed"])
+    # 1438 of 1797 digits: a random split matching the seeded one exactly has probability ~0
+    assert np.array_equal(guess, members) == opt_in
+    # and the run's own audit rebuilds its members from the stored key either way
+    from dpclip.audit.report import build_pool
+    from dpclip.recipe import load_recipe
+    pool = build_pool(run_dir, load_recipe(run_dir / "recipe.yaml"))
+    assert int(pool.is_member.sum()) == len(members)
+
+
 def test_two_default_runs_of_one_recipe_draw_different_noise_and_the_opt_in_the_same(tiny_recipe):
     def gradient(*overrides):
         recipe, run_dir = _one_step_run(tiny_recipe, *overrides)

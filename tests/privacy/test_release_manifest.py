@@ -46,6 +46,20 @@ def full_run(tiny_recipe, cli, tmp_path):
     return run_dir, out
 
 
+def test_no_file_of_a_run_its_audit_or_its_export_is_readable_by_others(full_run):
+    """One rule for every file, whatever the manifest classes it as: owner only (0600). Before,
+    metrics.jsonl, training.png and audit/roc.png (not covered by ε), the checkpoints' generator
+    states and the tensorboard events were 0644."""
+    import stat
+
+    run_dir, out = full_run
+    for root in (run_dir, out):
+        opened = [f"{p.relative_to(root)} {stat.filemode(p.stat().st_mode)}" for p in root.rglob("*")
+                  if p.is_file() and p.stat().st_mode & 0o077]
+        assert opened == [], opened
+    assert not run_dir.stat().st_mode & 0o077
+
+
 def test_every_file_of_a_run_with_every_output_report_audit_and_export_is_in_the_manifest(full_run):
     run_dir, out = full_run
     files = _files(run_dir)

@@ -146,8 +146,8 @@ def test_a_user_level_audit_attacks_people_with_loss_and_lira(user_recipe):
 @pytest.mark.slow
 @pytest.mark.parametrize("mechanism, groups", [("{kind: banded-mf, bands: 3}", 3), ("{kind: blt, buffers: 2}", None)])
 def test_correlated_noise_samples_people_in_turn(user_recipe, mechanism, groups):
-    """Banded MF and BLT over people: person u is in group u mod G and only ever in steps
-    t ≡ u (mod G); the ledger charges ⌈T/G⌉ participations."""
+    """Banded MF and BLT over people: each person's group is drawn privately, and a person is only
+    ever in the steps of their group's turn; the ledger charges ⌈T/G⌉ participations."""
     from dpclip.data.user_sampler import UserPoissonSampler
     from dpclip.train.parts import assemble
 
@@ -158,13 +158,15 @@ def test_correlated_noise_samples_people_in_turn(user_recipe, mechanism, groups)
     assert isinstance(sampler, UserPoissonSampler)
     groups = groups or parts.plan.groups
     assert sampler.groups == groups > 1
+    group_of = sampler.group_of.clone()
+    assert len(set(group_of.tolist())) > 1
     for step, batch in enumerate(sampler):
-        assert bool((users[batch] % groups == step % groups).all())
+        assert bool((group_of[users[batch]] == step % groups).all())
     result = train(recipe)
     ledger, statement = spent(result.run_dir)
     charged = sum(e.count for e in ledger.entries if not isinstance(e.event, dp_accounting.NoOpDpEvent))
     assert charged == -(-12 // groups)
-    assert any("person u in group u mod" in line for line in statement.lines())
+    assert any("each person's group drawn privately" in line for line in statement.lines())
 
 
 @pytest.mark.slow
