@@ -99,3 +99,19 @@ def test_the_default_run_leaves_out_slow_tests_unless_selected(markexpr, args, k
     pytest_collection_modifyitems(config, items)
     assert [i.nodeid for i in items] == kept
     assert [i.nodeid for i in config.deselected] == [n for n in ("t.py::slow", "t.py::slow_case[a]") if n not in kept]
+
+
+def test_readme_example_commands_say_what_to_substitute_instead_of_real_looking_run_paths():
+    for block in readme_commands():
+        assert not re.search(r"runs/[\w.-]+-\d{8}-\d{6}", block), block
+    assert "`RUN_NAME` stands for" in (REPO / "README.md").read_text()
+
+
+def test_readme_opening_is_short_sentences():
+    """The install-and-test part a newcomer reads first: no sentence over 40 words."""
+    text = (REPO / "README.md").read_text().split("## What works today")[0]
+    prose = re.sub(r"```.*?```", "\n\n", text, flags=re.S)
+    items = re.split(r"\n\s*-\s+|\n\s*\n", prose)            # paragraphs and bullets
+    sentences = [s for item in items for s in re.split(r"(?<=[.;])\s+", " ".join(item.split())) if s]
+    long = [s for s in sentences if len(s.split()) > 40]
+    assert len(sentences) > 10 and long == [], long

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         # Outside standalone mode Typer returns an Exit's code instead of raising it, and it
         # turns Ctrl-C into Exit(130): without this, an interrupted command exited 0, silently.
         if code == 130:
-            print_error("interrupted")
+            print_error("interrupted", INTERRUPTED_HINT)
             return 130
         return code if isinstance(code, int) and not isinstance(code, bool) else 0
     except DpclipError as exc:
@@ -84,18 +85,41 @@ def main(argv: list[str] | None = None) -> int:
             print_error(exc.message, exc.hint)
         return exc.exit_code
     except KeyboardInterrupt:
-        print_error("interrupted")
+        print_error("interrupted", INTERRUPTED_HINT)
         return 130
     except Exception as exc:
         code = _click_exit_code(exc)
         if code is not None:
             return code
+        unwritable = _file_system_error(exc)
+        if unwritable is not None:
+            if _debug["on"]:
+                traceback.print_exc()
+            print_error(*unwritable)
+            return 2
         if _debug["on"]:
             traceback.print_exc()
             return 1
         print_error(f"unexpected {type(exc).__name__}: {exc}",
                     "rerun with --debug for a traceback, and please report it")
         return 1
+
+
+INTERRUPTED_HINT = ("nothing was left half written: run the command again (a training run that had started "
+                    "resumes with `dpclip train --resume RUN_DIR`)")
+
+
+def _file_system_error(exc: Exception) -> tuple[str, str] | None:
+    """(error, hint) for a folder the command may not write (read-only, permission, full disk)."""
+    if not isinstance(exc, OSError) or exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC,
+                                                          errno.EDQUOT):
+        return None
+    where = exc.filename or "a file"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left to write {where}", "free some space (old checkpoints: checkpoint.keep), then run it again"
+    return (f"cannot write {where}: {exc.strerror or 'permission denied'}",
+            "make the folder writable (chmod u+w), or write elsewhere: output_dir=... for train, --out for "
+            "export; a run directory that cannot be written cannot be resumed or audited in place")
 
 
 def _click_exit_code(exc: Exception) -> int | None:

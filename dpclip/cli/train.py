@@ -213,11 +213,12 @@ def train(
     from dpclip.threads import configure
     from dpclip.train.workflow import train as run_training
 
-    if nproc is not None and nproc != 1 and not launched() and not dry_run:
-        # The ranks run this same command, without --nproc, under torch.distributed's launcher.
+    if nproc is not None and nproc != 1 and not launched():
+        # The ranks run this same command, without --nproc, under torch.distributed's launcher (a dry
+        # run too: its plan and statement are the N processes', and a sharded model needs them).
         args = ["train", *([recipe] if recipe is not None else []), *(overrides or []),
                 *(["--resume", str(resume)] if resume is not None else []), *(["--json"] if as_json else []),
-                *(["--threads", str(threads)] if threads is not None else [])]
+                *(["--threads", str(threads)] if threads is not None else []), *(["--dry-run"] if dry_run else [])]
         launch(args, nproc, master_port=master_port, debug=bool(os.environ.get("DPCLIP_DEBUG")))
         return
     if threads is None and resume is not None:

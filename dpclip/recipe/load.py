@@ -27,13 +27,21 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         hint = "check the path"
+        other = next((p for p in (path.with_suffix(".yaml"), path.with_suffix(".yml"))
+                      if path.suffix in (".yaml", ".yml", "") and p != path and p.is_file()), None)
+        if other is not None:   # quickstart.yml for quickstart.yaml
+            raise RecipeError(f"recipe file not found: {path}", f"did you mean {other}?")
         if path.stem in shipped_names():
             copy = f"`dpclip recipes copy {path.stem} .`, then use {path.stem}.yaml"
-            if path.parent.name == "recipes":   # recipes/NAME.yaml outside the repository's root
+            if path.parent.name == "recipes" and not path.parent.is_dir():   # recipes/NAME.yaml outside the root
                 hint = (f"'{path.stem}' is a shipped recipe, but this folder has no recipes/ folder of the "
                         f"repository: run from its root, or {copy}")
             else:
                 hint = f"'{path.stem}' is a shipped recipe: use recipes/{path.stem}.yaml or {copy}"
+        elif path.suffix not in (".yaml", ".yml"):   # a run directory's name, mistyped or gone
+            raise RecipeError(f"no run directory or recipe file at {path}",
+                              "a run directory is a folder `dpclip train` created (under the recipe's output_dir, "
+                              "runs/ by default: list it); a recipe is a .yaml file (`dpclip recipes list`)")
         else:
             hint += "; `dpclip recipes list` shows the shipped recipes"
         raise RecipeError(f"recipe file not found: {path}", hint)
@@ -94,16 +102,28 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
+def validate_recipe(data: dict[str, Any], source: str = "recipe", overrides: list[str] = ()) -> Recipe:
+    """The validated recipe; an error names where each problem came from: ``source`` (the file), or
+    the ``key=value`` override that set the field."""
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
-        lines = [explain_error(err, data) for err in exc.errors()]
+        lines = [f"{_origin(err, data, source, overrides)}: {explain_error(err, data)}" for err in exc.errors()]
         first, rest = lines[0], lines[1:]
-        message = f"{source}: {first}"
+        message = first
         if rest:
             message += "\n" + "\n".join(f"  also: {line}" for line in rest)
         raise RecipeError(message, "see docs/recipes.md for every field, its type and default") from None
+
+
+def _origin(err: dict[str, Any], data: dict[str, Any], source: str, overrides: list[str]) -> str:
+    """The override whose key is the error's field or a section above it (the last such), else ``source``."""
+    where = [str(part) for part in _clean_location(err["loc"], data)]
+    for text in reversed(list(overrides)):
+        key = text.partition("=")[0].strip().split(".")
+        if where[:len(key)] == key or key[:len(where)] == where and where:
+            return f"override {text!r}"
+    return source
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
@@ -114,7 +134,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     typed). The validated recipe therefore holds absolute paths, and so does the
     ``recipe.yaml`` a run saves, so its run directory works from any directory.
     """
-    return validate_recipe(read_recipe_data(path, overrides), source=str(path))
+    return validate_recipe(read_recipe_data(path, overrides), source=str(path), overrides=overrides or [])
 
 
 def read_recipe_data(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, load_model, save_file
 from dpclip import layout
 from dpclip.errors import DpclipError
 from dpclip.models.build import model_info
+from dpclip.train.interrupt import shielded
 from dpclip.files import owner_only, read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
 
 _TENSOR = "__tensor__"
@@ -130,12 +131,21 @@ step_dir_name = layout.step_dir_name  # checkpoints/step_000500
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dict[str, Any], keep: int) -> Path:
-    """Write checkpoint ``step`` atomically, point LATEST at it, keep the newest ``keep``."""
+    """Write checkpoint ``step`` atomically, point LATEST at it, keep the newest ``keep``.
+
+    Signals wait until it is written (:func:`~dpclip.train.interrupt.shielded`); a staging folder
+    that an earlier process left behind (killed mid-write) is removed."""
+    with shielded():
+        return _save_checkpoint(run_dir, step, model, state, keep)
+
+
+def _save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dict[str, Any], keep: int) -> Path:
     root = layout.checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
     staging = root / f".{final.name}.staging"
-    shutil.rmtree(staging, ignore_errors=True)
+    for stale in root.glob(".step_*.staging"):
+        shutil.rmtree(stale, ignore_errors=True)
     staging.mkdir(mode=0o700)   # nothing in it readable by others while it is written
     tied = save_model_weights(model, staging / layout.MODEL_WEIGHTS)
     write_json_atomic(staging / layout.MODEL_INFO, _jsonable({**model_info(model), "tied": tied}))

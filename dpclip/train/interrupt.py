@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 
 class DeferredInterrupt:
@@ -39,3 +40,25 @@ class DeferredInterrupt:
         self._previous = {}
         return False
 
+
+
+@contextmanager
+def shielded() -> Iterator[None]:
+    """Ctrl-C and SIGTERM held back while a checkpoint is written, so that no signal leaves half a
+    checkpoint (a staging folder, LATEST still at an older step); a signal that came meanwhile is
+    delivered once the write is done, to whatever handler was in place (the loop's
+    :class:`DeferredInterrupt`, or the default: KeyboardInterrupt). Outside the main thread signal
+    handlers cannot be set, and nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: caught.append(signum))
+                for signum in DeferredInterrupt.SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        for signum in caught:
+            signal.raise_signal(signum)

@@ -18,9 +18,10 @@ from typing import Any
 
 from dpclip.accounting import Ledger
 from dpclip.distributed import World
-from dpclip.errors import DpclipError
+from dpclip.errors import DpclipError, InterruptedRun
 from dpclip.files import write_json_atomic
 from dpclip.recipe import Recipe
+from dpclip.train.checkpoint import latest_checkpoint
 from dpclip.train.output import RunOutput
 from dpclip.train.parts import RunParts, assemble
 from dpclip.train.plots import plot_run
@@ -76,10 +77,23 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
                                               and search_of_run(Path(output.run_dir)) is not None)
     output.observer.on_start({**info, **parts.info(resume_changes), "run_dir": str(output.run_dir),
                               "start_step": state.step, "dry_run": False})  # info again: the resumed phase
-    stopped = run_loop(parts, state, checkpointer, output)
-    final_eval = run_eval(parts, state, output) if stopped != "interrupted" else {}
-    checkpointer.save()
+    try:
+        stopped = run_loop(parts, state, checkpointer, output)
+        final_eval = run_eval(parts, state, output) if stopped != "interrupted" else {}
+        checkpointer.save()
+    except KeyboardInterrupt:   # a second Ctrl-C: stopped at once, maybe mid-step
+        raise stopped_at_once(output.run_dir, world) from None
     return _finish(parts, state, output, stopped, final_eval, resume_changes)
+
+
+def stopped_at_once(run_dir: Path, world: World) -> InterruptedRun:
+    """The error of a run stopped by a second Ctrl-C: where it can go on from."""
+    checkpoint = latest_checkpoint(Path(run_dir))
+    where = "its last checkpoint" if checkpoint is None else f"its last checkpoint ({checkpoint.name})"
+    nproc = f" --nproc {world.size}" if world.size > 1 else ""
+    return InterruptedRun("interrupted twice: stopped at once, without a checkpoint of this step",
+                          f"continue from {where}, the steps after it redone with the releases they made: "
+                          f"dpclip train --resume {run_dir}{nproc}")
 
 
 def resolve_recipe(recipe: Recipe | None, resume: Path | None) -> tuple[Recipe, dict[str, list[Any]]]:

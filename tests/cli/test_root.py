@@ -70,6 +70,7 @@ def test_ctrl_c_outside_the_training_loop_exits_130_and_says_interrupted(cli, mo
     result = cli(*args)
     # a script's `dpclip ... && next-step` must not go on after a Ctrl-C
     assert result.code == 130 and "error: interrupted" in result.err
+    assert "hint: nothing was left half written" in result.err and "--resume" in result.err
 
 
 def test_user_error_with_debug_shows_the_traceback_too(cli, tmp_path):

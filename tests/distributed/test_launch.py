@@ -152,3 +152,20 @@ def test_ctrl_c_to_the_launcher_stops_every_rank_cleanly_and_resume_completes(tm
     assert sum(entry["count"] for entry in ledger["entries"]) == 40
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval" not in r] == list(range(1, 41))  # each step written once
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel, line", [("data", "distribution:"), ("fsdp", "distribution:")])
+def test_a_dry_run_with_nproc_plans_the_processes_it_names(tmp_path, parallel, line):
+    """`--dry-run --nproc 2` runs the two ranks' dry runs: an FSDP recipe is not refused as "one
+    process", and the statement has the distribution line of two processes."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "dpclip", "train", str(REPO / "recipes" / "quickstart.yaml"),
+                           f"training.parallel={parallel}", f"output_dir={tmp_path / 'runs'}", "--dry-run",
+                           "--nproc", "2", "--threads", "1", "--json"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    statement = json.loads(done.stdout)["statement"]
+    assert any(s.startswith(line) and "2" in s for s in statement), statement
+    assert not (tmp_path / "runs").exists()   # a dry run writes nothing
