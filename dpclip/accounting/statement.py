@@ -157,7 +157,7 @@ class PrivacyStatement:
             out.append(f"RDP ε alongside: {_fmt(self.epsilon_rdp)}")
         sampling = "Poisson" if self.sampling == "poisson" else "fixed-size shuffled batches"
         out.append(f"sampling: {sampling}, sample rate q = {_fmt(self.sample_rate, 6)}")
-        distribution = distribution_line(self.world_size, self.sampling, self.parallel)
+        distribution = self.distribution()
         if distribution is not None:
             out.append(f"distribution: {distribution}")
         out.append(f"steps: {self.steps}")
@@ -196,6 +196,40 @@ class PrivacyStatement:
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
+
+    @property
+    def _member(self) -> str:
+        return "person" if self.unit.startswith("user-level") else "example"
+
+    def mechanism(self) -> dict[str, Any]:
+        """The noise mechanism and whether its accounting claims amplification by sampling, one key
+        each: the facts of the ``mechanism:`` line (privacy.json's ``mechanism``)."""
+        if self.buffers:
+            return {"kind": "blt", "buffers": self.buffers, "groups": self.groups, "sensitivity": self.sensitivity,
+                    "amplification_by_sampling": False}
+        if self.bands > 1:
+            return {"kind": "banded-mf", "bands": self.bands, "amplification_by_sampling": True}
+        return {"kind": "dp-sgd", "amplification_by_sampling": True}
+
+    def sampling_assumption(self) -> str:
+        """How the batches were drawn, as the accounting assumes it (privacy.json)."""
+        member = self._member
+        if self.buffers:
+            return (f"cyclic sampling: each {member}'s group drawn privately from {self.groups}; step t takes each "
+                    f"{member} of group t mod {self.groups} with probability min(1, q·{self.groups}); no "
+                    "amplification by sampling is claimed (one Gaussian mechanism over the whole run)")
+        if self.bands > 1:
+            return (f"cyclic Poisson sampling: each {member}'s group drawn privately from {self.bands}; step t "
+                    f"includes each {member} of group t mod {self.bands} independently with probability q·{self.bands}")
+        if self.sampling == "poisson":
+            return (f"Poisson subsampling: each {member} joins each batch independently with probability q"
+                    + (" (at most k of the person's records)" if member == "person" else ""))
+        return ("fixed-size shuffled batches, accounted as if Poisson-subsampled (see the caveat): the "
+                "guarantee assumes Poisson sampling")
+
+    def distribution(self) -> str | None:
+        """The ``distribution:`` line's text (None: one process)."""
+        return distribution_line(self.world_size, self.sampling, self.parallel)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict (an infinite ε is written as null)."""

@@ -238,8 +238,8 @@ def _account_directory(target: Path, as_json: bool, group_size: int | None = Non
     group = None if group_size is None else _group(statement.epsilon, statement.delta, group_size, unit)
     if selected_by is None:
         if as_json:
-            print_json({"source": str(target), "ledger": ledger.to_dict(), "statement": statement.to_dict()}
-                       | ({"group": group} if group else {}))
+            print_json({"source": str(target), "ledger": ledger.to_dict(), "statement": statement.to_dict(),
+                        "lines": statement.lines()} | ({"group": group} if group else {}))
         else:
             console.print(f"[bold]run {target}[/]: {ledger.steps} steps recorded")
             for line in statement.lines():
@@ -249,7 +249,8 @@ def _account_directory(target: Path, as_json: bool, group_size: int | None = Non
         return
     if as_json:
         print_json({"source": str(target), "kind": "selected run", "ledger": found.ledger.to_dict(),
-                    "statement": found.statement.to_dict(), "selected_by_search": selected_by,
+                    "statement": found.statement.to_dict(), "lines": found.statement.lines(),
+                    "selected_by_search": selected_by,
                     "run_ledger": ledger.to_dict(), "run_statement": statement.to_dict()})
         return
     console.print(f"[bold]run {target}[/]: selected by the search {found.search_dir}; publishing it costs the "

@@ -31,7 +31,8 @@ def released_statement(run_dir: Path) -> tuple[Any, dict[str, Any] | None]:
 
 def privacy_card(statement, *, recipe_name: str, checkpoint: str, checkpoint_step: int,
                  label_names: list[str] | None, search: dict[str, Any] | None) -> dict[str, Any]:
-    """``privacy.json``: the statement's facts, one key each, and its lines."""
+    """``privacy.json``: the statement's facts, one key each, and its lines: every field from the one
+    statement object the printed statement comes from (the same as ``dpclip account RUN_DIR``)."""
     facts = statement.to_dict()
     card = {
         "format": "dpclip-privacy/1",
@@ -46,7 +47,10 @@ def privacy_card(statement, *, recipe_name: str, checkpoint: str, checkpoint_ste
         "accountant": facts["accountant"],
         "conversion": facts["conversion"],
         "sampling": facts["sampling"],
-        "sampling_assumption": _sampling_assumption(facts["sampling"]),
+        "sampling_assumption": statement.sampling_assumption(),
+        "mechanism": statement.mechanism(),
+        "processes": facts["world_size"],
+        "distribution": statement.distribution(),
         "sample_rate": facts["sample_rate"],
         "steps": facts["steps"],
         "noise_multiplier": facts["noise_multiplier"],
@@ -62,13 +66,6 @@ def privacy_card(statement, *, recipe_name: str, checkpoint: str, checkpoint_ste
     if search is not None:
         card["selected_by_search"] = search
     return card
-
-
-def _sampling_assumption(sampling: str) -> str:
-    if sampling == "poisson":
-        return "Poisson subsampling: each example joins each batch independently with probability q"
-    return ("fixed-size shuffled batches, accounted as if Poisson-subsampled (see the caveat): the "
-            "guarantee assumes Poisson sampling")
 
 
 def readme(card: dict[str, Any], *, kind: str, how_to_load: str, base_note: str | None = None) -> str:

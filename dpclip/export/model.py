@@ -171,6 +171,7 @@ def plain_model_card(info: dict[str, Any], recipe, card: dict[str, Any]) -> dict
         "weights": layout.MODEL_WEIGHTS,
         "rebuild": "build the module from 'model' (dpclip's recipe model section; sizes from input_shape and "
                    "num_classes), then module.load_state_dict(safetensors.torch.load_file('model.safetensors'))",
-        "privacy": {k: card[k] for k in ("epsilon", "delta", "unit_of_privacy", "accountant", "steps",
-                                         "noise_multiplier", "not_covered_by_epsilon")},
+        "privacy": {k: card[k] for k in ("epsilon", "delta", "unit_of_privacy", "neighbouring", "accountant",
+                                         "mechanism", "sampling_assumption", "steps", "noise_multiplier",
+                                         "not_covered_by_epsilon")},
     }

@@ -108,9 +108,11 @@ FIELDS: tuple[Fields, ...] = (
                      "delta", "epsilon", "neighbouring", "noise_multiplier", "gradient_noise_multiplier",
                      "not_covered_by_epsilon", "recipe",
                      "sample_rate", "sampling", "sampling_assumption", "seeded_randomness", "statement", "steps",
-                     "unit_of_privacy", "warning", "caveats", "search/*")),
+                     "unit_of_privacy", "warning", "caveats", "search/*", "mechanism/*", "processes",
+                     "distribution")),
     Fields(EXPORT, "model_card.json",
            released=("format", "input_shape", "model/**", "num_classes", "privacy/*", "privacy/search/*",
+                     "privacy/mechanism/*",
                      "rebuild", "task", "weights", "vocab_size"),
            labelled=("label_names",)),
 )
