@@ -28,7 +28,6 @@ another order than the module) is checked on a dry micro-batch in eval mode inst
 
 from __future__ import annotations
 
-import math
 import secrets
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -38,10 +37,11 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine.batch_axis.layout import tensor_leaves
+from dpclip.engine.certificate.batch import batch_gradients, independent_in_batch
 from dpclip.engine.certificate.draws import DrawsNotCut, Recorder, Substitute
-from dpclip.engine.certificate.replay import (Buffers, Cotangents, Forward, Replayer, batch_axis, buffers_kept,
-                                              close, module_stack, release, replaying, rng_state, same_rng,
-                                              select, vjp, vjp_rows)
+from dpclip.engine.certificate.replay import (Buffers, Cotangents, Forward, NotReproducible, Replayer, batch_axis,
+                                              buffers_kept, close, module_stack, release, replaying, rng_state,
+                                              same_rng, select, vjp)
 from dpclip.engine.certificate.verdict import MIXING_HINT, NOT_COVERED, compare, mixing_error
 from dpclip.engine.precision import autocast_snapshot
 from dpclip.errors import EngineError
@@ -67,11 +67,6 @@ class CertificateRecord:
     rows: int
     mode: str          # alone: each checked sample replayed alone; batch: the batch replayed; eval: dry, in eval mode
     unchecked_rows: int = 0   # checked rows with a group the engine recomputed in float64 (left out)
-
-
-class NotReproducible(Exception):
-    """The model's own forward, replayed on the batch from the same RNG state, does not give the
-    book-kept forward's outputs: the engine checks a dry micro-batch in eval mode instead."""
 
 
 def shape_family(args: tuple, kwargs: dict, batch: int) -> tuple:
@@ -218,8 +213,8 @@ class Certificate:
                 except NotReproducible:
                     cut, buffers.written = False, None
             if own is None and random:
-                own = self._batch_gradients(forwards, rows, cots, rtol)
-                self._independent_in_batch(forwards, rows, cots, own, rtol, buffers)
+                own = batch_gradients(self, forwards, rows, cots, rtol)
+                independent_in_batch(self, forwards, rows, cots, own, rtol, buffers)
             elif own is None:
                 own = self._alone_gradients(forwards, rows, cots, rtol, buffers)
         batch_mode = random and not cut
@@ -257,7 +252,7 @@ class Certificate:
             with replaying(self.model, self.plain, self._devices), buffers_kept(self.model) as buffers:
                 # the outputs are not compared again: float32's own rounding of them is what this measures
                 if batch_mode:
-                    got = self._batch_gradients(forwards, [r], cots, RTOL[torch.float32], outputs=False)[r]
+                    got = batch_gradients(self, forwards, [r], cots, RTOL[torch.float32], outputs=False)[r]
                 else:
                     got = self._alone_gradients(forwards, [r], cots, RTOL[torch.float32], buffers, outputs=False,
                                                 cut=any(f.random for f in forwards))[r]
@@ -371,42 +366,6 @@ class Certificate:
                           f"({type(last).__name__}: {last})" + NOT_COVERED,
                           "the model's inputs must hold the batch in dim 0 of each input tensor "
                           "(docs/engine.md, \"The batch axis\")") from last
-
-    # ------------------------------------------------------------ batch (a random forward)
-
-    def _batch_gradients(self, forwards, rows, cots, rtol, outputs: bool = True) -> dict[int, list[Tensor]]:
-        """Each checked row's gradient from one replay of the whole batch (the same random draws)."""
-        own: dict[int, list[Tensor] | None] = {r: None for r in rows}
-        for j, f in enumerate(forwards):
-            leaves = self.replayer.leaves()
-            outs = [o for o in self.replayer.run(f, (f.args, f.kwargs), leaves) if o.requires_grad]
-            if len(outs) != len(f.outputs) or outputs and not all(close(a, b, rtol) for a, b in zip(f.outputs, outs)):
-                raise NotReproducible()
-            for r, g in vjp_rows(outs, {r: cots[r][j] for r in rows}, leaves).items():
-                own[r] = g if own[r] is None else [a + b for a, b in zip(own[r], g)]
-        return own
-
-    def _independent_in_batch(self, forwards, rows, cots, own, rtol, buffers: Buffers) -> None:
-        """The batch replayed with the last checked row replaced by the first: the other checked
-        rows' gradients must not move, nor may the buffers differ."""
-        if len(rows) < 2:
-            return
-        self._refuse_buffer(buffers.after("the batch"))
-        j, source = rows[-1], rows[0]
-        moved = {r: None for r in rows[:-1]}
-        for i, f in enumerate(forwards):
-            leaves = self.replayer.leaves()
-            outs = [o for o in self.replayer.run(f, select(f.args, f.kwargs, f.batch, None, False, (j, source)),
-                                                 leaves) if o.requires_grad][:len(f.outputs)]
-            for r, g in vjp_rows(outs, {r: cots[r][i] for r in moved}, leaves).items():
-                moved[r] = g if moved[r] is None else [a + b for a, b in zip(moved[r], g)]
-        self._refuse_buffer(buffers.after(f"the batch with sample {j} replaced"))
-        for r, g in moved.items():
-            scale = math.sqrt(sum(float(x.double().square().sum()) for x in own[r]))
-            err = math.sqrt(sum(float((a - b).double().square().sum()) for a, b in zip(g, own[r])))
-            if err > rtol * max(scale, 1e-30):
-                raise mixing_error(self.model, self.replayer, forwards[0], r, f"changes sample {r}'s gradient "
-                                   f"when sample {j} is replaced", rtol, replace=(j, source))
 
 
 __all__ = ["Certificate", "CertificateRecord", "Forward", "NotReproducible", "RTOL", "shape_family"]

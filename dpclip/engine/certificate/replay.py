@@ -22,6 +22,11 @@ from dpclip.engine.batch_axis.layout import tensor_leaves
 from dpclip.engine.precision import AutocastState, autocast_restore, autocast_snapshot
 
 
+class NotReproducible(Exception):
+    """The model's own forward, replayed on the batch from the same RNG state, does not give the
+    book-kept forward's outputs: the engine checks a dry micro-batch in eval mode instead."""
+
+
 @dataclass(eq=False)
 class Forward:
     """One forward of the model recorded for a check."""
