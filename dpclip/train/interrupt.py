@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -12,21 +13,29 @@ class DeferredInterrupt:
     """Turn Ctrl-C (SIGINT) and SIGTERM (``kill``, a batch scheduler's pre-emption) into a
     flag the loop reads between steps, so a step is never half done (a gradient applied but
     not yet in the ledger); the run then checkpoints at that step boundary. A second signal
-    interrupts at once. Signal handlers can only be set from the main thread: elsewhere
-    (a training thread of the caller's) the signals keep their behaviour."""
+    interrupts at once, unless it comes within :attr:`GRACE_S` of the first (a double press of
+    Ctrl-C, a launcher that signals twice): that one is the same request, and the run still
+    checkpoints. Signal handlers can only be set from the main thread: elsewhere (a training
+    thread of the caller's) the signals keep their behaviour."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    #: seconds after the first signal in which another is taken as the same request
+    GRACE_S = 2.0
 
     def __init__(self):
         self.requested = False
         self.signal: int | None = None
+        self._first = 0.0
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum, frame):
         if self.requested:
+            if time.monotonic() - self._first < self.GRACE_S:
+                return
             raise KeyboardInterrupt
         self.requested = True
         self.signal = signum
+        self._first = time.monotonic()
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

@@ -61,3 +61,23 @@ def test_a_second_ctrl_c_stops_at_once_and_says_how_to_resume(cli, tmp_path, mon
     hint = result.err.replace("\n", "")
     assert f"dpclip train --resume {run_dir}" in hint and "step_000000" in hint
     assert latest_checkpoint(run_dir) is not None
+
+
+def test_a_double_press_is_one_request_and_a_later_second_signal_stops_at_once(monkeypatch):
+    from dpclip.train.interrupt import DeferredInterrupt
+    import dpclip.train.interrupt as interrupt
+
+    now = [100.0]
+    monkeypatch.setattr(interrupt.time, "monotonic", lambda: now[0])
+    deferred = DeferredInterrupt()
+    deferred._handle(signal.SIGINT, None)
+    assert deferred.requested
+    now[0] += 0.05                      # 50 ms later: the same request, the step boundary still checkpoints
+    deferred._handle(signal.SIGINT, None)
+    now[0] += DeferredInterrupt.GRACE_S
+    try:                                # later: the escape hatch for a step that hangs
+        deferred._handle(signal.SIGINT, None)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("a second Ctrl-C after the grace period must stop at once")
