@@ -20,6 +20,11 @@ class DpclipError(Exception):
         self.message = message
         self.hint = hint
 
+    def __str__(self) -> str:
+        """The message and, on a line of its own, the hint: what a Python caller's traceback shows
+        (the CLI prints the two as ``error:`` and ``hint:`` lines from the attributes)."""
+        return self.message if not self.hint else f"{self.message}\nhint: {self.hint}"
+
 
 class RecipeError(DpclipError):
     """A recipe file or override that does not validate."""

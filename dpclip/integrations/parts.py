@@ -1,5 +1,6 @@
 """The three parts ``make_private`` wraps (docs/python-api.md): the Poisson-sampled loader,
-the per-sample criterion and the noising optimizer."""
+the per-sample criterion and the noising optimizer, and the :class:`DrawTracker` they share, which
+holds the loop to one noisy step per drawn batch."""
 
 from __future__ import annotations
 
@@ -17,6 +18,119 @@ from dpclip.data.sampler import PoissonSampler
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
 from dpclip.integrations.setup import Account
+
+
+# ----------------------------------------------------------------------------- one step per draw
+
+LOOP_HINT = ("one batch from make_private's data loader, then loss.backward() once over it, then optimizer.step() "
+             "once (docs/python-api.md, \"What the loop must do\"); to go through a large batch in parts, pass "
+             "max_physical_batch_size= to make_private")
+
+
+class DrawTracker:
+    """Where the loop is: the drawn batch that is open (its rows; the rows handed out, in parts,
+    and backwarded so far). Each noisy step is one whole draw, backwarded once; a loss or step
+    over anything else, a second backward, a draw skipped or two draws in one step are refused
+    before anything is released or charged: the ledger then charges exactly what ran."""
+
+    def __init__(self) -> None:
+        self.draws = 0                 # batches drawn so far
+        self.rows: int | None = None   # rows of the open draw (None: none open)
+        self.handed = 0                # of them, handed to the loop so far (parts)
+        self.backwarded = 0
+
+    def open(self, rows: int) -> None:
+        if self.rows is not None:
+            raise DpclipError(f"the data loader drew batch {self.draws + 1} before optimizer.step() of batch "
+                              f"{self.draws}: each drawn batch is one noisy step, an empty one too (several "
+                              "batches in one step would cost more ε than the ledger charges)", LOOP_HINT)
+        self.draws += 1
+        self.rows, self.handed, self.backwarded = rows, 0, 0
+
+    def hand(self, rows: int) -> None:
+        self.handed += rows
+
+    def _open_draw(self, what: str) -> None:
+        if self.rows is None:
+            raise DpclipError(f"{what} without a batch drawn by make_private's data loader (a batch of your own "
+                              "loader, or a second step over one batch): ε covers the Poisson draws only", LOOP_HINT)
+
+    def loss(self, rows: int) -> None:
+        self._open_draw("a loss")
+        if rows > self.handed:
+            raise DpclipError(f"a loss over {rows} rows, but the data loader handed out {self.handed} of this batch",
+                              LOOP_HINT)
+
+    def backward(self, rows: int) -> None:
+        self._open_draw("loss.backward()")
+        if self.backwarded + rows > self.handed:
+            raise DpclipError(f"a second backward over batch {self.draws} ({self.backwarded + rows} rows "
+                              f"backwarded of {self.handed}): each example's clipped gradient may enter its step "
+                              "once", LOOP_HINT)
+        self.backwarded += rows
+
+    def step(self) -> bool:
+        """Whether the noisy step is due now (False: parts of the draw are still to come)."""
+        self._open_draw("optimizer.step()")
+        if self.backwarded < self.handed:
+            raise DpclipError(f"optimizer.step() with {self.handed - self.backwarded} of batch {self.draws}'s rows "
+                              "not backwarded", LOOP_HINT)
+        if self.handed < self.rows:
+            return False
+        self.rows = None
+        return True
+
+    def state_dict(self) -> dict[str, int]:
+        return {"draws": self.draws}
+
+
+def batch_rows(batch: Any) -> int:
+    """The rows of a collated batch: dim 0 of its first tensor."""
+    if isinstance(batch, Tensor) and batch.dim():
+        return int(batch.shape[0])
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        try:
+            return batch_rows(value)
+        except DpclipError:
+            continue
+    raise DpclipError("a batch of the data loader holds no tensor with rows", "return tensors from the dataset")
+
+
+def batch_parts(batch: Any, rows: int, size: int | None) -> list[Any]:
+    """``batch`` cut along dim 0 into parts of at most ``size`` rows (one part: None, or an empty draw)."""
+    if size is None or rows <= size:
+        return [batch]
+    starts = range(0, rows, size)
+
+    def cut(value: Any, start: int) -> Any:
+        if isinstance(value, Tensor) and value.dim() and value.shape[0] == rows:
+            return value[start:start + size]
+        if isinstance(value, Mapping):
+            return type(value)({key: cut(item, start) for key, item in value.items()})
+        if isinstance(value, (list, tuple)):
+            items = [cut(item, start) for item in value]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return value
+    return [cut(batch, start) for start in starts]
+
+
+class TrackedLoader(DataLoader):
+    """A DataLoader whose every batch is one draw of the :class:`DrawTracker`, handed to the loop
+    in parts of at most ``physical`` rows (None: whole). The draw is counted where the loop
+    receives it, not where workers prefetch it."""
+
+    def __init__(self, *args, tracker: DrawTracker, physical: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tracker, self.physical = tracker, physical
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            rows = batch_rows(batch)
+            self.tracker.open(rows)
+            for part in batch_parts(batch, rows, self.physical):
+                self.tracker.hand(batch_rows(part))
+                yield part
 
 
 # ----------------------------------------------------------------------------- the loader
@@ -74,12 +188,23 @@ class EmptyDrawCollate:
         return empty_batch_like(self.collate([self.dataset[0]]))
 
 
-def poisson_loader(loader: DataLoader, draws: PoissonSampler, steps_per_pass: int) -> DataLoader:
-    """``loader``'s dataset and settings, with Poisson-sampled batches (:class:`PoissonBatches`)."""
-    return DataLoader(loader.dataset, batch_sampler=PoissonBatches(draws, steps_per_pass),
-                      collate_fn=EmptyDrawCollate(loader.dataset, loader.collate_fn), num_workers=loader.num_workers,
-                      pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn,
-                      prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers)
+def poisson_loader(loader: DataLoader, draws: PoissonSampler, steps_per_pass: int, tracker: DrawTracker,
+                   physical: int | None = None) -> DataLoader:
+    """``loader``'s dataset and settings, with Poisson-sampled batches (:class:`PoissonBatches`),
+    each one draw of ``tracker`` (:class:`TrackedLoader`)."""
+    return TrackedLoader(loader.dataset, batch_sampler=PoissonBatches(draws, steps_per_pass),
+                         collate_fn=EmptyDrawCollate(loader.dataset, loader.collate_fn), num_workers=loader.num_workers,
+                         pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn,
+                         prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,
+                         tracker=tracker, physical=physical)
+
+
+def tracked_loader(loader: DataLoader, tracker: DrawTracker, physical: int | None = None) -> DataLoader:
+    """Your own loader's batches (``poisson_sampling=False``), each one draw of ``tracker``."""
+    return TrackedLoader(loader.dataset, batch_sampler=loader.batch_sampler, collate_fn=loader.collate_fn,
+                         num_workers=loader.num_workers, pin_memory=loader.pin_memory,
+                         worker_init_fn=loader.worker_init_fn, prefetch_factor=loader.prefetch_factor,
+                         persistent_workers=loader.persistent_workers, tracker=tracker, physical=physical)
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -89,11 +214,14 @@ class PrivateLoss:
     norms and clipped sums); ``item()`` is their mean over the drawn batch, for your own
     logs only: computed without noise from private data, it is not covered by ε."""
 
-    def __init__(self, per_sample: Tensor, engine: DPEngine):
+    def __init__(self, per_sample: Tensor, engine: DPEngine, tracker: DrawTracker | None = None):
         self.per_sample = per_sample
         self.engine = engine
+        self.tracker = tracker
 
     def backward(self) -> None:
+        if self.tracker is not None:   # before the engine sees anything: a refused backward clips nothing
+            self.tracker.backward(self.per_sample.shape[0])
         if self.per_sample.numel():
             self.engine.backward(self.per_sample)
         else:  # an empty draw: nothing to clip, the step releases noise alone; across ranks, a
@@ -114,9 +242,10 @@ class PrivateCriterion:
     (a module or function that has no ``reduction`` must return one loss per sample); a
     sample's loss over several positions is their mean."""
 
-    def __init__(self, criterion: Callable, engine: DPEngine):
+    def __init__(self, criterion: Callable, engine: DPEngine, tracker: DrawTracker | None = None):
         self.criterion = criterion
         self.engine = engine
+        self.tracker = tracker
         if hasattr(criterion, "reduction"):
             self.unreduced = copy.copy(criterion)
             self.unreduced.reduction = "none"
@@ -133,7 +262,9 @@ class PrivateCriterion:
                               "returns per-sample losses: a loss reduced over the batch cannot be clipped per sample")
         if losses.dim() > 1:
             losses = losses.flatten(1).mean(1)
-        return PrivateLoss(losses, self.engine)
+        if self.tracker is not None:
+            self.tracker.loss(losses.shape[0])
+        return PrivateLoss(losses, self.engine, self.tracker)
 
 
 # ----------------------------------------------------------------------------- the optimizer
@@ -143,11 +274,13 @@ class PrivateOptimizer(torch.optim.Optimizer):
     writes ``p.grad``; the ledger charges the step; then ``optimizer`` steps. Its param groups,
     state and defaults are the wrapped optimizer's (learning-rate schedulers work on it)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: DPEngine, account: Account):
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: DPEngine, account: Account,
+                 tracker: DrawTracker | None = None):
         # Not Optimizer.__init__: the param groups and state are the wrapped optimizer's own.
         self.original = optimizer
         self.engine = engine
         self.account = account
+        self.tracker = tracker
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
         self._optimizer_state_dict_pre_hooks = {}
@@ -169,6 +302,8 @@ class PrivateOptimizer(torch.optim.Optimizer):
             raise DpclipError("a private step takes no closure",
                               "a closure would evaluate the loss again: compute it once, call loss.backward(), "
                               "then optimizer.step()")
+        if self.tracker is not None and not self.tracker.step():
+            return   # a part of the drawn batch: its noisy step comes after the last part
         report = self.engine.privatize()
         plan = self.account.plan
         check_same_release(report.dp_event, plan.step_event)   # before anything is charged or stepped

@@ -41,12 +41,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from dpclip.accounting import Ledger, PlanResult, steps_for_epochs
+from dpclip.accounting import Ledger, PlanResult
 from dpclip.data.sampler import PoissonSampler
 from dpclip.distributed import ShardedPoissonSampler, World
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
-from dpclip.integrations.parts import PrivateCriterion, PrivateOptimizer, poisson_loader
+from dpclip.integrations.parts import DrawTracker, PrivateCriterion, PrivateOptimizer, poisson_loader, tracked_loader
 from dpclip.integrations.setup import Account, check_optimizer_params, clipping_spec, private_engine
 
 
@@ -96,7 +96,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
                  noise_multiplier: float | None = None, epochs: float | None = None, steps: int | None = None,
                  max_grad_norm: float | None = None, clipping: Mapping[str, Any] | None = None,
                  accountant: str = "pld", poisson_sampling: bool = True,
-                 unsafe_seed: int | None = None, verify_every: int = 0) -> PrivateTraining:
+                 unsafe_seed: int | None = None, verify_every: int = 0,
+                 max_physical_batch_size: int | None = None) -> PrivateTraining:
     """Make ``model``, ``optimizer``, ``criterion`` and ``data_loader`` train with DP-SGD (or
     DP-Adam, with an Adam optimizer): see the module doc and docs/python-api.md.
 
@@ -104,7 +105,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
         delta: δ of the guarantee.
         target_epsilon / noise_multiplier: exactly one; the noise is calibrated to the target,
             or ε follows from the total noise multiplier σ_eff.
-        epochs / steps: exactly one; the planned steps (epochs: ⌈epochs·N/B⌉).
+        epochs / steps: exactly one; the planned steps (epochs E: E passes of ⌈N/B⌉ draws each).
         max_grad_norm: the clipping threshold C (a fixed threshold); or
         clipping: a recipe's ``clipping:`` block (docs/recipes.md): grouping, clip function,
             threshold policy (fixed, quantile, dcsgd-e/p, discriminative), noise allocation.
@@ -117,6 +118,13 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
         verify_every: the certificate checks the clipping against the checked samples' own
             gradients at the first step, on each new batch shape and every ``verify_every`` steps
             if > 0 (docs/engine.md, "The certificate").
+        max_physical_batch_size: the loader hands each drawn batch out in parts of at most this
+            many rows; ``loss.backward()`` on each, and ``optimizer.step()`` after each (Opacus's
+            BatchMemoryManager loop) or after the last: the noisy step is taken once, after the
+            last part. None: whole batches.
+
+    The loop is held to one noisy step per drawn batch (docs/python-api.md, "What the loop must
+    do"): a loss, backward or step over anything else is refused before it is released or charged.
     """
     dataset = data_loader.dataset
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
@@ -128,6 +136,10 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
                           "Poisson draws")
     if (epochs is None) == (steps is None):
         raise DpclipError("give exactly one of epochs and steps", "e.g. epochs=3")
+    if max_physical_batch_size is not None and (isinstance(max_physical_batch_size, bool) or not isinstance(
+            max_physical_batch_size, int) or max_physical_batch_size < 1):
+        raise DpclipError(f"max_physical_batch_size must be a whole number >= 1, got {max_physical_batch_size!r}",
+                          "the most rows one backward takes, e.g. 32 (None: whole batches)")
     spec = clipping_spec(clipping, max_grad_norm)
     check_optimizer_params(model, optimizer)
     world = running_world()
@@ -136,13 +148,19 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
                           "keep poisson_sampling=True: each rank then draws its own examples' part of each batch")
     # Each rank's loader holds its own share of the logical batch: B = batch_size × ranks.
     num_examples, batch_size = len(dataset), data_loader.batch_size * (1 if world is None else world.size)
-    planned_steps = steps_for_epochs(epochs, batch_size / num_examples) if steps is None else int(steps)
+    # epochs=E: E passes of the loader, ⌈N/B⌉ draws each (as Opacus and your `for epoch in range(E)` count
+    # them), not ⌈E·N/B⌉ steps, which would stop inside the last pass
+    steps_per_pass = math.ceil(num_examples / batch_size)
+    if steps is None and (isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not 0 < epochs < math.inf):
+        raise DpclipError(f"epochs must be a finite number > 0, got {epochs!r}", "e.g. epochs=3")
+    planned_steps = max(1, math.ceil(round(epochs * steps_per_pass, 9))) if steps is None else int(steps)
     engine, account = private_engine(
         model, spec, num_examples=num_examples, batch_size=batch_size, steps=planned_steps, delta=delta,
         target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
         sampling="poisson" if poisson_sampling else "shuffle", unsafe_seed=unsafe_seed, world=world,
         verify_every=verify_every)
-    loader = data_loader
+    tracker = DrawTracker()
+    loader = tracked_loader(data_loader, tracker, max_physical_batch_size)
     if poisson_sampling:
         sample_rate = account.plan.plan.sample_rate
         if world is None:
@@ -151,9 +169,10 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
             world.broadcast_([p.data for p in model.parameters()])
             draws = ShardedPoissonSampler(num_examples, sample_rate, planned_steps, rank=world.rank,
                                           world_size=world.size, seed=unsafe_seed)
-        loader = poisson_loader(data_loader, draws, math.ceil(num_examples / batch_size))
-    return PrivateTraining(model, PrivateOptimizer(optimizer, engine, account), PrivateCriterion(criterion, engine),
-                           loader, engine, account)
+        loader = poisson_loader(data_loader, draws, steps_per_pass, tracker,
+                                max_physical_batch_size)
+    return PrivateTraining(model, PrivateOptimizer(optimizer, engine, account, tracker),
+                           PrivateCriterion(criterion, engine, tracker), loader, engine, account)
 
 
 def running_world() -> World | None:

@@ -1,0 +1,178 @@
+"""make_private holds its ε whatever the loop does (issue 51, item 1): nothing runs that is not
+charged and nothing is charged that did not run.
+
+The attacker here is the loop itself: it accumulates two Poisson draws into one step, backwards a
+batch twice, feeds a batch of its own loader, steps after part of a batch. Each would release more
+than the ledger charges; each is refused before the noisy step, and the ledger counts exactly the
+steps whose noise was added.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import dpclip
+from dpclip.errors import DpclipError
+
+N = 200
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(N, 5, generator=g), torch.randint(0, 3, (N,), generator=g))
+
+
+def _private(**kwargs):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    options = {"criterion": nn.CrossEntropyLoss(), "delta": 1e-5, "noise_multiplier": 1.0, "steps": 20,
+               "max_grad_norm": 1.0, **kwargs}
+    private = dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  DataLoader(_data(), batch_size=40), **options)
+    released = []
+    real = private.engine.privatize
+
+    def counted():
+        released.append(1)
+        return real()
+    private.engine.privatize = counted
+    return private, released
+
+
+def _refused(private, released, loop, match: str) -> None:
+    with pytest.raises(DpclipError, match=match) as caught:
+        loop(*private)
+    assert "optimizer.step()" in caught.value.hint
+    # what ran is what is charged: every noisy step the engine released is in the ledger, no other
+    assert private.ledger.steps == len(released)
+
+
+def test_two_draws_accumulated_into_one_step_are_refused_at_the_second_draw():
+    private, released = _private()
+
+    def accumulate(model, optimizer, criterion, loader):
+        for k, (x, y) in enumerate(loader):
+            criterion(model(x), y).backward()
+            if k % 2 == 1:
+                optimizer.step()
+                optimizer.zero_grad()
+    _refused(private, released, accumulate, "drew batch 2 before optimizer.step")
+    assert private.ledger.steps == 0
+
+
+def test_a_second_backward_over_one_batch_is_refused():
+    private, released = _private()
+
+    def twice(model, optimizer, criterion, loader):
+        for x, y in loader:
+            criterion(model(x), y).backward()
+            criterion(model(x), y).backward()    # a retry, or the same batch twice
+            optimizer.step()
+    _refused(private, released, twice, "second backward over batch 1")
+
+
+def test_the_users_own_loader_with_the_returned_parts_is_refused():
+    private, released = _private()
+    mine = DataLoader(_data(), batch_size=40, shuffle=True)
+
+    def own_loader(model, optimizer, criterion, _):
+        for x, y in mine:
+            criterion(model(x), y).backward()
+            optimizer.step()
+    _refused(private, released, own_loader, "without a batch drawn by make_private's data loader")
+    assert private.ledger.steps == 0
+
+
+def test_a_step_after_each_part_of_a_batch_split_by_hand_is_refused():
+    private, released = _private()
+
+    def parts(model, optimizer, criterion, loader):
+        for x, y in loader:
+            for xp, yp in zip(x.tensor_split(2), y.tensor_split(2)):
+                criterion(model(xp), yp).backward()
+                optimizer.step()
+    _refused(private, released, parts, "not backwarded")
+
+
+def test_a_draw_left_without_its_step_is_refused():
+    private, released = _private()
+
+    def skip_some(model, optimizer, criterion, loader):
+        for k, (x, y) in enumerate(loader):
+            if k == 3:
+                continue             # e.g. a batch the loop decided to skip
+            criterion(model(x), y).backward()
+            optimizer.step()
+    _refused(private, released, skip_some, "drew batch 5 before optimizer.step")
+    assert private.ledger.steps == 3
+
+
+def test_a_second_step_without_a_new_draw_is_refused():
+    private, released = _private()
+
+    def step_twice(model, optimizer, criterion, loader):
+        for x, y in loader:
+            criterion(model(x), y).backward()
+            optimizer.step()
+            optimizer.step()
+    _refused(private, released, step_twice, "optimizer.step.. without a batch drawn")
+    assert private.ledger.steps == 1
+
+
+def test_physical_parts_with_a_step_after_each_are_one_noisy_step_per_draw(monkeypatch):
+    """Opacus's BatchMemoryManager loop shape with max_physical_batch_size: each draw is cut into
+    parts of at most 8 rows, step() after each part; one noisy step, one charge, per draw, and the
+    step's gradient (noise removed) is the whole draw's."""
+    whole, _ = _private(unsafe_seed=11)
+    parted, released = _private(unsafe_seed=11, max_physical_batch_size=8)
+    grads = {}
+    for name, private in (("whole", whole), ("parted", parted)):
+        monkeypatch.setattr(private.engine.noise, "add_gaussians", lambda grads, stds: None)
+        model, optimizer, criterion, loader = private
+        monkeypatch.setattr(private.optimizer.original, "step",
+                            lambda name=name, model=model: grads.setdefault(name, []).append(
+                                [p.grad.clone() for p in model.parameters()]))
+        parts = 0
+        for x, y in loader:
+            assert len(x) <= (8 if name == "parted" else 200)
+            parts += 1
+            optimizer.zero_grad()
+            criterion(model(x), y).backward()
+            optimizer.step()
+        assert private.ledger.steps == 5   # a pass: ⌈200/40⌉ draws
+    assert parts > 5 and len(released) == 5
+    for a, b in zip(grads["whole"], grads["parted"]):
+        for ga, gb in zip(a, b):
+            torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-7)
+
+
+def test_an_empty_draw_is_a_step_without_a_backward():
+    private, released = _private()
+    optimizer = private.optimizer
+    tracker = private.optimizer.tracker
+    tracker.open(0)               # as the loader hands out an empty Poisson draw
+    optimizer.step()
+    assert private.ledger.steps == len(released) == 1
+
+
+def test_epochs_e_plans_exactly_e_passes_of_the_loader():
+    """N 1400, B 256: a pass is ⌈1400/256⌉ = 6 draws; epochs=15 is 90 steps (⌈15·1400/256⌉ = 83 stopped
+    the loop inside its 14th pass), and `for epoch in range(15)` runs them all."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(1400, 5, generator=g), torch.randint(0, 3, (1400,), generator=g))
+    private = dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=256),
+                                  criterion=nn.CrossEntropyLoss(), delta=1e-5, noise_multiplier=1.0, epochs=15,
+                                  max_grad_norm=1.0)
+    model, optimizer, criterion, loader = private
+    assert private.plan.plan.steps == 90 and len(loader) == 6
+    for _ in range(15):
+        for x, y in loader:
+            optimizer.zero_grad()
+            criterion(model(x), y).backward()
+            optimizer.step()
+    assert private.ledger.steps == 90
