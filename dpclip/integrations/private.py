@@ -46,8 +46,13 @@ from dpclip.data.sampler import PoissonSampler
 from dpclip.distributed import ShardedPoissonSampler, World
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
+from dpclip.files import owner_only
 from dpclip.integrations.parts import DrawTracker, PrivateCriterion, PrivateOptimizer, poisson_loader, tracked_loader
 from dpclip.integrations.setup import Account, check_optimizer_params, clipping_spec, private_engine
+
+
+#: the format of :meth:`PrivateTraining.save_checkpoint`'s file
+CHECKPOINT_FORMAT = "dpclip-make-private/1"
 
 
 @dataclass
@@ -61,6 +66,7 @@ class PrivateTraining:
     data_loader: DataLoader
     engine: DPEngine
     account: Account
+    draws: PoissonSampler | None = None   # the Poisson sampler (None: your own loader's batches)
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.model, self.optimizer, self.criterion, self.data_loader))
@@ -89,6 +95,55 @@ class PrivateTraining:
     def save(self, directory: str | Path) -> Path:
         """Write ``ledger.json`` (every charged step) and ``privacy.json`` (ε, δ, statement)."""
         return self.account.save(directory)
+
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Everything a continued run needs, in one file readable by its owner only: the model's and
+        the optimizer's state, the sampler's and the noise's generator states, the draws taken and
+        the ledger. It is as secret as the data: with the generators' states the noise can be
+        regenerated and subtracted (docs/python-api.md, "Checkpoints"). Taken between steps."""
+        if self.optimizer.tracker is not None and self.optimizer.tracker.rows is not None:
+            raise DpclipError("save_checkpoint in the middle of a step (a batch drawn, its optimizer.step() not "
+                              "taken)", "save after optimizer.step()")
+        if running_world() is not None:
+            raise DpclipError("save_checkpoint across several processes is not built yet",
+                              "checkpoint a one-process run, or use dpclip train --nproc N (docs/distributed.md)")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"format": CHECKPOINT_FORMAT, "plan": self._plan_key(), "model": self.model.state_dict(),
+                    "optimizer": self.optimizer.original.state_dict(), "engine": self.engine.state_dict(),
+                    "sampler": None if self.draws is None else self.draws.state_dict(),
+                    "draws": self.optimizer.tracker.draws, "ledger": self.ledger.to_dict(with_epsilon=False)}, path)
+        owner_only(path)
+        return path
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Continue the run ``save_checkpoint`` wrote: weights, optimizer, the sampler's and the noise's
+        streams where they were, and the ledger, so that ε counts the earlier steps too. The run must
+        be planned as it was (σ, q, steps, δ)."""
+        try:
+            state = torch.load(Path(path), map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, EOFError) as exc:
+            raise DpclipError(f"cannot read the checkpoint {path}: {exc}",
+                              "pass a file private.save_checkpoint wrote") from None
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+            raise DpclipError(f"{path} is not a make_private checkpoint", "pass a file private.save_checkpoint wrote")
+        if state["plan"] != self._plan_key():
+            raise DpclipError(f"the checkpoint was planned as {state['plan']}, this make_private as "
+                              f"{self._plan_key()}", "call make_private with the arguments of the run you continue")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.original.load_state_dict(state["optimizer"])
+        self.engine.load_state_dict(state["engine"])
+        if self.draws is not None and state["sampler"] is not None:
+            self.draws.load_state_dict(state["sampler"])
+        self.optimizer.tracker.draws = int(state["draws"])
+        self.account.ledger = Ledger.from_dict(state["ledger"])
+        self.account.restored = True
+
+    def _plan_key(self) -> dict[str, Any]:
+        plan = self.account.plan.plan
+        return {"sample_rate": plan.sample_rate, "steps": plan.steps, "delta": plan.delta,
+                "noise_multiplier": self.account.noise_multiplier, "accountant": plan.accountant,
+                "sampling": plan.sampling}
 
 
 def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader, *,
@@ -172,7 +227,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
         loader = poisson_loader(data_loader, draws, steps_per_pass, tracker,
                                 max_physical_batch_size)
     return PrivateTraining(model, PrivateOptimizer(optimizer, engine, account, tracker),
-                           PrivateCriterion(criterion, engine, tracker), loader, engine, account)
+                           PrivateCriterion(criterion, engine, tracker), loader, engine, account,
+                           draws if poisson_sampling else None)
 
 
 def running_world() -> World | None:

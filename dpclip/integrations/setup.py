@@ -40,6 +40,12 @@ def quiet_rdp_orders() -> Iterator[None]:
         logger.setLevel(level)
 
 
+#: the statement's line for a ledger that continues no checkpoint
+FRESH_LEDGER = ("ledger: the steps taken since make_private (or the Trainer) started; a run continued without "
+                "restoring its checkpoint (load_checkpoint, resume_from_checkpoint) starts ε again at 0 and "
+                "understates what the model has spent")
+
+
 @dataclass
 class Account:
     """The ledger of the steps charged so far and the plan they were charged under."""
@@ -48,6 +54,7 @@ class Account:
     plan: PlanResult
     writes: bool = True   # False on the ranks other than 0 of a data-parallel run: rank 0 writes
     world_size: int = 1   # processes training together (the statement's distribution line)
+    restored: bool = False   # the ledger continues a checkpoint's (load_checkpoint)
 
     @property
     def noise_multiplier(self) -> float:
@@ -62,11 +69,13 @@ class Account:
     def statement(self) -> list[str]:
         """The privacy statement of the steps taken so far (the plan's before the first)."""
         if not self.ledger.steps:
-            return replace(self.plan.statement, world_size=self.world_size).lines()
-        taken = replace(self.plan.plan, steps=self.ledger.steps, target_epsilon=None,
-                        noise_multiplier=self.plan.split.noise_multiplier)
-        with quiet_rdp_orders():
-            return replace(solve(taken).statement, world_size=self.world_size).lines()
+            lines = replace(self.plan.statement, world_size=self.world_size).lines()
+        else:
+            taken = replace(self.plan.plan, steps=self.ledger.steps, target_epsilon=None,
+                            noise_multiplier=self.plan.split.noise_multiplier)
+            with quiet_rdp_orders():
+                lines = replace(solve(taken).statement, world_size=self.world_size).lines()
+        return lines + [FRESH_LEDGER] if not self.restored else lines
 
     def save(self, directory: str | Path) -> Path:
         """Write ``ledger.json`` (every charged step) and ``privacy.json`` (ε, δ, statement); on

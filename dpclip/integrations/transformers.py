@@ -264,6 +264,7 @@ class DPTrainer(Trainer):
             raise DpclipError(f"{folder}: ledger.json holds {ledger.steps} steps and the state {state['steps']}",
                               "the checkpoint was modified or half written: resume from an earlier one")
         self.account.ledger = ledger
+        self.account.restored = True
         self._sampler().draws.load_state_dict(state["sampler"])
         self.engine.load_state_dict(state["engine"])
 

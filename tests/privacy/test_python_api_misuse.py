@@ -176,3 +176,47 @@ def test_epochs_e_plans_exactly_e_passes_of_the_loader():
             criterion(model(x), y).backward()
             optimizer.step()
     assert private.ledger.steps == 90
+
+
+def _steps(private, count: int) -> None:
+    model, optimizer, criterion, loader = private
+    taken = 0
+    while taken < count:
+        for x, y in loader:
+            optimizer.zero_grad()
+            criterion(model(x), y).backward()
+            optimizer.step()
+            taken += 1
+            if taken == count:
+                return
+
+
+def test_a_checkpoint_carries_the_ledger_so_a_continued_run_counts_its_earlier_steps(tmp_path):
+    """2 + 2 steps: rebuilt with make_private and restored, ε is the 4 steps' (what ran), not 2's."""
+    first, _ = _private()
+    _steps(first, 2)
+    path = first.save_checkpoint(tmp_path / "ckpt.pt")
+    assert (path.stat().st_mode & 0o077) == 0          # generator states: secret
+    weights = [p.detach().clone() for p in first.model.parameters()]
+    second, _ = _private()
+    assert any("starts ε again at 0" in line for line in second.statement())
+    second.load_checkpoint(path)
+    assert all(torch.equal(a, b) for a, b in zip(weights, second.model.parameters()))
+    assert second.ledger.steps == 2 and second.draws.step == 2
+    _steps(second, 2)
+    whole, _ = _private()
+    _steps(whole, 4)
+    assert second.ledger.steps == 4
+    assert second.epsilon() == pytest.approx(whole.epsilon(), rel=1e-12)
+    assert not any("starts ε again at 0" in line for line in second.statement())
+
+
+def test_a_checkpoint_of_another_plan_is_refused():
+    import tempfile
+    first, _ = _private()
+    _steps(first, 1)
+    with tempfile.TemporaryDirectory() as folder:
+        path = first.save_checkpoint(f"{folder}/c.pt")
+        other, _ = _private(noise_multiplier=2.0)
+        with pytest.raises(DpclipError, match="planned as"):
+            other.load_checkpoint(path)
