@@ -25,17 +25,21 @@ def configure_speed(threads: int | str | None = "auto") -> dict[str, Any]:
 
 
 def __getattr__(name: str) -> Any:
-    """``dpclip.make_private``: dpclip in your own PyTorch loop, as Opacus users write it
-    (:func:`dpclip.integrations.private.make_private`, docs/python-api.md). Imported on first
-    use (PEP 562), so that ``import dpclip`` imports no torch, and it is the function itself:
-    ``help()`` and ``inspect.signature`` show its arguments."""
-    if name == "make_private":
-        from dpclip.integrations.private import make_private
-
-        globals()["make_private"] = make_private
-        return make_private
+    """``dpclip.make_private`` (and ``make_private_with_epsilon``, ``fix``): dpclip in your own PyTorch
+    loop, as Opacus users write it (:func:`dpclip.integrations.private.make_private`,
+    docs/python-api.md). Imported on first use (PEP 562), so that ``import dpclip`` imports no
+    torch, and each is the function itself: ``help()`` and ``inspect.signature`` show its arguments."""
+    if name in _LAZY:
+        module = __import__(_LAZY[name], fromlist=[name])
+        globals()[name] = getattr(module, name)
+        return globals()[name]
     raise AttributeError(f"module 'dpclip' has no attribute {name!r}")
 
 
+#: names imported on first use: the Python API (docs/python-api.md)
+_LAZY = {"make_private": "dpclip.integrations.private", "make_private_with_epsilon": "dpclip.integrations.private",
+         "fix": "dpclip.models.fix"}
+
+
 def __dir__() -> list[str]:
-    return sorted([*globals(), "make_private"])
+    return sorted([*globals(), *_LAZY])

@@ -182,6 +182,11 @@ class Ledger:
         """ε so far with its accountant, RDP ε alongside and any PLD fallback reason (cached)."""
         return self._account(self._runs())
 
+    def epsilon_at(self, delta: float) -> float:
+        """ε of everything recorded, at another δ than the ledger's (its own accountant)."""
+        check_delta_value(delta)
+        return account(self._compose(self._runs()), float(delta), self.accountant).epsilon
+
     def epsilon(self) -> float:
         """ε spent so far at the ledger's δ (cached until the next record)."""
         return self.result().epsilon

@@ -233,8 +233,49 @@ class PrivateLoss:
     def __float__(self) -> float:
         return self.item()
 
+    def __format__(self, spec: str) -> str:
+        return format(self.item(), spec)
+
     def detach(self) -> Tensor:
         return self.per_sample.detach().mean()
+
+    # Arithmetic keeps the per-sample rows (`loss / accumulation`, `loss * w`): each sample's loss is
+    # transformed alone, so each sample's gradient is still clipped alone. A term that carries
+    # gradients of its own (a regularizer on the parameters) would reach them outside the clip.
+    def _with(self, other: Any, op: Callable[[Tensor, Any], Tensor]) -> PrivateLoss:
+        if isinstance(other, PrivateLoss):
+            raise DpclipError("two private losses combined: each is a batch's per-sample losses, and a step is one "
+                              "batch's", "compute one loss per batch (its parts may be summed inside the criterion)")
+        if isinstance(other, Tensor) and other.requires_grad:
+            raise DpclipError("the private loss combined with a tensor that carries gradients (a regularizer?): its "
+                              "gradient would reach the parameters outside the per-sample clipping",
+                              "use the optimizer's weight_decay= (applied to the noisy gradient, a function of the "
+                              "parameters alone), or put the term inside the criterion, per sample")
+        if isinstance(other, Tensor) and other.numel() not in (1, self.per_sample.shape[0]):
+            raise DpclipError(f"the private loss combined with a tensor of shape {tuple(other.shape)}",
+                              "a number, a scalar, or one value per sample")
+        return PrivateLoss(op(self.per_sample, other), self.engine, self.tracker)
+
+    def __mul__(self, other): return self._with(other, lambda t, o: t * o)
+    def __rmul__(self, other): return self._with(other, lambda t, o: o * t)
+    def __truediv__(self, other): return self._with(other, lambda t, o: t / o)
+    def __add__(self, other): return self._with(other, lambda t, o: t + o)
+    def __radd__(self, other): return self._with(other, lambda t, o: o + t)
+    def __sub__(self, other): return self._with(other, lambda t, o: t - o)
+    def __rsub__(self, other): return self._with(other, lambda t, o: o - t)
+    def __neg__(self): return PrivateLoss(-self.per_sample, self.engine, self.tracker)
+    def __lt__(self, other): return self.item() < float(other)
+    def __le__(self, other): return self.item() <= float(other)
+    def __gt__(self, other): return self.item() > float(other)
+    def __ge__(self, other): return self.item() >= float(other)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """Checks and logs (``torch.isnan(loss)``, ``torch.isfinite(loss)``) see the batch's mean loss,
+        detached: for your own logs, not covered by ε."""
+        def plain(value):
+            return value.detach() if isinstance(value, PrivateLoss) else value
+        return func(*[plain(a) for a in args], **{k: plain(v) for k, v in (kwargs or {}).items()})
 
 
 class PrivateCriterion:

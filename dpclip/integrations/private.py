@@ -84,9 +84,13 @@ class PrivateTraining:
         """σ_eff, the total noise multiplier the accountant sees (``dpclip account --sigma``)."""
         return self.account.noise_multiplier
 
-    def epsilon(self) -> float:
-        """ε of the steps taken so far, at the plan's δ (0 before the first step)."""
-        return self.account.epsilon()
+    def epsilon(self, delta: float | None = None) -> float:
+        """ε of the steps taken so far, at the plan's δ or at ``delta`` (0 before the first step)."""
+        return self.account.epsilon(delta)
+
+    def get_epsilon(self, delta: float) -> float:
+        """Opacus's name: ε of the steps taken so far at ``delta``."""
+        return self.account.epsilon(delta)
 
     def statement(self) -> list[str]:
         """The privacy statement of the steps taken so far (the plan's before the first)."""
@@ -146,13 +150,16 @@ class PrivateTraining:
                 "sampling": plan.sampling}
 
 
-def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader, *,
-                 criterion: Callable, delta: float, target_epsilon: float | None = None,
+def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 data_loader: DataLoader | None = None, *, criterion: Callable, delta: float | None = None,
+                 target_epsilon: float | None = None,
                  noise_multiplier: float | None = None, epochs: float | None = None, steps: int | None = None,
-                 max_grad_norm: float | None = None, clipping: Mapping[str, Any] | None = None,
+                 max_grad_norm: float | list[float] | None = None, clipping: Mapping[str, Any] | str | None = None,
                  accountant: str = "pld", poisson_sampling: bool = True,
                  unsafe_seed: int | None = None, verify_every: int = 0,
-                 max_physical_batch_size: int | None = None) -> PrivateTraining:
+                 max_physical_batch_size: int | None = None, module: nn.Module | None = None,
+                 target_delta: float | None = None, loss_reduction: str = "mean",
+                 grad_sample_mode: str | None = None, secure_mode: bool | None = None) -> PrivateTraining:
     """Make ``model``, ``optimizer``, ``criterion`` and ``data_loader`` train with DP-SGD (or
     DP-Adam, with an Adam optimizer): see the module doc and docs/python-api.md.
 
@@ -177,10 +184,18 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
             many rows; ``loss.backward()`` on each, and ``optimizer.step()`` after each (Opacus's
             BatchMemoryManager loop) or after the last: the noisy step is taken once, after the
             last part. None: whole batches.
+        module, target_delta, loss_reduction, grad_sample_mode, secure_mode, ``clipping="flat" |
+            "per_layer"``: Opacus's names, with Opacus's meaning (docs/python-api.md, "For Opacus
+            users"); what has none in dpclip is refused with its translation.
 
     The loop is held to one noisy step per drawn batch (docs/python-api.md, "What the loop must
     do"): a loss, backward or step over anything else is refused before it is released or charged.
     """
+    model, delta, clipping, max_grad_norm = opacus_arguments(
+        model, module, delta, target_delta, clipping, max_grad_norm, loss_reduction, grad_sample_mode, secure_mode)
+    if optimizer is None or data_loader is None:
+        raise DpclipError("make_private needs the model, the optimizer and the data loader",
+                          "make_private(model, optimizer, data_loader, criterion=..., ...)")
     dataset = data_loader.dataset
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise DpclipError("make_private needs a dataset with a length and indexable rows",
@@ -229,6 +244,70 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
     return PrivateTraining(model, PrivateOptimizer(optimizer, engine, account, tracker),
                            PrivateCriterion(criterion, engine, tracker), loader, engine, account,
                            draws if poisson_sampling else None)
+
+
+def opacus_arguments(model, module, delta, target_delta, clipping, max_grad_norm, loss_reduction: str,
+                     grad_sample_mode: str | None, secure_mode: bool | None):
+    """(model, delta, clipping, max_grad_norm) from dpclip's names or Opacus's (the same meaning);
+    what means something else in dpclip is refused with the translation."""
+    def one(name, value, alias, other):
+        if value is not None and other is not None:
+            raise DpclipError(f"give {name}= or {alias}= (Opacus's name), not both", f"{name}=... alone")
+        return value if value is not None else other
+    model, delta = one("model", model, "module", module), one("delta", delta, "target_delta", target_delta)
+    if model is None or delta is None:
+        raise DpclipError(f"make_private needs {'the model' if model is None else 'delta'}",
+                          "make_private(model, optimizer, data_loader, criterion=..., delta=1e-5, ...)")
+    if loss_reduction != "mean":
+        raise DpclipError(f"loss_reduction={loss_reduction!r}: dpclip divides the noisy clipped sum by the expected "
+                          "batch size B, which is Opacus's loss_reduction='mean'",
+                          "leave loss_reduction out (or 'mean'); for a sum, multiply the learning rate by B")
+    if grad_sample_mode is not None and not isinstance(grad_sample_mode, str):
+        raise DpclipError("grad_sample_mode must be a string", "leave it out: dpclip has one mode")
+    if secure_mode is not None and not isinstance(secure_mode, bool):
+        raise DpclipError("secure_mode must be True or False", "leave it out: noise and batches come from OS entropy")
+    # grad_sample_mode (hooks, functorch, ew, ghost) and secure_mode have nothing to choose in dpclip: per-sample
+    # norms always come from one backward, and noise and batches always from OS entropy (unsafe_seed aside)
+    if isinstance(clipping, str):
+        return model, delta, opacus_clipping(clipping, max_grad_norm, model), None
+    if isinstance(max_grad_norm, (list, tuple)):
+        raise DpclipError("a list of thresholds needs per-layer clipping",
+                          "clipping='per_layer' (Opacus: one threshold per parameter tensor), or "
+                          "clipping={'grouping': ..., 'threshold': {'kind': 'fixed', 'value': [...]}}")
+    return model, delta, clipping, max_grad_norm
+
+
+def opacus_clipping(kind: str, max_grad_norm, model: nn.Module) -> dict[str, Any]:
+    """Opacus's ``clipping=`` names as dpclip's clipping block: "flat" one threshold on the whole
+    gradient; "per_layer" one per parameter tensor (a list, or one C for every tensor)."""
+    if max_grad_norm is None:
+        raise DpclipError(f"clipping={kind!r} needs max_grad_norm", "e.g. max_grad_norm=1.0")
+    if kind == "flat":
+        if isinstance(max_grad_norm, (list, tuple)):
+            raise DpclipError("clipping='flat' takes one max_grad_norm", "a list of thresholds is clipping='per_layer'")
+        return {"grouping": "all-layer", "threshold": {"kind": "fixed", "value": float(max_grad_norm)}}
+    if kind == "per_layer":
+        count = sum(1 for p in model.parameters() if p.requires_grad)
+        values = list(max_grad_norm) if isinstance(max_grad_norm, (list, tuple)) else [float(max_grad_norm)] * count
+        if len(values) != count:
+            raise DpclipError(f"clipping='per_layer' with {len(values)} thresholds, and the model trains {count} "
+                              "parameter tensors", "one threshold per trainable parameter tensor, in model.parameters() "
+                              "order (or one number for all)")
+        return {"grouping": "param", "threshold": {"kind": "fixed", "value": [float(v) for v in values]}}
+    if kind == "adaptive":
+        raise DpclipError("clipping='adaptive' is dpclip's quantile threshold policy",
+                          "clipping={'threshold': {'kind': 'quantile', 'target': 0.5}} (docs/methods.md); its "
+                          "statistic's noise is charged jointly with the gradient's")
+    raise DpclipError(f"unknown clipping {kind!r}", "'flat', 'per_layer', or a clipping block (docs/recipes.md)")
+
+
+def make_private_with_epsilon(module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader, *,
+                              target_epsilon: float, target_delta: float, epochs: float, max_grad_norm,
+                              criterion: Callable, **options) -> PrivateTraining:
+    """Opacus's name for :func:`make_private` with a target ε (``target_delta`` is its δ)."""
+    return make_private(module=module, optimizer=optimizer, data_loader=data_loader, target_epsilon=target_epsilon,
+                        target_delta=target_delta, epochs=epochs, max_grad_norm=max_grad_norm, criterion=criterion,
+                        **options)
 
 
 def running_world() -> World | None:

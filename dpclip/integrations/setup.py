@@ -61,10 +61,12 @@ class Account:
         """σ_eff, the total noise multiplier the accountant sees (``dpclip account --sigma``)."""
         return self.plan.split.noise_multiplier
 
-    def epsilon(self) -> float:
-        """ε of the steps taken so far, at the plan's δ (0 before the first step)."""
+    def epsilon(self, delta: float | None = None) -> float:
+        """ε of the steps taken so far, at the plan's δ or at ``delta`` (0 before the first step)."""
+        if not self.ledger.steps:
+            return 0.0
         with quiet_rdp_orders():
-            return self.ledger.epsilon() if self.ledger.steps else 0.0
+            return self.ledger.epsilon() if delta is None else self.ledger.epsilon_at(delta)
 
     def statement(self) -> list[str]:
         """The privacy statement of the steps taken so far (the plan's before the first)."""
