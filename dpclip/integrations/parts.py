@@ -322,6 +322,8 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self.engine = engine
         self.account = account
         self.tracker = tracker
+        self.record_grad_norm = False          # DPTrainer logs it (the noisy gradient's: covered by ε)
+        self.last_grad_norm: float | None = None
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
         self._optimizer_state_dict_pre_hooks = {}
@@ -349,6 +351,10 @@ class PrivateOptimizer(torch.optim.Optimizer):
         plan = self.account.plan
         check_same_release(report.dp_event, plan.step_event)   # before anything is charged or stepped
         self.account.ledger.record(plan.step_event, metadata=plan.step_metadata)
+        if self.record_grad_norm:   # of the noisy gradient the step applies: a post-processing of the release
+            norms = [p.grad.detach().norm() for group in self.param_groups for p in group["params"]
+                     if p.grad is not None]
+            self.last_grad_norm = float(torch.stack(norms).norm()) if norms else 0.0
         self.original.step()
 
     def state_dict(self) -> dict[str, Any]:

@@ -37,7 +37,7 @@ redone after it replay the same batches and noise (no new release); the Trainer'
 turned off, since the sampler continues where it stopped.
 
 Refused before any step: ``max_grad_norm > 0`` in the TrainingArguments (it would clip the
-noisy gradient again; the threshold is ``PrivacyArguments.max_grad_norm``), several GPUs in one
+noisy gradient again; the threshold is ``PrivacyArguments.per_sample_max_grad_norm``), several GPUs in one
 process (``DataParallel``), and a resume from a checkpoint without dpclip's state or made under
 another privacy plan.
 """
@@ -48,7 +48,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import torch
@@ -82,17 +82,28 @@ LOGGED_LOSS = ("training loss logged by the Hugging Face Trainer (console, repor
 class PrivacyArguments:
     """The privacy half of a DPTrainer's arguments (the other half is the TrainingArguments).
 
-    ``target_epsilon`` or ``noise_multiplier`` (the total σ), ``delta``, and ``max_grad_norm``
-    (a fixed threshold C) or ``clipping`` (a recipe's ``clipping:`` block: docs/recipes.md)."""
+    ``target_epsilon`` or ``noise_multiplier`` (the total σ), ``delta``, and
+    ``per_sample_max_grad_norm`` (a fixed threshold C; dp-transformers' name, distinct from
+    TrainingArguments' ``max_grad_norm`` so that ``HfArgumentParser((TrainingArguments,
+    PrivacyArguments))`` parses both; ``max_grad_norm=`` is accepted in Python) or ``clipping``
+    (a recipe's ``clipping:`` block: docs/recipes.md)."""
 
-    delta: float
-    target_epsilon: float | None = None
-    noise_multiplier: float | None = None
-    max_grad_norm: float | None = None
-    clipping: Mapping[str, Any] = field(default_factory=dict)
+    delta: float = field(metadata={"help": "δ of the guarantee"})
+    target_epsilon: float | None = field(default=None, metadata={"help": "calibrate the noise to this ε"})
+    noise_multiplier: float | None = field(default=None, metadata={"help": "or: the total noise multiplier σ"})
+    per_sample_max_grad_norm: float | None = field(default=None, metadata={"help": "the clipping threshold C"})
+    clipping: dict = field(default_factory=dict, metadata={"help": "a recipe's clipping block (JSON)"})
     accountant: str = "pld"
     unsafe_seed: int | None = None
     verify_every: int = 0   # the certificate's period in steps, beyond its own checks (docs/engine.md)
+    max_grad_norm: InitVar[float | None] = None   # the same as per_sample_max_grad_norm, in Python only
+
+    def __post_init__(self, max_grad_norm: float | None) -> None:
+        if max_grad_norm is not None:
+            if self.per_sample_max_grad_norm is not None:
+                raise DpclipError("give per_sample_max_grad_norm or max_grad_norm, not both",
+                                  "PrivacyArguments(per_sample_max_grad_norm=1.0)")
+            self.per_sample_max_grad_norm = max_grad_norm
 
 
 class PoissonParts(PoissonBatches):
@@ -110,6 +121,12 @@ class PoissonParts(PoissonBatches):
         for batch in super().__iter__():
             for part in torch.tensor(batch, dtype=torch.int64).tensor_split(self.parts):
                 yield part.tolist()
+
+
+def datasets_dataset(dataset: Any) -> bool:
+    """Whether ``dataset`` is a Hugging Face ``datasets.Dataset`` (without importing ``datasets``)."""
+    module = type(dataset).__module__
+    return module.startswith("datasets.") and type(dataset).__name__ == "Dataset"
 
 
 def _rows(inputs: Mapping[str, Any]) -> int:
@@ -135,7 +152,7 @@ class DPTrainer(Trainer):
         if training.max_grad_norm and training.max_grad_norm > 0:
             raise DpclipError(f"TrainingArguments(max_grad_norm={training.max_grad_norm:g}) would clip the noisy "
                               "gradient again", "set TrainingArguments(max_grad_norm=0); the clipping threshold is "
-                              "PrivacyArguments(max_grad_norm=...)")
+                              "PrivacyArguments(per_sample_max_grad_norm=...)")
         if training.n_gpu > 1:
             raise DpclipError(f"DPTrainer trains on one device per process, and this process drives {training.n_gpu} "
                               "GPUs (DataParallel)", "launch one process per GPU: torchrun --nproc-per-node N "
@@ -152,7 +169,7 @@ class DPTrainer(Trainer):
         self.steps_per_pass = math.ceil(num_examples / self.expected_batch_size)
         steps = training.max_steps if training.max_steps > 0 else \
             math.ceil(training.num_train_epochs * self.steps_per_pass)
-        spec = clipping_spec(privacy.clipping, privacy.max_grad_norm)
+        spec = clipping_spec(privacy.clipping, privacy.per_sample_max_grad_norm)
         self.engine, self.account = private_engine(
             self.model, spec, num_examples=num_examples, batch_size=self.expected_batch_size, steps=steps,
             delta=privacy.delta, target_epsilon=privacy.target_epsilon, noise_multiplier=privacy.noise_multiplier,
@@ -185,15 +202,31 @@ class DPTrainer(Trainer):
         return self.train_sampler
 
     def get_train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_dataset, batch_sampler=self._sampler(),
-                          collate_fn=EmptyDrawCollate(self.train_dataset, self.data_collator),
+        # The Trainer's own column handling, as its loader does: the columns the model's forward does
+        # not take (a text column beside the token ids) are dropped before batches are collated.
+        dataset, collator = self.train_dataset, self.data_collator
+        if datasets_dataset(dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        return DataLoader(dataset, batch_sampler=self._sampler(), collate_fn=EmptyDrawCollate(dataset, collator),
                           num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
         if not isinstance(optimizer, PrivateOptimizer):
             self.optimizer = PrivateOptimizer(optimizer, self.engine, self.account)
+            self.optimizer.record_grad_norm = True
         return self.optimizer
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        # The Trainer measures the gradient before optimizer.step(), where the engine has not yet written
+        # it (0 every time): the norm logged is the noisy gradient's the step applied (covered by ε).
+        private = self.optimizer
+        while private is not None and not isinstance(private, PrivateOptimizer):   # accelerate wraps it
+            private = getattr(private, "optimizer", None)
+        noisy = None if private is None else private.last_grad_norm
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm if noisy is None else noisy, *args, **kwargs)
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
         model.train()

@@ -222,3 +222,44 @@ def test_the_hf_trainer_example_runs_and_writes_its_ledger(tmp_path, monkeypatch
     assert accuracy > 0.3   # seven classes: chance is 0.14
     assert privacy["steps"] == privacy["steps_planned"] and 7.5 < privacy["epsilon"] <= 8.0 * 1.01
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_a_dataset_keeping_its_text_column_trains_as_with_the_trainer(tmp_path):
+    """The documented change on a `datasets.Dataset` that keeps its raw text: the Trainer's own
+    removal of the columns the model does not take applies (it crashed collating strings)."""
+    datasets = pytest.importorskip("datasets")
+    from transformers import DataCollatorWithPadding  # noqa: F401  (the default collator pads token ids)
+
+    rows = _rows()
+    table = datasets.Dataset.from_dict({"text": [f"sentence {i}" for i in range(N)],
+                                        "input_ids": [r["input_ids"].tolist() for r in rows],
+                                        "attention_mask": [r["attention_mask"].tolist() for r in rows],
+                                        "labels": [int(r["labels"]) for r in rows]})
+    trainer = DPTrainer(model=_bert(), args=_args(tmp_path), train_dataset=table,
+                        privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, per_sample_max_grad_norm=1.0))
+    trainer.train()
+    assert trainer.account.ledger.steps == 3
+
+
+def test_the_logged_grad_norm_is_the_noisy_gradients_not_zero(tmp_path):
+    logged = []
+
+    class Logs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "grad_norm" in logs:
+                logged.append(logs["grad_norm"])
+    trainer = _trainer(tmp_path, logging_steps=1)
+    trainer.add_callback(Logs())
+    trainer.train()
+    assert len(logged) == 3 and all(value > 0 for value in logged)
+
+
+def test_privacy_arguments_compose_with_training_arguments_in_one_parser(tmp_path):
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser((TrainingArguments, PrivacyArguments))
+    training, privacy = parser.parse_args_into_dataclasses([
+        "--output_dir", str(tmp_path), "--max_grad_norm", "0", "--delta", "1e-5", "--noise_multiplier", "1.0",
+        "--per_sample_max_grad_norm", "0.5"])
+    assert training.max_grad_norm == 0 and privacy.per_sample_max_grad_norm == 0.5
+    assert PrivacyArguments(delta=1e-5, max_grad_norm=0.5).per_sample_max_grad_norm == 0.5
