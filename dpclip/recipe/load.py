@@ -108,7 +108,7 @@ def validate_recipe(data: dict[str, Any], source: str = "recipe", overrides: lis
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
-        lines = [f"{_origin(err, data, source, overrides)}: {explain_error(err, data)}" for err in exc.errors()]
+        lines = [_located(err, data, source, overrides) for err in exc.errors()]
         first, rest = lines[0], lines[1:]
         message = first
         if rest:
@@ -116,13 +116,22 @@ def validate_recipe(data: dict[str, Any], source: str = "recipe", overrides: lis
         raise RecipeError(message, "see docs/recipes.md for every field, its type and default") from None
 
 
+def _located(err: dict[str, Any], data: dict[str, Any], source: str, overrides: list[str]) -> str:
+    """One problem and where it came from: the file (``source: problem``), or a ``key=value``
+    override (``problem (from your key=value override, not source)``): the field's path names the key."""
+    origin, text = _origin(err, data, source, overrides), explain_error(err, data)
+    if origin == source:
+        return f"{source}: {text}"
+    return f"{text} (from your key=value override, not {Path(source).name})"
+
+
 def _origin(err: dict[str, Any], data: dict[str, Any], source: str, overrides: list[str]) -> str:
-    """The override whose key is the error's field or a section above it (the last such), else ``source``."""
+    """"override" when a key=value override set the error's field or a section above it, else ``source``."""
     where = [str(part) for part in _clean_location(err["loc"], data)]
     for text in reversed(list(overrides)):
         key = text.partition("=")[0].strip().split(".")
         if where[:len(key)] == key or key[:len(where)] == where and where:
-            return f"override {text!r}"
+            return "override"
     return source
 
 
