@@ -33,11 +33,19 @@ class DrawTracker:
     over anything else, a second backward, a draw skipped or two draws in one step are refused
     before anything is released or charged: the ledger then charges exactly what ran."""
 
-    def __init__(self) -> None:
+    def __init__(self, row_weight: float | None = None) -> None:
         self.draws = 0                 # batches drawn so far
         self.rows: int | None = None   # rows of the open draw (None: none open)
         self.handed = 0                # of them, handed to the loop so far (parts)
         self.backwarded = 0
+        # user-level privacy: every row weighs 1/k (k: a person's most records in a step), so a
+        # person's rows weigh at most 1 together whichever rows the loop backwards together
+        self.row_weight = row_weight
+
+    def weights(self, rows: int, like: Tensor) -> Tensor | None:
+        """The engine's row weights for ``rows`` rows (None: example-level)."""
+        return None if self.row_weight is None else torch.full((rows,), self.row_weight, dtype=like.dtype,
+                                                               device=like.device)
 
     def open(self, rows: int) -> None:
         if self.rows is not None:
@@ -220,10 +228,12 @@ class PrivateLoss:
         self.tracker = tracker
 
     def backward(self) -> None:
+        weights = None
         if self.tracker is not None:   # before the engine sees anything: a refused backward clips nothing
             self.tracker.backward(self.per_sample.shape[0])
+            weights = self.tracker.weights(self.per_sample.shape[0], self.per_sample)
         if self.per_sample.numel():
-            self.engine.backward(self.per_sample)
+            self.engine.backward(self.per_sample, row_weights=weights)
         else:  # an empty draw: nothing to clip, the step releases noise alone; across ranks, a
             self.engine.policy.empty_part()  # policy may exchange norms in the backward skipped here
 

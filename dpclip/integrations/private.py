@@ -38,11 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from dpclip.accounting import Ledger, PlanResult
 from dpclip.data.sampler import PoissonSampler
+from dpclip.data.user_sampler import UserPoissonSampler
 from dpclip.distributed import ShardedPoissonSampler, World
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
@@ -159,7 +160,8 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
                  unsafe_seed: int | None = None, verify_every: int = 0,
                  max_physical_batch_size: int | None = None, module: nn.Module | None = None,
                  target_delta: float | None = None, loss_reduction: str = "mean",
-                 grad_sample_mode: str | None = None, secure_mode: bool | None = None) -> PrivateTraining:
+                 grad_sample_mode: str | None = None, secure_mode: bool | None = None,
+                 users: Any = None, max_records_per_user: int | None = None) -> PrivateTraining:
     """Make ``model``, ``optimizer``, ``criterion`` and ``data_loader`` train with DP-SGD (or
     DP-Adam, with an Adam optimizer): see the module doc and docs/python-api.md.
 
@@ -184,6 +186,10 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
             many rows; ``loss.backward()`` on each, and ``optimizer.step()`` after each (Opacus's
             BatchMemoryManager loop) or after the last: the noisy step is taken once, after the
             last part. None: whole batches.
+        users, max_records_per_user: user-level privacy (docs/users.md): ``users[i]`` is the person of
+            example i; each step samples people with probability q = batch_size / people, and takes
+            at most ``max_records_per_user`` = k records of each; every row weighs 1/k, so that one
+            person moves a step by at most C whatever rows the loop backwards together.
         module, target_delta, loss_reduction, grad_sample_mode, secure_mode, ``clipping="flat" |
             "per_layer"``: Opacus's names, with Opacus's meaning (docs/python-api.md, "For Opacus
             users"); what has none in dpclip is refused with its translation.
@@ -218,6 +224,9 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
                           "keep poisson_sampling=True: each rank then draws its own examples' part of each batch")
     # Each rank's loader holds its own share of the logical batch: B = batch_size × ranks.
     num_examples, batch_size = len(dataset), data_loader.batch_size * (1 if world is None else world.size)
+    people = person_ids(users, max_records_per_user, num_examples, poisson_sampling, world)
+    if people is not None:   # user-level: the sampled unit is a person, N counts people
+        num_examples = int(people.max()) + 1
     # epochs=E: E passes of the loader, ⌈N/B⌉ draws each (as Opacus and your `for epoch in range(E)` count
     # them), not ⌈E·N/B⌉ steps, which would stop inside the last pass
     steps_per_pass = math.ceil(num_examples / batch_size)
@@ -228,12 +237,14 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
         model, spec, num_examples=num_examples, batch_size=batch_size, steps=planned_steps, delta=delta,
         target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
         sampling="poisson" if poisson_sampling else "shuffle", unsafe_seed=unsafe_seed, world=world,
-        verify_every=verify_every)
-    tracker = DrawTracker()
+        verify_every=verify_every, records_per_user=None if people is None else max_records_per_user)
+    tracker = DrawTracker(None if people is None else 1.0 / max_records_per_user)
     loader = tracked_loader(data_loader, tracker, max_physical_batch_size)
     if poisson_sampling:
         sample_rate = account.plan.plan.sample_rate
-        if world is None:
+        if people is not None:
+            draws = UserPoissonSampler(people, sample_rate, planned_steps, max_records_per_user, seed=unsafe_seed)
+        elif world is None:
             draws = PoissonSampler(num_examples, sample_rate, planned_steps, seed=unsafe_seed)
         else:  # every rank starts from rank 0's weights and draws its own examples' part
             world.broadcast_([p.data for p in model.parameters()])
@@ -244,6 +255,27 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
     return PrivateTraining(model, PrivateOptimizer(optimizer, engine, account, tracker),
                            PrivateCriterion(criterion, engine, tracker), loader, engine, account,
                            draws if poisson_sampling else None)
+
+
+def person_ids(users: Any, k: int | None, records: int, poisson_sampling: bool, world) -> Tensor | None:
+    """``users`` (one person per example, any hashable ids) numbered 0..U-1 in order of first
+    appearance, or None for example-level privacy; refused with a hint where it cannot hold."""
+    if users is None and k is None:
+        return None
+    if users is None or k is None:
+        raise DpclipError("user-level privacy needs both users= and max_records_per_user=",
+                          "users=[person of each example], max_records_per_user=k (e.g. 4)")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise DpclipError(f"max_records_per_user must be a whole number >= 1, got {k!r}", "e.g. 4")
+    ids = users.tolist() if isinstance(users, Tensor) else list(users)
+    if len(ids) != records:
+        raise DpclipError(f"users= names {len(ids)} people's records, the dataset has {records} examples",
+                          "one person id per example, in the dataset's order")
+    if not poisson_sampling or world is not None:
+        raise DpclipError("user-level privacy samples people by Poisson sampling in one process",
+                          "keep poisson_sampling=True; across processes, use dpclip train (docs/users.md)")
+    numbering: dict = {}
+    return torch.tensor([numbering.setdefault(person, len(numbering)) for person in ids], dtype=torch.int64)
 
 
 def opacus_arguments(model, module, delta, target_delta, clipping, max_grad_norm, loss_reduction: str,

@@ -110,10 +110,11 @@ class Account:
 def private_engine(model: nn.Module, spec: Clipping, *, num_examples: int, batch_size: int, steps: int,
                    delta: float, target_epsilon: float | None, noise_multiplier: float | None, accountant: str,
                    sampling: str, unsafe_seed: int | None, not_covered: tuple[str, ...] = (), verify_every: int = 0,
-                   world: World | None = None) -> tuple[DPEngine, Account]:
+                   world: World | None = None, records_per_user: int | None = None) -> tuple[DPEngine, Account]:
     """The plan of ``steps`` Poisson steps at q = B/N (noise calibrated to ``target_epsilon`` or
     given as the total ``noise_multiplier``; a threshold statistic shares the budget), the
-    engine that takes them, and an empty account."""
+    engine that takes them, and an empty account. ``records_per_user`` = k: user-level privacy,
+    N people, at most k records of a person in a step (docs/users.md)."""
     if (target_epsilon is None) == (noise_multiplier is None):
         raise DpclipError("give exactly one of target_epsilon and noise_multiplier",
                           "target_epsilon=8.0 calibrates the noise; noise_multiplier=1.1 gives the ε it costs")
@@ -130,12 +131,15 @@ def private_engine(model: nn.Module, spec: Clipping, *, num_examples: int, batch
             sample_rate=sample_rate, steps=steps, delta=delta, accountant=accountant, sampling=sampling,
             target_epsilon=target_epsilon, noise_multiplier=noise_multiplier,
             seeded_randomness=unsafe_seed is not None, not_covered=tuple(not_covered),
-            aux=spec.threshold.statistic(groups) if spec.threshold.releases_statistic() else None))
+            aux=spec.threshold.statistic(groups) if spec.threshold.releases_statistic() else None,
+            **({} if records_per_user is None else {"unit": "user", "users": num_examples,
+                                                    "max_examples_per_user": records_per_user})))
     engine_clipping = spec.model_dump(mode="python")
     engine_clipping["threshold"] = spec.threshold.engine_dict(plan.split.sigma_aux)
     engine = DPEngine(model, engine_clipping, gradient_noise_multiplier=plan.split.gradient_noise_multiplier,
                       expected_batch_size=batch_size, seed=unsafe_seed, sample_rate=sample_rate,
-                      reducer=None if world is None else world.reducer, verify_every=verify_every)
+                      reducer=None if world is None else world.reducer, verify_every=verify_every,
+                      records_per_unit=records_per_user or 1)
     return engine, Account(Ledger(delta, accountant), plan, writes=world is None or world.main,
                            world_size=1 if world is None else world.size)
 

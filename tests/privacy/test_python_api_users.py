@@ -1,0 +1,75 @@
+"""User-level privacy in make_private (issue 51, item 4): people are sampled, at most k records of
+a person go into a step, and every row weighs 1/k, so that one person moves a step by at most C
+whichever rows the loop backwards together (docs/users.md, docs/python-api.md)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import dpclip
+from dpclip.errors import DpclipError
+
+PEOPLE, RECORDS, K = 40, 5, 2
+
+
+def _private(**kwargs):
+    g = torch.Generator().manual_seed(0)
+    n = PEOPLE * RECORDS
+    data = TensorDataset(torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g))
+    users = [f"person-{i % PEOPLE}" for i in range(n)]          # records interleaved across people
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    options = {"criterion": nn.CrossEntropyLoss(), "delta": 1e-5, "noise_multiplier": 1.0, "steps": 15,
+               "max_grad_norm": 1.0, "users": users, "max_records_per_user": K, **kwargs}
+    return dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=8),
+                               **options), users
+
+
+def test_people_are_sampled_at_most_k_records_each_and_every_row_weighs_one_over_k(monkeypatch):
+    private, users = _private()
+    model, optimizer, criterion, loader = private
+    seen = []
+    real = private.engine.backward
+
+    def spy(losses, **kwargs):
+        seen.append(kwargs["row_weights"].clone())
+        return real(losses, **kwargs)
+    monkeypatch.setattr(private.engine, "backward", spy)
+    for x, y in loader:
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        optimizer.step()
+    assert private.plan.plan.unit == "user" and private.plan.plan.sample_rate == 8 / PEOPLE
+    assert any(line.startswith("privacy unit: user-level") for line in private.statement())
+    assert seen and all(bool((w == 1.0 / K).all()) for w in seen)
+
+
+def test_the_sampler_takes_at_most_k_records_of_a_person_per_step():
+    private, users = _private()
+    sampler = private.data_loader.batch_sampler.draws
+    for batch in sampler:
+        counts = Counter(users[i] for i in batch.tolist())
+        assert not counts or max(counts.values()) <= K
+
+
+def test_one_persons_rows_weigh_at_most_one_together_whatever_the_loop_backwards():
+    """The weight is 1/k on every row: k rows of one person (the most a step takes) weigh 1."""
+    private, _ = _private()
+    assert private.optimizer.tracker.row_weight * K == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"max_records_per_user": None}, "needs both users= and max_records_per_user="),
+    ({"users": ["a", "b"]}, "names 2 people's records"),
+    ({"max_records_per_user": 0}, "whole number >= 1"),
+    ({"poisson_sampling": False}, "samples people by Poisson sampling"),
+])
+def test_bad_user_level_arguments_are_refused_with_a_hint(options, message):
+    with pytest.raises(DpclipError, match=message) as caught:
+        _private(**options)
+    assert caught.value.hint
