@@ -1,4 +1,4 @@
-"""DPTrainer launched on 2 processes with torchrun trains data-parallel: with seeded sampling
+"""DPTrainer launched on 2 processes with torchrun or `accelerate launch` trains data-parallel: with seeded sampling
 and noise (tests only), it reaches the weights of the one-process run and writes the same
 ledger, whose ε is `dpclip account`'s on the same (σ, q, steps)."""
 
@@ -19,12 +19,20 @@ REPO = Path(__file__).resolve().parents[2]
 CASE = Path(trainer_ranks_case.__file__)
 
 
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+    # accelerate's own launcher (it runs torchrun with its settings; --multi_gpu is its data-parallel mode,
+    # which runs on the CPU with gloo when there is no GPU)
+    "accelerate launch": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
+}
+
+
 @pytest.mark.slow
-def test_a_trainer_on_two_processes_matches_one_process_and_dpclip_account(tmp_path, cli, capsys):
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_a_trainer_on_two_processes_matches_one_process_and_dpclip_account(tmp_path, cli, capsys, launcher):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    for out, launch in (("one", [sys.executable, str(CASE)]),
-                        ("two", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                 str(CASE)])):
+    for out, launch in (("one", [sys.executable, str(CASE)]), ("two", [*LAUNCHERS[launcher], str(CASE)])):
         done = subprocess.run(launch + [str(tmp_path / out)], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
