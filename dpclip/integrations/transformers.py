@@ -67,6 +67,7 @@ from dpclip.files import owner_only
 from dpclip.accounting import Ledger
 
 from dpclip.data.sampler import PoissonSampler
+from dpclip.data.user_sampler import UserPoissonSampler
 from dpclip.distributed import ShardedPoissonSampler
 from dpclip.errors import DpclipError
 from dpclip.integrations.parts import EmptyDrawCollate, PoissonBatches, PrivateOptimizer
@@ -96,6 +97,10 @@ class PrivacyArguments:
     accountant: str = "pld"
     unsafe_seed: int | None = None
     verify_every: int = 0   # the certificate's period in steps, beyond its own checks (docs/engine.md)
+    users_column: str | None = field(default=None, metadata={
+        "help": "user-level privacy: the dataset's column naming each example's person (docs/users.md)"})
+    max_records_per_user: int | None = field(default=None, metadata={
+        "help": "user-level privacy: the most records of one person in a step (k)"})
     max_grad_norm: InitVar[float | None] = None   # the same as per_sample_max_grad_norm, in Python only
 
     def __post_init__(self, max_grad_norm: float | None) -> None:
@@ -121,6 +126,25 @@ class PoissonParts(PoissonBatches):
         for batch in super().__iter__():
             for part in torch.tensor(batch, dtype=torch.int64).tensor_split(self.parts):
                 yield part.tolist()
+
+
+def trainer_people(dataset: Any, privacy: PrivacyArguments) -> Tensor | None:
+    """Each example's person, numbered 0..U-1 by first appearance, from ``privacy.users_column``
+    (None: example-level privacy)."""
+    column, k = privacy.users_column, privacy.max_records_per_user
+    if column is None and k is None:
+        return None
+    if column is None or k is None or isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise DpclipError("user-level privacy needs users_column= and max_records_per_user= (a whole number >= 1)",
+                          "PrivacyArguments(..., users_column='user_id', max_records_per_user=4)")
+    try:
+        ids = list(dataset[column]) if datasets_dataset(dataset) else [row[column] for row in dataset]
+    except (KeyError, TypeError) as exc:
+        raise DpclipError(f"the training data has no column {column!r} ({exc})",
+                          "name the column that says whose each example is") from None
+    numbering: dict = {}
+    return torch.tensor([numbering.setdefault(person if not isinstance(person, Tensor) else person.item(),
+                                              len(numbering)) for person in ids], dtype=torch.int64)
 
 
 def datasets_dataset(dataset: Any) -> bool:
@@ -163,7 +187,10 @@ class DPTrainer(Trainer):
                               "Poisson sampling draws examples by index: use a map-style dataset")
         self.per_sample_loss = per_sample_loss or default_per_sample_loss
         self.parts = training.gradient_accumulation_steps
-        num_examples = len(self.train_dataset)
+        self.people = trainer_people(self.train_dataset, privacy)   # user-level: each example's person, else None
+        self.row_weight = None if self.people is None else 1.0 / privacy.max_records_per_user
+        self.max_records_per_user = privacy.max_records_per_user
+        num_examples = len(self.train_dataset) if self.people is None else int(self.people.max()) + 1
         self.ranks = 1 if self.world is None else self.world.size
         self.expected_batch_size = training.per_device_train_batch_size * self.parts * self.ranks
         self.steps_per_pass = math.ceil(num_examples / self.expected_batch_size)
@@ -174,7 +201,8 @@ class DPTrainer(Trainer):
             self.model, spec, num_examples=num_examples, batch_size=self.expected_batch_size, steps=steps,
             delta=privacy.delta, target_epsilon=privacy.target_epsilon, noise_multiplier=privacy.noise_multiplier,
             accountant=privacy.accountant, sampling="poisson", unsafe_seed=privacy.unsafe_seed,
-            not_covered=(LOGGED_LOSS,), world=self.world, verify_every=privacy.verify_every)
+            not_covered=(LOGGED_LOSS,), world=self.world, verify_every=privacy.verify_every,
+            records_per_user=None if self.people is None else privacy.max_records_per_user)
         self.unsafe_seed = privacy.unsafe_seed
         self.train_sampler = None
         if self.world is not None:  # every rank starts from rank 0's weights; no DDP (module doc)
@@ -193,7 +221,11 @@ class DPTrainer(Trainer):
     def _sampler(self) -> PoissonParts:
         if self.train_sampler is None:  # one sampler for the whole run: its draws continue across passes
             plan, num_examples = self.account.plan.plan, len(self.train_dataset)
-            if self.world is None:
+            if self.people is not None:   # people sampled, at most k records each (this rank's people)
+                draws = UserPoissonSampler(self.people, plan.sample_rate, plan.steps, self.max_records_per_user,
+                                           seed=self.unsafe_seed, rank=0 if self.world is None else self.world.rank,
+                                           world_size=self.ranks)
+            elif self.world is None:
                 draws = PoissonSampler(num_examples, plan.sample_rate, plan.steps, seed=self.unsafe_seed)
             else:  # this rank's examples' part of each draw
                 draws = ShardedPoissonSampler(num_examples, plan.sample_rate, plan.steps, rank=self.world.rank,
@@ -238,7 +270,8 @@ class DPTrainer(Trainer):
         if losses.dim() != 1 or len(losses) != _rows(inputs):
             raise DpclipError(f"per_sample_loss returned shape {tuple(losses.shape)}, not one loss per example",
                               "return the loss of each example (reduction='none'), never a batch mean")
-        self.engine.backward(losses)
+        weights = None if self.row_weight is None else torch.full_like(losses, self.row_weight)
+        self.engine.backward(losses, row_weights=weights)   # user-level: every row 1/k (a person weighs ≤ 1)
         # Summed over the accumulated parts by the Trainer and averaged over the ranks when it
         # logs: the logical batch's loss over B.
         return losses.detach().sum() * self.ranks / self.expected_batch_size

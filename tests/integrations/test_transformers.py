@@ -263,3 +263,36 @@ def test_privacy_arguments_compose_with_training_arguments_in_one_parser(tmp_pat
         "--per_sample_max_grad_norm", "0.5"])
     assert training.max_grad_norm == 0 and privacy.per_sample_max_grad_norm == 0.5
     assert PrivacyArguments(delta=1e-5, max_grad_norm=0.5).per_sample_max_grad_norm == 0.5
+
+
+def test_user_level_privacy_samples_people_and_weighs_each_row_one_over_k(tmp_path, monkeypatch):
+    rows = _rows()
+    for i, row in enumerate(rows):
+        row["user_id"] = i % 8                      # 8 people, 5 records each
+    seen = []
+    trainer = DPTrainer(model=_bert(), args=_args(tmp_path, per_device_train_batch_size=2), train_dataset=rows,
+                        data_collator=lambda batch: _collate([{k: v for k, v in r.items() if k != "user_id"}
+                                                              for r in batch]),
+                        privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, per_sample_max_grad_norm=1.0,
+                                                 users_column="user_id", max_records_per_user=2))
+    real = trainer.engine.backward
+
+    def spy(losses, **kwargs):
+        seen.append(kwargs["row_weights"])
+        return real(losses, **kwargs)
+    monkeypatch.setattr(trainer.engine, "backward", spy)
+    trainer.train()
+    plan = trainer.account.plan.plan
+    assert plan.unit == "user" and plan.users == 8 and plan.sample_rate == 2 / 8
+    assert seen and all(bool((w == 0.5).all()) for w in seen)
+    privacy = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    assert any(line.startswith("privacy unit: user-level (8 people, at most 2 records") for line in privacy["statement"])
+    sampler = trainer._sampler().draws
+    assert sampler.max_per_user == 2
+
+
+def test_user_level_privacy_needs_both_arguments(tmp_path):
+    with pytest.raises(DpclipError, match="users_column= and max_records_per_user="):
+        DPTrainer(model=_bert(), args=_args(tmp_path), train_dataset=_rows(), data_collator=_collate,
+                  privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, per_sample_max_grad_norm=1.0,
+                                           users_column="user_id"))
