@@ -367,6 +367,12 @@ class PrivateOptimizer(torch.optim.Optimizer):
             self.last_grad_norm = float(torch.stack(norms).norm()) if norms else 0.0
         self.original.step()
 
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Opacus's BatchMemoryManager calls this: refused with its dpclip form."""
+        raise DpclipError("Opacus's BatchMemoryManager does not drive dpclip's optimizer",
+                          "pass max_physical_batch_size=M to make_private: its loader hands each drawn batch out "
+                          "in parts of at most M rows, and the noisy step comes after the last part")
+
     def state_dict(self) -> dict[str, Any]:
         return self.original.state_dict()
 

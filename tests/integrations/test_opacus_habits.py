@@ -138,3 +138,17 @@ def test_the_returned_loss_takes_arithmetic_and_checks_and_keeps_its_rows():
     (0.5 * (loss + 1.0)).backward()
     optimizer.step()
     assert private.ledger.steps == 1
+
+
+def test_opacus_batch_memory_manager_is_refused_with_its_dpclip_form():
+    pytest.importorskip("opacus")
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+    private = _opacus_style(noise_multiplier=1.0, max_grad_norm=1.0, target_delta=1e-5, steps=2)
+    model, optimizer, criterion, loader = private
+    with pytest.raises(DpclipError, match="BatchMemoryManager") as caught:
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=optimizer) as parts:
+            for x, y in parts:
+                criterion(model(x), y).backward()
+                optimizer.step()
+    assert "max_physical_batch_size" in caught.value.hint and private.ledger.steps == 0
