@@ -5,7 +5,7 @@ forward keeps each layer's input ``a``; the backward hands over its output gradi
 per-sample norms and the clipped sum ``aᵀ diag(c) b`` are then computed from the pair.
 Ordinary autograd would *also* compute the unweighted weight gradient ``aᵀ b`` of every
 layer, one wasted matmul per layer. To avoid it, each supported module's forward is
-routed through :class:`_BookkeptOp`, a custom autograd function whose backward returns
+routed through :class:`~dpclip.engine.bookkept_ops.BookkeptOp`, a custom autograd function whose backward returns
 the input gradient only (``None`` for the parameters) and passes ``(a, b)`` to the
 engine. How a module's call becomes such operations is its layer rule's business
 (:mod:`dpclip.engine.layers`): the rule's ``call`` receives a :class:`_Site` (the
@@ -17,9 +17,7 @@ How a module's forward is re-routed: an instance attribute ``forward`` shadows t
 method (``nn.Module.__call__`` looks it up on the instance), and :meth:`Bookkeeper.remove`
 deletes it again. Hooks registered by the user keep working.
 
-Length: about 450 lines: the autograd functions, the capture sites they report to and the
-keeper that routes the forwards share one protocol (which forward a use belongs to, when it
-may be delivered); split apart, each would need the others' internals.
+The two autograd functions and the call they carry are in :mod:`dpclip.engine.bookkept_ops`.
 """
 
 from __future__ import annotations
@@ -34,25 +32,17 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from dpclip.engine.batch_axis import BatchAxes, SiteBatch, check_batch
+from dpclip.engine.bookkept_ops import BookkeptOp, Call, OutputTap, engine_failure
 from dpclip.engine.batch_axis.layout import tensor_leaves
 from dpclip.engine.factors import Use
 from dpclip.engine.layers import LayerRule, find_layer_rule
 from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
-from dpclip.engine.parametrized import Derived, derived_tensors, is_parametrization, original_uses, pinned
+from dpclip.engine.parametrized import Derived, derived_tensors, is_parametrization, original_uses
 from dpclip.engine.precision import engine_math
 from dpclip.engine.refusals import refuse_unsupported
 from dpclip.engine.stash import StashMeter  # noqa: F401  (imported from here by microbatch)
 from dpclip.errors import DpclipError, EngineError
 
-
-def engine_failure(label: str, operation: str, tensors, exc: Exception) -> EngineError:
-    """An exception raised inside the engine's hooks, as an EngineError naming the module, the
-    operation and the shapes it had (``dpclip --debug`` keeps the original traceback)."""
-    shapes = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in tensors][:6]
-    return EngineError(f"module {label}: the engine's {operation} failed on tensors of shapes {shapes} "
-                       f"({type(exc).__name__}: {exc})",
-                       "the engine cannot follow this module's per-sample gradients: freeze it, replace it, "
-                       "or report the model with `dpclip --debug` output (docs/engine.md, \"What is refused\")")
 
 @dataclass(eq=False)
 class Unit:
@@ -80,21 +70,6 @@ class _Active:
     batch_size: int
     sink: Callable[[int, Use], None]
     generation: int
-
-
-@dataclass(eq=False)
-class _Call:
-    """One book-kept operation or tap of a unit, waiting for its backward."""
-
-    keeper: "Bookkeeper"
-    unit: Unit
-    generation: int
-    rule: object = None                              # forward / input_grad / uses
-    info: object = None
-    names: tuple[str, ...] = ()                      # parameters it delivers a use for
-    on_grads: Callable | None = None                 # for a tap: (grads, batch) -> uses
-    batch: int = 0                                   # B of the forward that made it
-    weights: dict = field(default_factory=dict)      # parametrized tensors as this call computed them
 
 
 class _Site(SiteBatch):
@@ -139,19 +114,19 @@ class _Site(SiteBatch):
         if not names:  # nothing trainable: plain autograd through the frozen parameters
             return rule.forward(self.module, x, info)
         keeper, unit = self._keeper, self._unit
-        call = _Call(keeper, unit, keeper.generation, rule, info, names, batch=keeper.axes.batch,
+        call = Call(keeper, unit, keeper.generation, rule, info, names, batch=keeper.axes.batch,
                      weights={n: by_name[n] for n in names if n in self._derived})
         keeper.count(unit, names)
-        return _BookkeptOp.apply(call, x, *self._op_inputs(by_name, names))
+        return BookkeptOp.apply(call, x, *self._op_inputs(by_name, names))
 
     def tap(self, outputs: list[Tensor], on_grads: Callable) -> tuple[Tensor, ...]:
         keeper, unit = self._keeper, self._unit
         by_name = self._by_name
         names = tuple(by_name)
-        call = _Call(keeper, unit, keeper.generation, names=names, on_grads=on_grads,
+        call = Call(keeper, unit, keeper.generation, names=names, on_grads=on_grads,
                      batch=keeper.axes.batch, weights={n: by_name[n] for n in self._derived})
         keeper.count(unit, names)
-        return _OutputTap.apply(call, len(outputs), *outputs, *self._op_inputs(by_name, names))
+        return OutputTap.apply(call, len(outputs), *outputs, *self._op_inputs(by_name, names))
 
     @contextmanager
     def bypass(self) -> Iterator[None]:
@@ -164,90 +139,6 @@ class _Site(SiteBatch):
 
     def plain(self):
         return self._keeper.plain()
-
-
-def _not_a_view(out: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:
-    """``out`` as a tensor autograd does not treat as a view, so that it may be modified in
-    place (``h += x``, ``nn.ReLU(inplace=True)``).
-
-    Autograd forbids in-place changes to a view made inside a custom Function, and
-    ``F.linear`` on a [B, T, d] input returns a view of its [B·T, p] ``addmm`` result (as
-    does ``addmm(...).view``). That buffer was made inside the op and nothing else holds or
-    saved it (a rule never keeps its output), so the same memory is returned as a plain
-    tensor (``aten._unsafe_view``: no copy, but a version counter of its own). A view of one
-    of the op's inputs must stay tied to that input and is copied instead (no rule of
-    dpclip's returns one)."""
-    if not out._is_view():
-        return out
-    storage = out.untyped_storage().data_ptr()
-    if any(t.untyped_storage().data_ptr() == storage for t in inputs):
-        return out.clone()
-    return torch.ops.aten._unsafe_view(out, out.shape)
-
-
-class _BookkeptOp(torch.autograd.Function):
-    """y = layer(a); backward returns dL/da only and hands (a, dL/dy) to the engine.
-
-    The parameters are inputs so that autograd calls this backward even when ``a``
-    needs no gradient (the first layer); their gradient is ``None``, so autograd never
-    forms the unweighted ``aᵀb``.
-    """
-
-    @staticmethod
-    def forward(ctx, call: _Call, x: Tensor, *params: Tensor) -> Tensor:
-        ctx.call = call
-        ctx.n_params = len(params)
-        ctx.save_for_backward(x)
-        return _not_a_view(call.rule.forward(call.unit.module, x, call.info), (x,) + params)
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        (x,) = ctx.saved_tensors
-        call: _Call = ctx.call
-        rule, module = call.rule, call.unit.module
-        if call.keeper.silent:   # the certificate reads the loss head's cotangents: zeros flow here
-            return (None, torch.zeros_like(x) if ctx.needs_input_grad[1] else None) + (None,) * ctx.n_params
-        try:
-            with pinned(module, call.weights):
-                grad_x = rule.input_grad(module, x, grad_out, call.info) if ctx.needs_input_grad[1] else None
-                call.keeper.deliver_layer(call, x, grad_out)
-        except DpclipError:
-            raise
-        except Exception as exc:
-            raise engine_failure(call.unit.label, f"backward ({rule.name} rule)", (x, grad_out), exc) from exc
-        return (None, grad_x) + (None,) * ctx.n_params
-
-
-class _OutputTap(torch.autograd.Function):
-    """Identity on a module's outputs; its backward sees all output grads at once.
-
-    The outputs are copies: a view would make an in-place change of the module's output
-    (``out += y``) an autograd error, and the module's own backward may have saved the
-    original. The copy is small beside the per-sample recomputation of the torch.func rule,
-    the only user of a tap."""
-
-    @staticmethod
-    def forward(ctx, call: _Call, n_out: int, *tensors: Tensor):
-        ctx.call = call
-        ctx.n_out = n_out
-        ctx.n_params = len(tensors) - n_out
-        return tuple(t.clone() for t in tensors[:n_out])
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor):
-        if ctx.call.keeper.silent:   # the certificate reads the loss head's cotangents (above)
-            passed = tuple(torch.zeros_like(g) if ctx.needs_input_grad[2 + i] and g is not None else None
-                           for i, g in enumerate(grads))
-            return (None, None) + passed + (None,) * ctx.n_params
-        try:
-            with pinned(ctx.call.unit.module, ctx.call.weights):
-                ctx.call.keeper.deliver_tap(ctx.call, grads)
-        except DpclipError:
-            raise
-        except Exception as exc:
-            raise engine_failure(ctx.call.unit.label, "per-sample backward (torch.func fallback)", grads, exc) from exc
-        passed = tuple(g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(grads))
-        return (None, None) + passed + (None,) * ctx.n_params
 
 
 class Bookkeeper:
@@ -457,7 +348,7 @@ class Bookkeeper:
         finally:
             self._active = None
 
-    def _check(self, call: _Call) -> _Active:
+    def _check(self, call: Call) -> _Active:
         active = self._active
         if active is None:
             raise EngineError(
@@ -469,7 +360,7 @@ class Bookkeeper:
                 "previous engine.backward", "call engine.backward once after each forward")
         return active
 
-    def deliver_layer(self, call: _Call, x: Tensor, grad_out: Tensor) -> None:
+    def deliver_layer(self, call: Call, x: Tensor, grad_out: Tensor) -> None:
         active = self._check(call)
         check_batch(call.unit.label, call.batch, active.batch_size)
         if x.dim() == 0 or x.shape[0] != active.batch_size or grad_out.shape[0] != active.batch_size:
@@ -480,13 +371,13 @@ class Bookkeeper:
         uses = call.rule.uses(call.unit.module, x, grad_out, call.info)
         self._sink(active, call, uses)
 
-    def deliver_tap(self, call: _Call, grads: tuple[Tensor, ...]) -> None:
+    def deliver_tap(self, call: Call, grads: tuple[Tensor, ...]) -> None:
         active = self._check(call)
         check_batch(call.unit.label, call.batch, active.batch_size)
         self._sink(active, call, call.on_grads(grads, active.batch_size))
 
 
-    def _sink(self, active: _Active, call: _Call, uses: dict) -> None:
+    def _sink(self, active: _Active, call: Call, uses: dict) -> None:
         derived = [(idx, use) for name, originals in call.unit.derived if name in call.names
                    for (_, _, idx), use in zip(originals, original_uses(
                        call.weights[name], [p for _, p, _ in originals], uses[name]))]

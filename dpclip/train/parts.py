@@ -15,6 +15,7 @@ a checkpoint holds (:mod:`dpclip.train.state`).
 
 from __future__ import annotations
 
+import json
 import secrets as os_entropy
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dpclip import layout
 from dpclip.accounting import solve
 from dpclip.data import PoissonSampler, ShuffleSampler, load_data, select
 from dpclip.data.canaries import canary_seed, make_canaries, with_canaries
@@ -44,7 +46,7 @@ from dpclip.train.phases import continual_run
 from dpclip.train.plan import (correlated_noise_note, count_groups, engine_clipping, privacy_plan, privacy_units,
                                private_seed, strategy_workload, timing_clipping)
 from dpclip.train.ranks import check_ranks
-from dpclip.train.rundir import PLAN_FIELDS, recipe_changes, stored_split_key
+from dpclip.train.rundir import PLAN_FIELDS, recipe_changes
 from dpclip.train.step import PrivateStep, step_micro_batch_size, step_precision
 
 # Stand-in noise for timing only: the cost of a step does not depend on σ.
@@ -121,6 +123,17 @@ def seeded_data(recipe: Recipe, data=None, split_key: int | None = None):
     # generators from OS entropy (dpclip.rng).
     torch.manual_seed(recipe.seed)
     return load_data(recipe.data, seed=recipe.seed, split_key=split_key) if data is None else data
+
+
+def stored_split_key(run_dir: Path) -> int | None:
+    """The key a run's train/test split was drawn with (meta.json, secret); None for a run whose
+    split the recipe's seed drew (seeded randomness, or made before runs had a key)."""
+    path = Path(run_dir) / layout.META
+    if not path.exists():
+        raise DpclipError(f"{run_dir} has no meta.json, so its members cannot be rebuilt",
+                          "pass the folder that `dpclip train` created under runs/")
+    key = json.loads(path.read_text(encoding="utf-8")).get("split_key")
+    return None if key is None else int(key)
 
 
 def split_key(recipe: Recipe, world: World, run_dir: Path | None) -> int | None:

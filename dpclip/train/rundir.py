@@ -426,17 +426,6 @@ def public_plan_record(meta: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def stored_split_key(run_dir: Path) -> int | None:
-    """The key a run's train/test split was drawn with (meta.json, secret); None for a run whose
-    split the recipe's seed drew (seeded randomness, or made before runs had a key)."""
-    path = Path(run_dir) / layout.META
-    if not path.exists():
-        raise DpclipError(f"{run_dir} has no meta.json, so its members cannot be rebuilt",
-                          "pass the folder that `dpclip train` created under runs/")
-    key = json.loads(path.read_text(encoding="utf-8")).get("split_key")
-    return None if key is None else int(key)
-
-
 def meta_record(recipe: Recipe, data, info: dict[str, Any]) -> dict[str, Any]:
     return {
         "dpclip": __version__,

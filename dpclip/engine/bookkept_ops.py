@@ -1,0 +1,128 @@
+"""The two autograd functions a book-kept module's call goes through, and the call they carry
+(:mod:`dpclip.engine.bookkeeping` routes the forwards and delivers the uses).
+
+:class:`BookkeptOp` is one layer operation whose backward returns the input gradient only and
+hands (input, output gradient) to the keeper; :class:`OutputTap` is the identity on a module's
+outputs, whose backward hands the output gradients to the torch.func rule. Neither lets autograd
+form a parameter's unweighted gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from dpclip.engine.parametrized import pinned
+from dpclip.errors import DpclipError, EngineError
+
+
+def engine_failure(label: str, operation: str, tensors, exc: Exception) -> EngineError:
+    """An exception raised inside the engine's hooks, as an EngineError naming the module, the
+    operation and the shapes it had (``dpclip --debug`` keeps the original traceback)."""
+    shapes = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in tensors][:6]
+    return EngineError(f"module {label}: the engine's {operation} failed on tensors of shapes {shapes} "
+                       f"({type(exc).__name__}: {exc})",
+                       "the engine cannot follow this module's per-sample gradients: freeze it, replace it, "
+                       "or report the model with `dpclip --debug` output (docs/engine.md, \"What is refused\")")
+
+
+@dataclass(eq=False)
+class Call:
+    """One book-kept operation or tap of a unit, waiting for its backward."""
+
+    keeper: Any                                       # the Bookkeeper
+    unit: Any                                         # its Unit
+    generation: int
+    rule: object = None                              # forward / input_grad / uses
+    info: object = None
+    names: tuple[str, ...] = ()                      # parameters it delivers a use for
+    on_grads: Callable | None = None                 # for a tap: (grads, batch) -> uses
+    batch: int = 0                                   # B of the forward that made it
+    weights: dict = field(default_factory=dict)      # parametrized tensors as this call computed them
+
+
+def not_a_view(out: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:
+    """``out`` as a tensor autograd does not treat as a view, so that it may be modified in
+    place (``h += x``, ``nn.ReLU(inplace=True)``).
+
+    Autograd forbids in-place changes to a view made inside a custom Function, and
+    ``F.linear`` on a [B, T, d] input returns a view of its [B·T, p] ``addmm`` result (as
+    does ``addmm(...).view``). That buffer was made inside the op and nothing else holds or
+    saved it (a rule never keeps its output), so the same memory is returned as a plain
+    tensor (``aten._unsafe_view``: no copy, but a version counter of its own). A view of one
+    of the op's inputs must stay tied to that input and is copied instead (no rule of
+    dpclip's returns one)."""
+    if not out._is_view():
+        return out
+    storage = out.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() == storage for t in inputs):
+        return out.clone()
+    return torch.ops.aten._unsafe_view(out, out.shape)
+
+
+class BookkeptOp(torch.autograd.Function):
+    """y = layer(a); backward returns dL/da only and hands (a, dL/dy) to the engine.
+
+    The parameters are inputs so that autograd calls this backward even when ``a``
+    needs no gradient (the first layer); their gradient is ``None``, so autograd never
+    forms the unweighted ``aᵀb``.
+    """
+
+    @staticmethod
+    def forward(ctx, call: Call, x: Tensor, *params: Tensor) -> Tensor:
+        ctx.call = call
+        ctx.n_params = len(params)
+        ctx.save_for_backward(x)
+        return not_a_view(call.rule.forward(call.unit.module, x, call.info), (x,) + params)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        (x,) = ctx.saved_tensors
+        call: Call = ctx.call
+        rule, module = call.rule, call.unit.module
+        if call.keeper.silent:   # the certificate reads the loss head's cotangents: zeros flow here
+            return (None, torch.zeros_like(x) if ctx.needs_input_grad[1] else None) + (None,) * ctx.n_params
+        try:
+            with pinned(module, call.weights):
+                grad_x = rule.input_grad(module, x, grad_out, call.info) if ctx.needs_input_grad[1] else None
+                call.keeper.deliver_layer(call, x, grad_out)
+        except DpclipError:
+            raise
+        except Exception as exc:
+            raise engine_failure(call.unit.label, f"backward ({rule.name} rule)", (x, grad_out), exc) from exc
+        return (None, grad_x) + (None,) * ctx.n_params
+
+
+class OutputTap(torch.autograd.Function):
+    """Identity on a module's outputs; its backward sees all output grads at once.
+
+    The outputs are copies: a view would make an in-place change of the module's output
+    (``out += y``) an autograd error, and the module's own backward may have saved the
+    original. The copy is small beside the per-sample recomputation of the torch.func rule,
+    the only user of a tap."""
+
+    @staticmethod
+    def forward(ctx, call: Call, n_out: int, *tensors: Tensor):
+        ctx.call = call
+        ctx.n_out = n_out
+        ctx.n_params = len(tensors) - n_out
+        return tuple(t.clone() for t in tensors[:n_out])
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        if ctx.call.keeper.silent:   # the certificate reads the loss head's cotangents (above)
+            passed = tuple(torch.zeros_like(g) if ctx.needs_input_grad[2 + i] and g is not None else None
+                           for i, g in enumerate(grads))
+            return (None, None) + passed + (None,) * ctx.n_params
+        try:
+            with pinned(ctx.call.unit.module, ctx.call.weights):
+                ctx.call.keeper.deliver_tap(ctx.call, grads)
+        except DpclipError:
+            raise
+        except Exception as exc:
+            raise engine_failure(ctx.call.unit.label, "per-sample backward (torch.func fallback)", grads, exc) from exc
+        passed = tuple(g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(grads))
+        return (None, None) + passed + (None,) * ctx.n_params
