@@ -80,6 +80,14 @@ class UserPoissonSampler(PoissonSampler):
         return {**super().state_dict(), "rank": self.rank, "world_size": self.world_size}
 
 
+def number_people(ids) -> torch.Tensor:
+    """One person id per record (any hashable values, or 0-d tensors) numbered 0..U-1 in order of
+    first appearance, as the user sampler takes them."""
+    numbering: dict = {}
+    return torch.tensor([numbering.setdefault(person.item() if isinstance(person, torch.Tensor) else person,
+                                              len(numbering)) for person in ids], dtype=torch.int64)
+
+
 def user_weights(users_of_rows: torch.Tensor) -> torch.Tensor:
     """1/(rows of the same person in the batch) for each row: a person's rows weigh 1 together,
     so their clipped contribution is at most C, whatever the number of records taken."""

@@ -65,24 +65,21 @@ class DrawTracker:
 
     def loss(self, rows: int) -> None:
         self._open_draw("a loss")
-        if rows > self.handed:
-            raise DpclipError(f"a loss over {rows} rows, but the data loader handed out {self.handed} of this batch",
-                              LOOP_HINT)
+        if rows > self.handed:   # no counts in the message: a Poisson draw's size is private
+            raise DpclipError("a loss over more rows than the data loader handed out of this batch", LOOP_HINT)
 
     def backward(self, rows: int) -> None:
         self._open_draw("loss.backward()")
         if self.backwarded + rows > self.handed:
-            raise DpclipError(f"a second backward over batch {self.draws} ({self.backwarded + rows} rows "
-                              f"backwarded of {self.handed}): each example's clipped gradient may enter its step "
-                              "once", LOOP_HINT)
+            raise DpclipError(f"a second backward over batch {self.draws}: each example's clipped gradient may "
+                              "enter its step once", LOOP_HINT)
         self.backwarded += rows
 
     def step(self) -> bool:
         """Whether the noisy step is due now (False: parts of the draw are still to come)."""
         self._open_draw("optimizer.step()")
         if self.backwarded < self.handed:
-            raise DpclipError(f"optimizer.step() with {self.handed - self.backwarded} of batch {self.draws}'s rows "
-                              "not backwarded", LOOP_HINT)
+            raise DpclipError(f"optimizer.step() with rows of batch {self.draws} not backwarded", LOOP_HINT)
         if self.handed < self.rows:
             return False
         self.rows = None

@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from dpclip.accounting import Ledger, PlanResult
 from dpclip.data.sampler import PoissonSampler
-from dpclip.data.user_sampler import UserPoissonSampler
+from dpclip.data.user_sampler import UserPoissonSampler, number_people
 from dpclip.distributed import ShardedPoissonSampler, World
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
@@ -274,8 +274,7 @@ def person_ids(users: Any, k: int | None, records: int, poisson_sampling: bool, 
     if not poisson_sampling or world is not None:
         raise DpclipError("user-level privacy samples people by Poisson sampling in one process",
                           "keep poisson_sampling=True; across processes, use dpclip train (docs/users.md)")
-    numbering: dict = {}
-    return torch.tensor([numbering.setdefault(person, len(numbering)) for person in ids], dtype=torch.int64)
+    return number_people(ids)
 
 
 def opacus_arguments(model, module, delta, target_delta, clipping, max_grad_norm, loss_reduction: str,

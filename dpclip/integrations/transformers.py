@@ -67,7 +67,7 @@ from dpclip.files import owner_only
 from dpclip.accounting import Ledger
 
 from dpclip.data.sampler import PoissonSampler
-from dpclip.data.user_sampler import UserPoissonSampler
+from dpclip.data.user_sampler import UserPoissonSampler, number_people
 from dpclip.distributed import ShardedPoissonSampler
 from dpclip.errors import DpclipError
 from dpclip.integrations.parts import EmptyDrawCollate, PoissonBatches, PrivateOptimizer
@@ -142,9 +142,7 @@ def trainer_people(dataset: Any, privacy: PrivacyArguments) -> Tensor | None:
     except (KeyError, TypeError) as exc:
         raise DpclipError(f"the training data has no column {column!r} ({exc})",
                           "name the column that says whose each example is") from None
-    numbering: dict = {}
-    return torch.tensor([numbering.setdefault(person if not isinstance(person, Tensor) else person.item(),
-                                              len(numbering)) for person in ids], dtype=torch.int64)
+    return number_people(ids)
 
 
 def datasets_dataset(dataset: Any) -> bool:

@@ -152,3 +152,12 @@ def test_opacus_batch_memory_manager_is_refused_with_its_dpclip_form():
                 criterion(model(x), y).backward()
                 optimizer.step()
     assert "max_physical_batch_size" in caught.value.hint and private.ledger.steps == 0
+
+
+def test_fix_stops_instance_norm_tracking_running_statistics():
+    model = nn.Sequential(nn.Conv1d(1, 4, 3), nn.InstanceNorm1d(4, affine=True, track_running_stats=True))
+    fixed = dpclip.fix(model)
+    norm = fixed[1]
+    assert isinstance(norm, nn.InstanceNorm1d) and not norm.track_running_stats
+    assert norm.running_mean is None and norm.running_var is None
+    assert fixed(torch.randn(3, 1, 6)).shape == (3, 4, 4)

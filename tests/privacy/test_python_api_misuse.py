@@ -220,3 +220,23 @@ def test_a_checkpoint_of_another_plan_is_refused():
         other, _ = _private(noise_multiplier=2.0)
         with pytest.raises(DpclipError, match="planned as"):
             other.load_checkpoint(path)
+
+
+def test_your_own_loader_with_poisson_sampling_false_is_held_to_one_step_per_batch_and_stated():
+    """poisson_sampling=False keeps your loader's batches: still one noisy step per batch, and
+    the statement says they were accounted as if Poisson-sampled."""
+    private, released = _private(poisson_sampling=False)
+    model, optimizer, criterion, loader = private
+    for k, (x, y) in enumerate(loader):
+        assert len(x) == 40                        # your loader's fixed batches
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        optimizer.step()
+    assert private.ledger.steps == len(released) == 5
+    assert any("shuffled" in line for line in private.statement())
+
+    def accumulate(model, optimizer, criterion, loader):
+        for x, y in loader:
+            criterion(model(x), y).backward()
+    again, released = _private(poisson_sampling=False)
+    _refused(again, released, accumulate, "drew batch 2 before optimizer.step")
