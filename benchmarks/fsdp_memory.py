@@ -195,7 +195,7 @@ def _rank(rank: int, size: int, port: int, sizes: dict, out: str) -> None:
                                          if "bucket_elements" in sizes else {}))
         engine = DPEngine(model, CLIPPING, gradient_noise_multiplier=1.0, expected_batch_size=sizes["batch"],
                           seed=0, reducer=reducer)
-        engine.establish(lambda: per_sample_loss(model, ids[:3]))
+        engine.certify(lambda: per_sample_loss(model, ids[:4]), before="sharding")
         shards.shard(engine)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # after sharding: its state is sharded
         world.any(False)  # the ranks start together

@@ -85,6 +85,8 @@ def _rank(rank: int, port: int, sizes: dict, out: str) -> None:
             model = _model(width, depth)
             clipping = {"grouping": {"stages": ["^0$", cut]}, "threshold": {"kind": "fixed", "value": 1.0}, **extra}
             engine = pipeline_engine(model, clipping, world, flat=flat, gradient_noise_multiplier=1.0,
+                                     run_losses=lambda: cross_entropy(model(train["features"][:8]),
+                                                                      {"labels": train["labels"][:8]}),
                                      expected_batch_size=batch, sample_rate=0.01)
             optimizer = torch.optim.SGD(engine.module.parameters(), lr=0.01)
             steps[name] = PipelineStep(engine, optimizer, train, cross_entropy, "features", sizes["micro"])

@@ -192,11 +192,22 @@ class PipelineEngine:
         self.engine.detach()
 
 
-def pipeline_engine(model: nn.Module, clipping: dict, world: World, *, flat: bool = False,
-                    **engine_args) -> PipelineEngine:
+def certify_before_cut(model: nn.Module, clipping: dict, expected_batch_size: int, run_losses):
+    """The certificate's check of the whole model, before it is cut into stages (a stage's backward
+    starts from the next stage's gradient, so no stage's step can replay a sample alone): an engine
+    on the whole model with the clipping of one process, detached after. ``run_losses()``:
+    per-sample losses of a few training rows. Returns the check's record; a mismatch raises."""
+    with DPEngine(model, clipping, gradient_noise_multiplier=0.0, expected_batch_size=expected_batch_size) as whole:
+        return whole.certify(run_losses, before="the pipeline cut")
+
+
+def pipeline_engine(model: nn.Module, clipping: dict, world: World, *, run_losses: Callable[[], torch.Tensor],
+                    flat: bool = False, **engine_args) -> PipelineEngine:
     """This rank's stage of ``model`` with its engine. ``clipping`` is the whole model's (a
     ``{stages: [...]}`` grouping of one stage per rank); ``flat``: one threshold over all stages
-    instead (its grouping names the cut only)."""
+    instead (its grouping names the cut only). ``run_losses()``: per-sample losses of the whole
+    model on a few training rows, on which every rank checks the whole model first
+    (:func:`certify_before_cut`); a refusal on any rank stops every rank."""
     grouping = clipping.get("grouping")
     if not isinstance(grouping, dict) or "stages" not in grouping:
         raise DpclipError("training.parallel: pipeline cuts the model where clipping.grouping: {stages: [...]} "
@@ -217,11 +228,15 @@ def pipeline_engine(model: nn.Module, clipping: dict, world: World, *, flat: boo
             raise DpclipError("one flat threshold over pipeline stages takes a fixed threshold", None)
     else:
         local["threshold"] = stage_threshold(clipping["threshold"], world.rank, world.size)
+    whole = dict(clipping, grouping="all-layer") if flat else clipping
+    checked = world.on_every_rank(lambda: certify_before_cut(model, whole, engine_args.get("expected_batch_size", 1),
+                                                             run_losses))
     link = StageLinkOverRanks(world, flat=flat)
     seed = engine_args.pop("seed", None)
     if seed is not None:  # seeded (unsafe) mode: a stream per stage, never one stream twice
         seed = int(seed) * 1009 + world.rank
     engine = DPEngine(module, local, seed=seed, stage=link, **engine_args)
+    engine.certificate.carry(checked)
     names = ["all-layer"] if flat else list(groups.names)
     return PipelineEngine(engine, link, names, model, bounds, module)
 

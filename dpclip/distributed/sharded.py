@@ -190,8 +190,8 @@ class Shards:
 
     1. ``Shards(model, world)``, before the engine: rank 0 keeps a meta-device copy of the
        whole model (its structure, for checkpoints);
-    2. the engine is built on the whole model with a :class:`ShardReducer` and probes its batch
-       axes (:meth:`DPEngine.establish`);
+    2. the engine is built on the whole model with a :class:`ShardReducer`, which the certificate
+       checks on a few training rows (:meth:`DPEngine.certify`; it probes the batch axes too);
     3. :meth:`shard` cuts the model (FSDP2's ``fully_shard``: each block, then the root), and
        the engine adopts the shards (:meth:`DPEngine.adopt_parameters`);
     4. the optimizer is built on the shards, so its state is sharded too.

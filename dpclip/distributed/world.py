@@ -65,6 +65,21 @@ class World:
         run_collective(dist.all_reduce, value, op=dist.ReduceOp.MAX)
         return bool(value.item() > 0)
 
+    def on_every_rank(self, check: Callable[[], Any]) -> Any:
+        """``check()`` on this rank; if it raised a DpclipError on any rank, every rank raises it
+        (the others name the rank): a refusal on one rank must not leave the others waiting."""
+        try:
+            out, refusal = check(), None
+        except DpclipError as exc:
+            out, refusal, raised = None, (exc.message, exc.hint), exc
+        refusals = self.all_gather(refusal)
+        if refusal is not None:
+            raise raised
+        rank, first = next(((r, f) for r, f in enumerate(refusals) if f is not None), (None, None))
+        if first is not None:
+            raise PeerStopped(f"rank {rank}: {first[0]}", first[1])
+        return out
+
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         if self.size == 1:

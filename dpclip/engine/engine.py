@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from dpclip.accounting import gradient_step_event
 
 from dpclip.engine.bookkeeping import Bookkeeper
-from dpclip.engine.certificate import Certificate, NotReproducible
-from dpclip.engine.certificate.dry import check_in_eval_mode
+from dpclip.engine.certificate import Certificate, CertificateRecord, NotReproducible
+from dpclip.engine.certificate.dry import check_before, check_in_eval_mode
 from dpclip.engine.clip import make_clip_fn
 from dpclip.engine.blt import noise_streamer
 from dpclip.engine.groups import (Groups, build_groups, sole_user_groups, trainable_params,
@@ -213,19 +213,25 @@ class DPEngine:
         with self._keeper.plain():
             yield
 
-    def establish(self, forward) -> None:
-        """Run ``forward()``, a forward of the model on a few examples whose output is thrown
-        away, to probe its layers' batch axes now (otherwise the first step's forward does).
-        A model about to be sharded needs it: a probe runs the whole model, which a rank of a
-        sharded model cannot do alone (docs/distributed.md, "Sharded training")."""
-        with torch.enable_grad():
-            forward()
-        self._keeper.take_forward_counts()
+    def certify(self, run_losses, before: str = "training") -> CertificateRecord:
+        """The certificate's check now, on rows of its own: ``run_losses()`` runs the model on a few
+        rows and returns their per-sample losses [b]. Their clipped sums are thrown away; a mismatch
+        raises EngineError. For a model no step can check (sharded next, or cut into pipeline
+        stages: docs/engine.md, "The certificate"); ``before`` names what follows, for the report."""
+        return check_before(self.certificate, self.model, run_losses,
+                            lambda losses, rows: self._scratch_micro_batch(losses, rows, None),
+                            self.steps, 1.0 / self.expected_batch_size, before)
 
     def adopt_parameters(self, why_sealed: str) -> None:
         """Take the model's parameters as they are now: FSDP's ``fully_shard`` replaced each by
         a sharded one, under the same module and name. No probe may run after (``why_sealed``
-        says why, in the refusal that asks for one)."""
+        says why, in the refusal that asks for one), and no step can be checked: the whole model
+        must have been, by :meth:`certify`."""
+        if self.certificate.checks == 0:
+            raise EngineError("the model is about to be sharded but the certificate never checked it whole, "
+                              "so no step of it could be vouched for",
+                              "call engine.certify(lambda: per-sample losses of a few training rows) before "
+                              "sharding (docs/distributed.md, \"Sharded training\")")
         adopted = self._keeper.adopt_current_parameters(why_sealed)
         missed = [self.groups.params[i].name for i in range(len(self._params)) if i not in adopted]
         if missed:
@@ -364,6 +370,9 @@ class DPEngine:
             raise EngineError("engine.finish_micro_batch without a captured backward",
                               "wrap the backward in `with engine.capture(batch_size):` first")
         micro, samples = self._captured.pop(0)
+        if not self._vouched():
+            micro.discard()
+            self._refuse_unchecked()
         try:
             norms = micro.finish()
         except BaseException:
@@ -388,6 +397,15 @@ class DPEngine:
         self.policy.observe(norms) if weights is None else self.policy.observe(norms, weights[:samples])
         self._norms.append(norms.detach())
         self._samples += samples
+
+    def _vouched(self) -> bool:
+        """False for an engine whose steps cannot be checked and whose model never was, whole."""
+        return self.certificate.disabled is None or self.certificate.last is not None
+
+    def _refuse_unchecked(self) -> None:
+        raise EngineError(f"this engine's steps cannot be checked ({self.certificate.disabled}) and its "
+                          "model was never checked whole", "build pipeline stages with "
+                          "dpclip.distributed.pipeline.pipeline_engine, which checks the whole model first")
 
     def _scratch_micro_batch(self, losses: Tensor, rows: list[int], row_weights: Tensor | None) -> tuple:
         """The certificate's dry micro-batch (:mod:`dpclip.engine.certificate.dry`): the backward of
@@ -417,6 +435,8 @@ class DPEngine:
         """
         if self._captured:
             raise EngineError("privatize with a captured micro-batch not finished", "call finish_micro_batch first")
+        if not self._vouched():   # nothing of an unchecked model's sums leaves, with noise or not
+            self._refuse_unchecked()
         thresholds = self.policy.thresholds().detach().clone()
         std = stage_noise_stds(self.gradient_noise_multiplier, self.policy.sensitivity_thresholds(),
                                self.config["noise_allocation"], self._sizes, self.stage, self._stage_sizes)
@@ -469,8 +489,7 @@ class DPEngine:
             dp_event=event,
             samples_seen=self._samples,
             expected_batch_size=batch,
-            certificate=self.certificate.last if self.certificate.last is not None
-            and self.certificate.last.step == self.steps else None,
+            certificate=self.certificate.unreported(),
         )
         self.steps += 1
         self.certificate.step = self.steps

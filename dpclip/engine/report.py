@@ -88,7 +88,8 @@ class StepReport:
     samples_seen: int
     expected_batch_size: int
     # What the certificate verified in this step (docs/engine.md, "The certificate"), or None
-    # when no check was due: the step, the rows checked, the mode (alone, batch, eval).
+    # when no check ran since the last report: the step, the rows checked, the mode (alone, batch,
+    # eval), and ``before`` for the check on rows of its own before training (sharding, a pipeline cut).
     certificate: object = None
 
     def to_dict(self) -> dict:
@@ -110,7 +111,8 @@ class StepReport:
             "samples_seen": self.samples_seen,
             "expected_batch_size": self.expected_batch_size,
             "certificate": None if self.certificate is None else {
-                "rows": self.certificate.rows, "mode": self.certificate.mode},
+                "rows": self.certificate.rows, "mode": self.certificate.mode,
+                **({"before": self.certificate.before} if self.certificate.before else {})},
         }
 
 

@@ -50,6 +50,8 @@ from dpclip.train.rundir import PLAN_FIELDS, recipe_changes
 from dpclip.train.step import PrivateStep, step_micro_batch_size, step_precision
 
 # Stand-in noise for timing only: the cost of a step does not depend on σ.
+#: training rows a sharded or staged model is certified on before it is cut (docs/engine.md)
+CHECK_ROWS = 8
 TIMING_SIGMA = 1.0
 TIMING_STATISTIC_SIGMA = 5.0
 
@@ -175,17 +177,20 @@ def build_engine(model, clipping: dict[str, Any], *, gradient_noise_multiplier: 
                  noise_correlation=None, records_per_unit: int = 1, verify_every: int = 0):
     """The engine on ``model``: a :class:`~dpclip.engine.DPEngine`, or this rank's pipeline
     stage (docs/distributed.md, "Pipeline stages"). ``shards``: the model is cut over the ranks
-    once the engine has probed it on ``probe_rows`` (docs/distributed.md, "Sharded training")."""
+    once the engine has probed it (docs/distributed.md, "Sharded training"). A sharded or staged
+    model is certified first on ``probe_rows``, a few training rows, whole (docs/engine.md)."""
     if pipeline:
-        return pipeline_engine(model, clipping, world, gradient_noise_multiplier=gradient_noise_multiplier,
-                               expected_batch_size=batch_size, seed=seed, sample_rate=sample_rate,
+        return pipeline_engine(model, clipping, world, run_losses=lambda: loss_fn(model, probe_rows),
+                               gradient_noise_multiplier=gradient_noise_multiplier, expected_batch_size=batch_size,
+                               seed=seed, sample_rate=sample_rate,
                                noise_correlation=noise_correlation)  # each stage correlates its own parameters' noise
     if shards is not None:
         engine = DPEngine(model, clipping, gradient_noise_multiplier=gradient_noise_multiplier,
                           expected_batch_size=batch_size, seed=seed, sample_rate=sample_rate,
                           reducer=ShardReducer(shards.world), noise_correlation=noise_correlation,
                           records_per_unit=records_per_unit, verify_every=verify_every)
-        engine.establish(lambda: loss_fn(model, probe_rows))
+        # the whole model is checked before it is cut: a rank of a sharded one cannot replay alone
+        shards.world.on_every_rank(lambda: engine.certify(lambda: loss_fn(model, probe_rows), before="sharding"))
         shards.shard(engine)
         return engine
     return DPEngine(model, clipping, gradient_noise_multiplier=gradient_noise_multiplier, expected_batch_size=batch_size,
@@ -282,8 +287,10 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
                           gradient_noise_multiplier=solved.split.gradient_noise_multiplier, batch_size=recipe.training.batch_size,
                           seed=seed, sample_rate=plan.group_rate, world=world, pipeline=pipeline, shards=shards,
                           noise_correlation=noise_strategy(plan, strategy_workload(recipe)),
-                          # the probe's rows stay in the process (it runs the model on them, nothing more)
-                          probe_rows=select(ordinary.train, torch.arange(min(3, ordinary.num_train))), loss_fn=loss_fn,
+                          # the rows stay in the process: the check's outcome is the run going on, or a
+                          # refusal labelled not covered by ε (docs/accounting.md)
+                          probe_rows=select(ordinary.train, torch.arange(min(CHECK_ROWS, ordinary.num_train))),
+                          loss_fn=loss_fn,
                           records_per_unit=recipe.data.max_examples_per_user if recipe.privacy.unit == "user" else 1,
                           verify_every=recipe.privacy.verify_every)
     optimizer, private_step = build_step(recipe, model, loss_fn, engine, data.train, pipeline=pipeline, world=world,

@@ -117,13 +117,13 @@ def one_process(make, loss_fn, batch, clipping, n, steps=1, **kw):
 
 def sharded(world, make, loss_fn, batch, clipping, n, *, sigma=0.0, seed=None):
     """The model sharded over the ranks and its engine, as docs/distributed.md sets them up:
-    Shards before the engine, the batch axes probed on the whole model, then fully_shard."""
+    Shards before the engine, the whole model certified (which probes its batch axes), then fully_shard."""
     model = make()
     shards = Shards(model, world)
     engine = DPEngine(model, clipping, gradient_noise_multiplier=sigma, expected_batch_size=n, seed=seed,
                       # buckets of 500 elements: every model's sum goes out in several reduce-scatters
                       reducer=ShardReducer(world, bucket_elements=500))
-    engine.establish(lambda: loss_fn(model, take(batch, range(3))))
+    engine.certify(lambda: loss_fn(model, take(batch, range(3))), before="sharding")
     shards.shard(engine)
     return model, engine
 

@@ -44,7 +44,7 @@ def _one_sharded_step(world) -> None:
     shards = Shards(model, world)
     engine = DPEngine(model, {"grouping": "all-layer"}, gradient_noise_multiplier=1.0, expected_batch_size=4,
                       reducer=ShardReducer(world))
-    engine.establish(lambda: model(torch.randn(3, 4)))
+    engine.certify(lambda: model(torch.randn(3, 4)), before="sharding")
     shards.shard(engine)
     optimizer = torch.optim.AdamW(model.parameters())
     engine.backward(model(torch.randn(2, 4)))

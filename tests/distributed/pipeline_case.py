@@ -69,6 +69,7 @@ def pipeline(world, name: str, steps: int = 2) -> list[dict]:
     clipping, sigma = CASES[name]
     model, train = _model_and_data()
     engine = pipeline_engine(model, clipping, world, flat=name.startswith("flat"), gradient_noise_multiplier=sigma,
+                             run_losses=lambda: cross_entropy(model(train["features"][:8]), {"labels": train["labels"][:8]}),
                              expected_batch_size=24, seed=0, sample_rate=0.5)
     opt = torch.optim.SGD(engine.module.parameters(), lr=0.5)
     step = PipelineStep(engine, opt, train, cross_entropy, "features", MICRO,

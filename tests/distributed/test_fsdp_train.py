@@ -13,6 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from dpclip.errors import DpclipError
+from dpclip.files import read_jsonl
 from dpclip.layout import MODEL_WEIGHTS
 from dpclip.train.checkpoint import latest_checkpoint
 from dpclip.train.workflow import train
@@ -56,6 +57,12 @@ def test_a_sharded_run_charges_the_ledger_of_one_process(sharded_runs, tmp_path)
     ours = json.loads((sharded_runs / "whole" / "ledger.json").read_text())
     assert ours == json.loads((reference.run_dir / "ledger.json").read_text())
     assert sum(entry["count"] for entry in ours["entries"]) == 6
+
+
+def test_a_sharded_run_is_certified_whole_before_the_cut_and_says_so(sharded_runs):
+    steps = [r for r in read_jsonl(sharded_runs / "whole" / "metrics.jsonl") if "diagnostics" in r]
+    assert steps[0]["diagnostics"]["certificate"]["before"] == "sharding"
+    assert all("certificate" not in r["diagnostics"] for r in steps[1:])
 
 
 def test_a_sharded_checkpoint_holds_the_whole_model_as_one_process_writes_it(sharded_runs, tmp_path):

@@ -124,7 +124,7 @@ def test_without_the_certificate_the_sabotage_would_pass_silently(monkeypatch):
     model = _mlp()
     x, y = _data()
     engine = _engine(model, 6)
-    engine.certificate.disabled = "test"
+    engine.certificate._due = lambda family: False   # the check switched off
     _step(engine, model, x, y)
 
 
@@ -240,7 +240,7 @@ def test_the_check_changes_nothing_the_step_releases():
         engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 0.5}}, gradient_noise_multiplier=1.0,
                           expected_batch_size=6, seed=7)
         if not check:
-            engine.certificate.disabled = "test"
+            engine.certificate._due = lambda family: False   # the check switched off
         x, y = _data()
         torch.manual_seed(3)
         _step(engine, model, x, y)
@@ -291,7 +291,7 @@ def test_random_draws_are_cut_per_sample_or_checked_in_eval_mode(rrelu, mode):
         model = Encoder().train()
         engine = _engine(model, 5)
         if not check:
-            engine.certificate.disabled = "test"
+            engine.certificate._due = lambda family: False   # the check switched off
         torch.manual_seed(5)
         engine.backward(F.cross_entropy(model(x), y, reduction="none"))
         results.append(engine.debug_clipped())
@@ -363,3 +363,92 @@ def test_draws_that_cannot_be_cut_are_checked_on_the_replayed_batch():
     engine = _engine(model, 6)
     _step(engine, model, x, y)
     assert engine.certificate.last.mode == "batch"
+
+
+def test_check_before_training_refuses_an_engine_giving_a_row_the_wrong_norm(monkeypatch):
+    real = microbatch.sqrt_or_zero
+    monkeypatch.setattr(microbatch, "sqrt_or_zero", lambda sq: real(sq).roll(1, dims=0))
+    model = _mlp()
+    x, y = _data()
+    engine = _engine(model, 6)
+    with pytest.raises(EngineError, match="norms and clipped gradients disagree"):
+        engine.certify(lambda: F.cross_entropy(model(x), y, reduction="none"), before="sharding")
+
+
+def test_check_before_training_refuses_a_mixing_model_naming_the_module():
+    model = nn.Sequential(nn.Linear(5, 8), Center(), nn.ReLU(), nn.Linear(8, 3))
+    x, y = _data()
+    engine = _engine(model, 6)
+    with pytest.raises(EngineError, match=r"1 \(Center\)"):
+        engine.certify(lambda: F.cross_entropy(model(x), y, reduction="none"))
+
+
+def test_check_before_training_changes_no_step_and_is_reported_once():
+    x, y = _data()
+    grads = []
+    for certify in (False, True):
+        model = _mlp()
+        engine = _engine(model, 6)
+        if certify:
+            record = engine.certify(lambda: F.cross_entropy(model(x[:4]), y[:4], reduction="none"), before="sharding")
+            assert record.before == "sharding" and record.rows == 4
+        first = _step(engine, model, x, y)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        second = _step(engine, model, x, y)
+        assert second.certificate is None
+    # the first step's report carries the check before; x[:4] and x are one shape family, so the
+    # step's own check is not due again
+    assert first.to_dict()["certificate"] == {"rows": 4, "mode": "alone", "before": "sharding"}
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_check_before_training_needs_per_sample_losses_from_the_model():
+    model = _mlp()
+    x, y = _data()
+    engine = _engine(model, 6)
+    with pytest.raises(EngineError, match="one loss per row"):
+        engine.certify(lambda: F.cross_entropy(model(x), y))
+    with pytest.raises(EngineError, match="saw no forward"):
+        engine.certify(lambda: torch.ones(3, requires_grad=True))
+
+
+class _OneStage:
+    """A StageLink of a pipeline of one stage (the engine's protocol, in one process)."""
+    flat, num_groups, offset = False, 1, 0
+
+    def all_gather(self, tensor):
+        return tensor
+
+    def gather_releases(self, aux):
+        return aux
+
+    def sum_norm_sq(self, norm_sq):
+        return norm_sq
+
+
+def test_a_stage_engine_never_checked_whole_refuses_its_first_micro_batch():
+    model = _mlp()
+    x, y = _data()
+    engine = _engine(model, 6, stage=_OneStage())
+    generation = engine.start_forward()
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with engine.capture(6, generation=generation):
+        losses.sum().backward()
+    with pytest.raises(EngineError, match="never checked whole") as err:
+        engine.finish_micro_batch()
+    assert "pipeline_engine" in err.value.hint
+    with pytest.raises(EngineError, match="never checked whole"):   # caught and ignored: still nothing out
+        engine.privatize()
+    assert engine.steps == 0
+
+
+def test_sharding_a_model_the_certificate_never_checked_is_refused():
+    model = _mlp()
+    engine = _engine(model, 6)
+    with pytest.raises(EngineError, match="never checked it whole") as err:
+        engine.adopt_parameters("sharded")
+    assert "engine.certify" in err.value.hint
+    x, y = _data()
+    engine.certify(lambda: F.cross_entropy(model(x), y, reduction="none"), before="sharding")
+    engine.adopt_parameters("sharded")   # checked: the shards are adopted

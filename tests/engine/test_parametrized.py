@@ -149,7 +149,7 @@ def test_spectral_norm_power_iteration_advances_once_per_forward_as_without_the_
     plain = copy.deepcopy(model)
     batch = mlp_batch(n=5)
     engine = _engine(model, 5)
-    engine.certificate.disabled = "compared with one plain forward"
+    engine.certificate._due = lambda family: False   # the check switched off
     _step(engine, model, batch)
     plain(batch["x"])
     u = "0.parametrizations.weight.0._u"

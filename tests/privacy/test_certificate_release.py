@@ -41,7 +41,7 @@ def _train(check: bool, steps: int = 4) -> tuple[dict, torch.Tensor]:
     engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": 0.5}},
                       gradient_noise_multiplier=1.0, expected_batch_size=16, seed=11, verify_every=2)
     if not check:
-        engine.certificate.disabled = "the comparison run"
+        engine.certificate._due = lambda family: False   # the check switched off
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(5)
     for step in range(steps):

@@ -67,6 +67,7 @@ class CertificateRecord:
     rows: int
     mode: str          # alone: each checked sample replayed alone; batch: the batch replayed; eval: dry, in eval mode
     unchecked_rows: int = 0   # checked rows with a group the engine recomputed in float64 (left out)
+    before: str | None = None  # a check on rows of its own before training ("sharding", "the pipeline cut")
 
 
 def shape_family(args: tuple, kwargs: dict, batch: int) -> tuple:
@@ -106,6 +107,7 @@ class Certificate:
         self.disabled: str | None = None       # why no check can run (a sharded model, a pipeline stage)
         self.suspended = False                 # the engine's own dry forwards are not recorded
         self.last: CertificateRecord | None = None
+        self.reported = True                   # the last record is in a step's report already
         self.checks = 0
         self._cotangents = Cotangents(silence)
         self._recorder: Recorder | None = None
@@ -239,6 +241,18 @@ class Certificate:
         self.checks += 1
         self.last = CertificateRecord(step, len(rows), mode or ("batch" if batch_mode else "alone"),
                                       sum(1 for r in rows if cancelling.get(r)))
+        self.reported = False
+
+    def carry(self, record: CertificateRecord) -> None:
+        """Report ``record``, a check another engine ran on this model (before it was cut)."""
+        self.last, self.reported = record, False
+
+    def unreported(self) -> CertificateRecord | None:
+        """The last check's record if no step's report has carried it yet (then it is carried)."""
+        if self.reported:
+            return None
+        self.reported = True
+        return self.last
 
     def _in_float64(self, forwards: list[Forward], r: int, cots: dict, batch_mode: bool) -> list[Tensor] | None:
         """Row ``r``'s gradient replayed in float64 (for a float32 model outside autocast), or None
@@ -326,7 +340,13 @@ class Certificate:
                                 "then each sample's tokens averaged)")
                         cot = cot.narrow(axis, r, 1)
                     narrowed.append(cot)
-                g = vjp(outs, narrowed, leaves)
+                if cut:   # a backward that draws (gradient checkpointing recomputing dropout) draws
+                    with Recorder(lambda: False) as drawn:   # its own masks, not the sample's part
+                        g = vjp(outs, narrowed, leaves)
+                    if drawn.draws != []:
+                        raise NotReproducible()
+                else:
+                    g = vjp(outs, narrowed, leaves)
                 total = g if total is None else [a + b for a, b in zip(total, g)]
             self._refuse_buffer(buffers.after(f"sample {r} alone"))
             own[r] = total

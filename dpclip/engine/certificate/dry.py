@@ -1,5 +1,6 @@
-"""The certificate on a dry micro-batch, in eval mode: for a forward that draws random numbers the
-replay cannot reproduce.
+"""The certificate on a dry micro-batch: in eval mode, for a forward that draws random numbers the
+replay cannot reproduce (:func:`check_in_eval_mode`), and on rows of its own before training, where
+no step can be checked (:func:`check_before`: a model about to be sharded, or cut into stages).
 
 A layer rule may draw its dropout in another order than the module's own forward
 (``nn.MultiheadAttention``'s rule recomputes the attention with torch's operations; the module
@@ -19,7 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine.batch_axis.layout import tensor_leaves
-from dpclip.engine.certificate import Certificate, Forward
+from dpclip.engine.certificate import Certificate, CertificateRecord, Forward, NotReproducible
+from dpclip.errors import EngineError
 
 
 def check_in_eval_mode(cert: Certificate, model: nn.Module, forwards: list[Forward], rows: list[int], cots: dict,
@@ -48,3 +50,37 @@ def check_in_eval_mode(cert: Certificate, model: nn.Module, forwards: list[Forwa
         for m, training in modes:
             m.training = training
         cert.suspended = False
+
+
+def check_before(cert: Certificate, model: nn.Module, run_losses: Callable[[], Tensor],
+                 micro_batch: Callable[[Tensor, list[int]], tuple], step: int, scale: float,
+                 before: str) -> CertificateRecord:
+    """The check on a micro-batch of its own: ``run_losses()`` runs the model's forward on some rows
+    and returns their per-sample losses [b]; the backward goes into scratch sums (``micro_batch``, as
+    for :func:`check_in_eval_mode`) that are thrown away. For what no step of the run can check: a
+    sharded model's ranks cannot replay a sample alone, a pipeline stage's backward starts inside the
+    model (docs/engine.md, "The certificate"). ``before``: what comes after, for the report."""
+    kept = cert.families, cert.last_step
+    cert.families, cert.last_step = set(), None   # due whatever the rows' shape
+    try:
+        with torch.enable_grad():
+            losses = run_losses()
+        if not isinstance(losses, Tensor) or losses.dim() != 1 or losses.shape[0] == 0:
+            raise EngineError("the certificate's check before training needs one loss per row (shape [b], b ≥ 1)",
+                              "return per-sample losses (reduction='none') of at least one row")
+        forwards = cert.take(losses.shape[0])
+        if not forwards:
+            raise EngineError("the certificate's check before training saw no forward of the model",
+                              "compute the losses by calling the model the engine was built on")
+        rows = cert.rows(losses.shape[0])
+        cots = cert.cotangents(losses, rows, forwards)
+        norms, witness, thresholds, cancelling = micro_batch(losses, rows)
+        try:
+            cert.check(step, forwards, rows, cots, norms, witness, thresholds, None, scale, cancelling)
+        except NotReproducible:
+            check_in_eval_mode(cert, model, forwards, rows, cots, micro_batch, step, scale, None)
+    except BaseException:
+        cert.families, cert.last_step = kept
+        raise
+    cert.last.before = before
+    return cert.last
