@@ -33,7 +33,7 @@ from torch.nn.utils import parametrize
 
 from dpclip.engine.batch_axis import BatchAxes, SiteBatch, check_batch
 from dpclip.engine.bookkept_ops import BookkeptOp, Call, OutputTap, engine_failure
-from dpclip.engine.batch_axis.layout import tensor_leaves
+from dpclip.engine.batch_axis.layout import call_leaves, tensor_leaves
 from dpclip.engine.factors import Use
 from dpclip.engine.layers import LayerRule, find_layer_rule
 from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
@@ -115,7 +115,7 @@ class _Site(SiteBatch):
             return rule.forward(self.module, x, info)
         keeper, unit = self._keeper, self._unit
         call = Call(keeper, unit, keeper.generation, rule, info, names, batch=keeper.axes.batch,
-                     weights={n: by_name[n] for n in names if n in self._derived})
+                     weights={n: by_name[n] for n in names if n in self._derived}, replica=keeper.recomputing > 0)
         keeper.count(unit, names)
         return BookkeptOp.apply(call, x, *self._op_inputs(by_name, names))
 
@@ -124,7 +124,8 @@ class _Site(SiteBatch):
         by_name = self._by_name
         names = tuple(by_name)
         call = Call(keeper, unit, keeper.generation, names=names, on_grads=on_grads,
-                     batch=keeper.axes.batch, weights={n: by_name[n] for n in self._derived})
+                     batch=keeper.axes.batch, weights={n: by_name[n] for n in self._derived},
+                     replica=keeper.recomputing > 0)
         keeper.count(unit, names)
         return OutputTap.apply(call, len(outputs), *outputs, *self._op_inputs(by_name, names))
 
@@ -158,6 +159,7 @@ class Bookkeeper:
         self._waiting: dict[int, list[int]] = {}  # forwards in flight before the latest (pipelines)
         self._active: _Active | None = None
         self._plain = 0
+        self.recomputing = 0   # > 0 while gradient checkpointing recomputes a forward (_recompute)
         # True while the certificate reads the loss head's cotangents: the zeros its hooks pass
         # into the model reach book-kept operations, which then deliver nothing
         self.silent = False
@@ -273,7 +275,9 @@ class Bookkeeper:
 
     def count(self, unit: Unit, names: tuple[str, ...]) -> None:
         """One more forward use of each named parameter of ``unit`` (of each original of a
-        named parametrized tensor)."""
+        named parametrized tensor). A recomputation's calls are not uses: the first forward's are."""
+        if self.recomputing:
+            return
         for name, _, idx in unit.params:
             if name in names:
                 self.forward_counts[idx] += 1
@@ -292,6 +296,8 @@ class Bookkeeper:
                 return axes.probe.call(unit, orig, args, kwargs)
             if self._passthrough(unit) or axes.batch == 0:
                 return orig(*args, **kwargs)
+            if axes.depth == 0 and self._active is not None:
+                return self._recompute(unit, site, args, kwargs)
             axes.enter(unit, site, args, kwargs)   # the call's established batch layout
             try:
                 with parametrize.cached() if unit.derived else nullcontext():   # P once per call
@@ -303,6 +309,30 @@ class Bookkeeper:
                                      tensor_leaves((args, kwargs)), exc) from exc
 
         return forward
+
+    def _recompute(self, unit: Unit, site: _Site, args: tuple, kwargs: dict):
+        """A book-kept module called inside engine.backward, outside any forward of the model:
+        gradient checkpointing recomputing what the forward saved (torch.utils.checkpoint,
+        use_reentrant=False; docs/engine.md, "Gradient checkpointing"). The call runs the same
+        book-kept operations again, so that they save the same tensors, laid out as the forward
+        laid out this module's calls; the forward's calls deliver the uses (their backwards read
+        the recomputed tensors), so these count none and may deliver none (:data:`REENTRANT`)."""
+        axes, batch = self.axes, self._active.batch_size
+        leaves = call_leaves(args, kwargs)
+        site.layout, site._leaves = axes.recomputed_layout(unit, leaves, batch), leaves
+        kept, self.recomputing, axes.batch = axes.batch, self.recomputing + 1, batch
+        try:
+            with parametrize.cached() if unit.derived else nullcontext():
+                return unit.rule.call(unit.module, site, args, kwargs)
+        except DpclipError:
+            raise
+        except Exception as exc:
+            if type(exc).__module__ == "torch.utils.checkpoint":   # its early stop, once all is recomputed
+                raise
+            raise engine_failure(unit.label, f"recomputed forward ({unit.rule.name} rule)",
+                                 tensor_leaves((args, kwargs)), exc) from exc
+        finally:
+            self.recomputing, axes.batch = self.recomputing - 1, kept
 
     @contextmanager
     def plain(self) -> Iterator[None]:

@@ -42,6 +42,22 @@ class Call:
     on_grads: Callable | None = None                 # for a tap: (grads, batch) -> uses
     batch: int = 0                                   # B of the forward that made it
     weights: dict = field(default_factory=dict)      # parametrized tensors as this call computed them
+    replica: bool = False                            # a recomputation's (gradient checkpointing)
+
+
+#: why a recomputed call's own backward is refused (reentrant checkpointing runs it)
+REENTRANT = ("a backward through a recomputed forward: reentrant gradient checkpointing (use_reentrant=True) "
+             "runs the forward without gradients and differentiates a second one, which the engine cannot "
+             "tie to the first",
+             "checkpoint with use_reentrant=False: torch.utils.checkpoint.checkpoint(..., use_reentrant=False); "
+             "transformers: model.activation_checkpointing_enable() (non-reentrant by default), or "
+             "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) before "
+             "transformers 5")
+
+
+def refuse_replica(call: Call) -> None:
+    if call.replica:
+        raise EngineError(f"module {call.unit.label} ran {REENTRANT[0]}", REENTRANT[1])
 
 
 def not_a_view(out: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:
@@ -82,6 +98,7 @@ class BookkeptOp(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         (x,) = ctx.saved_tensors
         call: Call = ctx.call
+        refuse_replica(call)
         rule, module = call.rule, call.unit.module
         if call.keeper.silent:   # the certificate reads the loss head's cotangents: zeros flow here
             return (None, torch.zeros_like(x) if ctx.needs_input_grad[1] else None) + (None,) * ctx.n_params
@@ -113,6 +130,7 @@ class OutputTap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
+        refuse_replica(ctx.call)
         if ctx.call.keeper.silent:   # the certificate reads the loss head's cotangents (above)
             passed = tuple(torch.zeros_like(g) if ctx.needs_input_grad[2 + i] and g is not None else None
                            for i, g in enumerate(grads))

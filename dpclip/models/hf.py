@@ -157,6 +157,20 @@ def build_hf(config, data):
     model = _from_config(config, data) if config.pretrained is None else _from_pretrained(config, data)
     _check_fits_data(model, data)
     _name_labels(model, data)
+    if config.gradient_checkpointing:
+        checkpoint_layers(model)
     if config.lora is not None:
         model = add_lora(model, config.lora, config.task)
     return model
+
+
+def checkpoint_layers(model) -> None:
+    """Activation checkpointing on every layer of a transformers model, non-reentrant (the
+    engine follows the recomputation; reentrant checkpointing is refused: docs/engine.md)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise DpclipError(f"{type(model).__name__} does not support gradient checkpointing in transformers",
+                          "set model.gradient_checkpointing: false")
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:   # transformers before 5
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -150,6 +150,9 @@ class HFModel(Section):
     pretrained: str | None = Field(None, description="local directory with a pretrained model (relative: to "
                                    "the recipe file's directory)")
     lora: LoRA | None = Field(None, description="add LoRA adapters (peft) and train only them")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute each layer's activations in the backward instead of keeping them: less "
+                           "memory, more time, the same gradients (docs/engine.md, \"Gradient checkpointing\")")
 
     @model_validator(mode="after")
     def _one_source(self) -> HFModel:

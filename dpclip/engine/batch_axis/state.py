@@ -120,6 +120,29 @@ class BatchAxes:
                     BATCH_HINT)
         return lay
 
+    def recomputed_layout(self, unit, leaves: list[Tensor], batch: int) -> CallLayout:
+        """The layout of a call of ``unit`` that gradient checkpointing recomputes in the backward
+        (no forward of the model in progress; no probe can run there): the one layout of this
+        module's calls in the forward that the tensors fit. None or two different ones that fit
+        are refused: a guess would decide which rows are which sample."""
+        if self.children:
+            return BATCH_FIRST
+        ragged = unit.rule.ragged_inputs(unit.module, leaves)
+        fitting = []
+        for (uid, _), lay in sorted(self.layouts.items(), key=lambda kv: kv[0][1]):
+            if uid == id(unit) and lay.fits(leaves, batch, ragged) and lay not in fitting:
+                fitting.append(lay)
+        if len(fitting) != 1:
+            shapes = [tuple(t.shape) for t in leaves]
+            why = "no call of it in the forward had" if not fitting else "several of its calls in the forward had, laid out differently"
+            raise EngineError(
+                f"module {unit.label} was recomputed in the backward (gradient checkpointing) with inputs of "
+                f"shapes {shapes}, which {why}, so its batch axis cannot be told",
+                "checkpoint whole blocks that the model calls the same way each time, or turn checkpointing off")
+        if fitting[0].refusal is not None:
+            raise EngineError(f"module {unit.label} {fitting[0].refusal}", BROADCAST_HINT)
+        return fitting[0]
+
     # --------------------------------------------------------------- probes
 
     def _run(self, probe: Probe, args: tuple, kwargs: dict, check: ConsumerCheck | None = None):

@@ -38,6 +38,8 @@ REFUSED_FROM_TWO_SAMPLES: dict[str, str] = {
     "mean-normalised-loss": "per-sample losses minus their batch mean: each loss depends on the others",
     "gather-across-batch": "tokens gathered across the batch: no per-sample layout of the gathered rows "
                            "(refused by the probe, or by the certificate where the row count fits)",
+    "checkpoint-reentrant": "reentrant checkpointing differentiates a second forward the engine cannot tie to the "
+                            "first (refused, with use_reentrant=False in the hint)",
     "size-from-batch": "a torch.Size of the whole batch handed to a torch.func fallback module: the per-sample "
                        "recomputation cannot reshape one sample to it (its error, named, not a crash)",
 }
