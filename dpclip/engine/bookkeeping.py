@@ -296,41 +296,42 @@ class Bookkeeper:
                 return axes.probe.call(unit, orig, args, kwargs)
             if self._passthrough(unit) or axes.batch == 0:
                 return orig(*args, **kwargs)
-            if axes.depth == 0 and self._active is not None:
-                return self._recompute(unit, site, args, kwargs)
-            axes.enter(unit, site, args, kwargs)   # the call's established batch layout
+            recomputing = axes.depth == 0 and self._active is not None
+            kept = site.layout, site._leaves
+            if recomputing:
+                leaves = call_leaves(args, kwargs)
+                site.layout, site._leaves = axes.recomputed_layout(unit, leaves, self._active.batch_size), leaves
+            else:
+                axes.enter(unit, site, args, kwargs)   # the call's established batch layout
+            operation = f"{'recomputed ' if recomputing else ''}forward ({unit.rule.name} rule)"
             try:
-                with parametrize.cached() if unit.derived else nullcontext():   # P once per call
+                with self._recomputation() if recomputing else nullcontext(), \
+                        parametrize.cached() if unit.derived else nullcontext():   # P once per call
                     return unit.rule.call(unit.module, site, args, kwargs)
             except DpclipError:
                 raise
             except Exception as exc:
-                raise engine_failure(unit.label, f"forward ({unit.rule.name} rule)",
-                                     tensor_leaves((args, kwargs)), exc) from exc
+                if type(exc).__module__ == "torch.utils.checkpoint":   # its early stop, once all is recomputed
+                    raise
+                raise engine_failure(unit.label, operation, tensor_leaves((args, kwargs)), exc) from exc
+            finally:   # the call's tensors are not held past it (checkpointing would not free them)
+                site.layout, site._leaves = kept
 
         return forward
 
-    def _recompute(self, unit: Unit, site: _Site, args: tuple, kwargs: dict):
+    @contextmanager
+    def _recomputation(self) -> Iterator[None]:
         """A book-kept module called inside engine.backward, outside any forward of the model:
         gradient checkpointing recomputing what the forward saved (torch.utils.checkpoint,
         use_reentrant=False; docs/engine.md, "Gradient checkpointing"). The call runs the same
         book-kept operations again, so that they save the same tensors, laid out as the forward
-        laid out this module's calls; the forward's calls deliver the uses (their backwards read
-        the recomputed tensors), so these count none and may deliver none (:data:`REENTRANT`)."""
-        axes, batch = self.axes, self._active.batch_size
-        leaves = call_leaves(args, kwargs)
-        site.layout, site._leaves = axes.recomputed_layout(unit, leaves, batch), leaves
-        kept, self.recomputing, axes.batch = axes.batch, self.recomputing + 1, batch
+        laid out this module's calls (:meth:`BatchAxes.recomputed_layout`); the forward's calls
+        deliver the uses (their backwards read the recomputed tensors), so these count none and
+        may deliver none (:data:`~dpclip.engine.bookkept_ops.REENTRANT`)."""
+        axes = self.axes
+        kept, self.recomputing, axes.batch = axes.batch, self.recomputing + 1, self._active.batch_size
         try:
-            with parametrize.cached() if unit.derived else nullcontext():
-                return unit.rule.call(unit.module, site, args, kwargs)
-        except DpclipError:
-            raise
-        except Exception as exc:
-            if type(exc).__module__ == "torch.utils.checkpoint":   # its early stop, once all is recomputed
-                raise
-            raise engine_failure(unit.label, f"recomputed forward ({unit.rule.name} rule)",
-                                 tensor_leaves((args, kwargs)), exc) from exc
+            yield
         finally:
             self.recomputing, axes.batch = self.recomputing - 1, kept
 

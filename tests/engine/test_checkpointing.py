@@ -192,3 +192,24 @@ def test_a_recomputation_laid_out_batch_first_by_mistake_is_refused_by_the_certi
             continue
         with pytest.raises(EngineError, match="certificate refused"):
             engine.backward(losses)
+
+
+def test_a_checkpointed_block_keeps_no_activation_after_the_forward():
+    """What checkpointing frees, the engine must not hold: a book-kept call keeps no reference to
+    its input once it returns (the input of `down`, made inside the block, dies with the forward)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = Checkpointed().to(DTYPE)
+    seen = []
+    model.blocks[1].down.register_forward_pre_hook(lambda module, args: seen.append(weakref.ref(args[0])))
+    engine = DPEngine(model, {"grouping": "all-layer"}, gradient_noise_multiplier=0.0, expected_batch_size=5)
+    batch = _tokens()
+    engine.backward(_tokens_loss(model, batch))   # the first step: probes and the certificate
+    engine.privatize()
+    seen.clear()
+    losses = _tokens_loss(model, batch)
+    gc.collect()
+    assert seen and all(ref() is None for ref in seen)
+    engine.backward(losses)

@@ -31,13 +31,12 @@ def _run(tmp_path, name, *extra):
 def test_a_checkpointed_run_trains_the_weights_and_ledger_of_the_run_without_it(tmp_path, monkeypatch):
     from dpclip.engine.bookkeeping import Bookkeeper
     recomputed = []
-    real = Bookkeeper._recompute
-    monkeypatch.setattr(Bookkeeper, "_recompute", lambda self, unit, *a: recomputed.append(unit.label) or
-                        real(self, unit, *a))
+    real = Bookkeeper._recomputation
+    monkeypatch.setattr(Bookkeeper, "_recomputation", lambda self: recomputed.append(1) or real(self))
     plain = _run(tmp_path, "plain")
     assert recomputed == []
     checkpointed = _run(tmp_path, "checkpointed", "model.gradient_checkpointing=true")
-    assert any(label.startswith("transformer.h.0.attn.c_attn") for label in recomputed)   # in the backward
+    assert len(recomputed) > 0   # the layers' calls were recomputed in the backward
     ours = load_file(str(latest_checkpoint(checkpointed) / MODEL_WEIGHTS))
     theirs = load_file(str(latest_checkpoint(plain) / MODEL_WEIGHTS))
     assert ours.keys() == theirs.keys()
