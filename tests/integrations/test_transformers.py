@@ -296,3 +296,16 @@ def test_user_level_privacy_needs_both_arguments(tmp_path):
         DPTrainer(model=_bert(), args=_args(tmp_path), train_dataset=_rows(), data_collator=_collate,
                   privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, per_sample_max_grad_norm=1.0,
                                            users_column="user_id"))
+
+
+def test_gradient_checkpointing_in_the_training_arguments_trains_the_weights_of_the_run_without_it(tmp_path):
+    """TrainingArguments(gradient_checkpointing=True): transformers checkpoints non-reentrantly by
+    default, which the engine follows (docs/engine.md, "Gradient checkpointing")."""
+    weights = []
+    for checkpointing in (False, True):
+        trainer = _seeded(tmp_path / str(checkpointing), gradient_checkpointing=checkpointing)
+        trainer.train()
+        assert trainer.model.is_gradient_checkpointing == checkpointing
+        weights.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
