@@ -63,6 +63,36 @@ class Unit:
         return f"{self.name or '<root>'} ({type(self.module).__name__})"
 
 
+def is_container(module: nn.Module) -> bool:
+    """nn.ParameterDict / nn.ParameterList: parameters held for another module's forward (peft's
+    ``lora_embedding_A``, ``ia3_l``, ``hada_w1_a``): never called itself."""
+    return isinstance(module, (nn.ParameterDict, nn.ParameterList))
+
+
+def owned_parameters(module: nn.Module, contained: bool) -> list[tuple[str, nn.Parameter]]:
+    """The parameters ``module``'s forward reads as its own: its direct ones, and with
+    ``contained`` those of its container children, by dotted name ("ia3_l.default")."""
+    out = list(module.named_parameters(recurse=False))
+    if contained:
+        for child_name, child in module.named_children():
+            if is_container(child):
+                out += [(f"{child_name}.{n}", p) for n, p in child.named_parameters(recurse=False)]
+    return out
+
+
+def _contained(owner: nn.Module, sub: nn.Module) -> bool:
+    return is_container(sub) and any(child is sub for child in owner.children())
+
+
+def _container_owner(model: nn.Module, name: str) -> nn.Module | None:
+    """The module whose torch.func fallback reads the container ``name``'s parameters (its
+    parent), or None where the parent has a layer rule of its own (which would not read them)."""
+    if not name:
+        return None
+    parent = model.get_submodule(name.rpartition(".")[0])
+    return parent if find_layer_rule(parent) is None else None
+
+
 @dataclass
 class _Active:
     """State of the engine.backward call in progress."""
@@ -89,8 +119,9 @@ class _Site(SiteBatch):
         # Read at each call, not kept: a sharded model (FSDP, docs/distributed.md) swaps the
         # module's parameters for whole ones around its forward and backward. A parametrized
         # tensor is evaluated (once per call: the call runs under parametrize.cached()).
-        parameters = self.module._parameters
-        by_name = {name: parameters[name] for name in self._names}
+        parameters = self.module._parameters   # a contained one ("ia3_l.default") through its container
+        by_name = {name: parameters[name] if name in parameters else self.module.get_parameter(name)
+                   for name in self._names}
         for name in self._derived:
             by_name[name] = getattr(self.module, name)
         return by_name
@@ -183,11 +214,13 @@ class Bookkeeper:
             refuse_unsupported(module, name, self.index_of)
             if is_parametrization(module):   # its originals are delivered by the module it parametrizes
                 continue
+            rule = find_layer_rule(module) or FUNCTORCH_RULE
+            if is_container(module) and _container_owner(model, name) is not None:
+                continue   # its parameters are its owner's (below)
             params = [(pname, p, self.index_of[id(p)])
-                      for pname, p in module.named_parameters(recurse=False)
+                      for pname, p in owned_parameters(module, contained=rule is FUNCTORCH_RULE)
                       if id(p) in self.index_of]
             derived = derived_tensors(module, name, self.index_of)
-            rule = find_layer_rule(module) or FUNCTORCH_RULE
             if rule is FUNCTORCH_RULE and params:
                 params = self._without_aliases_below(module, name, params)
             if not params and not derived and not (rule.wrap_frozen and any(
@@ -212,7 +245,7 @@ class Bookkeeper:
         ``predictions.bias is predictions.decoder.bias``), which that submodule's unit
         delivers itself: the parameter belongs to the submodule alone. A use by this
         module's own forward then reaches ``p.grad`` and is refused (:meth:`alias_note`)."""
-        below = {id(p) for sub in module.modules() if sub is not module
+        below = {id(p) for sub in module.modules() if sub is not module and not _contained(module, sub)
                  for p in sub.parameters(recurse=False)}
         kept = []
         for pname, p, idx in params:
@@ -235,7 +268,7 @@ class Bookkeeper:
         adopted = {}
         for unit in self.units:
             for k, (name, _, idx) in enumerate(unit.params):
-                param = unit.module._parameters[name]
+                param = unit.module.get_parameter(name)
                 unit.params[k] = (name, param, idx)
                 adopted[idx] = param
         self._all_params = list(self.model.parameters())

@@ -1,5 +1,5 @@
 """The model families people fine-tune in 2026 (issue 52), at tiny size: gradient checkpointing
-so far (docs/engine.md, "Gradient checkpointing"). Tagged like issue 49's cases: the slow suite
+(docs/engine.md, "Gradient checkpointing") and PEFT adapters beyond LoRA on Linear. Tagged like issue 49's cases: the slow suite
 runs all of their runs (tests/engine/test_hf_zoo.py)."""
 
 from __future__ import annotations
@@ -70,3 +70,50 @@ register(Case("bert-checkpointed", "hf", "BERT classifier with activation_checkp
     lambda: tf.BertForSequenceClassification(tf.BertConfig(**_SMALL, hidden_dropout_prob=0.0,
                                                            attention_probs_dropout_prob=0.0, num_labels=3,
                                                            **EAGER))), cls_batch, cls_loss))
+
+
+# ------------------------------------------------------------------ PEFT adapters
+
+
+def _bert():
+    return tf.BertForSequenceClassification(tf.BertConfig(**_SMALL, hidden_dropout_prob=0.0,
+                                                          attention_probs_dropout_prob=0.0, num_labels=3, **EAGER))
+
+
+def adapted(config, train: bool = False):
+    """Tiny BERT with a peft adapter, its adapter weights moved off their identity start."""
+    def make():
+        import peft
+        model = peft.get_peft_model(_bert(), config())
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(0.1 * torch.randn_like(p))
+        return model
+    build = seeded(make)
+    return (lambda: build().train()) if train else build
+
+
+def _peft(name: str):
+    import peft
+    return getattr(peft, name)
+
+
+def peft_case(name, what, config, train=False):
+    register(Case(name, "hf", what, adapted(config, train), cls_batch, cls_loss))
+
+
+peft_case("peft-ia3", "IA3 on query, value and the MLP (ParameterDict scaling vectors)", lambda: _peft("IA3Config")(
+    task_type="SEQ_CLS", target_modules=["query", "value", "intermediate.dense"],
+    feedforward_modules=["intermediate.dense"]))
+peft_case("peft-adalora", "AdaLoRA on query and value (lora_A, lora_E, lora_B in ParameterDicts)",
+          lambda: _peft("AdaLoraConfig")(task_type="SEQ_CLS", target_modules=["query", "value"], init_r=2,
+                                         total_step=10))
+peft_case("peft-lora-embedding", "LoRA on the word embeddings (lora_embedding_A/B used by F.embedding)",
+          lambda: _peft("LoraConfig")(task_type="SEQ_CLS", target_modules=["word_embeddings"], r=2))
+peft_case("peft-loha-training", "LoHa on query and value, training mode (torch.rand for module dropout)",
+          lambda: _peft("LoHaConfig")(task_type="SEQ_CLS", target_modules=["query", "value"], r=2), train=True)
+peft_case("peft-dora", "DoRA on query and value (weight norm through lora_A of an identity)",
+          lambda: _peft("LoraConfig")(task_type="SEQ_CLS", target_modules=["query", "value"], r=2, use_dora=True))
+peft_case("peft-prompt-tuning", "prompt tuning, 3 virtual tokens (a shared prompt repeated over the batch)",
+          lambda: _peft("PromptTuningConfig")(task_type="SEQ_CLS", num_virtual_tokens=3))

@@ -1,0 +1,57 @@
+"""PEFT adapters beyond LoRA on Linear (issue 52): their parameters live in ParameterDicts that the
+adapter layer's own forward reads (IA3's ``ia3_l``, AdaLoRA's ``lora_E``, LoRA on an embedding's
+``lora_embedding_A``): the torch.func fallback of that layer owns them, and the clipping is the
+per-example reference's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dpclip.engine import DPEngine
+from dpclip.errors import EngineError
+from tests.engine.conftest import DTYPE, bert_batch, bert_loss, check_exact, tiny_bert
+
+peft = pytest.importorskip("peft")
+
+CONFIGS = {
+    "ia3": lambda: peft.IA3Config(task_type="SEQ_CLS", target_modules=["query", "value", "intermediate.dense"],
+                                  feedforward_modules=["intermediate.dense"]),
+    "adalora": lambda: peft.AdaLoraConfig(task_type="SEQ_CLS", target_modules=["query", "value"], init_r=2,
+                                          total_step=10),
+    "lora-embedding": lambda: peft.LoraConfig(task_type="SEQ_CLS", target_modules=["word_embeddings"], r=2),
+}
+
+
+def _adapted(kind: str, train: bool = False):
+    def make():
+        torch.manual_seed(0)
+        config = CONFIGS[kind]() if isinstance(kind, str) else kind
+        model = peft.get_peft_model(tiny_bert().float(), config).to(DTYPE)
+        for p in model.parameters():   # adapters start at the identity (IA3: ones, LoRA B: zeros)
+            if p.requires_grad:
+                with torch.no_grad():
+                    p.add_(0.1 * torch.randn_like(p))
+        return model.train(train)
+    return make
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+@pytest.mark.parametrize("grouping", ["all-layer", "layer"])
+def test_adapters_in_parameter_dicts_clip_as_the_per_example_reference(kind, grouping):
+    engine, _, _ = check_exact(_adapted(kind), bert_loss, bert_batch(), grouping=grouping, micro=[2, 3])
+    names = [info.name for info in engine.groups.params]
+    assert any(marker in name for name in names for marker in ("ia3_l", "lora_E", "lora_embedding_A")), names
+
+
+def test_a_loha_adapter_in_training_mode_is_refused_for_its_random_draw():
+    """LoHa draws torch.rand(1) for its module dropout at every training forward, which a
+    per-sample recomputation cannot replay: refused, naming the module (exact in eval mode)."""
+    config = peft.LoHaConfig(task_type="SEQ_CLS", target_modules=["query", "value"], r=2)
+    model = _adapted(config, train=True)()
+    batch = bert_batch()
+    engine = DPEngine(model, {"grouping": "all-layer"}, gradient_noise_multiplier=0.0, expected_batch_size=5)
+    with pytest.raises(EngineError, match="random operations") as err:
+        engine.backward(bert_loss(model, batch))
+    assert "attention.self.query" in err.value.message or "attention.self.value" in err.value.message
