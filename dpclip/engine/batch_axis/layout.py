@@ -41,6 +41,7 @@ class Layout:
     ndim: int
     dim: int | None = None    # the batch axis; None: shared by every sample
     merged: bool = False      # ``dim`` holds the batch merged with positions, batch outer
+    inner: bool = False       # merged with the batch inner: [c, B] flattened (two views concatenated)
     lead1: bool = False       # shared, with size 1 in dim 0 (expanded there)
     error: str | None = None  # why no batch axis could be established
 
@@ -116,6 +117,10 @@ def to_batch_first(t: Tensor, lay: Layout, batch: int, feature_dims: int | None,
             f"{tuple(t.shape)}; its rule needs the batch in axis 0",
             "put the batch first for this module (e.g. batch_first=True), or register a rule "
             "that accepts this layout")
+    if lay.merged and lay.inner:   # rows [view 0 of every sample, view 1 of every sample, ...]
+        # contiguous: a strided bf16 matmul may accumulate otherwise than the module's own
+        return (t.unflatten(k, (-1, batch)).movedim(k + 1, 0).contiguous(),
+                lambda y: y.movedim(0, k + 1).flatten(k, k + 1))
     if lay.merged:
         return (t.unflatten(k, (batch, -1)).movedim(k, 0),
                 lambda y: y.movedim(0, k).flatten(k, k + 1))

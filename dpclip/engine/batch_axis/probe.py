@@ -9,8 +9,9 @@ the shapes of the tensors it receives and returns. Per tensor, comparing the pro
 
 - one axis whose size went p -> p': the batch axis;
 - one axis whose size went c·p -> c·p' (c ≥ 2): the batch merged with c positions; accepted
-  when the second probe's rows are those of a batch-outer [p, c] ordering (compared by a
-  random projection of each row), and unflattened to [B, c, ...] by position-wise rules;
+  when the second probe's rows are those of a batch-outer [p, c] ordering, or of a batch-inner
+  [c, p] one (c views concatenated on the batch), and not both (compared by a random projection
+  of each row); unflattened to [B, c, ...] by position-wise rules;
 - no axis moved: shared by every sample (:attr:`Layout.dim` None);
 - anything else (several axes moving, an axis moving out of proportion, a change of rank):
   an error, raised when a rule needs that tensor.
@@ -125,11 +126,12 @@ def _layout(x: _Seen, y: _Seen, batch: int, new: int) -> Layout:
         a, b = x.sums.get(k), y.sums.get(k)
         if a is None or b is None:
             return Layout(n, k, merged=True, error=NEEDS_ROWS)
-        if (a is not None and b is not None and _same_samples(a, b, batch, new, c, True)
-                and not _same_samples(a, b, batch, new, c, False)):
-            return Layout(n, k, merged=True)
-        return Layout(n, error=f"axis {k} holds the batch merged with {c} positions, but not "
-                               "batch-outer ([B, T] flattened) as far as the probe can tell")
+        outer, inner = _same_samples(a, b, batch, new, c, True), _same_samples(a, b, batch, new, c, False)
+        if outer != inner:   # [B, c] flattened (OPT's tokens), or [c, B] (views concatenated on the batch)
+            return Layout(n, k, merged=True, inner=inner)
+        return Layout(n, error=f"axis {k} holds the batch merged with {c} positions, but neither "
+                               "batch-outer ([B, T] flattened) nor batch-inner ([c, B]: views concatenated "
+                               "on the batch) as far as the probe can tell")
     return Layout(n, error=f"axis {k} changes with the batch size out of proportion "
                            f"({x.shape[k]} with {batch} samples, {y.shape[k]} with {new})")
 

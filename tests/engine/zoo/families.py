@@ -117,3 +117,26 @@ peft_case("peft-dora", "DoRA on query and value (weight norm through lora_A of a
           lambda: _peft("LoraConfig")(task_type="SEQ_CLS", target_modules=["query", "value"], r=2, use_dora=True))
 peft_case("peft-prompt-tuning", "prompt tuning, 3 virtual tokens (a shared prompt repeated over the batch)",
           lambda: _peft("PromptTuningConfig")(task_type="SEQ_CLS", num_virtual_tokens=3))
+
+
+# ------------------------------------------------------------------ two views on the batch
+
+
+class TwoViews(nn.Module):
+    """Two views of each sample concatenated on the batch ([2B, T, d]: every sample's first
+    view, then every sample's second), one encoder over both, each sample's two embeddings read
+    together (SimSiam / BYOL-style: the loss of a sample reads its own views only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.proj = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        views = torch.cat([x, torch.tanh(x.flip(-1))], 0)
+        z = self.proj(torch.relu(self.enc(views))).mean(1)          # [2B, d]
+        first, second = z.unflatten(0, (2, -1))
+        return torch.cat([first, second], -1)                       # [B, 2d]: each sample's two views
+
+
+register(Case("two-views-on-batch", "pattern", "two views concatenated on the batch ([2B, ...]), one encoder",
+              seeded(TwoViews), seq, read_loss))
