@@ -8,7 +8,7 @@ layer, one wasted matmul per layer. To avoid it, each supported module's forward
 routed through :class:`~dpclip.engine.bookkept_ops.BookkeptOp`, a custom autograd function whose backward returns
 the input gradient only (``None`` for the parameters) and passes ``(a, b)`` to the
 engine. How a module's call becomes such operations is its layer rule's business
-(:mod:`dpclip.engine.layers`): the rule's ``call`` receives a :class:`_Site` (the
+(:mod:`dpclip.engine.layers`): the rule's ``call`` receives a :class:`~dpclip.engine.bookkept_ops.Site` (the
 :class:`~dpclip.engine.layers.Capture` of one module) and uses its ``op`` (a book-kept
 operation) or ``tap`` (output gradients tapped, for the torch.func rule that modules
 without a rule get).
@@ -31,10 +31,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from dpclip.engine.batch_axis import BatchAxes, SiteBatch, check_batch
-from dpclip.engine.bookkept_ops import BookkeptOp, Call, OutputTap, engine_failure
+from dpclip.engine.batch_axis import BatchAxes, check_batch
+from dpclip.engine.bookkept_ops import Call, Site, engine_failure
 from dpclip.engine.batch_axis.layout import call_leaves, tensor_leaves
 from dpclip.engine.factors import Use
+from dpclip.engine.containers import contained_by, container_owner, is_container, owned_parameters
 from dpclip.engine.layers import LayerRule, find_layer_rule
 from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
 from dpclip.engine.parametrized import Derived, derived_tensors, is_parametrization, original_uses
@@ -63,36 +64,6 @@ class Unit:
         return f"{self.name or '<root>'} ({type(self.module).__name__})"
 
 
-def is_container(module: nn.Module) -> bool:
-    """nn.ParameterDict / nn.ParameterList: parameters held for another module's forward (peft's
-    ``lora_embedding_A``, ``ia3_l``, ``hada_w1_a``): never called itself."""
-    return isinstance(module, (nn.ParameterDict, nn.ParameterList))
-
-
-def owned_parameters(module: nn.Module, contained: bool) -> list[tuple[str, nn.Parameter]]:
-    """The parameters ``module``'s forward reads as its own: its direct ones, and with
-    ``contained`` those of its container children, by dotted name ("ia3_l.default")."""
-    out = list(module.named_parameters(recurse=False))
-    if contained:
-        for child_name, child in module.named_children():
-            if is_container(child):
-                out += [(f"{child_name}.{n}", p) for n, p in child.named_parameters(recurse=False)]
-    return out
-
-
-def _contained(owner: nn.Module, sub: nn.Module) -> bool:
-    return is_container(sub) and any(child is sub for child in owner.children())
-
-
-def _container_owner(model: nn.Module, name: str) -> nn.Module | None:
-    """The module whose torch.func fallback reads the container ``name``'s parameters (its
-    parent), or None where the parent has a layer rule of its own (which would not read them)."""
-    if not name:
-        return None
-    parent = model.get_submodule(name.rpartition(".")[0])
-    return parent if find_layer_rule(parent) is None else None
-
-
 @dataclass
 class _Active:
     """State of the engine.backward call in progress."""
@@ -100,77 +71,6 @@ class _Active:
     batch_size: int
     sink: Callable[[int, Use], None]
     generation: int
-
-
-class _Site(SiteBatch):
-    """The :class:`~dpclip.engine.layers.Capture` a rule's ``call`` gets for one unit (its
-    batch-axis part: :class:`~dpclip.engine.batch_axis.site.SiteBatch`)."""
-
-    def __init__(self, keeper: "Bookkeeper", unit: Unit):
-        self._keeper, self._unit = keeper, unit
-        self.module = unit.module
-        self.label = unit.label
-        self.memo = unit.memo
-        self._names = [name for name, _, _ in unit.params]
-        self._derived = {name: [p for _, p, _ in originals] for name, originals in unit.derived}
-
-    @property
-    def _by_name(self) -> dict[str, Tensor]:
-        # Read at each call, not kept: a sharded model (FSDP, docs/distributed.md) swaps the
-        # module's parameters for whole ones around its forward and backward. A parametrized
-        # tensor is evaluated (once per call: the call runs under parametrize.cached()).
-        parameters = self.module._parameters   # a contained one ("ia3_l.default") through its container
-        by_name = {name: parameters[name] if name in parameters else self.module.get_parameter(name)
-                   for name in self._names}
-        for name in self._derived:
-            by_name[name] = getattr(self.module, name)
-        return by_name
-
-    def _op_inputs(self, by_name: dict[str, Tensor], names: tuple[str, ...]) -> list[Tensor]:
-        """The tensors a book-kept call takes as inputs so that autograd runs its backward
-        (returning None for them): the parameters, and for a parametrized tensor its originals
-        (W itself is not an input: its graph to the originals is walked by the engine alone)."""
-        leaves = []
-        for n in names:
-            leaves.extend(self._derived.get(n, (by_name[n],)))
-        return leaves
-
-    @property
-    def params(self) -> list[tuple[str, Tensor]]:
-        return list(self._by_name.items())
-
-    def op(self, rule, x: Tensor, info=None, names=None) -> Tensor:
-        by_name = self._by_name   # built once per call: the host's time bounds a small GPU step
-        names = tuple(by_name) if names is None else tuple(names)
-        if not names:  # nothing trainable: plain autograd through the frozen parameters
-            return rule.forward(self.module, x, info)
-        keeper, unit = self._keeper, self._unit
-        call = Call(keeper, unit, keeper.generation, rule, info, names, batch=keeper.axes.batch,
-                     weights={n: by_name[n] for n in names if n in self._derived}, replica=keeper.recomputing > 0)
-        keeper.count(unit, names)
-        return BookkeptOp.apply(call, x, *self._op_inputs(by_name, names))
-
-    def tap(self, outputs: list[Tensor], on_grads: Callable) -> tuple[Tensor, ...]:
-        keeper, unit = self._keeper, self._unit
-        by_name = self._by_name
-        names = tuple(by_name)
-        call = Call(keeper, unit, keeper.generation, names=names, on_grads=on_grads,
-                     batch=keeper.axes.batch, weights={n: by_name[n] for n in self._derived},
-                     replica=keeper.recomputing > 0)
-        keeper.count(unit, names)
-        return OutputTap.apply(call, len(outputs), *outputs, *self._op_inputs(by_name, names))
-
-    @contextmanager
-    def bypass(self) -> Iterator[None]:
-        """Calls of this module inside run its original forward."""
-        self._unit.bypass = True
-        try:
-            yield
-        finally:
-            self._unit.bypass = False
-
-    def plain(self):
-        return self._keeper.plain()
 
 
 class Bookkeeper:
@@ -215,7 +115,7 @@ class Bookkeeper:
             if is_parametrization(module):   # its originals are delivered by the module it parametrizes
                 continue
             rule = find_layer_rule(module) or FUNCTORCH_RULE
-            if is_container(module) and _container_owner(model, name) is not None:
+            if is_container(module) and container_owner(model, name) is not None:
                 continue   # its parameters are its owner's (below)
             params = [(pname, p, self.index_of[id(p)])
                       for pname, p in owned_parameters(module, contained=rule is FUNCTORCH_RULE)
@@ -245,7 +145,7 @@ class Bookkeeper:
         ``predictions.bias is predictions.decoder.bias``), which that submodule's unit
         delivers itself: the parameter belongs to the submodule alone. A use by this
         module's own forward then reaches ``p.grad`` and is refused (:meth:`alias_note`)."""
-        below = {id(p) for sub in module.modules() if sub is not module and not _contained(module, sub)
+        below = {id(p) for sub in module.modules() if sub is not module and not contained_by(module, sub)
                  for p in sub.parameters(recurse=False)}
         kept = []
         for pname, p, idx in params:
@@ -321,7 +221,7 @@ class Bookkeeper:
 
     def _routed_forward(self, unit: Unit):
         orig = unit.orig_forward
-        site = _Site(self, unit)
+        site = Site(self, unit)
 
         axes = self.axes
         def forward(*args, **kwargs):

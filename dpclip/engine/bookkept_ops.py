@@ -1,5 +1,6 @@
-"""The two autograd functions a book-kept module's call goes through, and the call they carry
-(:mod:`dpclip.engine.bookkeeping` routes the forwards and delivers the uses).
+"""The two autograd functions a book-kept module's call goes through, the call they carry, and the
+:class:`Site` a layer rule makes them with (:mod:`dpclip.engine.bookkeeping` routes the forwards
+and delivers the uses).
 
 :class:`BookkeptOp` is one layer operation whose backward returns the input gradient only and
 hands (input, output gradient) to the keeper; :class:`OutputTap` is the identity on a module's
@@ -9,12 +10,14 @@ form a parameter's unweighted gradient.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
 
+from dpclip.engine.batch_axis import SiteBatch
 from dpclip.engine.parametrized import pinned
 from dpclip.errors import DpclipError, EngineError
 
@@ -144,3 +147,74 @@ class OutputTap(torch.autograd.Function):
             raise engine_failure(ctx.call.unit.label, "per-sample backward (torch.func fallback)", grads, exc) from exc
         passed = tuple(g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(grads))
         return (None, None) + passed + (None,) * ctx.n_params
+
+
+class Site(SiteBatch):
+    """The :class:`~dpclip.engine.layers.Capture` a rule's ``call`` gets for one unit (its
+    batch-axis part: :class:`~dpclip.engine.batch_axis.site.SiteBatch`)."""
+
+    def __init__(self, keeper: Any, unit: Any):   # the Bookkeeper, and its Unit for this module
+        self._keeper, self._unit = keeper, unit
+        self.module = unit.module
+        self.label = unit.label
+        self.memo = unit.memo
+        self._names = [name for name, _, _ in unit.params]
+        self._derived = {name: [p for _, p, _ in originals] for name, originals in unit.derived}
+
+    @property
+    def _by_name(self) -> dict[str, Tensor]:
+        # Read at each call, not kept: a sharded model (FSDP, docs/distributed.md) swaps the
+        # module's parameters for whole ones around its forward and backward. A parametrized
+        # tensor is evaluated (once per call: the call runs under parametrize.cached()).
+        parameters = self.module._parameters   # a contained one ("ia3_l.default") through its container
+        by_name = {name: parameters[name] if name in parameters else self.module.get_parameter(name)
+                   for name in self._names}
+        for name in self._derived:
+            by_name[name] = getattr(self.module, name)
+        return by_name
+
+    def _op_inputs(self, by_name: dict[str, Tensor], names: tuple[str, ...]) -> list[Tensor]:
+        """The tensors a book-kept call takes as inputs so that autograd runs its backward
+        (returning None for them): the parameters, and for a parametrized tensor its originals
+        (W itself is not an input: its graph to the originals is walked by the engine alone)."""
+        leaves = []
+        for n in names:
+            leaves.extend(self._derived.get(n, (by_name[n],)))
+        return leaves
+
+    @property
+    def params(self) -> list[tuple[str, Tensor]]:
+        return list(self._by_name.items())
+
+    def op(self, rule, x: Tensor, info=None, names=None) -> Tensor:
+        by_name = self._by_name   # built once per call: the host's time bounds a small GPU step
+        names = tuple(by_name) if names is None else tuple(names)
+        if not names:  # nothing trainable: plain autograd through the frozen parameters
+            return rule.forward(self.module, x, info)
+        keeper, unit = self._keeper, self._unit
+        call = Call(keeper, unit, keeper.generation, rule, info, names, batch=keeper.axes.batch,
+                     weights={n: by_name[n] for n in names if n in self._derived}, replica=keeper.recomputing > 0)
+        keeper.count(unit, names)
+        return BookkeptOp.apply(call, x, *self._op_inputs(by_name, names))
+
+    def tap(self, outputs: list[Tensor], on_grads: Callable) -> tuple[Tensor, ...]:
+        keeper, unit = self._keeper, self._unit
+        by_name = self._by_name
+        names = tuple(by_name)
+        call = Call(keeper, unit, keeper.generation, names=names, on_grads=on_grads,
+                     batch=keeper.axes.batch, weights={n: by_name[n] for n in self._derived},
+                     replica=keeper.recomputing > 0)
+        keeper.count(unit, names)
+        return OutputTap.apply(call, len(outputs), *outputs, *self._op_inputs(by_name, names))
+
+    @contextmanager
+    def bypass(self) -> Iterator[None]:
+        """Calls of this module inside run its original forward."""
+        self._unit.bypass = True
+        try:
+            yield
+        finally:
+            self._unit.bypass = False
+
+    def plain(self):
+        return self._keeper.plain()

@@ -1,4 +1,4 @@
-"""The batch-axis part of the capture a layer rule's ``call`` gets (bookkeeping's ``_Site``).
+"""The batch-axis part of the capture a layer rule's ``call`` gets (bookkept_ops' ``Site``).
 
 ``layout_of(t)``: the established layout of a tensor the module was called with;
 ``batch_first(t, feature_dims)``: that tensor with the batch in axis 0 and the map back;
