@@ -12,7 +12,7 @@ function + threshold policy + noise allocation. It never owns the optimizer.
 What one micro-batch does (uses in backward order, groups finalized early) is
 :mod:`dpclip.engine.microbatch`'s.
 
-Length: about 520 lines: the step's three entry points (backward, capture for pipeline
+Length: about 540 lines (issue 53 splits it): the step's three entry points (backward, capture for pipeline
 stages, privatize) share the step's accumulators and the noise source, and the certificate's
 check (:mod:`dpclip.engine.certificate`) runs inside the first two.
 """
@@ -218,9 +218,14 @@ class DPEngine:
         rows and returns their per-sample losses [b]. Their clipped sums are thrown away; a mismatch
         raises EngineError. For a model no step can check (sharded next, or cut into pipeline
         stages: docs/engine.md, "The certificate"); ``before`` names what follows, for the report."""
-        return check_before(self.certificate, self.model, run_losses,
-                            lambda losses, rows: self._scratch_micro_batch(losses, rows, None),
-                            self.steps, 1.0 / self.expected_batch_size, before)
+        try:
+            return check_before(self.certificate, self.model, run_losses,
+                                lambda losses, rows: self._scratch_micro_batch(losses, rows, None),
+                                self.steps, 1.0 / self.expected_batch_size, before)
+        except BaseException:   # a refused check leaves no forward behind for the next step
+            self.certificate.take(-1)
+            self._keeper.take_forward_counts()
+            raise
 
     def adopt_parameters(self, why_sealed: str) -> None:
         """Take the model's parameters as they are now: FSDP's ``fully_shard`` replaced each by

@@ -411,6 +411,9 @@ def test_check_before_training_needs_per_sample_losses_from_the_model():
         engine.certify(lambda: F.cross_entropy(model(x), y))
     with pytest.raises(EngineError, match="saw no forward"):
         engine.certify(lambda: torch.ones(3, requires_grad=True))
+    assert engine.certificate.forwards == [] and not any(engine._keeper.forward_counts)   # nothing left behind
+    report = _step(engine, model, x, y)
+    assert report.certificate is not None and report.certificate.rows == 4
 
 
 class _OneStage:
