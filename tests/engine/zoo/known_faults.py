@@ -10,6 +10,14 @@ from __future__ import annotations
 
 #: cases for which a refusal is the right answer (no per-sample gradient exists)
 EXPECTED_REFUSALS: dict[str, str] = {
+    "peft-loha-training": "LoHa draws torch.rand(1) for its module dropout at every training forward, which the "
+                          "torch.func fallback cannot replay per sample (exact in eval mode)",
+    "peft-dora": "DoRA computes its weight norm by calling lora_A on an identity matrix shared by all samples, "
+                 "whose output feeds a linear, not a broadcast over the batch",
+    "peft-prompt-tuning": "the prompt embedding is fed shared indices and repeated over the batch by `repeat`, "
+                          "not a broadcast the engine follows",
+    "checkpoint-reentrant": "reentrant checkpointing differentiates a second forward the engine cannot tie to the "
+                            "first (refused, with use_reentrant=False in the hint)",
     "batchnorm": "BatchNorm normalises with batch statistics: per-sample gradients do not exist",
     "deberta-v2-mlm": "DisentangledSelfAttention projects the relative-position table, shared by all samples, "
                       "and repeats it over the batch: per-sample gradients of that use cannot be separated "
@@ -38,14 +46,6 @@ REFUSED_FROM_TWO_SAMPLES: dict[str, str] = {
     "mean-normalised-loss": "per-sample losses minus their batch mean: each loss depends on the others",
     "gather-across-batch": "tokens gathered across the batch: no per-sample layout of the gathered rows "
                            "(refused by the probe, or by the certificate where the row count fits)",
-    "peft-loha-training": "LoHa draws torch.rand(1) for its module dropout at every training forward, which the "
-                          "torch.func fallback cannot replay per sample (exact in eval mode)",
-    "peft-dora": "DoRA computes its weight norm by calling lora_A on an identity matrix shared by all samples, "
-                 "whose output feeds a linear, not a broadcast over the batch",
-    "peft-prompt-tuning": "the prompt embedding is fed shared indices and repeated over the batch by `repeat`, "
-                          "not a broadcast the engine follows",
-    "checkpoint-reentrant": "reentrant checkpointing differentiates a second forward the engine cannot tie to the "
-                            "first (refused, with use_reentrant=False in the hint)",
     "size-from-batch": "a torch.Size of the whole batch handed to a torch.func fallback module: the per-sample "
                        "recomputation cannot reshape one sample to it (its error, named, not a crash)",
 }
