@@ -10,8 +10,7 @@ The threshold policies' specs and their rules live in their own files
 (dpclip/engine/policies/); ``clipping.threshold`` is the union of what is registered there,
 rebuilt whenever a policy is (un)registered.
 
-``Recipe.model_dump()`` of the ``clipping`` block is exactly the dict that
-``dpclip.engine.DPEngine(clipping=...)`` takes.
+``Recipe.model_dump()`` of ``clipping`` is exactly the dict ``DPEngine(clipping=...)`` takes.
 
 Length: a little over 400 lines, because the schema is one page: every section of a recipe
 is read (and docs/recipes.md generated) from here; only the sections of one feature live
@@ -150,9 +149,7 @@ class HFModel(Section):
     pretrained: str | None = Field(None, description="local directory with a pretrained model (relative: to "
                                    "the recipe file's directory)")
     lora: LoRA | None = Field(None, description="add LoRA adapters (peft) and train only them")
-    gradient_checkpointing: bool = Field(
-        False, description="recompute each layer's activations in the backward instead of keeping them: less "
-                           "memory, more time, the same gradients (docs/engine.md, \"Gradient checkpointing\")")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward: less memory")
 
     @model_validator(mode="after")
     def _one_source(self) -> HFModel:
