@@ -102,7 +102,9 @@ class Bookkeeper:
         # taken once, not a walk of the module tree each time (a module's .to() moves these
         # same tensors; FSDP's replacements are taken up in adopt_current_parameters).
         self._all_params = list(model.parameters())
-        self.axes = BatchAxes(model, self.units, self.plain, self.device_types)   # which axis is the batch
+        self.adopted: list[str] = []   # "child -> owner" (adopt_read_parameters)
+        self.axes = BatchAxes(model, self.units, self.plain, self.device_types,   # which axis is the batch
+                              on_probed=self.adopt_read_parameters)
 
     # ------------------------------------------------------------------ setup
 
@@ -157,6 +159,35 @@ class Bookkeeper:
             else:
                 kept.append((pname, p, idx))
         return kept
+
+    def adopt_read_parameters(self, called: set[int], reads: dict[int, set[int]]) -> None:
+        """Parameters read without their module being called (Mamba's mixer passes its
+        ``conv1d.weight`` and ``dt_proj.weight`` to ``F.conv1d`` and ``@``; the probes saw
+        which calls were in progress when an op read them): the nearest enclosing unit whose
+        call read them all and whose torch.func rule differentiates its whole forward takes
+        them as its own (``"conv1d.weight"``), so that its per-sample vector-Jacobian product
+        covers that use too; the child's own unit, never called, is removed. Left alone (and
+        refused when the gradient arrives) where no such unit read them."""
+        by_name = {u.name: u for u in self.units}
+        for unit in [u for u in self.units if id(u) not in called and u.params and not u.derived]:
+            read = [reads[id(p)] for _, p, _ in unit.params if id(p) in reads]
+            if not read or isinstance(unit.module, nn.Embedding):   # its padding row stays noise-free
+                continue
+            readers, owner, name = set.intersection(*read), None, unit.name
+            while name and owner is None:
+                name = name.rpartition(".")[0]
+                found = by_name.get(name)
+                if found is not None and found.rule is FUNCTORCH_RULE and id(found) in readers:
+                    owner = found
+            if owner is None:
+                continue
+            prefix = unit.name[len(owner.name) + 1:] if owner.name else unit.name
+            owner.params.extend((f"{prefix}.{pname}", p, idx) for pname, p, idx in unit.params)
+            if "forward" in unit.module.__dict__:
+                del unit.module.__dict__["forward"]
+            self.units.remove(unit)
+            self.axes.units.pop(id(unit), None)
+            self.adopted.append(f"{unit.label} -> {owner.label}")
 
     def alias_note(self, idx: int) -> str:
         """Why parameter ``idx`` may reach ``p.grad``: the aliases not delivering its uses."""

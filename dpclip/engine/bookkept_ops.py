@@ -158,8 +158,11 @@ class Site(SiteBatch):
         self.module = unit.module
         self.label = unit.label
         self.memo = unit.memo
-        self._names = [name for name, _, _ in unit.params]
         self._derived = {name: [p for _, p, _ in originals] for name, originals in unit.derived}
+
+    @property
+    def _names(self) -> list[str]:   # read at each call: a unit may adopt a child's parameters
+        return [name for name, _, _ in self._unit.params]
 
     @property
     def _by_name(self) -> dict[str, Tensor]:

@@ -73,7 +73,7 @@ from dpclip.errors import DpclipError
 from dpclip.integrations.parts import EmptyDrawCollate, PoissonBatches, PrivateOptimizer
 from dpclip.integrations.private import running_world
 from dpclip.integrations.setup import clipping_spec, private_engine
-from dpclip.models.losses import cross_entropy, next_token_cross_entropy
+from dpclip.models.losses import cross_entropy, next_token_cross_entropy, no_generation_cache
 
 LOGGED_LOSS = ("training loss logged by the Hugging Face Trainer (console, report_to integrations): computed "
                "without noise from the private batches")
@@ -159,7 +159,8 @@ def default_per_sample_loss(model: nn.Module, inputs: Mapping[str, Tensor]) -> T
     """One loss per example from the model's logits and ``inputs["labels"]``: cross-entropy for
     logits ``[b, C]``, next-token cross-entropy (mean over each example's target tokens) for
     ``[b, T, V]``."""
-    logits = model(**{key: value for key, value in inputs.items() if key != "labels"}).logits
+    with no_generation_cache(model):
+        logits = model(**{key: value for key, value in inputs.items() if key != "labels"}).logits
     batch = {"labels": inputs["labels"]}
     return next_token_cross_entropy(logits, batch) if logits.dim() == 3 else cross_entropy(logits, batch)
 

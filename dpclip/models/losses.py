@@ -13,7 +13,8 @@ Batches are dicts of tensors as made by :mod:`dpclip.data` (``features`` or
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,25 @@ def forward_token_ids(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 def forward_transformers(model: nn.Module, batch: Batch) -> torch.Tensor:
     """transformers models: logits from ``input_ids`` and ``attention_mask``."""
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    with no_generation_cache(model):
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+
+@contextmanager
+def no_generation_cache(model: nn.Module) -> Iterator[None]:
+    """A training forward builds no generation cache (``config.use_cache`` off for the call, as
+    it was after): layers that hold their own parameters (Jamba's and Bamba's mixers, gpt-oss'
+    attention sinks) would otherwise get a cache whose updates the engine's per-sample
+    recomputation cannot replay (docs/engine.md, "What is refused"). Logits are unchanged."""
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "use_cache", False):
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
 
 
 # --------------------------------------------------------------------- criterions

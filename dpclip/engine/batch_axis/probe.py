@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpclip.engine.batch_axis.layout import CallLayout, Layout, call_leaves, tensor_leaves
@@ -65,7 +66,8 @@ def _seen(t: Tensor, axes=()) -> _Seen:
 class Probe:
     """One probing forward: per (unit, call ordinal), what each call received and returned.
 
-    ``rows``: (key, input index) -> the axes whose rows are fingerprinted (merged axes).
+    ``rows``: (key, input index) or (key, "out", output index) -> the axes whose rows are
+    fingerprinted (merged axes).
     In a consumer probe (``check``), ``expand`` (key -> function of (args, kwargs, orig)
     returning the output) runs the calls whose outputs are followed."""
 
@@ -76,6 +78,14 @@ class Probe:
         self.rows = rows or {}
         self.ordinals: dict[int, int] = {}
         self.calls: dict[tuple[int, int], tuple[list[_Seen], list[_Seen]]] = {}
+        self.stack: list[int] = []                # the units whose calls are in progress
+        self.reads: dict[int, set[int]] = {}      # id(parameter) -> units in progress when an op read it
+
+    def reading(self) -> TorchFunctionMode:
+        """Records which units' calls were in progress when an op read each parameter: a
+        module that reads a child's weight without calling the child (Mamba's mixer passes
+        ``self.conv1d.weight`` to ``F.conv1d``) is seen reading it (:attr:`reads`)."""
+        return _ParameterReads(self)
 
     def call(self, unit, orig: Callable, args: tuple, kwargs: dict):
         n = self.ordinals.get(id(unit), 0)
@@ -85,10 +95,27 @@ class Probe:
             expander = self.expand.get(key)
             return orig(*args, **kwargs) if expander is None else expander(args, kwargs, orig)
         ins = [_seen(t, self.rows.get((key, i), ())) for i, t in enumerate(call_leaves(args, kwargs))]
-        out = orig(*args, **kwargs)
-        # merged batch·position axes are accepted in inputs only: outputs need no fingerprints
-        self.calls[key] = (ins, [_seen(t) for t in tensor_leaves(out)])
+        self.stack.append(id(unit))
+        try:
+            out = orig(*args, **kwargs)
+        finally:
+            self.stack.pop()
+        self.calls[key] = (ins, [_seen(t, self.rows.get((key, "out", i), ()))
+                                 for i, t in enumerate(tensor_leaves(out))])
         return out
+
+
+class _ParameterReads(TorchFunctionMode):
+    def __init__(self, probe: Probe):
+        super().__init__()
+        self.probe = probe
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, nn.Parameter):
+                self.probe.reads.setdefault(id(a), set()).update(self.probe.stack)
+        return func(*args, **kwargs)
 
 
 def _close(a: Tensor, b: Tensor) -> bool:

@@ -8,7 +8,7 @@ longer), probes again once in that forward.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Callable, Iterator
 
@@ -31,8 +31,10 @@ class BatchAxes:
     the model's parameters live (default: read off the model)."""
 
     def __init__(self, model: torch.nn.Module, units: list, plain: Callable,
-                 device_types: Callable[[], set[str]] | None = None):
+                 device_types: Callable[[], set[str]] | None = None,
+                 on_probed: Callable[[set[int], dict[int, set[int]]], None] | None = None):
         self.model = model
+        self.on_probed = on_probed          # (units called, parameter reads) after each probe pair
         self.device_types = device_types or (lambda: {p.device.type for p in model.parameters()})
         self.units = {id(u): u for u in units}
         self.plain = plain
@@ -152,7 +154,7 @@ class BatchAxes:
         self.probes += 1
         try:
             with self.plain(), forked_rng(devices), untouched_buffers(self.model), _hooks_off(self.model), \
-                    _nothing_saved():
+                    _nothing_saved(), probe.reading() if check is None else nullcontext():
                 if check is None:
                     return self.model(*args, **kwargs)
                 with check:
@@ -197,11 +199,19 @@ class BatchAxes:
         layouts = compare(*probes)
         rows = {(key, i): (lay.dim,) for key, call in layouts.items()
                 for i, lay in enumerate(call.inputs) if lay.error == NEEDS_ROWS}
+        rows.update({(key, "out", i): (lay.dim,) for key, call in layouts.items()   # the torch.func rule's
+                     for i, lay in enumerate(call.outputs) if lay.error == NEEDS_ROWS})   # per-sample rows
         if rows:   # merged axes: one more pair, fingerprinting their rows (OPT)
             probes = [Probe(size, rows=rows) for size in sizes]
             for probe, (a, k) in zip(probes, inputs):
                 self._run(probe, a, k)
             layouts = compare(*probes)
+        if self.on_probed is not None:
+            reads: dict[int, set[int]] = {}
+            for probe in probes:
+                for param, units in probe.reads.items():
+                    reads.setdefault(param, set()).update(units)
+            self.on_probed({u for probe in probes for u in probe.ordinals}, reads)
         expand = self._expanders(layouts)
         if expand:
             self._check_consumers(layouts, expand, sizes, inputs)

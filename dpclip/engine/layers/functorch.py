@@ -22,6 +22,8 @@ its consumers broadcast anyway, so that its output gradient stays per-sample.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -35,13 +37,26 @@ from dpclip.engine.precision import autocast_again, autocast_state
 from dpclip.errors import EngineError
 
 
-def _usable(lay: Layout, t: Tensor, label: str, what: str) -> Layout:
-    if lay.error is not None or lay.merged:
-        why = lay.error or f"axis {lay.dim} holds the batch merged with other positions"
+class Axis(NamedTuple):
+    """Where one sample's part of a tensor is: ``rows`` consecutive entries of axis ``dim``
+    from ``i·rows`` on (1: the batch axis; c ≥ 2: the batch merged with c positions, batch
+    outer, as MoE routers and experts get [B·T, d]); ``rows`` 0: the sample's tensor has no
+    such axis (a shared output expanded over the batch)."""
+
+    dim: int
+    rows: int = 1
+
+
+def _axis(lay: Layout, t: Tensor, batch: int, label: str, what: str) -> Axis | None:
+    """The per-sample axis of one tensor of the call (None: shared by every sample)."""
+    if lay.error is not None or (lay.merged and lay.inner):
+        why = lay.error or f"axis {lay.dim} holds the batch merged inner ([c, B] rows)"
         raise EngineError(f"module {label}: the batch axis of its {what} of shape "
                           f"{tuple(t.shape)} cannot be used by the per-sample fallback: {why}",
                           BATCH_HINT)
-    return lay
+    if lay.dim is None:
+        return None
+    return Axis(lay.dim, t.shape[lay.dim] // batch if lay.merged else 1)
 
 
 class _RandomOpGuard(TorchDispatchMode):
@@ -81,7 +96,8 @@ class FunctorchRule(LayerRule):
 
     def call(self, module: nn.Module, capture: Capture, args: tuple, kwargs: dict):
         layout, batch = capture.layout, capture.batch_size
-        in_dims = [_usable(capture.layout_of(t), t, capture.label, "input").dim
+        _refuse_generation_cache(capture.label, args, kwargs)
+        in_dims = [_axis(capture.layout_of(t), t, batch, capture.label, "input")
                    for t in call_leaves(args, kwargs)]
         detached = {name: p.detach() for name, p in capture.params}
         with capture.bypass():  # the module's own parameters are constants here: no weight grads
@@ -92,18 +108,17 @@ class FunctorchRule(LayerRule):
         if outs is not None and len(outs) != len(tensors):
             raise EngineError(f"module {capture.label} returned {len(tensors)} tensors, the probe "
                               f"forwards saw {len(outs)}", BATCH_HINT)
-        index, out_dims = [], []    # out_dims: (batch axis, squeezed per sample)
+        index, out_dims = [], []
         for q, i in enumerate(tensors):
             t = leaves[i]
             if not t.is_floating_point():
                 continue
-            lay = _usable(Layout(t.dim(), 0) if outs is None else outs[q], t, capture.label, "output")
-            if lay.dim is None:   # shared: expanded over the batch (its consumers broadcast it)
+            axis = _axis(Layout(t.dim(), 0) if outs is None else outs[q], t, batch, capture.label, "output")
+            if axis is None:   # shared: expanded over the batch (its consumers broadcast it)
                 lead1 = t.dim() >= 1 and t.shape[0] == 1
                 leaves[i] = expand_shared(t, lead1, batch)
-                out_dims.append((0, lead1))
-            else:
-                out_dims.append((lay.dim, True))
+                axis = Axis(0, int(lead1))
+            out_dims.append(axis)
             index.append(i)
         if not index:
             return tree_unflatten(leaves, spec)
@@ -125,6 +140,18 @@ class FunctorchRule(LayerRule):
 FUNCTORCH_RULE = FunctorchRule()
 
 
+def _refuse_generation_cache(label: str, args: tuple, kwargs: dict) -> None:
+    """A transformers generation cache passed to the module: its forward appends to it, and the
+    per-sample recomputation would append again (to a cache of the whole batch)."""
+    for leaf in tree_flatten((args, kwargs))[0]:
+        if any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(leaf).__mro__):
+            raise EngineError(
+                f"module {label} was called with a generation cache ({type(leaf).__name__}); the torch.func "
+                "fallback recomputes the module per sample and cannot replay the cache's updates",
+                "call the model with use_cache=False when training (or set model.config.use_cache = False); "
+                "dpclip train and DPTrainer do")
+
+
 def is_rmsnorm_like(module: nn.Module) -> bool:
     """Custom RMSNorm classes (Llama, T5, Gemma, ...): handled exactly by the torch.func
     rule; they count as supported (strict mode accepts them) since the weight is small."""
@@ -134,22 +161,21 @@ def is_rmsnorm_like(module: nn.Module) -> bool:
 
 def per_sample_grads(capture: Capture, args: tuple, kwargs: dict, out_index: list[int],
                      grads: tuple[Tensor, ...], batch: int, autocast=None,
-                     in_dims: list[int | None] | None = None,
-                     out_dims: list[tuple[int, bool]] | None = None) -> dict[str, Dense]:
+                     in_dims: list[Axis | None] | None = None,
+                     out_dims: list[Axis] | None = None) -> dict[str, Dense]:
     """Per-sample gradients ``{param name: Dense([B, *shape])}`` of one call of
     ``capture.module``; ``out_index`` picks the tapped leaves of its output; ``autocast``:
     the forward's :func:`~dpclip.engine.precision.autocast_state`, re-entered to recompute.
-    ``in_dims``: the batch axis of each tensor input (None: shared); ``out_dims``: per tapped
-    output, its batch axis and whether a sample's recomputed output keeps it (size 1); by
-    default the batch is in dim 0 of everything."""
+    ``in_dims``: the :class:`Axis` of each tensor input (None: shared); ``out_dims``: that of
+    each tapped output; by default the batch is in dim 0 of everything."""
     module = capture.module
     leaves, spec = tree_flatten((args, kwargs))
     tensor_pos = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
     tensors = [leaves[i].detach() for i in tensor_pos]
-    in_dims = [0] * len(tensors) if in_dims is None else in_dims
-    out_dims = [(0, True)] * len(out_index) if out_dims is None else out_dims
-    for g, (d, _) in zip(grads, out_dims):
-        if g.dim() <= d or g.shape[d] != batch:
+    in_dims = [Axis(0)] * len(tensors) if in_dims is None else in_dims
+    out_dims = [Axis(0)] * len(out_index) if out_dims is None else out_dims
+    for g, (d, rows) in zip(grads, out_dims):
+        if g.dim() <= d or g.shape[d] != batch * max(rows, 1):
             raise EngineError(f"module {capture.label}: an output gradient of shape "
                               f"{tuple(g.shape)} has no batch axis {d} of size {batch}", BATCH_HINT)
     params = {name: p.detach() for name, p in capture.params}
@@ -173,7 +199,7 @@ def per_sample_grads(capture: Capture, args: tuple, kwargs: dict, out_index: lis
     result = None
     if vmap_ok.get(kind) is not False:
         try:
-            result = _vmapped(run, params, tensors, in_dims, grads, out_dims)
+            result = _vmapped(run, params, tensors, in_dims, grads, out_dims, batch)
             vmap_ok[kind] = True
         except EngineError:
             raise
@@ -186,19 +212,26 @@ def per_sample_grads(capture: Capture, args: tuple, kwargs: dict, out_index: lis
     return {name: Dense(g) for name, g in result.items()}
 
 
-def _vmapped(run, params, tensors, in_dims, grads, out_dims) -> dict[str, Tensor]:
+def _split(t: Tensor, axis: Axis | None, batch: int) -> Tensor:
+    """``t`` with the batch in an axis of its own where it is merged with positions."""
+    return t.unflatten(axis.dim, (batch, axis.rows)) if axis is not None and axis.rows > 1 else t
+
+
+def _vmapped(run, params, tensors, in_dims, grads, out_dims, batch) -> dict[str, Tensor]:
     def one(sample_tensors, sample_grads):
-        restored = [t.unsqueeze(d) if d is not None else t for t, d in zip(sample_tensors, in_dims)]
+        restored = [t.unsqueeze(a.dim) if a is not None and a.rows == 1 else t
+                    for t, a in zip(sample_tensors, in_dims)]
 
         def f(p):
-            return tuple(o.squeeze(d) if keeps else o
-                         for o, (d, keeps) in zip(run(p, restored), out_dims))
+            return tuple(o.squeeze(a.dim) if a.rows == 1 else o for o, a in zip(run(p, restored), out_dims))
 
         _, vjp_fn = torch.func.vjp(f, params)
         return vjp_fn(tuple(sample_grads))[0]
 
-    return torch.func.vmap(one, in_dims=(tuple(in_dims), tuple(d for d, _ in out_dims)),
-                           randomness="error")(tuple(tensors), tuple(grads))
+    return torch.func.vmap(one, in_dims=(tuple(None if a is None else a.dim for a in in_dims),
+                                         tuple(a.dim for a in out_dims)), randomness="error")(
+        tuple(_split(t, a, batch) for t, a in zip(tensors, in_dims)),
+        tuple(_split(g, a, batch) for g, a in zip(grads, out_dims)))
 
 
 def _looped(run, params, tensors, in_dims, grads, out_dims, batch, label) -> dict[str, Tensor]:
@@ -206,10 +239,10 @@ def _looped(run, params, tensors, in_dims, grads, out_dims, batch, label) -> dic
     with torch.enable_grad(), _RandomOpGuard(label):
         for i in range(batch):
             p = {name: t.detach().requires_grad_() for name, t in params.items()}
-            sample = [t.narrow(d, i, 1) if d is not None else t for t, d in zip(tensors, in_dims)]
+            sample = [t.narrow(a.dim, i * a.rows, a.rows) if a is not None else t for t, a in zip(tensors, in_dims)]
             outs = run(p, sample)
-            pairs = [(o, g.narrow(d, i, 1) if keeps else g.select(d, i))
-                     for o, g, (d, keeps) in zip(outs, grads, out_dims) if o.requires_grad]
+            pairs = [(o, g.narrow(a.dim, i * a.rows, a.rows) if a.rows else g.select(a.dim, i))
+                     for o, g, a in zip(outs, grads, out_dims) if o.requires_grad]
             got = torch.autograd.grad([o for o, _ in pairs], list(p.values()),
                                       [g for _, g in pairs], allow_unused=True) if pairs else [None] * len(p)
             for (name, t), g in zip(p.items(), got):

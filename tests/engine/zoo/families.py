@@ -140,3 +140,106 @@ class TwoViews(nn.Module):
 
 register(Case("two-views-on-batch", "pattern", "two views concatenated on the batch ([2B, ...]), one encoder",
               seeded(TwoViews), seq, read_loss))
+
+
+# ------------------------------------------------------------------ state-space models
+
+
+def training(make):
+    """In training mode and without a generation cache, as `dpclip train` runs it."""
+    build = seeded(make)
+
+    def make_training():
+        model = build().train()
+        model.config.use_cache = False
+        return model
+    return make_training
+
+
+def _mamba():
+    return tf.MambaForCausalLM(tf.MambaConfig(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=2,
+                                              expand=2, conv_kernel=3, time_step_rank=4))
+
+
+def _mamba2():
+    return tf.Mamba2ForCausalLM(tf.Mamba2Config(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=2,
+                                                expand=2, conv_kernel=3, num_heads=4, head_dim=8, n_groups=1,
+                                                chunk_size=4))
+
+
+register(Case("mamba", "hf", "Mamba (conv1d and dt_proj weights read by the mixer, selective scan)", training(_mamba), lm_batch, causal_loss))
+register(Case("mamba2", "hf", "Mamba2 (conv1d weight read by the mixer, chunked SSD scan)", training(_mamba2), lm_batch, causal_loss))
+
+
+# ------------------------------------------------------------------ mixture-of-experts
+
+_MOE = dict(vocab_size=V, hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=P, **EAGER)
+
+
+def eager_experts(model):
+    """The experts' loop over ``index_add_`` (``experts_implementation="eager"``): the zoo's
+    reference runs in float64, which ``torch._grouped_mm`` (transformers' default) does not take."""
+    model.set_experts_implementation("eager")
+    return model
+
+
+def _mixtral():
+    return eager_experts(tf.MixtralForCausalLM(tf.MixtralConfig(**_MOE, num_local_experts=4, num_experts_per_tok=2)))
+
+
+register(Case("mixtral", "hf", "Mixtral (4 experts, top-2: fused expert weights, tokens dispatched by a router)",
+              training(_mixtral), lm_batch, causal_loss))
+
+
+def _qwen2_moe():
+    return eager_experts(tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+        **_MOE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=16)))
+
+
+def _olmoe():
+    return eager_experts(tf.OlmoeForCausalLM(tf.OlmoeConfig(**_MOE, num_experts=4, num_experts_per_tok=2)))
+
+
+def _deepseek_v3():
+    return eager_experts(tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+        **{**_MOE, "num_key_value_heads": 2}, moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)))
+
+
+def _gpt_oss():
+    return eager_experts(tf.GptOssForCausalLM(tf.GptOssConfig(
+        **{**_MOE, "intermediate_size": 8}, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=4)))
+
+
+def _jamba():
+    return eager_experts(tf.JambaForCausalLM(tf.JambaConfig(
+        **_MOE, num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+        attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4, mamba_d_conv=3, mamba_expand=2,
+        mamba_dt_rank=4, use_mamba_kernels=False)))
+
+
+def _falcon_mamba():
+    return tf.FalconMambaForCausalLM(tf.FalconMambaConfig(vocab_size=V, hidden_size=16, state_size=4,
+                                                          num_hidden_layers=2, expand=2, conv_kernel=3,
+                                                          time_step_rank=4))
+
+
+def _bamba():
+    return tf.BambaForCausalLM(tf.BambaConfig(
+        **_MOE, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=4,
+        mamba_d_conv=3, mamba_expand=2, mamba_chunk_size=4))
+
+
+for _name, _what, _make in (
+        ("qwen2-moe", "Qwen2-MoE (4 experts, top-2, with a gated shared expert)", _qwen2_moe),
+        ("olmoe", "OLMoE (4 experts, top-2, QK norms)", _olmoe),
+        ("deepseek-v3", "DeepSeek-V3 (multi-head latent attention, 4 routed experts and a shared one)",
+         _deepseek_v3),
+        ("gpt-oss", "gpt-oss (experts with biases, attention sinks, sliding and full attention)", _gpt_oss),
+        ("jamba", "Jamba (Mamba and attention layers, experts on every other layer)", _jamba),
+        ("falcon-mamba", "FalconMamba (Mamba with RMS-normalised B, C and Δ)", _falcon_mamba),
+        ("bamba", "Bamba (Mamba2 and attention layers)", _bamba)):
+    register(Case(_name, "hf", _what, training(_make), lm_batch, causal_loss))

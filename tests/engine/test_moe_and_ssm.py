@@ -1,0 +1,226 @@
+"""Mixture-of-experts and state-space layers (issue 52), built from plain torch so that each
+mechanism is seen alone: parameters a module reads without calling their owner (Mamba's
+``F.conv1d(x, self.conv1d.weight)``) and experts over the batch's tokens merged into rows
+([B·T, d], dispatched by a router). Each is clipped as the per-example reference, and what
+truly mixes samples stays refused (docs/engine.md, "Mixture-of-experts and state-space models")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpclip.engine import DPEngine
+from dpclip.errors import EngineError
+from tests.engine.conftest import DTYPE, check_exact
+
+D, T = 6, 4
+
+
+class ShortConvMixer(nn.Module):
+    """A Mamba-style mixer: its own ``A`` and ``D``, ``proj`` called, ``conv`` and ``dt`` read."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.conv, self.dt = nn.Linear(D, D), nn.Conv1d(D, D, 3, groups=D, padding=2), nn.Linear(D, D)
+        self.A, self.D = nn.Parameter(torch.randn(D)), nn.Parameter(torch.randn(D))
+
+    def forward(self, x):                                           # [B, T, D]
+        h = self.proj(x).transpose(1, 2)
+        h = F.conv1d(h, self.conv.weight, self.conv.bias, padding=2, groups=D)[..., :x.shape[1]]
+        h = F.silu(h).transpose(1, 2)
+        dt = F.softplus(h @ self.dt.weight.t() + self.dt.bias)
+        return torch.cumsum(torch.exp(-dt * self.A.exp()) * h, 1) + h * self.D
+
+
+class Ssm(nn.Module):
+    def __init__(self, mixer=ShortConvMixer):
+        super().__init__()
+        self.mixer, self.head = mixer(), nn.Linear(D, 3)
+
+    def forward(self, x):
+        return self.head(self.mixer(x).mean(1))
+
+
+class Experts(nn.Module):
+    """Fused expert weights [E, d, d] over [B·T, d] token rows, each token sent to its top-1
+    expert by index (the loop transformers' eager experts run)."""
+
+    def __init__(self, n=3):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n, D, D) / D ** 0.5)
+
+    def forward(self, rows, expert, weight):
+        out = torch.zeros_like(rows)
+        for e in range(self.w.shape[0]):
+            (idx,) = torch.where(expert == e)
+            out.index_add_(0, idx, torch.tanh(rows[idx] @ self.w[e]) * weight[idx, None])
+        return out
+
+
+class Router(nn.Module):
+    def __init__(self, n=3):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, D))
+
+    def forward(self, rows):
+        probs = F.softmax(rows @ self.weight.t(), -1)
+        weight, expert = probs.max(-1)
+        return weight, expert
+
+
+class Moe(nn.Module):
+    def __init__(self, experts=Experts):
+        super().__init__()
+        self.inp, self.router, self.experts, self.head = nn.Linear(D, D), Router(), experts(), nn.Linear(D, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        rows = h.reshape(-1, D)                                      # [B·T, D]: the batch merged with tokens
+        weight, expert = self.router(rows)
+        out = (rows + self.experts(rows, expert, weight)).view_as(h)
+        return self.head(out.mean(1))
+
+
+def _factory(cls, *args):
+    def make():
+        torch.manual_seed(0)
+        return cls(*args).to(DTYPE)
+    return make
+
+
+def _loss(model, batch):
+    return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+
+
+def _batch(n=5, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(n, T, D, generator=g, dtype=DTYPE), "y": torch.randint(0, 3, (n,), generator=g)}
+
+
+def _engine(model, n):
+    return DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": 0.1}},
+                    gradient_noise_multiplier=0.0, expected_batch_size=n)
+
+
+@pytest.mark.parametrize("grouping, norm_method", [("all-layer", "auto"), ("layer", "ghost"), ("param", "instantiate")])
+def test_weights_a_mixer_reads_without_calling_their_module_clip_as_the_per_example_reference(grouping, norm_method):
+    check_exact(_factory(Ssm), _loss, _batch(), grouping=grouping, norm_method=norm_method, micro=[2, 3])
+
+
+def test_the_mixer_takes_the_read_weights_and_the_unread_module_keeps_its_own():
+    model = _factory(Ssm)()
+    model.mixer.spare = nn.Linear(D, D).to(DTYPE)           # never called, never read: no gradient
+    engine = _engine(model, 5)
+    engine.backward(_loss(model, _batch()))
+    adopted = engine._keeper.adopted
+    assert sorted(adopted) == ["mixer.conv (Conv1d) -> mixer (ShortConvMixer)", "mixer.dt (Linear) -> mixer (ShortConvMixer)"]
+    engine.detach()
+
+
+class Reader(nn.Module):
+    """Reads ``conv.weight`` with no parameter of its own: no unit differentiates its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(D, D, 1)
+
+    def forward(self, x):
+        return F.conv1d(x.transpose(1, 2), self.conv.weight, self.conv.bias).transpose(1, 2)
+
+
+class Sibling(nn.Module):
+    """Reads a weight whose module it also calls: that module's own uses are delivered by its rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.A = nn.Linear(D, D), nn.Parameter(torch.ones(D))
+
+    def forward(self, x):
+        return self.lin(x) * self.A + x @ self.lin.weight.t()
+
+
+@pytest.mark.parametrize("mixer", [Reader, Sibling])
+def test_a_read_weight_with_no_unit_to_take_it_is_still_refused(mixer):
+    model = _factory(Ssm, mixer)()
+    engine = _engine(model, 4)
+    with pytest.raises(EngineError, match="outside the engine's hooks"):
+        engine.backward(_loss(model, _batch(4)))
+
+
+@pytest.mark.parametrize("grouping, norm_method", [("all-layer", "auto"), ("layer", "ghost"), ("param", "instantiate")])
+def test_experts_over_token_rows_and_their_router_clip_as_the_per_example_reference(grouping, norm_method):
+    check_exact(_factory(Moe), _loss, _batch(), grouping=grouping, norm_method=norm_method, micro=[2, 3])
+
+
+class CapacityExperts(Experts):
+    """Each expert takes at most 2 tokens of the whole batch (Switch-style capacity): whether a
+    sample's token is processed depends on the other samples' tokens."""
+
+    def forward(self, rows, expert, weight):
+        out = torch.zeros_like(rows)
+        for e in range(self.w.shape[0]):
+            (idx,) = torch.where(expert == e)
+            idx = idx[weight[idx].argsort(descending=True)[:2]]
+            out.index_add_(0, idx, torch.tanh(rows[idx] @ self.w[e]) * weight[idx, None])
+        return out
+
+
+def test_experts_with_a_capacity_over_the_batch_are_refused_not_clipped_wrong():
+    model = _factory(Moe, CapacityExperts)()
+    engine = _engine(model, 6)
+    with pytest.raises(EngineError, match="experts .*neither batch-outer"):
+        engine.backward(_loss(model, _batch(6)))
+
+
+def test_a_generation_cache_passed_to_a_layer_of_its_own_parameters_is_refused_with_the_fix():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GptOssConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+        layer_types=["full_attention"], attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).train()
+    model.set_experts_implementation("eager")
+    ids = torch.randint(0, 32, (3, 5))
+    engine = _engine(model, 3)
+    with pytest.raises(EngineError, match="generation cache") as caught:
+        model(input_ids=ids, use_cache=True)
+    assert "use_cache=False" in caught.value.hint
+    engine.detach()
+
+
+def test_dpclip_forwards_build_no_generation_cache_and_leave_the_config_as_it_was():
+    transformers = pytest.importorskip("transformers")
+    from dpclip.models.losses import forward_transformers
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1))
+    seen = []
+    model.model.register_forward_hook(lambda m, a, out: seen.append(out.past_key_values))
+    ids = torch.randint(0, 32, (2, 4))
+    forward_transformers(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    assert seen == [None] and model.config.use_cache is True
+
+
+def test_capacity_experts_slipping_past_the_probe_are_refused_by_the_certificate(monkeypatch):
+    """Sabotage: the probe's row check of the experts' output is blinded (its merged rows read as
+    batch-outer unchecked); a sample's tokens then depend on the others', which only the check of
+    each clip against the sample's own gradient can tell."""
+    from dpclip.engine.batch_axis import probe, state
+    real = probe.compare
+
+    def blind(a, b):
+        out = real(a, b)
+        for key, call in out.items():
+            if call.outputs is not None:
+                fixed = tuple(probe.Layout(lay.ndim, lay.dim, merged=True) if lay.merged else lay
+                              for lay in call.outputs)
+                out[key] = type(call)(call.inputs, fixed, call.refusal, call.consumers)
+        return out
+    monkeypatch.setattr(state, "compare", blind)
+    model = _factory(Moe, CapacityExperts)()
+    engine = _engine(model, 6)
+    with pytest.raises(EngineError, match="mixes samples|certificate refused"):
+        engine.backward(_loss(model, _batch(6)))
