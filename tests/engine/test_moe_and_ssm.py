@@ -224,3 +224,29 @@ def test_capacity_experts_slipping_past_the_probe_are_refused_by_the_certificate
     engine = _engine(model, 6)
     with pytest.raises(EngineError, match="mixes samples|certificate refused"):
         engine.backward(_loss(model, _batch(6)))
+
+
+def test_transformers_default_grouped_mm_experts_match_a_float32_per_example_loop():
+    """transformers' default experts kernel (``torch._grouped_mm``, float32 only, so not in the
+    float64 zoo): unclipped sums equal the per-example gradients' sum."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, attn_implementation="eager")).train()
+    model.config.use_cache = False
+    assert model.config._experts_implementation == "grouped_mm"
+    ids = torch.randint(0, 32, (3, 6))
+
+    def losses(x):
+        logits = model(input_ids=x).logits[:, :-1]
+        return F.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none").mean(1)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    per = [torch.autograd.grad(losses(ids[i:i + 1]).sum(), [p for _, p in named]) for i in range(3)]
+    engine = DPEngine(model, {"grouping": "all-layer", "threshold": {"kind": "fixed", "value": 1e6}},
+                      gradient_noise_multiplier=0.0, expected_batch_size=3)
+    engine.backward(losses(ids))
+    sums = engine.debug_clipped().sums
+    for k, (name, _) in enumerate(named):
+        torch.testing.assert_close(sums[name], sum(g[k] for g in per), rtol=1e-4, atol=1e-6, msg=name)
+    engine.detach()
