@@ -22,6 +22,7 @@ its consumers broadcast anyway, so that its output gradient stays per-sample.
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -228,10 +229,12 @@ def _vmapped(run, params, tensors, in_dims, grads, out_dims, batch) -> dict[str,
         _, vjp_fn = torch.func.vjp(f, params)
         return vjp_fn(tuple(sample_grads))[0]
 
-    return torch.func.vmap(one, in_dims=(tuple(None if a is None else a.dim for a in in_dims),
-                                         tuple(a.dim for a in out_dims)), randomness="error")(
-        tuple(_split(t, a, batch) for t, a in zip(tensors, in_dims)),
-        tuple(_split(g, a, batch) for g, a in zip(grads, out_dims)))
+    with warnings.catch_warnings():   # ops vmap runs one sample at a time (MoE's grouped_mm): exact, slower
+        warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
+        return torch.func.vmap(one, in_dims=(tuple(None if a is None else a.dim for a in in_dims),
+                                             tuple(a.dim for a in out_dims)), randomness="error")(
+            tuple(_split(t, a, batch) for t, a in zip(tensors, in_dims)),
+            tuple(_split(g, a, batch) for g, a in zip(grads, out_dims)))
 
 
 def _looped(run, params, tensors, in_dims, grads, out_dims, batch, label) -> dict[str, Tensor]:
