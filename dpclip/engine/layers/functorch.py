@@ -27,12 +27,14 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpclip.engine.batch_axis import BATCH_HINT, Layout, call_leaves, expand_shared
 from dpclip.engine.factors import Dense
 from dpclip.engine.layers import Capture, LayerRule
+from dpclip.engine.layers.packed import packed_call
 from dpclip.engine.parametrized import functional_call
 from dpclip.engine.precision import autocast_again, autocast_state
 from dpclip.errors import EngineError
@@ -98,6 +100,8 @@ class FunctorchRule(LayerRule):
     def call(self, module: nn.Module, capture: Capture, args: tuple, kwargs: dict):
         layout, batch = capture.layout, capture.batch_size
         _refuse_generation_cache(capture.label, args, kwargs)
+        if args and isinstance(args[0], PackedSequence):   # its rows are ragged, time-major
+            return packed_call(module, capture, args, kwargs, _RandomOpGuard)
         in_dims = [_axis(capture.layout_of(t), t, batch, capture.label, "input")
                    for t in call_leaves(args, kwargs)]
         detached = {name: p.detach() for name, p in capture.params}

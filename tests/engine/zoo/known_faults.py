@@ -33,7 +33,6 @@ EXPECTED_REFUSALS: dict[str, str] = {
     "swin": "its relative position bias table, shared by all samples, reaches scaled_dot_product_attention as "
             "a bias the probes cannot follow (issue 52)",
     "resnet": "BatchNorm normalises with batch statistics: per-sample gradients do not exist",
-    "packed-lstm": "nn.LSTM on a PackedSequence: the packed rows are not laid out by sample (issue 52)",
 }
 
 #: cases that mix samples (or keep data in a buffer): refused wherever the batch has two samples

@@ -494,17 +494,38 @@ class BiGRU(nn.Module):
 
 
 class PackedLSTM(nn.Module):
-    """nn.LSTM on a PackedSequence (sample i has T - i mod 2 steps)."""
+    """nn.LSTM on a PackedSequence (a sample has T - 1 steps where its first feature is positive,
+    T otherwise: the length is the sample's own, as padding marks it in real data)."""
 
     def __init__(self):
         super().__init__()
         self.lstm = nn.LSTM(D, 4, batch_first=True)
 
     def forward(self, x):
-        lengths = torch.tensor([x.shape[1] - (i % 2) if x.shape[1] > 1 else 1 for i in range(x.shape[0])])
+        lengths = (x.shape[1] - (x[:, 0, 0] > 0).long()).clamp(min=1).cpu()
         packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
         out, _ = self.lstm(packed)
         return nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])[0]
+
+
+class PackedBiLSTM(nn.Module):
+    """A 2-layer bidirectional LSTM on a PackedSequence from a learned initial state (Opacus'
+    DPLSTM setting), then a GRU on its packed output."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(D, 4, num_layers=2, bidirectional=True, batch_first=True)
+        self.h0 = nn.Linear(D, 4 * 4)
+        self.gru = nn.GRU(8, 4)
+
+    def forward(self, x):
+        lengths = (x.shape[1] - (x[:, 0, 0] > 0).long() - (x[:, 0, 1] > 0).long()).clamp(min=1).cpu()
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        h0 = torch.tanh(self.h0(x[:, 0])).view(x.shape[0], 4, 4).transpose(0, 1).contiguous()
+        out, _ = self.lstm(packed, (h0, torch.zeros_like(h0)))
+        out, h = self.gru(out)
+        padded = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])[0]
+        return padded + h[-1][:, None]
 
 
 class SpectralNormLinear(nn.Module):
@@ -559,4 +580,6 @@ pattern("depthwise-conv", "depthwise nn.Conv1d (groups = channels) and a pointwi
 pattern("nn-transformer", "nn.Transformer encoder-decoder, batch_first", FullTransformer)
 pattern("bigru", "nn.GRU, 2 layers, bidirectional", BiGRU)
 pattern("packed-lstm", "nn.LSTM on a PackedSequence", PackedLSTM)
+pattern("packed-bilstm-gru", "2-layer bidirectional nn.LSTM from a learned state, then nn.GRU, on PackedSequences",
+        PackedBiLSTM)
 pattern("mean-normalised-loss", "per-sample losses minus their batch mean", MeanNormalisedLoss, loss=centred_loss)
