@@ -27,8 +27,9 @@ _BROADCASTING = {
     "add_", "sub_", "mul_", "div_", "addcmul_", "addcdiv_",
 }
 _MATMUL = {"matmul", "__matmul__", "__rmatmul__"}
-#: consumers that broadcast with no other tensor: the batch comes from their sizes
-_EXPANDS = {"expand", "broadcast_to"}
+#: consumers that broadcast with no other tensor: the batch comes from their sizes (``repeat``
+#: only where it equals ``expand``: factors above 1 on axes of size 1 alone, peft's prompts)
+_EXPANDS = {"expand", "broadcast_to", "repeat"}
 _SDPA = "scaled_dot_product_attention"   # a consumer when the tensor is its attn_mask
 EVENTS = _BROADCASTING | _MATMUL | _EXPANDS | {_SDPA}
 #: ops that keep a shared tensor shared (no other tensor involved): the chain before a broadcast
@@ -68,6 +69,16 @@ def _sdpa_shape(args: tuple, kwargs: dict, t: Tensor) -> tuple | None:
     if mask is not t or not isinstance(q, Tensor) or not isinstance(k, Tensor):
         return None
     return (*q.shape[:-1], k.shape[-2])
+
+
+def _repeat_is_expand(args: tuple, kwargs: dict, t: Tensor) -> bool:
+    """``t.repeat(*factors)`` equals ``t.expand(...)`` of its result's shape: every factor above 1
+    falls on an axis of size 1 (or on a new leading axis)."""
+    factors = args[1:] if len(args) > 1 else kwargs.get("repeats", ())
+    if len(factors) == 1 and isinstance(factors[0], (tuple, list, torch.Size)):
+        factors = tuple(factors[0])
+    sizes = (1,) * (len(factors) - t.dim()) + tuple(t.shape)
+    return len(factors) >= t.dim() and all(f == 1 or s == 1 for f, s in zip(factors, sizes))
 
 
 class ConsumerCheck(TorchFunctionMode):
@@ -126,6 +137,8 @@ class ConsumerCheck(TorchFunctionMode):
             self.fail(key, f"its output meets another shared tensor in `{name}`")
         elif not others and name in CHAIN:
             self.track(out, key, hits[0][2] + 1)
+        elif name == "repeat" and not _repeat_is_expand(args, kwargs, hits[0][0]):
+            self.fail(key, "its output is tiled by `repeat` over an axis of size above 1")
         elif name in EVENTS:
             result = tuple(out.shape)
             if name == _SDPA:
@@ -170,5 +183,6 @@ def consumers(a: ConsumerCheck, b: ConsumerCheck, key: tuple, batch: int, new: i
         if (j >= 0 and shape[j] != 1) or (matrix and (len(shape) < 2 or r >= len(res_a) - 2)):
             return None, False, f"`{name}` does not broadcast its output over the batch", set()
         out.append(Consumer(name, r, j))
-        simple = simple and chain == 0 and j == simple_aligned and not matrix
+        # expanding the output itself would make `repeat` tile an already batched tensor
+        simple = simple and chain == 0 and j == simple_aligned and not matrix and name != "repeat"
     return tuple(out), simple, None, unfollowed
