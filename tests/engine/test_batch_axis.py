@@ -350,6 +350,33 @@ def test_a_learned_query_expanded_to_the_batch_is_exact(n):
     exact(lambda: ExpandedQuery().to(DTYPE), _floats(n))
 
 
+class RepeatedPrompt(nn.Module):
+    """peft's prompt tuning: an Embedding of the shared prompt ids [1, P], its output tiled over
+    the batch by ``repeat(B, 1, 1)`` (equal to an expand) and put before each sample's tokens;
+    ``tile_axis_above_one`` repeats [P, d] to [B·P, d] instead, which no broadcast equals."""
+
+    def __init__(self, d=3, prompt=2, tile_axis_above_one=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.prompt, self.tile = nn.Embedding(prompt, d), tile_axis_above_one
+        self.mix, self.head = nn.Linear(d, d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        ids = torch.arange(self.prompt.num_embeddings)[None]
+        p = self.prompt(ids)                                               # [1, P, d]
+        p = p[0].repeat(len(x), 1).view(len(x), -1, x.shape[-1]) if self.tile else p.repeat(len(x), 1, 1)
+        return self.head(torch.tanh(self.mix(torch.cat([p, x], 1))).mean(1))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_a_shared_prompt_repeated_over_the_batch_is_exact(n):
+    exact(lambda: RepeatedPrompt().to(DTYPE), _floats(n))
+
+
+def test_a_shared_output_tiled_over_an_axis_above_one_is_refused():
+    refused(lambda: RepeatedPrompt(tile_axis_above_one=True).to(DTYPE), _floats(4), "tiled by `repeat`")
+
+
 def test_a_layer_input_whose_batch_cannot_be_moved_is_refused():
     class BatchAlongLength(nn.Module):   # Conv1d gets [L, C, B]: its rule needs the batch first
         def __init__(self):

@@ -45,6 +45,14 @@ def test_adapters_in_parameter_dicts_clip_as_the_per_example_reference(kind, gro
     assert any(marker in name for name in names for marker in ("ia3_l", "lora_E", "lora_embedding_A")), names
 
 
+@pytest.mark.parametrize("grouping", ["all-layer", "layer"])
+def test_prompt_tuning_clips_as_the_per_example_reference(grouping):
+    """The shared prompt (``prompt_encoder(ids[:1]).repeat(B, 1, 1)``) gets each sample's own gradient."""
+    config = peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=3)
+    engine, _, _ = check_exact(_adapted(config), bert_loss, bert_batch(), grouping=grouping, micro=[2, 3])
+    assert any("prompt_encoder" in info.name for info in engine.groups.params)
+
+
 def test_a_loha_adapter_in_training_mode_is_refused_for_its_random_draw():
     """LoHa draws torch.rand(1) for its module dropout at every training forward, which a
     per-sample recomputation cannot replay: refused, naming the module (exact in eval mode)."""

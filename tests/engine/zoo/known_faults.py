@@ -14,17 +14,15 @@ EXPECTED_REFUSALS: dict[str, str] = {
                           "torch.func fallback cannot replay per sample (exact in eval mode)",
     "peft-dora": "DoRA computes its weight norm by calling lora_A on an identity matrix shared by all samples, "
                  "whose output feeds a linear, not a broadcast over the batch",
-    "peft-prompt-tuning": "the prompt embedding is fed shared indices and repeated over the batch by `repeat`, "
-                          "not a broadcast the engine follows",
     "checkpoint-reentrant": "reentrant checkpointing differentiates a second forward the engine cannot tie to the "
                             "first (refused, with use_reentrant=False in the hint)",
     "batchnorm": "BatchNorm normalises with batch statistics: per-sample gradients do not exist",
     "deberta-v2-mlm": "DisentangledSelfAttention projects the relative-position table, shared by all samples, "
                       "and repeats it over the batch: per-sample gradients of that use cannot be separated "
                       "(config pos_att_type=[] or relative_attention=False is exact)",
-    "query-proj-repeat": "a Linear fed a table shared by all samples whose output is then `.repeat`ed over "
-                         "the batch: the samples' gradients are summed by the repeat, no per-sample "
-                         "gradient can be separated (DeBERTa's pattern)",
+    "query-proj-repeat": "the shared table's weight is read outside its module's call (`rel.weight`), "
+                         "so its gradient would bypass the engine: refused as a stray gradient (with the "
+                         "table frozen, query_proj(...).repeat(B, 1, 1) is exact: query-proj-repeat-frozen)",
     "query-proj-squeeze": "the shared table's weight is read outside its module's call (`rel.weight`), "
                           "so its gradient would bypass the engine: refused as a stray gradient",
     # issue 49's outside cases (tests/engine/zoo/outside.py)

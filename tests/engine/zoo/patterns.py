@@ -136,10 +136,11 @@ class QueryProjRelative(nn.Module):
     """DeBERTa's ``query_proj(rel.unsqueeze(0))`` on a relative-embedding table, then
     ``.repeat(B, 1, 1)`` or ``.squeeze(0)``."""
 
-    def __init__(self, how: str):
+    def __init__(self, how: str, frozen_table: bool = False):
         super().__init__()
         self.how = how
         self.rel = nn.Embedding(R, D)
+        self.rel.weight.requires_grad_(not frozen_table)
         self.query_proj = nn.Linear(D, D)
         self.inp = nn.Linear(D, D)
 
@@ -190,6 +191,8 @@ pattern("custom-on-shared-table", "a custom module (torch.func fallback) fed a s
 pattern("inplace-add", "out = lin(x); out += y on [B, T, d]", InPlaceAdd)
 pattern("relu-inplace", "nn.ReLU(inplace=True) after nn.Linear on [B, T, d]", ReluInPlace)
 pattern("query-proj-repeat", "query_proj(rel.unsqueeze(0)).repeat(B, 1, 1)", lambda: QueryProjRelative("repeat"))
+pattern("query-proj-repeat-frozen", "query_proj(rel.unsqueeze(0)).repeat(B, 1, 1), the table frozen",
+        lambda: QueryProjRelative("repeat", frozen_table=True))
 pattern("query-proj-squeeze", "query_proj(rel.unsqueeze(0)).squeeze(0)", lambda: QueryProjRelative("squeeze"))
 pattern("shared-bias", "parent.bias is child.bias (BERT MLM head)", SharedBiasHead, lm, next_token_loss)
 pattern("tied-embedding-head", "nn.Embedding tied to the output nn.Linear", TiedEmbeddingHead, lm, next_token_loss)
