@@ -243,3 +243,21 @@ for _name, _what, _make in (
         ("falcon-mamba", "FalconMamba (Mamba with RMS-normalised B, C and Δ)", _falcon_mamba),
         ("bamba", "Bamba (Mamba2 and attention layers)", _bamba)):
     register(Case(_name, "hf", _what, training(_make), lm_batch, causal_loss))
+
+
+# ------------------------------------------------------------------ torch.compile
+
+
+def compiled(make):
+    """``torch.compile(model, backend="aot_eager")``: dynamo traces what it can and runs the
+    engine's book-kept calls eagerly between its graphs (the compiled private step is issue 54)."""
+    build = seeded(make)
+    return lambda: torch.compile(build(), backend="aot_eager")
+
+
+register(Case("compiled-blocks", "pattern", "torch.compile(backend=\"aot_eager\") of blocks under torch.utils.checkpoint",
+              compiled(lambda: CheckpointedBlocks()), seq, read_loss))
+register(Case("compiled-gpt2", "hf", "torch.compile(backend=\"aot_eager\") of GPT-2", compiled(
+    lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_embd=16, n_layer=2, n_head=2, n_positions=P,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **EAGER))),
+    lm_batch, causal_loss))
