@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from dpclip.engine.grams import GHOST_MAX_STRIPS, GHOST_MIN_BLOCK, GramCache, symmetric_ghost, ghost_strips  # noqa: F401
-from dpclip.engine.sums import batched_dot, sum_of_squares
+from dpclip.engine.sums import as_rows, batched_dot, sum_of_squares
 from dpclip.engine.precision import widened
 from dpclip.errors import EngineError
 
@@ -122,7 +122,7 @@ def atom_sizes(use: Use, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     Both are sums of non-negative terms, so they carry no cancellation themselves; by
     the triangle inequality ||G|| ≤ M (docs/formulas.md, "Cancellation")."""
     if isinstance(use, Dense):
-        size = torch.linalg.vector_norm(use.grad.flatten(1), dim=1, dtype=dtype)
+        size = torch.linalg.vector_norm(as_rows(use.grad), dim=1, dtype=dtype)
         return size.square(), size
     right = torch.linalg.vector_norm(use.right, dim=-1, dtype=dtype)          # [B, g, T]
     if use.is_ids:

@@ -14,13 +14,13 @@ import torch
 from torch import Tensor
 
 from dpclip.engine.factors import Dense, Use, choose_ghost
-from dpclip.engine.sums import sum_of_squares
+from dpclip.engine.sums import as_rows, sum_of_squares
 
 
 def concatenated_norm_sq(grads: list[Tensor]) -> tuple[Tensor, Tensor]:
     """(the small instantiated gradients ``grads`` [b, ...] as one [b, N], their joint
     per-sample norm² [b]): one concatenation and one reduction for all of them."""
-    flat = grads[0].flatten(1) if len(grads) == 1 else torch.cat([g.flatten(1) for g in grads], dim=1)
+    flat = as_rows(grads[0]) if len(grads) == 1 else torch.cat([as_rows(g) for g in grads], dim=1)
     return flat, sum_of_squares(flat)
 
 

@@ -51,8 +51,8 @@ def relative_bound(dtype: torch.dtype) -> float:
     return k * unit / (1 - k * unit) + 2.0 ** -29
 
 
-def _rows(x: Tensor) -> Tensor:
-    """x [B, ...] as [B, N] (a view where the layout allows)."""
+def as_rows(x: Tensor) -> Tensor:
+    """x [B, ...] as [B, N] (a view where the layout allows; a 0-dim parameter's [B] as [B, 1])."""
     return x.flatten(1) if x.dim() > 1 else x.unsqueeze(1)
 
 
@@ -69,7 +69,7 @@ def sum_of_squares(x: Tensor) -> Tensor:
     relative error at most :func:`relative_bound` (3.9e-6 on the norm in float32), whatever
     the row's length. In float64 for float64 ``x``, else float32."""
     dtype = _working_dtype(x)
-    flat = _rows(x)
+    flat = as_rows(x)
     if flat.numel() == 0:
         return torch.zeros(flat.shape[0], dtype=dtype, device=x.device)
     if flat.shape[1] <= BLOCK:   # one block: its bound already, in two kernels
@@ -97,7 +97,7 @@ def batched_dot(x: Tensor, y: Tensor) -> Tensor:
     ``linalg.vecdot`` per block, not a [1, N] x [N, 1] bmm: on the CPU the bmm form is 10x
     slower (benchmarks/norm_rule.py prints both)."""
     dtype = torch.promote_types(_working_dtype(x), _working_dtype(y))
-    fx, fy = _rows(x), _rows(y)
+    fx, fy = as_rows(x), as_rows(y)
     if fx.dtype != dtype or fy.dtype != dtype:
         fx, fy = fx.to(dtype), fy.to(dtype)
     if fx.numel() == 0:

@@ -377,6 +377,48 @@ def test_a_shared_output_tiled_over_an_axis_above_one_is_refused():
     refused(lambda: RepeatedPrompt(tile_axis_above_one=True).to(DTYPE), _floats(4), "tiled by `repeat`")
 
 
+class BiasTable(nn.Module):
+    """A learned [1, T, T] bias, called without inputs (BEiT's shared relative position bias)."""
+
+    def __init__(self, t=T):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(1, t, t))
+
+    def forward(self):
+        return torch.tanh(self.table)
+
+
+class BiasedMixer(nn.Module):
+    """A layer of its own parameter that takes the shared bias as an argument."""
+
+    def __init__(self, d=3):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x, bias):
+        scores = self.scale * x @ x.transpose(1, 2) + bias
+        return x + self.proj(torch.softmax(scores, -1) @ x)
+
+
+class SharedBiasLayers(nn.Module):
+    def __init__(self, d=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.bias, self.layers, self.head = BiasTable(), nn.ModuleList([BiasedMixer(d), BiasedMixer(d)]), nn.Linear(d, 3)
+
+    def forward(self, x):
+        bias = self.bias()                      # one table for every layer
+        for layer in self.layers:
+            x = layer(x, bias)
+        return self.head(x.mean(1))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_a_shared_table_passed_to_every_layer_is_exact(n):
+    exact(lambda: SharedBiasLayers().to(DTYPE), _floats(n))
+
+
 def test_a_layer_input_whose_batch_cannot_be_moved_is_refused():
     class BatchAlongLength(nn.Module):   # Conv1d gets [L, C, B]: its rule needs the batch first
         def __init__(self):

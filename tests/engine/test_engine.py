@@ -293,3 +293,26 @@ def test_tied_head_whose_gradient_is_smaller_than_its_factors_is_instantiated_at
     finally:
         microbatch.early_instance = original
     assert made == [True]     # the tied weight's first use only; wte's is its last
+
+
+class ScaledNet(torch.nn.Module):
+    """A 0-dim parameter (CLIP's logit_scale, a learned temperature) in a module of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.temperature = torch.nn.Linear(4, 3), torch.nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return self.lin(x) * self.temperature.exp()
+
+
+@pytest.mark.parametrize("grouping", ["all-layer", "layer", "param"])
+@pytest.mark.parametrize("norm_method", ["ghost", "instantiate"])
+def test_a_scalar_parameter_clips_as_the_per_example_reference(grouping, norm_method):
+    def make():
+        torch.manual_seed(0)
+        return ScaledNet().to(DTYPE)
+    g = torch.Generator().manual_seed(2)
+    batch = {"x": torch.randn(5, 4, generator=g, dtype=DTYPE), "y": torch.randint(0, 3, (5,), generator=g)}
+    check_exact(make, lambda m, b: torch.nn.functional.cross_entropy(m(b["x"]), b["y"], reduction="none"), batch,
+                grouping=grouping, norm_method=norm_method)

@@ -79,8 +79,8 @@ class Chained(Tensor):
             # a consumer: the chained output with the batch where the probe found it
             leaves = list(flat)
             leaves[i] = state.batched(me._dp_chain, tuple(me.shape), event)
-            if name == "repeat":   # probed to equal an expand: the batched tensor is its result
-                return leaves[i].expand(func(*args, **kwargs).shape)
+            if name == "repeat":   # probed to equal an expand: the batched tensor, laid out as repeat's
+                return leaves[i].expand(func(*args, **kwargs).shape).contiguous()
             a, k = tree_unflatten(leaves, spec)
             return func(*a, **k)
 

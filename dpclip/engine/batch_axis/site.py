@@ -39,6 +39,10 @@ class SiteBatch:
     def batch_hint(self) -> int | None:   # the former name, kept for rules written against it
         return self._keeper.axes.batch
 
+    def note_expanded(self, t: Tensor) -> None:
+        """``t``, a shared output this call expanded over the batch, is per sample from now on."""
+        self._keeper.axes.note_expanded(t)
+
     def layout_of(self, t: Tensor) -> Layout:
         """The established batch layout of ``t``, a tensor this call received."""
         for i, leaf in enumerate(self._leaves):

@@ -8,6 +8,7 @@ longer), probes again once in that forward.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Callable, Iterator
@@ -49,6 +50,8 @@ class BatchAxes:
         self.probes = 0                     # probing forwards run so far (tests, docs)
         self.sealed: str | None = None      # why no probe may run any more (a sharded model)
         self.autocast_at_entry = None       # autocast as the forward in progress found it
+        # this forward's shared outputs the engine expanded over the batch (note_expanded)
+        self.expanded: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 
     # ---------------------------------------------------------------- hooks
 
@@ -61,6 +64,7 @@ class BatchAxes:
             self.batch = leaves[0].shape[0] if leaves and leaves[0].dim() > 0 else None
             self.inputs = (args, kwargs)
             self.ordinals = {}
+            self.expanded.clear()
             self.reprobed = False
             self.autocast_at_entry = autocast_snapshot(self.device_types())
         return None
@@ -106,12 +110,12 @@ class BatchAxes:
         n = self.ordinals.get(id(unit), 0)
         self.ordinals[id(unit)] = n + 1
         key = (id(unit), n)
-        lay = self.layouts.get(key)
+        lay = self._per_sample_expansions(self.layouts.get(key), leaves)
         ragged = unit.rule.ragged_inputs(unit.module, leaves)
         if lay is None or not lay.fits(leaves, self.batch, ragged):
             if not self.reprobed:
                 self.establish()
-                lay = self.layouts.get(key)
+                lay = self._per_sample_expansions(self.layouts.get(key), leaves)
             if lay is None or not lay.fits(leaves, self.batch, ragged):
                 shapes = [tuple(t.shape) for t in leaves]
                 raise EngineError(
@@ -121,6 +125,21 @@ class BatchAxes:
                     "the batch size, or are its shared inputs not broadcast-compatible?)",
                     BATCH_HINT)
         return lay
+
+    def note_expanded(self, t: Tensor) -> None:
+        """``t`` is a shared output the engine expanded over the batch (a copy per sample, each
+        with its own output gradient), so a module called with it gets it per sample."""
+        self.expanded[id(t)] = t
+
+    def _per_sample_expansions(self, lay: CallLayout | None, leaves: list[Tensor]) -> CallLayout | None:
+        """``lay`` with the batch in axis 0 of each input the probes saw shared and the engine
+        has since expanded over the batch (BEiT's shared relative position bias, fed to every layer)."""
+        if lay is None or lay.inputs is None or not self.expanded or len(leaves) != len(lay.inputs):
+            return lay
+        inputs = tuple(Layout(t.dim(), 0) if l.dim is None and l.error is None and self.expanded.get(id(t)) is t
+                       and t.dim() == l.ndim and t.dim() > 0 and t.shape[0] == self.batch else l
+                       for l, t in zip(lay.inputs, leaves))
+        return lay if inputs == lay.inputs else replace(lay, inputs=inputs)
 
     def recomputed_layout(self, unit, leaves: list[Tensor], batch: int) -> CallLayout:
         """The layout of a call of ``unit`` that gradient checkpointing recomputes in the backward

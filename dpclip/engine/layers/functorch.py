@@ -113,7 +113,7 @@ class FunctorchRule(LayerRule):
         if outs is not None and len(outs) != len(tensors):
             raise EngineError(f"module {capture.label} returned {len(tensors)} tensors, the probe "
                               f"forwards saw {len(outs)}", BATCH_HINT)
-        index, out_dims = [], []
+        index, out_dims, shared = [], [], set()
         for q, i in enumerate(tensors):
             t = leaves[i]
             if not t.is_floating_point():
@@ -123,6 +123,7 @@ class FunctorchRule(LayerRule):
                 lead1 = t.dim() >= 1 and t.shape[0] == 1
                 leaves[i] = expand_shared(t, lead1, batch)
                 axis = Axis(0, int(lead1))
+                shared.add(i)
             out_dims.append(axis)
             index.append(i)
         if not index:
@@ -139,6 +140,8 @@ class FunctorchRule(LayerRule):
         tapped = capture.tap([leaves[i] for i in index], on_grads)
         for j, i in enumerate(index):
             leaves[i] = tapped[j]
+            if i in shared:
+                capture.note_expanded(tapped[j])
         return tree_unflatten(leaves, spec)
 
 

@@ -261,3 +261,28 @@ register(Case("compiled-gpt2", "hf", "torch.compile(backend=\"aot_eager\") of GP
     lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_embd=16, n_layer=2, n_head=2, n_positions=P,
                                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **EAGER))),
     lm_batch, causal_loss))
+
+
+# ------------------------------------------------------------------ learned tables shared by all samples
+
+from tests.engine.zoo.outside import audio_batch, audio_loss, image_batch, image_loss  # noqa: E402
+
+
+def _beit(shared: bool):
+    return lambda: tf.BeitForImageClassification(tf.BeitConfig(
+        image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        num_labels=3, use_relative_position_bias=not shared, use_shared_relative_position_bias=shared,
+        use_absolute_position_embeddings=False, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        drop_path_rate=0.0, **EAGER))
+
+
+register(Case("beit-relative", "hf", "BEiT with a relative position bias table per layer", seeded(_beit(False)),
+              image_batch, image_loss))
+register(Case("beit-shared-relative", "hf", "BEiT with one relative position bias table shared by the layers",
+              seeded(_beit(True)), image_batch, image_loss))
+register(Case("wavlm", "hf", "WavLM classifier (gated relative position bias)", seeded(
+    lambda: tf.WavLMForSequenceClassification(tf.WavLMConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, conv_dim=(8, 8),
+        conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
+        num_labels=3, classifier_proj_size=8, mask_time_prob=0.0, hidden_dropout=0.0, attention_dropout=0.0,
+        feat_proj_dropout=0.0, num_buckets=8, max_bucket_distance=16, **EAGER))), audio_batch, audio_loss))
