@@ -53,13 +53,37 @@ def test_prompt_tuning_clips_as_the_per_example_reference(grouping):
     assert any("prompt_encoder" in info.name for info in engine.groups.params)
 
 
-def test_a_loha_adapter_in_training_mode_is_refused_for_its_random_draw():
-    """LoHa draws torch.rand(1) for its module dropout at every training forward, which a
-    per-sample recomputation cannot replay: refused, naming the module (exact in eval mode)."""
-    config = peft.LoHaConfig(task_type="SEQ_CLS", target_modules=["query", "value"], r=2)
-    model = _adapted(config, train=True)()
-    batch = bert_batch()
-    engine = DPEngine(model, {"grouping": "all-layer"}, gradient_noise_multiplier=0.0, expected_batch_size=5)
-    with pytest.raises(EngineError, match="random operations") as err:
-        engine.backward(bert_loss(model, batch))
-    assert "attention.self.query" in err.value.message or "attention.self.value" in err.value.message
+def test_a_loha_adapter_in_training_mode_replays_its_module_dropout_draw():
+    """LoHa draws torch.rand(1) for its module dropout at every training forward (one number for
+    the batch): each sample's recomputation replays it from the same generator state."""
+    config = peft.LoHaConfig(task_type="SEQ_CLS", target_modules=["query", "value"], r=2, module_dropout=0.5)
+
+    def seeded_loss(model, batch):   # the same draws in every forward: the reference's per example too
+        torch.manual_seed(0)         # (seed 0: some adapters dropped, some kept)
+        return bert_loss(model, batch)
+    engine, _, _ = check_exact(_adapted(config, train=True), seeded_loss, bert_batch(), micro=[2, 3])
+    grads = {info.name: info.param.grad for info in engine.groups.params if "hada_w1_a" in info.name}
+    dropped = [name for name, g in grads.items() if not g.any()]
+    assert 0 < len(dropped) < len(grads), dropped     # the draws dropped some adapters, not all
+
+
+class DropoutMixer(torch.nn.Module):
+    """A module of its own parameter with a dropout mask over [B, ...]: no sample can draw its
+    row of the mask alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4))
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(F.dropout(x * self.scale, 0.5, training=True))
+
+
+def test_a_dropout_mask_over_the_batch_in_a_fallback_module_is_refused():
+    torch.manual_seed(0)
+    model = DropoutMixer().to(DTYPE)
+    x, y = torch.randn(4, 4, dtype=DTYPE), torch.tensor([0, 1, 2, 0])
+    engine = DPEngine(model, {"grouping": "all-layer"}, gradient_noise_multiplier=0.0, expected_batch_size=4)
+    with pytest.raises(EngineError, match="random operations"):
+        engine.backward(F.cross_entropy(model(x), y, reduction="none"))

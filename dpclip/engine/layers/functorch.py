@@ -23,7 +23,8 @@ its consumers broadcast anyway, so that its output gradient stays per-sample.
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
+from contextlib import contextmanager, nullcontext
+from typing import Iterator, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -83,6 +84,44 @@ def _randomness_error(label: str) -> EngineError:
         "supported layer")
 
 
+class Draws:
+    """The random draws of one forward call, replayed in each sample's recomputation.
+
+    peft's LoHa and LoKr draw ``torch.rand(1)`` for their module dropout at every training
+    forward: one number for the whole batch, so a sample recomputed alone from the same
+    generator state draws the same number. The generators' states are kept before and after
+    the forward; each recomputation starts from the first and must end at the second, which it
+    does only when it drew as many numbers: a draw whose size follows the batch (a dropout mask
+    over [B, ...]) ends elsewhere and is refused."""
+
+    def __init__(self, devices: list[int], start: list[Tensor]):
+        self.devices, self.start, self.end = devices, start, None
+
+    @staticmethod
+    def _states(devices: list[int]) -> list[Tensor]:
+        return [torch.random.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in devices]
+
+    @classmethod
+    def before(cls, params) -> "Draws":
+        devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+        return cls(devices, cls._states(devices))
+
+    def after(self) -> "Draws | None":
+        """Self when the forward drew random numbers, else None."""
+        self.end = self._states(self.devices)
+        return None if all(torch.equal(a, b) for a, b in zip(self.start, self.end)) else self
+
+    @contextmanager
+    def replayed(self, label: str) -> Iterator[None]:
+        with torch.random.fork_rng(devices=self.devices):
+            torch.random.set_rng_state(self.start[0])
+            for d, state in zip(self.devices, self.start[1:]):
+                torch.cuda.set_rng_state(state, d)
+            yield
+            if not all(torch.equal(a, b) for a, b in zip(self._states(self.devices), self.end)):
+                raise _randomness_error(label)
+
+
 class FunctorchRule(LayerRule):
     """The rule for modules no other rule matches (not in the registry: the book-keeping
     falls back to it). Exact for any module that keeps samples apart; one extra forward
@@ -105,8 +144,10 @@ class FunctorchRule(LayerRule):
         in_dims = [_axis(capture.layout_of(t), t, batch, capture.label, "input")
                    for t in call_leaves(args, kwargs)]
         detached = {name: p.detach() for name, p in capture.params}
+        draws = Draws.before(detached.values())
         with capture.bypass():  # the module's own parameters are constants here: no weight grads
             out = functional_call(module, detached, args, kwargs)
+        draws = draws.after()
         leaves, spec = tree_flatten(out)
         tensors = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
         outs = layout.outputs
@@ -135,7 +176,7 @@ class FunctorchRule(LayerRule):
 
         def on_grads(grads: tuple[Tensor, ...], batch: int) -> dict[str, Dense]:
             return per_sample_grads(capture, args, kwargs, index, grads, batch, autocast,
-                                    in_dims, out_dims)
+                                    in_dims, out_dims, draws)
 
         tapped = capture.tap([leaves[i] for i in index], on_grads)
         for j, i in enumerate(index):
@@ -170,12 +211,13 @@ def is_rmsnorm_like(module: nn.Module) -> bool:
 def per_sample_grads(capture: Capture, args: tuple, kwargs: dict, out_index: list[int],
                      grads: tuple[Tensor, ...], batch: int, autocast=None,
                      in_dims: list[Axis | None] | None = None,
-                     out_dims: list[Axis] | None = None) -> dict[str, Dense]:
+                     out_dims: list[Axis] | None = None, draws: "Draws | None" = None) -> dict[str, Dense]:
     """Per-sample gradients ``{param name: Dense([B, *shape])}`` of one call of
     ``capture.module``; ``out_index`` picks the tapped leaves of its output; ``autocast``:
     the forward's :func:`~dpclip.engine.precision.autocast_state`, re-entered to recompute.
     ``in_dims``: the :class:`Axis` of each tensor input (None: shared); ``out_dims``: that of
-    each tapped output; by default the batch is in dim 0 of everything."""
+    each tapped output; by default the batch is in dim 0 of everything. ``draws``: the random
+    draws of the forward, replayed in each sample's recomputation (:class:`Draws`)."""
     module = capture.module
     leaves, spec = tree_flatten((args, kwargs))
     tensor_pos = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
@@ -205,7 +247,7 @@ def per_sample_grads(capture: Capture, args: tuple, kwargs: dict, out_index: lis
                  for t in leaves) + tuple(in_dims) + tuple(out_dims)
     vmap_ok = capture.memo.setdefault("vmap_ok", {})
     result = None
-    if vmap_ok.get(kind) is not False:
+    if vmap_ok.get(kind) is not False and draws is None:
         try:
             result = _vmapped(run, params, tensors, in_dims, grads, out_dims, batch)
             vmap_ok[kind] = True
@@ -216,7 +258,7 @@ def per_sample_grads(capture: Capture, args: tuple, kwargs: dict, out_index: lis
                 raise _randomness_error(capture.label) from exc
             vmap_ok[kind] = False
     if result is None:
-        result = _looped(run, params, tensors, in_dims, grads, out_dims, batch, capture.label)
+        result = _looped(run, params, tensors, in_dims, grads, out_dims, batch, capture.label, draws)
     return {name: Dense(g) for name, g in result.items()}
 
 
@@ -244,13 +286,17 @@ def _vmapped(run, params, tensors, in_dims, grads, out_dims, batch) -> dict[str,
             tuple(_split(g, a, batch) for g, a in zip(grads, out_dims)))
 
 
-def _looped(run, params, tensors, in_dims, grads, out_dims, batch, label) -> dict[str, Tensor]:
+def _looped(run, params, tensors, in_dims, grads, out_dims, batch, label, draws=None) -> dict[str, Tensor]:
     rows: dict[str, list[Tensor]] = {name: [] for name in params}
-    with torch.enable_grad(), _RandomOpGuard(label):
+    with torch.enable_grad(), _RandomOpGuard(label) if draws is None else nullcontext():
         for i in range(batch):
             p = {name: t.detach().requires_grad_() for name, t in params.items()}
             sample = [t.narrow(a.dim, i * a.rows, a.rows) if a is not None else t for t, a in zip(tensors, in_dims)]
-            outs = run(p, sample)
+            if draws is None:
+                outs = run(p, sample)
+            else:
+                with draws.replayed(label):
+                    outs = run(p, sample)
             pairs = [(o, g.narrow(a.dim, i * a.rows, a.rows) if a.rows else g.select(a.dim, i))
                      for o, g, a in zip(outs, grads, out_dims) if o.requires_grad]
             got = torch.autograd.grad([o for o, _ in pairs], list(p.values()),

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 #: cases for which a refusal is the right answer (no per-sample gradient exists)
 EXPECTED_REFUSALS: dict[str, str] = {
-    "peft-loha-training": "LoHa draws torch.rand(1) for its module dropout at every training forward, which the "
-                          "torch.func fallback cannot replay per sample (exact in eval mode)",
     "peft-dora": "DoRA computes its weight norm by calling lora_A on an identity matrix shared by all samples, "
                  "whose output feeds a linear, not a broadcast over the batch",
     "checkpoint-reentrant": "reentrant checkpointing differentiates a second forward the engine cannot tie to the "
