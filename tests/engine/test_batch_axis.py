@@ -419,6 +419,55 @@ def test_a_shared_table_passed_to_every_layer_is_exact(n):
     exact(lambda: SharedBiasLayers().to(DTYPE), _floats(n))
 
 
+class WindowedAttention(nn.Module):
+    """Swin's pattern: each sample's tokens cut into W windows, attention over [B·W, N, d] rows
+    (batch outer), a learned bias table of its own module added to every window's scores."""
+
+    def __init__(self, d=3, windows=2, sdpa=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.windows, self.sdpa = windows, sdpa
+        self.bias, self.qkv, self.head = BiasTable(T // windows), nn.Linear(d, 3 * d), nn.Linear(d, 3)
+
+    def forward(self, x):                                            # [B, T, d]
+        rows = x.reshape(len(x) * self.windows, T // self.windows, x.shape[-1])   # [B·W, N, d]
+        q, k, v = self.qkv(rows).chunk(3, -1)
+        bias = self.bias()                                           # [1, N, N], shared
+        if self.sdpa:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        else:
+            out = torch.softmax(q @ k.transpose(1, 2) + bias, -1) @ v
+        return self.head(out.reshape(x.shape).mean(1))
+
+
+@pytest.mark.parametrize("sdpa", [False, True])
+@pytest.mark.parametrize("n", SIZES)
+def test_a_shared_table_over_windows_merged_with_the_batch_is_exact(n, sdpa):
+    exact(lambda: WindowedAttention(sdpa=sdpa).to(DTYPE), _floats(n))
+
+
+def test_windows_read_batch_inner_by_mistake_are_refused_by_the_certificate(monkeypatch):
+    """Sabotage: the table's B·W rows summed per sample as [W, B] (window-major) instead of
+    [B, W]: sample i then gets other samples' windows' gradients, which only the check of each
+    clip against the sample's own gradient can tell."""
+    from dpclip.engine.layers import functorch
+    real = functorch.per_sample_grads
+
+    def inner(capture, args, kwargs, out_index, grads, batch, autocast=None, in_dims=None, out_dims=None, draws=None):
+        if out_dims is not None and any(a.folded is not None for a in out_dims):
+            grads = tuple(g.unflatten(a.dim, (a.rows, batch)).transpose(a.dim, a.dim + 1).flatten(a.dim, a.dim + 1)
+                          if a.folded is not None else g for g, a in zip(grads, out_dims))
+        return real(capture, args, kwargs, out_index, grads, batch, autocast, in_dims, out_dims, draws)
+    monkeypatch.setattr(functorch, "per_sample_grads", inner)
+    model = WindowedAttention().to(DTYPE)
+    batch = _floats(6)
+    batch["x"][0] *= 20
+    engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": 0.1}},
+                      gradient_noise_multiplier=0.0, expected_batch_size=6)
+    with pytest.raises(EngineError, match="certificate refused|mixes samples"):
+        engine.backward(classify_loss(model, batch))
+
+
 def test_a_layer_input_whose_batch_cannot_be_moved_is_refused():
     class BatchAlongLength(nn.Module):   # Conv1d gets [L, C, B]: its rule needs the batch first
         def __init__(self):

@@ -58,6 +58,7 @@ class Consumer:
     name: str
     result_batch: int | None   # the batch axis of the op's result
     aligned: int = 0           # the axis of the chained tensor facing it (< 0: none, prepended)
+    rows: int = 1              # c ≥ 2: that axis holds the batch merged with c positions (Swin's B·nW windows)
 
 
 def _sdpa_shape(args: tuple, kwargs: dict, t: Tensor) -> tuple | None:
@@ -175,14 +176,18 @@ def consumers(a: ConsumerCheck, b: ConsumerCheck, key: tuple, batch: int, new: i
                 unfollowed.add(i)
             continue
         moved = [k for k in range(len(res_a)) if len(res_a) == len(res_b) and res_a[k] != res_b[k]]
-        if len(moved) != 1 or res_a[moved[0]] != batch or res_b[moved[0]] != new:
+        rows = res_a[moved[0]] // batch if len(moved) == 1 else 0
+        if len(moved) != 1 or rows < 1 or res_a[moved[0]] != rows * batch or res_b[moved[0]] != rows * new:
             return None, False, f"`{name}` does not broadcast its output over the batch", set()
         r = moved[0]
         j = r - (len(res_a) - len(shape))
         matrix = name in _MATMUL or name == _SDPA
         if (j >= 0 and shape[j] != 1) or (matrix and (len(shape) < 2 or r >= len(res_a) - 2)):
             return None, False, f"`{name}` does not broadcast its output over the batch", set()
-        out.append(Consumer(name, r, j))
+        out.append(Consumer(name, r, j, rows))
         # expanding the output itself would make `repeat` tile an already batched tensor
-        simple = simple and chain == 0 and j == simple_aligned and not matrix and name != "repeat"
+        simple = simple and chain == 0 and j == simple_aligned and name not in _MATMUL and name != "repeat"
+        if rows > 1 and not simple:   # merged rows are followed by expanding the output itself only
+            return None, False, (f"`{name}` broadcasts it over the batch merged with {rows} positions after "
+                                 "other ops, which the probes do not follow"), set()
     return tuple(out), simple, None, unfollowed

@@ -44,6 +44,7 @@ class Layout:
     inner: bool = False       # merged with the batch inner: [c, B] flattened (two views concatenated)
     lead1: bool = False       # shared, with size 1 in dim 0 (expanded there)
     error: str | None = None  # why no batch axis could be established
+    expand_rows: int = 1      # a shared output its consumers broadcast over B·c rows: c (Swin's windows)
 
     def fits(self, t: Tensor, batch: int) -> bool:
         if t.dim() != self.ndim:

@@ -268,18 +268,25 @@ class BatchAxes:
                 break
             links |= more
         for key, (kind, which) in expand.items():
-            found, why, simple = [], None, True
+            found, why, simple, rows = [], None, True, {}
             for j in which or [0]:
                 if (key, j) not in verdicts:
                     continue
                 cons, ok, why, unfollowed = verdicts[(key, j)]
                 if why is None and unfollowed:
                     why = "its output meets shared tensors through more ops than the probes follow"
+                merged = {c.rows for c in cons or () if c.result_batch is not None}
+                if why is None and (len(merged) > 1 or (merged - {1} and kind != "outputs")):
+                    why = "its consumers broadcast it over the batch merged with positions in different ways"
                 if why is not None:
                     break
                 found.append(cons)
                 simple = simple and ok
+                rows[j] = max(merged, default=1)
             lay = layouts[key]
+            if why is None and kind == "outputs" and any(c > 1 for c in rows.values()):
+                lay = layouts[key] = replace(lay, outputs=tuple(
+                    replace(o, expand_rows=rows.get(j, 1)) for j, o in enumerate(lay.outputs)))
             if why is None and not simple and kind == "outputs":
                 why = ("its output is broadcast over the batch only after other ops, which the "
                        "per-sample fallback cannot follow")

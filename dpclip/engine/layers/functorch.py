@@ -45,10 +45,13 @@ class Axis(NamedTuple):
     """Where one sample's part of a tensor is: ``rows`` consecutive entries of axis ``dim``
     from ``i·rows`` on (1: the batch axis; c ≥ 2: the batch merged with c positions, batch
     outer, as MoE routers and experts get [B·T, d]); ``rows`` 0: the sample's tensor has no
-    such axis (a shared output expanded over the batch)."""
+    such axis (a shared output expanded over the batch). ``folded``: a shared output expanded
+    over B·c rows (Swin's bias over its windows), whose sample is recomputed once: the output
+    gradients of its c rows are summed first, then read with ``rows = folded``."""
 
     dim: int
     rows: int = 1
+    folded: int | None = None
 
 
 def _axis(lay: Layout, t: Tensor, batch: int, label: str, what: str) -> Axis | None:
@@ -162,8 +165,9 @@ class FunctorchRule(LayerRule):
             axis = _axis(Layout(t.dim(), 0) if outs is None else outs[q], t, batch, capture.label, "output")
             if axis is None:   # shared: expanded over the batch (its consumers broadcast it)
                 lead1 = t.dim() >= 1 and t.shape[0] == 1
-                leaves[i] = expand_shared(t, lead1, batch)
-                axis = Axis(0, int(lead1))
+                c = 1 if outs is None else outs[q].expand_rows   # over B·c rows: sample i's are i·c ...
+                leaves[i] = expand_shared(t, lead1, batch * c)
+                axis = Axis(0, c, folded=int(lead1)) if c > 1 else Axis(0, int(lead1))
                 shared.add(i)
             out_dims.append(axis)
             index.append(i)
@@ -224,7 +228,11 @@ def per_sample_grads(capture: Capture, args: tuple, kwargs: dict, out_index: lis
     tensors = [leaves[i].detach() for i in tensor_pos]
     in_dims = [Axis(0)] * len(tensors) if in_dims is None else in_dims
     out_dims = [Axis(0)] * len(out_index) if out_dims is None else out_dims
-    for g, (d, rows) in zip(grads, out_dims):
+    if any(a.folded is not None for a in out_dims):   # each sample's c rows summed: one recomputation
+        grads = tuple(g.unflatten(a.dim, (batch, a.rows)).sum(a.dim + 1) if a.folded is not None else g
+                      for g, a in zip(grads, out_dims))
+        out_dims = [Axis(a.dim, a.folded) if a.folded is not None else a for a in out_dims]
+    for g, (d, rows, _) in zip(grads, out_dims):
         if g.dim() <= d or g.shape[d] != batch * max(rows, 1):
             raise EngineError(f"module {capture.label}: an output gradient of shape "
                               f"{tuple(g.shape)} has no batch axis {d} of size {batch}", BATCH_HINT)

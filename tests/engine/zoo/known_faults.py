@@ -26,8 +26,6 @@ EXPECTED_REFUSALS: dict[str, str] = {
     # issue 49's outside cases (tests/engine/zoo/outside.py)
     "mobilebert-mlm": "its LM head multiplies by torch.cat([decoder.weight.t(), dense.weight]): the word embedding "
                       "is used functionally, outside its module's call: refused as a stray gradient (issue 52)",
-    "swin": "its relative position bias table, shared by all samples, reaches scaled_dot_product_attention as "
-            "a bias the probes cannot follow (issue 52)",
     "resnet": "BatchNorm normalises with batch statistics: per-sample gradients do not exist",
 }
 
