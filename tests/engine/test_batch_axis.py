@@ -468,6 +468,45 @@ def test_windows_read_batch_inner_by_mistake_are_refused_by_the_certificate(monk
         engine.backward(classify_loss(model, batch))
 
 
+class DetachedNorm(nn.Module):
+    """DoRA's pattern: ``up(down(eye))`` of a shared identity, used only detached (a weight norm
+    that gets no gradient); ``live`` also adds it to the output, a use with a gradient."""
+
+    def __init__(self, d=3, live=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.live = live
+        self.down, self.up, self.head = nn.Linear(d, 2, bias=False), nn.Linear(2, d, bias=False), nn.Linear(d, 3)
+
+    def forward(self, x):
+        delta = self.up(self.down(torch.eye(x.shape[-1], dtype=x.dtype))).T
+        norm = (torch.eye(x.shape[-1], dtype=x.dtype) + delta.detach()).norm(dim=1)
+        h = x + self.up(self.down(x))
+        h = h / norm + (delta.sum(0) if self.live else 0)
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_layers_on_a_shared_tensor_whose_output_is_only_detached_are_exact(n):
+    exact(lambda: DetachedNorm().to(DTYPE), _floats(n))
+
+
+def test_a_detached_end_reached_as_well_as_a_live_use_is_not_taken_for_dead():
+    refused(lambda: DetachedNorm(live=True).to(DTYPE), _floats(4), "fed a tensor shared by all samples")
+
+
+def test_a_call_wrongly_taken_for_dead_is_refused_as_a_stray_gradient(monkeypatch):
+    """Sabotage: every shared call declared dead, the live one too: its parameters then receive
+    an autograd gradient outside the engine's hooks, which the engine refuses before any noise."""
+    from dpclip.engine.batch_axis import state
+    monkeypatch.setattr(state, "_dead_ends", lambda checks, verdicts: set(verdicts))
+    model = DetachedNorm(live=True).to(DTYPE)
+    batch = _floats(4)
+    engine = DPEngine(model, {}, expected_batch_size=4, gradient_noise_multiplier=1.0)
+    with pytest.raises(EngineError, match="outside the engine's hooks"):
+        engine.backward(classify_loss(model, batch))
+
+
 def test_a_layer_input_whose_batch_cannot_be_moved_is_refused():
     class BatchAlongLength(nn.Module):   # Conv1d gets [L, C, B]: its rule needs the batch first
         def __init__(self):

@@ -53,6 +53,16 @@ def test_prompt_tuning_clips_as_the_per_example_reference(grouping):
     assert any("prompt_encoder" in info.name for info in engine.groups.params)
 
 
+@pytest.mark.parametrize("grouping", ["all-layer", "layer"])
+def test_dora_clips_as_the_per_example_reference(grouping):
+    """DoRA's weight norm calls lora_A and lora_B on an identity shared by all samples and only
+    ever uses the result detached: those calls run as plain PyTorch, the per-sample calls and the
+    magnitude vector are clipped as the reference."""
+    config = peft.LoraConfig(task_type="SEQ_CLS", target_modules=["query", "value"], r=2, use_dora=True)
+    engine, _, _ = check_exact(_adapted(config), bert_loss, bert_batch(), grouping=grouping, micro=[2, 3])
+    assert any("lora_magnitude_vector" in info.name for info in engine.groups.params)
+
+
 def test_a_loha_adapter_in_training_mode_replays_its_module_dropout_draw():
     """LoHa draws torch.rand(1) for its module dropout at every training forward (one number for
     the batch): each sample's recomputation replays it from the same generator state."""

@@ -11,6 +11,7 @@ broadcast over the batch makes the engine refuse the module.
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +37,9 @@ EVENTS = _BROADCASTING | _MATMUL | _EXPANDS | {_SDPA}
 CHAIN = {
     "to", "contiguous", "clone", "float", "double", "half", "bfloat16", "detach", "permute",
     "unsqueeze", "squeeze", "transpose", "t", "view", "reshape", "flatten", "unflatten",
-    "movedim", "narrow", "select", "__getitem__", "neg", "__neg__", "tanh", "sigmoid", "exp",
+    "movedim", "narrow", "select", "__getitem__", "neg", "__neg__", "tanh", "sigmoid", "exp", "T", "mT",
 } | _BROADCASTING
+_DETACH = {"detach", "detach_"}
 _SHAPE_READS = {"shape", "size", "dim", "ndim", "ndimension", "numel", "nelement", "__len__",
                 "stride", "__iter__", "unbind", "tolist", "item"}
 
@@ -95,6 +97,8 @@ class ConsumerCheck(TorchFunctionMode):
         self.failures: dict[tuple, str] = {}
         self.shape_read: set[tuple] = set()
         self.links = links    # (key, event index): events whose result stays shared (a link)
+        self.dead: set[tuple] = set()          # keys whose output (or a chain of it) was detached
+        self.feeds: dict[tuple, set] = {}      # key -> keys of the layers its output is the input of
 
     def track(self, t: Tensor, key: tuple, chain: int = 0) -> None:
         self.tracked[id(t)] = (t, key, chain)
@@ -106,6 +110,15 @@ class ConsumerCheck(TorchFunctionMode):
 
     def fail(self, key: tuple, why: str) -> None:
         self.failures.setdefault(key, why)
+
+    def feeding(self, x, key: tuple):
+        """``x`` is the input of the layer call ``key`` (itself followed): if it is a followed
+        output, record that it feeds ``key`` and stop following it inside that call."""
+        hit = self._hit(x)
+        if hit is None:
+            return nullcontext()
+        self.feeds.setdefault(hit[1], set()).add(key)
+        return _untracked(self, x)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -134,6 +147,9 @@ class ConsumerCheck(TorchFunctionMode):
                 self.fail(key, f"its output is split by `{name}`")
             return
         others = [t for t in flat if isinstance(t, Tensor) and self._hit(t) is None]
+        if name in _DETACH and len(hits) == 1:   # no gradient flows on from here
+            self.dead.add(key)
+            return
         if len(hits) > 1:
             self.fail(key, f"its output meets another shared tensor in `{name}`")
         elif not others and name in CHAIN:
@@ -154,6 +170,15 @@ class ConsumerCheck(TorchFunctionMode):
         else:
             self.fail(key, f"its output is consumed by `{name}`, which is not a broadcast over "
                            "the batch")
+
+
+@contextmanager
+def _untracked(check: ConsumerCheck, x: Tensor):
+    entry = check.tracked.pop(id(x))
+    try:
+        yield
+    finally:
+        check.tracked[id(x)] = entry
 
 
 def consumers(a: ConsumerCheck, b: ConsumerCheck, key: tuple, batch: int, new: int,

@@ -64,6 +64,9 @@ class CallLayout:
     refusal: str | None = None                  # why the call cannot be book-kept exactly
     #: a shared input whose output reaches the batch through a chain of ops: its consumers
     consumers: tuple | None = None  # of consumers.Consumer
+    #: a shared input whose output reaches no gradient (only ``.detach()``ed, DoRA's weight norm):
+    #: the call runs as plain PyTorch, and a gradient reaching its parameters anyway is refused as stray
+    dead: bool = False
 
     def fits(self, leaves: list[Tensor], batch: int, ragged: frozenset[int] = frozenset()) -> bool:
         """Every tensor still fits its layout, except the ``ragged`` ones (indices the rule

@@ -267,7 +267,11 @@ class BatchAxes:
             if not more:
                 break
             links |= more
+        dead = _dead_ends(checks, verdicts)
         for key, (kind, which) in expand.items():
+            if kind == "input" and (key, 0) in dead:
+                layouts[key] = replace(layouts[key], dead=True)
+                continue
             found, why, simple, rows = [], None, True, {}
             for j in which or [0]:
                 if (key, j) not in verdicts:
@@ -320,7 +324,9 @@ class BatchAxes:
 
         def run(args, kwargs, orig):
             kind, which = how
-            out = orig(*args, **kwargs)
+            leaves = call_leaves(args, kwargs)
+            with check.feeding(leaves[0], (key, 0)) if kind == "input" and leaves else nullcontext():
+                out = orig(*args, **kwargs)
             if kind == "input":
                 x = call_leaves(args, kwargs)[0]
                 lead1 = shared_lead1(Layout(x.dim(), lead1=x.dim() >= 1 and x.shape[0] == 1), x,
@@ -337,6 +343,24 @@ class BatchAxes:
             return out
 
         return run
+
+
+def _dead_ends(checks: list, verdicts: dict) -> set:
+    """The followed outputs whose every use ends in ``.detach()`` in both probes, directly or
+    through layers fed only by them that end so too (DoRA: ``lora_B(lora_A(eye)).T``, detached)."""
+    a, b = checks
+    alone = {k for k, v in verdicts.items() if v[2] is None and v[0] == () and k in a.dead and k in b.dead}
+    alone |= {k for k, v in verdicts.items() if v[2] is None and v[0] == () and k not in a.dead
+              and k not in b.dead and (a.feeds.get(k) or b.feeds.get(k))}   # only fed to other layers
+    dead, changed = set(), True
+    while changed:
+        changed = False
+        for k in alone - dead:
+            fed = a.feeds.get(k, set()) | b.feeds.get(k, set())
+            if fed <= dead and (fed or (k in a.dead and k in b.dead)):
+                dead.add(k)
+                changed = True
+    return dead
 
 
 _HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",

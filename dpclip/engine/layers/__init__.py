@@ -185,6 +185,9 @@ class LayerRule:
         if len(inputs) != 1:
             raise EngineError(f"module {capture.label} was called with {len(inputs)} arguments; "
                               "its rule takes the input tensor only", "call it as module(x)")
+        if capture.layout.dead:   # its output is only detached: no gradient, nothing to book-keep
+            with capture.bypass():
+                return module(inputs[0])
         if capture.layout.consumers is not None:   # a shared input, broadcast after a chain
             return capture.chained(self, inputs[0])
         x, restore = capture.batch_first(inputs[0], self.feature_dims(module))

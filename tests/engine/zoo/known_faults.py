@@ -10,8 +10,6 @@ from __future__ import annotations
 
 #: cases for which a refusal is the right answer (no per-sample gradient exists)
 EXPECTED_REFUSALS: dict[str, str] = {
-    "peft-dora": "DoRA computes its weight norm by calling lora_A on an identity matrix shared by all samples, "
-                 "whose output feeds a linear, not a broadcast over the batch",
     "checkpoint-reentrant": "reentrant checkpointing differentiates a second forward the engine cannot tie to the "
                             "first (refused, with use_reentrant=False in the hint)",
     "batchnorm": "BatchNorm normalises with batch statistics: per-sample gradients do not exist",
