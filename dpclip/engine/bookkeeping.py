@@ -97,6 +97,7 @@ class Bookkeeper:
         self._lock = threading.Lock()
         self._handles: list = []
         self.aliases: dict[int, list[str]] = {}   # parameter index -> names that do not deliver it
+        self.strict = strict
         self.units = self._build_units(model, strict)
         # Where the model's parameters live, read at every forward and backward: from a list
         # taken once, not a walk of the module tree each time (a module's .to() moves these
@@ -160,25 +161,40 @@ class Bookkeeper:
                 kept.append((pname, p, idx))
         return kept
 
-    def adopt_read_parameters(self, called: set[int], reads: dict[int, set[int]]) -> None:
+    def adopt_read_parameters(self, called: set[int], reads: dict[int, set[int]], at_start: bool = True) -> bool:
         """Parameters read without their module being called (Mamba's mixer passes its
-        ``conv1d.weight`` and ``dt_proj.weight`` to ``F.conv1d`` and ``@``; the probes saw
-        which calls were in progress when an op read them): the nearest enclosing unit whose
-        call read them all and whose torch.func rule differentiates its whole forward takes
-        them as its own (``"conv1d.weight"``), so that its per-sample vector-Jacobian product
-        covers that use too; the child's own unit, never called, is removed. Left alone (and
-        refused when the gradient arrives) where no such unit read them."""
-        by_name = {u.name: u for u in self.units}
+        ``conv1d.weight`` and ``dt_proj.weight`` to ``F.conv1d`` and ``@``; LFM2's short
+        convolution reads ``conv.weight``; the probes saw which modules' calls were in progress
+        when an op read them): the nearest enclosing module whose call read them all takes them
+        as its own (``"conv1d.weight"``) under the torch.func rule, whose per-sample
+        vector-Jacobian product of its whole forward covers that use; the child's own unit,
+        never called, is removed. A reader with no unit yet gets one (True is returned: its calls
+        must be probed), when no module of the forward has run yet (``at_start``: the first
+        forward is probed before it starts); one with a rule of its own leaves them to be refused
+        as stray gradients."""
+        by_module = {id(u.module): u for u in self.units}
+        created = False
         for unit in [u for u in self.units if id(u) not in called and u.params and not u.derived]:
             read = [reads[id(p)] for _, p, _ in unit.params if id(p) in reads]
             if not read or isinstance(unit.module, nn.Embedding):   # its padding row stays noise-free
                 continue
-            readers, owner, name = set.intersection(*read), None, unit.name
+            readers, name, owner = set.intersection(*read), unit.name, None
             while name and owner is None:
                 name = name.rpartition(".")[0]
-                found = by_name.get(name)
-                if found is not None and found.rule is FUNCTORCH_RULE and id(found) in readers:
-                    owner = found
+                module = self.model.get_submodule(name)
+                if id(module) not in readers:
+                    continue
+                owner = by_module.get(id(module))
+                if owner is None and at_start and not self.strict and find_layer_rule(module) is None:
+                    owner = Unit(module, name, [], FUNCTORCH_RULE, True)
+                    owner.orig_forward = module.forward
+                    module.forward = self._routed_forward(owner)
+                    self.units.append(owner)
+                    self.axes.units[id(owner)] = by_module[id(module)] = owner
+                    created = True
+                if owner is None or owner.rule is not FUNCTORCH_RULE:
+                    owner = None
+                    break
             if owner is None:
                 continue
             prefix = unit.name[len(owner.name) + 1:] if owner.name else unit.name
@@ -188,6 +204,7 @@ class Bookkeeper:
             self.units.remove(unit)
             self.axes.units.pop(id(unit), None)
             self.adopted.append(f"{unit.label} -> {owner.label}")
+        return created
 
     def alias_note(self, idx: int) -> str:
         """Why parameter ``idx`` may reach ``p.grad``: the aliases not delivering its uses."""

@@ -120,7 +120,7 @@ def test_the_mixer_takes_the_read_weights_and_the_unread_module_keeps_its_own():
 
 
 class Reader(nn.Module):
-    """Reads ``conv.weight`` with no parameter of its own: no unit differentiates its forward."""
+    """Reads ``conv.weight`` with no parameter of its own (LFM2's short convolution)."""
 
     def __init__(self):
         super().__init__()
@@ -141,10 +141,25 @@ class Sibling(nn.Module):
         return self.lin(x) * self.A + x @ self.lin.weight.t()
 
 
-@pytest.mark.parametrize("mixer", [Reader, Sibling])
-def test_a_read_weight_with_no_unit_to_take_it_is_still_refused(mixer):
-    model = _factory(Ssm, mixer)()
+def test_a_reader_without_parameters_of_its_own_takes_the_weights_it_reads():
+    """LFM2's short convolution: a module with no parameter of its own reads ``conv.weight``; it
+    gets a unit (the first forward is probed before any module runs) and is exact."""
+    check_exact(_factory(Ssm, Reader), _loss, _batch(), grouping="layer", micro=[2, 3])
+
+
+def test_a_weight_read_while_its_module_is_also_called_is_still_refused():
+    model = _factory(Ssm, Sibling)()
     engine = _engine(model, 4)
+    with pytest.raises(EngineError, match="outside the engine's hooks"):
+        engine.backward(_loss(model, _batch(4)))
+
+
+def test_a_reader_found_after_the_first_forward_has_run_is_refused_not_adopted():
+    """A model whose first forward has already run part of itself when a reader is found (its
+    probes ran lazily, at a later shape): the reader is not given a unit mid-forward."""
+    model = _factory(Ssm, Reader)()
+    engine = _engine(model, 4)
+    engine._keeper.axes.layouts[("placeholder", 0)] = None   # as if an earlier forward had probed
     with pytest.raises(EngineError, match="outside the engine's hooks"):
         engine.backward(_loss(model, _batch(4)))
 

@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -78,14 +79,26 @@ class Probe:
         self.rows = rows or {}
         self.ordinals: dict[int, int] = {}
         self.calls: dict[tuple[int, int], tuple[list[_Seen], list[_Seen]]] = {}
-        self.stack: list[int] = []                # the units whose calls are in progress
-        self.reads: dict[int, set[int]] = {}      # id(parameter) -> units in progress when an op read it
+        self.stack: list[int] = []                # id() of the modules whose calls are in progress
+        self.reads: dict[int, set[int]] = {}      # id(parameter) -> modules in progress when an op read it
 
-    def reading(self) -> TorchFunctionMode:
-        """Records which units' calls were in progress when an op read each parameter: a
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Records which modules' calls were in progress when an op read each parameter: a
         module that reads a child's weight without calling the child (Mamba's mixer passes
         ``self.conv1d.weight`` to ``F.conv1d``) is seen reading it (:attr:`reads`)."""
-        return _ParameterReads(self)
+        def enter(module, args):
+            self.stack.append(id(module))
+
+        def leave(module, args, out):
+            self.stack.pop()
+        handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave, always_call=True)]
+        try:
+            with _ParameterReads(self):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def call(self, unit, orig: Callable, args: tuple, kwargs: dict):
         n = self.ordinals.get(id(unit), 0)
@@ -95,11 +108,7 @@ class Probe:
             expander = self.expand.get(key)
             return orig(*args, **kwargs) if expander is None else expander(args, kwargs, orig)
         ins = [_seen(t, self.rows.get((key, i), ())) for i, t in enumerate(call_leaves(args, kwargs))]
-        self.stack.append(id(unit))
-        try:
-            out = orig(*args, **kwargs)
-        finally:
-            self.stack.pop()
+        out = orig(*args, **kwargs)
         self.calls[key] = (ins, [_seen(t, self.rows.get((key, "out", i), ()))
                                  for i, t in enumerate(tensor_leaves(out))])
         return out

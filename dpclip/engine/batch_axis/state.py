@@ -33,9 +33,9 @@ class BatchAxes:
 
     def __init__(self, model: torch.nn.Module, units: list, plain: Callable,
                  device_types: Callable[[], set[str]] | None = None,
-                 on_probed: Callable[[set[int], dict[int, set[int]]], None] | None = None):
+                 on_probed: Callable[[set[int], dict[int, set[int]], bool], bool] | None = None):
         self.model = model
-        self.on_probed = on_probed          # (units called, parameter reads) after each probe pair
+        self.on_probed = on_probed          # (units called, parameter reads, at start) after a probe pair: new units?
         self.device_types = device_types or (lambda: {p.device.type for p in model.parameters()})
         self.units = {id(u): u for u in units}
         self.plain = plain
@@ -49,6 +49,7 @@ class BatchAxes:
         self.reprobed = False
         self.probes = 0                     # probing forwards run so far (tests, docs)
         self.sealed: str | None = None      # why no probe may run any more (a sharded model)
+        self.at_start = False               # probing before any module of the forward has run
         self.autocast_at_entry = None       # autocast as the forward in progress found it
         # this forward's shared outputs the engine expanded over the batch (note_expanded)
         self.expanded: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
@@ -67,6 +68,12 @@ class BatchAxes:
             self.expanded.clear()
             self.reprobed = False
             self.autocast_at_entry = autocast_snapshot(self.device_types())
+            if not self.layouts and self.batch and self.sealed is None and torch.is_grad_enabled():
+                self.at_start = True   # the first forward: probed before any module of it runs
+                try:
+                    self.establish()
+                finally:
+                    self.at_start = False
         return None
 
     def post_hook(self, module, args, kwargs, output):
@@ -228,9 +235,10 @@ class BatchAxes:
         if self.on_probed is not None:
             reads: dict[int, set[int]] = {}
             for probe in probes:
-                for param, units in probe.reads.items():
-                    reads.setdefault(param, set()).update(units)
-            self.on_probed({u for probe in probes for u in probe.ordinals}, reads)
+                for param, modules in probe.reads.items():
+                    reads.setdefault(param, set()).update(modules)
+            if self.on_probed({u for probe in probes for u in probe.ordinals}, reads, self.at_start):
+                return self.establish()   # new units (a reader of its own): their calls are probed too
         expand = self._expanders(layouts)
         if expand:
             self._check_consumers(layouts, expand, sizes, inputs)
@@ -277,6 +285,10 @@ class BatchAxes:
                 if (key, j) not in verdicts:
                     continue
                 cons, ok, why, unfollowed = verdicts[(key, j)]
+                fed = checks[0].feeds.get((key, j), set()) | checks[1].feeds.get((key, j), set())
+                if why is None and fed:   # (fed to layers whose outputs all end detached: dead, above)
+                    layers = ", ".join(sorted({self.units[k[0][0]].label for k in fed if k[0][0] in self.units}))
+                    why = f"its output is the input of another layer ({layers}), which is not a broadcast over the batch"
                 if why is None and unfollowed:
                     why = "its output meets shared tensors through more ops than the probes follow"
                 merged = {c.rows for c in cons or () if c.result_batch is not None}

@@ -233,6 +233,10 @@ def _bamba():
         mamba_d_conv=3, mamba_expand=2, mamba_chunk_size=4))
 
 
+def _lfm2():
+    return tf.Lfm2ForCausalLM(tf.Lfm2Config(**_MOE, layer_types=["conv", "full_attention"], conv_L_cache=3))
+
+
 for _name, _what, _make in (
         ("qwen2-moe", "Qwen2-MoE (4 experts, top-2, with a gated shared expert)", _qwen2_moe),
         ("olmoe", "OLMoE (4 experts, top-2, QK norms)", _olmoe),
@@ -241,7 +245,8 @@ for _name, _what, _make in (
         ("gpt-oss", "gpt-oss (experts with biases, attention sinks, sliding and full attention)", _gpt_oss),
         ("jamba", "Jamba (Mamba and attention layers, experts on every other layer)", _jamba),
         ("falcon-mamba", "FalconMamba (Mamba with RMS-normalised B, C and Δ)", _falcon_mamba),
-        ("bamba", "Bamba (Mamba2 and attention layers)", _bamba)):
+        ("bamba", "Bamba (Mamba2 and attention layers)", _bamba),
+        ("lfm2", "LFM2 (short convolutions reading conv.weight, attention layers)", _lfm2)):
     register(Case(_name, "hf", _what, training(_make), lm_batch, causal_loss))
 
 
