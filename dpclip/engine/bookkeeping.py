@@ -163,15 +163,13 @@ class Bookkeeper:
 
     def adopt_read_parameters(self, called: set[int], reads: dict[int, set[int]], at_start: bool = True) -> bool:
         """Parameters read without their module being called (Mamba's mixer passes its
-        ``conv1d.weight`` and ``dt_proj.weight`` to ``F.conv1d`` and ``@``; LFM2's short
-        convolution reads ``conv.weight``; the probes saw which modules' calls were in progress
-        when an op read them): the nearest enclosing module whose call read them all takes them
-        as its own (``"conv1d.weight"``) under the torch.func rule, whose per-sample
-        vector-Jacobian product of its whole forward covers that use; the child's own unit,
-        never called, is removed. A reader with no unit yet gets one (True is returned: its calls
-        must be probed), when no module of the forward has run yet (``at_start``: the first
-        forward is probed before it starts); one with a rule of its own leaves them to be refused
-        as stray gradients."""
+        ``conv1d.weight`` to ``F.conv1d``; LFM2's short convolution reads ``conv.weight``; the probes
+        saw which modules' calls were in progress when an op read them): the nearest enclosing
+        module whose call read them all takes them as its own (``"conv1d.weight"``) under the
+        torch.func rule, whose per-sample vector-Jacobian product covers that use; the child's
+        unit, never called, is removed. A reader without a unit gets one (returns True: its calls
+        must be probed) if no module of the forward has run yet (``at_start``); one with a rule of
+        its own leaves them to be refused as stray gradients."""
         by_module = {id(u.module): u for u in self.units}
         created = False
         for unit in [u for u in self.units if id(u) not in called and u.params and not u.derived]:

@@ -499,7 +499,7 @@ def test_a_call_wrongly_taken_for_dead_is_refused_as_a_stray_gradient(monkeypatc
     """Sabotage: every shared call declared dead, the live one too: its parameters then receive
     an autograd gradient outside the engine's hooks, which the engine refuses before any noise."""
     from dpclip.engine.batch_axis import state
-    monkeypatch.setattr(state, "_dead_ends", lambda checks, verdicts: set(verdicts))
+    monkeypatch.setattr(state, "dead_ends", lambda checks, verdicts: set(verdicts))
     model = DetachedNorm(live=True).to(DTYPE)
     batch = _floats(4)
     engine = DPEngine(model, {}, expected_batch_size=4, gradient_noise_multiplier=1.0)

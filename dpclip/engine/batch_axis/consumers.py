@@ -216,3 +216,21 @@ def consumers(a: ConsumerCheck, b: ConsumerCheck, key: tuple, batch: int, new: i
             return None, False, (f"`{name}` broadcasts it over the batch merged with {rows} positions after "
                                  "other ops, which the probes do not follow"), set()
     return tuple(out), simple, None, unfollowed
+
+
+def dead_ends(checks: list, verdicts: dict) -> set:
+    """The followed outputs whose every use ends in ``.detach()`` in both probes, directly or
+    through layers fed only by them that end so too (DoRA: ``lora_B(lora_A(eye)).T``, detached)."""
+    a, b = checks
+    alone = {k for k, v in verdicts.items() if v[2] is None and v[0] == () and k in a.dead and k in b.dead}
+    alone |= {k for k, v in verdicts.items() if v[2] is None and v[0] == () and k not in a.dead
+              and k not in b.dead and (a.feeds.get(k) or b.feeds.get(k))}   # only fed to other layers
+    dead, changed = set(), True
+    while changed:
+        changed = False
+        for k in alone - dead:
+            fed = a.feeds.get(k, set()) | b.feeds.get(k, set())
+            if fed <= dead and (fed or (k in a.dead and k in b.dead)):
+                dead.add(k)
+                changed = True
+    return dead

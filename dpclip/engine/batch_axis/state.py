@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
-from dpclip.engine.batch_axis.consumers import ConsumerCheck, consumers
+from dpclip.engine.batch_axis.consumers import ConsumerCheck, consumers, dead_ends
 from dpclip.engine.batch_axis.layout import (BATCH_FIRST, BATCH_HINT, BROADCAST_HINT, CallLayout,
                                              Layout, call_leaves, shared_lead1, tensor_leaves)
 from dpclip.engine.batch_axis.probe import NEEDS_ROWS, Probe, compare, forked_rng, resized, untouched_buffers
@@ -275,7 +275,7 @@ class BatchAxes:
             if not more:
                 break
             links |= more
-        dead = _dead_ends(checks, verdicts)
+        dead = dead_ends(checks, verdicts)
         for key, (kind, which) in expand.items():
             if kind == "input" and (key, 0) in dead:
                 layouts[key] = replace(layouts[key], dead=True)
@@ -355,24 +355,6 @@ class BatchAxes:
             return out
 
         return run
-
-
-def _dead_ends(checks: list, verdicts: dict) -> set:
-    """The followed outputs whose every use ends in ``.detach()`` in both probes, directly or
-    through layers fed only by them that end so too (DoRA: ``lora_B(lora_A(eye)).T``, detached)."""
-    a, b = checks
-    alone = {k for k, v in verdicts.items() if v[2] is None and v[0] == () and k in a.dead and k in b.dead}
-    alone |= {k for k, v in verdicts.items() if v[2] is None and v[0] == () and k not in a.dead
-              and k not in b.dead and (a.feeds.get(k) or b.feeds.get(k))}   # only fed to other layers
-    dead, changed = set(), True
-    while changed:
-        changed = False
-        for k in alone - dead:
-            fed = a.feeds.get(k, set()) | b.feeds.get(k, set())
-            if fed <= dead and (fed or (k in a.dead and k in b.dead)):
-                dead.add(k)
-                changed = True
-    return dead
 
 
 _HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
