@@ -159,7 +159,7 @@ def test_a_reader_found_after_the_first_forward_has_run_is_refused_not_adopted()
     probes ran lazily, at a later shape): the reader is not given a unit mid-forward."""
     model = _factory(Ssm, Reader)()
     engine = _engine(model, 4)
-    engine._keeper.axes.layouts[("placeholder", 0)] = None   # as if an earlier forward had probed
+    engine._keeper.axes.first = False   # as if an earlier forward had been probed
     with pytest.raises(EngineError, match="outside the engine's hooks"):
         engine.backward(_loss(model, _batch(4)))
 

@@ -50,6 +50,7 @@ class BatchAxes:
         self.probes = 0                     # probing forwards run so far (tests, docs)
         self.sealed: str | None = None      # why no probe may run any more (a sharded model)
         self.at_start = False               # probing before any module of the forward has run
+        self.first = True                   # no forward probed at its start yet
         self.autocast_at_entry = None       # autocast as the forward in progress found it
         # this forward's shared outputs the engine expanded over the batch (note_expanded)
         self.expanded: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
@@ -68,8 +69,8 @@ class BatchAxes:
             self.expanded.clear()
             self.reprobed = False
             self.autocast_at_entry = autocast_snapshot(self.device_types())
-            if not self.layouts and self.batch and self.sealed is None and torch.is_grad_enabled():
-                self.at_start = True   # the first forward: probed before any module of it runs
+            if self.first and self.batch and self.sealed is None and torch.is_grad_enabled():
+                self.at_start, self.first = True, False   # the first forward: probed before any module runs
                 try:
                     self.establish()
                 finally:
