@@ -104,6 +104,13 @@ def _engine(model, n):
                     gradient_noise_multiplier=0.0, expected_batch_size=n)
 
 
+def _refused(model, n, match, engine=None):
+    """The engine's backward over ``n`` samples refuses, with ``match`` in the error."""
+    engine = engine or _engine(model, n)
+    with pytest.raises(EngineError, match=match):
+        engine.backward(_loss(model, _batch(n)))
+
+
 @pytest.mark.parametrize("grouping, norm_method", [("all-layer", "auto"), ("layer", "ghost"), ("param", "instantiate")])
 def test_weights_a_mixer_reads_without_calling_their_module_clip_as_the_per_example_reference(grouping, norm_method):
     check_exact(_factory(Ssm), _loss, _batch(), grouping=grouping, norm_method=norm_method, micro=[2, 3])
@@ -148,10 +155,7 @@ def test_a_reader_without_parameters_of_its_own_takes_the_weights_it_reads():
 
 
 def test_a_weight_read_while_its_module_is_also_called_is_still_refused():
-    model = _factory(Ssm, Sibling)()
-    engine = _engine(model, 4)
-    with pytest.raises(EngineError, match="outside the engine's hooks"):
-        engine.backward(_loss(model, _batch(4)))
+    _refused(_factory(Ssm, Sibling)(), 4, "outside the engine's hooks")
 
 
 def test_a_reader_found_after_the_first_forward_has_run_is_refused_not_adopted():
@@ -160,8 +164,7 @@ def test_a_reader_found_after_the_first_forward_has_run_is_refused_not_adopted()
     model = _factory(Ssm, Reader)()
     engine = _engine(model, 4)
     engine._keeper.axes.first = False   # as if an earlier forward had been probed
-    with pytest.raises(EngineError, match="outside the engine's hooks"):
-        engine.backward(_loss(model, _batch(4)))
+    _refused(model, 4, "outside the engine's hooks", engine)
 
 
 @pytest.mark.parametrize("grouping, norm_method", [("all-layer", "auto"), ("layer", "ghost"), ("param", "instantiate")])
@@ -183,10 +186,7 @@ class CapacityExperts(Experts):
 
 
 def test_experts_with_a_capacity_over_the_batch_are_refused_not_clipped_wrong():
-    model = _factory(Moe, CapacityExperts)()
-    engine = _engine(model, 6)
-    with pytest.raises(EngineError, match="experts .*neither batch-outer"):
-        engine.backward(_loss(model, _batch(6)))
+    _refused(_factory(Moe, CapacityExperts)(), 6, "experts .*neither batch-outer")
 
 
 def test_a_generation_cache_passed_to_a_layer_of_its_own_parameters_is_refused_with_the_fix():

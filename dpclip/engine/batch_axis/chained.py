@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dpclip.engine.batch_axis.consumers import CHAIN, EVENTS, Consumer, func_name
+from dpclip.engine.batch_axis.consumers import CHAIN, EVENTS, Consumer, func_name, repeat_factors
 from dpclip.engine.batch_axis.layout import BROADCAST_HINT
 from dpclip.errors import EngineError
 
@@ -80,7 +80,9 @@ class Chained(Tensor):
             leaves = list(flat)
             leaves[i] = state.batched(me._dp_chain, tuple(me.shape), event)
             if name == "repeat":   # probed to equal an expand: the batched tensor, laid out as repeat's
-                return leaves[i].expand(func(*args, **kwargs).shape).contiguous()
+                factors = repeat_factors(args, kwargs)
+                sizes = (1,) * (len(factors) - me.dim()) + tuple(me.shape)
+                return leaves[i].expand([f * n for f, n in zip(factors, sizes)]).contiguous()
             a, k = tree_unflatten(leaves, spec)
             return func(*a, **k)
 

@@ -74,12 +74,18 @@ def _sdpa_shape(args: tuple, kwargs: dict, t: Tensor) -> tuple | None:
     return (*q.shape[:-1], k.shape[-2])
 
 
-def _repeat_is_expand(args: tuple, kwargs: dict, t: Tensor) -> bool:
-    """``t.repeat(*factors)`` equals ``t.expand(...)`` of its result's shape: every factor above 1
-    falls on an axis of size 1 (or on a new leading axis)."""
+def repeat_factors(args: tuple, kwargs: dict) -> tuple[int, ...]:
+    """The factors of a ``t.repeat(...)`` call (``repeat(B, 1, 1)`` or ``repeat((B, 1, 1))``)."""
     factors = args[1:] if len(args) > 1 else kwargs.get("repeats", ())
     if len(factors) == 1 and isinstance(factors[0], (tuple, list, torch.Size)):
         factors = tuple(factors[0])
+    return tuple(int(f) for f in factors)
+
+
+def _repeat_is_expand(args: tuple, kwargs: dict, t: Tensor) -> bool:
+    """``t.repeat(*factors)`` equals ``t.expand(...)`` of its result's shape: every factor above 1
+    falls on an axis of size 1 (or on a new leading axis)."""
+    factors = repeat_factors(args, kwargs)
     sizes = (1,) * (len(factors) - t.dim()) + tuple(t.shape)
     return len(factors) >= t.dim() and all(f == 1 or s == 1 for f, s in zip(factors, sizes))
 
