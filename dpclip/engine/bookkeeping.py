@@ -32,10 +32,10 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from dpclip.engine.batch_axis import BatchAxes, check_batch
-from dpclip.engine.bookkept_ops import Call, Site, engine_failure
+from dpclip.engine.bookkept_ops import AWAITING_RECOMPUTE, Call, Site, engine_failure
 from dpclip.engine.batch_axis.layout import call_leaves, tensor_leaves
 from dpclip.engine.factors import Use
-from dpclip.engine.containers import contained_by, container_owner, is_container, owned_parameters
+from dpclip.engine.containers import container_owner, is_container, owned_parameters, without_aliases_below
 from dpclip.engine.layers import LayerRule, find_layer_rule
 from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
 from dpclip.engine.parametrized import Derived, derived_tensors, is_parametrization, original_uses
@@ -69,7 +69,7 @@ class _Active:
     """State of the engine.backward call in progress."""
 
     batch_size: int
-    sink: Callable[[int, Use], None]
+    sink: Callable[[int, Use, bool], None]   # (parameter index, use, from a recomputation)
     generation: int
 
 
@@ -125,7 +125,9 @@ class Bookkeeper:
                       if id(p) in self.index_of]
             derived = derived_tensors(module, name, self.index_of)
             if rule is FUNCTORCH_RULE and params:
-                params = self._without_aliases_below(module, name, params)
+                params, notes = without_aliases_below(module, name, params)
+                for idx, note in notes:
+                    self.aliases.setdefault(idx, []).append(note)
             if not params and not derived and not (rule.wrap_frozen and any(
                     id(p) in self.index_of for p in module.parameters())):
                 continue
@@ -140,26 +142,6 @@ class Bookkeeper:
             rule.check(module, unit.label)
             units.append(unit)
         return units
-
-    def _without_aliases_below(self, module: nn.Module, name: str,
-                               params: list[tuple[str, nn.Parameter, int]]):
-        """The torch.func rule differentiates the module's whole forward, so it would also
-        count the uses of a parameter by a submodule holding the same tensor (BERT's
-        ``predictions.bias is predictions.decoder.bias``), which that submodule's unit
-        delivers itself: the parameter belongs to the submodule alone. A use by this
-        module's own forward then reaches ``p.grad`` and is refused (:meth:`alias_note`)."""
-        below = {id(p) for sub in module.modules() if sub is not module and not contained_by(module, sub)
-                 for p in sub.parameters(recurse=False)}
-        kept = []
-        for pname, p, idx in params:
-            if id(p) in below:
-                path = f"{name}.{pname}" if name else pname
-                self.aliases.setdefault(idx, []).append(
-                    f"{path} ({type(module).__name__} holds it and has no layer rule; a "
-                    "submodule holding the same tensor owns it)")
-            else:
-                kept.append((pname, p, idx))
-        return kept
 
     def adopt_read_parameters(self, called: set[int], reads: dict[int, set[int]], at_start: bool = True) -> bool:
         """Parameters read without their module being called (Mamba's mixer passes its
@@ -265,6 +247,18 @@ class Bookkeeper:
                 for _, _, idx in originals:
                     self.forward_counts[idx] += 1
 
+    def _await_recomputation(self, unit: Unit) -> None:
+        """A call without gradients inside a forward with them (reentrant checkpointing): its
+        uses, if any, come from its recomputation's backward (:data:`AWAITING_RECOMPUTE`)."""
+        self.axes.skip(unit)
+        for _, _, idx in [*unit.params, *(o for _, originals in unit.derived for o in originals)]:
+            self.forward_counts[idx] += AWAITING_RECOMPUTE
+
+    @property
+    def call_generation(self) -> int:
+        """The generation a book-kept call belongs to: a recomputation's, the backward's in progress."""
+        return self._active.generation if self.recomputing else self.generation
+
     def _routed_forward(self, unit: Unit):
         orig = unit.orig_forward
         site = Site(self, unit)
@@ -274,6 +268,8 @@ class Bookkeeper:
             if axes.probe is not None:    # a probing forward: record, book-keep nothing
                 return axes.probe.call(unit, orig, args, kwargs)
             if self._passthrough(unit) or axes.batch == 0:
+                if axes.in_grad_forward() and not torch.is_grad_enabled() and not unit.bypass and not self._plain:
+                    self._await_recomputation(unit)
                 return orig(*args, **kwargs)
             recomputing = axes.depth == 0 and self._active is not None
             kept = site.layout, site._leaves
@@ -301,12 +297,13 @@ class Bookkeeper:
     @contextmanager
     def _recomputation(self) -> Iterator[None]:
         """A book-kept module called inside engine.backward, outside any forward of the model:
-        gradient checkpointing recomputing what the forward saved (torch.utils.checkpoint,
-        use_reentrant=False; docs/engine.md, "Gradient checkpointing"). The call runs the same
-        book-kept operations again, so that they save the same tensors, laid out as the forward
-        laid out this module's calls (:meth:`BatchAxes.recomputed_layout`); the forward's calls
-        deliver the uses (their backwards read the recomputed tensors), so these count none and
-        may deliver none (:data:`~dpclip.engine.bookkept_ops.REENTRANT`)."""
+        gradient checkpointing recomputing a forward (docs/engine.md, "Gradient checkpointing").
+        The call runs the same book-kept operations again, laid out as the forward laid out this
+        module's calls (:meth:`BatchAxes.recomputed_layout`), and counts no use. Non-reentrant
+        checkpointing gives the forward's calls the recomputed tensors: their backwards deliver
+        the uses and the recomputation's never run. Reentrant checkpointing ran the forward
+        without gradients and differentiates the recomputation: its calls deliver the uses
+        (:data:`~dpclip.engine.bookkept_ops.AWAITING_RECOMPUTE`)."""
         axes = self.axes
         kept, self.recomputing, axes.batch = axes.batch, self.recomputing + 1, self._active.batch_size
         try:
@@ -347,7 +344,7 @@ class Bookkeeper:
 
     @contextmanager
     def backward_scope(self, batch_size: int, generation: int,
-                       sink: Callable[[int, Use], None]) -> Iterator[None]:
+                       sink: Callable[[int, Use, bool], None]) -> Iterator[None]:
         self._active = _Active(batch_size, sink, generation)
         try:
             # The backward inherits the caller's autocast state and TF32 flags; the rules'
@@ -394,6 +391,6 @@ class Bookkeeper:
         with self._lock:  # autograd runs one thread per device on multi-GPU models
             for name, _, idx in call.unit.params:
                 if name in call.names:  # exactly the parameters its forward counted
-                    active.sink(idx, uses[name])
+                    active.sink(idx, uses[name], call.replica)
             for idx, use in derived:
-                active.sink(idx, use)
+                active.sink(idx, use, call.replica)

@@ -45,22 +45,19 @@ class Call:
     on_grads: Callable | None = None                 # for a tap: (grads, batch) -> uses
     batch: int = 0                                   # B of the forward that made it
     weights: dict = field(default_factory=dict)      # parametrized tensors as this call computed them
-    replica: bool = False                            # a recomputation's (gradient checkpointing)
+    replica: bool = False                            # made by a recomputation (gradient checkpointing)
 
 
-#: why a recomputed call's own backward is refused (reentrant checkpointing runs it)
-REENTRANT = ("a backward through a recomputed forward: reentrant gradient checkpointing (use_reentrant=True) "
-             "runs the forward without gradients and differentiates a second one, which the engine cannot "
-             "tie to the first",
-             "checkpoint with use_reentrant=False: torch.utils.checkpoint.checkpoint(..., use_reentrant=False); "
-             "transformers: model.activation_checkpointing_enable() (non-reentrant by default), or "
-             "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) before "
-             "transformers 5")
+#: added to a parameter's forward count for each call made without gradients inside a forward
+#: that has them: reentrant gradient checkpointing (``use_reentrant=True``) runs its block so and
+#: differentiates a recomputation of it in the backward, whose calls then deliver the uses; how
+#: many is known only when the backward ends (:meth:`dpclip.engine.microbatch.MicroBatch.deliver`)
+AWAITING_RECOMPUTE = 1 << 40
 
-
-def refuse_replica(call: Call) -> None:
-    if call.replica:
-        raise EngineError(f"module {call.unit.label} ran {REENTRANT[0]}", REENTRANT[1])
+#: why a recomputed call's backward is refused when its first call ran with gradients
+TWICE = ("a backward through a recomputed forward whose first call had gradients (its uses would "
+         "count twice)", "checkpoint with torch.utils.checkpoint (either use_reentrant setting) or "
+         "transformers' gradient_checkpointing_enable(); do not differentiate a forward recomputed by hand")
 
 
 def not_a_view(out: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:
@@ -101,7 +98,6 @@ class BookkeptOp(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         (x,) = ctx.saved_tensors
         call: Call = ctx.call
-        refuse_replica(call)
         rule, module = call.rule, call.unit.module
         if call.keeper.silent:   # the certificate reads the loss head's cotangents: zeros flow here
             return (None, torch.zeros_like(x) if ctx.needs_input_grad[1] else None) + (None,) * ctx.n_params
@@ -133,7 +129,6 @@ class OutputTap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
-        refuse_replica(ctx.call)
         if ctx.call.keeper.silent:   # the certificate reads the loss head's cotangents (above)
             passed = tuple(torch.zeros_like(g) if ctx.needs_input_grad[2 + i] and g is not None else None
                            for i, g in enumerate(grads))
@@ -195,7 +190,7 @@ class Site(SiteBatch):
         if not names:  # nothing trainable: plain autograd through the frozen parameters
             return rule.forward(self.module, x, info)
         keeper, unit = self._keeper, self._unit
-        call = Call(keeper, unit, keeper.generation, rule, info, names, batch=keeper.axes.batch,
+        call = Call(keeper, unit, keeper.call_generation, rule, info, names, batch=keeper.axes.batch,
                      weights={n: by_name[n] for n in names if n in self._derived}, replica=keeper.recomputing > 0)
         keeper.count(unit, names)
         return BookkeptOp.apply(call, x, *self._op_inputs(by_name, names))
@@ -204,7 +199,7 @@ class Site(SiteBatch):
         keeper, unit = self._keeper, self._unit
         by_name = self._by_name
         names = tuple(by_name)
-        call = Call(keeper, unit, keeper.generation, names=names, on_grads=on_grads,
+        call = Call(keeper, unit, keeper.call_generation, names=names, on_grads=on_grads,
                      batch=keeper.axes.batch, weights={n: by_name[n] for n in self._derived},
                      replica=keeper.recomputing > 0)
         keeper.count(unit, names)

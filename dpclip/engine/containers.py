@@ -41,3 +41,21 @@ def container_owner(model: nn.Module, name: str) -> nn.Module | None:
         return None
     parent = model.get_submodule(name.rpartition(".")[0])
     return parent if find_layer_rule(parent) is None else None
+
+
+def without_aliases_below(module: nn.Module, name: str, params: list[tuple[str, nn.Parameter, int]]):
+    """The torch.func rule differentiates the module's whole forward, so it would also count the
+    uses of a parameter by a submodule holding the same tensor (BERT's ``predictions.bias is
+    predictions.decoder.bias``), which that submodule's unit delivers itself: the parameter
+    belongs to the submodule alone. A use by this module's own forward then reaches ``p.grad``
+    and is refused. Returns (the parameters kept, (index, note) for each left to the submodule)."""
+    below = {id(p) for sub in module.modules() if sub is not module and not contained_by(module, sub)
+             for p in sub.parameters(recurse=False)}
+    kept, notes = [], []
+    for pname, p, idx in params:
+        if id(p) in below:
+            notes.append((idx, f"{f'{name}.{pname}' if name else pname} ({type(module).__name__} holds it and "
+                               "has no layer rule; a submodule holding the same tensor owns it)"))
+        else:
+            kept.append((pname, p, idx))
+    return kept, notes

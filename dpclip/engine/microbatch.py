@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from dpclip.engine.bookkeeping import StashMeter
+from dpclip.engine.bookkept_ops import AWAITING_RECOMPUTE, TWICE
 from dpclip.engine.cancellation import cancellation_bound, certified_rows, stacked_cancellation_flags
 from dpclip.engine.factors import (Dense, GramCache, Use, clipped_sum, early_instance, param_norm_sq,
                                    sqrt_or_zero, zero_samples)
@@ -171,7 +172,11 @@ class MicroBatch:
             masked[r] = factors[r]
             self.witness[r][idx] = sum_of(masked).detach().clone()
 
-    def deliver(self, idx: int, use: Use) -> None:
+    def deliver(self, idx: int, use: Use, recomputed: bool = False) -> None:
+        """One use of parameter ``idx``; ``recomputed``: from a call gradient checkpointing made in
+        the backward, a use only where the forward's call ran without gradients (reentrant)."""
+        if recomputed and self.pending[idx] < AWAITING_RECOMPUTE:
+            raise EngineError(f"parameter {self.ctx.names[idx]} received {TWICE[0]}", TWICE[1])
         if self.pending[idx] <= 0:
             raise EngineError(f"parameter {self.ctx.names[idx]} was used more "
                               "often in the backward than in the forward",
@@ -429,8 +434,9 @@ class MicroBatch:
             self.meter.remove([flat])
 
     def finish(self) -> Tensor:
-        """Finalize what the backward did not reach; return the norms [b, K]."""
-        with engine_math((self.ctx.device.type,)):   # float32 math even inside an autocast region
+        """Finalize what the backward did not reach; return the norms [b, K]. Without gradients,
+        as inside the backward: a reentrant recomputation's saved tensors still record them."""
+        with engine_math((self.ctx.device.type,)), torch.no_grad():   # float32 math even inside autocast
             return self._finish()
 
     def _finish(self) -> Tensor:

@@ -37,16 +37,23 @@ class Reference:
 
 
 def per_example_grads(model: nn.Module, loss_fn, batch: dict) -> list[dict[str, torch.Tensor]]:
-    """Autograd on each example alone (batch of one)."""
+    """Autograd on each example alone (batch of one), by ``.backward()`` into ``p.grad`` (reentrant
+    gradient checkpointing refuses ``torch.autograd.grad``); the model's ``.grad`` are put back."""
     infos = trainable_params(model)
     params = [i.param for i in infos]
+    kept = [p.grad for p in params]
     n = next(iter(batch.values())).shape[0]
     out = []
-    for i in range(n):
-        loss = loss_fn(model, {k: v[i:i + 1] for k, v in batch.items()}).sum()
-        gs = torch.autograd.grad(loss, params, allow_unused=True)
-        out.append({info.name: (torch.zeros_like(p) if g is None else g)
-                    for info, p, g in zip(infos, params, gs)})
+    try:
+        for i in range(n):
+            for p in params:
+                p.grad = None
+            loss_fn(model, {k: v[i:i + 1] for k, v in batch.items()}).sum().backward()
+            out.append({info.name: (torch.zeros_like(p) if p.grad is None else p.grad.clone())
+                        for info, p in zip(infos, params)})
+    finally:
+        for p, g in zip(params, kept):
+            p.grad = g
     return out
 
 
@@ -124,7 +131,7 @@ def check_exact(factory, loss_fn, batch, grouping="all-layer", fn="abadi", micro
     groups = build_groups(ref_model, grouping)
     per = per_example_grads(ref_model, loss_fn, batch)
     if thresholds is None:
-        thresholds = [float(v) for v in group_norms(per, groups).median(dim=0).values]
+        thresholds = [float(v) or 1e-6 for v in group_norms(per, groups).median(dim=0).values]   # > 0
     ref = clip_reference(groups, per, thresholds, fn, batch_size)
     clipping = {"grouping": grouping, "fn": fn, "norm_method": norm_method, "strict": strict,
                 "threshold": {"kind": "fixed", "value": thresholds}}

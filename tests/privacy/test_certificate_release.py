@@ -97,3 +97,47 @@ def test_the_recorded_dropout_masks_are_dropped_when_the_check_ends(monkeypatch)
     assert engine.certificate.last is not None and engine.certificate.last.mode == "alone"
     gc.collect()
     assert recorded and all(ref() is None for ref in recorded)
+
+
+class _Recomputed(torch.autograd.Function):
+    """A block run without gradients, recomputed in the backward, which runs a backward of its own
+    into the block's parameters (a reversible layer's or a home-made checkpoint's pattern)."""
+
+    @staticmethod
+    def forward(ctx, x, block):
+        ctx.save_for_backward(x)
+        ctx.block = block
+        return block(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = ctx.block(x)
+        torch.autograd.backward(y, grad)
+        return x.grad, None
+
+
+class HomeMadeCheckpoint(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.head = nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(_Recomputed.apply(self.inp(x), self.block))
+
+
+def test_a_backward_run_inside_a_replay_writes_no_gradient_into_the_model():
+    """The check's replays differentiate copies of the parameters; a Function that runs a backward of
+    its own reaches the module's parameters by name, so the replay swaps the copies in for it too:
+    the model's ``.grad`` stays empty until the noisy step writes it, and the check passes."""
+    torch.manual_seed(0)
+    model = HomeMadeCheckpoint().double()
+    x, y = torch.randn(6, 8, dtype=torch.float64), torch.randint(0, 3, (6,))
+    engine = DPEngine(model, {"grouping": "layer"}, gradient_noise_multiplier=0.0, expected_batch_size=6)
+    engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+    assert engine.certificate.checks == 1
+    assert all(p.grad is None for p in model.parameters())
+    engine.privatize()
+    assert all(p.grad is not None for p in model.parameters())

@@ -52,6 +52,7 @@ class BatchAxes:
         self.at_start = False               # probing before any module of the forward has run
         self.first = True                   # no forward probed at its start yet
         self.autocast_at_entry = None       # autocast as the forward in progress found it
+        self.grad_at_entry = False          # whether that forward records gradients
         # this forward's shared outputs the engine expanded over the batch (note_expanded)
         self.expanded: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 
@@ -68,7 +69,7 @@ class BatchAxes:
             self.ordinals = {}
             self.expanded.clear()
             self.reprobed = False
-            self.autocast_at_entry = autocast_snapshot(self.device_types())
+            self.autocast_at_entry, self.grad_at_entry = autocast_snapshot(self.device_types()), torch.is_grad_enabled()
             if self.first and self.batch and self.sealed is None and torch.is_grad_enabled():
                 self.at_start, self.first = True, False   # the first forward: probed before any module runs
                 try:
@@ -104,6 +105,12 @@ class BatchAxes:
         if layout.refusal is not None:
             raise EngineError(f"module {unit.label} {layout.refusal}", BROADCAST_HINT)
         site.layout, site._leaves = layout, leaves
+
+    def in_grad_forward(self) -> bool:   # a forward of the model that records gradients, in progress
+        return self.depth > 0 and bool(self.batch) and self.grad_at_entry
+
+    def skip(self, unit) -> None:   # a call not book-kept, in its place among the probes' calls
+        self.ordinals[id(unit)] = self.ordinals.get(id(unit), 0) + 1
 
     def layout(self, unit, leaves: list[Tensor]) -> CallLayout:
         """The established layout of this call of ``unit`` (probing first if needed)."""
@@ -162,12 +169,10 @@ class BatchAxes:
             if uid == id(unit) and lay.fits(leaves, batch, ragged) and lay not in fitting:
                 fitting.append(lay)
         if len(fitting) != 1:
-            shapes = [tuple(t.shape) for t in leaves]
             why = "no call of it in the forward had" if not fitting else "several of its calls in the forward had, laid out differently"
-            raise EngineError(
-                f"module {unit.label} was recomputed in the backward (gradient checkpointing) with inputs of "
-                f"shapes {shapes}, which {why}, so its batch axis cannot be told",
-                "checkpoint whole blocks that the model calls the same way each time, or turn checkpointing off")
+            raise EngineError(f"module {unit.label} was recomputed in the backward (gradient checkpointing) with inputs "
+                              f"of shapes {[tuple(t.shape) for t in leaves]}, which {why}, so its batch axis cannot be told",
+                              "checkpoint whole blocks that the model calls the same way each time, or turn checkpointing off")
         if fitting[0].refusal is not None:
             raise EngineError(f"module {unit.label} {fitting[0].refusal}", BROADCAST_HINT)
         return fitting[0]

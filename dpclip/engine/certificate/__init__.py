@@ -342,11 +342,11 @@ class Certificate:
                     narrowed.append(cot)
                 if cut:   # a backward that draws (gradient checkpointing recomputing dropout) draws
                     with Recorder(lambda: False) as drawn:   # its own masks, not the sample's part
-                        g = vjp(outs, narrowed, leaves)
+                        g = vjp(outs, narrowed, leaves, self.replayer.within(leaves))
                     if drawn.draws != []:
                         raise NotReproducible()
                 else:
-                    g = vjp(outs, narrowed, leaves)
+                    g = vjp(outs, narrowed, leaves, self.replayer.within(leaves))
                 total = g if total is None else [a + b for a, b in zip(total, g)]
             self._refuse_buffer(buffers.after(f"sample {r} alone"))
             own[r] = total

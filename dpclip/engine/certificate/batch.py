@@ -20,7 +20,7 @@ def batch_gradients(cert, forwards, rows, cots, rtol, outputs: bool = True) -> d
         outs = [o for o in cert.replayer.run(f, (f.args, f.kwargs), leaves) if o.requires_grad]
         if len(outs) != len(f.outputs) or outputs and not all(close(a, b, rtol) for a, b in zip(f.outputs, outs)):
             raise NotReproducible()
-        for r, g in vjp_rows(outs, {r: cots[r][j] for r in rows}, leaves).items():
+        for r, g in vjp_rows(outs, {r: cots[r][j] for r in rows}, leaves, cert.replayer.within(leaves)).items():
             own[r] = g if own[r] is None else [a + b for a, b in zip(own[r], g)]
     return own
 
@@ -37,7 +37,7 @@ def independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers: Buffers
         leaves = cert.replayer.leaves()
         outs = [o for o in cert.replayer.run(f, select(f.args, f.kwargs, f.batch, None, False, (j, source)),
                                              leaves) if o.requires_grad][:len(f.outputs)]
-        for r, g in vjp_rows(outs, {r: cots[r][i] for r in moved}, leaves).items():
+        for r, g in vjp_rows(outs, {r: cots[r][i] for r in moved}, leaves, cert.replayer.within(leaves)).items():
             moved[r] = g if moved[r] is None else [a + b for a, b in zip(moved[r], g)]
     cert._refuse_buffer(buffers.after(f"the batch with sample {j} replaced"))
     for r, g in moved.items():

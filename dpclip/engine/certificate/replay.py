@@ -178,8 +178,28 @@ def hooks_silenced(model: nn.Module, keep=()) -> Iterator[None]:
 def replaying(model: nn.Module, plain: Callable, devices: list[int]) -> Iterator[None]:
     """Replays run the layers' own forwards, with gradients, without hooks; the RNG streams are
     put back afterwards."""
-    with plain(), torch.random.fork_rng(devices=devices), hooks_silenced(model), torch.enable_grad():
+    with plain(), torch.random.fork_rng(devices=devices), hooks_silenced(model), torch.enable_grad(), \
+            reentrant_checkpoints_inline():
         yield
+
+
+@contextmanager
+def reentrant_checkpoints_inline() -> Iterator[None]:
+    """Reentrant ``torch.utils.checkpoint`` blocks run as plain calls in a replay: such a block
+    passes gradients to its parameters only by a ``.backward()`` on the module's own parameters
+    (``torch.autograd.grad`` refuses it), and a replay differentiates detached leaves. The plain
+    call draws the same random numbers (the block's forward runs once either way)."""
+    from torch.utils.checkpoint import CheckpointFunction
+    own = "apply" in CheckpointFunction.__dict__
+    kept = CheckpointFunction.__dict__.get("apply")
+    CheckpointFunction.apply = staticmethod(lambda function, _preserve_rng, *args: function(*args))
+    try:
+        yield
+    finally:
+        if own:
+            CheckpointFunction.apply = kept
+        else:
+            del CheckpointFunction.apply
 
 
 class Replayer:
@@ -201,52 +221,90 @@ class Replayer:
         return tree_unflatten([t.to(self.dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
                                for t in leaves], spec)
 
-    def run(self, forward: Forward, inputs, leaves: list[Tensor]) -> list[Tensor]:
-        args, kwargs = inputs if self.dtype is None else self._widened(inputs)
+    def _swapped(self, leaves: list[Tensor]) -> dict[str, Tensor]:
         swapped = dict(zip(self.names, leaves))
         if self.dtype is not None:
             swapped.update({n: b.to(self.dtype) if b.is_floating_point() else b
                             for n, b in self.model.named_buffers() if b is not None})
+        return swapped
+
+    def run(self, forward: Forward, inputs, leaves: list[Tensor]) -> list[Tensor]:
+        args, kwargs = inputs if self.dtype is None else self._widened(inputs)
         torch.set_rng_state(forward.rng[0])
         for d, state in forward.rng[1].items():
             torch.cuda.set_rng_state(state, d)
         saved = autocast_snapshot(forward.autocast.keys())
         autocast_restore(forward.autocast)
         try:
-            out = torch.func.functional_call(self.model, swapped, args, kwargs, strict=False)
+            out = torch.func.functional_call(self.model, self._swapped(leaves), args, kwargs, strict=False)
         finally:
             autocast_restore(saved)
         return tensor_leaves(out)
 
+    def within(self, leaves: list[Tensor]) -> Callable[[Callable], object]:
+        """Runs a function (a backward through this replay) with the parameters swapped for
+        ``leaves`` again: a Function that recomputes its forward in its backward and runs a
+        backward of its own (Reformer's reversible layers) reads the module's parameters then."""
+        holder = _Holder(self.model)
+        swapped = {f"model.{n}": t for n, t in self._swapped(leaves).items()}
+        return lambda fn: torch.func.functional_call(holder, swapped, (fn,), strict=False)
 
-def vjp(outputs: list[Tensor], cotangents: list[Tensor | None], leaves: list[Tensor]) -> list[Tensor]:
-    """Σ_o J_o(θ)ᵀ cot_o over the outputs with a cotangent, per parameter leaf (zeros where unused)."""
+
+class _Holder(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Callable):
+        return fn()
+
+
+def _grads(outputs, leaves: list[Tensor], cotangents, **kw) -> tuple:
+    """``torch.autograd.grad`` of ``outputs`` and what a Function's own backward inside it
+    accumulated into the leaves' ``.grad`` (a reversible layer's), the leaves left clean."""
+    for p in leaves:
+        p.grad = None
+    try:
+        grads = torch.autograd.grad(outputs, leaves, cotangents, retain_graph=True, allow_unused=True, **kw)
+        return grads, [p.grad for p in leaves]
+    finally:
+        for p in leaves:
+            p.grad = None
+
+
+def vjp(outputs: list[Tensor], cotangents: list[Tensor | None], leaves: list[Tensor],
+        within: Callable = lambda fn: fn()) -> list[Tensor]:
+    """Σ_o J_o(θ)ᵀ cot_o over the outputs with a cotangent, per parameter leaf (zeros where unused):
+    what flows to them and what a Function's own backward gave them (``within``: the replay's
+    parameter swap, :meth:`Replayer.within`)."""
     pairs = [(o, c) for o, c in zip(outputs, cotangents) if c is not None and o.requires_grad]
     if not pairs:
         return [torch.zeros_like(p) for p in leaves]
-    grads = torch.autograd.grad([o for o, _ in pairs], leaves, [c.to(o.dtype) for o, c in pairs],
-                                retain_graph=True, allow_unused=True)
-    return [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(leaves, grads)]
+    grads, nested = within(lambda: _grads([o for o, _ in pairs], leaves, [c.to(o.dtype) for o, c in pairs]))
+    return [torch.zeros_like(p) if g is None and n is None else
+            (g.detach() if n is None else n if g is None else g.detach() + n)
+            for p, g, n in zip(leaves, grads, nested)]
 
 
 def vjp_rows(outputs: list[Tensor], cotangents: dict[int, list[Tensor | None]],
-             leaves: list[Tensor]) -> dict[int, list[Tensor]]:
+             leaves: list[Tensor], within: Callable = lambda fn: fn()) -> dict[int, list[Tensor]]:
     """:func:`vjp` for several rows' cotangents on the same outputs: one backward batched over the
-    rows (``is_grads_batched``, torch's vmap of the backward) where torch can, one per row where not."""
+    rows (``is_grads_batched``, torch's vmap of the backward) where torch can, one per row where
+    not (an operation without a batching rule, or a Function running a backward of its own)."""
     rows = list(cotangents)
     used = [k for k, o in enumerate(outputs) if o.requires_grad and any(cotangents[r][k] is not None for r in rows)]
     if len(rows) > 1 and used:
         stacked = [torch.stack([torch.zeros_like(outputs[k]) if cotangents[r][k] is None
                                 else cotangents[r][k].to(outputs[k].dtype) for r in rows]) for k in used]
         try:
-            grads = torch.autograd.grad([outputs[k] for k in used], leaves, stacked, retain_graph=True,
-                                        allow_unused=True, is_grads_batched=True)
-        except RuntimeError:   # an operation without a batching rule: one backward per row
+            grads, nested = within(lambda: _grads([outputs[k] for k in used], leaves, stacked, is_grads_batched=True))
+        except RuntimeError:
             pass
         else:
-            return {r: [torch.zeros_like(p) if g is None else g[i].detach() for p, g in zip(leaves, grads)]
-                    for i, r in enumerate(rows)}
-    return {r: vjp(outputs, cotangents[r], leaves) for r in rows}
+            if all(n is None for n in nested):
+                return {r: [torch.zeros_like(p) if g is None else g[i].detach() for p, g in zip(leaves, grads)]
+                        for i, r in enumerate(rows)}
+    return {r: vjp(outputs, cotangents[r], leaves, within) for r in rows}
 
 
 class Buffers:

@@ -17,12 +17,12 @@ _SMALL = dict(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_h
               max_position_embeddings=P)
 
 
-def checkpointed(make):
-    """A transformers model with activation checkpointing on (non-reentrant, its default), in
+def checkpointed(make, reentrant: bool = False):
+    """A transformers model with activation checkpointing on (non-reentrant: its default), in
     training mode: transformers checkpoints only while training (its dropout is 0 here)."""
     def build():
         model = seeded(make)()
-        model.activation_checkpointing_enable()
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
         return model.train()
     return build
 
@@ -66,6 +66,22 @@ register(Case("gpt2-checkpointed", "hf", "GPT-2 with activation_checkpointing_en
     lm_batch, causal_loss))
 register(Case("llama-checkpointed", "hf", "Llama with activation_checkpointing_enable()", checkpointed(
     lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**_SMALL, num_key_value_heads=1, **EAGER))), lm_batch, causal_loss))
+register(Case("gpt2-checkpointed-reentrant", "hf", "GPT-2 with reentrant activation checkpointing", checkpointed(
+    lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_embd=16, n_layer=2, n_head=2, n_positions=P,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **EAGER)), True),
+    lm_batch, causal_loss))
+# LSH attention draws its rotations in the model's dtype, so the judge's float64 reference would hash
+# with other rotations: tests/engine/test_checkpointing.py checks it in float64 on both sides.
+register(Case("reformer-reversible", "hf", "Reformer: reversible layers (their backward recomputes them)", lambda: seeded(lambda: tf.ReformerModelWithLMHead(tf.ReformerConfig(
+                  vocab_size=V, hidden_size=16, num_attention_heads=2, attention_head_size=8, attn_layers=["local", "local"],
+                  feed_forward_size=32, axial_pos_embds=False, max_position_embeddings=P, local_attn_chunk_length=1,
+                  lsh_attn_chunk_length=1, num_buckets=2, num_hashes=1, hash_seed=0, is_decoder=True,
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, lsh_attention_probs_dropout_prob=0.0,
+                  local_attention_probs_dropout_prob=0.0, pad_token_id=0, eos_token_id=1)))().train(),
+              lm_batch, causal_loss))
+register(Case("llama-checkpointed-reentrant", "hf", "Llama with reentrant activation checkpointing", checkpointed(
+    lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**_SMALL, num_key_value_heads=1, **EAGER)), True),
+    lm_batch, causal_loss))
 register(Case("bert-checkpointed", "hf", "BERT classifier with activation_checkpointing_enable()", checkpointed(
     lambda: tf.BertForSequenceClassification(tf.BertConfig(**_SMALL, hidden_dropout_prob=0.0,
                                                            attention_probs_dropout_prob=0.0, num_labels=3,

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 #: cases for which a refusal is the right answer (no per-sample gradient exists)
 EXPECTED_REFUSALS: dict[str, str] = {
-    "checkpoint-reentrant": "reentrant checkpointing differentiates a second forward the engine cannot tie to the "
-                            "first (refused, with use_reentrant=False in the hint)",
     "batchnorm": "BatchNorm normalises with batch statistics: per-sample gradients do not exist",
     "deberta-v2-mlm": "DisentangledSelfAttention projects the relative-position table, shared by all samples, "
                       "and repeats it over the batch: per-sample gradients of that use cannot be separated "
