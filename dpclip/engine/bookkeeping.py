@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from dpclip.engine.adoption import adopt
 from dpclip.engine.batch_axis import BatchAxes, check_batch
 from dpclip.engine.bookkept_ops import AWAITING_RECOMPUTE, Call, Site, engine_failure
 from dpclip.engine.batch_axis.layout import call_leaves, tensor_leaves
@@ -143,48 +144,28 @@ class Bookkeeper:
             units.append(unit)
         return units
 
-    def adopt_read_parameters(self, called: set[int], reads: dict[int, set[int]], at_start: bool = True) -> bool:
-        """Parameters read without their module being called (Mamba's mixer passes its
-        ``conv1d.weight`` to ``F.conv1d``; LFM2's short convolution reads ``conv.weight``; the probes
-        saw which modules' calls were in progress when an op read them): the nearest enclosing
-        module whose call read them all takes them as its own (``"conv1d.weight"``) under the
-        torch.func rule, whose per-sample vector-Jacobian product covers that use; the child's
-        unit, never called, is removed. A reader without a unit gets one (returns True: its calls
-        must be probed) if no module of the forward has run yet (``at_start``); one with a rule of
-        its own leaves them to be refused as stray gradients."""
-        by_module = {id(u.module): u for u in self.units}
-        created = False
-        for unit in [u for u in self.units if id(u) not in called and u.params and not u.derived]:
-            read = [reads[id(p)] for _, p, _ in unit.params if id(p) in reads]
-            if not read or isinstance(unit.module, nn.Embedding):   # its padding row stays noise-free
-                continue
-            readers, name, owner = set.intersection(*read), unit.name, None
-            while name and owner is None:
-                name = name.rpartition(".")[0]
-                module = self.model.get_submodule(name)
-                if id(module) not in readers:
-                    continue
-                owner = by_module.get(id(module))
-                if owner is None and at_start and not self.strict and find_layer_rule(module) is None:
-                    owner = Unit(module, name, [], FUNCTORCH_RULE, True)
-                    owner.orig_forward = module.forward
-                    module.forward = self._routed_forward(owner)
-                    self.units.append(owner)
-                    self.axes.units[id(owner)] = by_module[id(module)] = owner
-                    created = True
-                if owner is None or owner.rule is not FUNCTORCH_RULE:
-                    owner = None
-                    break
-            if owner is None:
-                continue
-            prefix = unit.name[len(owner.name) + 1:] if owner.name else unit.name
-            owner.params.extend((f"{prefix}.{pname}", p, idx) for pname, p, idx in unit.params)
-            if "forward" in unit.module.__dict__:
-                del unit.module.__dict__["forward"]
-            self.units.remove(unit)
-            self.axes.units.pop(id(unit), None)
-            self.adopted.append(f"{unit.label} -> {owner.label}")
-        return created
+    def adopt_read_parameters(self, called: set[int], reads: dict[int, set[int]], at_start: bool = True,
+                              feeders: frozenset[int] | set[int] = frozenset()) -> bool:
+        """Parameters no unit of their own can book-keep, taken by an enclosing torch.func unit
+        (:func:`dpclip.engine.adoption.adopt`); True: the units changed, probe again."""
+        return adopt(self, called, reads, at_start, feeders)
+
+    def new_unit(self, module: nn.Module, name: str) -> Unit:
+        """A torch.func unit for ``module``, routed from now on."""
+        unit = Unit(module, name, [], FUNCTORCH_RULE, True)
+        unit.orig_forward = module.forward
+        module.forward = self._routed_forward(unit)
+        self.units.append(unit)
+        self.axes.units[id(unit)] = unit
+        return unit
+
+    def drop_unit(self, unit: Unit, owner: Unit) -> None:
+        """``unit``'s parameters went to ``owner``: its module runs its own forward again."""
+        if "forward" in unit.module.__dict__:
+            del unit.module.__dict__["forward"]
+        self.units.remove(unit)
+        self.axes.units.pop(id(unit), None)
+        self.adopted.append(f"{unit.label} -> {owner.label}")
 
     def alias_note(self, idx: int) -> str:
         """Why parameter ``idx`` may reach ``p.grad``: the aliases not delivering its uses."""

@@ -31,21 +31,3 @@ def refuse_unsupported(module: nn.Module, name: str, trainable: dict[int, int]) 
             f"{module.max_norm}: its forward renormalises the looked-up rows in place, "
             "so the weights reveal which tokens were in the private batch",
             "set max_norm=None (clip the gradient instead)")
-    _refuse_shared_position_projection(module, name, trainable)
-
-
-def _refuse_shared_position_projection(module: nn.Module, name: str,
-                                       trainable: dict[int, int]) -> None:
-    """Architectures whose forward mixes a computation shared by all samples into each
-    sample in a way no hook can take apart, refused by name before anything runs."""
-    if (type(module).__name__ == "DisentangledSelfAttention"      # DeBERTa, DeBERTa-v2, SEW-D
-            and getattr(module, "relative_attention", False) and getattr(module, "pos_att_type", None)
-            and any(id(p) in trainable for p in module.parameters())):
-        raise EngineError(
-            f"module {name} ({type(module).__name__}) projects the relative-position table, "
-            "shared by all samples, with its own query/key projections and repeats the result "
-            "over the batch: the samples' gradients of that use are summed before any hook sees "
-            "them, so its per-sample gradients cannot be separated",
-            "set pos_att_type=[] (or relative_attention=False) in the model's config, freeze "
-            "its attention, or use an encoder without relative-position projections "
-            "(BERT, RoBERTa, ELECTRA)")

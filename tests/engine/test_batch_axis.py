@@ -353,7 +353,7 @@ def test_a_learned_query_expanded_to_the_batch_is_exact(n):
 class RepeatedPrompt(nn.Module):
     """peft's prompt tuning: an Embedding of the shared prompt ids [1, P], its output tiled over
     the batch by ``repeat(B, 1, 1)`` (equal to an expand) and put before each sample's tokens;
-    ``tile_axis_above_one`` repeats [P, d] to [B·P, d] instead, which no broadcast equals."""
+    ``tile_axis_above_one`` repeats [P, d] to [B·P, d] instead (the batch merged with P rows)."""
 
     def __init__(self, d=3, prompt=2, tile_axis_above_one=False):
         super().__init__()
@@ -373,8 +373,10 @@ def test_a_shared_prompt_repeated_over_the_batch_is_exact(n):
     exact(lambda: RepeatedPrompt().to(DTYPE), _floats(n))
 
 
-def test_a_shared_output_tiled_over_an_axis_above_one_is_refused():
-    refused(lambda: RepeatedPrompt(tile_axis_above_one=True).to(DTYPE), _floats(4), "tiled by `repeat`")
+@pytest.mark.parametrize("n", SIZES)
+def test_a_shared_prompt_tiled_over_its_rows_is_exact(n):
+    """[P, d] repeated to [B·P, d]: batch-outer rows, sample i's are i·P ... i·P + P - 1."""
+    exact(lambda: RepeatedPrompt(tile_axis_above_one=True).to(DTYPE), _floats(n))
 
 
 class BiasTable(nn.Module):
@@ -807,3 +809,42 @@ def test_probe_forwards_keep_no_activations_for_a_backward():
     engine.backward(losses)
     engine.privatize()
     assert model.lin.weight.grad is not None
+
+
+class TiledTable(nn.Module):
+    """A layer on a table shared by all samples, [H, K, d], tiled by ``repeat`` over the batch on its
+    axis of size H (DeBERTa-v2's position projections: B·H rows, batch-outer), or by a constant."""
+
+    def __init__(self, factor: int | None = None, h: int = 2, k: int = 3, d: int = 4):
+        super().__init__()
+        self.register_buffer("table", torch.randn(h, k, d))
+        self.proj, self.inp, self.factor = nn.Linear(d, d), nn.Linear(d, d), factor
+
+    def forward(self, x):                                        # x [B, K, d]
+        h, k, d = self.table.shape
+        rows = self.factor or x.shape[0]
+        tiled = self.proj(self.table).repeat(rows, 1, 1).view(rows, h, k, d)   # [B·H, K, d] as [B, H, K, d]
+        mixed = tiled.sum(1) if self.factor is None else tiled.sum((0, 1))     # [B, K, d], or [K, d] shared
+        return (mixed * self.inp(x)).sum((1, 2))
+
+
+def _tiled_loss(model, batch):
+    return model(batch["x"]) ** 2
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_a_shared_output_tiled_over_the_batch_by_repeat_clips_as_the_per_example_reference(n):
+    def make():
+        torch.manual_seed(0)
+        return TiledTable().to(DTYPE)
+    x = torch.randn(n, 3, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(n))
+    check_exact(make, _tiled_loss, {"x": x}, grouping="layer", fn="auto" if n == 1 else "abadi")
+
+
+def test_a_shared_output_tiled_by_a_constant_is_refused():
+    torch.manual_seed(0)
+    model = TiledTable(factor=2)
+    engine = DPEngine(model, {"grouping": "all-layer"}, gradient_noise_multiplier=0.0, expected_batch_size=2)
+    with pytest.raises(EngineError, match="proj .*`repeat` does not broadcast"):
+        engine.backward(_tiled_loss(model, {"x": torch.randn(2, 3, 4)}))
+    assert all(p.grad is None for p in model.parameters())

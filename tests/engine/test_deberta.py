@@ -1,9 +1,11 @@
-"""DeBERTa-v2: exact without relative-position projections, refused by name with them.
+"""DeBERTa-v2 and -v3: exact with and without relative attention (docs/engine.md, "Learned
+tables shared by all samples").
 
-With relative attention, ``DisentangledSelfAttention`` runs ``query_proj(rel.unsqueeze(0))``
-on the relative-position table (shared by all samples) and ``.repeat``s the result over the
-batch: the samples' gradients of that use are summed inside the model. It used to crash
-with an internal shape error; now the engine refuses it before any forward.
+With relative attention, the encoder reads its table ``rel_embeddings.weight`` (DeBERTa-v3:
+through a LayerNorm), each ``DisentangledSelfAttention`` projects it (``pos_key_proj``, or its
+own ``key_proj`` with ``share_att_key``) and ``.repeat``s the [H, 2k, d] result over the
+batch (B·H rows, batch-outer). The projections get each sample's output gradient from that
+tiling; the table and its LayerNorm are taken by the encoder's torch.func unit.
 """
 
 import pytest
@@ -17,10 +19,9 @@ from tests.engine.conftest import DTYPE, check_exact
 
 def _deberta_v2(**overrides):
     from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
-    cfg = DebertaV2Config(vocab_size=30, hidden_size=16, num_hidden_layers=1,
-                          num_attention_heads=2, intermediate_size=24,
-                          max_position_embeddings=16, hidden_dropout_prob=0.0,
-                          attention_probs_dropout_prob=0.0, num_labels=3, **overrides)
+    cfg = DebertaV2Config(**{**dict(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                    intermediate_size=24, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0, num_labels=3), **overrides})
     torch.manual_seed(0)
     return DebertaV2ForSequenceClassification(cfg).to(DTYPE)
 
@@ -38,12 +39,48 @@ def test_deberta_v2_without_relative_projections_is_exact(n, t):
     check_exact(_deberta_v2, classify_loss, batch, "layer", fn="auto" if n == 1 else "abadi")
 
 
-@pytest.mark.parametrize("pos_att_type", [["p2c", "c2p"], ["c2p"]])
-def test_deberta_v2_relative_position_projections_are_refused_naming_the_module(pos_att_type):
-    model = _deberta_v2(relative_attention=True, position_buckets=4, pos_att_type=pos_att_type,
-                        norm_rel_ebd="layer_norm")
-    with pytest.raises(EngineError) as err:
-        DPEngine(model, {}, expected_batch_size=4)
-    assert "encoder.layer.0.attention.self (DisentangledSelfAttention)" in err.value.message
-    assert "pos_att_type" in err.value.hint
-    assert "forward" not in model.deberta.embeddings.word_embeddings.__dict__  # nothing installed
+RELATIVE = {"v2": dict(pos_att_type=["p2c", "c2p"]),
+            "v2-c2p": dict(pos_att_type=["c2p"]),
+            "v3": dict(pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm")}
+
+
+@pytest.mark.parametrize("variant", sorted(RELATIVE))
+@pytest.mark.parametrize("n,t,grouping", [(3, 5, "layer"), (4, 4, "all-layer"), (1, 4, "param")],
+                         ids=["B!=T", "B==T", "B1"])
+def test_deberta_relative_attention_clips_as_the_per_example_reference(variant, n, t, grouping):
+    g = torch.Generator().manual_seed(n + 10 * t)
+    batch = {"ids": torch.randint(0, 30, (n, t), generator=g), "y": torch.randint(0, 3, (n,), generator=g)}
+    engine, _, _ = check_exact(lambda: _deberta_v2(relative_attention=True, position_buckets=4, num_hidden_layers=2,
+                                                   **RELATIVE[variant]),
+                               classify_loss, batch, grouping, fn="auto" if n == 1 else "abadi", micro=[2, n - 2] if n > 2 else None)
+    assert engine.certificate.checks >= 1
+
+
+def test_deberta_v3_table_and_its_layer_norm_are_taken_by_the_encoder():
+    """Read without a call (the table) and fed a shared input that only feeds other layers (its
+    LayerNorm): neither has a per-sample output gradient of its own; the encoder's torch.func
+    unit recomputes each sample's call and differentiates them there."""
+    model = _deberta_v2(relative_attention=True, position_buckets=4, **RELATIVE["v3"])
+    engine = DPEngine(model, {"grouping": "layer"}, gradient_noise_multiplier=0.0, expected_batch_size=3)
+    g = torch.Generator().manual_seed(0)
+    engine.backward(classify_loss(model, {"ids": torch.randint(0, 30, (3, 4), generator=g),
+                                          "y": torch.randint(0, 3, (3,), generator=g)}))
+    assert sorted(engine._keeper.adopted) == ["deberta.encoder.LayerNorm (LayerNorm) -> deberta.encoder (DebertaV2Encoder)",
+                                              "deberta.encoder.rel_embeddings (Embedding) -> deberta.encoder (DebertaV2Encoder)"]
+    assert engine.certificate.checks == 1
+
+
+def test_deberta_v1_relative_attention_is_refused_naming_the_projection():
+    """DeBERTa (v1) divides its position projection's output in place (``pos_query_layer /= s``),
+    which the engine's chain of shared ops does not follow: refused before any backward."""
+    from transformers import DebertaConfig, DebertaForSequenceClassification
+    torch.manual_seed(0)
+    model = DebertaForSequenceClassification(DebertaConfig(
+        vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
+        relative_attention=True, max_relative_positions=8, pos_att_type=["p2c", "c2p"]))
+    DPEngine(model, {}, expected_batch_size=3, gradient_noise_multiplier=0.0)
+    with pytest.raises(EngineError, match="pos_q_proj") as err:
+        classify_loss(model, {"ids": torch.randint(0, 30, (3, 4)), "y": torch.randint(0, 3, (3,))})
+    assert err.value.hint
+    assert all(p.grad is None for p in model.parameters())

@@ -79,7 +79,7 @@ class Chained(Tensor):
             # a consumer: the chained output with the batch where the probe found it
             leaves = list(flat)
             leaves[i] = state.batched(me._dp_chain, tuple(me.shape), event)
-            if name == "repeat":   # probed to equal an expand: the batched tensor, laid out as repeat's
+            if name == "repeat":   # probed to broadcast: the batched tensor, laid out as repeat's
                 factors = repeat_factors(args, kwargs)
                 sizes = (1,) * (len(factors) - me.dim()) + tuple(me.shape)
                 return leaves[i].expand([f * n for f, n in zip(factors, sizes)]).contiguous()
@@ -116,6 +116,8 @@ class ChainState:
 
         per_sample = torch.func.vmap(replay)(self.output) if chain else self.output  # [B, *shape]
         j = event.aligned
+        if j >= 0 and event.rows > 1:   # `repeat` tiling axis j (size rows) by the batch: B·rows, batch-outer
+            return per_sample.movedim(0, j).flatten(j, j + 1)
         if j >= 0:
             return per_sample.movedim(0, j).squeeze(j + 1)
         return per_sample.reshape(self.batch, *([1] * (-j - 1)), *shape)

@@ -29,7 +29,8 @@ _BROADCASTING = {
 }
 _MATMUL = {"matmul", "__matmul__", "__rmatmul__"}
 #: consumers that broadcast with no other tensor: the batch comes from their sizes (``repeat``
-#: only where it equals ``expand``: factors above 1 on axes of size 1 alone, peft's prompts)
+#: where it equals ``expand``, factors above 1 on axes of size 1 (peft's prompts), or tiles one
+#: axis of size s by the batch: B·s rows, batch-outer (DeBERTa-v2's [H, 2k, d] table over B·H))
 _EXPANDS = {"expand", "broadcast_to", "repeat"}
 _SDPA = "scaled_dot_product_attention"   # a consumer when the tensor is its attn_mask
 EVENTS = _BROADCASTING | _MATMUL | _EXPANDS | {_SDPA}
@@ -82,12 +83,13 @@ def repeat_factors(args: tuple, kwargs: dict) -> tuple[int, ...]:
     return tuple(int(f) for f in factors)
 
 
-def _repeat_is_expand(args: tuple, kwargs: dict, t: Tensor) -> bool:
-    """``t.repeat(*factors)`` equals ``t.expand(...)`` of its result's shape: every factor above 1
-    falls on an axis of size 1 (or on a new leading axis)."""
+def _repeat_broadcasts(args: tuple, kwargs: dict, t: Tensor) -> bool:
+    """``t.repeat(*factors)`` is an ``expand`` of its result's shape (every factor above 1 on an
+    axis of size 1 or a new leading axis) but for at most one axis of size above 1 it tiles
+    (whether by the batch, the probes tell)."""
     factors = repeat_factors(args, kwargs)
     sizes = (1,) * (len(factors) - t.dim()) + tuple(t.shape)
-    return len(factors) >= t.dim() and all(f == 1 or s == 1 for f, s in zip(factors, sizes))
+    return len(factors) >= t.dim() and sum(f != 1 and s != 1 for f, s in zip(factors, sizes)) <= 1
 
 
 class ConsumerCheck(TorchFunctionMode):
@@ -160,8 +162,8 @@ class ConsumerCheck(TorchFunctionMode):
             self.fail(key, f"its output meets another shared tensor in `{name}`")
         elif not others and name in CHAIN:
             self.track(out, key, hits[0][2] + 1)
-        elif name == "repeat" and not _repeat_is_expand(args, kwargs, hits[0][0]):
-            self.fail(key, "its output is tiled by `repeat` over an axis of size above 1")
+        elif name == "repeat" and not _repeat_broadcasts(args, kwargs, hits[0][0]):
+            self.fail(key, "its output is tiled by `repeat` over several axes of size above 1")
         elif name in EVENTS:
             result = tuple(out.shape)
             if name == _SDPA:
@@ -213,12 +215,13 @@ def consumers(a: ConsumerCheck, b: ConsumerCheck, key: tuple, batch: int, new: i
         r = moved[0]
         j = r - (len(res_a) - len(shape))
         matrix = name in _MATMUL or name == _SDPA
-        if (j >= 0 and shape[j] != 1) or (matrix and (len(shape) < 2 or r >= len(res_a) - 2)):
+        tiled = name == "repeat" and j >= 0 and rows > 1 and shape[j] == rows   # B·s rows, batch-outer
+        if (j >= 0 and shape[j] != 1 and not tiled) or (matrix and (len(shape) < 2 or r >= len(res_a) - 2)):
             return None, False, f"`{name}` does not broadcast its output over the batch", set()
         out.append(Consumer(name, r, j, rows))
         # expanding the output itself would make `repeat` tile an already batched tensor
         simple = simple and chain == 0 and j == simple_aligned and name not in _MATMUL and name != "repeat"
-        if rows > 1 and not simple:   # merged rows are followed by expanding the output itself only
+        if rows > 1 and not simple and not tiled:   # merged rows: by expanding the output itself only
             return None, False, (f"`{name}` broadcasts it over the batch merged with {rows} positions after "
                                  "other ops, which the probes do not follow"), set()
     return tuple(out), simple, None, unfollowed

@@ -19,7 +19,8 @@ from torch import Tensor
 from dpclip.engine.batch_axis.consumers import ConsumerCheck, consumers, dead_ends
 from dpclip.engine.batch_axis.layout import (BATCH_FIRST, BATCH_HINT, BROADCAST_HINT, CallLayout,
                                              Layout, call_leaves, shared_lead1, tensor_leaves)
-from dpclip.engine.batch_axis.probe import NEEDS_ROWS, Probe, compare, forked_rng, resized, untouched_buffers
+from dpclip.engine.batch_axis.probe import (NEEDS_ROWS, Probe, compare, forked_rng, hooks_off, nothing_saved, resized,
+                                            untouched_buffers)
 from dpclip.engine.precision import autocast_restore, autocast_snapshot
 from dpclip.errors import EngineError
 
@@ -33,9 +34,9 @@ class BatchAxes:
 
     def __init__(self, model: torch.nn.Module, units: list, plain: Callable,
                  device_types: Callable[[], set[str]] | None = None,
-                 on_probed: Callable[[set[int], dict[int, set[int]], bool], bool] | None = None):
+                 on_probed: Callable[..., bool] | None = None):
         self.model = model
-        self.on_probed = on_probed          # (units called, parameter reads, at start) after a probe pair: new units?
+        self.on_probed = on_probed          # (units called, parameter reads, at start[, feeders]): units changed?
         self.device_types = device_types or (lambda: {p.device.type for p in model.parameters()})
         self.units = {id(u): u for u in units}
         self.plain = plain
@@ -185,8 +186,8 @@ class BatchAxes:
         self.probe = probe
         self.probes += 1
         try:
-            with self.plain(), forked_rng(devices), untouched_buffers(self.model), _hooks_off(self.model), \
-                    _nothing_saved(), probe.reading() if check is None else nullcontext():
+            with self.plain(), forked_rng(devices), untouched_buffers(self.model), hooks_off(self.model), \
+                    nothing_saved(), probe.reading() if check is None else nullcontext():
                 if check is None:
                     return self.model(*args, **kwargs)
                 with check:
@@ -246,16 +247,18 @@ class BatchAxes:
             if self.on_probed({u for probe in probes for u in probe.ordinals}, reads, self.at_start):
                 return self.establish()   # new units (a reader of its own): their calls are probed too
         expand = self._expanders(layouts)
-        if expand:
-            self._check_consumers(layouts, expand, sizes, inputs)
+        feeders = self._check_consumers(layouts, expand, sizes, inputs) if expand else set()
+        if feeders and self.on_probed is not None and self.on_probed(set(), {}, self.at_start, feeders):
+            return self.establish()   # shared feeders taken by an enclosing torch.func unit: probed again
         self.layouts.update(layouts)
 
-    def _check_consumers(self, layouts, expand, sizes, inputs) -> None:
+    def _check_consumers(self, layouts, expand, sizes, inputs) -> set[int]:
         """More probes follow each shared output to its consumers: expanding the output
         itself is exact (GPT-2's positions), or expanding it at its consumers after its
         chain of ops (T5's bias, layers with the default call only), or it is refused. An
         op whose operands are all shared (a shared mask) continues the chain: the next pair
-        of probes follows its result too (at most three pairs)."""
+        of probes follows its result too (at most three pairs). Returns the units refused because
+        their output feeds another layer (an enclosing torch.func unit may take them)."""
         links: set = set()
         for _ in range(3):
             checks, aligned = [], {}
@@ -281,7 +284,7 @@ class BatchAxes:
             if not more:
                 break
             links |= more
-        dead = dead_ends(checks, verdicts)
+        dead, feeders = dead_ends(checks, verdicts), set()
         for key, (kind, which) in expand.items():
             if kind == "input" and (key, 0) in dead:
                 layouts[key] = replace(layouts[key], dead=True)
@@ -295,9 +298,10 @@ class BatchAxes:
                 if why is None and fed:   # (fed to layers whose outputs all end detached: dead, above)
                     layers = ", ".join(sorted({self.units[k[0][0]].label for k in fed if k[0][0] in self.units}))
                     why = f"its output is the input of another layer ({layers}), which is not a broadcast over the batch"
+                    feeders.add(key[0])
                 if why is None and unfollowed:
                     why = "its output meets shared tensors through more ops than the probes follow"
-                merged = {c.rows for c in cons or () if c.result_batch is not None}
+                merged = {c.rows for c in cons or () if c.result_batch is not None and c.name != "repeat"}   # (Chained tiles)
                 if why is None and (len(merged) > 1 or (merged - {1} and kind != "outputs")):
                     why = "its consumers broadcast it over the batch merged with positions in different ways"
                 if why is not None:
@@ -316,6 +320,7 @@ class BatchAxes:
                 layouts[key] = replace(lay, refusal=f"is fed a tensor shared by all samples, and {why}")
             elif not simple:
                 layouts[key] = replace(lay, consumers=found[0])
+        return feeders
 
     def _expanders(self, layouts: dict) -> dict:
         """Calls whose output the engine expands over the batch: key -> which outputs."""
@@ -361,39 +366,3 @@ class BatchAxes:
             return out
 
         return run
-
-
-_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-          "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
-
-
-def _not_kept(tensor: Tensor) -> None:
-    return None
-
-
-def _never_unpacked(_) -> Tensor:
-    raise RuntimeError("a batch-axis probe's forward has no backward")
-
-
-def _nothing_saved():
-    """Autograd keeps no tensor for a probe's backward, which never runs. The probe still
-    runs with gradients on (a module may take another path without them: PyTorch's fused
-    attention in eval mode), but without the activations a backward would need: the
-    probe of three samples at B 2 held 1.5 times the step's own (GPT-2 small at T 1024:
-    the first step's peak 1.24x non-private's, 1.08x with this)."""
-    return torch.autograd.graph.saved_tensors_hooks(_not_kept, _never_unpacked)
-
-
-@contextmanager
-def _hooks_off(model: torch.nn.Module) -> Iterator[None]:
-    """The model's forward hooks do not see the probes (a hook collecting activations, a
-    counter): each module's hook dicts are emptied for the probe and put back after."""
-    saved = [(m, name, getattr(m, name)) for m in model.modules() for name in _HOOKS
-             if getattr(m, name, None)]
-    for m, name, hooks in saved:
-        setattr(m, name, type(hooks)())
-    try:
-        yield
-    finally:
-        for m, name, hooks in saved:
-            setattr(m, name, hooks)

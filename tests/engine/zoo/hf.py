@@ -174,6 +174,10 @@ _mlm("deberta-v2-mlm", "DeBERTa-v2 masked LM (disentangled relative attention)",
      lambda: tf.DebertaV2ForMaskedLM(tf.DebertaV2Config(
          **_BERT, relative_attention=True, position_buckets=4, max_relative_positions=P,
          pos_att_type=["p2c", "c2p"], position_biased_input=False)))
+_mlm("deberta-v3-mlm", "DeBERTa-v3 masked LM (shared attention keys, LayerNorm on the relative table)",
+     lambda: tf.DebertaV2ForMaskedLM(tf.DebertaV2Config(
+         **_BERT, relative_attention=True, position_buckets=4, max_relative_positions=P,
+         pos_att_type=["p2c", "c2p"], position_biased_input=False, share_att_key=True, norm_rel_ebd="layer_norm")))
 
 register(Case("bert-cls-padded", "hf", "BERT sequence classification, right-padded batch",
               seeded(lambda: tf.BertForSequenceClassification(tf.BertConfig(**_BERT, num_labels=3))),

@@ -11,9 +11,6 @@ from __future__ import annotations
 #: cases for which a refusal is the right answer (no per-sample gradient exists)
 EXPECTED_REFUSALS: dict[str, str] = {
     "batchnorm": "BatchNorm normalises with batch statistics: per-sample gradients do not exist",
-    "deberta-v2-mlm": "DisentangledSelfAttention projects the relative-position table, shared by all samples, "
-                      "and repeats it over the batch: per-sample gradients of that use cannot be separated "
-                      "(config pos_att_type=[] or relative_attention=False is exact)",
     "query-proj-repeat": "the shared table's weight is read outside its module's call (`rel.weight`), "
                          "so its gradient would bypass the engine: refused as a stray gradient (with the "
                          "table frozen, query_proj(...).repeat(B, 1, 1) is exact: query-proj-repeat-frozen)",
