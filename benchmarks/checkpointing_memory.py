@@ -7,7 +7,7 @@ runs one step first (the certificate's checked step for the private runs), retur
 freed to the system (glibc's malloc_trim), then measures the peak RSS rise of the next step
 (dpclip.bench.step_memory_mib) and its time, and saves that step's
 gradients; the parent prints the table, the largest relative gradient difference between the
-runs with and without checkpointing, and one JSON line.
+runs without checkpointing and with it (non-reentrant, reentrant), and one JSON line.
 
     python benchmarks/checkpointing_memory.py              # GPT-2 small, B 4, T 256
     python benchmarks/checkpointing_memory.py --smoke      # tiny sizes (CI)
@@ -42,7 +42,8 @@ def child(spec: dict) -> None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg).train()
     if spec["checkpointing"]:
-        model.activation_checkpointing_enable()
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": spec["checkpointing"] == "reentrant"})
     ids = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]))
     engine = DPEngine(model, {"grouping": "layer"}, gradient_noise_multiplier=0.0,
                       expected_batch_size=spec["batch"]) if spec["private"] else None
@@ -88,8 +89,9 @@ def main() -> None:
     rows, grads = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for private in (False, True):
-            for checkpointing in (False, True):
-                name = f"{'private' if private else 'non-private'}{', checkpointing' if checkpointing else ''}"
+            for checkpointing in (None, "non-reentrant", "reentrant"):
+                how = {None: "", "non-reentrant": ", checkpointing", "reentrant": ", reentrant checkpointing"}
+                name = f"{'private' if private else 'non-private'}{how[checkpointing]}"
                 spec = {"layers": args.layers, "embd": args.embd, "vocab": args.vocab, "seq": args.seq,
                         "batch": args.batch, "private": private, "checkpointing": checkpointing,
                         "grads": str(Path(tmp) / f"{private}-{checkpointing}.pt")}
@@ -99,18 +101,20 @@ def main() -> None:
                 grads[name] = torch.load(spec["grads"])
     differs = {}
     for kind in ("non-private", "private"):
-        a, b = grads[kind], grads[f"{kind}, checkpointing"]
-        differs[kind] = max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-30)) for n in a)
+        for how in ("checkpointing", "reentrant checkpointing"):
+            a, b = grads[kind], grads[f"{kind}, {how}"]
+            differs[f"{kind}, {how}"] = max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-30))
+                                            for n in a)
     print(f"GPT-2 ({args.layers} layers, d {args.embd}), B {args.batch}, T {args.seq}, threads "
           f"{torch.get_num_threads()}: peak RSS rise of one step, and its time")
     for name, row in rows.items():
-        print(f"  {name:<28} {row['mib']:8.0f} MiB  {row['seconds']:6.2f} s")
-    for kind in ("non-private", "private"):
-        with_it, without = rows[kind + ", checkpointing"], rows[kind]
+        print(f"  {name:<36} {row['mib']:8.0f} MiB  {row['seconds']:6.2f} s")
+    for name, diff in differs.items():
+        kind, how = name.split(", ")
+        with_it, without = rows[name], rows[kind]
         kept = f"{with_it['mib'] / without['mib']:.2f}x" if without["mib"] > 0 else "n/a (no rise measured)"
-        print(f"  {kind}: checkpointing keeps {kept} of the memory, takes "
-              f"{with_it['seconds'] / without['seconds']:.2f}x the time; largest relative gradient "
-              f"difference {differs[kind]:.1e}")
+        print(f"  {kind}: {how} keeps {kept} of the memory, takes {with_it['seconds'] / without['seconds']:.2f}x "
+              f"the time; largest relative gradient difference {diff:.1e}")
     print(json.dumps({"sizes": vars(args), "rows": rows, "gradient_difference": differs}))
 
 
