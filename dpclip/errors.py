@@ -26,6 +26,19 @@ class DpclipError(Exception):
         return self.message if not self.hint else f"{self.message}\nhint: {self.hint}"
 
 
+#: what an error raised while a private batch is in the engine says of itself: the tensor shapes
+#: and counts it shows follow the realised batch size (a Poisson draw), which no DpEvent accounts for
+PRIVATE_BATCH_NOTE = " [raised on a private batch: its shapes and counts are not covered by ε]"
+
+
+def raised_on_private_batch(exc: DpclipError) -> DpclipError:
+    """``exc`` labelled with :data:`PRIVATE_BATCH_NOTE` (once; not where it says so already)."""
+    if "not covered by ε" not in exc.message:
+        exc.message += PRIVATE_BATCH_NOTE
+        exc.args = (exc.message, *exc.args[1:])
+    return exc
+
+
 class RecipeError(DpclipError):
     """A recipe file or override that does not validate."""
 

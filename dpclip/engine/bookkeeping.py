@@ -43,7 +43,7 @@ from dpclip.engine.parametrized import Derived, derived_tensors, is_parametrizat
 from dpclip.engine.precision import engine_math
 from dpclip.engine.refusals import refuse_unsupported
 from dpclip.engine.stash import StashMeter  # noqa: F401  (imported from here by microbatch)
-from dpclip.errors import DpclipError, EngineError
+from dpclip.errors import DpclipError, EngineError, raised_on_private_batch
 
 
 @dataclass(eq=False)
@@ -246,6 +246,13 @@ class Bookkeeper:
 
         axes = self.axes
         def forward(*args, **kwargs):
+            try:
+                return routed(*args, **kwargs)
+            except DpclipError as exc:   # its shapes show the realised batch size
+                raised_on_private_batch(exc)
+                raise
+
+        def routed(*args, **kwargs):
             if axes.probe is not None:    # a probing forward: record, book-keep nothing
                 return axes.probe.call(unit, orig, args, kwargs)
             if self._passthrough(unit) or axes.batch == 0:

@@ -41,7 +41,7 @@ from dpclip.engine.microbatch import MicroBatch, StepContext, StepTotals
 from dpclip.engine.policies import PolicyContext, ThresholdPolicy, build_policy
 from dpclip.engine.reducer import Reducer, StageLink, sum_counts
 from dpclip.engine.report import ClipDebug, LazyQuantiles, StepReport
-from dpclip.errors import EngineError
+from dpclip.errors import DpclipError, EngineError, raised_on_private_batch
 
 DEFAULT_CLIPPING = {
     "grouping": "all-layer",
@@ -360,8 +360,10 @@ class DPEngine:
                     + " (a module reads them without calling their owner, e.g. `other.weight` "
                     "inside a custom forward, or `self.bias` where `self.child.bias` is the same "
                     "tensor)", "call the owning module, or tie the parameter to a module that uses it")
-        except BaseException:
+        except BaseException as exc:
             micro.discard()
+            if isinstance(exc, DpclipError):   # its shapes show the realised batch size
+                raised_on_private_batch(exc)
             raise
         finally:
             for p, g in zip(self._params, saved):

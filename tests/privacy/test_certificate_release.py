@@ -12,12 +12,14 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dpclip.engine import DPEngine
 from dpclip.engine.certificate import Certificate
+from dpclip.errors import EngineError
 
 
 class Counted(nn.Module):
@@ -141,3 +143,20 @@ def test_a_backward_run_inside_a_replay_writes_no_gradient_into_the_model():
     assert all(p.grad is None for p in model.parameters())
     engine.privatize()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_refusal_raised_on_a_private_batch_says_its_shapes_are_not_covered():
+    """A refusal in the forward or the backward prints tensor shapes, whose batch axis is the realised
+    batch size (a Poisson draw): the message says that what it shows is not covered by ε."""
+    from tests.engine.test_batch_axis import TiledTable
+    torch.manual_seed(0)
+    model = TiledTable(factor=2)
+    DPEngine(model, {"grouping": "all-layer"}, gradient_noise_multiplier=0.0, expected_batch_size=2)
+    with pytest.raises(EngineError, match="shape.*not covered by ε"):
+        model(torch.randn(2, 3, 4))
+    model = HomeMadeCheckpoint()
+    engine = DPEngine(model, {"grouping": "all-layer"}, gradient_noise_multiplier=0.0, expected_batch_size=3)
+    out = model(torch.randn(3, 8))
+    engine._keeper.forward_counts = [0] * len(engine._keeper.forward_counts)   # as if the forward counted nothing
+    with pytest.raises(EngineError, match="more often in the backward.*not covered by ε"):
+        engine.backward(F.cross_entropy(out, torch.tensor([0, 1, 2]), reduction="none"))
