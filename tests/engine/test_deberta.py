@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from dpclip.engine import DPEngine
-from dpclip.errors import EngineError
 from tests.engine.conftest import DTYPE, check_exact
 
 
@@ -70,17 +69,19 @@ def test_deberta_v3_table_and_its_layer_norm_are_taken_by_the_encoder():
     assert engine.certificate.checks == 1
 
 
-def test_deberta_v1_relative_attention_is_refused_naming_the_projection():
-    """DeBERTa (v1) divides its position projection's output in place (``pos_query_layer /= s``),
-    which the engine's chain of shared ops does not follow: refused before any backward."""
+@pytest.mark.parametrize("pos_att_type", [["p2c", "c2p"], ["c2p"]])
+def test_deberta_v1_relative_attention_clips_as_the_per_example_reference(pos_att_type):
+    """DeBERTa (v1) divides its position projection's output in place (``pos_query_layer /= s``): the
+    shared output's chain takes the in-place op as one more link, replayed per sample."""
     from transformers import DebertaConfig, DebertaForSequenceClassification
-    torch.manual_seed(0)
-    model = DebertaForSequenceClassification(DebertaConfig(
-        vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
-        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
-        relative_attention=True, max_relative_positions=8, pos_att_type=["p2c", "c2p"]))
-    DPEngine(model, {}, expected_batch_size=3, gradient_noise_multiplier=0.0)
-    with pytest.raises(EngineError, match="pos_q_proj") as err:
-        classify_loss(model, {"ids": torch.randint(0, 30, (3, 4)), "y": torch.randint(0, 3, (3,))})
-    assert err.value.hint
-    assert all(p.grad is None for p in model.parameters())
+
+    def make():
+        torch.manual_seed(0)
+        return DebertaForSequenceClassification(DebertaConfig(
+            vocab_size=30, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+            max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
+            relative_attention=True, max_relative_positions=8, pos_att_type=pos_att_type)).to(DTYPE)
+    g = torch.Generator().manual_seed(1)
+    batch = {"ids": torch.randint(0, 30, (5, 6), generator=g), "y": torch.randint(0, 3, (5,), generator=g)}
+    engine, _, _ = check_exact(make, classify_loss, batch, "layer", micro=[2, 3])
+    assert engine.certificate.checks >= 1

@@ -62,6 +62,12 @@ class Chained(Tensor):
                 a, k = tree_unflatten(leaves, spec)
                 return func(*a, **k)
 
+            if name.endswith("_") and flat[0] is me and name.rstrip("_") in EVENTS:
+                # changed in place by shared operands (DeBERTa's ``pos_query_layer /= scale``; the
+                # probes see the tensor itself come back): the per-sample replay does it too
+                func(*args, **kwargs)
+                me._dp_chain = me._dp_chain + (link,)
+                return me
             if not others and name in CHAIN:   # still shared: one more link of the chain
                 out = func(*args, **kwargs)
                 if out is me or not isinstance(out, Tensor):
