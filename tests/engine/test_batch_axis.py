@@ -848,3 +848,31 @@ def test_a_shared_output_tiled_by_a_constant_is_refused():
     with pytest.raises(EngineError, match="proj .*`repeat` does not broadcast"):
         engine.backward(_tiled_loss(model, {"x": torch.randn(2, 3, 4)}))
     assert all(p.grad is None for p in model.parameters())
+
+
+class InPlaceOnShared(nn.Module):
+    """A layer on a shared table whose output is changed in place before a broadcast consumer."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.register_buffer("table", torch.randn(3, 4))
+        self.proj, self.inp, self.how = nn.Linear(4, 4), nn.Linear(4, 4), how
+
+    def forward(self, x):                                        # x [B, 3, 4]
+        shared = self.proj(self.table).t().contiguous().t()      # a chain: the engine follows it
+        {"mul": lambda: shared.mul_(0.5), "tanh": lambda: shared.tanh_(),
+         "fill": lambda: shared.fill_diagonal_(0.0)}[self.how]()
+        return (shared * self.inp(x)).sum((1, 2))
+
+
+@pytest.mark.parametrize("how", ["mul", "tanh"])
+def test_a_shared_output_changed_in_place_clips_as_the_per_example_reference(how):
+    def make():
+        torch.manual_seed(0)
+        return InPlaceOnShared(how).to(DTYPE)
+    x = torch.randn(4, 3, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(2))
+    check_exact(make, _tiled_loss, {"x": x}, grouping="layer")
+
+
+def test_a_shared_output_changed_in_place_by_an_op_the_engine_cannot_replay_is_refused():
+    refused(lambda: InPlaceOnShared("fill"), {"x": torch.randn(4, 3, 4)}, "fill_diagonal_", loss=_tiled_loss)

@@ -62,9 +62,12 @@ class Chained(Tensor):
                 a, k = tree_unflatten(leaves, spec)
                 return func(*a, **k)
 
-            if name.endswith("_") and flat[0] is me and name.rstrip("_") in EVENTS:
-                # changed in place by shared operands (DeBERTa's ``pos_query_layer /= scale``; the
-                # probes see the tensor itself come back): the per-sample replay does it too
+            if name.endswith("_") and not name.startswith("_") and flat[0] is me:
+                # changed in place (DeBERTa's ``pos_query_layer /= scale``; the probes see the tensor
+                # itself come back): the per-sample replay does it too, if it is an op the chain knows
+                if name[:-1] not in EVENTS | CHAIN:
+                    raise EngineError(f"module {state.label}: its output is changed in place by `{name}`, "
+                                      "which the engine does not replay per sample", BROADCAST_HINT)
                 func(*args, **kwargs)
                 me._dp_chain = me._dp_chain + (link,)
                 return me
