@@ -281,9 +281,11 @@ def vjp(outputs: list[Tensor], cotangents: list[Tensor | None], leaves: list[Ten
     if not pairs:
         return [torch.zeros_like(p) for p in leaves]
     grads, nested = within(lambda: _grads([o for o, _ in pairs], leaves, [c.to(o.dtype) for o, c in pairs]))
-    return [torch.zeros_like(p) if g is None and n is None else
-            (g.detach() if n is None else n if g is None else g.detach() + n)
-            for p, g, n in zip(leaves, grads, nested)]
+    out = []
+    for p, g, n in zip(leaves, grads, nested):
+        parts = [t for t in (None if g is None else g.detach(), n) if t is not None]
+        out.append(sum(parts[1:], parts[0]) if parts else torch.zeros_like(p))
+    return out
 
 
 def vjp_rows(outputs: list[Tensor], cotangents: dict[int, list[Tensor | None]],
