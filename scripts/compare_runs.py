@@ -60,7 +60,12 @@ CASES = {
     "distributed-2-ranks-data": ("quickstart.yaml", [*SHORT, QUANTILE], "nproc"),
     "distributed-2-ranks-resume": ("quickstart.yaml", SHORT, "nproc-resume"),
     "distributed-2-ranks-pipeline": ("quickstart.yaml", [*SHORT, *PIPELINE, "training.micro_batch_size=16"], "nproc"),
+    "distributed-2-ranks-fsdp": ("quickstart.yaml", [*SHORT, "training.parallel=fsdp"], "nproc"),
 }
+# Every shipped recipe, three seeded steps each (issue 53: "every recipe and parallel mode").
+BRIEF = ["training.epochs=null", "training.steps=3", "checkpoint.every_steps=3", "eval.every_steps=3", *SEEDED]
+CASES.update({f"recipe-{file.stem}": (file.name, BRIEF, "plain")
+              for file in sorted((REPO / "recipes").glob("*.yaml"))})
 
 
 def sha256(path: Path) -> str:
