@@ -346,7 +346,7 @@ def audit_pool(run_dir: Path) -> dict:
     in neither (docs/continual.md: public rows are non-members of nothing)."""
     from dpclip.data.dataset import load_examples
     from dpclip.data.split import carve_indices
-    from dpclip.train.rundir import load_run_recipe
+    from dpclip.rundir.run import load_run_recipe
 
     recipe = load_run_recipe(run_dir)
     meta = json.loads((run_dir / "meta.json").read_text(encoding="utf-8"))

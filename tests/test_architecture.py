@@ -22,12 +22,14 @@ LAYERS = [
     ("dpclip.__main__", "dpclip.cli"),
     ("dpclip.audit", "dpclip.tuning", "dpclip.bench", "dpclip.export"),
     ("dpclip.train", "dpclip.integrations"),
+    ("dpclip.rundir",),
+    ("dpclip.planning",),
     ("dpclip.recipe",),
     ("dpclip.distributed",),
     ("dpclip.data", "dpclip.models", "dpclip.engine", "dpclip.diagnose"),
     ("dpclip.accounting",),
     ("dpclip", "dpclip.errors", "dpclip.rng", "dpclip.allocator", "dpclip.threads", "dpclip.files",
-     "dpclip.release", "dpclip.layout"),
+     "dpclip.release", "dpclip.layout", "dpclip.interrupt"),
 ]
 
 # Third-party packages a layer must never import, and why.
@@ -40,6 +42,8 @@ FORBIDDEN = {
     "dpclip.data": {"typer": "no CLI below the CLI", "rich": "no console below the CLI"},
     "dpclip.models": {"typer": "no CLI below the CLI", "rich": "no console below the CLI"},
     "dpclip.train": {"typer": "no CLI below the CLI"},
+    "dpclip.rundir": {"typer": "no CLI below the CLI", "rich": "no console below the CLI"},
+    "dpclip.planning": {"typer": "no CLI below the CLI", "rich": "no console below the CLI"},
     "dpclip.distributed": {"typer": "no CLI below the CLI", "rich": "no console below the CLI"},
     "dpclip.tuning": {"typer": "no CLI below the CLI"},
     "dpclip.audit": {"typer": "no CLI below the CLI"},
@@ -310,7 +314,7 @@ def test_the_layout_module_spells_every_name_the_rule_refuses():
     (trainer_parameters, "def f(trainer):\n    return trainer.step\n", "def f(parts, state):\n    pass\n"),
     (trainer_parameters, "def f(run: 'Trainer'):\n    pass\n", "def f(run: 'RunParts'):\n    pass\n"),
     (trainer_parameters, "class C:\n    def m(self, *, trainer=None):\n        pass\n", "def f(train):\n    pass\n"),
-    (underscore_imports, "from dpclip.train.rundir import _meta\n", "from dpclip.train.rundir import meta_record\n"),
+    (underscore_imports, "from dpclip.rundir.run import _meta\n", "from dpclip.rundir.run import meta_record\n"),
     (underscore_imports, "from .plots import _pyplot\n", "from dpclip.engine.layers import linear as _linear\n"),
     (run_dir_literals, "path = run / 'ledger.json'\n", "LEDGER = layout.LEDGER\n"),
     (run_dir_literals, "p = 'checkpoints/LATEST'\n", "raise E('no ledger.json in the run')\n"),

@@ -46,8 +46,8 @@ from dpclip.errors import DpclipError
 from dpclip.files import write_json_atomic
 from dpclip.models import build_model
 from dpclip.recipe.schema import Audit
-from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
-from dpclip.train.rundir import load_run_recipe
+from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint
+from dpclip.rundir.run import load_run_recipe
 from dpclip.train.workflow import train
 
 PER_EXAMPLE_VARIANCE_MIN = 32

@@ -36,10 +36,10 @@ from dpclip.data.exposure import stored_exposure
 from dpclip.errors import DpclipError
 from dpclip.files import write_json_atomic
 from dpclip.models import build_model
-from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint, missing_checkpoint_hint
+from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint, missing_checkpoint_hint
 from dpclip.train.parts import canary_records
-from dpclip.train.rundir import check_ledger, load_run_recipe, planned_step
-from dpclip.train.searchdir import headline
+from dpclip.rundir.run import check_ledger, load_run_recipe, planned_step
+from dpclip.rundir.searchdir import headline
 
 ATTACKS = ("loss", "logistic", "lira", "rmia", "one-run", "exposure")
 CANARY_HINT = ("add canaries to the recipe and train again, e.g. `audit: {canaries: {count: 200, kind: ood}}` "

@@ -88,7 +88,7 @@ def account(
 
       dpclip account runs/quickstart-20261121-101500
     """
-    from dpclip.train import plan as planning
+    from dpclip.planning import plan as planning
 
     accountant_name = accountant.value
     if target is not None and target.is_dir():
@@ -215,7 +215,7 @@ def _statistic(alias: str, groups: int, sigma: float | None, fraction: float | N
 
 def _account_directory(target: Path, as_json: bool, group_size: int | None = None) -> None:
     """What a run directory, or a search directory of `tune-cost --run`, has spent."""
-    from dpclip.train.searchdir import headline
+    from dpclip.rundir.searchdir import headline
     from dpclip.tuning.search import is_search_dir, read_search
 
     if is_search_dir(target):

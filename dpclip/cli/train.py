@@ -245,7 +245,7 @@ def train(
         if resume is None:
             raise DpclipError("overrides need a recipe", "dpclip train RECIPE.yaml key=value ..., or "
                               "dpclip train --resume RUN_DIR key=value ...")
-        from dpclip.train.rundir import run_recipe_with
+        from dpclip.rundir.run import run_recipe_with
 
         loaded = run_recipe_with(resume, overrides)
     elif resume is None:

@@ -16,7 +16,7 @@ def validate(
 ) -> None:
     """Check a recipe (and overrides) against the schema and, where its size is known, the data."""
     from dpclip.recipe import load_recipe, recipe_to_yaml  # imports torch (the policies' specs)
-    from dpclip.train.plan import check_against_data
+    from dpclip.planning.plan import check_against_data
 
     resolved = load_recipe(recipe, overrides or [])
     dataset_size = check_against_data(resolved)

@@ -18,9 +18,9 @@ LABEL_NAMES_NOTE = ("label names: the class names of the data's label column, pu
 
 
 def released_statement(run_dir: Path) -> tuple[Any, dict[str, Any] | None]:
-    """(statement, search) of what publishing the run costs: :func:`dpclip.train.searchdir.headline`
+    """(statement, search) of what publishing the run costs: :func:`dpclip.rundir.searchdir.headline`
     (for a run selected by a ``tune-cost --run`` search, the search's statement)."""
-    from dpclip.train.searchdir import headline
+    from dpclip.rundir.searchdir import headline
 
     found = headline(run_dir)
     selected_by = found.selected_by()

@@ -9,7 +9,7 @@
   ``model_card.json`` describing how to rebuild the module.
 
 The model is rebuilt from the checkpoint's ``model.json`` (written by
-dpclip/train/checkpoint.py), never from the data: exporting reads no private example.
+dpclip/rundir/checkpoint.py), never from the data: exporting reads no private example.
 A LoRA base is rebuilt from the recipe's public source and seed, and written only when it
 equals the checkpoint's frozen tensors bit for bit.
 """
@@ -30,7 +30,7 @@ from dpclip.errors import DpclipError
 from dpclip.files import owner_only, write_json_atomic
 from dpclip.models.build import seeded_init
 from dpclip.models.hf import lora_config
-from dpclip.train.checkpoint import load_model_tensors, load_weights
+from dpclip.rundir.checkpoint import load_model_tensors, load_weights
 
 BYTE_TOKENIZER_FILE = "dpclip_tokenizer.json"
 

@@ -15,8 +15,8 @@ from dpclip.errors import DpclipError
 from dpclip.export import card as cards
 from dpclip.export import model as weights
 from dpclip.files import owner_only, read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
-from dpclip.train.checkpoint import latest_checkpoint, missing_checkpoint_hint
-from dpclip.train.rundir import RunDir
+from dpclip.rundir.checkpoint import latest_checkpoint, missing_checkpoint_hint
+from dpclip.rundir.run import RunDir
 
 _STEP_DIR = re.compile(r"step_[0-9]{6,}")
 

@@ -4,7 +4,7 @@ A recipe is pure data. Unknown keys are errors (``extra="forbid"``); variants ar
 discriminated unions on ``kind`` (model, optimizer, schedule, threshold policy) or
 ``source`` (data). Cross-field rules that need only the recipe live here as validators;
 rules that need the data set size or the calibrated noise live where those are known
-(``dpclip.train.plan``).
+(``dpclip.planning.plan``).
 
 The threshold policies' specs and their rules live in their own files
 (dpclip/engine/policies/); ``clipping.threshold`` is the union of what is registered there,

@@ -30,7 +30,7 @@ def _run(pattern: str, release: str, what: str, writer: str = "dpclip train") ->
 
 
 MANIFEST: tuple[Entry, ...] = (
-    # ---------------------------------------------------------------- train (dpclip/train/rundir.py, trainer)
+    # ---------------------------------------------------------------- train (dpclip/rundir/run.py, trainer)
     _run("recipe.yaml", RELEASED, "the resolved recipe (its `seed` governs only public randomness); with "
          "`audit.canaries.seed` set it identifies the canaries: share it only after the audit"),
     _run("meta.json", SECRET, "member and non-member indices (membership), split and content fingerprints"),
@@ -137,7 +137,7 @@ def directory_kind(directory: str | Path) -> str:
 
 def is_leftover(relpath: Path) -> bool:
     """An interrupted atomic write's temporary file (``.NAME.*.tmp``, dpclip/files.py) or a
-    checkpoint's staging folder (``.step_NNNNNN.staging``, dpclip/train/checkpoint.py): left
+    checkpoint's staging folder (``.step_NNNNNN.staging``, dpclip/rundir/checkpoint.py): left
     by a crash, never read as an output. Any other dot-named file is checked like the rest."""
     name_is_tmp = relpath.name.startswith(".") and relpath.name.endswith(".tmp")
     return name_is_tmp or any(fnmatch.fnmatchcase(part, ".step_*.staging") for part in relpath.parts[:-1])

@@ -20,7 +20,7 @@ import torch
 
 from dpclip.errors import DpclipError
 from dpclip.files import read_json
-from dpclip.train.rundir import RunDir
+from dpclip.rundir.run import RunDir
 
 CPU_ONLY_HINT = "set training.device=cpu (or auto, which takes a GPU only where one process trains)"
 

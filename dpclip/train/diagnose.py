@@ -23,14 +23,14 @@ from dpclip.errors import DpclipError
 from dpclip.recipe import load_recipe
 from dpclip.rng import private_generator
 from dpclip.accounting import Ledger
-from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint, missing_checkpoint_hint
+from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint, missing_checkpoint_hint
 from dpclip.train.diagnostics import (DIAGNOSTICS_FILE, choose_rows, clip_threshold, draw_rows, evaluate,
                                       make_record, measure_model, public_batch_size, public_rows_of, read_records)
 from dpclip.train.diagnostics_plots import (HESSIAN_PLOT, IMPROVEMENT_PLOT, plot_hessian_over_training,
                                             plot_improvement)
-from dpclip.train.plan import private_seed
+from dpclip.planning.plan import private_seed
 from dpclip.train.parts import RunParts, assemble
-from dpclip.train.rundir import RunDir
+from dpclip.rundir.run import RunDir
 from dpclip.train.state import RunState, restore
 from dpclip.train.workflow import resolve_recipe
 

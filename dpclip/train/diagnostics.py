@@ -7,7 +7,7 @@ post-processing of the noisy steps) and of public rows: covered by ε, free. Mea
 the private training data they are exact, noiseless functions of it: refused unless the
 user opts in (``diagnostics.private_not_covered: true``, or ``dpclip diagnose
 --allow-private-not-covered-by-epsilon``), and then labelled "not covered by ε" in every
-record, in the run's privacy statement (:func:`dpclip.train.plan.not_covered`), in the
+record, in the run's privacy statement (:func:`dpclip.planning.plan.not_covered`), in the
 tables and in the plot titles. The probes and the measured batch come from a private
 generator (:mod:`dpclip.rng`), never from the recipe's seed.
 """
@@ -26,8 +26,8 @@ from dpclip.diagnose import HessianDiagnostics, measure, typical_clip_factor
 from dpclip.errors import DpclipError
 from dpclip.files import read_jsonl as read_records
 from dpclip.rng import private_generator
-from dpclip.train.plan import private_seed
-from dpclip.train.rundir import append_record
+from dpclip.planning.plan import private_seed
+from dpclip.rundir.run import append_record
 
 DIAGNOSTICS_FILE = layout.DIAGNOSTICS
 #: The fields of a record computed from the measured rows (the rest is the run's settings).

@@ -43,10 +43,10 @@ from dpclip.train.device import recorded_device, resolve_device
 from dpclip.train.diagnostics import recorder_for
 from dpclip.train.optim import LrSchedule, build_optimizer
 from dpclip.train.phases import continual_run
-from dpclip.train.plan import (correlated_noise_note, count_groups, engine_clipping, privacy_plan, privacy_units,
+from dpclip.planning.plan import (correlated_noise_note, count_groups, engine_clipping, privacy_plan, privacy_units,
                                private_seed, strategy_workload, timing_clipping)
 from dpclip.train.ranks import check_ranks
-from dpclip.train.rundir import PLAN_FIELDS, recipe_changes
+from dpclip.rundir.run import PLAN_FIELDS, recipe_changes
 from dpclip.train.step import PrivateStep, step_micro_batch_size, step_precision
 
 # Stand-in noise for timing only: the cost of a step does not depend on σ.
@@ -164,7 +164,7 @@ def canary_records(recipe: Recipe) -> int:
 
 def noise_strategy(plan, workload=SGD):
     """The strategy the engine correlates its noise with, optimised for ``workload`` (the
-    recipe's: :func:`~dpclip.train.plan.strategy_workload`): banded MF's coefficients, BLT's
+    recipe's: :func:`~dpclip.planning.plan.strategy_workload`): banded MF's coefficients, BLT's
     poles (the ones the plan's sensitivities were computed from), or None for DP-SGD."""
     if plan.buffers:
         return blt_strategy(plan.buffers, plan.steps, plan.groups, workload)

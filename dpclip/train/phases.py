@@ -45,7 +45,7 @@ from dpclip.rng import derived_seed, private_generator
 from dpclip.train.optim import build_optimizer
 from dpclip.train.mixing import (PublicSampler, dpmd_alpha, find_head, mix_gradients, reset_states,  # noqa: F401
                                  sample_alpha)
-from dpclip.train.plan import probe_steps
+from dpclip.planning.plan import probe_steps
 
 class Continual:
     """The continual schedule of one run (module doc); assembled after the engine, the

@@ -27,7 +27,7 @@ import torch
 from dpclip.distributed import World, announce_run_dir
 from dpclip.errors import DpclipError
 from dpclip.recipe import Recipe, recipe_to_yaml
-from dpclip.train.rundir import data_fingerprint
+from dpclip.rundir.run import data_fingerprint
 
 SAME_RECIPE_HINT = ("start every rank with the same recipe file and key=value overrides (torchrun passes the "
                     "same arguments to all the ranks of one node; check the other nodes' command lines)")

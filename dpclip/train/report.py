@@ -3,7 +3,7 @@ plot of the run and its privacy statement (docs/cli.md, "report"; docs/training.
 "Plots and logging").
 
 The page is built from the run directory alone. ε, δ and the statement are the run's
-headline (:func:`dpclip.train.searchdir.headline`, as ``dpclip account RUN_DIR``): its
+headline (:func:`dpclip.rundir.searchdir.headline`, as ``dpclip account RUN_DIR``): its
 ledger.json checked against the plan re-solved from its recipe, or for a run a
 ``tune-cost --run`` search selected, the search's ledger (the run's own ε is shown beside it); the held-out metrics and the audit's results are exact,
 computed on private data, and are labelled "not covered by ε" wherever they appear.
@@ -26,8 +26,8 @@ from dpclip.errors import DpclipError
 from dpclip.files import read_json, write_text_atomic
 from dpclip.train.plots import (THRESHOLDS_PLOT, TRAINING_PLOT, read_metrics, threshold_rows, thresholds_figure,
                                 training_figure)
-from dpclip.train.rundir import RunDir, planned_step
-from dpclip.train.searchdir import headline
+from dpclip.rundir.run import RunDir, planned_step
+from dpclip.rundir.searchdir import headline
 
 REPORT_FILE = layout.REPORT
 NOT_COVERED = "not covered by ε"

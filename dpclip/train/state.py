@@ -6,7 +6,7 @@ rest of a run's state lives in its parts while it trains (:mod:`dpclip.train.par
 optimizer's state, the sampler's and the engine's generators, the threshold policy, torch's
 global RNG (dropout), the continual schedule. :func:`checkpoint_tree` gathers all of it,
 :func:`restore` puts it back, and :class:`Checkpointer` is the only writer and reader of
-checkpoints (the file format: :mod:`dpclip.train.checkpoint`).
+checkpoints (the file format: :mod:`dpclip.rundir.checkpoint`).
 
 Across ranks (docs/distributed.md): rank 0 writes the checkpoint with every rank's own part
 (sampler, RNG; a pipeline stage's optimizer and engine; a sharded rank's noise generators)
@@ -28,9 +28,9 @@ from dpclip.accounting import Ledger
 from dpclip.distributed.pipeline import sync_stages
 from dpclip.errors import DpclipError
 from dpclip.layout import STATE
-from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dpclip.train.ranks import check_parallel, check_world_size, rank_states, share_run_dir
-from dpclip.train.rundir import (RunDir, check_canaries, check_data, check_ledger, read_ledger, record_resume_changes,
+from dpclip.rundir.run import (RunDir, check_canaries, check_data, check_ledger, read_ledger, record_resume_changes,
                                  released_records)
 
 

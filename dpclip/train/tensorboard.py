@@ -14,7 +14,6 @@ The ``tensorboard`` package is an optional extra (``pip install 'dpclip[tensorbo
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 from dpclip import layout
 from dpclip.errors import DpclipError
 from dpclip.files import owner_only
+from dpclip.planning.plan import check_logging, tensorboard_installed
 
 TENSORBOARD_DIR = layout.TENSORBOARD
 NOT_COVERED_PREFIX = "not_covered_by_epsilon/"
@@ -29,18 +29,6 @@ NOT_COVERED_PREFIX = "not_covered_by_epsilon/"
 EPSILON_TAG = "privacy/epsilon"
 #: A search trial's ε of its own training alone (it understates what publishing it costs).
 RUN_ALONE_EPSILON_TAG = "privacy/epsilon_this_run_alone"
-
-
-def tensorboard_installed() -> bool:
-    return importlib.util.find_spec("tensorboard") is not None
-
-
-def check_logging(recipe) -> None:
-    """Refuse ``logging.tensorboard: true`` when the tensorboard package is missing."""
-    if recipe.logging.tensorboard and not tensorboard_installed():
-        raise DpclipError("logging.tensorboard is true, but the tensorboard package is not installed",
-                          "pip install 'dpclip[tensorboard]' (or pip install tensorboard), "
-                          "or set logging.tensorboard: false")
 
 
 def _number(value: Any) -> float | None:
@@ -115,7 +103,7 @@ class TensorBoardLog:
 def open_tensorboard(recipe, run_dir: Path, group_names: list[str], *,
                      in_search: bool = False) -> TensorBoardLog | None:
     """The run's TensorBoard log if the recipe asks for one, else None. ``in_search``: the run
-    is a trial of a tune-cost --run search (:func:`dpclip.train.searchdir.search_of_run`): its ε
+    is a trial of a tune-cost --run search (:func:`dpclip.rundir.searchdir.search_of_run`): its ε
     alone is not what publishing it costs, so it is not written as the headline; the search
     writes its own ε there if it selects the run."""
     if not recipe.logging.tensorboard:

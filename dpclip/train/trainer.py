@@ -18,10 +18,10 @@ import torch
 
 from dpclip.accounting import check_same_release
 from dpclip.models import evaluate
-from dpclip.train.interrupt import DeferredInterrupt
+from dpclip.interrupt import DeferredInterrupt
 from dpclip.train.parts import RunParts
 from dpclip.train.ranks import global_outcome
-from dpclip.train.rundir import step_record
+from dpclip.rundir.run import step_record
 from dpclip.train.state import Checkpointer, RunState
 from dpclip.distributed.pipeline import sync_stages
 

@@ -21,14 +21,14 @@ from dpclip.distributed import World
 from dpclip.errors import DpclipError, InterruptedRun
 from dpclip.files import write_json_atomic
 from dpclip.recipe import Recipe
-from dpclip.train.checkpoint import latest_checkpoint
+from dpclip.rundir.checkpoint import latest_checkpoint
 from dpclip.train.output import RunOutput
 from dpclip.train.parts import RunParts, assemble
 from dpclip.train.plots import plot_run
 from dpclip.train.ranks import agree_on_recipe
 from dpclip.train.result import TrainObserver, TrainResult
-from dpclip.train.rundir import RunDir, privacy_diff, privacy_fingerprint, recipe_changes, run_statement
-from dpclip.train.searchdir import search_of_run
+from dpclip.rundir.run import RunDir, privacy_diff, privacy_fingerprint, recipe_changes, run_statement
+from dpclip.rundir.searchdir import search_of_run
 from dpclip.train.state import Checkpointer, RunState
 from dpclip.train.tensorboard import check_logging, open_tensorboard
 from dpclip.train.trainer import run_loop, run_eval

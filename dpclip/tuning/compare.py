@@ -38,7 +38,7 @@ from dpclip.engine.policies import threshold_kinds
 from dpclip.errors import AccountingError, RecipeError
 from dpclip.recipe.load import validate_recipe
 from dpclip.recipe.schema import Recipe
-from dpclip.train.plan import privacy_plan, statistic_groups
+from dpclip.planning.plan import privacy_plan, statistic_groups
 from dpclip.tuning.cost import StepTimer, TuneCostReport, tune_cost
 from dpclip.tuning.privacy import gradient_sigma, run_release
 from dpclip.tuning.space import search_space

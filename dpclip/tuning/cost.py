@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from dpclip.errors import DpclipError, RecipeError
 from dpclip.recipe.load import validate_recipe
 from dpclip.recipe.schema import Recipe
-from dpclip.train.plan import privacy_plan, recipe_units, sampling_schedule, statistic_groups
+from dpclip.planning.plan import privacy_plan, recipe_units, sampling_schedule, statistic_groups
 from dpclip.tuning.privacy import SearchPrivacy, search_privacy
 from dpclip.tuning.space import Configuration, search_space
 from dpclip.tuning.timing import measure_fixed_seconds, measure_step_seconds, step_cost_signature

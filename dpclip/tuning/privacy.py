@@ -148,7 +148,7 @@ def search_privacy(recipe: Recipe, plan: PrivacyPlan, configurations: int, *,
                    target_epsilon: float | None = None) -> SearchPrivacy:
     """ε of one run and of the search, and per-run σ under each accounting.
 
-    ``plan`` is the recipe's privacy plan (:func:`dpclip.train.plan.plan_for_recipe`);
+    ``plan`` is the recipe's privacy plan (:func:`dpclip.planning.plan.plan_for_recipe`);
     the search's budget is the recipe's ε (``target_epsilon`` overrides it).
     """
     tuning = recipe.tuning

@@ -20,7 +20,7 @@ nor the other trials, and with a private score no trial writes an exact held-out
 The search directory's ``ledger.json`` holds exactly the repeat-and-select event, so its
 ε is the one ``tune-cost`` promised; the selected run carries ``search.json`` pointing to
 it, and ``dpclip account`` reports the search's ε for both (:func:`read_search`); every headline
-ε of the selected run comes from :func:`dpclip.train.searchdir.headline`.
+ε of the selected run comes from :func:`dpclip.rundir.searchdir.headline`.
 
 Length: above ~400 lines on purpose: writing a search directory and reading it back share
 its format, marker and event parts; a split would give them two homes.
@@ -56,10 +56,10 @@ from dpclip.files import read_json, write_json_atomic
 from dpclip.models import build_model, evaluate
 from dpclip.recipe.load import validate_recipe
 from dpclip.rng import derived_seed, private_random
-from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
-from dpclip.train.plan import not_covered, private_seed
-from dpclip.train.rundir import RunDir, load_run_recipe, spent
-from dpclip.train.searchdir import (SEARCH_FORMAT, SearchRecord, is_search_dir, read_search,  # noqa: F401
+from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint
+from dpclip.planning.plan import not_covered, private_seed
+from dpclip.rundir.run import RunDir, load_run_recipe, spent
+from dpclip.rundir.searchdir import (SEARCH_FORMAT, SearchRecord, is_search_dir, read_search,  # noqa: F401
                                     search_of_run, search_statement_lines)
 from dpclip.train.tensorboard import write_headline_epsilon
 from dpclip.tuning.privacy import REPEAT_AND_SELECT

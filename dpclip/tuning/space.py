@@ -22,7 +22,7 @@ from dpclip.errors import RecipeError
 from dpclip.recipe.load import apply_overrides, validate_recipe
 from dpclip.recipe.schema import RandomRange, Recipe
 from dpclip.rng import private_random
-from dpclip.train.plan import private_seed
+from dpclip.planning.plan import private_seed
 
 # Keys a search may not vary: the search's budget is the recipe's privacy section, the
 # data set is what the budget protects, and tuning/name/output_dir describe the search.

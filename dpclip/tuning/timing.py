@@ -27,7 +27,7 @@ from typing import Any
 from dpclip.errors import DpclipError
 from dpclip.recipe.schema import Recipe
 from dpclip.train.parts import TIMING_STATISTIC_SIGMA, assemble_for_timing
-from dpclip.train.plan import timing_clipping as plan_timing_clipping
+from dpclip.planning.plan import timing_clipping as plan_timing_clipping
 from dpclip.train.workflow import train
 
 #: Steps of the whole run that measures a run's fixed cost (the steps' own time is subtracted).

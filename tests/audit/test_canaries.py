@@ -8,7 +8,7 @@ from dpclip.accounting import Ledger
 from dpclip.data import load_data, make_canaries, with_canaries
 from dpclip.errors import DpclipError
 from dpclip.recipe.schema import Canaries
-from dpclip.train.plan import plan_for_recipe, solve_plan
+from dpclip.planning.plan import plan_for_recipe, solve_plan
 from dpclip.train.workflow import train
 
 

@@ -12,7 +12,7 @@ from dpclip.audit.attacks import logit_scaled_confidence
 from dpclip.audit.lira import (lira_scores, realised_plan, shadow_keep, shadow_plan, shadow_recipe,
                                target_plan)
 from dpclip.recipe import load_recipe, recipe_to_yaml, validate_recipe
-from dpclip.train.plan import privacy_plan
+from dpclip.planning.plan import privacy_plan
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -59,7 +59,7 @@ def test_an_unexpected_exception_gives_one_error_line_and_debug_gives_the_traceb
                                                                  "0.01", "--steps", "10")])
 def test_ctrl_c_outside_the_training_loop_exits_130_and_says_interrupted(cli, monkeypatch, command):
     import dpclip.recipe as recipe_module  # `dpclip validate` imports load_recipe from here when it runs
-    import dpclip.train.plan as planning    # `dpclip account` solves its plan through this module
+    import dpclip.planning.plan as planning    # `dpclip account` solves its plan through this module
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -105,7 +105,7 @@ def test_two_ranks_train_the_parameters_and_ledger_of_one_process(policy, two_ra
 
 
 def test_a_two_rank_runs_statement_and_meta_name_its_two_processes(two_rank_runs):
-    from dpclip.train.rundir import spent
+    from dpclip.rundir.run import spent
 
     run = two_rank_runs / "layer"
     line = "distribution: data parallel over 2 processes (sharded Poisson sampling, noise drawn once by rank 0)"

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from dpclip.errors import DpclipError
 from dpclip.files import read_jsonl
 from dpclip.layout import MODEL_WEIGHTS
-from dpclip.train.checkpoint import latest_checkpoint
+from dpclip.rundir.checkpoint import latest_checkpoint
 from dpclip.train.workflow import train
 from tests.distributed.fsdp_train_case import STOP, train_sharded
 from tests.distributed.ranks import run_ranks

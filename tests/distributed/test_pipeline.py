@@ -118,7 +118,7 @@ def test_pipeline_stages_correlate_their_own_noise_and_charge_the_ledger_of_one_
     parameters only, the run charges exactly the one-process ledger, and trains its weights
     (noise 1e-6 per step)."""
     from dpclip.files import read_json
-    from dpclip.train.checkpoint import latest_checkpoint, unflatten_state
+    from dpclip.rundir.checkpoint import latest_checkpoint, unflatten_state
     from tests.distributed.pipeline_case import correlated_pipeline_worker, correlated_recipe
 
     torch.set_num_threads(1)

@@ -11,8 +11,8 @@ from dpclip.data import load_data
 from dpclip.errors import DpclipError
 from dpclip.export import export_run
 from dpclip.models import build_model
-from dpclip.train.checkpoint import latest_checkpoint, load_weights
-from dpclip.train.rundir import RunDir
+from dpclip.rundir.checkpoint import latest_checkpoint, load_weights
+from dpclip.rundir.run import RunDir
 
 
 def _checkpoint_model(run_dir):

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from dpclip.errors import DpclipError
 from dpclip.recipe import load_recipe
-from dpclip.train.checkpoint import latest_checkpoint
+from dpclip.rundir.checkpoint import latest_checkpoint
 from dpclip.layout import MODEL_WEIGHTS
 from dpclip.train.workflow import train
 from tests.conftest import REPO

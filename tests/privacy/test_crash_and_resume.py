@@ -109,7 +109,7 @@ def test_a_replay_that_would_release_something_new_stops_the_resume(tiny_recipe,
 
 def test_checkpoint_holds_the_private_generator_states(tiny_recipe):
     """Without them a resumed run would draw fresh noise for the redone steps: a second release."""
-    from dpclip.train.checkpoint import load_checkpoint
+    from dpclip.rundir.checkpoint import load_checkpoint
     from dpclip.data import load_data
     from dpclip.models import build_model
 

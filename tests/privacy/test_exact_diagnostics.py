@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dpclip.train.rundir import spent
+from dpclip.rundir.run import spent
 from dpclip.train.workflow import train
 
 EXACT_KEYS = ("diagnostics", "eval", "train_loss", "clip_fraction", "norm_median", "batch_size", "accuracy")

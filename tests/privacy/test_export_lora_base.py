@@ -17,7 +17,7 @@ from dpclip.data import load_data
 from dpclip.export import export_run
 from dpclip.models import build_model
 from dpclip.recipe import load_recipe
-from dpclip.train.checkpoint import latest_checkpoint, load_weights
+from dpclip.rundir.checkpoint import latest_checkpoint, load_weights
 from dpclip.train.workflow import train
 from tests.conftest import REPO
 from tests.export.conftest import SHORT, TEXT

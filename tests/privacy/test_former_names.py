@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from dpclip.accounting.split import FORMER_NAMES
-from dpclip.train.rundir import spent
+from dpclip.rundir.run import spent
 from dpclip.train.workflow import train
 
 QUANTILE = "clipping.threshold={kind: quantile, budget_fraction: 0.1}"  # σ_g differs from the total

@@ -20,7 +20,7 @@ from dpclip.audit.lira import train_shadows
 from dpclip.audit.report import audit, build_pool
 from dpclip.errors import DpclipError
 from dpclip.recipe import load_recipe
-from dpclip.train.rundir import load_run_recipe
+from dpclip.rundir.run import load_run_recipe
 from dpclip.train.workflow import train
 
 REPO = Path(__file__).resolve().parents[2]

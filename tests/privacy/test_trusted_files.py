@@ -9,7 +9,7 @@ import pytest
 
 from dpclip.accounting import Ledger
 from dpclip.errors import DpclipError
-from dpclip.train.rundir import spent
+from dpclip.rundir.run import spent
 from dpclip.train.workflow import train
 
 

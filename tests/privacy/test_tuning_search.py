@@ -34,7 +34,7 @@ from dpclip.data import load_data
 from dpclip.models import build_model, evaluate
 from dpclip.recipe import apply_overrides, read_yaml, validate_recipe
 from dpclip.rng import private_random
-from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint, unflatten_state
+from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint, unflatten_state
 from dpclip.files import read_json
 from dpclip.tuning.cost import StepTimer, tune_cost
 from dpclip.tuning.search import run_search

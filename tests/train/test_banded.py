@@ -22,8 +22,8 @@ from dpclip.engine import DPEngine
 from dpclip.engine.correlated import banded_strategy, toeplitz_strategy
 from dpclip.errors import DpclipError
 from dpclip.layout import MODEL_WEIGHTS
-from dpclip.train.checkpoint import latest_checkpoint
-from dpclip.train.rundir import spent
+from dpclip.rundir.checkpoint import latest_checkpoint
+from dpclip.rundir.run import spent
 from dpclip.train.workflow import train
 
 BANDED = ["privacy.mechanism={kind: banded-mf, bands: 4}"]
@@ -168,7 +168,7 @@ def test_banded_mf_runs_with_every_threshold_policy_and_charges_its_joint_partic
     so a threshold that moves is post-processing; each participation is charged the joint event
     of the gradient and the step's statistic, PoissonSampled(q·b, Gaussian(σ_eff))."""
     from dpclip.accounting import PrivacyPlan, solve
-    from dpclip.train.plan import privacy_plan
+    from dpclip.planning.plan import privacy_plan
 
     recipe = small_recipe(*BANDED, "training.steps=10", f"clipping.threshold={threshold}")
     result = train(recipe)

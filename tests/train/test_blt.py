@@ -19,8 +19,8 @@ from dpclip.accounting import Ledger
 from dpclip.accounting.accountants import RDP_ORDERS
 from dpclip.engine.blt import blt_strategy, participation_sensitivities
 from dpclip.errors import DpclipError
-from dpclip.train.checkpoint import latest_checkpoint
-from dpclip.train.rundir import spent
+from dpclip.rundir.checkpoint import latest_checkpoint
+from dpclip.rundir.run import spent
 from dpclip.train.workflow import train
 from tests.train.test_banded import _noise_of_empty_steps, resume_from
 
@@ -86,7 +86,7 @@ def test_what_blt_cannot_run_is_refused_before_a_run_directory_exists(small_reci
 def test_the_strategy_follows_the_recipes_momentum_and_other_optimizers_are_warned_about(small_recipe):
     from dpclip.engine.workload import Workload
     from dpclip.train.parts import assemble
-    from dpclip.train.plan import correlated_noise_note, strategy_workload
+    from dpclip.planning.plan import correlated_noise_note, strategy_workload
 
     banded = ["privacy.mechanism={kind: banded-mf, bands: 4}"]
     momentum = small_recipe(*banded, "training.optimizer={kind: sgd, lr: 0.1, momentum: 0.9, nesterov: true}")
@@ -108,7 +108,7 @@ def test_a_continual_run_correlates_only_its_private_steps(small_recipe, mechani
     """Public steps draw no private batch and add no noise: the noise stream and the ledger
     advance with the private steps alone, and the run directory checks as its plan."""
     from dpclip.files import read_json
-    from dpclip.train.checkpoint import unflatten_state
+    from dpclip.rundir.checkpoint import unflatten_state
 
     result = train(small_recipe(f"privacy.mechanism={mechanism}", "data.public_fraction=0.1",
                                 "public={source: builtin, name: digits}", "continual={switch: {rule: step, at_step: 5}}",
@@ -127,7 +127,7 @@ def test_blt_shares_its_budget_with_a_threshold_statistic_one_participation_at_a
     """Quantile thresholds: each participation's charge is the joint Gaussian of its cycle's
     gradient increment and its step's statistic; in RDP the charges compose to one Gaussian with
     1/μ² = s²/σ_g² + K·(Δ_a/σ_a)²."""
-    from dpclip.train.plan import privacy_plan
+    from dpclip.planning.plan import privacy_plan
     from dpclip.accounting import solve
 
     recipe = small_recipe(*BLT, *STEPS, "clipping.threshold={kind: quantile, target: 0.5, lr: 0.3, "
@@ -137,7 +137,7 @@ def test_blt_shares_its_budget_with_a_threshold_statistic_one_participation_at_a
     solved = solve(privacy_plan(recipe, 1438, groups=len(json.loads((result.run_dir / "plan.json").read_text())["groups"])))
     split = solved.split
     groups = math.floor(1438 / 64)
-    from dpclip.train.plan import strategy_workload
+    from dpclip.planning.plan import strategy_workload
     squared = participation_sensitivities(blt_strategy(2, 50, groups, strategy_workload(recipe)), 50, groups)[-1]
     inverse = squared / split.gradient_noise_multiplier ** 2 + 3 * (split.aux_sensitivity / split.sigma_aux) ** 2
     whole = dp_accounting.GaussianDpEvent(1 / math.sqrt(inverse))

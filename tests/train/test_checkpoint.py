@@ -1,4 +1,4 @@
-"""dpclip/train/checkpoint.py: weights that reload exactly, tied ones included, and the
+"""dpclip/rundir/checkpoint.py: weights that reload exactly, tied ones included, and the
 model description an export needs (docs/export.md)."""
 
 import json
@@ -12,7 +12,7 @@ from dpclip.data import load_data
 from dpclip.errors import DpclipError
 from dpclip.models import build_model
 from dpclip.recipe.schema import BuiltinData, HFModel
-from dpclip.train.checkpoint import load_weights, save_checkpoint
+from dpclip.rundir.checkpoint import load_weights, save_checkpoint
 
 TINY_GPT2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 32}
 TINY_BERT = {"model_type": "bert", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -85,7 +85,7 @@ def test_weights_of_another_model_are_a_clear_error(text, tmp_path):
 def test_a_run_without_checkpoints_is_told_apart_from_one_whose_checkpoints_were_removed(tmp_path):
     from dpclip import layout
     from dpclip.audit.report import resolve_target
-    from dpclip.train.checkpoint import missing_checkpoint_hint
+    from dpclip.rundir.checkpoint import missing_checkpoint_hint
 
     run = tmp_path / "run"
     run.mkdir()

@@ -10,7 +10,7 @@ from dpclip.errors import DpclipError, RecipeError
 from dpclip.train import diagnostics as diagnostics_module
 from dpclip.train.diagnostics import DIAGNOSTICS_FILE, MEASURED, choose_rows, make_record, read_records
 from dpclip.train.diagnostics_plots import HESSIAN_PLOT
-from dpclip.train.plan import PRIVATE_HESSIAN_DIAGNOSTICS
+from dpclip.planning.plan import PRIVATE_HESSIAN_DIAGNOSTICS
 from dpclip.train.parts import assemble
 from dpclip.train.workflow import train
 

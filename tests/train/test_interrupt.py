@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-import dpclip.train.checkpoint as checkpoint
+import dpclip.rundir.checkpoint as checkpoint
 import dpclip.train.workflow as workflow
-from dpclip.train.checkpoint import latest_checkpoint, save_checkpoint
-from dpclip.train.interrupt import shielded
+from dpclip.rundir.checkpoint import latest_checkpoint, save_checkpoint
+from dpclip.interrupt import shielded
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,8 +64,8 @@ def test_a_second_ctrl_c_stops_at_once_and_says_how_to_resume(cli, tmp_path, mon
 
 
 def test_a_double_press_is_one_request_and_a_later_second_signal_stops_at_once(monkeypatch):
-    from dpclip.train.interrupt import DeferredInterrupt
-    import dpclip.train.interrupt as interrupt
+    from dpclip.interrupt import DeferredInterrupt
+    import dpclip.interrupt as interrupt
 
     now = [100.0]
     monkeypatch.setattr(interrupt.time, "monotonic", lambda: now[0])

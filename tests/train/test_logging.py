@@ -5,6 +5,7 @@ import pytest
 
 from dpclip.accounting import Ledger
 from dpclip.errors import DpclipError
+from dpclip.planning import plan
 from dpclip.train import tensorboard
 from dpclip.train.tensorboard import NOT_COVERED_PREFIX, TensorBoardLog, check_logging, record_scalars
 from dpclip.train.workflow import train
@@ -32,7 +33,7 @@ def test_diagnostics_and_held_out_metrics_are_tagged_not_covered_and_releases_by
 
 
 def test_tensorboard_asked_for_but_not_installed_is_an_error_with_a_hint(quickstart, cli, monkeypatch, tmp_path):
-    monkeypatch.setattr(tensorboard, "tensorboard_installed", lambda: False)
+    monkeypatch.setattr(plan, "tensorboard_installed", lambda: False)
     with pytest.raises(DpclipError) as info:
         check_logging(quickstart("logging.tensorboard=true"))
     assert "tensorboard" in info.value.message and "dpclip[tensorboard]" in info.value.hint

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dpclip.accounting import Ledger
-from dpclip.train.checkpoint import flatten_state, latest_checkpoint, load_checkpoint
+from dpclip.rundir.checkpoint import flatten_state, latest_checkpoint, load_checkpoint
 from dpclip.train.output import RunOutput
 from dpclip.train.parts import assemble
 from dpclip.train.state import Checkpointer, RunState, checkpoint_tree, restore

@@ -1,9 +1,9 @@
-"""Groups are counted in one place (dpclip.train.plan.count_groups), for every command."""
+"""Groups are counted in one place (dpclip.planning.plan.count_groups), for every command."""
 
 import pytest
 from torch import nn
 
-from dpclip.train.plan import aux_spec, count_groups, statistic_groups
+from dpclip.planning.plan import aux_spec, count_groups, statistic_groups
 
 
 @pytest.mark.parametrize("grouping, groups", [("all-layer", 1), ("{uniform: 4}", 4),

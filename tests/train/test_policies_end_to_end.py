@@ -13,7 +13,7 @@ from dpclip.engine import DPEngine
 from dpclip.errors import RecipeError
 from dpclip.models import build_model
 from dpclip.recipe import load_recipe
-from dpclip.train.rundir import spent
+from dpclip.rundir.run import spent
 from dpclip.train.workflow import train
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import torch
 from dpclip.errors import DpclipError
 from dpclip.train.parts import assemble
 from dpclip.train.workflow import train
-from dpclip.train.plan import plan_for_recipe, solve_plan
+from dpclip.planning.plan import plan_for_recipe, solve_plan
 
 
 def test_bf16_runs_a_recipe_end_to_end_on_cpu_with_float32_weights_and_the_plans_epsilon(small_recipe):

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from dpclip.errors import DpclipError
-from dpclip.train.rundir import RunDir
+from dpclip.rundir.run import RunDir
 from dpclip.train.workflow import train
 
 

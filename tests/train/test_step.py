@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dpclip.bench import make_step
-from dpclip.train.checkpoint import latest_checkpoint, load_checkpoint
+from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint
 from dpclip.train.step import PrivateStep
 from dpclip.train.parts import RunParts, assemble
 from dpclip.train.workflow import train

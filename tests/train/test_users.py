@@ -15,7 +15,7 @@ from dpclip.accounting.accountants import account
 from dpclip.data import load_data
 from dpclip.errors import DpclipError, RecipeError
 from dpclip.recipe import load_recipe
-from dpclip.train.rundir import spent
+from dpclip.rundir.run import spent
 from dpclip.train.workflow import train
 from tests.conftest import REPO
 
@@ -187,7 +187,7 @@ def test_a_continual_run_charges_its_private_steps_per_person(user_recipe):
                                        "tail_threshold: 4.0}"])
 def test_adaptive_thresholds_count_people_and_charge_the_joint_event(user_recipe, threshold):
     from dpclip.accounting import solve
-    from dpclip.train.plan import privacy_plan
+    from dpclip.planning.plan import privacy_plan
 
     recipe = user_recipe(f"clipping.threshold={threshold}")
     result = train(recipe)

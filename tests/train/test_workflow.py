@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from dpclip.accounting import Ledger
 from dpclip.errors import DpclipError
-from dpclip.train.plan import plan_for_recipe, solve_plan
-from dpclip.train.rundir import spent
+from dpclip.planning.plan import plan_for_recipe, solve_plan
+from dpclip.rundir.run import spent
 from dpclip.train.optim import lr_factor
 from dpclip.train.workflow import train
 from tests.conftest import FIXED_SIGMA

@@ -8,7 +8,7 @@ import dp_accounting
 
 from dpclip.errors import AccountingError
 from dpclip.recipe import apply_overrides, read_yaml, validate_recipe
-from dpclip.train.plan import plan_for_recipe
+from dpclip.planning.plan import plan_for_recipe
 from dpclip.tuning.privacy import LIU_TALWAR, NAIVE, REPEAT_AND_SELECT, search_privacy
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from dpclip.engine.policies import (PolicyContext, PolicySpec, ThresholdPolicy, 
                                     register_policy, threshold_kinds, unregister_policy)
 from dpclip.engine.policies.base import PositiveFloat, PositiveInt
 from dpclip.errors import RecipeError
-from dpclip.train.plan import aux_spec
+from dpclip.planning.plan import aux_spec
 from dpclip.train.workflow import train
 from tests.engine.policies.contract import (check_engine_dict, check_neighbouring_batches,
                                             check_planner_agrees_with_engine, check_state_round_trip)

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, load_model, save_file
 from dpclip import layout
 from dpclip.errors import DpclipError
 from dpclip.models.build import model_info
-from dpclip.train.interrupt import shielded
+from dpclip.interrupt import shielded
 from dpclip.files import owner_only, read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
 
 _TENSOR = "__tensor__"
@@ -133,7 +133,7 @@ step_dir_name = layout.step_dir_name  # checkpoints/step_000500
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dict[str, Any], keep: int) -> Path:
     """Write checkpoint ``step`` atomically, point LATEST at it, keep the newest ``keep``.
 
-    Signals wait until it is written (:func:`~dpclip.train.interrupt.shielded`); a staging folder
+    Signals wait until it is written (:func:`~dpclip.interrupt.shielded`); a staging folder
     that an earlier process left behind (killed mid-write) is removed."""
     with shielded():
         return _save_checkpoint(run_dir, step, model, state, keep)

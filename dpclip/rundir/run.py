@@ -30,7 +30,7 @@ from dpclip.data.canaries import read_canary_secret
 from dpclip.errors import DpclipError
 from dpclip.files import OWNER_ONLY, append_line, read_json, write_json_atomic, write_text_atomic
 from dpclip.recipe import Recipe, apply_overrides, read_yaml, recipe_to_yaml, validate_recipe
-from dpclip.train.plan import not_covered, privacy_plan
+from dpclip.planning.plan import not_covered, privacy_plan
 
 
 # Fields whose change would change what the ledger means: a run refuses to resume if any differ.

@@ -22,8 +22,8 @@ from dpclip import layout
 from dpclip.accounting import GRADIENT_RELEASE, Ledger, PrivacyStatement, event_to_dict, training_event
 from dpclip.errors import AccountingError, DpclipError
 from dpclip.files import read_json
-from dpclip.train.plan import not_covered
-from dpclip.train.rundir import RunDir, load_run_recipe, spent
+from dpclip.planning.plan import not_covered
+from dpclip.rundir.run import RunDir, load_run_recipe, spent
 
 #: The version of the search directory's summary.json (also how a search directory is recognised).
 SEARCH_FORMAT = 1

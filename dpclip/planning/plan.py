@@ -6,6 +6,7 @@ This is the one place that turns training settings into accounting inputs, used 
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import replace
 from typing import Any
 
@@ -19,7 +20,6 @@ from dpclip.engine.workload import SGD, Workload
 from dpclip.errors import AccountingError, DpclipError
 from dpclip.models import build_model
 from dpclip.recipe.schema import Recipe
-from dpclip.train.tensorboard import check_logging
 
 
 def sampling_schedule(dataset_size: int, batch_size: int, epochs: float | None = None,
@@ -310,3 +310,15 @@ def solve_plan(plan: PrivacyPlan, accountant: str = "pld"):
     sigma_pld = solve(replace(plan, accountant="pld")).split.noise_multiplier
     sigma_rdp = solve(replace(plan, accountant="rdp")).split.noise_multiplier
     return solve(replace(plan, accountant="pld", target_epsilon=None, noise_multiplier=max(sigma_pld, sigma_rdp)))
+
+
+def tensorboard_installed() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def check_logging(recipe) -> None:
+    """Refuse ``logging.tensorboard: true`` when the tensorboard package is missing."""
+    if recipe.logging.tensorboard and not tensorboard_installed():
+        raise DpclipError("logging.tensorboard is true, but the tensorboard package is not installed",
+                          "pip install 'dpclip[tensorboard]' (or pip install tensorboard), "
+                          "or set logging.tensorboard: false")
