@@ -1,4 +1,4 @@
-"""Evidence for docs/methods.md, "Correlated noise": DP-SGD against banded matrix factorization
+"""Evidence for docs/methods-evidence.md (correlated noise): DP-SGD against banded matrix factorization
 and BLT at equal ε, trained by `dpclip train` itself (the recipe's `privacy.mechanism`).
 
     python scripts/banded_evidence.py --seeds 0 1 --eps 1 4 8 --bands 4 16 --buffers 2

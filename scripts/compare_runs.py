@@ -62,8 +62,8 @@ CASES = {
     "distributed-2-ranks-pipeline": ("quickstart.yaml", [*SHORT, *PIPELINE, "training.micro_batch_size=16"], "nproc"),
     "distributed-2-ranks-fsdp": ("quickstart.yaml", [*SHORT, "training.parallel=fsdp"], "nproc"),
 }
-# Every shipped recipe, three seeded steps each (issue 53: "every recipe and parallel mode").
-BRIEF = ["training.epochs=null", "training.steps=3", "checkpoint.every_steps=3", "eval.every_steps=3", *SEEDED]
+# Every shipped recipe, eight seeded steps each (issue 53: "every recipe and parallel mode").
+BRIEF = ["training.epochs=null", "training.steps=8", "checkpoint.every_steps=4", "eval.every_steps=4", *SEEDED]
 CASES.update({f"recipe-{file.stem}": (file.name, BRIEF, "plain")
               for file in sorted((REPO / "recipes").glob("*.yaml"))})
 
@@ -191,11 +191,14 @@ def run_all(out: Path, names: list[str]) -> None:
     import torch
     torch.set_num_threads(1)
     out.mkdir(parents=True, exist_ok=True)
-    results = {}
+    file = out / "results.json"
+    results = json.loads(file.read_text()) if file.exists() else {}  # a rerun continues where one stopped
     for name in names or list(CASES):
+        if name in results:
+            continue
         results[name] = run_case(name, out)
         print(name, results[name]["ledger_epsilon"], len(results[name]["weights"]), "weight files", flush=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True))
+        file.write_text(json.dumps(results, indent=1, sort_keys=True))
 
 
 def compare(base_file: Path, new_file: Path) -> int:

@@ -1,9 +1,9 @@
-"""Evidence for docs/methods.md: DC-SGD's synthetic check and a digits comparison of clipping policies.
+"""Evidence for docs/methods-evidence.md: DC-SGD's synthetic check and a digits comparison of clipping policies.
 
     python scripts/methods_evidence.py synthetic            # seconds: numpy/torch only
     python scripts/methods_evidence.py digits --seeds 0 1 2  # minutes on one CPU thread
 
-Both print Markdown tables (pasted into docs/methods.md) and write JSON (and, for the
+Both print Markdown tables (pasted into docs/methods-evidence.md) and write JSON (and, for the
 synthetic check, a PNG) under --out (default docs/methods-evidence/).
 
 Synthetic (the DC-SGD paper's Figures 2–3): 256 norms from N(100, 20²), B = 256, σ_T = 1,

@@ -1,4 +1,4 @@
-"""Evidence for docs/methods.md, "User-level privacy": a user-level run against example-level
+"""Evidence for docs/methods-evidence.md, "User-level privacy": a user-level run against example-level
 runs that protect a person by group privacy, at the same per-person (ε, δ).
 
     python scripts/user_evidence.py --eps 4 8 --seeds 0 1

@@ -1,6 +1,6 @@
 """The privacy ledger: every release of private data a run makes, and its ε so far.
 
-docs/accounting.md: every use of private data that leaves the engine is a ``DpEvent`` recorded
+docs/accounting-api.md: every use of private data that leaves the engine is a ``DpEvent`` recorded
 here; if it is not in the ledger, it is a privacy bug. The ledger is saved as
 ``ledger.json`` in the run directory and inside every checkpoint, so a resumed run
 continues it exactly.

@@ -1,4 +1,4 @@
-"""The one event builder shared by ``dpclip account`` and the training loop (docs/accounting.md).
+"""The one event builder shared by ``dpclip account`` and the training loop (docs/accounting-api.md).
 
 A :class:`PrivacyPlan` says how a run will sample and for how long, and either the
 target ε or the noise. :func:`solve` turns it into the noise multipliers, the per-step

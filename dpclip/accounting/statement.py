@@ -1,4 +1,4 @@
-"""The privacy statement: every ε dpclip prints comes with what it means (docs/accounting.md).
+"""The privacy statement: every ε dpclip prints comes with what it means (docs/accounting-api.md).
 
 A bare "ε = 3" is not a claim anyone can check. The statement says the unit
 (example-level), the neighbouring relation (add/remove one example), how batches were

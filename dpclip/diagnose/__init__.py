@@ -1,4 +1,4 @@
-"""Hessian diagnostics of DP training (docs/continual.md, "Hessian diagnostics").
+"""Hessian diagnostics of DP training (docs/hessian-diagnostics.md).
 
 Pure torch, at the engine's layer: :func:`measure` takes a model, a per-sample loss and a
 batch of rows and returns a :class:`HessianDiagnostics` (tr(H) by Hutchinson, GᵀHG,

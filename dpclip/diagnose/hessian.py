@@ -11,7 +11,7 @@ gradients, the best per-sample improvement of one step over the learning rate is
 
 whose last term is the **decelerator** (eq. (8)). :func:`measure` estimates the four
 quantities (tr(H) with Hutchinson's estimator), :class:`HessianDiagnostics` evaluates the
-formulas. docs/continual.md ("Hessian diagnostics") explains them; docs/formulas.md lists them.
+formulas. docs/hessian-diagnostics.md explains them; docs/formulas.md lists them.
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ def check_continual(recipe: Any) -> None:
 
 
 class Diagnostics(Section):
-    """Hessian diagnostics recorded during training (docs/continual.md, "Hessian diagnostics")."""
+    """Hessian diagnostics recorded during training (docs/hessian-diagnostics.md)."""
 
     every_steps: PositiveInt | None = Field(
         None, description="measure tr(H), GᵀHG, tr(HΣ), the decelerator and B*_DP every N steps into "

@@ -6,6 +6,7 @@ test fails when the file and the schema disagree.
 
 from __future__ import annotations
 
+import re
 import typing
 
 from pydantic import BaseModel
@@ -17,38 +18,48 @@ from dpclip.recipe import schema
 INTRO = """\
 # Recipe reference
 
-A recipe is one YAML file that says what to train, on what, and with which privacy.
-Every field, its type, its default and its meaning are listed below. This page is
-generated from the schema (`python -m dpclip.recipe.docs > docs/recipes.md`); a test
-fails when the two disagree.
+A recipe is one YAML file that says what to train, on what, and with which privacy. To
+write one, start from a shipped recipe, change it, and check it:
 
-- Unknown keys are errors, and an error names the dotted path of the field and the
-  allowed values, e.g. `clipping.threshold.kind: 'dcsgd_x' is not one of fixed,
-  quantile, dcsgd-p, dcsgd-e, discriminative`.
-- Variants are chosen by `kind` (model, optimizer, schedule, threshold) or by `source`
-  (data); each variant has its own fields.
-- Any field can be overridden on the command line with `key=value`, parsed as YAML and
-  validated through the same schema: `dpclip validate recipes/quickstart.yaml
-  training.optimizer.lr=0.05 clipping.grouping='{uniform: 4}'`.
-- `dpclip validate FILE --show` prints the resolved recipe with every default filled in.
+```bash
+dpclip recipes copy quickstart .                 # quickstart.yaml in this directory
+dpclip validate quickstart.yaml                  # ok: ... is a valid recipe (quickstart; 1438 training examples)
+dpclip validate quickstart.yaml --show           # the resolved recipe, every default filled in
+dpclip validate quickstart.yaml training.optimizer.lr=0.05 clipping.grouping='{uniform: 4}'
+```
 
-Paths: a relative path written in a recipe file (`data.train`, `data.test`, a local
-`tokenizer`, `model.pretrained`, a local `data.name` folder of `source: hf`) is relative
-to the recipe file's directory, not to where the command runs; a path given as a
-`key=value` override is relative to the current directory. A custom model's module is
-looked for in `model.module_dir`, the recipe file's directory unless given, so
-`target: 'mymodel:build'` finds `mymodel.py` beside the recipe. The run directory's
-`recipe.yaml` holds the resolved, absolute paths, so `--resume`, `account` and
-`audit-mia` work from any directory. (`output_dir` stays relative to the current
-directory.)
+Any field can be overridden on the command line with `key=value`, parsed as YAML and
+validated through the same schema. Unknown keys and wrong values are errors that name the
+dotted path of the field and the allowed values:
 
-Public data and continual pre-training (`public:`, `continual:`, `data.public_fraction`;
-shipped as `recipes/continual-cnn-digits.yaml` and `recipes/continual-gpt2-text.yaml`):
-docs/continual.md.
+```
+error: clipping.threshold.kind: 'dcsgd_x' is not one of fixed, quantile, dcsgd-p, dcsgd-e, discriminative (from your key=value override, not quickstart.yaml)
+```
 
 Rules that need the data (checked by `dpclip account RECIPE` and by training): the
 Poisson rate is q = batch_size / N with N the training examples after the split, so
-batch_size must not exceed N; `privacy.delta` must be below 1/N.
+batch_size must not exceed N; `privacy.delta` must be below 1/N. Public data and
+continual pre-training (`public:`, `continual:`, `data.public_fraction`; shipped as
+`recipes/continual-cnn-digits.yaml` and `recipes/continual-gpt2-text.yaml`):
+docs/continual.md.
+
+## Paths
+
+A relative path written in a recipe file (`data.train`, `data.test`, a local `tokenizer`,
+`model.pretrained`, a local `data.name` folder of `source: hf`) is relative to the recipe
+file's directory, not to where the command runs; a path given as a `key=value` override
+is relative to the current directory. A custom model's module is looked for in
+`model.module_dir`, the recipe file's directory unless given, so `target:
+'mymodel:build'` finds `mymodel.py` beside the recipe. The run directory's `recipe.yaml`
+holds the resolved, absolute paths, so `--resume`, `account` and `audit-mia` work from
+any directory. (`output_dir` stays relative to the current directory.)
+
+## Fields
+
+This list is generated from the schema (`python -m dpclip.recipe.docs > docs/recipes.md`);
+a test fails when the two disagree. A section with variants (data, model, optimizer,
+mechanism, threshold) is chosen by its `kind` or `source`; its table says which variants
+each field belongs to.
 """
 
 
@@ -109,20 +120,54 @@ def _constraints(field) -> str:
     return ", ".join(parts)
 
 
+def _summary(model: type[BaseModel], note: str) -> str:
+    """The model docstring's first paragraph (not a base class's), then the note."""
+    doc = (model.__doc__ or "").strip()
+    first = " ".join(doc.split("\n\n")[0].split()) if doc and not doc.startswith("Base of") else ""
+    return " ".join(part for part in (first, note) if part)
+
+
+def _cells(field) -> tuple[str, str, str]:
+    """Type, default and description (with its constraints) of one field."""
+    description = (field.description or "").replace("|", "\\|")
+    constraint = _constraints(field)
+    if constraint:
+        description = f"{description} ({constraint})" if description else constraint
+    return _type_name(field.annotation), _default(field), description
+
+
 def _section(title: str, model: type[BaseModel], note: str = "") -> list[str]:
     lines = [f"### `{title}`", ""]
-    doc = (model.__doc__ or "").strip()
-    if doc and not doc.startswith("Base of"):
-        lines += [" ".join(doc.split("\n\n")[0].split()), ""]  # the first paragraph
-    if note:
-        lines += [note, ""]
+    summary = _summary(model, note)
+    if summary:
+        lines += [summary, ""]
     lines += ["| field | type | default | description |", "|---|---|---|---|"]
     for name, field in model.model_fields.items():
-        description = (field.description or "").replace("|", "\\|")
-        constraint = _constraints(field)
-        if constraint:
-            description = f"{description} ({constraint})" if description else constraint
-        lines.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {description} |")
+        lines.append(f"| `{name}` | " + " | ".join(_cells(field)) + " |")
+    return lines + [""]
+
+
+_VARIANT = re.compile(r"^(?P<parent>.+): \{(?P<tag>kind|source): (?P<value>[^}]+)\}$")
+
+
+def _variants_section(parent: str, tag: str, variants: list[tuple[str, type[BaseModel], str]]) -> list[str]:
+    """One table for the variants of a section chosen by ``tag``: a field that several
+    variants share (same type, default and description) is one row naming them all."""
+    values = [value for value, _, _ in variants]
+    lines = [f"### `{parent}`", "", f"Chosen by `{tag}`: " + ", ".join(f"`{value}`" for value in values) + ".", ""]
+    summaries = [(value, _summary(model, note)) for value, model, note in variants]
+    lines += [f"- `{tag}: {value}`: {summary}" for value, summary in summaries if summary]
+    if any(summary for _, summary in summaries):
+        lines.append("")
+    rows: dict[tuple[str, ...], list[str]] = {}
+    for value, model, _ in variants:
+        for name, field in model.model_fields.items():
+            if name != tag:
+                rows.setdefault((name, *_cells(field)), []).append(value)
+    lines += [f"| field | {tag} | type | default | description |", "|---|---|---|---|---|"]
+    for (name, *cells), owners in rows.items():
+        which = "all" if len(owners) == len(values) else ", ".join(owners)
+        lines.append(f"| `{name}` | {which} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
@@ -136,8 +181,8 @@ _SECTIONS: list = [
     ("model: {kind: mlp}", schema.MLPModel, ""),
     ("model: {kind: cnn}", schema.CNNModel, ""),
     ("model: {kind: hf}", schema.HFModel, ""),
-    ("model.lora (kind: hf)", schema.LoRA, "LoRA adapters through peft: docs/export.md"),
     ("model: {kind: custom}", schema.CustomModel, ""),
+    ("model.lora (kind: hf)", schema.LoRA, ""),
     ("training", schema.Training, ""),
     ("training.optimizer: {kind: sgd}", schema.SGD, ""),
     ("training.optimizer: {kind: adam}", schema.Adam, ""),
@@ -188,9 +233,22 @@ def sections() -> list[tuple[str, type[BaseModel], str]]:
 
 
 def render_markdown() -> str:
-    lines = [INTRO, "## Fields", ""]
-    for title, model, note in sections():
-        lines += _section(title, model, note)
+    """The page: the intro, then one section per schema section, the variants of a section
+    chosen by ``kind`` or ``source`` (titles ``parent: {tag: value}``) in one table."""
+    lines = [INTRO]
+    listed = sections()
+    i = 0
+    while i < len(listed):
+        match = _VARIANT.match(listed[i][0])
+        if match is None:
+            lines += _section(*listed[i])
+            i += 1
+            continue
+        parent, tag, variants = match["parent"], match["tag"], []
+        while i < len(listed) and (m := _VARIANT.match(listed[i][0])) and (m["parent"], m["tag"]) == (parent, tag):
+            variants.append((m["value"], listed[i][1], listed[i][2]))
+            i += 1
+        lines += _variants_section(parent, tag, variants)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -29,6 +29,7 @@ from pydantic.fields import FieldInfo
 
 from dpclip.engine.policies import on_registry_change, policy_spec, policy_specs
 from dpclip.engine.policies.base import PositiveFloat, PositiveInt, UnitOpen
+from dpclip.engine.spec import CLIPPING_DEFAULTS, ClippingSpec
 from dpclip.recipe.audit import Audit, Canaries, Exposure, check_audit  # noqa: F401 (docs)
 from dpclip.recipe.mechanism import BandedMF, Blt, DpSgd, MechanismConfig  # noqa: F401 (docs)
 from dpclip.recipe.continual import AtSwitch, Continual, Diagnostics, SwitchRule, check_continual  # noqa: F401 (docs)
@@ -270,7 +271,7 @@ class Privacy(Section):
     verify_every: NonNegativeInt = Field(
         0, description="the certificate checks the engine's per-sample clipping against each checked sample's "
         "own gradient at the first step, on each new shape of the batch and after each resume; N > 0 also "
-        "every N steps (docs/engine.md, 'The certificate')")
+        "every N steps (docs/certificate.md)")
     exact_diagnostics: bool = Field(
         True, description="show and write training loss, clip fraction, norm median, realised batch size and "
         "held-out metrics; they are computed WITHOUT noise from private data and are not covered by ε. "
@@ -304,7 +305,8 @@ ThresholdConfig = threshold_union()
 
 
 def _default_threshold() -> Any:
-    return policy_spec("fixed")(kind="fixed")
+    kind = CLIPPING_DEFAULTS["threshold"]["kind"]
+    return policy_spec(kind)(kind=kind)
 
 
 GROUPING_NAMES = ("all-layer", "layer", "param", "block")
@@ -345,14 +347,16 @@ def _validate_grouping(value: Any) -> Any:
 
 
 class Clipping(Section):
-    grouping: Any = Field("all-layer", description=GROUPING_HELP)
-    fn: Literal["abadi", "auto"] = Field("abadi", description="abadi: min(1, C/||g||); auto: C/(||g|| + gamma)")
-    gamma: PositiveFloat = Field(0.01, description="auto clipping stability constant")
-    noise_allocation: Literal["global", "equal-budget", "weighted"] = "global"
+    # The defaults come from the engine's one table (dpclip.engine.spec.CLIPPING_DEFAULTS).
+    grouping: Any = Field(CLIPPING_DEFAULTS["grouping"], description=GROUPING_HELP)
+    fn: Literal["abadi", "auto"] = Field(CLIPPING_DEFAULTS["fn"],
+                                         description="abadi: min(1, C/||g||); auto: C/(||g|| + gamma)")
+    gamma: PositiveFloat = Field(CLIPPING_DEFAULTS["gamma"], description="auto clipping stability constant")
+    noise_allocation: Literal["global", "equal-budget", "weighted"] = CLIPPING_DEFAULTS["noise_allocation"]
     threshold: ThresholdConfig = Field(default_factory=_default_threshold)
-    strict: bool = Field(False, description="refuse the torch.func fallback for unsupported layers")
+    strict: bool = Field(CLIPPING_DEFAULTS["strict"], description="refuse the torch.func fallback for unsupported layers")
     norm_method: Literal["auto", "ghost", "instantiate"] = Field(
-        "auto", description="per-sample norms of Linear-like layers; auto = ghost when 2T^2 < p*d")
+        CLIPPING_DEFAULTS["norm_method"], description="per-sample norms of Linear-like layers; auto = ghost when 2T^2 < p*d")
 
     _check_grouping = field_validator("grouping", mode="before")(_validate_grouping)
 
@@ -366,6 +370,12 @@ class Clipping(Section):
         """
         self.threshold.check_clipping(self)
         return self
+
+    def engine_spec(self, sigma_aux: float | None) -> ClippingSpec:
+        """What the engine is given: these settings, with the statistic's noise std
+        ``sigma_aux`` (from the budget split) filled in by the threshold's spec."""
+        settings = {name: getattr(self, name) for name in CLIPPING_DEFAULTS}
+        return ClippingSpec(**{**settings, "threshold": self.threshold.engine_dict(sigma_aux)})
 
 
 # --------------------------------------------------------------- the rest

@@ -1,5 +1,5 @@
 """``dpclip diagnose RECIPE|RUN_DIR``: the Hessian diagnostics of a model, on their own
-(docs/continual.md, "Hessian diagnostics").
+(docs/hessian-diagnostics.md).
 
 A recipe is set up as training would set it up (:func:`dpclip.train.parts.assemble`: data,
 model at its initial weights, the σ its ε gives, the engine's thresholds)
@@ -29,7 +29,8 @@ from dpclip.train.diagnostics import (DIAGNOSTICS_FILE, choose_rows, clip_thresh
 from dpclip.train.diagnostics_plots import (HESSIAN_PLOT, IMPROVEMENT_PLOT, plot_hessian_over_training,
                                             plot_improvement)
 from dpclip.planning.plan import private_seed
-from dpclip.train.parts import RunParts, assemble
+from dpclip.train.parts import assemble
+from dpclip.train.run_parts import RunParts
 from dpclip.rundir.run import RunDir
 from dpclip.train.state import RunState, restore
 from dpclip.train.workflow import resolve_recipe
@@ -72,25 +73,26 @@ def diagnose(target: str | Path, overrides: list[str] | None = None, *, probes: 
     target = Path(target)
     parts, source, step = _set_up(target, overrides or [])
     try:
-        recipe = parts.recipe
+        recipe = parts.setting.recipe
         spec = recipe.diagnostics
         data = data or spec.data
-        public = public_rows_of(recipe, parts.ordinary, continual=parts.continual, public_rows=public_rows)
-        rows = choose_rows(data, private_rows=parts.ordinary.train, public_rows=public,
+        public = public_rows_of(recipe, parts.feed.ordinary, continual=parts.feed.continual, public_rows=public_rows)
+        rows = choose_rows(data, private_rows=parts.feed.ordinary.train, public_rows=public,
                            allow_private=allow_private or spec.private_not_covered)
         size = batch_size or recipe.training.batch_size
         if size < 2:
             raise DpclipError(f"--batch-size must be at least 2, got {size}", "e.g. --batch-size 64")
         # Which rows and which probes: private randomness, never the recipe's seed (dpclip.rng).
         generator = private_generator(private_seed(recipe), "hessian-diagnostics")
-        diag = measure_model(parts.model, parts.loss_fn, draw_rows(rows, size, generator), parts.engine,
+        learner = parts.learner
+        diag = measure_model(learner.model, learner.loss_fn, draw_rows(rows, size, generator), learner.engine,
                              probes=probes or spec.probes, per_sample=per_sample or spec.per_sample,
                              generator=generator)
         formulas = evaluate(diag, sigma=parts.split.gradient_noise_multiplier, batch_size=recipe.training.batch_size,
-                            clip_fn=recipe.clipping.fn, threshold=clip_threshold(parts.engine),
+                            clip_fn=recipe.clipping.fn, threshold=clip_threshold(parts.learner.engine),
                             gamma=recipe.clipping.gamma, public_batch_size=public_batch_size(recipe, public))
     finally:
-        parts.engine.detach()
+        parts.learner.engine.detach()
     record = make_record(step, diag, formulas, data)
     out_dir = Path(out) if out is not None else (target if source == "run" else Path(f"diagnose-{recipe.name}"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -121,11 +123,11 @@ def _set_up(target: Path, overrides: list[str]) -> tuple[RunParts, str, int]:
             checkpoint = latest_checkpoint(run.path)
             if checkpoint is None:
                 raise DpclipError(f"{run.path} has no checkpoint to measure", missing_checkpoint_hint(run.path))
-            state = RunState(Ledger(parts.plan.delta, parts.plan.accountant))
+            state = RunState(Ledger(parts.setting.plan.delta, parts.setting.plan.accountant))
             # The weights and the thresholds the run had reached (and the rest of its state).
-            restore(parts, state, load_checkpoint(checkpoint, parts.model))
+            restore(parts, state, load_checkpoint(checkpoint, parts.learner.model))
         except BaseException:
-            parts.engine.detach()
+            parts.learner.engine.detach()
             raise
         return parts, "run", state.step
     return assemble(load_recipe(target, overrides)), "recipe", 0

@@ -1,6 +1,6 @@
 """Hessian diagnostics of a run: which rows they are measured on, what a record holds, and
 the recorder that writes ``diagnostics.jsonl`` every ``diagnostics.every_steps`` steps
-(docs/continual.md, "Hessian diagnostics").
+(docs/hessian-diagnostics.md).
 
 Privacy. Measured on public data, the diagnostics are functions of the weights (themselves
 post-processing of the noisy steps) and of public rows: covered by ε, free. Measured on
@@ -91,7 +91,7 @@ def _finite(value: Any) -> Any:
 
 def evaluate(diag: HessianDiagnostics, *, sigma: float, batch_size: int, clip_fn: str, threshold: float,
              gamma: float = 0.0, public_batch_size: int | None = None) -> dict[str, Any]:
-    """The paper's quantities at the run's σ, B and c (docs/continual.md): the decelerator,
+    """The paper's quantities at the run's σ, B and c (docs/hessian-diagnostics.md): the decelerator,
     B*_DP, ΔL*(B) private and non-private (eqs. (6), (7)), α* when there is public data."""
     c = typical_clip_factor(diag, clip_fn, threshold, gamma)
     return {

@@ -1,4 +1,4 @@
-"""The Hessian diagnostics' plots (docs/continual.md, "Hessian diagnostics"), drawn like the
+"""The Hessian diagnostics' plots (docs/hessian-diagnostics.md), drawn like the
 run's other plots (:mod:`dpclip.train.plots`: matplotlib without a display, atomic PNGs):
 
 - ``hessian_over_training.png``: tr(H) and the three terms of eq. (6)'s denominator

@@ -1,5 +1,6 @@
 """Assembly: a recipe -> the frozen parts of a run (data, model, plan, engine, optimizer,
-sampler, step), in the one order that keeps a seeded run reproducible.
+sampler, step), built by keyword into :class:`~dpclip.train.run_parts.RunParts`, in the one
+order that keeps a seeded run reproducible.
 
 Every caller that needs the training step builds it here: ``dpclip train``
 (:mod:`dpclip.train.workflow`), ``tune-cost``'s timing (:mod:`dpclip.tuning.timing`),
@@ -7,17 +8,13 @@ Every caller that needs the training step builds it here: ``dpclip train``
 the global RNG is seeded first and drives the model's initial weights and dropout (never
 noise or batches: those have their own generators, :mod:`dpclip.rng`).
 
-:class:`RunParts` is frozen: the loop (:mod:`dpclip.train.trainer`) steps a
-:class:`~dpclip.train.state.RunState` with the parts and never replaces one. The objects
-inside (model, optimizer, sampler, engine) do change as they train; their states are what
-a checkpoint holds (:mod:`dpclip.train.state`).
+The parts' types, and why they are frozen: :mod:`dpclip.train.run_parts`.
 """
 
 from __future__ import annotations
 
 import json
 import secrets as os_entropy
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,84 +35,23 @@ from dpclip.engine.correlated import banded_strategy
 from dpclip.engine.workload import SGD
 from dpclip.errors import DpclipError
 from dpclip.models import build_model
+from dpclip.planning.plan import (count_groups, engine_clipping, privacy_plan, privacy_units, private_seed,
+                                  strategy_workload, timing_clipping)
 from dpclip.recipe import Recipe
+from dpclip.rundir.run import PLAN_FIELDS, recipe_changes
 from dpclip.train.device import recorded_device, resolve_device
 from dpclip.train.diagnostics import recorder_for
 from dpclip.train.optim import LrSchedule, build_optimizer
 from dpclip.train.phases import continual_run
-from dpclip.planning.plan import (correlated_noise_note, count_groups, engine_clipping, privacy_plan, privacy_units,
-                               private_seed, strategy_workload, timing_clipping)
 from dpclip.train.ranks import check_ranks
-from dpclip.rundir.run import PLAN_FIELDS, recipe_changes
+from dpclip.train.run_parts import Feed, Learner, RunParts, RunSetting
 from dpclip.train.step import PrivateStep, step_micro_batch_size, step_precision
 
 # Stand-in noise for timing only: the cost of a step does not depend on σ.
-#: training rows a sharded or staged model is certified on before it is cut (docs/engine.md)
+#: training rows a sharded or staged model is certified on before it is cut (docs/certificate.md)
 CHECK_ROWS = 8
 TIMING_SIGMA = 1.0
 TIMING_STATISTIC_SIGMA = 5.0
-
-
-@dataclass(frozen=True)
-class RunParts:
-    """What a run is made of, built once by :func:`assemble` (module doc).
-
-    ``data`` is what the steps sample from (canaries and planted secrets included); ``ordinary``
-    the training data before the canaries went in (N, the sampling rate's denominator, counts these).
-    ``plan`` and ``solved`` are None only for :func:`assemble_for_timing`'s stand-in parts."""
-
-    recipe: Recipe
-    world: World
-    data: Any
-    ordinary: Any
-    canaries: Any
-    model: torch.nn.Module
-    loss_fn: Any
-    plan: Any
-    solved: Any
-    seed_of_noise: int | None
-    engine: Any
-    optimizer: torch.optim.Optimizer
-    schedule: LrSchedule | None
-    private_step: Any          # PrivateStep, or a pipeline stage's PipelineStep
-    sampler: Any
-    continual: Any = None      # the continual schedule (dpclip.train.phases.Continual), or None
-    diagnostics: Any = None    # the Hessian diagnostics recorder (dpclip.train.diagnostics)
-    sigma_change: dict[str, Any] | None = None
-    shards: Shards | None = None  # training.parallel: fsdp (dpclip.distributed.sharded)
-    exposure: Any = None       # the planted secrets of audit.exposure (dpclip.data.exposure), or None
-    device: torch.device = torch.device("cpu")  # training.device, resolved (dpclip.train.device)
-
-    @property
-    def split(self):
-        return self.solved.split
-
-    @property
-    def pipeline(self) -> bool:
-        return self.recipe.training.parallel == "pipeline"
-
-    def info(self, resume_changes: dict[str, list[Any]]) -> dict[str, Any]:
-        """What the run is about to do (the observer's start, and meta.json's plan)."""
-        recipe, plan, split = self.recipe, self.plan, self.split
-        return {
-            "name": recipe.name, "steps": plan.steps, "sample_rate": plan.sample_rate,
-            "num_train": self.ordinary.num_train, "num_test": self.data.num_test,
-            "num_users": self.plan.users,
-            "canaries_included": None if self.canaries is None else int(self.canaries.included.sum()),
-            "groups": self.engine.group_names, "noise_multiplier": split.noise_multiplier,
-            "gradient_noise_multiplier": split.gradient_noise_multiplier, "sigma_aux": split.sigma_aux,
-            "planned_epsilon": self.solved.epsilon, "delta": plan.delta, "accountant": plan.accountant,
-            "epsilon_cap": recipe.privacy.epsilon,
-            "parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
-            "seeded_randomness": recipe.privacy.unsafe_seeded_randomness,
-            "exact_diagnostics": recipe.privacy.exact_diagnostics,
-            "sigma_change": self.sigma_change, "resume_changes": resume_changes,
-            "threads": torch.get_num_threads(),  # a resume replays steps: same count (dpclip.threads)
-            "device": str(self.device),  # and on the same kind of device (dpclip.train.device)
-            "world_size": self.world.size,
-            "continual": None if self.continual is None else self.continual.info(),
-            "correlated_noise_note": correlated_noise_note(recipe),
-        }
 
 
 def seeded_data(recipe: Recipe, data=None, split_key: int | None = None):
@@ -178,7 +114,7 @@ def build_engine(model, clipping: dict[str, Any], *, gradient_noise_multiplier: 
     """The engine on ``model``: a :class:`~dpclip.engine.DPEngine`, or this rank's pipeline
     stage (docs/distributed.md, "Pipeline stages"). ``shards``: the model is cut over the ranks
     once the engine has probed it (docs/distributed.md, "Sharded training"). A sharded or staged
-    model is certified first on ``probe_rows``, a few training rows, whole (docs/engine.md)."""
+    model is certified first on ``probe_rows``, a few training rows, whole (docs/certificate.md)."""
     if pipeline:
         return pipeline_engine(model, clipping, world, run_losses=lambda: loss_fn(model, probe_rows),
                                gradient_noise_multiplier=gradient_noise_multiplier, expected_batch_size=batch_size,
@@ -306,8 +242,14 @@ def assemble(recipe: Recipe, *, data=None, world: World | None = None, file_reci
                                sigma=solved.split.gradient_noise_multiplier,
                                public_rows=None if continual is None or continual.public is None
                                else continual.public.train)
-    return RunParts(recipe, world, data, ordinary, canaries, model, loss_fn, plan, solved, seed, engine, optimizer,
-                    schedule, private_step, sampler, continual, diagnostics, sigma_change, shards, exposure, device)
+    return RunParts(
+        setting=RunSetting(recipe=recipe, world=world, device=device, plan=plan, solved=solved, seed_of_noise=seed,
+                           sigma_change=sigma_change),
+        learner=Learner(model=model, loss_fn=loss_fn, engine=engine, optimizer=optimizer, private_step=private_step,
+                        schedule=schedule, shards=shards),
+        feed=Feed(data=data, ordinary=ordinary, sampler=sampler, canaries=canaries, exposure=exposure,
+                  continual=continual),
+        diagnostics=diagnostics)
 
 
 def assemble_for_timing(recipe: Recipe, steps: int) -> RunParts:
@@ -324,8 +266,10 @@ def assemble_for_timing(recipe: Recipe, steps: int) -> RunParts:
                           sample_rate=sample_rate)
     optimizer, private_step = build_step(recipe, model, loss_fn, engine, data.train)
     sampler = PoissonSampler(data.num_train, sample_rate, steps)
-    return RunParts(recipe, World(), data, data, None, model, loss_fn, None, None, None, engine, optimizer, None,
-                    private_step, sampler, device=device)
+    return RunParts(setting=RunSetting(recipe=recipe, world=World(), device=device),
+                    learner=Learner(model=model, loss_fn=loss_fn, engine=engine, optimizer=optimizer,
+                                    private_step=private_step),
+                    feed=Feed(data=data, ordinary=data, sampler=sampler))
 
 
 def _sigma_change(reference: Recipe | None, recipe: Recipe, num_train: int, num_groups: int, plan,

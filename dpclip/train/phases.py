@@ -74,43 +74,12 @@ class Continual:
         self.public_head: nn.Linear | None = None
         self.head = None
         if self.public is not None and self.schedule != "only-private":
-            self._check_compatible(private_data)
+            self.head, self.public_head = public_heads(recipe, model, self.public, private_data)
             batch = min(self.config.public_batch_size, self.public.num_train)
             # Unbounded: the rules draw batches too, and the phase ends by its own rule or cap.
             self.public_sampler = PublicSampler(self.public.num_train, batch, 2 ** 62, seed=seed)
             self.public_batches = iter(self.public_sampler)
         self.public_optimizer = self._public_optimizer(recipe) if not self.switched else None
-
-    # ----------------------------------------------------------------- checks
-
-    def _check_compatible(self, private) -> None:
-        public, at_switch = self.public, self.config.at_switch
-        if public.task != private.task or tuple(public.input_shape) != tuple(private.input_shape):
-            raise DpclipError(f"the public data ({public.source}: {public.task}, examples of shape "
-                              f"{tuple(public.input_shape)}) does not fit the private data ({private.task}, "
-                              f"{tuple(private.input_shape)})",
-                              "public and private examples must have the same task and shape (images as_images, "
-                              "text max_length)")
-        if public.task == "causal-lm" and at_switch.reinit_head:
-            raise DpclipError("a causal language model's output layer is its vocabulary: there is no head to "
-                              "re-initialise", "set continual.at_switch.reinit_head: false")
-        if at_switch.reinit_head or at_switch.linear_probe_epochs:
-            self.head = find_head(self.model, private.num_classes if private.task == "classification" else None)
-        if public.num_classes != private.num_classes:
-            if self.schedule in MIXING:
-                raise DpclipError(f"the public data has {public.num_classes} classes and the private data "
-                                  f"{private.num_classes}: a {self.schedule} step mixes gradients of one head",
-                                  "use schedule: switch with at_switch.reinit_head: true")
-            if not at_switch.reinit_head:
-                raise DpclipError(f"the public data has {public.num_classes} classes and the private data "
-                                  f"{private.num_classes}: the output layer cannot carry over",
-                                  "set continual.at_switch.reinit_head: true (the head is re-initialised at the "
-                                  "switch)")
-            _, _, head = self.head
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(derived_seed(self.recipe.seed, "public-head"))
-                self.public_head = nn.Linear(head.in_features, public.num_classes, bias=head.bias is not None)
-            self.public_head.to(head.weight.device, head.weight.dtype)
 
     def _public_optimizer(self, recipe) -> torch.optim.Optimizer:
         """The public phase's optimizer (its state carries over at the switch, :meth:`_switch`)."""
@@ -258,7 +227,7 @@ class Continual:
 
     def _b_star(self) -> float:
         """The public estimate of B*_DP ≈ sqrt(σ²·tr(H) / (c²·GᵀHG)) (appendix A.4), with the
-        run's σ and the plug-in clipping factor c of ``typical_clip_factor`` (docs/continual.md,
+        run's σ and the plug-in clipping factor c of ``typical_clip_factor`` (docs/hessian-diagnostics.md,
         "Hessian diagnostics")."""
         if not hasattr(self, "rule_generator"):
             self.rule_generator = private_generator(self.seed, "b-star-probes")
@@ -357,6 +326,44 @@ class Continual:
                 self.public_head.load_state_dict(state["public_head"])
         _trim_public_records(metrics_file, self.public_step, self.switched)
 
+
+
+def public_heads(recipe, model: nn.Module, public, private) -> tuple[Any, nn.Linear | None]:
+    """(the model's head as ``find_head`` gives it, or None; the public task's own head, or None)
+    once the public data is checked to fit the private data: same task and example shape, and
+    classes that match or a head re-initialised at the switch (docs/continual.md). The public
+    head's initial weights come from the recipe's seed (not private: they see no private row)."""
+    config = recipe.continual
+    at_switch, schedule = config.at_switch, config.schedule
+    if public.task != private.task or tuple(public.input_shape) != tuple(private.input_shape):
+        raise DpclipError(f"the public data ({public.source}: {public.task}, examples of shape "
+                          f"{tuple(public.input_shape)}) does not fit the private data ({private.task}, "
+                          f"{tuple(private.input_shape)})",
+                          "public and private examples must have the same task and shape (images as_images, "
+                          "text max_length)")
+    if public.task == "causal-lm" and at_switch.reinit_head:
+        raise DpclipError("a causal language model's output layer is its vocabulary: there is no head to "
+                          "re-initialise", "set continual.at_switch.reinit_head: false")
+    head = None
+    if at_switch.reinit_head or at_switch.linear_probe_epochs:
+        head = find_head(model, private.num_classes if private.task == "classification" else None)
+    if public.num_classes == private.num_classes:
+        return head, None
+    if schedule in MIXING:
+        raise DpclipError(f"the public data has {public.num_classes} classes and the private data "
+                          f"{private.num_classes}: a {schedule} step mixes gradients of one head",
+                          "use schedule: switch with at_switch.reinit_head: true")
+    if not at_switch.reinit_head:
+        raise DpclipError(f"the public data has {public.num_classes} classes and the private data "
+                          f"{private.num_classes}: the output layer cannot carry over",
+                          "set continual.at_switch.reinit_head: true (the head is re-initialised at the "
+                          "switch)")
+    _, _, old = head
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derived_seed(recipe.seed, "public-head"))
+        public_head = nn.Linear(old.in_features, public.num_classes, bias=old.bias is not None)
+    public_head.to(old.weight.device, old.weight.dtype)
+    return head, public_head
 
 def _trim_public_records(path, public_step: int, switched: bool) -> None:
     """Public-phase records after the checkpoint are redone on resume: drop the old ones

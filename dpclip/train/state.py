@@ -29,6 +29,8 @@ from dpclip.distributed.pipeline import sync_stages
 from dpclip.errors import DpclipError
 from dpclip.layout import STATE
 from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from dpclip.train.output import RunOutput
+from dpclip.train.run_parts import RunParts
 from dpclip.train.ranks import check_parallel, check_world_size, rank_states, share_run_dir
 from dpclip.rundir.run import (RunDir, check_canaries, check_data, check_ledger, read_ledger, record_resume_changes,
                                  released_records)
@@ -47,36 +49,37 @@ class RunState:
     step_seconds: float = 0.0
 
 
-def rank_local_state(parts) -> dict[str, Any]:
+def rank_local_state(parts: RunParts) -> dict[str, Any]:
     """What each rank holds of its own: its sampler and RNG (a pipeline stage: also its
     optimizer and engine, its noise generator and thresholds; a sharded rank: its engine,
     whose noise stream is its own)."""
-    state = {"sampler": parts.sampler.state_dict(), "torch_rng": torch.get_rng_state()}
+    state = {"sampler": parts.feed.sampler.state_dict(), "torch_rng": torch.get_rng_state()}
     if parts.pipeline:
-        state.update(optimizer=parts.optimizer.state_dict(), engine=parts.engine.state_dict())
-    elif parts.shards is not None:
-        state.update(engine=parts.engine.state_dict())
+        state.update(optimizer=parts.learner.optimizer.state_dict(), engine=parts.learner.engine.state_dict())
+    elif parts.learner.shards is not None:
+        state.update(engine=parts.learner.engine.state_dict())
     return state
 
 
-def checkpoint_tree(parts, state: RunState, ranks: list[dict[str, Any]] | None,
+def checkpoint_tree(parts: RunParts, state: RunState, ranks: list[dict[str, Any]] | None,
                     optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything a checkpoint holds besides the weights (``optimizer_state``: a sharded
     model's, gathered whole)."""
-    optimizer_state = parts.optimizer.state_dict() if optimizer_state is None else optimizer_state
-    tree = {"step": state.step, "optimizer": optimizer_state, "sampler": parts.sampler.state_dict(),
-            "engine": parts.engine.state_dict(), "torch_rng": torch.get_rng_state(), "ledger": state.ledger.to_dict(),
-            "parallel": parts.recipe.training.parallel}
-    if parts.continual is not None:
-        tree["continual"] = parts.continual.state_dict()
-    if parts.device.type == "cuda":  # dropout on a GPU draws from its generator, not the CPU's
-        tree["cuda_rng"] = torch.cuda.get_rng_state(parts.device)
+    optimizer_state = parts.learner.optimizer.state_dict() if optimizer_state is None else optimizer_state
+    tree = {"step": state.step, "optimizer": optimizer_state, "sampler": parts.feed.sampler.state_dict(),
+            "engine": parts.learner.engine.state_dict(), "torch_rng": torch.get_rng_state(),
+            "ledger": state.ledger.to_dict(),
+            "parallel": parts.setting.recipe.training.parallel}
+    if parts.feed.continual is not None:
+        tree["continual"] = parts.feed.continual.state_dict()
+    if parts.setting.device.type == "cuda":  # dropout on a GPU draws from its generator, not the CPU's
+        tree["cuda_rng"] = torch.cuda.get_rng_state(parts.setting.device)
     if ranks is not None:
         tree["ranks"] = ranks
     return tree
 
 
-def restore(parts, state: RunState, tree: dict[str, Any], local: dict[str, Any] | None = None) -> None:
+def restore(parts: RunParts, state: RunState, tree: dict[str, Any], local: dict[str, Any] | None = None) -> None:
     """Put a checkpoint's ``tree`` back into ``parts`` and ``state``; ``local``: this rank's
     own part of it (another rank than 0's), else the tree's."""
     local = tree if local is None else local
@@ -85,21 +88,24 @@ def restore(parts, state: RunState, tree: dict[str, Any], local: dict[str, Any] 
     # A sharded model's ranks take theirs together (Checkpointer.resume); a sharded run's state,
     # keyed by parameter name, is not loaded into an unsharded optimizer (dpclip diagnose measures
     # such a run's weights in one process and takes no step).
-    if parts.shards is None and tree.get("parallel") != "fsdp":
-        parts.optimizer.load_state_dict((local if parts.pipeline else tree)["optimizer"])
-    parts.sampler.load_state_dict(local["sampler"])
-    parts.engine.load_state_dict((local if parts.pipeline or parts.shards is not None else tree)["engine"])
+    if parts.learner.shards is None and tree.get("parallel") != "fsdp":
+        parts.learner.optimizer.load_state_dict((local if parts.pipeline else tree)["optimizer"])
+    parts.feed.sampler.load_state_dict(local["sampler"])
+    own_engine_state = parts.pipeline or parts.learner.shards is not None  # each rank's own, in ``local``
+    parts.learner.engine.load_state_dict((local if own_engine_state else tree)["engine"])
     torch.set_rng_state(local["torch_rng"])
-    if "cuda_rng" in tree and parts.device.type == "cuda":  # a resume keeps the run's device (dpclip.train.device)
-        torch.cuda.set_rng_state(tree["cuda_rng"], parts.device)
+    # a resume keeps the run's device (dpclip.train.device)
+    if "cuda_rng" in tree and parts.setting.device.type == "cuda":
+        torch.cuda.set_rng_state(tree["cuda_rng"], parts.setting.device)
 
 
 class Checkpointer:
     """Saves ``state`` with ``parts`` into ``output``'s run directory, tells when a checkpoint
     is due, and resumes a run from its latest checkpoint."""
 
-    def __init__(self, parts, state: RunState, output):
+    def __init__(self, parts: RunParts, state: RunState, output: RunOutput):
         self.parts, self.state, self.output = parts, state, output
+        self.checkpoint = parts.setting.recipe.checkpoint  # when to save, how many to keep
         self.last_save = time.monotonic()  # checkpoint.every_minutes counts from it
         self._optimizer_state: dict[str, Any] | None = None  # a sharded resume's, on rank 0
 
@@ -107,81 +113,81 @@ class Checkpointer:
         """checkpoint.every_steps (of ``count`` steps), or checkpoint.every_minutes since the
         last checkpoint (a step boundary either way; docs/training.md, "Checkpoints and
         resuming"). Every rank saves together: any rank's clock."""
-        every_steps, every_minutes = self.parts.recipe.checkpoint.every_steps, self.parts.recipe.checkpoint.every_minutes
+        every_steps, every_minutes = self.checkpoint.every_steps, self.checkpoint.every_minutes
         due = bool(every_steps and count % every_steps == 0) or (
             every_minutes is not None and time.monotonic() - self.last_save >= 60.0 * every_minutes)
-        return self.parts.world.any(due)
+        return self.parts.setting.world.any(due)
 
     def save(self) -> None:
-        parts, world = self.parts, self.parts.world
+        parts, world = self.parts, self.parts.setting.world
         if parts.pipeline:  # rank 0 saves the whole model: each stage's weights from its rank
-            sync_stages(parts.model, parts.engine.bounds, world)
+            sync_stages(parts.learner.model, parts.learner.engine.bounds, world)
         ranks = rank_states(world, rank_local_state(parts))  # every rank's own part, on rank 0
-        if parts.shards is not None:  # every rank sends its shards; rank 0 writes the whole
-            optimizer_state = parts.shards.optimizer_state(parts.optimizer)
-            with parts.shards.whole() as whole:
+        if parts.learner.shards is not None:  # every rank sends its shards; rank 0 writes the whole
+            optimizer_state = parts.learner.shards.optimizer_state(parts.learner.optimizer)
+            with parts.learner.shards.whole() as whole:
                 if world.main:
                     self._write(whole, checkpoint_tree(parts, self.state, ranks, optimizer_state))
             return
         if world.main:
-            self._write(parts.model, checkpoint_tree(parts, self.state, ranks))
+            self._write(parts.learner.model, checkpoint_tree(parts, self.state, ranks))
 
     def _write(self, model, tree: dict[str, Any]) -> None:
         # The ledger goes to disk before the checkpoint that depends on it is made current.
         self.output.write_ledger(self.state)
-        save_checkpoint(self.output.run_dir, self.state.step, model, tree, keep=self.parts.recipe.checkpoint.keep)
+        save_checkpoint(self.output.run_dir, self.state.step, model, tree, keep=self.checkpoint.keep)
         self.last_save = time.monotonic()
 
     def start(self, run_dir: Path) -> None:
         """A new run's step-0 checkpoint (with the generators' states), so that a crash
         before the first regular checkpoint resumes into the same noise and batches."""
         # a sharded model's ranks started from rank 0's weights already (dpclip.train.parts.assemble)
-        self.output.run_dir = share_run_dir(self.parts.world, run_dir,
-                                            self.parts.model if self.parts.shards is None else None)
+        self.output.run_dir = share_run_dir(self.parts.setting.world, run_dir,
+                                            self.parts.learner.model if self.parts.learner.shards is None else None)
         self.save()
 
     def resume(self, run_dir: Path, resume_changes: dict[str, list[Any]]) -> None:
         """Rank 0 reads the run's latest checkpoint and checks it; every rank takes its part."""
-        parts, world = self.parts, self.parts.world
-        if parts.shards is not None:  # rank 0 reads the whole weights; every rank takes its shards
-            with parts.shards.loading() as whole:
+        parts, world = self.parts, self.parts.setting.world
+        if parts.learner.shards is not None:  # rank 0 reads the whole weights; every rank takes its shards
+            with parts.learner.shards.loading() as whole:
                 tree = world.on_main(self._load, RunDir(run_dir), resume_changes, whole)
-            parts.shards.load_optimizer_state(parts.optimizer, self._optimizer_state)
+            parts.learner.shards.load_optimizer_state(parts.learner.optimizer, self._optimizer_state)
             self._optimizer_state = None
             self.output.run_dir = share_run_dir(world, Path(run_dir), None)
         else:
-            tree = world.on_main(self._load, RunDir(run_dir), resume_changes, parts.model)
-            self.output.run_dir = share_run_dir(world, Path(run_dir), parts.model)
+            tree = world.on_main(self._load, RunDir(run_dir), resume_changes, parts.learner.model)
+            self.output.run_dir = share_run_dir(world, Path(run_dir), parts.learner.model)
         if not world.main:
             restore(parts, self.state, tree, tree["ranks"][world.rank])
 
     def _load(self, run: RunDir, resume_changes: dict[str, list[Any]], model) -> dict[str, Any]:
         parts, state = self.parts, self.state
-        solved, steps = parts.solved, parts.plan.steps
+        solved, steps = parts.setting.solved, parts.setting.plan.steps
         checkpoint = latest_checkpoint(run.path)
         if checkpoint is None:
             raise DpclipError(f"{run.path} has no checkpoint to resume from",
                               "the run stopped before its first step was saved; start a new run")
         tree = load_checkpoint(checkpoint, model)
-        check_world_size(tree, parts.world.size, run.path)
-        check_parallel(tree, parts.recipe.training.parallel, run.path)
+        check_world_size(tree, parts.setting.world.size, run.path)
+        check_parallel(tree, parts.setting.recipe.training.parallel, run.path)
         restore(parts, state, tree)
         check_ledger(state.ledger, solved, state.step, where=checkpoint / STATE)
         released = read_ledger(run.ledger_file) if run.ledger_file.exists() else state.ledger
         check_ledger(released, solved, range(state.step, steps + 1), where=run.ledger_file)
         state.released_steps = released.steps
-        if parts.continual is not None:
-            parts.continual.load_state_dict(tree.get("continual"), run.metrics_file)
+        if parts.feed.continual is not None:
+            parts.feed.continual.load_state_dict(tree.get("continual"), run.metrics_file)
         # Steps after the checkpoint that already left the process are redone with the
         # checkpoint's generator states, so they must release exactly what they did.
         self.output.replay = released_records(run.metrics_file, state.step)
-        if parts.canaries is not None:
-            check_canaries(run.path, parts.canaries)
-        check_data(run, parts.ordinary)
+        if parts.feed.canaries is not None:
+            check_canaries(run.path, parts.feed.canaries)
+        check_data(run, parts.feed.ordinary)
         if resume_changes:
             # The run directory says what its later steps were trained with (the privacy
             # fields, and so the fingerprint, are unchanged: checked when the recipe was resolved).
-            record_resume_changes(run, parts.recipe, state.step, resume_changes)
-        if parts.shards is not None:  # kept on rank 0, not broadcast with the rest: every rank loads its shards
+            record_resume_changes(run, parts.setting.recipe, state.step, resume_changes)
+        if parts.learner.shards is not None:  # kept on rank 0, not broadcast with the rest: every rank loads its shards
             self._optimizer_state = tree.pop("optimizer")
         return tree

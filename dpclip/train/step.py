@@ -2,14 +2,15 @@
 
 Training (:mod:`dpclip.train.trainer`), step timing (:mod:`dpclip.tuning.timing`), the
 benchmark (:mod:`dpclip.bench`) and ``scripts/methods_evidence.py`` all step through
-:class:`PrivateStep`, so what they time or compare is what a run does.
+:class:`PrivateStep`, so what they time or compare is what a run does. Its end (privatize, the
+caller's check, the update) and what it returns, :class:`StepOutcome`, are every parallel mode's:
+:mod:`dpclip.engine.step_end` (a pipeline stage's step ends there too).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -17,22 +18,7 @@ from dpclip.data import micro_batches, select
 from dpclip.data.user_sampler import user_weights
 from dpclip.engine import DPEngine, StepReport
 from dpclip.engine.precision import Precision
-
-
-@dataclass
-class StepOutcome:
-    """What one private step returns to its caller.
-
-    ``loss_sum`` and ``batch_size`` are read from the private batch WITHOUT noise: they
-    are diagnostics for the caller's own logs and are not covered by ε (docs/training.md,
-    "metrics.jsonl"); ``report`` is the engine's (its releasable part is the thresholds and
-    the noise std, see docs/engine.md).
-    """
-
-    report: StepReport
-    loss_sum: float
-    batch_size: int
-    seconds: float
+from dpclip.engine.step_end import StepOutcome, end_private_step
 
 
 class PrivateStep:
@@ -48,7 +34,7 @@ class PrivateStep:
     3. ``engine.privatize()`` clips, adds the Gaussian noise, updates the threshold policy
        and writes ``p.grad = (Σ clipped + noise) / B`` with B the EXPECTED batch size;
     4. ``before_update(report)`` (optional) may refuse the release before any weight moves;
-    5. ``optimizer.step()`` and ``zero_grad``.
+    5. ``optimizer.step()`` and ``zero_grad`` (3-5: :func:`~dpclip.engine.step_end.end_private_step`).
 
     No IO and no ledger: the caller charges the step (the trainer records the engine's
     DpEvent in the ledger right after this returns, before anything of the step is shown).
@@ -95,12 +81,7 @@ class PrivateStep:
             done += samples
         if not parts:  # across ranks, the policy may exchange norms in the backward this rank skips
             self.engine.policy.empty_part()
-        report = self.engine.privatize()
-        if before_update is not None:
-            before_update(report)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepOutcome(report, loss_sum, len(indices), time.perf_counter() - started)
+        return end_private_step(self.engine, self.optimizer, before_update, loss_sum, len(indices), started)
 
 
 def step_micro_batch_size(recipe) -> int | None:

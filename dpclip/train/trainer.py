@@ -19,7 +19,7 @@ import torch
 from dpclip.accounting import check_same_release
 from dpclip.models import evaluate
 from dpclip.interrupt import DeferredInterrupt
-from dpclip.train.parts import RunParts
+from dpclip.train.run_parts import RunParts
 from dpclip.train.ranks import global_outcome
 from dpclip.rundir.run import step_record
 from dpclip.train.state import Checkpointer, RunState
@@ -28,17 +28,17 @@ from dpclip.distributed.pipeline import sync_stages
 
 def run_loop(parts: RunParts, state: RunState, checkpointer: Checkpointer, output) -> str:
     """Steps until done; returns why it stopped ("completed", "budget" or "interrupted")."""
-    solved, cap = parts.solved, parts.recipe.privacy.epsilon
-    phases = parts.continual
-    parts.model.train()
+    solved, cap = parts.setting.solved, parts.setting.recipe.privacy.epsilon
+    phases = parts.feed.continual
+    parts.learner.model.train()
     with DeferredInterrupt() as interrupt:
         try:
-            batches = iter(parts.sampler)
+            batches = iter(parts.feed.sampler)
             if phases is not None and phases.run_public_phase(interrupt, state.step, checkpointer,
                                                               output.public_record) == "interrupted":
                 return "interrupted"
-            while state.step < (parts.plan.steps if phases is None else phases.private_steps()):
-                if parts.world.any(interrupt.requested):  # between steps only, never inside one; any rank's
+            while state.step < (parts.setting.plan.steps if phases is None else phases.private_steps()):
+                if parts.setting.world.any(interrupt.requested):  # between steps only, never inside one; any rank's
                     return "interrupted"
                 # The cap is checked before the batch is touched, with the plan's event, which
                 # is asserted in each step to be the event the engine actually releases.
@@ -48,37 +48,37 @@ def run_loop(parts: RunParts, state: RunState, checkpointer: Checkpointer, outpu
                 if checkpointer.due(state.step):
                     checkpointer.save()
         finally:
-            parts.engine.detach()
+            parts.learner.engine.detach()
     return "completed"
 
 
 def train_step(parts: RunParts, state: RunState, indices: torch.Tensor, output) -> None:
     """One private step, charged in the ledger on disk before its record is written."""
-    recipe, plan, step_event = parts.recipe, parts.plan, parts.solved.step_event
-    lr = parts.schedule.apply(state.step)
+    recipe, plan, step_event = parts.setting.recipe, parts.setting.plan, parts.setting.solved.step_event
+    lr = parts.learner.schedule.apply(state.step)
 
     def checked(report):
         check_same_release(report.dp_event, step_event)
 
-    if parts.continual is None:
-        outcome = parts.private_step(indices, before_update=checked)
+    if parts.feed.continual is None:
+        outcome = parts.learner.private_step(indices, before_update=checked)
     else:
-        outcome = parts.continual.step_fn(state.step, indices, before_update=checked)
-    outcome = global_outcome(parts.world, outcome)  # loss and batch size of all ranks' parts
+        outcome = parts.feed.continual.step_fn(state.step, indices, before_update=checked)
+    outcome = global_outcome(parts.setting.world, outcome)  # loss and batch size of all ranks' parts
     # Banded MF charges the first step of each cycle of b and records the others as no-ops.
-    state.ledger.record(parts.solved.event_at(state.step), metadata=parts.solved.step_metadata)
+    state.ledger.record(parts.setting.solved.event_at(state.step), metadata=parts.setting.solved.step_metadata)
     state.step += 1
     state.step_seconds += outcome.seconds
     # Charged before anything of this step leaves the process (a crash between
     # the two leaves the ledger ahead, never behind).
     output.write_ledger(state, every_step=True)
     epsilon_every = max(1, plan.steps // 50)  # ε with the ledger's accountant costs ~0.1 s: not every step
-    live = parts.world.main and (state.step == plan.steps or state.step % epsilon_every == 0)
+    live = parts.setting.world.main and (state.step == plan.steps or state.step % epsilon_every == 0)
     record = step_record(state.step, outcome.report, state.ledger.epsilon() if live else None, outcome.loss_sum,
                          outcome.batch_size, recipe.training.batch_size, lr, outcome.seconds, recipe.clipping.fn,
                          recipe.privacy.exact_diagnostics)
-    if parts.continual is not None:
-        record = {**record, **parts.continual.record_fields(state.step)}
+    if parts.feed.continual is not None:
+        record = {**record, **parts.feed.continual.record_fields(state.step)}
     output.emit(record, "step")
     parts.diagnostics.maybe_record(state.step, output.run_dir)
     if recipe.eval.every_steps and state.step % recipe.eval.every_steps == 0 and state.step < plan.steps:
@@ -88,16 +88,16 @@ def train_step(parts: RunParts, state: RunState, indices: torch.Tensor, output) 
 def run_eval(parts: RunParts, state: RunState, output) -> dict[str, Any]:
     """Held-out metrics (exact: not covered by ε), only with privacy.exact_diagnostics, on rank 0
     (a sharded model's ranks all run its forwards, which are collectives; rank 0 writes)."""
-    exact = parts.recipe.privacy.exact_diagnostics
+    exact = parts.setting.recipe.privacy.exact_diagnostics
     if parts.pipeline and exact:  # rank 0 evaluates the whole model
-        sync_stages(parts.model, parts.engine.bounds, parts.world)
-    if not exact or not (parts.world.main or parts.shards is not None):
+        sync_stages(parts.learner.model, parts.learner.engine.bounds, parts.setting.world)
+    if not exact or not (parts.setting.world.main or parts.learner.shards is not None):
         return {}
-    metrics = evaluate(parts.model, parts.loss_fn, parts.data.test, parts.data.task,
-                       batch_size=parts.recipe.eval.batch_size)
-    if parts.shards is not None:
-        parts.shards.reshard()
-    if not parts.world.main:
+    metrics = evaluate(parts.learner.model, parts.learner.loss_fn, parts.feed.data.test, parts.feed.data.task,
+                       batch_size=parts.setting.recipe.eval.batch_size)
+    if parts.learner.shards is not None:
+        parts.learner.shards.reshard()
+    if not parts.setting.world.main:
         return {}
     output.emit({"step": state.step, "eval": metrics, "not_covered_by_epsilon": ["eval"]}, "eval")
     return metrics

@@ -23,7 +23,8 @@ from dpclip.files import write_json_atomic
 from dpclip.recipe import Recipe
 from dpclip.rundir.checkpoint import latest_checkpoint
 from dpclip.train.output import RunOutput
-from dpclip.train.parts import RunParts, assemble
+from dpclip.train.parts import assemble
+from dpclip.train.run_parts import RunParts
 from dpclip.train.plots import plot_run
 from dpclip.train.ranks import agree_on_recipe
 from dpclip.train.result import TrainObserver, TrainResult
@@ -63,16 +64,16 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
     output = RunOutput(world.main, observer)
     if dry_run:
         return _dry_run(parts, info, output.observer)
-    state = RunState(Ledger(parts.plan.delta, parts.plan.accountant))
+    state = RunState(Ledger(parts.setting.plan.delta, parts.setting.plan.accountant))
     checkpointer = Checkpointer(parts, state, output)
     if resume is not None:
         checkpointer.resume(resume, resume_changes)
     else:
-        checkpointer.start(world.on_main(output.create, recipe, parts.ordinary, parts.canaries, info, run_dir,
-                                         parts.exposure))
+        checkpointer.start(world.on_main(output.create, recipe, parts.feed.ordinary, parts.feed.canaries, info, run_dir,
+                                         parts.feed.exposure))
     output.write_ledger(state)
     if world.main:
-        output.tensorboard = open_tensorboard(recipe, output.run_dir, parts.engine.group_names,
+        output.tensorboard = open_tensorboard(recipe, output.run_dir, parts.learner.engine.group_names,
                                               in_search=recipe.logging.tensorboard
                                               and search_of_run(Path(output.run_dir)) is not None)
     output.observer.on_start({**info, **parts.info(resume_changes), "run_dir": str(output.run_dir),
@@ -130,19 +131,19 @@ def resolve_recipe(recipe: Recipe | None, resume: Path | None) -> tuple[Recipe, 
 def _finish(parts: RunParts, state: RunState, output: RunOutput, stopped: str, final_eval: dict[str, float],
             resume_changes: dict[str, list[Any]]) -> TrainResult:
     """summary.json, the plots and the diagnostics' plot (rank 0, which has the ledger's ε)."""
-    recipe, plan = parts.recipe, parts.plan
-    if not parts.world.main:
+    recipe, plan = parts.setting.recipe, parts.setting.plan
+    if not parts.setting.world.main:
         return TrainResult(output.run_dir, state.step, plan.steps, float("nan"), float("nan"), plan.delta, stopped)
     accounting = state.ledger.result()
-    statement = run_statement(recipe, state.ledger, world_size=parts.world.size, users=parts.plan.users)
+    statement = run_statement(recipe, state.ledger, world_size=parts.setting.world.size, users=parts.setting.plan.users)
     result = TrainResult(output.run_dir, state.step, plan.steps, accounting.epsilon, accounting.epsilon_rdp,
-                         plan.delta, stopped, final_eval, statement.lines(), parts.solved.step_metadata,
-                         parts.sigma_change, resume_changes, step_seconds=state.step_seconds)
+                         plan.delta, stopped, final_eval, statement.lines(), parts.setting.solved.step_metadata,
+                         parts.setting.sigma_change, resume_changes, step_seconds=state.step_seconds)
     run = RunDir(output.run_dir)
     write_json_atomic(run.summary_file, result.to_dict())
     if output.tensorboard is not None:
         output.tensorboard.close()
-    plot_run(run.path, parts.engine.group_names, policy=recipe.clipping.threshold.kind,
+    plot_run(run.path, parts.learner.engine.group_names, policy=recipe.clipping.threshold.kind,
              epsilon_cap=recipe.privacy.epsilon, delta=plan.delta)
     parts.diagnostics.finish(run.path)
     output.observer.on_end(result)
@@ -151,12 +152,13 @@ def _finish(parts: RunParts, state: RunState, output: RunOutput, stopped: str, f
 
 def _dry_run(parts: RunParts, info: dict[str, Any], observer) -> TrainResult:
     observer.on_start({**info, "run_dir": None, "dry_run": True})
-    parts.engine.detach()
-    solved = parts.solved
-    result = TrainResult(Path("-"), 0, parts.plan.steps, solved.epsilon, solved.epsilon_rdp, parts.plan.delta,
-                         "dry-run", statement=replace(solved.statement, world_size=parts.world.size,
-                                                         parallel=parts.recipe.training.parallel).lines(),
-                         noise=solved.step_metadata, sigma_change=parts.sigma_change,
+    parts.learner.engine.detach()
+    solved = parts.setting.solved
+    plan = parts.setting.plan
+    result = TrainResult(Path("-"), 0, plan.steps, solved.epsilon, solved.epsilon_rdp, plan.delta,
+                         "dry-run", statement=replace(solved.statement, world_size=parts.setting.world.size,
+                                                         parallel=parts.setting.recipe.training.parallel).lines(),
+                         noise=solved.step_metadata, sigma_change=parts.setting.sigma_change,
                          resume_changes=info["resume_changes"])
     observer.on_end(result)
     return result

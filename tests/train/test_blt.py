@@ -93,8 +93,8 @@ def test_the_strategy_follows_the_recipes_momentum_and_other_optimizers_are_warn
     assert strategy_workload(momentum) == Workload(0.9, True) and correlated_noise_note(momentum) is None
     parts = assemble(momentum)
     from dpclip.engine.correlated import banded_strategy
-    assert torch.equal(parts.engine.correlation.coefficients, banded_strategy(4, 12, Workload(0.9, True)))
-    parts.engine.detach()
+    assert torch.equal(parts.learner.engine.correlation.coefficients, banded_strategy(4, 12, Workload(0.9, True)))
+    parts.learner.engine.detach()
     adam = small_recipe(*BLT, "training.optimizer={kind: adam, lr: 0.01}", "training.schedule={kind: cosine}")
     assert strategy_workload(adam) == Workload()
     note = correlated_noise_note(adam)

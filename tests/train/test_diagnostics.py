@@ -99,7 +99,7 @@ def test_a_resumed_run_does_not_measure_a_step_twice(small_recipe, one_thread, t
         trainer.diagnostics.maybe_record(12, tmp_path)
         assert [r["step"] for r in read_records(path)] == [8, 12]
     finally:
-        trainer.engine.detach()
+        trainer.learner.engine.detach()
 
 
 def test_the_probes_and_rows_come_from_a_private_generator_not_the_seed(small_recipe, monkeypatch):
@@ -108,5 +108,5 @@ def test_the_probes_and_rows_come_from_a_private_generator_not_the_seed(small_re
     monkeypatch.setattr(diagnostics_module, "private_generator",
                         lambda seed, purpose, *a: asked.append((seed, purpose)) or real(seed, purpose, *a))
     trainer = assemble(small_recipe("seed=7", "diagnostics.every_steps=4", *PRIVATE))
-    trainer.engine.detach()
+    trainer.learner.engine.detach()
     assert asked == [(None, "hessian-diagnostics")]  # OS entropy: the recipe's seed 7 is not used

@@ -246,9 +246,9 @@ def test_linear_probe_steps_are_planned_charged_and_move_only_the_head(continual
     step = trainer.train_step
 
     def spy(run, state, indices, output):
-        before = {name: p.detach().clone() for name, p in run.model.named_parameters()}
+        before = {name: p.detach().clone() for name, p in run.learner.model.named_parameters()}
         step(run, state, indices, output)
-        moved.append({name for name, p in run.model.named_parameters() if not torch.equal(before[name], p)})
+        moved.append({name for name, p in run.learner.model.named_parameters() if not torch.equal(before[name], p)})
 
     monkeypatch.setattr(trainer, "train_step", spy)
     result = train(recipe)

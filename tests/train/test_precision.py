@@ -24,18 +24,18 @@ def test_bf16_runs_a_recipe_end_to_end_on_cpu_with_float32_weights_and_the_plans
 
 def test_bf16_steps_run_the_forward_in_bf16_and_write_float32_gradients(small_recipe):
     trainer = assemble(small_recipe("training.precision=bf16", "privacy.unsafe_seeded_randomness=true"))
-    first = next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Linear))
+    first = next(m for m in trainer.learner.model.modules() if isinstance(m, torch.nn.Linear))
     seen = []
     first.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
-    before = [p.detach().clone() for p in trainer.model.parameters()]
+    before = [p.detach().clone() for p in trainer.learner.model.parameters()]
     grads = []
-    trainer.optimizer.register_step_pre_hook(
-        lambda opt, args, kwargs: grads.extend(p.grad.dtype for p in trainer.model.parameters()))
-    trainer.private_step(next(iter(trainer.sampler)))
-    trainer.engine.detach()
+    trainer.learner.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: grads.extend(p.grad.dtype for p in trainer.learner.model.parameters()))
+    trainer.learner.private_step(next(iter(trainer.feed.sampler)))
+    trainer.learner.engine.detach()
     assert seen == [torch.bfloat16]
     assert grads and set(grads) == {torch.float32}
-    after = list(trainer.model.parameters())
+    after = list(trainer.learner.model.parameters())
     assert all(p.dtype == torch.float32 for p in after)
     assert any(not torch.equal(a, b) for a, b in zip(before, after))
 

@@ -7,7 +7,8 @@ import torch
 from dpclip.bench import make_step
 from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint
 from dpclip.train.step import PrivateStep
-from dpclip.train.parts import RunParts, assemble
+from dpclip.train.parts import assemble
+from dpclip.train.run_parts import RunParts
 from dpclip.train.workflow import train
 from dpclip.tuning.timing import measure_step_seconds
 
@@ -17,18 +18,18 @@ SEEDED = ("privacy.unsafe_seeded_randomness=true", "model.hidden=[16]", "trainin
 def _set_up(recipe) -> RunParts:
     """A run's parts, up to its first step (no run directory), its generators seeded by the recipe."""
     parts = assemble(recipe)
-    parts.schedule.apply(0)
+    parts.learner.schedule.apply(0)
     return parts
 
 
 def _by_hand(trainer: RunParts, indices: torch.Tensor) -> None:
     """The private step written out as docs/training.md describes it, one backward per batch."""
-    rows = {name: tensor[indices] for name, tensor in trainer.data.train.items()}
+    rows = {name: tensor[indices] for name, tensor in trainer.feed.data.train.items()}
     if len(indices):
-        trainer.engine.backward(trainer.loss_fn(trainer.model, rows))
-    trainer.engine.privatize()
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.learner.engine.backward(trainer.learner.loss_fn(trainer.learner.model, rows))
+    trainer.learner.engine.privatize()
+    trainer.learner.optimizer.step()
+    trainer.learner.optimizer.zero_grad(set_to_none=True)
 
 
 def _weights(model) -> list[torch.Tensor]:
@@ -38,11 +39,11 @@ def _weights(model) -> list[torch.Tensor]:
 def test_the_step_does_what_a_hand_written_private_step_does(small_recipe):
     recipe = small_recipe(*SEEDED)
     ours, reference = _set_up(recipe), _set_up(recipe)
-    indices = next(iter(ours.sampler))
-    assert torch.equal(indices, next(iter(reference.sampler)))  # same seeded batch on both sides
-    outcome = ours.private_step(indices)
+    indices = next(iter(ours.feed.sampler))
+    assert torch.equal(indices, next(iter(reference.feed.sampler)))  # same seeded batch on both sides
+    outcome = ours.learner.private_step(indices)
     _by_hand(reference, indices)
-    for a, b in zip(_weights(ours.model), _weights(reference.model)):
+    for a, b in zip(_weights(ours.learner.model), _weights(reference.learner.model)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert outcome.batch_size == len(indices) and outcome.seconds > 0
     assert outcome.loss_sum > 0  # cross-entropy of an untrained model
@@ -51,37 +52,37 @@ def test_the_step_does_what_a_hand_written_private_step_does(small_recipe):
 def test_micro_batches_release_the_same_step_as_one_backward(small_recipe):
     recipe = small_recipe(*SEEDED)
     whole, split = _set_up(recipe), _set_up(recipe)
-    indices = next(iter(whole.sampler))
+    indices = next(iter(whole.feed.sampler))
     assert len(indices) > 5  # several micro-batches below
-    whole_out = PrivateStep(whole.model, whole.loss_fn, whole.engine, whole.optimizer, whole.data.train,
+    whole_out = PrivateStep(whole.learner.model, whole.learner.loss_fn, whole.learner.engine, whole.learner.optimizer, whole.feed.data.train,
                             micro_batch_size=None)(indices)
-    split_out = PrivateStep(split.model, split.loss_fn, split.engine, split.optimizer, split.data.train,
+    split_out = PrivateStep(split.learner.model, split.learner.loss_fn, split.learner.engine, split.learner.optimizer, split.feed.data.train,
                             micro_batch_size=5)(indices)
-    for a, b in zip(_weights(whole.model), _weights(split.model)):
+    for a, b in zip(_weights(whole.learner.model), _weights(split.learner.model)):
         torch.testing.assert_close(a, b)
     assert abs(whole_out.loss_sum - split_out.loss_sum) < 1e-3 * abs(whole_out.loss_sum)
 
 
 def test_an_empty_poisson_draw_still_takes_a_noisy_step(small_recipe):
     trainer = _set_up(small_recipe(*SEEDED))
-    before = _weights(trainer.model)
-    outcome = trainer.private_step(torch.tensor([], dtype=torch.long))
+    before = _weights(trainer.learner.model)
+    outcome = trainer.learner.private_step(torch.tensor([], dtype=torch.long))
     assert outcome.batch_size == 0 and outcome.loss_sum == 0.0
-    assert all(not torch.equal(a, b) for a, b in zip(before, _weights(trainer.model)))
+    assert all(not torch.equal(a, b) for a, b in zip(before, _weights(trainer.learner.model)))
 
 
 def test_a_refused_release_moves_no_weight(small_recipe):
     trainer = _set_up(small_recipe(*SEEDED))
-    before = _weights(trainer.model)
+    before = _weights(trainer.learner.model)
 
     def refuse(report):
         raise RuntimeError("refused")
 
     try:
-        trainer.private_step(next(iter(trainer.sampler)), before_update=refuse)
+        trainer.learner.private_step(next(iter(trainer.feed.sampler)), before_update=refuse)
     except RuntimeError:
         pass
-    assert all(torch.equal(a, b) for a, b in zip(before, _weights(trainer.model)))
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(trainer.learner.model)))
 
 
 def test_a_run_steps_like_the_step_on_the_same_seeds(small_recipe):
@@ -89,10 +90,10 @@ def test_a_run_steps_like_the_step_on_the_same_seeds(small_recipe):
     recipe = small_recipe(*SEEDED, "training.steps=1", "eval.every_steps=null")
     run = train(recipe).run_dir
     trained = _set_up(recipe)
-    load_checkpoint(latest_checkpoint(run), trained.model)
+    load_checkpoint(latest_checkpoint(run), trained.learner.model)
     stepped = _set_up(recipe)
-    stepped.private_step(next(iter(stepped.sampler)))
-    for a, b in zip(_weights(trained.model), _weights(stepped.model)):
+    stepped.learner.private_step(next(iter(stepped.feed.sampler)))
+    for a, b in zip(_weights(trained.learner.model), _weights(stepped.learner.model)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -111,11 +112,11 @@ def test_training_timing_and_bench_all_go_through_the_one_step(small_recipe, mon
     measure_step_seconds(recipe, steps=2, warmup_steps=1)
     assert len(calls) == 3 + 3
     trainer = _set_up(recipe)
-    trainer.engine.detach()  # bench builds its own engine on its own copy of the model
-    batch = {name: tensor[:8] for name, tensor in trainer.data.train.items()}
-    make_step("dp layer", trainer.model, trainer.loss_fn, batch, 8)()
+    trainer.learner.engine.detach()  # bench builds its own engine on its own copy of the model
+    batch = {name: tensor[:8] for name, tensor in trainer.feed.data.train.items()}
+    make_step("dp layer", trainer.learner.model, trainer.learner.loss_fn, batch, 8)()
     assert calls[-1] == 8 and len(calls) == 7
-    make_step("non-private", trainer.model, trainer.loss_fn, batch, 8)()
+    make_step("non-private", trainer.learner.model, trainer.learner.loss_fn, batch, 8)()
     assert len(calls) == 7  # the baseline is not private
 
 

@@ -77,9 +77,9 @@ def test_the_top_fraction_rule_at_the_user_level_noises_for_k_rows_pushed_out(us
 
     parts = assemble(user_recipe("clipping.threshold={kind: discriminative, small: 0.5, large: 2.0, "
                                  "tail_rule: top_fraction, top_fraction: 0.25}", "training.micro_batch_size=null"))
-    bound = float(parts.engine.policy.sensitivity_thresholds().double().norm())
+    bound = float(parts.learner.engine.policy.sensitivity_thresholds().double().norm())
     assert bound == pytest.approx(2.0 + 8 * (2.0 - 0.5))
-    parts.engine.detach()
+    parts.learner.engine.detach()
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -153,10 +153,10 @@ def test_correlated_noise_samples_people_in_turn(user_recipe, mechanism, groups)
 
     recipe = user_recipe(f"privacy.mechanism={mechanism}", "training.steps=12")
     parts = assemble(recipe)
-    parts.engine.detach()
-    sampler, users = parts.sampler, parts.data.train_users
+    parts.learner.engine.detach()
+    sampler, users = parts.feed.sampler, parts.feed.data.train_users
     assert isinstance(sampler, UserPoissonSampler)
-    groups = groups or parts.plan.groups
+    groups = groups or parts.setting.plan.groups
     assert sampler.groups == groups > 1
     group_of = sampler.group_of.clone()
     assert len(set(group_of.tolist())) > 1

@@ -61,7 +61,7 @@ def test_resolved_recipe_in_the_run_reloads_to_the_same_recipe(small_recipe):
 
 def _without_timing(path: Path) -> list[dict]:
     """The records without what a resume changes by design: wall time, and the certificate's
-    record (a resumed run is checked again at its first step: docs/engine.md)."""
+    record (a resumed run is checked again at its first step: docs/certificate.md)."""
     records = [json.loads(line) for line in path.read_text().splitlines()]
     for record in records:
         record.pop("seconds", None)
