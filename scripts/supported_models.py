@@ -8,7 +8,7 @@ exact, refused (EngineError), wrong (silently mismatched) or crashed.
 
     python scripts/supported_models.py                 # the full zoo (a few minutes)
     python scripts/supported_models.py --quick         # all-layer, auto, fp32 only
-    python scripts/supported_models.py --write-docs    # and regenerate docs/engine.md's table
+    python scripts/supported_models.py --write-docs    # and regenerate docs/supported-models.md's table
     python scripts/supported_models.py --render-only --write-docs   # docs from the saved JSON
 
 Results go to benchmarks/results/supported_models.json (``--out``). The docs block between
@@ -29,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "supported_models.json"
-DOCS = REPO / "docs" / "engine.md"
+DOCS = REPO / "docs" / "supported-models.md"
 START, END = "<!-- supported-models:start -->", "<!-- supported-models:end -->"
 VERDICTS = ("exact", "refused", "wrong", "crashed")
 SHAPE_ORDER = ("generic", "B==T", "B==T+1", "B==1")
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="all-layer, auto, fp32 only (every case and shape)")
     ap.add_argument("--cases", help="regex: only the cases whose name it matches")
     ap.add_argument("--out", type=Path, default=RESULTS, help=f"results JSON (default {RESULTS.relative_to(REPO)})")
-    ap.add_argument("--write-docs", action="store_true", help="regenerate docs/engine.md's Supported models table")
+    ap.add_argument("--write-docs", action="store_true", help="regenerate the table of docs/supported-models.md")
     ap.add_argument("--render-only", action="store_true", help="run nothing: render the JSON at --out")
     ap.add_argument("--known-faults", action="store_true",
                     help="print KNOWN_FAULTS entries for tests/engine/zoo/known_faults.py (reasons to edit)")

@@ -1,9 +1,15 @@
-"""docs/engine.md's "Using it in your own training loop" runs as written."""
+"""The engine's pages (docs/engine.md, supported-models.md, certificate.md, layer-rules.md): the
+own-loop example of engine.md runs as written and prints what the page says, and every
+``page.md, "Section"`` citation of them in the repository names a section they have (links and
+page lengths: tests/test_docs.py)."""
 
 import re
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "engine.md"
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "engine.md"
+ENGINE_PAGES = ("engine", "supported-models", "certificate", "layer-rules")
+_PAGE = "(?:" + "|".join(re.escape(p) for p in ENGINE_PAGES) + r")\.md"
 
 
 def _loop_example() -> str:
@@ -23,5 +29,39 @@ def test_the_own_training_loop_example_of_engine_md_runs_and_charges_every_step(
     ledger, engine, model = namespace["ledger"], namespace["engine"], namespace["model"]
     assert ledger.steps == namespace["steps"] and ledger.epsilon() > 0
     assert all(p.grad is None for p in model.parameters())
-    assert "ε = " in capsys.readouterr().out
+    printed = capsys.readouterr().out.strip()
+    assert f"It prints `{printed}`" in DOC.read_text(encoding="utf-8"), "engine.md says the example prints another ε"
     del engine
+
+
+def _sections(page: str) -> list[str]:
+    """A page's headings and the bold leads of its paragraphs ("**Aliased parameters** (…)")."""
+    text = (REPO / "docs" / f"{page}.md").read_text(encoding="utf-8")
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    headings = re.findall(r"^#+ (.+)$", text, flags=re.M)
+    leads = re.findall(r"^(?:- )?\*\*([^*]+?)\.?\*\*", text, flags=re.M)
+    return [s.replace("`", "").strip() for s in headings + leads]
+
+
+def _citing_files():
+    for folder, patterns in (("dpclip", ("*.py", "*.yaml")), ("tests", ("*.py",)), ("scripts", ("*.py",)),
+                             ("benchmarks", ("*.py", "*.sh", "*.md"))):
+        for pattern in patterns:
+            yield from (REPO / folder).rglob(pattern)
+    yield from (REPO / "docs").glob("*.md")
+    yield REPO / "README.md"
+
+
+def test_every_citation_of_an_engine_page_names_one_of_its_sections():
+    sections = {p: _sections(p) for p in ENGINE_PAGES}
+    cite = re.compile(rf"\b({_PAGE}),\s*\\?[\"']([^\"'\\]+)[\"'\\]")
+    stale = []
+    for path in _citing_files():
+        # a citation may wrap onto the next line of a comment or docstring
+        text = re.sub(r"\s*\n\s*(?:#+ )?", " ", path.read_text(encoding="utf-8"))
+        for page, title in cite.findall(text):
+            title = title.strip()
+            if title and not any(s.startswith(title) for s in sections[page[:-3]]):
+                stale.append(f"{path.relative_to(REPO)}: {page}, \"{title}\"")
+    assert not stale, "citations of sections the page does not have:\n" + "\n".join(stale)
+

@@ -1,4 +1,4 @@
-"""scripts/supported_models.py: docs/engine.md's "Supported models" block is the script's
+"""scripts/supported_models.py: docs/supported-models.md's "Supported models" block is the script's
 rendering of the committed results (render only: fast), and the rendering itself."""
 
 import json
@@ -19,7 +19,7 @@ def script(load_script):
 def test_docs_block_is_the_rendering_of_the_committed_results(script):
     results = json.loads(script.RESULTS.read_text())
     assert script.docs_block() == script.render(results), (
-        "docs/engine.md's Supported models table is stale: run "
+        "docs/supported-models.md's Supported models table is stale: run "
         "`python scripts/supported_models.py --render-only --write-docs`")
 
 
@@ -60,7 +60,7 @@ def test_a_cell_names_the_shapes_and_precision_of_each_fault(script):
 
 
 def test_write_docs_replaces_only_the_marked_block(script, tmp_path):
-    page = tmp_path / "engine.md"
+    page = tmp_path / "supported-models.md"
     page.write_text(f"before\n{script.START}\nold\n{script.END}\nafter\n")
     results = _results([_run("generic", "ghost", "fp32", "exact")])
     script.write_docs(results, page)
