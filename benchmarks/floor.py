@@ -29,7 +29,7 @@ them would lower every floor ratio a little):
 
 Extra flops of one parameter, the cheaper of (Bu et al. 2023, "Differentially private
 optimization on large model at small cost", ICML, Table 2 (complexity of ghost norm and
-per-sample instantiation); docs/engine.md):
+per-sample instantiation); docs/layer-rules.md):
 
     ghost        dense (factors L_i: T x m, R_i: T x n):
                      ||L_iᵀ R_i||² = <L_i L_iᵀ, R_i R_iᵀ>
@@ -69,7 +69,7 @@ the same rounds as the steps, to the floor it holds them against. The flop floor
 G_i the engine could not hold (all-layer clipping keeps every layer's until the end of
 the backward), and memory traffic is why the engine's time rule keeps GPT-2 small's wide
 layers ghost-normed at T 256 although instantiating them costs fewer flops
-(docs/performance.md, "The floor").
+(benchmarks/README.md, "The floor").
 
 The memory-aware floor (``--memory``) is the fewest extra flops over per-parameter
 choices whose step memory stays within ``--goal`` (issue 32: 1.15x) the non-private

@@ -3,7 +3,7 @@
 One floor_gap.py process on the 2-core development VM does not settle a 3% goal: its median
 moved from one process to the next by more than its own quartile range (at B 4, T 256 the
 all-layer median was 0.996, 1.056, 1.010 and 1.003 in four runs of engines that differed
-only in host work, docs/performance.md). What a process draws (the machine's state while it runs, where its
+only in host work, benchmarks/README.md). What a process draws (the machine's state while it runs, where its
 buffers land) is shared by all its rounds, so its rounds are not independent samples, and
 more rounds in one process do not narrow that spread. This runs ``--processes`` fresh
 floor_gap.py processes one after another (each with its warm-up and ``--repeats`` rounds),

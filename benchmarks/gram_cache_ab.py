@@ -4,7 +4,7 @@ GPT-2 small shares no input between its weights (q, k, v are one ``c_attn``), so
 engine's ``GramCache`` (dpclip/engine/grams.py) only looks up and never hits there. This
 times, interleaved on one device, the non-private step and each grouping's private step
 with the cache and with a cache that never keeps anything, and prints the medians and the
-ratios to non-private (docs/performance.md, "Measured against the floor").
+ratios to non-private (benchmarks/README.md, "Measured against the floor").
 
     python benchmarks/gram_cache_ab.py --device cuda     # GPT-2 small at 4x256 and 2x1024
     python benchmarks/gram_cache_ab.py --smoke           # tiny GPT-2 on the CPU (CI)

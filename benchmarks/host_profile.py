@@ -1,6 +1,6 @@
 """Where a private step's host time goes: its reads from the device and its Python.
 
-A small step on a GPU is bound by the host (docs/performance.md, "Measured against the
+A small step on a GPU is bound by the host (benchmarks/README.md, "Measured against the
 floor"): each read back from the device (``.tolist()``, ``.item()``, ``float(t)``,
 ``bool(t)``) makes the host wait for the GPU, and each tensor operation is a kernel launch
 the host pays for. For GPT-2 small (or a tiny GPT-2 with ``--smoke``) this runs the steps of

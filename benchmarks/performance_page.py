@@ -1,16 +1,19 @@
-"""Regenerate the measured part of docs/performance.md in one command.
+"""Regenerate the measured parts of docs/performance.md and benchmarks/README.md in one command.
 
 Runs benchmarks/dp_cost.py (timing, step memory, GPT-2 scaling; the gpt2, cnn, mlp and
 gpt2-small workloads) and benchmarks/profile_step.py --phases (GPT-2, and GPT-2 small at
-both of its shapes) on this machine, then rewrites the block between the ``<!-- generated -->``
-markers of docs/performance.md: the result tables, the goals of issues 8 and 16 checked
-against them (computed here, not typed), the phase profiles, and for GPT-2 small where the
-extra time of each private step goes (from the profile of the same shape).
+both of its shapes) on this machine, then rewrites two blocks in place. In
+docs/performance.md, between the ``<!-- generated -->`` markers: the goals of issues 8 and
+16 checked against the measurements (computed here, not typed) and the result tables of the
+two GPT-2 workloads. In benchmarks/README.md (the lab notes), between the ``<!-- generated
+lab -->`` markers: the other workloads' tables (the digits CNN, the MLP), the GPT-2 scaling
+table, the norm method per layer, the phase profiles, and for GPT-2 small where the extra
+time of each private step goes (from the profile of the same shape).
 
     python benchmarks/performance_page.py                 # about 50 minutes on 2 vCPUs
     python benchmarks/performance_page.py --json out.json # also keep the raw numbers
     python benchmarks/performance_page.py --render out.json   # re-render, no measuring
-    python benchmarks/performance_page.py --smoke --page /tmp/p.md   # seconds (CI)
+    python benchmarks/performance_page.py --smoke --page /tmp/p.md --lab-page /tmp/l.md  # a minute (slow tests)
 """
 
 from __future__ import annotations
@@ -28,12 +31,16 @@ import dp_cost  # noqa: E402
 import profile_step  # noqa: E402
 
 PAGE = HERE.parent / "docs" / "performance.md"
+LAB_PAGE = HERE / "README.md"
 START, END = "<!-- generated: start -->", "<!-- generated: end -->"
+LAB_START, LAB_END = "<!-- generated lab: start -->", "<!-- generated lab: end -->"
 DP_METHODS = ["dpclip all-layer", "dpclip layer", "dpclip param"]
 GOAL_TIME, GOAL_HOOKS, GOAL_MEMORY = 1.2, 0.6, 1.1
 # issue 16, GPT-2 small: step time at each (B, T) and step memory, x non-private
 SMALL_TIME = {(4, 256): 1.10, (2, 1024): 1.05}
 SMALL_MEMORY = 1.15
+# the workloads whose tables docs/performance.md shows (the goals' own); the rest go to the lab notes
+PAGE_WORKLOADS = ("gpt2", "gpt2-small")
 
 
 def measure(smoke: bool, repeats: int, phase_steps: int, small_phase_steps: int = 2,
@@ -160,13 +167,31 @@ def extra_time(times: dict, method: str) -> str:
     return f"{method}: {sum(parts.values()):+.0f} ms per step over non-private: {text}"
 
 
+def split_workloads(result: dict) -> tuple[dict, dict]:
+    """The run's workloads for the page (PAGE_WORKLOADS) and for the lab notes, in run order."""
+    page, lab = {}, {}
+    for key, wl in result["workloads"].items():
+        (page if wl.get("workload", key) in PAGE_WORKLOADS else lab)[key] = wl
+    return page, lab
+
+
 def block(result: dict) -> str:
+    """docs/performance.md's block: the goals tables and the GPT-2 workloads' result tables."""
     parts = [START, "### Goals (issue 8, item 5), GPT-2 of docs/performance.md", goals(result)]
     small = small_goals(result)
     if small:
         parts += ["### Goals (issue 16), GPT-2 small", small]
-    parts += [dp_cost.render(result, markdown=True),
-              f"### Where the time goes: GPT-2, median of {result['phase_steps']} interleaved steps",
+    parts += [dp_cost.render({**result, "workloads": split_workloads(result)[0], "scaling": None},
+                             markdown=True)]
+    return "\n\n".join(parts + [END])
+
+
+def lab_block(result: dict) -> str:
+    """benchmarks/README.md's block: the other workloads' tables, the GPT-2 scaling and
+    norm-method tables (dp_cost's rendering), and the phase profiles."""
+    parts = [LAB_START, dp_cost.render({**result, "workloads": split_workloads(result)[1], "skipped": None},
+                                       markdown=True)]
+    parts += [f"### Where the time goes: GPT-2, median of {result['phase_steps']} interleaved steps",
               profile_step.render_phases(result["phases"], markdown=True)]
     for phases in result.get("phases_small", {}).values():
         sizes = phases["sizes"]
@@ -175,15 +200,15 @@ def block(result: dict) -> str:
                   profile_step.render_phases(phases["times"], markdown=True),
                   "Extra time of each private step, by phase:\n\n" + "\n".join(
                       f"- {extra_time(phases['times'], m)}" for m in DP_METHODS)]
-    return "\n\n".join(parts + [END])
+    return "\n\n".join(parts + [LAB_END])
 
 
-def write_page(text: str, page: Path) -> None:
-    old = page.read_text() if page.exists() else f"{START}\n{END}\n"
-    if START not in old or END not in old:
-        raise SystemExit(f"{page} has no {START} ... {END} block to replace")
-    head, rest = old.split(START, 1)
-    tail = rest.split(END, 1)[1]
+def write_page(text: str, page: Path, start: str = START, end: str = END) -> None:
+    old = page.read_text() if page.exists() else f"{start}\n{end}\n"
+    if start not in old or end not in old:
+        raise SystemExit(f"{page} has no {start} ... {end} block to replace")
+    head, rest = old.split(start, 1)
+    tail = rest.split(end, 1)[1]
     tmp = page.with_suffix(".tmp")
     tmp.write_text(head + text + tail)
     tmp.replace(page)
@@ -192,6 +217,8 @@ def write_page(text: str, page: Path) -> None:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--page", type=Path, default=PAGE)
+    ap.add_argument("--lab-page", type=Path, default=LAB_PAGE,
+                    help="the lab notes that take the scaling tables and the phase profiles")
     ap.add_argument("--json", type=Path, help="also write the raw measurements here")
     ap.add_argument("--render", type=Path, help="render this saved --json file, measure nothing")
     ap.add_argument("--repeats", type=int, default=11)
@@ -210,7 +237,8 @@ def main(argv=None) -> dict:
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
     write_page(block(result), args.page)
-    print(f"wrote {args.page}")
+    write_page(lab_block(result), args.lab_page, LAB_START, LAB_END)
+    print(f"wrote {args.page} and {args.lab_page}")
     return result
 
 

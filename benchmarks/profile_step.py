@@ -1,7 +1,7 @@
 """Where does a private step's time go? Two views of dpclip steps on a workload of
 benchmarks/dp_cost.py, next to the non-private step.
 
-``--phases`` (the table in docs/performance.md): wall-clock timers around the phases of a
+``--phases`` (the tables in benchmarks/README.md): wall-clock timers around the phases of a
 step, median over interleaved steps: forward, backward (and inside it the layers' input
 gradients, the engine's ghost/eager per-sample norms, clipped sums, and the streamed
 instantiation of transient layers, which computes norms and sums together), noise and

@@ -135,7 +135,7 @@ def test_gpt2_small_floor_instantiates_the_wide_layers_where_the_engine_ghosts_a
     """The floor counts flops only, with memory for any G_i: instantiating costs 4·B·m·n
     extra, ghost norms about B·T²·(m+n), so at T 256 and 1024 it instantiates every wide
     layer. The engine's layer-wise time rule ghost-norms the three wide layers of each
-    block at T 256 (docs/performance.md: ghost plus the clipped GEMM measured 0.83-0.87x
+    block at T 256 (benchmarks/README.md: ghost plus the clipped GEMM measured 0.83-0.87x
     the time of instantiating them there): instantiation writes and reads B·m·n per-sample
     values, memory traffic the floor does not count. At T 1024 both instantiate."""
     wide = ("attn.c_attn", "mlp.c_fc", "mlp.c_proj")

@@ -1,5 +1,5 @@
 """benchmarks/performance_page.py: the goals are computed from the measurements, and the
-generated block of the page is replaced in place."""
+generated blocks of the page and of the lab notes are replaced in place."""
 
 import json
 
@@ -34,33 +34,45 @@ def test_goals_are_met_or_not_by_the_numbers():
     assert "**not met**" in lines["layer-wise peak below all-layer peak"]
 
 
-def test_rendering_the_saved_numbers_rewrites_only_the_generated_block(tmp_path):
-    module = load()
-    page = tmp_path / "performance.md"
+def _pages(module, tmp_path):
+    """A page and a lab page, each with its generated block between prose."""
+    page, lab = tmp_path / "performance.md", tmp_path / "README.md"
     page.write_text(f"# title\n\nprose before\n\n{module.START}\nold tables\n{module.END}\n\nprose after\n")
-    module.main(["--render", str(BENCH / "results" / "performance_page.json"), "--page", str(page)])
-    text = page.read_text()
+    lab.write_text(f"# lab\n\nnotes before\n\n{module.LAB_START}\nold profiles\n{module.LAB_END}\n\nnotes after\n")
+    return page, lab
+
+
+def test_rendering_the_saved_numbers_rewrites_only_the_generated_blocks(tmp_path):
+    module = load()
+    page, lab = _pages(module, tmp_path)
+    saved = str(BENCH / "results" / "performance_page.json")
+    module.main(["--render", saved, "--page", str(page), "--lab-page", str(lab)])
+    text, notes = page.read_text(), lab.read_text()
     assert text.startswith("# title\n\nprose before") and text.endswith("prose after\n")
-    assert "old tables" not in text and "### Goals" in text and "| forward |" in text
+    assert "old tables" not in text and "### Goals" in text and "| dpclip layer |" in text
     assert text.count(module.START) == 1 and text.count(module.END) == 1
-    module.main(["--render", str(BENCH / "results" / "performance_page.json"), "--page", str(page)])
-    assert page.read_text() == text
+    assert notes.startswith("# lab\n\nnotes before") and notes.endswith("notes after\n")
+    assert "old profiles" not in notes and "| forward |" in notes and "### GPT-2 scaling" in notes
+    assert "### Goals" not in notes and "| forward |" not in text and "### GPT-2 scaling" not in text
+    assert "### digits CNN" in notes and "### digits CNN" not in text   # the page keeps the GPT-2 tables
+    module.main(["--render", saved, "--page", str(page), "--lab-page", str(lab)])
+    assert page.read_text() == text and lab.read_text() == notes
 
 
 @pytest.mark.slow  # an end-to-end smoke run of the benchmark: about a minute on 2 cores
-def test_smoke_run_rewrites_only_the_generated_block(tmp_path):
+def test_smoke_run_rewrites_only_the_generated_blocks(tmp_path):
     module = load()
-    page = tmp_path / "performance.md"
-    page.write_text(f"# title\n\nprose before\n\n{module.START}\nold tables\n{module.END}\n\nprose after\n")
+    page, lab = _pages(module, tmp_path)
     raw = tmp_path / "raw.json"
-    module.main(["--smoke", "--page", str(page), "--json", str(raw)])
-    text = page.read_text()
+    module.main(["--smoke", "--page", str(page), "--lab-page", str(lab), "--json", str(raw)])
+    text, notes = page.read_text(), lab.read_text()
     assert text.startswith("# title\n\nprose before") and text.endswith("prose after\n")
-    assert "old tables" not in text and "### Goals" in text and "| forward |" in text
-    assert "### Goals (issue 16), GPT-2 small" in text and "### Where the time goes: GPT-2 small" in text
-    # re-rendering the saved numbers gives the same page
-    module.main(["--render", str(raw), "--page", str(page)])
-    assert page.read_text() == text
+    assert "old tables" not in text and "### Goals" in text and "### Goals (issue 16), GPT-2 small" in text
+    assert "old profiles" not in notes and "| forward |" in notes
+    assert "### Where the time goes: GPT-2 small" in notes
+    # re-rendering the saved numbers gives the same pages
+    module.main(["--render", str(raw), "--page", str(page), "--lab-page", str(lab)])
+    assert page.read_text() == text and lab.read_text() == notes
     assert "phases" in json.loads(raw.read_text())
 
 
