@@ -29,7 +29,7 @@ LAYERS = [
     ("dpclip.data", "dpclip.models", "dpclip.engine", "dpclip.diagnose"),
     ("dpclip.accounting",),
     ("dpclip", "dpclip.errors", "dpclip.rng", "dpclip.allocator", "dpclip.threads", "dpclip.files",
-     "dpclip.release", "dpclip.layout", "dpclip.interrupt"),
+     "dpclip.release", "dpclip.layout", "dpclip.interrupt", "dpclip.torch_compat"),
 ]
 
 # Third-party packages a layer must never import, and why.
@@ -336,3 +336,109 @@ def test_layer_of_prefers_the_most_specific_unit():
     assert _layer_of("dpclip.errors") == len(LAYERS) - 1
     assert _layer_of("dpclip.engine.engine") == _layer_of("dpclip.data.sampler")
     assert _layer_of("dpclip.accounting.ledger") > _layer_of("dpclip.engine.engine")
+
+
+# --- torch's private API in one module (issue 53) --------------------------------------------
+
+# The one module that may use torch's private names (each wrapped and documented there).
+TORCH_COMPAT = "dpclip.torch_compat"
+# torch's private attributes of objects that are not reached through a torch module name: a
+# Module's own dicts, a tensor's view and version bookkeeping, the layer attributes dpclip reads.
+TORCH_PRIVATE_ATTRIBUTES = ("_parameters", "_buffers", "_modules", "_is_view", "_version", "_qkv_same_embed_dim",
+                            "_reversed_padding_repeated_twice")
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def private_torch_uses(tree: ast.AST) -> list[str]:
+    """torch's private API: an import path under torch with a component starting with "_"
+    (``import torch._dynamo``, ``from torch.utils._pytree import ...``, ``from torch.x import
+    _name``), an attribute path through such a component from torch or a name imported from it
+    (``torch._C``, ``nn.modules.batchnorm._BatchNorm``, ``F._canonical_mask``), or one of
+    :data:`TORCH_PRIVATE_ATTRIBUTES` on any object (``module._parameters``, ``t._version``).
+    Dunder names (``torch.__version__``) are public; a class without bases may keep an attribute
+    of such a name on ``self`` (its own, not a Module's)."""
+    roots = {"torch"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots.update(a.asname for a in node.names if a.asname and a.name.split(".")[0] == "torch")
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            roots.update(a.asname or a.name for a in node.names)
+    found: list[str] = []
+
+    def path(node: ast.AST) -> list[str] | None:
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+    def visit(node: ast.AST, own_class: bool) -> None:
+        if isinstance(node, ast.Import):
+            found.extend(f"import {a.name} line {node.lineno}" for a in node.names
+                         if a.name.split(".")[0] == "torch" and any(map(_private, a.name.split("."))))
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            found.extend(f"from {node.module} import {a.name} line {node.lineno}" for a in node.names
+                         if any(map(_private, [*node.module.split("."), a.name])))
+        elif isinstance(node, ast.Attribute):
+            parts = path(node)
+            if parts is not None and parts[0] in roots:
+                if any(map(_private, parts[1:])):
+                    found.append(f"{'.'.join(parts)} line {node.lineno}")
+                return   # the outermost attribute of the path has judged it whole
+            if node.attr in TORCH_PRIVATE_ATTRIBUTES and not (
+                    own_class and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                found.append(f"{ast.unparse(node)} line {node.lineno}")
+        elif isinstance(node, ast.ClassDef):
+            own_class = all(isinstance(b, ast.Name) and b.id == "object" for b in node.bases)
+        for child in ast.iter_child_nodes(node):
+            visit(child, own_class)
+
+    visit(tree, False)
+    return found
+
+
+def test_torch_private_api_is_used_only_through_the_compat_module():
+    bad = _violations(private_torch_uses, skip={TORCH_COMPAT})
+    assert not bad, ("wrap it in dpclip/torch_compat.py (what it is, why the public API does not do, the torch "
+                     "version checked) and use that:\n" + "\n".join(bad))
+
+
+def test_the_compat_module_is_where_the_private_api_is():
+    assert private_torch_uses(ast.parse(MODULES[TORCH_COMPAT].read_text(encoding="utf-8")))
+
+
+@pytest.mark.parametrize("bad, good", [
+    ("from torch.utils._pytree import tree_flatten\n", "from dpclip.torch_compat import tree_flatten\n"),
+    ("import torch._dynamo\n", "import torch.distributed\n"),
+    ("from torch.distributed.tensor import _redistribute\n", "from torch.distributed.tensor import DTensor\n"),
+    ("import torch\nwith torch._C.DisableTorchFunctionSubclass():\n    pass\n",
+     "import torch\nwith torch.DisableTorchFunctionSubclass():\n    pass\n"),
+    ("from torch import nn\nok = isinstance(m, nn.modules.batchnorm._BatchNorm)\n",
+     "from torch import nn\nok = isinstance(m, nn.BatchNorm2d)\n"),
+    ("import torch.nn.functional as F\nF._canonical_mask(mask=m)\n", "import torch\nv = torch.__version__\n"),
+    ("p = module._parameters\n", "p = own_parameters(module)\n"),
+    ("def f(t):\n    return t._version\n", "class Noise:\n    def f(self):\n        return self._buffers\n"),
+    ("class M(nn.Module):\n    def f(self):\n        return self._buffers\n", "x = obj._private_of_ours\n"),
+])
+def test_the_private_torch_rule_reports_a_bad_snippet_and_passes_a_good_one(bad, good):
+    assert private_torch_uses(ast.parse(bad)), f"missed: {bad!r}"
+    assert not private_torch_uses(ast.parse(good)), f"reported: {good!r}"
+
+
+def test_the_run_parts_are_typed_and_built_by_keyword():
+    """issue 53: no ``Any`` in the run's parts, and no part built positionally (the order of
+    21 positional fields was what a seeded run depended on)."""
+    import dataclasses
+    import typing
+
+    from dpclip.train import run_parts
+
+    source = (PACKAGE / "train" / "run_parts.py").read_text(encoding="utf-8")
+    assert not any(isinstance(node, ast.Name) and node.id == "Any" for node in ast.walk(ast.parse(source)))
+    for part in (run_parts.RunSetting, run_parts.Learner, run_parts.Feed, run_parts.RunParts):
+        hints = typing.get_type_hints(part)
+        assert all(field.kw_only for field in dataclasses.fields(part)), part.__name__
+        assert set(hints) >= {field.name for field in dataclasses.fields(part)}

@@ -88,111 +88,28 @@ def account(
 
       dpclip account runs/quickstart-20261121-101500
     """
-    from dpclip.planning import plan as planning
+    from dpclip.planning.account import AccountFlags, account_report
 
-    accountant_name = accountant.value
     if target is not None and target.is_dir():
         _account_directory(target, as_json, group_size)
         return
-    if target is not None:
-        flags = {"--eps": eps, "--delta": delta, "--sigma": sigma, "--sample-rate": sample_rate, "--steps": steps,
-                 "--batch-size": batch_size, "--epochs": epochs, "--aux": aux, "--aux-sigma": aux_sigma,
-                 "--aux-fraction": aux_fraction, "--bins": bins, "--groups": groups}
-        given = [name for name, value in flags.items() if value is not None]
-        if given:
-            from dpclip.errors import AccountingError
-
-            raise AccountingError(f"{', '.join(given)} cannot be combined with a recipe",
-                                  "change the recipe with key=value overrides, e.g. privacy.epsilon=4 (its "
-                                  "clipping groups K are counted on its model)")
-        from dpclip.recipe import load_recipe
-
-        recipe = load_recipe(target, overrides or [])
-        plan = planning.plan_for_recipe(recipe, dataset_size=dataset_size)
-        if accountant == AccountantChoice.pld:
-            accountant_name = recipe.privacy.accountant
-        bins = getattr(recipe.clipping.threshold, "bins", None)
-        title = f"recipe {recipe.name}"
-    else:
-        if overrides:
-            from dpclip.errors import AccountingError
-
-            raise AccountingError(f"unexpected arguments: {' '.join(overrides)}",
-                                  "key=value overrides need a recipe: dpclip account RECIPE.yaml key=value")
-        aux_spec = None
-        if bins is not None:
-            from dpclip.errors import AccountingError
-
-            if aux != "histogram":
-                raise AccountingError("--bins belongs to the DC-SGD histogram preset",
-                                      "use it with --aux histogram, e.g. --aux histogram --aux-sigma 5")
-            if bins < 2:
-                raise AccountingError(f"--bins must be at least 2, got {bins}", "the DC-SGD paper uses 20 bins")
-            error_console.print("[yellow]note:[/] --bins is deprecated and changes nothing: the histogram's "
-                                "sensitivity, so σ and ε, do not depend on the number of bins", soft_wrap=True)
-        if aux is not None:
-            aux_spec = _statistic(aux, groups or 1, aux_sigma, aux_fraction)
-        elif aux_sigma is not None or aux_fraction is not None:
-            from dpclip.errors import AccountingError
-
-            raise AccountingError("--aux-sigma / --aux-fraction need --aux histogram|quantile",
-                                  "e.g. --aux quantile --aux-fraction 0.01")
-        if (mechanism is MechanismChoice.banded_mf) != (bands is not None):
-            from dpclip.errors import AccountingError
-
-            raise AccountingError("--bands goes with --mechanism banded-mf, and banded-mf needs --bands",
-                                  "e.g. --mechanism banded-mf --bands 8")
-        if unit is UnitChoice.user:
-            dataset_size, batch_size = _user_flags(users, users_per_batch, max_examples_per_user, dataset_size,
-                                                   batch_size, sample_rate)
-        elif users is not None or users_per_batch is not None or max_examples_per_user is not None:
-            from dpclip.errors import AccountingError
-
-            raise AccountingError("--users, --users-per-batch and --max-examples-per-user go with --unit user",
-                                  "e.g. --unit user --users 10000 --users-per-batch 256 --max-examples-per-user 8")
-        if (mechanism is MechanismChoice.blt) != (buffers is not None):
-            from dpclip.errors import AccountingError
-
-            raise AccountingError("--buffers goes with --mechanism blt, and blt needs --buffers",
-                                  "e.g. --mechanism blt --buffers 2")
-        plan = planning.plan_from_flags(delta=delta, epsilon=eps, noise_multiplier=sigma, sample_rate=sample_rate,
-                                        steps=steps, dataset_size=dataset_size, batch_size=batch_size,
-                                        epochs=epochs, accountant="pld", sampling=sampling.value, aux=aux_spec,
-                                        bands=1 if bands is None else bands, buffers=buffers or 0,
-                                        unit=unit.value, max_examples_per_user=max_examples_per_user)
-        title = None
-    result = planning.solve_plan(plan, accountant_name)
-    group = None if group_size is None else _group(result.epsilon, plan.delta, group_size, plan.unit)
+    flags = AccountFlags(eps=eps, delta=delta, sigma=sigma, sample_rate=sample_rate, steps=steps,
+                         dataset_size=dataset_size, batch_size=batch_size, epochs=epochs, aux=aux, aux_sigma=aux_sigma,
+                         aux_fraction=aux_fraction, bins=bins, groups=groups, accountant=accountant.value,
+                         sampling=sampling.value, mechanism=mechanism.value, bands=bands, buffers=buffers,
+                         unit=unit.value, users=users, users_per_batch=users_per_batch,
+                         max_examples_per_user=max_examples_per_user, group_size=group_size)
+    report = account_report(flags, target, overrides or [], note=_note)
     if as_json:
-        print_json(_as_dict(plan, result, accountant_name, title, bins) | ({"group": group} if group else {}))
+        print_json(report.to_dict())
     else:
-        _render(plan, result, accountant_name, title, bins)
-        if group:
-            console.print(_group_line(group), soft_wrap=True)
+        _render(report)
+        if report.group:
+            console.print(_group_line(report.group), soft_wrap=True)
 
 
-def _user_flags(users, users_per_batch, max_examples_per_user, dataset_size, batch_size, sample_rate):
-    """(N, B) of a user-level plan from its flags: people and expected people per batch."""
-    from dpclip.errors import AccountingError
-
-    if dataset_size is not None or batch_size is not None:
-        raise AccountingError("--unit user counts people: give --users and --users-per-batch, not --dataset-size "
-                              "and --batch-size", "e.g. --unit user --users 10000 --users-per-batch 256")
-    if max_examples_per_user is None:
-        raise AccountingError("--unit user needs --max-examples-per-user (k, the most records of a person in a step)",
-                              "e.g. --max-examples-per-user 8")
-    if sample_rate is None and (users is None or users_per_batch is None):
-        raise AccountingError("--unit user needs --users and --users-per-batch (or --sample-rate, people per batch / "
-                              "people)", "e.g. --unit user --users 10000 --users-per-batch 256")
-    return users, users_per_batch
-
-
-def _group(epsilon: float, delta: float, group_size: int, unit: str = "example") -> dict:
-    from dpclip.accounting.group import group_privacy
-
-    group_epsilon, group_delta = group_privacy(epsilon, delta, group_size)
-    return {"group_size": group_size, "of": "people" if unit == "user" else "records", "epsilon": group_epsilon,
-            "delta": group_delta}
+def _note(text: str) -> None:
+    error_console.print(f"[yellow]note:[/] {text}", soft_wrap=True)
 
 
 def _group_line(group: dict) -> str:
@@ -201,20 +118,9 @@ def _group_line(group: dict) -> str:
             f"ε = {fmt(group['epsilon'])}, δ = {group['delta']:.3g} (kε, k·e^((k−1)ε)·δ; docs/users.md)")
 
 
-def _statistic(alias: str, groups: int, sigma: float | None, fraction: float | None):
-    """What the planner charges for the statistic ``alias`` of a registered threshold policy."""
-    # Lazy: the policy registry lives in the engine package, which imports torch.
-    from dpclip.engine.policies import statistic_aliases, statistic_spec
-    from dpclip.errors import AccountingError
-
-    spec = statistic_spec(alias)
-    if spec is None:
-        raise AccountingError(f"unknown --aux statistic {alias!r}", "use one of: " + ", ".join(statistic_aliases()))
-    return spec.aux_spec(groups, sigma, fraction)
-
-
 def _account_directory(target: Path, as_json: bool, group_size: int | None = None) -> None:
     """What a run directory, or a search directory of `tune-cost --run`, has spent."""
+    from dpclip.planning.account import group_guarantee
     from dpclip.rundir.searchdir import headline
     from dpclip.tuning.search import is_search_dir, read_search
 
@@ -235,7 +141,7 @@ def _account_directory(target: Path, as_json: bool, group_size: int | None = Non
     ledger, statement = found.run_ledger, found.run_statement
     selected_by = found.selected_by()
     unit = "user" if statement.unit.startswith("user-level") else "example"
-    group = None if group_size is None else _group(statement.epsilon, statement.delta, group_size, unit)
+    group = None if group_size is None else group_guarantee(statement.epsilon, statement.delta, group_size, unit)
     if selected_by is None:
         if as_json:
             print_json({"source": str(target), "ledger": ledger.to_dict(), "statement": statement.to_dict(),
@@ -265,39 +171,11 @@ def _selected(search) -> str | None:
     return None if search.selected_run is None else str(search.selected_run)
 
 
-def _as_dict(plan, result, accountant: str, title: str | None, bins: int | None = None) -> dict:
-    split = result.split
-    return {
-        "source": title or "flags",
-        "accountant": accountant,
-        "sample_rate": plan.sample_rate,
-        "steps": plan.steps,
-        "bands": plan.bands,
-        "mechanism": plan.mechanism,
-        "buffers": plan.buffers,
-        "groups": plan.groups,
-        "delta": plan.delta,
-        "target_epsilon": plan.target_epsilon,
-        "epsilon": result.epsilon,
-        "epsilon_rdp": result.epsilon_rdp,
-        "noise": {
-            "noise_multiplier": split.noise_multiplier,
-            "gradient_noise_multiplier": split.gradient_noise_multiplier,
-            "sigma_aux": split.sigma_aux,
-            "aux_sensitivity": split.aux_sensitivity,
-            "aux_fraction": split.aux_fraction,
-            "inflation": split.inflation,
-            "bins": bins,
-        },
-        "fallback_reason": result.fallback_reason,
-        "statement": result.statement.to_dict(),
-    }
-
-
-def _render(plan, result, accountant: str, title: str | None, bins: int | None = None) -> None:
-    split = result.split
-    if title:
-        console.print(f"[bold]{title}[/]")
+def _render(report) -> None:
+    """The noise and privacy tables of an :class:`~dpclip.planning.account.AccountReport`, and its statement."""
+    plan, result, split, bins = report.plan, report.result, report.result.split, report.bins
+    if report.title:
+        console.print(f"[bold]{report.title}[/]")
     table = Table(show_header=True, header_style="bold", title="noise")
     table.add_column("quantity")
     table.add_column("value", justify="right")

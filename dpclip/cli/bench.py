@@ -60,7 +60,7 @@ def bench(
         table.add_row(*row)
     console.print(table)
     console.print(f"{CHECKED.strip(', ').capitalize()}: a step that also runs the certificate, as the first step of "
-                  "a run and of each new batch shape do (docs/engine.md, \"The certificate\").")
+                  "a run and of each new batch shape do (docs/certificate.md).")
     if result.floor:
         console.print(floor_text(result.floor))
     if device != "cpu":

@@ -1,4 +1,4 @@
-"""`dpclip diagnose RECIPE|RUN_DIR`: Hessian diagnostics of DP training (docs/continual.md)."""
+"""`dpclip diagnose RECIPE|RUN_DIR`: Hessian diagnostics of DP training (docs/hessian-diagnostics.md)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import typer
@@ -172,10 +171,6 @@ def thread_count(threads: str | int | None) -> str | int:
                           "e.g. --threads 1 beside other jobs; leave it out for auto") from None
 
 
-def _is_override(text: str) -> bool:
-    return "=" in text and not Path(text).exists()
-
-
 def train(
     recipe: str = typer.Argument(None, metavar="[RECIPE]",
                                  help="Recipe YAML file (optional with --resume, whose overrides then follow)."),
@@ -208,64 +203,24 @@ def train(
     SIGTERM and Ctrl-C stop at the next step boundary with a checkpoint; resume with --resume.
     """
     # Lazy: `dpclip --help` and the other commands must not pay for torch and the training stack.
-    from dpclip.distributed import joined_world, launch, launched, rank_threads
-    from dpclip.errors import DpclipError, RecipeError
+    from dpclip.distributed import joined_world
     from dpclip.threads import configure
+    from dpclip.train.launch import (launch_ranks, raise_if_interrupted, run_threads, spawns_ranks,
+                                     training_recipes)
     from dpclip.train.workflow import train as run_training
 
-    if nproc is not None and nproc != 1 and not launched():
-        # The ranks run this same command, without --nproc, under torch.distributed's launcher (a dry
-        # run too: its plan and statement are the N processes', and a sharded model needs them).
-        args = ["train", *([recipe] if recipe is not None else []), *(overrides or []),
-                *(["--resume", str(resume)] if resume is not None else []), *(["--json"] if as_json else []),
-                *(["--threads", str(threads)] if threads is not None else []), *(["--dry-run"] if dry_run else [])]
-        launch(args, nproc, master_port=master_port, debug=bool(os.environ.get("DPCLIP_DEBUG")))
+    if spawns_ranks(nproc):
+        launch_ranks(recipe, overrides or [], resume=resume, as_json=as_json, threads=threads, dry_run=dry_run,
+                     nproc=nproc, master_port=master_port)
         return
-    if threads is None and resume is not None:
-        from dpclip.train.device import recorded_threads
-
-        threads = recorded_threads(resume)
-    configure(thread_count(rank_threads(threads)))  # ranks on one machine share its cores
-    overrides = list(overrides or [])
-    if resume is not None and recipe is not None and _is_override(recipe):
-        overrides, recipe = [recipe, *overrides], None  # `--resume RUN_DIR key=value ...`
-    if resume is not None and not Path(resume).is_dir():
-        raise DpclipError(f"run directory not found: {resume}", "pass a folder created by `dpclip train` under runs/")
-    loaded = file_recipe = None
-    if recipe is not None:
-        from dpclip.recipe import load_recipe
-
-        loaded = load_recipe(recipe, overrides)
-        if overrides and resume is None:
-            try:
-                file_recipe = load_recipe(recipe)  # σ of the file's own plan is shown beside the run's
-            except RecipeError:
-                file_recipe = None  # the file alone is incomplete: the overrides complete it
-    elif overrides:
-        if resume is None:
-            raise DpclipError("overrides need a recipe", "dpclip train RECIPE.yaml key=value ..., or "
-                              "dpclip train --resume RUN_DIR key=value ...")
-        from dpclip.rundir.run import run_recipe_with
-
-        loaded = run_recipe_with(resume, overrides)
-    elif resume is None:
-        raise DpclipError("nothing to train", "pass a recipe file (see `dpclip recipes list`), or --resume RUN_DIR")
+    configure(thread_count(run_threads(threads, resume)))
+    loaded, file_recipe = training_recipes(recipe, overrides or [], resume)
     with joined_world() as world:  # one of several ranks under torchrun, or None
         result = run_training(loaded, resume=resume, dry_run=dry_run, observer=RichObserver(quiet=as_json),
                               file_recipe=file_recipe, world=world)
         if world is None or world.main:  # rank 0 shows the result
             _show(result, as_json, dry_run)
-        if result.stopped == "interrupted":
-            from dpclip.distributed import announce_interrupted
-            from dpclip.errors import InterruptedRun
-
-            resume_command = f"dpclip train --resume {result.run_dir}" + (f" --nproc {world.size}" if world else "")
-            error = InterruptedRun(f"interrupted at step {result.steps_done}; a checkpoint was saved",
-                                   f"continue with: {resume_command}")
-            # Said once: by --nproc's launcher (rank 0 leaves it the note), else by rank 0.
-            told_launcher = world is not None and world.main and announce_interrupted(error.message, error.hint)
-            error.quiet = world is not None and (not world.main or told_launcher)
-            raise error
+        raise_if_interrupted(result, world)
 
 
 def _show(result, as_json: bool, dry_run: bool) -> None:

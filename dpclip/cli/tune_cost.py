@@ -67,42 +67,13 @@ def tune_cost(
       dpclip tune-cost recipes/quickstart.yaml --no-measure --step-seconds 0.2 -N 60000
     """
     # Lazy: `dpclip --help` and the other commands must not pay for torch and the tuning stack.
-    from dpclip.errors import DpclipError
-    from dpclip.recipe import read_recipe_data, validate_recipe
-    from dpclip.tuning.compare import tune_cost_compared
-    from dpclip.tuning.cost import StepTimer
-    from dpclip.tuning.cost import tune_cost as run_tune_cost
-    from dpclip.tuning.search import run_search
+    from dpclip.tuning.report import TuneCostOptions, tune_cost_report
 
-    if measure and step_seconds is not None:
-        raise DpclipError("--step-seconds is used only with --no-measure",
-                          "pass --no-measure --step-seconds S, or drop --step-seconds to measure")
-    if measure and run_seconds is not None:
-        raise DpclipError("--run-seconds is used only with --no-measure",
-                          "pass --no-measure --step-seconds S --run-seconds R, or drop --run-seconds to measure")
-    if not measure and (step_seconds is None or not step_seconds > 0):
-        raise DpclipError("--no-measure needs --step-seconds S (a positive number of seconds)",
-                          "e.g. --no-measure --step-seconds 0.25")
-    if calibration_steps < 1 or warmup_steps < 0:
-        raise DpclipError("--calibration-steps must be >= 1 and --warmup-steps >= 0", "e.g. --calibration-steps 10")
-    if run and dataset_size is not None:
-        raise DpclipError("--run trains on the recipe's own data, so --dataset-size cannot be used with it",
-                          "drop --dataset-size to run the search")
-    base = read_recipe_data(recipe_path, overrides or [])  # paths resolved as load_recipe does
-    recipe = validate_recipe(base, source=str(recipe_path))
-    bar = ProgressBar(quiet=as_json)
-    timer = StepTimer(calibration_steps, warmup_steps, None if measure else step_seconds, bar,
-                      run_overhead=None if measure else (run_seconds or 0.0))
-    try:
-        # --compare: the comparison builds on the cost report (dpclip.tuning.compare uses cost, not the reverse).
-        cost = tune_cost_compared if compare else run_tune_cost
-        report = cost(base, recipe, grid=grid or [], random_draws=random_draws, timer=timer,
-                      dataset_size=dataset_size, source=str(recipe_path))
-    finally:
-        bar.stop()
-    if run:
-        report.search = run_search(base, recipe, report, grid=grid or [], random_draws=random_draws,
-                                   on_trial=None if as_json else _show_trial)
+    options = TuneCostOptions(grid=tuple(grid or ()), random_draws=random_draws, calibration_steps=calibration_steps,
+                              warmup_steps=warmup_steps, measure=measure, step_seconds=step_seconds,
+                              run_seconds=run_seconds, dataset_size=dataset_size, compare=compare, run=run)
+    report = tune_cost_report(recipe_path, overrides or [], options, ProgressBar(quiet=as_json),
+                              on_trial=None if as_json else _show_trial)
     payload = json_safe(report.to_dict())
     if out is not None:
         out.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
@@ -136,7 +107,17 @@ def _render(report) -> None:
     console.print(f"[bold]{report.recipe}[/]: {report.configurations} configuration"
                   f"{'' if report.configurations == 1 else 's'}, "
                   f"N = {report.dataset_size}, {privacy.steps} steps per run (q = {fmt(privacy.sample_rate)})")
+    _render_compute(report)
+    _render_privacy(privacy)
+    if report.comparison:
+        _render_comparison(report.comparison)
+    if report.search is not None:
+        _render_search(report.search)
 
+
+def _render_compute(report) -> None:
+    """Seconds per step and per run, and the hours of the search (with a table of the runs when they differ)."""
+    privacy = report.privacy
     compute = Table(title="compute", header_style="bold")
     compute.add_column("quantity")
     compute.add_column("value", justify="right")
@@ -162,6 +143,9 @@ def _render(report) -> None:
             runs.add_row(run.label, fmt(run.step_seconds), _hours(run.hours))
         console.print(runs)
 
+
+def _render_privacy(privacy) -> None:
+    """The search's ε under each strategy, with a note on each, and how the selection is scored."""
     eps = Table(title=f"privacy: whole search within ε = {privacy.target_epsilon:g}, δ = {privacy.delta:g}",
                 header_style="bold")
     eps.add_column("accounting")
@@ -175,18 +159,7 @@ def _render(report) -> None:
                 fmt(privacy.epsilon_naive_at_recipe_sigma), f"{privacy.delta:g}")
     notes = []
     for strategy in privacy.strategies:
-        detail = strategy.detail
-        if "infeasible" in detail:
-            notes.append(f"{strategy.name}: [red]infeasible[/]: {detail['infeasible']}")
-        elif strategy.name == "naive":
-            notes.append(f"naive: {_runs(detail['runs'])} composed ({strategy.accountant})")
-        elif strategy.name == "liu-talwar":
-            notes.append(f"liu-talwar: per run (ε₁, δ₁) = ({fmt(detail['epsilon_run'])}, "
-                         f"{detail['delta_run']:.4g}), γ = {fmt(detail['gamma'])}, δ₂ = {detail['delta_stop']:g}, "
-                         f"T = {detail['max_runs']:.1f} ({strategy.accountant})")
-        else:
-            shape = "Poisson" if detail["shape"] is None else f"truncated neg. binomial η = {detail['shape']:g}"
-            notes.append(f"repeat-and-select: K ~ {shape}, E[K] = {detail['mean']:g} (rdp)")
+        notes.append(_strategy_note(strategy))
         eps.add_row(strategy.name, fmt(strategy.noise_multiplier), fmt(strategy.gradient_noise_multiplier), fmt(strategy.epsilon),
                     f"{strategy.delta:g}")
     console.print(eps)
@@ -199,35 +172,53 @@ def _render(report) -> None:
         console.print("selection score: public (the held-out split is public data by the recipe's claim; "
                       "nothing is charged for it)", soft_wrap=True)
 
-    if report.comparison:
-        table = Table(title="clipping methods: the same search", header_style="bold")
-        for name, justify in (("method", "left"), ("runs", "right"), ("s/step", "right"), ("search", "right"),
-                              ("speedup", "right"), ("σ grad. R&S", "right"), ("σ grad. naive", "right")):
-            table.add_column(name, justify=justify)
-        skipped = []
-        for row in report.comparison:
-            if "skipped" in row:
-                skipped.append(f"  {row['method']} left out: {row['skipped']}")
-                continue
-            speedup = row["speedup_vs_fixed"]
-            table.add_row(row["method"], str(row["runs"]), fmt(row["step_seconds"], 3),
-                          _hours(row["search_hours"]), "n/a" if speedup is None else f"{speedup:.2f}x",
-                          fmt(row["gradient_noise_multiplier_repeat_and_select"]),
-                          fmt(row["gradient_noise_multiplier_naive"]))
-        console.print(table)
-        for line in skipped:
-            console.print(line, soft_wrap=True)
-        console.print("  speedup: search time of fixed-C DP-SGD over the C grid / this method's; σ grad.: per-run "
-                      "gradient noise multiplier keeping the whole search within ε (R&S: repeat-and-select)",
-                      soft_wrap=True)
 
-    if report.search is not None:
-        search = report.search
-        console.print(f"[bold]search[/] {search['search_dir']} ({search['stopped']}): "
-                      f"ε = {fmt(search['epsilon'])} at δ = {search['delta']:g} ({search['accountant']}); "
-                      f"selected: {search['selected_run'] or 'none'}", soft_wrap=True)
-        if search["selected_run"]:
-            console.print(f"  released: the selected run ({search['selected_configuration']}) and its score "
-                          f"{fmt(search['selected_score'])}; `dpclip account` on it reports the search's ε",
-                          soft_wrap=True)
-        console.print(f"  not released: {search['not_released']}", soft_wrap=True)
+def _strategy_note(strategy) -> str:
+    """One line on how a search strategy was accounted (or why it is infeasible)."""
+    detail = strategy.detail
+    if "infeasible" in detail:
+        return f"{strategy.name}: [red]infeasible[/]: {detail['infeasible']}"
+    if strategy.name == "naive":
+        return f"naive: {_runs(detail['runs'])} composed ({strategy.accountant})"
+    if strategy.name == "liu-talwar":
+        return (f"liu-talwar: per run (ε₁, δ₁) = ({fmt(detail['epsilon_run'])}, "
+                f"{detail['delta_run']:.4g}), γ = {fmt(detail['gamma'])}, δ₂ = {detail['delta_stop']:g}, "
+                f"T = {detail['max_runs']:.1f} ({strategy.accountant})")
+    shape = "Poisson" if detail["shape"] is None else f"truncated neg. binomial η = {detail['shape']:g}"
+    return f"repeat-and-select: K ~ {shape}, E[K] = {detail['mean']:g} (rdp)"
+
+
+def _render_comparison(comparison) -> None:
+    """--compare: the same search for each clipping method."""
+    table = Table(title="clipping methods: the same search", header_style="bold")
+    for name, justify in (("method", "left"), ("runs", "right"), ("s/step", "right"), ("search", "right"),
+                          ("speedup", "right"), ("σ grad. R&S", "right"), ("σ grad. naive", "right")):
+        table.add_column(name, justify=justify)
+    skipped = []
+    for row in comparison:
+        if "skipped" in row:
+            skipped.append(f"  {row['method']} left out: {row['skipped']}")
+            continue
+        speedup = row["speedup_vs_fixed"]
+        table.add_row(row["method"], str(row["runs"]), fmt(row["step_seconds"], 3),
+                      _hours(row["search_hours"]), "n/a" if speedup is None else f"{speedup:.2f}x",
+                      fmt(row["gradient_noise_multiplier_repeat_and_select"]),
+                      fmt(row["gradient_noise_multiplier_naive"]))
+    console.print(table)
+    for line in skipped:
+        console.print(line, soft_wrap=True)
+    console.print("  speedup: search time of fixed-C DP-SGD over the C grid / this method's; σ grad.: per-run "
+                  "gradient noise multiplier keeping the whole search within ε (R&S: repeat-and-select)",
+                  soft_wrap=True)
+
+
+def _render_search(search) -> None:
+    """--run: the search performed, what it released and what it did not."""
+    console.print(f"[bold]search[/] {search['search_dir']} ({search['stopped']}): "
+                  f"ε = {fmt(search['epsilon'])} at δ = {search['delta']:g} ({search['accountant']}); "
+                  f"selected: {search['selected_run'] or 'none'}", soft_wrap=True)
+    if search["selected_run"]:
+        console.print(f"  released: the selected run ({search['selected_configuration']}) and its score "
+                      f"{fmt(search['selected_score'])}; `dpclip account` on it reports the search's ε",
+                      soft_wrap=True)
+    console.print(f"  not released: {search['not_released']}", soft_wrap=True)

@@ -28,6 +28,7 @@ import math
 import re
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,8 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from dpclip.data import micro_batches, select
 from dpclip.distributed.world import RESUME_HINT, PeerStopped, World, run_collective
 from dpclip.engine import DPEngine, StepReport, build_groups, trainable_params
+from dpclip.engine.spec import ClippingSpec
+from dpclip.engine.step_end import StepOutcome, end_private_step
 from dpclip.errors import DpclipError
 
 SEQUENTIAL_HINT = ("pipeline stages cut an nn.Sequential model (model.kind mlp or cnn) at top-level modules; "
@@ -192,7 +195,7 @@ class PipelineEngine:
         self.engine.detach()
 
 
-def certify_before_cut(model: nn.Module, clipping: dict, expected_batch_size: int, run_losses):
+def certify_before_cut(model: nn.Module, clipping: ClippingSpec, expected_batch_size: int, run_losses):
     """The certificate's check of the whole model, before it is cut into stages (a stage's backward
     starts from the next stage's gradient, so no stage's step can replay a sample alone): an engine
     on the whole model with the clipping of one process, detached after. ``run_losses()``:
@@ -201,14 +204,15 @@ def certify_before_cut(model: nn.Module, clipping: dict, expected_batch_size: in
         return whole.certify(run_losses, before="the pipeline cut")
 
 
-def pipeline_engine(model: nn.Module, clipping: dict, world: World, *, run_losses: Callable[[], torch.Tensor],
+def pipeline_engine(model: nn.Module, clipping: ClippingSpec | dict, world: World, *, run_losses: Callable[[], torch.Tensor],
                     flat: bool = False, **engine_args) -> PipelineEngine:
     """This rank's stage of ``model`` with its engine. ``clipping`` is the whole model's (a
     ``{stages: [...]}`` grouping of one stage per rank); ``flat``: one threshold over all stages
     instead (its grouping names the cut only). ``run_losses()``: per-sample losses of the whole
     model on a few training rows, on which every rank checks the whole model first
     (:func:`certify_before_cut`); a refusal on any rank stops every rank."""
-    grouping = clipping.get("grouping")
+    clipping = ClippingSpec.of(clipping)
+    grouping = clipping.grouping
     if not isinstance(grouping, dict) or "stages" not in grouping:
         raise DpclipError("training.parallel: pipeline cuts the model where clipping.grouping: {stages: [...]} "
                           "starts its stages", "set clipping.grouping to {stages: [regex, ...]}, one per process")
@@ -222,13 +226,13 @@ def pipeline_engine(model: nn.Module, clipping: dict, world: World, *, run_losse
     expected = {id(groups.params[i].param) for i in groups.members[world.rank]}
     if not flat and mine & {id(p.param) for p in groups.params} != expected:
         raise DpclipError("the pipeline's cut does not match the stages grouping", SEQUENTIAL_HINT)
-    local = dict(clipping, grouping="all-layer")
+    local = replace(clipping, grouping="all-layer")
     if flat:
-        if clipping["threshold"].get("kind") != "fixed":
+        if clipping.threshold_dict().get("kind") != "fixed":
             raise DpclipError("one flat threshold over pipeline stages takes a fixed threshold", None)
     else:
-        local["threshold"] = stage_threshold(clipping["threshold"], world.rank, world.size)
-    whole = dict(clipping, grouping="all-layer") if flat else clipping
+        local = replace(local, threshold=stage_threshold(clipping.threshold_dict(), world.rank, world.size))
+    whole = replace(clipping, grouping="all-layer") if flat else clipping
     checked = world.on_every_rank(lambda: certify_before_cut(model, whole, engine_args.get("expected_batch_size", 1),
                                                              run_losses))
     link = StageLinkOverRanks(world, flat=flat)
@@ -246,8 +250,10 @@ class PipelineStep:
     rank 0's Poisson draw goes to every stage; the batch runs through the stages in GPipe rounds
     of ``chunks`` micro-batches of ``micro_batch_size`` rows (the last round padded), the stages
     working on different micro-batches at once; then every stage privatizes its own parameters
-    and takes its optimizer step. The loss is the last stage's, the batch size rank 0's: summed
-    over the ranks (:func:`dpclip.train.ranks.global_outcome`), they are the batch's.
+    and takes its optimizer step, ending as every private step does
+    (:func:`~dpclip.engine.step_end.end_private_step`, the one :class:`~dpclip.engine.step_end.StepOutcome`).
+    The loss is the last stage's, the batch size rank 0's: summed over the ranks
+    (:func:`dpclip.train.ranks.global_outcome`), they are the batch's.
     ``chunks`` defaults to the micro-batches of an expected batch.
     """
 
@@ -276,7 +282,7 @@ class PipelineStep:
         self._loss_sum += float((per_sample.detach() * weights).sum())
         return (per_sample * weights).sum()
 
-    def __call__(self, indices: torch.Tensor, before_update=None):
+    def __call__(self, indices: torch.Tensor, before_update: Callable[[StepReport], None] | None = None) -> StepOutcome:
         started = time.perf_counter()
         indices = self.world.broadcast(indices)   # rank 0's draw: every stage runs the same batch
         rows = self.micro_batch_size
@@ -296,13 +302,8 @@ class PipelineStep:
             if self.engine.link.flat:  # the norms of all the round's chunks, summed over the stages
                 for _ in range(self.chunks):
                     self.engine.engine.finish_micro_batch()
-        report = self.engine.privatize()
-        if before_update is not None:
-            before_update(report)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return _Outcome(report, self._loss_sum if self.last else 0.0, len(indices) if self.first else 0,
-                        time.perf_counter() - started)
+        return end_private_step(self.engine, self.optimizer, before_update, self._loss_sum if self.last else 0.0,
+                                len(indices) if self.first else 0, started)
 
 
 def pipeline_input(loss_fn) -> str:
@@ -355,14 +356,6 @@ def _padded(batch: dict[str, torch.Tensor], size: int) -> dict[str, torch.Tensor
     if n == size:
         return batch
     return {k: torch.cat([v, v.new_zeros((size - n, *v.shape[1:]))]) for k, v in batch.items()}
-
-
-class _Outcome:
-    """The fields of dpclip.train.step.StepOutcome (the trainer reads them); the train layer
-    sits above this one, so its class cannot be imported here."""
-
-    def __init__(self, report, loss_sum, batch_size, seconds):
-        self.report, self.loss_sum, self.batch_size, self.seconds = report, loss_sum, batch_size, seconds
 
 
 def sync_stages(model: nn.Module, bounds: list[tuple[int, int]], world: World) -> None:

@@ -13,7 +13,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 _HOMES = {
-    "DPEngine": "engine", "StepReport": "report", "DEFAULT_CLIPPING": "engine",
+    "DPEngine": "engine", "StepReport": "report", "CLIPPING_DEFAULTS": "spec", "ClippingSpec": "spec",
     "Groups": "groups", "build_groups": "groups", "trainable_params": "groups",
     "effective_noise_multiplier": "noise",
     "LayerRule": "layers", "register_layer_rule": "layers",
@@ -40,7 +40,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from dpclip.engine.engine import DEFAULT_CLIPPING, DPEngine
+    from dpclip.engine.engine import DPEngine
+    from dpclip.engine.spec import CLIPPING_DEFAULTS, ClippingSpec
     from dpclip.engine.report import StepReport
     from dpclip.engine.groups import Groups, build_groups, trainable_params
     from dpclip.engine.layers import LayerRule, register_layer_rule

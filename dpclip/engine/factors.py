@@ -16,7 +16,7 @@ rows; ``g > 1`` only for grouped convolutions), is
 
     G_i = [ L_{i,1}ᵀ R_{i,1} ; ... ; L_{i,g}ᵀ R_{i,g} ],   L_{i,j}: T x m,  R_{i,j}: T x n
 
-(groupwise-clipping paper §2.2, eq. (3); docs/engine.md). A :class:`Bilinear` *use* keeps
+(groupwise-clipping paper §2.2, eq. (3); docs/layer-rules.md). A :class:`Bilinear` *use* keeps
 the factors ``L`` and ``R`` instead of ``G``:
 
 =====================  ===================  =================  ==================
@@ -50,9 +50,9 @@ from torch import Tensor
 from dpclip.engine.grams import GHOST_MAX_STRIPS, GHOST_MIN_BLOCK, GramCache, symmetric_ghost, ghost_strips  # noqa: F401
 from dpclip.engine.sums import as_rows, batched_dot, sum_of_squares
 from dpclip.engine.precision import widened
+from dpclip.engine.spec import NORM_METHODS  # noqa: F401 (re-exported)
 from dpclip.errors import EngineError
 
-NORM_METHODS = ("auto", "ghost", "instantiate")
 
 
 # --------------------------------------------------------------------------- uses
@@ -106,7 +106,7 @@ def widened_use(use: Use, dtype: torch.dtype) -> Use:
 def ghost_norm_sq(left: Tensor, right: Tensor) -> Tensor:
     """||Σ_t L_tᵀ R_t||_F² per sample without forming the gradient ("ghost norm").
 
-    ||G||_F² = Σ_{t,s} (L Lᵀ)_{ts} (R Rᵀ)_{ts}  (docs/engine.md; Li et al. 2021 via the
+    ||G||_F² = Σ_{t,s} (L Lᵀ)_{ts} (R Rᵀ)_{ts}  (docs/layer-rules.md; Li et al. 2021 via the
     groupwise-clipping paper §2.2). Cost O(T²(m+n)) (5/8 of it at T ≥ 128: both Grams are
     symmetric, see :func:`symmetric_ghost`), memory O(T²). Shapes ``[B, g, T, m]`` and
     ``[B, g, T, n]`` -> ``[B]`` (blocks summed).
@@ -159,7 +159,7 @@ def instantiate(use: Bilinear) -> Tensor:
 def _cross_ids_dense(ids_use: Bilinear, dense_use: Bilinear) -> Tensor:
     """<onehot(x)ᵀ R_e, Lᵀ R> per sample = Σ_{t,s} L[s, x_t] <R_e[t], R[s]>.
 
-    This is docs/engine.md's exact tied-embedding cross term
+    This is docs/layer-rules.md's exact tied-embedding cross term
     2·Σ_{t,s} b^h[s, x_t]·<b^e_t, h_s> (without the factor 2): the head's output grad
     b^h plays L, its input h plays R. Cost O(T_e·T_h·n); never forms V x n matrices.
     """
@@ -222,7 +222,7 @@ def choose_ghost(use: Bilinear, method: str, transient: bool = False) -> bool:
     ``transient=False`` (G_i would wait for other layers' norms, e.g. all-layer clipping):
     a memory rule, instantiate iff G_i is no larger than its factors (m·n ≤ T·(m+n) for a
     dense use), which it then replaces: the stash never grows, and the clipped sum becomes
-    a cheap Σ_i c_i G_i. FastDP's space rule (ghost iff 2T² < m·n, docs/engine.md) only
+    a cheap Σ_i c_i G_i. FastDP's space rule (ghost iff 2T² < m·n, docs/layer-rules.md) only
     instantiates where this one does too (2T² ≥ m·n implies T(m+n) ≥ 2T·sqrt(m·n) ≥ m·n).
 
     ``transient=True`` (the group is finalized right after this parameter, e.g. layer-wise
@@ -314,7 +314,7 @@ def param_norm_sq(uses: list[Use], shape: torch.Size, method: str = "auto",
     Uses are merged into at most three parts: dense-factor Bilinear uses concatenated
     along T (D), id-factor uses concatenated along T (E), and everything instantiated,
     summed (I). Then ||D+E+I||² = ||D||² + ||E||² + ||I||² + 2(<D,E> + <D,I> + <E,I>),
-    each term computed without forming V x n matrices for embeddings (docs/engine.md).
+    each term computed without forming V x n matrices for embeddings (docs/layer-rules.md).
     The mixed rule (:func:`choose_ghost`; ``transient``: the clipped sum follows at once)
     decides per part whether D or E is ghost-normed or instantiated.
 

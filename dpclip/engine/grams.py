@@ -1,7 +1,7 @@
 """Gram matrices for ghost norms: symmetric strips, and one Gram per shared input.
 
 A ghost norm ||Σ_t L_tᵀ R_t||² = Σ_{t,s} (L Lᵀ)_{ts} (R Rᵀ)_{ts} needs two T x T Grams
-(docs/engine.md, "Symmetric Grams" and "One Gram per shared input"). Pure tensor math;
+(docs/layer-rules.md, "Symmetric Grams" and "One Gram per shared input"). Pure tensor math;
 :mod:`dpclip.engine.factors` builds the norms of parameters on it.
 """
 
@@ -162,24 +162,10 @@ class GramCache:
         return value
 
 
-def symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
-                     strips: int | None = None, cache: GramCache | None = None) -> tuple[Tensor, Tensor]:
-    """(Σ_{t,s} (L Lᵀ)_{ts} (R Rᵀ)_{ts}, Σ_t (L Lᵀ)_{tt} (R Rᵀ)_{tt}) over the T axis, using
-    the symmetry of both Grams.
-
-    Cut the columns s into k strips [lo_j, hi_j) (:func:`ghost_strips`). Strip j of a Gram,
-    rows t < hi_j, is one GEMM, X[:hi_j] X[lo_j:hi_j]ᵀ; its rows t < lo_j lie above the
-    diagonal and stand for their mirror images too (weight 2), its rows lo_j ≤ t < hi_j are
-    the diagonal block (weight 1). So the sum is exact (reordered), and the Gram work is
-    (k+1)/(2k) of the plain product: 3/4, 5/8 and 9/16 at k = 2, 4 and 8, in k GEMMs whose rows
-    stay whole (the recursive halving this replaced reached the same counts in many smaller
-    GEMMs, and measured slower: docs/performance.md, "The floor"). The second value, the
-    atoms' squared sizes Σ_t ||L_t||²||R_t||² that bound the first's round-off
-    (:mod:`dpclip.engine.cancellation`), is read off the diagonal blocks for free.
-    ``left`` is ``[..., T, m]`` (or ids ``[..., T]``), ``right`` ``[..., T, n]`` -> ``[...]``;
-    ``strips`` overrides k (benchmarks/norm_rule.py compares them); ``cache`` lends the Gram
-    of a factor a previous call already read (:class:`GramCache`).
-    """
+def _strip_plan(left: Tensor, right: Tensor, left_ids: bool, strips: int | None) -> tuple[int, int | None, int | None]:
+    """(k, the left factor's panel width, the right's) for :func:`symmetric_ghost`: ``strips`` (or
+    :func:`ghost_strips`'s count for these factors) within [1, T], and the wider factor read in
+    panels where :func:`ghost_panel` says so (float32/64 only), each capped for rounding."""
     t = right.shape[-2]
     panel_left = panel_right = None
     if strips is None:
@@ -195,8 +181,29 @@ def symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
             panel_right = panel
         strips = ghost_strips(t, right.device, max(left_bytes, right_bytes), panelled=panel is not None)
     strips = max(1, min(int(strips), t))
-    panel_left = _rounding_panel(panel_left, left, left_ids)
-    panel_right = _rounding_panel(panel_right, right, False)
+    return strips, _rounding_panel(panel_left, left, left_ids), _rounding_panel(panel_right, right, False)
+
+
+def symmetric_ghost(left: Tensor, right: Tensor, left_ids: bool,
+                     strips: int | None = None, cache: GramCache | None = None) -> tuple[Tensor, Tensor]:
+    """(Σ_{t,s} (L Lᵀ)_{ts} (R Rᵀ)_{ts}, Σ_t (L Lᵀ)_{tt} (R Rᵀ)_{tt}) over the T axis, using
+    the symmetry of both Grams.
+
+    Cut the columns s into k strips [lo_j, hi_j) (:func:`ghost_strips`). Strip j of a Gram,
+    rows t < hi_j, is one GEMM, X[:hi_j] X[lo_j:hi_j]ᵀ; its rows t < lo_j lie above the
+    diagonal and stand for their mirror images too (weight 2), its rows lo_j ≤ t < hi_j are
+    the diagonal block (weight 1). So the sum is exact (reordered), and the Gram work is
+    (k+1)/(2k) of the plain product: 3/4, 5/8 and 9/16 at k = 2, 4 and 8, in k GEMMs whose rows
+    stay whole (the recursive halving this replaced reached the same counts in many smaller
+    GEMMs, and measured slower: benchmarks/README.md, "What the engine does for speed"). The second value, the
+    atoms' squared sizes Σ_t ||L_t||²||R_t||² that bound the first's round-off
+    (:mod:`dpclip.engine.cancellation`), is read off the diagonal blocks for free.
+    ``left`` is ``[..., T, m]`` (or ids ``[..., T]``), ``right`` ``[..., T, n]`` -> ``[...]``;
+    ``strips`` overrides k (benchmarks/norm_rule.py compares them); ``cache`` lends the Gram
+    of a factor a previous call already read (:class:`GramCache`).
+    """
+    t = right.shape[-2]
+    strips, panel_left, panel_right = _strip_plan(left, right, left_ids, strips)
     if strips == 1 and panel_left is None and panel_right is None:
         if cache is None:
             gram_right = _gram(right, False)

@@ -7,9 +7,14 @@ is freed (groupwise-clipping paper Alg. 1 and §6: finer groups release memory e
 docs/engine.md, "Groups and early finalization"). :class:`DPEngine` builds the
 :class:`StepContext` once and hands every micro-batch what it needs explicitly.
 
+Two classes, one per half: :class:`MicroBatchNorms` takes the uses in and makes each group's
+norm² (certified in float64 where its terms cancel); :class:`MicroBatch` adds the clip factors
+and the clipped sums, finalizing a group once its norm² is complete.
+
 Length: over 400 lines, because a group's norm², its certification, its clip factors and
 its sums are one protocol over the same per-group state (pending, stashed, read back,
-waiting to be finalized together); the arithmetic itself is in :mod:`dpclip.engine.groupwise`.
+waiting to be finalized together), and the module's constants are what tests and benchmarks
+patch; the arithmetic itself is in :mod:`dpclip.engine.groupwise`.
 """
 
 from __future__ import annotations
@@ -84,37 +89,19 @@ class StepTotals:
     nonfinite: Tensor
 
 
-class MicroBatch:
-    """One engine.backward: pending uses per parameter, group norms, finalization.
+class MicroBatchNorms:
+    """The first half of a micro-batch (:class:`MicroBatch`): the uses of its backward in, its
+    per-sample norms² group by group out, certified where terms cancel.
 
     ``pending[j]`` counts the forward calls of parameter j whose backward has not
-    arrived; ``group_left[k]`` counts group k's parameters with uses still pending.
-    ``thresholds`` [K] are the policy's; ``per_sample_thresholds`` (norms [b, K] ->
-    thresholds [b, K] or None) is given for a per-sample policy, which needs all K norms
-    of a sample first: every group is then finalized at the end. Results are added into
-    ``totals`` (the step's accumulators, owned by the engine).
+    arrived; ``group_left[k]`` counts group k's parameters with uses still pending. When
+    the last one is done, :meth:`_group_complete` is called with k. Each parameter's uses
+    become its ``parts`` (the stash its clipped sum is made from later) and a term of its
+    group's norm² [b]; the stash is metered in ``meter``.
     """
 
-    def __init__(self, ctx: StepContext, totals: StepTotals, batch: int, pending: list[int],
-                 thresholds: Tensor, per_sample_thresholds: Callable | None = None,
-                 loss_scale: float = 1.0, row_weights: Tensor | None = None, sum_scale: float = 1.0):
+    def __init__(self, ctx: StepContext, batch: int, pending: list[int]):
         self.ctx = ctx
-        # The sums are wanted as Σ_i c_i G_i / B (``p.grad`` before noise, B the expected batch
-        # size): the 1/B rides on the clip factors, B numbers, instead of a pass over every
-        # gradient coordinate at the end of the step.
-        self.sum_scale = None if sum_scale == 1.0 else float(sum_scale)
-        # Per-row weights on the clip factors (a person's records weigh 1 together under
-        # user-level privacy, docs/users.md): each row's clipped gradient is scaled by its
-        # weight, so the sum moves by at most Σ weights · C when those rows go.
-        self.row_weights = None if row_weights is None else row_weights.to(ctx.device, ctx.norm_dtype)
-        # The backward was seeded with loss_scale (float16): every norm it gives is
-        # loss_scale times the sample's, so norms and clip factors are divided by it before
-        # anything compares them with a threshold (docs/engine.md, "Mixed precision").
-        if not (isinstance(loss_scale, (int, float)) and math.isfinite(loss_scale) and loss_scale > 0):
-            raise EngineError(f"loss_scale must be a positive finite number, got {loss_scale!r}",
-                              "use a power of two such as 1024")
-        self.unscale = None if loss_scale == 1.0 else 1.0 / loss_scale
-        self.totals = totals
         self.batch = batch
         self.pending = pending
         k = len(ctx.members)
@@ -126,14 +113,13 @@ class MicroBatch:
                 self.group_left[ctx.group_of[idx]] += 1
         # Group k's norm² [b]: its parameters' terms, summed when first read (one stack and
         # one sum for a group of many parameters, not one add per parameter: on a GPU each
-        # is a kernel launch, and the host's launches bound a small step; docs/engine.md).
+        # is a kernel launch, and the host's launches bound a small step; docs/layer-rules.md, "Work per group").
         self.sq_terms: list[list[Tensor]] = [[] for _ in range(k)]
         # Small instantiated gradients (biases, a norm's affine): (index, G [b, ...]) per group,
         # normed together in one concatenation when the group's norm² is first read, and
-        # clipped and summed from it in one product (_dense_sums).
+        # clipped and summed from it in one product (MicroBatch._dense_sums).
         self.dense_terms: list[list[tuple[int, Tensor]]] = [[] for _ in range(k)]
         self.dense_flat: list[tuple[Tensor, list[int]] | None] = [None] * k
-        self.norms: list[Tensor | None] = [None] * k
         self.streamed: set[int] = set()   # parameters whose G_i are instantiated at finalization
         # Cancellation (dpclip.engine.cancellation): per parameter read from factors, what
         # its check needs (norm² [b], atoms' D [b], the bound's factor), checked for the
@@ -142,35 +128,16 @@ class MicroBatch:
         self.checks: dict[int, tuple[Tensor, Tensor, float]] = {}
         self.exact: dict[int, tuple[Tensor, list[Use]]] = {}
         self.paths: dict[int, str] = {}   # how each parameter's norm was computed (debugging)
-        self.done = [False] * k
-        self.ready: list[int] = []   # groups complete but not yet finalized (FINALIZE_BATCH)
-        self.finalize_batch = FINALIZE_BATCH.get(ctx.device.type, FINALIZE_BATCH_DEFAULT)
-        self.thresholds = thresholds
-        self.per_sample_thresholds = per_sample_thresholds
-        self.defer = per_sample_thresholds is not None or ctx.exchange_norm_sq is not None
         self.meter = ctx.meter
         # Layers that read one input (Llama's q, k, v) ghost-norm it with one Gram.
         self.gram_cache = GramCache()
-        # The certificate's rows (dpclip.engine.certificate): for each, the engine's own clipped
-        # sum with every clip factor but that row's set to 0, per parameter (its *witness*), and
-        # the thresholds the rows were clipped at ([K], or [b, K] for a per-sample policy).
+        # The certificate's rows (MicroBatch.watch), and for each the groups recomputed in float64 for it.
         self.witness_rows: list[int] = []
-        self.witness: dict[int, dict[int, Tensor]] = {}
-        self.used_thresholds: Tensor | None = None
-        self.cancelling: dict[int, set[int]] = {}   # watched row -> groups recomputed in float64 for it
+        self.cancelling: dict[int, set[int]] = {}
 
-    def watch(self, rows: list[int]) -> None:
-        """Keep a witness sum for each of ``rows`` (the certificate's checked samples)."""
-        self.witness_rows = list(rows)
-        self.witness = {r: {} for r in rows}
-
-    def _witness(self, idx: int, sum_of: Callable[[Tensor], Tensor], factors: Tensor) -> None:
-        """Witness sums of parameter ``idx``: ``sum_of`` (the clipped-sum code just used) run
-        once per watched row with the other rows' factors zeroed."""
-        for r in self.witness_rows:
-            masked = torch.zeros_like(factors)
-            masked[r] = factors[r]
-            self.witness[r][idx] = sum_of(masked).detach().clone()
+    def _group_complete(self, k: int) -> None:
+        """Group k's last parameter is done (its norm² is complete)."""
+        raise NotImplementedError
 
     def deliver(self, idx: int, use: Use, recomputed: bool = False) -> None:
         """One use of parameter ``idx``; ``recomputed``: from a call gradient checkpointing made in
@@ -183,7 +150,7 @@ class MicroBatch:
                               "call engine.backward once after each forward")
         if self.pending[idx] > 1 and not self.ctx.transient[idx]:
             # more uses to come (a tied weight): a G_i no larger than its factors replaces
-            # them now, instead of the factors waiting for the last use (docs/engine.md)
+            # them now, instead of the factors waiting for the last use (docs/layer-rules.md)
             use = early_instance(use, self.ctx.params[idx].shape, self.ctx.norm_method)
         self.uses[idx].append(use)
         self.meter.add(use.tensors())
@@ -227,13 +194,8 @@ class MicroBatch:
                 self.checks[idx] = (norm_sq, atoms_sq.to(e.device), bound)
             self.sq_terms[k].append(norm_sq)
         self.group_left[k] -= 1
-        if self.group_left[k] == 0 and not self.defer:
-            if any(member in self.streamed for member in e.members[k]):
-                self._finalize(k, self.thresholds[k])   # its G_i are formed now, chunk by chunk
-            else:
-                self.ready.append(k)
-                if len(self.ready) >= self.finalize_batch:
-                    self._finalize_ready()
+        if self.group_left[k] == 0:
+            self._group_complete(k)
 
     def _batchable(self, uses: list[Use]) -> bool:
         """One instantiated use, small, in the norm dtype once widened, on the engine's device:
@@ -301,6 +263,97 @@ class MicroBatch:
             self.paths[idx] += f" + float64 for {rows.numel()} cancelling sample(s)"
             raised = True
         return raised, (values[-1] if also is not None else None)
+
+    def discard(self) -> None:
+        """Release the stash after a failed backward."""
+        for uses in self.uses:
+            for use in uses:
+                self.meter.remove(use.tensors())
+        for parts in self.parts:
+            for part in parts or ():
+                self.meter.remove(part.tensors())
+        for _, parts64 in self.exact.values():
+            for part in parts64:
+                self.meter.remove(part.tensors())
+        self.exact.clear()
+        self.uses = [[] for _ in self.pending]
+        self.parts = [None] * len(self.pending)
+        for k, batched in enumerate(self.dense_flat):
+            if batched is not None and len(batched[1]) > 1:
+                self.meter.remove([batched[0]])
+        self.dense_terms = [[] for _ in self.dense_terms]
+        self.dense_flat = [None] * len(self.dense_flat)
+        self.streamed.clear()
+
+
+class MicroBatch(MicroBatchNorms):
+    """One engine.backward: pending uses per parameter, group norms (:class:`MicroBatchNorms`),
+    then finalization: clip factors and clipped sums.
+
+    ``thresholds`` [K] are the policy's; ``per_sample_thresholds`` (norms [b, K] ->
+    thresholds [b, K] or None) is given for a per-sample policy, which needs all K norms
+    of a sample first: every group is then finalized at the end. Results are added into
+    ``totals`` (the step's accumulators, owned by the engine).
+    """
+
+    def __init__(self, ctx: StepContext, totals: StepTotals, batch: int, pending: list[int],
+                 thresholds: Tensor, per_sample_thresholds: Callable | None = None,
+                 loss_scale: float = 1.0, row_weights: Tensor | None = None, sum_scale: float = 1.0):
+        super().__init__(ctx, batch, pending)
+        # The sums are wanted as Σ_i c_i G_i / B (``p.grad`` before noise, B the expected batch
+        # size): the 1/B rides on the clip factors, B numbers, instead of a pass over every
+        # gradient coordinate at the end of the step.
+        self.sum_scale = None if sum_scale == 1.0 else float(sum_scale)
+        # Per-row weights on the clip factors (a person's records weigh 1 together under
+        # user-level privacy, docs/users.md): each row's clipped gradient is scaled by its
+        # weight, so the sum moves by at most Σ weights · C when those rows go.
+        self.row_weights = None if row_weights is None else row_weights.to(ctx.device, ctx.norm_dtype)
+        # The backward was seeded with loss_scale (float16): every norm it gives is
+        # loss_scale times the sample's, so norms and clip factors are divided by it before
+        # anything compares them with a threshold (docs/engine.md, "Mixed precision").
+        if not (isinstance(loss_scale, (int, float)) and math.isfinite(loss_scale) and loss_scale > 0):
+            raise EngineError(f"loss_scale must be a positive finite number, got {loss_scale!r}",
+                              "use a power of two such as 1024")
+        self.unscale = None if loss_scale == 1.0 else 1.0 / loss_scale
+        self.totals = totals
+        k = len(ctx.members)
+        self.norms: list[Tensor | None] = [None] * k
+        self.done = [False] * k
+        self.ready: list[int] = []   # groups complete but not yet finalized (FINALIZE_BATCH)
+        self.finalize_batch = FINALIZE_BATCH.get(ctx.device.type, FINALIZE_BATCH_DEFAULT)
+        self.thresholds = thresholds
+        self.per_sample_thresholds = per_sample_thresholds
+        self.defer = per_sample_thresholds is not None or ctx.exchange_norm_sq is not None
+        # The certificate's rows (dpclip.engine.certificate): for each, the engine's own clipped
+        # sum with every clip factor but that row's set to 0, per parameter (its *witness*), and
+        # the thresholds the rows were clipped at ([K], or [b, K] for a per-sample policy).
+        self.witness: dict[int, dict[int, Tensor]] = {}
+        self.used_thresholds: Tensor | None = None
+
+    def watch(self, rows: list[int]) -> None:
+        """Keep a witness sum for each of ``rows`` (the certificate's checked samples)."""
+        self.witness_rows = list(rows)
+        self.witness = {r: {} for r in rows}
+
+    def _witness(self, idx: int, sum_of: Callable[[Tensor], Tensor], factors: Tensor) -> None:
+        """Witness sums of parameter ``idx``: ``sum_of`` (the clipped-sum code just used) run
+        once per watched row with the other rows' factors zeroed."""
+        for r in self.witness_rows:
+            masked = torch.zeros_like(factors)
+            masked[r] = factors[r]
+            self.witness[r][idx] = sum_of(masked).detach().clone()
+
+    def _group_complete(self, k: int) -> None:
+        """Finalize group k now, or once FINALIZE_BATCH groups are complete; a per-sample policy or
+        a flat pipeline stage (``defer``) finalizes every group at the end (:meth:`finish`)."""
+        if self.defer:
+            return
+        if any(member in self.streamed for member in self.ctx.members[k]):
+            self._finalize(k, self.thresholds[k])   # its G_i are formed now, chunk by chunk
+        else:
+            self.ready.append(k)
+            if len(self.ready) >= self.finalize_batch:
+                self._finalize_ready()
 
     def _finalize(self, k: int, threshold: Tensor) -> None:
         """Finalize group k alone (a group with streamed parameters: their G_i are formed here,
@@ -476,27 +529,9 @@ class MicroBatch:
         return norms
 
     def discard(self) -> None:
-        """Release the stash after a failed backward."""
         self.witness.clear()
-        for uses in self.uses:
-            for use in uses:
-                self.meter.remove(use.tensors())
-        for parts in self.parts:
-            for part in parts or ():
-                self.meter.remove(part.tensors())
-        for _, parts64 in self.exact.values():
-            for part in parts64:
-                self.meter.remove(part.tensors())
-        self.exact.clear()
-        self.uses = [[] for _ in self.pending]
-        self.parts = [None] * len(self.pending)
-        for k, batched in enumerate(self.dense_flat):
-            if batched is not None and len(batched[1]) > 1:
-                self.meter.remove([batched[0]])
-        self.dense_terms = [[] for _ in self.dense_terms]
-        self.dense_flat = [None] * len(self.dense_flat)
+        super().discard()
         self.ready = []
-        self.streamed.clear()
 
 
 def _only_row(clip: Callable[[Tensor, slice], Tensor], row: int) -> Callable[[Tensor, slice], Tensor]:

@@ -64,6 +64,17 @@ class ClippingSpec:
             raise EngineError(f"unknown norm_method {spec.norm_method!r}", "use one of: " + ", ".join(NORM_METHODS))
         return spec
 
+    @classmethod
+    def of(cls, clipping: ClippingSpec | Mapping[str, Any] | None) -> ClippingSpec:
+        """``clipping`` itself when it is a spec, else :meth:`from_dict` of it (the public edge)."""
+        return clipping if isinstance(clipping, ClippingSpec) else cls.from_dict(clipping)
+
+    def threshold_dict(self) -> dict[str, Any]:
+        """The threshold policy's settings as a dict (a spec object dumped)."""
+        if isinstance(self.threshold, Mapping):
+            return dict(self.threshold)
+        return self.threshold.model_dump(mode="python")
+
     def as_dict(self) -> dict[str, Any]:
         """The settings as a plain dict (a threshold spec stays an object)."""
         return {name: getattr(self, name) for name in CLIPPING_DEFAULTS}

@@ -181,7 +181,7 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
             reproducible, and removable, by anyone who knows it: tests and experiments only.
         verify_every: the certificate checks the clipping against the checked samples' own
             gradients at the first step, on each new batch shape and every ``verify_every`` steps
-            if > 0 (docs/engine.md, "The certificate").
+            if > 0 (docs/certificate.md).
         max_physical_batch_size: the loader hands each drawn batch out in parts of at most this
             many rows; ``loss.backward()`` on each, and ``optimizer.step()`` after each (Opacus's
             BatchMemoryManager loop) or after the last: the noisy step is taken once, after the
@@ -199,6 +199,40 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
     """
     model, delta, clipping, max_grad_norm = opacus_arguments(
         model, module, delta, target_delta, clipping, max_grad_norm, loss_reduction, grad_sample_mode, secure_mode)
+    check_loop_parts(optimizer, data_loader, epochs, steps, max_physical_batch_size)
+    spec = clipping_spec(clipping, max_grad_norm)
+    check_optimizer_params(model, optimizer)
+    world = running_world()
+    if world is not None and not poisson_sampling:
+        raise DpclipError("poisson_sampling=False across several processes is not supported",
+                          "keep poisson_sampling=True: each rank then draws its own examples' part of each batch")
+    # Each rank's loader holds its own share of the logical batch: B = batch_size × ranks.
+    num_examples, batch_size = len(data_loader.dataset), data_loader.batch_size * (1 if world is None else world.size)
+    people = person_ids(users, max_records_per_user, num_examples, poisson_sampling, world)
+    if people is not None:   # user-level: the sampled unit is a person, N counts people
+        num_examples = int(people.max()) + 1
+    steps_per_pass = math.ceil(num_examples / batch_size)
+    planned_steps = count_planned_steps(epochs, steps, steps_per_pass)
+    engine, account = private_engine(
+        model, spec, num_examples=num_examples, batch_size=batch_size, steps=planned_steps, delta=delta,
+        target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
+        sampling="poisson" if poisson_sampling else "shuffle", unsafe_seed=unsafe_seed, world=world,
+        verify_every=verify_every, records_per_user=None if people is None else max_records_per_user)
+    tracker = DrawTracker(None if people is None else 1.0 / max_records_per_user)
+    loader = tracked_loader(data_loader, tracker, max_physical_batch_size)
+    draws = None
+    if poisson_sampling:
+        draws = poisson_draws(model, account.plan.plan.sample_rate, planned_steps, num_examples=num_examples,
+                              people=people, max_records_per_user=max_records_per_user, world=world,
+                              unsafe_seed=unsafe_seed)
+        loader = poisson_loader(data_loader, draws, steps_per_pass, tracker,
+                                max_physical_batch_size)
+    return PrivateTraining(model, PrivateOptimizer(optimizer, engine, account, tracker),
+                           PrivateCriterion(criterion, engine, tracker), loader, engine, account, draws)
+
+
+def check_loop_parts(optimizer, data_loader, epochs, steps, max_physical_batch_size) -> None:
+    """Refuse, with the fix, the optimizer, data loader and step options make_private cannot use."""
     if optimizer is None or data_loader is None:
         raise DpclipError("make_private needs the model, the optimizer and the data loader",
                           "make_private(model, optimizer, data_loader, criterion=..., ...)")
@@ -216,45 +250,31 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
             max_physical_batch_size, int) or max_physical_batch_size < 1):
         raise DpclipError(f"max_physical_batch_size must be a whole number >= 1, got {max_physical_batch_size!r}",
                           "the most rows one backward takes, e.g. 32 (None: whole batches)")
-    spec = clipping_spec(clipping, max_grad_norm)
-    check_optimizer_params(model, optimizer)
-    world = running_world()
-    if world is not None and not poisson_sampling:
-        raise DpclipError("poisson_sampling=False across several processes is not supported",
-                          "keep poisson_sampling=True: each rank then draws its own examples' part of each batch")
-    # Each rank's loader holds its own share of the logical batch: B = batch_size × ranks.
-    num_examples, batch_size = len(dataset), data_loader.batch_size * (1 if world is None else world.size)
-    people = person_ids(users, max_records_per_user, num_examples, poisson_sampling, world)
-    if people is not None:   # user-level: the sampled unit is a person, N counts people
-        num_examples = int(people.max()) + 1
-    # epochs=E: E passes of the loader, ⌈N/B⌉ draws each (as Opacus and your `for epoch in range(E)` count
-    # them), not ⌈E·N/B⌉ steps, which would stop inside the last pass
-    steps_per_pass = math.ceil(num_examples / batch_size)
+
+
+def count_planned_steps(epochs: float | None, steps: int | None, steps_per_pass: int) -> int:
+    """The planned steps: ``steps``, or for ``epochs`` = E, E passes of the loader, ⌈N/B⌉ draws
+    each (``steps_per_pass``)."""
+    # As Opacus and your `for epoch in range(E)` count them, not ⌈E·N/B⌉ steps, which would stop
+    # inside the last pass.
     if steps is None and (isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not 0 < epochs < math.inf):
         raise DpclipError(f"epochs must be a finite number > 0, got {epochs!r}", "e.g. epochs=3")
-    planned_steps = max(1, math.ceil(round(epochs * steps_per_pass, 9))) if steps is None else int(steps)
-    engine, account = private_engine(
-        model, spec, num_examples=num_examples, batch_size=batch_size, steps=planned_steps, delta=delta,
-        target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
-        sampling="poisson" if poisson_sampling else "shuffle", unsafe_seed=unsafe_seed, world=world,
-        verify_every=verify_every, records_per_user=None if people is None else max_records_per_user)
-    tracker = DrawTracker(None if people is None else 1.0 / max_records_per_user)
-    loader = tracked_loader(data_loader, tracker, max_physical_batch_size)
-    if poisson_sampling:
-        sample_rate = account.plan.plan.sample_rate
-        if people is not None:
-            draws = UserPoissonSampler(people, sample_rate, planned_steps, max_records_per_user, seed=unsafe_seed)
-        elif world is None:
-            draws = PoissonSampler(num_examples, sample_rate, planned_steps, seed=unsafe_seed)
-        else:  # every rank starts from rank 0's weights and draws its own examples' part
-            world.broadcast_([p.data for p in model.parameters()])
-            draws = ShardedPoissonSampler(num_examples, sample_rate, planned_steps, rank=world.rank,
-                                          world_size=world.size, seed=unsafe_seed)
-        loader = poisson_loader(data_loader, draws, steps_per_pass, tracker,
-                                max_physical_batch_size)
-    return PrivateTraining(model, PrivateOptimizer(optimizer, engine, account, tracker),
-                           PrivateCriterion(criterion, engine, tracker), loader, engine, account,
-                           draws if poisson_sampling else None)
+    return max(1, math.ceil(round(epochs * steps_per_pass, 9))) if steps is None else int(steps)
+
+
+def poisson_draws(model: nn.Module, sample_rate: float, planned_steps: int, *, num_examples: int,
+                  people: Tensor | None, max_records_per_user: int | None, world: World | None,
+                  unsafe_seed: int | None) -> PoissonSampler:
+    """The Poisson sampler of the rebuilt loader: of people (user-level), of examples, or of this
+    rank's examples' part of each batch (after every rank takes rank 0's weights)."""
+    if people is not None:
+        return UserPoissonSampler(people, sample_rate, planned_steps, max_records_per_user, seed=unsafe_seed)
+    if world is None:
+        return PoissonSampler(num_examples, sample_rate, planned_steps, seed=unsafe_seed)
+    # every rank starts from rank 0's weights and draws its own examples' part
+    world.broadcast_([p.data for p in model.parameters()])
+    return ShardedPoissonSampler(num_examples, sample_rate, planned_steps, rank=world.rank,
+                                 world_size=world.size, seed=unsafe_seed)
 
 
 def person_ids(users: Any, k: int | None, records: int, poisson_sampling: bool, world) -> Tensor | None:

@@ -134,9 +134,7 @@ def private_engine(model: nn.Module, spec: Clipping, *, num_examples: int, batch
             aux=spec.threshold.statistic(groups) if spec.threshold.releases_statistic() else None,
             **({} if records_per_user is None else {"unit": "user", "users": num_examples,
                                                     "max_examples_per_user": records_per_user})))
-    engine_clipping = spec.model_dump(mode="python")
-    engine_clipping["threshold"] = spec.threshold.engine_dict(plan.split.sigma_aux)
-    engine = DPEngine(model, engine_clipping, gradient_noise_multiplier=plan.split.gradient_noise_multiplier,
+    engine = DPEngine(model, spec.engine_spec(plan.split.sigma_aux), gradient_noise_multiplier=plan.split.gradient_noise_multiplier,
                       expected_batch_size=batch_size, seed=unsafe_seed, sample_rate=sample_rate,
                       reducer=None if world is None else world.reducer, verify_every=verify_every,
                       records_per_unit=records_per_user or 1)

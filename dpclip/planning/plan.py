@@ -16,6 +16,7 @@ from dpclip.data import load_data
 from dpclip.data.size import public_summary, training_set_size
 from dpclip.engine import build_groups, trainable_params
 from dpclip.engine.blt import blt_strategy, participation_sensitivities
+from dpclip.engine.spec import ClippingSpec
 from dpclip.engine.workload import SGD, Workload
 from dpclip.errors import AccountingError, DpclipError
 from dpclip.models import build_model
@@ -97,16 +98,14 @@ def aux_spec(recipe: Recipe, groups: int | None = None) -> AuxSpec | None:
     return threshold.statistic(count_groups(recipe) if groups is None else groups)
 
 
-def engine_clipping(recipe: Recipe, sigma_aux: float | None) -> dict[str, Any]:
-    """The clipping dict for DPEngine, with the statistic's noise std ``sigma_aux`` (from the
+def engine_clipping(recipe: Recipe, sigma_aux: float | None) -> ClippingSpec:
+    """The clipping spec for DPEngine, with the statistic's noise std ``sigma_aux`` (from the
     budget split) filled in by the policy's spec."""
-    clipping = recipe.clipping.model_dump(mode="python")
-    clipping["threshold"] = recipe.clipping.threshold.engine_dict(sigma_aux)
-    return clipping
+    return recipe.clipping.engine_spec(sigma_aux)
 
 
-def timing_clipping(recipe: Recipe, stand_in_sigma: float) -> dict[str, Any]:
-    """The clipping dict for timing a step: a statistic's noise std is the recipe's, else
+def timing_clipping(recipe: Recipe, stand_in_sigma: float) -> ClippingSpec:
+    """The clipping spec for timing a step: a statistic's noise std is the recipe's, else
     ``stand_in_sigma`` (its value does not change the cost of a step)."""
     return engine_clipping(recipe, recipe.clipping.threshold.aux_sigma or stand_in_sigma)
 

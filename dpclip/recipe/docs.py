@@ -64,6 +64,7 @@ each field belongs to.
 
 
 def _type_name(annotation: typing.Any) -> str:
+    annotation = schema.annotation_now(annotation)
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin is typing.Annotated:

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from dpclip.errors import RecipeError
-from dpclip.recipe.schema import Recipe
+from dpclip.recipe.schema import Recipe, annotation_now
 from dpclip.recipe.shipped import shipped_names
 
 
@@ -243,6 +243,7 @@ def _model_at(path: list[Any], data: Any) -> type[BaseModel] | None:
 
 def _resolve(annotation: Any, value: Any) -> Any:
     """Pick the model class of a (possibly Optional / discriminated-union) annotation."""
+    annotation = annotation_now(annotation)
     origin = typing.get_origin(annotation)
     if origin is typing.Annotated:
         return _resolve(typing.get_args(annotation)[0], value)

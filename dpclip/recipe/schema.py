@@ -24,8 +24,7 @@ import math
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, NonNegativeInt, field_validator, model_validator
-from pydantic.fields import FieldInfo
+from pydantic import Field, GetCoreSchemaHandler, NonNegativeInt, field_validator, model_validator
 
 from dpclip.engine.policies import on_registry_change, policy_spec, policy_specs
 from dpclip.engine.policies.base import PositiveFloat, PositiveInt, UnitOpen
@@ -301,7 +300,19 @@ def threshold_union() -> Any:
     return Annotated[Union[specs], Field(discriminator="kind")] if len(specs) > 1 else specs[0]
 
 
-ThresholdConfig = threshold_union()
+class ThresholdConfig:
+    """The type of ``clipping.threshold``: :func:`threshold_union` of the registry as it is when
+    the schema is built, so that a registered policy joins at the next ``model_rebuild``."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> Any:
+        return handler.generate_schema(threshold_union())
+
+
+def annotation_now(annotation: Any) -> Any:
+    """``annotation`` with :class:`ThresholdConfig` replaced by the union it stands for now (for
+    the docs generator and the error messages, which read the field annotations)."""
+    return threshold_union() if annotation is ThresholdConfig else annotation
 
 
 def _default_threshold() -> Any:
@@ -447,12 +458,7 @@ class Recipe(Section):
 
 
 def _rebuild_threshold_union() -> None:
-    """Re-make ``clipping.threshold`` from the registry, then the models that contain it."""
-    global ThresholdConfig
-    ThresholdConfig = threshold_union()
-    old = Clipping.model_fields["threshold"]
-    Clipping.__pydantic_fields__["threshold"] = FieldInfo.from_annotated_attribute(
-        ThresholdConfig, Field(default_factory=_default_threshold, description=old.description))
+    """Rebuild the models that contain ``clipping.threshold`` after the registry changed."""
     Clipping.model_rebuild(force=True)
     Recipe.model_rebuild(force=True)
 

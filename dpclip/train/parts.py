@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import secrets as os_entropy
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from dpclip import layout
 from dpclip.accounting import solve
+from dpclip.accounting.plan import PlanResult, PrivacyPlan
 from dpclip.data import PoissonSampler, ShuffleSampler, load_data, select
 from dpclip.data.canaries import canary_seed, make_canaries, with_canaries
 from dpclip.data.exposure import draw_exposure, stored_exposure, with_exposure
@@ -32,6 +32,7 @@ from dpclip.distributed.sharded import ShardReducer, Shards, lockstep_micro_batc
 from dpclip.engine import DPEngine
 from dpclip.engine.blt import blt_strategy
 from dpclip.engine.correlated import banded_strategy
+from dpclip.engine.spec import ClippingSpec
 from dpclip.engine.workload import SGD
 from dpclip.errors import DpclipError
 from dpclip.models import build_model
@@ -44,7 +45,7 @@ from dpclip.train.diagnostics import recorder_for
 from dpclip.train.optim import LrSchedule, build_optimizer
 from dpclip.train.phases import continual_run
 from dpclip.train.ranks import check_ranks
-from dpclip.train.run_parts import Feed, Learner, RunParts, RunSetting
+from dpclip.train.run_parts import Feed, Learner, RunParts, RunSetting, SigmaChange
 from dpclip.train.step import PrivateStep, step_micro_batch_size, step_precision
 
 # Stand-in noise for timing only: the cost of a step does not depend on σ.
@@ -107,7 +108,7 @@ def noise_strategy(plan, workload=SGD):
     return banded_strategy(plan.bands, plan.steps, workload) if plan.bands > 1 else None
 
 
-def build_engine(model, clipping: dict[str, Any], *, gradient_noise_multiplier: float, batch_size: int,
+def build_engine(model: torch.nn.Module, clipping: ClippingSpec, *, gradient_noise_multiplier: float, batch_size: int,
                  seed: int | None = None, sample_rate: float | None = None, world: World | None = None,
                  pipeline: bool = False, shards: Shards | None = None, probe_rows=None, loss_fn=None,
                  noise_correlation=None, records_per_unit: int = 1, verify_every: int = 0):
@@ -272,8 +273,8 @@ def assemble_for_timing(recipe: Recipe, steps: int) -> RunParts:
                     feed=Feed(data=data, ordinary=data, sampler=sampler))
 
 
-def _sigma_change(reference: Recipe | None, recipe: Recipe, num_train: int, num_groups: int, plan,
-                  solved) -> dict[str, Any] | None:
+def _sigma_change(reference: Recipe | None, recipe: Recipe, num_train: int, num_groups: int, plan: PrivacyPlan,
+                  solved: PlanResult) -> SigmaChange | None:
     """σ (or ε, at a given σ) of the recipe file's own plan beside this run's, when the
     overrides changed what the plan depends on (steps, batch size, sampling): ε is what
     the recipe fixes, so fewer steps mean less noise per step (docs/training.md)."""

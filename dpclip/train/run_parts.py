@@ -13,7 +13,7 @@ checkpoint holds (:mod:`dpclip.train.state`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Iterator, Protocol, TypedDict
 
 import torch
 
@@ -41,8 +41,8 @@ class PrivateEngine(Protocol):
     group_names: list[str]
 
     def detach(self) -> None: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def state_dict(self) -> dict[str, object]: ...
+    def load_state_dict(self, state: dict[str, object]) -> None: ...
 
 
 class BatchSampler(Protocol):
@@ -50,11 +50,24 @@ class BatchSampler(Protocol):
     whose position a checkpoint holds (:mod:`dpclip.data.sampler`, :mod:`dpclip.distributed.sampler`)."""
 
     def __iter__(self) -> Iterator[torch.Tensor]: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def state_dict(self) -> dict[str, object]: ...
+    def load_state_dict(self, state: dict[str, object]) -> None: ...
 
 
-@dataclass(frozen=True)
+class SigmaChange(TypedDict):
+    """σ (or ε, at a given σ) of the recipe file's own plan beside this run's, when key=value
+    overrides changed what the plan depends on (meta.json's ``sigma_change``; docs/training.md)."""
+
+    changed: dict[str, list[object]]
+    sigma_file: float
+    sigma: float
+    epsilon_file: float
+    epsilon: float
+    calibrated: bool
+    target_epsilon: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunSetting:
     """What the run is: the recipe on this world and device, its privacy plan and solution, and
     the seed of its private randomness (None: OS entropy). ``plan`` and ``solved`` are None
@@ -67,10 +80,10 @@ class RunSetting:
     plan: PrivacyPlan | None = None
     solved: PlanResult | None = None
     seed_of_noise: int | None = None
-    sigma_change: dict[str, Any] | None = None
+    sigma_change: SigmaChange | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Learner:
     """What trains: the model and its per-sample loss, the engine, the optimizer and its
     schedule, the one private step, and a sharded model's shards (training.parallel: fsdp)."""
@@ -84,7 +97,7 @@ class Learner:
     shards: Shards | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Feed:
     """What feeds the steps. ``data`` is what they sample from (canaries and planted secrets
     included); ``ordinary`` the training data before the canaries went in (N, the sampling
@@ -98,7 +111,7 @@ class Feed:
     continual: Continual | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunParts:
     """What a run is made of, built once by :func:`assemble` (module doc): what the run is
     (``setting``), what trains (``learner``), what feeds it (``feed``), and what it records
@@ -117,7 +130,7 @@ class RunParts:
     def pipeline(self) -> bool:
         return self.setting.recipe.training.parallel == "pipeline"
 
-    def info(self, resume_changes: dict[str, list[Any]]) -> dict[str, Any]:
+    def info(self, resume_changes: dict[str, list[object]]) -> dict[str, object]:
         """What the run is about to do (the observer's start, and meta.json's plan)."""
         setting, feed = self.setting, self.feed
         recipe, plan, split = setting.recipe, setting.plan, self.split

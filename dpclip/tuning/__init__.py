@@ -7,5 +7,7 @@
   :mod:`dpclip.accounting.tuning`);
 - :mod:`dpclip.tuning.cost` ties space, timing and privacy together for ``dpclip tune-cost``;
 - :mod:`dpclip.tuning.compare` builds on it: the same search for each clipping method;
-- :mod:`dpclip.tuning.search` performs the search (repeat-and-select) and writes its ledger.
+- :mod:`dpclip.tuning.search` performs the search (repeat-and-select) and writes its ledger;
+- :mod:`dpclip.tuning.report` runs ``dpclip tune-cost``'s options through them and returns the
+  report the CLI renders.
 """

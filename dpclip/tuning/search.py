@@ -20,10 +20,8 @@ nor the other trials, and with a private score no trial writes an exact held-out
 The search directory's ``ledger.json`` holds exactly the repeat-and-select event, so its
 ε is the one ``tune-cost`` promised; the selected run carries ``search.json`` pointing to
 it, and ``dpclip account`` reports the search's ε for both (:func:`read_search`); every headline
-ε of the selected run comes from :func:`dpclip.rundir.searchdir.headline`.
-
-Length: above ~400 lines on purpose: writing a search directory and reading it back share
-its format, marker and event parts; a split would give them two homes.
+ε of the selected run comes from :func:`dpclip.rundir.searchdir.headline`. Reading a search
+directory back lives in :mod:`dpclip.rundir.searchdir` (re-exported here).
 """
 
 from __future__ import annotations
@@ -40,25 +38,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import dp_accounting
-from dp_accounting import dp_event
-
 # Modules, not names: looked up at call time so that tests can stand in for
 # ``workflow.train`` and ``tuning_math.draw_trial_count``.
 import dpclip.accounting.tuning as tuning_math
 import dpclip.train.workflow as workflow
 from dpclip import layout
-from dpclip.accounting import GRADIENT_RELEASE, Ledger, PrivacyStatement, event_to_dict, training_event
+from dpclip.accounting import Ledger, event_to_dict
 from dpclip.accounting.tuning import repeat_and_select_event
 from dpclip.data import load_data
-from dpclip.errors import AccountingError, DpclipError
-from dpclip.files import read_json, write_json_atomic
+from dpclip.errors import DpclipError
+from dpclip.files import write_json_atomic
 from dpclip.models import build_model, evaluate
 from dpclip.recipe.load import validate_recipe
 from dpclip.rng import derived_seed, private_random
 from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint
-from dpclip.planning.plan import not_covered, private_seed
-from dpclip.rundir.run import RunDir, load_run_recipe, spent
+from dpclip.planning.plan import private_seed
+from dpclip.rundir.run import RunDir
 from dpclip.rundir.searchdir import (SEARCH_FORMAT, SearchRecord, is_search_dir, read_search,  # noqa: F401
                                     search_of_run, search_statement_lines)
 from dpclip.train.tensorboard import write_headline_epsilon
@@ -131,122 +126,36 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
     does not: never pass it anything that ends up in a published file.
     """
     privacy = report.privacy
-    strategy = privacy.strategy(REPEAT_AND_SELECT)
-    if strategy.noise_multiplier is None:
-        raise DpclipError(f"repeat-and-select cannot keep this search within ε: {strategy.detail['infeasible']}",
-                          "raise privacy.epsilon or search fewer configurations")
-    if strategy.detail["shape"] is None:
-        # dpclip's ledger stores finite numbers only, and Poisson is dp_accounting's shape = inf.
-        raise DpclipError("--run cannot record a Poisson number of trials in the search ledger yet",
-                          "use tuning.trials: truncated-negative-binomial (the default; tuning.trials_shape=1 is "
-                          "geometric)")
-    # One split for every trial, so all are scored on the same held-out split: drawn with a key
-    # from OS entropy (each trial's meta.json keeps it, secret), the recipe's seed only in unsafe
-    # seeded mode, so that the released recipe says nothing of who is a member.
-    key = None if recipe.privacy.unsafe_seeded_randomness else secrets.randbits(63)
-    data = load_data(recipe.data, seed=recipe.seed, split_key=key)
-    if privacy.score_noise is not None and data.task != "classification":
-        raise DpclipError("a private selection score needs held-out accuracy (a classification task)",
-                          "set tuning.score: public if the held-out split is public data")
+    strategy = _feasible_strategy(privacy)
+    data = _held_out_data(recipe, privacy)
     rng = search_random(recipe)
     configurations = search_space(base, recipe, grid, random_draws, rng=rng)
-    sigma = strategy.noise_multiplier
-    mean = strategy.detail["mean"]
-    shape = strategy.detail["shape"]
-    private_score = privacy.score_noise is not None
+    sigma, mean, shape = strategy.noise_multiplier, strategy.detail["mean"], strategy.detail["shape"]
     trials = tuning_math.draw_trial_count(mean, shape, rng)
 
     release = privacy.release
     planned_training = release.training(sigma)
-    run_event = release.event(sigma)
-    search_event = repeat_and_select_event(run_event, mean, shape)
-
-    seeded = recipe.privacy.unsafe_seeded_randomness
-    ledger = Ledger(privacy.delta, "rdp")  # RepeatAndSelect: RDP accountant only
-    ledger.record(search_event, metadata={
-        "search": REPEAT_AND_SELECT, "trials_distribution": strategy.detail["distribution"], "trials_mean": mean,
-        "trials_shape": shape, "sigma_per_run": sigma, "sample_rate": privacy.sample_rate,
-        "steps_per_run": privacy.steps, "sampling": recipe.training.sampling, "score": privacy.score,
-        "score_noise": privacy.score_noise, "seeded_randomness": seeded,
-    })
+    search_event = repeat_and_select_event(release.event(sigma), mean, shape)
+    ledger = _search_ledger(search_event, recipe, privacy, strategy)
     search = RunDir.new_search(recipe.output_dir, recipe.name)
     search_dir, runs_dir = search.path, search.search_runs
     runs_dir.mkdir(parents=True)
     # Written before the first run: the whole search's cost is committed from the start.
     write_json_atomic(search.ledger_file, ledger.to_dict())
-
-    summary: dict[str, Any] = {
-        "search_format": SEARCH_FORMAT,
-        "search_dir": str(search_dir),
-        "mechanism": "repeat-and-select (Papernot & Steinke 2022)",
-        "trials_distribution": strategy.detail["distribution"],
-        "trials_mean": mean,
-        "trials_shape": shape,
-        "sigma_per_run": sigma,
-        "sample_rate": privacy.sample_rate,
-        "steps_per_run": privacy.steps,
-        "score": privacy.score,
-        "score_meaning": ("noisy held-out accuracy: (correct + N(0, score_noise²)) / held-out size, charged to "
-                          "every run" if private_score else
-                          "held-out accuracy, the held-out split being public data by the recipe's claim"),
-        "score_noise": privacy.score_noise,
-        "seeded_randomness": seeded,
-        "promised_epsilon": strategy.epsilon,
-        "epsilon": ledger.epsilon(),
-        "delta": ledger.delta,
-        "accountant": "rdp",
-        "stopped": "running",
-        "selected_run": None,
-        "selected_run_dir": None,
-        "selected_configuration": None,
-        "selected_score": None,
-        "not_released": NOT_RELEASED,
-    }
+    summary = _opening_summary(search_dir, recipe, privacy, strategy, ledger)
 
     def write_summary() -> None:
         write_json_atomic(search.summary_file, json.loads(json.dumps(summary)))
 
     write_summary()
-
-    best: _Candidate | None = None
-    current: Path | None = None
-    stopped = "completed"
     try:
-        for index in range(trials):
-            config = rng.choice(configurations)
-            current = _new_trial_dir(runs_dir, recipe.name)
-            trial = _trial_recipe(config.recipe, sigma, runs_dir, current.name, index=index,
-                                  private_score=private_score)
-            if on_trial is not None:
-                on_trial(index + 1, config.label())
-            result = workflow.train(trial, data=data, run_dir=current)
-            if result.stopped != "completed":
-                stopped = result.stopped
-                break
-            run_ledger = RunDir(current).ledger()
-            if event_to_dict(run_ledger.composed_event()) != event_to_dict(planned_training):
-                raise RuntimeError(f"run {current} spent {run_ledger.composed_event()} but the search accounts "
-                                   f"{planned_training}: this is a dpclip bug")
-            score = _released_score(current, trial, data, privacy.score_noise, rng)
-            if score is not None and (best is None or score > best.score):
-                _discard(best.run_dir if best else None)
-                best = _Candidate(current, dict(config.values), score, result.epsilon)
-            else:
-                _discard(current)
-            current = None
+        best, stopped = _run_trials(trials, configurations, rng, recipe=recipe, data=data, sigma=sigma,
+                                    runs_dir=runs_dir, planned_training=planned_training,
+                                    score_noise=privacy.score_noise, on_trial=on_trial)
     except BaseException as exc:
-        # An unfinished search releases nothing: best-of-fewer-trials is not the mechanism
-        # the ledger charges. The ledger still stands (the runs happened).
-        _discard(current)
-        _discard(best.run_dir if best else None)
         summary["stopped"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
         write_summary()
         raise
-    if stopped != "completed":
-        _discard(current)
-        _discard(best.run_dir if best else None)
-        best = None
-
     summary["stopped"] = stopped
     if best is not None:
         summary.update({
@@ -259,6 +168,121 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
     if best is not None:
         _mark_selected(best, search_dir, summary)
     return summary
+
+
+def _feasible_strategy(privacy):
+    """The repeat-and-select strategy of a search ``--run`` can perform and record, or a refusal."""
+    strategy = privacy.strategy(REPEAT_AND_SELECT)
+    if strategy.noise_multiplier is None:
+        raise DpclipError(f"repeat-and-select cannot keep this search within ε: {strategy.detail['infeasible']}",
+                          "raise privacy.epsilon or search fewer configurations")
+    if strategy.detail["shape"] is None:
+        # dpclip's ledger stores finite numbers only, and Poisson is dp_accounting's shape = inf.
+        raise DpclipError("--run cannot record a Poisson number of trials in the search ledger yet",
+                          "use tuning.trials: truncated-negative-binomial (the default; tuning.trials_shape=1 is "
+                          "geometric)")
+    return strategy
+
+
+def _held_out_data(recipe, privacy):
+    """The data every trial trains and is scored on, split once (so all share one held-out split)."""
+    # Drawn with a key from OS entropy (each trial's meta.json keeps it, secret), the recipe's
+    # seed only in unsafe seeded mode, so that the released recipe says nothing of who is a member.
+    key = None if recipe.privacy.unsafe_seeded_randomness else secrets.randbits(63)
+    data = load_data(recipe.data, seed=recipe.seed, split_key=key)
+    if privacy.score_noise is not None and data.task != "classification":
+        raise DpclipError("a private selection score needs held-out accuracy (a classification task)",
+                          "set tuning.score: public if the held-out split is public data")
+    return data
+
+
+def _search_ledger(search_event, recipe, privacy, strategy) -> Ledger:
+    """The search directory's ledger: exactly the repeat-and-select event, under RDP (its only accountant)."""
+    ledger = Ledger(privacy.delta, "rdp")
+    ledger.record(search_event, metadata={
+        "search": REPEAT_AND_SELECT, "trials_distribution": strategy.detail["distribution"],
+        "trials_mean": strategy.detail["mean"], "trials_shape": strategy.detail["shape"],
+        "sigma_per_run": strategy.noise_multiplier, "sample_rate": privacy.sample_rate,
+        "steps_per_run": privacy.steps, "sampling": recipe.training.sampling, "score": privacy.score,
+        "score_noise": privacy.score_noise, "seeded_randomness": recipe.privacy.unsafe_seeded_randomness,
+    })
+    return ledger
+
+
+def _opening_summary(search_dir: Path, recipe, privacy, strategy, ledger: Ledger) -> dict[str, Any]:
+    """The search's summary.json as written before the first trial (nothing selected yet)."""
+    private_score = privacy.score_noise is not None
+    return {
+        "search_format": SEARCH_FORMAT,
+        "search_dir": str(search_dir),
+        "mechanism": "repeat-and-select (Papernot & Steinke 2022)",
+        "trials_distribution": strategy.detail["distribution"],
+        "trials_mean": strategy.detail["mean"],
+        "trials_shape": strategy.detail["shape"],
+        "sigma_per_run": strategy.noise_multiplier,
+        "sample_rate": privacy.sample_rate,
+        "steps_per_run": privacy.steps,
+        "score": privacy.score,
+        "score_meaning": ("noisy held-out accuracy: (correct + N(0, score_noise²)) / held-out size, charged to "
+                          "every run" if private_score else
+                          "held-out accuracy, the held-out split being public data by the recipe's claim"),
+        "score_noise": privacy.score_noise,
+        "seeded_randomness": recipe.privacy.unsafe_seeded_randomness,
+        "promised_epsilon": strategy.epsilon,
+        "epsilon": ledger.epsilon(),
+        "delta": ledger.delta,
+        "accountant": "rdp",
+        "stopped": "running",
+        "selected_run": None,
+        "selected_run_dir": None,
+        "selected_configuration": None,
+        "selected_score": None,
+        "not_released": NOT_RELEASED,
+    }
+
+
+def _run_trials(trials: int, configurations, rng: random.Random, *, recipe, data, sigma: float, runs_dir: Path,
+                planned_training, score_noise: float | None,
+                on_trial: Callable[[int, str], None] | None) -> tuple[_Candidate | None, str]:
+    """Steps 2 and 3 of the mechanism: ``trials`` runs of configurations picked at random, each
+    beaten one deleted at once; returns the best (None when none was kept) and how the search stopped."""
+    best: _Candidate | None = None
+    current: Path | None = None
+    stopped = "completed"
+    try:
+        for index in range(trials):
+            config = rng.choice(configurations)
+            current = _new_trial_dir(runs_dir, recipe.name)
+            trial = _trial_recipe(config.recipe, sigma, runs_dir, current.name, index=index,
+                                  private_score=score_noise is not None)
+            if on_trial is not None:
+                on_trial(index + 1, config.label())
+            result = workflow.train(trial, data=data, run_dir=current)
+            if result.stopped != "completed":
+                stopped = result.stopped
+                break
+            run_ledger = RunDir(current).ledger()
+            if event_to_dict(run_ledger.composed_event()) != event_to_dict(planned_training):
+                raise RuntimeError(f"run {current} spent {run_ledger.composed_event()} but the search accounts "
+                                   f"{planned_training}: this is a dpclip bug")
+            score = _released_score(current, trial, data, score_noise, rng)
+            if score is not None and (best is None or score > best.score):
+                _discard(best.run_dir if best else None)
+                best = _Candidate(current, dict(config.values), score, result.epsilon)
+            else:
+                _discard(current)
+            current = None
+    except BaseException:
+        # An unfinished search releases nothing: best-of-fewer-trials is not the mechanism
+        # the ledger charges. The ledger still stands (the runs happened).
+        _discard(current)
+        _discard(best.run_dir if best else None)
+        raise
+    if stopped != "completed":
+        _discard(current)
+        _discard(best.run_dir if best else None)
+        best = None
+    return best, stopped
 
 
 def _released_score(run_dir: Path, trial, data, score_noise: float | None, rng: random.Random) -> float | None:
@@ -315,10 +339,3 @@ def _mark_selected(best: _Candidate, search_dir: Path, summary: Mapping[str, Any
     write_json_atomic(run.summary_file, record)
     # The trial logged its own ε under another tag (dpclip/train/tensorboard.py): the headline is the search's.
     write_headline_epsilon(run.path, summary["epsilon"], run.ledger().steps)
-
-
-# --------------------------------------------------------------------------- reading back
-
-
-
-

@@ -74,16 +74,16 @@ def measure_step_seconds(recipe: Recipe, steps: int, warmup_steps: int = 1,
         raise DpclipError(f"--calibration-steps must be at least 1, got {steps}", "e.g. --calibration-steps 5")
     parts = assemble_for_timing(recipe, warmup_steps + steps)
     seconds: list[float] = []
-    parts.model.train()
+    parts.learner.model.train()
     try:
-        for index, indices in enumerate(parts.sampler):
-            outcome = parts.private_step(indices)
+        for index, indices in enumerate(parts.feed.sampler):
+            outcome = parts.learner.private_step(indices)
             if index >= warmup_steps:
                 seconds.append(outcome.seconds)
             if on_step is not None:
                 on_step()
     finally:
-        parts.engine.detach()
+        parts.learner.engine.detach()
     return statistics.median(seconds)
 
 
