@@ -54,7 +54,7 @@ GROUPINGS = ("all-layer", "layer", "param")
 NOT_COVERED = ("not covered by ε: step times, step memory and the floor's flop counts, measured on the "
                "first batch of the training data (they follow its shapes, e.g. its sequence lengths)")
 NON_PRIVATE = "non-private"
-# A private step whose certificate runs every time (docs/engine.md, "The certificate"): what the
+# A private step whose certificate runs every time (docs/certificate.md): what the
 # first step of a run, and each new batch shape, costs on top of a steady step.
 CHECKED = ", checked"
 

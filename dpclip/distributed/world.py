@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from dpclip.errors import DpclipError
 from dpclip.files import write_json_atomic
+from dpclip.torch_compat import clear_dtensor_caches, import_dynamo
 
 RESUME_HINT = "the failing rank's error is above; continue the run with: dpclip train --resume RUN_DIR --nproc N"
 # How long a rank waits in a collective for the others (they may be evaluating or checkpointing).
@@ -271,7 +272,7 @@ def joined_world() -> Iterator[World | None]:
 def _drop_dtensor_caches() -> None:
     """Clear DTensor's caches (sharding propagation in Python and C++, redistribution planners
     and plans, mesh topologies) before the group goes: torch's private names, each looked up
-    and skipped where this torch has no such cache.
+    and skipped where this torch has no such cache (:func:`dpclip.torch_compat.clear_dtensor_caches`).
 
     Their entries keep the specs of the ops a sharded model ran (FSDP2, its optimizer state),
     and through each spec's device mesh the process group: ``destroy_process_group`` then
@@ -280,25 +281,8 @@ def _drop_dtensor_caches() -> None:
     tests/distributed/test_teardown.py)."""
     if "torch.distributed.tensor" not in sys.modules:
         return
-    from torch.distributed.tensor import DTensor
-
     gc.collect()  # a sharded model left in reference cycles (FSDP's state and its module) holds the mesh too
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    type(propagator)._propagate_tensor_meta_cached.cache_clear()
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_native is not None:
-        clear_native()
-    from torch.distributed.tensor import _redistribute  # its planners and transform plans, per mesh
-    getattr(_redistribute, "clear_redistribute_planner_cache", lambda: None)()
-    transforms = getattr(_redistribute, "_gen_transform_infos", None)
-    if hasattr(transforms, "cache_clear"):
-        transforms.cache_clear()
-    from torch.distributed.tensor import _collective_utils  # the meshes' topologies (cost estimates)
-    topology = getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)
-    if hasattr(topology, "cache_clear"):
-        topology.cache_clear()
+    clear_dtensor_caches()
     gc.collect()  # what the cleared entries alone kept, in cycles
 
 
@@ -313,7 +297,7 @@ def _import_what_would_outlive_the_group() -> None:
     unwound: std::terminate, SIGABRT (rank 1 of tests/distributed/test_pipeline.py's workers,
     2 runs in 28). Imported first, it holds no group, and the group's threads end in
     ``destroy_process_group`` (test: tests/distributed/test_teardown.py)."""
-    import torch._dynamo  # noqa: F401
+    import_dynamo()
 
 
 def record_failure(exc: BaseException) -> None:

@@ -2,7 +2,7 @@
 
 The torch.func rule recomputes a module's whole call per sample and differentiates it with
 respect to the parameters it owns, so a parameter used only inside that module's calls is
-exact there, however the call uses it (docs/engine.md, "Mixture-of-experts and state-space
+exact there, however the call uses it (docs/supported-models.md, "Mixture-of-experts and state-space
 models", "Learned tables shared by all samples"). Two kinds are handed over:
 
 - **Read without a call** (Mamba's mixer passes its ``conv1d.weight`` to ``F.conv1d``;

@@ -65,6 +65,44 @@ class Unit:
         return f"{self.name or '<root>'} ({type(self.module).__name__})"
 
 
+def build_units(model: nn.Module, index_of: dict[int, int], strict: bool) -> tuple[list[Unit], dict[int, list[str]]]:
+    """One unit per module owning trainable parameters (``index_of``: ``id(param)`` -> index);
+    refuse what cannot be exact (modules that mix samples, or read a child's parameters without
+    calling it). Also returns, per parameter index, the names of its aliases that do not deliver
+    its uses (:meth:`Bookkeeper.alias_note`)."""
+    units: list[Unit] = []
+    aliases: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        refuse_unsupported(module, name, index_of)
+        if is_parametrization(module):   # its originals are delivered by the module it parametrizes
+            continue
+        rule = find_layer_rule(module) or FUNCTORCH_RULE
+        if is_container(module) and container_owner(model, name) is not None:
+            continue   # its parameters are its owner's (below)
+        params = [(pname, p, index_of[id(p)])
+                  for pname, p in owned_parameters(module, contained=rule is FUNCTORCH_RULE)
+                  if id(p) in index_of]
+        derived = derived_tensors(module, name, index_of)
+        if rule is FUNCTORCH_RULE and params:
+            params, notes = without_aliases_below(module, name, params)
+            for idx, note in notes:
+                aliases.setdefault(idx, []).append(note)
+        if not params and not derived and not (rule.wrap_frozen and any(
+                id(p) in index_of for p in module.parameters())):
+            continue
+        unit = Unit(module, name, params, rule,
+                    not rule.exact_by_construction and not is_rmsnorm_like(module), derived=derived)
+        if unit.is_fallback and strict:
+            raise EngineError(
+                f"module {unit.label} has trainable "
+                "parameters and no book-keeping rule; strict mode refuses the torch.func "
+                "fallback", "set clipping.strict: false, freeze it, or register a rule "
+                "with dpclip.engine.register_layer_rule (docs/layer-rules.md)")
+        rule.check(module, unit.label)
+        units.append(unit)
+    return units, aliases
+
+
 @dataclass
 class _Active:
     """State of the engine.backward call in progress."""
@@ -97,9 +135,9 @@ class Bookkeeper:
         self.silent = False
         self._lock = threading.Lock()
         self._handles: list = []
-        self.aliases: dict[int, list[str]] = {}   # parameter index -> names that do not deliver it
         self.strict = strict
-        self.units = self._build_units(model, strict)
+        # the units, and per parameter index the names that do not deliver it
+        self.units, self.aliases = build_units(model, index_of, strict)
         # Where the model's parameters live, read at every forward and backward: from a list
         # taken once, not a walk of the module tree each time (a module's .to() moves these
         # same tensors; FSDP's replacements are taken up in adopt_current_parameters).
@@ -109,40 +147,6 @@ class Bookkeeper:
                               on_probed=self.adopt_read_parameters)
 
     # ------------------------------------------------------------------ setup
-
-    def _build_units(self, model: nn.Module, strict: bool) -> list[Unit]:
-        """One unit per module owning trainable parameters; refuse what cannot be exact
-        (modules that mix samples, or read a child's parameters without calling it)."""
-        units: list[Unit] = []
-        for name, module in model.named_modules():
-            refuse_unsupported(module, name, self.index_of)
-            if is_parametrization(module):   # its originals are delivered by the module it parametrizes
-                continue
-            rule = find_layer_rule(module) or FUNCTORCH_RULE
-            if is_container(module) and container_owner(model, name) is not None:
-                continue   # its parameters are its owner's (below)
-            params = [(pname, p, self.index_of[id(p)])
-                      for pname, p in owned_parameters(module, contained=rule is FUNCTORCH_RULE)
-                      if id(p) in self.index_of]
-            derived = derived_tensors(module, name, self.index_of)
-            if rule is FUNCTORCH_RULE and params:
-                params, notes = without_aliases_below(module, name, params)
-                for idx, note in notes:
-                    self.aliases.setdefault(idx, []).append(note)
-            if not params and not derived and not (rule.wrap_frozen and any(
-                    id(p) in self.index_of for p in module.parameters())):
-                continue
-            unit = Unit(module, name, params, rule,
-                        not rule.exact_by_construction and not is_rmsnorm_like(module), derived=derived)
-            if unit.is_fallback and strict:
-                raise EngineError(
-                    f"module {unit.label} has trainable "
-                    "parameters and no book-keeping rule; strict mode refuses the torch.func "
-                    "fallback", "set clipping.strict: false, freeze it, or register a rule "
-                    "with dpclip.engine.register_layer_rule (docs/engine.md)")
-            rule.check(module, unit.label)
-            units.append(unit)
-        return units
 
     def adopt_read_parameters(self, called: set[int], reads: dict[int, set[int]], at_start: bool = True,
                               feeders: frozenset[int] | set[int] = frozenset()) -> bool:
@@ -212,6 +216,10 @@ class Bookkeeper:
 
     # ---------------------------------------------------------------- forward
 
+    def is_plain(self) -> bool:
+        """Whether a :meth:`plain` context is open."""
+        return self._plain > 0
+
     def _passthrough(self, unit: Unit) -> bool:
         return unit.bypass or self._plain > 0 or not torch.is_grad_enabled()
 
@@ -260,10 +268,10 @@ class Bookkeeper:
                     self._await_recomputation(unit)
                 return orig(*args, **kwargs)
             recomputing = axes.depth == 0 and self._active is not None
-            kept = site.layout, site._leaves
+            kept = site.current_call()
             if recomputing:
                 leaves = call_leaves(args, kwargs)
-                site.layout, site._leaves = axes.recomputed_layout(unit, leaves, self._active.batch_size), leaves
+                site.set_call(axes.recomputed_layout(unit, leaves, self._active.batch_size), leaves)
             else:
                 axes.enter(unit, site, args, kwargs)   # the call's established batch layout
             operation = f"{'recomputed ' if recomputing else ''}forward ({unit.rule.name} rule)"
@@ -278,14 +286,14 @@ class Bookkeeper:
                     raise
                 raise engine_failure(unit.label, operation, tensor_leaves((args, kwargs)), exc) from exc
             finally:   # the call's tensors are not held past it (checkpointing would not free them)
-                site.layout, site._leaves = kept
+                site.set_call(*kept)
 
         return forward
 
     @contextmanager
     def _recomputation(self) -> Iterator[None]:
         """A book-kept module called inside engine.backward, outside any forward of the model:
-        gradient checkpointing recomputing a forward (docs/engine.md, "Gradient checkpointing").
+        gradient checkpointing recomputing a forward (docs/supported-models.md, "Gradient checkpointing").
         The call runs the same book-kept operations again, laid out as the forward laid out this
         module's calls (:meth:`BatchAxes.recomputed_layout`), and counts no use. Non-reentrant
         checkpointing gives the forward's calls the recomputed tensors: their backwards deliver

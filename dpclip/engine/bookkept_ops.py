@@ -20,6 +20,7 @@ from torch import Tensor
 from dpclip.engine.batch_axis import SiteBatch
 from dpclip.engine.parametrized import pinned
 from dpclip.errors import DpclipError, EngineError
+from dpclip.torch_compat import is_view, own_parameters, unsafe_view
 
 
 def engine_failure(label: str, operation: str, tensors, exc: Exception) -> EngineError:
@@ -29,7 +30,7 @@ def engine_failure(label: str, operation: str, tensors, exc: Exception) -> Engin
     return EngineError(f"module {label}: the engine's {operation} failed on tensors of shapes {shapes} "
                        f"({type(exc).__name__}: {exc})",
                        "the engine cannot follow this module's per-sample gradients: freeze it, replace it, "
-                       "or report the model with `dpclip --debug` output (docs/engine.md, \"What is refused\")")
+                       "or report the model with `dpclip --debug` output (docs/supported-models.md, \"What is refused\")")
 
 
 @dataclass(eq=False)
@@ -71,12 +72,12 @@ def not_a_view(out: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:
     tensor (``aten._unsafe_view``: no copy, but a version counter of its own). A view of one
     of the op's inputs must stay tied to that input and is copied instead (no rule of
     dpclip's returns one)."""
-    if not out._is_view():
+    if not is_view(out):
         return out
     storage = out.untyped_storage().data_ptr()
     if any(t.untyped_storage().data_ptr() == storage for t in inputs):
         return out.clone()
-    return torch.ops.aten._unsafe_view(out, out.shape)
+    return unsafe_view(out, out.shape)
 
 
 class BookkeptOp(torch.autograd.Function):
@@ -149,6 +150,7 @@ class Site(SiteBatch):
     batch-axis part: :class:`~dpclip.engine.batch_axis.site.SiteBatch`)."""
 
     def __init__(self, keeper: Any, unit: Any):   # the Bookkeeper, and its Unit for this module
+        super().__init__(keeper.axes)
         self._keeper, self._unit = keeper, unit
         self.module = unit.module
         self.label = unit.label
@@ -164,7 +166,7 @@ class Site(SiteBatch):
         # Read at each call, not kept: a sharded model (FSDP, docs/distributed.md) swaps the
         # module's parameters for whole ones around its forward and backward. A parametrized
         # tensor is evaluated (once per call: the call runs under parametrize.cached()).
-        parameters = self.module._parameters   # a contained one ("ia3_l.default") through its container
+        parameters = own_parameters(self.module)   # a contained one ("ia3_l.default") through its container
         by_name = {name: parameters[name] if name in parameters else self.module.get_parameter(name)
                    for name in self._names}
         for name in self._derived:

@@ -3,7 +3,7 @@
 peft keeps its adapters' weights so (``lora_embedding_A``, IA3's ``ia3_l``, LoHa's ``hada_w1_a``,
 AdaLoRA's ``lora_E``): the container is never called; the adapter layer's own forward reads them.
 The engine gives them to that layer's unit, whose torch.func fallback differentiates its whole
-forward (docs/engine.md, "One backward pass: book-keeping").
+forward (docs/layer-rules.md, "One backward pass: book-keeping").
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ class DPEngine:
         self._transient = context.transient
         self._keeper.install()
         self.certificate = Certificate(model, self._params, context.names, list(self.groups.group_of), clip,
-                                       self._keeper.plain, lambda: self._keeper._plain > 0,
+                                       self._keeper.plain, self._keeper.is_plain,
                                        verify_every, silence=lambda on: setattr(self._keeper, "silent", on))
         if stage is not None:   # a stage's backward starts from the next stage's gradient (capture)
             self.certificate.disabled = "a pipeline stage's backward starts inside the model"

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from dpclip.engine.sums import batched_dot
+from dpclip.torch_compat import tensor_version
 
 
 # A Gram is computed in column strips of at least this many columns (the second GEMM
@@ -147,7 +148,7 @@ class GramCache:
                 and a.shape == b.shape and a.stride() == b.stride()
                 and a.storage_offset() == b.storage_offset()
                 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-                and a._version == b._version == version)
+                and tensor_version(a) == tensor_version(b) == version)
 
     def strips(self, factor: Tensor, count: int, compute: Callable[[], list[Tensor]]) -> list[Tensor]:
         for entry in self._entries:
@@ -158,7 +159,7 @@ class GramCache:
                 self._entries.append(entry)      # most recently used last
                 return value
         value = compute()
-        self._entries = (self._entries + [(factor, factor._version, count, value)])[-self.SIZE:]
+        self._entries = (self._entries + [(factor, tensor_version(factor), count, value)])[-self.SIZE:]
         return value
 
 

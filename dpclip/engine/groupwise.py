@@ -1,4 +1,4 @@
-"""Group-level tensor math of a finalization (docs/engine.md, "Groups and early finalization").
+"""Group-level tensor math of a finalization (docs/layer-rules.md, "Work per group").
 
 Pure functions on one or several groups' tensors at once, so that a group's work is a few
 kernels whatever its number of parameters: :class:`~dpclip.engine.microbatch.MicroBatch`

@@ -27,9 +27,10 @@ from torch import Tensor
 from dpclip.accounting import joint_noise_multiplier
 from dpclip.errors import AccountingError, EngineError
 from dpclip.rng import private_generator, split_generator
+from dpclip.torch_compat import foreach_add_, foreach_mul_
 
 # A CPU draw of at least this many elements is split into STREAMS streams drawn in
-# parallel (docs/performance.md, "The noise draw"): torch's CPU normal_ runs on one core
+# parallel (benchmarks/README.md, "What was changed for GPT-2 small"): torch's CPU normal_ runs on one core
 # with one generator, about 7 ns per element here (0.8 s for GPT-2 small's 124M). Below it
 # (about 30 ms of drawing) one generator draws everything, in parameter order, small
 # tensors packed into one draw as on a GPU (:func:`_add_drawn_packed`): a small model's
@@ -44,7 +45,7 @@ CHUNK = 1 << 20
 # On a GPU: elements per draw (64 MiB of float32 scratch), and small tensors are packed into
 # one draw. Each normal_ and add_ is a kernel launch, and GPT-2 small's 148 gradients in
 # 1 MiB pieces took about 300 launches, 5.7 ms of host time per step on an H200 where the
-# draw itself needs well under one (docs/performance.md, "The floor").
+# draw itself needs well under one (benchmarks/README.md, "GPU: the first run").
 DEVICE_CHUNK = 1 << 24
 # A packed draw is scaled by one multiply per span of tensors with one std, up to this many
 # spans (more: one multi-tensor multiply, which on a GPU takes few launches); None: any
@@ -91,8 +92,8 @@ def _add_drawn_packed(flats: list[Tensor], stds: list[float], generator: torch.G
             for lo, hi, std in spans:
                 scratch[lo:hi].mul_(std)
         else:
-            torch._foreach_mul_(pieces, [std for _, std in run])
-        torch._foreach_add_([t for t, _ in run], pieces)
+            foreach_mul_(pieces, [std for _, std in run])
+        foreach_add_([t for t, _ in run], pieces)
         run.clear()
         sizes.clear()
         size = 0

@@ -12,7 +12,7 @@ So the engine instantiates G_i ``[B, *W.shape]`` and takes the vector-Jacobian p
 very W the module's forward computed, batched over the samples
 (``torch.autograd.grad(..., is_grads_batched=True)``): the originals get ordinary
 :class:`~dpclip.engine.factors.Dense` uses, norms and clipping as for any parameter
-(docs/engine.md, "Parametrized weights"). P runs once per module call, as without the engine:
+(docs/layer-rules.md, "Parametrized weights"). P runs once per module call, as without the engine:
 the call reads W under ``parametrize.cached()``, and its backward reads that same W again
 (:func:`pinned`), so a parametrization with state (spectral_norm's power iteration) advances
 once per forward, as in non-private training.
@@ -29,6 +29,7 @@ from torch.nn.utils import parametrize
 
 from dpclip.engine.factors import Bilinear, Dense, Use, instantiate, widened_use
 from dpclip.errors import EngineError
+from dpclip.torch_compat import parametrization_cache
 
 #: (tensor name, [(original's name, parameter, engine index)]) for each parametrized tensor
 Derived = list[tuple[str, list[tuple[str, nn.Parameter, int]]]]
@@ -55,7 +56,7 @@ def derived_tensors(module: nn.Module, name: str, index_of: dict[int, int]) -> D
         if inner:
             raise EngineError(f"module {name or '<root>'}: the parametrization of {tensor_name!r} has trainable "
                               f"parameters of its own ({', '.join(inner[:3])})",
-                              "freeze them, or make them originals of the parametrization (docs/engine.md, "
+                              "freeze them, or make them originals of the parametrization (docs/layer-rules.md, "
                               "\"Parametrized weights\")")
         if originals:
             derived.append((tensor_name, originals))
@@ -94,16 +95,16 @@ def pinned(module: nn.Module, weights: dict[str, Tensor]) -> Iterator[None]:
         return
     keys = [(id(module), name) for name in weights]
     with parametrize.cached():
-        before = {k: parametrize._cache.get(k) for k in keys}   # a user's own cached() block
-        parametrize._cache.update(zip(keys, weights.values()))
+        before = {k: parametrization_cache().get(k) for k in keys}   # a user's own cached() block
+        parametrization_cache().update(zip(keys, weights.values()))
         try:
             yield
         finally:
             for k, w in before.items():
                 if w is None:
-                    parametrize._cache.pop(k, None)
+                    parametrization_cache().pop(k, None)
                 else:
-                    parametrize._cache[k] = w
+                    parametrization_cache()[k] = w
 
 
 def functional_call(module: nn.Module, tensors: dict[str, Tensor], args: tuple, kwargs: dict):

@@ -1,4 +1,4 @@
-"""Modules the engine refuses by type or layout, before anything runs (docs/engine.md,
+"""Modules the engine refuses by type or layout, before anything runs (docs/supported-models.md,
 "What is refused, and why"): each error names the module's path and class, with a hint."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from dpclip.errors import EngineError
+from dpclip.torch_compat import BatchNormBase, InstanceNormBase
 
 _BATCHNORM_HINT = "replace it with GroupNorm (e.g. nn.GroupNorm(8, C)) or LayerNorm"
 
@@ -13,12 +14,12 @@ _BATCHNORM_HINT = "replace it with GroupNorm (e.g. nn.GroupNorm(8, C)) or LayerN
 def refuse_unsupported(module: nn.Module, name: str, trainable: dict[int, int]) -> None:
     """Raise :class:`EngineError` for ``module`` (at path ``name``) if no rule can make it
     exact; ``trainable``: the ids of the trainable parameters."""
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+    if isinstance(module, BatchNormBase):
         raise EngineError(
             f"module {name or '<root>'} ({type(module).__name__}) normalises with "
             "batch statistics, which mixes samples: per-sample gradients and the "
             "privacy guarantee would not hold", _BATCHNORM_HINT)
-    if (isinstance(module, nn.modules.instancenorm._InstanceNorm)
+    if (isinstance(module, InstanceNormBase)
             and module.track_running_stats):
         raise EngineError(
             f"module {name} ({type(module).__name__}) tracks running statistics "

@@ -87,7 +87,7 @@ class StepReport:
     dp_event: dp_accounting.DpEvent
     samples_seen: int
     expected_batch_size: int
-    # What the certificate verified in this step (docs/engine.md, "The certificate"), or None
+    # What the certificate verified in this step (docs/certificate.md), or None
     # when no check ran since the last report: the step, the rows checked, the mode (alone, batch,
     # eval), and ``before`` for the check on rows of its own before training (sharding, a pipeline cut).
     certificate: object = None

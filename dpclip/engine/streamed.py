@@ -2,7 +2,7 @@
 
 A group whose parameters the mixed rule instantiates (:func:`~dpclip.engine.factors.choose_ghost`,
 ``transient=True``) gets its norms and clipped sums here, without ever holding every G_i
-at once (docs/engine.md). Pure tensor math on :mod:`dpclip.engine.factors`' uses.
+at once (docs/layer-rules.md). Pure tensor math on :mod:`dpclip.engine.factors`' uses.
 """
 
 from __future__ import annotations

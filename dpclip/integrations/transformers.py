@@ -52,11 +52,6 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import torch
-# Before any process group exists (TrainingArguments makes one under torchrun): imported after
-# it, torch._dynamo keeps a reference to the group, whose gloo threads then outlive
-# destroy_process_group and can end a finished run with SIGABRT at exit (dpclip.distributed.world,
-# _import_what_would_outlive_the_group; a two-process DPTrainer run aborted so in CI).
-import torch._dynamo  # noqa: F401
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from transformers import Trainer
@@ -74,6 +69,13 @@ from dpclip.integrations.parts import EmptyDrawCollate, PoissonBatches, PrivateO
 from dpclip.integrations.private import running_world
 from dpclip.integrations.setup import clipping_spec, private_engine
 from dpclip.models.losses import cross_entropy, next_token_cross_entropy, no_generation_cache
+from dpclip.torch_compat import import_dynamo
+
+# Before any process group exists (TrainingArguments makes one under torchrun): imported after
+# it, torch._dynamo keeps a reference to the group, whose gloo threads then outlive
+# destroy_process_group and can end a finished run with SIGABRT at exit (dpclip.distributed.world,
+# _import_what_would_outlive_the_group; a two-process DPTrainer run aborted so in CI).
+import_dynamo()
 
 LOGGED_LOSS = ("training loss logged by the Hugging Face Trainer (console, report_to integrations): computed "
                "without noise from the private batches")
@@ -96,7 +98,7 @@ class PrivacyArguments:
     clipping: dict = field(default_factory=dict, metadata={"help": "a recipe's clipping block (JSON)"})
     accountant: str = "pld"
     unsafe_seed: int | None = None
-    verify_every: int = 0   # the certificate's period in steps, beyond its own checks (docs/engine.md)
+    verify_every: int = 0   # the certificate's period in steps, beyond its own checks (docs/certificate.md)
     users_column: str | None = field(default=None, metadata={
         "help": "user-level privacy: the dataset's column naming each example's person (docs/users.md)"})
     max_records_per_user: int | None = field(default=None, metadata={

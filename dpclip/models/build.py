@@ -13,7 +13,6 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from dpclip.rng import derived_seed
 from dpclip.errors import DpclipError, EngineError
@@ -29,6 +28,7 @@ from dpclip.models.losses import (
     squared_error,
 )
 from dpclip.models.zoo import build_mlp, build_cnn
+from dpclip.torch_compat import BatchNormBase
 
 BATCHNORM_HINT = "use GroupNorm; BatchNorm mixes samples and breaks per-example privacy"
 
@@ -40,7 +40,7 @@ def refuse_batchnorm(model: nn.Module) -> None:
     example's gradient depends on the others and per-example clipping bounds nothing.
     """
     for path, module in model.named_modules():
-        if isinstance(module, _BatchNorm):
+        if isinstance(module, BatchNormBase):
             where = path or "the model itself"
             raise EngineError(f"the model contains {type(module).__name__} at {where!r}", BATCHNORM_HINT)
 

@@ -16,6 +16,8 @@ import math
 
 from torch import nn
 
+from dpclip.torch_compat import BatchNormBase, InstanceNormBase
+
 
 def fix(model: nn.Module) -> nn.Module:
     """``model`` with its sample-mixing norms replaced (in place; also returned)."""
@@ -29,10 +31,10 @@ def fix(model: nn.Module) -> nn.Module:
 
 
 def _fixed(module: nn.Module) -> nn.Module:
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+    if isinstance(module, BatchNormBase):
         channels = module.num_features
         return nn.GroupNorm(math.gcd(32, channels), channels, eps=module.eps, affine=module.affine)
-    if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
+    if isinstance(module, InstanceNormBase) and module.track_running_stats:
         module.track_running_stats = False
         module.running_mean = module.running_var = None
         module.num_batches_tracked = None

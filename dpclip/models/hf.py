@@ -167,7 +167,7 @@ def build_hf(config, data):
 def checkpoint_layers(model) -> None:
     """Activation checkpointing on every layer of a transformers model, non-reentrant (the
     engine follows the recomputation in either setting; non-reentrant finalizes groups early:
-    docs/engine.md, "Gradient checkpointing")."""
+    docs/supported-models.md, "Gradient checkpointing")."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise DpclipError(f"{type(model).__name__} does not support gradient checkpointing in transformers",
                           "set model.gradient_checkpointing: false")

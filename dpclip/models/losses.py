@@ -50,7 +50,7 @@ def no_generation_cache(model: nn.Module) -> Iterator[None]:
     """A training forward builds no generation cache (``config.use_cache`` off for the call, as
     it was after): layers that hold their own parameters (Jamba's and Bamba's mixers, gpt-oss'
     attention sinks) would otherwise get a cache whose updates the engine's per-sample
-    recomputation cannot replay (docs/engine.md, "What is refused"). Logits are unchanged."""
+    recomputation cannot replay (docs/supported-models.md, "What is refused"). Logits are unchanged."""
     config = getattr(model, "config", None)
     if config is None or not getattr(config, "use_cache", False):
         yield

@@ -383,7 +383,7 @@ def step_record(step, report, epsilon, loss_sum, batch_len, expected_batch, lr, 
             "norm_median": summary["norm_quantiles"].get("median"),
             "nonfinite": summary["nonfinite"],  # samples dropped for a non-finite norm, per group
         }
-        if summary["certificate"] is not None:   # this step's check of the engine (docs/engine.md)
+        if summary["certificate"] is not None:   # this step's check of the engine (docs/certificate.md)
             record["diagnostics"]["certificate"] = summary["certificate"]
         # The step's wall time follows its realised (private) Poisson batch size.
         record["seconds"] = round(seconds, 4)

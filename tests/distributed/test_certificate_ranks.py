@@ -1,4 +1,4 @@
-"""The certificate on models no step can check (docs/engine.md, "The certificate"): a model about
+"""The certificate on models no step can check (docs/certificate.md): a model about
 to be sharded (FSDP) or cut into pipeline stages is checked whole, on a few training rows, before
 the cut. A fault on one rank stops every rank before any noisy step."""
 

@@ -103,7 +103,7 @@ def test_a_pipeline_run_trains_the_weights_ledger_and_thresholds_of_one_process(
     ours = [r for r in read_jsonl(piped / "metrics.jsonl") if "diagnostics" in r]
     reference = [r for r in read_jsonl(whole / "metrics.jsonl") if "diagnostics" in r]
     assert len(ours) == len(reference) == 6
-    # the whole model checked before the cut, on training rows (docs/engine.md, "The certificate")
+    # the whole model checked before the cut, on training rows (docs/certificate.md)
     assert ours[0]["diagnostics"]["certificate"]["before"] == "the pipeline cut"
     assert all("certificate" not in r["diagnostics"] for r in ours[1:])
     for a, b in zip(ours, reference):  # the same batches, per-stage thresholds and groups

@@ -1,4 +1,4 @@
-"""Modules that mix samples or keep data, for the certificate's tests (docs/engine.md, "The
+"""Modules that mix samples or keep data, for the certificate's tests (docs/certificate.md, "The
 certificate"): each must be refused, naming it."""
 
 from __future__ import annotations

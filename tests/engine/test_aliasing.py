@@ -1,4 +1,4 @@
-"""One tensor reachable under two module paths: every use counted once (docs/engine.md,
+"""One tensor reachable under two module paths: every use counted once (docs/layer-rules.md,
 "Aliased parameters").
 
 BERT, RoBERTa and ALBERT masked-LM heads hold the decoder bias twice

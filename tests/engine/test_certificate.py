@@ -1,5 +1,5 @@
 """The certificate: the engine's attribution checked against each sample's own gradient
-(dpclip/engine/certificate.py; docs/engine.md, "The certificate")."""
+(dpclip/engine/certificate.py; docs/certificate.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Gradient checkpointing (docs/engine.md, "Gradient checkpointing"): the engine's book-kept
+"""Gradient checkpointing (docs/supported-models.md, "Gradient checkpointing"): the engine's book-kept
 operations run again when torch.utils.checkpoint recomputes a block in the backward, and the
 per-sample clipping is the per-example reference's, in either reentrant setting (reentrant: the
 forward's calls run without gradients and the recomputation's backward delivers the uses)."""

@@ -1,4 +1,4 @@
-"""DeBERTa-v2 and -v3: exact with and without relative attention (docs/engine.md, "Learned
+"""DeBERTa-v2 and -v3: exact with and without relative attention (docs/supported-models.md, "Learned
 tables shared by all samples").
 
 With relative attention, the encoder reads its table ``rel_embeddings.weight`` (DeBERTa-v3:

@@ -61,7 +61,7 @@ def _check(case, shape, grouping, method, precision):
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)       # tiny models: the verdicts of docs/engine.md's table were run so
+    torch.set_num_threads(1)       # tiny models: the verdicts of docs/supported-models.md's table were run so
     yield
     torch.set_num_threads(threads)
 

@@ -2,7 +2,7 @@
 mechanism is seen alone: parameters a module reads without calling their owner (Mamba's
 ``F.conv1d(x, self.conv1d.weight)``) and experts over the batch's tokens merged into rows
 ([B·T, d], dispatched by a router). Each is clipped as the per-example reference, and what
-truly mixes samples stays refused (docs/engine.md, "Mixture-of-experts and state-space models")."""
+truly mixes samples stays refused (docs/supported-models.md, "Mixture-of-experts and state-space models")."""
 
 from __future__ import annotations
 

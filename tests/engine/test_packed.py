@@ -1,5 +1,5 @@
 """Recurrent layers on PackedSequences (issue 52): each sample's rows, found from the packing
-(docs/engine.md, "Packed sequences"), recomputed alone, give its exact gradient."""
+(docs/supported-models.md, "Packed sequences"), recomputed alone, give its exact gradient."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Parametrized weights: per-sample gradients of the originals through the parametrization
-(dpclip/engine/parametrized.py; docs/engine.md, "Parametrized weights")."""
+(dpclip/engine/parametrized.py; docs/layer-rules.md, "Parametrized weights")."""
 
 from __future__ import annotations
 

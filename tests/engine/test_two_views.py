@@ -1,6 +1,6 @@
 """Views concatenated on the batch (issue 52): a layer input of [c·B, ...] rows, every sample's
 first view then every sample's second, is read batch-inner by the probes and clipped as the
-per-example reference (docs/engine.md, "The batch axis")."""
+per-example reference (docs/layer-rules.md, "The batch axis")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """make_private refuses models that mix samples, naming the module, before any noise or charge
-(the certificate: docs/engine.md, "The certificate")."""
+(the certificate: docs/certificate.md)."""
 
 from __future__ import annotations
 

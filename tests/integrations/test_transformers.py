@@ -300,7 +300,7 @@ def test_user_level_privacy_needs_both_arguments(tmp_path):
 
 def test_gradient_checkpointing_in_the_training_arguments_trains_the_weights_of_the_run_without_it(tmp_path):
     """TrainingArguments(gradient_checkpointing=True): transformers checkpoints non-reentrantly by
-    default, which the engine follows (docs/engine.md, "Gradient checkpointing")."""
+    default, which the engine follows (docs/supported-models.md, "Gradient checkpointing")."""
     weights = []
     for checkpointing in (False, True):
         trainer = _seeded(tmp_path / str(checkpointing), gradient_checkpointing=checkpointing)

@@ -1,4 +1,4 @@
-"""`model.gradient_checkpointing: true` (docs/engine.md, "Gradient checkpointing"): a seeded run
+"""`model.gradient_checkpointing: true` (docs/supported-models.md, "Gradient checkpointing"): a seeded run
 trains the weights and charges the ledger of the run without it; a model transformers cannot
 checkpoint is refused with a hint."""
 

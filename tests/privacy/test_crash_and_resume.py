@@ -61,7 +61,7 @@ def _crashed_copy(run_dir, dest, checkpoint_step: int, crash_step: int):
 def _records(path):
     """The records, without what legitimately differs after a resume: wall time, and the
     certificate's record (a resumed process checks again each batch shape it has not seen
-    itself, docs/engine.md "The certificate"; a not-covered diagnostic of the check alone)."""
+    itself, docs/certificate.md; a not-covered diagnostic of the check alone)."""
     out = [json.loads(line) for line in path.read_text().splitlines()]
     for record in out:
         record.pop("seconds", None)

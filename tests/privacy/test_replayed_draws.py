@@ -1,5 +1,5 @@
 """A fallback module's random draw replayed in each sample's recomputation (peft LoHa's module
-dropout, docs/engine.md "What is refused") rewinds the global generator only inside the
+dropout, docs/supported-models.md "What is refused") rewinds the global generator only inside the
 recomputation: the private noise is drawn from its own generator, which the replay never touches,
 and the user's global stream continues exactly where the forward left it (an attacker who knows
 the recipe seed learns nothing more about the noise than before)."""

@@ -4,7 +4,7 @@ The engine's one contract on the model's inputs: the batch size B of a forward i
 the model's first tensor input. Inside the model, a layer's input may hold the batch in
 any axis ([T, B, d] sequence-first), merged with positions ([B·T, d], OPT's MLP), or not at
 all (positions ``arange(T)`` shared by every sample, a learned query): a size equal to B
-proves nothing (T == B), so the engine *probes* instead (docs/engine.md, "The batch axis").
+proves nothing (T == B), so the engine *probes* instead (docs/layer-rules.md, "The batch axis").
 
 - :mod:`.layout`: what is established per tensor (:class:`Layout`) and call
   (:class:`CallLayout`), and how a rule gets its input with the batch first;

@@ -14,11 +14,11 @@ from typing import Callable
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpclip.engine.batch_axis.consumers import CHAIN, EVENTS, Consumer, func_name, repeat_factors
 from dpclip.engine.batch_axis.layout import BROADCAST_HINT
 from dpclip.errors import EngineError
+from dpclip.torch_compat import tree_flatten, tree_unflatten
 
 
 class Chained(Tensor):
@@ -45,7 +45,7 @@ class Chained(Tensor):
         flat, spec = tree_flatten((args, kwargs))
         mine = [i for i, t in enumerate(flat) if isinstance(t, Chained)]
         name = func_name(func)
-        with torch._C.DisableTorchFunctionSubclass():
+        with torch.DisableTorchFunctionSubclass():
             if not mine:
                 return func(*args, **kwargs)
             me = flat[mine[0]]

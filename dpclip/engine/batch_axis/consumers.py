@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+
+from dpclip.torch_compat import tree_flatten
 
 
 _BROADCASTING = {
@@ -112,7 +113,8 @@ class ConsumerCheck(TorchFunctionMode):
         self.tracked[id(t)] = (t, key, chain)
         self.events.setdefault(key, [])
 
-    def _hit(self, t) -> tuple | None:
+    def hit(self, t) -> tuple | None:
+        """``(tensor, key, chain length)`` if ``t`` itself is tracked, else None."""
         entry = self.tracked.get(id(t)) if isinstance(t, Tensor) else None
         return entry if entry is not None and entry[0] is t else None
 
@@ -122,7 +124,7 @@ class ConsumerCheck(TorchFunctionMode):
     def feeding(self, x, key: tuple):
         """``x`` is the input of the layer call ``key`` (itself followed): if it is a followed
         output, record that it feeds ``key`` and stop following it inside that call."""
-        hit = self._hit(x)
+        hit = self.hit(x)
         if hit is None:
             return nullcontext()
         self.feeds.setdefault(hit[1], set()).add(key)
@@ -134,19 +136,19 @@ class ConsumerCheck(TorchFunctionMode):
             out = func(*args, **kwargs)
         except Exception:
             if self.tracked:
-                for hit in filter(None, map(self._hit, tree_flatten((args, kwargs))[0])):
+                for hit in filter(None, map(self.hit, tree_flatten((args, kwargs))[0])):
                     self.fail(hit[1], f"`{func_name(func)}` fails on its output")
             raise
         if self.tracked:
             flat = tree_flatten((args, kwargs))[0]
-            hits = [h for h in map(self._hit, flat) if h is not None]
+            hits = [h for h in map(self.hit, flat) if h is not None]
             if hits:
                 self._check(func, args, kwargs, flat, hits, out)
         return out
 
     def _check(self, func, args: tuple, kwargs: dict, flat: list, hits: list, out) -> None:
         name, key = func_name(func), hits[0][1]
-        if self._hit(out) is not None:          # returned itself (.to() on its own device)
+        if self.hit(out) is not None:          # returned itself (.to() on its own device)
             return
         if not isinstance(out, Tensor):
             if name in _SHAPE_READS:
@@ -154,7 +156,7 @@ class ConsumerCheck(TorchFunctionMode):
             if isinstance(out, (tuple, list)) and any(isinstance(o, Tensor) for o in out):
                 self.fail(key, f"its output is split by `{name}`")
             return
-        others = [t for t in flat if isinstance(t, Tensor) and self._hit(t) is None]
+        others = [t for t in flat if isinstance(t, Tensor) and self.hit(t) is None]
         if name in _DETACH and len(hits) == 1:   # no gradient flows on from here
             self.dead.add(key)
             return

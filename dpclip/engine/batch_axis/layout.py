@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
 
 from dpclip.errors import EngineError
+from dpclip.torch_compat import tree_flatten
 
 BATCH_HINT = ("pass the model's inputs with the batch in dim 0 (its first tensor input sets the "
               "batch size) and build shared tensors (positions, masks) inside the forward "

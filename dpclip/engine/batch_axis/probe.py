@@ -27,9 +27,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpclip.engine.batch_axis.layout import CallLayout, Layout, call_leaves, tensor_leaves
+from dpclip.torch_compat import tree_flatten, tree_unflatten
 
 
 @dataclass
@@ -223,10 +223,6 @@ def untouched_buffers(model: torch.nn.Module) -> Iterator[None]:
                 b.copy_(value)
 
 
-_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-          "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
-
-
 def _not_kept(tensor: Tensor) -> None:
     return None
 
@@ -242,18 +238,3 @@ def nothing_saved():
     probe of three samples at B 2 held 1.5 times the step's own (GPT-2 small at T 1024:
     the first step's peak 1.24x non-private's, 1.08x with this)."""
     return torch.autograd.graph.saved_tensors_hooks(_not_kept, _never_unpacked)
-
-
-@contextmanager
-def hooks_off(model: torch.nn.Module) -> Iterator[None]:
-    """The model's forward hooks do not see the probes (a hook collecting activations, a
-    counter): each module's hook dicts are emptied for the probe and put back after."""
-    saved = [(m, name, getattr(m, name)) for m in model.modules() for name in _HOOKS
-             if getattr(m, name, None)]
-    for m, name, hooks in saved:
-        setattr(m, name, type(hooks)())
-    try:
-        yield
-    finally:
-        for m, name, hooks in saved:
-            setattr(m, name, hooks)

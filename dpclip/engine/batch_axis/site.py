@@ -17,31 +17,45 @@ from dpclip.errors import EngineError
 
 
 class SiteBatch:
-    """Mixed into the capture: needs ``_keeper`` (with ``axes``), ``module``, ``label``, ``op``
-    and ``bypass``; ``layout`` and ``_leaves`` are the call's in progress (set by
-    :meth:`~dpclip.engine.batch_axis.state.BatchAxes.enter` before the rule's ``call``)."""
+    """The base of the capture (bookkept_ops' ``Site``), which provides ``module``, ``label``,
+    ``op`` and ``bypass``. ``axes``: the model's
+    :class:`~dpclip.engine.batch_axis.state.BatchAxes`. ``layout`` and the call's tensors are
+    those of the call in progress, set by :meth:`set_call` before the rule's ``call``
+    (:meth:`~dpclip.engine.batch_axis.state.BatchAxes.enter`, or a recomputation's layout)."""
 
-    layout: CallLayout | None = None
-    _leaves: list[Tensor] = []
+    def __init__(self, axes):   # a BatchAxes (state.py, which imports this module)
+        self._axes = axes
+        self.layout: CallLayout | None = None
+        self._leaves: list[Tensor] = []
+
+    def set_call(self, layout: CallLayout | None, leaves: list[Tensor]) -> None:
+        """The call in progress: its established layout and the tensors it was called with
+        (:func:`~dpclip.engine.batch_axis.call_leaves`)."""
+        self.layout, self._leaves = layout, leaves
+
+    def current_call(self) -> tuple[CallLayout | None, list[Tensor]]:
+        """``(layout, tensors)`` of the call in progress, to be set back (:meth:`set_call`)
+        when a call that interrupts it ends."""
+        return self.layout, self._leaves
 
     def children_batch_first(self):
         """Calls of child modules inside get the batch in dim 0 of every tensor (a rule
         that calls a child itself with batch-first tensors: MultiheadAttention's out_proj;
         the probes, which run the module's own forward, never see those calls)."""
-        return self._keeper.axes.children_batch_first()
+        return self._axes.children_batch_first()
 
     @property
     def batch_size(self) -> int:
         """B of the model's forward in progress (dim 0 of the model's first tensor input)."""
-        return self._keeper.axes.batch
+        return self._axes.batch
 
     @property
     def batch_hint(self) -> int | None:   # the former name, kept for rules written against it
-        return self._keeper.axes.batch
+        return self._axes.batch
 
     def note_expanded(self, t: Tensor) -> None:
         """``t``, a shared output this call expanded over the batch, is per sample from now on."""
-        self._keeper.axes.note_expanded(t)
+        self._axes.note_expanded(t)
 
     def layout_of(self, t: Tensor) -> Layout:
         """The established batch layout of ``t``, a tensor this call received."""

@@ -19,10 +19,12 @@ from torch import Tensor
 from dpclip.engine.batch_axis.consumers import ConsumerCheck, consumers, dead_ends
 from dpclip.engine.batch_axis.layout import (BATCH_FIRST, BATCH_HINT, BROADCAST_HINT, CallLayout,
                                              Layout, call_leaves, shared_lead1, tensor_leaves)
-from dpclip.engine.batch_axis.probe import (NEEDS_ROWS, Probe, compare, forked_rng, hooks_off, nothing_saved, resized,
+from dpclip.engine.batch_axis.probe import (NEEDS_ROWS, Probe, compare, forked_rng, nothing_saved, resized,
                                             untouched_buffers)
+from dpclip.engine.batch_axis.site import SiteBatch
 from dpclip.engine.precision import autocast_restore, autocast_snapshot
 from dpclip.errors import EngineError
+from dpclip.torch_compat import forward_hooks_silenced
 
 
 class BatchAxes:
@@ -99,13 +101,13 @@ class BatchAxes:
 
     # ------------------------------------------------------------- per call
 
-    def enter(self, unit, site, args: tuple, kwargs: dict) -> None:
+    def enter(self, unit, site: SiteBatch, args: tuple, kwargs: dict) -> None:
         """Give ``site`` (the unit's capture) this call's tensors and established layout."""
         leaves = call_leaves(args, kwargs)
         layout = self.layout(unit, leaves)
         if layout.refusal is not None:
             raise EngineError(f"module {unit.label} {layout.refusal}", BROADCAST_HINT)
-        site.layout, site._leaves = layout, leaves
+        site.set_call(layout, leaves)
 
     def in_grad_forward(self) -> bool:   # a forward of the model that records gradients, in progress
         return self.depth > 0 and bool(self.batch) and self.grad_at_entry
@@ -186,14 +188,15 @@ class BatchAxes:
         self.probe = probe
         self.probes += 1
         try:
-            with self.plain(), forked_rng(devices), untouched_buffers(self.model), hooks_off(self.model), \
+            # the model's forward hooks (a hook collecting activations, a counter) do not see a probe
+            with self.plain(), forked_rng(devices), untouched_buffers(self.model), forward_hooks_silenced(self.model), \
                     nothing_saved(), probe.reading() if check is None else nullcontext():
                 if check is None:
                     return self.model(*args, **kwargs)
                 with check:
                     out = self.model(*args, **kwargs)
                 for t in tensor_leaves(out):
-                    hit = check._hit(t)
+                    hit = check.hit(t)
                     if hit is not None:
                         check.fail(hit[1], "it is returned by the model unchanged")
                 return out
@@ -246,123 +249,129 @@ class BatchAxes:
                     reads.setdefault(param, set()).update(modules)
             if self.on_probed({u for probe in probes for u in probe.ordinals}, reads, self.at_start):
                 return self.establish()   # new units (a reader of its own): their calls are probed too
-        expand = self._expanders(layouts)
-        feeders = self._check_consumers(layouts, expand, sizes, inputs) if expand else set()
+        expand = expanders(layouts, self.units)
+        feeders = follow_shared_outputs(layouts, expand, sizes, inputs, self.units, self._run) if expand else set()
         if feeders and self.on_probed is not None and self.on_probed(set(), {}, self.at_start, feeders):
             return self.establish()   # shared feeders taken by an enclosing torch.func unit: probed again
         self.layouts.update(layouts)
 
-    def _check_consumers(self, layouts, expand, sizes, inputs) -> set[int]:
-        """More probes follow each shared output to its consumers: expanding the output
-        itself is exact (GPT-2's positions), or expanding it at its consumers after its
-        chain of ops (T5's bias, layers with the default call only), or it is refused. An
-        op whose operands are all shared (a shared mask) continues the chain: the next pair
-        of probes follows its result too (at most three pairs). Returns the units refused because
-        their output feeds another layer (an enclosing torch.func unit may take them)."""
-        links: set = set()
-        for _ in range(3):
-            checks, aligned = [], {}
-            for size, (args, kwargs) in zip(sizes, inputs):
-                check = ConsumerCheck(frozenset(links))
-                try:
-                    self._run(Probe(size, {k: self._tracker(k, f, check, aligned)
-                                           for k, f in expand.items()}, check), args, kwargs,
-                              check=check)
-                except Exception as exc:  # the forward failed in a consumer (or elsewhere)
-                    if not check.failures:
-                        for key, (kind, which) in expand.items():
-                            check.fail((key, (which or [0])[0]), "the model's forward fails in "
-                                       f"the consumer probe ({type(exc).__name__}: {exc})")
-                checks.append(check)
-            verdicts, more = {}, set()
-            for key, (kind, which) in expand.items():
-                for j in which or [0]:
-                    if (key, j) in aligned:    # a non-float output: no gradient to keep apart
-                        verdict = consumers(checks[0], checks[1], (key, j), *sizes, aligned[(key, j)])
-                        verdicts[(key, j)] = verdict
-                        more |= {((key, j), i) for i in verdict[3]}
-            if not more:
-                break
-            links |= more
-        dead, feeders = dead_ends(checks, verdicts), set()
-        for key, (kind, which) in expand.items():
-            if kind == "input" and (key, 0) in dead:
-                layouts[key] = replace(layouts[key], dead=True)
-                continue
-            found, why, simple, rows = [], None, True, {}
-            for j in which or [0]:
-                if (key, j) not in verdicts:
-                    continue
-                cons, ok, why, unfollowed = verdicts[(key, j)]
-                fed = checks[0].feeds.get((key, j), set()) | checks[1].feeds.get((key, j), set())
-                if why is None and fed:   # (fed to layers whose outputs all end detached: dead, above)
-                    layers = ", ".join(sorted({self.units[k[0][0]].label for k in fed if k[0][0] in self.units}))
-                    why = f"its output is the input of another layer ({layers}), which is not a broadcast over the batch"
-                    feeders.add(key[0])
-                if why is None and unfollowed:
-                    why = "its output meets shared tensors through more ops than the probes follow"
-                merged = {c.rows for c in cons or () if c.result_batch is not None and c.name != "repeat"}   # (Chained tiles)
-                if why is None and (len(merged) > 1 or (merged - {1} and kind != "outputs")):
-                    why = "its consumers broadcast it over the batch merged with positions in different ways"
-                if why is not None:
-                    break
-                found.append(cons)
-                simple = simple and ok
-                rows[j] = max(merged, default=1)
-            lay = layouts[key]
-            if why is None and kind == "outputs" and any(c > 1 for c in rows.values()):
-                lay = layouts[key] = replace(lay, outputs=tuple(
-                    replace(o, expand_rows=rows.get(j, 1)) for j, o in enumerate(lay.outputs)))
-            if why is None and not simple and kind == "outputs":
-                why = ("its output is broadcast over the batch only after other ops, which the "
-                       "per-sample fallback cannot follow")
-            if why is not None:
-                layouts[key] = replace(lay, refusal=f"is fed a tensor shared by all samples, and {why}")
-            elif not simple:
-                layouts[key] = replace(lay, consumers=found[0])
-        return feeders
 
-    def _expanders(self, layouts: dict) -> dict:
-        """Calls whose output the engine expands over the batch: key -> which outputs."""
-        out = {}
-        for key, lay in layouts.items():
-            unit = self.units.get(key[0])
-            if unit is None or lay.refusal is not None:
+def follow_shared_outputs(layouts: dict, expand: dict, sizes: tuple, inputs: list, units: dict,
+                          run: Callable[..., object]) -> set[int]:
+    """More probes follow each shared output to its consumers: expanding the output
+    itself is exact (GPT-2's positions), or expanding it at its consumers after its
+    chain of ops (T5's bias, layers with the default call only), or it is refused. An
+    op whose operands are all shared (a shared mask) continues the chain: the next pair
+    of probes follows its result too (at most three pairs). Returns the units refused because
+    their output feeds another layer (an enclosing torch.func unit may take them).
+
+    ``layouts`` (updated in place): the probed calls' layouts; ``expand``: :func:`expanders`;
+    ``sizes``/``inputs``: the probe pair's sizes and inputs; ``units``: id -> unit;
+    ``run(probe, args, kwargs, check=...)``: one probe forward (:class:`BatchAxes`)."""
+    links: set = set()
+    for _ in range(3):
+        checks, aligned = [], {}
+        for size, (args, kwargs) in zip(sizes, inputs):
+            check = ConsumerCheck(frozenset(links))
+            try:
+                run(Probe(size, {k: tracker(units, k, f, check, aligned)
+                                 for k, f in expand.items()}, check), args, kwargs,
+                    check=check)
+            except Exception as exc:  # the forward failed in a consumer (or elsewhere)
+                if not check.failures:
+                    for key, (kind, which) in expand.items():
+                        check.fail((key, (which or [0])[0]), "the model's forward fails in "
+                                   f"the consumer probe ({type(exc).__name__}: {exc})")
+            checks.append(check)
+        verdicts, more = {}, set()
+        for key, (kind, which) in expand.items():
+            for j in which or [0]:
+                if (key, j) in aligned:    # a non-float output: no gradient to keep apart
+                    verdict = consumers(checks[0], checks[1], (key, j), *sizes, aligned[(key, j)])
+                    verdicts[(key, j)] = verdict
+                    more |= {((key, j), i) for i in verdict[3]}
+        if not more:
+            break
+        links |= more
+    dead, feeders = dead_ends(checks, verdicts), set()
+    for key, (kind, which) in expand.items():
+        if kind == "input" and (key, 0) in dead:
+            layouts[key] = replace(layouts[key], dead=True)
+            continue
+        found, why, simple, rows = [], None, True, {}
+        for j in which or [0]:
+            if (key, j) not in verdicts:
                 continue
-            rule = unit.rule
-            if getattr(rule, "expands_shared_outputs", False):   # the torch.func rule
-                which = [i for i, o in enumerate(lay.outputs) if o.dim is None and o.error is None]
-                if which:
-                    out[key] = ("outputs", which)
-            elif getattr(rule, "default_call", False) and lay.inputs and lay.inputs[0].dim is None \
-                    and lay.inputs[0].error is None:
-                out[key] = ("input", None)
+            cons, ok, why, unfollowed = verdicts[(key, j)]
+            fed = checks[0].feeds.get((key, j), set()) | checks[1].feeds.get((key, j), set())
+            if why is None and fed:   # (fed to layers whose outputs all end detached: dead, above)
+                layers = ", ".join(sorted({units[k[0][0]].label for k in fed if k[0][0] in units}))
+                why = f"its output is the input of another layer ({layers}), which is not a broadcast over the batch"
+                feeders.add(key[0])
+            if why is None and unfollowed:
+                why = "its output meets shared tensors through more ops than the probes follow"
+            merged = {c.rows for c in cons or () if c.result_batch is not None and c.name != "repeat"}   # (Chained tiles)
+            if why is None and (len(merged) > 1 or (merged - {1} and kind != "outputs")):
+                why = "its consumers broadcast it over the batch merged with positions in different ways"
+            if why is not None:
+                break
+            found.append(cons)
+            simple = simple and ok
+            rows[j] = max(merged, default=1)
+        lay = layouts[key]
+        if why is None and kind == "outputs" and any(c > 1 for c in rows.values()):
+            lay = layouts[key] = replace(lay, outputs=tuple(
+                replace(o, expand_rows=rows.get(j, 1)) for j, o in enumerate(lay.outputs)))
+        if why is None and not simple and kind == "outputs":
+            why = ("its output is broadcast over the batch only after other ops, which the "
+                   "per-sample fallback cannot follow")
+        if why is not None:
+            layouts[key] = replace(lay, refusal=f"is fed a tensor shared by all samples, and {why}")
+        elif not simple:
+            layouts[key] = replace(lay, consumers=found[0])
+    return feeders
+
+def expanders(layouts: dict, units: dict) -> dict:
+    """Calls whose output the engine expands over the batch: key -> which outputs."""
+    out = {}
+    for key, lay in layouts.items():
+        unit = units.get(key[0])
+        if unit is None or lay.refusal is not None:
+            continue
+        rule = unit.rule
+        if getattr(rule, "expands_shared_outputs", False):   # the torch.func rule
+            which = [i for i, o in enumerate(lay.outputs) if o.dim is None and o.error is None]
+            if which:
+                out[key] = ("outputs", which)
+        elif getattr(rule, "default_call", False) and lay.inputs and lay.inputs[0].dim is None \
+                and lay.inputs[0].error is None:
+            out[key] = ("input", None)
+    return out
+
+def tracker(units: dict, key, how, check: ConsumerCheck, aligned: dict):
+    """The call of ``key`` in a consumer probe: its shared output(s) tracked; ``aligned``
+    gets the axis that expanding the output itself would give the batch (0: its leading
+    1; -1: prepended)."""
+    unit = units[key[0]]
+
+    def run(args, kwargs, orig):
+        kind, which = how
+        leaves = call_leaves(args, kwargs)
+        with check.feeding(leaves[0], (key, 0)) if kind == "input" and leaves else nullcontext():
+            out = orig(*args, **kwargs)
+        if kind == "input":
+            x = call_leaves(args, kwargs)[0]
+            lead1 = shared_lead1(Layout(x.dim(), lead1=x.dim() >= 1 and x.shape[0] == 1), x,
+                                 unit.rule.feature_dims(unit.module))
+            aligned[(key, 0)] = 0 if lead1 else -1
+            check.track(out, (key, 0))
+            return out
+        leaves = tensor_leaves(out)
+        for j in which:
+            t = leaves[j]
+            if t.is_floating_point():
+                aligned[(key, j)] = 0 if t.dim() >= 1 and t.shape[0] == 1 else -1
+                check.track(t, (key, j))
         return out
 
-    def _tracker(self, key, how, check: ConsumerCheck, aligned: dict):
-        """The call of ``key`` in a consumer probe: its shared output(s) tracked; ``aligned``
-        gets the axis that expanding the output itself would give the batch (0: its leading
-        1; -1: prepended)."""
-        unit = self.units[key[0]]
-
-        def run(args, kwargs, orig):
-            kind, which = how
-            leaves = call_leaves(args, kwargs)
-            with check.feeding(leaves[0], (key, 0)) if kind == "input" and leaves else nullcontext():
-                out = orig(*args, **kwargs)
-            if kind == "input":
-                x = call_leaves(args, kwargs)[0]
-                lead1 = shared_lead1(Layout(x.dim(), lead1=x.dim() >= 1 and x.shape[0] == 1), x,
-                                     unit.rule.feature_dims(unit.module))
-                aligned[(key, 0)] = 0 if lead1 else -1
-                check.track(out, (key, 0))
-                return out
-            leaves = tensor_leaves(out)
-            for j in which:
-                t = leaves[j]
-                if t.is_floating_point():
-                    aligned[(key, j)] = 0 if t.dim() >= 1 and t.shape[0] == 1 else -1
-                    check.track(t, (key, j))
-            return out
-
-        return run
+    return run

@@ -1,4 +1,4 @@
-"""The certificate: each clip checked against the sample's own gradient (docs/engine.md, "The certificate").
+"""The certificate: each clip checked against the sample's own gradient (docs/certificate.md).
 
 The engine attributes the rows of every layer's input and output gradient to samples by
 probing the forward (dpclip.engine.batch_axis). A probe is an inference; the certificate
@@ -10,7 +10,8 @@ checks its consequences on the real model and a real batch, before the first noi
 2. **The sample's own gradient.** The model's forward replayed by plain autograd, its layers'
    own forwards with the book-keeping off, under the autocast and the RNG state the real
    forward had (:mod:`dpclip.engine.certificate.replay`): on sample i alone when the forward
-   draws no random numbers, on the whole batch when it does (dropout: the same masks).
+   draws no random numbers or its draws can be cut per sample (:mod:`~dpclip.engine.certificate.alone`),
+   on the whole batch when not (:mod:`~dpclip.engine.certificate.batch`; dropout: the same masks).
    g_i = J(θ)ᵀ cot_i.
 3. **The comparison** (:func:`~dpclip.engine.certificate.verdict.compare`): the engine's group
    norms of row i against ‖g_{i,k}‖, and its *witness* (its own clipped-sum code run with every
@@ -29,7 +30,6 @@ another order than the module) is checked on a dry micro-batch in eval mode inst
 from __future__ import annotations
 
 import secrets
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,12 +37,12 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine.batch_axis.layout import tensor_leaves
+from dpclip.engine.certificate.alone import alone_gradients
 from dpclip.engine.certificate.batch import batch_gradients, independent_in_batch
-from dpclip.engine.certificate.draws import DrawsNotCut, Recorder, Substitute
-from dpclip.engine.certificate.replay import (Buffers, Cotangents, Forward, NotReproducible, Replayer, batch_axis,
-                                              buffers_kept, close, module_stack, release, replaying, rng_state,
-                                              same_rng, select, vjp)
-from dpclip.engine.certificate.verdict import MIXING_HINT, NOT_COVERED, compare, mixing_error
+from dpclip.engine.certificate.draws import Recorder
+from dpclip.engine.certificate.replay import (Cotangents, Forward, NotReproducible, Replayer, buffers_kept, release,
+                                              replaying, rng_state, same_rng)
+from dpclip.engine.certificate.verdict import compare
 from dpclip.engine.precision import autocast_snapshot
 from dpclip.errors import EngineError
 
@@ -211,14 +211,14 @@ class Certificate:
             own = None
             if cut:
                 try:
-                    own = self._alone_gradients(forwards, rows, cots, rtol, buffers, cut=True)
+                    own = alone_gradients(self.model, self.replayer, forwards, rows, cots, rtol, buffers, cut=True)
                 except NotReproducible:
                     cut, buffers.written = False, None
             if own is None and random:
                 own = batch_gradients(self, forwards, rows, cots, rtol)
                 independent_in_batch(self, forwards, rows, cots, own, rtol, buffers)
             elif own is None:
-                own = self._alone_gradients(forwards, rows, cots, rtol, buffers)
+                own = alone_gradients(self.model, self.replayer, forwards, rows, cots, rtol, buffers)
         batch_mode = random and not cut
         cancelling = cancelling or {}
         for r in rows:
@@ -268,8 +268,8 @@ class Certificate:
                 if batch_mode:
                     got = batch_gradients(self, forwards, [r], cots, RTOL[torch.float32], outputs=False)[r]
                 else:
-                    got = self._alone_gradients(forwards, [r], cots, RTOL[torch.float32], buffers, outputs=False,
-                                                cut=any(f.random for f in forwards))[r]
+                    got = alone_gradients(self.model, self.replayer, forwards, [r], cots, RTOL[torch.float32], buffers,
+                                          outputs=False, cut=any(f.random for f in forwards))[r]
             return [g.double() for g in got]
         except (NotReproducible, EngineError, RuntimeError, TypeError, ValueError):
             return None
@@ -283,109 +283,6 @@ class Certificate:
         if self._devices and torch.backends.cuda.matmul.allow_tf32:
             rtol = max(rtol, TF32_RTOL)
         return rtol
-
-    def _refuse_buffer(self, found: str | None) -> None:
-        if found is not None:
-            raise EngineError(f"the model's forward writes buffer {found} from the data: statistics of "
-                              "private data would be released with the model" + NOT_COVERED,
-                              "keep no data in buffers: compute such statistics without storing them")
-
-    # ------------------------------------------------------------ alone
-
-    def _alone_gradients(self, forwards: list[Forward], rows: list[int], cots: dict, rtol: float,
-                         buffers: Buffers, outputs: bool = True, cut: bool = False) -> dict[int, list[Tensor]]:
-        """Each checked sample's gradient from replays on that sample alone; its outputs alone must
-        be its outputs in the batch, and its loss's cotangent must vanish off its rows. ``cut``: the
-        replays get the sample's part of the recorded random draws (draws.py); where that part does
-        not reproduce the sample's outputs, :class:`NotReproducible`."""
-        own: dict[int, list[Tensor]] = {}
-        for r in rows:
-            total = None
-            for j, f in enumerate(forwards):
-                leaves = self.replayer.leaves()
-                outs = [o for o in self._alone(f, r, leaves, f.draws if cut else None)
-                        if o.requires_grad][:len(f.outputs)]
-                if len(outs) < len(f.outputs):
-                    if cut:
-                        raise NotReproducible()
-                    raise mixing_error(self.model, self.replayer, f, r, "returns fewer tensors on one sample "
-                                       "alone than in its batch", rtol)
-                narrowed = []
-                for k, (full, alone) in enumerate(zip(f.outputs, outs)):
-                    if all(cots[q][j][k] is None for q in cots):   # a returned tensor no loss uses (HF's batch-mean loss)
-                        narrowed.append(None)
-                        continue
-                    axis, cot = batch_axis(full, alone, f.batch), cots[r][j][k]
-                    if axis == "mixed":
-                        if cot is not None and bool(cot.abs().max() > 0):
-                            raise mixing_error(self.model, self.replayer, f, r, f"returns a tensor of shape "
-                                               f"{tuple(full.shape)} whose rows cannot be attributed to samples "
-                                               "(on one sample alone no single axis shrinks from B to 1: rows "
-                                               "gathered across the batch?)", rtol)
-                        narrowed.append(None)
-                        continue
-                    if outputs and not close(full if axis is None else full.narrow(axis, r, 1), alone, rtol):
-                        if cut:
-                            raise NotReproducible()
-                        raise mixing_error(self.model, self.replayer, f, r, f"gives sample {r} other outputs "
-                                           "alone than in its batch", rtol)
-                    if cot is not None and axis is not None:
-                        outside = cot.clone()
-                        outside.narrow(axis, r, 1).zero_()
-                        if bool(outside.abs().max() > rtol * max(float(cot.abs().max()), 1e-30)):
-                            raise EngineError(
-                                f"the loss of sample {r} depends on other samples' outputs (the per-sample "
-                                "losses mix samples, e.g. a loss normalised over the batch)" + NOT_COVERED,
-                                "compute each sample's loss from its own outputs only (reduction='none', "
-                                "then each sample's tokens averaged)")
-                        cot = cot.narrow(axis, r, 1)
-                    narrowed.append(cot)
-                if cut:   # a backward that draws (gradient checkpointing recomputing dropout) draws
-                    with Recorder(lambda: False) as drawn:   # its own masks, not the sample's part
-                        g = vjp(outs, narrowed, leaves, self.replayer.within(leaves))
-                    if drawn.draws != []:
-                        raise NotReproducible()
-                else:
-                    g = vjp(outs, narrowed, leaves, self.replayer.within(leaves))
-                total = g if total is None else [a + b for a, b in zip(total, g)]
-            self._refuse_buffer(buffers.after(f"sample {r} alone"))
-            own[r] = total
-        return own
-
-    def _alone(self, forward: Forward, r: int, leaves: list[Tensor], draws: list[Tensor] | None = None) -> list[Tensor]:
-        errors = []
-        for first_only in (False, True):
-            inputs = select(forward.args, forward.kwargs, forward.batch, torch.tensor([r]), first_only)
-            try:
-                with Substitute(draws, r, forward.batch) if draws is not None else nullcontext() as sub:
-                    out = self.replayer.run(forward, inputs, leaves)
-                if sub is not None and sub.next != len(draws):
-                    raise DrawsNotCut()
-                return out
-            except EngineError:
-                raise
-            except DrawsNotCut as exc:
-                raise NotReproducible() from exc
-            except Exception as exc:   # the inputs cut to one row do not fit: the first only
-                errors.append((exc, inputs))
-        exc, inputs = errors[0]
-        failed_in = None
-        try:   # once more, to see where it fails
-            with module_stack(self.model) as stack:
-                self.replayer.run(forward, inputs, leaves)
-        except Exception:
-            failed_in = stack[-1] if len(stack) > 1 else None
-        if failed_in is not None:
-            name = next((n for n, m in self.model.named_modules() if m is failed_in), "")
-            raise EngineError(f"module {name or '<root>'} ({type(failed_in).__name__}) mixes samples: it fails on "
-                              f"one sample alone ({type(exc).__name__}: {exc}), so its output depends on the "
-                              "rest of the batch; a per-sample gradient, and so the privacy guarantee, would "
-                              "not hold" + NOT_COVERED, MIXING_HINT) from exc
-        last = errors[-1][0]
-        raise EngineError(f"the certificate could not run the model's forward on sample {r} alone "
-                          f"({type(last).__name__}: {last})" + NOT_COVERED,
-                          "the model's inputs must hold the batch in dim 0 of each input tensor "
-                          "(docs/engine.md, \"The batch axis\")") from last
 
 
 __all__ = ["Certificate", "CertificateRecord", "Forward", "NotReproducible", "RTOL", "shape_family"]

@@ -9,7 +9,7 @@ import math
 from torch import Tensor
 
 from dpclip.engine.certificate.replay import Buffers, NotReproducible, close, select, vjp_rows
-from dpclip.engine.certificate.verdict import mixing_error
+from dpclip.engine.certificate.verdict import mixing_error, refuse_written_buffer
 
 
 def batch_gradients(cert, forwards, rows, cots, rtol, outputs: bool = True) -> dict[int, list[Tensor]]:
@@ -30,7 +30,7 @@ def independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers: Buffers
     rows' gradients must not move, nor may the buffers differ."""
     if len(rows) < 2:
         return
-    cert._refuse_buffer(buffers.after("the batch"))
+    refuse_written_buffer(buffers.after("the batch"))
     j, source = rows[-1], rows[0]
     moved = {r: None for r in rows[:-1]}
     for i, f in enumerate(forwards):
@@ -39,7 +39,7 @@ def independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers: Buffers
                                              leaves) if o.requires_grad][:len(f.outputs)]
         for r, g in vjp_rows(outs, {r: cots[r][i] for r in moved}, leaves, cert.replayer.within(leaves)).items():
             moved[r] = g if moved[r] is None else [a + b for a, b in zip(moved[r], g)]
-    cert._refuse_buffer(buffers.after(f"the batch with sample {j} replaced"))
+    refuse_written_buffer(buffers.after(f"the batch with sample {j} replaced"))
     for r, g in moved.items():
         scale = math.sqrt(sum(float(x.double().square().sum()) for x in own[r]))
         err = math.sqrt(sum(float((a - b).double().square().sum()) for a, b in zip(g, own[r])))

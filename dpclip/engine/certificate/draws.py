@@ -23,7 +23,8 @@ from typing import Callable
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from dpclip.torch_compat import TorchDispatchMode
 
 #: operations whose output is random numbers and nothing else (no gradient flows through them)
 PURE_DRAWS = frozenset({

@@ -59,7 +59,7 @@ def check_before(cert: Certificate, model: nn.Module, run_losses: Callable[[], T
     and returns their per-sample losses [b]; the backward goes into scratch sums (``micro_batch``, as
     for :func:`check_in_eval_mode`) that are thrown away. For what no step of the run can check: a
     sharded model's ranks cannot replay a sample alone, a pipeline stage's backward starts inside the
-    model (docs/engine.md, "The certificate"). ``before``: what comes after, for the report."""
+    model (docs/certificate.md). ``before``: what comes after, for the report."""
     kept = cert.families, cert.last_step
     cert.families, cert.last_step = set(), None   # due whatever the rows' shape
     try:

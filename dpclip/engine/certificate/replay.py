@@ -16,10 +16,10 @@ from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpclip.engine.batch_axis.layout import tensor_leaves
 from dpclip.engine.precision import AutocastState, autocast_restore, autocast_snapshot
+from dpclip.torch_compat import forward_hooks_silenced, reentrant_checkpoints_inline, tree_flatten, tree_unflatten
 
 
 class NotReproducible(Exception):
@@ -151,55 +151,17 @@ def close(a: Tensor, b: Tensor, rtol: float) -> bool:
     return bool((a - b).abs().max() <= rtol * a.abs().max().clamp_min(1e-30))
 
 
-_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-          "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
-
-
-@contextmanager
-def hooks_silenced(model: nn.Module, keep=()) -> Iterator[None]:
-    """The model's forward hooks (the user's and the engine's own) do not see a replay, except the
-    handles in ``keep``."""
-    kept = {h.id for h in keep}
-    saved = []
-    for m in model.modules():
-        for name in _HOOKS:
-            hooks = getattr(m, name, None)
-            if hooks:
-                saved.append((m, name, hooks))
-                setattr(m, name, type(hooks)((k, v) for k, v in hooks.items() if k in kept))
-    try:
-        yield
-    finally:
-        for m, name, hooks in saved:
-            setattr(m, name, hooks)
-
-
 @contextmanager
 def replaying(model: nn.Module, plain: Callable, devices: list[int]) -> Iterator[None]:
-    """Replays run the layers' own forwards, with gradients, without hooks; the RNG streams are
-    put back afterwards."""
-    with plain(), torch.random.fork_rng(devices=devices), hooks_silenced(model), torch.enable_grad(), \
+    """Replays run the layers' own forwards, with gradients, without the model's forward hooks
+    (the user's and the engine's own); the RNG streams are put back afterwards. Reentrant
+    ``torch.utils.checkpoint`` blocks run as plain calls (:func:`dpclip.torch_compat.reentrant_checkpoints_inline`):
+    such a block passes gradients to its parameters only by a ``.backward()`` on the module's own
+    parameters (``torch.autograd.grad`` refuses it), and a replay differentiates detached leaves.
+    The plain call draws the same random numbers (the block's forward runs once either way)."""
+    with plain(), torch.random.fork_rng(devices=devices), forward_hooks_silenced(model), torch.enable_grad(), \
             reentrant_checkpoints_inline():
         yield
-
-
-@contextmanager
-def reentrant_checkpoints_inline() -> Iterator[None]:
-    """Reentrant ``torch.utils.checkpoint`` blocks run as plain calls in a replay: such a block
-    passes gradients to its parameters only by a ``.backward()`` on the module's own parameters
-    (``torch.autograd.grad`` refuses it), and a replay differentiates detached leaves. The plain
-    call draws the same random numbers (the block's forward runs once either way)."""
-    from torch.utils.checkpoint import CheckpointFunction
-    own = "apply" in CheckpointFunction.__dict__
-    kept = CheckpointFunction.__dict__.get("apply")
-    CheckpointFunction.apply = staticmethod(lambda function, _preserve_rng, *args: function(*args))
-    try:
-        yield
-    finally:
-        if own:
-            CheckpointFunction.apply = kept
-        else:
-            del CheckpointFunction.apply
 
 
 class Replayer:
@@ -372,7 +334,7 @@ def module_stack(model: nn.Module) -> Iterator[list[nn.Module]]:
     handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
     handles += [m.register_forward_hook(leave) for m in model.modules()]
     try:
-        with hooks_silenced(model, keep=handles):
+        with forward_hooks_silenced(model, keep=handles):
             yield stack
     finally:
         for h in handles:
@@ -388,7 +350,7 @@ def module_outputs(model: nn.Module) -> Iterator[list]:
         calls.append((m, [t.detach() for t in tensor_leaves(out)]))
     handles = [m.register_forward_hook(record) for m in model.modules()]
     try:
-        with hooks_silenced(model, keep=handles):
+        with forward_hooks_silenced(model, keep=handles):
             yield calls
     finally:
         for h in handles:

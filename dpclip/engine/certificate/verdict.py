@@ -13,13 +13,22 @@ from dpclip.engine.sums import sum_of_squares
 from dpclip.errors import EngineError
 
 HINT = ("the engine's per-sample attribution does not hold for this model; freeze the named "
-        "parameters, replace the module, or report the model (docs/engine.md, \"The certificate\")")
+        "parameters, replace the module, or report the model (docs/certificate.md)")
 #: a refusal is an outcome computed from the private batch (which sample, which parameter, by how much):
 #: printed to whoever runs the training, written to no run file, and said to be outside ε
 NOT_COVERED = " [computed from the private batch: not covered by ε]"
 MIXING_HINT = ("each sample's output must depend on that sample alone: replace batch statistics "
                "(BatchNorm, x - x.mean(0)) by per-sample ones (GroupNorm, LayerNorm) and keep no "
-               "data in buffers (docs/engine.md, \"The certificate\")")
+               "data in buffers (docs/certificate.md)")
+
+
+def refuse_written_buffer(found: str | None) -> None:
+    """Refuse a forward that writes a buffer from the data (``found``: the buffer, and the two
+    replays it tells apart, from :meth:`~dpclip.engine.certificate.replay.Buffers.after`)."""
+    if found is not None:
+        raise EngineError(f"the model's forward writes buffer {found} from the data: statistics of "
+                          "private data would be released with the model" + NOT_COVERED,
+                          "keep no data in buffers: compute such statistics without storing them")
 
 
 def compare(row: int, own: list[Tensor], norms: Tensor, witness: dict[int, Tensor], thresholds: Tensor,

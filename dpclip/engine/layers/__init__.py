@@ -3,7 +3,7 @@
 A rule turns one call of a module into :mod:`dpclip.engine.factors` uses (a
 :class:`~dpclip.engine.factors.Bilinear` pair of factors, or an instantiated
 :class:`~dpclip.engine.factors.Dense` gradient) for each of the module's own parameters
-(docs/engine.md, "Adding a layer rule"). One file per layer family lives next to this
+(docs/layer-rules.md, "Adding a layer rule"). One file per layer family lives next to this
 one; each registers its rules on import::
 
     @register_layer_rule(nn.Linear)
@@ -121,7 +121,7 @@ def flat3(t: Tensor) -> Tensor:
 class LayerRule:
     """How one layer type is book-kept (one entry of the rule registry).
 
-    Subclass it and override the methods (module doc; docs/engine.md, "Adding a layer rule").
+    Subclass it and override the methods (module doc; docs/layer-rules.md, "Adding a layer rule").
 
     prepare(module, x, batch_size) -> (activation, info): runs under autograd before the
         book-kept op, on ``x`` with the batch in dim 0 (pads, normalises for norm layers).
@@ -144,7 +144,7 @@ class LayerRule:
         """None: the rule needs the batch in axis 0 of its input. An int f: the rule is
         position-wise (every position of the leading axes is independent; f trailing
         feature axes), so the engine may move the batch to the front from any leading axis
-        or unflatten it from a batch·position axis (docs/engine.md, "The batch axis")."""
+        or unflatten it from a batch·position axis (docs/layer-rules.md, "The batch axis")."""
         return None
 
     @property

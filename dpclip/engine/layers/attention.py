@@ -1,4 +1,4 @@
-"""``nn.MultiheadAttention``: its projections book-kept like Linear layers (docs/engine.md).
+"""``nn.MultiheadAttention``: its projections book-kept like Linear layers (docs/layer-rules.md).
 
 torch's own forward reads ``out_proj.weight`` without calling ``out_proj`` and uses the
 raw parameters ``in_proj_weight`` / ``in_proj_bias``, so the generic capture cannot see
@@ -37,6 +37,7 @@ from dpclip.engine.layers import (Capture, Example, LayerRule, example_tensor,
                                   register_layer_rule, seeded)
 from dpclip.engine.precision import autocast_input, widened
 from dpclip.errors import EngineError
+from dpclip.torch_compat import canonical_attention_masks, qkv_packed
 
 _SLOTS = {"q": 0, "k": 1, "v": 2}
 
@@ -110,7 +111,7 @@ class MultiheadAttentionRule(LayerRule):
         trainable = {name for name, _ in capture.params}
         out = {}
         for slots, x in inputs:
-            weight_name = ("in_proj_weight" if m._qkv_same_embed_dim
+            weight_name = ("in_proj_weight" if qkv_packed(m)
                            else f"{slots}_proj_weight")
             names = [n for n in (weight_name, "in_proj_bias") if n in trainable]
             y = capture.op(_IN_PROJECTION, autocast_input(x), (slots, weight_name), names)
@@ -125,12 +126,7 @@ class MultiheadAttentionRule(LayerRule):
             raise EngineError(f"module {capture.label} got an unbatched query",
                               "pass batched [B, T, E] inputs (batch_first=True)")
         # torch's own mask conversion (bool -> -inf), so that masks mean the same here
-        key_padding_mask = F._canonical_mask(
-            mask=key_padding_mask, mask_name="key_padding_mask",
-            other_type=F._none_or_dtype(attn_mask), other_name="attn_mask",
-            target_type=query.dtype)
-        attn_mask = F._canonical_mask(mask=attn_mask, mask_name="attn_mask", other_type=None,
-                                      other_name="", target_type=query.dtype, check_other=False)
+        key_padding_mask, attn_mask = canonical_attention_masks(key_padding_mask, attn_mask, query.dtype)
 
         axis = 0 if m.batch_first else 1
         layouts = {name: capture.layout_of(t) for name, t in
@@ -162,7 +158,7 @@ class MultiheadAttentionRule(LayerRule):
 
         if query is key and key is value:
             proj = self._project(m, capture, [("qkv", batch_first(query, "query"))])
-        elif key is value and m._qkv_same_embed_dim:
+        elif key is value and qkv_packed(m):
             proj = self._project(m, capture, [("q", batch_first(query, "query")),
                                              ("kv", batch_first(key, "key"))])
         else:

@@ -1,4 +1,4 @@
-"""``nn.Conv1d`` / ``nn.Conv2d``: im2col, then the Linear rule per conv group (docs/engine.md).
+"""``nn.Conv1d`` / ``nn.Conv2d``: im2col, then the Linear rule per conv group (docs/layer-rules.md).
 
 With T = output positions, a convolution is a Linear over unfolded input patches: sample
 i's gradient of group j is ``L_{i,j}ᵀ R_{i,j}`` with L the output gradient and R the
@@ -15,6 +15,7 @@ from dpclip.engine.factors import Bilinear, Dense, Use
 from dpclip.engine.layers import (Example, LayerRule, example_tensor, expand_batch,
                                   register_layer_rule, seeded)
 from dpclip.engine.precision import autocast_input, widened
+from dpclip.torch_compat import conv_pad_widths
 
 
 def _tuple(v, n):
@@ -46,7 +47,7 @@ class ConvRule(LayerRule):
         nd = len(m.kernel_size)
         padding = m.padding
         if m.padding_mode != "zeros":
-            x = F.pad(x, m._reversed_padding_repeated_twice, mode=m.padding_mode)
+            x = F.pad(x, conv_pad_widths(m), mode=m.padding_mode)
             padding = (0,) * nd
         elif isinstance(padding, str):
             if padding == "valid":

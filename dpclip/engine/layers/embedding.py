@@ -1,4 +1,4 @@
-"""``nn.Embedding``: the one-hot factor is never formed (docs/engine.md).
+"""``nn.Embedding``: the one-hot factor is never formed (docs/layer-rules.md).
 
 Sample i's gradient is ``onehot(x_i)ᵀ b_i``: a Bilinear use whose left factor is the
 integer ids themselves (``vocab`` set), ghost-normed as Σ_{t,s} 1[x_t = x_s]⟨b_t, b_s⟩.

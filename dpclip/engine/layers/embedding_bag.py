@@ -1,4 +1,4 @@
-"""``nn.EmbeddingBag``: bag i is sample i; the one-hot factor is never formed (docs/engine.md).
+"""``nn.EmbeddingBag``: bag i is sample i; the one-hot factor is never formed (docs/layer-rules.md).
 
 The bags are laid out as a padded [B, L] matrix of ids (a 2-D input as it is; a 1-D input
 cut at its ``offsets``). With ``w_il`` the weight of entry l of bag i (0 for padding

@@ -29,8 +29,6 @@ from typing import Iterator, NamedTuple
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
-from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpclip.engine.batch_axis import BATCH_HINT, Layout, call_leaves, expand_shared
 from dpclip.engine.factors import Dense
@@ -39,6 +37,7 @@ from dpclip.engine.layers.packed import packed_call
 from dpclip.engine.parametrized import functional_call
 from dpclip.engine.precision import autocast_again, autocast_state
 from dpclip.errors import EngineError
+from dpclip.torch_compat import TorchDispatchMode, tree_flatten, tree_unflatten
 
 
 class Axis(NamedTuple):

@@ -1,5 +1,5 @@
 """``nn.Linear``, transformers' ``Conv1D`` and ``FalconLinear``: one Bilinear use per call
-(docs/engine.md).
+(docs/layer-rules.md).
 
 For a Linear ``y = a Wᵀ + b`` with W of shape (p, d), sample i's weight gradient is
 ``G_i = b_iᵀ a_i`` over its T positions: L = output gradient, R = input. ``Conv1D``

@@ -1,4 +1,4 @@
-"""Normalisation layers with an elementwise affine: ``y = x̂ ⊙ w + b`` (docs/engine.md).
+"""Normalisation layers with an elementwise affine: ``y = x̂ ⊙ w + b`` (docs/layer-rules.md).
 
 The normalisation x -> x̂ has no parameters and runs under ordinary autograd (in
 ``prepare``); only the affine is book-kept. Its per-sample gradients are tiny ([B, C])
@@ -15,8 +15,9 @@ from dpclip.engine.factors import Dense, Use
 from dpclip.engine.layers import (Example, LayerRule, example_tensor, expand_batch,
                                   register_layer_rule, seeded)
 from dpclip.engine.precision import LOW_PRECISION, widened
+from dpclip.torch_compat import InstanceNormBase
 
-_CHANNEL_NORMS = (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
+_CHANNEL_NORMS = (nn.GroupNorm, InstanceNormBase)
 
 
 def _affine_shape(m, x):

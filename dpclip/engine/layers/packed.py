@@ -19,12 +19,12 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpclip.engine.factors import Dense
 from dpclip.engine.parametrized import functional_call
 from dpclip.engine.precision import autocast_again, autocast_state
 from dpclip.errors import EngineError
+from dpclip.torch_compat import tree_flatten, tree_unflatten
 
 
 def sample_rows(packed: PackedSequence) -> list[Tensor]:

@@ -11,7 +11,7 @@ tokens averaged, padding masked out). Three families:
   layers, shared [T, d] tables, in-place changes of a Linear's output, shared biases, ...
 
 :mod:`.judge` runs a case through ``DPEngine`` and compares the clipped sum with a float64
-per-sample loop; ``scripts/supported_models.py`` renders the verdicts into docs/engine.md
+per-sample loop; ``scripts/supported_models.py`` renders the verdicts into docs/supported-models.md
 and ``tests/engine/test_hf_zoo.py`` asserts them.
 """
 

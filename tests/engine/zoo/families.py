@@ -1,5 +1,5 @@
 """The model families people fine-tune in 2026 (issue 52), at tiny size: gradient checkpointing
-(docs/engine.md, "Gradient checkpointing") and PEFT adapters beyond LoRA on Linear. Tagged like issue 49's cases: the slow suite
+(docs/supported-models.md, "Gradient checkpointing") and PEFT adapters beyond LoRA on Linear. Tagged like issue 49's cases: the slow suite
 runs all of their runs (tests/engine/test_hf_zoo.py)."""
 
 from __future__ import annotations

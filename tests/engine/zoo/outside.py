@@ -3,7 +3,7 @@ patterns that are hard for a per-sample engine: samples mixed inside the forward
 or permuted across the batch, parametrizations, data written into buffers, shapes or ints
 derived from the batch size, state kept on a module during its forward, several forwards per
 loss, upstream tensors returned beside the logits. Each is exact, or refused with its reason
-(known_faults.EXPECTED_REFUSALS); the certificate (docs/engine.md) is what turns the formerly
+(known_faults.EXPECTED_REFUSALS); the certificate (docs/certificate.md) is what turns the formerly
 silent ones into refusals."""
 
 from __future__ import annotations

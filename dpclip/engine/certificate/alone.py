@@ -1,0 +1,117 @@
+"""The certificate's alone mode: each checked sample replayed alone (the cost of that sample's
+forward and backward), its outputs alone checked against its outputs in the batch and its loss's
+cotangent against its own rows; a random forward gets the sample's part of the recorded draws
+(draws.py) or is found :class:`~dpclip.engine.certificate.replay.NotReproducible`."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from torch import Tensor, nn
+
+from dpclip.engine.certificate.draws import DrawsNotCut, Recorder, Substitute
+from dpclip.engine.certificate.replay import (Buffers, Forward, NotReproducible, Replayer, batch_axis, close,
+                                              module_stack, select, vjp)
+from dpclip.engine.certificate.verdict import MIXING_HINT, NOT_COVERED, mixing_error, refuse_written_buffer
+from dpclip.errors import EngineError
+
+
+def alone_gradients(model: nn.Module, replayer: Replayer, forwards: list[Forward], rows: list[int], cots: dict,
+                    rtol: float, buffers: Buffers, outputs: bool = True, cut: bool = False) -> dict[int, list[Tensor]]:
+    """Each checked sample's gradient from replays on that sample alone (``replayer``'s, of
+    ``model``); its outputs alone must be its outputs in the batch, and its loss's cotangent must
+    vanish off its rows. ``cut``: the replays get the sample's part of the recorded random draws
+    (draws.py); where that part does not reproduce the sample's outputs, :class:`NotReproducible`."""
+    own: dict[int, list[Tensor]] = {}
+    for r in rows:
+        total = None
+        for j, f in enumerate(forwards):
+            leaves = replayer.leaves()
+            outs = [o for o in alone_outputs(model, replayer, f, r, leaves, f.draws if cut else None)
+                    if o.requires_grad][:len(f.outputs)]
+            if len(outs) < len(f.outputs):
+                if cut:
+                    raise NotReproducible()
+                raise mixing_error(model, replayer, f, r, "returns fewer tensors on one sample "
+                                   "alone than in its batch", rtol)
+            narrowed = []
+            for k, (full, alone) in enumerate(zip(f.outputs, outs)):
+                if all(cots[q][j][k] is None for q in cots):   # a returned tensor no loss uses (HF's batch-mean loss)
+                    narrowed.append(None)
+                    continue
+                axis, cot = batch_axis(full, alone, f.batch), cots[r][j][k]
+                if axis == "mixed":
+                    if cot is not None and bool(cot.abs().max() > 0):
+                        raise mixing_error(model, replayer, f, r, f"returns a tensor of shape "
+                                           f"{tuple(full.shape)} whose rows cannot be attributed to samples "
+                                           "(on one sample alone no single axis shrinks from B to 1: rows "
+                                           "gathered across the batch?)", rtol)
+                    narrowed.append(None)
+                    continue
+                if outputs and not close(full if axis is None else full.narrow(axis, r, 1), alone, rtol):
+                    if cut:
+                        raise NotReproducible()
+                    raise mixing_error(model, replayer, f, r, f"gives sample {r} other outputs "
+                                       "alone than in its batch", rtol)
+                if cot is not None and axis is not None:
+                    outside = cot.clone()
+                    outside.narrow(axis, r, 1).zero_()
+                    if bool(outside.abs().max() > rtol * max(float(cot.abs().max()), 1e-30)):
+                        raise EngineError(
+                            f"the loss of sample {r} depends on other samples' outputs (the per-sample "
+                            "losses mix samples, e.g. a loss normalised over the batch)" + NOT_COVERED,
+                            "compute each sample's loss from its own outputs only (reduction='none', "
+                            "then each sample's tokens averaged)")
+                    cot = cot.narrow(axis, r, 1)
+                narrowed.append(cot)
+            if cut:   # a backward that draws (gradient checkpointing recomputing dropout) draws
+                with Recorder(lambda: False) as drawn:   # its own masks, not the sample's part
+                    g = vjp(outs, narrowed, leaves, replayer.within(leaves))
+                if drawn.draws != []:
+                    raise NotReproducible()
+            else:
+                g = vjp(outs, narrowed, leaves, replayer.within(leaves))
+            total = g if total is None else [a + b for a, b in zip(total, g)]
+        refuse_written_buffer(buffers.after(f"sample {r} alone"))
+        own[r] = total
+    return own
+
+def alone_outputs(model: nn.Module, replayer: Replayer, forward: Forward, r: int, leaves: list[Tensor],
+                  draws: list[Tensor] | None = None) -> list[Tensor]:
+    """The tensors ``forward`` returns replayed on sample ``r`` alone (its inputs cut to row
+    ``r``: every input of leading size B, or the first only), with sample ``r``'s part of
+    ``draws``; an EngineError naming the module that fails on one sample alone."""
+    errors = []
+    for first_only in (False, True):
+        inputs = select(forward.args, forward.kwargs, forward.batch, torch.tensor([r]), first_only)
+        try:
+            with Substitute(draws, r, forward.batch) if draws is not None else nullcontext() as sub:
+                out = replayer.run(forward, inputs, leaves)
+            if sub is not None and sub.next != len(draws):
+                raise DrawsNotCut()
+            return out
+        except EngineError:
+            raise
+        except DrawsNotCut as exc:
+            raise NotReproducible() from exc
+        except Exception as exc:   # the inputs cut to one row do not fit: the first only
+            errors.append((exc, inputs))
+    exc, inputs = errors[0]
+    failed_in = None
+    try:   # once more, to see where it fails
+        with module_stack(model) as stack:
+            replayer.run(forward, inputs, leaves)
+    except Exception:
+        failed_in = stack[-1] if len(stack) > 1 else None
+    if failed_in is not None:
+        name = next((n for n, m in model.named_modules() if m is failed_in), "")
+        raise EngineError(f"module {name or '<root>'} ({type(failed_in).__name__}) mixes samples: it fails on "
+                          f"one sample alone ({type(exc).__name__}: {exc}), so its output depends on the "
+                          "rest of the batch; a per-sample gradient, and so the privacy guarantee, would "
+                          "not hold" + NOT_COVERED, MIXING_HINT) from exc
+    last = errors[-1][0]
+    raise EngineError(f"the certificate could not run the model's forward on sample {r} alone "
+                      f"({type(last).__name__}: {last})" + NOT_COVERED,
+                      "the model's inputs must hold the batch in dim 0 of each input tensor "
+                      "(docs/layer-rules.md, \"The batch axis\")") from last

@@ -1,0 +1,223 @@
+"""torch's private API, in one place: every name of torch's that starts with an underscore and
+every patch of torch's own objects that dpclip relies on, each behind a name of its own here.
+
+An upgrade of torch may move or drop any of them without notice; this is the one module to
+read and test when it does (tests/test_architecture.py refuses private torch names anywhere
+else). Each entry says what it is, why the public API does not suffice, and the torch
+version it was checked against (2.13). The re-exports are documented by the ``#:`` comment
+above them (a re-exported function or class keeps torch's own docstring).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules import batchnorm, instancenorm
+from torch.nn.utils import parametrize
+from torch.utils import _python_dispatch, _pytree
+
+# --- re-exports ------------------------------------------------------------------------------
+
+#: ``tree_flatten(tree) -> (leaves, spec)``: the leaves of nested tuples, lists, dicts and
+#: torch's and libraries' registered containers (transformers registers its ``ModelOutput``
+#: here), in a fixed order. torch 2.13 has no public pytree module (``torch.utils.pytree`` does
+#: not exist), and a walk of our own would not know the containers libraries register.
+#: Checked against torch 2.13.
+tree_flatten = _pytree.tree_flatten
+
+#: ``tree_unflatten(leaves, spec)``: the inverse of :data:`tree_flatten` (same module, same
+#: reason). Checked against torch 2.13.
+tree_unflatten = _pytree.tree_unflatten
+
+#: The base class of a mode that sees every ATen operation (``bernoulli_``, its tags such as
+#: ``nondeterministic_seeded``) below autograd: the public ``torch.overrides.TorchFunctionMode``
+#: sees Python-level calls only, before decomposition, so it cannot tell a random draw inside
+#: ``F.dropout`` or a fused kernel. Checked against torch 2.13.
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+
+#: The common base of ``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, the lazy variants and users'
+#: subclasses: no public class covers them all (isinstance against the public ones would miss
+#: the lazy ones). Checked against torch 2.13.
+BatchNormBase = batchnorm._BatchNorm
+
+#: The common base of ``InstanceNorm1d/2d/3d`` and the lazy variants (same reason as
+#: :data:`BatchNormBase`). Checked against torch 2.13.
+InstanceNormBase = instancenorm._InstanceNorm
+
+# --- tensors ---------------------------------------------------------------------------------
+
+
+def is_view(t: Tensor) -> bool:
+    """Whether autograd treats ``t`` as a view of another tensor (``Tensor._is_view``). No public
+    API tells: ``t._base`` is private too, and comparing storages cannot tell a view from a tensor
+    sharing memory by other means. Checked against torch 2.13."""
+    return t._is_view()
+
+
+def unsafe_view(t: Tensor, shape) -> Tensor:
+    """``t``'s memory as a tensor of ``shape`` that autograd does not treat as a view
+    (``aten._unsafe_view``: no copy, a version counter of its own). ``view``/``reshape`` return
+    views, ``clone`` copies; nothing public returns the same memory un-viewed. Checked against
+    torch 2.13."""
+    return torch.ops.aten._unsafe_view(t, shape)
+
+
+def tensor_version(t: Tensor) -> int:
+    """``t``'s version counter (``Tensor._version``): bumped by every in-place change, so that a
+    cached result computed from ``t`` can tell it is stale. No public API exposes it. Checked
+    against torch 2.13."""
+    return t._version
+
+
+def foreach_mul_(tensors: list[Tensor], scalars: list[float]) -> None:
+    """``tensors[j] *= scalars[j]`` in one multi-tensor kernel (``torch._foreach_mul_``, as torch's
+    optimizers use it). The public per-tensor ``mul_`` computes the same values with one kernel
+    launch (and a host-side dispatch) per tensor. Checked against torch 2.13."""
+    torch._foreach_mul_(tensors, scalars)
+
+
+def foreach_add_(tensors: list[Tensor], others: list[Tensor]) -> None:
+    """``tensors[j] += others[j]`` in one multi-tensor kernel (``torch._foreach_add_``; same reason
+    as :func:`foreach_mul_`). Checked against torch 2.13."""
+    torch._foreach_add_(tensors, others)
+
+
+# --- modules ---------------------------------------------------------------------------------
+
+#: an ``nn.Module``'s own dicts of forward hooks (the user's and the engine's)
+_FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                       "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """The module's own parameter dict by attribute name (``module._parameters``, live: read it,
+    never write it), a registered ``None`` included. ``named_parameters(recurse=False)`` builds
+    a generator and skips ``None``, ``get_parameter`` walks a dotted path: a book-kept call reads
+    its parameters at every call, where a dict lookup is what the host's time allows. Checked
+    against torch 2.13."""
+    return module._parameters
+
+
+@contextmanager
+def forward_hooks_silenced(model: nn.Module, keep: Iterable = ()) -> Iterator[None]:
+    """Inside, no forward hook of any module of ``model`` runs (the user's, the engine's own), but
+    those whose handles are in ``keep``; each module's hook dicts are put back after, in their
+    order. torch offers a handle's ``remove()`` only: removing and registering again would change
+    the hooks' order and ids, and no public switch turns hooks off. Global hooks
+    (``register_module_forward_hook``) are left alone. Checked against torch 2.13."""
+    kept = {h.id for h in keep}
+    saved = []
+    for m in model.modules():
+        for name in _FORWARD_HOOK_DICTS:
+            hooks = getattr(m, name, None)
+            if hooks:
+                saved.append((m, name, hooks))
+                setattr(m, name, type(hooks)((k, v) for k, v in hooks.items() if k in kept))
+    try:
+        yield
+    finally:
+        for m, name, hooks in saved:
+            setattr(m, name, hooks)
+
+
+def qkv_packed(attention: nn.MultiheadAttention) -> bool:
+    """Whether an ``nn.MultiheadAttention`` keeps its query, key and value projections in one
+    ``in_proj_weight`` (``_qkv_same_embed_dim``: key and value of the embedding's size), as its
+    own forward decides. The module has no public attribute for it. Checked against torch 2.13."""
+    return attention._qkv_same_embed_dim
+
+
+def conv_pad_widths(conv: nn.Module) -> tuple[int, ...]:
+    """The ``F.pad`` widths a convolution with a ``padding_mode`` other than "zeros" pads its
+    input by before convolving unpadded (``_reversed_padding_repeated_twice``: last dimension
+    first, each side), as its own forward does. The public ``padding`` may be a string ("same")
+    whose widths the module computed at construction. Checked against torch 2.13."""
+    return conv._reversed_padding_repeated_twice
+
+
+def parametrization_cache() -> dict:
+    """The dict in which ``torch.nn.utils.parametrize.cached()`` keeps each parametrized tensor,
+    keyed by ``(id(module), name)`` (``parametrize._cache``). Read it anew inside each ``cached()``
+    block: torch replaces the dict when the outermost block ends. The public ``cached()`` only
+    fills it lazily; nothing public puts a given value there. Checked against torch 2.13."""
+    return parametrize._cache
+
+
+def canonical_attention_masks(key_padding_mask: Tensor | None, attn_mask: Tensor | None,
+                              dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
+    """``nn.MultiheadAttention``'s own conversion of its two masks to float masks of ``dtype``
+    (bool -> -inf, checked against each other), as its forward does (``F._canonical_mask``,
+    ``F._none_or_dtype``): so that a mask means the same in a rule's recomputation as in the
+    module. No public function does it. Checked against torch 2.13."""
+    key_padding_mask = F._canonical_mask(
+        mask=key_padding_mask, mask_name="key_padding_mask",
+        other_type=F._none_or_dtype(attn_mask), other_name="attn_mask",
+        target_type=dtype)
+    attn_mask = F._canonical_mask(mask=attn_mask, mask_name="attn_mask", other_type=None,
+                                  other_name="", target_type=dtype, check_other=False)
+    return key_padding_mask, attn_mask
+
+
+@contextmanager
+def reentrant_checkpoints_inline() -> Iterator[None]:
+    """Inside, a reentrant ``torch.utils.checkpoint`` block (``use_reentrant=True``) runs as a
+    plain call of its function: ``CheckpointFunction.apply`` is replaced for the duration, in
+    the whole process (every thread), and put back after. torch has no switch that runs such a
+    block inline, and its ``apply`` differentiates only by a ``.backward()`` into the block's
+    own parameters, which ``torch.autograd.grad`` on other leaves refuses. Checked against torch
+    2.13."""
+    from torch.utils.checkpoint import CheckpointFunction
+    own = "apply" in CheckpointFunction.__dict__
+    kept = CheckpointFunction.__dict__.get("apply")
+    CheckpointFunction.apply = staticmethod(lambda function, _preserve_rng, *args: function(*args))
+    try:
+        yield
+    finally:
+        if own:
+            CheckpointFunction.apply = kept
+        else:
+            del CheckpointFunction.apply
+
+
+# --- process-wide state ----------------------------------------------------------------------
+
+
+def import_dynamo() -> None:
+    """Import ``torch._dynamo`` now (docs/distributed.md: imported after the process group exists,
+    it keeps a reference to the group that ``destroy_process_group`` cannot drop). It has no public
+    module to import instead, and ``torch.compile`` imports it only when first called. Checked
+    against torch 2.13."""
+    import torch._dynamo  # noqa: F401
+
+
+def clear_dtensor_caches() -> None:
+    """Empty DTensor's caches: sharding propagation (Python and C++), the redistribution planners
+    and transform plans, the meshes' topologies. Their entries hold device meshes, and through
+    them the process group (``dpclip.distributed.world`` clears them before the group goes).
+    torch has no public call that clears them; each private name is looked up and skipped where
+    this torch has no such cache. Call only once ``torch.distributed.tensor`` is imported.
+    Checked against torch 2.13."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    type(propagator)._propagate_tensor_meta_cached.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
+    from torch.distributed.tensor import _redistribute  # its planners and transform plans, per mesh
+    getattr(_redistribute, "clear_redistribute_planner_cache", lambda: None)()
+    transforms = getattr(_redistribute, "_gen_transform_infos", None)
+    if hasattr(transforms, "cache_clear"):
+        transforms.cache_clear()
+    from torch.distributed.tensor import _collective_utils  # the meshes' topologies (cost estimates)
+    topology = getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)
+    if hasattr(topology, "cache_clear"):
+        topology.cache_clear()
