@@ -1,6 +1,7 @@
 """The package's shape, checked: the layer order, no import cycles, module length; no
 function that takes the whole trainer, no private name imported across modules, no run
-directory file name spelled outside dpclip/layout.py.
+directory file name spelled outside dpclip/layout.py, torch's private API only in
+dpclip/torch_compat.py, and the run's parts typed and built by keyword.
 
 The layers (docs/design.md), top to bottom. A module may import from its own layer and
 the layers below it, never from a layer above; and no set of modules may import each
