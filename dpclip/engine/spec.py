@@ -47,7 +47,9 @@ class ClippingSpec:
     fn: str = CLIPPING_DEFAULTS["fn"]
     gamma: float = CLIPPING_DEFAULTS["gamma"]
     noise_allocation: str = CLIPPING_DEFAULTS["noise_allocation"]
-    threshold: Any = field(default_factory=_default_threshold)  # a PolicySpec, or a dict the registry reads
+    #: the threshold policy: a validated ``PolicySpec`` (from a recipe), or a dict the engine's
+    #: registry validates (its public edge, or a kind registered for the engine only)
+    threshold: Any = field(default_factory=_default_threshold)
     strict: bool = CLIPPING_DEFAULTS["strict"]
     norm_method: str = CLIPPING_DEFAULTS["norm_method"]
 

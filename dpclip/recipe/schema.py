@@ -386,7 +386,7 @@ class Clipping(Section):
         """What the engine is given: these settings, with the statistic's noise std
         ``sigma_aux`` (from the budget split) filled in by the threshold's spec."""
         settings = {name: getattr(self, name) for name in CLIPPING_DEFAULTS}
-        return ClippingSpec(**{**settings, "threshold": self.threshold.engine_dict(sigma_aux)})
+        return ClippingSpec(**{**settings, "threshold": self.threshold.for_engine(sigma_aux)})
 
 
 # --------------------------------------------------------------- the rest

@@ -19,7 +19,7 @@ def test_threshold_kind_and_model_change_the_step_cost(tiny):
 def test_statistics_get_a_stand_in_noise_for_timing(tiny):
     _, recipe = tiny("clipping.threshold={kind: quantile, budget_fraction: 0.1}")
     threshold = timing_clipping(recipe).threshold
-    assert threshold["budget_fraction"] is None and threshold["sigma"] > 0
+    assert threshold.budget_fraction is None and threshold.sigma > 0
 
 
 def test_measured_step_seconds_are_positive_and_count_every_step(tiny):

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from dpclip.engine.policies.base import (AuxRelease, BudgetShare, PolicyContext, PolicySpec, ThresholdPolicy,
                                          initial_thresholds)
+from dpclip.engine.spec import CLIPPING_DEFAULTS
 from dpclip.errors import EngineError
 
 __all__ = [
@@ -104,7 +105,7 @@ def validate_policy(spec: dict[str, Any]) -> PolicySpec:
     does no budget split, so a statistic's noise std must be given.
     """
     spec = {k: v for k, v in spec.items() if v is not None}
-    kind = spec.setdefault("kind", "fixed")
+    kind = spec.setdefault("kind", CLIPPING_DEFAULTS["threshold"]["kind"])
     model = _SPECS.get(kind)
     if model is None:
         raise EngineError(f"unknown threshold kind {kind!r}", "use one of: " + ", ".join(_all_kinds()))
@@ -132,9 +133,9 @@ def _all_kinds() -> list[str]:
 def build_policy(spec: dict | PolicySpec | None, ctx: PolicyContext) -> ThresholdPolicy:
     """The engine policy of a ``clipping.threshold`` block (a dict, a spec, or None for fixed 1.0)."""
     if spec is None:
-        spec = {"kind": "fixed", "value": 1.0}
+        spec = dict(CLIPPING_DEFAULTS["threshold"])
     if isinstance(spec, dict):
-        factory = _FACTORIES.get(spec.get("kind", "fixed"))
+        factory = _FACTORIES.get(spec.get("kind", CLIPPING_DEFAULTS["threshold"]["kind"]))
         if factory is not None:
             return factory(dict(spec), ctx)
         spec = validate_policy(spec)

@@ -213,6 +213,14 @@ class PolicySpec(BaseModel):
         from the budget split filled in (ignored by a policy that releases nothing)."""
         return self.model_dump(mode="python")
 
+    def for_engine(self, sigma_aux: float | None = None) -> PolicySpec:
+        """This spec as the engine takes it: :meth:`engine_dict` checked as DPEngine checks a
+        dict (:meth:`check_engine_dict`) and validated once, here, so that the engine builds
+        its policy from a typed spec (docs/design.md, the clipping settings)."""
+        settings = self.engine_dict(sigma_aux)
+        type(self).check_engine_dict(settings)
+        return type(self).model_validate(settings)
+
     @classmethod
     def check_engine_dict(cls, spec: dict[str, Any]) -> None:
         """Refuse what DPEngine cannot fill in itself (it does no budget split)."""
