@@ -443,3 +443,24 @@ def test_the_run_parts_are_typed_and_built_by_keyword():
         hints = typing.get_type_hints(part)
         assert all(field.kw_only for field in dataclasses.fields(part)), part.__name__
         assert set(hints) >= {field.name for field in dataclasses.fields(part)}
+
+
+MAX_CLASS_LINES = 300
+MAX_FUNCTION_LINES = 80
+
+
+def _oversized(kinds: tuple[type, ...], limit: int) -> list[str]:
+    found = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, kinds) and node.end_lineno - node.lineno + 1 > limit:
+                found.append(f"{module}.{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    return found
+
+
+def test_no_class_is_over_300_lines_and_no_function_over_80():
+    """issue 53: a class a newcomer can read whole; a longer one is split along a seam
+    (composition), a longer function into named steps."""
+    classes = _oversized((ast.ClassDef,), MAX_CLASS_LINES)
+    functions = _oversized((ast.FunctionDef, ast.AsyncFunctionDef), MAX_FUNCTION_LINES)
+    assert not classes and not functions, f"too long: {classes + functions}"
