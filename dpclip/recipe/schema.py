@@ -217,6 +217,9 @@ class Training(Section):
     steps: PositiveInt | None = Field(None, description="alternative to epochs")
     batch_size: PositiveInt = Field(description="expected logical batch; Poisson rate q = batch_size / N")
     micro_batch_size: PositiveInt | None = Field(None, description="physical chunk; default batch_size")
+    fixed_shapes: bool = Field(False, description="pad every micro-batch to micro_batch_size rows (loss weight 0, "
+                               "adding nothing): one batch shape whatever the Poisson draw, for compiled steps "
+                               "(docs/training.md, \"Fixed shapes\")")
     sampling: Literal["poisson", "shuffle"] = Field(
         "poisson", description="shuffle = fixed-size batches; its ε carries an 'assumes Poisson' caveat")
     parallel: Literal["data", "pipeline", "fsdp"] = Field(
@@ -444,6 +447,10 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _cross_section(self) -> Recipe:
         self.clipping.threshold.check_recipe(self)
+        if self.training.fixed_shapes and self.clipping.threshold.ranks_whole_batch():
+            raise ValueError("training.fixed_shapes pads micro-batches to one size, but this clipping.threshold "
+                             "ranks the whole logical batch in one backward, whose size is the Poisson draw's; "
+                             "set training.fixed_shapes: false")
         if self.diagnostics.every_steps and self.diagnostics.data == "public" and getattr(self, "public", None) is None:
             raise ValueError("diagnostics.data 'public' needs public data and the recipe has no 'public:' block; "
                              "add one, or measure on the private data (diagnostics.data: private with "

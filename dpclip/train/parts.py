@@ -152,7 +152,8 @@ def build_step(recipe: Recipe, model, loss_fn, engine, train_rows, *, pipeline: 
             return lockstep_micro_batches(world, count)
     return optimizer, PrivateStep(model, loss_fn, engine, optimizer, train_rows,
                                   micro_batch_size=step_micro_batch_size(recipe),
-                                  precision=step_precision(recipe, model), lockstep=lockstep, users=users)
+                                  precision=step_precision(recipe, model), lockstep=lockstep, users=users,
+                                  fixed_rows=training.fixed_shapes)
 
 
 def build_sampler(recipe: Recipe, plan, num_train: int, world: World, seed: int | None, users=None):

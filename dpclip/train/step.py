@@ -42,12 +42,19 @@ class PrivateStep:
     ``lockstep`` (a sharded model, whose every forward and backward is a collective): given
     this rank's number of micro-batches, the number every rank runs; the missing ones are one
     row of padding each, with loss weight 0 (docs/distributed.md, "Sharded training").
+
+    ``fixed_rows`` (``training.fixed_shapes``): every micro-batch is padded to
+    ``micro_batch_size`` rows, so the step sees one batch shape whatever the Poisson draw
+    (docs/training.md, "Fixed shapes"). Padding rows repeat row 0 of ``train`` with loss
+    weight 0: they add exactly nothing to the clipped sums, and the counts, the norm statistics
+    and the threshold policy never see them.
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, engine: DPEngine,
                  optimizer: torch.optim.Optimizer, train: dict[str, torch.Tensor], *,
                  micro_batch_size: int | None, precision: Precision | None = None,
-                 lockstep: Callable[[int], int] | None = None, users: torch.Tensor | None = None):
+                 lockstep: Callable[[int], int] | None = None, users: torch.Tensor | None = None,
+                 fixed_rows: bool = False):
         self.precision = precision or Precision()
         # User-level privacy: the person of each training row; each row's clipped gradient is
         # weighted by 1/(rows of its person in the batch) (docs/users.md).
@@ -59,6 +66,9 @@ class PrivateStep:
         self.train = train
         self.micro_batch_size = micro_batch_size
         self.lockstep = lockstep
+        if fixed_rows and micro_batch_size is None:
+            raise ValueError("fixed_rows pads micro-batches to micro_batch_size: give one")
+        self.fixed_rows = fixed_rows
 
     def __call__(self, indices: torch.Tensor,
                  before_update: Callable[[StepReport], None] | None = None) -> StepOutcome:
@@ -70,6 +80,8 @@ class PrivateStep:
         if self.lockstep is not None:  # padding: any one row, weight 0 (it adds nothing, the policy never sees it)
             padding = torch.zeros(1, dtype=torch.long)
             parts += [(padding, 0)] * (self.lockstep(len(parts)) - len(parts))
+        if self.fixed_rows:
+            parts = [(_padded_rows(rows, chunk), samples) for rows, samples in parts]
         done = 0
         for rows, samples in parts:
             with self.precision.autocast():
@@ -77,11 +89,22 @@ class PrivateStep:
             loss_sum += float(losses.detach()[:samples].sum())
             self.engine.backward(losses, loss_scale=self.precision.scale,
                                  samples=None if samples == len(rows) else samples,
-                                 row_weights=None if weights is None or not samples else weights[done:done + len(rows)])
+                                 row_weights=None if weights is None or not samples
+                                 else _padded_weights(weights[done:done + samples], len(rows)))
             done += samples
         if not parts:  # across ranks, the policy may exchange norms in the backward this rank skips
             self.engine.policy.empty_part()
         return end_private_step(self.engine, self.optimizer, before_update, loss_sum, len(indices), started)
+
+
+def _padded_rows(rows: torch.Tensor, size: int) -> torch.Tensor:
+    """``rows`` and then row 0 until there are ``size`` (the padding's loss weight is 0)."""
+    return torch.cat([rows, rows.new_zeros(size - len(rows))]) if len(rows) < size else rows
+
+
+def _padded_weights(weights: torch.Tensor, size: int) -> torch.Tensor:
+    """User-level row weights, 0 for the padding rows after them."""
+    return torch.cat([weights, weights.new_zeros(size - len(weights))]) if len(weights) < size else weights
 
 
 def step_micro_batch_size(recipe) -> int | None:

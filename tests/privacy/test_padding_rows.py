@@ -65,3 +65,31 @@ def _padded_statistic(samples):
 def test_without_the_sample_count_padding_would_move_the_released_count():
     # the same padded backward with the padding counted as examples: the statistic differs
     assert not torch.equal(_padded_statistic(None), _padded_statistic(6))
+
+
+def test_training_fixed_shapes_releases_nothing_of_the_padding_row(small_recipe):
+    """training.fixed_shapes pads with row 0 of the training data. Row 0 is private too: when it
+    is not in the batch, the released step (weights, thresholds, clip counts) must not depend on
+    what it holds. Two runs differ only in row 0's features; the steps must be equal bit for bit."""
+    from dpclip.train.parts import assemble
+    from dpclip.train.step import PrivateStep
+
+    recipe = small_recipe("privacy.unsafe_seeded_randomness=true", "model.hidden=[16]",
+                          "clipping.threshold={kind: quantile, initial: 1.0, sigma: 2.0}")
+    outcomes, weights = [], []
+    for shift in (0.0, 50.0):
+        parts = assemble(recipe)
+        parts.learner.schedule.apply(0)
+        train = dict(parts.feed.data.train)
+        train["features"] = train["features"].clone()
+        train["features"][0] += shift
+        learner = parts.learner
+        step = PrivateStep(learner.model, learner.loss_fn, learner.engine, learner.optimizer, train,
+                           micro_batch_size=4, fixed_rows=True)
+        outcomes.append(step(torch.arange(1, 8)))   # 7 rows: the second micro-batch has one padding row
+        weights.append([p.detach().clone() for p in learner.model.parameters()])
+    for a, b in zip(*weights):
+        assert torch.equal(a, b)
+    first, second = (o.report for o in outcomes)
+    assert torch.equal(first.thresholds, second.thresholds) and torch.equal(first.clip_fraction, second.clip_fraction)
+    assert outcomes[0].loss_sum == outcomes[1].loss_sum

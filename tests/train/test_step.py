@@ -131,3 +131,56 @@ def test_a_policy_that_ranks_the_batch_gets_it_in_one_backward(quickstart):
     assert step_micro_batch_size(ranked) is None
     assert step_micro_batch_size(per_sample) == 8
     assert step_micro_batch_size(fixed) == 8
+
+
+def _step_of(parts, *, micro_batch_size, fixed_rows, users=None):
+    learner = parts.learner
+    return PrivateStep(learner.model, learner.loss_fn, learner.engine, learner.optimizer, parts.feed.data.train,
+                       micro_batch_size=micro_batch_size, fixed_rows=fixed_rows, users=users)
+
+
+def test_fixed_shapes_pad_every_micro_batch_and_release_the_same_step(small_recipe, monkeypatch):
+    """training.fixed_shapes: 13 rows in micro-batches of 5 run as three backwards of 5 rows
+    (the last with 2 padding rows of loss weight 0), and the released step is the unpadded one's."""
+    recipe = small_recipe(*SEEDED)
+    plain, padded = _set_up(recipe), _set_up(recipe)
+    indices = torch.arange(3, 16)
+    shapes = []
+    backward = type(padded.learner.engine).backward
+
+    def recorded(engine, losses, **kwargs):
+        shapes.append((losses.shape[0], kwargs.get("samples")))
+        return backward(engine, losses, **kwargs)
+
+    plain_out = _step_of(plain, micro_batch_size=5, fixed_rows=False)(indices)
+    monkeypatch.setattr(type(padded.learner.engine), "backward", recorded)
+    padded_out = _step_of(padded, micro_batch_size=5, fixed_rows=True)(indices)
+    assert shapes == [(5, None), (5, None), (5, 3)]
+    for a, b in zip(_weights(plain.learner.model), _weights(padded.learner.model)):
+        torch.testing.assert_close(a, b)
+    assert padded_out.batch_size == 13 and abs(padded_out.loss_sum - plain_out.loss_sum) < 1e-5 * plain_out.loss_sum
+    torch.testing.assert_close(padded_out.report.thresholds, plain_out.report.thresholds)
+    torch.testing.assert_close(padded_out.report.clip_fraction, plain_out.report.clip_fraction)
+
+
+def test_fixed_shapes_give_padding_rows_no_user_weight(small_recipe):
+    """At the user level each row carries 1/(its person's rows in the batch); a padding row carries 0,
+    so the padded step equals the unpadded one with the same people."""
+    recipe = small_recipe(*SEEDED)
+    plain, padded = _set_up(recipe), _set_up(recipe)
+    users = torch.arange(len(plain.feed.data.train["labels"])) // 2   # two rows a person
+    indices = torch.arange(0, 7)
+    _step_of(plain, micro_batch_size=4, fixed_rows=False, users=users)(indices)
+    _step_of(padded, micro_batch_size=4, fixed_rows=True, users=users)(indices)
+    for a, b in zip(_weights(plain.learner.model), _weights(padded.learner.model)):
+        torch.testing.assert_close(a, b)
+
+
+def test_fixed_shapes_refuse_a_policy_that_ranks_the_whole_batch(quickstart):
+    import pytest
+
+    from dpclip.errors import DpclipError
+    with pytest.raises(DpclipError) as info:
+        quickstart("training.fixed_shapes=true", "training.micro_batch_size=null",
+                   "clipping.threshold={kind: discriminative, small: 0.5, large: 2.0, tail_rule: top_fraction}")
+    assert "fixed_shapes" in str(info.value)
