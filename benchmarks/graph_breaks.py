@@ -19,8 +19,6 @@ it on the smallest case).
 from __future__ import annotations
 
 import argparse
-import collections
-import logging
 import sys
 from pathlib import Path
 
@@ -48,26 +46,16 @@ def _recipe(name: str, batch: int):
 
 
 def explain_step(name: str, batch: int = 8) -> dict:
-    """{"case", "graphs", "breaks", "reasons": [(count, reason, where)]} of one private step."""
-    import torch._dynamo as dynamo
-
+    """{"case", "graphs", "breaks", "reasons": [(count, reason, where)]} of one private step
+    (:func:`dpclip.bench.step_graph_breaks`, what ``dpclip bench --graph-breaks`` prints)."""
+    from dpclip.bench import step_graph_breaks
     from dpclip.train.parts import assemble_for_timing
 
     parts = assemble_for_timing(_recipe(name, batch), steps=4)
-    step = parts.learner.private_step
     rows = torch.arange(batch)  # a fixed batch, not a Poisson draw: the same shapes on every run
-    step(rows)  # eager: the probe and the certificate (first step of a batch shape), once
-    dynamo.reset()
-    explained = dynamo.explain(step)(rows)
-    reasons: collections.Counter = collections.Counter()
-    for item in explained.break_reasons:
-        frame = item.user_stack[-1] if item.user_stack else None
-        where = f"{Path(frame.filename).name}:{frame.lineno}" if frame else "?"
-        reasons[(str(item.reason).splitlines()[0][:90], where)] += 1
+    result = step_graph_breaks(lambda: parts.learner.private_step(rows))
     parts.learner.engine.detach()
-    dynamo.reset()  # nothing compiled outlives the measure
-    return {"case": name, "graphs": explained.graph_count, "breaks": explained.graph_break_count,
-            "reasons": [(count, reason, where) for (reason, where), count in reasons.most_common()]}
+    return {"case": name, **result}
 
 
 def render(results: list[dict], top: int) -> str:
@@ -90,7 +78,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="also write the table here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    logging.getLogger("torch._dynamo").setLevel(logging.ERROR)  # the breaks are reported below, once
     results = [explain_step(name.strip(), args.batch) for name in args.cases.split(",")]
     text = render(results, args.top)
     print(text, end="")

@@ -28,6 +28,7 @@ rounds; each private ratio is also given over it (docs/performance.md, "The floo
 
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import json
@@ -45,6 +46,7 @@ from dpclip.data import select
 from dpclip.engine.precision import Precision
 from dpclip.recipe import load_recipe
 from dpclip.threads import configure
+from dpclip.torch_compat import graph_breaks
 from dpclip.train.device import resolve_device
 from dpclip.train.parts import TIMING_SIGMA, build_engine, load_model
 from dpclip.train.step import PrivateStep, step_precision
@@ -75,12 +77,13 @@ class BenchResult:
     memory_mib: dict[str, float] = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
     floor: dict = field(default_factory=dict)
+    graph_breaks: dict = field(default_factory=dict)   # of the first private step (step_graph_breaks)
 
     def to_dict(self) -> dict:
         return {"recipe": self.recipe, "batch_size": self.batch_size, "threads": self.threads,
                 "repeats": self.repeats, "median_s": self.median_s, "ratio": self.ratio,
                 "memory_mib": self.memory_mib, "settings": self.settings, "floor": self.floor,
-                "not_covered_by_epsilon": NOT_COVERED}
+                "graph_breaks": self.graph_breaks, "not_covered_by_epsilon": NOT_COVERED}
 
 
 def method_names(groupings=GROUPINGS) -> list[str]:
@@ -125,6 +128,18 @@ def make_step(method: str, model, loss_fn, batch, size: int,
             engine.certificate.reset()
         private_step(rows)
     return dp_step
+
+
+def step_graph_breaks(step: Callable[[], None]) -> dict:
+    """Where ``torch.compile`` breaks the graph of one call of ``step`` (run once eagerly first, so
+    the batch-axis probe and the certificate are not traced): {"graphs", "breaks", "reasons":
+    [(count, reason, "file:line")]}, most frequent first. A step compiled whole has one graph
+    and no break (benchmarks/README.md, "Graph breaks")."""
+    step()
+    graphs, breaks, found = graph_breaks(step)
+    counted = collections.Counter((reason[:90], f"{Path(file).name}:{line}") for reason, file, line in found)
+    return {"graphs": graphs, "breaks": breaks,
+            "reasons": [(count, reason, where) for (reason, where), count in counted.most_common()]}
 
 
 def time_rounds(steps: dict[str, Callable[[], None]], repeats: int, warmup: int,
@@ -250,11 +265,12 @@ def memory_in_child(recipe_path: Path, overrides: list[str], method: str, thread
 
 def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, groupings=GROUPINGS,
                  repeats: int = 5, warmup: int = 1, threads: int | str | None = "auto",
-                 memory: bool = True, floor: bool = True) -> BenchResult:
+                 memory: bool = True, floor: bool = True, breaks: bool = False) -> BenchResult:
     """Time (and optionally measure memory of) non-private vs private steps for a recipe,
     and (``floor``) set each private ratio against the floor (:func:`floor_of`).
 
-    ``threads``: as ``dpclip train --threads`` ("auto", a number; None keeps torch's)."""
+    ``threads``: as ``dpclip train --threads`` ("auto", a number; None keeps torch's).
+    ``breaks``: also where torch.compile breaks the first private step (:func:`step_graph_breaks`)."""
     overrides = list(overrides or [])
     recipe = load_recipe(recipe_path, overrides)
     settings = configure(threads)   # what `dpclip train` sets up (dpclip.configure_speed)
@@ -277,6 +293,8 @@ def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, group
                          {name: r[0] for name, r in ratios.items()},
                          settings={**settings, "precision": precision.name, "device": str(device)},
                          floor=floor_info)
+    if breaks:
+        result.graph_breaks = step_graph_breaks(make_step(names[1], model, loss_fn, batch, size, precision))
     if memory and on_gpu:
         result.memory_mib = {name: gpu_step_memory_mib(make_step(name, model, loss_fn, batch, size, precision))
                              for name in names}

@@ -221,3 +221,30 @@ def clear_dtensor_caches() -> None:
     topology = getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)
     if hasattr(topology, "cache_clear"):
         topology.cache_clear()
+
+
+def graph_breaks(fn, *args) -> tuple[int, int, list[tuple[str, str, int]]]:
+    """(graphs, graph breaks, [(reason, file, line)]) of ``torch.compile`` tracing one call
+    ``fn(*args)``, by ``torch._dynamo.explain``; the compiled code is dropped afterwards
+    (``torch._dynamo.reset``), so nothing compiled outlives the measure. ``torch.compile``'s
+    public API raises at the first break (``fullgraph=True``) or prints them (``TORCH_LOGS``);
+    only ``explain`` lists them all with where they happen. Checked against torch 2.13."""
+    import logging
+
+    import torch._dynamo as dynamo
+
+    quiet = logging.getLogger("torch._dynamo")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its warnings repeat the breaks this returns
+    try:
+        dynamo.reset()
+        explained = dynamo.explain(fn)(*args)
+    finally:
+        dynamo.reset()
+        quiet.setLevel(level)
+    reasons = []
+    for item in explained.break_reasons:
+        frame = item.user_stack[-1] if item.user_stack else None
+        reasons.append((str(item.reason).splitlines()[0], frame.filename if frame else "?",
+                        frame.lineno if frame else 0))
+    return explained.graph_count, explained.graph_break_count, reasons

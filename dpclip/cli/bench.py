@@ -22,6 +22,9 @@ def bench(
     floor: bool = typer.Option(True, "--floor/--no-floor",
                                help="Set each private step against its floor: the fewest extra flops of "
                                     "exact per-sample clipping plus the measured noise draw."),
+    breaks: bool = typer.Option(False, "--graph-breaks",
+                                help="Also trace one private step with torch.compile and list where its graph "
+                                     "breaks (benchmarks/README.md, \"Graph breaks\")."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Step time and step memory of private training (per grouping style) against
@@ -30,7 +33,7 @@ def bench(
     from dpclip.cli.train import thread_count
 
     result = bench_recipe(recipe, overrides or [], repeats=repeats, warmup=warmup,
-                          threads=thread_count(threads), memory=memory, floor=floor)
+                          threads=thread_count(threads), memory=memory, floor=floor, breaks=breaks)
     if as_json:
         print_json(result.to_dict())
         return
@@ -69,7 +72,17 @@ def bench(
     else:
         console.print("Step memory: peak resident-set rise during the steps in a fresh process "
                       "(activations, gradients, per-sample quantities; weights and imports excluded).")
+    if result.graph_breaks:
+        console.print(breaks_text(result.graph_breaks))
     console.print(NOT_COVERED[0].upper() + NOT_COVERED[1:] + ".")
+
+
+def breaks_text(found: dict, top: int = 8) -> str:
+    """The first private step under torch.compile: its graphs, breaks and their commonest reasons."""
+    lines = [f"torch.compile of the first private step: {found['graphs']} graphs, {found['breaks']} graph breaks"
+             + (" (a step compiled whole has 1 and 0)" if found["breaks"] else "")]
+    lines += [f"  {count} x {reason} ({where})" for count, reason, where in found["reasons"][:top]]
+    return "\n".join(lines)
 
 
 def floor_text(floor: dict) -> str:
