@@ -122,7 +122,7 @@ def _account_directory(target: Path, as_json: bool, group_size: int | None = Non
     """What a run directory, or a search directory of `tune-cost --run`, has spent."""
     from dpclip.planning.account import group_guarantee
     from dpclip.rundir.searchdir import headline
-    from dpclip.tuning.search import is_search_dir, read_search
+    from dpclip.rundir.searchdir import is_search_dir, read_search
 
     if is_search_dir(target):
         search = read_search(target)

@@ -20,7 +20,6 @@ recipe/tuning.py) and are imported here.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Annotated, Any, Literal, Union
 

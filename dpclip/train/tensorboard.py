@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from dpclip import layout
-from dpclip.errors import DpclipError
 from dpclip.files import owner_only
 from dpclip.planning.plan import check_logging, tensorboard_installed
 

@@ -54,8 +54,7 @@ from dpclip.rng import derived_seed, private_random
 from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint
 from dpclip.planning.plan import private_seed
 from dpclip.rundir.run import RunDir
-from dpclip.rundir.searchdir import (SEARCH_FORMAT, SearchRecord, is_search_dir, read_search,  # noqa: F401
-                                    search_of_run, search_statement_lines)
+from dpclip.rundir.searchdir import SEARCH_FORMAT, search_statement_lines
 from dpclip.train.tensorboard import write_headline_epsilon
 from dpclip.tuning.privacy import REPEAT_AND_SELECT
 from dpclip.tuning.space import search_space

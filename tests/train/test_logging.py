@@ -6,7 +6,6 @@ import pytest
 from dpclip.accounting import Ledger
 from dpclip.errors import DpclipError
 from dpclip.planning import plan
-from dpclip.train import tensorboard
 from dpclip.train.tensorboard import NOT_COVERED_PREFIX, TensorBoardLog, check_logging, record_scalars
 from dpclip.train.workflow import train
 
