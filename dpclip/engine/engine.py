@@ -1,7 +1,9 @@
 """DPEngine: the private step (docs/engine.md).
 
 A DPEngine is a composition: book-keeping (per-layer norm rules) + grouping + clip
-function + threshold policy + noise allocation. It never owns the optimizer.
+function + threshold policy + noise allocation, read from one typed
+:class:`~dpclip.engine.spec.ClippingSpec` (a dict is turned into one at this edge). It never
+owns the optimizer.
 
     engine = DPEngine(model, clipping={...}, gradient_noise_multiplier=1.0, expected_batch_size=256)
     for micro in logical_batch:
