@@ -12,7 +12,7 @@ rebuilt whenever a policy is (un)registered.
 
 ``Recipe.model_dump()`` of ``clipping`` is exactly the dict ``DPEngine(clipping=...)`` takes.
 
-Length: a little over 400 lines, because the schema is one page: every section of a recipe
+Length: a little over 400 lines (clipping.grouping's checks live in recipe/grouping.py), because the schema is one page: every section of a recipe
 is read (and docs/recipes.md generated) from here; only the sections of one feature live
 beside it (``continual:`` and ``diagnostics:`` in recipe/continual.py, ``tuning:`` in
 recipe/tuning.py) and are imported here.
@@ -31,6 +31,7 @@ from dpclip.engine.spec import CLIPPING_DEFAULTS, ClippingSpec
 from dpclip.recipe.audit import Audit, Canaries, Exposure, check_audit  # noqa: F401 (docs)
 from dpclip.recipe.mechanism import BandedMF, Blt, DpSgd, MechanismConfig  # noqa: F401 (docs)
 from dpclip.recipe.continual import AtSwitch, Continual, Diagnostics, SwitchRule, check_continual  # noqa: F401 (docs)
+from dpclip.recipe.grouping import GROUPING_HELP, validate_grouping
 from dpclip.recipe.section import Section
 from dpclip.recipe.tuning import RandomRange, Tuning  # noqa: F401 (docs)
 from dpclip.recipe.users import DataUsers, check_users
@@ -322,43 +323,6 @@ def _default_threshold() -> Any:
     return policy_spec(kind)(kind=kind)
 
 
-GROUPING_NAMES = ("all-layer", "layer", "param", "block")
-GROUPING_HELP = ("all-layer, layer, param, block, {uniform: M}, {groups: [[regex, ...], ...]} "
-                 "or {stages: [regex, ...]}")
-
-
-def _validate_grouping(value: Any) -> Any:
-    """Normalise and check ``clipping.grouping`` (a name or a one-key mapping)."""
-    if isinstance(value, str):
-        if value not in GROUPING_NAMES:
-            raise ValueError(f"{value!r} is not one of {GROUPING_HELP}")
-        return value
-    if not isinstance(value, dict) or len(value) != 1:
-        raise ValueError(f"must be one of {GROUPING_HELP}")
-    (key, arg), = value.items()
-    if key == "uniform":
-        if not isinstance(arg, int) or isinstance(arg, bool) or arg < 1:
-            raise ValueError("{uniform: M} needs a whole number M >= 1 of groups")
-        return {"uniform": arg}
-    if key == "groups":
-        if (not isinstance(arg, list) or not arg
-                or not all(isinstance(g, list) and g and all(isinstance(p, str) for p in g) for g in arg)):
-            raise ValueError("{groups: ...} needs a non-empty list of non-empty lists of regexes")
-        patterns = [p for g in arg for p in g]
-    elif key == "stages":
-        if not isinstance(arg, list) or not arg or not all(isinstance(p, str) for p in arg):
-            raise ValueError("{stages: ...} needs a non-empty list of regexes, one per stage")
-        patterns = arg
-    else:
-        raise ValueError(f"{{{key}: ...}} is not one of {GROUPING_HELP}")
-    for pattern in patterns:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"{pattern!r} is not a valid regex: {exc}") from None
-    return {key: arg}
-
-
 class Clipping(Section):
     # The defaults come from the engine's one table (dpclip.engine.spec.CLIPPING_DEFAULTS).
     grouping: Any = Field(CLIPPING_DEFAULTS["grouping"], description=GROUPING_HELP)
@@ -371,7 +335,7 @@ class Clipping(Section):
     norm_method: Literal["auto", "ghost", "instantiate"] = Field(
         CLIPPING_DEFAULTS["norm_method"], description="per-sample norms of Linear-like layers; auto = ghost when 2T^2 < p*d")
 
-    _check_grouping = field_validator("grouping", mode="before")(_validate_grouping)
+    _check_grouping = field_validator("grouping", mode="before")(validate_grouping)
 
     @model_validator(mode="after")
     def _policy_composes(self) -> Clipping:
