@@ -248,3 +248,21 @@ def graph_breaks(fn, *args) -> tuple[int, int, list[tuple[str, str, int]]]:
         reasons.append((str(item.reason).splitlines()[0], frame.filename if frame else "?",
                         frame.lineno if frame else 0))
     return explained.graph_count, explained.graph_break_count, reasons
+
+
+def compile_fullgraph(fn, backend: str = "inductor"):
+    """``torch.compile(fn, fullgraph=True, dynamic=False)`` with ``torch.autograd.grad`` traced
+    into the graph (``torch._dynamo.config.trace_autograd_ops``: off by default, so a call to it
+    breaks the graph; the compiled micro-batch's backward is one such call) and, under inductor,
+    random operations (dropout) drawn as eager draws them (``fallback_random``), so that a compiled
+    micro-batch and the engine's eager one on the same rows and generator state see the same
+    masks. Checked against torch 2.13."""
+    import torch._dynamo.config as dynamo_config
+
+    options = {"fallback_random": True} if backend == "inductor" else None
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options)
+
+    def run(*args):
+        with dynamo_config.patch(trace_autograd_ops=True):
+            return compiled(*args)
+    return run

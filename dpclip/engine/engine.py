@@ -165,6 +165,16 @@ class DPEngine:
         return self.policy.thresholds()
 
     @property
+    def book_keeper(self) -> Bookkeeper:
+        """The model's book-kept modules and their routing (:mod:`dpclip.engine.bookkeeping`)."""
+        return self._keeper
+
+    @property
+    def step_context(self) -> StepContext:
+        """What each micro-batch needs: parameters, groups, the clip function, the norm dtype."""
+        return self._step.context
+
+    @property
     def stash_bytes(self) -> int:
         """Bytes the engine's stash holds now (activations, output grads, instantiated
         per-sample gradients awaiting their group's clip factors)."""
@@ -191,6 +201,32 @@ class DPEngine:
         Hessian diagnostics; docs/hessian-diagnostics.md)."""
         with self._keeper.plain():
             yield
+
+    @contextmanager
+    def hooks_idle(self) -> Iterator[None]:
+        """The model's forwards inside leave the batch axes and the certificate alone: a compiled
+        micro-batch's (:mod:`dpclip.engine.compiled`), whose modules run probed forwards instead."""
+        axes, certificate = self._keeper.axes, self.certificate
+        axes.idle = certificate.idle = True
+        try:
+            yield
+        finally:
+            axes.idle = certificate.idle = False
+
+    def add_micro_batch(self, sums: list[Tensor | None], norms: Tensor, clipped: Tensor,
+                        row_weights: Tensor | None = None) -> None:
+        """A micro-batch clipped outside :meth:`backward` (a compiled one) into the step: its sums
+        Σ_i c_i G_i / B per parameter, its examples' group norms [samples, K] (the policy observes
+        them) and its clipped samples per group [K]."""
+        step = self._step
+        for idx, total in enumerate(sums):
+            if total is not None:
+                step.sums[idx] = total.clone() if step.sums[idx] is None else step.sums[idx].add_(total)
+        step.clipped += clipped
+        self.policy.observe(norms) if row_weights is None else self.policy.observe(norms, row_weights)
+        step.norms.append(norms.detach())
+        step.samples += norms.shape[0]
+        step.paths.update((name, "compiled") for name in step.context.names)
 
     def certify(self, run_losses, before: str = "training") -> CertificateRecord:
         """The certificate's check now, on rows of its own: ``run_losses()`` runs the model on a few

@@ -44,6 +44,7 @@ class BatchAxes:
         self.plain = plain
         self.layouts: dict[tuple[int, int], CallLayout] = {}
         self.probe: Probe | None = None     # while probing: the forwards only record
+        self.idle = False                   # a compiled micro-batch's forward: no axis to establish
         self.batch: int | None = None       # B of the model's forward in progress
         self.inputs: tuple | None = None    # that forward's (args, kwargs), for the probes
         self.ordinals: dict[int, int] = {}
@@ -62,7 +63,7 @@ class BatchAxes:
     # ---------------------------------------------------------------- hooks
 
     def pre_hook(self, module, args, kwargs):
-        if self.probe is not None:
+        if self.probe is not None or self.idle:
             return None
         self.depth += 1
         if self.depth == 1:
@@ -82,7 +83,7 @@ class BatchAxes:
         return None
 
     def post_hook(self, module, args, kwargs, output):
-        if self.probe is not None:
+        if self.probe is not None or self.idle:
             return None
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0:

@@ -106,6 +106,7 @@ class Certificate:
         self.depth = 0
         self.disabled: str | None = None       # why no check can run (a sharded model, a pipeline stage)
         self.suspended = False                 # the engine's own dry forwards are not recorded
+        self.idle = False                      # a compiled micro-batch's forward: its hooks do nothing
         self.last: CertificateRecord | None = None
         self.reported = True                   # the last record is in a step's report already
         self.checks = 0
@@ -138,6 +139,8 @@ class Certificate:
         return self.every > 0 and self.step - self.last_step >= self.every
 
     def _pre(self, module, args, kwargs):
+        if self.idle:
+            return None
         self.depth += 1
         if self.depth != 1 or not torch.is_grad_enabled() or self.is_plain() or self.suspended:
             return None
@@ -155,6 +158,8 @@ class Certificate:
         return None
 
     def _post(self, module, args, kwargs, output):
+        if self.idle:
+            return None
         self.depth = max(self.depth - 1, 0)
         recorder = self._recorder if self.depth == 0 else None
         if recorder is not None:
@@ -166,6 +171,12 @@ class Certificate:
             forward.random = not same_rng(forward.rng, rng_state(self._devices))
             forward.draws = recorder.draws if recorder is not None else None
         return None
+
+    def due(self) -> bool:
+        """Whether the next micro-batch is checked whatever its shape (the first step, a resume,
+        ``verify_every``); a compiled step runs such a micro-batch through the engine."""
+        return self.disabled is None and (self.last_step is None or (
+            self.every > 0 and self.step - self.last_step >= self.every))
 
     def take(self, batch: int) -> list[Forward]:
         """The forwards recorded for the backward of a micro-batch of ``batch`` rows (forgotten here)."""

@@ -1,0 +1,292 @@
+"""The compiled micro-batch: forward, book-kept backward and clip as one torch.compile graph.
+
+The eager engine (:mod:`dpclip.engine.bookkeeping`, :mod:`dpclip.engine.microbatch`) hands each
+layer's (input, output gradient) from custom autograd functions' backwards to Python state, which
+``torch.compile`` cannot trace. :class:`CompiledMicroBatch` computes the same numbers as one pure
+function of (rows, loss seed, thresholds, row weights), compiled with ``fullgraph=True``
+(docs/engine.md, "Compiled step"):
+
+1. the forward: each book-kept module runs its layer rule's ``call`` with a :class:`_Site` whose
+   ``op`` computes ``rule.forward`` under autograd and adds a zero *probe* to its output; a
+   torch.func module (a custom RMSNorm) runs with its parameters detached, probed the same way;
+2. the backward: ``torch.autograd.grad(losses, probes, seed)``: each call's output gradient, the
+   book-keeping's one backward (no parameter's gradient is formed: none is asked for). The
+   probe is a leaf of its own, so a later in-place change of the output (``h += x``) does not
+   move the gradient read at it;
+3. per parameter its uses (``rule.uses``; a per-sample ``vjp`` under ``vmap`` for a torch.func
+   module), its norm² over every use with all cross terms (:func:`~dpclip.engine.factors.param_norm_sq`),
+   the group norms, the clip factors (the engine's clip function) and the clipped sums
+   (:func:`~dpclip.engine.factors.clipped_sum`), and one flag: a sample whose norm the
+   cancellation check cannot vouch for (:mod:`dpclip.engine.cancellation`), or a non-finite norm.
+
+Outside the graph, one read of the device: a flagged micro-batch is thrown away and redone by the
+eager engine (which recomputes the flagged rows in float64 and drops non-finite ones); otherwise its
+sums, clipped counts and norms go into the engine's step as an eager micro-batch's would.
+
+Verify, don't infer: the first compiled micro-batch of each batch shape is also run by the eager
+engine, whose attribution the certificate checks against the samples' own gradients
+(docs/certificate.md); the compiled sums and norms must equal the eager ones within float32's
+rounding, or the step is refused before any noise (:meth:`CompiledMicroBatch.verified`).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from dpclip.engine.cancellation import CANCELLATION_TOLERANCE, cancellation_bound
+from dpclip.engine.factors import Dense, Use, clipped_sum, param_norm_sq, sqrt_or_zero
+from dpclip.engine.groupwise import clip_factors
+from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
+from dpclip.errors import EngineError
+from dpclip.torch_compat import compile_fullgraph
+
+HINT = "set training.compile: false (docs/engine.md, \"Compiled step\")"
+
+
+@dataclass(eq=False)
+class _Call:
+    """One probed call of a unit in the compiled forward."""
+
+    unit: object
+    probe: Tensor
+    x: object = None         # the rule's activation, or the torch.func module's inputs
+    info: object = None
+    names: tuple[str, ...] = ()
+    rule: object = None      # None: a torch.func module (its per-sample vjp)
+
+
+class _Recorder:
+    """The calls of the forward being traced, and whether modules run plainly (a per-sample
+    recomputation of a torch.func module)."""
+
+    def __init__(self):
+        self.calls: list[_Call] = []
+        self.batch = 0
+        self.plain = False
+
+
+class _Layout:
+    """The one layout a compiled call has: its inputs carry the batch in dim 0 (or are shared
+    over it, leading size 1), nothing is dead, nothing chained."""
+
+    dead = False
+    consumers = None
+    outputs = None
+
+
+class _Site:
+    """The :class:`~dpclip.engine.layers.Capture` of one unit's call in the compiled forward."""
+
+    layout = _Layout()
+
+    def __init__(self, recorder: _Recorder, unit):
+        self.recorder, self.unit = recorder, unit
+        self.module, self.label, self.memo = unit.module, unit.label, unit.memo
+        self.batch_size = self.batch_hint = recorder.batch
+        self.params = [(name, p) for name, p, _ in unit.params]
+
+    def layout_of(self, t: Tensor):
+        return None
+
+    def note_expanded(self, t: Tensor) -> None:
+        return None
+
+    def batch_first(self, t: Tensor, feature_dims: int | None = None):
+        batch = self.batch_size
+        if t.dim() >= 1 and t.shape[0] == batch:
+            return t, _identity
+        if t.dim() >= 1 and t.shape[0] == 1:   # shared by every sample (position ids): one copy each
+            return t.expand(batch, *t.shape[1:]), _identity
+        raise EngineError(f"module {self.label}: an input of shape {tuple(t.shape)} has no batch of "
+                          f"{batch} in dim 0, which the compiled step needs", HINT)
+
+    def chained(self, rule, x: Tensor) -> Tensor:
+        raise EngineError(f"module {self.label}: a shared input broadcast after a chain of modules is "
+                          "not compiled", HINT)
+
+    def children_batch_first(self):
+        return nullcontext()
+
+    def op(self, rule, x: Tensor, info=None, names: list[str] | None = None) -> Tensor:
+        out = rule.forward(self.module, x, info)
+        own = tuple(name for name, _ in self.params)
+        self.recorder.calls.append(_Call(self.unit, out, x.detach(), info,
+                                         own if names is None else tuple(names), rule))
+        return out.clone()
+
+    def tap(self, outputs: list[Tensor], on_grads: Callable) -> tuple[Tensor, ...]:
+        raise EngineError(f"module {self.label}: its rule taps output gradients, which the compiled "
+                          "step does not trace", HINT)
+
+    def bypass(self):
+        return self.plain()
+
+    @contextmanager
+    def plain(self) -> Iterator[None]:
+        kept, self.recorder.plain = self.recorder.plain, True
+        try:
+            yield
+        finally:
+            self.recorder.plain = kept
+
+
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
+def _probed_forward(recorder: _Recorder, unit) -> Callable:
+    """``unit``'s forward in the compiled step (:class:`_Site`; torch.func modules: :func:`_functorch_call`)."""
+    orig = unit.orig_forward
+
+    def forward(*args, **kwargs):
+        if recorder.plain or not torch.is_grad_enabled():
+            return orig(*args, **kwargs)
+        site = _Site(recorder, unit)
+        if unit.rule is FUNCTORCH_RULE:
+            return _functorch_call(site, args, kwargs)
+        return unit.rule.call(unit.module, site, args, kwargs)
+    return forward
+
+
+def _functorch_call(site: _Site, args: tuple, kwargs: dict) -> Tensor:
+    """A module without a rule (a custom RMSNorm): run with its parameters detached, its one
+    output probed; its per-sample gradients come from :func:`_per_sample_vjp`."""
+    if len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
+        raise EngineError(f"module {site.label}: the compiled step takes a module without a layer rule "
+                          "only when it is called with one tensor", HINT)
+    x = args[0]
+    detached = {name: p.detach() for name, p in site.params}
+    with site.plain():
+        out = torch.func.functional_call(site.module, detached, (x,))
+    if not isinstance(out, Tensor):
+        raise EngineError(f"module {site.label}: the compiled step takes a module without a layer rule "
+                          "only when it returns one tensor", HINT)
+    if not out.requires_grad:
+        raise EngineError(f"module {site.label}: its input does not depend on any trainable parameter, so the "
+                          "compiled step cannot read its output gradient", HINT)
+    site.recorder.calls.append(_Call(site.unit, out, x.detach(), None, tuple(n for n, _ in site.params)))
+    return out.clone()
+
+
+def _per_sample_vjp(site_module: nn.Module, params: dict[str, Tensor], x: Tensor, grad: Tensor,
+                    recorder: _Recorder) -> dict[str, Dense]:
+    """g_i = (∂f(θ; x_i)/∂θ)ᵀ b_i for every sample at once (torch.func's vmap of vjp)."""
+    def one(x_i: Tensor, g_i: Tensor):
+        def f(p):
+            return torch.func.functional_call(site_module, p, (x_i.unsqueeze(0),)).squeeze(0)
+        _, pull = torch.func.vjp(f, params)
+        return pull(g_i)[0]
+
+    kept, recorder.plain = recorder.plain, True
+    try:
+        grads = torch.func.vmap(one)(x, grad)
+    finally:
+        recorder.plain = kept
+    return {name: Dense(g) for name, g in grads.items()}
+
+
+def supported(engine) -> str | None:
+    """Why ``engine``'s steps cannot be compiled (None: they can)."""
+    keeper = engine.book_keeper
+    if engine.policy.per_sample:
+        return "its threshold policy sets a threshold per sample"
+    for unit in keeper.units:
+        if unit.derived:
+            return f"module {unit.label} is parametrized"
+        if unit.rule is FUNCTORCH_RULE and not is_rmsnorm_like(unit.module):
+            return f"module {unit.label} has no layer rule (the torch.func fallback)"
+    return None
+
+
+class CompiledMicroBatch:
+    """The micro-batches of ``engine``'s steps through one compiled graph (module doc).
+
+    ``loss_fn(model, rows) -> [b]`` per-sample losses, as :class:`~dpclip.train.step.PrivateStep`
+    takes it. ``backend``: torch.compile's (``"inductor"``; the tests trace with ``"eager"`` or
+    ``"aot_eager"``, which compile nothing)."""
+
+    def __init__(self, engine, model: nn.Module, loss_fn: Callable, *, backend: str = "inductor"):
+        why = supported(engine)
+        if why is not None:
+            raise EngineError(f"the private step cannot be compiled: {why}", HINT)
+        self.engine, self.model, self.loss_fn = engine, model, loss_fn
+        self.recorder = _Recorder()
+        self.forwards = {id(unit): _probed_forward(self.recorder, unit) for unit in engine.book_keeper.units}
+        self.context = engine.step_context
+        self.compiled = compile_fullgraph(self.clip, backend)
+        self.verified: set[tuple] = set()
+
+    @contextmanager
+    def probed(self) -> Iterator[None]:
+        """Each book-kept module runs its probed forward (the engine's routing and checks wait)."""
+        units = self.engine.book_keeper.units
+        routed = [unit.module.__dict__.get("forward") for unit in units]
+        for unit in units:
+            unit.module.forward = self.forwards[id(unit)]
+        try:
+            with self.engine.hooks_idle():
+                yield
+        finally:
+            for unit, forward in zip(units, routed):
+                if forward is None:
+                    del unit.module.__dict__["forward"]
+                else:
+                    unit.module.forward = forward
+
+    def clip(self, rows: dict[str, Tensor], seed: Tensor, thresholds: Tensor,
+             row_weights: Tensor | None) -> tuple[list[Tensor | None], Tensor, Tensor, Tensor, Tensor]:
+        """The function compiled: (clipped sums Σ_i c_i G_i / B per parameter (None: unused),
+        norms [b, K], clipped samples per group [K], suspect (0-dim bool), losses [b])."""
+        ctx, recorder = self.context, self.recorder
+        recorder.calls = []
+        recorder.batch = seed.shape[0]
+        losses = self.loss_fn(self.model, rows)
+        # The calls leave the recorder before the graph ends: a tensor still held by it would be
+        # one more output of the graph, and those requiring gradients would make it differentiable.
+        calls, recorder.calls = recorder.calls, []
+        grads = torch.autograd.grad(losses, [call.probe for call in calls], seed, allow_unused=True)
+        with torch.no_grad():
+            uses: list[list[Use]] = [[] for _ in ctx.params]
+            for call, grad in zip(calls, grads):
+                if grad is None:   # the call's output never reached the loss
+                    continue
+                unit = call.unit
+                if call.rule is None:
+                    got = _per_sample_vjp(unit.module, {n: p.detach() for n, p, _ in unit.params}, call.x,
+                                          grad, recorder)
+                else:
+                    got = call.rule.uses(unit.module, call.x, grad, call.info)
+                for name, _, idx in unit.params:
+                    if name in call.names:
+                        uses[idx].append(got[name])
+            return self._clipped(uses, seed, thresholds, row_weights) + (losses.detach(),)
+
+    def _clipped(self, uses: list[list[Use]], seed: Tensor, thresholds: Tensor, row_weights: Tensor | None):
+        ctx = self.context
+        batch = seed.shape[0]
+        parts: list[list[Use] | None] = [None] * len(ctx.params)
+        group_sq = [torch.zeros(batch, dtype=ctx.norm_dtype, device=ctx.device) for _ in ctx.members]
+        suspect = torch.zeros((), dtype=torch.bool, device=ctx.device)
+        for idx, param_uses in enumerate(uses):
+            if not param_uses:
+                continue
+            p = ctx.params[idx]
+            sq, parts[idx], atoms = param_norm_sq(param_uses, p.shape, ctx.norm_method, ctx.norm_dtype,
+                                                  with_atoms=True)
+            bound = cancellation_bound(parts[idx], sq.dtype)
+            if bound is not None:
+                suspect = suspect | (sq * CANCELLATION_TOLERANCE < bound * atoms).any()
+            group_sq[ctx.group_of[idx]] = group_sq[ctx.group_of[idx]] + sq.to(ctx.device)
+        norms = sqrt_or_zero(torch.stack(group_sq, dim=1))
+        suspect = suspect | ~torch.isfinite(norms).all()
+        factors = clip_factors(ctx.clip, norms, thresholds, None, row_weights, None, 1.0 / self.engine.expected_batch_size)
+        sums = [None if part is None else clipped_sum(part, factors[:, ctx.group_of[idx]].to(ctx.params[idx].device),
+                                                      ctx.params[idx].shape)
+                for idx, part in enumerate(parts)]
+        clipped = (norms > thresholds).sum(0).to(ctx.norm_dtype)
+        return sums, norms, clipped, suspect
