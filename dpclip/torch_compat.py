@@ -223,12 +223,13 @@ def clear_dtensor_caches() -> None:
         topology.cache_clear()
 
 
-def graph_breaks(fn, *args) -> tuple[int, int, list[tuple[str, str, int]]]:
+def graph_breaks(fn, *args, autograd_traced: bool = False) -> tuple[int, int, list[tuple[str, str, int]]]:
     """(graphs, graph breaks, [(reason, file, line)]) of ``torch.compile`` tracing one call
     ``fn(*args)``, by ``torch._dynamo.explain``; the compiled code is dropped afterwards
     (``torch._dynamo.reset``), so nothing compiled outlives the measure. ``torch.compile``'s
     public API raises at the first break (``fullgraph=True``) or prints them (``TORCH_LOGS``);
-    only ``explain`` lists them all with where they happen. Checked against torch 2.13."""
+    only ``explain`` lists them all with where they happen. ``autograd_traced``: as
+    :func:`compile_fullgraph` traces, ``torch.autograd.grad`` inside the graph. Checked against torch 2.13."""
     import logging
 
     import torch._dynamo as dynamo
@@ -238,7 +239,8 @@ def graph_breaks(fn, *args) -> tuple[int, int, list[tuple[str, str, int]]]:
     quiet.setLevel(logging.ERROR)  # its warnings repeat the breaks this returns
     try:
         dynamo.reset()
-        explained = dynamo.explain(fn)(*args)
+        with dynamo.config.patch(trace_autograd_ops=autograd_traced):
+            explained = dynamo.explain(fn)(*args)
     finally:
         dynamo.reset()
         quiet.setLevel(level)

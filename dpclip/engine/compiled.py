@@ -43,7 +43,7 @@ from dpclip.engine.factors import Dense, Use, clipped_sum, param_norm_sq, sqrt_o
 from dpclip.engine.groupwise import clip_factors
 from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
 from dpclip.errors import EngineError
-from dpclip.torch_compat import compile_fullgraph
+from dpclip.torch_compat import compile_fullgraph, graph_breaks
 
 HINT = "set training.compile: false (docs/engine.md, \"Compiled step\")"
 
@@ -207,10 +207,10 @@ class CompiledMicroBatch:
     """The micro-batches of ``engine``'s steps through one compiled graph (module doc).
 
     ``loss_fn(model, rows) -> [b]`` per-sample losses, as :class:`~dpclip.train.step.PrivateStep`
-    takes it. ``backend``: torch.compile's (``"inductor"``; the tests trace with ``"eager"`` or
-    ``"aot_eager"``, which compile nothing)."""
+    takes it. ``backend``: torch.compile's (``"inductor"``; the tests trace with ``"aot_eager"``,
+    which generates no code; ``None`` runs :meth:`clip` uncompiled, for tests of what surrounds it)."""
 
-    def __init__(self, engine, model: nn.Module, loss_fn: Callable, *, backend: str = "inductor"):
+    def __init__(self, engine, model: nn.Module, loss_fn: Callable, *, backend: str | None = "inductor"):
         why = supported(engine)
         if why is not None:
             raise EngineError(f"the private step cannot be compiled: {why}", HINT)
@@ -218,8 +218,70 @@ class CompiledMicroBatch:
         self.recorder = _Recorder()
         self.forwards = {id(unit): _probed_forward(self.recorder, unit) for unit in engine.book_keeper.units}
         self.context = engine.step_context
-        self.compiled = compile_fullgraph(self.clip, backend)
+        self.compiled = self.clip if backend is None else compile_fullgraph(self.clip, backend)
         self.verified: set[tuple] = set()
+
+    def __call__(self, rows: dict[str, Tensor], samples: int, row_weights: Tensor | None = None) -> Tensor:
+        """One micro-batch into the engine's step: ``rows`` (the batch in dim 0 of each tensor), of which
+        the first ``samples`` are examples and the rest padding (loss weight 0); ``row_weights``: the
+        examples' user-level weights. Returns the examples' losses [samples]."""
+        engine, ctx = self.engine, self.context
+        batch = _batch_of(rows)
+        seed = (torch.arange(batch, device=ctx.device) < samples).to(ctx.params[0].dtype)
+        weights = None if row_weights is None else _padded(row_weights.to(ctx.device, ctx.norm_dtype), batch)
+        key = tuple((name, tuple(t.shape), t.dtype) for name, t in rows.items() if isinstance(t, Tensor))
+        if key not in self.verified or engine.certificate.due():
+            return self._verified_by_engine(rows, samples, row_weights, seed, weights, key)
+        with self.probed():
+            sums, norms, clipped, suspect, losses = self.compiled(rows, seed, engine.thresholds, weights)
+        if bool(suspect):   # the one read of the device: the engine redoes it (float64 rows, non-finite ones)
+            return self._by_engine(rows, samples, row_weights)
+        engine.add_micro_batch(sums, norms[:samples], clipped, None if weights is None else weights[:samples])
+        return losses[:samples]
+
+    def graph_breaks(self, rows: dict[str, Tensor], samples: int) -> tuple[int, int, list[tuple[str, str, int]]]:
+        """(graphs, breaks, [(reason, file, line)]) of tracing :meth:`clip` on ``rows`` as it is compiled
+        (:func:`~dpclip.torch_compat.graph_breaks`); one graph and no break: ``fullgraph=True`` holds."""
+        ctx = self.context
+        seed = (torch.arange(_batch_of(rows), device=ctx.device) < samples).to(ctx.params[0].dtype)
+        with self.probed():
+            return graph_breaks(self.clip, rows, seed, self.engine.thresholds, None, autograd_traced=True)
+
+    def _by_engine(self, rows: dict[str, Tensor], samples: int, row_weights: Tensor | None) -> Tensor:
+        """The micro-batch through the eager engine (book-keeping, certificate, float64 rows)."""
+        batch = _batch_of(rows)
+        losses = self.loss_fn(self.model, rows)
+        self.engine.backward(losses, samples=None if samples == batch else samples,
+                             row_weights=None if row_weights is None else _padded(row_weights, batch))
+        return losses.detach()[:samples]
+
+    def _verified_by_engine(self, rows, samples, row_weights, seed, weights, key) -> Tensor:
+        """The eager engine's micro-batch goes into the step; the compiled one, on the same rows and
+        random state (dropout), must equal it within rounding before this shape is compiled from
+        now on; else refused, nothing of the step released."""
+        engine = self.engine
+        state = random_state(self.model)
+        sums_before = [None if s is None else s.clone() for s in engine.step_sums()]
+        losses = self._by_engine(rows, samples, row_weights)
+        after = random_state(self.model)
+        eager_sums = [s if before is None or s is None else s - before
+                      for s, before in zip(engine.step_sums(), sums_before)]
+        eager_norms = engine.step_norms()[-1]
+        set_random_state(state)
+        try:
+            with self.probed():
+                sums, norms, _, suspect, _ = self.compiled(rows, seed, engine.thresholds, weights)
+        finally:
+            set_random_state(after)
+        if bool(suspect):   # the engine recomputed some rows in float64: compare on another batch
+            return losses
+        mismatch = compare(sums, norms[:samples], eager_sums, eager_norms, self.context.names)
+        if mismatch is not None:
+            raise EngineError(f"the compiled micro-batch differs from the engine's on the same rows: {mismatch}; "
+                              "nothing of this step was released", "set training.compile: false, and report the "
+                              "model with `dpclip --debug` output (docs/engine.md, \"Compiled step\")")
+        self.verified.add(key)
+        return losses
 
     @contextmanager
     def probed(self) -> Iterator[None]:
@@ -290,3 +352,49 @@ class CompiledMicroBatch:
                 for idx, part in enumerate(parts)]
         clipped = (norms > thresholds).sum(0).to(ctx.norm_dtype)
         return sums, norms, clipped, suspect
+
+
+#: relative difference between a compiled and an eager micro-batch's sums and norms beyond which the
+#: compiled one is refused: float32's rounding of the same sums in another order is ~1e-7 relative
+#: (measured 1e-7 to 3e-7 on the tiny GPT-2, Llama and BERT, tests/engine/test_compiled.py)
+AGREEMENT = 1e-4
+
+
+def compare(sums: list[Tensor | None], norms: Tensor, eager_sums: list[Tensor | None], eager_norms: Tensor,
+            names: list[str]) -> str | None:
+    """What differs beyond :data:`AGREEMENT` between a compiled micro-batch and the engine's (None: nothing)."""
+    scale = eager_norms.abs().max().clamp_min(torch.finfo(eager_norms.dtype).tiny)
+    gap = ((norms.to(eager_norms.dtype) - eager_norms).abs().max() / scale).item() if norms.numel() else 0.0
+    if not gap <= AGREEMENT:
+        return f"per-sample norms by {gap:.2e} relative"
+    for name, total, eager in zip(names, sums, eager_sums):
+        if total is None and eager is None:
+            continue
+        if total is None or eager is None:
+            return f"parameter {name} has a clipped sum in one and not the other"
+        size = eager.norm().clamp_min(torch.finfo(eager.dtype).tiny)
+        gap = ((total - eager).norm() / size).item()
+        if not gap <= AGREEMENT:
+            return f"parameter {name}'s clipped sum by {gap:.2e} relative"
+    return None
+
+
+def _batch_of(rows: dict[str, Tensor]) -> int:
+    return next(t.shape[0] for t in rows.values() if isinstance(t, Tensor))
+
+
+def _padded(weights: Tensor, size: int) -> Tensor:
+    """Row weights, 0 for the padding rows after them."""
+    return torch.cat([weights, weights.new_zeros(size - len(weights))]) if len(weights) < size else weights
+
+
+def random_state(model: nn.Module) -> tuple[Tensor, dict[int, Tensor]]:
+    """The CPU generator's state and, for a model on CUDA, its devices' (dropout draws from them)."""
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    return torch.random.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
+
+
+def set_random_state(state: tuple[Tensor, dict[int, Tensor]]) -> None:
+    torch.random.set_rng_state(state[0])
+    for device, kept in state[1].items():
+        torch.cuda.set_rng_state(kept, device)

@@ -213,6 +213,14 @@ class DPEngine:
         finally:
             axes.idle = certificate.idle = False
 
+    def step_sums(self) -> list[Tensor | None]:
+        """The step's clipped sums so far, Σ_i c_i G_i / B per parameter (None: nothing yet); never release."""
+        return self._step.sums
+
+    def step_norms(self) -> list[Tensor]:
+        """The step's per-sample group norms so far, [samples, K] per micro-batch."""
+        return self._step.norms
+
     def add_micro_batch(self, sums: list[Tensor | None], norms: Tensor, clipped: Tensor,
                         row_weights: Tensor | None = None) -> None:
         """A micro-batch clipped outside :meth:`backward` (a compiled one) into the step: its sums

@@ -212,6 +212,18 @@ class Schedule(Section):
         0.0, description="linear/cosine: lr at the last step as a fraction of lr")
 
 
+def _check_compile(training: "Training") -> None:
+    """training.compile's limits: one graph per process, float32 (docs/engine.md, "Compiled step")."""
+    if not training.compile:
+        return
+    if training.parallel != "data":
+        raise ValueError(f"training.compile compiles one process's whole model; training.parallel "
+                         f"{training.parallel!r} splits it; set training.compile: false")
+    if training.precision != "fp32":
+        raise ValueError(f"training.compile runs in float32; set training.precision: fp32 (or "
+                         f"training.compile: false to train in {training.precision})")
+
+
 class Training(Section):
     epochs: PositiveFloat | None = Field(None, description="steps = ceil(epochs / q), q = batch_size / N")
     steps: PositiveInt | None = Field(None, description="alternative to epochs")
@@ -220,6 +232,9 @@ class Training(Section):
     fixed_shapes: bool = Field(False, description="pad every micro-batch to micro_batch_size rows (loss weight 0, "
                                "adding nothing): one batch shape whatever the Poisson draw, for compiled steps "
                                "(docs/training.md, \"Fixed shapes\")")
+    compile: bool = Field(False, description="each micro-batch's forward, book-kept backward and clip as one "
+                          "torch.compile graph, checked against the engine's eager micro-batch; implies "
+                          "fixed_shapes (docs/engine.md, \"Compiled step\")")
     sampling: Literal["poisson", "shuffle"] = Field(
         "poisson", description="shuffle = fixed-size batches; its ε carries an 'assumes Poisson' caveat")
     parallel: Literal["data", "pipeline", "fsdp"] = Field(
@@ -410,10 +425,11 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _cross_section(self) -> Recipe:
         self.clipping.threshold.check_recipe(self)
-        if self.training.fixed_shapes and self.clipping.threshold.ranks_whole_batch():
-            raise ValueError("training.fixed_shapes pads micro-batches to one size, but this clipping.threshold "
+        _check_compile(self.training)
+        if (self.training.fixed_shapes or self.training.compile) and self.clipping.threshold.ranks_whole_batch():
+            raise ValueError("training.fixed_shapes (or compile) pads micro-batches to one size, but this clipping.threshold "
                              "ranks the whole logical batch in one backward, whose size is the Poisson draw's; "
-                             "set training.fixed_shapes: false")
+                             "set training.fixed_shapes: false (and training.compile: false)")
         if self.diagnostics.every_steps and self.diagnostics.data == "public" and getattr(self, "public", None) is None:
             raise ValueError("diagnostics.data 'public' needs public data and the recipe has no 'public:' block; "
                              "add one, or measure on the private data (diagnostics.data: private with "

@@ -31,6 +31,7 @@ from dpclip.distributed.pipeline import PipelineStep, pipeline_engine, pipeline_
 from dpclip.distributed.sharded import ShardReducer, Shards, lockstep_micro_batches
 from dpclip.engine import DPEngine
 from dpclip.engine.blt import blt_strategy
+from dpclip.engine.compiled import CompiledMicroBatch
 from dpclip.engine.correlated import banded_strategy
 from dpclip.engine.spec import ClippingSpec
 from dpclip.engine.workload import SGD
@@ -150,10 +151,11 @@ def build_step(recipe: Recipe, model, loss_fn, engine, train_rows, *, pipeline: 
     if training.parallel == "fsdp" and world is not None and world.size > 1:
         def lockstep(count: int) -> int:
             return lockstep_micro_batches(world, count)
+    compiled = CompiledMicroBatch(engine, model, loss_fn) if training.compile else None
     return optimizer, PrivateStep(model, loss_fn, engine, optimizer, train_rows,
                                   micro_batch_size=step_micro_batch_size(recipe),
                                   precision=step_precision(recipe, model), lockstep=lockstep, users=users,
-                                  fixed_rows=training.fixed_shapes)
+                                  fixed_rows=training.fixed_shapes or training.compile, compiled=compiled)
 
 
 def build_sampler(recipe: Recipe, plan, num_train: int, world: World, seed: int | None, users=None):

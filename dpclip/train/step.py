@@ -17,6 +17,7 @@ import torch
 from dpclip.data import micro_batches, select
 from dpclip.data.user_sampler import user_weights
 from dpclip.engine import DPEngine, StepReport
+from dpclip.engine.compiled import CompiledMicroBatch
 from dpclip.engine.precision import Precision
 from dpclip.engine.step_end import StepOutcome, end_private_step
 
@@ -43,6 +44,10 @@ class PrivateStep:
     this rank's number of micro-batches, the number every rank runs; the missing ones are one
     row of padding each, with loss weight 0 (docs/distributed.md, "Sharded training").
 
+    ``compiled`` (``training.compile``): each micro-batch's forward, backward and clip run as one
+    compiled graph (:class:`~dpclip.engine.compiled.CompiledMicroBatch`, docs/engine.md,
+    "Compiled step"); it needs ``fixed_rows``.
+
     ``fixed_rows`` (``training.fixed_shapes``): every micro-batch is padded to
     ``micro_batch_size`` rows, so the step sees one batch shape whatever the Poisson draw
     (docs/training.md, "Fixed shapes"). Padding rows repeat row 0 of ``train`` with loss
@@ -54,7 +59,7 @@ class PrivateStep:
                  optimizer: torch.optim.Optimizer, train: dict[str, torch.Tensor], *,
                  micro_batch_size: int | None, precision: Precision | None = None,
                  lockstep: Callable[[int], int] | None = None, users: torch.Tensor | None = None,
-                 fixed_rows: bool = False):
+                 fixed_rows: bool = False, compiled: CompiledMicroBatch | None = None):
         self.precision = precision or Precision()
         # User-level privacy: the person of each training row; each row's clipped gradient is
         # weighted by 1/(rows of its person in the batch) (docs/users.md).
@@ -68,7 +73,10 @@ class PrivateStep:
         self.lockstep = lockstep
         if fixed_rows and micro_batch_size is None:
             raise ValueError("fixed_rows pads micro-batches to micro_batch_size: give one")
+        if compiled is not None and not fixed_rows:
+            raise ValueError("a compiled step needs fixed_rows: one batch shape, one graph")
         self.fixed_rows = fixed_rows
+        self.compiled = compiled
 
     def __call__(self, indices: torch.Tensor,
                  before_update: Callable[[StepReport], None] | None = None) -> StepOutcome:
@@ -84,6 +92,12 @@ class PrivateStep:
             parts = [(_padded_rows(rows, chunk), samples) for rows, samples in parts]
         done = 0
         for rows, samples in parts:
+            if self.compiled is not None:   # forward, backward and clip in one graph (engine/compiled.py)
+                losses = self.compiled(select(self.train, rows), samples, None if weights is None
+                                       else weights[done:done + samples])
+                loss_sum += float(losses.sum())
+                done += samples
+                continue
             with self.precision.autocast():
                 losses = self.loss_fn(self.model, select(self.train, rows))
             loss_sum += float(losses.detach()[:samples].sum())

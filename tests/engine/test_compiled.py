@@ -1,6 +1,12 @@
-"""A model compiled with ``torch.compile`` (issue 52): dynamo compiles what it can trace and the
-engine's book-kept calls run eagerly between its graphs; the clipping is the per-example
-reference's. (One compiled graph for the whole private step is issue 54's.)"""
+"""torch.compile and the engine.
+
+A model the user compiled (issue 52): dynamo compiles what it can trace and the engine's book-kept
+calls run eagerly between its graphs; the clipping is the per-example reference's.
+
+The compiled micro-batch (dpclip/engine/compiled.py, issue 54): forward, backward and clip of the
+tiny GPT-2, Llama and BERT trace as one graph with no break, and clip as the eager engine and the
+per-example reference do. The tests trace with the ``aot_eager`` backend (autograd traced, nothing
+generated); inductor runs in the slow end-to-end test (tests/train/test_compiled_training.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.engine.conftest import DTYPE, check_exact
+from dpclip.engine import DPEngine
+from dpclip.engine.compiled import CompiledMicroBatch
+from dpclip.errors import EngineError
+from tests.engine.conftest import (DTYPE, check_exact, clip_reference, gpt2_batch, gpt2_loss, group_norms,
+                                   per_example_grads, tiny_gpt2)
 
 
 class Net(nn.Module):
@@ -33,3 +43,194 @@ def test_a_compiled_model_clips_as_the_per_example_reference(backend):
     g = torch.Generator().manual_seed(1)
     batch = {"x": torch.randn(6, 4, 5, generator=g, dtype=DTYPE), "y": torch.randint(0, 3, (6,), generator=g)}
     check_exact(make, _loss, batch, grouping="layer", micro=[2, 4])
+
+
+# ------------------------------------------------------------------ the compiled micro-batch
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                        max_position_embeddings=16))
+
+
+def _bert():
+    from transformers import BertConfig, BertForSequenceClassification
+    return BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                                    num_attention_heads=2, intermediate_size=64,
+                                                    max_position_embeddings=16, num_labels=3))
+
+
+def _lm_loss(model, batch):
+    logits = model(input_ids=batch["ids"], use_cache=False).logits
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), batch["ids"][:, 1:], reduction="none").mean(1)
+
+
+def _classify_loss(model, batch):
+    return F.cross_entropy(model(input_ids=batch["ids"]).logits, batch["y"], reduction="none")
+
+
+# dropout stays on (the defaults of each config): the compiled and the eager micro-batch draw the same masks
+MODELS = {"gpt2": (_gpt2, _lm_loss), "llama": (_llama, _lm_loss), "bert": (_bert, _classify_loss)}
+
+
+def _rows(n: int = 6, seed: int = 3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"ids": torch.randint(0, 64, (n, 10), generator=g), "y": torch.randint(0, 3, (n,), generator=g)}
+
+
+def _setup(name: str, grouping: str = "layer", fn: str = "abadi"):
+    make, loss = MODELS[name]
+    torch.manual_seed(0)
+    model = make()
+    engine = DPEngine(model, {"grouping": grouping, "fn": fn, "threshold": {"kind": "fixed", "value": 0.05}},
+                      gradient_noise_multiplier=0.0, expected_batch_size=8)
+    engine.backward(loss(model, _rows(seed=1)))   # the first micro-batch: probed and certified
+    engine.debug_clipped()
+    return model, loss, engine
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "gpt2" else pytest.mark.slow) for n in MODELS])
+def test_the_compiled_micro_batch_traces_as_one_graph_without_breaks(name):
+    model, loss, engine = _setup(name)
+    graphs, breaks, reasons = CompiledMicroBatch(engine, model, loss, backend="aot_eager").graph_breaks(_rows(), 6)
+    assert (graphs, breaks) == (1, 0), reasons
+    engine.detach()
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "gpt2" else pytest.mark.slow) for n in MODELS])
+def test_compiled_clipped_sums_equal_the_eager_engines_within_1e_5(name):
+    """Noise off, the same rows and random state (dropout on): the compiled micro-batch's sums and
+    norms are the eager engine's within 1e-5 relative (the rounding of the same sums in another order)."""
+    model, loss, engine = _setup(name, grouping="block" if name == "gpt2" else "layer",
+                                 fn="auto" if name == "gpt2" else "abadi")
+    rows = _rows()
+    state = torch.random.get_rng_state()
+    engine.backward(loss(model, rows))
+    eager = engine.debug_clipped()
+    compiled = CompiledMicroBatch(engine, model, loss, backend="aot_eager")
+    torch.random.set_rng_state(state)
+    with compiled.probed():
+        sums, norms, clipped, suspect, _ = compiled.compiled(rows, torch.ones(6), engine.thresholds, None)
+    assert not bool(suspect)
+    torch.testing.assert_close(norms, eager.norms, rtol=1e-5, atol=0)
+    for (name_, want), got in zip(eager.sums.items(), sums):
+        got = got * engine.expected_batch_size   # the engine's sums carry 1/B; debug_clipped undoes it
+        assert (got - want).norm() <= 1e-5 * want.norm(), name_
+    assert bool((norms > 0.05).any()) and bool((norms < 0.05).any()) or name == "gpt2"   # abadi clips some, not all
+    engine.detach()
+
+
+def _float64_gpt2():
+    return tiny_gpt2()   # tied wte/lm_head, (1, T) position ids shared by the batch, dropout 0
+
+
+def test_compiled_step_releases_the_per_example_reference():
+    """The compiled micro-batches (after the first, which the engine runs and the compiled one must
+    match) give p.grad = (Σ_i clip(g_i)) / B of the per-example loop, tied embedding and shared
+    position ids included, at float64's precision."""
+    batch = gpt2_batch(n=9)
+    ref_model = _float64_gpt2()
+    per = per_example_grads(ref_model, gpt2_loss, batch)
+    engine_model = _float64_gpt2()
+    engine = DPEngine(engine_model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": 0.5}},
+                      gradient_noise_multiplier=0.0, expected_batch_size=11)
+    groups = engine.groups
+    thresholds = engine.thresholds.tolist()   # 0.5 split over the groups
+    ref = clip_reference(groups, per, thresholds, "abadi", 11)
+    compiled = CompiledMicroBatch(engine, engine_model, gpt2_loss, backend=None)
+    for start in (0, 3, 6):   # the first through the engine (and compared), then compiled
+        compiled({k: v[start:start + 3] for k, v in batch.items()}, 3)
+    assert len(compiled.verified) == 1
+    engine.privatize()
+    for info in engine.groups.params:
+        torch.testing.assert_close(info.param.grad, ref.grads[info.name], rtol=1e-9, atol=1e-12)
+    norms, limit = group_norms(per, groups), torch.tensor(thresholds, dtype=DTYPE)
+    assert bool((norms > limit).any()) and bool((norms < limit).any())   # some clipped, some not
+    engine.detach()
+
+
+def test_padding_rows_add_nothing_to_a_compiled_micro_batch():
+    model = _float64_gpt2()
+    batch = gpt2_batch(n=4)
+    results = []
+    for filler in (0, 7):   # the padding row's content: any
+        engine = DPEngine(model, {"grouping": "all-layer", "threshold": {"kind": "fixed", "value": 0.5}},
+                          gradient_noise_multiplier=0.0, expected_batch_size=4)
+        compiled = CompiledMicroBatch(engine, model, gpt2_loss, backend=None)
+        compiled({"ids": batch["ids"][:2]}, 2)   # through the engine: verified
+        padded = torch.cat([batch["ids"][2:], torch.full((1, batch["ids"].shape[1]), filler)])
+        compiled({"ids": padded}, 2)            # 2 examples and one padding row
+        results.append(engine.debug_clipped())
+        engine.detach()
+    for name, total in results[0].sums.items():
+        torch.testing.assert_close(total, results[1].sums[name], rtol=0, atol=1e-14)
+    assert results[0].norms.shape[0] == 4   # the padding row's norm is not observed
+
+
+def test_a_compiled_micro_batch_that_differs_from_the_engines_is_refused_before_noise(monkeypatch):
+    """A compiled clip that attributes wrongly (here: every parameter's sum doubled) is caught at its
+    first micro-batch by the engine's, and nothing of the step can be released."""
+    model = _float64_gpt2()
+    engine = DPEngine(model, {"grouping": "all-layer", "threshold": {"kind": "fixed", "value": 0.5}},
+                      gradient_noise_multiplier=1.0, expected_batch_size=4)
+    compiled = CompiledMicroBatch(engine, model, gpt2_loss, backend=None)
+    wrong = compiled.clip
+
+    def doubled(*args):
+        sums, *rest = wrong(*args)
+        return ([None if s is None else 2 * s for s in sums], *rest)
+    monkeypatch.setattr(compiled, "compiled", doubled)
+    with pytest.raises(EngineError, match="differs from the engine's"):
+        compiled(gpt2_batch(n=3), 3)
+    assert not compiled.verified
+    assert all(p.grad is None for p in model.parameters())
+    engine.detach()
+
+
+def test_a_suspect_compiled_micro_batch_is_redone_by_the_engine(monkeypatch):
+    """A flagged micro-batch (a norm the cancellation check cannot vouch for, or a non-finite one)
+    is not taken from the graph: the engine redoes it, with its float64 rows and its non-finite rule."""
+    model = _float64_gpt2()
+    engine = DPEngine(model, {"grouping": "all-layer", "threshold": {"kind": "fixed", "value": 0.5}},
+                      gradient_noise_multiplier=0.0, expected_batch_size=4)
+    compiled = CompiledMicroBatch(engine, model, gpt2_loss, backend=None)
+    batch = gpt2_batch(n=4)
+    compiled({"ids": batch["ids"][:2]}, 2)
+    clean = compiled.compiled
+    through_engine = []
+
+    def flagged(*args):
+        sums, norms, clipped, _, losses = clean(*args)
+        return [None if s is None else s * 0 + float("nan") for s in sums], norms, clipped, torch.tensor(True), losses
+    monkeypatch.setattr(compiled, "compiled", flagged)
+    monkeypatch.setattr(engine, "backward", lambda *a, **k: through_engine.append(1) or DPEngine.backward(
+        engine, *a, **k))
+    compiled({"ids": batch["ids"][2:]}, 2)
+    assert through_engine == [1]
+    assert all(bool(torch.isfinite(s).all()) for s in engine.debug_clipped().sums.values())
+    engine.detach()
+
+
+def test_a_model_with_a_module_the_compiled_step_cannot_trace_is_refused_with_a_hint():
+    class Custom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(5))
+
+        def forward(self, x):
+            return x * self.scale
+
+    model = nn.Sequential(nn.Linear(5, 5), Custom(), nn.Linear(5, 3))
+    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=0.0,
+                      expected_batch_size=4)
+    with pytest.raises(EngineError, match="no layer rule") as info:
+        CompiledMicroBatch(engine, model, lambda m, b: m(b["x"]).sum(1), backend=None)
+    assert "training.compile: false" in info.value.hint
+    engine.detach()
