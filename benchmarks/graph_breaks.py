@@ -1,13 +1,14 @@
-"""Where torch.compile breaks the private step's graph (issue 54's starting measure).
+"""Where torch.compile breaks the private step's graph: the eager step, and the compiled micro-batch.
 
 For the tiny transformer recipes (GPT-2, Llama, BERT), builds the private step as
 ``dpclip tune-cost`` times it (:func:`dpclip.train.parts.assemble_for_timing`: the recipe's
 model, engine, optimizer and step, stand-in noise), takes one eager step (the batch-axis probe
-and the certificate run there, once), then traces the next private step with
-``torch._dynamo.explain`` and prints the number of graphs, of graph breaks, and the breaks
-grouped by reason and by the source line where they happen. A step that compiles whole
-with ``fullgraph=True`` has one graph and 0 breaks; each break is a host round trip or a
-Python fallback the compiled step must lose (benchmarks/README.md, "Graph breaks").
+and the certificate run there, once), then traces with ``torch._dynamo.explain`` (1) the next
+eager private step (the engine's hooks: issue 54's starting measure) and (2) the micro-batch
+``training.compile`` compiles (:class:`dpclip.engine.compiled.CompiledMicroBatch`), and prints
+the number of graphs, of graph breaks, and the breaks grouped by reason and by the source line
+where they happen. A step that compiles whole with ``fullgraph=True`` has one graph and 0
+breaks; each break is a host round trip or a Python fallback (benchmarks/README.md, "Graph breaks").
 
     python benchmarks/graph_breaks.py                       # all three, printed
     python benchmarks/graph_breaks.py --cases gpt2 --out benchmarks/results/graph_breaks_cpu.txt
@@ -46,26 +47,36 @@ def _recipe(name: str, batch: int):
 
 
 def explain_step(name: str, batch: int = 8) -> dict:
-    """{"case", "graphs", "breaks", "reasons": [(count, reason, where)]} of one private step
-    (:func:`dpclip.bench.step_graph_breaks`, what ``dpclip bench --graph-breaks`` prints)."""
-    from dpclip.bench import step_graph_breaks
+    """{"case", "graphs", "breaks", "reasons": [(count, reason, where)], "compiled": {the same}} of
+    one eager private step (:func:`dpclip.bench.step_graph_breaks`) and of the compiled micro-batch
+    on the same rows (what ``dpclip bench --graph-breaks`` prints)."""
+    from dpclip.bench import _grouped_breaks, step_graph_breaks
+    from dpclip.data import select
+    from dpclip.engine.compiled import CompiledMicroBatch
     from dpclip.train.parts import assemble_for_timing
 
     parts = assemble_for_timing(_recipe(name, batch), steps=4)
+    learner = parts.learner
     rows = torch.arange(batch)  # a fixed batch, not a Poisson draw: the same shapes on every run
-    result = step_graph_breaks(lambda: parts.learner.private_step(rows))
-    parts.learner.engine.detach()
+    result = step_graph_breaks(lambda: learner.private_step(rows))
+    compiled = CompiledMicroBatch(learner.engine, learner.model, learner.loss_fn)
+    result["compiled"] = _grouped_breaks(*compiled.graph_breaks(select(parts.feed.data.train, rows), batch))
+    learner.engine.detach()
     return {"case": name, **result}
 
 
 def render(results: list[dict], top: int) -> str:
     lines = [f"# benchmarks/graph_breaks.py, torch {torch.__version__}, CPU: one private step traced by "
-             "torch._dynamo.explain", "", "| recipe | graphs | graph breaks | breaks with a reason listed |",
-             "|---|---|---|---|"]
-    lines += [f"| {r['case']} | {r['graphs']} | {r['breaks']} | {sum(c for c, _, _ in r['reasons'])} |"
-              for r in results]
+             "torch._dynamo.explain", "", "| recipe | eager step: graphs | graph breaks | compiled micro-batch "
+             "(training.compile): graphs | graph breaks |", "|---|---|---|---|---|"]
+    lines += [f"| {r['case']} | {r['graphs']} | {r['breaks']} | {r['compiled']['graphs']} | "
+              f"{r['compiled']['breaks']} |" for r in results]
     for r in results:
-        lines += ["", f"## {r['case']}: the {top} most frequent breaks (count, reason, where)"]
+        if r["compiled"]["reasons"]:
+            lines += ["", f"## {r['case']}: the compiled micro-batch's breaks"]
+            lines += [f"- {count} x {reason} ({where})" for count, reason, where in r["compiled"]["reasons"][:top]]
+    for r in results:
+        lines += ["", f"## {r['case']}, the eager step: the {top} most frequent breaks (count, reason, where)"]
         lines += [f"- {count} x {reason} ({where})" for count, reason, where in r["reasons"][:top]]
     return "\n".join(lines) + "\n"
 

@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 
 from dpclip.data import select
+from dpclip.engine.compiled import CompiledMicroBatch
 from dpclip.engine.precision import Precision
 from dpclip.recipe import load_recipe
 from dpclip.threads import configure
@@ -59,6 +60,9 @@ NON_PRIVATE = "non-private"
 # A private step whose certificate runs every time (docs/certificate.md): what the
 # first step of a run, and each new batch shape, costs on top of a steady step.
 CHECKED = ", checked"
+# The step compiled (training.compile): the private step's micro-batch as one graph
+# (dpclip.engine.compiled), the non-private step's model under torch.compile.
+COMPILED = ", compiled"
 
 
 @dataclass
@@ -77,13 +81,15 @@ class BenchResult:
     memory_mib: dict[str, float] = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
     floor: dict = field(default_factory=dict)
-    graph_breaks: dict = field(default_factory=dict)   # of the first private step (step_graph_breaks)
+    graph_breaks: dict = field(default_factory=dict)   # of the compiled micro-batch (compiled_graph_breaks)
+    ratio_compiled: dict[str, float] = field(default_factory=dict)   # compiled steps over compiled non-private
 
     def to_dict(self) -> dict:
         return {"recipe": self.recipe, "batch_size": self.batch_size, "threads": self.threads,
                 "repeats": self.repeats, "median_s": self.median_s, "ratio": self.ratio,
                 "memory_mib": self.memory_mib, "settings": self.settings, "floor": self.floor,
-                "graph_breaks": self.graph_breaks, "not_covered_by_epsilon": NOT_COVERED}
+                "graph_breaks": self.graph_breaks, "ratio_compiled": self.ratio_compiled,
+                "not_covered_by_epsilon": NOT_COVERED}
 
 
 def method_names(groupings=GROUPINGS) -> list[str]:
@@ -109,10 +115,14 @@ def make_step(method: str, model, loss_fn, batch, size: int,
     precision = precision or Precision()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1e-4)
+    compiled = method.endswith(COMPILED)
+    method = method.removesuffix(COMPILED)
     if method == NON_PRIVATE:
+        forward = torch.compile(model) if compiled else model
+
         def step():
             with precision.autocast():
-                loss = loss_fn(model, batch).mean()
+                loss = loss_fn(forward, batch).mean()
             (loss * precision.scale).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -120,7 +130,11 @@ def make_step(method: str, model, loss_fn, batch, size: int,
     checked = method.endswith(CHECKED)
     engine = build_engine(model, {"grouping": method.removeprefix("dp ").removesuffix(CHECKED)},
                           gradient_noise_multiplier=TIMING_SIGMA, batch_size=size)
-    private_step = PrivateStep(model, loss_fn, engine, opt, batch, micro_batch_size=None, precision=precision)
+    if compiled:   # one micro-batch of the whole batch, as training.compile runs it
+        private_step = PrivateStep(model, loss_fn, engine, opt, batch, micro_batch_size=size, precision=precision,
+                                   fixed_rows=True, compiled=CompiledMicroBatch(engine, model, loss_fn))
+    else:
+        private_step = PrivateStep(model, loss_fn, engine, opt, batch, micro_batch_size=None, precision=precision)
     rows = torch.arange(size)
 
     def dp_step():
@@ -130,16 +144,32 @@ def make_step(method: str, model, loss_fn, batch, size: int,
     return dp_step
 
 
+def compiled_graph_breaks(model, loss_fn, batch, size: int, grouping: str = GROUPINGS[0]) -> dict:
+    """:func:`step_graph_breaks` of what ``training.compile`` compiles: one micro-batch of the whole
+    batch (:meth:`dpclip.engine.compiled.CompiledMicroBatch.graph_breaks`), after the engine's
+    first eager micro-batch (the batch-axis probe and the certificate)."""
+    model = copy.deepcopy(model)
+    engine = build_engine(model, {"grouping": grouping}, gradient_noise_multiplier=TIMING_SIGMA, batch_size=size)
+    engine.backward(loss_fn(model, batch))
+    engine.privatize()
+    graphs, breaks, found = CompiledMicroBatch(engine, model, loss_fn).graph_breaks(batch, size)
+    engine.detach()
+    return _grouped_breaks(graphs, breaks, found)
+
+
+def _grouped_breaks(graphs: int, breaks: int, found: list[tuple[str, str, int]]) -> dict:
+    counted = collections.Counter((reason[:90], f"{Path(file).name}:{line}") for reason, file, line in found)
+    return {"graphs": graphs, "breaks": breaks,
+            "reasons": [(count, reason, where) for (reason, where), count in counted.most_common()]}
+
+
 def step_graph_breaks(step: Callable[[], None]) -> dict:
     """Where ``torch.compile`` breaks the graph of one call of ``step`` (run once eagerly first, so
     the batch-axis probe and the certificate are not traced): {"graphs", "breaks", "reasons":
     [(count, reason, "file:line")]}, most frequent first. A step compiled whole has one graph
     and no break (benchmarks/README.md, "Graph breaks")."""
     step()
-    graphs, breaks, found = graph_breaks(step)
-    counted = collections.Counter((reason[:90], f"{Path(file).name}:{line}") for reason, file, line in found)
-    return {"graphs": graphs, "breaks": breaks,
-            "reasons": [(count, reason, where) for (reason, where), count in counted.most_common()]}
+    return _grouped_breaks(*graph_breaks(step))
 
 
 def time_rounds(steps: dict[str, Callable[[], None]], repeats: int, warmup: int,
@@ -265,12 +295,15 @@ def memory_in_child(recipe_path: Path, overrides: list[str], method: str, thread
 
 def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, groupings=GROUPINGS,
                  repeats: int = 5, warmup: int = 1, threads: int | str | None = "auto",
-                 memory: bool = True, floor: bool = True, breaks: bool = False) -> BenchResult:
+                 memory: bool = True, floor: bool = True, breaks: bool = False,
+                 compiled: bool = False) -> BenchResult:
     """Time (and optionally measure memory of) non-private vs private steps for a recipe,
     and (``floor``) set each private ratio against the floor (:func:`floor_of`).
 
     ``threads``: as ``dpclip train --threads`` ("auto", a number; None keeps torch's).
-    ``breaks``: also where torch.compile breaks the first private step (:func:`step_graph_breaks`)."""
+    ``breaks``: also where torch.compile breaks the compiled micro-batch (:func:`compiled_graph_breaks`).
+    ``compiled``: also the non-private step with its model compiled and the first grouping's private
+    step as ``training.compile`` runs it (their first calls, which compile, are the warm-up's)."""
     overrides = list(overrides or [])
     recipe = load_recipe(recipe_path, overrides)
     settings = configure(threads)   # what `dpclip train` sets up (dpclip.configure_speed)
@@ -278,8 +311,8 @@ def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, group
     model, loss_fn, batch, size = set_up(recipe)
     precision = step_precision(recipe, model)
     names = method_names(groupings)
-    steps = {name: make_step(name, model, loss_fn, batch, size, precision)
-             for name in names + [names[1] + CHECKED]}
+    extra = [names[1] + CHECKED] + ([NON_PRIVATE + COMPILED, names[1] + COMPILED] if compiled else [])
+    steps = {name: make_step(name, model, loss_fn, batch, size, precision) for name in names + extra}
     if floor:
         steps.update(noise_draws(model))
     device = next(model.parameters()).device
@@ -293,8 +326,11 @@ def bench_recipe(recipe_path: Path, overrides: list[str] | None = None, *, group
                          {name: r[0] for name, r in ratios.items()},
                          settings={**settings, "precision": precision.name, "device": str(device)},
                          floor=floor_info)
+    if compiled:
+        both = {name: ts for name, ts in times.items() if name.endswith(COMPILED)}
+        result.ratio_compiled = {name: r[0] for name, r in round_ratios(both, NON_PRIVATE + COMPILED).items()}
     if breaks:
-        result.graph_breaks = step_graph_breaks(make_step(names[1], model, loss_fn, batch, size, precision))
+        result.graph_breaks = compiled_graph_breaks(model, loss_fn, batch, size, groupings[0])
     if memory and on_gpu:
         result.memory_mib = {name: gpu_step_memory_mib(make_step(name, model, loss_fn, batch, size, precision))
                              for name in names}

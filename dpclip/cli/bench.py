@@ -23,8 +23,12 @@ def bench(
                                help="Set each private step against its floor: the fewest extra flops of "
                                     "exact per-sample clipping plus the measured noise draw."),
     breaks: bool = typer.Option(False, "--graph-breaks",
-                                help="Also trace one private step with torch.compile and list where its graph "
-                                     "breaks (benchmarks/README.md, \"Graph breaks\")."),
+                                help="Also trace the compiled micro-batch (training.compile) and list where its "
+                                     "graph breaks, if anywhere (benchmarks/README.md, \"Graph breaks\")."),
+    compiled: bool = typer.Option(False, "--compiled",
+                                  help="Also time the steps compiled: the private step as training.compile runs it, "
+                                       "the non-private one with its model under torch.compile (docs/engine.md, "
+                                       "\"Compiled step\")."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Step time and step memory of private training (per grouping style) against
@@ -33,7 +37,8 @@ def bench(
     from dpclip.cli.train import thread_count
 
     result = bench_recipe(recipe, overrides or [], repeats=repeats, warmup=warmup,
-                          threads=thread_count(threads), memory=memory, floor=floor, breaks=breaks)
+                          threads=thread_count(threads), memory=memory, floor=floor, breaks=breaks,
+                          compiled=compiled)
     if as_json:
         print_json(result.to_dict())
         return
@@ -46,6 +51,8 @@ def bench(
     table.add_column("step")
     table.add_column("median s", justify="right")
     table.add_column("x non-private", justify="right")
+    if result.ratio_compiled:
+        table.add_column("x non-private compiled", justify="right")
     gap = result.floor.get("gap")
     if gap:
         table.add_column("x floor", justify="right")
@@ -55,6 +62,8 @@ def bench(
     ref_mem = result.memory_mib.get(NON_PRIVATE)
     for name, seconds in result.median_s.items():
         row = [name, f"{seconds:.4f}", f"{result.ratio[name]:.2f}"]
+        if result.ratio_compiled:
+            row.append(f"{result.ratio_compiled[name]:.2f}" if name in result.ratio_compiled else "-")
         if gap:
             row.append(f"{gap[name]:.3f}" if name in gap else "-")
         if result.memory_mib:
@@ -66,7 +75,9 @@ def bench(
                   "a run and of each new batch shape do (docs/certificate.md).")
     if result.floor:
         console.print(floor_text(result.floor))
-    if device != "cpu":
+    if not result.memory_mib:
+        pass
+    elif device != "cpu":
         console.print("Step memory: peak allocated on the GPU during two steps above what was allocated "
                       "before them (activations, gradients, per-sample quantities; weights excluded).")
     else:
@@ -78,9 +89,9 @@ def bench(
 
 
 def breaks_text(found: dict, top: int = 8) -> str:
-    """The first private step under torch.compile: its graphs, breaks and their commonest reasons."""
-    lines = [f"torch.compile of the first private step: {found['graphs']} graphs, {found['breaks']} graph breaks"
-             + (" (a step compiled whole has 1 and 0)" if found["breaks"] else "")]
+    """The compiled micro-batch under torch.compile: its graphs, breaks and their commonest reasons."""
+    lines = [f"torch.compile of the compiled micro-batch (training.compile): {found['graphs']} graph(s), "
+             f"{found['breaks']} graph breaks" + (" (compiled whole: 1 and 0)" if found["breaks"] else "")]
     lines += [f"  {count} x {reason} ({where})" for count, reason, where in found["reasons"][:top]]
     return "\n".join(lines)
 

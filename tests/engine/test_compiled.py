@@ -156,44 +156,6 @@ def test_compiled_step_releases_the_per_example_reference():
     engine.detach()
 
 
-def test_padding_rows_add_nothing_to_a_compiled_micro_batch():
-    model = _float64_gpt2()
-    batch = gpt2_batch(n=4)
-    results = []
-    for filler in (0, 7):   # the padding row's content: any
-        engine = DPEngine(model, {"grouping": "all-layer", "threshold": {"kind": "fixed", "value": 0.5}},
-                          gradient_noise_multiplier=0.0, expected_batch_size=4)
-        compiled = CompiledMicroBatch(engine, model, gpt2_loss, backend=None)
-        compiled({"ids": batch["ids"][:2]}, 2)   # through the engine: verified
-        padded = torch.cat([batch["ids"][2:], torch.full((1, batch["ids"].shape[1]), filler)])
-        compiled({"ids": padded}, 2)            # 2 examples and one padding row
-        results.append(engine.debug_clipped())
-        engine.detach()
-    for name, total in results[0].sums.items():
-        torch.testing.assert_close(total, results[1].sums[name], rtol=0, atol=1e-14)
-    assert results[0].norms.shape[0] == 4   # the padding row's norm is not observed
-
-
-def test_a_compiled_micro_batch_that_differs_from_the_engines_is_refused_before_noise(monkeypatch):
-    """A compiled clip that attributes wrongly (here: every parameter's sum doubled) is caught at its
-    first micro-batch by the engine's, and nothing of the step can be released."""
-    model = _float64_gpt2()
-    engine = DPEngine(model, {"grouping": "all-layer", "threshold": {"kind": "fixed", "value": 0.5}},
-                      gradient_noise_multiplier=1.0, expected_batch_size=4)
-    compiled = CompiledMicroBatch(engine, model, gpt2_loss, backend=None)
-    wrong = compiled.clip
-
-    def doubled(*args):
-        sums, *rest = wrong(*args)
-        return ([None if s is None else 2 * s for s in sums], *rest)
-    monkeypatch.setattr(compiled, "compiled", doubled)
-    with pytest.raises(EngineError, match="differs from the engine's"):
-        compiled(gpt2_batch(n=3), 3)
-    assert not compiled.verified
-    assert all(p.grad is None for p in model.parameters())
-    engine.detach()
-
-
 def test_a_suspect_compiled_micro_batch_is_redone_by_the_engine(monkeypatch):
     """A flagged micro-batch (a norm the cancellation check cannot vouch for, or a non-finite one)
     is not taken from the graph: the engine redoes it, with its float64 rows and its non-finite rule."""

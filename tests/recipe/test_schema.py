@@ -206,3 +206,23 @@ def test_every_schema_section_is_documented():
     _reachable_models(schema.Recipe, seen)
     missing = {m.__name__ for m in seen} - {model.__name__ for _, model, _ in sections()}
     assert not missing, f"add these sections to dpclip/recipe/docs.py SECTIONS: {missing}"
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["training.parallel=fsdp"], "training.parallel 'fsdp'"),
+    (["training.precision=bf16"], "training.precision: fp32"),
+    (["training.micro_batch_size=null",
+      "clipping.threshold={kind: discriminative, small: 0.5, large: 2.0, tail_rule: top_fraction}"], "compile"),
+])
+def test_training_compile_refuses_what_one_float32_graph_per_process_cannot_run(overrides, says):
+    assert says in error_of(["training.compile=true", *overrides])
+
+
+def test_training_compile_is_off_unless_asked_and_implies_fixed_shapes():
+    from dpclip.train.parts import assemble_for_timing
+
+    assert load_recipe(QUICKSTART).training.compile is False
+    parts = assemble_for_timing(load_recipe(QUICKSTART, ["training.compile=true"]), steps=2)
+    step = parts.learner.private_step
+    assert step.compiled is not None and step.fixed_rows
+    parts.learner.engine.detach()

@@ -184,3 +184,42 @@ def test_fixed_shapes_refuse_a_policy_that_ranks_the_whole_batch(quickstart):
         quickstart("training.fixed_shapes=true", "training.micro_batch_size=null",
                    "clipping.threshold={kind: discriminative, small: 0.5, large: 2.0, tail_rule: top_fraction}")
     assert "fixed_shapes" in str(info.value)
+
+
+def test_a_compiled_step_releases_what_the_eager_step_releases(small_recipe):
+    """training.compile: the same rows, the same seeded noise, the same released weights as the eager
+    padded step; the first micro-batch runs through the engine (checked), the others through the graph."""
+    from dpclip.engine.compiled import CompiledMicroBatch
+
+    recipe = small_recipe(*SEEDED)
+    eager, compiled = _set_up(recipe), _set_up(recipe)
+    learner = compiled.learner
+    graph = CompiledMicroBatch(learner.engine, learner.model, learner.loss_fn, backend="aot_eager")
+    step = PrivateStep(learner.model, learner.loss_fn, learner.engine, learner.optimizer, compiled.feed.data.train,
+                       micro_batch_size=5, fixed_rows=True, compiled=graph)
+    through_graph = []
+    clip = graph.compiled
+    graph.compiled = lambda *args: through_graph.append(1) or clip(*args)
+    for indices in (torch.arange(3, 16), torch.arange(20, 29)):
+        eager_out = _step_of(eager, micro_batch_size=5, fixed_rows=True)(indices)
+        compiled_out = step(indices)
+        for a, b in zip(_weights(eager.learner.model), _weights(learner.model)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert abs(compiled_out.loss_sum - eager_out.loss_sum) <= 1e-5 * eager_out.loss_sum
+        torch.testing.assert_close(compiled_out.report.clip_fraction, eager_out.report.clip_fraction)
+    # step 1 (13 rows): the first micro-batch through the engine and compared (one graph call), then two;
+    # step 2 (9 rows): two micro-batches through the graph
+    assert len(through_graph) == 5 and len(graph.verified) == 1
+
+
+def test_a_compiled_step_needs_fixed_rows(small_recipe):
+    import pytest
+
+    from dpclip.engine.compiled import CompiledMicroBatch
+
+    parts = _set_up(small_recipe(*SEEDED))
+    learner = parts.learner
+    with pytest.raises(ValueError, match="fixed_rows"):
+        PrivateStep(learner.model, learner.loss_fn, learner.engine, learner.optimizer, parts.feed.data.train,
+                    micro_batch_size=5, compiled=CompiledMicroBatch(learner.engine, learner.model, learner.loss_fn,
+                                                                    backend=None))
