@@ -216,6 +216,8 @@ def make_step(method: str, w: Workload) -> Callable[[], None]:
         return flat_noise_draw_step(w.model)
     model = copy.deepcopy(w.model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    if method.endswith(COMPILED):
+        return _compiled_step(method.removesuffix(COMPILED), w, model, opt)
     if method == "non-private":
         def step():
             w.per_sample_loss(model).mean().backward()
@@ -238,6 +240,43 @@ def make_step(method: str, w: Workload) -> Callable[[], None]:
     if method.startswith("opacus "):
         return _opacus_step(method.split(" ", 1)[1], w, model, opt)
     raise ValueError(f"unknown method {method!r}")
+
+
+# The same steps compiled: the non-private one with its model under torch.compile, the private
+# one as training.compile runs it (dpclip.engine.compiled; on a GPU also a CUDA graph). Their
+# first call compiles: the warm-up's.
+COMPILED = " compiled"
+
+
+def _compiled_step(method: str, w: Workload, model: nn.Module, opt) -> Callable[[], None]:
+    if method == "non-private":
+        compiled_model = torch.compile(model)
+
+        def step():
+            w.per_sample_loss(compiled_model).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+    from dpclip.engine import DPEngine
+    from dpclip.engine.compiled import CompiledMicroBatch
+
+    engine = DPEngine(model, {"grouping": method.split(" ", 1)[1]}, gradient_noise_multiplier=1.0,
+                      expected_batch_size=w.batch, seed=0)
+    rows = {**w.inputs, "targets": w.targets.reshape(w.batch, -1)}
+
+    def per_sample_loss(m: nn.Module, batch: dict) -> torch.Tensor:
+        inputs = {k: v for k, v in batch.items() if k != "targets"}
+        tok = F.cross_entropy(w.forward(m, inputs), batch["targets"].reshape(-1), reduction="none")
+        return tok.view(w.batch, -1).mean(1)
+    compiled = CompiledMicroBatch(engine, model, per_sample_loss)
+
+    def step():
+        compiled(rows, w.batch)
+        engine.privatize()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    step.engine = engine
+    return step
 
 
 # Not training methods: one Gaussian per parameter, as the engine draws it each step, and

@@ -2,7 +2,7 @@
 # The GPU checks in one go, on a machine with one CUDA device and dpclip's dependencies
 # installed: the CUDA tests (the engine's, then dpclip train's), the ghost-norm strip counts on CUDA, GPT-2 small against its
 # floor, where its host time goes (host_profile.py, and the tiny GPT-2 whose step is all host
-# work, engine_step_ratio.py), then (with ROWS=1) the GPU rows of
+# work, engine_step_ratio.py), the compiled step (issue 54), then (with ROWS=1) the GPU rows of
 # docs/performance.md with Opacus.
 #   bash benchmarks/gpu_check.sh OUT_DIR          # about 4 minutes on one H200, before the train tests
 #   ROWS=1 bash benchmarks/gpu_check.sh OUT_DIR   # about 5 more
@@ -18,6 +18,10 @@ timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider tests/cuda --ignore
 # bit-exact resume, the CPU's ledger, and the noise not regenerable from the seed
 timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider tests/cuda/test_train_on_cuda.py \
     tests/privacy/test_gpu_randomness.py 2>&1 | tee "$out/train_on_cuda_tests.txt"
+# issue 54: GPT-2 small's compiled private step (training.compile, a CUDA graph) against the non-private
+# step compiled the same way and eager, time and step memory, at the issue's four shapes
+timeout 420 python3 benchmarks/gpu_rows.py --methods non-private "non-private compiled" "dpclip all-layer" \
+    "dpclip all-layer compiled" --repeats 10 --json "$out/compiled_gpu.json" 2>&1 | tee "$out/compiled_gpu.txt"
 timeout 120 python3 benchmarks/norm_rule.py --strips --device cuda --repeats 10 2>&1 | tee "$out/strips.txt"
 timeout 300 python3 benchmarks/floor_gap.py --device cuda --memory --repeats 10 \
     --shapes 4x256 2x1024 16x256 8x1024 --json "$out/floor_gap.json" 2>&1 | tee "$out/floor_gap.txt"

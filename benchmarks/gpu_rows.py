@@ -12,6 +12,12 @@ step's own memory is counted). fp32 throughout, TF32 off (torch's default for ma
     python benchmarks/gpu_rows.py --json out.json                # GPT-2 small at 4x256, 2x1024, 16x256, 8x1024
     python benchmarks/gpu_rows.py --profile 4x256 8x1024 --shapes   # only where the time goes (torch.profiler)
     python benchmarks/gpu_rows.py --smoke                        # tiny GPT-2, on the CPU if no GPU (CI)
+    python benchmarks/gpu_rows.py --methods non-private "non-private compiled" "dpclip all-layer" \
+        "dpclip all-layer compiled" --json out.json              # issue 54: the compiled step (training.compile)
+
+A method's `` compiled`` variant: the non-private step with its model under ``torch.compile``, the
+private step as ``training.compile`` runs it (one graph, a CUDA graph on the GPU); their first
+calls compile (warm-up), and their step memory is measured after the timed rounds.
 """
 
 from __future__ import annotations
@@ -59,8 +65,11 @@ def step_memory(step, device: str) -> int | None:
 def measure_shape(sizes: dict, methods: list[str], repeats: int, warmup: int, device: str) -> dict:
     w = to_device(dp_cost.make_workload("gpt2-small", sizes), device)
     steps = {m: dp_cost.make_step(m, w) for m in methods}
-    memory = {m: step_memory(s, device) for m, s in steps.items()}  # also the first (probing) step
+    # also the first (probing) step; a compiled step's first call compiles: measured after the rounds
+    memory = {m: step_memory(s, device) for m, s in steps.items() if not m.endswith(dp_cost.COMPILED)}
     times = time_rounds(steps, repeats, warmup, sync=lambda: sync(device))
+    memory.update({m: step_memory(s, device) for m, s in steps.items() if m.endswith(dp_cost.COMPILED)})
+    memory = {m: memory[m] for m in methods}
     ratios = round_ratios(times, "non-private")
     out = {"median_s": {m: statistics.median(ts) for m, ts in times.items()},
            "ratio": {m: r[0] for m, r in ratios.items()},
@@ -124,7 +133,8 @@ def render(result: dict) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="*", default=[f"{b}x{t}" for b, t in SHAPES], metavar="BxT")
-    ap.add_argument("--methods", nargs="+", default=list(dp_cost.METHODS), choices=dp_cost.METHODS)
+    ap.add_argument("--methods", nargs="+", default=list(dp_cost.METHODS),
+                    choices=list(dp_cost.METHODS) + [m + dp_cost.COMPILED for m in dp_cost.METHODS[:4]])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", type=Path)

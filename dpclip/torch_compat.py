@@ -252,16 +252,19 @@ def graph_breaks(fn, *args, autograd_traced: bool = False) -> tuple[int, int, li
     return explained.graph_count, explained.graph_break_count, reasons
 
 
-def compile_fullgraph(fn, backend: str = "inductor"):
+def compile_fullgraph(fn, backend: str = "inductor", cuda_graphs: bool = False):
     """``torch.compile(fn, fullgraph=True, dynamic=False)`` with ``torch.autograd.grad`` traced
     into the graph (``torch._dynamo.config.trace_autograd_ops``: off by default, so a call to it
     breaks the graph; the compiled micro-batch's backward is one such call) and, under inductor,
     random operations (dropout) drawn as eager draws them (``fallback_random``), so that a compiled
     micro-batch and the engine's eager one on the same rows and generator state see the same
-    masks. Checked against torch 2.13."""
+    masks. ``cuda_graphs``: inductor also records the graph as a CUDA graph (``mode="reduce-overhead"``'s
+    setting; ``mode`` and ``options`` cannot both be given), replayed with one launch. Checked against
+    torch 2.13."""
     import torch._dynamo.config as dynamo_config
 
-    options = {"fallback_random": True} if backend == "inductor" else None
+    options = ({"fallback_random": True, **({"triton.cudagraphs": True} if cuda_graphs else {})}
+               if backend == "inductor" else None)
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options)
 
     def run(*args):

@@ -27,8 +27,7 @@ def bench(
                                      "graph breaks, if anywhere (benchmarks/README.md, \"Graph breaks\")."),
     compiled: bool = typer.Option(False, "--compiled",
                                   help="Also time the steps compiled: the private step as training.compile runs it, "
-                                       "the non-private one with its model under torch.compile (docs/engine.md, "
-                                       "\"Compiled step\")."),
+                                       "the non-private one with its model under torch.compile (docs/compiled.md)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Step time and step memory of private training (per grouping style) against

@@ -4,7 +4,7 @@ The eager engine (:mod:`dpclip.engine.bookkeeping`, :mod:`dpclip.engine.microbat
 layer's (input, output gradient) from custom autograd functions' backwards to Python state, which
 ``torch.compile`` cannot trace. :class:`CompiledMicroBatch` computes the same numbers as one pure
 function of (rows, loss seed, thresholds, row weights), compiled with ``fullgraph=True``
-(docs/engine.md, "Compiled step"):
+(docs/compiled.md):
 
 1. the forward: each book-kept module runs its layer rule's ``call`` with a :class:`_Site` whose
    ``op`` computes ``rule.forward`` under autograd and adds a zero *probe* to its output; a
@@ -45,7 +45,7 @@ from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
 from dpclip.errors import EngineError
 from dpclip.torch_compat import compile_fullgraph, graph_breaks
 
-HINT = "set training.compile: false (docs/engine.md, \"Compiled step\")"
+HINT = "set training.compile: false (docs/compiled.md)"
 
 
 @dataclass(eq=False)
@@ -218,7 +218,10 @@ class CompiledMicroBatch:
         self.recorder = _Recorder()
         self.forwards = {id(unit): _probed_forward(self.recorder, unit) for unit in engine.book_keeper.units}
         self.context = engine.step_context
-        self.compiled = self.clip if backend is None else compile_fullgraph(self.clip, backend)
+        # On a GPU the graph is also a CUDA graph (one launch); its outputs live in buffers the next
+        # call overwrites, so everything kept past a call is copied (DPEngine.add_micro_batch).
+        self.compiled = self.clip if backend is None else compile_fullgraph(
+            self.clip, backend, cuda_graphs=self.context.device.type == "cuda")
         self.verified: set[tuple] = set()
 
     def __call__(self, rows: dict[str, Tensor], samples: int, row_weights: Tensor | None = None) -> Tensor:
@@ -275,11 +278,12 @@ class CompiledMicroBatch:
             set_random_state(after)
         if bool(suspect):   # the engine recomputed some rows in float64: compare on another batch
             return losses
-        mismatch = compare(sums, norms[:samples], eager_sums, eager_norms, self.context.names)
+        mismatch = compare(sums, norms[:samples], eager_sums, eager_norms, self.context, engine.thresholds,
+                           1.0 / engine.expected_batch_size)
         if mismatch is not None:
             raise EngineError(f"the compiled micro-batch differs from the engine's on the same rows: {mismatch}; "
                               "nothing of this step was released", "set training.compile: false, and report the "
-                              "model with `dpclip --debug` output (docs/engine.md, \"Compiled step\")")
+                              "model with `dpclip --debug` output (docs/compiled.md)")
         self.verified.add(key)
         return losses
 
@@ -361,18 +365,24 @@ AGREEMENT = 1e-4
 
 
 def compare(sums: list[Tensor | None], norms: Tensor, eager_sums: list[Tensor | None], eager_norms: Tensor,
-            names: list[str]) -> str | None:
-    """What differs beyond :data:`AGREEMENT` between a compiled micro-batch and the engine's (None: nothing)."""
+            ctx, thresholds: Tensor, sum_scale: float) -> str | None:
+    """What differs beyond :data:`AGREEMENT` between a compiled micro-batch and the engine's (None: nothing).
+
+    A norm is compared with the largest norm; a parameter's clipped sum with its size plus the
+    sum of its group's clipped sizes, sum_scale·Σ_i c_i·norm_i (its samples' terms may cancel in
+    the sum, but each is rounded at its own size)."""
     scale = eager_norms.abs().max().clamp_min(torch.finfo(eager_norms.dtype).tiny)
     gap = ((norms.to(eager_norms.dtype) - eager_norms).abs().max() / scale).item() if norms.numel() else 0.0
     if not gap <= AGREEMENT:
         return f"per-sample norms by {gap:.2e} relative"
-    for name, total, eager in zip(names, sums, eager_sums):
+    clipped_size = (ctx.clip(eager_norms, thresholds) * eager_norms).sum(0) * sum_scale   # [K]
+    for name, group, total, eager in zip(ctx.names, ctx.group_of, sums, eager_sums):
         if total is None and eager is None:
             continue
-        if total is None or eager is None:
-            return f"parameter {name} has a clipped sum in one and not the other"
-        size = eager.norm().clamp_min(torch.finfo(eager.dtype).tiny)
+        if total is None or eager is None:   # no use of the parameter on one side: its sum is 0 there
+            total, eager = (torch.zeros_like(eager) if total is None else total,
+                            torch.zeros_like(total) if eager is None else eager)
+        size = (eager.norm() + clipped_size[group].to(eager.dtype)).clamp_min(torch.finfo(eager.dtype).tiny)
         gap = ((total - eager).norm() / size).item()
         if not gap <= AGREEMENT:
             return f"parameter {name}'s clipped sum by {gap:.2e} relative"

@@ -232,7 +232,7 @@ class DPEngine:
                 step.sums[idx] = total.clone() if step.sums[idx] is None else step.sums[idx].add_(total)
         step.clipped += clipped
         self.policy.observe(norms) if row_weights is None else self.policy.observe(norms, row_weights)
-        step.norms.append(norms.detach())
+        step.norms.append(norms.detach().clone())   # a CUDA graph's output buffer is overwritten next call
         step.samples += norms.shape[0]
         step.paths.update((name, "compiled") for name in step.context.names)
 

@@ -64,6 +64,7 @@ from dpclip.accounting import Ledger
 from dpclip.data.sampler import PoissonSampler
 from dpclip.data.user_sampler import UserPoissonSampler, number_people
 from dpclip.distributed import ShardedPoissonSampler
+from dpclip.engine.compiled import CompiledMicroBatch
 from dpclip.errors import DpclipError
 from dpclip.integrations.parts import EmptyDrawCollate, PoissonBatches, PrivateOptimizer
 from dpclip.integrations.private import running_world
@@ -103,6 +104,10 @@ class PrivacyArguments:
         "help": "user-level privacy: the dataset's column naming each example's person (docs/users.md)"})
     max_records_per_user: int | None = field(default=None, metadata={
         "help": "user-level privacy: the most records of one person in a step (k)"})
+    compile: bool = field(default=False, metadata={
+        "help": "each part's forward, backward and clip as one torch.compile graph, checked against the engine "
+                "(docs/compiled.md); pad batches to one length, or each new length compiles again"})
+    compile_backend: str = "inductor"   # torch.compile's backend for compile=True
     max_grad_norm: InitVar[float | None] = None   # the same as per_sample_max_grad_norm, in Python only
 
     def __post_init__(self, max_grad_norm: float | None) -> None:
@@ -205,6 +210,7 @@ class DPTrainer(Trainer):
             not_covered=(LOGGED_LOSS,), world=self.world, verify_every=privacy.verify_every,
             records_per_user=None if self.people is None else privacy.max_records_per_user)
         self.unsafe_seed = privacy.unsafe_seed
+        self.compiled = self._compiled(privacy)
         self.train_sampler = None
         if self.world is not None:  # every rank starts from rank 0's weights; no DDP (module doc)
             self.world.broadcast_([p.data for p in self.model.parameters()])
@@ -216,6 +222,33 @@ class DPTrainer(Trainer):
                 return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
             self.accelerator.prepare_model = prepare_without_ddp
+
+    def _compiled(self, privacy: PrivacyArguments) -> CompiledMicroBatch | None:
+        """PrivacyArguments(compile=True): the parts through one compiled graph (docs/compiled.md)."""
+        if not privacy.compile:
+            return None
+        if self.args.bf16 or self.args.fp16:
+            raise DpclipError("PrivacyArguments(compile=True) runs in float32, and the TrainingArguments ask for "
+                              "bf16 or fp16", "leave bf16 and fp16 off, or compile=False")
+        return CompiledMicroBatch(self.engine, self.model, self.per_sample_loss, backend=privacy.compile_backend)
+
+    def _compiled_losses(self, inputs: dict[str, Any], weights: Tensor | None) -> Tensor:
+        """A part through the compiled graph, in pieces of ``per_device_train_batch_size`` rows, the
+        last padded with copies of its first row (loss weight 0: they add nothing, docs/training.md,
+        "Fixed shapes"): one batch shape, whatever the Poisson draw."""
+        rows, size = _rows(inputs), self.args.per_device_train_batch_size
+        if any(not isinstance(v, Tensor) or v.dim() == 0 or len(v) != rows for v in inputs.values()):
+            raise DpclipError("PrivacyArguments(compile=True) needs every input a tensor with one row per "
+                              "example", "collate the batch into tensors only, or compile=False")
+        losses = []
+        for start in range(0, rows, size):
+            piece = {key: value[start:start + size] for key, value in inputs.items()}
+            samples = _rows(piece)
+            if samples < size:
+                piece = {key: torch.cat([value, value[:1].expand(size - samples, *value.shape[1:])])
+                         for key, value in piece.items()}
+            losses.append(self.compiled(piece, samples, None if weights is None else weights[start:start + size]))
+        return torch.cat(losses)
 
     # ------------------------------------------------------------------ the Trainer's hooks
 
@@ -266,6 +299,10 @@ class DPTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
         if _rows(inputs) == 0:  # an empty part of the Poisson draw: nothing to clip, the step still adds noise
             return torch.zeros((), device=self.args.device)
+        if self.compiled is not None:
+            weights = None if self.row_weight is None else torch.full((_rows(inputs),), self.row_weight)
+            losses = self._compiled_losses(inputs, weights)
+            return losses.sum() * self.ranks / self.expected_batch_size
         with self.compute_loss_context_manager():
             losses = self.per_sample_loss(model, inputs)
         if losses.dim() != 1 or len(losses) != _rows(inputs):

@@ -213,7 +213,7 @@ class Schedule(Section):
 
 
 def _check_compile(training: "Training") -> None:
-    """training.compile's limits: one graph per process, float32 (docs/engine.md, "Compiled step")."""
+    """training.compile's limits: one graph per process, float32 (docs/compiled.md)."""
     if not training.compile:
         return
     if training.parallel != "data":
@@ -234,7 +234,7 @@ class Training(Section):
                                "(docs/training.md, \"Fixed shapes\")")
     compile: bool = Field(False, description="each micro-batch's forward, book-kept backward and clip as one "
                           "torch.compile graph, checked against the engine's eager micro-batch; implies "
-                          "fixed_shapes (docs/engine.md, \"Compiled step\")")
+                          "fixed_shapes (docs/compiled.md)")
     sampling: Literal["poisson", "shuffle"] = Field(
         "poisson", description="shuffle = fixed-size batches; its ε carries an 'assumes Poisson' caveat")
     parallel: Literal["data", "pipeline", "fsdp"] = Field(

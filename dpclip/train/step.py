@@ -45,8 +45,8 @@ class PrivateStep:
     row of padding each, with loss weight 0 (docs/distributed.md, "Sharded training").
 
     ``compiled`` (``training.compile``): each micro-batch's forward, backward and clip run as one
-    compiled graph (:class:`~dpclip.engine.compiled.CompiledMicroBatch`, docs/engine.md,
-    "Compiled step"); it needs ``fixed_rows``.
+    compiled graph (:class:`~dpclip.engine.compiled.CompiledMicroBatch`, docs/compiled.md);
+    it needs ``fixed_rows``.
 
     ``fixed_rows`` (``training.fixed_shapes``): every micro-batch is padded to
     ``micro_batch_size`` rows, so the step sees one batch shape whatever the Poisson draw

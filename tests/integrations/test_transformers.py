@@ -97,10 +97,14 @@ def _clipped_reference(model, rows: list[dict], threshold: float, loss_of) -> li
     return total
 
 
-@pytest.mark.parametrize("lm", [False, True], ids=["bert-classification", "gpt2-causal-lm"])
-def test_one_step_in_two_accumulated_parts_is_the_clipped_per_example_sum_over_b(tmp_path, monkeypatch, lm):
+@pytest.mark.parametrize("lm, compiled", [(False, False), (True, False), (False, True)],
+                         ids=["bert-classification", "gpt2-causal-lm", "bert-compiled"])
+def test_one_step_in_two_accumulated_parts_is_the_clipped_per_example_sum_over_b(tmp_path, monkeypatch, lm,
+                                                                                  compiled):
     """Noise removed: the update's gradient is Σ clip(g_i) / B over the Poisson draw, B the
-    expected batch (5 × 2), the draw cut in two parts that the Trainer accumulates."""
+    expected batch (5 × 2), the draw cut in two parts that the Trainer accumulates; the same with
+    PrivacyArguments(compile=True), each part then padded to 5 rows for the one graph (traced with
+    aot_eager here, which generates no code)."""
     from dpclip.integrations.transformers import default_per_sample_loss
 
     model = _gpt2() if lm else _bert()
@@ -109,7 +113,10 @@ def test_one_step_in_two_accumulated_parts_is_the_clipped_per_example_sum_over_b
                                                 learning_rate=0.0),
                         train_dataset=_rows(lm=lm), data_collator=_collate,
                         privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=0.05,
-                                                 unsafe_seed=11))
+                                                 unsafe_seed=11, compile=compiled, compile_backend="aot_eager"))
+    if compiled:
+        graph, calls = trainer.compiled.compiled, []
+        trainer.compiled.compiled = lambda *args: calls.append(args[1].shape) or graph(*args)
     monkeypatch.setattr(trainer.engine.noise, "add_gaussians", lambda grads, stds: None)
     privatize, captured = trainer.engine.privatize, {}
 
@@ -129,6 +136,8 @@ def test_one_step_in_two_accumulated_parts_is_the_clipped_per_example_sum_over_b
     expected = _clipped_reference(reference_model, rows, 0.05, default_per_sample_loss)
     for got, want in zip(captured["grads"], expected):
         torch.testing.assert_close(got, want / 10, rtol=1e-4, atol=1e-7)
+    if compiled:   # the first part through the engine and the graph (checked), the second through the graph
+        assert calls and all(shape == (5,) for shape in calls)
 
 
 def test_a_peft_lora_model_trains_its_adapters_only(tmp_path):

@@ -1,4 +1,4 @@
-"""training.compile end to end (docs/engine.md, "Compiled step"): a run whose micro-batches go
+"""training.compile end to end (docs/compiled.md): a run whose micro-batches go
 through one inductor-compiled graph trains, charges every step and resumes (a new process: its
 first micro-batch runs through the engine again, checked, and the graph must match it)."""
 
