@@ -40,7 +40,7 @@ CASES = {
     "gpt2-tiny, B 32": ("gpt2-tiny-text.yaml", ["training.batch_size=32"]),
     "llama-tiny, B 32": ("gpt2-tiny-text.yaml", [LLAMA, "training.batch_size=32"]),
     "bert-tiny, B 64": ("bert-tiny-classify.yaml", ["training.batch_size=64"]),
-    "gpt2 4 layers, B 16, T 128": ("gpt2-tiny-text.yaml", SMALL_GPT2),
+    "gpt2 4 layers, n_embd 256, byte vocab, B 16, T 128": ("gpt2-tiny-text.yaml", SMALL_GPT2),
 }
 
 

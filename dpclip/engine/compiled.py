@@ -7,12 +7,13 @@ function of (rows, loss seed, thresholds, row weights), compiled with ``fullgrap
 (docs/compiled.md):
 
 1. the forward: each book-kept module runs its layer rule's ``call`` with a :class:`_Site` whose
-   ``op`` computes ``rule.forward`` under autograd and adds a zero *probe* to its output; a
-   torch.func module (a custom RMSNorm) runs with its parameters detached, probed the same way;
-2. the backward: ``torch.autograd.grad(losses, probes, seed)``: each call's output gradient, the
+   ``op`` computes ``rule.forward`` under autograd, keeps the input and the output and returns a
+   copy of the output; a torch.func module (a custom RMSNorm) runs with its parameters detached,
+   kept the same way;
+2. the backward: ``torch.autograd.grad(losses, outputs, seed)``: each call's output gradient, the
    book-keeping's one backward (no parameter's gradient is formed: none is asked for). The
-   probe is a leaf of its own, so a later in-place change of the output (``h += x``) does not
-   move the gradient read at it;
+   module's caller gets the copy, so a later in-place change of it (``h += x``, ``relu_``) does
+   not move the gradient read at the output kept;
 3. per parameter its uses (``rule.uses``; a per-sample ``vjp`` under ``vmap`` for a torch.func
    module), its norm² over every use with all cross terms (:func:`~dpclip.engine.factors.param_norm_sq`),
    the group norms, the clip factors (the engine's clip function) and the clipped sums
@@ -53,7 +54,7 @@ class _Call:
     """One probed call of a unit in the compiled forward."""
 
     unit: object
-    probe: Tensor
+    output: Tensor
     x: object = None         # the rule's activation, or the torch.func module's inputs
     info: object = None
     names: tuple[str, ...] = ()
@@ -315,7 +316,7 @@ class CompiledMicroBatch:
         # The calls leave the recorder before the graph ends: a tensor still held by it would be
         # one more output of the graph, and those requiring gradients would make it differentiable.
         calls, recorder.calls = recorder.calls, []
-        grads = torch.autograd.grad(losses, [call.probe for call in calls], seed, allow_unused=True)
+        grads = torch.autograd.grad(losses, [call.output for call in calls], seed, allow_unused=True)
         with torch.no_grad():
             uses: list[list[Use]] = [[] for _ in ctx.params]
             for call, grad in zip(calls, grads):
