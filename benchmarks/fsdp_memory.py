@@ -25,7 +25,7 @@ clears DTensor's caches, which would keep the group alive).
 
 Not in those columns, and measured or counted separately:
 
-- "clipped sums": the engine's whole-size clipped sums (``engine._sums``, this rank's
+- "clipped sums": the engine's whole-size clipped sums (``engine.step_accumulator.sums``, this rank's
   examples, every parameter whole) held from the backward until ``privatize`` reduce-scatters
   them: their bytes just before ``privatize``, the largest over the steps. Without sharding
   they become the gradients (divided in place); sharded, they are held beside the shards;
@@ -142,7 +142,7 @@ def largest_unit_bytes(model: nn.Module) -> int:
 
 
 def sums_bytes(engine) -> int:
-    return sum(s.numel() * s.element_size() for s in engine._sums if s is not None)
+    return sum(s.numel() * s.element_size() for s in engine.step_accumulator.sums if s is not None)
 
 
 def run_steps(model, engine, optimizer, ids: torch.Tensor, steps: int) -> tuple[dict, int]:

@@ -110,6 +110,18 @@ class StepAccumulator:
             for p, g in zip(params, saved):
                 p.grad = g
 
+    def add(self, sums: list[Tensor | None], norms: Tensor, clipped: Tensor) -> None:
+        """A micro-batch clipped outside the engine's backward (a compiled one,
+        :mod:`dpclip.engine.compiled`): its sums Σ_i c_i G_i / B per parameter, its examples' group
+        norms [samples, K] and its clipped samples per group [K]."""
+        for idx, total in enumerate(sums):
+            if total is not None:
+                self.sums[idx] = total.clone() if self.sums[idx] is None else self.sums[idx].add_(total)
+        self.clipped += clipped
+        self.norms.append(norms.detach())
+        self.samples += norms.shape[0]
+        self.paths.update((name, "compiled") for name in self.context.names)
+
     def oldest(self) -> tuple[MicroBatch, int]:
         """The oldest captured micro-batch and its number of examples, taken out of ``captured``."""
         if not self.captured:

@@ -6,7 +6,7 @@ layer's (input, output gradient) from custom autograd functions' backwards to Py
 function of (rows, loss seed, thresholds, row weights), compiled with ``fullgraph=True``
 (docs/compiled.md):
 
-1. the forward: each book-kept module runs its layer rule's ``call`` with a :class:`_Site` whose
+1. the forward: each book-kept module runs its layer rule's ``call`` with a :class:`ProbedSite` whose
    ``op`` computes ``rule.forward`` under autograd, keeps the input and the output and returns a
    copy of the output; a torch.func module (a custom RMSNorm) runs with its parameters detached,
    kept the same way;
@@ -32,164 +32,19 @@ rounding, or the step is refused before any noise (:meth:`CompiledMicroBatch.ver
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 
 from dpclip.engine.cancellation import CANCELLATION_TOLERANCE, cancellation_bound
-from dpclip.engine.factors import Dense, Use, clipped_sum, param_norm_sq, sqrt_or_zero
+from dpclip.engine.compiled_forward import HINT, Recorder, per_sample_vjp, probed_forward
+from dpclip.engine.factors import Use, clipped_sum, param_norm_sq, sqrt_or_zero
 from dpclip.engine.groupwise import clip_factors
 from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
 from dpclip.errors import EngineError
 from dpclip.torch_compat import compile_fullgraph, graph_breaks
-
-HINT = "set training.compile: false (docs/compiled.md)"
-
-
-@dataclass(eq=False)
-class _Call:
-    """One probed call of a unit in the compiled forward."""
-
-    unit: object
-    output: Tensor
-    x: object = None         # the rule's activation, or the torch.func module's inputs
-    info: object = None
-    names: tuple[str, ...] = ()
-    rule: object = None      # None: a torch.func module (its per-sample vjp)
-
-
-class _Recorder:
-    """The calls of the forward being traced, and whether modules run plainly (a per-sample
-    recomputation of a torch.func module)."""
-
-    def __init__(self):
-        self.calls: list[_Call] = []
-        self.batch = 0
-        self.plain = False
-
-
-class _Layout:
-    """The one layout a compiled call has: its inputs carry the batch in dim 0 (or are shared
-    over it, leading size 1), nothing is dead, nothing chained."""
-
-    dead = False
-    consumers = None
-    outputs = None
-
-
-class _Site:
-    """The :class:`~dpclip.engine.layers.Capture` of one unit's call in the compiled forward."""
-
-    layout = _Layout()
-
-    def __init__(self, recorder: _Recorder, unit):
-        self.recorder, self.unit = recorder, unit
-        self.module, self.label, self.memo = unit.module, unit.label, unit.memo
-        self.batch_size = self.batch_hint = recorder.batch
-        self.params = [(name, p) for name, p, _ in unit.params]
-
-    def layout_of(self, t: Tensor):
-        return None
-
-    def note_expanded(self, t: Tensor) -> None:
-        return None
-
-    def batch_first(self, t: Tensor, feature_dims: int | None = None):
-        batch = self.batch_size
-        if t.dim() >= 1 and t.shape[0] == batch:
-            return t, _identity
-        if t.dim() >= 1 and t.shape[0] == 1:   # shared by every sample (position ids): one copy each
-            return t.expand(batch, *t.shape[1:]), _identity
-        raise EngineError(f"module {self.label}: an input of shape {tuple(t.shape)} has no batch of "
-                          f"{batch} in dim 0, which the compiled step needs", HINT)
-
-    def chained(self, rule, x: Tensor) -> Tensor:
-        raise EngineError(f"module {self.label}: a shared input broadcast after a chain of modules is "
-                          "not compiled", HINT)
-
-    def children_batch_first(self):
-        return nullcontext()
-
-    def op(self, rule, x: Tensor, info=None, names: list[str] | None = None) -> Tensor:
-        out = rule.forward(self.module, x, info)
-        own = tuple(name for name, _ in self.params)
-        self.recorder.calls.append(_Call(self.unit, out, x.detach(), info,
-                                         own if names is None else tuple(names), rule))
-        return out.clone()
-
-    def tap(self, outputs: list[Tensor], on_grads: Callable) -> tuple[Tensor, ...]:
-        raise EngineError(f"module {self.label}: its rule taps output gradients, which the compiled "
-                          "step does not trace", HINT)
-
-    def bypass(self):
-        return self.plain()
-
-    @contextmanager
-    def plain(self) -> Iterator[None]:
-        kept, self.recorder.plain = self.recorder.plain, True
-        try:
-            yield
-        finally:
-            self.recorder.plain = kept
-
-
-def _identity(t: Tensor) -> Tensor:
-    return t
-
-
-def _probed_forward(recorder: _Recorder, unit) -> Callable:
-    """``unit``'s forward in the compiled step (:class:`_Site`; torch.func modules: :func:`_functorch_call`)."""
-    orig = unit.orig_forward
-
-    def forward(*args, **kwargs):
-        if recorder.plain or not torch.is_grad_enabled():
-            return orig(*args, **kwargs)
-        site = _Site(recorder, unit)
-        if unit.rule is FUNCTORCH_RULE:
-            return _functorch_call(site, args, kwargs)
-        return unit.rule.call(unit.module, site, args, kwargs)
-    return forward
-
-
-def _functorch_call(site: _Site, args: tuple, kwargs: dict) -> Tensor:
-    """A module without a rule (a custom RMSNorm): run with its parameters detached, its one
-    output probed; its per-sample gradients come from :func:`_per_sample_vjp`."""
-    if len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
-        raise EngineError(f"module {site.label}: the compiled step takes a module without a layer rule "
-                          "only when it is called with one tensor", HINT)
-    x = args[0]
-    detached = {name: p.detach() for name, p in site.params}
-    with site.plain():
-        out = torch.func.functional_call(site.module, detached, (x,))
-    if not isinstance(out, Tensor):
-        raise EngineError(f"module {site.label}: the compiled step takes a module without a layer rule "
-                          "only when it returns one tensor", HINT)
-    if not out.requires_grad:
-        raise EngineError(f"module {site.label}: its input does not depend on any trainable parameter, so the "
-                          "compiled step cannot read its output gradient", HINT)
-    site.recorder.calls.append(_Call(site.unit, out, x.detach(), None, tuple(n for n, _ in site.params)))
-    return out.clone()
-
-
-def _per_sample_vjp(site_module: nn.Module, params: dict[str, Tensor], x: Tensor, grad: Tensor,
-                    recorder: _Recorder) -> dict[str, Dense]:
-    """g_i = (∂f(θ; x_i)/∂θ)ᵀ b_i for every sample at once (torch.func's vmap of vjp)."""
-    def one(x_i: Tensor, g_i: Tensor):
-        def f(p):
-            return torch.func.functional_call(site_module, p, (x_i.unsqueeze(0),)).squeeze(0)
-        _, pull = torch.func.vjp(f, params)
-        return pull(g_i)[0]
-
-    kept, recorder.plain = recorder.plain, True
-    try:
-        grads = torch.func.vmap(one)(x, grad)
-    finally:
-        recorder.plain = kept
-    return {name: Dense(g) for name, g in grads.items()}
-
 
 def supported(engine) -> str | None:
     """Why ``engine``'s steps cannot be compiled (None: they can)."""
@@ -216,11 +71,11 @@ class CompiledMicroBatch:
         if why is not None:
             raise EngineError(f"the private step cannot be compiled: {why}", HINT)
         self.engine, self.model, self.loss_fn = engine, model, loss_fn
-        self.recorder = _Recorder()
-        self.forwards = {id(unit): _probed_forward(self.recorder, unit) for unit in engine.book_keeper.units}
-        self.context = engine.step_context
+        self.recorder = Recorder()
+        self.forwards = {id(unit): probed_forward(self.recorder, unit) for unit in engine.book_keeper.units}
+        self.context = engine.step_accumulator.context
         # On a GPU the graph is also a CUDA graph (one launch); its outputs live in buffers the next
-        # call overwrites, so everything kept past a call is copied (DPEngine.add_micro_batch).
+        # call overwrites, so everything kept past a call is copied (:meth:`__call__`).
         self.compiled = self.clip if backend is None else compile_fullgraph(
             self.clip, backend, cuda_graphs=self.context.device.type == "cuda")
         self.verified: set[tuple] = set()
@@ -240,7 +95,9 @@ class CompiledMicroBatch:
             sums, norms, clipped, suspect, losses = self.compiled(rows, seed, engine.thresholds, weights)
         if bool(suspect):   # the one read of the device: the engine redoes it (float64 rows, non-finite ones)
             return self._by_engine(rows, samples, row_weights)
-        engine.add_micro_batch(sums, norms[:samples], clipped, None if weights is None else weights[:samples])
+        kept = norms[:samples].clone()   # a CUDA graph's output buffers are overwritten by its next call
+        engine.step_accumulator.add(sums, kept, clipped)
+        engine.policy.observe(kept) if weights is None else engine.policy.observe(kept, weights[:samples])
         return losses[:samples]
 
     def graph_breaks(self, rows: dict[str, Tensor], samples: int) -> tuple[int, int, list[tuple[str, str, int]]]:
@@ -265,12 +122,13 @@ class CompiledMicroBatch:
         now on; else refused, nothing of the step released."""
         engine = self.engine
         state = random_state(self.model)
-        sums_before = [None if s is None else s.clone() for s in engine.step_sums()]
+        step = engine.step_accumulator
+        sums_before = [None if s is None else s.clone() for s in step.sums]
         losses = self._by_engine(rows, samples, row_weights)
         after = random_state(self.model)
         eager_sums = [s if before is None or s is None else s - before
-                      for s, before in zip(engine.step_sums(), sums_before)]
-        eager_norms = engine.step_norms()[-1]
+                      for s, before in zip(step.sums, sums_before)]
+        eager_norms = step.norms[-1]
         set_random_state(state)
         try:
             with self.probed():
@@ -296,7 +154,7 @@ class CompiledMicroBatch:
         for unit in units:
             unit.module.forward = self.forwards[id(unit)]
         try:
-            with self.engine.hooks_idle():
+            with hooks_idle(self.engine):
                 yield
         finally:
             for unit, forward in zip(units, routed):
@@ -324,7 +182,7 @@ class CompiledMicroBatch:
                     continue
                 unit = call.unit
                 if call.rule is None:
-                    got = _per_sample_vjp(unit.module, {n: p.detach() for n, p, _ in unit.params}, call.x,
+                    got = per_sample_vjp(unit.module, {n: p.detach() for n, p, _ in unit.params}, call.x,
                                           grad, recorder)
                 else:
                     got = call.rule.uses(unit.module, call.x, grad, call.info)
@@ -357,6 +215,18 @@ class CompiledMicroBatch:
                 for idx, part in enumerate(parts)]
         clipped = (norms > thresholds).sum(0).to(ctx.norm_dtype)
         return sums, norms, clipped, suspect
+
+
+@contextmanager
+def hooks_idle(engine) -> Iterator[None]:
+    """The model's forwards inside leave the engine's model-level hooks alone (the batch axes',
+    the certificate's): the book-kept modules run their probed forwards instead."""
+    axes, certificate = engine.book_keeper.axes, engine.certificate
+    axes.idle = certificate.idle = True
+    try:
+        yield
+    finally:
+        axes.idle = certificate.idle = False
 
 
 #: relative difference between a compiled and an eager micro-batch's sums and norms beyond which the

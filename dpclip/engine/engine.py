@@ -170,9 +170,9 @@ class DPEngine:
         return self._keeper
 
     @property
-    def step_context(self) -> StepContext:
-        """What each micro-batch needs: parameters, groups, the clip function, the norm dtype."""
-        return self._step.context
+    def step_accumulator(self) -> StepAccumulator:
+        """The step in progress: its clipped sums, norms and counts so far (never release them)."""
+        return self._step
 
     @property
     def stash_bytes(self) -> int:
@@ -201,40 +201,6 @@ class DPEngine:
         Hessian diagnostics; docs/hessian-diagnostics.md)."""
         with self._keeper.plain():
             yield
-
-    @contextmanager
-    def hooks_idle(self) -> Iterator[None]:
-        """The model's forwards inside leave the batch axes and the certificate alone: a compiled
-        micro-batch's (:mod:`dpclip.engine.compiled`), whose modules run probed forwards instead."""
-        axes, certificate = self._keeper.axes, self.certificate
-        axes.idle = certificate.idle = True
-        try:
-            yield
-        finally:
-            axes.idle = certificate.idle = False
-
-    def step_sums(self) -> list[Tensor | None]:
-        """The step's clipped sums so far, Σ_i c_i G_i / B per parameter (None: nothing yet); never release."""
-        return self._step.sums
-
-    def step_norms(self) -> list[Tensor]:
-        """The step's per-sample group norms so far, [samples, K] per micro-batch."""
-        return self._step.norms
-
-    def add_micro_batch(self, sums: list[Tensor | None], norms: Tensor, clipped: Tensor,
-                        row_weights: Tensor | None = None) -> None:
-        """A micro-batch clipped outside :meth:`backward` (a compiled one) into the step: its sums
-        Σ_i c_i G_i / B per parameter, its examples' group norms [samples, K] (the policy observes
-        them) and its clipped samples per group [K]."""
-        step = self._step
-        for idx, total in enumerate(sums):
-            if total is not None:
-                step.sums[idx] = total.clone() if step.sums[idx] is None else step.sums[idx].add_(total)
-        step.clipped += clipped
-        self.policy.observe(norms) if row_weights is None else self.policy.observe(norms, row_weights)
-        step.norms.append(norms.detach().clone())   # a CUDA graph's output buffer is overwritten next call
-        step.samples += norms.shape[0]
-        step.paths.update((name, "compiled") for name in step.context.names)
 
     def certify(self, run_losses, before: str = "training") -> CertificateRecord:
         """The certificate's check now, on rows of its own: ``run_losses()`` runs the model on a few
@@ -265,14 +231,6 @@ class DPEngine:
         self.detach()
 
     # --------------------------------------------------------------- the step
-
-    @property
-    def _sums(self) -> list[Tensor | None]:   # the step's clipped sums so far (benchmarks/fsdp_memory.py)
-        return self._step.sums
-
-    @property
-    def _norms(self) -> list[Tensor]:   # the step's per-sample group norms so far, [b, K] per micro-batch
-        return self._step.norms
 
     def backward(self, per_sample_losses: Tensor, *, loss_scale: float = 1.0, samples: int | None = None,
                  row_weights: Tensor | None = None) -> None:

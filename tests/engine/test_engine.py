@@ -190,7 +190,7 @@ def test_report_quantiles_are_computed_when_first_read_from_that_steps_norms(mon
     reports, norms = [], []
     for seed in (1, 2):
         engine.backward(classify_loss(model, mlp_batch(n=4, seed=seed)))
-        norms.append(engine._norms[0].clone())
+        norms.append(engine.step_accumulator.norms[0].clone())
         reports.append(engine.privatize())
     assert calls == []
     first = dict(reports[0].norm_quantiles)

@@ -164,7 +164,7 @@ def _step(monkeypatch, grouping, threshold, batched, nonfinite, finalize_batch=1
     if nonfinite:
         x[2, 1, 3] = float("inf")
     engine.backward(model(x))
-    norms = torch.cat(engine._norms)
+    norms = torch.cat(engine.step_accumulator.norms)
     report = engine.privatize()
     monkeypatch.undo()
     return [p.grad.clone() for p in model.parameters()], report.clip_fraction, norms
