@@ -223,3 +223,22 @@ def test_a_compiled_step_needs_fixed_rows(small_recipe):
         PrivateStep(learner.model, learner.loss_fn, learner.engine, learner.optimizer, parts.feed.data.train,
                     micro_batch_size=5, compiled=CompiledMicroBatch(learner.engine, learner.model, learner.loss_fn,
                                                                     backend=None))
+
+
+def test_a_compiled_step_weighs_each_row_as_the_eager_step_at_the_user_level(small_recipe):
+    """User-level privacy: each row's clipped gradient weighs 1/(its person's rows); the compiled
+    micro-batches carry the same weights (0 on padding rows) and release the eager step's weights."""
+    from dpclip.engine.compiled import CompiledMicroBatch
+
+    recipe = small_recipe(*SEEDED)
+    eager, compiled = _set_up(recipe), _set_up(recipe)
+    users = torch.arange(len(eager.feed.data.train["labels"])) // 3   # three rows a person
+    learner = compiled.learner
+    graph = CompiledMicroBatch(learner.engine, learner.model, learner.loss_fn, backend="aot_eager")
+    step = PrivateStep(learner.model, learner.loss_fn, learner.engine, learner.optimizer, compiled.feed.data.train,
+                       micro_batch_size=4, fixed_rows=True, compiled=graph, users=users)
+    for indices in (torch.arange(0, 11), torch.arange(30, 40)):
+        _step_of(eager, micro_batch_size=4, fixed_rows=True, users=users)(indices)
+        step(indices)
+        for a, b in zip(_weights(eager.learner.model), _weights(learner.model)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
