@@ -91,14 +91,28 @@ class CompiledMicroBatch:
         key = tuple((name, tuple(t.shape), t.dtype) for name, t in rows.items() if isinstance(t, Tensor))
         if key not in self.verified or engine.certificate.due():
             return self._verified_by_engine(rows, samples, row_weights, seed, weights, key)
-        with self.probed():
-            sums, norms, clipped, suspect, losses = self.compiled(rows, seed, engine.thresholds, weights)
+        sums, norms, clipped, suspect, losses = self._graph(rows, seed, weights)
         if bool(suspect):   # the one read of the device: the engine redoes it (float64 rows, non-finite ones)
             return self._by_engine(rows, samples, row_weights)
         kept = norms[:samples].clone()   # a CUDA graph's output buffers are overwritten by its next call
         engine.step_accumulator.add(sums, kept, clipped)
         engine.policy.observe(kept) if weights is None else engine.policy.observe(kept, weights[:samples])
         return losses[:samples]
+
+    def _graph(self, rows: dict[str, Tensor], seed: Tensor, weights: Tensor | None) -> tuple:
+        """:meth:`clip` compiled, on ``rows``; what torch.compile cannot take (a first call traces, a
+        changed guard traces again) is refused with a hint, before anything of the step is released."""
+        try:
+            with self.probed():
+                return self.compiled(rows, seed, self.engine.thresholds, weights)
+        except EngineError:
+            raise
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            raise EngineError(f"torch.compile could not compile this model's micro-batch ({type(exc).__name__}: "
+                              f"{first}); nothing of this step was released",
+                              "set training.compile: false: the engine trains it eagerly (docs/compiled.md, "
+                              "\"What is refused\")") from exc
 
     def graph_breaks(self, rows: dict[str, Tensor], samples: int) -> tuple[int, int, list[tuple[str, str, int]]]:
         """(graphs, breaks, [(reason, file, line)]) of tracing :meth:`clip` on ``rows`` as it is compiled
@@ -131,8 +145,7 @@ class CompiledMicroBatch:
         eager_norms = step.norms[-1]
         set_random_state(state)
         try:
-            with self.probed():
-                sums, norms, _, suspect, _ = self.compiled(rows, seed, engine.thresholds, weights)
+            sums, norms, _, suspect, _ = self._graph(rows, seed, weights)
         finally:
             set_random_state(after)
         if bool(suspect):   # the engine recomputed some rows in float64: compare on another batch
