@@ -53,13 +53,12 @@ def judge(name: str) -> tuple[str, str]:
         compiled = CompiledMicroBatch(engine, model, case.loss, backend="aot_eager")
         engine.backward(case.loss(model, second))
         eager = engine.debug_clipped()
-        with compiled.probed():
-            sums, norms, _, suspect, _ = compiled.compiled(second, torch.ones(b), engine.thresholds, None)
-    except EngineError as exc:
-        return "refused", str(exc).splitlines()[0][:160]
-    except Exception as exc:   # noqa: BLE001  (what tracing raised, recorded)
-        return "fails", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:150]}" if str(exc).strip() \
-            else type(exc).__name__
+        sums, norms, _, suspect, _ = compiled.graph(second, torch.ones(b), None)
+    except EngineError as exc:   # the compiled step's own refusal, or torch.compile's failure to trace
+        message = str(exc).splitlines()[0]
+        failed = message.startswith("torch.compile could not compile")
+        return ("fails" if failed else "refused"), message.removeprefix(
+            "torch.compile could not compile this model's micro-batch ")[:160]
     finally:
         engine.detach()
     worst = float((norms - eager.norms).abs().max() / eager.norms.abs().max().clamp_min(1e-30))

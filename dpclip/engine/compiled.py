@@ -8,7 +8,7 @@ function of (rows, loss seed, thresholds, row weights), compiled with ``fullgrap
 
 1. the forward: each book-kept module runs its layer rule's ``call`` with a :class:`ProbedSite` whose
    ``op`` computes ``rule.forward`` under autograd, keeps the input and the output and returns a
-   copy of the output; a torch.func module (a custom RMSNorm) runs with its parameters detached,
+   copy of the output; a module without a layer rule (a custom RMSNorm) runs its own forward,
    kept the same way;
 2. the backward: ``torch.autograd.grad(losses, outputs, seed)``: each call's output gradient, the
    book-keeping's one backward (no parameter's gradient is formed: none is asked for). The
@@ -42,7 +42,6 @@ from dpclip.engine.cancellation import CANCELLATION_TOLERANCE, cancellation_boun
 from dpclip.engine.compiled_forward import HINT, Recorder, per_sample_vjp, probed_forward
 from dpclip.engine.factors import Use, clipped_sum, param_norm_sq, sqrt_or_zero
 from dpclip.engine.groupwise import clip_factors
-from dpclip.engine.layers.functorch import FUNCTORCH_RULE, is_rmsnorm_like
 from dpclip.errors import EngineError
 from dpclip.torch_compat import compile_fullgraph, graph_breaks
 
@@ -54,8 +53,6 @@ def supported(engine) -> str | None:
     for unit in keeper.units:
         if unit.derived:
             return f"module {unit.label} is parametrized"
-        if unit.rule is FUNCTORCH_RULE and not is_rmsnorm_like(unit.module):
-            return f"module {unit.label} has no layer rule (the torch.func fallback)"
     return None
 
 
@@ -91,7 +88,7 @@ class CompiledMicroBatch:
         key = tuple((name, tuple(t.shape), t.dtype) for name, t in rows.items() if isinstance(t, Tensor))
         if key not in self.verified or engine.certificate.due():
             return self._verified_by_engine(rows, samples, row_weights, seed, weights, key)
-        sums, norms, clipped, suspect, losses = self._graph(rows, seed, weights)
+        sums, norms, clipped, suspect, losses = self.graph(rows, seed, weights)
         if bool(suspect):   # the one read of the device: the engine redoes it (float64 rows, non-finite ones)
             return self._by_engine(rows, samples, row_weights)
         kept = norms[:samples].clone()   # a CUDA graph's output buffers are overwritten by its next call
@@ -99,7 +96,7 @@ class CompiledMicroBatch:
         engine.policy.observe(kept) if weights is None else engine.policy.observe(kept, weights[:samples])
         return losses[:samples]
 
-    def _graph(self, rows: dict[str, Tensor], seed: Tensor, weights: Tensor | None) -> tuple:
+    def graph(self, rows: dict[str, Tensor], seed: Tensor, weights: Tensor | None) -> tuple:
         """:meth:`clip` compiled, on ``rows``; what torch.compile cannot take (a first call traces, a
         changed guard traces again) is refused with a hint, before anything of the step is released."""
         try:
@@ -108,11 +105,23 @@ class CompiledMicroBatch:
         except EngineError:
             raise
         except Exception as exc:
+            self._own_refusal(rows, seed, weights)
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
             raise EngineError(f"torch.compile could not compile this model's micro-batch ({type(exc).__name__}: "
                               f"{first}); nothing of this step was released",
                               "set training.compile: false: the engine trains it eagerly (docs/compiled.md, "
                               "\"What is refused\")") from exc
+
+    def _own_refusal(self, rows: dict[str, Tensor], seed: Tensor, weights: Tensor | None) -> None:
+        """Raise the compiled step's own refusal, if any, of ``rows``: inside a trace, dynamo reports
+        an EngineError as a failure to trace; :meth:`clip` run uncompiled raises it as it is."""
+        try:
+            with self.probed():
+                self.clip(rows, seed, self.engine.thresholds, weights)
+        except EngineError:
+            raise
+        except Exception:   # noqa: BLE001  (not ours: the caller reports torch.compile's)
+            return
 
     def graph_breaks(self, rows: dict[str, Tensor], samples: int) -> tuple[int, int, list[tuple[str, str, int]]]:
         """(graphs, breaks, [(reason, file, line)]) of tracing :meth:`clip` on ``rows`` as it is compiled
@@ -145,7 +154,7 @@ class CompiledMicroBatch:
         eager_norms = step.norms[-1]
         set_random_state(state)
         try:
-            sums, norms, _, suspect, _ = self._graph(rows, seed, weights)
+            sums, norms, _, suspect, _ = self.graph(rows, seed, weights)
         finally:
             set_random_state(after)
         if bool(suspect):   # the engine recomputed some rows in float64: compare on another batch

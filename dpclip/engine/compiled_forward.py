@@ -6,7 +6,7 @@ clip as one graph (docs/compiled.md). While it runs, each book-kept module's for
 :class:`~dpclip.engine.layers.Capture` of the compiled step), whose ``op`` computes
 ``rule.forward`` under ordinary autograd and keeps the call (input, rule state, output) in the
 :class:`Recorder`; a module without a rule but shaped like an RMSNorm runs with its parameters
-detached, its per-sample gradients later from :func:`per_sample_vjp`. Nothing here has a hook,
+run by its own forward, its per-sample gradients later from :func:`per_sample_vjp`. Nothing here has a hook,
 a lock or a Python decision on a tensor's value, so torch.compile traces it whole.
 """
 
@@ -132,21 +132,21 @@ def probed_forward(recorder: Recorder, unit) -> Callable:
 
 
 def _functorch_call(site: ProbedSite, args: tuple, kwargs: dict) -> Tensor:
-    """A module without a rule (a custom RMSNorm): run with its parameters detached, its one
-    output probed; its per-sample gradients come from :func:`per_sample_vjp`."""
-    if len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
-        raise EngineError(f"module {site.label}: the compiled step takes a module without a layer rule "
-                          "only when it is called with one tensor", HINT)
+    """A module without a layer rule (a custom RMSNorm, a scaled embedding): its own forward, its one
+    output kept; its per-sample gradients come from :func:`per_sample_vjp`. Only a call of one tensor
+    with the batch in dim 0, returning one such tensor, is taken."""
+    batch = site.batch_size
+    if len(args) != 1 or kwargs or not isinstance(args[0], Tensor) or args[0].dim() == 0 \
+            or args[0].shape[0] != batch:
+        raise EngineError(f"module {site.label} has no layer rule, and the compiled step takes such a module "
+                          "only when it is called with one tensor holding the batch in dim 0", HINT)
     x = args[0]
-    detached = {name: p.detach() for name, p in site.params}
-    with site.plain():
-        out = torch.func.functional_call(site.module, detached, (x,))
-    if not isinstance(out, Tensor):
-        raise EngineError(f"module {site.label}: the compiled step takes a module without a layer rule "
-                          "only when it returns one tensor", HINT)
-    if not out.requires_grad:
-        raise EngineError(f"module {site.label}: its input does not depend on any trainable parameter, so the "
-                          "compiled step cannot read its output gradient", HINT)
+    with site.plain():   # its parameters' gradients are never asked for: autograd forms none
+        out = site.unit.orig_forward(x)
+    if not isinstance(out, Tensor) or out.dim() == 0 or out.shape[0] != batch or not out.requires_grad:
+        raise EngineError(f"module {site.label} has no layer rule, and the compiled step takes such a module "
+                          "only when it returns one tensor holding the batch in dim 0, computed from its "
+                          "trainable parameters", HINT)
     site.recorder.calls.append(ProbedCall(site.unit, out, x.detach(), None, tuple(n for n, _ in site.params)))
     return out.clone()
 

@@ -117,6 +117,22 @@ def raise_at_step(world, out: str, step: int) -> None:
     train(small_recipe(Path(out) / "runs", "layer", "training.steps=20"), world=world, run_dir=Path(out) / "run")
 
 
+def gloo_threads_left(wait: float = 5.0) -> list[str]:
+    """The names of this process's gloo threads still alive once they had ``wait`` seconds to end:
+    a thread that ends a moment after the group (a loaded machine) is not one that outlives the
+    interpreter; one that lingers is."""
+    import os
+    import time
+
+    deadline = time.monotonic() + wait
+    while True:
+        names = [Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task")]
+        alive = sorted(name for name in names if "gloo" in name)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
 def gloo_threads_after_the_world(rank: int, port: int, found) -> None:
     """A spawned rank (not through run_ranks: it looks past the world's end) that imports the
     pipeline's torch modules after joining, as the trainer does when a test's worker imports
@@ -133,8 +149,7 @@ def gloo_threads_after_the_world(rank: int, port: int, found) -> None:
     with joined_world() as world:
         import torch.distributed.pipelining  # noqa: F401
         world.all_gather(rank)
-    names = [Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task")]
-    found.put((rank, imported_before, sorted(name for name in names if "gloo" in name)))
+    found.put((rank, imported_before, gloo_threads_left()))
 
 
 USER_LEVEL = ["data.num_examples=300", "data.num_users=60", "data.max_length=24", "training.epochs=null",

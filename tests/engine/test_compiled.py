@@ -181,21 +181,66 @@ def test_a_suspect_compiled_micro_batch_is_redone_by_the_engine(monkeypatch):
     engine.detach()
 
 
-def test_a_model_with_a_module_the_compiled_step_cannot_trace_is_refused_with_a_hint():
-    class Custom(nn.Module):
+class _Scale(nn.Module):
+    """A module without a layer rule (the torch.func fallback's kind): a per-feature scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 5))
+
+    def forward(self, x, shift=None):
+        return x * self.scale if shift is None else x * self.scale + shift
+
+
+def _scaled_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 5), _Scale(), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _scaled_loss(model, batch):
+    return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+
+
+def _scaled_rows(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(6, 5, generator=g) * 3, "y": torch.randint(0, 3, (6,), generator=g)}
+
+
+def test_a_module_without_a_layer_rule_is_compiled_by_a_per_sample_vjp_as_the_engine_clips_it():
+    model = _scaled_net()
+    engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": 0.3}},
+                      gradient_noise_multiplier=0.0, expected_batch_size=6)
+    compiled = CompiledMicroBatch(engine, model, _scaled_loss, backend="aot_eager")
+    compiled(_scaled_rows(1), 6)   # through the engine, and the graph compared with it: equal, or refused
+    assert len(compiled.verified) == 1
+    engine.debug_clipped()
+    rows = _scaled_rows(2)
+    engine.backward(_scaled_loss(model, rows))
+    eager = engine.debug_clipped()
+    with compiled.probed():
+        sums, norms, *_ = compiled.compiled(rows, torch.ones(6), engine.thresholds, None)
+    torch.testing.assert_close(norms, eager.norms, rtol=1e-5, atol=0)
+    assert (sums[2] * 6 - eager.sums["1.scale"]).norm() <= 1e-5 * eager.sums["1.scale"].norm()
+    engine.detach()
+
+
+def test_a_module_without_a_layer_rule_called_otherwise_than_with_one_batch_tensor_is_refused():
+    class Shifted(nn.Module):
         def __init__(self):
             super().__init__()
-            self.scale = nn.Parameter(torch.ones(5))
+            self.inp, self.scale, self.out = nn.Linear(5, 5), _Scale(), nn.Linear(5, 3)
 
         def forward(self, x):
-            return x * self.scale
+            return self.out(torch.tanh(self.scale(self.inp(x), shift=x)))
 
-    model = nn.Sequential(nn.Linear(5, 5), Custom(), nn.Linear(5, 3))
-    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=0.0,
-                      expected_batch_size=4)
-    with pytest.raises(EngineError, match="no layer rule") as info:
-        CompiledMicroBatch(engine, model, lambda m, b: m(b["x"]).sum(1), backend=None)
-    assert "training.compile: false" in info.value.hint
+    model = Shifted()
+    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=1.0,
+                      expected_batch_size=6)
+    compiled = CompiledMicroBatch(engine, model, _scaled_loss, backend="aot_eager")
+    with pytest.raises(EngineError) as info:
+        compiled(_scaled_rows(1), 6)
+    assert "no layer rule" in str(info.value) and "training.compile: false" in info.value.hint
+    assert all(p.grad is None for p in model.parameters())
     engine.detach()
 
 
