@@ -5,7 +5,8 @@ an engine (all-layer, auto norms, a fixed threshold at the median norm) takes on
 (the batch-axis probe and the certificate), then the compiled micro-batch
 (:class:`dpclip.engine.compiled.CompiledMicroBatch`, traced with ``aot_eager``: dynamo and
 autograd's trace with ``fullgraph=True``, no code generated) runs on a second batch and is compared
-with the eager engine on the same rows. Verdicts: ``equal`` (within 1e-5 relative), ``refused``
+with the eager engine on the same rows. Verdicts: ``equal`` (within 1e-5 relative, measured as the
+step's own check measures, :func:`dpclip.engine.compiled.disagreement`), ``refused``
 (the compiled step says why, with a hint: the eager engine trains the model), ``differs`` (would be
 refused at its first micro-batch by the check against the engine), ``fails`` (tracing raised).
 
@@ -34,7 +35,7 @@ def judge(name: str) -> tuple[str, str]:
     import torch
 
     from dpclip.engine import DPEngine
-    from dpclip.engine.compiled import CompiledMicroBatch
+    from dpclip.engine.compiled import CompiledMicroBatch, disagreement
     from dpclip.errors import EngineError
     from tests.engine import zoo
 
@@ -61,11 +62,11 @@ def judge(name: str) -> tuple[str, str]:
             "torch.compile could not compile this model's micro-batch ")[:160]
     finally:
         engine.detach()
-    worst = float((norms - eager.norms).abs().max() / eager.norms.abs().max().clamp_min(1e-30))
-    for (_, want), got in zip(eager.sums.items(), sums):
-        got = torch.zeros_like(want) if got is None else got * b
-        worst = max(worst, float((got - want).norm() / want.norm().clamp_min(1e-30)) if want.norm() > 1e-12 else 0.0)
-    return ("equal" if worst <= 1e-5 else "differs"), f"{worst:.1e}" + (" (flagged)" if bool(suspect) else "")
+    scale = 1.0 / b   # debug_clipped's sums are Σ_i c_i G_i; the graph's carry 1/B
+    worst, where = disagreement(sums, norms, [s * scale for s in eager.sums.values()], eager.norms,
+                                engine.step_accumulator.context, engine.thresholds, scale)
+    detail = f"{worst:.1e}" + ("" if worst <= 1e-5 else f" at {where}") + (" (flagged)" if bool(suspect) else "")
+    return ("equal" if worst <= 1e-5 else "differs"), detail
 
 
 def run(pattern: str | None) -> dict:
