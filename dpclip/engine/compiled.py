@@ -94,7 +94,7 @@ class CompiledMicroBatch:
         kept = norms[:samples].clone()   # a CUDA graph's output buffers are overwritten by its next call
         engine.step_accumulator.add(sums, kept, clipped)
         engine.policy.observe(kept) if weights is None else engine.policy.observe(kept, weights[:samples])
-        return losses[:samples]
+        return losses[:samples].clone()
 
     def graph(self, rows: dict[str, Tensor], seed: Tensor, weights: Tensor | None) -> tuple:
         """:meth:`clip` compiled, on ``rows``; what torch.compile cannot take (a first call traces, a
