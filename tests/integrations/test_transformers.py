@@ -97,7 +97,8 @@ def _clipped_reference(model, rows: list[dict], threshold: float, loss_of) -> li
     return total
 
 
-@pytest.mark.parametrize("lm, compiled", [(False, False), (True, False), (False, True)],
+@pytest.mark.parametrize("lm, compiled", [(False, False), (True, False),
+                                          pytest.param(False, True, marks=pytest.mark.slow)],   # a trace: 8 s
                          ids=["bert-classification", "gpt2-causal-lm", "bert-compiled"])
 def test_one_step_in_two_accumulated_parts_is_the_clipped_per_example_sum_over_b(tmp_path, monkeypatch, lm,
                                                                                   compiled):

@@ -194,7 +194,8 @@ def test_a_compiled_step_releases_what_the_eager_step_releases(small_recipe):
     recipe = small_recipe(*SEEDED)
     eager, compiled = _set_up(recipe), _set_up(recipe)
     learner = compiled.learner
-    graph = CompiledMicroBatch(learner.engine, learner.model, learner.loss_fn, backend="aot_eager")
+    # uncompiled: what the step does around the graph (tests/engine/test_compiled.py compiles it)
+    graph = CompiledMicroBatch(learner.engine, learner.model, learner.loss_fn, backend=None)
     step = PrivateStep(learner.model, learner.loss_fn, learner.engine, learner.optimizer, compiled.feed.data.train,
                        micro_batch_size=5, fixed_rows=True, compiled=graph)
     through_graph = []
