@@ -212,18 +212,6 @@ class Schedule(Section):
         0.0, description="linear/cosine: lr at the last step as a fraction of lr")
 
 
-def _check_compile(training: "Training") -> None:
-    """training.compile's limits: one graph per process, float32 (docs/compiled.md)."""
-    if not training.compile:
-        return
-    if training.parallel != "data":
-        raise ValueError(f"training.compile compiles one process's whole model; training.parallel "
-                         f"{training.parallel!r} splits it; set training.compile: false")
-    if training.precision != "fp32":
-        raise ValueError(f"training.compile runs in float32; set training.precision: fp32 (or "
-                         f"training.compile: false to train in {training.precision})")
-
-
 class Training(Section):
     epochs: PositiveFloat | None = Field(None, description="steps = ceil(epochs / q), q = batch_size / N")
     steps: PositiveInt | None = Field(None, description="alternative to epochs")
@@ -262,6 +250,16 @@ class Training(Section):
     def _epochs_or_steps(self) -> Training:
         if (self.epochs is None) == (self.steps is None):
             raise ValueError("give exactly one of 'epochs' or 'steps'")
+        return self
+
+    @model_validator(mode="after")
+    def _compile_limits(self) -> Training:   # one float32 graph per process (docs/compiled.md)
+        if self.compile and self.parallel != "data":
+            raise ValueError(f"training.compile compiles one process's whole model; training.parallel "
+                             f"{self.parallel!r} splits it; set training.compile: false")
+        if self.compile and self.precision != "fp32":
+            raise ValueError(f"training.compile runs in float32; set training.precision: fp32 (or "
+                             f"training.compile: false to train in {self.precision})")
         return self
 
 
@@ -425,7 +423,6 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _cross_section(self) -> Recipe:
         self.clipping.threshold.check_recipe(self)
-        _check_compile(self.training)
         if (self.training.fixed_shapes or self.training.compile) and self.clipping.threshold.ranks_whole_batch():
             raise ValueError("training.fixed_shapes (or compile) pads micro-batches to one size, but this clipping.threshold "
                              "ranks the whole logical batch in one backward, whose size is the Poisson draw's; "
