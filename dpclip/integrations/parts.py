@@ -299,8 +299,19 @@ class PrivateCriterion:
             self.unreduced.reduction = "none"
         else:
             self.unreduced = criterion
+        self.refusal: str | None = None   # make_private(compile=True): the loop calls train_step instead
 
     def __call__(self, outputs: Tensor, targets: Any) -> PrivateLoss:
+        if self.refusal is not None:
+            raise DpclipError("the criterion called in a make_private(compile=True) loop: the forward ran outside "
+                              "dpclip's graph", self.refusal)
+        losses = self.per_sample(outputs, targets)
+        if self.tracker is not None:
+            self.tracker.loss(losses.shape[0])
+        return PrivateLoss(losses, self.engine, self.tracker)
+
+    def per_sample(self, outputs: Tensor, targets: Any) -> Tensor:
+        """One loss per sample [b]: the criterion unreduced, a sample's positions averaged."""
         losses = self.unreduced(outputs, targets)
         rows = outputs.shape[0] if isinstance(outputs, Tensor) and outputs.dim() else None
         if not isinstance(losses, Tensor) or losses.dim() == 0 or (rows is not None and losses.shape[0] != rows):
@@ -308,11 +319,7 @@ class PrivateCriterion:
             raise DpclipError(f"the criterion returned {shape}, not one loss per sample ({rows} rows)",
                               "pass a criterion with a `reduction` argument (nn.CrossEntropyLoss()) or one that "
                               "returns per-sample losses: a loss reduced over the batch cannot be clipped per sample")
-        if losses.dim() > 1:
-            losses = losses.flatten(1).mean(1)
-        if self.tracker is not None:
-            self.tracker.loss(losses.shape[0])
-        return PrivateLoss(losses, self.engine, self.tracker)
+        return losses.flatten(1).mean(1) if losses.dim() > 1 else losses
 
 
 # ----------------------------------------------------------------------------- the optimizer

@@ -46,10 +46,12 @@ from dpclip.data.sampler import PoissonSampler
 from dpclip.data.user_sampler import UserPoissonSampler, number_people
 from dpclip.distributed import ShardedPoissonSampler, World
 from dpclip.engine import DPEngine
+from dpclip.engine.compiled import CompiledMicroBatch
 from dpclip.errors import DpclipError
 from dpclip.files import owner_only
 from dpclip.integrations.parts import DrawTracker, PrivateCriterion, PrivateOptimizer, poisson_loader, tracked_loader
 from dpclip.integrations.setup import Account, check_optimizer_params, clipping_spec, private_engine
+from dpclip.integrations.train_step import COMPILED_LOOP_HINT, TrainStep
 
 
 #: the format of :meth:`PrivateTraining.save_checkpoint`'s file
@@ -68,9 +70,18 @@ class PrivateTraining:
     engine: DPEngine
     account: Account
     draws: PoissonSampler | None = None   # the Poisson sampler (None: your own loader's batches)
+    stepper: TrainStep | None = None
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.model, self.optimizer, self.criterion, self.data_loader))
+
+    def train_step(self, inputs: Any, targets: Any) -> Tensor:
+        """One private step on a batch of the returned data loader (or one part of it): the model on
+        ``inputs`` (``model(**inputs)`` for a dict, ``model(*inputs)`` for a tuple), the criterion on
+        its output and ``targets``, the engine's backward, then ``optimizer.step()``: the classic
+        loop's calls in one, and with ``make_private(compile=True)`` forward, backward and clip as one
+        compiled graph (docs/python-api.md). Returns the rows' mean loss, detached: not covered by ε."""
+        return self.stepper(inputs, targets)
 
     @property
     def ledger(self) -> Ledger:
@@ -161,7 +172,8 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
                  max_physical_batch_size: int | None = None, module: nn.Module | None = None,
                  target_delta: float | None = None, loss_reduction: str = "mean",
                  grad_sample_mode: str | None = None, secure_mode: bool | None = None,
-                 users: Any = None, max_records_per_user: int | None = None) -> PrivateTraining:
+                 users: Any = None, max_records_per_user: int | None = None, compile: bool = False,
+                 compile_backend: str | None = "inductor") -> PrivateTraining:
     """Make ``model``, ``optimizer``, ``criterion`` and ``data_loader`` train with DP-SGD (or
     DP-Adam, with an Adam optimizer): see the module doc and docs/python-api.md.
 
@@ -190,6 +202,11 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
             example i; each step samples people with probability q = batch_size / people, and takes
             at most ``max_records_per_user`` = k records of each; every row weighs 1/k, so that one
             person moves a step by at most C whatever rows the loop backwards together.
+        compile: each batch (or part) goes through ``private.train_step(inputs, targets)``, whose
+            forward, book-kept backward and clip are one ``torch.compile`` graph, checked against
+            the engine (docs/compiled.md); the graph's batch is ``max_physical_batch_size`` rows (else
+            ``batch_size``), a smaller part padded. The classic loop's criterion is then refused.
+        compile_backend: torch.compile's backend ("inductor"; None runs the graph's function uncompiled).
         module, target_delta, loss_reduction, grad_sample_mode, secure_mode, ``clipping="flat" |
             "per_layer"``: Opacus's names, with Opacus's meaning (docs/python-api.md, "For Opacus
             users"); what has none in dpclip is refused with its translation.
@@ -200,6 +217,7 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
     model, delta, clipping, max_grad_norm = opacus_arguments(
         model, module, delta, target_delta, clipping, max_grad_norm, loss_reduction, grad_sample_mode, secure_mode)
     check_loop_parts(optimizer, data_loader, epochs, steps, max_physical_batch_size)
+    check_compile(model, compile, compile_backend)
     spec = clipping_spec(clipping, max_grad_norm)
     check_optimizer_params(model, optimizer)
     world = running_world()
@@ -227,8 +245,33 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
                               unsafe_seed=unsafe_seed)
         loader = poisson_loader(data_loader, draws, steps_per_pass, tracker,
                                 max_physical_batch_size)
-    return PrivateTraining(model, PrivateOptimizer(optimizer, engine, account, tracker),
-                           PrivateCriterion(criterion, engine, tracker), loader, engine, account, draws)
+    private_optimizer, private_criterion = PrivateOptimizer(optimizer, engine, account, tracker), \
+        PrivateCriterion(criterion, engine, tracker)
+    stepper = TrainStep(model, private_criterion, private_optimizer, tracker)
+    if compile:
+        try:
+            stepper.compiled = CompiledMicroBatch(engine, model, stepper.loss_fn, backend=compile_backend)
+        except DpclipError:
+            engine.detach()   # the model as it was given: make_private may be called again on it
+            raise
+        stepper.piece_rows = max_physical_batch_size or data_loader.batch_size
+        private_criterion.refusal = COMPILED_LOOP_HINT
+    return PrivateTraining(model, private_optimizer, private_criterion, loader, engine, account, draws, stepper)
+
+
+def check_compile(model: nn.Module, compile: Any, backend: Any) -> None:
+    """Refuse, with the fix, a ``compile`` request the compiled step cannot take (docs/compiled.md)."""
+    if not isinstance(compile, bool):
+        raise DpclipError(f"compile must be True or False, got {compile!r}", "compile=True")
+    if not compile:
+        return
+    if backend is not None and not isinstance(backend, str):
+        raise DpclipError(f"compile_backend must be a torch.compile backend's name, got {backend!r}",
+                          "leave it out (\"inductor\")")
+    half = sorted({str(p.dtype) for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)})
+    if half:
+        raise DpclipError(f"make_private(compile=True) runs in float32 or float64, and the model holds {half[0]} "
+                          "parameters", "keep the model in float32, or compile=False")
 
 
 def check_loop_parts(optimizer, data_loader, epochs, steps, max_physical_batch_size) -> None:

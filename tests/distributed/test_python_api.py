@@ -14,8 +14,11 @@ from tests.distributed.ranks import run_ranks
 
 
 @pytest.mark.slow   # a two-rank run (README: the slow tests)
-def test_two_ranks_of_make_private_train_the_weights_and_ledger_of_one_process(tmp_path):
-    assert run_ranks(api_case.rank_main, str(tmp_path / "two")) == []
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled-train-step"])
+def test_two_ranks_of_make_private_train_the_weights_and_ledger_of_one_process(tmp_path, compile):
+    """With compile, each rank's part of the draw goes through private.train_step's compiled graph
+    in pieces of its 6 rows; the one process it is compared with trains eagerly."""
+    assert run_ranks(api_case.rank_main, str(tmp_path / "two"), compile) == []
     api_case.train(tmp_path / "one", per_rank_batch=12, seed_model=100)   # B = 6 per rank × 2 ranks
     one, two = load_file(tmp_path / "one" / "weights.st"), load_file(tmp_path / "two" / "weights.st")
     assert sorted(one) == sorted(two)

@@ -1,0 +1,134 @@
+"""``private.train_step(inputs, targets)``: a whole private step that dpclip runs, forward included
+(docs/python-api.md, "One call per step, compiled").
+
+The classic loop (``criterion(model(x), y).backward()``, ``optimizer.step()``) runs the forward in
+the caller's code, where no graph dpclip compiles can hold it. ``train_step`` runs the forward
+itself, so that with ``make_private(compile=True)`` each piece of the batch goes through one
+``torch.compile`` graph: forward, book-kept backward and clip
+(:class:`~dpclip.engine.compiled.CompiledMicroBatch`, docs/compiled.md). Without ``compile`` it is
+the classic loop's three calls in one.
+
+It keeps the loop's rules (:class:`~dpclip.integrations.parts.DrawTracker`): the rows must come from
+make_private's data loader, each drawn batch (or part of one) is backwarded once, and the noisy step
+is taken, and charged, after its last part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dpclip.engine.compiled import CompiledMicroBatch
+from dpclip.errors import DpclipError
+from dpclip.integrations.parts import DrawTracker, PrivateCriterion, PrivateOptimizer, batch_rows
+
+#: what make_private(compile=True)'s classic loop is told
+COMPILED_LOOP_HINT = ("with make_private(compile=True) dpclip runs the forward inside its graph: call "
+                      "loss = private.train_step(inputs, targets) once per batch of the returned data loader, in "
+                      "place of the criterion, loss.backward() and optimizer.step() (docs/python-api.md, \"One call "
+                      "per step, compiled\")")
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """The model on ``inputs``: keyword arguments for a mapping, positional ones for a tuple or list,
+    else one argument."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+class TrainStep:
+    """One call per drawn batch (or part): forward, per-sample losses, the engine's backward (or the
+    compiled graph), then ``optimizer.step()`` (noise and charge after the draw's last part).
+
+    ``piece_rows``: the compiled graph's batch; each part is cut into pieces of that many rows, the
+    last padded with copies of its first row at loss weight 0 (they add nothing, and the threshold
+    policy never sees them): one batch shape, whatever the Poisson draw."""
+
+    def __init__(self, model: nn.Module, criterion: PrivateCriterion, optimizer: PrivateOptimizer,
+                 tracker: DrawTracker, compiled: CompiledMicroBatch | None = None, piece_rows: int | None = None):
+        if compiled is not None and piece_rows is None:
+            raise ValueError("a compiled step needs piece_rows: one batch shape, one graph")
+        self.model, self.criterion, self.optimizer, self.tracker = model, criterion, optimizer, tracker
+        self.compiled, self.piece_rows = compiled, piece_rows
+
+    def __call__(self, inputs: Any, targets: Any) -> Tensor:
+        """The mean loss of these rows, detached (computed without noise from private data: for your
+        own logs, **not covered by ε**; NaN for an empty draw)."""
+        rows = batch_rows((inputs, targets))
+        self.tracker.loss(rows)   # before the model sees a row: rows not drawn by the loader are refused
+        if self.compiled is None:
+            losses = self.criterion.per_sample(call_model(self.model, inputs), targets)
+            self.tracker.backward(rows)
+            if rows:
+                self.criterion.engine.backward(losses, row_weights=self.tracker.weights(rows, losses))
+        else:
+            flat = flat_rows(inputs, targets, rows)
+            self.tracker.backward(rows)
+            losses = self._compiled_losses(flat, rows) if rows else torch.zeros(0)
+        if not rows:   # an empty draw: nothing to clip, the step releases noise alone
+            self.criterion.engine.policy.empty_part()
+        self.optimizer.step()
+        return losses.detach().mean() if rows else torch.tensor(float("nan"))
+
+    def _compiled_losses(self, flat: dict[str, Tensor], rows: int) -> Tensor:
+        size, losses = self.piece_rows, []
+        weights = self.tracker.weights(rows, torch.zeros(0))
+        for start in range(0, rows, size):
+            piece = {key: value[start:start + size] for key, value in flat.items()}
+            samples = min(size, rows - start)
+            if samples < size:
+                piece = {key: torch.cat([value, value[:1].expand(size - samples, *value.shape[1:])])
+                         for key, value in piece.items()}
+            losses.append(self.compiled(piece, samples, None if weights is None else weights[start:start + size]))
+        return torch.cat(losses)
+
+    def loss_fn(self, model: nn.Module, flat: dict[str, Tensor]) -> Tensor:
+        """The per-sample losses of :func:`flat_rows`'s rows: what the compiled graph traces."""
+        inputs, targets = unflat_rows(flat)
+        return self.criterion.per_sample(call_model(model, inputs), targets)
+
+
+# The graph takes a dict of tensors, the batch in dim 0 of each; the keys say where each came from
+# (constants to the trace), so the call is rebuilt inside the graph.
+
+def flat_rows(inputs: Any, targets: Any, rows: int) -> dict[str, Tensor]:
+    """``inputs`` (a tensor, a tuple or list of tensors, or a mapping of names to tensors) and
+    ``targets`` (a tensor) as one dict of tensors with ``rows`` rows each; anything else is refused."""
+    flat: dict[str, Tensor] = {}
+    if isinstance(inputs, Tensor):
+        flat["inputs"] = inputs
+    elif isinstance(inputs, Mapping) and all(isinstance(k, str) for k in inputs):
+        flat.update({f"inputs:{key}": value for key, value in inputs.items()})
+    elif isinstance(inputs, (tuple, list)):
+        flat.update({f"inputs/{i}": value for i, value in enumerate(inputs)})
+    else:
+        flat["inputs"] = inputs
+    flat["targets"] = targets
+    for key, value in flat.items():
+        if not isinstance(value, Tensor) or value.dim() == 0 or value.shape[0] != rows:
+            raise DpclipError(f"make_private(compile=True) takes tensors with one row per example, and the "
+                              f"batch's {key} is {_described(value)}",
+                              "return tensors (or a tuple or dict of them) from the dataset, or compile=False")
+    return flat
+
+
+def unflat_rows(flat: dict[str, Tensor]) -> tuple[Any, Tensor]:
+    if "inputs" in flat:
+        inputs: Any = flat["inputs"]
+    elif any(key.startswith("inputs:") for key in flat):
+        inputs = {key[len("inputs:"):]: value for key, value in flat.items() if key.startswith("inputs:")}
+    else:
+        inputs = tuple(value for key, value in flat.items() if key.startswith("inputs/"))
+    return inputs, flat["targets"]
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
