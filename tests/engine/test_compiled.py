@@ -10,6 +10,9 @@ generated); inductor runs in the slow end-to-end test (tests/train/test_compiled
 
 from __future__ import annotations
 
+import traceback
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -267,4 +270,37 @@ def test_a_model_torch_compile_cannot_trace_is_refused_with_a_hint_before_noise(
         compiled({"x": torch.randn(4, 5, generator=g), "y": torch.randint(0, 3, (4,), generator=g)}, 4)
     assert "training.compile: false" in info.value.hint and not compiled.verified
     assert all(p.grad is None for p in model.parameters())
+    engine.detach()
+
+
+def test_a_steady_compiled_step_reads_the_device_twice_the_suspect_flag_and_the_noise_stds(monkeypatch):
+    """Issue 54's count of host round trips, on the CPU: after its first (checked) micro-batch, a
+    compiled micro-batch and privatize read values back from the device twice: the suspect flag
+    after the graph and the noise stds (one read per step, not one per parameter). A new .item(),
+    .tolist() or branch on a tensor's value in the step shows here."""
+    torch.manual_seed(0)
+    model = Net()
+    engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": 0.5}},
+                      gradient_noise_multiplier=1.0, expected_batch_size=6)
+    compiled = CompiledMicroBatch(engine, model, _loss, backend="aot_eager")
+    g = torch.Generator().manual_seed(0)
+
+    def rows():
+        return {"x": torch.randn(6, 4, 5, generator=g), "y": torch.randint(0, 3, (6,), generator=g)}
+    for _ in range(2):   # the first: through the engine and the graph, compared; then the graph
+        compiled(rows(), 6)
+        engine.privatize()
+    batch, reads = rows(), []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _real=real, **kwargs):
+            caller = traceback.extract_stack(limit=2)[0]
+            reads.append((Path(caller.filename).name, caller.name, _name))
+            return _real(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    compiled(batch, 6)
+    engine.privatize()
+    monkeypatch.undo()
+    assert sorted(reads) == [("compiled.py", "__call__", "__bool__"), ("privatizer.py", "release", "tolist")]
     engine.detach()
