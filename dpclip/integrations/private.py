@@ -51,7 +51,7 @@ from dpclip.errors import DpclipError
 from dpclip.files import owner_only
 from dpclip.integrations.parts import DrawTracker, PrivateCriterion, PrivateOptimizer, poisson_loader, tracked_loader
 from dpclip.integrations.setup import Account, check_optimizer_params, clipping_spec, private_engine
-from dpclip.integrations.train_step import COMPILED_LOOP_HINT, TrainStep
+from dpclip.integrations.train_step import COMPILED_LOOP_HINT, TrainStep, flat_loss
 
 
 #: the format of :meth:`PrivateTraining.save_checkpoint`'s file
@@ -247,15 +247,16 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
                                 max_physical_batch_size)
     private_optimizer, private_criterion = PrivateOptimizer(optimizer, engine, account, tracker), \
         PrivateCriterion(criterion, engine, tracker)
-    stepper = TrainStep(model, private_criterion, private_optimizer, tracker)
+    compiled = None
     if compile:
         try:
-            stepper.compiled = CompiledMicroBatch(engine, model, stepper.loss_fn, backend=compile_backend)
+            compiled = CompiledMicroBatch(engine, model, flat_loss(private_criterion), backend=compile_backend)
         except DpclipError:
             engine.detach()   # the model as it was given: make_private may be called again on it
             raise
-        stepper.piece_rows = max_physical_batch_size or data_loader.batch_size
         private_criterion.refusal = COMPILED_LOOP_HINT
+    stepper = TrainStep(model, private_criterion, private_optimizer, tracker, compiled,
+                        piece_rows=max_physical_batch_size or data_loader.batch_size)
     return PrivateTraining(model, private_optimizer, private_criterion, loader, engine, account, draws, stepper)
 
 

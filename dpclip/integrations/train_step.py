@@ -15,7 +15,7 @@ is taken, and charged, after its last part.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -51,9 +51,7 @@ class TrainStep:
     policy never sees them): one batch shape, whatever the Poisson draw."""
 
     def __init__(self, model: nn.Module, criterion: PrivateCriterion, optimizer: PrivateOptimizer,
-                 tracker: DrawTracker, compiled: CompiledMicroBatch | None = None, piece_rows: int | None = None):
-        if compiled is not None and piece_rows is None:
-            raise ValueError("a compiled step needs piece_rows: one batch shape, one graph")
+                 tracker: DrawTracker, compiled: CompiledMicroBatch | None, piece_rows: int):
         self.model, self.criterion, self.optimizer, self.tracker = model, criterion, optimizer, tracker
         self.compiled, self.piece_rows = compiled, piece_rows
 
@@ -88,10 +86,14 @@ class TrainStep:
             losses.append(self.compiled(piece, samples, None if weights is None else weights[start:start + size]))
         return torch.cat(losses)
 
-    def loss_fn(self, model: nn.Module, flat: dict[str, Tensor]) -> Tensor:
-        """The per-sample losses of :func:`flat_rows`'s rows: what the compiled graph traces."""
+
+
+def flat_loss(criterion: PrivateCriterion) -> Callable[[nn.Module, dict[str, Tensor]], Tensor]:
+    """The per-sample losses of :func:`flat_rows`'s rows: the function the compiled graph traces."""
+    def losses(model: nn.Module, flat: dict[str, Tensor]) -> Tensor:
         inputs, targets = unflat_rows(flat)
-        return self.criterion.per_sample(call_model(model, inputs), targets)
+        return criterion.per_sample(call_model(model, inputs), targets)
+    return losses
 
 
 # The graph takes a dict of tensors, the batch in dim 0 of each; the keys say where each came from
