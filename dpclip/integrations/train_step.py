@@ -62,9 +62,9 @@ class TrainStep:
         self.tracker.loss(rows)   # before the model sees a row: rows not drawn by the loader are refused
         if self.compiled is None:
             losses = self.criterion.per_sample(call_model(self.model, inputs), targets)
-            self.tracker.backward(rows)
-            if rows:
-                self.criterion.engine.backward(losses, row_weights=self.tracker.weights(rows, losses))
+            self.tracker.backward(losses.shape[0])   # what the engine clips, as loss.backward() counts it
+            if losses.numel():
+                self.criterion.engine.backward(losses, row_weights=self.tracker.weights(losses.shape[0], losses))
         else:
             flat = flat_rows(inputs, targets, rows)
             self.tracker.backward(rows)
