@@ -46,12 +46,11 @@ from dpclip.data.sampler import PoissonSampler
 from dpclip.data.user_sampler import UserPoissonSampler, number_people
 from dpclip.distributed import ShardedPoissonSampler, World
 from dpclip.engine import DPEngine
-from dpclip.engine.compiled import CompiledMicroBatch
 from dpclip.errors import DpclipError
 from dpclip.files import owner_only
 from dpclip.integrations.parts import DrawTracker, PrivateCriterion, PrivateOptimizer, poisson_loader, tracked_loader
 from dpclip.integrations.setup import Account, check_optimizer_params, clipping_spec, private_engine
-from dpclip.integrations.train_step import COMPILED_LOOP_HINT, TrainStep, flat_loss
+from dpclip.integrations.train_step import TrainStep, check_compile, train_step_for
 
 
 #: the format of :meth:`PrivateTraining.save_checkpoint`'s file
@@ -164,12 +163,11 @@ class PrivateTraining:
 
 def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  data_loader: DataLoader | None = None, *, criterion: Callable, delta: float | None = None,
-                 target_epsilon: float | None = None,
-                 noise_multiplier: float | None = None, epochs: float | None = None, steps: int | None = None,
+                 target_epsilon: float | None = None, noise_multiplier: float | None = None,
+                 epochs: float | None = None, steps: int | None = None,
                  max_grad_norm: float | list[float] | None = None, clipping: Mapping[str, Any] | str | None = None,
-                 accountant: str = "pld", poisson_sampling: bool = True,
-                 unsafe_seed: int | None = None, verify_every: int = 0,
-                 max_physical_batch_size: int | None = None, module: nn.Module | None = None,
+                 accountant: str = "pld", poisson_sampling: bool = True, unsafe_seed: int | None = None,
+                 verify_every: int = 0, max_physical_batch_size: int | None = None, module: nn.Module | None = None,
                  target_delta: float | None = None, loss_reduction: str = "mean",
                  grad_sample_mode: str | None = None, secure_mode: bool | None = None,
                  users: Any = None, max_records_per_user: int | None = None, compile: bool = False,
@@ -186,27 +184,21 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
         clipping: a recipe's ``clipping:`` block (docs/recipes.md): grouping, clip function,
             threshold policy (fixed, quantile, dcsgd-e/p, discriminative), noise allocation.
         accountant: "pld" (default) or "rdp".
-        poisson_sampling: True (default): the loader is rebuilt with Poisson sampling, which the
-            accountant assumes. False keeps your loader's batches; the statement then says that
-            they were accounted as if Poisson-sampled.
+        poisson_sampling: True (default): the loader is rebuilt with Poisson sampling, as the accountant
+            assumes. False keeps your loader's batches, and the statement says so.
         unsafe_seed: None (default): noise and batches come from OS entropy. An int makes them
             reproducible, and removable, by anyone who knows it: tests and experiments only.
-        verify_every: the certificate checks the clipping against the checked samples' own
-            gradients at the first step, on each new batch shape and every ``verify_every`` steps
-            if > 0 (docs/certificate.md).
-        max_physical_batch_size: the loader hands each drawn batch out in parts of at most this
-            many rows; ``loss.backward()`` on each, and ``optimizer.step()`` after each (Opacus's
-            BatchMemoryManager loop) or after the last: the noisy step is taken once, after the
-            last part. None: whole batches.
+        verify_every: the certificate also checks the clipping every ``verify_every`` steps if > 0
+            (it always checks the first step and each new batch shape; docs/certificate.md).
+        max_physical_batch_size: the loader hands each drawn batch out in parts of at most this many
+            rows; ``loss.backward()`` on each, ``optimizer.step()`` after each (Opacus's BatchMemoryManager
+            loop) or after the last: the noisy step is taken once, after the last part. None: whole batches.
         users, max_records_per_user: user-level privacy (docs/users.md): ``users[i]`` is the person of
             example i; each step samples people with probability q = batch_size / people, and takes
             at most ``max_records_per_user`` = k records of each; every row weighs 1/k, so that one
             person moves a step by at most C whatever rows the loop backwards together.
-        compile: each batch (or part) goes through ``private.train_step(inputs, targets)``, whose
-            forward, book-kept backward and clip are one ``torch.compile`` graph, checked against
-            the engine (docs/compiled.md); the graph's batch is ``max_physical_batch_size`` rows (else
-            ``batch_size``), a smaller part padded. The classic loop's criterion is then refused.
-        compile_backend: torch.compile's backend ("inductor"; None runs the graph's function uncompiled).
+        compile, compile_backend: ``private.train_step`` as one checked ``torch.compile`` graph
+            (:mod:`dpclip.integrations.train_step`); the classic loop's criterion is then refused.
         module, target_delta, loss_reduction, grad_sample_mode, secure_mode, ``clipping="flat" |
             "per_layer"``: Opacus's names, with Opacus's meaning (docs/python-api.md, "For Opacus
             users"); what has none in dpclip is refused with its translation.
@@ -243,36 +235,12 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
         draws = poisson_draws(model, account.plan.plan.sample_rate, planned_steps, num_examples=num_examples,
                               people=people, max_records_per_user=max_records_per_user, world=world,
                               unsafe_seed=unsafe_seed)
-        loader = poisson_loader(data_loader, draws, steps_per_pass, tracker,
-                                max_physical_batch_size)
+        loader = poisson_loader(data_loader, draws, steps_per_pass, tracker, max_physical_batch_size)
     private_optimizer, private_criterion = PrivateOptimizer(optimizer, engine, account, tracker), \
         PrivateCriterion(criterion, engine, tracker)
-    compiled = None
-    if compile:
-        try:
-            compiled = CompiledMicroBatch(engine, model, flat_loss(private_criterion), backend=compile_backend)
-        except DpclipError:
-            engine.detach()   # the model as it was given: make_private may be called again on it
-            raise
-        private_criterion.refusal = COMPILED_LOOP_HINT
-    stepper = TrainStep(model, private_criterion, private_optimizer, tracker, compiled,
-                        piece_rows=max_physical_batch_size or data_loader.batch_size)
-    return PrivateTraining(model, private_optimizer, private_criterion, loader, engine, account, draws, stepper)
-
-
-def check_compile(model: nn.Module, compile: Any, backend: Any) -> None:
-    """Refuse, with the fix, a ``compile`` request the compiled step cannot take (docs/compiled.md)."""
-    if not isinstance(compile, bool):
-        raise DpclipError(f"compile must be True or False, got {compile!r}", "compile=True")
-    if not compile:
-        return
-    if backend is not None and not isinstance(backend, str):
-        raise DpclipError(f"compile_backend must be a torch.compile backend's name, got {backend!r}",
-                          "leave it out (\"inductor\")")
-    half = sorted({str(p.dtype) for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)})
-    if half:
-        raise DpclipError(f"make_private(compile=True) runs in float32 or float64, and the model holds {half[0]} "
-                          "parameters", "keep the model in float32, or compile=False")
+    return PrivateTraining(model, private_optimizer, private_criterion, loader, engine, account, draws, train_step_for(
+        engine, model, private_criterion, private_optimizer, tracker, compile=compile, backend=compile_backend,
+        piece_rows=max_physical_batch_size or data_loader.batch_size))
 
 
 def check_loop_parts(optimizer, data_loader, epochs, steps, max_physical_batch_size) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dpclip.engine import DPEngine
 from dpclip.engine.compiled import CompiledMicroBatch
 from dpclip.errors import DpclipError
 from dpclip.integrations.parts import DrawTracker, PrivateCriterion, PrivateOptimizer, batch_rows
@@ -30,6 +31,37 @@ COMPILED_LOOP_HINT = ("with make_private(compile=True) dpclip runs the forward i
                       "loss = private.train_step(inputs, targets) once per batch of the returned data loader, in "
                       "place of the criterion, loss.backward() and optimizer.step() (docs/python-api.md, \"One call "
                       "per step, compiled\")")
+
+
+def check_compile(model: nn.Module, compile: Any, backend: Any) -> None:
+    """Refuse, with the fix, a ``make_private(compile=...)`` the compiled step cannot take (docs/compiled.md)."""
+    if not isinstance(compile, bool):
+        raise DpclipError(f"compile must be True or False, got {compile!r}", "compile=True")
+    if not compile:
+        return
+    if backend is not None and not isinstance(backend, str):
+        raise DpclipError(f"compile_backend must be a torch.compile backend's name, got {backend!r}",
+                          "leave it out (\"inductor\")")
+    half = sorted({str(p.dtype) for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)})
+    if half:
+        raise DpclipError(f"make_private(compile=True) runs in float32 or float64, and the model holds {half[0]} "
+                          "parameters", "keep the model in float32, or compile=False")
+
+
+def train_step_for(engine: DPEngine, model: nn.Module, criterion: PrivateCriterion, optimizer: PrivateOptimizer,
+                   tracker: DrawTracker, *, compile: bool, backend: str | None, piece_rows: int) -> TrainStep:
+    """make_private's ``train_step``: with ``compile``, through one compiled graph of ``piece_rows`` rows
+    (``backend``: torch.compile's; None runs the graph's function uncompiled), and the classic loop's
+    criterion refused. A model the graph cannot take is refused here, the engine detached from it."""
+    compiled = None
+    if compile:
+        try:
+            compiled = CompiledMicroBatch(engine, model, flat_loss(criterion), backend=backend)
+        except DpclipError:
+            engine.detach()   # the model as it was given: make_private may be called again on it
+            raise
+        criterion.refusal = COMPILED_LOOP_HINT
+    return TrainStep(model, criterion, optimizer, tracker, compiled, piece_rows)
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:
