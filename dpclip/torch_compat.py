@@ -10,6 +10,8 @@ above them (a re-exported function or class keeps torch's own docstring).
 
 from __future__ import annotations
 
+import types
+
 import sys
 from contextlib import contextmanager
 from typing import Iterable, Iterator
@@ -265,9 +267,32 @@ def compile_fullgraph(fn, backend: str = "inductor", cuda_graphs: bool = False):
 
     options = ({"fallback_random": True, **({"triton.cudagraphs": True} if cuda_graphs else {})}
                if backend == "inductor" else None)
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options)
+    compiled = torch.compile(own_code(fn), fullgraph=True, dynamic=False, backend=backend, options=options)
+    limit = max(COMPILED_SHAPES_LIMIT, dynamo_config.recompile_limit)
 
     def run(*args):
-        with dynamo_config.patch(trace_autograd_ops=True):
+        with dynamo_config.patch(trace_autograd_ops=True, recompile_limit=limit):
             return compiled(*args)
     return run
+
+
+#: graphs (batch shapes) one :func:`compile_fullgraph` function may compile; torch's default
+#: recompile limit, 8, is reached by a Trainer's batches padded to their longest sequence
+COMPILED_SHAPES_LIMIT = 64
+
+
+def own_code(fn):
+    """``fn`` (a function or bound method) with a code object of its own: torch.compile keeps its
+    graphs, and counts them against its recompile limit, per code object, so two compiled
+    micro-batches (two models in one process) would otherwise share one count."""
+    bound = getattr(fn, "__self__", None)
+    plain = getattr(fn, "__func__", fn)
+    copy = types.FunctionType(plain.__code__.replace(), plain.__globals__, plain.__name__, plain.__defaults__,
+                              plain.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = plain.__kwdefaults__, plain.__qualname__
+    return copy if bound is None else types.MethodType(copy, bound)
+
+
+def recompile_limit_hit(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch.compile's refusal to compile one more graph of a function."""
+    return type(exc).__name__ == "FailOnRecompileLimitHit"

@@ -39,11 +39,11 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine.cancellation import CANCELLATION_TOLERANCE, cancellation_bound
-from dpclip.engine.compiled_forward import HINT, Recorder, per_sample_vjp, probed_forward
+from dpclip.engine.compiled_forward import COMPILE_OFF, HINT, Recorder, per_sample_vjp, probed_forward
 from dpclip.engine.factors import Use, clipped_sum, param_norm_sq, sqrt_or_zero
 from dpclip.engine.groupwise import clip_factors
 from dpclip.errors import EngineError
-from dpclip.torch_compat import compile_fullgraph, graph_breaks
+from dpclip.torch_compat import COMPILED_SHAPES_LIMIT, compile_fullgraph, graph_breaks, recompile_limit_hit
 
 def supported(engine) -> str | None:
     """Why ``engine``'s steps cannot be compiled (None: they can)."""
@@ -105,12 +105,17 @@ class CompiledMicroBatch:
         except EngineError:
             raise
         except Exception as exc:
+            if recompile_limit_hit(exc):
+                raise EngineError(f"the compiled step has compiled {COMPILED_SHAPES_LIMIT} batch shapes, torch.compile's "
+                                  "limit for one function; nothing of this step was released",
+                                  "pad batches to a few lengths (each shape compiles again), or "
+                                  f"{COMPILE_OFF} (docs/compiled.md)") from exc
             self._own_refusal(rows, seed, weights)
             first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
             raise EngineError(f"torch.compile could not compile this model's micro-batch ({type(exc).__name__}: "
                               f"{first}); nothing of this step was released",
-                              "set training.compile: false: the engine trains it eagerly (docs/compiled.md, "
-                              "\"What is refused\")") from exc
+                              f"{COMPILE_OFF}: the engine trains it eagerly (docs/compiled.md, \"What is "
+                              "refused\")") from exc
 
     def _own_refusal(self, rows: dict[str, Tensor], seed: Tensor, weights: Tensor | None) -> None:
         """Raise the compiled step's own refusal, if any, of ``rows``: inside a trace, dynamo reports
@@ -164,7 +169,7 @@ class CompiledMicroBatch:
         if not gap <= AGREEMENT:
             raise EngineError(f"the compiled micro-batch differs from the engine's on the same rows: {where} by "
                               f"{gap:.2e} relative; "
-                              "nothing of this step was released", "set training.compile: false, and report the "
+                              "nothing of this step was released", f"{COMPILE_OFF}, and report the "
                               "model with `dpclip --debug` output (docs/compiled.md)")
         self.verified.add(key)
         return losses

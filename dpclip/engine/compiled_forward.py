@@ -19,11 +19,15 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from dpclip.engine.batch_axis.layout import Layout
 from dpclip.engine.factors import Dense
 from dpclip.engine.layers.functorch import FUNCTORCH_RULE
 from dpclip.errors import EngineError
 
-HINT = "set training.compile: false (docs/compiled.md)"
+#: how to turn compile off, wherever it was turned on
+COMPILE_OFF = ("turn compile off (a recipe's training.compile: false, make_private(compile=False), "
+               "PrivacyArguments(compile=False))")
+HINT = f"{COMPILE_OFF}: the engine trains it eagerly (docs/compiled.md)"
 
 
 @dataclass(eq=False)
@@ -68,8 +72,16 @@ class ProbedSite:
         self.batch_size = self.batch_hint = recorder.batch
         self.params = [(name, p) for name, p, _ in unit.params]
 
-    def layout_of(self, t: Tensor):
-        return None
+    def layout_of(self, t: Tensor) -> Layout:
+        """The batch in dim 0, or shared by every sample (size 1 there), as :meth:`batch_first` takes it."""
+        batch = self.batch_size
+        if t.dim() == 0:
+            return Layout(0)
+        if t.shape[0] == batch:
+            return Layout(t.dim(), 0)
+        if t.shape[0] == 1:
+            return Layout(t.dim(), lead1=True)
+        return Layout(t.dim(), error=f"no batch of {batch} in dim 0, which the compiled step needs")
 
     def note_expanded(self, t: Tensor) -> None:
         return None

@@ -10,6 +10,7 @@ generated); inductor runs in the slow end-to-end test (tests/train/test_compiled
 
 from __future__ import annotations
 
+import copy
 import traceback
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def _loss(model, batch):
     return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])   # inductor: 23 s
 def test_a_compiled_model_clips_as_the_per_example_reference(backend):
     def make():
         torch.manual_seed(0)
@@ -242,7 +243,7 @@ def test_a_module_without_a_layer_rule_called_otherwise_than_with_one_batch_tens
     compiled = CompiledMicroBatch(engine, model, _scaled_loss, backend="aot_eager")
     with pytest.raises(EngineError) as info:
         compiled(_scaled_rows(1), 6)
-    assert "no layer rule" in str(info.value) and "training.compile: false" in info.value.hint
+    assert "no layer rule" in str(info.value) and "training.compile: false" in info.value.hint and "compile=False" in info.value.hint
     assert all(p.grad is None for p in model.parameters())
     engine.detach()
 
@@ -268,7 +269,7 @@ def test_a_model_torch_compile_cannot_trace_is_refused_with_a_hint_before_noise(
     g = torch.Generator().manual_seed(0)
     with pytest.raises(EngineError, match="could not compile") as info:
         compiled({"x": torch.randn(4, 5, generator=g), "y": torch.randint(0, 3, (4,), generator=g)}, 4)
-    assert "training.compile: false" in info.value.hint and not compiled.verified
+    assert "training.compile: false" in info.value.hint and "compile=False" in info.value.hint and not compiled.verified
     assert all(p.grad is None for p in model.parameters())
     engine.detach()
 
@@ -303,4 +304,52 @@ def test_a_steady_compiled_step_reads_the_device_twice_the_suspect_flag_and_the_
     engine.privatize()
     monkeypatch.undo()
     assert sorted(reads) == [("compiled.py", "__call__", "__bool__"), ("privatizer.py", "release", "tolist")]
+    engine.detach()
+
+
+def _rule_examples():
+    from dpclip.engine.layers import registered_rules
+    rules = {id(r): r for r in registered_rules().values()}.values()
+    fast = {"conv", "multihead_attention", "embedding_bag"}   # in the default run: one example each
+    return [pytest.param(example, rule.name, id=f"{rule.name}-{type(example.module).__name__}-{j}",
+                         marks=[] if rule.name in fast and j == 0 else pytest.mark.slow)
+            for rule in rules for j, example in enumerate(rule.examples())]
+
+
+@pytest.mark.parametrize("example, rule", _rule_examples())
+def test_every_layer_rules_examples_compile_as_the_engine_clips_them_or_are_refused_with_a_hint(example, rule):
+    """Each registered layer rule's own examples through the compiled micro-batch: its first call runs
+    the engine and the graph on the same rows and must find them equal (within 1e-4; else refused),
+    after which the shape is compiled. EmbeddingBag's bags are ragged (sizes read from the offsets'
+    values), which a graph of fixed shapes cannot take: refused with the hint."""
+    names = [f"x{j}" for j in range(len(example.inputs))]
+    run = example.run or (lambda module, *xs: module(*xs))
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = copy.deepcopy(example.module)
+
+        def forward(self, *xs):
+            return run(self.layer, *xs)
+    model = Wrapped()
+    with torch.no_grad():
+        width = model(*example.inputs).flatten(1).shape[1]
+    weights = torch.randn(width, generator=torch.Generator().manual_seed(99), dtype=example.inputs[0].dtype
+                          if example.inputs[0].is_floating_point() else DTYPE)
+
+    def loss(m, batch):
+        out = m(*[batch[n] for n in names]).flatten(1)
+        return torch.tanh(out) @ weights.to(out.dtype) + 0.1 * out.pow(2).sum(1)
+    batch = example.inputs[0].shape[0]
+    engine = DPEngine(model, {"grouping": "all-layer", "threshold": {"kind": "fixed", "value": 1.0}},
+                      gradient_noise_multiplier=0.0, expected_batch_size=batch)
+    compiled = CompiledMicroBatch(engine, model, loss, backend="aot_eager")
+    if rule == "embedding_bag":
+        with pytest.raises(EngineError, match="torch.compile could not compile") as info:
+            compiled(dict(zip(names, example.inputs)), batch)
+        assert "compile=False" in info.value.hint and not compiled.verified
+    else:
+        compiled(dict(zip(names, example.inputs)), batch)
+        assert compiled.verified   # the graph agreed with the engine on the same rows
     engine.detach()

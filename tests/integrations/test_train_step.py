@@ -96,14 +96,23 @@ class _KeywordModel(nn.Module):
         return self.out(torch.tanh(self.inner(features)) * scale)
 
 
-@pytest.mark.parametrize("case", ["dict-inputs", "user-level"])
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Unflatten(1, (1, FEATURES)), nn.Conv1d(1, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(4 * (FEATURES - 2), CLASSES))
+
+
+@pytest.mark.parametrize("case", ["dict-inputs", "user-level", "cnn"])
 def test_a_compiled_train_step_releases_what_the_eager_one_releases(monkeypatch, case):
     """The same seeded draws and noise: the compiled step's weights are the eager step's (float32
-    rounding), with dict inputs (model(**inputs)) and with user-level row weights (every row 1/k)."""
+    rounding), with dict inputs (model(**inputs)), with user-level row weights (every row 1/k) and
+    for a convolutional network."""
     weights = []
     for compile in (False, True):
         if case == "dict-inputs":
             private = _private(_KeywordModel(), _Named(), unsafe_seed=4, compile=compile)
+        elif case == "cnn":
+            private = _private(_cnn(), unsafe_seed=4, compile=compile)
         else:
             private = _private(unsafe_seed=4, compile=compile, users=[i // 3 for i in range(N)],
                                max_records_per_user=2, batch_size=4)

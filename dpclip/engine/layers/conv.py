@@ -24,7 +24,9 @@ def _tuple(v, n):
 
 def unfold(x: Tensor, kernel, dilation, padding, stride) -> Tensor:
     """``F.unfold`` (im2col) as a strided view plus one copy: the same [B, C·kh·kw, P]
-    columns, several times faster on CPU for small images (benchmarks/profile_step.py)."""
+    columns, several times faster on CPU for small images (benchmarks/profile_step.py). The view
+    keeps ``x``'s storage offset by default (asking for it by ``storage_offset()`` would break a
+    torch.compile graph: it returns no tensor)."""
     if any(padding):
         x = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
     x = x.contiguous()
@@ -33,8 +35,7 @@ def unfold(x: Tensor, kernel, dilation, padding, stride) -> Tensor:
     out_w = (width - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
     sb, sc, sh, sw = x.stride()
     view = x.as_strided((batch, channels, kernel[0], kernel[1], out_h, out_w),
-                        (sb, sc, dilation[0] * sh, dilation[1] * sw, stride[0] * sh, stride[1] * sw),
-                        x.storage_offset())
+                        (sb, sc, dilation[0] * sh, dilation[1] * sw, stride[0] * sh, stride[1] * sw))
     return view.reshape(batch, channels * kernel[0] * kernel[1], out_h * out_w)
 
 
