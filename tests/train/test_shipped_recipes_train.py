@@ -11,7 +11,12 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+#: the slowest on the CPU (10 s, its selective scan) runs with the slow tests
+SLOW = {"mamba-tiny-text"}
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p for p in RECIPES],
+                         ids=[p.stem for p in RECIPES])
 def test_shipped_recipe_takes_two_private_steps(path, tmp_path):
     # a continual recipe's public phase is cut to a few public steps (they are not what is tested here)
     public = ["continual.switch.max_public_steps=3"] if "\ncontinual:" in path.read_text() else []
