@@ -163,6 +163,7 @@ def unflat_rows(flat: dict[str, Tensor]) -> tuple[Any, Tensor]:
 
 
 def _described(value: Any) -> str:
+    # no shape: a Poisson draw's size is private (the refusal is not covered by ε)
     if isinstance(value, Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
+        return "a tensor without the batch in dim 0"
     return f"a {type(value).__name__}"

@@ -53,3 +53,43 @@ def test_a_compiled_micro_batch_that_differs_from_the_engines_is_refused_before_
     assert not compiled.verified
     assert all(p.grad is None for p in model.parameters())
     engine.detach()
+
+
+def test_make_private_compiled_refusals_do_not_name_the_drawn_batch_size():
+    """A Poisson draw's size is private: make_private(compile=True)'s refusal of a batch it cannot
+    compile (here an input holding the batch in dim 1) names what is wrong, not the input's shape,
+    which would hold how many rows were drawn."""
+    import re
+
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import dpclip
+    from dpclip.errors import DpclipError
+
+    def collate(rows):
+        x = torch.stack([r[0] for r in rows])
+        return {"x": x, "columns": x.T}, torch.stack([r[1] for r in rows])
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(5, 3)
+
+        def forward(self, x, columns):
+            return self.linear(x + columns.T)
+
+    torch.manual_seed(0)
+    model = Model()
+    data = TensorDataset(torch.randn(60, 5), torch.arange(60) % 3)
+    with pytest.warns(UserWarning, match="unsafe_seed"):
+        private = dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      DataLoader(data, batch_size=12, collate_fn=collate),
+                                      criterion=nn.CrossEntropyLoss(), delta=1e-5, noise_multiplier=1.0, steps=2,
+                                      max_grad_norm=1.0, compile=True, compile_backend="aot_eager", unsafe_seed=11)
+    inputs, targets = next(iter(private.data_loader))
+    drawn = len(targets)
+    assert drawn not in (5, 12) and inputs["columns"].shape == (5, drawn)
+    with pytest.raises(DpclipError, match="inputs:columns is a tensor without the batch in dim 0") as info:
+        private.train_step(inputs, targets)
+    assert not re.search(rf"\b{drawn}\b", str(info.value)) and private.ledger.steps == 0
