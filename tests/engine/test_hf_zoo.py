@@ -48,8 +48,22 @@ def _describe(r: Result) -> str:
             f"message {r.message!r} at {r.where}")
 
 
+def _host_runs_lstm_under_bf16_autocast() -> bool:
+    """Some CPUs' oneDNN has no bfloat16 LSTM: torch itself raises ("could not create a primitive
+    descriptor for the LSTM forward propagation primitive"), the per-example reference as well."""
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.nn.LSTM(4, 4)(torch.randn(2, 3, 4))
+    except RuntimeError:
+        return False
+    return True
+
+
 def _check(case, shape, grouping, method, precision):
     r = judge(case, shape, grouping, method, precision)
+    if (r.verdict == "crashed" and precision == "bf16" and "primitive descriptor for the LSTM" in (r.message or "")
+            and not _host_runs_lstm_under_bf16_autocast()):
+        pytest.skip("this CPU's oneDNN runs no LSTM under bfloat16 autocast (torch itself raises)")
     if case in EXPECTED_REFUSALS:
         assert r.verdict == "refused", _describe(r)
     elif case in REFUSED_FROM_TWO_SAMPLES:
