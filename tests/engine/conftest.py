@@ -154,11 +154,8 @@ def check_exact(factory, loss_fn, batch, grouping="all-layer", fn="abadi", micro
     return engine, report, ref
 
 
-def check_example_exact(example, grouping="all-layer", norm_method="auto", strict=True):
-    """A layer rule's :class:`~dpclip.engine.layers.Example` in a model of its own: its
-    norms and clipped sums equal the per-example loop (check_exact). The loss reads every
-    output entry through fixed random weights, so each parameter gets a gradient."""
-    names = [f"x{j}" for j in range(len(example.inputs))]
+def example_model(example) -> tuple[list[str], type]:
+    """(the batch's names x0, x1, ..., a model class running a copy of ``example``'s module on them)."""
     run = example.run or (lambda module, *xs: module(*xs))
 
     class Wrapped(nn.Module):
@@ -168,6 +165,14 @@ def check_example_exact(example, grouping="all-layer", norm_method="auto", stric
 
         def forward(self, *xs):
             return run(self.layer, *xs)
+    return [f"x{j}" for j in range(len(example.inputs))], Wrapped
+
+
+def check_example_exact(example, grouping="all-layer", norm_method="auto", strict=True):
+    """A layer rule's :class:`~dpclip.engine.layers.Example` in a model of its own: its
+    norms and clipped sums equal the per-example loop (check_exact). The loss reads every
+    output entry through fixed random weights, so each parameter gets a gradient."""
+    names, Wrapped = example_model(example)
 
     def loss_fn(model, batch):
         out = model(*[batch[n] for n in names]).flatten(1)

@@ -10,7 +10,6 @@ generated); inductor runs in the slow end-to-end test (tests/train/test_compiled
 
 from __future__ import annotations
 
-import copy
 import traceback
 from pathlib import Path
 
@@ -22,8 +21,8 @@ from torch import nn
 from dpclip.engine import DPEngine
 from dpclip.engine.compiled import CompiledMicroBatch
 from dpclip.errors import EngineError
-from tests.engine.conftest import (DTYPE, check_exact, clip_reference, gpt2_batch, gpt2_loss, group_norms,
-                                   per_example_grads, tiny_gpt2)
+from tests.engine.conftest import (DTYPE, check_exact, clip_reference, example_model, gpt2_batch, gpt2_loss,
+                                   group_norms, per_example_grads, tiny_gpt2)
 
 
 class Net(nn.Module):
@@ -323,16 +322,7 @@ def test_every_layer_rules_examples_compile_as_the_engine_clips_them_or_are_refu
     the engine and the graph on the same rows and must find them equal (within 1e-4; else refused),
     after which the shape is compiled. EmbeddingBag's bags are ragged (sizes read from the offsets'
     values), which a graph of fixed shapes cannot take: refused with the hint."""
-    names = [f"x{j}" for j in range(len(example.inputs))]
-    run = example.run or (lambda module, *xs: module(*xs))
-
-    class Wrapped(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layer = copy.deepcopy(example.module)
-
-        def forward(self, *xs):
-            return run(self.layer, *xs)
+    names, Wrapped = example_model(example)
     model = Wrapped()
     with torch.no_grad():
         width = model(*example.inputs).flatten(1).shape[1]
