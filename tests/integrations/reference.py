@@ -12,8 +12,24 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+#: the small classification task of the make_private tests: N examples, FEATURES inputs, CLASSES labels
+N, FEATURES, CLASSES = 60, 5, 3
+
+
+def small_data(n: int = N) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, FEATURES, generator=generator), torch.randint(0, CLASSES, (n,),
+                                                                                        generator=generator))
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, CLASSES))
 
 
 def clipped_per_example_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, threshold: float) -> list:

@@ -11,25 +11,15 @@ import dp_accounting
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 import dpclip
 from dpclip.errors import DpclipError
-from tests.integrations.reference import clipped_per_example_sum, noiseless_step_gradient, run_example
+from tests.integrations.reference import (CLASSES, FEATURES, N, clipped_per_example_sum, noiseless_step_gradient,
+                                          run_example, small_data, small_model)
 
 REPO = Path(__file__).resolve().parents[2]
-N, FEATURES, CLASSES = 60, 5, 3
-
-
-def _data(n: int = N) -> TensorDataset:
-    generator = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(n, FEATURES, generator=generator), torch.randint(0, CLASSES, (n,),
-                                                                                        generator=generator))
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, CLASSES))
+_data, _model = small_data, small_model
 
 
 def _private(batch_size: int = 12, **kwargs):

@@ -7,25 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
 import dpclip
 from dpclip.data.sampler import PoissonSampler
 from dpclip.errors import DpclipError
-from tests.integrations.reference import clipped_per_example_sum
+from tests.integrations.reference import CLASSES, FEATURES, N, clipped_per_example_sum, small_data, small_model
 
-N, FEATURES, CLASSES = 60, 5, 3
-
-
-def _data(n: int = N) -> TensorDataset:
-    generator = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(n, FEATURES, generator=generator), torch.randint(0, CLASSES, (n,),
-                                                                                        generator=generator))
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, CLASSES))
+_data, _model = small_data, small_model
 
 
 def _private(model: nn.Module | None = None, dataset: Dataset | None = None, batch_size: int = 12, **kwargs):
