@@ -10,9 +10,8 @@ above them (a re-exported function or class keeps torch's own docstring).
 
 from __future__ import annotations
 
-import types
-
 import sys
+import types
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
