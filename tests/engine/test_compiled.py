@@ -353,16 +353,18 @@ def test_a_batch_shape_past_the_compiled_steps_limit_is_refused_with_a_hint(monk
 
     import dpclip.torch_compat as torch_compat
     monkeypatch.setattr(torch_compat, "COMPILED_SHAPES_LIMIT", 1)
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 1)
-    torch.manual_seed(0)
-    model = Net()
-    engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": 0.5}},
-                      gradient_noise_multiplier=0.0, expected_batch_size=6)
-    compiled = CompiledMicroBatch(engine, model, _loss, backend="aot_eager")
-    g = torch.Generator().manual_seed(0)
-    compiled({"x": torch.randn(6, 4, 5, generator=g), "y": torch.randint(0, 3, (6,), generator=g)}, 6)
-    assert compiled.verified
-    with pytest.raises(EngineError, match="batch shapes") as info:
-        compiled({"x": torch.randn(5, 4, 5, generator=g), "y": torch.randint(0, 3, (5,), generator=g)}, 5)
-    assert "pad batches" in info.value.hint and "compile=False" in info.value.hint
-    engine.detach()
+    # torch's own patch restores the value; pytest's monkeypatch would delete the attribute on undo
+    # (it is in no __dict__), hiding it from every later test in the process
+    with dynamo_config.patch(recompile_limit=1):
+        torch.manual_seed(0)
+        model = Net()
+        engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": 0.5}},
+                          gradient_noise_multiplier=0.0, expected_batch_size=6)
+        compiled = CompiledMicroBatch(engine, model, _loss, backend="aot_eager")
+        g = torch.Generator().manual_seed(0)
+        compiled({"x": torch.randn(6, 4, 5, generator=g), "y": torch.randint(0, 3, (6,), generator=g)}, 6)
+        assert compiled.verified
+        with pytest.raises(EngineError, match="batch shapes") as info:
+            compiled({"x": torch.randn(5, 4, 5, generator=g), "y": torch.randint(0, 3, (5,), generator=g)}, 5)
+        assert "pad batches" in info.value.hint and "compile=False" in info.value.hint
+        engine.detach()
