@@ -34,7 +34,7 @@ FIXED_SIGMA = ("privacy.epsilon=null", "privacy.noise_multiplier=1.0")
 
 
 def pytest_collection_modifyitems(config, items):
-    """The default run (the README's `python -m pytest`) leaves out the `slow` tests: the
+    """The default run (the README's `python -m pytest -n 2`) leaves out the `slow` tests: the
     end-to-end runs, the model zoo's full cross product and the thorough property tests.
     `python -m pytest -m slow` runs them (.ci/run does, after the default run); any `-m`
     expression, or a slow test named by its node id, selects as written."""

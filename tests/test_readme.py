@@ -11,6 +11,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SLOW_RUN = "python -m pytest -m slow"
+#: CI's slow run, in two parts: the model zoo on two pytest-xdist workers, then the rest
+ZOO = "tests/engine/test_hf_zoo.py"
+CI_SLOW_RUNS = [f"{SLOW_RUN} -n 2 {ZOO}", f"{SLOW_RUN} --ignore={ZOO}"]
 
 
 def readme_commands() -> list[str]:
@@ -30,9 +33,10 @@ def test_readme_opens_with_a_main_job_and_a_test_command_both_pinning_torch():
 def test_ci_runs_the_readme_test_command_verbatim_then_the_slow_tests_the_readme_names():
     tests = readme_commands()[1]
     lines = (REPO / ".ci" / "run").read_text().splitlines()
-    assert tests in lines and SLOW_RUN in lines
-    assert lines.index(tests) < lines.index(SLOW_RUN)
-    assert f"`{SLOW_RUN}`" in (REPO / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
+    assert tests in lines and all(run in lines for run in CI_SLOW_RUNS)
+    assert lines.index(tests) < lines.index(CI_SLOW_RUNS[0]) < lines.index(CI_SLOW_RUNS[1])
+    assert f"`{SLOW_RUN}`" in readme and all(f"`{run}`" in readme for run in CI_SLOW_RUNS)
 
 
 def _executable(path: Path, text: str) -> None:
@@ -40,10 +44,10 @@ def _executable(path: Path, text: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
-def _ci_with(tmp_path: Path, default_code: int, slow_code: int) -> tuple[int, list[str]]:
+def _ci_with(tmp_path: Path, default_code: int, slow_code: int, zoo_code: int = 0) -> tuple[int, list[str]]:
     """.ci/run in a copy of the repo whose python3, pip and python are stubs: pytest's default
-    run exits ``default_code``, its slow run ``slow_code``; returns CI's exit code and the
-    pytest runs it made, in order."""
+    run exits ``default_code``, its slow zoo run ``zoo_code``, its other slow run ``slow_code``;
+    returns CI's exit code and the pytest runs it made, in order."""
     repo, stubs = tmp_path / "repo", tmp_path / "stubs"
     (repo / ".ci").mkdir(parents=True)
     stubs.mkdir()
@@ -53,22 +57,25 @@ def _ci_with(tmp_path: Path, default_code: int, slow_code: int) -> tuple[int, li
     (stubs / "venv").mkdir()
     _executable(stubs / "venv" / "pip", "#!/bin/sh\nexit 0\n")
     _executable(stubs / "venv" / "python", f'#!/bin/sh\necho "$*" >> {tmp_path / "runs.log"}\n'
-                                           f'case "$*" in *"-m slow"*) exit {slow_code};; esac\nexit {default_code}\n')
+                                           f'case "$*" in *"-n 2 {ZOO}"*) exit {zoo_code};; *"-m slow"*) exit {slow_code};; esac\n'
+                                           f'exit {default_code}\n')
     env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}")
     done = subprocess.run(["bash", str(repo / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
     runs = (tmp_path / "runs.log").read_text().splitlines() if (tmp_path / "runs.log").exists() else []
     return done.returncode, runs
 
 
-def test_ci_passes_when_both_runs_pass_and_runs_the_default_run_first(tmp_path):
+def test_ci_passes_when_every_run_passes_and_runs_the_default_run_first(tmp_path):
     code, runs = _ci_with(tmp_path, 0, 0)
-    assert code == 0 and runs == ["-m pytest", "-m pytest -m slow"]
+    default_run = readme_commands()[1].split("&& python ")[-1]
+    assert code == 0 and runs == [default_run] + [run.removeprefix("python ") for run in CI_SLOW_RUNS]
 
 
-@pytest.mark.parametrize("default_code,slow_code", [(1, 0), (0, 1), (5, 0), (0, 5), (2, 0)])
-def test_ci_fails_when_either_run_fails_or_collects_no_tests(tmp_path, default_code, slow_code):
-    code, runs = _ci_with(tmp_path, default_code, slow_code)
-    assert code != 0 and len(runs) == 2
+@pytest.mark.parametrize("default_code,slow_code,zoo_code",
+                         [(1, 0, 0), (0, 1, 0), (0, 0, 1), (5, 0, 0), (0, 5, 0), (0, 0, 5), (2, 0, 0)])
+def test_ci_fails_when_any_run_fails_or_collects_no_tests(tmp_path, default_code, slow_code, zoo_code):
+    code, runs = _ci_with(tmp_path, default_code, slow_code, zoo_code)
+    assert code != 0 and len(runs) == 3
 
 
 class _Marked:
