@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE))
 import dp_cost  # noqa: E402
 import gpu_rows  # noqa: E402
 from dpclip.bench import time_rounds  # noqa: E402
-from dpclip.engine import grams, microbatch  # noqa: E402
+from dpclip.engine import grams, group_norms  # noqa: E402
 
 
 class NoCache(grams.GramCache):
@@ -37,12 +37,12 @@ class NoCache(grams.GramCache):
 def under(cache_class, step):
     """``step`` with the engine's micro-batches built with ``cache_class``."""
     def run():
-        saved = microbatch.GramCache
-        microbatch.GramCache = cache_class
+        saved = group_norms.GramCache
+        group_norms.GramCache = cache_class
         try:
             step()
         finally:
-            microbatch.GramCache = saved
+            group_norms.GramCache = saved
     return run
 
 

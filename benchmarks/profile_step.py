@@ -63,14 +63,13 @@ def _timed(acc: dict, key: str, fn):
 
 def phase_times(workload: str, methods: list[str], steps: int, smoke: bool = False) -> dict:
     """Median ms per phase and step for non-private and each dpclip method (interleaved)."""
-    from dpclip.engine import microbatch
-    from dpclip.engine import layers
+    from dpclip.engine import group_norms, layers, microbatch
 
     name, sizes = dp_cost.resolve(workload, smoke)
     w = dp_cost.make_workload(name, sizes)
     acc: dict[str, float] = defaultdict(float)
-    saved = (microbatch.param_norm_sq, microbatch.clipped_sum, microbatch.streamed_clip)
-    microbatch.param_norm_sq = _timed(acc, "  per-sample norms", microbatch.param_norm_sq)
+    saved = (group_norms.param_norm_sq, microbatch.clipped_sum, microbatch.streamed_clip)
+    group_norms.param_norm_sq = _timed(acc, "  per-sample norms", group_norms.param_norm_sq)
     microbatch.clipped_sum = _timed(acc, "  clipped sums", microbatch.clipped_sum)
     # transient instantiation computes norms and sums together, a chunk of samples at a time
     microbatch.streamed_clip = _timed(acc, "  instantiated norms + sums", microbatch.streamed_clip)
@@ -81,7 +80,7 @@ def phase_times(workload: str, methods: list[str], steps: int, smoke: bool = Fal
     try:
         return _interleaved_phases(w, methods, steps, acc)
     finally:
-        microbatch.param_norm_sq, microbatch.clipped_sum, microbatch.streamed_clip = saved
+        group_norms.param_norm_sq, microbatch.clipped_sum, microbatch.streamed_clip = saved
         for rule, own in timed_rules:
             if own is None:
                 del rule.input_grad

@@ -298,17 +298,17 @@ class _SharedInput(nn.Module):
 
 @pytest.mark.parametrize("grouping", ["all-layer", "layer"])
 def test_layers_sharing_an_input_get_exact_norms_with_one_gram(grouping, monkeypatch):
-    from dpclip.engine import microbatch
+    from dpclip.engine import group_norms
     from tests.engine.conftest import check_exact
 
     caches = []
 
-    class Counting(microbatch.GramCache):
+    class Counting(group_norms.GramCache):
         def __init__(self):
             super().__init__()
             caches.append(self)
 
-    monkeypatch.setattr(microbatch, "GramCache", Counting)
+    monkeypatch.setattr(group_norms, "GramCache", Counting)
     torch.manual_seed(0)
     x = torch.randn(5, 70, 6, dtype=DTYPE)
     check_exact(lambda: _SharedInput().to(DTYPE), lambda model, batch: model(batch["x"]), {"x": x},

@@ -76,12 +76,12 @@ from torch.utils._python_dispatch import TorchDispatchMode   # noqa: E402
 
 _VIEWS = {"view", "_unsafe_view", "slice", "transpose", "expand", "select", "unsqueeze", "squeeze",
           "t", "diagonal", "detach", "reshape", "split", "alias", "permute", "as_strided", "unbind"}
-_GROUP_LEVEL = ("dpclip/engine/microbatch.py", "dpclip/engine/cancellation.py")
+_GROUP_LEVEL = ("dpclip/engine/microbatch.py", "dpclip/engine/group_norms.py", "dpclip/engine/cancellation.py")
 
 
 class _CountOps(TorchDispatchMode):
     """Non-view aten operations run by the engine's group-level code (per-parameter norm
-    arithmetic included: its fast paths live in microbatch.py and factors.param_norm_sq)."""
+    arithmetic included: its fast paths live in group_norms.py and factors.param_norm_sq)."""
 
     def __init__(self, files):
         super().__init__()
@@ -144,7 +144,7 @@ def test_all_layer_group_work_does_not_grow_with_small_parameters_or_checked_wei
 
 import pytest   # noqa: E402
 
-from dpclip.engine import microbatch   # noqa: E402
+from dpclip.engine import group_norms, microbatch   # noqa: E402
 
 # tail samples (total norm above 0.49: half of them here) clipped at 0.6, the body at 0.3
 _DISCRIMINATIVE = {"kind": "discriminative", "small": 0.3, "large": 0.6, "tail_rule": "threshold",
@@ -154,7 +154,7 @@ _DISCRIMINATIVE = {"kind": "discriminative", "small": 0.3, "large": 0.6, "tail_r
 def _step(monkeypatch, grouping, threshold, batched, nonfinite, finalize_batch=1):
     """p.grad (σ = 0), the clip fractions and the per-sample norms of one step of _Stack."""
     if not batched:   # every small gradient normed and summed on its own, as before
-        monkeypatch.setattr(microbatch, "DENSE_BATCH_MAX_NUMEL", -1)
+        monkeypatch.setattr(group_norms, "DENSE_BATCH_MAX_NUMEL", -1)
     monkeypatch.setitem(microbatch.FINALIZE_BATCH, "cpu", finalize_batch)
     torch.manual_seed(3)
     model = _Stack(3)
