@@ -129,10 +129,10 @@ def test_profile_phases_smoke_times_every_phase():
     spec = importlib.util.spec_from_file_location("profile_step", PATH.parent / "profile_step.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    from dpclip.engine import microbatch
-    original = microbatch.param_norm_sq
+    from dpclip.engine import group_norms
+    original = group_norms.param_norm_sq
     times = module.phase_times("gpt2", ["dpclip all-layer", "dpclip layer"], steps=1, smoke=True)
-    assert microbatch.param_norm_sq is original  # the timers are removed again
+    assert group_norms.param_norm_sq is original  # the timers are removed again
     assert set(times) == {"non-private", "dpclip all-layer", "dpclip layer"}
     assert times["dpclip all-layer"]["  per-sample norms"] > 0
     assert "  per-sample norms" not in times["non-private"]  # the engine's timers stay silent
@@ -141,10 +141,10 @@ def test_profile_phases_smoke_times_every_phase():
 
 
 def test_gram_cache_ab_smoke_times_both_sides_and_restores_the_cache():
-    from dpclip.engine import grams, microbatch
+    from dpclip.engine import grams, group_norms
     from tests.benchmarks.loader import load_benchmark
 
     out = load_benchmark("gram_cache_ab").main(["--smoke"])
     assert set(out["2x16"]["ratio"]) == {"non-private", "all-layer cache", "all-layer no cache",
                                          "layer cache", "layer no cache"}
-    assert microbatch.GramCache is grams.GramCache
+    assert group_norms.GramCache is grams.GramCache

@@ -277,21 +277,21 @@ def test_tiny_gpt2_on_cuda_matches_per_example_loop():
 def test_tied_head_whose_gradient_is_smaller_than_its_factors_is_instantiated_at_its_own_backward(grouping):
     # vocab 12, width 8, T 6: G_i of lm_head has 96 entries, its factors 6·(12 + 8) = 120.
     # It is instantiated when lm_head's use arrives, before wte's; the step stays exact.
-    from dpclip.engine import factors, microbatch
+    from dpclip.engine import factors, group_norms
 
     made = []
-    original = microbatch.early_instance
+    original = group_norms.early_instance
 
     def spy(use, shape, method):
         out = original(use, shape, method)
         made.append(isinstance(out, factors.Dense) and tuple(shape) == (12, 8))
         return out
 
-    microbatch.early_instance = spy
+    group_norms.early_instance = spy
     try:
         check_exact(lambda: tiny_gpt2(n_embd=8, vocab=12), gpt2_loss, gpt2_batch(vocab=12), grouping)
     finally:
-        microbatch.early_instance = original
+        group_norms.early_instance = original
     assert made == [True]     # the tied weight's first use only; wte's is its last
 
 
