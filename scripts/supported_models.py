@@ -10,6 +10,7 @@ exact, refused (EngineError), wrong (silently mismatched) or crashed.
     python scripts/supported_models.py --quick         # all-layer, auto, fp32 only
     python scripts/supported_models.py --write-docs    # and regenerate docs/supported-models.md's table
     python scripts/supported_models.py --render-only --write-docs   # docs from the saved JSON
+    python scripts/supported_models.py --cases '^gemma3$' --merge --write-docs   # rerun some cases only
 
 Results go to benchmarks/results/supported_models.json (``--out``). The docs block between
 ``<!-- supported-models:start -->`` and ``<!-- supported-models:end -->`` is exactly
@@ -79,6 +80,23 @@ def run_zoo(quick: bool = False, pattern: str | None = None, log=print) -> dict:
         "cases": {c.name: {"family": c.family, "what": c.what} for c in cases},
         "runs": runs,
     }
+
+
+def merged(saved: dict, fresh: dict) -> dict:
+    """``saved`` with the cases run in ``fresh`` replaced by their fresh runs (in the zoo's case
+    order); ``seconds`` adds up. Both must come from the same versions and cross product."""
+    same = ("torch", "transformers", "shapes", "groupings", "methods", "precisions", "tolerance", "quick")
+    if any(saved["meta"].get(k) != fresh["meta"].get(k) for k in same):
+        raise SystemExit("error: the saved results come from other versions or another cross product\n"
+                         "hint: rerun the whole zoo without --merge")
+    zoo, _ = _zoo()
+    order = {name: n for n, name in enumerate(zoo.CASES)}
+    cases = {**{k: v for k, v in saved["cases"].items() if k not in fresh["cases"]}, **fresh["cases"]}
+    cases = dict(sorted(cases.items(), key=lambda item: order.get(item[0], len(order))))
+    runs = [r for r in saved["runs"] if r["case"] not in fresh["cases"]] + fresh["runs"]
+    runs.sort(key=lambda r: order.get(r["case"], len(order)))   # stable: each case's runs keep their order
+    meta = {**saved["meta"], "seconds": saved["meta"]["seconds"] + fresh["meta"]["seconds"]}
+    return {"meta": meta, "cases": cases, "runs": runs}
 
 
 # ------------------------------------------------------------------ rendering
@@ -227,6 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS, help=f"results JSON (default {RESULTS.relative_to(REPO)})")
     ap.add_argument("--write-docs", action="store_true", help="regenerate the table of docs/supported-models.md")
     ap.add_argument("--render-only", action="store_true", help="run nothing: render the JSON at --out")
+    ap.add_argument("--merge", action="store_true",
+                    help="with --cases: replace those cases' runs in the JSON at --out and keep the others")
     ap.add_argument("--known-faults", action="store_true",
                     help="print KNOWN_FAULTS entries for tests/engine/zoo/known_faults.py (reasons to edit)")
     args = ap.parse_args(argv)
@@ -236,6 +256,8 @@ def main(argv=None) -> int:
         import torch
         torch.set_num_threads(1)       # tiny models: threads only add overhead and nondeterminism
         results = run_zoo(args.quick, args.cases, log=lambda s: print(s, flush=True))
+        if args.merge:
+            results = merged(json.loads(args.out.read_text()), results)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(dump(results))
         print(f"wrote {args.out}")

@@ -189,6 +189,40 @@ def test_experts_with_a_capacity_over_the_batch_are_refused_not_clipped_wrong():
     _refused(_factory(Moe, CapacityExperts)(), 6, "experts .*neither batch-outer")
 
 
+class TinyExperts(Experts):
+    """Experts whose outputs are about 10⁻⁶ (a freshly initialised layer of a tiny config): rows
+    that small are still told apart by sample, relative to their own scale."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.no_grad():
+            self.w.mul_(1e-6)
+
+    def forward(self, rows, expert, weight):
+        return super().forward(rows, expert, weight) * 1e-6
+
+
+def test_experts_whose_outputs_are_tiny_clip_as_the_per_example_reference():
+    check_exact(_factory(Moe, TinyExperts), _loss, _batch(), grouping="layer", norm_method="auto", micro=[2, 3])
+
+
+class TopOneRouter(Router):
+    """Top-1 routing renormalised over the chosen expert: every token's weight is exactly 1."""
+
+    def forward(self, rows):
+        weight, expert = super().forward(rows)
+        return weight / weight, expert
+
+
+def test_a_top_one_router_whose_weights_are_all_one_is_refused_with_what_to_do():
+    model = _factory(Moe)()
+    model.router = TopOneRouter().to(DTYPE)
+    engine = _engine(model, 4)
+    with pytest.raises(EngineError, match="rows are equal whichever way they are read") as info:
+        engine.backward(_loss(model, _batch(4)))
+    assert "two experts or more" in info.value.hint
+
+
 def test_a_generation_cache_passed_to_a_layer_of_its_own_parameters_is_refused_with_the_fix():
     transformers = pytest.importorskip("transformers")
     config = transformers.GptOssConfig(

@@ -74,3 +74,23 @@ def test_fault_table_covers_each_case_by_few_patterns(script):
             for s in ("generic", "B==T", "B==T+1", "B==1") for m in ("ghost", "auto") for p in ("fp32", "bf16")]
     table = script.fault_table(_results(runs))
     assert table.count("issue 25") == 1 and '("m", "B==T", "*", "*", "*")' in table
+
+
+def test_merge_replaces_the_rerun_cases_and_keeps_the_others_in_zoo_order(script):
+    from tests.engine.zoo import CASES
+    first, second = list(CASES)[:2]
+
+    def results(cases, verdict, seconds):
+        out = _results([{"case": c, "shape": "generic", "grouping": "all-layer", "method": "auto",
+                         "precision": "fp32", "verdict": verdict} for c in cases])
+        out["cases"] = {c: {"family": "hf", "what": c} for c in cases}
+        out["meta"]["seconds"] = seconds
+        return out
+
+    saved, fresh = results([first, second], "exact", 10), results([first], "refused", 3)
+    out = script.merged(saved, fresh)
+    assert list(out["cases"]) == [first, second] and out["meta"]["seconds"] == 13
+    assert [(r["case"], r["verdict"]) for r in out["runs"]] == [(first, "refused"), (second, "exact")]
+    fresh["meta"]["torch"] = "3"
+    with pytest.raises(SystemExit, match="other versions"):
+        script.merged(saved, fresh)

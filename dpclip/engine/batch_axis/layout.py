@@ -19,6 +19,9 @@ from dpclip.torch_compat import tree_flatten
 BATCH_HINT = ("pass the model's inputs with the batch in dim 0 (its first tensor input sets the "
               "batch size) and build shared tensors (positions, masks) inside the forward "
               "or with a leading dimension 1")
+EQUAL_ROWS_HINT = ("rows equal for every token cannot be told apart by sample (a top-1 router renormalised "
+                   "to weight 1 gives every token the weight 1): route each token to two experts or more, "
+                   "or freeze the layers that read them (requires_grad_(False))")
 BROADCAST_HINT = ("give the module a per-sample input (e.g. pass positions as [B, T]: "
                   "ids.new_tensor(range(T)).expand(B, T)), or freeze the module")
 
@@ -45,6 +48,7 @@ class Layout:
     lead1: bool = False       # shared, with size 1 in dim 0 (expanded there)
     error: str | None = None  # why no batch axis could be established
     expand_rows: int = 1      # a shared output its consumers broadcast over B·c rows: c (Swin's windows)
+    hint: str = BATCH_HINT    # what to do about ``error``
 
     def fits(self, t: Tensor, batch: int) -> bool:
         if t.dim() != self.ndim:
@@ -108,7 +112,7 @@ def to_batch_first(t: Tensor, lay: Layout, batch: int, feature_dims: int | None,
     from a merged batch·position axis."""
     if lay.error is not None:
         raise EngineError(f"module {label}: the batch axis of its input of shape "
-                          f"{tuple(t.shape)} cannot be established: {lay.error}", BATCH_HINT)
+                          f"{tuple(t.shape)} cannot be established: {lay.error}", lay.hint)
     k = lay.dim
     if k == 0 and not lay.merged:
         return t, same_batch

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 
-from dpclip.engine.batch_axis.layout import CallLayout, Layout, call_leaves, tensor_leaves
+from dpclip.engine.batch_axis.layout import EQUAL_ROWS_HINT, CallLayout, Layout, call_leaves, tensor_leaves
 from dpclip.torch_compat import tree_flatten, tree_unflatten
 
 
@@ -128,10 +128,12 @@ class _ParameterReads(TorchFunctionMode):
 
 
 def _close(a: Tensor, b: Tensor) -> bool:
+    """Equal up to rounding, relative to the fingerprints' own scale: a freshly initialised layer's
+    outputs can be 10⁻⁶ in size, where an absolute floor would call every row equal to every other."""
     if a.shape != b.shape:
         return False
-    scale = float(a.abs().max()) if a.numel() else 0.0
-    return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * max(scale, 1.0)))
+    scale = max(float(a.abs().max()), float(b.abs().max())) if a.numel() else 0.0
+    return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * scale))
 
 
 def _same_samples(a: Tensor, b: Tensor, batch: int, new: int, c: int, outer: bool) -> bool:
@@ -165,6 +167,11 @@ def _layout(x: _Seen, y: _Seen, batch: int, new: int) -> Layout:
         outer, inner = _same_samples(a, b, batch, new, c, True), _same_samples(a, b, batch, new, c, False)
         if outer != inner:   # [B, c] flattened (OPT's tokens), or [c, B] (views concatenated on the batch)
             return Layout(n, k, merged=True, inner=inner)
+        if outer:   # every row reads alike (a top-1 router's weights, all 1): no order can be told
+            return Layout(n, error=f"axis {k} holds the batch merged with {c} positions, and its rows are "
+                                   "equal whichever way they are read, batch-outer ([B, T] flattened) or "
+                                   "batch-inner ([c, B]), so the probe cannot tell which rows are whose",
+                          hint=EQUAL_ROWS_HINT)
         return Layout(n, error=f"axis {k} holds the batch merged with {c} positions, but neither "
                                "batch-outer ([B, T] flattened) nor batch-inner ([c, B]: views concatenated "
                                "on the batch) as far as the probe can tell")

@@ -59,7 +59,7 @@ def _axis(lay: Layout, t: Tensor, batch: int, label: str, what: str) -> Axis | N
         why = lay.error or f"axis {lay.dim} holds the batch merged inner ([c, B] rows)"
         raise EngineError(f"module {label}: the batch axis of its {what} of shape "
                           f"{tuple(t.shape)} cannot be used by the per-sample fallback: {why}",
-                          BATCH_HINT)
+                          lay.hint)
     if lay.dim is None:
         return None
     return Axis(lay.dim, t.shape[lay.dim] // batch if lay.merged else 1)

@@ -111,7 +111,7 @@ def floats(g: torch.Generator, *shape: int) -> Tensor:
 
 
 def _load_all() -> None:
-    from tests.engine.zoo import families, hf, layers, outside, patterns  # noqa: F401  (they register their cases)
+    from tests.engine.zoo import families, hf, layers, outside, patterns, recent  # noqa: F401  (they register their cases)
 
 
 _load_all()
