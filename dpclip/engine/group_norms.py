@@ -60,8 +60,8 @@ class StepContext:
 
 
 class MicroBatchNorms:
-    """The first half of a micro-batch (:class:`MicroBatch`): the uses of its backward in, its
-    per-sample norms² group by group out, certified where terms cancel.
+    """The first half of a micro-batch (:class:`~dpclip.engine.microbatch.MicroBatch`): the uses of
+    its backward in, its per-sample norms² group by group out, certified where terms cancel.
 
     ``pending[j]`` counts the forward calls of parameter j whose backward has not
     arrived; ``group_left[k]`` counts group k's parameters with uses still pending. When
