@@ -274,17 +274,22 @@ def test_a_model_torch_compile_cannot_trace_is_refused_with_a_hint_before_noise(
     engine.detach()
 
 
+def _compiled_net(noise_multiplier: float):
+    """Net under layer-wise clipping at 0.5 (expected batch 6), its engine, their compiled micro-batch
+    (aot_eager) and a generator for its rows."""
+    torch.manual_seed(0)
+    model = Net()
+    engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": 0.5}},
+                      gradient_noise_multiplier=noise_multiplier, expected_batch_size=6)
+    return model, engine, CompiledMicroBatch(engine, model, _loss, backend="aot_eager"), torch.Generator().manual_seed(0)
+
+
 def test_a_steady_compiled_step_reads_the_device_twice_the_suspect_flag_and_the_noise_stds(monkeypatch):
     """Issue 54's count of host round trips, on the CPU: after its first (checked) micro-batch, a
     compiled micro-batch and privatize read values back from the device twice: the suspect flag
     after the graph and the noise stds (one read per step, not one per parameter). A new .item(),
     .tolist() or branch on a tensor's value in the step shows here."""
-    torch.manual_seed(0)
-    model = Net()
-    engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": 0.5}},
-                      gradient_noise_multiplier=1.0, expected_batch_size=6)
-    compiled = CompiledMicroBatch(engine, model, _loss, backend="aot_eager")
-    g = torch.Generator().manual_seed(0)
+    model, engine, compiled, g = _compiled_net(noise_multiplier=1.0)
 
     def rows():
         return {"x": torch.randn(6, 4, 5, generator=g), "y": torch.randint(0, 3, (6,), generator=g)}
@@ -356,12 +361,7 @@ def test_a_batch_shape_past_the_compiled_steps_limit_is_refused_with_a_hint(monk
     # torch's own patch restores the value; pytest's monkeypatch would delete the attribute on undo
     # (it is in no __dict__), hiding it from every later test in the process
     with dynamo_config.patch(recompile_limit=1):
-        torch.manual_seed(0)
-        model = Net()
-        engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": 0.5}},
-                          gradient_noise_multiplier=0.0, expected_batch_size=6)
-        compiled = CompiledMicroBatch(engine, model, _loss, backend="aot_eager")
-        g = torch.Generator().manual_seed(0)
+        model, engine, compiled, g = _compiled_net(noise_multiplier=0.0)
         compiled({"x": torch.randn(6, 4, 5, generator=g), "y": torch.randint(0, 3, (6,), generator=g)}, 6)
         assert compiled.verified
         with pytest.raises(EngineError, match="batch shapes") as info:
