@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         if _debug["on"]:
             traceback.print_exc()
             return 1
-        print_error(f"unexpected {type(exc).__name__}: {exc}",
+        # notes added on the way up (a private batch's error says so: dpclip/train/step.py)
+        notes = "".join(f" [{note}]" for note in getattr(exc, "__notes__", ()))
+        print_error(f"unexpected {type(exc).__name__}: {exc}{notes}",
                     "rerun with --debug for a traceback, and please report it")
         return 1
 

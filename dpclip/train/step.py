@@ -20,6 +20,7 @@ from dpclip.engine import DPEngine, StepReport
 from dpclip.engine.compiled import CompiledMicroBatch
 from dpclip.engine.precision import Precision
 from dpclip.engine.step_end import StepOutcome, end_private_step
+from dpclip.errors import PRIVATE_BATCH_NOTE, DpclipError
 
 
 class PrivateStep:
@@ -82,7 +83,6 @@ class PrivateStep:
                  before_update: Callable[[StepReport], None] | None = None) -> StepOutcome:
         started = time.perf_counter()
         chunk = self.micro_batch_size if self.micro_batch_size is not None else max(len(indices), 1)
-        loss_sum = 0.0
         weights = None if self.users is None else user_weights(self.users[indices])
         parts = [(rows, len(rows)) for rows in micro_batches(indices, chunk)]
         if self.lockstep is not None:  # padding: any one row, weight 0 (it adds nothing, the policy never sees it)
@@ -90,7 +90,25 @@ class PrivateStep:
             parts += [(padding, 0)] * (self.lockstep(len(parts)) - len(parts))
         if self.fixed_rows:
             parts = [(_padded_rows(rows, chunk), samples) for rows, samples in parts]
-        done = 0
+        try:
+            loss_sum = self._micro_batches(parts, weights)
+        except DpclipError:
+            raise
+        except Exception as exc:   # the model's or torch's own error, type kept for its handlers
+            exc.add_note(PRIVATE_BATCH_NOTE.strip(" []"))
+            if self.precision.dtype is not None:
+                exc.add_note(f"the forward ran under {self.precision.name} autocast: should a layer have no "
+                             f"{self.precision.name} kernel on this device (some CPUs' LSTM), set "
+                             "training.precision: fp32")
+            raise
+        if not parts:  # across ranks, the policy may exchange norms in the backward this rank skips
+            self.engine.policy.empty_part()
+        return end_private_step(self.engine, self.optimizer, before_update, loss_sum, len(indices), started)
+
+
+    def _micro_batches(self, parts: list[tuple[torch.Tensor, int]], weights: torch.Tensor | None) -> float:
+        """Forward, loss and engine backward of each micro-batch; the sum of its samples' losses."""
+        loss_sum, done = 0.0, 0
         for rows, samples in parts:
             if self.compiled is not None:   # forward, backward and clip in one graph (engine/compiled.py)
                 losses = self.compiled(select(self.train, rows), samples, None if weights is None
@@ -106,9 +124,7 @@ class PrivateStep:
                                  row_weights=None if weights is None or not samples
                                  else _padded_weights(weights[done:done + samples], len(rows)))
             done += samples
-        if not parts:  # across ranks, the policy may exchange norms in the backward this rank skips
-            self.engine.policy.empty_part()
-        return end_private_step(self.engine, self.optimizer, before_update, loss_sum, len(indices), started)
+        return loss_sum
 
 
 def _padded_rows(rows: torch.Tensor, size: int) -> torch.Tensor:
