@@ -105,7 +105,6 @@ class PrivateStep:
             self.engine.policy.empty_part()
         return end_private_step(self.engine, self.optimizer, before_update, loss_sum, len(indices), started)
 
-
     def _micro_batches(self, parts: list[tuple[torch.Tensor, int]], weights: torch.Tensor | None) -> float:
         """Forward, loss and engine backward of each micro-batch; the sum of its samples' losses."""
         loss_sum, done = 0.0, 0
