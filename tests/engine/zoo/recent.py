@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import transformers as tf
 
-from tests.engine.zoo import Case, seeded
+from tests.engine.zoo import Case
+from tests.engine.zoo.families import eager_experts, training
 from tests.engine.zoo.hf import DROP, EAGER, P, V, causal_loss, lm_batch
 from tests.engine.zoo.outside import register
 
@@ -26,21 +27,17 @@ def _small(**extra):
     return config
 
 
-def training(make):
-    """Seeded, in training mode, without a generation cache, experts run by their eager loop."""
-    build = seeded(make)
-
-    def make_training():
-        model = build().train()
-        model.config.use_cache = False
-        if hasattr(model, "set_experts_implementation"):
-            model.set_experts_implementation("eager")
-        return model
-    return make_training
+def _training(make):
+    """:func:`~tests.engine.zoo.families.training` (seeded, training mode, no generation cache), experts
+    run by their eager loop where the model has experts."""
+    def build():
+        model = make()
+        return eager_experts(model) if hasattr(model, "set_experts_implementation") else model
+    return training(build)
 
 
 def causal(name, what, make):
-    register(Case(name, "hf", what, training(make), lm_batch, causal_loss))
+    register(Case(name, "hf", what, _training(make), lm_batch, causal_loss))
 
 
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
