@@ -37,6 +37,7 @@ from dpclip.engine.noise import NoiseSource, allocation_weights
 from dpclip.engine.microbatch import StepContext
 from dpclip.engine.policies import PolicyContext, ThresholdPolicy, build_policy
 from dpclip.engine.privatizer import privatizer_for
+from dpclip.engine.refusals import refuse_new_trainable
 from dpclip.engine.reducer import Reducer, StageLink
 from dpclip.engine.step_checks import StepChecks
 from dpclip.engine.report import ClipDebug, StepReport
@@ -165,6 +166,11 @@ class DPEngine:
         return self.policy.thresholds()
 
     @property
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters the engine privatises (the model's trainable ones when it was built)."""
+        return list(self._params)
+
+    @property
     def book_keeper(self) -> Bookkeeper:
         """The model's book-kept modules and their routing (:mod:`dpclip.engine.bookkeeping`)."""
         return self._keeper
@@ -283,6 +289,7 @@ class DPEngine:
         threshold policy and the counts never see them.
         """
         samples = batch_size if samples is None else samples
+        refuse_new_trainable(self.model, self._params)
         with self._step.capture(self.policy, batch_size, samples, generation, loss_scale, row_weights, _watch):
             yield
 

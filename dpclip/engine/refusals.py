@@ -24,6 +24,10 @@ def refuse_unsupported(module: nn.Module, name: str, trainable: dict[int, int]) 
         raise EngineError(
             f"module {name} ({type(module).__name__}) tracks running statistics "
             "of the private data, released with the model", "set track_running_stats=False")
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and id(module.weight) in trainable:
+        raise EngineError(f"module {name or '<root>'} ({type(module).__name__}) has sparse=True: its gradient is a "
+                          "sparse tensor, which the per-sample clipping and the noise (dense over the whole table) "
+                          "do not take", "set sparse=False (the noisy gradient is dense anyway)")
     if (isinstance(module, (nn.Embedding, nn.EmbeddingBag))
             and module.max_norm is not None):
         # Checked for frozen tables too: the renormalisation writes the weight anyway.
@@ -32,3 +36,16 @@ def refuse_unsupported(module: nn.Module, name: str, trainable: dict[int, int]) 
             f"{module.max_norm}: its forward renormalises the looked-up rows in place, "
             "so the weights reveal which tokens were in the private batch",
             "set max_norm=None (clip the gradient instead)")
+
+
+def refuse_new_trainable(model: nn.Module, privatised: list[nn.Parameter]) -> None:
+    """A parameter trainable now that was not when the engine was built (a layer unfrozen, a module
+    or parameter replaced) is not book-kept: autograd would leave its raw gradient in ``p.grad``."""
+    known = {id(p) for p in privatised}
+    new = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in known]
+    if new:
+        raise EngineError(f"parameters trainable now that were not when the engine was built ({', '.join(new[:3])}"
+                          f"{', ...' if len(new) > 3 else ''}): the engine does not book-keep them, and their "
+                          "gradients would reach p.grad unclipped and without noise",
+                          "freeze, unfreeze and replace layers before building the engine (make_private, "
+                          "DPTrainer), or freeze these again (requires_grad_(False))")

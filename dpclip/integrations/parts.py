@@ -1,6 +1,7 @@
 """The three parts ``make_private`` wraps (docs/python-api.md): the Poisson-sampled loader,
-the per-sample criterion and the noising optimizer, and the :class:`DrawTracker` they share, which
-holds the loop to one noisy step per drawn batch."""
+the per-sample criterion and the noising optimizer. They share a
+:class:`~dpclip.integrations.rows.DrawTracker`, which holds the loop to one noisy step per drawn
+batch, over that batch's own rows."""
 
 from __future__ import annotations
 
@@ -17,76 +18,8 @@ from dpclip.accounting import check_same_release
 from dpclip.data.sampler import PoissonSampler
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
+from dpclip.integrations.rows import DrawTracker
 from dpclip.integrations.setup import Account
-
-
-# ----------------------------------------------------------------------------- one step per draw
-
-LOOP_HINT = ("one batch from make_private's data loader, then loss.backward() once over it, then optimizer.step() "
-             "once (docs/python-api.md, \"What the loop must do\"); to go through a large batch in parts, pass "
-             "max_physical_batch_size= to make_private")
-
-
-class DrawTracker:
-    """Where the loop is: the drawn batch that is open (its rows; the rows handed out, in parts,
-    and backwarded so far). Each noisy step is one whole draw, backwarded once; a loss or step
-    over anything else, a second backward, a draw skipped or two draws in one step are refused
-    before anything is released or charged: the ledger then charges exactly what ran."""
-
-    def __init__(self, row_weight: float | None = None) -> None:
-        self.draws = 0                 # batches drawn so far
-        self.rows: int | None = None   # rows of the open draw (None: none open)
-        self.handed = 0                # of them, handed to the loop so far (parts)
-        self.backwarded = 0
-        # user-level privacy: every row weighs 1/k (k: a person's most records in a step), so a
-        # person's rows weigh at most 1 together whichever rows the loop backwards together
-        self.row_weight = row_weight
-
-    def weights(self, rows: int, like: Tensor) -> Tensor | None:
-        """The engine's row weights for ``rows`` rows (None: example-level)."""
-        return None if self.row_weight is None else torch.full((rows,), self.row_weight, dtype=like.dtype,
-                                                               device=like.device)
-
-    def open(self, rows: int) -> None:
-        if self.rows is not None:
-            raise DpclipError(f"the data loader drew batch {self.draws + 1} before optimizer.step() of batch "
-                              f"{self.draws}: each drawn batch is one noisy step, an empty one too (several "
-                              "batches in one step would cost more ε than the ledger charges)", LOOP_HINT)
-        self.draws += 1
-        self.rows, self.handed, self.backwarded = rows, 0, 0
-
-    def hand(self, rows: int) -> None:
-        self.handed += rows
-
-    def _open_draw(self, what: str) -> None:
-        if self.rows is None:
-            raise DpclipError(f"{what} without a batch drawn by make_private's data loader (a batch of your own "
-                              "loader, or a second step over one batch): ε covers the Poisson draws only", LOOP_HINT)
-
-    def loss(self, rows: int) -> None:
-        self._open_draw("a loss")
-        if rows > self.handed:   # no counts in the message: a Poisson draw's size is private
-            raise DpclipError("a loss over more rows than the data loader handed out of this batch", LOOP_HINT)
-
-    def backward(self, rows: int) -> None:
-        self._open_draw("loss.backward()")
-        if self.backwarded + rows > self.handed:
-            raise DpclipError(f"a second backward over batch {self.draws}: each example's clipped gradient may "
-                              "enter its step once", LOOP_HINT)
-        self.backwarded += rows
-
-    def step(self) -> bool:
-        """Whether the noisy step is due now (False: parts of the draw are still to come)."""
-        self._open_draw("optimizer.step()")
-        if self.backwarded < self.handed:
-            raise DpclipError(f"optimizer.step() with rows of batch {self.draws} not backwarded", LOOP_HINT)
-        if self.handed < self.rows:
-            return False
-        self.rows = None
-        return True
-
-    def state_dict(self) -> dict[str, int]:
-        return {"draws": self.draws}
 
 
 def batch_rows(batch: Any) -> int:
@@ -132,7 +65,7 @@ class TrackedLoader(DataLoader):
     def __iter__(self):
         for batch in super().__iter__():
             rows = batch_rows(batch)
-            self.tracker.open(rows)
+            self.tracker.open(rows, batch)
             for part in batch_parts(batch, rows, self.physical):
                 self.tracker.hand(batch_rows(part))
                 yield part
@@ -214,6 +147,10 @@ def tracked_loader(loader: DataLoader, tracker: DrawTracker, physical: int | Non
 
 # ----------------------------------------------------------------------------- the loss
 
+WEIGHT_HINT = ("scale by a Python number fixed before the step (float(w)); per-sample weights come as a column of "
+               "the dataset (loss * batch['weight']), or inside the criterion (it is checked on each sample alone)")
+
+
 class PrivateLoss:
     """A batch's per-sample losses. ``backward()`` hands them to the engine (per-sample
     norms and clipped sums); ``item()`` is their mean over the drawn batch, for your own
@@ -230,7 +167,11 @@ class PrivateLoss:
             self.tracker.backward(self.per_sample.shape[0])
             weights = self.tracker.weights(self.per_sample.shape[0], self.per_sample)
         if self.per_sample.numel():
-            self.engine.backward(self.per_sample, row_weights=weights)
+            if self.tracker is None:
+                self.engine.backward(self.per_sample, row_weights=weights)
+            else:
+                with self.tracker.engine_backward():
+                    self.engine.backward(self.per_sample, row_weights=weights)
         else:  # an empty draw: nothing to clip, the step releases noise alone; across ranks, a
             self.engine.policy.empty_part()  # policy may exchange norms in the backward skipped here
 
@@ -260,7 +201,15 @@ class PrivateLoss:
                               "parameters alone), or put the term inside the criterion, per sample")
         if isinstance(other, Tensor) and other.numel() not in (1, self.per_sample.shape[0]):
             raise DpclipError(f"the private loss combined with a tensor of shape {tuple(other.shape)}",
-                              "a number, a scalar, or one value per sample")
+                              "a number, or one value per sample from the data loader's batch")
+        if isinstance(other, Tensor) and self.tracker is not None:
+            # a weight computed from the batch (normalised over it, class counts, 1/len) lets one
+            # example move every row's clipped gradient: only the drawn rows' own values are taken
+            rows = self.per_sample.shape[0]
+            if other.dim() == 0 or other.shape[0] != rows:
+                raise DpclipError("the private loss combined with a tensor that is not one value per sample: it may "
+                                  "be computed from the whole batch", WEIGHT_HINT)
+            self.tracker.check_rows(other, rows, "a per-sample weight of the private loss", WEIGHT_HINT)
         return PrivateLoss(op(self.per_sample, other), self.engine, self.tracker)
 
     def __mul__(self, other): return self._with(other, lambda t, o: t * o)
@@ -308,6 +257,7 @@ class PrivateCriterion:
         losses = self.per_sample(outputs, targets)
         if self.tracker is not None:
             self.tracker.loss(losses.shape[0])
+            self.tracker.check_rows(targets, losses.shape[0], "the criterion's target")
         return PrivateLoss(losses, self.engine, self.tracker)
 
     def per_sample(self, outputs: Tensor, targets: Any) -> Tensor:
@@ -354,6 +304,23 @@ class PrivateOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original.zero_grad(set_to_none=set_to_none)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused unless the engine privatises every parameter of ``param_group``."""
+        params = param_group["params"]
+        self._check_params([{"params": [params] if isinstance(params, Tensor) else list(params)}])
+        self.original.add_param_group(param_group)
+
+    def _check_params(self, groups: list[dict[str, Any]]) -> None:
+        """A parameter the engine does not privatise (a layer unfrozen or replaced after make_private)
+        would be stepped with its raw gradient: unclipped, without noise."""
+        known = {id(p) for p in self.engine.parameters}
+        outside = [p for group in groups for p in group["params"] if id(p) not in known]
+        if outside:
+            raise DpclipError(f"the optimizer holds {len(outside)} parameter(s) the engine does not privatise (added, "
+                              "unfrozen or replaced after make_private): their raw gradients would be stepped "
+                              "unclipped and without noise", "unfreeze, replace or add layers before make_private, "
+                              "and build the optimizer on the parameters that train")
+
     def step(self, closure: Callable | None = None) -> None:
         if closure is not None:
             raise DpclipError("a private step takes no closure",
@@ -361,6 +328,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
                               "then optimizer.step()")
         if self.tracker is not None and not self.tracker.step():
             return   # a part of the drawn batch: its noisy step comes after the last part
+        self._check_params(self.param_groups)   # param groups added since make_private: before any noise
         report = self.engine.privatize()
         plan = self.account.plan
         check_same_release(report.dp_event, plan.step_event)   # before anything is charged or stepped

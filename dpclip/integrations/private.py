@@ -48,7 +48,8 @@ from dpclip.distributed import ShardedPoissonSampler, World
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
 from dpclip.files import owner_only
-from dpclip.integrations.parts import DrawTracker, PrivateCriterion, PrivateOptimizer, poisson_loader, tracked_loader
+from dpclip.integrations.parts import PrivateCriterion, PrivateOptimizer, poisson_loader, tracked_loader
+from dpclip.integrations.rows import DrawTracker, ModelRowsWatch
 from dpclip.integrations.setup import Account, check_optimizer_params, clipping_spec, private_engine
 from dpclip.integrations.train_step import TrainStep, check_compile, train_step_for
 
@@ -212,10 +213,7 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
     check_compile(model, compile, compile_backend)
     spec = clipping_spec(clipping, max_grad_norm)
     check_optimizer_params(model, optimizer)
-    world = running_world()
-    if world is not None and not poisson_sampling:
-        raise DpclipError("poisson_sampling=False across several processes is not supported",
-                          "keep poisson_sampling=True: each rank then draws its own examples' part of each batch")
+    world = sampling_world(poisson_sampling)
     # Each rank's loader holds its own share of the logical batch: B = batch_size × ranks.
     num_examples, batch_size = len(data_loader.dataset), data_loader.batch_size * (1 if world is None else world.size)
     people = person_ids(users, max_records_per_user, num_examples, poisson_sampling, world)
@@ -229,8 +227,7 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
         sampling="poisson" if poisson_sampling else "shuffle", unsafe_seed=unsafe_seed, world=world,
         verify_every=verify_every, records_per_user=None if people is None else max_records_per_user)
     tracker = DrawTracker(None if people is None else 1.0 / max_records_per_user)
-    loader = tracked_loader(data_loader, tracker, max_physical_batch_size)
-    draws = None
+    loader, draws = tracked_loader(data_loader, tracker, max_physical_batch_size), None
     if poisson_sampling:
         draws = poisson_draws(model, account.plan.plan.sample_rate, planned_steps, num_examples=num_examples,
                               people=people, max_records_per_user=max_records_per_user, world=world,
@@ -238,9 +235,20 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
         loader = poisson_loader(data_loader, draws, steps_per_pass, tracker, max_physical_batch_size)
     private_optimizer, private_criterion = PrivateOptimizer(optimizer, engine, account, tracker), \
         PrivateCriterion(criterion, engine, tracker)
-    return PrivateTraining(model, private_optimizer, private_criterion, loader, engine, account, draws, train_step_for(
-        engine, model, private_criterion, private_optimizer, tracker, compile=compile, backend=compile_backend,
-        piece_rows=max_physical_batch_size or data_loader.batch_size))
+    stepper = train_step_for(engine, model, private_criterion, private_optimizer, tracker, compile=compile,
+                             backend=compile_backend, piece_rows=max_physical_batch_size or data_loader.batch_size)
+    if not compile:   # a compiled train_step checks its rows itself, outside the graph
+        ModelRowsWatch(model, tracker)
+    return PrivateTraining(model, private_optimizer, private_criterion, loader, engine, account, draws, stepper)
+
+
+def sampling_world(poisson_sampling: bool) -> World | None:
+    """The processes of a distributed run (None: one), where the sampling can hold across them."""
+    world = running_world()
+    if world is not None and not poisson_sampling:
+        raise DpclipError("poisson_sampling=False across several processes is not supported",
+                          "keep poisson_sampling=True: each rank then draws its own examples' part of each batch")
+    return world
 
 
 def check_loop_parts(optimizer, data_loader, epochs, steps, max_physical_batch_size) -> None:

@@ -8,7 +8,7 @@ itself, so that with ``make_private(compile=True)`` each piece of the batch goes
 (:class:`~dpclip.engine.compiled.CompiledMicroBatch`, docs/compiled.md). Without ``compile`` it is
 the classic loop's three calls in one.
 
-It keeps the loop's rules (:class:`~dpclip.integrations.parts.DrawTracker`): the rows must come from
+It keeps the loop's rules (:class:`~dpclip.integrations.rows.DrawTracker`): the rows must come from
 make_private's data loader, each drawn batch (or part of one) is backwarded once, and the noisy step
 is taken, and charged, after its last part.
 """
@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from dpclip.engine import DPEngine
 from dpclip.engine.compiled import CompiledMicroBatch
 from dpclip.errors import DpclipError
-from dpclip.integrations.parts import DrawTracker, PrivateCriterion, PrivateOptimizer, batch_rows
+from dpclip.integrations.parts import PrivateCriterion, PrivateOptimizer, batch_rows
+from dpclip.integrations.rows import DrawTracker
 
 #: what make_private(compile=True)'s classic loop is told
 COMPILED_LOOP_HINT = ("with make_private(compile=True) dpclip runs the forward inside its graph: call "
@@ -92,15 +93,18 @@ class TrainStep:
         own logs, **not covered by ε**; NaN for an empty draw)."""
         rows = batch_rows((inputs, targets))
         self.tracker.loss(rows)   # before the model sees a row: rows not drawn by the loader are refused
+        self.tracker.check_rows((inputs, targets), rows, "train_step's inputs")
         if self.compiled is None:
             losses = self.criterion.per_sample(call_model(self.model, inputs), targets)
             self.tracker.backward(losses.shape[0])   # what the engine clips, as loss.backward() counts it
             if losses.numel():
-                self.criterion.engine.backward(losses, row_weights=self.tracker.weights(losses.shape[0], losses))
+                with self.tracker.engine_backward():
+                    self.criterion.engine.backward(losses, row_weights=self.tracker.weights(losses.shape[0], losses))
         else:
             flat = flat_rows(inputs, targets, rows)
             self.tracker.backward(rows)
-            losses = self._compiled_losses(flat, rows) if rows else torch.zeros(0)
+            with self.tracker.engine_backward():
+                losses = self._compiled_losses(flat, rows) if rows else torch.zeros(0)
         if not rows:   # an empty draw: nothing to clip, the step releases noise alone
             self.criterion.engine.policy.empty_part()
         self.optimizer.step()

@@ -113,6 +113,40 @@ def test_attention_extra_key_bias_and_scale_grad_by_freq_are_refused():
     del engine
 
 
+@pytest.mark.parametrize("table", [nn.Embedding(5, 3, sparse=True), nn.EmbeddingBag(5, 3, sparse=True)])
+def test_a_trainable_sparse_embedding_is_refused_with_the_dense_hint(table):
+    with pytest.raises(EngineError, match="sparse=True") as err:
+        DPEngine(nn.Sequential(table), {}, expected_batch_size=2)
+    assert "sparse=False" in err.value.hint
+    table.requires_grad_(False)   # frozen: no sparse gradient is ever formed
+    DPEngine(nn.Sequential(table, nn.Linear(3, 2)), {}, expected_batch_size=2).detach()
+
+
+def _unfrozen_first_layer(model):
+    model[0].requires_grad_(True)
+
+
+def _replaced_head(model):
+    model[2] = nn.Linear(4, 2)
+
+
+def _replaced_weight(model):
+    model[2].weight = nn.Parameter(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("change", [_unfrozen_first_layer, _replaced_head, _replaced_weight],
+                         ids=["unfrozen", "replaced-module", "replaced-parameter"])
+def test_parameters_trainable_since_the_engine_was_built_are_refused_before_a_raw_gradient_lands(change):
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    engine = DPEngine(model, {}, expected_batch_size=2)
+    change(model)
+    with pytest.raises(EngineError, match="trainable now that were not") as err:
+        engine.backward(model(torch.randn(2, 3)).sum(1))
+    assert "before building the engine" in err.value.hint
+    assert all(p.grad is None for p in model.parameters())
+
+
 class _Noisy(nn.Module):
     def __init__(self):
         super().__init__()

@@ -52,7 +52,7 @@ def test_views_read_batch_outer_by_mistake_are_refused_by_the_certificate(monkey
     real = layout.to_batch_first
 
     def outer(t, lay, batch, feature_dims, label):
-        if lay.merged and lay.inner:
+        if lay.merged and lay.outer > 1:
             lay = layout.Layout(lay.ndim, lay.dim, merged=True)
         return real(t, lay, batch, feature_dims, label)
     monkeypatch.setattr(layout, "to_batch_first", outer)

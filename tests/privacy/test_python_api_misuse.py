@@ -68,10 +68,22 @@ def test_a_second_backward_over_one_batch_is_refused():
 
     def twice(model, optimizer, criterion, loader):
         for x, y in loader:
-            criterion(model(x), y).backward()
-            criterion(model(x), y).backward()    # a retry, or the same batch twice
+            loss = criterion(model(x), y)
+            loss.backward()
+            loss.backward()    # a retry
             optimizer.step()
     _refused(private, released, twice, "second backward over batch 1")
+
+
+def test_the_same_rows_through_the_model_again_after_their_backward_are_refused():
+    private, released = _private()
+
+    def again(model, optimizer, criterion, loader):
+        for x, y in loader:
+            criterion(model(x), y).backward()
+            criterion(model(x), y).backward()    # the same batch twice
+            optimizer.step()
+    _refused(private, released, again, "not the rows the data loader drew")
 
 
 def test_the_users_own_loader_with_the_returned_parts_is_refused():

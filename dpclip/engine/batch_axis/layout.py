@@ -43,8 +43,10 @@ class Layout:
 
     ndim: int
     dim: int | None = None    # the batch axis; None: shared by every sample
-    merged: bool = False      # ``dim`` holds the batch merged with positions, batch outer
-    inner: bool = False       # merged with the batch inner: [c, B] flattened (two views concatenated)
+    merged: bool = False      # ``dim`` holds the batch merged with positions: [outer, B, rows] flattened
+    #: merged: the blocks outside the batch (1: [B, T] flattened, OPT's tokens; c: [c, B], views
+    #: concatenated on the batch; E: [E, B, T], Llama 4's experts taking every token once each)
+    outer: int = 1
     lead1: bool = False       # shared, with size 1 in dim 0 (expanded there)
     error: str | None = None  # why no batch axis could be established
     expand_rows: int = 1      # a shared output its consumers broadcast over B·c rows: c (Swin's windows)
@@ -56,7 +58,7 @@ class Layout:
         if self.dim is None:
             return self.ndim == 0 or (t.shape[0] == 1) == self.lead1
         size = t.shape[self.dim]
-        return size > 0 and size % batch == 0 if self.merged else size == batch
+        return size > 0 and size % (batch * self.outer) == 0 if self.merged else size == batch
 
 
 @dataclass(frozen=True)
@@ -125,10 +127,11 @@ def to_batch_first(t: Tensor, lay: Layout, batch: int, feature_dims: int | None,
             f"{tuple(t.shape)}; its rule needs the batch in axis 0",
             "put the batch first for this module (e.g. batch_first=True), or register a rule "
             "that accepts this layout")
-    if lay.merged and lay.inner:   # rows [view 0 of every sample, view 1 of every sample, ...]
+    if lay.merged and lay.outer > 1:   # rows [block 0 of every sample, block 1 of every sample, ...]
+        o = lay.outer
         # contiguous: a strided bf16 matmul may accumulate otherwise than the module's own
-        return (t.unflatten(k, (-1, batch)).movedim(k + 1, 0).contiguous(),
-                lambda y: y.movedim(0, k + 1).flatten(k, k + 1))
+        return (t.unflatten(k, (o, batch, -1)).movedim(k + 1, 0).flatten(k + 1, k + 2).contiguous(),
+                lambda y: y.unflatten(k + 1, (o, -1)).movedim(0, k + 1).flatten(k, k + 2))
     if lay.merged:
         return (t.unflatten(k, (batch, -1)).movedim(k, 0),
                 lambda y: y.movedim(0, k).flatten(k, k + 1))

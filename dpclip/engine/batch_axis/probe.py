@@ -8,10 +8,12 @@ the shapes of the tensors it receives and returns. Per tensor, comparing the pro
 (p -> p' samples):
 
 - one axis whose size went p -> p': the batch axis;
-- one axis whose size went c·p -> c·p' (c ≥ 2): the batch merged with c positions; accepted
-  when the second probe's rows are those of a batch-outer [p, c] ordering, or of a batch-inner
-  [c, p] one (c views concatenated on the batch), and not both (compared by a random projection
-  of each row); unflattened to [B, c, ...] by position-wise rules;
+- one axis whose size went c·p -> c·p' (c ≥ 2): the batch merged with c positions, read as
+  [o, p, c/o] for one divisor o of c: batch outer (o = 1, [p, c]: OPT's tokens), batch inner
+  (o = c: c views concatenated on the batch) or between (Llama 4's experts, [E, p, T]);
+  accepted when exactly one o makes the two probes' rows of their common samples agree
+  (compared by a random projection of each row); unflattened to [B, c, ...] by position-wise
+  rules;
 - no axis moved: shared by every sample (:attr:`Layout.dim` None);
 - anything else (several axes moving, an axis moving out of proportion, a change of rank):
   an error, raised when a rule needs that tensor.
@@ -136,11 +138,11 @@ def _close(a: Tensor, b: Tensor) -> bool:
     return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * scale))
 
 
-def _same_samples(a: Tensor, b: Tensor, batch: int, new: int, c: int, outer: bool) -> bool:
+def _same_samples(a: Tensor, b: Tensor, batch: int, new: int, c: int, outer: int) -> bool:
     """Whether per-row fingerprints ``a`` (``batch`` samples) and ``b`` (``new`` samples, the
-    same first ones) agree on their common samples, read as a [B, c] (outer) or [c, B] order."""
-    va = a.view(batch, c) if outer else a.view(c, batch).t()
-    vb = b.view(new, c) if outer else b.view(c, new).t()
+    same first ones) agree on their common samples, read as [outer, B, c / outer] rows."""
+    va = a.view(outer, batch, -1).transpose(0, 1).reshape(batch, c)
+    vb = b.view(outer, new, -1).transpose(0, 1).reshape(new, c)
     m = min(batch, new)
     return _close(va[:m].contiguous(), vb[:m].contiguous())
 
@@ -164,17 +166,16 @@ def _layout(x: _Seen, y: _Seen, batch: int, new: int) -> Layout:
         a, b = x.sums.get(k), y.sums.get(k)
         if a is None or b is None:
             return Layout(n, k, merged=True, error=NEEDS_ROWS)
-        outer, inner = _same_samples(a, b, batch, new, c, True), _same_samples(a, b, batch, new, c, False)
-        if outer != inner:   # [B, c] flattened (OPT's tokens), or [c, B] (views concatenated on the batch)
-            return Layout(n, k, merged=True, inner=inner)
-        if outer:   # every row reads alike (a top-1 router's weights, all 1): no order can be told
+        fits = [o for o in range(1, c + 1) if c % o == 0 and _same_samples(a, b, batch, new, c, o)]
+        if len(fits) == 1:
+            return Layout(n, k, merged=True, outer=fits[0])
+        if fits:   # rows that read alike in several orders (a top-1 router's weights, all 1)
             return Layout(n, error=f"axis {k} holds the batch merged with {c} positions, and its rows are "
-                                   "equal whichever way they are read, batch-outer ([B, T] flattened) or "
-                                   "batch-inner ([c, B]), so the probe cannot tell which rows are whose",
-                          hint=EQUAL_ROWS_HINT)
-        return Layout(n, error=f"axis {k} holds the batch merged with {c} positions, but neither "
-                               "batch-outer ([B, T] flattened) nor batch-inner ([c, B]: views concatenated "
-                               "on the batch) as far as the probe can tell")
+                                   f"equal read in {len(fits)} orders ([o, B, {c}/o] for o in {fits[:4]}), so "
+                                   "the probe cannot tell which rows are whose", hint=EQUAL_ROWS_HINT)
+        return Layout(n, error=f"axis {k} holds the batch merged with {c} positions, but in no order the "
+                               "probe can tell: neither batch-outer ([B, T] flattened), batch-inner ([c, B]: "
+                               "views concatenated on the batch) nor between ([E, B, T])")
     return Layout(n, error=f"axis {k} changes with the batch size out of proportion "
                            f"({x.shape[k]} with {batch} samples, {y.shape[k]} with {new})")
 

@@ -51,18 +51,30 @@ class Axis(NamedTuple):
     dim: int
     rows: int = 1
     folded: int | None = None
+    outer: int = 1      # the ``rows`` lie in ``outer`` blocks of B·rows/outer ([E, B, T]: Llama 4's experts)
 
 
 def _axis(lay: Layout, t: Tensor, batch: int, label: str, what: str) -> Axis | None:
     """The per-sample axis of one tensor of the call (None: shared by every sample)."""
-    if lay.error is not None or (lay.merged and lay.inner):
-        why = lay.error or f"axis {lay.dim} holds the batch merged inner ([c, B] rows)"
+    if lay.error is not None:
         raise EngineError(f"module {label}: the batch axis of its {what} of shape "
-                          f"{tuple(t.shape)} cannot be used by the per-sample fallback: {why}",
+                          f"{tuple(t.shape)} cannot be used by the per-sample fallback: {lay.error}",
                           lay.hint)
     if lay.dim is None:
         return None
-    return Axis(lay.dim, t.shape[lay.dim] // batch if lay.merged else 1)
+    if not lay.merged:
+        return Axis(lay.dim)
+    return Axis(lay.dim, t.shape[lay.dim] // batch, outer=lay.outer)
+
+
+def _batch_outer(t: Tensor, axis: Axis | None, batch: int) -> tuple[Tensor, Axis | None]:
+    """``t`` with the rows of its ``axis`` reordered [outer, B, r] -> [B, outer, r]: each
+    sample's rows consecutive, in the order the module reads them when called on it alone."""
+    if axis is None or axis.outer == 1:
+        return t, axis
+    d = axis.dim
+    return (t.unflatten(d, (axis.outer, batch, axis.rows // axis.outer)).transpose(d, d + 1).flatten(d, d + 2),
+            Axis(d, axis.rows))
 
 
 class _RandomOpGuard(TorchDispatchMode):
@@ -227,11 +239,16 @@ def per_sample_grads(capture: Capture, args: tuple, kwargs: dict, out_index: lis
     tensors = [leaves[i].detach() for i in tensor_pos]
     in_dims = [Axis(0)] * len(tensors) if in_dims is None else in_dims
     out_dims = [Axis(0)] * len(out_index) if out_dims is None else out_dims
+    tensors, in_dims = map(list, zip(*(_batch_outer(t, a, batch) for t, a in zip(tensors, in_dims)))) \
+        if tensors else ([], [])
+    if grads:
+        grads, out_dims = zip(*(_batch_outer(g, a, batch) for g, a in zip(grads, out_dims)))
+        grads, out_dims = tuple(grads), list(out_dims)
     if any(a.folded is not None for a in out_dims):   # each sample's c rows summed: one recomputation
         grads = tuple(g.unflatten(a.dim, (batch, a.rows)).sum(a.dim + 1) if a.folded is not None else g
                       for g, a in zip(grads, out_dims))
         out_dims = [Axis(a.dim, a.folded) if a.folded is not None else a for a in out_dims]
-    for g, (d, rows, _) in zip(grads, out_dims):
+    for g, (d, rows, *_) in zip(grads, out_dims):
         if g.dim() <= d or g.shape[d] != batch * max(rows, 1):
             raise EngineError(f"module {capture.label}: an output gradient of shape "
                               f"{tuple(g.shape)} has no batch axis {d} of size {batch}", BATCH_HINT)

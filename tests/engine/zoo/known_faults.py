@@ -20,9 +20,6 @@ EXPECTED_REFUSALS: dict[str, str] = {
     "mobilebert-mlm": "its LM head multiplies by torch.cat([decoder.weight.t(), dense.weight]): the word embedding "
                       "is used functionally, outside its module's call: refused as a stray gradient (issue 52)",
     "resnet": "BatchNorm normalises with batch statistics: per-sample gradients do not exist",
-    # the architectures of 2025-2026 (tests/engine/zoo/recent.py)
-    "llama4": "its experts take every token once per expert, [E·B·T, d]: the batch sits between two merged "
-              "axes, which the probes do not unflatten (refused by name, never clipped wrong)",
 }
 
 #: cases that mix samples (or keep data in a buffer): refused wherever the batch has two samples

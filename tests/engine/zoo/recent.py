@@ -1,15 +1,19 @@
 """Architectures released through 2025-2026 that transformers 5 ships (issue 52's "models of 2026",
-widened): Gemma 3 and 3n, Qwen3-MoE and Qwen3-Next, GLM-4 (and its MoE), ERNIE 4.5 (and its MoE),
-EXAONE 4, Apertus, SmolLM3, HunYuan, dots.llm1, DeepSeek-V2 (latent attention), OLMo 3, FlexOlmo,
-Seed-OSS, MiniMax, LFM2-MoE, Falcon-H1, Cohere2, BitNet, Arcee, VaultGemma, NanoChat, the
-ModernBERT decoder and Llama 4. Random configs at tiny size, in training mode without a
-generation cache (as `dpclip train` runs them); mixture-of-experts layers run their eager loop
-(the zoo's float64 reference cannot run ``torch._grouped_mm``). Tagged like issue 49's cases: the
-slow suite runs all of their runs (tests/engine/test_hf_zoo.py)."""
+widened): Gemma 3, 3n and 4, Qwen3-MoE, Qwen3-Next and Qwen3.5, GLM-4 (and its MoE), GLM-4.7-Flash and
+GLM-5, ERNIE 4.5 (and its MoE), EXAONE 4 and K-EXAONE, Apertus, SmolLM3, HunYuan, dots.llm1, DeepSeek-V2,
+V3.2 and V4, Mistral 4, OLMo 3 and OLMo Hybrid, FlexOlmo, Seed-OSS, MiniMax and MiniMax-M2, LFM2-MoE and
+LFM3, Falcon-H1, Cohere2, BitNet, Arcee, VaultGemma, NanoChat, Inkling, AFMoE, Ling hybrid, Kimi Linear,
+LongCat-Flash, Granite 4, Zamba2, the ModernBERT decoder and Llama 4. Random configs at tiny size, in
+training mode without a generation cache (as `dpclip train` runs them); mixture-of-experts layers run
+their eager loop (the zoo's float64 reference cannot run ``torch._grouped_mm``). Tagged like issue 49's
+cases: the slow suite runs all of their runs (tests/engine/test_hf_zoo.py)."""
 
 from __future__ import annotations
 
+import torch
 import transformers as tf
+from transformers.models.afmoe.modeling_afmoe import AfmoeTokenChoiceRouter
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter
 
 from tests.engine.zoo import Case
 from tests.engine.zoo.families import eager_experts, training
@@ -106,3 +110,121 @@ causal("llama4", "Llama 4 text (every token to every expert, masked by a sigmoid
        lambda: tf.Llama4ForCausalLM(tf.Llama4TextConfig(**_small(
            head_dim=8, intermediate_size_mlp=32, num_local_experts=2, num_experts_per_tok=1,
            interleave_moe_layer_step=1))))
+
+# the second wave: the causal LMs transformers 5.24 added through 2026
+_LIN_FULL = ["linear_attention", "full_attention"]
+_SLIDE_FULL = ["sliding_attention", "full_attention"]
+
+
+def _without(key, **config):
+    """A config without ``key`` (where the config class maps it onto another field, e.g. DeepSeek-V4's
+    intermediate_size -> moe_intermediate_size, and _small's value would win)."""
+    config.pop(key)
+    return config
+
+
+causal("gemma4", "Gemma 4 (per-layer embeddings, a router's experts beside the MLP, keys as values on global layers)",
+       lambda: tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(**_small(
+           head_dim=8, global_head_dim=8, sliding_window=3, layer_types=_SLIDE_FULL, hidden_size_per_layer_input=4,
+           vocab_size_per_layer_input=V, attention_k_eq_v=True, enable_moe_block=True, num_experts=4,
+           top_k_experts=2, moe_intermediate_size=8))))
+causal("gemma4-unified", "Gemma 4 unified text (sliding and global layers of different head sizes, q/k/v norms)",
+       lambda: tf.Gemma4UnifiedForCausalLM(tf.Gemma4UnifiedTextConfig(**_small(
+           head_dim=8, global_head_dim=4, sliding_window=3, layer_types=_SLIDE_FULL))))
+causal("deepseek-v3.2", "DeepSeek-V3.2 (latent attention with a top-k indexer, shared experts)",
+       lambda: tf.DeepseekV32ForCausalLM(tf.DeepseekV32Config(**_small(
+           num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+           first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1, index_topk=2, index_head_dim=8,
+           index_n_heads=2, **_MLA))))
+
+
+def _deepseek_v4():
+    """Hash-routed layers pick experts from a frozen token -> experts table (all zeros in a fresh model, which
+    would send every token twice to expert 0): a random table, distinct experts per token."""
+    model = tf.DeepseekV4ForCausalLM(tf.DeepseekV4Config(**_without("intermediate_size", **_small(
+        head_dim=8, q_lora_rank=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+        n_shared_experts=1, sliding_window=3, o_groups=2, o_lora_rank=4, index_n_heads=2, index_head_dim=8,
+        index_topk=1, hc_mult=2, hc_sinkhorn_iters=3,
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe"]))))
+    for module in model.modules():
+        if isinstance(module, DeepseekV4HashRouter):
+            module.tid2eid.copy_(torch.rand(module.tid2eid.shape[0], module.num_experts).argsort(-1)[:, :module.top_k])
+    return model
+
+
+causal("deepseek-v4", "DeepSeek-V4 (compressed sparse attention, hyper-connections, hash-routed experts)", _deepseek_v4)
+causal("mistral4", "Mistral 4 (latent attention, shared experts)", lambda: tf.Mistral4ForCausalLM(tf.Mistral4Config(
+    **_small(num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+             n_shared_experts=1, **_MLA))))
+causal("lfm3", "LFM3 (short convolutions, gated attention, sandwich norms)", lambda: tf.Lfm3ForCausalLM(tf.Lfm3Config(
+    **_small(head_dim=8, sliding_window=3, conv_L_cache=3, layer_types=["conv", "sliding_attention"]))))
+causal("olmo-hybrid", "OLMo Hybrid (gated DeltaNet and attention layers)", lambda: tf.OlmoHybridForCausalLM(
+    tf.OlmoHybridConfig(**_small(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=4,
+                                 linear_value_head_dim=8, layer_types=_LIN_FULL))))
+causal("inkling", "Inkling (hybrid sliding attention with relative bias, convolutions, shared-expert sink)",
+       lambda: tf.InklingForCausalLM(tf.InklingTextConfig(**_small(
+           head_dim=8, swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=8, sliding_window_size=3,
+           d_rel=4, rel_extent=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+           n_shared_experts=1, layer_types=["hybrid_sliding", "hybrid"]))))
+
+
+causal("minimax-m2", "MiniMax-M2 (q/k norms over all heads, sigmoid router with bias)", lambda: tf.MiniMaxM2ForCausalLM(
+    tf.MiniMaxM2Config(**_small(head_dim=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=8))))
+causal("qwen3.5", "Qwen3.5 (gated DeltaNet and gated attention layers)", lambda: tf.Qwen3_5ForCausalLM(
+    tf.Qwen3_5TextConfig(**_small(head_dim=8, linear_num_value_heads=2, linear_num_key_heads=1,
+                                  linear_key_head_dim=4, linear_value_head_dim=4, layer_types=_LIN_FULL))))
+causal("qwen3.5-moe", "Qwen3.5-MoE (gated DeltaNet, gated attention, shared expert)", lambda: tf.Qwen3_5MoeForCausalLM(
+    tf.Qwen3_5MoeTextConfig(**_small(head_dim=8, **_MOE, shared_expert_intermediate_size=8, linear_num_value_heads=2,
+                                     linear_num_key_heads=1, linear_key_head_dim=4, linear_value_head_dim=4,
+                                     layer_types=_LIN_FULL))))
+causal("glm-moe-dsa", "GLM-5 (latent attention with a sparse indexer, shared experts)",
+       lambda: tf.GlmMoeDsaForCausalLM(tf.GlmMoeDsaConfig(**_small(
+           num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+           first_k_dense_replace=1, n_shared_experts=1, index_topk=2, index_head_dim=8, index_n_heads=2, **_MLA))))
+causal("glm4-moe-lite", "GLM-4.7-Flash (latent attention, shared experts)", lambda: tf.Glm4MoeLiteForCausalLM(
+    tf.Glm4MoeLiteConfig(**_small(num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=8, n_shared_experts=1, **_MLA))))
+
+
+def _afmoe():
+    """AFMoE initialises its router to zeros: every token then goes to the same two experts with weights 1/2, the
+    experts' inputs have equal rows, and the engine's probe refuses at every shape (B == 1 included). A random
+    router (std 0.2, as flex-olmo's initializer_range) routes tokens apart, as a trained one does."""
+    model = tf.AfmoeForCausalLM(tf.AfmoeConfig(**_small(head_dim=8, **_MOE, num_shared_experts=1, sliding_window=3,
+                                                        layer_types=_SLIDE_FULL)))
+    for module in model.modules():
+        if isinstance(module, AfmoeTokenChoiceRouter):
+            torch.nn.init.normal_(module.gate.weight, std=0.2)
+    return model
+
+
+causal("afmoe", "AFMoE (gated attention, sliding layers, sigmoid router, shared experts)", _afmoe)
+causal("bailing-hybrid", "Ling hybrid (KDA linear attention and latent attention, shared experts)",
+       lambda: tf.BailingHybridForCausalLM(tf.BailingHybridConfig(**_small(
+           num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+           first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1, num_mtp_layers=0,
+           layer_types=_LIN_FULL, **_MLA))))
+causal("exaone-moe", "K-EXAONE (sliding layers, shared experts)", lambda: tf.ExaoneMoeForCausalLM(tf.ExaoneMoeConfig(
+    **_small(head_dim=8, **_MOE, sliding_window=3, layer_types=_SLIDE_FULL))))
+causal("kimi-linear", "Kimi Linear (KDA linear attention and latent attention, shared experts)",
+       lambda: tf.KimiLinearForCausalLM(tf.KimiLinearConfig(**_small(
+           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+           n_shared_experts=1, linear_head_dim=8, linear_num_heads=2, layer_types=_LIN_FULL, **_MLA))))
+causal("longcat-flash", "LongCat-Flash (two attentions per layer, zero-computation experts)",
+       lambda: tf.LongcatFlashForCausalLM(tf.LongcatFlashConfig(**_small(
+           num_layers=1, n_routed_experts=4, moe_topk=2, zero_expert_num=2,
+           expert_ffn_hidden_size=8, num_key_value_heads=2, head_dim=4, **_MLA))))
+causal("granitemoe-hybrid", "Granite 4 hybrid (Mamba-2 and attention layers, shared MLP)",
+       lambda: tf.GraniteMoeHybridForCausalLM(tf.GraniteMoeHybridConfig(**_small(
+           num_local_experts=4, num_experts_per_tok=2, intermediate_size=8, shared_intermediate_size=16,
+           mamba_n_heads=2, mamba_d_state=4, mamba_d_head=16, mamba_chunk_size=4, layer_types=["mamba", "attention"]))))
+causal("zamba2", "Zamba2 (Mamba-2 layers calling one shared attention block, per-layer LoRA adapters)",
+       lambda: tf.Zamba2ForCausalLM(tf.Zamba2Config(**_small(
+           mamba_d_state=4, n_mamba_heads=2, chunk_size=4, adapter_rank=4,
+           layers_block_type=["hybrid", "hybrid"]))))
+causal("granitemoe-swa", "Granite MoE SWA (sliding layers, attention sinks, 4 experts)",
+       lambda: tf.GraniteMoeSWAForCausalLM(tf.GraniteMoeSWAConfig(**_small(
+           num_local_experts=4, num_experts_per_tok=2, intermediate_size=8, sliding_window=3,
+           layer_types=["full_attention", "sliding_attention"]))))

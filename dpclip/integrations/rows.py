@@ -1,0 +1,207 @@
+"""The ``make_private`` loop's rules: one noisy step per drawn batch (:class:`DrawTracker`), over
+that batch's own rows, each once, in order (:class:`DrawnRows`, :class:`ModelRowsWatch`).
+
+The sensitivity that calibrates the noise holds when row i of the step is example i's alone: one
+example then moves one clipped row. A loop that builds its rows from several examples (mixup,
+in-loop normalisation by batch statistics, a repeated or reordered example, a loss weight
+normalised over the batch, another slice of the same size) makes one example move many rows,
+and the certificate cannot see it: it checks the model on the rows it was given. So what reaches
+the model, the criterion's targets and a per-sample loss weight is checked against the rows the
+loader drew (docs/python-api.md, "What the loop must do").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dpclip.errors import DpclipError
+from dpclip.torch_compat import tree_flatten
+
+ROWS_HINT = ("pass the rows the loader drew as they came (moving them to a device or dtype, or reshaping each "
+             "row, is fine); transform examples in the dataset or the collate_fn (before the draw is handed "
+             "out), inside the model or inside the criterion, one sample at a time")
+
+
+def tensor_rows(tree: Any, rows: int) -> list[Tensor]:
+    """The tensors of ``tree`` with ``rows`` rows (dim 0), the per-sample ones of a call."""
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor) and t.dim() and t.shape[0] == rows]
+
+
+def _sorted_rows(t: Tensor) -> Tensor:
+    flat = t.detach().reshape(t.shape[0], -1)
+    return (flat.to(torch.uint8) if flat.dtype == torch.bool else flat).sort(1).values
+
+
+def same_rows(drawn: Tensor, t: Tensor, any_row: bool = False) -> bool:
+    """Whether each row of ``t`` holds the values of the same row of ``drawn`` (in any order
+    within the row: a reshape or transpose of a sample is still that sample's); ``any_row``:
+    whether some row does."""
+    if drawn.shape[0] != t.shape[0] or drawn[:1].numel() != t[:1].numel() or t.is_complex() != drawn.is_complex():
+        return False
+    if drawn.is_floating_point() and not t.is_floating_point():   # rounded to whole numbers: not the same values
+        return False
+    if t.is_complex():
+        a, b = drawn.to(device=t.device, dtype=t.dtype).reshape(t.shape[0], -1), t.detach().reshape(t.shape[0], -1)
+    else:
+        a, b = _sorted_rows(drawn.to(device=t.device, dtype=t.dtype)), _sorted_rows(t)
+    return bool((a == b).all(1).any()) if any_row else torch.equal(a, b)
+
+
+def broadcast_rows(t: Tensor) -> bool:
+    """One row for every sample (``positions.expand(B, T)``): shared, not a sample's own."""
+    return t.stride(0) == 0
+
+
+class DrawnRows:
+    """The open draw's per-sample tensors (the collated batch's leaves with one row per example)."""
+
+    def __init__(self, batch: Any, rows: int):
+        self.leaves = tensor_rows(batch, rows)
+
+    def check(self, t: Tensor, start: int, what: str, hint: str = ROWS_HINT) -> None:
+        """``t``'s rows are the drawn rows ``start ... start + len(t) - 1`` of one of the draw's tensors."""
+        n = t.shape[0]
+        if n == 0:
+            return
+        if broadcast_rows(t):   # one row for all (positions): refused only where that row is an example's
+            if not any(same_rows(leaf, t[:1].expand(leaf.shape[0], *t.shape[1:]), any_row=True)
+                       for leaf in self.leaves):
+                return
+        elif any(same_rows(leaf[start:start + n], t) for leaf in self.leaves):
+            return
+        raise DpclipError(f"{what} is not the rows the data loader drew, in order: a row built from other "
+                          "examples (mixed, normalised over the batch, repeated, reordered, already backwarded, or "
+                          "another slice) lets one example move several clipped rows, more than the noise is "
+                          "calibrated for", hint)
+
+
+LOOP_HINT = ("one batch from make_private's data loader, then loss.backward() once over it, then optimizer.step() "
+             "once (docs/python-api.md, \"What the loop must do\"); to go through a large batch in parts, pass "
+             "max_physical_batch_size= to make_private")
+
+
+class DrawTracker:
+    """Where the loop is: the drawn batch that is open (its rows; the rows handed out, in parts,
+    and backwarded so far). Each noisy step is one whole draw, backwarded once; a loss or step
+    over anything else, a second backward, a draw skipped or two draws in one step are refused
+    before anything is released or charged: the ledger then charges exactly what ran."""
+
+    def __init__(self, row_weight: float | None = None) -> None:
+        self.draws = 0                 # batches drawn so far
+        self.rows: int | None = None   # rows of the open draw (None: none open)
+        self.handed = 0                # of them, handed to the loop so far (parts)
+        self.backwarded = 0
+        self.drawn: DrawnRows | None = None   # the open draw's per-sample tensors
+        self.spoiled: str | None = None       # why a backward failed inside the engine: nothing more is released
+        self.busy = False                     # the engine's own forwards (the certificate's replays) run
+        # user-level privacy: every row weighs 1/k (k: a person's most records in a step), so a
+        # person's rows weigh at most 1 together whichever rows the loop backwards together
+        self.row_weight = row_weight
+
+    def weights(self, rows: int, like: Tensor) -> Tensor | None:
+        """The engine's row weights for ``rows`` rows (None: example-level)."""
+        return None if self.row_weight is None else torch.full((rows,), self.row_weight, dtype=like.dtype,
+                                                               device=like.device)
+
+    def open(self, rows: int, batch: Any = None) -> None:
+        self._unspoiled()
+        if self.rows is not None:
+            raise DpclipError(f"the data loader drew batch {self.draws + 1} before optimizer.step() of batch "
+                              f"{self.draws}: each drawn batch is one noisy step, an empty one too (several "
+                              "batches in one step would cost more ε than the ledger charges)", LOOP_HINT)
+        self.draws += 1
+        self.rows, self.handed, self.backwarded = rows, 0, 0
+        self.drawn = None if batch is None else DrawnRows(batch, rows)
+
+    def check_rows(self, tree: Any, rows: int, what: str, hint: str = ROWS_HINT) -> None:
+        """The per-sample tensors of ``tree`` are the draw's next rows (:mod:`dpclip.integrations.rows`)."""
+        if self.drawn is not None and self.rows is not None:
+            for t in tensor_rows(tree, rows):
+                self.drawn.check(t, self.backwarded, what, hint)
+
+    @contextmanager
+    def engine_backward(self) -> Iterator[None]:
+        """The engine's backward of a loss: its own forwards are not the loop's, and a failure
+        spoils the run (the draw's sums may hold rows the engine refused)."""
+        self.busy = True
+        try:
+            yield
+        except BaseException as exc:
+            self.spoiled = f"{type(exc).__name__}: {exc}".split("\n")[0][:300]
+            raise
+        finally:
+            self.busy = False
+
+    def _unspoiled(self) -> None:
+        if self.spoiled is not None:
+            raise DpclipError("a loss.backward() of this run failed inside the engine (" + self.spoiled + "); the "
+                              "clipped sums of its draw may be partial or unchecked, so nothing more is released",
+                              "fix what the first error says, then start again (from a checkpoint saved before it, "
+                              "with load_checkpoint): catching a refusal and going on would release what it refused")
+
+    def hand(self, rows: int) -> None:
+        self.handed += rows
+
+    def _open_draw(self, what: str) -> None:
+        self._unspoiled()
+        if self.rows is None:
+            raise DpclipError(f"{what} without a batch drawn by make_private's data loader (a batch of your own "
+                              "loader, or a second step over one batch): ε covers the Poisson draws only", LOOP_HINT)
+
+    def loss(self, rows: int) -> None:
+        self._open_draw("a loss")
+        if rows > self.handed:   # no counts in the message: a Poisson draw's size is private
+            raise DpclipError("a loss over more rows than the data loader handed out of this batch", LOOP_HINT)
+
+    def backward(self, rows: int) -> None:
+        self._open_draw("loss.backward()")
+        if self.backwarded + rows > self.handed:
+            raise DpclipError(f"a second backward over batch {self.draws}: each example's clipped gradient may "
+                              "enter its step once", LOOP_HINT)
+        self.backwarded += rows
+
+    def step(self) -> bool:
+        """Whether the noisy step is due now (False: parts of the draw are still to come)."""
+        self._open_draw("optimizer.step()")
+        if self.backwarded < self.handed:
+            raise DpclipError(f"optimizer.step() with rows of batch {self.draws} not backwarded", LOOP_HINT)
+        if self.handed < self.rows:
+            return False
+        self.rows, self.drawn = None, None
+        return True
+
+    def state_dict(self) -> dict[str, int]:
+        return {"draws": self.draws}
+
+
+class ModelRowsWatch:
+    """Checks, at each outermost forward of ``model`` with gradients on while a draw is open, that
+    its per-sample inputs are the draw's next rows (``tracker``: the loop's
+    :class:`~dpclip.integrations.parts.DrawTracker`). Forwards without gradients (evaluation), the
+    engine's own (its probes run inside the checked call; the certificate's replays while
+    ``tracker.busy``) and those with no draw open are not the loop's step, and pass unchecked."""
+
+    def __init__(self, model: torch.nn.Module, tracker):
+        self.tracker, self.depth = tracker, 0
+        self.handles = [model.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True),
+                        model.register_forward_hook(self._leave, always_call=True)]
+
+    def _enter(self, module, args, kwargs):
+        self.depth += 1
+        tracker = self.tracker
+        if self.depth == 1 and torch.is_grad_enabled() and tracker.rows is not None and not tracker.busy:
+            first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.dim()), None)
+            if first is not None:   # (a refusal here still runs _leave: it is called always)
+                tracker.check_rows((args, kwargs), first.shape[0], "the model's input")
+
+    def _leave(self, module, args, output):
+        self.depth -= 1
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()

@@ -1,0 +1,186 @@
+"""make_private's loop as the attacker: rows built from several examples, a caught refusal, a
+parameter added after the engine was built. The noise is calibrated to one example moving one
+clipped row of one noisy step; each loop here would break that without the ledger knowing, and
+is refused before anything is released or charged (docs/python-api.md, "What the loop must do")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import dpclip
+from dpclip.errors import DpclipError, EngineError
+
+N = 200
+
+
+def _data(weights: bool = False) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(N, 5, generator=g), torch.randint(0, 3, (N,), generator=g)
+    return TensorDataset(x, y, torch.rand(N, generator=g)) if weights else TensorDataset(x, y)
+
+
+def _private(model=None, optimizer=None, criterion=None, weights=False):
+    torch.manual_seed(0)
+    model = model or nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    optimizer = optimizer or torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with pytest.warns(UserWarning, match="unsafe_seed"):
+        private = dpclip.make_private(model, optimizer, DataLoader(_data(weights), batch_size=40),
+                                      criterion=criterion or nn.CrossEntropyLoss(), delta=1e-5, noise_multiplier=1.0,
+                                      steps=20, max_grad_norm=1.0, unsafe_seed=3)
+    released = []
+    real = private.engine.privatize
+
+    def counted():
+        released.append(1)
+        return real()
+    private.engine.privatize = counted
+    return private, released
+
+
+def _nothing_released(private, released) -> None:
+    assert released == [] and private.ledger.steps == 0
+
+
+ROWS = {
+    "mixup": lambda x: 0.5 * x + 0.5 * x.flip(0),
+    "normalised over the batch": lambda x: (x - x.mean(0)) / x.std(0),
+    "one example repeated": lambda x: x[:1].repeat(x.shape[0], 1),
+    "one example broadcast": lambda x: x[:1].expand(x.shape[0], -1),
+    "reordered": lambda x: x.flip(0),
+    "other rows of the same count": lambda x: _data().tensors[0][:x.shape[0]],
+}
+
+
+@pytest.mark.parametrize("build", ROWS.values(), ids=list(ROWS))
+def test_model_inputs_built_from_other_examples_are_refused_before_the_model_runs(build):
+    private, released = _private()
+    model, optimizer, criterion, loader = private
+    x, y = next(iter(loader))
+    with pytest.raises(DpclipError, match="not the rows the data loader drew") as caught:
+        criterion(model(build(x)), y).backward()
+    assert "one sample at a time" in caught.value.hint
+    _nothing_released(private, released)
+
+
+@pytest.mark.parametrize("build", [lambda y: y.flip(0), lambda y: y.roll(1), lambda y: y[:1].repeat(y.shape[0])],
+                         ids=["reordered", "shifted", "repeated"])
+def test_targets_from_other_examples_are_refused(build):
+    private, released = _private()
+    model, optimizer, criterion, loader = private
+    x, y = next(iter(loader))
+    with pytest.raises(DpclipError, match="criterion's target is not the rows"):
+        criterion(model(x), build(y))
+    _nothing_released(private, released)
+
+
+def test_a_second_pass_of_the_same_rows_after_their_backward_is_refused():
+    private, released = _private()
+    model, optimizer, criterion, loader = private
+    x, y = next(iter(loader))
+    criterion(model(x), y).backward()
+    with pytest.raises(DpclipError, match="not the rows the data loader drew"):
+        model(x)
+    _nothing_released(private, released)
+
+
+@pytest.mark.parametrize("weight", [
+    lambda loss, y: (loss.per_sample / loss.per_sample.mean()).detach(),        # normalised over the batch
+    lambda loss, y: (1.0 / torch.bincount(y, minlength=3).float())[y],         # class counts of the draw
+    lambda loss, y: torch.tensor(1.0 / y.shape[0]),                             # 1 / the realised batch size
+], ids=["normalised", "class-counts", "realised-size"])
+def test_loss_weights_computed_from_the_batch_are_refused(weight):
+    private, released = _private()
+    model, optimizer, criterion, loader = private
+    x, y = next(iter(loader))
+    loss = criterion(model(x), y)
+    with pytest.raises(DpclipError, match="private loss") as caught:
+        loss * weight(loss, y)
+    assert "column of the dataset" in caught.value.hint
+    _nothing_released(private, released)
+
+
+def test_a_weight_column_of_the_dataset_and_a_number_are_taken():
+    private, released = _private(weights=True)
+    model, optimizer, criterion, loader = private
+    for x, y, w in loader:
+        (criterion(model(x), y) * w / 2).backward()
+        optimizer.step()
+        break
+    assert released == [1] and private.ledger.steps == 1
+
+
+def test_the_drawn_rows_moved_reshaped_or_cast_still_train():
+    """What a loop does to rows without mixing them: a dtype, a view per row, a validation forward."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    private, released = _private(model=model)
+    model, optimizer, criterion, loader = private
+    held_out = torch.randn(7, 5, dtype=torch.float64)
+    for k, (x, y) in enumerate(loader):
+        with torch.no_grad():
+            model(held_out)                                  # evaluation: not a step's rows
+        criterion(model(x.double().view(x.shape[0], 5, 1)), y.clone()).backward()
+        optimizer.step()
+        if k == 2:
+            break
+    assert released == [1, 1, 1] and private.ledger.steps == 3
+
+
+class BatchCentredLoss(nn.Module):
+    """Each sample's loss minus the batch's mean: the losses mix samples (the certificate refuses)."""
+
+    reduction = "none"
+
+    def forward(self, out, y):
+        losses = F.cross_entropy(out, y, reduction=self.reduction)
+        return losses - losses.mean() + losses.detach().mean()
+
+
+def test_a_caught_engine_refusal_releases_nothing_after_it():
+    private, released = _private(criterion=BatchCentredLoss())
+    model, optimizer, criterion, loader = private
+    x, y = next(iter(loader))
+    with pytest.raises(EngineError, match="depends on other samples"):
+        criterion(model(x), y).backward()
+    for later in (optimizer.step, lambda: next(iter(loader))):
+        with pytest.raises(DpclipError, match="failed inside the engine") as caught:
+            later()   # a loop that logs the refusal and goes on
+        assert "start again" in caught.value.hint
+    _nothing_released(private, released)
+
+
+def test_a_layer_unfrozen_after_make_private_is_refused_before_its_raw_gradient_is_stepped():
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[0].requires_grad_(False)
+    private, released = _private(model=model)
+    model, optimizer, criterion, loader = private
+    model[0].requires_grad_(True)                               # gradual unfreezing
+    with pytest.raises(DpclipError, match="does not privatise"):
+        optimizer.add_param_group({"params": model[0].parameters()})
+    optimizer.param_groups.append({**optimizer.param_groups[0], "params": list(model[0].parameters())})
+    x, y = next(iter(loader))
+    with pytest.raises(EngineError, match="trainable now that were not") as caught:
+        criterion(model(x), y).backward()                       # the engine's own check
+    assert "before building the engine" in caught.value.hint
+    _nothing_released(private, released)
+    before = model[0].weight.detach().clone()
+    with pytest.raises(DpclipError):
+        optimizer.step()
+    assert torch.equal(model[0].weight, before)
+
+
+def test_a_parameter_group_added_outside_the_engine_is_refused_at_the_step():
+    private, released = _private()
+    model, optimizer, criterion, loader = private
+    extra = nn.Parameter(torch.zeros(3))
+    optimizer.param_groups.append({**optimizer.param_groups[0], "params": [extra]})
+    x, y = next(iter(loader))
+    (criterion(model(x), y) * 1.0).backward()
+    extra.grad = torch.ones(3)                                  # a raw gradient, by any route
+    with pytest.raises(DpclipError, match="does not privatise"):
+        optimizer.step()
+    _nothing_released(private, released)
+    assert torch.equal(extra, torch.zeros(3))
