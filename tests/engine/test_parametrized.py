@@ -11,9 +11,10 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
 import dpclip.engine.bookkeeping as bookkeeping
-from dpclip.engine import DPEngine
+from dpclip.engine import DPEngine, build_groups, trainable_params
 from dpclip.errors import EngineError
-from tests.engine.conftest import DTYPE, check_exact, classify_loss, mlp_batch
+from tests.engine.conftest import (DTYPE, check_exact, classify_loss, clip_reference, group_norms, mlp_batch,
+                                   per_example_grads, run_engine)
 
 
 class Symmetric(nn.Module):
@@ -149,11 +150,27 @@ def test_spectral_norm_power_iteration_advances_once_per_forward_as_without_the_
     plain = copy.deepcopy(model)
     batch = mlp_batch(n=5)
     engine = _engine(model, 5)
-    engine.certificate._due = lambda family: False   # the check switched off
-    _step(engine, model, batch)
+    _step(engine, model, batch)   # the certificate's replays too leave u as the forward left it
     plain(batch["x"])
     u = "0.parametrizations.weight.0._u"
     torch.testing.assert_close(model.state_dict()[u], plain.state_dict()[u], rtol=0, atol=0)
+
+
+def test_spectral_norm_in_training_mode_is_checked_from_the_buffers_its_forward_started_with():
+    """Its forward advances the power iteration (buffers u, v) before it computes the weight: each
+    sample's own gradient is replayed from the buffers the batch's forward found, not from the
+    advanced ones (refused by the certificate before, at 10⁻³ relative)."""
+    torch.manual_seed(0)
+    model = _head(parametrizations.spectral_norm(nn.Linear(6, 8))).to(DTYPE)
+    batch = mlp_batch(n=5)
+    alone = [per_example_grads(copy.deepcopy(model), classify_loss, {k: v[i:i + 1] for k, v in batch.items()})[0]
+             for i in range(5)]
+    groups = build_groups(model, "all-layer")
+    thresholds = [float(group_norms(alone, groups).median(dim=0).values[0])]
+    ref = clip_reference(groups, alone, thresholds, "abadi", 7)
+    run_engine(model, classify_loss, batch, {"threshold": {"kind": "fixed", "value": thresholds}}, 7)
+    for info in trainable_params(model):
+        torch.testing.assert_close(info.param.grad, ref.grads[info.name], rtol=1e-9, atol=1e-12)
 
 
 def test_parametrization_with_trainable_parameters_of_its_own_is_refused():

@@ -40,8 +40,8 @@ from dpclip.engine.batch_axis.layout import tensor_leaves
 from dpclip.engine.certificate.alone import alone_gradients
 from dpclip.engine.certificate.batch import batch_gradients, independent_in_batch
 from dpclip.engine.certificate.draws import Recorder
-from dpclip.engine.certificate.replay import (Cotangents, Forward, NotReproducible, Replayer, buffers_kept, release,
-                                              replaying, rng_state, same_rng)
+from dpclip.engine.certificate.replay import (Cotangents, Forward, NotReproducible, Replayer, buffer_values,
+                                              buffers_kept, release, replaying, rng_state, same_rng)
 from dpclip.engine.certificate.verdict import compare
 from dpclip.engine.precision import autocast_snapshot
 from dpclip.errors import EngineError
@@ -152,7 +152,8 @@ class Certificate:
             self.armed = self._due(shape_family(args, kwargs, batch))
         if self.armed and len(self.forwards) < MAX_FORWARDS:
             self.forwards.append(Forward(args, kwargs, batch, rng_state(self._devices),
-                                         autocast_snapshot({p.device.type for p in self.params})))
+                                         autocast_snapshot({p.device.type for p in self.params}),
+                                         buffers=buffer_values(self.model)))
             self._recorder = Recorder(self.is_plain)   # the forward's random draws (draws.py)
             self._recorder.__enter__()
         return None
@@ -218,7 +219,8 @@ class Certificate:
         random = any(f.random for f in forwards) or forwards[0].batch == 1
         # a random forward whose draws were recorded: each checked sample alone, with its part of them
         cut = random and forwards[0].batch > 1 and all(f.draws is not None for f in forwards)
-        with replaying(self.model, self.plain, self._devices), buffers_kept(self.model) as buffers:
+        start = forwards[0].buffers   # the replays start where the checked forward did
+        with replaying(self.model, self.plain, self._devices), buffers_kept(self.model, start) as buffers:
             own = None
             if cut:
                 try:
@@ -274,7 +276,8 @@ class Certificate:
             return None
         plain32, self.replayer = self.replayer, Replayer(self.model, self.names, self.params, torch.float64)
         try:
-            with replaying(self.model, self.plain, self._devices), buffers_kept(self.model) as buffers:
+            with replaying(self.model, self.plain, self._devices), \
+                    buffers_kept(self.model, forwards[0].buffers) as buffers:
                 # the outputs are not compared again: float32's own rounding of them is what this measures
                 if batch_mode:
                     got = batch_gradients(self, forwards, [r], cots, RTOL[torch.float32], outputs=False)[r]

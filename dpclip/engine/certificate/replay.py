@@ -41,6 +41,7 @@ class Forward:
     draws: list[Tensor] | None = None          # its pure random draws, in order (None: not recordable; draws.py)
     edges: list = field(default_factory=list)     # their autograd edges then (before any in-place change)
     handles: list = field(default_factory=list)   # hooks that read the cotangents at those edges
+    buffers: list[Tensor] | None = None           # the model's buffers at entry (a forward may update them)
 
 
 def release(forward: Forward) -> None:
@@ -271,14 +272,25 @@ def vjp_rows(outputs: list[Tensor], cotangents: dict[int, list[Tensor | None]],
     return {r: vjp(outputs, cotangents[r], leaves, within) for r in rows}
 
 
-class Buffers:
-    """The model's buffers before the replays. After each replay, what it wrote is compared with
-    the previous replay's writes (two different samples must leave a buffer alike), then undone."""
+def buffer_values(model: nn.Module) -> list[Tensor]:
+    return [b.detach().clone() for _, b in model.named_buffers() if b is not None]
 
-    def __init__(self, model: nn.Module):
+
+class Buffers:
+    """The model's buffers as the checked forward found them (``start``, its entry's values; else
+    as they are now): each replay starts from them, as the forward did (spectral_norm's power
+    iteration, a step counter). After each replay, what it wrote is compared with the previous
+    replay's writes (two different samples must leave a buffer alike), then undone; at the end,
+    the buffers are left as the forward left them."""
+
+    def __init__(self, model: nn.Module, start: list[Tensor] | None = None):
         self.buffers = [(n, b) for n, b in model.named_buffers() if b is not None]
-        self.before = [b.detach().clone() for _, b in self.buffers]
+        self.final = [b.detach().clone() for _, b in self.buffers]
+        fits = start is not None and len(start) == len(self.final) and all(
+            a.shape == b.shape and a.dtype == b.dtype for a, b in zip(start, self.final))
+        self.before = start if fits else self.final
         self.written: tuple[str, list[Tensor]] | None = None
+        self.restore()
 
     def after(self, what: str) -> str | None:
         """The name of a buffer this replay left otherwise than the last one did (with what did
@@ -297,9 +309,9 @@ class Buffers:
         self.restore()
         return found
 
-    def restore(self) -> None:
+    def restore(self, values: list[Tensor] | None = None) -> None:
         with torch.no_grad():
-            for (_, b), saved in zip(self.buffers, self.before):
+            for (_, b), saved in zip(self.buffers, self.before if values is None else values):
                 b.copy_(saved)
 
 
@@ -312,12 +324,12 @@ def _equal(a: Tensor, b: Tensor) -> bool:
 
 
 @contextmanager
-def buffers_kept(model: nn.Module) -> Iterator[Buffers]:
-    buffers = Buffers(model)
+def buffers_kept(model: nn.Module, start: list[Tensor] | None = None) -> Iterator[Buffers]:
+    buffers = Buffers(model, start)
     try:
         yield buffers
     finally:
-        buffers.restore()
+        buffers.restore(buffers.final)
 
 
 @contextmanager
