@@ -4,10 +4,16 @@
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
+from dpclip.engine.layers import find_layer_rule
 from dpclip.errors import EngineError
 from dpclip.torch_compat import BatchNormBase, InstanceNormBase
 
+#: the hooks torch.nn.utils sets to recompute a weight before each forward (not a parametrization)
+_WEIGHT_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)
 _BATCHNORM_HINT = "replace it with GroupNorm (e.g. nn.GroupNorm(8, C)) or LayerNorm"
 
 
@@ -24,6 +30,15 @@ def refuse_unsupported(module: nn.Module, name: str, trainable: dict[int, int]) 
         raise EngineError(
             f"module {name} ({type(module).__name__}) tracks running statistics "
             "of the private data, released with the model", "set track_running_stats=False")
+    hooked = [type(h).__name__ for h in module._forward_pre_hooks.values() if isinstance(h, _WEIGHT_HOOKS)]
+    # a layer rule reads the module's weight by name; the torch.func fallback would recompute it by the hook
+    trains = any(id(p) in trainable for p in module.parameters(recurse=False))
+    if hooked and trains and find_layer_rule(module) is not None:
+        raise EngineError(f"module {name or '<root>'} ({type(module).__name__}) computes its weight in a forward "
+                          f"pre-hook ({hooked[0]}: torch.nn.utils.prune, or the old weight_norm / spectral_norm), from "
+                          "parameters its layer rule does not know", "use torch.nn.utils.parametrizations.weight_norm "
+                          "or spectral_norm (supported), or make the pruned weight a parameter: prune.remove(module, "
+                          "'weight')")
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and id(module.weight) in trainable:
         raise EngineError(f"module {name or '<root>'} ({type(module).__name__}) has sparse=True: its gradient is a "
                           "sparse tensor, which the per-sample clipping and the noise (dense over the whole table) "

@@ -1,5 +1,7 @@
 """Capture without autograd weight grads, what is refused, frozen params, memory."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,6 +122,18 @@ def test_a_trainable_sparse_embedding_is_refused_with_the_dense_hint(table):
     assert "sparse=False" in err.value.hint
     table.requires_grad_(False)   # frozen: no sparse gradient is ever formed
     DPEngine(nn.Sequential(table, nn.Linear(3, 2)), {}, expected_batch_size=2).detach()
+
+
+@pytest.mark.parametrize("hook", ["prune", "weight_norm", "spectral_norm"])
+def test_a_weight_computed_by_an_old_style_forward_pre_hook_is_refused_with_the_parametrization_hint(hook):
+    import torch.nn.utils.prune as prune
+    layer = nn.Linear(4, 2)
+    with pytest.warns(FutureWarning) if hook == "weight_norm" else contextlib.nullcontext():
+        {"prune": lambda m: prune.l1_unstructured(m, "weight", amount=0.5), "weight_norm": nn.utils.weight_norm,
+         "spectral_norm": nn.utils.spectral_norm}[hook](layer)
+    with pytest.raises(EngineError, match="computes its weight in a forward pre-hook") as err:
+        DPEngine(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), layer), {}, expected_batch_size=2)
+    assert "parametrizations.weight_norm" in err.value.hint and "prune.remove" in err.value.hint
 
 
 def _unfrozen_first_layer(model):

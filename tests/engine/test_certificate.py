@@ -145,6 +145,26 @@ def test_mixing_models_are_refused_naming_the_module(build, module, why):
     assert module in err.value.message
 
 
+def test_a_forward_hook_that_changes_an_output_is_refused_naming_the_hooked_layer():
+    """The replays run without the user's hooks (an observing hook would record them): a hook that
+    scales an output makes the sample's replay differ, and the hint says where and what to do."""
+    model = _mlp()
+    model[2].register_forward_hook(lambda module, args, out: out * 3.0)
+    x, y = _data()
+    with pytest.raises(EngineError, match="mixes samples") as err:
+        _step(_engine(model, 6), model, x, y)
+    assert "modules 2 have forward hooks" in err.value.hint and "part of the module's forward" in err.value.hint
+
+
+def test_a_forward_hook_that_only_observes_passes_and_sees_the_training_forward_alone():
+    model = _mlp()
+    seen = []
+    model[2].register_forward_hook(lambda module, args, out: seen.append(out.shape[0]))
+    x, y = _data()
+    _step(_engine(model, 6), model, x, y)
+    assert seen == [6]
+
+
 def test_mixing_model_with_dropout_is_refused_in_batch_mode():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), Center(), nn.Dropout(0.2), nn.ReLU(), nn.Linear(8, 3))

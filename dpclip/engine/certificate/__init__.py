@@ -42,7 +42,7 @@ from dpclip.engine.certificate.batch import batch_gradients, independent_in_batc
 from dpclip.engine.certificate.draws import Recorder
 from dpclip.engine.certificate.replay import (Cotangents, Forward, NotReproducible, Replayer, buffer_values,
                                               buffers_kept, release, replaying, rng_state, same_rng)
-from dpclip.engine.certificate.verdict import compare
+from dpclip.engine.certificate.verdict import compare, hooked_layers, with_hooks_named
 from dpclip.engine.precision import autocast_snapshot
 from dpclip.errors import EngineError
 
@@ -219,19 +219,7 @@ class Certificate:
         random = any(f.random for f in forwards) or forwards[0].batch == 1
         # a random forward whose draws were recorded: each checked sample alone, with its part of them
         cut = random and forwards[0].batch > 1 and all(f.draws is not None for f in forwards)
-        start = forwards[0].buffers   # the replays start where the checked forward did
-        with replaying(self.model, self.plain, self._devices), buffers_kept(self.model, start) as buffers:
-            own = None
-            if cut:
-                try:
-                    own = alone_gradients(self.model, self.replayer, forwards, rows, cots, rtol, buffers, cut=True)
-                except NotReproducible:
-                    cut, buffers.written = False, None
-            if own is None and random:
-                own = batch_gradients(self, forwards, rows, cots, rtol)
-                independent_in_batch(self, forwards, rows, cots, own, rtol, buffers)
-            elif own is None:
-                own = alone_gradients(self.model, self.replayer, forwards, rows, cots, rtol, buffers)
+        own, cut = self._own_gradients(forwards, rows, cots, rtol, cut, random)
         batch_mode = random and not cut
         cancelling = cancelling or {}
         for r in rows:
@@ -255,6 +243,31 @@ class Certificate:
         self.last = CertificateRecord(step, len(rows), mode or ("batch" if batch_mode else "alone"),
                                       sum(1 for r in rows if cancelling.get(r)))
         self.reported = False
+
+    def _own_gradients(self, forwards: list[Forward], rows: list[int], cots: dict, rtol: float, cut: bool,
+                       random: bool) -> tuple[dict, bool]:
+        """Each checked row's own gradient, replayed alone (``cut``: with its part of the recorded
+        draws) or within the batch (random draws that cannot be cut); and whether they were cut."""
+        hooked = hooked_layers(self.model)   # (the replays silence them)
+        start = forwards[0].buffers   # the replays start where the checked forward did
+        try:
+            with replaying(self.model, self.plain, self._devices), buffers_kept(self.model, start) as buffers:
+                if cut:
+                    try:
+                        return alone_gradients(self.model, self.replayer, forwards, rows, cots, rtol, buffers,
+                                               cut=True), True
+                    except NotReproducible:
+                        buffers.written = None
+                if random:
+                    own = batch_gradients(self, forwards, rows, cots, rtol)
+                    independent_in_batch(self, forwards, rows, cots, own, rtol, buffers)
+                    return own, False
+                return alone_gradients(self.model, self.replayer, forwards, rows, cots, rtol, buffers), False
+        except EngineError as exc:
+            named = with_hooks_named(exc, hooked)
+            if named is exc:
+                raise
+            raise named from exc
 
     def carry(self, record: CertificateRecord) -> None:
         """Report ``record``, a check another engine ran on this model (before it was cut)."""

@@ -94,6 +94,21 @@ def mixing_error(model: nn.Module, replayer: Replayer, forward: Forward, row: in
                        "privacy guarantee, would not hold" + NOT_COVERED, MIXING_HINT)
 
 
+def hooked_layers(model: nn.Module) -> list[str]:
+    """The layers with forward hooks: the user's (the engine hooks the root only), which replays run without."""
+    return [name for name, m in model.named_modules() if name and (m._forward_hooks or m._forward_pre_hooks)]
+
+
+def with_hooks_named(exc: EngineError, hooked: list[str]) -> EngineError:
+    """A mixing refusal of a model whose layers have forward hooks: a hook that changes an output
+    makes the replays (run without hooks) differ, which reads as mixing."""
+    if not hooked or exc.hint != MIXING_HINT:
+        return exc
+    return EngineError(exc.message, f"modules {', '.join(hooked[:3])} have forward hooks, which the check's replays "
+                                    "run without (a hook may only observe): a hook that changes its module's input "
+                                    "or output must be part of the module's forward; otherwise, " + MIXING_HINT)
+
+
 def where_samples_meet(model: nn.Module, replayer: Replayer, forward: Forward, row: int, rtol: float,
                        replace: tuple[int, int] | None = None) -> str | None:
     """The first module (in the order calls finish) whose output differs between the batch and
