@@ -22,9 +22,16 @@ def refuse_unsupported(module: nn.Module, name: str, trainable: dict[int, int]) 
     exact; ``trainable``: the ids of the trainable parameters."""
     if isinstance(module, BatchNormBase):
         raise EngineError(
-            f"module {name or '<root>'} ({type(module).__name__}) normalises with "
-            "batch statistics, which mixes samples: per-sample gradients and the "
-            "privacy guarantee would not hold", _BATCHNORM_HINT)
+            f"module {name or '<root>'} ({type(module).__name__}) normalises with batch statistics in "
+            "training mode, which mixes samples, and writes them into its running buffers: per-sample "
+            "gradients and the privacy guarantee would not hold (refused in eval mode too: model.train() "
+            "switches it back)", _BATCHNORM_HINT)
+    complex_params = [n for n, p in module.named_parameters(recurse=False) if id(p) in trainable and p.is_complex()]
+    if complex_params:
+        raise EngineError(f"module {name or '<root>'} ({type(module).__name__}) has complex parameter "
+                          f"{complex_params[0]}: per-sample norms, clipping and noise are defined for real "
+                          "parameters", "keep the real and imaginary parts as two real parameters "
+                          "(torch.complex(re, im) in the forward)")
     if (isinstance(module, InstanceNormBase)
             and module.track_running_stats):
         raise EngineError(

@@ -136,6 +136,25 @@ def test_a_weight_computed_by_an_old_style_forward_pre_hook_is_refused_with_the_
     assert "parametrizations.weight_norm" in err.value.hint and "prune.remove" in err.value.hint
 
 
+class _SpectralFilter(nn.Module):
+    """A learned complex filter in the frequency domain (FNO / GFNet style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.filter = nn.Linear(4, 4), nn.Parameter(torch.randn(4, dtype=torch.cfloat))
+
+    def forward(self, x):
+        return (torch.fft.fft(self.proj(x)) * self.filter).real
+
+
+def test_a_complex_parameter_is_refused_by_name_when_the_engine_is_built():
+    with pytest.raises(EngineError, match="complex parameter filter") as err:
+        DPEngine(_SpectralFilter(), {}, expected_batch_size=2)
+    assert "two real parameters" in err.value.hint
+    with pytest.raises(EngineError, match=r"module 0 \(Linear\) has complex parameter weight"):
+        DPEngine(nn.Sequential(nn.Linear(4, 4, dtype=torch.cfloat)), {}, expected_batch_size=2)
+
+
 def _unfrozen_first_layer(model):
     model[0].requires_grad_(True)
 
