@@ -9,7 +9,7 @@ from torch import nn
 
 from dpclip.engine import DPEngine
 from dpclip.errors import EngineError
-from tests.engine.conftest import (DTYPE, LSTMNet, classify_loss, gpt2_batch, gpt2_loss, mlp,
+from tests.engine.conftest import (DTYPE, LSTMNet, check_exact, classify_loss, gpt2_batch, gpt2_loss, mlp,
                                    mlp_batch, seq_batch, tiny_gpt2)
 
 
@@ -178,6 +178,29 @@ def test_parameters_trainable_since_the_engine_was_built_are_refused_before_a_ra
         engine.backward(model(torch.randn(2, 3)).sum(1))
     assert "before building the engine" in err.value.hint
     assert all(p.grad is None for p in model.parameters())
+
+
+class _GatedMixer(nn.Module):
+    """A parameter of its own (the torch.func fallback takes the module) around an attention and a GRU
+    without dropout: ops tagged as random by torch (aten::gru, dropout with p = 0) that draw nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn, self.rnn = nn.MultiheadAttention(6, 2, batch_first=True), nn.GRU(6, 6, batch_first=True)
+        self.gamma, self.head = nn.Parameter(torch.ones(6)), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(x + self.gamma * (self.attn(x, x, x, need_weights=False)[0] + self.rnn(x)[0])).mean(1)
+
+
+def test_ops_torch_tags_random_that_draw_nothing_clip_as_the_per_example_reference():
+    g = torch.Generator().manual_seed(2)
+    batch = {"x": torch.randn(5, 4, 6, generator=g, dtype=DTYPE), "y": torch.randint(0, 3, (5,), generator=g)}
+
+    def make():
+        torch.manual_seed(0)
+        return _GatedMixer().to(DTYPE)
+    check_exact(make, classify_loss, batch)
 
 
 class _Noisy(nn.Module):

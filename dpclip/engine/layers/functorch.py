@@ -78,16 +78,22 @@ def _batch_outer(t: Tensor, axis: Axis | None, batch: int) -> tuple[Tensor, Axis
 
 
 class _RandomOpGuard(TorchDispatchMode):
-    """Refuses random ops while recomputing: a dropout mask cannot be replayed per sample."""
+    """Refuses random draws while recomputing a forward that drew none: a dropout mask cannot be
+    replayed per sample. An op that only may draw (``aten::gru``, dropout with p = 0, both tagged
+    ``nondeterministic_seeded``) passes when the generators did not move."""
 
-    def __init__(self, label: str):
+    def __init__(self, label: str, devices: list[int]):
         super().__init__()
-        self.label = label
+        self.label, self.devices = label, devices
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return func(*args, **(kwargs or {}))
+        before = Draws.states(self.devices)
+        out = func(*args, **(kwargs or {}))
+        if not all(torch.equal(a, b) for a, b in zip(before, Draws.states(self.devices))):
             raise _randomness_error(self.label)
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 def _randomness_error(label: str) -> EngineError:
@@ -112,17 +118,17 @@ class Draws:
         self.devices, self.start, self.end = devices, start, None
 
     @staticmethod
-    def _states(devices: list[int]) -> list[Tensor]:
+    def states(devices: list[int]) -> list[Tensor]:
         return [torch.random.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in devices]
 
     @classmethod
     def before(cls, params) -> "Draws":
         devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
-        return cls(devices, cls._states(devices))
+        return cls(devices, cls.states(devices))
 
     def after(self) -> "Draws | None":
         """Self when the forward drew random numbers, else None."""
-        self.end = self._states(self.devices)
+        self.end = self.states(self.devices)
         return None if all(torch.equal(a, b) for a, b in zip(self.start, self.end)) else self
 
     @contextmanager
@@ -132,7 +138,7 @@ class Draws:
             for d, state in zip(self.devices, self.start[1:]):
                 torch.cuda.set_rng_state(state, d)
             yield
-            if not all(torch.equal(a, b) for a, b in zip(self._states(self.devices), self.end)):
+            if not all(torch.equal(a, b) for a, b in zip(self.states(self.devices), self.end)):
                 raise _randomness_error(label)
 
 
@@ -277,10 +283,8 @@ def per_sample_grads(capture: Capture, args: tuple, kwargs: dict, out_index: lis
             vmap_ok[kind] = True
         except EngineError:
             raise
-        except Exception as exc:  # no batching rule for some op (e.g. nn.LSTM)
-            if "random" in str(exc).lower():
-                raise _randomness_error(capture.label) from exc
-            vmap_ok[kind] = False
+        except Exception:  # no batching rule for some op (nn.LSTM), or one vmap takes as random (aten::gru)
+            vmap_ok[kind] = False   # the loop refuses what truly draws
     if result is None:
         result = _looped(run, params, tensors, in_dims, grads, out_dims, batch, capture.label, draws)
     return {name: Dense(g) for name, g in result.items()}
@@ -312,7 +316,8 @@ def _vmapped(run, params, tensors, in_dims, grads, out_dims, batch) -> dict[str,
 
 def _looped(run, params, tensors, in_dims, grads, out_dims, batch, label, draws=None) -> dict[str, Tensor]:
     rows: dict[str, list[Tensor]] = {name: [] for name in params}
-    with torch.enable_grad(), _RandomOpGuard(label) if draws is None else nullcontext():
+    devices = sorted({t.device.index or 0 for t in params.values() if t.device.type == "cuda"})
+    with torch.enable_grad(), _RandomOpGuard(label, devices) if draws is None else nullcontext():
         for i in range(batch):
             p = {name: t.detach().requires_grad_() for name, t in params.items()}
             sample = [t.narrow(a.dim, i * a.rows, a.rows) if a is not None else t for t, a in zip(tensors, in_dims)]
