@@ -146,6 +146,10 @@ class PrivateTraining:
         if state["plan"] != self._plan_key():
             raise DpclipError(f"the checkpoint was planned as {state['plan']}, this make_private as "
                               f"{self._plan_key()}", "call make_private with the arguments of the run you continue")
+        if self.ledger.steps > Ledger.from_dict(state["ledger"]).steps:
+            raise DpclipError(f"this run has taken {self.ledger.steps} steps, more than the checkpoint holds: loading it "
+                              "would drop from the ledger steps already released",
+                              "load a checkpoint into a fresh make_private (a new process), before its first step")
         self.model.load_state_dict(state["model"])
         self.optimizer.original.load_state_dict(state["optimizer"])
         self.engine.load_state_dict(state["engine"])
@@ -157,9 +161,13 @@ class PrivateTraining:
 
     def _plan_key(self) -> dict[str, Any]:
         plan = self.account.plan.plan
+        spec = self.engine.clipping
+        threshold = spec.threshold.model_dump(mode="json") if hasattr(spec.threshold, "model_dump") else spec.threshold
         return {"sample_rate": plan.sample_rate, "steps": plan.steps, "delta": plan.delta,
                 "noise_multiplier": self.account.noise_multiplier, "accountant": plan.accountant,
-                "sampling": plan.sampling}
+                "sampling": plan.sampling, "clipping": {"grouping": spec.grouping, "fn": spec.fn, "gamma": spec.gamma,
+                                                        "noise_allocation": spec.noise_allocation,
+                                                        "threshold": threshold}}
 
 
 def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,

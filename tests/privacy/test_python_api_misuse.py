@@ -75,17 +75,6 @@ def test_a_second_backward_over_one_batch_is_refused():
     _refused(private, released, twice, "second backward over batch 1")
 
 
-def test_the_same_rows_through_the_model_again_after_their_backward_are_refused():
-    private, released = _private()
-
-    def again(model, optimizer, criterion, loader):
-        for x, y in loader:
-            criterion(model(x), y).backward()
-            criterion(model(x), y).backward()    # the same batch twice
-            optimizer.step()
-    _refused(private, released, again, "not the rows the data loader drew")
-
-
 def test_the_users_own_loader_with_the_returned_parts_is_refused():
     private, released = _private()
     mine = DataLoader(_data(), batch_size=40, shuffle=True)
@@ -232,6 +221,29 @@ def test_a_checkpoint_of_another_plan_is_refused():
         other, _ = _private(noise_multiplier=2.0)
         with pytest.raises(DpclipError, match="planned as"):
             other.load_checkpoint(path)
+
+
+def test_a_checkpoint_of_another_clipping_threshold_is_refused(tmp_path):
+    """The threshold is part of the plan: loading must not silently swap the one asked for."""
+    first, _ = _private()
+    _steps(first, 1)
+    path = first.save_checkpoint(tmp_path / "c.pt")
+    other, _ = _private(max_grad_norm=0.25)
+    with pytest.raises(DpclipError, match="planned as"):
+        other.load_checkpoint(path)
+    assert other.engine.thresholds.tolist() == [0.25]
+
+
+def test_an_older_checkpoint_loaded_into_a_run_that_went_further_is_refused(tmp_path):
+    """Rewinding in one process would drop from the ledger a step already released (ε would fall)."""
+    private, _ = _private()
+    _steps(private, 2)
+    path = private.save_checkpoint(tmp_path / "c.pt")
+    _steps(private, 1)
+    epsilon = private.epsilon()
+    with pytest.raises(DpclipError, match="more than the checkpoint holds"):
+        private.load_checkpoint(path)
+    assert private.ledger.steps == 3 and private.epsilon() == epsilon
 
 
 def test_your_own_loader_with_poisson_sampling_false_is_held_to_one_step_per_batch_and_stated():
