@@ -356,7 +356,8 @@ class Bookkeeper:
         if active is None:
             raise EngineError(
                 f"module {call.unit.label} ran its backward outside engine.backward",
-                "call engine.backward(per_sample_losses) instead of loss.backward()")
+                "call engine.backward(per_sample_losses) instead of loss.backward() (with make_private: "
+                "loss.backward() on the loss of the criterion it returned)")
         if call.generation != active.generation:
             raise EngineError(
                 f"module {call.unit.label} belongs to a forward pass from before the "

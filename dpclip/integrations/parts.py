@@ -151,6 +151,17 @@ WEIGHT_HINT = ("scale by a Python number fixed before the step (float(w)); per-s
                "the dataset (loss * batch['weight']), or inside the criterion (it is checked on each sample alone)")
 
 
+#: torch functions that would differentiate or reduce a private loss outside the engine
+_GRADIENT_FUNCS = {torch.autograd.backward, torch.autograd.grad, Tensor.backward}
+_REDUCTIONS = {torch.mean, torch.sum, Tensor.mean, Tensor.sum}
+
+
+def _refuse_reduction() -> None:
+    raise DpclipError("a private loss reduced (.mean(), .sum()) or differentiated by torch itself: its gradient would "
+                      "leave the engine unclipped", "call loss.backward() on the loss the criterion returned (it is "
+                      "already per sample); loss.item() is its mean, for your logs")
+
+
 class PrivateLoss:
     """A batch's per-sample losses. ``backward()`` hands them to the engine (per-sample
     norms and clipped sums); ``item()`` is their mean over the drawn batch, for your own
@@ -161,7 +172,12 @@ class PrivateLoss:
         self.engine = engine
         self.tracker = tracker
 
-    def backward(self) -> None:
+    def backward(self, gradient: Any = None, retain_graph: bool | None = None, create_graph: bool = False,
+                 inputs: Any = None) -> None:
+        """The engine's one backward over the rows (``retain_graph`` is accepted and has no effect)."""
+        if gradient is not None or create_graph or inputs is not None:
+            raise DpclipError("loss.backward() of a private loss takes no gradient=, create_graph= or inputs=",
+                              "call loss.backward(): the engine weighs, clips and sums each sample's gradient itself")
         weights = None
         if self.tracker is not None:   # before the engine sees anything: a refused backward clips nothing
             self.tracker.backward(self.per_sample.shape[0])
@@ -186,6 +202,16 @@ class PrivateLoss:
 
     def detach(self) -> Tensor:
         return self.per_sample.detach().mean()
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.per_sample.requires_grad
+
+    def mean(self, *args: Any, **kwargs: Any) -> None:
+        _refuse_reduction()
+
+    def sum(self, *args: Any, **kwargs: Any) -> None:
+        _refuse_reduction()
 
     # Arithmetic keeps the per-sample rows (`loss / accumulation`, `loss * w`): each sample's loss is
     # transformed alone, so each sample's gradient is still clipped alone. A term that carries
@@ -229,6 +255,9 @@ class PrivateLoss:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         """Checks and logs (``torch.isnan(loss)``, ``torch.isfinite(loss)``) see the batch's mean loss,
         detached: for your own logs, not covered by ε."""
+        if func in _GRADIENT_FUNCS or func in _REDUCTIONS:
+            _refuse_reduction()
+
         def plain(value):
             return value.detach() if isinstance(value, PrivateLoss) else value
         return func(*[plain(a) for a in args], **{k: plain(v) for k, v in (kwargs or {}).items()})
@@ -266,7 +295,7 @@ class PrivateCriterion:
         rows = outputs.shape[0] if isinstance(outputs, Tensor) and outputs.dim() else None
         if not isinstance(losses, Tensor) or losses.dim() == 0 or (rows is not None and losses.shape[0] != rows):
             shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
-            raise DpclipError(f"the criterion returned {shape}, not one loss per sample ({rows} rows)",
+            raise DpclipError(f"the criterion returned {shape}, not one loss per sample of the batch",
                               "pass a criterion with a `reduction` argument (nn.CrossEntropyLoss()) or one that "
                               "returns per-sample losses: a loss reduced over the batch cannot be clipped per sample")
         return losses.flatten(1).mean(1) if losses.dim() > 1 else losses

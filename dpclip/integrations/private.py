@@ -264,6 +264,9 @@ def check_loop_parts(optimizer, data_loader, epochs, steps, max_physical_batch_s
     if optimizer is None or data_loader is None:
         raise DpclipError("make_private needs the model, the optimizer and the data loader",
                           "make_private(model, optimizer, data_loader, criterion=..., ...)")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise DpclipError("LBFGS evaluates the loss several times per step (a closure): each evaluation would be "
+                          "another release of the batch", "use a first-order optimizer (SGD, Adam, AdamW)")
     dataset = data_loader.dataset
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise DpclipError("make_private needs a dataset with a length and indexable rows",

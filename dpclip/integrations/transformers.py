@@ -191,6 +191,10 @@ class DPTrainer(Trainer):
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise DpclipError("DPTrainer needs a train_dataset with a length",
                               "Poisson sampling draws examples by index: use a map-style dataset")
+        if type(self).compute_loss is not Trainer.compute_loss or self.compute_loss_func is not None:
+            raise DpclipError("DPTrainer computes each example's loss with per_sample_loss, so a compute_loss "
+                              "override (or compute_loss_func) would never run", "pass DPTrainer(per_sample_loss="
+                              "fn), fn(model, inputs) -> one loss per example (reduction='none')")
         self.per_sample_loss = per_sample_loss or default_per_sample_loss
         self.parts = training.gradient_accumulation_steps
         self.people = trainer_people(self.train_dataset, privacy)   # user-level: each example's person, else None

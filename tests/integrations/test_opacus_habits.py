@@ -140,6 +140,32 @@ def test_the_returned_loss_takes_arithmetic_and_checks_and_keeps_its_rows():
     assert private.ledger.steps == 1
 
 
+@pytest.mark.parametrize("reduce", [lambda loss: loss.mean(), lambda loss: loss.sum(), lambda loss: torch.mean(loss),
+                                    lambda loss: torch.autograd.backward(loss), lambda loss: loss.backward(create_graph=True)],
+                         ids=["mean", "sum", "torch.mean", "autograd.backward", "create_graph"])
+def test_the_returned_loss_reduced_or_differentiated_by_torch_is_refused_with_the_fix(reduce):
+    private = _opacus_style(noise_multiplier=1.0, max_grad_norm=1.0, target_delta=1e-5, steps=2)
+    model, optimizer, criterion, loader = private
+    x, y = next(iter(loader))
+    loss = criterion(model(x), y)
+    assert loss.requires_grad
+    with pytest.raises(DpclipError) as caught:
+        reduce(loss)
+    assert "loss.backward()" in caught.value.hint
+    loss.backward(retain_graph=True)   # accepted (it changes nothing here)
+    optimizer.step()
+    assert private.ledger.steps == 1
+
+
+def test_lbfgs_is_refused_when_made_private():
+    model = _model()
+    with pytest.raises(DpclipError, match="LBFGS") as caught:
+        dpclip.make_private(model, torch.optim.LBFGS(model.parameters()), DataLoader(_data(), batch_size=12),
+                            criterion=nn.CrossEntropyLoss(), noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5,
+                            steps=2)
+    assert "first-order" in caught.value.hint
+
+
 def test_opacus_batch_memory_manager_is_refused_with_its_dpclip_form():
     pytest.importorskip("opacus")
     from opacus.utils.batch_memory_manager import BatchMemoryManager

@@ -319,3 +319,15 @@ def test_gradient_checkpointing_in_the_training_arguments_trains_the_weights_of_
         weights.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
     for name, value in weights[0].items():
         torch.testing.assert_close(weights[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _WeightedTrainer(DPTrainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch) * 2
+
+
+def test_a_compute_loss_override_is_refused_since_per_sample_loss_computes_the_loss(tmp_path):
+    with pytest.raises(DpclipError, match="compute_loss override") as caught:
+        _WeightedTrainer(model=_bert(), args=_args(tmp_path), train_dataset=_rows(), data_collator=_collate,
+                         privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0))
+    assert "per_sample_loss=" in caught.value.hint
