@@ -8,7 +8,7 @@ exact, refused (EngineError), wrong (silently mismatched) or crashed.
 
     python scripts/supported_models.py                 # the full zoo (a few minutes)
     python scripts/supported_models.py --quick         # all-layer, auto, fp32 only
-    python scripts/supported_models.py --write-docs    # and regenerate docs/supported-models.md's table
+    python scripts/supported_models.py --write-docs    # and regenerate docs/zoo.md's table
     python scripts/supported_models.py --render-only --write-docs   # docs from the saved JSON
     python scripts/supported_models.py --cases '^gemma3$' --merge --write-docs   # rerun some cases only
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "supported_models.json"
-DOCS = REPO / "docs" / "supported-models.md"
+DOCS = REPO / "docs" / "zoo.md"
 START, END = "<!-- supported-models:start -->", "<!-- supported-models:end -->"
 VERDICTS = ("exact", "refused", "wrong", "crashed")
 SHAPE_ORDER = ("generic", "B==T", "B==T+1", "B==1")
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="all-layer, auto, fp32 only (every case and shape)")
     ap.add_argument("--cases", help="regex: only the cases whose name it matches")
     ap.add_argument("--out", type=Path, default=RESULTS, help=f"results JSON (default {RESULTS.relative_to(REPO)})")
-    ap.add_argument("--write-docs", action="store_true", help="regenerate the table of docs/supported-models.md")
+    ap.add_argument("--write-docs", action="store_true", help="regenerate the table of docs/zoo.md")
     ap.add_argument("--render-only", action="store_true", help="run nothing: render the JSON at --out")
     ap.add_argument("--merge", action="store_true",
                     help="with --cases: replace those cases' runs in the JSON at --out and keep the others")
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
         print(fault_table(results, EXPECTED_REFUSALS))
     if args.write_docs:
         write_docs(results)
-        print(f"wrote the Supported models table in {DOCS}")
+        print(f"wrote the model zoo's table in {DOCS}")
     return 0
 
 

@@ -31,7 +31,6 @@ clipping block asks for adaptive thresholds (docs/accounting.md, "Joint release"
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from dpclip.accounting import Ledger, PlanResult
 from dpclip.data.sampler import PoissonSampler
@@ -50,7 +49,8 @@ from dpclip.errors import DpclipError
 from dpclip.files import owner_only
 from dpclip.integrations.parts import PrivateCriterion, PrivateOptimizer, poisson_loader, tracked_loader
 from dpclip.integrations.rows import DrawTracker, ModelRowsWatch
-from dpclip.integrations.setup import Account, check_optimizer_params, clipping_spec, private_engine
+from dpclip.integrations.setup import (Account, check_loop_parts, check_optimizer_params, clipping_spec,
+                                      private_engine, running_world, sampling_world)
 from dpclip.integrations.train_step import TrainStep, check_compile, train_step_for
 
 
@@ -250,39 +250,6 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
     return PrivateTraining(model, private_optimizer, private_criterion, loader, engine, account, draws, stepper)
 
 
-def sampling_world(poisson_sampling: bool) -> World | None:
-    """The processes of a distributed run (None: one), where the sampling can hold across them."""
-    world = running_world()
-    if world is not None and not poisson_sampling:
-        raise DpclipError("poisson_sampling=False across several processes is not supported",
-                          "keep poisson_sampling=True: each rank then draws its own examples' part of each batch")
-    return world
-
-
-def check_loop_parts(optimizer, data_loader, epochs, steps, max_physical_batch_size) -> None:
-    """Refuse, with the fix, the optimizer, data loader and step options make_private cannot use."""
-    if optimizer is None or data_loader is None:
-        raise DpclipError("make_private needs the model, the optimizer and the data loader",
-                          "make_private(model, optimizer, data_loader, criterion=..., ...)")
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise DpclipError("LBFGS evaluates the loss several times per step (a closure): each evaluation would be "
-                          "another release of the batch", "use a first-order optimizer (SGD, Adam, AdamW)")
-    dataset = data_loader.dataset
-    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-        raise DpclipError("make_private needs a dataset with a length and indexable rows",
-                          "use a map-style Dataset (e.g. TensorDataset): Poisson sampling draws examples by index")
-    if data_loader.batch_size is None:
-        raise DpclipError("the data loader has no batch_size (it was built with a batch_sampler)",
-                          "build it as DataLoader(dataset, batch_size=B): B is the expected batch size of the "
-                          "Poisson draws")
-    if (epochs is None) == (steps is None):
-        raise DpclipError("give exactly one of epochs and steps", "e.g. epochs=3")
-    if max_physical_batch_size is not None and (isinstance(max_physical_batch_size, bool) or not isinstance(
-            max_physical_batch_size, int) or max_physical_batch_size < 1):
-        raise DpclipError(f"max_physical_batch_size must be a whole number >= 1, got {max_physical_batch_size!r}",
-                          "the most rows one backward takes, e.g. 32 (None: whole batches)")
-
-
 def count_planned_steps(epochs: float | None, steps: int | None, steps_per_pass: int) -> int:
     """The planned steps: ``steps``, or for ``epochs`` = E, E passes of the loader, ⌈N/B⌉ draws
     each (``steps_per_pass``)."""
@@ -390,15 +357,3 @@ def make_private_with_epsilon(module: nn.Module, optimizer: torch.optim.Optimize
     return make_private(module=module, optimizer=optimizer, data_loader=data_loader, target_epsilon=target_epsilon,
                         target_delta=target_delta, epochs=epochs, max_grad_norm=max_grad_norm, criterion=criterion,
                         **options)
-
-
-def running_world() -> World | None:
-    """The data-parallel ranks this process belongs to, if torch.distributed is initialised
-    with more than one (torchrun, ``accelerate launch``, or your own ``init_process_group``)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return None
-    size = torch.distributed.get_world_size()
-    if size == 1:
-        return None
-    return World(torch.distributed.get_rank(), size, int(os.environ.get("LOCAL_RANK", 0)),
-                 int(os.environ.get("LOCAL_WORLD_SIZE", 1)))

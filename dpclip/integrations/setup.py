@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from dpclip import layout
 from dpclip.accounting import Ledger, PlanResult, PrivacyPlan, solve
@@ -169,3 +171,48 @@ def check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -
         raise DpclipError(f"the optimizer holds {len(outside)} parameter(s) that are not trainable parameters of "
                           "the model", "build the optimizer on model.parameters() after freezing what stays frozen: "
                           "a parameter the engine does not see would be updated without noise")
+
+
+def sampling_world(poisson_sampling: bool) -> World | None:
+    """The processes of a distributed run (None: one), where the sampling can hold across them."""
+    world = running_world()
+    if world is not None and not poisson_sampling:
+        raise DpclipError("poisson_sampling=False across several processes is not supported",
+                          "keep poisson_sampling=True: each rank then draws its own examples' part of each batch")
+    return world
+
+
+def check_loop_parts(optimizer, data_loader, epochs, steps, max_physical_batch_size) -> None:
+    """Refuse, with the fix, the optimizer, data loader and step options make_private cannot use."""
+    if optimizer is None or data_loader is None:
+        raise DpclipError("make_private needs the model, the optimizer and the data loader",
+                          "make_private(model, optimizer, data_loader, criterion=..., ...)")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise DpclipError("LBFGS evaluates the loss several times per step (a closure): each evaluation would be "
+                          "another release of the batch", "use a first-order optimizer (SGD, Adam, AdamW)")
+    dataset = data_loader.dataset
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise DpclipError("make_private needs a dataset with a length and indexable rows",
+                          "use a map-style Dataset (e.g. TensorDataset): Poisson sampling draws examples by index")
+    if data_loader.batch_size is None:
+        raise DpclipError("the data loader has no batch_size (it was built with a batch_sampler)",
+                          "build it as DataLoader(dataset, batch_size=B): B is the expected batch size of the "
+                          "Poisson draws")
+    if (epochs is None) == (steps is None):
+        raise DpclipError("give exactly one of epochs and steps", "e.g. epochs=3")
+    if max_physical_batch_size is not None and (isinstance(max_physical_batch_size, bool) or not isinstance(
+            max_physical_batch_size, int) or max_physical_batch_size < 1):
+        raise DpclipError(f"max_physical_batch_size must be a whole number >= 1, got {max_physical_batch_size!r}",
+                          "the most rows one backward takes, e.g. 32 (None: whole batches)")
+
+
+def running_world() -> World | None:
+    """The data-parallel ranks this process belongs to, if torch.distributed is initialised
+    with more than one (torchrun, ``accelerate launch``, or your own ``init_process_group``)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    size = torch.distributed.get_world_size()
+    if size == 1:
+        return None
+    return World(torch.distributed.get_rank(), size, int(os.environ.get("LOCAL_RANK", 0)),
+                 int(os.environ.get("LOCAL_WORLD_SIZE", 1)))

@@ -67,7 +67,7 @@ from dpclip.distributed import ShardedPoissonSampler
 from dpclip.engine.compiled import CompiledMicroBatch
 from dpclip.errors import DpclipError
 from dpclip.integrations.parts import EmptyDrawCollate, PoissonBatches, PrivateOptimizer
-from dpclip.integrations.private import running_world
+from dpclip.integrations.setup import running_world
 from dpclip.integrations.setup import clipping_spec, private_engine
 from dpclip.models.losses import cross_entropy, next_token_cross_entropy, no_generation_cache
 from dpclip.torch_compat import import_dynamo

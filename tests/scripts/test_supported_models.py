@@ -1,4 +1,4 @@
-"""scripts/supported_models.py: docs/supported-models.md's "Supported models" block is the script's
+"""scripts/supported_models.py: docs/zoo.md's table is the script's
 rendering of the committed results (render only: fast), and the rendering itself."""
 
 import json
@@ -19,7 +19,7 @@ def script(load_script):
 def test_docs_block_is_the_rendering_of_the_committed_results(script):
     results = json.loads(script.RESULTS.read_text())
     assert script.docs_block() == script.render(results), (
-        "docs/supported-models.md's Supported models table is stale: run "
+        "docs/zoo.md's table is stale: run "
         "`python scripts/supported_models.py --render-only --write-docs`")
 
 
