@@ -113,7 +113,9 @@ class DrawTracker:
         if self.rows is not None:
             raise DpclipError(f"the data loader drew batch {self.draws + 1} before optimizer.step() of batch "
                               f"{self.draws}: each drawn batch is one noisy step, an empty one too (several "
-                              "batches in one step would cost more ε than the ledger charges)", LOOP_HINT)
+                              "batches in one step would cost more ε than the ledger charges; a loop that broke out "
+                              "after a draw left it open: finish it with loss.backward() and optimizer.step())",
+                              LOOP_HINT)
         self.draws += 1
         self.rows, self.handed, self.backwarded = rows, 0, 0
         self.drawn = None if batch is None else DrawnRows(batch, rows)
