@@ -164,6 +164,9 @@ def render(results: dict) -> str:
         "**refused** with an error, **wrong** (silently mismatched) or **crashed**.",
         "",
         f"{len(runs)} runs: " + ", ".join(f"{counts[v]} {v}" for v in VERDICTS) + ".",
+        f"{len(results['cases'])} cases; exact in every run: " + ", ".join(
+            f"{exact} of {total} {FAMILIES.get(family, family)}"
+            for family, (exact, total) in _families(results, by_case).items()) + ".",
         "",
         "| case | architecture / layer | " + " | ".join(meta["methods"]) + " | notes |",
         "|---|---|" + "---|" * len(meta["methods"]) + "---|",
@@ -173,6 +176,19 @@ def render(results: dict) -> str:
         cells = [_cell([r for r in case_runs if r["method"] == m], meta["precisions"]) for m in meta["methods"]]
         lines.append(f"| `{name}` | {info['what']} | " + " | ".join(cells) + f" | {_notes(case_runs)} |")
     return "\n".join(lines)
+
+
+FAMILIES = {"hf": "transformers architectures", "layer": "layers", "pattern": "forward patterns"}
+
+
+def _families(results: dict, by_case: dict) -> dict[str, tuple[int, int]]:
+    """Per family of cases (hf: transformers architectures; layers; patterns; ...): how many are
+    exact in every run, of how many."""
+    out: dict[str, list[int]] = {}
+    for name, info in results["cases"].items():
+        exact, total = out.setdefault(info["family"], [0, 0])
+        out[info["family"]] = [exact + all(r["verdict"] == "exact" for r in by_case[name]), total + 1]
+    return {family: (exact, total) for family, (exact, total) in out.items()}
 
 
 def write_docs(results: dict, path: Path = DOCS) -> None:
