@@ -82,8 +82,10 @@ class _RandomOpGuard(TorchDispatchMode):
     replayed per sample. An op that only may draw (``aten::gru``, dropout with p = 0, both tagged
     ``nondeterministic_seeded``) passes when the generators did not move."""
 
-    def __init__(self, label: str, devices: list[int]):
+    def __init__(self, label: str, devices: list[int] | None = None):
         super().__init__()
+        if devices is None:   # every CUDA device this process has used
+            devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
         self.label, self.devices = label, devices
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
