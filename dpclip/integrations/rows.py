@@ -48,13 +48,24 @@ def same_rows(drawn: Tensor, t: Tensor, any_row: bool = False) -> bool:
     if not any_row and drawn.shape == t.shape:   # as drawn, or moved or cast (the loop's usual): no sort needed
         if (drawn.device, drawn.dtype, drawn.data_ptr(), drawn.stride()) == (t.device, t.dtype, t.data_ptr(), t.stride()):
             return True
-        if torch.equal(drawn.to(device=t.device, dtype=t.dtype), t.detach()):
+        if _equal(drawn.to(device=t.device, dtype=t.dtype), t.detach()):
             return True
     if t.is_complex():
         a, b = drawn.to(device=t.device, dtype=t.dtype).reshape(t.shape[0], -1), t.detach().reshape(t.shape[0], -1)
     else:
         a, b = _sorted_rows(drawn.to(device=t.device, dtype=t.dtype)), _sorted_rows(t)
-    return bool((a == b).all(1).any()) if any_row else torch.equal(a, b)
+    if any_row:
+        same = (a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b
+        return bool(same.all(1).any())
+    return _equal(a, b)
+
+
+def _equal(a: Tensor, b: Tensor) -> bool:
+    """Equal values, a missing value (NaN) equal to itself."""
+    if torch.equal(a, b):
+        return True
+    return bool(a.is_floating_point() or a.is_complex()) and torch.equal(a.isnan(), b.isnan()) and \
+        torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
 def broadcast_rows(t: Tensor) -> bool:

@@ -129,6 +129,18 @@ def test_the_drawn_rows_moved_reshaped_or_cast_still_train():
     assert released == [1, 1, 1] and private.ledger.steps == 3
 
 
+def test_rows_with_missing_values_are_the_drawn_rows_still():
+    """NaN is not equal to itself; a feature missing in the data (imputed in the model) is still the row's own."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    private, released = _private(model=model)
+    model, optimizer, criterion, loader = private
+    private.data_loader.dataset.tensors[0][::2, 0] = float("nan")   # missing in every second example
+    x, y = next(iter(loader))
+    assert x.isnan().any()
+    model(x.double())                           # cast: compared as is
+    model(x.double().view(x.shape[0], 5, 1))    # reshaped: compared row by row, sorted
+
+
 class BatchCentredLoss(nn.Module):
     """Each sample's loss minus the batch's mean: the losses mix samples (the certificate refuses)."""
 
