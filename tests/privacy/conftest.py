@@ -10,3 +10,15 @@ def tiny_recipe(quickstart):
                           "checkpoint.every_steps=2", "eval.every_steps=null", *overrides)
 
     return make
+
+
+def counted_releases(private) -> list:
+    """A list that gets one entry per noisy step the engine of ``private`` (make_private's) releases."""
+    released = []
+    real = private.engine.privatize
+
+    def counted():
+        released.append(1)
+        return real()
+    private.engine.privatize = counted
+    return released

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dpclip
 from dpclip.errors import DpclipError
+from tests.privacy.conftest import counted_releases
 
 N = 200
 
@@ -32,14 +33,7 @@ def _private(**kwargs):
                "max_grad_norm": 1.0, **kwargs}
     private = dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                   DataLoader(_data(), batch_size=40), **options)
-    released = []
-    real = private.engine.privatize
-
-    def counted():
-        released.append(1)
-        return real()
-    private.engine.privatize = counted
-    return private, released
+    return private, counted_releases(private)
 
 
 def _refused(private, released, loop, match: str) -> None:

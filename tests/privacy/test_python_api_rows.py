@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dpclip
 from dpclip.errors import DpclipError, EngineError
+from tests.privacy.conftest import counted_releases
 
 N = 200
 
@@ -31,14 +32,7 @@ def _private(model=None, optimizer=None, criterion=None, weights=False):
         private = dpclip.make_private(model, optimizer, DataLoader(_data(weights), batch_size=40),
                                       criterion=criterion or nn.CrossEntropyLoss(), delta=1e-5, noise_multiplier=1.0,
                                       steps=20, max_grad_norm=1.0, unsafe_seed=3)
-    released = []
-    real = private.engine.privatize
-
-    def counted():
-        released.append(1)
-        return real()
-    private.engine.privatize = counted
-    return private, released
+    return private, counted_releases(private)
 
 
 def _nothing_released(private, released) -> None:
