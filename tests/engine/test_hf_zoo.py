@@ -12,7 +12,7 @@ its entry must be deleted, so the table stays true.
 
 The unmarked subset is every case at two shape families (B ≠ T and B == T), all-layer, auto,
 fp32; the full cross product (cases x 4 shapes x 3 groupings x 3 methods x 2 precisions) is
-``slow``: about 13,500 runs, most of the slow suite's time (about an hour in one process on the
+``slow``: about 15,000 runs, most of the slow suite's time (about an hour in one process on the
 2-core machine; CI runs them on two pytest-xdist workers, each run on one thread).
 """
 
