@@ -111,6 +111,7 @@ class DPEngine:
         self.reducer = reducer
         self.stage = stage
         self.steps = 0
+        self._sharded_names: set[str] | None = None   # adopt_parameters: trainable names (FSDP swaps the objects)
 
         params = trainable_params(model)
         self.groups: Groups = build_groups(model, cfg.grouping, params)
@@ -164,11 +165,6 @@ class DPEngine:
     @property
     def thresholds(self) -> Tensor:
         return self.policy.thresholds()
-
-    @property
-    def parameters(self) -> list[nn.Parameter]:
-        """The parameters the engine privatises (the model's trainable ones when it was built)."""
-        return list(self._params)
 
     @property
     def book_keeper(self) -> Bookkeeper:
@@ -228,6 +224,7 @@ class DPEngine:
                               "cannot follow them when they are sharded", "freeze them, or use training.parallel: data")
         for idx, param in adopted.items():
             self._params[idx] = self.groups.params[idx].param = param
+        self._sharded_names = {name for info in self.groups.params for name in info.names}
         self.certificate.disabled = why_sealed
 
     def __enter__(self) -> "DPEngine":
@@ -289,7 +286,7 @@ class DPEngine:
         threshold policy and the counts never see them.
         """
         samples = batch_size if samples is None else samples
-        refuse_new_trainable(self.model, self._params)
+        refuse_new_trainable(self.model, self._params, self._sharded_names)
         with self._step.capture(self.policy, batch_size, samples, generation, loss_scale, row_weights, _watch):
             yield
 

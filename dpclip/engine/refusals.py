@@ -60,11 +60,14 @@ def refuse_unsupported(module: nn.Module, name: str, trainable: dict[int, int]) 
             "set max_norm=None (clip the gradient instead)")
 
 
-def refuse_new_trainable(model: nn.Module, privatised: list[nn.Parameter]) -> None:
+def refuse_new_trainable(model: nn.Module, privatised: list[nn.Parameter], names: set[str] | None = None) -> None:
     """A parameter trainable now that was not when the engine was built (a layer unfrozen, a module
-    or parameter replaced) is not book-kept: autograd would leave its raw gradient in ``p.grad``."""
+    or parameter replaced) is not book-kept: autograd would leave its raw gradient in ``p.grad``.
+    ``names``: a sharded model's privatised names, compared by name (FSDP swaps the parameter
+    objects for unsharded ones around each forward and backward)."""
     known = {id(p) for p in privatised}
-    new = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in known]
+    new = [name for name, p in model.named_parameters() if p.requires_grad and
+           (id(p) not in known if names is None else name not in names)]
     if new:
         raise EngineError(f"parameters trainable now that were not when the engine was built ({', '.join(new[:3])}"
                           f"{', ...' if len(new) > 3 else ''}): the engine does not book-keep them, and their "

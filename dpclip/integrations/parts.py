@@ -342,7 +342,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
     def _check_params(self, groups: list[dict[str, Any]]) -> None:
         """A parameter the engine does not privatise (a layer unfrozen or replaced after make_private)
         would be stepped with its raw gradient: unclipped, without noise."""
-        known = {id(p) for p in self.engine.parameters}
+        known = {id(info.param) for info in self.engine.groups.params}   # what the engine privatises
         outside = [p for group in groups for p in group["params"] if id(p) not in known]
         if outside:
             raise DpclipError(f"the optimizer holds {len(outside)} parameter(s) the engine does not privatise (added, "
