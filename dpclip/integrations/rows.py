@@ -113,7 +113,7 @@ class DrawTracker:
         self.handed = 0                # of them, handed to the loop so far (parts)
         self.backwarded = 0
         self.drawn: DrawnRows | None = None   # the open draw's per-sample tensors
-        self.spoiled: str | None = None       # why a backward failed inside the engine: nothing more is released
+        self.spoiled: str | None = None       # the error a backward raised inside the engine: nothing more is released
         self.busy = False                     # the engine's own forwards (the certificate's replays) run
         # user-level privacy: every row weighs 1/k (k: a person's most records in a step), so a
         # person's rows weigh at most 1 together whichever rows the loop backwards together
@@ -150,14 +150,14 @@ class DrawTracker:
         try:
             yield
         except BaseException as exc:
-            self.spoiled = f"{type(exc).__name__}: {exc}".split("\n")[0][:300]
+            self.spoiled = type(exc).__name__   # its message (shapes of the private batch) was printed, labelled
             raise
         finally:
             self.busy = False
 
     def _unspoiled(self) -> None:
         if self.spoiled is not None:
-            raise DpclipError("a loss.backward() of this run failed inside the engine (" + self.spoiled + "); the "
+            raise DpclipError("a loss.backward() of this run failed inside the engine (the " + self.spoiled + " above); the "
                               "clipped sums of its draw may be partial or unchecked, so nothing more is released",
                               "fix what the first error says, then start again (from a checkpoint saved before it, "
                               "with load_checkpoint): catching a refusal and going on would release what it refused")
@@ -200,14 +200,14 @@ class DrawTracker:
 class ModelRowsWatch:
     """Checks, at each outermost forward of ``model`` with gradients on while a draw is open, that
     its per-sample inputs are the draw's next rows (``tracker``: the loop's
-    :class:`~dpclip.integrations.parts.DrawTracker`). Forwards without gradients (evaluation), the
+    :class:`DrawTracker`). Forwards without gradients (evaluation), the
     engine's own (its probes run inside the checked call; the certificate's replays while
     ``tracker.busy``) and those with no draw open are not the loop's step, and pass unchecked."""
 
     def __init__(self, model: torch.nn.Module, tracker):
         self.tracker, self.depth = tracker, 0
-        self.handles = [model.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True),
-                        model.register_forward_hook(self._leave, always_call=True)]
+        model.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True)
+        model.register_forward_hook(self._leave, always_call=True)
 
     def _enter(self, module, args, kwargs):
         self.depth += 1
@@ -219,7 +219,3 @@ class ModelRowsWatch:
 
     def _leave(self, module, args, output):
         self.depth -= 1
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
