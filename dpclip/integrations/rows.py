@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dpclip.engine.certificate.replay import equal_values
 from dpclip.errors import DpclipError
 from dpclip.torch_compat import tree_flatten
 
@@ -48,7 +49,7 @@ def same_rows(drawn: Tensor, t: Tensor, any_row: bool = False) -> bool:
     if not any_row and drawn.shape == t.shape:   # as drawn, or moved or cast (the loop's usual): no sort needed
         if (drawn.device, drawn.dtype, drawn.data_ptr(), drawn.stride()) == (t.device, t.dtype, t.data_ptr(), t.stride()):
             return True
-        if _equal(drawn.to(device=t.device, dtype=t.dtype), t.detach()):
+        if equal_values(drawn.to(device=t.device, dtype=t.dtype), t.detach()):
             return True
     if t.is_complex():
         a, b = drawn.to(device=t.device, dtype=t.dtype).reshape(t.shape[0], -1), t.detach().reshape(t.shape[0], -1)
@@ -57,15 +58,7 @@ def same_rows(drawn: Tensor, t: Tensor, any_row: bool = False) -> bool:
     if any_row:
         same = (a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b
         return bool(same.all(1).any())
-    return _equal(a, b)
-
-
-def _equal(a: Tensor, b: Tensor) -> bool:
-    """Equal values, a missing value (NaN) equal to itself."""
-    if torch.equal(a, b):
-        return True
-    return bool(a.is_floating_point() or a.is_complex()) and torch.equal(a.isnan(), b.isnan()) and \
-        torch.equal(a.nan_to_num(), b.nan_to_num())
+    return equal_values(a, b)
 
 
 def broadcast_rows(t: Tensor) -> bool:

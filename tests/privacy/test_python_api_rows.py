@@ -123,6 +123,28 @@ def test_the_drawn_rows_moved_reshaped_or_cast_still_train():
     assert released == [1, 1, 1] and private.ledger.steps == 3
 
 
+class WithPositions(nn.Module):
+    """Takes a second input shared by all samples, as transformers take position ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.position = nn.Embedding(5, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x, positions):
+        return self.head(x + self.position(positions).mean(1))
+
+
+def test_a_shared_tensor_expanded_over_the_batch_is_not_taken_for_an_example():
+    """``positions.expand(B, T)``: one row for every sample, none of them a drawn example's."""
+    private, released = _private(model=WithPositions())
+    model, optimizer, criterion, loader = private
+    x, y = next(iter(loader))
+    criterion(model(x, torch.arange(5).expand(x.shape[0], 5)), y).backward()
+    optimizer.step()
+    assert released == [1] and private.ledger.steps == 1
+
+
 def test_rows_with_missing_values_are_the_drawn_rows_still():
     """NaN is not equal to itself; a feature missing in the data (imputed in the model) is still the row's own."""
     model = nn.Sequential(nn.Flatten(), nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()

@@ -296,12 +296,12 @@ class Buffers:
         """The name of a buffer this replay left otherwise than the last one did (with what did
         it), or None; the buffers are put back either way."""
         now = [b.detach().clone() for _, b in self.buffers]
-        changed = [i for i, (a, b) in enumerate(zip(self.before, now)) if not _equal(a, b)]
+        changed = [i for i, (a, b) in enumerate(zip(self.before, now)) if not equal_values(a, b)]
         found = None
         if self.written is not None and changed:
             prev_what, prev = self.written
             for i in changed:
-                if not _equal(prev[i], now[i]):
+                if not equal_values(prev[i], now[i]):
                     found = f"{self.buffers[i][0]} ({prev_what} and {what} leave it different)"
                     break
         if changed:
@@ -315,12 +315,15 @@ class Buffers:
                 b.copy_(saved)
 
 
-def _equal(a: Tensor, b: Tensor) -> bool:
+def equal_values(a: Tensor, b: Tensor) -> bool:
+    """Same shape and values, a missing value (NaN) equal to itself: a buffer after a replay against
+    the checked forward's, a loop's rows against the draw's (integrations/rows.py)."""
     if a.shape != b.shape:
         return False
     if torch.equal(a, b):
         return True
-    return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    return bool(a.is_floating_point() or a.is_complex()) and torch.equal(a.isnan(), b.isnan()) and \
+        torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
 @contextmanager
