@@ -323,6 +323,60 @@ def test_random_draws_are_cut_per_sample_or_checked_in_eval_mode(rrelu, mode):
     assert torch.equal(checked.norms, plain.norms)
 
 
+class BatchStatisticsWhenTraining(nn.Module):
+    """Normalises by the batch's statistics in training mode only (keeping none): mixes samples
+    exactly where an eval-mode check cannot see it."""
+
+    def forward(self, x):
+        return (x - x.mean(0)) / (x.std(0) + 1e-5) if self.training else x
+
+
+def test_mixing_in_training_mode_only_is_refused_where_the_step_is_checked_in_eval_mode():
+    """The rule's draws cannot reproduce the step (rrelu), so its sums are checked in eval mode; the
+    batch statistics of training mode are caught first, on the plain forward replayed with one
+    sample replaced."""
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.2, batch_first=True)
+            self.norm, self.head = BatchStatisticsWhenTraining(), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.norm(F.rrelu(self.layer(x), training=self.training).mean(1)))
+    torch.manual_seed(0)
+    model = Encoder().train()
+    engine = _engine(model, 5)
+    x, y = torch.randn(5, 4, 8), torch.randint(0, 3, (5,))
+    with pytest.raises(EngineError, match="changes sample .* gradient when sample .* is replaced"):
+        engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+
+
+@pytest.mark.parametrize("draw", ["own generator", "numpy"])
+def test_a_forward_drawing_what_the_replay_cannot_restore_is_refused(draw):
+    """Noise from a generator of its own (or numpy) cannot be drawn again by a replay: the step
+    is refused rather than checked in eval mode, where training mode's mixing would not show."""
+    np = pytest.importorskip("numpy")
+
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.norm, self.head = nn.Linear(5, 8), BatchStatisticsWhenTraining(), nn.Linear(8, 3)
+            self.generator = torch.Generator().manual_seed(1)
+
+        def forward(self, x):
+            h = F.dropout(self.body(x), 0.2, self.training)
+            noise = torch.randn(h.shape, generator=self.generator) if draw == "own generator" else \
+                torch.from_numpy(np.random.randn(*h.shape)).float()
+            return self.head(self.norm(h + 0.01 * noise))
+    torch.manual_seed(0)
+    model = Noisy().train()
+    engine = _engine(model, 6)
+    x, y = _data()
+    with pytest.raises(EngineError, match="draws random numbers the engine cannot replay") as caught:
+        engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+    assert "default generator" in caught.value.hint
+
+
 class RowCounter(nn.Module):
     """The identity, counting the calls and their batch sizes (not a hook: replays silence hooks)."""
 

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from dpclip.engine.batch_axis.layout import tensor_leaves
 from dpclip.engine.certificate.alone import alone_gradients
-from dpclip.engine.certificate.batch import batch_gradients, independent_in_batch
+from dpclip.engine.certificate.batch import batch_gradients, checked_before_eval_mode, independent_in_batch
 from dpclip.engine.certificate.draws import Recorder
 from dpclip.engine.certificate.replay import (Cotangents, Forward, NotReproducible, Replayer, buffer_values,
                                               buffers_kept, release, replaying, rng_state, same_rng)
@@ -259,7 +259,11 @@ class Certificate:
                     except NotReproducible:
                         buffers.written = None
                 if random:
-                    own = batch_gradients(self, forwards, rows, cots, rtol)
+                    try:
+                        own = batch_gradients(self, forwards, rows, cots, rtol)
+                    except NotReproducible:   # then checked in eval mode (dry.py); training mode here
+                        checked_before_eval_mode(self, forwards, rows, cots, rtol, buffers)
+                        raise
                     independent_in_batch(self, forwards, rows, cots, own, rtol, buffers)
                     return own, False
                 return alone_gradients(self.model, self.replayer, forwards, rows, cots, rtol, buffers), False

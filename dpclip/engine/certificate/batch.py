@@ -1,6 +1,9 @@
 """The certificate's batch mode: a random forward whose draws cannot be cut per sample
 (draws.py) is replayed on the whole batch from the same RNG state, the same masks then drawn
-again; sample independence is checked by replaying it with one checked sample replaced."""
+again; sample independence is checked by replaying it with one checked sample replaced. Where
+the step itself cannot be reproduced so (a layer rule drawing in another order than the module),
+the plain forward is checked against itself in training mode (:func:`checked_before_eval_mode`)
+before dry.py checks the sums in eval mode."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ import math
 from torch import Tensor
 
 from dpclip.engine.certificate.replay import Buffers, NotReproducible, close, select, vjp_rows
-from dpclip.engine.certificate.verdict import mixing_error, refuse_written_buffer
+from dpclip.engine.certificate.verdict import NOT_COVERED, mixing_error, refuse_written_buffer
+from dpclip.errors import EngineError
 
 
 def batch_gradients(cert, forwards, rows, cots, rtol, outputs: bool = True) -> dict[int, list[Tensor]]:
@@ -46,3 +50,27 @@ def independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers: Buffers
         if err > rtol * max(scale, 1e-30):
             raise mixing_error(cert.model, cert.replayer, forwards[0], r, f"changes sample {r}'s gradient "
                                f"when sample {j} is replaced", rtol, replace=(j, source))
+
+
+def checked_before_eval_mode(cert, forwards, rows, cots, rtol, buffers: Buffers) -> None:
+    """What can be checked in training mode of a step the replay cannot reproduce, before its
+    sums are checked in eval mode (dry.py), which cannot see what a forward does in training mode
+    only (batch statistics, a buffer written): the plain forward, replayed twice from the step's
+    RNG state, gives each checked row the same gradient (else it draws from a generator the
+    replay does not restore), and replacing one checked sample moves no other's gradient."""
+    buffers.restore()
+    buffers.written = None
+    own = batch_gradients(cert, forwards, rows, cots, rtol, outputs=False)
+    buffers.after("the batch")
+    again = batch_gradients(cert, forwards, rows, cots, rtol, outputs=False)
+    for r in rows:
+        scale = math.sqrt(sum(float(x.double().square().sum()) for x in own[r]))
+        err = math.sqrt(sum(float((a - b).double().square().sum()) for a, b in zip(again[r], own[r])))
+        if err > rtol * max(scale, 1e-30):
+            raise EngineError(f"the model's forward draws random numbers the engine cannot replay: two replays from "
+                              f"the step's random state give sample {r} different gradients, so its clipping cannot "
+                              "be checked against its own gradient" + NOT_COVERED,
+                              "draw random numbers from torch's default generator (torch.rand, torch.randn, "
+                              "torch.bernoulli, nn.Dropout; no generator= of its own, no numpy or Python random "
+                              "in the forward), or augment the data in the dataset instead")
+    independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers)
