@@ -17,9 +17,12 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from dpclip.accounting import check_same_release
 from dpclip.data.sampler import PoissonSampler
 from dpclip.engine import DPEngine
+from dpclip.engine.certificate import RTOL
+from dpclip.engine.certificate.verdict import NOT_COVERED
 from dpclip.errors import DpclipError
 from dpclip.integrations.rows import DrawTracker
 from dpclip.integrations.setup import Account
+from dpclip.torch_compat import tree_flatten, tree_unflatten
 
 
 def batch_rows(batch: Any) -> int:
@@ -290,7 +293,14 @@ class PrivateCriterion:
         return PrivateLoss(losses, self.engine, self.tracker)
 
     def per_sample(self, outputs: Tensor, targets: Any) -> Tensor:
-        """One loss per sample [b]: the criterion unreduced, a sample's positions averaged."""
+        """One loss per sample [b]: the criterion unreduced, a sample's positions averaged; checked on
+        the certificate's samples alone when it checks the model's forward."""
+        losses = self._unreduced(outputs, targets)
+        if not torch.compiler.is_compiling() and self.engine.certificate.checking():
+            self._check_alone(outputs, targets, losses)
+        return losses
+
+    def _unreduced(self, outputs: Any, targets: Any) -> Tensor:
         losses = self.unreduced(outputs, targets)
         rows = outputs.shape[0] if isinstance(outputs, Tensor) and outputs.dim() else None
         if not isinstance(losses, Tensor) or losses.dim() == 0 or (rows is not None and losses.shape[0] != rows):
@@ -299,6 +309,38 @@ class PrivateCriterion:
                               "pass a criterion with a `reduction` argument (nn.CrossEntropyLoss()) or one that "
                               "returns per-sample losses: a loss reduced over the batch cannot be clipped per sample")
         return losses.flatten(1).mean(1) if losses.dim() > 1 else losses
+
+    def _check_alone(self, outputs: Any, targets: Any, losses: Tensor) -> None:
+        """Sample i's loss from its own outputs and targets alone is its loss in the batch. A loss
+        scaled by a statistic of the batch (a batch-mean baseline) lets one example move every row;
+        detached, it is a constant to the graph, which is all the certificate reads of a loss."""
+        b = losses.shape[0]
+        if b < 2:
+            return
+        rtol = RTOL.get(losses.dtype, 2.0 ** -5)
+        floor = 1e-3 * float(losses.detach().abs().max())
+        hint = ("compute each sample's loss from its own outputs and targets only (reduction='none'); a weight "
+                "or baseline computed from the batch belongs in the dataset, as a column of each example")
+        with torch.no_grad():
+            for r in self.engine.certificate.rows(b):
+                try:
+                    alone = self._unreduced(rows_of(outputs, r, b), rows_of(targets, r, b))
+                except Exception as exc:   # noqa: BLE001  (the user's criterion, on one sample)
+                    raise DpclipError(f"the criterion fails on one sample alone ({type(exc).__name__}), so its "
+                                      "losses cannot be checked to be each sample's own", hint) from exc
+                a, b_r = float(alone.reshape(-1)[0]), float(losses[r])
+                if not abs(a - b_r) <= rtol * max(abs(a), abs(b_r), floor, 1e-30) and not (a != a and b_r != b_r):
+                    raise DpclipError("the criterion gives a sample another loss alone than in its batch: the "
+                                      "losses mix samples (a loss normalised or weighted by the batch, even "
+                                      "detached), so one example moves other samples' clipped gradients" + NOT_COVERED,
+                                      hint)
+
+
+def rows_of(tree: Any, r: int, rows: int) -> Any:
+    """``tree`` with each tensor of ``rows`` rows cut to row ``r`` (kept as a batch of one)."""
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten([t[r:r + 1] if isinstance(t, Tensor) and t.dim() and t.shape[0] == rows else t
+                           for t in leaves], spec)
 
 
 # ----------------------------------------------------------------------------- the optimizer

@@ -167,6 +167,37 @@ class BatchCentredLoss(nn.Module):
         return losses - losses.mean() + losses.detach().mean()
 
 
+class BaselineLoss(nn.Module):
+    """REINFORCE with a batch-mean baseline, detached: -(r_i - mean_j r_j) · log p_i. The graph sees the
+    baseline as a constant; one example still moves every sample's weight."""
+
+    def forward(self, out, y):
+        logp = -F.cross_entropy(out, y, reduction="none")
+        reward = logp.detach().exp()
+        return -(reward - reward.mean()) * logp
+
+
+@pytest.mark.parametrize("call", ["loop", "train_step"])
+def test_a_loss_weighted_by_a_detached_batch_statistic_is_refused_at_the_criterion(call):
+    private, released = _private(criterion=BaselineLoss())
+    model, optimizer, criterion, loader = private
+    x, y = next(iter(loader))
+    with pytest.raises(DpclipError, match="another loss alone than in its batch") as caught:
+        criterion(model(x), y).backward() if call == "loop" else private.train_step(x, y)
+    assert "not covered by ε" in str(caught.value) and "own outputs and targets" in caught.value.hint
+    _nothing_released(private, released)
+
+
+def test_class_weights_and_label_smoothing_are_each_sample_s_own_loss():
+    criterion = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5]), label_smoothing=0.1)
+    private, released = _private(criterion=criterion)
+    model, optimizer, criterion, loader = private
+    x, y = next(iter(loader))
+    criterion(model(x), y).backward()
+    optimizer.step()
+    assert released == [1] and private.ledger.steps == 1
+
+
 def test_a_caught_engine_refusal_releases_nothing_after_it():
     private, released = _private(criterion=BatchCentredLoss())
     model, optimizer, criterion, loader = private

@@ -179,6 +179,11 @@ class Certificate:
         return self.disabled is None and (self.last_step is None or (
             self.every > 0 and self.step - self.last_step >= self.every))
 
+    def checking(self) -> bool:
+        """Whether the model's forwards since the last backward are recorded for a check (then
+        make_private's criterion is checked on the checked samples alone too)."""
+        return self.armed and bool(self.forwards)
+
     def take(self, batch: int) -> list[Forward]:
         """The forwards recorded for the backward of a micro-batch of ``batch`` rows (forgotten here)."""
         forwards, self.forwards, self.armed = self.forwards, [], False
