@@ -37,6 +37,7 @@ from dpclip.accounting.statement import (
     SAMPLINGS,
     SHUFFLE_CAVEAT,
     PrivacyStatement,
+    bound_text,
     statement_from_ledger,
 )
 
@@ -81,6 +82,7 @@ __all__ = [
     "SHUFFLE_CAVEAT",
     "GRADIENT_RELEASE",
     "PrivacyStatement",
+    "bound_text",
     "statement_from_ledger",
     # plan
     "AuxSpec",

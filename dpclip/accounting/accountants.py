@@ -31,7 +31,8 @@ or small δ; dp_accounting's PLD returns ε = inf when δ is below its truncated
 mass, e.g. δ = 1e-15). dpclip therefore always computes RDP alongside PLD and falls
 back to RDP — saying why in ``AccountingResult.fallback_reason`` — whenever PLD raises,
 is unsupported for the event, returns a non-finite ε while RDP is finite, or returns a
-*looser* ε than RDP. Both are valid upper bounds, so reporting RDP is always safe.
+*looser* ε than RDP, and for δ below :data:`PLD_MIN_DELTA` (where PLD's own floating-point
+error in δ is not small against δ). Both are valid upper bounds, so reporting RDP is always safe.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ __all__ = [
     "RDP_ORDERS",
     "RDP_CONVERSION",
     "PLD_METHOD",
+    "PLD_MIN_DELTA",
     "AccountingResult",
     "account",
     "epsilon",
@@ -81,6 +83,11 @@ PLD_METHOD = (
     "privacy loss distribution (dp_accounting PLDAccountant, pessimistic connect-the-dots "
     "discretisation); ε read off the distribution, no RDP conversion"
 )
+
+#: Below this δ, RDP: dp_accounting's PLD computes δ with a floating-point error of about 1e-12
+#: (its FFT convolutions), which at δ = 1e-12 put ε 0.1% below a rigorous lower bound of the true
+#: one, and returned δ(ε) < 0 at q = 1e-4 over 1e5 steps.
+PLD_MIN_DELTA = 1e-9
 
 # PLD grid (see pld_discretization): interval = ε · c with c <= _PLD_RELATIVE_STEP and
 # c <= _PLD_STEP_BUDGET / sqrt(compositions), never below _PLD_MIN_INTERVAL.
@@ -289,6 +296,12 @@ def account(event: dp_accounting.DpEvent, delta: float, accountant: str = "pld")
             0.0, delta, "rdp", "pld", 0.0, "RDP already certifies ε = 0 at this δ; PLD cannot be tighter"
         )
 
+    if rdp is not None and delta < PLD_MIN_DELTA:
+        reason = (f"δ = {delta:g} is below {PLD_MIN_DELTA:g}, where the PLD's floating-point error (about 1e-12 "
+                  "in δ) is not small against δ: its ε can come out below the true one")
+        log.info("PLD accounting fell back to RDP: %s", reason)
+        return AccountingResult(eps_rdp, delta, "rdp", "pld", eps_rdp, reason)
+
     interval = pld_discretization(eps_rdp if rdp is not None else 1.0, mechanism_count(event))
     eps_pld, failure = _try_pld(event, delta, interval)
     if failure is None and rdp is None:
@@ -374,5 +387,7 @@ def delta_for_epsilon(event: dp_accounting.DpEvent, epsilon: float, accountant: 
         if rdp is None:
             raise _unsupported(event) from exc
         log.warning("PLD δ computation fell back to RDP: %s: %s", type(exc).__name__, exc)
+        return delta_rdp
+    if delta_pld < PLD_MIN_DELTA:   # within the PLD's floating-point error (it can even be negative)
         return delta_rdp
     return min(delta_pld, delta_rdp)

@@ -10,6 +10,7 @@ that fixed-size shuffled batches are *not* covered by the Poisson analysis.
 from __future__ import annotations
 
 import math
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:  # only for annotations; avoids an import cycle with ledger
 
 __all__ = [
     "SAMPLINGS",
+    "bound_text",
     "SHUFFLE_CAVEAT",
     "SEEDED_RANDOMNESS_WARNING",
     "GRADIENT_RELEASE",
@@ -71,6 +73,19 @@ def distribution_line(world_size: int, sampling: str, parallel: str = "data") ->
         return (f"sharded (FSDP) over {world_size} processes ({how}; each rank noises its own shard of the summed "
                 "gradient, every coordinate once, from its own noise stream)")
     return f"data parallel over {world_size} processes ({how}, noise drawn once by rank 0)"
+
+
+def bound_text(x: float | None, digits: int = 4, upper: bool = True) -> str:
+    """``x`` to ``digits`` significant digits rounded outward: up for an upper bound (a printed ε
+    is never below the computed one: 7.958298 reads 7.959), down for a lower bound (an audit's
+    ε ≥ ...)."""
+    if x is None:
+        return "n/a"
+    if math.isinf(x) or math.isnan(x) or x == 0:
+        return _fmt(x, digits)
+    exact = Decimal(repr(float(x)))
+    step = Decimal(1).scaleb(exact.adjusted() - digits + 1)
+    return f"{float(exact.quantize(step, rounding=ROUND_CEILING if upper else ROUND_FLOOR)):.{digits}g}"
 
 
 def _fmt(x: float | None, digits: int = 4) -> str:
@@ -148,13 +163,13 @@ class PrivacyStatement:
         """Human-readable statement, one fact per line."""
         out = [SEEDED_RANDOMNESS_WARNING] if self.seeded_randomness else []
         out += [
-            f"ε = {_fmt(self.epsilon)} at δ = {self.delta:g}",
+            f"ε = {bound_text(self.epsilon)} at δ = {self.delta:g}",
             f"privacy unit: {self.unit}; neighbouring data sets: {self.neighbouring}"
             + (" (the cyclic groups drawn privately, independently for each)" if self.bands > 1 or self.buffers else ""),
             f"accountant: {self.accountant.upper()}: {self.conversion}",
         ]
         if self.epsilon_rdp is not None:
-            out.append(f"RDP ε alongside: {_fmt(self.epsilon_rdp)}")
+            out.append(f"RDP ε alongside: {bound_text(self.epsilon_rdp)}")
         sampling = "Poisson" if self.sampling == "poisson" else "fixed-size shuffled batches"
         out.append(f"sampling: {sampling}, sample rate q = {_fmt(self.sample_rate, 6)}")
         distribution = self.distribution()

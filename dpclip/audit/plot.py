@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dpclip.accounting import bound_text
 from dpclip.audit.metrics import dp_tpr_bound
 from dpclip.files import owner_only
 
@@ -61,7 +62,7 @@ def roc_figure(report: dict):
     ledger = report["ledger"]
     if math.isfinite(ledger["epsilon"]):
         ax.plot(grid, np.maximum(dp_tpr_bound(grid, ledger["epsilon"], ledger["delta"]), y_floor), "k--", lw=1.0,
-                label=f"DP bound TPR ≤ e^ε·FPR + δ (ε = {ledger['epsilon']:.3g}, δ = {ledger['delta']:.1g})")
+                label=f"DP bound TPR ≤ e^ε·FPR + δ (ε = {bound_text(ledger['epsilon'], 3)}, δ = {ledger['delta']:.1g})")
     ax.plot(grid, np.maximum(grid, y_floor), color="0.7", lw=0.8, label="chance")
     for name, result in report["attacks"].items():
         xs, ys = roc_staircase(result["roc"]["fpr"], result["roc"]["tpr"], x_floor, y_floor)

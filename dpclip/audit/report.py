@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from dpclip import layout
-from dpclip.accounting import Ledger
+from dpclip.accounting import Ledger, bound_text
 from dpclip.audit.attacks import Outputs, logistic_attack, loss_attack, model_outputs
 from dpclip.audit.exposure import exposure_audit
 from dpclip.audit.lira import lira_scores, realised_plan, shadow_confidences, target_plan, train_shadows
@@ -118,7 +118,7 @@ def _charge_search(run_dir: Path, report: dict[str, Any]) -> None:
     report["ledger"]["epsilon"] = found.epsilon
     report["ledger"]["search_dir"] = str(found.search_dir)
     report["notes"].append(f"this run was selected by the tuning search {found.search_dir}: its ε is the search's "
-                           f"({found.epsilon:.4g}); the run's own ledger alone understates it")
+                           f"({bound_text(found.epsilon)}); the run's own ledger alone understates it")
 
 
 def _one_run(run_dir: Path, recipe, pool: Pool, model, loss_fn, delta: float, confidence: float) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from dpclip.cli.render import console, error_console, fmt, print_json
+from dpclip.cli.render import console, error_console, fmt, fmt_upper, print_json
 
 
 class AccountantChoice(str, Enum):
@@ -115,7 +115,7 @@ def _note(text: str) -> None:
 def _group_line(group: dict) -> str:
     whose = " (e.g. one person's)" if group["of"] == "records" else ""
     return (f"group privacy: a group of {group['group_size']} {group['of']}{whose} is protected at "
-            f"ε = {fmt(group['epsilon'])}, δ = {group['delta']:.3g} (kε, k·e^((k−1)ε)·δ; docs/users.md)")
+            f"ε = {fmt_upper(group['epsilon'])}, δ = {group['delta']:.3g} (kε, k·e^((k−1)ε)·δ; docs/users.md)")
 
 
 def _account_directory(target: Path, as_json: bool, group_size: int | None = None) -> None:
@@ -160,10 +160,10 @@ def _account_directory(target: Path, as_json: bool, group_size: int | None = Non
                     "run_ledger": ledger.to_dict(), "run_statement": statement.to_dict()})
         return
     console.print(f"[bold]run {target}[/]: selected by the search {found.search_dir}; publishing it costs the "
-                  f"search's ε = {fmt(found.epsilon)} at δ = {found.delta:g}", soft_wrap=True)
+                  f"search's ε = {fmt_upper(found.epsilon)} at δ = {found.delta:g}", soft_wrap=True)
     for line in found.statement.lines():
         console.print(f"  {line}", soft_wrap=True)
-    console.print(f"  this run's own ledger ({ledger.steps} steps, ε = {fmt(statement.epsilon)}) understates what "
+    console.print(f"  this run's own ledger ({ledger.steps} steps, ε = {fmt_upper(statement.epsilon)}) understates what "
                   "was spent: it leaves out the other trials and the selection", soft_wrap=True)
 
 
@@ -197,9 +197,9 @@ def _render(report) -> None:
     eps.add_column("ε", justify="right")
     eps.add_column("δ", justify="right")
     main_name = result.statement.accountant
-    eps.add_row(main_name, fmt(result.epsilon), f"{plan.delta:g}")
+    eps.add_row(main_name, fmt_upper(result.epsilon), f"{plan.delta:g}")
     if result.epsilon_rdp is not None and main_name != "rdp":
-        eps.add_row("rdp", fmt(result.epsilon_rdp), f"{plan.delta:g}")
+        eps.add_row("rdp", fmt_upper(result.epsilon_rdp), f"{plan.delta:g}")
     if plan.target_epsilon is not None:
         eps.caption = f"target ε = {plan.target_epsilon:g}"
     console.print(eps)

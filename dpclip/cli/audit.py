@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dpclip import layout
-from dpclip.cli.render import console, fmt, print_json
+from dpclip.cli.render import console, fmt, fmt_upper, fmt_lower, print_json
 
 
 class AttackChoice(str, Enum):
@@ -51,7 +51,7 @@ def _table(report: dict) -> None:
     ledger = report["ledger"]
     # every figure below is measured on private data (audit/report.json is labelled so too)
     title = (f"[bold]membership inference[/] (not covered by ε) — {report['checkpoint']} (step {report['step']}), "
-             f"ledger ε = {fmt(ledger['epsilon'])} at δ = {ledger['delta']:g}")
+             f"ledger ε = {fmt_upper(ledger['epsilon'])} at δ = {ledger['delta']:g}")
     if report["attacks"]:
         table = Table(title=title)
         for column in ("attack", "AUC [95% CI]", "TPR@0.1%FPR", "TPR@1%FPR", "bal. acc.", "advantage"):
@@ -61,7 +61,7 @@ def _table(report: dict) -> None:
             ci = f" [{low:.3f}, {high:.3f}]" if low is not None else ""
             table.add_row(row["attack"], f"{row['auc']:.3f}{ci}", f"{row['tpr_0.1']:.3f}", f"{row['tpr_1']:.3f}",
                           f"{row['balanced_accuracy']:.3f}", f"{row['advantage']:.3f}")
-        table.add_row("DP bound", "", f"≤ {dp_bound_at(report, 0.001):.3f}", f"≤ {dp_bound_at(report, 0.01):.3f}",
+        table.add_row("DP bound", "", f"≤ {fmt_upper(dp_bound_at(report, 0.001), 3)}", f"≤ {fmt_upper(dp_bound_at(report, 0.01), 3)}",
                       "", "", style="dim")
         console.print(table)
         first = next(iter(report["attacks"].values()))
@@ -73,12 +73,12 @@ def _table(report: dict) -> None:
     if one_run:
         verdict = "[bold red]exceeds the ledger's ε[/]" if report.get("flagged") else "within the ledger's ε"
         console.print(f"  one-run audit: {one_run['correct']}/{one_run['guesses']} guesses right on "
-                      f"{one_run['canaries']} {one_run['kind']} canaries → ε ≥ {one_run['epsilon_lower_bound']:.3f} "
+                      f"{one_run['canaries']} {one_run['kind']} canaries → ε ≥ {fmt_lower(one_run['epsilon_lower_bound'])} "
                       f"at {100 * one_run['confidence']:.0f}% confidence, {verdict}", soft_wrap=True)
         fdp = one_run.get("fdp")
         if fdp:
             console.print(f"  f-DP one-run audit (Gaussian trade-off curve): {fdp['correct']}/{fdp['guesses']} right "
-                          f"→ μ ≥ {fdp['mu_lower_bound']:.3f}, ε ≥ {fmt(fdp['epsilon_lower_bound'])} "
+                          f"→ μ ≥ {fmt_lower(fdp['mu_lower_bound'])}, ε ≥ {fmt_lower(fdp['epsilon_lower_bound'])} "
                           "(a lower bound if the curve is Gaussian)", soft_wrap=True)
     exposure = report.get("exposure")
     if exposure:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from dpclip.cli.render import console, fmt, print_json
+from dpclip.cli.render import console, fmt_upper, print_json
 
 
 def export(
@@ -35,5 +35,5 @@ def export(
     privacy = result.privacy
     console.print(f"[green]exported[/] {result.checkpoint} of {run_dir} to {result.out_dir} ({result.kind}): "
                   f"{', '.join(result.files)}", soft_wrap=True)
-    console.print(f"  ε = {fmt(privacy['epsilon'])} at δ = {privacy['delta']:g} ({privacy['unit_of_privacy']}, "
+    console.print(f"  ε = {fmt_upper(privacy['epsilon'])} at δ = {privacy['delta']:g} ({privacy['unit_of_privacy']}, "
                   f"{privacy['accountant']}); the model card is README.md and privacy.json", soft_wrap=True)

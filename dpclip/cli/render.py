@@ -10,6 +10,9 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from dpclip.accounting import bound_text
+
+
 console = Console(highlight=False)
 error_console = Console(stderr=True, highlight=False)
 
@@ -52,6 +55,16 @@ def json_safe(value: Any) -> Any:
 def print_json(payload: dict[str, Any]) -> None:
     """Plain JSON on stdout (no rich markup), so `| jq` and json.loads work."""
     print(json.dumps(json_safe(payload), indent=2))
+
+
+def fmt_upper(value: float | None, digits: int = 4) -> str:
+    """An upper bound (an ε spent, a TPR the ledger allows), rounded up: never printed below the computed one."""
+    return bound_text(value, digits)
+
+
+def fmt_lower(value: float | None, digits: int = 4) -> str:
+    """A lower bound (an audit's ε ≥ ...), rounded down."""
+    return bound_text(value, digits, upper=False)
 
 
 def fmt(value: float | None, digits: int = 4) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from dpclip.cli.render import console, fmt, print_json
+from dpclip.cli.render import console, fmt, fmt_upper, print_json
 
 
 def report(
@@ -25,11 +25,11 @@ def report(
     console.print(f"[bold]{summary['name']}[/]  {summary['run_dir']}")
     console.print(f"steps: {summary['steps_done']} of {summary['steps_planned']}   stopped: {summary['stopped']}")
     cap = "" if summary["epsilon_cap"] is None else f" (cap {fmt(summary['epsilon_cap'])})"
-    console.print(f"ε = {fmt(summary['epsilon'])} at δ = {summary['delta']:g}{cap}, {summary['accountant']} accountant")
+    console.print(f"ε = {fmt_upper(summary['epsilon'])} at δ = {summary['delta']:g}{cap}, {summary['accountant']} accountant")
     selected_by = summary.get("selected_by_search")
     if selected_by is not None:
         console.print(f"  the ε of the search {selected_by['search_dir']} that selected this run; this run's own "
-                      f"ledger (ε = {fmt(selected_by['run_epsilon_alone'])}) understates it", soft_wrap=True)
+                      f"ledger (ε = {fmt_upper(selected_by['run_epsilon_alone'])}) understates it", soft_wrap=True)
     if summary["final_eval"]:
         metrics = ", ".join(f"{k} {fmt(v)}" for k, v in summary["final_eval"].items())
         console.print(f"final held-out metrics ([red]not covered by ε[/]): {metrics}")

@@ -8,7 +8,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from dpclip.cli.render import console, fmt, print_json
+from dpclip.cli.render import console, fmt, fmt_upper, print_json
 
 
 def _short(values, limit: int = 3) -> str:
@@ -42,7 +42,7 @@ class RichObserver:
         table.add_row("σ gradient", fmt(info["gradient_noise_multiplier"]))
         if info["sigma_aux"] is not None:
             table.add_row("σ statistic", fmt(info["sigma_aux"]))
-        table.add_row("planned ε", f"{fmt(info['planned_epsilon'])} at δ = {info['delta']:g} ({info['accountant']})")
+        table.add_row("planned ε", f"{fmt_upper(info['planned_epsilon'])} at δ = {info['delta']:g} ({info['accountant']})")
         console.print(table)
         if info.get("sigma_change"):
             console.print(f"[bold yellow]warning:[/] {_sigma_line(info['sigma_change'])}", soft_wrap=True)
@@ -79,7 +79,7 @@ class RichObserver:
             return
         if record["epsilon"] is not None:
             self.epsilon = record["epsilon"]
-        status = f"ε {fmt(self.epsilon, 3)} C {_short(record['thresholds'], 1)}"
+        status = f"ε {fmt_upper(self.epsilon, 3)} C {_short(record['thresholds'], 1)}"
         if "phase" in record:
             status = f"phase {record['phase']}" + (f" α {record['alpha']:.2f}" if record["phase"] == "mixed" else "") \
                 + (" (linear probe)" if record.get("probe") else "") + f" {status}"
@@ -118,8 +118,8 @@ def _summary(result) -> None:
     table = Table(show_header=False, title="[bold]summary[/]")
     table.add_row("stopped", result.stopped)
     table.add_row("steps", f"{result.steps_done} / {result.steps_planned}")
-    table.add_row("ε spent", f"{fmt(result.epsilon)} at δ = {result.delta:g}")
-    table.add_row("ε (RDP)", fmt(result.epsilon_rdp))
+    table.add_row("ε spent", f"{fmt_upper(result.epsilon)} at δ = {result.delta:g}")
+    table.add_row("ε (RDP)", fmt_upper(result.epsilon_rdp))
     for key, value in result.final_eval.items():
         table.add_row(f"test {key} (not covered by ε)", fmt(value))
     table.add_row("run directory", str(result.run_dir))

@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dpclip.cli.render import json_safe, console, fmt, print_json
+from dpclip.cli.render import json_safe, console, fmt, fmt_upper, print_json
 
 
 class ProgressBar:
@@ -153,14 +153,14 @@ def _render_privacy(privacy) -> None:
     eps.add_column("σ gradient", justify="right")
     eps.add_column("search ε", justify="right")
     eps.add_column("search δ", justify="right")
-    eps.add_row("one run, recipe's σ", fmt(privacy.recipe_sigma), "", fmt(privacy.epsilon_one_run),
+    eps.add_row("one run, recipe's σ", fmt(privacy.recipe_sigma), "", fmt_upper(privacy.epsilon_one_run),
                 f"{privacy.delta:g}")
     eps.add_row(f"naive, {_runs(privacy.configurations)}, recipe's σ", fmt(privacy.recipe_sigma), "",
-                fmt(privacy.epsilon_naive_at_recipe_sigma), f"{privacy.delta:g}")
+                fmt_upper(privacy.epsilon_naive_at_recipe_sigma), f"{privacy.delta:g}")
     notes = []
     for strategy in privacy.strategies:
         notes.append(_strategy_note(strategy))
-        eps.add_row(strategy.name, fmt(strategy.noise_multiplier), fmt(strategy.gradient_noise_multiplier), fmt(strategy.epsilon),
+        eps.add_row(strategy.name, fmt(strategy.noise_multiplier), fmt(strategy.gradient_noise_multiplier), fmt_upper(strategy.epsilon),
                     f"{strategy.delta:g}")
     console.print(eps)
     for note in notes:
@@ -181,7 +181,7 @@ def _strategy_note(strategy) -> str:
     if strategy.name == "naive":
         return f"naive: {_runs(detail['runs'])} composed ({strategy.accountant})"
     if strategy.name == "liu-talwar":
-        return (f"liu-talwar: per run (ε₁, δ₁) = ({fmt(detail['epsilon_run'])}, "
+        return (f"liu-talwar: per run (ε₁, δ₁) = ({fmt_upper(detail['epsilon_run'])}, "
                 f"{detail['delta_run']:.4g}), γ = {fmt(detail['gamma'])}, δ₂ = {detail['delta_stop']:g}, "
                 f"T = {detail['max_runs']:.1f} ({strategy.accountant})")
     shape = "Poisson" if detail["shape"] is None else f"truncated neg. binomial η = {detail['shape']:g}"
@@ -215,7 +215,7 @@ def _render_comparison(comparison) -> None:
 def _render_search(search) -> None:
     """--run: the search performed, what it released and what it did not."""
     console.print(f"[bold]search[/] {search['search_dir']} ({search['stopped']}): "
-                  f"ε = {fmt(search['epsilon'])} at δ = {search['delta']:g} ({search['accountant']}); "
+                  f"ε = {fmt_upper(search['epsilon'])} at δ = {search['delta']:g} ({search['accountant']}); "
                   f"selected: {search['selected_run'] or 'none'}", soft_wrap=True)
     if search["selected_run"]:
         console.print(f"  released: the selected run ({search['selected_configuration']}) and its score "

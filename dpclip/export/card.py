@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dpclip import __version__
-from dpclip.accounting.statement import SEEDED_RANDOMNESS_WARNING
+from dpclip.accounting.statement import SEEDED_RANDOMNESS_WARNING, bound_text
 
 LABEL_NAMES_NOTE = ("label names: the class names of the data's label column, published as they are "
                     "(not covered by ε)")
@@ -73,7 +73,7 @@ def readme(card: dict[str, Any], *, kind: str, how_to_load: str, base_note: str 
     library = {"transformers": "transformers", "peft": "peft"}.get(kind)
     header = ["---"] + ([f"library_name: {library}"] if library else []) + \
         ["tags:", "- differential-privacy", "- dpclip", "---", ""]
-    eps = "∞" if card["epsilon"] is None else f"{card['epsilon']:.4g}"
+    eps = "∞" if card["epsilon"] is None else bound_text(card['epsilon'])
     lines = header + [
         f"# {card['recipe']} (differentially private, ε = {eps}, δ = {card['delta']:g})", "",
         f"Trained with dpclip {card['dpclip']}; this is checkpoint `{card['checkpoint']}` "

@@ -1,7 +1,11 @@
 """The three parts ``make_private`` wraps (docs/python-api.md): the Poisson-sampled loader,
 the per-sample criterion and the noising optimizer. They share a
 :class:`~dpclip.integrations.rows.DrawTracker`, which holds the loop to one noisy step per drawn
-batch, over that batch's own rows."""
+batch, over that batch's own rows.
+
+Length: a little over 400 lines: the three parts are one contract (what the loop may do between
+them), so they are read together.
+"""
 
 from __future__ import annotations
 

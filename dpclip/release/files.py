@@ -68,7 +68,8 @@ MANIFEST: tuple[Entry, ...] = (
          "dpclip train (audit.canaries)"),
     _run("audit/exposure.json", SECRET, "the secrets planted in the training text and their OS entropy "
          "(canary exposure's answer key)", "dpclip train (audit.exposure)"),
-    _run("audit/report.json", LABELLED, "attack metrics and ROC curves, measured on private data",
+    _run("audit/report.json", LABELLED, "attack metrics and ROC curves, measured on private data; each planted "
+         "secret's exposure (its rank among the candidates: with the model, it names the secret)",
          "dpclip audit-mia"),
     _run("audit/roc.png", LABELLED, "the attacks' ROC under the DP bound (titled not covered by ε)",
          "dpclip audit-mia"),

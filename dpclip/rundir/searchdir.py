@@ -20,6 +20,7 @@ from dp_accounting import dp_event
 
 from dpclip import layout
 from dpclip.accounting import GRADIENT_RELEASE, Ledger, PrivacyStatement, event_to_dict, training_event
+from dpclip.accounting.plan import user_unit
 from dpclip.errors import AccountingError, DpclipError
 from dpclip.files import read_json
 from dpclip.planning.plan import not_covered
@@ -125,11 +126,19 @@ def read_search(search_dir: Path) -> SearchRecord:
                   or (run_recipe is not None and run_recipe.privacy.unsafe_seeded_randomness))
     sampling = run_recipe.training.sampling if run_recipe is not None else metadata.get("sampling", "poisson")
     statement = _statement(ledger, q, sigma, steps, score_noise, mean, shape, seeded, sampling, run_recipe,
-                           run_statement)
+                           run_statement, metadata)
     return SearchRecord(search_dir, ledger, statement, summary, selected)
 
 
-def _statement(ledger, q, sigma, steps, score_noise, mean, shape, seeded, sampling, run_recipe, run_statement):
+#: What a private selection score is, by privacy unit (each of sensitivity 1).
+SCORE_MEANING = {
+    "example": "(correct held-out predictions + N(0, score_noise²)) / held-out size",
+    "user": "(Σ over held-out people of each one's accuracy + N(0, score_noise²)) / held-out people",
+}
+
+
+def _statement(ledger, q, sigma, steps, score_noise, mean, shape, seeded, sampling, run_recipe, run_statement,
+               metadata):
     result = ledger.result()
     law = "logarithmic" if shape == 0 else "geometric" if shape == 1 else f"truncated negative binomial η = {shape:g}"
     releases = [
@@ -138,9 +147,10 @@ def _statement(ledger, q, sigma, steps, score_noise, mean, shape, seeded, sampli
         *(run_statement.releases if run_statement is not None else [GRADIENT_RELEASE]),
     ]
     uncovered = list(not_covered(run_recipe)) if run_recipe is not None else []
+    users = (run_recipe.privacy.unit if run_recipe is not None else metadata.get("unit")) == "user"
     if score_noise is not None:
-        releases.append(f"selection score, charged to every trial: correct held-out predictions + "
-                        f"N(0, {score_noise:g}²) (sensitivity 1)")
+        releases.append(f"selection score, charged to every trial: {SCORE_MEANING['user' if users else 'example']} "
+                        f"(noise std {score_noise:g}, sensitivity 1)")
     else:
         uncovered.append("selection score: exact held-out accuracy, the held-out split being public data by the "
                          "recipe's claim (tuning.score: public)")
@@ -150,7 +160,9 @@ def _statement(ledger, q, sigma, steps, score_noise, mean, shape, seeded, sampli
         gradient_noise_multiplier=run_statement.gradient_noise_multiplier if run_statement is not None else sigma,
         sigma_aux=run_statement.sigma_aux if run_statement is not None else None, sampling=sampling, releases=releases,
         fallback_reason=result.fallback_reason, seeded_randomness=seeded, not_covered=uncovered,
-        world_size=run_statement.world_size if run_statement is not None else 1)
+        world_size=run_statement.world_size if run_statement is not None else 1,
+        **({"unit": run_statement.unit, "neighbouring": run_statement.neighbouring} if run_statement is not None
+           else user_unit(None, metadata.get("max_examples_per_user")) if users else {}))
 
 
 def search_statement_lines(search_dir: Path) -> list[str]:

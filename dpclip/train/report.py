@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dpclip import layout
+from dpclip.accounting import bound_text
 from dpclip.errors import DpclipError
 from dpclip.files import read_json, write_text_atomic
 from dpclip.train.plots import (THRESHOLDS_PLOT, TRAINING_PLOT, read_metrics, threshold_rows, thresholds_figure,
@@ -87,7 +88,7 @@ def run_plots(run_dir: Path, selected_by: dict[str, Any] | None = None) -> list[
     if data is not None:
         spent_caption = "ε spent (charged in the ledger)" if selected_by is None else (
             f"ε of this run's own training alone; publishing it costs the search's ε = "
-            f"{selected_by['epsilon']:.4g}")
+            f"{bound_text(selected_by['epsilon'])}")
         plots.append(("training", f"{spent_caption}; the loss and held-out metrics are exact "
                       f"diagnostics, {NOT_COVERED}", data))
     thresholds = run.path / THRESHOLDS_PLOT
@@ -129,7 +130,7 @@ def _audit_html(report: dict[str, Any]) -> list[str]:
     ledger = report.get("ledger", {})
     out = [f'<h2>Membership-inference audit <span class="nc">({NOT_COVERED})</span></h2>',
            f"<p>{e(str(report.get('checkpoint', '')))}, step {e(_fmt(report.get('step')))}; the ledger's "
-           f"ε = {e(_fmt(ledger.get('epsilon')))} at δ = {e(_fmt(ledger.get('delta')))}</p>"]
+           f"ε = {e(bound_text(ledger.get('epsilon')))} at δ = {e(_fmt(ledger.get('delta')))}</p>"]
     attacks = report.get("attacks", {})
     if attacks:
         out.append("<table><tr><th>attack</th><th>AUC [95% CI]</th><th>TPR at 0.1% FPR</th><th>TPR at 1% FPR</th>"
@@ -148,11 +149,12 @@ def _audit_html(report: dict[str, Any]) -> list[str]:
     one_run = report.get("one_run")
     if one_run:
         items = [f"Steinke et al. (any trade-off curve): {one_run.get('correct')}/{one_run.get('guesses')} right → "
-                 f"ε ≥ {_fmt(one_run.get('epsilon_lower_bound'))}"]
+                 f"ε ≥ {bound_text(one_run.get('epsilon_lower_bound'), upper=False)}"]
         fdp = one_run.get("fdp")
         if fdp:
             items.append(f"f-DP, Gaussian curve: {fdp.get('correct')}/{fdp.get('guesses')} right → μ ≥ "
-                         f"{_fmt(fdp.get('mu_lower_bound'))}, ε ≥ {_fmt(fdp.get('epsilon_lower_bound'))}")
+                         f"{bound_text(fdp.get('mu_lower_bound'), upper=False)}, "
+                         f"ε ≥ {bound_text(fdp.get('epsilon_lower_bound'), upper=False)}")
         verdict = "exceeds the ledger's ε: a privacy bug, or a wrong ledger" if report.get("flagged") \
             else "within the ledger's ε"
         out.append(f"<p>One-run audit on {e(_fmt(one_run.get('canaries')))} canaries ({verdict}):</p><ul>"
@@ -179,13 +181,13 @@ def report_html(summary: dict[str, Any], plots: list[tuple[str, str, bytes]],
     """One self-contained HTML page (PNG images embedded as base64)."""
     e = html.escape
     rows = [("run", summary["run_dir"]), ("steps", f"{summary['steps_done']} of {summary['steps_planned']}"),
-            ("ε spent", f"{summary['epsilon']:.4g} at δ = {summary['delta']:.3g} ({summary['accountant']})"),
+            ("ε spent", f"{bound_text(summary['epsilon'])} at δ = {summary['delta']:.3g} ({summary['accountant']})"),
             ("ε cap", _fmt(summary["epsilon_cap"])), ("stopped", summary["stopped"])]
     selected_by = summary.get("selected_by_search")
     if selected_by is not None:
-        rows[2] = ("ε spent", f"{summary['epsilon']:.4g} at δ = {summary['delta']:.3g} ({summary['accountant']}): "
+        rows[2] = ("ε spent", f"{bound_text(summary['epsilon'])} at δ = {summary['delta']:.3g} ({summary['accountant']}): "
                    f"the search {selected_by['search_dir']} that selected this run, every trial included")
-        rows.insert(3, ("ε of this run alone", f"{selected_by['run_epsilon_alone']:.4g} (understates what "
+        rows.insert(3, ("ε of this run alone", f"{bound_text(selected_by['run_epsilon_alone'])} (understates what "
                         "publishing the run costs)"))
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',

@@ -43,7 +43,7 @@ from typing import Any
 import dpclip.accounting.tuning as tuning_math
 import dpclip.train.workflow as workflow
 from dpclip import layout
-from dpclip.accounting import Ledger, event_to_dict
+from dpclip.accounting import Ledger, bound_text, event_to_dict
 from dpclip.accounting.tuning import repeat_and_select_event
 from dpclip.data import load_data
 from dpclip.errors import DpclipError
@@ -54,7 +54,7 @@ from dpclip.rng import derived_seed, private_random
 from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint
 from dpclip.planning.plan import private_seed
 from dpclip.rundir.run import RunDir
-from dpclip.rundir.searchdir import SEARCH_FORMAT, search_statement_lines
+from dpclip.rundir.searchdir import SCORE_MEANING, SEARCH_FORMAT, search_statement_lines
 from dpclip.train.tensorboard import write_headline_epsilon
 from dpclip.tuning.privacy import REPEAT_AND_SELECT
 from dpclip.tuning.space import search_space
@@ -204,6 +204,7 @@ def _search_ledger(search_event, recipe, privacy, strategy) -> Ledger:
         "sigma_per_run": strategy.noise_multiplier, "sample_rate": privacy.sample_rate,
         "steps_per_run": privacy.steps, "sampling": recipe.training.sampling, "score": privacy.score,
         "score_noise": privacy.score_noise, "seeded_randomness": recipe.privacy.unsafe_seeded_randomness,
+        "unit": recipe.privacy.unit, "max_examples_per_user": recipe.data.max_examples_per_user,
     })
     return ledger
 
@@ -222,8 +223,8 @@ def _opening_summary(search_dir: Path, recipe, privacy, strategy, ledger: Ledger
         "sample_rate": privacy.sample_rate,
         "steps_per_run": privacy.steps,
         "score": privacy.score,
-        "score_meaning": ("noisy held-out accuracy: (correct + N(0, score_noise²)) / held-out size, charged to "
-                          "every run" if private_score else
+        "score_meaning": (f"noisy held-out accuracy: {SCORE_MEANING[recipe.privacy.unit]}, charged to every run"
+                          if private_score else
                           "held-out accuracy, the held-out split being public data by the recipe's claim"),
         "score_noise": privacy.score_noise,
         "seeded_randomness": recipe.privacy.unsafe_seeded_randomness,
@@ -301,6 +302,13 @@ def _released_score(run_dir: Path, trial, data, score_noise: float | None, rng: 
         return None if loss is None or not math.isfinite(loss) else -loss
     if score_noise is None:
         return accuracy
+    if data.test_users is not None:
+        # One person's held-out records would move a count of correct records by as many as they
+        # wrote: the sum of each held-out person's accuracy moves by at most 1 (docs/tuning.md).
+        people = data.test_users.unique()
+        total = sum(evaluate(model, loss_fn, {name: t[data.test_users == person] for name, t in data.test.items()},
+                             data.task, batch_size=trial.eval.batch_size)["accuracy"] for person in people)
+        return (total + rng.gauss(0.0, score_noise)) / len(people)
     held_out = data.num_test
     correct = round(accuracy * held_out)
     # Gaussian mechanism on the count of correct predictions (sensitivity 1 under add/remove).
@@ -320,8 +328,8 @@ def _mark_selected(best: _Candidate, search_dir: Path, summary: Mapping[str, Any
         "score": best.score,
         "configuration": best.configuration,
         "note": (f"this run was selected by a repeat-and-select search: publishing it costs the search's "
-                 f"ε = {summary['epsilon']:.4g} (δ = {summary['delta']:g}); its own ledger.json "
-                 f"(ε = {best.epsilon_alone:.4g}) covers its training alone and understates that"),
+                 f"ε = {bound_text(summary['epsilon'])} (δ = {summary['delta']:g}); its own ledger.json "
+                 f"(ε = {bound_text(best.epsilon_alone)}) covers its training alone and understates that"),
     }
     write_json_atomic(run.search_marker, marker)
     record = run.summary()

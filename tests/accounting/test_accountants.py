@@ -217,9 +217,23 @@ def test_pld_infinite_epsilon_at_tiny_delta_falls_back_to_rdp():
     assert math.isinf(_pld_direct(event, 1e-15, 1e-4))  # the failure is real
     result = account(event, 1e-15, "pld")
     assert result.accountant == "rdp"
-    assert "inf" in result.fallback_reason
+    assert "below 1e-09" in result.fallback_reason
     assert result.epsilon == pytest.approx(_rdp_direct(event, 1e-15), rel=1e-12)
     assert math.isfinite(result.epsilon)
+
+
+def test_pld_at_a_delta_within_its_floating_point_error_falls_back_to_rdp():
+    """At δ = 1e-12 dp_accounting's PLD, on the grid dpclip would use, returns an ε below the true
+    one: a lower bound of the true ε (exponential tilting of the privacy loss rounded down,
+    computed independently of dp_accounting) is 7.941 at this δ."""
+    event = training_event(0.004, 0.666966204280318, 2344)
+    true_at_least = 7.941
+    grid = accountants_module.pld_discretization(_rdp_direct(event, 1e-12), 2344)
+    assert _pld_direct(event, 1e-12, grid) < true_at_least       # the failure is real
+    result = account(event, 1e-12, "pld")
+    assert result.accountant == "rdp" and "floating-point error" in result.fallback_reason
+    assert result.epsilon >= true_at_least
+    assert account(event, 1e-8, "pld").accountant == "pld"       # above it, PLD as before
 
 
 def test_event_unsupported_by_pld_falls_back_to_rdp():

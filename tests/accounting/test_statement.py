@@ -122,3 +122,13 @@ def test_a_pipeline_statement_names_its_stages_and_per_device_clipping():
     assert line.startswith("pipeline of 3 stages, one per process") and "per-device clipping" in line
     assert distribution_line(1, "poisson", "pipeline") is None
     assert distribution_line(2, "poisson").startswith("data parallel over 2 processes")
+
+
+@pytest.mark.parametrize("value, up, down", [(7.958298, "7.959", "7.958"), (1.0004017, "1.001", "1"),
+                                             (9.99951, "10", "9.999"), (0.1, "0.1", "0.1"), (8.0, "8", "8")])
+def test_a_bound_is_printed_outward(value, up, down):
+    """An ε spent is never printed below the computed one, an audit's lower bound never above it."""
+    from dpclip.accounting import bound_text
+    assert bound_text(value) == up and float(up) >= value
+    assert bound_text(value, upper=False) == down and float(down) <= value
+    assert f"ε = {up} at δ" in _statement(epsilon=value).lines()[0]

@@ -291,3 +291,16 @@ def test_account_over_very_many_steps_warns_before_the_long_pld_answer(cli, monk
     assert result.err.startswith("warning: PLD accounting of 200 steps") and "--accountant rdp" in result.err
     quiet = cli("account", "--sigma", "1", "--delta", "1e-5", "-q", "0.01", "--steps", "200", "--accountant", "rdp")
     assert quiet.code == 0 and "warning" not in quiet.err
+
+
+def test_a_printed_epsilon_is_never_below_the_computed_one(cli):
+    """Rounded to nearest, ε = 1.0004 printed "ε = 1": every printed ε is rounded up at its last digit."""
+    import re
+    flags = ("account", "--sigma", "3.7292732648866167", "-q", "1", "--steps", "1", "--delta", "1e-5")
+    computed = json.loads(cli(*flags, "--json").out)["epsilon"]
+    assert computed == pytest.approx(pld_epsilon(3.7292732648866167, 1, 1, 1e-5), rel=1e-3) and computed > 1.0
+    printed = cli(*flags).out
+    shown = [float(x) for x in re.findall(r"ε = ([0-9.]+) at δ", printed)]
+    table = [float(x) for x in re.findall(r"│ pld +│ ([0-9.]+) │", printed)]
+    assert shown and table
+    assert all(computed <= x <= computed + 1e-3 for x in shown + table), (computed, shown, table)

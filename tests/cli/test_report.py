@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from dpclip.accounting import bound_text
 from dpclip.recipe import load_recipe
 from dpclip.train.workflow import train
 
@@ -42,7 +43,7 @@ def test_report_prints_the_summary_and_writes_one_self_contained_page(cli, finis
     assert result.code == 0, result.err
     summary = json.loads((finished_run / "summary.json").read_text())
     assert "steps: 6 of 6" in result.out and "completed" in result.out
-    assert f"ε = {summary['epsilon']:.4g}" in result.out
+    assert "ε = " + bound_text(summary['epsilon']) in result.out
     assert "final held-out metrics (not covered by ε): loss" in result.out
     assert summary["statement"][0] in result.out
     page = out.read_text()

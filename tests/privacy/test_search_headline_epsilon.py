@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import dpclip.accounting.tuning as accounting_tuning
+from dpclip.accounting import bound_text
 from dpclip.cli.main import main
 from dpclip.files import read_json
 from dpclip.recipe import apply_overrides, read_yaml, validate_recipe
@@ -56,7 +57,7 @@ def _cli(capsys, *args):
 def _run_alone(search, capsys) -> float:
     payload = json.loads(_cli(capsys, "account", search["selected"], "--json"))
     alone = payload["run_statement"]["epsilon"]
-    assert alone < search["epsilon"] and f"{alone:.4g}" != f"{search['epsilon']:.4g}"
+    assert alone < search["epsilon"] and bound_text(alone) != bound_text(search['epsilon'])
     return alone
 
 
@@ -67,10 +68,10 @@ def test_report_summary_page_and_console_show_the_searchs_epsilon(search, capsys
     assert payload["selected_by_search"]["run_epsilon_alone"] == pytest.approx(alone, rel=1e-12)
     page = html.unescape((tmp_path / "r.html").read_text())
     spent_row = next(line for line in page.split("<tr>") if "ε spent" in line)
-    assert f"{total:.4g}" in spent_row and f"{alone:.4g}" not in spent_row
+    assert bound_text(total) in spent_row and bound_text(alone) not in spent_row
     text = _cli(capsys, "report", search["selected"], "--out", tmp_path / "r2.html")
     headline = next(line for line in text.splitlines() if line.startswith("ε = "))
-    assert f"{total:.4g}" in headline
+    assert bound_text(total) in headline
 
 
 def test_account_and_export_show_the_searchs_epsilon(search, capsys, tmp_path):
@@ -80,7 +81,7 @@ def test_account_and_export_show_the_searchs_epsilon(search, capsys, tmp_path):
     _cli(capsys, "export", search["selected"], tmp_path / "export")
     card = read_json(tmp_path / "export" / "privacy.json")
     assert card["epsilon"] == pytest.approx(total, rel=1e-12)
-    assert f"ε = {total:.4g}" in (tmp_path / "export" / "README.md").read_text()
+    assert "ε = " + bound_text(total) in (tmp_path / "export" / "README.md").read_text()
 
 
 def test_tensorboard_headline_is_the_searchs_epsilon(search, capsys):

@@ -29,6 +29,7 @@ import torch
 
 import dpclip.accounting.tuning as accounting_tuning
 import dpclip.train.workflow as workflow
+from dpclip.accounting import bound_text
 from dpclip.cli.main import main
 from dpclip.data import load_data
 from dpclip.models import build_model, evaluate
@@ -218,7 +219,7 @@ def test_account_reports_the_searchs_epsilon_for_the_search_and_its_selected_run
     assert payload["statement"]["epsilon"] == pytest.approx(summary["epsilon"], rel=1e-12)
     code, text, err = _cli(capsys, "account", search_dir)
     assert code == 0, err
-    assert f"{summary['epsilon']:.4g}" in text
+    assert bound_text(summary['epsilon']) in text
 
     code, out, err = _cli(capsys, "account", selected, "--json")
     assert code == 0, err
@@ -229,7 +230,7 @@ def test_account_reports_the_searchs_epsilon_for_the_search_and_its_selected_run
     assert Path(payload["selected_by_search"]["search_dir"]).resolve() == search_dir.resolve()
     code, text, err = _cli(capsys, "account", selected)
     assert code == 0, err
-    assert "selected by" in text and f"{summary['epsilon']:.4g}" in text and "understates" in text
+    assert "selected by" in text and bound_text(summary['epsilon']) in text and "understates" in text
     run_summary = read_json(selected / "summary.json")
     assert run_summary["epsilon"] == pytest.approx(summary["epsilon"], rel=1e-12)
     assert run_summary["selected_by_search"]

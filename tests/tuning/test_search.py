@@ -121,3 +121,35 @@ def test_tune_cost_prices_correlated_noise_by_its_participations(tmp_path, mecha
     plain = dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(report.plan.sample_rate, dp_accounting.GaussianDpEvent(sigma)), 12)
     assert report.privacy.release.training(sigma) != plain
+
+
+def test_a_user_level_search_scores_people_and_says_so(tmp_path):
+    """At user level one person's held-out records would move a count of correct records by as many
+    as they wrote: the private score sums each held-out person's accuracy (sensitivity 1), and the
+    search's statement names the unit."""
+    import random
+
+    from dpclip.rundir.searchdir import search_statement_lines
+    rng = random.Random(0)
+    rows = ["person,x1,x2,label"]
+    for person in range(60):
+        for _ in range(1 + person % 7 * 3):   # 1 to 19 records each
+            label = rng.randint(0, 1)
+            rows.append(f"p{person},{rng.gauss(label, 1):.4f},{rng.gauss(-label, 1):.4f},{label}")
+    (tmp_path / "data.csv").write_text("\n".join(rows) + "\n")
+    base = {"name": "user-search", "output_dir": str(tmp_path / "runs"),
+            "data": {"source": "files", "format": "csv", "train": str(tmp_path / "data.csv"), "label_field": "label",
+                     "user_field": "person", "feature_fields": ["x1", "x2"], "max_examples_per_user": 4,
+                     "test_fraction": 0.25},
+            "model": {"kind": "mlp", "hidden": [8]},
+            "training": {"steps": 2, "batch_size": 10, "optimizer": {"kind": "sgd", "lr": 0.5}},
+            "privacy": {"unit": "user", "epsilon": 8.0, "delta": 1e-4, "accountant": "rdp"},
+            "tuning": {"score": "private", "score_noise": 20.0}}
+    recipe = validate_recipe(base)
+    grid = ["training.optimizer.lr=0.1,0.5"]
+    report = tune_cost(base, recipe, grid=grid, timer=StepTimer(fixed_seconds=0.01))
+    summary = run_search(base, recipe, report, grid=grid)
+    lines = "\n".join(search_statement_lines(Path(summary["search_dir"])))
+    assert "user-level" in lines and "add/remove all records of one person" in lines
+    assert "Σ over held-out people of each one's accuracy" in lines and "example-level" not in lines
+    assert "held-out people" in summary["score_meaning"]
