@@ -24,6 +24,7 @@ import numpy as np
 from scipy.stats import binom
 
 from dpclip.audit.fdp_one_run import gdp_epsilon, mu_lower_bound
+from dpclip.errors import DpclipError
 
 
 def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
@@ -82,6 +83,12 @@ def one_run_audit(scores: np.ndarray, included: np.ndarray, delta: float, confid
     scores = np.asarray(scores, dtype=float)
     included = np.asarray(included, dtype=bool)
     m = len(scores)
+    if included.shape != scores.shape:
+        raise DpclipError(f"the canaries' answer key holds {included.size} inclusion bits for {m} canaries",
+                          "audit/canaries.json belongs to another run or was damaged: audit the run it came with")
+    if not guess_counts(m):
+        raise DpclipError(f"{m} canaries are too few for the one-run audit: it guesses on m/20 to m/2 of them",
+                          "train with audit.canaries.count of 100 or more (1,000 for a strong bound)")
     order = np.argsort(-scores, kind="stable")
     ks = guess_counts(m)
     alpha = (1.0 - confidence) / max(len(ks), 1)

@@ -84,7 +84,13 @@ def resolve_target(path: Path) -> tuple[Path, Path]:
 
 
 def build_pool(run_dir: Path, recipe) -> Pool:
-    meta = json.loads((run_dir / layout.META).read_text(encoding="utf-8"))
+    try:
+        meta = json.loads((run_dir / layout.META).read_text(encoding="utf-8"))
+        meta["data"]["split_fingerprint"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise DpclipError(f"{run_dir / layout.META} is missing or damaged ({type(exc).__name__}): without it the "
+                          "members and non-members cannot be rebuilt", "restore it from a backup of the run "
+                          "directory (dpclip train writes it once, at the start)") from None
     key = meta.get("split_key")   # the run's private split key (None: its recipe's seed drew the split)
     data = load_data(recipe.data, seed=recipe.seed, split_key=None if key is None else int(key))
     if data.fingerprint != meta["data"]["split_fingerprint"]:
@@ -95,6 +101,9 @@ def build_pool(run_dir: Path, recipe) -> Pool:
     attacked = np.ones(len(is_member), dtype=bool)
     secret = read_canary_secret(run_dir)
     if secret is not None:
+        if not isinstance(secret.get("sources"), list):
+            raise DpclipError(f"{layout.canaries_file(run_dir)} is damaged (no list of sources)",
+                              "restore it from a backup of the run directory")
         sources = [s for s in secret["sources"] if s is not None]
         attacked[data.num_train + np.asarray(sources, dtype=int)] = False
     return Pool(data, tensors, is_member, attacked)
@@ -164,6 +173,7 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
     epsilon, delta = _ledger_at(run_dir, recipe, checkpoint, state)
 
     report: dict[str, Any] = {
+        "not_covered_by_epsilon": "every figure here is measured on private data (docs/accounting.md)",
         "run_dir": str(run_dir), "checkpoint": checkpoint.name, "step": int(state["step"]),
         "ledger": {"epsilon": epsilon, "delta": delta},
         "created": datetime.now().isoformat(timespec="seconds"), "attacks": {}, "notes": [],
@@ -207,8 +217,10 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
     if "one_run" in report:
         report["flagged"] = report["one_run"]["epsilon_lower_bound"] > report["ledger"]["epsilon"]
         if report["flagged"]:
-            report["notes"].append("the empirical ε lower bound exceeds the ledger's ε: the run leaks more "
-                                   "than its accounting allows (a privacy bug, or a wrong ledger)")
+            report["notes"].append(f"the empirical ε lower bound exceeds the ledger's ε at "
+                                   f"{100 * confidence:g}% confidence: the run leaks more than its accounting "
+                                   f"allows (a privacy bug, or a wrong ledger), unless this is the "
+                                   f"{100 * (1 - confidence):.2g}% of audits of a correct run that are flagged")
     # What the ledger's (ε, δ) allows any attack, for the tables of audit-mia and `dpclip report`.
     report["ledger"]["tpr_bound"] = {"fpr_0.1%": dp_bound_at(report, 0.001), "fpr_1%": dp_bound_at(report, 0.01)}
     if write:
@@ -217,6 +229,8 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
         write_json_atomic(folder / layout.AUDIT_REPORT, report)
         if report["attacks"]:
             plot_roc(report, folder / layout.ROC_PLOT)
+        else:   # an earlier audit's curves do not belong beside this report
+            (folder / layout.ROC_PLOT).unlink(missing_ok=True)
     return report
 
 

@@ -36,7 +36,7 @@ class ShadowProgress:
 
     def on_step(self, record):
         self.progress.update(self.task, completed=record["step"],
-                             status=f"loss {record['diagnostics']['train_loss']:.3f}")
+                             status=f"loss {record['diagnostics']['train_loss']:.3f} (not covered by ε)")
 
     def on_eval(self, record):
         pass

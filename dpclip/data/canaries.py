@@ -202,7 +202,15 @@ def read_secret(run_dir: Path, relative: Path) -> dict | None:
     path = Path(run_dir) / relative
     if not path.exists():
         return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        secret = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        secret = exc
+    if not isinstance(secret, dict):
+        raise DpclipError(f"{path} is damaged ({type(secret).__name__}): the audit's answer key cannot be read",
+                          "it is written once by dpclip train and never changed: restore it from a backup of "
+                          "the run directory, or audit without it (--attack loss)")
+    return secret
 
 
 def write_canary_secret(run_dir: Path, canaries: CanarySet) -> None:

@@ -155,10 +155,15 @@ def _audit_html(report: dict[str, Any]) -> list[str]:
             items.append(f"f-DP, Gaussian curve: {fdp.get('correct')}/{fdp.get('guesses')} right → μ ≥ "
                          f"{bound_text(fdp.get('mu_lower_bound'), upper=False)}, "
                          f"ε ≥ {bound_text(fdp.get('epsilon_lower_bound'), upper=False)}")
-        verdict = "exceeds the ledger's ε: a privacy bug, or a wrong ledger" if report.get("flagged") \
-            else "within the ledger's ε"
+        level = one_run.get("confidence", 0.95)
+        verdict = (f"exceeds the ledger's ε at {100 * level:g}% confidence: a privacy bug, or a wrong ledger (a "
+                   f"correct run is flagged in at most {100 * (1 - level):.2g}% of audits)") if report.get("flagged") \
+            else f"within the ledger's ε at {100 * level:g}% confidence"
         out.append(f"<p>One-run audit on {e(_fmt(one_run.get('canaries')))} canaries ({verdict}):</p><ul>"
                    + "".join(f"<li>{e(item)}</li>" for item in items) + "</ul>")
+    notes = report.get("notes") or []
+    if notes:
+        out.append("<p>Notes:</p><ul>" + "".join(f"<li>{e(note)}</li>" for note in notes) + "</ul>")
     exposure = report.get("exposure")
     if exposure:
         planted = ", ".join(f"{_fmt(row.get('exposure'))} bits ({row.get('repetitions')}x)"

@@ -57,3 +57,12 @@ def test_the_p_value_equals_the_theorems_sum_term_by_term(m, r, v, epsilon, delt
     worst = max([sum(pmf[:i]) / i for i in range(1, v + 1)], default=0.0)
     expected = min(1.0, binom.sf(v - 1, r, q) + 2 * m * delta * worst)
     assert p_value(m, r, v, epsilon, delta) == pytest.approx(expected, rel=1e-12, abs=1e-300)
+
+
+def test_an_answer_key_of_another_length_or_too_few_canaries_are_refused():
+    from dpclip.errors import DpclipError
+    with pytest.raises(DpclipError, match="50 inclusion bits for 200 canaries"):
+        one_run_audit(np.zeros(200), np.ones(50, dtype=bool), 1e-5)
+    with pytest.raises(DpclipError, match="too few") as caught:
+        one_run_audit(np.zeros(1), np.ones(1, dtype=bool), 1e-5)
+    assert "audit.canaries.count" in caught.value.hint

@@ -113,3 +113,26 @@ def test_the_audit_table_says_its_figures_are_not_covered_by_epsilon(cli, plain_
     eps, delta = ledger["epsilon"], ledger["delta"]
     allowed = min(math.exp(eps) * 0.01 + delta, 1 - math.exp(-eps) * (1 - delta - 0.01), 1.0)
     assert ledger["tpr_bound"]["fpr_1%"] == pytest.approx(allowed)
+
+
+def test_the_report_file_carries_its_label_and_no_earlier_audits_curves(cli, tiny_run):
+    run = tiny_run("audit.canaries.count=40")
+    assert cli("audit-mia", run, "--attack", "loss", "--bootstrap", "0").code == 0
+    assert (run / "audit" / "roc.png").exists()
+    result = cli("audit-mia", run, "--attack", "one-run", "--json")
+    assert result.code == 0, result.err
+    for report in (json.loads(result.out), json.loads((run / "audit" / "report.json").read_text())):
+        assert "private data" in report["not_covered_by_epsilon"] and not report["attacks"]
+    assert not (run / "audit" / "roc.png").exists()   # the loss attack's curves, not this report's
+
+
+@pytest.mark.parametrize("damage", ["answer key not JSON", "answer key empty", "meta.json gone"])
+def test_a_damaged_run_file_is_named_with_a_hint(cli, tiny_run, damage):
+    run = tiny_run("audit.canaries.count=40")
+    if damage == "meta.json gone":
+        (run / "meta.json").unlink()
+    else:
+        (run / "audit" / "canaries.json").write_text("{" if damage == "answer key not JSON" else "{}")
+    result = cli("audit-mia", run, "--attack", "loss", "--bootstrap", "0")
+    assert result.code == 2, (result.code, result.err)
+    assert "damaged" in result.err and "hint:" in result.err and "unexpected" not in result.err
