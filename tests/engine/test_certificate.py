@@ -529,3 +529,21 @@ def test_sharding_a_model_the_certificate_never_checked_is_refused():
     x, y = _data()
     engine.certify(lambda: F.cross_entropy(model(x), y, reduction="none"), before="sharding")
     engine.adopt_parameters("sharded")   # checked: the shards are adopted
+
+
+def test_a_shared_table_as_long_as_the_batch_is_refused_with_how_to_pass_it():
+    """A [K, d] table passed beside x is shared; when B == K the replays read it as one row per sample."""
+    class Prototypes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encode = nn.Linear(4, 3)
+
+        def forward(self, x, table):
+            return self.encode(x) @ table.t()
+    torch.manual_seed(0)
+    model, table = Prototypes(), torch.randn(5, 3)
+    engine = _engine(model, 5)
+    x, y = torch.randn(5, 4), torch.randint(0, 5, (5,))
+    with pytest.raises(EngineError, match="mixes samples") as caught:
+        engine.backward(F.cross_entropy(model(x, table), y, reduction="none"))
+    assert "leading dimension 1" in caught.value.hint

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from dpclip.engine.batch_axis.layout import tensor_leaves
 from dpclip.engine.certificate.replay import Forward, Replayer, batch_axis, close, module_outputs, select
 from dpclip.engine.sums import sum_of_squares
 from dpclip.errors import EngineError
@@ -20,6 +21,11 @@ NOT_COVERED = " [computed from the private batch: not covered by ε]"
 MIXING_HINT = ("each sample's output must depend on that sample alone: replace batch statistics "
                "(BatchNorm, x - x.mean(0)) by per-sample ones (GroupNorm, LayerNorm) and keep no "
                "data in buffers (docs/certificate.md)")
+
+
+SHARED_INPUT_HINT = ("; an input shared by all samples whose first size equals this batch's by chance (a table of "
+                     "K rows, B = K) is read as one row per sample: pass it with a leading dimension 1, or keep it "
+                     "in the model (a buffer)")
 
 
 def refuse_written_buffer(found: str | None) -> None:
@@ -90,8 +96,10 @@ def mixing_error(model: nn.Module, replayer: Replayer, forward: Forward, row: in
     """The refusal of a model whose samples mix, naming where they meet if a replay finds it."""
     module = where_samples_meet(model, replayer, forward, row, rtol, replace)
     where = f"module {module}" if module else f"the model ({type(model).__name__})"
+    rowed = [t for t in tensor_leaves((forward.args, forward.kwargs)) if t.dim() and t.shape[0] == forward.batch]
     return EngineError(f"{where} mixes samples: the model {what}; a per-sample gradient, and so the "
-                       "privacy guarantee, would not hold" + NOT_COVERED, MIXING_HINT)
+                       "privacy guarantee, would not hold" + NOT_COVERED,
+                       MIXING_HINT + (SHARED_INPUT_HINT if len(rowed) > 1 else ""))
 
 
 def hooked_layers(model: nn.Module) -> list[str]:
@@ -102,7 +110,7 @@ def hooked_layers(model: nn.Module) -> list[str]:
 def with_hooks_named(exc: EngineError, hooked: list[str]) -> EngineError:
     """A mixing refusal of a model whose layers have forward hooks: a hook that changes an output
     makes the replays (run without hooks) differ, which reads as mixing."""
-    if not hooked or exc.hint != MIXING_HINT:
+    if not hooked or not exc.hint.startswith(MIXING_HINT):
         return exc
     return EngineError(exc.message, f"modules {', '.join(hooked[:3])} have forward hooks, which the check's replays "
                                     "run without (a hook may only observe): a hook that changes its module's input "
