@@ -128,10 +128,16 @@ PRIVATE_HESSIAN_DIAGNOSTICS = (
     "(diagnostics.data: private)")
 
 
+LABEL_SET = ("the label set, read from the private data's labels: the task, the number of classes (the largest "
+             "whole-number label + 1) or the class names, and so the model's output size (a rare label shows)")
+
+
 def not_covered(recipe: Recipe) -> tuple[str, ...]:
     """What a run of ``recipe`` releases outside ε (the statement lists it), and the public
     data it trains on, which ε does not cover (docs/continual.md)."""
     out = EXACT_DIAGNOSTICS if recipe.privacy.exact_diagnostics else ()
+    if recipe.data.source != "builtin":   # a builtin data set's classes are public
+        out += (LABEL_SET,)
     if recipe.diagnostics.every_steps and recipe.diagnostics.data == "private":
         out += (PRIVATE_HESSIAN_DIAGNOSTICS,)
     if recipe.public is not None:

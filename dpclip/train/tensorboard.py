@@ -79,12 +79,16 @@ def record_scalars(record: dict[str, Any], group_names: list[str],
 class TensorBoardLog:
     """A ``SummaryWriter`` over ``RUN_DIR/tensorboard/`` fed with metrics.jsonl records."""
 
-    def __init__(self, run_dir: Path, group_names: list[str], epsilon_tag: str = EPSILON_TAG):
+    def __init__(self, run_dir: Path, group_names: list[str], epsilon_tag: str = EPSILON_TAG,
+                 clock: bool = True):
         from torch.utils.tensorboard import SummaryWriter  # lazy: an optional extra
 
         self.path = Path(run_dir) / TENSORBOARD_DIR
         self.group_names = list(group_names)
         self.epsilon_tag = epsilon_tag
+        # Each event's wall time follows the step's, which follows the realised batch size: without
+        # exact diagnostics the events are stamped with their step number instead (1970 + step seconds).
+        self.clock = clock
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.writer = SummaryWriter(log_dir=str(self.path))
         owner_only(self.path)   # the event file it just created (docs/accounting.md, "Threat model")
@@ -92,7 +96,7 @@ class TensorBoardLog:
     def write(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
         for tag, value in record_scalars(record, self.group_names, self.epsilon_tag):
-            self.writer.add_scalar(tag, value, global_step=step)
+            self.writer.add_scalar(tag, value, global_step=step, walltime=None if self.clock else float(step))
         self.writer.flush()
 
     def close(self) -> None:
@@ -108,7 +112,8 @@ def open_tensorboard(recipe, run_dir: Path, group_names: list[str], *,
     if not recipe.logging.tensorboard:
         return None
     check_logging(recipe)
-    return TensorBoardLog(run_dir, group_names, RUN_ALONE_EPSILON_TAG if in_search else EPSILON_TAG)
+    return TensorBoardLog(run_dir, group_names, RUN_ALONE_EPSILON_TAG if in_search else EPSILON_TAG,
+                          clock=recipe.privacy.exact_diagnostics)
 
 
 def write_headline_epsilon(run_dir: Path, epsilon: float, step: int) -> None:
@@ -120,6 +125,6 @@ def write_headline_epsilon(run_dir: Path, epsilon: float, step: int) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(log_dir=str(path))
-    writer.add_scalar(EPSILON_TAG, float(epsilon), global_step=int(step))
+    writer.add_scalar(EPSILON_TAG, float(epsilon), global_step=int(step), walltime=float(step))
     writer.close()
     owner_only(path)

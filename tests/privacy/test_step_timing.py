@@ -75,6 +75,12 @@ def test_without_exact_diagnostics_no_step_time_is_written_or_shown(cli, tiny_re
     tags = _tensorboard_tags(run_dir)
     assert "privacy/epsilon" in tags
     assert not [tag for tag in tags if _timing_key(tag)], tags
+    # Nor between the events: each carries a wall time, which would time the steps.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    stamps = [(event.step, event.wall_time) for tag in tags for event in events.Scalars(tag)]
+    assert stamps and all(wall_time == step for step, wall_time in stamps), stamps[:5]
     # The progress bar's time remaining (rich's h:mm:ss) is an average of the step times.
     assert "-:--:--" not in console and "0:00:0" not in console
     assert "remaining" not in console.lower()

@@ -1,0 +1,46 @@
+"""The attacker holding the model and model.json of a run on your own CSV: the output layer has
+one row per class, and the number of classes is the largest whole-number label + 1, read from the
+private labels. One record with a rare label (57 among 0-9) shows in the released model's shape,
+so the statement lists the label set as not covered by ε; a builtin data set's classes are public."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import yaml
+
+
+def _csv(path, rare: int | None) -> None:
+    rng = random.Random(0)
+    rows = ["x1,x2,label"] + [f"{rng.gauss(0, 1):.3f},{rng.gauss(0, 1):.3f},{i % 10}" for i in range(199)]
+    rows.append(f"0.1,0.2,{rare if rare is not None else 3}")
+    path.write_text("\n".join(rows) + "\n")
+
+
+def _train(cli, tmp_path, source: str):
+    recipe = {"name": "labels", "output_dir": str(tmp_path / "runs"),
+              "data": {"source": "files", "format": "csv", "train": str(tmp_path / "data.csv"),
+                       "label_field": "label", "feature_fields": ["x1", "x2"]} if source == "files"
+              else {"source": "builtin", "name": "digits"},
+              "model": {"kind": "mlp", "hidden": [4]},
+              "training": {"steps": 2, "batch_size": 20, "optimizer": {"kind": "sgd", "lr": 0.1}},
+              "privacy": {"epsilon": 8.0, "delta": 1e-4, "accountant": "rdp"}}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    result = cli("train", tmp_path / "recipe.yaml", "--json")
+    assert result.code == 0, result.err
+    run = next((tmp_path / "runs").iterdir())
+    return run, cli("account", run).out
+
+
+def test_a_rare_label_shows_in_the_released_model_and_the_statement_says_so(cli, tmp_path):
+    _csv(tmp_path / "data.csv", rare=57)
+    run, statement = _train(cli, tmp_path, "files")
+    model_json = next(run.glob("checkpoints/step_*/model.json"))
+    assert json.loads(model_json.read_text())["num_classes"] == 58   # what the attacker reads
+    assert "the label set, read from the private data's labels" in " ".join(statement.split())
+
+
+def test_builtin_classes_are_public(cli, tmp_path):
+    run, statement = _train(cli, tmp_path, "builtin")
+    assert "label set" not in statement
