@@ -226,7 +226,12 @@ def _kept(cache: OrderedDict, size: int, key, compose):
 def _rdp_accountant(event: dp_accounting.DpEvent) -> rdp_privacy_accountant.RdpAccountant | None:
     def compose():
         accountant = rdp_privacy_accountant.RdpAccountant(list(RDP_ORDERS))
-        return accountant.compose(event) if accountant.supports(event) else None
+        try:
+            return accountant.compose(event) if accountant.supports(event) else None
+        except (ZeroDivisionError, OverflowError) as exc:   # σ² underflows to 0 (σ = 1e-300)
+            raise AccountingError(f"the RDP accountant cannot compute this event ({type(exc).__name__}): a noise "
+                                  "multiplier this small gives no privacy to speak of",
+                                  "use a noise multiplier of at least about 0.3 (σ of 1 or more is usual)") from None
     return _kept(_RDP_CACHE, _RDP_CACHE_SIZE, repr(event), compose)
 
 

@@ -112,11 +112,17 @@ INTERRUPTED_HINT = ("nothing was left half written: run the command again (a tra
 
 
 def _file_system_error(exc: Exception) -> tuple[str, str] | None:
-    """(error, hint) for a folder the command may not write (read-only, permission, full disk)."""
+    """(error, hint) for a folder the command may not write (read-only, permission, full disk, a path
+    through a file or to a folder that is not there)."""
     if not isinstance(exc, OSError) or exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC,
-                                                          errno.EDQUOT):
+                                                          errno.EDQUOT, errno.ENOTDIR, errno.EISDIR, errno.ENOENT):
         return None
     where = exc.filename or "a file"
+    if exc.errno in (errno.ENOTDIR, errno.EISDIR, errno.ENOENT):
+        what = {errno.ENOTDIR: "a part of that path is a file, not a folder", errno.EISDIR: "it is a folder",
+                errno.ENOENT: "no such file or folder"}[exc.errno]
+        return (f"cannot use {where}: {what}", "check the paths given (output_dir=... for train, --out for export, "
+                "report and tune-cost, the run directory); if they are right, rerun with --debug and please report it")
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"no space left to write {where}", "free some space (old checkpoints: checkpoint.keep), then run it again"
     return (f"cannot write {where}: {exc.strerror or 'permission denied'}",

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, load_model, save_file
 
 from dpclip import layout
@@ -193,9 +193,15 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def load_checkpoint(path: Path, model: torch.nn.Module) -> dict[str, Any]:
     """Load weights into ``model`` (in place) and return the state tree."""
-    load_weights(path, model)
-    tensors = load_file(str(path / layout.STATE_TENSORS))
-    state = unflatten_state(read_json(path / layout.STATE), tensors)
+    try:
+        load_weights(path, model)
+        tensors = load_file(str(path / layout.STATE_TENSORS))
+        state = unflatten_state(read_json(path / layout.STATE), tensors)
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
+        raise DpclipError(f"checkpoint {path} is damaged or incomplete ({type(exc).__name__})",
+                          "it was cut short (a full disk, an interrupted copy): restore the run directory from a "
+                          f"backup, or delete {path.name} and write the previous checkpoint's folder name into "
+                          f"{layout.CHECKPOINTS}/{layout.LATEST}") from None
     if not isinstance(state, dict) or state.get("step") != int(path.name.split("_")[1]):
         raise DpclipError(f"checkpoint {path} does not hold step {path.name.split('_')[1].lstrip('0') or 0}",
                           "the run directory was modified: restore it or start a new run")

@@ -304,3 +304,13 @@ def test_a_printed_epsilon_is_never_below_the_computed_one(cli):
     table = [float(x) for x in re.findall(r"│ pld +│ ([0-9.]+) │", printed)]
     assert shown and table
     assert all(computed <= x <= computed + 1e-3 for x in shown + table), (computed, shown, table)
+
+
+def test_a_noise_multiplier_too_small_to_account_is_an_error_with_a_hint(cli):
+    result = cli("account", "--sigma", "1e-300", "--delta", "1e-5", "-q", "0.5", "--steps", "100")
+    assert result.code == 2 and "this small" in result.err and "hint:" in result.err and "unexpected" not in result.err
+
+
+def test_a_seed_beyond_64_bits_is_refused_by_the_schema(cli):
+    result = cli("validate", REPO / "recipes" / "quickstart.yaml", "seed=99999999999999999999999999")
+    assert result.code == 2 and "seed" in result.err and "less than or equal" in result.err

@@ -64,3 +64,28 @@ def test_a_full_disk_says_so(cli, tmp_path, monkeypatch):
     monkeypatch.setattr(dpclip.files, "write_bytes_atomic", full)
     result = cli("train", REPO / "recipes" / "quickstart.yaml", f"output_dir={tmp_path / 'runs'}", *TINY)
     assert result.code == 2 and "error: no space left to write" in result.err and "hint: free some space" in result.err
+
+
+@pytest.mark.parametrize("where", ["through a file", "a missing folder"])
+def test_an_output_dir_that_cannot_be_a_folder_says_so(cli, tmp_path, where):
+    (tmp_path / "a_file").write_text("not a folder")
+    out = tmp_path / "a_file" if where == "through a file" else Path("/proc/no-such-folder")   # mkdir fails there
+    result = cli("train", REPO / "recipes" / "quickstart.yaml", f"output_dir={out}", *TINY)
+    assert result.code == 2 and "cannot use" in result.err and "hint:" in result.err, result.err
+    assert "unexpected" not in result.err
+
+
+def test_tune_cost_out_of_a_folder_or_into_a_missing_one_says_so(cli, tmp_path):
+    for out in (tmp_path, tmp_path / "missing" / "x.json"):
+        result = cli("tune-cost", REPO / "recipes" / "quickstart.yaml", "--grid", "training.optimizer.lr=0.1,0.2",
+                     "--no-measure", "--step-seconds", "1", "--out", out)
+        assert result.code == 2 and "cannot use" in result.err and "unexpected" not in result.err, result.err
+
+
+@pytest.mark.parametrize("damaged", ["state.json", "model.safetensors"])
+def test_a_checkpoint_cut_short_is_named_on_resume(cli, run_copy, damaged):
+    checkpoint = sorted((run_copy / "checkpoints").glob("step_*"))[-1]
+    data = (checkpoint / damaged).read_bytes()
+    (checkpoint / damaged).write_bytes(data[:len(data) // 3])
+    result = cli("train", "--resume", run_copy)
+    assert result.code == 2 and "damaged or incomplete" in result.err and "LATEST" in result.err, result.err
