@@ -137,9 +137,24 @@ def recipe_plan(path: Path, overrides: Sequence[str], flags: AccountFlags):
     from dpclip.recipe import load_recipe  # looked up at call time: tests stand in for it
 
     recipe = load_recipe(path, list(overrides))
+    _check_threshold_lists(recipe)
     plan = planning.plan_for_recipe(recipe, dataset_size=flags.dataset_size)
     accountant = recipe.privacy.accountant if flags.accountant == "pld" else flags.accountant
     return plan, accountant, f"recipe {recipe.name}", getattr(recipe.clipping.threshold, "bins", None)
+
+
+def _check_threshold_lists(recipe) -> None:
+    """A threshold list must have one value per clipping group, as training checks (cli.md: account and
+    train cannot disagree on a recipe)."""
+    threshold = recipe.clipping.threshold
+    lists = {name: value for name in ("value", "small", "large")
+             if isinstance(value := getattr(threshold, name, None), (list, tuple))}
+    if lists:
+        groups = planning.count_groups(recipe)
+        for name, value in lists.items():
+            if len(value) != groups:
+                raise AccountingError(f"clipping.threshold.{name} lists {len(value)} thresholds but there are "
+                                      f"{groups} groups", "give one threshold per group, or a single float")
 
 
 def flags_plan(flags: AccountFlags, overrides: Sequence[str], note: Callable[[str], None]) -> PrivacyPlan:

@@ -22,6 +22,21 @@ from dpclip.recipe.schema import Recipe, annotation_now
 from dpclip.recipe.shipped import shipped_names
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader refusing a key given twice in one mapping: YAML keeps the last silently,
+    and a doubled ``privacy.epsilon`` would go unnoticed."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice in one section",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a recipe file into a plain mapping; missing files and bad YAML are RecipeErrors."""
     path = Path(path)
@@ -52,7 +67,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"cannot read {path}: {exc}", "is it a UTF-8 text file?") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         where = ""
         mark = getattr(exc, "problem_mark", None)

@@ -22,6 +22,7 @@ from dpclip.errors import DpclipError, InterruptedRun
 from dpclip.files import write_json_atomic
 from dpclip.recipe import Recipe
 from dpclip.rundir.checkpoint import latest_checkpoint
+from dpclip.rundir.lock import RunLock
 from dpclip.train.output import RunOutput
 from dpclip.train.parts import assemble
 from dpclip.train.run_parts import RunParts
@@ -66,25 +67,31 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
         return _dry_run(parts, info, output.observer)
     state = RunState(Ledger(parts.setting.plan.delta, parts.setting.plan.accountant))
     checkpointer = Checkpointer(parts, state, output)
-    if resume is not None:
-        checkpointer.resume(resume, resume_changes)
-    else:
-        checkpointer.start(world.on_main(output.create, recipe, parts.feed.ordinary, parts.feed.canaries, info, run_dir,
-                                         parts.feed.exposure))
-    output.write_ledger(state)
-    if world.main:
-        output.tensorboard = open_tensorboard(recipe, output.run_dir, parts.learner.engine.group_names,
-                                              in_search=recipe.logging.tensorboard
-                                              and search_of_run(Path(output.run_dir)) is not None)
-    output.observer.on_start({**info, **parts.info(resume_changes), "run_dir": str(output.run_dir),
-                              "start_step": state.step, "dry_run": False})  # info again: the resumed phase
+    lock = RunLock()   # one process per run directory (rank 0 for all ranks)
     try:
-        stopped = run_loop(parts, state, checkpointer, output)
-        final_eval = run_eval(parts, state, output) if stopped != "interrupted" else {}
-        checkpointer.save()
-    except KeyboardInterrupt:   # a second Ctrl-C: stopped at once, maybe mid-step
-        raise stopped_at_once(output.run_dir, world) from None
-    return _finish(parts, state, output, stopped, final_eval, resume_changes)
+        if resume is not None:
+            world.on_main(lock.take, resume)
+            checkpointer.resume(resume, resume_changes)
+        else:
+            checkpointer.start(world.on_main(output.create, recipe, parts.feed.ordinary, parts.feed.canaries, info,
+                                             run_dir, parts.feed.exposure))
+            world.on_main(lock.take, Path(output.run_dir))
+        output.write_ledger(state)
+        if world.main:
+            output.tensorboard = open_tensorboard(recipe, output.run_dir, parts.learner.engine.group_names,
+                                                  in_search=recipe.logging.tensorboard
+                                                  and search_of_run(Path(output.run_dir)) is not None)
+        output.observer.on_start({**info, **parts.info(resume_changes), "run_dir": str(output.run_dir),
+                                  "start_step": state.step, "dry_run": False})  # info again: the resumed phase
+        try:
+            stopped = run_loop(parts, state, checkpointer, output)
+            final_eval = run_eval(parts, state, output) if stopped != "interrupted" else {}
+            checkpointer.save()
+        except KeyboardInterrupt:   # a second Ctrl-C: stopped at once, maybe mid-step
+            raise stopped_at_once(output.run_dir, world) from None
+        return _finish(parts, state, output, stopped, final_eval, resume_changes)
+    finally:
+        lock.release()
 
 
 def stopped_at_once(run_dir: Path, world: World) -> InterruptedRun:

@@ -314,3 +314,12 @@ def test_a_noise_multiplier_too_small_to_account_is_an_error_with_a_hint(cli):
 def test_a_seed_beyond_64_bits_is_refused_by_the_schema(cli):
     result = cli("validate", REPO / "recipes" / "quickstart.yaml", "seed=99999999999999999999999999")
     assert result.code == 2 and "seed" in result.err and "less than or equal" in result.err
+
+
+def test_account_and_train_agree_on_a_threshold_list_of_the_wrong_length(cli):
+    recipe = REPO / "recipes" / "quickstart.yaml"   # grouping: layer, three Linear layers
+    refused = cli("account", recipe, "clipping.threshold.value=[1,1]")
+    assert refused.code == 2 and "lists 2 thresholds but there are 3 groups" in refused.err
+    assert cli("account", recipe, "clipping.threshold.value=[1,1,1]").code == 0
+    trained = cli("train", recipe, "clipping.threshold.value=[1,1]", "--dry-run")
+    assert trained.code == 2 and "lists 2 thresholds but there are 3 groups" in trained.err

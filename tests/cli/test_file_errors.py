@@ -89,3 +89,18 @@ def test_a_checkpoint_cut_short_is_named_on_resume(cli, run_copy, damaged):
     (checkpoint / damaged).write_bytes(data[:len(data) // 3])
     result = cli("train", "--resume", run_copy)
     assert result.code == 2 and "damaged or incomplete" in result.err and "LATEST" in result.err, result.err
+
+
+def test_a_run_being_trained_cannot_be_resumed_by_a_second_process(cli, run_copy):
+    """Two processes on one run overwrote each other's checkpoints and drew the same batches and noise."""
+    from dpclip.rundir.lock import RunLock
+    held = RunLock()
+    held.take(run_copy)   # as the first process holds it while it trains
+    try:
+        before = sorted(p.name for p in (run_copy / "checkpoints").iterdir())
+        result = cli("train", "--resume", run_copy)
+        assert result.code == 2 and "being trained by another process" in result.err and "hint:" in result.err
+        assert sorted(p.name for p in (run_copy / "checkpoints").iterdir()) == before
+    finally:
+        held.release()
+    assert cli("train", "--resume", run_copy).code == 0   # once it has ended

@@ -153,6 +153,15 @@ def test_bad_yaml_reports_the_line(tmp_path):
     assert "not valid YAML" in info.value.message and "line" in info.value.message
 
 
+def test_a_key_given_twice_is_refused_not_overwritten(tmp_path):
+    """YAML keeps the last of two equal keys: a second privacy.epsilon would go unnoticed."""
+    doubled = tmp_path / "doubled.yaml"
+    doubled.write_text("name: x\nprivacy:\n  epsilon: 1\n  delta: 1.0e-5\n  epsilon: 8\n")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(doubled)
+    assert "'epsilon' is given twice" in info.value.message and "line 5" in info.value.message
+
+
 @pytest.mark.parametrize("text", ["", "- a\n- b\n", "42\n"])
 def test_a_recipe_must_be_a_mapping(tmp_path, text):
     path = tmp_path / "r.yaml"
