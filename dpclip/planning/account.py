@@ -194,7 +194,7 @@ def flags_statistic(flags: AccountFlags, note: Callable[[str], None]) -> AuxSpec
             raise AccountingError(f"--bins must be at least 2, got {flags.bins}", "the DC-SGD paper uses 20 bins")
         note(BINS_DEPRECATED)
     if flags.aux is not None:
-        return statistic(flags.aux, flags.groups or 1, flags.aux_sigma, flags.aux_fraction)
+        return statistic(flags.aux, 1 if flags.groups is None else flags.groups, flags.aux_sigma, flags.aux_fraction)
     if flags.aux_sigma is not None or flags.aux_fraction is not None:
         raise AccountingError("--aux-sigma / --aux-fraction need --aux histogram|quantile",
                               "e.g. --aux quantile --aux-fraction 0.01")

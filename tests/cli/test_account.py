@@ -323,3 +323,10 @@ def test_account_and_train_agree_on_a_threshold_list_of_the_wrong_length(cli):
     assert cli("account", recipe, "clipping.threshold.value=[1,1,1]").code == 0
     trained = cli("train", recipe, "clipping.threshold.value=[1,1]", "--dry-run")
     assert trained.code == 2 and "lists 2 thresholds but there are 3 groups" in trained.err
+
+
+@pytest.mark.parametrize("groups", ["0", "-3"])
+def test_no_groups_is_refused_like_negative_groups(cli, groups):
+    result = cli("account", "--eps", "8", "--delta", "1e-5", "-q", "0.01", "--steps", "100", "--aux", "quantile",
+                 "--aux-fraction", "0.1", "--groups", groups)
+    assert result.code == 2 and f"groups must be an integer >= 1, got {groups}" in result.err
