@@ -276,6 +276,11 @@ def assemble_for_timing(recipe: Recipe, steps: int) -> RunParts:
                     feed=Feed(data=data, ordinary=data, sampler=sampler))
 
 
+#: Privacy fields that do not move σ: named beside a changed plan field, they read as its cause.
+NOT_PLAN_PRIVACY_FIELDS = frozenset({"privacy.exact_diagnostics", "privacy.verify_every",
+                                     "privacy.unsafe_seeded_randomness"})
+
+
 def _sigma_change(reference: Recipe | None, recipe: Recipe, num_train: int, num_groups: int, plan: PrivacyPlan,
                   solved: PlanResult) -> SigmaChange | None:
     """σ (or ε, at a given σ) of the recipe file's own plan beside this run's, when the
@@ -284,7 +289,7 @@ def _sigma_change(reference: Recipe | None, recipe: Recipe, num_train: int, num_
     if reference is None or reference.data != recipe.data:
         return None
     changed = {key: value for key, value in recipe_changes(reference, recipe).items()
-               if key in PLAN_FIELDS or key.startswith("privacy.")}
+               if key in PLAN_FIELDS or key.startswith("privacy.") and key not in NOT_PLAN_PRIVACY_FIELDS}
     if not any(key in PLAN_FIELDS for key in changed):
         return None
     try:

@@ -17,6 +17,7 @@ process writes), and each rank takes its shards back on resume.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ from dpclip.train.run_parts import RunParts
 from dpclip.train.ranks import check_parallel, check_world_size, rank_states, share_run_dir
 from dpclip.rundir.run import (RunDir, check_canaries, check_data, check_ledger, read_ledger, record_resume_changes,
                                  released_records)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -181,6 +184,12 @@ class Checkpointer:
         # Steps after the checkpoint that already left the process are redone with the
         # checkpoint's generator states, so they must release exactly what they did.
         self.output.replay = released_records(run.metrics_file, state.step)
+        unrecorded = [s for s in range(state.step + 1, released.steps) if ("step", s) not in self.output.replay]
+        if unrecorded:   # (the ledger is written first: the last released step may lack its line)
+            log.warning("metrics.jsonl holds no record of step%s %s, which the ledger says were released: their "
+                        "redone releases cannot be compared with what was released (was the file cut or "
+                        "edited?)", "s" if len(unrecorded) > 1 else "",
+                        f"{unrecorded[0]}-{unrecorded[-1]}" if len(unrecorded) > 1 else unrecorded[0])
         if parts.feed.canaries is not None:
             check_canaries(run.path, parts.feed.canaries)
         check_data(run, parts.feed.ordinary)
