@@ -86,11 +86,11 @@ def one_run_audit(scores: np.ndarray, included: np.ndarray, delta: float, confid
     if included.shape != scores.shape:
         raise DpclipError(f"the canaries' answer key holds {included.size} inclusion bits for {m} canaries",
                           "audit/canaries.json belongs to another run or was damaged: audit the run it came with")
-    if not guess_counts(m):
+    ks = guess_counts(m)
+    if not ks:
         raise DpclipError(f"{m} canaries are too few for the one-run audit: it guesses on m/20 to m/2 of them",
                           "train with audit.canaries.count of 100 or more (1,000 for a strong bound)")
     order = np.argsort(-scores, kind="stable")
-    ks = guess_counts(m)
     alpha = (1.0 - confidence) / max(len(ks), 1)
     tried = []
     for k in ks:

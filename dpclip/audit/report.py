@@ -86,14 +86,14 @@ def resolve_target(path: Path) -> tuple[Path, Path]:
 def build_pool(run_dir: Path, recipe) -> Pool:
     try:
         meta = json.loads((run_dir / layout.META).read_text(encoding="utf-8"))
-        meta["data"]["split_fingerprint"]
+        fingerprint = meta["data"]["split_fingerprint"]
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
         raise DpclipError(f"{run_dir / layout.META} is missing or damaged ({type(exc).__name__}): without it the "
                           "members and non-members cannot be rebuilt", "restore it from a backup of the run "
                           "directory (dpclip train writes it once, at the start)") from None
     key = meta.get("split_key")   # the run's private split key (None: its recipe's seed drew the split)
     data = load_data(recipe.data, seed=recipe.seed, split_key=None if key is None else int(key))
-    if data.fingerprint != meta["data"]["split_fingerprint"]:
+    if data.fingerprint != fingerprint:
         raise DpclipError(f"the data of {run_dir} no longer splits as it did in training",
                           "the data files changed since the run; the members cannot be rebuilt")
     tensors = {name: torch.cat([data.train[name], data.test[name]]) for name in data.train}

@@ -204,12 +204,12 @@ def read_secret(run_dir: Path, relative: Path) -> dict | None:
         return None
     try:
         secret = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        secret = exc
-    if not isinstance(secret, dict):
-        raise DpclipError(f"{path} is damaged ({type(secret).__name__}): the audit's answer key cannot be read",
+        if not isinstance(secret, dict):
+            raise TypeError(f"a {type(secret).__name__}, not a mapping")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError) as exc:
+        raise DpclipError(f"{path} is damaged ({type(exc).__name__}): the audit's answer key cannot be read",
                           "it is written once by dpclip train and never changed: restore it from a backup of "
-                          "the run directory, or audit without it (--attack loss)")
+                          "the run directory, or audit without it (--attack loss)") from None
     return secret
 
 

@@ -285,6 +285,16 @@ def _run_trials(trials: int, configurations, rng: random.Random, *, recipe, data
     return best, stopped
 
 
+def held_out_people_accuracy(model, loss_fn, data, batch_size: int) -> tuple[float, int]:
+    """(Σ over held-out people of each one's accuracy, the number of held-out people). One person's
+    held-out records would move a count of correct records by as many as they wrote; this sum moves
+    by at most 1 (docs/tuning.md)."""
+    people = data.test_users.unique()
+    total = sum(evaluate(model, loss_fn, {name: t[data.test_users == person] for name, t in data.test.items()},
+                         data.task, batch_size=batch_size)["accuracy"] for person in people)
+    return total, len(people)
+
+
 def _released_score(run_dir: Path, trial, data, score_noise: float | None, rng: random.Random) -> float | None:
     """The score the search may look at: exact accuracy for a public split, noisy for a private one.
 
@@ -303,12 +313,8 @@ def _released_score(run_dir: Path, trial, data, score_noise: float | None, rng: 
     if score_noise is None:
         return accuracy
     if data.test_users is not None:
-        # One person's held-out records would move a count of correct records by as many as they
-        # wrote: the sum of each held-out person's accuracy moves by at most 1 (docs/tuning.md).
-        people = data.test_users.unique()
-        total = sum(evaluate(model, loss_fn, {name: t[data.test_users == person] for name, t in data.test.items()},
-                             data.task, batch_size=trial.eval.batch_size)["accuracy"] for person in people)
-        return (total + rng.gauss(0.0, score_noise)) / len(people)
+        total, people = held_out_people_accuracy(model, loss_fn, data, trial.eval.batch_size)
+        return (total + rng.gauss(0.0, score_noise)) / people
     held_out = data.num_test
     correct = round(accuracy * held_out)
     # Gaussian mechanism on the count of correct predictions (sensitivity 1 under add/remove).

@@ -236,6 +236,13 @@ def test_pld_at_a_delta_within_its_floating_point_error_falls_back_to_rdp():
     assert account(event, 1e-8, "pld").accountant == "pld"       # above it, PLD as before
 
 
+def test_a_pld_delta_within_its_floating_point_error_gives_way_to_rdp():
+    """The same event's δ at ε = 7.941: the true δ is at least 1.010e-12 (the independent lower bound
+    above); the PLD's is below 1e-12 there, so the RDP δ is returned."""
+    event = training_event(0.004, 0.666966204280318, 2344)
+    assert delta_for_epsilon(event, 7.941, "pld") >= 1.010e-12
+
+
 def test_event_unsupported_by_pld_falls_back_to_rdp():
     run = training_event(0.01, 1.0, 100)
     event = dp_event.RepeatAndSelectDpEvent(run, 5.0, 1.0)

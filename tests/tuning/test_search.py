@@ -153,3 +153,39 @@ def test_a_user_level_search_scores_people_and_says_so(tmp_path):
     assert "user-level" in lines and "add/remove all records of one person" in lines
     assert "Σ over held-out people of each one's accuracy" in lines and "example-level" not in lines
     assert "held-out people" in summary["score_meaning"]
+
+
+def test_the_user_level_score_sums_each_held_out_persons_accuracy(tmp_path):
+    """Against a count of correct records, which one person with many held-out records moves by as many."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from dpclip.data import load_data
+    from dpclip.models import build_model
+    from dpclip.tuning.search import held_out_people_accuracy
+    rng = random.Random(1)
+    rows = ["person,x1,x2,label"]
+    for person in range(40):
+        for _ in range(1 + (person % 5) * 6):   # 1 to 25 records each
+            label = rng.randint(0, 1)
+            rows.append(f"p{person},{rng.gauss(label, 1):.4f},{rng.gauss(-label, 1):.4f},{label}")
+    (tmp_path / "data.csv").write_text("\n".join(rows) + "\n")
+    recipe = validate_recipe({
+        "name": "people", "data": {"source": "files", "format": "csv", "train": str(tmp_path / "data.csv"),
+                                   "label_field": "label", "user_field": "person", "feature_fields": ["x1", "x2"],
+                                   "max_examples_per_user": 4, "test_fraction": 0.5},
+        "model": {"kind": "mlp", "hidden": [4]}, "training": {"steps": 1, "batch_size": 10,
+                                                              "optimizer": {"kind": "sgd", "lr": 0.1}},
+        "privacy": {"unit": "user", "epsilon": 8.0, "delta": 1e-4}})
+    data = load_data(recipe.data, seed=0, split_key=7)
+    model, loss_fn = build_model(recipe.model, data, seed=0)
+    total, people = held_out_people_accuracy(model, loss_fn, data, batch_size=16)
+    # the reference: each held-out record's prediction, averaged per person, summed
+    with torch.no_grad():
+        correct = (model(data.test["features"]).argmax(1) == data.test["labels"]).double().numpy()
+    owners = data.test_users.numpy()
+    reference = sum(correct[owners == p].mean() for p in np.unique(owners))
+    assert people == len(np.unique(owners)) and total == pytest.approx(reference)
+    assert correct.sum() != pytest.approx(reference)   # a record count would be another number here

@@ -29,6 +29,13 @@ def batch_gradients(cert, forwards, rows, cots, rtol, outputs: bool = True) -> d
     return own
 
 
+def _moved(got: list[Tensor], own: list[Tensor], rtol: float) -> bool:
+    """Whether ``got`` differs from ``own`` (one row's gradient, per parameter) beyond ``rtol`` of its norm."""
+    scale = math.sqrt(sum(float(x.double().square().sum()) for x in own))
+    err = math.sqrt(sum(float((a - b).double().square().sum()) for a, b in zip(got, own)))
+    return err > rtol * max(scale, 1e-30)
+
+
 def independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers: Buffers) -> None:
     """The batch replayed with the last checked row replaced by the first: the other checked
     rows' gradients must not move, nor may the buffers differ."""
@@ -45,9 +52,7 @@ def independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers: Buffers
             moved[r] = g if moved[r] is None else [a + b for a, b in zip(moved[r], g)]
     refuse_written_buffer(buffers.after(f"the batch with sample {j} replaced"))
     for r, g in moved.items():
-        scale = math.sqrt(sum(float(x.double().square().sum()) for x in own[r]))
-        err = math.sqrt(sum(float((a - b).double().square().sum()) for a, b in zip(g, own[r])))
-        if err > rtol * max(scale, 1e-30):
+        if _moved(g, own[r], rtol):
             raise mixing_error(cert.model, cert.replayer, forwards[0], r, f"changes sample {r}'s gradient "
                                f"when sample {j} is replaced", rtol, replace=(j, source))
 
@@ -64,9 +69,7 @@ def checked_before_eval_mode(cert, forwards, rows, cots, rtol, buffers: Buffers)
     buffers.after("the batch")
     again = batch_gradients(cert, forwards, rows, cots, rtol, outputs=False)
     for r in rows:
-        scale = math.sqrt(sum(float(x.double().square().sum()) for x in own[r]))
-        err = math.sqrt(sum(float((a - b).double().square().sum()) for a, b in zip(again[r], own[r])))
-        if err > rtol * max(scale, 1e-30):
+        if _moved(again[r], own[r], rtol):
             raise EngineError(f"the model's forward draws random numbers the engine cannot replay: two replays from "
                               f"the step's random state give sample {r} different gradients, so its clipping cannot "
                               "be checked against its own gradient" + NOT_COVERED,
