@@ -307,6 +307,8 @@ def explain_error(err: dict[str, Any], data: dict[str, Any]) -> str:
     message = err["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, "):]
+    if message.startswith("."):  # a section's check on one of its fields (recipe/section.py)
+        return f"{where}{message}" if path else message[1:]
     if given is not None and not isinstance(given, (dict, list)) and kind != "value_error":
         return f"{where}: {message} (got {given!r})"
     return message if not path else f"{where}: {message}"

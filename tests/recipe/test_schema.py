@@ -231,3 +231,13 @@ def test_training_compile_is_off_unless_asked_and_implies_fixed_shapes():
     step = parts.learner.private_step
     assert step.compiled is not None and step.fixed_rows
     parts.learner.engine.detach()
+
+
+@pytest.mark.parametrize("override", ["training.batch_size=true", "privacy.epsilon=false", "name=true"])
+def test_a_boolean_where_a_number_or_name_is_meant_is_refused_not_read_as_one(override):
+    field, _, value = override.partition("=")
+    assert f"{field}: expected a number or a name, not the boolean {value}" in error_of([override])
+
+
+def test_boolean_fields_still_take_booleans():
+    assert load_recipe(QUICKSTART, ["training.compile=true"]).training.compile is True
