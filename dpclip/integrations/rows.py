@@ -66,11 +66,49 @@ def broadcast_rows(t: Tensor) -> bool:
     return t.stride(0) == 0
 
 
+def _column_statistics(x: Tensor) -> Iterator[Tensor]:
+    """Per-column statistics of the rows ``x`` ([n, d], float64) a loop might share with every sample."""
+    yield from (x.mean(0), x.sum(0))
+    if x.shape[0] > 1:
+        yield from (x.std(0), x.var(0), x.std(0, correction=0), x.var(0, correction=0))
+    if x.shape[1] > 1:   # a lone maximum is too often a round number a shared input holds anyway
+        yield from (x.amax(0), x.amin(0))
+
+
+def _close(statistic: Tensor, t: Tensor) -> bool:
+    """``t`` equals ``statistic`` up to its own dtype's rounding (the loop computed it in t's dtype)."""
+    rounding = 16 * torch.finfo(t.dtype).eps
+    scale = statistic.abs().amax().clamp_min(torch.finfo(t.dtype).tiny)
+    return bool(((statistic - t.detach().to(torch.float64)).abs() <= rounding * scale).all())
+
+
+SHARED_HINT = ("a tensor shared by every sample must not be computed from the batch: compute it from public data "
+               "or fixed numbers, or normalise each example alone (in the dataset, the collate_fn or the model)")
+
+
 class DrawnRows:
     """The open draw's per-sample tensors (the collated batch's leaves with one row per example)."""
 
     def __init__(self, batch: Any, rows: int):
         self.leaves = tensor_rows(batch, rows)
+
+    def check_shared(self, t: Tensor, start: int, n: int, what: str) -> None:
+        """``t``, one value shared by the rows ``start ... start + n - 1``, is none of the draw's (or
+        those rows') per-column statistics: mean, sum, standard deviation, variance, maximum, minimum.
+        Such a tensor lets one example move every sample's gradient. Other functions of the batch
+        cannot be seen here (docs/python-api.md, "What the loop must do")."""
+        if not t.is_floating_point() or t.numel() == 0 or not t.detach().ne(0).any():
+            return   # all zeros: a statistic of nothing in particular, and the common initial state
+        for leaf in self.leaves:
+            if leaf[:1].numel() != t.numel() or leaf.is_complex():
+                continue
+            rows = leaf.detach().reshape(leaf.shape[0], -1).to(device=t.device, dtype=torch.float64)
+            for part in (rows, rows[start:start + n]) if n and n < len(rows) else (rows,):
+                if any(_close(s, t.reshape(-1)) for s in _column_statistics(part)):
+                    raise DpclipError(f"{what} holds a statistic of the drawn batch (its mean, sum, deviation, "
+                                      "maximum or minimum over the samples), shared by every sample: one example "
+                                      "then moves every clipped row, more than the noise is calibrated for",
+                                      SHARED_HINT)
 
     def check(self, t: Tensor, start: int, what: str, hint: str = ROWS_HINT) -> None:
         """``t``'s rows are the drawn rows ``start ... start + len(t) - 1`` of one of the draw's tensors."""
@@ -80,6 +118,7 @@ class DrawnRows:
         if broadcast_rows(t):   # one row for all (positions): refused only where that row is an example's
             if not any(same_rows(leaf, t[:1].expand(leaf.shape[0], *t.shape[1:]), any_row=True)
                        for leaf in self.leaves):
+                self.check_shared(t[:1], start, n, what)
                 return
         elif any(same_rows(leaf[start:start + n], t) for leaf in self.leaves):
             return
@@ -134,6 +173,9 @@ class DrawTracker:
         if self.drawn is not None and self.rows is not None:
             for t in tensor_rows(tree, rows):
                 self.drawn.check(t, self.backwarded, what, hint)
+            for t in tree_flatten(tree)[0]:   # shared by all rows: one value for the batch
+                if isinstance(t, Tensor) and t.dim() and t.shape[0] != rows:
+                    self.drawn.check_shared(t, self.backwarded, rows, what)
 
     @contextmanager
     def engine_backward(self) -> Iterator[None]:

@@ -145,6 +145,55 @@ def test_a_shared_tensor_expanded_over_the_batch_is_not_taken_for_an_example():
     assert released == [1] and private.ledger.steps == 1
 
 
+class Shifted(nn.Module):
+    """Takes a second input shared by all samples: a shift subtracted from each."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x, shift):
+        return self.net(x - shift)
+
+
+SHARED_STATISTICS = {
+    "mean, keepdim": lambda x: x.mean(0, keepdim=True),
+    "mean": lambda x: x.mean(0),
+    "std": lambda x: x.std(0),
+    "biased var": lambda x: x.var(0, correction=0),
+    "max": lambda x: x.amax(0),
+    "sum in float64": lambda x: x.double().sum(0),
+    "mean, expanded": lambda x: x.mean(0, keepdim=True).expand(x.shape[0], -1),
+}
+
+
+@pytest.mark.parametrize("shift", SHARED_STATISTICS.values(), ids=list(SHARED_STATISTICS))
+def test_a_shared_input_computed_from_the_batch_is_refused(shift):
+    """The second input has no batch axis, so no row of it is an example's; each sample's gradient
+    still moves with every example through it, which the certificate (replaying with the input
+    fixed) cannot see."""
+    private, released = _private(model=Shifted())
+    model, optimizer, criterion, loader = private
+    x, y = next(iter(loader))
+    with pytest.raises(DpclipError, match="statistic of the drawn batch") as caught:
+        model(x, shift(x))
+    assert "public data" in caught.value.hint
+    _nothing_released(private, released)
+
+
+@pytest.mark.parametrize("shift", [torch.zeros(5), torch.ones(1, 5), torch.randn(5), torch.linspace(-1, 1, 5)],
+                         ids=["zeros", "ones", "random", "fixed"])
+def test_a_shared_input_not_computed_from_the_batch_trains(shift):
+    private, released = _private(model=Shifted())
+    model, optimizer, criterion, loader = private
+    for k, (x, y) in enumerate(loader):
+        criterion(model(x, shift), y).backward()
+        optimizer.step()
+        if k == 1:
+            break
+    assert released == [1, 1] and private.ledger.steps == 2
+
+
 def test_rows_with_missing_values_are_the_drawn_rows_still():
     """NaN is not equal to itself; a feature missing in the data (imputed in the model) is still the row's own."""
     model = nn.Sequential(nn.Flatten(), nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
