@@ -126,9 +126,14 @@ def allocation_weights(kind: str, thresholds: Tensor, sizes: Tensor) -> Tensor:
 
 def noise_stds(sigma: float, thresholds: Tensor, weights: Tensor) -> Tensor:
     """σ_g · S · w_k with S = sqrt(Σ_k C_k²/w_k²): std of the noise on group k's summed
-    clipped gradient (before dividing by the expected batch size)."""
-    s = (thresholds.pow(2) / weights.pow(2)).sum().sqrt()
-    return sigma * s * weights
+    clipped gradient (before dividing by the expected batch size).
+
+    Computed in float64 as sqrt(Σ_k (C_k/w_k)²): in float32, C_k² underflows to 0 below
+    C_k ≈ 1e-23 while the clipped gradients (of size C_k) do not, which would release them
+    without noise."""
+    ratio = thresholds.double() / weights.double()
+    s = ratio.pow(2).sum().sqrt()
+    return (sigma * s * weights.double()).to(thresholds.dtype)
 
 
 def stage_noise_stds(sigma: float, thresholds: Tensor, kind: str, sizes: Tensor, stage=None,

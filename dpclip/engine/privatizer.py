@@ -18,6 +18,8 @@ when the engine is built (:func:`privatizer_for`):
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -58,6 +60,10 @@ class Privatizer:
         std = self.noise_stds(policy.sensitivity_thresholds())
         batch = self.expected_batch_size
         std_grad = (std / batch).tolist()  # one device sync per step, not one per parameter
+        if not all(math.isfinite(v) for v in std_grad):
+            raise EngineError("the noise's standard deviation is not finite: a clipping threshold is too large "
+                              "(or grew without bound) for the gradient's dtype; nothing of this step is released",
+                              "lower clipping.threshold (value, or the quantile policy's lr and initial value)")
         self.write_gradients(step, std_grad)
         aux = list(policy.release(self.noise.generator(self.device)) or [])
         sigma_eff = effective_noise_multiplier(self.gradient_noise_multiplier, self.releases(aux))

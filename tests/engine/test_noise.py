@@ -286,3 +286,32 @@ def test_packed_device_draw_gives_each_tensor_its_own_std_in_place(monkeypatch, 
     # consecutive tensors of one run are different slices of one draw: uncorrelated
     first, second = ((targets[i] - 7.0).double() for i in (0, 1))
     assert abs(_corr(first, second)) < 5 / math.sqrt(500)
+
+
+def test_tiny_float32_thresholds_still_get_their_noise():
+    """σ·sqrt(Σ C_k²) in float32 underflowed to 0 below C ≈ 1e-23 while the clipped gradients (of
+    size C) did not: the step released them exactly. The std is taken in float64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(30, 20), nn.Tanh(), nn.Linear(20, 5))
+    threshold, batch = 1e-24, 4
+    engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": threshold}},
+                      gradient_noise_multiplier=1.0, expected_batch_size=batch, seed=0)
+    engine.backward(0.0 * model(torch.randn(3, 30)).sum(1))   # zero loss: p.grad is pure noise
+    report = engine.privatize()
+    expected = threshold / math.sqrt(2) * math.sqrt(2) / batch   # C_k = C/sqrt(2), S = sqrt(2)·C_k
+    assert report.noise_std_grad.tolist() == pytest.approx([expected] * 2, rel=1e-6)
+    z = torch.cat([p.grad.flatten().double() for p in model.parameters()])
+    # sd of the sample std / true std ≈ 1/sqrt(2(n−1))
+    assert abs(float(z.std()) / expected - 1) < 5 / math.sqrt(2 * (z.numel() - 1))
+
+
+def test_a_noise_std_beyond_the_dtype_is_refused_before_anything_is_released():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(30, 20), nn.Tanh(), nn.Linear(20, 5))
+    engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": [3e38, 3e38]}},
+                      gradient_noise_multiplier=1.0, expected_batch_size=4, seed=0)
+    engine.backward(classify_loss(model, {"x": torch.randn(3, 30), "y": torch.tensor([0, 1, 2])}))
+    with pytest.raises(EngineError, match="not finite") as caught:
+        engine.privatize()
+    assert "lower clipping.threshold" in caught.value.hint
+    assert all(p.grad is None for p in model.parameters())

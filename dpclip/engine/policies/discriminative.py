@@ -66,12 +66,16 @@ def tail_mask_threshold(scores: Tensor, tail_threshold: float) -> Tensor:
 
 
 def tail_mask_top(scores: Tensor, fraction: float, expected_batch_size: int) -> Tensor:
-    """Top-fraction rule: the ⌈fraction · B⌉ samples with the largest scores (B expected, not realised;
-    ties broken by position, which is fine: any tie-break changes at most one other sample)."""
+    """Top-fraction rule: the ⌈fraction · B⌉ samples with the largest scores (B expected, not realised),
+    ties broken by position in the batch. The order (score descending, position) of the other
+    samples is the same with or without one added example, so adding it changes at most one
+    other sample's side: the sensitivity 2·c_large − c_small needs that. ``torch.topk`` does not
+    promise it (among equal scores it may pick others once the batch changes)."""
     count = min(math.ceil(fraction * expected_batch_size), scores.shape[0])
     mask = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
     if count > 0:
-        mask[torch.topk(scores, count).indices] = True
+        order = torch.sort(scores, descending=True, stable=True).indices
+        mask[order[:count]] = True
     return mask
 
 

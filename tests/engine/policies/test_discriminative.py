@@ -218,3 +218,21 @@ def test_records_per_unit_must_be_a_positive_integer():
     with pytest.raises(EngineError) as info:
         DPEngine(nn.Linear(2, 1), {}, gradient_noise_multiplier=1.0, expected_batch_size=4, records_per_unit=0)
     assert info.value.hint
+
+
+def test_top_fraction_with_tied_scores_moves_at_most_one_other_sample_when_one_is_added():
+    """The sensitivity 2·large − small holds when adding one example pushes at most one other sample
+    across the cut; with many equal scores an unstable top-k picked other tied samples (up to 10)."""
+    g = torch.Generator().manual_seed(0)
+    worst = 0
+    for trial in range(400):
+        n = int(torch.randint(3, 60, (1,), generator=g))
+        scores = torch.tensor([1.0, 2.0, 3.0])[torch.randint(0, 3, (n,), generator=g)]
+        fraction = [0.1, 0.25, 0.5][trial % 3]
+        before = tail_mask_top(scores, fraction, n)
+        at = int(torch.randint(0, n + 1, (1,), generator=g))
+        added = torch.tensor([[0.5, 1.0, 2.0, 3.0, 9.0][trial % 5]])
+        after = tail_mask_top(torch.cat([scores[:at], added, scores[at:]]), fraction, n)
+        others = torch.cat([after[:at], after[at + 1:]])
+        worst = max(worst, int((before != others).sum()))
+    assert worst == 1
