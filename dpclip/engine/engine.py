@@ -316,8 +316,12 @@ class DPEngine:
         if self._step.captured:
             raise EngineError("privatize with a captured micro-batch not finished", "call finish_micro_batch first")
         self._checks.refuse_unvouched()
-        report = self.privatizer.release(self.policy, self._step, sample_rate=self.sample_rate,
-                                         counts_clipped=self.clipping.fn != "auto", group_names=self.group_names)
+        try:
+            report = self.privatizer.release(self.policy, self._step, sample_rate=self.sample_rate,
+                                             counts_clipped=self.clipping.fn != "auto", group_names=self.group_names)
+        except BaseException:
+            self._step.reset()   # a refused release's sums must not reach the next step's
+            raise
         report.certificate = self.certificate.unreported()   # the last check's record, in one report only
         self.steps += 1
         self.certificate.step = self.steps

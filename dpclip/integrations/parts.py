@@ -401,12 +401,24 @@ class PrivateOptimizer(torch.optim.Optimizer):
             raise DpclipError("a private step takes no closure",
                               "a closure would evaluate the loss again: compute it once, call loss.backward(), "
                               "then optimizer.step()")
+        # Param groups added since make_private: refused while the draw is still open, so that a
+        # corrected loop's step releases that draw's sums and nothing else.
+        self._check_params(self.param_groups)
         if self.tracker is not None and not self.tracker.step():
             return   # a part of the drawn batch: its noisy step comes after the last part
-        self._check_params(self.param_groups)   # param groups added since make_private: before any noise
-        report = self.engine.privatize()
         plan = self.account.plan
-        check_same_release(report.dp_event, plan.step_event)   # before anything is charged or stepped
+        try:
+            report = self.engine.privatize()
+            check_same_release(report.dp_event, plan.step_event)   # before anything is charged or stepped
+        except BaseException as exc:
+            # Not charged, so not released: drop what the engine may have written, and refuse any
+            # later step (its sums would be this failed step's or start from them).
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            if self.tracker is not None:
+                self.tracker.spoil("an optimizer.step()", exc)
+            raise
         self.account.ledger.record(plan.step_event, metadata=plan.step_metadata)
         if self.record_grad_norm:   # of the noisy gradient the step applies: a post-processing of the release
             norms = [p.grad.detach().norm() for group in self.param_groups for p in group["params"]

@@ -146,9 +146,9 @@ class PrivateTraining:
         if state["plan"] != self._plan_key():
             raise DpclipError(f"the checkpoint was planned as {state['plan']}, this make_private as "
                               f"{self._plan_key()}", "call make_private with the arguments of the run you continue")
-        if self.ledger.steps > Ledger.from_dict(state["ledger"]).steps:
-            raise DpclipError(f"this run has taken {self.ledger.steps} steps, more than the checkpoint holds: loading it "
-                              "would drop from the ledger steps already released",
+        if self.ledger.steps or self.optimizer.tracker.draws:
+            raise DpclipError(f"this run has already drawn batches ({self.ledger.steps} steps released): loading a "
+                              "checkpoint would replace its ledger, dropping steps already released",
                               "load a checkpoint into a fresh make_private (a new process), before its first step")
         self.model.load_state_dict(state["model"])
         self.optimizer.original.load_state_dict(state["optimizer"])

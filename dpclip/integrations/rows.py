@@ -157,7 +157,7 @@ class DrawTracker:
                                                                device=like.device)
 
     def open(self, rows: int, batch: Any = None) -> None:
-        self._unspoiled()
+        self.refuse_if_spoiled()
         if self.rows is not None:
             raise DpclipError(f"the data loader drew batch {self.draws + 1} before optimizer.step() of batch "
                               f"{self.draws}: each drawn batch is one noisy step, an empty one too (several "
@@ -185,14 +185,19 @@ class DrawTracker:
         try:
             yield
         except BaseException as exc:
-            self.spoiled = type(exc).__name__   # its message (shapes of the private batch) was printed, labelled
+            self.spoil("a loss.backward()", exc)
             raise
         finally:
             self.busy = False
 
-    def _unspoiled(self) -> None:
+    def spoil(self, what: str, exc: BaseException) -> None:
+        """``what`` failed inside the engine with ``exc``: nothing more of this run is released."""
+        # only the error's type: its message (shapes of the private batch) was printed, labelled
+        self.spoiled = f"{what} of this run failed inside the engine (the {type(exc).__name__} above)"
+
+    def refuse_if_spoiled(self) -> None:
         if self.spoiled is not None:
-            raise DpclipError("a loss.backward() of this run failed inside the engine (the " + self.spoiled + " above); the "
+            raise DpclipError(self.spoiled + "; the "
                               "clipped sums of its draw may be partial or unchecked, so nothing more is released",
                               "fix what the first error says, then start again (from a checkpoint saved before it, "
                               "with load_checkpoint): catching a refusal and going on would release what it refused")
@@ -201,7 +206,7 @@ class DrawTracker:
         self.handed += rows
 
     def _open_draw(self, what: str) -> None:
-        self._unspoiled()
+        self.refuse_if_spoiled()
         if self.rows is None:
             raise DpclipError(f"{what} without a batch drawn by make_private's data loader (a batch of your own "
                               "loader, or a second step over one batch): ε covers the Poisson draws only", LOOP_HINT)
@@ -247,6 +252,8 @@ class ModelRowsWatch:
     def _enter(self, module, args, kwargs):
         self.depth += 1
         tracker = self.tracker
+        if self.depth == 1 and torch.is_grad_enabled() and not tracker.busy:
+            tracker.refuse_if_spoiled()   # the cause first, not a symptom of it (the rows check below)
         if self.depth == 1 and torch.is_grad_enabled() and tracker.rows is not None and not tracker.busy:
             first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.dim()), None)
             if first is not None:   # (a refusal here still runs _leave: it is called always)

@@ -315,3 +315,13 @@ def test_a_noise_std_beyond_the_dtype_is_refused_before_anything_is_released():
         engine.privatize()
     assert "lower clipping.threshold" in caught.value.hint
     assert all(p.grad is None for p in model.parameters())
+    # the refused step's sums are gone: the next step holds its own batch only
+    batch = {"x": torch.randn(2, 30), "y": torch.tensor([1, 0])}
+    engine.backward(classify_loss(model, batch))
+    engine_sums = engine.debug_clipped().sums
+    engine.detach()
+    fresh = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": [3e38, 3e38]}},
+                     gradient_noise_multiplier=1.0, expected_batch_size=4, seed=0)
+    fresh.backward(classify_loss(model, batch))
+    fresh_sums = fresh.debug_clipped().sums
+    assert all(torch.equal(engine_sums[k], fresh_sums[k]) for k in fresh_sums)

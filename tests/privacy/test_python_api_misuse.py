@@ -235,9 +235,22 @@ def test_an_older_checkpoint_loaded_into_a_run_that_went_further_is_refused(tmp_
     path = private.save_checkpoint(tmp_path / "c.pt")
     _steps(private, 1)
     epsilon = private.epsilon()
-    with pytest.raises(DpclipError, match="more than the checkpoint holds"):
+    with pytest.raises(DpclipError, match="already drawn batches"):
         private.load_checkpoint(path)
     assert private.ledger.steps == 3 and private.epsilon() == epsilon
+
+
+def test_a_longer_checkpoint_loaded_into_a_run_that_has_stepped_is_refused(tmp_path):
+    """Loading a 3-step checkpoint after 2 steps of this run set the ledger to 3 where 5 ran."""
+    first, _ = _private()
+    _steps(first, 3)
+    path = first.save_checkpoint(tmp_path / "c.pt")
+    second, _ = _private()
+    _steps(second, 2)
+    with pytest.raises(DpclipError, match="already drawn batches") as caught:
+        second.load_checkpoint(path)
+    assert "before its first step" in caught.value.hint
+    assert second.ledger.steps == 2
 
 
 def test_your_own_loader_with_poisson_sampling_false_is_held_to_one_step_per_batch_and_stated():

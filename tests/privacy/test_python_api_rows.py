@@ -292,3 +292,33 @@ def test_a_parameter_group_added_outside_the_engine_is_refused_at_the_step():
         optimizer.step()
     _nothing_released(private, released)
     assert torch.equal(extra, torch.zeros(3))
+    # The refused step left its draw open: a loop that drops the group and draws on is refused (the
+    # next step would release both draws' sums for one charge); the retried step releases this draw.
+    optimizer.param_groups.pop()
+    with pytest.raises(DpclipError, match="before optimizer.step"):
+        next(iter(loader))
+    optimizer.step()
+    assert released == [1] and private.ledger.steps == 1
+
+
+def test_a_step_the_engine_refuses_releases_nothing_then_or_later():
+    """The engine refuses a release (here: a threshold whose noise std is beyond float32) after the
+    draw was closed: nothing of it is charged, p.grad is dropped, and no later step goes on from it."""
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    torch.manual_seed(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="unsafe_seed"):
+        private = dpclip.make_private(model, optimizer, DataLoader(_data(), batch_size=40),
+                                      criterion=nn.CrossEntropyLoss(), delta=1e-5, noise_multiplier=1.0, steps=20,
+                                      max_grad_norm=[3e38] * 4, clipping="per_layer", unsafe_seed=3)
+    released = counted_releases(private)
+    model, optimizer, criterion, loader = private
+    x, y = next(iter(loader))
+    criterion(model(x), y).backward()
+    with pytest.raises(EngineError, match="not finite"):
+        optimizer.step()
+    assert all(p.grad is None for p in model.parameters())
+    for later in (lambda: next(iter(loader)), optimizer.step, lambda: model(x)):
+        with pytest.raises(DpclipError, match="optimizer.step.. of this run failed inside the engine"):
+            later()
+    assert released == [1] and private.ledger.steps == 0   # the one refused call
