@@ -76,3 +76,4 @@ def canaries_file(run_dir: str | Path) -> Path:
 
 # ------------------------------------------------------ a Hugging Face Trainer checkpoint (DPTrainer)
 TRAINER_STATE = "dpclip_state_rank{rank}.pt"   # secret: a rank's sampler and noise generator states
+TRAINER_RELEASES = "dpclip_releases.jsonl"      # each released step's gradient fingerprint (covered by ε)

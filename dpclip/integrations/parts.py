@@ -362,6 +362,9 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self.account = account
         self.tracker = tracker
         self.record_grad_norm = False          # DPTrainer logs it (the noisy gradient's: covered by ε)
+        # called with the step's number and its noisy gradients before it is charged or stepped
+        # (DPTrainer: a redone step must release what it did before the resume)
+        self.on_release: Callable[[int, list[Tensor]], None] | None = None
         self.last_grad_norm: float | None = None
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
@@ -410,6 +413,9 @@ class PrivateOptimizer(torch.optim.Optimizer):
         try:
             report = self.engine.privatize()
             check_same_release(report.dp_event, plan.step_event)   # before anything is charged or stepped
+            if self.on_release is not None:
+                self.on_release(self.account.ledger.steps + 1, [p.grad for group in self.param_groups
+                                                                for p in group["params"] if p.grad is not None])
         except BaseException as exc:
             # Not charged, so not released: drop what the engine may have written, and refuse any
             # later step (its sums would be this failed step's or start from them).

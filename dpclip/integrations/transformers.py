@@ -22,24 +22,22 @@ What changes against a plain ``Trainer``:
   it is listed in the statement as not covered by ε.
 
 Launched on several processes (``torchrun``, ``accelerate launch``), it trains data-parallel as
-``dpclip train --nproc`` does (docs/distributed.md): B counts every rank's part (per-device
-batch × accumulation × processes), each rank draws its own examples' part of each Poisson
-batch, the engine sums the clipped gradients over the ranks with the noise drawn once by rank
-0, and rank 0 writes. The model is not wrapped in DistributedDataParallel: DDP all-reduces
-autograd's gradients, and the engine's backward leaves none (it sums the clipped ones itself).
+``dpclip train --nproc`` does (docs/distributed.md): B counts every rank's part, each rank
+draws its own examples' part of each Poisson batch, the engine sums the clipped gradients over
+the ranks with the noise drawn once by rank 0, and rank 0 writes. The model is not wrapped in
+DistributedDataParallel: the engine's backward leaves autograd no gradient to all-reduce.
 
 Checkpoints (``save_strategy``) hold, besides the Trainer's own files, ``ledger.json`` and
 ``privacy.json`` of the steps so far and each rank's ``dpclip_state_rank{r}.pt``: its Poisson
 sampler and the engine's threshold policy and noise generators (a secret, as in dpclip's own
 checkpoints: docs/accounting.md, "Threat model"). ``train(resume_from_checkpoint=...)`` restores
 them with the Trainer's state, so the ledger goes on from the checkpoint's steps and the steps
-redone after it replay the same batches and noise (no new release); the Trainer's data skip is
-turned off, since the sampler continues where it stopped.
+redone after it replay the same batches and noise (checked: integrations/releases.py); the
+Trainer's data skip is turned off, since the sampler continues where it stopped.
 
 Refused before any step: ``max_grad_norm > 0`` in the TrainingArguments (it would clip the
-noisy gradient again; the threshold is ``PrivacyArguments.per_sample_max_grad_norm``), several GPUs in one
-process (``DataParallel``), and a resume from a checkpoint without dpclip's state or made under
-another privacy plan.
+noisy gradient again), several GPUs in one process (``DataParallel``), a second ``train()``,
+and a resume from a checkpoint without dpclip's state or made under another privacy plan.
 """
 
 from __future__ import annotations
@@ -47,6 +45,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import InitVar, dataclass, field
 from typing import Any
@@ -67,8 +66,8 @@ from dpclip.distributed import ShardedPoissonSampler
 from dpclip.engine.compiled import CompiledMicroBatch
 from dpclip.errors import DpclipError
 from dpclip.integrations.parts import EmptyDrawCollate, PoissonBatches, PrivateOptimizer
-from dpclip.integrations.setup import running_world
-from dpclip.integrations.setup import clipping_spec, private_engine
+from dpclip.integrations.releases import ReleaseLog
+from dpclip.integrations.setup import clipping_spec, private_engine, running_world
 from dpclip.models.losses import cross_entropy, next_token_cross_entropy, no_generation_cache
 from dpclip.torch_compat import import_dynamo
 
@@ -172,6 +171,12 @@ def default_per_sample_loss(model: nn.Module, inputs: Mapping[str, Tensor]) -> T
     return next_token_cross_entropy(logits, batch) if logits.dim() == 3 else cross_entropy(logits, batch)
 
 
+def _private_optimizer(optimizer: Any) -> PrivateOptimizer | None:   # inside accelerate's wrapper, or None
+    while optimizer is not None and not isinstance(optimizer, PrivateOptimizer):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer
+
+
 class DPTrainer(Trainer):
     """A ``transformers.Trainer`` that trains with DP-SGD / DP-Adam (see the module doc)."""
 
@@ -216,6 +221,8 @@ class DPTrainer(Trainer):
         self.unsafe_seed = privacy.unsafe_seed
         self.compiled = self._compiled(privacy)
         self.train_sampler = None
+        self.releases = ReleaseLog(training.output_dir, main=self.world is None or self.world.rank == 0)
+        self.loaded_steps = 0   # the ledger's steps train() may start at: 0, or the resumed checkpoint's
         if self.world is not None:  # every rank starts from rank 0's weights; no DDP (module doc)
             self.world.broadcast_([p.data for p in self.model.parameters()])
             prepare_model = self.accelerator.prepare_model
@@ -279,22 +286,25 @@ class DPTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
+        # The workers' seed from a generator of its own: iter() after a resume's RNG restore moved dropout's.
         return DataLoader(dataset, batch_sampler=self._sampler(), collate_fn=EmptyDrawCollate(dataset, collator),
-                          num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+                          num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
+                          generator=torch.Generator().manual_seed(torch.initial_seed()))
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
-        if not isinstance(optimizer, PrivateOptimizer):
-            self.optimizer = PrivateOptimizer(optimizer, self.engine, self.account)
-            self.optimizer.record_grad_norm = True
+        private = _private_optimizer(optimizer)   # a second create_optimizer: accelerate's wrapper around it
+        if private is None:
+            private = PrivateOptimizer(optimizer, self.engine, self.account)
+            private.record_grad_norm = True
+            private.on_release = self.releases.check
+        self.optimizer = private   # accelerate wraps it (again) in train(): once, around the private step
         return self.optimizer
 
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
         # The Trainer measures the gradient before optimizer.step(), where the engine has not yet written
         # it (0 every time): the norm logged is the noisy gradient's the step applied (covered by ε).
-        private = self.optimizer
-        while private is not None and not isinstance(private, PrivateOptimizer):   # accelerate wraps it
-            private = getattr(private, "optimizer", None)
+        private = _private_optimizer(self.optimizer)
         noisy = None if private is None else private.last_grad_norm
         return super()._maybe_log_save_evaluate(tr_loss, grad_norm if noisy is None else noisy, *args, **kwargs)
 
@@ -319,6 +329,11 @@ class DPTrainer(Trainer):
         return losses.detach().sum() * self.ranks / self.expected_batch_size
 
     def train(self, resume_from_checkpoint: Any = None, **kwargs: Any):
+        drawn = self.train_sampler is not None and self.train_sampler.draws.step > self.loaded_steps
+        if self.account.ledger.steps > self.loaded_steps or drawn:
+            raise DpclipError("this DPTrainer has already trained: a second train() would go past its plan, or a "
+                              "resume replace a ledger holding this process's steps", "build a new DPTrainer for "
+                              "each train(); to continue a run, pass resume_from_checkpoint= to its train()")
         if resume_from_checkpoint:
             if resume_from_checkpoint is True:
                 resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
@@ -373,6 +388,8 @@ class DPTrainer(Trainer):
                               "the checkpoint was modified or half written: resume from an earlier one")
         self.account.ledger = ledger
         self.account.restored = True
+        self.loaded_steps = ledger.steps
+        self.releases.resume_after(ledger.steps, Path(folder).parent)
         self._sampler().draws.load_state_dict(state["sampler"])
         self.engine.load_state_dict(state["engine"])
 

@@ -331,3 +331,59 @@ def test_a_compute_loss_override_is_refused_since_per_sample_loss_computes_the_l
         _WeightedTrainer(model=_bert(), args=_args(tmp_path), train_dataset=_rows(), data_collator=_collate,
                          privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0))
     assert "per_sample_loss=" in caught.value.hint
+
+
+def _with_dropout() -> BertForSequenceClassification:
+    model = _bert()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.1
+    return model
+
+
+class _DrawsBeforeEachStep(TrainerCallback):
+    """A callback drawing from torch's global generator: the dropout stream moves."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        torch.rand(1)
+
+
+@pytest.mark.slow  # end to end: the slow set (README)
+def test_steps_redone_after_a_resume_release_what_they_did_with_dropout_on(tmp_path):
+    """The redone steps get the checkpoint's batches and noise; with dropout they must get its dropout
+    stream too (the loader's iter() drew from the global generator after the RNG state was restored),
+    or two releases with the same noise give their gradients' difference away."""
+    whole = _seeded(tmp_path / "whole", model=_with_dropout())
+    whole.train()
+    crashed = _seeded(tmp_path / "split", model=_with_dropout(), callbacks=[_CrashAfter(4)])
+    with pytest.raises(KeyboardInterrupt):
+        crashed.train()
+    resumed = _seeded(tmp_path / "split", model=_with_dropout())
+    resumed.train(resume_from_checkpoint=True)
+    for (name, a), b in zip(whole.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    log = (tmp_path / "split" / "out" / "dpclip_releases.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in log] == [1, 2, 3, 4, 5, 6]   # step 5 checked, not written again
+
+
+@pytest.mark.slow  # end to end: the slow set (README)
+def test_a_redone_step_that_releases_another_gradient_is_refused_before_it_leaves(tmp_path):
+    crashed = _seeded(tmp_path, model=_with_dropout(), callbacks=[_CrashAfter(4)])
+    with pytest.raises(KeyboardInterrupt):
+        crashed.train()
+    resumed = _seeded(tmp_path, model=_with_dropout(), callbacks=[_DrawsBeforeEachStep()])
+    with pytest.raises(DpclipError, match="did not reproduce step 5") as caught:
+        resumed.train(resume_from_checkpoint=True)
+    assert "random numbers" in caught.value.hint
+    assert resumed.account.ledger.steps == 4
+    assert all(p.grad is None for p in resumed.model.parameters())
+
+
+@pytest.mark.slow  # end to end: the slow set (README)
+def test_a_second_train_of_one_trainer_is_refused(tmp_path):
+    trainer = _trainer(tmp_path)
+    trainer.train()
+    with pytest.raises(DpclipError, match="already trained") as caught:
+        trainer.train()
+    assert "new DPTrainer" in caught.value.hint
+    assert trainer.account.ledger.steps == 3

@@ -1,0 +1,75 @@
+"""The redone steps of a resumed ``DPTrainer`` checked against what the interrupted run released.
+
+A resume from a checkpoint redoes the steps after it with the checkpoint's sampler and noise
+streams: the same batches and the same noise. They are charged once only if they release the
+same gradient too; a different one (a dropout stream moved, a callback drawing random numbers)
+with the same noise gives away the difference of the two gradients without noise. So each
+step's noisy gradient leaves a fingerprint in ``dpclip_releases.jsonl`` beside the checkpoints
+(Σ g and Σ g² over every parameter, in float64: a post-processing of the release, covered by ε),
+and a redone step whose fingerprint differs is refused before anything of it leaves the process.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from dpclip import layout
+from dpclip.errors import DpclipError
+from dpclip.files import append_line, write_text_atomic
+
+
+def fingerprint(grads: Iterable[Tensor]) -> list[float]:
+    """[Σ g, Σ g²] over ``grads`` in float64 (one device sync)."""
+    parts = [torch.stack([g.detach().double().sum(), g.detach().double().square().sum()]) for g in grads]
+    return torch.stack(parts).sum(0).tolist() if parts else [0.0, 0.0]
+
+
+class ReleaseLog:
+    """The fingerprints of a run's released steps, in ``folder/dpclip_releases.jsonl``."""
+
+    def __init__(self, folder: str | Path, main: bool = True) -> None:
+        self.path = Path(folder) / layout.TRAINER_RELEASES
+        self.main = main
+        self.redo: dict[int, list[float]] = {}   # steps after the resumed checkpoint: released before
+
+    def resume_after(self, step: int, folder: str | Path) -> None:
+        """The steps after ``step`` in the log in ``folder`` (the resumed checkpoint's run) were
+        released by the interrupted run: to be redone alike."""
+        self.redo = {}
+        source = Path(folder) / layout.TRAINER_RELEASES
+        if not source.exists():
+            return
+        kept = []
+        for line in source.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                break   # a line cut by the crash: its step is redone unchecked, as one never logged
+            kept.append(line)
+            if record["step"] > step:
+                self.redo[record["step"]] = record["fingerprint"]
+        if self.main and source.resolve() == self.path.resolve():   # without the cut line: new lines start
+            write_text_atomic(self.path, "".join(f"{line}\n" for line in kept))   # on a line of their own
+
+    def check(self, step: int, grads: Iterable[Tensor]) -> None:
+        """Step ``step`` released ``grads``: refused if it redoes a step that released others;
+        logged if new."""
+        now = fingerprint(grads)
+        before = self.redo.pop(step, None)
+        if before is not None:
+            if now != before:
+                raise DpclipError(
+                    f"resuming did not reproduce step {step} as the interrupted run released it (same batch and "
+                    "noise, another gradient: random numbers drawn outside the checkpoint's streams, or another "
+                    "device, thread count or library version), so continuing would release the difference of "
+                    "two gradients without noise; nothing of this step is released",
+                    "resume on the machine and versions the run started with, without callbacks or model code "
+                    "that draw random numbers between steps, or start a new run")
+            return
+        if self.main:
+            append_line(self.path, json.dumps({"step": step, "fingerprint": now}))
