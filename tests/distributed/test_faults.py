@@ -155,18 +155,45 @@ def test_a_transport_error_from_a_collective_torch_ran_is_a_peer_stopping():
     assert not lost_a_peer(ValueError("Connection closed by peer"))
 
 
-def test_a_resume_that_switches_into_or_out_of_sharding_is_refused_with_a_hint():
-    """A sharded run's checkpoint names its optimizer's parameters, any other numbers them."""
+def test_a_resume_that_changes_the_parallel_mode_is_refused_with_a_hint_naming_both():
+    """Each mode stores the optimizer and sampler state its own way (a sharded run by parameter
+    name, a pipeline stage per rank): a resume keeps data, pipeline or fsdp."""
     from pathlib import Path
 
     from dpclip.errors import DpclipError
     from dpclip.train.ranks import check_parallel
 
-    check_parallel({"parallel": "fsdp"}, "fsdp", Path("run"))
-    check_parallel({"parallel": "data"}, "pipeline", Path("run"))
-    check_parallel({}, "data", Path("run"))   # checkpoints from before sharded training
-    for saved, asked in (("fsdp", "data"), ("data", "fsdp"), (None, "fsdp")):
-        state = {} if saved is None else {"parallel": saved}
-        with pytest.raises(DpclipError, match="resume asks for") as caught:
+    modes = ("data", "pipeline", "fsdp")
+    for mode in modes:
+        check_parallel({"parallel": mode}, mode, Path("run"))
+    check_parallel({}, "data", Path("run"))   # checkpoints from before the mode was written
+    check_parallel({"ranks": [{"sampler": {}, "optimizer": {}}, {}]}, "pipeline", Path("run"))  # a stage's own
+    cases = [({"parallel": saved}, saved, asked) for saved in modes for asked in modes if saved != asked]
+    cases += [({}, "data", "fsdp"), ({"ranks": [{"sampler": {}, "optimizer": {}}, {}]}, "pipeline", "data")]
+    for state, saved, asked in cases:
+        with pytest.raises(DpclipError) as caught:
             check_parallel(state, asked, Path("run"))
-        assert "training.parallel" in caught.value.hint
+        assert caught.value.message == f"run was trained with training.parallel: {saved}, and this resume asks for {asked}"
+        assert f"resume with training.parallel: {saved}" in caught.value.hint
+
+
+def test_a_resume_override_of_the_parallel_mode_is_refused_before_anything_is_loaded(tmp_path, capsys):
+    """`dpclip train --resume RUN training.parallel=...` stops with one error and a hint at the
+    recipe, before the checkpoint is read; a checkpoint's own check runs before its weights load."""
+    import torch
+
+    from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint
+    from dpclip.train.ranks import check_parallel
+    from dpclip.train.workflow import train
+
+    run = train(workers.small_recipe(tmp_path / "runs", "layer"), run_dir=tmp_path / "run").run_dir
+    for asked in ("pipeline", "fsdp"):
+        assert main(["train", "--resume", str(run), f"training.parallel={asked}"]) == 2
+        err = capsys.readouterr().err
+        assert f"trained with training.parallel: data, and this resume asks for {asked}" in err
+        assert "hint:" in err and "Traceback" not in err and "unexpected" not in err
+    model = torch.nn.Linear(1, 1)
+    before = model.weight.detach().clone()
+    with pytest.raises(DpclipError, match="asks for pipeline"):   # the quickstart MLP's weights would not fit
+        load_checkpoint(latest_checkpoint(run), model, lambda state: check_parallel(state, "pipeline", run))
+    assert torch.equal(model.weight, before)
