@@ -203,24 +203,27 @@ def train(
     SIGTERM and Ctrl-C stop at the next step boundary with a checkpoint; resume with --resume.
     """
     # Lazy: `dpclip --help` and the other commands must not pay for torch and the training stack.
-    from dpclip.distributed import joined_world
+    from dpclip.distributed import errors_to_launcher, joined_world
     from dpclip.threads import configure
     from dpclip.train.launch import (launch_ranks, raise_if_interrupted, run_threads, spawns_ranks,
                                      training_recipes)
     from dpclip.train.workflow import train as run_training
 
     if spawns_ranks(nproc):
+        thread_count(threads)  # what every rank would refuse, refused once before any starts
+        training_recipes(recipe, overrides or [], resume)
         launch_ranks(recipe, overrides or [], resume=resume, as_json=as_json, threads=threads, dry_run=dry_run,
                      nproc=nproc, master_port=master_port)
         return
-    configure(thread_count(run_threads(threads, resume)))
-    loaded, file_recipe = training_recipes(recipe, overrides or [], resume)
-    with joined_world() as world:  # one of several ranks under torchrun, or None
-        result = run_training(loaded, resume=resume, dry_run=dry_run, observer=RichObserver(quiet=as_json),
-                              file_recipe=file_recipe, world=world)
-        if world is None or world.main:  # rank 0 shows the result
-            _show(result, as_json, dry_run)
-        raise_if_interrupted(result, world)
+    with errors_to_launcher():  # a rank of --nproc leaves its error to the launcher, which prints one
+        configure(thread_count(run_threads(threads, resume)))
+        loaded, file_recipe = training_recipes(recipe, overrides or [], resume)
+        with joined_world() as world:  # one of several ranks under torchrun, or None
+            result = run_training(loaded, resume=resume, dry_run=dry_run, observer=RichObserver(quiet=as_json),
+                                  file_recipe=file_recipe, world=world)
+            if world is None or world.main:  # rank 0 shows the result
+                _show(result, as_json, dry_run)
+            raise_if_interrupted(result, world)
 
 
 def _show(result, as_json: bool, dry_run: bool) -> None:

@@ -10,9 +10,11 @@
 Pipeline stages with per-device clipping (docs/distributed.md, "Not yet") would live here too.
 """
 
-from dpclip.distributed.launch import announce_interrupted, announce_run_dir, launch, rank_threads
+from dpclip.distributed.launch import (announce_interrupted, announce_run_dir, errors_to_launcher, launch,
+                                       rank_threads)
 from dpclip.distributed.sampler import ShardedPoissonSampler, ShardedShuffleSampler
 from dpclip.distributed.world import PeerStopped, SumReducer, World, joined_world, launched
 
 __all__ = ["World", "SumReducer", "PeerStopped", "joined_world", "launched", "ShardedPoissonSampler",
-           "ShardedShuffleSampler", "launch", "announce_run_dir", "announce_interrupted", "rank_threads"]
+           "ShardedShuffleSampler", "launch", "announce_run_dir", "announce_interrupted", "rank_threads",
+           "errors_to_launcher"]

@@ -7,7 +7,10 @@ Each rank runs ``python -m dpclip train ...`` with torchrun's environment (``RAN
 (docs/distributed.md). This module adds what a user of one machine needs around it: a free
 rendezvous port (or a clear error for a port in use), the threads each rank may use, and,
 when a rank fails, ONE ``error:``/``hint:`` naming the rank that failed first, its own
-message, and the command that continues the run.
+message, and the command that continues the run. The ranks it starts print no error of their
+own (:func:`errors_to_launcher`): each writes it to torchrun's error file, where the launcher
+reads it; a rank killed by a signal writes nothing, and the launcher names the signal. Under
+plain torchrun, with no launcher of ours, each rank prints its own error.
 
 Ctrl-C (or SIGTERM) reaches the launcher only: torchrun's agent starts each rank in its own
 session, so a terminal's SIGINT does not reach the ranks directly. The agent forwards the
@@ -26,9 +29,12 @@ import signal
 import socket
 import tempfile
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from dpclip.distributed.world import launched, record_failure, unexpected
 from dpclip.errors import DpclipError, InterruptedRun
 from dpclip.files import write_json_atomic
 
@@ -120,6 +126,34 @@ def _quiet_agent_logs() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+@contextmanager
+def errors_to_launcher() -> Iterator[None]:
+    """Around a rank's whole command: an error leaving it is in torchrun's error file (written
+    here when :func:`~dpclip.distributed.world.joined_world` did not, e.g. a recipe refused
+    before the group existed), and in a rank that ``dpclip train --nproc`` started it is quiet
+    (the CLI exits with its code and prints nothing): the launcher prints the first failing
+    rank's error once (:func:`failure_error`). One process, or plain torchrun: as raised."""
+    if not launched():
+        yield
+        return
+    try:
+        yield
+    except (Exception, KeyboardInterrupt) as exc:
+        recorded = getattr(exc, "dpclip_recorded", False) or record_failure(exc)
+        if not recorded or not os.environ.get(RUN_DIR_ENV):
+            raise
+        if isinstance(exc, DpclipError):
+            exc.quiet = True
+            raise
+        if isinstance(exc, KeyboardInterrupt):
+            error: DpclipError = InterruptedRun("interrupted")
+        else:
+            error = DpclipError(*unexpected(exc))
+            error.exit_code = 1  # the CLI's for an unexpected error (a traceback with --debug: `from exc`)
+        error.quiet = True
+        raise error from exc
+
+
 def _interrupted_file() -> Path | None:
     target = os.environ.get(RUN_DIR_ENV)
     return Path(target).with_name("interrupted.json") if target else None
@@ -185,6 +219,14 @@ def _failure_order(failure: Any, info: dict[str, Any] | None) -> int:
     return 3  # died of a SIGTERM: most likely the agent ending the survivors
 
 
+def _same_on_every_rank(failures: dict[int, Any], nproc: int, info: dict[str, Any]) -> bool:
+    """Whether every rank stopped with this error of its own (not another rank's)."""
+    said = (info["message"], info.get("hint"))
+    reports = [_reported(f) for f in failures.values()]
+    return len(failures) == nproc and all(r is not None and not r.get("secondary") and (r["message"], r.get("hint"))
+                                          == said for r in reports)
+
+
 def failure_error(failures: dict[int, Any], nproc: int, run_dir: str | None) -> DpclipError:
     """One error for a failed launch: the rank that failed first (a rank's own error or a
     signal beats the others' "another rank stopped" and the SIGTERM with which torchrun's
@@ -196,14 +238,17 @@ def failure_error(failures: dict[int, Any], nproc: int, run_dir: str | None) -> 
         if info is not None and info.get("secondary"):
             continue
         ranked.append((_failure_order(failure, info), info["ns"] if info else 0, rank, failure, info))
-    if not ranked:  # only "another rank stopped" reports: name the lowest rank
+    secondary_only = not ranked
+    if secondary_only:  # only "another rank stopped" reports: name the lowest rank
         ranked = [(4, 0, rank, f, _reported(f)) for rank, f in failures.items()]
     _, _, rank, failure, info = min(ranked, key=lambda item: item[:3])
     if info is not None and info.get("interrupted"):  # e.g. SIGTERM to one rank: all stopped at a step boundary
         return InterruptedRun(info["message"], f"continue with: {resume}" if resume else info.get("hint"))
     if info is not None:
-        message = f"rank {rank} stopped: {info['message']}"
-        hint = info.get("hint") or ""
+        everywhere = _same_on_every_rank(failures, nproc, info)  # e.g. a refused recipe: no rank to name
+        message = info["message"] if everywhere else f"rank {rank} stopped: {info['message']}"
+        # a peer's own hint points at the failing rank's error, which no rank reported here
+        hint = "no rank reported an error of its own" if secondary_only else info.get("hint") or ""
     else:
         signal_name = _killed_by(failure)
         how = (f"was killed by {signal_name}" if signal_name is not None

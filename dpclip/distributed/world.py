@@ -15,7 +15,9 @@ each a process with ``RANK``/``WORLD_SIZE`` in its environment (docs/distributed
 A rank that dies (an error, ``kill -9``) closes its connections: the others' next collective
 fails, and they stop with :class:`PeerStopped` instead of waiting; torchrun then ends the
 group. Each rank's error goes to torchrun's error file (``TORCHELASTIC_ERROR_FILE``) with
-its hint, where the launcher (:mod:`dpclip.distributed.launch`) reads it.
+its hint, where the launcher (:mod:`dpclip.distributed.launch`) reads it and prints the
+first failing rank's (the ranks it started print nothing); under plain torchrun each rank
+prints its own.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from dpclip.errors import DpclipError
 from dpclip.files import write_json_atomic
 from dpclip.torch_compat import clear_dtensor_caches, import_dynamo
 
-RESUME_HINT = "the failing rank's error is above; continue the run with: dpclip train --resume RUN_DIR --nproc N"
+RESUME_HINT = ("the rank that failed first says why (its own error); continue the run with: "
+               "dpclip train --resume RUN_DIR --nproc N")
 # How long a rank waits in a collective for the others (they may be evaluating or checkpointing).
 TIMEOUT_ENV = "DPCLIP_DIST_TIMEOUT_S"
 
@@ -300,19 +303,24 @@ def _import_what_would_outlive_the_group() -> None:
     import_dynamo()
 
 
-def record_failure(exc: BaseException) -> None:
+def unexpected(exc: BaseException) -> tuple[str, str]:
+    """The error and hint of an exception that is not a :class:`DpclipError` (as the CLI prints it)."""
+    return f"unexpected {type(exc).__name__}: {exc}", "rerun with --debug for a traceback, and please report it"
+
+
+def record_failure(exc: BaseException) -> bool:
     """Write this rank's error to torchrun's error file: the message torchrun shows, plus
     dpclip's message, hint and whether it only reports another rank's failure (the launcher
-    names the rank that failed first)."""
+    names the rank that failed first). True when written (``exc.dpclip_recorded`` says so too)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
-        return
+        return False
     if isinstance(exc, DpclipError):
         message, hint = exc.message, exc.hint
     elif isinstance(exc, KeyboardInterrupt):
         message, hint = "interrupted", None
     else:
-        message, hint = f"unexpected {type(exc).__name__}: {exc}", "rerun with --debug for a traceback"
+        message, hint = unexpected(exc)
     stamp = time.time_ns()  # torchrun's own field is whole seconds; ns tells close failures apart
     data = {"message": {"message": message,
                         "extraInfo": {"py_callstack": message, "timestamp": str(stamp // 10**9)}},
@@ -322,4 +330,6 @@ def record_failure(exc: BaseException) -> None:
     try:  # atomic: the agent may end this rank mid-write, and torchrun's reader fails on half a file
         write_json_atomic(path, data, durable=False)
     except OSError:  # pragma: no cover - the error itself is still printed by the rank
-        pass
+        return False
+    exc.dpclip_recorded = True  # type: ignore[attr-defined]  # (errors_to_launcher records it once)
+    return True

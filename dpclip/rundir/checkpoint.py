@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -191,21 +192,32 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module) -> dict[str, Any]:
-    """Load weights into ``model`` (in place) and return the state tree."""
+def load_checkpoint(path: Path, model: torch.nn.Module,
+                    check: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Load weights into ``model`` (in place) and return the state tree; ``check(state)`` runs
+    on the state tree before any weight is loaded (a resume's refusals)."""
     try:
-        load_weights(path, model)
         tensors = load_file(str(path / layout.STATE_TENSORS))
         state = unflatten_state(read_json(path / layout.STATE), tensors)
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
-        raise DpclipError(f"checkpoint {path} is damaged or incomplete ({type(exc).__name__})",
-                          "it was cut short (a full disk, an interrupted copy): restore the run directory from a "
-                          f"backup, or delete {path.name} and write the previous checkpoint's folder name into "
-                          f"{layout.CHECKPOINTS}/{layout.LATEST}") from None
+        raise _damaged(path, exc) from None
     if not isinstance(state, dict) or state.get("step") != int(path.name.split("_")[1]):
         raise DpclipError(f"checkpoint {path} does not hold step {path.name.split('_')[1].lstrip('0') or 0}",
                           "the run directory was modified: restore it or start a new run")
+    if check is not None:
+        check(state)
+    try:
+        load_weights(path, model)
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
+        raise _damaged(path, exc) from None
     return state
+
+
+def _damaged(path: Path, exc: BaseException) -> DpclipError:
+    return DpclipError(f"checkpoint {path} is damaged or incomplete ({type(exc).__name__})",
+                       "it was cut short (a full disk, an interrupted copy): restore the run directory from a "
+                       f"backup, or delete {path.name} and write the previous checkpoint's folder name into "
+                       f"{layout.CHECKPOINTS}/{layout.LATEST}")
 
 
 def load_weights(path: Path, model: torch.nn.Module) -> None:

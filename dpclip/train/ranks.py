@@ -11,8 +11,9 @@ it needs, never the loop):
   run's own), and every rank checks that it would train the same recipe on the same data;
 - what does not work across ranks yet is refused with a hint;
 - checkpoints hold every rank's sampler and RNG state (gathered to rank 0) and so the world
-  size; a resume refuses another world size, and rank 0 hands the resumed state to the
-  others (weights, optimizer, policy, ledger, each rank its own sampler state).
+  size; a resume refuses another world size or another training.parallel, and rank 0 hands
+  the resumed state to the others (weights, optimizer, policy, ledger, each rank its own
+  sampler state).
 
 One process (``world.size == 1``): every function here is a no-op or the one-process path.
 """
@@ -100,13 +101,32 @@ def check_world_size(state: dict[str, Any], world_size: int, where: Path) -> Non
                           f"with {saved} processes in all); each rank's sampler state is its own")
 
 
+def saved_parallel(state: dict[str, Any]) -> str:
+    """The training.parallel a checkpoint was made with. Checkpoints from before it was
+    written: a pipeline stage's held its own optimizer (in its rank's state), others were data."""
+    ranks = state.get("ranks") or [{}]
+    return state.get("parallel") or ("pipeline" if "optimizer" in ranks[0] else "data")
+
+
+def parallel_switch(where: Path, saved: str, asked: str) -> DpclipError:
+    """The refusal of a resume that asks for another training.parallel than the run's."""
+    return DpclipError(f"{where} was trained with training.parallel: {saved}, and this resume asks for {asked}",
+                       f"a resume keeps the run's parallel mode (each mode stores the optimizer and sampler "
+                       f"state its own way): resume with training.parallel: {saved}, or start a new run with {asked}")
+
+
 def check_parallel(state: dict[str, Any], parallel: str, where: Path) -> None:
-    """A sharded run's checkpoint names its optimizer's parameters, any other's numbers them: a
-    resume keeps training.parallel fsdp, or keeps it other than fsdp."""
-    saved = state.get("parallel", "data")  # checkpoints from before sharded training: not sharded
-    if (saved == "fsdp") != (parallel == "fsdp"):
-        raise DpclipError(f"{where} was trained with training.parallel: {saved}, and this resume asks for {parallel}",
-                          f"resume with training.parallel: {saved} (the optimizer state is stored per parallel mode)")
+    """A resume keeps the training.parallel of the checkpoint (data, pipeline or fsdp)."""
+    saved = saved_parallel(state)
+    if saved != parallel:
+        raise parallel_switch(where, saved, parallel)
+
+
+def check_resume_parallel(changes: dict[str, list[Any]], where: Path) -> None:
+    """A resume's recipe changes (``{field: [old, new]}``) keep training.parallel."""
+    if "training.parallel" in changes:
+        saved, asked = changes["training.parallel"]
+        raise parallel_switch(where, saved, asked)
 
 
 def share_run_dir(world: World, run_dir: Path, model) -> Path:

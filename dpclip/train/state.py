@@ -171,9 +171,11 @@ class Checkpointer:
         if checkpoint is None:
             raise DpclipError(f"{run.path} has no checkpoint to resume from",
                               "the run stopped before its first step was saved; start a new run")
-        tree = load_checkpoint(checkpoint, model)
-        check_world_size(tree, parts.setting.world.size, run.path)
-        check_parallel(tree, parts.setting.recipe.training.parallel, run.path)
+        def check(tree: dict[str, Any]) -> None:  # before any weight is loaded
+            check_world_size(tree, parts.setting.world.size, run.path)
+            check_parallel(tree, parts.setting.recipe.training.parallel, run.path)
+
+        tree = load_checkpoint(checkpoint, model, check)
         restore(parts, state, tree)
         check_ledger(state.ledger, solved, state.step, where=checkpoint / STATE)
         released = read_ledger(run.ledger_file) if run.ledger_file.exists() else state.ledger

@@ -27,7 +27,7 @@ from dpclip.train.output import RunOutput
 from dpclip.train.parts import assemble
 from dpclip.train.run_parts import RunParts
 from dpclip.train.plots import plot_run
-from dpclip.train.ranks import agree_on_recipe
+from dpclip.train.ranks import agree_on_recipe, check_resume_parallel
 from dpclip.train.result import TrainObserver, TrainResult
 from dpclip.rundir.run import RunDir, privacy_diff, privacy_fingerprint, recipe_changes, run_statement
 from dpclip.rundir.searchdir import search_of_run
@@ -130,6 +130,7 @@ def resolve_recipe(recipe: Recipe | None, resume: Path | None) -> tuple[Recipe, 
             raise DpclipError("cannot resume: the recipe changes the model "
                               f"({', '.join(k for k in changes if k.startswith('model'))})",
                               "the checkpoint holds the weights of the run's own model; start a new run")
+        check_resume_parallel(changes, run.path)
     if recipe is None:
         raise DpclipError("nothing to train", "pass a recipe file, or --resume RUN_DIR")
     return recipe, changes

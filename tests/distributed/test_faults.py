@@ -155,18 +155,124 @@ def test_a_transport_error_from_a_collective_torch_ran_is_a_peer_stopping():
     assert not lost_a_peer(ValueError("Connection closed by peer"))
 
 
-def test_a_resume_that_switches_into_or_out_of_sharding_is_refused_with_a_hint():
-    """A sharded run's checkpoint names its optimizer's parameters, any other numbers them."""
+def test_a_resume_that_changes_the_parallel_mode_is_refused_with_a_hint_naming_both():
+    """Each mode stores the optimizer and sampler state its own way (a sharded run by parameter
+    name, a pipeline stage per rank): a resume keeps data, pipeline or fsdp."""
     from pathlib import Path
 
     from dpclip.errors import DpclipError
     from dpclip.train.ranks import check_parallel
 
-    check_parallel({"parallel": "fsdp"}, "fsdp", Path("run"))
-    check_parallel({"parallel": "data"}, "pipeline", Path("run"))
-    check_parallel({}, "data", Path("run"))   # checkpoints from before sharded training
-    for saved, asked in (("fsdp", "data"), ("data", "fsdp"), (None, "fsdp")):
-        state = {} if saved is None else {"parallel": saved}
-        with pytest.raises(DpclipError, match="resume asks for") as caught:
+    modes = ("data", "pipeline", "fsdp")
+    for mode in modes:
+        check_parallel({"parallel": mode}, mode, Path("run"))
+    check_parallel({}, "data", Path("run"))   # checkpoints from before the mode was written
+    check_parallel({"ranks": [{"sampler": {}, "optimizer": {}}, {}]}, "pipeline", Path("run"))  # a stage's own
+    cases = [({"parallel": saved}, saved, asked) for saved in modes for asked in modes if saved != asked]
+    cases += [({}, "data", "fsdp"), ({"ranks": [{"sampler": {}, "optimizer": {}}, {}]}, "pipeline", "data")]
+    for state, saved, asked in cases:
+        with pytest.raises(DpclipError) as caught:
             check_parallel(state, asked, Path("run"))
-        assert "training.parallel" in caught.value.hint
+        assert caught.value.message == (f"run was trained with training.parallel: {saved}, and this resume asks "
+                                        f"for {asked}")
+        assert f"resume with training.parallel: {saved}" in caught.value.hint
+
+
+def test_a_resume_override_of_the_parallel_mode_is_refused_before_anything_is_loaded(tmp_path, capsys):
+    """`dpclip train --resume RUN training.parallel=...` stops with one error and a hint at the
+    recipe, before the checkpoint is read; a checkpoint's own check runs before its weights load."""
+    import torch
+
+    from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint
+    from dpclip.train.ranks import check_parallel
+    from dpclip.train.workflow import train
+
+    run = train(workers.small_recipe(tmp_path / "runs", "layer"), run_dir=tmp_path / "run").run_dir
+    for asked in ("pipeline", "fsdp"):
+        assert main(["train", "--resume", str(run), f"training.parallel={asked}"]) == 2
+        err = capsys.readouterr().err
+        assert f"trained with training.parallel: data, and this resume asks for {asked}" in err
+        assert "hint:" in err and "Traceback" not in err and "unexpected" not in err
+    model = torch.nn.Linear(1, 1)
+    before = model.weight.detach().clone()
+    with pytest.raises(DpclipError, match="asks for pipeline"):   # the quickstart MLP's weights would not fit
+        load_checkpoint(latest_checkpoint(run), model, lambda state: check_parallel(state, "pipeline", run))
+    assert torch.equal(model.weight, before)
+
+
+def _as_a_rank(monkeypatch, tmp_path, launcher: bool):
+    """This process as rank 1 of 2 (torchrun's environment), started by `--nproc` or not."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    if launcher:
+        monkeypatch.setenv(launch_module.RUN_DIR_ENV, str(tmp_path / "run_dir"))
+    else:
+        monkeypatch.delenv(launch_module.RUN_DIR_ENV, raising=False)
+
+
+def test_a_rank_started_by_nproc_leaves_its_error_to_the_launcher_and_prints_nothing(tmp_path, monkeypatch, capsys):
+    """`--nproc` prints one error: a rank it started writes its own (here a recipe refused before
+    the process group exists) where the launcher reads it, and prints nothing; an unexpected
+    exception the same way, with the CLI's exit code 1."""
+    import torch
+
+    from dpclip.cli import train as train_module
+
+    _as_a_rank(monkeypatch, tmp_path, launcher=True)
+    threads = str(torch.get_num_threads())
+    assert main(["train", str(tmp_path / "missing.yaml"), "--threads", threads]) == 2
+    assert capsys.readouterr().err == ""
+    reported = json.loads((tmp_path / "error.json").read_text())["dpclip"]
+    assert reported["message"].startswith("recipe file not found") and reported["hint"] and not reported["secondary"]
+    error = failure_error({0: _Failure(dict(reported, rank=0)), 1: _Failure(reported)}, 2, None)
+    assert error.message.startswith("recipe file not found")   # every rank refused it: no rank to name
+
+    def crash(*args, **kwargs):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(train_module, "thread_count", crash)
+    assert main(["train", "x.yaml"]) == 1
+    assert capsys.readouterr().err == ""
+    reported = json.loads((tmp_path / "error.json").read_text())["dpclip"]
+    assert reported["message"] == "unexpected ValueError: a bug" and "--debug" in reported["hint"]
+
+
+def test_under_plain_torchrun_each_rank_prints_its_own_error(tmp_path, monkeypatch, capsys):
+    _as_a_rank(monkeypatch, tmp_path, launcher=False)
+    import torch
+
+    assert main(["train", str(tmp_path / "missing.yaml"), "--threads", str(torch.get_num_threads())]) == 2
+    err = capsys.readouterr().err
+    assert "error: recipe file not found" in err and "hint:" in err
+    assert json.loads((tmp_path / "error.json").read_text())["dpclip"]["message"].startswith("recipe file not found")
+
+
+def test_the_launcher_shows_no_peers_hint_that_points_at_an_error_nobody_printed():
+    """Only "another rank stopped" reports (no rank's own error): the launcher's one error does
+    not say the failing rank's error is above, and a peer's stop never hides a killed rank."""
+    from dpclip.distributed.world import RESUME_HINT
+
+    assert "above" not in RESUME_HINT
+    peer = {"message": "another rank stopped, so this one cannot go on (Connection closed by peer)",
+            "hint": RESUME_HINT, "secondary": True, "ns": 1, "rank": 0}
+    error = failure_error({0: _Failure(peer), 1: _Failure(dict(peer, rank=1))}, 2, "runs/r")
+    assert error.message.startswith("rank 0 stopped: another rank stopped")
+    assert error.hint == "no rank reported an error of its own; the run continues with: " \
+                         "dpclip train --resume runs/r --nproc 2"
+    different = failure_error({0: _Failure({"message": "a", "hint": None, "secondary": False, "ns": 2, "rank": 0}),
+                               1: _Failure({"message": "b", "hint": None, "secondary": False, "ns": 1, "rank": 1})},
+                              2, None)
+    assert different.message == "rank 1 stopped: b"
+
+
+def test_a_recipe_that_does_not_load_is_refused_once_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+    train_launch = importlib.import_module("dpclip.train.launch")
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(train_launch, "launch", no_launch)
+    assert main(["train", str(tmp_path / "missing.yaml"), "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "recipe file not found" in err and "hint:" in err
