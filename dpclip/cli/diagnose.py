@@ -24,8 +24,8 @@ def diagnose(
     allow_private: bool = typer.Option(False, "--allow-private-not-covered-by-epsilon",
                                        help="Allow --data private: the results are exact functions of the "
                                        "private data and are NOT covered by ε."),
-    out: Path = typer.Option(None, "--out", "-o", help="Folder for the plots (default: the run directory, or "
-                             "./diagnose-NAME/ for a recipe)."),
+    out: Path = typer.Option(None, "--out", "-o", help="Folder for the plots (default: the run directory for public "
+                             "data, else ./diagnose-NAME/; private data never goes into a run)."),
     threads: int = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:

@@ -4,8 +4,9 @@ Public data is the user's claim (docs/continual.md, "Public data"): ε does not 
 What dpclip can check, it does: a public block that names the same source as the private
 data (the same builtin set, file or hub data set) is refused unless the public rows are
 carved out of it with ``data.public_fraction`` (disjoint by construction), and a public
-block from another source is refused if any of its rows is identical, tensor for tensor,
-to a private training or held-out row.
+block from another source is refused if any of its rows is identical to a private training
+or held-out row: the same features (or text) and the same label as written in the file,
+whatever class id each data set gave it (:func:`row_fingerprints`).
 """
 
 from __future__ import annotations
@@ -43,16 +44,44 @@ def describe_public(recipe) -> str:
     return source_name(public)
 
 
-def row_fingerprints(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """One hash per row over every tensor of the row (names, dtypes, shapes and bytes)."""
+def canonical_labels(data: PrivateData, labels: torch.Tensor) -> list[str] | None:
+    """Each row's label as the file wrote it, not as this data set numbered it: class ids
+    are per data set (string classes are numbered in sorted order), so the same row reads
+    ``b`` in both files but is class 1 in one and class 2 in the other. A whole-number label
+    is its number, a boolean 0 or 1, a float its float32 value; None for causal-LM labels
+    (the tokens themselves)."""
+    if data.task == "causal-lm":
+        return None
+    if data.task == "regression":
+        return [repr(float(v)) for v in (labels.to(torch.float32) + 0.0).tolist()]
+    names = data.label_names
+    spelled = [names[i] if names is not None else str(i) for i in labels.tolist()]
+    return [{"False": "0", "True": "1"}.get(name, name) for name in spelled]
+
+
+def row_fingerprints(data: PrivateData, split: str, tokens: int | None = None) -> list[str]:
+    """One hash per row of ``data.train`` or ``data.test`` over a form of the row that does not
+    depend on how its own data set was encoded: features as float32 values (−0 as 0), the
+    label as written (:func:`canonical_labels`), text as its first ``tokens`` real tokens
+    (padding left out, so a different ``max_length`` still compares)."""
+    tensors = getattr(data, split)
     count = len(tensors["labels"])
     digests = [hashlib.sha256() for _ in range(count)]
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().cpu().contiguous()
-        rows = tensor.reshape(count, -1)
+    labels = canonical_labels(data, tensors["labels"])
+    if labels is not None:
+        for digest, label in zip(digests, labels):
+            digest.update(f"label:{label}".encode())
+    if "features" in tensors:
+        features = (tensors["features"].detach().cpu().to(torch.float32) + 0.0).contiguous()
+        rows = features.reshape(count, -1)
         for i in range(count):
-            digests[i].update(f"{name}:{tensor.dtype}:{tuple(tensor.shape[1:])}".encode())
-            digests[i].update(rows[i].view(torch.uint8).numpy().tobytes())
+            digests[i].update(f"features:{tuple(features.shape[1:])}".encode())
+            digests[i].update(rows[i].numpy().tobytes())
+    if "input_ids" in tensors:
+        ids, mask = tensors["input_ids"].detach().cpu(), tensors["attention_mask"].detach().cpu()
+        for i in range(count):
+            kept = ids[i][mask[i] != 0][:tokens].to(torch.int64)
+            digests[i].update(b"tokens:" + kept.numpy().tobytes())
     return [d.hexdigest() for d in digests]
 
 
@@ -99,15 +128,24 @@ def _carved(recipe) -> PrivateData:
 
 
 def check_disjoint(public: PrivateData, private: PrivateData) -> None:
-    """Refuse public rows identical to private training or held-out rows."""
+    """Refuse public rows identical to private training or held-out rows, compared as written
+    (:func:`row_fingerprints`), not as each data set happened to encode them."""
     if set(public.train) != set(private.train):
         raise DpclipError(f"the public data ({public.source}) has columns {sorted(public.train)} where the private "
                           f"data has {sorted(private.train)}",
                           "public and private data must be the same kind of examples (same task and fields)")
-    private_rows = set(row_fingerprints(private.train)) | set(row_fingerprints(private.test))
-    public_rows = row_fingerprints(public.train) + row_fingerprints(public.test)
+    tokens = None
+    if public.is_text:
+        names = getattr(public.tokenizer, "name", None), getattr(private.tokenizer, "name", None)
+        if names[0] != names[1]:
+            raise DpclipError(f"the public data ({public.source}) is tokenized with {names[0]!r}, the private data "
+                              f"with {names[1]!r}: the same token id would mean different text to the model",
+                              "give public: the private data's tokenizer (data.tokenizer)")
+        tokens = min(public.train["input_ids"].shape[1], private.train["input_ids"].shape[1])
+    private_rows = set(row_fingerprints(private, "train", tokens)) | set(row_fingerprints(private, "test", tokens))
+    public_rows = row_fingerprints(public, "train", tokens) + row_fingerprints(public, "test", tokens)
     shared = int(np.sum([row in private_rows for row in public_rows]))
     if shared:
         raise DpclipError(f"{shared} of the {len(public_rows)} public rows ({public.source}) are identical to "
-                          "private rows", "use a disjoint public set: remove those rows from the public files, "
-                          "or " + CARVE_HINT)
+                          "private training or held-out rows (features or text, and the label as written)",
+                          "use a disjoint public set: remove those rows from the public files, or " + CARVE_HINT)

@@ -56,9 +56,10 @@ MANIFEST: tuple[Entry, ...] = (
     # ---------------------------------------------------------------- continual / Hessian diagnostics
     _run("diagnostics.jsonl", LABELLED, "Hessian diagnostics (on private data: not covered by ε, labelled; "
          "on public data: post-processing of the weights)"),
-    _run("hessian_over_training.png", LABELLED, "plot of diagnostics.jsonl, labelled as its data"),
-    _run("improvement_vs_batch.png", LABELLED, "predicted improvement against batch size, from "
-         "diagnostics.jsonl, labelled as its data"),
+    _run("hessian_over_training.png", LABELLED, "plot of diagnostics.jsonl, labelled as its data",
+         "dpclip train; dpclip diagnose RUN (public data only: private measurements go outside the run)"),
+    _run("improvement_vs_batch.png", LABELLED, "predicted improvement against batch size at the latest "
+         "checkpoint, measured on public data", "dpclip diagnose RUN (public data only)"),
     # ---------------------------------------------------------------- TensorBoard, report
     _run("tensorboard/events.out.tfevents.*", LABELLED, "the metrics.jsonl scalars; exact ones only under "
          "the `not_covered_by_epsilon/` prefix", "dpclip train (logging.tensorboard: true)"),

@@ -5,9 +5,10 @@ A recipe is set up as training would set it up (:func:`dpclip.train.parts.assemb
 model at its initial weights, the σ its ε gives, the engine's thresholds)
 and measured at initialisation; a run directory is set up from its own recipe, its latest
 checkpoint's weights and thresholds are loaded, and it is measured there. Nothing is
-trained and no run directory is written except the two plots (into the run directory,
-or ``--out``). On private data the results are labelled "not covered by ε"
-(:mod:`dpclip.train.diagnostics`).
+trained and no run directory is written except the two plots (on public data into the run
+directory, or ``--out``). On private data the results are labelled "not covered by ε"
+(:mod:`dpclip.train.diagnostics`) and written outside any run directory (``./diagnose-NAME/``
+or ``--out``): a run's files are released beside its statement, which does not list them.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def diagnose(target: str | Path, overrides: list[str] | None = None, *, probes: 
         recipe = parts.setting.recipe
         spec = recipe.diagnostics
         data = data or spec.data
+        out_dir = _out_dir(target, source, recipe.name, out, private=data == "private")
         public = public_rows_of(recipe, parts.feed.ordinary, continual=parts.feed.continual, public_rows=public_rows)
         rows = choose_rows(data, private_rows=parts.feed.ordinary.train, public_rows=public,
                            allow_private=allow_private or spec.private_not_covered)
@@ -94,7 +96,6 @@ def diagnose(target: str | Path, overrides: list[str] | None = None, *, probes: 
     finally:
         parts.learner.engine.detach()
     record = make_record(step, diag, formulas, data)
-    out_dir = Path(out) if out is not None else (target if source == "run" else Path(f"diagnose-{recipe.name}"))
     out_dir.mkdir(parents=True, exist_ok=True)
     history = read_records(target / DIAGNOSTICS_FILE) if source == "run" else []
     # The run's records beside this measurement, which replaces a record of the same step.
@@ -105,6 +106,25 @@ def diagnose(target: str | Path, overrides: list[str] | None = None, *, probes: 
                      private=data == "private")
     return DiagnoseResult(recipe.name, source, step, diag, record, parts.split.noise_multiplier, out_dir,
                           [str(out_dir / HESSIAN_PLOT), str(out_dir / IMPROVEMENT_PLOT)], len(history))
+
+
+def _out_dir(target: Path, source: str, name: str, out: str | Path | None, *, private: bool) -> Path:
+    """Where the plots go: ``out``, else the run directory (public data) or ``./diagnose-NAME/``.
+
+    A measurement on private data is never written into a run directory: the run's files are
+    what ``dpclip export`` and ``dpclip report`` release beside the run's privacy statement,
+    which lists what the run itself released outside ε, not what a later command measured."""
+    if out is None:
+        return target if source == "run" and not private else Path(f"diagnose-{name}")
+    out = Path(out)
+    if private:
+        run = next((folder for folder in (out.resolve(), *out.resolve().parents)
+                    if (folder / RunDir.RECIPE).is_file() and (folder / RunDir.META).is_file()), None)
+        if run is not None:
+            raise DpclipError(f"--out {out} is inside the run directory {run}: diagnostics measured on private data "
+                              "are not written into a run (its privacy statement would not list them)",
+                              f"write them elsewhere: --out diagnose-{name}, or leave --out out")
+    return out
 
 
 def _set_up(target: Path, overrides: list[str]) -> tuple[RunParts, str, int]:

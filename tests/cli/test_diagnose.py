@@ -68,15 +68,27 @@ def run_with_diagnostics(tmp_path_factory):
     return train(recipe).run_dir
 
 
-def test_diagnose_a_run_measures_its_latest_checkpoint_and_plots_its_history(cli, run_with_diagnostics, one_thread):
-    for name in PLOTS:
-        (run_with_diagnostics / name).unlink(missing_ok=True)
+def test_diagnose_a_run_on_private_data_plots_its_history_outside_the_run(cli, run_with_diagnostics, one_thread,
+                                                                             tmp_path, monkeypatch):
+    """Private measurements never go into the run directory: the run's files are released
+    beside its statement, which lists what the run released outside ε, not later measurements."""
+    monkeypatch.chdir(tmp_path)
+    before = {p.name: p.read_bytes() for p in run_with_diagnostics.iterdir() if p.is_file()}
     result = cli("diagnose", run_with_diagnostics, *FAST)   # the run's recipe gave the consent
     assert result.code == 0, result.err
     out = " ".join(result.out.split())
     assert "at checkpoint step 6, private data, not covered by ε" in out
     assert "1 earlier measurements from diagnostics.jsonl" in out   # step 3; step 6 is measured anew
-    assert _pngs(run_with_diagnostics)
+    assert _pngs(tmp_path / "diagnose-quickstart")
+    assert {p.name: p.read_bytes() for p in run_with_diagnostics.iterdir() if p.is_file()} == before
+
+
+def test_diagnose_refuses_to_write_private_plots_into_a_run_directory(cli, run_with_diagnostics):
+    for out in (run_with_diagnostics, run_with_diagnostics / "plots"):
+        result = cli("diagnose", run_with_diagnostics, *FAST, "--out", out)
+        assert result.code != 0 and "error: " in result.err and "inside the run directory" in result.err
+        assert "hint:" in result.err and "Traceback" not in result.err + result.out
+    assert not (run_with_diagnostics / "plots").exists() and not (run_with_diagnostics / PLOTS[1]).exists()
 
 
 def test_diagnose_a_run_refuses_overrides(cli, run_with_diagnostics):

@@ -876,3 +876,35 @@ def test_a_shared_output_changed_in_place_clips_as_the_per_example_reference(how
 
 def test_a_shared_output_changed_in_place_by_an_op_the_engine_cannot_replay_is_refused():
     refused(lambda: InPlaceOnShared("fill"), {"x": torch.randn(4, 3, 4)}, "fill_diagonal_", loss=_tiled_loss)
+
+
+class TypedIds(nn.Module):
+    """BERT's pattern: a second embedding of a buffer of type ids expanded over the batch (a
+    view of the buffer, saved for the backward), and a head that only a later forward calls."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.register_buffer("type_ids", torch.zeros(1, 8, dtype=torch.long))
+        self.wte, self.tte = nn.Embedding(VOCAB, d), nn.Embedding(2, d)
+        self.first, self.second = nn.Linear(d, 3), nn.Linear(d, 3)
+        self.use_second = False
+
+    def forward(self, ids):
+        types = self.type_ids[:, :ids.shape[1]].expand(ids.shape[0], ids.shape[1])
+        h = torch.tanh(self.wte(ids) + self.tte(types)).mean(1)
+        return (self.second if self.use_second else self.first)(h)
+
+
+def test_a_probe_in_the_middle_of_a_forward_leaves_the_buffer_views_it_saved_usable():
+    """A module no earlier forward called (continual training's private head, after a public
+    phase with a head of its own) is probed mid-forward; the probes restore the buffers they
+    found, and a write of unchanged values would bump the version of the saved view."""
+    model = TypedIds()
+    engine = DPEngine(model, {}, expected_batch_size=5, gradient_noise_multiplier=1.0)
+    engine.backward(classify_loss(model, _ids(5)))
+    engine.privatize()
+    model.use_second = True
+    engine.backward(classify_loss(model, _ids(5, seed=1)))
+    assert engine.privatize().samples_seen == 5
+    engine.detach()

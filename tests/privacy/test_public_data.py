@@ -65,6 +65,63 @@ def test_public_rows_identical_to_private_rows_are_refused(quickstart, tmp_path)
     assert load_public(recipe, load_data(recipe.data, seed=0)).num_train == 20
 
 
+def _labelled(path, rows, header="a,b,label"):
+    path.write_text(header + "\n" + "".join(",".join(str(v) for v in row) + "\n" for row in rows))
+    return path
+
+
+def _blocks(private, public, fields="label_field: label", public_fields=None):
+    return (f"data={{source: files, format: csv, train: {private}, {fields}}}",
+            f"public={{source: files, format: csv, train: {public}, {public_fields or fields}}}")
+
+
+def test_private_rows_in_a_public_file_are_refused_when_a_new_class_renumbers_the_labels(quickstart, tmp_path):
+    """String classes are numbered per data set in sorted order: a public class "a" shifts the
+    ids of "b" and "c", so rows compared by class id would all differ. Labels compare as written."""
+    private_rows = [(i / 7, -i, "bc"[i % 2]) for i in range(40)]
+    private = _labelled(tmp_path / "d.csv", private_rows)
+    public = _labelled(tmp_path / "p.csv", private_rows + [(100 + i, i, "a") for i in range(10)])
+    recipe = quickstart(*_blocks(private, public), "training.batch_size=8")
+    with pytest.raises(DpclipError, match="40 of the 50 public rows"):
+        load_public(recipe, load_data(recipe.data, seed=0))
+    relabelled = _labelled(tmp_path / "q.csv", [(a, b, {"b": "c", "c": "b"}[y]) for a, b, y in private_rows])
+    recipe = quickstart(*_blocks(private, relabelled), "training.batch_size=8")
+    assert load_public(recipe, load_data(recipe.data, seed=0)).num_train == 32   # same features, other labels
+
+
+def test_private_sentences_in_a_public_file_are_refused_whatever_the_class_ids_and_max_length(quickstart, tmp_path):
+    private_rows = [(f"patient {i} secret diagnosis {i * 7919 % 10007}", "bc"[i % 2]) for i in range(30)]
+    private = _labelled(tmp_path / "d.csv", private_rows, "text,label")
+    public = _labelled(tmp_path / "p.csv", private_rows + [(f"public sentence {i}", "a") for i in range(10)],
+                       "text,label")
+    fields = "text_field: text, label_field: label, tokenizer: byte, max_length: 16"
+    for public_fields in (fields, fields.replace("16", "48")):   # every sentence is cut at 16 tokens in the private data
+        recipe = quickstart(*_blocks(private, public, fields, public_fields), "training.batch_size=8")
+        with pytest.raises(DpclipError, match="30 of the 40 public rows"):
+            load_public(recipe, load_data(recipe.data, seed=0))
+    disjoint = _labelled(tmp_path / "q.csv", [(f"public sentence {i}", "abc"[i % 3]) for i in range(20)], "text,label")
+    recipe = quickstart(*_blocks(private, disjoint, fields), "training.batch_size=8")
+    assert load_public(recipe, load_data(recipe.data, seed=0)).num_train == 16
+
+
+def test_public_text_with_another_tokenizer_is_refused(quickstart, tmp_path):
+    """Token ids of two tokenizers cannot be compared (nor mean the same to the model)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    core = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.train_from_iterator(["public sentence one"], trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", eos_token="</s>").save_pretrained(tmp_path / "tok")
+    private = _labelled(tmp_path / "d.csv", [(f"private {i}", "bc"[i % 2]) for i in range(20)], "text,label")
+    public = _labelled(tmp_path / "p.csv", [(f"public sentence {i}", "bc"[i % 2]) for i in range(20)], "text,label")
+    fields = "text_field: text, label_field: label, max_length: 8, tokenizer: "
+    recipe = quickstart(*_blocks(private, public, fields + "byte", fields + str(tmp_path / "tok")),
+                        "training.batch_size=8")
+    with pytest.raises(DpclipError, match="tokenized with") as refused:
+        load_public(recipe, load_data(recipe.data, seed=0))
+    assert "tokenizer" in refused.value.hint
+
+
 def test_carve_needs_a_public_block_of_the_same_source(quickstart):
     with pytest.raises(Exception, match="no public: block"):
         quickstart("data.public_fraction=0.1")

@@ -14,6 +14,7 @@ from torch import nn
 from dpclip.accounting import Ledger, steps_for_epochs
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
+from dpclip.recipe import load_recipe
 from dpclip.train import parts, phases, trainer
 from dpclip.train.phases import dpmd_alpha, mix_gradients, reset_states, sample_alpha
 from dpclip.train.workflow import train
@@ -237,6 +238,37 @@ def test_different_class_counts_need_a_head_reinit(quickstart, tmp_path, one_thr
     result = train(quickstart("training.epochs=null", "training.steps=2", block,
                               "continual={switch: {rule: step, at_step: 2}, at_switch: {reinit_head: true}}"))
     assert result.steps_done == 2
+
+
+def _text_csv(path, labels, count, offset=0):
+    rows = ["text,label"] + [f"note {offset + i} says {'word ' * (i % 4)}{labels[i % len(labels)]},"
+                             f"{labels[i % len(labels)]}" for i in range(count)]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+@pytest.mark.slow   # ~20 s: the engine's own test is tests/engine/test_batch_axis.py (mid-forward probe)
+def test_a_transformer_classifier_trains_privately_after_a_public_phase_with_more_classes(tmp_path, one_thread):
+    """The public head of its own size runs the public phase; the private step then meets the
+    model's own head for the first time (probed mid-forward) and must still train (BERT)."""
+    _text_csv(tmp_path / "private.csv", ["b", "c"], 40)
+    _text_csv(tmp_path / "public.csv", ["a", "b", "c"], 30, offset=1000)
+    fields = "format: csv, text_field: text, label_field: label, tokenizer: byte, max_length: 16, test_fraction: 0.2"
+    (tmp_path / "recipe.yaml").write_text(f"""name: bert-heads
+seed: 0
+output_dir: runs
+data: {{source: files, train: private.csv, {fields}}}
+public: {{source: files, train: public.csv, {fields}}}
+model: {{kind: hf, task: sequence-classification, config: {{model_type: bert, num_hidden_layers: 1, hidden_size: 16,
+        num_attention_heads: 2, intermediate_size: 32, max_position_embeddings: 32}}}}
+training: {{steps: 2, batch_size: 8, sampling: poisson, optimizer: {{kind: sgd, lr: 0.1}}}}
+privacy: {{epsilon: 8.0, delta: 1.0e-5}}
+continual: {{switch: {{rule: step, at_step: 2}}, at_switch: {{reinit_head: true}}}}
+""")
+    recipe = load_recipe(tmp_path / "recipe.yaml")
+    result = train(recipe)
+    assert result.steps_done == 2
+    assert [r["phase"] for r in _records(result.run_dir) if r.get("phase")] == ["public"] * 2 + ["private"] * 2
 
 
 def test_linear_probe_steps_are_planned_charged_and_move_only_the_head(continual_recipe, monkeypatch):

@@ -219,7 +219,12 @@ def forked_rng(devices: list) -> Iterator[None]:
 def untouched_buffers(model: torch.nn.Module) -> Iterator[None]:
     """The probes leave the model's buffers as they found them: a probe forward is not a
     training forward, and must not advance what one advances (spectral_norm's power
-    iteration, a step counter), nor leave its sample rows in a buffer."""
+    iteration, a step counter), nor leave its sample rows in a buffer.
+
+    A buffer the probes left as it was is not written back: a probe can run in the middle of
+    a training forward (a call the first probes never saw), and a write, even of the same
+    values, bumps the buffer's version and so spoils every tensor that forward saved for its
+    backward that is a view of it (BERT's ``token_type_ids``, expanded over the batch)."""
     saved = [(module, name, b, b.detach().clone()) for module in model.modules()
              for name, b in module.named_buffers(recurse=False)]
     try:
@@ -228,7 +233,8 @@ def untouched_buffers(model: torch.nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for module, name, b, value in saved:
                 setattr(module, name, b)      # a forward may have assigned a new tensor
-                b.copy_(value)
+                if not torch.equal(b, value):
+                    b.copy_(value)
 
 
 def _not_kept(tensor: Tensor) -> None:
