@@ -2,7 +2,8 @@
 
 Everything here is a released quantity (docs/accounting.md, "Threat model"): the privacy
 statement of what the run spent (the same as ``dpclip account RUN_DIR``), the recipe's
-name, the exported checkpoint's step. No training loss, no held-out metrics, no canaries.
+name, the exported checkpoint's step, the run's planned steps and how it stopped (as
+``dpclip report`` says). No training loss, no held-out metrics, no canaries.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from dpclip import __version__
 from dpclip.accounting.statement import SEEDED_RANDOMNESS_WARNING, bound_text
+from dpclip.rundir.run import UNFINISHED, RunDir, planned_step
 
 LABEL_NAMES_NOTE = ("label names: the class names of the data's label column, published as they are "
                     "(not covered by ε)")
@@ -29,10 +31,28 @@ def released_statement(run_dir: Path) -> tuple[Any, dict[str, Any] | None]:
     return found.statement, search
 
 
-def privacy_card(statement, *, recipe_name: str, checkpoint: str, checkpoint_step: int,
-                 label_names: list[str] | None, search: dict[str, Any] | None) -> dict[str, Any]:
+def run_progress(run_dir: Path, recipe, steps_done: int) -> tuple[int, str]:
+    """(planned steps, how the run stopped) as ``dpclip report`` says: ``completed``, ``budget``,
+    ``interrupted``, or ``unfinished`` (killed, crashed or still running: no summary of its last step)."""
+    _, planned = planned_step(run_dir, recipe)
+    return planned, RunDir(run_dir).stopped(steps_done)
+
+
+def progress_line(steps: int, steps_planned: int, stopped: str, checkpoint_step: int) -> str:
+    """One sentence: how far the run got, and where the exported checkpoint sits in it."""
+    why = "unfinished: killed, crashed or still running" if stopped == UNFINISHED else stopped
+    line = f"The run released {steps} of its {steps_planned} planned steps ({why})"
+    if checkpoint_step < steps:
+        return (line + f"; this checkpoint (step {checkpoint_step}) precedes its last released step, and ε "
+                f"counts all {steps} released steps.")
+    return line + "."
+
+
+def privacy_card(statement, *, recipe_name: str, checkpoint: str, checkpoint_step: int, steps_planned: int,
+                 stopped: str, label_names: list[str] | None, search: dict[str, Any] | None) -> dict[str, Any]:
     """``privacy.json``: the statement's facts, one key each, and its lines: every field from the one
-    statement object the printed statement comes from (the same as ``dpclip account RUN_DIR``)."""
+    statement object the printed statement comes from (the same as ``dpclip account RUN_DIR``), and
+    how far the run got (:func:`run_progress`)."""
     facts = statement.to_dict()
     card = {
         "format": "dpclip-privacy/1",
@@ -53,6 +73,9 @@ def privacy_card(statement, *, recipe_name: str, checkpoint: str, checkpoint_ste
         "distribution": statement.distribution(),
         "sample_rate": facts["sample_rate"],
         "steps": facts["steps"],
+        "steps_planned": steps_planned,
+        "stopped": stopped,
+        "progress": progress_line(facts["steps"], steps_planned, stopped, checkpoint_step),
         "noise_multiplier": facts["noise_multiplier"],
         "gradient_noise_multiplier": facts["gradient_noise_multiplier"],
         "seeded_randomness": facts["seeded_randomness"],
@@ -77,7 +100,7 @@ def readme(card: dict[str, Any], *, kind: str, how_to_load: str, base_note: str 
     lines = header + [
         f"# {card['recipe']} (differentially private, ε = {eps}, δ = {card['delta']:g})", "",
         f"Trained with dpclip {card['dpclip']}; this is checkpoint `{card['checkpoint']}` "
-        f"(step {card['checkpoint_step']}).", "",
+        f"(step {card['checkpoint_step']}). {card['progress']}", "",
     ]
     if card["warning"]:
         lines += [f"**{card['warning']}**", ""]

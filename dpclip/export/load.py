@@ -38,6 +38,14 @@ class _Shapes:
     train: dict = field(default_factory=lambda: {"features": None})
 
 
+def build_described(config, task: str | None, input_shape, num_classes: int | None,
+                    label_names: list[str] | None = None) -> torch.nn.Module:
+    """The module a recipe's model section ``config`` builds for data of these sizes (no data
+    loaded): what :func:`load_exported` loads into, and what ``dpclip export`` checks against."""
+    model, _ = build_model(config, _Shapes(task, tuple(input_shape), num_classes, label_names))
+    return model
+
+
 def load_exported(folder: str | Path) -> torch.nn.Module:
     """The module of a plain-torch export in ``folder`` (``dpclip export``'s OUT_DIR), in eval
     mode, with the exported weights. Refuses a folder without ``model_card.json`` (a
@@ -56,7 +64,7 @@ def load_exported(folder: str | Path) -> torch.nn.Module:
     except (ValueError, KeyError, TypeError, ValidationError) as exc:
         raise DpclipError(f"{card_file} is not a dpclip model card ({type(exc).__name__}: {str(exc)[:200]})",
                           "export the run again with `dpclip export RUN_DIR OUT_DIR --force`") from None
-    model, _ = build_model(config, shapes)
+    model = build_described(config, shapes.task, shapes.input_shape, shapes.num_classes, shapes.label_names)
     try:
         model.load_state_dict(load_file(folder / card.get("weights", layout.MODEL_WEIGHTS)))
     except (RuntimeError, OSError) as exc:

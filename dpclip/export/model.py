@@ -10,6 +10,9 @@
 
 The model is rebuilt from the checkpoint's ``model.json`` (written by
 dpclip/rundir/checkpoint.py), never from the data: exporting reads no private example.
+A damaged checkpoint file, or weights that do not fit the rebuilt model (their names and
+shapes; for a custom model, whose factory an export does not import, not checked), are
+refused before anything is written (:func:`damaged`, :func:`check_plain`).
 A LoRA base is rebuilt from the recipe's public source and seed, and written only when it
 equals the checkpoint's frozen tensors bit for bit.
 """
@@ -22,17 +25,64 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from dpclip import layout
 from dpclip.data.tokenizers import ByteTokenizer, load_tokenizer
 from dpclip.errors import DpclipError
+from dpclip.export.load import build_described
 from dpclip.files import owner_only, write_json_atomic
 from dpclip.models.build import seeded_init
 from dpclip.models.hf import lora_config
 from dpclip.rundir.checkpoint import load_model_tensors, load_weights
 
 BYTE_TOKENIZER_FILE = "dpclip_tokenizer.json"
+
+#: what reading a damaged (cut short, emptied, edited) safetensors or JSON file raises
+DAMAGE = (SafetensorError, ValueError, KeyError, TypeError)
+
+
+def damaged(checkpoint: Path, file: str, exc: BaseException) -> DpclipError:
+    """The refusal of a checkpoint whose ``file`` cannot be read, with the run's other checkpoints."""
+    others = sorted(p.name for p in checkpoint.parent.glob("step_*")
+                    if p.is_dir() and p.name != checkpoint.name and (p / layout.MODEL_WEIGHTS).is_file())
+    reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}" if str(exc) else type(exc).__name__
+    hint = (f"export another checkpoint with --checkpoint {others[-1]} (available: {', '.join(others)}), or "
+            if others else "") + "restore the run directory from a backup (it was cut short or modified)"
+    return DpclipError(f"{checkpoint / file} is damaged or incomplete ({reason})", hint)
+
+
+def sound_model_info(info: Any) -> bool:
+    """Whether ``model.json`` holds what an export reads of it (a transformers model's config)."""
+    if not isinstance(info, dict):
+        return False
+    config = info.get("hf_config")
+    return config is None or (isinstance(config, dict) and isinstance(config.get("model_type"), str)
+                              and isinstance(info.get("task"), str))
+
+
+def checkpoint_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's ``model.safetensors``; a damaged file refused (:func:`damaged`)."""
+    try:
+        return load_model_tensors(checkpoint / layout.MODEL_WEIGHTS)
+    except DAMAGE as exc:
+        raise damaged(checkpoint, layout.MODEL_WEIGHTS, exc) from None
+
+
+def check_plain(info: dict[str, Any], recipe, tensors: dict[str, torch.Tensor], checkpoint: Path) -> None:
+    """Refuse weights that do not load (strictly: names and shapes) into the mlp or cnn that
+    ``model_card.json`` describes, as :func:`dpclip.export.load_exported` will rebuild it."""
+    if recipe.model.kind not in ("mlp", "cnn") or info.get("input_shape") is None:
+        return   # a custom factory is not imported here; a model.json-less checkpoint has no sizes
+    module = build_described(recipe.model, info.get("task"), info["input_shape"], info.get("num_classes"))
+    try:
+        module.load_state_dict(tensors, strict=True)
+    except RuntimeError as exc:
+        detail = " ".join(str(exc).split())[:300]
+        others = damaged(checkpoint, layout.MODEL_WEIGHTS, exc).hint
+        raise DpclipError(f"{checkpoint / layout.MODEL_WEIGHTS} does not fit the {recipe.model.kind} its recipe and "
+                          f"{layout.MODEL_INFO} describe ({detail})", others) from None
 
 
 def _hf_config(info: dict[str, Any]):
@@ -67,7 +117,10 @@ def rebuild_hf(info: dict[str, Any], recipe, checkpoint: Path):
             raise DpclipError(f"{checkpoint} holds a LoRA model but the run's recipe has no model.lora",
                               "the run directory was modified: restore recipe.yaml")
         model = _add_lora(model, lora, info["task"], model_type)
-    load_weights(checkpoint, model)
+    try:
+        load_weights(checkpoint, model)
+    except DAMAGE as exc:
+        raise damaged(checkpoint, layout.MODEL_WEIGHTS, exc) from None
     return model.eval()
 
 
@@ -111,7 +164,7 @@ def _frozen_tensors_differing(base, lora, task: str, model_type: str, checkpoint
     with torch.random.fork_rng(devices=[]):   # the adapters' own init draws from the global RNG
         wrapped = _add_lora(copy.deepcopy(base), lora, task, model_type)
     trained = {name for name, param in wrapped.named_parameters() if param.requires_grad}
-    saved = load_model_tensors(checkpoint / layout.MODEL_WEIGHTS)
+    saved = checkpoint_tensors(checkpoint)
     return [name for name, tensor in wrapped.state_dict().items()
             if name not in trained and (name not in saved or not torch.equal(saved[name], tensor))]
 
@@ -146,10 +199,9 @@ def write_tokenizer(spec: str, max_length: int | None, out: Path) -> str:
     return "transformers"
 
 
-def write_plain(checkpoint: Path, out: Path) -> None:
+def write_plain(tensors: dict[str, torch.Tensor], out: Path) -> None:
     """``model.safetensors`` with every name of the state dict (tied names as copies), so
     ``module.load_state_dict(safetensors.torch.load_file(path))`` restores it."""
-    tensors = load_model_tensors(checkpoint / layout.MODEL_WEIGHTS)
     seen: set[int] = set()
     for name, tensor in tensors.items():
         if id(tensor) in seen:

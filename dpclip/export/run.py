@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -100,17 +101,39 @@ def _checkpoint(run: RunDir, name: str | None) -> Path:
     return path
 
 
-def _check_out_dir(out_dir: Path, force: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
+def _check_out_dir(out_dir: Path, run_dir: Path, force: bool) -> Path:
+    """``out_dir`` as an absolute path (``.`` and ``..`` spelled out, so it has a name), refused
+    when it overlaps the run directory, symlinks followed: ``--force`` replaces OUT_DIR as a whole,
+    so OUT_DIR the run, inside it or above it would delete the run (its ledger, meta.json and
+    checkpoints) or its siblings."""
+    out, run = out_dir.resolve(), run_dir.resolve()
+    if out == run or run in out.parents or out in run.parents:
+        where = "is" if out == run else "is inside" if run in out.parents else "contains"
+        raise DpclipError(f"OUT_DIR {out_dir} {where} the run directory {run_dir}",
+                          "choose an OUT_DIR outside the run directory and not above it, e.g. exported/NAME: "
+                          "the export is written as a new folder (--force replaces all of it)")
+    here = Path.cwd().resolve()
+    if out == here or out in here.parents:
+        raise DpclipError(f"OUT_DIR {out_dir} is {'the' if out == here else 'above the'} current directory",
+                          "name a folder to create, e.g. exported/NAME: the export is renamed into place, which "
+                          "would replace the folder your shell is in")
+    if out.exists() and not out.is_dir():
         raise DpclipError(f"{out_dir} exists and is not a folder", "choose another OUT_DIR")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+    if out.is_dir() and any(out.iterdir()) and not force:
         raise DpclipError(f"{out_dir} exists and is not empty", "choose another OUT_DIR, or pass --force to replace it")
+    return Path(os.path.abspath(out_dir))
 
 
 def _model_info(checkpoint: Path, recipe) -> dict[str, Any]:
     path = checkpoint / layout.MODEL_INFO
     if path.is_file():
-        return read_json(path)
+        try:
+            info = read_json(path)
+        except ValueError as exc:   # not JSON, not UTF-8
+            raise weights.damaged(checkpoint, layout.MODEL_INFO, exc) from None
+        if not weights.sound_model_info(info):
+            raise weights.damaged(checkpoint, layout.MODEL_INFO, ValueError("not a model description"))
+        return info
     if recipe.model.kind == "hf":
         raise DpclipError(f"{checkpoint} has no model.json (written by dpclip before export existed)",
                           "resume the run (dpclip train --resume RUN_DIR) to write a new checkpoint, then export it")
@@ -126,17 +149,18 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | No
         raise DpclipError(f"{run.path} is not a run directory (no recipe.yaml)",
                           "pass the folder that `dpclip train` created under runs/")
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir, force)
+    target = _check_out_dir(out_dir, run.path, force)
     recipe = run.recipe()
     path = _checkpoint(run, checkpoint)
     statement, search = cards.released_statement(run.path)
     info = _model_info(path, recipe)
+    steps_planned, stopped = cards.run_progress(run.path, recipe, statement.steps)
     card = cards.privacy_card(statement, recipe_name=recipe.name, checkpoint=path.name,
-                              checkpoint_step=int(path.name.split("_")[1]),
-                              label_names=info.get("label_names"), search=search)
+                              checkpoint_step=int(path.name.split("_")[1]), steps_planned=steps_planned,
+                              stopped=stopped, label_names=info.get("label_names"), search=search)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.export-staging"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.export-staging"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(mode=0o700)
     try:
@@ -144,7 +168,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | No
         write_json_atomic(staging / "privacy.json", card)
         write_text_atomic(staging / layout.RECIPE, export_recipe_yaml(recipe))
         files = sorted(str(p.relative_to(staging)) for p in owner_only(staging).rglob("*") if p.is_file())
-        replace_dir_atomic(staging, out_dir)
+        replace_dir_atomic(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -153,7 +177,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | No
 
 def _write_model(info: dict[str, Any], recipe, checkpoint: Path, out: Path, card: dict[str, Any]) -> str:
     if "hf_config" not in info:
-        weights.write_plain(checkpoint, out)
+        tensors = weights.checkpoint_tensors(checkpoint)
+        weights.check_plain(info, recipe, tensors, checkpoint)
+        weights.write_plain(tensors, out)
         write_json_atomic(out / "model_card.json", weights.plain_model_card(info, recipe, card))
         write_text_atomic(out / "README.md", cards.readme(card, kind="safetensors", how_to_load=LOAD_PLAIN))
         return "safetensors"

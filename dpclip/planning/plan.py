@@ -132,12 +132,27 @@ LABEL_SET = ("the label set, read from the private data's labels: the task, the 
              "whole-number label + 1) or the class names, and so the model's output size (a rare label shows)")
 
 
+#: A tokenizer the recipe gives (data.tokenizer: a directory), as the weights depend on it and an
+#: export ships it (docs/export.md); dpclip's builtin byte tokenizer is fixed and needs no line.
+TOKENIZER = ("the tokenizer data.tokenizer names: released with the model as given (its vocabulary), taken as "
+             "public (built from public text)")
+
+
+def reads_text(data) -> bool:
+    """Whether a recipe's ``data`` section is text, which its tokenizer encodes."""
+    if data.source == "builtin":
+        return data.name != "digits"
+    return getattr(data, "format", None) == "text" or data.text_field is not None
+
+
 def not_covered(recipe: Recipe) -> tuple[str, ...]:
     """What a run of ``recipe`` releases outside ε (the statement lists it), and the public
     data it trains on, which ε does not cover (docs/continual.md)."""
     out = EXACT_DIAGNOSTICS if recipe.privacy.exact_diagnostics else ()
     if recipe.data.source != "builtin":   # a builtin data set's classes are public
         out += (LABEL_SET,)
+    if recipe.data.tokenizer != "byte" and reads_text(recipe.data):
+        out += (TOKENIZER,)
     if recipe.diagnostics.every_steps and recipe.diagnostics.data == "private":
         out += (PRIVATE_HESSIAN_DIAGNOSTICS,)
     if recipe.public is not None:

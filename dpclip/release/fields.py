@@ -109,7 +109,7 @@ FIELDS: tuple[Fields, ...] = (
                      "not_covered_by_epsilon", "recipe",
                      "sample_rate", "sampling", "sampling_assumption", "seeded_randomness", "statement", "steps",
                      "unit_of_privacy", "warning", "caveats", "search/*", "mechanism/*", "processes",
-                     "distribution")),
+                     "distribution", "steps_planned", "stopped", "progress")),
     Fields(EXPORT, "model_card.json",
            released=("format", "input_shape", "model/**", "num_classes", "privacy/*", "privacy/search/*",
                      "privacy/mechanism/*",
@@ -120,9 +120,9 @@ FIELDS: tuple[Fields, ...] = (
 #: Released JSON files whose fields are not dpclip's to class, and why.
 OPAQUE = {
     "*config.json": "written by transformers / peft: the architecture (and label names, labelled in the card)",
-    "tokenizer*": "the data's public tokenizer, as transformers writes it",
-    "special_tokens_map.json": "the public tokenizer's",
-    "vocab.*": "the public tokenizer's",
+    "tokenizer*": "the data's tokenizer as given, as transformers writes it: taken as public, not covered by ε",
+    "special_tokens_map.json": "the tokenizer's",
+    "vocab.*": "the tokenizer's",
     "dpclip_tokenizer.json": "the byte tokenizer's fixed settings",
 }
 

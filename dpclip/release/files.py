@@ -93,11 +93,13 @@ MANIFEST: tuple[Entry, ...] = (
           "dpclip export"),
     Entry(EXPORT, "base/*", RELEASED, "a LoRA run's public starting weights, bit for bit", "dpclip export"),
     Entry(EXPORT, "dpclip_tokenizer.json", RELEASED, "the byte tokenizer's settings", "dpclip export"),
-    Entry(EXPORT, "tokenizer*", RELEASED, "the data's (public) tokenizer", "dpclip export"),
-    Entry(EXPORT, "special_tokens_map.json", RELEASED, "the tokenizer's special tokens", "dpclip export"),
-    Entry(EXPORT, "vocab.*", RELEASED, "the tokenizer's vocabulary", "dpclip export"),
-    Entry(EXPORT, "merges.txt", RELEASED, "the tokenizer's merges", "dpclip export"),
-    Entry(EXPORT, "chat_template.*", RELEASED, "the tokenizer's chat template", "dpclip export"),
+    Entry(EXPORT, "tokenizer*", LABELLED, "the tokenizer `data.tokenizer` names, as given: taken as public "
+          "(built from public text), listed not covered by ε in the card", "dpclip export"),
+    Entry(EXPORT, "special_tokens_map.json", LABELLED, "the tokenizer's special tokens (as `tokenizer*`)",
+          "dpclip export"),
+    Entry(EXPORT, "vocab.*", LABELLED, "the tokenizer's vocabulary (as `tokenizer*`)", "dpclip export"),
+    Entry(EXPORT, "merges.txt", LABELLED, "the tokenizer's merges (as `tokenizer*`)", "dpclip export"),
+    Entry(EXPORT, "chat_template.*", LABELLED, "the tokenizer's chat template (as `tokenizer*`)", "dpclip export"),
 )
 
 

@@ -88,6 +88,10 @@ def privacy_diff(old: Recipe, new: Recipe) -> list[str]:
     return changed
 
 
+#: How a run stopped that has no summary.json of its last step: killed, crashed or still running.
+UNFINISHED = "unfinished"
+
+
 class RunDir:
     """A run directory, or a search directory (``tune-cost --run``): its path, its
     well-known files and their loaders. The layout is in docs/training.md ("The run
@@ -205,6 +209,18 @@ class RunDir:
 
     def summary(self) -> dict[str, Any]:
         return read_json(self.summary_file)
+
+    def stopped(self, steps_done: int) -> str:
+        """Why the run stopped, as its summary.json says ("completed", "budget", "interrupted"), or
+        :data:`UNFINISHED` without a summary of its ``steps_done`` released steps (it was killed or
+        crashed, or is still running; an earlier stop's summary is stale once a resume steps on)."""
+        try:
+            summary = self.summary() if self.summary_file.exists() else {}
+        except ValueError:
+            summary = {}
+        if not isinstance(summary, dict) or summary.get("steps_done") != steps_done:
+            return UNFINISHED
+        return str(summary.get("stopped", UNFINISHED))
 
 
 def run_recipe_with(run_dir: Path, overrides: list[str]) -> Recipe:

@@ -27,7 +27,7 @@ from dpclip.errors import DpclipError
 from dpclip.files import read_json, write_text_atomic
 from dpclip.train.plots import (THRESHOLDS_PLOT, TRAINING_PLOT, read_metrics, threshold_rows, thresholds_figure,
                                 training_figure)
-from dpclip.rundir.run import RunDir, planned_step
+from dpclip.rundir.run import UNFINISHED, RunDir, planned_step
 from dpclip.rundir.searchdir import headline
 
 REPORT_FILE = layout.REPORT
@@ -55,10 +55,16 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
                                      {"delta": found.delta, "accountant": found.statement.accountant}),
         "epsilon_cap": recipe.privacy.epsilon,
         "selected_by_search": found.selected_by(),
-        "stopped": summary.get("stopped", "unfinished (no summary.json): resume with dpclip train --resume RUN_DIR"),
+        "stopped": _stopped(run, ledger.steps),
         "final_eval": final_eval, "not_covered_by_epsilon": ["final_eval"] if final_eval else [],
         "statement": found.statement.lines(),
     }
+
+
+def _stopped(run: RunDir, steps_done: int) -> str:
+    stopped = run.stopped(steps_done)
+    return stopped if stopped != UNFINISHED else \
+        f"{UNFINISHED} (no summary.json of its last step): resume with dpclip train --resume RUN_DIR"
 
 
 def _png(figure) -> bytes:

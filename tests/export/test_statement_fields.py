@@ -39,7 +39,7 @@ def test_privacy_json_says_what_the_printed_statement_says(mechanism, unit, worl
     statement = _statement(mechanism, unit, world, parallel)
     lines = statement.lines()
     card = privacy_card(statement, recipe_name="r", checkpoint="step_000100", checkpoint_step=100,
-                        label_names=None, search=None)
+                        steps_planned=statement.steps, stopped="completed", label_names=None, search=None)
     text = "\n".join(lines)
     assert card["statement"] == lines
     # the unit and the neighbouring relation: the printed unit line's words
@@ -69,7 +69,8 @@ def test_the_former_card_claims_are_gone_for_correlated_noise():
     """What the issue found in an export of the banded-MF and BLT recipes."""
     for mechanism in ("banded-mf", "blt"):
         card = privacy_card(_statement(mechanism, "example", 1, "data"), recipe_name="r", checkpoint="c",
-                            checkpoint_step=1, label_names=None, search=None)
+                            checkpoint_step=1, steps_planned=1, stopped="completed", label_names=None,
+                            search=None)
         assert not card["sampling_assumption"].startswith("Poisson subsampling")
         assert card["mechanism"]["kind"] == mechanism
 

@@ -2,13 +2,17 @@
 docs/export.md): none of the run's secret files, and the ε that `dpclip account` states."""
 
 import json
+import shutil
 
 import pytest
 import yaml
 
+from dpclip.accounting import Ledger
 from dpclip.export import export_run
+from dpclip.recipe import load_recipe
 from dpclip.recipe.load import validate_recipe
 from dpclip.train.workflow import train
+from tests.conftest import REPO
 
 
 def _secret_files(run_dir):
@@ -77,3 +81,71 @@ def test_an_export_of_an_audited_run_names_nothing_of_the_canaries(tiny_recipe, 
     # and the exported recipe still describes the model a user rebuilds
     assert exported["model"] == recipe.model.model_dump(mode="json")
     assert validate_recipe({**exported, "seed": 0}).audit.canaries is None
+
+
+def _crashed_copy(run_dir, dest, checkpoint_step: int, crash_step: int):
+    """``run_dir`` as a process killed right after releasing step ``crash_step`` would leave it:
+    the ledger charged to there, the last checkpoint at ``checkpoint_step``, no summary.json."""
+    shutil.copytree(run_dir, dest)
+    for folder in (dest / "checkpoints").glob("step_*"):
+        if int(folder.name.split("_")[1]) > checkpoint_step:
+            shutil.rmtree(folder)
+    (dest / "checkpoints" / "LATEST").write_text(f"step_{checkpoint_step:06d}\n")
+    ledger = Ledger.from_dict(json.loads((dest / "ledger.json").read_text()))
+    cut = Ledger(ledger.delta, ledger.accountant)
+    cut.record(ledger.entries[0].event, count=crash_step, metadata=ledger.entries[0].metadata)
+    (dest / "ledger.json").write_text(json.dumps(cut.to_dict()))
+    (dest / "summary.json").unlink()
+    return dest
+
+
+def test_the_card_of_a_crashed_run_says_it_is_unfinished_and_that_epsilon_counts_steps_after_the_checkpoint(
+        tiny_recipe, tmp_path, cli):
+    run_dir = train(tiny_recipe("training.steps=6")).run_dir
+    crashed = _crashed_copy(run_dir, tmp_path / "crashed", checkpoint_step=4, crash_step=5)
+    export_run(crashed, tmp_path / "out")
+    card = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    assert (card["steps"], card["steps_planned"], card["stopped"], card["checkpoint_step"]) == (5, 6, "unfinished", 4)
+    assert "5 of its 6 planned steps (unfinished" in card["progress"]
+    assert "precedes its last released step" in card["progress"]
+    assert "ε counts all 5 released steps" in card["progress"]
+    assert card["progress"] in (tmp_path / "out" / "README.md").read_text()
+    report = cli("report", crashed, "--json", "--out", tmp_path / "r.html")
+    assert json.loads(report.out)["stopped"].startswith(card["stopped"])   # what `dpclip report` says
+
+    export_run(run_dir, tmp_path / "done")
+    done = json.loads((tmp_path / "done" / "privacy.json").read_text())
+    assert (done["steps"], done["steps_planned"], done["stopped"]) == (6, 6, "completed")
+    assert done["progress"] == "The run released 6 of its 6 planned steps (completed)."
+
+
+def _private_tokenizer(folder, words):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", eos_token="</s>").save_pretrained(folder)
+    return folder
+
+
+def test_a_tokenizer_the_recipe_gives_is_exported_as_given_and_the_card_says_it_is_not_covered_by_epsilon(tmp_path):
+    """The attacker reads the exported tokenizer: a word of the text it was built from is in its
+    vocabulary, outside ε; the card must say dpclip took it as public (the byte tokenizer is fixed)."""
+    from dpclip.planning.plan import TOKENIZER, not_covered
+
+    tokenizer = _private_tokenizer(tmp_path / "tok", ["zxqvortambril", "the", "a", "restaurant"])
+    recipe = load_recipe(REPO / "recipes" / "gpt2-tiny-text.yaml", [
+        f"output_dir={tmp_path / 'runs'}", f"data.tokenizer={tokenizer}", "data.num_examples=60",
+        "data.max_length=16", "training.epochs=null", "training.steps=1", "training.batch_size=16",
+        "training.micro_batch_size=16", "checkpoint.every_steps=null", "eval.every_steps=null",
+        "model.config.n_layer=1", "clipping.grouping=all-layer", "model.config.n_embd=16", "model.config.n_head=2",
+        "model.config.n_positions=16"])
+    export_run(train(recipe).run_dir, tmp_path / "out")
+    assert "zxqvortambril" in (tmp_path / "out" / "tokenizer.json").read_text()   # released as given
+    card = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    assert TOKENIZER in card["not_covered_by_epsilon"]
+    assert f"- {TOKENIZER}" in (tmp_path / "out" / "README.md").read_text()
+    assert TOKENIZER not in not_covered(recipe.model_copy(update={"data": recipe.data.model_copy(
+        update={"tokenizer": "byte"})}))

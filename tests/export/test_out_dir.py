@@ -1,0 +1,62 @@
+"""Where an export may go: never over the run it exports, nor over a folder holding it
+(`--force` replaces OUT_DIR as a whole; docs/export.md)."""
+
+import shutil
+
+import pytest
+
+
+@pytest.fixture
+def run_copy(mlp_run, tmp_path):
+    """A copy of the session's trained run, under tmp_path/runs (the test may try to destroy it)."""
+    run = tmp_path / "runs" / mlp_run.name
+    shutil.copytree(mlp_run, run)
+    return run
+
+
+def _files(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("where", ["the run", "inside the run", "the runs folder", "a symlink to the run", "."])
+def test_an_out_dir_that_is_inside_or_contains_the_run_is_refused_and_the_run_kept(cli, run_copy, tmp_path,
+                                                                                  monkeypatch, where):
+    (tmp_path / "runs" / "sibling").mkdir()
+    (tmp_path / "runs" / "sibling" / "ledger.json").write_text("{}")
+    (tmp_path / "link").symlink_to(run_copy)
+    out = {"the run": run_copy, "inside the run": run_copy / "exported", "the runs folder": tmp_path / "runs",
+           "a symlink to the run": tmp_path / "link", ".": "."}[where]
+    if where == ".":
+        monkeypatch.chdir(tmp_path / "runs")
+    before = _files(tmp_path / "runs")
+    result = cli("export", run_copy, out, "--force")
+    assert result.code == 2, result.err
+    assert "error:" in result.err and "the run directory" in result.err and "hint:" in result.err
+    assert "Traceback" not in result.err and "unexpected" not in result.err
+    assert _files(tmp_path / "runs") == before   # the run, its ledger and checkpoints, and its siblings
+    assert not [p for p in tmp_path.rglob(".*export-staging")]
+
+
+def test_a_forced_export_next_to_the_run_still_replaces_its_out_dir(cli, run_copy, tmp_path, monkeypatch):
+    out = tmp_path / "exported"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    monkeypatch.chdir(tmp_path)
+    result = cli("export", run_copy, "exported", "--force")
+    assert result.code == 0, result.err
+    assert not (out / "old.txt").exists() and (out / "privacy.json").is_file()
+    assert (run_copy / "ledger.json").is_file()
+
+
+def test_the_current_directory_is_refused_as_out_dir_rather_than_replaced(cli, run_copy, tmp_path, monkeypatch):
+    """`dpclip export RUN . --force` used to stop on "PosixPath('.') has an empty name"; replacing the
+    folder the shell is in would leave it in a deleted directory."""
+    here = tmp_path / "elsewhere" / "here"
+    here.mkdir(parents=True)
+    (here / "notes.txt").write_text("mine")
+    monkeypatch.chdir(here)
+    for out in (".", ".."):
+        result = cli("export", run_copy, out, "--force")
+        assert result.code == 2 and "current directory" in result.err and "hint:" in result.err, result.err
+        assert "unexpected" not in result.err
+    assert (here / "notes.txt").read_text() == "mine" and (run_copy / "ledger.json").is_file()
