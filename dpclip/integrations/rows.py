@@ -24,8 +24,8 @@ from dpclip.errors import DpclipError
 from dpclip.torch_compat import tree_flatten
 
 ROWS_HINT = ("pass the rows the loader drew as they came (moving them to a device or dtype, or reshaping each "
-             "row, is fine); transform examples in the dataset or the collate_fn (before the draw is handed "
-             "out), inside the model or inside the criterion, one sample at a time")
+             "row, is fine); transform examples in the dataset, in a collate_fn that treats each alone, inside "
+             "the model or inside the criterion, one sample at a time")
 
 
 def tensor_rows(tree: Any, rows: int) -> list[Tensor]:

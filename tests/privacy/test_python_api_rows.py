@@ -322,3 +322,50 @@ def test_a_step_the_engine_refuses_releases_nothing_then_or_later():
         with pytest.raises(DpclipError, match="optimizer.step.. of this run failed inside the engine"):
             later()
     assert released == [1] and private.ledger.steps == 0   # the one refused call
+
+
+def _private_collated(collate_fn):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="unsafe_seed"):
+        private = dpclip.make_private(model, optimizer, DataLoader(_data(), batch_size=40, collate_fn=collate_fn),
+                                      criterion=nn.CrossEntropyLoss(), delta=1e-5, noise_multiplier=1.0, steps=20,
+                                      max_grad_norm=1.0, unsafe_seed=3)
+    return private, counted_releases(private)
+
+
+def _stacked(rows):
+    return torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])
+
+
+COLLATES = {
+    "mixup": lambda rows: (lambda x, y: (0.5 * x + 0.5 * x.flip(0), y))(*_stacked(rows)),
+    "normalised over the batch": lambda rows: (lambda x, y: ((x - x.mean(0)) / (x.std(0) + 1e-6), y))(*_stacked(rows)),
+    "random mixup": lambda rows: (lambda x, y: (0.5 * x + 0.5 * x[torch.randperm(len(x))], y))(*_stacked(rows)),
+}
+
+
+@pytest.mark.parametrize("collate", COLLATES.values(), ids=list(COLLATES))
+def test_a_collate_fn_that_mixes_the_draw_s_examples_is_refused_before_the_loop_sees_the_batch(collate):
+    """A collate_fn sees the whole draw: rows mixed there reached the loop as if drawn (the row
+    check compares the loop's rows with the collated batch)."""
+    private, released = _private_collated(collate)
+    with pytest.raises(DpclipError, match="collate_fn's rows depend on the other examples") as caught:
+        next(iter(private.data_loader))
+    assert "each example alone" in caught.value.hint
+    _nothing_released(private, released)
+
+
+def test_a_collate_fn_that_treats_each_example_alone_trains_random_draws_included():
+    def stack_with_noise(rows):   # a per-example random augmentation, drawn in the rows' order
+        x, y = _stacked(rows)
+        return x + 0.01 * torch.randn_like(x), y
+    private, released = _private_collated(stack_with_noise)
+    model, optimizer, criterion, loader = private
+    for k, (x, y) in enumerate(loader):
+        criterion(model(x), y).backward()
+        optimizer.step()
+        if k == 1:
+            break
+    assert released == [1, 1] and private.ledger.steps == 2
