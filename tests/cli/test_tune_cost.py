@@ -115,3 +115,21 @@ def test_bad_input_is_an_error_with_a_hint_and_no_traceback(cli, args, message):
     assert result.code == 2
     assert "error:" in result.err and message in result.err and "hint:" in result.err
     assert "Traceback" not in result.err + result.out
+
+
+def test_a_shuffled_search_is_priced_with_the_poisson_caveat(cli):
+    """tune-cost accounts shuffled batches as if Poisson: its table and its JSON say so, as the run
+    statements do (never a bare ε for a shuffled loader)."""
+    from dpclip.accounting.statement import SHUFFLE_CAVEAT
+
+    args = (QUICKSTART, *TINY, "training.sampling=shuffle", "--grid", "training.optimizer.lr=0.1,0.5", *NO_MEASURE)
+    report = run_json(cli, *args)
+    assert report["privacy"]["sampling"] == "shuffle"
+    assert report["privacy"]["caveats"] == [SHUFFLE_CAVEAT]
+    assert "as if Poisson" in report["privacy"]["sampling_assumption"]
+    shown = cli("tune-cost", *args)
+    assert shown.code == 0, shown.err
+    text = " ".join(shown.out.split())
+    assert f"CAVEAT: {SHUFFLE_CAVEAT}" in text and "accounted as if Poisson-subsampled" in text
+    poisson = run_json(cli, QUICKSTART, *TINY, "--grid", "training.optimizer.lr=0.1,0.5", *NO_MEASURE)
+    assert poisson["privacy"]["sampling"] == "poisson" and poisson["privacy"]["caveats"] == []
