@@ -170,8 +170,8 @@ def _render_privacy(privacy) -> None:
     for caveat in privacy.caveats:
         console.print(f"[bold red]CAVEAT[/]: {caveat}", soft_wrap=True)
     if privacy.score == "private":
-        console.print(f"selection score: private (noisy held-out count, std {privacy.score_noise:g}, "
-                      "charged to every run)", soft_wrap=True)
+        console.print(f"selection score: private: {privacy.score_meaning}, score_noise = {privacy.score_noise:g}, "
+                      "charged to every run", soft_wrap=True)
     else:
         console.print("selection score: public (the held-out split is public data by the recipe's claim; "
                       "nothing is charged for it)", soft_wrap=True)

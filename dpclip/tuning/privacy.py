@@ -32,6 +32,7 @@ from dpclip.accounting.tuning import (
 )
 from dpclip.errors import AccountingError
 from dpclip.recipe.schema import Recipe
+from dpclip.rundir.searchdir import SCORE_MEANING
 
 NAIVE, LIU_TALWAR, REPEAT_AND_SELECT = "naive", "liu-talwar", "repeat-and-select"
 
@@ -108,6 +109,12 @@ class SearchPrivacy:
     bands: int = 1
     sensitivities: tuple[float, ...] = ()
     sampling: str = "poisson"   # how the loader forms batches; "shuffle" is accounted as if Poisson
+    unit: str = "example"       # privacy.unit: what a private score's sensitivity 1 is over
+
+    @property
+    def score_meaning(self) -> str | None:
+        """What a private selection score is (None: a public score), as the search's summary says it."""
+        return SCORE_MEANING[self.unit] if self.score == "private" else None
 
     @property
     def caveats(self) -> list[str]:
@@ -130,7 +137,8 @@ class SearchPrivacy:
         return next(s for s in self.strategies if s.name == name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "sampling_assumption": self.sampling_assumption, "caveats": self.caveats}
+        return {**asdict(self), "sampling_assumption": self.sampling_assumption, "caveats": self.caveats,
+                "score_meaning": self.score_meaning}
 
 
 def _infeasible(exc, release: RunRelease) -> str:
@@ -234,7 +242,7 @@ def search_privacy(recipe: Recipe, plan: PrivacyPlan, configurations: int, *,
 
     return SearchPrivacy(configurations, float(epsilon), delta, accountant, plan.sample_rate, plan.steps,
                          tuning.score, release.score_noise, recipe_sigma, solved.epsilon, naive_at_recipe, strategies,
-                         release.bands, release.sensitivities, plan.sampling)
+                         release.bands, release.sensitivities, plan.sampling, recipe.privacy.unit)
 
 
 __all__ = ["NAIVE", "LIU_TALWAR", "REPEAT_AND_SELECT", "RunRelease", "Strategy", "SearchPrivacy",

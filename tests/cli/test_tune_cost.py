@@ -133,3 +133,25 @@ def test_a_shuffled_search_is_priced_with_the_poisson_caveat(cli):
     assert f"CAVEAT: {SHUFFLE_CAVEAT}" in text and "accounted as if Poisson-subsampled" in text
     poisson = run_json(cli, QUICKSTART, *TINY, "--grid", "training.optimizer.lr=0.1,0.5", *NO_MEASURE)
     assert poisson["privacy"]["sampling"] == "poisson" and poisson["privacy"]["caveats"] == []
+
+
+def test_a_user_level_search_says_its_private_score_sums_each_held_out_persons_accuracy(cli, tmp_path):
+    """At user level the score is not a count of correct records: the console says what it is, as
+    summary.json does."""
+    from dpclip.rundir.searchdir import SCORE_MEANING
+
+    rows = ["person,x1,label"] + [f"p{i % 30},{i / 10},{i % 2}" for i in range(90)]
+    (tmp_path / "people.csv").write_text("\n".join(rows) + "\n")
+    recipe = tmp_path / "users.yaml"
+    recipe.write_text(
+        f"name: users\noutput_dir: {tmp_path / 'runs'}\n"
+        "data: {source: files, format: csv, train: people.csv, label_field: label, user_field: person, "
+        "max_examples_per_user: 3}\nmodel: {kind: mlp, hidden: [4]}\n"
+        "training: {epochs: 1, batch_size: 8, optimizer: {kind: sgd, lr: 0.1}}\n"
+        "privacy: {epsilon: 8.0, delta: 1.0e-3, unit: user, accountant: rdp}\n")
+    args = (recipe, "--grid", "training.optimizer.lr=0.1,0.2", *NO_MEASURE)
+    shown = cli("tune-cost", *args)
+    assert shown.code == 0, shown.err
+    text = " ".join(shown.out.split())
+    assert "noisy held-out count" not in text and SCORE_MEANING["user"] in text
+    assert run_json(cli, *args)["privacy"]["score_meaning"] == SCORE_MEANING["user"]
