@@ -58,7 +58,8 @@ def total_examples(data) -> int:
     if data.source == "files":
         return _count_rows(Path(data.train), data.format)
     raise DpclipError(f"the size of Hugging Face data set {data.name!r} is not known without loading it",
-                      "pass --dataset-size N (the number of training examples)")
+                      "pass --dataset-size N (the number of training examples); `dpclip train` and "
+                      "`dpclip tune-cost --run` load the data set and count it themselves")
 
 
 def training_set_size(data) -> int:

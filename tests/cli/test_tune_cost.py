@@ -155,3 +155,25 @@ def test_a_user_level_search_says_its_private_score_sums_each_held_out_persons_a
     text = " ".join(shown.out.split())
     assert "noisy held-out count" not in text and SCORE_MEANING["user"] in text
     assert run_json(cli, *args)["privacy"]["score_meaning"] == SCORE_MEANING["user"]
+
+
+def test_tune_cost_run_searches_a_hugging_face_data_set_it_counts_by_loading(cli, tmp_path, monkeypatch):
+    """A hub data set's size is known once loaded: --run loads it (it trains on it anyway) rather than
+    asking for --dataset-size, which it refuses."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(f'{{"x1": {i / 10}, "x2": {-i / 10}, "label": {i % 2}}}\n'
+                                                for i in range(80)))
+    recipe = tmp_path / "hf.yaml"
+    recipe.write_text(
+        f"name: hf\noutput_dir: {tmp_path / 'runs'}\n"
+        f"data: {{source: hf, name: {folder}, split: train, label_field: label}}\n"
+        "model: {kind: mlp, hidden: [4]}\n"
+        "training: {epochs: null, steps: 2, batch_size: 8, optimizer: {kind: sgd, lr: 0.1}}\n"
+        "privacy: {epsilon: 8.0, delta: 1.0e-3, accountant: rdp}\n"
+        "tuning: {score: public, trials_mean: 2}\n")
+    report = run_json(cli, recipe, "--grid", "training.optimizer.lr=0.1,0.2", "--run", *NO_MEASURE)
+    assert report["dataset_size"] == 64 and report["search"]["stopped"] == "completed"
+    refused = cli("tune-cost", recipe, "--grid", "training.optimizer.lr=0.1,0.2", *NO_MEASURE)
+    assert refused.code == 2 and "tune-cost --run" in refused.err
