@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # only for annotations; avoids an import cycle with ledger
 __all__ = [
     "SAMPLINGS",
     "bound_text",
+    "SHUFFLE_ASSUMPTION",
     "SHUFFLE_CAVEAT",
     "SEEDED_RANDOMNESS_WARNING",
     "GRADIENT_RELEASE",
@@ -40,6 +41,10 @@ SHUFFLE_CAVEAT = (
     "accounting assumes Poisson sampling; the loader uses fixed-size shuffled batches, "
     "for which this ε is not a proven bound"
 )
+
+#: How a shuffled loader's batches are accounted (privacy.json's ``sampling_assumption``, tune-cost's).
+SHUFFLE_ASSUMPTION = ("fixed-size shuffled batches, accounted as if Poisson-subsampled (see the caveat): the "
+                      "guarantee assumes Poisson sampling")
 
 #: The statement's first line when noise and batches were derived from the recipe's seed.
 SEEDED_RANDOMNESS_WARNING = (
@@ -239,8 +244,7 @@ class PrivacyStatement:
         if self.sampling == "poisson":
             return (f"Poisson subsampling: each {member} joins each batch independently with probability q"
                     + (" (at most k of the person's records)" if member == "person" else ""))
-        return ("fixed-size shuffled batches, accounted as if Poisson-subsampled (see the caveat): the "
-                "guarantee assumes Poisson sampling")
+        return SHUFFLE_ASSUMPTION
 
     def distribution(self) -> str | None:
         """The ``distribution:`` line's text (None: one process)."""

@@ -90,6 +90,9 @@ def repeat_and_select_event(run_event: dp_accounting.DpEvent, mean: float, shape
     if not isinstance(mean, (int, float)) or not 0 < mean < math.inf:
         raise AccountingError(f"the mean number of trials must be a finite number > 0, got {mean!r}",
                               "the usual choice is the number of configurations in the grid")
+    if math.isinf(shape) and mean < 1:
+        raise AccountingError(f"a Poisson number of trials needs a mean of at least 1, got {mean:g}",
+                              "choose a mean >= 1, e.g. the number of configurations")
     if math.isfinite(shape) and mean <= 1:
         raise AccountingError(f"a truncated negative binomial (K >= 1) needs a mean above 1, got {mean:g}",
                               "choose a mean > 1, e.g. the number of configurations")

@@ -146,7 +146,8 @@ def _render_compute(report) -> None:
 
 def _render_privacy(privacy) -> None:
     """The search's ε under each strategy, with a note on each, and how the selection is scored."""
-    eps = Table(title=f"privacy: whole search within ε = {privacy.target_epsilon:g}, δ = {privacy.delta:g}",
+    assumed = "" if not privacy.caveats else " (if the batches were Poisson: see the CAVEAT)"
+    eps = Table(title=f"privacy: whole search within ε = {privacy.target_epsilon:g}, δ = {privacy.delta:g}{assumed}",
                 header_style="bold")
     eps.add_column("accounting")
     eps.add_column("σ per run", justify="right")
@@ -165,9 +166,12 @@ def _render_privacy(privacy) -> None:
     console.print(eps)
     for note in notes:
         console.print(f"  {note}", soft_wrap=True)
+    console.print(f"sampling: {privacy.sampling_assumption}", soft_wrap=True)
+    for caveat in privacy.caveats:
+        console.print(f"[bold red]CAVEAT[/]: {caveat}", soft_wrap=True)
     if privacy.score == "private":
-        console.print(f"selection score: private (noisy held-out count, std {privacy.score_noise:g}, "
-                      "charged to every run)", soft_wrap=True)
+        console.print(f"selection score: private: {privacy.score_meaning}, score_noise = {privacy.score_noise:g}, "
+                      "charged to every run", soft_wrap=True)
     else:
         console.print("selection score: public (the held-out split is public data by the recipe's claim; "
                       "nothing is charged for it)", soft_wrap=True)

@@ -89,7 +89,10 @@ def encode_labels(label_columns: list[np.ndarray], name: str, origin: str
             label_columns = [column.astype(np.int64) for column in label_columns]
             kind = "i"
         else:
-            shown = next((v for v in values if not isinstance(v, str)), values[0])
+            # The first value that is neither a whole number nor a string (a bool, a float, a null);
+            # else strings mixed with whole numbers: the first whole number.
+            shown = next((v for v in values if not isinstance(v, (str, int, np.integer)) or isinstance(v, bool)),
+                         next((v for v in values if not isinstance(v, str)), values[0]))
             raise DpclipError(
                 f"{origin}: label column {name!r} holds non-integer values for classification (e.g. {shown!r}), "
                 "or mixes strings with other values",
@@ -130,6 +133,16 @@ def _numeric_column(values: np.ndarray, name: str, origin: str) -> np.ndarray:
     if values.dtype.kind == "f" and np.isnan(values).any():
         raise DpclipError(f"{origin}: feature column {name!r} has missing values",
                           "fill or remove rows with missing values before training")
+    if values.dtype.kind != "f":
+        return values   # whole numbers: finite as float32 (|int64| < 3.4e38)
+    with np.errstate(over="ignore"):
+        infinite = ~np.isfinite(values.astype(np.float32))   # features train as float32
+    if infinite.any():
+        row = int(np.argwhere(infinite)[0][0])
+        raise DpclipError(f"{origin}: feature column {name!r} holds a value that is infinite as a 32-bit float "
+                          f"(row {row + 1}: {values[row].tolist()!r})",
+                          "features train as float32 (at most about 3.4e38 in size): replace or rescale "
+                          "infinite and huge values, or remove those rows")
     return values
 
 

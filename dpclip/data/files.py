@@ -52,7 +52,13 @@ def _json_records(path: Path, file_format: str) -> list[dict] | dict[str, list]:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                # json numbers the lines of the string it was given: one line of the file.
+                raise DpclipError(f"cannot read {path} as jsonl: line {line_number} is not valid JSON: {exc.msg} "
+                                  f"(column {exc.colno})",
+                                  "each non-blank line of a jsonl file must be one JSON object") from None
             if not isinstance(record, dict):
                 raise DpclipError(f"{path}, line {line_number}: expected a JSON object, got {type(record).__name__}",
                                   "write one object per line, e.g. {\"text\": \"...\", \"label\": 1}")

@@ -31,7 +31,19 @@ def _load_split(name: str, config: str | None, split: str):
 def _columns_of(dataset) -> Columns:
     """Every column as a NumPy array; images decode to uint8 arrays, sequences stack."""
     as_numpy = dataset.with_format("numpy")
-    return {name: np.asarray(as_numpy[name]) for name in dataset.column_names}
+    return {name: _column_array(as_numpy[name]) for name in dataset.column_names}
+
+
+def _column_array(values) -> np.ndarray:
+    """One column as an array: stacked when its entries have one shape, else one object per row
+    (ragged sequences; the feature encoder refuses them with a hint, as it does for files)."""
+    try:
+        return np.asarray(values)
+    except ValueError:  # "inhomogeneous shape": sequences of different lengths
+        column = np.empty(len(values), dtype=object)
+        for index, value in enumerate(values):
+            column[index] = value
+        return column
 
 
 def load_hub_columns(name: str, config: str | None, split: str,

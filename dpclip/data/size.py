@@ -41,8 +41,9 @@ def _count_rows(path: Path, file_format: str) -> int:
             import pyarrow.parquet as pq  # lazy: only parquet files need pyarrow
 
             return pq.ParquetFile(path).metadata.num_rows
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DpclipError(f"cannot read {path} as {file_format}: {exc}", "check data.format") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        # json's JSONDecodeError and pyarrow's ArrowInvalid (a corrupt parquet file) are ValueErrors.
+        raise DpclipError(f"cannot read {path} as {file_format}: {exc}", "check data.format and the file") from None
     raise DpclipError(f"unknown data format {file_format!r}", "use csv, json, jsonl, parquet or text")
 
 
@@ -57,7 +58,8 @@ def total_examples(data) -> int:
     if data.source == "files":
         return _count_rows(Path(data.train), data.format)
     raise DpclipError(f"the size of Hugging Face data set {data.name!r} is not known without loading it",
-                      "pass --dataset-size N (the number of training examples)")
+                      "pass --dataset-size N (the number of training examples); `dpclip train` and "
+                      "`dpclip tune-cost --run` load the data set and count it themselves")
 
 
 def training_set_size(data) -> int:

@@ -37,9 +37,23 @@ class Tuning(Section):
     trials: Literal["poisson", "truncated-negative-binomial"] = Field(
         "truncated-negative-binomial",
         description="repeat-and-select (Papernot & Steinke): law of the random number of trials K")
-    trials_mean: PositiveFloat | None = Field(None, description="E[K]; default: the number of configurations")
+    trials_mean: PositiveFloat | None = Field(
+        None, description="E[K]; default: the number of configurations; at least 1 for poisson, above 1 for "
+        "truncated-negative-binomial (K >= 1)")
     trials_shape: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
         1.0, description="truncated negative binomial η (0 logarithmic, 1 geometric)")
     stop_probability: UnitOpen | None = Field(
         None, description="Liu–Talwar γ: stop after each run with this probability; default 1/(2G)")
     stop_delta: UnitOpen = Field(1e-20, description="Liu–Talwar δ₂: mass cut by the hard limit T")
+
+    @model_validator(mode="after")
+    def _trials_mean_in_range(self) -> Tuning:
+        # The RDP bounds of repeat-and-select (Papernot & Steinke 2022) hold for these means only.
+        mean = self.trials_mean
+        if mean is not None and self.trials == "poisson" and mean < 1:
+            raise ValueError(f"trials_mean must be at least 1 for trials: poisson, got {mean:g}; e.g. the number "
+                             "of configurations")
+        if mean is not None and self.trials == "truncated-negative-binomial" and mean <= 1:
+            raise ValueError(f"trials_mean must be above 1 for trials: truncated-negative-binomial (K >= 1), got "
+                             f"{mean:g}; e.g. the number of configurations")
+        return self

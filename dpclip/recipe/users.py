@@ -24,7 +24,7 @@ class DataUsers(Section):
 
     user_field: str | None = Field(
         None, description="privacy.unit user: the column naming the person each record belongs to (files, hf; "
-        "builtin synthetic-users has its own)")
+        "builtin synthetic-users has its own); never the label, text or a feature field")
     max_examples_per_user: PositiveInt | None = Field(
         None, description="privacy.unit user: k, the most records of one person a step takes (chosen at random "
         "by the private generator); required with privacy.unit: user")
@@ -44,6 +44,23 @@ def check_users(recipe) -> None:
                          f"column naming the person (builtin data with users: {', '.join(BUILTIN_WITH_USERS)})")
     if data.source == "builtin" and data.user_field is not None:
         raise ValueError("builtin data sets name their own users: remove data.user_field")
+    _check_user_field_unread(data)
     if data.max_examples_per_user is None:
         raise ValueError("privacy.unit 'user' needs data.max_examples_per_user (k, the most records of one person "
                          "a step takes), e.g. data.max_examples_per_user: 8")
+
+
+def _check_user_field_unread(data) -> None:
+    """The column naming the person is never what the model reads or predicts: as a label it would be
+    learned and written out (the label names of every checkpoint list every person)."""
+    user = data.user_field
+    if user is None:
+        return
+    for name in ("label_field", "text_field"):
+        if getattr(data, name, None) == user:
+            raise ValueError(f"data.user_field {user!r} is also data.{name}: the model would read or predict "
+                             "who each person is, and a trained model names them; set data.user_field to the "
+                             f"column of person ids only, and data.{name} to another column")
+    if user in (getattr(data, "feature_fields", None) or []):
+        raise ValueError(f"data.feature_fields lists the user column {user!r}: a person's id is never a model "
+                         "input; remove it from data.feature_fields")

@@ -141,9 +141,11 @@ def _statement(ledger, q, sigma, steps, score_noise, mean, shape, seeded, sampli
                metadata):
     result = ledger.result()
     law = "logarithmic" if shape == 0 else "geometric" if shape == 1 else f"truncated negative binomial η = {shape:g}"
+    batches = ("Poisson-sampled steps" if sampling == "poisson"
+               else "steps on fixed-size shuffled batches, accounted as if Poisson-sampled (see the caveat)")
     releases = [
         f"the best of K trial runs (repeat-and-select, Papernot & Steinke 2022): K ~ {law} with E[K] = {mean:g}, "
-        f"secret; only the selected run and its score are released; each run: {steps} Poisson-sampled steps",
+        f"secret; only the selected run and its score are released; each run: {steps} {batches}",
         *(run_statement.releases if run_statement is not None else [GRADIENT_RELEASE]),
     ]
     uncovered = list(not_covered(run_recipe)) if run_recipe is not None else []

@@ -25,7 +25,7 @@ from dpclip.recipe.load import validate_recipe
 from dpclip.recipe.schema import Recipe
 from dpclip.planning.plan import privacy_plan, recipe_units, sampling_schedule, statistic_groups
 from dpclip.tuning.privacy import SearchPrivacy, search_privacy
-from dpclip.tuning.space import Configuration, search_space
+from dpclip.tuning.space import Configuration, reachable_configurations, search_space
 from dpclip.tuning.timing import measure_fixed_seconds, measure_step_seconds, step_cost_signature
 
 
@@ -173,16 +173,23 @@ class TuneCostReport:
 
 
 def check_same_privacy(configurations: Sequence[Configuration], dataset_size: int) -> None:
-    """Every configuration must sample and step alike: the search's per-run σ is one number."""
+    """Every configuration must sample and step alike: the search's per-run σ is one number.
+
+    Given every configuration the space can yield (:func:`reachable_configurations`), not one
+    draw of it: ``tune-cost --run`` draws a random search's configurations again."""
     shapes = {}
     for config in configurations:
         training = config.recipe.training
-        shapes[sampling_schedule(dataset_size, training.batch_size, training.epochs, training.steps)] = config
+        q, steps = sampling_schedule(dataset_size, training.batch_size, training.epochs, training.steps)
+        shapes.setdefault((q, steps, training.sampling), config)
     if len(shapes) > 1:
-        examples = "; ".join(f"q={q:.4g}, {steps} steps for {c.label()}" for (q, steps), c in list(shapes.items())[:2])
-        raise RecipeError(f"the configurations differ in sampling rate or number of steps ({examples})",
-                          "tune-cost gives every run the same per-run σ, which needs the same q and steps: "
-                          "keep training.batch_size and training.epochs/steps out of the search")
+        examples = "; ".join(f"q={q:.4g}, {steps} steps, {sampling} sampling for {c.label()}"
+                             for (q, steps, sampling), c in list(shapes.items())[:2])
+        raise RecipeError(f"the search space varies the privacy plan: its configurations differ in sampling rate, "
+                          f"number of steps or sampling ({examples})",
+                          "tune-cost gives every run the same per-run σ, which needs the same q, steps and "
+                          "sampling: keep training.batch_size, training.epochs/steps and training.sampling out of "
+                          "the search (tuning.grid, tuning.ranges and --grid)")
 
 
 def fixed_threshold_variant(base: Mapping[str, Any]) -> Recipe:
@@ -215,7 +222,7 @@ def tune_cost(base: Mapping[str, Any], recipe: Recipe, *, grid: Sequence[str] = 
         dataset_size = recipe_units(recipe)   # people for a user-level recipe
     elif dataset_size < 1:
         raise DpclipError(f"--dataset-size must be positive, got {dataset_size}", "e.g. --dataset-size 60000")
-    check_same_privacy(configurations, dataset_size)
+    check_same_privacy(reachable_configurations(base, recipe, grid, random_draws), dataset_size)
 
     # All configurations sample alike (checked above); the first one stands for them all.
     first = configurations[0].recipe

@@ -22,6 +22,7 @@ from dpclip.accounting import PrivacyPlan, account, solve, split_noise, training
 from dpclip.accounting.blt import blt_event
 from dpclip.accounting.plan import participations
 from dpclip.accounting.calibrate import quiet_dp_accounting
+from dpclip.accounting.statement import SHUFFLE_ASSUMPTION, SHUFFLE_CAVEAT
 from dpclip.accounting.tuning import (
     calibrate_search_noise,
     liu_talwar_per_run_budget,
@@ -31,6 +32,7 @@ from dpclip.accounting.tuning import (
 )
 from dpclip.errors import AccountingError
 from dpclip.recipe.schema import Recipe
+from dpclip.rundir.searchdir import SCORE_MEANING
 
 NAIVE, LIU_TALWAR, REPEAT_AND_SELECT = "naive", "liu-talwar", "repeat-and-select"
 
@@ -106,6 +108,25 @@ class SearchPrivacy:
     strategies: list[Strategy]
     bands: int = 1
     sensitivities: tuple[float, ...] = ()
+    sampling: str = "poisson"   # how the loader forms batches; "shuffle" is accounted as if Poisson
+    unit: str = "example"       # privacy.unit: what a private score's sensitivity 1 is over
+
+    @property
+    def score_meaning(self) -> str | None:
+        """What a private selection score is (None: a public score), as the search's summary says it."""
+        return SCORE_MEANING[self.unit] if self.score == "private" else None
+
+    @property
+    def caveats(self) -> list[str]:
+        """What the search's ε does not prove, as the run statements say it (a shuffled loader)."""
+        return [SHUFFLE_CAVEAT] if self.sampling == "shuffle" else []
+
+    @property
+    def sampling_assumption(self) -> str:
+        """How the batches are drawn and what the accounting assumes of them (the statements' wording)."""
+        if self.sampling == "poisson":
+            return "Poisson subsampling at rate q, as the accounting assumes"
+        return SHUFFLE_ASSUMPTION
 
     @property
     def release(self) -> RunRelease:
@@ -116,7 +137,8 @@ class SearchPrivacy:
         return next(s for s in self.strategies if s.name == name)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "sampling_assumption": self.sampling_assumption, "caveats": self.caveats,
+                "score_meaning": self.score_meaning}
 
 
 def _infeasible(exc, release: RunRelease) -> str:
@@ -220,7 +242,7 @@ def search_privacy(recipe: Recipe, plan: PrivacyPlan, configurations: int, *,
 
     return SearchPrivacy(configurations, float(epsilon), delta, accountant, plan.sample_rate, plan.steps,
                          tuning.score, release.score_noise, recipe_sigma, solved.epsilon, naive_at_recipe, strategies,
-                         release.bands, release.sensitivities)
+                         release.bands, release.sensitivities, plan.sampling, recipe.privacy.unit)
 
 
 __all__ = ["NAIVE", "LIU_TALWAR", "REPEAT_AND_SELECT", "RunRelease", "Strategy", "SearchPrivacy",

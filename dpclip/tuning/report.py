@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from dpclip.data import load_data
 from dpclip.errors import DpclipError
+from dpclip.planning.plan import privacy_units
 from dpclip.recipe import read_recipe_data, validate_recipe
 from dpclip.tuning.compare import tune_cost_compared
 from dpclip.tuning.cost import MeasureObserver, StepTimer, TuneCostReport, tune_cost
@@ -59,7 +61,8 @@ class TuneCostOptions:
                               "e.g. --calibration-steps 10")
         if self.run and self.dataset_size is not None:
             raise DpclipError("--run trains on the recipe's own data, so --dataset-size cannot be used with it",
-                              "drop --dataset-size to run the search")
+                              "drop --dataset-size to run the search (a Hugging Face data set is loaded to "
+                              "count it)")
 
     def timer(self, observer: MeasureObserver) -> StepTimer:
         """How the step times are obtained: measured, or the given --step-seconds and --run-seconds."""
@@ -79,12 +82,16 @@ def tune_cost_report(recipe_path: Path, overrides: Sequence[str], options: TuneC
     options.check()
     base = read_recipe_data(recipe_path, list(overrides))  # paths resolved as load_recipe does
     recipe = validate_recipe(base, source=str(recipe_path))
+    dataset_size = options.dataset_size
+    if options.run and recipe.data.source == "hf":
+        # A hub data set's size is known only once loaded; --run trains on it, so it is loaded here to count it.
+        dataset_size = privacy_units(recipe, load_data(recipe.data, seed=recipe.seed))
     timer = options.timer(observer)
     try:
         # --compare: the comparison builds on the cost report (dpclip.tuning.compare uses cost, not the reverse).
         cost = tune_cost_compared if options.compare else tune_cost
         report = cost(base, recipe, grid=list(options.grid), random_draws=options.random_draws, timer=timer,
-                      dataset_size=options.dataset_size, source=str(recipe_path))
+                      dataset_size=dataset_size, source=str(recipe_path))
     finally:
         observer.stop()
     if options.run:

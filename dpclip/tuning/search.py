@@ -57,7 +57,8 @@ from dpclip.rundir.run import RunDir
 from dpclip.rundir.searchdir import SCORE_MEANING, SEARCH_FORMAT, search_statement_lines
 from dpclip.train.tensorboard import write_headline_epsilon
 from dpclip.tuning.privacy import REPEAT_AND_SELECT
-from dpclip.tuning.space import search_space
+from dpclip.tuning.cost import check_same_privacy
+from dpclip.tuning.space import reachable_configurations, search_space
 
 #: Written in the selected run's directory: what publishing that run costs is the search's ε.
 SEARCH_MARKER = RunDir.SEARCH_MARKER
@@ -129,6 +130,9 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
     data = _held_out_data(recipe, privacy)
     rng = search_random(recipe)
     configurations = search_space(base, recipe, grid, random_draws, rng=rng)
+    # tune-cost checked every configuration the space can yield; these are the ones drawn now.
+    check_same_privacy([*configurations, *reachable_configurations(base, recipe, grid, random_draws)],
+                       report.dataset_size)
     sigma, mean, shape = strategy.noise_multiplier, strategy.detail["mean"], strategy.detail["shape"]
     trials = tuning_math.draw_trial_count(mean, shape, rng)
 

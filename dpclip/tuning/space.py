@@ -114,24 +114,8 @@ def search_space(base: Mapping[str, Any], recipe: Recipe, grid: Sequence[str] = 
             predict them. ``tune-cost --run`` passes the search's own generator.
     """
     tuning = recipe.tuning
-    if grid:
-        axes: dict[str, list[Any]] = {}
-        for text in grid:
-            key, values = parse_grid_option(text)
-            if key in axes:
-                raise RecipeError(f"--grid {key} is given twice", "list all its values in one --grid key=v1,v2,...")
-            axes[key] = values
-        origin = "--grid"
-    else:
-        axes = {key: list(values) for key, values in tuning.grid.items()}
-        origin = "tuning.grid"
-    for key, values in axes.items():
-        _check_key(key, origin)
-        if not values:
-            raise RecipeError(f"{origin} {key} has no values", "list at least one value")
+    axes, origin = _axes(recipe, grid)
     draws = random_draws if random_draws is not None else tuning.random
-    for key in tuning.ranges:
-        _check_key(key, "tuning.ranges")
 
     if draws is not None:
         if draws < 1:
@@ -150,3 +134,55 @@ def search_space(base: Mapping[str, Any], recipe: Recipe, grid: Sequence[str] = 
         keys = list(axes)
         points = [dict(zip(keys, combo)) for combo in itertools.product(*(axes[k] for k in keys))]
     return [_configuration(base, point, str(origin)) for point in points]
+
+
+#: Above this many grid points, :func:`reachable_configurations` tries each grid value once, not every product.
+REACHABLE_LIMIT = 2048
+
+
+def reachable_configurations(base: Mapping[str, Any], recipe: Recipe, grid: Sequence[str] = (),
+                             random_draws: int | None = None) -> list[Configuration]:
+    """Every configuration the space can yield, for the checks that must hold for all of them
+    (a random search draws its configurations again when it runs, so one draw proves nothing).
+
+    A grid search: exactly its configurations. A random search: the whole product of its grid
+    values (above :data:`REACHABLE_LIMIT` points: each grid value once, the other keys at their
+    first value), each with the ranges at their low ends, and each range at its high end.
+    """
+    axes, origin = _axes(recipe, grid)
+    draws = random_draws if random_draws is not None else recipe.tuning.random
+    if draws is None:
+        return search_space(base, recipe, grid)
+    keys, ranges = list(axes), recipe.tuning.ranges
+    if math.prod(len(values) for values in axes.values()) <= REACHABLE_LIMIT:
+        points = [dict(zip(keys, combo)) for combo in itertools.product(*(axes[k] for k in keys))]
+    else:
+        first = {key: values[0] for key, values in axes.items()}
+        points = [{**first, key: value} for key in keys for value in axes[key]]
+    low = {key: spec.low for key, spec in ranges.items()}
+    points = [{**point, **low} for point in points]
+    points += [{**points[0], key: spec.high} for key, spec in ranges.items()]
+    return [_configuration(base, point, str(origin)) for point in points]
+
+
+def _axes(recipe: Recipe, grid: Sequence[str]) -> tuple[dict[str, list[Any]], str]:
+    """The grid's keys and values (``--grid`` replacing the recipe's), each key checked, and where they came from."""
+    tuning = recipe.tuning
+    if grid:
+        axes: dict[str, list[Any]] = {}
+        for text in grid:
+            key, values = parse_grid_option(text)
+            if key in axes:
+                raise RecipeError(f"--grid {key} is given twice", "list all its values in one --grid key=v1,v2,...")
+            axes[key] = values
+        origin = "--grid"
+    else:
+        axes = {key: list(values) for key, values in tuning.grid.items()}
+        origin = "tuning.grid"
+    for key, values in axes.items():
+        _check_key(key, origin)
+        if not values:
+            raise RecipeError(f"{origin} {key} has no values", "list at least one value")
+    for key in tuning.ranges:
+        _check_key(key, "tuning.ranges")
+    return axes, origin

@@ -106,3 +106,24 @@ def test_drawn_trial_counts_have_the_requested_mean(shape):
 def test_truncated_negative_binomial_needs_a_mean_above_one():
     with pytest.raises(AccountingError, match="mean above 1"):
         repeat_and_select_event(training_event(Q, 1.0, STEPS), 1.0, 1.0)
+
+
+def test_a_poisson_number_of_trials_below_mean_one_is_an_accounting_error_not_a_crash():
+    from dpclip.accounting.tuning import repeat_and_select_event
+
+    run = dp_accounting.GaussianDpEvent(1.0)
+    with pytest.raises(AccountingError, match="at least 1"):
+        repeat_and_select_event(run, 0.5, math.inf)
+
+
+@pytest.mark.parametrize("trials, mean", [("poisson", 0.5), ("truncated-negative-binomial", 1.0)])
+def test_the_recipe_refuses_a_mean_number_of_trials_its_law_cannot_have(trials, mean):
+    from pathlib import Path
+
+    from dpclip.errors import RecipeError
+    from dpclip.recipe import load_recipe
+
+    quickstart = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+    with pytest.raises(RecipeError, match="trials_mean") as info:
+        load_recipe(quickstart, [f"tuning.trials={trials}", f"tuning.trials_mean={mean}"])
+    assert info.value.hint

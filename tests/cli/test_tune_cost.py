@@ -115,3 +115,65 @@ def test_bad_input_is_an_error_with_a_hint_and_no_traceback(cli, args, message):
     assert result.code == 2
     assert "error:" in result.err and message in result.err and "hint:" in result.err
     assert "Traceback" not in result.err + result.out
+
+
+def test_a_shuffled_search_is_priced_with_the_poisson_caveat(cli):
+    """tune-cost accounts shuffled batches as if Poisson: its table and its JSON say so, as the run
+    statements do (never a bare ε for a shuffled loader)."""
+    from dpclip.accounting.statement import SHUFFLE_CAVEAT
+
+    args = (QUICKSTART, *TINY, "training.sampling=shuffle", "--grid", "training.optimizer.lr=0.1,0.5", *NO_MEASURE)
+    report = run_json(cli, *args)
+    assert report["privacy"]["sampling"] == "shuffle"
+    assert report["privacy"]["caveats"] == [SHUFFLE_CAVEAT]
+    assert "as if Poisson" in report["privacy"]["sampling_assumption"]
+    shown = cli("tune-cost", *args)
+    assert shown.code == 0, shown.err
+    text = " ".join(shown.out.split())
+    assert f"CAVEAT: {SHUFFLE_CAVEAT}" in text and "accounted as if Poisson-subsampled" in text
+    poisson = run_json(cli, QUICKSTART, *TINY, "--grid", "training.optimizer.lr=0.1,0.5", *NO_MEASURE)
+    assert poisson["privacy"]["sampling"] == "poisson" and poisson["privacy"]["caveats"] == []
+
+
+def test_a_user_level_search_says_its_private_score_sums_each_held_out_persons_accuracy(cli, tmp_path):
+    """At user level the score is not a count of correct records: the console says what it is, as
+    summary.json does."""
+    from dpclip.rundir.searchdir import SCORE_MEANING
+
+    rows = ["person,x1,label"] + [f"p{i % 30},{i / 10},{i % 2}" for i in range(90)]
+    (tmp_path / "people.csv").write_text("\n".join(rows) + "\n")
+    recipe = tmp_path / "users.yaml"
+    recipe.write_text(
+        f"name: users\noutput_dir: {tmp_path / 'runs'}\n"
+        "data: {source: files, format: csv, train: people.csv, label_field: label, user_field: person, "
+        "max_examples_per_user: 3}\nmodel: {kind: mlp, hidden: [4]}\n"
+        "training: {epochs: 1, batch_size: 8, optimizer: {kind: sgd, lr: 0.1}}\n"
+        "privacy: {epsilon: 8.0, delta: 1.0e-3, unit: user, accountant: rdp}\n")
+    args = (recipe, "--grid", "training.optimizer.lr=0.1,0.2", *NO_MEASURE)
+    shown = cli("tune-cost", *args)
+    assert shown.code == 0, shown.err
+    text = " ".join(shown.out.split())
+    assert "noisy held-out count" not in text and SCORE_MEANING["user"] in text
+    assert run_json(cli, *args)["privacy"]["score_meaning"] == SCORE_MEANING["user"]
+
+
+def test_tune_cost_run_searches_a_hugging_face_data_set_it_counts_by_loading(cli, tmp_path, monkeypatch):
+    """A hub data set's size is known once loaded: --run loads it (it trains on it anyway) rather than
+    asking for --dataset-size, which it refuses."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(f'{{"x1": {i / 10}, "x2": {-i / 10}, "label": {i % 2}}}\n'
+                                                for i in range(80)))
+    recipe = tmp_path / "hf.yaml"
+    recipe.write_text(
+        f"name: hf\noutput_dir: {tmp_path / 'runs'}\n"
+        f"data: {{source: hf, name: {folder}, split: train, label_field: label}}\n"
+        "model: {kind: mlp, hidden: [4]}\n"
+        "training: {epochs: null, steps: 2, batch_size: 8, optimizer: {kind: sgd, lr: 0.1}}\n"
+        "privacy: {epsilon: 8.0, delta: 1.0e-3, accountant: rdp}\n"
+        "tuning: {score: public, trials_mean: 2}\n")
+    report = run_json(cli, recipe, "--grid", "training.optimizer.lr=0.1,0.2", "--run", *NO_MEASURE)
+    assert report["dataset_size"] == 64 and report["search"]["stopped"] == "completed"
+    refused = cli("tune-cost", recipe, "--grid", "training.optimizer.lr=0.1,0.2", *NO_MEASURE)
+    assert refused.code == 2 and "tune-cost --run" in refused.err

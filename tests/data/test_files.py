@@ -181,3 +181,33 @@ def test_an_image_column_becomes_channels_first_images_scaled_to_the_unit_interv
     grey = examples_from_columns([{"image": pixels[..., 0], "label": np.arange(5)}], label_field="label",
                                  text_field=None, feature_fields=None, tokenizer="byte", max_length=8, origin="test")
     assert grey.input_shape == (1, 6, 7)
+
+
+def test_a_corrupt_parquet_file_is_a_clear_error_when_counted_before_loading(tmp_path):
+    path = write(tmp_path / "bad.parquet", "this is not parquet\n")
+    with pytest.raises(DpclipError, match="cannot read") as info:
+        training_set_size(files(path, "parquet", label_field="label"))
+    assert "bad.parquet" in info.value.message and info.value.hint
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "1e300"])
+def test_a_feature_infinite_as_float32_is_refused_like_a_missing_one(tmp_path, value):
+    path = write(tmp_path / "d.csv", f"x1,x2,label\n0.5,1,0\n1.5,2,1\n{value},3,0\n3.5,4,1\n")
+    with pytest.raises(DpclipError, match="'x1' holds a value that is infinite as a 32-bit float") as info:
+        load_data(files(path, "csv", label_field="label"), seed=0)
+    assert "row 3" in info.value.message and "float32" in info.value.hint
+
+
+def test_a_bad_jsonl_line_is_named_by_its_line_in_the_file(tmp_path):
+    good = '{"x": 1, "label": 0}\n'
+    path = write(tmp_path / "d.jsonl", good * 4 + "\n" + "{'x': 2, 'label': 1}\n" + good)
+    with pytest.raises(DpclipError, match=r"d\.jsonl as jsonl: line 6 is not valid JSON") as info:
+        load_data(files(path, "jsonl", label_field="label"), seed=0)
+    assert "line 1" not in info.value.message and info.value.hint
+
+
+def test_a_boolean_among_integer_labels_is_the_value_the_error_shows(tmp_path):
+    path = write(tmp_path / "d.jsonl", "".join(f'{{"x": {i}, "label": {v}}}\n'
+                                               for i, v in enumerate(["0", "1", "2", "true", "1"])))
+    with pytest.raises(DpclipError, match=r"e\.g\. True\)"):
+        load_data(files(path, "jsonl", label_field="label"), seed=0)

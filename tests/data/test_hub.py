@@ -73,3 +73,13 @@ def test_a_hub_data_set_without_a_test_split_is_cut_with_the_recipe_seed(fake_hu
     data = load_data(config, seed=0)
     assert data.task == "causal-lm" and (data.num_train, data.num_test) == (3, 1)
     assert sorted(data.train_indices.tolist() + data.test_indices.tolist()) == [0, 1, 2, 3]
+
+
+def test_a_hub_column_of_ragged_sequences_is_refused_like_a_files_one(monkeypatch, tmp_path):
+    import datasets
+
+    ragged = datasets.Dataset.from_dict({"v": [[0.0], [1.0, 1.0], [2.0, 2.0, 2.0], [3.0]], "label": [0, 1, 0, 1]})
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config=None, split=None: ragged)
+    with pytest.raises(DpclipError, match="holds sequences of different lengths") as info:
+        load_data(HFData(source="hf", name="someone/ragged", label_field="label"), seed=0)
+    assert "same number of features" in info.value.hint

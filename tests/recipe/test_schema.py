@@ -241,3 +241,21 @@ def test_a_boolean_where_a_number_or_name_is_meant_is_refused_not_read_as_one(ov
 
 def test_boolean_fields_still_take_booleans():
     assert load_recipe(QUICKSTART, ["training.compile=true"]).training.compile is True
+
+
+@pytest.mark.parametrize("field, extra", [
+    ("label_field", {}),
+    ("text_field", {"label_field": "label"}),
+    ("feature_fields", {"label_field": "label"}),
+])
+def test_the_user_column_cannot_be_what_the_model_reads_or_predicts(field, extra):
+    """A user id as the label trains a model whose label names list every person."""
+    data = {"source": "files", "format": "csv", "train": "people.csv", "user_field": "patient",
+            "max_examples_per_user": 3, **extra,
+            field: ["x", "patient"] if field == "feature_fields" else "patient"}
+    recipe = {"name": "u", "data": data, "model": {"kind": "mlp"},
+              "training": {"batch_size": 8, "epochs": 1, "optimizer": {"kind": "sgd", "lr": 0.1}},
+              "privacy": {"epsilon": 8.0, "delta": 1e-3, "unit": "user"}}
+    with pytest.raises(RecipeError, match="user") as info:
+        validate_recipe(recipe)
+    assert "patient" in info.value.message and info.value.hint

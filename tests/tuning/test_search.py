@@ -71,6 +71,18 @@ def test_private_score_is_charged_to_every_run(public_search, tmp_path):
     assert run_event["events"][1] == {"type": "Gaussian", "noise_multiplier": 20.0}
 
 
+def test_a_shuffled_searchs_statement_does_not_call_its_steps_poisson_sampled(tmp_path):
+    from dpclip.accounting.statement import SHUFFLE_CAVEAT
+    from dpclip.rundir.searchdir import search_statement_lines
+
+    _, summary = _search(tmp_path, "tuning.score=public", "training.sampling=shuffle")
+    lines = search_statement_lines(Path(summary["search_dir"]))
+    release = next(line for line in lines if "repeat-and-select" in line)
+    assert "2 Poisson-sampled steps" not in release
+    assert "steps on fixed-size shuffled batches, accounted as if Poisson-sampled" in release
+    assert f"CAVEAT: {SHUFFLE_CAVEAT}" in lines
+
+
 def test_poisson_trials_cannot_be_recorded_yet(tiny):
     base, recipe = tiny("tuning.trials=poisson", "tuning.score=public")
     report = tune_cost(base, recipe, grid=["training.optimizer.lr=0.1,0.5"], timer=StepTimer(fixed_seconds=0.01))

@@ -68,3 +68,35 @@ def test_random_search_draws_are_not_predicted_by_the_recipes_seed(tiny):
                         "privacy.unsafe_seeded_randomness=true")
     first = [c.values for c in search_space(base, recipe, random_draws=3)]
     assert first == [c.values for c in search_space(base, recipe, random_draws=3)]
+
+
+@pytest.mark.parametrize("space", [
+    ["tuning.grid={training.batch_size: [32, 64]}", "tuning.random=1"],
+    ["tuning.grid={training.sampling: [poisson, shuffle]}", "tuning.random=1"],
+    ["training.steps=null", "training.epochs=1", "tuning.ranges={training.epochs: {low: 1, high: 3}}",
+     "tuning.random=1"],
+])
+def test_a_random_space_that_can_vary_the_privacy_plan_is_refused_whatever_it_draws(tiny, space):
+    """A random search draws its configurations again when it runs: a space is checked whole,
+    never by one draw (a trial at another q would spend what the search did not account)."""
+    from dpclip.tuning.cost import StepTimer, tune_cost
+
+    base, recipe = tiny(*space)
+    for _ in range(3):
+        with pytest.raises(RecipeError, match="varies the privacy plan") as info:
+            tune_cost(base, recipe, timer=StepTimer(fixed_seconds=0.01))
+        assert "out of the search" in info.value.hint
+
+
+def test_run_search_refuses_drawn_configurations_that_vary_the_privacy_plan(tiny, monkeypatch):
+    from dpclip.tuning import cost
+    from dpclip.tuning.cost import StepTimer, tune_cost
+    from dpclip.tuning.search import run_search
+
+    base, recipe = tiny("tuning.grid={training.batch_size: [32, 64]}", "tuning.random=1", "tuning.score=public",
+                        "tuning.trials_mean=2")
+    monkeypatch.setattr(cost, "reachable_configurations", lambda *args, **kwargs: [])
+    report = tune_cost(base, recipe, timer=StepTimer(fixed_seconds=0.01))   # the pre-run check fooled
+    monkeypatch.undo()
+    with pytest.raises(RecipeError, match="varies the privacy plan"):
+        run_search(base, recipe, report)
