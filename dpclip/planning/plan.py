@@ -149,7 +149,8 @@ def not_covered(recipe: Recipe) -> tuple[str, ...]:
     """What a run of ``recipe`` releases outside ε (the statement lists it), and the public
     data it trains on, which ε does not cover (docs/continual.md)."""
     out = EXACT_DIAGNOSTICS if recipe.privacy.exact_diagnostics else ()
-    if recipe.data.source != "builtin":   # a builtin data set's classes are public
+    # a builtin data set's classes are public; a causal LM's targets are its text's next tokens, no label set
+    if recipe.data.source != "builtin" and getattr(recipe.model, "task", None) != "causal-lm":
         out += (LABEL_SET,)
     if recipe.data.tokenizer != "byte" and reads_text(recipe.data):
         out += (TOKENIZER,)

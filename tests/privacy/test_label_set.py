@@ -44,3 +44,22 @@ def test_a_rare_label_shows_in_the_released_model_and_the_statement_says_so(cli,
 def test_builtin_classes_are_public(cli, tmp_path):
     run, statement = _train(cli, tmp_path, "builtin")
     assert "label set" not in statement
+
+
+def test_a_causal_language_model_on_your_own_text_has_no_label_set_to_state(tmp_path):
+    """Its targets are the text's next tokens (the vocabulary is the tokenizer's): no class read
+    from the private data fixes its output size. A classifier on the same text has one."""
+    from pathlib import Path
+
+    from dpclip.planning.plan import LABEL_SET, not_covered
+    from dpclip.recipe import load_recipe
+
+    (tmp_path / "text.jsonl").write_text("".join(json.dumps({"text": f"note {i}", "label": i % 2}) + "\n"
+                                                 for i in range(40)))
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    data = f"data={{source: files, format: jsonl, train: {tmp_path / 'text.jsonl'}, text_field: text, max_length: 16}}"
+    causal = load_recipe(recipes / "gpt2-tiny-text.yaml", [data])
+    assert LABEL_SET not in not_covered(causal)
+    classifier = load_recipe(recipes / "bert-tiny-classify.yaml",
+                             [data.replace("text_field: text", "text_field: text, label_field: label")])
+    assert LABEL_SET in not_covered(classifier)
