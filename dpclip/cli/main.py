@@ -63,6 +63,17 @@ app.add_typer(recipes.app, name="recipes")
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code (tests call this in-process)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    passed_on = "--debug" in args and not os.environ.get("DPCLIP_DEBUG")
+    if passed_on:   # the ranks `train --nproc` starts inherit it (their command line has no --debug)
+        os.environ["DPCLIP_DEBUG"] = "1"
+    try:
+        return _main(args)
+    finally:
+        if passed_on:
+            del os.environ["DPCLIP_DEBUG"]
+
+
+def _main(args: list[str]) -> int:
     keep_freed_memory()  # the command owns its process: reuse freed memory across steps
     _debug["on"] = bool(os.environ.get("DPCLIP_DEBUG")) or "--debug" in args
     if not _debug["on"]:

@@ -97,3 +97,18 @@ def test_the_command_starts_without_importing_torch():
     code = "import sys, dpclip.cli.main; print(sorted(m for m in ('torch', 'transformers', 'sklearn') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_debug_reaches_the_ranks_nproc_starts_and_is_not_left_set(cli, monkeypatch):
+    """`--nproc` ranks run `dpclip train` without `--debug` on their command line: the flag goes to
+    them through DPCLIP_DEBUG (else "rerun with --debug" gave no rank's traceback)."""
+    import dpclip.train.launch as train_launch
+
+    seen = []
+    monkeypatch.delenv("DPCLIP_DEBUG", raising=False)
+    monkeypatch.setattr(train_launch, "launch", lambda args, nproc, master_port=None, debug=False: seen.append(
+        (debug, os.environ.get("DPCLIP_DEBUG"))))
+    result = cli("--debug", "train", REPO / "recipes" / "quickstart.yaml", "--nproc", "2", "--dry-run")
+    assert result.code == 0, result.err
+    assert seen == [(True, "1")]
+    assert "DPCLIP_DEBUG" not in os.environ

@@ -234,6 +234,11 @@ def test_every_file_a_search_leaves_is_in_the_manifest(tmp_path, monkeypatch):
     assert release.directory_kind(search_dir) == release.SEARCH
     assert release.unlisted(search_dir) == []
     assert release.unlisted_fields(search_dir) == [], "\n".join(release.unlisted_fields(search_dir))
+    # the selected run's export: its card names the search that selected it
+    out = tmp_path / "export"
+    export_run(search_dir / summary["selected_run_dir"], out)
+    assert "selected_by_search" in json.loads((out / "privacy.json").read_text())
+    assert release.unlisted_fields(out) == [], "\n".join(release.unlisted_fields(out))
 
 
 # ------------------------------------------------------------------ slow: LiRA shadows, transformers exports
