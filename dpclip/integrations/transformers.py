@@ -18,8 +18,7 @@ What changes against a plain ``Trainer``:
 - each micro-batch's per-sample losses (cross-entropy for classification, next-token
   cross-entropy for causal LMs, or ``per_sample_loss``) go through the engine's one backward;
 - the optimizer step adds the noise, normalises by the expected B and charges the ledger;
-- the training loss the Trainer logs is computed without noise from the private batches:
-  it is listed in the statement as not covered by ε.
+- the training loss the Trainer logs (no noise, from the private batches) is stated as not covered by ε.
 
 Launched on several processes (``torchrun``, ``accelerate launch``), it trains data-parallel as
 ``dpclip train --nproc`` does (docs/distributed.md): B counts every rank's part, each rank
@@ -65,7 +64,8 @@ from dpclip.data.user_sampler import UserPoissonSampler, number_people
 from dpclip.distributed import ShardedPoissonSampler
 from dpclip.engine.compiled import CompiledMicroBatch
 from dpclip.errors import DpclipError
-from dpclip.integrations.parts import EmptyDrawCollate, PoissonBatches, PrivateOptimizer
+from dpclip.integrations.collate import EmptyDrawCollate
+from dpclip.integrations.parts import PoissonBatches, PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
 from dpclip.integrations.setup import clipping_spec, private_engine, running_world
 from dpclip.models.losses import cross_entropy, next_token_cross_entropy, no_generation_cache
@@ -299,7 +299,7 @@ class DPTrainer(Trainer):
             private.record_grad_norm = True
             private.on_release = self.releases.check
         self.optimizer = private   # accelerate wraps it (again) in train(): once, around the private step
-        return self.optimizer
+        return private
 
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
         # The Trainer measures the gradient before optimizer.step(), where the engine has not yet written

@@ -27,7 +27,7 @@ from dpclip.errors import DpclipError
 from dpclip.files import read_jsonl as read_records
 from dpclip.rng import private_generator
 from dpclip.planning.plan import private_seed
-from dpclip.rundir.run import append_record
+from dpclip.rundir.metrics import append_record
 
 DIAGNOSTICS_FILE = layout.DIAGNOSTICS
 #: The fields of a record computed from the measured rows (the rest is the run's settings).

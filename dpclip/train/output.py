@@ -16,7 +16,8 @@ from dpclip.errors import DpclipError
 from dpclip.files import OWNER_ONLY, write_json_atomic, write_text_atomic
 from dpclip.recipe import recipe_to_yaml
 from dpclip.train.result import NullObserver, TrainObserver
-from dpclip.rundir.run import RunDir, append_record, meta_record, public_plan_record, released_part
+from dpclip.rundir.metrics import append_record, released_part
+from dpclip.rundir.run import RunDir, meta_record, public_plan_record
 
 
 class RunOutput:

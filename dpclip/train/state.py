@@ -33,8 +33,8 @@ from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint, save_ch
 from dpclip.train.output import RunOutput
 from dpclip.train.run_parts import RunParts
 from dpclip.train.ranks import check_parallel, check_world_size, rank_states, share_run_dir
-from dpclip.rundir.run import (RunDir, check_canaries, check_data, check_ledger, read_ledger, record_resume_changes,
-                                 released_records)
+from dpclip.rundir.metrics import released_records
+from dpclip.rundir.run import RunDir, check_canaries, check_data, check_ledger, read_ledger, record_resume_changes
 
 log = logging.getLogger(__name__)
 

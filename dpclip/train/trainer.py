@@ -21,7 +21,7 @@ from dpclip.models import evaluate
 from dpclip.interrupt import DeferredInterrupt
 from dpclip.train.run_parts import RunParts
 from dpclip.train.ranks import global_outcome
-from dpclip.rundir.run import step_record
+from dpclip.rundir.metrics import step_record
 from dpclip.train.state import Checkpointer, RunState
 from dpclip.distributed.pipeline import sync_stages
 
