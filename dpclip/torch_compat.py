@@ -292,6 +292,15 @@ def own_code(fn):
     return copy if bound is None else types.MethodType(copy, bound)
 
 
+def compiled_graphs() -> int:
+    """How many graphs torch.compile has compiled in this process so far (dynamo's own count,
+    ``counters["stats"]["unique_graphs"]``): a call that moves it compiled a new graph (a first
+    shape, or a guard that changed: a Python flag the forward reads). Checked against torch 2.13."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def recompile_limit_hit(exc: BaseException) -> bool:
     """Whether ``exc`` is torch.compile's refusal to compile one more graph of a function."""
     return type(exc).__name__ == "FailOnRecompileLimitHit"

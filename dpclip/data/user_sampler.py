@@ -11,8 +11,10 @@ person), so that a person's clipped contribution is at most C (the engine's ``ro
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from dpclip.data.sampler import PoissonSampler
@@ -82,10 +84,24 @@ class UserPoissonSampler(PoissonSampler):
 
 def number_people(ids) -> torch.Tensor:
     """One person id per record (any hashable values, or 0-d tensors) numbered 0..U-1 in order of
-    first appearance, as the user sampler takes them."""
+    first appearance, as the user sampler takes them. A missing id (None, NaN, an empty string) is
+    refused, as in a recipe's ``data.user_field``: each NaN would be a person of its own (NaN is
+    not equal to itself) and the records of nobody cannot be protected."""
     numbering: dict = {}
-    return torch.tensor([numbering.setdefault(person.item() if isinstance(person, torch.Tensor) else person,
-                                              len(numbering)) for person in ids], dtype=torch.int64)
+    numbers = []
+    for row, person in enumerate(ids):
+        if isinstance(person, torch.Tensor):
+            person = person.item() if person.numel() == 1 else person
+        if person is None or (isinstance(person, (float, np.floating)) and math.isnan(person)) or \
+                (isinstance(person, str) and not person.strip()):
+            raise DpclipError(f"the person id of example {row} (counting from 0) is missing ({person!r})",
+                              "every record must name the person it belongs to: fill the ids or drop those records")
+        try:
+            numbers.append(numbering.setdefault(person, len(numbering)))
+        except TypeError:
+            raise DpclipError(f"the person id of example {row} (counting from 0) is a {type(person).__name__}, which cannot "
+                              "name a person (not hashable)", "give each record's person as a number or a string") from None
+    return torch.tensor(numbers, dtype=torch.int64)
 
 
 def user_weights(users_of_rows: torch.Tensor) -> torch.Tensor:

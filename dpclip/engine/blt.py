@@ -268,7 +268,8 @@ class BufferedNoise:
         if (tuple(state.get("theta", ())) != self.strategy.theta
                 or tuple(state.get("theta_hat", ())) != self.strategy.theta_hat):
             raise EngineError("the checkpoint's BLT strategy differs from this run's",
-                              "resume with the same buffers, steps and batch size the run started with")
+                              "resume with the same buffers, steps, batch size and optimizer momentum the run started "
+                              "with (the buffers are optimised for the momentum: training.optimizer.momentum)")
         buffers = state["buffers"]
         if buffers and any(len(row) != self.buffers for row in buffers):
             raise EngineError(f"the checkpoint's BLT state does not hold {self.buffers} buffers per parameter",

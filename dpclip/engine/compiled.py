@@ -24,8 +24,8 @@ Outside the graph, one read of the device: a flagged micro-batch is thrown away 
 eager engine (which recomputes the flagged rows in float64 and drops non-finite ones); otherwise its
 sums, clipped counts and norms go into the engine's step as an eager micro-batch's would.
 
-Verify, don't infer: the first compiled micro-batch of each batch shape is also run by the eager
-engine, whose attribution the certificate checks against the samples' own gradients
+Verify, don't infer: the first compiled micro-batch of each batch shape, and the first through
+each graph torch.compile compiles again (a guard changed), is also run by the eager engine, whose attribution the certificate checks against the samples' own gradients
 (docs/certificate.md); the compiled sums and norms must equal the eager ones within float32's
 rounding, or the step is refused before any noise (:meth:`CompiledMicroBatch.verified`).
 """
@@ -43,7 +43,8 @@ from dpclip.engine.compiled_forward import COMPILE_OFF, HINT, Recorder, per_samp
 from dpclip.engine.factors import Use, clipped_sum, param_norm_sq, sqrt_or_zero
 from dpclip.engine.groupwise import clip_factors
 from dpclip.errors import EngineError
-from dpclip.torch_compat import COMPILED_SHAPES_LIMIT, compile_fullgraph, graph_breaks, recompile_limit_hit
+from dpclip.torch_compat import (COMPILED_SHAPES_LIMIT, compile_fullgraph, compiled_graphs, graph_breaks,
+                                 recompile_limit_hit)
 
 def supported(engine) -> str | None:
     """Why ``engine``'s steps cannot be compiled (None: they can)."""
@@ -82,13 +83,21 @@ class CompiledMicroBatch:
         the first ``samples`` are examples and the rest padding (loss weight 0); ``row_weights``: the
         examples' user-level weights. Returns the examples' losses [samples]."""
         engine, ctx = self.engine, self.context
+        engine.refuse_changed_parameters()   # as the engine's own backward does (a layer unfrozen since)
         batch = _batch_of(rows)
         seed = (torch.arange(batch, device=ctx.device) < samples).to(ctx.params[0].dtype)
         weights = None if row_weights is None else _padded(row_weights.to(ctx.device, ctx.norm_dtype), batch)
         key = tuple((name, tuple(t.shape), t.dtype) for name, t in rows.items() if isinstance(t, Tensor))
         if key not in self.verified or engine.certificate.due():
             return self._verified_by_engine(rows, samples, row_weights, seed, weights, key)
+        state, graphs = random_state(self.model), compiled_graphs()
         sums, norms, clipped, suspect, losses = self.graph(rows, seed, weights)
+        if compiled_graphs() != graphs:
+            # a new graph for a shape already verified (a guard changed: a flag the forward reads)
+            # is checked against the engine, as a new shape's, before anything of it is used
+            set_random_state(state)
+            engine.certificate.force()
+            return self._verified_by_engine(rows, samples, row_weights, seed, weights, key)
         if bool(suspect):   # the one read of the device: the engine redoes it (float64 rows, non-finite ones)
             return self._by_engine(rows, samples, row_weights)
         kept = norms[:samples].clone()   # a CUDA graph's output buffers are overwritten by its next call

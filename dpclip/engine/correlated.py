@@ -337,7 +337,8 @@ class CorrelatedNoise:
             # A changed C mid-run is a different mechanism: neither the error analysis nor
             # the column-disjointness argument covers the seam.
             raise EngineError("the checkpoint's correlated-noise coefficients differ from this run's",
-                              "resume with the same bands and steps the run started with")
+                              "resume with the same bands, steps and optimizer momentum the run started with (the "
+                              "coefficients are optimised for the momentum: training.optimizer.momentum)")
         step = int(state["step"])
         history = state["history"]
         width = self.bands - 1

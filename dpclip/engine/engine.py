@@ -37,7 +37,7 @@ from dpclip.engine.noise import NoiseSource, allocation_weights
 from dpclip.engine.microbatch import StepContext
 from dpclip.engine.policies import PolicyContext, ThresholdPolicy, build_policy
 from dpclip.engine.privatizer import privatizer_for
-from dpclip.engine.refusals import refuse_new_trainable
+from dpclip.engine.refusals import refuse_new_trainable, refuse_outside_leaves
 from dpclip.engine.reducer import Reducer, StageLink
 from dpclip.engine.step_checks import StepChecks
 from dpclip.engine.report import ClipDebug, StepReport
@@ -45,8 +45,11 @@ from dpclip.engine.spec import ClippingSpec
 from dpclip.errors import EngineError
 
 def _checked_step_arguments(expected_batch_size, sample_rate, gradient_noise_multiplier,
-                            noise_multiplier) -> float:
+                            noise_multiplier, records_per_unit: int = 1) -> float:
     """σ_g of :class:`DPEngine`'s arguments (default 1), which are refused where out of range."""
+    if isinstance(records_per_unit, bool) or not isinstance(records_per_unit, int) or records_per_unit < 1:
+        raise EngineError(f"records_per_unit must be a positive integer, got {records_per_unit!r}",
+                          "1 for example-level privacy; k (max_examples_per_user) at the user level")
     if not isinstance(expected_batch_size, int) or expected_batch_size < 1:
         raise EngineError(f"expected_batch_size must be a positive integer, got "
                           f"{expected_batch_size!r}", None)
@@ -102,15 +105,10 @@ class DPEngine:
                  records_per_unit: int = 1, verify_every: int = 0):
         cfg = ClippingSpec.of(clipping)
         sigma_g = _checked_step_arguments(expected_batch_size, sample_rate, gradient_noise_multiplier,
-                                          noise_multiplier)
-        self.model = model
-        self.clipping = cfg
+                                          noise_multiplier, records_per_unit)
+        self.model, self.clipping, self.expected_batch_size = model, cfg, expected_batch_size
         self.gradient_noise_multiplier = float(sigma_g)
-        self.expected_batch_size = expected_batch_size
-        self.sample_rate = sample_rate
-        self.reducer = reducer
-        self.stage = stage
-        self.steps = 0
+        self.sample_rate, self.reducer, self.stage, self.steps = sample_rate, reducer, stage, 0
         self._sharded_names: set[str] | None = None   # adopt_parameters: trainable names (FSDP swaps the objects)
 
         params = trainable_params(model)
@@ -119,9 +117,6 @@ class DPEngine:
         clip = make_clip_fn(cfg.fn, float(cfg.gamma))
         first = self._params[0]
         norm_dtype = torch.promote_types(first.dtype, torch.float32)
-        if not isinstance(records_per_unit, int) or records_per_unit < 1:
-            raise EngineError(f"records_per_unit must be a positive integer, got {records_per_unit!r}",
-                              "1 for example-level privacy; k (max_examples_per_user) at the user level")
         self.policy = build_policy(cfg.threshold, PolicyContext(
             list(self.groups.names), self.groups.sizes, expected_batch_size,
             self.gradient_noise_multiplier, first.device, norm_dtype, records_per_unit))
@@ -255,6 +250,8 @@ class DPEngine:
                               "compute the loss with reduction='none' and average each "
                               "sample's tokens yourself")
         forwards = self.certificate.take(losses.shape[0])
+        self.refuse_changed_parameters()
+        refuse_outside_leaves(losses, self._params)
         if losses.shape[0] == 0:
             self._keeper.take_forward_counts()
             return
@@ -266,6 +263,10 @@ class DPEngine:
                           _watch=None if watch is None else watch[0]):
             torch.autograd.backward(losses, weights)
         self.finish_micro_batch(_watch=watch)
+
+    def refuse_changed_parameters(self) -> None:
+        """Refuse a parameter trainable now that was not when the engine was built (stepped unclipped)."""
+        refuse_new_trainable(self.model, self._params, self._sharded_names)
 
     def start_forward(self) -> int:
         """Call before the forward of a micro-batch when earlier micro-batches still wait for their
@@ -286,7 +287,7 @@ class DPEngine:
         threshold policy and the counts never see them.
         """
         samples = batch_size if samples is None else samples
-        refuse_new_trainable(self.model, self._params, self._sharded_names)
+        self.refuse_changed_parameters()
         with self._step.capture(self.policy, batch_size, samples, generation, loss_scale, row_weights, _watch):
             yield
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
@@ -74,3 +74,32 @@ def refuse_new_trainable(model: nn.Module, privatised: list[nn.Parameter], names
                           "gradients would reach p.grad unclipped and without noise",
                           "freeze, unfreeze and replace layers before building the engine (make_private, "
                           "DPTrainer), or freeze these again (requires_grad_(False))")
+
+
+def refuse_outside_leaves(losses: Tensor, params: list[Tensor]) -> None:
+    """Refuse per-sample losses that depend on a trainable tensor the engine does not clip: a head
+    or a temperature outside the model. autograd would accumulate the batch's raw gradient into
+    its ``.grad`` (unclipped, unnoised), and an optimizer holding it would release that. Found by a
+    walk of the losses' graph to its leaves (``AccumulateGrad`` nodes), before the backward."""
+    known = {id(p) for p in params}
+    seen: set = set()
+    todo = [losses.grad_fn] if losses.grad_fn is not None else []
+    stray: list[Tensor] = []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if leaf is not None:
+            if id(leaf) not in known:
+                stray.append(leaf)
+            continue
+        todo.extend(child for child, _ in node.next_functions)
+    if stray:
+        what = ", ".join(f"{type(t).__name__} of shape {list(t.shape)}" for t in stray[:3])
+        raise EngineError(f"the per-sample losses depend on {len(stray)} trainable tensor(s) outside the model the "
+                          f"engine clips ({what}): their raw gradient of the whole batch, neither clipped nor noised, "
+                          "would land in their .grad", "make them part of the model given to the engine (a head or "
+                          "a temperature as a submodule or nn.Parameter of it), or .detach() them / set "
+                          "requires_grad=False")

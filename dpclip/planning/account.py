@@ -175,6 +175,8 @@ def flags_plan(flags: AccountFlags, overrides: Sequence[str], note: Callable[[st
     if (flags.mechanism == "blt") != (flags.buffers is not None):
         raise AccountingError("--buffers goes with --mechanism blt, and blt needs --buffers",
                               "e.g. --mechanism blt --buffers 2")
+    if flags.buffers is not None and flags.buffers < 1:   # 0 read as "no BLT" printed DP-SGD's smaller σ
+        raise AccountingError(f"--buffers must be at least 1, got {flags.buffers}", "e.g. --mechanism blt --buffers 2")
     return planning.plan_from_flags(delta=flags.delta, epsilon=flags.eps, noise_multiplier=flags.sigma,
                                     sample_rate=flags.sample_rate, steps=flags.steps, dataset_size=dataset_size,
                                     batch_size=batch_size, epochs=flags.epochs, accountant="pld",

@@ -269,6 +269,10 @@ def check_against_data(recipe: Recipe) -> int | None:
     return dataset_size
 
 
+#: the largest σ `dpclip account --sigma` takes: above about 1e154, σ² overflows the RDP arithmetic
+SIGMA_ACCOUNTED = 1e100
+
+
 def plan_from_flags(*, delta: float | None, epsilon: float | None = None, noise_multiplier: float | None = None,
                     sample_rate: float | None = None, steps: int | None = None, dataset_size: int | None = None,
                     batch_size: int | None = None, epochs: float | None = None, accountant: str = "pld",
@@ -286,6 +290,9 @@ def plan_from_flags(*, delta: float | None, epsilon: float | None = None, noise_
         raise AccountingError(f"epsilon must be positive, got {epsilon:g}", "e.g. --eps 8")
     if noise_multiplier is not None and not noise_multiplier > 0:
         raise AccountingError(f"sigma must be positive, got {noise_multiplier:g}", "e.g. --sigma 1.1")
+    if noise_multiplier is not None and noise_multiplier > SIGMA_ACCOUNTED:   # σ² overflows the accountants
+        raise AccountingError(f"sigma {noise_multiplier:g} is beyond what the accountants compute (σ² overflows)",
+                              f"ε is already about 0 far below it: use a σ up to {SIGMA_ACCOUNTED:g}")
     if sample_rate is not None:
         if dataset_size is not None or batch_size is not None:
             raise AccountingError("give either --sample-rate or --dataset-size with --batch-size, not both",

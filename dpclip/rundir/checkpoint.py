@@ -172,6 +172,14 @@ def missing_checkpoint_hint(run_dir: Path) -> str:
     return "train the run first (dpclip train RECIPE)"
 
 
+def checkpointed_steps(run_dir: Path) -> int:
+    """The highest step of a checkpoint folder of the run (``step_NNNNNN`` with weights; 0: none)."""
+    folder = layout.checkpoints_dir(run_dir)
+    steps = [int(p.name[5:]) for p in folder.glob("step_*") if _STEP_DIR.fullmatch(p.name)
+             and (p / layout.MODEL_WEIGHTS).is_file()] if folder.is_dir() else []
+    return max(steps, default=0)
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint folder LATEST names, or None before the first checkpoint.
 

@@ -25,6 +25,7 @@ from dpclip import __version__, layout
 from dpclip.accounting import Ledger, same_event, solve, statement_from_ledger
 from dpclip.accounting.plan import user_unit
 from dpclip.data.canaries import read_canary_secret
+from dpclip.rundir.checkpoint import checkpointed_steps
 from dpclip.errors import DpclipError
 from dpclip.files import read_json, write_json_atomic, write_text_atomic
 from dpclip.recipe import Recipe, apply_overrides, read_yaml, recipe_to_yaml, validate_recipe
@@ -281,6 +282,10 @@ def spent(run_dir: Path):
         raise DpclipError(f"{run.path} has no ledger.json", "the run never reached its first step")
     ledger = run.ledger()
     solved, steps = planned_step(run.path, recipe)
+    if (saved := checkpointed_steps(run.path)) > ledger.steps:   # the ledger is written before each checkpoint
+        raise DpclipError(f"{path} records {ledger.steps} steps, but checkpoint step_{saved:06d} holds the weights "
+                          f"after {saved}: ε would be understated", "the run directory was modified: restore "
+                          "ledger.json from a backup of the run")
     check_ledger(ledger, solved, range(0, steps + 1), where=path)
     return ledger, run_statement(recipe, ledger, world_size=recorded_world_size(run.path),
                                  users=run.public_plan().get("num_users"))

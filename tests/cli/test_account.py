@@ -241,6 +241,8 @@ def test_blt_calibration_is_one_gaussian_of_multiplier_sigma_over_its_sensitivit
     (["--buffers", "2"], "--buffers goes with --mechanism blt"),
     (["--mechanism", "blt"], "blt needs --buffers"),
     (["--mechanism", "blt", "--buffers", "9"], "buffers must be at most 8"),
+    (["--mechanism", "blt", "--buffers", "0"], "--buffers must be at least 1"),
+    (["--mechanism", "blt", "--buffers", "-2"], "--buffers must be at least 1"),
 ])
 def test_blt_flags_that_cannot_work_are_refused_with_a_hint(cli, flags, message):
     result = cli(*DONE_WHEN, *flags)
@@ -309,6 +311,11 @@ def test_a_printed_epsilon_is_never_below_the_computed_one(cli):
 def test_a_noise_multiplier_too_small_to_account_is_an_error_with_a_hint(cli):
     result = cli("account", "--sigma", "1e-300", "--delta", "1e-5", "-q", "0.5", "--steps", "100")
     assert result.code == 2 and "this small" in result.err and "hint:" in result.err and "unexpected" not in result.err
+
+
+def test_a_noise_multiplier_too_large_to_account_is_not_called_too_small(cli):
+    result = cli("account", "--sigma", "1e160", "--delta", "1e-5", "-q", "0.01", "--steps", "10")
+    assert result.code == 2 and "beyond what the accountants compute" in result.err and "this small" not in result.err
 
 
 def test_a_seed_beyond_64_bits_is_refused_by_the_schema(cli):

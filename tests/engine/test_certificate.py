@@ -153,7 +153,7 @@ def test_a_forward_hook_that_changes_an_output_is_refused_naming_the_hooked_laye
     x, y = _data()
     with pytest.raises(EngineError, match="mixes samples") as err:
         _step(_engine(model, 6), model, x, y)
-    assert "modules 2 have forward hooks" in err.value.hint and "part of the module's forward" in err.value.hint
+    assert "module 2 has forward hooks" in err.value.hint and "part of the module's forward" in err.value.hint
 
 
 def test_a_forward_hook_that_only_observes_passes_and_sees_the_training_forward_alone():

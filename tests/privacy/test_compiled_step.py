@@ -93,3 +93,58 @@ def test_make_private_compiled_refusals_do_not_name_the_drawn_batch_size():
     with pytest.raises(DpclipError, match="inputs:columns is a tensor without the batch in dim 0") as info:
         private.train_step(inputs, targets)
     assert not re.search(rf"\b{drawn}\b", str(info.value)) and private.ledger.steps == 0
+
+
+class _Switched(torch.nn.Module):
+    """A Python flag the forward reads (a curriculum switch): once set, ``lin1`` is called
+    sequence-first, the same function, on [T, B, D] where T == B. torch.compile compiles a new graph
+    for the same shapes; its attribution must be checked before use, as a new shape's is."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2 = torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)
+        self.seq_first = False
+
+    def forward(self, x):
+        h = self.lin1(x.transpose(0, 1)).transpose(0, 1) if self.seq_first else self.lin1(x)
+        return self.lin2(torch.tanh(h).mean(1))
+
+
+def _switched_loss(model, rows):
+    return torch.nn.functional.cross_entropy(model(rows["x"]), rows["y"], reduction="none")
+
+
+def test_a_graph_compiled_again_for_a_checked_shape_is_checked_before_its_sums_are_used():
+    torch.manual_seed(0)
+    model = _Switched()
+    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 0.01}}, gradient_noise_multiplier=1.0,
+                      expected_batch_size=4)
+    compiled = CompiledMicroBatch(engine, model, _switched_loss, backend="aot_eager")
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(4, 1, 3, generator=g) * 10).expand(4, 4, 3).contiguous()
+    rows = {"x": x, "y": torch.randint(0, 2, (4,), generator=g)}
+    compiled(rows, 4)                      # the first graph: checked
+    engine.privatize()
+    compiled(rows, 4)                      # the same graph, not checked again
+    assert engine.certificate.checks == 1
+    engine.privatize()
+    model.zero_grad(set_to_none=True)
+    model.seq_first = True                 # a new graph for the same shapes: its micro-batch is checked
+    with pytest.raises(EngineError, match="certificate refused"):
+        compiled(rows, 4)
+    assert all(p.grad is None for p in model.parameters())
+    engine.detach()
+
+
+def test_a_layer_unfrozen_after_the_engine_is_refused_by_a_compiled_micro_batch_too():
+    model = tiny_gpt2()
+    model.transformer.wte.requires_grad_(False)
+    engine = DPEngine(model, {"grouping": "all-layer", "threshold": {"kind": "fixed", "value": 0.5}},
+                      gradient_noise_multiplier=1.0, expected_batch_size=4)
+    compiled = CompiledMicroBatch(engine, model, gpt2_loss, backend=None)
+    batch = gpt2_batch(n=2)
+    compiled(batch, 2)                     # verified against the engine
+    model.transformer.wte.requires_grad_(True)
+    with pytest.raises(EngineError, match="trainable now that were not"):
+        compiled(batch, 2)
+    engine.detach()

@@ -73,3 +73,18 @@ def test_bad_user_level_arguments_are_refused_with_a_hint(options, message):
     with pytest.raises(DpclipError, match=message) as caught:
         _private(**options)
     assert caught.value.hint
+
+
+MISSING = {"NaN (a pandas column with gaps)": float("nan"), "None": None, "an empty string": " ",
+           "a list (not hashable)": [1, 2]}
+
+
+@pytest.mark.parametrize("missing", MISSING.values(), ids=list(MISSING))
+def test_a_missing_or_unusable_person_id_is_refused_not_made_a_person_of_its_own(missing):
+    """Each NaN was a person of its own (NaN != NaN): the records of one owner in several privacy
+    units, each clipped to C, and the count of people (so q) wrong; None pooled nobody's records."""
+    users = [f"person-{i % PEOPLE}" for i in range(PEOPLE * RECORDS)]
+    users[3] = users[7] = missing
+    with pytest.raises(DpclipError, match="person id of example 3") as caught:
+        _private(users=users)
+    assert "hint" not in caught.value.message and caught.value.hint

@@ -89,3 +89,22 @@ def test_account_cli_refuses_an_edited_ledger_with_error_and_hint(run_dir, cli):
     result = cli("account", str(run_dir))
     assert result.code != 0
     assert "error:" in result.err and "hint:" in result.err and "Traceback" not in result.err
+
+
+def _cut_to_one_step(ledger):
+    ledger["entries"] = ledger["entries"][:1]
+    ledger["entries"][0]["count"] = 1
+    ledger["steps"] = 1
+
+
+@pytest.mark.parametrize("command", ["account", "report", "export"])
+def test_a_ledger_behind_the_run_s_checkpoint_is_refused_where_epsilon_is_stated(run_dir, cli, tmp_path, command):
+    """ledger.json cut back to 1 step while step_000004 holds the weights after 4: account, report
+    and export stated the ε of 1 step for weights that cost 4."""
+    _edit_json(run_dir / "ledger.json", _cut_to_one_step)
+    with pytest.raises(DpclipError, match="records 1 steps, but checkpoint step_000004"):
+        spent(run_dir)
+    extra = [str(tmp_path / "exported")] if command == "export" else []
+    result = cli(command, str(run_dir), *extra)
+    assert result.code == 2 and "records 1 steps, but checkpoint step_000004" in result.err and "hint:" in result.err
+    assert not (tmp_path / "exported").exists()

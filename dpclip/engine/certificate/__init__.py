@@ -107,13 +107,16 @@ class Certificate:
         self.disabled: str | None = None       # why no check can run (a sharded model, a pipeline stage)
         self.suspended = False                 # the engine's own dry forwards are not recorded
         self.idle = False                      # a compiled micro-batch's forward: its hooks do nothing
+        self.forced = False                    # the next micro-batch is checked (a graph compiled again)
         self.last: CertificateRecord | None = None
         self.reported = True                   # the last record is in a step's report already
         self.checks = 0
         self._cotangents = Cotangents(silence)
         self._recorder: Recorder | None = None
         self._devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
-        self._handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
+        # first of the root's pre-hooks: a hook of the user's registered before the engine then
+        # runs after the recording, so the replays start from the rows as given, not as it changed them
+        self._handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True),
                          model.register_forward_hook(self._post, with_kwargs=True, always_call=True)]
 
     def remove(self) -> None:
@@ -134,7 +137,7 @@ class Certificate:
     def _due(self, family: tuple) -> bool:
         if self.disabled is not None:
             return False
-        if self.last_step is None or family not in self.families:
+        if self.forced or self.last_step is None or family not in self.families:
             return True
         return self.every > 0 and self.step - self.last_step >= self.every
 
@@ -176,8 +179,14 @@ class Certificate:
     def due(self) -> bool:
         """Whether the next micro-batch is checked whatever its shape (the first step, a resume,
         ``verify_every``); a compiled step runs such a micro-batch through the engine."""
-        return self.disabled is None and (self.last_step is None or (
+        return self.disabled is None and (self.forced or self.last_step is None or (
             self.every > 0 and self.step - self.last_step >= self.every))
+
+    def force(self) -> None:
+        """Check the next micro-batch whatever its shape: torch.compile compiled a graph again for
+        a shape already checked, so a guard changed (a Python flag the forward reads), and the
+        forward may take a path the last check did not see (docs/compiled.md)."""
+        self.forced = self.disabled is None
 
     def checking(self) -> bool:
         """Whether the model's forwards since the last backward are recorded for a check (then
@@ -244,6 +253,7 @@ class Certificate:
                                                 for a, b in zip(own[r], exact)])
         self.families.add(shape_family(forwards[0].args, forwards[0].kwargs, forwards[0].batch))
         self.last_step = step
+        self.forced = False
         self.checks += 1
         self.last = CertificateRecord(step, len(rows), mode or ("batch" if batch_mode else "alone"),
                                       sum(1 for r in rows if cancelling.get(r)))

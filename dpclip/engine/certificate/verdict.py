@@ -103,8 +103,12 @@ def mixing_error(model: nn.Module, replayer: Replayer, forward: Forward, row: in
 
 
 def hooked_layers(model: nn.Module) -> list[str]:
-    """The layers with forward hooks: the user's (the engine hooks the root only), which replays run without."""
-    return [name for name, m in model.named_modules() if name and (m._forward_hooks or m._forward_pre_hooks)]
+    """The modules with forward hooks of the user's, which replays run without (the engine's own
+    hooks, on the root, are told apart by the package their function comes from)."""
+    def users(hooks) -> bool:
+        return any(not getattr(h, "__module__", "").startswith("dpclip.") for h in hooks.values())
+    return [name or "<root>" for name, m in model.named_modules()
+            if users(m._forward_hooks) or users(m._forward_pre_hooks)]
 
 
 def with_hooks_named(exc: EngineError, hooked: list[str]) -> EngineError:
@@ -112,8 +116,9 @@ def with_hooks_named(exc: EngineError, hooked: list[str]) -> EngineError:
     makes the replays (run without hooks) differ, which reads as mixing."""
     if not hooked or not exc.hint.startswith(MIXING_HINT):
         return exc
-    return EngineError(exc.message, f"modules {', '.join(hooked[:3])} have forward hooks, which the check's replays "
-                                    "run without (a hook may only observe): a hook that changes its module's input "
+    named = ", ".join("the model itself" if n == "<root>" else f"module {n}" for n in hooked[:3])
+    return EngineError(exc.message, f"{named} {'has' if len(hooked) == 1 else 'have'} forward hooks, which the "
+                                    "check's replays run without (a hook may only observe): a hook that changes its module's input "
                                     "or output must be part of the module's forward; otherwise, " + MIXING_HINT)
 
 
