@@ -18,9 +18,11 @@ checks its consequences on the real model and a real batch, before the first noi
    clip factor but row i's set to 0, :meth:`dpclip.engine.microbatch.MicroBatch.watch`) against
    c_{i,k}·w_i·g_i / B, parameter by parameter, within the rounding bound :data:`RTOL`.
 4. **Sample independence.** Alone, sample i's outputs must be its outputs in the batch, its
-   loss's cotangent must vanish off its own rows, and a buffer the forward writes must be left
-   alike by two different samples. With a random forward the batch is replayed again with one
-   other sample replaced, and the other checked rows' gradients must not move.
+   loss's cotangent must vanish off its own rows, and its replay must leave the model's state
+   (buffers, frozen parameters, by name) as the real forward on the whole batch left it
+   (:mod:`~dpclip.engine.certificate.state`). With a random forward the batch is replayed again
+   with one other sample replaced, and the other checked rows' gradients must not move; a forward
+   that wrote its state is replayed on zeros, ones and one row more (a micro-batch of one row too).
 
 A random forward whose replay does not reproduce the step (a layer rule drawing its dropout in
 another order than the module) is checked on a dry micro-batch in eval mode instead
@@ -40,8 +42,9 @@ from dpclip.engine.batch_axis.layout import tensor_leaves
 from dpclip.engine.certificate.alone import alone_gradients
 from dpclip.engine.certificate.batch import batch_gradients, checked_before_eval_mode, independent_in_batch
 from dpclip.engine.certificate.draws import Recorder
-from dpclip.engine.certificate.replay import (Cotangents, Forward, NotReproducible, Replayer, buffer_values,
-                                              buffers_kept, release, replaying, rng_state, same_rng)
+from dpclip.engine.certificate.replay import (Cotangents, Forward, NotReproducible, Replayer, release, replaying,
+                                              rng_state, same_rng)
+from dpclip.engine.certificate.state import snapshot, state_kept
 from dpclip.engine.certificate.verdict import compare, hooked_layers, with_hooks_named
 from dpclip.engine.precision import autocast_snapshot
 from dpclip.errors import EngineError
@@ -114,9 +117,12 @@ class Certificate:
         self._cotangents = Cotangents(silence)
         self._recorder: Recorder | None = None
         self._devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
-        # first of the root's pre-hooks: a hook of the user's registered before the engine then
-        # runs after the recording, so the replays start from the rows as given, not as it changed them
+        # the rows are taken first of the root's pre-hooks (a hook of the user's registered before the
+        # engine runs after it: the replays start from the rows as given, not as it changed them); the
+        # random and the model's state where the forward itself begins, after those hooks
+        self._rows: tuple | None = None
         self._handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True),
+                         model.register_forward_pre_hook(self._begin, with_kwargs=True),
                          model.register_forward_hook(self._post, with_kwargs=True, always_call=True)]
 
     def remove(self) -> None:
@@ -154,11 +160,18 @@ class Certificate:
         if not self.forwards:
             self.armed = self._due(shape_family(args, kwargs, batch))
         if self.armed and len(self.forwards) < MAX_FORWARDS:
-            self.forwards.append(Forward(args, kwargs, batch, rng_state(self._devices),
-                                         autocast_snapshot({p.device.type for p in self.params}),
-                                         buffers=buffer_values(self.model)))
-            self._recorder = Recorder(self.is_plain)   # the forward's random draws (draws.py)
-            self._recorder.__enter__()
+            self._rows = (args, kwargs, batch)
+        return None
+
+    def _begin(self, module, args, kwargs):
+        if self._rows is None or self.idle or self.depth != 1:   # (not a call nested in the forward's hooks)
+            return None
+        (args, kwargs, batch), self._rows = self._rows, None
+        self.forwards.append(Forward(args, kwargs, batch, rng_state(self._devices),
+                                     autocast_snapshot({p.device.type for p in self.params}),
+                                     buffers=snapshot(self.model)))
+        self._recorder = Recorder(self.is_plain)   # the forward's random draws (draws.py)
+        self._recorder.__enter__()
         return None
 
     def _post(self, module, args, kwargs, output):
@@ -266,13 +279,13 @@ class Certificate:
         hooked = hooked_layers(self.model)   # (the replays silence them)
         start = forwards[0].buffers   # the replays start where the checked forward did
         try:
-            with replaying(self.model, self.plain, self._devices), buffers_kept(self.model, start) as buffers:
+            with replaying(self.model, self.plain, self._devices), state_kept(self.model, start) as buffers:
                 if cut:
                     try:
                         return alone_gradients(self.model, self.replayer, forwards, rows, cots, rtol, buffers,
                                                cut=True), True
                     except NotReproducible:
-                        buffers.written = None
+                        buffers.restore()   # (a replay cut short)
                 if random:
                     try:
                         own = batch_gradients(self, forwards, rows, cots, rtol)
@@ -309,7 +322,7 @@ class Certificate:
         plain32, self.replayer = self.replayer, Replayer(self.model, self.names, self.params, torch.float64)
         try:
             with replaying(self.model, self.plain, self._devices), \
-                    buffers_kept(self.model, forwards[0].buffers) as buffers:
+                    state_kept(self.model, forwards[0].buffers, compare=False) as buffers:
                 # the outputs are not compared again: float32's own rounding of them is what this measures
                 if batch_mode:
                     got = batch_gradients(self, forwards, [r], cots, RTOL[torch.float32], outputs=False)[r]

@@ -11,17 +11,19 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine.certificate.draws import DrawsNotCut, Recorder, Substitute
-from dpclip.engine.certificate.replay import (Buffers, Forward, NotReproducible, Replayer, batch_axis, close,
+from dpclip.engine.certificate.replay import (Forward, NotReproducible, Replayer, batch_axis, close,
                                               module_stack, select, vjp)
+from dpclip.engine.certificate.state import State
 from dpclip.engine.certificate.verdict import MIXING_HINT, NOT_COVERED, mixing_error, refuse_written_buffer
 from dpclip.errors import EngineError
 
 
 def alone_gradients(model: nn.Module, replayer: Replayer, forwards: list[Forward], rows: list[int], cots: dict,
-                    rtol: float, buffers: Buffers, outputs: bool = True, cut: bool = False) -> dict[int, list[Tensor]]:
+                    rtol: float, buffers: State, outputs: bool = True, cut: bool = False) -> dict[int, list[Tensor]]:
     """Each checked sample's gradient from replays on that sample alone (``replayer``'s, of
     ``model``); its outputs alone must be its outputs in the batch, and its loss's cotangent must
-    vanish off its rows. ``cut``: the replays get the sample's part of the recorded random draws
+    vanish off its rows, and its replay must leave the model's state as the real forward on the
+    whole batch left it (``buffers``: a write that depends on the batch is refused). ``cut``: the replays get the sample's part of the recorded random draws
     (draws.py); where that part does not reproduce the sample's outputs, :class:`NotReproducible`."""
     own: dict[int, list[Tensor]] = {}
     for r in rows:

@@ -11,7 +11,8 @@ import math
 
 from torch import Tensor
 
-from dpclip.engine.certificate.replay import Buffers, NotReproducible, close, select, vjp_rows
+from dpclip.engine.certificate.replay import NotReproducible, close, select, vjp_rows
+from dpclip.engine.certificate.state import State, writes_checked
 from dpclip.engine.certificate.verdict import NOT_COVERED, mixing_error, refuse_written_buffer
 from dpclip.errors import EngineError
 
@@ -36,12 +37,15 @@ def _moved(got: list[Tensor], own: list[Tensor], rtol: float) -> bool:
     return err > rtol * max(scale, 1e-30)
 
 
-def independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers: Buffers) -> None:
+def independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers: State) -> None:
     """The batch replayed with the last checked row replaced by the first: the other checked
-    rows' gradients must not move, nor may the buffers differ."""
+    rows' gradients must not move; each replay must leave the model's state as the real forward
+    did, and a forward that wrote its state is replayed on other inputs too (:func:`writes_checked`:
+    no sample can be replayed alone here, a micro-batch of one row among them)."""
+    refuse_written_buffer(buffers.after("the batch"), forwards[0].batch)
+    writes_checked(cert.replayer, forwards, buffers)
     if len(rows) < 2:
         return
-    refuse_written_buffer(buffers.after("the batch"))
     j, source = rows[-1], rows[0]
     moved = {r: None for r in rows[:-1]}
     for i, f in enumerate(forwards):
@@ -50,23 +54,22 @@ def independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers: Buffers
                                              leaves) if o.requires_grad][:len(f.outputs)]
         for r, g in vjp_rows(outs, {r: cots[r][i] for r in moved}, leaves, cert.replayer.within(leaves)).items():
             moved[r] = g if moved[r] is None else [a + b for a, b in zip(moved[r], g)]
-    refuse_written_buffer(buffers.after(f"the batch with sample {j} replaced"))
+    refuse_written_buffer(buffers.after(f"the batch with sample {j} replaced"), forwards[0].batch)
     for r, g in moved.items():
         if _moved(g, own[r], rtol):
             raise mixing_error(cert.model, cert.replayer, forwards[0], r, f"changes sample {r}'s gradient "
                                f"when sample {j} is replaced", rtol, replace=(j, source))
 
 
-def checked_before_eval_mode(cert, forwards, rows, cots, rtol, buffers: Buffers) -> None:
+def checked_before_eval_mode(cert, forwards, rows, cots, rtol, buffers: State) -> None:
     """What can be checked in training mode of a step the replay cannot reproduce, before its
     sums are checked in eval mode (dry.py), which cannot see what a forward does in training mode
     only (batch statistics, a buffer written): the plain forward, replayed twice from the step's
     RNG state, gives each checked row the same gradient (else it draws from a generator the
     replay does not restore), and replacing one checked sample moves no other's gradient."""
     buffers.restore()
-    buffers.written = None
     own = batch_gradients(cert, forwards, rows, cots, rtol, outputs=False)
-    buffers.after("the batch")
+    buffers.restore()
     again = batch_gradients(cert, forwards, rows, cots, rtol, outputs=False)
     for r in rows:
         if _moved(again[r], own[r], rtol):

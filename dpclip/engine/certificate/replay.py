@@ -3,8 +3,8 @@ plain autograd with nothing of the step disturbed (RNG streams, buffers, hooks, 
 
 A replay runs the layers' own forwards (the book-keeping passes through), with the model's and
 the user's forward hooks silenced, the RNG streams set to the state the real forward started
-from and restored after, the real forward's autocast state, and the trainable parameters
-swapped for detached leaves (:func:`torch.func.functional_call`), so that hooks on the
+from and restored after, the model's state put back (state.py), the real forward's autocast
+state, and the trainable parameters swapped for detached leaves (:func:`torch.func.functional_call`), so that hooks on the
 parameters never see a per-sample gradient.
 """
 
@@ -41,7 +41,7 @@ class Forward:
     draws: list[Tensor] | None = None          # its pure random draws, in order (None: not recordable; draws.py)
     edges: list = field(default_factory=list)     # their autograd edges then (before any in-place change)
     handles: list = field(default_factory=list)   # hooks that read the cotangents at those edges
-    buffers: list[Tensor] | None = None           # the model's buffers at entry (a forward may update them)
+    buffers: dict | None = None   # the model's state at entry, by name (state.snapshot: a forward may update it)
 
 
 def release(forward: Forward) -> None:
@@ -272,67 +272,15 @@ def vjp_rows(outputs: list[Tensor], cotangents: dict[int, list[Tensor | None]],
     return {r: vjp(outputs, cotangents[r], leaves, within) for r in rows}
 
 
-def buffer_values(model: nn.Module) -> list[Tensor]:
-    return [b.detach().clone() for _, b in model.named_buffers() if b is not None]
-
-
-class Buffers:
-    """The model's buffers as the checked forward found them (``start``, its entry's values; else
-    as they are now): each replay starts from them, as the forward did (spectral_norm's power
-    iteration, a step counter). After each replay, what it wrote is compared with the previous
-    replay's writes (two different samples must leave a buffer alike), then undone; at the end,
-    the buffers are left as the forward left them."""
-
-    def __init__(self, model: nn.Module, start: list[Tensor] | None = None):
-        self.buffers = [(n, b) for n, b in model.named_buffers() if b is not None]
-        self.final = [b.detach().clone() for _, b in self.buffers]
-        fits = start is not None and len(start) == len(self.final) and all(
-            a.shape == b.shape and a.dtype == b.dtype for a, b in zip(start, self.final))
-        self.before = start if fits else self.final
-        self.written: tuple[str, list[Tensor]] | None = None
-        self.restore()
-
-    def after(self, what: str) -> str | None:
-        """The name of a buffer this replay left otherwise than the last one did (with what did
-        it), or None; the buffers are put back either way."""
-        now = [b.detach().clone() for _, b in self.buffers]
-        changed = [i for i, (a, b) in enumerate(zip(self.before, now)) if not equal_values(a, b)]
-        found = None
-        if self.written is not None and changed:
-            prev_what, prev = self.written
-            for i in changed:
-                if not equal_values(prev[i], now[i]):
-                    found = f"{self.buffers[i][0]} ({prev_what} and {what} leave it different)"
-                    break
-        if changed:
-            self.written = (what, now)
-        self.restore()
-        return found
-
-    def restore(self, values: list[Tensor] | None = None) -> None:
-        with torch.no_grad():
-            for (_, b), saved in zip(self.buffers, self.before if values is None else values):
-                b.copy_(saved)
-
-
 def equal_values(a: Tensor, b: Tensor) -> bool:
     """Same shape and values, a missing value (NaN) equal to itself: a buffer after a replay against
-    the checked forward's, a loop's rows against the draw's (integrations/rows.py)."""
+    the real forward's (state.py), a loop's rows against the draw's (integrations/rows.py)."""
     if a.shape != b.shape:
         return False
     if torch.equal(a, b):
         return True
     return bool(a.is_floating_point() or a.is_complex()) and torch.equal(a.isnan(), b.isnan()) and \
         torch.equal(a.nan_to_num(), b.nan_to_num())
-
-
-@contextmanager
-def buffers_kept(model: nn.Module, start: list[Tensor] | None = None) -> Iterator[Buffers]:
-    buffers = Buffers(model, start)
-    try:
-        yield buffers
-    finally:
-        buffers.restore(buffers.final)
 
 
 @contextmanager

@@ -28,13 +28,40 @@ SHARED_INPUT_HINT = ("; an input shared by all samples whose first size equals t
                      "in the model (a buffer)")
 
 
-def refuse_written_buffer(found: str | None) -> None:
-    """Refuse a forward that writes a buffer from the data (``found``: the buffer, and the two
-    replays it tells apart, from :meth:`~dpclip.engine.certificate.replay.Buffers.after`)."""
+STATE_HINT = ("keep no data in the model's state: register such a statistic outside the forward (or compute "
+              "it from public data), or update it in eval mode only; count steps (+= 1), not samples")
+_ONE_ROW_HINT = "; or use micro-batches of 2 rows or more (max_physical_batch_size ≥ 2)"
+
+
+def refuse_written_buffer(found: str | None, batch: int | None = None) -> None:
+    """Refuse a forward whose write of its state depends on the batch (``found``: "buffer NAME" or
+    "frozen parameter NAME", and
+    the replay that left it otherwise, from :meth:`~dpclip.engine.certificate.state.State.after`)."""
     if found is not None:
-        raise EngineError(f"the model's forward writes buffer {found} from the data: statistics of "
-                          "private data would be released with the model" + NOT_COVERED,
-                          "keep no data in buffers: compute such statistics without storing them")
+        raise EngineError(f"the model's forward writes {found} from the data: what it writes depends on the "
+                          "batch (its statistics, its rows or its size: a count of the samples seen releases the "
+                          "batch size, which ε does not cover), so statistics of private data would be released "
+                          "with the model and read by later micro-batches' forwards" + NOT_COVERED,
+                          STATE_HINT + (_ONE_ROW_HINT if batch == 1 else ""))
+
+
+def refuse_written_parameter(name: str) -> None:
+    """Refuse a forward that writes a frozen parameter: no copy of the model's parameters is kept, so
+    the certificate cannot replay the forward from the values it found there."""
+    raise EngineError(f"the model's forward writes frozen parameter {name} (requires_grad=False): the certificate "
+                      "checks no write to a parameter (it keeps no copy of them), and data written there would be "
+                      "released with the model" + NOT_COVERED,
+                      "write no parameter in the forward: " + STATE_HINT)
+
+
+def refuse_unchecked_write(name: str, batch: int, why: str) -> None:
+    """Refuse a forward that writes buffer ``name`` where no replay can show that the write does
+    not depend on the batch (its replay on other inputs fails: ``why``)."""
+    rows = "one row: no sample can be replayed alone" if batch == 1 else f"{batch} rows replayed as a batch"
+    raise EngineError(f"the model's forward writes buffer {name}, and the certificate cannot check that what it "
+                      f"writes does not depend on the data: with {rows}, its replay with the rows' inputs set to "
+                      f"zeros or ones, or with one row more, fails ({why})" + NOT_COVERED,
+                      STATE_HINT + (_ONE_ROW_HINT if batch == 1 else ""))
 
 
 def compare(row: int, own: list[Tensor], norms: Tensor, witness: dict[int, Tensor], thresholds: Tensor,
