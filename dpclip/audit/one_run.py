@@ -70,6 +70,10 @@ def guess_counts(m: int) -> list[int]:
     return sorted({k for k in (m // 20, m // 10, m // 4, m // 2) if k >= 1})
 
 
+#: What the f-DP ε lower bound assumes (printed beside it wherever it appears).
+FDP_CONDITION = "a lower bound only if the trade-off curve is Gaussian; the Steinke bound assumes nothing"
+
+
 def one_run_audit(scores: np.ndarray, included: np.ndarray, delta: float, confidence: float = 0.95) -> dict:
     """ε lower bound from canary ``scores`` (higher = "trained on") and the secret ``included``.
 
@@ -109,7 +113,7 @@ def one_run_audit(scores: np.ndarray, included: np.ndarray, delta: float, confid
         "guesses": best["guesses"] if best else 0, "correct": best["correct"] if best else 0,
         "tried": tried,
         "fdp": {
-            "curve": "gaussian", "mu_lower_bound": fdp_mu, "epsilon_lower_bound": gdp_epsilon(fdp_mu, delta),
+            "curve": "gaussian", "condition": FDP_CONDITION, "mu_lower_bound": fdp_mu, "epsilon_lower_bound": gdp_epsilon(fdp_mu, delta),
             "guesses": fdp_best["guesses"] if fdp_best else 0, "correct": fdp_best["correct"] if fdp_best else 0,
             "tried": fdp_tried,
         },

@@ -31,7 +31,7 @@ from dpclip.audit.one_run import one_run_audit
 from dpclip.audit.plot import plot_roc
 from dpclip.audit.rmia import DEFAULT_GAMMA, DEFAULT_OFFLINE_A, label_probability, rmia_scores
 from dpclip.data import load_data
-from dpclip.data.canaries import make_canaries, read_canary_secret
+from dpclip.data.canaries import make_canaries, missing_answer_key, read_canary_secret
 from dpclip.data.exposure import stored_exposure
 from dpclip.errors import DpclipError
 from dpclip.files import write_json_atomic
@@ -99,14 +99,27 @@ def build_pool(run_dir: Path, recipe) -> Pool:
     tensors = {name: torch.cat([data.train[name], data.test[name]]) for name in data.train}
     is_member = np.r_[np.ones(data.num_train, dtype=int), np.zeros(data.num_test, dtype=int)]
     attacked = np.ones(len(is_member), dtype=bool)
-    secret = read_canary_secret(run_dir)
-    if secret is not None:
-        if not isinstance(secret.get("sources"), list):
-            raise DpclipError(f"{layout.canaries_file(run_dir)} is damaged (no list of sources)",
-                              "restore it from a backup of the run directory")
-        sources = [s for s in secret["sources"] if s is not None]
-        attacked[data.num_train + np.asarray(sources, dtype=int)] = False
+    attacked[data.num_train + canary_sources(run_dir, recipe, data.num_test)] = False
     return Pool(data, tensors, is_member, attacked)
+
+
+def canary_sources(run_dir: Path, recipe, num_test: int) -> np.ndarray:
+    """The held-out rows the run trained on as mislabel canaries (its answer key's ``sources``):
+    they are left out of the non-members. With the answer key deleted on a mislabel run they are
+    unknown, and the audit is refused rather than score them as non-members."""
+    secret = read_canary_secret(run_dir)   # checked: sources are None or ints ≥ 0
+    canaries = recipe.audit.canaries
+    if secret is None:
+        if canaries is not None and canaries.kind == "mislabel":
+            raise missing_answer_key(run_dir, "the held-out rows the run trained on as mislabel canaries are "
+                                     "unknown and would be scored as non-members")
+        return np.zeros(0, dtype=int)
+    sources = np.asarray([s for s in secret["sources"] if s is not None], dtype=int)
+    if (canaries is not None and secret["kind"] != canaries.kind) or (sources >= num_test).any():
+        raise DpclipError(f"{layout.canaries_file(run_dir)} does not match the run's recipe and data (its kind or "
+                          "its held-out rows)", "it belongs to another run or was damaged: restore it from a "
+                          "backup of the run directory")
+    return sources
 
 
 def _ledger_at(run_dir: Path, recipe, checkpoint: Path, state: dict) -> tuple[float, float]:
@@ -132,10 +145,12 @@ def _charge_search(run_dir: Path, report: dict[str, Any]) -> None:
 
 def _one_run(run_dir: Path, recipe, pool: Pool, model, loss_fn, delta: float, confidence: float) -> dict:
     secret = read_canary_secret(run_dir)
-    if secret is None or recipe.audit.canaries is None:
+    if recipe.audit.canaries is None:
         raise DpclipError(f"{run_dir} was trained without canaries, so the one-run audit has nothing to guess",
                           CANARY_HINT)
-    canaries = make_canaries(pool.data, recipe.audit.canaries, int(secret["seed"]), records=canary_records(recipe))
+    if secret is None:
+        raise missing_answer_key(run_dir, "the one-run audit cannot check its guesses")
+    canaries = make_canaries(pool.data, recipe.audit.canaries, secret["seed"], records=canary_records(recipe))
     if canaries.fingerprint() != secret["fingerprint"]:
         raise DpclipError("the canaries rebuilt from the recipe differ from those the run trained with",
                           "the data or the recipe changed since training; the one-run audit cannot be done")
@@ -143,7 +158,7 @@ def _one_run(run_dir: Path, recipe, pool: Pool, model, loss_fn, delta: float, co
     # Score = −loss on the canary's own (wrong or random) label: memorised canaries score high;
     # a canary person's score is the mean over their records.
     scores = -outputs.losses.reshape(canaries.count, canaries.records).mean(axis=1)
-    result = one_run_audit(scores, np.asarray(secret["included"], dtype=bool), delta, confidence)
+    result = one_run_audit(scores, np.asarray(secret["included"], dtype=bool), delta, confidence)  # checked bools
     result["kind"] = secret["kind"]
     return result
 

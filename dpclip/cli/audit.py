@@ -77,9 +77,11 @@ def _table(report: dict) -> None:
                       f"at {100 * one_run['confidence']:.0f}% confidence, {verdict}", soft_wrap=True)
         fdp = one_run.get("fdp")
         if fdp:
+            from dpclip.audit.one_run import FDP_CONDITION
+
             console.print(f"  f-DP one-run audit (Gaussian trade-off curve): {fdp['correct']}/{fdp['guesses']} right "
                           f"→ μ ≥ {fmt_lower(fdp['mu_lower_bound'])}, ε ≥ {fmt_lower(fdp['epsilon_lower_bound'])} "
-                          "(a lower bound if the curve is Gaussian)", soft_wrap=True)
+                          f"({FDP_CONDITION})", soft_wrap=True)
     exposure = report.get("exposure")
     if exposure:
         planted = ", ".join(f"{row['exposure']:.1f} ({row['repetitions']}x{'' if row['how'] != 'extrapolated' else ', extrapolated'})"
@@ -132,11 +134,16 @@ def audit_mia(
     notes = []
     if "all" in chosen and Path(target).is_dir():
         from dpclip.audit.report import resolve_target
+        from dpclip.rundir.run import load_run_recipe
 
         run_dir, _ = resolve_target(target)
         if read_canary_secret(run_dir) is None:
             names.remove("one-run")
-            notes.append("one-run audit skipped: the run has no canaries (add audit.canaries to the recipe)")
+            if load_run_recipe(run_dir).audit.canaries is None:
+                notes.append("one-run audit skipped: the run has no canaries (add audit.canaries to the recipe)")
+            else:
+                notes.append(f"one-run audit skipped: the run's answer key {layout.canaries_file(run_dir)} was "
+                             "deleted (restore it from a backup of the run directory to run it)")
         if read_exposure_secret(run_dir) is None:
             names.remove("exposure")
     if bootstrap < 0:

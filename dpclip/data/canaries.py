@@ -25,8 +25,11 @@ the canaries from the seed stored there.
 
 User-level runs (``privacy.unit: user``, docs/users.md) get canary PEOPLE: each canary is a new
 person with ``records`` records (k, the recipe's max_examples_per_user) that all go in or all
-stay out together, with inputs of the kind above and one label per person (mislabel: each
-record its own wrong label); the audit scores a canary person by the mean over their records.
+stay out together, ood inputs with one label per person; the audit scores a canary person by
+the mean over their records. Mislabel canaries are refused there (the recipe's
+:func:`dpclip.recipe.audit.check_audit`, and :func:`make_canaries`): their rows are real
+held-out people's records, and numbering blocks of them as new people would put one real
+person into several privacy units (group privacy only, not the ledger's per-person ε).
 
 Accounting: the canaries do NOT change N. The Poisson rate is q = batch_size / N with N
 the number of ordinary training examples (what `dpclip account RECIPE` uses), and the
@@ -43,6 +46,7 @@ import hashlib
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -97,12 +101,19 @@ def canary_seed(config, run_dir: Path | None = None) -> int | None:
     if run_dir is not None:
         stored = read_canary_secret(run_dir)
         if stored is None:
-            raise DpclipError(f"{Path(run_dir) / CANARY_FILE} is missing, so the run's canaries cannot be rebuilt",
-                              "the answer key was deleted; train a new run with audit.canaries")
+            raise missing_answer_key(run_dir, "the run's canaries cannot be rebuilt")
         return int(stored["seed"])
     if getattr(config, "seed", None) is not None:
         return int(config.seed)
     return None
+
+
+def missing_answer_key(run_dir: Path, consequence: str) -> DpclipError:
+    """The error for a run whose recipe has canaries and whose audit/canaries.json is gone."""
+    return DpclipError(f"{Path(run_dir) / CANARY_FILE} is missing: the recipe planted canaries, but their answer "
+                       f"key was deleted, so {consequence}",
+                       "restore it from a backup of the run directory (dpclip train writes it once, at the "
+                       "start); without it, train a new run with audit.canaries")
 
 
 def ood_domain(config, source: str) -> tuple[float, float]:
@@ -139,11 +150,14 @@ def make_canaries(data, config, seed: int, records: int = 1) -> CanarySet:
     included = rng.random(count) < 0.5
     rows_needed = count * records
     if config.kind == "mislabel":
+        if records > 1:
+            raise DpclipError("mislabel canaries are held-out records of real people; canary people made of them "
+                              "would split a real person across several privacy units",
+                              "at privacy.unit: user use audit.canaries.kind: ood (with audit.canaries.domain)")
         if rows_needed > data.num_test:
             raise DpclipError(f"{count} mislabel canaries of {records} records need {rows_needed} held-out examples, "
                               f"the test split has {data.num_test}", "lower audit.canaries.count, or use kind: ood")
-        rows = rng.choice(data.num_test, size=rows_needed, replace=False)
-        rows = np.sort(rows) if records == 1 else rows
+        rows = np.sort(rng.choice(data.num_test, size=rows_needed, replace=False))
         tensors = {name: t[torch.as_tensor(rows)].clone() for name, t in data.test.items()}
         true = tensors["labels"].numpy()
         # A different class, uniformly: true + shift (mod C), shift in 1..C-1.
@@ -197,20 +211,63 @@ def write_secret(run_dir: Path, relative: Path, record: dict) -> None:
     write_json_atomic(path, record)
 
 
-def read_secret(run_dir: Path, relative: Path) -> dict | None:
-    """A secret file of the run, or None when the run has none."""
+def read_secret(run_dir: Path, relative: Path, check: Callable[[dict], str | None] | None = None,
+                without: str = "or audit without it (--attack loss)") -> dict | None:
+    """A secret file of the run, or None when the run has none; ``check`` names what is wrong
+    with the mapping read (None: nothing). A damaged file is an error saying so and how to
+    proceed (``without``: what can be done without the file)."""
     path = Path(run_dir) / relative
+    if path.parent.exists() and not path.parent.is_dir():
+        raise DpclipError(f"{path.parent} is a file, not the run's audit folder",
+                          "the run directory was modified: restore it from a backup (move the file away to "
+                          "audit a run that planted nothing)")
     if not path.exists():
         return None
     try:
         secret = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(secret, dict):
-            raise TypeError(f"a {type(secret).__name__}, not a mapping")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError) as exc:
-        raise DpclipError(f"{path} is damaged ({type(exc).__name__}): the audit's answer key cannot be read",
+        problem = f"a {type(secret).__name__}, not a mapping" if not isinstance(secret, dict) else \
+            (check(secret) if check is not None else None)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        problem = type(exc).__name__
+    if problem is not None:
+        raise DpclipError(f"{path} is damaged ({problem}): the audit's answer key cannot be read",
                           "it is written once by dpclip train and never changed: restore it from a backup of "
-                          "the run directory, or audit without it (--attack loss)") from None
+                          f"the run directory, {without}")
     return secret
+
+
+def _is_int(value, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def canary_secret_problem(secret: dict) -> str | None:
+    """What is wrong with the answer key ``secret`` (the fields :meth:`CanarySet.to_dict`
+    writes, each of its type), or None. ``count``, ``labels`` and ``records`` are optional
+    (older runs lack some); ``sources`` has one entry per canary row."""
+    if secret.get("kind") not in ("mislabel", "ood"):
+        return "kind is not mislabel or ood"
+    if not _is_int(secret.get("seed")):
+        return "seed is not a non-negative integer"
+    if not isinstance(secret.get("fingerprint"), str):
+        return "fingerprint is not a string"
+    included = secret.get("included")
+    if not isinstance(included, list) or not included or not all(isinstance(b, bool) for b in included):
+        return "included is not a list of true/false"
+    if "count" in secret and secret["count"] != len(included):
+        return f"count is not the {len(included)} inclusion bits"
+    records = secret.get("records", 1)
+    if not _is_int(records, 1):
+        return "records is not a positive integer"
+    sources = secret.get("sources")
+    if not isinstance(sources, list) or len(sources) != len(included) * records:
+        return f"sources is not a list of {len(included) * records} entries, one per canary row"
+    if not all(s is None or _is_int(s) for s in sources) or \
+            (secret["kind"] == "ood") != all(s is None for s in sources):
+        return f"sources is not a list of {'nulls' if secret['kind'] == 'ood' else 'held-out row numbers'}"
+    labels = secret.get("labels")
+    if labels is not None and not (isinstance(labels, list) and all(_is_int(y) for y in labels)):
+        return "labels is not a list of class numbers"
+    return None
 
 
 def write_canary_secret(run_dir: Path, canaries: CanarySet) -> None:
@@ -218,5 +275,6 @@ def write_canary_secret(run_dir: Path, canaries: CanarySet) -> None:
 
 
 def read_canary_secret(run_dir: Path) -> dict | None:
-    """The run's audit/canaries.json, or None when the run has no canaries."""
-    return read_secret(run_dir, CANARY_FILE)
+    """The run's audit/canaries.json, or None when the run has no canaries; a damaged one
+    (:func:`canary_secret_problem`) is an error."""
+    return read_secret(run_dir, CANARY_FILE, canary_secret_problem, without="or train a new run")

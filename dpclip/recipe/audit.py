@@ -23,7 +23,8 @@ from dpclip.recipe.section import Section
 class Canaries(Section):
     count: PositiveInt = Field(100, description="canaries made; each goes into the training set with prob 1/2")
     kind: Literal["mislabel", "ood"] = Field(
-        "mislabel", description="mislabel: held-out examples with a wrong label; ood: uniform-noise inputs")
+        "mislabel", description="mislabel: held-out examples with a wrong label (record-level runs only: they are "
+        "real people's rows); ood: uniform-noise inputs")
     seed: Annotated[int, Field(ge=0)] | None = Field(
         None, description="draws the canaries and their inclusion; default: fresh OS entropy, kept in the run's "
         "audit/canaries.json. Setting it makes them reproducible from the recipe, which is then as secret as "
@@ -86,7 +87,20 @@ class Audit(Section):
 
 
 def check_audit(recipe) -> None:
-    """The audit block's rules that need the rest of the recipe."""
+    """The audit block's rules that need the rest of the recipe.
+
+    ``mislabel`` canaries are refused at the user level: they are held-out rows of real people,
+    and a canary person built of them would put one real person's records into several privacy
+    units (several canary people, each clipped and sampled on its own), so that person would get
+    only group privacy, not the per-person ε of the ledger. ``ood`` canaries are noise, nobody's rows.
+    """
+    canaries = recipe.audit.canaries
+    if canaries is not None and canaries.kind == "mislabel" and recipe.privacy.unit == "user":
+        raise ValueError("audit.canaries.kind 'mislabel' (the default) cannot be used with privacy.unit: user: a "
+                         "mislabel canary is a real held-out record, and a canary person made of them would split "
+                         "real people's records across several privacy units (only group privacy for them); use "
+                         "audit.canaries.kind: ood, with audit.canaries.domain: [low, high] (the public range of "
+                         "the features) unless the builtin data set declares one")
     if recipe.audit.exposure is not None and getattr(recipe.model, "task", None) != "causal-lm":
         raise ValueError("audit.exposure plants secrets in a language model's training text; it needs model.kind "
                          "hf with task causal-lm (use audit.canaries for classifiers)")

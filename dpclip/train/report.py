@@ -32,6 +32,8 @@ from dpclip.rundir.searchdir import headline
 
 REPORT_FILE = layout.REPORT
 NOT_COVERED = "not covered by ε"
+#: Beside the f-DP ε lower bound (as dpclip.audit.one_run.FDP_CONDITION, which this layer cannot import).
+FDP_CONDITION = "a lower bound only if the trade-off curve is Gaussian; the Steinke bound assumes nothing"
 
 
 def run_summary(run_dir: Path) -> dict[str, Any]:
@@ -118,15 +120,52 @@ def run_plots(run_dir: Path, selected_by: dict[str, Any] | None = None) -> list[
 
 
 def _audit(run_dir: Path) -> dict[str, Any] | None:
-    """The run's audit/report.json (dpclip audit-mia), or None when it has none or it is unreadable."""
+    """The run's audit/report.json (dpclip audit-mia), or None when it has none; one that
+    cannot be read or is not of the shape audit-mia writes is an error (:func:`audit_report_problem`)."""
     path = layout.audit_dir(run_dir) / layout.AUDIT_REPORT
     if not path.exists():
         return None
     try:
         report = read_json(path)
-        return report if isinstance(report, dict) else None
-    except ValueError:
-        return None
+        problem = audit_report_problem(report)
+    except (OSError, ValueError) as exc:   # a folder, unreadable bytes, not JSON
+        problem = type(exc).__name__
+    if problem is not None:
+        raise DpclipError(f"{path} is damaged ({problem}): the audit's results cannot be shown",
+                          f"write it again with dpclip audit-mia {run_dir}, or move it away to report without "
+                          "the audit")
+    return report
+
+
+def _number(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def audit_report_problem(report: Any) -> str | None:
+    """What in an audit report keeps the page from showing it (a field of the wrong type), or None."""
+    if not isinstance(report, dict):
+        return f"a {type(report).__name__}, not a mapping"
+    parts = {key: report.get(key) for key in ("ledger", "attacks", "one_run", "exposure")}
+    wrong = [key for key, part in parts.items() if part is not None and not isinstance(part, dict)]
+    if wrong:
+        return f"{wrong[0]} is not a mapping"
+    ledger, attacks, one_run, exposure = (part or {} for part in parts.values())
+    if not _number(ledger.get("epsilon")) or not isinstance(ledger.get("tpr_bound") or {}, dict):
+        return "ledger's epsilon or tpr_bound is of the wrong type"
+    if not all(isinstance(r, dict) and isinstance(r.get("auc_ci95") or [], list) for r in attacks.values()):
+        return "an attack's result is not a mapping with an auc_ci95 list"
+    fdp = one_run.get("fdp") or {}
+    if not (isinstance(fdp, dict) and _number(one_run.get("epsilon_lower_bound")) and
+            _number(fdp.get("mu_lower_bound")) and _number(fdp.get("epsilon_lower_bound")) and
+            _number(one_run.get("confidence"))):
+        return "one_run's bounds are not numbers"
+    if not (isinstance(exposure.get("planted", []), list) and all(isinstance(r, dict) for r in exposure.get("planted", []))
+            and isinstance(exposure.get("controls", {}), dict)):
+        return "exposure's planted or controls is of the wrong type"
+    notes = report.get("notes") or []
+    if not (isinstance(notes, list) and all(isinstance(note, str) for note in notes)):
+        return "notes is not a list of text"
+    return None
 
 
 def _audit_html(report: dict[str, Any]) -> list[str]:
@@ -160,8 +199,8 @@ def _audit_html(report: dict[str, Any]) -> list[str]:
         if fdp:
             items.append(f"f-DP, Gaussian curve: {fdp.get('correct')}/{fdp.get('guesses')} right → μ ≥ "
                          f"{bound_text(fdp.get('mu_lower_bound'), upper=False)}, "
-                         f"ε ≥ {bound_text(fdp.get('epsilon_lower_bound'), upper=False)}")
-        level = one_run.get("confidence", 0.95)
+                         f"ε ≥ {bound_text(fdp.get('epsilon_lower_bound'), upper=False)} ({FDP_CONDITION})")
+        level = one_run.get("confidence") or 0.95
         verdict = (f"exceeds the ledger's ε at {100 * level:g}% confidence: a privacy bug, or a wrong ledger (a "
                    f"correct run is flagged in at most {100 * (1 - level):.2g}% of audits)") if report.get("flagged") \
             else f"within the ledger's ε at {100 * level:g}% confidence"

@@ -136,3 +136,63 @@ def test_a_damaged_run_file_is_named_with_a_hint(cli, tiny_run, damage):
     result = cli("audit-mia", run, "--attack", "loss", "--bootstrap", "0")
     assert result.code == 2, (result.code, result.err)
     assert "damaged" in result.err and "hint:" in result.err and "unexpected" not in result.err
+
+
+@pytest.fixture(scope="module")
+def canary_runs(tmp_path_factory):
+    """One run of each canary kind, shared: each test damages a copy (:func:`copied`)."""
+    output = tmp_path_factory.mktemp("canary-runs")
+    return {kind: _train_tiny(output, "audit.canaries.count=40", f"audit.canaries.kind={kind}")
+            for kind in ("mislabel", "ood")}
+
+
+def copied(run: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(run, tmp_path / run.name))
+
+
+def test_inclusion_bits_written_as_text_are_refused_not_read_as_true(cli, canary_runs, tmp_path):
+    run = copied(canary_runs["ood"], tmp_path)
+    key = json.loads((run / "audit" / "canaries.json").read_text())
+    key["included"] = ["no"] * len(key["included"])
+    (run / "audit" / "canaries.json").write_text(json.dumps(key))
+    result = cli("audit-mia", run, "--attack", "one-run")
+    assert result.code == 2, (result.code, result.err)
+    assert "canaries.json is damaged" in result.err and "hint:" in result.err and "unexpected" not in result.err
+
+
+def test_a_file_in_place_of_the_audit_folder_is_named_with_a_hint(cli, canary_runs, tmp_path):
+    import shutil
+
+    run = copied(canary_runs["ood"], tmp_path)
+    shutil.rmtree(run / "audit")
+    (run / "audit").write_text("x")
+    result = cli("audit-mia", run, "--attack", "loss", "--bootstrap", "0")
+    assert result.code == 2, (result.code, result.err)
+    assert "is a file" in result.err and "hint:" in result.err and "unexpected" not in result.err
+
+
+def test_a_deleted_answer_key_is_named_deleted_not_a_run_without_canaries(cli, canary_runs, tmp_path):
+    run = copied(canary_runs["ood"], tmp_path)
+    (run / "audit" / "canaries.json").unlink()
+    result = cli("audit-mia", run, "--attack", "one-run")
+    assert result.code == 2 and "deleted" in result.err and "restore it" in result.err
+    assert "without canaries" not in result.err and "add canaries" not in result.err
+    # ood canaries are no held-out rows: the other attacks still run
+    assert cli("audit-mia", run, "--attack", "loss", "--bootstrap", "0").code == 0
+
+
+def test_a_mislabel_run_whose_answer_key_was_deleted_is_not_audited(cli, canary_runs, tmp_path):
+    """Its trained-on held-out rows are unknown: scoring them as non-members would be silent and wrong."""
+    run = copied(canary_runs["mislabel"], tmp_path)
+    (run / "audit" / "canaries.json").unlink()
+    result = cli("audit-mia", run, "--attack", "loss", "--bootstrap", "0")
+    assert result.code == 2, (result.code, result.err)
+    assert "deleted" in result.err and "non-members" in result.err and "hint:" in result.err
+
+
+def test_the_one_run_table_states_the_condition_of_the_fdp_bound(cli, canary_runs, tmp_path):
+    result = cli("audit-mia", copied(canary_runs["ood"], tmp_path), "--attack", "one-run")
+    assert result.code == 0, result.err
+    assert "a lower bound only if the trade-off curve is Gaussian" in " ".join(result.out.split())

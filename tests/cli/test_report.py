@@ -93,5 +93,22 @@ def test_the_report_page_compares_every_attack_under_the_ledgers_bound_with_both
         assert f"<td>{name}</td>" in page
     assert "≤ 0.0027" in page and "≤ 0.0272" in page          # the ledger's bound under the attacks
     assert "ε ≥ 0" in page and "μ ≥ 0.12, ε ≥ 0.31" in page and "within the ledger's ε" in page
+    # the f-DP ε is a lower bound only under its condition, stated beside it as the CLI table does
+    assert "ε ≥ 0.31 (a lower bound only if the trade-off curve is Gaussian" in page
     assert "2.5 bits (16x)" in page and "16 never-planted controls 1.3" in page
     assert "not covered by ε" in page
+
+
+@pytest.mark.parametrize("written", ['{"ledger": 5}', '{"attacks": {"loss": 3}}', '{"attacks": [], "one_run": 5}',
+                                     '{"one_run": {"fdp": {"epsilon_lower_bound": "x"}}}', '{"notes": [5]}', "[]",
+                                     "{", "a folder"])
+def test_an_audit_report_of_the_wrong_shape_is_named_damaged_with_a_hint(cli, finished_run, written):
+    report = finished_run / "audit" / "report.json"
+    report.parent.mkdir()
+    if written == "a folder":
+        report.mkdir()
+    else:
+        report.write_text(written)
+    result = cli("report", finished_run)
+    assert result.code == 2, (result.code, result.err)
+    assert "report.json is damaged" in result.err and "hint:" in result.err and "unexpected" not in result.err
