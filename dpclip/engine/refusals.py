@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from torch import Tensor, nn
 from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
@@ -77,10 +79,13 @@ def refuse_new_trainable(model: nn.Module, privatised: list[nn.Parameter], names
 
 
 def refuse_outside_leaves(losses: Tensor, params: list[Tensor]) -> None:
-    """Refuse per-sample losses that depend on a trainable tensor the engine does not clip: a head
-    or a temperature outside the model. autograd would accumulate the batch's raw gradient into
+    """Refuse per-sample losses that depend on a trainable parameter the engine does not clip: a
+    head or a temperature outside the model. autograd would accumulate the batch's raw gradient into
     its ``.grad`` (unclipped, unnoised), and an optimizer holding it would release that. Found by a
-    walk of the losses' graph to its leaves (``AccumulateGrad`` nodes), before the backward."""
+    walk of the losses' graph to its leaves (``AccumulateGrad`` nodes), before the backward, and
+    into a reentrant checkpoint's function (its parameters are not leaves of this graph). Leaves
+    that are not ``nn.Parameter`` are activations or inputs (HF's input-embedding hook under
+    gradient checkpointing makes a frozen embedding's output one): nothing steps their ``.grad``."""
     known = {id(p) for p in params}
     seen: set = set()
     todo = [losses.grad_fn] if losses.grad_fn is not None else []
@@ -92,14 +97,30 @@ def refuse_outside_leaves(losses: Tensor, params: list[Tensor]) -> None:
         seen.add(node)
         leaf = getattr(node, "variable", None)
         if leaf is not None:
-            if id(leaf) not in known:
+            if isinstance(leaf, nn.Parameter) and id(leaf) not in known:
                 stray.append(leaf)
             continue
+        stray += [p for m in _modules_of(getattr(node, "run_function", None))
+                  for p in m.parameters() if p.requires_grad and id(p) not in known]
         todo.extend(child for child, _ in node.next_functions)
     if stray:
-        what = ", ".join(f"{type(t).__name__} of shape {list(t.shape)}" for t in stray[:3])
-        raise EngineError(f"the per-sample losses depend on {len(stray)} trainable tensor(s) outside the model the "
+        what = ", ".join(f"parameter of shape {list(t.shape)}" for t in stray[:3])
+        raise EngineError(f"the per-sample losses depend on {len(stray)} trainable parameter(s) outside the model the "
                           f"engine clips ({what}): their raw gradient of the whole batch, neither clipped nor noised, "
                           "would land in their .grad", "make them part of the model given to the engine (a head or "
-                          "a temperature as a submodule or nn.Parameter of it), or .detach() them / set "
-                          "requires_grad=False")
+                          "a temperature as a submodule or nn.Parameter of it), or freeze them (requires_grad=False)")
+
+
+def _modules_of(fn) -> list[nn.Module]:
+    """The modules a reentrant checkpoint's ``run_function`` calls, as far as they can be seen: the
+    module itself, a bound method's, a ``functools.partial``'s, or those its closure holds."""
+    if fn is None:
+        return []
+    if isinstance(fn, nn.Module):
+        return [fn]
+    if isinstance(getattr(fn, "__self__", None), nn.Module):
+        return [fn.__self__]
+    if isinstance(fn, functools.partial):
+        return _modules_of(fn.func) + [a for a in (*fn.args, *fn.keywords.values()) if isinstance(a, nn.Module)]
+    cells = getattr(fn, "__closure__", None) or ()
+    return [c.cell_contents for c in cells if isinstance(getattr(c, "cell_contents", None), nn.Module)]

@@ -64,3 +64,17 @@ def test_make_private_refuses_a_centring_pre_hook_on_the_model_and_charges_nothi
     with pytest.raises(EngineError, match="mixes samples"):
         criterion(model(x), y).backward()
     assert released == [] and private.ledger.steps == 0
+
+
+def test_a_centring_pre_hook_prepended_after_the_engine_is_refused():
+    """prepend=True after the engine puts the hook before the engine's own: refused at the forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=1.0,
+                      expected_batch_size=6)
+    model.register_forward_pre_hook(centre, prepend=True)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6, 5, generator=g) + 3, torch.randint(0, 3, (6,), generator=g)
+    with pytest.raises(EngineError, match="prepend=True"):
+        engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+    assert all(p.grad is None for p in model.parameters())

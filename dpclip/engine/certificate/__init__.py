@@ -160,8 +160,22 @@ class Certificate:
         if not self.forwards:
             self.armed = self._due(shape_family(args, kwargs, batch))
         if self.armed and len(self.forwards) < MAX_FORWARDS:
+            self._first_of_the_hooks(module)
             self._rows = (args, kwargs, batch)
         return None
+
+    def _first_of_the_hooks(self, model: nn.Module) -> None:
+        """Refuse a pre-hook of the user's that ran before the rows were taken (registered on the
+        model with ``prepend=True`` after the engine): the check would see the rows as it changed them."""
+        for key, hook in model._forward_pre_hooks.items():
+            if key == self._handles[0].id:
+                return
+            if not getattr(hook, "__module__", "").startswith("dpclip."):
+                raise EngineError("a forward pre-hook registered on the model with prepend=True after the engine "
+                                  "runs before the engine records the rows, so its check would see them as the "
+                                  "hook changed them", "register hooks on the model before building the engine "
+                                  "(make_private, DPTrainer), or without prepend=True; a hook that changes the "
+                                  "inputs must be part of the model's forward")
 
     def _begin(self, module, args, kwargs):
         if self._rows is None or self.idle or self.depth != 1:   # (not a call nested in the forward's hooks)
