@@ -754,8 +754,8 @@ def test_the_models_forward_hooks_do_not_see_the_probes():
     engine.backward(classify_loss(model, _ids(5)))
     assert engine._keeper.axes.probes == 2
     assert seen == [(T, 5, 3)] and pre == [5]
-    # the user's pre-hook, the batch axes' and the certificate's
-    assert len(model.lin._forward_hooks) == 1 and len(model._forward_pre_hooks) == 3
+    # the user's pre-hook, the batch axes' and the certificate's two (the rows first, the state after the user's)
+    assert len(model.lin._forward_hooks) == 1 and len(model._forward_pre_hooks) == 4
     engine.detach()
 
 

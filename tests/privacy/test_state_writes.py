@@ -1,6 +1,6 @@
 """A forward that writes data into the model's state is refused before any noisy step: the state is
 released with the model, and a buffer the forward reads carries one sample into other samples'
-gradients across micro-batches, which nothing clips (docs/certificate.md, "Sample independence").
+gradients across micro-batches, which nothing clips (docs/certificate.md, "What is verified").
 
 The state is every buffer and every frozen parameter, looked up by name; a write passes only if
 each checked sample's replay alone leaves it exactly as the real forward on the whole batch did,
