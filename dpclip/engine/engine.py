@@ -251,7 +251,8 @@ class DPEngine:
                               "sample's tokens yourself")
         forwards = self.certificate.take(losses.shape[0])
         self.refuse_changed_parameters()
-        refuse_outside_leaves(losses, self._params)
+        if self._sharded_names is None:   # (a sharded model's leaves are FSDP's own unsharded parameters)
+            refuse_outside_leaves(losses, self._params)
         if losses.shape[0] == 0:
             self._keeper.take_forward_counts()
             return
