@@ -45,7 +45,7 @@ from dpclip.engine.certificate.draws import Recorder
 from dpclip.engine.certificate.replay import (Cotangents, Forward, NotReproducible, Replayer, release, replaying,
                                               rng_state, same_rng)
 from dpclip.engine.certificate.state import snapshot, state_kept
-from dpclip.engine.certificate.verdict import compare, hooked_layers, with_hooks_named
+from dpclip.engine.certificate.verdict import compare, hooked_layers, users_hook, with_hooks_named
 from dpclip.engine.precision import autocast_snapshot
 from dpclip.errors import EngineError
 
@@ -170,7 +170,7 @@ class Certificate:
         for key, hook in model._forward_pre_hooks.items():
             if key == self._handles[0].id:
                 return
-            if not getattr(hook, "__module__", "").startswith("dpclip."):
+            if users_hook(hook):
                 raise EngineError("a forward pre-hook registered on the model with prepend=True after the engine "
                                   "runs before the engine records the rows, so its check would see them as the "
                                   "hook changed them", "register hooks on the model before building the engine "

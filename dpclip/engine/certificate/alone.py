@@ -23,8 +23,9 @@ def alone_gradients(model: nn.Module, replayer: Replayer, forwards: list[Forward
     """Each checked sample's gradient from replays on that sample alone (``replayer``'s, of
     ``model``); its outputs alone must be its outputs in the batch, and its loss's cotangent must
     vanish off its rows, and its replay must leave the model's state as the real forward on the
-    whole batch left it (``buffers``: a write that depends on the batch is refused). ``cut``: the replays get the sample's part of the recorded random draws
-    (draws.py); where that part does not reproduce the sample's outputs, :class:`NotReproducible`."""
+    whole batch left it (``buffers``: a write that depends on the batch is refused). ``cut``: the
+    replays get the sample's part of the recorded random draws (draws.py); where that part does
+    not reproduce the sample's outputs, :class:`NotReproducible`."""
     own: dict[int, list[Tensor]] = {}
     for r in rows:
         total = None

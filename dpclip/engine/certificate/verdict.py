@@ -35,8 +35,8 @@ _ONE_ROW_HINT = "; or use micro-batches of 2 rows or more (max_physical_batch_si
 
 def refuse_written_buffer(found: str | None, batch: int | None = None) -> None:
     """Refuse a forward whose write of its state depends on the batch (``found``: "buffer NAME" or
-    "frozen parameter NAME", and
-    the replay that left it otherwise, from :meth:`~dpclip.engine.certificate.state.State.after`)."""
+    "frozen parameter NAME", and the replay that left it otherwise, from
+    :meth:`~dpclip.engine.certificate.state.State.after`)."""
     if found is not None:
         raise EngineError(f"the model's forward writes {found} from the data: what it writes depends on the "
                           "batch (its statistics, its rows or its size: a count of the samples seen releases the "
@@ -129,13 +129,16 @@ def mixing_error(model: nn.Module, replayer: Replayer, forward: Forward, row: in
                        MIXING_HINT + (SHARED_INPUT_HINT if len(rowed) > 1 else ""))
 
 
+def users_hook(hook) -> bool:
+    """Whether a forward hook is the user's, not one of dpclip's own (told apart by the package its
+    function comes from: the engine's and make_private's hooks are on the root)."""
+    return not getattr(hook, "__module__", "").startswith("dpclip.")
+
+
 def hooked_layers(model: nn.Module) -> list[str]:
-    """The modules with forward hooks of the user's, which replays run without (the engine's own
-    hooks, on the root, are told apart by the package their function comes from)."""
-    def users(hooks) -> bool:
-        return any(not getattr(h, "__module__", "").startswith("dpclip.") for h in hooks.values())
+    """The modules with forward hooks of the user's, which replays run without."""
     return [name or "<root>" for name, m in model.named_modules()
-            if users(m._forward_hooks) or users(m._forward_pre_hooks)]
+            if any(users_hook(h) for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))]
 
 
 def with_hooks_named(exc: EngineError, hooked: list[str]) -> EngineError:
