@@ -124,9 +124,21 @@ def _summary(result) -> None:
         table.add_row(f"test {key} (not covered by ε)", fmt(value))
     table.add_row("run directory", str(result.run_dir))
     console.print(table)
+    if result.stopped == "budget":
+        console.print(f"[bold yellow]warning:[/] {budget_stop_line(result.steps_done, result.steps_planned)}",
+                      soft_wrap=True)
     console.print("[bold]statement[/]")
     for line in result.statement:
         console.print(f"  {line}", soft_wrap=True)
+
+
+def budget_stop_line(done: int, planned: int) -> str:
+    """Why a run capped by privacy.epsilon stopped short, and what to change."""
+    if done == 0:
+        return ("no step was taken: the first step alone would take ε above privacy.epsilon. Raise "
+                "privacy.noise_multiplier or privacy.epsilon, or leave noise_multiplier null to calibrate σ")
+    return (f"stopped after {done} of {planned} steps: the next step would take ε above privacy.epsilon "
+            "(the weights are those of the last step taken)")
 
 
 def _continual_line(continual) -> str:

@@ -25,6 +25,9 @@ from dpclip.planning import plan as planning
 #: Said (on stderr, by the CLI) when --bins is given: it is accepted, and changes nothing.
 BINS_DEPRECATED = ("--bins is deprecated and changes nothing: the histogram's sensitivity, so σ and ε, do not "
                    "depend on the number of bins")
+#: Said when --groups is given without --aux: K only sizes a statistic's sensitivity.
+GROUPS_WITHOUT_AUX = ("--groups changes nothing without --aux: the gradient's sensitivity is the total threshold C "
+                      "whatever the grouping; K sizes only a histogram's or quantile's sensitivity")
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,10 @@ def flags_statistic(flags: AccountFlags, note: Callable[[str], None]) -> AuxSpec
         if flags.bins < 2:
             raise AccountingError(f"--bins must be at least 2, got {flags.bins}", "the DC-SGD paper uses 20 bins")
         note(BINS_DEPRECATED)
+    if flags.groups is not None and flags.aux is None:
+        if flags.groups < 1:   # with --aux, statistic() refuses it in the same words
+            raise AccountingError(f"groups must be an integer >= 1, got {flags.groups}", "e.g. --groups 4")
+        note(GROUPS_WITHOUT_AUX)
     if flags.aux is not None:
         return statistic(flags.aux, 1 if flags.groups is None else flags.groups, flags.aux_sigma, flags.aux_fraction)
     if flags.aux_sigma is not None or flags.aux_fraction is not None:

@@ -337,3 +337,16 @@ def test_no_groups_is_refused_like_negative_groups(cli, groups):
     result = cli("account", "--eps", "8", "--delta", "1e-5", "-q", "0.01", "--steps", "100", "--aux", "quantile",
                  "--aux-fraction", "0.1", "--groups", groups)
     assert result.code == 2 and f"groups must be an integer >= 1, got {groups}" in result.err
+
+
+def test_groups_without_a_statistic_says_it_changes_nothing(cli):
+    with_groups = cli("account", "--sigma", "1.0", "--delta", "1e-5", "-q", "0.01", "--steps", "100", "--groups",
+                      "4", "--json")
+    without = cli("account", "--sigma", "1.0", "--delta", "1e-5", "-q", "0.01", "--steps", "100", "--json")
+    assert "--groups changes nothing without --aux" in with_groups.err
+    assert json.loads(with_groups.out)["epsilon"] == json.loads(without.out)["epsilon"]
+
+
+def test_groups_below_one_is_refused_without_a_statistic_too(cli):
+    result = cli("account", "--sigma", "1.0", "--delta", "1e-5", "-q", "0.01", "--steps", "100", "--groups", "0")
+    assert result.code == 2 and "groups must be an integer >= 1, got 0" in result.err and "hint:" in result.err

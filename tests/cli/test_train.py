@@ -33,6 +33,13 @@ def test_train_shows_progress_and_a_summary(cli, tmp_path):
         assert fragment in result.out
 
 
+def test_a_budget_cap_that_stops_before_the_first_step_says_so(cli, tmp_path):
+    result = cli("train", *short(tmp_path, "privacy.noise_multiplier=0.3", "privacy.epsilon=0.5"))
+    assert result.code == 0, result.err
+    assert "budget" in result.out and "0 / 6" in result.out
+    assert "warning:" in result.out and "no step was taken" in result.out
+
+
 def test_dry_run_prints_the_plan_and_creates_no_run(cli, tmp_path):
     result = cli("train", *short(tmp_path), "--dry-run")
     assert result.code == 0, result.err
