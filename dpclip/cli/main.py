@@ -135,7 +135,9 @@ def _file_system_error(exc: Exception) -> tuple[str, str] | None:
         return (f"cannot use {where}: {what}", "check the paths given (output_dir=... for train, --out for export, "
                 "report and tune-cost, the run directory); if they are right, rerun with --debug and please report it")
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"no space left to write {where}", "free some space (old checkpoints: checkpoint.keep), then run it again"
+        return f"no space left to write {where}", ("free some space (old checkpoints: checkpoint.keep), then run it again; a "
+                                                 "training run goes on with dpclip train --resume RUN_DIR (a new run "
+                                                 "would spend ε on the same data again)")
     return (f"cannot write {where}: {exc.strerror or 'permission denied'}",
             "make the folder writable (chmod u+w), or write elsewhere: output_dir=... for train, --out for "
             "export; a run directory that cannot be written cannot be resumed or audited in place")

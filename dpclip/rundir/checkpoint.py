@@ -156,7 +156,9 @@ def _save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: di
     write_json_atomic(staging / layout.STATE, tree)
     replace_dir_atomic(staging, final)
     write_text_atomic(root / layout.LATEST, final.name + "\n")
-    kept = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
+    # By step number: past step 999,999 the names grow a digit and sort before the older ones.
+    kept = sorted((p for p in root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)),
+                  key=lambda p: int(p.name[5:]))
     for old in kept[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -180,6 +182,14 @@ def checkpointed_steps(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
+def newer_checkpoints(checkpoint: Path) -> list[Path]:
+    """Complete checkpoint folders of the same run after ``checkpoint`` (a crash between writing
+    one and pointing LATEST at it, or LATEST edited by hand)."""
+    step = int(checkpoint.name[5:])
+    return sorted((p for p in checkpoint.parent.iterdir() if _STEP_DIR.fullmatch(p.name) and int(p.name[5:]) > step
+                   and all((p / f).is_file() for f in layout.CHECKPOINT_FILES)), key=lambda p: int(p.name[5:]))
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint folder LATEST names, or None before the first checkpoint.
 
@@ -195,8 +205,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
                           "directory was modified: restore it or start a new run")
     path = pointer.parent / name
     if not all((path / f).is_file() for f in layout.CHECKPOINT_FILES):
+        previous = path.with_name(f".{name}.old")   # a crash while the checkpoint was rewritten
+        if all((previous / f).is_file() for f in layout.CHECKPOINT_FILES):
+            raise DpclipError(f"{pointer} points to {path.name}, which is missing: the run stopped while it was "
+                              f"rewritten", f"its complete previous copy is {previous.name}: rename it back "
+                              f"(mv {previous} {path}), then resume")
         raise DpclipError(f"{pointer} points to {path.name}, which is missing or incomplete",
-                          "the run directory was modified by hand; restore the checkpoint or start a new run")
+                          "the run directory was modified by hand; restore the checkpoint from a backup of the "
+                          "run (starting a new run spends ε on the same data again)")
     return path
 
 
@@ -224,8 +240,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
 def _damaged(path: Path, exc: BaseException) -> DpclipError:
     return DpclipError(f"checkpoint {path} is damaged or incomplete ({type(exc).__name__})",
                        "it was cut short (a full disk, an interrupted copy): restore the run directory from a "
-                       f"backup, or delete {path.name} and write the previous checkpoint's folder name into "
-                       f"{layout.CHECKPOINTS}/{layout.LATEST}")
+                       f"backup, or, if {path.name}'s weights were never used or shared, delete it and write the "
+                       f"previous checkpoint's folder name into {layout.CHECKPOINTS}/{layout.LATEST} (the steps "
+                       "after it are redone with the noise they were drawn with)")
 
 
 def load_weights(path: Path, model: torch.nn.Module) -> None:

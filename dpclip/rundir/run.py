@@ -183,8 +183,12 @@ class RunDir:
     def recipe(self) -> Recipe:
         """The run's recipe.yaml, validated (the directory must be a run's)."""
         if not self.recipe_file.exists():
+            started = self.path.is_dir() and not (self.path / layout.LEDGER).exists() and not any(
+                self.path.glob(f"{layout.CHECKPOINTS}/step_*"))
             raise DpclipError(f"{self.path} is not a dpclip run directory (no recipe.yaml)",
-                              "pass the folder that `dpclip train` created under runs/")
+                              "pass the folder that `dpclip train` created under runs/" + (
+                                  "; if this is one, stopped in its first second, it took no step and spent "
+                                  "nothing: delete it and start the run again" if started else ""))
         return validate_recipe(read_yaml(self.recipe_file), source=str(self.recipe_file))
 
     def meta(self) -> dict[str, Any]:
@@ -279,7 +283,8 @@ def spent(run_dir: Path):
     recipe = run.recipe()
     path = run.ledger_file
     if not path.exists():
-        raise DpclipError(f"{run.path} has no ledger.json", "the run never reached its first step")
+        raise DpclipError(f"{run.path} has no ledger.json", "restore ledger.json from a backup of the run"
+                          if checkpointed_steps(run.path) else "the run never reached its first step")
     ledger = run.ledger()
     solved, steps = planned_step(run.path, recipe)
     if (saved := checkpointed_steps(run.path)) > ledger.steps:   # the ledger is written before each checkpoint

@@ -28,8 +28,9 @@ import torch
 from dpclip.accounting import Ledger
 from dpclip.distributed.pipeline import sync_stages
 from dpclip.errors import DpclipError
+from dpclip import layout
 from dpclip.layout import STATE
-from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint, newer_checkpoints, save_checkpoint
 from dpclip.train.output import RunOutput
 from dpclip.train.run_parts import RunParts
 from dpclip.train.ranks import check_parallel, check_world_size, rank_states, share_run_dir
@@ -111,6 +112,7 @@ class Checkpointer:
         self.checkpoint = parts.setting.recipe.checkpoint  # when to save, how many to keep
         self.last_save = time.monotonic()  # checkpoint.every_minutes counts from it
         self._optimizer_state: dict[str, Any] | None = None  # a sharded resume's, on rank 0
+        self._on_disk: tuple | None = None   # the progress the newest checkpoint holds
 
     def due(self, count: int) -> bool:
         """checkpoint.every_steps (of ``count`` steps), or checkpoint.every_minutes since the
@@ -121,7 +123,19 @@ class Checkpointer:
             every_minutes is not None and time.monotonic() - self.last_save >= 60.0 * every_minutes)
         return self.parts.setting.world.any(due)
 
+    def _progress(self) -> tuple:
+        """(private steps, public steps, phase): what a checkpoint of now holds that the last may not."""
+        continual = self.parts.feed.continual
+        return (self.state.step,) + (() if continual is None else (continual.public_step, continual.phase))
+
+    def save_unless_saved(self) -> None:
+        """The closing checkpoint, unless the newest one holds this very progress: rewriting a
+        step's folder leaves a moment when LATEST names none (docs/training.md)."""
+        if self._on_disk != self._progress():
+            self.save()
+
     def save(self) -> None:
+        self._on_disk = self._progress()
         parts, world = self.parts, self.parts.setting.world
         if parts.pipeline:  # rank 0 saves the whole model: each stage's weights from its rank
             sync_stages(parts.learner.model, parts.learner.engine.bounds, world)
@@ -163,6 +177,7 @@ class Checkpointer:
             self.output.run_dir = share_run_dir(world, Path(run_dir), parts.learner.model)
         if not world.main:
             restore(parts, self.state, tree, tree["ranks"][world.rank])
+        self._on_disk = self._progress()
 
     def _load(self, run: RunDir, resume_changes: dict[str, list[Any]], model) -> dict[str, Any]:
         parts, state = self.parts, self.state
@@ -171,6 +186,12 @@ class Checkpointer:
         if checkpoint is None:
             raise DpclipError(f"{run.path} has no checkpoint to resume from",
                               "the run stopped before its first step was saved; start a new run")
+        if newer := newer_checkpoints(checkpoint):
+            # Resuming before them would redo their steps with the noise they were released with.
+            raise DpclipError(f"{checkpoint.parent / layout.LATEST} names {checkpoint.name}, but {newer[-1].name} is "
+                              "complete and newer: its steps would be redone with the same noise and batches, and "
+                              "any difference between the two (another lr, other code) released without noise",
+                              f"resume from the newest: write {newer[-1].name} into {checkpoint.parent / layout.LATEST}")
         def check(tree: dict[str, Any]) -> None:  # before any weight is loaded
             check_world_size(tree, parts.setting.world.size, run.path)
             check_parallel(tree, parts.setting.recipe.training.parallel, run.path)

@@ -86,7 +86,7 @@ def train(recipe: Recipe | None = None, *, resume: Path | None = None, dry_run: 
         try:
             stopped = run_loop(parts, state, checkpointer, output)
             final_eval = run_eval(parts, state, output) if stopped != "interrupted" else {}
-            checkpointer.save()
+            checkpointer.save_unless_saved()
         except KeyboardInterrupt:   # a second Ctrl-C: stopped at once, maybe mid-step
             raise stopped_at_once(output.run_dir, world) from None
         return _finish(parts, state, output, stopped, final_eval, resume_changes)

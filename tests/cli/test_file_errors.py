@@ -64,6 +64,7 @@ def test_a_full_disk_says_so(cli, tmp_path, monkeypatch):
     monkeypatch.setattr(dpclip.files, "write_bytes_atomic", full)
     result = cli("train", REPO / "recipes" / "quickstart.yaml", f"output_dir={tmp_path / 'runs'}", *TINY)
     assert result.code == 2 and "error: no space left to write" in result.err and "hint: free some space" in result.err
+    assert "--resume" in result.err      # "run it again" alone would start a new run: ε spent twice
 
 
 @pytest.mark.parametrize("where", ["through a file", "a missing folder"])

@@ -134,3 +134,34 @@ def test_a_replay_whose_exact_diagnostics_differ_resumes_without_writing_them_ag
     after = [json.loads(l) for l in (crashed / "metrics.jsonl").read_text().splitlines()]
     assert after[5] == records[5]
     assert [r["step"] for r in after if "eval" not in r] == list(range(1, 9))
+
+
+def test_resuming_before_a_newer_complete_checkpoint_is_refused(tiny_recipe):
+    """LATEST set back by hand (or left behind by a crash after the folder was written): the steps
+    after it would be redone with the noise a newer, kept checkpoint's weights already hold; with
+    another lr the two weights' difference is a difference of gradients without noise."""
+    run = train(tiny_recipe("training.steps=6", "checkpoint.keep=5")).run_dir
+    (run / "checkpoints" / "LATEST").write_text("step_000002\n")
+    with pytest.raises(DpclipError) as info:
+        train(resume=run)
+    assert "step_000006 is complete and newer" in info.value.message
+    assert "step_000006" in info.value.hint
+    (run / "checkpoints" / "LATEST").write_text("step_000006\n")
+    assert train(resume=run).steps_done == 6     # as the hint says
+
+
+def test_the_closing_checkpoint_is_not_rewritten_over_the_one_of_its_step(tiny_recipe, monkeypatch):
+    """Rewriting step_N's folder renames it away for a moment in which LATEST names nothing: a
+    crash then left a run that neither resumed nor exported."""
+    saved = []
+    save = state_module.save_checkpoint
+
+    def counted(run_dir, step, model, state, keep):
+        saved.append(step)
+        return save(run_dir, step, model, state, keep)
+
+    monkeypatch.setattr(state_module, "save_checkpoint", counted)
+    run = train(tiny_recipe("training.steps=4", "checkpoint.every_steps=2")).run_dir
+    assert saved == [0, 2, 4]
+    train(resume=run)                      # a finished run resumed: nothing to redo, nothing to write
+    assert saved == [0, 2, 4]

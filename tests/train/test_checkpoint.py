@@ -99,3 +99,25 @@ def test_a_run_without_checkpoints_is_told_apart_from_one_whose_checkpoints_were
     assert "the run trained" in removed.value.hint and "restore" in removed.value.hint
     assert "train the run first" not in removed.value.hint
     assert missing_checkpoint_hint(run) == removed.value.hint
+
+
+def test_checkpoints_past_step_999999_keep_the_newest(tmp_path):
+    """The folders' names grow a seventh digit; sorted as text, the newest was deleted at once."""
+    from dpclip.rundir.checkpoint import latest_checkpoint, save_checkpoint
+
+    model = torch.nn.Linear(2, 1)
+    for step in (999_980, 999_990, 1_000_000, 1_000_010):
+        save_checkpoint(tmp_path, step, model, {"step": step}, keep=2)
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert kept == ["step_1000000", "step_1000010"]
+    assert latest_checkpoint(tmp_path).name == "step_1000010"
+
+
+def test_a_checkpoint_renamed_away_mid_rewrite_is_named_with_how_to_restore_it(tmp_path):
+    from dpclip.rundir.checkpoint import latest_checkpoint, save_checkpoint
+
+    final = save_checkpoint(tmp_path, 5, torch.nn.Linear(2, 1), {"step": 5}, keep=2)
+    final.rename(final.with_name(".step_000005.old"))     # as replace_dir_atomic leaves it between its renames
+    with pytest.raises(DpclipError) as info:
+        latest_checkpoint(tmp_path)
+    assert "rewritten" in info.value.message and "mv " in info.value.hint and ".step_000005.old" in info.value.hint

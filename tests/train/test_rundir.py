@@ -49,3 +49,23 @@ def test_a_folder_that_is_not_a_run_is_refused_by_name(tmp_path):
         RunDir(tmp_path).recipe()
     with pytest.raises(DpclipError, match="no meta.json"):
         RunDir(tmp_path).meta()
+
+
+def test_a_run_folder_left_empty_by_a_kill_in_its_first_second_says_it_spent_nothing(tmp_path):
+    with pytest.raises(DpclipError) as info:
+        RunDir(tmp_path).recipe()
+    assert "took no step and spent nothing" in info.value.hint
+    (tmp_path / "ledger.json").write_text("{}")      # a run that did take steps: no such advice
+    with pytest.raises(DpclipError) as info:
+        RunDir(tmp_path).recipe()
+    assert "spent nothing" not in info.value.hint
+
+
+def test_a_removed_ledger_of_a_run_with_checkpoints_is_told_to_be_restored(small_recipe):
+    from dpclip.rundir.run import spent
+
+    run = train(small_recipe()).run_dir
+    (run / "ledger.json").unlink()
+    with pytest.raises(DpclipError) as info:
+        spent(run)
+    assert "restore ledger.json" in info.value.hint
