@@ -7,6 +7,9 @@ the run started. Which files are secret and which may be shared: docs/accounting
 "Threat model"; the layout: docs/training.md. metrics.jsonl's records are
 :mod:`dpclip.rundir.metrics`'s; the device and thread count a run recorded are read back in
 :mod:`dpclip.train.device`.
+
+Length: a little over 400 lines, because every file of a run directory is read and checked
+here, in one place, with the hint for each way it can be damaged.
 """
 
 from __future__ import annotations
@@ -183,18 +186,16 @@ class RunDir:
     def recipe(self) -> Recipe:
         """The run's recipe.yaml, validated (the directory must be a run's)."""
         if not self.recipe_file.exists():
-            started = self.path.is_dir() and not (self.path / layout.LEDGER).exists() and not any(
-                self.path.glob(f"{layout.CHECKPOINTS}/step_*"))
-            raise DpclipError(f"{self.path} is not a dpclip run directory (no recipe.yaml)",
-                              "pass the folder that `dpclip train` created under runs/" + (
-                                  "; if this is one, stopped in its first second, it took no step and spent "
-                                  "nothing: delete it and start the run again" if started else ""))
+            started = "; if this is one, stopped in its first second, it took no step and spent nothing: delete it"
+            raise DpclipError(f"{self.path} is not a dpclip run directory (no recipe.yaml)", "pass the folder that "
+                              "`dpclip train` created under runs/" + ("" if (self.path / layout.LEDGER).exists() or
+                                                                       any(self.path.glob("checkpoints/*")) else started))
         return validate_recipe(read_yaml(self.recipe_file), source=str(self.recipe_file))
 
     def meta(self) -> dict[str, Any]:
         if not self.meta_file.exists():
             raise DpclipError(f"{self.path} has no meta.json", "pass the folder that `dpclip train` created under runs/")
-        return read_json(self.meta_file)
+        return _read_run_json(self.meta_file)
 
     def public_plan(self) -> dict[str, Any]:
         """What the privacy statement is rebuilt from, read from plan.json (released): the
@@ -211,7 +212,7 @@ class RunDir:
         return read_ledger(self.ledger_file)
 
     def summary(self) -> dict[str, Any]:
-        return read_json(self.summary_file)
+        return _read_run_json(self.summary_file)
 
     def stopped(self, steps_done: int) -> str:
         """Why the run stopped, as its summary.json says ("completed", "budget", "interrupted"), or
@@ -274,6 +275,18 @@ def check_data(run: RunDir, data) -> None:
 def load_run_recipe(run_dir: Path) -> Recipe:
     """The recipe of the run in ``run_dir`` (:meth:`RunDir.recipe`; many readers need it)."""
     return RunDir(run_dir).recipe()
+
+
+def _read_run_json(path: Path) -> dict[str, Any]:
+    """A JSON object of the run directory, or an error naming the damaged file."""
+    try:
+        record = read_json(path)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise DpclipError(f"{path} cannot be read ({type(exc).__name__}): it is damaged",
+                          "restore it from a backup of the run directory") from None
+    if not isinstance(record, dict):
+        raise DpclipError(f"{path} is damaged: it holds no JSON object", "restore it from a backup of the run directory")
+    return record
 
 
 def spent(run_dir: Path):

@@ -30,7 +30,8 @@ from dpclip.distributed.pipeline import sync_stages
 from dpclip.errors import DpclipError
 from dpclip import layout
 from dpclip.layout import STATE
-from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint, newer_checkpoints, save_checkpoint
+from dpclip.rundir.checkpoint import (latest_checkpoint, load_checkpoint, missing_checkpoint_hint, newer_checkpoints,
+                                      save_checkpoint)
 from dpclip.train.output import RunOutput
 from dpclip.train.run_parts import RunParts
 from dpclip.train.ranks import check_parallel, check_world_size, rank_states, share_run_dir
@@ -184,8 +185,7 @@ class Checkpointer:
         solved, steps = parts.setting.solved, parts.setting.plan.steps
         checkpoint = latest_checkpoint(run.path)
         if checkpoint is None:
-            raise DpclipError(f"{run.path} has no checkpoint to resume from",
-                              "the run stopped before its first step was saved; start a new run")
+            raise DpclipError(f"{run.path} has no checkpoint to resume from", missing_checkpoint_hint(run.path))
         if newer := newer_checkpoints(checkpoint):
             # Resuming before them would redo their steps with the noise they were released with.
             raise DpclipError(f"{checkpoint.parent / layout.LATEST} names {checkpoint.name}, but {newer[-1].name} is "

@@ -69,3 +69,13 @@ def test_a_removed_ledger_of_a_run_with_checkpoints_is_told_to_be_restored(small
     with pytest.raises(DpclipError) as info:
         spent(run)
     assert "restore ledger.json" in info.value.hint
+
+
+@pytest.mark.parametrize("name", ["meta.json", "summary.json"])
+def test_a_damaged_meta_or_summary_is_named_with_a_hint(tmp_path, name):
+    (tmp_path / "recipe.yaml").write_text("name: x\n")
+    (tmp_path / name).write_text('{"plan": {"steps": 3')       # cut short
+    run = RunDir(tmp_path)
+    with pytest.raises(DpclipError) as info:
+        run.meta() if name == "meta.json" else run.summary()
+    assert name in info.value.message and "damaged" in info.value.message and "backup" in info.value.hint
