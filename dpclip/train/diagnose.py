@@ -114,16 +114,17 @@ def _out_dir(target: Path, source: str, name: str, out: str | Path | None, *, pr
     A measurement on private data is never written into a run directory: the run's files are
     what ``dpclip export`` and ``dpclip report`` release beside the run's privacy statement,
     which lists what the run itself released outside ε, not what a later command measured."""
-    if out is None:
-        return target if source == "run" and not private else Path(f"diagnose-{name}")
-    out = Path(out)
-    if private:
+    if out is None and not private:
+        return target if source == "run" else Path(f"diagnose-{name}")
+    given, out = out is not None, Path(f"diagnose-{name}" if out is None else out)
+    if private:   # the default too: run from inside a run directory, ./diagnose-NAME is in it
         run = next((folder for folder in (out.resolve(), *out.resolve().parents)
                     if (folder / RunDir.RECIPE).is_file() and (folder / RunDir.META).is_file()), None)
         if run is not None:
-            raise DpclipError(f"--out {out} is inside the run directory {run}: diagnostics measured on private data "
-                              "are not written into a run (its privacy statement would not list them)",
-                              f"write them elsewhere: --out diagnose-{name}, or leave --out out")
+            raise DpclipError(f"{'--out ' if given else ''}{out} is inside the run directory {run}: diagnostics "
+                              "measured on private data are not written into a run (its privacy statement would "
+                              "not list them)", "write them elsewhere: --out DIR outside the run, or run the "
+                              "command from outside it")
     return out
 
 

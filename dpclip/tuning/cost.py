@@ -173,15 +173,18 @@ class TuneCostReport:
 
 
 def check_same_privacy(configurations: Sequence[Configuration], dataset_size: int) -> None:
-    """Every configuration must sample and step alike: the search's per-run σ is one number.
+    """Every configuration must sample, step and release alike: the search's per-run σ is one number.
 
     Given every configuration the space can yield (:func:`reachable_configurations`), not one
-    draw of it: ``tune-cost --run`` draws a random search's configurations again."""
-    shapes = {}
+    draw of it: ``tune-cost --run`` draws a random search's configurations again. The whole
+    per-run plan is compared (with its private linear-probe steps and its mechanism), not only
+    q and the steps of ``training``."""
+    shapes, plans = {}, {}
     for config in configurations:
         training = config.recipe.training
         q, steps = sampling_schedule(dataset_size, training.batch_size, training.epochs, training.steps)
         shapes.setdefault((q, steps, training.sampling), config)
+        plans.setdefault(_plan_key(config.recipe, dataset_size), config)
     if len(shapes) > 1:
         examples = "; ".join(f"q={q:.4g}, {steps} steps, {sampling} sampling for {c.label()}"
                              for (q, steps, sampling), c in list(shapes.items())[:2])
@@ -190,6 +193,23 @@ def check_same_privacy(configurations: Sequence[Configuration], dataset_size: in
                           "tune-cost gives every run the same per-run σ, which needs the same q, steps and "
                           "sampling: keep training.batch_size, training.epochs/steps and training.sampling out of "
                           "the search (tuning.grid, tuning.ranges and --grid)")
+    if len(plans) > 1:
+        one, other = list(plans.values())[:2]
+        raise RecipeError(f"the search space varies the privacy plan: {one.label()} and {other.label()} are charged "
+                          "differently (another number of private steps, e.g. linear-probe steps at the switch, or "
+                          "another mechanism)",
+                          "tune-cost gives every run the same per-run σ: keep the keys that change a run's private "
+                          "steps or how they are noised (continual.at_switch.linear_probe_epochs, continual.schedule, "
+                          "privacy.mechanism; with BLT, the momentum) out of the search")
+
+
+def _plan_key(recipe: Recipe, dataset_size: int) -> str:
+    """The per-run plan of ``recipe`` as comparable text, but for what moves no per-step event at a
+    calibrated σ: the statistic's share of it (σ_eff is one Gaussian however it is split;
+    docs/formulas.md) and what a run labels outside ε."""
+    plan = asdict(privacy_plan(recipe, dataset_size, groups=1))   # K sizes only the statistic, left out
+    plan.pop("aux"), plan.pop("not_covered")
+    return repr(sorted(plan.items()))
 
 
 def fixed_threshold_variant(base: Mapping[str, Any]) -> Recipe:

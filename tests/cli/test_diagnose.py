@@ -91,6 +91,14 @@ def test_diagnose_refuses_to_write_private_plots_into_a_run_directory(cli, run_w
     assert not (run_with_diagnostics / "plots").exists() and not (run_with_diagnostics / PLOTS[1]).exists()
 
 
+def test_diagnose_run_from_inside_a_run_directory_does_not_write_private_plots_there(cli, run_with_diagnostics,
+                                                                                      monkeypatch):
+    monkeypatch.chdir(run_with_diagnostics)          # the default ./diagnose-NAME/ is then inside the run
+    result = cli("diagnose", ".", *FAST)
+    assert result.code != 0 and "inside the run directory" in result.err and "hint:" in result.err
+    assert not (run_with_diagnostics / "diagnose-quickstart").exists()
+
+
 def test_diagnose_a_run_refuses_overrides(cli, run_with_diagnostics):
     result = cli("diagnose", run_with_diagnostics, "training.batch_size=8")
     assert result.code != 0 and "overrides" in result.err and "Traceback" not in result.err

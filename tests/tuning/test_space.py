@@ -100,3 +100,28 @@ def test_run_search_refuses_drawn_configurations_that_vary_the_privacy_plan(tiny
     monkeypatch.undo()
     with pytest.raises(RecipeError, match="varies the privacy plan"):
         run_search(base, recipe, report)
+
+
+@pytest.mark.parametrize("order", [[0, 2], [2, 0]])
+def test_a_grid_over_linear_probe_epochs_is_refused_in_either_order(tiny, order):
+    """Linear probing at the switch adds private steps outside training.steps: the first
+    configuration's plan stood for all, so [0, 2] charged every trial the steps of 0 epochs."""
+    from dpclip.tuning.cost import StepTimer, tune_cost
+
+    base, recipe = tiny("data.public_fraction=0.1", "public={source: builtin, name: digits, test_fraction: 0.2}",
+                        "continual={schedule: switch, switch: {rule: step, at_step: 1}, "
+                        "at_switch: {linear_probe_epochs: 0}}")
+    grid = [f"continual.at_switch.linear_probe_epochs={order[0]},{order[1]}"]
+    with pytest.raises(RecipeError, match="varies the privacy plan") as info:
+        tune_cost(base, recipe, grid=grid, timer=StepTimer(fixed_seconds=0.01))
+    assert "linear_probe_epochs" in info.value.hint
+
+
+def test_a_grid_over_the_statistics_share_of_the_budget_is_one_plan(tiny):
+    """σ_eff is one Gaussian however it is split between gradient and quantile counts."""
+    from dpclip.tuning.cost import StepTimer, tune_cost
+
+    base, recipe = tiny("clipping.threshold={kind: quantile, budget_fraction: 0.1}")
+    report = tune_cost(base, recipe, grid=["clipping.threshold.budget_fraction=0.05,0.2"],
+                       timer=StepTimer(fixed_seconds=0.01))
+    assert len(report.runs) == 2
