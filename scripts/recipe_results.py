@@ -6,7 +6,7 @@
 
 Every recipe in dpclip/recipes is trained through the public API (``load_recipe`` and
 ``dpclip.train.workflow.train``) once per seed, seeds 0 .. N-1 in the recipe's ``seed``
-field. The seed governs the split and the initial weights only: noise and batches come
+field. The seed governs the initial weights only: the split, noise and batches come
 from OS entropy as in any run (docs/accounting.md), so two runs with the same seed differ
 too. Periodic evaluation and checkpoints are switched off (they do not change training,
 only its time); the final held-out evaluation is kept. Run directories go to a temporary

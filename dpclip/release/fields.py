@@ -59,7 +59,7 @@ FIELDS: tuple[Fields, ...] = (
     Fields(RUN, "summary.json",
            released=(*_STATEMENT, "run_dir", "steps_done", "steps_planned", "stopped",
                      *(f"noise/{name}" for name in _SIGMAS), "sigma_change", "sigma_change/*", "sigma_change/changed/*",
-                     "epsilon_this_run_alone", *(f"selected_by_search/{field}" for field in _SELECTED),
+                     "resume_changes", "resume_changes/*", "epsilon_this_run_alone", *(f"selected_by_search/{field}" for field in _SELECTED),
                      "not_covered_by_epsilon"),
            labelled=("final_eval/*",), self_labelled=True),
     Fields(RUN, "plan.json", released=("groups", "num_train", "num_users", "privacy_fingerprint", "world_size")),

@@ -338,3 +338,12 @@ def test_export_and_report_open_no_secret_file_of_the_run(tiny_recipe, cli, tmp_
               if (entry := release.classify(p.relative_to(run_dir.resolve()))) is not None
               and entry.release == release.SECRET]
     assert secret == [], f"{command} read secret files: {sorted(set(secret))}"
+
+
+def test_a_run_resumed_with_an_override_has_every_field_in_the_manifest(tiny_recipe):
+    """summary.json's resume_changes (recipe values, old and new) shipped unlisted."""
+    run_dir = train(tiny_recipe()).run_dir
+    train(tiny_recipe("training.optimizer.lr=0.1"), resume=run_dir)
+    assert "resume_changes" in json.loads((run_dir / "summary.json").read_text())
+    assert json.loads((run_dir / "summary.json").read_text())["resume_changes"]
+    assert release.unlisted_fields(run_dir) == []

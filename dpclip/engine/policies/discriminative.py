@@ -121,8 +121,8 @@ class DiscriminativeThreshold(ThresholdPolicy):
             # re-rank many samples: the 2·large − small bound would no longer hold.
             raise EngineError("tail_rule 'top_fraction' ranks the whole logical batch and cannot be "
                               "split into micro-batches",
-                              "set training.micro_batch_size to at least training.batch_size's Poisson "
-                              "maximum (or leave it unset), or use tail_rule: threshold")
+                              "in your own loop, pass each logical batch to one engine.backward (a recipe: "
+                              "training.micro_batch_size=null), or use tail_rule: threshold")
         self._ranked_this_step = True
         if self.reducer is None:
             return tail_mask_top(scores, self.top_fraction, self.expected_batch_size)
@@ -189,7 +189,7 @@ class DiscriminativeSpec(PolicySpec):
     def check_recipe(self, recipe: Any) -> None:
         if self.tail_rule == "top_fraction" and recipe.training.micro_batch_size is not None:
             raise ValueError("clipping.threshold.tail_rule 'top_fraction' ranks the whole logical batch, which is "
-                             "processed in one backward: remove training.micro_batch_size")
+                             "processed in one backward: set training.micro_batch_size=null")
 
     def build(self, ctx: PolicyContext) -> DiscriminativeThreshold:
         return DiscriminativeThreshold(initial_thresholds(self.small, ctx, "threshold.small"),
