@@ -46,11 +46,12 @@ SHUFFLE_CAVEAT = (
 SHUFFLE_ASSUMPTION = ("fixed-size shuffled batches, accounted as if Poisson-subsampled (see the caveat): the "
                       "guarantee assumes Poisson sampling")
 
-#: The statement's first line when noise and batches were derived from the recipe's seed.
+#: The statement's first line when noise and batches were derived from a seed the user gave
+#: (a recipe's, or make_private's unsafe_seed).
 SEEDED_RANDOMNESS_WARNING = (
-    "WARNING: this guarantee does NOT hold against anyone who holds the recipe: noise and batches "
-    "were derived from its seed (privacy.unsafe_seeded_randomness), so the noise can be regenerated "
-    "and subtracted and every batch is known"
+    "WARNING: this guarantee does NOT hold against anyone who holds the seed: noise and batches "
+    "were derived from a seed given by the user (a recipe's seed with privacy.unsafe_seeded_randomness, "
+    "or unsafe_seed= in Python), so the noise can be regenerated and subtracted and every batch is known"
 )
 
 #: How the gradient release is described (clipping makes its sensitivity 1 in units of σ).
@@ -205,8 +206,8 @@ class PrivacyStatement:
             out.append(f"auxiliary statistic noise std: {_fmt(self.sigma_aux, 6)}")
         for release in self.releases:
             out.append(f"release sharing the budget: {release}")
-        randomness = ("derived from the recipe's seed (reproducible, NOT secret)" if self.seeded_randomness
-                      else "generators' whole state from OS entropy, independent of the recipe's seed")
+        randomness = ("derived from the seed given (reproducible, NOT secret)" if self.seeded_randomness
+                      else "generators' whole state from OS entropy, independent of any seed given")
         out.append(f"noise and batch sampling: {randomness}")
         for caveat in self.caveats:
             out.append(f"CAVEAT: {caveat}")

@@ -132,3 +132,11 @@ def test_a_bound_is_printed_outward(value, up, down):
     assert bound_text(value) == up and float(up) >= value
     assert bound_text(value, upper=False) == down and float(down) <= value
     assert f"ε = {up} at δ" in _statement(epsilon=value).lines()[0]
+
+
+def test_seeded_randomness_is_warned_of_in_words_true_for_make_private_too():
+    """make_private(unsafe_seed=) has no recipe: the warning names the seed, both ways of giving one."""
+    lines = _statement(seeded_randomness=True).lines()
+    assert lines[0].startswith("WARNING") and "holds the seed" in lines[0] and "unsafe_seed=" in lines[0]
+    assert not any("recipe's seed (reproducible" in line or "holds the recipe" in line for line in lines)
+    assert any("derived from the seed given" in line for line in lines)
