@@ -37,12 +37,21 @@ class ReleaseLog:
         self.main = main
         self.redo: dict[int, list[float]] = {}   # steps after the resumed checkpoint: released before
 
-    def resume_after(self, step: int, folder: str | Path) -> None:
+    def resume_after(self, step: int, folder: str | Path, required: bool = True) -> None:
         """The steps after ``step`` in the log in ``folder`` (the resumed checkpoint's run) were
-        released by the interrupted run: to be redone alike."""
+        released by the interrupted run: to be redone alike. ``required``: a checkpoint after
+        released steps; without their log beside it, the redone steps could not be checked, so the
+        resume is refused."""
         self.redo = {}
         source = Path(folder) / layout.TRAINER_RELEASES
         if not source.exists():
+            if required:
+                raise DpclipError(
+                    f"no {layout.TRAINER_RELEASES} in {folder}, beside the checkpoint: the steps its run released "
+                    "after it cannot be checked when they are redone (the same noise with another gradient would "
+                    "release their difference without noise)",
+                    f"resume from the checkpoint in the run's own output_dir, or copy that run's "
+                    f"{layout.TRAINER_RELEASES} into {folder}")
             return
         kept = []
         for line in source.read_text(encoding="utf-8").splitlines():

@@ -34,9 +34,17 @@ them with the Trainer's state, so the ledger goes on from the checkpoint's steps
 redone after it replay the same batches and noise (checked: integrations/releases.py); the
 Trainer's data skip is turned off, since the sampler continues where it stopped.
 
+``total_flos`` counts nothing (on the Poisson draws it would give their realised sizes away), and
+a ``per_sample_loss`` is checked on the certificate's steps to give each checked example alone its
+loss in the batch (integrations/loss_alone.py). A resume from a checkpoint whose run's release log
+is not beside it is refused (its redone steps could not be checked).
+
 Refused before any step: ``max_grad_norm > 0`` in the TrainingArguments (it would clip the
-noisy gradient again), several GPUs in one process (``DataParallel``), a second ``train()``,
+noisy gradient again), ``label_smoothing_factor > 0`` (never applied), ``include_num_input_tokens_seen``, several GPUs in one process (``DataParallel``), a second ``train()``,
 and a resume from a checkpoint without dpclip's state or made under another privacy plan.
+
+Length: the Trainer's hooks, the privacy arguments and the checkpoints' private state belong to one
+Trainer subclass; each part is a short method.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ from dpclip.distributed import ShardedPoissonSampler
 from dpclip.engine.compiled import CompiledMicroBatch
 from dpclip.errors import DpclipError
 from dpclip.integrations.collate import EmptyDrawCollate
+from dpclip.integrations.loss_alone import check_losses_alone, outputs_recorded
 from dpclip.integrations.parts import PoissonBatches, PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
 from dpclip.integrations.setup import clipping_spec, private_engine, running_world
@@ -95,7 +104,8 @@ class PrivacyArguments:
     target_epsilon: float | None = field(default=None, metadata={"help": "calibrate the noise to this ε"})
     noise_multiplier: float | None = field(default=None, metadata={"help": "or: the total noise multiplier σ"})
     per_sample_max_grad_norm: float | None = field(default=None, metadata={"help": "the clipping threshold C"})
-    clipping: dict = field(default_factory=dict, metadata={"help": "a recipe's clipping block (JSON)"})
+    # dict | str | None: HfArgumentParser then parses the command line's JSON as a string (as TrainingArguments' dicts)
+    clipping: dict | str | None = field(default_factory=dict, metadata={"help": "a recipe's clipping block (JSON)"})
     accountant: str = "pld"
     unsafe_seed: int | None = None
     verify_every: int = 0   # the certificate's period in steps, beyond its own checks (docs/certificate.md)
@@ -115,6 +125,17 @@ class PrivacyArguments:
                 raise DpclipError("give per_sample_max_grad_norm or max_grad_norm, not both",
                                   "PrivacyArguments(per_sample_max_grad_norm=1.0)")
             self.per_sample_max_grad_norm = max_grad_norm
+        if isinstance(self.clipping, str):
+            try:
+                self.clipping = json.loads(self.clipping)
+            except json.JSONDecodeError as exc:
+                raise DpclipError(f"clipping is not JSON ({exc.msg} at character {exc.pos})",
+                                  """--clipping '{"grouping": "layer", "threshold": {"kind": "fixed", "value": 1.0}}'""") from None
+        if self.clipping is None:
+            self.clipping = {}
+        if not isinstance(self.clipping, dict):
+            raise DpclipError(f"clipping is a {type(self.clipping).__name__}, not a recipe's clipping block",
+                              "give a JSON object (a dict in Python): docs/recipes.md, clipping")
 
 
 class PoissonParts(PoissonBatches):
@@ -171,6 +192,20 @@ def default_per_sample_loss(model: nn.Module, inputs: Mapping[str, Tensor]) -> T
     return next_token_cross_entropy(logits, batch) if logits.dim() == 3 else cross_entropy(logits, batch)
 
 
+def refuse_unused_arguments(training: Any) -> None:
+    """TrainingArguments DPTrainer would ignore silently, or that release the realised batch sizes."""
+    if training.label_smoothing_factor:
+        raise DpclipError(f"TrainingArguments(label_smoothing_factor={training.label_smoothing_factor:g}) is not "
+                          "applied: DPTrainer computes each example's loss with per_sample_loss",
+                          "set label_smoothing_factor=0 and smooth in per_sample_loss: fn(model, inputs) -> "
+                          "F.cross_entropy(logits, labels, reduction='none', label_smoothing=0.1)")
+    if training.include_num_input_tokens_seen not in ("no", False, None):
+        raise DpclipError("TrainingArguments(include_num_input_tokens_seen) would log the tokens of each Poisson "
+                          "batch without noise: its realised size, which ε does not cover",
+                          "leave include_num_input_tokens_seen off (the expected batch is B = per-device batch × "
+                          "gradient accumulation steps × processes)")
+
+
 def _private_optimizer(optimizer: Any) -> PrivateOptimizer | None:   # inside accelerate's wrapper, or None
     while optimizer is not None and not isinstance(optimizer, PrivateOptimizer):
         optimizer = getattr(optimizer, "optimizer", None)
@@ -192,6 +227,7 @@ class DPTrainer(Trainer):
             raise DpclipError(f"DPTrainer trains on one device per process, and this process drives {training.n_gpu} "
                               "GPUs (DataParallel)", "launch one process per GPU: torchrun --nproc-per-node N "
                               "your_script.py (or accelerate launch)")
+        refuse_unused_arguments(training)
         self.world = running_world() if training.world_size > 1 else None
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise DpclipError("DPTrainer needs a train_dataset with a length",
@@ -308,6 +344,11 @@ class DPTrainer(Trainer):
         noisy = None if private is None else private.last_grad_norm
         return super()._maybe_log_save_evaluate(tr_loss, grad_norm if noisy is None else noisy, *args, **kwargs)
 
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        # The Trainer sums this into total_flos (every trainer_state.json): counted on the private draws,
+        # 6·P·Σ|B_t|·T_t would release the realised batch sizes and lengths without noise. Nothing counted.
+        return 0
+
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
         model.train()
         inputs = self._prepare_inputs(inputs)
@@ -317,11 +358,16 @@ class DPTrainer(Trainer):
             weights = None if self.row_weight is None else torch.full((_rows(inputs),), self.row_weight)
             losses = self._compiled_losses(inputs, weights)
             return losses.sum() * self.ranks / self.expected_batch_size
-        with self.compute_loss_context_manager():
+        with self.compute_loss_context_manager(), outputs_recorded(model) as outputs:
             losses = self.per_sample_loss(model, inputs)
         if losses.dim() != 1 or len(losses) != _rows(inputs):
             raise DpclipError(f"per_sample_loss returned shape {tuple(losses.shape)}, not one loss per example",
                               "return the loss of each example (reduction='none'), never a batch mean")
+        if self.engine.certificate.checking():   # the certificate's rows: each one's loss alone is its loss
+            with self.compute_loss_context_manager():
+                check_losses_alone(model, self.per_sample_loss, inputs, losses, outputs,
+                                   self.engine.certificate.rows(len(losses)))
+        del outputs
         weights = None if self.row_weight is None else torch.full_like(losses, self.row_weight)
         self.engine.backward(losses, row_weights=weights)   # user-level: every row 1/k (a person weighs ≤ 1)
         # Summed over the accumulated parts by the Trainer and averaged over the ranks when it
@@ -389,7 +435,7 @@ class DPTrainer(Trainer):
         self.account.ledger = ledger
         self.account.restored = True
         self.loaded_steps = ledger.steps
-        self.releases.resume_after(ledger.steps, Path(folder).parent)
+        self.releases.resume_after(ledger.steps, Path(folder).parent, required=ledger.steps > 0)
         self._sampler().draws.load_state_dict(state["sampler"])
         self.engine.load_state_dict(state["engine"])
 
