@@ -65,11 +65,20 @@ def refuse_unsupported(module: nn.Module, name: str, trainable: dict[int, int]) 
 def refuse_new_trainable(model: nn.Module, privatised: list[nn.Parameter], names: set[str] | None = None) -> None:
     """A parameter trainable now that was not when the engine was built (a layer unfrozen, a module
     or parameter replaced) is not book-kept: autograd would leave its raw gradient in ``p.grad``.
+    A privatised parameter frozen since would get the noise alone at every step (it drifts).
     ``names``: a sharded model's privatised names, compared by name (FSDP swaps the parameter
     objects for unsharded ones around each forward and backward)."""
     known = {id(p) for p in privatised}
     new = [name for name, p in model.named_parameters() if p.requires_grad and
            (id(p) not in known if names is None else name not in names)]
+    frozen = [name for name, p in model.named_parameters() if names is None and id(p) in known and not p.requires_grad]
+    if frozen:
+        raise EngineError(f"parameters frozen (requires_grad=False) since the engine was built ({', '.join(frozen[:3])}"
+                          f"{', ...' if len(frozen) > 3 else ''}): the engine still privatises them, and they would "
+                          "be stepped with noise alone and drift, or a per-layer threshold set for them would go "
+                          "unused", "freeze layers before building the engine (make_private, DPTrainer): it "
+                          "privatises the parameters trainable then; or make these trainable again "
+                          "(requires_grad_(True))")
     if new:
         raise EngineError(f"parameters trainable now that were not when the engine was built ({', '.join(new[:3])}"
                           f"{', ...' if len(new) > 3 else ''}): the engine does not book-keep them, and their "

@@ -51,12 +51,13 @@ class EmptyDrawCollate:
 
     A collate function of your own sees the whole draw, so it could mix examples (mixup,
     normalising by the batch) before the loop's rows are checked against the draw. Each batch is
-    therefore collated again, from the same random state, with its first example appended again:
-    each row must come out the same (padding to the longest is unchanged by a repeat; a
-    statistic of the batch or a permutation is not). Where a random draw over the whole batch
-    differs with one row more, the batch is collated with its last example replaced by its
-    first, then its first by its last (the same count drawn): the rows kept must come out the
-    same in both. A row that moves is refused. It costs a second (or third) collate per batch."""
+    therefore collated again, from the same random state (the same count drawn), with its second
+    half replaced by copies of its first example, then its first half by copies of its last: the
+    rows kept must come out the same in both (a mix across the halves, a statistic of the batch
+    or a permutation does not; padding to the longest may change only the padding, a constant
+    beyond the rows' common size). A repeated example alone is not enough: it leaves a mix with
+    the next row and a batch minimum unchanged. A one-row batch is collated with its example
+    repeated. A row that moves is refused. It costs two more collates per batch."""
 
     def __init__(self, dataset: Dataset, collate: Callable | None):
         self.dataset = dataset
@@ -73,15 +74,17 @@ class EmptyDrawCollate:
         after = _random_states()
         rows, n = list(rows), len(rows)
         try:
-            if self._kept(batch, self._collated(rows + [rows[0]], before), slice(0, n), n):
+            if n == 1 and self._kept(batch, self._collated(rows + [rows[0]], before), slice(0, n), n):
                 return batch
-            if n > 1 and self._kept(batch, self._collated(rows[:-1] + [rows[0]], before), slice(0, n - 1), n) \
-                    and self._kept(batch, self._collated([rows[-1]] + rows[1:], before), slice(1, n), n):
+            half = (n + 1) // 2
+            if n > 1 and self._kept(batch, self._collated(rows[:half] + [rows[0]] * (n - half), before),
+                                    slice(0, half), n) \
+                    and self._kept(batch, self._collated([rows[-1]] * half + rows[half:], before), slice(half, n), n):
                 return batch
         finally:
             _set_random_states(after)
         raise DpclipError("the collate_fn's rows depend on the other examples of the draw (collated again with "
-                          "one example repeated, a row changed): one example would move several clipped rows, "
+                          "half its examples replaced, a row changed): one example would move several clipped rows, "
                           "more than the noise is calibrated for; nothing was released", COLLATE_HINT)
 
     def _collated(self, rows: list, states: tuple) -> Any:
@@ -95,5 +98,29 @@ class EmptyDrawCollate:
         if len(ours) != len(theirs):
             return False
         pairs = [(a, b) for a, b in zip(ours, theirs) if isinstance(a, Tensor) and a.dim() and a.shape[0] == rows]
-        return all(isinstance(b, Tensor) and b.dim() == a.dim() and b.shape[1:] == a.shape[1:]
-                   and b.shape[0] >= kept.stop and equal_values(a[kept], b[kept]) for a, b in pairs)
+        return all(isinstance(b, Tensor) and b.dim() == a.dim() and b.shape[0] >= kept.stop
+                   and _same_rows(a[kept], b[kept]) for a, b in pairs)
+
+
+def _same_rows(ours: Tensor, theirs: Tensor) -> bool:
+    """Whether two collations of the same examples agree: equal, or padded to another size (right
+    or left) with the parts beyond their common size one constant each (the padding value)."""
+    if ours.shape == theirs.shape:
+        return equal_values(ours, theirs)
+    if ours.dtype != theirs.dtype:
+        return False
+    common = [min(a, b) for a, b in zip(ours.shape[1:], theirs.shape[1:])]
+    for at_end in (False, True):
+        boxes = [(slice(None),) + tuple(slice(size - c, size) if at_end else slice(0, c)
+                                        for size, c in zip(t.shape[1:], common)) for t in (ours, theirs)]
+        if equal_values(ours[boxes[0]], theirs[boxes[1]]) and all(
+                _constant_outside(t, box) for t, box in zip((ours, theirs), boxes)):
+            return True
+    return False
+
+
+def _constant_outside(tensor: Tensor, box: tuple) -> bool:
+    outside = torch.ones(tensor.shape, dtype=torch.bool, device=tensor.device)
+    outside[box] = False
+    rest = tensor[outside]
+    return rest.numel() == 0 or bool((rest == rest[0]).all())

@@ -3,7 +3,7 @@ the per-sample criterion and the noising optimizer. They share a
 :class:`~dpclip.integrations.rows.DrawTracker`, which holds the loop to one noisy step per drawn
 batch, over that batch's own rows.
 
-Length: a little over 400 lines: the three parts are one contract (what the loop may do between
+Length: under 500 lines: the three parts are one contract (what the loop may do between
 them), so they are read together.
 """
 
@@ -64,24 +64,49 @@ def batch_parts(batch: Any, rows: int, size: int | None) -> list[Any]:
 class TrackedLoader(DataLoader):
     """A DataLoader whose every batch is one draw of the :class:`DrawTracker`, handed to the loop
     in parts of at most ``physical`` rows (None: whole). The draw is counted where the loop
-    receives it, not where workers prefetch it."""
+    receives it, not where workers prefetch it. A loop that breaks out between the parts of a
+    draw (it counts parts, or a time limit) gets the draw's other parts first from its next
+    iterator: the draw is one step, finished before the next is drawn."""
 
     def __init__(self, *args, tracker: DrawTracker, physical: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.tracker, self.physical = tracker, physical
+        self._left: list[Any] = []   # the open draw's parts not handed out yet
+        self._left_of = 0            # the draw they belong to (tracker.draws)
 
     def __iter__(self):
+        if self._left and self._left_of == self.tracker.draws and self.tracker.rows is not None:
+            yield from self._hand_left()
+            sampler = self.batch_sampler
+            if isinstance(sampler, PlannedBatches) and sampler.spent():
+                return   # that draw was the plan's last: this pass ends with it
         for batch in super().__iter__():
             rows = batch_rows(batch)
             self.tracker.open(rows, batch)
-            for part in batch_parts(batch, rows, self.physical):
-                self.tracker.hand(batch_rows(part))
-                yield part
+            self._left, self._left_of = batch_parts(batch, rows, self.physical), self.tracker.draws
+            yield from self._hand_left()
+
+    def _hand_left(self):
+        while self._left and self._left_of == self.tracker.draws:
+            self.tracker.refuse_if_spoiled()
+            part = self._left.pop(0)
+            self.tracker.hand(batch_rows(part))
+            yield part
 
 
 # ----------------------------------------------------------------------------- the loader
 
-class PoissonBatches(torch.utils.data.Sampler):
+class PlannedBatches(torch.utils.data.Sampler):
+    """Batches of example indices, as many as the plan has steps left: ε covers the planned steps."""
+
+    def spent(self) -> bool:
+        raise NotImplementedError
+
+
+SPENT_HINT = "ε covers the steps make_private planned: ask for more epochs (or steps) there"
+
+
+class PoissonBatches(PlannedBatches):
     """Batches of example indices, each example in each batch with probability q (``draws``: a
     :class:`~dpclip.data.sampler.PoissonSampler`, or a rank's sharded one).
 
@@ -96,10 +121,12 @@ class PoissonBatches(torch.utils.data.Sampler):
     def __len__(self) -> int:
         return min(self.steps_per_pass, self.draws.steps - self.draws.step) or self.steps_per_pass
 
+    def spent(self) -> bool:
+        return self.draws.step >= self.draws.steps
+
     def __iter__(self) -> Iterator[list[int]]:
-        if self.draws.step >= self.draws.steps:
-            raise DpclipError(f"the {self.draws.steps} planned steps are done",
-                              "ε covers the steps make_private planned: ask for more epochs (or steps) there")
+        if self.spent():
+            raise DpclipError(f"the {self.draws.steps} planned steps are done", SPENT_HINT)
         draws = iter(self.draws)
         for _ in range(self.steps_per_pass):
             indices = next(draws, None)
@@ -119,9 +146,38 @@ def poisson_loader(loader: DataLoader, draws: PoissonSampler, steps_per_pass: in
                          tracker=tracker, physical=physical)
 
 
-def tracked_loader(loader: DataLoader, tracker: DrawTracker, physical: int | None = None) -> DataLoader:
-    """Your own loader's batches (``poisson_sampling=False``), each one draw of ``tracker``."""
-    return TrackedLoader(loader.dataset, batch_sampler=loader.batch_sampler,
+class YourBatches(PlannedBatches):
+    """Your own loader's batches (``poisson_sampling=False``), as many as the plan has steps left:
+    counted where the loop receives them (``drawn``: the tracker's draws), as the Poisson
+    loader's are; a pass started after the plan is spent is refused."""
+
+    def __init__(self, batches: Any, steps: int, drawn: Callable[[], int]):
+        self.batches, self.steps, self.drawn = batches, steps, drawn
+
+    def spent(self) -> bool:
+        return self.drawn() >= self.steps
+
+    def __len__(self) -> int:
+        return min(len(self.batches), self.steps - self.drawn()) or len(self.batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.spent():
+            raise DpclipError(f"the {self.steps} planned steps are done", SPENT_HINT)
+        left = self.steps - self.drawn()
+        for k, batch in enumerate(self.batches):
+            if k == left:
+                return
+            yield batch
+
+
+def tracked_loader(loader: DataLoader, tracker: DrawTracker, physical: int | None = None,
+                   steps: int | None = None) -> DataLoader:
+    """Your own loader's batches (``poisson_sampling=False``), each one draw of ``tracker``, at
+    most ``steps`` of them in all (:class:`YourBatches`)."""
+    batches = loader.batch_sampler
+    if steps is not None and batches is not None:
+        batches = YourBatches(batches, steps, lambda: tracker.draws)
+    return TrackedLoader(loader.dataset, batch_sampler=batches,
                          collate_fn=EmptyDrawCollate(loader.dataset, loader.collate_fn),
                          num_workers=loader.num_workers, pin_memory=loader.pin_memory,
                          worker_init_fn=loader.worker_init_fn, prefetch_factor=loader.prefetch_factor,
@@ -185,6 +241,15 @@ class PrivateLoss:
 
     def detach(self) -> Tensor:
         return self.per_sample.detach().mean()
+
+    def __iter__(self):
+        # torch.amp.GradScaler.scale() takes anything iterable for a list of losses: refused here,
+        # where it is still one call (its own error was a ValueError from inside torch)
+        raise DpclipError("a private loss handed to torch.amp.GradScaler (or iterated): its scale() and step() would "
+                          "multiply the loss by a batch-wide tensor and unscale the noisy gradients outside the "
+                          "engine", "drop the GradScaler: call loss.backward() and optimizer.step() (bf16 autocast "
+                          "needs no loss scale; make_private takes no static loss scale for float16: use bf16, or "
+                          "the engine's engine.backward(losses, loss_scale=...), docs/engine.md, \"Mixed precision\")")
 
     @property
     def requires_grad(self) -> bool:

@@ -31,6 +31,7 @@ clipping block asks for adaptive thresholds (docs/accounting.md, "Joint release"
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,7 +120,8 @@ class PrivateTraining:
         regenerated and subtracted (docs/python-api.md, "Checkpoints"). Taken between steps."""
         if self.optimizer.tracker is not None and self.optimizer.tracker.rows is not None:
             raise DpclipError("save_checkpoint in the middle of a step (a batch drawn, its optimizer.step() not "
-                              "taken)", "save after optimizer.step()")
+                              "taken)", "save after optimizer.step() (with max_physical_batch_size, after the draw's last part: a "
+                              "loop that broke out between parts gets the others first from the loader's next iterator)")
         if running_world() is not None:
             raise DpclipError("save_checkpoint across several processes is not built yet",
                               "checkpoint a one-process run, or use dpclip train --nproc N (docs/distributed.md)")
@@ -235,7 +237,7 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
         sampling="poisson" if poisson_sampling else "shuffle", unsafe_seed=unsafe_seed, world=world,
         verify_every=verify_every, records_per_user=None if people is None else max_records_per_user)
     tracker = DrawTracker(None if people is None else 1.0 / max_records_per_user)
-    loader, draws = tracked_loader(data_loader, tracker, max_physical_batch_size), None
+    loader, draws = tracked_loader(data_loader, tracker, max_physical_batch_size, planned_steps), None
     if poisson_sampling:
         draws = poisson_draws(model, account.plan.plan.sample_rate, planned_steps, num_examples=num_examples,
                               people=people, max_records_per_user=max_records_per_user, world=world,
@@ -257,6 +259,8 @@ def count_planned_steps(epochs: float | None, steps: int | None, steps_per_pass:
     # inside the last pass.
     if steps is None and (isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not 0 < epochs < math.inf):
         raise DpclipError(f"epochs must be a finite number > 0, got {epochs!r}", "e.g. epochs=3")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1):
+        raise DpclipError(f"steps must be a whole number > 0, got {steps!r}", "e.g. steps=1000, or epochs=3")
     return max(1, math.ceil(round(epochs * steps_per_pass, 9))) if steps is None else int(steps)
 
 

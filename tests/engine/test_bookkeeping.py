@@ -180,6 +180,17 @@ def test_parameters_trainable_since_the_engine_was_built_are_refused_before_a_ra
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_parameter_frozen_since_the_engine_was_built_is_refused_before_it_gets_noise_alone():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    engine = DPEngine(model, {}, expected_batch_size=2)
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(EngineError, match=r"frozen \(requires_grad=False\) since the engine was built \(0.weight\)") \
+            as err:
+        engine.backward(model(torch.randn(2, 3)).sum(1))
+    assert "before building the engine" in err.value.hint
+    assert all(p.grad is None for p in model.parameters())
+
+
 class _GatedMixer(nn.Module):
     """A parameter of its own (the torch.func fallback takes the module) around an attention and a GRU
     without dropout: ops tagged as random by torch (aten::gru, dropout with p = 0) that draw nothing."""

@@ -159,6 +159,11 @@ class _Stream(IterableDataset):
     ({"loader": DataLoader(_Stream(), batch_size=2)}, "a length and indexable rows"),
     ({"loader": DataLoader(_data(), batch_size=N + 1)}, "not between 1"),
     ({"extra_param": True}, "not trainable parameters of the model"),
+    ({"steps": float("nan")}, "steps must be a whole number > 0"),   # crashed in the planner
+    ({"steps": 2.7}, "steps must be a whole number > 0"),            # planned 2 steps, silently
+    ({"steps": "5"}, "steps must be a whole number > 0"),
+    ({"steps": True}, "steps must be a whole number > 0"),
+    ({"steps": 0}, "steps must be a whole number > 0"),
 ])
 def test_bad_input_is_refused_with_a_hint_before_any_step(change, message):
     change = dict(change)

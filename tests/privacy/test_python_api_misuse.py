@@ -144,6 +144,33 @@ def test_physical_parts_with_a_step_after_each_are_one_noisy_step_per_draw(monke
             torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-7)
 
 
+def test_a_loop_that_breaks_out_between_parts_gets_the_draw_s_other_parts_first_then_one_step(monkeypatch):
+    """A loop counting parts (Opacus's BatchMemoryManager examples: `if i == max_iterations: break`)
+    left a draw open: every later iterator was refused and step() did nothing. The next iterator
+    hands out the draw's other parts first; the step's gradient is still the whole draw's."""
+    whole, _ = _private(unsafe_seed=11)
+    parted, released = _private(unsafe_seed=11, max_physical_batch_size=8)
+    grads = {}
+    for name, private in (("whole", whole), ("parted", parted)):
+        monkeypatch.setattr(private.engine.noise, "add_gaussians", lambda grads, stds: None)
+        model, optimizer, criterion, loader = private
+        monkeypatch.setattr(private.optimizer.original, "step",
+                            lambda name=name, model=model: grads.setdefault(name, []).append(
+                                [p.grad.clone() for p in model.parameters()]))
+        for stop in (2, 7, None):             # two loops that break mid-draw, then a whole pass
+            for k, (x, y) in enumerate(loader):
+                optimizer.zero_grad()
+                criterion(model(x), y).backward()
+                optimizer.step()
+                if k == stop:
+                    break
+    assert len(released) == len(grads["parted"]) == parted.ledger.steps
+    assert parted.ledger.steps >= 5 and parted.optimizer.tracker.rows is None
+    for a, b in zip(grads["whole"], grads["parted"]):
+        for ga, gb in zip(a, b):
+            torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-7)
+
+
 def test_an_empty_draw_is_a_step_without_a_backward():
     private, released = _private()
     optimizer = private.optimizer
@@ -271,3 +298,33 @@ def test_your_own_loader_with_poisson_sampling_false_is_held_to_one_step_per_bat
             criterion(model(x), y).backward()
     again, released = _private(poisson_sampling=False)
     _refused(again, released, accumulate, "drew batch 2 before optimizer.step")
+
+
+def test_your_own_loader_with_poisson_sampling_false_stops_at_the_planned_steps():
+    """ε (and a target_epsilon's σ) covers the planned steps: a shuffled loader ran past them,
+    silently, as far as the loop went (the Poisson loader stops its pass and refuses another)."""
+    private, released = _private(poisson_sampling=False, steps=7)
+    model, optimizer, criterion, loader = private
+    passes = []
+    with pytest.raises(DpclipError, match="the 7 planned steps are done") as caught:
+        for _ in range(3):
+            passes.append(0)
+            for x, y in loader:
+                optimizer.zero_grad()
+                criterion(model(x), y).backward()
+                optimizer.step()
+                passes[-1] += 1
+    assert passes == [5, 2, 0] and "more epochs (or steps)" in caught.value.hint
+    assert private.ledger.steps == len(released) == 7
+
+
+def test_a_loss_handed_to_a_grad_scaler_is_refused_with_a_hint_not_a_torch_traceback():
+    """torch.amp.GradScaler.scale(loss) raised a ValueError from inside torch."""
+    private, released = _private()
+    model, optimizer, criterion, loader = private
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x, y = next(iter(loader))
+    with pytest.raises(DpclipError, match="torch.amp.GradScaler") as caught:
+        scaler.scale(criterion(model(x), y)).backward()
+    assert "drop the GradScaler" in caught.value.hint and "bf16" in caught.value.hint
+    assert private.ledger.steps == len(released) == 0

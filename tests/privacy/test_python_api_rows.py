@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dpclip
 from dpclip.errors import DpclipError, EngineError
+from dpclip.integrations.collate import EmptyDrawCollate
 from tests.privacy.conftest import counted_releases
 
 N = 200
@@ -280,6 +281,26 @@ def test_a_layer_unfrozen_after_make_private_is_refused_before_its_raw_gradient_
     assert torch.equal(model[0].weight, before)
 
 
+def test_a_layer_frozen_after_make_private_is_refused_before_noise_alone_moves_it():
+    """Frozen after a step, the layer was still privatised: each step added noise alone to it."""
+    private, released = _private()
+    model, optimizer, criterion, loader = private
+    batches = iter(loader)
+    x, y = next(batches)
+    criterion(model(x), y).backward()
+    optimizer.step()
+    model[0].requires_grad_(False)                              # "train the head only from now on"
+    frozen = model[0].weight.detach().clone()
+    optimizer.zero_grad()
+    x, y = next(batches)
+    with pytest.raises(EngineError, match="frozen .requires_grad=False. since the engine was built") as caught:
+        criterion(model(x), y).backward()
+    assert "freeze layers before building the engine" in caught.value.hint
+    with pytest.raises(DpclipError):
+        optimizer.step()
+    assert torch.equal(model[0].weight, frozen) and released == [1] and private.ledger.steps == 1
+
+
 def test_a_parameter_group_added_outside_the_engine_is_refused_at_the_step():
     private, released = _private()
     model, optimizer, criterion, loader = private
@@ -343,6 +364,11 @@ COLLATES = {
     "mixup": lambda rows: (lambda x, y: (0.5 * x + 0.5 * x.flip(0), y))(*_stacked(rows)),
     "normalised over the batch": lambda rows: (lambda x, y: ((x - x.mean(0)) / (x.std(0) + 1e-6), y))(*_stacked(rows)),
     "random mixup": lambda rows: (lambda x, y: (0.5 * x + 0.5 * x[torch.randperm(len(x))], y))(*_stacked(rows)),
+    # a repeated example leaves these two unchanged: the next row of the last is the repeat, no minimum moves
+    "mixup with the next example": lambda rows: (lambda x, y: (0.5 * x + 0.5 * x.roll(-1, 0), y))(*_stacked(rows)),
+    "min-max scaled over the batch": lambda rows: (lambda x, y: ((x - x.min(0).values) /
+                                                                 (x.max(0).values - x.min(0).values), y))(
+        *_stacked(rows)),
 }
 
 
@@ -355,6 +381,22 @@ def test_a_collate_fn_that_mixes_the_draw_s_examples_is_refused_before_the_loop_
         next(iter(private.data_loader))
     assert "each example alone" in caught.value.hint
     _nothing_released(private, released)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_collate_fn_that_pads_to_the_longest_passes_with_the_longest_example_first_or_last(side):
+    """Replacing an example changes the padded size when it was the longest: only padding may move."""
+    def padded(rows):
+        longest = max(len(x) for x, _ in rows)
+        pad = [(0, longest - len(x)) if side == "right" else (longest - len(x), 0) for x, _ in rows]
+        return torch.stack([F.pad(x, p, value=-1.0) for (x, _), p in zip(rows, pad)]), torch.stack([y for _, y in rows])
+    data = [(torch.arange(1.0, 1 + n), torch.tensor(n % 3)) for n in (2, 3, 5, 2)]
+    collate = EmptyDrawCollate(data, padded)
+    for draw in ([0, 1, 2], [2, 1, 0], [2], [1, 3]):
+        rows = [data[i] for i in draw]
+        assert torch.equal(collate(rows)[0], padded(rows)[0])
+    with pytest.raises(DpclipError, match="rows depend on the other examples"):
+        EmptyDrawCollate(data, lambda rows: (lambda x, y: (x - x[:1], y))(*padded(rows)))([data[0], data[1]])
 
 
 def test_a_collate_fn_that_treats_each_example_alone_trains_random_draws_included():
