@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, default_collate
 
 from dpclip.engine.certificate.replay import equal_values
 from dpclip.errors import DpclipError
-from dpclip.torch_compat import tree_flatten
+from dpclip.integrations.rows import data_leaves
 
 
 def empty_batch_like(batch: Any) -> Any:
@@ -77,15 +77,31 @@ class EmptyDrawCollate:
             if n == 1 and self._kept(batch, self._collated(rows + [rows[0]], before), slice(0, n), n):
                 return batch
             half = (n + 1) // 2
-            if n > 1 and self._kept(batch, self._collated(rows[:half] + [rows[0]] * (n - half), before),
-                                    slice(0, half), n) \
-                    and self._kept(batch, self._collated([rows[-1]] * half + rows[half:], before), slice(half, n), n):
+            if n > 1 and self._half_kept(batch, rows, slice(0, half), [rows[0], *rows[half:]], before) \
+                    and self._half_kept(batch, rows, slice(half, n), [rows[-1], *rows[:half]], before):
                 return batch
         finally:
             _set_random_states(after)
         raise DpclipError("the collate_fn's rows depend on the other examples of the draw (collated again with "
                           "half its examples replaced, a row changed): one example would move several clipped rows, "
                           "more than the noise is calibrated for; nothing was released", COLLATE_HINT)
+
+    def _half_kept(self, batch: Any, rows: list, kept: slice, fills: list, before: tuple) -> bool:
+        """Whether the rows ``kept`` come out the same with every other row a copy of ``fills[0]``.
+        Where that moves the padding (the longest example replaced), a random draw over the padded
+        batch (masked-LM masking) moves with it: the check is then made with the first of
+        ``fills`` (the replaced rows) that keeps the batch's shapes."""
+        def collated(fill):
+            return self._collated([row if kept.start <= i < kept.stop else fill for i, row in enumerate(rows)], before)
+
+        other = collated(fills[0])
+        if self._kept(batch, other, kept, len(rows)) or _same_shapes(batch, other, len(rows)):
+            return self._kept(batch, other, kept, len(rows))
+        for fill in fills[1:]:
+            other = collated(fill)
+            if _same_shapes(batch, other, len(rows)):
+                return self._kept(batch, other, kept, len(rows))
+        return False
 
     def _collated(self, rows: list, states: tuple) -> Any:
         _set_random_states(states)
@@ -94,12 +110,20 @@ class EmptyDrawCollate:
     @staticmethod
     def _kept(batch: Any, other: Any, kept: slice, rows: int) -> bool:
         """Whether ``other``'s rows ``kept`` are ``batch``'s, in every tensor with ``rows`` rows."""
-        ours, theirs = tree_flatten(batch)[0], tree_flatten(other)[0]
+        ours, theirs = data_leaves(batch), data_leaves(other)
         if len(ours) != len(theirs):
             return False
         pairs = [(a, b) for a, b in zip(ours, theirs) if isinstance(a, Tensor) and a.dim() and a.shape[0] == rows]
         return all(isinstance(b, Tensor) and b.dim() == a.dim() and b.shape[0] >= kept.stop
                    and _same_rows(a[kept], b[kept]) for a, b in pairs)
+
+
+def _same_shapes(batch: Any, other: Any, rows: int) -> bool:
+    """Whether the tensors of ``batch`` with ``rows`` rows have the same shapes in ``other``."""
+    ours, theirs = data_leaves(batch), data_leaves(other)
+    return len(ours) == len(theirs) and all(
+        isinstance(b, Tensor) and a.shape == b.shape for a, b in zip(ours, theirs)
+        if isinstance(a, Tensor) and a.dim() and a.shape[0] == rows)
 
 
 def _same_rows(ours: Tensor, theirs: Tensor) -> bool:

@@ -12,7 +12,7 @@ loader drew (docs/python-api.md, "What the loop must do").
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,9 +28,19 @@ ROWS_HINT = ("pass the rows the loader drew as they came (moving them to a devic
              "the model or inside the criterion, one sample at a time")
 
 
+def data_leaves(tree: Any) -> list[Any]:
+    """The leaves of ``tree``, opening the mappings torch's pytree keeps whole: Hugging Face's
+    ``BatchEncoding`` (what its data collators return), any ``UserDict`` or other ``Mapping``.
+    Kept whole, their tensors went unseen by the row and collate checks."""
+    leaves = []
+    for leaf in tree_flatten(tree)[0]:
+        leaves.extend(data_leaves(dict(leaf)) if isinstance(leaf, Mapping) else [leaf])
+    return leaves
+
+
 def tensor_rows(tree: Any, rows: int) -> list[Tensor]:
     """The tensors of ``tree`` with ``rows`` rows (dim 0), the per-sample ones of a call."""
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor) and t.dim() and t.shape[0] == rows]
+    return [t for t in data_leaves(tree) if isinstance(t, Tensor) and t.dim() and t.shape[0] == rows]
 
 
 def _sorted_rows(t: Tensor) -> Tensor:
@@ -173,7 +183,7 @@ class DrawTracker:
         if self.drawn is not None and self.rows is not None:
             for t in tensor_rows(tree, rows):
                 self.drawn.check(t, self.backwarded, what, hint)
-            for t in tree_flatten(tree)[0]:   # shared by all rows: one value for the batch
+            for t in data_leaves(tree):   # shared by all rows: one value for the batch
                 if isinstance(t, Tensor) and t.dim() and t.shape[0] != rows:
                     self.drawn.check_shared(t, self.backwarded, rows, what)
 

@@ -5,6 +5,8 @@ is refused before anything is released or charged (docs/python-api.md, "What the
 
 from __future__ import annotations
 
+from collections import UserDict
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -411,3 +413,38 @@ def test_a_collate_fn_that_treats_each_example_alone_trains_random_draws_include
         if k == 1:
             break
     assert released == [1, 1] and private.ledger.steps == 2
+
+
+class _Encoding(UserDict):
+    """A mapping torch's pytree keeps whole, as Hugging Face's BatchEncoding (what its collators return)."""
+
+
+@pytest.mark.parametrize("name", ["mixup with the next example", "normalised over the batch"])
+def test_a_mixing_collate_fn_returning_a_batch_encoding_is_refused_like_a_dict(name):
+    """Its tensors went unseen, so every check passed whatever the collator did (DPTrainer with a
+    Hugging Face collator trained a neighbour mix at the printed ε)."""
+    mixed = COLLATES[name]
+    data = [(torch.randn(3), torch.tensor(i % 2)) for i in range(6)]
+    collate = EmptyDrawCollate(data, lambda rows: _Encoding(zip(("x", "y"), mixed(rows))))
+    with pytest.raises(DpclipError, match="rows depend on the other examples"):
+        collate(data)
+    honest = EmptyDrawCollate(data, lambda rows: _Encoding(zip(("x", "y"), _stacked(rows))))
+    assert torch.equal(honest(data)["x"], _stacked(data)[0])
+
+
+def test_a_random_draw_over_the_padded_batch_passes_when_the_longest_example_is_replaced():
+    """Masked-LM masking draws over the padded (rows, longest) shape: replacing the longest example
+    moves the padding and every row's mask. Each row's mask is still its own draw; the check
+    repeats with a replacement that keeps the shape."""
+    def masked(rows):
+        longest = max(len(x) for x, _ in rows)
+        x = torch.stack([F.pad(x, (0, longest - len(x)), value=0.0) for x, _ in rows])
+        mask = torch.rand(x.shape) < 0.3                     # one draw over the whole padded batch
+        return _Encoding(x=torch.where(mask, torch.full_like(x, -9.0), x), y=torch.stack([y for _, y in rows]))
+    data = [(torch.arange(1.0, 1 + n), torch.tensor(n % 2)) for n in (3, 4, 2, 5, 9, 7, 6, 8)]
+    collate = EmptyDrawCollate(data, masked)
+    for _ in range(5):
+        collate(list(data))                                 # the longest (9) is in the first half
+        collate(list(reversed(data)))                       # ... and in the second
+    with pytest.raises(DpclipError, match="rows depend on the other examples"):
+        EmptyDrawCollate(data, lambda rows: (lambda b: _Encoding(x=b["x"].roll(-1, 0), y=b["y"]))(masked(rows)))(data)
