@@ -78,3 +78,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def saved_checkpoint_steps(monkeypatch):
+    """The step of every checkpoint training saves from now on, in order."""
+    from dpclip.train import state as state_module
+
+    saved, save = [], state_module.save_checkpoint
+
+    def recorded(run_dir, step, model, state, keep):
+        saved.append(step)
+        return save(run_dir, step, model, state, keep)
+
+    monkeypatch.setattr(state_module, "save_checkpoint", recorded)
+    return saved

@@ -150,17 +150,10 @@ def test_resuming_before_a_newer_complete_checkpoint_is_refused(tiny_recipe):
     assert train(resume=run).steps_done == 6     # as the hint says
 
 
-def test_the_closing_checkpoint_is_not_rewritten_over_the_one_of_its_step(tiny_recipe, monkeypatch):
+def test_the_closing_checkpoint_is_not_rewritten_over_the_one_of_its_step(tiny_recipe, saved_checkpoint_steps):
     """Rewriting step_N's folder renames it away for a moment in which LATEST names nothing: a
     crash then left a run that neither resumed nor exported."""
-    saved = []
-    save = state_module.save_checkpoint
-
-    def counted(run_dir, step, model, state, keep):
-        saved.append(step)
-        return save(run_dir, step, model, state, keep)
-
-    monkeypatch.setattr(state_module, "save_checkpoint", counted)
+    saved = saved_checkpoint_steps
     run = train(tiny_recipe("training.steps=4", "checkpoint.every_steps=2")).run_dir
     assert saved == [0, 2, 4]
     train(resume=run)                      # a finished run resumed: nothing to redo, nothing to write

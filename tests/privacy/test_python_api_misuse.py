@@ -117,19 +117,40 @@ def test_a_second_step_without_a_new_draw_is_refused():
     assert private.ledger.steps == 1
 
 
+def _noiseless_steps_recorded(monkeypatch, private, steps: list):
+    """``private``'s parts; each noisy step's gradient, with the noise left out, goes to ``steps``
+    instead of the parameters."""
+    model = private.model
+    monkeypatch.setattr(private.engine.noise, "add_gaussians", lambda grads, stds: None)
+    monkeypatch.setattr(private.optimizer.original, "step",
+                        lambda: steps.append([p.grad.clone() for p in model.parameters()]))
+    return private
+
+
+def _whole_and_parted(monkeypatch):
+    """Two runs of one seed, whole draws and parts of at most 8 rows, recording their noiseless
+    steps: ([(name, run)], the parted run's releases, {name: steps})."""
+    whole, _ = _private(unsafe_seed=11)
+    parted, released = _private(unsafe_seed=11, max_physical_batch_size=8)
+    grads = {"whole": [], "parted": []}
+    for name, private in (("whole", whole), ("parted", parted)):
+        _noiseless_steps_recorded(monkeypatch, private, grads[name])
+    return [("whole", whole), ("parted", parted)], released, grads
+
+
+def _assert_same_steps(ours, theirs):
+    for a, b in zip(ours, theirs):   # the steps both took
+        for ga, gb in zip(a, b):
+            torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-7)
+
+
 def test_physical_parts_with_a_step_after_each_are_one_noisy_step_per_draw(monkeypatch):
     """Opacus's BatchMemoryManager loop shape with max_physical_batch_size: each draw is cut into
     parts of at most 8 rows, step() after each part; one noisy step, one charge, per draw, and the
     step's gradient (noise removed) is the whole draw's."""
-    whole, _ = _private(unsafe_seed=11)
-    parted, released = _private(unsafe_seed=11, max_physical_batch_size=8)
-    grads = {}
-    for name, private in (("whole", whole), ("parted", parted)):
-        monkeypatch.setattr(private.engine.noise, "add_gaussians", lambda grads, stds: None)
-        model, optimizer, criterion, loader = private
-        monkeypatch.setattr(private.optimizer.original, "step",
-                            lambda name=name, model=model: grads.setdefault(name, []).append(
-                                [p.grad.clone() for p in model.parameters()]))
+    runs, released, grads = _whole_and_parted(monkeypatch)
+    for name, (model, optimizer, criterion, loader) in runs:
+        private = dict(runs)[name]
         parts = 0
         for x, y in loader:
             assert len(x) <= (8 if name == "parted" else 200)
@@ -139,24 +160,16 @@ def test_physical_parts_with_a_step_after_each_are_one_noisy_step_per_draw(monke
             optimizer.step()
         assert private.ledger.steps == 5   # a pass: ⌈200/40⌉ draws
     assert parts > 5 and len(released) == 5
-    for a, b in zip(grads["whole"], grads["parted"]):
-        for ga, gb in zip(a, b):
-            torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-7)
+    _assert_same_steps(grads["whole"], grads["parted"])
 
 
 def test_a_loop_that_breaks_out_between_parts_gets_the_draw_s_other_parts_first_then_one_step(monkeypatch):
     """A loop counting parts (Opacus's BatchMemoryManager examples: `if i == max_iterations: break`)
     left a draw open: every later iterator was refused and step() did nothing. The next iterator
     hands out the draw's other parts first; the step's gradient is still the whole draw's."""
-    whole, _ = _private(unsafe_seed=11)
-    parted, released = _private(unsafe_seed=11, max_physical_batch_size=8)
-    grads = {}
-    for name, private in (("whole", whole), ("parted", parted)):
-        monkeypatch.setattr(private.engine.noise, "add_gaussians", lambda grads, stds: None)
-        model, optimizer, criterion, loader = private
-        monkeypatch.setattr(private.optimizer.original, "step",
-                            lambda name=name, model=model: grads.setdefault(name, []).append(
-                                [p.grad.clone() for p in model.parameters()]))
+    runs, released, grads = _whole_and_parted(monkeypatch)
+    parted = dict(runs)["parted"]
+    for name, (model, optimizer, criterion, loader) in runs:
         for stop in (2, 7, None):             # two loops that break mid-draw, then a whole pass
             for k, (x, y) in enumerate(loader):
                 optimizer.zero_grad()
@@ -166,9 +179,7 @@ def test_a_loop_that_breaks_out_between_parts_gets_the_draw_s_other_parts_first_
                     break
     assert len(released) == len(grads["parted"]) == parted.ledger.steps
     assert parted.ledger.steps >= 5 and parted.optimizer.tracker.rows is None
-    for a, b in zip(grads["whole"], grads["parted"]):
-        for ga, gb in zip(a, b):
-            torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-7)
+    _assert_same_steps(grads["whole"], grads["parted"])
 
 
 def test_an_empty_draw_is_a_step_without_a_backward():

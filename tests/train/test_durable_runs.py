@@ -63,7 +63,7 @@ def test_sigterm_checkpoints_at_a_step_boundary_and_resume_ends_where_an_uninter
 
 
 @pytest.mark.slow  # an end-to-end run: the slow set (README)
-def test_a_checkpoint_is_made_when_every_minutes_have_passed(small_recipe, monkeypatch):
+def test_a_checkpoint_is_made_when_every_minutes_have_passed(small_recipe, monkeypatch, saved_checkpoint_steps):
     clock = {"now": 0.0}
 
     def fake_monotonic():
@@ -71,14 +71,7 @@ def test_a_checkpoint_is_made_when_every_minutes_have_passed(small_recipe, monke
         return clock["now"]
 
     monkeypatch.setattr(state_module.time, "monotonic", fake_monotonic)
-    saved = []
-    save = state_module.save_checkpoint
-
-    def recording_save(run_dir, step, model, state, keep):
-        saved.append(step)
-        return save(run_dir, step, model, state, keep)
-
-    monkeypatch.setattr(state_module, "save_checkpoint", recording_save)
+    saved = saved_checkpoint_steps
     short = ("training.steps=6", "model.hidden=[16]", "checkpoint.every_steps=null", "eval.every_steps=null")
     train(small_recipe(*short, "checkpoint.every_minutes=1"))
     assert saved[0] == 0 and saved[-1] == 6 and len(saved) > 2, saved
