@@ -120,8 +120,9 @@ class PrivateTraining:
         regenerated and subtracted (docs/python-api.md, "Checkpoints"). Taken between steps."""
         if self.optimizer.tracker is not None and self.optimizer.tracker.rows is not None:
             raise DpclipError("save_checkpoint in the middle of a step (a batch drawn, its optimizer.step() not "
-                              "taken)", "save after optimizer.step() (with max_physical_batch_size, after the draw's last part: a "
-                              "loop that broke out between parts gets the others first from the loader's next iterator)")
+                              "taken)", "save after optimizer.step() (with max_physical_batch_size, after the draw's "
+                              "last part: a loop that broke out between parts gets the others first from the "
+                              "loader's next iterator)")
         if running_world() is not None:
             raise DpclipError("save_checkpoint across several processes is not built yet",
                               "checkpoint a one-process run, or use dpclip train --nproc N (docs/distributed.md)")

@@ -40,8 +40,9 @@ loss in the batch (integrations/loss_alone.py). A resume from a checkpoint whose
 is not beside it is refused (its redone steps could not be checked).
 
 Refused before any step: ``max_grad_norm > 0`` in the TrainingArguments (it would clip the
-noisy gradient again), ``label_smoothing_factor > 0`` (never applied), ``include_num_input_tokens_seen``, several GPUs in one process (``DataParallel``), a second ``train()``,
-and a resume from a checkpoint without dpclip's state or made under another privacy plan.
+noisy gradient again), ``label_smoothing_factor > 0`` (never applied),
+``include_num_input_tokens_seen``, several GPUs in one process (``DataParallel``), a second
+``train()``, and a resume from a checkpoint without dpclip's state or made under another privacy plan.
 
 Length: the Trainer's hooks, the privacy arguments and the checkpoints' private state belong to one
 Trainer subclass; each part is a short method.
@@ -129,8 +130,8 @@ class PrivacyArguments:
             try:
                 self.clipping = json.loads(self.clipping)
             except json.JSONDecodeError as exc:
-                raise DpclipError(f"clipping is not JSON ({exc.msg} at character {exc.pos})",
-                                  """--clipping '{"grouping": "layer", "threshold": {"kind": "fixed", "value": 1.0}}'""") from None
+                raise DpclipError(f"clipping is not JSON ({exc.msg} at character {exc.pos})", "--clipping "
+                                  """'{"grouping": "layer", "threshold": {"kind": "fixed", "value": 1.0}}'""") from None
         if self.clipping is None:
             self.clipping = {}
         if not isinstance(self.clipping, dict):

@@ -186,10 +186,11 @@ class RunDir:
     def recipe(self) -> Recipe:
         """The run's recipe.yaml, validated (the directory must be a run's)."""
         if not self.recipe_file.exists():
-            started = "; if this is one, stopped in its first second, it took no step and spent nothing: delete it"
+            trained = (self.path / layout.LEDGER).exists() or any(self.path.glob("checkpoints/*"))
             raise DpclipError(f"{self.path} is not a dpclip run directory (no recipe.yaml)", "pass the folder that "
-                              "`dpclip train` created under runs/" + ("" if (self.path / layout.LEDGER).exists() or
-                                                                       any(self.path.glob("checkpoints/*")) else started))
+                              "`dpclip train` created under runs/" + ("" if trained else "; if this is one, stopped "
+                                                                     "in its first second, it took no step and spent "
+                                                                     "nothing: delete it"))
         return validate_recipe(read_yaml(self.recipe_file), source=str(self.recipe_file))
 
     def meta(self) -> dict[str, Any]:
