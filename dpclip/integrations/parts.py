@@ -1,187 +1,27 @@
-"""The three parts ``make_private`` wraps (docs/python-api.md): the Poisson-sampled loader,
-the per-sample criterion and the noising optimizer. They share a
+"""Two of the three parts ``make_private`` wraps (docs/python-api.md): the per-sample criterion
+and the noising optimizer; the loader is :mod:`dpclip.integrations.loaders`. They share a
 :class:`~dpclip.integrations.rows.DrawTracker`, which holds the loop to one noisy step per drawn
 batch, over that batch's own rows.
-
-Length: under 500 lines: the three parts are one contract (what the loop may do between
-them), so they are read together.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
 
 from dpclip.accounting import check_same_release
-from dpclip.data.sampler import PoissonSampler
 from dpclip.engine import DPEngine
 from dpclip.engine.certificate import RTOL
 from dpclip.engine.certificate.verdict import NOT_COVERED
 from dpclip.errors import DpclipError
-from dpclip.integrations.collate import EmptyDrawCollate
 from dpclip.integrations.rows import DrawTracker
 from dpclip.integrations.setup import Account
 from dpclip.torch_compat import tree_flatten, tree_unflatten
-
-
-def batch_rows(batch: Any) -> int:
-    """The rows of a collated batch: dim 0 of its first tensor."""
-    if isinstance(batch, Tensor) and batch.dim():
-        return int(batch.shape[0])
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    for value in values:
-        try:
-            return batch_rows(value)
-        except DpclipError:
-            continue
-    raise DpclipError("a batch of the data loader holds no tensor with rows", "return tensors from the dataset")
-
-
-def batch_parts(batch: Any, rows: int, size: int | None) -> list[Any]:
-    """``batch`` cut along dim 0 into parts of at most ``size`` rows (one part: None, or an empty draw)."""
-    if size is None or rows <= size:
-        return [batch]
-    starts = range(0, rows, size)
-
-    def cut(value: Any, start: int) -> Any:
-        if isinstance(value, Tensor) and value.dim() and value.shape[0] == rows:
-            return value[start:start + size]
-        if isinstance(value, Mapping):
-            return type(value)({key: cut(item, start) for key, item in value.items()})
-        if isinstance(value, (list, tuple)):
-            items = [cut(item, start) for item in value]
-            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-        return value
-    return [cut(batch, start) for start in starts]
-
-
-class TrackedLoader(DataLoader):
-    """A DataLoader whose every batch is one draw of the :class:`DrawTracker`, handed to the loop
-    in parts of at most ``physical`` rows (None: whole). The draw is counted where the loop
-    receives it, not where workers prefetch it. A loop that breaks out between the parts of a
-    draw (it counts parts, or a time limit) gets the draw's other parts first from its next
-    iterator: the draw is one step, finished before the next is drawn."""
-
-    def __init__(self, *args, tracker: DrawTracker, physical: int | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.tracker, self.physical = tracker, physical
-        self._left: list[Any] = []   # the open draw's parts not handed out yet
-        self._left_of = 0            # the draw they belong to (tracker.draws)
-
-    def __iter__(self):
-        if self._left and self._left_of == self.tracker.draws and self.tracker.rows is not None:
-            yield from self._hand_left()
-            sampler = self.batch_sampler
-            if isinstance(sampler, PlannedBatches) and sampler.spent():
-                return   # that draw was the plan's last: this pass ends with it
-        for batch in super().__iter__():
-            rows = batch_rows(batch)
-            self.tracker.open(rows, batch)
-            self._left, self._left_of = batch_parts(batch, rows, self.physical), self.tracker.draws
-            yield from self._hand_left()
-
-    def _hand_left(self):
-        while self._left and self._left_of == self.tracker.draws:
-            self.tracker.refuse_if_spoiled()
-            part = self._left.pop(0)
-            self.tracker.hand(batch_rows(part))
-            yield part
-
-
-# ----------------------------------------------------------------------------- the loader
-
-class PlannedBatches(torch.utils.data.Sampler):
-    """Batches of example indices, as many as the plan has steps left: ε covers the planned steps."""
-
-    def spent(self) -> bool:
-        raise NotImplementedError
-
-
-SPENT_HINT = "ε covers the steps make_private planned: ask for more epochs (or steps) there"
-
-
-class PoissonBatches(PlannedBatches):
-    """Batches of example indices, each example in each batch with probability q (``draws``: a
-    :class:`~dpclip.data.sampler.PoissonSampler`, or a rank's sharded one).
-
-    One pass (an "epoch") is ``steps_per_pass`` batches; the passes together make the planned
-    steps. A pass started after the plan is spent is refused: ε covers the planned steps.
-    """
-
-    def __init__(self, draws: PoissonSampler, steps_per_pass: int):
-        self.draws = draws
-        self.steps_per_pass = steps_per_pass
-
-    def __len__(self) -> int:
-        return min(self.steps_per_pass, self.draws.steps - self.draws.step) or self.steps_per_pass
-
-    def spent(self) -> bool:
-        return self.draws.step >= self.draws.steps
-
-    def __iter__(self) -> Iterator[list[int]]:
-        if self.spent():
-            raise DpclipError(f"the {self.draws.steps} planned steps are done", SPENT_HINT)
-        draws = iter(self.draws)
-        for _ in range(self.steps_per_pass):
-            indices = next(draws, None)
-            if indices is None:
-                return
-            yield indices.tolist()
-
-
-def poisson_loader(loader: DataLoader, draws: PoissonSampler, steps_per_pass: int, tracker: DrawTracker,
-                   physical: int | None = None) -> DataLoader:
-    """``loader``'s dataset and settings, with Poisson-sampled batches (:class:`PoissonBatches`),
-    each one draw of ``tracker`` (:class:`TrackedLoader`)."""
-    return TrackedLoader(loader.dataset, batch_sampler=PoissonBatches(draws, steps_per_pass),
-                         collate_fn=EmptyDrawCollate(loader.dataset, loader.collate_fn), num_workers=loader.num_workers,
-                         pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn,
-                         prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,
-                         tracker=tracker, physical=physical)
-
-
-class YourBatches(PlannedBatches):
-    """Your own loader's batches (``poisson_sampling=False``), as many as the plan has steps left:
-    counted where the loop receives them (``drawn``: the tracker's draws), as the Poisson
-    loader's are; a pass started after the plan is spent is refused."""
-
-    def __init__(self, batches: Any, steps: int, drawn: Callable[[], int]):
-        self.batches, self.steps, self.drawn = batches, steps, drawn
-
-    def spent(self) -> bool:
-        return self.drawn() >= self.steps
-
-    def __len__(self) -> int:
-        return min(len(self.batches), self.steps - self.drawn()) or len(self.batches)
-
-    def __iter__(self) -> Iterator[Any]:
-        if self.spent():
-            raise DpclipError(f"the {self.steps} planned steps are done", SPENT_HINT)
-        left = self.steps - self.drawn()
-        for k, batch in enumerate(self.batches):
-            if k == left:
-                return
-            yield batch
-
-
-def tracked_loader(loader: DataLoader, tracker: DrawTracker, physical: int | None = None,
-                   steps: int | None = None) -> DataLoader:
-    """Your own loader's batches (``poisson_sampling=False``), each one draw of ``tracker``, at
-    most ``steps`` of them in all (:class:`YourBatches`)."""
-    batches = loader.batch_sampler
-    if steps is not None and batches is not None:
-        batches = YourBatches(batches, steps, lambda: tracker.draws)
-    return TrackedLoader(loader.dataset, batch_sampler=batches,
-                         collate_fn=EmptyDrawCollate(loader.dataset, loader.collate_fn),
-                         num_workers=loader.num_workers, pin_memory=loader.pin_memory,
-                         worker_init_fn=loader.worker_init_fn, prefetch_factor=loader.prefetch_factor,
-                         persistent_workers=loader.persistent_workers, tracker=tracker, physical=physical)
 
 
 # ----------------------------------------------------------------------------- the loss

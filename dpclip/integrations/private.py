@@ -48,7 +48,8 @@ from dpclip.distributed import ShardedPoissonSampler, World
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
 from dpclip.files import owner_only
-from dpclip.integrations.parts import PrivateCriterion, PrivateOptimizer, poisson_loader, tracked_loader
+from dpclip.integrations.loaders import poisson_loader, tracked_loader
+from dpclip.integrations.parts import PrivateCriterion, PrivateOptimizer
 from dpclip.integrations.rows import DrawTracker, ModelRowsWatch
 from dpclip.integrations.setup import (Account, check_loop_parts, check_optimizer_params, clipping_spec,
                                       private_engine, running_world, sampling_world)

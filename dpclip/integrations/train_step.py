@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from dpclip.engine import DPEngine
 from dpclip.engine.compiled import CompiledMicroBatch
 from dpclip.errors import DpclipError
-from dpclip.integrations.parts import PrivateCriterion, PrivateOptimizer, batch_rows
+from dpclip.integrations.loaders import batch_rows
+from dpclip.integrations.parts import PrivateCriterion, PrivateOptimizer
 from dpclip.integrations.rows import DrawTracker
 
 #: what make_private(compile=True)'s classic loop is told

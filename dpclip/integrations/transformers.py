@@ -75,7 +75,8 @@ from dpclip.engine.compiled import CompiledMicroBatch
 from dpclip.errors import DpclipError
 from dpclip.integrations.collate import EmptyDrawCollate
 from dpclip.integrations.loss_alone import check_losses_alone, outputs_recorded
-from dpclip.integrations.parts import PoissonBatches, PrivateOptimizer
+from dpclip.integrations.loaders import PoissonBatches
+from dpclip.integrations.parts import PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
 from dpclip.integrations.setup import clipping_spec, private_engine, running_world
 from dpclip.models.losses import cross_entropy, next_token_cross_entropy, no_generation_cache
