@@ -95,8 +95,10 @@ class EmptyDrawCollate:
             return self._collated([row if kept.start <= i < kept.stop else fill for i, row in enumerate(rows)], before)
 
         other = collated(fills[0])
-        if self._kept(batch, other, kept, len(rows)) or _same_shapes(batch, other, len(rows)):
-            return self._kept(batch, other, kept, len(rows))
+        if self._kept(batch, other, kept, len(rows)):
+            return True
+        if _same_shapes(batch, other, len(rows)):   # the padding did not move: a row did
+            return False
         for fill in fills[1:]:
             other = collated(fill)
             if _same_shapes(batch, other, len(rows)):
