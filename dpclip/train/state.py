@@ -131,7 +131,7 @@ class Checkpointer:
 
     def save_unless_saved(self) -> None:
         """The closing checkpoint, unless the newest one holds this very progress: rewriting a
-        step's folder leaves a moment when LATEST names none (docs/training.md)."""
+        step's folder leaves a moment when LATEST names none (dpclip.files.replace_dir_atomic)."""
         if self._on_disk != self._progress():
             self.save()
 
