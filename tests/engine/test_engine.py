@@ -76,11 +76,15 @@ def test_forced_norm_methods_match_per_example_loop(method):
 def test_ghost_and_instantiate_give_identical_norms_and_grads():
     reports, grads = [], []
     for method in ("ghost", "instantiate"):
-        _, report, _ = check_exact(tiny_gpt2, gpt2_loss, gpt2_batch(), "param", norm_method=method)
+        engine, report, _ = check_exact(tiny_gpt2, gpt2_loss, gpt2_batch(), "param", norm_method=method)
         reports.append(report)
+        grads.append({name: p.grad.clone() for name, p in engine.model.named_parameters() if p.grad is not None})
     for q in ("min", "median", "max"):
         torch.testing.assert_close(reports[0].norm_quantiles[q], reports[1].norm_quantiles[q],
                                    rtol=1e-10, atol=0)
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-10, atol=1e-14, msg=name)
 
 
 class _WideSequenceNet(torch.nn.Module):

@@ -129,7 +129,7 @@ def test_per_sample_thresholds_clip_each_sample_at_its_own_level_and_set_the_noi
                       gradient_noise_multiplier=0.0, expected_batch_size=8)
     engine.backward(classify_loss(model, {k: v[:4] for k, v in batch.items()}))
     engine.backward(classify_loss(model, {k: v[4:] for k, v in batch.items()}))
-    report = engine.privatize()
+    engine.privatize()
     want = {info.name: torch.zeros_like(info.param) for info in groups.params}
     for i, g in enumerate(per):
         level = 0.5 if total[i] > cut else 0.05
