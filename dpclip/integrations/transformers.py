@@ -31,18 +31,15 @@ Checkpoints (``save_strategy``) hold, besides the Trainer's own files, ``ledger.
 sampler and the engine's threshold policy and noise generators (a secret, as in dpclip's own
 checkpoints: docs/accounting.md, "Threat model"). ``train(resume_from_checkpoint=...)`` restores
 them with the Trainer's state, so the ledger goes on from the checkpoint's steps and the steps
-redone after it replay the same batches and noise (checked: integrations/releases.py); the
-Trainer's data skip is turned off, since the sampler continues where it stopped.
+redone after it replay the same batches and noise (checked: integrations/releases.py); no data skip.
 
-``total_flos`` counts nothing (on the Poisson draws it would give their realised sizes away), and
-a ``per_sample_loss`` is checked on the certificate's steps to give each checked example alone its
-loss in the batch (integrations/loss_alone.py). A resume from a checkpoint whose run's release log
-is not beside it is refused (its redone steps could not be checked).
-
-Refused before any step: ``max_grad_norm > 0`` in the TrainingArguments (it would clip the
-noisy gradient again), ``label_smoothing_factor > 0`` (never applied),
-``include_num_input_tokens_seen``, several GPUs in one process (``DataParallel``), a second
-``train()``, and a resume from a checkpoint without dpclip's state or made under another privacy plan.
+``total_flos`` counts nothing (it would give the draws' realised sizes away); a ``per_sample_loss``
+is checked on the certificate's steps, compiled or not, to give each checked example alone its loss
+in the batch (integrations/loss_alone.py). Refused before any step: ``max_grad_norm > 0`` in the
+TrainingArguments (it would clip the noisy gradient again), ``label_smoothing_factor > 0`` (never
+applied), ``include_num_input_tokens_seen``, several GPUs in one process (``DataParallel``), a second
+``train()``, and a resume from a checkpoint without dpclip's state, made under another privacy plan,
+or whose run's release log is not beside it (its redone steps could not be checked).
 
 Length: the Trainer's hooks, the privacy arguments and the checkpoints' private state belong to one
 Trainer subclass; each part is a short method.
@@ -67,7 +64,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from dpclip import layout
 from dpclip.files import owner_only
 from dpclip.accounting import Ledger
-
 from dpclip.data.sampler import PoissonSampler
 from dpclip.data.user_sampler import UserPoissonSampler, number_people
 from dpclip.distributed import ShardedPoissonSampler
@@ -82,10 +78,9 @@ from dpclip.integrations.setup import clipping_spec, private_engine, running_wor
 from dpclip.models.losses import cross_entropy, next_token_cross_entropy, no_generation_cache
 from dpclip.torch_compat import import_dynamo
 
-# Before any process group exists (TrainingArguments makes one under torchrun): imported after
-# it, torch._dynamo keeps a reference to the group, whose gloo threads then outlive
-# destroy_process_group and can end a finished run with SIGABRT at exit (dpclip.distributed.world,
-# _import_what_would_outlive_the_group; a two-process DPTrainer run aborted so in CI).
+# Before any process group exists (TrainingArguments makes one under torchrun): imported after, torch._dynamo
+# holds the group, whose gloo threads outlive destroy_process_group and can SIGABRT a finished run at exit
+# (dpclip.distributed.world, _import_what_would_outlive_the_group; seen in CI).
 import_dynamo()
 
 LOGGED_LOSS = ("training loss logged by the Hugging Face Trainer (console, report_to integrations): computed "
@@ -106,8 +101,8 @@ class PrivacyArguments:
     target_epsilon: float | None = field(default=None, metadata={"help": "calibrate the noise to this ε"})
     noise_multiplier: float | None = field(default=None, metadata={"help": "or: the total noise multiplier σ"})
     per_sample_max_grad_norm: float | None = field(default=None, metadata={"help": "the clipping threshold C"})
-    # dict | str | None: HfArgumentParser then parses the command line's JSON as a string (as TrainingArguments' dicts)
-    clipping: dict | str | None = field(default_factory=dict, metadata={"help": "a recipe's clipping block (JSON)"})
+    clipping: dict | str | None = field(default_factory=dict, metadata={   # str: HfArgumentParser reads JSON
+        "help": "a recipe's clipping block (JSON)"})
     accountant: str = "pld"
     unsafe_seed: int | None = None
     verify_every: int = 0   # the certificate's period in steps, beyond its own checks (docs/certificate.md)
@@ -279,7 +274,7 @@ class DPTrainer(Trainer):
         if self.args.bf16 or self.args.fp16:
             raise DpclipError("PrivacyArguments(compile=True) runs in float32, and the TrainingArguments ask for "
                               "bf16 or fp16", "leave bf16 and fp16 off, or compile=False")
-        return CompiledMicroBatch(self.engine, self.model, self.per_sample_loss, backend=privacy.compile_backend)
+        return CompiledMicroBatch(self.engine, self.model, self._checked_losses, backend=privacy.compile_backend)
 
     def _compiled_losses(self, inputs: dict[str, Any], weights: Tensor | None) -> Tensor:
         """A part through the compiled graph, in pieces of ``per_device_train_batch_size`` rows, the
@@ -351,6 +346,22 @@ class DPTrainer(Trainer):
         # 6·P·Σ|B_t|·T_t would release the realised batch sizes and lengths without noise. Nothing counted.
         return 0
 
+    def _checked_losses(self, model: nn.Module, inputs: dict[str, Any]) -> Tensor:
+        """``per_sample_loss``, one loss per row; when the certificate checks the micro-batch (the eager
+        engine's, in a compiled run too: never inside the graph), each checked row's loss alone is its
+        loss in the batch (integrations/loss_alone.py), else refused before the step's noise."""
+        if torch.compiler.is_compiling():
+            return self.per_sample_loss(model, inputs)
+        with outputs_recorded(model) as outputs:
+            losses = self.per_sample_loss(model, inputs)
+        if losses.dim() != 1 or len(losses) != _rows(inputs):
+            raise DpclipError(f"per_sample_loss returned shape {tuple(losses.shape)}, not one loss per example",
+                              "return the loss of each example (reduction='none'), never a batch mean")
+        if self.engine.certificate.checking():
+            check_losses_alone(model, self.per_sample_loss, inputs, losses, outputs,
+                               self.engine.certificate.rows(len(losses)))
+        return losses
+
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
         model.train()
         inputs = self._prepare_inputs(inputs)
@@ -360,16 +371,8 @@ class DPTrainer(Trainer):
             weights = None if self.row_weight is None else torch.full((_rows(inputs),), self.row_weight)
             losses = self._compiled_losses(inputs, weights)
             return losses.sum() * self.ranks / self.expected_batch_size
-        with self.compute_loss_context_manager(), outputs_recorded(model) as outputs:
-            losses = self.per_sample_loss(model, inputs)
-        if losses.dim() != 1 or len(losses) != _rows(inputs):
-            raise DpclipError(f"per_sample_loss returned shape {tuple(losses.shape)}, not one loss per example",
-                              "return the loss of each example (reduction='none'), never a batch mean")
-        if self.engine.certificate.checking():   # the certificate's rows: each one's loss alone is its loss
-            with self.compute_loss_context_manager():
-                check_losses_alone(model, self.per_sample_loss, inputs, losses, outputs,
-                                   self.engine.certificate.rows(len(losses)))
-        del outputs
+        with self.compute_loss_context_manager():
+            losses = self._checked_losses(model, inputs)
         weights = None if self.row_weight is None else torch.full_like(losses, self.row_weight)
         self.engine.backward(losses, row_weights=weights)   # user-level: every row 1/k (a person weighs ≤ 1)
         # Summed over the accumulated parts by the Trainer and averaged over the ranks when it
