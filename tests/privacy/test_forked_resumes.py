@@ -108,3 +108,35 @@ def test_a_dptrainer_checkpoint_resumed_twice_redoes_its_released_step_then_draw
         assert resumed.account.ledger.steps == 6
         weights.append([p.detach().clone() for p in resumed.model.parameters()])
     assert not all(torch.equal(a, b) for a, b in zip(*weights))
+
+
+def test_fork_private_streams_renews_every_os_entropy_stream_and_leaves_seeded_ones():
+    from dpclip.data.sampler import PoissonSampler
+    from dpclip.engine.noise import NoiseSource
+    from dpclip.rng import fork_private_streams
+
+    holders = [NoiseSource(), PoissonSampler(30, 0.2, 5), NoiseSource(seed=1), PoissonSampler(30, 0.2, 5, seed=1)]
+    holders[0].generator(torch.device("cpu"))
+    holders[2].generator(torch.device("cpu"))
+    generators = [holders[0].generator(torch.device("cpu")), holders[1].generator,
+                  holders[2].generator(torch.device("cpu")), holders[3].generator]
+    before = [g.get_state().clone() for g in generators]
+    assert fork_private_streams(*holders, None)
+    changed = [not torch.equal(b, g.get_state()) for b, g in zip(before, generators)]
+    assert changed == [True, True, False, False]
+    assert not fork_private_streams(holders[2], holders[3])
+
+
+def test_a_renewed_shuffle_sampler_finishes_its_epoch_with_the_same_examples_in_a_fresh_order():
+    from dpclip.data.sampler import ShuffleSampler
+    from dpclip.rng import fork_private_streams
+
+    sampler = ShuffleSampler(60, 6, 10)
+    batches = iter(sampler)
+    seen = [next(batches) for _ in range(3)]
+    rest = sampler.permutation[sampler.position:].clone()
+    fork_private_streams(sampler)
+    assert sorted(sampler.permutation[sampler.position:].tolist()) == sorted(rest.tolist())
+    assert not torch.equal(sampler.permutation[sampler.position:], rest)   # 42! orders: equal by chance ~1e-51
+    seen += [next(batches) for _ in range(7)]
+    assert sorted(torch.cat(seen).tolist()) == list(range(60))   # one epoch: each example once
