@@ -16,7 +16,11 @@ from OS entropy it fills the generator's *whole* state, not a seed:
 The stream itself is torch's PRNG, not a cryptographic generator: the protection is that
 nobody outside the run can know its state. The state is kept in checkpoints (so that a
 resumed run replays exactly the releases already made); the run directory is therefore
-the operator's secret (docs/accounting.md, "Threat model").
+the operator's secret (docs/accounting.md, "Threat model"). Once a resumed run has redone
+those releases, :func:`fork_private_streams` gives every private stream a fresh whole state
+from OS entropy: two continuations of one checkpoint (a copied run directory resumed twice)
+would otherwise draw the same noise for their new steps, and the difference of their
+releases would have none.
 
 The reproducible mode (:func:`seeded_generator`) derives the whole state from
 SHAKE-256(purpose, seed), so that seeds differing in any bit give different streams;
@@ -35,7 +39,7 @@ import struct
 import torch
 
 __all__ = ["entropy_generator", "seeded_generator", "private_generator", "private_random",
-           "derived_seed", "split_generator"]
+           "derived_seed", "split_generator", "refill_from_entropy", "fork_private_streams"]
 
 # torch's CPU generator state (CPUGeneratorImplState, 5056 bytes): u64 initial seed,
 # i32 left, i32 seeded, u64 next, u64 state[624] (each holding a 32-bit word), then the
@@ -107,6 +111,30 @@ def _generator_from_bytes(material: bytes, device: torch.device | str) -> torch.
 def entropy_generator(device: torch.device | str = "cpu") -> torch.Generator:
     """A generator whose whole state comes from ``os.urandom`` (module doc)."""
     return _generator_from_bytes(os.urandom(4 * _MT_WORDS), device)
+
+
+def refill_from_entropy(generator: torch.Generator) -> None:
+    """Overwrite ``generator``'s whole state, in place, with one from ``os.urandom`` (the
+    state :func:`entropy_generator` makes: CPU, 624 words; CUDA, key and offset)."""
+    generator.set_state(entropy_generator(generator.device).get_state())
+
+
+def fork_private_streams(*holders) -> bool:
+    """A fresh whole state from OS entropy for every private stream of ``holders`` (a
+    :class:`~dpclip.engine.noise.NoiseSource`, a sampler; None is skipped), each holder's
+    ``renew_streams()``; a seeded holder keeps its stream (forks of a seeded run share it, as
+    its seed says anyway). Returns whether any stream was renewed.
+
+    Called once a resumed run has redone the steps it had already released (those must draw
+    the checkpoint's streams again): ``dpclip train --resume``, ``load_checkpoint`` of
+    make_private (at once: it redoes nothing) and a DPTrainer resume (after its release log's
+    steps). Each process renews its own streams from its own entropy, as it filled them at the
+    start; a stream every rank must share (a shuffled run's permutation) is drawn by rank 0
+    and broadcast by its holder, as at the start. Every rank calls it at the same step."""
+    renewed = [h for h in holders if h is not None and not h.seeded]
+    for holder in renewed:
+        holder.renew_streams()
+    return bool(renewed)
 
 
 def seeded_generator(seed: int, purpose: str, device: torch.device | str = "cpu") -> torch.Generator:

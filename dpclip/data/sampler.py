@@ -8,7 +8,8 @@ statement says so.
 
 Both are resumable: ``state_dict()`` holds the step counter and the random generator's
 state, and a sampler restored from it draws exactly the batches an uninterrupted one
-would have drawn.
+would have drawn, until ``renew_streams()`` (a resumed run past the steps it had already
+released: :func:`dpclip.rng.fork_private_streams`) gives an OS-entropy generator a fresh state.
 
 Randomness: which examples are in a batch is private (the accountant's amplification by
 subsampling assumes nobody knows it). ``seed=None``, the default, fills the generator's
@@ -24,7 +25,7 @@ from collections.abc import Iterator
 import torch
 
 from dpclip.errors import DpclipError
-from dpclip.rng import private_generator
+from dpclip.rng import private_generator, refill_from_entropy
 
 
 class PoissonSampler:
@@ -61,6 +62,7 @@ class PoissonSampler:
         self.steps = steps
         self.groups = groups
         self.step = 0
+        self.seeded = seed is not None
         self.generator = private_generator(seed, self.purpose)
         # drawn before any step, so the generator's position stays a function of the step count
         self.group_of = (torch.randint(0, groups, (num_examples,), generator=self.generator, dtype=torch.int64)
@@ -111,6 +113,11 @@ class PoissonSampler:
         self.step = int(state["step"])
         self.generator.set_state(state["generator"])
 
+    def renew_streams(self) -> None:
+        """The generator's whole state afresh from OS entropy (the examples' groups stay: the
+        cyclic structure the accounting assumes holds over the whole run)."""
+        refill_from_entropy(self.generator)
+
 
 class ShuffleSampler:
     """``steps`` batches of exactly ``batch_size`` examples from reshuffled epochs.
@@ -134,6 +141,7 @@ class ShuffleSampler:
         self.batch_size = batch_size
         self.steps = steps
         self.step = 0
+        self.seeded = seed is not None
         self.generator = private_generator(seed, self.purpose)
         self.permutation = self._draw_permutation()
         self.position = 0  # next unused entry of the current epoch's permutation
@@ -172,6 +180,15 @@ class ShuffleSampler:
         self.generator.set_state(state["generator"])
         self.permutation = state["permutation"].clone()
         self.position = int(state["position"])
+
+    def renew_streams(self) -> None:
+        """The generator's whole state afresh from OS entropy, and the rest of this epoch put in
+        a fresh order (the examples of a uniform permutation of all N that are below the count
+        left: a uniform order of those; drawn as every permutation is, by rank 0 across ranks)."""
+        refill_from_entropy(self.generator)
+        rest = self.permutation[self.position:]
+        order = self._draw_permutation()
+        self.permutation = torch.cat([self.permutation[:self.position], rest[order[order < len(rest)]]])
 
 
 def micro_batches(indices: torch.Tensor, micro_batch_size: int) -> Iterator[torch.Tensor]:

@@ -185,6 +185,11 @@ class PipelineEngine:
         report.policy_summary = summary
         return report
 
+    @property
+    def noise(self):
+        """This stage's noise source (its own stream)."""
+        return self.engine.noise
+
     def state_dict(self) -> dict:
         return self.engine.state_dict()
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from dpclip.accounting import joint_noise_multiplier
 from dpclip.errors import AccountingError, EngineError
-from dpclip.rng import private_generator, split_generator
+from dpclip.rng import private_generator, refill_from_entropy, split_generator
 from dpclip.torch_compat import foreach_add_, foreach_mul_
 
 # A CPU draw of at least this many elements is split into STREAMS streams drawn in
@@ -185,8 +185,11 @@ class NoiseSource:
     and known to anyone who knows the seed, who can then subtract the noise.
 
     The states are part of :meth:`state_dict` in both modes, so a resumed run replays
-    exactly the noise of the steps it redoes (no new release) and stays bit-identical;
-    a checkpoint therefore holds a secret (docs/accounting.md, "Threat model").
+    exactly the noise of the steps it redoes (no new release); a checkpoint therefore holds
+    a secret (docs/accounting.md, "Threat model"). Past those steps, an OS-entropy source is
+    given fresh states (:meth:`renew_streams`, :func:`dpclip.rng.fork_private_streams`): two
+    continuations of one checkpoint draw independent noise for their new steps, and only a
+    seeded run ends with the weights of the run that never stopped.
     """
 
     purpose = "gradient-noise"
@@ -261,6 +264,11 @@ class NoiseSource:
             return
         with ThreadPoolExecutor(workers) as pool:  # normal_ releases the GIL
             list(pool.map(draw, [range(w, STREAMS, workers) for w in range(workers)]))
+
+    def renew_streams(self) -> None:
+        """Every generator's whole state afresh from OS entropy (a fork: :func:`dpclip.rng.fork_private_streams`)."""
+        for generator in self._generators.values():
+            refill_from_entropy(generator)
 
     def state_dict(self) -> dict:
         return {"seeded": self.seeded, "states": {k: g.get_state() for k, g in self._generators.items()}}

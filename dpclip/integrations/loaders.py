@@ -16,6 +16,7 @@ from dpclip.data.sampler import PoissonSampler
 from dpclip.errors import DpclipError
 from dpclip.integrations.collate import EmptyDrawCollate
 from dpclip.integrations.rows import DrawTracker
+from dpclip.rng import fork_private_streams
 
 
 def batch_rows(batch: Any) -> int:
@@ -105,6 +106,9 @@ class PoissonBatches(PlannedBatches):
     def __init__(self, draws: PoissonSampler, steps_per_pass: int):
         self.draws = draws
         self.steps_per_pass = steps_per_pass
+        # a resume's last step already released: the draws after it start a fresh stream
+        # (dpclip.rng.fork_private_streams), however far ahead a loader's workers fetch
+        self.fork_after: int | None = None
 
     def __len__(self) -> int:
         return min(self.steps_per_pass, self.draws.steps - self.draws.step) or self.steps_per_pass
@@ -117,6 +121,9 @@ class PoissonBatches(PlannedBatches):
             raise DpclipError(f"the {self.draws.steps} planned steps are done", SPENT_HINT)
         draws = iter(self.draws)
         for _ in range(self.steps_per_pass):
+            if self.draws.step == self.fork_after:
+                fork_private_streams(self.draws)
+                self.fork_after = None
             indices = next(draws, None)
             if indices is None:
                 return

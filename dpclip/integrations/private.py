@@ -54,6 +54,7 @@ from dpclip.integrations.rows import DrawTracker, ModelRowsWatch
 from dpclip.integrations.setup import (Account, check_loop_parts, check_optimizer_params, clipping_spec,
                                       private_engine, running_world, sampling_world)
 from dpclip.integrations.train_step import TrainStep, check_compile, train_step_for
+from dpclip.rng import fork_private_streams
 
 
 #: the format of :meth:`PrivateTraining.save_checkpoint`'s file
@@ -137,9 +138,10 @@ class PrivateTraining:
         return path
 
     def load_checkpoint(self, path: str | Path) -> None:
-        """Continue the run ``save_checkpoint`` wrote: weights, optimizer, the sampler's and the noise's
-        streams where they were, and the ledger, so that ε counts the earlier steps too. The run must
-        be planned as it was (σ, q, steps, δ)."""
+        """Continue the run ``save_checkpoint`` wrote: weights, optimizer and the ledger, so that ε
+        counts the earlier steps too. The run must be planned as it was (σ, q, steps, δ). The
+        sampler's and the noise's streams start afresh from OS entropy (the checkpoint's, with
+        ``unsafe_seed``): a checkpoint loaded twice continues into independent noise."""
         try:
             state = torch.load(Path(path), map_location="cpu", weights_only=True)
         except (OSError, RuntimeError, EOFError) as exc:
@@ -162,6 +164,9 @@ class PrivateTraining:
         self.optimizer.tracker.draws = int(state["draws"])
         self.account.ledger = Ledger.from_dict(state["ledger"])
         self.account.restored = True
+        # Nothing after the checkpoint is redone (no release log): every step from here is new, and
+        # a second load of this checkpoint must not draw its noise and batches (dpclip.rng).
+        fork_private_streams(self.engine.noise, self.draws)
 
     def _plan_key(self) -> dict[str, Any]:
         plan = self.account.plan.plan

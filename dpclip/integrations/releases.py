@@ -7,6 +7,9 @@ with the same noise gives away the difference of the two gradients without noise
 step's noisy gradient leaves a fingerprint in ``dpclip_releases.jsonl`` beside the checkpoints
 (Σ g and Σ g² over every parameter, in float64: a post-processing of the release, covered by ε),
 and a redone step whose fingerprint differs is refused before anything of it leaves the process.
+After the last redone step the sampler's and the noise's streams start afresh from OS entropy
+(:meth:`ReleaseLog.fork_after_redone`): the later steps are new releases, and a second resume of
+the same checkpoint must not draw their noise.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import Tensor
 from dpclip import layout
 from dpclip.errors import DpclipError
 from dpclip.files import append_line, write_text_atomic
+from dpclip.rng import fork_private_streams
 
 
 def fingerprint(grads: Iterable[Tensor]) -> list[float]:
@@ -36,6 +40,8 @@ class ReleaseLog:
         self.path = Path(folder) / layout.TRAINER_RELEASES
         self.main = main
         self.redo: dict[int, list[float]] = {}   # steps after the resumed checkpoint: released before
+        self.last_redone: int | None = None      # then the noise's streams start afresh
+        self.noise = None
 
     def resume_after(self, step: int, folder: str | Path, required: bool = True) -> None:
         """The steps after ``step`` in the log in ``folder`` (the resumed checkpoint's run) were
@@ -65,6 +71,16 @@ class ReleaseLog:
         if self.main and source.resolve() == self.path.resolve():   # without the cut line: new lines start
             write_text_atomic(self.path, "".join(f"{line}\n" for line in kept))   # on a line of their own
 
+    def fork_after_redone(self, noise, batches, released: int) -> None:
+        """Fresh private streams (:func:`dpclip.rng.fork_private_streams`) after the redone steps
+        (the log's after ``released``, the checkpoint's steps): ``batches``' draws (a
+        :class:`~dpclip.integrations.loaders.PoissonBatches`) before the next one, however far
+        ahead a loader fetches; ``noise`` once the last redone step is checked (at once if none)."""
+        self.last_redone = batches.fork_after = max(self.redo, default=released)
+        self.noise = noise
+        if self.last_redone == released:
+            fork_private_streams(noise)
+
     def check(self, step: int, grads: Iterable[Tensor]) -> None:
         """Step ``step`` released ``grads``: refused if it redoes a step that released others;
         logged if new."""
@@ -79,6 +95,8 @@ class ReleaseLog:
                     "two gradients without noise; nothing of this step is released",
                     "resume on the machine and versions the run started with, without callbacks or model code "
                     "that draw random numbers between steps, or start a new run")
+            if step == self.last_redone:   # the next step is new
+                fork_private_streams(self.noise)
             return
         if self.main:
             append_line(self.path, json.dumps({"step": step, "fingerprint": now}))

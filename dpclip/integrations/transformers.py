@@ -31,7 +31,8 @@ Checkpoints (``save_strategy``) hold, besides the Trainer's own files, ``ledger.
 sampler and the engine's threshold policy and noise generators (a secret, as in dpclip's own
 checkpoints: docs/accounting.md, "Threat model"). ``train(resume_from_checkpoint=...)`` restores
 them with the Trainer's state, so the ledger goes on from the checkpoint's steps and the steps
-redone after it replay the same batches and noise (checked: integrations/releases.py); no data skip.
+redone after it replay the same batches and noise (checked: integrations/releases.py), the steps
+after those draw fresh OS-entropy streams (unless seeded); no data skip.
 
 ``total_flos`` counts nothing (it would give the draws' realised sizes away); a ``per_sample_loss``
 is checked on the certificate's steps, compiled or not, to give each checked example alone its loss
@@ -443,6 +444,8 @@ class DPTrainer(Trainer):
         self.releases.resume_after(ledger.steps, Path(folder).parent, required=ledger.steps > 0)
         self._sampler().draws.load_state_dict(state["sampler"])
         self.engine.load_state_dict(state["engine"])
+        # the steps after the log's are new: a second resume of this checkpoint must not draw their noise
+        self.releases.fork_after_redone(self.engine.noise, self._sampler(), ledger.steps)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)

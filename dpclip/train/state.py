@@ -30,6 +30,7 @@ from dpclip.distributed.pipeline import sync_stages
 from dpclip.errors import DpclipError
 from dpclip import layout
 from dpclip.layout import STATE
+from dpclip.rng import fork_private_streams
 from dpclip.rundir.checkpoint import (latest_checkpoint, load_checkpoint, missing_checkpoint_hint, newer_checkpoints,
                                       save_checkpoint)
 from dpclip.train.output import RunOutput
@@ -114,6 +115,7 @@ class Checkpointer:
         self.last_save = time.monotonic()  # checkpoint.every_minutes counts from it
         self._optimizer_state: dict[str, Any] | None = None  # a sharded resume's, on rank 0
         self._on_disk: tuple | None = None   # the progress the newest checkpoint holds
+        self._fork_pending = False   # a resumed run whose private streams are still the checkpoint's
 
     def due(self, count: int) -> bool:
         """checkpoint.every_steps (of ``count`` steps), or checkpoint.every_minutes since the
@@ -178,7 +180,19 @@ class Checkpointer:
             self.output.run_dir = share_run_dir(world, Path(run_dir), parts.learner.model)
         if not world.main:
             restore(parts, self.state, tree, tree["ranks"][world.rank])
+            self.state.released_steps = int(tree["released_steps"])
         self._on_disk = self._progress()
+        self._fork_pending = True
+        self.fork_when_redone()
+
+    def fork_when_redone(self) -> None:
+        """Once a resumed run has redone the steps it had released (at once if none), every
+        private stream gets a fresh state from OS entropy (:func:`dpclip.rng.fork_private_streams`):
+        its new steps are new releases, and a copy of the run directory resumed beside it must not
+        draw their noise too. Every rank at the same step (each knows ``released_steps``)."""
+        if self._fork_pending and self.state.step >= self.state.released_steps:
+            fork_private_streams(self.parts.learner.engine.noise, self.parts.feed.sampler)
+            self._fork_pending = False
 
     def _load(self, run: RunDir, resume_changes: dict[str, list[Any]], model) -> dict[str, Any]:
         parts, state = self.parts, self.state
@@ -201,7 +215,7 @@ class Checkpointer:
         check_ledger(state.ledger, solved, state.step, where=checkpoint / STATE)
         released = read_ledger(run.ledger_file) if run.ledger_file.exists() else state.ledger
         check_ledger(released, solved, range(state.step, steps + 1), where=run.ledger_file)
-        state.released_steps = released.steps
+        state.released_steps = tree["released_steps"] = released.steps   # every rank forks after them
         if parts.feed.continual is not None:
             parts.feed.continual.load_state_dict(tree.get("continual"), run.metrics_file)
         # Steps after the checkpoint that already left the process are redone with the

@@ -45,6 +45,7 @@ def run_loop(parts: RunParts, state: RunState, checkpointer: Checkpointer, outpu
                 if cap is not None and not state.ledger.allows(solved.event_at(state.step), cap):
                     return "budget"
                 train_step(parts, state, next(batches), output)
+                checkpointer.fork_when_redone()
                 if checkpointer.due(state.step):
                     checkpointer.save()
         finally:

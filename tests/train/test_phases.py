@@ -300,8 +300,10 @@ def _crashed_copy(run_dir, dest, checkpoint_step_dir: str):
 
 @pytest.mark.parametrize("where", [pytest.param("public", marks=pytest.mark.slow), "private"])
 def test_resume_mid_phase_continues_it_with_the_same_ledger(continual_recipe, tmp_path, monkeypatch, where):
-    """Interrupt (Ctrl-C) in the public or the private phase, resume: same records and ledger."""
-    recipe = continual_recipe("continual={switch: {rule: step, at_step: 6}}", "checkpoint.every_steps=2")
+    """Interrupt (Ctrl-C) in the public or the private phase, resume: same records and ledger (seeded:
+    past the redone steps an OS-entropy run draws fresh streams, tests/privacy/test_forked_resumes.py)."""
+    recipe = continual_recipe("continual={switch: {rule: step, at_step: 6}}", "checkpoint.every_steps=2",
+                              "privacy.unsafe_seeded_randomness=true")
     full = train(recipe).run_dir
 
     class Interrupt:
