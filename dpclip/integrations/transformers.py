@@ -26,13 +26,12 @@ draws its own examples' part of each Poisson batch, the engine sums the clipped 
 the ranks with the noise drawn once by rank 0, and rank 0 writes. The model is not wrapped in
 DistributedDataParallel: the engine's backward leaves autograd no gradient to all-reduce.
 
-Checkpoints (``save_strategy``) hold, besides the Trainer's own files, ``ledger.json`` and
-``privacy.json`` of the steps so far and each rank's ``dpclip_state_rank{r}.pt``: its Poisson
-sampler and the engine's threshold policy and noise generators (a secret, as in dpclip's own
-checkpoints: docs/accounting.md, "Threat model"). ``train(resume_from_checkpoint=...)`` restores
-them with the Trainer's state, so the ledger goes on from the checkpoint's steps and the steps
-redone after it replay the same batches and noise (checked: integrations/releases.py), the steps
-after those draw fresh OS-entropy streams (unless seeded); no data skip.
+Checkpoints (``save_strategy``) hold, besides the Trainer's files, ``ledger.json``, ``privacy.json`` and
+each rank's ``dpclip_state_rank{r}.pt``: its Poisson sampler and the engine's threshold policy and noise
+generators (a secret: docs/accounting.md, "Threat model"). ``train(resume_from_checkpoint=...)``
+restores them with the Trainer's state: the ledger goes on from the checkpoint's steps, the steps redone
+after it replay the same batches and noise (checked: integrations/releases.py), later steps draw
+fresh OS-entropy streams (unless seeded); no data skip.
 
 ``total_flos`` counts nothing (it would give the draws' realised sizes away); a ``per_sample_loss``
 is checked on the certificate's steps, compiled or not, to give each checked example alone its loss
@@ -348,9 +347,8 @@ class DPTrainer(Trainer):
         return 0
 
     def _checked_losses(self, model: nn.Module, inputs: dict[str, Any]) -> Tensor:
-        """``per_sample_loss``, one loss per row; when the certificate checks the micro-batch (the eager
-        engine's, in a compiled run too: never inside the graph), each checked row's loss alone is its
-        loss in the batch (integrations/loss_alone.py), else refused before the step's noise."""
+        """``per_sample_loss``, one per row, each checked row's alone its loss in the batch when the
+        certificate checks (eager micro-batches only, a compiled run's too: integrations/loss_alone.py)."""
         if torch.compiler.is_compiling():
             return self.per_sample_loss(model, inputs)
         with outputs_recorded(model) as outputs:
@@ -444,7 +442,6 @@ class DPTrainer(Trainer):
         self.releases.resume_after(ledger.steps, Path(folder).parent, required=ledger.steps > 0)
         self._sampler().draws.load_state_dict(state["sampler"])
         self.engine.load_state_dict(state["engine"])
-        # the steps after the log's are new: a second resume of this checkpoint must not draw their noise
         self.releases.fork_after_redone(self.engine.noise, self._sampler(), ledger.steps)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
