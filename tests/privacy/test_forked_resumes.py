@@ -52,6 +52,14 @@ def test_two_copies_of_a_crashed_run_directory_resumed_draw_independent_noise_af
         assert [r for r in _records(copy / "metrics.jsonl") if r["step"] <= 3] == redone
     assert _same(_final_weights(first), _final_weights(second)) == seeded
     assert _same(_final_weights(first), _final_weights(full)) == seeded
+    # each stream itself, not only the weights (fresh batches alone would move them, the noise shared)
+    streams = [_final_state(copy) for copy in (first, second)]
+    for name in ("engine.noise.states.cpu", "sampler.generator"):
+        assert torch.equal(streams[0][name], streams[1][name]) == seeded, name
+
+
+def _final_state(run_dir) -> dict[str, torch.Tensor]:
+    return load_file(sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "state.safetensors")
 
 
 def _loader_data() -> TensorDataset:
@@ -82,13 +90,17 @@ def test_a_make_private_checkpoint_loaded_twice_continues_into_independent_noise
     original = _private(unsafe_seed)
     _one_step(original)
     path = original.save_checkpoint(tmp_path / "c.pt")
-    forks = []
+    forks, noise, draws = [], [], []
     for _ in range(2):
         fork = _private(unsafe_seed)
         fork.load_checkpoint(path)
+        noise.append(fork.engine.noise.state_dict()["states"]["cpu"].clone())
+        draws.append(fork.draws.generator.get_state().clone())
         forks.append(_one_step(fork))
     same = all(torch.equal(a, b) for a, b in zip(*forks))
     assert same == (unsafe_seed is not None)
+    # each stream itself, not only the weights (fresh batches alone would move them, the noise shared)
+    assert torch.equal(*noise) == torch.equal(*draws) == (unsafe_seed is not None)
     assert forks[0][0].shape == (8, 5) and fork.ledger.steps == 2
 
 
