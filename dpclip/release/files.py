@@ -88,13 +88,14 @@ MANIFEST: tuple[Entry, ...] = (
     Entry(EXPORT, "README.md", RELEASED, "the model card (the same facts as privacy.json)", "dpclip export"),
     Entry(EXPORT, "model_card.json", RELEASED, "recipe's model section, input shape, classes", "dpclip export"),
     Entry(EXPORT, "recipe.yaml", RELEASED, "the recipe without `audit` and `seed`", "dpclip export"),
+    # before *config.json: tokenizer_config.json is the tokenizer's (first match wins)
+    Entry(EXPORT, "tokenizer*", LABELLED, "the tokenizer `data.tokenizer` names, as given: taken as public "
+          "(built from public text), listed not covered by ε in the card", "dpclip export"),
     Entry(EXPORT, "*config.json", RELEASED, "transformers / peft / generation configs", "dpclip export"),
     Entry(EXPORT, "adapter_model.safetensors", RELEASED, "a LoRA run's adapters and DP-trained head",
           "dpclip export"),
     Entry(EXPORT, "base/*", RELEASED, "a LoRA run's public starting weights, bit for bit", "dpclip export"),
     Entry(EXPORT, "dpclip_tokenizer.json", RELEASED, "the byte tokenizer's settings", "dpclip export"),
-    Entry(EXPORT, "tokenizer*", LABELLED, "the tokenizer `data.tokenizer` names, as given: taken as public "
-          "(built from public text), listed not covered by ε in the card", "dpclip export"),
     Entry(EXPORT, "special_tokens_map.json", LABELLED, "the tokenizer's special tokens (as `tokenizer*`)",
           "dpclip export"),
     Entry(EXPORT, "vocab.*", LABELLED, "the tokenizer's vocabulary (as `tokenizer*`)", "dpclip export"),

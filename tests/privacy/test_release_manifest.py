@@ -97,6 +97,12 @@ def test_the_secret_files_of_a_run_are_classed_secret_and_the_weights_released()
     assert release.classify("state.json", release.EXPORT) is None
 
 
+
+def test_a_tokenizers_config_in_an_export_is_labelled_as_the_tokenizer_not_as_a_model_config():
+    # tokenizer_config.json also matches *config.json: the tokenizer's label must win
+    assert release.classify("tokenizer_config.json", release.EXPORT).release == release.LABELLED
+    assert release.classify("adapter_config.json", release.EXPORT).release == release.RELEASED
+
 NEW_FILES = ["rng_state.pt", ".noise_state.json", "checkpoints/step_000002/sampler.json", "audit/answers.json",
              "tensorboard/extra.json", "runs/x/meta.json"]
 
