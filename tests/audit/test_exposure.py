@@ -75,14 +75,15 @@ def test_the_report_names_no_secret():
 @pytest.mark.slow
 def test_a_secret_planted_often_in_a_barely_noised_run_is_exposed_and_audit_all_measures_it(tmp_path, cli):
     """σ = 0.01 (ε in the thousands): 80 steps of a tiny GPT-2 memorise a secret planted 32 times
-    (measured 9.97 of 9.97 bits; > 6 asserted). The controls stay near chance: 8 of them, mean
-    within 4·1.44/sqrt(8) = 2.0 bits of 1.44."""
+    (measured 9.97 of 9.97 bits; > 6 asserted). The controls stay near chance: 64 of them, mean
+    within 6·1.44/sqrt(64) = 1.1 bits of 1.44. They are drawn from OS entropy (always): that fails
+    with probability 3e-7 (Gamma tails; 8 controls within 4 standard errors failed with 8e-4)."""
     from dpclip.train.workflow import train
 
     recipe = load_recipe(REPO / "recipes" / "gpt2-tiny-text.yaml", [
         f"output_dir={tmp_path}", "data.num_examples=300", "training.epochs=null", "training.steps=80",
         "training.batch_size=32", "privacy.epsilon=null", "privacy.noise_multiplier=0.01", "eval.every_steps=null",
-        "audit.exposure={length: 3, repetitions: [32], controls: 8}"])
+        "audit.exposure={length: 3, repetitions: [32], controls: 64}"])
     run_dir = train(recipe).run_dir
     result = cli("audit-mia", run_dir, "--bootstrap", "0", "--shadows", "2", "--json")
     assert result.code == 0, result.err
@@ -90,7 +91,7 @@ def test_a_secret_planted_often_in_a_barely_noised_run_is_exposed_and_audit_all_
     exposure = report["exposure"]
     assert exposure["ranked"] == "every candidate" and exposure["max_exposure"] == pytest.approx(math.log2(1000))
     assert exposure["planted"][0]["exposure"] > 6
-    assert abs(exposure["controls"]["mean_exposure"] - CHANCE) < 4 * CHANCE / math.sqrt(8)
+    assert abs(exposure["controls"]["mean_exposure"] - CHANCE) < 6 * CHANCE / math.sqrt(64)
     assert "loss" in report["attacks"]   # "all" ran the membership attacks too
 
 

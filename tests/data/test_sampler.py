@@ -156,12 +156,14 @@ def test_more_groups_than_examples_is_refused_with_a_hint():
 
 def test_cyclic_groups_are_drawn_privately_and_uniformly():
     """Each example's group is its own private draw (not i mod b): two unseeded samplers disagree,
-    and over 4000 examples each of 4 groups holds about a quarter (Binomial(4000, 1/4): std 27)."""
-    a, b = PoissonSampler(4000, 0.1, 8, groups=4), PoissonSampler(4000, 0.1, 8, groups=4)
+    and over 16,000 examples each of 4 groups holds about a quarter (Binomial(16000, 1/4): std 55).
+    Unseeded: 6 standard deviations fail with probability 8e-9 over the 4 groups (5 of them over
+    4000 examples, a wider band, failed with probability 2.6e-6)."""
+    a, b = PoissonSampler(16_000, 0.1, 8, groups=4), PoissonSampler(16_000, 0.1, 8, groups=4)
     assert not torch.equal(a.group_of, b.group_of)
-    assert not torch.equal(a.group_of, torch.arange(4000) % 4)
+    assert not torch.equal(a.group_of, torch.arange(16_000) % 4)
     sizes = torch.bincount(a.group_of, minlength=4)
-    assert bool(((sizes - 1000).abs() < 5 * math.sqrt(4000 * 0.25 * 0.75)).all()), sizes
+    assert bool(((sizes - 4000).abs() < 6 * math.sqrt(16_000 * 0.25 * 0.75)).all()), sizes
 
 
 def test_a_resumed_cyclic_sampler_keeps_its_groups_and_batches():

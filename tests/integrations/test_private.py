@@ -87,9 +87,11 @@ def test_a_logical_batch_in_several_backwards_is_the_same_step(monkeypatch):
 
 
 def test_the_loader_draws_poisson_batches_with_empty_draws_as_zero_rows_and_charges_them():
-    """q = 1/N: the realised sizes are Binomial(N, 1/N); over 400 steps their mean lies within
-    4 standard errors of 1, and about (1 − 1/N)^N ≈ 37% of the draws are empty; each is a step."""
-    steps = 400
+    """q = 1/N: the realised sizes are Binomial(N, 1/N); over 800 steps their mean lies within
+    5.5 standard errors of 1, and about (1 − 1/N)^N ≈ 37% of the draws are empty; each is a step.
+    The draws come from OS entropy: both bounds fail together with probability 9e-8 (binomial
+    tails; at 400 steps and 4 standard errors it was 1.3e-4, and these bands are the narrower)."""
+    steps = 800
     private = _private(batch_size=1, steps=steps)
     model, optimizer, criterion, loader = private
     assert len(loader) == N   # a pass is ⌈N/B⌉ steps
@@ -104,9 +106,9 @@ def test_the_loader_draws_poisson_batches_with_empty_draws_as_zero_rows_and_char
     assert len(sizes) == private.ledger.steps == steps
     q = 1 / N
     mean, stderr = N * q, math.sqrt(N * q * (1 - q) / steps)
-    assert abs(sum(sizes) / steps - mean) < 4 * stderr
+    assert abs(sum(sizes) / steps - mean) < 5.5 * stderr
     empty, p_empty = sizes.count(0), (1 - q) ** N
-    assert abs(empty / steps - p_empty) < 4 * math.sqrt(p_empty * (1 - p_empty) / steps)
+    assert abs(empty / steps - p_empty) < 5.5 * math.sqrt(p_empty * (1 - p_empty) / steps)
 
 
 def test_a_pass_after_the_planned_steps_is_refused():

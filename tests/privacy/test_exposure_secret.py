@@ -17,7 +17,9 @@ TINY = ["training.epochs=null", "training.steps=2", "training.batch_size=16", "t
         "checkpoint.every_steps=null", "eval.every_steps=null", "data.num_examples=60", "data.max_length=32",
         "model.config.n_layer=1", "clipping.grouping=all-layer", "model.config.n_embd=16", "model.config.n_head=2",
         "model.config.n_positions=32",
-        "audit.exposure={length: 6, repetitions: [2], controls: 2}", "privacy.epsilon=null",
+        # 10 digits: an OS-entropy secret of 6 matched one of the 192 six-digit windows of the released
+        # files (timestamps, floats) with probability 6e-4 per test; of 10, one of 106 windows: 3e-8
+        "audit.exposure={length: 10, repetitions: [2], controls: 2}", "privacy.epsilon=null",
         "privacy.noise_multiplier=1.0"]
 
 
