@@ -72,8 +72,9 @@ def export_recipe(recipe) -> dict[str, Any]:
     inclusion bits, the audit's answer key (docs/accounting.md, "Threat model"). Without
     ``audit.canaries.seed`` the canaries come from OS entropy (runs before 2026-11-26 derived
     them from the recipe's ``seed``: :func:`dpclip.data.canaries.canary_seed`), and ``seed``
-    goes too; the exported weights do not need it (it governs the split, the initial
-    weights and dropout).
+    goes too; the exported weights do not need it (it governs the initial weights and
+    dropout; the split's key is OS entropy). Dropping it hides little: a LoRA export's
+    ``base/`` (a seeded initial head) gives it back to whoever tries seeds (docs/export.md).
     Both are dropped from every export, audited or not, so that their absence does not tell
     which runs were audited. The run directory keeps the full recipe.
     """

@@ -124,6 +124,8 @@ OPAQUE = {
     "special_tokens_map.json": "the tokenizer's",
     "vocab.*": "the tokenizer's",
     "dpclip_tokenizer.json": "the byte tokenizer's fixed settings",
+    "added_tokens.json": "the tokenizer's",
+    "model.safetensors.index.json": "written by transformers: each weight's shard file and the total size",
 }
 
 

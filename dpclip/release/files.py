@@ -83,6 +83,9 @@ MANIFEST: tuple[Entry, ...] = (
     # ---------------------------------------------------------------- export (dpclip/export)
     Entry(EXPORT, "model.safetensors", RELEASED, "the exported weights (plain torch or transformers)",
           "dpclip export"),
+    Entry(EXPORT, "model-*-of-*.safetensors", RELEASED, "the weights cut in shards (transformers, large models)",
+          "dpclip export"),
+    Entry(EXPORT, "model.safetensors.index.json", RELEASED, "which shard holds which weight", "dpclip export"),
     Entry(EXPORT, "privacy.json", RELEASED, "the privacy statement; its `not_covered_by_epsilon` names what "
           "the run released outside ε", "dpclip export"),
     Entry(EXPORT, "README.md", RELEASED, "the model card (the same facts as privacy.json)", "dpclip export"),
@@ -101,6 +104,9 @@ MANIFEST: tuple[Entry, ...] = (
     Entry(EXPORT, "vocab.*", LABELLED, "the tokenizer's vocabulary (as `tokenizer*`)", "dpclip export"),
     Entry(EXPORT, "merges.txt", LABELLED, "the tokenizer's merges (as `tokenizer*`)", "dpclip export"),
     Entry(EXPORT, "chat_template.*", LABELLED, "the tokenizer's chat template (as `tokenizer*`)", "dpclip export"),
+    Entry(EXPORT, "added_tokens.json", LABELLED, "the tokenizer's added tokens (as `tokenizer*`)", "dpclip export"),
+    Entry(EXPORT, "*.model", LABELLED, "a sentencepiece tokenizer's model (`spiece.model`; as `tokenizer*`)",
+          "dpclip export"),
 )
 
 

@@ -103,6 +103,16 @@ def test_a_tokenizers_config_in_an_export_is_labelled_as_the_tokenizer_not_as_a_
     assert release.classify("tokenizer_config.json", release.EXPORT).release == release.LABELLED
     assert release.classify("adapter_config.json", release.EXPORT).release == release.RELEASED
 
+
+@pytest.mark.parametrize("name, label", [("spiece.model", "labelled"), ("sentencepiece.bpe.model", "labelled"),
+                                         ("added_tokens.json", "labelled"),
+                                         ("model-00001-of-00002.safetensors", "released"),
+                                         ("model.safetensors.index.json", "released")])
+def test_files_save_pretrained_can_add_to_an_export_are_in_the_manifest(name, label):
+    # sentencepiece and slow tokenizers' files, and transformers' shards of a large model
+    entry = release.classify(name, release.EXPORT)
+    assert entry is not None and entry.release == {"labelled": release.LABELLED, "released": release.RELEASED}[label]
+
 NEW_FILES = ["rng_state.pt", ".noise_state.json", "checkpoints/step_000002/sampler.json", "audit/answers.json",
              "tensorboard/extra.json", "runs/x/meta.json"]
 
