@@ -77,16 +77,29 @@ def _blocks(private, public, fields="label_field: label", public_fields=None):
 
 def test_private_rows_in_a_public_file_are_refused_when_a_new_class_renumbers_the_labels(quickstart, tmp_path):
     """String classes are numbered per data set in sorted order: a public class "a" shifts the
-    ids of "b" and "c", so rows compared by class id would all differ. Labels compare as written."""
+    ids of "b" and "c", so rows compared by class id would all differ."""
     private_rows = [(i / 7, -i, "bc"[i % 2]) for i in range(40)]
     private = _labelled(tmp_path / "d.csv", private_rows)
     public = _labelled(tmp_path / "p.csv", private_rows + [(100 + i, i, "a") for i in range(10)])
     recipe = quickstart(*_blocks(private, public), "training.batch_size=8")
     with pytest.raises(DpclipError, match="40 of the 50 public rows"):
         load_public(recipe, load_data(recipe.data, seed=0))
-    relabelled = _labelled(tmp_path / "q.csv", [(a, b, {"b": "c", "c": "b"}[y]) for a, b, y in private_rows])
+
+
+@pytest.mark.parametrize("relabel", [lambda y: {"b": "c", "c": "b"}[y], lambda y: "d" + y],
+                         ids=["labels swapped", "labels respelled"])
+def test_private_rows_in_a_public_file_are_refused_whatever_their_labels(quickstart, tmp_path, relabel):
+    """The inputs are the secret: every private row, its label changed or respelled ("d3" for
+    3), must not pass as public."""
+    private_rows = [(i / 7, -i, "bc"[i % 2]) for i in range(40)]
+    private = _labelled(tmp_path / "d.csv", private_rows)
+    relabelled = _labelled(tmp_path / "q.csv", [(a, b, relabel(y)) for a, b, y in private_rows])
     recipe = quickstart(*_blocks(private, relabelled), "training.batch_size=8")
-    assert load_public(recipe, load_data(recipe.data, seed=0)).num_train == 32   # same features, other labels
+    with pytest.raises(DpclipError, match="40 of the 40 public rows .* whatever the label"):
+        load_public(recipe, load_data(recipe.data, seed=0))
+    moved = _labelled(tmp_path / "m.csv", [(a + 1000, b, relabel(y)) for a, b, y in private_rows])
+    recipe = quickstart(*_blocks(private, moved), "training.batch_size=8")
+    assert load_public(recipe, load_data(recipe.data, seed=0)).num_train == 32   # other features: not refused
 
 
 def test_private_sentences_in_a_public_file_are_refused_whatever_the_class_ids_and_max_length(quickstart, tmp_path):
