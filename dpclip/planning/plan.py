@@ -156,10 +156,20 @@ def not_covered(recipe: Recipe) -> tuple[str, ...]:
         out += (TOKENIZER,)
     if recipe.diagnostics.every_steps and recipe.diagnostics.data == "private":
         out += (PRIVATE_HESSIAN_DIAGNOSTICS,)
-    if recipe.public is not None:
+    if uses_public_data(recipe):
         out += (f"public data: {public_summary(recipe.data, recipe.public)}, declared public by you "
                 "(the guarantee assumes it is public)",)
     return out
+
+
+def uses_public_data(recipe: Recipe) -> bool:
+    """Whether what a run of ``recipe`` releases depends on its public data: not under
+    ``continual.schedule: only-private`` (loaded and checked, never trained on), unless the
+    recorded Hessian diagnostics measure it."""
+    if recipe.public is None:
+        return False
+    only_private = recipe.continual is not None and recipe.continual.schedule == "only-private"
+    return not only_private or bool(recipe.diagnostics.every_steps and recipe.diagnostics.data == "public")
 
 
 def probe_steps(recipe: Recipe, sample_rate: float) -> int:

@@ -172,3 +172,40 @@ def test_hessian_diagnostics_on_carved_public_data_never_measure_a_private_row(q
     carved = load_public(recipe)
     assert torch.equal(measured, carved.train["features"])
     assert not set(carved.train_indices) & (set(private.train_indices) | set(private.test_indices))
+
+
+def test_the_statement_names_and_counts_every_public_file_the_run_reads(quickstart, tmp_path):
+    """The switch rules read the public test file: ε does not cover it, so the statement (and
+    the export card, which copies it) must name it and count its rows."""
+    from dpclip.planning.plan import not_covered
+
+    private = _table(tmp_path / "d.csv", [(i, i % 3, i % 2) for i in range(40)])
+    train_file = _table(tmp_path / "p.csv", [(i, i % 3, i % 2) for i in range(100, 130)])
+    test_file = _table(tmp_path / "v.csv", [(i, i % 3, i % 2) for i in range(200, 212)])
+    recipe = quickstart(f"data={{source: files, format: csv, train: {private}, label_field: label}}",
+                        f"public={{source: files, format: csv, train: {train_file}, test: {test_file}, "
+                        "label_field: label}", "training.batch_size=8")
+    [line] = [line for line in not_covered(recipe) if line.startswith("public data:")]
+    assert f"files:{train_file}, 30 examples" in line and f"files:{test_file}, 12 examples" in line
+
+
+def test_the_statement_names_a_hub_public_data_sets_config_and_splits():
+    from dpclip.data.size import public_summary
+    from dpclip.recipe.schema import BuiltinData, HFData
+
+    public = HFData(source="hf", name="org/set", config="en", split="train[:500]", test_split="validation")
+    summary = public_summary(BuiltinData(source="builtin", name="digits"), public)
+    assert summary == "hf:org/set/en, split train[:500] and test split validation"
+
+
+def test_only_private_leaves_the_public_data_it_never_uses_out_of_the_statement(quickstart):
+    from dpclip.planning.plan import not_covered
+
+    def public_lines(*overrides):
+        recipe = quickstart("data.public_fraction=0.1", "public={source: builtin, name: digits}", *overrides)
+        return [line for line in not_covered(recipe) if line.startswith("public data:")]
+
+    assert public_lines("continual={schedule: only-private}") == []
+    assert len(public_lines("continual={schedule: switch}")) == 1
+    # Hessian diagnostics measured on the public rows are released: the public data is used
+    assert len(public_lines("continual={schedule: only-private}", "diagnostics={every_steps: 5, data: public}")) == 1
