@@ -172,6 +172,15 @@ def uses_public_data(recipe: Recipe) -> bool:
     return not only_private or bool(recipe.diagnostics.every_steps and recipe.diagnostics.data == "public")
 
 
+def planned_private_steps(recipe: Recipe, steps: int) -> int:
+    """The private steps a run of ``recipe`` plans, as the run states them (summary, report,
+    card): ``steps``, its privacy plan's, or none under ``continual.schedule: only-public``,
+    which never leaves the public phase (ε = 0). Its privacy plan keeps its steps (a plan has
+    at least one): σ is calibrated for a private phase that never runs."""
+    only_public = recipe.continual is not None and recipe.continual.schedule == "only-public"
+    return 0 if only_public else steps
+
+
 def probe_steps(recipe: Recipe, sample_rate: float) -> int:
     """Private steps of DP linear probing at the switch (continual.at_switch.linear_probe_epochs):
     ceil(epochs / q), charged like every private step, so σ is calibrated for them too."""
