@@ -4,9 +4,10 @@ Public data is the user's claim (docs/continual.md, "Public data"): ε does not 
 What dpclip can check, it does: a public block that names the same source as the private
 data (the same builtin set, file or hub data set) is refused unless the public rows are
 carved out of it with ``data.public_fraction`` (disjoint by construction), and a public
-block from another source is refused if any of its rows is identical to a private training
-or held-out row: the same features (or text) and the same label as written in the file,
-whatever class id each data set gave it (:func:`row_fingerprints`).
+block from another source is refused if any of its rows has the same inputs as a private
+training or held-out row: the same features (or text), whatever its label (:func:`row_fingerprints`).
+A near-copy (a feature moved by 1e-30, the text re-encoded) is not an identical row and is not
+caught: that the rows are public stays the user's declaration.
 """
 
 from __future__ import annotations
@@ -44,33 +45,15 @@ def describe_public(recipe) -> str:
     return source_name(public)
 
 
-def canonical_labels(data: PrivateData, labels: torch.Tensor) -> list[str] | None:
-    """Each row's label as the file wrote it, not as this data set numbered it: class ids
-    are per data set (string classes are numbered in sorted order), so the same row reads
-    ``b`` in both files but is class 1 in one and class 2 in the other. A whole-number label
-    is its number, a boolean 0 or 1, a float its float32 value; None for causal-LM labels
-    (the tokens themselves)."""
-    if data.task == "causal-lm":
-        return None
-    if data.task == "regression":
-        return [repr(float(v)) for v in (labels.to(torch.float32) + 0.0).tolist()]
-    names = data.label_names
-    spelled = [names[i] if names is not None else str(i) for i in labels.tolist()]
-    return [{"False": "0", "True": "1"}.get(name, name) for name in spelled]
-
-
 def row_fingerprints(data: PrivateData, split: str, tokens: int | None = None) -> list[str]:
-    """One hash per row of ``data.train`` or ``data.test`` over a form of the row that does not
-    depend on how its own data set was encoded: features as float32 values (−0 as 0), the
-    label as written (:func:`canonical_labels`), text as its first ``tokens`` real tokens
-    (padding left out, so a different ``max_length`` still compares)."""
+    """One hash per row of ``data.train`` or ``data.test`` over the row's inputs in a form that
+    does not depend on how its own data set was encoded: features as float32 values (−0 as 0),
+    text as its first ``tokens`` real tokens (padding left out, so a different ``max_length``
+    still compares). The label is left out: a private row with its label respelled, or
+    changed, is still a private row (its inputs are the secret)."""
     tensors = getattr(data, split)
     count = len(tensors["labels"])
     digests = [hashlib.sha256() for _ in range(count)]
-    labels = canonical_labels(data, tensors["labels"])
-    if labels is not None:
-        for digest, label in zip(digests, labels):
-            digest.update(f"label:{label}".encode())
     if "features" in tensors:
         features = (tensors["features"].detach().cpu().to(torch.float32) + 0.0).contiguous()
         rows = features.reshape(count, -1)
@@ -128,8 +111,8 @@ def _carved(recipe) -> PrivateData:
 
 
 def check_disjoint(public: PrivateData, private: PrivateData) -> None:
-    """Refuse public rows identical to private training or held-out rows, compared as written
-    (:func:`row_fingerprints`), not as each data set happened to encode them."""
+    """Refuse public rows whose inputs are those of a private training or held-out row, whatever
+    the labels (:func:`row_fingerprints`), not as each data set happened to encode them."""
     if set(public.train) != set(private.train):
         raise DpclipError(f"the public data ({public.source}) has columns {sorted(public.train)} where the private "
                           f"data has {sorted(private.train)}",
@@ -147,5 +130,5 @@ def check_disjoint(public: PrivateData, private: PrivateData) -> None:
     shared = int(np.sum([row in private_rows for row in public_rows]))
     if shared:
         raise DpclipError(f"{shared} of the {len(public_rows)} public rows ({public.source}) are identical to "
-                          "private training or held-out rows (features or text, and the label as written)",
+                          "private training or held-out rows (the same features or text, whatever the label)",
                           "use a disjoint public set: remove those rows from the public files, or " + CARVE_HINT)

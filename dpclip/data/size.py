@@ -75,8 +75,10 @@ def training_set_size(data) -> int:
 
 
 def public_summary(data, public) -> str:
-    """"<source>, N examples" of a recipe's public data (N left out for a hub data set,
-    whose size is known only after loading); without torch, for the privacy statement."""
+    """Every public source a run reads, with its rows: "<source>, N examples", and the public
+    test file's own "<file>, M examples" (the switch rules read it); a hub data set by its
+    config and splits, without N (known only after loading). Without torch, for the
+    privacy statement."""
     fraction = getattr(data, "public_fraction", None)
     if fraction is not None:
         total = total_examples(data) if data.source != "hf" else None
@@ -84,8 +86,11 @@ def public_summary(data, public) -> str:
         return where + ("" if total is None else f", {carve_count(total, fraction)} examples")
     if public.source == "hf":
         return _name(public)
-    total = total_examples(public)
-    return f"{_name(public)}, {total} examples"
+    summary = f"{_name(public)}, {total_examples(public)} examples"
+    if public.source == "files" and public.test is not None:
+        rows = _count_rows(Path(public.test), public.format)
+        summary += f", and its validation file files:{public.test}, {rows} examples"
+    return summary
 
 
 def _name(section) -> str:
@@ -93,4 +98,5 @@ def _name(section) -> str:
         return f"builtin:{section.name}"
     if section.source == "files":
         return f"files:{section.train}"
-    return f"hf:{section.name}"
+    name = section.name + (f"/{section.config}" if section.config else "")
+    return f"hf:{name}, split {section.split}" + (f" and test split {section.test_split}" if section.test_split else "")

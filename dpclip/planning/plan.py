@@ -156,10 +156,29 @@ def not_covered(recipe: Recipe) -> tuple[str, ...]:
         out += (TOKENIZER,)
     if recipe.diagnostics.every_steps and recipe.diagnostics.data == "private":
         out += (PRIVATE_HESSIAN_DIAGNOSTICS,)
-    if recipe.public is not None:
+    if uses_public_data(recipe):
         out += (f"public data: {public_summary(recipe.data, recipe.public)}, declared public by you "
                 "(the guarantee assumes it is public)",)
     return out
+
+
+def uses_public_data(recipe: Recipe) -> bool:
+    """Whether what a run of ``recipe`` releases depends on its public data: not under
+    ``continual.schedule: only-private`` (loaded and checked, never trained on), unless the
+    recorded Hessian diagnostics measure it."""
+    if recipe.public is None:
+        return False
+    only_private = recipe.continual is not None and recipe.continual.schedule == "only-private"
+    return not only_private or bool(recipe.diagnostics.every_steps and recipe.diagnostics.data == "public")
+
+
+def planned_private_steps(recipe: Recipe, steps: int) -> int:
+    """The private steps a run of ``recipe`` plans, as the run states them (summary, report,
+    card): ``steps``, its privacy plan's, or none under ``continual.schedule: only-public``,
+    which never leaves the public phase (ε = 0). Its privacy plan keeps its steps (a plan has
+    at least one): σ is calibrated for a private phase that never runs."""
+    only_public = recipe.continual is not None and recipe.continual.schedule == "only-public"
+    return 0 if only_public else steps
 
 
 def probe_steps(recipe: Recipe, sample_rate: float) -> int:

@@ -32,7 +32,7 @@ from dpclip.rundir.checkpoint import checkpointed_steps
 from dpclip.errors import DpclipError
 from dpclip.files import read_json, write_json_atomic, write_text_atomic
 from dpclip.recipe import Recipe, apply_overrides, read_yaml, recipe_to_yaml, validate_recipe
-from dpclip.planning.plan import not_covered, privacy_plan
+from dpclip.planning.plan import not_covered, planned_private_steps, privacy_plan
 
 
 # Fields whose change would change what the ledger means: a run refuses to resume if any differ.
@@ -339,8 +339,9 @@ def read_ledger(path: Path):
 
 
 def planned_step(run_dir: Path, recipe: Recipe):
-    """(solved plan, planned steps) of the run in ``run_dir``, re-solved from its recipe and
-    the sizes in plan.json (the recipe's privacy fields must match the fingerprint)."""
+    """(solved plan, planned private steps) of the run in ``run_dir``, re-solved from its recipe
+    and the sizes in plan.json (the recipe's privacy fields must match the fingerprint); no
+    steps for only-public (:func:`~dpclip.planning.plan.planned_private_steps`)."""
     run = RunDir(run_dir)
     public = run.public_plan()
     if public.get("privacy_fingerprint") != privacy_fingerprint(recipe):
@@ -352,7 +353,7 @@ def planned_step(run_dir: Path, recipe: Recipe):
     except (KeyError, TypeError, ValueError) as exc:
         source = run.plan_file if run.plan_file.exists() else run.meta_file
         raise DpclipError(f"{source} lacks the run's sizes ({exc})", f"restore {source.name}") from None
-    return solve(plan), plan.steps
+    return solve(plan), planned_private_steps(recipe, plan.steps)
 
 
 def check_ledger(ledger, solved, steps: int | range, *, where: Path | str) -> None:

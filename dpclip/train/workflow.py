@@ -19,6 +19,7 @@ from typing import Any
 from dpclip.accounting import Ledger
 from dpclip.distributed import World
 from dpclip.errors import DpclipError, InterruptedRun
+from dpclip.planning.plan import planned_private_steps
 from dpclip.files import write_json_atomic
 from dpclip.recipe import Recipe
 from dpclip.rundir.checkpoint import latest_checkpoint
@@ -140,11 +141,12 @@ def _finish(parts: RunParts, state: RunState, output: RunOutput, stopped: str, f
             resume_changes: dict[str, list[Any]]) -> TrainResult:
     """summary.json, the plots and the diagnostics' plot (rank 0, which has the ledger's ε)."""
     recipe, plan = parts.setting.recipe, parts.setting.plan
+    planned = planned_private_steps(recipe, plan.steps)
     if not parts.setting.world.main:
-        return TrainResult(output.run_dir, state.step, plan.steps, float("nan"), float("nan"), plan.delta, stopped)
+        return TrainResult(output.run_dir, state.step, planned, float("nan"), float("nan"), plan.delta, stopped)
     accounting = state.ledger.result()
     statement = run_statement(recipe, state.ledger, world_size=parts.setting.world.size, users=parts.setting.plan.users)
-    result = TrainResult(output.run_dir, state.step, plan.steps, accounting.epsilon, accounting.epsilon_rdp,
+    result = TrainResult(output.run_dir, state.step, planned, accounting.epsilon, accounting.epsilon_rdp,
                          plan.delta, stopped, final_eval, statement.lines(), parts.setting.solved.step_metadata,
                          parts.setting.sigma_change, resume_changes, step_seconds=state.step_seconds)
     run = RunDir(output.run_dir)
@@ -161,11 +163,16 @@ def _finish(parts: RunParts, state: RunState, output: RunOutput, stopped: str, f
 def _dry_run(parts: RunParts, info: dict[str, Any], observer) -> TrainResult:
     observer.on_start({**info, "run_dir": None, "dry_run": True})
     parts.learner.engine.detach()
-    solved = parts.setting.solved
-    plan = parts.setting.plan
-    result = TrainResult(Path("-"), 0, plan.steps, solved.epsilon, solved.epsilon_rdp, plan.delta,
-                         "dry-run", statement=replace(solved.statement, world_size=parts.setting.world.size,
-                                                         parallel=parts.setting.recipe.training.parallel).lines(),
+    solved, plan, recipe = parts.setting.solved, parts.setting.plan, parts.setting.recipe
+    epsilon, epsilon_rdp = solved.epsilon, solved.epsilon_rdp
+    statement = replace(solved.statement, world_size=parts.setting.world.size, parallel=recipe.training.parallel)
+    planned = planned_private_steps(recipe, plan.steps)
+    if not planned:   # only-public: the statement of a run that takes no private step (ε = 0)
+        statement = run_statement(recipe, Ledger(plan.delta, plan.accountant), world_size=parts.setting.world.size,
+                                  users=plan.users)
+        epsilon = epsilon_rdp = 0.0
+    result = TrainResult(Path("-"), 0, planned, epsilon, epsilon_rdp, plan.delta,
+                         "dry-run", statement=statement.lines(),
                          noise=solved.step_metadata, sigma_change=parts.setting.sigma_change,
                          resume_changes=info["resume_changes"])
     observer.on_end(result)

@@ -77,16 +77,29 @@ def _blocks(private, public, fields="label_field: label", public_fields=None):
 
 def test_private_rows_in_a_public_file_are_refused_when_a_new_class_renumbers_the_labels(quickstart, tmp_path):
     """String classes are numbered per data set in sorted order: a public class "a" shifts the
-    ids of "b" and "c", so rows compared by class id would all differ. Labels compare as written."""
+    ids of "b" and "c", so rows compared by class id would all differ."""
     private_rows = [(i / 7, -i, "bc"[i % 2]) for i in range(40)]
     private = _labelled(tmp_path / "d.csv", private_rows)
     public = _labelled(tmp_path / "p.csv", private_rows + [(100 + i, i, "a") for i in range(10)])
     recipe = quickstart(*_blocks(private, public), "training.batch_size=8")
     with pytest.raises(DpclipError, match="40 of the 50 public rows"):
         load_public(recipe, load_data(recipe.data, seed=0))
-    relabelled = _labelled(tmp_path / "q.csv", [(a, b, {"b": "c", "c": "b"}[y]) for a, b, y in private_rows])
+
+
+@pytest.mark.parametrize("relabel", [lambda y: {"b": "c", "c": "b"}[y], lambda y: "d" + y],
+                         ids=["labels swapped", "labels respelled"])
+def test_private_rows_in_a_public_file_are_refused_whatever_their_labels(quickstart, tmp_path, relabel):
+    """The inputs are the secret: every private row, its label changed or respelled ("d3" for
+    3), must not pass as public."""
+    private_rows = [(i / 7, -i, "bc"[i % 2]) for i in range(40)]
+    private = _labelled(tmp_path / "d.csv", private_rows)
+    relabelled = _labelled(tmp_path / "q.csv", [(a, b, relabel(y)) for a, b, y in private_rows])
     recipe = quickstart(*_blocks(private, relabelled), "training.batch_size=8")
-    assert load_public(recipe, load_data(recipe.data, seed=0)).num_train == 32   # same features, other labels
+    with pytest.raises(DpclipError, match="40 of the 40 public rows .* whatever the label"):
+        load_public(recipe, load_data(recipe.data, seed=0))
+    moved = _labelled(tmp_path / "m.csv", [(a + 1000, b, relabel(y)) for a, b, y in private_rows])
+    recipe = quickstart(*_blocks(private, moved), "training.batch_size=8")
+    assert load_public(recipe, load_data(recipe.data, seed=0)).num_train == 32   # other features: not refused
 
 
 def test_private_sentences_in_a_public_file_are_refused_whatever_the_class_ids_and_max_length(quickstart, tmp_path):
@@ -159,3 +172,40 @@ def test_hessian_diagnostics_on_carved_public_data_never_measure_a_private_row(q
     carved = load_public(recipe)
     assert torch.equal(measured, carved.train["features"])
     assert not set(carved.train_indices) & (set(private.train_indices) | set(private.test_indices))
+
+
+def test_the_statement_names_and_counts_every_public_file_the_run_reads(quickstart, tmp_path):
+    """The switch rules read the public test file: ε does not cover it, so the statement (and
+    the export card, which copies it) must name it and count its rows."""
+    from dpclip.planning.plan import not_covered
+
+    private = _table(tmp_path / "d.csv", [(i, i % 3, i % 2) for i in range(40)])
+    train_file = _table(tmp_path / "p.csv", [(i, i % 3, i % 2) for i in range(100, 130)])
+    test_file = _table(tmp_path / "v.csv", [(i, i % 3, i % 2) for i in range(200, 212)])
+    recipe = quickstart(f"data={{source: files, format: csv, train: {private}, label_field: label}}",
+                        f"public={{source: files, format: csv, train: {train_file}, test: {test_file}, "
+                        "label_field: label}", "training.batch_size=8")
+    [line] = [line for line in not_covered(recipe) if line.startswith("public data:")]
+    assert f"files:{train_file}, 30 examples" in line and f"files:{test_file}, 12 examples" in line
+
+
+def test_the_statement_names_a_hub_public_data_sets_config_and_splits():
+    from dpclip.data.size import public_summary
+    from dpclip.recipe.schema import BuiltinData, HFData
+
+    public = HFData(source="hf", name="org/set", config="en", split="train[:500]", test_split="validation")
+    summary = public_summary(BuiltinData(source="builtin", name="digits"), public)
+    assert summary == "hf:org/set/en, split train[:500] and test split validation"
+
+
+def test_only_private_leaves_the_public_data_it_never_uses_out_of_the_statement(quickstart):
+    from dpclip.planning.plan import not_covered
+
+    def public_lines(*overrides):
+        recipe = quickstart("data.public_fraction=0.1", "public={source: builtin, name: digits}", *overrides)
+        return [line for line in not_covered(recipe) if line.startswith("public data:")]
+
+    assert public_lines("continual={schedule: only-private}") == []
+    assert len(public_lines("continual={schedule: switch}")) == 1
+    # Hessian diagnostics measured on the public rows are released: the public data is used
+    assert len(public_lines("continual={schedule: only-private}", "diagnostics={every_steps: 5, data: public}")) == 1

@@ -95,6 +95,31 @@ def test_only_public_charges_nothing(continual_recipe):
     assert "only-public: no private step follows (ε = 0)" in switch[0]["reason"]
 
 
+def test_only_public_states_no_planned_private_step_anywhere(continual_recipe, tmp_path):
+    """The run never leaves the public phase: its summary, report, export card, dry run and
+    `dpclip account` must not state the private steps (and ε) of a plan it never runs."""
+    from dpclip.export.card import progress_line, run_progress
+    from dpclip.planning.account import AccountFlags, account_report
+    from dpclip.recipe import recipe_to_yaml
+    from dpclip.train.report import run_summary
+
+    recipe = continual_recipe("continual={schedule: only-public, switch: {rule: step, at_step: 2}}")
+    result = train(recipe)
+    assert result.steps_planned == 0
+    assert json.loads((result.run_dir / "summary.json").read_text())["steps_planned"] == 0
+    assert run_summary(result.run_dir)["steps_planned"] == 0
+    planned, stopped = run_progress(result.run_dir, recipe, 0)
+    assert progress_line(0, planned, stopped, 0) == "The run released 0 of its 0 planned steps (completed)."
+    dry = train(recipe, dry_run=True)
+    assert (dry.steps_planned, dry.epsilon, dry.epsilon_rdp) == (0, 0.0, 0.0)
+    assert dry.statement == result.statement
+    path = tmp_path / "only-public.yaml"
+    path.write_text(recipe_to_yaml(recipe))
+    with pytest.raises(DpclipError, match="no private step") as refused:
+        account_report(AccountFlags(), path)
+    assert "continual.schedule=switch" in refused.value.hint
+
+
 def test_a_rule_that_never_fires_ends_at_the_cap_and_says_so(continual_recipe):
     # patience 50 evaluations can never run out within a cap of 8 public steps
     result = train(continual_recipe("continual={switch: {rule: early-stopping, every_steps: 2, patience: 50, "
