@@ -158,6 +158,14 @@ class DPEngine:
         return list(self.groups.names)
 
     @property
+    def forward_written_state(self) -> set[str]:
+        """The persistent buffers the model's training forward writes, seen by the certificate's
+        checks and passed (written alike whatever the batch): saved with the weights, they advance
+        once per forward, and the number of forwards depends on the realised batch sizes, which ε
+        does not cover; the privacy statements name them (docs/certificate.md)."""
+        return set(self.certificate.written_state)
+
+    @property
     def thresholds(self) -> Tensor:
         return self.policy.thresholds()
 
@@ -349,7 +357,8 @@ class DPEngine:
 
     def state_dict(self) -> dict:
         """Policy state and the noise generators' states (a secret: see :class:`NoiseSource`)."""
-        state = {"policy": self.policy.state_dict(), "noise": self.noise.state_dict(), "steps": self.steps}
+        state = {"policy": self.policy.state_dict(), "noise": self.noise.state_dict(), "steps": self.steps,
+                 "forward_written_state": sorted(self.certificate.written_state)}
         if self.correlation is not None:  # the last b - 1 noises or BLT's buffers: as secret as the generators
             state["correlation"] = self.correlation.state_dict()
         return state
@@ -359,6 +368,7 @@ class DPEngine:
         self.policy.load_state_dict(state["policy"])
         self.noise.load_state_dict(state["noise"])
         self.steps = int(state.get("steps", 0))
+        self.certificate.written_state.update(state.get("forward_written_state", ()))
         if self.correlation is not None:
             if "correlation" not in state:
                 raise EngineError("the checkpoint holds no correlated-noise history, and this engine correlates its "
