@@ -137,8 +137,10 @@ class Certificate:
             release(f)
         self.forwards.clear()
 
-    def reset(self) -> None:
-        """A resume: the next micro-batch is checked whatever its shape."""
+    def reset(self, written_state=()) -> None:
+        """A resume: the next micro-batch is checked whatever its shape; ``written_state``: the
+        buffers the run's forwards were seen writing before (the checkpoint's)."""
+        self.written_state.update(written_state)
         self.families.clear()
         self.last_step = None
 
