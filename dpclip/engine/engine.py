@@ -145,6 +145,7 @@ class DPEngine:
         self.certificate = Certificate(model, self._params, context.names, list(self.groups.group_of), clip,
                                        self._keeper.plain, self._keeper.is_plain,
                                        verify_every, silence=lambda on: setattr(self._keeper, "silent", on))
+        self.forward_written_state = self.certificate.written_state   # (a live view: docs/certificate.md)
         if stage is not None:   # a stage's backward starts from the next stage's gradient (capture)
             self.certificate.disabled = "a pipeline stage's backward starts inside the model"
         self._step = StepAccumulator(context, self._keeper, 1.0 / expected_batch_size)
@@ -173,8 +174,7 @@ class DPEngine:
 
     @property
     def stash_bytes(self) -> int:
-        """Bytes the engine's stash holds now (activations, output grads, instantiated
-        per-sample gradients awaiting their group's clip factors)."""
+        """Bytes the engine's stash holds now (activations, output grads, per-sample gradients to clip)."""
         return self._keeper.stash.current
 
     @property
@@ -349,13 +349,14 @@ class DPEngine:
 
     def state_dict(self) -> dict:
         """Policy state and the noise generators' states (a secret: see :class:`NoiseSource`)."""
-        state = {"policy": self.policy.state_dict(), "noise": self.noise.state_dict(), "steps": self.steps}
+        state = {"policy": self.policy.state_dict(), "noise": self.noise.state_dict(), "steps": self.steps,
+                 "forward_written_state": sorted(self.forward_written_state)}
         if self.correlation is not None:  # the last b - 1 noises or BLT's buffers: as secret as the generators
             state["correlation"] = self.correlation.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.certificate.reset()   # a resumed run is checked again at its first step
+        self.certificate.reset(state.get("forward_written_state", ()))   # checked again at its first step
         self.policy.load_state_dict(state["policy"])
         self.noise.load_state_dict(state["noise"])
         self.steps = int(state.get("steps", 0))

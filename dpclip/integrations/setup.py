@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from dpclip.engine import DPEngine
 from dpclip.engine.groups import build_groups, trainable_params
 from dpclip.errors import DpclipError
 from dpclip.files import write_json_atomic
+from dpclip.planning.plan import forward_state_line
 from dpclip.recipe.schema import Clipping
 
 PRIVACY_FORMAT = "dpclip-python-api-1"
@@ -57,6 +58,13 @@ class Account:
     writes: bool = True   # False on the ranks other than 0 of a data-parallel run: rank 0 writes
     world_size: int = 1   # processes training together (the statement's distribution line)
     restored: bool = False   # the ledger continues a checkpoint's (load_checkpoint)
+    #: the persistent buffers the model's forward was seen writing (the engine's forward_written_state)
+    written_state: Callable[[], set[str]] = set
+
+    def not_covered(self) -> list[str]:
+        """What the statement lists outside ε: the plan's, and the buffers the forward writes once
+        the engine's checks saw them (docs/certificate.md)."""
+        return list(self.plan.plan.not_covered) + list(forward_state_line(self.written_state()))
 
     @property
     def noise_multiplier(self) -> float:
@@ -73,12 +81,13 @@ class Account:
     def statement(self) -> list[str]:
         """The privacy statement of the steps taken so far (the plan's before the first)."""
         if not self.ledger.steps:
-            lines = replace(self.plan.statement, world_size=self.world_size).lines()
+            statement = self.plan.statement
         else:
             taken = replace(self.plan.plan, steps=self.ledger.steps, target_epsilon=None,
                             noise_multiplier=self.plan.split.noise_multiplier)
             with quiet_rdp_orders():
-                lines = replace(solve(taken).statement, world_size=self.world_size).lines()
+                statement = solve(taken).statement
+        lines = replace(statement, world_size=self.world_size, not_covered=self.not_covered()).lines()
         return lines + [FRESH_LEDGER] if not self.restored else lines
 
     def save(self, directory: str | Path) -> Path:
@@ -103,7 +112,7 @@ class Account:
             "noise_multiplier": self.plan.split.noise_multiplier,
             "gradient_noise_multiplier": self.plan.split.gradient_noise_multiplier,
             "seeded_randomness": plan.seeded_randomness,
-            "not_covered_by_epsilon": list(plan.not_covered),
+            "not_covered_by_epsilon": self.not_covered(),
             "statement": self.statement(),
         })
         return out
@@ -141,7 +150,8 @@ def private_engine(model: nn.Module, spec: Clipping, *, num_examples: int, batch
                       reducer=None if world is None else world.reducer, verify_every=verify_every,
                       records_per_unit=records_per_user or 1)
     return engine, Account(Ledger(delta, accountant), plan, writes=world is None or world.main,
-                           world_size=1 if world is None else world.size)
+                           world_size=1 if world is None else world.size,
+                           written_state=lambda: engine.forward_written_state)
 
 
 def clipping_spec(clipping: Mapping[str, Any] | None, max_grad_norm: float | None) -> Clipping:

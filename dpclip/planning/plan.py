@@ -145,6 +145,19 @@ def reads_text(data) -> bool:
     return getattr(data, "format", None) == "text" or data.text_field is not None
 
 
+def forward_state_line(names) -> tuple[str, ...]:
+    """The statement's line for the persistent buffers the model's training forward was seen
+    writing (:attr:`dpclip.engine.DPEngine.forward_written_state`), none without any: they pass
+    the certificate (written alike whatever the batch) and are saved with the weights, but they
+    advance once per forward, and the number of forwards depends on the realised batch sizes
+    (micro-batches per step, an empty draw's skipped forward), which ε does not cover."""
+    if not names:
+        return ()
+    return (f"model state written by each training forward (buffers {', '.join(sorted(names))}): saved with the "
+            "weights, it advances once per forward, and the number of forwards depends on the realised batch "
+            "sizes",)
+
+
 def not_covered(recipe: Recipe) -> tuple[str, ...]:
     """What a run of ``recipe`` releases outside ε (the statement lists it), and the public
     data it trains on, which ε does not cover (docs/continual.md)."""

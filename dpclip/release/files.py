@@ -35,7 +35,8 @@ MANIFEST: tuple[Entry, ...] = (
          "`audit.canaries.seed` set it identifies the canaries: share it only after the audit"),
     _run("meta.json", SECRET, "member and non-member indices (membership), split and content fingerprints"),
     _run("plan.json", RELEASED, "what the statement is rebuilt from: privacy fingerprint, training-set size "
-         "(the statement's sampling rate states it), process count, clipping group names"),
+         "(the statement's sampling rate states it), process count, clipping group names, the names of the "
+         "buffers the training forward writes"),
     _run("ledger.json", RELEASED, "every step's charged DpEvent, δ, accountant; ε so far"),
     _run("metrics.jsonl", LABELLED, "per step: ε, lr, released thresholds and noise std (covered); "
          "`diagnostics` and `eval` lines (exact, labelled `not_covered_by_epsilon`)"),

@@ -32,7 +32,7 @@ from dpclip.rundir.checkpoint import checkpointed_steps
 from dpclip.errors import DpclipError
 from dpclip.files import read_json, write_json_atomic, write_text_atomic
 from dpclip.recipe import Recipe, apply_overrides, read_yaml, recipe_to_yaml, validate_recipe
-from dpclip.planning.plan import not_covered, planned_private_steps, privacy_plan
+from dpclip.planning.plan import forward_state_line, not_covered, planned_private_steps, privacy_plan
 
 
 # Fields whose change would change what the ledger means: a run refuses to resume if any differ.
@@ -307,16 +307,17 @@ def spent(run_dir: Path):
                           "ledger.json from a backup of the run")
     check_ledger(ledger, solved, range(0, steps + 1), where=path)
     return ledger, run_statement(recipe, ledger, world_size=recorded_world_size(run.path),
-                                 users=run.public_plan().get("num_users"))
+                                 users=run.public_plan().get("num_users"), written=recorded_written_state(run.path))
 
 
-def run_statement(recipe: Recipe, ledger, *, world_size: int = 1, users: int | None = None):
+def run_statement(recipe: Recipe, ledger, *, world_size: int = 1, users: int | None = None, written=()):
     """The privacy statement of a run's ledger, with the recipe's randomness mode, what the
-    run releases outside ε, and how many processes trained it (docs/distributed.md)."""
+    run releases outside ε (``written``: the buffers the forward writes, plan.json's), and how
+    many processes trained it (docs/distributed.md)."""
     unit = user_unit(users, recipe.data.max_examples_per_user) if recipe.privacy.unit == "user" else None
     return statement_from_ledger(ledger, sampling=recipe.training.sampling,
                                  seeded_randomness=recipe.privacy.unsafe_seeded_randomness,
-                                 not_covered=not_covered(recipe), world_size=world_size,
+                                 not_covered=not_covered(recipe) + forward_state_line(written), world_size=world_size,
                                  parallel=recipe.training.parallel, bands=recipe.privacy.mechanism.bands,
                                  unit=unit)
 
@@ -327,6 +328,16 @@ def recorded_world_size(run_dir: Path) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise DpclipError(f"{RunDir(run_dir).plan_file} records world_size {value!r}, which is not a process count",
                           "the run directory was modified: restore plan.json")
+    return value
+
+
+def recorded_written_state(run_dir: Path) -> list[str]:
+    """The buffers plan.json says the model's training forward writes (the engine's
+    ``forward_written_state``, recorded as the run saw them; none in runs made before)."""
+    value = RunDir(run_dir).public_plan().get("forward_written_state", [])
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise DpclipError(f"{RunDir(run_dir).plan_file} records forward_written_state {value!r}, which is not a list "
+                          "of buffer names", "the run directory was modified: restore plan.json")
     return value
 
 

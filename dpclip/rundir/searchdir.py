@@ -23,7 +23,6 @@ from dpclip.accounting import GRADIENT_RELEASE, Ledger, PrivacyStatement, event_
 from dpclip.accounting.plan import user_unit
 from dpclip.errors import AccountingError, DpclipError
 from dpclip.files import read_json
-from dpclip.planning.plan import not_covered
 from dpclip.rundir.run import RunDir, load_run_recipe, spent
 
 #: The version of the search directory's summary.json (also how a search directory is recognised).
@@ -148,7 +147,7 @@ def _statement(ledger, q, sigma, steps, score_noise, mean, shape, seeded, sampli
         f"secret; only the selected run and its score are released; each run: {steps} {batches}",
         *(run_statement.releases if run_statement is not None else [GRADIENT_RELEASE]),
     ]
-    uncovered = list(not_covered(run_recipe)) if run_recipe is not None else []
+    uncovered = list(run_statement.not_covered) if run_statement is not None else []
     users = (run_recipe.privacy.unit if run_recipe is not None else metadata.get("unit")) == "user"
     if score_noise is not None:
         releases.append(f"selection score, charged to every trial: {SCORE_MEANING['user' if users else 'example']} "

@@ -30,6 +30,7 @@ class RunOutput:
         self.tensorboard = None  # the optional TensorBoard log (recipe logging.tensorboard)
         # Records of steps after the resumed checkpoint that already left the process.
         self.replay: dict[tuple[str, int], dict[str, Any]] = {}
+        self.written_state: set[str] | None = None   # plan.json's forward_written_state, once read
 
     def create(self, recipe, ordinary, canaries, info: dict[str, Any], run_dir: Path | None,
                exposure=None) -> Path:
@@ -50,6 +51,20 @@ class RunOutput:
         run.metrics_file.touch(mode=OWNER_ONLY)
         self.run_dir = run.path
         return run.path
+
+    def record_written_state(self, names: set[str]) -> None:
+        """plan.json's ``forward_written_state``: the persistent buffers the model's training forward
+        writes (the engine's, once a check saw them), which the statement names as not covered by ε;
+        rewritten only when a name is new, before anything of the step leaves the process."""
+        if not self.main or not names:
+            return
+        run = RunDir(self.run_dir)
+        if self.written_state is None:
+            self.written_state = set(run.public_plan().get("forward_written_state", []))
+        if names <= self.written_state:
+            return
+        self.written_state |= names
+        write_json_atomic(run.plan_file, {**run.public_plan(), "forward_written_state": sorted(self.written_state)})
 
     def write_ledger(self, state, every_step: bool = False) -> None:
         """ledger.json, unless it is ahead (a resume redoing released steps). Every step: no

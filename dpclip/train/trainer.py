@@ -73,6 +73,7 @@ def train_step(parts: RunParts, state: RunState, indices: torch.Tensor, output) 
     # Charged before anything of this step leaves the process (a crash between
     # the two leaves the ledger ahead, never behind).
     output.write_ledger(state, every_step=True)
+    output.record_written_state(parts.learner.engine.forward_written_state)   # (the statement names them)
     epsilon_every = max(1, plan.steps // 50)  # ε with the ledger's accountant costs ~0.1 s: not every step
     live = parts.setting.world.main and (state.step == plan.steps or state.step % epsilon_every == 0)
     record = step_record(state.step, outcome.report, state.ledger.epsilon() if live else None, outcome.loss_sum,

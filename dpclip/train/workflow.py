@@ -30,7 +30,8 @@ from dpclip.train.run_parts import RunParts
 from dpclip.train.plots import plot_run
 from dpclip.train.ranks import agree_on_recipe, check_resume_parallel
 from dpclip.train.result import TrainObserver, TrainResult
-from dpclip.rundir.run import RunDir, privacy_diff, privacy_fingerprint, recipe_changes, run_statement
+from dpclip.rundir.run import (RunDir, privacy_diff, privacy_fingerprint, recipe_changes, recorded_written_state,
+                              run_statement)
 from dpclip.rundir.searchdir import search_of_run
 from dpclip.train.state import Checkpointer, RunState
 from dpclip.train.tensorboard import check_logging, open_tensorboard
@@ -145,7 +146,8 @@ def _finish(parts: RunParts, state: RunState, output: RunOutput, stopped: str, f
     if not parts.setting.world.main:
         return TrainResult(output.run_dir, state.step, planned, float("nan"), float("nan"), plan.delta, stopped)
     accounting = state.ledger.result()
-    statement = run_statement(recipe, state.ledger, world_size=parts.setting.world.size, users=parts.setting.plan.users)
+    statement = run_statement(recipe, state.ledger, world_size=parts.setting.world.size, users=parts.setting.plan.users,
+                              written=recorded_written_state(output.run_dir))
     result = TrainResult(output.run_dir, state.step, planned, accounting.epsilon, accounting.epsilon_rdp,
                          plan.delta, stopped, final_eval, statement.lines(), parts.setting.solved.step_metadata,
                          parts.setting.sigma_change, resume_changes, step_seconds=state.step_seconds)

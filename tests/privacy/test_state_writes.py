@@ -99,7 +99,9 @@ def test_a_count_of_samples_seen_is_refused_as_releasing_the_batch_size():
     x, y = _data()
     with pytest.raises(EngineError, match="a count of the samples seen releases the batch size") as err:
         _step(Writes(_samples_seen), x, y)
-    assert "count steps (+= 1), not samples" in err.value.hint
+    # not a counter in the forward: the number of forwards follows the draws' sizes (test_forward_counters.py)
+    assert "count steps in the training loop, outside the forward" in err.value.hint
+    assert "persistent=False" in err.value.hint and "+= 1" not in err.value.hint
 
 
 def test_a_reassigned_buffer_is_left_holding_what_the_real_forward_wrote_not_a_replayed_row():

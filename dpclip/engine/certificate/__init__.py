@@ -114,6 +114,10 @@ class Certificate:
         self.last: CertificateRecord | None = None
         self.reported = True                   # the last record is in a step's report already
         self.checks = 0
+        #: persistent buffers a checked forward wrote in a way that passed the check (saved with the
+        #: weights; each forward advances them, and the number of forwards depends on the draws' sizes)
+        self.written_state: set[str] = set()
+        self._written: list[str] = []       # the names the forward being checked wrote
         self._cotangents = Cotangents(silence)
         self._recorder: Recorder | None = None
         self._devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
@@ -133,8 +137,10 @@ class Certificate:
             release(f)
         self.forwards.clear()
 
-    def reset(self) -> None:
-        """A resume: the next micro-batch is checked whatever its shape."""
+    def reset(self, written_state=()) -> None:
+        """A resume: the next micro-batch is checked whatever its shape; ``written_state``: the
+        buffers the run's forwards were seen writing before (the checkpoint's)."""
+        self.written_state.update(written_state)
         self.families.clear()
         self.last_step = None
 
@@ -257,6 +263,8 @@ class Certificate:
         an EngineError on a mismatch. ``scale``: the witness's 1/B; ``weights``: row weights;
         ``cancelling``: row -> groups the engine recomputed in float64 for it (not compared)."""
         rtol = max(self._rtol(f) for f in forwards)
+        if mode != "eval":   # (eval mode: the same step's check again, its writes in training mode kept)
+            self._written = []
         random = any(f.random for f in forwards) or forwards[0].batch == 1
         # a random forward whose draws were recorded: each checked sample alone, with its part of them
         cut = random and forwards[0].batch > 1 and all(f.draws is not None for f in forwards)
@@ -279,6 +287,10 @@ class Certificate:
                 compare(r, exact, *args, slack=[FLOAT32_SLACK * float((a.double() - b).norm())
                                                 for a, b in zip(own[r], exact)])
         self.families.add(shape_family(forwards[0].args, forwards[0].kwargs, forwards[0].batch))
+        if self._written:   # passed: what the model's file holds of them is labelled (docs/certificate.md)
+            saved = self.model.state_dict(keep_vars=True)
+            self.written_state.update(n for n in self._written if n in saved)
+            self._written = []
         self.last_step = step
         self.forced = False
         self.checks += 1
@@ -294,6 +306,7 @@ class Certificate:
         start = forwards[0].buffers   # the replays start where the checked forward did
         try:
             with replaying(self.model, self.plain, self._devices), state_kept(self.model, start) as buffers:
+                self._written += [n for n in buffers.written if n not in self._written]
                 if cut:
                     try:
                         return alone_gradients(self.model, self.replayer, forwards, rows, cots, rtol, buffers,

@@ -29,7 +29,9 @@ SHARED_INPUT_HINT = ("; an input shared by all samples whose first size equals t
 
 
 STATE_HINT = ("keep no data in the model's state: register such a statistic outside the forward (or compute "
-              "it from public data), or update it in eval mode only; count steps (+= 1), not samples")
+              "it from public data), or update it in eval mode only; count steps in the training loop, outside "
+              "the forward (the number of forwards depends on the draws' sizes), or keep such a buffer "
+              "non-persistent (register_buffer(..., persistent=False): not saved, not released)")
 _ONE_ROW_HINT = "; or use micro-batches of 2 rows or more (max_physical_batch_size ≥ 2)"
 
 

@@ -1,0 +1,168 @@
+"""A buffer the training forward writes alike whatever the batch (a counter ``+= 1``, spectral_norm's
+power iteration) passes the certificate, but it advances once per forward, and the number of
+forwards depends on the realised Poisson batch sizes (ceil(B_t/m) micro-batches in step t, none
+for an empty draw), which ε does not cover. It is saved with the weights, so every privacy
+statement of the run names it "not covered by ε"; a non-persistent buffer is not saved and not
+named (docs/certificate.md, docs/accounting.md "Threat model").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import dpclip
+from dpclip.engine import DPEngine
+
+LINE = "model state written by each training forward"
+
+
+class Counting(nn.Module):
+    """A Linear with a buffer counting its training forwards."""
+
+    def __init__(self, persistent: bool = True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(5, 3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long), persistent=persistent)
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.calls += 1
+        return self.lin(x)
+
+
+class Spectral(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.utils.parametrizations.spectral_norm(nn.Linear(5, 3))
+        with torch.no_grad():   # a weight whose power iteration has not converged (as after an update)
+            self.lin.parametrizations.weight.original.add_(torch.randn(3, 5))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _engine_step(model, micro: int = 4) -> set[str]:
+    x, y = torch.randn(8, 5, generator=torch.Generator().manual_seed(1)), torch.randint(0, 3, (8,))
+    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=1.0,
+                      expected_batch_size=8, seed=0)
+    try:
+        for rows in torch.arange(8).split(micro):
+            engine.backward(F.cross_entropy(model(x[rows]), y[rows], reduction="none"))
+        engine.privatize()
+        assert engine.certificate.checks == 1
+        restored = DPEngine(Counting(), {"threshold": {"kind": "fixed", "value": 1.0}},
+                            gradient_noise_multiplier=1.0, expected_batch_size=8, seed=0)
+        restored.load_state_dict(engine.state_dict())   # a resume keeps what the run saw
+        assert restored.forward_written_state == engine.forward_written_state
+        restored.detach()
+        return engine.forward_written_state
+    finally:
+        engine.detach()
+
+
+def test_the_engine_names_the_persistent_buffers_a_checked_forward_wrote():
+    assert _engine_step(Counting()) == {"calls"}
+    assert _engine_step(Spectral()) == {"lin.parametrizations.weight.0._u", "lin.parametrizations.weight.0._v"}
+
+
+def test_a_non_persistent_counter_is_not_named():
+    assert _engine_step(Counting(persistent=False)) == set()
+
+
+def _make_private_run(persistent: bool, tmp_path):
+    x = torch.randn(64, 5, generator=torch.Generator().manual_seed(2))
+    y = torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(3))
+    model = Counting(persistent)
+    private = dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  DataLoader(TensorDataset(x, y), batch_size=32), criterion=nn.CrossEntropyLoss(),
+                                  noise_multiplier=1.0, delta=1e-5, steps=3, max_grad_norm=1.0,
+                                  max_physical_batch_size=8)
+    model, opt, crit, loader = private
+    for xb, yb in loader:
+        opt.zero_grad()
+        crit(model(xb), yb).backward()
+        opt.step()
+    privacy = json.loads((private.save(tmp_path) / "privacy.json").read_text())
+    return private.statement(), privacy
+
+
+def test_make_privates_statement_and_privacy_json_name_a_persistent_counter_not_covered(tmp_path):
+    statement, privacy = _make_private_run(True, tmp_path)
+    named = [line for line in statement if LINE in line]
+    assert len(named) == 1 and "buffers calls" in named[0] and "realised batch sizes" in named[0]
+    assert any(LINE in item and "calls" in item for item in privacy["not_covered_by_epsilon"])
+    assert any(LINE in line for line in privacy["statement"])
+
+
+def test_make_private_names_no_non_persistent_counter(tmp_path):
+    statement, privacy = _make_private_run(False, tmp_path)
+    assert not any(LINE in line for line in statement + privacy["not_covered_by_epsilon"])
+
+
+COUNTING_MODEL = """
+    import torch
+    from torch import nn
+
+    class Count(nn.Module):
+        def __init__(self, persistent):
+            super().__init__()
+            self.fc = nn.Linear(64, 10)
+            self.register_buffer("calls", torch.zeros(()), persistent=persistent)
+
+        def forward(self, x):
+            if self.training:
+                with torch.no_grad():
+                    self.calls += 1
+            return self.fc(x.flatten(1))
+
+    def build(input_shape, num_classes, persistent=True):
+        return Count(persistent)
+"""
+
+
+def _cli_run(small_recipe, tmp_path, monkeypatch, persistent: bool):
+    from dpclip.rundir.run import spent
+    from dpclip.train.workflow import train
+
+    (tmp_path / "countmodel.py").write_text(textwrap.dedent(COUNTING_MODEL))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = train(small_recipe(f"model={{kind: custom, target: 'countmodel:build', kwargs: {{persistent: "
+                                f"{str(persistent).lower()}}}}}", "training.micro_batch_size=8",
+                                "eval.every_steps=null"))
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    return result.run_dir, summary, spent(result.run_dir)[1]
+
+
+@pytest.mark.slow
+def test_a_cli_runs_counter_counts_its_micro_batches_and_every_statement_names_it(small_recipe, tmp_path,
+                                                                                  monkeypatch):
+    from safetensors.torch import load_file
+
+    run_dir, summary, statement = _cli_run(small_recipe, tmp_path, monkeypatch, True)
+    # what an attacker holding the weights reads: Σ_t ceil(B_t/8) of the realised Poisson batch sizes
+    sizes = [json.loads(line)["diagnostics"]["batch_size"] for line in (run_dir / "metrics.jsonl").open()
+             if '"step"' in line and '"eval"' not in line]
+    latest = (run_dir / "checkpoints" / "LATEST").read_text().strip()
+    calls = load_file(run_dir / "checkpoints" / latest / "model.safetensors")["calls"]
+    assert len(sizes) == 12 and int(calls) == sum(math.ceil(b / 8) for b in sizes)
+    assert json.loads((run_dir / "plan.json").read_text())["forward_written_state"] == ["calls"]
+    for lines in (summary["statement"], statement.lines()):
+        assert sum(LINE in line and "buffers calls" in line for line in lines) == 1
+
+
+@pytest.mark.slow
+def test_a_cli_run_with_a_non_persistent_counter_states_no_written_state(small_recipe, tmp_path, monkeypatch):
+    run_dir, summary, statement = _cli_run(small_recipe, tmp_path, monkeypatch, False)
+    assert "forward_written_state" not in json.loads((run_dir / "plan.json").read_text())
+    assert not any(LINE in line for line in summary["statement"] + statement.lines())
