@@ -41,14 +41,30 @@ class Counting(nn.Module):
 
 
 class Spectral(nn.Module):
-    def __init__(self):
+    def __init__(self, converged: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.lin = nn.utils.parametrizations.spectral_norm(nn.Linear(5, 3))
-        with torch.no_grad():   # a weight whose power iteration has not converged (as after an update)
-            self.lin.parametrizations.weight.original.add_(torch.randn(3, 5))
+        if not converged:   # a weight whose power iteration has not converged (as after an update)
+            with torch.no_grad():
+                self.lin.parametrizations.weight.original.add_(torch.randn(3, 5))
 
     def forward(self, x):
+        return self.lin(x)
+
+
+class CountsLater(Counting):
+    """Counts only from its third training forward on: after the certificate's first-step check."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def forward(self, x):
+        self.seen += self.training
+        if self.training and self.seen > 2:
+            with torch.no_grad():
+                self.calls += 1
         return self.lin(x)
 
 
@@ -74,6 +90,15 @@ def _engine_step(model, micro: int = 4) -> set[str]:
 def test_the_engine_names_the_persistent_buffers_a_checked_forward_wrote():
     assert _engine_step(Counting()) == {"calls"}
     assert _engine_step(Spectral()) == {"lin.parametrizations.weight.0._u", "lin.parametrizations.weight.0._v"}
+
+
+def test_a_write_no_check_sees_is_named_too():
+    """Every training forward is watched (each saved buffer's object and in-place write count), not only
+    the checked ones: spectral_norm converged at init leaves _u, _v as they were on the first step's
+    check, yet writes them in place each forward; a counter may start after the check."""
+    assert _engine_step(Spectral(converged=True)) == {"lin.parametrizations.weight.0._u",
+                                                      "lin.parametrizations.weight.0._v"}
+    assert _engine_step(CountsLater(), micro=2) == {"calls"}   # forwards 3 and 4 of one step: unchecked
 
 
 def test_a_non_persistent_counter_is_not_named():

@@ -44,7 +44,7 @@ from dpclip.engine.certificate.batch import batch_gradients, checked_before_eval
 from dpclip.engine.certificate.draws import Recorder
 from dpclip.engine.certificate.replay import (Cotangents, Forward, NotReproducible, Replayer, release, replaying,
                                               rng_state, same_rng)
-from dpclip.engine.certificate.state import snapshot, state_kept
+from dpclip.engine.certificate.state import saved_buffer_versions, snapshot, state_kept
 from dpclip.engine.certificate.verdict import compare, hooked_layers, users_hook, with_hooks_named
 from dpclip.engine.precision import autocast_snapshot
 from dpclip.errors import EngineError
@@ -114,10 +114,11 @@ class Certificate:
         self.last: CertificateRecord | None = None
         self.reported = True                   # the last record is in a step's report already
         self.checks = 0
-        #: persistent buffers a checked forward wrote in a way that passed the check (saved with the
-        #: weights; each forward advances them, and the number of forwards depends on the draws' sizes)
+        #: persistent buffers a training forward wrote (any forward; a checked one's write passed its check):
+        #: saved with the weights, each forward advances them, and the number of forwards depends on the draws
         self.written_state: set[str] = set()
         self._written: list[str] = []       # the names the forward being checked wrote
+        self._versions: dict[str, tuple[int, int]] | None = None   # saved buffers as a training forward began
         self._cotangents = Cotangents(silence)
         self._recorder: Recorder | None = None
         self._devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
@@ -159,6 +160,7 @@ class Certificate:
         self.depth += 1
         if self.depth != 1 or not torch.is_grad_enabled() or self.is_plain() or self.suspended:
             return None
+        self._versions = saved_buffer_versions(self.model)   # every training forward's, checked or not
         leaves = tensor_leaves((args, kwargs))
         if not leaves or leaves[0].dim() == 0:
             return None
@@ -198,6 +200,9 @@ class Certificate:
         if self.idle:
             return None
         self.depth = max(self.depth - 1, 0)
+        if self.depth == 0 and self._versions is not None:
+            before, self._versions = self._versions, None
+            self.written_state.update(n for n, v in saved_buffer_versions(self.model).items() if before.get(n) != v)
         recorder = self._recorder if self.depth == 0 else None
         if recorder is not None:
             self._recorder = None

@@ -58,6 +58,15 @@ def _entries(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, str, Tenso
                     yield (f"{prefix}.{key}" if prefix else key), m, kind, key, t
 
 
+def saved_buffer_versions(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Each persistent buffer (saved with the weights) by name: (the object, its in-place write
+    count). Cheap enough for every training forward: any write, in place or by reassignment, moves
+    it, so the writes of forwards the certificate does not check are seen too."""
+    return {(f"{prefix}.{key}" if prefix else key): (id(t), t._version)
+            for prefix, m in model.named_modules() for key, t in m._buffers.items()
+            if t is not None and key not in m._non_persistent_buffers_set}
+
+
 def snapshot(model: nn.Module) -> dict[str, Slot]:
     """The model's state now, by name: buffers with their values, frozen parameters with a fingerprint."""
     return {n: Slot(m, kind, key, t, None if t is None else t.detach().clone() if kind == "_buffers"
