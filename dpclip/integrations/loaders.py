@@ -103,12 +103,29 @@ class PoissonBatches(PlannedBatches):
     steps. A pass started after the plan is spent is refused: ε covers the planned steps.
     """
 
+    #: draws whose generator state is kept: a loader's workers fetch up to num_workers × prefetch_factor
+    #: batches ahead of the loop, and a checkpoint must hold the state after the draws the loop took
+    KEPT_STATES = 256
+
     def __init__(self, draws: PoissonSampler, steps_per_pass: int):
         self.draws = draws
         self.steps_per_pass = steps_per_pass
         # a resume's last step already released: the draws after it start a fresh stream
         # (dpclip.rng.fork_private_streams), however far ahead a loader's workers fetch
         self.fork_after: int | None = None
+        self._before: dict[int, torch.Tensor] = {}   # draw count -> the generator's state then
+
+    def state_at(self, taken: int) -> dict:
+        """The sampler's state after the first ``taken`` draws (those the loop has taken: its loader's
+        workers may have drawn more), for a checkpoint."""
+        state = self.draws.state_dict()
+        if taken == self.draws.step:
+            return state
+        if taken not in self._before:
+            raise DpclipError(f"the sampler's state after {taken} draws is no longer kept: the loader has drawn "
+                              f"{self.draws.step - taken} batches ahead of the loop",
+                              f"fetch fewer batches ahead (num_workers × prefetch_factor below {self.KEPT_STATES})")
+        return {**state, "step": taken, "generator": self._before[taken].clone()}
 
     def __len__(self) -> int:
         return min(self.steps_per_pass, self.draws.steps - self.draws.step) or self.steps_per_pass
@@ -121,9 +138,11 @@ class PoissonBatches(PlannedBatches):
             raise DpclipError(f"the {self.draws.steps} planned steps are done", SPENT_HINT)
         draws = iter(self.draws)
         for _ in range(self.steps_per_pass):
-            if self.draws.step == self.fork_after:
+            if self.fork_after is not None and self.draws.step >= self.fork_after:
                 fork_private_streams(self.draws)
                 self.fork_after = None
+            self._before[self.draws.step] = self.draws.generator.get_state()
+            self._before.pop(self.draws.step - self.KEPT_STATES, None)
             indices = next(draws, None)
             if indices is None:
                 return

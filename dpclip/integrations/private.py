@@ -132,7 +132,8 @@ class PrivateTraining:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"format": CHECKPOINT_FORMAT, "plan": self._plan_key(), "model": self.model.state_dict(),
                     "optimizer": self.optimizer.original.state_dict(), "engine": self.engine.state_dict(),
-                    "sampler": None if self.draws is None else self.draws.state_dict(),
+                    "sampler": None if self.draws is None else self.data_loader.batch_sampler.state_at(
+                        self.optimizer.tracker.draws),   # the draws the loop took, not those fetched ahead
                     "draws": self.optimizer.tracker.draws, "ledger": self.ledger.to_dict(with_epsilon=False)}, path)
         owner_only(path)
         return path

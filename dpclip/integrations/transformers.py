@@ -411,7 +411,7 @@ class DPTrainer(Trainer):
         os.makedirs(folder, exist_ok=True)
         rank = 0 if self.world is None else self.world.rank
         secret = os.path.join(folder, layout.TRAINER_STATE.format(rank=rank))   # generators' states
-        torch.save({"plan": self._plan_key(), "sampler": self._sampler().draws.state_dict(),
+        torch.save({"plan": self._plan_key(), "sampler": self._sampler().state_at(self.account.ledger.steps),
                     "engine": self.engine.state_dict(), "steps": self.account.ledger.steps}, secret)
         owner_only(secret)
         self.account.save(folder)

@@ -154,3 +154,51 @@ def test_a_renewed_shuffle_sampler_finishes_its_epoch_with_the_same_examples_in_
     assert not torch.equal(sampler.permutation[sampler.position:], rest)   # 42! orders: equal by chance ~1e-51
     seen += [next(batches) for _ in range(7)]
     assert sorted(torch.cat(seen).tolist()) == list(range(60))   # one epoch: each example once
+
+
+def _private_with_workers(unsafe_seed: int | None, workers: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    return dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               DataLoader(_loader_data(), batch_size=16, num_workers=workers),
+                               criterion=nn.CrossEntropyLoss(), delta=1e-5, noise_multiplier=1.0, steps=6,
+                               max_grad_norm=1.0, unsafe_seed=unsafe_seed)
+
+
+def _steps(private, count: int) -> list[torch.Tensor]:
+    model, optimizer, criterion, loader = private
+    batches = []
+    for x, y in loader:
+        batches.append(x)
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        optimizer.step()
+        if len(batches) == count:
+            break
+    return batches
+
+
+def test_a_checkpoint_taken_while_loader_workers_fetch_ahead_holds_the_draws_the_loop_took(tmp_path):
+    """Two workers fetch up to 4 batches ahead of the loop: the checkpoint's sampler must be the one
+    after the 2 draws taken (it held 6, so a resume lost 4 planned steps and, being past the point
+    where its stream is renewed, two resumes drew the same batches)."""
+    whole = _steps(_private_with_workers(3, workers=0), 6)   # seeded: the draws a resume must go on with
+    first = _private_with_workers(3, workers=2)
+    assert [len(x) for x in _steps(first, 2)] == [len(x) for x in whole[:2]]
+    path = first.save_checkpoint(tmp_path / "c.pt")
+    state = torch.load(path, weights_only=True)
+    assert state["sampler"]["step"] == state["draws"] == 2
+    resumed = _private_with_workers(3, workers=2)
+    resumed.load_checkpoint(path)
+    rest = _steps(resumed, 4)
+    assert len(rest) == 4 and all(torch.equal(a, b) for a, b in zip(rest, whole[2:]))
+    assert resumed.ledger.steps == 6
+
+
+def test_a_dptrainer_checkpoint_with_loader_workers_holds_the_draws_its_steps_took(tmp_path):
+    from tests.integrations.test_transformers import _trainer
+
+    trainer = _trainer(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, dataloader_num_workers=2)
+    trainer.train()
+    state = torch.load(tmp_path / "out" / "checkpoint-2" / "dpclip_state_rank0.pt", weights_only=True)
+    assert state["steps"] == 2 and state["sampler"]["step"] == 2   # the workers had fetched ahead
