@@ -119,6 +119,7 @@ class Certificate:
         self.written_state: set[str] = set()
         self._written: list[str] = []       # the names the forward being checked wrote
         self._versions: dict[str, tuple[int, int]] | None = None   # saved buffers as a training forward began
+        self._modules = list(model.named_modules())   # walked once: ~2 µs a module is too much each forward
         self._cotangents = Cotangents(silence)
         self._recorder: Recorder | None = None
         self._devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
@@ -160,7 +161,7 @@ class Certificate:
         self.depth += 1
         if self.depth != 1 or not torch.is_grad_enabled() or self.is_plain() or self.suspended:
             return None
-        self._versions = saved_buffer_versions(self.model)   # every training forward's, checked or not
+        self._versions = saved_buffer_versions(self._modules)   # every training forward's, checked or not
         leaves = tensor_leaves((args, kwargs))
         if not leaves or leaves[0].dim() == 0:
             return None
@@ -202,7 +203,7 @@ class Certificate:
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0 and self._versions is not None:
             before, self._versions = self._versions, None
-            self.written_state.update(n for n, v in saved_buffer_versions(self.model).items() if before.get(n) != v)
+            self.written_state.update(n for n, v in saved_buffer_versions(self._modules).items() if before.get(n) != v)
         recorder = self._recorder if self.depth == 0 else None
         if recorder is not None:
             self._recorder = None

@@ -58,12 +58,14 @@ def _entries(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, str, Tenso
                     yield (f"{prefix}.{key}" if prefix else key), m, kind, key, t
 
 
-def saved_buffer_versions(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Each persistent buffer (saved with the weights) by name: (the object, its in-place write
-    count). Cheap enough for every training forward: any write, in place or by reassignment, moves
-    it, so the writes of forwards the certificate does not check are seen too."""
+def saved_buffer_versions(modules: list[tuple[str, nn.Module]]) -> dict[str, tuple[int, int]]:
+    """Each persistent buffer (saved with the weights) of ``modules`` (the model's named modules) by
+    name: (the object, its in-place write count). Read on the host, no device sync: cheap enough for
+    every training forward. A write in place or by reassignment moves it, so the writes of forwards
+    the certificate does not check are seen too; one through ``.data`` or a numpy view does not
+    (torch counts no version there): only a checked forward's replay sees those."""
     return {(f"{prefix}.{key}" if prefix else key): (id(t), t._version)
-            for prefix, m in model.named_modules() for key, t in m._buffers.items()
+            for prefix, m in modules for key, t in m._buffers.items()
             if t is not None and key not in m._non_persistent_buffers_set}
 
 
