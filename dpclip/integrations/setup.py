@@ -62,8 +62,8 @@ class Account:
     written_state: Callable[[], set[str]] = set
 
     def not_covered(self) -> list[str]:
-        """What the statement lists outside ε: the plan's, and the buffers the forward writes once
-        the engine's checks saw them (docs/certificate.md)."""
+        """What the statement lists outside ε: the plan's, and the saved buffers the training
+        forwards have written so far (docs/certificate.md)."""
         return list(self.plan.plan.not_covered) + list(forward_state_line(self.written_state()))
 
     @property

@@ -54,7 +54,7 @@ class RunOutput:
 
     def record_written_state(self, names: set[str]) -> None:
         """plan.json's ``forward_written_state``: the persistent buffers the model's training forward
-        writes (the engine's, once a check saw them), which the statement names as not covered by ε;
+        writes (the engine's, once a training forward wrote them), which the statement names as not covered by ε;
         rewritten only when a name is new, before anything of the step leaves the process."""
         if not self.main or not names:
             return
