@@ -113,15 +113,16 @@ def test_a_dptrainer_checkpoint_resumed_twice_redoes_its_released_step_then_draw
     with pytest.raises(KeyboardInterrupt):
         crashed.train()
     shutil.copytree(tmp_path / "run", tmp_path / "copy")
-    weights, noise = [], []
+    weights, noise, draws = [], [], []
     for folder in ("run", "copy"):
         resumed = _trainer(tmp_path / folder, max_steps=6, save_strategy="steps", save_steps=2)
         resumed.train(resume_from_checkpoint=True)   # step 3 redone: checked against the log, else refused
         assert resumed.account.ledger.steps == 6
         weights.append([p.detach().clone() for p in resumed.model.parameters()])
         noise.append(resumed.engine.noise.state_dict()["states"]["cpu"].clone())
+        draws.append(resumed._sampler().draws.generator.get_state().clone())
     assert not all(torch.equal(a, b) for a, b in zip(*weights))
-    assert not torch.equal(*noise)   # the noise stream itself, not only the batches
+    assert not torch.equal(*noise) and not torch.equal(*draws)   # each stream itself, not only the weights
 
 
 def test_fork_private_streams_renews_every_os_entropy_stream_and_leaves_seeded_ones():
