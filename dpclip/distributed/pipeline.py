@@ -190,6 +190,11 @@ class PipelineEngine:
         """This stage's noise source (its own stream)."""
         return self.engine.noise
 
+    @property
+    def forward_written_state(self) -> set[str]:
+        """The saved buffers this stage's training forwards wrote (its engine's)."""
+        return self.engine.forward_written_state
+
     def state_dict(self) -> dict:
         return self.engine.state_dict()
 

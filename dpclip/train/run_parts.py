@@ -13,7 +13,7 @@ checkpoint holds (:mod:`dpclip.train.state`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Protocol, TypedDict
+from typing import Any, Iterator, Protocol, TypedDict
 
 import torch
 
@@ -39,6 +39,8 @@ class PrivateEngine(Protocol):
     or a pipeline stage's :class:`~dpclip.distributed.pipeline.PipelineEngine`."""
 
     group_names: list[str]
+    noise: Any                         # its NoiseSource (a fork renews it: dpclip.rng)
+    forward_written_state: set[str]    # saved buffers its training forwards wrote (the statement names them)
 
     def detach(self) -> None: ...
     def state_dict(self) -> dict[str, object]: ...
