@@ -104,6 +104,15 @@ def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
     return module._parameters
 
 
+def saved_buffers(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """``module``'s own buffers that its ``state_dict`` saves (``Module._buffers`` less
+    ``_non_persistent_buffers_set``), without running ``state_dict`` (its hooks gather sharded
+    tensors, and it walks the whole tree): cheap enough for every forward. Checked against torch 2.13."""
+    for key, t in module._buffers.items():
+        if t is not None and key not in module._non_persistent_buffers_set:
+            yield key, t
+
+
 @contextmanager
 def forward_hooks_silenced(model: nn.Module, keep: Iterable = ()) -> Iterator[None]:
     """Inside, no forward hook of any module of ``model`` runs (the user's, the engine's own), but

@@ -13,7 +13,7 @@ checkpoint holds (:mod:`dpclip.train.state`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol, TypedDict
+from typing import Iterator, Protocol, TypedDict
 
 import torch
 
@@ -25,6 +25,7 @@ from dpclip.data.exposure import ExposureSet
 from dpclip.distributed import World
 from dpclip.distributed.pipeline import PipelineStep
 from dpclip.distributed.sharded import Shards
+from dpclip.engine.noise import NoiseSource
 from dpclip.models.losses import PerSampleLoss
 from dpclip.planning.plan import correlated_noise_note
 from dpclip.recipe import Recipe
@@ -39,7 +40,7 @@ class PrivateEngine(Protocol):
     or a pipeline stage's :class:`~dpclip.distributed.pipeline.PipelineEngine`."""
 
     group_names: list[str]
-    noise: Any                         # its NoiseSource (a fork renews it: dpclip.rng)
+    noise: NoiseSource                 # a fork renews it (dpclip.rng)
     forward_written_state: set[str]    # saved buffers its training forwards wrote (the statement names them)
 
     def detach(self) -> None: ...

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from dpclip.engine.certificate.replay import Forward, Replayer, equal_values
 from dpclip.engine.certificate.verdict import refuse_written_buffer, refuse_written_parameter, refuse_unchecked_write
-from dpclip.torch_compat import tree_flatten, tree_unflatten
+from dpclip.torch_compat import saved_buffers, tensor_version, tree_flatten, tree_unflatten
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -64,9 +64,8 @@ def saved_buffer_versions(modules: list[tuple[str, nn.Module]]) -> dict[str, tup
     every training forward. A write in place or by reassignment moves it, so the writes of forwards
     the certificate does not check are seen too; one through ``.data`` or a numpy view does not
     (torch counts no version there): only a checked forward's replay sees those."""
-    return {(f"{prefix}.{key}" if prefix else key): (id(t), t._version)
-            for prefix, m in modules for key, t in m._buffers.items()
-            if t is not None and key not in m._non_persistent_buffers_set}
+    return {(f"{prefix}.{key}" if prefix else key): (id(t), tensor_version(t))
+            for prefix, m in modules for key, t in saved_buffers(m)}
 
 
 def snapshot(model: nn.Module) -> dict[str, Slot]:
