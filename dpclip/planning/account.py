@@ -140,7 +140,7 @@ def recipe_plan(path: Path, overrides: Sequence[str], flags: AccountFlags):
     from dpclip.recipe import load_recipe  # looked up at call time: tests stand in for it
 
     recipe = load_recipe(path, list(overrides))
-    if not planning.planned_private_steps(recipe, 1):
+    if planning.only_public(recipe):
         raise AccountingError("continual.schedule only-public takes no private step: its run spends ε = 0, and "
                               "there is no private phase to account",
                               "to see the plan of the private phase a switch run adds: dpclip account RECIPE "

@@ -185,13 +185,17 @@ def uses_public_data(recipe: Recipe) -> bool:
     return not only_private or bool(recipe.diagnostics.every_steps and recipe.diagnostics.data == "public")
 
 
+def only_public(recipe: Recipe) -> bool:
+    """Whether a run of ``recipe`` never leaves its public phase (``continual.schedule:
+    only-public``): it takes no private step, and spends ε = 0."""
+    return recipe.continual is not None and recipe.continual.schedule == "only-public"
+
+
 def planned_private_steps(recipe: Recipe, steps: int) -> int:
     """The private steps a run of ``recipe`` plans, as the run states them (summary, report,
-    card): ``steps``, its privacy plan's, or none under ``continual.schedule: only-public``,
-    which never leaves the public phase (ε = 0). Its privacy plan keeps its steps (a plan has
-    at least one): σ is calibrated for a private phase that never runs."""
-    only_public = recipe.continual is not None and recipe.continual.schedule == "only-public"
-    return 0 if only_public else steps
+    card): ``steps``, its privacy plan's, or none under :func:`only_public`. Its privacy plan
+    keeps its steps (a plan has at least one): σ is calibrated for a private phase that never runs."""
+    return 0 if only_public(recipe) else steps
 
 
 def probe_steps(recipe: Recipe, sample_rate: float) -> int:

@@ -135,6 +135,30 @@ def test_make_private_names_no_non_persistent_counter(tmp_path):
     assert not any(LINE in line for line in statement + privacy["not_covered_by_epsilon"])
 
 
+def test_a_dptrainers_privacy_json_names_a_buffer_a_submodules_forward_counts(tmp_path):
+    """DPTrainer states what make_private states (the same Account): a counter in the forward of one
+    of the model's layers, saved with the weights, is named not covered by ε in privacy.json."""
+    from tests.integrations.test_transformers import _bert, _trainer
+
+    model = _bert()
+    embeddings = model.bert.embeddings
+    embeddings.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    class CountingEmbeddings(type(embeddings)):
+        def forward(self, *args, **kwargs):
+            if self.training:
+                with torch.no_grad():
+                    self.calls += 1
+            return super().forward(*args, **kwargs)
+    embeddings.__class__ = CountingEmbeddings
+    trainer = _trainer(tmp_path, model=model, max_steps=2)
+    trainer.train()
+    assert int(embeddings.calls) >= 2
+    privacy = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    named = [item for item in privacy["not_covered_by_epsilon"] if LINE in item]
+    assert len(named) == 1 and "bert.embeddings.calls" in named[0]
+
+
 COUNTING_MODEL = """
     import torch
     from torch import nn

@@ -294,7 +294,7 @@ class Certificate:
                                                 for a, b in zip(own[r], exact)])
         self.families.add(shape_family(forwards[0].args, forwards[0].kwargs, forwards[0].batch))
         if self._written:   # passed: what the model's file holds of them is labelled (docs/certificate.md)
-            saved = self.model.state_dict(keep_vars=True)
+            saved = saved_buffer_versions(self._modules)   # (state_dict would run its hooks: FSDP's, peft's)
             self.written_state.update(n for n in self._written if n in saved)
             self._written = []
         self.last_step = step
