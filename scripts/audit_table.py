@@ -1,6 +1,7 @@
 """Reproduce the results table of docs/auditing.md: membership inference on digits.
 
-    OMP_NUM_THREADS=1 python scripts/audit_table.py [--shadows 16] [--out runs/audit-table]
+    OMP_NUM_THREADS=1 python scripts/audit_table.py [--shadows 16] [--out runs/audit-table] [--json FILE]
+    python scripts/audit_table.py --render docs/auditing-evidence/digits.json
 
 Three runs of one recipe (an MLP on scikit-learn's digits, half the data held out, 200
 out-of-distribution canaries): non-DP (the engine's noise removed with the test seam
@@ -8,7 +9,9 @@ tests/audit/seam.py's scaled_noise(0) and clipping at 100, i.e. effectively off)
 ε = 8 and DP at ε = 1. Each run is audited with every attack; LiRA trains --shadows
 shadow models per run, which RMIA reuses as its reference models. Prints two markdown
 tables (the attacks side by side; both one-run ε lower bounds against the ledger) and
-writes the rows to OUT/audit-table.json; takes about 20 minutes on one thread.
+writes the rows to --json (default OUT/audit-table.json; the page's evidence file is
+docs/auditing-evidence/digits.json). About 5 minutes on one thread (the `minutes` of that
+file). --render FILE prints the tables from saved rows without training.
 """
 
 from __future__ import annotations
@@ -45,7 +48,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "audit-table")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="20 steps, 2 shadows, no bootstrap: checks the script")
+    parser.add_argument("--json", type=Path, help="where the rows go (default OUT/audit-table.json)")
+    parser.add_argument("--render", type=Path, metavar="FILE", help="print the tables from saved rows; no training")
     args = parser.parse_args()
+    if args.render:
+        print_tables(json.loads(args.render.read_text()), args.shadows)
+        return
     base = [*BASE, "training.steps=20"] if args.smoke else BASE
     shadows, bootstrap = (2, 0) if args.smoke else (args.shadows, 200)
     torch.set_num_threads(1)
@@ -82,8 +90,14 @@ def main() -> None:
             "run_dir": str(result.run_dir), "minutes": (time.time() - started) / 60,
         })
         print(json.dumps(rows[-1]), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "audit-table.json").write_text(json.dumps(rows, indent=1))
+    rows_file = args.json or args.out / "audit-table.json"
+    rows_file.parent.mkdir(parents=True, exist_ok=True)
+    rows_file.write_text(json.dumps(rows, indent=1))
+    print_tables(rows, shadows)
+
+
+def print_tables(rows: list[dict], shadows: int) -> None:
+    """The two markdown tables of docs/auditing.md and their footnote."""
     print()
     print("| setting | test acc. | ledger ε | loss AUC | logistic AUC | LiRA online AUC [95% CI] | LiRA offline AUC "
           "| RMIA online AUC | RMIA offline AUC | TPR @ 0.1% FPR: loss / LiRA / RMIA | TPR @ 1% FPR: LiRA / RMIA |")
