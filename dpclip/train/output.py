@@ -31,6 +31,7 @@ class RunOutput:
         # Records of steps after the resumed checkpoint that already left the process.
         self.replay: dict[tuple[str, int], dict[str, Any]] = {}
         self.written_state: set[str] | None = None   # plan.json's forward_written_state, once read
+        self.written_count = 0   # the ranks' forward-written buffer names, counted each rank and summed
 
     def create(self, recipe, ordinary, canaries, info: dict[str, Any], run_dir: Path | None,
                exposure=None) -> Path:

@@ -142,14 +142,25 @@ def share_run_dir(world: World, run_dir: Path, model) -> Path:
     return run_dir
 
 
-def global_outcome(world: World, outcome):
-    """The step's loss sum and realised batch size over all ranks (diagnostics, not covered by ε)."""
+def global_outcome(world: World, outcome, written: int = 0):
+    """The step's loss sum and realised batch size over all ranks (diagnostics, not covered by ε),
+    and ``written`` summed over the ranks (each rank's count of the buffer names its engine saw a
+    training forward write: it grows exactly when some rank's set does)."""
     if world.size == 1:
-        return outcome
-    totals = world.reducer.sum(torch.tensor([outcome.loss_sum, float(outcome.batch_size)], dtype=torch.float64))
+        return outcome, written
+    totals = world.reducer.sum(torch.tensor([outcome.loss_sum, float(outcome.batch_size), float(written)],
+                                            dtype=torch.float64))
     outcome.loss_sum, outcome.batch_size = float(totals[0]), int(round(float(totals[1])))
-    return outcome
+    return outcome, int(round(float(totals[2])))
 
+
+def written_state_of_ranks(world: World, names: set[str]) -> set[str]:
+    """The union of every rank's forward-written buffer names on rank 0, which writes the statement
+    (empty elsewhere): a pipeline stage's buffers are on its own rank only. A collective: every rank calls it."""
+    if world.size == 1:
+        return set(names)
+    parts = world.gather(sorted(names))
+    return set().union(*parts) if world.main else set()
 
 
 def check_user_level(recipe: Recipe, world: World, data) -> None:

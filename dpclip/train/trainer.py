@@ -20,7 +20,7 @@ from dpclip.accounting import check_same_release
 from dpclip.models import evaluate
 from dpclip.interrupt import DeferredInterrupt
 from dpclip.train.run_parts import RunParts
-from dpclip.train.ranks import global_outcome
+from dpclip.train.ranks import global_outcome, written_state_of_ranks
 from dpclip.rundir.metrics import step_record
 from dpclip.train.state import Checkpointer, RunState
 from dpclip.distributed.pipeline import sync_stages
@@ -65,7 +65,8 @@ def train_step(parts: RunParts, state: RunState, indices: torch.Tensor, output) 
         outcome = parts.learner.private_step(indices, before_update=checked)
     else:
         outcome = parts.feed.continual.step_fn(state.step, indices, before_update=checked)
-    outcome = global_outcome(parts.setting.world, outcome)  # loss and batch size of all ranks' parts
+    written = parts.learner.engine.forward_written_state   # (each stage its own: docs/distributed.md)
+    outcome, written_count = global_outcome(parts.setting.world, outcome, len(written))  # all ranks' parts
     # Banded MF charges the first step of each cycle of b and records the others as no-ops.
     state.ledger.record(parts.setting.solved.event_at(state.step), metadata=parts.setting.solved.step_metadata)
     state.step += 1
@@ -73,7 +74,9 @@ def train_step(parts: RunParts, state: RunState, indices: torch.Tensor, output) 
     # Charged before anything of this step leaves the process (a crash between
     # the two leaves the ledger ahead, never behind).
     output.write_ledger(state, every_step=True)
-    output.record_written_state(parts.learner.engine.forward_written_state)   # (the statement names them)
+    if written_count != output.written_count:   # a rank's forwards wrote a buffer new to it: rank 0 gathers the names
+        output.written_count = written_count
+        output.record_written_state(written_state_of_ranks(parts.setting.world, written))   # the statement names them
     epsilon_every = max(1, plan.steps // 50)  # ε with the ledger's accountant costs ~0.1 s: not every step
     live = parts.setting.world.main and (state.step == plan.steps or state.step % epsilon_every == 0)
     record = step_record(state.step, outcome.report, state.ledger.epsilon() if live else None, outcome.loss_sum,

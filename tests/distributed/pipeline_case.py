@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -121,3 +123,34 @@ def correlated_pipeline_worker(world, out_dir: str, mechanism: str) -> None:
     from dpclip.train.workflow import train
     train(correlated_recipe(Path(out_dir) / "runs", mechanism, "training.parallel=pipeline"), world=world,
           run_dir=Path(out_dir) / "run")
+
+
+class CountingReLU(nn.ReLU):
+    """A ReLU with a persistent buffer counting its training forwards (their number follows the
+    realised batch sizes: tests/privacy/test_forward_counters.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.calls += 1
+        return super().forward(x)
+
+
+def counting_mlp(input_shape, num_classes):
+    """Quickstart's MLP shape, cut by ``pipeline_recipe``'s stages before children 1 and 3: the
+    counter (child 4) is in the second stage, which rank 1 holds."""
+    width = math.prod(input_shape)
+    return nn.Sequential(nn.Flatten(), nn.Linear(width, 16), nn.ReLU(), nn.Linear(16, 16), CountingReLU(),
+                         nn.Linear(16, num_classes))
+
+
+def counting_pipeline_worker(world, out_dir: str) -> None:
+    from pathlib import Path
+    from dpclip.train.workflow import train
+    train(pipeline_recipe(Path(out_dir) / "runs", "training.parallel=pipeline",
+                          "model={kind: custom, target: 'tests.distributed.pipeline_case:counting_mlp'}"),
+          world=world, run_dir=Path(out_dir) / "run")

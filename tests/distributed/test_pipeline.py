@@ -138,3 +138,18 @@ def test_pipeline_stages_correlate_their_own_noise_and_charge_the_ledger_of_one_
         store = correlation["history"] if mechanism == "banded" else correlation["buffers"]
         kept.append(len(store))
     assert sum(kept) == len(mine) and all(kept)   # every parameter once, split over the stages
+
+
+def test_a_buffer_the_second_stages_forward_writes_is_named_in_every_statement(tmp_path):
+    """Only rank 0 writes plan.json and the statement, and rank 1's stage holds the counter: its
+    name is gathered, as the checkpoint (the whole model) spells it (docs/distributed.md)."""
+    from dpclip.rundir.run import spent
+    from tests.distributed.pipeline_case import counting_pipeline_worker
+
+    assert run_ranks(counting_pipeline_worker, str(tmp_path)) == []
+    run_dir = tmp_path / "run"
+    assert int(_weights(run_dir)["4.calls"]) > 0   # rank 1's count, in rank 0's checkpoint
+    assert json.loads((run_dir / "plan.json").read_text())["forward_written_state"] == ["4.calls"]
+    summary = json.loads((run_dir / "summary.json").read_text())["statement"]
+    for lines in (summary, spent(run_dir)[1].lines()):
+        assert sum("model state written by each training forward (buffers 4.calls)" in line for line in lines) == 1
