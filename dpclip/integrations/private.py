@@ -26,12 +26,16 @@ What the pieces are:
 The noise is calibrated as ``dpclip account`` does (the same (σ, q, steps) give the same ε),
 with the budget split between the gradient and a threshold policy's statistic when the
 clipping block asks for adaptive thresholds (docs/accounting.md, "Joint release").
+
+Length: a little over 400 lines, because the checkpoint's save and load (with the release log of
+the steps after it) belong to the run they continue.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import secrets
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,15 +54,15 @@ from dpclip.errors import DpclipError
 from dpclip.files import owner_only
 from dpclip.integrations.loaders import poisson_loader, tracked_loader
 from dpclip.integrations.parts import PrivateCriterion, PrivateOptimizer
+from dpclip.integrations.releases import ReleaseLog
 from dpclip.integrations.rows import DrawTracker, ModelRowsWatch
 from dpclip.integrations.setup import (Account, check_loop_parts, check_optimizer_params, clipping_spec,
                                       private_engine, running_world, sampling_world)
 from dpclip.integrations.train_step import TrainStep, check_compile, train_step_for
-from dpclip.rng import fork_private_streams
 
 
 #: the format of :meth:`PrivateTraining.save_checkpoint`'s file
-CHECKPOINT_FORMAT = "dpclip-make-private/1"
+CHECKPOINT_FORMAT = "dpclip-make-private/2"
 
 
 @dataclass
@@ -74,6 +78,8 @@ class PrivateTraining:
     account: Account
     draws: PoissonSampler | None = None   # the Poisson sampler (None: your own loader's batches)
     stepper: TrainStep | None = None
+    # from the first save_checkpoint on: each step's fingerprint beside the checkpoints (releases.py)
+    releases: ReleaseLog | None = None
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.model, self.optimizer, self.criterion, self.data_loader))
@@ -130,7 +136,9 @@ class PrivateTraining:
                               "checkpoint a one-process run, or use dpclip train --nproc N (docs/distributed.md)")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"format": CHECKPOINT_FORMAT, "plan": self._plan_key(), "model": self.model.state_dict(),
+        releases = self._release_log(path.parent)
+        torch.save({"format": CHECKPOINT_FORMAT, "plan": self._plan_key(), "run": releases.run,
+                    "torch_rng": torch.get_rng_state(), "cuda_rng": cuda_rng_states(), "model": self.model.state_dict(),
                     "optimizer": self.optimizer.original.state_dict(), "engine": self.engine.state_dict(),
                     "sampler": None if self.draws is None else self.data_loader.batch_sampler.state_at(
                         self.optimizer.tracker.draws),   # the draws the loop took, not those fetched ahead
@@ -138,18 +146,35 @@ class PrivateTraining:
         owner_only(path)
         return path
 
+    def _release_log(self, folder: Path) -> ReleaseLog:
+        """The run's release log, in ``folder``: begun by the first checkpoint (a new run id), after
+        which every step logs its fingerprint before it is applied; one folder for all checkpoints."""
+        if self.releases is None:
+            self.releases = ReleaseLog(folder, run=secrets.token_hex(8))
+            self.optimizer.on_release = self.releases.check
+        elif self.releases.path.parent.resolve() != folder.resolve():
+            raise DpclipError(f"this run's checkpoints are in {self.releases.path.parent}, beside the log of its "
+                              f"released steps ({self.releases.path.name}); a checkpoint in {folder} would resume "
+                              "without it", f"save every checkpoint of a run in {self.releases.path.parent} "
+                              "(another file name for each, or one overwritten)")
+        self.releases.begin()
+        return self.releases
+
     def load_checkpoint(self, path: str | Path) -> None:
         """Continue the run ``save_checkpoint`` wrote: weights, optimizer and the ledger, so that ε
-        counts the earlier steps too. The run must be planned as it was (σ, q, steps, δ). The
-        sampler's and the noise's streams start afresh from OS entropy (the checkpoint's, with
-        ``unsafe_seed``): a checkpoint loaded twice continues into independent noise."""
+        counts the earlier steps too. The run must be planned as it was (σ, q, steps, δ). The steps
+        its run released after it (its release log, beside it) are redone with the checkpoint's
+        streams and torch's global generator, each checked against the fingerprint it released
+        (refused if another); after them the sampler's and the noise's streams start afresh from OS
+        entropy (the checkpoint's, with ``unsafe_seed``)."""
         try:
             state = torch.load(Path(path), map_location="cpu", weights_only=True)
         except (OSError, RuntimeError, EOFError) as exc:
             raise DpclipError(f"cannot read the checkpoint {path}: {exc}",
                               "pass a file private.save_checkpoint wrote") from None
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-            raise DpclipError(f"{path} is not a make_private checkpoint", "pass a file private.save_checkpoint wrote")
+            raise DpclipError(f"{path} is not a make_private checkpoint of this dpclip (format {CHECKPOINT_FORMAT})",
+                              "pass a file private.save_checkpoint wrote")
         if state["plan"] != self._plan_key():
             raise DpclipError(f"the checkpoint was planned as {state['plan']}, this make_private as "
                               f"{self._plan_key()}", "call make_private with the arguments of the run you continue")
@@ -157,17 +182,26 @@ class PrivateTraining:
             raise DpclipError(f"this run has already drawn batches ({self.ledger.steps} steps released): loading a "
                               "checkpoint would replace its ledger, dropping steps already released",
                               "load a checkpoint into a fresh make_private (a new process), before its first step")
+        ledger = Ledger.from_dict(state["ledger"])
+        releases = ReleaseLog(Path(path).parent, run=state["run"])
+        releases.resume_after(ledger.steps, Path(path).parent)   # refused without the log beside it
         self.model.load_state_dict(state["model"])
         self.optimizer.original.load_state_dict(state["optimizer"])
         self.engine.load_state_dict(state["engine"])
         if self.draws is not None and state["sampler"] is not None:
             self.draws.load_state_dict(state["sampler"])
         self.optimizer.tracker.draws = int(state["draws"])
-        self.account.ledger = Ledger.from_dict(state["ledger"])
+        self.account.ledger = ledger
         self.account.restored = True
-        # Nothing after the checkpoint is redone (no release log): every step from here is new, and
-        # a second load of this checkpoint must not draw its noise and batches (dpclip.rng).
-        fork_private_streams(self.engine.noise, self.draws)
+        torch.set_rng_state(state["torch_rng"])   # dropout's: a redone step must release what it did
+        if state["cuda_rng"] is not None and len(state["cuda_rng"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        # The steps released after the checkpoint replay its streams (checked); a second load of this
+        # checkpoint must not draw their noise and batches for new steps (dpclip.rng).
+        releases.fork_after_redone(self.engine.noise, None if self.draws is None else self.data_loader.batch_sampler,
+                                   ledger.steps)
+        self.releases = releases
+        self.optimizer.on_release = releases.check
 
     def _plan_key(self) -> dict[str, Any]:
         plan = self.account.plan.plan
@@ -258,6 +292,11 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
     if not compile:   # a compiled train_step checks its rows itself, outside the graph
         ModelRowsWatch(model, tracker)
     return PrivateTraining(model, private_optimizer, private_criterion, loader, engine, account, draws, stepper)
+
+
+def cuda_rng_states() -> list[Tensor] | None:
+    """torch's CUDA generators' states, where CUDA is in use (for a checkpoint)."""
+    return torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
 def count_planned_steps(epochs: float | None, steps: int | None, steps_per_pass: int) -> int:

@@ -10,11 +10,16 @@ and a redone step whose fingerprint differs is refused before anything of it lea
 After the last redone step the sampler's and the noise's streams start afresh from OS entropy
 (:meth:`ReleaseLog.fork_after_redone`): the later steps are new releases, and a second resume of
 the same checkpoint must not draw their noise.
+
+``make_private`` keeps the same log beside its checkpoint files from the first
+``save_checkpoint`` on (integrations/private.py); each record names its run, so that two runs
+checkpointed into one folder are told apart.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -23,7 +28,7 @@ from torch import Tensor
 
 from dpclip import layout
 from dpclip.errors import DpclipError
-from dpclip.files import append_line, write_text_atomic
+from dpclip.files import OWNER_ONLY, append_line, write_text_atomic
 from dpclip.rng import fork_private_streams
 
 
@@ -36,9 +41,10 @@ def fingerprint(grads: Iterable[Tensor]) -> list[float]:
 class ReleaseLog:
     """The fingerprints of a run's released steps, in ``folder/dpclip_releases.jsonl``."""
 
-    def __init__(self, folder: str | Path, main: bool = True) -> None:
+    def __init__(self, folder: str | Path, main: bool = True, run: str | None = None) -> None:
         self.path = Path(folder) / layout.TRAINER_RELEASES
         self.main = main
+        self.run = run   # make_private: the run's id, in its records (None: every record is this run's)
         self.redo: dict[int, list[float]] = {}   # steps after the resumed checkpoint: released before
         self.last_redone: int | None = None      # then the noise's streams start afresh
         self.noise = None
@@ -66,17 +72,26 @@ class ReleaseLog:
             except json.JSONDecodeError:
                 break   # a line cut by the crash: its step is redone unchecked, as one never logged
             kept.append(line)
-            if record["step"] > step:
+            if record["step"] > step and record.get("run") == self.run:
                 self.redo[record["step"]] = record["fingerprint"]
         if self.main and source.resolve() == self.path.resolve():   # without the cut line: new lines start
             write_text_atomic(self.path, "".join(f"{line}\n" for line in kept))   # on a line of their own
 
+    def begin(self) -> None:
+        """The log exists from now on (owner-only), with no record yet: a checkpoint beside it
+        resumes with nothing to redo."""
+        if self.main:
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, OWNER_ONLY))
+
     def fork_after_redone(self, noise, batches, released: int) -> None:
         """Fresh private streams (:func:`dpclip.rng.fork_private_streams`) after the redone steps
         (the log's after ``released``, the checkpoint's steps): ``batches``' draws (a
-        :class:`~dpclip.integrations.loaders.PoissonBatches`) before the next one, however far
-        ahead a loader fetches; ``noise`` once the last redone step is checked (at once if none)."""
-        self.last_redone = batches.fork_after = max(self.redo, default=released)
+        :class:`~dpclip.integrations.loaders.PoissonBatches`; None: your own loader's batches)
+        before the next one, however far ahead a loader fetches; ``noise`` once the last redone
+        step is checked (at once if none)."""
+        self.last_redone = max(self.redo, default=released)
+        if batches is not None:
+            batches.fork_after = self.last_redone
         self.noise = noise
         if self.last_redone == released:
             fork_private_streams(noise)
@@ -89,14 +104,18 @@ class ReleaseLog:
         if before is not None:
             if now != before:
                 raise DpclipError(
-                    f"resuming did not reproduce step {step} as the interrupted run released it (same batch and "
-                    "noise, another gradient: random numbers drawn outside the checkpoint's streams, or another "
-                    "device, thread count or library version), so continuing would release the difference of "
-                    "two gradients without noise; nothing of this step is released",
+                    f"resuming did not reproduce step {step} as the interrupted run released it (another gradient: "
+                    "random numbers drawn outside the checkpoint's streams, another device, thread count or library "
+                    "version; or an earlier resume of this checkpoint went past its redone steps, on fresh streams "
+                    "no resume can replay), so continuing would release the difference of two gradients without "
+                    "noise; nothing of this step is released",
                     "resume on the machine and versions the run started with, without callbacks or model code "
-                    "that draw random numbers between steps, or start a new run")
+                    "that draw random numbers between steps; after an earlier resume, from its newest checkpoint; "
+                    "or start a new run")
             if step == self.last_redone:   # the next step is new
                 fork_private_streams(self.noise)
             return
         if self.main:
-            append_line(self.path, json.dumps({"step": step, "fingerprint": now}))
+            record = {"step": step, "fingerprint": now} if self.run is None else \
+                {"step": step, "fingerprint": now, "run": self.run}
+            append_line(self.path, json.dumps(record))

@@ -1,8 +1,8 @@
 """Two continuations of one checkpoint must not draw the same noise for their new steps.
 
 The attacker holds two models continued from one checkpoint (a copy of a run directory
-resumed beside the original, a make_private checkpoint loaded twice, a DPTrainer checkpoint
-resumed twice), trained on the same data with the same lr. Had both drawn the checkpoint's
+resumed beside the original, a make_private checkpoint copied with its release log and loaded
+twice, a DPTrainer checkpoint resumed twice), trained on the same data with the same lr. Had both drawn the checkpoint's
 noise stream for their new steps, each weight of one would equal the other's: the same batch,
 the same noise, the same gradient. With fresh streams (OS entropy, dpclip.rng.fork_private_streams)
 after the redone steps, they differ by fresh noise. The redone steps themselves still replay the
@@ -89,14 +89,15 @@ def _one_step(private) -> list[torch.Tensor]:
 def test_a_make_private_checkpoint_loaded_twice_continues_into_independent_noise(tmp_path, unsafe_seed):
     original = _private(unsafe_seed)
     _one_step(original)
-    path = original.save_checkpoint(tmp_path / "c.pt")
+    original.save_checkpoint(tmp_path / "run" / "c.pt")
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")   # with its release log, before either goes on
     forks, noise, draws = [], [], []
-    for _ in range(2):
+    for folder in ("run", "copy"):
         fork = _private(unsafe_seed)
-        fork.load_checkpoint(path)
+        fork.load_checkpoint(tmp_path / folder / "c.pt")
+        forks.append(_one_step(fork))
         noise.append(fork.engine.noise.state_dict()["states"]["cpu"].clone())
         draws.append(fork.draws.generator.get_state().clone())
-        forks.append(_one_step(fork))
     same = all(torch.equal(a, b) for a, b in zip(*forks))
     assert same == (unsafe_seed is not None)
     # each stream itself, not only the weights (fresh batches alone would move them, the noise shared)
