@@ -247,6 +247,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         # (DPTrainer: a redone step must release what it did before the resume)
         self.on_release: Callable[[int, list[Tensor]], None] | None = None
         self.last_grad_norm: float | None = None
+        self.parts_taken = 0   # DPTrainer: the parts backwarded since the last noisy step (count_part)
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
         self._optimizer_state_dict_pre_hooks = {}
@@ -280,6 +281,17 @@ class PrivateOptimizer(torch.optim.Optimizer):
                               "unclipped and without noise", "unfreeze, replace or add layers before make_private, "
                               "and build the optimizer on the parameters that train")
 
+    def count_part(self, parts: int) -> None:
+        """DPTrainer: one more part of the step's draw goes through the engine's backward. More than the
+        draw's ``parts`` before the step (a training_step run twice) would add an example's clipped
+        gradient to its step twice, twice the sensitivity the noise is calibrated for."""
+        self.parts_taken += 1
+        if self.parts_taken > parts:
+            raise DpclipError(f"a training step over more parts than the draw has ({parts} per optimizer step): a "
+                              "part backwarded twice puts each of its examples' clipped gradients into the step "
+                              "twice, more than the noise is calibrated for", "call super().training_step once "
+                              "per part (the Trainer's gradient_accumulation_steps parts make one noisy step)")
+
     def step(self, closure: Callable | None = None) -> None:
         if closure is not None:
             raise DpclipError("a private step takes no closure",
@@ -290,7 +302,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._check_params(self.param_groups)
         if self.tracker is not None and not self.tracker.step():
             return   # a part of the drawn batch: its noisy step comes after the last part
-        plan = self.account.plan
+        plan, self.parts_taken = self.account.plan, 0
         try:
             report = self.engine.privatize()
             check_same_release(report.dp_event, plan.step_event)   # before anything is charged or stepped

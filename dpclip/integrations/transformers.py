@@ -362,6 +362,7 @@ class DPTrainer(Trainer):
         return losses
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
+        _private_optimizer(self.optimizer).count_part(self.parts)   # each part once per step, an empty one too
         model.train()
         inputs = self._prepare_inputs(inputs)
         if _rows(inputs) == 0:  # an empty part of the Poisson draw: nothing to clip, the step still adds noise
@@ -374,8 +375,7 @@ class DPTrainer(Trainer):
             losses = self._checked_losses(model, inputs)
         weights = None if self.row_weight is None else torch.full_like(losses, self.row_weight)
         self.engine.backward(losses, row_weights=weights)   # user-level: every row 1/k (a person weighs ≤ 1)
-        # Summed over the accumulated parts by the Trainer and averaged over the ranks when it
-        # logs: the logical batch's loss over B.
+        # Summed over the parts by the Trainer, averaged over the ranks when it logs: the batch's loss over B.
         return losses.detach().sum() * self.ranks / self.expected_batch_size
 
     def train(self, resume_from_checkpoint: Any = None, **kwargs: Any):
