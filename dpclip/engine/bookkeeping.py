@@ -146,6 +146,11 @@ class Bookkeeper:
         self.axes = BatchAxes(model, self.units, self.plain, self.device_types,   # which axis is the batch
                               on_probed=self.adopt_read_parameters)
 
+    def __getstate__(self) -> dict:   # copy.deepcopy(model), torch.save(model): reached through the hooks
+        raise DpclipError("a model with dpclip's engine attached cannot be copied or pickled whole: the copy would "
+                          "take the engine along, its noise state included", "copy before make_private or DPEngine, "
+                          "then ema.load_state_dict(model.state_dict()); save model.state_dict(), not the model")
+
     # ------------------------------------------------------------------ setup
 
     def adopt_read_parameters(self, called: set[int], reads: dict[int, set[int]], at_start: bool = True,

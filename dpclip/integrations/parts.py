@@ -71,7 +71,13 @@ class PrivateLoss:
             self.engine.policy.empty_part()  # policy may exchange norms in the backward skipped here
 
     def item(self) -> float:
+        self._read()
         return float(self.per_sample.detach().mean()) if self.per_sample.numel() else math.nan
+
+    def _read(self) -> None:
+        """The loop sees a value computed without noise: the statement names it (not covered by ε)."""
+        if self.tracker is not None:
+            self.tracker.losses_read = True
 
     def __float__(self) -> float:
         return self.item()
@@ -80,6 +86,7 @@ class PrivateLoss:
         return format(self.item(), spec)
 
     def detach(self) -> Tensor:
+        self._read()
         return self.per_sample.detach().mean()
 
     def __iter__(self):
@@ -129,6 +136,7 @@ class PrivateLoss:
     def __mul__(self, other): return self._with(other, lambda t, o: t * o)
     def __rmul__(self, other): return self._with(other, lambda t, o: o * t)
     def __truediv__(self, other): return self._with(other, lambda t, o: t / o)
+    def __pow__(self, other): return self._with(other, lambda t, o: t ** o)
     def __add__(self, other): return self._with(other, lambda t, o: t + o)
     def __radd__(self, other): return self._with(other, lambda t, o: o + t)
     def __sub__(self, other): return self._with(other, lambda t, o: t - o)

@@ -142,7 +142,8 @@ class PrivateTraining:
                     "optimizer": self.optimizer.original.state_dict(), "engine": self.engine.state_dict(),
                     "sampler": None if self.draws is None else self.data_loader.batch_sampler.state_at(
                         self.optimizer.tracker.draws),   # the draws the loop took, not those fetched ahead
-                    "draws": self.optimizer.tracker.draws, "ledger": self.ledger.to_dict(with_epsilon=False)}, path)
+                    "draws": self.optimizer.tracker.draws, "losses_read": self.optimizer.tracker.losses_read,
+                    "ledger": self.ledger.to_dict(with_epsilon=False)}, path)
         owner_only(path)
         return path
 
@@ -191,6 +192,7 @@ class PrivateTraining:
         if self.draws is not None and state["sampler"] is not None:
             self.draws.load_state_dict(state["sampler"])
         self.optimizer.tracker.draws = int(state["draws"])
+        self.optimizer.tracker.losses_read = bool(state["losses_read"])   # the statement covers the earlier steps
         self.account.ledger = ledger
         self.account.restored = True
         torch.set_rng_state(state["torch_rng"])   # dropout's: a redone step must release what it did
@@ -279,6 +281,7 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
         sampling="poisson" if poisson_sampling else "shuffle", unsafe_seed=unsafe_seed, world=world,
         verify_every=verify_every, records_per_user=None if people is None else max_records_per_user)
     tracker = DrawTracker(None if people is None else 1.0 / max_records_per_user)
+    account.losses_read = lambda: tracker.losses_read
     loader, draws = tracked_loader(data_loader, tracker, max_physical_batch_size, planned_steps), None
     if poisson_sampling:
         draws = poisson_draws(model, account.plan.plan.sample_rate, planned_steps, num_examples=num_examples,

@@ -157,6 +157,7 @@ class DrawTracker:
         self.drawn: DrawnRows | None = None   # the open draw's per-sample tensors
         self.spoiled: str | None = None       # the error a backward raised inside the engine: nothing more is released
         self.busy = False                     # the engine's own forwards (the certificate's replays) run
+        self.losses_read = False              # a private loss's value left for the loop (the statement says so)
         # user-level privacy: every row weighs 1/k (k: a person's most records in a step), so a
         # person's rows weigh at most 1 together whichever rows the loop backwards together
         self.row_weight = row_weight

@@ -49,6 +49,11 @@ FRESH_LEDGER = ("ledger: the steps taken since make_private (or the Trainer) sta
                 "understates what the model has spent")
 
 
+#: the statement's line once the loop has read a private loss's value (make_private)
+READ_LOSS = ("training loss values the loop read (loss.item(), float(loss), printing or comparing it, train_step's "
+             "return): each drawn batch's mean loss, computed without noise")
+
+
 @dataclass
 class Account:
     """The ledger of the steps charged so far and the plan they were charged under."""
@@ -60,11 +65,14 @@ class Account:
     restored: bool = False   # the ledger continues a checkpoint's (load_checkpoint)
     #: the persistent buffers the model's forward was seen writing (the engine's forward_written_state)
     written_state: Callable[[], set[str]] = set
+    #: whether the loop read a private loss's value (make_private's DrawTracker.losses_read)
+    losses_read: Callable[[], bool] = bool
 
     def not_covered(self) -> list[str]:
         """What the statement lists outside ε: the plan's, and the saved buffers the training
-        forwards have written so far (docs/certificate.md)."""
-        return list(self.plan.plan.not_covered) + list(forward_state_line(self.written_state()))
+        forwards have written so far (docs/certificate.md), and the loss values the loop read."""
+        read = [READ_LOSS] if self.losses_read() else []
+        return list(self.plan.plan.not_covered) + read + list(forward_state_line(self.written_state()))
 
     @property
     def noise_multiplier(self) -> float:

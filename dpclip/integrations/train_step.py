@@ -109,6 +109,7 @@ class TrainStep:
         if not rows:   # an empty draw: nothing to clip, the step releases noise alone
             self.criterion.engine.policy.empty_part()
         self.optimizer.step()
+        self.tracker.losses_read = True   # returned to the loop: the statement names it
         return losses.detach().mean() if rows else torch.tensor(float("nan"))
 
     def _compiled_losses(self, flat: dict[str, Tensor], rows: int) -> Tensor:

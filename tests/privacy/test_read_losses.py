@@ -1,0 +1,82 @@
+"""A private loss's value read by the loop (``loss.item()``, ``float(loss)``, an f-string, a
+comparison, ``torch.isnan(loss)``, ``train_step``'s return) is the drawn batch's mean loss,
+computed without noise: it leaves the engine uncharged, so the statement and privacy.json name it
+"not covered by ε" once the loop has read one (docs/python-api.md), also after a checkpoint's
+reload; a loop that reads none is not told so.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import dpclip
+from dpclip.integrations.setup import READ_LOSS
+
+
+def _private(**kwargs):
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 5), torch.randint(0, 3, (64,)))
+    model = nn.Linear(5, 3)
+    return dpclip.make_private(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                               criterion=nn.CrossEntropyLoss(), data_loader=DataLoader(data, batch_size=16),
+                               steps=3, noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, **kwargs)
+
+
+def _run(private, read) -> None:
+    model, optimizer, criterion, loader = private
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = criterion(model(x), y)
+        loss.backward()
+        optimizer.step()
+        read(loss)
+
+
+def _stated(private) -> bool:
+    return any(READ_LOSS in line for line in private.statement())
+
+
+def _named(private, tmp_path) -> tuple[bool, bool]:
+    privacy = json.loads((private.save(tmp_path) / "privacy.json").read_text())
+    return _stated(private), READ_LOSS in privacy["not_covered_by_epsilon"]
+
+
+@pytest.mark.parametrize("read", [lambda loss: loss.item(), lambda loss: float(loss), lambda loss: f"{loss:.3f}",
+                                  lambda loss: loss < 1.0, lambda loss: torch.isnan(loss), lambda loss: loss.detach()],
+                         ids=["item", "float", "format", "compare", "isnan", "detach"])
+def test_a_loss_the_loop_reads_is_named_not_covered_in_the_statement_and_privacy_json(read, tmp_path):
+    private = _private()
+    _run(private, read)
+    assert _named(private, tmp_path) == (True, True)
+
+
+def test_a_loop_that_reads_no_loss_is_not_told_it_did(tmp_path):
+    private = _private()
+    _run(private, lambda loss: None)
+    assert _named(private, tmp_path) == (False, False)
+
+
+def test_train_steps_returned_loss_is_named(tmp_path):
+    private = _private()
+    for x, y in private.data_loader:
+        private.train_step(x, y)
+    assert _named(private, tmp_path) == (True, True)
+
+
+def test_a_reloaded_checkpoint_keeps_the_earlier_steps_read_losses_in_its_statement(tmp_path):
+    first = _private()
+    model, optimizer, criterion, loader = first
+    x, y = next(iter(loader))
+    loss = criterion(model(x), y)
+    loss.backward()
+    optimizer.step()
+    loss.item()
+    checkpoint = first.save_checkpoint(tmp_path / "ckpt" / "state.pt")
+    second = _private()
+    second.load_checkpoint(checkpoint)
+    assert _stated(second)
