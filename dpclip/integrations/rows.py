@@ -216,16 +216,17 @@ class DrawTracker:
     def hand(self, rows: int) -> None:
         self.handed += rows
 
-    def _open_draw(self, what: str) -> None:
+    def _open_draw(self, what: str, hint: str = LOOP_HINT) -> None:
         self.refuse_if_spoiled()
         if self.rows is None:
             raise DpclipError(f"{what} without a batch drawn by make_private's data loader (a batch of your own "
-                              "loader, or a second step over one batch): ε covers the Poisson draws only", LOOP_HINT)
+                              "loader, or a second step over one batch): ε covers the Poisson draws only", hint)
 
     def loss(self, rows: int) -> None:
-        self._open_draw("a loss")
+        hint = LOOP_HINT + "; to evaluate, call the criterion you passed to make_private, not the returned one"
+        self._open_draw("a loss", hint)
         if rows > self.handed:   # no counts in the message: a Poisson draw's size is private
-            raise DpclipError("a loss over more rows than the data loader handed out of this batch", LOOP_HINT)
+            raise DpclipError("a loss over more rows than the data loader handed out of this batch", hint)
 
     def backward(self, rows: int) -> None:
         self._open_draw("loss.backward()")

@@ -81,6 +81,22 @@ def test_the_users_own_loader_with_the_returned_parts_is_refused():
     assert private.ledger.steps == 0
 
 
+def test_an_evaluation_with_the_returned_criterion_is_refused_with_the_way_to_evaluate():
+    private, released = _private()
+    held_out = _data()[:50]
+
+    def evaluate_between_steps(model, optimizer, criterion, loader):
+        for x, y in loader:
+            criterion(model(x), y).backward()
+            optimizer.step()
+            with torch.no_grad():
+                criterion(model(held_out[0]), held_out[1])
+    with pytest.raises(DpclipError, match="without a batch drawn by make_private's data loader") as caught:
+        evaluate_between_steps(*private)
+    assert "the criterion you passed to make_private" in caught.value.hint
+    assert private.ledger.steps == len(released) == 1
+
+
 def test_a_step_after_each_part_of_a_batch_split_by_hand_is_refused():
     private, released = _private()
 
