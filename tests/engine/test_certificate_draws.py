@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dpclip.engine.certificate.draws import DrawsNotCut, Recorder, Substitute, _cut
+from dpclip.engine.certificate.replay import rng_state
 
 
 def test_a_draw_is_cut_along_the_one_axis_that_shrank_from_b_to_one():
@@ -64,3 +65,69 @@ def test_draws_of_the_engines_own_probes_are_not_recorded():
         skipping[0] = False
         torch.rand(3)
     assert len(rec.draws) == 1
+
+
+def _recorded(forward):
+    start = rng_state([])
+    with Recorder(lambda: False) as rec:
+        forward()
+    return rec, start, rng_state([])
+
+
+def test_draws_from_the_generator_as_it_stands_follow_its_stream():
+    rec, start, end = _recorded(lambda: (torch.empty(3, 4).bernoulli_(0.5), torch.randn(2)))
+    assert rec.follows(start, end, [])
+
+
+@pytest.mark.parametrize("reseed_at", ["before the draws", "after the draws"])
+def test_a_forward_that_reseeds_the_generator_does_not_follow_its_stream(reseed_at):
+    def forward():
+        if reseed_at == "before the draws":
+            torch.manual_seed(1234)
+        torch.empty(3, 4).bernoulli_(0.5)
+        if reseed_at == "after the draws":
+            torch.manual_seed(1234)
+    rec, start, end = _recorded(forward)
+    assert not rec.follows(start, end, [])
+
+
+class _SeedsFromItsBatch(torch.nn.Module):
+    """Dropout after reseeding torch's generator from the batch: every sample's mask depends on
+    every sample (replacing one of 32 moved the clipped sum by 5.5·C, found by a hostile review)."""
+
+    def __init__(self, when: str):
+        super().__init__()
+        self.when = when
+        self.a, self.b = torch.nn.Linear(5, 16), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        seed = int((x.detach().sum() * 1e6).abs()) % (2 ** 31)
+        if self.when == "fixed":
+            seed = 7
+        if self.when in ("before", "fixed"):
+            torch.manual_seed(seed)
+        out = self.b(torch.nn.functional.dropout(torch.tanh(self.a(x)), 0.5, training=True))
+        if self.when == "after":   # the next forward's masks would depend on this batch
+            torch.manual_seed(seed)
+        return out
+
+
+def _engine_backward(when: str) -> None:
+    from dpclip.engine import DPEngine
+    torch.manual_seed(1)
+    model = _SeedsFromItsBatch(when)
+    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 0.01}}, gradient_noise_multiplier=1.0,
+                      expected_batch_size=32)
+    x, y = torch.randn(32, 5), torch.randn(32, 3)
+    engine.backward(((model(x) - y) ** 2).mean(1))
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_forward_seeding_torchs_generator_from_its_batch_is_refused(when):
+    from dpclip.errors import EngineError
+    with pytest.raises(EngineError, match="random state depending on its batch|changes sample"):
+        _engine_backward(when)
+
+
+def test_a_forward_seeding_torchs_generator_with_a_constant_passes():
+    _engine_backward("fixed")

@@ -211,8 +211,10 @@ class Certificate:
         if self.depth == 0 and self.armed and self.forwards and not self.forwards[-1].edges:
             forward = self.forwards[-1]
             self._cotangents.attach(forward, [t for t in tensor_leaves(output) if t.requires_grad])
-            forward.random = not same_rng(forward.rng, rng_state(self._devices))
-            forward.draws = recorder.draws if recorder is not None else None
+            end = rng_state(self._devices)
+            forward.random = not same_rng(forward.rng, end)
+            forward.draws = recorder.draws if recorder is not None and (not forward.random or recorder.follows(
+                forward.rng, end, self._devices)) else None   # (else the whole batch is replayed: batch.py)
         return None
 
     def due(self) -> bool:

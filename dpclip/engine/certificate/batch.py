@@ -11,7 +11,7 @@ import math
 
 from torch import Tensor
 
-from dpclip.engine.certificate.replay import NotReproducible, close, select, vjp_rows
+from dpclip.engine.certificate.replay import NotReproducible, close, rng_state, same_rng, select, vjp_rows
 from dpclip.engine.certificate.state import State, writes_checked
 from dpclip.engine.certificate.verdict import NOT_COVERED, mixing_error, refuse_written_buffer
 from dpclip.errors import EngineError
@@ -25,6 +25,7 @@ def batch_gradients(cert, forwards, rows, cots, rtol, outputs: bool = True) -> d
         outs = [o for o in cert.replayer.run(f, (f.args, f.kwargs), leaves) if o.requires_grad]
         if len(outs) != len(f.outputs) or outputs and not all(close(a, b, rtol) for a, b in zip(f.outputs, outs)):
             raise NotReproducible()
+        f.replayed_rng = rng_state(cert._devices)
         for r, g in vjp_rows(outs, {r: cots[r][j] for r in rows}, leaves, cert.replayer.within(leaves)).items():
             own[r] = g if own[r] is None else [a + b for a, b in zip(own[r], g)]
     return own
@@ -52,6 +53,12 @@ def independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers: State) 
         leaves = cert.replayer.leaves()
         outs = [o for o in cert.replayer.run(f, select(f.args, f.kwargs, f.batch, None, False, (j, source)),
                                              leaves) if o.requires_grad][:len(f.outputs)]
+        if f.replayed_rng is not None and not same_rng(rng_state(cert._devices), f.replayed_rng):
+            raise EngineError(f"the model's forward leaves torch's random state depending on its batch (it moves when "
+                              f"sample {j} is replaced): a forward that reseeds the generator from its inputs draws "
+                              "masks that depend on other samples, in this step or the next" + NOT_COVERED,
+                              "draw random numbers from torch's default generator as it stands (nn.Dropout); never "
+                              "seed it from the data")
         for r, g in vjp_rows(outs, {r: cots[r][i] for r in moved}, leaves, cert.replayer.within(leaves)).items():
             moved[r] = g if moved[r] is None else [a + b for a, b in zip(moved[r], g)]
     refuse_written_buffer(buffers.after(f"the batch with sample {j} replaced"), forwards[0].batch)

@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from dpclip.torch_compat import TorchDispatchMode
+from dpclip.engine.certificate.replay import rng_state, same_rng, set_rng
+from dpclip.torch_compat import TorchDispatchMode, tree_flatten, tree_unflatten
 
 #: operations whose output is random numbers and nothing else (no gradient flows through them)
 PURE_DRAWS = frozenset({
@@ -55,15 +56,36 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.skip = skip
         self.draws: list[Tensor] | None = []
+        self.calls: list[tuple] = []   # each draw's operation and arguments (copied before it ran)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        recorded = self.draws is not None and _seeded(func) and not self.skip()
+        call = (func, _copied(args), _copied(kwargs or {})) if recorded and _pure(func) else None
         out = func(*args, **(kwargs or {}))
-        if self.draws is not None and _seeded(func) and not self.skip():
-            if _pure(func) and isinstance(out, Tensor):
+        if recorded:
+            if call is not None and isinstance(out, Tensor):
                 self.draws.append(out.detach().clone())
+                self.calls.append(call)
             else:
                 self.draws = None
         return out
+
+    def follows(self, start: tuple, end: tuple, devices: list[int]) -> bool:
+        """Whether the recorded draws are the RNG stream's own from the forward's ``start`` state,
+        leaving it at ``end``. A forward that reseeds torch's generator (from its batch, say) draws
+        masks that depend on other samples, which no replay of one sample alone can see; the batch
+        mode's replacement of a sample then can (batch.py)."""
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            set_rng(start)
+            for (func, args, kwargs), drawn in zip(self.calls, self.draws or []):
+                if not torch.equal(func(*_copied(args), **_copied(kwargs)), drawn):
+                    return False
+            return same_rng(rng_state(devices), end)
+
+
+def _copied(tree):
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten([t.detach().clone() if isinstance(t, Tensor) else t for t in leaves], spec)
 
 
 def _cut(recorded: Tensor, shape: torch.Size, row: int, batch: int) -> Tensor:

@@ -42,6 +42,7 @@ class Forward:
     edges: list = field(default_factory=list)     # their autograd edges then (before any in-place change)
     handles: list = field(default_factory=list)   # hooks that read the cotangents at those edges
     buffers: dict | None = None   # the model's state at entry, by name (state.snapshot: a forward may update it)
+    replayed_rng: tuple | None = None   # the RNG state a replay of the whole batch left (batch.py)
 
 
 def release(forward: Forward) -> None:
@@ -53,6 +54,12 @@ def release(forward: Forward) -> None:
 
 def rng_state(devices: list[int]) -> tuple[Tensor, dict]:
     return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
+
+
+def set_rng(state: tuple[Tensor, dict]) -> None:
+    torch.set_rng_state(state[0])
+    for d, device_state in state[1].items():
+        torch.cuda.set_rng_state(device_state, d)
 
 
 def same_rng(a: tuple[Tensor, dict], b: tuple[Tensor, dict]) -> bool:
@@ -193,9 +200,7 @@ class Replayer:
 
     def run(self, forward: Forward, inputs, leaves: list[Tensor]) -> list[Tensor]:
         args, kwargs = inputs if self.dtype is None else self._widened(inputs)
-        torch.set_rng_state(forward.rng[0])
-        for d, state in forward.rng[1].items():
-            torch.cuda.set_rng_state(state, d)
+        set_rng(forward.rng)
         saved = autocast_snapshot(forward.autocast.keys())
         autocast_restore(forward.autocast)
         try:
