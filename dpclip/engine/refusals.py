@@ -79,15 +79,6 @@ def refuse_new_trainable(model: nn.Module, privatised: list[nn.Parameter], names
                           "unused", "freeze layers before building the engine (make_private, DPTrainer): it "
                           "privatises the parameters trainable then; or make these trainable again "
                           "(requires_grad_(True))")
-    hooked = [name for name, p in model.named_parameters() if names is None and p.requires_grad and (
-        getattr(p, "_post_accumulate_grad_hooks", None) or any(
-            not getattr(hook, "dpclip_certificate", False) for hook in (p._backward_hooks or {}).values()))]
-    if hooked:   # the per-sample gradients never pass through the parameter: its hooks would get None
-        raise EngineError(f"parameter {hooked[0]} has a gradient hook (register_hook or "
-                          "register_post_accumulate_grad_hook): the engine computes its per-sample gradients "
-                          "itself, so the hook would never see them, nor the clipped and noised sum",
-                          "remove the hook (handle.remove()); scale or transform the noised gradient after "
-                          "privatize() or optimizer.step(), or change the model's forward")
     if new:
         raise EngineError(f"parameters trainable now that were not when the engine was built ({', '.join(new[:3])}"
                           f"{', ...' if len(new) > 3 else ''}): the engine does not book-keep them, and their "

@@ -104,7 +104,6 @@ class Cotangents:
                 return None
             self.got[key] = grad.detach().clone()
             return torch.zeros_like(grad)
-        read.dpclip_certificate = True   # not the user's hook (refusals.refuse_new_trainable)
         return read
 
     def of(self, loss: Tensor, forwards: list[Forward]) -> list[list[Tensor | None]]:
