@@ -34,6 +34,7 @@ import re
 from dataclasses import dataclass
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from dpclip.errors import EngineError
 
@@ -105,6 +106,12 @@ def build_groups(model: nn.Module, grouping="all-layer",
     params = trainable_params(model) if params is None else params
     if not params:
         raise EngineError("the model has no trainable parameters", "unfreeze some parameters")
+    lazy = [info.name for info in params if is_lazy(info.param)]
+    if lazy:   # its shape, and so its group's size and its noise, do not exist yet
+        raise EngineError(f"parameter {lazy[0]} is not initialised yet (a lazy module such as nn.LazyLinear): "
+                          "its shape, and so its clipping group and its noise, are unknown",
+                          "run one forward of the model on dummy or public data before building the engine "
+                          "(or calling make_private), so that its lazy modules take their shapes")
     if isinstance(grouping, str):
         style = grouping
         if style == "all-layer":

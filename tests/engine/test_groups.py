@@ -99,3 +99,11 @@ def test_frozen_parameters_are_in_no_group():
 def test_unknown_or_malformed_grouping_is_refused(bad):
     with pytest.raises(EngineError):
         build_groups(mlp(), bad)
+
+
+def test_a_lazy_module_not_yet_initialised_is_refused_with_a_hint():
+    from dpclip.engine import DPEngine
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.LazyLinear(3))
+    with pytest.raises(EngineError, match=r"2\.weight .*not initialised") as refused:
+        DPEngine(model, gradient_noise_multiplier=1.0, expected_batch_size=4)
+    assert "forward" in refused.value.hint
