@@ -125,9 +125,22 @@ def _engine_backward(when: str) -> None:
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_a_forward_seeding_torchs_generator_from_its_batch_is_refused(when):
     from dpclip.errors import EngineError
-    with pytest.raises(EngineError, match="random state depending on its batch|changes sample"):
+    with pytest.raises(EngineError, match="random state the model's forward leaves depends on its batch|changes sample"):
         _engine_backward(when)
 
 
 def test_a_forward_seeding_torchs_generator_with_a_constant_passes():
     _engine_backward("fixed")
+
+
+def test_rrelu_in_training_on_the_cpu_is_refused_its_draws_count_its_negative_inputs():
+    """The CPU's RReLU draws one number per negative input: the generator's position after the
+    forward, and so the next forward's dropout masks, depend on every sample."""
+    from dpclip.engine import DPEngine
+    from dpclip.errors import EngineError
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.RReLU(), torch.nn.Linear(16, 3)).train()
+    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=1.0,
+                      expected_batch_size=8)
+    with pytest.raises(EngineError, match="RReLU"):
+        engine.backward(((model(torch.randn(8, 5)) - torch.randn(8, 3)) ** 2).mean(1))

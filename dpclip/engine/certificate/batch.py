@@ -54,11 +54,12 @@ def independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers: State) 
         outs = [o for o in cert.replayer.run(f, select(f.args, f.kwargs, f.batch, None, False, (j, source)),
                                              leaves) if o.requires_grad][:len(f.outputs)]
         if f.replayed_rng is not None and not same_rng(rng_state(cert._devices), f.replayed_rng):
-            raise EngineError(f"the model's forward leaves torch's random state depending on its batch (it moves when "
-                              f"sample {j} is replaced): a forward that reseeds the generator from its inputs draws "
-                              "masks that depend on other samples, in this step or the next" + NOT_COVERED,
-                              "draw random numbers from torch's default generator as it stands (nn.Dropout); never "
-                              "seed it from the data")
+            raise EngineError(f"the random state the model's forward leaves depends on its batch (it moves when "
+                              f"sample {j} is replaced): the forward reseeds torch's generator from its inputs, or "
+                              "draws as many numbers as its inputs say (RReLU in training on the CPU), so its own or "
+                              "the next forward's masks depend on other samples" + NOT_COVERED,
+                              "draw from torch's generator as it stands, a number of draws fixed by the shapes "
+                              "(nn.Dropout; nn.LeakyReLU for nn.RReLU); never seed it from the data")
         for r, g in vjp_rows(outs, {r: cots[r][i] for r in moved}, leaves, cert.replayer.within(leaves)).items():
             moved[r] = g if moved[r] is None else [a + b for a, b in zip(moved[r], g)]
     refuse_written_buffer(buffers.after(f"the batch with sample {j} replaced"), forwards[0].batch)
