@@ -1,9 +1,11 @@
 """The collate function of ``make_private``'s and ``DPTrainer``'s Poisson loader: an empty draw
-as zero-row tensors, and a ``collate_fn`` of your own checked to treat each example alone
-(docs/python-api.md, "What the loop must do")."""
+as zero-row tensors, and a ``collate_fn`` of your own checked to treat each example alone and
+not to use the draw's count (docs/python-api.md, "What the loop must do")."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 import numpy
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 from torch.utils.data import Dataset, default_collate
 
 from dpclip.engine.certificate.replay import equal_values
@@ -50,14 +53,28 @@ class EmptyDrawCollate:
     still happens: it releases noise and is charged).
 
     A collate function of your own sees the whole draw, so it could mix examples (mixup,
-    normalising by the batch) before the loop's rows are checked against the draw. Each batch is
-    therefore collated again, from the same random state (the same count drawn), with its second
-    half replaced by copies of its first example, then its first half by copies of its last: the
-    rows kept must come out the same in both (a mix across the halves, a statistic of the batch
-    or a permutation does not; padding to the longest may change only the padding, a constant
-    beyond the rows' common size). A repeated example alone is not enough: it leaves a mix with
-    the next row and a batch minimum unchanged. A one-row batch is collated with its example
-    repeated. A row that moves is refused. It costs two more collates per batch."""
+    normalising by the batch) or use their count (``x / len(rows)``: the count is Poisson, private)
+    before the loop's rows are checked against the draw. Each batch is therefore collated again:
+
+    - from the same random state (the same count drawn), keeping some rows and replacing every
+      other by copies of the first kept one, m times: row i gets a distinct set of m // 2 of the m
+      checks (m the fewest with C(m, m // 2) >= n), and is kept in those. Every ordered pair of
+      rows (i, j) has a check keeping i and replacing j, so any row depending on another is seen,
+      in one half or across (a mix with the next row, a pairwise swap, a batch minimum);
+    - with a copy of its first example added (n + 1 rows), where the first n rows must come out the
+      same: a division by the count or a mean over the batch moves. From the same random state
+      first (exact where draws come row by row); a collate whose torch draws span the batch (randn
+      over 16 numbers or more, several draws) is then collated both ways from a torch state that
+      draws only zeros, whatever the count.
+
+    Padding to the longest may change only the padding, a constant beyond the rows' common size;
+    where a replacement moves it, a random draw over the padded batch (masked-LM masking) moves
+    with it, and the check is made with a replacement that keeps the shapes. A one-row batch has
+    only the count check. A row that moves is refused. Cost: m + 1 more collates per batch (m = 6
+    for 20 rows, 8 for 64, 13 for 1,000), two more for a collate drawing from torch's random state
+    whose count check moved, and up to n - 1 more, once per batch, to find a shape-keeping
+    replacement where one moves the padding. The check draws no random numbers of its own.
+    Where every draw is zero, torch.poisson and torch.binomial would never return: refused."""
 
     def __init__(self, dataset: Dataset, collate: Callable | None):
         self.dataset = dataset
@@ -72,52 +89,137 @@ class EmptyDrawCollate:
         before = _random_states()
         batch = self.collate(rows)
         after = _random_states()
-        rows, n = list(rows), len(rows)
+        rows, shape_keeping = list(rows), []
         try:
-            if n == 1 and self._kept(batch, self._collated(rows + [rows[0]], before), slice(0, n), n):
-                return batch
-            half = (n + 1) // 2
-            if n > 1 and self._half_kept(batch, rows, slice(0, half), [rows[0], *rows[half:]], before) \
-                    and self._half_kept(batch, rows, slice(half, n), [rows[-1], *rows[:half]], before):
-                return batch
+            if not all(self._kept_with_others_replaced(batch, rows, kept, before, shape_keeping)
+                       for kept in _kept_sets(len(rows))):
+                raise DpclipError("the collate_fn's rows depend on the other examples of the draw (collated again "
+                                  "with some of its examples replaced, a kept row changed): one example would move "
+                                  "several clipped rows, more than the noise is calibrated for; nothing was released",
+                                  COLLATE_HINT)
+            if not self._count_kept(batch, rows, before, after):
+                raise DpclipError("the collate_fn's rows depend on the number of examples drawn (collated again with "
+                                  "a copy of its first example added, a row changed): the count of a Poisson draw is "
+                                  "private, and one example would move every row; nothing was released", COLLATE_HINT)
         finally:
             _set_random_states(after)
-        raise DpclipError("the collate_fn's rows depend on the other examples of the draw (collated again with "
-                          "half its examples replaced, a row changed): one example would move several clipped rows, "
-                          "more than the noise is calibrated for; nothing was released", COLLATE_HINT)
+        return batch
 
-    def _half_kept(self, batch: Any, rows: list, kept: slice, fills: list, before: tuple) -> bool:
-        """Whether the rows ``kept`` come out the same with every other row a copy of ``fills[0]``.
+    def _kept_with_others_replaced(self, batch: Any, rows: list, kept: list, before: tuple,
+                                   shape_keeping: list) -> bool:
+        """Whether the rows ``kept`` come out the same with every other row a copy of the first kept.
         Where that moves the padding (the longest example replaced), a random draw over the padded
-        batch (masked-LM masking) moves with it: the check is then made with the first of
-        ``fills`` (the replaced rows) that keeps the batch's shapes."""
-        def collated(fill):
-            return self._collated([row if kept.start <= i < kept.stop else fill for i, row in enumerate(rows)], before)
+        batch (masked-LM masking) moves with it: the check is then made with the first replaced
+        row, largest first, that keeps the batch's shapes (``shape_keeping`` remembers it for the next checks)."""
+        keep = set(kept)
+        replaced = [i for i in range(len(rows)) if i not in keep]
 
-        other = collated(fills[0])
+        def collated(fill):
+            return self._collated([row if i in keep else rows[fill] for i, row in enumerate(rows)], before)
+
+        other = collated(kept[0])
         if self._kept(batch, other, kept, len(rows)):
             return True
         if _same_shapes(batch, other, len(rows)):   # the padding did not move: a row did
             return False
-        for fill in fills[1:]:
+        by_size = sorted((i for i in replaced if i not in shape_keeping), key=lambda i: -_size(rows[i]))
+        for fill in [i for i in shape_keeping if i not in keep] + by_size:   # the longest first, most likely
             other = collated(fill)
             if _same_shapes(batch, other, len(rows)):
+                shape_keeping.append(fill)
                 return self._kept(batch, other, kept, len(rows))
         return False
+
+    def _count_kept(self, batch: Any, rows: list, before: tuple, after: tuple) -> bool:
+        """Whether the rows come out the same with a copy of the first example added, from the same
+        random state, or, for a collate that drew from torch's, from a state that draws only zeros."""
+        more, kept, n = rows + [rows[0]], list(range(len(rows))), len(rows)
+        if self._kept(batch, self._collated(more, before), kept, n):
+            return True
+        zeros = None if torch.equal(before[0], after[0]) else _zero_draws_state(before[0])
+        if zeros is None:
+            return False
+        states = (zeros, *before[1:])
+        try:
+            with _NoRejectionSampling():
+                return self._kept(self._collated(rows, states), self._collated(more, states), kept, n)
+        except _RejectionSampler:
+            return False
 
     def _collated(self, rows: list, states: tuple) -> Any:
         _set_random_states(states)
         return self.collate(rows)
 
     @staticmethod
-    def _kept(batch: Any, other: Any, kept: slice, rows: int) -> bool:
+    def _kept(batch: Any, other: Any, kept: list, rows: int) -> bool:
         """Whether ``other``'s rows ``kept`` are ``batch``'s, in every tensor with ``rows`` rows."""
         ours, theirs = data_leaves(batch), data_leaves(other)
         if len(ours) != len(theirs):
             return False
         pairs = [(a, b) for a, b in zip(ours, theirs) if isinstance(a, Tensor) and a.dim() and a.shape[0] == rows]
-        return all(isinstance(b, Tensor) and b.dim() == a.dim() and b.shape[0] >= kept.stop
-                   and _same_rows(a[kept], b[kept]) for a, b in pairs)
+        index = torch.tensor(kept)
+        return all(isinstance(b, Tensor) and b.dim() == a.dim() and b.shape[0] > max(kept)
+                   and _same_rows(a.index_select(0, index.to(a.device)), b.index_select(0, index.to(b.device)))
+                   for a, b in pairs)
+
+
+def _size(example: Any) -> int:
+    """How many numbers and characters an example holds: the longest is likely the one padded to."""
+    if isinstance(example, Tensor):
+        return example.numel()
+    if isinstance(example, (str, bytes)):
+        return len(example)
+    if isinstance(example, Mapping):
+        return sum(_size(value) for value in example.values())
+    if isinstance(example, (list, tuple)):
+        return sum(_size(value) for value in example)
+    return 1
+
+
+def _kept_sets(n: int) -> list[list[int]]:
+    """The rows each check keeps: row i gets the i-th set of m // 2 out of m checks, m the fewest
+    with C(m, m // 2) >= n. Two rows' sets differ and are of one size, so for every ordered pair
+    (i, j) a check keeps i and replaces j (a Sperner family; bits of i and their complements would
+    take 2 log2 n checks). Checks keeping no row or every row are left out."""
+    m = 0
+    while math.comb(m, m // 2) < n:
+        m += 1
+    codes = list(itertools.islice(itertools.combinations(range(m), m // 2), n))
+    sets = [[i for i, code in enumerate(codes) if check in code] for check in range(m)]
+    return [kept for kept in sets if 0 < len(kept) < n]
+
+
+class _RejectionSampler(Exception):
+    """A sampler that would draw forever where every draw is zero."""
+
+
+class _NoRejectionSampling(TorchFunctionMode):
+    """Stops torch's Poisson (rate 10 or more) and binomial samplers, whose rejection loops never
+    end where every draw is zero: such a collate is refused rather than left hanging."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.poisson, torch.binomial):
+            raise _RejectionSampler(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _zero_draws_state(state: Tensor) -> Tensor | None:
+    """Torch's CPU random ``state`` with its 624 Mersenne Twister words zero and no cached normal
+    sample: every draw is then 0 (rand, randn, randint at its low, bernoulli 1 where p > 0), so a
+    draw over the whole batch no longer moves with the count. None where this torch's layout
+    differs (torch's CPUGeneratorImpl.cpp, THGeneratorStateNew), as tried by drawing."""
+    if state.numel() != 5056:
+        return None
+    zeros = state.clone()
+    zeros[24:5016] = 0      # the state words, after the seed, left, seeded and next fields
+    zeros[5040:5044] = 0    # normal_is_valid
+    zeros[5052] = 0         # is_next_float_normal_sample_valid
+    try:
+        torch.set_rng_state(zeros)
+        drawn = torch.cat([torch.rand(8), torch.randn(40), torch.randn(3, dtype=torch.float64).float()])
+    except RuntimeError:
+        return None
+    return zeros if not drawn.any() else None
 
 
 def _same_shapes(batch: Any, other: Any, rows: int) -> bool:

@@ -5,7 +5,7 @@ is refused before anything is released or charged (docs/python-api.md, "What the
 
 from __future__ import annotations
 
-from collections import UserDict
+from collections import UserDict, namedtuple
 
 import pytest
 import torch
@@ -448,3 +448,124 @@ def test_a_random_draw_over_the_padded_batch_passes_when_the_longest_example_is_
         collate(list(reversed(data)))                       # ... and in the second
     with pytest.raises(DpclipError, match="rows depend on the other examples"):
         EmptyDrawCollate(data, lambda rows: (lambda b: _Encoding(x=b["x"].roll(-1, 0), y=b["y"]))(masked(rows)))(data)
+
+
+def _pairs_mixed(x):
+    """Row i averaged with row i ^ 1 (0 with 1, 2 with 3, ...): both in one half of an even draw."""
+    partner = torch.arange(len(x)) ^ 1
+    partner[partner >= len(x)] = len(x) - 1
+    return 0.5 * x + 0.5 * x[partner]
+
+
+WITHIN_A_HALF = {
+    "pairs mixed": _pairs_mixed,
+    "first two rows swapped": lambda x: x[[1, 0, *range(2, len(x))]],
+    "mixup with the next row of the same half": lambda x: torch.cat(
+        [0.5 * h + 0.5 * h.roll(-1, 0) for h in x.split((len(x) + 1) // 2)]),
+    "second row centred on the first": lambda x: torch.cat([x[:1], x[1:2] - x[:1], x[2:]]),
+}
+
+
+@pytest.mark.parametrize("mix", WITHIN_A_HALF.values(), ids=list(WITHIN_A_HALF))
+def test_a_collate_fn_that_mixes_examples_within_one_half_of_the_draw_is_refused(mix):
+    """Replacing the other half leaves such a mix unchanged; every pair of rows is split by a check."""
+    data = [(torch.randn(3, generator=torch.Generator().manual_seed(i)), torch.tensor(i % 2)) for i in range(11)]
+    collate = EmptyDrawCollate(data, lambda rows: (lambda x, y: (mix(x), y))(*_stacked(rows)))
+    for n in (2, 4, 8, 11):   # at 2, a mix within halves of one row is a mix at 3 rows: refused by the count
+        with pytest.raises(DpclipError, match="rows depend on the") as caught:
+            collate(data[:n])
+        assert "each example alone" in caught.value.hint
+
+
+COUNTED = {
+    "divided by the count": lambda x: x / len(x),
+    "divided by the count, noise added": lambda x: x / len(x) + 0.01 * torch.randn_like(x),
+    "the count as a column": lambda x: torch.cat([x, torch.full((len(x), 1), float(len(x)))], 1),
+}
+
+
+@pytest.mark.parametrize("use", COUNTED.values(), ids=list(COUNTED))
+def test_a_collate_fn_that_uses_the_drawn_count_is_refused_before_anything_is_released(use):
+    """The count of a Poisson draw is private: ``x / len(rows)`` passed with both halves replaced
+    (the same count), and one example would move every row of the step."""
+    private, released = _private_collated(lambda rows: (lambda x, y: (use(x), y))(*_stacked(rows)))
+    with pytest.raises(DpclipError, match="collate_fn's rows depend on the") as caught:
+        next(iter(private.data_loader))
+    assert "each example alone" in caught.value.hint
+    _nothing_released(private, released)
+    with pytest.raises(DpclipError, match="rows depend on the number of examples drawn"):   # one row
+        EmptyDrawCollate(_data(), lambda rows: (lambda x, y: (use(x), y))(*_stacked(rows)))([_data()[0]])
+
+
+def _drawn_over_the_batch(rows):
+    """Per-row augmentation drawn over the whole batch, three draws: a count moves what each draws."""
+    x, y = _stacked(rows)
+    keep = torch.bernoulli(torch.full(x.shape, 0.9))
+    return keep * x + 0.01 * torch.randn_like(x) + torch.rand(len(x), 1), y
+
+
+def test_a_collate_fn_drawing_over_the_whole_batch_passes_at_every_count():
+    data = [(torch.randn(7, generator=torch.Generator().manual_seed(i)), torch.tensor(i % 2)) for i in range(70)]
+    collate = EmptyDrawCollate(data, _drawn_over_the_batch)
+    for n in (1, 2, 3, 5, 16, 37, 70):
+        torch.manual_seed(n)
+        x = collate(data[:n])[0]
+        torch.manual_seed(n)
+        assert torch.equal(x, _drawn_over_the_batch(data[:n])[0])   # the draw's own, random state included
+
+
+Pair = namedtuple("Pair", "x y")
+
+
+@pytest.mark.parametrize("form", ["dict", "tuple", "namedtuple"])
+def test_a_collate_fn_that_treats_each_example_alone_passes_in_any_container_and_one_row(form):
+    def collate_fn(rows):
+        x, y = _stacked(rows)
+        return {"x": x, "y": y} if form == "dict" else (x, y) if form == "tuple" else Pair(x, y)
+    data = [(torch.randn(4), torch.tensor(i % 3)) for i in range(9)]
+    collate = EmptyDrawCollate(data, collate_fn)
+    for n in (1, 2, 9):
+        batch = collate(data[:n])
+        x = batch["x"] if form == "dict" else batch[0]
+        assert torch.equal(x, _stacked(data[:n])[0]) and type(batch) is type(collate_fn(data[:1]))
+    empty = collate([])
+    assert (empty["x"] if form == "dict" else empty[0]).shape == (0, 4)
+
+
+def _word_tokenizer():
+    """A Hugging Face fast tokenizer built here, nothing downloaded."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[MASK]": 2, **{w: i + 3 for i, w in enumerate("abcdefgh")}}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers, transformers.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="[PAD]",
+                                                              unk_token="[UNK]", mask_token="[MASK]")
+
+
+@pytest.mark.parametrize("collator", ["DataCollatorWithPadding", "DataCollatorForLanguageModeling"])
+def test_hugging_face_padding_and_masking_collators_pass_with_the_longest_anywhere(collator):
+    transformers, tokenizer = _word_tokenizer()
+    make = getattr(transformers, collator)
+    hf = make(tokenizer) if collator == "DataCollatorWithPadding" else make(tokenizer, mlm_probability=0.3)
+    data = [dict(tokenizer(" ".join("abcdefgh"[:k]))) for k in (3, 5, 2, 8, 1, 4, 6, 2, 7, 3)]
+    collate = EmptyDrawCollate(data, hf)
+    for draw in (data, data[::-1], data[:1], data[2:5], data[4:]):
+        torch.manual_seed(len(draw))
+        batch = collate(draw)
+        torch.manual_seed(len(draw))
+        assert torch.equal(batch["input_ids"], hf(draw)["input_ids"])
+    with pytest.raises(DpclipError, match="rows depend on the"):
+        EmptyDrawCollate(data, lambda rows: (lambda b: {**b, "attention_mask": b["attention_mask"] * len(rows)})(
+            hf(rows)))(data[:4])
+
+
+def test_a_collate_fn_drawing_poisson_noise_over_the_batch_is_refused_not_left_hanging():
+    """Its count check moves (two draws over the batch), and where every draw is zero the Poisson
+    sampler (rate 10 or more) never returns: refused, as its draws cannot be compared."""
+    def shot_noise(rows):
+        x, y = _stacked(rows)
+        return x + torch.poisson(torch.full_like(x, 20.0)) + torch.randn_like(x), y
+    data = [(torch.randn(7), torch.tensor(0)) for _ in range(40)]
+    with pytest.raises(DpclipError, match="rows depend on the number of examples drawn"):
+        EmptyDrawCollate(data, shot_noise)(data)
