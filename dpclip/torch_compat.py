@@ -313,3 +313,26 @@ def compiled_graphs() -> int:
 def recompile_limit_hit(exc: BaseException) -> bool:
     """Whether ``exc`` is torch.compile's refusal to compile one more graph of a function."""
     return type(exc).__name__ == "FailOnRecompileLimitHit"
+
+
+def zero_draws_cpu_state(state: Tensor) -> Tensor | None:
+    """Torch's CPU random ``state`` with its 624 Mersenne Twister words zero and no cached normal
+    sample: every draw is then 0 (rand, randn, randint at its low, bernoulli 1 where p > 0), so a
+    draw over the whole batch no longer moves with the count (the collate check, integrations/collate.py).
+    The layout of the state is torch's own, not public (CPUGeneratorImpl.cpp, THGeneratorStateNew;
+    checked against 2.13): None where it differs, as tried by drawing."""
+    if state.numel() != 5056:
+        return None
+    zeros = state.clone()
+    zeros[24:5016] = 0      # the state words, after the seed, left, seeded and next fields
+    zeros[5040:5044] = 0    # normal_is_valid
+    zeros[5052] = 0         # is_next_float_normal_sample_valid
+    current = torch.get_rng_state()
+    try:
+        torch.set_rng_state(zeros)
+        drawn = torch.cat([torch.rand(8), torch.randn(40), torch.randn(3, dtype=torch.float64).float()])
+    except RuntimeError:
+        return None
+    finally:
+        torch.set_rng_state(current)
+    return zeros if not drawn.any() else None

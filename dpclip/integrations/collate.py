@@ -19,6 +19,7 @@ from torch.utils.data import Dataset, default_collate
 from dpclip.engine.certificate.replay import equal_values
 from dpclip.errors import DpclipError
 from dpclip.integrations.rows import data_leaves
+from dpclip.torch_compat import zero_draws_cpu_state
 
 
 def empty_batch_like(batch: Any) -> Any:
@@ -136,7 +137,7 @@ class EmptyDrawCollate:
         more, kept, n = rows + [rows[0]], list(range(len(rows))), len(rows)
         if self._kept(batch, self._collated(more, before), kept, n):
             return True
-        zeros = None if torch.equal(before[0], after[0]) else _zero_draws_state(before[0])
+        zeros = None if torch.equal(before[0], after[0]) else zero_draws_cpu_state(before[0])
         if zeros is None:
             return False
         states = (zeros, *before[1:])
@@ -201,25 +202,6 @@ class _NoRejectionSampling(TorchFunctionMode):
         if func in (torch.poisson, torch.binomial):
             raise _RejectionSampler(func.__name__)
         return func(*args, **(kwargs or {}))
-
-
-def _zero_draws_state(state: Tensor) -> Tensor | None:
-    """Torch's CPU random ``state`` with its 624 Mersenne Twister words zero and no cached normal
-    sample: every draw is then 0 (rand, randn, randint at its low, bernoulli 1 where p > 0), so a
-    draw over the whole batch no longer moves with the count. None where this torch's layout
-    differs (torch's CPUGeneratorImpl.cpp, THGeneratorStateNew), as tried by drawing."""
-    if state.numel() != 5056:
-        return None
-    zeros = state.clone()
-    zeros[24:5016] = 0      # the state words, after the seed, left, seeded and next fields
-    zeros[5040:5044] = 0    # normal_is_valid
-    zeros[5052] = 0         # is_next_float_normal_sample_valid
-    try:
-        torch.set_rng_state(zeros)
-        drawn = torch.cat([torch.rand(8), torch.randn(40), torch.randn(3, dtype=torch.float64).float()])
-    except RuntimeError:
-        return None
-    return zeros if not drawn.any() else None
 
 
 def _same_shapes(batch: Any, other: Any, rows: int) -> bool:
