@@ -121,6 +121,13 @@ EXACT_DIAGNOSTICS = (
 )
 
 
+#: The steps checkpoint.every_minutes saves at, named by the released checkpoint folders: the clock
+#: sums the steps' wall times, which follow the realised batch sizes (listed with or without exact diagnostics).
+CLOCK_CHECKPOINTS = (
+    "the steps at which checkpoint.every_minutes made a checkpoint (the checkpoints/step_* folder names, LATEST, "
+    "an export's checkpoint_step): the clock adds up the steps' wall time, which follows the realised batch sizes")
+
+
 #: What a run writes outside ε when its Hessian diagnostics are measured on private data.
 PRIVATE_HESSIAN_DIAGNOSTICS = (
     "Hessian diagnostics (diagnostics.jsonl, hessian_over_training.png: tr(H), GᵀHG, tr(HΣ), gradient norms, "
@@ -162,6 +169,8 @@ def not_covered(recipe: Recipe) -> tuple[str, ...]:
     """What a run of ``recipe`` releases outside ε (the statement lists it), and the public
     data it trains on, which ε does not cover (docs/continual.md)."""
     out = EXACT_DIAGNOSTICS if recipe.privacy.exact_diagnostics else ()
+    if recipe.checkpoint.every_minutes is not None:
+        out += (CLOCK_CHECKPOINTS,)
     # a builtin data set's classes are public; a causal LM's targets are its text's next tokens, no label set
     if recipe.data.source != "builtin" and getattr(recipe.model, "task", None) != "causal-lm":
         out += (LABEL_SET,)

@@ -36,7 +36,9 @@ def test_switch_keeps_exact_quantities_out_of_every_file_and_the_console(tiny_re
     from dpclip.recipe import recipe_to_yaml
 
     recipe_file = tmp_path / "shared.yaml"
-    recipe_file.write_text(recipe_to_yaml(tiny_recipe("eval.every_steps=2", "privacy.exact_diagnostics=false")))
+    # the checkpoint clock off too: the steps it saves at are timings (tests/privacy/test_clock_checkpoints.py)
+    recipe_file.write_text(recipe_to_yaml(tiny_recipe("eval.every_steps=2", "privacy.exact_diagnostics=false",
+                                                      "checkpoint.every_minutes=null")))
     result = cli("train", recipe_file)
     assert result.code == 0, result.err
     console = (result.out + result.err).replace("privacy loss distribution", "")  # the accountant's name

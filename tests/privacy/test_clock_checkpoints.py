@@ -1,0 +1,51 @@
+"""An attacker lists a run's released checkpoint folders. ``checkpoint.every_minutes`` (on by
+default) saves at the first step boundary M minutes after the last checkpoint, so the
+step a clock checkpoint is named by (``checkpoints/step_000k``, ``LATEST``, an export's
+``checkpoint_step``) says how long the steps before it took: their wall time follows the
+realised Poisson batch sizes, an exact function of private data. Before the fix the
+statement named no such thing, and with ``privacy.exact_diagnostics: false`` it named no
+timing at all, while the folder names still carried it.
+
+Now the statement lists the clock's checkpoint steps as not covered by ε whenever the
+recipe's clock is on, with or without exact diagnostics, and never when it is off."""
+
+from __future__ import annotations
+
+import pytest
+
+import dpclip.train.state as train_state
+from dpclip.rundir.run import spent
+from dpclip.train.workflow import train
+
+
+class _SlowClock:
+    """time.monotonic as seen by the checkpointer: every reading 11 minutes after the last."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        self.now += 11 * 60.0
+        return self.now
+
+
+def _uncovered(run_dir) -> list[str]:
+    _, statement = spent(run_dir)
+    return [line for line in statement.lines() if line.startswith("not covered by ε")]
+
+
+@pytest.mark.parametrize("exact", ["true", "false"])
+def test_checkpoints_made_by_the_clock_are_listed_not_covered(tiny_recipe, monkeypatch, exact):
+    monkeypatch.setattr(train_state, "time", _SlowClock())
+    result = train(tiny_recipe(f"privacy.exact_diagnostics={exact}", "checkpoint.every_steps=null",
+                               "checkpoint.every_minutes=10", "checkpoint.keep=10"))
+    folders = sorted(p.name for p in (result.run_dir / "checkpoints").glob("step_*"))
+    assert "step_000001" in folders   # saved by the clock, not by a step count: its name is a timing
+    uncovered = _uncovered(result.run_dir)
+    assert any("checkpoint.every_minutes" in line for line in uncovered), uncovered
+    assert any("checkpoint.every_minutes" in line for line in result.statement), result.statement
+
+
+def test_a_run_without_the_clock_lists_no_clock_checkpoints(tiny_recipe):
+    result = train(tiny_recipe("privacy.exact_diagnostics=false", "checkpoint.every_minutes=null"))
+    assert _uncovered(result.run_dir) == []
