@@ -2,6 +2,9 @@
 
 This is the one place that turns training settings into accounting inputs, used by
 `dpclip account RECIPE` and by the training loop alike, so the two cannot disagree.
+
+Length: a little over 400 lines, because the statement's "not covered by ε" lines are written
+here, beside the plan whose run releases them.
 """
 
 from __future__ import annotations
@@ -128,6 +131,12 @@ CLOCK_CHECKPOINTS = (
     "an export's checkpoint_step): the clock adds up the steps' wall time, which follows the realised batch sizes")
 
 
+#: A user-level run's count of records (plan.json ``num_train``): N counts people there, and adding or
+#: removing a person moves the records by theirs.
+USER_RECORD_COUNT = ("the number of records (plan.json num_train): at the user level a person added or removed moves it "
+                     "by their own records' count (the number of people is treated as public)")
+
+
 #: What a run writes outside ε when its Hessian diagnostics are measured on private data.
 PRIVATE_HESSIAN_DIAGNOSTICS = (
     "Hessian diagnostics (diagnostics.jsonl, hessian_over_training.png: tr(H), GᵀHG, tr(HΣ), gradient norms, "
@@ -171,6 +180,8 @@ def not_covered(recipe: Recipe) -> tuple[str, ...]:
     out = EXACT_DIAGNOSTICS if recipe.privacy.exact_diagnostics else ()
     if recipe.checkpoint.every_minutes is not None:
         out += (CLOCK_CHECKPOINTS,)
+    if recipe.privacy.unit == "user":
+        out += (USER_RECORD_COUNT,)
     # a builtin data set's classes are public; a causal LM's targets are its text's next tokens, no label set
     if recipe.data.source != "builtin" and getattr(recipe.model, "task", None) != "causal-lm":
         out += (LABEL_SET,)

@@ -14,6 +14,7 @@ from dpclip.accounting import Ledger
 from dpclip.accounting.accountants import account
 from dpclip.data import load_data
 from dpclip.errors import DpclipError, RecipeError
+from dpclip.planning.plan import USER_RECORD_COUNT, not_covered
 from dpclip.recipe import load_recipe
 from dpclip.rundir.run import spent
 from dpclip.train.workflow import train
@@ -47,7 +48,14 @@ def test_a_user_level_run_charges_the_user_level_event_and_says_per_person(user_
     assert statement.neighbouring == "add/remove all records of one person"
     summary = json.loads((result.run_dir / "summary.json").read_text())
     assert any("user-level" in line for line in summary["statement"])
+    # the record count moves with a person's records: named outside ε
+    assert any(USER_RECORD_COUNT in line for line in summary["statement"])
     assert json.loads((result.run_dir / "plan.json").read_text())["num_users"] == people
+
+
+def test_only_a_user_level_recipe_names_its_record_count_not_covered(user_recipe):
+    assert USER_RECORD_COUNT in not_covered(user_recipe())
+    assert USER_RECORD_COUNT not in not_covered(load_recipe(REPO / "recipes" / "quickstart.yaml"))
 
 
 def test_train_and_test_hold_different_people(user_recipe):
