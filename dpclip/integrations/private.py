@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import secrets
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,7 +150,7 @@ class PrivateTraining:
         """The run's release log, in ``folder``: begun by the first checkpoint (a new run id), after
         which every step logs its fingerprint before it is applied; one folder for all checkpoints."""
         if self.releases is None:
-            self.releases = ReleaseLog(folder, run=secrets.token_hex(8))
+            self.releases = ReleaseLog.new_run(folder)
             self.optimizer.on_release = self.releases.check
         elif self.releases.path.parent.resolve() != folder.resolve():
             raise DpclipError(f"this run's checkpoints are in {self.releases.path.parent}, beside the log of its "
@@ -184,8 +183,8 @@ class PrivateTraining:
                               "checkpoint would replace its ledger, dropping steps already released",
                               "load a checkpoint into a fresh make_private (a new process), before its first step")
         ledger = Ledger.from_dict(state["ledger"])
-        releases = ReleaseLog(Path(path).parent, run=state["run"])
-        releases.resume_after(ledger.steps, Path(path).parent)   # refused without the log beside it
+        releases = ReleaseLog(Path(path).parent)
+        releases.resume_after(ledger.steps, Path(path).parent, state["run"])   # refused without the log beside it
         self.model.load_state_dict(state["model"])
         self.optimizer.original.load_state_dict(state["optimizer"])
         self.engine.load_state_dict(state["engine"])

@@ -12,16 +12,19 @@ After the last redone step the sampler's and the noise's streams start afresh fr
 the same checkpoint must not draw their noise.
 
 ``make_private`` keeps the same log beside its checkpoint files from the first
-``save_checkpoint`` on (integrations/private.py); each record names its run, so that two runs
-checkpointed into one folder are told apart.
+``save_checkpoint`` on (integrations/private.py). Each record names its run (an id in the run's
+checkpoints too), so that two runs in one folder are told apart: a new ``DPTrainer`` run in an
+output_dir that holds an older run's log appends to it, and resumed, redoes its own steps only.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -30,6 +33,9 @@ from dpclip import layout
 from dpclip.errors import DpclipError
 from dpclip.files import OWNER_ONLY, append_line, write_text_atomic
 from dpclip.rng import fork_private_streams
+
+if TYPE_CHECKING:
+    from dpclip.distributed.world import World
 
 
 def fingerprint(grads: Iterable[Tensor]) -> list[float]:
@@ -48,13 +54,21 @@ class ReleaseLog:
         self.redo: dict[int, list[float]] = {}   # steps after the resumed checkpoint: released before
         self.last_redone: int | None = None      # then the noise's streams start afresh
         self.noise = None
+        self.appended = False   # by this process: its first record starts on a line of its own
 
-    def resume_after(self, step: int, folder: str | Path, required: bool = True) -> None:
-        """The steps after ``step`` in the log in ``folder`` (the resumed checkpoint's run) were
-        released by the interrupted run: to be redone alike. ``required``: a checkpoint after
-        released steps; without their log beside it, the redone steps could not be checked, so the
-        resume is refused."""
-        self.redo = {}
+    @classmethod
+    def new_run(cls, folder: str | Path, world: World | None = None) -> ReleaseLog:
+        """The log of a new run, under a new id (rank 0's on every rank: rank 0 writes the records)."""
+        run = secrets.token_hex(8)
+        return cls(folder, main=world is None or world.main, run=run if world is None else world.broadcast(run))
+
+    def resume_after(self, step: int, folder: str | Path, run: str | None, required: bool = True) -> None:
+        """The steps after ``step`` of ``run`` (the resumed checkpoint's; None: a checkpoint from
+        before run ids, whose records have none) in the log in ``folder`` were released by the
+        interrupted run: to be redone alike; this log goes on under ``run``. ``required``: a
+        checkpoint after released steps; without their log beside it, the redone steps could not be
+        checked, so the resume is refused."""
+        self.redo, self.run = {}, run
         source = Path(folder) / layout.TRAINER_RELEASES
         if not source.exists():
             if required:
@@ -69,8 +83,8 @@ class ReleaseLog:
         for line in source.read_text(encoding="utf-8").splitlines():
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
-                break   # a line cut by the crash: its step is redone unchecked, as one never logged
+            except json.JSONDecodeError:   # a line cut by a crash: its step is redone unchecked, as one
+                continue                   # never logged; a later run's records after it still count
             kept.append(line)
             if record["step"] > step and record.get("run") == self.run:
                 self.redo[record["step"]] = record["fingerprint"]
@@ -118,4 +132,15 @@ class ReleaseLog:
         if self.main:
             record = {"step": step, "fingerprint": now} if self.run is None else \
                 {"step": step, "fingerprint": now, "run": self.run}
-            append_line(self.path, json.dumps(record))
+            self._append(record)
+
+    def _append(self, record: dict) -> None:
+        """``record`` on a line of its own: this process's first one is not glued to a last line
+        an older run's crash cut (resume_after would skip both)."""
+        if not self.appended and self.path.exists() and self.path.stat().st_size:
+            with open(self.path, "rb") as log:
+                log.seek(-1, os.SEEK_END)
+                if log.read(1) != b"\n":
+                    append_line(self.path, "")
+        self.appended = True
+        append_line(self.path, json.dumps(record))

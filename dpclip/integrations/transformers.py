@@ -254,7 +254,7 @@ class DPTrainer(Trainer):
         self.unsafe_seed = privacy.unsafe_seed
         self.compiled = self._compiled(privacy)
         self.train_sampler = None
-        self.releases = ReleaseLog(training.output_dir, main=self.world is None or self.world.rank == 0)
+        self.releases = ReleaseLog.new_run(training.output_dir, self.world)   # a resume: its checkpoint's run
         self.loaded_steps = 0   # the ledger's steps train() may start at: 0, or the resumed checkpoint's
         if self.world is not None:  # every rank starts from rank 0's weights; no DDP (module doc)
             self.world.broadcast_([p.data for p in self.model.parameters()])
@@ -412,7 +412,8 @@ class DPTrainer(Trainer):
         rank = 0 if self.world is None else self.world.rank
         secret = os.path.join(folder, layout.TRAINER_STATE.format(rank=rank))   # generators' states
         torch.save({"plan": self._plan_key(), "sampler": self._sampler().state_at(self.account.ledger.steps),
-                    "engine": self.engine.state_dict(), "steps": self.account.ledger.steps}, secret)
+                    "engine": self.engine.state_dict(), "steps": self.account.ledger.steps,
+                    "run": self.releases.run}, secret)
         owner_only(secret)
         self.account.save(folder)
         super()._save_checkpoint(model, trial)
@@ -431,15 +432,14 @@ class DPTrainer(Trainer):
             raise DpclipError(f"{folder} was trained under another privacy plan (it differs in {', '.join(changed)})",
                               "resume with the arguments the run started with (batch size, steps, ε or σ, δ, "
                               "processes)")
-        with open(ledger_path) as handle:
-            ledger = Ledger.from_dict(json.load(handle))
+        ledger = Ledger.from_dict(json.loads(Path(ledger_path).read_text()))
         if ledger.steps != state["steps"]:
             raise DpclipError(f"{folder}: ledger.json holds {ledger.steps} steps and the state {state['steps']}",
                               "the checkpoint was modified or half written: resume from an earlier one")
         self.account.ledger = ledger
         self.account.restored = True
         self.loaded_steps = ledger.steps
-        self.releases.resume_after(ledger.steps, Path(folder).parent, required=ledger.steps > 0)
+        self.releases.resume_after(ledger.steps, Path(folder).parent, state.get("run"), required=ledger.steps > 0)
         self._sampler().draws.load_state_dict(state["sampler"])
         self.engine.load_state_dict(state["engine"])
         self.releases.fork_after_redone(self.engine.noise, self._sampler(), ledger.steps)

@@ -8,11 +8,15 @@ import re
 import shutil
 
 import pytest
+import torch
 from transformers import HfArgumentParser, TrainingArguments
 
+from dpclip import layout
 from dpclip.errors import DpclipError
 from dpclip.integrations.transformers import PrivacyArguments
-from tests.integrations.test_transformers import _trainer
+from tests.integrations.test_transformers import _CrashAfter, _trainer
+
+STATE = layout.TRAINER_STATE.format(rank=0)
 
 
 def test_the_saved_trainer_state_counts_no_operations_of_the_private_batches(tmp_path):
@@ -60,3 +64,55 @@ def test_the_clipping_block_parses_as_json_beside_the_training_arguments(tmp_pat
     with pytest.raises(DpclipError, match="clipping is not JSON") as info:
         PrivacyArguments(delta=1e-5, clipping="{grouping: layer}")
     assert "--clipping" in info.value.hint
+
+
+def _log(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "out" / "dpclip_releases.jsonl").read_text().splitlines()]
+
+
+def _crashing(tmp_path, **kwargs):
+    """Checkpoint 2 saved, step 3 released, then a crash."""
+    trainer = _trainer(tmp_path, save_strategy="steps", save_steps=2, max_steps=4, **kwargs)
+    trainer.add_callback(_CrashAfter(2))
+    return trainer
+
+
+def test_a_new_run_in_an_output_dir_with_an_older_runs_log_resumes_against_its_own_steps_only(tmp_path):
+    """A new run appends to the older run's log; resumed, it redoes its own steps (3 here), not the
+    older run's step 4 (another gradient and noise: it used to be refused as a step not reproduced)."""
+    _trainer(tmp_path, save_strategy="steps", save_steps=2, max_steps=4).train()
+    with pytest.raises(KeyboardInterrupt):
+        _crashing(tmp_path).train()   # the same output_dir, a new run
+    resumed = _trainer(tmp_path, save_strategy="steps", save_steps=2, max_steps=4)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert resumed.account.ledger.steps == 4
+    older, newer = _log(tmp_path)[:4], _log(tmp_path)[4:]
+    assert [r["step"] for r in older] == [1, 2, 3, 4] and [r["step"] for r in newer] == [1, 2, 3, 4]  # 3 checked
+    assert len({r["run"] for r in older}) == len({r["run"] for r in newer}) == 1
+    assert older[0]["run"] != newer[0]["run"] == torch.load(tmp_path / "out" / "checkpoint-2" / STATE)["run"]
+
+
+def test_a_checkpoint_and_log_from_before_run_ids_resume_against_the_records_without_one(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        _crashing(tmp_path).train()
+    state = torch.load(tmp_path / "out" / "checkpoint-2" / STATE)
+    state.pop("run", None)   # as DPTrainer wrote them before run ids
+    torch.save(state, tmp_path / "out" / "checkpoint-2" / STATE)
+    log = tmp_path / "out" / "dpclip_releases.jsonl"
+    log.write_text("".join(json.dumps({"step": r["step"], "fingerprint": r["fingerprint"]}) + "\n"
+                           for r in _log(tmp_path)))
+    resumed = _trainer(tmp_path, save_strategy="steps", save_steps=2, max_steps=4)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert [r["step"] for r in _log(tmp_path)] == [1, 2, 3, 4]   # step 3 checked against the old record
+    assert not any("run" in r for r in _log(tmp_path))
+
+
+def test_a_new_runs_steps_after_an_older_runs_line_cut_by_its_crash_are_still_checked_when_redone(tmp_path):
+    log = tmp_path / "out" / "dpclip_releases.jsonl"
+    log.parent.mkdir()
+    log.write_text(json.dumps({"step": 1, "fingerprint": [0.5, 0.25], "run": "older"}) + '\n{"step": 2, "fing')
+    with pytest.raises(KeyboardInterrupt):
+        _crashing(tmp_path).train()
+    resumed = _trainer(tmp_path, save_strategy="steps", save_steps=2, max_steps=4)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert [r["step"] for r in _log(tmp_path)] == [1, 1, 2, 3, 4]   # the cut line dropped; 3 checked, not redone
