@@ -109,6 +109,8 @@ class _SeedsFromItsBatch(torch.nn.Module):
         out = self.b(torch.nn.functional.dropout(torch.tanh(self.a(x)), 0.5, training=True))
         if self.when == "after":   # the next forward's masks would depend on this batch
             torch.manual_seed(seed)
+        if self.when == "entropy":   # as Reformer's reversible layers do: the state then follows no sample
+            torch.seed()
         return out
 
 
@@ -129,8 +131,9 @@ def test_a_forward_seeding_torchs_generator_from_its_batch_is_refused(when):
         _engine_backward(when)
 
 
-def test_a_forward_seeding_torchs_generator_with_a_constant_passes():
-    _engine_backward("fixed")
+@pytest.mark.parametrize("when", ["fixed", "entropy"])
+def test_a_forward_seeding_torchs_generator_with_a_constant_or_from_os_entropy_passes(when):
+    _engine_backward(when)
 
 
 def test_rrelu_in_training_on_the_cpu_is_refused_its_draws_count_its_negative_inputs():

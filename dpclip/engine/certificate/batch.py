@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
 from dpclip.engine.certificate.replay import NotReproducible, close, rng_state, same_rng, select, vjp_rows
@@ -49,17 +50,13 @@ def independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers: State) 
         return
     j, source = rows[-1], rows[0]
     moved = {r: None for r in rows[:-1]}
+    rng_moved: list = []   # forwards whose replay with sample j replaced left another RNG state
     for i, f in enumerate(forwards):
         leaves = cert.replayer.leaves()
         outs = [o for o in cert.replayer.run(f, select(f.args, f.kwargs, f.batch, None, False, (j, source)),
                                              leaves) if o.requires_grad][:len(f.outputs)]
         if f.replayed_rng is not None and not same_rng(rng_state(cert._devices), f.replayed_rng):
-            raise EngineError(f"the random state the model's forward leaves depends on its batch (it moves when "
-                              f"sample {j} is replaced): the forward reseeds torch's generator from its inputs, or "
-                              "draws as many numbers as its inputs say (RReLU in training on the CPU), so its own or "
-                              "the next forward's masks depend on other samples" + NOT_COVERED,
-                              "draw from torch's generator as it stands, a number of draws fixed by the shapes "
-                              "(nn.Dropout; nn.LeakyReLU for nn.RReLU); never seed it from the data")
+            rng_moved.append(f)
         for r, g in vjp_rows(outs, {r: cots[r][i] for r in moved}, leaves, cert.replayer.within(leaves)).items():
             moved[r] = g if moved[r] is None else [a + b for a, b in zip(moved[r], g)]
     refuse_written_buffer(buffers.after(f"the batch with sample {j} replaced"), forwards[0].batch)
@@ -67,6 +64,24 @@ def independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers: State) 
         if _moved(g, own[r], rtol):
             raise mixing_error(cert.model, cert.replayer, forwards[0], r, f"changes sample {r}'s gradient "
                                f"when sample {j} is replaced", rtol, replace=(j, source))
+    for f in rng_moved:
+        _refuse_rng_following_the_batch(cert, f, j, buffers)
+
+
+def _refuse_rng_following_the_batch(cert, f, j: int, buffers: State) -> None:
+    """The RNG state a forward left moved with sample ``j`` replaced: refused unless the batch's
+    own replay does not leave one state either (the forward reseeds from OS entropy, as Reformer's
+    reversible layers do with ``torch.seed()``: then the state follows no sample)."""
+    buffers.restore()
+    with torch.no_grad():
+        cert.replayer.run(f, (f.args, f.kwargs), cert.replayer.leaves())
+    if same_rng(rng_state(cert._devices), f.replayed_rng):
+        raise EngineError(f"the random state the model's forward leaves depends on its batch (it moves when "
+                          f"sample {j} is replaced): the forward reseeds torch's generator from its inputs, or "
+                          "draws as many numbers as its inputs say (RReLU in training on the CPU), so its own or "
+                          "the next forward's masks depend on other samples" + NOT_COVERED,
+                          "draw from torch's generator as it stands, a number of draws fixed by the shapes "
+                          "(nn.Dropout; nn.LeakyReLU for nn.RReLU); never seed it from the data")
 
 
 def checked_before_eval_mode(cert, forwards, rows, cots, rtol, buffers: State) -> None:
