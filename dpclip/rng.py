@@ -126,10 +126,11 @@ def fork_private_streams(*holders) -> bool:
     its seed says anyway). Returns whether any stream was renewed.
 
     Called once a resumed run has redone the steps it had already released (those must draw
-    the checkpoint's streams again): ``dpclip train --resume``, and a resumed
-    ``DPTrainer`` or make_private ``load_checkpoint`` (after its release log's steps). Each process renews its own streams from its own entropy, as it filled them at the
-    start; a stream every rank must share (a shuffled run's permutation) is drawn by rank 0
-    and broadcast by its holder, as at the start. Every rank calls it at the same step."""
+    the checkpoint's streams again): ``dpclip train --resume``, and a resumed ``DPTrainer`` or
+    make_private ``load_checkpoint`` (after its release log's steps). Each process renews its own
+    streams from its own entropy, as it filled them at the start; a stream every rank must share
+    (a shuffled run's permutation) is drawn by rank 0 and broadcast by its holder, as at the
+    start. Every rank calls it at the same step."""
     renewed = [h for h in holders if h is not None and not h.seeded]
     for holder in renewed:
         holder.renew_streams()

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine.cancellation import CANCELLATION_TOLERANCE, cancellation_bound
+from dpclip.engine.certificate.replay import set_rng
 from dpclip.engine.compiled_forward import COMPILE_OFF, HINT, Recorder, per_sample_vjp, probed_forward
 from dpclip.engine.factors import Use, clipped_sum, param_norm_sq, sqrt_or_zero
 from dpclip.engine.groupwise import clip_factors
@@ -95,7 +96,7 @@ class CompiledMicroBatch:
         if compiled_graphs() != graphs:
             # a new graph for a shape already verified (a guard changed: a flag the forward reads)
             # is checked against the engine, as a new shape's, before anything of it is used
-            set_random_state(state)
+            set_rng(state)
             engine.certificate.force()
             return self._verified_by_engine(rows, samples, row_weights, seed, weights, key)
         if bool(suspect):   # the one read of the device: the engine redoes it (float64 rows, non-finite ones)
@@ -166,11 +167,11 @@ class CompiledMicroBatch:
         eager_sums = [s if before is None or s is None else s - before
                       for s, before in zip(step.sums, sums_before)]
         eager_norms = step.norms[-1]
-        set_random_state(state)
+        set_rng(state)
         try:
             sums, norms, _, suspect, _ = self.graph(rows, seed, weights)
         finally:
-            set_random_state(after)
+            set_rng(after)
         if bool(suspect):   # the engine recomputed some rows in float64: compare on another batch
             return losses
         gap, where = disagreement(sums, norms[:samples], eager_sums, eager_norms, self.context, engine.thresholds,
@@ -312,7 +313,3 @@ def random_state(model: nn.Module) -> tuple[Tensor, dict[int, Tensor]]:
     return torch.random.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
 
 
-def set_random_state(state: tuple[Tensor, dict[int, Tensor]]) -> None:
-    torch.random.set_rng_state(state[0])
-    for device, kept in state[1].items():
-        torch.cuda.set_rng_state(kept, device)

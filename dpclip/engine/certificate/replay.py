@@ -57,6 +57,7 @@ def rng_state(devices: list[int]) -> tuple[Tensor, dict]:
 
 
 def set_rng(state: tuple[Tensor, dict]) -> None:
+    """Torch's CPU generator and each CUDA device's to ``state`` (:func:`rng_state`'s form)."""
     torch.set_rng_state(state[0])
     for d, device_state in state[1].items():
         torch.cuda.set_rng_state(device_state, d)
