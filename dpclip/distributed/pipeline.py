@@ -194,9 +194,10 @@ class PipelineEngine:
     def forward_written_state(self) -> set[str]:
         """The saved buffers this stage's training forwards wrote (its engine's), named as the whole
         model's state_dict (the checkpoint's keys) names them: the stage's child j is the model's
-        child ``first + j``. Only this rank's stage: the trainer gathers every stage's to rank 0."""
-        first = self.bounds[self.link.world.rank][0]
-        return {f"{first + int(index)}.{rest}" for index, _, rest in
+        child ``first + j``, under its own name (an ``OrderedDict`` Sequential's). Only this rank's
+        stage: the trainer gathers every stage's to rank 0."""
+        first, children = self.bounds[self.link.world.rank][0], [name for name, _ in self.model.named_children()]
+        return {f"{children[first + int(index)]}.{rest}" for index, _, rest in
                 (name.partition(".") for name in self.engine.forward_written_state)}
 
     def state_dict(self) -> dict:

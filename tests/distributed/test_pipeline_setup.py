@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from types import SimpleNamespace
 
 import pytest
 from torch import nn
 
-from dpclip.distributed.pipeline import stage_bounds, stage_threshold
+from dpclip.distributed.pipeline import PipelineEngine, stage_bounds, stage_threshold
 from dpclip.errors import DpclipError
 from dpclip.train.workflow import train
 from tests.distributed.pipeline_case import pipeline_recipe
@@ -45,3 +47,16 @@ def test_a_pipeline_recipe_in_one_process_is_refused_before_any_file(tmp_path):
         train(pipeline_recipe(tmp_path / "runs", "training.parallel=pipeline"), run_dir=tmp_path / "run")
     assert "--nproc" in err.value.hint
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["numbered", "named"])
+def test_a_stages_written_buffers_are_named_by_the_whole_models_checkpoint_keys(named):
+    """Stage 1's child 0 is the model's child 2: the statement must name the key the gathered
+    checkpoint holds, the child's own name in an OrderedDict Sequential."""
+    children = [("fc1", nn.Linear(3, 4)), ("act", nn.ReLU()), ("counter", nn.Linear(4, 4)), ("fc2", nn.Linear(4, 2))]
+    model = nn.Sequential(OrderedDict(children)) if named else nn.Sequential(*[m for _, m in children])
+    engine = SimpleNamespace(forward_written_state={"0.calls"})
+    link = SimpleNamespace(world=SimpleNamespace(rank=1))
+    stage = PipelineEngine(engine, link, [], model, [(0, 2), (2, 4)], None)
+    assert stage.forward_written_state == ({"counter.calls"} if named else {"2.calls"})
+    assert stage.forward_written_state <= {name.rsplit(".", 1)[0] + ".calls" for name in model.state_dict()}
