@@ -52,20 +52,47 @@ def test_exact_model_passes_the_check_at_the_first_step(dropout, mode, grouping)
 def test_check_runs_on_a_new_shape_family_every_n_steps_and_after_a_resume():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
-    engine = _engine(model, 6, verify_every=3)
+    engine = _engine(model, 6, verify_every=4)
     x, y = _data()
     for _ in range(2):
         _step(engine, model, x, y)
     assert engine.certificate.checks == 1            # the same family: once
-    _step(engine, model, x[:4], y[:4])               # another batch size, same family
-    assert engine.certificate.checks == 1
-    _step(engine, model, x, y)                       # step 3: every 3 steps
+    _step(engine, model, x[:4], y[:4])               # another batch size, same family: one row
+    assert engine.certificate.checks == 2 and engine.certificate.last.rows == 1
+    _step(engine, model, x[:4], y[:4])               # that size again: not checked
     assert engine.certificate.checks == 2
+    _step(engine, model, x, y)                       # step 4: every 4 steps, all rows
+    assert engine.certificate.checks == 3 and engine.certificate.last.rows == 4
     _step(engine, model, x[:1], y[:1])               # B = 1 is a family of its own
-    assert engine.certificate.checks == 3
+    assert engine.certificate.checks == 4
     engine.load_state_dict(engine.state_dict())      # a resume
     _step(engine, model, x, y)
-    assert engine.certificate.checks == 4
+    assert engine.certificate.checks == 5 and engine.certificate.last.rows == 4
+
+
+class MixesAtOddBatchSizes(nn.Module):
+    """Adds the batch mean at odd batch sizes only: code that branches on the batch size."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    def forward(self, x):
+        if x.shape[0] % 2 and x.shape[0] > 1:
+            x = x + x.mean(0)
+        return self.net(x)
+
+
+def test_a_model_mixing_samples_only_at_a_later_batch_size_is_refused_there():
+    model = MixesAtOddBatchSizes()
+    engine = _engine(model, 6)
+    x, y = _data(8)
+    _step(engine, model, x[:6], y[:6])               # an even size: the full check passes
+    _step(engine, model, x[:4], y[:4])               # another even size: its one row passes
+    with pytest.raises(EngineError, match="mixes samples"):
+        _step(engine, model, x[:7], y[:7])           # the first odd size: refused before its noise
+    assert engine.steps == 2
 
 
 def test_new_sequence_length_is_checked_again():
@@ -124,7 +151,7 @@ def test_without_the_certificate_the_sabotage_would_pass_silently(monkeypatch):
     model = _mlp()
     x, y = _data()
     engine = _engine(model, 6)
-    engine.certificate._due = lambda family: False   # the check switched off
+    engine.certificate._due = lambda *key: None   # the check switched off
     _step(engine, model, x, y)
 
 
@@ -260,7 +287,7 @@ def test_the_check_changes_nothing_the_step_releases():
         engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 0.5}}, gradient_noise_multiplier=1.0,
                           expected_batch_size=6, seed=7)
         if not check:
-            engine.certificate._due = lambda family: False   # the check switched off
+            engine.certificate._due = lambda *key: None   # the check switched off
         x, y = _data()
         torch.manual_seed(3)
         _step(engine, model, x, y)
@@ -313,7 +340,7 @@ def test_random_draws_are_cut_per_sample_or_checked_in_eval_mode(input_noise, mo
         model = Encoder().train()
         engine = _engine(model, 5)
         if not check:
-            engine.certificate._due = lambda family: False   # the check switched off
+            engine.certificate._due = lambda *key: None   # the check switched off
         torch.manual_seed(5)
         engine.backward(F.cross_entropy(model(x), y, reduction="none"))
         results.append(engine.debug_clipped())
@@ -467,14 +494,14 @@ def test_check_before_training_changes_no_step_and_is_reported_once():
         model = _mlp()
         engine = _engine(model, 6)
         if certify:
-            record = engine.certify(lambda: F.cross_entropy(model(x[:4]), y[:4], reduction="none"), before="sharding")
+            record = engine.certify(lambda: F.cross_entropy(model(x[2:]), y[2:], reduction="none"), before="sharding")
             assert record.before == "sharding" and record.rows == 4
-        first = _step(engine, model, x, y)
+        first = _step(engine, model, x[:4], y[:4])
         grads.append([p.grad.clone() for p in model.parameters()])
-        second = _step(engine, model, x, y)
+        second = _step(engine, model, x[:4], y[:4])
         assert second.certificate is None
-    # the first step's report carries the check before; x[:4] and x are one shape family, so the
-    # step's own check is not due again
+    # the first step's report carries the check before; x[2:] and x[:4] are one shape family and
+    # batch size, so the step's own check is not due again
     assert first.to_dict()["certificate"] == {"rows": 4, "mode": "alone", "before": "sharding"}
     for a, b in zip(*grads):
         assert torch.equal(a, b)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ def _train(check: bool, steps: int = 4) -> tuple[dict, torch.Tensor]:
     engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": 0.5}},
                       gradient_noise_multiplier=1.0, expected_batch_size=16, seed=11, verify_every=2)
     if not check:
-        engine.certificate._due = lambda family: False   # the check switched off
+        engine.certificate._due = lambda *key: None   # the check switched off
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(5)
     for step in range(steps):
@@ -54,7 +55,8 @@ def _train(check: bool, steps: int = 4) -> tuple[dict, torch.Tensor]:
         opt.zero_grad(set_to_none=True)
     checks = engine.certificate.checks
     engine.detach()
-    assert checks == (2 if check else 0)   # the first step and step 2 (verify_every 2): one shape family
+    # all rows at the first step and step 2 (verify_every 2), one row at the new batch sizes of steps 1 and 3
+    assert checks == (4 if check else 0)
     return {k: v.clone() for k, v in model.state_dict().items()}, torch.rand(4)
 
 
@@ -68,13 +70,15 @@ def test_a_checked_run_releases_the_same_weights_buffers_and_rng_stream_as_an_un
 
 
 def test_the_checked_rows_do_not_follow_from_any_seed():
-    """Under the same torch seed, the random rows differ between draws: they come from OS entropy."""
-    picks = set()
-    for _ in range(8):
-        torch.manual_seed(0)
-        picks.add(tuple(Certificate.rows(None, 40)))
-    assert len(picks) > 1
-    assert all(p[0] == 0 and p[-1] == 39 and len(p) == 4 for p in picks)
+    """Under the same torch seed, the random rows differ between draws: they come from OS entropy
+    (a new batch size's one row too)."""
+    for light, size in ((False, 4), (True, 1)):
+        picks = set()
+        for _ in range(8):
+            torch.manual_seed(0)
+            picks.add(tuple(Certificate.rows(SimpleNamespace(light=light), 40)))
+        assert len(picks) > 1
+        assert all(len(p) == size and (light or (p[0] == 0 and p[-1] == 39)) for p in picks)
 
 
 def test_the_recorded_dropout_masks_are_dropped_when_the_check_ends(monkeypatch):

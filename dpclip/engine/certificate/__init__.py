@@ -102,6 +102,8 @@ class Certificate:
         self.clip, self.plain, self.is_plain, self.every = clip, plain, is_plain, every
         self.replayer = Replayer(model, names, params)
         self.families: set = set()
+        self.sizes: set = set()                # (family, batch) pairs checked: a new batch size gets one row
+        self.light = False                     # the armed check is a new batch size's (one row)
         self.last_step: int | None = None
         self.step = 0                          # the engine's step count, for verify_every
         self.forwards: list[Forward] = []
@@ -144,16 +146,19 @@ class Certificate:
         buffers the run's forwards were seen writing before (the checkpoint's)."""
         self.written_state.update(written_state)
         self.families.clear()
+        self.sizes.clear()
         self.last_step = None
 
     # ------------------------------------------------------------ recording
 
-    def _due(self, family: tuple) -> bool:
+    def _due(self, family: tuple, batch: int) -> str | None:
+        """"full" (every row check), "size" (one row: a batch size not checked in its family) or None."""
         if self.disabled is not None:
-            return False
-        if self.forced or self.last_step is None or family not in self.families:
-            return True
-        return self.every > 0 and self.step - self.last_step >= self.every
+            return None
+        if self.forced or self.last_step is None or family not in self.families or \
+                (self.every > 0 and self.step - self.last_step >= self.every):
+            return "full"
+        return "size" if (family, batch) not in self.sizes else None
 
     def _pre(self, module, args, kwargs):
         if self.idle:
@@ -167,7 +172,8 @@ class Certificate:
             return None
         batch = leaves[0].shape[0]
         if not self.forwards:
-            self.armed = self._due(shape_family(args, kwargs, batch))
+            due = self._due(shape_family(args, kwargs, batch), batch)
+            self.armed, self.light = due is not None, due == "size"
         if self.armed and len(self.forwards) < MAX_FORWARDS:
             self._first_of_the_hooks(module)
             self._rows = (args, kwargs, batch)
@@ -246,7 +252,11 @@ class Certificate:
     # ------------------------------------------------------------ the check
 
     def rows(self, samples: int) -> list[int]:
-        """The rows checked: the first, the last and two others drawn from OS entropy."""
+        """The rows checked: the first, the last and two others drawn from OS entropy; at a new batch
+        size of a family checked before, one row drawn from OS entropy (code that branches on the
+        batch size: ``if x.shape[0] % 2``; docs/certificate.md)."""
+        if self.light:
+            return [secrets.randbelow(samples)] if samples > 0 else []
         others = list(range(1, samples - 1))
         return sorted({0, samples - 1} | set(secrets.SystemRandom().sample(others, min(RANDOM_ROWS, len(others)))))
 
@@ -294,12 +304,15 @@ class Certificate:
                 # float32 sums share: four times it is allowed on top of the bound
                 compare(r, exact, *args, slack=[FLOAT32_SLACK * float((a.double() - b).norm())
                                                 for a, b in zip(own[r], exact)])
-        self.families.add(shape_family(forwards[0].args, forwards[0].kwargs, forwards[0].batch))
+        family = shape_family(forwards[0].args, forwards[0].kwargs, forwards[0].batch)
+        self.families.add(family)
+        self.sizes.add((family, forwards[0].batch))
         if self._written:   # passed: what the model's file holds of them is labelled (docs/certificate.md)
             saved = saved_buffer_versions(self._modules)   # (state_dict would run its hooks: FSDP's, peft's)
             self.written_state.update(n for n in self._written if n in saved)
             self._written = []
-        self.last_step = step
+        if not self.light:   # (a new batch size's one row is not the periodic check)
+            self.last_step = step
         self.forced = False
         self.checks += 1
         self.last = CertificateRecord(step, len(rows), mode or ("batch" if batch_mode else "alone"),
