@@ -94,7 +94,7 @@ class DPEngine:
             threshold policy whose bound depends on it (the discriminative top-fraction rule) noises for it.
         verify_every: the certificate (:mod:`dpclip.engine.certificate`) checks the engine's attribution against
             the samples' own gradients at the first step, on each new shape family of the batch and after
-            :meth:`load_state_dict`; N > 0 also every N steps.
+            :meth:`load_state_dict` (one row at each new batch size); N > 0 also every N steps.
     """
 
     def __init__(self, model: nn.Module, clipping: ClippingSpec | dict | None = None, *,

@@ -1,8 +1,8 @@
 """The certificate's part in the engine's steps (docs/certificate.md).
 
 The certificate (:mod:`dpclip.engine.certificate`) vouches for the engine's attribution: at the
-first step, on each new shape family of the batch, after a resume and every ``verify_every``
-steps, the clipped sums of a few watched rows of a micro-batch are checked against those rows'
+first step, on each new shape family of the batch (one row at each new batch size), after a
+resume and every ``verify_every`` steps, the clipped sums of a few watched rows of a micro-batch are checked against those rows'
 own gradients. :class:`StepChecks` is where the engine's step meets it: the watched rows of a
 micro-batch, the check once the micro-batch's norms are known, the dry micro-batch of a check on
 rows of its own (:mod:`dpclip.engine.certificate.dry`), and the refusal of any release from a

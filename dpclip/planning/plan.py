@@ -23,6 +23,7 @@ from dpclip.engine.spec import ClippingSpec
 from dpclip.engine.workload import SGD, Workload
 from dpclip.errors import AccountingError, DpclipError
 from dpclip.models import build_model
+from dpclip.recipe.load import validate_recipe
 from dpclip.recipe.schema import Recipe
 
 
@@ -193,6 +194,27 @@ def not_covered(recipe: Recipe) -> tuple[str, ...]:
         out += (f"public data: {public_summary(recipe.data, recipe.public)}, declared public by you "
                 "(the guarantee assumes it is public)",)
     return out
+
+
+def not_covered_of_run(recipe: Recipe, resumes=()) -> tuple[str, ...]:
+    """:func:`not_covered` of ``recipe`` and of each version of it a resume replaced (meta.json's
+    ``resumes``: each changed field's earlier value). A part of the run released what its recipe
+    listed: a clock checkpoint's folder stays when a resume turns the clock off."""
+    lines = list(not_covered(recipe))
+    dumped = recipe.model_dump(mode="json")
+    for resume in reversed(list(resumes)):
+        # deeper fields first: a section that was unset (None) is put back after its leaves
+        for key, (old, _) in sorted(resume.get("changes", {}).items(), key=lambda kv: -kv[0].count(".")):
+            *parents, leaf = key.split(".")
+            node = dumped
+            for part in parents:
+                if not isinstance(node.get(part), dict):
+                    node[part] = {}
+                node = node[part]
+            node[leaf] = old
+        earlier = validate_recipe(dumped, source=f"the recipe before the resume at step {resume.get('step')}")
+        lines += [line for line in not_covered(earlier) if line not in lines]
+    return tuple(lines)
 
 
 def uses_public_data(recipe: Recipe) -> bool:

@@ -32,7 +32,7 @@ from dpclip.rundir.checkpoint import checkpointed_steps
 from dpclip.errors import DpclipError
 from dpclip.files import read_json, write_json_atomic, write_text_atomic
 from dpclip.recipe import Recipe, apply_overrides, read_yaml, recipe_to_yaml, validate_recipe
-from dpclip.planning.plan import forward_state_line, not_covered, planned_private_steps, privacy_plan
+from dpclip.planning.plan import forward_state_line, not_covered_of_run, planned_private_steps, privacy_plan
 
 
 # Fields whose change would change what the ledger means: a run refuses to resume if any differ.
@@ -307,17 +307,20 @@ def spent(run_dir: Path):
                           "ledger.json from a backup of the run")
     check_ledger(ledger, solved, range(0, steps + 1), where=path)
     return ledger, run_statement(recipe, ledger, world_size=recorded_world_size(run.path),
-                                 users=run.public_plan().get("num_users"), written=recorded_written_state(run.path))
+                                 users=run.public_plan().get("num_users"), written=recorded_written_state(run.path),
+                                 resumes=run.meta().get("resumes", ()))
 
 
-def run_statement(recipe: Recipe, ledger, *, world_size: int = 1, users: int | None = None, written=()):
+def run_statement(recipe: Recipe, ledger, *, world_size: int = 1, users: int | None = None, written=(), resumes=()):
     """The privacy statement of a run's ledger, with the recipe's randomness mode, what the
-    run releases outside ε (``written``: the buffers the forward writes, plan.json's), and how
-    many processes trained it (docs/distributed.md)."""
+    run releases outside ε (``written``: the buffers the forward writes, plan.json's; ``resumes``:
+    meta.json's, whose earlier recipes' lines hold too), and how many processes trained it
+    (docs/distributed.md)."""
     unit = user_unit(users, recipe.data.max_examples_per_user) if recipe.privacy.unit == "user" else None
     return statement_from_ledger(ledger, sampling=recipe.training.sampling,
                                  seeded_randomness=recipe.privacy.unsafe_seeded_randomness,
-                                 not_covered=not_covered(recipe) + forward_state_line(written), world_size=world_size,
+                                 not_covered=not_covered_of_run(recipe, resumes) + forward_state_line(written),
+                                 world_size=world_size,
                                  parallel=recipe.training.parallel, bands=recipe.privacy.mechanism.bands,
                                  unit=unit)
 

@@ -7,15 +7,18 @@ statement named no such thing, and with ``privacy.exact_diagnostics: false`` it 
 timing at all, while the folder names still carried it.
 
 Now the statement lists the clock's checkpoint steps as not covered by ε whenever the
-recipe's clock is on, with or without exact diagnostics, and never when it is off."""
+recipe's clock is on, with or without exact diagnostics, and never when it is off; and after
+a resume that turned it off, since the folders it named before stay."""
 
 from __future__ import annotations
 
 import pytest
 
 import dpclip.train.state as train_state
-from dpclip.rundir.run import spent
+from dpclip.planning.plan import PRIVATE_HESSIAN_DIAGNOSTICS, not_covered, not_covered_of_run
+from dpclip.rundir.run import recipe_changes, spent
 from dpclip.train.workflow import train
+from tests.privacy.test_crash_and_resume import _crashed_copy
 
 
 class _SlowClock:
@@ -49,3 +52,31 @@ def test_checkpoints_made_by_the_clock_are_listed_not_covered(tiny_recipe, monke
 def test_a_run_without_the_clock_lists_no_clock_checkpoints(tiny_recipe):
     result = train(tiny_recipe("privacy.exact_diagnostics=false", "checkpoint.every_minutes=null"))
     assert _uncovered(result.run_dir) == []
+
+
+def test_a_resume_that_turns_the_clock_off_still_lists_the_clock_checkpoints_made_before(
+        tiny_recipe, monkeypatch, tmp_path):
+    """The folders the clock named before the resume stay in the run directory, so the line stays
+    with every later statement of the run (account, report, export, the summary)."""
+    monkeypatch.setattr(train_state, "time", _SlowClock())
+    recipe = tiny_recipe("checkpoint.every_steps=null", "checkpoint.every_minutes=10", "checkpoint.keep=10")
+    full = train(recipe).run_dir
+    crashed = _crashed_copy(full, tmp_path / "crashed", checkpoint_step=2, crash_step=2)
+    assert (crashed / "checkpoints" / "step_000001").is_dir()   # a folder the clock named
+    result = train(recipe.model_copy(update={"checkpoint": recipe.checkpoint.model_copy(
+        update={"every_minutes": None})}), resume=crashed)
+    assert any("checkpoint.every_minutes" in line for line in _uncovered(crashed))
+    assert any("checkpoint.every_minutes" in line for line in result.statement), result.statement
+
+
+def test_each_earlier_recipe_of_a_resumed_run_keeps_its_not_covered_lines(tiny_recipe):
+    """Hessian diagnostics on private data turned off by a resume at step 4: diagnostics.jsonl still
+    holds their records, so the run's statement keeps the line (the fields a resume may change are
+    the non-privacy ones: checkpointing, diagnostics)."""
+    now = tiny_recipe()
+    before = tiny_recipe("diagnostics.every_steps=2", "diagnostics.data=private",
+                         "diagnostics.private_not_covered=true")
+    resumes = [{"step": 4, "changes": recipe_changes(before, now)}]
+    assert PRIVATE_HESSIAN_DIAGNOSTICS not in not_covered(now)
+    assert PRIVATE_HESSIAN_DIAGNOSTICS in not_covered_of_run(now, resumes)
+    assert not_covered_of_run(now, []) == not_covered(now)

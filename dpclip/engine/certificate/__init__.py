@@ -82,6 +82,13 @@ def shape_family(args: tuple, kwargs: dict, batch: int) -> tuple:
     return shapes + ((batch == 1, any(batch in t.shape[1:] for t in leaves)),)
 
 
+def comparison_rtol(params: list[Tensor], cuda: bool, forward: Forward) -> float:
+    """The rounding bound of a check: by the lowest precision of the parameters and the forward's autocast."""
+    dtypes = {p.dtype for p in params} | {dtype for enabled, dtype, _ in forward.autocast.values() if enabled}
+    rtol = max(RTOL.get(d, 2.0 ** -5) for d in dtypes)
+    return max(rtol, TF32_RTOL) if cuda and torch.backends.cuda.matmul.allow_tf32 else rtol
+
+
 class Certificate:
     """When a check is due, the forwards it needs, and the check itself (module doc).
 
@@ -280,7 +287,7 @@ class Certificate:
         """Compare the engine's norms [b, K] and witness sums with each checked row's own gradient;
         an EngineError on a mismatch. ``scale``: the witness's 1/B; ``weights``: row weights;
         ``cancelling``: row -> groups the engine recomputed in float64 for it (not compared)."""
-        rtol = max(self._rtol(f) for f in forwards)
+        rtol = max(comparison_rtol(self.params, bool(self._devices), f) for f in forwards)
         if mode != "eval":   # (eval mode: the same step's check again, its writes in training mode kept)
             self._written = []
         random = any(f.random for f in forwards) or forwards[0].batch == 1
@@ -382,14 +389,6 @@ class Certificate:
             return None
         finally:
             self.replayer = plain32
-
-    def _rtol(self, forward: Forward) -> float:
-        dtypes = {p.dtype for p in self.params}
-        dtypes |= {dtype for enabled, dtype, _ in forward.autocast.values() if enabled}
-        rtol = max(RTOL.get(d, 2.0 ** -5) for d in dtypes)
-        if self._devices and torch.backends.cuda.matmul.allow_tf32:
-            rtol = max(rtol, TF32_RTOL)
-        return rtol
 
 
 __all__ = ["Certificate", "CertificateRecord", "Forward", "NotReproducible", "RTOL", "shape_family"]
