@@ -67,12 +67,15 @@ class Account:
     written_state: Callable[[], set[str]] = set
     #: whether the loop read a private loss's value (make_private's DrawTracker.losses_read)
     losses_read: Callable[[], bool] = bool
+    #: what else has left without noise so far (DPTrainer: evaluate() and predict() metrics)
+    released_outside: Callable[[], list[str]] = list
 
     def not_covered(self) -> list[str]:
         """What the statement lists outside ε: the plan's, and the saved buffers the training
         forwards have written so far (docs/certificate.md), and the loss values the loop read."""
         read = [READ_LOSS] if self.losses_read() else []
-        return list(self.plan.plan.not_covered) + read + list(forward_state_line(self.written_state()))
+        return (list(self.plan.plan.not_covered) + read + list(forward_state_line(self.written_state()))
+                + list(self.released_outside()))
 
     @property
     def noise_multiplier(self) -> float:

@@ -18,7 +18,8 @@ What changes against a plain ``Trainer``:
 - each micro-batch's per-sample losses (cross-entropy for classification, next-token
   cross-entropy for causal LMs, or ``per_sample_loss``) go through the engine's one backward;
 - the optimizer step adds the noise, normalises by the expected B and charges the ledger;
-- the training loss the Trainer logs (no noise, from the private batches) is stated as not covered by ε.
+- the training loss the Trainer logs (no noise, from the private batches), its timings, and once they run,
+  ``evaluate()``'s and ``predict()``'s metrics are stated as not covered by ε.
 
 Launched on several processes (``torchrun``, ``accelerate launch``), it trains data-parallel as
 ``dpclip train --nproc`` does (docs/distributed.md): B counts every rank's part, each rank
@@ -37,7 +38,9 @@ fresh OS-entropy streams (unless seeded); no data skip.
 is checked on the certificate's steps, compiled or not, to give each checked example alone its loss
 in the batch (integrations/loss_alone.py). Refused before any step: ``max_grad_norm > 0`` in the
 TrainingArguments (it would clip the noisy gradient again), ``label_smoothing_factor > 0`` (never
-applied), ``include_num_input_tokens_seen``, several GPUs in one process (``DataParallel``), a second
+applied), ``include_num_input_tokens_seen``, ``neftune_noise_alpha`` (its noise scales with the batch's
+padded length), ``train_sampling_strategy`` other than random (never applied: the draws are Poisson),
+``auto_find_batch_size`` (a retry with another B), several GPUs in one process (``DataParallel``), a second
 ``train()``, and a resume from a checkpoint without dpclip's state, made under another privacy plan,
 or whose run's release log is not beside it (its redone steps could not be checked).
 
@@ -74,6 +77,7 @@ from dpclip.integrations.loss_alone import check_losses_alone, outputs_recorded
 from dpclip.integrations.loaders import PoissonBatches
 from dpclip.integrations.parts import PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
+from dpclip.integrations.trainer_arguments import refuse_training_arguments
 from dpclip.integrations.setup import clipping_spec, private_engine, running_world
 from dpclip.models.losses import cross_entropy, next_token_cross_entropy, no_generation_cache
 from dpclip.torch_compat import import_dynamo
@@ -85,6 +89,10 @@ import_dynamo()
 
 LOGGED_LOSS = ("training loss logged by the Hugging Face Trainer (console, report_to integrations): computed "
                "without noise from the private batches")
+TIMED = ("the Trainer's timings (train_runtime, train_samples_per_second, train_steps_per_second in the logs and "
+         "trainer_state.json): the private steps' wall time, which grows with the drawn batches' sizes")
+EVALUATED = ("metrics and predictions of the Trainer's evaluate() and predict() (eval_loss, logits, in the logs and "
+             "trainer_state.json): computed without noise from the data they were given, private if it is")
 
 
 @dataclass
@@ -189,20 +197,6 @@ def default_per_sample_loss(model: nn.Module, inputs: Mapping[str, Tensor]) -> T
     return next_token_cross_entropy(logits, batch) if logits.dim() == 3 else cross_entropy(logits, batch)
 
 
-def refuse_unused_arguments(training: Any) -> None:
-    """TrainingArguments DPTrainer would ignore silently, or that release the realised batch sizes."""
-    if training.label_smoothing_factor:
-        raise DpclipError(f"TrainingArguments(label_smoothing_factor={training.label_smoothing_factor:g}) is not "
-                          "applied: DPTrainer computes each example's loss with per_sample_loss",
-                          "set label_smoothing_factor=0 and smooth in per_sample_loss: fn(model, inputs) -> "
-                          "F.cross_entropy(logits, labels, reduction='none', label_smoothing=0.1)")
-    if training.include_num_input_tokens_seen not in ("no", False, None):
-        raise DpclipError("TrainingArguments(include_num_input_tokens_seen) would log the tokens of each Poisson "
-                          "batch without noise: its realised size, which ε does not cover",
-                          "leave include_num_input_tokens_seen off (the expected batch is B = per-device batch × "
-                          "gradient accumulation steps × processes)")
-
-
 def _private_optimizer(optimizer: Any) -> PrivateOptimizer | None:   # inside accelerate's wrapper, or None
     while optimizer is not None and not isinstance(optimizer, PrivateOptimizer):
         optimizer = getattr(optimizer, "optimizer", None)
@@ -216,15 +210,7 @@ class DPTrainer(Trainer):
                  per_sample_loss: Callable[[nn.Module, Mapping[str, Tensor]], Tensor] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         training = self.args
-        if training.max_grad_norm and training.max_grad_norm > 0:
-            raise DpclipError(f"TrainingArguments(max_grad_norm={training.max_grad_norm:g}) would clip the noisy "
-                              "gradient again", "set TrainingArguments(max_grad_norm=0); the clipping threshold is "
-                              "PrivacyArguments(per_sample_max_grad_norm=...)")
-        if training.n_gpu > 1:
-            raise DpclipError(f"DPTrainer trains on one device per process, and this process drives {training.n_gpu} "
-                              "GPUs (DataParallel)", "launch one process per GPU: torchrun --nproc-per-node N "
-                              "your_script.py (or accelerate launch)")
-        refuse_unused_arguments(training)
+        refuse_training_arguments(training)
         self.world = running_world() if training.world_size > 1 else None
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise DpclipError("DPTrainer needs a train_dataset with a length",
@@ -249,9 +235,11 @@ class DPTrainer(Trainer):
             self.model, spec, num_examples=num_examples, batch_size=self.expected_batch_size, steps=steps,
             delta=privacy.delta, target_epsilon=privacy.target_epsilon, noise_multiplier=privacy.noise_multiplier,
             accountant=privacy.accountant, sampling="poisson", unsafe_seed=privacy.unsafe_seed,
-            not_covered=(LOGGED_LOSS,), world=self.world, verify_every=privacy.verify_every,
+            not_covered=(LOGGED_LOSS, TIMED), world=self.world, verify_every=privacy.verify_every,
             records_per_user=None if self.people is None else privacy.max_records_per_user)
         self.unsafe_seed = privacy.unsafe_seed
+        self.evaluated = False   # evaluate() or predict() has run: their metrics are stated outside ε
+        self.account.released_outside = lambda: [EVALUATED] if self.evaluated else []
         self.compiled = self._compiled(privacy)
         self.train_sampler = None
         self.releases = ReleaseLog.new_run(training.output_dir, self.world)   # a resume: its checkpoint's run
@@ -396,6 +384,14 @@ class DPTrainer(Trainer):
         result = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         self.account.save(self.args.output_dir)
         return result
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any):
+        # evaluate() and predict() (during training too): stated before anything is computed, and in a
+        # statement already written to the output directory
+        self.evaluated = True
+        if self.account.ledger.steps and (Path(self.args.output_dir) / "privacy.json").exists():
+            self.account.save(self.args.output_dir)
+        return super().evaluation_loop(*args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -13,8 +13,8 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from dpclip import layout
 from dpclip.errors import DpclipError
-from dpclip.integrations.transformers import PrivacyArguments
-from tests.integrations.test_transformers import _CrashAfter, _trainer
+from dpclip.integrations.transformers import EVALUATED, TIMED, DPTrainer, PrivacyArguments
+from tests.integrations.test_transformers import _args, _bert, _collate, _CrashAfter, _rows, _trainer
 
 STATE = layout.TRAINER_STATE.format(rank=0)
 
@@ -33,11 +33,40 @@ def test_the_saved_trainer_state_counts_no_operations_of_the_private_batches(tmp
     ({"include_num_input_tokens_seen": True}, "include_num_input_tokens_seen"),
     ({"include_num_input_tokens_seen": "non_padding"}, "include_num_input_tokens_seen"),
     ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1"),
+    ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha=5"),   # its noise scales with the batch's padded length
+    ({"train_sampling_strategy": "group_by_length"}, "train_sampling_strategy='group_by_length'"),
+    ({"train_sampling_strategy": "sequential"}, "train_sampling_strategy='sequential'"),
+    ({"auto_find_batch_size": True}, "auto_find_batch_size"),
 ])
 def test_training_arguments_that_would_leak_or_be_ignored_are_refused_with_a_hint(tmp_path, change, message):
     with pytest.raises(DpclipError, match=re.escape(message)) as info:
         _trainer(tmp_path, **change)
     assert info.value.hint
+
+
+def test_evaluate_and_predict_metrics_and_the_timings_are_stated_not_covered_by_epsilon(tmp_path):
+    """train_runtime grows with the drawn batches; eval_loss, predictions: computed without noise from whatever data they are given (the training
+    set's, here), they leave through the logs and trainer_state.json outside the ledger."""
+    trainer = _trainer(tmp_path)
+    trainer.train()
+    assert TIMED in json.loads((tmp_path / "out" / "privacy.json").read_text())["not_covered_by_epsilon"]
+    assert EVALUATED not in json.loads((tmp_path / "out" / "privacy.json").read_text())["not_covered_by_epsilon"]
+    trainer.evaluate(trainer.train_dataset)
+    assert EVALUATED in json.loads((tmp_path / "out" / "privacy.json").read_text())["not_covered_by_epsilon"]
+    predicting = _trainer(tmp_path / "predicting")
+    predicting.predict(predicting.train_dataset)
+    predicting.train()
+    assert EVALUATED in json.loads((tmp_path / "predicting" / "out" / "privacy.json").read_text())[
+        "not_covered_by_epsilon"]
+
+
+def test_evaluations_during_training_are_stated_in_the_checkpoints_too(tmp_path):
+    args = _args(tmp_path, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, max_steps=1)
+    trainer = DPTrainer(model=_bert(), args=args, train_dataset=_rows(), eval_dataset=_rows(), data_collator=_collate,
+                        privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0))
+    trainer.train()
+    for folder in (tmp_path / "out", tmp_path / "out" / "checkpoint-1"):
+        assert EVALUATED in json.loads((folder / "privacy.json").read_text())["not_covered_by_epsilon"]
 
 
 def test_a_resume_from_a_checkpoint_moved_away_from_its_release_log_is_refused(tmp_path):

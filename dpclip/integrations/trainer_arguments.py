@@ -1,0 +1,46 @@
+"""The ``TrainingArguments`` a ``DPTrainer`` refuses before any step, each with a hint
+(docs/python-api.md, "Hugging Face Trainer")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dpclip.errors import DpclipError
+
+
+def refuse_training_arguments(training: Any) -> None:
+    """TrainingArguments DPTrainer would ignore silently, that would break the sensitivity or the plan,
+    or that release the realised batch sizes."""
+    if training.max_grad_norm and training.max_grad_norm > 0:
+        raise DpclipError(f"TrainingArguments(max_grad_norm={training.max_grad_norm:g}) would clip the noisy "
+                          "gradient again", "set TrainingArguments(max_grad_norm=0); the clipping threshold is "
+                          "PrivacyArguments(per_sample_max_grad_norm=...)")
+    if training.n_gpu > 1:
+        raise DpclipError(f"DPTrainer trains on one device per process, and this process drives {training.n_gpu} "
+                          "GPUs (DataParallel)", "launch one process per GPU: torchrun --nproc-per-node N "
+                          "your_script.py (or accelerate launch)")
+    if training.label_smoothing_factor:
+        raise DpclipError(f"TrainingArguments(label_smoothing_factor={training.label_smoothing_factor:g}) is not "
+                          "applied: DPTrainer computes each example's loss with per_sample_loss",
+                          "set label_smoothing_factor=0 and smooth in per_sample_loss: fn(model, inputs) -> "
+                          "F.cross_entropy(logits, labels, reduction='none', label_smoothing=0.1)")
+    if training.include_num_input_tokens_seen not in ("no", False, None):
+        raise DpclipError("TrainingArguments(include_num_input_tokens_seen) would log the tokens of each Poisson "
+                          "batch without noise: its realised size, which ε does not cover",
+                          "leave include_num_input_tokens_seen off (the expected batch is B = per-device batch × "
+                          "gradient accumulation steps × processes)")
+    if training.neftune_noise_alpha:
+        raise DpclipError(f"TrainingArguments(neftune_noise_alpha={training.neftune_noise_alpha:g}) scales each "
+                          "example's embedding noise by the batch's padded length: one example would move the "
+                          "others' clipped gradients, past the sensitivity the noise is calibrated for",
+                          "leave neftune_noise_alpha unset (or add noise of a fixed scale inside per_sample_loss)")
+    if training.train_sampling_strategy != "random":
+        raise DpclipError(f"TrainingArguments(train_sampling_strategy={training.train_sampling_strategy!r}) is not "
+                          "applied: DPTrainer's batches are Poisson draws, the sampling the accountant assumes",
+                          "leave train_sampling_strategy='random' (padding to one length is the way to even out "
+                          "batch shapes)")
+    if training.auto_find_batch_size:
+        raise DpclipError("TrainingArguments(auto_find_batch_size) would rerun training with a smaller batch after "
+                          "an out-of-memory error: the plan's B and q are fixed, and the steps taken stay charged",
+                          "set per_device_train_batch_size and gradient_accumulation_steps yourself; B is their "
+                          "product (× processes)")
