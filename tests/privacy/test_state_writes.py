@@ -204,3 +204,49 @@ def test_spectral_norm_and_a_step_counter_still_train_and_advance_once_per_forwa
     assert int(model.steps) == forwards
     u = "lin.parametrizations.weight.0._u"
     assert torch.equal(model.state_dict()[u], plain.state_dict()[u])
+
+
+class BankFromTheSecondForward(nn.Module):
+    """A nearest-neighbour bank of earlier batches' activations, written only once a step counter
+    (a write that does not depend on the batch, which the check passes) reaches 2: the checked
+    first forward writes no bank, an unchecked later one does, and the next reads it."""
+
+    def __init__(self, persistent: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.head = nn.Linear(D, 4), nn.Linear(4, 3)
+        self.register_buffer("bank", torch.zeros(4, 4), persistent=persistent)
+        self.register_buffer("t", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        out = self.head(h + self.bank[torch.cdist(h.detach(), self.bank).argmin(1)])
+        self.t += 1
+        if int(self.t) >= 2:
+            self.bank[:] = h.detach()[:4]
+        return out
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_buffer_first_written_by_a_forward_the_certificate_does_not_check_is_refused(persistent):
+    model = BankFromTheSecondForward(persistent)
+    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=1.0,
+                      expected_batch_size=8, seed=0)
+    x, y = _data()
+    engine.backward(F.cross_entropy(model(x), y, reduction="none"))   # checked: writes the counter only
+    engine.privatize()
+    x2, y2 = _data(seed=2)
+    with pytest.raises(EngineError, match="bank, which no forward the certificate checked wrote") as refused:
+        engine.backward(F.cross_entropy(model(x2), y2, reduction="none"))   # same family: not checked
+    assert refused.value.hint
+
+
+def test_an_unchecked_forward_may_write_what_the_checked_forward_wrote():
+    model = Writes(lambda m, x: m.seen.add_(1))   # a counter: the same in every sample's replay
+    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=1.0,
+                      expected_batch_size=8, seed=0)
+    for seed in (1, 2, 3):
+        x, y = _data(seed=seed)
+        engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+        engine.privatize()
+    assert engine.certificate.checks == 1 and int(model.seen) == 3

@@ -27,6 +27,9 @@ checks its consequences on the real model and a real batch, before the first noi
 A random forward whose replay does not reproduce the step (a layer rule drawing its dropout in
 another order than the module) is checked on a dry micro-batch in eval mode instead
 (:mod:`dpclip.engine.certificate.dry`). Nothing of the step is disturbed: see replay.py.
+
+Length: the recording hooks and the check share the forwards' state (one class); the check's parts are
+in the submodules.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ from dpclip.engine.certificate.batch import batch_gradients, checked_before_eval
 from dpclip.engine.certificate.draws import Recorder
 from dpclip.engine.certificate.replay import (Cotangents, Forward, NotReproducible, Replayer, release, replaying,
                                               rng_state, same_rng)
-from dpclip.engine.certificate.state import saved_buffer_versions, snapshot, state_kept
-from dpclip.engine.certificate.verdict import compare, hooked_layers, users_hook, with_hooks_named
+from dpclip.engine.certificate.state import buffer_versions, saved_buffer_versions, snapshot, state_kept
+from dpclip.engine.certificate.verdict import (compare, hooked_layers, refuse_write_after_the_check, users_hook,
+                                              with_hooks_named)
 from dpclip.engine.precision import autocast_snapshot
 from dpclip.errors import EngineError
 
@@ -60,6 +64,21 @@ FLOAT32_SLACK = 4.0
 RANDOM_ROWS = 2
 #: forwards kept for one backward (a model called several times before its losses)
 MAX_FORWARDS = 8
+
+
+def refuse_hook_before_the_rows(model: nn.Module, first: int) -> None:
+    """Refuse a pre-hook of the user's that ran before the rows were taken (registered on the
+    model with ``prepend=True`` after the engine, whose first hook is ``first``): the check would
+    see the rows as it changed them."""
+    for key, hook in model._forward_pre_hooks.items():
+        if key == first:
+            return
+        if users_hook(hook):
+            raise EngineError("a forward pre-hook registered on the model with prepend=True after the engine "
+                              "runs before the engine records the rows, so its check would see them as the "
+                              "hook changed them", "register hooks on the model before building the engine "
+                              "(make_private, DPTrainer), or without prepend=True; a hook that changes the "
+                              "inputs must be part of the model's forward")
 
 
 @dataclass
@@ -80,6 +99,16 @@ def shape_family(args: tuple, kwargs: dict, batch: int) -> tuple:
     shapes = tuple((str(t.dtype),) + tuple(t.shape[1:]) if t.dim() and t.shape[0] == batch
                    else (str(t.dtype), "shared") + tuple(t.shape) for t in leaves)
     return shapes + ((batch == 1, any(batch in t.shape[1:] for t in leaves)),)
+
+
+def checked_rows(samples: int, light: bool = False) -> list[int]:
+    """The rows a check checks: the first, the last and two others drawn from OS entropy; at a new
+    batch size of a family checked before (``light``), one row drawn from OS entropy (code that
+    branches on the batch size: ``if x.shape[0] % 2``; docs/certificate.md)."""
+    if light:
+        return [secrets.randbelow(samples)] if samples > 0 else []
+    others = list(range(1, samples - 1))
+    return sorted({0, samples - 1} | set(secrets.SystemRandom().sample(others, min(RANDOM_ROWS, len(others)))))
 
 
 def comparison_rtol(params: list[Tensor], cuda: bool, forward: Forward) -> float:
@@ -127,7 +156,12 @@ class Certificate:
         #: saved with the weights, each forward advances them, and the number of forwards depends on the draws
         self.written_state: set[str] = set()
         self._written: list[str] = []       # the names the forward being checked wrote
-        self._versions: dict[str, tuple[int, int]] | None = None   # saved buffers as a training forward began
+        self._versions: dict[str, tuple[int, int]] | None = None   # buffers as a training forward began
+        self._recorded = False              # whether the training forward running is recorded for a check
+        #: buffers a checked forward wrote (its check passed): an unchecked forward may write only these
+        self.checked_writes: set[str] = set()
+        self._taken_writes: set[str] = set()
+        self._recorded_writes: set[str] = set()   # what the recorded forwards wrote (in place or reassigned)
         self._modules = list(model.named_modules())   # walked once: ~2 µs a module is too much each forward
         self._cotangents = Cotangents(silence)
         self._recorder: Recorder | None = None
@@ -173,7 +207,8 @@ class Certificate:
         self.depth += 1
         if self.depth != 1 or not torch.is_grad_enabled() or self.is_plain() or self.suspended:
             return None
-        self._versions = saved_buffer_versions(self._modules)   # every training forward's, checked or not
+        self._versions = buffer_versions(self._modules)   # every training forward's, checked or not
+        self._recorded = False
         leaves = tensor_leaves((args, kwargs))
         if not leaves or leaves[0].dim() == 0:
             return None
@@ -182,22 +217,10 @@ class Certificate:
             due = self._due(shape_family(args, kwargs, batch), batch)
             self.armed, self.light = due is not None, due == "size"
         if self.armed and len(self.forwards) < MAX_FORWARDS:
-            self._first_of_the_hooks(module)
+            refuse_hook_before_the_rows(module, self._handles[0].id)
             self._rows = (args, kwargs, batch)
+            self._recorded = True
         return None
-
-    def _first_of_the_hooks(self, model: nn.Module) -> None:
-        """Refuse a pre-hook of the user's that ran before the rows were taken (registered on the
-        model with ``prepend=True`` after the engine): the check would see the rows as it changed them."""
-        for key, hook in model._forward_pre_hooks.items():
-            if key == self._handles[0].id:
-                return
-            if users_hook(hook):
-                raise EngineError("a forward pre-hook registered on the model with prepend=True after the engine "
-                                  "runs before the engine records the rows, so its check would see them as the "
-                                  "hook changed them", "register hooks on the model before building the engine "
-                                  "(make_private, DPTrainer), or without prepend=True; a hook that changes the "
-                                  "inputs must be part of the model's forward")
 
     def _begin(self, module, args, kwargs):
         if self._rows is None or self.idle or self.depth != 1:   # (not a call nested in the forward's hooks)
@@ -216,7 +239,13 @@ class Certificate:
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0 and self._versions is not None:
             before, self._versions = self._versions, None
-            self.written_state.update(n for n, v in saved_buffer_versions(self._modules).items() if before.get(n) != v)
+            written = {n for n, v in buffer_versions(self._modules).items() if before.get(n) != v}
+            self.written_state.update(written & saved_buffer_versions(self._modules).keys())
+            if self._recorded:
+                self._recorded_writes |= written
+            unchecked = sorted(written - self.checked_writes)
+            if unchecked and not self._recorded and self.disabled is None:
+                refuse_write_after_the_check(unchecked[0])   # before its backward: no noise drawn
         recorder = self._recorder if self.depth == 0 else None
         if recorder is not None:
             self._recorder = None
@@ -250,6 +279,7 @@ class Certificate:
     def take(self, batch: int) -> list[Forward]:
         """The forwards recorded for the backward of a micro-batch of ``batch`` rows (forgotten here)."""
         forwards, self.forwards, self.armed = self.forwards, [], False
+        self._taken_writes, self._recorded_writes = self._recorded_writes, set()
         kept = [f for f in forwards if f.batch == batch and f.outputs] if self.disabled is None else []
         for f in forwards:
             if f not in kept:
@@ -259,13 +289,8 @@ class Certificate:
     # ------------------------------------------------------------ the check
 
     def rows(self, samples: int) -> list[int]:
-        """The rows checked: the first, the last and two others drawn from OS entropy; at a new batch
-        size of a family checked before, one row drawn from OS entropy (code that branches on the
-        batch size: ``if x.shape[0] % 2``; docs/certificate.md)."""
-        if self.light:
-            return [secrets.randbelow(samples)] if samples > 0 else []
-        others = list(range(1, samples - 1))
-        return sorted({0, samples - 1} | set(secrets.SystemRandom().sample(others, min(RANDOM_ROWS, len(others)))))
+        """The rows checked (:func:`checked_rows`; ``light``: a new batch size's check)."""
+        return checked_rows(samples, self.light)
 
     def cotangents(self, losses: Tensor, rows: list[int], forwards: list[Forward]) -> dict:
         """Per checked row, its loss's direct cotangent on each forward's returned tensors."""
@@ -314,6 +339,7 @@ class Certificate:
         family = shape_family(forwards[0].args, forwards[0].kwargs, forwards[0].batch)
         self.families.add(family)
         self.sizes.add((family, forwards[0].batch))
+        self.checked_writes.update(self._written, self._taken_writes)
         if self._written:   # passed: what the model's file holds of them is labelled (docs/certificate.md)
             saved = saved_buffer_versions(self._modules)   # (state_dict would run its hooks: FSDP's, peft's)
             self.written_state.update(n for n in self._written if n in saved)

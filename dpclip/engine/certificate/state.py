@@ -68,6 +68,13 @@ def saved_buffer_versions(modules: list[tuple[str, nn.Module]]) -> dict[str, tup
             for prefix, m in modules for key, t in saved_buffers(m)}
 
 
+def buffer_versions(modules: list[tuple[str, nn.Module]]) -> dict[str, tuple[int, int]]:
+    """Like :func:`saved_buffer_versions`, for every buffer (a non-persistent one too): what a forward
+    the certificate does not check may write only where a checked forward wrote too."""
+    return {(f"{prefix}.{key}" if prefix else key): (id(t), tensor_version(t))
+            for prefix, m in modules for key, t in m.named_buffers(recurse=False)}
+
+
 def snapshot(model: nn.Module) -> dict[str, Slot]:
     """The model's state now, by name: buffers with their values, frozen parameters with a fingerprint."""
     return {n: Slot(m, kind, key, t, None if t is None else t.detach().clone() if kind == "_buffers"

@@ -66,6 +66,17 @@ def refuse_unchecked_write(name: str, batch: int, why: str) -> None:
                       STATE_HINT + (_ONE_ROW_HINT if batch == 1 else ""))
 
 
+def refuse_write_after_the_check(name: str) -> None:
+    """Refuse a forward the certificate does not check that writes buffer ``name``, which no checked
+    forward wrote: nothing showed that what it writes does not depend on the batch, and a later
+    forward reading it would carry this batch's data into every sample's gradient."""
+    raise EngineError(f"the model's forward writes buffer {name}, which no forward the certificate checked wrote: "
+                      "a write that begins after the check is not checked, and a later forward reading the buffer "
+                      "would carry this batch's data into other batches' gradients" + NOT_COVERED,
+                      STATE_HINT + "; a write that only later steps make must be made from the first forward on "
+                      "(or checked again: verify_every=1)")
+
+
 def compare(row: int, own: list[Tensor], norms: Tensor, witness: dict[int, Tensor], thresholds: Tensor,
             weight: float, scale: float, rtol: float, clip: Callable[[Tensor, Tensor], Tensor],
             group_of: list[int], names: list[str], unchecked_groups: set[int] = frozenset(),
