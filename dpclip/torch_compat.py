@@ -75,6 +75,14 @@ def tensor_version(t: Tensor) -> int:
     return t._version
 
 
+def gradient_hooks(t: Tensor) -> list:
+    """The hooks registered on the leaf ``t`` by ``t.register_hook`` and
+    ``t.register_post_accumulate_grad_hook`` (``Tensor._backward_hooks``,
+    ``Tensor._post_accumulate_grad_hooks``): no public API lists them. Checked against torch 2.13."""
+    return [*(getattr(t, "_backward_hooks", None) or {}).values(),
+            *(getattr(t, "_post_accumulate_grad_hooks", None) or {}).values()]
+
+
 def foreach_mul_(tensors: list[Tensor], scalars: list[float]) -> None:
     """``tensors[j] *= scalars[j]`` in one multi-tensor kernel (``torch._foreach_mul_``, as torch's
     optimizers use it). The public per-tensor ``mul_`` computes the same values with one kernel

@@ -12,7 +12,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from dpclip.engine.layers import find_layer_rule
 from dpclip.errors import EngineError
-from dpclip.torch_compat import BatchNormBase, InstanceNormBase
+from dpclip.torch_compat import BatchNormBase, InstanceNormBase, gradient_hooks
 
 #: the hooks torch.nn.utils sets to recompute a weight before each forward (not a parametrization)
 _WEIGHT_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)
@@ -66,6 +66,8 @@ def refuse_new_trainable(model: nn.Module, privatised: list[nn.Parameter], names
     """A parameter trainable now that was not when the engine was built (a layer unfrozen, a module
     or parameter replaced) is not book-kept: autograd would leave its raw gradient in ``p.grad``.
     A privatised parameter frozen since would get the noise alone at every step (it drifts).
+    A gradient hook on a trainable parameter is refused: it would get None (never a per-sample,
+    clipped or noised gradient), and its own error, or nothing, would follow.
     ``names``: a sharded model's privatised names, compared by name (FSDP swaps the parameter
     objects for unsharded ones around each forward and backward)."""
     known = {id(p) for p in privatised}
@@ -79,6 +81,14 @@ def refuse_new_trainable(model: nn.Module, privatised: list[nn.Parameter], names
                           "unused", "freeze layers before building the engine (make_private, DPTrainer): it "
                           "privatises the parameters trainable then; or make these trainable again "
                           "(requires_grad_(True))")
+    hooked = [name for name, p in model.named_parameters() if names is None and p.requires_grad and any(
+        not getattr(hook, "dpclip_certificate", False) for hook in gradient_hooks(p))]
+    if hooked:   # the per-sample gradients never pass through the parameter: its hooks would get None
+        raise EngineError(f"parameter {hooked[0]} has a gradient hook (register_hook or "
+                          "register_post_accumulate_grad_hook): the engine computes its per-sample gradients "
+                          "itself, so the hook would never see them, nor the clipped and noised sum",
+                          "remove the hook (handle.remove()); scale or transform the noised gradient after "
+                          "privatize() or optimizer.step(), or change the model's forward")
     if new:
         raise EngineError(f"parameters trainable now that were not when the engine was built ({', '.join(new[:3])}"
                           f"{', ...' if len(new) > 3 else ''}): the engine does not book-keep them, and their "

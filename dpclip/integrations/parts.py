@@ -44,12 +44,20 @@ def _refuse_reduction() -> None:
 class PrivateLoss:
     """A batch's per-sample losses. ``backward()`` hands them to the engine (per-sample
     norms and clipped sums); ``item()`` is their mean over the drawn batch, for your own
-    logs only: computed without noise from private data, it is not covered by ε."""
+    logs only: computed without noise from private data, it is not covered by ε. Every
+    way out of their values (``item()``, ``float``, a format, a comparison, ``detach()``,
+    ``per_sample``, a torch function) marks the read for the statement; pickling is refused."""
 
     def __init__(self, per_sample: Tensor, engine: DPEngine, tracker: DrawTracker | None = None):
-        self.per_sample = per_sample
+        self._losses = per_sample
         self.engine = engine
         self.tracker = tracker
+
+    @property
+    def per_sample(self) -> Tensor:
+        """The per-sample losses themselves [b]: a read of private values (the statement names it)."""
+        self._read()
+        return self._losses
 
     def backward(self, gradient: Any = None, retain_graph: bool | None = None, create_graph: bool = False,
                  inputs: Any = None) -> None:
@@ -59,20 +67,20 @@ class PrivateLoss:
                               "call loss.backward(): the engine weighs, clips and sums each sample's gradient itself")
         weights = None
         if self.tracker is not None:   # before the engine sees anything: a refused backward clips nothing
-            self.tracker.backward(self.per_sample.shape[0])
-            weights = self.tracker.weights(self.per_sample.shape[0], self.per_sample)
-        if self.per_sample.numel():
+            self.tracker.backward(self._losses.shape[0])
+            weights = self.tracker.weights(self._losses.shape[0], self._losses)
+        if self._losses.numel():
             if self.tracker is None:
-                self.engine.backward(self.per_sample, row_weights=weights)
+                self.engine.backward(self._losses, row_weights=weights)
             else:
                 with self.tracker.engine_backward():
-                    self.engine.backward(self.per_sample, row_weights=weights)
+                    self.engine.backward(self._losses, row_weights=weights)
         else:  # an empty draw: nothing to clip, the step releases noise alone; across ranks, a
             self.engine.policy.empty_part()  # policy may exchange norms in the backward skipped here
 
     def item(self) -> float:
         self._read()
-        return float(self.per_sample.detach().mean()) if self.per_sample.numel() else math.nan
+        return float(self._losses.detach().mean()) if self._losses.numel() else math.nan
 
     def _read(self) -> None:
         """The loop sees a value computed without noise: the statement names it (not covered by ε)."""
@@ -87,7 +95,7 @@ class PrivateLoss:
 
     def detach(self) -> Tensor:
         self._read()
-        return self.per_sample.detach().mean()
+        return self._losses.detach().mean()
 
     def __iter__(self):
         # torch.amp.GradScaler.scale() takes anything iterable for a list of losses: refused here,
@@ -98,9 +106,18 @@ class PrivateLoss:
                           "needs no loss scale; make_private takes no static loss scale for float16: use bf16, or "
                           "the engine's engine.backward(losses, loss_scale=...), docs/engine.md, \"Mixed precision\")")
 
+    def __copy__(self) -> PrivateLoss:
+        return PrivateLoss(self._losses, self.engine, self.tracker)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # torch.save, pickle and deepcopy would carry the per-sample losses out of the loop unmarked
+        raise DpclipError("a private loss pickled, saved (torch.save) or deep-copied: it holds the batch's per-sample "
+                          "losses and the engine", "save loss.item() (the batch's mean loss, named in the statement "
+                          "as not covered by ε), or loss.per_sample.detach() if you need each sample's")
+
     @property
     def requires_grad(self) -> bool:
-        return self.per_sample.requires_grad
+        return self._losses.requires_grad
 
     def mean(self, *args: Any, **kwargs: Any) -> None:
         _refuse_reduction()
@@ -120,18 +137,18 @@ class PrivateLoss:
                               "gradient would reach the parameters outside the per-sample clipping",
                               "use the optimizer's weight_decay= (applied to the noisy gradient, a function of the "
                               "parameters alone), or put the term inside the criterion, per sample")
-        if isinstance(other, Tensor) and other.numel() not in (1, self.per_sample.shape[0]):
+        if isinstance(other, Tensor) and other.numel() not in (1, self._losses.shape[0]):
             raise DpclipError(f"the private loss combined with a tensor of shape {tuple(other.shape)}",
                               "a number, or one value per sample from the data loader's batch")
         if isinstance(other, Tensor) and self.tracker is not None:
             # a weight computed from the batch (normalised over it, class counts, 1/len) lets one
             # example move every row's clipped gradient: only the drawn rows' own values are taken
-            rows = self.per_sample.shape[0]
+            rows = self._losses.shape[0]
             if other.dim() == 0 or other.shape[0] != rows:
                 raise DpclipError("the private loss combined with a tensor that is not one value per sample: it may "
                                   "be computed from the whole batch", WEIGHT_HINT)
             self.tracker.check_rows(other, rows, "a per-sample weight of the private loss", WEIGHT_HINT)
-        return PrivateLoss(op(self.per_sample, other), self.engine, self.tracker)
+        return PrivateLoss(op(self._losses, other), self.engine, self.tracker)
 
     def __mul__(self, other): return self._with(other, lambda t, o: t * o)
     def __rmul__(self, other): return self._with(other, lambda t, o: o * t)
@@ -141,7 +158,7 @@ class PrivateLoss:
     def __radd__(self, other): return self._with(other, lambda t, o: o + t)
     def __sub__(self, other): return self._with(other, lambda t, o: t - o)
     def __rsub__(self, other): return self._with(other, lambda t, o: o - t)
-    def __neg__(self): return PrivateLoss(-self.per_sample, self.engine, self.tracker)
+    def __neg__(self): return PrivateLoss(-self._losses, self.engine, self.tracker)
     def __lt__(self, other): return self.item() < float(other)
     def __le__(self, other): return self.item() <= float(other)
     def __gt__(self, other): return self.item() > float(other)
@@ -154,9 +171,9 @@ class PrivateLoss:
         if func in _GRADIENT_FUNCS or func in _REDUCTIONS:
             _refuse_reduction()
 
-        def plain(value):
-            return value.detach() if isinstance(value, PrivateLoss) else value
-        return func(*[plain(a) for a in args], **{k: plain(v) for k, v in (kwargs or {}).items()})
+        leaves, spec = tree_flatten((args, kwargs or {}))   # torch.stack([loss]) too
+        args, kwargs = tree_unflatten([a.detach() if isinstance(a, PrivateLoss) else a for a in leaves], spec)
+        return func(*args, **kwargs)
 
 
 class PrivateCriterion:

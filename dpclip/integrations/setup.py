@@ -50,8 +50,8 @@ FRESH_LEDGER = ("ledger: the steps taken since make_private (or the Trainer) sta
 
 
 #: the statement's line once the loop has read a private loss's value (make_private)
-READ_LOSS = ("training loss values the loop read (loss.item(), float(loss), printing or comparing it, train_step's "
-             "return): each drawn batch's mean loss, computed without noise")
+READ_LOSS = ("training loss values the loop read (loss.item(), float(loss), printing or comparing it, loss.per_sample, "
+             "train_step's return): each drawn batch's mean loss (per_sample: each sample's), computed without noise")
 
 
 @dataclass

@@ -15,10 +15,12 @@ from tests.engine.conftest import (DTYPE, LSTMNet, check_exact, classify_loss, g
 
 def test_autograd_never_computes_the_unweighted_weight_gradient():
     model = tiny_gpt2()
-    fired = []
+    fired, accumulators = [], []
     for name, p in model.named_parameters():
-        # autograd calls the hook with None when no gradient was formed
-        p.register_hook(lambda g, name=name: fired.append(name) if g is not None else None)
+        # a pre-hook on p's AccumulateGrad node (held here, so the forward's graph reuses it), which
+        # autograd calls with None when no gradient was formed (a hook on p itself is refused)
+        accumulators.append(p.view_as(p).grad_fn.next_functions[0][0])
+        accumulators[-1].register_prehook(lambda grads, name=name: fired.append(name) if grads[0] is not None else None)
     engine = DPEngine(model, {"grouping": "layer"}, expected_batch_size=4)
     engine.backward(gpt2_loss(model, gpt2_batch(n=3)))
     assert fired == []

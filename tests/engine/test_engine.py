@@ -4,8 +4,10 @@ per-example loop (docs/engine.md), for every supported layer, grouping and clip 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from torch import nn
 
 from dpclip.engine import DPEngine, build_groups
+from dpclip.errors import EngineError
 from tests.engine.conftest import (DTYPE, CustomParamNet, LSTMNet, ReusedLinear, bert_batch,
                                    bert_loss, check_exact, classify_loss, cnn, cnn_batch,
                                    gpt2_batch, gpt2_loss, mlp, mlp_batch, seq_batch,
@@ -320,3 +322,23 @@ def test_a_scalar_parameter_clips_as_the_per_example_reference(grouping, norm_me
     batch = {"x": torch.randn(5, 4, generator=g, dtype=DTYPE), "y": torch.randint(0, 3, (5,), generator=g)}
     check_exact(make, lambda m, b: torch.nn.functional.cross_entropy(m(b["x"]), b["y"], reduction="none"), batch,
                 grouping=grouping, norm_method=norm_method)
+
+
+@pytest.mark.parametrize("register", [
+    lambda p: p.register_hook(lambda g: g * 10),
+    lambda p: p.register_post_accumulate_grad_hook(lambda t: None),
+], ids=["gradient-hook", "post-accumulate-hook"])
+@pytest.mark.parametrize("when", ["before the engine", "after the engine"])
+def test_a_gradient_hook_on_a_trainable_parameter_is_refused_with_a_hint(register, when):
+    # the engine computes per-sample gradients itself: such a hook would get None, never the clipped sum
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    if when == "before the engine":
+        register(model[0].weight)
+    engine = DPEngine(model, gradient_noise_multiplier=1.0, expected_batch_size=4)
+    if when == "after the engine":
+        register(model[0].weight)
+    losses = model(torch.randn(4, 5)).pow(2).mean(1)
+    with pytest.raises(EngineError, match=r"0\.weight.*hook") as refused:
+        engine.backward(losses)
+    assert "remove" in refused.value.hint

@@ -434,7 +434,8 @@ def test_the_engine_backward_runs_with_tf32_off():
     engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=0.0,
                       expected_batch_size=8)
     first = next(m for m in model.modules() if isinstance(m, nn.Linear))
-    first.weight.register_hook(lambda g: seen.append(torch.backends.cuda.matmul.fp32_precision))
+    accumulator = first.weight.view_as(first.weight).grad_fn.next_functions[0][0]   # (a hook on the weight is refused)
+    accumulator.register_prehook(lambda grads: seen.append(torch.backends.cuda.matmul.fp32_precision))
     saved = torch.backends.cuda.matmul.fp32_precision
     try:
         torch.backends.cuda.matmul.fp32_precision = "tf32"

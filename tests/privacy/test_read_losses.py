@@ -1,12 +1,14 @@
 """A private loss's value read by the loop (``loss.item()``, ``float(loss)``, an f-string, a
-comparison, ``torch.isnan(loss)``, ``train_step``'s return) is the drawn batch's mean loss,
+comparison, ``torch.isnan(loss)``, ``train_step``'s return; ``loss.per_sample``, each sample's) is
 computed without noise: it leaves the engine uncharged, so the statement and privacy.json name it
 "not covered by ε" once the loop has read one (docs/python-api.md), also after a checkpoint's
-reload; a loop that reads none is not told so.
+reload; a loop that reads none is not told so. Pickling a loss (torch.save) is refused.
 """
 
 from __future__ import annotations
 
+import copy
+import io
 import json
 
 import pytest
@@ -15,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpclip
+from dpclip.errors import DpclipError
 from dpclip.integrations.setup import READ_LOSS
 
 
@@ -47,8 +50,11 @@ def _named(private, tmp_path) -> tuple[bool, bool]:
 
 
 @pytest.mark.parametrize("read", [lambda loss: loss.item(), lambda loss: float(loss), lambda loss: f"{loss:.3f}",
-                                  lambda loss: loss < 1.0, lambda loss: torch.isnan(loss), lambda loss: loss.detach()],
-                         ids=["item", "float", "format", "compare", "isnan", "detach"])
+                                  lambda loss: loss < 1.0, lambda loss: torch.isnan(loss), lambda loss: loss.detach(),
+                                  lambda loss: loss.per_sample.tolist(), lambda loss: (loss / 2).per_sample,
+                                  lambda loss: torch.stack([loss])],
+                         ids=["item", "float", "format", "compare", "isnan", "detach", "per_sample",
+                              "scaled-per_sample", "stack"])
 def test_a_loss_the_loop_reads_is_named_not_covered_in_the_statement_and_privacy_json(read, tmp_path):
     private = _private()
     _run(private, read)
@@ -80,3 +86,17 @@ def test_a_reloaded_checkpoint_keeps_the_earlier_steps_read_losses_in_its_statem
     second = _private()
     second.load_checkpoint(checkpoint)
     assert _stated(second)
+
+
+@pytest.mark.parametrize("carry", [lambda loss: torch.save(loss, io.BytesIO()), copy.deepcopy],
+                         ids=["torch.save", "deepcopy"])
+def test_a_private_loss_saved_or_deep_copied_is_refused_with_what_to_save(carry, tmp_path):
+    # a pickle carries the per-sample losses out of the loop without reading them through the loss
+    private = _private()
+    model, optimizer, criterion, loader = private
+    x, y = next(iter(loader))
+    loss = criterion(model(x), y)
+    with pytest.raises(DpclipError, match="private loss pickled") as refused:
+        carry(loss)
+    assert "loss.item()" in refused.value.hint
+    assert _named(private, tmp_path) == (False, False)

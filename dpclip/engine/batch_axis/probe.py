@@ -194,7 +194,8 @@ def compare(a: Probe, b: Probe) -> dict[tuple[int, int], CallLayout]:
 
 
 def resized(args: tuple, kwargs: dict, batch: int, new: int, first_only: bool):
-    """The model's inputs with the batch resized to ``new`` rows (detached)."""
+    """The model's inputs with the batch resized to ``new`` rows (detached copies: a forward that
+    changes its inputs in place, ``x.mul_(2)``, must not change the rows of the forward probed)."""
     leaves, spec = tree_flatten((args, kwargs))
     seen_first = False
     out = []
@@ -202,7 +203,9 @@ def resized(args: tuple, kwargs: dict, batch: int, new: int, first_only: bool):
         if isinstance(t, Tensor):
             t = t.detach()
             if (not (first_only and seen_first)) and t.dim() >= 1 and t.shape[0] == batch:
-                t = t[:new] if new <= batch else torch.cat([t, t[:new - batch]])
+                t = t[:new].clone() if new <= batch else torch.cat([t, t[:new - batch]])
+            else:
+                t = t.clone()
             seen_first = True
         out.append(t)
     return tree_unflatten(out, spec)

@@ -45,8 +45,8 @@ from dpclip.engine.batch_axis.layout import tensor_leaves
 from dpclip.engine.certificate.alone import alone_gradients
 from dpclip.engine.certificate.batch import batch_gradients, checked_before_eval_mode, independent_in_batch
 from dpclip.engine.certificate.draws import Recorder
-from dpclip.engine.certificate.replay import (Cotangents, Forward, NotReproducible, Replayer, release, replaying,
-                                              rng_state, same_rng)
+from dpclip.engine.certificate.replay import (Cotangents, Forward, NotReproducible, Replayer, copied,
+                                              keep_given_or_copies, release, replaying, rng_state, same_rng, versions)
 from dpclip.engine.certificate.state import buffer_versions, saved_buffer_versions, snapshot, state_kept
 from dpclip.engine.certificate.verdict import (compare, hooked_layers, refuse_write_after_the_check, users_hook,
                                               with_hooks_named)
@@ -218,17 +218,18 @@ class Certificate:
             self.armed, self.light = due is not None, due == "size"
         if self.armed and len(self.forwards) < MAX_FORWARDS:
             refuse_hook_before_the_rows(module, self._handles[0].id)
-            self._rows = (args, kwargs, batch)
+            # copied on checked forwards only: a forward may change its inputs in place (replay.py)
+            self._rows = (copied((args, kwargs)), batch, ((args, kwargs), versions((args, kwargs))))
             self._recorded = True
         return None
 
     def _begin(self, module, args, kwargs):
         if self._rows is None or self.idle or self.depth != 1:   # (not a call nested in the forward's hooks)
             return None
-        (args, kwargs, batch), self._rows = self._rows, None
+        ((args, kwargs), batch, given), self._rows = self._rows, None
         self.forwards.append(Forward(args, kwargs, batch, rng_state(self._devices),
                                      autocast_snapshot({p.device.type for p in self.params}),
-                                     buffers=snapshot(self.model)))
+                                     buffers=snapshot(self.model), given=given))
         self._recorder = Recorder(self.is_plain)   # the forward's random draws (draws.py)
         self._recorder.__enter__()
         return None
@@ -252,6 +253,7 @@ class Certificate:
             recorder.__exit__(None, None, None)
         if self.depth == 0 and self.armed and self.forwards and not self.forwards[-1].edges:
             forward = self.forwards[-1]
+            keep_given_or_copies(forward)
             self._cotangents.attach(forward, [t for t in tensor_leaves(output) if t.requires_grad])
             end = rng_state(self._devices)
             forward.random = not same_rng(forward.rng, end)

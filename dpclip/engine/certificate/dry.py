@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from dpclip.engine.batch_axis.layout import tensor_leaves
 from dpclip.engine.certificate import Certificate, CertificateRecord, Forward, NotReproducible
+from dpclip.engine.certificate.replay import copied
 from dpclip.errors import EngineError
 
 
@@ -38,8 +39,9 @@ def check_in_eval_mode(cert: Certificate, model: nn.Module, forwards: list[Forwa
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             dry, terms = [], {r: [] for r in rows}
             for j, f in enumerate(forwards):
-                outs = [t for t in tensor_leaves(model(*f.args, **f.kwargs)) if t.requires_grad][:len(f.outputs)]
-                dry.append(Forward(f.args, f.kwargs, batch, f.rng, f.autocast, outs))
+                args, kwargs = copied((f.args, f.kwargs)) if f.written else (f.args, f.kwargs)   # (replay.py)
+                outs = [t for t in tensor_leaves(model(*args, **kwargs)) if t.requires_grad][:len(f.outputs)]
+                dry.append(Forward(f.args, f.kwargs, batch, f.rng, f.autocast, outs, written=f.written))
                 for r in rows:
                     terms[r] += [(o * c.to(o.dtype)).sum() for o, c in zip(outs, cots[r][j]) if c is not None]
             zero = torch.zeros((), device=cert.params[0].device)

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from dpclip.engine.batch_axis.layout import tensor_leaves
 from dpclip.engine.precision import AutocastState, autocast_restore, autocast_snapshot
-from dpclip.torch_compat import forward_hooks_silenced, reentrant_checkpoints_inline, tree_flatten, tree_unflatten
+from dpclip.torch_compat import (forward_hooks_silenced, reentrant_checkpoints_inline, tensor_version, tree_flatten,
+                                 tree_unflatten)
 
 
 class NotReproducible(Exception):
@@ -43,6 +44,41 @@ class Forward:
     handles: list = field(default_factory=list)   # hooks that read the cotangents at those edges
     buffers: dict | None = None   # the model's state at entry, by name (state.snapshot: a forward may update it)
     replayed_rng: tuple | None = None   # the RNG state a replay of the whole batch left (batch.py)
+    given: tuple | None = None   # the inputs as handed over and their versions, until the forward ends
+    written: bool = False        # it changed its inputs in place: args, kwargs are the rows before it ran
+
+
+def versions(tree) -> list[int | None]:
+    """The version counters of the tensors of ``tree`` (None: an inference tensor keeps none)."""
+    out = []
+    for t in tensor_leaves(tree):
+        try:
+            out.append(tensor_version(t))
+        except RuntimeError:
+            out.append(None)
+    return out
+
+
+def copied(tree):
+    """``tree`` with each tensor a detached copy (one copy of a tensor given twice)."""
+    leaves, spec = tree_flatten(tree)
+    copies: dict[int, Tensor] = {}
+    return tree_unflatten([copies.setdefault(id(t), t.detach().clone()) if isinstance(t, Tensor) else t
+                           for t in leaves], spec)
+
+
+def keep_given_or_copies(forward: Forward) -> None:
+    """As a checked forward ends: its inputs as given when it left them as they were, else the
+    copies taken before it ran (``x.mul_(2)`` in the forward: the given rows are changed, and a
+    replay must see the rows the real forward saw). The check's replays then run on copies too."""
+    if forward.given is None:
+        return
+    (args, kwargs), before = forward.given
+    forward.given = None
+    if None not in before and versions((args, kwargs)) == before:
+        forward.args, forward.kwargs = args, kwargs
+    else:
+        forward.written = True
 
 
 def release(forward: Forward) -> None:
@@ -112,6 +148,7 @@ class Cotangents:
                 return None
             self.got[key] = grad.detach().clone()
             return torch.zeros_like(grad)
+        read.dpclip_certificate = True   # not the user's hook (refusals.refuse_new_trainable)
         return read
 
     def of(self, loss: Tensor, forwards: list[Forward]) -> list[list[Tensor | None]]:
@@ -200,6 +237,8 @@ class Replayer:
         return swapped
 
     def run(self, forward: Forward, inputs, leaves: list[Tensor]) -> list[Tensor]:
+        if forward.written:   # a forward that changes its inputs in place would change the recorded rows
+            inputs = copied(inputs)
         args, kwargs = inputs if self.dtype is None else self._widened(inputs)
         set_rng(forward.rng)
         saved = autocast_snapshot(forward.autocast.keys())
