@@ -18,6 +18,22 @@ from typing import Any
 
 #: the mode of every file dpclip writes (the owner reads and writes; nobody else anything)
 OWNER_ONLY = 0o600
+#: the mode of every folder dpclip makes inside a run, search or export directory
+OWNER_ONLY_DIR = 0o700
+
+
+def private_dir(path: str | Path) -> Path:
+    """``path`` made (with its missing parents) or kept as a folder only its owner can list or enter.
+
+    For dpclip's own folders (a run's ``checkpoints/``, ``audit/``, a search's ``runs/``): one
+    that already exists is narrowed to the owner too. ``mkdir``'s mode alone gives the umask's
+    ``rwxr-xr-x`` to the parents it makes and nothing to a folder that exists."""
+    path = Path(path)
+    missing = [p for p in [path, *path.parents] if not p.exists()]
+    path.mkdir(mode=OWNER_ONLY_DIR, parents=True, exist_ok=True)
+    for folder in {path, *missing}:
+        os.chmod(folder, OWNER_ONLY_DIR)
+    return path
 
 
 def owner_only(path: str | Path) -> Path:

@@ -35,6 +35,8 @@ def steps_for_epochs(epochs: float, sample_rate: float) -> int:
     check_sample_rate(sample_rate)
     if not isinstance(epochs, (int, float)) or not 0 < epochs < math.inf:
         raise AccountingError(f"epochs must be a finite number > 0, got {epochs!r}", "e.g. --epochs 10")
+    if not math.isfinite(epochs / sample_rate):   # 1e308 epochs: ceil() of inf would overflow
+        raise AccountingError(f"{epochs:g} epochs at q = {sample_rate:g} are too many steps to count", "give fewer")
     return max(1, math.ceil(round(epochs / sample_rate, 9)))
 
 

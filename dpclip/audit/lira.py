@@ -43,7 +43,7 @@ from dpclip.audit.attacks import model_outputs
 from dpclip.data import select
 from dpclip.data.split import split_fingerprint
 from dpclip.errors import DpclipError
-from dpclip.files import write_json_atomic
+from dpclip.files import private_dir, write_json_atomic
 from dpclip.models import build_model
 from dpclip.recipe.schema import Audit
 from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint
@@ -153,7 +153,7 @@ def _load_or_make_keep(folder: Path, num_shadows: int, pool_size: int, seed: int
         plans = [shadow_plan(target, int(row.sum())) for row in keep]
     else:
         plans = [shadow_plan(target, int(row[people].sum()), int(row.sum())) for row in keep]
-    folder.mkdir(parents=True, exist_ok=True)
+    private_dir(folder)
     write_json_atomic(path, {"seed": seed, "imitates": target, "unit": "examples" if people is None else "people",
                              "shadows": plans, "keep": keep.astype(int).tolist()})
     return keep, plans

@@ -34,7 +34,7 @@ from dpclip.data import load_data
 from dpclip.data.canaries import make_canaries, missing_answer_key, read_canary_secret
 from dpclip.data.exposure import stored_exposure
 from dpclip.errors import DpclipError
-from dpclip.files import write_json_atomic
+from dpclip.files import private_dir, write_json_atomic
 from dpclip.models import build_model
 from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint, missing_checkpoint_hint
 from dpclip.train.parts import canary_records
@@ -240,7 +240,7 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
     report["ledger"]["tpr_bound"] = {"fpr_0.1%": dp_bound_at(report, 0.001), "fpr_1%": dp_bound_at(report, 0.01)}
     if write:
         folder = layout.audit_dir(run_dir)
-        folder.mkdir(exist_ok=True)
+        private_dir(folder)
         write_json_atomic(folder / layout.AUDIT_REPORT, report)
         if report["attacks"]:
             plot_roc(report, folder / layout.ROC_PLOT)

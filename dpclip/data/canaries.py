@@ -54,7 +54,7 @@ import torch
 from dpclip import layout
 from dpclip.data.builtin import FEATURE_DOMAINS
 from dpclip.errors import DpclipError
-from dpclip.files import write_json_atomic
+from dpclip.files import private_dir, write_json_atomic
 
 CANARY_FILE = Path(layout.AUDIT) / layout.CANARIES
 
@@ -207,7 +207,7 @@ def append_people(data, rows: dict[str, torch.Tensor], records: list[int]):
 def write_secret(run_dir: Path, relative: Path, record: dict) -> None:
     """A secret file of the run (the audit's answer key), written atomically."""
     path = Path(run_dir) / relative
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     write_json_atomic(path, record)
 
 

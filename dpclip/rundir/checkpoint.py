@@ -35,7 +35,7 @@ from dpclip import layout
 from dpclip.errors import DpclipError
 from dpclip.models.build import model_info
 from dpclip.interrupt import shielded
-from dpclip.files import owner_only, read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
+from dpclip.files import owner_only, private_dir, read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
 
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
@@ -142,7 +142,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dic
 
 def _save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: dict[str, Any], keep: int) -> Path:
     root = layout.checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    private_dir(root)
     final = root / step_dir_name(step)
     staging = root / f".{final.name}.staging"
     for stale in root.glob(".step_*.staging"):

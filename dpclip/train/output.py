@@ -13,7 +13,7 @@ from typing import Any
 from dpclip.data.canaries import write_canary_secret
 from dpclip.data.exposure import write_exposure_secret
 from dpclip.errors import DpclipError
-from dpclip.files import OWNER_ONLY, write_json_atomic, write_text_atomic
+from dpclip.files import OWNER_ONLY, private_dir, write_json_atomic, write_text_atomic
 from dpclip.recipe import recipe_to_yaml
 from dpclip.train.result import NullObserver, TrainObserver
 from dpclip.rundir.metrics import append_record, released_part
@@ -40,7 +40,7 @@ class RunOutput:
         run = RunDir.new_run(recipe) if run_dir is None else RunDir(run_dir)
         if run.recipe_file.exists():
             raise DpclipError(f"{run.path} already holds a run", "resume it with --resume, or choose a new folder")
-        run.path.mkdir(mode=0o700, parents=True, exist_ok=True)   # nothing in it is for others to read
+        private_dir(run.path)   # nothing in it is for others to read
         write_text_atomic(run.recipe_file, recipe_to_yaml(recipe))
         meta = meta_record(recipe, ordinary, info)
         write_json_atomic(run.meta_file, meta)

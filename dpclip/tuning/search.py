@@ -47,7 +47,7 @@ from dpclip.accounting import Ledger, bound_text, event_to_dict
 from dpclip.accounting.tuning import repeat_and_select_event
 from dpclip.data import load_data
 from dpclip.errors import DpclipError
-from dpclip.files import write_json_atomic
+from dpclip.files import OWNER_ONLY_DIR, private_dir, write_json_atomic
 from dpclip.models import build_model, evaluate
 from dpclip.recipe.load import validate_recipe
 from dpclip.rng import derived_seed, private_random
@@ -142,7 +142,8 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
     ledger = _search_ledger(search_event, recipe, privacy, strategy)
     search = RunDir.new_search(recipe.output_dir, recipe.name)
     search_dir, runs_dir = search.path, search.search_runs
-    runs_dir.mkdir(parents=True)
+    private_dir(search_dir)
+    runs_dir.mkdir(mode=OWNER_ONLY_DIR)
     # Written before the first run: the whole search's cost is committed from the start.
     write_json_atomic(search.ledger_file, ledger.to_dict())
     summary = _opening_summary(search_dir, recipe, privacy, strategy, ledger)
