@@ -132,6 +132,13 @@ CLOCK_CHECKPOINTS = (
     "an export's checkpoint_step): the clock adds up the steps' wall time, which follows the realised batch sizes")
 
 
+#: A run a step's error stopped (meta.json ``stopped_on_private_batch``): the model's error or a refusal
+#: on a private batch, so the step the run stopped at follows that batch (docs/accounting.md).
+PRIVATE_STOP = ("the step at which an error raised on a private batch stopped the run (where its ledger, metrics and "
+                "checkpoints ended then): whether the model, its loss or the certificate fails on a batch follows the "
+                "batch")
+
+
 #: A user-level run's count of records (plan.json ``num_train``): N counts people there, and adding or
 #: removing a person moves the records by theirs.
 USER_RECORD_COUNT = ("the number of records (plan.json num_train): at the user level a person added or removed moves it "
@@ -196,11 +203,14 @@ def not_covered(recipe: Recipe) -> tuple[str, ...]:
     return out
 
 
-def not_covered_of_run(recipe: Recipe, resumes=()) -> tuple[str, ...]:
-    """:func:`not_covered` of ``recipe`` and of each version of it a resume replaced (meta.json's
-    ``resumes``: each changed field's earlier value). A part of the run released what its recipe
-    listed: a clock checkpoint's folder stays when a resume turns the clock off."""
-    lines = list(not_covered(recipe))
+def not_covered_of_run(recipe: Recipe, meta: dict | None = None) -> tuple[str, ...]:
+    """:func:`not_covered` of ``recipe`` and of each version of it a resume replaced (the run's
+    meta.json ``resumes``: each changed field's earlier value), and :data:`PRIVATE_STOP` if a
+    step's error stopped the run. A part of the run released what its recipe listed: a clock
+    checkpoint's folder stays when a resume turns the clock off."""
+    meta = meta or {}
+    resumes = meta.get("resumes", ())
+    lines = list(not_covered(recipe)) + ([PRIVATE_STOP] if meta.get("stopped_on_private_batch") else [])
     dumped = recipe.model_dump(mode="json")
     for resume in reversed(list(resumes)):
         # deeper fields first: a section that was unset (None) is put back after its leaves

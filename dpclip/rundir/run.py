@@ -308,18 +308,19 @@ def spent(run_dir: Path):
     check_ledger(ledger, solved, range(0, steps + 1), where=path)
     return ledger, run_statement(recipe, ledger, world_size=recorded_world_size(run.path),
                                  users=run.public_plan().get("num_users"), written=recorded_written_state(run.path),
-                                 resumes=run.meta().get("resumes", ()))
+                                 meta=run.meta())
 
 
-def run_statement(recipe: Recipe, ledger, *, world_size: int = 1, users: int | None = None, written=(), resumes=()):
+def run_statement(recipe: Recipe, ledger, *, world_size: int = 1, users: int | None = None, written=(),
+                  meta: dict | None = None):
     """The privacy statement of a run's ledger, with the recipe's randomness mode, what the
-    run releases outside ε (``written``: the buffers the forward writes, plan.json's; ``resumes``:
-    meta.json's, whose earlier recipes' lines hold too), and how many processes trained it
-    (docs/distributed.md)."""
+    run releases outside ε (``written``: the buffers the forward writes, plan.json's; ``meta``:
+    the run's meta.json, whose resumes' earlier recipes and stop it names), and how many
+    processes trained it (docs/distributed.md)."""
     unit = user_unit(users, recipe.data.max_examples_per_user) if recipe.privacy.unit == "user" else None
     return statement_from_ledger(ledger, sampling=recipe.training.sampling,
                                  seeded_randomness=recipe.privacy.unsafe_seeded_randomness,
-                                 not_covered=not_covered_of_run(recipe, resumes) + forward_state_line(written),
+                                 not_covered=not_covered_of_run(recipe, meta) + forward_state_line(written),
                                  world_size=world_size,
                                  parallel=recipe.training.parallel, bands=recipe.privacy.mechanism.bands,
                                  unit=unit)

@@ -44,7 +44,11 @@ def run_loop(parts: RunParts, state: RunState, checkpointer: Checkpointer, outpu
                 # is asserted in each step to be the event the engine actually releases.
                 if cap is not None and not state.ledger.allows(solved.event_at(state.step), cap):
                     return "budget"
-                train_step(parts, state, next(batches), output)
+                try:
+                    train_step(parts, state, next(batches), output)
+                except Exception:   # raised on the private batch: where the run stops follows it
+                    output.record_private_stop()
+                    raise
                 checkpointer.fork_when_redone()
                 if checkpointer.due(state.step):
                     checkpointer.save()

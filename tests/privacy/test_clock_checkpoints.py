@@ -76,7 +76,7 @@ def test_each_earlier_recipe_of_a_resumed_run_keeps_its_not_covered_lines(tiny_r
     now = tiny_recipe()
     before = tiny_recipe("diagnostics.every_steps=2", "diagnostics.data=private",
                          "diagnostics.private_not_covered=true")
-    resumes = [{"step": 4, "changes": recipe_changes(before, now)}]
+    meta = {"resumes": [{"step": 4, "changes": recipe_changes(before, now)}]}
     assert PRIVATE_HESSIAN_DIAGNOSTICS not in not_covered(now)
-    assert PRIVATE_HESSIAN_DIAGNOSTICS in not_covered_of_run(now, resumes)
-    assert not_covered_of_run(now, []) == not_covered(now)
+    assert PRIVATE_HESSIAN_DIAGNOSTICS in not_covered_of_run(now, meta)
+    assert not_covered_of_run(now, {}) == not_covered(now)

@@ -1,0 +1,52 @@
+"""An attacker reads where a stopped run's ledger, metrics and checkpoints end. A step that raises
+on its private batch (the model's own error on some input, the certificate refusing a batch size
+it mixes at) stops the run at a step that follows the private draws, and before the fix no
+statement of the run said so. Now meta.json (secret) keeps that it happened, and every statement
+of the run names it, after a resume too (docs/accounting.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import dpclip.train.trainer as trainer
+from dpclip.errors import EngineError
+from dpclip.planning.plan import PRIVATE_STOP
+from dpclip.rundir.run import RunDir, spent
+from dpclip.train.workflow import train
+
+
+def _stopped_at(monkeypatch, step: int):
+    """train_step as if the engine refused the batch drawn at ``step``."""
+    real = trainer.train_step
+
+    def refusing(parts, state, indices, output):
+        if state.step == step:
+            raise EngineError("module 0 mixes samples [computed from the private batch: not covered by ε]", "-")
+        return real(parts, state, indices, output)
+    monkeypatch.setattr(trainer, "train_step", refusing)
+
+
+def test_a_run_stopped_by_a_refusal_states_its_stop_not_covered_and_keeps_it_after_a_resume(
+        tiny_recipe, monkeypatch):
+    _stopped_at(monkeypatch, 3)
+    recipe = tiny_recipe("training.steps=6", "checkpoint.every_steps=2")
+    with pytest.raises(EngineError, match="mixes samples"):
+        train(recipe)
+    (run_dir,) = [p for p in Path(recipe.output_dir).iterdir() if p.is_dir()]
+    ledger, statement = spent(run_dir)
+    assert ledger.steps == 3
+    assert PRIVATE_STOP in statement.not_covered
+    assert RunDir(run_dir).meta()["stopped_on_private_batch"] is True
+    monkeypatch.undo()
+    result = train(resume=run_dir)
+    assert result.steps_done == 6
+    assert any(PRIVATE_STOP in line for line in result.statement)
+    assert PRIVATE_STOP in spent(run_dir)[1].not_covered
+
+
+def test_a_run_that_no_error_stopped_states_no_stop(tiny_recipe):
+    result = train(tiny_recipe())
+    assert PRIVATE_STOP not in spent(result.run_dir)[1].not_covered
+    assert not any(PRIVATE_STOP in line for line in result.statement)
