@@ -1,9 +1,10 @@
 """What the certificate costs: a checked private step against unchecked ones, in one process.
 
 GPT-2 small (random weights, 124M parameters) at B 4, T 256 by default, layer-wise clipping.
-Per repeat, one step with the check due (a fresh family: the certificate is reset) and one
-without, interleaved, so drifting machine load hits both alike; the medians, their ratio and
-the check's mode are printed, plus one JSON line (docs/performance.md, "The certificate").
+Per repeat, one step with the check due (a fresh family: the certificate is reset), one
+without and one with a new batch size's one-row check (docs/certificate.md), interleaved, so
+drifting machine load hits them alike; the medians, their ratios and the check's mode are
+printed, plus one JSON line (docs/performance.md, "The certificate").
 
     python benchmarks/certificate_cost.py                 # GPT-2 small, B 4, T 256, dropout 0.1
     python benchmarks/certificate_cost.py --dropout 0     # the check's "alone" mode
@@ -60,19 +61,24 @@ def main() -> None:
         return time.perf_counter() - start
 
     step()   # the first step also probes the batch axes: not timed
-    checked, plain, modes = [], [], []
+    checked, plain, sized, modes = [], [], [], []
     for _ in range(args.repeats):
         engine.certificate.reset()
         checked.append(step())
         modes.append(engine.certificate.last.mode)
         plain.append(step())
+        engine.certificate.sizes.clear()   # the family checked, its batch size not: the one-row check
+        sized.append(step())
+        assert engine.certificate.last.rows == 1
     result = {"layers": args.layers, "embd": args.embd, "vocab": args.vocab, "seq": args.seq,
               "batch": args.batch, "dropout": args.dropout, "grouping": args.grouping,
               "threads": torch.get_num_threads(), "checked_s": statistics.median(checked),
-              "unchecked_s": statistics.median(plain), "mode": modes[-1]}
+              "unchecked_s": statistics.median(plain), "new_size_s": statistics.median(sized), "mode": modes[-1]}
     result["ratio"] = result["checked_s"] / result["unchecked_s"]
+    result["new_size_ratio"] = result["new_size_s"] / result["unchecked_s"]
     print(f"checked step {result['checked_s']:.2f} s, unchecked {result['unchecked_s']:.2f} s: "
-          f"{result['ratio']:.2f}x (mode {result['mode']}, {args.repeats} repeats)")
+          f"{result['ratio']:.2f}x (mode {result['mode']}, {args.repeats} repeats); a new batch size's "
+          f"one-row check {result['new_size_s']:.2f} s: {result['new_size_ratio']:.2f}x")
     print(json.dumps(result))
 
 
