@@ -259,6 +259,7 @@ class Certificate:
             forward.random = not same_rng(forward.rng, end)
             forward.draws = recorder.draws if recorder is not None and (not forward.random or recorder.follows(
                 forward.rng, end, self._devices)) else None   # (else the whole batch is replayed: batch.py)
+            forward.draw_calls = recorder.calls if forward.draws is not None else []
         return None
 
     def due(self) -> bool:
