@@ -48,9 +48,10 @@ from dpclip.engine.certificate.draws import Recorder
 from dpclip.engine.certificate.replay import (Cotangents, Forward, NotReproducible, Replayer, copied,
                                               keep_given_or_copies, release, replaying, rng_state, same_rng, versions)
 from dpclip.engine.certificate.state import buffer_versions, saved_buffer_versions, snapshot, state_kept
-from dpclip.engine.certificate.verdict import (compare, hooked_layers, refuse_write_after_the_check, users_hook,
-                                              with_hooks_named)
+from dpclip.engine.certificate.verdict import (compare, hooked_layers, refuse_trained_parameter_write,
+                                              refuse_write_after_the_check, users_hook, with_hooks_named)
 from dpclip.engine.precision import autocast_snapshot
+from dpclip.torch_compat import tensor_version
 from dpclip.errors import EngineError
 
 #: relative rounding bound of a comparison, by the lowest precision the forward computed in
@@ -157,6 +158,7 @@ class Certificate:
         self.written_state: set[str] = set()
         self._written: list[str] = []       # the names the forward being checked wrote
         self._versions: dict[str, tuple[int, int]] | None = None   # buffers as a training forward began
+        self._param_versions: list[int] = []   # and the trained parameters' in-place write counts
         self._recorded = False              # whether the training forward running is recorded for a check
         #: buffers a checked forward wrote (its check passed): an unchecked forward may write only these
         self.checked_writes: set[str] = set()
@@ -208,6 +210,7 @@ class Certificate:
         if self.depth != 1 or not torch.is_grad_enabled() or self.is_plain() or self.suspended:
             return None
         self._versions = buffer_versions(self._modules)   # every training forward's, checked or not
+        self._param_versions = [tensor_version(p) for p in self.params]
         self._recorded = False
         leaves = tensor_leaves((args, kwargs))
         if not leaves or leaves[0].dim() == 0:
@@ -240,6 +243,9 @@ class Certificate:
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0 and self._versions is not None:
             before, self._versions = self._versions, None
+            moved = [n for n, p, v in zip(self.names, self.params, self._param_versions) if tensor_version(p) != v]
+            if moved and self.disabled is None:
+                refuse_trained_parameter_write(moved[0])   # before its backward: no noise drawn
             written = {n for n, v in buffer_versions(self._modules).items() if before.get(n) != v}
             self.written_state.update(written & saved_buffer_versions(self._modules).keys())
             if self._recorded:

@@ -66,6 +66,17 @@ def refuse_unchecked_write(name: str, batch: int, why: str) -> None:
                       STATE_HINT + (_ONE_ROW_HINT if batch == 1 else ""))
 
 
+def refuse_trained_parameter_write(name: str) -> None:
+    """Refuse a training forward that writes trained parameter ``name`` in place (``F.embedding(ids,
+    weight, max_norm=...)`` renormalises the rows looked up): the weights then say, with no noise,
+    which of them the private batch touched."""
+    raise EngineError(f"the model's forward writes the trained parameter {name} in place (F.embedding with "
+                      "max_norm renormalises the rows it looks up): the weights would show, with no noise, what "
+                      "the private batch touched" + NOT_COVERED,
+                      "leave trained parameters to the optimizer: no max_norm, no in-place change of a weight in "
+                      "the forward (clip the gradient instead)")
+
+
 def refuse_write_after_the_check(name: str) -> None:
     """Refuse a forward the certificate does not check that writes buffer ``name``, which no checked
     forward wrote: nothing showed that what it writes does not depend on the batch, and a later
