@@ -158,7 +158,6 @@ class Certificate:
         self.written_state: set[str] = set()
         self._written: list[str] = []       # the names the forward being checked wrote
         self._versions: dict[str, tuple[int, int]] | None = None   # buffers as a training forward began
-        self._param_versions: list[int] = []   # and the trained parameters' in-place write counts
         self._recorded = False              # whether the training forward running is recorded for a check
         #: buffers a checked forward wrote (its check passed): an unchecked forward may write only these
         self.checked_writes: set[str] = set()
@@ -209,8 +208,7 @@ class Certificate:
         self.depth += 1
         if self.depth != 1 or not torch.is_grad_enabled() or self.is_plain() or self.suspended:
             return None
-        self._versions = buffer_versions(self._modules)   # every training forward's, checked or not
-        self._param_versions = [tensor_version(p) for p in self.params]
+        self._versions, self._trained = buffer_versions(self._modules), [tensor_version(p) for p in self.params]
         self._recorded = False
         leaves = tensor_leaves((args, kwargs))
         if not leaves or leaves[0].dim() == 0:
@@ -243,9 +241,7 @@ class Certificate:
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0 and self._versions is not None:
             before, self._versions = self._versions, None
-            moved = [n for n, p, v in zip(self.names, self.params, self._param_versions) if tensor_version(p) != v]
-            if moved and self.disabled is None:
-                refuse_trained_parameter_write(moved[0])   # before its backward: no noise drawn
+            refuse_trained_parameter_write(self.names, self.params, self._trained, self.disabled)   # (no noise yet)
             written = {n for n, v in buffer_versions(self._modules).items() if before.get(n) != v}
             self.written_state.update(written & saved_buffer_versions(self._modules).keys())
             if self._recorded:
@@ -263,9 +259,8 @@ class Certificate:
             self._cotangents.attach(forward, [t for t in tensor_leaves(output) if t.requires_grad])
             end = rng_state(self._devices)
             forward.random = not same_rng(forward.rng, end)
-            forward.draws = recorder.draws if recorder is not None and (not forward.random or recorder.follows(
-                forward.rng, end, self._devices)) else None   # (else the whole batch is replayed: batch.py)
-            forward.draw_calls = recorder.calls if forward.draws is not None else []
+            forward.draws, forward.draw_calls = (recorder.draws, recorder.calls) if recorder is not None and (
+                not forward.random or recorder.follows(forward.rng, end, self._devices)) else (None, [])   # batch.py
         return None
 
     def due(self) -> bool:
