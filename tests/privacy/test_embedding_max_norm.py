@@ -54,3 +54,30 @@ def test_engine_accepts_an_embedding_without_max_norm_and_leaves_unused_rows_alo
     engine.privatize()
     assert emb.weight.grad[[0, 1, 2, 4, 6, 7, 8, 9]].abs().sum() == 0
     engine.detach()
+
+
+class FunctionalMaxNorm(nn.Module):
+    """``F.embedding(ids, weight, max_norm=1)`` on a raw parameter: no nn.Embedding to refuse when built."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(10, 4) * 3)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids):
+        return self.head(torch.nn.functional.embedding(ids, self.weight, max_norm=1.0).mean(1))
+
+
+def test_a_forward_renormalising_a_trained_weight_in_place_is_refused_before_any_noise():
+    torch.manual_seed(0)
+    model = FunctionalMaxNorm()
+    engine = DPEngine(model, {"grouping": "all-layer", "threshold": {"kind": "fixed", "value": 1.0}},
+                      gradient_noise_multiplier=1.0, expected_batch_size=4)
+    noise = engine.noise.generator(torch.device("cpu"))
+    before = noise.get_state().clone()
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6], [1, 7, 8], [2, 3, 9]])
+    with pytest.raises(EngineError, match="writes the trained parameter weight in place") as refused:
+        model(ids)
+    assert "max_norm" in refused.value.hint
+    assert torch.equal(noise.get_state(), before)
+    engine.detach()

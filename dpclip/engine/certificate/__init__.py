@@ -48,9 +48,10 @@ from dpclip.engine.certificate.draws import Recorder
 from dpclip.engine.certificate.replay import (Cotangents, Forward, NotReproducible, Replayer, copied,
                                               keep_given_or_copies, release, replaying, rng_state, same_rng, versions)
 from dpclip.engine.certificate.state import buffer_versions, saved_buffer_versions, snapshot, state_kept
-from dpclip.engine.certificate.verdict import (compare, hooked_layers, refuse_write_after_the_check, users_hook,
-                                              with_hooks_named)
+from dpclip.engine.certificate.verdict import (compare, hooked_layers, refuse_trained_parameter_write,
+                                              refuse_write_after_the_check, users_hook, with_hooks_named)
 from dpclip.engine.precision import autocast_snapshot
+from dpclip.torch_compat import tensor_version
 from dpclip.errors import EngineError
 
 #: relative rounding bound of a comparison, by the lowest precision the forward computed in
@@ -207,7 +208,7 @@ class Certificate:
         self.depth += 1
         if self.depth != 1 or not torch.is_grad_enabled() or self.is_plain() or self.suspended:
             return None
-        self._versions = buffer_versions(self._modules)   # every training forward's, checked or not
+        self._versions, self._trained = buffer_versions(self._modules), [tensor_version(p) for p in self.params]
         self._recorded = False
         leaves = tensor_leaves((args, kwargs))
         if not leaves or leaves[0].dim() == 0:
@@ -240,6 +241,7 @@ class Certificate:
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0 and self._versions is not None:
             before, self._versions = self._versions, None
+            refuse_trained_parameter_write(self.names, self.params, self._trained, self.disabled)   # (no noise yet)
             written = {n for n, v in buffer_versions(self._modules).items() if before.get(n) != v}
             self.written_state.update(written & saved_buffer_versions(self._modules).keys())
             if self._recorded:
@@ -258,8 +260,8 @@ class Certificate:
             self._cotangents.attach(forward, [t for t in tensor_leaves(output) if t.requires_grad])
             end = rng_state(self._devices)
             forward.random = not same_rng(forward.rng, end)
-            forward.draws = recorder.draws if recorder is not None and (not forward.random or recorder.follows(
-                forward.rng, end, self._devices)) else None   # (else the whole batch is replayed: batch.py)
+            forward.draws, forward.draw_calls = (recorder.draws, recorder.calls) if recorder is not None and (
+                not forward.random or recorder.follows(forward.rng, end, self._devices)) else (None, [])   # batch.py
         return None
 
     def due(self) -> bool:

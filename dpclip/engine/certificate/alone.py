@@ -31,7 +31,7 @@ def alone_gradients(model: nn.Module, replayer: Replayer, forwards: list[Forward
         total = None
         for j, f in enumerate(forwards):
             leaves = replayer.leaves()
-            outs = [o for o in alone_outputs(model, replayer, f, r, leaves, f.draws if cut else None)
+            outs = [o for o in alone_outputs(model, replayer, f, r, leaves, f.draws if cut else None, rtol)
                     if o.requires_grad][:len(f.outputs)]
             if len(outs) < len(f.outputs):
                 if cut:
@@ -81,15 +81,17 @@ def alone_gradients(model: nn.Module, replayer: Replayer, forwards: list[Forward
     return own
 
 def alone_outputs(model: nn.Module, replayer: Replayer, forward: Forward, r: int, leaves: list[Tensor],
-                  draws: list[Tensor] | None = None) -> list[Tensor]:
+                  draws: list[Tensor] | None = None, rtol: float = 0.0) -> list[Tensor]:
     """The tensors ``forward`` returns replayed on sample ``r`` alone (its inputs cut to row
     ``r``: every input of leading size B, or the first only), with sample ``r``'s part of
-    ``draws``; an EngineError naming the module that fails on one sample alone."""
+    ``draws`` (a draw's probabilities must be the sample's own, within ``rtol``); an EngineError
+    naming the module that fails on one sample alone."""
     errors = []
     for first_only in (False, True):
         inputs = select(forward.args, forward.kwargs, forward.batch, torch.tensor([r]), first_only)
         try:
-            with Substitute(draws, r, forward.batch) if draws is not None else nullcontext() as sub:
+            with Substitute(draws, r, forward.batch, forward.draw_calls, rtol) if draws is not None \
+                    else nullcontext() as sub:
                 out = replayer.run(forward, inputs, leaves)
             if sub is not None and sub.next != len(draws):
                 raise DrawsNotCut()

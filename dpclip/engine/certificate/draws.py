@@ -24,7 +24,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from dpclip.engine.certificate.replay import rng_state, same_rng, set_rng
+from dpclip.engine.certificate.replay import close, rng_state, same_rng, set_rng
+from dpclip.engine.certificate.verdict import NOT_COVERED
+from dpclip.errors import EngineError
 from dpclip.torch_compat import TorchDispatchMode, tree_flatten, tree_unflatten
 
 #: operations whose output is random numbers and nothing else (no gradient flows through them)
@@ -37,6 +39,15 @@ PURE_DRAWS = frozenset({
 
 class DrawsNotCut(Exception):
     """A draw of the replay cannot be matched to a recorded draw."""
+
+
+def _values_read(func, args: tuple) -> list[Tensor]:
+    """The tensors whose values a pure draw computes with: the probabilities of ``bernoulli(p)``,
+    ``bernoulli_(p)`` and ``multinomial(p)``. An in-place draw's own tensor, a ``*_like`` draw's
+    template and ``bernoulli(x, p=0.5)``'s ``x`` give it only a shape."""
+    name = func.overloadpacket.__name__
+    skip_first = name.endswith("_") or name.endswith("_like") or func._overloadname == "p"
+    return [a for a in args[1 if skip_first else 0:] if isinstance(a, Tensor)]
 
 
 def _pure(func) -> bool:
@@ -104,11 +115,17 @@ def _cut(recorded: Tensor, shape: torch.Size, row: int, batch: int) -> Tensor:
 class Substitute(TorchDispatchMode):
     """Active during a replay on sample ``row`` alone: each pure draw returns, in order, sample
     ``row``'s part of the recorded draw; any other seeded operation, a draw too many or a shape
-    that does not fit raises :class:`DrawsNotCut`."""
+    that does not fit raises :class:`DrawsNotCut`. ``calls`` (the recorded draws' operations and
+    arguments): a draw that computes with probabilities must have been handed sample ``row``'s
+    own, within ``rtol``; probabilities taken over the batch (``bernoulli(sigmoid(h.mean(0)))``)
+    make every sample's mask depend on every other sample, which the recorded outcome alone hides:
+    an EngineError."""
 
-    def __init__(self, draws: list[Tensor], row: int, batch: int):
+    def __init__(self, draws: list[Tensor], row: int, batch: int, calls: list[tuple] | None = None,
+                 rtol: float = 0.0):
         super().__init__()
         self.draws, self.row, self.batch, self.next = draws, row, batch, 0
+        self.calls, self.rtol = calls, rtol
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -117,7 +134,22 @@ class Substitute(TorchDispatchMode):
         if not _pure(func) or not isinstance(out, Tensor) or self.next >= len(self.draws):
             raise DrawsNotCut()
         part = _cut(self.draws[self.next], out.shape, self.row, self.batch)
+        if self.calls is not None:
+            self._own_probabilities(func, args, self.calls[self.next])
         self.next += 1
         with torch.no_grad():
             out.copy_(part)
         return out
+
+    def _own_probabilities(self, func, args: tuple, recorded: tuple) -> None:
+        _, recorded_args, _ = recorded
+        for alone, in_batch in zip(_values_read(func, args), _values_read(func, recorded_args)):
+            own = _cut(in_batch, alone.shape, self.row, self.batch)
+            if not close(own.double(), alone.detach().double(), self.rtol):
+                raise EngineError(
+                    f"the model's forward mixes samples: a random draw ({func.overloadpacket.__name__}) gets "
+                    f"other probabilities for sample {self.row} in its batch than on that sample alone, so "
+                    "each sample's random mask depends on the other samples; a per-sample gradient, and so "
+                    "the privacy guarantee, would not hold" + NOT_COVERED,
+                    "draw each sample's mask from that sample's own values (or from constants): "
+                    "no probabilities computed over the batch (docs/certificate.md)")

@@ -40,6 +40,7 @@ class Forward:
     outputs: list[Tensor] = field(default_factory=list)   # the returned tensors' values at the end
     random: bool = False                       # whether the forward drew random numbers
     draws: list[Tensor] | None = None          # its pure random draws, in order (None: not recordable; draws.py)
+    draw_calls: list = field(default_factory=list)   # each draw's operation and arguments (draws.py)
     edges: list = field(default_factory=list)     # their autograd edges then (before any in-place change)
     handles: list = field(default_factory=list)   # hooks that read the cotangents at those edges
     buffers: dict | None = None   # the model's state at entry, by name (state.snapshot: a forward may update it)

@@ -12,6 +12,7 @@ from dpclip.engine.batch_axis.layout import tensor_leaves
 from dpclip.engine.certificate.replay import Forward, Replayer, batch_axis, close, module_outputs, select
 from dpclip.engine.sums import sum_of_squares
 from dpclip.errors import EngineError
+from dpclip.torch_compat import tensor_version
 
 HINT = ("the engine's per-sample attribution does not hold for this model; freeze the named "
         "parameters, replace the module, or report the model (docs/certificate.md)")
@@ -64,6 +65,22 @@ def refuse_unchecked_write(name: str, batch: int, why: str) -> None:
                       f"writes does not depend on the data: with {rows}, its replay with the rows' inputs set to "
                       f"zeros or ones, or with one row more, fails ({why})" + NOT_COVERED,
                       STATE_HINT + (_ONE_ROW_HINT if batch == 1 else ""))
+
+
+def refuse_trained_parameter_write(names: list[str], params: list[Tensor], versions: list[int], disabled) -> None:
+    """Refuse a training forward that wrote a trained parameter in place (its version moved from
+    ``versions``; ``F.embedding(ids, weight, max_norm=...)`` renormalises the rows looked up): the
+    weights then say, with no noise, which of them the private batch touched. ``disabled``: a
+    sharded model or a stage (its parameters are gathered and freed in place), exempt."""
+    moved = [n for n, p, v in zip(names, params, versions) if tensor_version(p) != v]
+    if not moved or disabled is not None:
+        return
+    name = moved[0]
+    raise EngineError(f"the model's forward writes the trained parameter {name} in place (F.embedding with "
+                      "max_norm renormalises the rows it looks up): the weights would show, with no noise, what "
+                      "the private batch touched" + NOT_COVERED,
+                      "leave trained parameters to the optimizer: no max_norm, no in-place change of a weight in "
+                      "the forward (clip the gradient instead)")
 
 
 def refuse_write_after_the_check(name: str) -> None:
