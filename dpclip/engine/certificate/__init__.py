@@ -246,8 +246,7 @@ class Certificate:
             self.written_state.update(written & saved_buffer_versions(self._modules).keys())
             if self._recorded:
                 self._recorded_writes |= written
-            # (the recorded forwards' writes are checked at this micro-batch's backward)
-            unchecked = sorted(written - self.checked_writes - self._recorded_writes)
+            unchecked = sorted(written - self.checked_writes - self._recorded_writes)   # (recorded: checked later)
             if unchecked and not self._recorded and self.disabled is None:
                 refuse_write_after_the_check(unchecked[0])   # before its backward: no noise drawn
         recorder = self._recorder if self.depth == 0 else None
