@@ -579,3 +579,25 @@ def test_a_shared_table_as_long_as_the_batch_is_refused_with_how_to_pass_it():
     with pytest.raises(EngineError, match="mixes samples") as caught:
         engine.backward(F.cross_entropy(model(x, table), y, reduction="none"))
     assert "leading dimension 1" in caught.value.hint
+
+
+class TopTwoOfTheBatch(nn.Module):
+    """Adds the mean of the batch's two largest activations: runs on two samples or more only."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.head = nn.Linear(5, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return self.head(h + h.topk(2, dim=0).values.mean(0))
+
+
+def test_a_forward_that_needs_other_samples_to_run_is_refused_with_a_hint_naming_such_operations():
+    model = TopTwoOfTheBatch()
+    x, y = _data()
+    engine = _engine(model, 6)
+    with pytest.raises(EngineError) as err:
+        _step(engine, model, x, y)
+    assert "topk" in err.value.hint and "mixes samples" in err.value.hint

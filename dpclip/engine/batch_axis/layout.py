@@ -19,6 +19,11 @@ from dpclip.torch_compat import tree_flatten
 BATCH_HINT = ("pass the model's inputs with the batch in dim 0 (its first tensor input sets the "
               "batch size) and build shared tensors (positions, masks) inside the forward "
               "or with a leading dimension 1")
+#: a forward that fails on fewer samples than its batch: a layout the probes cannot cut, or an
+#: operation that needs the other samples (it mixes them)
+CUT_BATCH_HINT = (BATCH_HINT + "; if they are, the forward needs the rest of the batch to run (topk, kthvalue or "
+                  "sort along the batch, routing with a capacity over the batch's tokens, vmap or jacrev over the "
+                  "batch): it mixes samples, so compute each sample's output from that sample alone")
 EQUAL_ROWS_HINT = ("rows equal for every token cannot be told apart by sample (a top-1 router renormalised "
                    "to weight 1 gives every token the weight 1): route each token to two experts or more, "
                    "or freeze the layers that read them (requires_grad_(False))")

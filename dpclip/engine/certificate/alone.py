@@ -10,6 +10,7 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor, nn
 
+from dpclip.engine.batch_axis.layout import CUT_BATCH_HINT
 from dpclip.engine.certificate.draws import DrawsNotCut, Recorder, Substitute
 from dpclip.engine.certificate.replay import (Forward, NotReproducible, Replayer, batch_axis, close,
                                               module_stack, select, vjp)
@@ -118,5 +119,4 @@ def alone_outputs(model: nn.Module, replayer: Replayer, forward: Forward, r: int
     last = errors[-1][0]
     raise EngineError(f"the certificate could not run the model's forward on sample {r} alone "
                       f"({type(last).__name__}: {last})" + NOT_COVERED,
-                      "the model's inputs must hold the batch in dim 0 of each input tensor "
-                      "(docs/layer-rules.md, \"The batch axis\")") from last
+                      CUT_BATCH_HINT + " (docs/layer-rules.md, \"The batch axis\")") from last
