@@ -37,7 +37,7 @@ from dpclip.engine.noise import NoiseSource, allocation_weights
 from dpclip.engine.microbatch import StepContext
 from dpclip.engine.policies import PolicyContext, ThresholdPolicy, build_policy
 from dpclip.engine.privatizer import privatizer_for
-from dpclip.engine.refusals import refuse_new_trainable, refuse_outside_leaves
+from dpclip.engine.refusals import refuse_detached, refuse_new_trainable, refuse_outside_leaves
 from dpclip.engine.reducer import Reducer, StageLink
 from dpclip.engine.step_checks import StepChecks
 from dpclip.engine.report import ClipDebug, StepReport
@@ -137,8 +137,7 @@ class DPEngine:
         self.privatizer = privatizer_for(
             reducer, stage, self._params, self.groups.group_of, untied_padding_rows(self._keeper.units), self.noise,
             self.correlation, gradient_noise_multiplier=self.gradient_noise_multiplier,
-            allocation=cfg.noise_allocation, sizes=sizes, expected_batch_size=expected_batch_size,
-            device=first.device)
+            allocation=cfg.noise_allocation, sizes=sizes, expected_batch_size=expected_batch_size, device=first.device)
         context = _step_context(self, clip, norm_dtype, first.device)
         self._transient = context.transient
         self._keeper.install()
@@ -186,9 +185,10 @@ class DPEngine:
         self._keeper.stash.reset_peak()
 
     def detach(self) -> None:
-        """Give the model its original forwards back (the engine is unusable after)."""
+        """Give the model its original forwards back (unusable after: backward and privatize refuse)."""
         self._keeper.remove()
         self.certificate.remove()
+        self.backward = self.privatize = refuse_detached   # raw gradients in p.grad, or noise alone, otherwise
 
     @contextmanager
     def paused(self) -> Iterator[None]:

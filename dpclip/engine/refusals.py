@@ -143,3 +143,10 @@ def _modules_of(fn) -> list[nn.Module]:
         return _modules_of(fn.func) + [a for a in (*fn.args, *fn.keywords.values()) if isinstance(a, nn.Module)]
     cells = getattr(fn, "__closure__", None) or ()
     return [c.cell_contents for c in cells if isinstance(getattr(c, "cell_contents", None), nn.Module)]
+
+
+def refuse_detached(*args, **kwargs) -> None:
+    """A detached engine's ``backward`` and ``privatize``: its hooks are gone, so nothing is clipped or noised."""
+    raise EngineError("the engine was detached from the model (detach()): it clips and noises nothing more",
+                      "detach after the last private step; to go on training privately, start again with "
+                      "make_private (or a new DPEngine) and the ledger loaded from the run's checkpoint")

@@ -2,12 +2,16 @@
 and the noising optimizer; the loader is :mod:`dpclip.integrations.loaders`. They share a
 :class:`~dpclip.integrations.rows.DrawTracker`, which holds the loop to one noisy step per drawn
 batch, over that batch's own rows.
+
+Length: a little over 400 lines: the loss's every way out of its values, and the optimizer's
+refusals of a step that is not due, belong beside the parts they guard.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -48,10 +52,18 @@ class PrivateLoss:
     way out of their values (``item()``, ``float``, a format, a comparison, ``detach()``,
     ``per_sample``, a torch function) marks the read for the statement; pickling is refused."""
 
+    __slots__ = ("_losses", "_engine", "_tracker")
+
     def __init__(self, per_sample: Tensor, engine: DPEngine, tracker: DrawTracker | None = None):
-        self._losses = per_sample
-        self.engine = engine
-        self.tracker = tracker
+        object.__setattr__(self, "_losses", per_sample)
+        object.__setattr__(self, "_engine", engine)
+        object.__setattr__(self, "_tracker", tracker)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a loop that swapped the tracker (or cleared its mark) would backward unchecked, or unnamed
+        raise DpclipError(f"loss.{name} set: a private loss is read-only (its rows, the engine and the loop's "
+                          "checks are fixed when the criterion returns it)", "compute a new loss with the "
+                          "criterion; loss * w, loss / k and loss + c return new private losses")
 
     @property
     def per_sample(self) -> Tensor:
@@ -65,18 +77,22 @@ class PrivateLoss:
         if gradient is not None or create_graph or inputs is not None:
             raise DpclipError("loss.backward() of a private loss takes no gradient=, create_graph= or inputs=",
                               "call loss.backward(): the engine weighs, clips and sums each sample's gradient itself")
+        if self._losses.numel() and not self._losses.requires_grad:   # torch's own error came from the engine
+            raise DpclipError("loss.backward() of a loss computed without gradients (the forward under "
+                              "torch.no_grad() or inference_mode, or its outputs detached)", "run the training "
+                              "forward with gradients on; evaluate with the criterion you passed to make_private")
         weights = None
-        if self.tracker is not None:   # before the engine sees anything: a refused backward clips nothing
-            self.tracker.backward(self._losses.shape[0])
-            weights = self.tracker.weights(self._losses.shape[0], self._losses)
+        if self._tracker is not None:   # before the engine sees anything: a refused backward clips nothing
+            self._tracker.backward(self._losses.shape[0])
+            weights = self._tracker.weights(self._losses.shape[0], self._losses)
         if self._losses.numel():
-            if self.tracker is None:
-                self.engine.backward(self._losses, row_weights=weights)
+            if self._tracker is None:
+                self._engine.backward(self._losses, row_weights=weights)
             else:
-                with self.tracker.engine_backward():
-                    self.engine.backward(self._losses, row_weights=weights)
+                with self._tracker.engine_backward():
+                    self._engine.backward(self._losses, row_weights=weights)
         else:  # an empty draw: nothing to clip, the step releases noise alone; across ranks, a
-            self.engine.policy.empty_part()  # policy may exchange norms in the backward skipped here
+            self._engine.policy.empty_part()  # policy may exchange norms in the backward skipped here
 
     def item(self) -> float:
         self._read()
@@ -84,8 +100,8 @@ class PrivateLoss:
 
     def _read(self) -> None:
         """The loop sees a value computed without noise: the statement names it (not covered by ε)."""
-        if self.tracker is not None:
-            self.tracker.losses_read = True
+        if self._tracker is not None:
+            self._tracker.losses_read = True
 
     def __float__(self) -> float:
         return self.item()
@@ -107,7 +123,7 @@ class PrivateLoss:
                           "the engine's engine.backward(losses, loss_scale=...), docs/engine.md, \"Mixed precision\")")
 
     def __copy__(self) -> PrivateLoss:
-        return PrivateLoss(self._losses, self.engine, self.tracker)
+        return PrivateLoss(self._losses, self._engine, self._tracker)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # torch.save, pickle and deepcopy would carry the per-sample losses out of the loop unmarked
@@ -140,15 +156,15 @@ class PrivateLoss:
         if isinstance(other, Tensor) and other.numel() not in (1, self._losses.shape[0]):
             raise DpclipError(f"the private loss combined with a tensor of shape {tuple(other.shape)}",
                               "a number, or one value per sample from the data loader's batch")
-        if isinstance(other, Tensor) and self.tracker is not None:
+        if isinstance(other, Tensor) and self._tracker is not None:
             # a weight computed from the batch (normalised over it, class counts, 1/len) lets one
             # example move every row's clipped gradient: only the drawn rows' own values are taken
             rows = self._losses.shape[0]
             if other.dim() == 0 or other.shape[0] != rows:
                 raise DpclipError("the private loss combined with a tensor that is not one value per sample: it may "
                                   "be computed from the whole batch", WEIGHT_HINT)
-            self.tracker.check_rows(other, rows, "a per-sample weight of the private loss", WEIGHT_HINT)
-        return PrivateLoss(op(self._losses, other), self.engine, self.tracker)
+            self._tracker.check_rows(other, rows, "a per-sample weight of the private loss", WEIGHT_HINT)
+        return PrivateLoss(op(self._losses, other), self._engine, self._tracker)
 
     def __mul__(self, other): return self._with(other, lambda t, o: t * o)
     def __rmul__(self, other): return self._with(other, lambda t, o: o * t)
@@ -158,7 +174,20 @@ class PrivateLoss:
     def __radd__(self, other): return self._with(other, lambda t, o: o + t)
     def __sub__(self, other): return self._with(other, lambda t, o: t - o)
     def __rsub__(self, other): return self._with(other, lambda t, o: o - t)
-    def __neg__(self): return PrivateLoss(-self._losses, self.engine, self.tracker)
+    def __neg__(self): return PrivateLoss(-self._losses, self._engine, self._tracker)
+    # A tensor's comparisons compare values: so do these (the read is named); ``==`` by identity
+    # would answer False for a loss equal to the number.
+    def __eq__(self, other): return self._compare(other, lambda a, b: a == b)
+    def __ne__(self, other): return self._compare(other, lambda a, b: a != b)
+    __hash__ = object.__hash__   # kept hashable (a loss in a set or dict key is the object)
+
+    def _compare(self, other: Any, op: Callable[[float, float], bool]) -> Any:
+        if isinstance(other, PrivateLoss):
+            return op(self.item(), other.item())
+        if not isinstance(other, (numbers.Real, Tensor)) or (isinstance(other, Tensor) and other.numel() != 1):
+            return NotImplemented
+        return op(self.item(), float(other))
+
     def __lt__(self, other): return self.item() < float(other)
     def __le__(self, other): return self.item() <= float(other)
     def __gt__(self, other): return self.item() > float(other)
@@ -184,13 +213,16 @@ class PrivateCriterion:
     def __init__(self, criterion: Callable, engine: DPEngine, tracker: DrawTracker | None = None):
         self.criterion = criterion
         self.engine = engine
-        self.tracker = tracker
+        self._tracker = tracker
         if hasattr(criterion, "reduction"):
             self.unreduced = copy.copy(criterion)
             self.unreduced.reduction = "none"
         else:
             self.unreduced = criterion
         self.refusal: str | None = None   # make_private(compile=True): the loop calls train_step instead
+
+    #: the loop's checks, fixed at make_private (a tracker swapped for None would leave them off)
+    tracker = property(lambda self: self._tracker)
 
     def __call__(self, outputs: Tensor, targets: Any) -> PrivateLoss:
         if self.refusal is not None:
@@ -266,13 +298,14 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self.original = optimizer
         self.engine = engine
         self.account = account
-        self.tracker = tracker
+        self._tracker = tracker
         self.record_grad_norm = False          # DPTrainer logs it (the noisy gradient's: covered by ε)
         # called with the step's number and its noisy gradients before it is charged or stepped
         # (DPTrainer: a redone step must release what it did before the resume)
         self.on_release: Callable[[int, list[Tensor]], None] | None = None
         self.last_grad_norm: float | None = None
         self.parts_taken = 0   # DPTrainer: the parts backwarded since the last noisy step (count_part)
+        self.parts_per_step: int | None = None   # DPTrainer: the parts each noisy step takes (its draw's)
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
         self._optimizer_state_dict_pre_hooks = {}
@@ -280,6 +313,8 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks = {}
         self._optimizer_load_state_dict_post_hooks = {}
 
+    #: the loop's checks, fixed at make_private (a tracker swapped for None would leave them off)
+    tracker = property(lambda self: self._tracker)
     param_groups = property(lambda self: self.original.param_groups,
                             lambda self, value: setattr(self.original, "param_groups", value))
     state = property(lambda self: self.original.state, lambda self, value: setattr(self.original, "state", value))
@@ -325,6 +360,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         # Param groups added since make_private: refused while the draw is still open, so that a
         # corrected loop's step releases that draw's sums and nothing else.
         self._check_params(self.param_groups)
+        self._check_due()
         if self.tracker is not None and not self.tracker.step():
             return   # a part of the drawn batch: its noisy step comes after the last part
         plan, self.parts_taken = self.account.plan, 0
@@ -349,6 +385,21 @@ class PrivateOptimizer(torch.optim.Optimizer):
                      if p.grad is not None]
             self.last_grad_norm = float(torch.stack(norms).norm()) if norms else 0.0
         self.original.step()
+
+    def _check_due(self) -> None:
+        """A step past the plan, or (DPTrainer) one whose draw's parts have not all gone through the
+        engine (a callback's extra optimizer.step()), would release noise alone and charge a step
+        the plan does not have: refused before anything is released or charged."""
+        planned = self.account.plan.plan.steps
+        if self.account.ledger.steps >= planned:
+            raise DpclipError(f"optimizer.step() after the {planned} planned steps: ε covers the planned steps",
+                              "ask for more steps (or epochs) when the run starts; step only where the loop "
+                              "(or the Trainer) steps")
+        if self.parts_per_step is not None and self.parts_taken < self.parts_per_step:
+            raise DpclipError("optimizer.step() outside the Trainer's own step (a callback?): the draw's parts "
+                              "have not gone through the engine, so it would release noise alone and charge a step "
+                              "the plan does not have", "leave optimizer.step() to the Trainer; a callback may "
+                              "change the learning rate or stop training (control.should_training_stop = True)")
 
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """Opacus's BatchMemoryManager calls this: refused with its dpclip form."""

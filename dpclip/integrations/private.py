@@ -281,6 +281,7 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
         verify_every=verify_every, records_per_user=None if people is None else max_records_per_user)
     tracker = DrawTracker(None if people is None else 1.0 / max_records_per_user)
     account.losses_read = lambda: tracker.losses_read
+    tracker.on_first_read = account.restate   # a privacy.json saved before the first read gains its line
     loader, draws = tracked_loader(data_loader, tracker, max_physical_batch_size, planned_steps), None
     if poisson_sampling:
         draws = poisson_draws(model, account.plan.plan.sample_rate, planned_steps, num_examples=num_examples,

@@ -12,7 +12,7 @@ loader drew (docs/python-api.md, "What the loop must do").
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -157,10 +157,27 @@ class DrawTracker:
         self.drawn: DrawnRows | None = None   # the open draw's per-sample tensors
         self.spoiled: str | None = None       # the error a backward raised inside the engine: nothing more is released
         self.busy = False                     # the engine's own forwards (the certificate's replays) run
-        self.losses_read = False              # a private loss's value left for the loop (the statement says so)
+        self._losses_read = False             # a private loss's value left for the loop (the statement says so)
+        self.on_first_read: Callable[[], None] = lambda: None   # make_private: restates the saved privacy.json
         # user-level privacy: every row weighs 1/k (k: a person's most records in a step), so a
         # person's rows weigh at most 1 together whichever rows the loop backwards together
         self.row_weight = row_weight
+
+    @property
+    def losses_read(self) -> bool:
+        """Whether a private loss's value has left for the loop: set once, never cleared."""
+        return self._losses_read
+
+    @losses_read.setter
+    def losses_read(self, value: bool) -> None:
+        if self._losses_read and not value:
+            raise DpclipError("the mark that the loop read a private loss's value cleared: the values have left "
+                              "without noise, and the statement names them as long as the run goes on",
+                              "leave losses_read as it is; a run whose loop reads no loss value is one that calls "
+                              "loss.backward() and optimizer.step() and prints nothing of the loss")
+        if value and not self._losses_read:
+            self._losses_read = True
+            self.on_first_read()
 
     def weights(self, rows: int, like: Tensor) -> Tensor | None:
         """The engine's row weights for ``rows`` rows (None: example-level)."""

@@ -4,11 +4,12 @@ the account of what was charged (docs/python-api.md)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch.utils.data import IterableDataset
 
 from dpclip import layout
 from dpclip.accounting import Ledger, PlanResult, PrivacyPlan, solve
+from dpclip.accounting.statement import PrivacyStatement
 from dpclip.distributed import World
 from dpclip.engine import DPEngine
 from dpclip.engine.groups import build_groups, trainable_params
@@ -69,6 +71,8 @@ class Account:
     losses_read: Callable[[], bool] = bool
     #: what else has left without noise so far (DPTrainer: evaluate() and predict() metrics)
     released_outside: Callable[[], list[str]] = list
+    #: each privacy.json written: its statement without labels, whether restored, what was written
+    written: dict[Path, tuple[PrivacyStatement, bool, dict[str, Any]]] = field(default_factory=dict)
 
     def not_covered(self) -> list[str]:
         """What the statement lists outside ε: the plan's, and the saved buffers the training
@@ -89,17 +93,44 @@ class Account:
         with quiet_rdp_orders():
             return self.ledger.epsilon() if delta is None else self.ledger.epsilon_at(delta)
 
+    def _taken(self) -> PrivacyStatement:
+        """The statement of the steps taken so far (the plan's before the first), without its labels."""
+        if not self.ledger.steps:
+            return replace(self.plan.statement, world_size=self.world_size)
+        taken = replace(self.plan.plan, steps=self.ledger.steps, target_epsilon=None,
+                        noise_multiplier=self.plan.split.noise_multiplier)
+        with quiet_rdp_orders():
+            return replace(solve(taken).statement, world_size=self.world_size)
+
+    @staticmethod
+    def _lines(taken: PrivacyStatement, not_covered: list[str], restored: bool) -> list[str]:
+        lines = replace(taken, not_covered=not_covered).lines()
+        return lines + [FRESH_LEDGER] if not restored else lines
+
     def statement(self) -> list[str]:
         """The privacy statement of the steps taken so far (the plan's before the first)."""
-        if not self.ledger.steps:
-            statement = self.plan.statement
-        else:
-            taken = replace(self.plan.plan, steps=self.ledger.steps, target_epsilon=None,
-                            noise_multiplier=self.plan.split.noise_multiplier)
-            with quiet_rdp_orders():
-                statement = solve(taken).statement
-        lines = replace(statement, world_size=self.world_size, not_covered=self.not_covered()).lines()
-        return lines + [FRESH_LEDGER] if not self.restored else lines
+        return self._lines(self._taken(), self.not_covered(), self.restored)
+
+    def restate(self) -> None:
+        """Add what has left outside ε since (a loss read, an evaluation) to each privacy.json this
+        account wrote, as long as it is still the one written there: its ε and steps stay those of
+        its save, its labels are the run's (docs/python-api.md, "The example")."""
+        now = self.not_covered()
+        for path, (taken, restored, written) in list(self.written.items()):
+            new = [line for line in now if line not in written["not_covered_by_epsilon"]]
+            if not new:
+                continue
+            try:
+                unchanged = json.loads(path.read_text()) == written
+            except (OSError, ValueError):
+                unchanged = False
+            if not unchanged:   # deleted, or replaced since (a later save, another run): not this account's
+                del self.written[path]
+                continue
+            labels = written["not_covered_by_epsilon"] + new
+            restated = {**written, "not_covered_by_epsilon": labels, "statement": self._lines(taken, labels, restored)}
+            write_json_atomic(path, restated)
+            self.written[path] = (taken, restored, restated)
 
     def save(self, directory: str | Path) -> Path:
         """Write ``ledger.json`` (every charged step) and ``privacy.json`` (ε, δ, statement); on
@@ -110,8 +141,8 @@ class Account:
         out.mkdir(parents=True, exist_ok=True)
         with quiet_rdp_orders():
             write_json_atomic(out / layout.LEDGER, self.ledger.to_dict())
-        plan = self.plan.plan
-        write_json_atomic(out / "privacy.json", {
+        plan, taken, labels = self.plan.plan, self._taken(), self.not_covered()
+        written = {
             "format": PRIVACY_FORMAT,
             "epsilon": self.epsilon(),
             "delta": plan.delta,
@@ -123,9 +154,11 @@ class Account:
             "noise_multiplier": self.plan.split.noise_multiplier,
             "gradient_noise_multiplier": self.plan.split.gradient_noise_multiplier,
             "seeded_randomness": plan.seeded_randomness,
-            "not_covered_by_epsilon": self.not_covered(),
-            "statement": self.statement(),
-        })
+            "not_covered_by_epsilon": labels,
+            "statement": self._lines(taken, labels, self.restored),
+        }
+        write_json_atomic(out / "privacy.json", written)
+        self.written[(out / "privacy.json").resolve()] = (taken, self.restored, json.loads(json.dumps(written)))
         return out
 
 

@@ -318,6 +318,7 @@ class DPTrainer(Trainer):
         if private is None:
             private = PrivateOptimizer(optimizer, self.engine, self.account)
             private.record_grad_norm = True
+            private.parts_per_step = self.parts   # each noisy step after its draw's parts (no callback's)
             private.on_release = self.releases.check
         self.optimizer = private   # accelerate wraps it (again) in train(): once, around the private step
         return private
@@ -387,10 +388,11 @@ class DPTrainer(Trainer):
 
     def evaluation_loop(self, *args: Any, **kwargs: Any):
         # evaluate() and predict() (during training too): stated before anything is computed, and in a
-        # statement already written to the output directory
+        # statement already written to the output directory, and in every privacy.json saved before
         self.evaluated = True
         if self.account.ledger.steps and (Path(self.args.output_dir) / "privacy.json").exists():
             self.account.save(self.args.output_dir)
+        self.account.restate()
         return super().evaluation_loop(*args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from transformers import HfArgumentParser, TrainingArguments
+from transformers import HfArgumentParser, TrainerCallback, TrainingArguments
 
 from dpclip import layout
 from dpclip.errors import DpclipError
@@ -67,6 +67,37 @@ def test_evaluations_during_training_are_stated_in_the_checkpoints_too(tmp_path)
     trainer.train()
     for folder in (tmp_path / "out", tmp_path / "out" / "checkpoint-1"):
         assert EVALUATED in json.loads((folder / "privacy.json").read_text())["not_covered_by_epsilon"]
+
+
+def test_an_evaluation_after_a_save_elsewhere_is_stated_in_that_folder_too_with_its_epsilon_kept(tmp_path):
+    """save_model(other) wrote other/privacy.json; a later evaluate() releases more of the data the
+    model in it was trained on: its labels gain the line, its ε and ledger stay those of its save."""
+    trainer = _trainer(tmp_path, save_strategy="steps", save_steps=1, max_steps=2)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "elsewhere"))
+    before = {folder: json.loads((folder / "privacy.json").read_text())
+              for folder in (tmp_path / "elsewhere", tmp_path / "out" / "checkpoint-1")}
+    trainer.evaluate(trainer.train_dataset)
+    for folder, saved in before.items():
+        now = json.loads((folder / "privacy.json").read_text())
+        assert EVALUATED not in saved["not_covered_by_epsilon"] and EVALUATED in now["not_covered_by_epsilon"]
+        assert f"not covered by ε: {EVALUATED}" in now["statement"]
+        assert (now["epsilon"], now["steps"]) == (saved["epsilon"], saved["steps"])
+    assert before[tmp_path / "out" / "checkpoint-1"]["steps"] == 1
+
+
+def test_a_callbacks_extra_optimizer_step_is_refused_before_anything_is_released(tmp_path):
+    """It would release noise alone and charge a step past the plan (3 of 2)."""
+    class StepAgain(TrainerCallback):
+        def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+            optimizer.step()
+
+    trainer = _trainer(tmp_path, max_steps=2)
+    trainer.add_callback(StepAgain())
+    with pytest.raises(DpclipError, match="outside the Trainer's own step") as refused:
+        trainer.train()
+    assert "callback" in refused.value.hint
+    assert trainer.account.ledger.steps == 1
 
 
 def test_a_resume_from_a_checkpoint_moved_away_from_its_release_log_is_refused(tmp_path):

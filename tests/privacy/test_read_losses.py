@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpclip
+from dpclip.accounting import Ledger
 from dpclip.errors import DpclipError
 from dpclip.integrations.setup import READ_LOSS
 
@@ -100,3 +101,69 @@ def test_a_private_loss_saved_or_deep_copied_is_refused_with_what_to_save(carry,
         carry(loss)
     assert "loss.item()" in refused.value.hint
     assert _named(private, tmp_path) == (False, False)
+
+
+@pytest.mark.parametrize("clear", [lambda private, loss: setattr(private.optimizer.tracker, "losses_read", False),
+                                   lambda private, loss: setattr(private.criterion.tracker, "losses_read", False)],
+                         ids=["optimizer.tracker", "criterion.tracker"])
+def test_the_mark_of_a_read_loss_cannot_be_cleared_by_the_loop(clear, tmp_path):
+    private = _private()
+    _run(private, lambda loss: loss.item())
+    model, optimizer, criterion, loader = private
+    with pytest.raises(DpclipError, match="mark that the loop read") as refused:
+        clear(private, None)
+    assert refused.value.hint
+    assert _named(private, tmp_path) == (True, True)
+
+
+@pytest.mark.parametrize("name", ["tracker", "engine", "_tracker", "_losses"])
+def test_a_private_loss_is_read_only_so_its_checks_cannot_be_swapped(name, tmp_path):
+    # a loss whose tracker is None would backward its batch a second time, unchecked
+    private = _private()
+    model, optimizer, criterion, loader = private
+    x, y = next(iter(loader))
+    loss = criterion(model(x), y)
+    with pytest.raises(DpclipError, match="read-only") as refused:
+        setattr(loss, name, None)
+    assert refused.value.hint
+    with pytest.raises(AttributeError):
+        optimizer.tracker = None
+    with pytest.raises(AttributeError):
+        criterion.tracker = None
+    assert _named(private, tmp_path) == (False, False)
+
+
+@pytest.mark.parametrize("compare, expected", [(lambda loss, v: loss == v, True), (lambda loss, v: v == loss, True),
+                                               (lambda loss, v: loss != v, False),
+                                               (lambda loss, v: loss == torch.tensor(v), True),
+                                               (lambda loss, v: loss == v + 1, False)],
+                         ids=["==", "reflected ==", "!=", "== tensor", "== another"])
+def test_a_loss_compared_for_equality_compares_its_value_and_is_named(compare, expected, tmp_path):
+    # by identity, loss == its own value was False: a wrong answer, and a read left unnamed
+    private = _private()
+    model, optimizer, criterion, loader = private
+    x, y = next(iter(loader))
+    outputs = model(x)
+    value = float(nn.CrossEntropyLoss(reduction="none")(outputs, y).detach().mean())
+    loss = criterion(outputs, y)
+    assert compare(loss, value) is expected
+    assert _named(private, tmp_path) == (True, True)
+
+
+def test_a_privacy_json_saved_before_the_first_read_gains_its_line_and_keeps_its_epsilon(tmp_path):
+    private = _private()
+    model, optimizer, criterion, loader = private
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = criterion(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if private.ledger.steps == 1:
+            saved = json.loads((private.save(tmp_path / "early") / "privacy.json").read_text())
+    assert READ_LOSS not in saved["not_covered_by_epsilon"]
+    loss.item()
+    restated = json.loads((tmp_path / "early" / "privacy.json").read_text())
+    assert READ_LOSS in restated["not_covered_by_epsilon"]
+    assert f"not covered by ε: {READ_LOSS}" in restated["statement"]
+    assert (restated["epsilon"], restated["steps"]) == (saved["epsilon"], 1)
+    assert Ledger.from_dict(json.loads((tmp_path / "early" / "ledger.json").read_text())).steps == 1
