@@ -23,7 +23,6 @@ from dpclip.engine.spec import ClippingSpec
 from dpclip.engine.workload import SGD, Workload
 from dpclip.errors import AccountingError, DpclipError
 from dpclip.models import build_model
-from dpclip.recipe.load import validate_recipe
 from dpclip.recipe.schema import Recipe
 
 
@@ -132,7 +131,7 @@ CLOCK_CHECKPOINTS = (
     "an export's checkpoint_step): the clock adds up the steps' wall time, which follows the realised batch sizes")
 
 
-#: A run a step's error stopped (meta.json ``stopped_on_private_batch``): the model's error or a refusal
+#: A run a step's error stopped (plan.json ``stopped_on_private_batch``): the model's error or a refusal
 #: on a private batch, so the step the run stopped at follows that batch (docs/accounting.md).
 PRIVATE_STOP = ("the step at which an error raised on a private batch stopped the run (where its ledger, metrics and "
                 "checkpoints ended then): whether the model, its loss or the certificate fails on a batch follows the "
@@ -203,28 +202,19 @@ def not_covered(recipe: Recipe) -> tuple[str, ...]:
     return out
 
 
-def not_covered_of_run(recipe: Recipe, meta: dict | None = None) -> tuple[str, ...]:
-    """:func:`not_covered` of ``recipe`` and of each version of it a resume replaced (the run's
-    meta.json ``resumes``: each changed field's earlier value), and :data:`PRIVATE_STOP` if a
-    step's error stopped the run. A part of the run released what its recipe listed: a clock
-    checkpoint's folder stays when a resume turns the clock off."""
-    meta = meta or {}
-    resumes = meta.get("resumes", ())
-    lines = list(not_covered(recipe)) + ([PRIVATE_STOP] if meta.get("stopped_on_private_batch") else [])
-    dumped = recipe.model_dump(mode="json")
-    for resume in reversed(list(resumes)):
-        # deeper fields first: a section that was unset (None) is put back after its leaves
-        for key, (old, _) in sorted(resume.get("changes", {}).items(), key=lambda kv: -kv[0].count(".")):
-            *parents, leaf = key.split(".")
-            node = dumped
-            for part in parents:
-                if not isinstance(node.get(part), dict):
-                    node[part] = {}
-                node = node[part]
-            node[leaf] = old
-        earlier = validate_recipe(dumped, source=f"the recipe before the resume at step {resume.get('step')}")
-        lines += [line for line in not_covered(earlier) if line not in lines]
-    return tuple(lines)
+def not_covered_of_run(recipe: Recipe, plan: dict | None = None) -> tuple[str, ...]:
+    """:func:`not_covered` of ``recipe``, the lines of each recipe a resume replaced (the run's
+    plan.json ``earlier_not_covered``: a clock checkpoint's folder stays when a resume turns the
+    clock off) and :data:`PRIVATE_STOP` where a step's error stopped the run (plan.json
+    ``stopped_on_private_batch``)."""
+    plan = plan or {}
+    earlier = plan.get("earlier_not_covered", [])
+    if not isinstance(earlier, list) or not all(isinstance(line, str) for line in earlier):
+        raise DpclipError(f"plan.json records earlier_not_covered {earlier!r}, which is not a list of lines",
+                          "the run directory was modified: restore plan.json")
+    lines = list(not_covered(recipe))
+    lines += [line for line in earlier if line not in lines]
+    return tuple(lines) + ((PRIVATE_STOP,) if plan.get("stopped_on_private_batch") is True else ())
 
 
 def uses_public_data(recipe: Recipe) -> bool:

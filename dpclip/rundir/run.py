@@ -32,7 +32,8 @@ from dpclip.rundir.checkpoint import checkpointed_steps
 from dpclip.errors import DpclipError
 from dpclip.files import read_json, write_json_atomic, write_text_atomic
 from dpclip.recipe import Recipe, apply_overrides, read_yaml, recipe_to_yaml, validate_recipe
-from dpclip.planning.plan import forward_state_line, not_covered_of_run, planned_private_steps, privacy_plan
+from dpclip.planning.plan import (forward_state_line, not_covered, not_covered_of_run, planned_private_steps,
+                                  privacy_plan)
 
 
 # Fields whose change would change what the ledger means: a run refuses to resume if any differ.
@@ -247,6 +248,11 @@ def record_resume_changes(run: RunDir, recipe: Recipe, step: int, changes: dict[
                           "only non-privacy fields may change on resume")
     meta = run.meta()
     meta.setdefault("resumes", []).append({"step": step, "changes": changes})
+    # what the replaced recipe's part of the run released outside ε stays stated (planning/plan.py)
+    plan = run.public_plan()
+    earlier = plan.get("earlier_not_covered", [])
+    earlier += [line for line in not_covered(run.recipe()) if line not in earlier]
+    write_json_atomic(run.plan_file, {**plan, "earlier_not_covered": earlier})
     write_text_atomic(run.recipe_file, recipe_to_yaml(recipe))
     write_json_atomic(run.meta_file, meta)
 
@@ -308,19 +314,19 @@ def spent(run_dir: Path):
     check_ledger(ledger, solved, range(0, steps + 1), where=path)
     return ledger, run_statement(recipe, ledger, world_size=recorded_world_size(run.path),
                                  users=run.public_plan().get("num_users"), written=recorded_written_state(run.path),
-                                 meta=run.meta())
+                                 plan=run.public_plan())
 
 
 def run_statement(recipe: Recipe, ledger, *, world_size: int = 1, users: int | None = None, written=(),
-                  meta: dict | None = None):
+                  plan: dict | None = None):
     """The privacy statement of a run's ledger, with the recipe's randomness mode, what the
-    run releases outside ε (``written``: the buffers the forward writes, plan.json's; ``meta``:
-    the run's meta.json, whose resumes' earlier recipes and stop it names), and how many
-    processes trained it (docs/distributed.md)."""
+    run releases outside ε (``written``: the buffers the forward writes; ``plan``: the run's
+    plan.json, with its earlier recipes' lines and its stop), and how many processes trained it
+    (docs/distributed.md)."""
     unit = user_unit(users, recipe.data.max_examples_per_user) if recipe.privacy.unit == "user" else None
     return statement_from_ledger(ledger, sampling=recipe.training.sampling,
                                  seeded_randomness=recipe.privacy.unsafe_seeded_randomness,
-                                 not_covered=not_covered_of_run(recipe, meta) + forward_state_line(written),
+                                 not_covered=not_covered_of_run(recipe, plan) + forward_state_line(written),
                                  world_size=world_size,
                                  parallel=recipe.training.parallel, bands=recipe.privacy.mechanism.bands,
                                  unit=unit)

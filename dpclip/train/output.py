@@ -68,15 +68,15 @@ class RunOutput:
         write_json_atomic(run.plan_file, {**run.public_plan(), "forward_written_state": sorted(self.written_state)})
 
     def record_private_stop(self) -> None:
-        """meta.json's ``stopped_on_private_batch``: a step raised on its private batch (the model's
+        """plan.json's ``stopped_on_private_batch``: a step raised on its private batch (the model's
         error, a refusal of the certificate's), so the step the run stopped at follows that batch;
-        every statement of the run says so from then on (docs/accounting.md). Kept in the secret
-        meta.json: the flag is what the statement shows, not the step."""
+        every statement of the run says so from then on (docs/accounting.md). The flag is what the
+        statement shows; the step is not recorded."""
         if not self.main or self.run_dir is None:
             return
         run = RunDir(self.run_dir)
         try:
-            write_json_atomic(run.meta_file, {**run.meta(), "stopped_on_private_batch": True})
+            write_json_atomic(run.plan_file, {**run.public_plan(), "stopped_on_private_batch": True})
         except (OSError, DpclipError):   # (the step's own error is the one to show)
             pass
 

@@ -148,7 +148,7 @@ def _finish(parts: RunParts, state: RunState, output: RunOutput, stopped: str, f
     accounting = state.ledger.result()
     statement = run_statement(recipe, state.ledger, world_size=parts.setting.world.size, users=parts.setting.plan.users,
                               written=recorded_written_state(output.run_dir),
-                              meta=RunDir(output.run_dir).meta())
+                              plan=RunDir(output.run_dir).public_plan())
     result = TrainResult(output.run_dir, state.step, planned, accounting.epsilon, accounting.epsilon_rdp,
                          plan.delta, stopped, final_eval, statement.lines(), parts.setting.solved.step_metadata,
                          parts.setting.sigma_change, resume_changes, step_seconds=state.step_seconds)

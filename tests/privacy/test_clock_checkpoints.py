@@ -16,7 +16,9 @@ import pytest
 
 import dpclip.train.state as train_state
 from dpclip.planning.plan import PRIVATE_HESSIAN_DIAGNOSTICS, not_covered, not_covered_of_run
-from dpclip.rundir.run import recipe_changes, spent
+from dpclip.files import write_json_atomic
+from dpclip.recipe import recipe_to_yaml
+from dpclip.rundir.run import RunDir, privacy_fingerprint, record_resume_changes, recipe_changes, spent
 from dpclip.train.workflow import train
 from tests.privacy.test_crash_and_resume import _crashed_copy
 
@@ -69,14 +71,19 @@ def test_a_resume_that_turns_the_clock_off_still_lists_the_clock_checkpoints_mad
     assert any("checkpoint.every_minutes" in line for line in result.statement), result.statement
 
 
-def test_each_earlier_recipe_of_a_resumed_run_keeps_its_not_covered_lines(tiny_recipe):
+def test_each_earlier_recipe_of_a_resumed_run_keeps_its_not_covered_lines(tiny_recipe, tmp_path):
     """Hessian diagnostics on private data turned off by a resume at step 4: diagnostics.jsonl still
     holds their records, so the run's statement keeps the line (the fields a resume may change are
-    the non-privacy ones: checkpointing, diagnostics)."""
+    the non-privacy ones: checkpointing, diagnostics). plan.json (released) keeps the line."""
     now = tiny_recipe()
     before = tiny_recipe("diagnostics.every_steps=2", "diagnostics.data=private",
                          "diagnostics.private_not_covered=true")
-    meta = {"resumes": [{"step": 4, "changes": recipe_changes(before, now)}]}
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.recipe_file.write_text(recipe_to_yaml(before))
+    write_json_atomic(run.meta_file, {"privacy_fingerprint": privacy_fingerprint(before)})
+    write_json_atomic(run.plan_file, {"privacy_fingerprint": privacy_fingerprint(before)})
+    record_resume_changes(run, now, 4, recipe_changes(before, now))
     assert PRIVATE_HESSIAN_DIAGNOSTICS not in not_covered(now)
-    assert PRIVATE_HESSIAN_DIAGNOSTICS in not_covered_of_run(now, meta)
+    assert PRIVATE_HESSIAN_DIAGNOSTICS in not_covered_of_run(now, run.public_plan())
     assert not_covered_of_run(now, {}) == not_covered(now)

@@ -1,7 +1,7 @@
 """An attacker reads where a stopped run's ledger, metrics and checkpoints end. A step that raises
 on its private batch (the model's own error on some input, the certificate refusing a batch size
 it mixes at) stops the run at a step that follows the private draws, and before the fix no
-statement of the run said so. Now meta.json (secret) keeps that it happened, and every statement
+statement of the run said so. Now plan.json keeps that it happened (not where), and every statement
 of the run names it, after a resume too (docs/accounting.md)."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_a_run_stopped_by_a_refusal_states_its_stop_not_covered_and_keeps_it_aft
     ledger, statement = spent(run_dir)
     assert ledger.steps == 3
     assert PRIVATE_STOP in statement.not_covered
-    assert RunDir(run_dir).meta()["stopped_on_private_batch"] is True
+    assert RunDir(run_dir).public_plan()["stopped_on_private_batch"] is True   # the fact, not the step
     monkeypatch.undo()
     result = train(resume=run_dir)
     assert result.steps_done == 6
