@@ -43,7 +43,10 @@ class RichObserver:
             return
         table = Table(show_header=False, box=None, title=f"[bold]{info['name']}[/]" + (" (dry run)" if info["dry_run"] else ""))
         table.add_row("run directory", info["run_dir"] or "-")
-        table.add_row("training examples N", str(info["num_train"]))
+        if info.get("num_users") is not None:   # user-level: q = B / people (docs/users.md)
+            table.add_row("people N", f"{info['num_users']} ({info['num_train']} records)")
+        else:
+            table.add_row("training examples N", str(info["num_train"]))
         table.add_row(*_rate_row(info))
         table.add_row("steps", str(info["steps"]))
         groups = info["groups"]
