@@ -177,6 +177,10 @@ class PrivacyStatement:
         if self.epsilon_rdp is not None:
             out.append(f"RDP ε alongside: {bound_text(self.epsilon_rdp)}")
         sampling = "Poisson" if self.sampling == "poisson" else "fixed-size shuffled batches"
+        if self.buffers:   # q is the nominal rate: no step samples the whole data at q (the mechanism line)
+            sampling = f"cyclic over {self.groups} groups, no amplification by sampling claimed (see mechanism)"
+        elif self.bands > 1:
+            sampling = f"cyclic Poisson over {self.bands} groups, each at q·b (see mechanism)"
         out.append(f"sampling: {sampling}, sample rate q = {_fmt(self.sample_rate, 6)}")
         distribution = self.distribution()
         if distribution is not None:

@@ -23,6 +23,7 @@ import torch
 
 from dpclip import layout
 from dpclip.accounting import Ledger, bound_text
+from dpclip.accounting.statement import SEEDED_RANDOMNESS_WARNING, SHUFFLE_CAVEAT
 from dpclip.audit.attacks import Outputs, logistic_attack, loss_attack, model_outputs
 from dpclip.audit.exposure import exposure_audit
 from dpclip.audit.lira import lira_scores, realised_plan, shadow_confidences, target_plan, train_shadows
@@ -143,6 +144,13 @@ def _charge_search(run_dir: Path, report: dict[str, Any]) -> None:
                            f"({bound_text(found.epsilon)}); the run's own ledger alone understates it")
 
 
+def _ledger_caveats(recipe) -> list[str]:
+    """The run statement's caveats on the ledger's ε the audit sets beside its figures: a shuffled
+    loader's ε is not a proven bound, a seeded run's none against the seed's holder."""
+    notes = [f"the ledger's ε: {SHUFFLE_CAVEAT}"] if recipe.training.sampling == "shuffle" else []
+    return notes + ([SEEDED_RANDOMNESS_WARNING] if recipe.privacy.unsafe_seeded_randomness else [])
+
+
 def _one_run(run_dir: Path, recipe, pool: Pool, model, loss_fn, delta: float, confidence: float) -> dict:
     secret = read_canary_secret(run_dir)
     if recipe.audit.canaries is None:
@@ -194,6 +202,7 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
         "created": datetime.now().isoformat(timespec="seconds"), "attacks": {}, "notes": [],
     }
     _charge_search(run_dir, report)
+    report["notes"] += _ledger_caveats(recipe)
     outputs = model_outputs(model, loss_fn, pool.tensors, pool.data.task)
     attacked = pool.attacked
     members = pool.is_member[attacked]

@@ -18,6 +18,17 @@ def _short(values, limit: int = 3) -> str:
     return shown + (f" (+{len(values) - limit})" if len(values) > limit else "")
 
 
+def _rate_row(info) -> tuple[str, str]:
+    """The sample rate's row, named for how the loader draws batches: "Poisson" only when it
+    samples Poisson batches (a shuffled loader is accounted as if Poisson: the statement's caveat)."""
+    if info.get("cyclic_groups", 1) > 1:
+        return "sample rate q", (f"{fmt(info['sample_rate'])} (cyclic over {info['cyclic_groups']} groups, one group a "
+                                 "step: see the statement's mechanism line)")
+    if info.get("sampling", "poisson") == "poisson":
+        return "Poisson rate q", fmt(info["sample_rate"])
+    return "sample rate q", f"{fmt(info['sample_rate'])} (fixed-size shuffled batches, accounted as if Poisson)"
+
+
 class RichObserver:
     """Progress bar with step, loss, ε spent, thresholds and clip fraction."""
 
@@ -32,8 +43,11 @@ class RichObserver:
             return
         table = Table(show_header=False, box=None, title=f"[bold]{info['name']}[/]" + (" (dry run)" if info["dry_run"] else ""))
         table.add_row("run directory", info["run_dir"] or "-")
-        table.add_row("training examples N", str(info["num_train"]))
-        table.add_row("Poisson rate q", fmt(info["sample_rate"]))
+        if info.get("num_users") is not None:   # user-level: q = B / people (docs/users.md)
+            table.add_row("people N", f"{info['num_users']} ({info['num_train']} records)")
+        else:
+            table.add_row("training examples N", str(info["num_train"]))
+        table.add_row(*_rate_row(info))
         table.add_row("steps", str(info["steps"]))
         groups = info["groups"]
         table.add_row("clipping groups", f"{len(groups)}: " + ", ".join(groups[:4]) + (" …" if len(groups) > 4 else ""))

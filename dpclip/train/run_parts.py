@@ -138,7 +138,8 @@ class RunParts:
         setting, feed = self.setting, self.feed
         recipe, plan, split = setting.recipe, setting.plan, self.split
         return {
-            "name": recipe.name, "steps": plan.steps, "sample_rate": plan.sample_rate,
+            "name": recipe.name, "steps": plan.steps, "sample_rate": plan.sample_rate, "sampling": plan.sampling,
+            "cyclic_groups": plan.groups,
             "num_train": feed.ordinary.num_train, "num_test": feed.data.num_test,
             "num_users": plan.users,
             "canaries_included": None if feed.canaries is None else int(feed.canaries.included.sum()),

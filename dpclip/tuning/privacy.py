@@ -124,6 +124,12 @@ class SearchPrivacy:
     @property
     def sampling_assumption(self) -> str:
         """How the batches are drawn and what the accounting assumes of them (the statements' wording)."""
+        if self.sensitivities:
+            return ("cyclic sampling (BLT): one group of the data a step, in turn; no amplification by sampling is "
+                    "claimed (each run is one Gaussian mechanism over all its steps)")
+        if self.bands > 1:
+            return (f"cyclic Poisson sampling over {self.bands} groups: step t samples group t mod {self.bands} at "
+                    f"rate q·{self.bands}, as the accounting assumes")
         if self.sampling == "poisson":
             return "Poisson subsampling at rate q, as the accounting assumes"
         return SHUFFLE_ASSUMPTION

@@ -140,3 +140,14 @@ def test_seeded_randomness_is_warned_of_in_words_true_for_make_private_too():
     assert lines[0].startswith("WARNING") and "holds the seed" in lines[0] and "unsafe_seed=" in lines[0]
     assert not any("recipe's seed (reproducible" in line or "holds the recipe" in line for line in lines)
     assert any("derived from the seed given" in line for line in lines)
+
+
+@pytest.mark.parametrize("mechanism, words", [
+    ({"bands": 4}, "sampling: cyclic Poisson over 4 groups, each at q·b"),
+    ({"buffers": 2, "groups": 22, "sensitivity": 1.1}, "sampling: cyclic over 22 groups, no amplification"),
+])
+def test_a_correlated_noise_statement_does_not_say_plain_poisson_sampling_at_q(mechanism, words):
+    lines = _statement(**mechanism).lines()
+    sampling = [line for line in lines if line.startswith("sampling:")]
+    assert len(sampling) == 1 and sampling[0].startswith(words)
+    assert not sampling[0].startswith("sampling: Poisson")

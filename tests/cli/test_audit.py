@@ -196,3 +196,14 @@ def test_the_one_run_table_states_the_condition_of_the_fdp_bound(cli, canary_run
     result = cli("audit-mia", copied(canary_runs["ood"], tmp_path), "--attack", "one-run")
     assert result.code == 0, result.err
     assert "a lower bound only if the trade-off curve is Gaussian" in " ".join(result.out.split())
+
+
+def test_an_audit_of_a_shuffled_run_sets_the_poisson_caveat_beside_the_ledgers_epsilon(cli, tiny_run):
+    from dpclip.accounting.statement import SHUFFLE_CAVEAT
+
+    run = tiny_run("training.sampling=shuffle")
+    result = cli("audit-mia", run, "--attack", "loss", "--bootstrap", "20", "--json")
+    assert result.code == 0, result.err
+    assert any(SHUFFLE_CAVEAT in note for note in json.loads(result.out)["notes"])
+    shown = cli("audit-mia", run, "--attack", "loss", "--bootstrap", "20")
+    assert SHUFFLE_CAVEAT in " ".join(shown.out.split())

@@ -79,3 +79,13 @@ def test_a_strategy_the_score_noise_makes_infeasible_is_reported_not_raised():
 def test_a_search_no_noise_can_make_private_is_an_error():
     with pytest.raises(AccountingError, match="no per-run noise"):
         _privacy("tuning.score=private", "tuning.score_noise=0.05")
+
+
+@pytest.mark.parametrize("mechanism, words", [
+    ("{kind: banded-mf, bands: 2}", "cyclic Poisson sampling over 2 groups"),
+    ("{kind: blt, buffers: 2}", "no amplification by sampling is claimed"),
+])
+def test_a_correlated_noise_search_does_not_claim_poisson_subsampling_at_rate_q(mechanism, words):
+    _, privacy = _privacy(f"privacy.mechanism={mechanism}", configurations=2)
+    assert not privacy.sampling_assumption.startswith("Poisson subsampling")
+    assert words in privacy.sampling_assumption
