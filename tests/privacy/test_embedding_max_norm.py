@@ -5,6 +5,7 @@ refuses such a module when it is built."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch import nn
 
 from dpclip.engine import DPEngine
@@ -80,4 +81,6 @@ def test_a_forward_renormalising_a_trained_weight_in_place_is_refused_before_any
         model(ids)
     assert "max_norm" in refused.value.hint
     assert torch.equal(noise.get_state(), before)
+    # the checked forward's draw recorder (a dispatch mode) is off again: the caller's process goes on as before
+    assert _get_current_dispatch_mode() is None
     engine.detach()

@@ -239,6 +239,10 @@ class Certificate:
         if self.idle:
             return None
         self.depth = max(self.depth - 1, 0)
+        recorder = self._recorder if self.depth == 0 else None
+        if recorder is not None:   # (first: a refusal below must not leave its dispatch mode on)
+            self._recorder = None
+            recorder.__exit__(None, None, None)
         if self.depth == 0 and self._versions is not None:
             before, self._versions = self._versions, None
             refuse_trained_parameter_write(self.names, self.params, self._trained, self.disabled)   # (no noise yet)
@@ -249,10 +253,6 @@ class Certificate:
             unchecked = sorted(written - self.checked_writes - self._recorded_writes)   # (recorded: checked later)
             if unchecked and not self._recorded and self.disabled is None:
                 refuse_write_after_the_check(unchecked[0])   # before its backward: no noise drawn
-        recorder = self._recorder if self.depth == 0 else None
-        if recorder is not None:
-            self._recorder = None
-            recorder.__exit__(None, None, None)
         if self.depth == 0 and self.armed and self.forwards and not self.forwards[-1].edges:
             forward = self.forwards[-1]
             keep_given_or_copies(forward)
