@@ -310,6 +310,7 @@ def test_user_level_privacy_needs_both_arguments(tmp_path):
                                            users_column="user_id"))
 
 
+@pytest.mark.slow  # two end-to-end runs: the slow set (README)
 def test_gradient_checkpointing_in_the_training_arguments_trains_the_weights_of_the_run_without_it(tmp_path):
     """TrainingArguments(gradient_checkpointing=True): transformers checkpoints non-reentrantly by
     default, which the engine follows (docs/supported-models.md, "Gradient checkpointing")."""

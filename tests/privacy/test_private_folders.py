@@ -56,6 +56,7 @@ def test_every_folder_of_a_run_with_checkpoints_canaries_and_its_audit_is_owner_
     assert _open_folders(run_dir) == []
 
 
+@pytest.mark.slow  # an end-to-end search: the slow set (README)
 def test_every_folder_of_a_search_is_owner_only(tmp_path, monkeypatch):
     from dpclip.accounting import tuning as accounting_tuning
     from tests.privacy.test_release_manifest import TINY_SEARCH

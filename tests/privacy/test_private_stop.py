@@ -28,6 +28,7 @@ def _stopped_at(monkeypatch, step: int):
     monkeypatch.setattr(trainer, "train_step", refusing)
 
 
+@pytest.mark.slow  # an end-to-end resume: the slow set (README)
 def test_a_run_stopped_by_a_refusal_states_its_stop_not_covered_and_keeps_it_after_a_resume(
         tiny_recipe, monkeypatch):
     _stopped_at(monkeypatch, 3)

@@ -101,6 +101,7 @@ def resume_from(full, cut, step: int, later: list[int]) -> None:
         Ledger.from_dict(json.loads((full / "ledger.json").read_text()))
 
 
+@pytest.mark.slow  # an end-to-end resume: the slow set (README)
 def test_a_resumed_banded_run_ends_as_the_run_that_never_stopped(small_recipe, tmp_path):
     full = train(small_recipe(*BANDED, *SEEDED)).run_dir   # 12 steps, checkpoints every 4
     resume_from(full, tmp_path / "cut", 8, [12])

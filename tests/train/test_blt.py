@@ -67,6 +67,7 @@ def test_a_ledger_with_a_charge_lowered_is_refused(small_recipe):
         spent(result.run_dir)
 
 
+@pytest.mark.slow  # an end-to-end resume: the slow set (README)
 def test_a_resumed_blt_run_ends_as_the_run_that_never_stopped(small_recipe, tmp_path):
     full = train(small_recipe(*BLT, *SEEDED, *STEPS)).run_dir
     resume_from(full, tmp_path / "cut", 30, [40, 50])   # mid-cycle: participations at 0, 22, 44

@@ -52,6 +52,7 @@ def test_records_on_private_data_are_labelled_and_public_ones_covered():
     assert public["covered_by_epsilon"] is True and "not_covered_by_epsilon" not in public
 
 
+@pytest.mark.slow  # an end-to-end run: the slow set (README)
 def test_diagnostics_jsonl_gets_a_labelled_record_every_k_steps(small_recipe, one_thread):
     result = train(small_recipe("diagnostics.every_steps=4", "diagnostics.probes=4", "diagnostics.per_sample=4",
                                 *PRIVATE))

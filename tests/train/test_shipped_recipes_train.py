@@ -11,8 +11,10 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
 
-#: the slowest on the CPU (10 s, its selective scan) runs with the slow tests
-SLOW = {"mamba-tiny-text"}
+#: the slowest on the CPU (10 s, its selective scan; 3-6 s the other transformers but one) run with the slow
+#: tests: gpt2-tiny-text keeps a transformers recipe in the default run
+SLOW = {"mamba-tiny-text", "continual-gpt2-text", "gpt2-tiny-lora", "user-text", "bert-tiny-classify",
+        "mixtral-tiny-text"}
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p for p in RECIPES],
