@@ -13,12 +13,7 @@ from pathlib import Path
 import pytest
 
 from dpclip.files import private_dir
-from dpclip.recipe import apply_overrides, read_yaml, validate_recipe
 from dpclip.train.workflow import train
-from dpclip.tuning.cost import StepTimer, tune_cost
-from dpclip.tuning.search import run_search
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -58,14 +53,6 @@ def test_every_folder_of_a_run_with_checkpoints_canaries_and_its_audit_is_owner_
 
 @pytest.mark.slow  # an end-to-end search: the slow set (README)
 def test_every_folder_of_a_search_is_owner_only(tmp_path, monkeypatch):
-    from dpclip.accounting import tuning as accounting_tuning
-    from tests.privacy.test_release_manifest import TINY_SEARCH
+    from tests.privacy.test_release_manifest import tiny_search
 
-    base = apply_overrides(read_yaml(REPO / "recipes" / "quickstart.yaml"),
-                           [f"output_dir={tmp_path / 'runs'}", *TINY_SEARCH])
-    recipe = validate_recipe(base)
-    grid = ["training.optimizer.lr=0.13,0.57"]
-    report = tune_cost(base, recipe, grid=grid, timer=StepTimer(fixed_seconds=0.01))
-    monkeypatch.setattr(accounting_tuning, "draw_trial_count", lambda mean, shape, rng: 1)
-    summary = run_search(base, recipe, report, grid=grid)
-    assert _open_folders(Path(summary["search_dir"])) == []
+    assert _open_folders(Path(tiny_search(tmp_path, monkeypatch, trials=1)["search_dir"])) == []

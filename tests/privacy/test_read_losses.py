@@ -31,6 +31,13 @@ def _private(**kwargs):
                                steps=3, noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, **kwargs)
 
 
+def _first_loss(private):
+    """The private loss of the loader's first draw."""
+    model, _, criterion, loader = private
+    x, y = next(iter(loader))
+    return criterion(model(x), y)
+
+
 def _run(private, read) -> None:
     model, optimizer, criterion, loader = private
     for x, y in loader:
@@ -94,9 +101,7 @@ def test_a_reloaded_checkpoint_keeps_the_earlier_steps_read_losses_in_its_statem
 def test_a_private_loss_saved_or_deep_copied_is_refused_with_what_to_save(carry, tmp_path):
     # a pickle carries the per-sample losses out of the loop without reading them through the loss
     private = _private()
-    model, optimizer, criterion, loader = private
-    x, y = next(iter(loader))
-    loss = criterion(model(x), y)
+    loss = _first_loss(private)
     with pytest.raises(DpclipError, match="private loss pickled") as refused:
         carry(loss)
     assert "loss.item()" in refused.value.hint
@@ -120,9 +125,8 @@ def test_the_mark_of_a_read_loss_cannot_be_cleared_by_the_loop(clear, tmp_path):
 def test_a_private_loss_is_read_only_so_its_checks_cannot_be_swapped(name, tmp_path):
     # a loss whose tracker is None would backward its batch a second time, unchecked
     private = _private()
-    model, optimizer, criterion, loader = private
-    x, y = next(iter(loader))
-    loss = criterion(model(x), y)
+    _, optimizer, criterion, _ = private
+    loss = _first_loss(private)
     with pytest.raises(DpclipError, match="read-only") as refused:
         setattr(loss, name, None)
     assert refused.value.hint
@@ -152,16 +156,15 @@ def test_a_loss_compared_for_equality_compares_its_value_and_is_named(compare, e
 
 def test_a_privacy_json_saved_before_the_first_read_gains_its_line_and_keeps_its_epsilon(tmp_path):
     private = _private()
-    model, optimizer, criterion, loader = private
-    for x, y in loader:
-        optimizer.zero_grad()
-        loss = criterion(model(x), y)
-        loss.backward()
-        optimizer.step()
+    saved, losses = {}, []
+
+    def after_step(loss):   # the loop saves after its first step and reads no loss
+        losses.append(loss)
         if private.ledger.steps == 1:
-            saved = json.loads((private.save(tmp_path / "early") / "privacy.json").read_text())
+            saved.update(json.loads((private.save(tmp_path / "early") / "privacy.json").read_text()))
+    _run(private, after_step)
     assert READ_LOSS not in saved["not_covered_by_epsilon"]
-    loss.item()
+    losses[-1].item()
     restated = json.loads((tmp_path / "early" / "privacy.json").read_text())
     assert READ_LOSS in restated["not_covered_by_epsilon"]
     assert f"not covered by ε: {READ_LOSS}" in restated["statement"]

@@ -236,14 +236,19 @@ TINY_SEARCH = ["training.epochs=null", "training.steps=2", "model.hidden=[8]", "
                "tuning.score=private", "tuning.score_noise=20"]
 
 
-def test_every_file_a_search_leaves_is_in_the_manifest(tmp_path, monkeypatch):
+def tiny_search(tmp_path, monkeypatch, trials: int) -> dict:
+    """The summary of a search over two learning rates of the tiny quickstart, ``trials`` draws."""
     base = apply_overrides(read_yaml(REPO / "recipes" / "quickstart.yaml"),
                            [f"output_dir={tmp_path / 'runs'}", *TINY_SEARCH])
     recipe = validate_recipe(base)
     grid = ["training.optimizer.lr=0.13,0.57"]
     report = tune_cost(base, recipe, grid=grid, timer=StepTimer(fixed_seconds=0.01))
-    monkeypatch.setattr(accounting_tuning, "draw_trial_count", lambda mean, shape, rng: 2)
-    summary = run_search(base, recipe, report, grid=grid)
+    monkeypatch.setattr(accounting_tuning, "draw_trial_count", lambda mean, shape, rng: trials)
+    return run_search(base, recipe, report, grid=grid)
+
+
+def test_every_file_a_search_leaves_is_in_the_manifest(tmp_path, monkeypatch):
+    summary = tiny_search(tmp_path, monkeypatch, trials=2)
     search_dir = Path(summary["search_dir"])
     files = _files(search_dir)
     assert "ledger.json" in files and any(f.endswith("/search.json") for f in files)
