@@ -436,6 +436,8 @@ class DPTrainer(Trainer):
                               "the checkpoint was modified or half written: resume from an earlier one")
         self.account.ledger = ledger
         self.account.restored = True
+        stated = Path(folder) / "privacy.json"   # an evaluation of the run's earlier processes stays stated
+        self.evaluated |= stated.is_file() and EVALUATED in json.loads(stated.read_text())["not_covered_by_epsilon"]
         self.loaded_steps = ledger.steps
         self.releases.resume_after(ledger.steps, Path(folder).parent, state.get("run"), required=ledger.steps > 0)
         self._sampler().draws.load_state_dict(state["sampler"])

@@ -176,3 +176,15 @@ def test_a_new_runs_steps_after_an_older_runs_line_cut_by_its_crash_are_still_ch
     resumed = _trainer(tmp_path, save_strategy="steps", save_steps=2, max_steps=4)
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     assert [r["step"] for r in _log(tmp_path)] == [1, 1, 2, 3, 4]   # the cut line dropped; 3 checked, not redone
+
+
+def test_a_run_resumed_after_an_evaluation_keeps_stating_it(tmp_path):
+    """evaluate() on the training set before the crash left its metrics in the logs and trainer_state.json;
+    the resumed process's statement names them although it has not evaluated itself."""
+    trainer = _trainer(tmp_path, save_strategy="steps", save_steps=1, max_steps=2)
+    trainer.train()
+    trainer.evaluate(trainer.train_dataset)
+    resumed = _trainer(tmp_path, save_strategy="steps", save_steps=1, max_steps=2)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    assert EVALUATED in json.loads((tmp_path / "out" / "privacy.json").read_text())["not_covered_by_epsilon"]
+    assert EVALUATED in resumed.account.not_covered()
