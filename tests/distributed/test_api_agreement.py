@@ -1,0 +1,27 @@
+"""make_private under torchrun: rank 0 draws the noise for the sum of every rank's clipped
+examples, so the ranks must share the plan and the model. Before the fix a rank 1 called with
+max_grad_norm=50 (rank 0: 0.5) trained, its examples clipped at 100 times the bound the noise
+covers, and so did another noise_multiplier, delta or steps; another batch size or a float64
+model hung the collectives until their timeout. Now each is refused on every rank, naming the
+argument, before any draw."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.agreement_case import ON_RANK_ONE, each_case
+from tests.distributed.ranks import run_ranks
+
+
+@pytest.mark.slow   # two spawned ranks, eight make_private calls each
+def test_ranks_whose_privacy_arguments_or_model_differ_are_refused_before_any_step(tmp_path):
+    assert run_ranks(each_case, str(tmp_path)) == []
+    for rank in (0, 1):
+        found = torch.load(tmp_path / f"rank{rank}.pt")
+        for case in ON_RANK_ONE:
+            kind, message, hint = found[case]
+            assert kind == "DpclipError" and "the ranks disagree on" in message and "rank 1 has" in message, \
+                (rank, case, found[case])
+            assert "same arguments" in hint
+        assert found[None] == ("trained", 4)   # ranks that agree train as before
