@@ -49,6 +49,11 @@ class PeerStopped(DpclipError):
     """A collective failed because another rank stopped first (its error is the cause)."""
 
 
+class NoAnswer(DpclipError):
+    """A collective timed out: another rank did not reach it within ``DPCLIP_DIST_TIMEOUT_S``
+    (stuck or slow, not stopped: no rank may have an error of its own to report)."""
+
+
 class World:
     """This process's place in the run: ``rank`` of ``size`` (see module doc). ``size == 1``
     is the one-process run: every collective is then the identity and nothing is sent."""
@@ -204,15 +209,35 @@ def run_collective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except (RuntimeError, ValueError, ConnectionError) as exc:
-        raise peer_stopped(exc) from exc
+        raise (no_answer(exc) if timed_out(exc) else peer_stopped(exc)) from exc
+
+
+def _first_words(exc: BaseException) -> str:
+    # gloo's messages open with "[file.cc:line]": keep the words
+    first = re.sub(r"\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+    return first.strip()[:200] or type(exc).__name__
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that waited out the group's timeout (gloo: "Timed out
+    waiting 1800000ms for recv operation to complete"); the rank at the other end of that wait
+    sees its pair closed, a peer's stop."""
+    return isinstance(exc, (RuntimeError, ConnectionError)) and re.search(r"\btimed out\b", str(exc), re.I) is not None
+
+
+def no_answer(exc: BaseException) -> NoAnswer:
+    """The :class:`NoAnswer` of a collective ``exc`` that timed out: this rank's own error (the
+    launcher names it before a stuck rank that the agent then ends with SIGTERM)."""
+    seconds = float(os.environ.get(TIMEOUT_ENV, "1800"))
+    return NoAnswer(f"another rank did not reach the same collective within {TIMEOUT_ENV} = {seconds:g} s "
+                    f"({_first_words(exc)})",
+                    f"a rank is stuck or slower than that (its data, an evaluation, a checkpoint); if it is only "
+                    f"slow, raise {TIMEOUT_ENV} and resume the run")
 
 
 def peer_stopped(exc: BaseException) -> PeerStopped:
     """The :class:`PeerStopped` of a failed collective ``exc``."""
-    # gloo's messages open with "[file.cc:line]": keep the words
-    first = re.sub(r"\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
-    first = first.strip() or type(exc).__name__
-    return PeerStopped(f"another rank stopped, so this one cannot go on ({first[:200]})", RESUME_HINT)
+    return PeerStopped(f"another rank stopped, so this one cannot go on ({_first_words(exc)})", RESUME_HINT)
 
 
 # What a transport says when the rank at the other end is gone: collectives that dpclip does not
@@ -261,8 +286,8 @@ def joined_world() -> Iterator[World | None]:
     try:
         yield World(rank, size, local_rank, local_size)
     except BaseException as exc:
-        if not isinstance(exc, DpclipError) and lost_a_peer(exc):  # a collective torch ran for us (FSDP)
-            stopped = peer_stopped(exc)
+        if not isinstance(exc, DpclipError) and (lost_a_peer(exc) or timed_out(exc)):  # torch's collective (FSDP)
+            stopped = no_answer(exc) if timed_out(exc) else peer_stopped(exc)
             record_failure(stopped)
             raise stopped from exc
         record_failure(exc)

@@ -41,6 +41,39 @@ def test_a_rank_that_raises_stops_every_rank_with_the_ledger_whole(tmp_path):
     assert charged == 4 and max(steps) == 4  # rank 1 failed inside step 5: nothing of it was released
 
 
+@pytest.mark.slow   # two spawned ranks and a 3 s timeout
+def test_a_rank_that_waits_out_the_timeout_says_so_and_how_to_raise_it(tmp_path, monkeypatch):
+    """A stuck rank (not a stopped one): rank 0's collective times out. Before, it said "another rank
+    stopped", was recorded as only reporting a peer's error, and the launcher named the stuck rank's
+    SIGTERM from torchrun's agent ("out of memory and a kill -9 look like this") instead."""
+    from dpclip.distributed.world import TIMEOUT_ENV
+
+    monkeypatch.setenv(TIMEOUT_ENV, "3")
+    errors = {e[0]: e for e in run_ranks(workers.stuck_rank_one, 12.0)}
+    assert errors[0][1] == "NoAnswer", errors[0]
+    assert f"did not reach the same collective within {TIMEOUT_ENV} = 3 s" in errors[0][2]
+    assert f"raise {TIMEOUT_ENV}" in errors[0][3]
+    assert errors[1][1] == "PeerStopped"   # the stuck rank, once it moves on, finds the pair closed
+
+
+def test_the_launcher_names_a_timed_out_rank_before_the_stuck_rank_the_agent_ended():
+    from dpclip.distributed.world import no_answer, run_collective
+
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                        "1800000ms for recv operation to complete")
+
+    def waits():
+        raise gloo
+
+    with pytest.raises(DpclipError) as caught:
+        run_collective(waits)
+    assert type(caught.value).__name__ == "NoAnswer" and "Timed out waiting 1800000ms" in caught.value.message
+    info = {"message": no_answer(gloo).message, "hint": no_answer(gloo).hint, "secondary": False, "ns": 1, "rank": 0}
+    error = failure_error({0: _Failure(info), 1: _Failure(exitcode=-15, signal="SIGTERM")}, 2, "runs/r")
+    assert error.message.startswith("rank 0 stopped: another rank did not reach the same collective within")
+    assert "raise DPCLIP_DIST_TIMEOUT_S" in error.hint and "dpclip train --resume runs/r --nproc 2" in error.hint
+
+
 def test_a_port_in_use_is_refused_with_a_hint(capsys):
     with socket.socket() as holder:
         holder.bind(("", 0))

@@ -167,3 +167,13 @@ def user_recipe(out: Path, *extra: str):
 def train_users(world, out: str, parallel: str) -> None:
     from dpclip.train.workflow import train
     train(user_recipe(Path(out) / "runs", f"training.parallel={parallel}"), world=world, run_dir=Path(out) / "run")
+
+
+def stuck_rank_one(world, seconds: float) -> None:
+    """Rank 1 is stuck for ``seconds`` (longer than the group's timeout) before a collective that
+    rank 0 is already waiting in."""
+    import time
+
+    if world.rank == 1:
+        time.sleep(seconds)
+    world.all_gather(world.rank)
