@@ -228,8 +228,8 @@ def timed_out(exc: BaseException) -> bool:
 def no_answer(exc: BaseException) -> NoAnswer:
     """The :class:`NoAnswer` of a collective ``exc`` that timed out: this rank's own error (the
     launcher names it before a stuck rank that the agent then ends with SIGTERM)."""
-    seconds = float(os.environ.get(TIMEOUT_ENV, "1800"))
-    return NoAnswer(f"another rank did not reach the same collective within {TIMEOUT_ENV} = {seconds:g} s "
+    return NoAnswer(f"another rank did not reach the same collective within {TIMEOUT_ENV} = "
+                    f"{os.environ.get(TIMEOUT_ENV, '1800')} s "
                     f"({_first_words(exc)})",
                     f"a rank is stuck or slower than that (its data, an evaluation, a checkpoint); if it is only "
                     f"slow, raise {TIMEOUT_ENV} and resume the run")
@@ -273,7 +273,11 @@ def joined_world() -> Iterator[World | None]:
     if torch.cuda.is_available():  # untested on GPU (docs/distributed.md): models train on CPU today
         torch.cuda.set_device(local_rank)
         backend = "cpu:gloo,cuda:nccl"
-    timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "1800")))
+    try:
+        timeout = timedelta(seconds=timeout_seconds())
+    except DpclipError as error:
+        record_failure(error)
+        raise
     _import_what_would_outlive_the_group()
     try:
         dist.init_process_group(backend, timeout=timeout)
@@ -295,6 +299,20 @@ def joined_world() -> Iterator[World | None]:
     finally:
         _drop_dtensor_caches()
         dist.destroy_process_group()
+
+
+def timeout_seconds() -> float:
+    """``DPCLIP_DIST_TIMEOUT_S`` (default 1800): a number of seconds > 0, or an error with a hint
+    before this rank joins (was an unexpected ValueError, or a group that timed out at once)."""
+    given = os.environ.get(TIMEOUT_ENV, "1800")
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise DpclipError(f"{TIMEOUT_ENV}={given!r} is not a number of seconds > 0",
+                          f"set {TIMEOUT_ENV} to how long a rank may wait for the others, e.g. 1800, or unset it")
+    return seconds
 
 
 def _drop_dtensor_caches() -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from dpclip.distributed import World, announce_interrupted, launch, launched, rank_threads
+from dpclip.distributed.world import timeout_seconds
 from dpclip.errors import DpclipError, InterruptedRun, RecipeError
 from dpclip.recipe import load_recipe
 from dpclip.recipe.schema import Recipe
@@ -42,6 +43,7 @@ def launch_ranks(recipe: str | None, overrides: Sequence[str], *, resume: Path |
                  threads: str | None, dry_run: bool, nproc: int, master_port: int | None) -> None:
     """Run this same `dpclip train` command, without --nproc, as ``nproc`` ranks under
     torch.distributed's launcher, and wait for them (docs/distributed.md)."""
+    timeout_seconds()   # a bad DPCLIP_DIST_TIMEOUT_S is refused once, before any rank starts
     # A dry run too: its plan and statement are the N processes', and a sharded model needs them.
     args = ["train", *([recipe] if recipe is not None else []), *overrides,
             *(["--resume", str(resume)] if resume is not None else []), *(["--json"] if as_json else []),

@@ -74,6 +74,27 @@ def test_the_launcher_names_a_timed_out_rank_before_the_stuck_rank_the_agent_end
     assert "raise DPCLIP_DIST_TIMEOUT_S" in error.hint and "dpclip train --resume runs/r --nproc 2" in error.hint
 
 
+@pytest.mark.parametrize("given", ["30m", "0", "-5", "nan"])
+def test_a_bad_timeout_is_refused_once_before_any_rank_starts_and_by_each_rank(given, tmp_path, monkeypatch, capsys):
+    """DPCLIP_DIST_TIMEOUT_S=30m was an unexpected ValueError in every rank (0 or less: a group whose
+    every collective times out at once)."""
+    from dpclip.distributed import joined_world
+    from dpclip.distributed.world import TIMEOUT_ENV
+
+    train_launch = importlib.import_module("dpclip.train.launch")
+    monkeypatch.setattr(train_launch, "launch", lambda *a, **k: pytest.fail("ranks were started"))
+    monkeypatch.setenv(TIMEOUT_ENV, given)
+    assert main(["train", "recipes/quickstart.yaml", "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and f"{TIMEOUT_ENV}='{given}' is not a number of seconds > 0" in err
+    assert "hint:" in err and "Traceback" not in err
+    _as_a_rank(monkeypatch, tmp_path, launcher=False)   # a rank under plain torchrun: refused before it joins
+    with pytest.raises(DpclipError, match="not a number of seconds"):
+        with joined_world():
+            pytest.fail("joined")
+    assert "not a number of seconds" in json.loads((tmp_path / "error.json").read_text())["dpclip"]["message"]
+
+
 def test_a_port_in_use_is_refused_with_a_hint(capsys):
     with socket.socket() as holder:
         holder.bind(("", 0))
