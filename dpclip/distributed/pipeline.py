@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from dpclip.data import micro_batches, select
-from dpclip.distributed.world import RESUME_HINT, PeerStopped, World, run_collective
+from dpclip.distributed.world import RESUME_HINT, PeerStopped, World, no_answer, run_collective, timed_out
 from dpclip.engine import DPEngine, StepReport, build_groups, trainable_params
 from dpclip.engine.spec import ClippingSpec
 from dpclip.engine.step_end import StepOutcome, end_private_step
@@ -360,6 +360,8 @@ def _through_pipeline(step: Callable, *args, **kwargs) -> None:
             inner = inner.__cause__
         if inner is not None:
             raise inner from exc
+        if timed_out(exc):   # a stage stuck, not stopped: this rank's own error, naming the timeout
+            raise no_answer(exc) from exc
         if "gloo" in str(exc) or "Connection closed" in str(exc) or "Connection reset" in str(exc):
             raise PeerStopped("another stage stopped, so this one cannot go on", RESUME_HINT) from exc
         raise

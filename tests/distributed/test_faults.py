@@ -74,6 +74,21 @@ def test_the_launcher_names_a_timed_out_rank_before_the_stuck_rank_the_agent_end
     assert "raise DPCLIP_DIST_TIMEOUT_S" in error.hint and "dpclip train --resume runs/r --nproc 2" in error.hint
 
 
+def test_a_pipeline_stage_that_waits_out_the_timeout_says_so():
+    from dpclip.distributed import pipeline
+
+    def schedule_step():   # torch's schedule wraps gloo's error in its own RuntimeError
+        try:
+            raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv "
+                               "operation to complete")
+        except RuntimeError as exc:
+            raise RuntimeError(f"stage 1 failed: {exc}") from exc
+
+    with pytest.raises(DpclipError, match="did not reach the same collective within DPCLIP_DIST_TIMEOUT_S") as caught:
+        getattr(pipeline, "_through_pipeline")(schedule_step)
+    assert type(caught.value).__name__ == "NoAnswer"
+
+
 @pytest.mark.parametrize("given", ["30m", "0", "-5", "nan"])
 def test_a_bad_timeout_is_refused_once_before_any_rank_starts_and_by_each_rank(given, tmp_path, monkeypatch, capsys):
     """DPCLIP_DIST_TIMEOUT_S=30m was an unexpected ValueError in every rank (0 or less: a group whose
