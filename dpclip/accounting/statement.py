@@ -31,6 +31,7 @@ __all__ = [
     "GRADIENT_RELEASE",
     "PrivacyStatement",
     "distribution_line",
+    "sampling_name",
     "statement_from_ledger",
 ]
 
@@ -56,6 +57,12 @@ SEEDED_RANDOMNESS_WARNING = (
 
 #: How the gradient release is described (clipping makes its sensitivity 1 in units of σ).
 GRADIENT_RELEASE = "gradient (sensitivity 1 after clipping)"
+
+
+def sampling_name(sampling: str, bands: int = 1, blt: bool = False) -> str:
+    """The written ``sampling`` field: how the batches were drawn, not the loader's setting alone.
+    A correlated-noise run takes its groups in turn: "cyclic-poisson" (banded MF), "cyclic" (BLT)."""
+    return "cyclic" if blt else "cyclic-poisson" if bands > 1 else sampling
 
 
 def distribution_line(world_size: int, sampling: str, parallel: str = "data") -> str | None:
@@ -258,6 +265,7 @@ class PrivacyStatement:
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict (an infinite ε is written as null)."""
         d = asdict(self)
+        d["sampling"] = sampling_name(self.sampling, self.bands, bool(self.buffers))
         for name in ("epsilon", "epsilon_rdp"):
             if d[name] is not None and not math.isfinite(d[name]):
                 d[name] = None

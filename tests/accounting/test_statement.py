@@ -151,3 +151,11 @@ def test_a_correlated_noise_statement_does_not_say_plain_poisson_sampling_at_q(m
     sampling = [line for line in lines if line.startswith("sampling:")]
     assert len(sampling) == 1 and sampling[0].startswith(words)
     assert not sampling[0].startswith("sampling: Poisson")
+
+
+def test_a_correlated_noise_statement_dict_names_cyclic_sampling_not_the_loader_setting():
+    from dataclasses import replace
+
+    assert _statement().to_dict()["sampling"] == "poisson"
+    assert replace(_statement(), bands=4).to_dict()["sampling"] == "cyclic-poisson"
+    assert replace(_statement(), buffers=2, groups=20, sensitivity=2.0).to_dict()["sampling"] == "cyclic"
