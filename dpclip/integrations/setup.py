@@ -25,7 +25,7 @@ from dpclip.distributed import World
 from dpclip.engine import DPEngine
 from dpclip.engine.groups import build_groups, trainable_params
 from dpclip.errors import DpclipError
-from dpclip.files import write_json_atomic
+from dpclip.files import made_private, write_json_atomic
 from dpclip.planning.plan import forward_state_line
 from dpclip.recipe.schema import Clipping
 
@@ -138,7 +138,7 @@ class Account:
         out = Path(directory)
         if not self.writes:
             return out
-        out.mkdir(parents=True, exist_ok=True)
+        made_private(out)
         with quiet_rdp_orders():
             write_json_atomic(out / layout.LEDGER, self.ledger.to_dict())
         plan, taken, labels = self.plan.plan, self._taken(), self.not_covered()
