@@ -22,18 +22,37 @@ OWNER_ONLY = 0o600
 OWNER_ONLY_DIR = 0o700
 
 
+def missing_folders(path: str | Path) -> list[Path]:
+    """``path`` and its parents that do not exist yet: what making ``path`` makes."""
+    path = Path(path)
+    return [p for p in [path, *path.parents] if not p.exists()]
+
+
+def narrow(folders: list[Path]) -> None:
+    """Make each of ``folders`` that exists now owner-only (those another library has just made)."""
+    for folder in folders:
+        if folder.is_dir():
+            os.chmod(folder, OWNER_ONLY_DIR)
+
+
+def made_private(path: str | Path) -> Path:
+    """``path`` made with its missing parents, each folder made owner-only; a folder that exists
+    keeps its mode (a user's ``--out DIR``, a save folder given: theirs). ``mkdir``'s mode alone
+    gives the umask's ``rwxr-xr-x`` to the parents it makes."""
+    path, missing = Path(path), missing_folders(path)
+    path.mkdir(mode=OWNER_ONLY_DIR, parents=True, exist_ok=True)
+    narrow(missing)
+    return path
+
+
 def private_dir(path: str | Path) -> Path:
     """``path`` made (with its missing parents) or kept as a folder only its owner can list or enter.
 
     For dpclip's own folders (a run's ``checkpoints/``, ``audit/``, a search's ``runs/``): one
-    that already exists is narrowed to the owner too. ``mkdir``'s mode alone gives the umask's
-    ``rwxr-xr-x`` to the parents it makes and nothing to a folder that exists."""
-    path = Path(path)
-    missing = [p for p in [path, *path.parents] if not p.exists()]
-    path.mkdir(mode=OWNER_ONLY_DIR, parents=True, exist_ok=True)
-    for folder in {path, *missing}:
-        os.chmod(folder, OWNER_ONLY_DIR)
-    return path
+    that already exists is narrowed to the owner too (:func:`made_private` for the rest)."""
+    made_private(path)
+    os.chmod(path, OWNER_ONLY_DIR)
+    return Path(path)
 
 
 def owner_only(path: str | Path) -> Path:
@@ -58,7 +77,7 @@ def write_bytes_atomic(path: str | Path, data: bytes, durable: bool = True) -> N
     The rename is atomic against a crash of the process. ``durable`` also fsyncs the data
     before the rename, so that a power loss cannot leave an empty file either (a few ms)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    made_private(path.parent)
     handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(handle, "wb") as stream:

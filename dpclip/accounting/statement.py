@@ -31,6 +31,7 @@ __all__ = [
     "GRADIENT_RELEASE",
     "PrivacyStatement",
     "distribution_line",
+    "sampling_name",
     "statement_from_ledger",
 ]
 
@@ -41,6 +42,10 @@ SHUFFLE_CAVEAT = (
     "accounting assumes Poisson sampling; the loader uses fixed-size shuffled batches, "
     "for which this ε is not a proven bound"
 )
+
+#: The caveat when the batches are the caller's own loader's (make_private(poisson_sampling=False)).
+OWN_BATCHES_CAVEAT = ("accounting assumes Poisson sampling; the batches are your loader's own (their size, order and "
+                      "randomness are its sampler's, not dpclip's), for which this ε is not a proven bound")
 
 #: How a shuffled loader's batches are accounted (privacy.json's ``sampling_assumption``, tune-cost's).
 SHUFFLE_ASSUMPTION = ("fixed-size shuffled batches, accounted as if Poisson-subsampled (see the caveat): the "
@@ -56,6 +61,12 @@ SEEDED_RANDOMNESS_WARNING = (
 
 #: How the gradient release is described (clipping makes its sensitivity 1 in units of σ).
 GRADIENT_RELEASE = "gradient (sensitivity 1 after clipping)"
+
+
+def sampling_name(sampling: str, bands: int = 1, blt: bool = False) -> str:
+    """The written ``sampling`` field: how the batches were drawn, not the loader's setting alone.
+    A correlated-noise run takes its groups in turn: "cyclic-poisson" (banded MF), "cyclic" (BLT)."""
+    return "cyclic" if blt else "cyclic-poisson" if bands > 1 else sampling
 
 
 def distribution_line(world_size: int, sampling: str, parallel: str = "data") -> str | None:
@@ -142,6 +153,7 @@ class PrivacyStatement:
     buffers: int = 0         # the BLT mechanism's k (0: not BLT)
     groups: int = 1          # BLT: the G groups sampled in turn
     sensitivity: float | None = None  # BLT: the whole run's sensitivity per unit clip norm
+    own_batches: bool = False  # the batches are the caller's loader's (make_private(poisson_sampling=False))
 
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLINGS:
@@ -156,7 +168,9 @@ class PrivacyStatement:
         self.caveats = list(self.caveats)
         self.not_covered = list(self.not_covered)
         # Caveats are derived here, not left to callers, so none can be forgotten.
-        if self.sampling == "shuffle" and SHUFFLE_CAVEAT not in self.caveats:
+        if self.own_batches:
+            self.caveats = [OWN_BATCHES_CAVEAT] + [c for c in self.caveats if c not in (SHUFFLE_CAVEAT, OWN_BATCHES_CAVEAT)]
+        elif self.sampling == "shuffle" and SHUFFLE_CAVEAT not in self.caveats:
             self.caveats.insert(0, SHUFFLE_CAVEAT)
         if self.fallback_reason:
             fallback = f"PLD accounting was requested but RDP was used: {self.fallback_reason}"
@@ -177,7 +191,9 @@ class PrivacyStatement:
         if self.epsilon_rdp is not None:
             out.append(f"RDP ε alongside: {bound_text(self.epsilon_rdp)}")
         sampling = "Poisson" if self.sampling == "poisson" else "fixed-size shuffled batches"
-        if self.buffers:   # q is the nominal rate: no step samples the whole data at q (the mechanism line)
+        if self.own_batches:
+            sampling = "your loader's own batches, accounted as if Poisson (see the caveat)"
+        elif self.buffers:   # q is the nominal rate: no step samples the whole data at q (the mechanism line)
             sampling = f"cyclic over {self.groups} groups, no amplification by sampling claimed (see mechanism)"
         elif self.bands > 1:
             sampling = f"cyclic Poisson over {self.bands} groups, each at q·b (see mechanism)"
@@ -212,7 +228,10 @@ class PrivacyStatement:
             out.append(f"release sharing the budget: {release}")
         randomness = ("derived from the seed given (reproducible, NOT secret)" if self.seeded_randomness
                       else "generators' whole state from OS entropy, independent of any seed given")
-        out.append(f"noise and batch sampling: {randomness}")
+        if self.own_batches:
+            out.append(f"noise: {randomness}; batches: your loader's own, from its sampler")
+        else:
+            out.append(f"noise and batch sampling: {randomness}")
         for caveat in self.caveats:
             out.append(f"CAVEAT: {caveat}")
         for item in self.not_covered:
@@ -246,6 +265,8 @@ class PrivacyStatement:
         if self.bands > 1:
             return (f"cyclic Poisson sampling: each {member}'s group drawn privately from {self.bands}; step t "
                     f"includes each {member} of group t mod {self.bands} independently with probability q·{self.bands}")
+        if self.own_batches:
+            return "your loader's own batches, accounted as if Poisson-subsampled (see the caveat)"
         if self.sampling == "poisson":
             return (f"Poisson subsampling: each {member} joins each batch independently with probability q"
                     + (" (at most k of the person's records)" if member == "person" else ""))
@@ -258,6 +279,7 @@ class PrivacyStatement:
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict (an infinite ε is written as null)."""
         d = asdict(self)
+        d["sampling"] = "loader" if self.own_batches else sampling_name(self.sampling, self.bands, bool(self.buffers))
         for name in ("epsilon", "epsilon_rdp"):
             if d[name] is not None and not math.isfinite(d[name]):
                 d[name] = None

@@ -15,7 +15,7 @@ from dpclip import layout
 from dpclip.errors import DpclipError
 from dpclip.export import card as cards
 from dpclip.export import model as weights
-from dpclip.files import owner_only, read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
+from dpclip.files import made_private, narrow, owner_only, read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
 from dpclip.rundir.checkpoint import latest_checkpoint, missing_checkpoint_hint
 from dpclip.rundir.run import RunDir
 
@@ -160,7 +160,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | No
                               checkpoint_step=int(path.name.split("_")[1]), steps_planned=steps_planned,
                               stopped=stopped, label_names=info.get("label_names"), search=search)
 
-    target.parent.mkdir(parents=True, exist_ok=True)
+    made_private(target.parent)
     staging = target.parent / f".{target.name}.export-staging"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(mode=0o700)
@@ -169,6 +169,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | No
         write_json_atomic(staging / "privacy.json", card)
         write_text_atomic(staging / layout.RECIPE, export_recipe_yaml(recipe))
         files = sorted(str(p.relative_to(staging)) for p in owner_only(staging).rglob("*") if p.is_file())
+        narrow([p for p in staging.rglob("*") if p.is_dir()])   # save_pretrained's base/: the umask's mode
         replace_dir_atomic(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -50,7 +50,7 @@ from dpclip.data.user_sampler import UserPoissonSampler, number_people
 from dpclip.distributed import ShardedPoissonSampler, World
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
-from dpclip.files import owner_only
+from dpclip.files import made_private, owner_only
 from dpclip.integrations.loaders import poisson_loader, tracked_loader
 from dpclip.integrations.parts import PrivateCriterion, PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
@@ -134,7 +134,7 @@ class PrivateTraining:
             raise DpclipError("save_checkpoint across several processes is not built yet",
                               "checkpoint a one-process run, or use dpclip train --nproc N (docs/distributed.md)")
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        made_private(path.parent)
         releases = self._release_log(path.parent)
         torch.save({"format": CHECKPOINT_FORMAT, "plan": self._plan_key(), "run": releases.run,
                     "torch_rng": torch.get_rng_state(), "cuda_rng": cuda_rng_states(), "model": self.model.state_dict(),

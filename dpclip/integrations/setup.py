@@ -25,7 +25,7 @@ from dpclip.distributed import World
 from dpclip.engine import DPEngine
 from dpclip.engine.groups import build_groups, trainable_params
 from dpclip.errors import DpclipError
-from dpclip.files import write_json_atomic
+from dpclip.files import made_private, write_json_atomic
 from dpclip.planning.plan import forward_state_line
 from dpclip.recipe.schema import Clipping
 
@@ -65,6 +65,7 @@ class Account:
     writes: bool = True   # False on the ranks other than 0 of a data-parallel run: rank 0 writes
     world_size: int = 1   # processes training together (the statement's distribution line)
     restored: bool = False   # the ledger continues a checkpoint's (load_checkpoint)
+    own_batches: bool = False   # the caller's loader draws the batches (make_private(poisson_sampling=False))
     #: the persistent buffers the model's forward was seen writing (the engine's forward_written_state)
     written_state: Callable[[], set[str]] = set
     #: whether the loop read a private loss's value (make_private's DrawTracker.losses_read)
@@ -96,11 +97,11 @@ class Account:
     def _taken(self) -> PrivacyStatement:
         """The statement of the steps taken so far (the plan's before the first), without its labels."""
         if not self.ledger.steps:
-            return replace(self.plan.statement, world_size=self.world_size)
+            return replace(self.plan.statement, world_size=self.world_size, own_batches=self.own_batches)
         taken = replace(self.plan.plan, steps=self.ledger.steps, target_epsilon=None,
                         noise_multiplier=self.plan.split.noise_multiplier)
         with quiet_rdp_orders():
-            return replace(solve(taken).statement, world_size=self.world_size)
+            return replace(solve(taken).statement, world_size=self.world_size, own_batches=self.own_batches)
 
     @staticmethod
     def _lines(taken: PrivacyStatement, not_covered: list[str], restored: bool) -> list[str]:
@@ -138,7 +139,7 @@ class Account:
         out = Path(directory)
         if not self.writes:
             return out
-        out.mkdir(parents=True, exist_ok=True)
+        made_private(out)
         with quiet_rdp_orders():
             write_json_atomic(out / layout.LEDGER, self.ledger.to_dict())
         plan, taken, labels = self.plan.plan, self._taken(), self.not_covered()
@@ -150,7 +151,7 @@ class Account:
             "steps": self.ledger.steps,
             "steps_planned": plan.steps,
             "sample_rate": plan.sample_rate,
-            "sampling": plan.sampling,
+            "sampling": "loader" if self.own_batches else plan.sampling,
             "noise_multiplier": self.plan.split.noise_multiplier,
             "gradient_noise_multiplier": self.plan.split.gradient_noise_multiplier,
             "seeded_randomness": plan.seeded_randomness,
@@ -202,7 +203,7 @@ def private_engine(model: nn.Module, spec: Clipping, *, num_examples: int, batch
                       reducer=None if world is None else world.reducer, verify_every=verify_every,
                       records_per_unit=records_per_user or 1)
     return engine, Account(Ledger(delta, accountant), plan, writes=world is None or world.main,
-                           world_size=1 if world is None else world.size,
+                           world_size=1 if world is None else world.size, own_batches=sampling == "shuffle",
                            written_state=lambda: engine.forward_written_state)
 
 

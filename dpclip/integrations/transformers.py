@@ -11,41 +11,39 @@
 
 What changes against a plain ``Trainer``:
 
-- the training loader draws each example into each logical batch with probability
-  q = B/N (B = per-device batch × gradient accumulation steps), from OS entropy; each draw
-  is cut into ``gradient_accumulation_steps`` micro-batches, so that the Trainer's own
-  accumulation sums one logical batch per optimizer step (an empty part skips its forward);
+- the training loader draws each example into each logical batch with probability q = B/N (B = per-device batch ×
+  gradient accumulation steps), from OS entropy; each draw is cut into ``gradient_accumulation_steps``
+  micro-batches, so that the Trainer's own accumulation sums one logical batch per optimizer step (an empty part
+  skips its forward);
 - each micro-batch's per-sample losses (cross-entropy for classification, next-token
   cross-entropy for causal LMs, or ``per_sample_loss``) go through the engine's one backward;
 - the optimizer step adds the noise, normalises by the expected B and charges the ledger;
 - the training loss the Trainer logs (no noise, from the private batches), its timings, and once they run,
   ``evaluate()``'s and ``predict()``'s metrics are stated as not covered by ε.
 
-Launched on several processes (``torchrun``, ``accelerate launch``), it trains data-parallel as
-``dpclip train --nproc`` does (docs/distributed.md): B counts every rank's part, each rank
-draws its own examples' part of each Poisson batch, the engine sums the clipped gradients over
-the ranks with the noise drawn once by rank 0, and rank 0 writes. The model is not wrapped in
-DistributedDataParallel: the engine's backward leaves autograd no gradient to all-reduce.
+Launched on several processes (``torchrun``, ``accelerate launch``), it trains data-parallel as ``dpclip train
+--nproc`` does (docs/distributed.md): B counts every rank's part, each rank draws its own examples' part of each
+Poisson batch, the engine sums the clipped gradients over the ranks with the noise drawn once by rank 0, and rank 0
+writes. The model is not wrapped in DistributedDataParallel: the engine's backward leaves autograd no gradient to
+all-reduce.
 
-Checkpoints (``save_strategy``) hold, besides the Trainer's files, ``ledger.json``, ``privacy.json`` and
-each rank's ``dpclip_state_rank{r}.pt``: its Poisson sampler and the engine's threshold policy and noise
-generators (a secret: docs/accounting.md, "Threat model"). ``train(resume_from_checkpoint=...)``
-restores them with the Trainer's state: the ledger goes on from the checkpoint's steps, the steps redone
-after it replay the same batches and noise (checked: integrations/releases.py), later steps draw
-fresh OS-entropy streams (unless seeded); no data skip.
+Checkpoints (``save_strategy``) hold, besides the Trainer's files, ``ledger.json``, ``privacy.json`` and each rank's
+``dpclip_state_rank{r}.pt``: its Poisson sampler and the engine's threshold policy and noise generators (a secret:
+docs/accounting.md, "Threat model"). ``train(resume_from_checkpoint=...)`` restores them with the Trainer's state:
+the ledger goes on from the checkpoint's steps, the steps redone after it replay the same batches and noise
+(checked: integrations/releases.py), later steps draw fresh OS-entropy streams (unless seeded); no data skip. The
+folders it and the Trainer make are owner-only (0700).
 
-``total_flos`` counts nothing (it would give the draws' realised sizes away); a ``per_sample_loss``
-is checked on the certificate's steps, compiled or not, to give each checked example alone its loss
-in the batch (integrations/loss_alone.py). Refused before any step: ``max_grad_norm > 0`` in the
-TrainingArguments (it would clip the noisy gradient again), ``label_smoothing_factor > 0`` (never
-applied), ``include_num_input_tokens_seen``, ``neftune_noise_alpha`` (its noise scales with the batch's
-padded length), ``train_sampling_strategy`` other than random (never applied: the draws are Poisson),
-``auto_find_batch_size`` (a retry with another B), several GPUs in one process (``DataParallel``), a second
-``train()``, and a resume from a checkpoint without dpclip's state, made under another privacy plan,
-or whose run's release log is not beside it (its redone steps could not be checked).
+``total_flos`` counts nothing (it would give the draws' realised sizes away); a ``per_sample_loss`` is checked on
+the certificate's steps, compiled or not, to give each checked example alone its loss in the batch
+(integrations/loss_alone.py). Refused before any step: ``max_grad_norm > 0`` in the TrainingArguments (it would clip
+the noisy gradient again), ``label_smoothing_factor > 0`` (never applied), ``include_num_input_tokens_seen``,
+``neftune_noise_alpha`` (its noise scales with the batch's padded length), ``train_sampling_strategy`` other than
+random (never applied: the draws are Poisson), ``auto_find_batch_size`` (a retry with another B), several GPUs in
+one process (``DataParallel``), a second ``train()``, and a resume from a checkpoint without dpclip's state, made
+under another privacy plan, or whose run's release log is not beside it (its redone steps could not be checked).
 
-Length: the Trainer's hooks, the privacy arguments and the checkpoints' private state belong to one
-Trainer subclass; each part is a short method.
+Length: the Trainer's hooks, privacy arguments and checkpoints' private state are one subclass's; short methods.
 """
 
 from __future__ import annotations
@@ -65,7 +63,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from dpclip import layout
-from dpclip.files import owner_only
+from dpclip.files import made_private, missing_folders, narrow, owner_only
 from dpclip.accounting import Ledger
 from dpclip.data.sampler import PoissonSampler
 from dpclip.data.user_sampler import UserPoissonSampler, number_people
@@ -208,7 +206,9 @@ class DPTrainer(Trainer):
 
     def __init__(self, *args: Any, privacy: PrivacyArguments,
                  per_sample_loss: Callable[[nn.Module, Mapping[str, Tensor]], Tensor] | None = None, **kwargs: Any):
+        made = missing_folders(getattr(kwargs.get("args", (*args, None, None)[1]), "output_dir", None) or "trainer_output")
         super().__init__(*args, **kwargs)
+        narrow(made)
         training = self.args
         refuse_training_arguments(training)
         self.world = running_world() if training.world_size > 1 else None
@@ -406,7 +406,7 @@ class DPTrainer(Trainer):
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         # Written before the Trainer's own files: a folder the Trainer finished always has them.
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        os.makedirs(folder, exist_ok=True)
+        made_private(folder)
         rank = 0 if self.world is None else self.world.rank
         secret = os.path.join(folder, layout.TRAINER_STATE.format(rank=rank))   # generators' states
         torch.save({"plan": self._plan_key(), "sampler": self._sampler().state_at(self.account.ledger.steps),

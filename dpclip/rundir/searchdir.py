@@ -123,7 +123,9 @@ def read_search(search_dir: Path) -> SearchRecord:
         run_recipe = load_run_recipe(selected)
     seeded = bool(metadata.get("seeded_randomness") or summary.get("seeded_randomness")
                   or (run_recipe is not None and run_recipe.privacy.unsafe_seeded_randomness))
-    sampling = run_recipe.training.sampling if run_recipe is not None else metadata.get("sampling", "poisson")
+    # the loader's setting; the ledger names what ran ("cyclic", "cyclic-poisson": Poisson-accounted groups)
+    written = "shuffle" if metadata.get("sampling") == "shuffle" else "poisson"
+    sampling = run_recipe.training.sampling if run_recipe is not None else written
     statement = _statement(ledger, q, sigma, steps, score_noise, mean, shape, seeded, sampling, run_recipe,
                            run_statement, metadata)
     return SearchRecord(search_dir, ledger, statement, summary, selected)

@@ -21,6 +21,7 @@ import torch
 
 from dpclip.diagnose import HessianDiagnostics
 from dpclip.errors import DpclipError
+from dpclip.files import made_private
 from dpclip.recipe import load_recipe
 from dpclip.rng import private_generator
 from dpclip.accounting import Ledger
@@ -96,7 +97,7 @@ def diagnose(target: str | Path, overrides: list[str] | None = None, *, probes: 
     finally:
         parts.learner.engine.detach()
     record = make_record(step, diag, formulas, data)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    made_private(out_dir)   # a folder it makes is owner-only, as a run's
     history = read_records(target / DIAGNOSTICS_FILE) if source == "run" else []
     # The run's records beside this measurement, which replaces a record of the same step.
     history = [r for r in history if r.get("step") != step]

@@ -22,7 +22,7 @@ from dpclip.accounting import PrivacyPlan, account, solve, split_noise, training
 from dpclip.accounting.blt import blt_event
 from dpclip.accounting.plan import participations
 from dpclip.accounting.calibrate import quiet_dp_accounting
-from dpclip.accounting.statement import SHUFFLE_ASSUMPTION, SHUFFLE_CAVEAT
+from dpclip.accounting.statement import SHUFFLE_ASSUMPTION, SHUFFLE_CAVEAT, sampling_name
 from dpclip.accounting.tuning import (
     calibrate_search_noise,
     liu_talwar_per_run_budget,
@@ -143,7 +143,8 @@ class SearchPrivacy:
         return next(s for s in self.strategies if s.name == name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "sampling_assumption": self.sampling_assumption, "caveats": self.caveats,
+        return {**asdict(self), "sampling": sampling_name(self.sampling, self.bands, bool(self.sensitivities)),
+                "sampling_assumption": self.sampling_assumption, "caveats": self.caveats,
                 "score_meaning": self.score_meaning}
 
 

@@ -44,6 +44,7 @@ import dpclip.accounting.tuning as tuning_math
 import dpclip.train.workflow as workflow
 from dpclip import layout
 from dpclip.accounting import Ledger, bound_text, event_to_dict
+from dpclip.accounting.statement import sampling_name
 from dpclip.accounting.tuning import repeat_and_select_event
 from dpclip.data import load_data
 from dpclip.errors import DpclipError
@@ -207,8 +208,9 @@ def _search_ledger(search_event, recipe, privacy, strategy) -> Ledger:
         "search": REPEAT_AND_SELECT, "trials_distribution": strategy.detail["distribution"],
         "trials_mean": strategy.detail["mean"], "trials_shape": strategy.detail["shape"],
         "sigma_per_run": strategy.noise_multiplier, "sample_rate": privacy.sample_rate,
-        "steps_per_run": privacy.steps, "sampling": recipe.training.sampling, "score": privacy.score,
-        "score_noise": privacy.score_noise, "seeded_randomness": recipe.privacy.unsafe_seeded_randomness,
+        "steps_per_run": privacy.steps,
+        "sampling": sampling_name(privacy.sampling, privacy.bands, bool(privacy.sensitivities)),
+        "score": privacy.score, "score_noise": privacy.score_noise, "seeded_randomness": recipe.privacy.unsafe_seeded_randomness,
         "unit": recipe.privacy.unit, "max_examples_per_user": recipe.data.max_examples_per_user,
     })
     return ledger

@@ -151,3 +151,25 @@ def test_a_correlated_noise_statement_does_not_say_plain_poisson_sampling_at_q(m
     sampling = [line for line in lines if line.startswith("sampling:")]
     assert len(sampling) == 1 and sampling[0].startswith(words)
     assert not sampling[0].startswith("sampling: Poisson")
+
+
+def test_a_correlated_noise_statement_dict_names_cyclic_sampling_not_the_loader_setting():
+    from dataclasses import replace
+
+    assert _statement().to_dict()["sampling"] == "poisson"
+    assert replace(_statement(), bands=4).to_dict()["sampling"] == "cyclic-poisson"
+    assert replace(_statement(), buffers=2, groups=20, sensitivity=2.0).to_dict()["sampling"] == "cyclic"
+
+
+@pytest.mark.slow   # a PLD calibration: ~15 s
+def test_the_accounting_api_page_shows_what_its_example_prints(capsys):
+    """docs/accounting-api.md's output block is the example's output, to the letter (it read
+    "ε = 2.98" after the statement began rounding ε outward: 2.981)."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "accounting-api.md").read_text()
+    example = re.findall(r"```python\n(.*?)```", page, re.S)[0]
+    shown = re.findall(r"```\n(NoiseSplit.*?)```", page, re.S)[0]
+    exec(compile(example, "accounting-api.md", "exec"), {})
+    assert capsys.readouterr().out == shown

@@ -177,3 +177,14 @@ def test_tune_cost_run_searches_a_hugging_face_data_set_it_counts_by_loading(cli
     assert report["dataset_size"] == 64 and report["search"]["stopped"] == "completed"
     refused = cli("tune-cost", recipe, "--grid", "training.optimizer.lr=0.1,0.2", *NO_MEASURE)
     assert refused.code == 2 and "tune-cost --run" in refused.err
+
+
+@pytest.mark.parametrize("mechanism, sampling", [("{kind: banded-mf, bands: 2}", "cyclic-poisson"),
+                                                 ("{kind: blt, buffers: 2}", "cyclic")])
+def test_a_correlated_noise_search_names_its_cyclic_sampling(cli, mechanism, sampling):
+    """tune-cost --json's `sampling` says what the runs do (groups in turn), as its assumption does,
+    not the loader's `training.sampling: poisson`."""
+    report = run_json(cli, QUICKSTART, *TINY, f"privacy.mechanism={mechanism}", "--grid",
+                      "training.optimizer.lr=0.1,0.5", *NO_MEASURE)
+    assert report["privacy"]["sampling"] == sampling
+    assert report["privacy"]["sampling_assumption"].startswith("cyclic")

@@ -140,3 +140,17 @@ def test_the_export_command_writes_the_folder_and_reports_epsilon(cli, gpt2_run,
     assert payload["kind"] == "transformers" and payload["privacy"]["epsilon"] > 0
     again = cli("export", gpt2_run, tmp_path / "out")
     assert again.code != 0 and "error:" in again.err and "--force" in again.err
+
+
+def test_a_lora_exports_base_folder_is_owner_only(lora_run, tmp_path):
+    """Every folder of an export is 0700, the base model's that save_pretrained makes too."""
+    import os
+    import stat
+
+    before = os.umask(0o022)
+    try:
+        export_run(lora_run, tmp_path / "out")
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE((tmp_path / "out" / "base").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o700

@@ -109,3 +109,18 @@ def test_a_runs_export_summary_and_account_print_one_statement(cli, tmp_path, me
     assert card["mechanism"]["kind"] == model_card["privacy"]["mechanism"]["kind"] == kind
     assert model_card["privacy"]["sampling_assumption"] == card["sampling_assumption"]
     assert ("cyclic" in card["sampling_assumption"]) == (mechanism is not None)
+
+
+@pytest.mark.parametrize("unit", ["example", "user"])
+@pytest.mark.parametrize("mechanism, sampling", [("dp-sgd", "poisson"), ("banded-mf", "cyclic-poisson"),
+                                                 ("blt", "cyclic")])
+def test_privacy_json_sampling_names_the_sampling_that_ran(mechanism, unit, sampling):
+    """privacy.json's `sampling` says what ran, as its `mechanism` and `sampling_assumption` do: a
+    correlated-noise run samples its groups in turn, never plain Poisson batches."""
+    statement = _statement(mechanism, unit, 1, "data")
+    card = privacy_card(statement, recipe_name="r", checkpoint="c", checkpoint_step=1, steps_planned=1,
+                        stopped="completed", label_names=None, search=None)
+    assert card["sampling"] == sampling
+    assert statement.to_dict()["sampling"] == sampling   # `dpclip account --json`'s statement
+    assert card["sampling_assumption"].startswith(
+        {"poisson": "Poisson", "cyclic-poisson": "cyclic Poisson", "cyclic": "cyclic sampling"}[sampling])

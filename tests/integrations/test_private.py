@@ -206,3 +206,15 @@ def test_dpclip_make_private_is_the_function_itself_yet_import_dpclip_imports_no
     probe = "import sys, dpclip; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+
+
+def test_a_kept_loaders_batches_are_stated_as_the_loaders_own_not_as_shuffled_ones_from_os_entropy(tmp_path):
+    """poisson_sampling=False keeps the caller's loader, here sequential with a short last batch:
+    privacy.json said "fixed-size shuffled batches" and that the batches came from OS entropy."""
+    private = _private(batch_size=16, poisson_sampling=False)
+    _train(private)
+    privacy = json.loads((private.save(tmp_path) / "privacy.json").read_text())
+    text = "\n".join(privacy["statement"])
+    assert privacy["sampling"] == "loader"
+    assert "shuffled" not in text and "batch sampling: generators" not in text
+    assert "your loader's own batches" in text and "CAVEAT: accounting assumes Poisson sampling" in text

@@ -56,3 +56,47 @@ def test_every_folder_of_a_search_is_owner_only(tmp_path, monkeypatch):
     from tests.privacy.test_release_manifest import tiny_search
 
     assert _open_folders(Path(tiny_search(tmp_path, monkeypatch, trials=1)["search_dir"])) == []
+
+
+def test_an_atomic_write_makes_its_missing_folders_owner_only(tmp_path):
+    from dpclip.files import write_json_atomic
+
+    write_json_atomic(tmp_path / "made" / "deeper" / "privacy.json", {})
+    assert _open_folders(tmp_path / "made") == []
+
+
+def test_diagnose_out_folders_it_makes_are_owner_only_and_an_existing_one_keeps_its_mode(cli, tmp_path):
+    quickstart = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+    fast = ("--probes", "2", "--per-sample", "2", "--batch-size", "8", "--threads", "1", "--data", "private",
+            "--allow-private-not-covered-by-epsilon")
+    assert cli("diagnose", quickstart, *fast, "--out", tmp_path / "made" / "plots").code == 0
+    assert _open_folders(tmp_path / "made") == []
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    assert cli("diagnose", quickstart, *fast, "--out", shared).code == 0
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755   # the user's own folder: not narrowed
+
+
+def test_make_privates_save_and_checkpoint_folders_are_owner_only(tmp_path):
+    from tests.integrations.test_private_releases import _private, _steps
+
+    run = _private()
+    _steps(run, 1)
+    run.save_checkpoint(tmp_path / "made" / "ckpt" / "c.pt")
+    run.save(tmp_path / "made" / "out" / "privacy")
+    assert _open_folders(tmp_path / "made") == []
+
+
+def test_an_exports_missing_parent_folders_are_owner_only(tiny_recipe, cli, tmp_path):
+    run_dir = train(tiny_recipe()).run_dir
+    assert cli("export", run_dir, tmp_path / "made" / "deeper" / "model").code == 0
+    assert _open_folders(tmp_path / "made") == []
+
+
+def test_a_dp_trainers_output_and_checkpoint_folders_are_owner_only(tmp_path):
+    from tests.integrations.test_transformers import _trainer
+
+    trainer = _trainer(tmp_path / "made", max_steps=2, save_strategy="steps", save_steps=1)
+    trainer.train()
+    assert (tmp_path / "made" / "out" / "checkpoint-1").is_dir()
+    assert _open_folders(tmp_path / "made") == []
