@@ -38,3 +38,68 @@ class CopyRow(nn.Module):
     def forward(self, x):
         self.row.copy_(x[0].detach())
         return x
+
+
+class _MeanInTheBackward(torch.autograd.Function):
+    """The identity forward, whose backward adds the batch's mean gradient to each row."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + grad.mean(0, keepdim=True)
+
+
+class MixingBackward(nn.Module):
+    """Each sample's output is its own; its gradient is not (a custom autograd.Function)."""
+
+    def forward(self, x):
+        return _MeanInTheBackward.apply(x)
+
+
+class SavedTensorsMixed(nn.Module):
+    """A tanh whose saved activations come back mixed (saved_tensors_hooks' unpack adds the batch
+    mean when there are several rows): the forward is per sample, the backward is not."""
+
+    def forward(self, x):
+        def unpack(t):
+            return t + t.mean(0, keepdim=True) if t.dim() == 2 and t.shape[0] > 1 else t
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            return torch.tanh(x)
+
+
+class DetachedMean(nn.Module):
+    """x + x.detach().mean(0): the coupling is a constant to autograd, not to the outputs."""
+
+    def forward(self, x):
+        return x + x.detach().mean(0)
+
+
+class GlobalThreshold(nn.Module):
+    """torch.where on a condition taken over the whole batch (its maximum)."""
+
+    def forward(self, x):
+        return torch.where(x > 0.5 * x.max(), x, torch.zeros_like(x))
+
+
+class RunningAverageOverRows(nn.Module):
+    """A cumulative mean along the batch axis: row k depends on rows 0..k."""
+
+    def forward(self, x):
+        return torch.cumsum(x, 0) / torch.arange(1, x.shape[0] + 1, dtype=x.dtype).unsqueeze(1)
+
+
+def mixing_gradient_pre_hook(module: nn.Module) -> nn.Module:
+    """``module`` with a full backward pre-hook that adds the batch's mean output gradient to each row."""
+    module.register_full_backward_pre_hook(lambda m, grad: (grad[0] + grad[0].mean(0, keepdim=True),))
+    return module
+
+
+class BatchMeanImputation(nn.Module):
+    """Missing features (NaN) filled with the batch's mean of that feature: only the rows that miss
+    one depend on the others (the rest are their own)."""
+
+    def forward(self, x):
+        return torch.where(torch.isnan(x), torch.nanmean(x, 0, keepdim=True).expand_as(x), x)

@@ -20,7 +20,8 @@ checks its consequences on the real model and a real batch, before the first noi
 4. **Sample independence.** Alone, sample i's outputs must be its outputs in the batch, its
    loss's cotangent must vanish off its own rows, and its replay must leave the model's state
    (buffers, frozen parameters, by name) as the real forward on the whole batch left it
-   (:mod:`~dpclip.engine.certificate.state`). With a random forward the batch is replayed again
+   (:mod:`~dpclip.engine.certificate.state`); without random draws, every row's outputs must be
+   its outputs in the batch's two halves replayed apart (:func:`~dpclip.engine.certificate.alone.halves_independent`). With a random forward the batch is replayed again
    with one other sample replaced, and the other checked rows' gradients must not move; a forward
    that wrote its state is replayed on zeros, ones and one row more (a micro-batch of one row too).
 
@@ -63,8 +64,9 @@ TF32_RTOL = 2.0 ** -8
 FLOAT32_SLACK = 4.0
 #: the random rows checked besides the first and the last
 RANDOM_ROWS = 2
-#: forwards kept for one backward (a model called several times before its losses)
-MAX_FORWARDS = 8
+#: forwards kept for one backward (a model called several times before its losses: views, multi-crop);
+#: a checked micro-batch with more is refused (:func:`release_unkept`), never checked in part
+MAX_FORWARDS = 16
 
 
 def refuse_hook_before_the_rows(model: nn.Module, first: int) -> None:
@@ -80,6 +82,23 @@ def refuse_hook_before_the_rows(model: nn.Module, first: int) -> None:
                               "hook changed them", "register hooks on the model before building the engine "
                               "(make_private, DPTrainer), or without prepend=True; a hook that changes the "
                               "inputs must be part of the model's forward")
+
+
+def release_unkept(forwards: list[Forward], kept: list[Forward], overflow: int) -> None:
+    """Release the recorded ``forwards`` not ``kept`` for a check; where ``overflow`` more ran than
+    were recorded (MAX_FORWARDS), all of them, and refuse the check (before the backward: no noise):
+    the uses of the forwards not kept would count in the engine's sums but in no sample's own gradient."""
+    for f in forwards if overflow and kept else [f for f in forwards if f not in kept]:
+        release(f)
+    if not (overflow and kept):
+        return
+    calls = len(forwards) + overflow
+    raise EngineError(f"the model ran {calls} training forwards before one engine.backward, and the certificate "
+                      f"replays at most {MAX_FORWARDS} forwards of one backward, so this micro-batch's clipping "
+                      "cannot be checked against each sample's own gradient",
+                      f"call the model at most {MAX_FORWARDS} times per backward: pass the views through one "
+                      "forward (stacked along an axis after the batch, [B, V, ...]), or call engine.backward "
+                      "on fewer views at a time")
 
 
 @dataclass
@@ -144,7 +163,7 @@ class Certificate:
         self.last_step: int | None = None
         self.step = 0                          # the engine's step count, for verify_every
         self.forwards: list[Forward] = []
-        self.armed = False
+        self.armed, self.overflow = False, 0   # overflow: training forwards past MAX_FORWARDS while armed
         self.depth = 0
         self.disabled: str | None = None       # why no check can run (a sharded model, a pipeline stage)
         self.suspended = False                 # the engine's own dry forwards are not recorded
@@ -222,6 +241,7 @@ class Certificate:
             # copied on checked forwards only: a forward may change its inputs in place (replay.py)
             self._rows = (copied((args, kwargs)), batch, ((args, kwargs), versions((args, kwargs))))
             self._recorded = True
+        self.overflow += self.armed and not self._recorded   # (past MAX_FORWARDS)
         return None
 
     def _begin(self, module, args, kwargs):
@@ -282,12 +302,10 @@ class Certificate:
 
     def take(self, batch: int) -> list[Forward]:
         """The forwards recorded for the backward of a micro-batch of ``batch`` rows (forgotten here)."""
-        forwards, self.forwards, self.armed = self.forwards, [], False
+        forwards, self.forwards, self.armed, overflow, self.overflow = self.forwards, [], False, self.overflow, 0
         self._taken_writes, self._recorded_writes = self._recorded_writes, set()
         kept = [f for f in forwards if f.batch == batch and f.outputs] if self.disabled is None else []
-        for f in forwards:
-            if f not in kept:
-                release(f)
+        release_unkept(forwards, kept, overflow)
         return kept
 
     # ------------------------------------------------------------ the check
@@ -379,7 +397,8 @@ class Certificate:
                         raise
                     independent_in_batch(self, forwards, rows, cots, own, rtol, buffers)
                     return own, False
-                return alone_gradients(self.model, self.replayer, forwards, rows, cots, rtol, buffers), False
+                return alone_gradients(self.model, self.replayer, forwards, rows, cots, rtol, buffers,
+                                       halves=not self.light), False   # (a new batch size's one row stays one)
         except EngineError as exc:
             named = with_hooks_named(exc, hooked)
             if named is exc:

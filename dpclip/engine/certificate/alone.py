@@ -1,10 +1,13 @@
 """The certificate's alone mode: each checked sample replayed alone (the cost of that sample's
 forward and backward), its outputs alone checked against its outputs in the batch and its loss's
 cotangent against its own rows; a random forward gets the sample's part of the recorded draws
-(draws.py) or is found :class:`~dpclip.engine.certificate.replay.NotReproducible`."""
+(draws.py) or is found :class:`~dpclip.engine.certificate.replay.NotReproducible`. Every row's
+outputs, not only the checked rows', are checked against the two halves of the batch replayed apart
+(:func:`halves_independent`)."""
 
 from __future__ import annotations
 
+import secrets
 from contextlib import nullcontext
 
 import torch
@@ -20,13 +23,15 @@ from dpclip.errors import EngineError
 
 
 def alone_gradients(model: nn.Module, replayer: Replayer, forwards: list[Forward], rows: list[int], cots: dict,
-                    rtol: float, buffers: State, outputs: bool = True, cut: bool = False) -> dict[int, list[Tensor]]:
+                    rtol: float, buffers: State, outputs: bool = True, cut: bool = False,
+                    halves: bool = False) -> dict[int, list[Tensor]]:
     """Each checked sample's gradient from replays on that sample alone (``replayer``'s, of
     ``model``); its outputs alone must be its outputs in the batch, and its loss's cotangent must
     vanish off its rows, and its replay must leave the model's state as the real forward on the
     whole batch left it (``buffers``: a write that depends on the batch is refused). ``cut``: the
     replays get the sample's part of the recorded random draws (draws.py); where that part does
-    not reproduce the sample's outputs, :class:`NotReproducible`."""
+    not reproduce the sample's outputs, :class:`NotReproducible`. ``halves``: every row's outputs
+    checked too (:func:`halves_independent`)."""
     own: dict[int, list[Tensor]] = {}
     for r in rows:
         total = None
@@ -79,7 +84,63 @@ def alone_gradients(model: nn.Module, replayer: Replayer, forwards: list[Forward
             total = g if total is None else [a + b for a, b in zip(total, g)]
         refuse_written_buffer(buffers.after(f"sample {r} alone"))
         own[r] = total
+    if halves:
+        halves_independent(model, replayer, forwards, cots, rtol, buffers)
     return own
+
+
+def halves_independent(model: nn.Module, replayer: Replayer, forwards: list[Forward], cots: dict, rtol: float,
+                       buffers: State) -> None:
+    """Every row's outputs, not only the checked rows': the batch is replayed as the two halves of
+    a partition drawn from OS entropy, and each half's outputs must be its rows' outputs in the
+    batch (each half's replay leaving the state as the real forward did). A coupling that reaches
+    rows no check watches (missing values filled with the batch's mean, only in the rows that miss
+    them) moves them. One batch forward in all, no backward; for a forward without random draws."""
+    batch = forwards[0].batch
+    if batch < 2:
+        return
+    order = torch.tensor(secrets.SystemRandom().sample(range(batch), batch))
+    for half in (order[:batch // 2].sort().values, order[batch // 2:].sort().values):
+        for j, f in enumerate(forwards):
+            outs = _rows_outputs(replayer, f, half)
+            if outs is None:
+                raise mixing_error(model, replayer, f, int(half[0]), f"fails on {len(half)} of its {batch} "
+                                   "samples without the others", rtol)
+            for k, (full, part) in enumerate(zip(f.outputs, outs)):
+                if all(cots[q][j][k] is None for q in cots):   # (a returned tensor no loss uses)
+                    continue
+                moved = [a for a in range(full.dim()) if part.dim() == full.dim() and full.shape[a] != part.shape[a]]
+                if full.shape != part.shape and (len(moved) != 1 or part.shape[moved[0]] != len(half)):
+                    continue   # (rows gathered across the batch: judged on the checked rows)
+                axis = moved[0] if moved else None
+                ours = full if axis is None else full.index_select(axis, half.to(full.device))
+                if not close(ours, part, rtol):
+                    row = int(half[0]) if axis is None else int(half[_worst_row(ours, part, axis)])
+                    raise mixing_error(model, replayer, f, row, f"gives sample {row} other outputs in half of "
+                                       "its batch than in the whole batch", rtol)
+        refuse_written_buffer(buffers.after("half of the batch"))
+
+
+def _rows_outputs(replayer: Replayer, forward: Forward, rows: Tensor) -> list[Tensor] | None:
+    """The tensors ``forward`` returns replayed on its ``rows`` (every input of leading size B cut,
+    or the first only), detached; None where neither runs."""
+    for first_only in (False, True):
+        try:
+            out = replayer.run(forward, select(forward.args, forward.kwargs, forward.batch, rows, first_only),
+                               replayer.leaves())
+            return [o.detach() for o in out if o.requires_grad][:len(forward.outputs)]
+        except EngineError:
+            raise
+        except Exception:
+            continue
+    return None
+
+
+def _worst_row(a: Tensor, b: Tensor, axis: int) -> int:
+    """The index along ``axis`` where ``a`` and ``b`` differ most (a non-finite difference first)."""
+    diff = (a.double() - b.double()).abs().movedim(axis, 0).reshape(a.shape[axis], -1)
+    return int(torch.nan_to_num(diff, nan=float("inf")).amax(1).argmax())
+
 
 def alone_outputs(model: nn.Module, replayer: Replayer, forward: Forward, r: int, leaves: list[Tensor],
                   draws: list[Tensor] | None = None, rtol: float = 0.0) -> list[Tensor]:
