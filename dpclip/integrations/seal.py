@@ -5,9 +5,9 @@ the loop must do").
 own step calls bypass the loop's checks: ``engine.backward`` adds rows the draw tracker never
 counted (an example's clipped gradient twice in one step, charged once), ``engine.privatize``
 writes a noisy gradient the ledger never charges, ``engine.paused()`` lets raw, unclipped
-gradients of the batch into ``p.grad``, and ``engine.debug_clipped()`` hands out the clipped sums
-without noise. Each is refused here, with the part of the loop that does it, before anything is
-written; the engine's read-only attributes (groups, thresholds, the plan's σ) stay readable.
+gradients of the batch into ``p.grad``, and ``engine.debug_clipped()`` (or ``step_accumulator``
+while a batch is drawn) hands out the clipped sums without noise. Each is refused here, before
+anything is written; the engine's settings (groups, thresholds, the plan's σ) stay readable.
 """
 
 from __future__ import annotations
@@ -47,7 +47,23 @@ def seal_engine(engine: DPEngine, tracker: DrawTracker) -> DrawTracker:
            "charged in the ledger", "call optimizer.step() (the returned optimizer): it noises, charges, then steps")
     for name, (why, hint) in REFUSED.items():
         _guard(engine, name, lambda: False, why, hint)
+    _guard_sums(engine, tracker)
     return tracker
+
+
+def _guard_sums(engine: DPEngine, tracker: DrawTracker) -> None:
+    """``engine.step_accumulator`` (a property: guarded on a subclass made for this engine) holds the
+    open draw's clipped sums without noise: refused to the loop while a draw is open."""
+    base = type(engine)
+
+    def step_accumulator(self: DPEngine) -> Any:
+        if tracker.rows is not None and not (tracker.busy or tracker.releasing):
+            raise DpclipError("private.engine.step_accumulator read by the loop while a batch is drawn: it holds "
+                              "the draw's clipped sums computed without noise (not covered by ε)",
+                              REFUSED["debug_clipped"][1])
+        return base.step_accumulator.fget(self)
+    engine.__class__ = type(base.__name__, (base,), {"step_accumulator": property(step_accumulator),
+                                                    "__doc__": base.__doc__, "__module__": base.__module__})
 
 
 def _guard(engine: DPEngine, name: str, allowed: Callable[[], bool], why: str, hint: str) -> None:

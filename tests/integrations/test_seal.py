@@ -89,3 +89,15 @@ def test_the_loops_own_noiseless_clipped_sums_are_refused():
 def test_the_engines_settings_stay_readable():
     private = _private()
     assert private.engine.group_names and float(private.engine.thresholds.reshape(-1)[0]) == pytest.approx(C)
+
+
+def test_the_open_draws_noiseless_sums_are_refused_to_the_loop_and_the_step_still_runs():
+    private = _private()
+    model, optimizer, criterion, _ = private
+    x, y = _drawn(private)
+    criterion(model(x), y).backward()
+    with pytest.raises(DpclipError, match="step_accumulator.*without noise") as refused:
+        private.engine.step_accumulator.whole_sums()
+    assert "p.grad after optimizer.step()" in refused.value.hint
+    optimizer.step()
+    assert private.ledger.steps >= 1 and isinstance(private.engine, dpclip.engine.DPEngine)
