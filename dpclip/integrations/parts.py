@@ -365,11 +365,16 @@ class PrivateOptimizer(torch.optim.Optimizer):
             return   # a part of the drawn batch: its noisy step comes after the last part
         plan, self.parts_taken = self.account.plan, 0
         try:
-            report = self.engine.privatize()
+            if self.tracker is None:
+                report = self.engine.privatize()
+            else:
+                with self.tracker.engine_release():
+                    report = self.engine.privatize()
             check_same_release(report.dp_event, plan.step_event)   # before anything is charged or stepped
             if self.on_release is not None:
                 self.on_release(self.account.ledger.steps + 1, [p.grad for group in self.param_groups
                                                                 for p in group["params"] if p.grad is not None])
+            self.account.ledger.record(plan.step_event, metadata=plan.step_metadata)   # released iff charged
         except BaseException as exc:
             # Not charged, so not released: drop what the engine may have written, and refuse any
             # later step (its sums would be this failed step's or start from them).
@@ -379,7 +384,6 @@ class PrivateOptimizer(torch.optim.Optimizer):
             if self.tracker is not None:
                 self.tracker.spoil("an optimizer.step()", exc)
             raise
-        self.account.ledger.record(plan.step_event, metadata=plan.step_metadata)
         if self.record_grad_norm:   # of the noisy gradient the step applies: a post-processing of the release
             norms = [p.grad.detach().norm() for group in self.param_groups for p in group["params"]
                      if p.grad is not None]

@@ -12,6 +12,7 @@ loader drew (docs/python-api.md, "What the loop must do").
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -157,6 +158,7 @@ class DrawTracker:
         self.drawn: DrawnRows | None = None   # the open draw's per-sample tensors
         self.spoiled: str | None = None       # the error a backward raised inside the engine: nothing more is released
         self.busy = False                     # the engine's own forwards (the certificate's replays) run
+        self.releasing = False                # optimizer.step() has the engine release (seal.py)
         self._losses_read = False             # a private loss's value left for the loop (the statement says so)
         self.on_first_read: Callable[[], None] = lambda: None   # make_private: restates the saved privacy.json
         # user-level privacy: every row weighs 1/k (k: a person's most records in a step), so a
@@ -218,6 +220,15 @@ class DrawTracker:
         finally:
             self.busy = False
 
+    @contextmanager
+    def engine_release(self) -> Iterator[None]:
+        """``optimizer.step()``'s release: the one place make_private's engine may privatize."""
+        self.releasing = True
+        try:
+            yield
+        finally:
+            self.releasing = False
+
     def spoil(self, what: str, exc: BaseException) -> None:
         """``what`` failed inside the engine with ``exc``: nothing more of this run is released."""
         # only the error's type: its message (shapes of the private batch) was printed, labelled
@@ -275,10 +286,15 @@ class ModelRowsWatch:
 
     def __init__(self, model: torch.nn.Module, tracker):
         self.tracker, self.depth = tracker, 0
+        self.outer = None   # the outermost call's frame, while it runs
         model.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True)
         model.register_forward_hook(self._leave, always_call=True)
 
     def _enter(self, module, args, kwargs):
+        if self.depth and not self._outer_running():
+            self._interrupted()
+        if self.depth == 0:
+            self.outer = sys._getframe(1)   # torch's call of the model, which runs this hook
         self.depth += 1
         tracker = self.tracker
         if self.depth == 1 and torch.is_grad_enabled() and not tracker.busy:
@@ -290,3 +306,21 @@ class ModelRowsWatch:
 
     def _leave(self, module, args, output):
         self.depth -= 1
+        if self.depth == 0:
+            self.outer = None
+
+    def _outer_running(self) -> bool:
+        """Whether the outermost call is still on the stack (this one is nested in it). torch skips
+        the hooks after a forward on a KeyboardInterrupt (it runs them on an Exception only)."""
+        frame = sys._getframe(2)
+        while frame is not None and frame is not self.outer:
+            frame = frame.f_back
+        return frame is not None
+
+    def _interrupted(self) -> None:
+        """A forward left without its hooks (a caught KeyboardInterrupt): the engine's record of it,
+        and of its checks, is partial, so the rows and clipping checks after it would not hold."""
+        self.depth, self.outer = 0, None
+        self.tracker.spoiled = ("a forward of the model was interrupted (a KeyboardInterrupt caught, in a notebook "
+                                "too) before its hooks ran, so the engine's record of it and its checks are partial; "
+                                "interrupt between steps, after optimizer.step()")

@@ -44,15 +44,18 @@ def test_make_private_on_cuda_writes_the_clipped_per_example_sum_over_b(monkeypa
         torch.testing.assert_close(got, want / B, rtol=1e-4, atol=1e-7)
 
 
-def test_make_private_on_cuda_adds_noise_of_the_planned_std():
-    """An empty model input: p.grad is pure noise, std σ_g·C/B per coordinate. Over the 123
-    coordinates of the MLP, the sample std is within 5 standard errors of it
+def test_make_private_on_cuda_adds_noise_of_the_planned_std(monkeypatch):
+    """A drawn batch at loss weight 0: p.grad is pure noise, std σ_g·C/B per coordinate. Over the
+    123 coordinates of the MLP, the sample std is within 5 standard errors of it
     (std of a sample std ≈ σ/sqrt(2n))."""
     model = _model().cuda()
     private = _private(model)
     model, optimizer, criterion, loader = private
     optimizer.zero_grad()
-    private.engine.privatize()   # no backward: the step's sum is zero, its gradient is the noise
+    x, y = next(iter(loader))
+    (criterion(model(x.cuda()), y.cuda()) * 0.0).backward()   # the step's clipped sum is zero
+    monkeypatch.setattr(optimizer.original, "step", lambda: None)   # p.grad as released: the noise alone
+    optimizer.step()
     noise = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
     expected = private.plan.split.gradient_noise_multiplier * 0.05 / B
     assert abs(float(noise.std()) - expected) < 5 * expected / math.sqrt(2 * noise.numel())
