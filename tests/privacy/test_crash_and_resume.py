@@ -165,3 +165,15 @@ def test_the_closing_checkpoint_is_not_rewritten_over_the_one_of_its_step(tiny_r
     assert saved == [0, 2, 4]
     train(resume=run)                      # a finished run resumed: nothing to redo, nothing to write
     assert saved == [0, 2, 4]
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_its_final_evaluation_resumes_without_writing_it_twice(tiny_recipe):
+    """The final evaluation follows the closing checkpoint; killed before summary.json, the run
+    resumes from that checkpoint and evaluates again: metrics.jsonl must keep one line of it."""
+    run = train(tiny_recipe("eval.every_steps=2")).run_dir
+    (run / "summary.json").unlink()          # as a kill -9 after the last metrics line leaves it
+    before = (run / "metrics.jsonl").read_text()
+    assert train(resume=run).steps_done == 4
+    assert (run / "metrics.jsonl").read_text() == before
+    assert [r["step"] for r in _records(run / "metrics.jsonl") if "eval" in r] == [2, 4]
