@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,24 @@ def write_bytes_atomic(path: str | Path, data: bytes, durable: bool = True) -> N
             stream.flush()
             if durable:
                 os.fsync(stream.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_with_atomic(path: str | Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` writes a file another library makes (``torch.save``) at a temporary path
+    beside ``path``, which is then fsynced and renamed over ``path`` (owner-only): a save cut short
+    (a kill, a full disk) leaves the previous file whole, as :func:`write_bytes_atomic` does."""
+    path = Path(path)
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        write(Path(tmp))
+        with open(tmp, "rb") as stream:
+            os.fsync(stream.fileno())
+        os.chmod(tmp, OWNER_ONLY)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -50,7 +50,7 @@ from dpclip.data.user_sampler import UserPoissonSampler, number_people
 from dpclip.distributed import ShardedPoissonSampler, World
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
-from dpclip.files import made_private, owner_only
+from dpclip.files import made_private, owner_only, write_with_atomic
 from dpclip.integrations.loaders import poisson_loader, tracked_loader
 from dpclip.integrations.parts import PrivateCriterion, PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
@@ -137,14 +137,15 @@ class PrivateTraining:
         path = Path(path)
         made_private(path.parent)
         releases = self._release_log(path.parent)
-        torch.save({"format": CHECKPOINT_FORMAT, "plan": self._plan_key(), "run": releases.run,
-                    "torch_rng": torch.get_rng_state(), "cuda_rng": cuda_rng_states(), "model": self.model.state_dict(),
-                    "optimizer": self.optimizer.original.state_dict(), "engine": self.engine.state_dict(),
-                    "sampler": None if self.draws is None else self.data_loader.batch_sampler.state_at(
-                        self.optimizer.tracker.draws),   # the draws the loop took, not those fetched ahead
-                    "draws": self.optimizer.tracker.draws, "losses_read": self.optimizer.tracker.losses_read,
-                    "ledger": self.ledger.to_dict(with_epsilon=False)}, path)
-        owner_only(path)
+        state = {"format": CHECKPOINT_FORMAT, "plan": self._plan_key(), "run": releases.run,
+                 "torch_rng": torch.get_rng_state(), "cuda_rng": cuda_rng_states(), "model": self.model.state_dict(),
+                 "optimizer": self.optimizer.original.state_dict(), "engine": self.engine.state_dict(),
+                 "sampler": None if self.draws is None else self.data_loader.batch_sampler.state_at(
+                     self.optimizer.tracker.draws),   # the draws the loop took, not those fetched ahead
+                 "draws": self.optimizer.tracker.draws, "losses_read": self.optimizer.tracker.losses_read,
+                 "ledger": self.ledger.to_dict(with_epsilon=False)}
+        # A save cut short (a kill, a full disk) leaves the checkpoint it overwrites whole.
+        write_with_atomic(path, lambda tmp: torch.save(state, tmp))
         return path
 
     def _release_log(self, folder: Path) -> ReleaseLog:

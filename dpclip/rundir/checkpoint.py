@@ -190,6 +190,26 @@ def newer_checkpoints(checkpoint: Path) -> list[Path]:
                    and all((p / f).is_file() for f in layout.CHECKPOINT_FILES)), key=lambda p: int(p.name[5:]))
 
 
+def finish_interrupted_save(run_dir: Path) -> Path | None:
+    """The checkpoint a save killed between renaming its folder into place and replacing LATEST
+    left (LATEST names the one before it, or, the run's first, nothing), with LATEST now naming it
+    as the save would have; None when there is none. More than one complete checkpoint newer than
+    LATEST is no such crash: left to the resume to refuse."""
+    root = layout.checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return None
+    if (root / layout.LATEST).exists():
+        latest = latest_checkpoint(run_dir)
+        newer = [] if latest is None else newer_checkpoints(latest)
+    else:
+        newer = [p for p in root.iterdir() if p.name == step_dir_name(0)
+                 and all((p / f).is_file() for f in layout.CHECKPOINT_FILES)]
+    if len(newer) != 1:
+        return None
+    write_text_atomic(root / layout.LATEST, newer[0].name + "\n")
+    return newer[0]
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint folder LATEST names, or None before the first checkpoint.
 

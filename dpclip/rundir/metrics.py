@@ -58,8 +58,9 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
 
 def released_records(path: Path, last_step: int) -> dict[tuple[str, int], dict[str, Any]]:
     """Records of metrics.jsonl after step ``last_step`` (they left the process before a
-    crash), keyed by (kind, step); the file keeps every complete line, so the replayed
-    steps are not written twice. A line cut by the crash is dropped."""
+    crash), and an evaluation at ``last_step`` (the final one, made after the closing checkpoint),
+    keyed by (kind, step); the file keeps every complete line, so the replayed steps are not
+    written twice. A line cut by the crash is dropped."""
     if not path.exists():
         path.touch(mode=OWNER_ONLY)
         return {}
@@ -70,7 +71,9 @@ def released_records(path: Path, last_step: int) -> dict[tuple[str, int], dict[s
         except json.JSONDecodeError:
             break  # a line cut by the crash
         kept.append(line)
-        if record.get("step", 0) > last_step:
-            later[("eval" if "eval" in record else "step", record["step"])] = record
+        kind = "eval" if "eval" in record else "step"
+        # The final evaluation follows the closing checkpoint of its step: a resume from it evaluates again.
+        if record.get("step", 0) > last_step or (kind == "eval" and record.get("step") == last_step):
+            later[(kind, record["step"])] = record
     write_text_atomic(path, "".join(f"{line}\n" for line in kept))
     return later

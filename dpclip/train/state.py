@@ -31,8 +31,8 @@ from dpclip.errors import DpclipError
 from dpclip import layout
 from dpclip.layout import STATE
 from dpclip.rng import fork_private_streams
-from dpclip.rundir.checkpoint import (latest_checkpoint, load_checkpoint, missing_checkpoint_hint, newer_checkpoints,
-                                      save_checkpoint)
+from dpclip.rundir.checkpoint import (finish_interrupted_save, latest_checkpoint, load_checkpoint,
+                                      missing_checkpoint_hint, newer_checkpoints, save_checkpoint)
 from dpclip.train.output import RunOutput
 from dpclip.train.run_parts import RunParts
 from dpclip.train.ranks import check_parallel, check_world_size, rank_states, share_run_dir
@@ -197,6 +197,9 @@ class Checkpointer:
     def _load(self, run: RunDir, resume_changes: dict[str, list[Any]], model) -> dict[str, Any]:
         parts, state = self.parts, self.state
         solved, steps = parts.setting.solved, parts.setting.plan.steps
+        if (finished := finish_interrupted_save(run.path)) is not None:
+            log.warning("%s was complete but LATEST did not name it yet (the run was killed between the two): "
+                        "resuming from it", finished.name)
         checkpoint = latest_checkpoint(run.path)
         if checkpoint is None:
             raise DpclipError(f"{run.path} has no checkpoint to resume from", missing_checkpoint_hint(run.path))

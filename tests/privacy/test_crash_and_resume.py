@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
 from dpclip.accounting import Ledger
 from dpclip.errors import DpclipError
+from dpclip.rundir import checkpoint as checkpoint_module
 from dpclip.train import output
 from dpclip.train import state as state_module
 from dpclip.train.workflow import train
@@ -144,7 +146,8 @@ def test_a_replay_whose_exact_diagnostics_differ_resumes_without_writing_them_ag
 
 
 def test_resuming_before_a_newer_complete_checkpoint_is_refused(tiny_recipe):
-    """LATEST set back by hand (or left behind by a crash after the folder was written): the steps
+    """LATEST set back by hand, two checkpoints (one newer is what a kill between the folder and
+    LATEST leaves: resumed from, test below): the steps
     after it would be redone with the noise a newer, kept checkpoint's weights already hold; with
     another lr the two weights' difference is a difference of gradients without noise."""
     run = train(tiny_recipe("training.steps=6", "checkpoint.keep=5")).run_dir
@@ -165,3 +168,43 @@ def test_the_closing_checkpoint_is_not_rewritten_over_the_one_of_its_step(tiny_r
     assert saved == [0, 2, 4]
     train(resume=run)                      # a finished run resumed: nothing to redo, nothing to write
     assert saved == [0, 2, 4]
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_its_final_evaluation_resumes_without_writing_it_twice(tiny_recipe):
+    """The final evaluation follows the closing checkpoint; killed before summary.json, the run
+    resumes from that checkpoint and evaluates again: metrics.jsonl must keep one line of it."""
+    run = train(tiny_recipe("eval.every_steps=2")).run_dir
+    (run / "summary.json").unlink()          # as a kill -9 after the last metrics line leaves it
+    before = (run / "metrics.jsonl").read_text()
+    assert train(resume=run).steps_done == 4
+    assert (run / "metrics.jsonl").read_text() == before
+    assert [r["step"] for r in _records(run / "metrics.jsonl") if "eval" in r] == [2, 4]
+
+
+class _Killed(BaseException):
+    """The process killed (kill -9, a power cut) at this point."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed_at", [0, 2])
+def test_a_run_killed_between_a_checkpoints_folder_and_latest_resumes_from_that_checkpoint(
+        tiny_recipe, monkeypatch, killed_at):
+    """The folder is renamed into place, then LATEST is replaced: a kill between the two left a
+    run whose --resume was refused (a complete checkpoint newer than LATEST; at step 0, none named)."""
+    real = checkpoint_module.write_text_atomic
+
+    def killed(path, text, *args):
+        if path.name == "LATEST" and text.strip() == f"step_{killed_at:06d}":
+            raise _Killed
+        return real(path, text, *args)
+
+    monkeypatch.setattr(checkpoint_module, "write_text_atomic", killed)
+    recipe = tiny_recipe("checkpoint.keep=5")
+    with pytest.raises(_Killed):
+        train(recipe)
+    monkeypatch.setattr(checkpoint_module, "write_text_atomic", real)
+    run = next(Path(recipe.output_dir).iterdir())
+    assert train(resume=run).steps_done == 4
+    assert (run / "checkpoints" / "LATEST").read_text() == "step_000004\n"
+    assert [r["step"] for r in _records(run / "metrics.jsonl") if "eval" not in r] == [1, 2, 3, 4]

@@ -11,6 +11,7 @@ ledger's 4 steps are everything that left.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -53,4 +54,32 @@ def test_the_models_redone_after_a_crash_equal_the_lost_ones_so_the_ledger_count
     resumed.load_checkpoint(path)
     redone = _released(resumed, 2)
     assert all(torch.equal(a, b) for a, b in zip(redone, lost, strict=True))
+    assert resumed.ledger.steps == 4
+
+
+class _CutShort:
+    """A value whose pickling fails: the writer stops partway, as on a full disk or a kill."""
+
+    def __reduce__(self):
+        raise OSError(28, "No space left on device")
+
+
+def test_a_checkpoint_cut_short_while_overwritten_leaves_the_previous_one_loadable(tmp_path):
+    """One checkpoint file, overwritten every few steps (as docs/python-api.md allows): a save cut
+    short must not destroy the one before it, or the run cannot continue and its ledger, the only
+    record of the steps it released, is lost with it."""
+    crashed = _private()
+    _released(crashed, 2)
+    path = crashed.save_checkpoint(tmp_path / "checkpoint.pt")
+    _released(crashed, 2)
+    real = crashed.engine.state_dict
+    crashed.engine.state_dict = lambda: {**real(), "cut": _CutShort()}
+    with pytest.raises(OSError):
+        crashed.save_checkpoint(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt", "dpclip_releases.jsonl"]
+
+    resumed = _private()
+    resumed.load_checkpoint(path)
+    assert resumed.ledger.steps == 2
+    _released(resumed, 2)   # the lost steps 3 and 4, redone as released
     assert resumed.ledger.steps == 4
