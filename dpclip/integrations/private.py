@@ -169,6 +169,12 @@ class PrivateTraining:
         streams and torch's global generator, each checked against the fingerprint it released
         (refused if another); after them the sampler's and the noise's streams start afresh from OS
         entropy (the checkpoint's, with ``unsafe_seed``)."""
+        if running_world() is not None:
+            # Every rank would start from the one process's sampler state: the same rows redrawn
+            # on each rank, and later draws correlated across ranks.
+            raise DpclipError("load_checkpoint across several processes is not built yet (the checkpoint holds one "
+                              "process's sampler)", "continue a one-process checkpoint in one process, or use "
+                              "dpclip train --nproc N, whose checkpoints resume on their ranks (docs/distributed.md)")
         try:
             state = torch.load(Path(path), map_location="cpu", weights_only=True)
         except (OSError, RuntimeError, EOFError) as exc:

@@ -83,3 +83,22 @@ def test_a_checkpoint_cut_short_while_overwritten_leaves_the_previous_one_loadab
     assert resumed.ledger.steps == 2
     _released(resumed, 2)   # the lost steps 3 and 4, redone as released
     assert resumed.ledger.steps == 4
+
+
+def test_a_one_process_checkpoint_is_not_loaded_by_several_ranks(tmp_path, monkeypatch):
+    """Ranks that all loaded one process's checkpoint would start from the same sampler state:
+    their redone steps would draw the same rows on every rank, and their later draws be
+    correlated, where each rank must draw its own examples' part of each batch."""
+    from dpclip.distributed.world import World
+    from dpclip.errors import DpclipError
+    from dpclip.integrations import private as private_module
+
+    single = _private()
+    _released(single, 2)
+    path = single.save_checkpoint(tmp_path / "checkpoint.pt")
+    rank = _private()
+    monkeypatch.setattr(private_module, "running_world", lambda: World(0, 2, 0, 2))
+    with pytest.raises(DpclipError, match="several processes") as refused:
+        rank.load_checkpoint(path)
+    assert "one-process" in refused.value.hint
+    assert rank.ledger.steps == 0
