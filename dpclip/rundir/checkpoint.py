@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, load_model, save_file
 
 from dpclip import layout
+from dpclip.accounting.ledger import Ledger
 from dpclip.errors import DpclipError
 from dpclip.models.build import model_info
 from dpclip.interrupt import shielded
@@ -168,10 +169,24 @@ def missing_checkpoint_hint(run_dir: Path) -> str:
     """The hint for a run directory without a checkpoint: not yet trained, or its checkpoints
     removed after training (its ledger.json or summary.json says it trained)."""
     run_dir = Path(run_dir)
+    if _released_nothing(run_dir):
+        return (f"the run stopped before its first checkpoint and released nothing (its ledger holds no step): "
+                f"delete {run_dir} and train again")
     if (run_dir / layout.LEDGER).exists() or (run_dir / layout.SUMMARY).exists():
         return (f"the run trained, but {layout.checkpoints_dir(run_dir)} holds no complete checkpoint: "
                 "restore that folder from a backup")
     return "train the run first (dpclip train RECIPE)"
+
+
+def _released_nothing(run_dir: Path) -> bool:
+    """A ledger.json that reads as no step and no summary.json: killed before step 0's checkpoint.
+    An unreadable ledger counts as a run that trained (its hint asks for the backup)."""
+    if (run_dir / layout.SUMMARY).exists() or not (run_dir / layout.LEDGER).exists():
+        return False
+    try:
+        return Ledger.from_dict(read_json(run_dir / layout.LEDGER)).steps == 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def checkpointed_steps(run_dir: Path) -> int:

@@ -93,7 +93,14 @@ def test_a_run_without_checkpoints_is_told_apart_from_one_whose_checkpoints_were
     with pytest.raises(DpclipError, match="no checkpoint") as fresh:
         resolve_target(run)
     assert "train the run first" in fresh.value.hint
-    (run / layout.LEDGER).write_text("{}")   # it trained; then someone deleted checkpoints/
+    import json
+
+    import dp_accounting
+
+    from dpclip.accounting.ledger import Ledger
+    trained = Ledger(1e-5)
+    trained.record(dp_accounting.GaussianDpEvent(1.0))
+    (run / layout.LEDGER).write_text(json.dumps(trained.to_dict()))   # it trained; then someone deleted checkpoints/
     with pytest.raises(DpclipError, match="no checkpoint") as removed:
         resolve_target(run)
     assert "the run trained" in removed.value.hint and "restore" in removed.value.hint
@@ -121,3 +128,21 @@ def test_a_checkpoint_renamed_away_mid_rewrite_is_named_with_how_to_restore_it(t
     with pytest.raises(DpclipError) as info:
         latest_checkpoint(tmp_path)
     assert "rewritten" in info.value.message and "mv " in info.value.hint and ".step_000005.old" in info.value.hint
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_told_it_released_nothing(tmp_path):
+    """Killed before step 0's checkpoint: its ledger.json holds no step. Told to restore a backup
+    it never had, the user would be stuck; the run spent nothing and can be started again."""
+    import json
+
+    from dpclip import layout
+    from dpclip.accounting.ledger import Ledger
+    from dpclip.rundir.checkpoint import missing_checkpoint_hint
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / layout.LEDGER).write_text(json.dumps(Ledger(1e-5).to_dict()))
+    hint = missing_checkpoint_hint(run)
+    assert "released nothing" in hint and "backup" not in hint and str(run) in hint
+    (run / layout.SUMMARY).write_text("{}")   # a summary: it did train
+    assert "backup" in missing_checkpoint_hint(run)
