@@ -23,6 +23,27 @@ CONFIGS = {
     "lora-embedding": lambda: peft.LoraConfig(task_type="SEQ_CLS", target_modules=["word_embeddings"], r=2),
 }
 
+QV = ["query", "value"]
+#: the other adapters of peft 0.21 that wrap a Linear: kind -> (config, a name their parameters carry)
+MORE = {
+    "lokr": (lambda: peft.LoKrConfig(task_type="SEQ_CLS", target_modules=QV, r=2), "lokr_w1"),
+    "vera": (lambda: peft.VeraConfig(task_type="SEQ_CLS", target_modules=QV, r=2), "vera_lambda_b"),
+    "oft": (lambda: peft.OFTConfig(task_type="SEQ_CLS", target_modules=QV, r=0, oft_block_size=4), "oft_R"),
+    "boft": (lambda: peft.BOFTConfig(task_type="SEQ_CLS", target_modules=QV, boft_block_size=4), "boft_R"),
+    "hra": (lambda: peft.HRAConfig(task_type="SEQ_CLS", target_modules=QV, r=2), "hra_u"),
+    "fourierft": (lambda: peft.FourierFTConfig(task_type="SEQ_CLS", target_modules=QV, n_frequency=8),
+                  "fourierft_spectrum"),
+    "c3a": (lambda: peft.C3AConfig(task_type="SEQ_CLS", target_modules=QV, block_size=4), "c3a_kernel"),
+    "miss": (lambda: peft.MissConfig(task_type="SEQ_CLS", target_modules=QV, r=2), "miss_block"),
+    "randlora": (lambda: peft.RandLoraConfig(task_type="SEQ_CLS", target_modules=QV, r=2), "randlora_lambda"),
+    "shira": (lambda: peft.ShiraConfig(task_type="SEQ_CLS", target_modules=QV, r=2), "shira_weight"),
+    "waveft": (lambda: peft.WaveFTConfig(task_type="SEQ_CLS", target_modules=QV, n_frequency=8), "waveft_spectrum"),
+    "delora": (lambda: peft.DeloraConfig(task_type="SEQ_CLS", target_modules=QV, r=2), "delora_lambda"),
+    "gralora": (lambda: peft.GraloraConfig(task_type="SEQ_CLS", target_modules=QV, r=4, gralora_k=2), "gralora_A"),
+    "trainable-tokens": (lambda: peft.TrainableTokensConfig(task_type="SEQ_CLS", token_indices=[3, 5, 7]),
+                         "trainable_tokens_delta"),
+}
+
 
 def _adapted(kind: str, train: bool = False):
     def make():
@@ -75,6 +96,41 @@ def test_a_loha_adapter_in_training_mode_replays_its_module_dropout_draw():
     grads = {info.name: info.param.grad for info in engine.groups.params if "hada_w1_a" in info.name}
     dropped = [name for name, g in grads.items() if not g.any()]
     assert 0 < len(dropped) < len(grads), dropped     # the draws dropped some adapters, not all
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(MORE))
+def test_other_linear_adapters_clip_as_the_per_example_reference(kind):
+    """LoKr, VeRA (A and B shared by every layer, frozen), OFT, BOFT, HRA, FourierFT, C3A, MiSS, RandLoRA,
+    SHiRA, WaveFT, DeLoRA, GraLoRA and trainable tokens: exact, their parameters book-kept."""
+    config, marker = MORE[kind]
+    engine, _, _ = check_exact(_adapted(config()), bert_loss, bert_batch(), micro=[2, 3])
+    names = [info.name for info in engine.groups.params]
+    assert any(marker in name for name in names), names
+
+
+def test_a_lokr_adapter_in_training_mode_replays_its_module_dropout_draw():
+    """LoKr draws torch.rand(1) for its module dropout as LoHa does: replayed, exact."""
+    config = peft.LoKrConfig(task_type="SEQ_CLS", target_modules=["query", "value"], r=2, module_dropout=0.5)
+
+    def seeded_loss(model, batch):
+        torch.manual_seed(0)
+        return bert_loss(model, batch)
+    engine, _, _ = check_exact(_adapted(config, train=True), seeded_loss, bert_batch(), micro=[2, 3])
+    grads = {info.name: info.param.grad for info in engine.groups.params if "lokr_w1" in info.name}
+    dropped = [name for name, g in grads.items() if not g.any()]
+    assert 0 < len(dropped) < len(grads), dropped
+
+
+def test_a_vblora_vector_bank_shared_by_every_layer_is_refused():
+    """VBLoRA's layers read one vector bank (a parameter of no module of theirs) inside their forward:
+    refused by name with a hint, before any noise."""
+    config = peft.VBLoRAConfig(task_type="SEQ_CLS", target_modules=["query", "value"], r=2, num_vectors=8,
+                               vector_length=4)
+    model = _adapted(config)()
+    engine = DPEngine(model, {"grouping": "all-layer"}, gradient_noise_multiplier=0.0, expected_batch_size=4)
+    with pytest.raises(EngineError, match="(?s)attention.self.query.*hint:"):
+        engine.backward(bert_loss(model, bert_batch()))
 
 
 class DropoutMixer(torch.nn.Module):
