@@ -223,13 +223,13 @@ def test_pld_infinite_epsilon_at_tiny_delta_falls_back_to_rdp():
 
 
 def test_pld_at_a_delta_within_its_floating_point_error_falls_back_to_rdp():
-    """At δ = 1e-12 dp_accounting's PLD, on the grid dpclip would use, returns an ε below the true
-    one: a lower bound of the true ε (exponential tilting of the privacy loss rounded down,
-    computed independently of dp_accounting) is 7.941 at this δ."""
+    """At δ = 1e-12 dp_accounting's PLD, on the grid dpclip would use, has returned an ε below the
+    true one (with the numpy and scipy of 2026-11; with later builds it lands above, so which side
+    it falls on is the FFT's rounding, not a property to rely on): a lower bound of the true ε
+    (exponential tilting of the privacy loss rounded down, computed independently of
+    dp_accounting) is 7.941 at this δ. dpclip's ε is at least that, whatever the PLD gives."""
     event = training_event(0.004, 0.666966204280318, 2344)
     true_at_least = 7.941
-    grid = accountants_module.pld_discretization(_rdp_direct(event, 1e-12), 2344)
-    assert _pld_direct(event, 1e-12, grid) < true_at_least       # the failure is real
     result = account(event, 1e-12, "pld")
     assert result.accountant == "rdp" and "floating-point error" in result.fallback_reason
     assert result.epsilon >= true_at_least
