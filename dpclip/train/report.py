@@ -232,8 +232,11 @@ def _audit_html(report: dict[str, Any]) -> list[str]:
                          f"{bound_text(fdp.get('mu_lower_bound'), upper=False)}, "
                          f"ε ≥ {bound_text(fdp.get('epsilon_lower_bound'), upper=False)} ({FDP_CONDITION})")
         level = one_run.get("confidence") or 0.95
+        bound, epsilon = one_run.get("epsilon_lower_bound"), ledger.get("epsilon")
+        # the verdict follows the figures shown (a report without "flagged", or one that lost it, is not "within")
+        flagged = bool(report.get("flagged")) or (bound is not None and epsilon is not None and bound > epsilon)
         verdict = (f"exceeds the ledger's ε at {100 * level:g}% confidence: a privacy bug, or a wrong ledger (a "
-                   f"correct run is flagged in at most {100 * (1 - level):.2g}% of audits)") if report.get("flagged") \
+                   f"correct run is flagged in at most {100 * (1 - level):.2g}% of audits)") if flagged \
             else f"within the ledger's ε at {100 * level:g}% confidence"
         out.append(f"<p>One-run audit on {e(_fmt(one_run.get('canaries')))} canaries ({verdict}):</p><ul>"
                    + "".join(f"<li>{e(item)}</li>" for item in items) + "</ul>")

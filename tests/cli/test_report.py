@@ -136,3 +136,16 @@ def test_the_audit_section_escapes_every_figure_it_shows():
                           "controls": {"count": evil, "mean_exposure": evil}}, "notes": [evil]}
     page = "\n".join(_audit_html(audit))
     assert "<script>" not in page and "&lt;script&gt;" in page
+
+
+def test_the_pages_verdict_follows_the_bound_it_shows_not_a_stored_flag():
+    """A report without "flagged" (or with a false one) whose Steinke bound exceeds the ledger's ε
+    was shown as "within the ledger's ε" under that very bound."""
+    from dpclip.train.report import _audit_html
+
+    one_run = {"canaries": 200, "correct": 98, "guesses": 100, "epsilon_lower_bound": 2.45, "confidence": 0.95}
+    for stored in ({}, {"flagged": False}):
+        page = "\n".join(_audit_html({"ledger": {"epsilon": 1.0, "delta": 1e-5}, "one_run": one_run, **stored}))
+        assert "exceeds the ledger's ε" in page and "within the ledger's ε" not in page
+    page = "\n".join(_audit_html({"ledger": {"epsilon": 8.0, "delta": 1e-5}, "one_run": one_run, "flagged": False}))
+    assert "within the ledger's ε" in page
