@@ -132,3 +132,15 @@ def test_an_answer_key_whose_bits_are_not_its_seeds_is_refused_not_audited(tiny_
     with pytest.raises(DpclipError) as info:
         audit(run, ["one-run"], write=False)
     assert "canaries.json" in str(info.value) and "inclusion bits" in str(info.value) and "restore" in info.value.hint
+
+
+def test_a_recipe_with_fewer_than_two_canaries_is_refused_before_training(cli, tmp_path):
+    """One canary trained a whole run whose one-run audit was then refused ("too few")."""
+    with pytest.raises(DpclipError) as info:
+        load_recipe(REPO / "recipes" / "quickstart.yaml", ["audit.canaries.count=1"])
+    assert "audit.canaries.count" in str(info.value) and info.value.hint
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((REPO / "recipes" / "quickstart.yaml").read_text())
+    result = cli("validate", recipe, "audit.canaries.count=1")
+    assert result.code == 2 and "error:" in result.err and "hint:" in result.err
+    load_recipe(REPO / "recipes" / "quickstart.yaml", ["audit.canaries.count=2"])
