@@ -74,6 +74,13 @@ def guess_counts(m: int) -> list[int]:
 FDP_CONDITION = "a lower bound only if the trade-off curve is Gaussian; the Steinke bound assumes nothing"
 
 
+def check_confidence(confidence) -> None:
+    """A confidence level is a number strictly between 0 and 1 (1 − α of every bound)."""
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 < confidence < 1:
+        raise DpclipError(f"the audit's confidence must be a number between 0 and 1 (exclusive), got {confidence!r}",
+                          "e.g. confidence=0.95: each ε lower bound then holds with probability 95%")
+
+
 def one_run_audit(scores: np.ndarray, included: np.ndarray, delta: float, confidence: float = 0.95) -> dict:
     """ε lower bound from canary ``scores`` (higher = "trained on") and the secret ``included``.
 
@@ -84,6 +91,7 @@ def one_run_audit(scores: np.ndarray, included: np.ndarray, delta: float, confid
     guesses at the same levels: the largest μ-GDP the counts reject and its ε at ``delta``
     (:mod:`dpclip.audit.fdp_one_run`), for the k whose μ is largest.
     """
+    check_confidence(confidence)
     scores = np.asarray(scores, dtype=float)
     included = np.asarray(included, dtype=bool)
     m = len(scores)

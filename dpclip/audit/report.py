@@ -28,7 +28,7 @@ from dpclip.audit.attacks import Outputs, logistic_attack, loss_attack, model_ou
 from dpclip.audit.exposure import exposure_audit
 from dpclip.audit.lira import lira_scores, realised_plan, shadow_confidences, target_plan, train_shadows
 from dpclip.audit.metrics import attack_metrics, dp_tpr_bound
-from dpclip.audit.one_run import one_run_audit
+from dpclip.audit.one_run import check_confidence, one_run_audit
 from dpclip.audit.plot import plot_roc
 from dpclip.audit.rmia import DEFAULT_GAMMA, DEFAULT_OFFLINE_A, label_probability, rmia_scores
 from dpclip.data import load_data
@@ -159,9 +159,7 @@ def _one_run(run_dir: Path, recipe, pool: Pool, model, loss_fn, delta: float, co
     if secret is None:
         raise missing_answer_key(run_dir, "the one-run audit cannot check its guesses")
     canaries = make_canaries(pool.data, recipe.audit.canaries, secret["seed"], records=canary_records(recipe))
-    if canaries.fingerprint() != secret["fingerprint"]:
-        raise DpclipError("the canaries rebuilt from the recipe differ from those the run trained with",
-                          "the data or the recipe changed since training; the one-run audit cannot be done")
+    check_rebuilt_canaries(run_dir, canaries, secret)
     outputs = model_outputs(model, loss_fn, canaries.tensors, pool.data.task)
     # Score = −loss on the canary's own (wrong or random) label: memorised canaries score high;
     # a canary person's score is the mean over their records.
@@ -169,6 +167,18 @@ def _one_run(run_dir: Path, recipe, pool: Pool, model, loss_fn, delta: float, co
     result = one_run_audit(scores, np.asarray(secret["included"], dtype=bool), delta, confidence)  # checked bools
     result["kind"] = secret["kind"]
     return result
+
+
+def check_rebuilt_canaries(run_dir: Path, canaries, secret: dict) -> None:
+    """The canaries rebuilt from the answer key's seed are those the run trained with: the same
+    tensors (their fingerprint) and the same inclusion bits, which the seed draws with them."""
+    if canaries.fingerprint() != secret["fingerprint"]:
+        raise DpclipError("the canaries rebuilt from the recipe differ from those the run trained with",
+                          "the data or the recipe changed since training; the one-run audit cannot be done")
+    if [bool(b) for b in canaries.included] != secret["included"]:
+        raise DpclipError(f"{layout.canaries_file(run_dir)} holds inclusion bits that its seed did not draw: the "
+                          "guesses would be checked against bits the run never trained with",
+                          "it was edited or damaged: restore it from a backup of the run directory")
 
 
 def _exposure(run_dir: Path, recipe, pool: Pool, model, loss_fn, seed: int) -> dict:
@@ -184,6 +194,7 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
           confidence: float = 0.95, shadow_observer: Callable[[int, int], Any] | None = None,
           write: bool = True) -> dict:
     """Run ``attacks`` against the run or checkpoint ``target``; return (and write) the report."""
+    check_confidence(confidence)
     unknown = [a for a in attacks if a not in ATTACKS]
     if unknown:
         raise DpclipError(f"unknown attack {unknown[0]!r}",

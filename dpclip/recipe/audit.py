@@ -21,7 +21,9 @@ from dpclip.recipe.section import Section
 
 
 class Canaries(Section):
-    count: PositiveInt = Field(100, description="canaries made; each goes into the training set with prob 1/2")
+    count: Annotated[int, Field(ge=2)] = Field(
+        100, description="canaries made (at least 2: the one-run audit guesses on m/20 to m/2 of them); each goes "
+        "into the training set with prob 1/2")
     kind: Literal["mislabel", "ood"] = Field(
         "mislabel", description="mislabel: held-out examples with a wrong label (record-level runs only: they are "
         "real people's rows); ood: uniform-noise inputs")

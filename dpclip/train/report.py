@@ -165,6 +165,33 @@ def audit_report_problem(report: Any) -> str | None:
     notes = report.get("notes") or []
     if not (isinstance(notes, list) and all(isinstance(note, str) for note in notes)):
         return "notes is not a list of text"
+    return _figures_problem(ledger, attacks, one_run, exposure)
+
+
+#: The figures of each part of an audit report that the page shows as numbers.
+_ATTACK_FIGURES = ("auc", "tpr_at_0.1%_fpr", "tpr_at_1%_fpr", "members", "non_members")
+_ONE_RUN_FIGURES = ("canaries", "correct", "guesses")
+
+
+def _figures_problem(ledger: dict, attacks: dict, one_run: dict, exposure: dict) -> str | None:
+    """Which figure the page would show is not a number (or absent), or None: a report.json that
+    travels with a run is data, and text in a figure's place is damage (or markup), not a figure."""
+    for name, result in attacks.items():
+        if not all(_number(result.get(key)) for key in _ATTACK_FIGURES) or \
+                not all(_number(value) for value in result.get("auc_ci95") or []):
+            return f"a figure of the attack {name!r} is not a number"
+    if not all(_number(value) for value in (ledger.get("tpr_bound") or {}).values()):
+        return "the ledger's tpr_bound is not a number"
+    fdp = one_run.get("fdp") or {}
+    if not all(_number(one_run.get(key)) and _number(fdp.get(key) if key != "canaries" else None)
+               for key in _ONE_RUN_FIGURES):
+        return "one_run's guess counts are not numbers"
+    controls = exposure.get("controls") or {}
+    figures = [exposure.get("max_exposure"), exposure.get("chance"), controls.get("count"),
+               controls.get("mean_exposure")]
+    figures += [row.get(key) for row in exposure.get("planted") or [] for key in ("exposure", "repetitions")]
+    if not all(_number(value) for value in figures):
+        return "an exposure figure is not a number"
     return None
 
 
@@ -172,6 +199,10 @@ def _audit_html(report: dict[str, Any]) -> list[str]:
     """The attacks compared on one run: a row per attack, the ledger's bound under them, the
     one-run audits' ε lower bounds beside the ledger's ε, and the canary exposure."""
     e = html.escape
+
+    def n(value: Any) -> str:   # a figure, escaped: the shape check vouches for numbers, this for the rest
+        return e(_fmt(value))
+
     ledger = report.get("ledger", {})
     out = [f'<h2>Membership-inference audit <span class="nc">({NOT_COVERED})</span></h2>',
            f"<p>{e(str(report.get('checkpoint', '')))}, step {e(_fmt(report.get('step')))}; the ledger's "
@@ -182,14 +213,14 @@ def _audit_html(report: dict[str, Any]) -> list[str]:
                    "<th>members / non-members</th></tr>")
         for name, r in attacks.items():
             low, high = (r.get("auc_ci95") or [None, None])[:2]
-            ci = f" [{_fmt(low)}, {_fmt(high)}]" if low is not None else ""
-            out.append(f"<tr><td>{e(name)}</td><td>{_fmt(r.get('auc'))}{ci}</td>"
-                       f"<td>{_fmt(r.get('tpr_at_0.1%_fpr'))}</td><td>{_fmt(r.get('tpr_at_1%_fpr'))}</td>"
+            ci = f" [{n(low)}, {n(high)}]" if low is not None else ""
+            out.append(f"<tr><td>{e(name)}</td><td>{n(r.get('auc'))}{ci}</td>"
+                       f"<td>{n(r.get('tpr_at_0.1%_fpr'))}</td><td>{n(r.get('tpr_at_1%_fpr'))}</td>"
                        f"<td>{e(_fmt(r.get('members')))} / {e(_fmt(r.get('non_members')))}</td></tr>")
         bound = ledger.get("tpr_bound")
         if bound:
-            out.append(f"<tr><td><i>what the ledger allows</i></td><td></td><td>≤ {_fmt(bound.get('fpr_0.1%'))}</td>"
-                       f"<td>≤ {_fmt(bound.get('fpr_1%'))}</td><td></td></tr>")
+            out.append(f"<tr><td><i>what the ledger allows</i></td><td></td><td>≤ {n(bound.get('fpr_0.1%'))}</td>"
+                       f"<td>≤ {n(bound.get('fpr_1%'))}</td><td></td></tr>")
         out.append("</table>")
     one_run = report.get("one_run")
     if one_run:
@@ -201,8 +232,11 @@ def _audit_html(report: dict[str, Any]) -> list[str]:
                          f"{bound_text(fdp.get('mu_lower_bound'), upper=False)}, "
                          f"ε ≥ {bound_text(fdp.get('epsilon_lower_bound'), upper=False)} ({FDP_CONDITION})")
         level = one_run.get("confidence") or 0.95
+        bound, epsilon = one_run.get("epsilon_lower_bound"), ledger.get("epsilon")
+        # the verdict follows the figures shown (a report without "flagged", or one that lost it, is not "within")
+        flagged = bool(report.get("flagged")) or (bound is not None and epsilon is not None and bound > epsilon)
         verdict = (f"exceeds the ledger's ε at {100 * level:g}% confidence: a privacy bug, or a wrong ledger (a "
-                   f"correct run is flagged in at most {100 * (1 - level):.2g}% of audits)") if report.get("flagged") \
+                   f"correct run is flagged in at most {100 * (1 - level):.2g}% of audits)") if flagged \
             else f"within the ledger's ε at {100 * level:g}% confidence"
         out.append(f"<p>One-run audit on {e(_fmt(one_run.get('canaries')))} canaries ({verdict}):</p><ul>"
                    + "".join(f"<li>{e(item)}</li>" for item in items) + "</ul>")
@@ -214,9 +248,9 @@ def _audit_html(report: dict[str, Any]) -> list[str]:
         planted = ", ".join(f"{_fmt(row.get('exposure'))} bits ({row.get('repetitions')}x)"
                             for row in exposure.get("planted", []))
         controls = exposure.get("controls", {})
-        out.append(f"<p>Canary exposure (of at most {_fmt(exposure.get('max_exposure'))} bits): planted {e(planted)}; "
-                   f"{e(_fmt(controls.get('count')))} never-planted controls {_fmt(controls.get('mean_exposure'))} "
-                   f"on average (chance {_fmt(exposure.get('chance'))}).</p>")
+        out.append(f"<p>Canary exposure (of at most {n(exposure.get('max_exposure'))} bits): planted {e(planted)}; "
+                   f"{e(_fmt(controls.get('count')))} never-planted controls {n(controls.get('mean_exposure'))} "
+                   f"on average (chance {n(exposure.get('chance'))}).</p>")
     return out
 
 

@@ -97,3 +97,50 @@ def test_perfect_guesses_on_200_canaries_cap_the_bound_by_how_many_went_in(went_
     """docs/auditing.md: all 2k = 200 guesses can be right only when exactly 100 canaries went in."""
     included = np.arange(200) < went_in
     assert one_run_audit(included.astype(float), included, 1e-5)["epsilon_lower_bound"] == pytest.approx(cap, abs=0.01)
+
+
+def test_inclusion_bits_other_than_the_seeds_are_refused(answer_key, tiny_recipe):
+    """The inclusion bits are drawn from the canary seed with the canaries: well-formed bits that
+    differ from the seed's (an edit, a bad copy) would turn right guesses into wrong ones, and the
+    bound, or the flag, would be about bits the run never trained with."""
+    from dpclip.audit.report import check_rebuilt_canaries
+
+    folder, key = answer_key
+    rebuilt = make_canaries(load_data(tiny_recipe().data, seed=0), Canaries(count=20, kind="mislabel"), key["seed"])
+    check_rebuilt_canaries(folder, rebuilt, key)          # the key as written passes
+    key["included"][3] = not key["included"][3]
+    with pytest.raises(DpclipError) as info:
+        check_rebuilt_canaries(folder, rebuilt, key)
+    assert "inclusion bits" in str(info.value) and "restore" in info.value.hint
+
+
+@pytest.mark.slow  # trains a 2-step run (5 s)
+def test_an_answer_key_whose_bits_are_not_its_seeds_is_refused_not_audited(tiny_recipe):
+    """The inclusion bits are drawn from the canary seed with the canaries: bits that differ from
+    the seed's (flipped by an edit or a bad copy, well-formed) would turn right guesses into wrong
+    ones, and the bound, or the flag, would be about bits the run never trained with."""
+    from dpclip.audit import audit
+    from dpclip.train.workflow import train
+
+    run = train(tiny_recipe("audit.canaries.count=20", "audit.canaries.kind=ood", "training.steps=2",
+                            "checkpoint.every_steps=null")).run_dir
+    path = run / "audit" / "canaries.json"
+    key = json.loads(path.read_text())
+    assert audit(run, ["one-run"], write=False)["one_run"]["included"] == sum(key["included"])
+    key["included"] = [not bit for bit in key["included"]]
+    path.write_text(json.dumps(key))
+    with pytest.raises(DpclipError) as info:
+        audit(run, ["one-run"], write=False)
+    assert "canaries.json" in str(info.value) and "inclusion bits" in str(info.value) and "restore" in info.value.hint
+
+
+def test_a_recipe_with_fewer_than_two_canaries_is_refused_before_training(cli, tmp_path):
+    """One canary trained a whole run whose one-run audit was then refused ("too few")."""
+    with pytest.raises(DpclipError) as info:
+        load_recipe(REPO / "recipes" / "quickstart.yaml", ["audit.canaries.count=1"])
+    assert "audit.canaries.count" in str(info.value) and info.value.hint
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((REPO / "recipes" / "quickstart.yaml").read_text())
+    result = cli("validate", recipe, "audit.canaries.count=1")
+    assert result.code == 2 and "error:" in result.err and "hint:" in result.err
+    load_recipe(REPO / "recipes" / "quickstart.yaml", ["audit.canaries.count=2"])

@@ -66,3 +66,15 @@ def test_an_answer_key_of_another_length_or_too_few_canaries_are_refused():
     with pytest.raises(DpclipError, match="too few") as caught:
         one_run_audit(np.zeros(1), np.ones(1, dtype=bool), 1e-5)
     assert "audit.canaries.count" in caught.value.hint
+
+
+@pytest.mark.parametrize("confidence", [0.0, 1.0, 1.5, -0.1, float("nan"), "0.95", True])
+def test_a_confidence_outside_zero_to_one_is_refused_before_anything_runs(confidence, tmp_path):
+    """confidence = 1.5 made α negative (every bound 0, "at 150% confidence"); 0 tested at α = 1."""
+    from dpclip.audit import audit
+    from dpclip.errors import DpclipError
+    for call in (lambda: one_run_audit(np.zeros(20), np.ones(20, dtype=bool), 1e-5, confidence),
+                 lambda: audit(tmp_path / "no-run", ["one-run"], confidence=confidence)):
+        with pytest.raises(DpclipError) as caught:
+            call()
+        assert "confidence" in str(caught.value) and caught.value.hint

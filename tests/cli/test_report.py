@@ -101,7 +101,13 @@ def test_the_report_page_compares_every_attack_under_the_ledgers_bound_with_both
 
 @pytest.mark.parametrize("written", ['{"ledger": 5}', '{"attacks": {"loss": 3}}', '{"attacks": [], "one_run": 5}',
                                      '{"one_run": {"fdp": {"epsilon_lower_bound": "x"}}}', '{"notes": [5]}', "[]",
-                                     "{", "a folder"])
+                                     "{", "a folder",
+                                     # a figure the page shows that is not a number (markup, not a damaged digit)
+                                     '{"attacks": {"loss": {"auc": "<script>alert(1)</script>", "auc_ci95": []}}}',
+                                     '{"attacks": {"loss": {"auc": 0.5, "auc_ci95": ["<b>", 1]}}}',
+                                     '{"ledger": {"epsilon": 1, "tpr_bound": {"fpr_1%": "<img src=x>"}}}',
+                                     '{"exposure": {"chance": "<i>"}}', '{"exposure": {"planted": [{"exposure": "<i>"}]}}',
+                                     '{"one_run": {"canaries": "<i>"}}'])
 def test_an_audit_report_of_the_wrong_shape_is_named_damaged_with_a_hint(cli, finished_run, written):
     report = finished_run / "audit" / "report.json"
     report.parent.mkdir()
@@ -112,3 +118,34 @@ def test_an_audit_report_of_the_wrong_shape_is_named_damaged_with_a_hint(cli, fi
     result = cli("report", finished_run)
     assert result.code == 2, (result.code, result.err)
     assert "report.json is damaged" in result.err and "hint:" in result.err and "unexpected" not in result.err
+
+
+def test_the_audit_section_escapes_every_figure_it_shows():
+    """A report.json passed around with a run is data, not markup: whatever reaches the page
+    (even past the shape check) is HTML-escaped."""
+    from dpclip.train.report import _audit_html
+
+    evil = "<script>alert(1)</script>"
+    audit = {"checkpoint": evil, "step": 1, "ledger": {"epsilon": 1.0, "delta": evil, "tpr_bound": {"fpr_0.1%": evil,
+                                                                                                    "fpr_1%": evil}},
+             "attacks": {"loss": {"auc": evil, "auc_ci95": [evil, evil], "tpr_at_0.1%_fpr": evil,
+                                  "tpr_at_1%_fpr": evil, "members": evil, "non_members": evil}},
+             "one_run": {"canaries": evil, "correct": evil, "guesses": evil, "epsilon_lower_bound": 0.0,
+                         "fdp": {"correct": evil, "guesses": evil, "mu_lower_bound": 0.0, "epsilon_lower_bound": 0.0}},
+             "exposure": {"max_exposure": evil, "chance": evil, "planted": [{"repetitions": evil, "exposure": evil}],
+                          "controls": {"count": evil, "mean_exposure": evil}}, "notes": [evil]}
+    page = "\n".join(_audit_html(audit))
+    assert "<script>" not in page and "&lt;script&gt;" in page
+
+
+def test_the_pages_verdict_follows_the_bound_it_shows_not_a_stored_flag():
+    """A report without "flagged" (or with a false one) whose Steinke bound exceeds the ledger's ε
+    was shown as "within the ledger's ε" under that very bound."""
+    from dpclip.train.report import _audit_html
+
+    one_run = {"canaries": 200, "correct": 98, "guesses": 100, "epsilon_lower_bound": 2.45, "confidence": 0.95}
+    for stored in ({}, {"flagged": False}):
+        page = "\n".join(_audit_html({"ledger": {"epsilon": 1.0, "delta": 1e-5}, "one_run": one_run, **stored}))
+        assert "exceeds the ledger's ε" in page and "within the ledger's ε" not in page
+    page = "\n".join(_audit_html({"ledger": {"epsilon": 8.0, "delta": 1e-5}, "one_run": one_run, "flagged": False}))
+    assert "within the ledger's ε" in page
