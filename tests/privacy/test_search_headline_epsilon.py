@@ -94,3 +94,21 @@ def test_tensorboard_headline_is_the_searchs_epsilon(search, capsys):
     assert headline and all(value == pytest.approx(total, rel=1e-6) for value in headline), (headline, total)
     own = [event.value for event in events.Scalars(RUN_ALONE_EPSILON_TAG)]
     assert own and own[-1] == pytest.approx(alone, rel=1e-6)
+
+
+def test_the_selected_runs_tensorboard_log_tells_neither_when_it_ran_nor_how_many_trials_ran(search):
+    """TensorBoard names its files events.out.tfevents.<start time>.<host>.<pid>.<how many event files
+    the process opened before>, and stamps the first event with the clock: the selected trial's
+    start, its index among the trials and, from the file the search added, the search's end; with the
+    search's start (its directory's name) that is K, which repeat-and-select keeps secret."""
+    import os
+    import re
+
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    files = sorted((search["selected"] / "tensorboard").iterdir())
+    assert files
+    for file in files:
+        assert not re.search(r"\d{10}", file.name) and f".{os.getpid()}." not in file.name, file.name
+        times = [event.wall_time for event in EventFileLoader(str(file)).Load()]
+        assert times and max(times) <= search["own"]["steps"], (file.name, times)
