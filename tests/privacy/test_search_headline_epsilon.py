@@ -112,3 +112,23 @@ def test_the_selected_runs_tensorboard_log_tells_neither_when_it_ran_nor_how_man
         assert not re.search(r"\d{10}", file.name) and f".{os.getpid()}." not in file.name, file.name
         times = [event.wall_time for event in EventFileLoader(str(file)).Load()]
         assert times and max(times) <= search["own"]["steps"], (file.name, times)
+
+
+@pytest.mark.parametrize("stopped", ["running", "interrupted"])
+def test_a_trial_of_a_search_killed_mid_way_is_refused_as_unfinished_not_as_modified(search, stopped, tmp_path,
+                                                                                     capsys):
+    """kill -9 leaves the search's summary at `stopped: running` and the best trial so far on disk."""
+    import shutil
+
+    search_dir = Path(search["summary"]["search_dir"])
+    killed = tmp_path / search_dir.name
+    shutil.copytree(search_dir, killed)
+    summary = read_json(killed / "summary.json")
+    summary.update(stopped=stopped, selected_run=None, selected_run_dir=None, selected_configuration=None,
+                   selected_score=None)
+    (killed / "summary.json").write_text(json.dumps(summary))
+    trial = killed / "runs" / search["selected"].name
+    (trial / "search.json").unlink()   # a trial not yet selected has no marker
+    assert main(["account", str(trial)]) != 0
+    err = capsys.readouterr().err
+    assert f"did not finish (stopped: {stopped}" in err and "releases nothing" in err and "Traceback" not in err
