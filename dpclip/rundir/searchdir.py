@@ -211,6 +211,13 @@ def headline(run_dir: Path) -> Headline:
     if search_dir is None:
         return Headline(run_statement, run_ledger, run_statement, run_ledger)
     search = read_search(search_dir)
+    stopped = search.summary.get("stopped")
+    if stopped != "completed":
+        raise DpclipError(f"{run_dir} is a trial of the search {search_dir}, which did not finish (stopped: {stopped}"
+                          + (": killed, or still running)" if stopped == "running" else ")"),
+                          "an unfinished search releases nothing, none of its trials included (the best of fewer "
+                          "trials is not what its ledger charges); its charge stands: a new `tune-cost --run` is "
+                          "a new search, charged again")
     if search.selected_run is None or search.selected_run != run_dir.resolve():
         raise DpclipError(f"{run_dir} points to the search {search_dir}, which did not select it",
                           "the run directory or the search directory was modified: restore them; a trial that "

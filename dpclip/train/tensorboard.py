@@ -14,12 +14,14 @@ The ``tensorboard`` package is an optional extra (``pip install 'dpclip[tensorbo
 
 from __future__ import annotations
 
+import io
+import json
 import math
 from pathlib import Path
 from typing import Any
 
 from dpclip import layout
-from dpclip.files import owner_only
+from dpclip.files import owner_only, write_bytes_atomic
 from dpclip.planning.plan import check_logging, tensorboard_installed
 
 TENSORBOARD_DIR = layout.TENSORBOARD
@@ -116,15 +118,40 @@ def open_tensorboard(recipe, run_dir: Path, group_names: list[str], *,
                           clock=recipe.privacy.exact_diagnostics)
 
 
-def write_headline_epsilon(run_dir: Path, epsilon: float, step: int) -> None:
-    """Add the headline ε (:data:`EPSILON_TAG`) at ``step`` to a run's TensorBoard log, if it has one
-    (the search calls it for the run it selected)."""
+#: The one event file of a run a search selected (TensorBoard reads any file named *tfevents*).
+SELECTED_LOG = "events.out.tfevents.selected-by-search"
+
+
+def rewrite_selected_log(run_dir: Path, epsilon: float, step: int, group_names: list[str]) -> None:
+    """Rewrite the TensorBoard log, if it has one, of a run a search selected: the run's metrics.jsonl
+    under the run-alone ε tag and the search's ε (:data:`EPSILON_TAG`) at ``step``, in one file.
+
+    The trial's own event files cannot stay: their names hold the time the trial started and
+    the process's count of event files (how many trials came before it), and their events the
+    wall clock of each step; an appended file would hold the time the search ended. Together
+    with the search's start (its directory's name) they tell K, which repeat-and-select keeps
+    secret. The rewritten file holds no clock: each event is stamped with its step number."""
     path = Path(run_dir) / TENSORBOARD_DIR
     if not path.is_dir() or not tensorboard_installed():
         return
-    from torch.utils.tensorboard import SummaryWriter
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.summary.writer.record_writer import RecordWriter
 
-    writer = SummaryWriter(log_dir=str(path))
-    writer.add_scalar(EPSILON_TAG, float(epsilon), global_step=int(step), walltime=float(step))
-    writer.close()
+    def event(at: int, tag: str, value: float) -> bytes:
+        return Event(wall_time=float(at), step=at,
+                     summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)])).SerializeToString()
+
+    records = [json.loads(line) for line in (Path(run_dir) / layout.METRICS).read_text().splitlines() if line.strip()]
+    buffer = io.BytesIO()
+    writer = RecordWriter(buffer)
+    writer.write(Event(wall_time=0.0, file_version="brain.Event:2").SerializeToString())
+    for record in records:
+        for tag, value in record_scalars(record, group_names, RUN_ALONE_EPSILON_TAG):
+            writer.write(event(int(record["step"]), tag, value))
+    writer.write(event(int(step), EPSILON_TAG, float(epsilon)))
+    write_bytes_atomic(path / SELECTED_LOG, buffer.getvalue())
+    for old in path.iterdir():
+        if old.name != SELECTED_LOG:
+            old.unlink()
     owner_only(path)

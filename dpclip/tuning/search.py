@@ -56,7 +56,7 @@ from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint
 from dpclip.planning.plan import private_seed
 from dpclip.rundir.run import RunDir
 from dpclip.rundir.searchdir import SCORE_MEANING, SEARCH_FORMAT, search_statement_lines
-from dpclip.train.tensorboard import write_headline_epsilon
+from dpclip.train.tensorboard import rewrite_selected_log
 from dpclip.tuning.privacy import REPEAT_AND_SELECT
 from dpclip.tuning.cost import check_same_privacy
 from dpclip.tuning.space import reachable_configurations, search_space
@@ -357,5 +357,6 @@ def _mark_selected(best: _Candidate, search_dir: Path, summary: Mapping[str, Any
                       *(f"  {line}" for line in record_statement)],
     })
     write_json_atomic(run.summary_file, record)
-    # The trial logged its own ε under another tag (dpclip/train/tensorboard.py): the headline is the search's.
-    write_headline_epsilon(run.path, summary["epsilon"], run.ledger().steps)
+    # The trial logged its own ε under another tag (dpclip/train/tensorboard.py): the headline is the search's,
+    # in a log rewritten without the clock or the file count that would tell how many trials ran.
+    rewrite_selected_log(run.path, summary["epsilon"], run.ledger().steps, list(run.public_plan().get("groups", [])))

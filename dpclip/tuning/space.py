@@ -28,6 +28,10 @@ from dpclip.planning.plan import private_seed
 # data set is what the budget protects, and tuning/name/output_dir describe the search.
 FORBIDDEN_PREFIXES = ("privacy", "tuning", "data", "name", "output_dir")
 
+#: The most configurations a search may have: each is a whole private training run (and, by
+#: default, E[K] of repeat-and-select), and each is validated as a recipe before anything runs.
+MAX_CONFIGURATIONS = 10_000
+
 
 @dataclass(frozen=True)
 class Configuration:
@@ -120,6 +124,7 @@ def search_space(base: Mapping[str, Any], recipe: Recipe, grid: Sequence[str] = 
     if draws is not None:
         if draws < 1:
             raise RecipeError(f"--random must be at least 1, got {draws}", "e.g. --random 20")
+        _check_size(draws, "--random draws", "draw fewer: e.g. --random 20")
         if not tuning.ranges and not axes:
             raise RecipeError("a random search needs tuning.ranges (or a grid to draw from)",
                               "add e.g. tuning: {ranges: {training.optimizer.lr: {low: 0.01, high: 1, log: true}}}")
@@ -132,8 +137,17 @@ def search_space(base: Mapping[str, Any], recipe: Recipe, grid: Sequence[str] = 
             points.append(point)
     else:
         keys = list(axes)
+        _check_size(math.prod(len(values) for values in axes.values()), f"the {origin}'s Cartesian product has",
+                    "search fewer values per key, or draw a few configurations from the space with --random N "
+                    "(tuning.random)")
         points = [dict(zip(keys, combo)) for combo in itertools.product(*(axes[k] for k in keys))]
     return [_configuration(base, point, str(origin)) for point in points]
+
+
+def _check_size(count: int, what: str, fix: str) -> None:
+    if count > MAX_CONFIGURATIONS:
+        raise RecipeError(f"{what} {count:,} configurations, more than a search can train ({MAX_CONFIGURATIONS:,} at "
+                          "most)", f"each configuration is a whole private training run: {fix}")
 
 
 #: Above this many grid points, :func:`reachable_configurations` tries each grid value once, not every product.

@@ -94,3 +94,41 @@ def test_tensorboard_headline_is_the_searchs_epsilon(search, capsys):
     assert headline and all(value == pytest.approx(total, rel=1e-6) for value in headline), (headline, total)
     own = [event.value for event in events.Scalars(RUN_ALONE_EPSILON_TAG)]
     assert own and own[-1] == pytest.approx(alone, rel=1e-6)
+
+
+def test_the_selected_runs_tensorboard_log_tells_neither_when_it_ran_nor_how_many_trials_ran(search):
+    """TensorBoard names its files events.out.tfevents.<start time>.<host>.<pid>.<how many event files
+    the process opened before>, and stamps the first event with the clock: the selected trial's
+    start, its index among the trials and, from the file the search added, the search's end; with the
+    search's start (its directory's name) that is K, which repeat-and-select keeps secret."""
+    import os
+    import re
+
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    files = sorted((search["selected"] / "tensorboard").iterdir())
+    assert files
+    for file in files:
+        assert not re.search(r"\d{10}", file.name) and f".{os.getpid()}." not in file.name, file.name
+        times = [event.wall_time for event in EventFileLoader(str(file)).Load()]
+        assert times and max(times) <= search["own"]["steps"], (file.name, times)
+
+
+@pytest.mark.parametrize("stopped", ["running", "interrupted"])
+def test_a_trial_of_a_search_killed_mid_way_is_refused_as_unfinished_not_as_modified(search, stopped, tmp_path,
+                                                                                     capsys):
+    """kill -9 leaves the search's summary at `stopped: running` and the best trial so far on disk."""
+    import shutil
+
+    search_dir = Path(search["summary"]["search_dir"])
+    killed = tmp_path / search_dir.name
+    shutil.copytree(search_dir, killed)
+    summary = read_json(killed / "summary.json")
+    summary.update(stopped=stopped, selected_run=None, selected_run_dir=None, selected_configuration=None,
+                   selected_score=None)
+    (killed / "summary.json").write_text(json.dumps(summary))
+    trial = killed / "runs" / search["selected"].name
+    (trial / "search.json").unlink()   # a trial not yet selected has no marker
+    assert main(["account", str(trial)]) != 0
+    err = capsys.readouterr().err
+    assert f"did not finish (stopped: {stopped}" in err and "releases nothing" in err and "Traceback" not in err

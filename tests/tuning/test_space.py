@@ -125,3 +125,34 @@ def test_a_grid_over_the_statistics_share_of_the_budget_is_one_plan(tiny):
     report = tune_cost(base, recipe, grid=["clipping.threshold.budget_fraction=0.05,0.2"],
                        timer=StepTimer(fixed_seconds=0.01))
     assert len(report.runs) == 2
+
+
+def _no_more_than(monkeypatch, limit):
+    """Build at most ``limit`` configurations: a space too big to search fails, not hangs."""
+    import dpclip.tuning.space as space
+
+    real, built = space._configuration, []
+
+    def counting(*args):
+        built.append(1)
+        if len(built) > limit:
+            raise AssertionError(f"built {len(built)} configurations of a space that should have been refused")
+        return real(*args)
+
+    monkeypatch.setattr(space, "_configuration", counting)
+
+
+def test_a_grid_too_big_to_train_is_refused_before_any_configuration_is_built(tiny, monkeypatch):
+    base, recipe = tiny()
+    many = ",".join(str(0.001 * (i + 1)) for i in range(200))
+    _no_more_than(monkeypatch, 0)
+    with pytest.raises(RecipeError, match="40,000 configurations") as refused:
+        search_space(base, recipe, [f"training.optimizer.lr={many}", f"clipping.threshold.value={many}"])
+    assert "--random" in refused.value.hint
+
+
+def test_a_random_search_of_too_many_draws_is_refused_before_any_configuration_is_built(tiny, monkeypatch):
+    base, recipe = tiny("tuning.ranges={training.optimizer.lr: {low: 0.001, high: 1.0}}")
+    _no_more_than(monkeypatch, 0)
+    with pytest.raises(RecipeError, match="20,000 configurations"):
+        search_space(base, recipe, random_draws=20_000, rng=random.Random(1))
