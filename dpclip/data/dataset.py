@@ -156,7 +156,7 @@ def _files_examples(config) -> Examples:
         text_tokenizer = load_tokenizer(config.tokenizer)
         parts = [text_tensors(read_text_lines(path), text_tokenizer, config.max_length) for path in paths]
         return Examples(parts, "causal-lm", (config.max_length,), tokenizer=text_tokenizer)
-    tables = [read_table(path, config.format) for path in paths]
+    tables = [read_table(path, config.format, as_written=tuple(filter(None, [config.user_field]))) for path in paths]
     users = user_column(tables, config.user_field, origin)
     examples = examples_from_columns(tables, label_field=config.label_field, text_field=config.text_field,
                                      feature_fields=_without(config.feature_fields, config.user_field, tables,
