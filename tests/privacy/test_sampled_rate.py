@@ -4,15 +4,19 @@ is in a step with that probability; `dpclip account RECIPE` plans the same q and
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from dpclip.accounting import steps_for_epochs
+from dpclip.accounting.statement import SHUFFLE_CAVEAT
 from dpclip.data.size import training_set_size
 from dpclip.planning.plan import plan_for_recipe
 from dpclip.train.parts import assemble
+from dpclip.train.workflow import train
 
 CANARIES = 40
 
@@ -44,3 +48,16 @@ def test_every_row_a_canary_too_is_drawn_at_the_planned_rate_which_excludes_the_
     canary_rows = counts[n:]   # the canaries join after the ordinary rows
     assert abs(canary_rows.sum() / (sampler.steps * len(canary_rows)) - q) < 4 * math.sqrt(
         q * (1 - q) / (sampler.steps * len(canary_rows)))
+
+
+def test_a_shuffled_runs_ledger_names_its_caveat_on_every_charged_entry(small_recipe):
+    """ledger.json is released: its PoissonSampled events, read alone (dp_accounting recomputes ε from
+    them), said nothing of the fixed-size shuffled batches the statement's caveat is about."""
+    result = train(small_recipe("training.sampling=shuffle", "model.hidden=[8]", "training.steps=2",
+                                "eval.every_steps=null", "checkpoint.every_steps=null"))
+    ledger = json.loads((Path(result.run_dir) / "ledger.json").read_text())
+    assert ledger["entries"] and all(entry["metadata"]["caveats"] == [SHUFFLE_CAVEAT] for entry in ledger["entries"])
+    poisson = train(small_recipe("model.hidden=[8]", "training.steps=2", "eval.every_steps=null",
+                                 "checkpoint.every_steps=null"))
+    entries = json.loads((Path(poisson.run_dir) / "ledger.json").read_text())["entries"]
+    assert entries and all("caveats" not in entry["metadata"] for entry in entries)
