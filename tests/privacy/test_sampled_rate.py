@@ -50,6 +50,7 @@ def test_every_row_a_canary_too_is_drawn_at_the_planned_rate_which_excludes_the_
         q * (1 - q) / (sampler.steps * len(canary_rows)))
 
 
+@pytest.mark.slow
 def test_a_shuffled_runs_ledger_names_its_caveat_on_every_charged_entry(small_recipe):
     """ledger.json is released: its PoissonSampled events, read alone (dp_accounting recomputes ε from
     them), said nothing of the fixed-size shuffled batches the statement's caveat is about."""
