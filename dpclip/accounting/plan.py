@@ -20,7 +20,7 @@ from dpclip.accounting.blt import blt_event, blt_groups, calibrate_blt, check_se
 from dpclip.accounting.calibrate import check_steps, check_target, calibrate_noise_multiplier
 from dpclip.accounting.events import check_sample_rate, gradient_step_event
 from dpclip.accounting.split import NoiseSplit, split_noise
-from dpclip.accounting.statement import GRADIENT_RELEASE, SAMPLINGS, PrivacyStatement
+from dpclip.accounting.statement import GRADIENT_RELEASE, SAMPLINGS, SHUFFLE_CAVEAT, PrivacyStatement
 from dpclip.errors import AccountingError
 
 __all__ = ["AuxSpec", "PrivacyPlan", "PlanResult", "solve", "steps_for_epochs"]
@@ -266,16 +266,16 @@ class PlanResult:
 
     @property
     def step_metadata(self) -> dict[str, Any]:
-        """What the training loop passes to ``Ledger.record`` with ``step_event``: the split."""
+        """What the training loop passes to ``Ledger.record`` with ``step_event``: the split (a shuffled loader: its caveat)."""
         return {
             "noise_multiplier": self.split.noise_multiplier,
             "gradient_noise_multiplier": self.split.gradient_noise_multiplier,
             "sigma_aux": self.split.sigma_aux,
             "aux_sensitivity": self.split.aux_sensitivity,
-            "aux_fraction": self.split.aux_fraction,
-            "releases": list(self.statement.releases),
+            "aux_fraction": self.split.aux_fraction, "releases": list(self.statement.releases),
         } | ({"sample_rate": self.plan.sample_rate, "groups": self.plan.groups, "buffers": self.plan.buffers,
-              "sensitivity": math.sqrt(self.plan.sensitivities[-1])} if self.plan.buffers else {})
+              "sensitivity": math.sqrt(self.plan.sensitivities[-1])} if self.plan.buffers else {}) \
+            | ({"caveats": [SHUFFLE_CAVEAT]} if self.plan.sampling == "shuffle" else {})
 
 
 def solve(plan: PrivacyPlan) -> PlanResult:

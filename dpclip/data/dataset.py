@@ -35,6 +35,7 @@ from dpclip.data.files import Columns, read_table, read_text_lines
 from dpclip.data.hub import load_hub_columns
 from dpclip.data.split import carve_indices, split_fingerprint, split_indices
 from dpclip.data.tokenizers import Tokenizer, load_tokenizer
+from dpclip.data.user_sampler import ONE_TYPE_HINT, spelling_clash
 from dpclip.errors import DpclipError
 
 TASKS = ("classification", "regression", "causal-lm")
@@ -155,7 +156,7 @@ def _files_examples(config) -> Examples:
         text_tokenizer = load_tokenizer(config.tokenizer)
         parts = [text_tensors(read_text_lines(path), text_tokenizer, config.max_length) for path in paths]
         return Examples(parts, "causal-lm", (config.max_length,), tokenizer=text_tokenizer)
-    tables = [read_table(path, config.format) for path in paths]
+    tables = [read_table(path, config.format, as_written=tuple(filter(None, [config.user_field]))) for path in paths]
     users = user_column(tables, config.user_field, origin)
     examples = examples_from_columns(tables, label_field=config.label_field, text_field=config.text_field,
                                      feature_fields=_without(config.feature_fields, config.user_field, tables,
@@ -190,8 +191,15 @@ def user_column(tables: list[Columns], user_field: str | None, origin: str) -> l
         if missing:
             raise DpclipError(f"{origin}: {len(missing)} rows have no {user_field!r} (first: row {missing[0] + 1})",
                               "every record must name the person it belongs to: fill the column or drop those rows")
-        columns.append(np.asarray([str(v) for v in values], dtype=object))
-    return columns
+        columns.append(values)
+    # across the files too: a separate test file's person who also wrote training records is a member
+    clash = spelling_clash(np.concatenate(columns))
+    if clash is not None:
+        row, earlier, person = clash
+        where = f"row {row + 1}" if row < len(columns[0]) else f"row {row - len(columns[0]) + 1} of the test file"
+        raise DpclipError(f"{origin}: {where} names its {user_field!r} {person!r}, an earlier row {earlier!r}: one id in "
+                          "two types, one person or two cannot be told", ONE_TYPE_HINT)
+    return [np.asarray([str(v) for v in values], dtype=object) for values in columns]
 
 
 def _without(feature_fields, user_field, tables, label_field, text_field):

@@ -66,14 +66,15 @@ def _json_records(path: Path, file_format: str) -> list[dict] | dict[str, list]:
     return records
 
 
-def read_table(path: str | Path, file_format: str) -> Columns:
-    """The columns of a csv, json, jsonl or parquet file."""
+def read_table(path: str | Path, file_format: str, as_written: tuple[str, ...] = ()) -> Columns:
+    """The columns of a csv, json, jsonl or parquet file; a csv's columns ``as_written`` are read as
+    text, not parsed as numbers (a person id: "007", "7" and "7.0" name three people, not one)."""
     import pandas as pd  # lazy: only local-file recipes need pandas
 
     path = _existing(path)
     try:
         if file_format == "csv":
-            frame = pd.read_csv(path, skip_blank_lines=True)
+            frame = pd.read_csv(path, skip_blank_lines=True, dtype={name: str for name in as_written})
         elif file_format in ("json", "jsonl"):
             records = _json_records(path, file_format)
             frame = pd.DataFrame(records) if isinstance(records, dict) else pd.DataFrame.from_records(records)

@@ -84,7 +84,8 @@ class UserPoissonSampler(PoissonSampler):
 
 def number_people(ids) -> torch.Tensor:
     """One person id per record (any hashable values, or 0-d tensors) numbered 0..U-1 in order of
-    first appearance, as the user sampler takes them. A missing id (None, NaN, an empty string) is
+    first appearance, as the user sampler takes them (one id in two types, :func:`spelling_clash`, is
+    refused). A missing id (None, NaN, an empty string) is
     refused, as in a recipe's ``data.user_field``: each NaN would be a person of its own (NaN is
     not equal to itself) and the records of nobody cannot be protected."""
     numbering: dict = {}
@@ -101,7 +102,38 @@ def number_people(ids) -> torch.Tensor:
         except TypeError:
             raise DpclipError(f"the person id of example {row} (counting from 0) is a {type(person).__name__}, which cannot "
                               "name a person (not hashable)", "give each record's person as a number or a string") from None
+    clash = spelling_clash(ids)
+    if clash is not None:
+        row, earlier, person = clash
+        raise DpclipError(f"the person id of example {row} (counting from 0), {person!r}, and an earlier one, {earlier!r}, "
+                          "are one id in two types: one person or two cannot be told", ONE_TYPE_HINT)
     return torch.tensor(numbers, dtype=torch.int64)
+
+
+ONE_TYPE_HINT = "write every person id in one type, the same way each time (all strings, or all whole numbers)"
+
+
+def spelling_clash(ids) -> tuple[int, object, object] | None:
+    """The first id whose person is ambiguous, with its row and the earlier id it clashes with: the
+    same text but another value ('7' and 7), or the same value written otherwise (7 and 7.0, True
+    and 1). Numbered as values, '7' and 7 were two people (one owner's records in two privacy units,
+    each clipped to C); written out as text, 7 and 7.0 were. None when every id is unambiguous."""
+    by_text: dict = {}
+    by_value: dict = {}
+    for row, person in enumerate(ids):
+        if isinstance(person, torch.Tensor) and person.numel() == 1:
+            person = person.item()
+        text = str(person)
+        earlier = by_text.setdefault(text, person)
+        if earlier is not person and bool(earlier != person):
+            return row, earlier, person
+        try:
+            first = by_value.setdefault(person, person)
+        except TypeError:   # not hashable: its text alone names it
+            continue
+        if str(first) != text:
+            return row, first, person
+    return None
 
 
 def user_weights(users_of_rows: torch.Tensor) -> torch.Tensor:

@@ -374,7 +374,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
             if self.on_release is not None:
                 self.on_release(self.account.ledger.steps + 1, [p.grad for group in self.param_groups
                                                                 for p in group["params"] if p.grad is not None])
-            self.account.ledger.record(plan.step_event, metadata=plan.step_metadata)   # released iff charged
+            self.account.ledger.record(plan.step_event, metadata=self.account.step_metadata)   # released iff charged
         except BaseException as exc:
             # Not charged, so not released: drop what the engine may have written, and refuse any
             # later step (its sums would be this failed step's or start from them).

@@ -20,7 +20,7 @@ from torch.utils.data import IterableDataset
 
 from dpclip import layout
 from dpclip.accounting import Ledger, PlanResult, PrivacyPlan, solve
-from dpclip.accounting.statement import PrivacyStatement
+from dpclip.accounting.statement import OWN_BATCHES_CAVEAT, PrivacyStatement
 from dpclip.distributed import World
 from dpclip.engine import DPEngine
 from dpclip.engine.groups import build_groups, trainable_params
@@ -81,6 +81,12 @@ class Account:
         read = [READ_LOSS] if self.losses_read() else []
         return (list(self.plan.plan.not_covered) + read + list(forward_state_line(self.written_state()))
                 + list(self.released_outside()))
+
+    @property
+    def step_metadata(self) -> dict[str, Any]:
+        """What each charged step's ledger entry holds: the plan's (your loader's batches: their caveat)."""
+        metadata = self.plan.step_metadata
+        return {**metadata, "caveats": [OWN_BATCHES_CAVEAT]} if self.own_batches else metadata
 
     @property
     def noise_multiplier(self) -> float:

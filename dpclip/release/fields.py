@@ -34,7 +34,8 @@ class Fields:
 
 _SIGMAS = ("noise_multiplier", "gradient_noise_multiplier", "sigma_aux", "aux_fraction", "aux_sensitivity", "releases/**",
            # BLT's public plan (PlanResult.step_metadata): rate, groups, buffers, the run's sensitivity
-           "sample_rate", "groups", "buffers", "sensitivity")
+           "sample_rate", "groups", "buffers", "sensitivity",
+           "caveats/**")   # a shuffled loader's: accounted as if Poisson
 _STATEMENT = ("delta", "epsilon", "epsilon_rdp", "statement")
 #: The threshold policies' released (noisy) statistics (dpclip/engine/policies/).
 _POLICY_KEYS = ("range", "next_range", "noisy_total", "noisy_histogram", "noisy_unclipped_fraction", "tail_score",

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from dpclip.data.user_sampler import UserPoissonSampler, user_weights
+from dpclip.data.user_sampler import UserPoissonSampler, number_people, user_weights
 from dpclip.errors import DpclipError
 
 # 6 people with 1, 2, 3, 5, 8 and 13 records (32 records), in an interleaved order.
@@ -66,3 +67,23 @@ def test_bad_users_or_k_are_refused_with_a_hint(users, k):
     with pytest.raises(DpclipError) as caught:
         UserPoissonSampler(users, 0.5, 3, k)
     assert caught.value.hint
+
+
+SPELLINGS = {"the string '7' and the number 7": ["7", 7], "the number 7 and 7.0": [7, 7.0],
+             "True and 1": [True, 1], "the string '7' and numpy's 7": ["7", np.int64(7)]}
+
+
+@pytest.mark.parametrize("pair", SPELLINGS.values(), ids=list(SPELLINGS))
+def test_one_id_in_two_types_is_refused_not_counted_as_one_person_or_two(pair):
+    """make_private numbered '7' and 7 as two people (one owner's records in two privacy units, each
+    clipped to C: the owner's ε only by group privacy), where a recipe's user column, written out
+    as text, made them one and split 7 from 7.0: which is meant cannot be told, so it is refused."""
+    ids = ["a", pair[0], "b", pair[1], "a"]
+    with pytest.raises(DpclipError, match="example 3") as caught:
+        number_people(ids)
+    assert caught.value.hint and "one type" in caught.value.hint
+
+
+def test_ids_of_one_type_each_spelled_one_way_are_numbered_by_first_appearance():
+    assert number_people([np.int64(3), 3, 5, torch.tensor(3), 5]).tolist() == [0, 0, 1, 0, 1]
+    assert number_people(["x", "7", "x"]).tolist() == [0, 1, 0]

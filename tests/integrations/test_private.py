@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 import dpclip
+from dpclip.accounting.statement import OWN_BATCHES_CAVEAT
 from dpclip.errors import DpclipError
 from tests.integrations.reference import (CLASSES, FEATURES, N, clipped_per_example_sum, noiseless_step_gradient,
                                           run_example, small_data, small_model)
@@ -218,3 +219,5 @@ def test_a_kept_loaders_batches_are_stated_as_the_loaders_own_not_as_shuffled_on
     assert privacy["sampling"] == "loader"
     assert "shuffled" not in text and "batch sampling: generators" not in text
     assert "your loader's own batches" in text and "CAVEAT: accounting assumes Poisson sampling" in text
+    entries = private.account.ledger.entries   # each charged step names its caveat (not "shuffled batches")
+    assert entries and all(entry.metadata["caveats"] == [OWN_BATCHES_CAVEAT] for entry in entries)

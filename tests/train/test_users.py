@@ -267,3 +267,31 @@ def test_canary_people_go_in_whole_and_the_one_run_audit_guesses_people(tmp_path
     secret = json.loads((result.run_dir / "audit" / "canaries.json").read_text())
     assert report["one_run"]["included"] == sum(secret["included"]) and secret["records"] == 3
     assert 0.0 <= report["one_run"]["epsilon_lower_bound"] <= ledger.epsilon()
+
+
+def test_a_jsonl_user_column_naming_one_person_as_7_and_7_0_is_refused(tmp_path):
+    """Written out as text, 7 and 7.0 were two people ("7", "7.0") and '7' and 7 one: the user
+    column now refuses ids whose value and spelling disagree, as make_private does."""
+    rows = [{"patient": person, "age": i, "label": i % 2} for i, person in enumerate(["p", 7, "q", 7.0, "p", "q"] * 3)]
+    table = tmp_path / "visits.jsonl"
+    table.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        f"output_dir={tmp_path}", f"data={{source: files, format: jsonl, train: {table}, label_field: label, "
+        "user_field: patient, max_examples_per_user: 3}", "privacy.unit=user"]).data
+    with pytest.raises(DpclipError, match="row 4") as caught:
+        load_data(config, 0)
+    assert caught.value.hint
+
+
+def test_csv_user_ids_are_read_as_written_so_007_and_7_are_two_people(tmp_path):
+    """pandas read the column as numbers: patients "007" and "7" (and "7.0") were one person, so
+    removing one moved the other's unit (replace-one, not the add/remove the statement claims)."""
+    table = tmp_path / "visits.csv"
+    table.write_text("patient,age,label\n" + "".join(f"{p},{i},{i % 2}\n" for i, p in
+                                                      enumerate(["007", "7", "7.0", "8"] * 5)))
+    config = load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        f"output_dir={tmp_path}", f"data={{source: files, format: csv, train: {table}, label_field: label, "
+        "user_field: patient, max_examples_per_user: 3, test_fraction: 0.25}", "privacy.unit=user"]).data
+    data = load_data(config, 0)
+    assert data.num_users == 3 and len(data.train_users) == 15   # 4 patients, 1 held out with their 5 visits
+    assert data.input_shape == (1,)
