@@ -91,6 +91,18 @@ def test_clipping_block_dumps_to_the_engine_contract():
     assert dumped["threshold"] == {"kind": "fixed", "value": 1.0}
 
 
+@pytest.mark.parametrize(("grouping", "groups"), [("{uniform: 4}", 4), ("{groups: [[a], [b], [c]]}", 3)])
+def test_histogram_noise_must_exceed_sqrt_k_times_the_total_noise_multiplier(grouping, groups):
+    """K histograms of sensitivity √K: σ_T = (σ⁻² − K·σ_H⁻²)^(−1/2) needs σ_H > √K·σ. Above σ but not √K·σ
+    passed the schema and was refused by the planner, naming an `aux_sigma` the recipe does not have."""
+    sigma_hist = 0.99 * groups ** 0.5
+    message = error_of([f"clipping.grouping={grouping}", "privacy.noise_multiplier=1.0",
+                        f"clipping.threshold={{kind: dcsgd-p, sigma_hist: {sigma_hist}}}"])
+    assert f"sigma_hist ({sigma_hist:g}) must exceed √K" in message and f"K = {groups}" in message
+    assert load_recipe(QUICKSTART, [f"clipping.grouping={grouping}", "privacy.noise_multiplier=1.0",
+                                     f"clipping.threshold={{kind: dcsgd-p, sigma_hist: {1.01 * groups ** 0.5}}}"])
+
+
 def test_histogram_noise_must_exceed_the_total_noise_multiplier():
     message = error_of(["clipping.threshold={kind: dcsgd-p, sigma_hist: 0.8}", "privacy.noise_multiplier=1.0"])
     assert "sigma_hist (0.8) must exceed" in message

@@ -240,6 +240,15 @@ class HistogramThreshold(ThresholdPolicy):
 
 # ------------------------------------------------------------------ the recipe specs
 
+def _groups_known_from(grouping: Any) -> int:
+    """K where the grouping alone fixes it (all-layer, uniform, explicit groups); else 1, a lower bound."""
+    if isinstance(grouping, dict) and "uniform" in grouping:
+        return int(grouping["uniform"])
+    if isinstance(grouping, dict) and "groups" in grouping:
+        return len(grouping["groups"])
+    return 1
+
+
 class HistogramFields(BudgetShare):
     bins: Annotated[int, Field(ge=2, le=1000)] = 20
     sigma_hist: PositiveFloat | None = Field(None, description="histogram noise σ_H; default 5")
@@ -248,7 +257,8 @@ class HistogramFields(BudgetShare):
     min_threshold: PositiveFloat = 1e-4
     max_threshold: PositiveFloat = 1e4
 
-    recipe_note = "Give `sigma_hist` or `budget_fraction` (default σ_H = 5); σ_H must exceed the total σ."
+    recipe_note = ("Give `sigma_hist` or `budget_fraction` (default σ_H = 5); "
+                   "σ_H must exceed √K times the total σ (K groups).")
     statistic_alias = "histogram"
     statistic_name = "norm histogram"
     noise_field = "sigma_hist"
@@ -276,11 +286,12 @@ class HistogramFields(BudgetShare):
 
     def check_recipe(self, recipe: Any) -> None:
         sigma = recipe.privacy.noise_multiplier
-        if sigma is not None and self.sigma_hist is not None and self.sigma_hist <= sigma:
+        groups = _groups_known_from(recipe.clipping.grouping)   # at least; a layer count needs the model
+        if sigma is not None and self.sigma_hist is not None and self.sigma_hist <= math.sqrt(groups) * sigma:
             raise ValueError(
-                f"clipping.threshold.sigma_hist ({self.sigma_hist:g}) must exceed the total noise "
-                f"multiplier privacy.noise_multiplier ({sigma:g}): the gradient gets "
-                "σ_T = (σ⁻² − σ_H⁻²)^(−1/2), which needs σ_H > σ")
+                f"clipping.threshold.sigma_hist ({self.sigma_hist:g}) must exceed √K = {math.sqrt(groups):g} "
+                f"times the total noise multiplier privacy.noise_multiplier ({sigma:g}) with K = {groups} "
+                "groups: the gradient gets σ_T = (σ⁻² − K·σ_H⁻²)^(−1/2), which needs σ_H > √K·σ")
 
     def build(self, ctx: PolicyContext) -> HistogramThreshold:
         low, high = float(self.min_threshold), float(self.max_threshold)

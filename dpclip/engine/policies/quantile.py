@@ -12,7 +12,9 @@ q and learning rate η (docs/methods.md):
 Too many samples unclipped (b_k > q) shrinks C_k. Adding or removing one example moves
 every count_k by ½, so the K-vector has L2 sensitivity √K / 2 (:func:`count_sensitivity`,
 what both the planner charges and the engine reports); it is released jointly with the
-gradient of the same sample (σ_eff⁻² = σ_g⁻² + K / (4σ_b²), docs/accounting.md).
+gradient of the same sample (σ_eff⁻² = σ_g⁻² + K / (4σ_b²), docs/accounting.md). The counts
+add up in float64: weighted (user-level) counts summed in float32 over micro-batches round to
+ulps of the running count, and one person's removal then moved them by more than ½.
 """
 
 from __future__ import annotations
@@ -43,14 +45,17 @@ class QuantileThreshold(ThresholdPolicy):
         self.lr = lr
         self.sigma = sigma
         self.expected_batch_size = expected_batch_size
-        self._shifted_counts = torch.zeros_like(initial)
+        self._shifted_counts = self._zero_counts()
         self._last_fraction: list[float] | None = None
+
+    def _zero_counts(self) -> Tensor:
+        return torch.zeros(self._values.shape, device=self._values.device, dtype=torch.float64)
 
     def thresholds(self) -> Tensor:
         return self._values
 
     def observe(self, norms: Tensor, weights: Tensor | None = None) -> None:
-        shifted = (norms <= self._values).to(self._values.dtype) - 0.5
+        shifted = (norms <= self._values).to(torch.float64) - 0.5
         if weights is not None:   # a person's rows weigh 1 together: |Σ w_i (u_i − ½)| <= ½
             shifted = shifted * weights.to(shifted)[:, None]
         self._shifted_counts = self._shifted_counts + shifted.sum(dim=0)
@@ -59,13 +64,15 @@ class QuantileThreshold(ThresholdPolicy):
         return self._shifted_counts
 
     def release(self, generator: torch.Generator) -> list[AuxRelease]:
-        noisy = self.noised(self._shifted_counts, lambda: torch.randn(
+        # drawn in the thresholds' dtype (the draws of a seeded run as before), added in float64
+        noisy = self.noised(self._shifted_counts, lambda: (torch.randn(
             self._shifted_counts.shape, generator=generator, device=self._values.device,
-            dtype=self._values.dtype) * self.sigma)
+            dtype=self._values.dtype) * self.sigma).to(torch.float64))
         unclipped_fraction = (noisy / self.expected_batch_size + 0.5).clamp(0.0, 1.0)
-        self._values = self._values * torch.exp(-self.lr * (unclipped_fraction - self.target))
+        step = torch.exp(-self.lr * (unclipped_fraction.to(self._values.dtype) - self.target))
+        self._values = self._values * step
         self._last_fraction = unclipped_fraction.tolist()
-        self._shifted_counts = torch.zeros_like(self._values)
+        self._shifted_counts = self._zero_counts()
         return [AuxRelease(count_sensitivity(len(self._values)), self.sigma, QuantileSpec.statistic_name)]
 
     def summary(self) -> dict:
@@ -76,7 +83,7 @@ class QuantileThreshold(ThresholdPolicy):
 
     def load_state_dict(self, state: dict) -> None:
         self._values = torch.tensor(state["thresholds"], device=self._values.device, dtype=self._values.dtype)
-        self._shifted_counts = torch.zeros_like(self._values)
+        self._shifted_counts = self._zero_counts()
 
 
 @register_policy

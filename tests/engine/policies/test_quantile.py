@@ -81,3 +81,21 @@ def test_planner_charges_counts_sensitivity_sqrt_groups_over_two(groups, expecte
     spec = QuantileSpec(kind="quantile", budget_fraction=0.05)
     assert spec.statistic(groups).sensitivity == pytest.approx(expected)
     assert spec.statistic(groups).release() == f"quantile counts (K={groups}, sensitivity {expected})"
+
+
+
+def test_removing_one_person_moves_the_counts_by_at_most_half_in_a_large_user_level_batch():
+    """A person's rows weigh 1/(their rows) together: their shifted count moves by at most ½. The
+    counts were summed in float32 over micro-batches, where each addition to a count of thousands
+    rounds to ulps of 0.0005: removing one person moved the released statistic by more than ½."""
+    rows, per_person, micro = 30_000, 3, 64
+    norms = torch.rand((rows, 1), generator=torch.Generator().manual_seed(46))  # 90% unclipped at C = 0.9
+    weights = torch.full((rows,), 1 / per_person)
+    ctx = PolicyContext(["g0"], [1], rows // per_person, 1.0, torch.device("cpu"), torch.float32)
+    whole, without = (build_policy({"kind": "quantile", "sigma": 1.0, "initial": 0.9}, ctx) for _ in range(2))
+    for start in range(0, rows, micro):
+        whole.observe(norms[start:start + micro], weights[start:start + micro])
+        first = max(start, per_person)                                   # the same rows, less the first person
+        without.observe(norms[first:start + micro], weights[first:start + micro])
+    change = (whole.pending_statistic().double() - without.pending_statistic().double()).abs().item()
+    assert change <= 0.5 * (1 + 1e-6), change      # up to the float32 weights' own rounding (3·fl(1/3) = 1 + 3e-8)
