@@ -10,6 +10,9 @@ from pydantic import Field, model_validator
 from dpclip.engine.policies.base import PositiveFloat, PositiveInt, UnitOpen
 from dpclip.recipe.section import Section
 
+#: the largest E[K] a search may plan: as many runs as a space may hold configurations
+MAX_TRIALS_MEAN = 10_000
+
 
 class RandomRange(Section):
     low: float
@@ -39,7 +42,7 @@ class Tuning(Section):
         description="repeat-and-select (Papernot & Steinke): law of the random number of trials K")
     trials_mean: PositiveFloat | None = Field(
         None, description="E[K]; default: the number of configurations; at least 1 for poisson, above 1 for "
-        "truncated-negative-binomial (K >= 1)")
+        "truncated-negative-binomial (K >= 1); at most 10,000")
     trials_shape: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
         1.0, description="truncated negative binomial η (0 logarithmic, 1 geometric)")
     stop_probability: UnitOpen | None = Field(
@@ -56,4 +59,8 @@ class Tuning(Section):
         if mean is not None and self.trials == "truncated-negative-binomial" and mean <= 1:
             raise ValueError(f"trials_mean must be above 1 for trials: truncated-negative-binomial (K >= 1), got "
                              f"{mean:g}; e.g. the number of configurations")
+        if mean is not None and mean > MAX_TRIALS_MEAN:
+            # (the draw of K also stops counting at 10^7: a law cut there is not the one accounted)
+            raise ValueError(f"trials_mean must be at most {MAX_TRIALS_MEAN:,}, got {mean:g}: a search trains E[K] "
+                             "whole private runs; e.g. the number of configurations")
         return self

@@ -271,3 +271,14 @@ def test_the_user_column_cannot_be_what_the_model_reads_or_predicts(field, extra
     with pytest.raises(RecipeError, match="user") as info:
         validate_recipe(recipe)
     assert "patient" in info.value.message and info.value.hint
+
+
+@pytest.mark.parametrize("law", ["poisson", "truncated-negative-binomial"])
+def test_a_search_expecting_more_trials_than_it_can_train_is_refused_at_the_recipe(law):
+    """E[K] in the millions: the search would train that many runs, and the draw of K stops counting
+    at 10⁷ (a law cut there, which the repeat-and-select bound does not describe)."""
+    from dpclip.recipe.tuning import Tuning
+
+    assert Tuning(trials=law, trials_mean=10_000).trials_mean == 10_000
+    with pytest.raises(ValueError, match="trials_mean.*at most 10,000"):
+        Tuning(trials=law, trials_mean=5e6)
