@@ -50,7 +50,7 @@ from dpclip.data.user_sampler import UserPoissonSampler, number_people
 from dpclip.distributed import ShardedPoissonSampler, World
 from dpclip.engine import DPEngine
 from dpclip.errors import DpclipError
-from dpclip.files import made_private, owner_only, write_with_atomic
+from dpclip.files import made_private, write_with_atomic
 from dpclip.integrations.loaders import poisson_loader, tracked_loader
 from dpclip.integrations.parts import PrivateCriterion, PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
