@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -90,6 +91,23 @@ def write_bytes_atomic(path: str | Path, data: bytes, durable: bool = True) -> N
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def remove_stale_temporaries(folder: str | Path) -> list[str]:
+    """Delete the temporary files an atomic write killed before its rename left in ``folder``
+    (``.NAME.XXXXXXXX.tmp``, as the writers here name them); their names. For a folder no other
+    process writes to (a run directory under its lock)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    stale = [p for p in folder.iterdir() if p.is_file() and _TEMPORARY.fullmatch(p.name)]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return sorted(p.name for p in stale)
+
+
+#: tempfile.mkstemp's names for the atomic writers' prefix and suffix (8 random characters)
+_TEMPORARY = re.compile(r"\..+\.[A-Za-z0-9_]{8}\.tmp")
 
 
 def write_with_atomic(path: str | Path, write: Callable[[Path], None]) -> None:

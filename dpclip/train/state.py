@@ -29,6 +29,7 @@ from dpclip.accounting import Ledger
 from dpclip.distributed.pipeline import sync_stages
 from dpclip.errors import DpclipError
 from dpclip import layout
+from dpclip.files import remove_stale_temporaries
 from dpclip.layout import STATE
 from dpclip.rng import fork_private_streams
 from dpclip.rundir.checkpoint import (finish_interrupted_save, latest_checkpoint, load_checkpoint,
@@ -197,6 +198,9 @@ class Checkpointer:
     def _load(self, run: RunDir, resume_changes: dict[str, list[Any]], model) -> dict[str, Any]:
         parts, state = self.parts, self.state
         solved, steps = parts.setting.solved, parts.setting.plan.steps
+        for folder in (run.path, layout.checkpoints_dir(run.path)):   # (the run is locked: no write is under way)
+            if stale := remove_stale_temporaries(folder):
+                log.info("removed what writes the crash cut short left in %s: %s", folder, ", ".join(stale))
         if (finished := finish_interrupted_save(run.path)) is not None:
             log.warning("%s was complete but LATEST did not name it yet (the run was killed between the two): "
                         "resuming from it", finished.name)
