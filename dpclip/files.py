@@ -74,23 +74,16 @@ def append_line(path: str | Path, line: str) -> None:
 
 
 def write_bytes_atomic(path: str | Path, data: bytes, durable: bool = True) -> None:
-    """Write to a temporary file, then rename it over ``path``.
+    """Write to a temporary file, then rename it over ``path`` (:func:`write_with_atomic`).
 
     The rename is atomic against a crash of the process. ``durable`` also fsyncs the data
     before the rename, so that a power loss cannot leave an empty file either (a few ms)."""
-    path = Path(path)
-    made_private(path.parent)
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            if durable:
-                os.fsync(stream.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    made_private(Path(path).parent)
+    write_with_atomic(path, lambda tmp: tmp.write_bytes(data), durable)
+
+
+#: tempfile.mkstemp's names for the atomic writers' prefix and suffix (8 random characters)
+_TEMPORARY = re.compile(r"\..+\.[A-Za-z0-9_]{8}\.tmp")
 
 
 def remove_stale_temporaries(folder: str | Path) -> list[str]:
@@ -106,21 +99,18 @@ def remove_stale_temporaries(folder: str | Path) -> list[str]:
     return sorted(p.name for p in stale)
 
 
-#: tempfile.mkstemp's names for the atomic writers' prefix and suffix (8 random characters)
-_TEMPORARY = re.compile(r"\..+\.[A-Za-z0-9_]{8}\.tmp")
-
-
-def write_with_atomic(path: str | Path, write: Callable[[Path], None]) -> None:
-    """``write(tmp)`` writes a file another library makes (``torch.save``) at a temporary path
-    beside ``path``, which is then fsynced and renamed over ``path`` (owner-only): a save cut short
-    (a kill, a full disk) leaves the previous file whole, as :func:`write_bytes_atomic` does."""
+def write_with_atomic(path: str | Path, write: Callable[[Path], None], durable: bool = True) -> None:
+    """``write(tmp)`` writes the file (``torch.save`` for one another library makes) at a temporary
+    path beside ``path``, which is then fsynced (``durable``) and renamed over ``path``
+    (owner-only): a write cut short (a kill, a full disk) leaves the previous file whole."""
     path = Path(path)
     handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(handle)
     try:
         write(Path(tmp))
-        with open(tmp, "rb") as stream:
-            os.fsync(stream.fileno())
+        if durable:
+            with open(tmp, "rb") as stream:
+                os.fsync(stream.fileno())
         os.chmod(tmp, OWNER_ONLY)
         os.replace(tmp, path)
     except BaseException:

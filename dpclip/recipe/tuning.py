@@ -10,8 +10,9 @@ from pydantic import Field, model_validator
 from dpclip.engine.policies.base import PositiveFloat, PositiveInt, UnitOpen
 from dpclip.recipe.section import Section
 
-#: the largest E[K] a search may plan: as many runs as a space may hold configurations
-MAX_TRIALS_MEAN = 10_000
+#: the most runs a search may plan: its configurations (tuning/space.py) and E[K] of repeat-and-select;
+#: each is a whole private training run
+MAX_SEARCH_RUNS = 10_000
 
 
 class RandomRange(Section):
@@ -59,8 +60,8 @@ class Tuning(Section):
         if mean is not None and self.trials == "truncated-negative-binomial" and mean <= 1:
             raise ValueError(f"trials_mean must be above 1 for trials: truncated-negative-binomial (K >= 1), got "
                              f"{mean:g}; e.g. the number of configurations")
-        if mean is not None and mean > MAX_TRIALS_MEAN:
+        if mean is not None and mean > MAX_SEARCH_RUNS:
             # (the draw of K also stops counting at 10^7: a law cut there is not the one accounted)
-            raise ValueError(f"trials_mean must be at most {MAX_TRIALS_MEAN:,}, got {mean:g}: a search trains E[K] "
+            raise ValueError(f"trials_mean must be at most {MAX_SEARCH_RUNS:,}, got {mean:g}: a search trains E[K] "
                              "whole private runs; e.g. the number of configurations")
         return self

@@ -20,6 +20,7 @@ import yaml
 
 from dpclip.errors import RecipeError
 from dpclip.recipe.load import apply_overrides, validate_recipe
+from dpclip.recipe.tuning import MAX_SEARCH_RUNS
 from dpclip.recipe.schema import RandomRange, Recipe
 from dpclip.rng import private_random
 from dpclip.planning.plan import private_seed
@@ -28,9 +29,8 @@ from dpclip.planning.plan import private_seed
 # data set is what the budget protects, and tuning/name/output_dir describe the search.
 FORBIDDEN_PREFIXES = ("privacy", "tuning", "data", "name", "output_dir")
 
-#: The most configurations a search may have: each is a whole private training run (and, by
-#: default, E[K] of repeat-and-select), and each is validated as a recipe before anything runs.
-MAX_CONFIGURATIONS = 10_000
+#: The most configurations a search may have (each validated as a recipe before anything runs).
+MAX_CONFIGURATIONS = MAX_SEARCH_RUNS
 
 
 @dataclass(frozen=True)
