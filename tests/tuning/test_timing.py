@@ -49,14 +49,19 @@ def test_tune_cost_estimate_of_one_run_is_within_a_factor_of_a_real_run(tiny):
     from dpclip.tuning.cost import StepTimer, tune_cost
 
     base, recipe = tiny("training.steps=5", "model.hidden=[16]")
-    report = tune_cost(base, recipe, timer=StepTimer(calibration_steps=3, warmup_steps=1))
-    run = report.runs[0]
-    estimate, steps_only = report.hours_per_run * 3600, run.steps * run.step_seconds
-    assert run.fixed_seconds > 0
-    start = time.perf_counter()
-    train(recipe)
-    actual = time.perf_counter() - start
-    # A factor of 3 either way (short wall times on a shared machine swing), and closer than
-    # the steps alone.
-    assert actual / 3 < estimate < actual * 3, (estimate, actual)
+    # Estimate and run alternate, twice, and the fastest of each is compared: contention from other
+    # processes only ever slows a timing down, so the minima are the timings least disturbed.
+    estimates, steps_alone, actuals = [], [], []
+    for _ in range(2):
+        report = tune_cost(base, recipe, timer=StepTimer(calibration_steps=3, warmup_steps=1))
+        run = report.runs[0]
+        assert run.fixed_seconds > 0
+        estimates.append(report.hours_per_run * 3600)
+        steps_alone.append(run.steps * run.step_seconds)
+        start = time.perf_counter()
+        train(recipe)
+        actuals.append(time.perf_counter() - start)
+    estimate, steps_only, actual = min(estimates), min(steps_alone), min(actuals)
+    # A factor of 3 either way (short wall times swing), and closer than the steps alone.
+    assert actual / 3 < estimate < actual * 3, (estimates, actuals)
     assert abs(math.log(estimate / actual)) < abs(math.log(steps_only / actual)), (estimate, steps_only, actual)
