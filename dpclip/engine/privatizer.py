@@ -74,10 +74,10 @@ class Privatizer:
                                   "the checkpoint before that step (engine.load_state_dict)")
             yield
         except BaseException as exc:
-            step.reset()
-            policy.roll_back(held)
             for p, grad in zip(self.params, grads):
                 p.grad = grad
+            step.reset()
+            policy.roll_back(held)
             if correlated is not None and self.correlation.step != correlated:
                 self.lost_noise = f"{type(exc).__name__} after its noise was drawn"
             raise

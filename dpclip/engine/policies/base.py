@@ -151,9 +151,10 @@ class ThresholdPolicy:
 
     def roll_back(self, held: dict) -> None:
         """The step was not released (``privatize`` refused or raised): the policy as :meth:`held` found
-        it, then the step's observations dropped. Runs on the way out of a failure, so it draws nothing."""
+        it, then the step's observations dropped. Runs on the way out of a failure (often an out-of-memory),
+        so it copies nothing: ``held`` is taken over, and used once."""
         for name, value in held.items():
-            setattr(self, name, _held_copy(value))
+            setattr(self, name, value)
         self.drop_observations()
 
     def drop_observations(self) -> None:
