@@ -313,18 +313,16 @@ class DPEngine:
         Group k's summed clipped gradient gets N(0, (σ_g·S·w_k)²) (see
         :mod:`dpclip.engine.noise`); then ``p.grad = (sum + noise) / B`` with B the
         EXPECTED batch size. The policy releases its statistics after the noise
-        (:mod:`dpclip.engine.privatizer`, one per parallel mode).
+        (:mod:`dpclip.engine.privatizer`, one per parallel mode). A call that raises releases
+        nothing and leaves nothing of its step (:meth:`Privatizer.all_or_nothing`).
         """
         if self._step.captured:
             raise EngineError("privatize with a captured micro-batch not finished", "call finish_micro_batch first")
         self._checks.refuse_unvouched()
-        try:
+        with self.privatizer.all_or_nothing(self.policy, self._step):   # a release that raised leaves nothing
             report = self.privatizer.release(self.policy, self._step, sample_rate=self.sample_rate,
                                              counts_clipped=self.clipping.fn != "auto", group_names=self.group_names)
-        except BaseException:
-            self._step.reset()   # a refused release's sums must not reach the next step's
-            raise
-        report.certificate = self.certificate.unreported()   # the last check's record, in one report only
+            report.certificate = self.certificate.unreported()   # the last check's record, in one report only
         self.steps += 1
         self.certificate.step = self.steps
         self._step.reset()
@@ -365,6 +363,7 @@ class DPEngine:
                 raise EngineError("the checkpoint holds no correlated-noise history, and this engine correlates its "
                                   "noise (banded MF or BLT)", "resume with the mechanism the run was trained with")
             self.correlation.load_state_dict(state["correlation"])
+        self.privatizer.lost_noise = None
 
 
 def _step_context(engine: DPEngine, clip, norm_dtype: torch.dtype, device: torch.device) -> StepContext:

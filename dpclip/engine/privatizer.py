@@ -19,6 +19,8 @@ when the engine is built (:func:`privatizer_for`):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -50,6 +52,35 @@ class Privatizer:
         self.noise, self.correlation = noise, correlation
         self.gradient_noise_multiplier, self.allocation = gradient_noise_multiplier, allocation
         self.sizes, self.expected_batch_size, self.device = sizes, expected_batch_size, device
+
+    #: why the correlated noise's history holds a draw no release carried (every later release refused).
+    lost_noise: str | None = None
+
+    @contextmanager
+    def all_or_nothing(self, policy: ThresholdPolicy, step: StepAccumulator) -> Iterator[None]:
+        """A release inside that raises (an out-of-memory in a noise draw, a Ctrl-C, a refusal) leaves
+        nothing of its step for the next: its sums, the policy's observations and any threshold its
+        statistic moved (:meth:`ThresholdPolicy.roll_back`), the noisy gradient in ``p.grad``. What
+        is held costs no host synchronisation (issue 54). The correlated noise's history cannot be
+        taken back without a copy of the model per step: once it holds an unreleased draw, every
+        later release is refused until a checkpoint is loaded (``DPEngine.load_state_dict``)."""
+        held, grads = policy.held(), [p.grad for p in self.params]
+        correlated = None if self.correlation is None else self.correlation.step
+        try:
+            if self.lost_noise is not None:
+                raise EngineError(f"this engine's correlated noise holds the draw of a step that was never released "
+                                  f"({self.lost_noise}): a later step's noise would be correlated with it, which the "
+                                  "accounting of banded MF or BLT does not cover", "load the engine's state from "
+                                  "the checkpoint before that step (engine.load_state_dict)")
+            yield
+        except BaseException as exc:
+            for p, grad in zip(self.params, grads):
+                p.grad = grad
+            step.reset()
+            policy.roll_back(held)
+            if correlated is not None and self.correlation.step != correlated:
+                self.lost_noise = f"{type(exc).__name__} after its noise was drawn"
+            raise
 
     def release(self, policy: ThresholdPolicy, step: StepAccumulator, *, sample_rate: float | None,
                 counts_clipped: bool, group_names: list[str]) -> StepReport:

@@ -31,7 +31,15 @@ The engine asks its policy, every logical batch:
 ``pending_statistic()``          the statistic accumulated since the last release, WITHOUT
                                  noise (private: for the contract tests, never logged);
 ``summary()``                    -> dict of released values for the run's metrics;
-``state_dict() / load_state_dict()`` for checkpoints.
+``state_dict() / load_state_dict()`` for checkpoints;
+``held()`` / ``roll_back(held)``  around each release: a ``privatize`` that raised (an
+                                 out-of-memory in a noise draw, a Ctrl-C, a refusal) puts
+                                 the policy back as it was before the step, its observations
+                                 dropped (``drop_observations()``), so that the next release
+                                 carries the next batch alone and no threshold moves by a
+                                 statistic that was never charged. The defaults copy every
+                                 attribute (tensors by ``clone()``: no host synchronisation);
+                                 a policy that observes overrides ``drop_observations``.
 
 A release with L2 sensitivity Δ_a and noise std σ_a taken on the same sample as the
 gradient composes with it into one Gaussian mechanism with
@@ -41,6 +49,7 @@ gradient composes with it into one Gaussian mechanism with
 
 from __future__ import annotations
 
+import copy
 import math
 import typing
 from dataclasses import dataclass
@@ -133,6 +142,34 @@ class ThresholdPolicy:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+    def held(self) -> dict:
+        """What a release may move, taken by the engine before it: every attribute, tensors cloned on
+        their own device (``clone()`` is queued there: no host synchronisation, issue 54), lists and
+        dicts copied. A policy holding other mutable objects overrides it and :meth:`roll_back`."""
+        return {name: _held_copy(value) for name, value in vars(self).items()}
+
+    def roll_back(self, held: dict) -> None:
+        """The step was not released (``privatize`` refused or raised): the policy as :meth:`held` found
+        it, then the step's observations dropped. Runs on the way out of a failure (often an out-of-memory),
+        so it copies nothing: ``held`` is taken over, and used once."""
+        for name, value in held.items():
+            setattr(self, name, value)
+        self.drop_observations()
+
+    def drop_observations(self) -> None:
+        """Forget what :meth:`observe` and :meth:`per_sample_thresholds` saw since the last release
+        (the default: a policy that keeps nothing of them)."""
+
+
+def _held_copy(value: Any) -> Any:
+    """``value`` as :meth:`ThresholdPolicy.held` keeps it: a tensor cloned (on its device), a list, dict or
+    set copied (their items are replaced, never changed in place, by the policies), anything else as is."""
+    if isinstance(value, Tensor):
+        return value.clone()
+    if isinstance(value, (list, dict, set)):
+        return copy.copy(value)
+    return value
 
 
 def initial_thresholds(value, ctx: PolicyContext, what: str = "threshold.value") -> Tensor:

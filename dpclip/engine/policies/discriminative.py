@@ -137,6 +137,9 @@ class DiscriminativeThreshold(ThresholdPolicy):
         tail = self.tail_mask(norms)[:, None]
         return torch.where(tail, self.large[None, :], self.small[None, :])
 
+    def drop_observations(self) -> None:
+        self._ranked_this_step = False
+
     def release(self, generator: torch.Generator):
         self._ranked_this_step = False
         return None                       # nothing is released: the tail split stays private

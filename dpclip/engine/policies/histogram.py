@@ -196,6 +196,9 @@ class HistogramThreshold(ThresholdPolicy):
     def pending_statistic(self) -> Tensor:
         return self._counts.flatten()
 
+    def drop_observations(self) -> None:
+        self._counts = torch.zeros_like(self._counts)
+
     def release(self, generator: torch.Generator) -> list[AuxRelease]:
         noisy = self.noised(self._counts, lambda: torch.randn(
             self._counts.shape, generator=generator, device=generator.device, dtype=torch.float64).cpu()

@@ -63,6 +63,9 @@ class QuantileThreshold(ThresholdPolicy):
     def pending_statistic(self) -> Tensor:
         return self._shifted_counts
 
+    def drop_observations(self) -> None:
+        self._shifted_counts = self._zero_counts()
+
     def release(self, generator: torch.Generator) -> list[AuxRelease]:
         # drawn in the thresholds' dtype (the draws of a seeded run as before), added in float64
         noisy = self.noised(self._shifted_counts, lambda: (torch.randn(

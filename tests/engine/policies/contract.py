@@ -74,6 +74,36 @@ def check_state_round_trip(kind: str) -> None:
         torch.testing.assert_close(again.sensitivity_thresholds(), first.sensitivity_thresholds(), rtol=0, atol=0)
 
 
+def check_roll_back(kind: str) -> None:
+    """A release rolled back (``privatize`` raised before or after the policy released) leaves the
+    policy as one that never saw the step: the next step's statistic, release and thresholds are a
+    fresh one's on the next batch alone."""
+    generator = torch.Generator().manual_seed(2)
+    warm = [per_sample_grads(generator, 7) for _ in range(2)]
+    lost, following = per_sample_grads(generator, 7), per_sample_grads(generator, 7)
+    for released in (False, True):
+        policy, fresh = make(kind), make(kind)
+        for t, grads in enumerate(warm):
+            for p in (policy, fresh):
+                step(p, grads, seed=t)
+        clipped_sum(policy, lost)
+        policy.observe(norms_of(lost))
+        held = policy.held()
+        if released:
+            policy.release(torch.Generator().manual_seed(50))
+        policy.roll_back(held)
+        for p in (policy, fresh):
+            clipped_sum(p, following)
+            p.observe(norms_of(following))
+        pending = policy.pending_statistic()
+        if pending is not None:
+            torch.testing.assert_close(pending, fresh.pending_statistic(), rtol=0, atol=0)
+        releases = [p.release(torch.Generator().manual_seed(51)) for p in (policy, fresh)]
+        assert releases[0] == releases[1] and policy.summary() == fresh.summary(), released
+        torch.testing.assert_close(policy.thresholds(), fresh.thresholds(), rtol=0, atol=0)
+        assert policy.state_dict() == fresh.state_dict(), released
+
+
 def check_neighbouring_batches(kind: str, trials: int = 40) -> None:
     """Removing one example moves the clipped sum and the released statistic (before noise)
     by at most the sensitivities the policy declares."""

@@ -4,7 +4,8 @@ import pytest
 
 from dpclip.engine.policies import policy_specs, validate_policy
 from tests.engine.policies.contract import (check_engine_dict, check_neighbouring_batches,
-                                            check_planner_agrees_with_engine, check_state_round_trip)
+                                            check_planner_agrees_with_engine, check_roll_back,
+                                            check_state_round_trip)
 
 KINDS = [spec.kind_name() for spec in policy_specs()]
 
@@ -34,3 +35,8 @@ def test_planner_charges_the_sensitivity_the_engine_reports(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_engine_dict_carries_the_budget_splits_noise(kind):
     check_engine_dict(kind)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rolled_back_release_leaves_the_policy_as_one_that_never_saw_the_step(kind):
+    check_roll_back(kind)

@@ -16,7 +16,8 @@ from dpclip.errors import RecipeError
 from dpclip.planning.plan import aux_spec
 from dpclip.train.workflow import train
 from tests.engine.policies.contract import (check_engine_dict, check_neighbouring_batches,
-                                            check_planner_agrees_with_engine, check_state_round_trip)
+                                            check_planner_agrees_with_engine, check_roll_back,
+                                            check_state_round_trip)
 
 
 # ------------------------------------------------------------------ the whole policy
@@ -81,7 +82,7 @@ def test_a_registered_toy_policy_validates_in_a_recipe_and_trains_by_its_rule(ha
 
 def test_a_registered_toy_policy_keeps_the_contract(halving):
     for check in (check_state_round_trip, check_neighbouring_batches, check_planner_agrees_with_engine,
-                  check_engine_dict):
+                  check_engine_dict, check_roll_back):
         check("halving")
 
 
