@@ -133,6 +133,34 @@ peft_case("peft-dora", "DoRA on query and value (weight norm through lora_A of a
           lambda: _peft("LoraConfig")(task_type="SEQ_CLS", target_modules=["query", "value"], r=2, use_dora=True))
 peft_case("peft-prompt-tuning", "prompt tuning, 3 virtual tokens (a shared prompt repeated over the batch)",
           lambda: _peft("PromptTuningConfig")(task_type="SEQ_CLS", num_virtual_tokens=3))
+_QV = ["query", "value"]
+peft_case("peft-lokr", "LoKr on query and value (Kronecker factors)",
+          lambda: _peft("LoKrConfig")(task_type="SEQ_CLS", target_modules=_QV, r=2))
+peft_case("peft-vera", "VeRA on query and value (frozen random A, B shared by the layers; trained scalings)",
+          lambda: _peft("VeraConfig")(task_type="SEQ_CLS", target_modules=_QV, r=2))
+peft_case("peft-oft", "OFT on query and value (block-diagonal orthogonal rotations)",
+          lambda: _peft("OFTConfig")(task_type="SEQ_CLS", target_modules=_QV, r=0, oft_block_size=4))
+peft_case("peft-boft", "BOFT on query and value (butterfly-factored orthogonal rotations)",
+          lambda: _peft("BOFTConfig")(task_type="SEQ_CLS", target_modules=_QV, boft_block_size=4))
+peft_case("peft-p-tuning", "P-tuning (a prompt encoder MLP over the shared virtual-token table: must be refused)",
+          lambda: _peft("PromptEncoderConfig")(task_type="SEQ_CLS", num_virtual_tokens=3, encoder_hidden_size=8))
+peft_case("peft-vblora", "VBLoRA (one vector bank read by every adapted layer: must be refused)",
+          lambda: _peft("VBLoRAConfig")(task_type="SEQ_CLS", target_modules=_QV, r=2, num_vectors=8, vector_length=4))
+
+
+def _llama_prefix():
+    import peft
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**_SMALL, num_key_value_heads=1, pad_token_id=0, **EAGER))
+    model = peft.get_peft_model(model, peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+register(Case("peft-prefix-tuning", "hf", "prefix tuning on Llama, 3 virtual tokens (shared keys and values as a cache)",
+              seeded(_llama_prefix), lm_batch, causal_loss))
 
 
 # ------------------------------------------------------------------ two views on the batch

@@ -25,6 +25,10 @@ EXPECTED_REFUSALS: dict[str, str] = {
     "functional-batchnorm": "F.batch_norm with batch statistics: each sample's output depends on the others, "
                             "and its running buffers are written from the data (at one row too)",
     "row-in-buffer": "the forward writes a training row into a buffer (released with the model), at one row too",
+    "peft-p-tuning": "the prompt encoder's embedding is fed the virtual-token ids shared by all samples and feeds an "
+                     "MLP: no per-sample layout of the table's output (refused by name; prompt tuning is exact)",
+    "peft-vblora": "every adapted layer reads the one vector bank inside its forward, outside the bank's own module: "
+                   "the engine cannot follow its per-sample gradient (refused by name, with a hint)",
 }
 
 #: cases that mix samples (or keep data in a buffer): refused wherever the batch has two samples

@@ -3,7 +3,8 @@ widened): Gemma 3, 3n and 4, Qwen3-MoE, Qwen3-Next and Qwen3.5, GLM-4 (and its M
 GLM-5, ERNIE 4.5 (and its MoE), EXAONE 4 and K-EXAONE, Apertus, SmolLM3, HunYuan, dots.llm1, DeepSeek-V2,
 V3.2 and V4, Mistral 4, OLMo 3 and OLMo Hybrid, FlexOlmo, Seed-OSS, MiniMax and MiniMax-M2, LFM2-MoE and
 LFM3, Falcon-H1, Cohere2, BitNet, Arcee, VaultGemma, NanoChat, Inkling, AFMoE, Ling hybrid, Kimi Linear,
-LongCat-Flash, Granite 4, Zamba2, the ModernBERT decoder and Llama 4. Random configs at tiny size, in
+LongCat-Flash, Granite 4, Zamba2, the ModernBERT decoder and Llama 4; a third wave of the causal LMs
+(and masked LMs) of transformers 5.24 the first two left out, built from their model type. Random configs at tiny size, in
 training mode without a generation cache (as `dpclip train` runs them); mixture-of-experts layers run
 their eager loop (the zoo's float64 reference cannot run ``torch._grouped_mm``). Tagged like issue 49's
 cases: the slow suite runs all of their runs (tests/engine/test_hf_zoo.py)."""
@@ -15,9 +16,9 @@ import transformers as tf
 from transformers.models.afmoe.modeling_afmoe import AfmoeTokenChoiceRouter
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter
 
-from tests.engine.zoo import Case
+from tests.engine.zoo import Case, seeded
 from tests.engine.zoo.families import eager_experts, training
-from tests.engine.zoo.hf import DROP, EAGER, P, V, causal_loss, lm_batch
+from tests.engine.zoo.hf import DROP, EAGER, P, V, causal_loss, lm_batch, mlm_batch, mlm_loss
 from tests.engine.zoo.outside import register
 
 
@@ -228,3 +229,72 @@ causal("granitemoe-swa", "Granite MoE SWA (sliding layers, attention sinks, 4 ex
        lambda: tf.GraniteMoeSWAForCausalLM(tf.GraniteMoeSWAConfig(**_small(
            num_local_experts=4, num_experts_per_tok=2, intermediate_size=8, sliding_window=3,
            layer_types=["full_attention", "sliding_attention"]))))
+
+# the third wave (rev40): the causal LMs of transformers 5.24 that the two waves above left out, built from
+# their model type (AutoConfig.for_model) at the same tiny size, experts and linear-attention heads shrunk
+_E = dict(num_experts=4, n_routed_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+          shared_expert_intermediate_size=8)
+_LIN = dict(linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=4, linear_value_head_dim=4)
+
+
+def _auto(model_type, **extra):
+    """The causal LM that transformers' auto mapping names for ``model_type``, from a tiny config."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    cls = getattr(tf, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    return lambda: cls(tf.AutoConfig.for_model(model_type, **_small(**extra)))
+
+
+for _name, _what, _type, _extra in [
+    ("apertus-1.5", "Apertus 1.5 text", "apertus1p5_text", dict(head_dim=8)),
+    ("beam", "Beam", "beam", dict(head_dim=8)),
+    ("cohere2-moe", "Cohere2-MoE (sliding and global layers, 4 experts)", "cohere2_moe", dict(head_dim=8, sliding_window=3, **_E)),
+    ("cwm", "CWM (Code World Model)", "cwm", dict(head_dim=8)),
+    ("dory", "Dory", "dory", dict(head_dim=8)),
+    ("flint", "Flint", "flint", dict(head_dim=8)),
+    ("granite-swa", "Granite SWA (sliding layers)", "granite_swa", dict(head_dim=8)),
+    ("hrm-text", "HRM text", "hrm_text", dict(head_dim=8)),
+    ("hyperclovax", "HyperCLOVA X", "hyperclovax", dict(head_dim=8)),
+    ("jais2", "Jais 2", "jais2", dict(head_dim=8)),
+    ("ministral3", "Ministral 3", "ministral3", dict(head_dim=8)),
+    ("zaya", "ZAYA (top-1 experts)", "zaya", dict(head_dim=8)),
+    ("hy-v3", "Hunyuan V3 (a dense layer, then shared and routed experts)", "hy_v3", dict(head_dim=8, **_E)),
+    ("hy-v4", "Hunyuan V4 (indexed latent attention, shared and routed experts)", "hy_v4", dict(
+        num_key_value_heads=2, index_n_heads=2, index_head_dim=8, index_topk=2, **_E, **_MLA)),
+    ("kolibri1", "Kolibri 1 (sliding layers, shared and routed experts)", "kolibri1", dict(head_dim=8, sliding_window=3, **_E)),
+    ("laguna", "Laguna (a dense layer, then shared and routed experts)", "laguna", dict(head_dim=8, sliding_window=3, **_E)),
+    ("lara-mini", "Lara mini (linear attention and sliding layers, experts)", "lara_mini", dict(
+        head_dim=8, sliding_window=3, **_E, **_LIN)),
+    ("mellum", "Mellum (experts on every layer)", "mellum", dict(head_dim=8, sliding_window=3, **_E)),
+    ("mimo-v2-flash", "MiMo-V2-Flash (sliding and full layers, routed experts)", "mimo_v2_flash", dict(
+        head_dim=8, v_head_dim=8, sliding_window=3, **_E)),
+    ("qwen4-exp", "Qwen4-Exp text (linear attention layers, experts)", "qwen4_exp_text", dict(head_dim=8, **_E, **_LIN)),
+    ("minimax-m3", "MiniMax-M3 text (an indexer, experts on every layer)", "minimax_m3_vl_text", dict(
+        head_dim=8, index_n_heads=2, index_head_dim=8, **_E)),
+    ("sarvam-moe", "Sarvam MoE", "sarvam_moe", dict(head_dim=8, **_E, n_group=1, topk_group=1)),
+    ("sarvam-mla", "Sarvam MLA (latent attention, experts)", "sarvam_mla", dict(
+        num_key_value_heads=2, **_E, n_group=1, topk_group=1, **_MLA)),
+    ("solar-open", "Solar Open (experts)", "solar_open", dict(head_dim=8, **_E)),
+    ("axk2", "A.X K2 (latent attention, experts)", "axk2", dict(num_key_value_heads=2, **_E, **_MLA)),
+    ("youtu", "Youtu (latent attention)", "youtu", dict(num_key_value_heads=2, **_E, **_MLA)),
+]:
+    causal(_name, _what, _auto(_type, **_extra))
+
+# and the masked LMs of 2025-2026 (rev40), the same way
+_ENCODER = dict(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                max_position_embeddings=P + 2, num_key_value_heads=2, head_dim=8, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2, hidden_dropout_prob=DROP, attention_probs_dropout_prob=DROP, **EAGER)
+
+
+def _masked(model_type):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    cls = getattr(tf, MODEL_FOR_MASKED_LM_MAPPING_NAMES[model_type])
+    return lambda: cls(tf.AutoConfig.for_model(model_type, **_ENCODER))
+
+
+for _name, _what, _type in [("eurobert-mlm", "EuroBERT masked LM", "eurobert"),
+                            ("ultrabert-mlm", "UltraBERT masked LM", "ultrabert"),
+                            ("gte-mlm", "GTE masked LM", "gte"),
+                            ("nomic-bert-mlm", "Nomic BERT masked LM", "nomic_bert"),
+                            ("jina-v3-mlm", "Jina embeddings v3 masked LM", "jina_embeddings_v3"),
+                            ("esmc-mlm", "ESM C protein masked LM (q/k layer norms)", "esmc")]:
+    register(Case(_name, "hf", _what, seeded(_masked(_type)), mlm_batch, mlm_loss))
