@@ -132,16 +132,19 @@ def _ledger_at(run_dir: Path, recipe, checkpoint: Path, state: dict) -> tuple[fl
 
 
 def _charge_search(run_dir: Path, report: dict[str, Any]) -> None:
-    """A run selected by a tuning search costs what the whole search spent: set that ε beside
-    the measured leakage, not the run's own (smaller) one."""
+    """A run selected by a tuning search costs what the whole search spent: set that (ε, δ) beside
+    the measured leakage, not the run's own (smaller) ε. The δ is the search statement's too: an ε
+    holds at its own δ only, and the one-run bound and the TPR bound are computed at it."""
     found = headline(run_dir)
     if found.search_dir is None:
         return
-    report["ledger"]["epsilon_this_run_alone"] = report["ledger"]["epsilon"]
-    report["ledger"]["epsilon"] = found.epsilon
-    report["ledger"]["search_dir"] = str(found.search_dir)
+    ledger = report["ledger"]
+    ledger["epsilon_this_run_alone"], ledger["delta_this_run_alone"] = ledger["epsilon"], ledger["delta"]
+    ledger["epsilon"], ledger["delta"] = found.epsilon, found.delta
+    ledger["search_dir"] = str(found.search_dir)
     report["notes"].append(f"this run was selected by the tuning search {found.search_dir}: its ε is the search's "
-                           f"({bound_text(found.epsilon)}); the run's own ledger alone understates it")
+                           f"({bound_text(found.epsilon)} at δ = {found.delta:g}); the run's own ledger alone "
+                           "understates it")
 
 
 def _ledger_caveats(recipe) -> list[str]:
@@ -204,7 +207,7 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
     pool = build_pool(run_dir, recipe)
     model, loss_fn = build_model(recipe.model, pool.data, seed=recipe.seed)
     state = load_checkpoint(checkpoint, model)
-    epsilon, delta = _ledger_at(run_dir, recipe, checkpoint, state)
+    epsilon, delta = _ledger_at(run_dir, recipe, checkpoint, state)   # a search's replace them (_charge_search)
 
     report: dict[str, Any] = {
         "not_covered_by_epsilon": "every figure here is measured on private data (docs/accounting.md)",
@@ -242,7 +245,8 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
             report["attacks"].update(attacks_rmia)
             _note_shadow_steps(report, "RMIA")
         elif name == "one-run":
-            report["one_run"] = _one_run(run_dir, recipe, pool, model, loss_fn, delta, confidence)
+            report["one_run"] = _one_run(run_dir, recipe, pool, model, loss_fn, report["ledger"]["delta"],
+                                         confidence)
         elif name == "exposure":
             report["exposure"] = _exposure(run_dir, recipe, pool, model, loss_fn, seed)
     small = [r["non_members"] for r in report["attacks"].values() if r["non_members"] < 1000]
