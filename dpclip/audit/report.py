@@ -254,6 +254,7 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
         report["notes"].append(f"only {min(small)} non-members are scored: an FPR below 1/{min(small)} cannot be "
                                "measured, so 'TPR at 0.1% FPR' is the TPR at FPR = 0 (a conservative reading)")
     if "one_run" in report:
+        _note_earlier_one_run(run_dir, report)
         report["flagged"] = report["one_run"]["epsilon_lower_bound"] > report["ledger"]["epsilon"]
         if report["flagged"]:
             report["notes"].append(f"the empirical ε lower bound exceeds the ledger's ε at "
@@ -271,6 +272,21 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
         else:   # an earlier audit's curves do not belong beside this report
             (folder / layout.ROC_PLOT).unlink(missing_ok=True)
     return report
+
+
+def _note_earlier_one_run(run_dir: Path, report: dict) -> None:
+    """A note when the run's last report (the one record of earlier audits) holds a one-run audit of
+    another checkpoint: several checkpoints audited and the worst read is multiple testing."""
+    try:
+        earlier = json.loads((layout.audit_dir(run_dir) / layout.AUDIT_REPORT).read_text(encoding="utf-8"))
+        checkpoint, one_run = earlier["checkpoint"], earlier.get("one_run")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        return   # no earlier audit recorded, or none readable: nothing to say
+    if one_run and checkpoint != report["checkpoint"]:
+        alpha = 1 - report["one_run"]["confidence"]
+        report["notes"].append(f"the run's last audit was a one-run audit of {checkpoint}: auditing several "
+                               f"checkpoints of one run is multiple testing (the {alpha:.2g} chance of a false "
+                               f"flag is per audit); audit n checkpoints each with --confidence 1 − {alpha:.2g}/n")
 
 
 def per_person(scored: Outputs, members: np.ndarray, people: np.ndarray) -> tuple[Outputs, np.ndarray]:
@@ -370,12 +386,9 @@ def _rmia(run_dir, recipe, pool: Pool, target_confidence, shadows: int, seed: in
 
 def summary_rows(report: dict) -> list[dict]:
     """One row per attack for the table: name, AUC (CI), TPR@0.1%, TPR@1%, advantage."""
-    rows = []
-    for name, r in report["attacks"].items():
-        rows.append({"attack": name, "auc": r["auc"], "auc_ci95": r["auc_ci95"], "null_std": r["auc_null_std"],
-                     "tpr_0.1": r["tpr_at_0.1%_fpr"], "tpr_1": r["tpr_at_1%_fpr"],
-                     "balanced_accuracy": r["balanced_accuracy"], "advantage": r["advantage"]})
-    return rows
+    return [{"attack": name, "auc": r["auc"], "auc_ci95": r["auc_ci95"], "null_std": r["auc_null_std"],
+             "tpr_0.1": r["tpr_at_0.1%_fpr"], "tpr_1": r["tpr_at_1%_fpr"], "balanced_accuracy": r["balanced_accuracy"],
+             "advantage": r["advantage"]} for name, r in report["attacks"].items()]
 
 
 def dp_bound_at(report: dict, fpr: float) -> float:

@@ -131,6 +131,8 @@ def audit_mia(
                                 "(shared: RMIA's reference models are LiRA's shadows)."),
     seed: int = typer.Option(0, "--seed", help="Seeds the attack's splits, bootstrap and shadow subsets."),
     bootstrap: int = typer.Option(200, "--bootstrap", help="Bootstrap rounds of the AUC interval (0: none)."),
+    confidence: float = typer.Option(0.95, "--confidence", help="Of the one-run ε lower bounds; auditing n "
+                                     "checkpoints of one run, use 1 − 0.05/n (Bonferroni)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON (no table, no progress bar)."),
     fail_if_flagged: bool = typer.Option(False, "--fail-if-flagged",
                                          help="Exit with code 3 when the one-run audit flags the run (its ε lower "
@@ -172,7 +174,7 @@ def audit_mia(
         def observer_for(index, total):
             return ShadowProgress(progress, index, total)
     try:
-        report = audit(Path(target), names, shadows=shadows, seed=seed, bootstrap=bootstrap,
+        report = audit(Path(target), names, shadows=shadows, seed=seed, bootstrap=bootstrap, confidence=confidence,
                        shadow_observer=observer_for)
     finally:
         if progress is not None:

@@ -252,3 +252,24 @@ def test_fail_if_flagged_without_the_one_run_audit_is_refused_before_attacking(c
         err = " ".join(result.err.split())
         assert "--fail-if-flagged needs the one-run audit" in err and "hint:" in err and "--attack one-run" in err
     assert "no canaries" in err   # `all` says why the one-run audit is out
+
+
+def test_a_one_run_audit_of_another_checkpoint_than_the_last_notes_multiple_testing(cli, canary_runs, tmp_path):
+    run = copied(canary_runs["ood"], tmp_path)
+
+    def notes(target, *options):
+        result = cli("audit-mia", target, "--attack", "one-run", "--json", *options)
+        assert result.code == 0, result.err
+        return " ".join(json.loads(result.out)["notes"])
+
+    assert "multiple testing" not in notes(run / "checkpoints" / "step_000006")   # no earlier audit recorded
+    assert "multiple testing" not in notes(run / "checkpoints" / "step_000006")   # the same checkpoint again
+    later = notes(run, "--confidence", "0.975")                                     # LATEST: step_000012
+    assert "one-run audit of step_000006" in later and "multiple testing" in later
+    assert "--confidence 1 − 0.025/n" in later
+    assert json.loads((run / "audit" / "report.json").read_text())["one_run"]["confidence"] == 0.975
+
+
+def test_a_confidence_outside_zero_one_is_refused_with_a_hint(cli, plain_run):
+    result = cli("audit-mia", plain_run, "--attack", "loss", "--confidence", "1.5")
+    assert result.code == 2 and "between 0 and 1" in result.err and "hint:" in result.err
