@@ -51,6 +51,14 @@ class EngineError(DpclipError):
     """A model or configuration the private engine cannot handle exactly."""
 
 
+class AuditFlagged(DpclipError):
+    """``audit-mia --fail-if-flagged``: the one-run audit's ε lower bound exceeds the ledger's ε
+    (the report is printed and written first; the distinct code tells a CI gate this from an
+    audit that could not run, code 2)."""
+
+    exit_code = 3
+
+
 class InterruptedRun(DpclipError):
     """Training stopped by Ctrl-C after saving a checkpoint."""
 

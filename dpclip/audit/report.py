@@ -132,16 +132,19 @@ def _ledger_at(run_dir: Path, recipe, checkpoint: Path, state: dict) -> tuple[fl
 
 
 def _charge_search(run_dir: Path, report: dict[str, Any]) -> None:
-    """A run selected by a tuning search costs what the whole search spent: set that ε beside
-    the measured leakage, not the run's own (smaller) one."""
+    """A run selected by a tuning search costs what the whole search spent: set that (ε, δ) beside
+    the measured leakage, not the run's own (smaller) ε. The δ is the search statement's too: an ε
+    holds at its own δ only, and the one-run bound and the TPR bound are computed at it."""
     found = headline(run_dir)
     if found.search_dir is None:
         return
-    report["ledger"]["epsilon_this_run_alone"] = report["ledger"]["epsilon"]
-    report["ledger"]["epsilon"] = found.epsilon
-    report["ledger"]["search_dir"] = str(found.search_dir)
+    ledger = report["ledger"]
+    ledger["epsilon_this_run_alone"], ledger["delta_this_run_alone"] = ledger["epsilon"], ledger["delta"]
+    ledger["epsilon"], ledger["delta"] = found.epsilon, found.delta
+    ledger["search_dir"] = str(found.search_dir)
     report["notes"].append(f"this run was selected by the tuning search {found.search_dir}: its ε is the search's "
-                           f"({bound_text(found.epsilon)}); the run's own ledger alone understates it")
+                           f"({bound_text(found.epsilon)} at δ = {found.delta:g}); the run's own ledger alone "
+                           "understates it")
 
 
 def _ledger_caveats(recipe) -> list[str]:
@@ -204,7 +207,7 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
     pool = build_pool(run_dir, recipe)
     model, loss_fn = build_model(recipe.model, pool.data, seed=recipe.seed)
     state = load_checkpoint(checkpoint, model)
-    epsilon, delta = _ledger_at(run_dir, recipe, checkpoint, state)
+    epsilon, delta = _ledger_at(run_dir, recipe, checkpoint, state)   # a search's replace them (_charge_search)
 
     report: dict[str, Any] = {
         "not_covered_by_epsilon": "every figure here is measured on private data (docs/accounting.md)",
@@ -242,7 +245,8 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
             report["attacks"].update(attacks_rmia)
             _note_shadow_steps(report, "RMIA")
         elif name == "one-run":
-            report["one_run"] = _one_run(run_dir, recipe, pool, model, loss_fn, delta, confidence)
+            report["one_run"] = _one_run(run_dir, recipe, pool, model, loss_fn, report["ledger"]["delta"],
+                                         confidence)
         elif name == "exposure":
             report["exposure"] = _exposure(run_dir, recipe, pool, model, loss_fn, seed)
     small = [r["non_members"] for r in report["attacks"].values() if r["non_members"] < 1000]
@@ -250,6 +254,7 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
         report["notes"].append(f"only {min(small)} non-members are scored: an FPR below 1/{min(small)} cannot be "
                                "measured, so 'TPR at 0.1% FPR' is the TPR at FPR = 0 (a conservative reading)")
     if "one_run" in report:
+        _note_earlier_one_run(run_dir, report)
         report["flagged"] = report["one_run"]["epsilon_lower_bound"] > report["ledger"]["epsilon"]
         if report["flagged"]:
             report["notes"].append(f"the empirical ε lower bound exceeds the ledger's ε at "
@@ -267,6 +272,21 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
         else:   # an earlier audit's curves do not belong beside this report
             (folder / layout.ROC_PLOT).unlink(missing_ok=True)
     return report
+
+
+def _note_earlier_one_run(run_dir: Path, report: dict) -> None:
+    """A note when the run's last report (the one record of earlier audits) holds a one-run audit of
+    another checkpoint: several checkpoints audited and the worst read is multiple testing."""
+    try:
+        earlier = json.loads((layout.audit_dir(run_dir) / layout.AUDIT_REPORT).read_text(encoding="utf-8"))
+        checkpoint, one_run = earlier["checkpoint"], earlier.get("one_run")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        return   # no earlier audit recorded, or none readable: nothing to say
+    if one_run and checkpoint != report["checkpoint"]:
+        alpha = 1 - report["one_run"]["confidence"]
+        report["notes"].append(f"the run's last audit was a one-run audit of {checkpoint}: auditing several "
+                               f"checkpoints of one run is multiple testing (the {alpha:.2g} chance of a false "
+                               f"flag is per audit); audit n checkpoints each with --confidence 1 − {alpha:.2g}/n")
 
 
 def per_person(scored: Outputs, members: np.ndarray, people: np.ndarray) -> tuple[Outputs, np.ndarray]:
@@ -366,12 +386,9 @@ def _rmia(run_dir, recipe, pool: Pool, target_confidence, shadows: int, seed: in
 
 def summary_rows(report: dict) -> list[dict]:
     """One row per attack for the table: name, AUC (CI), TPR@0.1%, TPR@1%, advantage."""
-    rows = []
-    for name, r in report["attacks"].items():
-        rows.append({"attack": name, "auc": r["auc"], "auc_ci95": r["auc_ci95"], "null_std": r["auc_null_std"],
-                     "tpr_0.1": r["tpr_at_0.1%_fpr"], "tpr_1": r["tpr_at_1%_fpr"],
-                     "balanced_accuracy": r["balanced_accuracy"], "advantage": r["advantage"]})
-    return rows
+    return [{"attack": name, "auc": r["auc"], "auc_ci95": r["auc_ci95"], "null_std": r["auc_null_std"],
+             "tpr_0.1": r["tpr_at_0.1%_fpr"], "tpr_1": r["tpr_at_1%_fpr"], "balanced_accuracy": r["balanced_accuracy"],
+             "advantage": r["advantage"]} for name, r in report["attacks"].items()]
 
 
 def dp_bound_at(report: dict, fpr: float) -> float:

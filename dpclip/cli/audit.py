@@ -96,6 +96,33 @@ def _table(report: dict) -> None:
     console.print(f"  report: {layout.audit_dir(report['run_dir']) / layout.AUDIT_REPORT}{plot}")
 
 
+def _attacks_to_run(chosen: list[str], target: Path) -> tuple[list[str], list[str]]:
+    """(the attacks to run, notes): ``all`` leaves out the one-run audit and canary exposure on a
+    run without their answer keys, and says why of the one-run audit."""
+    from dpclip.audit import ATTACKS
+    from dpclip.data.canaries import read_canary_secret
+    from dpclip.data.exposure import read_exposure_secret
+
+    if "all" not in chosen:
+        return [name for name in ATTACKS if name in chosen], []
+    names, notes = list(ATTACKS), []
+    if target.is_dir():
+        from dpclip.audit.report import resolve_target
+        from dpclip.rundir.run import load_run_recipe
+
+        run_dir, _ = resolve_target(target)
+        if read_canary_secret(run_dir) is None:
+            names.remove("one-run")
+            if load_run_recipe(run_dir).audit.canaries is None:
+                notes.append("one-run audit skipped: the run has no canaries (add audit.canaries to the recipe)")
+            else:
+                notes.append(f"one-run audit skipped: the run's answer key {layout.canaries_file(run_dir)} was "
+                             "deleted (restore it from a backup of the run directory to run it)")
+        if read_exposure_secret(run_dir) is None:
+            names.remove("exposure")
+    return names, notes
+
+
 def audit_mia(
     target: Path = typer.Argument(..., help="A run directory, or one of its checkpoints/step_NNNNNN folders."),
     attack: list[AttackChoice] = typer.Option([AttackChoice.all], "--attack", "-a",
@@ -104,7 +131,13 @@ def audit_mia(
                                 "(shared: RMIA's reference models are LiRA's shadows)."),
     seed: int = typer.Option(0, "--seed", help="Seeds the attack's splits, bootstrap and shadow subsets."),
     bootstrap: int = typer.Option(200, "--bootstrap", help="Bootstrap rounds of the AUC interval (0: none)."),
+    confidence: float = typer.Option(0.95, "--confidence", help="Of the one-run ε lower bounds; auditing n "
+                                     "checkpoints of one run, use 1 − 0.05/n (Bonferroni)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON (no table, no progress bar)."),
+    fail_if_flagged: bool = typer.Option(False, "--fail-if-flagged",
+                                         help="Exit with code 3 when the one-run audit flags the run (its ε lower "
+                                         "bound above the ledger's ε), after printing and writing the report; "
+                                         "a CI gate. Needs the one-run audit (a run with audit.canaries)."),
 ) -> None:
     """Attack a finished run with membership inference and set the result beside its ε.
 
@@ -120,34 +153,17 @@ def audit_mia(
 
       dpclip audit-mia runs/gpt2-tiny-text-20261126-101500 --attack exposure
     """
-    from dpclip.audit import ATTACKS
     from dpclip.audit.report import audit
-    from dpclip.data.canaries import read_canary_secret
-    from dpclip.data.exposure import read_exposure_secret
     from dpclip.errors import DpclipError
 
-    chosen = [a.value for a in attack]
-    if "all" in chosen:
-        names = list(ATTACKS)
-    else:
-        names = [name for name in ATTACKS if name in chosen]
-    notes = []
-    if "all" in chosen and Path(target).is_dir():
-        from dpclip.audit.report import resolve_target
-        from dpclip.rundir.run import load_run_recipe
-
-        run_dir, _ = resolve_target(target)
-        if read_canary_secret(run_dir) is None:
-            names.remove("one-run")
-            if load_run_recipe(run_dir).audit.canaries is None:
-                notes.append("one-run audit skipped: the run has no canaries (add audit.canaries to the recipe)")
-            else:
-                notes.append(f"one-run audit skipped: the run's answer key {layout.canaries_file(run_dir)} was "
-                             "deleted (restore it from a backup of the run directory to run it)")
-        if read_exposure_secret(run_dir) is None:
-            names.remove("exposure")
+    names, notes = _attacks_to_run([a.value for a in attack], Path(target))
     if bootstrap < 0:
         raise DpclipError(f"--bootstrap must be ≥ 0, got {bootstrap}", "e.g. --bootstrap 200")
+    if fail_if_flagged and "one-run" not in names:   # a gate that cannot fail would pass silently
+        raise DpclipError("--fail-if-flagged needs the one-run audit, which this audit does not run"
+                          + (f" ({notes[0].removeprefix('one-run audit skipped: ')})" if notes else ""),
+                          "add --attack one-run (or --attack all) on a run trained with audit.canaries, e.g. "
+                          "`audit: {canaries: {count: 200, kind: ood}}`")
     progress = None
     observer_for = None
     if {"lira", "rmia"} & set(names) and not as_json:
@@ -158,7 +174,7 @@ def audit_mia(
         def observer_for(index, total):
             return ShadowProgress(progress, index, total)
     try:
-        report = audit(Path(target), names, shadows=shadows, seed=seed, bootstrap=bootstrap,
+        report = audit(Path(target), names, shadows=shadows, seed=seed, bootstrap=bootstrap, confidence=confidence,
                        shadow_observer=observer_for)
     finally:
         if progress is not None:
@@ -168,3 +184,19 @@ def audit_mia(
         print_json(report)
     else:
         _table(report)
+    if fail_if_flagged and report.get("flagged"):
+        _fail_flagged(report)
+
+
+def _fail_flagged(report: dict) -> None:
+    """``--fail-if-flagged`` on a flagged report: ``error:`` and ``hint:``, exit code 3."""
+    from dpclip.errors import AuditFlagged
+
+    one_run, ledger = report["one_run"], report["ledger"]
+    raise AuditFlagged(f"the one-run audit flagged the run: ε ≥ {fmt_lower(one_run['epsilon_lower_bound'])} at "
+                       f"{100 * one_run['confidence']:.0f}% confidence, above the ledger's ε = "
+                       f"{fmt_upper(ledger['epsilon'])} (--fail-if-flagged; report: "
+                       f"{layout.audit_dir(report['run_dir']) / layout.AUDIT_REPORT})",
+                       "the run may leak more than its accounting allows (a privacy bug or a wrong ledger); "
+                       f"a correct run is flagged in at most {100 * (1 - one_run['confidence']):.2g}% of audits: "
+                       "do not release it until the cause is found (docs/auditing.md)")

@@ -35,7 +35,7 @@ from dpclip.data.files import Columns, read_table, read_text_lines
 from dpclip.data.hub import load_hub_columns
 from dpclip.data.split import carve_indices, split_fingerprint, split_indices
 from dpclip.data.tokenizers import Tokenizer, load_tokenizer
-from dpclip.data.user_sampler import ONE_TYPE_HINT, spelling_clash
+from dpclip.data.user_sampler import spelling_clash
 from dpclip.errors import DpclipError
 
 TASKS = ("classification", "regression", "causal-lm")
@@ -195,10 +195,10 @@ def user_column(tables: list[Columns], user_field: str | None, origin: str) -> l
     # across the files too: a separate test file's person who also wrote training records is a member
     clash = spelling_clash(np.concatenate(columns))
     if clash is not None:
-        row, earlier, person = clash
+        row = clash.row
         where = f"row {row + 1}" if row < len(columns[0]) else f"row {row - len(columns[0]) + 1} of the test file"
-        raise DpclipError(f"{origin}: {where} names its {user_field!r} {person!r}, an earlier row {earlier!r}: one id in "
-                          "two types, one person or two cannot be told", ONE_TYPE_HINT)
+        raise DpclipError(f"{origin}: {where} names its {user_field!r} {clash.person!r}, an earlier row "
+                          f"{clash.earlier!r}: {clash.what}, one person or two cannot be told", clash.hint)
     return [np.asarray([str(v) for v in values], dtype=object) for values in columns]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -104,35 +105,54 @@ def number_people(ids) -> torch.Tensor:
                               "name a person (not hashable)", "give each record's person as a number or a string") from None
     clash = spelling_clash(ids)
     if clash is not None:
-        row, earlier, person = clash
-        raise DpclipError(f"the person id of example {row} (counting from 0), {person!r}, and an earlier one, {earlier!r}, "
-                          "are one id in two types: one person or two cannot be told", ONE_TYPE_HINT)
+        raise DpclipError(f"the person id of example {clash.row} (counting from 0), {clash.person!r}, and an earlier one, "
+                          f"{clash.earlier!r}, are {clash.what}: one person or two cannot be told", clash.hint)
     return torch.tensor(numbers, dtype=torch.int64)
 
 
 ONE_TYPE_HINT = "write every person id in one type, the same way each time (all strings, or all whole numbers)"
+LOOKALIKE_HINT = ("if they are one person, write the id one way each time (e.g. stripped and lower-cased); if two "
+                  "people, give them ids that differ in more than case and surrounding spaces")
 
 
-def spelling_clash(ids) -> tuple[int, object, object] | None:
+class Clash(NamedTuple):
+    """Two ids whose person is ambiguous: the later one's row, the earlier id, the later id, what
+    makes them ambiguous and the hint."""
+
+    row: int
+    earlier: object
+    person: object
+    what: str
+    hint: str
+
+
+def spelling_clash(ids) -> Clash | None:
     """The first id whose person is ambiguous, with its row and the earlier id it clashes with: the
     same text but another value ('7' and 7), or the same value written otherwise (7 and 7.0, True
     and 1). Numbered as values, '7' and 7 were two people (one owner's records in two privacy units,
-    each clipped to C); written out as text, 7 and 7.0 were. None when every id is unambiguous."""
+    each clipped to C); written out as text, 7 and 7.0 were. Likewise ids whose text differs only in
+    case or surrounding spaces ('Alice' and 'alice', ' 7' and '7'): counted as two people, as exact
+    comparison does, they would be one owner's records in two units if one person typed twice; merged,
+    two people in one unit. None when every id is unambiguous."""
     by_text: dict = {}
     by_value: dict = {}
+    by_lookalike: dict = {}
     for row, person in enumerate(ids):
         if isinstance(person, torch.Tensor) and person.numel() == 1:
             person = person.item()
         text = str(person)
         earlier = by_text.setdefault(text, person)
         if earlier is not person and bool(earlier != person):
-            return row, earlier, person
+            return Clash(row, earlier, person, "one id in two types", ONE_TYPE_HINT)
         try:
             first = by_value.setdefault(person, person)
         except TypeError:   # not hashable: its text alone names it
-            continue
+            first = person
         if str(first) != text:
-            return row, first, person
+            return Clash(row, first, person, "one id in two types", ONE_TYPE_HINT)
+        seen = by_lookalike.setdefault(text.strip().casefold(), person)
+        if str(seen) != text:
+            return Clash(row, seen, person, "two ids that differ only in case or surrounding spaces", LOOKALIKE_HINT)
     return None
 
 

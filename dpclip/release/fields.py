@@ -46,6 +46,9 @@ _CONTINUAL = ("phase", "public_step", "alpha", "public_loss", "public_eval/*", "
               "reset", "reinit_head", "probe_steps")
 #: What a search writes into the run it selected (dpclip/tuning/search.py).
 _SELECTED = ("search_format", "search_dir", "ledger", "epsilon", "delta", "score", "configuration/*", "note")
+#: audit/report.json's count of the canaries that went in (dpclip/audit/one_run.py): a statistic of the
+#: secret answer key, computed exactly, outside the engine, so not covered by ε (named, not just under ``**``).
+_INCLUDED_CANARIES = "one_run/included"
 #: Records computed from public data and the weights alone: nothing in them is labelled.
 _PUBLIC_RECORDS = (("covered_by_epsilon", True), ("phase", "public"), ("kind", "switch"))
 
@@ -88,8 +91,10 @@ FIELDS: tuple[Fields, ...] = (
                      "hf_config/**", "peft_config/**", "tied/*"),
            labelled=("label_names", "hf_config/id2label/*", "hf_config/label2id/*"),
            what="the label names are the label column's values as they are (an export labels them)"),
-    Fields(RUN, "audit/report.json", released=(), labelled=("**",),
-           what="the whole file is measured on private data"),
+    Fields(RUN, "audit/report.json", released=(), labelled=(_INCLUDED_CANARIES, "**"),
+           what="the whole file is measured on private data; `one_run/included`, how many canaries went in, is an "
+                "exact count of the answer key's secret inclusion bits (audit/canaries.json): the canaries' "
+                "membership, private records with `mislabel` canaries; it narrows the answer key"),
     Fields(RUN, "tensorboard/events.out.tfevents.*",
            released=("privacy/epsilon", "privacy/epsilon_this_run_alone", "train/lr", "thresholds/*",
                      "noise_std/*", *(f"{key}/**" for key in _POLICY)),

@@ -207,3 +207,69 @@ def test_an_audit_of_a_shuffled_run_sets_the_poisson_caveat_beside_the_ledgers_e
     assert any(SHUFFLE_CAVEAT in note for note in json.loads(result.out)["notes"])
     shown = cli("audit-mia", run, "--attack", "loss", "--bootstrap", "20")
     assert SHUFFLE_CAVEAT in " ".join(shown.out.split())
+
+
+def _flagging_bound(monkeypatch):
+    """The one-run audit's bound replaced by one far above any ledger ε: a flagged report without
+    training an under-noised run (tests/audit/test_claims.py trains that one)."""
+    from dpclip.audit import report as audit_report
+
+    real = audit_report.one_run_audit
+
+    def flagging(*args, **kwargs):
+        return {**real(*args, **kwargs), "epsilon_lower_bound": 1e3}
+
+    monkeypatch.setattr(audit_report, "one_run_audit", flagging)
+
+
+def test_fail_if_flagged_exits_3_with_an_error_after_printing_the_report(cli, canary_runs, tmp_path, monkeypatch):
+    run = copied(canary_runs["ood"], tmp_path)
+    _flagging_bound(monkeypatch)
+    plain = cli("audit-mia", run, "--attack", "one-run", "--json")
+    assert plain.code == 0 and json.loads(plain.out)["flagged"] is True   # the default stays: a report, exit 0
+    gated = cli("audit-mia", run, "--attack", "one-run", "--json", "--fail-if-flagged")
+    assert gated.code == 3, (gated.code, gated.err)
+    assert json.loads(gated.out)["flagged"] is True   # the report is printed (and written) first
+    assert json.loads((run / "audit" / "report.json").read_text())["flagged"] is True
+    err = " ".join(gated.err.split())
+    assert "error: the one-run audit flagged the run" in err and "hint:" in err and "Traceback" not in err
+    table = cli("audit-mia", run, "--attack", "one-run", "--fail-if-flagged")
+    assert table.code == 3 and "exceeds the ledger's ε" in " ".join(table.out.split())
+
+
+def test_fail_if_flagged_passes_an_unflagged_run(cli, canary_runs, tmp_path):
+    result = cli("audit-mia", copied(canary_runs["ood"], tmp_path), "--attack", "one-run", "--json",
+                 "--fail-if-flagged")
+    assert result.code == 0, result.err
+    assert json.loads(result.out)["flagged"] is False
+
+
+def test_fail_if_flagged_without_the_one_run_audit_is_refused_before_attacking(cli, plain_run):
+    """A gate that cannot fail would pass silently: no canaries, or no one-run attack asked."""
+    for attacks in (["--attack", "loss"], ["--attack", "all"]):
+        result = cli("audit-mia", plain_run, *attacks, "--fail-if-flagged")
+        assert result.code == 2, (result.code, result.err)
+        err = " ".join(result.err.split())
+        assert "--fail-if-flagged needs the one-run audit" in err and "hint:" in err and "--attack one-run" in err
+    assert "no canaries" in err   # `all` says why the one-run audit is out
+
+
+def test_a_one_run_audit_of_another_checkpoint_than_the_last_notes_multiple_testing(cli, canary_runs, tmp_path):
+    run = copied(canary_runs["ood"], tmp_path)
+
+    def notes(target, *options):
+        result = cli("audit-mia", target, "--attack", "one-run", "--json", *options)
+        assert result.code == 0, result.err
+        return " ".join(json.loads(result.out)["notes"])
+
+    assert "multiple testing" not in notes(run / "checkpoints" / "step_000006")   # no earlier audit recorded
+    assert "multiple testing" not in notes(run / "checkpoints" / "step_000006")   # the same checkpoint again
+    later = notes(run, "--confidence", "0.975")                                     # LATEST: step_000012
+    assert "one-run audit of step_000006" in later and "multiple testing" in later
+    assert "--confidence 1 − 0.025/n" in later
+    assert json.loads((run / "audit" / "report.json").read_text())["one_run"]["confidence"] == 0.975
+
+
+def test_a_confidence_outside_zero_one_is_refused_with_a_hint(cli, plain_run):
+    result = cli("audit-mia", plain_run, "--attack", "loss", "--confidence", "1.5")
+    assert result.code == 2 and "between 0 and 1" in result.err and "hint:" in result.err

@@ -87,3 +87,23 @@ def test_one_id_in_two_types_is_refused_not_counted_as_one_person_or_two(pair):
 def test_ids_of_one_type_each_spelled_one_way_are_numbered_by_first_appearance():
     assert number_people([np.int64(3), 3, 5, torch.tensor(3), 5]).tolist() == [0, 0, 1, 0, 1]
     assert number_people(["x", "7", "x"]).tolist() == [0, 1, 0]
+
+
+LOOKALIKES = {"a leading space": [" 7", "7"], "a trailing space": ["7 ", "7"], "case": ["Alice", "alice"],
+              "a padded string and a number": [" 7", 7], "case folding (ß, SS)": ["straße", "STRASSE"]}
+
+
+@pytest.mark.parametrize("pair", LOOKALIKES.values(), ids=list(LOOKALIKES))
+def test_ids_differing_only_in_case_or_surrounding_spaces_are_refused_naming_both(pair):
+    """Counted as two people (exact comparison), one person typed two ways would hold two privacy
+    units; merged, two people would share one: which is meant cannot be told, so it is refused."""
+    ids = ["a", pair[0], "b", pair[1], "a"]
+    with pytest.raises(DpclipError, match="example 3") as caught:
+        number_people(ids)
+    message = caught.value.message
+    assert repr(pair[0]) in message and repr(pair[1]) in message and "case or surrounding spaces" in message
+    assert "lower-cased" in caught.value.hint and "two people" in caught.value.hint
+
+
+def test_ids_that_differ_in_more_than_case_and_spaces_are_still_people_of_their_own():
+    assert number_people(["007", "7", "Al ice", "Alice", "a-1", "a1", "007"]).tolist() == [0, 1, 2, 3, 4, 5, 0]

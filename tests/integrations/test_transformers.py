@@ -303,6 +303,18 @@ def test_user_level_privacy_samples_people_and_weighs_each_row_one_over_k(tmp_pa
     assert sampler.max_per_user == 2
 
 
+def test_user_ids_differing_only_in_case_or_spaces_are_refused_naming_both(tmp_path):
+    rows = _rows()
+    for i, row in enumerate(rows):
+        row["user_id"] = f"user-{i % 8}"
+    rows[-1]["user_id"] = "USER-0"
+    with pytest.raises(DpclipError, match="case or surrounding spaces") as caught:
+        DPTrainer(model=_bert(), args=_args(tmp_path), train_dataset=rows, data_collator=_collate,
+                  privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, per_sample_max_grad_norm=1.0,
+                                           users_column="user_id", max_records_per_user=2))
+    assert "'user-0'" in caught.value.message and "'USER-0'" in caught.value.message and caught.value.hint
+
+
 def test_user_level_privacy_needs_both_arguments(tmp_path):
     with pytest.raises(DpclipError, match="users_column= and max_records_per_user="):
         DPTrainer(model=_bert(), args=_args(tmp_path), train_dataset=_rows(), data_collator=_collate,

@@ -88,3 +88,14 @@ def test_a_missing_or_unusable_person_id_is_refused_not_made_a_person_of_its_own
     with pytest.raises(DpclipError, match="person id of example 3") as caught:
         _private(users=users)
     assert "hint" not in caught.value.message and caught.value.hint
+
+
+def test_person_ids_differing_only_in_case_or_spaces_are_refused_naming_both():
+    """'person-3' and 'Person-3 ' as two people: if one owner, their records in two privacy units
+    (each clipped to C, the owner's ε only by group privacy); make_private refuses before any step."""
+    users = [f"person-{i % PEOPLE}" for i in range(PEOPLE * RECORDS)]
+    users[PEOPLE + 3] = "Person-3 "
+    with pytest.raises(DpclipError, match="case or surrounding spaces") as caught:
+        _private(users=users)
+    assert "'person-3'" in caught.value.message and "'Person-3 '" in caught.value.message
+    assert caught.value.hint

@@ -368,3 +368,20 @@ def test_a_run_resumed_with_an_override_has_every_field_in_the_manifest(tiny_rec
     assert "resume_changes" in json.loads((run_dir / "summary.json").read_text())
     assert json.loads((run_dir / "summary.json").read_text())["resume_changes"]
     assert release.unlisted_fields(run_dir) == []
+
+
+def test_the_audit_reports_count_of_included_canaries_is_named_not_covered_by_epsilon():
+    """report.json's `one_run/included` is an exact count of the secret answer key's inclusion bits
+    (for `mislabel` canaries, private records trained on): the manifest names it, labelled, with what it is."""
+    import numpy as np
+
+    from dpclip.audit.one_run import one_run_audit
+    from dpclip.release.fields import fields_of
+
+    report = {"one_run": one_run_audit(np.arange(40.0), np.arange(40) % 2 == 0, 1e-5)}
+    assert report["one_run"]["included"] == 20   # the field the manifest names is the one the audit writes
+    table = fields_of("audit/report.json")
+    assert "one_run/included" in table.labelled and "answer key" in table.what
+    row = next(line for line in release.render_markdown().splitlines() if "| `audit/report.json` |" in line
+               and "`**`" in line)
+    assert "`one_run/included`" in row.split(" | ")[3]   # the "fields not covered by ε" column

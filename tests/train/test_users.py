@@ -283,6 +283,20 @@ def test_a_jsonl_user_column_naming_one_person_as_7_and_7_0_is_refused(tmp_path)
     assert caught.value.hint
 
 
+@pytest.mark.parametrize("lookalike, first", [("Alice", "alice"), (" p1", "p1"), ("p1 ", "p1")])
+def test_a_csv_user_column_with_ids_differing_only_in_case_or_spaces_is_refused(tmp_path, lookalike, first):
+    table = tmp_path / "visits.csv"
+    people = [first, "p2", "p3", lookalike] + ["p2", "p3"] * 4
+    table.write_text("patient,age,label\n" + "".join(f"{p},{i},{i % 2}\n" for i, p in enumerate(people)))
+    config = load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        f"output_dir={tmp_path}", f"data={{source: files, format: csv, train: {table}, label_field: label, "
+        "user_field: patient, max_examples_per_user: 3}", "privacy.unit=user"]).data
+    with pytest.raises(DpclipError, match="row 4 names its 'patient'") as caught:
+        load_data(config, 0)
+    assert repr(lookalike) in caught.value.message and "case or surrounding spaces" in caught.value.message
+    assert caught.value.hint
+
+
 def test_csv_user_ids_are_read_as_written_so_007_and_7_are_two_people(tmp_path):
     """pandas read the column as numbers: patients "007" and "7" (and "7.0") were one person, so
     removing one moved the other's unit (replace-one, not the add/remove the statement claims)."""
