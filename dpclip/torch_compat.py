@@ -60,6 +60,20 @@ def is_view(t: Tensor) -> bool:
     return t._is_view()
 
 
+def func_transform_active() -> str | None:
+    """The torch.func transform the current code runs inside, as its user calls it (``torch.vmap``,
+    ``torch.func.grad/vjp/jacrev``, ``torch.func.jvp/jacfwd``, ``torch.func.functionalize``), or
+    None outside any (``torch._C._functorch.peek_interpreter_stack``: the innermost transform's
+    interpreter). No public API tells whether code runs under a transform; a tensor's own flags do
+    not either (``in_dims=None`` leaves an input unbatched inside ``vmap``). Checked against torch 2.13."""
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    if interpreter is None:
+        return None
+    kind = interpreter.key().name
+    return {"Vmap": "torch.vmap", "Grad": "torch.func.grad (or vjp, jacrev)",
+            "Jvp": "torch.func.jvp (or jacfwd)", "Functionalize": "torch.func.functionalize"}.get(kind, kind)
+
+
 def unsafe_view(t: Tensor, shape) -> Tensor:
     """``t``'s memory as a tensor of ``shape`` that autograd does not treat as a view
     (``aten._unsafe_view``: no copy, a version counter of its own). ``view``/``reshape`` return

@@ -33,7 +33,7 @@ from torch.nn.utils import parametrize
 
 from dpclip.engine.adoption import adopt
 from dpclip.engine.batch_axis import BatchAxes, check_batch
-from dpclip.engine.bookkept_ops import AWAITING_RECOMPUTE, Call, Site, engine_failure
+from dpclip.engine.bookkept_ops import AWAITING_RECOMPUTE, Call, Site, engine_failure, refuse_transform
 from dpclip.engine.batch_axis.layout import call_leaves, tensor_leaves
 from dpclip.engine.factors import Use
 from dpclip.engine.containers import container_owner, is_container, owned_parameters, without_aliases_below
@@ -272,6 +272,7 @@ class Bookkeeper:
                 if axes.in_grad_forward() and not torch.is_grad_enabled() and not unit.bypass and not self._plain:
                     self._await_recomputation(unit)
                 return orig(*args, **kwargs)
+            refuse_transform(unit.label)
             recomputing = axes.depth == 0 and self._active is not None
             kept = site.current_call()
             if recomputing:

@@ -20,7 +20,7 @@ from torch import Tensor
 from dpclip.engine.batch_axis import SiteBatch
 from dpclip.engine.parametrized import pinned
 from dpclip.errors import DpclipError, EngineError
-from dpclip.torch_compat import is_view, own_parameters, unsafe_view
+from dpclip.torch_compat import func_transform_active, is_view, own_parameters, unsafe_view
 
 
 def engine_failure(label: str, operation: str, tensors, exc: Exception) -> EngineError:
@@ -31,6 +31,46 @@ def engine_failure(label: str, operation: str, tensors, exc: Exception) -> Engin
                        f"({type(exc).__name__}: {exc})",
                        "the engine cannot follow this module's per-sample gradients: freeze it, replace it, "
                        "or report the model with `dpclip --debug` output (docs/supported-models.md, \"What is refused\")")
+
+
+FREEZE_OR_OUTSIDE = ("freeze the modules that gradient passes through (requires_grad_(False)): a gradient inside "
+                     "the forward through frozen modules only, or through none, is checked like any other forward")
+
+
+def refuse_transform(label: str) -> None:
+    """Refuse a book-kept call inside a torch.func transform of the model's own forward
+    (``vmap(functional_call(layer, ...))`` over the batch, ``torch.func.grad`` of an energy): the
+    engine's operations cannot run inside one, and what would run instead is not book-kept."""
+    transform = func_transform_active()
+    if transform is None:
+        return
+    vmapped = transform == "torch.vmap"
+    raise EngineError(
+        f"module {label} is called inside {transform} in the model's forward: the engine's book-keeping of "
+        "its per-sample gradients cannot run inside a torch.func transform, so no clip of its gradient "
+        "could be vouched for",
+        ("call the module on the batch itself (self.layer(x): a layer computes each row from that row "
+         "alone, no vmap over the batch needed); an ensemble vmapped over stacked weights: keep those "
+         "weights as parameters of a module of your own whose forward calls the functional ops "
+         "(F.linear, torch.func.functional_call on a base model kept outside the module tree), and "
+         "the engine follows it per sample; or freeze the module (requires_grad_(False))") if vmapped else
+        ("a gradient taken inside the forward through trained parameters (-dE/dx as a force, an input-"
+         "gradient feature) has a second-order part in its per-sample gradient that the engine does not "
+         "follow: " + FREEZE_OR_OUTSIDE))
+
+
+def refuse_backward_in_forward(call: "Call") -> None:
+    """Refuse a book-kept call's backward run while a forward of the model is in progress: a gradient
+    taken inside the forward (``torch.autograd.grad(E, x, create_graph=True)``, a gradient
+    penalty, a force -dE/dx). The loss then depends on the module's parameters through that
+    gradient too, a second-order part the engine's per-sample factors do not contain."""
+    if call.keeper.axes.depth > 0:
+        raise EngineError(
+            f"module {call.unit.label}: a gradient was taken inside the model's forward through this module "
+            "(torch.autograd.grad or .backward() while the forward runs: a gradient penalty, -dE/dx as a "
+            "force, an input-gradient feature); the per-sample gradient then has a second-order part the "
+            "engine's book-keeping does not follow, so no clip of it could be vouched for",
+            FREEZE_OR_OUTSIDE)
 
 
 @dataclass(eq=False)
@@ -102,6 +142,7 @@ class BookkeptOp(torch.autograd.Function):
         rule, module = call.rule, call.unit.module
         if call.keeper.silent:   # the certificate reads the loss head's cotangents: zeros flow here
             return (None, torch.zeros_like(x) if ctx.needs_input_grad[1] else None) + (None,) * ctx.n_params
+        refuse_backward_in_forward(call)
         try:
             with pinned(module, call.weights):
                 grad_x = rule.input_grad(module, x, grad_out, call.info) if ctx.needs_input_grad[1] else None
@@ -134,6 +175,7 @@ class OutputTap(torch.autograd.Function):
             passed = tuple(torch.zeros_like(g) if ctx.needs_input_grad[2 + i] and g is not None else None
                            for i, g in enumerate(grads))
             return (None, None) + passed + (None,) * ctx.n_params
+        refuse_backward_in_forward(ctx.call)
         try:
             with pinned(ctx.call.unit.module, ctx.call.weights):
                 ctx.call.keeper.deliver_tap(ctx.call, grads)

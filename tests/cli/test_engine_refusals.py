@@ -107,3 +107,43 @@ def test_train_refuses_a_model_that_mixes_samples_naming_the_module(cli, tmp_pat
     assert "Traceback" not in result.err
     for ledger in (tmp_path / "runs").rglob("ledger.json"):
         assert json.loads(ledger.read_text())["steps"] == 0
+
+
+ENERGY = '''
+import torch
+from torch import nn
+
+
+class EnergyForce(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.energy = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.head = nn.Linear(64, num_classes)
+
+    def forward(self, x):
+        x = x.detach().requires_grad_()
+        (force,) = torch.autograd.grad(-self.energy(x).sum(), x, create_graph=True)
+        return self.head(force.flatten(1))
+
+
+def make(num_classes):
+    return EnergyForce(num_classes)
+'''
+
+
+def test_train_refuses_a_gradient_taken_inside_the_forward_saying_so(cli, tmp_path, monkeypatch):
+    """-dE/dx of a trained energy as the head's input: refused naming the gradient inside the
+    forward (not the batch-axis probe), before any noise."""
+    (tmp_path / "energy.py").write_text(ENERGY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = cli("train", QUICKSTART, f"output_dir={tmp_path / 'runs'}", "training.epochs=null",
+                 "training.steps=2", "model={kind: custom, target: 'energy:make'}")
+    assert result.code == 2, (result.out, result.err)
+    lines = [line for line in result.err.splitlines() if line.strip()]
+    error = next(line for line in lines if line.startswith("error:"))
+    assert "a gradient was taken inside the model's forward" in error and "energy.3 (Linear)" in error, error
+    hint = next(line for line in lines if line.startswith("hint:"))
+    assert "requires_grad_(False)" in hint and "batch in dim 0" not in hint, hint
+    assert "Traceback" not in result.err
+    for ledger in (tmp_path / "runs").rglob("ledger.json"):
+        assert json.loads(ledger.read_text())["steps"] == 0

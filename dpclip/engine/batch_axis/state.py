@@ -51,6 +51,7 @@ class BatchAxes:
         self.depth = 0                      # model forwards in progress
         self.children = 0                   # inside a rule that calls children batch first
         self.reprobed = False
+        self.keep_saved = False             # probes keep their saved tensors (a forward differentiates)
         self.probes = 0                     # probing forwards run so far (tests, docs)
         self.sealed: str | None = None      # why no probe may run any more (a sharded model)
         self.at_start = False               # probing before any module of the forward has run
@@ -191,7 +192,8 @@ class BatchAxes:
         try:
             # the model's forward hooks (a hook collecting activations, a counter) do not see a probe
             with self.plain(), forked_rng(devices), untouched_buffers(self.model), forward_hooks_silenced(self.model), \
-                    nothing_saved(), probe.reading() if check is None else nullcontext():
+                    nullcontext() if self.keep_saved else nothing_saved(), \
+                    probe.reading() if check is None else nullcontext():
                 if check is None:
                     return self.model(*args, **kwargs)
                 with check:
@@ -203,6 +205,27 @@ class BatchAxes:
                 return out
         finally:
             self.probe = None
+
+    def _probe_pair(self, sizes: tuple[int, int], inputs: list) -> list[Probe]:
+        """The two probes, saving nothing for a backward; where that fails, once more with the saved
+        tensors kept, for good: a forward that differentiates inside itself (``torch.autograd.grad``
+        of an energy, ``torch.func.grad``) needs them, and the book-kept forward judges it."""
+        try:
+            probes = [Probe(size) for size in sizes]
+            for probe, (a, k) in zip(probes, inputs):
+                self._run(probe, a, k)
+            return probes
+        except EngineError:
+            raise
+        except Exception:
+            if self.keep_saved:
+                raise
+            self.keep_saved = True
+            try:
+                return self._probe_pair(sizes, inputs)
+            except Exception:
+                self.keep_saved = False
+                raise
 
     def establish(self) -> None:
         """Probe the model's forward in progress and merge the layouts found into the cache.
@@ -220,9 +243,7 @@ class BatchAxes:
         for first_only in (False, True):    # every input of leading size B, or the first only
             inputs = [resized(args, kwargs, batch, size, first_only) for size in sizes]
             try:
-                probes = [Probe(size) for size in sizes]
-                for probe, (a, k) in zip(probes, inputs):
-                    self._run(probe, a, k)
+                probes = self._probe_pair(sizes, inputs)
                 break
             except EngineError:
                 raise
