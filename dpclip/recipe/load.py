@@ -26,6 +26,7 @@ _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 #: the hint for YAML nested deeper than Python's parser recurses (thousands of brackets: not a recipe)
 _TOO_DEEP_HINT = "a recipe is a few levels of sections; check for unclosed or repeated [ and { brackets"
+_DEEPEST_KEY = 32
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -105,6 +106,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise RecipeError(f"override {text!r} is not of the form key=value",
                           "example: training.optimizer.lr=0.05")
+    if key.count(".") >= _DEEPEST_KEY:   # a recipe is a few sections deep; thousands of levels crashed the loader
+        raise RecipeError(f"override {key[:40]}...=: its key is nested too deeply ({key.count('.') + 1} levels)",
+                          _TOO_DEEP_HINT)
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:

@@ -181,7 +181,8 @@ def test_yaml_merge_keys_are_read_and_may_be_overridden_in_the_mapping_that_merg
     assert load_recipe(path).training.optimizer.lr == 0.25
 
 
-@pytest.mark.parametrize("override", [None, "name=" + "[" * 5000, "name=" + "[" * 5000 + "]" * 5000])
+@pytest.mark.parametrize("override", [None, "name=" + "[" * 5000, "name=" + "[" * 5000 + "]" * 5000,
+                                      "a" + ".b" * 3000 + "=1"])
 def test_yaml_nested_too_deeply_is_a_recipe_error_not_a_crash(tmp_path, override):
     path = tmp_path / "deep.yaml"
     path.write_text(QUICKSTART.read_text() if override else "name: " + "[" * 5000 + "]" * 5000 + "\n")
