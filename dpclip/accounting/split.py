@@ -136,11 +136,13 @@ def split_noise(
                 _smallest_aux_sigma_hint(sigma, delta_a),
             )
         sigma_a = float(aux_sigma)
-        r = (delta_a / sigma_a) ** 2 * sigma**2
+        ratio = delta_a * sigma / sigma_a   # sqrt(r); a product, not **: a tiny σ_a overflows to inf, not an error
+        r = ratio * ratio
         if r >= 1:
             raise AccountingError(
                 f"aux_sigma = {sigma_a:g} is too small for total noise multiplier {sigma:g}: "
-                f"the statistic alone would use {100 * r:.4g}% of the budget",
+                f"the statistic alone would use {f'{100 * r:.4g}%' if math.isfinite(r) else 'far more than all'} "
+                "of the budget",
                 _smallest_aux_sigma_hint(sigma, delta_a),
             )
         sigma_g = (sigma**-2 - (delta_a / sigma_a) ** 2) ** -0.5
@@ -165,7 +167,7 @@ def check_aux_fits(sigma_total: float, aux: Sequence[tuple[float, float]]) -> No
                 f"auxiliary statistic needs sensitivity >= 0 and noise std > 0, got ({delta_a!r}, {sigma_a!r})",
                 "pass (sensitivity, noise std) pairs, e.g. [(1.0, 10.0)] for one histogram",
             )
-    used = sum((delta_a / sigma_a) ** 2 for delta_a, sigma_a in aux) * sigma_total**2
+    used = sum((delta_a * sigma_total / sigma_a) * (delta_a * sigma_total / sigma_a) for delta_a, sigma_a in aux)
     if used >= 1:
         if len(aux) == 1:
             hint = _smallest_aux_sigma_hint(sigma_total, aux[0][0])

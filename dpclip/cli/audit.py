@@ -129,7 +129,7 @@ def audit_mia(
                                               help="Attack(s) to run; repeat the option for several."),
     shadows: int = typer.Option(8, "--shadows", help="LiRA and RMIA: shadow models trained from the run's recipe "
                                 "(shared: RMIA's reference models are LiRA's shadows)."),
-    seed: int = typer.Option(0, "--seed", help="Seeds the attack's splits, bootstrap and shadow subsets."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seeds the attack's splits, bootstrap and shadow subsets."),
     bootstrap: int = typer.Option(200, "--bootstrap", help="Bootstrap rounds of the AUC interval (0: none)."),
     confidence: float = typer.Option(0.95, "--confidence", help="Of the one-run ε lower bounds; auditing n "
                                      "checkpoints of one run, use 1 − 0.05/n (Bonferroni)."),

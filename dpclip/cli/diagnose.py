@@ -48,7 +48,9 @@ def diagnose(
         from dpclip.errors import DpclipError
 
         raise DpclipError(f"--data must be public or private, got {data!r}", "e.g. --data public")
-    configure(threads)
+    from dpclip.cli.train import thread_count
+
+    configure(None if threads is None else thread_count(str(threads)))
     result = run_diagnose(target, overrides or [], probes=probes, per_sample=per_sample, batch_size=batch_size,
                           data=data, allow_private=allow_private, out=out)
     if as_json:

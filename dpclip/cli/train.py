@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -185,16 +186,23 @@ def _sigma_line(change) -> str:
 
 
 def thread_count(threads: str | int | None) -> str | int:
-    """--threads: "auto" (also when absent) or a whole number; configure() checks the number."""
+    """--threads: "auto" (also when absent) or a whole number; configure() checks the number. A
+    number typed on the command line may not exceed the machine's logical CPUs: 100000 threads
+    exhausted the process's memory (a traceback). A resume's recorded count (an int) is kept."""
     if threads is None or threads == "auto" or isinstance(threads, int):
         return threads or "auto"
-    try:
-        return int(threads)
-    except ValueError:
-        from dpclip.errors import DpclipError
+    from dpclip.errors import DpclipError
 
+    try:
+        count = int(threads)
+    except ValueError:
         raise DpclipError(f"--threads takes a whole number or 'auto', got {threads!r}",
                           "e.g. --threads 1 beside other jobs; leave it out for auto") from None
+    cpus = os.cpu_count() or 1
+    if count > cpus:
+        raise DpclipError(f"--threads {count} is more than the {cpus} logical CPUs of this machine",
+                          f"more threads than CPUs only wait on each other: use --threads {cpus} or fewer, or auto")
+    return count
 
 
 def train(

@@ -257,12 +257,15 @@ def _stages(model: nn.Module, params: list[ParamInfo], stages) -> Groups:
     for r in compiled:
         module = next((m for m in modules if r.search(m)), None)
         if module is None:
-            raise EngineError(f"stage regex {r.pattern!r} matches no module", None)
+            named = ", ".join(m for m in modules[1:6] if m)
+            raise EngineError(f"stage regex {r.pattern!r} matches no module",
+                              f"each of clipping.grouping.stages names the module a stage starts at, e.g. of: {named}")
         prefix = f"{module}." if module else ""
         first = next((i for i, p in enumerate(params)
                       if any(n.startswith(prefix) for n in p.names)), None)
         if first is None:
-            raise EngineError(f"stage starting at module {module!r} has no trainable parameter", None)
+            raise EngineError(f"stage starting at module {module!r} has no trainable parameter",
+                              "start the stage at a module that holds trainable parameters")
         starts.append(first)
     if any(b <= a for a, b in zip(starts, starts[1:])):
         raise EngineError("stages must start at modules in increasing forward order with "

@@ -22,6 +22,13 @@ from dpclip.recipe.schema import Recipe, annotation_now
 from dpclip.recipe.shipped import shipped_names
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+#: the hint for YAML nested deeper than Python's parser recurses (thousands of brackets: not a recipe)
+_TOO_DEEP_HINT = "a recipe is a few levels of sections; check for unclosed or repeated [ and { brackets"
+_DEEPEST_KEY = 32
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader refusing a key given twice in one mapping: YAML keeps the last silently,
     and a doubled ``privacy.epsilon`` would go unnoticed."""
@@ -29,8 +36,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:   # `<<: *anchor`: YAML's merge key, whose keys this mapping may override
+                continue
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            try:
+                given_twice = key in seen
+            except TypeError:   # a list or mapping as a key: SafeLoader refuses it below, with its line
+                continue
+            if given_twice:
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice in one section",
                                                         key_node.start_mark)
             seen.add(key)
@@ -76,6 +89,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise RecipeError(f"{path} is not valid YAML{where}: {problem}",
                           "check indentation and quoting near that line") from None
+    except RecursionError:
+        raise RecipeError(f"{path} is nested too deeply to be read", _TOO_DEEP_HINT) from None
     if data is None:
         raise RecipeError(f"{path} is empty", "a recipe needs at least name, data, model, training, privacy")
     if not isinstance(data, dict):
@@ -91,10 +106,15 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise RecipeError(f"override {text!r} is not of the form key=value",
                           "example: training.optimizer.lr=0.05")
+    if key.count(".") >= _DEEPEST_KEY:   # a recipe is a few sections deep; thousands of levels crashed the loader
+        raise RecipeError(f"override {key[:40]}...=: its key is nested too deeply ({key.count('.') + 1} levels)",
+                          _TOO_DEEP_HINT)
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    except RecursionError:
+        raise RecipeError(f"override {key}=...: its value is nested too deeply to be read", _TOO_DEEP_HINT) from None
     return key.split("."), value
 
 

@@ -32,7 +32,7 @@ from dpclip.recipe.audit import Audit, Canaries, Exposure, check_audit  # noqa: 
 from dpclip.recipe.mechanism import BandedMF, Blt, DpSgd, MechanismConfig  # noqa: F401 (docs)
 from dpclip.recipe.continual import AtSwitch, Continual, Diagnostics, SwitchRule, check_continual  # noqa: F401 (docs)
 from dpclip.recipe.grouping import GROUPING_HELP, validate_grouping
-from dpclip.recipe.section import Section
+from dpclip.recipe.section import Section, threshold_without_booleans
 from dpclip.recipe.tuning import RandomRange, Tuning  # noqa: F401 (docs)
 from dpclip.recipe.users import DataUsers, check_users
 
@@ -349,6 +349,7 @@ class Clipping(Section):
         CLIPPING_DEFAULTS["norm_method"], description="per-sample norms of Linear-like layers; auto = ghost when 2T^2 < p*d")
 
     _check_grouping = field_validator("grouping", mode="before")(validate_grouping)
+    _no_boolean_threshold = field_validator("threshold", mode="before")(threshold_without_booleans)
 
     @model_validator(mode="after")
     def _policy_composes(self) -> Clipping:

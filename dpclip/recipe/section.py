@@ -7,6 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from dpclip.engine.policies import policy_spec
+
 
 def _admits_bool(annotation: Any) -> bool:
     """Whether a field's type lists a boolean (bool, a Literal of True/False, Any)."""
@@ -17,6 +19,27 @@ def _admits_bool(annotation: Any) -> bool:
     return any(_admits_bool(arg) for arg in typing.get_args(annotation))
 
 
+def refuse_booleans_as_numbers(model: type[BaseModel], data: Any) -> Any:
+    """``data`` unchanged, or a ValueError for a YAML true/false given to a field of ``model`` (or
+    inside its list) whose type has no boolean: pydantic's lax mode reads ``batch_size: true`` as 1
+    and ``hidden: [true]`` as [1]; a boolean where a number or a name is meant is a mistake, not a value."""
+    if isinstance(data, dict):
+        for name, value in data.items():
+            field = model.model_fields.get(name) if isinstance(name, str) else None
+            values = value if isinstance(value, list) else [value]
+            flag = next((item for item in values if isinstance(item, bool)), None)
+            if flag is not None and field is not None and not _admits_bool(field.annotation):
+                # ".name" is completed to the field's dotted path (recipe/load.py, explain_error).
+                raise ValueError(f".{name}: expected a number or a name, not the boolean {str(flag).lower()}")
+    return data
+
+
+def threshold_without_booleans(value: Any) -> Any:
+    """``clipping.threshold`` checked as a Section is: the policy specs are the engine's models."""
+    spec = policy_spec(value["kind"]) if isinstance(value, dict) and isinstance(value.get("kind"), str) else None
+    return refuse_booleans_as_numbers(spec, value) if spec is not None else value
+
+
 class Section(BaseModel):
     """Base of every recipe section: unknown keys are errors."""
 
@@ -25,12 +48,4 @@ class Section(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_boolean_as_number(cls, data: Any) -> Any:
-        # pydantic's lax mode reads `batch_size: true` as 1; a YAML true/false where a number
-        # or a name is meant is a mistake, not a value.
-        if isinstance(data, dict):
-            for name, value in data.items():
-                field = cls.model_fields.get(name) if isinstance(name, str) else None
-                if isinstance(value, bool) and field is not None and not _admits_bool(field.annotation):
-                    # ".name" is completed to the field's dotted path (recipe/load.py, explain_error).
-                    raise ValueError(f".{name}: expected a number or a name, not the boolean {str(value).lower()}")
-        return data
+        return refuse_booleans_as_numbers(cls, data)

@@ -206,7 +206,7 @@ class RunDir:
         files (`dpclip report`, `dpclip export`, `dpclip account RUN`) use this, never
         meta.json; runs made before plan.json existed fall back to meta.json's same fields."""
         if self.plan_file.exists():
-            return read_json(self.plan_file)
+            return _read_run_json(self.plan_file)
         return public_plan_record(self.meta())
 
     def ledger(self):
@@ -384,7 +384,13 @@ def check_ledger(ledger, solved, steps: int | range, *, where: Path | str) -> No
     (an int, or a range of allowed counts).
 
     Ledgers are read from the run directory, which anyone with write access can edit; a
-    ledger with fewer steps or a larger σ than were used would understate ε."""
+    ledger with fewer steps or a larger σ than were used would understate ε. The count is
+    checked first: an edited count of 10^30 would otherwise be walked step by step."""
+    allowed = range(steps, steps + 1) if isinstance(steps, int) else steps
+    if ledger.steps not in allowed:
+        want = str(steps) if isinstance(steps, int) else f"{allowed.start} to {allowed.stop - 1}"
+        raise DpclipError(f"{where} records {ledger.steps} steps where the run allows {want}",
+                          "the run directory was modified: restore it from a backup")
     step = 0
     for entry in ledger.entries:
         for offset in range(entry.count):
@@ -394,11 +400,6 @@ def check_ledger(ledger, solved, steps: int | range, *, where: Path | str) -> No
                                   f"run's step event there, {expected}",
                                   "the run directory was modified or mixed with another run's: restore it")
         step += entry.count
-    allowed = range(steps, steps + 1) if isinstance(steps, int) else steps
-    if ledger.steps not in allowed:
-        want = str(steps) if isinstance(steps, int) else f"{allowed.start} to {allowed.stop - 1}"
-        raise DpclipError(f"{where} records {ledger.steps} steps where the run allows {want}",
-                          "the run directory was modified: restore it from a backup")
 
 
 def check_canaries(run_dir: Path, canaries) -> None:

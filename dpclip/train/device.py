@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from dpclip.errors import DpclipError
-from dpclip.files import read_json
 from dpclip.rundir.run import RunDir
 
 CPU_ONLY_HINT = "set training.device=cpu (or auto, which takes a GPU only where one process trains)"
@@ -74,8 +73,9 @@ def check_resume_device(recorded: str | None, device: torch.device) -> None:
 def _recorded(run_dir: Path, key: str):
     """meta.json's ``plan[key]``: None for a folder without meta.json (the resume refuses it
     anyway) and for a run from before the key was recorded."""
-    meta_file = RunDir(run_dir).meta_file
-    return read_json(meta_file).get("plan", {}).get(key) if meta_file.exists() else None
+    run = RunDir(run_dir)
+    plan = run.meta().get("plan") if run.meta_file.exists() else None   # meta(): a damaged file is an error
+    return plan.get(key) if isinstance(plan, dict) else None
 
 
 def recorded_device(run_dir: Path) -> str:

@@ -312,6 +312,10 @@ def write_report(run_dir: Path, out: Path | None = None) -> tuple[dict[str, Any]
     out = path / REPORT_FILE if out is None else Path(out).expanduser().resolve()
     if out.is_dir():
         raise DpclipError(f"{out} is a folder", "pass a file name for --out, e.g. --out report.html")
+    if out.resolve() != (path / REPORT_FILE).resolve() and out.resolve().is_relative_to(path.resolve()):
+        # `--out RUN/ledger.json` replaced the run's ledger with the page: the run could no longer be accounted
+        raise DpclipError(f"--out {out} is inside the run directory {path}, whose files the page must not replace",
+                          f"write the page outside the run, or leave --out out for {path / REPORT_FILE}")
     if not out.parent.is_dir():
         raise DpclipError(f"{out.parent} does not exist", "create the folder first, or choose another --out")
     page = report_html(summary, run_plots(path, summary["selected_by_search"]), _audit(path))

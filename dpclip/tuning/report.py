@@ -10,6 +10,7 @@ progress bar (a :class:`ProgressObserver`) and renders the returned
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,9 +54,12 @@ class TuneCostOptions:
         if self.measure and self.run_seconds is not None:
             raise DpclipError("--run-seconds is used only with --no-measure",
                               "pass --no-measure --step-seconds S --run-seconds R, or drop --run-seconds to measure")
-        if not self.measure and (self.step_seconds is None or not self.step_seconds > 0):
+        if not self.measure and (self.step_seconds is None or not 0 < self.step_seconds < math.inf):
             raise DpclipError("--no-measure needs --step-seconds S (a positive number of seconds)",
                               "e.g. --no-measure --step-seconds 0.25")
+        if self.run_seconds is not None and not self.run_seconds < math.inf:   # --run-seconds' min=0 lets inf by
+            raise DpclipError(f"--run-seconds must be a finite number of seconds, got {self.run_seconds:g}",
+                              "e.g. --run-seconds 5 (a run's data, model and checkpoint time)")
         if self.calibration_steps < 1 or self.warmup_steps < 0:
             raise DpclipError("--calibration-steps must be >= 1 and --warmup-steps >= 0",
                               "e.g. --calibration-steps 10")

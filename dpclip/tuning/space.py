@@ -59,6 +59,9 @@ def _parse_value(text: str) -> Any:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    except RecursionError:
+        raise RecipeError(f"--grid value {text[:20]}... is nested too deeply to be read",
+                          "a grid value is a number or a name; check for repeated [ and { brackets") from None
     if isinstance(value, str):
         # YAML 1.1 reads 1e-3 as a string; a search over numbers means a number.
         try:

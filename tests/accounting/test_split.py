@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpclip.accounting import NoiseSplit, joint_noise_multiplier, split_noise
+from dpclip.accounting.split import check_aux_fits
 from dpclip.errors import AccountingError
 
 
@@ -50,6 +51,17 @@ def test_aux_sigma_at_or_below_sensitivity_times_sigma_is_refused_with_smallest_
     assert "greater than" in info.value.hint and "= 2" in info.value.hint
     with pytest.raises(AccountingError):
         split_noise(2.0, 1.0, aux_sigma=1.5)
+
+
+def test_a_vanishing_aux_sigma_is_refused_as_too_small_not_an_overflow():
+    # (Δ/σ_a)² overflowed as a float power (OverflowError: the CLI's "unexpected" exit 1) for
+    # `dpclip account --aux quantile --aux-sigma 1e-300`
+    with pytest.raises(AccountingError) as info:
+        split_noise(0.5, 0.5, aux_sigma=1e-300)
+    assert "too small" in info.value.message and "far more than all of the budget" in info.value.message
+    with pytest.raises(AccountingError) as info:
+        check_aux_fits(0.5, [(0.5, 1e-300)])
+    assert "greater than" in info.value.hint
 
 
 @pytest.mark.parametrize("fraction", [0.0, 1.0, -0.1, 1.5])

@@ -67,6 +67,13 @@ def test_exposure_without_planted_secrets_and_lira_with_one_shadow_are_refused_w
     assert "Traceback" not in result.err
 
 
+def test_a_negative_seed_is_refused_with_a_hint_not_a_crash(cli, plain_run):
+    # numpy's SeedSequence refused it deep in the attack: "unexpected ValueError", exit 1
+    result = cli("audit-mia", plain_run, "--attack", "loss", "--seed", "-5")
+    assert result.code == 2 and "--seed" in result.err and "hint:" in result.err
+    assert "unexpected" not in result.err and "Traceback" not in result.err
+
+
 def test_a_checkpoint_directory_is_audited_with_its_own_ledger(cli, plain_run):
     run = plain_run
     final = json.loads(cli("audit-mia", run, "--attack", "loss", "--bootstrap", "0", "--json").out)

@@ -102,3 +102,12 @@ def test_diagnose_run_from_inside_a_run_directory_does_not_write_private_plots_t
 def test_diagnose_a_run_refuses_overrides(cli, run_with_diagnostics):
     result = cli("diagnose", run_with_diagnostics, "training.batch_size=8")
     assert result.code != 0 and "overrides" in result.err and "Traceback" not in result.err
+
+
+def test_diagnose_refuses_more_threads_than_the_machine_has_cpus(cli, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    result = cli("diagnose", REPO / "recipes" / "quickstart.yaml", "--threads", "3", "--probes", "2",
+                 "--per-sample", "2", "--batch-size", "4", "--json")
+    assert result.code == 2 and "logical CPUs" in result.err and "hint:" in result.err

@@ -66,6 +66,15 @@ def test_report_without_out_writes_into_the_run_and_json_lists_it(cli, finished_
     assert not (finished_run / "training.png").exists()
 
 
+@pytest.mark.parametrize("name", ["ledger.json", "checkpoints/LATEST", "new.html"])
+def test_an_out_inside_the_run_directory_is_refused_and_its_files_are_kept(cli, finished_run, name):
+    # `dpclip report RUN --out RUN/ledger.json` replaced the run's ledger with the HTML page, exit 0
+    before = (finished_run / "ledger.json").read_bytes()
+    result = cli("report", finished_run, "--out", finished_run / name)
+    assert result.code == 2 and "inside the run directory" in result.err and "hint:" in result.err
+    assert (finished_run / "ledger.json").read_bytes() == before and not (finished_run / "new.html").exists()
+
+
 def test_report_of_a_folder_that_is_not_a_run_is_an_error_with_a_hint(cli, tmp_path):
     result = cli("report", tmp_path)
     assert result.code == 2

@@ -177,3 +177,17 @@ def test_resume_without_threads_reuses_the_count_the_run_started_with(cli, tmp_p
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_thread_count_above_the_machines_cpus_is_refused_before_any_thread_starts(monkeypatch):
+    # `--threads 100000` exhausted the process's memory: a Python traceback (MemoryError), exit 1
+    import os
+
+    from dpclip.cli.train import thread_count
+    from dpclip.errors import DpclipError
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    with pytest.raises(DpclipError) as info:
+        thread_count("100000")
+    assert "2 logical CPUs" in info.value.message and "--threads 2" in info.value.hint
+    assert thread_count("2") == 2 and thread_count(16) == 16   # a resume's recorded count is kept

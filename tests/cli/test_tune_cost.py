@@ -108,6 +108,9 @@ def test_run_writes_a_search_whose_ledger_spends_what_was_promised(cli, tmp_path
     (["privacy.epsilon=1e-9"], "ε"),
     (["--no-measure"], "--step-seconds"),
     (["--step-seconds", "0.1"], "--no-measure"),
+    # an infinite step or run time priced every search at "inf h" and exited 0
+    (["--no-measure", "--step-seconds", "inf"], "--step-seconds"),
+    (["--no-measure", "--step-seconds", "0.1", "--run-seconds", "inf"], "--run-seconds"),
 ])
 def test_bad_input_is_an_error_with_a_hint_and_no_traceback(cli, args, message):
     extra = [] if "--no-measure" in args or "--step-seconds" in args else NO_MEASURE

@@ -88,6 +88,13 @@ def test_stages_cut_in_forward_order_at_named_modules():
         build_groups(tiny_gpt2(), {"stages": [r"h\.1$", r"h\.0$"]})
 
 
+def test_a_stage_regex_that_matches_no_module_is_refused_with_a_hint_naming_modules():
+    # `dpclip train` printed this error without a hint line
+    with pytest.raises(EngineError, match="matches no module") as info:
+        build_groups(tiny_gpt2(), {"stages": [r"^transformer\.wte$", "abc"]})
+    assert info.value.hint and "transformer" in info.value.hint
+
+
 def test_frozen_parameters_are_in_no_group():
     model = mlp()
     model[0].requires_grad_(False)

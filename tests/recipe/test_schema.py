@@ -161,13 +161,34 @@ def test_malformed_override_is_refused(override):
     ("name: x\ntraining:\n  epochs: [1, 2\n", "line"),
     # YAML keeps the last of two equal keys: a second privacy.epsilon would go unnoticed
     ("name: x\nprivacy:\n  epsilon: 1\n  delta: 1.0e-5\n  epsilon: 8\n", "line 5, column 3: key 'epsilon' is given twice"),
-], ids=["unclosed list", "a key given twice"])
+    # a list as a key: the duplicate-key check once crashed on it (TypeError: unhashable type)
+    ("name: x\n? [a, b]\n: 1\n", "unhashable key"),
+], ids=["unclosed list", "a key given twice", "a list as a key"])
 def test_bad_yaml_reports_the_line(tmp_path, text, problem):
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
     with pytest.raises(RecipeError) as info:
         load_recipe(bad)
     assert "not valid YAML" in info.value.message and problem in info.value.message
+
+
+def test_yaml_merge_keys_are_read_and_may_be_overridden_in_the_mapping_that_merges(tmp_path):
+    # `<<: *anchor` is YAML's own way to share settings; the loader that refuses a key given twice
+    # once read the merge key as an unknown tag ("could not determine a constructor")
+    path = tmp_path / "r.yaml"
+    path.write_text(QUICKSTART.read_text().replace("optimizer: {kind: sgd, lr: 0.5, momentum: 0.0}",
+                                                   "optimizer: {<<: {kind: sgd, lr: 0.5, momentum: 0.0}, lr: 0.25}"))
+    assert load_recipe(path).training.optimizer.lr == 0.25
+
+
+@pytest.mark.parametrize("override", [None, "name=" + "[" * 5000, "name=" + "[" * 5000 + "]" * 5000,
+                                      "a" + ".b" * 3000 + "=1"])
+def test_yaml_nested_too_deeply_is_a_recipe_error_not_a_crash(tmp_path, override):
+    path = tmp_path / "deep.yaml"
+    path.write_text(QUICKSTART.read_text() if override else "name: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, [override] if override else [])
+    assert "nested too deeply" in info.value.message and "brackets" in info.value.hint
 
 
 @pytest.mark.parametrize("text", ["", "- a\n- b\n", "42\n"])
@@ -249,6 +270,16 @@ def test_training_compile_is_off_unless_asked_and_implies_fixed_shapes():
 def test_a_boolean_where_a_number_or_name_is_meant_is_refused_not_read_as_one(override):
     field, _, value = override.partition("=")
     assert f"{field}: expected a number or a name, not the boolean {value}" in error_of([override])
+
+
+@pytest.mark.parametrize("override, field", [
+    ("clipping.threshold.value=true", "clipping.threshold.value"),          # C = 1.0, silently
+    ("clipping.threshold={kind: quantile, target: true}", "clipping.threshold.target"),
+    ("model.hidden=[64, true]", "model.hidden"),                            # a hidden layer of 1 unit
+    ("clipping.threshold.value=[1.0, false, 1.0]", "clipping.threshold.value"),
+])
+def test_a_boolean_in_a_threshold_spec_or_a_list_of_numbers_is_refused_not_read_as_one(override, field):
+    assert f"{field}: expected a number or a name, not the boolean" in error_of([override])
 
 
 def test_boolean_fields_still_take_booleans():

@@ -96,3 +96,12 @@ def test_the_start_table_names_the_device_a_run_trains_on(cli):
     expected = "cuda:" if torch.cuda.is_available() else "cpu"
     assert result.code == 0
     assert any(line.split()[:1] == ["device"] and expected in line for line in result.out.splitlines()), result.out
+
+
+def test_a_damaged_meta_json_is_named_with_a_hint_before_the_resume_reads_its_device(tmp_path):
+    # `dpclip train --resume RUN` with meta.json overwritten by binary crashed (UnicodeDecodeError)
+    (tmp_path / "recipe.yaml").write_text("name: x\n")
+    (tmp_path / "meta.json").write_bytes(bytes(range(200, 256)))
+    with pytest.raises(DpclipError) as info:
+        recorded_device(tmp_path)
+    assert "meta.json" in info.value.message and "damaged" in info.value.message and info.value.hint

@@ -79,3 +79,31 @@ def test_a_damaged_meta_or_summary_is_named_with_a_hint(tmp_path, name):
     with pytest.raises(DpclipError) as info:
         run.meta() if name == "meta.json" else run.summary()
     assert name in info.value.message and "damaged" in info.value.message and "backup" in info.value.hint
+
+
+@pytest.mark.parametrize("text", ["[1]", '{"privacy_fingerprint": "ab'])
+def test_a_damaged_plan_json_is_named_with_a_hint_not_a_crash(tmp_path, text):
+    # plan.json holding a list once crashed every reader (AttributeError: 'list' object has no attribute 'get')
+    (tmp_path / "recipe.yaml").write_text("name: x\n")
+    (tmp_path / "plan.json").write_text(text)
+    with pytest.raises(DpclipError) as info:
+        RunDir(tmp_path).public_plan()
+    assert "plan.json" in info.value.message and "damaged" in info.value.message and "backup" in info.value.hint
+
+
+def test_a_ledger_whose_step_count_was_edited_is_refused_before_its_steps_are_walked(tmp_path):
+    # an edited count of 10^30 was walked step by step: `dpclip account RUN` never returned
+    import dp_accounting
+
+    from dpclip.accounting import Ledger
+    from dpclip.rundir.run import check_ledger
+
+    class Unwalked:
+        def event_at(self, step):
+            raise AssertionError("the steps of a ledger with the wrong count were walked")
+
+    ledger = Ledger(1e-5)
+    ledger.record(dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.0)), count=10**30)
+    with pytest.raises(DpclipError) as info:
+        check_ledger(ledger, Unwalked(), range(0, 4), where=tmp_path / "ledger.json")
+    assert f"records {10**30} steps where the run allows 0 to 3" in info.value.message

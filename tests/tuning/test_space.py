@@ -156,3 +156,9 @@ def test_a_random_search_of_too_many_draws_is_refused_before_any_configuration_i
     _no_more_than(monkeypatch, 0)
     with pytest.raises(RecipeError, match="20,000 configurations"):
         search_space(base, recipe, random_draws=20_000, rng=random.Random(1))
+
+
+def test_a_grid_value_nested_too_deeply_is_a_recipe_error_not_a_crash():
+    with pytest.raises(RecipeError) as info:
+        parse_grid_option("training.optimizer.lr=" + "[" * 5000)
+    assert "nested too deeply" in info.value.message and info.value.hint
