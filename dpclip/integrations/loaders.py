@@ -149,6 +149,23 @@ class PoissonBatches(PlannedBatches):
             yield indices.tolist()
 
 
+class PoissonParts(PoissonBatches):
+    """Poisson draws of expected size B, each cut into ``parts`` consecutive index lists (the
+    Trainer's accumulation then sums them into one optimizer step)."""
+
+    def __init__(self, draws: PoissonSampler, steps_per_pass: int, parts: int):
+        super().__init__(draws, steps_per_pass)
+        self.parts = parts
+
+    def __len__(self) -> int:
+        return self.steps_per_pass * self.parts
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in super().__iter__():
+            for part in torch.tensor(batch, dtype=torch.int64).tensor_split(self.parts):
+                yield part.tolist()
+
+
 def poisson_loader(loader: DataLoader, draws: PoissonSampler, steps_per_pass: int, tracker: DrawTracker,
                    physical: int | None = None) -> DataLoader:
     """``loader``'s dataset and settings, with Poisson-sampled batches (:class:`PoissonBatches`),

@@ -52,7 +52,7 @@ import json
 import math
 import os
 from pathlib import Path
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
@@ -72,10 +72,11 @@ from dpclip.engine.compiled import CompiledMicroBatch
 from dpclip.errors import DpclipError
 from dpclip.integrations.collate import EmptyDrawCollate
 from dpclip.integrations.loss_alone import check_losses_alone, outputs_recorded
-from dpclip.integrations.loaders import PoissonBatches
+from dpclip.integrations.loaders import PoissonParts
 from dpclip.integrations.parts import PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
 from dpclip.integrations.trainer_arguments import refuse_training_arguments
+from dpclip.integrations.trainer_rows import PartRows, part_rows as _rows
 from dpclip.integrations.setup import clipping_spec, private_engine, running_world
 from dpclip.models.losses import cross_entropy, next_token_cross_entropy, no_generation_cache
 from dpclip.torch_compat import import_dynamo
@@ -141,23 +142,6 @@ class PrivacyArguments:
                               "give a JSON object (a dict in Python): docs/recipes.md, clipping")
 
 
-class PoissonParts(PoissonBatches):
-    """Poisson draws of expected size B, each cut into ``parts`` consecutive index lists (the
-    Trainer's accumulation then sums them into one optimizer step)."""
-
-    def __init__(self, draws: PoissonSampler, steps_per_pass: int, parts: int):
-        super().__init__(draws, steps_per_pass)
-        self.parts = parts
-
-    def __len__(self) -> int:
-        return self.steps_per_pass * self.parts
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for batch in super().__iter__():
-            for part in torch.tensor(batch, dtype=torch.int64).tensor_split(self.parts):
-                yield part.tolist()
-
-
 def trainer_people(dataset: Any, privacy: PrivacyArguments) -> Tensor | None:
     """Each example's person, numbered 0..U-1 by first appearance, from ``privacy.users_column``
     (None: example-level privacy)."""
@@ -179,10 +163,6 @@ def datasets_dataset(dataset: Any) -> bool:
     """Whether ``dataset`` is a Hugging Face ``datasets.Dataset`` (without importing ``datasets``)."""
     module = type(dataset).__module__
     return module.startswith("datasets.") and type(dataset).__name__ == "Dataset"
-
-
-def _rows(inputs: Mapping[str, Any]) -> int:
-    return next((len(value) for value in inputs.values() if isinstance(value, Tensor) and value.dim()), 0)
 
 
 def default_per_sample_loss(model: nn.Module, inputs: Mapping[str, Tensor]) -> Tensor:
@@ -242,6 +222,7 @@ class DPTrainer(Trainer):
         self.account.released_outside = lambda: [EVALUATED] if self.evaluated else []
         self.compiled = self._compiled(privacy)
         self.train_sampler = None
+        self.parts_fetched = PartRows()   # training_step's inputs: these, in order (trainer_rows.py)
         self.releases = ReleaseLog.new_run(training.output_dir, self.world)   # a resume: its checkpoint's run
         self.loaded_steps = 0   # the ledger's steps train() may start at: 0, or the resumed checkpoint's
         if self.world is not None:  # every rank starts from rank 0's weights; no DDP (module doc)
@@ -330,6 +311,11 @@ class DPTrainer(Trainer):
         noisy = None if private is None else private.last_grad_norm
         return super()._maybe_log_save_evaluate(tr_loss, grad_norm if noisy is None else noisy, *args, **kwargs)
 
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        parts, items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self.parts_fetched.fetch(parts)
+        return parts, items
+
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         # The Trainer sums this into total_flos (every trainer_state.json): counted on the private draws,
         # 6·P·Σ|B_t|·T_t would release the realised batch sizes and lengths without noise. Nothing counted.
@@ -340,7 +326,7 @@ class DPTrainer(Trainer):
         certificate checks (eager micro-batches only, a compiled run's too: integrations/loss_alone.py)."""
         if torch.compiler.is_compiling():
             return self.per_sample_loss(model, inputs)
-        with outputs_recorded(model) as outputs:
+        with outputs_recorded(model) as outputs, PartRows.forwards_over(model, inputs):
             losses = self.per_sample_loss(model, inputs)
         if losses.dim() != 1 or len(losses) != _rows(inputs):
             raise DpclipError(f"per_sample_loss returned shape {tuple(losses.shape)}, not one loss per example",
@@ -354,6 +340,7 @@ class DPTrainer(Trainer):
         _private_optimizer(self.optimizer).count_part(self.parts)   # each part once per step, an empty one too
         model.train()
         inputs = self._prepare_inputs(inputs)
+        self.parts_fetched.take(inputs)   # the part the loader drew, as it came (an override's mixup refused)
         if _rows(inputs) == 0:  # an empty part of the Poisson draw: nothing to clip, the step still adds noise
             return torch.zeros((), device=self.args.device)
         if self.compiled is not None:
