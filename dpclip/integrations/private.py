@@ -56,7 +56,7 @@ from dpclip.integrations.parts import PrivateCriterion, PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
 from dpclip.integrations.rows import DrawTracker, ModelRowsWatch
 from dpclip.integrations.seal import seal_engine
-from dpclip.integrations.setup import (Account, check_loop_parts, check_optimizer_params, clipping_spec,
+from dpclip.integrations.setup import (LOOP_OUTPUTS, Account, check_loop_parts, check_optimizer_params, clipping_spec,
                                       private_engine, running_world, sampling_world)
 from dpclip.integrations.train_step import TrainStep, check_compile, train_step_for
 
@@ -288,7 +288,7 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
         sampling="poisson" if poisson_sampling else "shuffle", unsafe_seed=unsafe_seed, world=world,
         verify_every=verify_every, records_per_user=None if people is None else max_records_per_user)
     tracker = seal_engine(engine, DrawTracker(None if people is None else 1.0 / max_records_per_user))
-    account.losses_read = lambda: tracker.losses_read
+    account.losses_read, account.loop_lines = (lambda: tracker.losses_read), (LOOP_OUTPUTS,)
     tracker.on_first_read = account.restate   # a privacy.json saved before the first read gains its line
     loader, draws = tracked_loader(data_loader, tracker, max_physical_batch_size, planned_steps), None
     if poisson_sampling:

@@ -54,6 +54,10 @@ FRESH_LEDGER = ("ledger: the steps taken since make_private (or the Trainer) sta
 #: the statement's line once the loop has read a private loss's value (make_private)
 READ_LOSS = ("training loss values the loop read (loss.item(), float(loss), printing or comparing it, loss.per_sample, "
              "train_step's return): each drawn batch's mean loss (per_sample: each sample's), computed without noise")
+#: make_private's loop sees the model's outputs on each drawn batch: what it computes from them, unseen
+#: by dpclip, is stated as a fixed line (Opacus's examples log the training accuracy exactly so)
+LOOP_OUTPUTS = ("anything else your loop computes from the drawn batches or the model's outputs on them and keeps "
+                "or shows (training accuracy, printed predictions): computed without noise, unseen by dpclip")
 
 
 @dataclass
@@ -72,6 +76,8 @@ class Account:
     losses_read: Callable[[], bool] = bool
     #: what else has left without noise so far (DPTrainer: evaluate() and predict() metrics)
     released_outside: Callable[[], list[str]] = list
+    #: lines stated for as long as the caller's own loop runs (make_private: :data:`LOOP_OUTPUTS`)
+    loop_lines: tuple[str, ...] = ()
     #: each privacy.json written: its statement without labels, whether restored, what was written
     written: dict[Path, tuple[PrivacyStatement, bool, dict[str, Any]]] = field(default_factory=dict)
 
@@ -79,8 +85,8 @@ class Account:
         """What the statement lists outside ε: the plan's, and the saved buffers the training
         forwards have written so far (docs/certificate.md), and the loss values the loop read."""
         read = [READ_LOSS] if self.losses_read() else []
-        return (list(self.plan.plan.not_covered) + read + list(forward_state_line(self.written_state()))
-                + list(self.released_outside()))
+        return (list(self.plan.plan.not_covered) + read + list(self.loop_lines)
+                + list(forward_state_line(self.written_state())) + list(self.released_outside()))
 
     @property
     def step_metadata(self) -> dict[str, Any]:

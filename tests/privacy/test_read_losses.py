@@ -170,3 +170,21 @@ def test_a_privacy_json_saved_before_the_first_read_gains_its_line_and_keeps_its
     assert f"not covered by ε: {READ_LOSS}" in restated["statement"]
     assert (restated["epsilon"], restated["steps"]) == (saved["epsilon"], 1)
     assert Ledger.from_dict(json.loads((tmp_path / "early" / "ledger.json").read_text())).steps == 1
+
+
+def test_what_the_loop_computes_from_the_models_outputs_is_named_not_covered(tmp_path):
+    """A loop that logs its training accuracy (Opacus's examples do) reads the model's outputs on a
+    private batch without noise, which dpclip cannot see: the statement says so from the start."""
+    from dpclip.integrations.setup import LOOP_OUTPUTS
+
+    private = _private()
+    model, optimizer, criterion, loader = private
+    for x, y in loader:
+        optimizer.zero_grad()
+        out = model(x)
+        criterion(out, y).backward()
+        optimizer.step()
+        print(f"training accuracy {(out.argmax(1) == y).float().mean().item():.2f}")
+    privacy = json.loads((private.save(tmp_path) / "privacy.json").read_text())
+    assert LOOP_OUTPUTS in privacy["not_covered_by_epsilon"]
+    assert any(LOOP_OUTPUTS in line for line in private.statement())
