@@ -75,7 +75,7 @@ from dpclip.integrations.loss_alone import check_losses_alone, outputs_recorded
 from dpclip.integrations.loaders import PoissonBatches
 from dpclip.integrations.parts import PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
-from dpclip.integrations.trainer_arguments import refuse_training_arguments
+from dpclip.integrations.trainer_arguments import refuse_training_arguments, stated_arguments
 from dpclip.integrations.setup import clipping_spec, private_engine, running_world
 from dpclip.models.losses import cross_entropy, next_token_cross_entropy, no_generation_cache
 from dpclip.torch_compat import import_dynamo
@@ -235,7 +235,7 @@ class DPTrainer(Trainer):
             self.model, spec, num_examples=num_examples, batch_size=self.expected_batch_size, steps=steps,
             delta=privacy.delta, target_epsilon=privacy.target_epsilon, noise_multiplier=privacy.noise_multiplier,
             accountant=privacy.accountant, sampling="poisson", unsafe_seed=privacy.unsafe_seed,
-            not_covered=(LOGGED_LOSS, TIMED), world=self.world, verify_every=privacy.verify_every,
+            not_covered=(LOGGED_LOSS, TIMED, *stated_arguments(training)), world=self.world, verify_every=privacy.verify_every,
             records_per_user=None if self.people is None else privacy.max_records_per_user)
         self.unsafe_seed = privacy.unsafe_seed
         self.evaluated = False   # evaluate() or predict() has run: their metrics are stated outside ε
