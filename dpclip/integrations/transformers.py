@@ -76,6 +76,7 @@ from dpclip.integrations.loaders import PoissonBatches
 from dpclip.integrations.parts import PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
 from dpclip.integrations.trainer_arguments import refuse_training_arguments, stated_arguments
+from dpclip.integrations.trainer_card import EVALUATED, LOGGED_LOSS, TIMED, with_statement
 from dpclip.integrations.setup import clipping_spec, private_engine, running_world
 from dpclip.models.losses import cross_entropy, next_token_cross_entropy, no_generation_cache
 from dpclip.torch_compat import import_dynamo
@@ -84,13 +85,6 @@ from dpclip.torch_compat import import_dynamo
 # holds the group, whose gloo threads outlive destroy_process_group and can SIGABRT a finished run at exit
 # (dpclip.distributed.world, _import_what_would_outlive_the_group; seen in CI).
 import_dynamo()
-
-LOGGED_LOSS = ("training loss logged by the Hugging Face Trainer (console, report_to integrations): computed "
-               "without noise from the private batches")
-TIMED = ("the Trainer's timings (train_runtime, train_samples_per_second, train_steps_per_second in the logs and "
-         "trainer_state.json): the private steps' wall time, which grows with the drawn batches' sizes")
-EVALUATED = ("metrics and predictions of the Trainer's evaluate() and predict() (eval_loss, logits, in the logs and "
-             "trainer_state.json): computed without noise from the data they were given, private if it is")
 
 
 @dataclass
@@ -394,6 +388,11 @@ class DPTrainer(Trainer):
             self.account.save(self.args.output_dir)
         self.account.restate()
         return super().evaluation_loop(*args, **kwargs)
+
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        super().create_model_card(*args, **kwargs)   # its training results: exact losses, stated as such
+        if self.is_world_process_zero():
+            with_statement(Path(self.args.output_dir) / "README.md", self.account.statement())
 
     # ------------------------------------------------------------------ checkpoints
 
