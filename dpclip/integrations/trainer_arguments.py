@@ -1,5 +1,5 @@
-"""The ``TrainingArguments`` a ``DPTrainer`` refuses before any step, each with a hint
-(docs/python-api.md, "Hugging Face Trainer")."""
+"""The ``TrainingArguments`` a ``DPTrainer`` refuses before any step, each with a hint, and
+those whose use of the data it states outside ε (docs/python-api.md, "Hugging Face Trainer")."""
 
 from __future__ import annotations
 
@@ -44,3 +44,15 @@ def refuse_training_arguments(training: Any) -> None:
                           "an out-of-memory error: the plan's B and q are fixed, and the steps taken stay charged",
                           "set per_device_train_batch_size and gradient_accumulation_steps yourself; B is their "
                           "product (× processes)")
+
+
+BEST_KEPT = ("the weights the Trainer keeps at the end (load_best_model_at_end): the checkpoint it chose by "
+             "metric_for_best_model, compared without noise on evaluate()'s data, private if it is (trainer_state.json "
+             "names it, with its best_metric)")
+
+
+def stated_arguments(training: Any) -> tuple[str, ...]:
+    """The not-covered lines of TrainingArguments that release more than the noisy steps: with
+    ``load_best_model_at_end`` the weights saved are not the last step's but the checkpoint an exact
+    metric chose, a choice ε does not cover (stated from the start: the choice is the Trainer's, at the end)."""
+    return (BEST_KEPT,) if training.load_best_model_at_end else ()

@@ -75,7 +75,8 @@ from dpclip.integrations.loss_alone import check_losses_alone, outputs_recorded
 from dpclip.integrations.loaders import PoissonParts
 from dpclip.integrations.parts import PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
-from dpclip.integrations.trainer_arguments import refuse_training_arguments
+from dpclip.integrations.trainer_arguments import refuse_training_arguments, stated_arguments
+from dpclip.integrations.trainer_card import EVALUATED, LOGGED_LOSS, TIMED, with_statement
 from dpclip.integrations.trainer_rows import PartRows, part_rows as _rows
 from dpclip.integrations.setup import clipping_spec, private_engine, running_world
 from dpclip.models.losses import cross_entropy, next_token_cross_entropy, no_generation_cache
@@ -85,13 +86,6 @@ from dpclip.torch_compat import import_dynamo
 # holds the group, whose gloo threads outlive destroy_process_group and can SIGABRT a finished run at exit
 # (dpclip.distributed.world, _import_what_would_outlive_the_group; seen in CI).
 import_dynamo()
-
-LOGGED_LOSS = ("training loss logged by the Hugging Face Trainer (console, report_to integrations): computed "
-               "without noise from the private batches")
-TIMED = ("the Trainer's timings (train_runtime, train_samples_per_second, train_steps_per_second in the logs and "
-         "trainer_state.json): the private steps' wall time, which grows with the drawn batches' sizes")
-EVALUATED = ("metrics and predictions of the Trainer's evaluate() and predict() (eval_loss, logits, in the logs and "
-             "trainer_state.json): computed without noise from the data they were given, private if it is")
 
 
 @dataclass
@@ -215,7 +209,7 @@ class DPTrainer(Trainer):
             self.model, spec, num_examples=num_examples, batch_size=self.expected_batch_size, steps=steps,
             delta=privacy.delta, target_epsilon=privacy.target_epsilon, noise_multiplier=privacy.noise_multiplier,
             accountant=privacy.accountant, sampling="poisson", unsafe_seed=privacy.unsafe_seed,
-            not_covered=(LOGGED_LOSS, TIMED), world=self.world, verify_every=privacy.verify_every,
+            not_covered=(LOGGED_LOSS, TIMED, *stated_arguments(training)), world=self.world, verify_every=privacy.verify_every,
             records_per_user=None if self.people is None else privacy.max_records_per_user)
         self.unsafe_seed = privacy.unsafe_seed
         self.evaluated = False   # evaluate() or predict() has run: their metrics are stated outside ε
@@ -381,6 +375,11 @@ class DPTrainer(Trainer):
             self.account.save(self.args.output_dir)
         self.account.restate()
         return super().evaluation_loop(*args, **kwargs)
+
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        super().create_model_card(*args, **kwargs)   # its training results: exact losses, stated as such
+        if self.is_world_process_zero():
+            with_statement(Path(self.args.output_dir) / "README.md", self.account.statement())
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -52,6 +52,20 @@ def step_record(step, report, epsilon, loss_sum, batch_len, expected_batch, lr, 
     return record
 
 
+def last_released_step(path: Path) -> int:
+    """The step of metrics.jsonl's last private step record (one with ``noise_std``; 0: none): the
+    loop writes ledger.json before each step's record, so a ledger with fewer steps was cut back."""
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue   # a line cut by a crash
+        if isinstance(record, dict) and "noise_std" in record and isinstance(record.get("step"), int):
+            return record["step"]
+    return 0
+
+
 def append_record(path: Path, record: dict[str, Any]) -> None:
     append_line(path, json.dumps(record))
 

@@ -29,6 +29,7 @@ from dpclip.accounting import Ledger, same_event, solve, statement_from_ledger
 from dpclip.accounting.plan import user_unit
 from dpclip.data.canaries import read_canary_secret
 from dpclip.rundir.checkpoint import checkpointed_steps
+from dpclip.rundir.metrics import last_released_step
 from dpclip.errors import DpclipError
 from dpclip.files import read_json, write_json_atomic, write_text_atomic
 from dpclip.recipe import Recipe, apply_overrides, read_yaml, recipe_to_yaml, validate_recipe
@@ -311,6 +312,9 @@ def spent(run_dir: Path):
         raise DpclipError(f"{path} records {ledger.steps} steps, but checkpoint step_{saved:06d} holds the weights "
                           f"after {saved}: ε would be understated", "the run directory was modified: restore "
                           "ledger.json from a backup of the run")
+    if (recorded := last_released_step(run.metrics_file)) > ledger.steps:   # and before each step's record
+        raise DpclipError(f"{path} records {ledger.steps} steps, but metrics.jsonl records step {recorded}: ε would "
+                          "be understated", "the run directory was modified: restore ledger.json from a backup")
     check_ledger(ledger, solved, range(0, steps + 1), where=path)
     return ledger, run_statement(recipe, ledger, world_size=recorded_world_size(run.path),
                                  users=run.public_plan().get("num_users"), written=recorded_written_state(run.path),

@@ -13,6 +13,7 @@ from transformers import (BertConfig, BertForSequenceClassification, GPT2Config,
 
 from dpclip.data.sampler import PoissonSampler
 from dpclip.errors import DpclipError
+from dpclip.integrations.trainer_arguments import BEST_KEPT
 from dpclip.integrations.transformers import LOGGED_LOSS, DPTrainer, PrivacyArguments
 from tests.integrations.reference import run_example
 
@@ -262,6 +263,23 @@ def test_the_logged_grad_norm_is_the_noisy_gradients_not_zero(tmp_path):
     trainer.add_callback(Logs())
     trainer.train()
     assert len(logged) == 3 and all(value > 0 for value in logged)
+
+
+@pytest.mark.slow  # end to end: the slow set (README)
+def test_weights_kept_by_load_best_model_at_end_are_stated_outside_epsilon(tmp_path):
+    """load_best_model_at_end saves the checkpoint an exact eval metric chose, not the last step's
+    weights: that choice is not covered by ε, and the privacy.json beside the weights says so."""
+    trainer = DPTrainer(model=_bert(), args=_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1,
+                                                  save_strategy="steps", save_steps=1, load_best_model_at_end=True,
+                                                  metric_for_best_model="eval_loss"),
+                        train_dataset=_rows(), eval_dataset=_rows(10), data_collator=_collate,
+                        privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0))
+    trainer.train()
+    trainer.save_model()
+    assert trainer.state.best_model_checkpoint is not None   # the weights kept were chosen by eval_loss
+    privacy = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    assert BEST_KEPT in privacy["not_covered_by_epsilon"]
+    assert f"not covered by ε: {BEST_KEPT}" in privacy["statement"]
 
 
 def test_privacy_arguments_compose_with_training_arguments_in_one_parser(tmp_path):

@@ -85,7 +85,8 @@ def test_an_export_of_an_audited_run_names_nothing_of_the_canaries(tiny_recipe, 
 
 def _crashed_copy(run_dir, dest, checkpoint_step: int, crash_step: int):
     """``run_dir`` as a process killed right after releasing step ``crash_step`` would leave it:
-    the ledger charged to there, the last checkpoint at ``checkpoint_step``, no summary.json."""
+    the ledger charged to there, metrics.jsonl's records up to there, the last checkpoint at
+    ``checkpoint_step``, no summary.json."""
     shutil.copytree(run_dir, dest)
     for folder in (dest / "checkpoints").glob("step_*"):
         if int(folder.name.split("_")[1]) > checkpoint_step:
@@ -95,6 +96,9 @@ def _crashed_copy(run_dir, dest, checkpoint_step: int, crash_step: int):
     cut = Ledger(ledger.delta, ledger.accountant)
     cut.record(ledger.entries[0].event, count=crash_step, metadata=ledger.entries[0].metadata)
     (dest / "ledger.json").write_text(json.dumps(cut.to_dict()))
+    metrics = (dest / "metrics.jsonl").read_text().splitlines()   # the records written up to the crash
+    (dest / "metrics.jsonl").write_text("".join(f"{line}\n" for line in metrics
+                                                if json.loads(line)["step"] <= crash_step))
     (dest / "summary.json").unlink()
     return dest
 

@@ -108,3 +108,29 @@ def test_a_ledger_behind_the_run_s_checkpoint_is_refused_where_epsilon_is_stated
     result = cli(command, str(run_dir), *extra)
     assert result.code == 2 and "records 1 steps, but checkpoint step_000004" in result.err and "hint:" in result.err
     assert not (tmp_path / "exported").exists()
+
+
+def _cut_to_two_steps(ledger):
+    ledger["entries"] = ledger["entries"][:1]
+    ledger["entries"][0]["count"] = 2
+    ledger["steps"] = 2
+
+
+@pytest.mark.slow  # a run per command: the slow set (README)
+@pytest.mark.parametrize("command", ["account", "report", "export"])
+def test_a_ledger_cut_back_with_the_later_checkpoints_is_refused_by_its_metrics(run_dir, cli, tmp_path, command):
+    """ledger.json cut back to 2 steps, step_000004 deleted and LATEST pointed at step_000002: no
+    checkpoint is ahead of the ledger, but metrics.jsonl (written after the ledger, each step)
+    still records step 4; account, report and export stated the ε of 2 steps for a run that
+    released 4."""
+    import shutil
+
+    _edit_json(run_dir / "ledger.json", _cut_to_two_steps)
+    shutil.rmtree(run_dir / "checkpoints" / "step_000004")
+    (run_dir / "checkpoints" / "LATEST").write_text("step_000002\n")
+    with pytest.raises(DpclipError, match="records 2 steps, but metrics.jsonl records step 4"):
+        spent(run_dir)
+    extra = [str(tmp_path / "exported")] if command == "export" else []
+    result = cli(command, str(run_dir), *extra)
+    assert result.code == 2 and "metrics.jsonl records step 4" in result.err and "hint:" in result.err
+    assert not (tmp_path / "exported").exists()
