@@ -32,7 +32,7 @@ from dpclip.recipe.audit import Audit, Canaries, Exposure, check_audit  # noqa: 
 from dpclip.recipe.mechanism import BandedMF, Blt, DpSgd, MechanismConfig  # noqa: F401 (docs)
 from dpclip.recipe.continual import AtSwitch, Continual, Diagnostics, SwitchRule, check_continual  # noqa: F401 (docs)
 from dpclip.recipe.grouping import GROUPING_HELP, validate_grouping
-from dpclip.recipe.section import Section, Size, threshold_without_booleans
+from dpclip.recipe.section import LearningRate, Section, Size, threshold_without_booleans
 from dpclip.recipe.tuning import RandomRange, Tuning  # noqa: F401 (docs)
 from dpclip.recipe.users import DataUsers, check_users
 
@@ -180,7 +180,7 @@ ModelConfig = Annotated[Union[MLPModel, CNNModel, HFModel, CustomModel], Field(d
 
 class SGD(Section):
     kind: Literal["sgd"]
-    lr: PositiveFloat
+    lr: LearningRate
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
     nesterov: bool = False
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
@@ -188,7 +188,7 @@ class SGD(Section):
 
 class Adam(Section):
     kind: Literal["adam"]
-    lr: PositiveFloat
+    lr: LearningRate
     betas: tuple[UnitOpen, UnitOpen] = (0.9, 0.999)
     eps: PositiveFloat = 1e-8
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
@@ -196,7 +196,7 @@ class Adam(Section):
 
 class AdamW(Section):
     kind: Literal["adamw"]
-    lr: PositiveFloat
+    lr: LearningRate
     betas: tuple[UnitOpen, UnitOpen] = (0.9, 0.999)
     eps: PositiveFloat = 1e-8
     weight_decay: Annotated[float, Field(ge=0)] = 0.01

@@ -56,6 +56,20 @@ def _bounded_size(value: int) -> int:
 Size = Annotated[int, Field(gt=0), AfterValidator(_bounded_size)]
 """A positive model or data size, at most :data:`MAX_SIZE`."""
 
+#: float32's largest number: torch's optimizers turn a learning rate into it (1e300 crashed in SGD.step)
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _float32_rate(value: float) -> float:
+    if value > FLOAT32_MAX:
+        raise ValueError(f"{value:g} is beyond float32's range (at most {FLOAT32_MAX:.4g}), in which the optimizer "
+                         "applies it; a useful learning rate is below 10")
+    return value
+
+
+LearningRate = Annotated[float, Field(gt=0, allow_inf_nan=False), AfterValidator(_float32_rate)]
+"""A positive learning rate, finite in float32."""
+
 
 class Section(BaseModel):
     """Base of every recipe section: unknown keys are errors."""

@@ -42,3 +42,21 @@ def test_a_model_too_large_for_memory_is_an_error_with_a_hint_not_a_crash(cli):
     result = cli("train", QUICKSTART, "model.hidden=[2147483647]", "--dry-run")
     assert _refused(result), result.err
     assert "does not fit in memory" in result.err and "model.hidden" in result.err
+
+
+@pytest.mark.parametrize("field", ["clipping.threshold.value=1e39", "clipping.threshold.value=1e-46",
+                                   "clipping.threshold={kind: quantile, initial: 1.0e+300}",
+                                   "training.optimizer.lr=1e300"])
+def test_a_threshold_or_learning_rate_float32_cannot_hold_is_refused_at_the_recipe(cli, field):
+    # C = 1e39 passed validate and account, made a run directory, then every step was refused (inf noise);
+    # lr = 1e300 crashed in torch's SGD.step: "unexpected RuntimeError ... overflow"
+    result = cli("validate", QUICKSTART, field)
+    assert _refused(result), result.err
+    assert "float32" in result.err and field.split("=")[0] in result.err
+
+
+def test_a_recipe_noise_multiplier_beyond_the_accountants_is_refused_like_account_sigma(cli):
+    # privacy.noise_multiplier=1e300 was refused as "a noise multiplier this small"
+    result = cli("account", QUICKSTART, "privacy.epsilon=null", "privacy.noise_multiplier=1e300")
+    assert _refused(result), result.err
+    assert "beyond what the accountants compute" in result.err and "this small" not in result.err
