@@ -232,8 +232,7 @@ def _rdp_accountant(event: dp_accounting.DpEvent) -> rdp_privacy_accountant.RdpA
             small, large = isinstance(exc, ZeroDivisionError), "this large is beyond what the accountants compute"
             raise AccountingError(f"the RDP accountant cannot compute this event ({type(exc).__name__}): a noise "
                                   f"multiplier {'this small gives no privacy to speak of' if small else large}",
-                                  "use a noise multiplier of at least about 0.3 (σ of 1 or more is usual)" if small
-                                  else "ε is already about 0 far below it: use a σ up to 1e100") from None
+                                  "use a noise multiplier from about 0.3 to 1e100 (σ of 1 to 10 is usual)") from None
     return _kept(_RDP_CACHE, _RDP_CACHE_SIZE, repr(event), compose)
 
 
