@@ -63,3 +63,21 @@ class InterruptedRun(DpclipError):
     """Training stopped by Ctrl-C after saving a checkpoint."""
 
     exit_code = 130
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s text (its type's name when it has none): torch's C++ errors carry
+    the native backtrace ("Exception raised from ... frame #0: ...") on the lines after it."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0].strip() if lines else type(exc).__name__
+
+
+def without_native_backtrace(text: str) -> str:
+    """``text`` cut before a C++ backtrace that torch put in an exception's message and a message
+    quoted (the ``Exception raised from`` line and the ``frame #N:`` lines after it)."""
+    kept = []
+    for line in text.splitlines():
+        if line.startswith("Exception raised from ") or line.lstrip().startswith("frame #"):
+            break
+        kept.append(line)
+    return "\n".join(kept).rstrip() if kept else text.splitlines()[0] if text else text

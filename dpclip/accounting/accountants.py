@@ -228,10 +228,11 @@ def _rdp_accountant(event: dp_accounting.DpEvent) -> rdp_privacy_accountant.RdpA
         accountant = rdp_privacy_accountant.RdpAccountant(list(RDP_ORDERS))
         try:
             return accountant.compose(event) if accountant.supports(event) else None
-        except (ZeroDivisionError, OverflowError) as exc:   # σ² underflows to 0 (σ = 1e-300)
+        except (ZeroDivisionError, OverflowError) as exc:   # σ² underflows to 0 (σ = 1e-300), overflows (1e300)
+            small, large = isinstance(exc, ZeroDivisionError), "this large is beyond what the accountants compute"
             raise AccountingError(f"the RDP accountant cannot compute this event ({type(exc).__name__}): a noise "
-                                  "multiplier this small gives no privacy to speak of",
-                                  "use a noise multiplier of at least about 0.3 (σ of 1 or more is usual)") from None
+                                  f"multiplier {'this small gives no privacy to speak of' if small else large}",
+                                  "use a noise multiplier from about 0.3 to 1e100 (σ of 1 to 10 is usual)") from None
     return _kept(_RDP_CACHE, _RDP_CACHE_SIZE, repr(event), compose)
 
 

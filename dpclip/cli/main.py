@@ -18,7 +18,7 @@ from dpclip.cli import bench
 from dpclip.cli import diagnose
 from dpclip.cli import export
 from dpclip.cli.render import print_error, show_library_warnings
-from dpclip.errors import DpclipError
+from dpclip.errors import DpclipError, first_line
 
 app = typer.Typer(
     name="dpclip",
@@ -113,7 +113,7 @@ def _main(args: list[str]) -> int:
             return 1
         # notes added on the way up (a private batch's error says so: dpclip/train/step.py)
         notes = "".join(f" [{note}]" for note in getattr(exc, "__notes__", ()))
-        print_error(f"unexpected {type(exc).__name__}: {exc}{notes}",
+        print_error(f"unexpected {type(exc).__name__}: {first_line(exc)}{notes}",
                     "rerun with --debug for a traceback, and please report it")
         return 1
 

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from dpclip.accounting import bound_text
+from dpclip.errors import without_native_backtrace
 
 
 console = Console(highlight=False)
@@ -19,6 +20,8 @@ error_console = Console(stderr=True, highlight=False)
 
 def print_error(message: str, hint: str | None = None) -> None:
     # escape: a message may quote text with brackets (a path, a library's "[file:line]")
+    # a torch error's text quoted in a message carries its C++ backtrace: never on an error: line
+    message = without_native_backtrace(message)
     error_console.print(f"[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True)
     if hint:
         error_console.print(f"[yellow]hint:[/] {escape(hint)}", markup=True, soft_wrap=True)

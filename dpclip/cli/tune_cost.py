@@ -66,6 +66,8 @@ def tune_cost(
 
       dpclip tune-cost recipes/quickstart.yaml --no-measure --step-seconds 0.2 -N 60000
     """
+    if out is not None:
+        _check_out(out, recipe_path)
     # Lazy: `dpclip --help` and the other commands must not pay for torch and the tuning stack.
     from dpclip.tuning.report import TuneCostOptions, tune_cost_report
 
@@ -83,6 +85,21 @@ def tune_cost(
     _render(report)
     if out is not None:
         console.print(f"written: {out}")
+
+
+def _check_out(out: Path, recipe_path) -> None:
+    """Refuse an ``--out`` that would replace a run's file (`--out RUN/ledger.json` replaced its ledger) or
+    the recipe read (checked before the search is priced, which can take minutes)."""
+    from dpclip.errors import DpclipError
+    from dpclip.rundir.enclosing import enclosing_run
+
+    run = enclosing_run(out)
+    if run is not None:
+        raise DpclipError(f"--out {out} is inside the run directory {run}, whose files the result must not replace",
+                          "write the result outside the run, e.g. --out tune_cost.json")
+    if recipe_path is not None and Path(out).resolve() == Path(recipe_path).resolve():
+        raise DpclipError(f"--out {out} is the recipe being priced", "write the result elsewhere, e.g. --out "
+                          "tune_cost.json")
 
 
 def _show_trial(number: int, label: str) -> None:

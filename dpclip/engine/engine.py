@@ -21,6 +21,7 @@ privatizer of the run's parallel mode (:mod:`dpclip.engine.privatizer`) noises t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -33,7 +34,7 @@ from dpclip.engine.certificate import Certificate, CertificateRecord
 from dpclip.engine.clip import make_clip_fn
 from dpclip.engine.blt import noise_streamer
 from dpclip.engine.groups import Groups, build_groups, sole_user_groups, trainable_params, untied_padding_rows
-from dpclip.engine.noise import NoiseSource, allocation_weights
+from dpclip.engine.noise import NoiseSource, allocation_weights, noise_stds
 from dpclip.engine.microbatch import StepContext
 from dpclip.engine.policies import PolicyContext, ThresholdPolicy, build_policy
 from dpclip.engine.privatizer import privatizer_for
@@ -60,9 +61,21 @@ def _checked_step_arguments(expected_batch_size, sample_rate, gradient_noise_mul
                           "gradient_noise_multiplier=σ_g is the gradient's noise multiplier")
     sigma_g = gradient_noise_multiplier if noise_multiplier is None else noise_multiplier
     sigma_g = 1.0 if sigma_g is None else sigma_g
-    if sigma_g < 0:
-        raise EngineError(f"gradient_noise_multiplier must be ≥ 0, got {sigma_g}", None)
+    if not math.isfinite(sigma_g) or sigma_g < 0:  # NaN passed `< 0`; inf made every step's noise inf
+        raise EngineError(f"gradient_noise_multiplier must be finite and ≥ 0, got {sigma_g}",
+                          "σ_g comes from the accounting (dpclip.accounting.calibrate; make_private's target_epsilon)")
     return sigma_g
+
+
+def _check_noise(sigma_g: float, policy: ThresholdPolicy, kind: str, sizes: Tensor, batch: int) -> None:
+    """The noise allocation checked; refused before any step: a first noise std σ_g·S·w_k/B not finite."""
+    allocation_weights(kind, policy.thresholds(), sizes)
+    thresholds = policy.sensitivity_thresholds()
+    std = noise_stds(sigma_g, thresholds, allocation_weights(kind, thresholds, sizes)) / batch
+    if not bool(torch.isfinite(std).all()):
+        raise EngineError(f"the noise's std σ_g·C/B = {sigma_g:g}·{float(thresholds.max()):g}/{batch} is beyond "
+                          f"{thresholds.dtype}'s range: no step could be released", "lower the clipping threshold (a "
+                          "useful C is near the gradients' norms, e.g. 0.1 to 10) or the noise multiplier")
 
 
 class DPEngine:
@@ -127,7 +140,7 @@ class DPEngine:
                               "docs/engine.md)")
         self.policy.reducer = reducer
         sizes = torch.tensor(self.groups.sizes, device=first.device, dtype=norm_dtype)
-        allocation_weights(cfg.noise_allocation, self.policy.thresholds(), sizes)
+        _check_noise(self.gradient_noise_multiplier, self.policy, cfg.noise_allocation, sizes, expected_batch_size)
         self.noise = NoiseSource(seed, getattr(reducer, "noise_stream", None))
         self.correlation = noise_streamer(noise_correlation)
         for device in {p.device for p in self._params}:  # made now, so that a step-0 checkpoint holds them

@@ -81,11 +81,26 @@ def build_model(config, data, *, seed: int = 0) -> tuple[nn.Module, PerSampleLos
     The same seed gives the same initial weights. The global torch RNG is seeded only
     inside a forked RNG state, so building a model leaves the caller's randomness as it was.
     """
-    with seeded_init(seed):
-        model, loss_fn = _build(config, data)
+    try:
+        with seeded_init(seed):
+            model, loss_fn = _build(config, data)
+    except (MemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DpclipError(f"the model does not fit in memory: building it failed ({first})",
+                          "make the model smaller (model.hidden, channels, lora.r, a transformers config's "
+                          "sizes), or use a machine with more memory") from None
     refuse_batchnorm(model)
     model.dpclip_model_info = _describe(config, data)
     return model, loss_fn
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed (Python's MemoryError, torch's CPU allocator or CUDA)."""
+    text = str(exc)
+    return (isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in text
+            or "out of memory" in text.lower())
 
 
 def _describe(config, data) -> dict:

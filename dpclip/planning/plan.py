@@ -265,6 +265,10 @@ def privacy_plan(recipe: Recipe, dataset_size: int, groups: int | None = None) -
     sample_rate, steps = sampling_schedule(dataset_size, training.batch_size, training.epochs, training.steps)
     steps += probe_steps(recipe, sample_rate)
     check_delta(privacy.delta, dataset_size)
+    if privacy.noise_multiplier is not None and privacy.noise_multiplier > SIGMA_ACCOUNTED:  # as account --sigma
+        raise AccountingError(f"privacy.noise_multiplier {privacy.noise_multiplier:g} is beyond what the accountants "
+                              "compute (σ² overflows)",
+                              f"ε is already about 0 far below it: use a σ up to {SIGMA_ACCOUNTED:g}")
     return PrivacyPlan(
         sample_rate=sample_rate,
         steps=steps,

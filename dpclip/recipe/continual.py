@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from dpclip.recipe.section import Section
+from dpclip.recipe.section import LearningRate, Section
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -89,7 +89,7 @@ class Continual(Section):
         "α = n_pub/(n_pub + n_priv); only-public: the public phase alone (ε = 0); only-private: ignore the "
         "public data")
     public_batch_size: PositiveInt = Field(64, description="rows of each public batch (plain shuffled batches)")
-    public_lr: PositiveFloat | None = Field(
+    public_lr: LearningRate | None = Field(
         None, description="learning rate of the public phase; default training.optimizer.lr")
     switch: SwitchRule = Field(default_factory=SwitchRule, description="when the public phase ends")
     at_switch: AtSwitch = Field(default_factory=AtSwitch, description="optimizer reset, head re-init, linear probing")

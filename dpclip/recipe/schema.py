@@ -32,7 +32,7 @@ from dpclip.recipe.audit import Audit, Canaries, Exposure, check_audit  # noqa: 
 from dpclip.recipe.mechanism import BandedMF, Blt, DpSgd, MechanismConfig  # noqa: F401 (docs)
 from dpclip.recipe.continual import AtSwitch, Continual, Diagnostics, SwitchRule, check_continual  # noqa: F401 (docs)
 from dpclip.recipe.grouping import GROUPING_HELP, validate_grouping
-from dpclip.recipe.section import Section, threshold_without_booleans
+from dpclip.recipe.section import LearningRate, Section, Size, threshold_without_booleans
 from dpclip.recipe.tuning import RandomRange, Tuning  # noqa: F401 (docs)
 from dpclip.recipe.users import DataUsers, check_users
 
@@ -51,11 +51,11 @@ class BuiltinData(DataUsers):
         "a varying number of records (for privacy.unit: user)")
     test_fraction: UnitOpen = Field(0.2, description="held-out share, split with a key from OS entropy kept in meta.json (secret)")
     as_images: bool = Field(False, description="digits as 1x8x8 images (for cnn) instead of 64-vectors")
-    num_examples: PositiveInt = Field(2000, description="synthetic-text/-cuisine/-users: sentences to generate")
-    num_users: PositiveInt = Field(200, description="synthetic-users: people writing them")
+    num_examples: Size = Field(2000, description="synthetic-text/-cuisine/-users: sentences to generate")
+    num_users: Size = Field(200, description="synthetic-users: people writing them")
     tokenizer: str = Field("byte", description="'byte' (builtin, no download) or a local HF tokenizer path "
                            "(relative: to the recipe file's directory)")
-    max_length: PositiveInt = Field(64, description="text only: tokens per example after truncation/padding")
+    max_length: Size = Field(64, description="text only: tokens per example after truncation/padding")
     public_fraction: Annotated[float, Field(gt=0, lt=1)] | None = Field(
         None, description="carve this share of the rows out as PUBLIC data before the train/test split "
         "(seeded, disjoint from every private row); needs a public: block naming the same source "
@@ -77,7 +77,7 @@ class HFData(DataUsers):
     text_field: str | None = None
     label_field: str | None = None
     tokenizer: str = "byte"
-    max_length: PositiveInt = 64
+    max_length: Size = 64
     public_fraction: Annotated[float, Field(gt=0, lt=1)] | None = Field(
         None, description="carve this share of the rows out as PUBLIC data before the train/test split "
         "(seeded, disjoint from every private row); needs a public: block naming the same source "
@@ -98,7 +98,7 @@ class FilesData(DataUsers):
     text_field: str | None = None
     feature_fields: list[str] | None = Field(None, description="default: every column but the label")
     tokenizer: str = "byte"
-    max_length: PositiveInt = 64
+    max_length: Size = 64
     public_fraction: Annotated[float, Field(gt=0, lt=1)] | None = Field(
         None, description="carve this share of the rows out as PUBLIC data before the train/test split "
         "(seeded, disjoint from every private row); needs a public: block naming the same source "
@@ -112,7 +112,7 @@ DataConfig = Annotated[Union[BuiltinData, HFData, FilesData], Field(discriminato
 
 class MLPModel(Section):
     kind: Literal["mlp"]
-    hidden: list[PositiveInt] = Field(default_factory=lambda: [128, 64])
+    hidden: list[Size] = Field(default_factory=lambda: [128, 64])
     activation: Literal["relu", "tanh", "gelu"] = "relu"
 
 
@@ -120,19 +120,19 @@ class CNNModel(Section):
     """Small convolutional net with GroupNorm (BatchNorm mixes samples and is not DP-safe)."""
 
     kind: Literal["cnn"]
-    channels: list[PositiveInt] = Field(default_factory=lambda: [16, 32])
-    kernel_size: PositiveInt = 3
-    norm_groups: PositiveInt = Field(4, description="GroupNorm groups per conv layer")
-    pool_size: PositiveInt = Field(1, description="average-pool the last conv output to pool_size x pool_size "
+    channels: list[Size] = Field(default_factory=lambda: [16, 32])
+    kernel_size: Size = 3
+    norm_groups: Size = Field(4, description="GroupNorm groups per conv layer")
+    pool_size: Size = Field(1, description="average-pool the last conv output to pool_size x pool_size "
                                    "positions before the dense layers (1: global average, which keeps no "
                                    "position; 2 or more keep where strokes are)")
-    hidden: PositiveInt = 64
+    hidden: Size = 64
 
 
 class LoRA(Section):
     """LoRA adapters through peft (docs/export.md, "LoRA"): only they are trained; the base is frozen."""
 
-    r: PositiveInt = Field(8, description="rank of each adapter")
+    r: Size = Field(8, description="rank of each adapter")
     alpha: PositiveFloat = Field(16.0, description="scaling numerator: the update is (alpha / r) B A x")
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     target_modules: list[str] | None = Field(None, description="module names to adapt, e.g. [c_attn, c_proj] "
@@ -180,7 +180,7 @@ ModelConfig = Annotated[Union[MLPModel, CNNModel, HFModel, CustomModel], Field(d
 
 class SGD(Section):
     kind: Literal["sgd"]
-    lr: PositiveFloat
+    lr: LearningRate
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
     nesterov: bool = False
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
@@ -188,7 +188,7 @@ class SGD(Section):
 
 class Adam(Section):
     kind: Literal["adam"]
-    lr: PositiveFloat
+    lr: LearningRate
     betas: tuple[UnitOpen, UnitOpen] = (0.9, 0.999)
     eps: PositiveFloat = 1e-8
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
@@ -196,7 +196,7 @@ class Adam(Section):
 
 class AdamW(Section):
     kind: Literal["adamw"]
-    lr: PositiveFloat
+    lr: LearningRate
     betas: tuple[UnitOpen, UnitOpen] = (0.9, 0.999)
     eps: PositiveFloat = 1e-8
     weight_decay: Annotated[float, Field(ge=0)] = 0.01

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import typing
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from dpclip.engine.policies import policy_spec
 
@@ -38,6 +38,37 @@ def threshold_without_booleans(value: Any) -> Any:
     """``clipping.threshold`` checked as a Section is: the policy specs are the engine's models."""
     spec = policy_spec(value["kind"]) if isinstance(value, dict) and isinstance(value.get("kind"), str) else None
     return refuse_booleans_as_numbers(spec, value) if spec is not None else value
+
+
+# A model or data size (layer width, channels, rank, kernel, tokens, examples) above this is a typo, not a
+# model: torch refused 1e40 with a C++ backtrace, and a layer 2**31 wide already needs 512 GiB for one
+# matrix; no published model comes within a factor of 10,000 of it (widths ~1e4, contexts ~1e6).
+MAX_SIZE = 2**31 - 1
+
+
+def _bounded_size(value: int) -> int:
+    if value > MAX_SIZE:
+        raise ValueError(f"{value} is not a size dpclip can build: sizes are at most {MAX_SIZE} (2**31 - 1); "
+                         "was a digit or an exponent added by mistake?")
+    return value
+
+
+Size = Annotated[int, Field(gt=0), AfterValidator(_bounded_size)]
+"""A positive model or data size, at most :data:`MAX_SIZE`."""
+
+#: float32's largest number: torch's optimizers turn a learning rate into it (1e300 crashed in SGD.step)
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _float32_rate(value: float) -> float:
+    if value > FLOAT32_MAX:
+        raise ValueError(f"{value:g} is beyond float32's range (at most {FLOAT32_MAX:.4g}), in which the optimizer "
+                         "applies it; a useful learning rate is below 10")
+    return value
+
+
+LearningRate = Annotated[float, Field(gt=0, allow_inf_nan=False), AfterValidator(_float32_rate)]
+"""A positive learning rate, finite in float32."""
 
 
 class Section(BaseModel):

@@ -25,6 +25,7 @@ from dpclip.files import made_private
 from dpclip.recipe import load_recipe
 from dpclip.rng import private_generator
 from dpclip.accounting import Ledger
+from dpclip.rundir.enclosing import enclosing_run
 from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint, missing_checkpoint_hint
 from dpclip.train.diagnostics import (DIAGNOSTICS_FILE, choose_rows, clip_threshold, draw_rows, evaluate,
                                       make_record, measure_model, public_batch_size, public_rows_of, read_records)
@@ -118,9 +119,14 @@ def _out_dir(target: Path, source: str, name: str, out: str | Path | None, *, pr
     if out is None and not private:
         return target if source == "run" else Path(f"diagnose-{name}")
     given, out = out is not None, Path(f"diagnose-{name}" if out is None else out)
+    if out.exists() and not out.is_dir():   # was "unexpected FileExistsError"
+        raise DpclipError(f"--out {out} is a file", "--out takes a folder for the plots, e.g. --out diagnose-plots")
+    run = enclosing_run(out)
+    if given and not private and run is not None and not (source == "run" and run == out.resolve() == target.resolve()):
+        # another run's (or a run's sub-folder): its own plots would be replaced by another measurement's
+        raise DpclipError(f"--out {out} is inside the run directory {run}, whose files these plots must not replace",
+                          "write them outside the run, or leave --out out to draw a run's own plots in its directory")
     if private:   # the default too: run from inside a run directory, ./diagnose-NAME is in it
-        run = next((folder for folder in (out.resolve(), *out.resolve().parents)
-                    if (folder / RunDir.RECIPE).is_file() and (folder / RunDir.META).is_file()), None)
         if run is not None:
             raise DpclipError(f"{'--out ' if given else ''}{out} is inside the run directory {run}: diagnostics "
                               "measured on private data are not written into a run (its privacy statement would "

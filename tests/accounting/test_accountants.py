@@ -282,3 +282,10 @@ def test_unknown_accountant_is_refused():
     with pytest.raises(AccountingError) as info:
         epsilon(training_event(0.01, 1.0, 10), 1e-5, "prv")
     assert "pld" in info.value.hint
+
+
+def test_a_noise_multiplier_too_large_for_the_rdp_arithmetic_is_called_too_large_not_too_small():
+    # σ = 1e300 (a recipe's privacy.noise_multiplier) was refused as "a noise multiplier this small"
+    with pytest.raises(AccountingError) as info:
+        epsilon(dp_accounting.GaussianDpEvent(1e300), 1e-5, "rdp")
+    assert "this large" in info.value.message and "this small" not in info.value.message and info.value.hint

@@ -111,3 +111,24 @@ def test_diagnose_refuses_more_threads_than_the_machine_has_cpus(cli, monkeypatc
     result = cli("diagnose", REPO / "recipes" / "quickstart.yaml", "--threads", "3", "--probes", "2",
                  "--per-sample", "2", "--batch-size", "4", "--json")
     assert result.code == 2 and "logical CPUs" in result.err and "hint:" in result.err
+
+
+def _another_run(folder: Path) -> Path:
+    """A folder that is a run directory by its files (recipe.yaml and meta.json), with a ledger."""
+    folder.mkdir()
+    for name, text in (("recipe.yaml", QUICKSTART.read_text()), ("meta.json", "{}"), ("ledger.json", '{"steps": 0}')):
+        (folder / name).write_text(text)
+    return folder
+
+
+@pytest.mark.parametrize("where", ["the run", "a folder in it", "a file in it"])
+def test_diagnose_refuses_an_out_inside_another_run_directory_and_keeps_its_files(cli, tmp_path, where):
+    # public-data plots of a recipe went into another run's directory, replacing that run's own
+    # hessian_over_training.png; --out RUN/meta.json was "unexpected FileExistsError"
+    run = _another_run(tmp_path / "run")
+    (run / "checkpoints").mkdir()
+    out = {"the run": run, "a folder in it": run / "checkpoints", "a file in it": run / "meta.json"}[where]
+    result = cli("diagnose", REPO / "recipes" / "continual-cnn-digits.yaml", *FAST, "--out", out)
+    assert result.code == 2 and "hint:" in result.err and "unexpected" not in result.err, result.err
+    assert sorted(p.name for p in run.rglob("*")) == ["checkpoints", "ledger.json", "meta.json", "recipe.yaml"]
+    assert (run / "meta.json").read_text() == "{}"

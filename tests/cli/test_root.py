@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from dpclip import __version__
+from dpclip.errors import DpclipError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,6 +54,27 @@ def test_an_unexpected_exception_gives_one_error_line_and_debug_gives_the_traceb
     assert "Traceback" not in result.err and "do-not-print-me" not in result.err
     debug = cli("--debug", "validate", REPO / "recipes" / "quickstart.yaml")
     assert debug.code == 1 and "Traceback" in debug.err and "do-not-print-me" not in debug.err
+
+
+NATIVE_ERROR = ("empty(): argument 'size' failed to unpack the object at pos 1 with error \"Overflow when unpacking "
+                "long long\nException raised from THPUtils_unpackLong at python_numbers.h:79 (most recent call first):\n"
+                "frame #0: c10::Error::Error(c10::SourceLocation) + 0x9d (0x7fc6 in libc10.so)\n"
+                "frame #1: <unknown function> + 0x49071e (0x7fc6 in libtorch_python.so)\n\"")
+
+
+@pytest.mark.parametrize("raised", [TypeError(NATIVE_ERROR), DpclipError(f"building failed ({NATIVE_ERROR})", "hint")],
+                         ids=["unexpected", "quoted in a user error"])
+def test_a_torch_errors_native_backtrace_never_reaches_the_error_line(cli, monkeypatch, raised):
+    # torch's C++ errors carry their backtrace in the message: "unexpected TypeError: ... frame #43 ..."
+    import dpclip.recipe as recipe_module
+
+    def boom(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(recipe_module, "load_recipe", boom)
+    result = cli("validate", REPO / "recipes" / "quickstart.yaml")
+    assert result.code in (1, 2) and "error: " in result.err and "Overflow when unpacking" in result.err
+    assert "frame #" not in result.err and "Exception raised from" not in result.err and "c10::" not in result.err
 
 
 @pytest.mark.parametrize("command", [("validate", "recipe"), ("account", "--sigma", "1", "--delta", "1e-5", "-q",

@@ -191,3 +191,23 @@ def test_a_correlated_noise_search_names_its_cyclic_sampling(cli, mechanism, sam
                       "training.optimizer.lr=0.1,0.5", *NO_MEASURE)
     assert report["privacy"]["sampling"] == sampling
     assert report["privacy"]["sampling_assumption"].startswith("cyclic")
+
+
+@pytest.mark.parametrize("name", ["ledger.json", "new.json", "checkpoints/x.json"])
+def test_an_out_inside_a_run_directory_is_refused_before_pricing_and_the_runs_files_are_kept(cli, tmp_path, name):
+    # `tune-cost RECIPE --out RUN/ledger.json` replaced the run's ledger with the JSON result, exit 0
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for file, text in (("recipe.yaml", QUICKSTART.read_text()), ("meta.json", "{}"), ("ledger.json", '{"steps": 0}')):
+        (run / file).write_text(text)
+    result = cli("tune-cost", QUICKSTART, "--no-measure", "--step-seconds", "0.01", "--out", run / name)
+    assert result.code == 2 and "inside the run directory" in result.err and "hint:" in result.err
+    assert (run / "ledger.json").read_text() == '{"steps": 0}' and not (run / "new.json").exists()
+
+
+def test_an_out_that_is_the_recipe_being_priced_is_refused(cli, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(QUICKSTART.read_text())
+    result = cli("tune-cost", recipe, "--no-measure", "--step-seconds", "0.01", "--out", recipe)
+    assert result.code == 2 and "the recipe being priced" in result.err and "hint:" in result.err
+    assert recipe.read_text() == QUICKSTART.read_text()

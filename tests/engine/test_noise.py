@@ -308,8 +308,10 @@ def test_tiny_float32_thresholds_still_get_their_noise():
 def test_a_noise_std_beyond_the_dtype_is_refused_before_anything_is_released():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(30, 20), nn.Tanh(), nn.Linear(20, 5))
-    engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": [3e38, 3e38]}},
+    # thresholds that grew without bound after the engine was made (a fixed 3e38 is refused when it is made)
+    engine = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": [1.0, 1.0]}},
                       gradient_noise_multiplier=1.0, expected_batch_size=4, seed=0)
+    engine.policy.load_state_dict({"thresholds": [3e38, 3e38]})
     engine.backward(classify_loss(model, {"x": torch.randn(3, 30), "y": torch.tensor([0, 1, 2])}))
     with pytest.raises(EngineError, match="not finite") as caught:
         engine.privatize()
@@ -320,8 +322,45 @@ def test_a_noise_std_beyond_the_dtype_is_refused_before_anything_is_released():
     engine.backward(classify_loss(model, batch))
     engine_sums = engine.debug_clipped().sums
     engine.detach()
-    fresh = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": [3e38, 3e38]}},
+    fresh = DPEngine(model, {"grouping": "layer", "threshold": {"kind": "fixed", "value": [1.0, 1.0]}},
                      gradient_noise_multiplier=1.0, expected_batch_size=4, seed=0)
+    fresh.policy.load_state_dict({"thresholds": [3e38, 3e38]})
     fresh.backward(classify_loss(model, batch))
     fresh_sums = fresh.debug_clipped().sums
     assert all(torch.equal(engine_sums[k], fresh_sums[k]) for k in fresh_sums)
+
+
+# ------------------------------------------------ thresholds and σ_g beyond float32 (hostile review)
+
+
+@pytest.mark.parametrize("value", [1e39, 1e300, 1e-46])
+def test_a_fixed_threshold_outside_float32s_range_is_refused_before_any_step(value):
+    # 1e39 became inf in the float32 thresholds: no clipping (c_k = 1) and noise of std σ·inf, refused
+    # only at the first release; 1e-46 became 0 (every gradient clipped to nothing, no noise)
+    with pytest.raises(EngineError, match="float32"):
+        DPEngine(mlp(), {"threshold": {"kind": "fixed", "value": value}}, gradient_noise_multiplier=1.0,
+                 expected_batch_size=2)
+
+
+def test_a_threshold_whose_noise_float32_cannot_hold_is_refused_with_a_hint_before_any_step():
+    # 3e38 is within float32, but σ_g·C is not: refused at construction, not at every release
+    with pytest.raises(EngineError, match="beyond torch.float32's range") as info:
+        DPEngine(mlp().float(), {"grouping": "all-layer", "threshold": {"kind": "fixed", "value": [3e38]}},
+                 gradient_noise_multiplier=1e10, expected_batch_size=2)
+    assert info.value.hint
+
+
+@pytest.mark.parametrize("sigma", [math.nan, math.inf, 1e100])
+def test_a_noise_multiplier_whose_noise_float32_cannot_hold_is_refused_before_any_step(sigma):
+    # NaN passed the `σ < 0` check; inf and 1e100·C gave an infinite noise std, refused only at the first release
+    with pytest.raises(EngineError) as info:
+        DPEngine(mlp().float(), {}, gradient_noise_multiplier=sigma, expected_batch_size=2)
+    assert info.value.hint
+
+
+def test_a_threshold_split_below_float32s_smallest_normal_number_is_refused_with_a_hint():
+    # C = 1.5e-38 passes the spec, but each of the 3 layers gets C/sqrt(3), subnormal in float32
+    with pytest.raises(EngineError, match="outside the range of torch.float32") as info:
+        DPEngine(mlp().float(), {"grouping": "layer", "threshold": {"kind": "fixed", "value": 1.5e-38}},
+                 gradient_noise_multiplier=1.0, expected_batch_size=2)
+    assert info.value.hint

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, NamedTuple
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from dpclip.errors import AccountingError, EngineError
@@ -66,6 +66,28 @@ if TYPE_CHECKING:
 
 # Field types shared by the policy specs and the rest of the recipe schema.
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+#: the largest clipping threshold: thresholds are float32 tensors, in which a larger C is inf (no clipping)
+THRESHOLD_MAX = float(torch.finfo(torch.float32).max)
+
+
+#: the smallest: below float32's smallest normal number a threshold and its noise lose their precision
+THRESHOLD_MIN = float(torch.finfo(torch.float32).tiny)
+
+
+def _within_float32(value: float) -> float:
+    if value < THRESHOLD_MIN:
+        raise ValueError(f"{value:g} is below float32's smallest normal number ({THRESHOLD_MIN:.4g}): the threshold, "
+                         "the clipped gradients and the noise would lose their precision (or be 0); a useful C is "
+                         "near the gradients' norms (e.g. 0.1 to 10)")
+    if value > THRESHOLD_MAX:
+        raise ValueError(f"{value:g} is beyond float32's range (at most {THRESHOLD_MAX:.4g}): the engine would hold "
+                         "the threshold as inf, clip nothing and add noise of infinite std; a useful C is near the "
+                         "gradients' norms (e.g. 0.1 to 10)")
+    return value
+
+
+#: a clipping threshold (or a bound on one): positive, finite, and finite in float32
+Threshold = Annotated[float, Field(gt=0, allow_inf_nan=False), AfterValidator(_within_float32)]
 PositiveInt = Annotated[int, Field(gt=0)]
 UnitOpen = Annotated[float, Field(gt=0, lt=1)]
 
@@ -188,7 +210,14 @@ def initial_thresholds(value, ctx: PolicyContext, what: str = "threshold.value")
         raise EngineError(f"{what} must be a float or a list of floats, got {value!r}", None)
     if not all(math.isfinite(v) and v > 0 for v in values):
         raise EngineError(f"{what} must be positive and finite, got {value!r}", None)
-    return torch.tensor(values, device=ctx.device, dtype=ctx.dtype)
+    thresholds = torch.tensor(values, device=ctx.device, dtype=ctx.dtype)
+    finfo = torch.finfo(ctx.dtype)
+    # 1e39 is inf in float32 (no clipping, noise of std σ·inf); below the smallest normal number the
+    # threshold, the clipped gradients and the noise lose their precision (1e-46 is 0)
+    if not bool(((thresholds >= finfo.tiny) & (thresholds <= finfo.max)).all()):
+        raise EngineError(f"{what} {value!r} is outside the range of {ctx.dtype} ({finfo.tiny:.4g} to {finfo.max:.4g}"
+                          " per group)", "a useful C is near the gradients' norms (e.g. 0.1 to 10)")
+    return thresholds
 
 
 class PolicySpec(BaseModel):

@@ -55,7 +55,7 @@ from pydantic import Field, model_validator
 from torch import Tensor
 
 from dpclip.engine.policies import register_policy
-from dpclip.engine.policies.base import (PolicyContext, PolicySpec, PositiveFloat, PositiveInt, ThresholdPolicy,
+from dpclip.engine.policies.base import (PolicyContext, PolicySpec, PositiveInt, Threshold, ThresholdPolicy,
                                          UnitOpen, initial_thresholds)
 from dpclip.errors import EngineError
 
@@ -161,13 +161,13 @@ class DiscriminativeSpec(PolicySpec):
     """DC-DPSGD: body clipped at `small`, heavy-tail samples at `large`."""
 
     kind: Literal["discriminative"]
-    small: PositiveFloat
-    large: PositiveFloat | None = Field(None, description="default 10 x small")
+    small: Threshold
+    large: Threshold | None = Field(None, description="default 10 x small")
     subspace_dim: PositiveInt = Field(200, description="the paper's projection dimension; ignored (recorded only): "
                                       "dpclip scores samples by gradient norm (docs/methods.md)")
     tail_rule: Literal["threshold", "top_fraction"] = Field(
         "threshold", description="threshold: noise for `large`; top_fraction ranks the batch: noise for 2·large − small")
-    tail_threshold: PositiveFloat | None = Field(None, description="gradient norm above which a sample is tail")
+    tail_threshold: Threshold | None = Field(None, description="gradient norm above which a sample is tail")
     top_fraction: UnitOpen = Field(0.1, description="share of the expected batch clipped at `large` (top_fraction rule)")
 
     example = {"kind": "discriminative", "small": 0.5, "large": 3.0, "tail_rule": "top_fraction",

@@ -15,7 +15,7 @@ from pydantic import Field
 from torch import Tensor
 
 from dpclip.engine.policies import register_policy
-from dpclip.engine.policies.base import PolicyContext, PolicySpec, PositiveFloat, ThresholdPolicy, initial_thresholds
+from dpclip.engine.policies.base import PolicyContext, PolicySpec, Threshold, ThresholdPolicy, initial_thresholds
 
 
 class FixedThreshold(ThresholdPolicy):
@@ -38,7 +38,7 @@ class FixedThreshold(ThresholdPolicy):
 @register_policy
 class FixedSpec(PolicySpec):
     kind: Literal["fixed"]
-    value: PositiveFloat | list[PositiveFloat] = Field(
+    value: Threshold | list[Threshold] = Field(
         1.0, description="one C (each of K groups gets C/sqrt(K)) or a list of K per-group thresholds")
 
     example = {"kind": "fixed", "value": 1.5}

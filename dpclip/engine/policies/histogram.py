@@ -54,7 +54,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from dpclip.engine.policies import register_policy
-from dpclip.engine.policies.base import (AuxRelease, BudgetShare, PolicyContext, PositiveFloat, ThresholdPolicy,
+from dpclip.engine.policies.base import (AuxRelease, BudgetShare, PolicyContext, PositiveFloat, Threshold, ThresholdPolicy,
                                          UnitOpen, initial_thresholds)
 from dpclip.errors import EngineError
 
@@ -256,9 +256,9 @@ class HistogramFields(BudgetShare):
     bins: Annotated[int, Field(ge=2, le=1000)] = 20
     sigma_hist: PositiveFloat | None = Field(None, description="histogram noise σ_H; default 5")
     budget_fraction: UnitOpen | None = None
-    initial: PositiveFloat = Field(1.0, description="initial threshold C0")
-    min_threshold: PositiveFloat = 1e-4
-    max_threshold: PositiveFloat = 1e4
+    initial: Threshold = Field(1.0, description="initial threshold C0")
+    min_threshold: Threshold = 1e-4
+    max_threshold: Threshold = 1e4
 
     recipe_note = ("Give `sigma_hist` or `budget_fraction` (default σ_H = 5); "
                    "σ_H must exceed √K times the total σ (K groups).")
@@ -319,7 +319,7 @@ class DCSGDPercentile(HistogramFields):
     percentile: Annotated[float, Field(gt=0, le=1)] = Field(
         0.5, description="p: C is the noisy histogram's p-quantile; p near 1 needs (1-p)·B above the "
                          "clamped noise mass of the upper bins (docs/methods.md)")
-    range: PositiveFloat = Field(1.0, description="initial histogram range R0")
+    range: Threshold = Field(1.0, description="initial histogram range R0")
 
     example = {"kind": "dcsgd-p", "sigma_hist": 3.0, "bins": 8, "range": 4.0, "percentile": 0.7}
 
@@ -329,7 +329,7 @@ class DCSGDError(HistogramFields):
     """DC-SGD-E (Wei et al.): C minimises the estimated expected squared error."""
 
     kind: Literal["dcsgd-e"]
-    range: PositiveFloat = Field(20.0, description="initial histogram range R0")
+    range: Threshold = Field(20.0, description="initial histogram range R0")
 
     example = {"kind": "dcsgd-e", "sigma_hist": 3.0, "bins": 6, "range": 4.0}
     rule: ClassVar[str] = "error"

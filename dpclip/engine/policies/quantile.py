@@ -27,7 +27,7 @@ from pydantic import Field, model_validator
 from torch import Tensor
 
 from dpclip.engine.policies import register_policy
-from dpclip.engine.policies.base import (AuxRelease, BudgetShare, PolicyContext, PositiveFloat, ThresholdPolicy,
+from dpclip.engine.policies.base import (AuxRelease, BudgetShare, PolicyContext, PositiveFloat, Threshold, ThresholdPolicy,
                                          UnitOpen)
 
 
@@ -98,7 +98,7 @@ class QuantileSpec(BudgetShare):
     lr: PositiveFloat = Field(0.3, description="geometric update rate η")
     sigma: PositiveFloat | None = Field(None, description="noise std σ_b of the counts")
     budget_fraction: UnitOpen | None = Field(None, description="share r of the budget; default 0.01")
-    initial: PositiveFloat = Field(1.0, description="initial threshold per group")
+    initial: Threshold = Field(1.0, description="initial threshold per group")
 
     example = {"kind": "quantile", "sigma": 2.0, "target": 0.6, "lr": 0.5, "initial": 0.8}
     recipe_note = "Give `sigma` or `budget_fraction` (default 0.01). The counts are released jointly with the gradient."
