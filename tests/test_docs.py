@@ -1,7 +1,8 @@
 """The docs stay short and their links stay true (issue 53): every page in docs/ is at most
 400 lines (a longer one is split into task-first pages), CHANGELOG.md follows Keep a
-Changelog and has a heading for the package's version, and every relative link of
-docs/*.md and README.md names a file that exists and, into a docs page, a heading of it."""
+Changelog and has a heading for the package's version, every relative link of docs/*.md
+and README.md names a file that exists and, into a docs page, a heading of it, and every
+repository file a page names (`dpclip/...py`, `tests/...py`, ...) exists."""
 
 from __future__ import annotations
 
