@@ -1,7 +1,8 @@
 """The docs stay short and their links stay true (issue 53): every page in docs/ is at most
 400 lines (a longer one is split into task-first pages), CHANGELOG.md follows Keep a
-Changelog and has a heading for the package's version, and every relative link of
-docs/*.md and README.md names a file that exists and, into a docs page, a heading of it."""
+Changelog and has a heading for the package's version, every relative link of docs/*.md
+and README.md names a file that exists and, into a docs page, a heading of it, and every
+repository file a page names (`dpclip/...py`, `tests/...py`, ...) exists."""
 
 from __future__ import annotations
 
@@ -141,3 +142,25 @@ def test_the_anchor_rule_is_githubs():
     assert github_anchor("DC-SGD synthetic check (the paper's Figures 2–3)") == \
         "dc-sgd-synthetic-check-the-papers-figures-23"
     assert github_anchor("`dpclip account`") == "dpclip-account"
+
+
+# ------------------------------------------------------------------ file paths in code
+
+#: a repository path a page shows as code: a module, test, script, result or example file
+REPO_PATH = re.compile(r"\b((?:dpclip|tests|scripts|benchmarks|examples)/[\w./-]*\w\.(?:py|json|jsonl|md|yaml))\b")
+
+
+def shown_paths(text: str) -> list[str]:
+    """The repository file paths a page writes (in code or prose)."""
+    return sorted(set(REPO_PATH.findall(text)))
+
+
+@pytest.mark.parametrize("page", LINKED_PAGES + [REPO / "benchmarks" / "README.md"], ids=_id)
+def test_every_repository_file_a_page_names_exists(page):
+    missing = [p for p in shown_paths(page.read_text(encoding="utf-8")) if not (REPO / p).exists()]
+    assert not missing, f"{_id(page)} names files that do not exist (renamed or moved?): {missing}"
+
+
+def test_the_path_check_sees_a_module_that_became_a_package():
+    assert shown_paths("observation (`dpclip/engine/batch_axis.py`), see tests/x/test_y.py:3") == \
+        ["dpclip/engine/batch_axis.py", "tests/x/test_y.py"]

@@ -1,5 +1,6 @@
 """The engine's pages (docs/engine.md, supported-models.md, certificate.md, layer-rules.md): the
-own-loop example of engine.md runs as written and prints what the page says, and every
+own-loop example of engine.md runs as written and prints what the page says, its API block shows
+DPEngine's and backward's real parameters and defaults, and every
 ``page.md, "Section"`` citation of them in the repository names a section they have (links and
 page lengths: tests/test_docs.py)."""
 
@@ -65,3 +66,40 @@ def test_every_citation_of_an_engine_page_names_one_of_its_sections():
                 stale.append(f"{path.relative_to(REPO)}: {page}, \"{title}\"")
     assert not stale, "citations of sections the page does not have:\n" + "\n".join(stale)
 
+
+
+def _api_block() -> str:
+    section = DOC.read_text(encoding="utf-8").split("### API", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def _shown_signature(call: str) -> dict[str, object]:
+    """The parameters of ``DPEngine(...)``/``engine.backward(...)`` as the API block shows them,
+    with the defaults it shows (``inspect.Parameter.empty`` for none)."""
+    import ast
+    import inspect
+
+    match = re.search(re.escape(call) + r"\((.*?)\)(?:\s*->[^#\n]*)?\s*(?:#|\n)", _api_block(), re.S)
+    args = re.sub(r":\s*Tensor\[b\]", "", match.group(1))
+    params = ast.parse(f"def f({args}): pass").body[0].args
+    positional = params.args[len(params.args) - len(params.defaults):]
+    shown = {a.arg: inspect.Parameter.empty for a in params.args + params.kwonlyargs}
+    shown |= {a.arg: ast.literal_eval(d) for a, d in zip(positional, params.defaults)}
+    shown |= {a.arg: ast.literal_eval(d) for a, d in zip(params.kwonlyargs, params.kw_defaults) if d is not None}
+    return shown
+
+
+def _real_signature(function) -> dict[str, object]:
+    import inspect
+
+    return {name: p.default for name, p in inspect.signature(function).parameters.items()
+            if name != "self" and not name.startswith("_")}
+
+
+def test_engine_md_shows_dpengine_and_backward_with_their_real_parameters_and_defaults():
+    from dpclip.engine import DPEngine
+
+    assert _shown_signature("DPEngine") == _real_signature(DPEngine.__init__)
+    shown, real = _shown_signature("engine.backward"), _real_signature(DPEngine.backward)
+    assert list(shown.values())[1:] == list(real.values())[1:] and list(shown)[1:] == list(real)[1:], \
+        "the losses argument aside, engine.md's backward is not DPEngine.backward"

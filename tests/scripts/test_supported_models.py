@@ -23,6 +23,22 @@ def test_docs_block_is_the_rendering_of_the_committed_results(script):
         "`python scripts/supported_models.py --render-only --write-docs`")
 
 
+def test_readmes_count_of_exact_transformers_architectures_is_the_committed_results(script):
+    """README.md's "N of the zoo's M tiny transformers architectures" is the script's count, not
+    a number typed by hand that a rerun of the zoo leaves behind."""
+    import re
+
+    results = json.loads(script.RESULTS.read_text())
+    by_case: dict = {}
+    for run in results["runs"]:
+        by_case.setdefault(run["case"], []).append(run)
+    exact, total = script._families(results, by_case)["hf"]
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    shown = re.search(r"(\d+) of the zoo's (\d+) tiny transformers architectures", readme)
+    assert shown and (int(shown.group(1)), int(shown.group(2))) == (exact, total), \
+        f"README.md: write '{exact} of the zoo's {total} tiny transformers architectures'"
+
+
 def test_committed_results_are_a_full_run_of_the_current_zoo(script):
     from tests.engine.zoo import CASES, GROUPINGS, METHODS, PRECISIONS, SHAPES
     results = json.loads(script.RESULTS.read_text())
