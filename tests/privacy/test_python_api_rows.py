@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections import UserDict, namedtuple
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -324,16 +326,20 @@ def test_a_parameter_group_added_outside_the_engine_is_refused_at_the_step():
     assert released == [1] and private.ledger.steps == 1
 
 
-def test_a_step_the_engine_refuses_releases_nothing_then_or_later():
-    """The engine refuses a release (here: a threshold whose noise std is beyond float32) after the
-    draw was closed: nothing of it is charged, p.grad is dropped, and no later step goes on from it."""
+def test_a_step_the_engine_refuses_releases_nothing_then_or_later(monkeypatch):
+    """The engine refuses a release (here: a noise std that is not finite, as a threshold grown
+    without bound gives; a too large one is refused when the engine is made) after the draw was
+    closed: nothing of it is charged, p.grad is dropped, and no later step goes on from it."""
+    from dpclip.engine.privatizer import Privatizer
+
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
     torch.manual_seed(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.warns(UserWarning, match="unsafe_seed"):
         private = dpclip.make_private(model, optimizer, DataLoader(_data(), batch_size=40),
                                       criterion=nn.CrossEntropyLoss(), delta=1e-5, noise_multiplier=1.0, steps=20,
-                                      max_grad_norm=[3e38] * 4, clipping="per_layer", unsafe_seed=3)
+                                      max_grad_norm=[1.0] * 4, clipping="per_layer", unsafe_seed=3)
+    monkeypatch.setattr(Privatizer, "noise_stds", lambda self, thresholds: torch.full_like(thresholds, math.inf))
     released = counted_releases(private)
     model, optimizer, criterion, loader = private
     x, y = next(iter(loader))

@@ -211,10 +211,10 @@ def initial_thresholds(value, ctx: PolicyContext, what: str = "threshold.value")
     if not all(math.isfinite(v) and v > 0 for v in values):
         raise EngineError(f"{what} must be positive and finite, got {value!r}", None)
     thresholds = torch.tensor(values, device=ctx.device, dtype=ctx.dtype)
-    finfo = torch.finfo(ctx.dtype)
+    finfo = torch.finfo(ctx.dtype)   # (a complex dtype's real part's; complex parameters are refused by name later)
     # 1e39 is inf in float32 (no clipping, noise of std σ·inf); below the smallest normal number the
     # threshold, the clipped gradients and the noise lose their precision (1e-46 is 0)
-    if not bool(((thresholds >= finfo.tiny) & (thresholds <= finfo.max)).all()):
+    if not all(finfo.tiny <= v <= finfo.max for v in values):
         raise EngineError(f"{what} {value!r} is outside the range of {ctx.dtype} ({finfo.tiny:.4g} to {finfo.max:.4g}"
                           " per group)", "a useful C is near the gradients' norms (e.g. 0.1 to 10)")
     return thresholds

@@ -45,8 +45,12 @@ REFUSED_FROM_TWO_SAMPLES: dict[str, str] = {
 
 
 KNOWN_FAULTS: dict[tuple, str] = {
-    # empty: every zoo run is exact or an expected refusal (issue 25). A fault found later goes
+    # every other zoo run is exact or an expected refusal (issue 25). A fault found later goes
     # here as a strict xfail, with its reason, until it is fixed.
+    ("esmc-mlm", ("B==T", "B==T+1"), ("layer", "param"), "*", "bf16"):
+        "issue 25: a false refusal: a sample of one repeated token gives the first layers' query and key weights a gradient "
+        "zero in exact arithmetic, bf16 noise alone (0 in the batch); a group of its own has a norm of noise, which "
+        "the certificate's group-norm bound refuses (docs/certificate.md)",
 }
 
 
