@@ -37,13 +37,14 @@ def make(num_classes):
 '''
 
 
-def _refused_custom_model(cli, tmp_path, monkeypatch, module: str, source: str) -> tuple[list[str], str]:
-    """Train the quickstart with the custom model ``module:make`` written from ``source``: exit 2;
-    (stderr's lines, the error line)."""
+def _refused_custom_model(cli, tmp_path, monkeypatch, module: str, source: str,
+                          kwargs: str = "{}") -> tuple[list[str], str]:
+    """Train the quickstart with the custom model ``module:make(**kwargs)`` written from ``source``:
+    exit 2; (stderr's lines, the error line)."""
     (tmp_path / f"{module}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     result = cli("train", QUICKSTART, f"output_dir={tmp_path / 'runs'}", "training.epochs=null",
-                 "training.steps=2", f"model={{kind: custom, target: '{module}:make'}}")
+                 "training.steps=2", f"model={{kind: custom, target: '{module}:make', kwargs: {kwargs}}}")
     assert result.code == 2, (result.out, result.err)
     assert "Traceback" not in result.err
     lines = [line for line in result.err.splitlines() if line.strip()]
@@ -101,13 +102,7 @@ import pytest  # noqa: E402
 @pytest.mark.parametrize("kind, named", [("center", "2 (Center)"), ("batchnorm", "2 (FunctionalBatchNorm)"),
                                          ("buffer", "buffer 2.row")])
 def test_train_refuses_a_model_that_mixes_samples_naming_the_module(cli, tmp_path, monkeypatch, kind, named):
-    (tmp_path / "mixing.py").write_text(MIXING)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    result = cli("train", QUICKSTART, f"output_dir={tmp_path / 'runs'}", "training.epochs=null",
-                 "training.steps=2", f"model={{kind: custom, target: 'mixing:make', kwargs: {{kind: {kind}}}}}")
-    assert result.code == 2, (result.out, result.err)
-    lines = [line for line in result.err.splitlines() if line.strip()]
-    error = next(line for line in lines if line.startswith("error:"))
+    lines, error = _refused_custom_model(cli, tmp_path, monkeypatch, "mixing", MIXING, f"{{kind: {kind}}}")
     assert named in error, error
     assert any(line.startswith("hint:") for line in lines), lines
     for ledger in (tmp_path / "runs").rglob("ledger.json"):

@@ -52,13 +52,8 @@ class VmappedLayer(nn.Module):
         return self.head(torch.tanh(h))
 
 
-class FuncGradForce(nn.Module):
+class FuncGradForce(TrainedEnergyForce):
     """The force by torch.func.grad of a trained energy, vmapped over the batch."""
-
-    def __init__(self):
-        super().__init__()
-        self.energy = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
-        self.head = nn.Linear(5, 3)
 
     def forward(self, x):
         params = dict(self.energy.named_parameters())

@@ -91,29 +91,31 @@ def test_account_cli_refuses_an_edited_ledger_with_error_and_hint(run_dir, cli):
     assert "error:" in result.err and "hint:" in result.err and "Traceback" not in result.err
 
 
-def _cut_to_one_step(ledger):
-    ledger["entries"] = ledger["entries"][:1]
-    ledger["entries"][0]["count"] = 1
-    ledger["steps"] = 1
+def _cut_to(steps: int):
+    """An edit of ledger.json: its first entry alone, cut back to ``steps`` steps."""
+    def cut(ledger):
+        ledger["entries"] = ledger["entries"][:1]
+        ledger["entries"][0]["count"] = steps
+        ledger["steps"] = steps
+    return cut
+
+
+def _refused_where_stated(cli, run_dir, tmp_path, command: str, message: str) -> None:
+    """``command`` (account, report, export) on the run exits 2 with ``message`` and a hint, exporting nothing."""
+    extra = [str(tmp_path / "exported")] if command == "export" else []
+    result = cli(command, str(run_dir), *extra)
+    assert result.code == 2 and message in result.err and "hint:" in result.err
+    assert not (tmp_path / "exported").exists()
 
 
 @pytest.mark.parametrize("command", ["account", "report", "export"])
 def test_a_ledger_behind_the_run_s_checkpoint_is_refused_where_epsilon_is_stated(run_dir, cli, tmp_path, command):
     """ledger.json cut back to 1 step while step_000004 holds the weights after 4: account, report
     and export stated the ε of 1 step for weights that cost 4."""
-    _edit_json(run_dir / "ledger.json", _cut_to_one_step)
+    _edit_json(run_dir / "ledger.json", _cut_to(1))
     with pytest.raises(DpclipError, match="records 1 steps, but checkpoint step_000004"):
         spent(run_dir)
-    extra = [str(tmp_path / "exported")] if command == "export" else []
-    result = cli(command, str(run_dir), *extra)
-    assert result.code == 2 and "records 1 steps, but checkpoint step_000004" in result.err and "hint:" in result.err
-    assert not (tmp_path / "exported").exists()
-
-
-def _cut_to_two_steps(ledger):
-    ledger["entries"] = ledger["entries"][:1]
-    ledger["entries"][0]["count"] = 2
-    ledger["steps"] = 2
+    _refused_where_stated(cli, run_dir, tmp_path, command, "records 1 steps, but checkpoint step_000004")
 
 
 @pytest.mark.slow  # a run per command: the slow set (README)
@@ -125,12 +127,9 @@ def test_a_ledger_cut_back_with_the_later_checkpoints_is_refused_by_its_metrics(
     released 4."""
     import shutil
 
-    _edit_json(run_dir / "ledger.json", _cut_to_two_steps)
+    _edit_json(run_dir / "ledger.json", _cut_to(2))
     shutil.rmtree(run_dir / "checkpoints" / "step_000004")
     (run_dir / "checkpoints" / "LATEST").write_text("step_000002\n")
     with pytest.raises(DpclipError, match="records 2 steps, but metrics.jsonl records step 4"):
         spent(run_dir)
-    extra = [str(tmp_path / "exported")] if command == "export" else []
-    result = cli(command, str(run_dir), *extra)
-    assert result.code == 2 and "metrics.jsonl records step 4" in result.err and "hint:" in result.err
-    assert not (tmp_path / "exported").exists()
+    _refused_where_stated(cli, run_dir, tmp_path, command, "metrics.jsonl records step 4")
