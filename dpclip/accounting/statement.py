@@ -60,6 +60,16 @@ SEEDED_RANDOMNESS_WARNING = (
 )
 
 #: How the gradient release is described (clipping makes its sensitivity 1 in units of σ).
+
+
+def dataset_size_line(member: str) -> str:
+    """The not-covered line for the number of privacy units N (docs/accounting.md, "What ε covers"):
+    q = B/N is released, so N is, and add/remove neighbours differ in it by one."""
+    members = "people" if member == "person" else f"{member}s"
+    return (f"the number of {members} N in the private data: the sample rate q = B/N gives it exactly; treated as "
+            f"public, as DP-SGD's accounting does (neighbouring data sets differ in it by one {member})")
+
+
 GRADIENT_RELEASE = "gradient (sensitivity 1 after clipping)"
 
 
@@ -176,6 +186,9 @@ class PrivacyStatement:
             fallback = f"PLD accounting was requested but RDP was used: {self.fallback_reason}"
             if fallback not in self.caveats:
                 self.caveats.append(fallback)
+        if self.sample_rate is not None:   # derived, like the caveats: every statement that states a q
+            size = dataset_size_line("person" if self.unit.startswith("user-level") else "example")
+            self.not_covered = [size] + [line for line in self.not_covered if line != size]
         if math.isinf(self.epsilon) and "no finite ε: a release without noise is not private" not in self.caveats:
             self.caveats.append("no finite ε: a release without noise is not private")
 

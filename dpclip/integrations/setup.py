@@ -85,8 +85,9 @@ class Account:
         """What the statement lists outside ε: the plan's, and the saved buffers the training
         forwards have written so far (docs/certificate.md), and the loss values the loop read."""
         read = [READ_LOSS] if self.losses_read() else []
-        return (list(self.plan.plan.not_covered) + read + list(self.loop_lines)
-                + list(forward_state_line(self.written_state())) + list(self.released_outside()))
+        lines = (list(self.plan.plan.not_covered) + read + list(self.loop_lines)
+                 + list(forward_state_line(self.written_state())) + list(self.released_outside()))
+        return replace(self.plan.statement, not_covered=lines).not_covered   # with the statement's own (N's)
 
     @property
     def step_metadata(self) -> dict[str, Any]:

@@ -67,7 +67,9 @@ FIELDS: tuple[Fields, ...] = (
                      "not_covered_by_epsilon"),
            labelled=("final_eval/*",), self_labelled=True),
     Fields(RUN, "plan.json", released=("groups", "num_train", "num_users", "privacy_fingerprint", "world_size",
-                                       "forward_written_state", "earlier_not_covered", "stopped_on_private_batch")),
+                                       "forward_written_state", "earlier_not_covered", "stopped_on_private_batch"),
+           what="`num_train` (`num_users` at the user level) is N, which q = B/N gives anyway: treated as public, "
+                "the statement names it not covered by ε"),
     Fields(RUN, "ledger.json",
            released=("format", "accountant", "accountant_used", "fallback_reason", "delta", "epsilon",
                      "epsilon_rdp", "steps", "entries/count", "entries/event/**",

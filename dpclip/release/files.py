@@ -35,8 +35,8 @@ MANIFEST: tuple[Entry, ...] = (
          "`audit.canaries.seed` set it identifies the canaries: share it only after the audit"),
     _run("meta.json", SECRET, "member and non-member indices (membership), split and content fingerprints"),
     _run("plan.json", RELEASED, "what the statement is rebuilt from: privacy fingerprint, training-set size "
-         "(the statement's sampling rate states it), process count, clipping group names, the names of the "
-         "buffers the training forward writes, the not-covered lines of recipes a resume replaced, whether a "
+         "(treated as public: the statement names it not covered by ε), process count, clipping group names, "
+         "the names of the buffers the training forward writes, the not-covered lines of recipes a resume replaced, whether a "
          "step's error stopped the run"),
     _run("ledger.json", RELEASED, "every step's charged DpEvent, δ, accountant; ε so far"),
     _run("metrics.jsonl", LABELLED, "per step: ε, lr, released thresholds and noise std (covered); "
