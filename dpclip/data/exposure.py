@@ -93,12 +93,18 @@ def exposure_rows(data, exposure: ExposureSet) -> dict[str, torch.Tensor]:
     max_length = data.input_shape[0]
     texts = exposure.planted_texts()
     rows = text_tensors(texts, data.tokenizer, max_length)
-    # A secret cut off by truncation is not what the audit ranks: refuse before training.
-    whole = text_tensors([exposure.text(exposure.secrets[0])], data.tokenizer, max_length + 64)
-    if int(whole["attention_mask"].sum()) > max_length:
-        raise DpclipError(f"the planted text {exposure.text('X' * exposure.length)!r} needs "
-                          f"{int(whole['attention_mask'].sum())} tokens, more than data.max_length {max_length}",
-                          "shorten audit.exposure.template or raise data.max_length")
+    # A secret cut off by truncation is not what the audit ranks: refuse before training. Every
+    # secret, planted or control, and each character of the alphabet repeated (the longest
+    # candidates of the space for the byte tokenizer): token counts differ (a multi-byte
+    # character, a tokenizer's merges), so the first secret's says nothing of the others'.
+    texts = [exposure.text(s) for s in [*exposure.secrets, *(c * exposure.length for c in exposure.alphabet)]]
+    whole = text_tensors(texts, data.tokenizer, max_length + 8 * exposure.length + 64)
+    needed = int(whole["attention_mask"].sum(dim=1).max())
+    if needed > max_length:   # the secrets are the answer key: never shown
+        raise DpclipError(f"the planted text {exposure.text('X' * exposure.length)!r} needs up to {needed} tokens "
+                          f"with secrets of its alphabet, more than data.max_length {max_length}",
+                          "shorten audit.exposure.template or raise data.max_length (or use an alphabet of "
+                          "one-byte characters)")
     return rows
 
 

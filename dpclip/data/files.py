@@ -5,9 +5,10 @@ with one entry per row (strings and nested lists as ``object`` arrays). Turning 
 into tensors is :mod:`dpclip.data.dataset`'s job, shared with Hugging Face data sets.
 
 We read with pandas / pyarrow / the json module rather than ``datasets``' local loaders:
-the result is the same for these formats, nothing is written to the Hugging Face cache,
-and the row count provably matches :func:`dpclip.data.size.training_set_size`, which
-accounting uses before any data is loaded (blank lines are skipped by both).
+the result is the same for these formats, and nothing is written to the Hugging Face cache.
+:func:`dpclip.data.size.training_set_size`, which accounting uses before any tensor is made,
+counts rows with these same readers, so its N is the number of rows training draws from
+(a csv's rows are pandas', which are not the csv module's).
 """
 
 from __future__ import annotations

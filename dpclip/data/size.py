@@ -6,45 +6,32 @@ before anything is trained, so `dpclip account RECIPE` can answer quickly.
 
 from __future__ import annotations
 
-import csv
-import json
 from pathlib import Path
 
+from dpclip.data.files import TABLE_FORMATS, read_table, read_text_lines
 from dpclip.data.split import carve_count, split_sizes
 from dpclip.errors import DpclipError
 
 
-def _blank_csv_row(row: list[str]) -> bool:
-    """A line with nothing but whitespace: the csv loader (pandas) skips it, so we do too."""
-    return not row or (len(row) == 1 and not row[0].strip())
-
-
 def _count_rows(path: Path, file_format: str) -> int:
+    """The rows training reads from ``path``: csv, json and jsonl by the loader's own readers
+    (pandas' csv rows are not the csv module's: a quoted blank, a form feed or no-break space
+    line, a lone carriage return), text by its own lines; parquet from its metadata."""
+    if file_format == "text":
+        return len(read_text_lines(path))
+    if file_format in TABLE_FORMATS and file_format != "parquet":
+        return len(next(iter(read_table(path, file_format).values())))
+    if file_format != "parquet":
+        raise DpclipError(f"unknown data format {file_format!r}", "use csv, json, jsonl, parquet or text")
     if not path.exists():
         raise DpclipError(f"data file not found: {path}", "check data.train / data.test in the recipe")
     try:
-        if file_format == "csv":
-            with path.open(newline="", encoding="utf-8") as handle:
-                return max(sum(1 for row in csv.reader(handle) if not _blank_csv_row(row)) - 1, 0)
-        if file_format in ("jsonl", "text"):
-            with path.open(encoding="utf-8") as handle:
-                return sum(1 for line in handle if line.strip())
-        if file_format == "json":
-            content = json.loads(path.read_text(encoding="utf-8"))
-            if isinstance(content, list):
-                return len(content)
-            if isinstance(content, dict) and content and all(isinstance(v, list) for v in content.values()):
-                return len(next(iter(content.values())))
-            raise DpclipError(f"{path}: expected a JSON list of records or a mapping of columns",
-                              "or use format: jsonl with one record per line")
-        if file_format == "parquet":
-            import pyarrow.parquet as pq  # lazy: only parquet files need pyarrow
+        import pyarrow.parquet as pq  # lazy: only parquet files need pyarrow
 
-            return pq.ParquetFile(path).metadata.num_rows
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        # json's JSONDecodeError and pyarrow's ArrowInvalid (a corrupt parquet file) are ValueErrors.
+        return pq.ParquetFile(path).metadata.num_rows
+    except (OSError, ValueError) as exc:
+        # pyarrow's ArrowInvalid (a corrupt parquet file) is a ValueError.
         raise DpclipError(f"cannot read {path} as {file_format}: {exc}", "check data.format and the file") from None
-    raise DpclipError(f"unknown data format {file_format!r}", "use csv, json, jsonl, parquet or text")
 
 
 def total_examples(data) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dpclip.data import load_data
-from dpclip.data.exposure import draw_exposure, stored_exposure, with_exposure, write_exposure_secret
+from dpclip.data.exposure import ExposureSet, draw_exposure, stored_exposure, with_exposure, write_exposure_secret
 from dpclip.errors import DpclipError
 from dpclip.recipe import load_recipe
 from dpclip.recipe.audit import Exposure
@@ -95,3 +95,15 @@ def test_exposure_needs_a_language_model():
     from dpclip.errors import RecipeError
     with pytest.raises(RecipeError, match="causal-lm"):
         load_recipe(REPO / "recipes" / "quickstart.yaml", ["audit.exposure={}"])
+
+
+@pytest.mark.parametrize("repetitions", [[1, 1], [1, 0]])
+def test_a_secret_that_would_be_cut_off_is_refused_whichever_secret_it_is(repetitions):
+    # The first secret fits; a later one (planted, or a control the audit ranks) takes more tokens:
+    # 'é' is two bytes. Checking the first alone planted a truncated text, and measured that.
+    recipe, data = _text_data("data.max_length=8")
+    exposure = ExposureSet("{secret}", "aé", 4, ["aaaa", "éééé"], repetitions, entropy=0)
+    with pytest.raises(DpclipError, match="max_length") as caught:
+        with_exposure(data, exposure)
+    assert "10 tokens" in caught.value.message and caught.value.hint
+    assert "éééé" not in caught.value.message   # the answer key is never shown

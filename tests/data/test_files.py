@@ -211,3 +211,21 @@ def test_a_boolean_among_integer_labels_is_the_value_the_error_shows(tmp_path):
                                                for i, v in enumerate(["0", "1", "2", "true", "1"])))
     with pytest.raises(DpclipError, match=r"e\.g\. True\)"):
         load_data(files(path, "jsonl", label_field="label"), seed=0)
+
+
+
+# Lines the csv module and pandas read differently: a quoted blank text, a whitespace that
+# str.strip() knows and pandas does not (form feed, no-break space, U+2028, NEL), and a lone
+# carriage return before a row of empty fields (pandas drops that row). Accounting (q = B/N,
+# δ < 1/N) must count the rows training draws from, whatever the file holds.
+@pytest.mark.parametrize("header, line", [("text", '" "'), ("text", "\x0c"), ("text", "\u00a0"),
+                                          ("text", "\u2028"), ("text", "\x85"), ("text", "\r,"),
+                                          ("text,label", "\r,"), ("a,label", "\r,")])
+def test_a_csv_with_odd_lines_trains_on_as_many_rows_as_accounting_counts(tmp_path, header, line):
+    rows = {"text": ["hello", "there", "bye", "now"], "text,label": ["hello,0", "there,1", "bye,0", "now,1"],
+            "a,label": ["1,0", "2,1", "3,0", "4,1"]}[header]
+    path = tmp_path / "train.csv"
+    path.write_bytes("\n".join([header, *rows[:2], line, *rows[2:]]).encode() + b"\n")
+    fields = {"text_field": "text"} if header.startswith("text") else {}
+    config = files(path, "csv", label_field="label" if "label" in header else None, test=str(path), **fields)
+    assert training_set_size(config) == load_data(config, seed=0).num_train
