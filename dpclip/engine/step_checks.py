@@ -37,7 +37,7 @@ class StepChecks:
         its graph is freed), or None: no check is due, or the micro-batch holds padding only."""
         if forwards and (samples is None or samples > 0):
             rows = self.certificate.rows(losses.shape[0] if samples is None else samples)
-            return rows, self.certificate.cotangents(losses, rows, forwards), forwards
+            return rows, self.certificate.cotangents(losses, rows, forwards, samples), forwards
         return None
 
     def check(self, steps: int, micro: MicroBatch, norms: Tensor, watch: tuple) -> None:

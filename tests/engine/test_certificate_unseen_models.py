@@ -98,3 +98,21 @@ def test_a_model_called_more_times_than_the_check_replays_is_refused_saying_so()
         _step(model, views=MAX_FORWARDS + 1)
     assert "one forward" in err.value.hint
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_loss_pairing_unchecked_rows_with_other_rows_outputs_is_refused_before_any_noise(monkeypatch):
+    """Labels shifted by one row among the rows no check watches: loss i = ce(output of row i+1, y_i).
+    Each output row's gradient then carries another record's label, so one record moves two clipped
+    rows; the losses' cotangents on every row, by partitions of the batch, show it."""
+    monkeypatch.setattr(Certificate, "rows", lambda self, samples: [0, samples - 1])   # clean rows
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(32, 5, generator=g), torch.randint(0, 3, (32,), generator=g)
+    shifted = torch.cat([torch.tensor([0]), torch.arange(2, 31), torch.tensor([1, 31])])
+    engine = DPEngine(model, {"grouping": "all-layer", "threshold": {"kind": "fixed", "value": 1.0}},
+                      gradient_noise_multiplier=1.0, expected_batch_size=32)
+    with pytest.raises(EngineError, match="depends on other samples' outputs") as err:
+        engine.backward(F.cross_entropy(model(x)[shifted], y, reduction="none"))
+    assert err.value.hint
+    assert all(p.grad is None for p in model.parameters())

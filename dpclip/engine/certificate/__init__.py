@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from dpclip.engine.batch_axis.layout import tensor_leaves
-from dpclip.engine.certificate.alone import alone_gradients
+from dpclip.engine.certificate.alone import alone_gradients, read_cotangents
 from dpclip.engine.certificate.batch import batch_gradients, checked_before_eval_mode, independent_in_batch
 from dpclip.engine.certificate.draws import Recorder
 from dpclip.engine.certificate.replay import (Cotangents, Forward, NotReproducible, Replayer, copied,
@@ -314,10 +314,10 @@ class Certificate:
         """The rows checked (:func:`checked_rows`; ``light``: a new batch size's check)."""
         return checked_rows(samples, self.light)
 
-    def cotangents(self, losses: Tensor, rows: list[int], forwards: list[Forward]) -> dict:
-        """Per checked row, its loss's direct cotangent on each forward's returned tensors."""
+    def cotangents(self, losses: Tensor, rows: list[int], forwards: list[Forward], samples: int | None = None) -> dict:
+        """Per checked row, its loss's direct cotangent on each forward's returned tensors (every row's: alone.py)."""
         try:
-            cots = {r: self._cotangents.of(losses[r], forwards) for r in rows}
+            cots = read_cotangents(self._cotangents.of, losses, rows, forwards, samples or len(losses))
         finally:
             for f in forwards:
                 release(f)

@@ -3,12 +3,15 @@ forward and backward), its outputs alone checked against its outputs in the batc
 cotangent against its own rows; a random forward gets the sample's part of the recorded draws
 (draws.py) or is found :class:`~dpclip.engine.certificate.replay.NotReproducible`. Every row's
 outputs, not only the checked rows', are checked against the two halves of the batch replayed apart
-(:func:`halves_independent`)."""
+(:func:`halves_independent`), and every row's loss cotangent against the other rows' losses
+(:func:`loss_partitions`, :func:`losses_independent`)."""
 
 from __future__ import annotations
 
 import secrets
 from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -31,8 +34,10 @@ def alone_gradients(model: nn.Module, replayer: Replayer, forwards: list[Forward
     whole batch left it (``buffers``: a write that depends on the batch is refused). ``cut``: the
     replays get the sample's part of the recorded random draws (draws.py); where that part does
     not reproduce the sample's outputs, :class:`NotReproducible`. ``halves``: every row's outputs
-    checked too (:func:`halves_independent`)."""
+    checked too (:func:`halves_independent`). Every row's loss cotangent is checked too, where
+    the first forward holds them (:func:`losses_independent`)."""
     own: dict[int, list[Tensor]] = {}
+    axes: dict[tuple[int, int], int | None] = {}
     for r in rows:
         total = None
         for j, f in enumerate(forwards):
@@ -50,6 +55,7 @@ def alone_gradients(model: nn.Module, replayer: Replayer, forwards: list[Forward
                     narrowed.append(None)
                     continue
                 axis, cot = batch_axis(full, alone, f.batch), cots[r][j][k]
+                axes[(j, k)] = axis
                 if axis == "mixed":
                     if cot is not None and bool(cot.abs().max() > 0):
                         raise mixing_error(model, replayer, f, r, f"returns a tensor of shape "
@@ -84,9 +90,93 @@ def alone_gradients(model: nn.Module, replayer: Replayer, forwards: list[Forward
             total = g if total is None else [a + b for a, b in zip(total, g)]
         refuse_written_buffer(buffers.after(f"sample {r} alone"))
         own[r] = total
+    if forwards[0].loss_parts is not None:
+        losses_independent(forwards[0].loss_parts, axes, rtol)
     if halves:
         halves_independent(model, replayer, forwards, cots, rtol, buffers)
     return own
+
+
+#: partitions of the batch whose losses' cotangents are read for every row (a coupling of two rows
+#: that no check watches escapes all of them with probability 2^-LOSS_PARTITIONS)
+LOSS_PARTITIONS = 4
+
+
+@dataclass
+class LossParts:
+    """What the losses' cotangents on the returned tensors say of every row, by partitions of the
+    batch: for returned tensor (j, k) (the k-th tensor forward j returned) and each axis of it that
+    could hold the batch, the per-row largest entry of the whole seed's cotangent (``scale``) and
+    the per-row largest deviation of any partition's cotangent from the whole seed's masked to the
+    partition (``off``). Reduced at once: no partition's cotangent is kept."""
+    samples: int
+    scale: dict[tuple[int, int, int], Tensor] = field(default_factory=dict)
+    off: dict[tuple[int, int, int], Tensor] = field(default_factory=dict)
+
+
+def _rows(t: Tensor, axis: int, samples: int) -> Tensor:
+    return t.narrow(axis, 0, samples).movedim(axis, 0).reshape(samples, -1).double()
+
+
+def read_cotangents(of: Callable[[Tensor, list[Forward]], list[list[Tensor | None]]], losses: Tensor, rows: list[int],
+                    forwards: list[Forward], samples: int) -> dict[int, list[list[Tensor | None]]]:
+    """Each checked row's loss cotangent on the forwards' returned tensors (``of``:
+    :meth:`~dpclip.engine.certificate.replay.Cotangents.of`), and every row's, by halves, kept on the first
+    forward for :func:`losses_independent` (:func:`loss_partitions`)."""
+    cots = {r: of(losses[r], forwards) for r in rows}
+    forwards[0].loss_parts = loss_partitions(lambda seed: of(seed, forwards), losses, samples)
+    return cots
+
+
+def loss_partitions(of: Callable[[Tensor], list[list[Tensor | None]]], losses: Tensor,
+                    samples: int) -> LossParts | None:
+    """The losses' cotangents (``of``: a scalar's cotangents on the returned tensors, as
+    :meth:`~dpclip.engine.certificate.replay.Cotangents.of`) seeded with every real row and with the
+    rows of each of :data:`LOSS_PARTITIONS` partitions drawn from OS entropy, reduced per row; None
+    below two rows. Each is one backward from the losses to the returned tensors, not through the model."""
+    if samples < 2:
+        return None
+    seed = torch.zeros(losses.shape[0], dtype=torch.bool)
+    seed[:samples] = True
+    whole, parts = of(losses[seed].sum()), LossParts(samples)
+    rng = secrets.SystemRandom()
+    for _ in range(LOSS_PARTITIONS):
+        mask = torch.tensor([rng.random() < 0.5 for _ in range(samples)], dtype=torch.bool)
+        seed[:samples] = mask
+        cot = of(losses[seed].sum())
+        for j, per in enumerate(whole):
+            for k, w in enumerate(per):
+                if w is None:
+                    continue
+                for axis in (a for a in range(w.dim()) if w.shape[a] == losses.shape[0]):
+                    rows = _rows(w, axis, samples)
+                    got = torch.zeros_like(rows) if cot[j][k] is None else _rows(cot[j][k], axis, samples)
+                    want = torch.where(mask[:, None].to(rows.device), rows, torch.zeros_like(rows))
+                    dev = (got - want).abs().amax(1)
+                    key = (j, k, axis)
+                    parts.scale[key] = rows.abs().amax(1)
+                    parts.off[key] = dev if key not in parts.off else torch.maximum(parts.off[key], dev)
+    return parts
+
+
+def losses_independent(parts: LossParts, axes: dict[tuple[int, int], int | None], rtol: float) -> None:
+    """Every real row's loss depends on its own rows of the returned tensors only: seeded with the
+    losses of a partition's rows, the cotangent vanishes off those rows and equals the whole seed's on
+    them (within ``rtol`` of the row's own). ``axes``: each returned tensor's batch axis (None:
+    shared by all samples, not judged here). A loss normalised over the batch, or labels paired
+    with another row's outputs, fails on the rows no check watches too."""
+    for (j, k), axis in axes.items():
+        key = (j, k, axis)
+        if axis is None or key not in parts.off:
+            continue
+        bad = (parts.off[key] > rtol * parts.scale[key].clamp_min(1e-30)).nonzero()
+        if bad.numel():
+            raise EngineError(
+                f"the loss of sample {int(bad[0])} depends on other samples' outputs, or other samples' losses "
+                "on its outputs (the per-sample losses mix samples, e.g. a loss normalised over the batch, or "
+                "labels paired with another row's outputs)" + NOT_COVERED,
+                "compute each sample's loss from its own outputs only (reduction='none', "
+                "then each sample's tokens averaged)")
 
 
 def halves_independent(model: nn.Module, replayer: Replayer, forwards: list[Forward], cots: dict, rtol: float,

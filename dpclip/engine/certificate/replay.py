@@ -47,6 +47,7 @@ class Forward:
     replayed_rng: tuple | None = None   # the RNG state a replay of the whole batch left (batch.py)
     given: tuple | None = None   # the inputs as handed over and their versions, until the forward ends
     written: bool = False        # it changed its inputs in place: args, kwargs are the rows before it ran
+    loss_parts: object = None    # the losses' cotangents on every row, by halves (alone.loss_partitions; first forward)
 
 
 def versions(tree) -> list[int | None]:
