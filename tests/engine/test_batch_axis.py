@@ -523,6 +523,21 @@ def test_a_layer_input_whose_batch_cannot_be_moved_is_refused():
             r"module conv \(Conv1d\) gets the batch in axis 2")
 
 
+def test_sequence_first_model_inputs_are_refused_with_a_hint_to_pass_them_batch_first():
+    class SequenceFirst(nn.Module):      # x: [T, B, d]; the engine reads dim 0 as the batch
+        def __init__(self):
+            super().__init__()
+            self.r, self.h = nn.Linear(4, 5), nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.h(torch.tanh(self.r(x)).mean(0))
+
+    err = refused(lambda: SequenceFirst().to(DTYPE), {"x": torch.randn(6, 3, 4, dtype=DTYPE),
+                                                      "y": torch.zeros(3, dtype=torch.long)},
+                  r"module h \(Linear\) is fed a tensor shared by all samples")
+    assert "batch in dim 0 of its first tensor input" in err.hint and "[T, B" in err.hint
+
+
 def test_a_model_mixing_samples_is_refused():
     class Mixer(nn.Module):   # a [B, B] matrix across samples feeds a Linear
         def __init__(self):

@@ -28,7 +28,9 @@ EQUAL_ROWS_HINT = ("rows equal for every token cannot be told apart by sample (a
                    "to weight 1 gives every token the weight 1): route each token to two experts or more, "
                    "or freeze the layers that read them (requires_grad_(False))")
 BROADCAST_HINT = ("give the module a per-sample input (e.g. pass positions as [B, T]: "
-                  "ids.new_tensor(range(T)).expand(B, T)), or freeze the module")
+                  "ids.new_tensor(range(T)).expand(B, T)), or freeze the module; and call the model with the "
+                  "batch in dim 0 of its first tensor input (sequence-first [T, B, ...] inputs are read as T "
+                  "samples: transpose them before the call, back inside the forward if it needs them so)")
 
 
 def tensor_leaves(tree) -> list[Tensor]:
