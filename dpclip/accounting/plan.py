@@ -300,7 +300,6 @@ def solve(plan: PrivacyPlan) -> PlanResult:
         )
     else:
         sigma_total = float(plan.noise_multiplier)
-
     if plan.aux is None:
         split = NoiseSplit.gradient_only(sigma_total)
         releases = [GRADIENT_RELEASE]
@@ -309,7 +308,6 @@ def solve(plan: PrivacyPlan) -> PlanResult:
             sigma_total, plan.aux.sensitivity, aux_sigma=plan.aux.sigma, aux_fraction=plan.aux.fraction
         )
         releases = [GRADIENT_RELEASE, plan.aux.release()]
-
     # The event is built from σ_eff itself (not re-derived from the split), so the
     # ledger of a run and this plan hold bit-identical events.
     step_event = gradient_step_event(charged_rate, split.noise_multiplier)
@@ -363,7 +361,9 @@ def _solve_blt(plan: PrivacyPlan) -> PlanResult:
         return split.gradient_noise_multiplier, aux_ratio_sq
 
     if plan.target_epsilon is not None:
-        sigma = calibrate_blt(plan.target_epsilon, plan.delta, plan.sensitivities, plan.accountant, split=ratios)
+        fixed = None if plan.aux is None or plan.aux.sigma is None else (plan.aux.sensitivity / plan.aux.sigma) ** 2
+        sigma = calibrate_blt(plan.target_epsilon, plan.delta, plan.sensitivities, plan.accountant, split=ratios,
+                              fixed_aux_ratio_sq=fixed)
     else:
         sigma = float(plan.noise_multiplier)
     split = split_of(sigma)
