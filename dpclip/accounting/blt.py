@@ -63,6 +63,13 @@ def increment_events(noise_multiplier: float, sensitivities: Sequence[float],
     return tuple(events)
 
 
+def split_ratios(split) -> tuple[float, float]:
+    """(σ_g, (Δ_a/σ_a)²) of a :class:`~dpclip.accounting.split.NoiseSplit`: what each charge is built
+    from (the plan and a search's run event alike, so that their events compare equal)."""
+    aux_ratio_sq = 0.0 if split.sigma_aux is None else (split.aux_sensitivity / split.sigma_aux) ** 2
+    return split.gradient_noise_multiplier, aux_ratio_sq
+
+
 def blt_event(noise_multiplier: float, sensitivities: Sequence[float], aux_ratio_sq: float = 0.0
               ) -> dp_accounting.DpEvent:
     """The whole run exactly as a ledger of its charges composes it (each charge its own

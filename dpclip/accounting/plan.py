@@ -16,7 +16,8 @@ from typing import Any
 import dp_accounting
 
 from dpclip.accounting.accountants import check_accountant, check_delta_value, account, note_slow_pld
-from dpclip.accounting.blt import blt_event, blt_groups, calibrate_blt, check_sensitivities, increment_events
+from dpclip.accounting.blt import (blt_event, blt_groups, calibrate_blt, check_sensitivities, increment_events,
+                                  split_ratios)
 from dpclip.accounting.calibrate import check_steps, check_target, calibrate_noise_multiplier
 from dpclip.accounting.events import check_sample_rate, gradient_step_event
 from dpclip.accounting.split import NoiseSplit, split_noise
@@ -356,9 +357,7 @@ def _solve_blt(plan: PrivacyPlan) -> PlanResult:
         return split_noise(sigma, plan.aux.sensitivity, aux_sigma=plan.aux.sigma, aux_fraction=plan.aux.fraction)
 
     def ratios(sigma: float) -> tuple[float, float]:
-        split = split_of(sigma)
-        aux_ratio_sq = 0.0 if split.sigma_aux is None else (split.aux_sensitivity / split.sigma_aux) ** 2
-        return split.gradient_noise_multiplier, aux_ratio_sq
+        return split_ratios(split_of(sigma))
 
     if plan.target_epsilon is not None:
         fixed = None if plan.aux is None or plan.aux.sigma is None else (plan.aux.sensitivity / plan.aux.sigma) ** 2
