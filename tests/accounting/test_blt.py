@@ -102,6 +102,19 @@ def test_the_statement_says_no_amplification_and_the_sensitivity():
     assert any("the cyclic groups drawn privately, independently for each" in line for line in lines)
 
 
+def test_with_a_statistic_the_statement_names_the_gradients_multiplier_not_sigma_eff_over_s():
+    # σ_eff/s is no mechanism's multiplier here: the run charges Σ_j Δs_j²/σ_g² + K·(Δ_a/σ_a)², and a
+    # Gaussian of multiplier σ_eff/s would give a larger ε than the one stated above it.
+    quantile = AuxSpec("quantile counts", sensitivity=0.5, groups=1, fraction=0.3)
+    result = solve(plan(aux=quantile))
+    line = next(line for line in result.statement.lines() if line.startswith("mechanism: BLT"))
+    whole = math.sqrt(SENSITIVITIES[-1])
+    assert f"σ_g/sensitivity = {result.split.gradient_noise_multiplier / whole:.6g}" in line
+    assert f"{result.split.noise_multiplier / whole:.6g}" not in line
+    plain = next(line for line in solve(plan()).statement.lines() if line.startswith("mechanism: BLT"))
+    assert f"multiplier σ/sensitivity = {6.0 / whole:.6g}," in plain
+
+
 @pytest.mark.parametrize("change, message", [
     ({"sensitivities": (1.0, 2.0)}, "one sensitivity per participation"),
     ({"sensitivities": (1.0, 2.0, 2.0, 3.0, 4.0)}, "increasing"),
