@@ -69,6 +69,20 @@ class RunRelease:
             return training_event(min(1.0, self.sample_rate * self.bands), sigma, participations(self.steps, self.bands))
         return training_event(self.sample_rate, sigma, self.steps)
 
+    def to_total(self, sigma: float) -> float:
+        """σ_eff of the search variable: itself, but σ_g under BLT with a statistic of fixed std σ_a,
+        which only σ_eff < σ_a/Δ_a can split (a search over σ_eff would probe past it):
+        σ_eff = (σ_g⁻² + (Δ_a/σ_a)²)^(−1/2)."""
+        if not self.sensitivities or self.aux is None or self.aux.sigma is None:
+            return sigma
+        return (sigma ** -2 + (self.aux.sensitivity / self.aux.sigma) ** 2) ** -0.5
+
+    def calibrate(self, search_event_of, epsilon: float, delta: float, accountant: str) -> float:
+        """The per-run σ_eff whose search meets ε (:func:`calibrate_search_noise` over :meth:`to_total`'s variable)."""
+        found = calibrate_search_noise(lambda sigma: self.event(self.to_total(sigma)), search_event_of, epsilon, delta,
+                                       accountant)
+        return self.to_total(found)
+
     def event(self, sigma: float) -> dp_accounting.DpEvent:
         """The training, composed with the private score's Gaussian mechanism when there is one."""
         training = self.training(sigma)
@@ -206,8 +220,7 @@ def search_privacy(recipe: Recipe, plan: PrivacyPlan, configurations: int, *,
     strategies = []
     # Naive composition: all G runs released.
     try:
-        sigma = calibrate_search_noise(release.event, lambda run: naive_search_event(run, configurations),
-                                       epsilon, delta, accountant)
+        sigma = release.calibrate(lambda run: naive_search_event(run, configurations), epsilon, delta, accountant)
         gradient = gradient_sigma(plan, sigma)   # a statistic of fixed std may leave the gradient no share
     except AccountingError as exc:
         strategies.append(Strategy(NAIVE, None, None, epsilon, delta, accountant,
@@ -224,8 +237,7 @@ def search_privacy(recipe: Recipe, plan: PrivacyPlan, configurations: int, *,
         budget = liu_talwar_per_run_budget(epsilon, delta, gamma, tuning.stop_delta)
         detail.update(epsilon_run=budget.epsilon_run, delta_run=budget.delta_run, max_runs=budget.max_runs,
                       expected_runs=1.0 / gamma)
-        sigma = calibrate_search_noise(release.event, lambda run: run, budget.epsilon_run, budget.delta_run,
-                                       accountant)
+        sigma = release.calibrate(lambda run: run, budget.epsilon_run, budget.delta_run, accountant)
         gradient = gradient_sigma(plan, sigma)
     except AccountingError as exc:
         # No per-run budget at all (ε too small), or a fixed score noise that alone exceeds ε₁ at
@@ -243,8 +255,7 @@ def search_privacy(recipe: Recipe, plan: PrivacyPlan, configurations: int, *,
     shape = repeat_and_select_shape(tuning.trials, tuning.trials_shape)
     detail = {"distribution": tuning.trials, "mean": mean, "shape": None if math.isinf(shape) else shape}
     try:
-        sigma = calibrate_search_noise(release.event, lambda run: repeat_and_select_event(run, mean, shape),
-                                       epsilon, delta, "rdp")
+        sigma = release.calibrate(lambda run: repeat_and_select_event(run, mean, shape), epsilon, delta, "rdp")
         gradient = gradient_sigma(plan, sigma)
     except AccountingError as exc:
         strategies.append(Strategy(REPEAT_AND_SELECT, None, None, epsilon, delta, "rdp",

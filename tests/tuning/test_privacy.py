@@ -124,3 +124,19 @@ def test_a_strategy_a_statistic_of_fixed_noise_leaves_no_gradient_share_is_repor
     chosen = privacy.strategy(REPEAT_AND_SELECT)
     assert chosen.noise_multiplier < 5.0
     assert chosen.gradient_noise_multiplier == pytest.approx((chosen.noise_multiplier ** -2 - 1 / 25) ** -0.5)
+
+
+def test_a_blt_search_with_a_statistic_of_fixed_noise_finds_the_sigma_below_its_cap():
+    # BLT, σ_H = 5 (Δ = 1): only σ_eff < 5 splits, and the run's charges need the split. The search over
+    # σ_eff probed 8 on its way to ≈ 4.2 and refused the whole search; it runs over σ_g instead.
+    recipe, privacy = _privacy("tuning.score=public", "privacy.mechanism={kind: blt, buffers: 2}",
+                               "clipping.grouping=all-layer", "clipping.threshold={kind: dcsgd-p, sigma_hist: 5.0}",
+                               "privacy.epsilon=3", configurations=2)
+    plan = plan_for_recipe(recipe)
+    naive = privacy.strategy(NAIVE)
+    assert naive.noise_multiplier < 5.0 and privacy.strategy(REPEAT_AND_SELECT).noise_multiplier < 5.0
+    # dp_accounting directly: two runs are one Gaussian of twice a run's precision s²/σ_g² + K·(1/5)².
+    precision = plan.sensitivities[-1] / naive.gradient_noise_multiplier ** 2 + len(plan.sensitivities) / 25
+    two_runs = rdp.RdpAccountant().compose(dp_accounting.GaussianDpEvent((2 * precision) ** -0.5))
+    assert naive.epsilon == pytest.approx(two_runs.get_epsilon(privacy.delta), rel=1e-6)
+    assert 0.99 * 3 <= naive.epsilon <= 3
