@@ -63,6 +63,13 @@ def increment_events(noise_multiplier: float, sensitivities: Sequence[float],
     return tuple(events)
 
 
+def split_ratios(split) -> tuple[float, float]:
+    """(σ_g, (Δ_a/σ_a)²) of a :class:`~dpclip.accounting.split.NoiseSplit`: what each charge is built
+    from (the plan and a search's run event alike, so that their events compare equal)."""
+    aux_ratio_sq = 0.0 if split.sigma_aux is None else (split.aux_sensitivity / split.sigma_aux) ** 2
+    return split.gradient_noise_multiplier, aux_ratio_sq
+
+
 def blt_event(noise_multiplier: float, sensitivities: Sequence[float], aux_ratio_sq: float = 0.0
               ) -> dp_accounting.DpEvent:
     """The whole run exactly as a ledger of its charges composes it (each charge its own
@@ -73,26 +80,44 @@ def blt_event(noise_multiplier: float, sensitivities: Sequence[float], aux_ratio
 
 
 def calibrate_blt(target_epsilon: float, delta: float, sensitivities: Sequence[float], accountant: str = "pld",
-                  *, rtol: float = 0.01, split=None) -> float:
+                  *, rtol: float = 0.01, split=None, fixed_aux_ratio_sq: float | None = None) -> float:
     """σ with ε(:func:`blt_event`) in [(1 − rtol)·target, target]: the search of
     :mod:`dpclip.accounting.calibrate` on the composed charges, started from s (the whole
     run's sensitivity). ``split``: σ_eff -> (σ_g, (Δ_a/σ_a)²) when a threshold statistic shares
-    the budget (the search is then over σ_eff)."""
+    the budget (the search is then over σ_eff).
+
+    ``fixed_aux_ratio_sq``: (Δ_a/σ_a)² of a statistic whose noise std σ_a is fixed (DC-SGD's
+    ``sigma_hist``). Then only σ_eff < σ_a/Δ_a can be split, and a search over σ_eff would probe
+    beyond it; the search is over σ_g instead (every σ_g > 0 is a split) and returns
+    σ_eff = (σ_g⁻² + (Δ_a/σ_a)²)^(−1/2), whose re-split by ``split`` is checked against the target."""
     check_target(target_epsilon)
     check_delta_value(delta)
     check_accountant(accountant)
     whole = math.sqrt(sensitivities[-1])
     inputs = f"δ = {delta:g}, BLT sensitivity {whole:.4g}"
 
-    def eps_of(method: str):
+    def eps_of(method: str, over_gradient: bool = False):
         def eps(sigma: float) -> float:
-            gradient, aux_ratio_sq = (sigma, 0.0) if split is None else split(sigma)
+            if over_gradient:
+                gradient, aux_ratio_sq = sigma, fixed_aux_ratio_sq
+            else:
+                gradient, aux_ratio_sq = (sigma, 0.0) if split is None else split(sigma)
             value = account(blt_event(gradient, sensitivities, aux_ratio_sq), delta, method).epsilon
             return math.inf if math.isnan(value) else value
         return eps
 
+    over_gradient = fixed_aux_ratio_sq is not None and split is not None
     with quiet_dp_accounting():
-        sigma = sigma_for_epsilon(eps_of("rdp"), target_epsilon, rtol, whole, inputs)
+        sigma = sigma_for_epsilon(eps_of("rdp", over_gradient), target_epsilon, rtol, whole, inputs)
         if accountant == "pld":
-            sigma = sigma_for_epsilon(eps_of("pld"), target_epsilon, rtol, sigma, inputs)
-    return sigma
+            sigma = sigma_for_epsilon(eps_of(accountant, over_gradient), target_epsilon, rtol, sigma, inputs)
+        if not over_gradient:
+            return sigma
+        # σ_g -> σ_eff; the plan splits σ_eff again, which rounds σ_g by an ulp or so: never past the target
+        for _ in range(8):
+            total = (sigma ** -2 + fixed_aux_ratio_sq) ** -0.5
+            if eps_of(accountant)(total) <= target_epsilon:
+                return total
+            sigma *= 1 + 1e-12
+    raise AccountingError(f"no noise multiplier meets ε = {target_epsilon:g} once split ({inputs})",
+                          "raise the statistic's noise std or ε")

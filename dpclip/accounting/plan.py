@@ -16,7 +16,8 @@ from typing import Any
 import dp_accounting
 
 from dpclip.accounting.accountants import check_accountant, check_delta_value, account, note_slow_pld
-from dpclip.accounting.blt import blt_event, blt_groups, calibrate_blt, check_sensitivities, increment_events
+from dpclip.accounting.blt import (blt_event, blt_groups, calibrate_blt, check_sensitivities, increment_events,
+                                  split_ratios)
 from dpclip.accounting.calibrate import check_steps, check_target, calibrate_noise_multiplier
 from dpclip.accounting.events import check_sample_rate, gradient_step_event
 from dpclip.accounting.split import NoiseSplit, split_noise
@@ -300,7 +301,6 @@ def solve(plan: PrivacyPlan) -> PlanResult:
         )
     else:
         sigma_total = float(plan.noise_multiplier)
-
     if plan.aux is None:
         split = NoiseSplit.gradient_only(sigma_total)
         releases = [GRADIENT_RELEASE]
@@ -309,7 +309,6 @@ def solve(plan: PrivacyPlan) -> PlanResult:
             sigma_total, plan.aux.sensitivity, aux_sigma=plan.aux.sigma, aux_fraction=plan.aux.fraction
         )
         releases = [GRADIENT_RELEASE, plan.aux.release()]
-
     # The event is built from σ_eff itself (not re-derived from the split), so the
     # ledger of a run and this plan hold bit-identical events.
     step_event = gradient_step_event(charged_rate, split.noise_multiplier)
@@ -358,12 +357,12 @@ def _solve_blt(plan: PrivacyPlan) -> PlanResult:
         return split_noise(sigma, plan.aux.sensitivity, aux_sigma=plan.aux.sigma, aux_fraction=plan.aux.fraction)
 
     def ratios(sigma: float) -> tuple[float, float]:
-        split = split_of(sigma)
-        aux_ratio_sq = 0.0 if split.sigma_aux is None else (split.aux_sensitivity / split.sigma_aux) ** 2
-        return split.gradient_noise_multiplier, aux_ratio_sq
+        return split_ratios(split_of(sigma))
 
     if plan.target_epsilon is not None:
-        sigma = calibrate_blt(plan.target_epsilon, plan.delta, plan.sensitivities, plan.accountant, split=ratios)
+        fixed = None if plan.aux is None or plan.aux.sigma is None else (plan.aux.sensitivity / plan.aux.sigma) ** 2
+        sigma = calibrate_blt(plan.target_epsilon, plan.delta, plan.sensitivities, plan.accountant, split=ratios,
+                              fixed_aux_ratio_sq=fixed)
     else:
         sigma = float(plan.noise_multiplier)
     split = split_of(sigma)

@@ -230,9 +230,7 @@ class PrivacyStatement:
                        f"mod {self.groups} at rate {_fmt(rate, 6)}); at most {participations} participations, "
                        f"{self.groups} steps apart; no amplification by sampling is claimed: the run is one Gaussian "
                        f"mechanism of sensitivity {_fmt(self.sensitivity, 6)} per unit clip norm (worst participation "
-                       f"pattern, Kalinin & Lampert 2024), multiplier σ/sensitivity = "
-                       f"{_fmt(None if self.noise_multiplier is None or not self.sensitivity else self.noise_multiplier / self.sensitivity, 6)}, "
-                       "charged one participation at a time")
+                       f"pattern, Kalinin & Lampert 2024), {self._blt_multiplier()}, charged one participation at a time")
         out.append(f"noise multiplier (total, joint over all releases): {_fmt(self.noise_multiplier, 6)}")
         if self.sigma_aux is not None:
             out.append(f"gradient noise multiplier: {_fmt(self.gradient_noise_multiplier, 6)}")
@@ -253,6 +251,17 @@ class PrivacyStatement:
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
+
+    def _blt_multiplier(self) -> str:
+        """The BLT line's multiplier: σ/s, or with a statistic σ_g/s, the gradient's alone (each charge
+        adds the statistic's own precision: docs/formulas.md, "BLT"; σ_eff/s is no mechanism's)."""
+        if self.sigma_aux is None:
+            sigma, name = self.noise_multiplier, "multiplier σ/sensitivity"
+        else:
+            sigma, name = self.gradient_noise_multiplier, "the gradient's multiplier σ_g/sensitivity"
+        value = None if sigma is None or not self.sensitivity else sigma / self.sensitivity
+        return f"{name} = {_fmt(value, 6)}" + ("" if self.sigma_aux is None else
+                                                   " (each charge joint with the statistic of its step)")
 
     @property
     def _member(self) -> str:

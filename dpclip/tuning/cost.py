@@ -200,15 +200,21 @@ def check_same_privacy(configurations: Sequence[Configuration], dataset_size: in
                           "another mechanism)",
                           "tune-cost gives every run the same per-run σ: keep the keys that change a run's private "
                           "steps or how they are noised (continual.at_switch.linear_probe_epochs, continual.schedule, "
-                          "privacy.mechanism; with BLT, the momentum) out of the search")
+                          "privacy.mechanism; with BLT, the momentum and the threshold statistic) out of the search")
 
 
 def _plan_key(recipe: Recipe, dataset_size: int) -> str:
     """The per-run plan of ``recipe`` as comparable text, but for what moves no per-step event at a
     calibrated σ: the statistic's share of it (σ_eff is one Gaussian however it is split;
-    docs/formulas.md) and what a run labels outside ε."""
+    docs/formulas.md) and what a run labels outside ε. Not so under BLT: each charge weighs the
+    gradient by its sensitivity and the statistic by its participation, so the split moves ε, and
+    the statistic (with its K) stays in the key."""
     plan = asdict(privacy_plan(recipe, dataset_size, groups=1))   # K sizes only the statistic, left out
-    plan.pop("aux"), plan.pop("not_covered")
+    if plan["buffers"] and plan["aux"] is not None:
+        plan = asdict(privacy_plan(recipe, dataset_size))
+    else:
+        plan.pop("aux")
+    plan.pop("not_covered")
     return repr(sorted(plan.items()))
 
 

@@ -18,8 +18,9 @@ from typing import Any
 
 import dp_accounting
 
-from dpclip.accounting import PrivacyPlan, account, solve, split_noise, training_event
-from dpclip.accounting.blt import blt_event
+from dpclip.accounting import AuxSpec, PrivacyPlan, account, solve, split_noise, training_event
+from dpclip.accounting.blt import blt_event, split_ratios
+from dpclip.accounting.split import NoiseSplit
 from dpclip.accounting.plan import participations
 from dpclip.accounting.calibrate import quiet_dp_accounting
 from dpclip.accounting.statement import SHUFFLE_ASSUMPTION, SHUFFLE_CAVEAT, sampling_name
@@ -48,16 +49,39 @@ class RunRelease:
     score_noise: float | None  # None: public score, nothing released besides the model
     bands: int = 1                        # banded MF's b
     sensitivities: tuple[float, ...] = ()  # BLT's squared prefix sensitivities (PrivacyPlan)
+    aux: AuxSpec | None = None             # the threshold statistic sharing σ (PrivacyPlan)
+
+    def split(self, sigma: float) -> NoiseSplit:
+        """σ_eff shared with the threshold statistic as the run's plan shares it (an AccountingError
+        when a statistic of fixed noise std leaves the gradient nothing: σ_eff ≥ σ_a/Δ_a)."""
+        if self.aux is None:
+            return NoiseSplit.gradient_only(sigma)
+        return split_noise(sigma, self.aux.sensitivity, aux_sigma=self.aux.sigma, aux_fraction=self.aux.fraction)
 
     def training(self, sigma: float) -> dp_accounting.DpEvent:
         """The run's training alone, as its ledger composes it: ``steps`` Poisson-sampled
-        Gaussian steps at σ; banded MF's ⌈T/b⌉ participations at q·b; BLT's charges
-        (docs/formulas.md)."""
+        Gaussian steps at σ; banded MF's ⌈T/b⌉ participations at q·b; BLT's charges, each
+        joint over the gradient and the statistic (docs/formulas.md)."""
         if self.sensitivities:
-            return blt_event(sigma, self.sensitivities)
+            gradient, aux_ratio_sq = split_ratios(self.split(sigma))
+            return blt_event(gradient, self.sensitivities, aux_ratio_sq)
         if self.bands > 1:
             return training_event(min(1.0, self.sample_rate * self.bands), sigma, participations(self.steps, self.bands))
         return training_event(self.sample_rate, sigma, self.steps)
+
+    def to_total(self, sigma: float) -> float:
+        """σ_eff of the search variable: itself, but σ_g under BLT with a statistic of fixed std σ_a,
+        which only σ_eff < σ_a/Δ_a can split (a search over σ_eff would probe past it):
+        σ_eff = (σ_g⁻² + (Δ_a/σ_a)²)^(−1/2)."""
+        if not self.sensitivities or self.aux is None or self.aux.sigma is None:
+            return sigma
+        return (sigma ** -2 + (self.aux.sensitivity / self.aux.sigma) ** 2) ** -0.5
+
+    def calibrate(self, search_event_of, epsilon: float, delta: float, accountant: str) -> float:
+        """The per-run σ_eff whose search meets ε (:func:`calibrate_search_noise` over :meth:`to_total`'s variable)."""
+        found = calibrate_search_noise(lambda sigma: self.event(self.to_total(sigma)), search_event_of, epsilon, delta,
+                                       accountant)
+        return self.to_total(found)
 
     def event(self, sigma: float) -> dp_accounting.DpEvent:
         """The training, composed with the private score's Gaussian mechanism when there is one."""
@@ -110,6 +134,7 @@ class SearchPrivacy:
     sensitivities: tuple[float, ...] = ()
     sampling: str = "poisson"   # how the loader forms batches; "shuffle" is accounted as if Poisson
     unit: str = "example"       # privacy.unit: what a private score's sensitivity 1 is over
+    aux: AuxSpec | None = None  # the recipe's threshold statistic (not written: its plan states it)
 
     @property
     def score_meaning(self) -> str | None:
@@ -137,13 +162,13 @@ class SearchPrivacy:
     @property
     def release(self) -> RunRelease:
         """What one run of this search releases (:class:`RunRelease`)."""
-        return RunRelease(self.sample_rate, self.steps, self.score_noise, self.bands, self.sensitivities)
+        return RunRelease(self.sample_rate, self.steps, self.score_noise, self.bands, self.sensitivities, self.aux)
 
     def strategy(self, name: str) -> Strategy:
         return next(s for s in self.strategies if s.name == name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "sampling": sampling_name(self.sampling, self.bands, bool(self.sensitivities)),
+        return {**{k: v for k, v in asdict(self).items() if k != "aux"}, "sampling": sampling_name(self.sampling, self.bands, bool(self.sensitivities)),
                 "sampling_assumption": self.sampling_assumption, "caveats": self.caveats,
                 "score_meaning": self.score_meaning}
 
@@ -157,15 +182,13 @@ def _infeasible(exc, release: RunRelease) -> str:
 
 def run_release(recipe: Recipe, plan: PrivacyPlan) -> RunRelease:
     score_noise = recipe.tuning.score_noise if recipe.tuning.score == "private" else None
-    return RunRelease(plan.sample_rate, plan.steps, score_noise, plan.bands, tuple(plan.sensitivities))
+    return RunRelease(plan.sample_rate, plan.steps, score_noise, plan.bands, tuple(plan.sensitivities), plan.aux)
 
 
 def gradient_sigma(plan: PrivacyPlan, sigma_total: float) -> float:
-    """σ of the gradient once the plan's threshold statistic has taken its share of σ_eff."""
-    if plan.aux is None:
-        return sigma_total
-    split = split_noise(sigma_total, plan.aux.sensitivity, aux_sigma=plan.aux.sigma, aux_fraction=plan.aux.fraction)
-    return split.gradient_noise_multiplier
+    """σ of the gradient once the plan's threshold statistic has taken its share of σ_eff (an
+    AccountingError when a statistic of fixed noise std leaves it none)."""
+    return RunRelease(plan.sample_rate, plan.steps, None, aux=plan.aux).split(sigma_total).gradient_noise_multiplier
 
 
 def trials_mean(recipe: Recipe, configurations: int) -> float:
@@ -197,14 +220,14 @@ def search_privacy(recipe: Recipe, plan: PrivacyPlan, configurations: int, *,
     strategies = []
     # Naive composition: all G runs released.
     try:
-        sigma = calibrate_search_noise(release.event, lambda run: naive_search_event(run, configurations),
-                                       epsilon, delta, accountant)
+        sigma = release.calibrate(lambda run: naive_search_event(run, configurations), epsilon, delta, accountant)
+        gradient = gradient_sigma(plan, sigma)   # a statistic of fixed std may leave the gradient no share
     except AccountingError as exc:
         strategies.append(Strategy(NAIVE, None, None, epsilon, delta, accountant,
                                    {"runs": configurations, "infeasible": _infeasible(exc, release)}))
     else:
         result = account(naive_search_event(release.event(sigma), configurations), delta, accountant)
-        strategies.append(Strategy(NAIVE, sigma, gradient_sigma(plan, sigma), result.epsilon, delta,
+        strategies.append(Strategy(NAIVE, sigma, gradient, result.epsilon, delta,
                                    result.accountant, {"runs": configurations}))
 
     # Liu–Talwar random stopping: each run gets (ε₁, δ₁), the search (ε, δ) by the theorem.
@@ -214,8 +237,8 @@ def search_privacy(recipe: Recipe, plan: PrivacyPlan, configurations: int, *,
         budget = liu_talwar_per_run_budget(epsilon, delta, gamma, tuning.stop_delta)
         detail.update(epsilon_run=budget.epsilon_run, delta_run=budget.delta_run, max_runs=budget.max_runs,
                       expected_runs=1.0 / gamma)
-        sigma = calibrate_search_noise(release.event, lambda run: run, budget.epsilon_run, budget.delta_run,
-                                       accountant)
+        sigma = release.calibrate(lambda run: run, budget.epsilon_run, budget.delta_run, accountant)
+        gradient = gradient_sigma(plan, sigma)
     except AccountingError as exc:
         # No per-run budget at all (ε too small), or a fixed score noise that alone exceeds ε₁ at
         # δ₁ ~ 1e-17. Say so and keep the other strategies.
@@ -224,7 +247,7 @@ def search_privacy(recipe: Recipe, plan: PrivacyPlan, configurations: int, *,
     else:
         with quiet_dp_accounting():  # PLD routinely falls back to RDP at δ₁ ~ 1e-17; the result says so
             run_result = account(release.event(sigma), budget.delta_run, accountant)
-        strategies.append(Strategy(LIU_TALWAR, sigma, gradient_sigma(plan, sigma), budget.epsilon, budget.delta,
+        strategies.append(Strategy(LIU_TALWAR, sigma, gradient, budget.epsilon, budget.delta,
                                    run_result.accountant, {**detail, "epsilon_run_achieved": run_result.epsilon}))
 
     # Papernot–Steinke repeat-and-select: K random runs, RDP accountant only.
@@ -232,14 +255,14 @@ def search_privacy(recipe: Recipe, plan: PrivacyPlan, configurations: int, *,
     shape = repeat_and_select_shape(tuning.trials, tuning.trials_shape)
     detail = {"distribution": tuning.trials, "mean": mean, "shape": None if math.isinf(shape) else shape}
     try:
-        sigma = calibrate_search_noise(release.event, lambda run: repeat_and_select_event(run, mean, shape),
-                                       epsilon, delta, "rdp")
+        sigma = release.calibrate(lambda run: repeat_and_select_event(run, mean, shape), epsilon, delta, "rdp")
+        gradient = gradient_sigma(plan, sigma)
     except AccountingError as exc:
         strategies.append(Strategy(REPEAT_AND_SELECT, None, None, epsilon, delta, "rdp",
                                    {**detail, "infeasible": _infeasible(exc, release)}))
     else:
         result = account(repeat_and_select_event(release.event(sigma), mean, shape), delta, "rdp")
-        strategies.append(Strategy(REPEAT_AND_SELECT, sigma, gradient_sigma(plan, sigma), result.epsilon, delta,
+        strategies.append(Strategy(REPEAT_AND_SELECT, sigma, gradient, result.epsilon, delta,
                                    "rdp", detail))
     if all(s.noise_multiplier is None for s in strategies):
         reasons = strategies[0].detail["infeasible"]
@@ -249,7 +272,7 @@ def search_privacy(recipe: Recipe, plan: PrivacyPlan, configurations: int, *,
 
     return SearchPrivacy(configurations, float(epsilon), delta, accountant, plan.sample_rate, plan.steps,
                          tuning.score, release.score_noise, recipe_sigma, solved.epsilon, naive_at_recipe, strategies,
-                         release.bands, release.sensitivities, plan.sampling, recipe.privacy.unit)
+                         release.bands, release.sensitivities, plan.sampling, recipe.privacy.unit, plan.aux)
 
 
 __all__ = ["NAIVE", "LIU_TALWAR", "REPEAT_AND_SELECT", "RunRelease", "Strategy", "SearchPrivacy",

@@ -12,7 +12,7 @@ import pytest
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpclip.accounting import PrivacyPlan, solve
+from dpclip.accounting import AuxSpec, PrivacyPlan, solve
 from dpclip.accounting.accountants import RDP_ORDERS, account
 from dpclip.accounting.blt import blt_groups
 from dpclip.errors import AccountingError
@@ -73,6 +73,20 @@ def test_calibration_reaches_the_target_on_the_charges():
     assert again.epsilon == result.epsilon
 
 
+def test_a_statistic_of_fixed_noise_calibrates_to_a_target_only_a_sigma_below_its_cap_reaches():
+    # DC-SGD's histogram, σ_a = 8, Δ = 1: only σ_eff < 8 splits. ε = 1.2 needs σ_eff ≈ 7.4, and the
+    # search over σ_eff used to probe 2s ≈ 8.4 on its way there and refuse the plan. One Gaussian:
+    # 1/μ² = s²/σ_g² + K·(Δ/σ_a)², checked with dp_accounting directly.
+    histogram = AuxSpec("norm histogram", sensitivity=1.0, groups=1, sigma=8.0)
+    result = solve(plan(noise_multiplier=None, target_epsilon=1.2, aux=histogram))
+    split = result.split
+    assert split.noise_multiplier < 8.0 and split.sigma_aux == 8.0
+    mu = (SENSITIVITIES[-1] / split.gradient_noise_multiplier ** 2 + len(SENSITIVITIES) / 64) ** -0.5
+    direct = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4).compose(
+        dp_accounting.GaussianDpEvent(mu)).get_epsilon(1e-5)
+    assert 1.2 * 0.99 <= result.epsilon <= 1.2 and direct == pytest.approx(result.epsilon, rel=1e-3)
+
+
 def test_the_engine_reports_its_group_rate_not_an_amplified_event():
     result = solve(plan())
     assert result.step_event == dp_accounting.GaussianDpEvent(6.0)   # q·G = 1: the whole group
@@ -86,6 +100,19 @@ def test_the_statement_says_no_amplification_and_the_sensitivity():
     assert "2 buffers" in line and "no amplification by sampling" in line and "20 steps apart" in line
     assert f"sensitivity {math.sqrt(17.5):.4f}"[:16] in line
     assert any("the cyclic groups drawn privately, independently for each" in line for line in lines)
+
+
+def test_with_a_statistic_the_statement_names_the_gradients_multiplier_not_sigma_eff_over_s():
+    # σ_eff/s is no mechanism's multiplier here: the run charges Σ_j Δs_j²/σ_g² + K·(Δ_a/σ_a)², and a
+    # Gaussian of multiplier σ_eff/s would give a larger ε than the one stated above it.
+    quantile = AuxSpec("quantile counts", sensitivity=0.5, groups=1, fraction=0.3)
+    result = solve(plan(aux=quantile))
+    line = next(line for line in result.statement.lines() if line.startswith("mechanism: BLT"))
+    whole = math.sqrt(SENSITIVITIES[-1])
+    assert f"σ_g/sensitivity = {result.split.gradient_noise_multiplier / whole:.6g}" in line
+    assert f"{result.split.noise_multiplier / whole:.6g}" not in line
+    plain = next(line for line in solve(plan()).statement.lines() if line.startswith("mechanism: BLT"))
+    assert f"multiplier σ/sensitivity = {6.0 / whole:.6g}," in plain
 
 
 @pytest.mark.parametrize("change, message", [

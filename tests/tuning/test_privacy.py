@@ -1,4 +1,5 @@
 import functools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -6,6 +7,7 @@ from dp_accounting import dp_event, rdp
 
 import dp_accounting
 
+from dpclip.accounting import event_to_dict, solve
 from dpclip.errors import AccountingError
 from dpclip.recipe import apply_overrides, read_yaml, validate_recipe
 from dpclip.planning.plan import plan_for_recipe
@@ -89,3 +91,52 @@ def test_a_correlated_noise_search_does_not_claim_poisson_subsampling_at_rate_q(
     _, privacy = _privacy(f"privacy.mechanism={mechanism}", configurations=2)
     assert not privacy.sampling_assumption.startswith("Poisson subsampling")
     assert words in privacy.sampling_assumption
+
+
+def test_a_blt_search_charges_each_run_the_joint_events_its_ledger_records_with_a_statistic():
+    # BLT with quantile thresholds: each participation is the joint Gaussian 1/μ_j² = Δs_j²/σ_g² + (Δ_a/σ_a)²
+    # (docs/formulas.md, "BLT"). The search's run event used σ_eff on the gradient alone (Σ Δs_j² ≥ K: more ε
+    # than spent), and `tune-cost --run` stopped at its first trial, whose ledger it did not match.
+    recipe, privacy = _privacy("tuning.score=public", "privacy.mechanism={kind: blt, buffers: 2}",
+                               "clipping.grouping=all-layer", "clipping.threshold={kind: quantile, budget_fraction: 0.3}",
+                               configurations=2)
+    plan = plan_for_recipe(recipe)
+    for strategy in privacy.strategies:
+        sigma = strategy.noise_multiplier
+        ledger = solve(replace(plan, target_epsilon=None, noise_multiplier=sigma)).total_event
+        assert event_to_dict(privacy.release.training(sigma)) == event_to_dict(ledger)
+    # dp_accounting directly: two runs at the recipe's σ are one Gaussian of twice a run's precision.
+    split = solve(plan).split
+    squared, participations = plan.sensitivities[-1], len(plan.sensitivities)
+    precision = squared / split.gradient_noise_multiplier ** 2 + participations * (0.5 / split.sigma_aux) ** 2
+    two_runs = rdp.RdpAccountant().compose(dp_accounting.GaussianDpEvent((2 * precision) ** -0.5))
+    assert privacy.epsilon_naive_at_recipe_sigma == pytest.approx(two_runs.get_epsilon(privacy.delta), rel=1e-9)
+
+
+def test_a_strategy_a_statistic_of_fixed_noise_leaves_no_gradient_share_is_reported_not_raised():
+    # DC-SGD's σ_H = 5 (Δ = 1) splits only σ_eff < 5: the naive and Liu–Talwar searches need more, which
+    # used to stop all of tune-cost with the split's error; repeat-and-select fits.
+    _, privacy = _privacy("tuning.score=public", "clipping.grouping=all-layer",
+                          "clipping.threshold={kind: dcsgd-p, sigma_hist: 5.0}", "privacy.epsilon=0.5")
+    for name in (NAIVE, LIU_TALWAR):
+        assert privacy.strategy(name).noise_multiplier is None
+        assert "aux_sigma = 5 is too small" in privacy.strategy(name).detail["infeasible"]
+    chosen = privacy.strategy(REPEAT_AND_SELECT)
+    assert chosen.noise_multiplier < 5.0
+    assert chosen.gradient_noise_multiplier == pytest.approx((chosen.noise_multiplier ** -2 - 1 / 25) ** -0.5)
+
+
+def test_a_blt_search_with_a_statistic_of_fixed_noise_finds_the_sigma_below_its_cap():
+    # BLT, σ_H = 5 (Δ = 1): only σ_eff < 5 splits, and the run's charges need the split. The search over
+    # σ_eff probed 8 on its way to ≈ 4.2 and refused the whole search; it runs over σ_g instead.
+    recipe, privacy = _privacy("tuning.score=public", "privacy.mechanism={kind: blt, buffers: 2}",
+                               "clipping.grouping=all-layer", "clipping.threshold={kind: dcsgd-p, sigma_hist: 5.0}",
+                               "privacy.epsilon=3", configurations=2)
+    plan = plan_for_recipe(recipe)
+    naive = privacy.strategy(NAIVE)
+    assert naive.noise_multiplier < 5.0 and privacy.strategy(REPEAT_AND_SELECT).noise_multiplier < 5.0
+    # dp_accounting directly: two runs are one Gaussian of twice a run's precision s²/σ_g² + K·(1/5)².
+    precision = plan.sensitivities[-1] / naive.gradient_noise_multiplier ** 2 + len(plan.sensitivities) / 25
+    two_runs = rdp.RdpAccountant().compose(dp_accounting.GaussianDpEvent((2 * precision) ** -0.5))
+    assert naive.epsilon == pytest.approx(two_runs.get_epsilon(privacy.delta), rel=1e-6)
+    assert 0.99 * 3 <= naive.epsilon <= 3

@@ -162,3 +162,16 @@ def test_a_grid_value_nested_too_deeply_is_a_recipe_error_not_a_crash():
     with pytest.raises(RecipeError) as info:
         parse_grid_option("training.optimizer.lr=" + "[" * 5000)
     assert "nested too deeply" in info.value.message and info.value.hint
+
+
+def test_a_blt_grid_over_the_statistics_share_of_the_budget_is_refused(tiny):
+    """Under BLT the split moves ε (a charge is Δs_j²/σ_g² + (Δ_a/σ_a)²): one σ_eff for a share of 0.05
+    and one of 0.2 would charge one of them less than it spends."""
+    from dpclip.tuning.cost import StepTimer, tune_cost
+
+    base, recipe = tiny("privacy.mechanism={kind: blt, buffers: 2}",
+                        "clipping.threshold={kind: quantile, budget_fraction: 0.1}")
+    with pytest.raises(RecipeError, match="varies the privacy plan") as info:
+        tune_cost(base, recipe, grid=["clipping.threshold.budget_fraction=0.05,0.2"],
+                  timer=StepTimer(fixed_seconds=0.01))
+    assert "threshold statistic" in info.value.hint
