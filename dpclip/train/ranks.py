@@ -28,7 +28,7 @@ import torch
 from dpclip.distributed import World, announce_run_dir
 from dpclip.errors import DpclipError
 from dpclip.recipe import Recipe, recipe_to_yaml
-from dpclip.rundir.run import data_fingerprint
+from dpclip.rundir.fingerprints import fingerprints
 
 SAME_RECIPE_HINT = ("start every rank with the same recipe file and key=value overrides (torchrun passes the "
                     "same arguments to all the ranks of one node; check the other nodes' command lines)")
@@ -68,7 +68,7 @@ def check_ranks(recipe: Recipe, world: World, data) -> None:
     if refused:
         what, hint = refused[0]
         raise DpclipError(f"{what} does not run across {world.size} ranks yet (docs/distributed.md)", hint)
-    world.check_same("the training data (content fingerprint)", data_fingerprint(data),
+    world.check_same("the training data (content and people fingerprints)", fingerprints(data),
                      "every rank must load the same data in the same order: the same files on every node")
 
 
