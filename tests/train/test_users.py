@@ -68,16 +68,6 @@ def test_train_and_test_hold_different_people(user_recipe):
     assert data.num_users == len(train_people) and len(data.train_users) == data.num_train
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["training.sampling=shuffle"], "shuffled batches"),
-])
-def test_what_user_level_cannot_run_yet_is_refused_before_a_run_directory_exists(user_recipe, tmp_path, extra,
-                                                                                  message):
-    with pytest.raises(DpclipError, match=message) as caught:
-        train(user_recipe(*extra), run_dir=tmp_path / "run")
-    assert caught.value.hint and not (tmp_path / "run").exists()
-
-
 def test_the_top_fraction_rule_at_the_user_level_noises_for_k_rows_pushed_out(user_recipe):
     """A person brings up to k = 8 rows: the engine noises for large + 8·(large − small)
     (dpclip/engine/policies/discriminative.py), not the 2·large − small of one record."""
