@@ -50,6 +50,9 @@ def check_parallel(recipe) -> None:
     if training.parallel == "pipeline" and training.precision != "fp32":
         raise ValueError(f"training.precision {training.precision!r} does not run on pipeline stages yet; set "
                          "training.precision: fp32 with training.parallel: pipeline")
+    if training.parallel == "pipeline" and recipe.clipping.threshold.kind not in ("fixed", "quantile"):
+        raise ValueError(f"clipping.threshold kind {recipe.clipping.threshold.kind!r} does not run on pipeline stages "
+                         "yet; use kind fixed or quantile (per-stage quantiles) with training.parallel: pipeline")
     if training.parallel == "fsdp" and isinstance(grouping, dict) and "stages" in grouping:
         raise ValueError("clipping.grouping {stages: ...} clips per pipeline stage, and training.parallel fsdp has "
                          "no stages; use training.parallel: pipeline for per-device clipping, or another grouping")

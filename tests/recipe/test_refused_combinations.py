@@ -21,6 +21,7 @@ STAGES = "clipping.grouping={stages: ['^1$', '^3$']}"
      "public_fraction with users"),
     (QUICKSTART, ["training.parallel=pipeline", "training.precision=bf16", STAGES], "pipeline stages"),
     (QUICKSTART, ["training.parallel=fsdp", STAGES], "no stages"),
+    (QUICKSTART, ["training.parallel=pipeline", "clipping.threshold={kind: dcsgd-p}", STAGES], "pipeline stages"),
 ])
 @pytest.mark.parametrize("command", [["validate"], ["account"], ["tune-cost", "--no-measure", "--step-seconds", "1"],
                                      ["train"]])
