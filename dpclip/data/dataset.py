@@ -31,7 +31,7 @@ import torch
 from dpclip.data.builtin import (FOODS, load_digits_arrays, synthetic_cuisine_sentences, synthetic_restaurant_sentences,
                                  synthetic_user_sentences)
 from dpclip.data.columns import Examples, examples_from_columns, require_columns, text_tensors
-from dpclip.data.files import Columns, read_table, read_text_lines
+from dpclip.data.files import Columns, read_table, read_text_lines, words_read_as_missing
 from dpclip.data.hub import load_hub_columns
 from dpclip.data.split import carve_indices, split_fingerprint, split_indices
 from dpclip.data.tokenizers import Tokenizer, load_tokenizer
@@ -157,11 +157,20 @@ def _files_examples(config) -> Examples:
         parts = [text_tensors(read_text_lines(path), text_tokenizer, config.max_length) for path in paths]
         return Examples(parts, "causal-lm", (config.max_length,), tokenizer=text_tokenizer)
     tables = [read_table(path, config.format, as_written=tuple(filter(None, [config.user_field]))) for path in paths]
-    users = user_column(tables, config.user_field, origin)
-    examples = examples_from_columns(tables, label_field=config.label_field, text_field=config.text_field,
-                                     feature_fields=_without(config.feature_fields, config.user_field, tables,
-                                                             config.label_field, config.text_field),
-                                     tokenizer=config.tokenizer, max_length=config.max_length, origin=origin)
+    try:
+        users = user_column(tables, config.user_field, origin)
+        examples = examples_from_columns(tables, label_field=config.label_field, text_field=config.text_field,
+                                         feature_fields=_without(config.feature_fields, config.user_field, tables,
+                                                                 config.label_field, config.text_field),
+                                         tokenizer=config.tokenizer, max_length=config.max_length, origin=origin)
+    except DpclipError as error:
+        if config.format != "csv":
+            raise
+        named = [name for name in (config.user_field, config.text_field, config.label_field) if name]
+        for path in paths:
+            if (noted := words_read_as_missing(error, path, named)) is not error:
+                raise noted from None
+        raise
     return replace(examples, users=users)
 
 

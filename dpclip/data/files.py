@@ -95,6 +95,31 @@ def read_table(path: str | Path, file_format: str, as_written: tuple[str, ...] =
     return _columns_of(frame)
 
 
+def words_read_as_missing(error: DpclipError, path: str | Path, columns: list[str]) -> DpclipError:
+    """``error`` (a refusal of ``columns`` of the csv ``path``), told where the csv holds a word that
+    pandas reads as a missing value (NA, N/A, NULL, null, None, NaN, ...) in one of ``columns`` (the
+    column the error names first), or as it is. A second read, as written: on this error path only."""
+    import pandas as pd  # lazy, as in read_table
+
+    named = sorted(dict.fromkeys(columns), key=lambda name: repr(name) not in error.message)
+    try:
+        parsed, written = (pd.read_csv(path, skip_blank_lines=True, dtype=str, usecols=lambda c: c in named,
+                                       keep_default_na=keep) for keep in (True, False))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return error
+    if len(parsed) != len(written):
+        return error
+    for name in (name for name in named if name in parsed):
+        for row, (value, word) in enumerate(zip(parsed[name], written[name])):
+            if not isinstance(value, str) and isinstance(word, str) and word.strip():
+                return DpclipError(f"{error.message} ({path}, row {row + 1}: {name!r} is written {word!r}, a word "
+                                   "pandas reads as missing, as it reads NA, N/A, NULL, null, None and NaN)",
+                                   "dpclip reads csv with pandas' missing-value words: write that value another way "
+                                   "(for a real value), leave the cell empty (for a missing one), or write the data "
+                                   "as jsonl, whose strings are read as written")
+    return error
+
+
 def read_text_lines(path: str | Path) -> list[str]:
     """One example per non-blank line, without its line ending."""
     path = _existing(path)

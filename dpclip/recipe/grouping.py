@@ -1,5 +1,5 @@
 """``clipping.grouping``: its names and forms, normalised and checked (docs/engine.md, "Groups and
-early finalization")."""
+early finalization"); and what training.parallel does not run with, known from the recipe alone."""
 
 from __future__ import annotations
 
@@ -41,3 +41,18 @@ def validate_grouping(value: Any) -> Any:
         except re.error as exc:
             raise ValueError(f"{pattern!r} is not a valid regex: {exc}") from None
     return {key: arg}
+
+
+def check_parallel(recipe) -> None:
+    """What training.parallel does not run with, known from the recipe alone (docs/distributed.md):
+    refused by validation, so ``dpclip validate``, ``account`` and ``tune-cost`` refuse it as training does."""
+    training, grouping = recipe.training, recipe.clipping.grouping
+    if training.parallel == "pipeline" and training.precision != "fp32":
+        raise ValueError(f"training.precision {training.precision!r} does not run on pipeline stages yet; set "
+                         "training.precision: fp32 with training.parallel: pipeline")
+    if training.parallel == "pipeline" and recipe.clipping.threshold.kind not in ("fixed", "quantile"):
+        raise ValueError(f"clipping.threshold kind {recipe.clipping.threshold.kind!r} does not run on pipeline stages "
+                         "yet; use kind fixed or quantile (per-stage quantiles) with training.parallel: pipeline")
+    if training.parallel == "fsdp" and isinstance(grouping, dict) and "stages" in grouping:
+        raise ValueError("clipping.grouping {stages: ...} clips per pipeline stage, and training.parallel fsdp has "
+                         "no stages; use training.parallel: pipeline for per-device clipping, or another grouping")

@@ -31,7 +31,7 @@ from dpclip.engine.spec import CLIPPING_DEFAULTS, ClippingSpec
 from dpclip.recipe.audit import Audit, Canaries, Exposure, check_audit  # noqa: F401 (docs)
 from dpclip.recipe.mechanism import BandedMF, Blt, DpSgd, MechanismConfig  # noqa: F401 (docs)
 from dpclip.recipe.continual import AtSwitch, Continual, Diagnostics, SwitchRule, check_continual  # noqa: F401 (docs)
-from dpclip.recipe.grouping import GROUPING_HELP, validate_grouping
+from dpclip.recipe.grouping import GROUPING_HELP, check_parallel, validate_grouping
 from dpclip.recipe.section import LearningRate, Section, Size, threshold_without_booleans
 from dpclip.recipe.tuning import RandomRange, Tuning  # noqa: F401 (docs)
 from dpclip.recipe.users import DataUsers, check_users
@@ -435,9 +435,8 @@ class Recipe(Section):
         if self.model.kind == "cnn" and self.data.source == "builtin" and self.data.name == "digits" \
                 and not self.data.as_images:
             raise ValueError("model.kind 'cnn' needs images: set data.as_images: true")
-        check_continual(self)
-        check_users(self)
-        check_audit(self)
+        for check in (check_continual, check_users, check_audit, check_parallel):
+            check(self)
         return self
 
 

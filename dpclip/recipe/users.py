@@ -31,14 +31,20 @@ class DataUsers(Section):
 
 
 def check_users(recipe) -> None:
-    """The cross-section rules of ``privacy.unit: user`` that need only the recipe."""
+    """The cross-section rules of ``privacy.unit: user`` that need only the recipe, among them what
+    user-level training refuses (docs/users.md, "Not built yet"): refused here, ``dpclip validate``,
+    ``account`` and ``tune-cost`` refuse it too, rather than state a guarantee no run can have."""
     data = recipe.data
+    builtin_users = data.source == "builtin" and data.name in BUILTIN_WITH_USERS
+    if getattr(data, "public_fraction", None) is not None and (builtin_users or data.user_field is not None):
+        raise ValueError("data.public_fraction with users is not built yet: carve public data from data without "
+                         "users, or name a separate public: block")
     if recipe.privacy.unit != "user":
         if data.max_examples_per_user is not None or data.user_field is not None:
             raise ValueError("data.user_field and data.max_examples_per_user belong to user-level privacy; set "
                              "privacy.unit: user, or remove them")
         return
-    has_users = data.user_field is not None or (data.source == "builtin" and data.name in BUILTIN_WITH_USERS)
+    has_users = data.user_field is not None or builtin_users
     if not has_users:
         raise ValueError(f"privacy.unit 'user' needs to know who wrote each record: set data.user_field to the "
                          f"column naming the person (builtin data with users: {', '.join(BUILTIN_WITH_USERS)})")
@@ -48,6 +54,12 @@ def check_users(recipe) -> None:
     if data.max_examples_per_user is None:
         raise ValueError("privacy.unit 'user' needs data.max_examples_per_user (k, the most records of one person "
                          "a step takes), e.g. data.max_examples_per_user: 8")
+    if recipe.training.sampling != "poisson":
+        raise ValueError(f"privacy.unit 'user' does not run with training.sampling: {recipe.training.sampling} yet "
+                         "(people are Poisson-sampled): set training.sampling: poisson")
+    if recipe.training.parallel == "pipeline":
+        raise ValueError("privacy.unit 'user' does not run on pipeline stages yet: set training.parallel: data "
+                         "or fsdp")
 
 
 def _check_user_field_unread(data) -> None:

@@ -33,7 +33,7 @@ MANIFEST: tuple[Entry, ...] = (
     # ---------------------------------------------------------------- train (dpclip/rundir/run.py, trainer)
     _run("recipe.yaml", RELEASED, "the resolved recipe (its `seed` governs only public randomness); with "
          "`audit.canaries.seed` set it identifies the canaries: share it only after the audit"),
-    _run("meta.json", SECRET, "member and non-member indices (membership), split and content fingerprints"),
+    _run("meta.json", SECRET, "member and non-member indices (membership), split, content and people fingerprints"),
     _run("plan.json", RELEASED, "what the statement is rebuilt from: privacy fingerprint, training-set size "
          "(treated as public: the statement names it not covered by ε), process count, clipping group names, "
          "the names of the buffers the training forward writes, the not-covered lines of recipes a resume replaced, whether a "

@@ -29,6 +29,7 @@ from dpclip.accounting import Ledger, same_event, solve, statement_from_ledger
 from dpclip.accounting.plan import user_unit
 from dpclip.data.canaries import read_canary_secret
 from dpclip.rundir.checkpoint import checkpointed_steps
+from dpclip.rundir.fingerprints import fingerprints
 from dpclip.rundir.metrics import last_released_step
 from dpclip.errors import DpclipError
 from dpclip.files import read_json, write_json_atomic, write_text_atomic
@@ -258,28 +259,6 @@ def record_resume_changes(run: RunDir, recipe: Recipe, step: int, changes: dict[
     write_json_atomic(run.meta_file, meta)
 
 
-def data_fingerprint(data) -> str:
-    """Hash of the training and held-out examples themselves (the split fingerprint says
-    only which rows are members): a resumed run must train on the data it started with."""
-    digest = hashlib.sha256()
-    for part in (data.train, data.test):
-        for name in sorted(part):
-            tensor = part[name].detach().cpu().contiguous()
-            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
-def check_data(run: RunDir, data) -> None:
-    """On resume, the data must be the run's (runs started before the fingerprint was
-    written are not checked)."""
-    stored = run.meta().get("data", {}).get("content_fingerprint")
-    if stored is not None and stored != data_fingerprint(data):
-        raise DpclipError(f"the data of {run.path} changed since the run started (its content fingerprint differs)",
-                          "restore the data files the run was started with (recipe.yaml names them), or start a "
-                          "new run")
-
-
 def load_run_recipe(run_dir: Path) -> Recipe:
     """The recipe of the run in ``run_dir`` (:meth:`RunDir.recipe`; many readers need it)."""
     return RunDir(run_dir).recipe()
@@ -434,7 +413,7 @@ def meta_record(recipe: Recipe, data, info: dict[str, Any]) -> dict[str, Any]:
         "python": platform.python_version(),
         "seed": recipe.seed,
         "privacy_fingerprint": privacy_fingerprint(recipe),
-        "data": {**data.describe(), "content_fingerprint": data_fingerprint(data)},
+        "data": {**data.describe(), **fingerprints(data)},
         "members": [int(i) for i in data.train_indices],
         "non_members": [int(i) for i in data.test_indices],
         # what drew the members (dpclip.train.parts.split_key): as secret as they are

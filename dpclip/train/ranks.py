@@ -28,7 +28,7 @@ import torch
 from dpclip.distributed import World, announce_run_dir
 from dpclip.errors import DpclipError
 from dpclip.recipe import Recipe, recipe_to_yaml
-from dpclip.rundir.run import data_fingerprint
+from dpclip.rundir.fingerprints import fingerprints
 
 SAME_RECIPE_HINT = ("start every rank with the same recipe file and key=value overrides (torchrun passes the "
                     "same arguments to all the ranks of one node; check the other nodes' command lines)")
@@ -51,13 +51,10 @@ def check_ranks(recipe: Recipe, world: World, data) -> None:
     if recipe.training.parallel == "pipeline" and world.size == 1:
         raise DpclipError("training.parallel: pipeline runs one stage per process, and this is one process",
                           "start one process per stage of clipping.grouping.stages: dpclip train RECIPE --nproc K")
-    if recipe.training.parallel == "pipeline" and recipe.training.precision != "fp32":
-        raise DpclipError(f"training.precision: {recipe.training.precision} does not run on pipeline stages yet",
-                          "use training.precision: fp32 with training.parallel: pipeline")
     if recipe.training.parallel == "fsdp":
         check_shardable(recipe, world)
     if recipe.privacy.unit == "user":
-        check_user_level(recipe, world, data)
+        check_user_level(data)
     if world.size == 1:
         return
     refused = []
@@ -68,7 +65,7 @@ def check_ranks(recipe: Recipe, world: World, data) -> None:
     if refused:
         what, hint = refused[0]
         raise DpclipError(f"{what} does not run across {world.size} ranks yet (docs/distributed.md)", hint)
-    world.check_same("the training data (content fingerprint)", data_fingerprint(data),
+    world.check_same("the training data (content and people fingerprints)", fingerprints(data),
                      "every rank must load the same data in the same order: the same files on every node")
 
 
@@ -77,10 +74,6 @@ def check_shardable(recipe: Recipe, world: World) -> None:
     if world.size == 1:
         raise DpclipError("training.parallel: fsdp shards the model over processes, and this is one process",
                           "start several: dpclip train RECIPE --nproc N (or use training.parallel: data)")
-    grouping = recipe.clipping.grouping
-    if isinstance(grouping, dict) and "stages" in grouping:
-        raise DpclipError("clipping.grouping {stages: ...} clips per pipeline stage, and training.parallel: fsdp "
-                          "has no stages", "use training.parallel: pipeline for per-device clipping, or another grouping")
 
 
 def rank_states(world: World, local: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -163,17 +156,9 @@ def written_state_of_ranks(world: World, names: set[str]) -> set[str]:
     return set().union(*parts) if world.main else set()
 
 
-def check_user_level(recipe: Recipe, world: World, data) -> None:
-    """What user-level privacy runs with so far (docs/users.md, "Not built yet"), and data
-    that must name a person for every record."""
+def check_user_level(data) -> None:
+    """Data that must name a person for every record (what user-level privacy does not run with
+    yet is refused by the recipe's validation: :func:`dpclip.recipe.users.check_users`)."""
     if data.train_users is None:
         raise DpclipError("privacy.unit 'user' but the data carry no users",
                           "name the person's column in data.user_field (or use builtin synthetic-users)")
-    refused = [
-        (recipe.training.sampling != "poisson", "with shuffled batches",
-         "use training.sampling: poisson (people are Poisson-sampled)"),
-        (recipe.training.parallel == "pipeline", "on pipeline stages", "use training.parallel: data or fsdp"),
-    ]
-    for refuse, what, hint in refused:
-        if refuse:
-            raise DpclipError(f"privacy.unit: user does not run {what} yet", hint)

@@ -38,7 +38,8 @@ from dpclip.train.output import RunOutput
 from dpclip.train.run_parts import RunParts
 from dpclip.train.ranks import check_parallel, check_world_size, rank_states, share_run_dir
 from dpclip.rundir.metrics import released_records
-from dpclip.rundir.run import RunDir, check_canaries, check_data, check_ledger, read_ledger, record_resume_changes
+from dpclip.rundir.fingerprints import check_data
+from dpclip.rundir.run import RunDir, check_canaries, check_ledger, read_ledger, record_resume_changes
 
 log = logging.getLogger(__name__)
 

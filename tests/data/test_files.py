@@ -229,3 +229,27 @@ def test_a_csv_with_odd_lines_trains_on_as_many_rows_as_accounting_counts(tmp_pa
     fields = {"text_field": "text"} if header.startswith("text") else {}
     config = files(path, "csv", label_field="label" if "label" in header else None, test=str(path), **fields)
     assert training_set_size(config) == load_data(config, seed=0).num_train
+
+
+@pytest.mark.parametrize("content, fields, word", [
+    ("text,label\ngood,pos\nNA,neg\nfine,pos\n", {"text_field": "text", "label_field": "label"}, "NA"),
+    ("patient,age,label\np1,1,0\nnull,2,1\np2,3,0\np1,4,1\n", {"user_field": "patient", "label_field": "label"},
+     "null"),
+    ("x,kind\n1,dog\n2,None\n3,cat\n", {"label_field": "kind"}, "None"),
+])
+def test_a_csv_word_that_pandas_reads_as_missing_is_named_in_the_refusal(tmp_path, content, fields, word):
+    """pandas reads NA, null, None (and more) as missing: the refusal said only "missing" (or showed
+    nan) for a cell that visibly holds a word. It now names the row, the word and what to do."""
+    path = write(tmp_path / "train.csv", content)
+    with pytest.raises(DpclipError) as info:
+        load_data(files(path, "csv", **fields), seed=0)
+    column = next(iter(fields.values()))   # the column the word is in comes first
+    assert f"row 2: {column!r} is written {word!r}" in info.value.message
+    assert "pandas reads as missing" in info.value.message and "jsonl" in info.value.hint
+
+
+def test_a_truly_empty_csv_cell_is_refused_as_missing_without_the_pandas_note(tmp_path):
+    path = write(tmp_path / "train.csv", "patient,age,label\np1,1,0\n,2,1\np2,3,0\n")
+    with pytest.raises(DpclipError) as info:
+        load_data(files(path, "csv", label_field="label", user_field="patient"), seed=0)
+    assert "rows have no 'patient'" in info.value.message and "pandas" not in info.value.message

@@ -68,16 +68,6 @@ def test_train_and_test_hold_different_people(user_recipe):
     assert data.num_users == len(train_people) and len(data.train_users) == data.num_train
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["training.sampling=shuffle"], "shuffled batches"),
-])
-def test_what_user_level_cannot_run_yet_is_refused_before_a_run_directory_exists(user_recipe, tmp_path, extra,
-                                                                                  message):
-    with pytest.raises(DpclipError, match=message) as caught:
-        train(user_recipe(*extra), run_dir=tmp_path / "run")
-    assert caught.value.hint and not (tmp_path / "run").exists()
-
-
 def test_the_top_fraction_rule_at_the_user_level_noises_for_k_rows_pushed_out(user_recipe):
     """A person brings up to k = 8 rows: the engine noises for large + 8·(large − small)
     (dpclip/engine/policies/discriminative.py), not the 2·large − small of one record."""
@@ -309,3 +299,54 @@ def test_csv_user_ids_are_read_as_written_so_007_and_7_are_two_people(tmp_path):
     data = load_data(config, 0)
     assert data.num_users == 3 and len(data.train_users) == 15   # 4 patients, 1 held out with their 5 visits
     assert data.input_shape == (1,)
+
+
+def _visits(path, people):
+    """A csv of 40 visits, visit i by ``people[i]``, with one feature and a label."""
+    path.write_text("patient,age,label\n" + "".join(f"{p},{i},{i % 2}\n" for i, p in enumerate(people)))
+
+
+def _visits_run(tmp_path):
+    """A finished user-level run on 40 visits of 10 patients (visit i by patient i mod 10), and its csv."""
+    table, people = tmp_path / "visits.csv", [f"p{i % 10}" for i in range(40)]
+    _visits(table, people)
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        f"output_dir={tmp_path / 'runs'}", f"data={{source: files, format: csv, train: {table}, label_field: label, "
+        "user_field: patient, max_examples_per_user: 3, test_fraction: 0.3}", "privacy.unit=user",
+        "model={kind: mlp, hidden: [4]}", "training.epochs=null", "training.steps=2", "training.batch_size=4",
+        "eval.every_steps=null"])
+    return train(recipe).run_dir, table, people
+
+
+def _move_visits_between_two_training_patients(run_dir, table, people):
+    """Two training patients swap one later visit each: the same rows, the same people, the same
+    split, each patient as many visits; only who wrote two of the rows differs."""
+    members = json.loads((run_dir / "meta.json").read_text())["members"]
+    first = next(i for i in members if i >= 10)
+    second = next(i for i in members if i >= 10 and people[i] != people[first])
+    moved = list(people)
+    moved[first], moved[second] = people[second], people[first]
+    _visits(table, moved)
+
+
+def test_a_resume_refuses_records_moved_between_people(tmp_path):
+    """The content fingerprint hashes the rows, not who wrote them: a user column edited so that
+    records change hands was resumed, and the unit of privacy changed mid-run."""
+    run_dir, table, people = _visits_run(tmp_path)
+    _move_visits_between_two_training_patients(run_dir, table, people)
+    with pytest.raises(DpclipError, match="who wrote") as caught:
+        train(resume=run_dir)
+    assert caught.value.hint and "user_field" in caught.value.hint
+
+
+def test_a_user_level_run_from_before_the_people_were_fingerprinted_resumes_and_is_checked_from_then_on(tmp_path):
+    run_dir, table, people = _visits_run(tmp_path)
+    meta_file = run_dir / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    fingerprint = meta["data"].pop("users_fingerprint")
+    meta_file.write_text(json.dumps(meta))
+    train(resume=run_dir)
+    assert json.loads(meta_file.read_text())["data"]["users_fingerprint"] == fingerprint
+    _move_visits_between_two_training_patients(run_dir, table, people)
+    with pytest.raises(DpclipError, match="who wrote"):
+        train(resume=run_dir)
