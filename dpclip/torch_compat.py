@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import types
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -196,17 +196,22 @@ def canonical_attention_masks(key_padding_mask: Tensor | None, attn_mask: Tensor
 
 
 @contextmanager
-def reentrant_checkpoints_inline() -> Iterator[None]:
+def reentrant_checkpoints_inline(seen: Callable[[tuple], None] | None = None) -> Iterator[None]:
     """Inside, a reentrant ``torch.utils.checkpoint`` block (``use_reentrant=True``) runs as a
     plain call of its function: ``CheckpointFunction.apply`` is replaced for the duration, in
     the whole process (every thread), and put back after. torch has no switch that runs such a
     block inline, and its ``apply`` differentiates only by a ``.backward()`` into the block's
-    own parameters, which ``torch.autograd.grad`` on other leaves refuses. Checked against torch
-    2.13."""
+    own parameters, which ``torch.autograd.grad`` on other leaves refuses. ``seen``, if given, is
+    called with each block's arguments first. Checked against torch 2.13."""
     from torch.utils.checkpoint import CheckpointFunction
     own = "apply" in CheckpointFunction.__dict__
     kept = CheckpointFunction.__dict__.get("apply")
-    CheckpointFunction.apply = staticmethod(lambda function, _preserve_rng, *args: function(*args))
+
+    def inline(function, _preserve_rng, *args):
+        if seen is not None:
+            seen(args)
+        return function(*args)
+    CheckpointFunction.apply = staticmethod(inline)
     try:
         yield
     finally:

@@ -272,7 +272,7 @@ class Bookkeeper:
                 if axes.in_grad_forward() and not torch.is_grad_enabled() and not unit.bypass and not self._plain:
                     self._await_recomputation(unit)
                 return orig(*args, **kwargs)
-            refuse_transform(unit.label)
+            refuse_transform(unit.label, axes.transform_at_entry)
             recomputing = axes.depth == 0 and self._active is not None
             kept = site.current_call()
             if recomputing:

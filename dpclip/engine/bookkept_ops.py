@@ -37,13 +37,27 @@ FREEZE_OR_OUTSIDE = ("freeze the modules that gradient passes through (requires_
                      "the forward through frozen modules only, or through none, is checked like any other forward")
 
 
-def refuse_transform(label: str) -> None:
+#: the hint of a torch.func transform applied around the whole model (already running as its forward began)
+AROUND_THE_MODEL = ("the engine's hooks stay on the model until it is detached: to transform the trained model "
+                    "(per-sample gradients of your own, an input gradient, a Jacobian or Hessian), call "
+                    "engine.detach() after the last private step (make_private: private.engine.detach(); DPTrainer: "
+                    "trainer.engine.detach()) and transform it then; a vmap without gradients (under torch.no_grad()) "
+                    "runs as it is. What a transform computes from private data is not covered by ε")
+
+
+def refuse_transform(label: str, around_the_model: bool = False) -> None:
     """Refuse a book-kept call inside a torch.func transform of the model's own forward
     (``vmap(functional_call(layer, ...))`` over the batch, ``torch.func.grad`` of an energy): the
-    engine's operations cannot run inside one, and what would run instead is not book-kept."""
+    engine's operations cannot run inside one, and what would run instead is not book-kept.
+    ``around_the_model``: the transform was running already as the model's forward began (the
+    user's ``torch.func.grad(lambda x: model(x).sum())``), so the refusal names the model."""
     transform = func_transform_active()
     if transform is None:
         return
+    if around_the_model:
+        raise EngineError(f"the model is called inside {transform} (its trained module {label} reached): the "
+                          "engine's book-keeping of per-sample gradients cannot run inside a torch.func transform, "
+                          "so no clip of a gradient could be vouched for", AROUND_THE_MODEL)
     vmapped = transform == "torch.vmap"
     raise EngineError(
         f"module {label} is called inside {transform} in the model's forward: the engine's book-keeping of "

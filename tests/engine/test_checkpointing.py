@@ -154,6 +154,39 @@ def test_a_forward_recomputed_by_hand_and_differentiated_is_refused():
     assert all(p.grad is None for p in model.parameters())
 
 
+class _GradlessInput(nn.Module):
+    """A reentrant checkpoint around the first layer, called on the data (which needs no gradient)."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.first, self.head, self.reentrant = nn.Linear(4, 8), nn.Linear(8, 3), reentrant
+
+    def forward(self, x):
+        return self.head(torch.tanh(checkpoint(self.first, x, use_reentrant=self.reentrant)))
+
+
+def test_a_reentrant_checkpoint_on_inputs_without_gradient_is_refused_with_a_hint_naming_it():
+    """torch never runs such a block's backward, so its parameters would get no gradient: the
+    certificate refuses the step, and its hint names the checkpoint and use_reentrant=False."""
+    torch.manual_seed(0)
+    model = _GradlessInput(reentrant=True)
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    engine = DPEngine(model, {"grouping": "all-layer"}, gradient_noise_multiplier=0.0, expected_batch_size=4)
+    with pytest.warns(UserWarning, match="None of the inputs"), pytest.raises(EngineError) as refused:
+        engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+    assert "first.weight" in refused.value.message
+    assert "use_reentrant=True" in refused.value.hint and "use_reentrant=False" in refused.value.hint
+
+
+def test_the_same_block_checkpointed_without_reentrancy_trains():
+    torch.manual_seed(0)
+    model = _GradlessInput(reentrant=False)
+    engine = DPEngine(model, {"grouping": "all-layer"}, gradient_noise_multiplier=0.0, expected_batch_size=4)
+    engine.backward(F.cross_entropy(model(torch.randn(4, 4)), torch.tensor([0, 1, 2, 0]), reduction="none"))
+    engine.privatize()
+    assert model.first.weight.grad is not None and model.first.weight.grad.abs().sum() > 0
+
+
 class _RecomputeInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, x, module):

@@ -117,3 +117,19 @@ def test_a_step_interrupted_before_its_charge_releases_nothing(monkeypatch):
     assert private.ledger.steps == 0 and all(p.grad is None for p in model.parameters())
     with pytest.raises(DpclipError, match="optimizer.step"):   # nothing more of the run is released
         next(iter(loader))
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap", "jacrev"])
+def test_a_torch_func_transform_around_the_private_model_is_refused_with_a_hint_to_detach_first(transform):
+    private = _private()
+    model = private.model
+    x = torch.randn(4, 5)
+    run = {"grad": lambda: torch.func.grad(lambda t: model(t).sum())(x),
+           "vmap": lambda: torch.func.vmap(lambda row: model(row[None]))(x),
+           "jacrev": lambda: torch.func.jacrev(lambda t: model(t))(x)}[transform]
+    with pytest.raises(DpclipError, match="the model is called inside torch") as refused:
+        run()
+    assert "engine.detach()" in refused.value.hint
+    private.engine.detach()
+    assert run().shape[0] == 4   # detached, the model transforms as any other
+    assert private.ledger.steps == 0

@@ -24,7 +24,7 @@ from dpclip.engine.batch_axis.probe import (NEEDS_ROWS, Probe, compare, forked_r
 from dpclip.engine.batch_axis.site import SiteBatch
 from dpclip.engine.precision import autocast_restore, autocast_snapshot
 from dpclip.errors import EngineError
-from dpclip.torch_compat import forward_hooks_silenced
+from dpclip.torch_compat import forward_hooks_silenced, func_transform_active
 
 
 class BatchAxes:
@@ -57,7 +57,7 @@ class BatchAxes:
         self.at_start = False               # probing before any module of the forward has run
         self.first = True                   # no forward probed at its start yet
         self.autocast_at_entry = None       # autocast as the forward in progress found it
-        self.grad_at_entry = False          # whether that forward records gradients
+        self.grad_at_entry = self.transform_at_entry = False   # it records gradients; began in a torch.func transform
         # this forward's shared outputs the engine expanded over the batch (note_expanded)
         self.expanded: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 
@@ -70,11 +70,11 @@ class BatchAxes:
         if self.depth == 1:
             leaves = tensor_leaves((args, kwargs))
             self.batch = leaves[0].shape[0] if leaves and leaves[0].dim() > 0 else None
-            self.inputs = (args, kwargs)
-            self.ordinals = {}
+            self.inputs, self.ordinals = (args, kwargs), {}
             self.expanded.clear()
             self.reprobed = False
             self.autocast_at_entry, self.grad_at_entry = autocast_snapshot(self.device_types()), torch.is_grad_enabled()
+            self.transform_at_entry = func_transform_active() is not None
             if self.first and self.batch and self.sealed is None and torch.is_grad_enabled():
                 self.at_start, self.first = True, False   # the first forward: probed before any module runs
                 try:

@@ -44,12 +44,13 @@ from torch import Tensor, nn
 
 from dpclip.engine.batch_axis.layout import tensor_leaves
 from dpclip.engine.certificate.alone import alone_gradients, read_cotangents
-from dpclip.engine.certificate.batch import batch_gradients, checked_before_eval_mode, independent_in_batch
+from dpclip.engine.certificate.batch import (batch_gradients, checked_before_eval_mode, float64_gradient,
+                                             independent_in_batch)
 from dpclip.engine.certificate.draws import Recorder
 from dpclip.engine.certificate.replay import (Cotangents, Forward, NotReproducible, Replayer, copied,
                                               keep_given_or_copies, release, replaying, rng_state, same_rng, versions)
 from dpclip.engine.certificate.state import buffer_versions, saved_buffer_versions, snapshot, state_kept
-from dpclip.engine.certificate.verdict import (compare, hooked_layers, refuse_trained_parameter_write,
+from dpclip.engine.certificate.verdict import (compare, hooked_layers, reentrant_hinted, refuse_trained_parameter_write,
                                               refuse_write_after_the_check, users_hook, with_hooks_named)
 from dpclip.engine.precision import autocast_snapshot
 from dpclip.torch_compat import tensor_version
@@ -185,6 +186,7 @@ class Certificate:
         self._modules = list(model.named_modules())   # walked once: ~2 µs a module is too much each forward
         self._cotangents = Cotangents(silence)
         self._recorder: Recorder | None = None
+        self._gradless: list = []   # reentrant checkpoints the replays met on inputs needing no gradient
         self._devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
         # the rows are taken first of the root's pre-hooks (a hook of the user's registered before the
         # engine runs after it: the replays start from the rows as given, not as it changed them); the
@@ -340,24 +342,28 @@ class Certificate:
         random = any(f.random for f in forwards) or forwards[0].batch == 1
         # a random forward whose draws were recorded: each checked sample alone, with its part of them
         cut = random and forwards[0].batch > 1 and all(f.draws is not None for f in forwards)
+        self._gradless.clear()
         own, cut = self._own_gradients(forwards, rows, cots, rtol, cut, random)
         batch_mode = random and not cut
         cancelling = cancelling or {}
-        for r in rows:
-            args = (norms[r], witness.get(r, {}), thresholds if thresholds.dim() == 1 else thresholds[r],
-                    1.0 if weights is None else float(weights[r]), scale, rtol, self.clip, self.group_of,
-                    self.names, cancelling.get(r, set()))
-            try:
-                compare(r, own[r], *args)
-            except EngineError:
-                exact = self._in_float64(forwards, r, cots, batch_mode)
-                if exact is None:
-                    raise
-                # the float32 gradient's distance from the float64 one measures the working
-                # precision's rounding of this row's sums (terms that cancel), which the engine's
-                # float32 sums share: four times it is allowed on top of the bound
-                compare(r, exact, *args, slack=[FLOAT32_SLACK * float((a.double() - b).norm())
-                                                for a, b in zip(own[r], exact)])
+        try:
+            for r in rows:
+                args = (norms[r], witness.get(r, {}), thresholds if thresholds.dim() == 1 else thresholds[r],
+                        1.0 if weights is None else float(weights[r]), scale, rtol, self.clip, self.group_of,
+                        self.names, cancelling.get(r, set()))
+                try:
+                    compare(r, own[r], *args)
+                except EngineError:
+                    exact = float64_gradient(self, forwards, r, cots, batch_mode, RTOL[torch.float32])
+                    if exact is None:
+                        raise
+                    # the float32 gradient's distance from the float64 one measures the working
+                    # precision's rounding of this row's sums (terms that cancel), which the engine's
+                    # float32 sums share: four times it is allowed on top of the bound
+                    compare(r, exact, *args, slack=[FLOAT32_SLACK * float((a.double() - b).norm())
+                                                    for a, b in zip(own[r], exact)])
+        except EngineError as exc:   # the hint names a reentrant checkpoint that gives no gradient
+            raise reentrant_hinted(exc, self._gradless)
         family = shape_family(forwards[0].args, forwards[0].kwargs, forwards[0].batch)
         self.families.add(family)
         self.sizes.add((family, forwards[0].batch))
@@ -381,7 +387,8 @@ class Certificate:
         hooked = hooked_layers(self.model)   # (the replays silence them)
         start = forwards[0].buffers   # the replays start where the checked forward did
         try:
-            with replaying(self.model, self.plain, self._devices), state_kept(self.model, start) as buffers:
+            with replaying(self.model, self.plain, self._devices, self._gradless), \
+                    state_kept(self.model, start) as buffers:
                 self._written += [n for n in buffers.written if n not in self._written]
                 if cut:
                     try:
@@ -415,29 +422,6 @@ class Certificate:
             return None
         self.reported = True
         return self.last
-
-    def _in_float64(self, forwards: list[Forward], r: int, cots: dict, batch_mode: bool) -> list[Tensor] | None:
-        """Row ``r``'s gradient replayed in float64 (for a float32 model outside autocast), or None
-        where that reference cannot be had (autocast, a float64 model, a forward that fails in
-        float64, random draws that float64 does not reproduce)."""
-        if any(enabled for f in forwards for enabled, _, _ in f.autocast.values()) or \
-                any(p.dtype != torch.float32 for p in self.params):
-            return None
-        plain32, self.replayer = self.replayer, Replayer(self.model, self.names, self.params, torch.float64)
-        try:
-            with replaying(self.model, self.plain, self._devices), \
-                    state_kept(self.model, forwards[0].buffers, compare=False) as buffers:
-                # the outputs are not compared again: float32's own rounding of them is what this measures
-                if batch_mode:
-                    got = batch_gradients(self, forwards, [r], cots, RTOL[torch.float32], outputs=False)[r]
-                else:
-                    got = alone_gradients(self.model, self.replayer, forwards, [r], cots, RTOL[torch.float32], buffers,
-                                          outputs=False, cut=any(f.random for f in forwards))[r]
-            return [g.double() for g in got]
-        except (NotReproducible, EngineError, RuntimeError, TypeError, ValueError):
-            return None
-        finally:
-            self.replayer = plain32
 
 
 __all__ = ["Certificate", "CertificateRecord", "Forward", "NotReproducible", "RTOL", "shape_family"]

@@ -12,8 +12,10 @@ import math
 import torch
 from torch import Tensor
 
-from dpclip.engine.certificate.replay import NotReproducible, close, rng_state, same_rng, select, vjp_rows
-from dpclip.engine.certificate.state import State, writes_checked
+from dpclip.engine.certificate.alone import alone_gradients
+from dpclip.engine.certificate.replay import (NotReproducible, Replayer, close, replaying, rng_state, same_rng, select,
+                                              vjp_rows)
+from dpclip.engine.certificate.state import State, state_kept, writes_checked
 from dpclip.engine.certificate.verdict import NOT_COVERED, mixing_error, refuse_written_buffer
 from dpclip.errors import EngineError
 
@@ -103,3 +105,27 @@ def checked_before_eval_mode(cert, forwards, rows, cots, rtol, buffers: State) -
                               "torch.bernoulli, nn.Dropout; no generator= of its own, no numpy or Python random "
                               "in the forward), or augment the data in the dataset instead")
     independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers)
+
+
+def float64_gradient(cert, forwards, r: int, cots: dict, batch_mode: bool, rtol: float) -> list[Tensor] | None:
+    """Row ``r``'s gradient replayed in float64 (for a float32 model outside autocast), or None
+    where that reference cannot be had (autocast, a float64 model, a forward that fails in
+    float64, random draws that float64 does not reproduce); ``rtol``: float32's bound."""
+    if any(enabled for f in forwards for enabled, _, _ in f.autocast.values()) or \
+            any(p.dtype != torch.float32 for p in cert.params):
+        return None
+    plain32, cert.replayer = cert.replayer, Replayer(cert.model, cert.names, cert.params, torch.float64)
+    try:
+        with replaying(cert.model, cert.plain, cert._devices), \
+                state_kept(cert.model, forwards[0].buffers, compare=False) as buffers:
+            # the outputs are not compared again: float32's own rounding of them is what this measures
+            if batch_mode:
+                got = batch_gradients(cert, forwards, [r], cots, rtol, outputs=False)[r]
+            else:
+                got = alone_gradients(cert.model, cert.replayer, forwards, [r], cots, rtol, buffers,
+                                      outputs=False, cut=any(f.random for f in forwards))[r]
+        return [g.double() for g in got]
+    except (NotReproducible, EngineError, RuntimeError, TypeError, ValueError):
+        return None
+    finally:
+        cert.replayer = plain32

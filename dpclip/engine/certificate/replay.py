@@ -200,15 +200,20 @@ def close(a: Tensor, b: Tensor, rtol: float) -> bool:
 
 
 @contextmanager
-def replaying(model: nn.Module, plain: Callable, devices: list[int]) -> Iterator[None]:
+def replaying(model: nn.Module, plain: Callable, devices: list[int], gradless: list | None = None) -> Iterator[None]:
     """Replays run the layers' own forwards, with gradients, without the model's forward hooks
     (the user's and the engine's own); the RNG streams are put back afterwards. Reentrant
     ``torch.utils.checkpoint`` blocks run as plain calls (:func:`dpclip.torch_compat.reentrant_checkpoints_inline`):
     such a block passes gradients to its parameters only by a ``.backward()`` on the module's own
     parameters (``torch.autograd.grad`` refuses it), and a replay differentiates detached leaves.
-    The plain call draws the same random numbers (the block's forward runs once either way)."""
+    The plain call draws the same random numbers (the block's forward runs once either way).
+    ``gradless``, if given, gets an entry for each such block called on inputs none of which needs
+    a gradient: in training torch never runs its backward, so its parameters get no gradient there."""
+    def seen(args: tuple) -> None:
+        if gradless is not None and not any(t.requires_grad for t in tensor_leaves(args)):
+            gradless.append(True)
     with plain(), torch.random.fork_rng(devices=devices), forward_hooks_silenced(model), torch.enable_grad(), \
-            reentrant_checkpoints_inline():
+            reentrant_checkpoints_inline(seen):
         yield
 
 

@@ -19,6 +19,12 @@ HINT = ("the engine's per-sample attribution does not hold for this model; freez
 #: a refusal is an outcome computed from the private batch (which sample, which parameter, by how much):
 #: printed to whoever runs the training, written to no run file, and said to be outside ε
 NOT_COVERED = " [computed from the private batch: not covered by ε]"
+#: the hint of a refusal where a replay met a reentrant checkpoint called on inputs that need no gradient
+REENTRANT_HINT = ("a torch.utils.checkpoint block with use_reentrant=True was called on inputs none of which needs a "
+                  "gradient: torch then never runs its backward, and its parameters get no gradient (torch warns "
+                  "\"None of the inputs have requires_grad=True\"); checkpoint with use_reentrant=False (transformers: "
+                  "gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": False})), or "
+                  "checkpoint only blocks whose input needs a gradient (docs/supported-models.md, \"Gradient checkpointing\")")
 MIXING_HINT = ("each sample's output must depend on that sample alone: replace batch statistics "
                "(BatchNorm, x - x.mean(0)) by per-sample ones (GroupNorm, LayerNorm) and keep no "
                "data in buffers (docs/certificate.md)")
@@ -157,6 +163,14 @@ def compare(row: int, own: list[Tensor], norms: Tensor, witness: dict[int, Tenso
         f"the certificate refused this model: for sample {row} of the batch, the engine's per-sample "
         f"{'norms and ' if wrong else ''}clipped gradients disagree with the sample's own gradient "
         f"(plain autograd) beyond the rounding bound {rtol:.1g}, at: " + "; ".join(named) + NOT_COVERED, HINT)
+
+
+def reentrant_hinted(exc: EngineError, gradless: list) -> EngineError:
+    """``exc``, a refusal of the comparison, with :data:`REENTRANT_HINT` where the replays met a
+    reentrant checkpoint called on inputs that need no gradient (``gradless`` not empty)."""
+    if gradless and exc.hint == HINT:
+        exc.hint = REENTRANT_HINT
+    return exc
 
 
 def mixing_error(model: nn.Module, replayer: Replayer, forward: Forward, row: int, what: str, rtol: float,
