@@ -18,13 +18,22 @@ EVALUATED = ("metrics and predictions of the Trainer's evaluate() and predict() 
 PRIVACY_HEADING = "## Differential privacy (dpclip)"
 
 
-def with_statement(card: Path, statement: list[str]) -> None:
+def with_statement(card: Path, statement: list[str], restate: bool = False) -> None:
     """Append the privacy statement to the model card ``card`` (README.md) the Trainer just wrote:
-    its ε, and what is not covered by ε, the table of training results above included."""
+    its ε, and what is not covered by ε, the table of training results above included. A card that
+    has the section already gets it rewritten in its place; ``restate``: only such a card (what
+    was released since the card was written, an evaluate() after it, must not leave it stale)."""
     if not card.is_file():
         return
     text = card.read_text(encoding="utf-8").rstrip("\n")
+    after = ""
+    if PRIVACY_HEADING in text:
+        text, rest = text.split(PRIVACY_HEADING, 1)
+        text = text.rstrip("\n")
+        after = rest[rest.index("\n## "):].rstrip("\n") + "\n" if "\n## " in rest else ""
+    elif restate:
+        return
     section = [PRIVACY_HEADING, "", "Trained by dpclip's DPTrainer; `privacy.json` beside the weights holds the "
                "same statement. The training results above (training and validation loss, evaluate()'s metrics) "
                "are computed without noise: not covered by ε.", "", *(f"- {line}" for line in statement), ""]
-    card.write_text(text + "\n\n" + "\n".join(section), encoding="utf-8")
+    card.write_text(text + "\n\n" + "\n".join(section) + after, encoding="utf-8")

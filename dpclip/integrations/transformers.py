@@ -365,6 +365,7 @@ class DPTrainer(Trainer):
             self.args.ignore_data_skip = True
         result = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         self.account.save(self.args.output_dir)
+        self._restate_card()
         return result
 
     def evaluation_loop(self, *args: Any, **kwargs: Any):
@@ -374,12 +375,17 @@ class DPTrainer(Trainer):
         if self.account.ledger.steps and (Path(self.args.output_dir) / "privacy.json").exists():
             self.account.save(self.args.output_dir)
         self.account.restate()
+        self._restate_card()
         return super().evaluation_loop(*args, **kwargs)
 
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
         super().create_model_card(*args, **kwargs)   # its training results: exact losses, stated as such
         if self.is_world_process_zero():
             with_statement(Path(self.args.output_dir) / "README.md", self.account.statement())
+
+    def _restate_card(self) -> None:   # a card written before (create_model_card) states the steps and releases since
+        if self.is_world_process_zero():
+            with_statement(Path(self.args.output_dir) / "README.md", self.account.statement(), restate=True)
 
     # ------------------------------------------------------------------ checkpoints
 
