@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -27,6 +28,7 @@ from dpclip.engine.groups import build_groups, trainable_params
 from dpclip.errors import DpclipError
 from dpclip.files import made_private, write_json_atomic
 from dpclip.planning.plan import forward_state_line
+from dpclip.recipe.load import explain_error
 from dpclip.recipe.schema import Clipping
 
 PRIVACY_FORMAT = "dpclip-python-api-1"
@@ -233,23 +235,33 @@ def check_ranks_agree(world: World, values: dict[str, Any]) -> None:
                               "and model on every rank: rank 0's noise covers every rank's examples only then")
 
 
-def clipping_spec(clipping: Mapping[str, Any] | None, max_grad_norm: float | None) -> Clipping:
-    """The clipping block, validated as a recipe's; ``max_grad_norm`` is a fixed threshold."""
+def clipping_spec(clipping: Mapping[str, Any] | None, max_grad_norm: float | None,
+                  norm_name: str = "max_grad_norm") -> Clipping:
+    """The clipping block, validated as a recipe's; ``max_grad_norm`` is a fixed threshold (the
+    argument the caller knows it by: ``norm_name``). An error names the argument as written."""
     block = dict(clipping or {})
     if max_grad_norm is not None:
         if "threshold" in block:
-            raise DpclipError("give max_grad_norm or clipping['threshold'], not both",
-                              "max_grad_norm=1.0 is clipping={'threshold': {'kind': 'fixed', 'value': 1.0}}")
-        block["threshold"] = {"kind": "fixed", "value": float(max_grad_norm)}
+            raise DpclipError(f"give {norm_name} or clipping['threshold'], not both",
+                              f"{norm_name}=1.0 is clipping={{'threshold': {{'kind': 'fixed', 'value': 1.0}}}}")
+        try:
+            value = float(max_grad_norm)
+        except (TypeError, ValueError):
+            value = math.nan
+        if isinstance(max_grad_norm, bool) or not math.isfinite(value) or value <= 0:
+            raise DpclipError(f"{norm_name} must be a finite number > 0, got {max_grad_norm!r}",
+                              f"the per-sample clipping threshold C, e.g. {norm_name}=1.0")
+        block["threshold"] = {"kind": "fixed", "value": value}
     elif "threshold" not in block:
-        raise DpclipError("no clipping threshold", "pass max_grad_norm=1.0, or clipping={'threshold': {...}}")
+        raise DpclipError("no clipping threshold", f"pass {norm_name}=1.0, or clipping={{'threshold': {{...}}}}")
     try:
         return Clipping.model_validate(block)
-    except ValidationError as exc:
+    except ValidationError as exc:   # named as a recipe's clipping: block (no pydantic location text)
         first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "clipping"
-        raise DpclipError(f"clipping.{where}: {first['msg']}",
-                          "the clipping block takes a recipe's clipping: keys (docs/recipes.md)") from None
+        text = explain_error({**first, "loc": ("clipping", *first["loc"])}, {"clipping": block})
+        if max_grad_norm is not None and text.startswith("clipping.threshold.value"):
+            text = norm_name + text[len("clipping.threshold.value"):]
+        raise DpclipError(text, "the clipping block takes a recipe's clipping: keys (docs/recipes.md)") from None
 
 
 def check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -204,7 +204,7 @@ class DPTrainer(Trainer):
         self.steps_per_pass = math.ceil(num_examples / self.expected_batch_size)
         steps = training.max_steps if training.max_steps > 0 else \
             math.ceil(training.num_train_epochs * self.steps_per_pass)
-        spec = clipping_spec(privacy.clipping, privacy.per_sample_max_grad_norm)
+        spec = clipping_spec(privacy.clipping, privacy.per_sample_max_grad_norm, "per_sample_max_grad_norm")
         self.engine, self.account = private_engine(
             self.model, spec, num_examples=num_examples, batch_size=self.expected_batch_size, steps=steps,
             delta=privacy.delta, target_epsilon=privacy.target_epsilon, noise_multiplier=privacy.noise_multiplier,

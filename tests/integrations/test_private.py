@@ -167,6 +167,10 @@ class _Stream(IterableDataset):
     ({"steps": "5"}, "steps must be a whole number > 0"),
     ({"steps": True}, "steps must be a whole number > 0"),
     ({"steps": 0}, "steps must be a whole number > 0"),
+    ({"max_grad_norm": "x"}, "max_grad_norm must be a finite number > 0, got 'x'"),   # float()'s ValueError
+    ({"max_grad_norm": -1.0}, "max_grad_norm must be a finite number > 0, got -1.0"),   # pydantic's location
+    ({"max_grad_norm": 1e39}, "max_grad_norm: "),   # beyond float32: named as the argument, not the block
+    ({"max_grad_norm": None, "clipping": {"threshold": {"kind": "fixed", "value": "a"}}}, "clipping.threshold.value: "),
 ])
 def test_bad_input_is_refused_with_a_hint_before_any_step(change, message):
     change = dict(change)
@@ -179,6 +183,8 @@ def test_bad_input_is_refused_with_a_hint_before_any_step(change, message):
         private = dpclip.make_private(model, torch.optim.SGD(params, lr=0.1), loader, **options)
         _train(private)   # the reduced loss is refused at the first batch, before backward
     assert info.value.hint
+    assert not any(pydantic in str(info.value) for pydantic in ("function-after", "input_value", "pydantic.dev",
+                                                                "validation error for"))
 
 
 def test_the_python_api_docs_show_the_example_that_runs_as_a_test():

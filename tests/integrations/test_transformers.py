@@ -159,6 +159,8 @@ def test_a_peft_lora_model_trains_its_adapters_only(tmp_path):
     ({"max_grad_norm": 1.0}, "would clip the noisy gradient again"),
     ({"privacy": PrivacyArguments(delta=1e-5, noise_multiplier=1.0)}, "no clipping threshold"),
     ({"privacy": PrivacyArguments(delta=1e-5, max_grad_norm=1.0)}, "exactly one of target_epsilon"),
+    ({"privacy": PrivacyArguments(delta=1e-5, noise_multiplier=1.0, per_sample_max_grad_norm=-1.0)},
+     "per_sample_max_grad_norm must be a finite number > 0, got -1.0"),   # was pydantic's location text
 ])
 def test_bad_arguments_are_refused_with_a_hint_before_any_step(tmp_path, change, message):
     change = dict(change)
