@@ -8,10 +8,14 @@ by other libraries (safetensors, matplotlib, tensorboard) get it from :func:`own
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import re
+import secrets
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -127,15 +131,43 @@ def write_json_atomic(path: str | Path, payload: Any, durable: bool = True) -> N
 
 
 def replace_dir_atomic(staging: Path, final: Path) -> None:
-    """Move a fully written staging folder into place (an old folder of that name is replaced)."""
+    """Move a fully written staging folder into place. An old folder of that name is swapped with it
+    in one rename where the system can (:func:`exchange_paths`): ``final`` is there at every moment,
+    the old folder then the new one. Elsewhere the old one is parked under a name of this call's own
+    (``.NAME.old-PID-RANDOM``) for the moment between two renames, and removed."""
     if final.exists():
-        trash = final.with_name(f".{final.name}.old")
-        shutil.rmtree(trash, ignore_errors=True)
+        if exchange_paths(staging, final):   # staging now holds the old folder
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        trash = final.with_name(f".{final.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
         os.replace(final, trash)
         os.replace(staging, final)
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(staging, final)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2   # <fcntl.h>, <linux/fs.h>
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic rename: Linux's ``renameat2(..., RENAME_EXCHANGE)``
+    (glibc 2.28+; Python has no call for it). True when swapped; False where the system or the
+    file system does not offer it, nothing changed then."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(str(a)), _AT_FDCWD, os.fsencode(str(b)), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
 
 
 def read_json(path: str | Path) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from dpclip.errors import DpclipError
 from dpclip.export import card as cards
 from dpclip.export import model as weights
 from dpclip.files import made_private, narrow, owner_only, read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
+from dpclip.recipe.load import PATH_FIELDS
 from dpclip.rundir.checkpoint import latest_checkpoint, missing_checkpoint_hint
 from dpclip.rundir.run import RunDir
 
@@ -55,10 +57,13 @@ EXPORT_RECIPE_HEADER = """\
 # The recipe of the run this model was exported from, for reading (docs/export.md):
 # what was trained, on which data, with which privacy settings. Its `seed` and `audit`
 # settings are left out: the model does not need them, and they are the audit's secrets.
+# Paths on the exporting machine keep their last part only: (local path)/NAME.
 """
 
 # Left out of every export's recipe, audited or not (so that their absence says nothing).
 SECRET_RECIPE_KEYS = ("audit", "seed")
+#: what replaces the folders of a path on the exporting machine in the export's recipe (its last part is kept)
+LOCAL_PATH = "(local path)/"
 
 
 def export_recipe(recipe) -> dict[str, Any]:
@@ -81,6 +86,26 @@ def export_recipe(recipe) -> dict[str, Any]:
     released = recipe.model_dump(mode="json")
     for key in SECRET_RECIPE_KEYS:
         released.pop(key, None)
+    return without_local_paths(released)
+
+
+def without_local_paths(released: dict[str, Any]) -> dict[str, Any]:
+    """``released`` with each absolute path of the exporting machine (``output_dir``, data files,
+    a local tokenizer or pretrained folder, a custom model's ``module_dir``) cut to its last part
+    under :data:`LOCAL_PATH`: its folders tell the export's holder the exporter's user name and
+    layout, and mean nothing on another machine."""
+    def cut(value: Any) -> Any:
+        if isinstance(value, list):
+            return [cut(v) for v in value]
+        if isinstance(value, str) and value and Path(value).is_absolute():
+            return LOCAL_PATH + Path(value).name
+        return value
+    places = [(released, "output_dir")] + [(released.get(section), name) for section, name, _ in PATH_FIELDS] + \
+        [(released.get(section), "name") for section in ("data", "public")
+         if isinstance(released.get(section), dict) and released[section].get("source") == "hf"]
+    for node, name in places:
+        if isinstance(node, dict) and name in node:
+            node[name] = cut(node[name])
     return released
 
 
@@ -161,8 +186,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | No
                               stopped=stopped, label_names=info.get("label_names"), search=search)
 
     made_private(target.parent)
-    staging = target.parent / f".{target.name}.export-staging"
-    shutil.rmtree(staging, ignore_errors=True)
+    # this export's own (two exports to one OUT_DIR at once write apart; the last renamed in wins)
+    staging = target.parent / f".{target.name}.export-staging-{os.getpid()}-{secrets.token_hex(4)}"
     staging.mkdir(mode=0o700)
     try:
         kind = _write_model(info, recipe, path, staging, card)

@@ -92,7 +92,8 @@ MANIFEST: tuple[Entry, ...] = (
           "the run released outside ε", "dpclip export"),
     Entry(EXPORT, "README.md", RELEASED, "the model card (the same facts as privacy.json)", "dpclip export"),
     Entry(EXPORT, "model_card.json", RELEASED, "recipe's model section, input shape, classes", "dpclip export"),
-    Entry(EXPORT, "recipe.yaml", RELEASED, "the recipe without `audit` and `seed`", "dpclip export"),
+    Entry(EXPORT, "recipe.yaml", RELEASED, "the recipe without `audit` and `seed`, local paths cut to their last "
+          "part", "dpclip export"),
     # before *config.json: tokenizer_config.json is the tokenizer's (first match wins)
     Entry(EXPORT, "tokenizer*", LABELLED, "the tokenizer `data.tokenizer` names, as given: taken as public "
           "(built from public text), listed not covered by ε in the card", "dpclip export"),

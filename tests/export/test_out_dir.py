@@ -2,8 +2,11 @@
 (`--force` replaces OUT_DIR as a whole; docs/export.md)."""
 
 import shutil
+from pathlib import Path
 
 import pytest
+
+from dpclip.rundir.run import RunDir
 
 
 @pytest.fixture
@@ -34,7 +37,7 @@ def test_an_out_dir_that_is_inside_or_contains_the_run_is_refused_and_the_run_ke
     assert "error:" in result.err and "the run directory" in result.err and "hint:" in result.err
     assert "Traceback" not in result.err and "unexpected" not in result.err
     assert _files(tmp_path / "runs") == before   # the run, its ledger and checkpoints, and its siblings
-    assert not [p for p in tmp_path.rglob(".*export-staging")]
+    assert not [p for p in tmp_path.rglob(".*export-staging*")]
 
 
 def test_a_forced_export_next_to_the_run_still_replaces_its_out_dir(cli, run_copy, tmp_path, monkeypatch):
@@ -60,3 +63,24 @@ def test_the_current_directory_is_refused_as_out_dir_rather_than_replaced(cli, r
         assert result.code == 2 and "current directory" in result.err and "hint:" in result.err, result.err
         assert "unexpected" not in result.err
     assert (here / "notes.txt").read_text() == "mine" and (run_copy / "ledger.json").is_file()
+
+
+def test_an_export_leaves_the_staging_folder_of_another_export_to_the_same_out_dir_alone(cli, run_copy, tmp_path):
+    """Two exports to one OUT_DIR at once shared one staging name: the second removed the first's
+    half-written folder under it."""
+    other = tmp_path / ".exported.export-staging"   # the name every export used
+    other.mkdir()
+    (other / "model.safetensors").write_text("another export, half written")
+    result = cli("export", run_copy, tmp_path / "exported")
+    assert result.code == 0, result.err
+    assert (other / "model.safetensors").read_text() == "another export, half written"
+    assert not [p for p in tmp_path.glob(".exported.export-staging-*")]   # its own staging is gone
+
+
+def test_the_exported_recipe_names_no_folder_of_the_exporting_machine(cli, run_copy, tmp_path):
+    result = cli("export", run_copy, tmp_path / "exported")
+    assert result.code == 0, result.err
+    text = (tmp_path / "exported" / "recipe.yaml").read_text()
+    trained_in = str(RunDir(run_copy).recipe().output_dir)   # the exporter's folders, its user name with them
+    assert trained_in.startswith("/") and trained_in not in text
+    assert f"output_dir: (local path)/{Path(trained_in).name}" in text
