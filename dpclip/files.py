@@ -13,7 +13,6 @@ import errno
 import json
 import os
 import re
-import secrets
 import shutil
 import sys
 import tempfile
@@ -133,13 +132,15 @@ def write_json_atomic(path: str | Path, payload: Any, durable: bool = True) -> N
 def replace_dir_atomic(staging: Path, final: Path) -> None:
     """Move a fully written staging folder into place. An old folder of that name is swapped with it
     in one rename where the system can (:func:`exchange_paths`): ``final`` is there at every moment,
-    the old folder then the new one. Elsewhere the old one is parked under a name of this call's own
-    (``.NAME.old-PID-RANDOM``) for the moment between two renames, and removed."""
+    the old folder then the new one. Elsewhere the old one is parked as ``.NAME.old`` for the moment
+    between two renames (where a resume finds it: :func:`dpclip.rundir.checkpoint.latest_checkpoint`),
+    and removed."""
     if final.exists():
         if exchange_paths(staging, final):   # staging now holds the old folder
             shutil.rmtree(staging, ignore_errors=True)
             return
-        trash = final.with_name(f".{final.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+        trash = final.with_name(f".{final.name}.old")
+        shutil.rmtree(trash, ignore_errors=True)
         os.replace(final, trash)
         os.replace(staging, final)
         shutil.rmtree(trash, ignore_errors=True)
