@@ -69,7 +69,6 @@ def _checked_step_arguments(expected_batch_size, sample_rate, gradient_noise_mul
 
 def _check_noise(sigma_g: float, policy: ThresholdPolicy, kind: str, sizes: Tensor, batch: int) -> None:
     """The noise allocation checked; refused before any step: a first noise std σ_g·S·w_k/B not finite."""
-    allocation_weights(kind, policy.thresholds(), sizes)
     thresholds = policy.sensitivity_thresholds()
     std = noise_stds(sigma_g, thresholds, allocation_weights(kind, thresholds, sizes)) / batch
     if not bool(torch.isfinite(std).all()):
