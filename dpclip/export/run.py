@@ -186,6 +186,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | No
                               stopped=stopped, label_names=info.get("label_names"), search=search)
 
     made_private(target.parent)
+    remove_dead_stagings(target)
     # this export's own (two exports to one OUT_DIR at once write apart; the last renamed in wins)
     staging = target.parent / f".{target.name}.export-staging-{os.getpid()}-{secrets.token_hex(4)}"
     staging.mkdir(mode=0o700)
@@ -200,6 +201,21 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | No
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return ExportResult(out_dir, path.name, kind, files, card)
+
+
+def remove_dead_stagings(target: Path) -> None:
+    """Remove the staging folders of exports to ``target`` whose process is gone (killed mid-way):
+    each is named by its process id, so one of a live export is left alone."""
+    for folder in target.parent.glob(f".{target.name}.export-staging-*-*"):
+        pid = folder.name.rsplit("-", 2)[-2]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except (PermissionError, OverflowError):   # alive under another user, or no pid at all: not ours
+            continue
 
 
 def _write_model(info: dict[str, Any], recipe, checkpoint: Path, out: Path, card: dict[str, Any]) -> str:

@@ -1,6 +1,7 @@
 """Where an export may go: never over the run it exports, nor over a folder holding it
 (`--force` replaces OUT_DIR as a whole; docs/export.md)."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -75,6 +76,23 @@ def test_an_export_leaves_the_staging_folder_of_another_export_to_the_same_out_d
     assert result.code == 0, result.err
     assert (other / "model.safetensors").read_text() == "another export, half written"
     assert not [p for p in tmp_path.glob(".exported.export-staging-*")]   # its own staging is gone
+
+
+def test_a_killed_exports_staging_folder_is_removed_and_a_live_ones_kept(cli, run_copy, tmp_path):
+    """Each export stages under its own name (process id, random part); one killed mid-way left its
+    folder for ever. The next export removes those whose process is gone, not a live one's."""
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f".exported.export-staging-{int(gone.stdout)}-0badcafe"
+    live = tmp_path / f".exported.export-staging-{os.getppid()}-0badcafe"   # the test runner's parent: alive
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_text("half written")
+    result = cli("export", run_copy, tmp_path / "exported")
+    assert result.code == 0, result.err
+    assert not dead.exists() and (live / "model.safetensors").read_text() == "half written"
 
 
 def test_the_exported_recipe_names_no_folder_of_the_exporting_machine(cli, run_copy, tmp_path):
