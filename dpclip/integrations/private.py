@@ -202,6 +202,7 @@ class PrivateTraining:
         self.optimizer.tracker.losses_read = bool(state["losses_read"])   # the statement covers the earlier steps
         self.account.ledger = ledger
         self.account.restored = True
+        self.account.released_steps = max(releases.redo, default=ledger.steps)   # ε counts them until redone
         torch.set_rng_state(state["torch_rng"])   # dropout's: a redone step must release what it did
         if state["cuda_rng"] is not None and len(state["cuda_rng"]) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(state["cuda_rng"])

@@ -71,6 +71,8 @@ class Account:
     writes: bool = True   # False on the ranks other than 0 of a data-parallel run: rank 0 writes
     world_size: int = 1   # processes training together (the statement's distribution line)
     restored: bool = False   # the ledger continues a checkpoint's (load_checkpoint)
+    #: the steps a loaded checkpoint's run had released (its log's): ε counts them until they are redone
+    released_steps: int = 0
     own_batches: bool = False   # the caller's loader draws the batches (make_private(poisson_sampling=False))
     #: the persistent buffers the model's forward was seen writing (the engine's forward_written_state)
     written_state: Callable[[], set[str]] = set
@@ -102,18 +104,30 @@ class Account:
         """σ_eff, the total noise multiplier the accountant sees (``dpclip account --sigma``)."""
         return self.plan.split.noise_multiplier
 
+    def charged(self) -> Ledger:
+        """The ledger, with the steps a loaded checkpoint's run released after it and this run has
+        not redone yet (they left the crashed process: their redoing catches the ledger up)."""
+        behind = self.released_steps - self.ledger.steps
+        if behind <= 0:
+            return self.ledger
+        ledger = Ledger.from_dict(self.ledger.to_dict(with_epsilon=False))
+        ledger.record(self.plan.step_event, count=behind, metadata=self.step_metadata)
+        return ledger
+
     def epsilon(self, delta: float | None = None) -> float:
-        """ε of the steps taken so far, at the plan's δ or at ``delta`` (0 before the first step)."""
-        if not self.ledger.steps:
+        """ε of the steps released so far, at the plan's δ or at ``delta`` (0 before the first step)."""
+        ledger = self.charged()
+        if not ledger.steps:
             return 0.0
         with quiet_rdp_orders():
-            return self.ledger.epsilon() if delta is None else self.ledger.epsilon_at(delta)
+            return ledger.epsilon() if delta is None else ledger.epsilon_at(delta)
 
     def _taken(self) -> PrivacyStatement:
         """The statement of the steps taken so far (the plan's before the first), without its labels."""
-        if not self.ledger.steps:
+        steps = self.charged().steps
+        if not steps:
             return replace(self.plan.statement, world_size=self.world_size, own_batches=self.own_batches)
-        taken = replace(self.plan.plan, steps=self.ledger.steps, target_epsilon=None,
+        taken = replace(self.plan.plan, steps=steps, target_epsilon=None,
                         noise_multiplier=self.plan.split.noise_multiplier)
         with quiet_rdp_orders():
             return replace(solve(taken).statement, world_size=self.world_size, own_batches=self.own_batches)
@@ -156,14 +170,14 @@ class Account:
             return out
         made_private(out)
         with quiet_rdp_orders():
-            write_json_atomic(out / layout.LEDGER, self.ledger.to_dict())
+            write_json_atomic(out / layout.LEDGER, self.charged().to_dict())
         plan, taken, labels = self.plan.plan, self._taken(), self.not_covered()
         written = {
             "format": PRIVACY_FORMAT,
             "epsilon": self.epsilon(),
             "delta": plan.delta,
             "accountant": plan.accountant,
-            "steps": self.ledger.steps,
+            "steps": self.charged().steps,
             "steps_planned": plan.steps,
             "sample_rate": plan.sample_rate,
             "sampling": "loader" if self.own_batches else plan.sampling,

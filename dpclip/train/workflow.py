@@ -30,8 +30,8 @@ from dpclip.train.run_parts import RunParts
 from dpclip.train.plots import plot_run
 from dpclip.train.ranks import agree_on_recipe, check_resume_parallel
 from dpclip.train.result import TrainObserver, TrainResult
-from dpclip.rundir.run import (RunDir, privacy_diff, privacy_fingerprint, recipe_changes, recorded_written_state,
-                              run_statement)
+from dpclip.rundir.run import (RunDir, privacy_diff, privacy_fingerprint, read_ledger, recipe_changes,
+                              recorded_written_state, run_statement)
 from dpclip.rundir.searchdir import search_of_run
 from dpclip.train.state import Checkpointer, RunState
 from dpclip.train.tensorboard import check_logging, open_tensorboard
@@ -145,14 +145,17 @@ def _finish(parts: RunParts, state: RunState, output: RunOutput, stopped: str, f
     planned = planned_private_steps(recipe, plan.steps)
     if not parts.setting.world.main:
         return TrainResult(output.run_dir, state.step, planned, float("nan"), float("nan"), plan.delta, stopped)
-    accounting = state.ledger.result()
-    statement = run_statement(recipe, state.ledger, world_size=parts.setting.world.size, users=parts.setting.plan.users,
-                              written=recorded_written_state(output.run_dir),
-                              plan=RunDir(output.run_dir).public_plan())
-    result = TrainResult(output.run_dir, state.step, planned, accounting.epsilon, accounting.epsilon_rdp,
+    run = RunDir(output.run_dir)
+    # Stopped (Ctrl-C) while redoing the steps a crash lost: the model is behind what was released,
+    # but ε counts every released step, as ledger.json (never moved back) does.
+    ledger = state.ledger if state.ledger.steps >= state.released_steps else read_ledger(run.ledger_file)
+    accounting = ledger.result()
+    statement = run_statement(recipe, ledger, world_size=parts.setting.world.size, users=parts.setting.plan.users,
+                              written=recorded_written_state(output.run_dir), plan=run.public_plan())
+    steps_done = state.step + ledger.steps - state.ledger.steps   # (the released steps the model is behind)
+    result = TrainResult(output.run_dir, steps_done, planned, accounting.epsilon, accounting.epsilon_rdp,
                          plan.delta, stopped, final_eval, statement.lines(), parts.setting.solved.step_metadata,
                          parts.setting.sigma_change, resume_changes, step_seconds=state.step_seconds)
-    run = RunDir(output.run_dir)
     write_json_atomic(run.summary_file, result.to_dict())
     if output.tensorboard is not None:
         output.tensorboard.close()

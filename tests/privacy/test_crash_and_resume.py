@@ -16,6 +16,7 @@ from dpclip.errors import DpclipError
 from dpclip.rundir import checkpoint as checkpoint_module
 from dpclip.train import output
 from dpclip.train import state as state_module
+from dpclip.train import trainer
 from dpclip.train.workflow import train
 
 
@@ -208,3 +209,36 @@ def test_a_run_killed_between_a_checkpoints_folder_and_latest_resumes_from_that_
     assert train(resume=run).steps_done == 4
     assert (run / "checkpoints" / "LATEST").read_text() == "step_000004\n"
     assert [r["step"] for r in _records(run / "metrics.jsonl") if "eval" not in r] == [1, 2, 3, 4]
+
+
+def test_a_resume_interrupted_while_redoing_released_steps_reports_every_released_step(
+        tiny_recipe, tmp_path, monkeypatch):
+    """Ctrl-C while a resume redoes the steps a crash lost: the model stops behind what was
+    released (steps 5-6 of 8 redone), yet summary.json and the returned ε must still count the
+    8 released steps, as ledger.json, dpclip report and dpclip account do."""
+    recipe = tiny_recipe("training.steps=8", "checkpoint.every_steps=4", "checkpoint.keep=5",
+                         "clipping.threshold={kind: quantile, budget_fraction: 0.1}")
+    full = train(recipe).run_dir
+    crashed = _crashed_copy(full, tmp_path / "crashed", checkpoint_step=4, crash_step=8)
+
+    class CtrlCAfterTwoSteps(trainer.DeferredInterrupt):
+        checks = 0
+
+        @property
+        def requested(self):   # read before each step: the third read stops the run after step 6
+            CtrlCAfterTwoSteps.checks += 1
+            return CtrlCAfterTwoSteps.checks > 2
+
+        @requested.setter
+        def requested(self, value):
+            pass
+
+    monkeypatch.setattr(trainer, "DeferredInterrupt", CtrlCAfterTwoSteps)
+    result = train(resume=crashed)
+    assert result.stopped == "interrupted"
+    released = json.loads((crashed / "ledger.json").read_text())
+    assert released["steps"] == 8, "ledger.json never moves back"
+    summary = json.loads((crashed / "summary.json").read_text())
+    assert summary["epsilon"] == pytest.approx(released["epsilon"]) == pytest.approx(result.epsilon)
+    assert summary["steps_done"] == 8
+    assert any("steps: 8" in line for line in summary["statement"])

@@ -11,6 +11,8 @@ ledger's 4 steps are everything that left.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -102,3 +104,29 @@ def test_a_one_process_checkpoint_is_not_loaded_by_several_ranks(tmp_path, monke
         rank.load_checkpoint(path)
     assert "one-process" in refused.value.hint
     assert rank.ledger.steps == 0
+
+
+def test_a_loaded_checkpoint_counts_the_released_steps_it_has_not_redone_yet(tmp_path):
+    """Steps 3 and 4 left the crashed process; until the loaded run has redone them, its ε,
+    statement and privacy.json must still count them (a loop stopped after one redone step
+    released 4 steps, not 3), and redoing them charges nothing twice."""
+    crashed = _private()
+    _released(crashed, 2)
+    path = crashed.save_checkpoint(tmp_path / "checkpoint.pt")
+    _released(crashed, 2)
+    released = crashed.epsilon()
+    del crashed
+
+    resumed = _private()
+    resumed.load_checkpoint(path)
+    assert resumed.epsilon() == pytest.approx(released)
+    _released(resumed, 1)
+    assert resumed.epsilon() == pytest.approx(released)
+    assert "steps: 4" in resumed.statement()
+    saved = json.loads((resumed.save(tmp_path / "account") / "privacy.json").read_text())
+    assert saved["steps"] == 4 and saved["epsilon"] == pytest.approx(released)
+
+    again = _private()   # once every lost step is redone, each is charged once
+    again.load_checkpoint(path)
+    _released(again, 2)
+    assert again.ledger.steps == 4 and again.epsilon() == pytest.approx(released)
