@@ -432,6 +432,7 @@ class DPTrainer(Trainer):
         self.evaluated |= stated.is_file() and EVALUATED in json.loads(stated.read_text())["not_covered_by_epsilon"]
         self.loaded_steps = ledger.steps
         self.releases.resume_after(ledger.steps, Path(folder).parent, state.get("run"), required=ledger.steps > 0)
+        self.account.released_steps = max(self.releases.redo, default=ledger.steps)   # ε counts them until redone
         self._sampler().draws.load_state_dict(state["sampler"])
         self.engine.load_state_dict(state["engine"])
         self.releases.fork_after_redone(self.engine.noise, self._sampler(), ledger.steps)

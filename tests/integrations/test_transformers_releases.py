@@ -188,3 +188,26 @@ def test_a_run_resumed_after_an_evaluation_keeps_stating_it(tmp_path):
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
     assert EVALUATED in json.loads((tmp_path / "out" / "privacy.json").read_text())["not_covered_by_epsilon"]
     assert EVALUATED in resumed.account.not_covered()
+
+
+@pytest.mark.slow  # two end-to-end Trainer runs: the slow set (README)
+def test_a_resume_stopped_before_redoing_every_lost_step_still_counts_them(tmp_path):
+    """Steps 3 and 4 left the crashed process (checkpoint-2 on disk); a resume stopped after
+    redoing step 3 had released 4 steps, not 3: its ε and statement count them (make_private's
+    load_checkpoint alike: tests/privacy/test_make_private_lost_steps.py)."""
+    from tests.integrations.test_transformers import _CrashAfter, _trainer
+
+    crashed = _trainer(tmp_path, max_steps=6, save_strategy="steps", save_steps=2)
+    crashed.add_callback(_CrashAfter(3))   # raises at step 4's end, before its checkpoint
+    with pytest.raises(KeyboardInterrupt):
+        crashed.train()
+    released = crashed.account.epsilon()
+    assert crashed.account.ledger.steps == 4 and (tmp_path / "out" / "checkpoint-2").is_dir()
+    assert not (tmp_path / "out" / "checkpoint-4").exists()
+    resumed = _trainer(tmp_path, max_steps=6, save_strategy="steps", save_steps=2)
+    resumed.add_callback(_CrashAfter(2))   # stops at step 3's end: one of the two lost steps redone
+    with pytest.raises(KeyboardInterrupt):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert resumed.account.ledger.steps == 3
+    assert resumed.account.epsilon() == pytest.approx(released)
+    assert "steps: 4" in resumed.account.statement()
