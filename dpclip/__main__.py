@@ -1,3 +1,3 @@
-from dpclip.cli.main import run
+from dpclip.cli.entry import run
 
 run()

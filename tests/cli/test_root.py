@@ -134,3 +134,29 @@ def test_debug_reaches_the_ranks_nproc_starts_and_is_not_left_set(cli, monkeypat
     assert result.code == 0, result.err
     assert seen == [(True, "1")]
     assert "DPCLIP_DEBUG" not in os.environ
+
+
+def test_a_ctrl_c_while_the_cli_is_still_importing_exits_130_with_error_and_hint(monkeypatch, capsys):
+    """A Ctrl-C in the first second or two (dp_accounting, scipy and rich importing) printed a
+    traceback through the import machinery; it ends now as one after the imports does."""
+    import types
+
+    from dpclip.cli import entry
+
+    class Importing(types.ModuleType):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt   # where the import was when the user pressed Ctrl-C
+
+    monkeypatch.setitem(sys.modules, "dpclip.cli.main", Importing("dpclip.cli.main"))
+    with pytest.raises(SystemExit) as stopped:
+        entry.run()
+    err = capsys.readouterr().err
+    assert stopped.value.code == 130
+    assert err.startswith("error: interrupted\nhint: ") and "Traceback" not in err
+
+
+def test_the_installed_command_and_python_m_dpclip_start_at_the_entry_that_catches_an_early_ctrl_c():
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert 'dpclip = "dpclip.cli.entry:run"' in pyproject
+    result = subprocess.run([sys.executable, "-m", "dpclip", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and __version__ in result.stdout
