@@ -22,6 +22,7 @@ from dpclip import layout
 from dpclip.accounting import Ledger, PlanResult, PrivacyPlan, solve
 from dpclip.accounting.statement import OWN_BATCHES_CAVEAT, PrivacyStatement
 from dpclip.distributed import World
+from dpclip.distributed.code import CODE_HINT, code_fingerprint
 from dpclip.engine import DPEngine
 from dpclip.engine.groups import build_groups, trainable_params
 from dpclip.errors import DpclipError
@@ -198,6 +199,7 @@ def private_engine(model: nn.Module, spec: Clipping, *, num_examples: int, batch
                       "which voids the guarantee; for tests and experiments only", stacklevel=4)
     if world is not None:   # rank 0 sizes the noise for every rank's examples: they must share the plan
         check_ranks_agree(world, {
+            "the dpclip code (version, source hash, torch release)": code_fingerprint(),
             "the number of examples (len(dataset))": num_examples, "the batch size (per rank × ranks)": batch_size,
             "steps": steps, "delta": delta, "target_epsilon": target_epsilon, "noise_multiplier": noise_multiplier,
             "accountant": accountant, "sampling": sampling, "unsafe_seed": unsafe_seed, "verify_every": verify_every,
@@ -234,7 +236,7 @@ def check_ranks_agree(world: World, values: dict[str, Any]) -> None:
         other = next((r for r, theirs in enumerate(ranks) if theirs.get(what) != ours), None)
         if other is not None:
             raise DpclipError(f"the ranks disagree on {what}: rank {other} has {ranks[other].get(what)!r}, rank 0 "
-                              f"{ours!r}", "call make_private (or DPTrainer) with the same arguments, data set (the "
+                              f"{ours!r}", CODE_HINT if what.startswith("the dpclip code") else "call make_private (or DPTrainer) with the same arguments, data set (the "
                               "same rows in the same order: shuffle with one seed on every rank, or not at all) "
                               "and model on every rank: rank 0's noise covers every rank's examples only then")
 

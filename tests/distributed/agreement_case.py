@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from dpclip import make_private
 from dpclip.errors import DpclipError
+from dpclip.integrations import setup
 from tests.distributed.api_case import CLASSES, FEATURES, data
 
 #: what rank 1 changes, by case: make_private's keyword arguments, or the model's dtype
@@ -28,6 +29,8 @@ ON_RANK_ONE = {
     "order": {"order": "reversed"},
     # another row at one of the sampled positions (another file; the last row is always read)
     "content": {"content": "last row"},
+    # another dpclip install (another node): its sampling and clipping under rank 0's plan
+    "code": {"code": "dpclip 0.0.9 (source 0123456789ab), torch 2.0.0"},
 }
 
 
@@ -42,6 +45,9 @@ class Rows(Dataset):
 
     def __getitem__(self, i: int):
         return self.rows[len(self.rows) - 1 - i if self.reversed_rows else i]
+
+
+REAL_CODE = setup.code_fingerprint
 
 
 def private(rank: int, case: str | None):
@@ -62,6 +68,7 @@ def private(rank: int, case: str | None):
     arguments = dict(delta=1e-5, noise_multiplier=1.0, steps=4, max_grad_norm=0.5, clipping={"grouping": "layer"})
     arguments.update({k: v for k, v in changed.items() if k in arguments})
     loader = DataLoader(dataset, batch_size=changed.get("per_rank_batch", 6))
+    setup.code_fingerprint = (lambda: changed["code"]) if "code" in changed else REAL_CODE
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return make_private(model, torch.optim.SGD(model.parameters(), lr=0.5), loader,
