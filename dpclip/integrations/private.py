@@ -283,11 +283,11 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
         num_examples = int(people.max()) + 1
     steps_per_pass = math.ceil(num_examples / batch_size)
     planned_steps = count_planned_steps(epochs, steps, steps_per_pass)
-    engine, account = private_engine(
-        model, spec, num_examples=num_examples, batch_size=batch_size, steps=planned_steps, delta=delta,
-        target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
+    engine, account = private_engine(model, spec, num_examples=num_examples, batch_size=batch_size, steps=planned_steps,
+        delta=delta, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
         sampling="poisson" if poisson_sampling else "shuffle", unsafe_seed=unsafe_seed, world=world,
-        verify_every=verify_every, records_per_user=None if people is None else max_records_per_user)
+        dataset=data_loader.dataset, verify_every=verify_every,
+        records_per_user=None if people is None else max_records_per_user)
     tracker = seal_engine(engine, DrawTracker(None if people is None else 1.0 / max_records_per_user))
     account.losses_read, account.loop_lines = (lambda: tracker.losses_read), (LOOP_OUTPUTS,)
     tracker.on_first_read = account.restate   # a privacy.json saved before the first read gains its line

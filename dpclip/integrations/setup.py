@@ -23,10 +23,12 @@ from dpclip import layout
 from dpclip.accounting import Ledger, PlanResult, PrivacyPlan, solve
 from dpclip.accounting.statement import OWN_BATCHES_CAVEAT, PrivacyStatement
 from dpclip.distributed import World
+from dpclip.distributed.code import CODE_HINT, code_fingerprint
 from dpclip.engine import DPEngine
 from dpclip.engine.groups import build_groups, trainable_params
 from dpclip.errors import DpclipError
 from dpclip.files import made_private, write_json_atomic
+from dpclip.integrations.rows_fingerprint import rows_fingerprint
 from dpclip.planning.plan import forward_state_line
 from dpclip.recipe.load import explain_error
 from dpclip.recipe.schema import Clipping
@@ -195,11 +197,13 @@ class Account:
 def private_engine(model: nn.Module, spec: Clipping, *, num_examples: int, batch_size: int, steps: int,
                    delta: float, target_epsilon: float | None, noise_multiplier: float | None, accountant: str,
                    sampling: str, unsafe_seed: int | None, not_covered: tuple[str, ...] = (), verify_every: int = 0,
-                   world: World | None = None, records_per_user: int | None = None) -> tuple[DPEngine, Account]:
+                   world: World | None = None, records_per_user: int | None = None,
+                   dataset: Any = None) -> tuple[DPEngine, Account]:
     """The plan of ``steps`` Poisson steps at q = B/N (noise calibrated to ``target_epsilon`` or
     given as the total ``noise_multiplier``; a threshold statistic shares the budget), the
     engine that takes them, and an empty account. ``records_per_user`` = k: user-level privacy,
-    N people, at most k records of a person in a step (docs/users.md)."""
+    N people, at most k records of a person in a step (docs/users.md). Across ranks, ``dataset``
+    (the rows each rank draws by position) must be the same on every rank (:mod:`rows_fingerprint`)."""
     if (target_epsilon is None) == (noise_multiplier is None):
         raise DpclipError("give exactly one of target_epsilon and noise_multiplier",
                           "target_epsilon=8.0 calibrates the noise; noise_multiplier=1.1 gives the ε it costs")
@@ -211,12 +215,15 @@ def private_engine(model: nn.Module, spec: Clipping, *, num_examples: int, batch
                       "which voids the guarantee; for tests and experiments only", stacklevel=4)
     if world is not None:   # rank 0 sizes the noise for every rank's examples: they must share the plan
         check_ranks_agree(world, {
+            "the dpclip code (version, source hash, torch release)": code_fingerprint(),
             "the number of examples (len(dataset))": num_examples, "the batch size (per rank × ranks)": batch_size,
             "steps": steps, "delta": delta, "target_epsilon": target_epsilon, "noise_multiplier": noise_multiplier,
             "accountant": accountant, "sampling": sampling, "unsafe_seed": unsafe_seed, "verify_every": verify_every,
             "max_records_per_user": records_per_user, "clipping (max_grad_norm, clipping=)": spec.model_dump(),
             "the trainable parameters (names, shapes, dtypes)": [
-                (name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters() if p.requires_grad]})
+                (name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters() if p.requires_grad],
+            "the training rows in their order (the dataset's rows fingerprint)":
+                None if dataset is None else rows_fingerprint(dataset)})
     sample_rate = batch_size / num_examples
     groups = len(build_groups(model, spec.grouping, trainable_params(model)).names)
     with quiet_rdp_orders():
@@ -245,7 +252,8 @@ def check_ranks_agree(world: World, values: dict[str, Any]) -> None:
         other = next((r for r, theirs in enumerate(ranks) if theirs.get(what) != ours), None)
         if other is not None:
             raise DpclipError(f"the ranks disagree on {what}: rank {other} has {ranks[other].get(what)!r}, rank 0 "
-                              f"{ours!r}", "call make_private (or DPTrainer) with the same arguments, data set size "
+                              f"{ours!r}", CODE_HINT if what.startswith("the dpclip code") else "call make_private (or DPTrainer) with the same arguments, data set (the "
+                              "same rows in the same order: shuffle with one seed on every rank, or not at all) "
                               "and model on every rank: rank 0's noise covers every rank's examples only then")
 
 

@@ -210,7 +210,8 @@ class DPTrainer(Trainer):
             delta=privacy.delta, target_epsilon=privacy.target_epsilon, noise_multiplier=privacy.noise_multiplier,
             accountant=privacy.accountant, sampling="poisson", unsafe_seed=privacy.unsafe_seed,
             not_covered=(LOGGED_LOSS, TIMED, *stated_arguments(training)), world=self.world, verify_every=privacy.verify_every,
-            records_per_user=None if self.people is None else privacy.max_records_per_user)
+            records_per_user=None if self.people is None else privacy.max_records_per_user,
+            dataset=self.train_dataset)
         self.unsafe_seed = privacy.unsafe_seed
         self.evaluated = False   # evaluate() or predict() has run: their metrics are stated outside ε
         self.account.released_outside = lambda: [EVALUATED] if self.evaluated else []

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from dpclip.distributed import World, announce_run_dir
+from dpclip.distributed.code import check_same_code
 from dpclip.errors import DpclipError
 from dpclip.recipe import Recipe, recipe_to_yaml
 from dpclip.rundir.fingerprints import fingerprints
@@ -39,6 +40,7 @@ def agree_on_recipe(world: World, recipe: Recipe | None, resolve: Callable[[], t
     then every rank takes its result and checks that its own command line meant the same one."""
     if world.size == 1:
         return resolve()
+    check_same_code(world)   # first: another dpclip may read the recipe otherwise, or sample and clip otherwise
     mine = None if recipe is None else recipe_to_yaml(recipe)
     recipe, changes = world.on_main(resolve)
     world.check_same("the recipe", mine if mine is not None else recipe_to_yaml(recipe), SAME_RECIPE_HINT)

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from dpclip import make_private
 from dpclip.errors import DpclipError
+from dpclip.integrations import setup
 from tests.distributed.api_case import CLASSES, FEATURES, data
 
 #: what rank 1 changes, by case: make_private's keyword arguments, or the model's dtype
@@ -23,7 +24,30 @@ ON_RANK_ONE = {
     "batch_size": {"per_rank_batch": 24},          # its draws at another rate q than the plan's
     "grouping": {"clipping": {"grouping": "all-layer"}},
     "dtype": {"dtype": torch.float64},
+    # the same rows in another order (a per-rank shuffle): rank r owns positions r, r + W, ..., so some
+    # examples would be owned by both ranks (in a batch with probability about 2q, or twice) and some by none
+    "order": {"order": "reversed"},
+    # another row at one of the sampled positions (another file; the last row is always read)
+    "content": {"content": "last row"},
+    # another dpclip install (another node): its sampling and clipping under rank 0's plan
+    "code": {"code": "dpclip 0.0.9 (source 0123456789ab), torch 2.0.0"},
 }
+
+
+class Rows(Dataset):
+    """A map-style dataset that is not a TensorDataset (its rows are read one by one), reversed if asked."""
+
+    def __init__(self, rows: TensorDataset, reversed_rows: bool = False):
+        self.rows, self.reversed_rows = rows, reversed_rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        return self.rows[len(self.rows) - 1 - i if self.reversed_rows else i]
+
+
+REAL_CODE = setup.code_fingerprint
 
 
 def private(rank: int, case: str | None):
@@ -35,9 +59,16 @@ def private(rank: int, case: str | None):
     dataset = data()
     if "dtype" in changed:
         dataset = TensorDataset(dataset.tensors[0].double(), dataset.tensors[1])
+    if "order" in changed:
+        dataset = Rows(dataset, reversed_rows=True)
+    if "content" in changed:
+        features = dataset.tensors[0].clone()
+        features[-1] += 1.0
+        dataset = Rows(TensorDataset(features, dataset.tensors[1]))
     arguments = dict(delta=1e-5, noise_multiplier=1.0, steps=4, max_grad_norm=0.5, clipping={"grouping": "layer"})
     arguments.update({k: v for k, v in changed.items() if k in arguments})
     loader = DataLoader(dataset, batch_size=changed.get("per_rank_batch", 6))
+    setup.code_fingerprint = (lambda: changed["code"]) if "code" in changed else REAL_CODE
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return make_private(model, torch.optim.SGD(model.parameters(), lr=0.5), loader,

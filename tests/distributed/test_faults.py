@@ -29,6 +29,18 @@ def test_ranks_that_disagree_on_the_recipe_all_refuse_before_writing(tmp_path):
 
 
 @pytest.mark.slow
+def test_ranks_that_run_other_dpclip_code_all_refuse_before_writing(tmp_path):
+    """Before the fix a node with another dpclip install trained as rank 1: its sampling and clipping
+    under rank 0's plan and noise, with nothing in the run saying so."""
+    errors = run_ranks(workers.other_code, str(tmp_path))
+    assert [e[0] for e in errors] == [0, 1]
+    for _, kind, message, hint, _ in errors:
+        assert kind == "DpclipError" and "the ranks run other code: rank 1 runs dpclip 0.0.9" in message, message
+        assert "same dpclip" in hint
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
 def test_a_rank_that_raises_stops_every_rank_with_the_ledger_whole(tmp_path):
     errors = run_ranks(workers.raise_at_step, str(tmp_path), 5)
     by_rank = {e[0]: e for e in errors}

@@ -97,6 +97,16 @@ def disagree(world, out: str) -> None:
     train(small_recipe(Path(out) / "runs", "layer", *extra), world=world, run_dir=Path(out) / "run")
 
 
+def other_code(world, out: str) -> None:
+    """Rank 1 runs another dpclip (another node's install): every rank must refuse before anything is written."""
+    from dpclip.distributed import code
+    from dpclip.train.workflow import train
+
+    if world.rank == 1:
+        code.code_fingerprint = lambda: "dpclip 0.0.9 (source 0123456789ab), torch 2.0.0"
+    train(small_recipe(Path(out) / "runs", "layer"), world=world, run_dir=Path(out) / "run")
+
+
 def raise_at_step(world, out: str, step: int) -> None:
     """Rank 1 raises inside its step ``step``: rank 0 must stop too, with its ledger whole."""
     from dpclip.errors import DpclipError
