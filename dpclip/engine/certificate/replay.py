@@ -19,8 +19,8 @@ from torch import Tensor, nn
 
 from dpclip.engine.batch_axis.layout import tensor_leaves
 from dpclip.engine.precision import AutocastState, autocast_restore, autocast_snapshot
-from dpclip.torch_compat import (forward_hooks_silenced, reentrant_checkpoints_inline, tensor_version, tree_flatten,
-                                 tree_unflatten)
+from dpclip.torch_compat import (forward_hooks_silenced, parametrizations_uncached, reentrant_checkpoints_inline,
+                                 tensor_version, tree_flatten, tree_unflatten)
 
 
 class NotReproducible(Exception):
@@ -206,9 +206,11 @@ def replaying(model: nn.Module, plain: Callable, devices: list[int]) -> Iterator
     ``torch.utils.checkpoint`` blocks run as plain calls (:func:`dpclip.torch_compat.reentrant_checkpoints_inline`):
     such a block passes gradients to its parameters only by a ``.backward()`` on the module's own
     parameters (``torch.autograd.grad`` refuses it), and a replay differentiates detached leaves.
-    The plain call draws the same random numbers (the block's forward runs once either way)."""
+    The plain call draws the same random numbers (the block's forward runs once either way). A
+    parametrized weight is computed from the replay's own leaves, never read from a user's
+    ``parametrize.cached()`` block (:func:`dpclip.torch_compat.parametrizations_uncached`)."""
     with plain(), torch.random.fork_rng(devices=devices), forward_hooks_silenced(model), torch.enable_grad(), \
-            reentrant_checkpoints_inline():
+            reentrant_checkpoints_inline(), parametrizations_uncached():
         yield
 
 
