@@ -180,6 +180,22 @@ def parametrization_cache() -> dict:
     return parametrize._cache
 
 
+@contextmanager
+def parametrizations_uncached() -> Iterator[None]:
+    """Inside, every read of a parametrized tensor evaluates its parametrization anew, even within
+    a user's ``parametrize.cached()`` block; the cache and its depth are put back on leaving. A probe
+    or a certificate replay runs in the middle of the training forward: under ``cached()`` it would
+    read the training forward's W (a replay's own originals never reached) or leave its own W for
+    the training forward to read (its backward running into the probe's graph). torch has no
+    public switch (``parametrize._cache_enabled``, ``parametrize._cache``). Checked against torch 2.13."""
+    depth, cache = parametrize._cache_enabled, parametrize._cache
+    parametrize._cache_enabled, parametrize._cache = 0, {}
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled, parametrize._cache = depth, cache
+
+
 def canonical_attention_masks(key_padding_mask: Tensor | None, attn_mask: Tensor | None,
                               dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
     """``nn.MultiheadAttention``'s own conversion of its two masks to float masks of ``dtype``

@@ -73,6 +73,19 @@ def refuse_transform(label: str, around_the_model: bool = False) -> None:
          "follow: " + FREEZE_OR_OUTSIDE))
 
 
+def refuse_computed_parameter(label: str, name: str) -> None:
+    """Refuse a book-kept call whose module reads, in place of its parameter, a tensor computed in
+    the forward (``torch.func.functional_call(self.a, {"weight": self.a.weight * 2})``): the engine's
+    factors are the gradient with respect to that tensor, not to the parameter it came from."""
+    raise EngineError(
+        f"module {label} is called with its parameter {name} replaced by a tensor computed in the forward "
+        "(torch.func.functional_call with weights of your own): the engine clips the gradients of the "
+        "module's own parameters, and this call does not use them as they are",
+        "call the module with its own parameters; to transform a weight, register the transform as a "
+        "parametrization (torch.nn.utils.parametrize.register_parametrization), which the engine follows "
+        "per sample, or compute the weight in a module of your own that calls F.linear(x, W)")
+
+
 def refuse_backward_in_forward(call: "Call") -> None:
     """Refuse a book-kept call's backward run while a forward of the model is in progress: a gradient
     taken inside the forward (``torch.autograd.grad(E, x, create_graph=True)``, a gradient
@@ -225,6 +238,9 @@ class Site(SiteBatch):
         parameters = own_parameters(self.module)   # a contained one ("ia3_l.default") through its container
         by_name = {name: parameters[name] if name in parameters else self.module.get_parameter(name)
                    for name in self._names}
+        for name, t in by_name.items():
+            if t.grad_fn is not None:   # a parameter is a leaf; torch.func.functional_call swapped in a result
+                refuse_computed_parameter(self.label, name)
         for name in self._derived:
             by_name[name] = getattr(self.module, name)
         return by_name

@@ -138,6 +138,30 @@ def test_a_weight_computed_by_an_old_style_forward_pre_hook_is_refused_with_the_
     assert "parametrizations.weight_norm" in err.value.hint and "prune.remove" in err.value.hint
 
 
+class _DoubledByFunctionalCall(nn.Module):
+    """A layer called with a weight computed from its own (torch.func.functional_call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.h = nn.Linear(5, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.func.functional_call(self.a, {"weight": self.a.weight * 2, "bias": self.a.bias}, (x,))
+        return self.h(torch.tanh(h))
+
+
+def test_a_layer_called_with_a_computed_weight_by_functional_call_is_refused_by_name_before_any_noise():
+    """It was refused by the certificate (relative error 0.4) with the hint for a wrong clip."""
+    torch.manual_seed(0)
+    model = _DoubledByFunctionalCall()
+    engine = DPEngine(model, {}, expected_batch_size=6)
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    with pytest.raises(EngineError, match=r"module a \(Linear\) is called with its parameter weight replaced") as err:
+        engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+    assert "register_parametrization" in err.value.hint
+    assert all(p.grad is None for p in model.parameters())
+
+
 class _SpectralFilter(nn.Module):
     """A learned complex filter in the frequency domain (FNO / GFNet style)."""
 

@@ -195,3 +195,32 @@ def test_no_gradient_reaches_the_originals_outside_the_engine():
     engine = _engine(model, 5)
     engine.backward(classify_loss(model, batch))
     assert all(p.grad is None for p in model.parameters())
+
+
+def _cached_loss(model, batch):
+    with parametrize.cached():
+        return classify_loss(model, batch)
+
+
+@pytest.mark.parametrize("name", ["weight_norm", "user_symmetric_called_twice", "torch_func_fallback"])
+def test_a_forward_under_parametrize_cached_clips_like_the_per_example_loop(name):
+    """The probes ran inside the user's cached() block and left their W in its cache: the training
+    forward read it, and its backward ran into the probe's graph (refused as an engine failure)."""
+    engine, _, _ = check_exact(_factory(name), _cached_loss, mlp_batch(n=5))
+    assert engine.certificate.checks == 1
+
+
+def test_a_backward_inside_parametrize_cached_is_checked_against_the_replays_own_weights():
+    """The certificate's replays read the training forward's cached W, which their own originals
+    never reach: every sample was refused (relative error 1e+29) though the engine was exact."""
+    model = _factory("weight_norm")()
+    reference = copy.deepcopy(model)
+    batch = mlp_batch(n=5)
+    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1e9}}, gradient_noise_multiplier=0.0,
+                      expected_batch_size=5)
+    with parametrize.cached():
+        engine.backward(classify_loss(model, batch))
+    engine.privatize()
+    classify_loss(reference, batch).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad / 5, rtol=1e-9, atol=1e-12, msg=name)

@@ -31,7 +31,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.overrides import TorchFunctionMode
 
 from dpclip.engine.batch_axis.layout import EQUAL_ROWS_HINT, CallLayout, Layout, call_leaves, tensor_leaves
-from dpclip.torch_compat import tree_flatten, tree_unflatten
+from dpclip.torch_compat import parametrizations_uncached, tree_flatten, tree_unflatten
 
 
 @dataclass
@@ -227,11 +227,16 @@ def untouched_buffers(model: torch.nn.Module) -> Iterator[None]:
     A buffer the probes left as it was is not written back: a probe can run in the middle of
     a training forward (a call the first probes never saw), and a write, even of the same
     values, bumps the buffer's version and so spoils every tensor that forward saved for its
-    backward that is a view of it (BERT's ``token_type_ids``, expanded over the batch)."""
+    backward that is a view of it (BERT's ``token_type_ids``, expanded over the batch).
+
+    Nor do they read or leave a parametrized weight in ``parametrize.cached()``'s cache: inside a
+    user's cached() block the training forward would read the probe's W, and its backward run into
+    the probe's graph, which keeps nothing (:func:`nothing_saved`)."""
     saved = [(module, name, b, b.detach().clone()) for module in model.modules()
              for name, b in module.named_buffers(recurse=False)]
     try:
-        yield
+        with parametrizations_uncached():
+            yield
     finally:
         with torch.no_grad():
             for module, name, b, value in saved:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from dpclip.engine.batch_axis.layout import CUT_BATCH_HINT
 from dpclip.engine.certificate.draws import DrawsNotCut, Recorder, Substitute
+from dpclip.engine.certificate.head import refuse_reads_past_outputs
 from dpclip.engine.certificate.replay import (Forward, NotReproducible, Replayer, batch_axis, close,
                                               module_stack, select, vjp)
 from dpclip.engine.certificate.state import State
@@ -122,8 +123,11 @@ def read_cotangents(of: Callable[[Tensor, list[Forward]], list[list[Tensor | Non
                     forwards: list[Forward], samples: int) -> dict[int, list[list[Tensor | None]]]:
     """Each checked row's loss cotangent on the forwards' returned tensors (``of``:
     :meth:`~dpclip.engine.certificate.replay.Cotangents.of`), and every row's, by halves, kept on the first
-    forward for :func:`losses_independent` (:func:`loss_partitions`)."""
+    forward for :func:`losses_independent` (:func:`loss_partitions`). The losses must read the model
+    through those tensors only (:func:`~dpclip.engine.certificate.head.refuse_reads_past_outputs`)."""
     cots = {r: of(losses[r], forwards) for r in rows}
+    if any(c is not None for r in rows for per in cots[r] for c in per):   # (none: refused by the caller)
+        refuse_reads_past_outputs(losses, forwards)
     forwards[0].loss_parts = loss_partitions(lambda seed: of(seed, forwards), losses, samples)
     return cots
 

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 
 from dpclip.engine.batch_axis.layout import tensor_leaves
 from dpclip.engine.precision import AutocastState, autocast_restore, autocast_snapshot
-from dpclip.torch_compat import (forward_hooks_silenced, reentrant_checkpoints_inline, tensor_version, tree_flatten,
-                                 tree_unflatten)
+from dpclip.torch_compat import (forward_hooks_silenced, parametrizations_uncached, reentrant_checkpoints_inline,
+                                 tensor_version, tree_flatten, tree_unflatten)
 
 
 class NotReproducible(Exception):
@@ -208,12 +208,14 @@ def replaying(model: nn.Module, plain: Callable, devices: list[int], gradless: l
     parameters (``torch.autograd.grad`` refuses it), and a replay differentiates detached leaves.
     The plain call draws the same random numbers (the block's forward runs once either way).
     ``gradless``, if given, gets an entry for each such block called on inputs none of which needs
-    a gradient: in training torch never runs its backward, so its parameters get no gradient there."""
+    a gradient: in training torch never runs its backward, so its parameters get no gradient there.
+    A parametrized weight is computed from the replay's own leaves, never read from a user's
+    ``parametrize.cached()`` block (:func:`dpclip.torch_compat.parametrizations_uncached`)."""
     def seen(args: tuple) -> None:
         if gradless is not None and not any(t.requires_grad for t in tensor_leaves(args)):
             gradless.append(True)
     with plain(), torch.random.fork_rng(devices=devices), forward_hooks_silenced(model), torch.enable_grad(), \
-            reentrant_checkpoints_inline(seen):
+            reentrant_checkpoints_inline(seen), parametrizations_uncached():
         yield
 
 
