@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import dp_accounting
 
 from dpclip.accounting.accountants import account, check_accountant, check_delta_value
-from dpclip.accounting.calibrate import check_target, quiet_dp_accounting, sigma_for_epsilon
+from dpclip.accounting.calibrate import check_target, quiet_dp_accounting, rdp_then
 from dpclip.errors import AccountingError
 
 
@@ -108,9 +108,7 @@ def calibrate_blt(target_epsilon: float, delta: float, sensitivities: Sequence[f
 
     over_gradient = fixed_aux_ratio_sq is not None and split is not None
     with quiet_dp_accounting():
-        sigma = sigma_for_epsilon(eps_of("rdp", over_gradient), target_epsilon, rtol, whole, inputs)
-        if accountant == "pld":
-            sigma = sigma_for_epsilon(eps_of(accountant, over_gradient), target_epsilon, rtol, sigma, inputs)
+        sigma = rdp_then(lambda method: eps_of(method, over_gradient), accountant, target_epsilon, rtol, whole, inputs)
         if not over_gradient:
             return sigma
         # σ_g -> σ_eff; the plan splits σ_eff again, which rounds σ_g by an ulp or so: never past the target

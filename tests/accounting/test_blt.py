@@ -126,3 +126,19 @@ def test_blt_plans_that_cannot_be_accounted_are_refused_with_a_hint(change, mess
     with pytest.raises(AccountingError, match=message) as caught:
         plan(**change)
     assert caught.value.hint
+
+
+def test_a_target_only_pld_reaches_is_calibrated_not_called_unreachable():
+    # Histogram σ_a = 8, K = 5: however large σ_g, the statistic alone is a Gaussian of 1/μ² = 5/64, whose
+    # ε at δ = 1e-5 is about 1.047 under PLD and 1.143 under RDP. ε = 1.1 lies between the two floors:
+    # the RDP search, which runs first, found it unreachable and the plan was refused.
+    histogram = AuxSpec("norm histogram", sensitivity=1.0, groups=1, sigma=8.0)
+    result = solve(plan(noise_multiplier=None, target_epsilon=1.1, aux=histogram))
+    mu = (SENSITIVITIES[-1] / result.split.gradient_noise_multiplier ** 2 + len(SENSITIVITIES) / 64) ** -0.5
+    direct = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4).compose(
+        dp_accounting.GaussianDpEvent(mu)).get_epsilon(1e-5)
+    assert 1.1 * 0.99 <= result.epsilon <= 1.1 and direct == pytest.approx(result.epsilon, rel=1e-3)
+    with pytest.raises(AccountingError, match=r"unreachable.*ε = 1\.1"):   # RDP alone cannot: refused as before
+        solve(plan(noise_multiplier=None, target_epsilon=1.1, aux=histogram, accountant="rdp"))
+    with pytest.raises(AccountingError, match=r"unreachable.*gives ε = 1\.04"):  # below PLD's floor: PLD's ε named
+        solve(plan(noise_multiplier=None, target_epsilon=1.0, aux=histogram))
