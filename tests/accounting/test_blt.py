@@ -12,7 +12,7 @@ import pytest
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpclip.accounting import AuxSpec, PrivacyPlan, solve
+from dpclip.accounting import AuxSpec, Ledger, PrivacyPlan, solve, statement_from_ledger
 from dpclip.accounting.accountants import RDP_ORDERS, account
 from dpclip.accounting.blt import blt_groups
 from dpclip.errors import AccountingError
@@ -142,3 +142,34 @@ def test_a_target_only_pld_reaches_is_calibrated_not_called_unreachable():
         solve(plan(noise_multiplier=None, target_epsilon=1.1, aux=histogram, accountant="rdp"))
     with pytest.raises(AccountingError, match=r"unreachable.*gives ε = 1\.04"):  # below PLD's floor: PLD's ε named
         solve(plan(noise_multiplier=None, target_epsilon=1.0, aux=histogram))
+
+
+@pytest.mark.parametrize("aux", [None, AuxSpec("quantile counts", sensitivity=0.5, groups=1, fraction=0.3)])
+def test_a_run_stopped_early_states_the_sensitivity_of_the_participations_it_made(aux):
+    # A 100-step plan (5 participations) stopped after 45 steps has made 3: its ledger charges the first
+    # three increments, a Gaussian of sensitivity s_3 = √7.5. The statement named the whole plan's s = √17.5
+    # and the multiplier σ/√17.5, from which a reader recomputes a larger ε than the one stated.
+    result = solve(plan(aux=aux))
+    ledger = Ledger(1e-5, "pld")
+    for step in range(45):
+        ledger.record(result.event_at(step), metadata=result.step_metadata)
+    statement = statement_from_ledger(ledger)
+    assert statement.sensitivity == pytest.approx(math.sqrt(7.5), rel=1e-9)
+    line = next(line for line in statement.lines() if line.startswith("mechanism: BLT"))
+    gradient = result.split.gradient_noise_multiplier
+    assert f"sensitivity {math.sqrt(7.5):.6g} per unit clip norm" in line and "at most 3 participations" in line
+    assert f"/sensitivity = {gradient / math.sqrt(7.5):.6g}" in line   # σ/s, or σ_g/s with a statistic
+    aux_ratio_sq = 0.0 if aux is None else (result.split.aux_sensitivity / result.split.sigma_aux) ** 2
+    mu = (7.5 / gradient ** 2 + 3 * aux_ratio_sq) ** -0.5    # the stated multiplier gives the stated ε
+    direct = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4).compose(
+        dp_accounting.GaussianDpEvent(mu)).get_epsilon(1e-5)
+    assert direct == pytest.approx(statement.epsilon, rel=1e-3)
+    whole = statement_from_ledger(_completed(result))
+    assert whole.sensitivity == pytest.approx(math.sqrt(SENSITIVITIES[-1]), rel=1e-9)
+
+
+def _completed(result) -> Ledger:
+    ledger = Ledger(1e-5, "pld")
+    for step in range(STEPS):
+        ledger.record(result.event_at(step), metadata=result.step_metadata)
+    return ledger
