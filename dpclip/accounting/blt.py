@@ -64,17 +64,20 @@ def increment_events(noise_multiplier: float, sensitivities: Sequence[float],
 
 
 def charged_sensitivity(charges: Sequence[tuple[dp_accounting.DpEvent, int]], gradient_noise_multiplier: float | None,
-                        sigma_aux: float | None = None, aux_sensitivity: float | None = None) -> float | None:
+                        sigma_aux: float | None = None, aux_sensitivity: float | None = None,
+                        planned: float | None = None) -> float | None:
     """The sensitivity s_K of the K participations a ledger charged, (event, count) each: the charges
     compose to one Gaussian, Σ 1/μ_j² = s_K²/σ_g² + K·(Δ_a/σ_a)² (:func:`increment_events`), so a run
-    stopped early states its own mechanism, not its plan's. None: no σ_g, or a charge that is not a Gaussian."""
+    stopped early states its own mechanism, not its plan's. ``planned`` (the whole plan's s) where s_K
+    equals it to rounding; ``planned`` also where σ_g is unknown or a charge is not a Gaussian."""
     if gradient_noise_multiplier is None or not all(isinstance(event, dp_accounting.GaussianDpEvent)
                                                     for event, _ in charges):
-        return None
+        return planned
     aux_ratio_sq = 0.0 if sigma_aux is None else (aux_sensitivity / sigma_aux) ** 2
     precision = sum(count / event.noise_multiplier ** 2 for event, count in charges)
     participations = sum(count for _, count in charges)
-    return gradient_noise_multiplier * math.sqrt(max(0.0, precision - participations * aux_ratio_sq))
+    charged = gradient_noise_multiplier * math.sqrt(max(0.0, precision - participations * aux_ratio_sq))
+    return planned if planned is not None and math.isclose(charged, planned, rel_tol=1e-9) else charged
 
 
 def split_ratios(split) -> tuple[float, float]:

@@ -349,7 +349,7 @@ def statement_from_ledger(ledger: "Ledger", sampling: str = "poisson", *, seeded
     if charged and blt["buffers"]:  # BLT: each participation's charge differs; its metadata names the mechanism
         sample_rate, noise_multiplier = blt["sample_rate"], blt["noise_multiplier"]
         blt["sensitivity"] = charged_sensitivity([(entry.event, entry.count) for entry in charged], common(
-            "gradient_noise_multiplier") or noise_multiplier, common("sigma_aux"), common("aux_sensitivity")) or blt["sensitivity"]
+            "gradient_noise_multiplier") or noise_multiplier, common("sigma_aux"), common("aux_sensitivity"), blt["sensitivity"])
     elif len(parameters) == 1 and None not in parameters:
         sample_rate, noise_multiplier = next(iter(parameters))
         sample_rate /= bands  # a participation's event is at q·b; the statement states q
