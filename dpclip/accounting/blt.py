@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import dp_accounting
 
 from dpclip.accounting.accountants import account, check_accountant, check_delta_value
-from dpclip.accounting.calibrate import check_target, quiet_dp_accounting, sigma_for_epsilon
+from dpclip.accounting.calibrate import check_target, quiet_dp_accounting, rdp_then
 from dpclip.errors import AccountingError
 
 
@@ -61,6 +61,23 @@ def increment_events(noise_multiplier: float, sensitivities: Sequence[float],
             1.0 / math.sqrt((squared - previous) / noise_multiplier ** 2 + aux_ratio_sq)))
         previous = squared
     return tuple(events)
+
+
+def charged_sensitivity(charges: Sequence[tuple[dp_accounting.DpEvent, int]], gradient_noise_multiplier: float | None,
+                        sigma_aux: float | None = None, aux_sensitivity: float | None = None,
+                        planned: float | None = None) -> float | None:
+    """The sensitivity s_K of the K participations a ledger charged, (event, count) each: the charges
+    compose to one Gaussian, Σ 1/μ_j² = s_K²/σ_g² + K·(Δ_a/σ_a)² (:func:`increment_events`), so a run
+    stopped early states its own mechanism, not its plan's. ``planned`` (the whole plan's s) where s_K
+    equals it to rounding; ``planned`` also where σ_g is unknown or a charge is not a Gaussian."""
+    if gradient_noise_multiplier is None or not all(isinstance(event, dp_accounting.GaussianDpEvent)
+                                                    for event, _ in charges):
+        return planned
+    aux_ratio_sq = 0.0 if sigma_aux is None else (aux_sensitivity / sigma_aux) ** 2
+    precision = sum(count / event.noise_multiplier ** 2 for event, count in charges)
+    participations = sum(count for _, count in charges)
+    charged = gradient_noise_multiplier * math.sqrt(max(0.0, precision - participations * aux_ratio_sq))
+    return planned if planned is not None and math.isclose(charged, planned, rel_tol=1e-9) else charged
 
 
 def split_ratios(split) -> tuple[float, float]:
@@ -108,9 +125,7 @@ def calibrate_blt(target_epsilon: float, delta: float, sensitivities: Sequence[f
 
     over_gradient = fixed_aux_ratio_sq is not None and split is not None
     with quiet_dp_accounting():
-        sigma = sigma_for_epsilon(eps_of("rdp", over_gradient), target_epsilon, rtol, whole, inputs)
-        if accountant == "pld":
-            sigma = sigma_for_epsilon(eps_of(accountant, over_gradient), target_epsilon, rtol, sigma, inputs)
+        sigma = rdp_then(lambda method: eps_of(method, over_gradient), accountant, target_epsilon, rtol, whole, inputs)
         if not over_gradient:
             return sigma
         # σ_g -> σ_eff; the plan splits σ_eff again, which rounds σ_g by an ulp or so: never past the target

@@ -32,6 +32,10 @@ SIGMA_MIN = 0.01
 SIGMA_MAX = 1e4
 
 
+class UnreachableTarget(AccountingError):
+    """Even σ = SIGMA_MAX leaves ε above the target (under the accountant that searched)."""
+
+
 @contextlib.contextmanager
 def quiet_dp_accounting() -> Iterator[None]:
     """Silence warnings about the search's trial σ values, which the user never asked for.
@@ -139,7 +143,7 @@ def sigma_for_epsilon(
             if eps_hi <= target:
                 break
             if hi >= SIGMA_MAX:
-                raise AccountingError(
+                raise UnreachableTarget(
                     f"target ε = {target:g} is unreachable: even noise multiplier "
                     f"{SIGMA_MAX:g} gives ε = {eps_hi:.4g} ({hint_inputs})",
                     "raise ε or δ, train for fewer steps, or use a smaller sample rate",
@@ -162,6 +166,32 @@ def sigma_for_epsilon(
                 )
             hi, eps_hi = lo, eps_lo
     return _search(eps_of, target, rtol, lo, hi, eps_lo, eps_hi)
+
+
+def rdp_then(
+    eps_of: Callable[[str], Callable[[float], float]],
+    accountant: str,
+    target: float,
+    rtol: float,
+    guess: float,
+    hint_inputs: str,
+) -> float:
+    """:func:`sigma_for_epsilon` under RDP (cheap, whatever the steps), then, for
+    ``accountant="pld"``, again under PLD from the RDP answer (whose PLD ε is lower).
+
+    A target between PLD's floor and RDP's (ε at σ = SIGMA_MAX) is one only PLD reaches:
+    when RDP finds it unreachable, the PLD search starts from SIGMA_MAX itself, and says
+    unreachable with PLD's own ε if PLD cannot reach it either.
+    """
+    try:
+        sigma = sigma_for_epsilon(eps_of("rdp"), target, rtol, guess, hint_inputs)
+    except UnreachableTarget:
+        if accountant != "pld":
+            raise
+        return sigma_for_epsilon(eps_of("pld"), target, rtol, SIGMA_MAX, hint_inputs)
+    if accountant == "pld":
+        sigma = sigma_for_epsilon(eps_of("pld"), target, rtol, sigma, hint_inputs)
+    return sigma
 
 
 def calibrate_noise_multiplier(
@@ -189,7 +219,8 @@ def calibrate_noise_multiplier(
 
     Method: RDP, whose cost does not depend on ``steps``, brackets the answer; with
     ``accountant="pld"`` the RDP answer (whose PLD ε is lower) is the upper end of the
-    bracket and the search continues with PLD. Each ε evaluation is one call to
+    bracket and the search continues with PLD (from SIGMA_MAX where only PLD reaches the
+    target: :func:`rdp_then`). Each ε evaluation is one call to
     dp_accounting (see :mod:`dpclip.accounting.accountants`).
     """
     check_target(target_epsilon)
@@ -210,11 +241,7 @@ def calibrate_noise_multiplier(
         return eps
 
     with quiet_dp_accounting():
-        sigma = sigma_for_epsilon(eps_of("rdp"), target_epsilon, rtol, 1.0, inputs)
-        if accountant == "pld":
-            # dpclip's PLD ε is never above the RDP ε, so the RDP answer already meets the
-            # target under PLD: restart the search from it for the smaller PLD σ.
-            sigma = sigma_for_epsilon(eps_of("pld"), target_epsilon, rtol, sigma, inputs)
+        sigma = rdp_then(eps_of, accountant, target_epsilon, rtol, 1.0, inputs)
 
     if aux:
         check_aux_fits(sigma, aux)

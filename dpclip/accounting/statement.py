@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import dp_accounting
 
+from dpclip.accounting.blt import charged_sensitivity
 from dpclip.accounting.split import with_current_names
 from dpclip.errors import AccountingError
 
@@ -347,6 +348,8 @@ def statement_from_ledger(ledger: "Ledger", sampling: str = "poisson", *, seeded
     blt = {name: common(name) for name in ("buffers", "groups", "sample_rate", "sensitivity", "noise_multiplier")}
     if charged and blt["buffers"]:  # BLT: each participation's charge differs; its metadata names the mechanism
         sample_rate, noise_multiplier = blt["sample_rate"], blt["noise_multiplier"]
+        blt["sensitivity"] = charged_sensitivity([(entry.event, entry.count) for entry in charged], common(
+            "gradient_noise_multiplier") or noise_multiplier, common("sigma_aux"), common("aux_sensitivity"), blt["sensitivity"])
     elif len(parameters) == 1 and None not in parameters:
         sample_rate, noise_multiplier = next(iter(parameters))
         sample_rate /= bands  # a participation's event is at q·b; the statement states q

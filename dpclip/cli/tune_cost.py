@@ -171,9 +171,9 @@ def _render_privacy(privacy) -> None:
     eps.add_column("σ gradient", justify="right")
     eps.add_column("search ε", justify="right")
     eps.add_column("search δ", justify="right")
-    eps.add_row("one run, recipe's σ", fmt(privacy.recipe_sigma), "", fmt_upper(privacy.epsilon_one_run),
-                f"{privacy.delta:g}")
-    eps.add_row(f"naive, {_runs(privacy.configurations)}, recipe's σ", fmt(privacy.recipe_sigma), "",
+    recipe_sigmas = fmt(privacy.recipe_sigma), fmt(privacy.recipe_gradient_sigma)
+    eps.add_row("one run, recipe's σ", *recipe_sigmas, fmt_upper(privacy.epsilon_one_run), f"{privacy.delta:g}")
+    eps.add_row(f"naive, {_runs(privacy.configurations)}, recipe's σ", *recipe_sigmas,
                 fmt_upper(privacy.epsilon_naive_at_recipe_sigma), f"{privacy.delta:g}")
     notes = []
     for strategy in privacy.strategies:

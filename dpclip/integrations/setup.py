@@ -50,6 +50,8 @@ def quiet_rdp_orders() -> Iterator[None]:
 
 
 #: the statement's line for a ledger that continues no checkpoint
+NOTHING_SPENT = ("no step taken yet: ε spent so far is 0; the lines below are the plan's, its guarantee after all "
+                 "{steps} planned steps")
 FRESH_LEDGER = ("ledger: the steps taken since make_private (or the Trainer) started; a run continued without "
                 "restoring its checkpoint (load_checkpoint, resume_from_checkpoint) starts ε again at 0 and "
                 "understates what the model has spent")
@@ -84,8 +86,8 @@ class Account:
     released_outside: Callable[[], list[str]] = list
     #: lines stated for as long as the caller's own loop runs (make_private: :data:`LOOP_OUTPUTS`)
     loop_lines: tuple[str, ...] = ()
-    #: each privacy.json written: its statement without labels, whether restored, what was written
-    written: dict[Path, tuple[PrivacyStatement, bool, dict[str, Any]]] = field(default_factory=dict)
+    #: each privacy.json written: its statement without labels, whether restored, whether before any step, what was written
+    written: dict[Path, tuple[PrivacyStatement, bool, bool, dict[str, Any]]] = field(default_factory=dict)
 
     def not_covered(self) -> list[str]:
         """What the statement lists outside ε: the plan's, and the saved buffers the training
@@ -135,20 +137,22 @@ class Account:
             return replace(solve(taken).statement, world_size=self.world_size, own_batches=self.own_batches)
 
     @staticmethod
-    def _lines(taken: PrivacyStatement, not_covered: list[str], restored: bool) -> list[str]:
+    def _lines(taken: PrivacyStatement, not_covered: list[str], restored: bool, planned: bool = False) -> list[str]:
+        """``planned``: no step taken, ``taken`` is the plan's statement; a first line says so."""
         lines = replace(taken, not_covered=not_covered).lines()
+        lines = [NOTHING_SPENT.format(steps=taken.steps)] + lines if planned else lines
         return lines + [FRESH_LEDGER] if not restored else lines
 
     def statement(self) -> list[str]:
         """The privacy statement of the steps taken so far (the plan's before the first)."""
-        return self._lines(self._taken(), self.not_covered(), self.restored)
+        return self._lines(self._taken(), self.not_covered(), self.restored, not self.ledger.steps)
 
     def restate(self) -> None:
         """Add what has left outside ε since (a loss read, an evaluation) to each privacy.json this
         account wrote, as long as it is still the one written there: its ε and steps stay those of
         its save, its labels are the run's (docs/python-api.md, "The example")."""
         now = self.not_covered()
-        for path, (taken, restored, written) in list(self.written.items()):
+        for path, (taken, restored, planned, written) in list(self.written.items()):
             new = [line for line in now if line not in written["not_covered_by_epsilon"]]
             if not new:
                 continue
@@ -160,9 +164,10 @@ class Account:
                 del self.written[path]
                 continue
             labels = written["not_covered_by_epsilon"] + new
-            restated = {**written, "not_covered_by_epsilon": labels, "statement": self._lines(taken, labels, restored)}
+            restated = {**written, "not_covered_by_epsilon": labels,
+                        "statement": self._lines(taken, labels, restored, planned)}
             write_json_atomic(path, restated)
-            self.written[path] = (taken, restored, restated)
+            self.written[path] = (taken, restored, planned, restated)
 
     def save(self, directory: str | Path) -> Path:
         """Write ``ledger.json`` (every charged step) and ``privacy.json`` (ε, δ, statement); on
@@ -187,10 +192,11 @@ class Account:
             "gradient_noise_multiplier": self.plan.split.gradient_noise_multiplier,
             "seeded_randomness": plan.seeded_randomness,
             "not_covered_by_epsilon": labels,
-            "statement": self._lines(taken, labels, self.restored),
+            "statement": self._lines(taken, labels, self.restored, not self.ledger.steps),
         }
         write_json_atomic(out / "privacy.json", written)
-        self.written[(out / "privacy.json").resolve()] = (taken, self.restored, json.loads(json.dumps(written)))
+        self.written[(out / "privacy.json").resolve()] = (taken, self.restored, not self.ledger.steps,
+                                                          json.loads(json.dumps(written)))
         return out
 
 

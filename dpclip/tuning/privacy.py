@@ -160,6 +160,11 @@ class SearchPrivacy:
         return SHUFFLE_ASSUMPTION
 
     @property
+    def recipe_gradient_sigma(self) -> float:
+        """The gradient's share of the recipe's σ_eff, split as its plan splits it (console only)."""
+        return self.release.split(self.recipe_sigma).gradient_noise_multiplier
+
+    @property
     def release(self) -> RunRelease:
         """What one run of this search releases (:class:`RunRelease`)."""
         return RunRelease(self.sample_rate, self.steps, self.score_noise, self.bands, self.sensitivities, self.aux)

@@ -12,7 +12,7 @@ import pytest
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpclip.accounting import AuxSpec, PrivacyPlan, solve
+from dpclip.accounting import AuxSpec, Ledger, PrivacyPlan, solve, statement_from_ledger
 from dpclip.accounting.accountants import RDP_ORDERS, account
 from dpclip.accounting.blt import blt_groups
 from dpclip.errors import AccountingError
@@ -126,3 +126,50 @@ def test_blt_plans_that_cannot_be_accounted_are_refused_with_a_hint(change, mess
     with pytest.raises(AccountingError, match=message) as caught:
         plan(**change)
     assert caught.value.hint
+
+
+def test_a_target_only_pld_reaches_is_calibrated_not_called_unreachable():
+    # Histogram σ_a = 8, K = 5: however large σ_g, the statistic alone is a Gaussian of 1/μ² = 5/64, whose
+    # ε at δ = 1e-5 is about 1.047 under PLD and 1.143 under RDP. ε = 1.1 lies between the two floors:
+    # the RDP search, which runs first, found it unreachable and the plan was refused.
+    histogram = AuxSpec("norm histogram", sensitivity=1.0, groups=1, sigma=8.0)
+    result = solve(plan(noise_multiplier=None, target_epsilon=1.1, aux=histogram))
+    mu = (SENSITIVITIES[-1] / result.split.gradient_noise_multiplier ** 2 + len(SENSITIVITIES) / 64) ** -0.5
+    direct = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4).compose(
+        dp_accounting.GaussianDpEvent(mu)).get_epsilon(1e-5)
+    assert 1.1 * 0.99 <= result.epsilon <= 1.1 and direct == pytest.approx(result.epsilon, rel=1e-3)
+    with pytest.raises(AccountingError, match=r"unreachable.*ε = 1\.1"):   # RDP alone cannot: refused as before
+        solve(plan(noise_multiplier=None, target_epsilon=1.1, aux=histogram, accountant="rdp"))
+    with pytest.raises(AccountingError, match=r"unreachable.*gives ε = 1\.04"):  # below PLD's floor: PLD's ε named
+        solve(plan(noise_multiplier=None, target_epsilon=1.0, aux=histogram))
+
+
+@pytest.mark.parametrize("aux", [None, AuxSpec("quantile counts", sensitivity=0.5, groups=1, fraction=0.3)])
+def test_a_run_stopped_early_states_the_sensitivity_of_the_participations_it_made(aux):
+    # A 100-step plan (5 participations) stopped after 45 steps has made 3: its ledger charges the first
+    # three increments, a Gaussian of sensitivity s_3 = √7.5. The statement named the whole plan's s = √17.5
+    # and the multiplier σ/√17.5, from which a reader recomputes a larger ε than the one stated.
+    result = solve(plan(aux=aux))
+    ledger = Ledger(1e-5, "pld")
+    for step in range(45):
+        ledger.record(result.event_at(step), metadata=result.step_metadata)
+    statement = statement_from_ledger(ledger)
+    assert statement.sensitivity == pytest.approx(math.sqrt(7.5), rel=1e-9)
+    line = next(line for line in statement.lines() if line.startswith("mechanism: BLT"))
+    gradient = result.split.gradient_noise_multiplier
+    assert f"sensitivity {math.sqrt(7.5):.6g} per unit clip norm" in line and "at most 3 participations" in line
+    assert f"/sensitivity = {gradient / math.sqrt(7.5):.6g}" in line   # σ/s, or σ_g/s with a statistic
+    aux_ratio_sq = 0.0 if aux is None else (result.split.aux_sensitivity / result.split.sigma_aux) ** 2
+    mu = (7.5 / gradient ** 2 + 3 * aux_ratio_sq) ** -0.5    # the stated multiplier gives the stated ε
+    direct = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4).compose(
+        dp_accounting.GaussianDpEvent(mu)).get_epsilon(1e-5)
+    assert direct == pytest.approx(statement.epsilon, rel=1e-3)
+    whole = statement_from_ledger(_completed(result))
+    assert whole.sensitivity == result.statement.sensitivity == math.sqrt(SENSITIVITIES[-1])  # the plan's, to the bit
+
+
+def _completed(result) -> Ledger:
+    ledger = Ledger(1e-5, "pld")
+    for step in range(STEPS):
+        ledger.record(result.event_at(step), metadata=result.step_metadata)
+    return ledger

@@ -7,6 +7,9 @@ import pytest
 from dp_accounting import rdp
 
 from dpclip.accounting import Ledger
+from dpclip.accounting import solve as solve_plan
+from dpclip.planning.plan import plan_for_recipe
+from dpclip.recipe import apply_overrides, read_yaml, validate_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
@@ -211,3 +214,19 @@ def test_an_out_that_is_the_recipe_being_priced_is_refused(cli, tmp_path):
     result = cli("tune-cost", recipe, "--no-measure", "--step-seconds", "0.01", "--out", recipe)
     assert result.code == 2 and "the recipe being priced" in result.err and "hint:" in result.err
     assert recipe.read_text() == QUICKSTART.read_text()
+
+
+def test_the_recipes_sigma_rows_name_the_gradients_share_of_it_beside_a_threshold_statistic(cli):
+    # DC-SGD-P's histogram (σ_a fixed) takes part of the recipe's σ_eff: the "σ gradient" column of
+    # the two "recipe's σ" rows was empty, as if the gradient had all of it.
+    recipe_path = REPO / "recipes" / "dcsgd-p-digits.yaml"
+    overrides = ["tuning.score=public", "training.epochs=null", "training.steps=20", "privacy.accountant=rdp"]
+    result = cli("tune-cost", recipe_path, *overrides, *NO_MEASURE, "--grid", "training.optimizer.lr=0.1,0.5")
+    assert result.code == 0, result.err
+    split = solve_plan(plan_for_recipe(validate_recipe(apply_overrides(read_yaml(recipe_path), overrides)))).split
+    assert split.gradient_noise_multiplier > split.noise_multiplier
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in result.out.splitlines()
+            if "recipe's σ" in line]
+    assert len(rows) == 2
+    for row in rows:
+        assert row[1:3] == [f"{split.noise_multiplier:.4g}", f"{split.gradient_noise_multiplier:.4g}"]

@@ -227,3 +227,18 @@ def test_a_kept_loaders_batches_are_stated_as_the_loaders_own_not_as_shuffled_on
     assert "your loader's own batches" in text and "CAVEAT: accounting assumes Poisson sampling" in text
     entries = private.account.ledger.entries   # each charged step names its caveat (not "shuffled batches")
     assert entries and all(entry.metadata["caveats"] == [OWN_BATCHES_CAVEAT] for entry in entries)
+
+
+def test_before_the_first_step_the_statement_says_nothing_is_spent_and_that_the_rest_is_the_plan(tmp_path):
+    # statement() and privacy.json before any step stated "ε = <planned ε>", "steps: 4" as if spent, beside
+    # privacy.json's own "epsilon": 0, "steps": 0 and epsilon() = 0.
+    private = _private()
+    written = json.loads((private.save(tmp_path / "out") / "privacy.json").read_text())
+    assert (written["epsilon"], written["steps"]) == (0.0, 0)
+    for lines in (private.statement(), written["statement"]):
+        assert lines[0] == "no step taken yet: ε spent so far is 0; the lines below are the plan's, its guarantee " \
+                           "after all 4 planned steps"
+        assert "steps: 4" in lines
+    _train(private)
+    assert not any(line.startswith("no step taken yet") for line in private.statement())
+    assert private.statement()[0].startswith("ε = ")
