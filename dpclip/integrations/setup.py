@@ -145,7 +145,7 @@ class Account:
 
     def statement(self) -> list[str]:
         """The privacy statement of the steps taken so far (the plan's before the first)."""
-        return self._lines(self._taken(), self.not_covered(), self.restored, not self.ledger.steps)
+        return self._lines(self._taken(), self.not_covered(), self.restored, not self.charged().steps)
 
     def restate(self) -> None:
         """Add what has left outside ε since (a loss read, an evaluation) to each privacy.json this
@@ -192,10 +192,10 @@ class Account:
             "gradient_noise_multiplier": self.plan.split.gradient_noise_multiplier,
             "seeded_randomness": plan.seeded_randomness,
             "not_covered_by_epsilon": labels,
-            "statement": self._lines(taken, labels, self.restored, not self.ledger.steps),
+            "statement": self._lines(taken, labels, self.restored, not self.charged().steps),
         }
         write_json_atomic(out / "privacy.json", written)
-        self.written[(out / "privacy.json").resolve()] = (taken, self.restored, not self.ledger.steps,
+        self.written[(out / "privacy.json").resolve()] = (taken, self.restored, not self.charged().steps,
                                                           json.loads(json.dumps(written)))
         return out
 
