@@ -95,7 +95,9 @@ class CompiledMicroBatch:
         sums, norms, clipped, suspect, losses = self.graph(rows, seed, weights)
         if compiled_graphs() != graphs:
             # a new graph for a shape already verified (a guard changed: a flag the forward reads)
-            # is checked against the engine, as a new shape's, before anything of it is used
+            # is checked against the engine, as a new shape's, before anything of it is used; torch.compile
+            # keeps it cached, so until a check passes the shape is unchecked (a refused graph stays refused)
+            self.verified.discard(key)
             set_rng(state)
             engine.certificate.force()
             return self._verified_by_engine(rows, samples, row_weights, seed, weights, key)

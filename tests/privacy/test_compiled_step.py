@@ -148,3 +148,47 @@ def test_a_layer_unfrozen_after_the_engine_is_refused_by_a_compiled_micro_batch_
     with pytest.raises(EngineError, match="trainable now that were not"):
         compiled(batch, 2)
     engine.detach()
+
+
+class _Flagged(torch.nn.Module):
+    """A Python flag the forward reads and the engine's attribution does not depend on: setting it
+    makes torch.compile compile a new graph for the same shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2 = torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)
+        self.flag = False
+
+    def forward(self, x):
+        h = torch.tanh(self.lin1(x))
+        return self.lin2(h * 1.0 if self.flag else h)
+
+
+@pytest.mark.slow   # 3.6 s: two aot_eager graphs
+def test_a_graph_compiled_again_that_differs_from_the_engine_stays_refused_on_the_next_call():
+    """A graph compiled again for a checked shape (a guard changed) that differs from the engine's
+    micro-batch is refused; torch.compile keeps it cached, so the next call, which compiles nothing,
+    must still check it rather than use its sums (here the flagged graph doubles every sum)."""
+    torch.manual_seed(0)
+    model = _Flagged()
+    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=1.0,
+                      expected_batch_size=4)
+    compiled = CompiledMicroBatch(engine, model, _switched_loss, backend="aot_eager")
+    real = compiled.compiled
+
+    def wrong_when_flagged(*args):
+        sums, *rest = real(*args)
+        return ([s if s is None or not model.flag else 2 * s for s in sums], *rest)
+    compiled.compiled = wrong_when_flagged
+    g = torch.Generator().manual_seed(1)
+    rows = {"x": torch.randn(4, 3, generator=g), "y": torch.randint(0, 2, (4,), generator=g)}
+    compiled(rows, 4)                      # the first graph: checked, equal
+    engine.privatize()
+    model.zero_grad(set_to_none=True)
+    model.flag = True                      # a new graph, which differs: refused
+    for _ in range(2):                     # and again: the cached graph is checked again, not used
+        with pytest.raises(EngineError, match="differs from the engine's"):
+            compiled(rows, 4)
+        engine.step_accumulator.reset()
+    assert all(p.grad is None for p in model.parameters())
+    engine.detach()
