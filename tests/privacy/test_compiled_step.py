@@ -192,3 +192,27 @@ def test_a_graph_compiled_again_that_differs_from_the_engine_stays_refused_on_th
         engine.step_accumulator.reset()
     assert all(p.grad is None for p in model.parameters())
     engine.detach()
+
+
+def test_a_compiled_steps_noise_does_not_follow_torchs_global_seed():
+    """The noise of a compiled step comes from the engine's private generator (OS entropy), never from
+    torch's global generator, which a script's torch.manual_seed sets and which the graph's random
+    operations draw from: two runs seeded alike release different gradients on the same rows."""
+    released = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = _Flagged()
+        engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=1.0,
+                          expected_batch_size=4)
+        compiled = CompiledMicroBatch(engine, model, _switched_loss, backend="aot_eager")
+        g = torch.Generator().manual_seed(1)
+        rows = {"x": torch.randn(4, 3, generator=g), "y": torch.randint(0, 2, (4,), generator=g)}
+        compiled(rows, 4)                  # checked against the engine
+        engine.privatize()
+        model.zero_grad(set_to_none=True)
+        compiled(rows, 4)                  # the graph's sums alone
+        engine.privatize()
+        released.append([p.grad.clone() for p in model.parameters()])
+        engine.detach()
+    for first, second in zip(*released):
+        assert not torch.allclose(first, second)
