@@ -216,3 +216,50 @@ def test_a_compiled_steps_noise_does_not_follow_torchs_global_seed():
         engine.detach()
     for first, second in zip(*released):
         assert not torch.allclose(first, second)
+
+
+class _Counting(torch.nn.Module):
+    """A forward that counts itself in a saved buffer (written alike whatever the batch: the certificate
+    passes it; the statement names it) and draws dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2 = torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.forwards += 1
+        return self.lin2(torch.nn.functional.dropout(torch.tanh(self.lin1(x)), 0.5))
+
+
+def test_the_saved_state_and_torchs_generator_after_compiled_micro_batches_are_the_engines():
+    """The compiled step runs some micro-batches twice, the graph and the engine (the first of each shape,
+    and one the graph flags: which is flagged depends on the rows). Only the run whose sums enter the step
+    may leave anything: after each micro-batch the saved buffers and torch's generator are where the eager
+    engine alone leaves them, so the checkpoint does not tell which micro-batches were redone."""
+    def run(compile: bool):
+        torch.manual_seed(0)
+        model = _Counting()
+        engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=0.0,
+                          expected_batch_size=4)
+        compiled = CompiledMicroBatch(engine, model, _switched_loss, backend=None)
+        clean = compiled.compiled
+
+        def flagged_third(*args):   # the third micro-batch's graph flags a row it cannot vouch for
+            sums, norms, clipped, suspect, losses = clean(*args)
+            return sums, norms, clipped, suspect | (int(model.forwards) == 3), losses
+        compiled.compiled = flagged_third
+        g = torch.Generator().manual_seed(1)
+        seen = []
+        for _ in range(4):
+            rows = {"x": torch.randn(4, 3, generator=g), "y": torch.randint(0, 2, (4,), generator=g)}
+            if compile:
+                compiled(rows, 4)
+            else:
+                engine.backward(_switched_loss(model, rows))
+            seen.append((int(model.forwards), torch.random.get_rng_state()))
+        engine.detach()
+        return seen
+    for (count, state), (eager_count, eager_state) in zip(run(True), run(False)):
+        assert count == eager_count
+        assert torch.equal(state, eager_state)
