@@ -176,7 +176,7 @@ class CompiledMicroBatch:
         eager_sums = [s if before is None or s is None else s - before
                       for s, before in zip(step.sums, sums_before)]
         eager_norms = step.norms[-1]
-        written = saved_state(self.model, engine.forward_written_state)   # as the engine's forward left it
+        written = saved_state(self.model)   # as the engine's forward left it
         set_rng(state)
         restore_state(self.model, before)   # the graph's forward starts where the engine's did
         try:
