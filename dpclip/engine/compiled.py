@@ -21,7 +21,8 @@ function of (rows, loss seed, thresholds, row weights), compiled with ``fullgrap
    cancellation check cannot vouch for (:mod:`dpclip.engine.cancellation`), or a non-finite norm.
 
 Outside the graph, one read of the device: a flagged micro-batch is thrown away and redone by the
-eager engine (which recomputes the flagged rows in float64 and drops non-finite ones); otherwise its
+eager engine (which recomputes the flagged rows in float64 and drops non-finite ones), the graph's
+random draws and writes of saved buffers undone first (:func:`saved_state`); otherwise its
 sums, clipped counts and norms go into the engine's step as an eager micro-batch's would.
 
 Verify, don't infer: the first compiled micro-batch of each batch shape, and the first through
@@ -45,7 +46,7 @@ from dpclip.engine.factors import Use, clipped_sum, param_norm_sq, sqrt_or_zero
 from dpclip.engine.groupwise import clip_factors
 from dpclip.errors import EngineError
 from dpclip.torch_compat import (COMPILED_SHAPES_LIMIT, compile_fullgraph, compiled_graphs, graph_breaks,
-                                 recompile_limit_hit)
+                                 recompile_limit_hit, saved_buffers)
 
 def supported(engine) -> str | None:
     """Why ``engine``'s steps cannot be compiled (None: they can)."""
@@ -91,16 +92,24 @@ class CompiledMicroBatch:
         key = tuple((name, tuple(t.shape), t.dtype) for name, t in rows.items() if isinstance(t, Tensor))
         if key not in self.verified or engine.certificate.due():
             return self._verified_by_engine(rows, samples, row_weights, seed, weights, key)
-        state, graphs = random_state(self.model), compiled_graphs()
+        state, graphs, written = random_state(self.model), compiled_graphs(), saved_state(self.model,
+                                                                                     engine.forward_written_state)
         sums, norms, clipped, suspect, losses = self.graph(rows, seed, weights)
-        if compiled_graphs() != graphs:
-            # a new graph for a shape already verified (a guard changed: a flag the forward reads)
-            # is checked against the engine, as a new shape's, before anything of it is used
+        recompiled = compiled_graphs() != graphs
+        if recompiled or bool(suspect):   # (the one read of the device)
+            # the engine redoes this micro-batch: the graph's run leaves nothing, neither its random draws
+            # nor its writes of saved buffers (a forward counter would count it, and the suspect flag is
+            # the rows' own: the saved state would tell which micro-batches were redone)
             set_rng(state)
+            restore_state(self.model, written)
+            if not recompiled:   # rows it cannot vouch for: the engine recomputes them (float64, non-finite ones)
+                return self._by_engine(rows, samples, row_weights)
+            # a new graph for a shape already verified (a guard changed: a flag the forward reads)
+            # is checked against the engine, as a new shape's, before anything of it is used; torch.compile
+            # keeps it cached, so until a check passes the shape is unchecked (a refused graph stays refused)
+            self.verified.discard(key)
             engine.certificate.force()
             return self._verified_by_engine(rows, samples, row_weights, seed, weights, key)
-        if bool(suspect):   # the one read of the device: the engine redoes it (float64 rows, non-finite ones)
-            return self._by_engine(rows, samples, row_weights)
         kept = norms[:samples].clone()   # a CUDA graph's output buffers are overwritten by its next call
         engine.step_accumulator.add(sums, kept, clipped)
         engine.policy.observe(kept) if weights is None else engine.policy.observe(kept, weights[:samples])
@@ -159,7 +168,7 @@ class CompiledMicroBatch:
         random state (dropout), must equal it within rounding before this shape is compiled from
         now on; else refused, nothing of the step released."""
         engine = self.engine
-        state = random_state(self.model)
+        state, before = random_state(self.model), saved_state(self.model)
         step = engine.step_accumulator
         sums_before = [None if s is None else s.clone() for s in step.sums]
         losses = self._by_engine(rows, samples, row_weights)
@@ -167,11 +176,14 @@ class CompiledMicroBatch:
         eager_sums = [s if before is None or s is None else s - before
                       for s, before in zip(step.sums, sums_before)]
         eager_norms = step.norms[-1]
+        written = saved_state(self.model)   # as the engine's forward left it
         set_rng(state)
+        restore_state(self.model, before)   # the graph's forward starts where the engine's did
         try:
             sums, norms, _, suspect, _ = self.graph(rows, seed, weights)
         finally:
             set_rng(after)
+            restore_state(self.model, written)   # and the model's state is the engine's forward's alone
         if bool(suspect):   # the engine recomputed some rows in float64: compare on another batch
             return losses
         gap, where = disagreement(sums, norms[:samples], eager_sums, eager_norms, self.context, engine.thresholds,
@@ -305,6 +317,30 @@ def _batch_of(rows: dict[str, Tensor]) -> int:
 def _padded(weights: Tensor, size: int) -> Tensor:
     """Row weights, 0 for the padding rows after them."""
     return torch.cat([weights, weights.new_zeros(size - len(weights))]) if len(weights) < size else weights
+
+
+def saved_state(model: nn.Module, names=None) -> dict[str, Tensor]:
+    """Copies of ``model``'s persistent buffers (saved with the weights), by name; ``names``: only those
+    (the ones its training forward was seen writing, :attr:`~dpclip.engine.DPEngine.forward_written_state`)."""
+    if names is not None and not names:
+        return {}
+    return {name: t.detach().clone() for name, t in _saved_buffers(model) if names is None or name in names}
+
+
+def restore_state(model: nn.Module, saved: dict[str, Tensor]) -> None:
+    """Put :func:`saved_state`'s copies back, in place (a buffer the forward reassigned included)."""
+    if not saved:
+        return
+    with torch.no_grad():
+        for name, t in _saved_buffers(model):
+            if name in saved:
+                t.copy_(saved[name])
+
+
+def _saved_buffers(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for key, t in saved_buffers(module):
+            yield (f"{prefix}.{key}" if prefix else key), t
 
 
 def random_state(model: nn.Module) -> tuple[Tensor, dict[int, Tensor]]:

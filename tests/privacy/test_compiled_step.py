@@ -148,3 +148,118 @@ def test_a_layer_unfrozen_after_the_engine_is_refused_by_a_compiled_micro_batch_
     with pytest.raises(EngineError, match="trainable now that were not"):
         compiled(batch, 2)
     engine.detach()
+
+
+class _Flagged(torch.nn.Module):
+    """A Python flag the forward reads and the engine's attribution does not depend on: setting it
+    makes torch.compile compile a new graph for the same shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2 = torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)
+        self.flag = False
+
+    def forward(self, x):
+        h = torch.tanh(self.lin1(x))
+        return self.lin2(h * 1.0 if self.flag else h)
+
+
+@pytest.mark.slow   # 3.6 s: two aot_eager graphs
+def test_a_graph_compiled_again_that_differs_from_the_engine_stays_refused_on_the_next_call():
+    """A graph compiled again for a checked shape (a guard changed) that differs from the engine's
+    micro-batch is refused; torch.compile keeps it cached, so the next call, which compiles nothing,
+    must still check it rather than use its sums (here the flagged graph doubles every sum)."""
+    torch.manual_seed(0)
+    model = _Flagged()
+    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=1.0,
+                      expected_batch_size=4)
+    compiled = CompiledMicroBatch(engine, model, _switched_loss, backend="aot_eager")
+    real = compiled.compiled
+
+    def wrong_when_flagged(*args):
+        sums, *rest = real(*args)
+        return ([s if s is None or not model.flag else 2 * s for s in sums], *rest)
+    compiled.compiled = wrong_when_flagged
+    g = torch.Generator().manual_seed(1)
+    rows = {"x": torch.randn(4, 3, generator=g), "y": torch.randint(0, 2, (4,), generator=g)}
+    compiled(rows, 4)                      # the first graph: checked, equal
+    engine.privatize()
+    model.zero_grad(set_to_none=True)
+    model.flag = True                      # a new graph, which differs: refused
+    for _ in range(2):                     # and again: the cached graph is checked again, not used
+        with pytest.raises(EngineError, match="differs from the engine's"):
+            compiled(rows, 4)
+        engine.step_accumulator.reset()
+    assert all(p.grad is None for p in model.parameters())
+    engine.detach()
+
+
+def test_a_compiled_steps_noise_does_not_follow_torchs_global_seed():
+    """The noise of a compiled step comes from the engine's private generator (OS entropy), never from
+    torch's global generator, which a script's torch.manual_seed sets and which the graph's random
+    operations draw from: two runs seeded alike release different gradients on the same rows."""
+    released = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = _Flagged()
+        engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=1.0,
+                          expected_batch_size=4)
+        compiled = CompiledMicroBatch(engine, model, _switched_loss, backend="aot_eager")
+        g = torch.Generator().manual_seed(1)
+        rows = {"x": torch.randn(4, 3, generator=g), "y": torch.randint(0, 2, (4,), generator=g)}
+        compiled(rows, 4)                  # checked against the engine
+        engine.privatize()
+        model.zero_grad(set_to_none=True)
+        compiled(rows, 4)                  # the graph's sums alone
+        engine.privatize()
+        released.append([p.grad.clone() for p in model.parameters()])
+        engine.detach()
+    for first, second in zip(*released):
+        assert not torch.allclose(first, second)
+
+
+class _Counting(torch.nn.Module):
+    """A forward that counts itself in a saved buffer (written alike whatever the batch: the certificate
+    passes it; the statement names it) and draws dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2 = torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.forwards += 1
+        return self.lin2(torch.nn.functional.dropout(torch.tanh(self.lin1(x)), 0.5))
+
+
+def test_the_saved_state_and_torchs_generator_after_compiled_micro_batches_are_the_engines():
+    """The compiled step runs some micro-batches twice, the graph and the engine (the first of each shape,
+    and one the graph flags: which is flagged depends on the rows). Only the run whose sums enter the step
+    may leave anything: after each micro-batch the saved buffers and torch's generator are where the eager
+    engine alone leaves them, so the checkpoint does not tell which micro-batches were redone."""
+    def run(compile: bool):
+        torch.manual_seed(0)
+        model = _Counting()
+        engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=0.0,
+                          expected_batch_size=4)
+        compiled = CompiledMicroBatch(engine, model, _switched_loss, backend=None)
+        clean = compiled.compiled
+
+        def flagged_third(*args):   # the third micro-batch's graph flags a row it cannot vouch for
+            sums, norms, clipped, suspect, losses = clean(*args)
+            return sums, norms, clipped, suspect | (int(model.forwards) == 3), losses
+        compiled.compiled = flagged_third
+        g = torch.Generator().manual_seed(1)
+        seen = []
+        for _ in range(4):
+            rows = {"x": torch.randn(4, 3, generator=g), "y": torch.randint(0, 2, (4,), generator=g)}
+            if compile:
+                compiled(rows, 4)
+            else:
+                engine.backward(_switched_loss(model, rows))
+            seen.append((int(model.forwards), torch.random.get_rng_state()))
+        engine.detach()
+        return seen
+    for (count, state), (eager_count, eager_state) in zip(run(True), run(False)):
+        assert count == eager_count
+        assert torch.equal(state, eager_state)
