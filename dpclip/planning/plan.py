@@ -178,7 +178,8 @@ def forward_state_line(names) -> tuple[str, ...]:
         return ()
     return (f"model state written by each training forward (buffers {', '.join(sorted(names))}): saved with the "
             "weights, it advances once per forward, and the number of forwards depends on the realised batch "
-            "sizes",)
+            "sizes; that a write does not depend on the batch is checked on the certificate's checked forwards "
+            "only (privacy.verify_every), not between them",)
 
 
 def not_covered(recipe: Recipe) -> tuple[str, ...]:

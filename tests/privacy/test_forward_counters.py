@@ -101,6 +101,38 @@ def test_a_write_no_check_sees_is_named_too():
     assert _engine_step(CountsLater(), micro=2) == {"calls"}   # forwards 3 and 4 of one step: unchecked
 
 
+class CopiesAnOutlier(Counting):
+    """Writes its buffer every training forward, the batch's first row only when some entry is above
+    100: alike whatever the (ordinary) batch on a checked forward, a raw row on an unchecked one."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("stat", torch.zeros(5))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.stat.copy_(torch.where(x.abs().amax() > 100, x[0], self.stat))
+        return self.lin(x)
+
+
+def test_a_buffer_written_alike_on_checked_forwards_is_named_with_what_the_check_covers():
+    """The certificate checks a write's independence of the batch on the forwards it checks; an
+    unchecked forward's outlier lands raw in the saved buffer. The statement says both."""
+    from dpclip.planning.plan import forward_state_line
+
+    model = CopiesAnOutlier()
+    written = _engine_step(model)   # the certificate's check passes: ordinary rows leave stat as it was
+    assert written == {"stat"}
+    outlier = torch.randn(4, 5)
+    outlier[0] = 1e3
+    model.train()
+    model(outlier)   # an unchecked forward (no engine): the row is now in the weights file
+    assert torch.equal(model.stat, outlier[0])
+    line, = forward_state_line(written)
+    assert "stat" in line and "checked forwards only" in line and "not between them" in line
+
+
 def test_a_non_persistent_counter_is_not_named():
     assert _engine_step(Counting(persistent=False)) == set()
 
