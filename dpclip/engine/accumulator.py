@@ -53,11 +53,14 @@ class StepAccumulator:
     # ------------------------------------------------------------ micro-batches
 
     def micro_batch(self, policy: ThresholdPolicy, totals: StepTotals, batch_size: int, counts: list[int],
-                    loss_scale: float, row_weights: Tensor | None) -> MicroBatch:
-        """A micro-batch adding into ``totals`` at the policy's thresholds now."""
-        return MicroBatch(self.context, totals, batch_size, counts, policy.thresholds(),
-                          policy.per_sample_thresholds if policy.per_sample else None, loss_scale, row_weights,
-                          sum_scale=self.sum_scale)
+                    loss_scale: float, row_weights: Tensor | None, dry: bool = False) -> MicroBatch:
+        """A micro-batch adding into ``totals`` at the policy's thresholds now (``dry``: the certificate's,
+        thrown away: per-sample thresholds that leave the policy's step alone)."""
+        per_sample = None
+        if policy.per_sample:
+            per_sample = policy.dry_per_sample_thresholds if dry else policy.per_sample_thresholds
+        return MicroBatch(self.context, totals, batch_size, counts, policy.thresholds(), per_sample, loss_scale,
+                          row_weights, sum_scale=self.sum_scale)
 
     @contextmanager
     def capture(self, policy: ThresholdPolicy, batch_size: int, samples: int, generation: int | None,
@@ -154,7 +157,7 @@ class StepAccumulator:
         counts, generation = self.keeper.take_forward_counts()
         scratch = StepTotals([None] * len(self.context.params), torch.zeros_like(self.clipped),
                              torch.zeros_like(self.nonfinite))
-        micro = self.micro_batch(policy, scratch, batch, counts, 1.0, row_weights)
+        micro = self.micro_batch(policy, scratch, batch, counts, 1.0, row_weights, dry=True)
         micro.watch(rows)
         with self.collecting(micro, batch, generation):
             torch.autograd.backward(losses, torch.ones_like(losses))

@@ -19,6 +19,8 @@ The engine asks its policy, every logical batch:
                                  (discriminative clipping clips each sample at small or
                                  large); the engine then finalizes groups at the end of the
                                  backward, when all K norms of a sample are known;
+``dry_per_sample_thresholds(norms)`` the same for the certificate's dry micro-batches (sums
+                                 thrown away): no change to the step's state, no collective;
 ``sensitivity_thresholds()``     -> [K], the largest threshold any sample can get (the
                                  gradient's sensitivity is sqrt(Σ_k of their squares));
 ``empty_part()``                 across ranks, instead of the step's backward when this
@@ -144,6 +146,11 @@ class ThresholdPolicy:
 
     def per_sample_thresholds(self, norms: Tensor) -> Tensor | None:
         return None
+
+    def dry_per_sample_thresholds(self, norms: Tensor) -> Tensor | None:
+        """:meth:`per_sample_thresholds` for the certificate's dry micro-batches, whose sums are thrown
+        away: it must leave the policy's step as it was and talk to no other rank."""
+        return self.per_sample_thresholds(norms)
 
     def empty_part(self) -> None:
         pass

@@ -137,6 +137,15 @@ class DiscriminativeThreshold(ThresholdPolicy):
         tail = self.tail_mask(norms)[:, None]
         return torch.where(tail, self.large[None, :], self.small[None, :])
 
+    def dry_per_sample_thresholds(self, norms: Tensor) -> Tensor:
+        """The certificate's rows of its own (``engine.certify``, a check replayed in eval mode): the
+        rule on those rows alone, which neither counts as this step's ranking nor waits for the other
+        ranks (their sums are thrown away, and one rank may check while the others do not)."""
+        scores = norms.norm(dim=1)
+        tail = (tail_mask_threshold(scores, self.tail_threshold) if self.tail_rule == "threshold"
+                else tail_mask_top(scores, self.top_fraction, self.expected_batch_size))
+        return torch.where(tail[:, None], self.large[None, :], self.small[None, :])
+
     def drop_observations(self) -> None:
         self._ranked_this_step = False
 

@@ -236,3 +236,19 @@ def test_top_fraction_with_tied_scores_moves_at_most_one_other_sample_when_one_i
         others = torch.cat([after[:at], after[at + 1:]])
         worst = max(worst, int((before != others).sum()))
     assert worst == 1
+
+
+def test_top_fraction_steps_after_a_certify_on_rows_of_its_own():
+    """engine.certify (a sharded or staged model's check, before the first step) clips its own rows
+    by the rule; that dry run is not the step's one ranking, so the first backward still ranks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    engine = DPEngine(model, {"threshold": {"kind": "discriminative", "small": 0.2, "large": 1.0,
+                                            "tail_rule": "top_fraction", "top_fraction": 0.25}},
+                      gradient_noise_multiplier=1.0, expected_batch_size=8, seed=0)
+    loss = nn.CrossEntropyLoss(reduction="none")
+    engine.certify(lambda: loss(model(x[:3]), y[:3]))
+    engine.backward(loss(model(x), y))
+    report = engine.privatize()
+    assert report.noise_multiplier == 1.0 and all(p.grad is not None for p in model.parameters())
