@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dpclip.engine.bookkept_ops import refuse_transform
 from dpclip.engine.certificate.replay import equal_values
 from dpclip.errors import DpclipError
 from dpclip.torch_compat import tree_flatten
@@ -302,6 +303,8 @@ class ModelRowsWatch:
         if self.depth == 1 and torch.is_grad_enabled() and tracker.rows is not None and not tracker.busy:
             first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.dim()), None)
             if first is not None:   # (a refusal here still runs _leave: it is called always)
+                # inside a torch.func transform the input is a wrapper without storage: refused by name
+                refuse_transform(type(module).__name__, around_the_model=True)
                 tracker.check_rows((args, kwargs), first.shape[0], "the model's input")
 
     def _leave(self, module, args, output):

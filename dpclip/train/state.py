@@ -214,6 +214,10 @@ class Checkpointer:
                               "complete and newer: its steps would be redone with the same noise and batches, and "
                               "any difference between the two (another lr, other code) released without noise",
                               f"resume from the newest: write {newer[-1].name} into {checkpoint.parent / layout.LATEST}")
+        # The data first: rows or people added or removed move N, so q and the plan's event, and the
+        # ledger's check below would blame the run directory for an edit to the data.
+        check_data(run, parts.feed.ordinary)
+
         def check(tree: dict[str, Any]) -> None:  # before any weight is loaded
             check_world_size(tree, parts.setting.world.size, run.path)
             check_parallel(tree, parts.setting.recipe.training.parallel, run.path)
@@ -237,7 +241,6 @@ class Checkpointer:
                         f"{unrecorded[0]}-{unrecorded[-1]}" if len(unrecorded) > 1 else unrecorded[0])
         if parts.feed.canaries is not None:
             check_canaries(run.path, parts.feed.canaries)
-        check_data(run, parts.feed.ordinary)
         if resume_changes:
             # The run directory says what its later steps were trained with (the privacy
             # fields, and so the fingerprint, are unchanged: checked when the recipe was resolved).

@@ -133,3 +133,18 @@ def test_a_torch_func_transform_around_the_private_model_is_refused_with_a_hint_
     private.engine.detach()
     assert run().shape[0] == 4   # detached, the model transforms as any other
     assert private.ledger.steps == 0
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_a_torch_func_transform_around_the_private_model_on_a_drawn_batch_is_refused_by_name(transform):
+    """Within a draw the loop's rows check reads the model's input first: inside a transform that
+    input is a functorch wrapper without storage (was torch's RuntimeError, a traceback)."""
+    private = _private()
+    model, optimizer, criterion, loader = private
+    x, y = next(iter(loader))
+    run = {"grad": lambda: torch.func.grad(lambda t: model(t).sum())(x),
+           "vmap": lambda: torch.func.vmap(lambda row: model(row[None]))(x)}[transform]
+    with pytest.raises(DpclipError, match="the model is called inside torch") as refused:
+        run()
+    assert "engine.detach()" in refused.value.hint
+    assert private.ledger.steps == 0

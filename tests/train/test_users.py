@@ -350,3 +350,13 @@ def test_a_user_level_run_from_before_the_people_were_fingerprinted_resumes_and_
     _move_visits_between_two_training_patients(run_dir, table, people)
     with pytest.raises(DpclipError, match="who wrote"):
         train(resume=run_dir)
+
+
+def test_a_resume_on_data_with_a_person_added_is_refused_as_changed_data_not_as_a_modified_run(tmp_path):
+    """One more person moves N, so q and the plan's step event: the data check must come first, or
+    the refusal blames the run directory ("restore it") for an edit to the data."""
+    run_dir, table, people = _visits_run(tmp_path)
+    _visits(table, people + ["p10"] * 4)
+    with pytest.raises(DpclipError, match="data of .* changed") as caught:
+        train(resume=run_dir)
+    assert "data files" in caught.value.hint
