@@ -24,6 +24,7 @@ import dp_accounting
 
 from dpclip.accounting.accountants import account, check_accountant, check_delta_value
 from dpclip.accounting.calibrate import check_target, quiet_dp_accounting, rdp_then
+from dpclip.accounting.events import joint_noise_multiplier
 from dpclip.errors import AccountingError
 
 
@@ -97,16 +98,17 @@ def blt_event(noise_multiplier: float, sensitivities: Sequence[float], aux_ratio
 
 
 def calibrate_blt(target_epsilon: float, delta: float, sensitivities: Sequence[float], accountant: str = "pld",
-                  *, rtol: float = 0.01, split=None, fixed_aux_ratio_sq: float | None = None) -> float:
+                  *, rtol: float = 0.01, split=None, fixed_aux: tuple[float, float] | None = None) -> float:
     """σ with ε(:func:`blt_event`) in [(1 − rtol)·target, target]: the search of
     :mod:`dpclip.accounting.calibrate` on the composed charges, started from s (the whole
     run's sensitivity). ``split``: σ_eff -> (σ_g, (Δ_a/σ_a)²) when a threshold statistic shares
     the budget (the search is then over σ_eff).
 
-    ``fixed_aux_ratio_sq``: (Δ_a/σ_a)² of a statistic whose noise std σ_a is fixed (DC-SGD's
+    ``fixed_aux``: (Δ_a, σ_a) of a statistic whose noise std σ_a is fixed (DC-SGD's
     ``sigma_hist``). Then only σ_eff < σ_a/Δ_a can be split, and a search over σ_eff would probe
     beyond it; the search is over σ_g instead (every σ_g > 0 is a split) and returns
-    σ_eff = (σ_g⁻² + (Δ_a/σ_a)²)^(−1/2), whose re-split by ``split`` is checked against the target."""
+    σ_eff = (σ_g⁻² + (Δ_a/σ_a)²)^(−1/2) (:func:`~dpclip.accounting.events.joint_noise_multiplier`),
+    whose re-split by ``split`` is checked against the target."""
     check_target(target_epsilon)
     check_delta_value(delta)
     check_accountant(accountant)
@@ -116,21 +118,21 @@ def calibrate_blt(target_epsilon: float, delta: float, sensitivities: Sequence[f
     def eps_of(method: str, over_gradient: bool = False):
         def eps(sigma: float) -> float:
             if over_gradient:
-                gradient, aux_ratio_sq = sigma, fixed_aux_ratio_sq
+                gradient, aux_ratio_sq = sigma, (fixed_aux[0] / fixed_aux[1]) ** 2
             else:
                 gradient, aux_ratio_sq = (sigma, 0.0) if split is None else split(sigma)
             value = account(blt_event(gradient, sensitivities, aux_ratio_sq), delta, method).epsilon
             return math.inf if math.isnan(value) else value
         return eps
 
-    over_gradient = fixed_aux_ratio_sq is not None and split is not None
+    over_gradient = fixed_aux is not None and split is not None
     with quiet_dp_accounting():
         sigma = rdp_then(lambda method: eps_of(method, over_gradient), accountant, target_epsilon, rtol, whole, inputs)
         if not over_gradient:
             return sigma
         # σ_g -> σ_eff; the plan splits σ_eff again, which rounds σ_g by an ulp or so: never past the target
         for _ in range(8):
-            total = (sigma ** -2 + fixed_aux_ratio_sq) ** -0.5
+            total = joint_noise_multiplier(sigma, [fixed_aux])
             if eps_of(accountant)(total) <= target_epsilon:
                 return total
             sigma *= 1 + 1e-12

@@ -360,9 +360,9 @@ def _solve_blt(plan: PrivacyPlan) -> PlanResult:
         return split_ratios(split_of(sigma))
 
     if plan.target_epsilon is not None:
-        fixed = None if plan.aux is None or plan.aux.sigma is None else (plan.aux.sensitivity / plan.aux.sigma) ** 2
+        fixed = None if plan.aux is None or plan.aux.sigma is None else (plan.aux.sensitivity, plan.aux.sigma)
         sigma = calibrate_blt(plan.target_epsilon, plan.delta, plan.sensitivities, plan.accountant, split=ratios,
-                              fixed_aux_ratio_sq=fixed)
+                              fixed_aux=fixed)
     else:
         sigma = float(plan.noise_multiplier)
     split = split_of(sigma)

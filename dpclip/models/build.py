@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dpclip.rng import derived_seed
-from dpclip.errors import DpclipError, EngineError
+from dpclip.errors import DpclipError, EngineError, first_line
 from dpclip.models.custom import build_custom, custom_criterion
 from dpclip.models.hf import build_hf
 from dpclip.models.losses import (
@@ -87,8 +87,7 @@ def build_model(config, data, *, seed: int = 0) -> tuple[nn.Module, PerSampleLos
     except (MemoryError, RuntimeError) as exc:
         if not _out_of_memory(exc):
             raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DpclipError(f"the model does not fit in memory: building it failed ({first})",
+        raise DpclipError(f"the model does not fit in memory: building it failed ({first_line(exc)})",
                           "make the model smaller (model.hidden, channels, lora.r, a transformers config's "
                           "sizes), or use a machine with more memory") from None
     refuse_batchnorm(model)

@@ -20,6 +20,7 @@ import dp_accounting
 
 from dpclip.accounting import AuxSpec, PrivacyPlan, account, solve, split_noise, training_event
 from dpclip.accounting.blt import blt_event, split_ratios
+from dpclip.accounting.events import joint_noise_multiplier
 from dpclip.accounting.split import NoiseSplit
 from dpclip.accounting.plan import participations
 from dpclip.accounting.calibrate import quiet_dp_accounting
@@ -75,7 +76,7 @@ class RunRelease:
         σ_eff = (σ_g⁻² + (Δ_a/σ_a)²)^(−1/2)."""
         if not self.sensitivities or self.aux is None or self.aux.sigma is None:
             return sigma
-        return (sigma ** -2 + (self.aux.sensitivity / self.aux.sigma) ** 2) ** -0.5
+        return joint_noise_multiplier(sigma, [(self.aux.sensitivity, self.aux.sigma)])
 
     def calibrate(self, search_event_of, epsilon: float, delta: float, accountant: str) -> float:
         """The per-run σ_eff whose search meets ε (:func:`calibrate_search_noise` over :meth:`to_total`'s variable)."""

@@ -114,12 +114,18 @@ def _switched_loss(model, rows):
     return torch.nn.functional.cross_entropy(model(rows["x"]), rows["y"], reduction="none")
 
 
-def test_a_graph_compiled_again_for_a_checked_shape_is_checked_before_its_sums_are_used():
+def _compiled(model_class, threshold: float, sigma: float = 1.0, backend: str | None = "aot_eager"):
+    """A fresh ``model_class`` (torch seeded 0), its engine at a fixed ``threshold`` (B = 4) and its
+    compiled micro-batch on :func:`_switched_loss`."""
     torch.manual_seed(0)
-    model = _Switched()
-    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 0.01}}, gradient_noise_multiplier=1.0,
+    model = model_class()
+    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": threshold}}, gradient_noise_multiplier=sigma,
                       expected_batch_size=4)
-    compiled = CompiledMicroBatch(engine, model, _switched_loss, backend="aot_eager")
+    return model, engine, CompiledMicroBatch(engine, model, _switched_loss, backend=backend)
+
+
+def test_a_graph_compiled_again_for_a_checked_shape_is_checked_before_its_sums_are_used():
+    model, engine, compiled = _compiled(_Switched, 0.01)
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(4, 1, 3, generator=g) * 10).expand(4, 4, 3).contiguous()
     rows = {"x": x, "y": torch.randint(0, 2, (4,), generator=g)}
@@ -169,11 +175,7 @@ def test_a_graph_compiled_again_that_differs_from_the_engine_stays_refused_on_th
     """A graph compiled again for a checked shape (a guard changed) that differs from the engine's
     micro-batch is refused; torch.compile keeps it cached, so the next call, which compiles nothing,
     must still check it rather than use its sums (here the flagged graph doubles every sum)."""
-    torch.manual_seed(0)
-    model = _Flagged()
-    engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=1.0,
-                      expected_batch_size=4)
-    compiled = CompiledMicroBatch(engine, model, _switched_loss, backend="aot_eager")
+    model, engine, compiled = _compiled(_Flagged, 1.0)
     real = compiled.compiled
 
     def wrong_when_flagged(*args):
@@ -200,11 +202,7 @@ def test_a_compiled_steps_noise_does_not_follow_torchs_global_seed():
     operations draw from: two runs seeded alike release different gradients on the same rows."""
     released = []
     for _ in range(2):
-        torch.manual_seed(0)
-        model = _Flagged()
-        engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=1.0,
-                          expected_batch_size=4)
-        compiled = CompiledMicroBatch(engine, model, _switched_loss, backend="aot_eager")
+        model, engine, compiled = _compiled(_Flagged, 1.0)
         g = torch.Generator().manual_seed(1)
         rows = {"x": torch.randn(4, 3, generator=g), "y": torch.randint(0, 2, (4,), generator=g)}
         compiled(rows, 4)                  # checked against the engine
@@ -238,11 +236,7 @@ def test_the_saved_state_and_torchs_generator_after_compiled_micro_batches_are_t
     may leave anything: after each micro-batch the saved buffers and torch's generator are where the eager
     engine alone leaves them, so the checkpoint does not tell which micro-batches were redone."""
     def run(compile: bool):
-        torch.manual_seed(0)
-        model = _Counting()
-        engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=0.0,
-                          expected_batch_size=4)
-        compiled = CompiledMicroBatch(engine, model, _switched_loss, backend=None)
+        model, engine, compiled = _compiled(_Counting, 1.0, sigma=0.0, backend=None)
         clean = compiled.compiled
 
         def flagged_third(*args):   # the third micro-batch's graph flags a row it cannot vouch for

@@ -158,8 +158,10 @@ def loss_partitions(of: Callable[[Tensor], list[list[Tensor | None]]], losses: T
                     want = torch.where(mask[:, None].to(rows.device), rows, torch.zeros_like(rows))
                     dev = (got - want).abs().amax(1)
                     key = (j, k, axis)
-                    parts.scale[key] = rows.abs().amax(1)
-                    parts.off[key] = dev if key not in parts.off else torch.maximum(parts.off[key], dev)
+                    if key not in parts.off:   # the first partition: the whole seed's scale, once
+                        parts.scale[key], parts.off[key] = rows.abs().amax(1), dev
+                    else:
+                        parts.off[key] = torch.maximum(parts.off[key], dev)
     return parts
 
 

@@ -112,10 +112,15 @@ class DiscriminativeThreshold(ThresholdPolicy):
         # Per group: large_k (or large_k + k·(large_k − small_k)); their L2 norm is the total sensitivity.
         return gradient_sensitivity(self.small, self.large, self.tail_rule, self.records_per_unit)
 
-    def tail_mask(self, norms: Tensor) -> Tensor:
+    def tail_mask(self, norms: Tensor, dry: bool = False) -> Tensor:
+        """``dry``: the certificate's rows of their own (``engine.certify``, a check replayed in eval
+        mode), ranked alone: neither the step's one ranking nor a wait for the other ranks (their
+        sums are thrown away, and one rank may check while the others do not)."""
         scores = norms.norm(dim=1)        # the sample's gradient norm over all groups
         if self.tail_rule == "threshold":
             return tail_mask_threshold(scores, self.tail_threshold)
+        if dry:
+            return tail_mask_top(scores, self.top_fraction, self.expected_batch_size)
         if self._ranked_this_step:
             # Ranking inside each micro-batch would let one example move chunk boundaries and
             # re-rank many samples: the 2·large − small bound would no longer hold.
@@ -134,17 +139,10 @@ class DiscriminativeThreshold(ThresholdPolicy):
             self.tail_mask(torch.zeros(0, self.small.shape[0], device=self.small.device, dtype=self.small.dtype))
 
     def per_sample_thresholds(self, norms: Tensor) -> Tensor:
-        tail = self.tail_mask(norms)[:, None]
-        return torch.where(tail, self.large[None, :], self.small[None, :])
+        return torch.where(self.tail_mask(norms)[:, None], self.large[None, :], self.small[None, :])
 
     def dry_per_sample_thresholds(self, norms: Tensor) -> Tensor:
-        """The certificate's rows of its own (``engine.certify``, a check replayed in eval mode): the
-        rule on those rows alone, which neither counts as this step's ranking nor waits for the other
-        ranks (their sums are thrown away, and one rank may check while the others do not)."""
-        scores = norms.norm(dim=1)
-        tail = (tail_mask_threshold(scores, self.tail_threshold) if self.tail_rule == "threshold"
-                else tail_mask_top(scores, self.top_fraction, self.expected_batch_size))
-        return torch.where(tail[:, None], self.large[None, :], self.small[None, :])
+        return torch.where(self.tail_mask(norms, dry=True)[:, None], self.large[None, :], self.small[None, :])
 
     def drop_observations(self) -> None:
         self._ranked_this_step = False
