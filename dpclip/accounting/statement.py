@@ -228,8 +228,9 @@ class PrivacyStatement:
             participations = -(-self.steps // self.groups)
             out.append(f"mechanism: BLT (buffered linear Toeplitz), {self.buffers} buffers (noise correlated across "
                        f"all steps); cyclic sampling ({member} drawn privately from 0..{self.groups - 1}, step t takes group t "
-                       f"mod {self.groups} at rate {_fmt(rate, 6)}); at most {participations} participations, "
-                       f"{self.groups} steps apart; no amplification by sampling is claimed: the run is one Gaussian "
+                       f"mod {self.groups} at rate {_fmt(rate, 6)}); "
+                       + (f"at most {participations} participations, {self.groups} steps apart" if participations > 1
+                          else "at most 1 participation") + "; no amplification by sampling is claimed: the run is one Gaussian "
                        f"mechanism of sensitivity {_fmt(self.sensitivity, 6)} per unit clip norm (worst participation "
                        f"pattern, Kalinin & Lampert 2024), {self._blt_multiplier()}, charged one participation at a time")
         out.append(f"noise multiplier (total, joint over all releases): {_fmt(self.noise_multiplier, 6)}")

@@ -153,8 +153,11 @@ def _finish(parts: RunParts, state: RunState, output: RunOutput, stopped: str, f
     statement = run_statement(recipe, ledger, world_size=parts.setting.world.size, users=parts.setting.plan.users,
                               written=recorded_written_state(output.run_dir), plan=run.public_plan())
     steps_done = state.step + ledger.steps - state.ledger.steps   # (the released steps the model is behind)
+    noise = parts.setting.solved.step_metadata
+    if statement.sensitivity is not None:   # BLT stopped early: the participations made, not the plan's
+        noise = {**noise, "sensitivity": statement.sensitivity}
     result = TrainResult(output.run_dir, steps_done, planned, accounting.epsilon, accounting.epsilon_rdp,
-                         plan.delta, stopped, final_eval, statement.lines(), parts.setting.solved.step_metadata,
+                         plan.delta, stopped, final_eval, statement.lines(), noise,
                          parts.setting.sigma_change, resume_changes, step_seconds=state.step_seconds)
     write_json_atomic(run.summary_file, result.to_dict())
     if output.tensorboard is not None:

@@ -67,6 +67,22 @@ def test_a_ledger_with_a_charge_lowered_is_refused(small_recipe):
         spent(result.run_dir)
 
 
+def test_a_blt_run_stopped_by_its_cap_reports_the_sensitivity_of_the_participation_it_made(small_recipe):
+    # Batch 512 of 1,438: G = 2 groups, so a 4-step plan participates twice (steps 0 and 2). A cap below the
+    # plan's ε stops it after one: summary.json's noise named the plan's sensitivity s_2, the statement s_1.
+    base = [*BLT, "training.batch_size=512", "training.steps=4", "checkpoint.every_steps=2", "eval.every_steps=null",
+            "privacy.noise_multiplier=8.0"]
+    whole = train(small_recipe(*base, "privacy.epsilon=null"))
+    capped = train(small_recipe(*base, f"privacy.epsilon={whole.epsilon * 0.8}"))
+    squared = participation_sensitivities(blt_strategy(2, 4, 2), 4, 2)
+    assert whole.noise["sensitivity"] == pytest.approx(math.sqrt(squared[-1]), rel=1e-9)
+    assert capped.stopped == "budget" and capped.steps_done == 2
+    summary = json.loads((capped.run_dir / "summary.json").read_text())
+    _, statement = spent(capped.run_dir)
+    assert summary["noise"]["sensitivity"] == statement.sensitivity == pytest.approx(math.sqrt(squared[0]), rel=1e-9)
+    assert any("at most 1 participation;" in line for line in statement.lines())
+
+
 @pytest.mark.slow  # an end-to-end resume: the slow set (README)
 def test_a_resumed_blt_run_ends_as_the_run_that_never_stopped(small_recipe, tmp_path):
     full = train(small_recipe(*BLT, *SEEDED, *STEPS)).run_dir
