@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # only for annotations; avoids an import cycle with ledger
 __all__ = [
     "SAMPLINGS",
     "bound_text",
+    "NOISE_ASSUMPTION",
     "SHUFFLE_ASSUMPTION",
     "SHUFFLE_CAVEAT",
     "SEEDED_RANDOMNESS_WARNING",
@@ -59,6 +60,11 @@ SEEDED_RANDOMNESS_WARNING = (
     "were derived from a seed given by the user (a recipe's seed with privacy.unsafe_seeded_randomness, "
     "or unsafe_seed= in Python), so the noise can be regenerated and subtracted and every batch is known"
 )
+
+#: What ε assumes of the noise (docs/accounting.md, "Threat model"): the analysis is of real-valued
+#: Gaussians; a floating-point draw's fine structure can leak its input (Mironov 2012; Jin et al. 2022).
+NOISE_ASSUMPTION = ("ε assumes real-valued Gaussian noise; the floating-point sampler is not hardened against "
+                    "precision-based attacks")
 
 #: How the gradient release is described (clipping makes its sensitivity 1 in units of σ).
 
@@ -245,6 +251,7 @@ class PrivacyStatement:
             out.append(f"noise: {randomness}; batches: your loader's own, from its sampler")
         else:
             out.append(f"noise and batch sampling: {randomness}")
+        out.append(f"noise distribution: {NOISE_ASSUMPTION}")
         for caveat in self.caveats:
             out.append(f"CAVEAT: {caveat}")
         for item in self.not_covered:

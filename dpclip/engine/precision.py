@@ -4,8 +4,9 @@ Under ``torch.autocast`` the book-kept layers see bfloat16 / float16 activations
 gradients. The engine keeps those factors in their own dtype while they wait in the stash
 (half the memory), and widens them to float32 only where it computes with them: per-sample
 norms, the clipped sums and instantiated per-sample gradients (:func:`widened`, used by
-:mod:`dpclip.engine.factors` and the layer rules' small gradients). Parameters, noise and
-``p.grad`` stay in the parameters' dtype. Its own math never runs under autocast
+:mod:`dpclip.engine.factors` and the layer rules' small gradients). The noise is drawn and
+added to those float32 sums; ``p.grad`` is the noisy sum in the parameters' dtype (a bf16 or
+fp16 model's rounded once, after the noise: post-processing). Its own math never runs under autocast
 (:func:`autocast_off`): CPU autocast would run ``linalg.vecdot`` and every matmul in
 bfloat16 again.
 

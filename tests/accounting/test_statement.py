@@ -13,6 +13,7 @@ from dpclip.accounting import (
     gradient_step_event,
     statement_from_ledger,
 )
+from dpclip.accounting.statement import NOISE_ASSUMPTION
 from dpclip.errors import AccountingError
 
 
@@ -60,6 +61,13 @@ def test_lines_state_unit_neighbours_sampling_steps_delta_and_accountant():
     for fact in ["ε = 2.5", "δ = 1e-05", "example-level", "add/remove one example", "Poisson",
                  "q = 0.004", "steps: 2500", "PLD", "RDP ε alongside: 2.9", "gradient (sensitivity 1 after clipping)"]:
         assert fact in text, fact
+
+
+@pytest.mark.parametrize("overrides", [{}, {"seeded_randomness": True}, {"own_batches": True}, {"bands": 4}])
+def test_every_statement_states_that_epsilon_assumes_real_valued_gaussian_noise(overrides):
+    lines = [line for line in _statement(**overrides).lines() if line.startswith("noise distribution:")]
+    assert lines == [f"noise distribution: {NOISE_ASSUMPTION}"]
+    assert "real-valued Gaussian" in NOISE_ASSUMPTION and "not hardened against precision-based attacks" in NOISE_ASSUMPTION
 
 
 def test_statement_dict_is_json_safe_and_complete():

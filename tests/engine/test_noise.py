@@ -305,6 +305,24 @@ def test_tiny_float32_thresholds_still_get_their_noise():
     assert abs(float(z.std()) / expected - 1) < 5 / math.sqrt(2 * (z.numel() - 1))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_models_noise_is_drawn_and_added_in_float32_and_rounded_after(dtype):
+    """The Gaussian mechanism is the float32 noisy sum; the half-precision p.grad is its rounding
+    (post-processing). A draw or an addition in bf16/fp16 would round the noise before the sum
+    and round twice: the same seed's noise would differ from the float32 model's rounded."""
+    grads = {}
+    for kind in (torch.float32, dtype):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(30, 20), nn.Tanh(), nn.Linear(20, 5)).to(kind)
+        engine = DPEngine(model, {"threshold": {"kind": "fixed", "value": 1.0}}, gradient_noise_multiplier=1.3,
+                          expected_batch_size=3, seed=0)
+        engine.backward(0.0 * model(torch.randn(3, 30).to(kind)).float().sum(1))   # zero sums: p.grad is noise/B
+        engine.privatize()
+        grads[kind] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert grads[dtype].dtype == dtype
+    assert torch.equal(grads[dtype], grads[torch.float32].to(dtype))
+
+
 def test_a_noise_std_beyond_the_dtype_is_refused_before_anything_is_released():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(30, 20), nn.Tanh(), nn.Linear(20, 5))
