@@ -61,10 +61,9 @@ SEEDED_RANDOMNESS_WARNING = (
     "or unsafe_seed= in Python), so the noise can be regenerated and subtracted and every batch is known"
 )
 
-#: What ε assumes of the noise (docs/accounting.md, "Threat model"): the analysis is of real-valued
-#: Gaussians; a floating-point draw's fine structure can leak its input (Mironov 2012; Jin et al. 2022).
-NOISE_ASSUMPTION = ("ε assumes real-valued Gaussian noise; the floating-point sampler is not hardened against "
-                    "precision-based attacks")
+#: What ε assumes of the arithmetic (docs/accounting.md, "Threat model"; docs/formulas.md, "Rounding of the sums").
+NOISE_ASSUMPTION = ("ε assumes exact arithmetic (real-valued Gaussian noise and clipped sums); the floating-point "
+                    "sampler and sums are not hardened against precision-based attacks")
 
 #: How the gradient release is described (clipping makes its sensitivity 1 in units of σ).
 
@@ -251,7 +250,7 @@ class PrivacyStatement:
             out.append(f"noise: {randomness}; batches: your loader's own, from its sampler")
         else:
             out.append(f"noise and batch sampling: {randomness}")
-        out.append(f"noise distribution: {NOISE_ASSUMPTION}")
+        out.append(f"arithmetic: {NOISE_ASSUMPTION}")
         for caveat in self.caveats:
             out.append(f"CAVEAT: {caveat}")
         for item in self.not_covered:

@@ -20,6 +20,7 @@ from dpclip.engine.bookkeeping import Bookkeeper
 from dpclip.engine.microbatch import MicroBatch, StepContext, StepTotals
 from dpclip.engine.policies import ThresholdPolicy
 from dpclip.engine.report import ClipDebug, LazyQuantiles
+from dpclip.engine.sums import released_sum, running_sum
 from dpclip.errors import DpclipError, EngineError, raised_on_private_batch
 
 
@@ -119,7 +120,7 @@ class StepAccumulator:
         norms [samples, K] and its clipped samples per group [K]."""
         for idx, total in enumerate(sums):
             if total is not None:
-                self.sums[idx] = total.clone() if self.sums[idx] is None else self.sums[idx].add_(total)
+                self.sums[idx] = running_sum(self.sums[idx], total.clone() if self.sums[idx] is None else total)
         self.clipped += clipped
         self.norms.append(norms.detach())
         self.samples += norms.shape[0]
@@ -170,7 +171,7 @@ class StepAccumulator:
         """Each parameter's Σ_i c_i G_i / B, zeros where no sample reached it (contiguous, for the
         collectives and the noise)."""
         return [torch.zeros(p.shape, dtype=p.dtype, device=p.device) if clipped is None
-                else clipped.contiguous() for p, clipped in zip(self.context.params, self.sums)]
+                else released_sum(clipped, p).contiguous() for p, clipped in zip(self.context.params, self.sums)]
 
     def clip_fraction(self, counts_clipped: bool) -> Tensor | None:
         """Per group, the fraction of the step's samples clipped; None where "clipped" means
@@ -190,7 +191,7 @@ class StepAccumulator:
         group norms and each parameter's norm path (``DPEngine.debug_clipped``)."""
         ctx = self.context
         sums = {name: torch.zeros(p.shape, dtype=p.dtype, device=p.device) if s is None
-                else s.detach() * expected_batch_size   # the engine keeps Σ_i c_i G_i / B
+                else released_sum(s.detach(), p) * expected_batch_size   # the engine keeps Σ_i c_i G_i / B
                 for name, p, s in zip(ctx.names, ctx.params, self.sums)}
         norms = (torch.cat(self.norms) if self.norms else
                  torch.zeros(0, len(ctx.members), device=ctx.device, dtype=ctx.norm_dtype))

@@ -28,6 +28,7 @@ from dpclip.engine.groupwise import (chunk_clip, clip_factors, nonfinite_norms, 
                                      thresholds_of)
 from dpclip.engine.precision import engine_math
 from dpclip.engine.streamed import streamed_clip
+from dpclip.engine.sums import running_sum
 from dpclip.errors import EngineError
 
 __all__ = ["FINALIZE_BATCH", "MicroBatch", "StepContext", "StepTotals"]
@@ -145,7 +146,7 @@ class MicroBatch(MicroBatchNorms):
             self.meter.remove(self.parts[idx][0].tensors())
             self.parts[idx] = None
             self.streamed.discard(idx)
-            out.sums[idx] = total if out.sums[idx] is None else out.sums[idx].add_(total)
+            out.sums[idx] = running_sum(out.sums[idx], total)
         if unscale is not None:
             norms = norms * unscale
         norms, keep = self._nonfinite(norms.unsqueeze(1), [k], None)
@@ -222,10 +223,7 @@ class MicroBatch(MicroBatchNorms):
                     self.meter.remove(part.tensors())
             for part in parts:
                 self.meter.remove(part.tensors())
-            if out.sums[idx] is None:
-                out.sums[idx] = total
-            else:
-                out.sums[idx].add_(total)
+            out.sums[idx] = running_sum(out.sums[idx], total)
         self.norms[k] = norms   # the clipped ones are counted for all groups at once (_finish)
         self.done[k] = True
 
@@ -245,7 +243,7 @@ class MicroBatch(MicroBatchNorms):
                 self.witness[r][idx] = total.detach().clone()
         totals = sliced_sums(flat, shapes, factors, keep)
         for idx, total in zip(indices, totals):
-            out.sums[idx] = total if out.sums[idx] is None else out.sums[idx].add_(total)
+            out.sums[idx] = running_sum(out.sums[idx], total)
             for part in self.parts[idx]:
                 self.meter.remove(part.tensors())
             self.parts[idx] = None
