@@ -39,6 +39,17 @@ def raised_on_private_batch(exc: DpclipError) -> DpclipError:
     return exc
 
 
+#: what an error that quotes the data's rows says of itself (a row's value, its number, a count of the rows
+#: failing a check, a count of rows shared with the public data): the operator needs it to find the row, and
+#: it is read from the data (private, unless it is the public data's), which no DpEvent accounts for
+QUOTES_DATA_NOTE = " [quotes the data's rows: not covered by ε]"
+
+
+def quoting_data(message: str) -> str:
+    """``message`` labelled with :data:`QUOTES_DATA_NOTE`: it shows a row's value or number, or a count of rows."""
+    return message.replace(QUOTES_DATA_NOTE, "") + QUOTES_DATA_NOTE
+
+
 class RecipeError(DpclipError):
     """A recipe file or override that does not validate."""
 

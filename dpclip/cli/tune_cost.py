@@ -150,6 +150,10 @@ def _render_compute(report) -> None:
     mean = privacy.strategy("repeat-and-select").detail["mean"]
     compute.add_row(f"repeat-and-select (E[K] = {_runs(mean)})", _hours(mean * report.hours_per_run))
     console.print(compute)
+    if report.measured:
+        from dpclip.tuning.cost import NOT_COVERED_TIMES
+
+        console.print(f"  {NOT_COVERED_TIMES}", soft_wrap=True)
 
     if len({run.step_seconds for run in report.runs}) > 1:
         runs = Table(title="runs", header_style="bold")

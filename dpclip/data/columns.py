@@ -20,7 +20,7 @@ import torch
 
 from dpclip.data.files import Columns
 from dpclip.data.tokenizers import Tokenizer, load_tokenizer
-from dpclip.errors import DpclipError
+from dpclip.errors import DpclipError, quoting_data
 
 # Cross-entropy ignores this target: padding positions of causal-LM labels carry it.
 IGNORE_INDEX = -100
@@ -62,7 +62,7 @@ def _texts_of(values: np.ndarray, name: str, origin: str) -> list[str]:
     texts = values.tolist()
     for value in texts:
         if not isinstance(value, str):
-            raise DpclipError(f"{origin}: text column {name!r} holds a non-string value ({value!r})",
+            raise DpclipError(quoting_data(f"{origin}: text column {name!r} holds a non-string value ({value!r})"),
                               "data.text_field must name a column of strings; remove rows with missing text")
     return texts
 
@@ -93,9 +93,9 @@ def encode_labels(label_columns: list[np.ndarray], name: str, origin: str
             # else strings mixed with whole numbers: the first whole number.
             shown = next((v for v in values if not isinstance(v, (str, int, np.integer)) or isinstance(v, bool)),
                          next((v for v in values if not isinstance(v, str)), values[0]))
-            raise DpclipError(
+            raise DpclipError(quoting_data(
                 f"{origin}: label column {name!r} holds non-integer values for classification (e.g. {shown!r}), "
-                "or mixes strings with other values",
+                "or mixes strings with other values"),
                 "classification needs whole-number or string labels, regression a float column; "
                 "remove rows with missing labels")
     if kind == "f":

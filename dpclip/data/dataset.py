@@ -36,7 +36,7 @@ from dpclip.data.hub import load_hub_columns
 from dpclip.data.split import carve_indices, split_fingerprint, split_indices
 from dpclip.data.tokenizers import Tokenizer, load_tokenizer
 from dpclip.data.user_sampler import spelling_clash
-from dpclip.errors import DpclipError
+from dpclip.errors import DpclipError, quoting_data
 
 TASKS = ("classification", "regression", "causal-lm")
 
@@ -198,7 +198,8 @@ def user_column(tables: list[Columns], user_field: str | None, origin: str) -> l
         missing = [i for i, v in enumerate(values) if v is None or (isinstance(v, float) and math.isnan(v))
                    or (isinstance(v, str) and not v.strip())]
         if missing:
-            raise DpclipError(f"{origin}: {len(missing)} rows have no {user_field!r} (first: row {missing[0] + 1})",
+            raise DpclipError(quoting_data(f"{origin}: {len(missing)} rows have no {user_field!r} (first: row "
+                                           f"{missing[0] + 1})"),
                               "every record must name the person it belongs to: fill the column or drop those rows")
         columns.append(values)
     # across the files too: a separate test file's person who also wrote training records is a member
@@ -206,8 +207,8 @@ def user_column(tables: list[Columns], user_field: str | None, origin: str) -> l
     if clash is not None:
         row = clash.row
         where = f"row {row + 1}" if row < len(columns[0]) else f"row {row - len(columns[0]) + 1} of the test file"
-        raise DpclipError(f"{origin}: {where} names its {user_field!r} {clash.person!r}, an earlier row "
-                          f"{clash.earlier!r}: {clash.what}, one person or two cannot be told", clash.hint)
+        raise DpclipError(quoting_data(f"{origin}: {where} names its {user_field!r} {clash.person!r}, an earlier row "
+                                       f"{clash.earlier!r}: {clash.what}, one person or two cannot be told"), clash.hint)
     return [np.asarray([str(v) for v in values], dtype=object) for values in columns]
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpclip.errors import DpclipError
+from dpclip.errors import DpclipError, quoting_data
 
 Columns = dict[str, np.ndarray]
 
@@ -57,11 +57,12 @@ def _json_records(path: Path, file_format: str) -> list[dict] | dict[str, list]:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 # json numbers the lines of the string it was given: one line of the file.
-                raise DpclipError(f"cannot read {path} as jsonl: line {line_number} is not valid JSON: {exc.msg} "
-                                  f"(column {exc.colno})",
+                raise DpclipError(quoting_data(f"cannot read {path} as jsonl: line {line_number} is not valid JSON: "
+                                               f"{exc.msg} (column {exc.colno})"),
                                   "each non-blank line of a jsonl file must be one JSON object") from None
             if not isinstance(record, dict):
-                raise DpclipError(f"{path}, line {line_number}: expected a JSON object, got {type(record).__name__}",
+                raise DpclipError(quoting_data(f"{path}, line {line_number}: expected a JSON object, got "
+                                               f"{type(record).__name__}"),
                                   "write one object per line, e.g. {\"text\": \"...\", \"label\": 1}")
             records.append(record)
     return records
@@ -89,7 +90,8 @@ def read_table(path: str | Path, file_format: str, as_written: tuple[str, ...] =
         raise
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         # pandas' ParserError, json's JSONDecodeError and pyarrow's ArrowInvalid are ValueErrors.
-        raise DpclipError(f"cannot read {path} as {file_format}: {exc}", "check data.format and the file") from None
+        raise DpclipError(quoting_data(f"cannot read {path} as {file_format}: {exc}"),
+                          "check data.format and the file") from None
     if frame.shape[1] == 0 or len(frame) == 0:
         raise DpclipError(f"{path} holds no rows", "the data file must have a header and at least one row")
     return _columns_of(frame)
@@ -112,8 +114,9 @@ def words_read_as_missing(error: DpclipError, path: str | Path, columns: list[st
     for name in (name for name in named if name in parsed):
         for row, (value, word) in enumerate(zip(parsed[name], written[name])):
             if not isinstance(value, str) and isinstance(word, str) and word.strip():
-                return DpclipError(f"{error.message} ({path}, row {row + 1}: {name!r} is written {word!r}, a word "
-                                   "pandas reads as missing, as it reads NA, N/A, NULL, null, None and NaN)",
+                return DpclipError(quoting_data(f"{error.message} ({path}, row {row + 1}: {name!r} is written {word!r}, "
+                                                "a word pandas reads as missing, as it reads NA, N/A, NULL, null, None "
+                                                "and NaN)"),
                                    "dpclip reads csv with pandas' missing-value words: write that value another way "
                                    "(for a real value), leave the cell empty (for a missing one), or write the data "
                                    "as jsonl, whose strings are read as written")

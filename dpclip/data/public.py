@@ -20,7 +20,7 @@ import torch
 
 from dpclip.data.dataset import PrivateData, source_name, data_from_parts, load_data, load_examples, select
 from dpclip.data.split import carve_indices, split_indices
-from dpclip.errors import DpclipError
+from dpclip.errors import DpclipError, quoting_data
 
 CARVE_HINT = "carve disjoint public rows out of it with data.public_fraction (e.g. 0.1), or use another source"
 
@@ -129,6 +129,7 @@ def check_disjoint(public: PrivateData, private: PrivateData) -> None:
     public_rows = row_fingerprints(public, "train", tokens) + row_fingerprints(public, "test", tokens)
     shared = int(np.sum([row in private_rows for row in public_rows]))
     if shared:
-        raise DpclipError(f"{shared} of the {len(public_rows)} public rows ({public.source}) are identical to "
-                          "private training or held-out rows (the same features or text, whatever the label)",
+        raise DpclipError(quoting_data(f"{shared} of the {len(public_rows)} public rows ({public.source}) are identical "
+                                       "to private training or held-out rows (the same features or text, whatever the "
+                                       "label)"),
                           "use a disjoint public set: remove those rows from the public files, or " + CARVE_HINT)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from dpclip.data.sampler import PoissonSampler
-from dpclip.errors import DpclipError
+from dpclip.errors import DpclipError, quoting_data
 
 
 class UserPoissonSampler(PoissonSampler):
@@ -96,17 +96,18 @@ def number_people(ids) -> torch.Tensor:
             person = person.item() if person.numel() == 1 else person
         if person is None or (isinstance(person, (float, np.floating)) and math.isnan(person)) or \
                 (isinstance(person, str) and not person.strip()):
-            raise DpclipError(f"the person id of example {row} (counting from 0) is missing ({person!r})",
+            raise DpclipError(quoting_data(f"the person id of example {row} (counting from 0) is missing ({person!r})"),
                               "every record must name the person it belongs to: fill the ids or drop those records")
         try:
             numbers.append(numbering.setdefault(person, len(numbering)))
         except TypeError:
-            raise DpclipError(f"the person id of example {row} (counting from 0) is a {type(person).__name__}, which cannot "
-                              "name a person (not hashable)", "give each record's person as a number or a string") from None
+            raise DpclipError(quoting_data(f"the person id of example {row} (counting from 0) is a "
+                                           f"{type(person).__name__}, which cannot name a person (not hashable)"), "give each record's person as a number or a string") from None
     clash = spelling_clash(ids)
     if clash is not None:
-        raise DpclipError(f"the person id of example {clash.row} (counting from 0), {clash.person!r}, and an earlier one, "
-                          f"{clash.earlier!r}, are {clash.what}: one person or two cannot be told", clash.hint)
+        raise DpclipError(quoting_data(f"the person id of example {clash.row} (counting from 0), {clash.person!r}, and "
+                                       f"an earlier one, {clash.earlier!r}, are {clash.what}: one person or two cannot "
+                                       "be told"), clash.hint)
     return torch.tensor(numbers, dtype=torch.int64)
 
 

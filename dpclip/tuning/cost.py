@@ -30,6 +30,12 @@ from dpclip.tuning.timing import measure_fixed_seconds, measure_step_seconds, st
 
 
 PROCESS_WARMUP_STEPS = 5
+#: What a measured time is: a function of the private data that no DpEvent accounts for (a run's
+#: metrics.jsonl labels its step times so too). Times given with --no-measure carry no label.
+NOT_COVERED_TIMES = ("not covered by ε: the measured seconds (per step, per run, the hours, the policy overhead "
+                     "and --compare's s/step and speedup computed from them), measured on the private data: "
+                     "private steps on Poisson batches drawn from it and one whole two-step run on it; a step's "
+                     "time follows its realised batch size")
 
 
 class MeasureObserver(Protocol):
@@ -165,6 +171,7 @@ class TuneCostReport:
                 "search_hours": self.search_hours,
                 "repeat_and_select_expected_hours": repeat.detail["mean"] * self.hours_per_run,
                 "runs": [{**asdict(run), "hours": run.hours} for run in self.runs],
+                "not_covered_by_epsilon": NOT_COVERED_TIMES if self.measured else None,
             },
             "privacy": self.privacy.to_dict(),
             "comparison": self.comparison,
