@@ -45,6 +45,19 @@ def tensor_rows(tree: Any, rows: int) -> list[Tensor]:
     return [t for t in data_leaves(tree) if isinstance(t, Tensor) and t.dim() and t.shape[0] == rows]
 
 
+def batch_rows(batch: Any) -> int:
+    """The rows of a collated batch: dim 0 of its first tensor."""
+    if isinstance(batch, Tensor) and batch.dim():
+        return int(batch.shape[0])
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        try:
+            return batch_rows(value)
+        except DpclipError:
+            continue
+    raise DpclipError("a batch of the data loader holds no tensor with rows", "return tensors from the dataset")
+
+
 def _sorted_rows(t: Tensor) -> Tensor:
     flat = t.detach().reshape(t.shape[0], -1)
     return (flat.to(torch.uint8) if flat.dtype == torch.bool else flat).sort(1).values
