@@ -46,7 +46,8 @@ def _set_random_states(states: tuple) -> None:
 
 
 ONE_ROW_HINT = ("collate one row per example, padded to the longest (DataCollatorWithPadding, "
-                "DataCollatorForLanguageModeling); to train on blocks of text, make the blocks the dataset's rows: "
+                "DataCollatorForLanguageModeling), a tensor shared by every example after the per-example ones; "
+                "to train on blocks of text, make the blocks the dataset's rows: "
                 "ε then protects a block, not a document, unless each document is cut alone and named as the user "
                 "(users=, users_column=: docs/users.md, \"A document cut into blocks\")")
 
@@ -184,11 +185,12 @@ def _refuse_other_row_counts(batch: Any, examples: int) -> None:
     except DpclipError:
         return   # no tensor with rows: the loader refuses the batch itself
     if rows != examples:   # no counts in the message: a Poisson draw's size is private
-        raise DpclipError("the collate_fn's batch does not have one row per example drawn: it packs several "
-                          "examples into one row (DataCollatorWithFlattening, padding-free or packing collators) or "
-                          "cuts one example into several rows; each row is clipped as one example, so one example "
-                          "would move a clipped row holding others, or several rows, more than the noise is "
-                          "calibrated for (ε is example-level); nothing was released", ONE_ROW_HINT)
+        raise DpclipError("the collate_fn's batch does not have one row per example drawn (its first tensor, by "
+                          "which the loader counts the rows): it packs several examples into one row "
+                          "(DataCollatorWithFlattening, padding-free or packing collators) or cuts one example into "
+                          "several rows; each row is clipped as one example, so one example would move a clipped row "
+                          "holding others, or several rows, more than the noise is calibrated for (ε is "
+                          "example-level); nothing was released", ONE_ROW_HINT)
 
 
 def _size(example: Any) -> int:
