@@ -83,6 +83,26 @@ def test_a_collate_fn_whose_rows_are_not_the_draw_s_examples_is_refused_before_a
     assert released == [] and private.ledger.steps == 0
 
 
+def test_a_collate_fn_with_position_ids_expanded_over_the_rows_trains():
+    """One row per example, with positions ``arange(T).expand(n, T)`` beside them (one row shared by
+    all). Before: the loop's positions, the collated tensor itself, were compared with that same
+    tensor, taken for an example's row and refused as "not the rows the data loader drew"."""
+    def padded(rows):
+        ids = nn.utils.rnn.pad_sequence(rows, batch_first=True)
+        return ids, torch.arange(ids.shape[1]).expand_as(ids)
+    torch.manual_seed(0)
+    model = _Tokens()
+    with pytest.warns(UserWarning, match="unsafe_seed"):
+        private = dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      DataLoader(_documents(), batch_size=20, collate_fn=padded),
+                                      criterion=_next_token_loss, delta=1e-5, noise_multiplier=1.0, steps=2,
+                                      max_grad_norm=1.0, unsafe_seed=3)
+    for ids, positions in private.data_loader:
+        private.criterion(private.model(ids, positions), ids).backward()
+        private.optimizer.step()
+    assert private.ledger.steps == 2
+
+
 def test_a_padding_collate_with_one_row_per_example_still_passes():
     def padded(rows):
         ids = nn.utils.rnn.pad_sequence(rows, batch_first=True)
