@@ -1,6 +1,7 @@
 """The collate function of ``make_private``'s and ``DPTrainer``'s Poisson loader: an empty draw
-as zero-row tensors, and a ``collate_fn`` of your own checked to treat each example alone and
-not to use the draw's count (docs/python-api.md, "What the loop must do")."""
+as zero-row tensors, one row per example drawn (no packing), and a ``collate_fn`` of your own
+checked to treat each example alone and not to use the draw's count (docs/python-api.md, "What
+the loop must do")."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch.utils.data import Dataset, default_collate
 
 from dpclip.engine.certificate.replay import equal_values
 from dpclip.errors import DpclipError
-from dpclip.integrations.rows import data_leaves
+from dpclip.integrations.rows import batch_rows, data_leaves
 from dpclip.torch_compat import zero_draws_cpu_state
 
 
@@ -44,6 +45,12 @@ def _set_random_states(states: tuple) -> None:
     numpy.random.set_state(states[2])
 
 
+ONE_ROW_HINT = ("collate one row per example, padded to the longest (DataCollatorWithPadding, "
+                "DataCollatorForLanguageModeling), a tensor shared by every example after the per-example ones; "
+                "to train on blocks of text, make the blocks the dataset's rows: "
+                "ε then protects a block, not a document, unless each document is cut alone and named as the user "
+                "(users=, users_column=: docs/users.md, \"A document cut into blocks\")")
+
 COLLATE_HINT = ("collate each example alone (stack, pad to the longest, tokenize); transform examples in the "
                 "dataset's __getitem__ or inside the model, one sample at a time; to mix examples, mix only "
                 "public data")
@@ -55,7 +62,9 @@ class EmptyDrawCollate:
 
     A collate function of your own sees the whole draw, so it could mix examples (mixup,
     normalising by the batch) or use their count (``x / len(rows)``: the count is Poisson, private)
-    before the loop's rows are checked against the draw. Each batch is therefore collated again:
+    before the loop's rows are checked against the draw; it could also pack several examples into
+    one row, or cut one into several. Each batch must therefore have one row per example (any
+    collate, the default too), and is collated again:
 
     - from the same random state (the same count drawn), keeping some rows and replacing every
       other by copies of the first kept one, m times: row i gets a distinct set of m // 2 of the m
@@ -85,10 +94,11 @@ class EmptyDrawCollate:
     def __call__(self, rows: list) -> Any:
         if not rows:
             return empty_batch_like(self.collate([self.dataset[0]]))
-        if not self.checked:
-            return self.collate(rows)
-        before = _random_states()
+        before = _random_states() if self.checked else None
         batch = self.collate(rows)
+        _refuse_other_row_counts(batch, len(rows))
+        if not self.checked:
+            return batch
         after = _random_states()
         rows, shape_keeping = list(rows), []
         try:
@@ -162,6 +172,25 @@ class EmptyDrawCollate:
         return all(isinstance(b, Tensor) and b.dim() == a.dim() and b.shape[0] > max(kept)
                    and _same_rows(a.index_select(0, index.to(a.device)), b.index_select(0, index.to(b.device)))
                    for a, b in pairs)
+
+
+def _refuse_other_row_counts(batch: Any, examples: int) -> None:
+    """The collated batch has one row per example drawn (its first tensor's rows, as the loader
+    counts them). Packing several examples into one row (``DataCollatorWithFlattening``, a
+    padding-free collator) or cutting one into several (concatenate-and-chunk) passed the checks
+    below, which compare the rows of tensors with one row per example: a batch with none had
+    nothing compared, and its one clipped row held a whole draw."""
+    try:
+        rows = batch_rows(batch)
+    except DpclipError:
+        return   # no tensor with rows: the loader refuses the batch itself
+    if rows != examples:   # no counts in the message: a Poisson draw's size is private
+        raise DpclipError("the collate_fn's batch does not have one row per example drawn (its first tensor, by "
+                          "which the loader counts the rows): it packs several examples into one row "
+                          "(DataCollatorWithFlattening, padding-free or packing collators) or cuts one example into "
+                          "several rows; each row is clipped as one example, so one example would move a clipped row "
+                          "holding others, or several rows, more than the noise is calibrated for (ε is "
+                          "example-level); nothing was released", ONE_ROW_HINT)
 
 
 def _size(example: Any) -> int:

@@ -15,21 +15,8 @@ from torch.utils.data import DataLoader
 from dpclip.data.sampler import PoissonSampler
 from dpclip.errors import DpclipError
 from dpclip.integrations.collate import EmptyDrawCollate
-from dpclip.integrations.rows import DrawTracker
+from dpclip.integrations.rows import DrawTracker, batch_rows
 from dpclip.rng import fork_private_streams
-
-
-def batch_rows(batch: Any) -> int:
-    """The rows of a collated batch: dim 0 of its first tensor."""
-    if isinstance(batch, Tensor) and batch.dim():
-        return int(batch.shape[0])
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    for value in values:
-        try:
-            return batch_rows(value)
-        except DpclipError:
-            continue
-    raise DpclipError("a batch of the data loader holds no tensor with rows", "return tensors from the dataset")
 
 
 def batch_parts(batch: Any, rows: int, size: int | None) -> list[Any]:

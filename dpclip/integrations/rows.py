@@ -45,6 +45,19 @@ def tensor_rows(tree: Any, rows: int) -> list[Tensor]:
     return [t for t in data_leaves(tree) if isinstance(t, Tensor) and t.dim() and t.shape[0] == rows]
 
 
+def batch_rows(batch: Any) -> int:
+    """The rows of a collated batch: dim 0 of its first tensor."""
+    if isinstance(batch, Tensor) and batch.dim():
+        return int(batch.shape[0])
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        try:
+            return batch_rows(value)
+        except DpclipError:
+            continue
+    raise DpclipError("a batch of the data loader holds no tensor with rows", "return tensors from the dataset")
+
+
 def _sorted_rows(t: Tensor) -> Tensor:
     flat = t.detach().reshape(t.shape[0], -1)
     return (flat.to(torch.uint8) if flat.dtype == torch.bool else flat).sort(1).values
@@ -103,6 +116,10 @@ class DrawnRows:
 
     def __init__(self, batch: Any, rows: int):
         self.leaves = tensor_rows(batch, rows)
+        # those holding examples' own rows: a collated tensor expanded over the rows (position ids,
+        # arange(T).expand(n, T)) is one row shared by all, which the collate check saw depend on no
+        # example; compared with itself it was taken for an example's row, and refused
+        self.own = [leaf for leaf in self.leaves if not broadcast_rows(leaf)]
 
     def check_shared(self, t: Tensor, start: int, n: int, what: str) -> None:
         """``t``, one value shared by the rows ``start ... start + n - 1``, is none of the draw's (or
@@ -111,7 +128,7 @@ class DrawnRows:
         cannot be seen here (docs/python-api.md, "What the loop must do")."""
         if not t.is_floating_point() or t.numel() == 0 or not t.detach().ne(0).any():
             return   # all zeros: a statistic of nothing in particular, and the common initial state
-        for leaf in self.leaves:
+        for leaf in self.own:
             if leaf[:1].numel() != t.numel() or leaf.is_complex():
                 continue
             rows = leaf.detach().reshape(leaf.shape[0], -1).to(device=t.device, dtype=torch.float64)
@@ -129,7 +146,7 @@ class DrawnRows:
             return
         if broadcast_rows(t):   # one row for all (positions): refused only where that row is an example's
             if not any(same_rows(leaf, t[:1].expand(leaf.shape[0], *t.shape[1:]), any_row=True)
-                       for leaf in self.leaves):
+                       for leaf in self.own):
                 self.check_shared(t[:1], start, n, what)
                 return
         elif any(same_rows(leaf[start:start + n], t) for leaf in self.leaves):
