@@ -16,6 +16,8 @@ from dpclip.errors import without_native_backtrace
 
 console = Console(highlight=False)
 error_console = Console(stderr=True, highlight=False)
+#: Beside a printed N (examples or people): q = B/N releases it; treated as public (docs/accounting.md).
+N_LABEL = "public, not covered by ε"
 
 
 def print_error(message: str, hint: str | None = None) -> None:

@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from dpclip.cli.render import console, fmt, fmt_upper, print_json
+from dpclip.cli.render import N_LABEL, console, fmt, fmt_upper, print_json
 
 
 def _short(values, limit: int = 3) -> str:
@@ -45,9 +45,9 @@ class RichObserver:
         table = Table(show_header=False, box=None, title=f"[bold]{info['name']}[/]" + (" (dry run)" if info["dry_run"] else ""))
         table.add_row("run directory", info["run_dir"] or "-")
         if info.get("num_users") is not None:   # user-level: q = B / people (docs/users.md)
-            table.add_row("people N", f"{info['num_users']} ({info['num_train']} records)")
+            table.add_row("people N", f"{info['num_users']} ({info['num_train']} records; {N_LABEL})")
         else:
-            table.add_row("training examples N", str(info["num_train"]))
+            table.add_row("training examples N", f"{info['num_train']} ({N_LABEL})")
         table.add_row(*_rate_row(info))
         table.add_row("steps", str(info["steps"]))
         groups = info["groups"]

@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dpclip.cli.render import json_safe, console, fmt, fmt_upper, print_json
+from dpclip.cli.render import N_LABEL, json_safe, console, fmt, fmt_upper, print_json
 
 
 class ProgressBar:
@@ -123,7 +123,7 @@ def _render(report) -> None:
     privacy = report.privacy
     console.print(f"[bold]{report.recipe}[/]: {report.configurations} configuration"
                   f"{'' if report.configurations == 1 else 's'}, "
-                  f"N = {report.dataset_size}, {privacy.steps} steps per run (q = {fmt(privacy.sample_rate)})")
+                  f"N = {report.dataset_size} ({N_LABEL}), {privacy.steps} steps per run (q = {fmt(privacy.sample_rate)})")
     _render_compute(report)
     _render_privacy(privacy)
     if report.comparison:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from dpclip.cli.render import console
+from dpclip.cli.render import N_LABEL, console
 
 
 def validate(
@@ -23,5 +23,5 @@ def validate(
     if show:
         print(recipe_to_yaml(resolved), end="")
     else:
-        size = f"{dataset_size} training examples" if dataset_size is not None else "data size checked at training"
+        size = f"{dataset_size} training examples, {N_LABEL}" if dataset_size is not None else "data size checked at training"
         console.print(f"[green]ok[/]: {recipe} is a valid recipe ({resolved.name}; {size})")

@@ -23,7 +23,7 @@ write one, start from a shipped recipe, change it, and check it:
 
 ```bash
 dpclip recipes copy quickstart .                 # quickstart.yaml in this directory
-dpclip validate quickstart.yaml                  # ok: ... is a valid recipe (quickstart; 1438 training examples)
+dpclip validate quickstart.yaml                  # ok: ... is a valid recipe (quickstart; 1438 training examples, public, not covered by ε)
 dpclip validate quickstart.yaml --show           # the resolved recipe, every default filled in
 dpclip validate quickstart.yaml training.optimizer.lr=0.05 clipping.grouping='{uniform: 4}'
 ```
