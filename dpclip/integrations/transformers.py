@@ -77,6 +77,7 @@ from dpclip.integrations.parts import PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
 from dpclip.integrations.trainer_arguments import refuse_training_arguments, stated_arguments
 from dpclip.integrations.trainer_card import EVALUATED, LOGGED_LOSS, TIMED, with_statement
+from dpclip.integrations.rows import unit_weights
 from dpclip.integrations.trainer_rows import PartRows, part_rows as _rows
 from dpclip.integrations.setup import clipping_spec, private_engine, running_world
 from dpclip.models.losses import cross_entropy, next_token_cross_entropy, no_generation_cache
@@ -339,12 +340,12 @@ class DPTrainer(Trainer):
         if _rows(inputs) == 0:  # an empty part of the Poisson draw: nothing to clip, the step still adds noise
             return torch.zeros((), device=self.args.device)
         if self.compiled is not None:
-            weights = None if self.row_weight is None else torch.full((_rows(inputs),), self.row_weight)
+            weights = None if self.row_weight is None else unit_weights(_rows(inputs), self.row_weight)
             losses = self._compiled_losses(inputs, weights)
             return losses.sum() * self.ranks / self.expected_batch_size
         with self.compute_loss_context_manager():
             losses = self._checked_losses(model, inputs)
-        weights = None if self.row_weight is None else torch.full_like(losses, self.row_weight)
+        weights = None if self.row_weight is None else unit_weights(losses.shape[0], self.row_weight)
         self.engine.backward(losses, row_weights=weights)   # user-level: every row 1/k (a person weighs ≤ 1)
         # Summed over the parts by the Trainer, averaged over the ranks when it logs: the batch's loss over B.
         return losses.detach().sum() * self.ranks / self.expected_batch_size
