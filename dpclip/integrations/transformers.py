@@ -79,7 +79,7 @@ from dpclip.integrations.trainer_arguments import refuse_training_arguments, sta
 from dpclip.integrations.trainer_card import EVALUATED, LOGGED_LOSS, TIMED, with_statement
 from dpclip.integrations.rows import unit_weights
 from dpclip.integrations.trainer_rows import PartRows, part_rows as _rows
-from dpclip.integrations.setup import clipping_spec, private_engine, running_world
+from dpclip.integrations.setup import clipping_spec, private_engine, running_world, unit_key
 from dpclip.models.losses import cross_entropy, next_token_cross_entropy, no_generation_cache
 from dpclip.torch_compat import import_dynamo
 
@@ -395,7 +395,7 @@ class DPTrainer(Trainer):
         plan = self.account.plan.plan
         return {"sample_rate": plan.sample_rate, "steps": plan.steps, "delta": plan.delta,
                 "accountant": plan.accountant, "noise_multiplier": self.account.noise_multiplier,
-                "ranks": self.ranks}
+                "ranks": self.ranks, **unit_key(plan, self.people, self.max_records_per_user)}
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         # Written before the Trainer's own files: a folder the Trainer finished always has them.
@@ -420,10 +420,11 @@ class DPTrainer(Trainer):
                               "resume from a checkpoint this DPTrainer script wrote, with the same number of processes")
         state = torch.load(path, weights_only=True)
         if state["plan"] != self._plan_key():
-            changed = sorted(k for k in state["plan"] if state["plan"][k] != self._plan_key().get(k))
+            now = self._plan_key()
+            changed = sorted(k for k in state["plan"].keys() | now.keys() if state["plan"].get(k) != now.get(k))
             raise DpclipError(f"{folder} was trained under another privacy plan (it differs in {', '.join(changed)})",
                               "resume with the arguments the run started with (batch size, steps, ε or σ, δ, "
-                              "processes)")
+                              "processes, users_column and max_records_per_user on the same people)")
         ledger = Ledger.from_dict(json.loads(Path(ledger_path).read_text()))
         if ledger.steps != state["steps"]:
             raise DpclipError(f"{folder}: ledger.json holds {ledger.steps} steps and the state {state['steps']}",
