@@ -43,7 +43,7 @@ from dpclip.engine.cancellation import CANCELLATION_TOLERANCE, cancellation_boun
 from dpclip.engine.certificate.replay import set_rng
 from dpclip.engine.compiled_forward import COMPILE_OFF, HINT, Recorder, per_sample_vjp, probed_forward
 from dpclip.engine.factors import Use, clipped_sum, param_norm_sq, sqrt_or_zero
-from dpclip.engine.groupwise import clip_factors
+from dpclip.engine.groupwise import clip_factors, weights_toward_zero
 from dpclip.errors import EngineError
 from dpclip.torch_compat import (COMPILED_SHAPES_LIMIT, compile_fullgraph, compiled_graphs, graph_breaks,
                                  recompile_limit_hit, saved_buffers)
@@ -88,7 +88,8 @@ class CompiledMicroBatch:
         engine.refuse_changed_parameters()   # as the engine's own backward does (a layer unfrozen since)
         batch = _batch_of(rows)
         seed = (torch.arange(batch, device=ctx.device) < samples).to(ctx.params[0].dtype)
-        weights = None if row_weights is None else _padded(row_weights.to(ctx.device, ctx.norm_dtype), batch)
+        weights = None if row_weights is None else _padded(weights_toward_zero(row_weights, ctx.norm_dtype, ctx.device),
+                                                           batch)
         key = tuple((name, tuple(t.shape), t.dtype) for name, t in rows.items() if isinstance(t, Tensor))
         if key not in self.verified or engine.certificate.due():
             return self._verified_by_engine(rows, samples, row_weights, seed, weights, key)

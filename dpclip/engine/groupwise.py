@@ -70,6 +70,18 @@ def nonfinite_norms(norms: Tensor, total_sq: float | None) -> tuple[Tensor, Tens
     return torch.where(finite, norms, math.inf), finite
 
 
+def weights_toward_zero(row_weights: Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``row_weights`` in ``dtype`` on ``device``, each cast toward zero, never up: a person's k
+    weights of 1/k (float64) rounded to nearest in float32 summed to 1 + 3·10⁻⁸, past the one
+    unit that the gradient's and the statistics' sensitivities are calibrated to (docs/users.md)."""
+    cast = row_weights.to(dtype)
+    if cast.dtype != row_weights.dtype:
+        up = cast.to(row_weights.dtype) > row_weights    # compared in the caller's precision
+        if bool(up.any()):
+            cast = torch.where(up, torch.nextafter(cast, torch.zeros_like(cast)), cast)
+    return cast.to(device)
+
+
 def clip_factors(clip: Callable[[Tensor, Tensor], Tensor], norms: Tensor, thresholds: Tensor,
                  keep: Tensor | None, row_weights: Tensor | None, unscale: float | None,
                  sum_scale: float | None) -> Tensor:

@@ -25,7 +25,7 @@ from torch import Tensor
 from dpclip.engine.factors import clipped_sum, sqrt_or_zero, zero_samples
 from dpclip.engine.group_norms import MicroBatchNorms, StepContext
 from dpclip.engine.groupwise import (chunk_clip, clip_factors, nonfinite_norms, sliced_sums, stacked_columns,
-                                     thresholds_of)
+                                     thresholds_of, weights_toward_zero)
 from dpclip.engine.precision import engine_math
 from dpclip.engine.streamed import streamed_clip
 from dpclip.engine.sums import running_sum
@@ -74,7 +74,7 @@ class MicroBatch(MicroBatchNorms):
         # Per-row weights on the clip factors (a person's records weigh 1 together under
         # user-level privacy, docs/users.md): each row's clipped gradient is scaled by its
         # weight, so the sum moves by at most Σ weights · C when those rows go.
-        self.row_weights = None if row_weights is None else row_weights.to(ctx.device, ctx.norm_dtype)
+        self.row_weights = None if row_weights is None else weights_toward_zero(row_weights, ctx.norm_dtype, ctx.device)
         # The backward was seeded with loss_scale (float16): every norm it gives is
         # loss_scale times the sample's, so norms and clip factors are divided by it before
         # anything compares them with a threshold (docs/engine.md, "Mixed precision").

@@ -84,7 +84,7 @@ class PrivateLoss:
         weights = None
         if self._tracker is not None:   # before the engine sees anything: a refused backward clips nothing
             self._tracker.backward(self._losses.shape[0])
-            weights = self._tracker.weights(self._losses.shape[0], self._losses)
+            weights = self._tracker.weights(self._losses.shape[0])
         if self._losses.numel():
             if self._tracker is None:
                 self._engine.backward(self._losses, row_weights=weights)

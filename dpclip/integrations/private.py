@@ -57,7 +57,7 @@ from dpclip.integrations.releases import ReleaseLog
 from dpclip.integrations.rows import DrawTracker, ModelRowsWatch
 from dpclip.integrations.seal import seal_engine
 from dpclip.integrations.setup import (LOOP_OUTPUTS, Account, check_loop_parts, check_optimizer_params, clipping_spec,
-                                      private_engine, running_world, sampling_world)
+                                      private_engine, running_world, sampling_world, unit_key)
 from dpclip.integrations.train_step import TrainStep, check_compile, train_step_for
 
 
@@ -221,7 +221,8 @@ class PrivateTraining:
                 "noise_multiplier": self.account.noise_multiplier, "accountant": plan.accountant,
                 "sampling": plan.sampling, "clipping": {"grouping": spec.grouping, "fn": spec.fn, "gamma": spec.gamma,
                                                         "noise_allocation": spec.noise_allocation,
-                                                        "threshold": threshold}}
+                                                        "threshold": threshold},
+                **unit_key(plan, getattr(self.draws, "users", None), getattr(self.draws, "max_per_user", None))}
 
 
 def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,

@@ -162,6 +162,13 @@ LOOP_HINT = ("one batch from make_private's data loader, then loss.backward() on
              "max_physical_batch_size= to make_private")
 
 
+def unit_weights(rows: int, weight: float) -> Tensor:
+    """``rows`` user-level row weights of ``weight`` = 1/k, in float64 on the CPU: the engine casts
+    them to its own precision toward zero. Built in the losses' dtype, bfloat16's 1/3 (0.333984375)
+    made a person's three rows weigh 1.002 together, past the one unit the noise is calibrated to."""
+    return torch.full((rows,), weight, dtype=torch.float64)
+
+
 class DrawTracker:
     """Where the loop is: the drawn batch that is open (its rows; the rows handed out, in parts,
     and backwarded so far). Each noisy step is one whole draw, backwarded once; a loss or step
@@ -199,10 +206,9 @@ class DrawTracker:
             self._losses_read = True
             self.on_first_read()
 
-    def weights(self, rows: int, like: Tensor) -> Tensor | None:
+    def weights(self, rows: int) -> Tensor | None:
         """The engine's row weights for ``rows`` rows (None: example-level)."""
-        return None if self.row_weight is None else torch.full((rows,), self.row_weight, dtype=like.dtype,
-                                                               device=like.device)
+        return None if self.row_weight is None else unit_weights(rows, self.row_weight)
 
     def open(self, rows: int, batch: Any = None) -> None:
         self.refuse_if_spoiled()

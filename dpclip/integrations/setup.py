@@ -4,6 +4,7 @@ the account of what was charged (docs/python-api.md)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -345,3 +346,14 @@ def running_world() -> World | None:
         return None
     return World(torch.distributed.get_rank(), size, int(os.environ.get("LOCAL_RANK", 0)),
                  int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def unit_key(plan: PrivacyPlan, people: torch.Tensor | None, records_per_user: int | None) -> dict[str, Any]:
+    """A checkpoint's privacy unit, beside its q, σ, steps and δ: steps that protected a record are
+    not continued by a run that states its ε per person, nor one person's steps by a run whose
+    people own other records (docs/users.md). Nothing for an example-level plan (as before it)."""
+    if plan.unit != "user":
+        return {}
+    numbers = torch.as_tensor(people, dtype=torch.int64).cpu().numpy().tobytes()
+    return {"unit": "user", "max_records_per_user": records_per_user,
+            "people": hashlib.sha256(numbers).hexdigest()}

@@ -100,7 +100,7 @@ class TrainStep:
             self.tracker.backward(losses.shape[0])   # what the engine clips, as loss.backward() counts it
             if losses.numel():
                 with self.tracker.engine_backward():
-                    self.criterion.engine.backward(losses, row_weights=self.tracker.weights(losses.shape[0], losses))
+                    self.criterion.engine.backward(losses, row_weights=self.tracker.weights(losses.shape[0]))
         else:
             flat = flat_rows(inputs, targets, rows)
             self.tracker.backward(rows)
@@ -114,7 +114,7 @@ class TrainStep:
 
     def _compiled_losses(self, flat: dict[str, Tensor], rows: int) -> Tensor:
         size, losses = self.piece_rows, []
-        weights = self.tracker.weights(rows, torch.zeros(0))
+        weights = self.tracker.weights(rows)
         for start in range(0, rows, size):
             piece = {key: value[start:start + size] for key, value in flat.items()}
             samples = min(size, rows - start)

@@ -77,8 +77,9 @@ from dpclip.integrations.parts import PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
 from dpclip.integrations.trainer_arguments import refuse_training_arguments, stated_arguments
 from dpclip.integrations.trainer_card import EVALUATED, LOGGED_LOSS, TIMED, with_statement
+from dpclip.integrations.rows import unit_weights
 from dpclip.integrations.trainer_rows import PartRows, part_rows as _rows
-from dpclip.integrations.setup import clipping_spec, private_engine, running_world
+from dpclip.integrations.setup import clipping_spec, private_engine, running_world, unit_key
 from dpclip.models.losses import cross_entropy, next_token_cross_entropy, no_generation_cache
 from dpclip.torch_compat import import_dynamo
 
@@ -339,12 +340,12 @@ class DPTrainer(Trainer):
         if _rows(inputs) == 0:  # an empty part of the Poisson draw: nothing to clip, the step still adds noise
             return torch.zeros((), device=self.args.device)
         if self.compiled is not None:
-            weights = None if self.row_weight is None else torch.full((_rows(inputs),), self.row_weight)
+            weights = None if self.row_weight is None else unit_weights(_rows(inputs), self.row_weight)
             losses = self._compiled_losses(inputs, weights)
             return losses.sum() * self.ranks / self.expected_batch_size
         with self.compute_loss_context_manager():
             losses = self._checked_losses(model, inputs)
-        weights = None if self.row_weight is None else torch.full_like(losses, self.row_weight)
+        weights = None if self.row_weight is None else unit_weights(losses.shape[0], self.row_weight)
         self.engine.backward(losses, row_weights=weights)   # user-level: every row 1/k (a person weighs ≤ 1)
         # Summed over the parts by the Trainer, averaged over the ranks when it logs: the batch's loss over B.
         return losses.detach().sum() * self.ranks / self.expected_batch_size
@@ -394,7 +395,7 @@ class DPTrainer(Trainer):
         plan = self.account.plan.plan
         return {"sample_rate": plan.sample_rate, "steps": plan.steps, "delta": plan.delta,
                 "accountant": plan.accountant, "noise_multiplier": self.account.noise_multiplier,
-                "ranks": self.ranks}
+                "ranks": self.ranks, **unit_key(plan, self.people, self.max_records_per_user)}
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         # Written before the Trainer's own files: a folder the Trainer finished always has them.
@@ -419,10 +420,11 @@ class DPTrainer(Trainer):
                               "resume from a checkpoint this DPTrainer script wrote, with the same number of processes")
         state = torch.load(path, weights_only=True)
         if state["plan"] != self._plan_key():
-            changed = sorted(k for k in state["plan"] if state["plan"][k] != self._plan_key().get(k))
+            now = self._plan_key()
+            changed = sorted(k for k in state["plan"].keys() | now.keys() if state["plan"].get(k) != now.get(k))
             raise DpclipError(f"{folder} was trained under another privacy plan (it differs in {', '.join(changed)})",
                               "resume with the arguments the run started with (batch size, steps, ε or σ, δ, "
-                              "processes)")
+                              "processes, users_column and max_records_per_user on the same people)")
         ledger = Ledger.from_dict(json.loads(Path(ledger_path).read_text()))
         if ledger.steps != state["steps"]:
             raise DpclipError(f"{folder}: ledger.json holds {ledger.steps} steps and the state {state['steps']}",

@@ -177,3 +177,28 @@ def test_discriminative_per_record_thresholds_keep_a_person_within_the_large_thr
     full = clipped_sum(rows)
     moved = [float((full - clipped_sum(rows[users != person])).norm()) for person in range(4)]
     assert all(m <= 0.3 * (1 + 1e-9) for m in moved) and max(moved) > 0.05
+
+
+def test_a_persons_float64_weights_are_never_rounded_up_in_a_float32_step():
+    """user_weights gives 1/3 in float64; the engine's float32 step rounded it to nearest, up to
+    0.33333334, and three rows of one person then moved the quantile counts by 0.5000000149: past
+    the ½ the noise is calibrated to. Cast toward zero, they move them by at most ½ exactly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))   # float32
+    x, y, _ = _data()
+    x = x.float()
+    users = torch.tensor([0, 1, 0, 2, 0])                                   # person 0: three rows, spread
+    threshold = {"kind": "quantile", "target": 0.5, "lr": 0.3, "initial": 1e3, "sigma": 1.0}
+
+    def counts(rows):
+        engine = DPEngine(model, {"grouping": "all-layer", "threshold": threshold}, gradient_noise_multiplier=1.0,
+                          expected_batch_size=1)
+        losses = nn.functional.cross_entropy(model(x[rows]), y[rows], reduction="none")
+        engine.backward(losses, row_weights=user_weights(users[rows]))
+        value = engine.policy.pending_statistic().clone()
+        engine.detach()
+        return value
+
+    moved = float((counts(torch.arange(5)) - counts(torch.tensor([1, 3]))).abs().max())
+    assert moved <= 0.5          # exactly: every row of person 0 is unclipped (threshold 1e3)
+    assert moved == pytest.approx(0.5, abs=1e-6)

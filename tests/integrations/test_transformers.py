@@ -223,6 +223,27 @@ def test_a_resume_under_another_privacy_plan_is_refused(tmp_path):
     assert "noise_multiplier" in info.value.message and info.value.hint
 
 
+def test_a_resume_under_another_privacy_unit_is_refused(tmp_path):
+    """q, σ, steps and δ alike (5 of 40 records, 1 of 8 people): steps that protected a record were
+    resumed by a user-level run and stated per person."""
+    rows = _rows()
+    for i, row in enumerate(rows):
+        row["user_id"] = i % 8
+    collate = lambda batch: _collate([{k: v for k, v in r.items() if k != "user_id"} for r in batch])  # noqa: E731
+    first = DPTrainer(model=_bert(), args=_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2),
+                      train_dataset=rows, data_collator=collate,
+                      privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0))
+    first.train()
+    other = DPTrainer(model=_bert(), args=_args(tmp_path, per_device_train_batch_size=1, max_steps=2,
+                                                save_strategy="steps", save_steps=2),
+                      train_dataset=rows, data_collator=collate,
+                      privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0,
+                                               users_column="user_id", max_records_per_user=5))
+    with pytest.raises(DpclipError, match="another privacy plan") as info:
+        other.train(resume_from_checkpoint=True)
+    assert "unit" in info.value.message and info.value.hint
+
+
 def test_the_docs_show_the_trainer_example_that_runs_as_a_test():
     doc = (REPO / "docs" / "python-api.md").read_text(encoding="utf-8")
     example = (REPO / "examples" / "hf_trainer.py").read_text(encoding="utf-8")

@@ -17,13 +17,13 @@ from dpclip.errors import DpclipError
 PEOPLE, RECORDS, K = 40, 5, 2
 
 
-def _private(**kwargs):
+def _private(dtype=torch.float32, **kwargs):
     g = torch.Generator().manual_seed(0)
     n = PEOPLE * RECORDS
     data = TensorDataset(torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g))
     users = [f"person-{i % PEOPLE}" for i in range(n)]          # records interleaved across people
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
     options = {"criterion": nn.CrossEntropyLoss(), "delta": 1e-5, "noise_multiplier": 1.0, "steps": 15,
                "max_grad_norm": 1.0, "users": users, "max_records_per_user": K, **kwargs}
     return dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=8),
@@ -99,3 +99,61 @@ def test_person_ids_differing_only_in_case_or_spaces_are_refused_naming_both():
         _private(users=users)
     assert "'person-3'" in caught.value.message and "'Person-3 '" in caught.value.message
     assert caught.value.hint
+
+
+def test_a_bfloat16_models_rows_weigh_no_more_than_one_over_k(monkeypatch):
+    """The weights were built in the losses' dtype: in bfloat16 1/3 is 0.333984375, and a person's
+    three rows weighed 1.002 together, 0.2% past the C the noise is calibrated to."""
+    private, _ = _private(torch.bfloat16, max_records_per_user=3)
+    model, optimizer, criterion, loader = private
+    seen = []
+    real = private.engine.backward
+
+    def spy(losses, **kwargs):
+        seen.append((losses.dtype, kwargs["row_weights"].clone()))
+        return real(losses, **kwargs)
+    monkeypatch.setattr(private.engine, "backward", spy)
+    for x, y in loader:
+        optimizer.zero_grad()
+        criterion(model(x.to(torch.bfloat16)), y).backward()
+        optimizer.step()
+    assert seen and all(dtype == torch.bfloat16 for dtype, _ in seen)
+    assert all(bool((w.double() * 3 <= 1.0).all()) for _, w in seen)
+
+
+def _steps_then_checkpoint(private, path, steps=3):
+    model, optimizer, criterion, loader = private
+    for i, (x, y) in enumerate(loader):
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        optimizer.step()
+        if i + 1 == steps:
+            break
+    private.save_checkpoint(path)
+
+
+@pytest.mark.parametrize("saved, loaded", [
+    ({"users": None, "max_records_per_user": None, "batch_size": 40}, {}),   # records, then people: q 0.2 both
+    ({}, {"users": None, "max_records_per_user": None, "batch_size": 40}),   # people, then records
+    ({}, {"users": [f"person-{i // RECORDS}" for i in range(PEOPLE * RECORDS)]}),   # records moved between people
+])
+def test_a_checkpoint_loads_only_under_the_privacy_unit_and_people_it_was_trained_with(tmp_path, saved, loaded):
+    """The checkpoint's plan key held q, σ, steps and δ only: steps that protected one record each
+    (a person's five records in a step) loaded into a user-level run and were stated per person."""
+    def make(options):
+        batch_size = options.pop("batch_size", 8)
+        g = torch.Generator().manual_seed(0)
+        n = PEOPLE * RECORDS
+        data = TensorDataset(torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g))
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 3))
+        users = [f"person-{i % PEOPLE}" for i in range(n)]
+        kwargs = {"users": users, "max_records_per_user": K, **options}
+        return dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   DataLoader(data, batch_size=batch_size), criterion=nn.CrossEntropyLoss(),
+                                   delta=1e-5, noise_multiplier=1.0, steps=10, max_grad_norm=1.0, **kwargs)
+    _steps_then_checkpoint(make(dict(saved)), tmp_path / "ck.pt")
+    with pytest.raises(DpclipError, match="planned as") as caught:
+        make(dict(loaded)).load_checkpoint(tmp_path / "ck.pt")
+    assert caught.value.hint
+    make(dict(saved)).load_checkpoint(tmp_path / "ck.pt")   # the run's own arguments still load it
