@@ -94,9 +94,14 @@ class PoissonBatches(PlannedBatches):
     #: batches ahead of the loop, and a checkpoint must hold the state after the draws the loop took
     KEPT_STATES = 256
 
-    def __init__(self, draws: PoissonSampler, steps_per_pass: int):
+    def __init__(self, draws: PoissonSampler, steps_per_pass: int, taken: Callable[[], int] | None = None):
         self.draws = draws
         self.steps_per_pass = steps_per_pass
+        self.planned = draws.steps
+        # make_private: the draws the loop took (its tracker's). Those a loader's workers fetched
+        # ahead of a break were never taken (nor released, nor charged): the sampler draws on past
+        # them, fresh, and the plan's steps stay the loop's. None: the sampler's own count.
+        self.taken = (lambda: self.draws.step) if taken is None else taken
         # a resume's last step already released: the draws after it start a fresh stream
         # (dpclip.rng.fork_private_streams), however far ahead a loader's workers fetch
         self.fork_after: int | None = None
@@ -115,16 +120,18 @@ class PoissonBatches(PlannedBatches):
         return {**state, "step": taken, "generator": self._before[taken].clone()}
 
     def __len__(self) -> int:
-        return min(self.steps_per_pass, self.draws.steps - self.draws.step) or self.steps_per_pass
+        return min(self.steps_per_pass, self.planned - self.taken()) or self.steps_per_pass
 
     def spent(self) -> bool:
-        return self.draws.step >= self.draws.steps
+        return self.taken() >= self.planned
 
     def __iter__(self) -> Iterator[list[int]]:
         if self.spent():
-            raise DpclipError(f"the {self.draws.steps} planned steps are done", SPENT_HINT)
+            raise DpclipError(f"the {self.planned} planned steps are done", SPENT_HINT)
+        left = min(self.steps_per_pass, self.planned - self.taken())
+        self.draws.steps = max(self.draws.steps, self.draws.step + left)
         draws = iter(self.draws)
-        for _ in range(self.steps_per_pass):
+        for _ in range(left):
             if self.fork_after is not None and self.draws.step >= self.fork_after:
                 fork_private_streams(self.draws)
                 self.fork_after = None
@@ -157,7 +164,7 @@ def poisson_loader(loader: DataLoader, draws: PoissonSampler, steps_per_pass: in
                    physical: int | None = None) -> DataLoader:
     """``loader``'s dataset and settings, with Poisson-sampled batches (:class:`PoissonBatches`),
     each one draw of ``tracker`` (:class:`TrackedLoader`)."""
-    return TrackedLoader(loader.dataset, batch_sampler=PoissonBatches(draws, steps_per_pass),
+    return TrackedLoader(loader.dataset, batch_sampler=PoissonBatches(draws, steps_per_pass, lambda: tracker.draws),
                          collate_fn=EmptyDrawCollate(loader.dataset, loader.collate_fn), num_workers=loader.num_workers,
                          pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn,
                          prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,

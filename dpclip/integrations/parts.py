@@ -411,6 +411,19 @@ class PrivateOptimizer(torch.optim.Optimizer):
                           "pass max_physical_batch_size=M to make_private: its loader hands each drawn batch out "
                           "in parts of at most M rows, and the noisy step comes after the last part")
 
+    # torch's hooks go on the wrapped optimizer: its step() (and state_dict) is the one that runs them,
+    # after the noise (p.grad noisy, the step charged); a hook kept here would fail or never run
+    def register_step_pre_hook(self, hook): return self.original.register_step_pre_hook(hook)
+    def register_step_post_hook(self, hook): return self.original.register_step_post_hook(hook)
+    def register_state_dict_pre_hook(self, hook, prepend=False):
+        return self.original.register_state_dict_pre_hook(hook, prepend)
+    def register_state_dict_post_hook(self, hook, prepend=False):
+        return self.original.register_state_dict_post_hook(hook, prepend)
+    def register_load_state_dict_pre_hook(self, hook, prepend=False):
+        return self.original.register_load_state_dict_pre_hook(hook, prepend)
+    def register_load_state_dict_post_hook(self, hook, prepend=False):
+        return self.original.register_load_state_dict_post_hook(hook, prepend)
+
     def state_dict(self) -> dict[str, Any]:
         return self.original.state_dict()
 

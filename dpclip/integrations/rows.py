@@ -12,6 +12,8 @@ loader drew (docs/python-api.md, "What the loop must do").
 
 from __future__ import annotations
 
+import itertools
+import math
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -25,8 +27,8 @@ from dpclip.engine.certificate.replay import equal_values
 from dpclip.errors import DpclipError
 from dpclip.torch_compat import tree_flatten
 
-ROWS_HINT = ("pass the rows the loader drew as they came (moving them to a device or dtype, or reshaping each "
-             "row, is fine); transform examples in the dataset, in a collate_fn that treats each alone, inside "
+ROWS_HINT = ("pass the rows the loader drew as they came (moving them to a device or dtype, reshaping each row, "
+             "or one slice of every row, x[:, 1:], is fine); transform examples in the dataset, in a collate_fn that treats each alone, inside "
              "the model or inside the criterion, one sample at a time")
 
 
@@ -84,6 +86,26 @@ def same_rows(drawn: Tensor, t: Tensor, any_row: bool = False) -> bool:
         same = (a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b
         return bool(same.all(1).any())
     return equal_values(a, b)
+
+
+#: the most places a window is looked for in each drawn tensor (``x[:, 1:]`` has 2, a 28 x 28 crop of 32 x 32 25)
+WINDOW_PLACES = 1024
+
+
+def same_window(drawn: Tensor, t: Tensor) -> bool:
+    """Whether ``t`` is one window of ``drawn``'s rows, cut at the same place in every row: a causal
+    LM's ``x[:, :-1]`` and ``x[:, 1:]``, a crop ``x[..., 2:30, 2:30]``. Row i of ``t`` then holds
+    row i's values alone, as a reshape of it does (the place is taken as it is, as a number is)."""
+    if drawn.dim() != t.dim() or drawn.shape[0] != t.shape[0] or drawn.shape == t.shape \
+            or any(s > d for s, d in zip(t.shape, drawn.shape)) or t.is_complex() != drawn.is_complex() \
+            or (drawn.is_floating_point() and not t.is_floating_point()):
+        return False
+    places = [range(d - s + 1) for s, d in zip(t.shape[1:], drawn.shape[1:])]
+    if math.prod(len(p) for p in places) > WINDOW_PLACES:
+        return False
+    drawn, t = drawn.to(device=t.device, dtype=t.dtype), t.detach()
+    return any(equal_values(drawn[(slice(None), *(slice(o, o + s) for o, s in zip(offsets, t.shape[1:])))], t)
+               for offsets in itertools.product(*places))
 
 
 def broadcast_rows(t: Tensor) -> bool:
@@ -149,7 +171,7 @@ class DrawnRows:
                        for leaf in self.own):
                 self.check_shared(t[:1], start, n, what)
                 return
-        elif any(same_rows(leaf[start:start + n], t) for leaf in self.leaves):
+        elif any(same_rows(leaf[start:start + n], t) or same_window(leaf[start:start + n], t) for leaf in self.leaves):
             return
         raise DpclipError(f"{what} is not the rows the data loader drew, in order: a row built from other "
                           "examples (mixed, normalised over the batch, repeated, reordered, already backwarded, or "

@@ -151,6 +151,49 @@ class _Stream(IterableDataset):
         yield from ()
 
 
+def test_step_hooks_registered_on_the_returned_optimizer_run_around_each_noisy_step():
+    """torch's register_step_pre_hook / register_step_post_hook (an EMA update, a log of the lr):
+    they run around the wrapped optimizer's step, once per noisy step, the step charged and p.grad
+    noisy by then; a handle removes them."""
+    private = _private(steps=3)
+    model, optimizer, criterion, loader = private
+    seen = []
+    pre = optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: seen.append(("pre", private.ledger.steps, model[0].weight.grad is not None)))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: seen.append(("post", private.ledger.steps)))
+    for k, (x, y) in enumerate(loader):
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        optimizer.step()
+        if k == 1:
+            pre.remove()
+    assert seen == [("pre", 1, True), ("post", 1), ("pre", 2, True), ("post", 2), ("post", 3)]
+
+
+def test_draws_the_loaders_workers_fetched_ahead_of_a_break_leave_the_planned_steps_to_the_loop():
+    """A loop that breaks out of each pass (a time limit, a step count) with a worker: the
+    draws its workers fetched ahead were never taken, so never released nor charged; the plan's
+    steps are the loop's to take all the same, and len() counts the steps left."""
+    model = _model()
+    private = dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  DataLoader(_data(), batch_size=12, num_workers=1, persistent_workers=True),
+                                  criterion=nn.CrossEntropyLoss(),
+                                  delta=1e-5, noise_multiplier=1.0, steps=6, max_grad_norm=1.0)
+    model, optimizer, criterion, loader = private
+    lengths = []
+    for _ in range(3):
+        lengths.append(len(loader))
+        for k, (x, y) in enumerate(loader):
+            optimizer.zero_grad()
+            criterion(model(x), y).backward()
+            optimizer.step()
+            if k == 1:
+                break
+    assert private.ledger.steps == 6 and lengths == [5, 4, 2]
+    with pytest.raises(DpclipError, match="6 planned steps are done"):
+        next(iter(loader))
+
+
 @pytest.mark.parametrize("change, message", [
     ({"criterion": lambda out, y: nn.functional.cross_entropy(out, y)}, "not one loss per sample"),
     ({"target_epsilon": 8.0}, "exactly one of target_epsilon and noise_multiplier"),

@@ -575,3 +575,50 @@ def test_a_collate_fn_drawing_poisson_noise_over_the_batch_is_refused_not_left_h
     data = [(torch.randn(7), torch.tensor(0)) for _ in range(40)]
     with pytest.raises(DpclipError, match="rows depend on the number of examples drawn"):
         EmptyDrawCollate(data, shot_noise)(data)
+
+
+class NextToken(nn.Module):
+    """A causal LM in two layers: logits [b, T, V] for token ids [b, T]."""
+
+    def __init__(self, vocab: int = 11):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, 8), nn.Linear(8, vocab)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def _next_token_private():
+    torch.manual_seed(0)
+    model = NextToken()
+    ids = torch.randint(0, 11, (N, 7), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="unsafe_seed"):
+        private = dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      DataLoader(TensorDataset(ids), batch_size=40), criterion=nn.CrossEntropyLoss(),
+                                      delta=1e-5, noise_multiplier=1.0, steps=20, max_grad_norm=1.0, unsafe_seed=3)
+    return private, counted_releases(private)
+
+
+def test_a_next_token_shift_of_each_drawn_row_trains():
+    """The causal LM loop, inputs ``x[:, :-1]`` and targets ``x[:, 1:]``: each row a window of its own
+    drawn row, cut at one place in every row, as a crop ``x[..., 2:30, 2:30]`` is."""
+    private, released = _next_token_private()
+    model, optimizer, criterion, loader = private
+    for k, (x,) in enumerate(loader):
+        criterion(model(x[:, :-1]).transpose(1, 2), x[:, 1:]).backward()
+        optimizer.step()
+        if k == 1:
+            break
+    assert released == [1, 1] and private.ledger.steps == 2
+
+
+@pytest.mark.parametrize("where", ["input", "target"])
+def test_a_window_of_another_example_s_row_is_refused(where):
+    private, released = _next_token_private()
+    model, optimizer, criterion, loader = private
+    x, = next(iter(loader))
+    other = x.roll(1, 0)
+    with pytest.raises(DpclipError, match="not the rows the data loader drew"):
+        inputs, targets = (other[:, :-1], x[:, 1:]) if where == "input" else (x[:, :-1], other[:, 1:])
+        criterion(model(inputs).transpose(1, 2), targets)
+    _nothing_released(private, released)
