@@ -91,7 +91,8 @@ def checked_before_eval_mode(cert, forwards, rows, cots, rtol, buffers: State) -
     sums are checked in eval mode (dry.py), which cannot see what a forward does in training mode
     only (batch statistics, a buffer written): the plain forward, replayed twice from the step's
     RNG state, gives each checked row the same gradient (else it draws from a generator the
-    replay does not restore), and replacing one checked sample moves no other's gradient."""
+    replay does not restore), replacing one checked sample moves no other's gradient, and none moves in a
+    batch of copies of its own sample (:func:`_alone_among_copies`)."""
     buffers.restore()
     own = batch_gradients(cert, forwards, rows, cots, rtol, outputs=False)
     buffers.restore()
@@ -105,6 +106,26 @@ def checked_before_eval_mode(cert, forwards, rows, cots, rtol, buffers: State) -
                               "torch.bernoulli, nn.Dropout; no generator= of its own, no numpy or Python random "
                               "in the forward), or augment the data in the dataset instead")
     independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers)
+    _alone_among_copies(cert, forwards, rows, cots, own, rtol, buffers)
+
+
+def _alone_among_copies(cert, forwards, rows, cots, own, rtol, buffers: State) -> None:
+    """Each checked row's gradient, replayed from the step's RNG state in a batch of copies of its own
+    sample, must not move: eval mode's dry micro-batch never compares the engine's training-mode sums,
+    so a coupling there in the backward alone (a custom autograd.Function's or a backward hook's, in
+    training only), which leaves every output as it was, shows on the checked rows here."""
+    for r in rows:
+        copies, got = torch.full((forwards[0].batch,), r, dtype=torch.long), None
+        for i, f in enumerate(forwards):
+            leaves = cert.replayer.leaves()
+            outs = [o for o in cert.replayer.run(f, select(f.args, f.kwargs, f.batch, copies, False), leaves)
+                    if o.requires_grad][:len(f.outputs)]
+            g = vjp_rows(outs, {r: cots[r][i]}, leaves, cert.replayer.within(leaves))[r]
+            got = g if got is None else [a + b for a, b in zip(got, g)]
+        buffers.restore()
+        if _moved(got, own[r], rtol):
+            raise mixing_error(cert.model, cert.replayer, forwards[0], r, f"changes sample {r}'s gradient when "
+                               "every other sample is replaced by a copy of it", rtol)
 
 
 def float64_gradient(cert, forwards, r: int, cots: dict, batch_mode: bool, rtol: float) -> list[Tensor] | None:
