@@ -16,7 +16,7 @@ from dpclip.engine.certificate.alone import alone_gradients
 from dpclip.engine.certificate.replay import (NotReproducible, Replayer, close, replaying, rng_state, same_rng, select,
                                               vjp_rows)
 from dpclip.engine.certificate.state import State, state_kept, writes_checked
-from dpclip.engine.certificate.verdict import NOT_COVERED, mixing_error, refuse_written_buffer
+from dpclip.engine.certificate.verdict import MIXING_HINT, NOT_COVERED, mixing_error, refuse_written_buffer
 from dpclip.errors import EngineError
 
 
@@ -123,9 +123,12 @@ def _alone_among_copies(cert, forwards, rows, cots, own, rtol, buffers: State) -
             g = vjp_rows(outs, {r: cots[r][i]}, leaves, cert.replayer.within(leaves))[r]
             got = g if got is None else [a + b for a, b in zip(got, g)]
         buffers.restore()
-        if _moved(got, own[r], rtol):
-            raise mixing_error(cert.model, cert.replayer, forwards[0], r, f"changes sample {r}'s gradient when "
-                               "every other sample is replaced by a copy of it", rtol)
+        if _moved(got, own[r], rtol):   # (no module named: an alone replay differs by its masks anyway)
+            raise EngineError(f"the model ({type(cert.model).__name__}) mixes samples: it changes sample {r}'s "
+                              "gradient when every other sample is replaced by a copy of it; a per-sample gradient, "
+                              "and so the privacy guarantee, would not hold" + NOT_COVERED,
+                              MIXING_HINT + "; a custom autograd.Function's backward, or a backward hook, must not "
+                              "combine the rows of the batch either, in training mode as in eval mode")
 
 
 def float64_gradient(cert, forwards, r: int, cots: dict, batch_mode: bool, rtol: float) -> list[Tensor] | None:
