@@ -137,3 +137,18 @@ class NoisyEncoderSwappingInTraining(nn.Module):
         if self.training:
             h = _SwapInTheBackward.apply(h * torch.normal(torch.ones_like(h), 0.1))
         return self.head(torch.tanh(h).mean(1))
+
+
+class DropoutOverSwappedRows(nn.Module):
+    """Dropout after h + h[perm].detach(), perm swapping rows 1 and 2: a forward coupling the replay
+    alone cannot tell from draws it cannot cut, so the batch is replayed (mode batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dropout = nn.Dropout(0.2)
+
+    def forward(self, x):
+        perm = list(range(x.shape[0]))
+        if len(perm) > 2:
+            perm[1], perm[2] = 2, 1
+        return self.dropout(x + 0.5 * x[perm].detach())
