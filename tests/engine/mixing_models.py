@@ -103,3 +103,52 @@ class BatchMeanImputation(nn.Module):
 
     def forward(self, x):
         return torch.where(torch.isnan(x), torch.nanmean(x, 0, keepdim=True).expand_as(x), x)
+
+
+class _SwapInTheBackward(torch.autograd.Function):
+    """The identity forward, whose backward swaps the gradients of rows 1 and 2."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        perm = list(range(grad.shape[0]))
+        if len(perm) > 2:
+            perm[1], perm[2] = 2, 1
+        return grad[perm]
+
+
+class NoisyEncoderSwappingInTraining(nn.Module):
+    """A transformer layer with dropout and a draw computed with its input (torch.normal(mean, std)):
+    the step cannot be replayed, so the certificate checks its sums in eval mode; in training mode
+    only, the backward swaps rows 1 and 2 (row 1's gradient is sample 2's loss through sample 1's
+    activations), which eval mode cannot see."""
+
+    def __init__(self, width: int = 8, classes: int = 3):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(width, 2, 16, dropout=0.2, batch_first=True)
+        self.proj = nn.Linear(width, width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        h = self.proj(self.layer(x))
+        if self.training:
+            h = _SwapInTheBackward.apply(h * torch.normal(torch.ones_like(h), 0.1))
+        return self.head(torch.tanh(h).mean(1))
+
+
+class DropoutOverSwappedRows(nn.Module):
+    """Dropout after h + h[perm].detach(), perm swapping rows 1 and 2: a forward coupling the replay
+    alone cannot tell from draws it cannot cut, so the batch is replayed (mode batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dropout = nn.Dropout(0.2)
+
+    def forward(self, x):
+        perm = list(range(x.shape[0]))
+        if len(perm) > 2:
+            perm[1], perm[2] = 2, 1
+        return self.dropout(x + 0.5 * x[perm].detach())

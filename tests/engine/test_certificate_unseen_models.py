@@ -13,7 +13,8 @@ from torch import nn
 from dpclip.engine import DPEngine
 from dpclip.engine.certificate import MAX_FORWARDS, Certificate
 from dpclip.errors import EngineError
-from tests.engine.mixing_models import (BatchMeanImputation, DetachedMean, GlobalThreshold, MixingBackward, RunningAverageOverRows,
+from tests.engine.mixing_models import (BatchMeanImputation, DetachedMean, DropoutOverSwappedRows, GlobalThreshold,
+                                        MixingBackward, NoisyEncoderSwappingInTraining, RunningAverageOverRows,
                                         SavedTensorsMixed, mixing_gradient_pre_hook)
 
 B = 6
@@ -114,5 +115,36 @@ def test_a_loss_pairing_unchecked_rows_with_other_rows_outputs_is_refused_before
                       gradient_noise_multiplier=1.0, expected_batch_size=32)
     with pytest.raises(EngineError, match="depends on other samples' outputs") as err:
         engine.backward(F.cross_entropy(model(x)[shifted], y, reduction="none"))
+    assert err.value.hint
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_coupling_in_the_backward_in_training_mode_only_is_refused_when_the_sums_are_checked_in_eval_mode(monkeypatch):
+    """The step cannot be replayed (a fused attention's dropout, torch.normal), so the sums are checked
+    on a dry micro-batch in eval mode, which runs without the coupling: the training-mode replays must
+    show it on the checked rows, each checked row's gradient unmoved when every other row is replaced."""
+    monkeypatch.setattr(Certificate, "rows", lambda self, samples: [0, 1, samples - 1])   # row 2 unchecked
+    torch.manual_seed(0)
+    model = NoisyEncoderSwappingInTraining().train()
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(5, 3, 8, generator=g), torch.randint(0, 3, (5,), generator=g)
+    engine = DPEngine(model, {"grouping": "all-layer", "threshold": {"kind": "fixed", "value": 1.0}},
+                      gradient_noise_multiplier=1.0, expected_batch_size=5)
+    with pytest.raises(EngineError, match="changes sample 1's gradient when every other sample is replaced") as err:
+        engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+    assert "backward hook" in err.value.hint
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_random_forward_coupling_a_checked_row_to_an_unchecked_one_is_refused_in_batch_mode(monkeypatch):
+    """Row 1 (checked) reads row 2 (unchecked) through a detached term, under dropout: the replay alone
+    differs, so the batch is replayed, where replacing the last checked row by the first moves neither;
+    in a batch of copies of sample 1, sample 1's gradient moves."""
+    monkeypatch.setattr(Certificate, "rows", lambda self, samples: [0, 1, samples - 1])   # row 2 unchecked
+    model = _around(DropoutOverSwappedRows()).train()
+    x, y = _data()
+    engine = _engine(model)
+    with pytest.raises(EngineError, match="changes sample 1's gradient when every other sample is replaced") as err:
+        engine.backward(F.cross_entropy(model(x), y, reduction="none"))
     assert err.value.hint
     assert all(p.grad is None for p in model.parameters())

@@ -16,7 +16,7 @@ from dpclip.engine.certificate.alone import alone_gradients
 from dpclip.engine.certificate.replay import (NotReproducible, Replayer, close, replaying, rng_state, same_rng, select,
                                               vjp_rows)
 from dpclip.engine.certificate.state import State, state_kept, writes_checked
-from dpclip.engine.certificate.verdict import NOT_COVERED, mixing_error, refuse_written_buffer
+from dpclip.engine.certificate.verdict import MIXING_HINT, NOT_COVERED, mixing_error, refuse_written_buffer
 from dpclip.errors import EngineError
 
 
@@ -45,10 +45,12 @@ def independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers: State) 
     """The batch replayed with the last checked row replaced by the first: the other checked
     rows' gradients must not move; each replay must leave the model's state as the real forward
     did, and a forward that wrote its state is replayed on other inputs too (:func:`writes_checked`:
-    no sample can be replayed alone here, a micro-batch of one row among them)."""
+    no sample can be replayed alone here, a micro-batch of one row among them); then each checked
+    row's gradient in a batch of copies of its own sample (:func:`_alone_among_copies`)."""
     refuse_written_buffer(buffers.after("the batch"), forwards[0].batch)
     writes_checked(cert.replayer, forwards, buffers)
     if len(rows) < 2:
+        _alone_among_copies(cert, forwards, rows, cots, own, rtol, buffers)
         return
     j, source = rows[-1], rows[0]
     moved = {r: None for r in rows[:-1]}
@@ -68,6 +70,7 @@ def independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers: State) 
                                f"when sample {j} is replaced", rtol, replace=(j, source))
     for f in rng_moved:
         _refuse_rng_following_the_batch(cert, f, j, buffers)
+    _alone_among_copies(cert, forwards, rows, cots, own, rtol, buffers)
 
 
 def _refuse_rng_following_the_batch(cert, f, j: int, buffers: State) -> None:
@@ -91,7 +94,7 @@ def checked_before_eval_mode(cert, forwards, rows, cots, rtol, buffers: State) -
     sums are checked in eval mode (dry.py), which cannot see what a forward does in training mode
     only (batch statistics, a buffer written): the plain forward, replayed twice from the step's
     RNG state, gives each checked row the same gradient (else it draws from a generator the
-    replay does not restore), and replacing one checked sample moves no other's gradient."""
+    replay does not restore), and the batch's replays of :func:`independent_in_batch` move none."""
     buffers.restore()
     own = batch_gradients(cert, forwards, rows, cots, rtol, outputs=False)
     buffers.restore()
@@ -105,6 +108,30 @@ def checked_before_eval_mode(cert, forwards, rows, cots, rtol, buffers: State) -
                               "torch.bernoulli, nn.Dropout; no generator= of its own, no numpy or Python random "
                               "in the forward), or augment the data in the dataset instead")
     independent_in_batch(cert, forwards, rows, cots, own, rtol, buffers)
+
+
+def _alone_among_copies(cert, forwards, rows, cots, own, rtol, buffers: State) -> None:
+    """Each checked row's gradient, replayed from the step's RNG state in a batch of copies of its own
+    sample, must not move. One sample replaced shows a coupling only with that sample: a checked row
+    coupled to a row no check watches (rows 1 and 2 swapped, `h + h[perm].detach()`) shows here, in
+    batch mode (a random forward's replay alone differs whether its draws or its samples mix) as in
+    eval mode, whose dry micro-batch never compares the engine's training-mode sums (a custom
+    autograd.Function's backward combining rows in training only leaves every output as it was)."""
+    for r in rows:
+        copies, got = torch.full((forwards[0].batch,), r, dtype=torch.long), None
+        for i, f in enumerate(forwards):
+            leaves = cert.replayer.leaves()
+            outs = [o for o in cert.replayer.run(f, select(f.args, f.kwargs, f.batch, copies, False), leaves)
+                    if o.requires_grad][:len(f.outputs)]
+            g = vjp_rows(outs, {r: cots[r][i]}, leaves, cert.replayer.within(leaves))[r]
+            got = g if got is None else [a + b for a, b in zip(got, g)]
+        buffers.restore()
+        if _moved(got, own[r], rtol):   # (no module named: an alone replay differs by its masks anyway)
+            raise EngineError(f"the model ({type(cert.model).__name__}) mixes samples: it changes sample {r}'s "
+                              "gradient when every other sample is replaced by a copy of it; a per-sample gradient, "
+                              "and so the privacy guarantee, would not hold" + NOT_COVERED,
+                              MIXING_HINT + "; a custom autograd.Function's backward, or a backward hook, must not "
+                              "combine the rows of the batch either, in training mode as in eval mode")
 
 
 def float64_gradient(cert, forwards, r: int, cots: dict, batch_mode: bool, rtol: float) -> list[Tensor] | None:
