@@ -48,6 +48,8 @@ class TrackedLoader(DataLoader):
     def __init__(self, *args, tracker: DrawTracker, physical: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.tracker, self.physical = tracker, physical
+        if isinstance(self.batch_sampler, PlannedBatches):
+            self.batch_sampler.tracker = tracker
         self._left: list[Any] = []   # the open draw's parts not handed out yet
         self._left_of = 0            # the draw they belong to (tracker.draws)
 
@@ -57,6 +59,8 @@ class TrackedLoader(DataLoader):
             sampler = self.batch_sampler
             if isinstance(sampler, PlannedBatches) and sampler.spent():
                 return   # that draw was the plan's last: this pass ends with it
+        if isinstance(self.batch_sampler, PlannedBatches):
+            self.batch_sampler.claimed = True   # its next pass is this loader's
         for batch in super().__iter__():
             rows = batch_rows(batch)
             self.tracker.open(rows, batch)
@@ -78,8 +82,18 @@ class TrackedLoader(DataLoader):
 class PlannedBatches(torch.utils.data.Sampler):
     """Batches of example indices, as many as the plan has steps left: ε covers the planned steps."""
 
+    tracker: DrawTracker | None = None   # that of the TrackedLoader built on it
+    claimed = False   # a pass started by that loader (another DataLoader built on it: accelerate's prepare)
+
     def spent(self) -> bool:
         raise NotImplementedError
+
+    def start_pass(self) -> None:
+        """A pass begins: by the TrackedLoader, or by another loader whose batches the loop's checks
+        never see (each loss over them is refused: the tracker then names the cause)."""
+        if self.tracker is not None:
+            self.tracker.other_loader = not self.claimed
+        self.claimed = False
 
 
 SPENT_HINT = "ε covers the steps make_private planned: ask for more epochs (or steps) there"
@@ -142,6 +156,7 @@ class PoissonBatches(PlannedBatches):
         return self.taken() >= self.planned
 
     def __iter__(self) -> Iterator[list[int]]:
+        self.start_pass()
         if self.spent():
             raise DpclipError(f"the {self.planned} planned steps are done", SPENT_HINT)
         first = self.taken() + 1   # the step this pass's first draw is for, if the loop takes it
@@ -220,6 +235,7 @@ class YourBatches(PlannedBatches):
         return min(len(self.batches), self.steps - self.drawn()) or len(self.batches)
 
     def __iter__(self) -> Iterator[Any]:
+        self.start_pass()
         if self.spent():
             raise DpclipError(f"the {self.steps} planned steps are done", SPENT_HINT)
         left = self.steps - self.drawn()
