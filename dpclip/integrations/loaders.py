@@ -5,6 +5,7 @@ loader's batches (``poisson_sampling=False``)."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -47,6 +48,8 @@ class TrackedLoader(DataLoader):
     def __init__(self, *args, tracker: DrawTracker, physical: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.tracker, self.physical = tracker, physical
+        if isinstance(self.batch_sampler, PlannedBatches):
+            self.batch_sampler.tracker = tracker
         self._left: list[Any] = []   # the open draw's parts not handed out yet
         self._left_of = 0            # the draw they belong to (tracker.draws)
 
@@ -56,9 +59,13 @@ class TrackedLoader(DataLoader):
             sampler = self.batch_sampler
             if isinstance(sampler, PlannedBatches) and sampler.spent():
                 return   # that draw was the plan's last: this pass ends with it
+        if isinstance(self.batch_sampler, PlannedBatches):
+            self.batch_sampler.claimed = True   # its next pass is this loader's
         for batch in super().__iter__():
             rows = batch_rows(batch)
             self.tracker.open(rows, batch)
+            if isinstance(self.batch_sampler, PoissonBatches):
+                self.batch_sampler.received(self.tracker.draws)
             self._left, self._left_of = batch_parts(batch, rows, self.physical), self.tracker.draws
             yield from self._hand_left()
 
@@ -75,8 +82,18 @@ class TrackedLoader(DataLoader):
 class PlannedBatches(torch.utils.data.Sampler):
     """Batches of example indices, as many as the plan has steps left: ε covers the planned steps."""
 
+    tracker: DrawTracker | None = None   # that of the TrackedLoader built on it
+    claimed = False   # a pass started by that loader (another DataLoader built on it: accelerate's prepare)
+
     def spent(self) -> bool:
         raise NotImplementedError
+
+    def start_pass(self) -> None:
+        """A pass begins: by the TrackedLoader, or by another loader whose batches the loop's checks
+        never see (each loss over them is refused: the tracker then names the cause)."""
+        if self.tracker is not None:
+            self.tracker.other_loader = not self.claimed
+        self.claimed = False
 
 
 SPENT_HINT = "ε covers the steps make_private planned: ask for more epochs (or steps) there"
@@ -105,12 +122,25 @@ class PoissonBatches(PlannedBatches):
         # a resume's last step already released: the draws after it start a fresh stream
         # (dpclip.rng.fork_private_streams), however far ahead a loader's workers fetch
         self.fork_after: int | None = None
+        self._fresh = False
+        # a resume's redone steps: step -> the sampler position of its draw in the interrupted run
+        # (its release log's), past the draws a loader's workers had fetched ahead of a break
+        self.replay: dict[int, int] = {}
+        self.position_of: dict[int, int] = {}         # taken step -> its draw's sampler position
         self._before: dict[int, torch.Tensor] = {}   # draw count -> the generator's state then
+        self._pass: deque[int] = deque(maxlen=self.KEPT_STATES)   # this pass's draws not yet received
+
+    def received(self, step: int) -> None:
+        """The loop received this pass's next draw, as step ``step`` (batches arrive in draw order)."""
+        if self._pass:
+            self.position_of[step] = self._pass.popleft()
+            self.position_of.pop(step - self.KEPT_STATES, None)
 
     def state_at(self, taken: int) -> dict:
-        """The sampler's state after the first ``taken`` draws (those the loop has taken: its loader's
-        workers may have drawn more), for a checkpoint."""
+        """The sampler's state after the draw the loop took last (its loader's workers may have
+        drawn more), for a checkpoint: the first ``taken`` draws if none was left behind."""
         state = self.draws.state_dict()
+        taken = self.position_of.get(taken, taken - 1) + 1
         if taken == self.draws.step:
             return state
         if taken not in self._before:
@@ -126,21 +156,40 @@ class PoissonBatches(PlannedBatches):
         return self.taken() >= self.planned
 
     def __iter__(self) -> Iterator[list[int]]:
+        self.start_pass()
         if self.spent():
             raise DpclipError(f"the {self.planned} planned steps are done", SPENT_HINT)
-        left = min(self.steps_per_pass, self.planned - self.taken())
-        self.draws.steps = max(self.draws.steps, self.draws.step + left)
-        draws = iter(self.draws)
-        for _ in range(left):
-            if self.fork_after is not None and self.draws.step >= self.fork_after:
+        first = self.taken() + 1   # the step this pass's first draw is for, if the loop takes it
+        left = min(self.steps_per_pass, self.planned - first + 1)
+        self._pass.clear()   # an earlier pass's draws not received: never taken
+        for step in range(first, first + left):
+            if step in self.replay:
+                self._seek(self.replay[step])
+            elif self.fork_after is not None and step > self.fork_after and not self._fresh:
                 fork_private_streams(self.draws)
-                self.fork_after = None
-            self._before[self.draws.step] = self.draws.generator.get_state()
-            self._before.pop(self.draws.step - self.KEPT_STATES, None)
-            indices = next(draws, None)
+                self._fresh = True
+            indices = self._draw()
             if indices is None:
                 return
+            self._pass.append(self.draws.step - 1)
             yield indices.tolist()
+
+    def _draw(self) -> torch.Tensor | None:
+        """The sampler's next draw, the generator's state before it kept."""
+        self.draws.steps = max(self.draws.steps, self.draws.step + 1)
+        self._before[self.draws.step] = self.draws.generator.get_state()
+        self._before.pop(self.draws.step - self.KEPT_STATES, None)
+        return next(iter(self.draws), None)
+
+    def _seek(self, position: int) -> None:
+        """The sampler at ``position`` of its stream, as a redone step's draw was in the interrupted
+        run: past the draws its loader's workers fetched ahead and its loop left (drawn again and
+        dropped), or back at one kept. Not found: the redone step's fingerprint refuses it."""
+        if position in self._before and position < self.draws.step:
+            self.draws.generator.set_state(self._before[position])
+            self.draws.step, self._fresh = position, False
+        while self.draws.step < position and not self._fresh:
+            self._draw()
 
 
 class PoissonParts(PoissonBatches):
@@ -186,6 +235,7 @@ class YourBatches(PlannedBatches):
         return min(len(self.batches), self.steps - self.drawn()) or len(self.batches)
 
     def __iter__(self) -> Iterator[Any]:
+        self.start_pass()
         if self.spent():
             raise DpclipError(f"the {self.steps} planned steps are done", SPENT_HINT)
         left = self.steps - self.drawn()

@@ -153,6 +153,7 @@ class PrivateTraining:
         which every step logs its fingerprint before it is applied; one folder for all checkpoints."""
         if self.releases is None:
             self.releases = ReleaseLog.new_run(folder)
+            self.releases.batches = None if self.draws is None else self.data_loader.batch_sampler
             self.optimizer.on_release = self.releases.check
         elif self.releases.path.parent.resolve() != folder.resolve():
             raise DpclipError(f"this run's checkpoints are in {self.releases.path.parent}, beside the log of its "

@@ -15,6 +15,9 @@ the same checkpoint must not draw their noise.
 ``save_checkpoint`` on (integrations/private.py). Each record names its run (an id in the run's
 checkpoints too), so that two runs in one folder are told apart: a new ``DPTrainer`` run in an
 output_dir that holds an older run's log appends to it, and resumed, redoes its own steps only.
+make_private's records also give a step's draw position in the sampler's stream where it is not
+the step's own number (a loop broke out of a pass whose loader's workers had fetched draws ahead):
+the redone step draws there again (loaders.py ``PoissonBatches.replay``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ class ReleaseLog:
         self.redo: dict[int, list[float]] = {}   # steps after the resumed checkpoint: released before
         self.last_redone: int | None = None      # then the noise's streams start afresh
         self.noise = None
+        # make_private's PoissonBatches: a step whose draw is not the sampler's next after the last
+        # taken one (its loader's workers fetched draws ahead of a break) logs the draw's position
+        self.batches = None
+        self.redo_draws: dict[int, int] = {}   # redone steps' positions, past the draws left behind
         self.appended = False   # by this process: its first record starts on a line of its own
 
     @classmethod
@@ -68,7 +75,7 @@ class ReleaseLog:
         interrupted run: to be redone alike; this log goes on under ``run``. ``required``: a
         checkpoint after released steps; without their log beside it, the redone steps could not be
         checked, so the resume is refused."""
-        self.redo, self.run = {}, run
+        self.redo, self.redo_draws, self.run = {}, {}, run
         source = Path(folder) / layout.TRAINER_RELEASES
         if not source.exists():
             if required:
@@ -88,6 +95,8 @@ class ReleaseLog:
             kept.append(line)
             if record["step"] > step and record.get("run") == self.run:
                 self.redo[record["step"]] = record["fingerprint"]
+                if "draw" in record:
+                    self.redo_draws[record["step"]] = int(record["draw"])
         if self.main and source.resolve() == self.path.resolve():   # without the cut line: new lines start
             write_text_atomic(self.path, "".join(f"{line}\n" for line in kept))   # on a line of their own
 
@@ -105,7 +114,9 @@ class ReleaseLog:
         step is checked (at once if none)."""
         self.last_redone = max(self.redo, default=released)
         if batches is not None:
-            batches.fork_after = self.last_redone
+            batches.fork_after, batches.replay = self.last_redone, dict(self.redo_draws)
+            batches.position_of[released] = batches.draws.step - 1   # the checkpoint's last draw
+            self.batches = batches
         self.noise = noise
         if self.last_redone == released:
             fork_private_streams(noise)
@@ -132,6 +143,9 @@ class ReleaseLog:
         if self.main:
             record = {"step": step, "fingerprint": now} if self.run is None else \
                 {"step": step, "fingerprint": now, "run": self.run}
+            draw = None if self.batches is None else self.batches.position_of.get(step)
+            if draw is not None and draw != step - 1:
+                record["draw"] = draw
             self._append(record)
 
     def _append(self, record: dict) -> None:

@@ -179,6 +179,18 @@ class DrawnRows:
                           "calibrated for", hint)
 
 
+EVAL_HINT = "to evaluate other data between steps, run the model under `with torch.no_grad():`"
+
+
+def model_input(training: bool) -> tuple[str, str]:
+    """What a model forward's rows check calls its input, and its hint: a forward with gradients on
+    while a batch is drawn is the training step's, an evaluation in eval mode too."""
+    if training:
+        return "the model's input", f"{ROWS_HINT}; {EVAL_HINT}"
+    return ("the model's input (in eval mode, but with gradients on: while a batch is drawn, such a forward counts "
+            "as training)", f"{EVAL_HINT}; {ROWS_HINT}")
+
+
 LOOP_HINT = ("one batch from make_private's data loader, then loss.backward() once over it, then optimizer.step() "
              "once (docs/python-api.md, \"What the loop must do\"); to go through a large batch in parts, pass "
              "max_physical_batch_size= to make_private")
@@ -211,6 +223,7 @@ class DrawTracker:
         # user-level privacy: every row weighs 1/k (k: a person's most records in a step), so a
         # person's rows weigh at most 1 together whichever rows the loop backwards together
         self.row_weight = row_weight
+        self.other_loader = False   # make_private's batches drawn by another DataLoader (accelerate's prepare)
 
     @property
     def losses_read(self) -> bool:
@@ -292,6 +305,12 @@ class DrawTracker:
 
     def _open_draw(self, what: str, hint: str = LOOP_HINT) -> None:
         self.refuse_if_spoiled()
+        if self.rows is None and self.other_loader:
+            raise DpclipError(f"{what} without a batch drawn by make_private's data loader: its batches were drawn "
+                              "by another DataLoader built from it (accelerate's Accelerator.prepare(data_loader) "
+                              "builds one), whose batches the loop's checks do not see",
+                              "iterate the data loader make_private returned itself, not one that accelerate's "
+                              "prepare() or another wrapper rebuilt from it (a Trainer script: dpclip's DPTrainer)")
         if self.rows is None:
             raise DpclipError(f"{what} without a batch drawn by make_private's data loader (a batch of your own "
                               "loader, or a second step over one batch): ε covers the Poisson draws only", hint)
@@ -350,7 +369,7 @@ class ModelRowsWatch:
             if first is not None:   # (a refusal here still runs _leave: it is called always)
                 # inside a torch.func transform the input is a wrapper without storage: refused by name
                 refuse_transform(type(module).__name__, around_the_model=True)
-                tracker.check_rows((args, kwargs), first.shape[0], "the model's input")
+                tracker.check_rows((args, kwargs), first.shape[0], *model_input(module.training))
 
     def _leave(self, module, args, output):
         self.depth -= 1

@@ -35,6 +35,23 @@ def test_a_backward_of_a_loss_from_a_forward_without_gradients_is_refused_with_a
     assert private.ledger.steps == 0
 
 
+def test_batches_of_a_loader_rebuilt_from_make_private_s_as_accelerate_s_prepare_does_are_refused_naming_it():
+    """accelerate's Accelerator.prepare(loader) builds another DataLoader on the returned loader's
+    batch sampler: its batches never pass the loop's checks, so a loss over one is refused, the
+    message naming that loader (it said "a batch of your own loader"); the returned loader still trains."""
+    private = _private()
+    model, optimizer, criterion, loader = private
+    rebuilt = DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, collate_fn=loader.collate_fn)
+    x, y = next(iter(rebuilt))
+    with pytest.raises(DpclipError, match="drawn by another DataLoader built from it") as refused:
+        criterion(model(x), y)
+    assert "accelerate's prepare()" in refused.value.hint
+    x, y = next(iter(loader))
+    criterion(model(x), y).backward()
+    optimizer.step()
+    assert private.ledger.steps == 1
+
+
 def test_a_loop_going_on_after_the_engine_was_detached_is_refused_and_leaves_no_raw_gradient():
     private = _private()
     model, optimizer, criterion, loader = private

@@ -21,12 +21,12 @@ from torch.utils.data import DataLoader, TensorDataset
 import dpclip
 
 
-def _private():
+def _private(workers: int = 0):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(48, 4, generator=g), torch.randint(0, 2, (48,), generator=g))
     model = nn.Sequential(nn.Linear(4, 6), nn.Dropout(0.25), nn.ReLU(), nn.Linear(6, 2))
-    return dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(data, batch_size=12),
+    return dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(data, batch_size=12, num_workers=workers),
                                criterion=nn.CrossEntropyLoss(), delta=1e-5, noise_multiplier=0.8, steps=8,
                                max_grad_norm=1.0)
 
@@ -64,6 +64,23 @@ class _CutShort:
 
     def __reduce__(self):
         raise OSError(28, "No space left on device")
+
+
+def test_steps_drawn_past_batches_a_loader_fetched_ahead_of_a_break_are_redone_as_released(tmp_path):
+    """With a worker, the loader fetches batches ahead; a loop that breaks out of a pass leaves
+    them, and the next pass draws past them. The steps after the checkpoint were drawn there, so
+    the resume redoes them there too (they were refused as another gradient), then goes on."""
+    crashed = _private(workers=1)
+    _released(crashed, 2)   # breaks out of the pass, its worker two draws ahead
+    path = crashed.save_checkpoint(tmp_path / "checkpoint.pt")
+    lost = _released(crashed, 2)
+    del crashed
+
+    resumed = _private(workers=1)
+    resumed.load_checkpoint(path)
+    redone = _released(resumed, 3)
+    assert all(torch.equal(a, b) for a, b in zip(redone, lost))
+    assert resumed.ledger.steps == 5
 
 
 def test_a_checkpoint_cut_short_while_overwritten_leaves_the_previous_one_loadable(tmp_path):

@@ -141,3 +141,54 @@ def test_dptrainer_with_a_flattening_collator_is_refused_before_its_first_step_i
     with pytest.raises(DpclipError, match="not have one row per example drawn"):
         trainer.train()
     assert trainer.account.ledger.steps == 0
+
+
+class _Shifted(nn.Module):
+    """A linear model plus ``w`` times a value per row read from a shared [1, n] tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.w = nn.Linear(5, 1), nn.Parameter(torch.ones(()))
+
+    def forward(self, x, packed):
+        return self.lin(x).squeeze(-1) + self.w * packed[0, :x.shape[0]]
+
+
+def _labels_normalised_and_packed(items):
+    """x one row per example (counted, so the row-count check passes); y as it is; each example's
+    label normalised over the draw, packed into ONE row [1, n] (the replacement check skips it)."""
+    x, y = torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
+    z = (y - y.mean()) / (y.std() + 1e-6) if len(y) > 1 else y
+    return x, y, z.reshape(1, -1)
+
+
+LATER_PACKED = {   # the loop's use of the packed tensor, and the check that refuses it
+    "unpacked as the target": (nn.MSELoss(), lambda m, x, y, z: (m(x, 0 * z), z.reshape(-1)),
+                               "the criterion's target is not the rows the data loader drew"),
+    "read by the criterion": (lambda out, z: nn.functional.mse_loss(out, z[0], reduction="none"),
+                              lambda m, x, y, z: (m(x, 0 * z), z), "the criterion fails on one sample alone"),
+    "read by the model": (nn.MSELoss(), lambda m, x, y, z: (m(x, z), y), "mixes samples"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")   # the criterion's one-sample run broadcasts
+@pytest.mark.parametrize("criterion, use, refusal", LATER_PACKED.values(), ids=list(LATER_PACKED))
+def test_a_later_per_example_tensor_packed_into_one_row_is_refused_before_anything_is_released(criterion, use,
+                                                                                              refusal):
+    """The collate's row-count check reads the first tensor only; a later per-example tensor
+    packed into one row (here labels normalised over the draw: one example moves every row) is
+    not named there, but every way the loop can use it is refused before the first release."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 5, generator=g), torch.randn(64, generator=g))
+    torch.manual_seed(0)
+    model = _Shifted()
+    private = dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  DataLoader(data, batch_size=16, collate_fn=_labels_normalised_and_packed),
+                                  criterion=criterion, delta=1e-5, noise_multiplier=1.0, steps=3, max_grad_norm=1.0)
+    released = counted_releases(private)
+    model, optimizer, loss_of, loader = private
+    with pytest.raises(DpclipError, match=refusal):
+        for x, y, z in loader:
+            loss_of(*use(model, x, y, z)).backward()
+            optimizer.step()
+    assert released == [] and private.ledger.steps == 0

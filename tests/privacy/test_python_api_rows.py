@@ -65,6 +65,26 @@ def test_model_inputs_built_from_other_examples_are_refused_before_the_model_run
     _nothing_released(private, released)
 
 
+def test_an_evaluation_with_gradients_on_while_a_batch_is_drawn_is_refused_with_a_no_grad_hint():
+    """A validation forward between draw and step, in eval mode but with gradients on, feeds the
+    model other rows: refused as training would be, the message saying why and the hint how."""
+    private, released = _private()
+    model, optimizer, criterion, loader = private
+    x, y = next(iter(loader))
+    held_out = torch.randn(8, 5, generator=torch.Generator().manual_seed(9))
+    model.eval()
+    with pytest.raises(DpclipError, match="in eval mode, but with gradients on") as caught:
+        model(held_out)
+    assert caught.value.hint.startswith("to evaluate other data between steps, run the model under "
+                                        "`with torch.no_grad():`")
+    with torch.no_grad():
+        model(held_out)
+    model.train()
+    criterion(model(x), y).backward()
+    optimizer.step()
+    assert len(released) == private.ledger.steps == 1
+
+
 @pytest.mark.parametrize("build", [lambda y: y.flip(0), lambda y: y.roll(1), lambda y: y[:1].repeat(y.shape[0])],
                          ids=["reordered", "shifted", "repeated"])
 def test_targets_from_other_examples_are_refused(build):
