@@ -46,6 +46,17 @@ def refuse_training_arguments(training: Any) -> None:
                           "product (× processes)")
 
 
+def refuse_model_init(model_init: Any) -> None:
+    """``Trainer(model_init=...)``: ``train()`` builds a new model from it, which the engine (built on the model
+    of ``__init__``) does not clip, and ``hyperparameter_search()`` (which needs it) trains many runs on the data."""
+    if model_init is not None:
+        raise DpclipError("DPTrainer(model_init=...) is not supported: train() would build a new model that the "
+                          "engine does not clip (and hyperparameter_search, which needs model_init, would train "
+                          "several runs on the private data, its choice among them not covered by ε)",
+                          "build the model yourself and pass DPTrainer(model=model, ...); to tune, see dpclip "
+                          "tune-cost (docs/tuning.md), which charges the search")
+
+
 BEST_KEPT = ("the weights the Trainer keeps at the end (load_best_model_at_end): the checkpoint it chose by "
              "metric_for_best_model, compared without noise on evaluate()'s data, private if it is (trainer_state.json "
              "names it, with its best_metric)")

@@ -39,9 +39,10 @@ the certificate's steps, compiled or not, to give each checked example alone its
 (integrations/loss_alone.py). Refused before any step: ``max_grad_norm > 0`` in the TrainingArguments (it would clip
 the noisy gradient again), ``label_smoothing_factor > 0`` (never applied), ``include_num_input_tokens_seen``,
 ``neftune_noise_alpha`` (its noise scales with the batch's padded length), ``train_sampling_strategy`` other than
-random (never applied: the draws are Poisson), ``auto_find_batch_size`` (a retry with another B), several GPUs in
-one process (``DataParallel``), a second ``train()``, and a resume from a checkpoint without dpclip's state, made
-under another privacy plan, or whose run's release log is not beside it (its redone steps could not be checked).
+random (never applied: the draws are Poisson), ``auto_find_batch_size`` (a retry with another B), ``model_init``
+(a model rebuilt outside the engine), several GPUs in one process (``DataParallel``), a second ``train()``, and a
+resume from a checkpoint without dpclip's state, made under another privacy plan, or whose run's release log is not
+beside it (its redone steps could not be checked).
 
 Length: the Trainer's hooks, privacy arguments and checkpoints' private state are one subclass's; short methods.
 """
@@ -75,7 +76,7 @@ from dpclip.integrations.loss_alone import check_losses_alone, outputs_recorded
 from dpclip.integrations.loaders import PoissonParts
 from dpclip.integrations.parts import PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
-from dpclip.integrations.trainer_arguments import refuse_training_arguments, stated_arguments
+from dpclip.integrations.trainer_arguments import refuse_model_init, refuse_training_arguments, stated_arguments
 from dpclip.integrations.trainer_card import EVALUATED, LOGGED_LOSS, TIMED, with_statement
 from dpclip.integrations.rows import unit_weights
 from dpclip.integrations.trainer_rows import PartRows, part_rows as _rows
@@ -186,6 +187,7 @@ class DPTrainer(Trainer):
         narrow(made)
         training = self.args
         refuse_training_arguments(training)
+        refuse_model_init(self.model_init)   # train() would build a model the engine does not clip
         self.world = running_world() if training.world_size > 1 else None
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise DpclipError("DPTrainer needs a train_dataset with a length",
