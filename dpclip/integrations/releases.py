@@ -55,6 +55,7 @@ class ReleaseLog:
         self.last_redone: int | None = None      # then the noise's streams start afresh
         self.noise = None
         self.appended = False   # by this process: its first record starts on a line of its own
+        self.cause: str | None = None   # a known reason the redone steps may differ, said first in the hint
 
     @classmethod
     def new_run(cls, folder: str | Path, world: World | None = None) -> ReleaseLog:
@@ -123,6 +124,7 @@ class ReleaseLog:
                     "version; or an earlier resume of this checkpoint went past its redone steps, on fresh streams "
                     "no resume can replay), so continuing would release the difference of two gradients without "
                     "noise; nothing of this step is released",
+                    (f"{self.cause}; otherwise: " if self.cause else "") +
                     "resume on the machine and versions the run started with, without callbacks or model code "
                     "that draw random numbers between steps; after an earlier resume, from its newest checkpoint; "
                     "or start a new run")

@@ -3,6 +3,7 @@ those whose use of the data it states outside ε (docs/python-api.md, "Hugging F
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from dpclip.errors import DpclipError
@@ -55,6 +56,16 @@ def refuse_model_init(model_init: Any) -> None:
                           "several runs on the private data, its choice among them not covered by ε)",
                           "build the model yourself and pass DPTrainer(model=model, ...); to tune, see dpclip "
                           "tune-cost (docs/tuning.md), which charges the search")
+
+
+def missing_rng_state(folder: str) -> str | None:
+    """Why a checkpoint's redone steps may not replay: it holds none of the Trainer's random-number state
+    (``rng_state*.pth``; ``save_only_model=True`` saves none), so dropout draws other numbers after the resume."""
+    if any(Path(folder).glob("rng_state*.pth")):
+        return None
+    return (f"{folder} holds no random-number state (TrainingArguments(save_only_model=True) saves none), so "
+            "dropout draws other numbers in the redone steps: resume from a checkpoint saved with "
+            "save_only_model=False, or with dropout off")
 
 
 BEST_KEPT = ("the weights the Trainer keeps at the end (load_best_model_at_end): the checkpoint it chose by "

@@ -76,7 +76,8 @@ from dpclip.integrations.loss_alone import check_losses_alone, outputs_recorded
 from dpclip.integrations.loaders import PoissonParts
 from dpclip.integrations.parts import PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
-from dpclip.integrations.trainer_arguments import refuse_model_init, refuse_training_arguments, stated_arguments
+from dpclip.integrations.trainer_arguments import (missing_rng_state, refuse_model_init, refuse_training_arguments,
+                                                    stated_arguments)
 from dpclip.integrations.trainer_card import EVALUATED, LOGGED_LOSS, TIMED, with_statement
 from dpclip.integrations.rows import unit_weights
 from dpclip.integrations.trainer_rows import PartRows, part_rows as _rows
@@ -437,6 +438,7 @@ class DPTrainer(Trainer):
         self.evaluated |= stated.is_file() and EVALUATED in json.loads(stated.read_text())["not_covered_by_epsilon"]
         self.loaded_steps = ledger.steps
         self.releases.resume_after(ledger.steps, Path(folder).parent, state.get("run"), required=ledger.steps > 0)
+        self.releases.cause = missing_rng_state(folder)   # said first if a redone step differs
         self.account.released_steps = max(self.releases.redo, default=ledger.steps)   # ε counts them until redone
         self._sampler().draws.load_state_dict(state["sampler"])
         self.engine.load_state_dict(state["engine"])
