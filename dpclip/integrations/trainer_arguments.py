@@ -1,10 +1,12 @@
-"""The ``TrainingArguments`` a ``DPTrainer`` refuses before any step, each with a hint, and
-those whose use of the data it states outside ε (docs/python-api.md, "Hugging Face Trainer")."""
+"""The ``TrainingArguments`` (and training data, ``model_init``) a ``DPTrainer`` refuses before any step, each
+with a hint, and those whose use of the data it states outside ε (docs/python-api.md, "Hugging Face Trainer")."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from torch.utils.data import IterableDataset
 
 from dpclip.errors import DpclipError
 
@@ -45,6 +47,15 @@ def refuse_training_arguments(training: Any) -> None:
                           "an out-of-memory error: the plan's B and q are fixed, and the steps taken stay charged",
                           "set per_device_train_batch_size and gradient_accumulation_steps yourself; B is their "
                           "product (× processes)")
+
+
+def refuse_dataset(dataset: Any) -> None:
+    """Poisson sampling draws examples by index: a map-style dataset with a length (an ``IterableDataset``,
+    even with a ``__len__``, takes no batch sampler)."""
+    if dataset is None or not hasattr(dataset, "__len__") or isinstance(dataset, IterableDataset):
+        raise DpclipError("DPTrainer needs a map-style train_dataset with a length (examples drawn by index)",
+                          "Poisson sampling draws examples by index: use a map-style dataset (an IterableDataset "
+                          "streams examples in its own order; load it into a list or a datasets.Dataset)")
 
 
 def refuse_model_init(model_init: Any) -> None:

@@ -76,8 +76,8 @@ from dpclip.integrations.loss_alone import check_losses_alone, outputs_recorded
 from dpclip.integrations.loaders import PoissonParts
 from dpclip.integrations.parts import PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
-from dpclip.integrations.trainer_arguments import (missing_rng_state, refuse_model_init, refuse_training_arguments,
-                                                    stated_arguments)
+from dpclip.integrations.trainer_arguments import (missing_rng_state, refuse_dataset, refuse_model_init,
+                                                    refuse_training_arguments, stated_arguments)
 from dpclip.integrations.trainer_card import EVALUATED, LOGGED_LOSS, TIMED, with_statement
 from dpclip.integrations.rows import unit_weights
 from dpclip.integrations.trainer_rows import PartRows, part_rows as _rows
@@ -190,9 +190,7 @@ class DPTrainer(Trainer):
         refuse_training_arguments(training)
         refuse_model_init(self.model_init)   # train() would build a model the engine does not clip
         self.world = running_world() if training.world_size > 1 else None
-        if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
-            raise DpclipError("DPTrainer needs a train_dataset with a length",
-                              "Poisson sampling draws examples by index: use a map-style dataset")
+        refuse_dataset(self.train_dataset)   # Poisson draws by index: a map-style dataset with a length
         if type(self).compute_loss is not Trainer.compute_loss or self.compute_loss_func is not None:
             raise DpclipError("DPTrainer computes each example's loss with per_sample_loss, so a compute_loss "
                               "override (or compute_loss_func) would never run", "pass DPTrainer(per_sample_loss="

@@ -453,3 +453,19 @@ def test_a_model_init_is_refused_before_any_step_since_train_would_build_a_model
                   privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0))
     assert "DPTrainer(model=model" in refusal.value.hint
     assert not (tmp_path / "out" / "ledger.json").exists()
+
+
+class _StreamWithLength(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(_rows())
+
+    def __len__(self):
+        return N
+
+
+def test_an_iterable_dataset_with_a_length_is_refused_with_a_hint_before_any_step(tmp_path):
+    """It passed the length check, then torch's DataLoader refused the Poisson batch sampler with a traceback."""
+    with pytest.raises(DpclipError, match="map-style") as refusal:
+        DPTrainer(model=_bert(), args=_args(tmp_path), train_dataset=_StreamWithLength(), data_collator=_collate,
+                  privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0))
+    assert "IterableDataset" in refusal.value.hint
