@@ -62,6 +62,7 @@ class ReleaseLog:
         self.batches = None
         self.redo_draws: dict[int, int] = {}   # redone steps' positions, past the draws left behind
         self.appended = False   # by this process: its first record starts on a line of its own
+        self.cause: str | None = None   # a known reason the redone steps may differ, said first in the hint
 
     @classmethod
     def new_run(cls, folder: str | Path, world: World | None = None) -> ReleaseLog:
@@ -134,6 +135,7 @@ class ReleaseLog:
                     "version; or an earlier resume of this checkpoint went past its redone steps, on fresh streams "
                     "no resume can replay), so continuing would release the difference of two gradients without "
                     "noise; nothing of this step is released",
+                    (f"{self.cause}; otherwise: " if self.cause else "") +
                     "resume on the machine and versions the run started with, without callbacks or model code "
                     "that draw random numbers between steps; after an earlier resume, from its newest checkpoint; "
                     "or start a new run")

@@ -1,9 +1,12 @@
-"""The ``TrainingArguments`` a ``DPTrainer`` refuses before any step, each with a hint, and
-those whose use of the data it states outside ε (docs/python-api.md, "Hugging Face Trainer")."""
+"""The ``TrainingArguments`` (and training data, ``model_init``) a ``DPTrainer`` refuses before any step, each
+with a hint, and those whose use of the data it states outside ε (docs/python-api.md, "Hugging Face Trainer")."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from torch.utils.data import IterableDataset
 
 from dpclip.errors import DpclipError
 
@@ -44,6 +47,36 @@ def refuse_training_arguments(training: Any) -> None:
                           "an out-of-memory error: the plan's B and q are fixed, and the steps taken stay charged",
                           "set per_device_train_batch_size and gradient_accumulation_steps yourself; B is their "
                           "product (× processes)")
+
+
+def refuse_dataset(dataset: Any) -> None:
+    """Poisson sampling draws examples by index: a map-style dataset with a length (an ``IterableDataset``,
+    even with a ``__len__``, takes no batch sampler)."""
+    if dataset is None or not hasattr(dataset, "__len__") or isinstance(dataset, IterableDataset):
+        raise DpclipError("DPTrainer needs a map-style train_dataset with a length (examples drawn by index)",
+                          "Poisson sampling draws examples by index: use a map-style dataset (an IterableDataset "
+                          "streams examples in its own order; load it into a list or a datasets.Dataset)")
+
+
+def refuse_model_init(model_init: Any) -> None:
+    """``Trainer(model_init=...)``: ``train()`` builds a new model from it, which the engine (built on the model
+    of ``__init__``) does not clip, and ``hyperparameter_search()`` (which needs it) trains many runs on the data."""
+    if model_init is not None:
+        raise DpclipError("DPTrainer(model_init=...) is not supported: train() would build a new model that the "
+                          "engine does not clip (and hyperparameter_search, which needs model_init, would train "
+                          "several runs on the private data, its choice among them not covered by ε)",
+                          "build the model yourself and pass DPTrainer(model=model, ...); to tune, see dpclip "
+                          "tune-cost (docs/tuning.md), which charges the search")
+
+
+def missing_rng_state(folder: str) -> str | None:
+    """Why a checkpoint's redone steps may not replay: it holds none of the Trainer's random-number state
+    (``rng_state*.pth``; ``save_only_model=True`` saves none), so dropout draws other numbers after the resume."""
+    if any(Path(folder).glob("rng_state*.pth")):
+        return None
+    return (f"{folder} holds no random-number state (TrainingArguments(save_only_model=True) saves none), so "
+            "dropout draws other numbers in the redone steps: resume from a checkpoint saved with "
+            "save_only_model=False, or with dropout off")
 
 
 BEST_KEPT = ("the weights the Trainer keeps at the end (load_best_model_at_end): the checkpoint it chose by "

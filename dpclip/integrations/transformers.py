@@ -39,9 +39,10 @@ the certificate's steps, compiled or not, to give each checked example alone its
 (integrations/loss_alone.py). Refused before any step: ``max_grad_norm > 0`` in the TrainingArguments (it would clip
 the noisy gradient again), ``label_smoothing_factor > 0`` (never applied), ``include_num_input_tokens_seen``,
 ``neftune_noise_alpha`` (its noise scales with the batch's padded length), ``train_sampling_strategy`` other than
-random (never applied: the draws are Poisson), ``auto_find_batch_size`` (a retry with another B), several GPUs in
-one process (``DataParallel``), a second ``train()``, and a resume from a checkpoint without dpclip's state, made
-under another privacy plan, or whose run's release log is not beside it (its redone steps could not be checked).
+random (never applied: the draws are Poisson), ``auto_find_batch_size`` (a retry with another B), ``model_init``
+(a model rebuilt outside the engine), several GPUs in one process (``DataParallel``), a second ``train()``, and a
+resume from a checkpoint without dpclip's state, made under another privacy plan, or whose run's release log is not
+beside it (its redone steps could not be checked).
 
 Length: the Trainer's hooks, privacy arguments and checkpoints' private state are one subclass's; short methods.
 """
@@ -75,7 +76,8 @@ from dpclip.integrations.loss_alone import check_losses_alone, outputs_recorded
 from dpclip.integrations.loaders import PoissonParts
 from dpclip.integrations.parts import PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
-from dpclip.integrations.trainer_arguments import refuse_training_arguments, stated_arguments
+from dpclip.integrations.trainer_arguments import (missing_rng_state, refuse_dataset, refuse_model_init,
+                                                    refuse_training_arguments, stated_arguments)
 from dpclip.integrations.trainer_card import EVALUATED, LOGGED_LOSS, TIMED, with_statement
 from dpclip.integrations.rows import unit_weights
 from dpclip.integrations.trainer_rows import PartRows, part_rows as _rows
@@ -186,10 +188,9 @@ class DPTrainer(Trainer):
         narrow(made)
         training = self.args
         refuse_training_arguments(training)
+        refuse_model_init(self.model_init)   # train() would build a model the engine does not clip
         self.world = running_world() if training.world_size > 1 else None
-        if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
-            raise DpclipError("DPTrainer needs a train_dataset with a length",
-                              "Poisson sampling draws examples by index: use a map-style dataset")
+        refuse_dataset(self.train_dataset)   # Poisson draws by index: a map-style dataset with a length
         if type(self).compute_loss is not Trainer.compute_loss or self.compute_loss_func is not None:
             raise DpclipError("DPTrainer computes each example's loss with per_sample_loss, so a compute_loss "
                               "override (or compute_loss_func) would never run", "pass DPTrainer(per_sample_loss="
@@ -435,6 +436,7 @@ class DPTrainer(Trainer):
         self.evaluated |= stated.is_file() and EVALUATED in json.loads(stated.read_text())["not_covered_by_epsilon"]
         self.loaded_steps = ledger.steps
         self.releases.resume_after(ledger.steps, Path(folder).parent, state.get("run"), required=ledger.steps > 0)
+        self.releases.cause = missing_rng_state(folder)   # said first if a redone step differs
         self.account.released_steps = max(self.releases.redo, default=ledger.steps)   # ε counts them until redone
         self._sampler().draws.load_state_dict(state["sampler"])
         self.engine.load_state_dict(state["engine"])

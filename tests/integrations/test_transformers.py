@@ -443,3 +443,29 @@ def test_a_second_train_of_one_trainer_is_refused(tmp_path):
         trainer.train()
     assert "new DPTrainer" in caught.value.hint
     assert trainer.account.ledger.steps == 3
+
+
+def test_a_model_init_is_refused_before_any_step_since_train_would_build_a_model_the_engine_does_not_clip(tmp_path):
+    """Trainer(model_init=...) rebuilds the model in train() (and hyperparameter_search needs it): the
+    engine clips the model of __init__ only, so the new one's gradients would be unclipped."""
+    with pytest.raises(DpclipError, match="model_init") as refusal:
+        DPTrainer(model=None, model_init=_bert, args=_args(tmp_path), train_dataset=_rows(), data_collator=_collate,
+                  privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0))
+    assert "DPTrainer(model=model" in refusal.value.hint
+    assert not (tmp_path / "out" / "ledger.json").exists()
+
+
+class _StreamWithLength(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(_rows())
+
+    def __len__(self):
+        return N
+
+
+def test_an_iterable_dataset_with_a_length_is_refused_with_a_hint_before_any_step(tmp_path):
+    """It passed the length check, then torch's DataLoader refused the Poisson batch sampler with a traceback."""
+    with pytest.raises(DpclipError, match="map-style") as refusal:
+        DPTrainer(model=_bert(), args=_args(tmp_path), train_dataset=_StreamWithLength(), data_collator=_collate,
+                  privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0))
+    assert "IterableDataset" in refusal.value.hint

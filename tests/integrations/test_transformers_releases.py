@@ -211,3 +211,19 @@ def test_a_resume_stopped_before_redoing_every_lost_step_still_counts_them(tmp_p
     assert resumed.account.ledger.steps == 3
     assert resumed.account.epsilon() == pytest.approx(released)
     assert "steps: 4" in resumed.account.statement()
+
+
+@pytest.mark.slow  # two end-to-end Trainer runs: the slow set (README)
+def test_a_resume_of_a_save_only_model_checkpoint_with_dropout_is_refused_naming_its_missing_rng_state(tmp_path):
+    """save_only_model=True saves no rng_state.pth: the redone step's dropout differs, refused before it
+    leaves (integrations/releases.py), and the hint says why rather than blaming callbacks or versions."""
+    from tests.integrations.test_transformers import _seeded, _with_dropout
+
+    crashed = _seeded(tmp_path, model=_with_dropout(), callbacks=[_CrashAfter(4)], save_only_model=True)
+    with pytest.raises(KeyboardInterrupt):
+        crashed.train()
+    resumed = _seeded(tmp_path, model=_with_dropout(), save_only_model=True)
+    with pytest.raises(DpclipError, match="did not reproduce step 5") as caught:
+        resumed.train(resume_from_checkpoint=True)
+    assert "save_only_model" in caught.value.hint and "checkpoint-4" in caught.value.hint
+    assert resumed.account.ledger.steps == 4
