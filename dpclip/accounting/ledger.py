@@ -112,6 +112,14 @@ class Ledger:
 
     def record(self, event: dp_accounting.DpEvent, count: int = 1, metadata: Mapping[str, Any] | None = None) -> None:
         """Append ``count`` occurrences of ``event`` (merged into the last entry when identical)."""
+        if event is None:
+            raise AccountingError(
+                "this step has no DpEvent of its own: its noise is correlated with other steps' (DPEngine's "
+                "noise_correlation), so composing one event per step is not its accounting",
+                "sample with PoissonSampler(..., groups=G) and record solve(plan).event_at(step) of a PrivacyPlan "
+                "with the same bands or buffers, as dpclip train does (docs/formulas.md, \"Banded matrix "
+                "factorization\", \"BLT\")",
+            )
         if not isinstance(event, dp_accounting.DpEvent):
             raise AccountingError(
                 f"expected a DpEvent, got {type(event).__name__}",

@@ -112,7 +112,8 @@ class Privatizer:
             noise_multiplier=sigma_eff,
             aux_releases=aux,
             policy_summary=policy.summary(),
-            dp_event=event,
+            dp_event=None if self.correlation is not None else event,   # not the step's charge (report.py)
+            participation_event=event,
             samples_seen=step.samples,
             expected_batch_size=batch,
         )

@@ -71,6 +71,10 @@ class StepReport:
     ``noise_std_sum`` is the std of the Gaussian added to group k's *summed* clipped
     gradient; ``noise_std_grad`` = noise_std_sum / expected_batch_size is its std in
     ``p.grad``. ``samples_seen`` is for logs only: the engine never normalises by it.
+    ``participation_event`` is the step's release as one mechanism (one participation, with
+    correlated noise under the cyclic sampling a plan assumes); ``dp_event`` is the same where the
+    step is a mechanism of its own, and None with correlated noise (``noise_correlation``): its
+    steps are not independent, so composing one event per step is not their accounting.
     """
 
     group_names: list[str]
@@ -84,13 +88,14 @@ class StepReport:
     noise_multiplier: float
     aux_releases: list[AuxRelease]
     policy_summary: dict
-    dp_event: dp_accounting.DpEvent
+    dp_event: dp_accounting.DpEvent | None
     samples_seen: int
     expected_batch_size: int
     # What the certificate verified in this step (docs/certificate.md), or None
     # when no check ran since the last report: the step, the rows checked, the mode (alone, batch,
     # eval), and ``before`` for the check on rows of its own before training (sharding, a pipeline cut).
     certificate: object = None
+    participation_event: dp_accounting.DpEvent | None = None
 
     def to_dict(self) -> dict:
         """Plain Python values (for JSON logs)."""

@@ -370,7 +370,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
             else:
                 with self.tracker.engine_release():
                     report = self.engine.privatize()
-            check_same_release(report.dp_event, plan.step_event)   # before anything is charged or stepped
+            check_same_release(report.participation_event, plan.step_event)   # before anything is charged or stepped
             if self.on_release is not None:
                 self.on_release(self.account.ledger.steps + 1, [p.grad for group in self.param_groups
                                                                 for p in group["params"] if p.grad is not None])

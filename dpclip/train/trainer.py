@@ -63,7 +63,7 @@ def train_step(parts: RunParts, state: RunState, indices: torch.Tensor, output) 
     lr = parts.learner.schedule.apply(state.step)
 
     def checked(report):
-        check_same_release(report.dp_event, step_event)
+        check_same_release(report.participation_event, step_event)
 
     if parts.feed.continual is None:
         outcome = parts.learner.private_step(indices, before_update=checked)
