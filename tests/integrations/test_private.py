@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, IterableDataset
 import dpclip
 from dpclip.accounting.statement import OWN_BATCHES_CAVEAT
 from dpclip.errors import DpclipError
-from tests.integrations.reference import (CLASSES, FEATURES, N, clipped_per_example_sum, noiseless_step_gradient,
-                                          run_example, small_data, small_model)
+from tests.integrations.reference import (FEATURES, N, clipped_per_example_sum, noiseless_step_gradient, run_example,
+                                          small_data, small_model)
 
 REPO = Path(__file__).resolve().parents[2]
 _data, _model = small_data, small_model
