@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # only for annotations; avoids an import cycle with ledger
 __all__ = [
     "SAMPLINGS",
     "bound_text",
-    "NOISE_ASSUMPTION",
+    "ARITHMETIC_ASSUMPTION",
     "SHUFFLE_ASSUMPTION",
     "SHUFFLE_CAVEAT",
     "SEEDED_RANDOMNESS_WARNING",
@@ -62,8 +62,8 @@ SEEDED_RANDOMNESS_WARNING = (
 )
 
 #: What ε assumes of the arithmetic (docs/accounting.md, "Threat model"; docs/formulas.md, "Rounding of the sums").
-NOISE_ASSUMPTION = ("ε assumes exact arithmetic (real-valued Gaussian noise and clipped sums); the floating-point "
-                    "sampler and sums are not hardened against precision-based attacks")
+ARITHMETIC_ASSUMPTION = ("ε assumes exact arithmetic (real-valued Gaussian noise and clipped sums); the "
+                         "floating-point sampler and sums are not hardened against precision-based attacks")
 
 #: How the gradient release is described (clipping makes its sensitivity 1 in units of σ).
 
@@ -250,7 +250,7 @@ class PrivacyStatement:
             out.append(f"noise: {randomness}; batches: your loader's own, from its sampler")
         else:
             out.append(f"noise and batch sampling: {randomness}")
-        out.append(f"arithmetic: {NOISE_ASSUMPTION}")
+        out.append(f"arithmetic: {ARITHMETIC_ASSUMPTION}")
         for caveat in self.caveats:
             out.append(f"CAVEAT: {caveat}")
         for item in self.not_covered:

@@ -113,9 +113,6 @@ def batched_dot(x: Tensor, y: Tensor) -> Tensor:
     return total.to(dtype)
 
 
-__all__ = ["BLOCK", "batched_dot", "relative_bound", "sum_of_squares"]
-
-
 def running_sum(acc: Tensor | None, total: Tensor) -> Tensor:
     """``acc + total`` for a step's clipped sums across micro-batches, kept in float64 from the
     second micro-batch on (rounded once, in :func:`released_sum`, before the noise).
@@ -136,4 +133,7 @@ def released_sum(acc: Tensor, param: Tensor) -> Tensor:
     """A step's running sum in the dtype its noise is drawn in: float32 (float64 for a float64
     parameter), as a step of one micro-batch has it."""
     dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
-    return acc if acc.dtype == dtype or acc.dtype not in (torch.float64, torch.float32) else acc.to(dtype)
+    return acc.to(dtype) if acc.dtype in (torch.float32, torch.float64) else acc   # (a half sum: as it came)
+
+
+__all__ = ["BLOCK", "batched_dot", "relative_bound", "released_sum", "running_sum", "sum_of_squares"]

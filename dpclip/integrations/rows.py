@@ -28,8 +28,8 @@ from dpclip.errors import DpclipError
 from dpclip.torch_compat import tree_flatten
 
 ROWS_HINT = ("pass the rows the loader drew as they came (moving them to a device or dtype, reshaping each row, "
-             "or one slice of every row, x[:, 1:], is fine); transform examples in the dataset, in a collate_fn that treats each alone, inside "
-             "the model or inside the criterion, one sample at a time")
+             "or one slice of every row, x[:, 1:], is fine); transform examples in the dataset, in a collate_fn "
+             "that treats each alone, inside the model or inside the criterion, one sample at a time")
 
 
 def data_leaves(tree: Any) -> list[Any]:

@@ -13,7 +13,7 @@ from dpclip.accounting import (
     gradient_step_event,
     statement_from_ledger,
 )
-from dpclip.accounting.statement import NOISE_ASSUMPTION
+from dpclip.accounting.statement import ARITHMETIC_ASSUMPTION
 from dpclip.errors import AccountingError
 
 
@@ -66,8 +66,8 @@ def test_lines_state_unit_neighbours_sampling_steps_delta_and_accountant():
 @pytest.mark.parametrize("overrides", [{}, {"seeded_randomness": True}, {"own_batches": True}, {"bands": 4}])
 def test_every_statement_states_that_epsilon_assumes_real_valued_gaussian_noise(overrides):
     lines = [line for line in _statement(**overrides).lines() if line.startswith("arithmetic:")]
-    assert lines == [f"arithmetic: {NOISE_ASSUMPTION}"]
-    assert "real-valued Gaussian noise and clipped sums" in NOISE_ASSUMPTION and "not hardened against precision-based attacks" in NOISE_ASSUMPTION
+    assert lines == [f"arithmetic: {ARITHMETIC_ASSUMPTION}"]
+    assert "real-valued Gaussian noise and clipped sums" in ARITHMETIC_ASSUMPTION and "not hardened against precision-based attacks" in ARITHMETIC_ASSUMPTION
 
 
 def test_statement_dict_is_json_safe_and_complete():

@@ -8,6 +8,7 @@ people."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -60,3 +61,15 @@ def test_a_user_level_statement_names_the_number_of_people():
     assert "number of people N" in line and "by one person" in line
     stated = [entry for entry in private.statement() if entry.startswith(NOT_COVERED)]
     assert NOT_COVERED + line in stated and NOT_COVERED + dataset_size_line("example") not in stated
+
+
+def test_validate_and_tune_cost_label_the_n_they_print(cli):
+    from dpclip.cli.render import N_LABEL
+
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    validated = cli("validate", recipes / "quickstart.yaml")
+    assert validated.code == 0, validated.err
+    assert f"1438 training examples, {N_LABEL}" in " ".join(validated.out.split())
+    cost = cli("tune-cost", recipes / "tune-digits.yaml", "--no-measure", "--step-seconds", "0.1")
+    assert cost.code == 0, cost.err
+    assert f"N = 1438 ({N_LABEL})" in " ".join(cost.out.split())
