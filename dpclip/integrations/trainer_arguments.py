@@ -3,6 +3,7 @@ with a hint, and those whose use of the data it states outside ε (docs/python-a
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,17 @@ def refuse_training_arguments(training: Any) -> None:
                           "set per_device_train_batch_size and gradient_accumulation_steps yourself; B is their "
                           "product (× processes)")
 
+
+
+def warn_slow_arguments(training: Any) -> None:
+    """``torch_compile=True`` compiles the model's forward alone, which the engine's per-sample hooks and the Poisson
+    draws' varying sizes make recompile again and again: many times slower than eager."""
+    if training.torch_compile:
+        warnings.warn("TrainingArguments(torch_compile=True) compiles the model's forward alone, and the engine's "
+                      "per-sample backward and the Poisson batches' changing sizes make it recompile step after "
+                      "step: training runs many times slower than without it. Leave torch_compile off and set "
+                      "PrivacyArguments(compile=True): the private step as one graph, checked against the engine "
+                      "(docs/compiled.md)", UserWarning, stacklevel=3)
 
 def refuse_dataset(dataset: Any) -> None:
     """Poisson sampling draws examples by index: a map-style dataset with a length (an ``IterableDataset``,

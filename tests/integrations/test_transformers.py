@@ -469,3 +469,8 @@ def test_an_iterable_dataset_with_a_length_is_refused_with_a_hint_before_any_ste
         DPTrainer(model=_bert(), args=_args(tmp_path), train_dataset=_StreamWithLength(), data_collator=_collate,
                   privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0))
     assert "IterableDataset" in refusal.value.hint
+
+
+def test_torch_compile_in_the_training_arguments_warns_toward_privacy_arguments_compile(tmp_path):
+    with pytest.warns(UserWarning, match=r"PrivacyArguments\(compile=True\)"):
+        _trainer(tmp_path, torch_compile=True)
