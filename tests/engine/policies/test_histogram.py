@@ -138,6 +138,20 @@ def test_error_policy_uses_the_total_parameter_count_and_the_expected_batch_size
     assert rule.thresholds().tolist() == [pytest.approx(0.5)] * 2
 
 
+def test_error_policy_range_stays_within_the_threshold_bounds_when_every_norm_is_zero_or_infinite():
+    # the paper's range rule halves R while the upper bins are empty and doubles it while the last bin holds half:
+    # with every norm 0 (a group with no gradient) R reached 0 after ~1075 steps and the next histogram
+    # crashed on 0/0 (RuntimeError from bincount); with every norm non-finite it reached inf (inf/inf)
+    generator = torch.Generator().manual_seed(0)
+    for norm, start, bound in ((0.0, 2e-323, 1e-4), (math.inf, 1e307, 2e4)):
+        rule = policy("dcsgd-e", batch=100, bins=4)
+        rule.load_state_dict({"thresholds": [1.0], "ranges": [start]})
+        for _ in range(12):
+            rule.observe(torch.full((100, 1), norm, dtype=F64))
+            rule.release(generator)
+        assert rule._ranges == [pytest.approx(bound)]   # min_threshold, 2·max_threshold (defaults 1e-4, 1e4)
+
+
 def test_error_policy_needs_gradient_noise():
     with pytest.raises(EngineError):
         policy("dcsgd-e", sigma=0.0)
