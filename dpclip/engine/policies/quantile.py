@@ -13,12 +13,15 @@ Too many samples unclipped (b_k > q) shrinks C_k. The papers' rule has no bounds
 norms all stay below C_k (a layer with no gradient) walked C_k down by e^(−η/2) a step, below
 float32's smallest normal number after ~600 steps at η = 0.3 (then subnormal, where clipping is
 inexact: tests/privacy/test_tiny_thresholds.py), and one whose norms are all non-finite up to inf
-(every step refused). dpclip keeps C_k in [min_threshold, max_threshold] (defaults 1e-12, 1e12,
-as DC-SGD's policies keep theirs), a post-processing of released values.
+(every step refused). dpclip keeps C_k, the initial value too, in [:data:`MIN_THRESHOLD`,
+:data:`MAX_THRESHOLD`] = [1e-12, 1e12], a post-processing of released values. They are
+constants, not recipe fields: a recipe's dump, and so a run's privacy fingerprint, stays what
+it was, and an earlier run resumes.
 
 Adding or removing one example moves every count_k by ½, so the K-vector has L2 sensitivity
 √K / 2 (:func:`count_sensitivity`, what both the planner charges and the engine reports); it
-is released jointly with the gradient of the same sample (σ_eff⁻² = σ_g⁻² + K / (4σ_b²), docs/accounting.md). The counts
+is released jointly with the gradient of the same sample (σ_eff⁻² = σ_g⁻² + K / (4σ_b²),
+docs/accounting.md). The counts
 add up in float64: weighted (user-level) counts summed in float32 over micro-batches round to
 ulps of the running count, and one person's removal then moved them by more than ½.
 """
@@ -37,6 +40,10 @@ from dpclip.engine.policies.base import (AuxRelease, BudgetShare, PolicyContext,
                                          UnitOpen)
 
 
+#: the bounds of every C_k (module doc): far from float32's limits, far beyond any useful threshold
+MIN_THRESHOLD, MAX_THRESHOLD = 1e-12, 1e12
+
+
 def count_sensitivity(groups: int) -> float:
     """L2 sensitivity of the K shifted counts: √K / 2 (each moves by ½ per example)."""
     return math.sqrt(groups) / 2
@@ -46,7 +53,7 @@ class QuantileThreshold(ThresholdPolicy):
     """Geometric update of each group's threshold toward the target quantile of its norms."""
 
     def __init__(self, initial: Tensor, target: float, lr: float, sigma: float, expected_batch_size: int,
-                 min_threshold: float = 1e-12, max_threshold: float = 1e12):
+                 min_threshold: float = MIN_THRESHOLD, max_threshold: float = MAX_THRESHOLD):
         self.min_threshold, self.max_threshold = min_threshold, max_threshold
         self._values = initial.clamp(min_threshold, max_threshold)
         self.target = target
@@ -107,8 +114,6 @@ class QuantileSpec(BudgetShare):
     sigma: PositiveFloat | None = Field(None, description="noise std σ_b of the counts")
     budget_fraction: UnitOpen | None = Field(None, description="share r of the budget; default 0.01")
     initial: Threshold = Field(1.0, description="initial threshold per group")
-    min_threshold: Threshold = Field(1e-12, description="C_k never goes below it")
-    max_threshold: Threshold = Field(1e12, description="C_k never goes above it")
 
     example = {"kind": "quantile", "sigma": 2.0, "target": 0.6, "lr": 0.5, "initial": 0.8}
     recipe_note = "Give `sigma` or `budget_fraction` (default 0.01). The counts are released jointly with the gradient."
@@ -128,11 +133,8 @@ class QuantileSpec(BudgetShare):
         if self.sigma is None and self.budget_fraction is None:
             self.budget_fraction = 0.01
         self._one_noise_field("sigma", None)
-        if self.min_threshold >= self.max_threshold:
-            raise ValueError("min_threshold must be below max_threshold")
         return self
 
     def build(self, ctx: PolicyContext) -> QuantileThreshold:
         initial = torch.full((ctx.num_groups,), float(self.initial), device=ctx.device, dtype=ctx.dtype)
-        return QuantileThreshold(initial, self.target, self.lr, float(self.sigma), ctx.expected_batch_size,
-                                 float(self.min_threshold), float(self.max_threshold))
+        return QuantileThreshold(initial, self.target, self.lr, float(self.sigma), ctx.expected_batch_size)
