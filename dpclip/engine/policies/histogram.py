@@ -99,12 +99,12 @@ def percentile_threshold(noisy: Tensor, range_: float, percentile: float) -> flo
     Negative noisy counts are clamped to 0 before cumulating; S' = Σ max(H~, 0). Returns
     None when S' ≤ 0 (nothing to learn: the caller keeps C).
     """
-    counts = noisy.clamp(min=0)
-    total = counts.sum().item()
+    cumulative = torch.cumsum(noisy.clamp(min=0), 0)
+    total = cumulative[-1].item()   # S' as the cumulative sum has it: a pairwise sum can be an ulp above it
     if total <= 0:
         return None
-    reached = torch.cumsum(counts, 0) >= percentile * total
-    j = int(torch.nonzero(reached)[0].item())   # exists: the last cumulative value is S' ≥ p·S'
+    reached = cumulative >= percentile * total
+    j = int(torch.nonzero(reached)[0].item())   # exists: the last cumulative value is S' ≥ p·S' (p ≤ 1)
     return (j + 0.5) * range_ / len(noisy)
 
 
