@@ -24,7 +24,8 @@ has noised this step's gradient):
   half of the bins holds at most S'_k/b.
 
 If S'_k ≤ 0 the histogram says nothing: C_k and R_k stay. C_k is kept within
-[min_threshold, max_threshold].
+[min_threshold, max_threshold], R_k within [min_threshold, 2·max_threshold] (not in the paper:
+unbounded, R_k reached 0 or inf and the bins divided 0 by 0).
 
 Privacy: one example adds 1 to one bin of each of the K histograms, so the K·b vector has
 L2 sensitivity √K whatever b (:func:`histogram_sensitivity`); ``release`` reports
@@ -98,12 +99,12 @@ def percentile_threshold(noisy: Tensor, range_: float, percentile: float) -> flo
     Negative noisy counts are clamped to 0 before cumulating; S' = Σ max(H~, 0). Returns
     None when S' ≤ 0 (nothing to learn: the caller keeps C).
     """
-    counts = noisy.clamp(min=0)
-    total = counts.sum().item()
+    cumulative = torch.cumsum(noisy.clamp(min=0), 0)
+    total = cumulative[-1].item()   # S' as the cumulative sum has it: a pairwise sum can be an ulp above it
     if total <= 0:
         return None
-    reached = torch.cumsum(counts, 0) >= percentile * total
-    j = int(torch.nonzero(reached)[0].item())   # exists: the last cumulative value is S' ≥ p·S'
+    reached = cumulative >= percentile * total
+    j = int(torch.nonzero(reached)[0].item())   # exists: the last cumulative value is S' ≥ p·S' (p ≤ 1)
     return (j + 0.5) * range_ / len(noisy)
 
 
@@ -171,15 +172,15 @@ class HistogramThreshold(ThresholdPolicy):
                  min_threshold: float, max_threshold: float):
         self.rule = rule
         self._values = initial
-        self._ranges = [float(r) for r in range_]
+        self.min_threshold = min_threshold
+        self.max_threshold = max_threshold
+        self._ranges = [self._bounded_range(float(r)) for r in range_]
         self.bins = bins
         self.sigma_hist = sigma_hist
         self.percentile = percentile
         self.gradient_noise_multiplier = sigma_gradient
         self.total_dim = total_dim
         self.expected_batch_size = expected_batch_size
-        self.min_threshold = min_threshold
-        self.max_threshold = max_threshold
         self._counts = torch.zeros(len(initial), bins, dtype=torch.float64)
         self._last: dict = {}
 
@@ -227,7 +228,14 @@ class HistogramThreshold(ThresholdPolicy):
             return new, 2 * new
         new = error_threshold(c, noisy, r, self.gradient_noise_multiplier, self.total_dim, self.expected_batch_size,
                               self.min_threshold, self.max_threshold)
-        return (c if new is None else new), error_range(r, noisy)
+        return (c if new is None else new), self._bounded_range(error_range(r, noisy))
+
+    def _bounded_range(self, r: float) -> float:
+        """R kept in [C_min, 2·C_max]. Below C_min every midpoint is below every candidate C (the rule picks
+        C_min whatever R); above 2·C_max R only coarsens the bins around the largest C allowed. Unbounded, R
+        halved to 0 (norms all 0) or doubled to inf (all non-finite) within ~1,100 steps, and the bins then
+        divided 0 by 0 or inf by inf."""
+        return min(max(r, self.min_threshold), 2 * self.max_threshold)
 
     def summary(self) -> dict:
         return dict(self._last)

@@ -7,12 +7,21 @@ q and learning rate η (docs/methods.md):
 
     count_k = Σ_i (1[n_{i,k} ≤ C_k] − ½)                     (shifted unclipped count)
     b_k     = clamp((count_k + N(0, σ_b²)) / B + ½, 0, 1)     (B = EXPECTED batch size)
-    C_k    ← C_k · exp(−η (b_k − q))
+    C_k    ← clamp(C_k · exp(−η (b_k − q)), C_min, C_max)
 
-Too many samples unclipped (b_k > q) shrinks C_k. Adding or removing one example moves
-every count_k by ½, so the K-vector has L2 sensitivity √K / 2 (:func:`count_sensitivity`,
-what both the planner charges and the engine reports); it is released jointly with the
-gradient of the same sample (σ_eff⁻² = σ_g⁻² + K / (4σ_b²), docs/accounting.md). The counts
+Too many samples unclipped (b_k > q) shrinks C_k. The papers' rule has no bounds: a group whose
+norms all stay below C_k (a layer with no gradient) walked C_k down by e^(−η/2) a step, below
+float32's smallest normal number after ~600 steps at η = 0.3 (then subnormal, where clipping is
+inexact: tests/privacy/test_tiny_thresholds.py), and one whose norms are all non-finite up to inf
+(every step refused). dpclip keeps C_k, the initial value too, in [:data:`MIN_THRESHOLD`,
+:data:`MAX_THRESHOLD`] = [1e-12, 1e12], a post-processing of released values. They are
+constants, not recipe fields: a recipe's dump, and so a run's privacy fingerprint, stays what
+it was, and an earlier run resumes.
+
+Adding or removing one example moves every count_k by ½, so the K-vector has L2 sensitivity
+√K / 2 (:func:`count_sensitivity`, what both the planner charges and the engine reports); it
+is released jointly with the gradient of the same sample (σ_eff⁻² = σ_g⁻² + K / (4σ_b²),
+docs/accounting.md). The counts
 add up in float64: weighted (user-level) counts summed in float32 over micro-batches round to
 ulps of the running count, and one person's removal then moved them by more than ½.
 """
@@ -31,6 +40,10 @@ from dpclip.engine.policies.base import (AuxRelease, BudgetShare, PolicyContext,
                                          UnitOpen)
 
 
+#: the bounds of every C_k (module doc): far from float32's limits, far beyond any useful threshold
+MIN_THRESHOLD, MAX_THRESHOLD = 1e-12, 1e12
+
+
 def count_sensitivity(groups: int) -> float:
     """L2 sensitivity of the K shifted counts: √K / 2 (each moves by ½ per example)."""
     return math.sqrt(groups) / 2
@@ -39,8 +52,10 @@ def count_sensitivity(groups: int) -> float:
 class QuantileThreshold(ThresholdPolicy):
     """Geometric update of each group's threshold toward the target quantile of its norms."""
 
-    def __init__(self, initial: Tensor, target: float, lr: float, sigma: float, expected_batch_size: int):
-        self._values = initial
+    def __init__(self, initial: Tensor, target: float, lr: float, sigma: float, expected_batch_size: int,
+                 min_threshold: float = MIN_THRESHOLD, max_threshold: float = MAX_THRESHOLD):
+        self.min_threshold, self.max_threshold = min_threshold, max_threshold
+        self._values = initial.clamp(min_threshold, max_threshold)
         self.target = target
         self.lr = lr
         self.sigma = sigma
@@ -73,7 +88,7 @@ class QuantileThreshold(ThresholdPolicy):
             dtype=self._values.dtype) * self.sigma).to(torch.float64))
         unclipped_fraction = (noisy / self.expected_batch_size + 0.5).clamp(0.0, 1.0)
         step = torch.exp(-self.lr * (unclipped_fraction.to(self._values.dtype) - self.target))
-        self._values = self._values * step
+        self._values = (self._values * step).clamp(self.min_threshold, self.max_threshold)
         self._last_fraction = unclipped_fraction.tolist()
         self._shifted_counts = self._zero_counts()
         return [AuxRelease(count_sensitivity(len(self._values)), self.sigma, QuantileSpec.statistic_name)]

@@ -54,6 +54,16 @@ def test_percentile_is_the_midpoint_of_the_first_bin_reaching_p_of_the_total():
     assert percentile_threshold(t([1, 1, 6, 2]), 4.0, 1.0) == pytest.approx(3.5)
 
 
+def test_percentile_one_reaches_the_last_bin_whatever_the_rounding_of_the_total():
+    # p = 1 is allowed; S' summed pairwise was above the cumulative sum's last value (an ulp or so) in 83 of these
+    # 300 noisy 20-bin histograms, no bin reached p·S' and the policy raised IndexError
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        noisy = torch.randn(20, generator=generator, dtype=F64) * 5 + torch.rand(20, generator=generator, dtype=F64) * 30
+        last = int(torch.nonzero(noisy > 0)[-1])
+        assert percentile_threshold(noisy, 20.0, 1.0) == pytest.approx(last + 0.5)
+
+
 def test_negative_noisy_counts_are_clamped_before_cumulating():
     # clamped: 1, 0, 2, 1 -> S' = 4, target 2 reached in bin 2 -> C = 2.5.
     # Without the clamp: S' = 2, target 1 reached already in bin 0 -> C = 0.5.
@@ -136,6 +146,20 @@ def test_error_policy_uses_the_total_parameter_count_and_the_expected_batch_size
     rule.observe(t([[1.5, 1.5]] * 4))
     rule.release(torch.Generator().manual_seed(0))
     assert rule.thresholds().tolist() == [pytest.approx(0.5)] * 2
+
+
+def test_error_policy_range_stays_within_the_threshold_bounds_when_every_norm_is_zero_or_infinite():
+    # the paper's range rule halves R while the upper bins are empty and doubles it while the last bin holds half:
+    # with every norm 0 (a group with no gradient) R reached 0 after ~1075 steps and the next histogram
+    # crashed on 0/0 (RuntimeError from bincount); with every norm non-finite it reached inf (inf/inf)
+    generator = torch.Generator().manual_seed(0)
+    for norm, start, bound in ((0.0, 2e-323, 1e-4), (math.inf, 1e307, 2e4)):
+        rule = policy("dcsgd-e", batch=100, bins=4)
+        rule.load_state_dict({"thresholds": [1.0], "ranges": [start]})
+        for _ in range(12):
+            rule.observe(torch.full((100, 1), norm, dtype=F64))
+            rule.release(generator)
+        assert rule._ranges == [pytest.approx(bound)]   # min_threshold, 2·max_threshold (defaults 1e-4, 1e4)
 
 
 def test_error_policy_needs_gradient_noise():
