@@ -42,3 +42,20 @@ def test_a_model_wrapped_in_ddp_is_refused_when_the_engine_is_built_with_the_unw
                             criterion=nn.CrossEntropyLoss(), delta=1e-5, noise_multiplier=1.0, steps=2,
                             max_grad_norm=1.0)
     assert "DistributedDataParallel" in refused.value.message
+
+
+def test_a_model_wrapped_in_ddp_after_make_private_is_refused_with_the_unwrapped_hint(one_rank_group):
+    """accelerate's prepare wraps the model after make_private built the engine: refused at the first
+    backward (nothing released, nothing charged), and the hint says what to do."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    data = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    private = dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=4),
+                                  criterion=nn.CrossEntropyLoss(), delta=1e-5, noise_multiplier=1.0, steps=2,
+                                  max_grad_norm=1.0)
+    model, optimizer, criterion, loader = private
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    x, y = next(iter(loader))
+    with pytest.raises(DpclipError) as refused:
+        criterion(wrapped(x), y).backward()
+    assert "DistributedDataParallel" in refused.value.hint and private.ledger.steps == 0
