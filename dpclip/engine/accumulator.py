@@ -24,6 +24,12 @@ from dpclip.engine.sums import released_sum, running_sum
 from dpclip.errors import DpclipError, EngineError, raised_on_private_batch
 
 
+#: the stray gradients of a model wrapped in DistributedDataParallel after the engine was built (its
+#: reducer writes autograd's raw gradients into p.grad): the hint where a process group exists
+WRAPPED_HINT = ("; or, if the model was wrapped in DistributedDataParallel after the engine was built (accelerate's "
+                "prepare), call the model unwrapped: dpclip sums the clipped gradients over the ranks itself")
+
+
 class StepAccumulator:
     """The accumulators of the step in progress, and its micro-batches awaiting their clip.
 
@@ -104,7 +110,8 @@ class StepAccumulator:
                         note := self.keeper.alias_note(i)) else "") for i in stray)
                     + " (a module reads them without calling their owner, e.g. `other.weight` "
                     "inside a custom forward, or `self.bias` where `self.child.bias` is the same "
-                    "tensor)", "call the owning module, or tie the parameter to a module that uses it")
+                    "tensor)", "call the owning module, or tie the parameter to a module that uses it"
+                    + WRAPPED_HINT * (torch.distributed.is_available() and torch.distributed.is_initialized()))
         except BaseException as exc:
             micro.discard()
             if isinstance(exc, DpclipError):   # its shapes show the realised batch size

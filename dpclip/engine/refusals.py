@@ -22,6 +22,15 @@ _BATCHNORM_HINT = "replace it with GroupNorm (e.g. nn.GroupNorm(8, C)) or LayerN
 def refuse_unsupported(module: nn.Module, name: str, trainable: dict[int, int]) -> None:
     """Raise :class:`EngineError` for ``module`` (at path ``name``) if no rule can make it
     exact; ``trainable``: the ids of the trainable parameters."""
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        # Its reducer puts autograd's own gradients in p.grad (all-reduced over the ranks): seen at
+        # the first backward as "received gradients outside the engine's hooks", whose hint misled.
+        raise EngineError(
+            f"module {name or '<root>'} is wrapped in DistributedDataParallel, whose reducer all-reduces autograd's "
+            "raw gradients over the ranks: the engine clips each sample and sums the clipped gradients over the "
+            "ranks itself, with the noise drawn once (docs/distributed.md)",
+            "pass the unwrapped model (ddp.module): make_private under torchrun (or DPEngine with World's "
+            "reducer) is data-parallel already, with no wrapper (docs/python-api.md, 'Several processes')")
     if isinstance(module, BatchNormBase):
         raise EngineError(
             f"module {name or '<root>'} ({type(module).__name__}) normalises with batch statistics in "

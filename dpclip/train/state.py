@@ -100,11 +100,30 @@ def restore(parts: RunParts, state: RunState, tree: dict[str, Any], local: dict[
         parts.learner.optimizer.load_state_dict((local if parts.pipeline else tree)["optimizer"])
     parts.feed.sampler.load_state_dict(local["sampler"])
     own_engine_state = parts.pipeline or parts.learner.shards is not None  # each rank's own, in ``local``
-    parts.learner.engine.load_state_dict((local if own_engine_state else tree)["engine"])
+    engine_state = (local if own_engine_state else tree)["engine"]
+    if "noise" not in engine_state:  # rank 0's public part (:func:`shared_tree`): this rank keeps its own streams
+        engine_state = {**parts.learner.engine.state_dict(), **engine_state}
+    parts.learner.engine.load_state_dict(engine_state)
     torch.set_rng_state(local["torch_rng"])
     # a resume keeps the run's device (dpclip.train.device)
     if "cuda_rng" in tree and parts.setting.device.type == "cuda":
         torch.cuda.set_rng_state(tree["cuda_rng"], parts.setting.device)
+
+
+#: the engine state a data-parallel rank takes from rank 0's (its noise streams and correlated-noise
+#: history stay rank 0's: the other ranks draw no noise)
+PUBLIC_ENGINE_STATE = ("policy", "steps", "forward_written_state")
+
+
+def shared_tree(tree: dict[str, Any], own_engine_state: bool) -> dict[str, Any]:
+    """What rank 0 broadcasts of a checkpoint it resumed: not the ranks' own parts (each is sent to
+    its rank alone), nor its own sampler's or noise's generator states and correlated-noise history,
+    from which another rank could regenerate rank 0's draws and noise for the redone steps
+    (docs/distributed.md, "The privacy argument": the noise is known to the rank that drew it)."""
+    shared = {key: value for key, value in tree.items() if key not in ("ranks", "sampler", "engine")}
+    if not own_engine_state:
+        shared["engine"] = {key: tree["engine"][key] for key in PUBLIC_ENGINE_STATE if key in tree["engine"]}
+    return shared
 
 
 class Checkpointer:
@@ -171,17 +190,26 @@ class Checkpointer:
     def resume(self, run_dir: Path, resume_changes: dict[str, list[Any]]) -> None:
         """Rank 0 reads the run's latest checkpoint and checks it; every rank takes its part."""
         parts, world = self.parts, self.parts.setting.world
+        own_engine_state = parts.pipeline or parts.learner.shards is not None
+        ranks: list[dict[str, Any]] = []   # every rank's own part, on rank 0: each is sent to its rank alone
+
+        def load(model) -> dict[str, Any]:
+            tree = self._load(RunDir(run_dir), resume_changes, model)
+            ranks.extend(tree.get("ranks") or ())
+            return shared_tree(tree, own_engine_state)
+
         if parts.learner.shards is not None:  # rank 0 reads the whole weights; every rank takes its shards
             with parts.learner.shards.loading() as whole:
-                tree = world.on_main(self._load, RunDir(run_dir), resume_changes, whole)
+                tree = world.on_main(load, whole)
             parts.learner.shards.load_optimizer_state(parts.learner.optimizer, self._optimizer_state)
             self._optimizer_state = None
             self.output.run_dir = share_run_dir(world, Path(run_dir), None)
         else:
-            tree = world.on_main(self._load, RunDir(run_dir), resume_changes, parts.learner.model)
+            tree = world.on_main(load, parts.learner.model)
             self.output.run_dir = share_run_dir(world, Path(run_dir), parts.learner.model)
+        local = world.scatter(ranks if world.main else None) if world.size > 1 else None
         if not world.main:
-            restore(parts, self.state, tree, tree["ranks"][world.rank])
+            restore(parts, self.state, tree, local)
             self.state.released_steps = int(tree["released_steps"])
         self._on_disk = self._progress()
         self._fork_pending = True

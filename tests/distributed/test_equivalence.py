@@ -78,6 +78,12 @@ def test_shuffled_run_was_interrupted_and_resumed(two_rank_runs):
     assert (two_rank_runs / "shuffle-first.txt").read_text() == f"interrupted {workers.SHUFFLE_STOP}"
 
 
+def test_a_resumed_rank_is_sent_its_own_state_and_none_of_rank_0s_generators(two_rank_runs):
+    """On resume rank 0 broadcast the whole checkpoint: every rank's sampler state and rank 0's noise
+    generators, from which rank 1 could regenerate rank 0's draws and the noise of the redone steps."""
+    assert json.loads((two_rank_runs / "resume-received.json").read_text()) == []
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_two_ranks_train_the_parameters_and_ledger_of_one_process(policy, two_rank_runs, tmp_path):
     torch.set_num_threads(1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -50,9 +52,51 @@ def train_policies(world, out: str, run_names: list[str]) -> None:
             first = interrupted_at(world, SHUFFLE_STOP, lambda: train(recipe, world=world, run_dir=Path(out) / policy))
             if world.main:
                 (Path(out) / "shuffle-first.txt").write_text(f"{first.stopped} {first.steps_done}")
-            train(resume=Path(out) / policy, world=world)
+            with received_on_resume(world, Path(out) / "resume-received.json"):
+                train(resume=Path(out) / policy, world=world)
         else:
             train(recipe, world=world, run_dir=Path(out) / policy)
+
+
+#: what another rank must not receive of rank 0's checkpoint: the ranks' own parts (each goes to its
+#: rank alone), a sampler's generator state, the noise's generator states, correlated-noise history
+SECRET_KEYS = ("ranks", "sampler", "generator", "correlation")
+
+
+def secret_paths(obj, path: str = "") -> list[str]:
+    """The paths in ``obj`` (nested dicts and lists) of :data:`SECRET_KEYS` and of noise generator states."""
+    found = []
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            where = f"{path}.{key}" if path else str(key)
+            if key in SECRET_KEYS or (key == "noise" and isinstance(value, dict) and value.get("states")):
+                found.append(where)
+            else:
+                found += secret_paths(value, where)
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            found += secret_paths(value, f"{path}[{i}]")
+    return found
+
+
+@contextmanager
+def received_on_resume(world, out: Path):
+    """Rank 1 writes to ``out`` the secret paths of what rank 0 broadcast to it inside the block."""
+    found: list[str] = []
+    broadcast = world.broadcast
+
+    def recorded(obj):
+        got = broadcast(obj)
+        found.extend(secret_paths(got))
+        return got
+
+    world.broadcast = recorded
+    try:
+        yield
+    finally:
+        del world.broadcast
+        if world.rank == 1:
+            out.write_text(json.dumps(found))
 
 
 def interrupted_at(world, step: int, run):
