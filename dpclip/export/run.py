@@ -16,7 +16,7 @@ from dpclip import layout
 from dpclip.errors import DpclipError
 from dpclip.export import card as cards
 from dpclip.export import model as weights
-from dpclip.export.paths import local_name, without_local_paths
+from dpclip.export.paths import cut_in_text, local_name, local_paths, without_local_paths
 from dpclip.files import made_private, narrow, owner_only, read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
 from dpclip.rundir.checkpoint import latest_checkpoint, missing_checkpoint_hint
 from dpclip.rundir.run import RunDir
@@ -162,6 +162,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | No
     card = cards.privacy_card(statement, recipe_name=recipe.name, checkpoint=path.name,
                               checkpoint_step=int(path.name.split("_")[1]), steps_planned=steps_planned,
                               stopped=stopped, label_names=info.get("label_names"), search=search)
+    card = cut_in_text(card, local_paths(recipe.model_dump(mode="json")))   # the statement names data files
 
     made_private(target.parent)
     remove_dead_stagings(target)

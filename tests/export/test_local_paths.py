@@ -67,3 +67,21 @@ def test_the_card_of_a_run_a_search_selected_names_no_folder_of_the_exporting_ma
     assert _naming(out, tmp_path) == []
     card = json.loads((out / "privacy.json").read_text())
     assert card["selected_by_search"]["search_dir"] == f"(local path)/{search_dir.name}"
+
+
+def test_the_cards_statement_names_the_public_data_by_its_file_name_only(tmp_path):
+    """The statement's "not covered by ε" line names the public data's file: in privacy.json,
+    README.md and model_card.json it keeps the file's name, not its folders."""
+    public = tmp_path / SECRET / "public.csv"
+    public.parent.mkdir()
+    rows = ["label," + ",".join(f"f{i}" for i in range(64))]
+    rows += [f"{k % 10}," + ",".join(f"{(k * i) % 7 / 7:.3f}" for i in range(64)) for k in range(40)]
+    public.write_text("\n".join(rows) + "\n")
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        f"output_dir={tmp_path / 'runs'}", *SHORT, "model.hidden=[8]", "continual={switch: {rule: step, at_step: 1}}",
+        f"public={{source: files, format: csv, train: {public}, label_field: label}}"])
+    out = tmp_path / "exported"
+    export_run(train(recipe).run_dir, out)
+    assert _naming(out, public.parent) == []
+    card = json.loads((out / "privacy.json").read_text())
+    assert any("files:(local path)/public.csv" in line for line in card["not_covered_by_epsilon"])
