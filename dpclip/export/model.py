@@ -12,7 +12,8 @@ The model is rebuilt from the checkpoint's ``model.json`` (written by
 dpclip/rundir/checkpoint.py), never from the data: exporting reads no private example.
 A damaged checkpoint file, or weights that do not fit the rebuilt model (their names and
 shapes; for a custom model, whose factory an export does not import, not checked), are
-refused before anything is written (:func:`damaged`, :func:`check_plain`).
+refused before anything is written (:func:`damaged`, :func:`check_plain`), and so are LoRA
+settings of the recipe other than those the checkpoint was trained with (:func:`rebuild_hf`).
 A LoRA base is rebuilt from the recipe's public source and seed, and written only when it
 equals the checkpoint's frozen tensors bit for bit.
 """
