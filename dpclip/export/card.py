@@ -13,6 +13,7 @@ from typing import Any
 
 from dpclip import __version__
 from dpclip.accounting.statement import SEEDED_RANDOMNESS_WARNING, bound_text
+from dpclip.export.paths import local_name
 from dpclip.rundir.run import UNFINISHED, RunDir, planned_step
 
 LABEL_NAMES_NOTE = ("label names: the class names of the data's label column, published as they are "
@@ -26,7 +27,7 @@ def released_statement(run_dir: Path) -> tuple[Any, dict[str, Any] | None]:
 
     found = headline(run_dir)
     selected_by = found.selected_by()
-    search = None if selected_by is None else {"search_dir": selected_by["search_dir"],
+    search = None if selected_by is None else {"search_dir": local_name(selected_by["search_dir"]),
                                                "run_epsilon_alone": selected_by["run_epsilon_alone"]}
     return found.statement, search
 

@@ -12,7 +12,8 @@ The model is rebuilt from the checkpoint's ``model.json`` (written by
 dpclip/rundir/checkpoint.py), never from the data: exporting reads no private example.
 A damaged checkpoint file, or weights that do not fit the rebuilt model (their names and
 shapes; for a custom model, whose factory an export does not import, not checked), are
-refused before anything is written (:func:`damaged`, :func:`check_plain`).
+refused before anything is written (:func:`damaged`, :func:`check_plain`), and so are LoRA
+settings of the recipe other than those the checkpoint was trained with (:func:`rebuild_hf`).
 A LoRA base is rebuilt from the recipe's public source and seed, and written only when it
 equals the checkpoint's frozen tensors bit for bit.
 """
@@ -32,6 +33,7 @@ from dpclip import layout
 from dpclip.data.tokenizers import ByteTokenizer, load_tokenizer
 from dpclip.errors import DpclipError
 from dpclip.export.load import build_described
+from dpclip.export.paths import local_name, model_without_local_paths
 from dpclip.files import owner_only, write_json_atomic
 from dpclip.models.build import seeded_init
 from dpclip.models.hf import lora_config
@@ -117,11 +119,32 @@ def rebuild_hf(info: dict[str, Any], recipe, checkpoint: Path):
             raise DpclipError(f"{checkpoint} holds a LoRA model but the run's recipe has no model.lora",
                               "the run directory was modified: restore recipe.yaml")
         model = _add_lora(model, lora, info["task"], model_type)
+        _refuse_edited_lora(model.peft_config["default"].to_dict(), info["peft_config"], checkpoint)
     try:
         load_weights(checkpoint, model)
     except DAMAGE as exc:
         raise damaged(checkpoint, layout.MODEL_WEIGHTS, exc) from None
     return model.eval()
+
+
+#: the adapter settings that change what a LoRA model computes (its weights' names and shapes aside)
+LORA_SETTINGS = ("r", "lora_alpha", "target_modules", "task_type", "modules_to_save", "use_rslora", "use_dora",
+                 "bias", "fan_in_fan_out", "layers_to_transform", "rank_pattern", "alpha_pattern")
+
+
+def _refuse_edited_lora(rebuilt: dict[str, Any], trained: dict[str, Any], checkpoint: Path) -> None:
+    """Refuse adapter settings of the run's recipe that differ from those the checkpoint was trained
+    with (``model.json``'s ``peft_config``): ``lora.alpha`` scales every adapter and still loads, a
+    target added gets a fresh adapter; the export would describe a model that was not trained."""
+    def plain(value: Any) -> Any:
+        return sorted(value) if isinstance(value, (set, list, tuple)) else value
+    edited = [key for key in LORA_SETTINGS if key in rebuilt and key in trained
+              and plain(rebuilt[key]) != plain(trained[key])]
+    if edited:
+        key = edited[0]
+        raise DpclipError(f"{checkpoint}: the run's recipe.yaml gives LoRA {key} = {plain(rebuilt[key])!r} but the "
+                          f"checkpoint was trained with {plain(trained[key])!r} ({layout.MODEL_INFO})",
+                          "the run directory was modified: restore its recipe.yaml (model.lora) as it was trained")
 
 
 def public_lora_base(info: dict[str, Any], recipe, checkpoint: Path):
@@ -178,6 +201,8 @@ def write_peft(model, public_base, out: Path) -> None:
     under DP, the adapters and peft's ``modules_to_save``; in ``out/base`` the public base
     (:func:`public_lora_base`), never the checkpoint's: peft's ``unload()`` would put the
     trained head there."""
+    for settings in model.peft_config.values():   # peft records the base's folder: cut to its name
+        settings.base_model_name_or_path = local_name(settings.base_model_name_or_path)
     model.save_pretrained(str(out))
     public_base.save_pretrained(str(out / "base"))
 
@@ -215,7 +240,7 @@ def plain_model_card(info: dict[str, Any], recipe, card: dict[str, Any]) -> dict
     """``model_card.json`` of a non-transformers model: enough to rebuild it."""
     return {
         "format": "dpclip-model-card/1",
-        "model": recipe.model.model_dump(mode="json"),
+        "model": model_without_local_paths(recipe.model.model_dump(mode="json")),
         "task": info.get("task"),
         "input_shape": info.get("input_shape"),
         "num_classes": info.get("num_classes"),

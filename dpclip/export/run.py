@@ -16,8 +16,8 @@ from dpclip import layout
 from dpclip.errors import DpclipError
 from dpclip.export import card as cards
 from dpclip.export import model as weights
+from dpclip.export.paths import cut_in_text, local_name, local_paths, without_local_paths
 from dpclip.files import made_private, narrow, owner_only, read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
-from dpclip.recipe.load import PATH_FIELDS
 from dpclip.rundir.checkpoint import latest_checkpoint, missing_checkpoint_hint
 from dpclip.rundir.run import RunDir
 
@@ -62,8 +62,6 @@ EXPORT_RECIPE_HEADER = """\
 
 # Left out of every export's recipe, audited or not (so that their absence says nothing).
 SECRET_RECIPE_KEYS = ("audit", "seed")
-#: what replaces the folders of a path on the exporting machine in the export's recipe (its last part is kept)
-LOCAL_PATH = "(local path)/"
 
 
 def export_recipe(recipe) -> dict[str, Any]:
@@ -87,26 +85,6 @@ def export_recipe(recipe) -> dict[str, Any]:
     for key in SECRET_RECIPE_KEYS:
         released.pop(key, None)
     return without_local_paths(released)
-
-
-def without_local_paths(released: dict[str, Any]) -> dict[str, Any]:
-    """``released`` with each absolute path of the exporting machine (``output_dir``, data files,
-    a local tokenizer or pretrained folder, a custom model's ``module_dir``) cut to its last part
-    under :data:`LOCAL_PATH`: its folders tell the export's holder the exporter's user name and
-    layout, and mean nothing on another machine."""
-    def cut(value: Any) -> Any:
-        if isinstance(value, list):
-            return [cut(v) for v in value]
-        if isinstance(value, str) and value and Path(value).is_absolute():
-            return LOCAL_PATH + Path(value).name
-        return value
-    places = [(released, "output_dir")] + [(released.get(section), name) for section, name, _ in PATH_FIELDS] + \
-        [(released.get(section), "name") for section in ("data", "public")
-         if isinstance(released.get(section), dict) and released[section].get("source") == "hf"]
-    for node, name in places:
-        if isinstance(node, dict) and name in node:
-            node[name] = cut(node[name])
-    return released
 
 
 def export_recipe_yaml(recipe) -> str:
@@ -184,6 +162,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | No
     card = cards.privacy_card(statement, recipe_name=recipe.name, checkpoint=path.name,
                               checkpoint_step=int(path.name.split("_")[1]), steps_planned=steps_planned,
                               stopped=stopped, label_names=info.get("label_names"), search=search)
+    card = cut_in_text(card, local_paths(recipe.model_dump(mode="json")))   # the statement names data files
 
     made_private(target.parent)
     remove_dead_stagings(target)
@@ -233,7 +212,7 @@ def _write_model(info: dict[str, Any], recipe, checkpoint: Path, out: Path, card
         f"# tokenizer: dpclip's byte tokenizer, described in {weights.BYTE_TOKENIZER_FILE}\n"
     if info.get("peft_config") is not None:
         weights.write_peft(model, weights.public_lora_base(info, recipe, checkpoint), out)
-        base = recipe.model.pretrained
+        base = local_name(recipe.model.pretrained)
         note = ("`base/` holds the public model the adapter was trained on, as it was before training"
                 + (f" (the weights of `{base}`" if base else " (randomly initialised from the recipe's "
                    "model.config and seed") + ", with the classification head's initial weights, if any): it "

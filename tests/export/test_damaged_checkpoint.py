@@ -62,3 +62,21 @@ def test_a_damaged_checkpoint_is_refused_with_the_other_checkpoints_and_nothing_
     assert cli("export", run_copy, out, "--checkpoint", others[-1]).code == 0
     assert load_exported(out) is not None
     assert json.loads((out / "privacy.json").read_text())["checkpoint"] == others[-1]
+
+
+def test_a_lora_alpha_edited_since_training_is_refused_rather_than_exported_as_another_model(lora_run, tmp_path):
+    """A LoRA run's recipe.yaml whose adapter settings no longer match the checkpoint's model.json:
+    alpha scales every adapter and the weights still load, so the export would write the
+    adapter_config.json of a model that was not trained. Refused with the setting named, nothing
+    written."""
+    from dpclip.errors import DpclipError
+    from dpclip.export import export_run
+    from dpclip.recipe import load_recipe, recipe_to_yaml
+
+    run = tmp_path / lora_run.name
+    shutil.copytree(lora_run, run)
+    (run / "recipe.yaml").write_text(recipe_to_yaml(load_recipe(run / "recipe.yaml", ["model.lora.alpha=64"])))
+    with pytest.raises(DpclipError) as info:
+        export_run(run, tmp_path / "out")
+    assert "lora_alpha" in info.value.message and "model.json" in info.value.message and info.value.hint
+    assert not (tmp_path / "out").exists()
