@@ -181,6 +181,13 @@ def _feasible_strategy(privacy):
     if strategy.noise_multiplier is None:
         raise DpclipError(f"repeat-and-select cannot keep this search within ε: {strategy.detail['infeasible']}",
                           "raise privacy.epsilon or search fewer configurations")
+    if privacy.sensitivities:
+        # The search directory's reader (dpclip/rundir/searchdir.py) knows Poisson-sampled and banded-MF
+        # runs only: a BLT search would train every trial, then fail to state or check the selected run's ε.
+        raise DpclipError("--run cannot perform a BLT search yet: its search directory could not state or check "
+                          "the selected run's ε",
+                          "tune-cost without --run prices a BLT search; --run performs a privacy.mechanism: dp-sgd "
+                          "or banded-mf search")
     if strategy.detail["shape"] is None:
         # dpclip's ledger stores finite numbers only, and Poisson is dp_accounting's shape = inf.
         raise DpclipError("--run cannot record a Poisson number of trials in the search ledger yet",
@@ -208,7 +215,7 @@ def _search_ledger(search_event, recipe, privacy, strategy) -> Ledger:
         "search": REPEAT_AND_SELECT, "trials_distribution": strategy.detail["distribution"],
         "trials_mean": strategy.detail["mean"], "trials_shape": strategy.detail["shape"],
         "sigma_per_run": strategy.noise_multiplier, "sample_rate": privacy.sample_rate,
-        "steps_per_run": privacy.steps,
+        "steps_per_run": privacy.steps, "bands": privacy.bands,
         "sampling": sampling_name(privacy.sampling, privacy.bands, bool(privacy.sensitivities)),
         "score": privacy.score, "score_noise": privacy.score_noise, "seeded_randomness": recipe.privacy.unsafe_seeded_randomness,
         "unit": recipe.privacy.unit, "max_examples_per_user": recipe.data.max_examples_per_user,
