@@ -247,3 +247,19 @@ def test_a_banded_searchs_statement_names_its_cyclic_groups_and_steps(tiny, monk
     assert any(line.startswith("mechanism: banded matrix factorization, 3 bands") and "accounted as 2 participations"
                in line for line in lines)
     assert not any("each run: 2 Poisson-sampled steps" in line for line in lines)
+
+    # A search that failed has no selected run to read: its ledger's metadata says the same.
+    import dpclip.train.workflow as workflow
+
+    def crash(trial, *, data=None, run_dir=None, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(workflow, "train", crash)
+    before = set(Path(recipe.output_dir).iterdir())
+    with pytest.raises(RuntimeError, match="disk full"):
+        run_search(base, recipe, report, grid=grid)
+    failed, = set(Path(recipe.output_dir).iterdir()) - before
+    def shape(found):
+        return [line for line in found if line.startswith(("sampling:", "steps:", "mechanism:"))]
+
+    assert shape(search_statement_lines(failed)) == shape(lines)
