@@ -178,6 +178,12 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
 def _feasible_strategy(privacy):
     """The repeat-and-select strategy of a search ``--run`` can perform and record, or a refusal."""
     strategy = privacy.strategy(REPEAT_AND_SELECT)
+    if strategy.detail["distribution"] == "truncated-negative-binomial" and strategy.detail["mean"] <= 1:
+        # Only a space of one configuration gets here (a recipe's own trials_mean is above 1): nothing to select.
+        raise DpclipError(f"the search space has {privacy.configurations} configuration, so repeat-and-select "
+                          f"(E[K] = {strategy.detail['mean']:g}, K >= 1) has nothing to select from",
+                          "give the search values to try (tuning.grid, --grid key=v1,v2, or tuning.ranges with "
+                          "--random N), or set tuning.trials_mean above 1; one configuration alone is `dpclip train`")
     if strategy.noise_multiplier is None:
         raise DpclipError(f"repeat-and-select cannot keep this search within ε: {strategy.detail['infeasible']}",
                           "raise privacy.epsilon or search fewer configurations")

@@ -263,3 +263,16 @@ def test_a_banded_searchs_statement_names_its_cyclic_groups_and_steps(tiny, monk
         return [line for line in found if line.startswith(("sampling:", "steps:", "mechanism:"))]
 
     assert shape(search_statement_lines(failed)) == shape(lines)
+
+
+def test_a_search_of_one_configuration_is_refused_with_a_hint_to_give_it_a_space(tiny):
+    """An empty space (no grid, no ranges) is one configuration: E[K] = 1 leaves repeat-and-select
+    nothing to select, and 'search fewer configurations' was the hint."""
+    base, recipe = tiny("tuning.score=public", "privacy.accountant=rdp")
+    report = tune_cost(base, recipe, timer=StepTimer(fixed_seconds=0.01))
+    assert report.configurations == 1
+    with pytest.raises(DpclipError, match="1 configuration") as refused:
+        run_search(base, recipe, report)
+    assert "fewer configurations" not in refused.value.hint
+    assert "tuning.grid" in refused.value.hint and "tuning.trials_mean" in refused.value.hint
+    assert not Path(recipe.output_dir).exists()   # refused before any search directory
