@@ -141,8 +141,14 @@ SCORE_MEANING = {
 def _statement(ledger, q, sigma, steps, score_noise, mean, shape, seeded, sampling, run_recipe, run_statement,
                metadata):
     result = ledger.result()
+    # Banded MF: the event is ⌈T/b⌉ participations at q·b; the statement states q, the T steps and the b groups.
+    bands = run_statement.bands if run_statement is not None else int(metadata.get("bands") or 1)
+    if bands > 1:
+        q = run_statement.sample_rate if run_statement is not None else metadata.get("sample_rate", q / bands)
+        steps = run_statement.steps if run_statement is not None else int(metadata.get("steps_per_run") or steps)
     law = "logarithmic" if shape == 0 else "geometric" if shape == 1 else f"truncated negative binomial η = {shape:g}"
-    batches = ("Poisson-sampled steps" if sampling == "poisson"
+    batches = (f"steps over {bands} cyclic Poisson groups (banded MF; see mechanism)" if bands > 1
+               else "Poisson-sampled steps" if sampling == "poisson"
                else "steps on fixed-size shuffled batches, accounted as if Poisson-sampled (see the caveat)")
     releases = [
         f"the best of K trial runs (repeat-and-select, Papernot & Steinke 2022): K ~ {law} with E[K] = {mean:g}, "
@@ -159,7 +165,7 @@ def _statement(ledger, q, sigma, steps, score_noise, mean, shape, seeded, sampli
                          "recipe's claim (tuning.score: public)")
     return PrivacyStatement(
         epsilon=result.epsilon, delta=ledger.delta, accountant=result.accountant, conversion=result.conversion,
-        sample_rate=q, steps=steps, noise_multiplier=sigma,
+        sample_rate=q, steps=steps, noise_multiplier=sigma, bands=bands,
         gradient_noise_multiplier=run_statement.gradient_noise_multiplier if run_statement is not None else sigma,
         sigma_aux=run_statement.sigma_aux if run_statement is not None else None, sampling=sampling, releases=releases,
         fallback_reason=result.fallback_reason, seeded_randomness=seeded, not_covered=uncovered,

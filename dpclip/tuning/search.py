@@ -178,9 +178,22 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
 def _feasible_strategy(privacy):
     """The repeat-and-select strategy of a search ``--run`` can perform and record, or a refusal."""
     strategy = privacy.strategy(REPEAT_AND_SELECT)
+    if strategy.detail["distribution"] == "truncated-negative-binomial" and strategy.detail["mean"] <= 1:
+        # Only a space of one configuration gets here (a recipe's own trials_mean is above 1): nothing to select.
+        raise DpclipError(f"the search space has {privacy.configurations} configuration, so repeat-and-select "
+                          f"(E[K] = {strategy.detail['mean']:g}, K >= 1) has nothing to select from",
+                          "give the search values to try (tuning.grid, --grid key=v1,v2, or tuning.ranges with "
+                          "--random N), or set tuning.trials_mean above 1; one configuration alone is `dpclip train`")
     if strategy.noise_multiplier is None:
         raise DpclipError(f"repeat-and-select cannot keep this search within ε: {strategy.detail['infeasible']}",
                           "raise privacy.epsilon or search fewer configurations")
+    if privacy.sensitivities:
+        # The search directory's reader (dpclip/rundir/searchdir.py) knows Poisson-sampled and banded-MF
+        # runs only: a BLT search would train every trial, then fail to state or check the selected run's ε.
+        raise DpclipError("--run cannot perform a BLT search yet: its search directory could not state or check "
+                          "the selected run's ε",
+                          "tune-cost without --run prices a BLT search; --run performs a privacy.mechanism: dp-sgd "
+                          "or banded-mf search")
     if strategy.detail["shape"] is None:
         # dpclip's ledger stores finite numbers only, and Poisson is dp_accounting's shape = inf.
         raise DpclipError("--run cannot record a Poisson number of trials in the search ledger yet",
@@ -208,7 +221,7 @@ def _search_ledger(search_event, recipe, privacy, strategy) -> Ledger:
         "search": REPEAT_AND_SELECT, "trials_distribution": strategy.detail["distribution"],
         "trials_mean": strategy.detail["mean"], "trials_shape": strategy.detail["shape"],
         "sigma_per_run": strategy.noise_multiplier, "sample_rate": privacy.sample_rate,
-        "steps_per_run": privacy.steps,
+        "steps_per_run": privacy.steps, "bands": privacy.bands,
         "sampling": sampling_name(privacy.sampling, privacy.bands, bool(privacy.sensitivities)),
         "score": privacy.score, "score_noise": privacy.score_noise, "seeded_randomness": recipe.privacy.unsafe_seeded_randomness,
         "unit": recipe.privacy.unit, "max_examples_per_user": recipe.data.max_examples_per_user,

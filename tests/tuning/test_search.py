@@ -201,3 +201,78 @@ def test_the_user_level_score_sums_each_held_out_persons_accuracy(tmp_path):
     reference = sum(correct[owners == p].mean() for p in np.unique(owners))
     assert people == len(np.unique(owners)) and total == pytest.approx(reference)
     assert correct.sum() != pytest.approx(reference)   # a record count would be another number here
+
+
+def test_a_blt_search_is_refused_before_any_trial_trains(tiny, monkeypatch):
+    """The search directory's reader (its ledger, statement and the selected run's headline ε) knows
+    Poisson-sampled and banded-MF runs only: a BLT search used to train all K trials and then fail,
+    leaving the selected run with a search.json but its own, smaller ε in its summary.json."""
+    import dpclip.train.workflow as workflow
+
+    base, recipe = tiny("tuning.score=public", "privacy.accountant=rdp", "training.steps=12",
+                        "privacy.mechanism={kind: blt, buffers: 2}")
+    grid = ["training.optimizer.lr=0.1,0.5"]
+    report = tune_cost(base, recipe, grid=grid, timer=StepTimer(fixed_seconds=0.01))
+    started = []
+
+    def train(trial, *, data=None, run_dir=None, **kwargs):
+        started.append(run_dir)
+        raise AssertionError("a trial trained")
+
+    monkeypatch.setattr(workflow, "train", train)
+    with pytest.raises(DpclipError, match="BLT") as refused:
+        run_search(base, recipe, report, grid=grid)
+    assert "hint" not in refused.value.message and refused.value.hint
+    assert started == [] and not Path(recipe.output_dir).exists()   # nothing trained, no search directory
+
+
+@pytest.mark.slow   # a banded plan's RDP calibration, then one trial
+def test_a_banded_searchs_statement_names_its_cyclic_groups_and_steps(tiny, monkeypatch):
+    """A banded-MF run takes T steps over b cyclic groups at q·b; its search's statement said
+    'sampling: Poisson' at rate q·b and counted ⌈T/b⌉ participations as its steps."""
+    import dpclip.accounting.tuning as tuning_math
+    from dpclip.rundir.searchdir import search_statement_lines
+
+    monkeypatch.setattr(tuning_math, "draw_trial_count", lambda mean, shape, rng: 1)
+    base, recipe = tiny("tuning.score=public", "privacy.accountant=pld", "privacy.epsilon=2", "training.steps=6",
+                        "privacy.mechanism={kind: banded-mf, bands: 3}")   # PLD and a small ε: quicker to calibrate
+    grid = ["training.optimizer.lr=0.1,0.5"]
+    report = tune_cost(base, recipe, grid=grid, timer=StepTimer(fixed_seconds=0.01))
+    summary = run_search(base, recipe, report, grid=grid)
+    lines = search_statement_lines(Path(summary["search_dir"]))
+    q = report.plan.sample_rate
+    sampling = next(line for line in lines if line.startswith("sampling:"))
+    assert "cyclic Poisson over 3 groups" in sampling and f"{q:.6g}" in sampling
+    assert "steps: 6" in lines
+    assert any(line.startswith("mechanism: banded matrix factorization, 3 bands") and "accounted as 2 participations"
+               in line for line in lines)
+    assert not any("each run: 2 Poisson-sampled steps" in line for line in lines)
+
+    # A search that failed has no selected run to read: its ledger's metadata says the same.
+    import dpclip.train.workflow as workflow
+
+    def crash(trial, *, data=None, run_dir=None, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(workflow, "train", crash)
+    before = set(Path(recipe.output_dir).iterdir())
+    with pytest.raises(RuntimeError, match="disk full"):
+        run_search(base, recipe, report, grid=grid)
+    failed, = set(Path(recipe.output_dir).iterdir()) - before
+    def shape(found):
+        return [line for line in found if line.startswith(("sampling:", "steps:", "mechanism:"))]
+
+    assert shape(search_statement_lines(failed)) == shape(lines)
+
+
+def test_a_search_of_one_configuration_is_refused_with_a_hint_to_give_it_a_space(tiny):
+    """An empty space (no grid, no ranges) is one configuration: E[K] = 1 leaves repeat-and-select
+    nothing to select, and 'search fewer configurations' was the hint."""
+    base, recipe = tiny("tuning.score=public", "privacy.accountant=rdp")
+    report = tune_cost(base, recipe, timer=StepTimer(fixed_seconds=0.01))
+    assert report.configurations == 1
+    with pytest.raises(DpclipError, match="1 configuration") as refused:
+        run_search(base, recipe, report)
+    assert "fewer configurations" not in refused.value.hint
+    assert "tuning.grid" in refused.value.hint and "tuning.trials_mean" in refused.value.hint
+    assert not Path(recipe.output_dir).exists()   # refused before any search directory
