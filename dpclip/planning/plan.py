@@ -151,6 +151,14 @@ PRIVATE_HESSIAN_DIAGNOSTICS = (
     "(diagnostics.data: private)")
 
 
+
+#: A held-out split cut from the private data (test_fraction): the guarantee is for the training split, the cut
+#: (a fixed-size draw) taken as given; one example added to the data can move another across it (a swap).
+HELD_OUT_CUT = ("the cut of the private data into training and held-out rows (data.test_fraction, a secret draw of "
+                "fixed size): ε is for one example of the training split (one person at the user level) added or "
+                "removed with the cut given; one added to the data can also move another across the cut (give a "
+                "separate test file or split to have no cut)")
+
 LABEL_SET = ("the label set, read from the private data's labels: the task, the number of classes (the largest "
              "whole-number label + 1) or the class names, and so the model's output size (a rare label shows)")
 
@@ -159,6 +167,11 @@ LABEL_SET = ("the label set, read from the private data's labels: the task, the 
 #: export ships it (docs/export.md); dpclip's builtin byte tokenizer is fixed and needs no line.
 TOKENIZER = ("the tokenizer data.tokenizer names: released with the model as given (its vocabulary), taken as "
              "public (built from public text)")
+
+
+def cuts_held_out(data) -> bool:
+    """Whether a recipe's ``data`` cuts its held-out split from the private rows (no separate test file or split)."""
+    return getattr(data, "test", None) is None and getattr(data, "test_split", None) is None
 
 
 def reads_text(data) -> bool:
@@ -193,6 +206,8 @@ def not_covered(recipe: Recipe) -> tuple[str, ...]:
     # a builtin data set's classes are public; a causal LM's targets are its text's next tokens, no label set
     if recipe.data.source != "builtin" and getattr(recipe.model, "task", None) != "causal-lm":
         out += (LABEL_SET,)
+    if cuts_held_out(recipe.data):
+        out += (HELD_OUT_CUT,)
     if recipe.data.tokenizer != "byte" and reads_text(recipe.data):
         out += (TOKENIZER,)
     if recipe.diagnostics.every_steps and recipe.diagnostics.data == "private":
