@@ -24,7 +24,7 @@ import torch
 from dpclip import layout
 from dpclip.accounting import Ledger, bound_text
 from dpclip.accounting.statement import SEEDED_RANDOMNESS_WARNING, SHUFFLE_CAVEAT
-from dpclip.audit.attacks import Outputs, logistic_attack, loss_attack, model_outputs
+from dpclip.audit.attacks import Outputs, check_pool, logistic_attack, loss_attack, model_outputs
 from dpclip.audit.exposure import exposure_audit
 from dpclip.audit.lira import lira_scores, realised_plan, shadow_confidences, target_plan, train_shadows
 from dpclip.audit.metrics import attack_metrics, dp_tpr_bound
@@ -164,8 +164,7 @@ def _one_run(run_dir: Path, recipe, pool: Pool, model, loss_fn, delta: float, co
     canaries = make_canaries(pool.data, recipe.audit.canaries, secret["seed"], records=canary_records(recipe))
     check_rebuilt_canaries(run_dir, canaries, secret)
     outputs = model_outputs(model, loss_fn, canaries.tensors, pool.data.task)
-    # Score = −loss on the canary's own (wrong or random) label: memorised canaries score high;
-    # a canary person's score is the mean over their records.
+    # Score = −loss on the canary's own (wrong or random) label, a canary person's the mean over their records
     scores = -outputs.losses.reshape(canaries.count, canaries.records).mean(axis=1)
     result = one_run_audit(scores, np.asarray(secret["included"], dtype=bool), delta, confidence)  # checked bools
     result["kind"] = secret["kind"]
@@ -227,8 +226,8 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
         scored, members = per_person(scored, members, pool.people[attacked])
         report["unit"] = "user"
         report["notes"].append(f"user-level: a member is a person ({int(members.sum())} of the training set, "
-                               f"{int((members == 0).sum())} held out); each person's score is the mean over "
-                               "their records")
+                               f"{int((members == 0).sum())} held out); each person's score is the mean over their records")
+    check_pool(members, attacks, "people" if recipe.privacy.unit == "user" else "rows")
     for name in attacks:
         if name == "loss":
             report["attacks"]["loss"] = loss_attack(scored, members, bootstrap=bootstrap, seed=seed)
@@ -358,8 +357,9 @@ def _rmia(run_dir, recipe, pool: Pool, target_confidence, shadows: int, seed: in
     the population is the scored non-members. At the user level Pr(x|θ) of a person is the
     mean of their scored records' probabilities, and people are the unit of keep and of the
     population."""
-    if shadows < 1:
-        raise DpclipError("RMIA needs at least one reference (shadow) model", "pass --shadows N (2 or more)")
+    if shadows < 2:   # LiRA's shadows: each example is in ⌊M/2⌋ of them, so one shadow would train on nothing
+        raise DpclipError(f"RMIA needs at least two reference (shadow) models, got {shadows}",
+                          "pass --shadows N (2 or more)")
     keep, dirs = train_shadows(run_dir, recipe, pool, shadows, seed, observer_for)
     attacked = pool.attacked
     task = pool.data.task
