@@ -28,7 +28,7 @@ from dpclip.audit.attacks import Outputs, check_pool, logistic_attack, loss_atta
 from dpclip.audit.exposure import exposure_audit
 from dpclip.audit.lira import lira_scores, realised_plan, shadow_confidences, target_plan, train_shadows
 from dpclip.audit.metrics import attack_metrics, dp_tpr_bound
-from dpclip.audit.one_run import check_confidence, one_run_audit
+from dpclip.audit.one_run import check_confidence, one_run_audit, one_run_verdict
 from dpclip.audit.plot import plot_roc
 from dpclip.audit.rmia import DEFAULT_GAMMA, DEFAULT_OFFLINE_A, label_probability, rmia_scores
 from dpclip.data import load_data
@@ -254,12 +254,8 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
                                "measured, so 'TPR at 0.1% FPR' is the TPR at FPR = 0 (a conservative reading)")
     if "one_run" in report:
         _note_earlier_one_run(run_dir, report)
-        report["flagged"] = report["one_run"]["epsilon_lower_bound"] > report["ledger"]["epsilon"]
-        if report["flagged"]:
-            report["notes"].append(f"the empirical ε lower bound exceeds the ledger's ε at "
-                                   f"{100 * confidence:g}% confidence: the run leaks more than its accounting "
-                                   f"allows (a privacy bug, or a wrong ledger), unless this is the "
-                                   f"{100 * (1 - confidence):.2g}% of audits of a correct run that are flagged")
+        report["flagged"], note = one_run_verdict(report["one_run"], report["ledger"]["epsilon"])
+        report["notes"] += [note] if note else []
     # What the ledger's (ε, δ) allows any attack, for the tables of audit-mia and `dpclip report`.
     report["ledger"]["tpr_bound"] = {"fpr_0.1%": dp_bound_at(report, 0.001), "fpr_1%": dp_bound_at(report, 0.01)}
     if write:
