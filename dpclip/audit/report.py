@@ -95,8 +95,10 @@ def build_pool(run_dir: Path, recipe) -> Pool:
     key = meta.get("split_key")   # the run's private split key (None: its recipe's seed drew the split)
     data = load_data(recipe.data, seed=recipe.seed, split_key=None if key is None else int(key))
     if data.fingerprint != fingerprint:
+        shadow = run_dir.parent.name == layout.SHADOWS   # a shadow trained on the subset LiRA handed it
         raise DpclipError(f"the data of {run_dir} no longer splits as it did in training",
-                          "the data files changed since the run; the members cannot be rebuilt")
+                          f"it is one of LiRA's shadow models: audit the run it imitates, {run_dir.parent.parent.parent}"
+                          if shadow else "the data files changed since the run; the members cannot be rebuilt")
     tensors = {name: torch.cat([data.train[name], data.test[name]]) for name in data.train}
     is_member = np.r_[np.ones(data.num_train, dtype=int), np.zeros(data.num_test, dtype=int)]
     attacked = np.ones(len(is_member), dtype=bool)

@@ -90,6 +90,21 @@ def test_a_run_whose_held_out_rows_all_became_mislabel_canaries_is_refused_with_
     assert cli("audit-mia", run, "--attack", "one-run", "--json").code == 0   # needs no non-members
 
 
+def test_auditing_a_shadow_model_points_at_the_run_it_imitates(cli, plain_run, tmp_path):
+    # A shadow is a run directory trained on a subset handed to it, so its split never matches its
+    # recipe's: the hint said "the data files changed since the run", sending the user after their data.
+    import shutil
+
+    shadow = tmp_path / "run" / "audit" / "shadows" / "shadow_000"
+    shutil.copytree(plain_run, shadow, ignore=shutil.ignore_patterns("audit"))
+    meta = json.loads((shadow / "meta.json").read_text())
+    meta["data"]["split_fingerprint"] = "0" * 16          # as a shadow's own subset has
+    (shadow / "meta.json").write_text(json.dumps(meta))
+    result = cli("audit-mia", shadow, "--attack", "loss", "--bootstrap", "0")
+    assert result.code == 2 and "shadow models" in result.err and str(tmp_path / "run") in result.err
+    assert "data files changed" not in result.err and "Traceback" not in result.err
+
+
 def test_a_negative_seed_is_refused_with_a_hint_not_a_crash(cli, plain_run):
     # numpy's SeedSequence refused it deep in the attack: "unexpected ValueError", exit 1
     result = cli("audit-mia", plain_run, "--attack", "loss", "--seed", "-5")
