@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from dpclip.audit.metrics import attack_metrics
+from dpclip.errors import DpclipError
 
 
 @dataclass
@@ -59,6 +60,23 @@ def model_outputs(model, loss_fn, tensors: dict[str, torch.Tensor], task: str, b
     model.train(was_training)
     return Outputs(torch.cat(losses).numpy(), torch.cat(logits).numpy() if logits else None,
                    torch.cat(confidences).numpy())
+
+
+#: The attacks that compare the run's members with its non-members (the one-run audit and exposure do not).
+POOL_ATTACKS = ("loss", "logistic", "lira", "rmia")
+
+
+def check_pool(is_member: np.ndarray, attacks: list[str], unit: str = "rows") -> None:
+    """Refuse, before any attack runs, a pool the member/non-member attacks cannot score: they need
+    two members and two non-members at least (the logistic attack fits on one half of each and
+    scores the other)."""
+    members, non_members = int(is_member.sum()), int((is_member == 0).sum())
+    chosen = [name for name in attacks if name in POOL_ATTACKS]
+    if chosen and min(members, non_members) < 2:
+        raise DpclipError(f"the {chosen[0]} attack compares members with non-members, but this run has {members} "
+                          f"member and {non_members} non-member {unit} to score (at least 2 of each are needed)",
+                          "train with a larger data.test_fraction (mislabel canaries take held-out rows too, and "
+                          "are not scored as non-members), or audit with --attack one-run or --attack exposure only")
 
 
 def loss_attack(outputs: Outputs, is_member: np.ndarray, *, bootstrap: int, seed: int) -> dict:

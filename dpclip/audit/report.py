@@ -24,11 +24,11 @@ import torch
 from dpclip import layout
 from dpclip.accounting import Ledger, bound_text
 from dpclip.accounting.statement import SEEDED_RANDOMNESS_WARNING, SHUFFLE_CAVEAT
-from dpclip.audit.attacks import Outputs, logistic_attack, loss_attack, model_outputs
+from dpclip.audit.attacks import Outputs, check_pool, logistic_attack, loss_attack, model_outputs
 from dpclip.audit.exposure import exposure_audit
 from dpclip.audit.lira import lira_scores, realised_plan, shadow_confidences, target_plan, train_shadows
 from dpclip.audit.metrics import attack_metrics, dp_tpr_bound
-from dpclip.audit.one_run import check_confidence, one_run_audit
+from dpclip.audit.one_run import check_confidence, one_run_audit, one_run_verdict
 from dpclip.audit.plot import plot_roc
 from dpclip.audit.rmia import DEFAULT_GAMMA, DEFAULT_OFFLINE_A, label_probability, rmia_scores
 from dpclip.data import load_data
@@ -95,8 +95,10 @@ def build_pool(run_dir: Path, recipe) -> Pool:
     key = meta.get("split_key")   # the run's private split key (None: its recipe's seed drew the split)
     data = load_data(recipe.data, seed=recipe.seed, split_key=None if key is None else int(key))
     if data.fingerprint != fingerprint:
+        shadow = run_dir.parent.name == layout.SHADOWS   # a shadow trained on the subset LiRA handed it
         raise DpclipError(f"the data of {run_dir} no longer splits as it did in training",
-                          "the data files changed since the run; the members cannot be rebuilt")
+                          f"it is one of LiRA's shadow models: audit the run it imitates, {run_dir.parent.parent.parent}"
+                          if shadow else "the data files changed since the run; the members cannot be rebuilt")
     tensors = {name: torch.cat([data.train[name], data.test[name]]) for name in data.train}
     is_member = np.r_[np.ones(data.num_train, dtype=int), np.zeros(data.num_test, dtype=int)]
     attacked = np.ones(len(is_member), dtype=bool)
@@ -164,8 +166,7 @@ def _one_run(run_dir: Path, recipe, pool: Pool, model, loss_fn, delta: float, co
     canaries = make_canaries(pool.data, recipe.audit.canaries, secret["seed"], records=canary_records(recipe))
     check_rebuilt_canaries(run_dir, canaries, secret)
     outputs = model_outputs(model, loss_fn, canaries.tensors, pool.data.task)
-    # Score = −loss on the canary's own (wrong or random) label: memorised canaries score high;
-    # a canary person's score is the mean over their records.
+    # Score = −loss on the canary's own (wrong or random) label, a canary person's the mean over their records
     scores = -outputs.losses.reshape(canaries.count, canaries.records).mean(axis=1)
     result = one_run_audit(scores, np.asarray(secret["included"], dtype=bool), delta, confidence)  # checked bools
     result["kind"] = secret["kind"]
@@ -227,8 +228,8 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
         scored, members = per_person(scored, members, pool.people[attacked])
         report["unit"] = "user"
         report["notes"].append(f"user-level: a member is a person ({int(members.sum())} of the training set, "
-                               f"{int((members == 0).sum())} held out); each person's score is the mean over "
-                               "their records")
+                               f"{int((members == 0).sum())} held out); each person's score is the mean over their records")
+    check_pool(members, attacks, "people" if recipe.privacy.unit == "user" else "rows")
     for name in attacks:
         if name == "loss":
             report["attacks"]["loss"] = loss_attack(scored, members, bootstrap=bootstrap, seed=seed)
@@ -255,12 +256,8 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
                                "measured, so 'TPR at 0.1% FPR' is the TPR at FPR = 0 (a conservative reading)")
     if "one_run" in report:
         _note_earlier_one_run(run_dir, report)
-        report["flagged"] = report["one_run"]["epsilon_lower_bound"] > report["ledger"]["epsilon"]
-        if report["flagged"]:
-            report["notes"].append(f"the empirical ε lower bound exceeds the ledger's ε at "
-                                   f"{100 * confidence:g}% confidence: the run leaks more than its accounting "
-                                   f"allows (a privacy bug, or a wrong ledger), unless this is the "
-                                   f"{100 * (1 - confidence):.2g}% of audits of a correct run that are flagged")
+        report["flagged"], note = one_run_verdict(report["one_run"], report["ledger"]["epsilon"])
+        report["notes"] += [note] if note else []
     # What the ledger's (ε, δ) allows any attack, for the tables of audit-mia and `dpclip report`.
     report["ledger"]["tpr_bound"] = {"fpr_0.1%": dp_bound_at(report, 0.001), "fpr_1%": dp_bound_at(report, 0.01)}
     if write:
@@ -358,8 +355,9 @@ def _rmia(run_dir, recipe, pool: Pool, target_confidence, shadows: int, seed: in
     the population is the scored non-members. At the user level Pr(x|θ) of a person is the
     mean of their scored records' probabilities, and people are the unit of keep and of the
     population."""
-    if shadows < 1:
-        raise DpclipError("RMIA needs at least one reference (shadow) model", "pass --shadows N (2 or more)")
+    if shadows < 2:   # LiRA's shadows: each example is in ⌊M/2⌋ of them, so one shadow would train on nothing
+        raise DpclipError(f"RMIA needs at least two reference (shadow) models, got {shadows}",
+                          "pass --shadows N (2 or more)")
     keep, dirs = train_shadows(run_dir, recipe, pool, shadows, seed, observer_for)
     attacked = pool.attacked
     task = pool.data.task

@@ -78,3 +78,42 @@ def test_a_confidence_outside_zero_to_one_is_refused_before_anything_runs(confid
         with pytest.raises(DpclipError) as caught:
             call()
         assert "confidence" in str(caught.value) and caught.value.hint
+
+
+def test_the_ceiling_is_the_bound_of_every_guess_right_and_says_when_no_flag_was_possible():
+    # 20 canaries cannot show more than ε ≥ 1.41 (all 20 right at k = 10, α = 5%/4): an audit of an
+    # ε = 8 run read "within the ledger's ε" as if that were evidence, with no word that it could
+    # never have read otherwise.
+    from dpclip.audit.one_run import one_run_verdict
+
+    included = np.random.default_rng(0).random(20) < 0.5
+    result = one_run_audit(included.astype(float), included, delta=1e-5)
+    ceiling = result["epsilon_ceiling"]
+    assert ceiling == pytest.approx(epsilon_lower_bound(20, 20, 20, 1e-5, 0.05 / 4))
+    assert result["epsilon_lower_bound"] <= ceiling
+    flagged, note = one_run_verdict(result, 8.0)
+    assert not flagged and "could not have flagged" in note and "1.41" in note
+    assert one_run_verdict(result, 1.0) == (False, None)            # it could have: no note
+    flagged, note = one_run_verdict(result, 0.1)
+    assert flagged and "exceeds the ledger's ε at 95% confidence" in note
+    # the docs' figure: 200 canaries, every guess right at k = 100, give ε ≥ 3.80
+    big = np.random.default_rng(0).random(200) < 0.5
+    assert one_run_audit(big.astype(float), big, delta=1e-5)["epsilon_ceiling"] == pytest.approx(3.80, abs=0.005)
+
+
+@pytest.mark.slow
+def test_on_randomized_response_of_known_epsilon_the_bound_exceeds_it_at_most_alpha_of_the_time():
+    # Each canary's score is its bit kept with probability e^ε/(1+e^ε), else flipped: exactly ε-DP
+    # (δ = 0), where the randomized-response bound is nearly tight (measured: 2% of 400 seeds above ε
+    # with the four k's, 4% with one k alone). Seeds fixed; the count allowed is α·n plus three
+    # binomial standard deviations of it, sqrt(n·α·(1 − α)).
+    epsilon, m, runs, alpha = 1.0, 400, 150, 0.05
+    keep = math.exp(epsilon) / (1 + math.exp(epsilon))
+    above = 0
+    for seed in range(runs):
+        rng = np.random.default_rng(seed)
+        included = rng.random(m) < 0.5
+        released = np.where(rng.random(m) < keep, included, ~included)
+        scores = released + 1e-3 * rng.random(m)          # ties broken independently of the bits
+        above += one_run_audit(scores, included, delta=0.0)["epsilon_lower_bound"] > epsilon
+    assert above <= alpha * runs + 3 * math.sqrt(runs * alpha * (1 - alpha))

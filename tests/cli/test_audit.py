@@ -67,6 +67,44 @@ def test_exposure_without_planted_secrets_and_lira_with_one_shadow_are_refused_w
     assert "Traceback" not in result.err
 
 
+def test_rmia_with_one_shadow_is_refused_before_any_shadow_trains(cli, plain_run):
+    # RMIA's reference models are LiRA's shadows, each example in ⌊M/2⌋ of them: one shadow trained
+    # on nothing and the audit died with "unexpected ZeroDivisionError"
+    result = cli("audit-mia", plain_run, "--attack", "rmia", "--shadows", "1")
+    assert result.code == 2 and "at least two" in result.err and "hint:" in result.err
+    assert "unexpected" not in result.err and "Traceback" not in result.err
+    assert not (plain_run / "audit" / "shadows").exists()
+
+
+@pytest.mark.slow
+def test_a_run_whose_held_out_rows_all_became_mislabel_canaries_is_refused_with_a_hint(cli, tiny_run):
+    # 18 held-out rows, all 18 taken by mislabel canaries: no non-member was left to score, and the
+    # loss attack died with "unexpected ZeroDivisionError" (the logistic attack in sklearn)
+    run = tiny_run("data.test_fraction=0.01", "audit.canaries.count=18", "audit.canaries.kind=mislabel",
+                   "training.steps=2", "checkpoint.every_steps=null")
+    for attack in ("loss", "logistic"):
+        result = cli("audit-mia", run, "--attack", attack, "--bootstrap", "0")
+        assert result.code == 2 and "0 non-member rows" in result.err and "data.test_fraction" in result.err
+        assert "unexpected" not in result.err and "Traceback" not in result.err
+    assert not (run / "audit" / "report.json").exists()
+    assert cli("audit-mia", run, "--attack", "one-run", "--json").code == 0   # needs no non-members
+
+
+def test_auditing_a_shadow_model_points_at_the_run_it_imitates(cli, plain_run, tmp_path):
+    # A shadow is a run directory trained on a subset handed to it, so its split never matches its
+    # recipe's: the hint said "the data files changed since the run", sending the user after their data.
+    import shutil
+
+    shadow = tmp_path / "run" / "audit" / "shadows" / "shadow_000"
+    shutil.copytree(plain_run, shadow, ignore=shutil.ignore_patterns("audit"))
+    meta = json.loads((shadow / "meta.json").read_text())
+    meta["data"]["split_fingerprint"] = "0" * 16          # as a shadow's own subset has
+    (shadow / "meta.json").write_text(json.dumps(meta))
+    result = cli("audit-mia", shadow, "--attack", "loss", "--bootstrap", "0")
+    assert result.code == 2 and "shadow models" in result.err and str(tmp_path / "run") in result.err
+    assert "data files changed" not in result.err and "Traceback" not in result.err
+
+
 def test_a_negative_seed_is_refused_with_a_hint_not_a_crash(cli, plain_run):
     # numpy's SeedSequence refused it deep in the attack: "unexpected ValueError", exit 1
     result = cli("audit-mia", plain_run, "--attack", "loss", "--seed", "-5")
