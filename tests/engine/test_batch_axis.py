@@ -116,6 +116,16 @@ class NanoPositions(nn.Module):
         return self.head(torch.tanh(self.wte(ids) + pos).mean(1))
 
 
+class ExpandedAsPositions(NanoPositions):
+    """XLM: ``wpe(position_ids[:, :T]).expand_as(tokens)``, the [1, T, d] positions expanded to the
+    tokens' [B, T, d] by ``expand_as`` (``expand`` to another tensor's shape)."""
+
+    def forward(self, ids):
+        tok = self.wte(ids)
+        pos = self.wpe(torch.arange(ids.shape[1])[None]).expand_as(tok)
+        return self.head(torch.tanh(tok + pos).mean(1))
+
+
 class SharedTable(nn.Module):
     """A Linear on a shared [T, d] table (a buffer), its output added to every sample."""
 
@@ -242,6 +252,11 @@ def test_opacus_multihead_attention_is_exact(n):
 @pytest.mark.parametrize("n", SIZES)
 def test_nanogpt_positions_broadcast_over_the_batch_are_exact(n):
     exact(_double(NanoPositions), _ids(n), strict=True)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_positions_expanded_as_the_tokens_are_exact(n):
+    exact(_double(ExpandedAsPositions), _ids(n), strict=True)
 
 
 @pytest.mark.parametrize("n", SIZES)
