@@ -116,6 +116,16 @@ class NanoPositions(nn.Module):
         return self.head(torch.tanh(self.wte(ids) + pos).mean(1))
 
 
+class ExpandedAsPositions(NanoPositions):
+    """XLM: ``wpe(position_ids[:, :T]).expand_as(tokens)``, the [1, T, d] positions expanded to the
+    tokens' [B, T, d] by ``expand_as`` (``expand`` to another tensor's shape)."""
+
+    def forward(self, ids):
+        tok = self.wte(ids)
+        pos = self.wpe(torch.arange(ids.shape[1])[None]).expand_as(tok)
+        return self.head(torch.tanh(tok + pos).mean(1))
+
+
 class SharedTable(nn.Module):
     """A Linear on a shared [T, d] table (a buffer), its output added to every sample."""
 
@@ -242,6 +252,11 @@ def test_opacus_multihead_attention_is_exact(n):
 @pytest.mark.parametrize("n", SIZES)
 def test_nanogpt_positions_broadcast_over_the_batch_are_exact(n):
     exact(_double(NanoPositions), _ids(n), strict=True)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_positions_expanded_as_the_tokens_are_exact(n):
+    exact(_double(ExpandedAsPositions), _ids(n), strict=True)
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -536,6 +551,53 @@ def test_sequence_first_model_inputs_are_refused_with_a_hint_to_pass_them_batch_
                                                       "y": torch.zeros(3, dtype=torch.long)},
                   r"module h \(Linear\) is fed a tensor shared by all samples")
     assert "batch in dim 0 of its first tensor input" in err.hint and "[T, B" in err.hint
+
+
+class PackedPatches(nn.Module):
+    """A vision-language model's layout: ``patches`` packs every sample's K patch rows into one
+    [B·K, d] tensor (Qwen2-VL's pixel_values), reshaped by the sample count of ``x``."""
+
+    K = 3
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj, self.head = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x, patches):
+        img = torch.tanh(self.proj(patches)).reshape(x.shape[0], self.K, -1)
+        return self.head(img.mean(1) + x)
+
+
+class BatchFirstPatches(PackedPatches):
+    """The same model given its patches batch-first, [B, K, d], flattened inside the forward."""
+
+    def forward(self, x, patches):
+        return super().forward(x, patches.flatten(0, 1))
+
+
+def _patches_batch(n):
+    g = torch.Generator().manual_seed(0)
+    return {"x": torch.randn(n, 5, generator=g, dtype=DTYPE), "patches": torch.randn(n, 3, 4, generator=g, dtype=DTYPE),
+            "y": torch.randint(0, 3, (n,), generator=g)}
+
+
+def _packed_loss(model, batch):
+    return F.cross_entropy(model(batch["x"], batch["patches"].flatten(0, 1)), batch["y"], reduction="none")
+
+
+def _patches_loss(model, batch):
+    return F.cross_entropy(model(batch["x"], batch["patches"]), batch["y"], reduction="none")
+
+
+def test_an_input_packing_the_samples_rows_is_refused_naming_it_with_the_batch_first_way():
+    err = refused(_double(PackedPatches), _patches_batch(4), "fails when the engine probes it", loss=_packed_loss)
+    assert "input 1 (12, 4)" in str(err) and "batch-first" in err.hint and "flattened inside the forward" in err.hint
+
+
+@pytest.mark.parametrize("n", [4, 1])
+def test_an_input_given_batch_first_and_flattened_inside_the_forward_is_exact(n):
+    exact(_double(BatchFirstPatches), _patches_batch(n), loss=_patches_loss)
 
 
 def test_a_model_mixing_samples_is_refused():

@@ -31,8 +31,9 @@ _BROADCASTING = {
 _MATMUL = {"matmul", "__matmul__", "__rmatmul__"}
 #: consumers that broadcast with no other tensor: the batch comes from their sizes (``repeat``
 #: where it equals ``expand``, factors above 1 on axes of size 1 (peft's prompts), or tiles one
-#: axis of size s by the batch: B·s rows, batch-outer (DeBERTa-v2's [H, 2k, d] table over B·H))
-_EXPANDS = {"expand", "broadcast_to", "repeat"}
+#: axis of size s by the batch: B·s rows, batch-outer (DeBERTa-v2's [H, 2k, d] table over B·H));
+#: ``expand_as(x)`` is ``expand(x.shape)`` (XLM's positions, GPT-NeoX-Japanese's attention bias)
+_EXPANDS = {"expand", "expand_as", "broadcast_to", "repeat"}
 _SDPA = "scaled_dot_product_attention"   # a consumer when the tensor is its attn_mask
 EVENTS = _BROADCASTING | _MATMUL | _EXPANDS | {_SDPA}
 #: ops that keep a shared tensor shared (no other tensor involved): the chain before a broadcast

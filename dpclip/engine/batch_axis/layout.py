@@ -24,6 +24,12 @@ BATCH_HINT = ("pass the model's inputs with the batch in dim 0 (its first tensor
 CUT_BATCH_HINT = (BATCH_HINT + "; if they are, the forward needs the rest of the batch to run (topk, kthvalue or "
                   "sort along the batch, routing with a capacity over the batch's tokens, vmap or jacrev over the "
                   "batch): it mixes samples, so compute each sample's output from that sample alone")
+#: a forward that fails on fewer samples while some of its inputs have no dim 0 of size B: the
+#: probes passed those whole, as a packing of every sample's rows (a vision-language model's patches)
+PACKED_HINT = ("give every input of the model the batch in dim 0: one that packs the samples' rows into "
+               "one axis (a vision-language model's pixel_values, every image's patches as [sum of patches, d]) "
+               "goes in batch-first ([B, patches, d]) and is flattened inside the forward, by a module "
+               "wrapping the model (docs/supported-models.md, \"Vision-language models\"); " + CUT_BATCH_HINT)
 EQUAL_ROWS_HINT = ("rows equal for every token cannot be told apart by sample (a top-1 router renormalised "
                    "to weight 1 gives every token the weight 1): route each token to two experts or more, "
                    "or freeze the layers that read them (requires_grad_(False))")
@@ -154,3 +160,17 @@ def check_batch(label: str, forward_batch: int, batch: int) -> None:
             f"engine.backward got {batch} per-sample losses",
             "pass the model's inputs with the batch in dim 0 (batch_first=True) and give one "
             "loss per sample (reduction='none')")
+
+
+def cut_batch_refusal(args: tuple, kwargs: dict, batch: int, sizes: tuple[int, int], exc: Exception) -> EngineError:
+    """The refusal of a forward that fails on ``sizes`` of its ``batch`` samples (``exc``), naming
+    the tensor inputs that have no dim 0 of size ``batch`` (the probes passed them whole)."""
+    message = (f"the model's forward fails when the engine probes it with {sizes[0]} and {sizes[1]} of its "
+               f"{batch} samples ({type(exc).__name__}: {exc}), so the batch axis of its layers cannot be established")
+    named = [(f"input {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+    whole = [f"{name} {tuple(t.shape)}" for name, value in named for t in tree_flatten(value)[0]
+             if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] != batch]
+    if not whole:
+        return EngineError(message, CUT_BATCH_HINT)
+    return EngineError(f"{message}; inputs whose dim 0 is not the batch size {batch} went to the probes whole: "
+                       f"{', '.join(whole)}", PACKED_HINT)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from dpclip.engine.batch_axis.consumers import ConsumerCheck, consumers, dead_ends
-from dpclip.engine.batch_axis.layout import (BATCH_FIRST, BATCH_HINT, BROADCAST_HINT, CUT_BATCH_HINT, CallLayout,
+from dpclip.engine.batch_axis.layout import (BATCH_FIRST, BATCH_HINT, BROADCAST_HINT, CallLayout, cut_batch_refusal,
                                              Layout, call_leaves, shared_lead1, tensor_leaves)
 from dpclip.engine.batch_axis.probe import (NEEDS_ROWS, Probe, compare, forked_rng, nothing_saved, resized,
                                             untouched_buffers)
@@ -250,10 +250,7 @@ class BatchAxes:
             except Exception as exc:  # the resized inputs do not fit the model: try the next
                 errors.append(exc)
         else:
-            raise EngineError(
-                f"the model's forward fails when the engine probes it with {sizes[0]} and "
-                f"{sizes[1]} of its {batch} samples ({type(errors[-1]).__name__}: {errors[-1]}), "
-                "so the batch axis of its layers cannot be established", CUT_BATCH_HINT) from errors[-1]
+            raise cut_batch_refusal(args, kwargs, batch, sizes, errors[-1]) from errors[-1]
         layouts = compare(*probes)
         rows = {(key, i): (lay.dim,) for key, call in layouts.items()
                 for i, lay in enumerate(call.inputs) if lay.error == NEEDS_ROWS}
