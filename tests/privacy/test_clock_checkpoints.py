@@ -16,7 +16,7 @@ import pytest
 
 import dpclip.train.state as train_state
 from dpclip.accounting.statement import dataset_size_line
-from dpclip.planning.plan import PRIVATE_HESSIAN_DIAGNOSTICS, not_covered, not_covered_of_run
+from dpclip.planning.plan import HELD_OUT_CUT, PRIVATE_HESSIAN_DIAGNOSTICS, not_covered, not_covered_of_run
 from dpclip.files import write_json_atomic
 from dpclip.recipe import recipe_to_yaml
 from dpclip.rundir.run import RunDir, privacy_fingerprint, record_resume_changes, recipe_changes, spent
@@ -54,7 +54,8 @@ def test_checkpoints_made_by_the_clock_are_listed_not_covered(tiny_recipe, monke
 
 def test_a_run_without_the_clock_lists_no_clock_checkpoints(tiny_recipe):
     result = train(tiny_recipe("privacy.exact_diagnostics=false", "checkpoint.every_minutes=null"))
-    assert _uncovered(result.run_dir) == [f"not covered by ε: {dataset_size_line('example')}"]
+    assert _uncovered(result.run_dir) == [f"not covered by ε: {line}" for line in
+                                          (dataset_size_line('example'), HELD_OUT_CUT)]
 
 
 def test_a_resume_that_turns_the_clock_off_still_lists_the_clock_checkpoints_made_before(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dpclip.accounting.statement import dataset_size_line
 from dpclip.cli.render import N_LABEL
+from dpclip.planning.plan import HELD_OUT_CUT
 from dpclip.rundir.run import spent
 from dpclip.train.workflow import train
 
@@ -46,11 +47,11 @@ def test_switch_keeps_exact_quantities_out_of_every_file_and_the_console(tiny_re
     console = (result.out + result.err).replace("privacy loss distribution", "")  # the accountant's name
     assert "loss " not in console and "test loss" not in console and "accuracy" not in console
     assert "clip " not in console
-    # the lines left are the dataset size's: the header's N and the statement's line, which every statement
-    # with a q carries
+    # the lines left are the dataset size's (the header's N and the statement's line, which every statement
+    # with a q carries) and the held-out cut's (tests/privacy/test_held_out_cut.py)
     lines = [line.strip() for line in console.splitlines() if "not covered by ε" in line]
-    assert len(lines) == 2 and lines[0].startswith("training examples N") and lines[0].endswith(f"({N_LABEL})")
-    assert lines[1] == f"not covered by ε: {dataset_size_line('example')}"
+    assert len(lines) == 3 and lines[0].startswith("training examples N") and lines[0].endswith(f"({N_LABEL})")
+    assert lines[1:] == [f"not covered by ε: {dataset_size_line('example')}", f"not covered by ε: {HELD_OUT_CUT}"]
     run_dir = next((tmp_path / "runs").iterdir())
     text = _all_text(run_dir)
     for key in EXACT_KEYS:
