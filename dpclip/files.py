@@ -177,14 +177,24 @@ def read_json(path: str | Path) -> Any:
 
 def read_jsonl(path: str | Path) -> list[dict]:
     """The records of a JSON-lines file (metrics.jsonl, diagnostics.jsonl); a line cut by a
-    crash ends the list; a missing file has none."""
-    records: list[dict] = []
+    crash ends the list, as does one that is not a JSON object or not UTF-8 (a damaged or
+    hand-edited file: what follows it is not trusted either); a missing file has none."""
+    return [record for _, record in jsonl_records(path)]
+
+
+def jsonl_records(path: str | Path) -> list[tuple[str, dict]]:
+    """(line, record) of each JSON object line of ``path`` up to the first line that is not one
+    (:func:`read_jsonl`); a missing file, or a folder in its place, has none."""
     path = Path(path)
-    if not path.exists():
-        return records
-    for line in path.read_text(encoding="utf-8").splitlines():
+    if not path.is_file():
+        return []
+    records: list[tuple[str, dict]] = []
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
             break
+        if not isinstance(record, dict):
+            break
+        records.append((line, record))
     return records

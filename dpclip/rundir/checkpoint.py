@@ -73,7 +73,10 @@ def load_model_tensors(path: Path) -> dict[str, torch.Tensor]:
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata() or {}
     tensors = load_file(str(path))
-    for alias, name in json.loads(metadata.get(_TIED, "{}")).items():
+    tied = json.loads(metadata.get(_TIED, "{}"))
+    if not isinstance(tied, dict) or not all(isinstance(name, str) and name in tensors for name in tied.values()):
+        raise ValueError(f"its {_TIED} metadata is not a map of names to its own tensors' names")
+    for alias, name in tied.items():
         tensors[alias] = tensors[name]
     return tensors
 
