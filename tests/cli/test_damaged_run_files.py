@@ -93,6 +93,24 @@ def test_a_resume_refuses_a_meta_json_whose_records_are_not_what_the_run_wrote(c
     assert "meta.json" in result.err
 
 
+@pytest.mark.parametrize("path", [("optimizer",), ("sampler", "step"), ("engine",), ("engine", "policy", "thresholds"),
+                                  ("torch_rng",)])
+def test_a_resume_refuses_a_checkpoint_state_that_is_not_what_the_run_saved(cli, run_copy, path):
+    # "unexpected AttributeError: 'str' object has no attribute 'copy'", "invalid literal for int()",
+    # "expected a torch.ByteTensor, but got str", "too many dimensions 'str'"
+    _killed_after_step_2(run_copy)
+    state_file = run_copy / "checkpoints" / "step_000001" / "state.json"
+    state = json.loads(state_file.read_text())
+    node = state
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = ["x", 1] if path[-1] == "thresholds" else "x"
+    state_file.write_text(json.dumps(state))
+    result = cli("train", "--resume", run_copy, "--threads", "1")
+    assert _refused(result), result.err
+    assert "does not hold a state this run can take back" in result.err
+
+
 @pytest.mark.parametrize("final_eval", ["x", {"loss": "x"}, [1]])
 def test_report_refuses_final_metrics_that_are_not_named_numbers(cli, run_copy, tmp_path, final_eval):
     # report crashed: "'str' object has no attribute 'items'", "Unknown format code 'g' for object of type 'str'"
