@@ -111,6 +111,16 @@ def test_a_resume_refuses_a_checkpoint_state_that_is_not_what_the_run_saved(cli,
     assert "does not hold a state this run can take back" in result.err
 
 
+def test_audit_refuses_a_split_key_that_is_not_a_key(cli, run_copy):
+    # "unexpected ValueError: invalid literal for int() with base 10: 'x'"
+    meta = json.loads((run_copy / "meta.json").read_text())
+    meta["split_key"] = "x"
+    (run_copy / "meta.json").write_text(json.dumps(meta))
+    result = cli("audit-mia", run_copy, "--attack", "loss", "--bootstrap", "0")
+    assert _refused(result), result.err
+    assert "split_key" in result.err
+
+
 @pytest.mark.parametrize("final_eval", ["x", {"loss": "x"}, [1]])
 def test_report_refuses_final_metrics_that_are_not_named_numbers(cli, run_copy, tmp_path, final_eval):
     # report crashed: "'str' object has no attribute 'items'", "Unknown format code 'g' for object of type 'str'"
