@@ -105,7 +105,8 @@ def remove_stale_temporaries(folder: str | Path) -> list[str]:
 def write_with_atomic(path: str | Path, write: Callable[[Path], None], durable: bool = True) -> None:
     """``write(tmp)`` writes the file (``torch.save`` for one another library makes) at a temporary
     path beside ``path``, which is then fsynced (``durable``) and renamed over ``path``
-    (owner-only): a write cut short (a kill, a full disk) leaves the previous file whole."""
+    (owner-only): a write cut short (a kill, a full disk) leaves the previous file whole; ``durable``
+    also syncs the folder after the rename, so that a power loss cannot undo it."""
     path = Path(path)
     handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(handle)
@@ -119,6 +120,21 @@ def write_with_atomic(path: str | Path, write: Callable[[Path], None], durable: 
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if durable:   # the rename itself is an entry of the folder: on disk once the folder is synced
+        sync(path.parent)
+
+
+def sync(path: str | Path) -> None:
+    """fsync a file, or a folder (the names in it: a rename's), so that a power loss keeps it."""
+    folder = Path(path).is_dir()
+    handle = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if folder else 0))
+    try:
+        os.fsync(handle)
+    except OSError as exc:   # a file system that cannot sync a folder (some network ones): its renames are its own
+        if not folder or exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+    finally:
+        os.close(handle)
 
 
 def write_text_atomic(path: str | Path, text: str, durable: bool = True) -> None:
