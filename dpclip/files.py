@@ -105,7 +105,8 @@ def remove_stale_temporaries(folder: str | Path) -> list[str]:
 def write_with_atomic(path: str | Path, write: Callable[[Path], None], durable: bool = True) -> None:
     """``write(tmp)`` writes the file (``torch.save`` for one another library makes) at a temporary
     path beside ``path``, which is then fsynced (``durable``) and renamed over ``path``
-    (owner-only): a write cut short (a kill, a full disk) leaves the previous file whole."""
+    (owner-only): a write cut short (a kill, a full disk) leaves the previous file whole; ``durable``
+    also syncs the folder after the rename, so that a power loss cannot undo it."""
     path = Path(path)
     handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(handle)
@@ -119,6 +120,21 @@ def write_with_atomic(path: str | Path, write: Callable[[Path], None], durable: 
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if durable:   # the rename itself is an entry of the folder: on disk once the folder is synced
+        sync(path.parent)
+
+
+def sync(path: str | Path) -> None:
+    """fsync a file, or a folder (the names in it: a rename's), so that a power loss keeps it."""
+    folder = Path(path).is_dir()
+    handle = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if folder else 0))
+    try:
+        os.fsync(handle)
+    except OSError as exc:   # a file system that cannot sync a folder (some network ones): its renames are its own
+        if not folder or exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+    finally:
+        os.close(handle)
 
 
 def write_text_atomic(path: str | Path, text: str, durable: bool = True) -> None:
@@ -177,14 +193,24 @@ def read_json(path: str | Path) -> Any:
 
 def read_jsonl(path: str | Path) -> list[dict]:
     """The records of a JSON-lines file (metrics.jsonl, diagnostics.jsonl); a line cut by a
-    crash ends the list; a missing file has none."""
-    records: list[dict] = []
+    crash ends the list, as does one that is not a JSON object or not UTF-8 (a damaged or
+    hand-edited file: what follows it is not trusted either); a missing file has none."""
+    return [record for _, record in jsonl_records(path)]
+
+
+def jsonl_records(path: str | Path) -> list[tuple[str, dict]]:
+    """(line, record) of each JSON object line of ``path`` up to the first line that is not one
+    (:func:`read_jsonl`); a missing file, or a folder in its place, has none."""
     path = Path(path)
-    if not path.exists():
-        return records
-    for line in path.read_text(encoding="utf-8").splitlines():
+    if not path.is_file():
+        return []
+    records: list[tuple[str, dict]] = []
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
             break
+        if not isinstance(record, dict):
+            break
+        records.append((line, record))
     return records

@@ -38,7 +38,7 @@ from dpclip.errors import DpclipError
 from dpclip.files import private_dir, write_json_atomic
 from dpclip.models import build_model
 from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint, missing_checkpoint_hint
-from dpclip.train.parts import canary_records
+from dpclip.train.parts import canary_records, stored_split_key
 from dpclip.rundir.run import check_ledger, load_run_recipe, planned_step
 from dpclip.rundir.searchdir import headline
 
@@ -92,8 +92,8 @@ def build_pool(run_dir: Path, recipe) -> Pool:
         raise DpclipError(f"{run_dir / layout.META} is missing or damaged ({type(exc).__name__}): without it the "
                           "members and non-members cannot be rebuilt", "restore it from a backup of the run "
                           "directory (dpclip train writes it once, at the start)") from None
-    key = meta.get("split_key")   # the run's private split key (None: its recipe's seed drew the split)
-    data = load_data(recipe.data, seed=recipe.seed, split_key=None if key is None else int(key))
+    key = stored_split_key(run_dir)   # the run's private split key (None: its recipe's seed drew the split)
+    data = load_data(recipe.data, seed=recipe.seed, split_key=key)
     if data.fingerprint != fingerprint:
         shadow = run_dir.parent.name == layout.SHADOWS   # a shadow trained on the subset LiRA handed it
         raise DpclipError(f"the data of {run_dir} no longer splits as it did in training",

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from dpclip.cli.render import console, error_console, fmt, fmt_upper, print_json
+from dpclip.errors import DpclipError
 
 
 class AccountantChoice(str, Enum):
@@ -91,6 +92,10 @@ def account(
     from dpclip.planning.account import AccountFlags, account_report
 
     if target is not None and target.is_dir():
+        _refuse_plan_options(target, overrides, [eps, delta, sigma, sample_rate, steps, dataset_size, batch_size,
+                                                 epochs, aux, aux_sigma, aux_fraction, bins, groups, bands, buffers,
+                                                 users, users_per_batch, max_examples_per_user],
+                             (accountant, sampling, mechanism, unit))
         _account_directory(target, as_json, group_size)
         return
     flags = AccountFlags(eps=eps, delta=delta, sigma=sigma, sample_rate=sample_rate, steps=steps,
@@ -106,6 +111,16 @@ def account(
         _render(report)
         if report.group:
             console.print(_group_line(report.group), soft_wrap=True)
+
+
+def _refuse_plan_options(target: Path, overrides: list[str] | None, options: list, choices: tuple) -> None:
+    """A directory's spending comes from its ledger: overrides and plan options given with it would be ignored."""
+    defaults = (AccountantChoice.pld, SamplingChoice.poisson, MechanismChoice.dp_sgd, UnitChoice.example)
+    if overrides or any(option is not None for option in options) or choices != defaults:
+        raise DpclipError(f"{target} is a directory: what a run or search spent comes from its ledger, which "
+                          "key=value overrides and the plan's options do not change",
+                          "drop them (only --group-size and --json apply to a directory), or pass a recipe file "
+                          "to plan a run with them")
 
 
 def _note(text: str) -> None:

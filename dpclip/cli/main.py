@@ -124,14 +124,18 @@ INTERRUPTED_HINT = ("nothing was left half written: run the command again (a tra
 
 def _file_system_error(exc: Exception) -> tuple[str, str] | None:
     """(error, hint) for a folder the command may not write (read-only, permission, full disk, a path
-    through a file or to a folder that is not there)."""
+    through a file or to a folder that is not there, a name too long, a NUL in a path)."""
+    if isinstance(exc, ValueError) and "embedded null byte" in str(exc):   # os.fspath's refusal of a path with NUL
+        return ("a path given holds a NUL character (\\0)", "check the paths given: no file or folder name can hold it")
     if not isinstance(exc, OSError) or exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC,
-                                                          errno.EDQUOT, errno.ENOTDIR, errno.EISDIR, errno.ENOENT):
+                                                          errno.EDQUOT, errno.ENOTDIR, errno.EISDIR, errno.ENOENT,
+                                                          errno.ENAMETOOLONG):
         return None
     where = exc.filename or "a file"
-    if exc.errno in (errno.ENOTDIR, errno.EISDIR, errno.ENOENT):
+    if exc.errno in (errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.ENAMETOOLONG):
         what = {errno.ENOTDIR: "a part of that path is a file, not a folder", errno.EISDIR: "it is a folder",
-                errno.ENOENT: "no such file or folder"}[exc.errno]
+                errno.ENOENT: "no such file or folder",
+                errno.ENAMETOOLONG: "a name in that path is longer than the file system allows"}[exc.errno]
         return (f"cannot use {where}: {what}", "check the paths given (output_dir=... for train, --out for export, "
                 "report and tune-cost, the run directory); if they are right, rerun with --debug and please report it")
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -77,7 +77,10 @@ def check_plain(info: dict[str, Any], recipe, tensors: dict[str, torch.Tensor], 
     ``model_card.json`` describes, as :func:`dpclip.export.load_exported` will rebuild it."""
     if recipe.model.kind not in ("mlp", "cnn") or info.get("input_shape") is None:
         return   # a custom factory is not imported here; a model.json-less checkpoint has no sizes
-    module = build_described(recipe.model, info.get("task"), info["input_shape"], info.get("num_classes"))
+    try:
+        module = build_described(recipe.model, info.get("task"), info["input_shape"], info.get("num_classes"))
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:   # sizes edited: not ints, negative, huge
+        raise damaged(checkpoint, layout.MODEL_INFO, exc) from None
     try:
         module.load_state_dict(tensors, strict=True)
     except RuntimeError as exc:

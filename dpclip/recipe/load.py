@@ -75,6 +75,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise RecipeError(f"recipe file not found: {path}", hint)
     if path.is_dir():
         raise RecipeError(f"{path} is a directory, not a recipe file", "pass a .yaml recipe file")
+    if not path.is_file():   # a device or a pipe (/dev/zero, a FIFO): read to its end, it might never end
+        raise RecipeError(f"{path} is not a regular file", "pass a .yaml recipe file")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

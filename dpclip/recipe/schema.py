@@ -395,7 +395,8 @@ class Logging(Section):
 class Recipe(Section):
     """A dpclip recipe. See docs/recipes.md."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="run name; used in the run directory")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200,
+                      description="run name, at most 200 characters; used in the run directory's name")
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = Field(
         0, description="seeds what is not private: the model init, dropout, synthetic data. Noise, batches, the "
         "train/test split (who is a member) and the audit's canaries and planted secrets come from OS entropy "

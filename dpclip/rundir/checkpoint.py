@@ -36,7 +36,8 @@ from dpclip.accounting.ledger import Ledger
 from dpclip.errors import DpclipError
 from dpclip.models.build import model_info
 from dpclip.interrupt import shielded
-from dpclip.files import owner_only, private_dir, read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
+from dpclip.files import (owner_only, private_dir, read_json, replace_dir_atomic, sync, write_json_atomic,
+                          write_text_atomic)
 
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
@@ -73,7 +74,10 @@ def load_model_tensors(path: Path) -> dict[str, torch.Tensor]:
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata() or {}
     tensors = load_file(str(path))
-    for alias, name in json.loads(metadata.get(_TIED, "{}")).items():
+    tied = json.loads(metadata.get(_TIED, "{}"))
+    if not isinstance(tied, dict) or not all(isinstance(name, str) and name in tensors for name in tied.values()):
+        raise ValueError(f"its {_TIED} metadata is not a map of names to its own tensors' names")
+    for alias, name in tied.items():
         tensors[alias] = tensors[name]
     return tensors
 
@@ -155,8 +159,11 @@ def _save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, state: di
     save_file(tensors, str(staging / layout.STATE_TENSORS))
     owner_only(staging / layout.STATE_TENSORS)   # the generators' states: secret
     write_json_atomic(staging / layout.STATE, tree)
+    for written in (layout.MODEL_WEIGHTS, layout.STATE_TENSORS):   # (safetensors does not sync): on disk before
+        sync(staging / written)                                    # LATEST can name the folder after a power loss
+    sync(staging)
     replace_dir_atomic(staging, final)
-    write_text_atomic(root / layout.LATEST, final.name + "\n")
+    write_text_atomic(root / layout.LATEST, final.name + "\n")   # (durable: syncs root, with the rename above)
     # By step number: past step 999,999 the names grow a digit and sort before the older ones.
     kept = sorted((p for p in root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)),
                   key=lambda p: int(p.name[5:]))

@@ -64,6 +64,9 @@ def check_data(run, data) -> None:
     each (recorded now for runs started before the people fingerprint, checked from then on)."""
     meta = run.meta()
     stored = meta.get("data") or {}
+    if not isinstance(stored, dict):
+        raise DpclipError(f"{run.meta_file} is damaged: its data record is not a JSON object",
+                          "restore meta.json from a backup of the run directory")
     if stored.get("content_fingerprint") is not None and stored["content_fingerprint"] != data_fingerprint(data):
         raise DpclipError(f"the data of {run.path} changed since the run started (its content fingerprint differs)",
                           "restore the data files the run was started with (recipe.yaml names them), or start a "

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dpclip.files import OWNER_ONLY, append_line, write_text_atomic
+from dpclip.files import OWNER_ONLY, append_line, jsonl_records, write_text_atomic
 
 
 #: Fields of a metrics record that are charged releases (what a replay must reproduce). The
@@ -54,16 +54,21 @@ def step_record(step, report, epsilon, loss_sum, batch_len, expected_batch, lr, 
 
 def last_released_step(path: Path) -> int:
     """The step of metrics.jsonl's last private step record (one with ``noise_std``; 0: none): the
-    loop writes ledger.json before each step's record, so a ledger with fewer steps was cut back."""
-    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    loop writes ledger.json before each step's record, so a ledger with fewer steps was cut back.
+    Every line is read, past a cut or damaged one (a record after it still left the process)."""
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines() if path.is_file() else []
     for line in reversed(lines):
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             continue   # a line cut by a crash
-        if isinstance(record, dict) and "noise_std" in record and isinstance(record.get("step"), int):
+        if isinstance(record, dict) and "noise_std" in record and _is_step(record.get("step")):
             return record["step"]
     return 0
+
+
+def _is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def append_record(path: Path, record: dict[str, Any]) -> None:
@@ -79,15 +84,13 @@ def released_records(path: Path, last_step: int) -> dict[tuple[str, int], dict[s
         path.touch(mode=OWNER_ONLY)
         return {}
     kept, later = [], {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            break  # a line cut by the crash
+    for line, record in jsonl_records(path):   # up to a line cut by the crash (or damaged)
+        if not _is_step(record.get("step")):
+            break   # not a record the loop wrote: neither it nor what follows is kept
         kept.append(line)
         kind = "eval" if "eval" in record else "step"
         # The final evaluation follows the closing checkpoint of its step: a resume from it evaluates again.
-        if record.get("step", 0) > last_step or (kind == "eval" and record.get("step") == last_step):
+        if record["step"] > last_step or (kind == "eval" and record["step"] == last_step):
             later[(kind, record["step"])] = record
     write_text_atomic(path, "".join(f"{line}\n" for line in kept))
     return later

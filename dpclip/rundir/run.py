@@ -378,11 +378,20 @@ def check_ledger(ledger, solved, steps: int | range, *, where: Path | str) -> No
     for entry in ledger.entries:
         for offset in range(entry.count):
             expected = solved.event_at(step + offset)
-            if not same_event(entry.event, expected):
+            if not _same_event(entry.event, expected):
                 raise DpclipError(f"{where} records {entry.event} at step {step + offset + 1}, which is not this "
                                   f"run's step event there, {expected}",
                                   "the run directory was modified or mixed with another run's: restore it")
         step += entry.count
+
+
+def _same_event(recorded, expected) -> bool:
+    """:func:`~dpclip.accounting.same_event`, False for a recorded event whose fields are not numbers
+    (dp_accounting's events take any value: an edited ledger's ``"sampling_probability": "x"``)."""
+    try:
+        return same_event(recorded, expected)
+    except (TypeError, ValueError, AttributeError):
+        return False
 
 
 def check_canaries(run_dir: Path, canaries) -> None:

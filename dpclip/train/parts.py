@@ -73,7 +73,10 @@ def stored_split_key(run_dir: Path) -> int | None:
         raise DpclipError(f"{run_dir} has no meta.json, so its members cannot be rebuilt",
                           "pass the folder that `dpclip train` created under runs/")
     key = json.loads(path.read_text(encoding="utf-8")).get("split_key")
-    return None if key is None else int(key)
+    if key is not None and (isinstance(key, bool) or not isinstance(key, int) or key < 0):
+        raise DpclipError(f"{path} records split_key {str(key)[:40]!r}, which is not the key of a split (its members "
+                          "cannot be rebuilt)", "the run directory was modified: restore meta.json from a backup")
+    return key
 
 
 def split_key(recipe: Recipe, world: World, run_dir: Path | None) -> int | None:

@@ -59,8 +59,10 @@ def training_series(records: list[dict[str, Any]]) -> dict[str, tuple[list[int],
             values.append(float(value))
 
     for record in records:
+        if isinstance(record.get("step"), bool) or not isinstance(record.get("step"), int):
+            continue   # not a record the loop wrote (an edited file): nothing to draw
         if "eval" in record:
-            for metric, value in record["eval"].items():
+            for metric, value in (record["eval"] if isinstance(record["eval"], dict) else {}).items():
                 add(f"eval_{metric}", record["step"], value)
             continue
         add("epsilon", record["step"], record.get("epsilon"))

@@ -49,6 +49,10 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     summary = run.summary() if run.summary_file.exists() else {}
     records = read_metrics(run.metrics_file)
     final_eval = summary.get("final_eval") or next((r["eval"] for r in reversed(records) if "eval" in r), {})
+    if not isinstance(final_eval, dict) or not all(isinstance(k, str) and _number(v) for k, v in final_eval.items()):
+        raise DpclipError(f"the final held-out metrics in {run.summary_file} (or {run.metrics_file}) are not "
+                          "named numbers: the file is damaged", "restore it from a backup of the run directory "
+                          "(or delete summary.json: the run then reads as unfinished)")
     return {
         "run_dir": str(run.path), "name": recipe.name, "steps_done": ledger.steps, "steps_planned": planned,
         # The headline: for a run a search selected, the search's ε (everything released with the run).

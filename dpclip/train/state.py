@@ -251,7 +251,13 @@ class Checkpointer:
             check_parallel(tree, parts.setting.recipe.training.parallel, run.path)
 
         tree = load_checkpoint(checkpoint, model, check)
-        restore(parts, state, tree)
+        try:
+            restore(parts, state, tree)
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as exc:
+            # state.json read as JSON, but what it holds is not what the run saved (edited, or another version's)
+            raise DpclipError(f"checkpoint {checkpoint} does not hold a state this run can take back "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})",
+                              "the run directory was modified: restore it from a backup, or start a new run") from None
         check_ledger(state.ledger, solved, state.step, where=checkpoint / STATE)
         released = read_ledger(run.ledger_file) if run.ledger_file.exists() else state.ledger
         check_ledger(released, solved, range(state.step, steps + 1), where=run.ledger_file)

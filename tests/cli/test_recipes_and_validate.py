@@ -80,3 +80,19 @@ def test_validate_checks_the_rules_that_need_the_data_size(cli):
     assert big_delta.code == 2 and "1/N" in big_delta.err and "hint:" in big_delta.err
     big_batch = cli("validate", QUICKSTART, "training.batch_size=5000")
     assert big_batch.code == 2 and "exceeds" in big_batch.err
+
+
+def test_a_recipe_path_that_is_a_device_socket_or_pipe_is_refused_before_it_is_read(cli, tmp_path):
+    # a socket was opened ("cannot read ...: No such device"); /dev/zero or a FIFO without a writer was read
+    # until memory ran out, or forever (the socket comes first: before the fix this test fails, not hangs)
+    import os
+    import socket
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(tmp_path / "s.yaml"))
+    os.mkfifo(tmp_path / "pipe.yaml")
+    try:
+        for path in (tmp_path / "s.yaml", "/dev/zero", tmp_path / "pipe.yaml"):
+            result = cli("validate", path)
+            assert result.code == 2 and "is not a regular file" in result.err and "hint:" in result.err, result.err
+    finally:
+        server.close()

@@ -146,3 +146,36 @@ def test_a_run_killed_before_its_first_checkpoint_is_told_it_released_nothing(tm
     assert "released nothing" in hint and "backup" not in hint and str(run) in hint
     (run / layout.SUMMARY).write_text("{}")   # a summary: it did train
     assert "backup" in missing_checkpoint_hint(run)
+
+
+def test_a_checkpoint_is_synced_to_disk_before_latest_names_it(tmp_path, monkeypatch):
+    """safetensors writes without fsync and a rename is an entry of its folder: after a power loss LATEST (and
+    the ledger written before it) could name a checkpoint whose weights never reached the disk. Each file and
+    folder is synced before the rename that makes it current, and the folder after it."""
+    import os
+
+    import dpclip.files
+
+    synced, renamed, fsync = [], [], os.fsync
+
+    def recorded_fsync(handle):
+        synced.append(os.readlink(f"/proc/self/fd/{handle}"))
+        return fsync(handle)
+
+    real_replace = os.replace
+
+    def recorded_replace(source, target):
+        renamed.append((str(target), len(synced)))
+        return real_replace(source, target)
+
+    monkeypatch.setattr(dpclip.files.os, "fsync", recorded_fsync)
+    monkeypatch.setattr(dpclip.files.os, "replace", recorded_replace)
+    folder = save_checkpoint(tmp_path, 3, torch.nn.Linear(2, 2), {"step": 3, "x": torch.ones(2)}, keep=2)
+    root = folder.parent
+    made_current = next(count for target, count in renamed if target == str(folder))
+    before = synced[:made_current]
+    for name in ("model.safetensors", "state.safetensors"):   # (the JSON files: synced as their temporaries)
+        assert any(path.endswith(f".step_000003.staging/{name}") for path in before), (name, before)
+    assert any(path.endswith(".step_000003.staging") for path in before)
+    latest_renamed = next(count for target, count in renamed if target == str(root / "LATEST"))
+    assert str(root) in synced[latest_renamed:]   # the folder holding both renames, synced after them
