@@ -58,8 +58,15 @@ def model_outputs(model, loss_fn, tensors: dict[str, torch.Tensor], task: str, b
         else:
             confidences.append(-loss.float())
     model.train(was_training)
-    return Outputs(torch.cat(losses).numpy(), torch.cat(logits).numpy() if logits else None,
-                   torch.cat(confidences).numpy())
+    result = Outputs(torch.cat(losses).numpy(), torch.cat(logits).numpy() if logits else None,
+                     torch.cat(confidences).numpy())
+    if not (np.isfinite(result.losses).all() and np.isfinite(result.confidence).all()):
+        # the attacks rank scores, and NaN or inf ranks nowhere (scikit-learn's metrics refuse them)
+        raise DpclipError("the model's losses or confidences are not finite on rows the audit scores: its weights "
+                          "diverged (or were damaged), so no attack can rank them",
+                          "audit a checkpoint whose outputs are finite (a checkpoints/step_NNNNNN folder before the "
+                          "divergence), or train again with a smaller learning rate or clipping threshold")
+    return result
 
 
 #: The attacks that compare the run's members with its non-members (the one-run audit and exposure do not).

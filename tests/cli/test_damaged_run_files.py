@@ -178,3 +178,18 @@ def test_an_output_dir_with_a_name_longer_than_the_file_system_allows_is_an_erro
     result = cli("train", QUICKSTART, *TINY, f"output_dir={tmp_path / ('b' * 300)}")
     assert _refused(result), result.err
     assert "longer than the file system allows" in result.err
+
+
+def test_audit_refuses_a_model_whose_outputs_are_not_finite(cli, run_copy):
+    # a diverged run (or damaged weights): "unexpected ValueError: Input contains NaN" from the attack's metrics
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    weights = run_copy / "checkpoints" / "step_000002" / "model.safetensors"
+    with safe_open(str(weights), framework="pt") as stored:
+        metadata = stored.metadata()
+        tensors = {name: stored.get_tensor(name) * float("nan") for name in stored.keys()}
+    save_file(tensors, str(weights), metadata=metadata)
+    result = cli("audit-mia", run_copy, "--attack", "loss", "--bootstrap", "0")
+    assert _refused(result), result.err
+    assert "not finite" in result.err
