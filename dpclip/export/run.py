@@ -20,6 +20,7 @@ from dpclip.export.paths import cut_in_text, local_name, local_paths, without_lo
 from dpclip.files import made_private, narrow, owner_only, read_json, replace_dir_atomic, write_json_atomic, write_text_atomic
 from dpclip.rundir.checkpoint import latest_checkpoint, missing_checkpoint_hint
 from dpclip.rundir.run import RunDir
+from dpclip.rundir.searchdir import is_search_dir
 
 _STEP_DIR = re.compile(r"step_[0-9]{6,}")
 
@@ -144,14 +145,24 @@ def _model_info(checkpoint: Path, recipe) -> dict[str, Any]:
     return {"kind": recipe.model.kind, "model": recipe.model.model_dump(mode="json")}
 
 
+def _not_a_run_hint(run: RunDir) -> str:
+    """Where to point instead: a search directory's selected run (its ε is the search's), else a run folder."""
+    if is_search_dir(run.path):
+        selected = run.summary().get("selected_run_dir")
+        if selected:
+            return (f"{run.path} is a search directory (dpclip tune-cost --run): export the run it selected, "
+                    f"{run.path / selected} (its card states the search's ε)")
+        return f"{run.path} is a search directory whose search selected no run: there is no model to export"
+    return "pass the folder that `dpclip train` created under runs/"
+
+
 def export_run(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | None = None,
                force: bool = False) -> ExportResult:
     """Write checkpoint ``checkpoint`` (default: the latest) of ``run_dir`` to ``out_dir``
     with its model card; ``out_dir`` must be absent or empty unless ``force``."""
     run = RunDir(run_dir)
     if not run.recipe_file.is_file():
-        raise DpclipError(f"{run.path} is not a run directory (no recipe.yaml)",
-                          "pass the folder that `dpclip train` created under runs/")
+        raise DpclipError(f"{run.path} is not a run directory (no recipe.yaml)", _not_a_run_hint(run))
     out_dir = Path(out_dir)
     target = _check_out_dir(out_dir, run.path, force)
     recipe = run.recipe()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import transformers
 
+from dpclip.errors import DpclipError
 from dpclip.export import export_run
 from dpclip.recipe import load_recipe
 from dpclip.train.workflow import train
@@ -67,6 +68,10 @@ def test_the_card_of_a_run_a_search_selected_names_no_folder_of_the_exporting_ma
     assert _naming(out, tmp_path) == []
     card = json.loads((out / "privacy.json").read_text())
     assert card["selected_by_search"]["search_dir"] == f"(local path)/{search_dir.name}"
+    # the search directory itself is no run: the hint names the run it selected (it said "a folder under runs/")
+    with pytest.raises(DpclipError, match="is not a run directory") as refused:
+        export_run(search_dir, tmp_path / "again")
+    assert str(search_dir / summary["selected_run_dir"]) in refused.value.hint
 
 
 def test_the_cards_statement_names_the_public_data_by_its_file_name_only(tmp_path):
