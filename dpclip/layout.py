@@ -55,6 +55,7 @@ EXPOSURE = "exposure.json"        # under audit/: secret (the planted secrets of
 AUDIT_REPORT = "report.json"      # under audit/: audit-mia's result
 SHADOWS = "shadows"               # under audit/: LiRA's shadow runs
 ROC_PLOT = "roc.png"
+ONE_RUN_LOG = "one_run_audits.jsonl"  # under audit/: each one-run audit's checkpoint and confidence
 SEARCH_RUNS = "runs"              # in a search directory: its trials
 
 

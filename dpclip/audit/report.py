@@ -6,7 +6,10 @@ Members and non-members are rebuilt from the run directory alone: the recipe rel
 data with the run's seed, and the split's fingerprint must match the one in meta.json.
 The model is loaded from safetensors (never a pickle), the ε and δ to compare with come
 from the checkpoint's own ledger state, and the audit writes only under ``RUN/audit/``:
-``report.json``, ``roc.png`` and, for LiRA and RMIA, ``shadows/``. ledger.json is never written.
+``report.json``, ``roc.png``, ``one_run_audits.jsonl`` (the checkpoints one-run audits read) and, for
+LiRA and RMIA, ``shadows/``. ledger.json is never written.
+
+Length: one audit read top to bottom (the pool, each attack's call, the notes its reader needs).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from dpclip.data import load_data
 from dpclip.data.canaries import make_canaries, missing_answer_key, read_canary_secret
 from dpclip.data.exposure import stored_exposure
 from dpclip.errors import DpclipError
-from dpclip.files import private_dir, write_json_atomic
+from dpclip.files import append_line, private_dir, read_jsonl, write_json_atomic
 from dpclip.models import build_model
 from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint, missing_checkpoint_hint
 from dpclip.train.parts import canary_records, stored_split_key
@@ -264,6 +267,9 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
         folder = layout.audit_dir(run_dir)
         private_dir(folder)
         write_json_atomic(folder / layout.AUDIT_REPORT, report)
+        if "one_run" in report:   # the record the multiple-testing note reads, whatever later audits overwrite
+            append_line(folder / layout.ONE_RUN_LOG, json.dumps({"checkpoint": report["checkpoint"],
+                                                                  "confidence": report["one_run"]["confidence"]}))
         if report["attacks"]:
             plot_roc(report, folder / layout.ROC_PLOT)
         else:   # an earlier audit's curves do not belong beside this report
@@ -272,18 +278,24 @@ def audit(target: Path, attacks: list[str], *, shadows: int = 8, seed: int = 0, 
 
 
 def _note_earlier_one_run(run_dir: Path, report: dict) -> None:
-    """A note when the run's last report (the one record of earlier audits) holds a one-run audit of
-    another checkpoint: several checkpoints audited and the worst read is multiple testing."""
+    """A note when one-run audits of other checkpoints of the run came before (audit/one_run_audits.jsonl,
+    which every one-run audit appends to, and the last report.json for audits made before that log):
+    several checkpoints audited and the worst read is multiple testing."""
+    folder = layout.audit_dir(run_dir)
+    earlier = {record.get("checkpoint") for record in read_jsonl(folder / layout.ONE_RUN_LOG)}
     try:
-        earlier = json.loads((layout.audit_dir(run_dir) / layout.AUDIT_REPORT).read_text(encoding="utf-8"))
-        checkpoint, one_run = earlier["checkpoint"], earlier.get("one_run")
+        last = json.loads((folder / layout.AUDIT_REPORT).read_text(encoding="utf-8"))
+        if last.get("one_run"):
+            earlier.add(last["checkpoint"])
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
-        return   # no earlier audit recorded, or none readable: nothing to say
-    if one_run and checkpoint != report["checkpoint"]:
+        pass   # no earlier report, or none readable: the log alone
+    others = sorted(c for c in earlier if isinstance(c, str) and c != report["checkpoint"])
+    if others:
         alpha = 1 - report["one_run"]["confidence"]
-        report["notes"].append(f"the run's last audit was a one-run audit of {checkpoint}: auditing several "
+        report["notes"].append(f"the run's earlier one-run audits: {', '.join(others)}: auditing several "
                                f"checkpoints of one run is multiple testing (the {alpha:.2g} chance of a false "
-                               f"flag is per audit); audit n checkpoints each with --confidence 1 − {alpha:.2g}/n")
+                               f"flag is per audit); audit n checkpoints each with --confidence 1 − {alpha:.2g}/n "
+                               f"(n = {len(others) + 1} so far)")
 
 
 def per_person(scored: Outputs, members: np.ndarray, people: np.ndarray) -> tuple[Outputs, np.ndarray]:

@@ -97,6 +97,7 @@ FIELDS: tuple[Fields, ...] = (
            what="the whole file is measured on private data; `one_run/included`, how many canaries went in, is an "
                 "exact count of the answer key's secret inclusion bits (audit/canaries.json): the canaries' "
                 "membership, private records with `mislabel` canaries; it narrows the answer key"),
+    Fields(RUN, "audit/one_run_audits.jsonl", released=("checkpoint", "confidence")),
     Fields(RUN, "tensorboard/events.out.tfevents.*",
            released=("privacy/epsilon", "privacy/epsilon_this_run_alone", "train/lr", "thresholds/*",
                      "noise_std/*", *(f"{key}/**" for key in _POLICY)),

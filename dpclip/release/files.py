@@ -74,6 +74,8 @@ MANIFEST: tuple[Entry, ...] = (
     _run("audit/report.json", LABELLED, "attack metrics and ROC curves, measured on private data; each planted "
          "secret's exposure (its rank among the candidates: with the model, it names the secret)",
          "dpclip audit-mia"),
+    _run("audit/one_run_audits.jsonl", RELEASED, "each one-run audit's checkpoint and confidence (your choices, "
+         "counted for the multiple-testing note)", "dpclip audit-mia --attack one-run"),
     _run("audit/roc.png", LABELLED, "the attacks' ROC under the DP bound (titled not covered by ε)",
          "dpclip audit-mia"),
     _run("audit/shadows/**", SECRET, "LiRA's and RMIA's shadow runs (run directories on private subsets) and "

@@ -309,8 +309,11 @@ def test_a_one_run_audit_of_another_checkpoint_than_the_last_notes_multiple_test
 
     assert "multiple testing" not in notes(run / "checkpoints" / "step_000006")   # no earlier audit recorded
     assert "multiple testing" not in notes(run / "checkpoints" / "step_000006")   # the same checkpoint again
+    # an audit without the one-run attack overwrites report.json: the earlier one-run audit is still counted
+    assert cli("audit-mia", run, "--attack", "loss", "--bootstrap", "0", "--json").code == 0
     later = notes(run, "--confidence", "0.975")                                     # LATEST: step_000012
-    assert "one-run audit of step_000006" in later and "multiple testing" in later
+    assert "earlier one-run audits: step_000006" in later and "multiple testing" in later
+    assert "(n = 2 so far)" in later
     assert "--confidence 1 − 0.025/n" in later
     assert json.loads((run / "audit" / "report.json").read_text())["one_run"]["confidence"] == 0.975
 
