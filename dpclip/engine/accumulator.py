@@ -111,7 +111,7 @@ class StepAccumulator:
                     + " (a module reads them without calling their owner, e.g. `other.weight` "
                     "inside a custom forward, or `self.bias` where `self.child.bias` is the same "
                     "tensor)", "call the owning module, or tie the parameter to a module that uses it"
-                    + WRAPPED_HINT * (torch.distributed.is_available() and torch.distributed.is_initialized()))
+                    + (WRAPPED_HINT if torch.distributed.is_available() and torch.distributed.is_initialized() else ""))
         except BaseException as exc:
             micro.discard()
             if isinstance(exc, DpclipError):   # its shapes show the realised batch size

@@ -62,12 +62,13 @@ def last_released_step(path: Path) -> int:
             record = json.loads(line)
         except (json.JSONDecodeError, RecursionError):
             continue   # a line cut by a crash
-        if isinstance(record, dict) and "noise_std" in record and _is_step(record.get("step")):
+        if isinstance(record, dict) and "noise_std" in record and is_step(record.get("step")):
             return record["step"]
     return 0
 
 
-def _is_step(value: Any) -> bool:
+def is_step(value: Any) -> bool:
+    """Whether ``value`` is a step number as the loop writes it (a whole number, not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -85,7 +86,7 @@ def released_records(path: Path, last_step: int) -> dict[tuple[str, int], dict[s
         return {}
     kept, later = [], {}
     for line, record in jsonl_records(path):   # up to a line cut by the crash (or damaged)
-        if not _is_step(record.get("step")):
+        if not is_step(record.get("step")):
             break   # not a record the loop wrote: neither it nor what follows is kept
         kept.append(line)
         kind = "eval" if "eval" in record else "step"

@@ -17,6 +17,7 @@ from typing import Any
 from dpclip import layout
 from dpclip.files import read_jsonl as read_metrics  # noqa: F401  (re-exported: report.py, tests)
 from dpclip.files import owner_only
+from dpclip.rundir.metrics import is_step
 
 TRAINING_PLOT = layout.TRAINING_PLOT
 THRESHOLDS_PLOT = layout.THRESHOLDS_PLOT
@@ -59,7 +60,7 @@ def training_series(records: list[dict[str, Any]]) -> dict[str, tuple[list[int],
             values.append(float(value))
 
     for record in records:
-        if isinstance(record.get("step"), bool) or not isinstance(record.get("step"), int):
+        if not is_step(record.get("step")):
             continue   # not a record the loop wrote (an edited file): nothing to draw
         if "eval" in record:
             for metric, value in (record["eval"] if isinstance(record["eval"], dict) else {}).items():
