@@ -61,6 +61,9 @@ class Continual:
         self.gradient_noise_multiplier, self.seed = gradient_noise_multiplier, seed
         self.public = load_public(recipe, private_data) if recipe.public is not None else None
         self.planned_private = plan.steps
+        # n_priv of the sample schedule's α: the privacy units, people at the user level (whose count the
+        # plan treats as public), never the records, whose count moves with one person's (docs/continual.md)
+        self.private_units = plan.users if plan.users is not None else private_data.num_train
         self.probe_steps = probe_steps(recipe, plan.sample_rate)
         self.at_step = 0  # the private steps done while the public phase runs (it does not move them)
         self.phase = "public" if self.schedule in ("switch", "only-public") else \
@@ -117,7 +120,7 @@ class Continual:
         """Private step number ``step`` (counted from 0): mixed (dpmd, sample), linear probing, or plain."""
         if self.phase == "mixed":
             self.alpha = dpmd_alpha(step, self.planned_private) if self.schedule == "dpmd" else \
-                sample_alpha(self.public.num_train, self.private_data.num_train)
+                sample_alpha(self.public.num_train, self.private_units)
             public = self._public_gradient(next(self.public_batches))
 
             def mixed(report):

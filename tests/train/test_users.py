@@ -360,3 +360,25 @@ def test_a_resume_on_data_with_a_person_added_is_refused_as_changed_data_not_as_
     with pytest.raises(DpclipError, match="data of .* changed") as caught:
         train(resume=run_dir)
     assert "data files" in caught.value.hint
+
+
+@pytest.mark.slow
+def test_the_sample_schedules_weight_counts_people_not_records(user_recipe):
+    """α = n_pub/(n_pub + n_priv) goes into every mixed step's weights (and metrics.jsonl): n_priv is
+    the people, whose count the plan treats as public, never the records, whose count moves with
+    one person's records (docs/continual.md)."""
+    import torch
+
+    from dpclip.train.parts import assemble
+    from dpclip.train.phases import sample_alpha
+
+    recipe = user_recipe("data.max_length=80", "model.config.n_positions=80",
+                         "public={source: builtin, name: synthetic-text, num_examples: 200, max_length: 80}",
+                         "continual={schedule: sample}")
+    parts = assemble(recipe)
+    continual, data = parts.feed.continual, parts.feed.ordinary
+    assert data.num_users == parts.setting.plan.users < data.num_train
+    # the mixing weight alone: a stand-in private step (nothing is drawn, released or charged here)
+    continual.private_step = lambda indices, before_update=None: None
+    continual.step_fn(0, torch.arange(0))
+    assert continual.alpha == sample_alpha(continual.public.num_train, data.num_users)
