@@ -56,8 +56,8 @@ from dpclip.integrations.parts import PrivateCriterion, PrivateOptimizer
 from dpclip.integrations.releases import ReleaseLog
 from dpclip.integrations.rows import DrawTracker, ModelRowsWatch
 from dpclip.integrations.seal import seal_engine
-from dpclip.integrations.setup import (LOOP_OUTPUTS, Account, check_loop_parts, check_optimizer_params, clipping_spec,
-                                      private_engine, running_world, sampling_world, unit_key)
+from dpclip.integrations.setup import (LOOP_OUTPUTS, Account, check_loop_parts, check_optimizer_params, check_whole_draws,
+                                      clipping_spec, private_engine, running_world, sampling_world, unit_key)
 from dpclip.integrations.train_step import TrainStep, check_compile, train_step_for
 
 
@@ -275,7 +275,7 @@ def make_private(model: nn.Module | None = None, optimizer: torch.optim.Optimize
         model, module, delta, target_delta, clipping, max_grad_norm, loss_reduction, grad_sample_mode, secure_mode)
     check_loop_parts(optimizer, data_loader, epochs, steps, max_physical_batch_size)
     check_compile(model, compile, compile_backend)
-    spec = clipping_spec(clipping, max_grad_norm)
+    spec = check_whole_draws(clipping_spec(clipping, max_grad_norm), max_physical_batch_size)
     check_optimizer_params(model, optimizer)
     world = sampling_world(poisson_sampling)
     # Each rank's loader holds its own share of the logical batch: B = batch_size × ranks.

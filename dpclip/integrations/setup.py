@@ -293,6 +293,19 @@ def clipping_spec(clipping: Mapping[str, Any] | None, max_grad_norm: float | Non
         raise DpclipError(text, "the clipping block takes a recipe's clipping: keys (docs/recipes.md)") from None
 
 
+def check_whole_draws(spec: Clipping, parts: int | None, what: str = "max_physical_batch_size",
+                      fix: str = "leave max_physical_batch_size=None") -> Clipping:
+    """A threshold policy that ranks the whole logical batch (discriminative clipping's top-fraction
+    rule) takes each draw in one backward: refused where ``parts`` (the draw cut into several backwards:
+    ``what``, undone by ``fix``) would have it fail at the first large draw, after the steps before it
+    were charged (a recipe refuses training.micro_batch_size with it the same way). Returns ``spec``."""
+    if parts is not None and spec.threshold.ranks_whole_batch():
+        raise DpclipError(f"clipping.threshold {spec.threshold.kind} with tail_rule top_fraction ranks each whole "
+                          f"draw in one backward, and {what} cuts a draw into several",
+                          f"{fix}, or use tail_rule: threshold (docs/methods.md)")
+    return spec
+
+
 def check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every parameter the optimizer moves must be one the engine privatises."""
     trainable = {id(p) for p in model.parameters() if p.requires_grad}

@@ -40,7 +40,8 @@ the certificate's steps, compiled or not, to give each checked example alone its
 the noisy gradient again), ``label_smoothing_factor > 0`` (never applied), ``include_num_input_tokens_seen``,
 ``neftune_noise_alpha`` (its noise scales with the batch's padded length), ``train_sampling_strategy`` other than
 random (never applied: the draws are Poisson), ``auto_find_batch_size`` (a retry with another B), ``model_init``
-(a model rebuilt outside the engine), several GPUs in one process (``DataParallel``), a second ``train()``, and a
+(a model rebuilt outside the engine), ``tail_rule: top_fraction`` with ``gradient_accumulation_steps > 1``
+(it ranks each whole draw in one backward), several GPUs in one process (``DataParallel``), a second ``train()``, and a
 resume from a checkpoint without dpclip's state, made under another privacy plan, or whose run's release log is not
 beside it (its redone steps could not be checked).
 """
@@ -81,7 +82,7 @@ from dpclip.integrations.trainer_arguments import (missing_rng_state, refuse_dat
 from dpclip.integrations.trainer_card import EVALUATED, LOGGED_LOSS, TIMED, with_statement
 from dpclip.integrations.rows import unit_weights
 from dpclip.integrations.trainer_rows import PartRows, part_rows as _rows
-from dpclip.integrations.setup import clipping_spec, private_engine, running_world, unit_key
+from dpclip.integrations.setup import check_whole_draws, clipping_spec, private_engine, running_world, unit_key
 from dpclip.torch_compat import import_dynamo
 
 # Before any process group exists (TrainingArguments makes one under torchrun): imported after, torch._dynamo
@@ -126,6 +127,8 @@ class DPTrainer(Trainer):
         steps = training.max_steps if training.max_steps > 0 else \
             math.ceil(training.num_train_epochs * self.steps_per_pass)
         spec = clipping_spec(privacy.clipping, privacy.per_sample_max_grad_norm, "per_sample_max_grad_norm")
+        check_whole_draws(spec, self.parts if self.parts > 1 else None, "gradient_accumulation_steps > 1",
+                          "set gradient_accumulation_steps=1 (per_device_train_batch_size is then B per process)")
         self.engine, self.account = private_engine(
             self.model, spec, num_examples=num_examples, batch_size=self.expected_batch_size, steps=steps,
             delta=privacy.delta, target_epsilon=privacy.target_epsilon, noise_multiplier=privacy.noise_multiplier,

@@ -165,3 +165,20 @@ def test_a_torch_func_transform_around_the_private_model_on_a_drawn_batch_is_ref
         run()
     assert "engine.detach()" in refused.value.hint
     assert private.ledger.steps == 0
+
+
+TOP_FRACTION = {"threshold": {"kind": "discriminative", "small": 0.5, "large": 2.0, "tail_rule": "top_fraction",
+                              "top_fraction": 0.25}}
+
+
+def test_top_fraction_with_physical_parts_is_refused_before_any_step():
+    """The top-fraction rule ranks a whole draw in one backward: with max_physical_batch_size it
+    failed at the first draw larger than a part, after the steps before it were charged."""
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 5), torch.randint(0, 3, (64,)))
+    model = nn.Linear(5, 3)
+    with pytest.raises(DpclipError, match="max_physical_batch_size") as refused:
+        dpclip.make_private(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            criterion=nn.CrossEntropyLoss(), data_loader=DataLoader(data, batch_size=16), steps=3,
+                            noise_multiplier=1.0, clipping=TOP_FRACTION, delta=1e-5, max_physical_batch_size=8)
+    assert "max_physical_batch_size=None" in refused.value.hint

@@ -34,3 +34,14 @@ def test_each_step_backwards_its_draw_s_parts_once(tmp_path):
                                                                          max_grad_norm=1.0))
     trainer.train()
     assert trainer.account.ledger.steps == 3
+
+
+def test_top_fraction_with_gradient_accumulation_is_refused_before_any_step(tmp_path):
+    """The top-fraction rule ranks a whole draw in one backward; the Trainer's accumulation parts
+    failed it at the first draw with two non-empty parts, after the steps before it were charged."""
+    clipping = {"threshold": {"kind": "discriminative", "small": 0.5, "large": 2.0, "tail_rule": "top_fraction",
+                              "top_fraction": 0.25}}
+    with pytest.raises(DpclipError, match="gradient_accumulation_steps") as refused:
+        DPTrainer(model=_bert(), args=_args(tmp_path, gradient_accumulation_steps=2), train_dataset=_rows(),
+                  data_collator=_collate, privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, clipping=clipping))
+    assert "gradient_accumulation_steps=1" in refused.value.hint
