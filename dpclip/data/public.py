@@ -5,7 +5,8 @@ What dpclip can check, it does: a public block that names the same source as the
 data (the same builtin set, file or hub data set) is refused unless the public rows are
 carved out of it with ``data.public_fraction`` (disjoint by construction), and a public
 block from another source is refused if any of its rows has the same inputs as a private
-training or held-out row: the same features (or text), whatever its label (:func:`row_fingerprints`).
+training or held-out row: the same features (or text), whatever its label (:func:`row_fingerprints`);
+a public table must have the private table's feature columns, by name and in order.
 A near-copy (a feature moved by 1e-30, the text re-encoded) is not an identical row and is not
 caught: that the rows are public stays the user's declaration.
 """
@@ -117,6 +118,12 @@ def check_disjoint(public: PrivateData, private: PrivateData) -> None:
         raise DpclipError(f"the public data ({public.source}) has columns {sorted(public.train)} where the private "
                           f"data has {sorted(private.train)}",
                           "public and private data must be the same kind of examples (same task and fields)")
+    names = public.feature_names, private.feature_names
+    if None not in names and names[0] != names[1]:
+        raise DpclipError(f"the public data ({public.source}) has feature columns {names[0]} where the private data "
+                          f"has {names[1]}: the features would feed the model's other inputs",
+                          "public and private tables need the same feature columns in the same order: rename the "
+                          f"public columns, or list them in that order, public.feature_fields: [{', '.join(names[1])}]")
     tokens = None
     if public.is_text:
         names = getattr(public.tokenizer, "name", None), getattr(private.tokenizer, "name", None)
