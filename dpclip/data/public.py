@@ -14,6 +14,7 @@ caught: that the rows are public stays the user's declaration.
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import numpy as np
@@ -88,10 +89,23 @@ def load_public(recipe, private: PrivateData | None = None) -> PrivateData:
     if same_source(public, data):
         raise DpclipError(f"public: names the private data's own source ({source_name(public)}): its rows "
                           "would be private rows declared public", CARVE_HINT)
-    loaded = load_data(public, seed=seed)
+    try:
+        loaded = load_data(public, seed=seed)
+    except DpclipError as error:
+        raise about_public(error) from None
     if private is not None:
         check_disjoint(loaded, private)
     return loaded
+
+
+def about_public(error: DpclipError) -> DpclipError:
+    """``error``, raised loading the ``public:`` block, said of it: the message names the public
+    data and the hint its fields (``public.train``, not the private block's ``data.train``)."""
+    error.message = f"public data: {error.message}"
+    if error.hint:
+        error.hint = re.sub(r"\bdata\.(?!public_fraction)(?=[a-z])", "public.", error.hint)
+    error.args = (error.message,)
+    return error
 
 
 def _carved(recipe) -> PrivateData:

@@ -156,6 +156,16 @@ def test_public_text_with_another_tokenizer_is_refused(quickstart, tmp_path):
     assert "tokenizer" in refused.value.hint
 
 
+def test_a_bad_public_block_is_named_in_the_error_and_its_fields_in_the_hint(quickstart, tmp_path):
+    """Errors loading public: must not send the user to the private block's data.train."""
+    private = _table(tmp_path / "d.csv", [(i, i % 3, i % 2) for i in range(40)])
+    recipe = quickstart(f"data={{source: files, format: csv, train: {private}, label_field: label}}",
+                        f"public={{source: files, format: csv, train: {tmp_path / 'missing.csv'}, label_field: label}}")
+    with pytest.raises(DpclipError, match="^public data: data file not found") as refused:
+        load_public(recipe, load_data(recipe.data, seed=0))
+    assert "public.train" in refused.value.hint and "data.train" not in refused.value.hint
+
+
 def test_carve_needs_a_public_block_of_the_same_source(quickstart):
     with pytest.raises(Exception, match="no public: block"):
         quickstart("data.public_fraction=0.1")
