@@ -134,10 +134,12 @@ def check_disjoint(public: PrivateData, private: PrivateData) -> None:
                           "public and private data must be the same kind of examples (same task and fields)")
     names = public.feature_names, private.feature_names
     if None not in names and names[0] != names[1]:
+        fields = f"public.feature_fields: [{', '.join(names[1])}]"
         raise DpclipError(f"the public data ({public.source}) has feature columns {names[0]} where the private data "
                           f"has {names[1]}: the features would feed the model's other inputs",
-                          "public and private tables need the same feature columns in the same order: rename the "
-                          f"public columns, or list them in that order, public.feature_fields: [{', '.join(names[1])}]")
+                          "public and private tables need the same feature columns in the same order: " +
+                          (f"name them in that order, {fields}" if public.source.startswith("files:")
+                           else "give the public table the private table's column names"))
     tokens = None
     if public.is_text:
         names = getattr(public.tokenizer, "name", None), getattr(private.tokenizer, "name", None)
