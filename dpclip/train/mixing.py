@@ -71,6 +71,13 @@ def find_head(model: nn.Module, num_classes: int | None) -> tuple[nn.Module, str
     return parent, attribute, getattr(parent, attribute)
 
 
+def modules_sharing(model: nn.Module, head: nn.Module) -> list[str]:
+    """The names of the modules other than ``head`` that hold one of its parameters (tied weights)."""
+    owned = {id(p) for p in head.parameters()}
+    return [name or "(the model)" for name, module in model.named_modules(remove_duplicate=False)
+            if module is not head and any(id(p) in owned for p in module.parameters(recurse=False))]
+
+
 class PublicSampler(ShuffleSampler):
     """Plain shuffled public batches; its own purpose keeps its stream apart from the private samplers'."""
 

@@ -294,6 +294,24 @@ def test_public_classes_named_otherwise_than_the_private_ones_need_a_head_reinit
     assert head[2].out_features == 2 and public_head is None
 
 
+def test_linear_probing_refuses_an_output_layer_whose_weights_the_body_shares(quickstart):
+    """Tied weights (a language model's output layer is its input embedding): "update only the output
+    layer" would move the body's use of them too."""
+    from dpclip.data import load_data
+    from dpclip.data.public import load_public
+
+    recipe = quickstart(*CONTINUAL, "continual={at_switch: {linear_probe_epochs: 1}}")
+    private = load_data(recipe.data, seed=0)
+    public = load_public(recipe, private)
+    tied = nn.Sequential(nn.Linear(64, 10), nn.Linear(10, 10), nn.Linear(10, 10))
+    tied[1].weight = tied[2].weight
+    with pytest.raises(DpclipError, match=r"tied to module 1") as refused:
+        phases.public_heads(recipe, tied, public, private)
+    assert "linear_probe_epochs: 0" in refused.value.hint
+    untied = nn.Sequential(nn.Linear(64, 10), nn.Linear(10, 10), nn.Linear(10, 10))
+    assert phases.public_heads(recipe, untied, public, private)[0][2] is untied[2]
+
+
 def _text_csv(path, labels, count, offset=0):
     rows = ["text,label"] + [f"note {offset + i} says {'word ' * (i % 4)}{labels[i % len(labels)]},"
                              f"{labels[i % len(labels)]}" for i in range(count)]
