@@ -44,6 +44,7 @@ class Examples:
     label_names: list[str] | None = None
     tokenizer: Tokenizer | None = None
     users: list[np.ndarray] | None = None   # per part, who wrote each row (any hashable keys)
+    feature_names: list[str] | None = None  # a table's feature columns, in the order they are concatenated
 
 
 # ------------------------------------------------------------------ text and labels
@@ -225,4 +226,4 @@ def examples_from_columns(tables: list[Columns], *, label_field: str | None, tex
     features, input_shape = encode_features(tables, feature_fields, origin)
     labels, task, num_classes, names = encode_labels([t[label_field] for t in tables], label_field, origin)
     parts = [{"features": x, "labels": y} for x, y in zip(features, labels)]
-    return Examples(parts, task, input_shape, num_classes, names)
+    return Examples(parts, task, input_shape, num_classes, names, feature_names=list(feature_fields))

@@ -69,6 +69,8 @@ class PrivateData:
     vocab_size: int | None = None
     pad_token_id: int | None = None
     tokenizer: Tokenizer | None = field(default=None, repr=False)
+    # A table's feature columns in the order ``features`` holds them (None: no named columns)
+    feature_names: list[str] | None = None
     # Who wrote each training row: user ids 0..U-1 (int64, one per row of ``train``), or None
     # for data without users. Kept out of ``train`` so that no batch ever feeds it to a model.
     train_users: torch.Tensor | None = field(default=None, repr=False)
@@ -318,5 +320,5 @@ def data_from_parts(examples: Examples, train, test, train_indices, test_indices
         num_classes=examples.num_classes, label_names=examples.label_names,
         vocab_size=tokenizer.vocab_size if tokenizer is not None else None,
         pad_token_id=tokenizer.pad_token_id if tokenizer is not None else None,
-        tokenizer=tokenizer,
+        tokenizer=tokenizer, feature_names=examples.feature_names,
     )

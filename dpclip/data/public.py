@@ -5,7 +5,8 @@ What dpclip can check, it does: a public block that names the same source as the
 data (the same builtin set, file or hub data set) is refused unless the public rows are
 carved out of it with ``data.public_fraction`` (disjoint by construction), and a public
 block from another source is refused if any of its rows has the same inputs as a private
-training or held-out row: the same features (or text), whatever its label (:func:`row_fingerprints`).
+training or held-out row: the same features (or text), whatever its label (:func:`row_fingerprints`);
+a public table must have the private table's feature columns, by name and in order.
 A near-copy (a feature moved by 1e-30, the text re-encoded) is not an identical row and is not
 caught: that the rows are public stays the user's declaration.
 """
@@ -13,6 +14,7 @@ caught: that the rows are public stays the user's declaration.
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import numpy as np
@@ -87,10 +89,23 @@ def load_public(recipe, private: PrivateData | None = None) -> PrivateData:
     if same_source(public, data):
         raise DpclipError(f"public: names the private data's own source ({source_name(public)}): its rows "
                           "would be private rows declared public", CARVE_HINT)
-    loaded = load_data(public, seed=seed)
+    try:
+        loaded = load_data(public, seed=seed)
+    except DpclipError as error:
+        raise about_public(error) from None
     if private is not None:
         check_disjoint(loaded, private)
     return loaded
+
+
+def about_public(error: DpclipError) -> DpclipError:
+    """``error``, raised loading the ``public:`` block, said of it: the message names the public
+    data and the hint its fields (``public.train``, not the private block's ``data.train``)."""
+    error.message = f"public data: {error.message}"
+    if error.hint:
+        error.hint = re.sub(r"\bdata\.(?!public_fraction)(?=[a-z])", "public.", error.hint)
+    error.args = (error.message,)
+    return error
 
 
 def _carved(recipe) -> PrivateData:
@@ -117,6 +132,14 @@ def check_disjoint(public: PrivateData, private: PrivateData) -> None:
         raise DpclipError(f"the public data ({public.source}) has columns {sorted(public.train)} where the private "
                           f"data has {sorted(private.train)}",
                           "public and private data must be the same kind of examples (same task and fields)")
+    names = public.feature_names, private.feature_names
+    if None not in names and names[0] != names[1]:
+        fields = f"public.feature_fields: [{', '.join(names[1])}]"
+        raise DpclipError(f"the public data ({public.source}) has feature columns {names[0]} where the private data "
+                          f"has {names[1]}: the features would feed the model's other inputs",
+                          "public and private tables need the same feature columns in the same order: " +
+                          (f"name them in that order, {fields}" if public.source.startswith("files:")
+                           else "give the public table the private table's column names"))
     tokens = None
     if public.is_text:
         names = getattr(public.tokenizer, "name", None), getattr(private.tokenizer, "name", None)

@@ -1,5 +1,6 @@
 """The arithmetic of continual runs (docs/continual.md): the schedules' α, the mixed
-gradient, the optimizer reset at the switch, the output layer, the public batches.
+gradient, the optimizer reset at the switch, the output layer (and the classes it is trained on),
+the public batches.
 
 Bu et al., "Pre-training Differentially Private Models with Limited Public Data": section 4
 (the mixed gradient), Table 2 (the schedules), appendix B.3 (the reset ablation).
@@ -15,6 +16,7 @@ from torch import nn
 
 from dpclip.data import ShuffleSampler
 from dpclip.errors import DpclipError
+from dpclip.recipe.continual import MIXING
 
 #: Optimizer state keys each ``continual.at_switch.reset`` entry sets to zero.
 RESET_KEYS = {"m": ("exp_avg", "momentum_buffer"), "v": ("exp_avg_sq",), "t": ("step",)}
@@ -69,7 +71,36 @@ def find_head(model: nn.Module, num_classes: int | None) -> tuple[nn.Module, str
     return parent, attribute, getattr(parent, attribute)
 
 
+def modules_sharing(model: nn.Module, head: nn.Module) -> list[str]:
+    """The names of the modules other than ``head`` that hold one of its parameters (tied weights)."""
+    owned = {id(p) for p in head.parameters()}
+    return [name or "(the model)" for name, module in model.named_modules(remove_duplicate=False)
+            if module is not head and any(id(p) in owned for p in module.parameters(recurse=False))]
+
+
 class PublicSampler(ShuffleSampler):
     """Plain shuffled public batches; its own purpose keeps its stream apart from the private samplers'."""
 
     purpose = "public-sampler"
+
+
+def class_names(data) -> list[str] | None:
+    """The classes of a data set as its labels spell them, in class-id order (ids spelled as
+    numbers when its labels are whole numbers); None when it is not classification."""
+    if data.task != "classification":
+        return None
+    return list(data.label_names) if data.label_names is not None else [str(i) for i in range(data.num_classes)]
+
+
+def check_class_names(public, private, schedule: str, reinit_head: bool) -> None:
+    """As many public as private classes, but other ones (a public "fox" at the private "dog"'s id)
+    would train the private output layer on the wrong labels: refused unless the head is re-initialised."""
+    names = class_names(public), class_names(private)
+    if names[0] == names[1] or (reinit_head and schedule == "switch"):
+        return
+    shown = [repr(n) if len(n) <= 8 else f"{n[:8]!r} and {len(n) - 8} more" for n in names]
+    hint = ("use schedule: switch with at_switch.reinit_head: true" if schedule in MIXING else
+            "set continual.at_switch.reinit_head: true (the head is re-initialised at the switch), or relabel the "
+            "public data with the private classes")
+    raise DpclipError(f"the public data has classes {shown[0]} and the private data {shown[1]}: the same class id "
+                      "would mean another class to the output layer", hint)

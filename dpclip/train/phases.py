@@ -43,8 +43,8 @@ from dpclip.models import evaluate
 from dpclip.recipe.continual import MIXING
 from dpclip.rng import derived_seed, private_generator
 from dpclip.train.optim import build_optimizer
-from dpclip.train.mixing import (PublicSampler, dpmd_alpha, find_head, mix_gradients, reset_states,  # noqa: F401
-                                 sample_alpha)
+from dpclip.train.mixing import (PublicSampler, check_class_names, dpmd_alpha, find_head, mix_gradients,  # noqa: F401
+                                 modules_sharing, reset_states, sample_alpha)
 from dpclip.planning.plan import probe_steps
 
 class Continual:
@@ -350,7 +350,12 @@ def public_heads(recipe, model: nn.Module, public, private) -> tuple[Any, nn.Lin
     head = None
     if at_switch.reinit_head or at_switch.linear_probe_epochs:
         head = find_head(model, private.num_classes if private.task == "classification" else None)
+        if at_switch.linear_probe_epochs and (tied := modules_sharing(model, head[2])):
+            raise DpclipError(f"the output layer's weights are tied to module {', '.join(tied)} (as a language "
+                              "model's to its input embedding): DP linear probing would train those too",
+                              "set continual.at_switch.linear_probe_epochs: 0, or untie the weights")
     if public.num_classes == private.num_classes:
+        check_class_names(public, private, schedule, at_switch.reinit_head)
         return head, None
     if schedule in MIXING:
         raise DpclipError(f"the public data has {public.num_classes} classes and the private data "

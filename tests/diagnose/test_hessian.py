@@ -150,6 +150,24 @@ def test_alpha_star_is_equation_10():
     assert MADE_UP.alpha_star(32, 64, 0.0, 1.0) == pytest.approx(1 / 3)
 
 
+@pytest.mark.parametrize("sigma, c, b0, b1", [(1.2, 0.5, 32, 64), (4.0, 0.1, 8, 256), (0.5, 2.0, 128, 16)])
+def test_alpha_star_maximises_the_mixed_steps_improvement(sigma, c, b0, b1):
+    """Eq. (10) against its model, derived here on its own: g_α = α·(public mean of B₀) + (1 − α)·(Σ c·g_i
+    + σN)/B₁ has mean m·G, m = α + (1 − α)c, and covariance α²Σ/B₀ + (1 − α)²(c²Σ/B₁ + σ²I/B₁²); the best
+    learning rate gains (Gᵀ E g)² / (2 E[gᵀHg]). The best α on a fine grid must be α*."""
+    d = MADE_UP
+
+    def gain(alpha):
+        m = alpha + (1 - alpha) * c
+        curvature = (m ** 2 * d.gthg + alpha ** 2 * d.trace_h_sigma / b0
+                     + (1 - alpha) ** 2 * (c ** 2 * d.trace_h_sigma / b1 + sigma ** 2 * d.trace_h / b1 ** 2))
+        return (m * d.grad_norm_sq) ** 2 / (2 * curvature)
+
+    grid = [i / 100_000 for i in range(100_001)]
+    best = max(grid, key=gain)
+    assert d.alpha_star(b0, b1, sigma, c) == pytest.approx(best, abs=2e-5)
+
+
 def test_degenerate_curvature_gives_inf_or_nan_not_an_error():
     flat = HessianDiagnostics(50.0, 1.0, -1.0, 30.0, 4.0, 4.0, 64, 20)
     assert flat.b_star_dp(1.0, 1.0) == math.inf        # GᵀHG < 0: larger batches always help

@@ -117,6 +117,27 @@ def test_private_sentences_in_a_public_file_are_refused_whatever_the_class_ids_a
     assert load_public(recipe, load_data(recipe.data, seed=0)).num_train == 16
 
 
+def test_private_rows_in_a_public_file_with_its_columns_reordered_are_refused(quickstart, tmp_path):
+    """A table's inputs are its named columns: the private rows written with two columns swapped are
+    the same rows (and in another order the public features would feed the model's wrong inputs)."""
+    private_rows = [(i / 7, -i, "bc"[i % 2]) for i in range(1, 41)]
+    private = _labelled(tmp_path / "d.csv", private_rows)
+    swapped = _labelled(tmp_path / "s.csv", [(b, a, y) for a, b, y in private_rows], header="b,a,label")
+    recipe = quickstart(*_blocks(private, swapped), "training.batch_size=8")
+    with pytest.raises(DpclipError, match=r"feature columns \['b', 'a'\] where the private data has \['a', 'b'\]") \
+            as refused:
+        load_public(recipe, load_data(recipe.data, seed=0))
+    assert "public.feature_fields: [a, b]" in refused.value.hint
+    ordered = quickstart(*_blocks(private, swapped, public_fields="label_field: label, feature_fields: [a, b]"),
+                         "training.batch_size=8")
+    with pytest.raises(DpclipError, match="40 of the 40 public rows"):   # in the private order: the same rows
+        load_public(ordered, load_data(ordered.data, seed=0))
+    other = _labelled(tmp_path / "o.csv", [(a + 1000, b, y) for a, b, y in private_rows], header="a,c,label")
+    recipe = quickstart(*_blocks(private, other), "training.batch_size=8")
+    with pytest.raises(DpclipError, match=r"feature columns \['a', 'c'\]"):   # not the private data's columns
+        load_public(recipe, load_data(recipe.data, seed=0))
+
+
 def test_public_text_with_another_tokenizer_is_refused(quickstart, tmp_path):
     """Token ids of two tokenizers cannot be compared (nor mean the same to the model)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -133,6 +154,16 @@ def test_public_text_with_another_tokenizer_is_refused(quickstart, tmp_path):
     with pytest.raises(DpclipError, match="tokenized with") as refused:
         load_public(recipe, load_data(recipe.data, seed=0))
     assert "tokenizer" in refused.value.hint
+
+
+def test_a_bad_public_block_is_named_in_the_error_and_its_fields_in_the_hint(quickstart, tmp_path):
+    """Errors loading public: must not send the user to the private block's data.train."""
+    private = _table(tmp_path / "d.csv", [(i, i % 3, i % 2) for i in range(40)])
+    recipe = quickstart(f"data={{source: files, format: csv, train: {private}, label_field: label}}",
+                        f"public={{source: files, format: csv, train: {tmp_path / 'missing.csv'}, label_field: label}}")
+    with pytest.raises(DpclipError, match="^public data: data file not found") as refused:
+        load_public(recipe, load_data(recipe.data, seed=0))
+    assert "public.train" in refused.value.hint and "data.train" not in refused.value.hint
 
 
 def test_carve_needs_a_public_block_of_the_same_source(quickstart):

@@ -265,6 +265,53 @@ def test_different_class_counts_need_a_head_reinit(quickstart, tmp_path, one_thr
     assert result.steps_done == 2
 
 
+def test_public_classes_named_otherwise_than_the_private_ones_need_a_head_reinit(quickstart, tmp_path):
+    """Two classes each, but the public "fox" would train the private "dog" output: the same count
+    of classes is not the same label set."""
+    from dpclip.data import load_data
+    from dpclip.data.public import load_public
+
+    def table(path, names, offset):
+        path.write_text("a,b,label\n" + "".join(f"{offset + i / 7},{-i},{names[i % 2]}\n" for i in range(40)))
+        return path
+
+    private, public = table(tmp_path / "d.csv", "cat dog".split(), 0), table(tmp_path / "p.csv", "cat fox".split(), 100)
+    blocks = (f"data={{source: files, format: csv, train: {private}, label_field: label}}",
+              f"public={{source: files, format: csv, train: {public}, label_field: label}}")
+
+    def heads(continual):
+        recipe = quickstart(*blocks, f"continual={continual}")
+        private_data = load_data(recipe.data, seed=0)
+        return phases.public_heads(recipe, nn.Sequential(nn.Linear(2, 2)), load_public(recipe, private_data),
+                                   private_data)
+
+    for schedule in ("switch", "sample"):
+        with pytest.raises(DpclipError, match=r"classes \['cat', 'fox'\] and the private data \['cat', 'dog'\]") \
+                as refused:
+            heads(f"{{schedule: {schedule}}}")
+        assert ("reinit_head: true" if schedule == "switch" else "schedule: switch") in refused.value.hint
+    head, public_head = heads("{at_switch: {reinit_head: true}}")   # the private head starts afresh at the switch
+    assert head[2].out_features == 2 and public_head is None
+
+
+def test_linear_probing_refuses_an_output_layer_whose_weights_the_body_shares(quickstart):
+    """Tied weights (a language model's output layer is its input embedding): "update only the output
+    layer" would move the body's use of them too."""
+    from dpclip.data import load_data
+    from dpclip.data.public import load_public
+
+    recipe = quickstart(*CONTINUAL, "continual={at_switch: {linear_probe_epochs: 1}}")
+    private = load_data(recipe.data, seed=0)
+    public = load_public(recipe, private)
+    tied = nn.Sequential(nn.Linear(64, 10), nn.Linear(10, 10), nn.Linear(10, 10))
+    tied[1].weight = tied[2].weight
+    with pytest.raises(DpclipError, match=r"tied to module 1") as refused:
+        phases.public_heads(recipe, tied, public, private)
+    assert "linear_probe_epochs: 0" in refused.value.hint
+    untied = nn.Sequential(nn.Linear(64, 10), nn.Linear(10, 10), nn.Linear(10, 10))
+    assert phases.public_heads(recipe, untied, public, private)[0][2] is untied[2]
+
+
 def _text_csv(path, labels, count, offset=0):
     rows = ["text,label"] + [f"note {offset + i} says {'word ' * (i % 4)}{labels[i % len(labels)]},"
                              f"{labels[i % len(labels)]}" for i in range(count)]
