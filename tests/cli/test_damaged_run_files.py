@@ -53,6 +53,18 @@ def test_metrics_bytes_that_are_not_utf8_do_not_crash_account_report_or_export(c
     assert cli("export", run_copy, tmp_path / "out").code == 0
 
 
+@pytest.mark.parametrize("thresholds", ["3", '["a"]', "[null]", '{"a": 1}', "[]", "[1.0, 2.0, 3.0]"])
+def test_report_refuses_thresholds_in_metrics_that_are_not_one_number_per_group(cli, run_copy, tmp_path, thresholds):
+    # report crashed drawing thresholds.png ("unexpected TypeError: 'int' object is not iterable", "could not
+    # convert string to float", "list index out of range"); a row of another length drew a wrong plot
+    (run_copy / "thresholds.png").unlink()   # drawn from metrics.jsonl when the run has none
+    with (run_copy / "metrics.jsonl").open("a") as stream:
+        stream.write(f'{{"step": 2, "thresholds": {thresholds}}}\n')
+    result = cli("report", run_copy, "--out", tmp_path / "r.html")
+    assert _refused(result), result.err
+    assert "metrics.jsonl" in result.err and "step 2" in result.err
+
+
 @pytest.mark.parametrize("line", ["[1, 2]", "null", "5", "{}", '{"step": "2", "noise_std": [1]}',
                                   '{"step": 2, "eval": "x"}'])
 def test_a_metrics_line_that_is_not_a_step_record_ends_the_records_read(cli, run_copy, tmp_path, line):
