@@ -65,6 +65,17 @@ def test_report_refuses_thresholds_in_metrics_that_are_not_one_number_per_group(
     assert "metrics.jsonl" in result.err and "step 2" in result.err
 
 
+@pytest.mark.parametrize("record", ['{"trace_h": 1.0}', '{"step": "a", "trace_h": 1.0}', '{"step": true}'])
+def test_diagnose_refuses_a_diagnostics_line_without_a_step_number(cli, run_copy, tmp_path, record):
+    # diagnose crashed drawing the run's history beside its measurement: "unexpected KeyError: 'step'",
+    # "'<' not supported between instances of 'int' and 'str'"
+    (run_copy / "diagnostics.jsonl").write_text(record + "\n")
+    result = cli("diagnose", run_copy, "--data", "private", "--allow-private-not-covered-by-epsilon",
+                 "--probes", "2", "--per-sample", "2", "--out", tmp_path / "plots")
+    assert _refused(result), result.err
+    assert "diagnostics.jsonl" in result.err and "line 1" in result.err
+
+
 @pytest.mark.parametrize("line", ["[1, 2]", "null", "5", "{}", '{"step": "2", "noise_std": [1]}',
                                   '{"step": 2, "eval": "x"}'])
 def test_a_metrics_line_that_is_not_a_step_record_ends_the_records_read(cli, run_copy, tmp_path, line):
