@@ -76,6 +76,19 @@ def test_diagnose_refuses_a_diagnostics_line_without_a_step_number(cli, run_copy
     assert "diagnostics.jsonl" in result.err and "line 1" in result.err
 
 
+@pytest.mark.parametrize("groups", [[1, 2], ["fc", None]])
+def test_report_refuses_a_plan_whose_group_names_are_not_names(cli, run_copy, tmp_path, groups):
+    # report crashed naming the groups of thresholds.png: "unexpected TypeError: sequence item 0: expected str
+    # instance, int found"
+    (run_copy / "thresholds.png").unlink()
+    plan = json.loads((run_copy / "plan.json").read_text())
+    plan["groups"] = groups
+    (run_copy / "plan.json").write_text(json.dumps(plan))
+    result = cli("report", run_copy, "--out", tmp_path / "r.html")
+    assert _refused(result), result.err
+    assert "plan.json" in result.err
+
+
 @pytest.mark.parametrize("line", ["[1, 2]", "null", "5", "{}", '{"step": "2", "noise_std": [1]}',
                                   '{"step": 2, "eval": "x"}'])
 def test_a_metrics_line_that_is_not_a_step_record_ends_the_records_read(cli, run_copy, tmp_path, line):
