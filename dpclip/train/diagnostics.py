@@ -174,7 +174,9 @@ class DiagnosticsRecorder:
             return
         path = Path(run_dir) / DIAGNOSTICS_FILE
         if self._last_step is None:
-            self._last_step = max((r["step"] for r in read_records(path)), default=0)
+            # a damaged line is passed over here, not refused: an error inside the loop would stop the run
+            # as on its private batch (plan.json's stopped_on_private_batch); dpclip diagnose names it
+            self._last_step = max((r["step"] for r in read_jsonl(path) if is_step(r.get("step"))), default=0)
         if step <= self._last_step:
             return
         diag, formulas = self.measure()
@@ -185,7 +187,7 @@ class DiagnosticsRecorder:
         """hessian_over_training.png from the run's diagnostics.jsonl."""
         from dpclip.train.diagnostics_plots import HESSIAN_PLOT, plot_hessian_over_training
 
-        records = read_records(Path(run_dir) / DIAGNOSTICS_FILE)
+        records = [r for r in read_jsonl(Path(run_dir) / DIAGNOSTICS_FILE) if is_step(r.get("step"))]
         if records:
             plot_hessian_over_training(records, Path(run_dir) / HESSIAN_PLOT)
 

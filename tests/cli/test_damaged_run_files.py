@@ -76,6 +76,23 @@ def test_diagnose_refuses_a_diagnostics_line_without_a_step_number(cli, run_copy
     assert "diagnostics.jsonl" in result.err and "line 1" in result.err
 
 
+@pytest.mark.slow  # a run and its resume (~7 s)
+def test_a_resume_passes_over_a_damaged_diagnostics_line_without_stopping_as_on_a_private_batch(cli, tmp_path):
+    # the resume crashed in the loop ("unexpected ValueError: invalid literal for int()"), after its first step was
+    # charged: plan.json then said for good that the run stopped on a private batch
+    recipe = load_recipe(QUICKSTART, [f"output_dir={tmp_path / 'runs'}", *TINY, "diagnostics.every_steps=1",
+                                      "diagnostics.probes=2", "diagnostics.per_sample=2", "diagnostics.data=private",
+                                      "diagnostics.private_not_covered=true"])
+    run = Path(train(recipe).run_dir)
+    _killed_after_step_2(run)
+    with (run / "diagnostics.jsonl").open("a") as stream:
+        stream.write('{"step": "a"}\n')
+    resumed = cli("train", "--resume", run, "--threads", "1")
+    assert resumed.code == 0, resumed.err
+    assert "stopped_on_private_batch" not in json.loads((run / "plan.json").read_text())
+    assert _refused(cli("diagnose", run, "--probes", "2", "--per-sample", "2", "--out", tmp_path / "plots"))
+
+
 @pytest.mark.parametrize("groups", [[1, 2], ["fc", None]])
 def test_report_refuses_a_plan_whose_group_names_are_not_names(cli, run_copy, tmp_path, groups):
     # report crashed naming the groups of thresholds.png: "unexpected TypeError: sequence item 0: expected str
