@@ -163,13 +163,21 @@ def _field_class(path: str, table: Fields) -> str | None:
 
 def _records(path: Path) -> list[object]:
     """The records of a JSON, JSON-lines or TensorBoard events file (TensorBoard: one record,
-    its scalar tags)."""
+    the tags of every kind of summary it holds, scalars, histograms, images, audio, text and
+    other tensors, and ``(graph)``-style fields for a graph or run metadata: any of them can
+    carry a value of the data)."""
     if path.name.startswith("events.out.tfevents."):
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
         accumulator = EventAccumulator(str(path))
         accumulator.Reload()
-        return [{tag: None for tag in accumulator.Tags()["scalars"]}]
+        tags: dict[str, None] = {}
+        for kind, found in accumulator.Tags().items():
+            if isinstance(found, (list, tuple)):
+                tags.update((tag, None) for tag in found)
+            elif found:   # a graph or meta-graph: no tag, still a field
+                tags[f"({kind})"] = None
+        return [tags]
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl":
         return [json.loads(line) for line in text.splitlines() if line.strip()]

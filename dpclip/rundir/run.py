@@ -353,6 +353,8 @@ def planned_step(run_dir: Path, recipe: Recipe):
                           "the ledger would no longer describe the run; restore recipe.yaml")
     try:
         units = public["num_users"] if recipe.privacy.unit == "user" else public["num_train"]
+        if not (isinstance(public["groups"], list) and all(isinstance(name, str) for name in public["groups"])):
+            raise TypeError("its groups are not a list of names")
         plan = privacy_plan(recipe, int(units), groups=len(public["groups"]))
     except (KeyError, TypeError, ValueError) as exc:
         source = run.plan_file if run.plan_file.exists() else run.meta_file

@@ -24,10 +24,10 @@ from dpclip import layout
 from dpclip.data.public import load_public
 from dpclip.diagnose import HessianDiagnostics, measure, typical_clip_factor
 from dpclip.errors import DpclipError
-from dpclip.files import read_jsonl as read_records
+from dpclip.files import read_jsonl
 from dpclip.rng import private_generator
 from dpclip.planning.plan import private_seed
-from dpclip.rundir.metrics import append_record
+from dpclip.rundir.metrics import append_record, is_step
 
 DIAGNOSTICS_FILE = layout.DIAGNOSTICS
 #: The fields of a record computed from the measured rows (the rest is the run's settings).
@@ -53,6 +53,19 @@ def public_rows_of(recipe, private_data, *, continual=None,
     if recipe.public is None:
         return None
     return load_public(recipe, private_data).train
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a run's diagnostics.jsonl (none when it has none), each with its step; a
+    record without a step number is refused: the file is damaged (a line cut by a crash ends the
+    records read, :func:`dpclip.files.read_jsonl`)."""
+    records = read_jsonl(path)
+    for number, record in enumerate(records, 1):
+        if not is_step(record.get("step")):
+            raise DpclipError(f"{path} line {number} has no step number: the file is damaged",
+                              f"restore {DIAGNOSTICS_FILE} from a backup of the run directory, or delete the "
+                              "damaged line")
+    return records
 
 
 def choose_rows(data: str, *, private_rows: dict[str, torch.Tensor], public_rows: dict[str, torch.Tensor] | None,
@@ -161,7 +174,9 @@ class DiagnosticsRecorder:
             return
         path = Path(run_dir) / DIAGNOSTICS_FILE
         if self._last_step is None:
-            self._last_step = max((int(r.get("step", 0)) for r in read_records(path)), default=0)
+            # a damaged line is passed over here, not refused: an error inside the loop would stop the run
+            # as on its private batch (plan.json's stopped_on_private_batch); dpclip diagnose names it
+            self._last_step = max((r["step"] for r in read_jsonl(path) if is_step(r.get("step"))), default=0)
         if step <= self._last_step:
             return
         diag, formulas = self.measure()
@@ -172,7 +187,7 @@ class DiagnosticsRecorder:
         """hessian_over_training.png from the run's diagnostics.jsonl."""
         from dpclip.train.diagnostics_plots import HESSIAN_PLOT, plot_hessian_over_training
 
-        records = read_records(Path(run_dir) / DIAGNOSTICS_FILE)
+        records = [r for r in read_jsonl(Path(run_dir) / DIAGNOSTICS_FILE) if is_step(r.get("step"))]
         if records:
             plot_hessian_over_training(records, Path(run_dir) / HESSIAN_PLOT)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dpclip import layout
+from dpclip.errors import DpclipError
 from dpclip.files import read_jsonl as read_metrics  # noqa: F401  (re-exported: report.py, tests)
 from dpclip.files import owner_only
 from dpclip.rundir.metrics import is_step
@@ -128,13 +129,24 @@ def plot_training(metrics_path: Path, out_path: Path, *, epsilon_cap: float | No
 # ------------------------------------------------------------------ thresholds.png
 
 def threshold_rows(records: list[dict[str, Any]]) -> tuple[list[int], list[list[float]]]:
-    """(steps, thresholds per group) of the step records."""
+    """(steps, thresholds per group) of the step records; a record whose thresholds are not one
+    finite number per group (as many as the first record's) is refused: metrics.jsonl is damaged."""
     steps, rows = [], []
     for record in records:
-        if record.get("thresholds") is not None and "eval" not in record:
-            steps.append(int(record["step"]))
-            rows.append([float(c) for c in record["thresholds"]])
+        if record.get("thresholds") is not None and "eval" not in record and is_step(record.get("step")):
+            row = record["thresholds"]
+            if not (isinstance(row, list) and row and all(_finite_number(c) for c in row)
+                    and len(row) == len(rows[0] if rows else row)):
+                raise DpclipError(f"{layout.METRICS} step {record['step']}: the thresholds are not one number "
+                                  "per clipping group: the file is damaged",
+                                  f"restore {layout.METRICS} from a backup of the run directory")
+            steps.append(record["step"])
+            rows.append([float(c) for c in row])
     return steps, rows
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def threshold_layout(rows: list[list[float]], max_lines: int = MAX_LINES) -> str:

@@ -53,6 +53,59 @@ def test_metrics_bytes_that_are_not_utf8_do_not_crash_account_report_or_export(c
     assert cli("export", run_copy, tmp_path / "out").code == 0
 
 
+@pytest.mark.parametrize("thresholds", ["3", '["a"]', "[null]", '{"a": 1}', "[]", "[1.0, 2.0, 3.0]"])
+def test_report_refuses_thresholds_in_metrics_that_are_not_one_number_per_group(cli, run_copy, tmp_path, thresholds):
+    # report crashed drawing thresholds.png ("unexpected TypeError: 'int' object is not iterable", "could not
+    # convert string to float", "list index out of range"); a row of another length drew a wrong plot
+    (run_copy / "thresholds.png").unlink()   # drawn from metrics.jsonl when the run has none
+    with (run_copy / "metrics.jsonl").open("a") as stream:
+        stream.write(f'{{"step": 2, "thresholds": {thresholds}}}\n')
+    result = cli("report", run_copy, "--out", tmp_path / "r.html")
+    assert _refused(result), result.err
+    assert "metrics.jsonl" in result.err and "step 2" in result.err
+
+
+@pytest.mark.parametrize("record", ['{"trace_h": 1.0}', '{"step": "a", "trace_h": 1.0}', '{"step": true}'])
+def test_diagnose_refuses_a_diagnostics_line_without_a_step_number(cli, run_copy, tmp_path, record):
+    # diagnose crashed drawing the run's history beside its measurement: "unexpected KeyError: 'step'",
+    # "'<' not supported between instances of 'int' and 'str'"
+    (run_copy / "diagnostics.jsonl").write_text(record + "\n")
+    result = cli("diagnose", run_copy, "--data", "private", "--allow-private-not-covered-by-epsilon",
+                 "--probes", "2", "--per-sample", "2", "--out", tmp_path / "plots")
+    assert _refused(result), result.err
+    assert "diagnostics.jsonl" in result.err and "line 1" in result.err
+
+
+@pytest.mark.slow  # a run and its resume (~7 s)
+def test_a_resume_passes_over_a_damaged_diagnostics_line_without_stopping_as_on_a_private_batch(cli, tmp_path):
+    # the resume crashed in the loop ("unexpected ValueError: invalid literal for int()"), after its first step was
+    # charged: plan.json then said for good that the run stopped on a private batch
+    recipe = load_recipe(QUICKSTART, [f"output_dir={tmp_path / 'runs'}", *TINY, "diagnostics.every_steps=1",
+                                      "diagnostics.probes=2", "diagnostics.per_sample=2", "diagnostics.data=private",
+                                      "diagnostics.private_not_covered=true"])
+    run = Path(train(recipe).run_dir)
+    _killed_after_step_2(run)
+    with (run / "diagnostics.jsonl").open("a") as stream:
+        stream.write('{"step": "a"}\n')
+    resumed = cli("train", "--resume", run, "--threads", "1")
+    assert resumed.code == 0, resumed.err
+    assert "stopped_on_private_batch" not in json.loads((run / "plan.json").read_text())
+    assert _refused(cli("diagnose", run, "--probes", "2", "--per-sample", "2", "--out", tmp_path / "plots"))
+
+
+@pytest.mark.parametrize("groups", [[1, 2], ["fc", None]])
+def test_report_refuses_a_plan_whose_group_names_are_not_names(cli, run_copy, tmp_path, groups):
+    # report crashed naming the groups of thresholds.png: "unexpected TypeError: sequence item 0: expected str
+    # instance, int found"
+    (run_copy / "thresholds.png").unlink()
+    plan = json.loads((run_copy / "plan.json").read_text())
+    plan["groups"] = groups
+    (run_copy / "plan.json").write_text(json.dumps(plan))
+    result = cli("report", run_copy, "--out", tmp_path / "r.html")
+    assert _refused(result), result.err
+    assert "plan.json" in result.err
+
+
 @pytest.mark.parametrize("line", ["[1, 2]", "null", "5", "{}", '{"step": "2", "noise_std": [1]}',
                                   '{"step": 2, "eval": "x"}'])
 def test_a_metrics_line_that_is_not_a_step_record_ends_the_records_read(cli, run_copy, tmp_path, line):

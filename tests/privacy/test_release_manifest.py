@@ -385,3 +385,22 @@ def test_the_audit_reports_count_of_included_canaries_is_named_not_covered_by_ep
     row = next(line for line in release.render_markdown().splitlines() if "| `audit/report.json` |" in line
                and "`**`" in line)
     assert "`one_run/included`" in row.split(" | ")[3]   # the "fields not covered by ε" column
+
+
+def test_a_tensorboard_histogram_text_or_image_of_private_values_is_reported(tmp_path):
+    """The events file's check read its scalar tags only: a histogram of the private norms, a text
+    summary of the loss or an image written beside the scalars (one `add_histogram` away) passed
+    as classed. Every kind of summary is a field now, and a graph one too."""
+    import numpy as np
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(tmp_path / "tensorboard"))
+    writer.add_scalar("privacy/epsilon", 1.0, 1)
+    writer.add_histogram("norms", np.array([0.5, 1.5, 3.0]), 1)
+    writer.add_text("train_loss", "2.31", 1)
+    writer.add_image("per_sample_norms", np.zeros((1, 2, 2)), 1)
+    writer.add_histogram("not_covered_by_epsilon/norms", np.array([0.5, 1.5]), 1)   # labelled: passes
+    writer.close()
+    reported = release.unlisted_fields(tmp_path, release.RUN)
+    assert all(line.startswith("tensorboard/events.out.tfevents.") for line in reported), reported
+    assert [line.split(": ", 1)[1] for line in reported] == ["norms", "per_sample_norms", "train_loss/text_summary"]
