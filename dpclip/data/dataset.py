@@ -156,13 +156,16 @@ def _files_examples(config) -> Examples:
         text_tokenizer = load_tokenizer(config.tokenizer)
         parts = [text_tensors(read_text_lines(path), text_tokenizer, config.max_length) for path in paths]
         return Examples(parts, "causal-lm", (config.max_length,), tokenizer=text_tokenizer)
-    tables = [read_table(path, config.format, as_written=tuple(filter(None, [config.user_field]))) for path in paths]
+    # declared string labels are matched as written: "007" is not 7
+    as_written = (config.user_field, config.label_field if config.labels and isinstance(config.labels[0], str) else None)
+    tables = [read_table(path, config.format, as_written=tuple(filter(None, as_written))) for path in paths]
     try:
         users = user_column(tables, config.user_field, origin)
         examples = examples_from_columns(tables, label_field=config.label_field, text_field=config.text_field,
                                          feature_fields=_without(config.feature_fields, config.user_field, tables,
                                                                  config.label_field, config.text_field),
-                                         tokenizer=config.tokenizer, max_length=config.max_length, origin=origin)
+                                         tokenizer=config.tokenizer, max_length=config.max_length, origin=origin,
+                                         labels=config.labels)
     except DpclipError as error:
         if config.format != "csv":
             raise
@@ -182,7 +185,8 @@ def _hub_examples(config) -> Examples:
     examples = examples_from_columns(tables, label_field=config.label_field, text_field=config.text_field,
                                      feature_fields=_without(None, config.user_field, tables, config.label_field,
                                                              config.text_field),
-                                     tokenizer=config.tokenizer, max_length=config.max_length, origin=origin)
+                                     tokenizer=config.tokenizer, max_length=config.max_length, origin=origin,
+                                     labels=config.labels)
     return replace(examples, users=users)
 
 
