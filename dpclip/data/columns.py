@@ -185,8 +185,8 @@ def _numeric_column(values: np.ndarray, name: str, origin: str) -> np.ndarray:
         infinite = ~np.isfinite(values.astype(np.float32))   # features train as float32
     if infinite.any():
         row = int(np.argwhere(infinite)[0][0])
-        raise DpclipError(f"{origin}: feature column {name!r} holds a value that is infinite as a 32-bit float "
-                          f"(row {row + 1}: {values[row].tolist()!r})",
+        raise DpclipError(quoting_data(f"{origin}: feature column {name!r} holds a value that is infinite as a "
+                                       f"32-bit float (row {row + 1}: {values[row].tolist()!r})"),
                           "features train as float32 (at most about 3.4e38 in size): replace or rescale "
                           "infinite and huge values, or remove those rows")
     return values

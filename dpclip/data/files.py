@@ -130,7 +130,7 @@ def read_text_lines(path: str | Path) -> list[str]:
         with path.open(encoding="utf-8") as handle:
             lines = [line.rstrip("\r\n") for line in handle if line.strip()]
     except (OSError, UnicodeDecodeError) as exc:
-        raise DpclipError(f"cannot read {path} as UTF-8 text: {exc}", "save the file as UTF-8") from None
+        raise DpclipError(quoting_data(f"cannot read {path} as UTF-8 text: {exc}"), "save the file as UTF-8") from None
     if not lines:
         raise DpclipError(f"{path} holds no text", "write one training example per line")
     return lines
