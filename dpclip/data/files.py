@@ -24,6 +24,10 @@ Columns = dict[str, np.ndarray]
 
 TABLE_FORMATS = ("csv", "json", "jsonl", "parquet")
 
+# UTF-8 that drops a leading byte order mark (Windows editors write one): it marks the encoding, it is no
+# row's text (pandas drops it from a csv by itself)
+UTF8 = "utf-8-sig"
+
 
 def _existing(path: str | Path) -> Path:
     path = Path(path)
@@ -41,7 +45,7 @@ def _columns_of(frame) -> Columns:
 def _json_records(path: Path, file_format: str) -> list[dict] | dict[str, list]:
     """json: a list of records or a mapping of columns; jsonl: one record per non-blank line."""
     if file_format == "json":
-        content = json.loads(path.read_text(encoding="utf-8"))
+        content = json.loads(path.read_text(encoding=UTF8))
         if isinstance(content, list) and all(isinstance(record, dict) for record in content):
             return content
         if isinstance(content, dict) and content and all(isinstance(v, list) for v in content.values()):
@@ -49,7 +53,7 @@ def _json_records(path: Path, file_format: str) -> list[dict] | dict[str, list]:
         raise DpclipError(f"{path}: expected a JSON list of records or a mapping of columns",
                           "or use format: jsonl with one record per line")
     records = []
-    with path.open(encoding="utf-8") as handle:
+    with path.open(encoding=UTF8) as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
@@ -127,7 +131,7 @@ def read_text_lines(path: str | Path) -> list[str]:
     """One example per non-blank line, without its line ending."""
     path = _existing(path)
     try:
-        with path.open(encoding="utf-8") as handle:
+        with path.open(encoding=UTF8) as handle:
             lines = [line.rstrip("\r\n") for line in handle if line.strip()]
     except (OSError, UnicodeDecodeError) as exc:
         raise DpclipError(quoting_data(f"cannot read {path} as UTF-8 text: {exc}"), "save the file as UTF-8") from None

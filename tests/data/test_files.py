@@ -305,3 +305,19 @@ def test_a_whole_number_label_no_model_can_have_as_many_outputs_is_refused_with_
     with pytest.raises(DpclipError) as refused:
         load_data(files(path, "jsonl", label_field="label"), seed=0)
     assert shown in refused.value.message and "data.labels" in refused.value.hint
+
+
+@pytest.mark.parametrize("fmt, content", [
+    ("text", "first note\nsecond note\n"),
+    ("jsonl", '{"text": "first note"}\n{"text": "second note"}\n'),
+    ("json", '[{"text": "first note"}, {"text": "second note"}]'),
+    ("csv", "text\nfirst note\nsecond note\n"),
+])
+def test_a_byte_order_mark_is_read_as_the_encoding_not_as_the_first_rows_text(tmp_path, fmt, content):
+    """Windows editors save UTF-8 with a byte order mark: it was trained on as the first text's first
+    three bytes (format: text), or refused as invalid JSON with a hint that did not name it."""
+    path = tmp_path / f"notes.{fmt}"
+    path.write_bytes("\ufeff".encode() + content.encode())
+    fields = {} if fmt == "text" else {"text_field": "text"}
+    data = load_data(files(path, fmt, test=str(path), **fields), seed=0)
+    assert data.tokenizer.decode(data.train["input_ids"][0]) == "first note"
