@@ -158,7 +158,8 @@ def _files_examples(config) -> Examples:
         return Examples(parts, "causal-lm", (config.max_length,), tokenizer=text_tokenizer)
     # declared string labels are matched as written: "007" is not 7
     as_written = (config.user_field, config.label_field if config.labels and isinstance(config.labels[0], str) else None)
-    tables = [read_table(path, config.format, as_written=tuple(filter(None, as_written))) for path in paths]
+    ordered = config.feature_fields is None and config.text_field is None   # features in the file's column order
+    tables = [read_table(path, config.format, tuple(filter(None, as_written)), ordered) for path in paths]
     try:
         users = user_column(tables, config.user_field, origin)
         examples = examples_from_columns(tables, label_field=config.label_field, text_field=config.text_field,

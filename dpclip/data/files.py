@@ -72,9 +72,31 @@ def _json_records(path: Path, file_format: str) -> list[dict] | dict[str, list]:
     return records
 
 
-def read_table(path: str | Path, file_format: str, as_written: tuple[str, ...] = ()) -> Columns:
+def _check_key_order(records: list[dict], path: Path, file_format: str) -> None:
+    """Refuse records that list their keys in different orders: the columns come in the order of first
+    appearance, so the first record's order would be the features' order (one record, added or
+    removed, would reorder the model's inputs)."""
+    position: dict = {}
+    for record in records:
+        for key in record:
+            position.setdefault(key, len(position))
+    for number, record in enumerate(records, start=1):
+        places = [position[key] for key in record]
+        if places != sorted(places):
+            where = f"line {number}" if file_format == "jsonl" else f"record {number}"
+            raise DpclipError(quoting_data(f"{path}, {where}: its keys come in another order than earlier records' "
+                                           f"({', '.join(map(repr, record))}), so which feature is the model's "
+                                           "first input would depend on the rows"),
+                              "list the feature columns in data.feature_fields (their order is the model's input "
+                              "order), or write every record's keys in one order")
+
+
+def read_table(path: str | Path, file_format: str, as_written: tuple[str, ...] = (), one_key_order: bool = False
+               ) -> Columns:
     """The columns of a csv, json, jsonl or parquet file; a csv's columns ``as_written`` are read as
-    text, not parsed as numbers (a person id: "007", "7" and "7.0" name three people, not one)."""
+    text, not parsed as numbers (a person id: "007", "7" and "7.0" name three people, not one).
+    ``one_key_order``: json or jsonl records must list their keys in one order (the columns are features
+    in that order)."""
     import pandas as pd  # lazy: only local-file recipes need pandas
 
     path = _existing(path)
@@ -83,6 +105,8 @@ def read_table(path: str | Path, file_format: str, as_written: tuple[str, ...] =
             frame = pd.read_csv(path, skip_blank_lines=True, dtype={name: str for name in as_written})
         elif file_format in ("json", "jsonl"):
             records = _json_records(path, file_format)
+            if one_key_order and isinstance(records, list):
+                _check_key_order(records, path, file_format)
             frame = pd.DataFrame(records) if isinstance(records, dict) else pd.DataFrame.from_records(records)
         elif file_format == "parquet":
             import pyarrow.parquet as pq  # lazy: only parquet files need pyarrow

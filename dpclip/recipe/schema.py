@@ -96,7 +96,7 @@ class FilesData(DataUsers, DataLabels):
     test_fraction: UnitOpen = 0.2
     label_field: str | None = None
     text_field: str | None = None
-    feature_fields: list[str] | None = Field(None, description="default: every column but the label")
+    feature_fields: list[str] | None = Field(None, description="the inputs, in order; default: the columns but the label, as the file orders them")
     tokenizer: str = "byte"
     max_length: Size = 64
     public_fraction: Annotated[float, Field(gt=0, lt=1)] | None = Field(

@@ -321,3 +321,18 @@ def test_a_byte_order_mark_is_read_as_the_encoding_not_as_the_first_rows_text(tm
     fields = {} if fmt == "text" else {"text_field": "text"}
     data = load_data(files(path, fmt, test=str(path), **fields), seed=0)
     assert data.tokenizer.decode(data.train["input_ids"][0]) == "first note"
+
+
+def test_records_that_order_their_keys_differently_are_refused_when_the_order_makes_the_features(tmp_path):
+    """The columns come in order of first appearance: a first record {income, age} before records
+    {age, income} made income the model's first input, and its neighbour without that record age."""
+    rows = [json.dumps({"age": 30 + i, "income": 10.0 * i, "label": i % 2}) for i in range(6)]
+    path = write(tmp_path / "train.jsonl", "\n".join([json.dumps({"income": 5.0, "age": 99, "label": 1}), *rows]))
+    with pytest.raises(DpclipError) as refused:
+        load_data(files(path, "jsonl", label_field="label"), seed=0)
+    assert "line 2: its keys come in another order" in refused.value.message
+    assert "data.feature_fields" in refused.value.hint
+    data = load_data(files(path, "jsonl", label_field="label", feature_fields=["age", "income"], test=str(path)), seed=0)
+    assert data.train["features"][0].tolist() == [99.0, 5.0]
+    shuffled = write(tmp_path / "text.jsonl", '{"text": "a", "label": 0}\n{"label": 1, "text": "b"}\n')
+    assert load_data(files(shuffled, "jsonl", text_field="text", label_field="label", test=str(shuffled)), seed=0)
