@@ -80,9 +80,10 @@ def _declared_ids(label_columns: list[np.ndarray], declared: list, name: str, or
             key = (wanted, value) if isinstance(value, wanted) and not isinstance(value, bool) else None
             if key not in position:
                 raise DpclipError(quoting_data(f"{origin}: row {row + 1}{part} has the label {value!r} in column "
-                                               f"{name!r}, which is not one of data.labels"),
-                                  f"data.labels declares the classes ({_shown(declared)}): add the class, or remove "
-                                  "the row; labels match as written (whole numbers and strings are not the same)")
+                                               f"{name!r}, which is not one of the declared classes ({_shown(declared)})"),
+                                  "the classes are data.labels (without it, a hub data set's ClassLabel): add the "
+                                  "class, or remove the row (a hub test split's -1 means unlabelled: cut the test set "
+                                  "with test_fraction); labels match as written (a whole number is not a string)")
             ids[row] = position[key]
         parts.append(torch.as_tensor(ids))
     return parts

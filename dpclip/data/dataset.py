@@ -179,16 +179,30 @@ def _files_examples(config) -> Examples:
 
 
 def _hub_examples(config) -> Examples:
-    train, test = load_hub_columns(config.name, config.config, config.split, config.test_split)
+    train, test, names = load_hub_columns(config.name, config.config, config.split, config.test_split,
+                                          config.label_field)
     tables = [train] if test is None else [train, test]
     origin = f"hf:{config.name}"
     users = user_column(tables, config.user_field, origin)
+    labels = config.labels
+    if names is not None and labels is None:   # a ClassLabel: the schema's classes, by id
+        labels = list(range(len(names)))
+    elif names is not None and isinstance(labels[0], str):   # declared by name: the ids are the schema's names
+        tables = [{**table, config.label_field: _named(table[config.label_field], names)} for table in tables]
     examples = examples_from_columns(tables, label_field=config.label_field, text_field=config.text_field,
                                      feature_fields=_without(None, config.user_field, tables, config.label_field,
                                                              config.text_field),
                                      tokenizer=config.tokenizer, max_length=config.max_length, origin=origin,
-                                     labels=config.labels)
+                                     labels=labels)
+    if names is not None and config.labels is None:
+        examples = replace(examples, label_names=names)
     return replace(examples, users=users)
+
+
+def _named(ids: np.ndarray, names: list[str]) -> np.ndarray:
+    """A ClassLabel column's ids as their names (an id outside the names stays as it is, and is refused)."""
+    return np.asarray([names[i] if isinstance(i, int) and 0 <= i < len(names) else i for i in ids.tolist()],
+                      dtype=object)
 
 
 def user_column(tables: list[Columns], user_field: str | None, origin: str) -> list[np.ndarray] | None:

@@ -38,8 +38,9 @@ class DataLabels(Section):
 
     labels: Labels = Field(
         None, description="the classes, declared (public): the model's output i is labels[i] (all whole numbers or "
-        "all strings, as the label column holds them); a row with another label is refused. Without it the label "
-        "set is read from the private labels, which the statement lists as not covered by ε")
+        "all strings, as the label column holds them; a hub ClassLabel's ids by name or id); a row with another "
+        "label is refused. Without it the label set is a hub data set's ClassLabel, or read from the private labels, "
+        "which the statement lists as not covered by ε")
 
     @field_validator("labels", mode="before")
     @classmethod

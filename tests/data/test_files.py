@@ -284,7 +284,7 @@ def test_a_label_the_recipe_does_not_declare_is_refused_naming_its_row(tmp_path,
     path = write(tmp_path / f"train.{fmt}", content)
     with pytest.raises(DpclipError) as refused:
         load_data(files(path, fmt, label_field="label", labels=[0, 1]), seed=0)
-    assert shown in refused.value.message and "not one of data.labels" in refused.value.message
+    assert shown in refused.value.message and "not one of the declared classes" in refused.value.message
     assert "[quotes the data's rows" in refused.value.message and "data.labels" in refused.value.hint
 
 

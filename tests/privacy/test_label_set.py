@@ -98,6 +98,6 @@ def test_a_record_whose_label_is_not_declared_is_refused_before_a_run_is_written
     result = cli("train", tmp_path / "recipe.yaml")
     assert result.code != 0 and "Traceback" not in result.err
     err = " ".join(result.err.split())
-    assert "row 200 has the label 57" in err and "not one of data.labels" in err and "hint:" in err
+    assert "row 200 has the label 57" in err and "not one of the declared classes" in err and "hint:" in err
     assert "[quotes the data's rows: not covered by ε]" in err
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
