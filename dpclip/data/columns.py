@@ -68,14 +68,46 @@ def _texts_of(values: np.ndarray, name: str, origin: str) -> list[str]:
     return texts
 
 
-def encode_labels(label_columns: list[np.ndarray], name: str, origin: str
+def _declared_ids(label_columns: list[np.ndarray], declared: list, name: str, origin: str) -> list[torch.Tensor]:
+    """Each part's labels as their positions in ``declared`` (the recipe's ``data.labels``: public), or a
+    refusal naming the first row whose label is not one of them (a whole number is not a string, nor
+    True 1)."""
+    position = {(type(label), label): i for i, label in enumerate(declared)}
+    wanted = type(declared[0])
+    parts = []
+    for part, column in zip(("", " of the test data"), label_columns):
+        ids = np.empty(len(column), dtype=np.int64)
+        for row, value in enumerate(column.tolist()):
+            key = (wanted, value) if isinstance(value, wanted) and not isinstance(value, bool) else None
+            if key not in position:
+                raise DpclipError(quoting_data(f"{origin}: row {row + 1}{part} has the label {value!r} in column "
+                                               f"{name!r}, which is not one of the declared classes ({_shown(declared)})"),
+                                  "the classes are data.labels (without it, a hub data set's ClassLabel): add the "
+                                  "class, or remove the row (a hub test split's -1 means unlabelled: cut the test set "
+                                  "with test_fraction); labels match as written (a whole number is not a string)")
+            ids[row] = position[key]
+        parts.append(torch.as_tensor(ids))
+    return parts
+
+
+def _shown(declared: list) -> str:
+    return ", ".join(repr(label) for label in declared[:5]) + (", ..." if len(declared) > 5 else "")
+
+
+def encode_labels(label_columns: list[np.ndarray], name: str, origin: str, declared: list | None = None
                   ) -> tuple[list[torch.Tensor], str, int | None, list[str] | None]:
     """Labels of each part as tensors, plus (task, num_classes, label_names).
 
-    Integer and boolean labels are class ids as they are (negative ones are mapped to
-    sorted ids); strings map to sorted ids, recorded in label_names; floats mean
-    regression. The class list comes from all parts, so train and test agree.
+    ``declared`` (the recipe's ``data.labels``): the classes, in output order, and every label must be
+    one of them. Otherwise the label set is read from the labels (not covered by ε): integer and
+    boolean labels are class ids as they are (negative ones are mapped to sorted ids); strings map to
+    sorted ids, recorded in label_names; floats mean regression. The class list comes from all parts,
+    so train and test agree.
     """
+    if declared is not None:
+        ids = _declared_ids(label_columns, declared, name, origin)
+        names = None if declared == list(range(len(declared))) else [str(label) for label in declared]
+        return ids, "classification", len(declared), names
     joined = np.concatenate(label_columns)
     if joined.ndim != 1:
         raise DpclipError(f"{origin}: label column {name!r} holds {joined.shape[1:]} values per example, not one",
@@ -86,6 +118,7 @@ def encode_labels(label_columns: list[np.ndarray], name: str, origin: str
         if all(isinstance(v, str) for v in values):
             kind = "U"
         elif all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+            _check_int64(values, name, origin)
             joined = joined.astype(np.int64)
             label_columns = [column.astype(np.int64) for column in label_columns]
             kind = "i"
@@ -108,6 +141,12 @@ def encode_labels(label_columns: list[np.ndarray], name: str, origin: str
         return [torch.as_tensor(c.astype(np.int64)) for c in label_columns], "classification", 2, ["False", "True"]
     if kind in "iu" and joined.min() >= 0:
         num_classes = int(joined.max()) + 1
+        if num_classes > len(joined):
+            raise DpclipError(quoting_data(f"{origin}: the largest label in column {name!r} is {num_classes - 1}, so "
+                                           f"the model would have {num_classes} outputs, more than the "
+                                           f"{len(joined)} labelled rows"),
+                              "a whole-number label is its class's output: number the classes 0..K-1, or declare "
+                              "them with data.labels (e.g. labels: [3, 17, 2024])")
         return [torch.as_tensor(c.astype(np.int64)) for c in label_columns], "classification", num_classes, None
     if kind in "iuU":
         classes = np.unique(joined)
@@ -115,6 +154,14 @@ def encode_labels(label_columns: list[np.ndarray], name: str, origin: str
         return label_ids, "classification", len(classes), [str(c) for c in classes]
     raise DpclipError(f"{origin}: label column {name!r} has unsupported type {joined.dtype}",
                       "classification needs whole-number or string labels, regression a float column")
+
+
+def _check_int64(values: list, name: str, origin: str) -> None:
+    huge = next((v for v in values if not -2**63 <= v < 2**63), None)
+    if huge is not None:
+        raise DpclipError(quoting_data(f"{origin}: label column {name!r} holds {huge!r}, beyond a 64-bit integer"),
+                          "a whole-number label is its class's output: number the classes 0..K-1, or declare them "
+                          "with data.labels")
 
 
 # ------------------------------------------------------------------------ features
@@ -140,8 +187,8 @@ def _numeric_column(values: np.ndarray, name: str, origin: str) -> np.ndarray:
         infinite = ~np.isfinite(values.astype(np.float32))   # features train as float32
     if infinite.any():
         row = int(np.argwhere(infinite)[0][0])
-        raise DpclipError(f"{origin}: feature column {name!r} holds a value that is infinite as a 32-bit float "
-                          f"(row {row + 1}: {values[row].tolist()!r})",
+        raise DpclipError(quoting_data(f"{origin}: feature column {name!r} holds a value that is infinite as a "
+                                       f"32-bit float (row {row + 1}: {values[row].tolist()!r})"),
                           "features train as float32 (at most about 3.4e38 in size): replace or rescale "
                           "infinite and huge values, or remove those rows")
     return values
@@ -193,8 +240,9 @@ def require_columns(tables: list[Columns], names: list[str], origin: str, role: 
 
 def examples_from_columns(tables: list[Columns], *, label_field: str | None, text_field: str | None,
                           feature_fields: list[str] | None, tokenizer: str, max_length: int,
-                          origin: str) -> Examples:
-    """Tensors for a table data set: ``tables`` is [all] or [train, test] (see module doc)."""
+                          origin: str, labels: list | None = None) -> Examples:
+    """Tensors for a table data set: ``tables`` is [all] or [train, test] (see module doc);
+    ``labels``: the classes the recipe declares (``data.labels``)."""
     if text_field is not None:
         if feature_fields is not None:
             raise DpclipError(f"{origin}: data.feature_fields and data.text_field are both set",
@@ -206,7 +254,7 @@ def examples_from_columns(tables: list[Columns], *, label_field: str | None, tex
             parts = [text_tensors(t, text_tokenizer, max_length) for t in texts]
             return Examples(parts, "causal-lm", (max_length,), tokenizer=text_tokenizer)
         require_columns(tables, [label_field], origin, "label")
-        labels, task, num_classes, names = encode_labels([t[label_field] for t in tables], label_field, origin)
+        labels, task, num_classes, names = encode_labels([t[label_field] for t in tables], label_field, origin, labels)
         parts = [text_tensors(t, text_tokenizer, max_length, y) for t, y in zip(texts, labels)]
         return Examples(parts, task, (max_length,), num_classes, names, text_tokenizer)
 
@@ -224,6 +272,6 @@ def examples_from_columns(tables: list[Columns], *, label_field: str | None, tex
                           "a table needs at least one feature column")
     require_columns(tables, feature_fields, origin, "feature")
     features, input_shape = encode_features(tables, feature_fields, origin)
-    labels, task, num_classes, names = encode_labels([t[label_field] for t in tables], label_field, origin)
+    labels, task, num_classes, names = encode_labels([t[label_field] for t in tables], label_field, origin, labels)
     parts = [{"features": x, "labels": y} for x, y in zip(features, labels)]
     return Examples(parts, task, input_shape, num_classes, names, feature_names=list(feature_fields))

@@ -158,13 +158,17 @@ def _files_examples(config) -> Examples:
         text_tokenizer = load_tokenizer(config.tokenizer)
         parts = [text_tensors(read_text_lines(path), text_tokenizer, config.max_length) for path in paths]
         return Examples(parts, "causal-lm", (config.max_length,), tokenizer=text_tokenizer)
-    tables = [read_table(path, config.format, as_written=tuple(filter(None, [config.user_field]))) for path in paths]
+    # declared string labels are matched as written: "007" is not 7
+    as_written = (config.user_field, config.label_field if config.labels and isinstance(config.labels[0], str) else None)
+    ordered = config.feature_fields is None and config.text_field is None   # features in the file's column order
+    tables = [read_table(path, config.format, tuple(filter(None, as_written)), ordered) for path in paths]
     try:
         users = user_column(tables, config.user_field, origin)
         examples = examples_from_columns(tables, label_field=config.label_field, text_field=config.text_field,
                                          feature_fields=_without(config.feature_fields, config.user_field, tables,
                                                                  config.label_field, config.text_field),
-                                         tokenizer=config.tokenizer, max_length=config.max_length, origin=origin)
+                                         tokenizer=config.tokenizer, max_length=config.max_length, origin=origin,
+                                         labels=config.labels)
     except DpclipError as error:
         if config.format != "csv":
             raise
@@ -177,15 +181,30 @@ def _files_examples(config) -> Examples:
 
 
 def _hub_examples(config) -> Examples:
-    train, test = load_hub_columns(config.name, config.config, config.split, config.test_split)
+    train, test, names = load_hub_columns(config.name, config.config, config.split, config.test_split,
+                                          config.label_field)
     tables = [train] if test is None else [train, test]
     origin = f"hf:{config.name}"
     users = user_column(tables, config.user_field, origin)
+    labels = config.labels
+    if names is not None and labels is None:   # a ClassLabel: the schema's classes, by id
+        labels = list(range(len(names)))
+    elif names is not None and isinstance(labels[0], str):   # declared by name: the ids are the schema's names
+        tables = [{**table, config.label_field: _named(table[config.label_field], names)} for table in tables]
     examples = examples_from_columns(tables, label_field=config.label_field, text_field=config.text_field,
                                      feature_fields=_without(None, config.user_field, tables, config.label_field,
                                                              config.text_field),
-                                     tokenizer=config.tokenizer, max_length=config.max_length, origin=origin)
+                                     tokenizer=config.tokenizer, max_length=config.max_length, origin=origin,
+                                     labels=labels)
+    if names is not None and config.labels is None:
+        examples = replace(examples, label_names=names)
     return replace(examples, users=users)
+
+
+def _named(ids: np.ndarray, names: list[str]) -> np.ndarray:
+    """A ClassLabel column's ids as their names (an id outside the names stays as it is, and is refused)."""
+    return np.asarray([names[i] if isinstance(i, int) and 0 <= i < len(names) else i for i in ids.tolist()],
+                      dtype=object)
 
 
 def user_column(tables: list[Columns], user_field: str | None, origin: str) -> list[np.ndarray] | None:

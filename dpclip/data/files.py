@@ -24,6 +24,10 @@ Columns = dict[str, np.ndarray]
 
 TABLE_FORMATS = ("csv", "json", "jsonl", "parquet")
 
+# UTF-8 that drops a leading byte order mark (Windows editors write one): it marks the encoding, it is no
+# row's text (pandas drops it from a csv by itself)
+UTF8 = "utf-8-sig"
+
 
 def _existing(path: str | Path) -> Path:
     path = Path(path)
@@ -41,7 +45,7 @@ def _columns_of(frame) -> Columns:
 def _json_records(path: Path, file_format: str) -> list[dict] | dict[str, list]:
     """json: a list of records or a mapping of columns; jsonl: one record per non-blank line."""
     if file_format == "json":
-        content = json.loads(path.read_text(encoding="utf-8"))
+        content = json.loads(path.read_text(encoding=UTF8))
         if isinstance(content, list) and all(isinstance(record, dict) for record in content):
             return content
         if isinstance(content, dict) and content and all(isinstance(v, list) for v in content.values()):
@@ -49,7 +53,7 @@ def _json_records(path: Path, file_format: str) -> list[dict] | dict[str, list]:
         raise DpclipError(f"{path}: expected a JSON list of records or a mapping of columns",
                           "or use format: jsonl with one record per line")
     records = []
-    with path.open(encoding="utf-8") as handle:
+    with path.open(encoding=UTF8) as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
@@ -68,9 +72,31 @@ def _json_records(path: Path, file_format: str) -> list[dict] | dict[str, list]:
     return records
 
 
-def read_table(path: str | Path, file_format: str, as_written: tuple[str, ...] = ()) -> Columns:
+def _check_key_order(records: list[dict], path: Path, file_format: str) -> None:
+    """Refuse records that list their keys in different orders: the columns come in the order of first
+    appearance, so the first record's order would be the features' order (one record, added or
+    removed, would reorder the model's inputs)."""
+    position: dict = {}
+    for record in records:
+        for key in record:
+            position.setdefault(key, len(position))
+    for number, record in enumerate(records, start=1):
+        places = [position[key] for key in record]
+        if places != sorted(places):
+            where = f"line {number}" if file_format == "jsonl" else f"record {number}"
+            raise DpclipError(quoting_data(f"{path}, {where}: its keys come in another order than earlier records' "
+                                           f"({', '.join(map(repr, record))}), so which feature is the model's "
+                                           "first input would depend on the rows"),
+                              "list the feature columns in data.feature_fields (their order is the model's input "
+                              "order), or write every record's keys in one order")
+
+
+def read_table(path: str | Path, file_format: str, as_written: tuple[str, ...] = (), one_key_order: bool = False
+               ) -> Columns:
     """The columns of a csv, json, jsonl or parquet file; a csv's columns ``as_written`` are read as
-    text, not parsed as numbers (a person id: "007", "7" and "7.0" name three people, not one)."""
+    text, not parsed as numbers (a person id: "007", "7" and "7.0" name three people, not one).
+    ``one_key_order``: json or jsonl records must list their keys in one order (the columns are features
+    in that order)."""
     import pandas as pd  # lazy: only local-file recipes need pandas
 
     path = _existing(path)
@@ -79,6 +105,8 @@ def read_table(path: str | Path, file_format: str, as_written: tuple[str, ...] =
             frame = pd.read_csv(path, skip_blank_lines=True, dtype={name: str for name in as_written})
         elif file_format in ("json", "jsonl"):
             records = _json_records(path, file_format)
+            if one_key_order and isinstance(records, list):
+                _check_key_order(records, path, file_format)
             frame = pd.DataFrame(records) if isinstance(records, dict) else pd.DataFrame.from_records(records)
         elif file_format == "parquet":
             import pyarrow.parquet as pq  # lazy: only parquet files need pyarrow
@@ -127,10 +155,10 @@ def read_text_lines(path: str | Path) -> list[str]:
     """One example per non-blank line, without its line ending."""
     path = _existing(path)
     try:
-        with path.open(encoding="utf-8") as handle:
+        with path.open(encoding=UTF8) as handle:
             lines = [line.rstrip("\r\n") for line in handle if line.strip()]
     except (OSError, UnicodeDecodeError) as exc:
-        raise DpclipError(f"cannot read {path} as UTF-8 text: {exc}", "save the file as UTF-8") from None
+        raise DpclipError(quoting_data(f"cannot read {path} as UTF-8 text: {exc}"), "save the file as UTF-8") from None
     if not lines:
         raise DpclipError(f"{path} holds no text", "write one training example per line")
     return lines

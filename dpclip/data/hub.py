@@ -3,6 +3,9 @@
 ``datasets.load_dataset`` needs the network or a copy in the local cache. Whatever goes
 wrong inside it (no network, offline mode, a misspelt name, a missing config or split)
 surfaces as one :class:`DpclipError` with a hint instead of a library traceback.
+
+A label column the data set declares a ``ClassLabel`` (its class names, in id order) has those
+classes, whichever of them its rows hold: the schema, not the rows, fixes the model's output size.
 """
 
 from __future__ import annotations
@@ -46,9 +49,18 @@ def _column_array(values) -> np.ndarray:
         return column
 
 
-def load_hub_columns(name: str, config: str | None, split: str,
-                     test_split: str | None) -> tuple[Columns, Columns | None]:
-    """(train columns, test columns or None when the test set is cut from train)."""
-    train = _columns_of(_load_split(name, config, split))
+def class_names(dataset, label_field: str | None) -> list[str] | None:
+    """The names of ``label_field``'s classes when the data set declares them (a ``ClassLabel``: the
+    data set's schema, not read from its rows), else None."""
+    feature = dataset.features.get(label_field) if label_field is not None else None
+    names = getattr(feature, "names", None)
+    return list(names) if isinstance(names, list) and names else None
+
+
+def load_hub_columns(name: str, config: str | None, split: str, test_split: str | None,
+                     label_field: str | None = None) -> tuple[Columns, Columns | None, list[str] | None]:
+    """(train columns, test columns or None when the test set is cut from train, the label column's
+    class names when the train split's schema declares them: :func:`class_names`)."""
+    train_split = _load_split(name, config, split)
     test = _columns_of(_load_split(name, config, test_split)) if test_split is not None else None
-    return train, test
+    return _columns_of(train_split), test, class_names(train_split, label_field)

@@ -172,7 +172,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | No
     steps_planned, stopped = cards.run_progress(run.path, recipe, statement.steps)
     card = cards.privacy_card(statement, recipe_name=recipe.name, checkpoint=path.name,
                               checkpoint_step=int(path.name.split("_")[1]), steps_planned=steps_planned,
-                              stopped=stopped, label_names=info.get("label_names"), search=search)
+                              stopped=stopped, search=search,
+                              label_names=None if getattr(recipe.data, "labels", None) else info.get("label_names"))
     card = cut_in_text(card, local_paths(recipe.model_dump(mode="json")))   # the statement names data files
 
     made_private(target.parent)

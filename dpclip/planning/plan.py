@@ -159,8 +159,8 @@ HELD_OUT_CUT = ("the cut of the private data into training and held-out rows (da
                 "removed with the cut given; one added to the data can also move another across the cut (give a "
                 "separate test file or split to have no cut)")
 
-LABEL_SET = ("the label set, read from the private data's labels: the task, the number of classes (the largest "
-             "whole-number label + 1) or the class names, and so the model's output size (a rare label shows)")
+LABEL_SET = ("the label set, read from the private data's labels: the task, the number of classes (the largest whole-number "
+             "label + 1) or the class names, so the model's output size (a rare label shows; data.labels declares it)")
 
 
 #: A tokenizer the recipe gives (data.tokenizer: a directory), as the weights depend on it and an
@@ -203,8 +203,8 @@ def not_covered(recipe: Recipe) -> tuple[str, ...]:
         out += (CLOCK_CHECKPOINTS,)
     if recipe.privacy.unit == "user":
         out += (USER_RECORD_COUNT,)
-    # a builtin data set's classes are public; a causal LM's targets are its text's next tokens, no label set
-    if recipe.data.source != "builtin" and getattr(recipe.model, "task", None) != "causal-lm":
+    # a builtin data set's classes are public, data.labels declares them; a causal LM has no label set
+    if recipe.data.source != "builtin" and getattr(recipe.model, "task", None) != "causal-lm" and not recipe.data.labels:
         out += (LABEL_SET,)
     if cuts_held_out(recipe.data):
         out += (HELD_OUT_CUT,)

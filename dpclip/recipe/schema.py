@@ -13,9 +13,8 @@ rebuilt whenever a policy is (un)registered.
 ``Recipe.model_dump()`` of ``clipping`` is exactly the dict ``DPEngine(clipping=...)`` takes.
 
 Length: a little over 400 lines (clipping.grouping's checks live in recipe/grouping.py), because the schema is one page: every section of a recipe
-is read (and docs/recipes.md generated) from here; only the sections of one feature live
-beside it (``continual:`` and ``diagnostics:`` in recipe/continual.py, ``tuning:`` in
-recipe/tuning.py) and are imported here.
+is read (and docs/recipes.md generated) from here; only the sections of one feature live beside it (``continual:``
+and ``diagnostics:`` in recipe/continual.py, ``tuning:`` in recipe/tuning.py, ``data.labels`` in recipe/labels.py).
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from dpclip.recipe.audit import Audit, Canaries, Exposure, check_audit  # noqa: 
 from dpclip.recipe.mechanism import BandedMF, Blt, DpSgd, MechanismConfig  # noqa: F401 (docs)
 from dpclip.recipe.continual import AtSwitch, Continual, Diagnostics, SwitchRule, check_continual  # noqa: F401 (docs)
 from dpclip.recipe.grouping import GROUPING_HELP, check_parallel, validate_grouping
+from dpclip.recipe.labels import DataLabels
 from dpclip.recipe.section import LearningRate, Section, Size, threshold_without_booleans
 from dpclip.recipe.tuning import RandomRange, Tuning  # noqa: F401 (docs)
 from dpclip.recipe.users import DataUsers, check_users
@@ -62,7 +62,7 @@ class BuiltinData(DataUsers):
         "(docs/continual.md, \"Public data\")")
 
 
-class HFData(DataUsers):
+class HFData(DataUsers, DataLabels):
     """A Hugging Face ``datasets`` data set: a hub name (needs network or a local cache) or a
     local folder of data files (csv, json, parquet; e.g. a downloaded hub repository),
     both read with ``datasets.load_dataset``. A folder written by ``save_to_disk`` is not
@@ -84,7 +84,7 @@ class HFData(DataUsers):
         "(docs/continual.md, \"Public data\")")
 
 
-class FilesData(DataUsers):
+class FilesData(DataUsers, DataLabels):
     """Local files: tables read into pandas (csv by pandas, json/jsonl by Python's json
     module, parquet by pyarrow) or text (one example per line); ``datasets`` is not used.
     Relative paths are relative to the recipe file's directory."""
@@ -96,7 +96,7 @@ class FilesData(DataUsers):
     test_fraction: UnitOpen = 0.2
     label_field: str | None = None
     text_field: str | None = None
-    feature_fields: list[str] | None = Field(None, description="default: every column but the label")
+    feature_fields: list[str] | None = Field(None, description="the inputs, in order; default: the columns but the label, as the file orders them")
     tokenizer: str = "byte"
     max_length: Size = 64
     public_fraction: Annotated[float, Field(gt=0, lt=1)] | None = Field(

@@ -253,3 +253,86 @@ def test_a_truly_empty_csv_cell_is_refused_as_missing_without_the_pandas_note(tm
     with pytest.raises(DpclipError) as info:
         load_data(files(path, "csv", label_field="label", user_field="patient"), seed=0)
     assert "rows have no 'patient'" in info.value.message and "pandas" not in info.value.message
+
+
+NEIGHBOURS = "x,label\n" + "".join(f"{i},{i % 3}\n" for i in range(30))
+
+
+@pytest.mark.parametrize("rare", ["", "0.5,57\n"])
+def test_declared_labels_fix_the_classes_whatever_the_rows(tmp_path, rare):
+    """Neighbouring data sets (with and without a record of the rare class 57) have the recipe's
+    classes: output i is labels[i], and nothing about the label set is read from the rows."""
+    path = write(tmp_path / "train.csv", NEIGHBOURS + rare)
+    data = load_data(files(path, "csv", label_field="label", labels=[2, 0, 1, 57], test=str(path)), seed=0)
+    assert data.num_classes == 4 and data.label_names == ["2", "0", "1", "57"]
+    assert data.train["labels"][:4].tolist() == [1, 2, 0, 1]
+
+
+def test_declared_string_labels_match_as_written(tmp_path):
+    """A csv's "007" is the class "007" (pandas alone would read the number 7)."""
+    path = write(tmp_path / "train.csv", "x,kind\n1,007\n2,dog\n3,007\n")
+    data = load_data(files(path, "csv", label_field="kind", labels=["dog", "007"], test=str(path)), seed=0)
+    assert data.train["labels"].tolist() == [1, 0, 1] and data.label_names == ["dog", "007"]
+
+
+@pytest.mark.parametrize("fmt, content, shown", [
+    ("csv", "x,label\n1,0\n2,1\n3,2\n", "row 3 has the label 2"),
+    ("jsonl", '{"x": 1, "label": 0}\n{"x": 2, "label": "1"}\n', "row 2 has the label '1'"),
+    ("jsonl", '{"x": 1, "label": 0}\n{"x": 2, "label": true}\n', "row 2 has the label True"),
+])
+def test_a_label_the_recipe_does_not_declare_is_refused_naming_its_row(tmp_path, fmt, content, shown):
+    path = write(tmp_path / f"train.{fmt}", content)
+    with pytest.raises(DpclipError) as refused:
+        load_data(files(path, fmt, label_field="label", labels=[0, 1]), seed=0)
+    assert shown in refused.value.message and "not one of the declared classes" in refused.value.message
+    assert "[quotes the data's rows" in refused.value.message and "data.labels" in refused.value.hint
+
+
+def test_a_test_file_label_the_recipe_does_not_declare_is_refused(tmp_path):
+    train = write(tmp_path / "train.csv", "x,label\n1,0\n2,1\n")
+    test = write(tmp_path / "test.csv", "x,label\n1,0\n2,5\n")
+    with pytest.raises(DpclipError, match="row 2 of the test data has the label 5"):
+        load_data(files(train, "csv", label_field="label", labels=[0, 1], test=str(test)), seed=0)
+
+
+@pytest.mark.parametrize("label, shown", [(10**12, "the largest label in column 'label' is 1000000000000"),
+                                          (10**30, "beyond a 64-bit integer")])
+def test_a_whole_number_label_no_model_can_have_as_many_outputs_is_refused_with_a_hint(tmp_path, label, shown):
+    """The class id is the label, so 10**12 asked for a 10**12-output layer (a memory error blaming the
+    model), and 10**30 for an internal error; both are refused, pointing at data.labels."""
+    rows = "".join(json.dumps({"x": i, "label": i % 2}) + "\n" for i in range(20))
+    path = write(tmp_path / "train.jsonl", rows + json.dumps({"x": 1, "label": label}) + "\n")
+    with pytest.raises(DpclipError) as refused:
+        load_data(files(path, "jsonl", label_field="label"), seed=0)
+    assert shown in refused.value.message and "data.labels" in refused.value.hint
+
+
+@pytest.mark.parametrize("fmt, content", [
+    ("text", "first note\nsecond note\n"),
+    ("jsonl", '{"text": "first note"}\n{"text": "second note"}\n'),
+    ("json", '[{"text": "first note"}, {"text": "second note"}]'),
+    ("csv", "text\nfirst note\nsecond note\n"),
+])
+def test_a_byte_order_mark_is_read_as_the_encoding_not_as_the_first_rows_text(tmp_path, fmt, content):
+    """Windows editors save UTF-8 with a byte order mark: it was trained on as the first text's first
+    three bytes (format: text), or refused as invalid JSON with a hint that did not name it."""
+    path = tmp_path / f"notes.{fmt}"
+    path.write_bytes("\ufeff".encode() + content.encode())
+    fields = {} if fmt == "text" else {"text_field": "text"}
+    data = load_data(files(path, fmt, test=str(path), **fields), seed=0)
+    assert data.tokenizer.decode(data.train["input_ids"][0]) == "first note"
+
+
+def test_records_that_order_their_keys_differently_are_refused_when_the_order_makes_the_features(tmp_path):
+    """The columns come in order of first appearance: a first record {income, age} before records
+    {age, income} made income the model's first input, and its neighbour without that record age."""
+    rows = [json.dumps({"age": 30 + i, "income": 10.0 * i, "label": i % 2}) for i in range(6)]
+    path = write(tmp_path / "train.jsonl", "\n".join([json.dumps({"income": 5.0, "age": 99, "label": 1}), *rows]))
+    with pytest.raises(DpclipError) as refused:
+        load_data(files(path, "jsonl", label_field="label"), seed=0)
+    assert "line 2: its keys come in another order" in refused.value.message
+    assert "data.feature_fields" in refused.value.hint
+    data = load_data(files(path, "jsonl", label_field="label", feature_fields=["age", "income"], test=str(path)), seed=0)
+    assert data.train["features"][0].tolist() == [99.0, 5.0]
+    shuffled = write(tmp_path / "text.jsonl", '{"text": "a", "label": 0}\n{"label": 1, "text": "b"}\n')
+    assert load_data(files(shuffled, "jsonl", text_field="text", label_field="label", test=str(shuffled)), seed=0)

@@ -83,3 +83,47 @@ def test_a_hub_column_of_ragged_sequences_is_refused_like_a_files_one(monkeypatc
     with pytest.raises(DpclipError, match="holds sequences of different lengths") as info:
         load_data(HFData(source="hf", name="someone/ragged", label_field="label"), seed=0)
     assert "same number of features" in info.value.hint
+
+
+@pytest.fixture
+def hub_with_an_unseen_class(monkeypatch):
+    """A ClassLabel of three classes whose rows hold only two of them."""
+    import datasets
+
+    features = datasets.Features({"sentence": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["neg", "neutral", "pos"])})
+    rows = datasets.Dataset.from_dict({"sentence": ["good", "bad", "fine", "cold"], "label": [1, 0, 1, 0]},
+                                      features=features)
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config=None, split=None: rows)
+
+
+def test_a_class_label_fixes_the_classes_whatever_the_rows_hold(hub_with_an_unseen_class):
+    """The schema's three classes, not the largest id + 1 (which a neighbour with one "pos" row moves)."""
+    data = load_data(HFData(source="hf", name="someone/reviews", text_field="sentence", label_field="label",
+                            max_length=8), seed=0)
+    assert data.num_classes == 3 and data.label_names == ["neg", "neutral", "pos"]
+
+
+def test_labels_declared_by_name_match_a_class_labels_ids_by_their_names(hub_with_an_unseen_class):
+    data = load_data(HFData(source="hf", name="someone/reviews", text_field="sentence", label_field="label",
+                            max_length=8, labels=["neutral", "neg"], test_fraction=0.5), seed=0)
+    assert data.num_classes == 2 and data.label_names == ["neutral", "neg"]
+    labels = dict(zip(data.train_indices.tolist(), data.train["labels"].tolist()))
+    assert all(labels[row] == {1: 0, 0: 1}[[1, 0, 1, 0][row]] for row in labels)
+
+
+def test_a_hub_test_splits_unlabelled_rows_are_refused_not_made_a_class(monkeypatch):
+    """GLUE-style test splits label every row -1 (unlabelled): it was a class of its own ("-1"),
+    which shifted every class id by one."""
+    import datasets
+
+    features = datasets.Features({"sentence": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["neg", "pos"])})
+    splits = {"train": datasets.Dataset.from_dict({"sentence": ["good", "bad"], "label": [1, 0]}, features=features),
+              "test": datasets.Dataset.from_dict({"sentence": ["fine"], "label": [-1]}, features=features)}
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config=None, split=None: splits[split])
+    with pytest.raises(DpclipError) as refused:
+        load_data(HFData(source="hf", name="glue", test_split="test", text_field="sentence", label_field="label",
+                         max_length=8), seed=0)
+    assert "row 1 of the test data has the label -1" in refused.value.message
+    assert "-1 means unlabelled" in refused.value.hint

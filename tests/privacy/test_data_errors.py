@@ -60,3 +60,25 @@ def test_a_person_id_quoted_by_make_privates_users_is_labelled_not_covered():
     with pytest.raises(DpclipError, match="not covered by ε") as refused:
         number_people(["a", SECRET, " " + SECRET])
     assert SECRET in refused.value.message
+
+
+def test_a_features_value_quoted_in_a_refusal_is_labelled_not_covered(tmp_path):
+    """A salary of 1e39 is infinite as a 32-bit float: the refusal names its row and value."""
+    from dpclip.data import load_data
+    from dpclip.recipe.schema import FilesData
+
+    (tmp_path / "data.csv").write_text("salary,label\n1.5,0\n2.5,1\n1e39,1\n")
+    data = FilesData(source="files", format="csv", train=str(tmp_path / "data.csv"), label_field="label")
+    with pytest.raises(DpclipError) as refused:
+        load_data(data, seed=0)
+    assert "row 3: 1e+39" in refused.value.message and "not covered by ε" in refused.value.message
+
+
+def test_a_text_files_undecodable_byte_quoted_in_a_refusal_is_labelled_not_covered(tmp_path):
+    """Python's decoding error names the byte and its offset in the file: both read from the data."""
+    from dpclip.data.files import read_text_lines
+
+    (tmp_path / "notes.txt").write_bytes("a note\ncaf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(DpclipError) as refused:
+        read_text_lines(tmp_path / "notes.txt")
+    assert "0xe9" in refused.value.message and "not covered by ε" in refused.value.message
