@@ -315,12 +315,19 @@ def run_statement(recipe: Recipe, ledger, *, world_size: int = 1, users: int | N
                                  unit=unit)
 
 
+#: The most processes a run may record (and train with: :func:`dpclip.train.ranks.check_ranks`). plan.json's
+#: world_size goes into every statement ("data parallel over W processes"); a hand edit past this is refused.
+MAX_WORLD_SIZE = 1 << 20
+
+
 def recorded_world_size(run_dir: Path) -> int:
     """The number of processes plan.json says trained the run (1: runs before --nproc)."""
     value = RunDir(run_dir).public_plan().get("world_size", 1)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise DpclipError(f"{RunDir(run_dir).plan_file} records world_size {value!r}, which is not a process count",
-                          "the run directory was modified: restore plan.json")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WORLD_SIZE:
+        raise DpclipError(f"{RunDir(run_dir).plan_file} records world_size {value!r}, which is not a process count "
+                          f"(a whole number from 1 to {MAX_WORLD_SIZE:,})",
+                          "the run directory was modified: restore plan.json from a backup of the run (its "
+                          "world_size is the number of processes that trained it, 1 without --nproc)")
     return value
 
 

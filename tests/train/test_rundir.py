@@ -107,3 +107,23 @@ def test_a_ledger_whose_step_count_was_edited_is_refused_before_its_steps_are_wa
     with pytest.raises(DpclipError) as info:
         check_ledger(ledger, Unwalked(), range(0, 4), where=tmp_path / "ledger.json")
     assert f"records {10**30} steps where the run allows 0 to 3" in info.value.message
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "1000000000", "true", "2.0", '"4"', "null"])
+def test_a_hand_edited_world_size_in_plan_json_is_refused_with_a_hint(tmp_path, value):
+    # 10**9 processes once went into the statement ("data parallel over 1000000000 processes") unchecked
+    from dpclip.rundir.run import recorded_world_size
+
+    (tmp_path / "recipe.yaml").write_text("name: x\n")
+    (tmp_path / "plan.json").write_text('{"world_size": %s}' % value)
+    with pytest.raises(DpclipError) as info:
+        recorded_world_size(tmp_path)
+    assert "world_size" in info.value.message and "plan.json" in info.value.hint
+
+
+def test_a_recorded_world_size_within_bounds_is_read_back(tmp_path):
+    from dpclip.rundir.run import recorded_world_size
+
+    (tmp_path / "recipe.yaml").write_text("name: x\n")
+    (tmp_path / "plan.json").write_text('{"world_size": 8}')
+    assert recorded_world_size(tmp_path) == 8
