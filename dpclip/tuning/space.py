@@ -10,6 +10,7 @@ anything runs. The space comes from the recipe's ``tuning:`` section, or from
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -144,6 +145,9 @@ def search_space(base: Mapping[str, Any], recipe: Recipe, grid: Sequence[str] = 
                     "search fewer values per key, or draw a few configurations from the space with --random N "
                     "(tuning.random)")
         points = [dict(zip(keys, combo)) for combo in itertools.product(*(axes[k] for k in keys))]
+        configurations = [_configuration(base, point, str(origin)) for point in points]
+        _check_distinct_configurations(configurations, origin)
+        return configurations
     return [_configuration(base, point, str(origin)) for point in points]
 
 
@@ -182,6 +186,40 @@ def reachable_configurations(base: Mapping[str, Any], recipe: Recipe, grid: Sequ
     return [_configuration(base, point, str(origin)) for point in points]
 
 
+def _value_identity(value: Any) -> str:
+    """A value as the recipe reads it: 1, 1.0 and 1e0 are one learning rate."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(float(value))
+    return json.dumps(value, sort_keys=True, default=repr)
+
+
+def _check_distinct(key: str, values: Sequence[Any], origin: str) -> None:
+    """A value listed twice would be trained twice and charged as two configurations (a random
+    search would draw it twice as often): refused, since it is most likely a typo for another value."""
+    seen: dict[str, Any] = {}
+    for value in values:
+        if (identity := _value_identity(value)) in seen:
+            raise RecipeError(f"{origin} {key} lists the value {seen[identity]!r} more than once"
+                              + ("" if value == seen[identity] and type(value) is type(seen[identity])
+                                 else f" (also as {value!r})"),
+                              "list each value once: every value of a grid is a whole private run, charged to the "
+                              "search's ε")
+        seen[identity] = value
+
+
+def _check_distinct_configurations(configurations: Sequence[Configuration], origin: str) -> None:
+    """Two points of a grid that validate to one recipe are one configuration trained and charged twice."""
+    seen: dict[str, Configuration] = {}
+    for config in configurations:
+        text = config.recipe.model_dump_json()
+        if text in seen:
+            raise RecipeError(f"the {origin}'s configurations {seen[text].label()} and {config.label()} are the same "
+                              "recipe once validated, so it would be trained more than once",
+                              "list each configuration once: every one is a whole private run, charged to the "
+                              "search's ε")
+        seen[text] = config
+
+
 def _axes(recipe: Recipe, grid: Sequence[str]) -> tuple[dict[str, list[Any]], str]:
     """The grid's keys and values (``--grid`` replacing the recipe's), each key checked, and where they came from."""
     tuning = recipe.tuning
@@ -200,6 +238,7 @@ def _axes(recipe: Recipe, grid: Sequence[str]) -> tuple[dict[str, list[Any]], st
         _check_key(key, origin)
         if not values:
             raise RecipeError(f"{origin} {key} has no values", "list at least one value")
+        _check_distinct(key, values, origin)
     for key in tuning.ranges:
         _check_key(key, "tuning.ranges")
     return axes, origin

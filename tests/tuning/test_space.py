@@ -175,3 +175,25 @@ def test_a_blt_grid_over_the_statistics_share_of_the_budget_is_refused(tiny):
         tune_cost(base, recipe, grid=["clipping.threshold.budget_fraction=0.05,0.2"],
                   timer=StepTimer(fixed_seconds=0.01))
     assert "threshold statistic" in info.value.hint
+
+
+@pytest.mark.parametrize("grid", [["training.optimizer.lr=0.1,0.1,0.2"], ["training.optimizer.lr=0.1,1e-1,0.2"],
+                                  ["training.optimizer.lr=1,1.0"]])
+def test_a_value_given_twice_in_a_grid_is_refused_not_trained_and_charged_twice(tiny, grid):
+    """lr=0.1,0.1,0.2 once made three configurations: the search trained 0.1 twice and was priced
+    (naive G = 3, E[K] = 3) for three where two are distinct."""
+    from dpclip.tuning.cost import StepTimer, tune_cost
+
+    base, recipe = tiny()
+    with pytest.raises(RecipeError, match="more than once") as info:
+        tune_cost(base, recipe, grid=grid, timer=StepTimer(fixed_seconds=0.01))
+    assert "once" in info.value.hint
+
+
+def test_a_recipe_grid_whose_values_coincide_once_validated_is_refused(tiny):
+    base, recipe = tiny("tuning.grid={training.optimizer.lr: [1, 1.0, 0.5]}")
+    with pytest.raises(RecipeError, match="more than once"):
+        search_space(base, recipe)
+    base, recipe = tiny("tuning.grid={training.optimizer.lr: [1, 0.5]}", "tuning.random=4")
+    with pytest.raises(RecipeError, match="more than once"):   # a random search would draw one value twice as often
+        search_space(base, recipe, ["training.optimizer.lr=0.5,0.5,1"])
