@@ -124,6 +124,8 @@ def _render(report) -> None:
     console.print(f"[bold]{report.recipe}[/]: {report.configurations} configuration"
                   f"{'' if report.configurations == 1 else 's'}, "
                   f"N = {report.dataset_size} ({N_LABEL}), {privacy.steps} steps per run (q = {fmt(privacy.sample_rate)})")
+    if report.space_checked is not None:
+        console.print(f"search space: {report.space_checked}", soft_wrap=True)
     _render_compute(report)
     _render_privacy(privacy)
     if report.comparison:
