@@ -296,7 +296,7 @@ def spent(run_dir: Path):
                           "be understated", "the run directory was modified: restore ledger.json from a backup")
     check_ledger(ledger, solved, range(0, steps + 1), where=path)
     return ledger, run_statement(recipe, ledger, world_size=recorded_world_size(run.path),
-                                 users=run.public_plan().get("num_users"), written=recorded_written_state(run.path),
+                                 users=recorded_count(run.path, "num_users"), written=recorded_written_state(run.path),
                                  plan=run.public_plan())
 
 
@@ -331,6 +331,16 @@ def recorded_world_size(run_dir: Path) -> int:
     return value
 
 
+def recorded_count(run_dir: Path, key: str) -> int | None:
+    """plan.json's ``num_train`` or ``num_users`` (None when not recorded): a whole number >= 1, since q
+    is re-solved from it and the statement names it ("90 people")."""
+    value = RunDir(run_dir).public_plan().get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise DpclipError(f"{RunDir(run_dir).plan_file} records {key} {value!r}, which is not a count",
+                          "the run directory was modified: restore plan.json from a backup of the run")
+    return value
+
+
 def recorded_written_state(run_dir: Path) -> list[str]:
     """The buffers plan.json says the model's training forward writes (the engine's
     ``forward_written_state``, recorded as the run saw them; none in runs made before)."""
@@ -359,8 +369,8 @@ def planned_step(run_dir: Path, recipe: Recipe):
         raise DpclipError(f"the privacy fields of {run.recipe_file} were edited after the run started",
                           "the ledger would no longer describe the run; restore recipe.yaml")
     try:
-        units = public["num_users"] if recipe.privacy.unit == "user" else public["num_train"]
-        plan = privacy_plan(recipe, int(units), groups=len(public["groups"]))
+        key = "num_users" if recipe.privacy.unit == "user" else "num_train"
+        plan = privacy_plan(recipe, recorded_count(run_dir, key) or public[key], groups=len(public["groups"]))
     except (KeyError, TypeError, ValueError) as exc:
         source = run.plan_file if run.plan_file.exists() else run.meta_file
         raise DpclipError(f"{source} lacks the run's sizes ({exc})", f"restore {source.name}") from None
