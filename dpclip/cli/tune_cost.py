@@ -124,6 +124,8 @@ def _render(report) -> None:
     console.print(f"[bold]{report.recipe}[/]: {report.configurations} configuration"
                   f"{'' if report.configurations == 1 else 's'}, "
                   f"N = {report.dataset_size} ({N_LABEL}), {privacy.steps} steps per run (q = {fmt(privacy.sample_rate)})")
+    if report.space_checked is not None:
+        console.print(f"search space: {report.space_checked}", soft_wrap=True)
     _render_compute(report)
     _render_privacy(privacy)
     if report.comparison:
@@ -216,7 +218,8 @@ def _strategy_note(strategy) -> str:
 def _render_comparison(comparison) -> None:
     """--compare: the same search for each clipping method."""
     table = Table(title="clipping methods: the same search", header_style="bold")
-    for name, justify in (("method", "left"), ("runs", "right"), ("s/step", "right"), ("search", "right"),
+    for name, justify in (("method", "left"), ("runs", "right"), ("E[K]", "right"), ("s/step", "right"),
+                          ("search", "right"),
                           ("speedup", "right"), ("σ grad. R&S", "right"), ("σ grad. naive", "right")):
         table.add_column(name, justify=justify)
     skipped = []
@@ -225,7 +228,9 @@ def _render_comparison(comparison) -> None:
             skipped.append(f"  {row['method']} left out: {row['skipped']}")
             continue
         speedup = row["speedup_vs_fixed"]
-        table.add_row(row["method"], str(row["runs"]), fmt(row["step_seconds"], 3),
+        mean = row["repeat_and_select_mean"]
+        table.add_row(row["method"], str(row["runs"]), "1" if mean is None else f"{mean:g}",
+                      fmt(row["step_seconds"], 3),
                       _hours(row["search_hours"]), "n/a" if speedup is None else f"{speedup:.2f}x",
                       fmt(row["gradient_noise_multiplier_repeat_and_select"]),
                       fmt(row["gradient_noise_multiplier_naive"]))
@@ -233,7 +238,8 @@ def _render_comparison(comparison) -> None:
     for line in skipped:
         console.print(line, soft_wrap=True)
     console.print("  speedup: search time of fixed-C DP-SGD over the C grid / this method's; σ grad.: per-run "
-                  "gradient noise multiplier keeping the whole search within ε (R&S: repeat-and-select)",
+                  "gradient noise multiplier keeping the whole search within ε (R&S: repeat-and-select with E[K] trials: "
+                  "the recipe's tuning.trials_mean, else the method's runs)",
                   soft_wrap=True)
 
 

@@ -296,7 +296,7 @@ def spent(run_dir: Path):
                           "be understated", "the run directory was modified: restore ledger.json from a backup")
     check_ledger(ledger, solved, range(0, steps + 1), where=path)
     return ledger, run_statement(recipe, ledger, world_size=recorded_world_size(run.path),
-                                 users=run.public_plan().get("num_users"), written=recorded_written_state(run.path),
+                                 users=recorded_count(run.path, "num_users"), written=recorded_written_state(run.path),
                                  plan=run.public_plan())
 
 
@@ -315,12 +315,29 @@ def run_statement(recipe: Recipe, ledger, *, world_size: int = 1, users: int | N
                                  unit=unit)
 
 
+#: The most processes a run may record (and train with: :func:`dpclip.train.ranks.check_ranks`). plan.json's
+#: world_size goes into every statement ("data parallel over W processes"); a hand edit past this is refused.
+MAX_WORLD_SIZE = 1 << 20
+
+
 def recorded_world_size(run_dir: Path) -> int:
     """The number of processes plan.json says trained the run (1: runs before --nproc)."""
     value = RunDir(run_dir).public_plan().get("world_size", 1)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise DpclipError(f"{RunDir(run_dir).plan_file} records world_size {value!r}, which is not a process count",
-                          "the run directory was modified: restore plan.json")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WORLD_SIZE:
+        raise DpclipError(f"{RunDir(run_dir).plan_file} records world_size {value!r}, which is not a process count "
+                          f"(a whole number from 1 to {MAX_WORLD_SIZE:,})",
+                          "the run directory was modified: restore plan.json from a backup of the run (its "
+                          "world_size is the number of processes that trained it, 1 without --nproc)")
+    return value
+
+
+def recorded_count(run_dir: Path, key: str) -> int | None:
+    """plan.json's ``num_train`` or ``num_users`` (None when not recorded): a whole number >= 1, since q
+    is re-solved from it and the statement names it ("90 people")."""
+    value = RunDir(run_dir).public_plan().get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise DpclipError(f"{RunDir(run_dir).plan_file} records {key} {value!r}, which is not a count",
+                          "the run directory was modified: restore plan.json from a backup of the run")
     return value
 
 
@@ -352,10 +369,10 @@ def planned_step(run_dir: Path, recipe: Recipe):
         raise DpclipError(f"the privacy fields of {run.recipe_file} were edited after the run started",
                           "the ledger would no longer describe the run; restore recipe.yaml")
     try:
-        units = public["num_users"] if recipe.privacy.unit == "user" else public["num_train"]
+        key = "num_users" if recipe.privacy.unit == "user" else "num_train"
         if not (isinstance(public["groups"], list) and all(isinstance(name, str) for name in public["groups"])):
             raise TypeError("its groups are not a list of names")
-        plan = privacy_plan(recipe, int(units), groups=len(public["groups"]))
+        plan = privacy_plan(recipe, recorded_count(run_dir, key) or public[key], groups=len(public["groups"]))
     except (KeyError, TypeError, ValueError) as exc:
         source = run.plan_file if run.plan_file.exists() else run.meta_file
         raise DpclipError(f"{source} lacks the run's sizes ({exc})", f"restore {source.name}") from None

@@ -30,6 +30,7 @@ from dpclip.distributed.code import check_same_code
 from dpclip.errors import DpclipError
 from dpclip.recipe import Recipe, recipe_to_yaml
 from dpclip.rundir.fingerprints import fingerprints
+from dpclip.rundir.run import MAX_WORLD_SIZE
 
 SAME_RECIPE_HINT = ("start every rank with the same recipe file and key=value overrides (torchrun passes the "
                     "same arguments to all the ranks of one node; check the other nodes' command lines)")
@@ -59,6 +60,9 @@ def check_ranks(recipe: Recipe, world: World, data) -> None:
         check_user_level(data)
     if world.size == 1:
         return
+    if world.size > MAX_WORLD_SIZE:   # plan.json records it, and its readers refuse more
+        raise DpclipError(f"{world.size:,} processes are more than a run can record ({MAX_WORLD_SIZE:,} at most)",
+                          "train with fewer processes")
     refused = []
     if recipe.continual is not None:
         refused.append(("continual: (public phases)", "train the public phase in one process"))

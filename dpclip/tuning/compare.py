@@ -40,7 +40,7 @@ from dpclip.recipe.load import validate_recipe
 from dpclip.recipe.schema import Recipe
 from dpclip.planning.plan import privacy_plan, statistic_groups
 from dpclip.tuning.cost import StepTimer, TuneCostReport, tune_cost
-from dpclip.tuning.privacy import gradient_sigma, run_release
+from dpclip.tuning.privacy import gradient_sigma, run_release, trials_mean
 from dpclip.tuning.space import search_space
 
 #: DC-SGD paper §VI-A: the clipping thresholds DP-SGD is tuned over (10 runs).
@@ -131,13 +131,15 @@ def compare_methods(methods: Sequence[MethodSearch], recipe: Recipe, plan, timer
         runs = method.runs
         sigma_naive = _sigma_or_none(release.event, lambda run, g=runs: naive_search_event(run, g),
                                      epsilon, plan.delta, plan.accountant)
-        # One configuration needs no selection: the search is that single run.
+        # E[K]: the recipe's tuning.trials_mean, as for the recipe's own search, else the method's runs. One
+        # configuration and no trials_mean needs no selection: the search is that single run.
+        mean = trials_mean(recipe, runs) if recipe.tuning.trials_mean is not None or runs > 1 else None
         sigma_select = _sigma_or_none(
-            release.event, lambda run, g=runs: repeat_and_select_event(run, float(g), shape) if g > 1 else run,
+            release.event, lambda run, m=mean: run if m is None else repeat_and_select_event(run, m, shape),
             epsilon, plan.delta, "rdp")
         rows.append({
             "method": method.name, "paper": method.paper, "runs": runs, "step_seconds": seconds,
-            "search_hours": hours,
+            "search_hours": hours, "repeat_and_select_mean": mean,
             "gradient_noise_multiplier_naive": _gradient_or_none(method_plan, sigma_naive),
             "gradient_noise_multiplier_repeat_and_select": _gradient_or_none(method_plan, sigma_select),
         })

@@ -25,7 +25,7 @@ from dpclip.recipe.load import validate_recipe
 from dpclip.recipe.schema import Recipe
 from dpclip.planning.plan import privacy_plan, recipe_units, sampling_schedule, statistic_groups
 from dpclip.tuning.privacy import SearchPrivacy, search_privacy
-from dpclip.tuning.space import Configuration, reachable_configurations, search_space
+from dpclip.tuning.space import Configuration, reachable_configurations, search_space, space_checked
 from dpclip.tuning.timing import measure_fixed_seconds, measure_step_seconds, step_cost_signature
 
 
@@ -133,6 +133,7 @@ class TuneCostReport:
     comparison: list[dict[str, Any]] | None = None
     search: dict[str, Any] | None = None   # filled by --run
     plan: Any = field(default=None, repr=False)  # the privacy plan of one run (not in to_dict)
+    space_checked: str | None = None   # what of a random space too big to check whole was checked (None: all)
 
     @property
     def configurations(self) -> int:
@@ -174,6 +175,7 @@ class TuneCostReport:
                 "not_covered_by_epsilon": NOT_COVERED_TIMES if self.measured else None,
             },
             "privacy": self.privacy.to_dict(),
+            "space_checked": self.space_checked,
             "comparison": self.comparison,
             "search": self.search,
         }
@@ -255,7 +257,9 @@ def tune_cost(base: Mapping[str, Any], recipe: Recipe, *, grid: Sequence[str] = 
         dataset_size = recipe_units(recipe)   # people for a user-level recipe
     elif dataset_size < 1:
         raise DpclipError(f"--dataset-size must be positive, got {dataset_size}", "e.g. --dataset-size 60000")
-    check_same_privacy(reachable_configurations(base, recipe, grid, random_draws), dataset_size)
+    # The drawn configurations too: the first one prices the search, and a random space too big to check whole
+    # (space_checked) may not have held it.
+    check_same_privacy([*configurations, *reachable_configurations(base, recipe, grid, random_draws)], dataset_size)
 
     # All configurations sample alike (checked above); the first one stands for them all.
     first = configurations[0].recipe
@@ -278,4 +282,4 @@ def tune_cost(base: Mapping[str, Any], recipe: Recipe, *, grid: Sequence[str] = 
     runs = [RunCost(c.label(), c.values, plan.steps, timer.seconds(c.recipe, c.label()), overhead)
             for c in configurations]
     return TuneCostReport(source, dataset_size, timer.measuring, runs, step_seconds, fixed_seconds, privacy,
-                          plan=plan)
+                          plan=plan, space_checked=space_checked(recipe, grid, random_draws))

@@ -53,11 +53,11 @@ from dpclip.models import build_model, evaluate
 from dpclip.recipe.load import validate_recipe
 from dpclip.rng import derived_seed, private_random
 from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint
-from dpclip.planning.plan import private_seed
+from dpclip.planning.plan import privacy_plan, privacy_units, private_seed, statistic_groups
 from dpclip.rundir.run import RunDir
 from dpclip.rundir.searchdir import SCORE_MEANING, SEARCH_FORMAT, search_statement_lines
 from dpclip.train.tensorboard import rewrite_selected_log
-from dpclip.tuning.privacy import REPEAT_AND_SELECT
+from dpclip.tuning.privacy import REPEAT_AND_SELECT, run_release
 from dpclip.tuning.cost import check_same_privacy
 from dpclip.tuning.space import reachable_configurations, search_space
 
@@ -135,6 +135,7 @@ def run_search(base: Mapping[str, Any], recipe, report, *, grid: Sequence[str] =
     check_same_privacy([*configurations, *reachable_configurations(base, recipe, grid, random_draws)],
                        report.dataset_size)
     sigma, mean, shape = strategy.noise_multiplier, strategy.detail["mean"], strategy.detail["shape"]
+    _check_priced(privacy, report.dataset_size, recipe, configurations[0].recipe, data, sigma)
     trials = tuning_math.draw_trial_count(mean, shape, rng)
 
     release = privacy.release
@@ -200,6 +201,22 @@ def _feasible_strategy(privacy):
                           "use tuning.trials: truncated-negative-binomial (the default; tuning.trials_shape=1 is "
                           "geometric)")
     return strategy
+
+
+def _check_priced(privacy, dataset_size: int, recipe, trial_recipe, data, sigma: float) -> None:
+    """Refuse a report priced for other runs (another N, recipe or score) before anything is charged: the
+    search's ledger is the report's event, and each trial must spend exactly its training."""
+    hint = ("price the search with tune_cost(base, recipe, grid=..., random_draws=...) on the recipe's own data "
+            "(no dataset_size), then call run_search with the same base, recipe, grid and random_draws")
+    units = privacy_units(trial_recipe, data)
+    if units != dataset_size:
+        raise DpclipError(f"the search was priced for N = {dataset_size:,}, and the recipe's training data has "
+                          f"{units:,}: each trial would spend another event than the search charges", hint)
+    plan = privacy_plan(trial_recipe, units, groups=statistic_groups(trial_recipe))
+    if event_to_dict(run_release(recipe, plan).event(sigma)) != event_to_dict(privacy.release.event(sigma)):
+        raise DpclipError("the search was priced for other runs than this recipe's (another sampling rate, number "
+                          "of steps, mechanism or selection score): each trial would spend another event than the "
+                          "search charges", hint)
 
 
 def _held_out_data(recipe, privacy):

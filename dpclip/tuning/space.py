@@ -10,6 +10,7 @@ anything runs. The space comes from the recipe's ``tuning:`` section, or from
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -144,6 +145,9 @@ def search_space(base: Mapping[str, Any], recipe: Recipe, grid: Sequence[str] = 
                     "search fewer values per key, or draw a few configurations from the space with --random N "
                     "(tuning.random)")
         points = [dict(zip(keys, combo)) for combo in itertools.product(*(axes[k] for k in keys))]
+        configurations = [_configuration(base, point, str(origin)) for point in points]
+        _check_distinct_configurations(configurations, origin)
+        return configurations
     return [_configuration(base, point, str(origin)) for point in points]
 
 
@@ -153,7 +157,8 @@ def _check_size(count: int, what: str, fix: str) -> None:
                           "most)", f"each configuration is a whole private training run: {fix}")
 
 
-#: Above this many grid points, :func:`reachable_configurations` tries each grid value once, not every product.
+#: Above this many combinations, :func:`reachable_configurations` checks every pair of values together
+#: (or, above as many pairs, each value once) rather than every combination.
 REACHABLE_LIMIT = 2048
 
 
@@ -162,24 +167,93 @@ def reachable_configurations(base: Mapping[str, Any], recipe: Recipe, grid: Sequ
     """Every configuration the space can yield, for the checks that must hold for all of them
     (a random search draws its configurations again when it runs, so one draw proves nothing).
 
-    A grid search: exactly its configurations. A random search: the whole product of its grid
-    values (above :data:`REACHABLE_LIMIT` points: each grid value once, the other keys at their
-    first value), each with the ranges at their low ends, and each range at its high end.
-    """
+    A grid search: exactly its configurations. A random search: every combination of its grid
+    values and its ranges' two ends; above :data:`REACHABLE_LIMIT` combinations, every pair of
+    values together (the other keys at their first value), or, above as many pairs, each value
+    once; :func:`space_checked` says which. A combination left unchecked is checked when
+    ``--run`` draws it, before anything trains or is charged."""
     axes, origin = _axes(recipe, grid)
     draws = random_draws if random_draws is not None else recipe.tuning.random
     if draws is None:
         return search_space(base, recipe, grid)
-    keys, ranges = list(axes), recipe.tuning.ranges
-    if math.prod(len(values) for values in axes.values()) <= REACHABLE_LIMIT:
-        points = [dict(zip(keys, combo)) for combo in itertools.product(*(axes[k] for k in keys))]
-    else:
-        first = {key: values[0] for key, values in axes.items()}
-        points = [{**first, key: value} for key in keys for value in axes[key]]
-    low = {key: spec.low for key, spec in ranges.items()}
-    points = [{**point, **low} for point in points]
-    points += [{**points[0], key: spec.high} for key, spec in ranges.items()]
+    points, _ = _reachable_points(_random_axes(axes, recipe))
     return [_configuration(base, point, str(origin)) for point in points]
+
+
+def space_checked(recipe: Recipe, grid: Sequence[str] = (), random_draws: int | None = None) -> str | None:
+    """What :func:`reachable_configurations` checked of a random space too big to check whole (None: all of it)."""
+    axes, _ = _axes(recipe, grid)
+    draws = random_draws if random_draws is not None else recipe.tuning.random
+    if draws is None:
+        return None
+    axes = _random_axes(axes, recipe)
+    points, what = _reachable_points(axes)
+    if what is None:
+        return None
+    total = math.prod(len(values) for values in axes.values())
+    return (f"the random search's {total:,} combinations of grid values (each range at both ends) are too many to "
+            f"check each: {what} were validated and checked for one privacy plan ({len(points):,} configurations); "
+            "a combination the schema refuses or that changes the privacy plan is refused when --run draws it, "
+            "before anything trains or is charged")
+
+
+def _random_axes(axes: dict[str, list[Any]], recipe: Recipe) -> dict[str, list[Any]]:
+    """A random search's grid keys and each range's two ends, as the axes of the reachable check."""
+    ends = {key: [spec.low, spec.high] if spec.high != spec.low else [spec.low]
+            for key, spec in recipe.tuning.ranges.items()}
+    return {**axes, **ends}
+
+
+def _reachable_points(axes: dict[str, list[Any]]) -> tuple[list[dict[str, Any]], str | None]:
+    """The points of the reachable check and, when they are not every combination, what they cover."""
+    keys = list(axes)
+    sizes = [len(axes[key]) for key in keys]
+    if math.prod(sizes) <= REACHABLE_LIMIT:
+        return [dict(zip(keys, combo)) for combo in itertools.product(*(axes[k] for k in keys))], None
+    first = {key: values[0] for key, values in axes.items()}
+    if sum(a * b for i, a in enumerate(sizes) for b in sizes[i + 1:]) <= REACHABLE_LIMIT:
+        points = [{**first, one: u, other: v} for i, one in enumerate(keys) for other in keys[i + 1:]
+                  for u in axes[one] for v in axes[other]]
+        what = "every pair of values together, the other keys at their first value"
+    else:
+        points = [{**first, key: value} for key in keys for value in axes[key]]
+        what = "each grid value and range end once, the other keys at their first value"
+    unique = {tuple(_value_identity(point[key]) for key in keys): point for point in points}
+    return list(unique.values()), what
+
+
+def _value_identity(value: Any) -> str:
+    """A value as the recipe reads it: 1, 1.0 and 1e0 are one learning rate."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(float(value))
+    return json.dumps(value, sort_keys=True, default=repr)
+
+
+def _check_distinct(key: str, values: Sequence[Any], origin: str) -> None:
+    """A value listed twice would be trained twice and charged as two configurations (a random
+    search would draw it twice as often): refused, since it is most likely a typo for another value."""
+    seen: dict[str, Any] = {}
+    for value in values:
+        if (identity := _value_identity(value)) in seen:
+            raise RecipeError(f"{origin} {key} lists the value {seen[identity]!r} more than once"
+                              + ("" if value == seen[identity] and type(value) is type(seen[identity])
+                                 else f" (also as {value!r})"),
+                              "list each value once: every value of a grid is a whole private run, charged to the "
+                              "search's ε")
+        seen[identity] = value
+
+
+def _check_distinct_configurations(configurations: Sequence[Configuration], origin: str) -> None:
+    """Two points of a grid that validate to one recipe are one configuration trained and charged twice."""
+    seen: dict[str, Configuration] = {}
+    for config in configurations:
+        text = config.recipe.model_dump_json()
+        if text in seen:
+            raise RecipeError(f"the {origin}'s configurations {seen[text].label()} and {config.label()} are the same "
+                              "recipe once validated, so it would be trained more than once",
+                              "list each configuration once: every one is a whole private run, charged to the "
+                              "search's ε")
+        seen[text] = config
 
 
 def _axes(recipe: Recipe, grid: Sequence[str]) -> tuple[dict[str, list[Any]], str]:
@@ -200,6 +274,7 @@ def _axes(recipe: Recipe, grid: Sequence[str]) -> tuple[dict[str, list[Any]], st
         _check_key(key, origin)
         if not values:
             raise RecipeError(f"{origin} {key} has no values", "list at least one value")
+        _check_distinct(key, values, origin)
     for key in tuning.ranges:
         _check_key(key, "tuning.ranges")
     return axes, origin

@@ -108,6 +108,7 @@ def test_run_writes_a_search_whose_ledger_spends_what_was_promised(cli, tmp_path
     (["--grid", "training.optimizr.lr=0.1"], "training.optimizr"),
     (["--grid", "training.optimizer.lr=0.1,-1"], "lr"),
     (["--grid", "privacy.epsilon=1,2"], "cannot vary"),
+    (["--grid", "training.optimizer.lr=0.1,0.1,0.2"], "more than once"),   # once trained 0.1 twice, charged 3 runs
     (["privacy.epsilon=1e-9"], "ε"),
     (["--no-measure"], "--step-seconds"),
     (["--step-seconds", "0.1"], "--no-measure"),

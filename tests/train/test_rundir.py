@@ -107,3 +107,38 @@ def test_a_ledger_whose_step_count_was_edited_is_refused_before_its_steps_are_wa
     with pytest.raises(DpclipError) as info:
         check_ledger(ledger, Unwalked(), range(0, 4), where=tmp_path / "ledger.json")
     assert f"records {10**30} steps where the run allows 0 to 3" in info.value.message
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "1000000000", "true", "2.0", '"4"', "null"])
+def test_a_hand_edited_world_size_in_plan_json_is_refused_with_a_hint(tmp_path, value):
+    # 10**9 processes once went into the statement ("data parallel over 1000000000 processes") unchecked
+    from dpclip.rundir.run import recorded_world_size
+
+    (tmp_path / "recipe.yaml").write_text("name: x\n")
+    (tmp_path / "plan.json").write_text('{"world_size": %s}' % value)
+    with pytest.raises(DpclipError) as info:
+        recorded_world_size(tmp_path)
+    assert "world_size" in info.value.message and "plan.json" in info.value.hint
+
+
+def test_a_recorded_world_size_within_bounds_is_read_back(tmp_path):
+    from dpclip.rundir.run import recorded_world_size
+
+    (tmp_path / "recipe.yaml").write_text("name: x\n")
+    (tmp_path / "plan.json").write_text('{"world_size": 8}')
+    assert recorded_world_size(tmp_path) == 8
+
+
+@pytest.mark.parametrize("value", ["90.5", '"90"', "true", "0", "-3"])
+def test_a_hand_edited_count_of_people_in_plan_json_is_refused_with_a_hint(tmp_path, value):
+    # 90.5 once re-solved the plan at int(90.5) = 90 people, passed the ledger check, and the statement
+    # said "user-level (90.5 people, ...)"
+    from dpclip.rundir.run import recorded_count
+
+    (tmp_path / "recipe.yaml").write_text("name: x\n")
+    (tmp_path / "plan.json").write_text('{"num_train": 355, "num_users": %s}' % value)
+    with pytest.raises(DpclipError) as info:
+        recorded_count(tmp_path, "num_users")
+    assert "num_users" in info.value.message and "plan.json" in info.value.hint
+    (tmp_path / "plan.json").write_text('{"num_train": 355, "num_users": 90}')
+    assert recorded_count(tmp_path, "num_users") == 90 and recorded_count(tmp_path, "num_train") == 355

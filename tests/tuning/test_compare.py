@@ -49,3 +49,27 @@ def test_a_method_the_recipe_cannot_use_is_left_out_with_the_reason(tiny):
         pytest.skip("this schema accepts dcsgd-e with equal-budget allocation")
     assert "noise_allocation" in rows["dcsgd-e"]["skipped"]
     assert rows["fixed"]["runs"] == 10
+
+
+def test_compare_prices_repeat_and_select_at_the_recipes_trials_mean(tiny, monkeypatch):
+    """tuning.trials_mean is how many trials the recipe's search runs on average: --compare once
+    priced each method at E[K] = its grid size instead (10 for fixed C, no selection at all for auto)."""
+    import dpclip.tuning.compare as compare
+    from dp_accounting import dp_event
+    from dpclip.planning.plan import plan_for_recipe, recipe_units
+
+    priced = []
+
+    def spy(run_event_of, search_event_of, epsilon, delta, accountant):   # the search event, not its σ
+        priced.append(search_event_of(run_event_of(1.0)))
+        return 1.0
+
+    monkeypatch.setattr(compare, "threshold_kinds", lambda: ["fixed"])
+    monkeypatch.setattr(compare, "calibrate_search_noise", spy)
+    base, recipe = tiny("privacy.accountant=rdp", "tuning.score=public", "tuning.trials_mean=3")
+    rows = compare.compare_methods(method_searches(base, recipe, []), recipe, plan_for_recipe(recipe),
+                                   StepTimer(fixed_seconds=0.01), recipe_units(recipe))
+    selections = [event for event in priced if not isinstance(event, dp_event.SelfComposedDpEvent)]
+    assert [row["method"] for row in rows] == ["fixed", "auto"] and len(selections) == 2
+    assert all(isinstance(event, dp_event.RepeatAndSelectDpEvent) and event.mean == 3 for event in selections)
+    assert [row["repeat_and_select_mean"] for row in rows] == [3, 3]

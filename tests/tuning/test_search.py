@@ -276,3 +276,28 @@ def test_a_search_of_one_configuration_is_refused_with_a_hint_to_give_it_a_space
     assert "fewer configurations" not in refused.value.hint
     assert "tuning.grid" in refused.value.hint and "tuning.trials_mean" in refused.value.hint
     assert not Path(recipe.output_dir).exists()   # refused before any search directory
+
+
+@pytest.mark.slow   # prices a search (about 5 s on 2 busy cores)
+@pytest.mark.parametrize("mismatch", ["dataset_size", "recipe"])
+def test_a_report_priced_for_other_runs_is_refused_before_the_search_charges_or_trains(tmp_path, mismatch, monkeypatch):
+    """run_search (Python API) took the report's σ and E[K] on trust: a report priced at another N or for
+    another recipe wrote its charge, then trained a first trial whose steps it did not charge."""
+    import dpclip.train.workflow as workflow
+
+    def make(*overrides):
+        base = apply_overrides(read_yaml(REPO / "recipes" / "quickstart.yaml"),
+                               [f"output_dir={tmp_path}", "training.epochs=null", "model.hidden=[8]",
+                                "privacy.accountant=rdp", "tuning.score=public", *overrides])
+        return base, validate_recipe(base)
+
+    base, recipe = make("training.steps=2")
+    priced_base, priced = make("training.steps=3") if mismatch == "recipe" else (base, recipe)
+    grid = ["training.optimizer.lr=0.1,0.5"]
+    report = tune_cost(priced_base, priced, grid=grid, timer=StepTimer(fixed_seconds=0.01),
+                       dataset_size=5000 if mismatch == "dataset_size" else None)
+    monkeypatch.setattr(workflow, "train", lambda *args, **kwargs: pytest.fail("a trial trained"))
+    with pytest.raises(DpclipError, match="priced") as info:
+        run_search(base, recipe, report, grid=grid)
+    assert "tune_cost" in info.value.hint
+    assert not list(tmp_path.glob("*-search-*"))   # no ledger written, nothing charged

@@ -175,3 +175,54 @@ def test_a_blt_grid_over_the_statistics_share_of_the_budget_is_refused(tiny):
         tune_cost(base, recipe, grid=["clipping.threshold.budget_fraction=0.05,0.2"],
                   timer=StepTimer(fixed_seconds=0.01))
     assert "threshold statistic" in info.value.hint
+
+
+@pytest.mark.parametrize("grid", [["training.optimizer.lr=0.1,0.1,0.2"], ["training.optimizer.lr=0.1,1e-1,0.2"],
+                                  ["training.optimizer.lr=1,1.0"]])
+def test_a_value_given_twice_in_a_grid_is_refused_not_trained_and_charged_twice(tiny, grid):
+    """lr=0.1,0.1,0.2 once made three configurations: the search trained 0.1 twice and was priced
+    (naive G = 3, E[K] = 3) for three where two are distinct."""
+    base, recipe = tiny()
+    with pytest.raises(RecipeError, match="more than once") as info:
+        search_space(base, recipe, grid)
+    assert "once" in info.value.hint
+
+
+def test_a_recipe_grid_whose_values_coincide_once_validated_is_refused(tiny):
+    base, recipe = tiny("tuning.grid={training.optimizer.lr: [1, 1.0, 0.5]}")
+    with pytest.raises(RecipeError, match="more than once"):
+        search_space(base, recipe)
+    base, recipe = tiny("tuning.grid={training.optimizer.lr: [1, 0.5]}", "tuning.random=4")
+    with pytest.raises(RecipeError, match="more than once"):   # a random search would draw one value twice as often
+        search_space(base, recipe, ["training.optimizer.lr=0.5,0.5,1"])
+
+
+# compile and bf16 are each valid, together refused; the learning rates only make the space big
+_PAIRED = "tuning.grid={training.compile: [false, true], training.precision: [fp32, bf16], " \
+          "training.optimizer.lr: [0.1, 0.2, 0.3, 0.4, 0.5], training.optimizer.momentum: [0, 0.1, 0.2, 0.3, 0.4]}"
+
+
+def test_a_big_random_space_checks_every_pair_of_values_together(tiny, monkeypatch):
+    """Above the limit a random space was checked one value at a time: (compile, bf16), refused
+    together, passed the plan and failed only when --run drew it."""
+    import dpclip.tuning.space as space
+
+    monkeypatch.setattr(space, "REACHABLE_LIMIT", 80)   # 100 combinations, 69 pairs of values
+    base, recipe = tiny(_PAIRED, "tuning.random=2")
+    with pytest.raises(RecipeError, match="compile"):
+        space.reachable_configurations(base, recipe)
+
+
+def test_a_random_space_too_big_to_check_whole_says_what_was_checked(tiny, monkeypatch):
+    import dpclip.tuning.space as space
+
+    base, recipe = tiny("tuning.grid={training.optimizer.lr: [0.1, 0.2, 0.3, 0.4, 0.5], training.optimizer.momentum: "
+                        "[0, 0.1, 0.2, 0.3, 0.4], training.optimizer.weight_decay: [0, 0.1, 0.2, 0.3]}", "tuning.random=2")
+    assert space.space_checked(recipe) is None and space.space_checked(recipe, random_draws=None) is None
+    monkeypatch.setattr(space, "REACHABLE_LIMIT", 80)   # 100 combinations, 65 pairs of values
+    checked = space.space_checked(recipe)
+    assert "every pair" in checked and "100" in checked and "--run" in checked
+    assert len(space.reachable_configurations(base, recipe)) <= 80
+    monkeypatch.setattr(space, "REACHABLE_LIMIT", 20)
+    checked = space.space_checked(recipe)
+    assert "each grid value and range end once" in checked and "100" in checked
