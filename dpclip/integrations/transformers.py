@@ -19,7 +19,9 @@ What changes against a plain ``Trainer``:
   cross-entropy for causal LMs, or ``per_sample_loss``) go through the engine's one backward;
 - the optimizer step adds the noise, normalises by the expected B and charges the ledger;
 - the training loss the Trainer logs (no noise, from the private batches), its timings, and once they run,
-  ``evaluate()``'s and ``predict()``'s metrics are stated as not covered by ε.
+  ``evaluate()``'s and ``predict()``'s metrics are stated as not covered by ε (and, from the start, the weights
+  ``load_best_model_at_end`` keeps, a learning rate a ReduceLROnPlateau or GreedyLR scheduler sets from them, and
+  the memory metrics of ``skip_memory_metrics=False``).
 
 Launched on several processes (``torchrun``, ``accelerate launch``), it trains data-parallel as ``dpclip train
 --nproc`` does (docs/distributed.md): B counts every rank's part, each rank draws its own examples' part of each
@@ -42,7 +44,8 @@ the noisy gradient again), ``label_smoothing_factor > 0`` (never applied), ``inc
 random (never applied: the draws are Poisson), ``auto_find_batch_size`` (a retry with another B), ``model_init``
 (a model rebuilt outside the engine), several GPUs in one process (``DataParallel``), a second ``train()``, and a
 resume from a checkpoint without dpclip's state, made under another privacy plan, or whose run's release log is not
-beside it (its redone steps could not be checked).
+beside it (its redone steps could not be checked). The TrainingArguments are checked again as ``train()`` starts and
+at each part: one set on ``trainer.args`` since (by a callback too) is refused before it acts.
 """
 
 from __future__ import annotations
@@ -75,9 +78,9 @@ from dpclip.integrations.parts import PrivateOptimizer
 from dpclip.integrations.privacy_arguments import (PrivacyArguments, datasets_dataset, default_per_sample_loss,
                                                     trainer_people)
 from dpclip.integrations.releases import ReleaseLog
-from dpclip.integrations.trainer_arguments import (missing_rng_state, refuse_dataset, refuse_model_init,
-                                                    refuse_training_arguments, stated_arguments,
-                                                    warn_slow_arguments)
+from dpclip.integrations.trainer_arguments import (METRIC_SCHEDULED, metric_scheduled, missing_rng_state,
+                                                    refuse_dataset, refuse_model_init, refuse_training_arguments,
+                                                    stated_arguments, warn_slow_arguments)
 from dpclip.integrations.trainer_card import EVALUATED, LOGGED_LOSS, TIMED, with_statement
 from dpclip.integrations.rows import unit_weights
 from dpclip.integrations.trainer_rows import PartRows, part_rows as _rows
@@ -125,17 +128,18 @@ class DPTrainer(Trainer):
         self.steps_per_pass = math.ceil(num_examples / self.expected_batch_size)
         steps = training.max_steps if training.max_steps > 0 else \
             math.ceil(training.num_train_epochs * self.steps_per_pass)
+        self.stated = stated_arguments(training, self.lr_scheduler)   # optimizers=(opt, scheduler)'s too
         spec = clipping_spec(privacy.clipping, privacy.per_sample_max_grad_norm, "per_sample_max_grad_norm")
         self.engine, self.account = private_engine(
             self.model, spec, num_examples=num_examples, batch_size=self.expected_batch_size, steps=steps,
             delta=privacy.delta, target_epsilon=privacy.target_epsilon, noise_multiplier=privacy.noise_multiplier,
             accountant=privacy.accountant, sampling="poisson", unsafe_seed=privacy.unsafe_seed,
-            not_covered=(LOGGED_LOSS, TIMED, *stated_arguments(training)), world=self.world, verify_every=privacy.verify_every,
+            not_covered=(LOGGED_LOSS, TIMED, *self.stated), world=self.world, verify_every=privacy.verify_every,
             records_per_user=None if self.people is None else privacy.max_records_per_user,
             dataset=self.train_dataset)
         self.unsafe_seed = privacy.unsafe_seed
         self.evaluated = False   # evaluate() or predict() has run: their metrics are stated outside ε
-        self.account.released_outside = lambda: [EVALUATED] if self.evaluated else []
+        self.account.released_outside = self._released_outside
         self.compiled = self._compiled(privacy)
         self.train_sampler = None
         self.parts_fetched = PartRows()   # training_step's inputs: these, in order (trainer_rows.py)
@@ -151,6 +155,12 @@ class DPTrainer(Trainer):
                 return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
             self.accelerator.prepare_model = prepare_without_ddp
+
+    def _released_outside(self) -> list[str]:
+        """What has left outside ε since: evaluate()'s or predict()'s metrics once they ran, and a learning
+        rate stepped on them by a scheduler not stated from the start (a create_scheduler override's)."""
+        scheduled = METRIC_SCHEDULED not in self.stated and metric_scheduled(self.lr_scheduler)
+        return [EVALUATED] * self.evaluated + [METRIC_SCHEDULED] * scheduled
 
     def _compiled(self, privacy: PrivacyArguments) -> CompiledMicroBatch | None:
         """PrivacyArguments(compile=True): the parts through one compiled graph (docs/compiled.md)."""
@@ -253,6 +263,7 @@ class DPTrainer(Trainer):
         return losses
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
+        refuse_training_arguments(self.args)   # again: set on trainer.args (a callback's) since, before they act
         _private_optimizer(self.optimizer).count_part(self.parts)   # each part once per step, an empty one too
         model.train()
         inputs = self._prepare_inputs(inputs)
@@ -271,6 +282,7 @@ class DPTrainer(Trainer):
         return losses.detach().sum() * self.ranks / self.expected_batch_size
 
     def train(self, resume_from_checkpoint: Any = None, **kwargs: Any):
+        refuse_training_arguments(self.args)   # as __init__ did: the arguments may have been set on trainer.args since
         drawn = self.train_sampler is not None and self.train_sampler.draws.step > self.loaded_steps
         if self.account.ledger.steps > self.loaded_steps or drawn:
             raise DpclipError("this DPTrainer has already trained: a second train() would go past its plan, or a "
