@@ -263,7 +263,7 @@ class DPTrainer(Trainer):
         return losses
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
-        refuse_training_arguments(self.args)   # again: set on trainer.args (a callback's) since, before they act
+        self._check_arguments()   # again: set on trainer.args (a callback's) since, before they act
         _private_optimizer(self.optimizer).count_part(self.parts)   # each part once per step, an empty one too
         model.train()
         inputs = self._prepare_inputs(inputs)
@@ -282,7 +282,7 @@ class DPTrainer(Trainer):
         return losses.detach().sum() * self.ranks / self.expected_batch_size
 
     def train(self, resume_from_checkpoint: Any = None, **kwargs: Any):
-        refuse_training_arguments(self.args)   # as __init__ did: the arguments may have been set on trainer.args since
+        self._check_arguments()   # as __init__ did: the arguments may have been set on trainer.args since
         drawn = self.train_sampler is not None and self.train_sampler.draws.step > self.loaded_steps
         if self.account.ledger.steps > self.loaded_steps or drawn:
             raise DpclipError("this DPTrainer has already trained: a second train() would go past its plan, or a "
@@ -301,6 +301,14 @@ class DPTrainer(Trainer):
         self.account.save(self.args.output_dir)
         self._restate_card()
         return result
+
+    def _check_arguments(self) -> None:
+        refuse_training_arguments(self.args)
+        if self.args.gradient_accumulation_steps != self.parts:
+            raise DpclipError(f"TrainingArguments(gradient_accumulation_steps) is {self.args.gradient_accumulation_steps}"
+                              f" now, {self.parts} when this DPTrainer was built: its plan (B) and its loader's parts "
+                              "per draw were fixed then", "set gradient_accumulation_steps before building the "
+                              "DPTrainer, and leave it as it is")
 
     def evaluation_loop(self, *args: Any, **kwargs: Any):
         # evaluate() and predict() (during training too): stated before anything is computed, and in a

@@ -140,6 +140,10 @@ def test_training_arguments_changed_after_the_trainer_is_built_are_refused_befor
     with pytest.raises(DpclipError, match="include_num_input_tokens_seen"):
         trainer.train()
     assert trainer.account.ledger.steps == 1 and trainer.state.num_input_tokens_seen == 0
+    trainer = _trainer(tmp_path / "parts", max_steps=2, gradient_accumulation_steps=2)
+    trainer.args.gradient_accumulation_steps = 1   # the plan's B and the loader's parts stay 2's
+    with pytest.raises(DpclipError, match=r"gradient_accumulation_steps\) is 1 now, 2 when"):
+        trainer.train()
 
 
 def test_a_callbacks_extra_optimizer_step_is_refused_before_anything_is_released(tmp_path):
