@@ -78,9 +78,8 @@ from dpclip.integrations.parts import PrivateOptimizer
 from dpclip.integrations.privacy_arguments import (PrivacyArguments, datasets_dataset, default_per_sample_loss,
                                                     trainer_people)
 from dpclip.integrations.releases import ReleaseLog
-from dpclip.integrations.trainer_arguments import (METRIC_SCHEDULED, metric_scheduled, missing_rng_state,
-                                                    refuse_dataset, refuse_model_init, refuse_training_arguments,
-                                                    stated_arguments, warn_slow_arguments)
+from dpclip.integrations.trainer_arguments import (missing_rng_state, refuse_dataset, refuse_model_init,
+                                                    refuse_training_arguments, stated_arguments, warn_slow_arguments)
 from dpclip.integrations.trainer_card import EVALUATED, LOGGED_LOSS, TIMED, with_statement
 from dpclip.integrations.rows import unit_weights
 from dpclip.integrations.trainer_rows import PartRows, part_rows as _rows
@@ -157,10 +156,10 @@ class DPTrainer(Trainer):
             self.accelerator.prepare_model = prepare_without_ddp
 
     def _released_outside(self) -> list[str]:
-        """What has left outside ε since: evaluate()'s or predict()'s metrics once they ran, and a learning
-        rate stepped on them by a scheduler not stated from the start (a create_scheduler override's)."""
-        scheduled = METRIC_SCHEDULED not in self.stated and metric_scheduled(self.lr_scheduler)
-        return [EVALUATED] * self.evaluated + [METRIC_SCHEDULED] * scheduled
+        """What has left outside ε since: evaluate()'s or predict()'s metrics once they ran, and the lines of the
+        arguments set since ``__init__`` (on ``trainer.args``, or a scheduler a create_scheduler override made)."""
+        later = [line for line in stated_arguments(self.args, self.lr_scheduler) if line not in self.stated]
+        return [EVALUATED] * self.evaluated + later
 
     def _compiled(self, privacy: PrivacyArguments) -> CompiledMicroBatch | None:
         """PrivacyArguments(compile=True): the parts through one compiled graph (docs/compiled.md)."""

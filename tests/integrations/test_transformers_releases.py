@@ -13,7 +13,7 @@ from transformers import HfArgumentParser, TrainerCallback, TrainingArguments
 
 from dpclip import layout
 from dpclip.errors import DpclipError
-from dpclip.integrations.trainer_arguments import MEMORY, METRIC_SCHEDULED
+from dpclip.integrations.trainer_arguments import BEST_KEPT, MEMORY, METRIC_SCHEDULED
 from dpclip.integrations.transformers import EVALUATED, TIMED, DPTrainer, PrivacyArguments
 from tests.integrations.test_transformers import _args, _bert, _collate, _CrashAfter, _rows, _trainer
 
@@ -84,6 +84,20 @@ def test_a_learning_rate_set_from_evaluate_s_metric_is_stated_outside_epsilon(tm
     privacy = json.loads((tmp_path / "out" / "privacy.json").read_text())
     assert METRIC_SCHEDULED in privacy["not_covered_by_epsilon"]
     assert f"not covered by ε: {METRIC_SCHEDULED}" in privacy["statement"]
+
+
+def test_weights_chosen_by_a_metric_asked_for_after_the_trainer_is_built_are_stated_too(tmp_path):
+    """load_best_model_at_end set on trainer.args after __init__: the Trainer still keeps the checkpoint
+    eval_loss chose, and the statement beside the weights says so."""
+    args = _args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1)
+    trainer = DPTrainer(model=_bert(), args=args, train_dataset=_rows(), eval_dataset=_rows(10), data_collator=_collate,
+                        privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0))
+    trainer.args.load_best_model_at_end, trainer.args.metric_for_best_model = True, "eval_loss"
+    trainer.train()
+    trainer.save_model()
+    assert trainer.state.best_model_checkpoint is not None
+    privacy = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    assert privacy["not_covered_by_epsilon"].count(BEST_KEPT) == 1 and f"not covered by ε: {BEST_KEPT}" in privacy["statement"]
 
 
 def test_the_trainer_s_memory_metrics_are_stated_outside_epsilon(tmp_path):
