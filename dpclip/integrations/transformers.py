@@ -80,6 +80,7 @@ from dpclip.integrations.privacy_arguments import (PrivacyArguments, datasets_da
 from dpclip.integrations.releases import ReleaseLog
 from dpclip.integrations.trainer_arguments import (missing_rng_state, refuse_dataset, refuse_model_init,
                                                     refuse_training_arguments, stated_arguments, warn_slow_arguments)
+from dpclip.integrations.train_step import check_backend
 from dpclip.integrations.trainer_card import EVALUATED, LOGGED_LOSS, TIMED, with_statement
 from dpclip.integrations.rows import unit_weights
 from dpclip.integrations.trainer_rows import PartRows, part_rows as _rows
@@ -168,6 +169,7 @@ class DPTrainer(Trainer):
         if self.args.bf16 or self.args.fp16:
             raise DpclipError("PrivacyArguments(compile=True) runs in float32, and the TrainingArguments ask for "
                               "bf16 or fp16", "leave bf16 and fp16 off, or compile=False")
+        check_backend(privacy.compile_backend)
         return CompiledMicroBatch(self.engine, self.model, self._checked_losses, backend=privacy.compile_backend)
 
     def _compiled_losses(self, inputs: dict[str, Any], weights: Tensor | None) -> Tensor:
