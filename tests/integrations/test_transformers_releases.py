@@ -86,6 +86,7 @@ def test_a_learning_rate_set_from_evaluate_s_metric_is_stated_outside_epsilon(tm
     assert f"not covered by ε: {METRIC_SCHEDULED}" in privacy["statement"]
 
 
+@pytest.mark.slow  # end to end, as load_best_model_at_end's own test: the slow set (README)
 def test_weights_chosen_by_a_metric_asked_for_after_the_trainer_is_built_are_stated_too(tmp_path):
     """load_best_model_at_end set on trainer.args after __init__: the Trainer still keeps the checkpoint
     eval_loss chose, and the statement beside the weights says so."""
