@@ -35,15 +35,21 @@ COMPILED_LOOP_HINT = ("with make_private(compile=True) dpclip runs the forward i
                       "per step, compiled\")")
 
 
+def check_backend(backend: Any) -> None:
+    """``compile_backend`` names one of torch.compile's backends (None: the graph's function uncompiled)."""
+    if backend is not None and (not isinstance(backend, str)
+                                or backend not in torch.compiler.list_backends(exclude_tags=())):
+        raise DpclipError(f"compile_backend must be a torch.compile backend's name, got {backend!r}",
+                          "leave it out (\"inductor\"); torch.compiler.list_backends() names the others")
+
+
 def check_compile(model: nn.Module, compile: Any, backend: Any) -> None:
     """Refuse, with the fix, a ``make_private(compile=...)`` the compiled step cannot take (docs/compiled.md)."""
     if not isinstance(compile, bool):
         raise DpclipError(f"compile must be True or False, got {compile!r}", "compile=True")
     if not compile:
         return
-    if backend is not None and not isinstance(backend, str):
-        raise DpclipError(f"compile_backend must be a torch.compile backend's name, got {backend!r}",
-                          "leave it out (\"inductor\")")
+    check_backend(backend)
     half = sorted({str(p.dtype) for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)})
     if half:
         raise DpclipError(f"make_private(compile=True) runs in float32 or float64, and the model holds {half[0]} "

@@ -7,7 +7,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import IterableDataset
+from transformers import optimization
 
 from dpclip.errors import DpclipError
 
@@ -96,8 +98,31 @@ BEST_KEPT = ("the weights the Trainer keeps at the end (load_best_model_at_end):
              "names it, with its best_metric)")
 
 
-def stated_arguments(training: Any) -> tuple[str, ...]:
+METRIC_SCHEDULED = ("the learning rate after each evaluation (a ReduceLROnPlateau or GreedyLR scheduler: "
+                    "lr_scheduler_type, or optimizers=): set from evaluate()'s metric (metric_for_best_model), "
+                    "computed without noise on its data, private if it is; the weights of every later step carry it")
+
+
+MEMORY = ("the Trainer's memory metrics (skip_memory_metrics=False: train_mem_cpu_alloc_delta, train_mem_gpu_peaked_delta "
+          "and the others in train()'s metrics, the logs and trainer_state.json): measured on the private steps, they "
+          "grow with the drawn batches' sizes")
+
+
+def metric_scheduled(scheduler: Any) -> bool:
+    """Whether the Trainer steps ``scheduler`` with evaluate()'s metric (``_evaluate``): ReduceLROnPlateau,
+    and transformers' GreedyLR where it has one."""
+    greedy = getattr(optimization, "GreedyLR", None)
+    kinds = (ReduceLROnPlateau,) if greedy is None else (ReduceLROnPlateau, greedy)
+    return isinstance(scheduler, kinds)
+
+
+def stated_arguments(training: Any, scheduler: Any = None) -> tuple[str, ...]:
     """The not-covered lines of TrainingArguments that release more than the noisy steps: with
     ``load_best_model_at_end`` the weights saved are not the last step's but the checkpoint an exact
-    metric chose, a choice ε does not cover (stated from the start: the choice is the Trainer's, at the end)."""
-    return (BEST_KEPT,) if training.load_best_model_at_end else ()
+    metric chose, a choice ε does not cover (stated from the start: the choice is the Trainer's, at the end);
+    with a learning rate set from that metric (``scheduler``: the one passed in ``optimizers=``), every
+    step after an evaluation; with ``skip_memory_metrics=False``, the memory the private steps took."""
+    kind = getattr(training.lr_scheduler_type, "value", training.lr_scheduler_type)
+    metric_lr = kind in ("reduce_lr_on_plateau", "greedy") or metric_scheduled(scheduler)
+    return ((BEST_KEPT,) * bool(training.load_best_model_at_end) + (METRIC_SCHEDULED,) * metric_lr
+            + (MEMORY,) * (not training.skip_memory_metrics))

@@ -19,7 +19,9 @@ What changes against a plain ``Trainer``:
   cross-entropy for causal LMs, or ``per_sample_loss``) go through the engine's one backward;
 - the optimizer step adds the noise, normalises by the expected B and charges the ledger;
 - the training loss the Trainer logs (no noise, from the private batches), its timings, and once they run,
-  ``evaluate()``'s and ``predict()``'s metrics are stated as not covered by ε.
+  ``evaluate()``'s and ``predict()``'s metrics are stated as not covered by ε (and, from the start, the weights
+  ``load_best_model_at_end`` keeps, a learning rate a ReduceLROnPlateau or GreedyLR scheduler sets from them, and
+  the memory metrics of ``skip_memory_metrics=False``).
 
 Launched on several processes (``torchrun``, ``accelerate launch``), it trains data-parallel as ``dpclip train
 --nproc`` does (docs/distributed.md): B counts every rank's part, each rank draws its own examples' part of each
@@ -43,7 +45,8 @@ random (never applied: the draws are Poisson), ``auto_find_batch_size`` (a retry
 (a model rebuilt outside the engine), ``tail_rule: top_fraction`` with ``gradient_accumulation_steps > 1``
 (it ranks each whole draw in one backward), several GPUs in one process (``DataParallel``), a second ``train()``, and a
 resume from a checkpoint without dpclip's state, made under another privacy plan, or whose run's release log is not
-beside it (its redone steps could not be checked).
+beside it (its redone steps could not be checked). The TrainingArguments are checked again as ``train()`` starts and
+at each part: one set on ``trainer.args`` since (by a callback too) is refused before it acts.
 """
 
 from __future__ import annotations
@@ -77,8 +80,8 @@ from dpclip.integrations.privacy_arguments import (PrivacyArguments, datasets_da
                                                     trainer_people)
 from dpclip.integrations.releases import ReleaseLog
 from dpclip.integrations.trainer_arguments import (missing_rng_state, refuse_dataset, refuse_model_init,
-                                                    refuse_training_arguments, stated_arguments,
-                                                    warn_slow_arguments)
+                                                    refuse_training_arguments, stated_arguments, warn_slow_arguments)
+from dpclip.integrations.train_step import check_backend
 from dpclip.integrations.trainer_card import EVALUATED, LOGGED_LOSS, TIMED, with_statement
 from dpclip.integrations.rows import unit_weights
 from dpclip.integrations.trainer_rows import PartRows, part_rows as _rows
@@ -126,6 +129,7 @@ class DPTrainer(Trainer):
         self.steps_per_pass = math.ceil(num_examples / self.expected_batch_size)
         steps = training.max_steps if training.max_steps > 0 else \
             math.ceil(training.num_train_epochs * self.steps_per_pass)
+        self.stated = stated_arguments(training, self.lr_scheduler)   # optimizers=(opt, scheduler)'s too
         spec = clipping_spec(privacy.clipping, privacy.per_sample_max_grad_norm, "per_sample_max_grad_norm")
         check_whole_draws(spec, self.parts if self.parts > 1 else None, "gradient_accumulation_steps > 1",
                           "set gradient_accumulation_steps=1 (per_device_train_batch_size is then B per process)")
@@ -133,12 +137,12 @@ class DPTrainer(Trainer):
             self.model, spec, num_examples=num_examples, batch_size=self.expected_batch_size, steps=steps,
             delta=privacy.delta, target_epsilon=privacy.target_epsilon, noise_multiplier=privacy.noise_multiplier,
             accountant=privacy.accountant, sampling="poisson", unsafe_seed=privacy.unsafe_seed,
-            not_covered=(LOGGED_LOSS, TIMED, *stated_arguments(training)), world=self.world, verify_every=privacy.verify_every,
+            not_covered=(LOGGED_LOSS, TIMED, *self.stated), world=self.world, verify_every=privacy.verify_every,
             records_per_user=None if self.people is None else privacy.max_records_per_user,
             dataset=self.train_dataset)
         self.unsafe_seed = privacy.unsafe_seed
         self.evaluated = False   # evaluate() or predict() has run: their metrics are stated outside ε
-        self.account.released_outside = lambda: [EVALUATED] if self.evaluated else []
+        self.account.released_outside = self._released_outside
         self.compiled = self._compiled(privacy)
         self.train_sampler = None
         self.parts_fetched = PartRows()   # training_step's inputs: these, in order (trainer_rows.py)
@@ -155,6 +159,12 @@ class DPTrainer(Trainer):
 
             self.accelerator.prepare_model = prepare_without_ddp
 
+    def _released_outside(self) -> list[str]:
+        """What has left outside ε since: evaluate()'s or predict()'s metrics once they ran, and the lines of the
+        arguments set since ``__init__`` (on ``trainer.args``, or a scheduler a create_scheduler override made)."""
+        later = [line for line in stated_arguments(self.args, self.lr_scheduler) if line not in self.stated]
+        return [EVALUATED] * self.evaluated + later
+
     def _compiled(self, privacy: PrivacyArguments) -> CompiledMicroBatch | None:
         """PrivacyArguments(compile=True): the parts through one compiled graph (docs/compiled.md)."""
         if not privacy.compile:
@@ -162,6 +172,7 @@ class DPTrainer(Trainer):
         if self.args.bf16 or self.args.fp16:
             raise DpclipError("PrivacyArguments(compile=True) runs in float32, and the TrainingArguments ask for "
                               "bf16 or fp16", "leave bf16 and fp16 off, or compile=False")
+        check_backend(privacy.compile_backend)
         return CompiledMicroBatch(self.engine, self.model, self._checked_losses, backend=privacy.compile_backend)
 
     def _compiled_losses(self, inputs: dict[str, Any], weights: Tensor | None) -> Tensor:
@@ -256,6 +267,7 @@ class DPTrainer(Trainer):
         return losses
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
+        self._check_arguments()   # again: set on trainer.args (a callback's) since, before they act
         _private_optimizer(self.optimizer).count_part(self.parts)   # each part once per step, an empty one too
         model.train()
         inputs = self._prepare_inputs(inputs)
@@ -274,6 +286,7 @@ class DPTrainer(Trainer):
         return losses.detach().sum() * self.ranks / self.expected_batch_size
 
     def train(self, resume_from_checkpoint: Any = None, **kwargs: Any):
+        self._check_arguments()   # as __init__ did: the arguments may have been set on trainer.args since
         drawn = self.train_sampler is not None and self.train_sampler.draws.step > self.loaded_steps
         if self.account.ledger.steps > self.loaded_steps or drawn:
             raise DpclipError("this DPTrainer has already trained: a second train() would go past its plan, or a "
@@ -292,6 +305,14 @@ class DPTrainer(Trainer):
         self.account.save(self.args.output_dir)
         self._restate_card()
         return result
+
+    def _check_arguments(self) -> None:
+        refuse_training_arguments(self.args)
+        if self.args.gradient_accumulation_steps != self.parts:
+            raise DpclipError(f"TrainingArguments(gradient_accumulation_steps) is {self.args.gradient_accumulation_steps}"
+                              f" now, {self.parts} when this DPTrainer was built: its plan (B) and its loader's parts "
+                              "per draw were fixed then", "set gradient_accumulation_steps before building the "
+                              "DPTrainer, and leave it as it is")
 
     def evaluation_loop(self, *args: Any, **kwargs: Any):
         # evaluate() and predict() (during training too): stated before anything is computed, and in a

@@ -167,6 +167,7 @@ def test_the_classic_loop_under_compile_is_refused_with_the_train_step_form():
 @pytest.mark.parametrize("change, message", [
     ({"compile": "yes"}, "compile must be True or False"),
     ({"compile_backend": 3}, "compile_backend must be"),
+    ({"compile_backend": "nope"}, "compile_backend must be a torch.compile backend's name, got 'nope'"),
     ({"clipping": {"threshold": {"kind": "discriminative", "small": 0.5, "large": 2.0,
                                 "tail_rule": "top_fraction"}}, "max_grad_norm": None},
      "cannot be compiled"),

@@ -161,6 +161,12 @@ def test_a_peft_lora_model_trains_its_adapters_only(tmp_path):
     ({"privacy": PrivacyArguments(delta=1e-5, max_grad_norm=1.0)}, "exactly one of target_epsilon"),
     ({"privacy": PrivacyArguments(delta=1e-5, noise_multiplier=1.0, per_sample_max_grad_norm=-1.0)},
      "per_sample_max_grad_norm must be a finite number > 0, got -1.0"),   # was pydantic's location text
+    ({"privacy": PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0, unsafe_seed=False)},
+     "unsafe_seed must be a whole number, got False"),   # was: seeded with 0, as if asked for
+    ({"privacy": PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0, unsafe_seed="3")},
+     "unsafe_seed must be a whole number, got '3'"),
+    ({"privacy": PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0, compile=True,
+                                  compile_backend="nope")}, "compile_backend must be a torch.compile backend's name"),
 ])
 def test_bad_arguments_are_refused_with_a_hint_before_any_step(tmp_path, change, message):
     change = dict(change)

@@ -13,6 +13,7 @@ from transformers import HfArgumentParser, TrainerCallback, TrainingArguments
 
 from dpclip import layout
 from dpclip.errors import DpclipError
+from dpclip.integrations.trainer_arguments import BEST_KEPT, MEMORY, METRIC_SCHEDULED
 from dpclip.integrations.transformers import EVALUATED, TIMED, DPTrainer, PrivacyArguments
 from tests.integrations.test_transformers import _args, _bert, _collate, _CrashAfter, _rows, _trainer
 
@@ -60,6 +61,56 @@ def test_evaluate_and_predict_metrics_and_the_timings_are_stated_not_covered_by_
         "not_covered_by_epsilon"]
 
 
+def test_a_learning_rate_set_from_evaluate_s_metric_is_stated_outside_epsilon(tmp_path):
+    """ReduceLROnPlateau (GreedyLR) steps on an exact eval metric: with private eval data every later
+    step's weights carry it, so the statement beside them says so, whether the TrainingArguments or
+    optimizers= asked for the scheduler."""
+    args = _args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1, lr_scheduler_type="reduce_lr_on_plateau")
+    trainer = DPTrainer(model=_bert(), args=args, train_dataset=_rows(), eval_dataset=_rows(10),
+                        data_collator=_collate, privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0,
+                                                                         max_grad_norm=1.0))
+    assert METRIC_SCHEDULED in trainer.account.not_covered()   # stated from the start
+    model = _bert()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    trainer = DPTrainer(model=model, args=_args(tmp_path, max_steps=1, eval_strategy="steps", eval_steps=1,
+                                                metric_for_best_model="eval_loss"),
+                        train_dataset=_rows(), eval_dataset=_rows(10), data_collator=_collate,
+                        optimizers=(optimizer, scheduler),
+                        privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0))
+    assert METRIC_SCHEDULED in trainer.account.not_covered()
+    trainer.train()
+    assert scheduler.last_epoch == 1   # stepped on eval_loss after the step
+    privacy = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    assert METRIC_SCHEDULED in privacy["not_covered_by_epsilon"]
+    assert f"not covered by ε: {METRIC_SCHEDULED}" in privacy["statement"]
+
+
+@pytest.mark.slow  # end to end, as load_best_model_at_end's own test: the slow set (README)
+def test_weights_chosen_by_a_metric_asked_for_after_the_trainer_is_built_are_stated_too(tmp_path):
+    """load_best_model_at_end set on trainer.args after __init__: the Trainer still keeps the checkpoint
+    eval_loss chose, and the statement beside the weights says so."""
+    args = _args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1)
+    trainer = DPTrainer(model=_bert(), args=args, train_dataset=_rows(), eval_dataset=_rows(10), data_collator=_collate,
+                        privacy=PrivacyArguments(delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0))
+    trainer.args.load_best_model_at_end, trainer.args.metric_for_best_model = True, "eval_loss"
+    trainer.train()
+    trainer.save_model()
+    assert trainer.state.best_model_checkpoint is not None
+    privacy = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    assert privacy["not_covered_by_epsilon"].count(BEST_KEPT) == 1 and f"not covered by ε: {BEST_KEPT}" in privacy["statement"]
+
+
+def test_the_trainer_s_memory_metrics_are_stated_outside_epsilon(tmp_path):
+    """skip_memory_metrics=False logs train()'s memory deltas (train_mem_cpu_alloc_delta, the GPU's peak),
+    which grow with the drawn batches' sizes, beside the timings."""
+    trainer = _trainer(tmp_path, max_steps=1, skip_memory_metrics=False)
+    assert "train_mem_cpu_alloc_delta" in trainer.train().metrics
+    privacy = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    assert MEMORY in privacy["not_covered_by_epsilon"] and f"not covered by ε: {MEMORY}" in privacy["statement"]
+    assert MEMORY not in _trainer(tmp_path / "skipped").account.not_covered()   # the default: none measured
+
+
 def test_evaluations_during_training_are_stated_in_the_checkpoints_too(tmp_path):
     args = _args(tmp_path, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, max_steps=1)
     trainer = DPTrainer(model=_bert(), args=args, train_dataset=_rows(), eval_dataset=_rows(), data_collator=_collate,
@@ -84,6 +135,30 @@ def test_an_evaluation_after_a_save_elsewhere_is_stated_in_that_folder_too_with_
         assert f"not covered by ε: {EVALUATED}" in now["statement"]
         assert (now["epsilon"], now["steps"]) == (saved["epsilon"], saved["steps"])
     assert before[tmp_path / "out" / "checkpoint-1"]["steps"] == 1
+
+
+def test_training_arguments_changed_after_the_trainer_is_built_are_refused_before_the_step(tmp_path):
+    """Set on trainer.args after __init__ (or by a callback mid-run), the count of the Poisson draws'
+    tokens would reach the logs and trainer_state.json, stated nowhere."""
+    trainer = _trainer(tmp_path, max_steps=2)
+    trainer.args.include_num_input_tokens_seen = True
+    with pytest.raises(DpclipError, match="include_num_input_tokens_seen") as refused:
+        trainer.train()
+    assert refused.value.hint and trainer.account.ledger.steps == 0
+
+    class CountTokens(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            args.include_num_input_tokens_seen = True
+
+    trainer = _trainer(tmp_path / "again", max_steps=2)
+    trainer.add_callback(CountTokens())
+    with pytest.raises(DpclipError, match="include_num_input_tokens_seen"):
+        trainer.train()
+    assert trainer.account.ledger.steps == 1 and trainer.state.num_input_tokens_seen == 0
+    trainer = _trainer(tmp_path / "parts", max_steps=2, gradient_accumulation_steps=2)
+    trainer.args.gradient_accumulation_steps = 1   # the plan's B and the loader's parts stay 2's
+    with pytest.raises(DpclipError, match=r"gradient_accumulation_steps\) is 1 now, 2 when"):
+        trainer.train()
 
 
 def test_a_callbacks_extra_optimizer_step_is_refused_before_anything_is_released(tmp_path):
