@@ -18,7 +18,8 @@ from torch import Tensor
 
 from dpclip.engine.batch_axis.consumers import ConsumerCheck, consumers, dead_ends
 from dpclip.engine.batch_axis.layout import (BATCH_FIRST, BATCH_HINT, BROADCAST_HINT, CallLayout, cut_batch_refusal,
-                                             Layout, call_leaves, shared_lead1, tensor_leaves)
+                                             Layout, call_leaves, shared_lead1, tensor_leaves,
+                                             unprobed_call_refusal)
 from dpclip.engine.batch_axis.probe import (NEEDS_ROWS, Probe, compare, forked_rng, nothing_saved, resized,
                                             untouched_buffers)
 from dpclip.engine.batch_axis.site import SiteBatch
@@ -137,13 +138,7 @@ class BatchAxes:
                 self.establish()
                 lay = self._per_sample_expansions(self.layouts.get(key), leaves)
             if lay is None or not lay.fits(leaves, self.batch, ragged):
-                shapes = [tuple(t.shape) for t in leaves]
-                raise EngineError(
-                    f"module {unit.label}: its call #{n + 1} in this forward (inputs of shapes "
-                    f"{shapes}) does not match the probe forwards of the model, so its batch "
-                    "axis cannot be established (does the model's control flow depend on "
-                    "the batch size, or are its shared inputs not broadcast-compatible?)",
-                    BATCH_HINT)
+                raise unprobed_call_refusal(unit, n, leaves)
         return lay
 
     def note_expanded(self, t: Tensor) -> None:
