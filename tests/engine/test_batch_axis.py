@@ -1019,3 +1019,36 @@ def test_a_module_book_kept_whole_for_a_parameter_of_its_own_is_refused_naming_i
     err = refused(lambda: Speech().to(DTYPE), _floats(3), r"holds the trainable parameter\(s\) unused directly")
     assert "`model.encoder.unused.requires_grad_(False)`" in err.hint
     exact(lambda: Speech(freeze=True).to(DTYPE), _floats(3))
+
+
+class ReturnsItsBias(nn.Module):
+    """GPT-NeoX-Japanese's attention: returns its own ``dense_bias`` for the layer to add."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Linear(3, 3, bias=False)
+        self.dense_bias = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return self.dense(x), self.dense_bias
+
+
+class BiasAfterResidual(nn.Module):
+    def __init__(self, freeze=False):
+        super().__init__()
+        self.attention, self.head = ReturnsItsBias(), nn.Linear(3, 3)
+        self.attention.dense_bias.requires_grad_(not freeze)
+
+    def forward(self, x):
+        out, bias = self.attention(x)
+        out = F.dropout(out + bias.expand_as(x), 0.0, self.training) + x     # transformers' bias_dropout_add
+        return self.head(out.mean(1))
+
+
+def test_a_module_returning_its_own_parameter_for_the_caller_to_broadcast_is_refused_naming_it():
+    """gpt_neox_japanese (rev44): refused as "fed a tensor shared by all samples", blaming the input;
+    the refusal names the returned parameter, and freezing it (the hint) is exact."""
+    err = refused(lambda: BiasAfterResidual().to(DTYPE), _floats(3),
+                  r"module attention \(ReturnsItsBias\) returns its own parameter\(s\) dense_bias unchanged")
+    assert "`model.attention.dense_bias.requires_grad_(False)`" in err.hint
+    exact(lambda: BiasAfterResidual(freeze=True).to(DTYPE), _floats(3))

@@ -81,6 +81,7 @@ class CallLayout:
     inputs: tuple[Layout, ...] | None           # None: the batch in dim 0 of every tensor
     outputs: tuple[Layout, ...] | None = None
     refusal: str | None = None                  # why the call cannot be book-kept exactly
+    hint: str | None = None                     # the refusal's hint (None: BROADCAST_HINT)
     #: a shared input whose output reaches the batch through a chain of ops: its consumers
     consumers: tuple | None = None  # of consumers.Consumer
     #: a shared input whose output reaches no gradient (only ``.detach()``ed, DoRA's weight norm):
@@ -196,3 +197,18 @@ def unprobed_call_refusal(unit, n: int, leaves: list[Tensor]) -> EngineError:
         "by SpecAugment, mask_time_prob > 0, which draws its masks outside torch), freeze it: "
         + " and ".join(f"`model.{where}{name}.requires_grad_(False)`" for name in own)
         + " (its layers are then book-kept one by one); otherwise " + BATCH_HINT)
+
+
+def shared_output_refusal(why: str, returned: list[str], unit_name: str) -> dict:
+    """The refusal (and hint) of a call whose shared output reaches the batch in a way the engine
+    cannot follow (``why``): a shared input's output, or, when the module returns parameters of its
+    own unchanged (``returned``: GPT-NeoX-Japanese's attention returns ``dense_bias``, which the
+    layer expands after the residual), those parameters, named with the fix."""
+    if not returned:
+        return {"refusal": f"is fed a tensor shared by all samples, and {why}"}
+    names = ", ".join(returned)
+    where = f"{unit_name}." if unit_name else ""
+    return {"refusal": f"returns its own parameter(s) {names} unchanged (shared by all samples), and {why}",
+            "hint": f"add {names} to the output inside the module's forward (x + self.{returned[0]}) rather than "
+                    f"returning it for the caller to broadcast, or freeze it: "
+                    + " and ".join(f"`model.{where}{n}.requires_grad_(False)`" for n in returned)}
