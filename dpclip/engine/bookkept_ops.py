@@ -26,11 +26,14 @@ from dpclip.torch_compat import func_transform_active, is_view, own_parameters, 
 def engine_failure(label: str, operation: str, tensors, exc: Exception, module=None) -> EngineError:
     """An exception raised inside the engine's hooks, as an EngineError naming the module, the
     operation and the shapes it had (``dpclip --debug`` keeps the original traceback). With the
-    ``module``, a tensor it keeps as a plain attribute (state its previous call left, which its
-    per-sample recomputation reads: RecurrentGemma's ``recurrent_states``) is named with the fix."""
+    ``module``, a tensor it keeps as a plain attribute with the batch's rows (state its previous call
+    left, which its per-sample recomputation reads: RecurrentGemma's ``recurrent_states``) is named
+    with the fix."""
     shapes = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in tensors][:6]
     message = f"module {label}: the engine's {operation} failed on tensors of shapes {shapes} ({type(exc).__name__}: {exc})"
-    kept = {k: tuple(v.shape) for k, v in vars(module or object()).items() if isinstance(v, Tensor) and not k.startswith("_")}
+    rows = next((t.shape[0] for t in tensors if isinstance(t, Tensor) and t.dim() > 0), None)   # the batch
+    kept = {k: tuple(v.shape) for k, v in (vars(module) if module is not None else {}).items()
+            if isinstance(v, Tensor) and not k.startswith("_") and v.dim() > 0 and v.shape[0] == rows}
     if kept:
         names = ", ".join(f"`{k}` {shape}" for k, shape in kept.items())
         return EngineError(
