@@ -23,12 +23,27 @@ from dpclip.errors import DpclipError, EngineError
 from dpclip.torch_compat import func_transform_active, is_view, own_parameters, unsafe_view
 
 
-def engine_failure(label: str, operation: str, tensors, exc: Exception) -> EngineError:
+def engine_failure(label: str, operation: str, tensors, exc: Exception, module=None) -> EngineError:
     """An exception raised inside the engine's hooks, as an EngineError naming the module, the
-    operation and the shapes it had (``dpclip --debug`` keeps the original traceback)."""
+    operation and the shapes it had (``dpclip --debug`` keeps the original traceback). With the
+    ``module``, a tensor it keeps as a plain attribute with the batch's rows (state its previous call
+    left, which its per-sample recomputation reads: RecurrentGemma's ``recurrent_states``) is named
+    with the fix."""
     shapes = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in tensors][:6]
-    return EngineError(f"module {label}: the engine's {operation} failed on tensors of shapes {shapes} "
-                       f"({type(exc).__name__}: {exc})",
+    message = f"module {label}: the engine's {operation} failed on tensors of shapes {shapes} ({type(exc).__name__}: {exc})"
+    rows = next((t.shape[0] for t in tensors if isinstance(t, Tensor) and t.dim() > 0), None)   # the batch
+    kept = {k: tuple(v.shape) for k, v in (vars(module) if module is not None else {}).items()
+            if isinstance(v, Tensor) and not k.startswith("_") and v.dim() > 0 and v.shape[0] == rows}
+    if kept:
+        names = ", ".join(f"`{k}` {shape}" for k, shape in kept.items())
+        return EngineError(
+            f"{message}; the module is stateful: it keeps {names} as attribute(s), set by its previous call (the "
+            "batch's rows), which its per-sample recomputation reads",
+            f"when every sequence starts afresh (position 0), clear the state first thing in the module's own forward "
+            f"(a subclass of {type(module).__name__} whose forward sets `self.{next(iter(kept))} = None` before "
+            "calling super().forward; a forward hook would not do: the certificate replays the module without "
+            "hooks), or freeze the module; a state carried from the previous batch would mix samples")
+    return EngineError(message,
                        "the engine cannot follow this module's per-sample gradients: freeze it, replace it, "
                        "or report the model with `dpclip --debug` output (docs/supported-models.md, \"What is refused\")")
 
@@ -209,7 +224,8 @@ class OutputTap(torch.autograd.Function):
         except DpclipError:
             raise
         except Exception as exc:
-            raise engine_failure(ctx.call.unit.label, "per-sample backward (torch.func fallback)", grads, exc) from exc
+            raise engine_failure(ctx.call.unit.label, "per-sample backward (torch.func fallback)", grads, exc,
+                                 ctx.call.unit.module) from exc
         passed = tuple(g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(grads))
         return (None, None) + passed + (None,) * ctx.n_params
 

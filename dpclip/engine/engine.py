@@ -276,6 +276,7 @@ class DPEngine:
                           _watch=None if watch is None else watch[0]):
             torch.autograd.backward(losses, weights)
         self.finish_micro_batch(_watch=watch)
+        self.refuse_changed_parameters()   # (its checks may lose one: refusals.refuse_new_trainable)
 
     def refuse_changed_parameters(self) -> None:
         """Refuse a parameter trainable now that was not when the engine was built (stepped unclipped)."""

@@ -985,3 +985,70 @@ def test_a_probe_in_the_middle_of_a_forward_leaves_the_buffer_views_it_saved_usa
     engine.backward(classify_loss(model, _ids(5, seed=1)))
     assert engine.privatize().samples_seen == 5
     engine.detach()
+
+
+class HoldsItsOwn(nn.Module):
+    """wav2vec2 / UniSpeech's shape: a whole model holding a parameter of its own (``unused``, like
+    ``masked_spec_embed`` at ``mask_time_prob 0``) beside its layers, whose returned tensors are not
+    the same in two calls (``hidden`` every other call): book-kept whole, its call is unprobed."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Parameter(torch.zeros(3))
+        self.inner, self.calls = nn.Linear(3, 4), 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.inner(x).mean(1)
+        return (h, h.detach()) if self.calls % 2 else (h,)
+
+
+class Speech(nn.Module):
+    def __init__(self, freeze=False):
+        super().__init__()
+        self.encoder, self.head = HoldsItsOwn(), nn.Linear(4, 3)
+        self.encoder.unused.requires_grad_(not freeze)
+
+    def forward(self, x):
+        return self.head(self.encoder(x)[0])
+
+
+def test_a_module_book_kept_whole_for_a_parameter_of_its_own_is_refused_naming_it_to_freeze():
+    """unispeech-sat (rev44): refused "does not match the probe forwards", hint batch-first. The refusal
+    names the parameter that makes the whole module one unit, and freezing it is the fix: exact."""
+    err = refused(lambda: Speech().to(DTYPE), _floats(3), r"holds the trainable parameter\(s\) unused directly")
+    assert "`model.encoder.unused.requires_grad_(False)`" in err.hint
+    exact(lambda: Speech(freeze=True).to(DTYPE), _floats(3))
+
+
+class ReturnsItsBias(nn.Module):
+    """GPT-NeoX-Japanese's attention: returns its own ``dense_bias`` for the layer to add."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Linear(3, 3, bias=False)
+        self.dense_bias = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return self.dense(x), self.dense_bias
+
+
+class BiasAfterResidual(nn.Module):
+    def __init__(self, freeze=False):
+        super().__init__()
+        self.attention, self.head = ReturnsItsBias(), nn.Linear(3, 3)
+        self.attention.dense_bias.requires_grad_(not freeze)
+
+    def forward(self, x):
+        out, bias = self.attention(x)
+        out = F.dropout(out + bias.expand_as(x), 0.0, self.training) + x     # transformers' bias_dropout_add
+        return self.head(out.mean(1))
+
+
+def test_a_module_returning_its_own_parameter_for_the_caller_to_broadcast_is_refused_naming_it():
+    """gpt_neox_japanese (rev44): refused as "fed a tensor shared by all samples", blaming the input;
+    the refusal names the returned parameter, and freezing it (the hint) is exact."""
+    err = refused(lambda: BiasAfterResidual().to(DTYPE), _floats(3),
+                  r"module attention \(ReturnsItsBias\) returns its own parameter\(s\) dense_bias unchanged")
+    assert "`model.attention.dense_bias.requires_grad_(False)`" in err.hint
+    exact(lambda: BiasAfterResidual(freeze=True).to(DTYPE), _floats(3))

@@ -143,3 +143,66 @@ def test_judge_calls_under_reported_norms_wrong(monkeypatch):
     for precision in PRECISIONS:
         r = judge("linear-3d", "B==T+1", "layer", "auto", precision)
         assert r.verdict == "wrong" and r.norm_rel_err > TOLERANCE[precision], _describe(r)
+
+
+class _Norm(torch.nn.Module):
+    """The per-sample loss ‖W x‖: its gradient W x xᵀ / ‖W x‖ is 0/0 = NaN (float64 too) for an
+    all-zero sample; with ``overflow``, exp(‖W x‖) instead: sample 1 (‖W x‖ ≈ 100) overflows
+    float32 only, its float64 reference is finite."""
+
+    def __init__(self, overflow=False):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4, bias=False)
+        self.overflow = overflow
+
+    def forward(self, x):
+        norm = self.linear(x).square().sum(1).sqrt()
+        return torch.exp(norm) if self.overflow else norm
+
+
+def _norm_case(overflow):
+    from tests.engine.zoo import Case
+
+    def build():
+        torch.manual_seed(0)
+        return _Norm(overflow)
+
+    def batch(B, T, g):
+        x = torch.randn(B, 4, generator=g)
+        x[1] = 0.0
+        if overflow:
+            x[1, 0] = 100.0 / float(build().linear.weight[:, 0].norm())
+        return {"x": x}
+
+    name = "overflow-in-fp32" if overflow else "nan-reference"
+    return name, Case(name, "pattern", "‖W x‖", build, batch, lambda model, b: model(b["x"]))
+
+
+def test_judge_calls_a_reference_that_is_itself_nan_a_broken_reference_not_engine_wrong(monkeypatch):
+    """Sample 1's own float64 per-example gradient is NaN (canine, longformer, LED at tiny sizes):
+    'broken-reference' naming the sample, not 'wrong'; the other samples are still judged."""
+    monkeypatch.setitem(CASES, *_norm_case(overflow=False))
+    r = judge("nan-reference", "generic", "all-layer", "auto", "fp32")
+    assert r.verdict == "broken-reference" and "sample(s) [1]" in r.message, _describe(r)
+
+
+def test_judge_still_calls_an_engine_nan_wrong_where_the_reference_is_finite(monkeypatch):
+    """float32 overflows where the float64 reference does not: the engine's non-finite norm for a
+    sample whose reference is finite stays 'wrong'; and a NaN norm the engine reports for a sample
+    the reference could judge is 'wrong' beside a broken reference."""
+    monkeypatch.setitem(CASES, *_norm_case(overflow=True))
+    r = judge("overflow-in-fp32", "generic", "all-layer", "auto", "fp32")
+    assert r.verdict == "wrong", _describe(r)
+
+    from tests.engine.zoo import judge as judge_module
+
+    class NanOnZero(judge_module.DPEngine):
+        def debug_clipped(self):
+            debug = super().debug_clipped()
+            debug.norms[0] = float("nan")
+            return debug
+
+    monkeypatch.setitem(CASES, *_norm_case(overflow=False))
+    monkeypatch.setattr(judge_module, "DPEngine", NanOnZero)
+    r = judge("nan-reference", "generic", "all-layer", "auto", "fp32")
+    assert r.verdict == "wrong", _describe(r)

@@ -350,3 +350,58 @@ def test_transformers_default_grouped_mm_experts_match_a_float32_per_example_loo
     for k, (name, _) in enumerate(named):
         torch.testing.assert_close(sums[name], sum(g[k] for g in per), rtol=1e-4, atol=1e-6, msg=name)
     engine.detach()
+
+
+class KeepsItsState(nn.Module):
+    """RecurrentGemma's RG-LRU: keeps the batch's last state on the module (``state``, [B, d]) and
+    starts the next call from it when the batch sizes agree or one token is decoded (its reset at
+    position 0 zeroes it here: ``0 *``). The torch.func fallback recomputes one sample with the
+    batch's state: ``expand`` fails, as RecurrentGemma's does."""
+
+    def __init__(self, d=3):
+        super().__init__()
+        self.w, self.state = nn.Parameter(torch.randn(d, dtype=DTYPE)), None
+
+    def forward(self, x):                    # [B, T, d]
+        s = x.new_zeros(x.shape[0], x.shape[2])
+        if self.state is not None and self.state.shape[0] in (x.shape[0], 3) and x.shape[0] in (1, self.state.shape[0]):
+            s = self.state.expand(x.shape[0], -1)
+        h = torch.tanh(x * self.w) + 0 * s[:, None]
+        self.state = h[:, -1].detach()
+        return h
+
+
+class Cleared(KeepsItsState):
+    """The hint's fix: the state cleared first thing in the module's own forward."""
+
+    def forward(self, x):
+        self.state = None
+        return super().forward(x)
+
+
+class StatefulNet(nn.Module):
+    def __init__(self, clear=False):
+        super().__init__()
+        self.rnn, self.head = (Cleared if clear else KeepsItsState)(), nn.Linear(3, 2, dtype=DTYPE)
+
+    def forward(self, x):
+        return self.head(self.rnn(x).mean(1))
+
+
+def _stateful_loss(model, batch):
+    return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+
+
+def test_a_module_keeping_the_batchs_state_is_refused_naming_the_state_and_clearing_it_is_exact():
+    """recurrent_gemma (rev44): refused with "the engine cannot follow this module" only. The refusal
+    names the stateful module's attribute and the fix (clear it before each call): exact then."""
+    g = torch.Generator().manual_seed(0)
+    batch = {"x": torch.randn(3, 4, 3, generator=g, dtype=DTYPE), "y": torch.randint(0, 2, (3,), generator=g)}
+    model = StatefulNet()
+    engine = DPEngine(model, {}, expected_batch_size=3, gradient_noise_multiplier=1.0)
+    with pytest.raises(EngineError, match=r"module rnn \(KeepsItsState\).*stateful: it keeps `state` \(3, 3\)") as err:
+        engine.backward(_stateful_loss(model, batch))
+    assert "`self.state = None`" in err.value.hint
+    assert all(p.grad is None for p in model.parameters())
+    engine.detach()
+    check_exact(lambda: StatefulNet(clear=True), _stateful_loss, batch)

@@ -153,3 +153,17 @@ def test_a_dropout_mask_over_the_batch_in_a_fallback_module_is_refused():
     engine = DPEngine(model, {"grouping": "all-layer"}, gradient_noise_multiplier=0.0, expected_batch_size=4)
     with pytest.raises(EngineError, match="random operations"):
         engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+
+def test_trainable_tokens_on_tied_gpt2_embeddings_are_refused_as_lost_not_left_untrained():
+    """LoRA with trainable_token_indices on GPT-2 (lm_head tied to wte: both adapters hold one
+    ParameterDict): the engine's checks came back with a plain tensor in the delta's place, so the
+    model went on with a copy the optimizer never stepped, silently (rev45). Refused, naming the fix."""
+    from tests.engine.conftest import gpt2_batch, gpt2_loss, tiny_gpt2
+    torch.manual_seed(0)
+    model = peft.get_peft_model(tiny_gpt2().float(), peft.LoraConfig(target_modules=["c_attn"], r=2,
+                                                                      trainable_token_indices=[3, 5, 7])).to(DTYPE)
+    engine = DPEngine(model, {}, expected_batch_size=4, gradient_noise_multiplier=1.0)
+    with pytest.raises(EngineError, match="no longer in the model") as err:
+        engine.backward(gpt2_loss(model, gpt2_batch()))
+    assert "modules_to_save" in err.value.hint and "tie_word_embeddings=False" in err.value.hint
+    engine.detach()

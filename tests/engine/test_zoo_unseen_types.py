@@ -8,7 +8,9 @@ a verdict of its own each, exact or refused with its reason.
 - Qwen2-VL, its packed pixel_values given batch-first and flattened inside a wrapper's forward that
   returns the logits only (docs/supported-models.md, "Vision-language models");
 - the time-series transformer's mean scaler gives a series with no observed value the batch's
-  mean scale: exact while every series has one, refused (naming the scaler) once one has none.
+  mean scale: exact while every series has one, refused (naming the scaler) once one has none;
+- the text backbone of a 2026 vision-language model (rev45), GLM-4V's (rotary sections over time,
+  height and width; the other backbones judged are listed in docs/supported-models.md).
 """
 
 from __future__ import annotations
@@ -95,6 +97,23 @@ def _image_text_loss(model, batch):
     return token_mean(F.cross_entropy(upcast(logits.transpose(1, 2)), x[:, 1:], reduction="none"))
 
 
+def _backbone(model_type: str, **extra):
+    """The text backbone of a 2026 vision-language model (``*_text``: no LM head in transformers),
+    tiny, eager attention, its last hidden state read out."""
+    def build():
+        return tf.AutoModel.from_config(tf.AutoConfig.for_model(
+            model_type, vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=8, max_position_embeddings=P, attention_dropout=0.0,
+            attn_implementation="eager", pad_token_id=0, **extra))
+    return seeded(build)
+
+
+def _backbone_loss(model, batch):
+    return readout(model(input_ids=batch["input_ids"], use_cache=False).last_hidden_state)
+
+
+MROPE = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
+
 UNSEEN = {
     "qwen2-vl": Case("unseen-qwen2-vl", "hf", "Qwen2-VL, patches batch-first in a wrapper", lambda: BatchFirst(
         training(_qwen2_vl)()), _image_text, _image_text_loss),
@@ -105,6 +124,8 @@ UNSEEN = {
     "time-series-unobserved": Case("unseen-time-series-unobserved", "hf", "time-series transformer, one series unobserved "
                                    "(the batch's mean scale: must be refused)", seeded(_time_series), _series(True),
                                    _series_loss),
+    "glm4v-text": Case("unseen-glm4v-text", "hf", "GLM-4V's text backbone (multimodal rotary sections)",
+                       _backbone("glm4v_text", rope_parameters=MROPE), lm_batch, _backbone_loss),
 }
 REFUSED = {"time-series-unobserved": "module scaler (TimeSeriesMeanScaler) mixes samples"}
 

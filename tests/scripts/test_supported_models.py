@@ -75,6 +75,16 @@ def test_a_cell_names_the_shapes_and_precision_of_each_fault(script):
     assert "16 runs: 14 exact, 1 refused, 1 wrong, 0 crashed." in text
 
 
+def test_a_broken_reference_is_named_in_the_cell_the_notes_and_the_counts(script):
+    """A run whose float64 per-example reference is itself NaN is neither "exact otherwise" nor "wrong"."""
+    runs = [_run(s, "auto", "fp32", "exact") for s in ("generic", "B==T", "B==T+1", "B==1")]
+    runs[0] = _run("generic", "auto", "fp32", "broken-reference", message="the float64 reference is not finite")
+    text = script.render(_results(runs))
+    row = next(line for line in text.splitlines() if line.startswith("| `m`"))
+    assert "**broken-reference** (generic; fp32)" in row and "broken-reference: the float64 reference" in row
+    assert "4 runs: 3 exact, 0 refused, 0 wrong, 0 crashed, 1 broken-reference." in text
+
+
 def test_write_docs_replaces_only_the_marked_block(script, tmp_path):
     page = tmp_path / "supported-models.md"
     page.write_text(f"before\n{script.START}\nold\n{script.END}\nafter\n")

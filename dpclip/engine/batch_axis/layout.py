@@ -81,6 +81,7 @@ class CallLayout:
     inputs: tuple[Layout, ...] | None           # None: the batch in dim 0 of every tensor
     outputs: tuple[Layout, ...] | None = None
     refusal: str | None = None                  # why the call cannot be book-kept exactly
+    hint: str | None = None                     # the refusal's hint (None: BROADCAST_HINT)
     #: a shared input whose output reaches the batch through a chain of ops: its consumers
     consumers: tuple | None = None  # of consumers.Consumer
     #: a shared input whose output reaches no gradient (only ``.detach()``ed, DoRA's weight norm):
@@ -174,3 +175,40 @@ def cut_batch_refusal(args: tuple, kwargs: dict, batch: int, sizes: tuple[int, i
         return EngineError(message, CUT_BATCH_HINT)
     return EngineError(f"{message}; inputs whose dim 0 is not the batch size {batch} went to the probes whole: "
                        f"{', '.join(whole)}", PACKED_HINT)
+
+
+def unprobed_call_refusal(unit, n: int, leaves: list[Tensor]) -> EngineError:
+    """The refusal of call #``n + 1`` of ``unit`` that no probe forward laid out alike. When the unit
+    is a whole module book-kept per sample (torch.func) only because it holds trainable parameters
+    directly beside its layers (wav2vec2 / UniSpeech's ``masked_spec_embed``, used by SpecAugment
+    only), it names them: frozen, the layers inside are book-kept one by one."""
+    message = (f"module {unit.label}: its call #{n + 1} in this forward (inputs of shapes "
+               f"{[tuple(t.shape) for t in leaves]}) does not match the probe forwards of the model, so its batch "
+               "axis cannot be established (does the model's control flow depend on the batch size, or are its "
+               "shared inputs not broadcast-compatible?)")
+    own = [name for name, _, _ in unit.params]
+    if not (unit.is_fallback and own and any(True for _ in unit.module.children())):
+        return EngineError(message, BATCH_HINT)
+    where = f"{unit.name}." if unit.name else ""
+    return EngineError(
+        f"{message}; it is book-kept whole, per sample (torch.func), only because it holds the trainable "
+        f"parameter(s) {', '.join(own)} directly beside its layers",
+        f"if {', '.join(own)} is not trained by this forward (wav2vec2 / UniSpeech's masked_spec_embed is used only "
+        "by SpecAugment, mask_time_prob > 0, which draws its masks outside torch), freeze it: "
+        + " and ".join(f"`model.{where}{name}.requires_grad_(False)`" for name in own)
+        + " (its layers are then book-kept one by one); otherwise " + BATCH_HINT)
+
+
+def shared_output_refusal(why: str, returned: list[str], unit_name: str) -> dict:
+    """The refusal (and hint) of a call whose shared output reaches the batch in a way the engine
+    cannot follow (``why``): a shared input's output, or, when the module returns parameters of its
+    own unchanged (``returned``: GPT-NeoX-Japanese's attention returns ``dense_bias``, which the
+    layer expands after the residual), those parameters, named with the fix."""
+    if not returned:
+        return {"refusal": f"is fed a tensor shared by all samples, and {why}"}
+    names = ", ".join(returned)
+    where = f"{unit_name}." if unit_name else ""
+    return {"refusal": f"returns its own parameter(s) {names} unchanged (shared by all samples), and {why}",
+            "hint": f"add {names} to the output inside the module's forward (x + self.{returned[0]}) rather than "
+                    f"returning it for the caller to broadcast, or freeze it: "
+                    + " and ".join(f"`model.{where}{n}.requires_grad_(False)`" for n in returned)}

@@ -18,7 +18,8 @@ from torch import Tensor
 
 from dpclip.engine.batch_axis.consumers import ConsumerCheck, consumers, dead_ends
 from dpclip.engine.batch_axis.layout import (BATCH_FIRST, BATCH_HINT, BROADCAST_HINT, CallLayout, cut_batch_refusal,
-                                             Layout, call_leaves, shared_lead1, tensor_leaves)
+                                             Layout, call_leaves, shared_lead1, shared_output_refusal,
+                                             tensor_leaves, unprobed_call_refusal)
 from dpclip.engine.batch_axis.probe import (NEEDS_ROWS, Probe, compare, forked_rng, nothing_saved, resized,
                                             untouched_buffers)
 from dpclip.engine.batch_axis.site import SiteBatch
@@ -108,7 +109,7 @@ class BatchAxes:
         leaves = call_leaves(args, kwargs)
         layout = self.layout(unit, leaves)
         if layout.refusal is not None:
-            raise EngineError(f"module {unit.label} {layout.refusal}", BROADCAST_HINT)
+            raise EngineError(f"module {unit.label} {layout.refusal}", layout.hint or BROADCAST_HINT)
         site.set_call(layout, leaves)
 
     def in_grad_forward(self) -> bool:   # a forward of the model that records gradients, in progress
@@ -137,13 +138,7 @@ class BatchAxes:
                 self.establish()
                 lay = self._per_sample_expansions(self.layouts.get(key), leaves)
             if lay is None or not lay.fits(leaves, self.batch, ragged):
-                shapes = [tuple(t.shape) for t in leaves]
-                raise EngineError(
-                    f"module {unit.label}: its call #{n + 1} in this forward (inputs of shapes "
-                    f"{shapes}) does not match the probe forwards of the model, so its batch "
-                    "axis cannot be established (does the model's control flow depend on "
-                    "the batch size, or are its shared inputs not broadcast-compatible?)",
-                    BATCH_HINT)
+                raise unprobed_call_refusal(unit, n, leaves)
         return lay
 
     def note_expanded(self, t: Tensor) -> None:
@@ -179,7 +174,7 @@ class BatchAxes:
                               f"of shapes {[tuple(t.shape) for t in leaves]}, which {why}, so its batch axis cannot be told",
                               "checkpoint whole blocks that the model calls the same way each time, or turn checkpointing off")
         if fitting[0].refusal is not None:
-            raise EngineError(f"module {unit.label} {fitting[0].refusal}", BROADCAST_HINT)
+            raise EngineError(f"module {unit.label} {fitting[0].refusal}", fitting[0].hint or BROADCAST_HINT)
         return fitting[0]
 
     # --------------------------------------------------------------- probes
@@ -288,12 +283,13 @@ def follow_shared_outputs(layouts: dict, expand: dict, sizes: tuple, inputs: lis
     ``sizes``/``inputs``: the probe pair's sizes and inputs; ``units``: id -> unit;
     ``run(probe, args, kwargs, check=...)``: one probe forward (:class:`BatchAxes`)."""
     links: set = set()
+    returned: dict = {}     # (call, output): the name of the unit's own parameter it returns unchanged
     for _ in range(3):
         checks, aligned = [], {}
         for size, (args, kwargs) in zip(sizes, inputs):
             check = ConsumerCheck(frozenset(links))
             try:
-                run(Probe(size, {k: tracker(units, k, f, check, aligned)
+                run(Probe(size, {k: tracker(units, k, f, check, aligned, returned)
                                  for k, f in expand.items()}, check), args, kwargs,
                     check=check)
             except Exception as exc:  # the forward failed in a consumer (or elsewhere)
@@ -345,7 +341,8 @@ def follow_shared_outputs(layouts: dict, expand: dict, sizes: tuple, inputs: lis
             why = ("its output is broadcast over the batch only after other ops, which the "
                    "per-sample fallback cannot follow")
         if why is not None:
-            layouts[key] = replace(lay, refusal=f"is fed a tensor shared by all samples, and {why}")
+            mine = [name for (k, _), name in returned.items() if k == key]
+            layouts[key] = replace(lay, **shared_output_refusal(why, mine, units[key[0]].name))
         elif not simple:
             layouts[key] = replace(lay, consumers=found[0])
     return feeders
@@ -367,10 +364,10 @@ def expanders(layouts: dict, units: dict) -> dict:
             out[key] = ("input", None)
     return out
 
-def tracker(units: dict, key, how, check: ConsumerCheck, aligned: dict):
+def tracker(units: dict, key, how, check: ConsumerCheck, aligned: dict, returned: dict):
     """The call of ``key`` in a consumer probe: its shared output(s) tracked; ``aligned``
     gets the axis that expanding the output itself would give the batch (0: its leading
-    1; -1: prepended)."""
+    1; -1: prepended); ``returned`` the name of a parameter of the unit an output is."""
     unit = units[key[0]]
 
     def run(args, kwargs, orig):
@@ -388,6 +385,7 @@ def tracker(units: dict, key, how, check: ConsumerCheck, aligned: dict):
         leaves = tensor_leaves(out)
         for j in which:
             t = leaves[j]
+            returned.update({(key, j): name for name, p, _ in unit.params if p is t})
             if t.is_floating_point():
                 aligned[(key, j)] = 0 if t.dim() >= 1 and t.shape[0] == 1 else -1
                 check.track(t, (key, j))

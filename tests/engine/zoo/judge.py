@@ -18,7 +18,10 @@ the norm), far from every norm so that rounding cannot move a sample across C_k.
 
 Verdicts: ``exact`` (every parameter and every per-sample group norm within tolerance),
 ``refused`` (an EngineError), ``wrong`` (no error, a mismatch), ``crashed`` (any other
-exception). Errors are relative to their natural scale: a parameter's error
+exception), ``broken-reference`` (the float64 per-example reference itself is not finite for
+some sample, so that sample cannot be judged, while everything that can be judged agrees: a
+model's own overflow at tiny random sizes, not the engine's; an engine NaN where the reference
+is finite stays ``wrong``). Errors are relative to their natural scale: a parameter's error
 ‖Δ_p‖ / Σ_i c_ik‖g_ip‖ (what rounding in the sum is proportional to), a norm's error
 |n_e - n_r| / n_r; both floored at a fraction (FLOOR) of the run's largest scale.
 """
@@ -72,7 +75,7 @@ class Result:
     grouping: str
     method: str
     precision: str
-    verdict: str                               # exact | refused | wrong | crashed
+    verdict: str                               # exact | refused | wrong | crashed | broken-reference
     max_rel_err: float | None = None           # worst parameter error (see module doc)
     norm_rel_err: float | None = None          # worst per-sample group-norm error
     norm_bias: float | None = None             # mean log(engine norm / reference norm)
@@ -210,6 +213,8 @@ def _run(result: Result) -> None:
                               for g in per_sample], dtype=torch.float64)               # [B, K]
     thresholds = choose_thresholds(ref_norms)
     factors = torch.clamp(torch.tensor(thresholds, dtype=torch.float64) / ref_norms, max=1.0).nan_to_num(1.0)
+    broken = ~torch.isfinite(ref_norms)     # the reference itself overflowed there: left out of the sums (below)
+    factors[broken] = 0.0
 
     clipping = {"grouping": result.grouping, "fn": "abadi", "norm_method": result.method,
                 "threshold": {"kind": "fixed", "value": thresholds}}
@@ -229,8 +234,9 @@ def _run(result: Result) -> None:
     for info in trainable_params(model):
         name = info.name
         k = group_of[name]
-        ref = sum(float(factors[i, k]) * g[name] for i, g in enumerate(per_sample))
-        scales[name] = sum(float(factors[i, k]) * float(g[name].norm()) for i, g in enumerate(per_sample))
+        kept = [(float(factors[i, k]), g[name]) for i, g in enumerate(per_sample) if not broken[i, k]]
+        ref = sum(c * g for c, g in kept)
+        scales[name] = sum(c * float(g.norm()) for c, g in kept)
         if name not in debug.sums:
             errors[name] = math.inf
             continue
@@ -245,6 +251,8 @@ def _run(result: Result) -> None:
     if got_norms.shape != ref_norms.shape:
         result.norm_rel_err = math.inf
         norm_ok = False
+    elif bool(broken.any()):
+        norm_ok = _judge_around_broken(result, broken, ref_norms, got_norms, tol)
     else:
         norm_floor = max(FLOOR[precision] * float(ref_norms.max()), 1e-300)
         rel = (got_norms - ref_norms).abs() / ref_norms.clamp_min(norm_floor)
@@ -257,4 +265,32 @@ def _run(result: Result) -> None:
             spread = float(logs.std()) if logs.numel() > 1 else 0.0
             if abs(result.norm_bias) > SYSTEMATIC + 3 * spread / math.sqrt(logs.numel()):
                 norm_ok = False
+    if result.verdict == "broken-reference":
+        return
     result.verdict = "exact" if result.max_rel_err <= tol and norm_ok else "wrong"
+
+
+def _judge_around_broken(result: Result, broken: Tensor, ref_norms: Tensor, got_norms: Tensor, tol: float) -> bool:
+    """Some (sample, group) norms of the float64 reference are not finite (``broken``): the
+    per-example backward itself overflowed, a model's own NaN at tiny random sizes. Those cannot be
+    judged; every other norm still is (an engine NaN where the reference is finite stays "wrong"),
+    and so are the sums when the engine dropped every broken one (its norm not finite there too:
+    the reference leaves them out). Returns whether all that can be judged agrees; if so the
+    verdict is "broken-reference" and the message says what was not judged."""
+    fine = ~broken
+    if bool(fine.any()):
+        live = ref_norms[fine]
+        floor = max(FLOOR[result.precision] * float(live.max()), 1e-300)
+        rel = ((got_norms[fine] - live).abs() / live.clamp_min(floor)).nan_to_num(math.inf)
+        result.norm_rel_err = float(rel.max())
+    else:
+        result.norm_rel_err = 0.0
+    dropped = not bool(torch.isfinite(got_norms[broken]).any())
+    if result.norm_rel_err > tol or (dropped and not result.max_rel_err <= tol):
+        return False
+    samples = sorted({int(i) for i in broken.nonzero()[:, 0]})
+    result.verdict = "broken-reference"
+    result.message = (f"the float64 per-example reference is not finite for sample(s) {samples}: not judged; "
+                      + ("the engine dropped them and agrees on the rest" if dropped else
+                         "the engine kept them, so the sums are not judged; every other norm agrees"))
+    return True
