@@ -126,6 +126,22 @@ def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
     return module._parameters
 
 
+def functional_call_restoring(module: nn.Module, tensors: dict, args, kwargs=None, **options):
+    """``torch.func.functional_call`` that leaves every submodule holding the parameter objects it
+    held before. torch 2.13 swaps a parameter in and back by name: one that two modules reach
+    through a shared ``nn.ParameterDict`` (peft's trainable tokens on tied input and output
+    embeddings) came back as the plain tensor swapped in, so the model went on reading a copy the
+    optimizer never steps. Each module's own parameter dict is put back as it was."""
+    held = [(m, dict(m._parameters)) for m in module.modules()]
+    try:
+        return torch.func.functional_call(module, tensors, args, kwargs, **options)
+    finally:
+        for m, before in held:
+            for name, p in before.items():
+                if m._parameters.get(name) is not p:
+                    m._parameters[name] = p
+
+
 def saved_buffers(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """``module``'s own buffers that its ``state_dict`` saves (``Module._buffers`` less
     ``_non_persistent_buffers_set``), without running ``state_dict`` (its hooks gather sharded

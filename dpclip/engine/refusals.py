@@ -84,14 +84,10 @@ def refuse_new_trainable(model: nn.Module, privatised: list[nn.Parameter], names
     lost = [tuple(p.shape) for p in privatised if names is None and id(p) not in held]
     if lost:   # the model reads something else in their place now: their noisy steps would go nowhere
         raise EngineError(f"{len(lost)} parameter(s) the engine privatises (shapes {lost[:3]}) are no longer in the model "
-                          "(a plain tensor or another parameter in their place); the model would go on with a copy the "
-                          "optimizer never steps. The engine's checks of a backward (the certificate's replays, "
-                          "torch.func.functional_call) swap the model's parameters in and back: one shared by two "
-                          "modules through a ParameterDict both hold (peft's trainable tokens on tied input and output "
-                          "embeddings) can come back as a plain tensor",
-                          "do not replace parameters after building the engine; for peft's trainable tokens on tied "
-                          "embeddings, untie them (tie_word_embeddings=False) or train the whole embedding with "
-                          "modules_to_save=[<the embedding>] instead of trainable_token_indices")
+                          "(a plain tensor or another parameter in their place): the model would go on with a copy the "
+                          "optimizer never steps",
+                          "do not replace parameters after building the engine: build it (make_private, DPTrainer) "
+                          "after the model's last change")
     new = [name for name, p in model.named_parameters() if p.requires_grad and
            (id(p) not in known if names is None else name not in names)]
     frozen = [name for name, p in model.named_parameters() if names is None and id(p) in known and not p.requires_grad]

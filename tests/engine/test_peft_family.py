@@ -154,16 +154,31 @@ def test_a_dropout_mask_over_the_batch_in_a_fallback_module_is_refused():
     with pytest.raises(EngineError, match="random operations"):
         engine.backward(F.cross_entropy(model(x), y, reduction="none"))
 
-def test_trainable_tokens_on_tied_gpt2_embeddings_are_refused_as_lost_not_left_untrained():
-    """LoRA with trainable_token_indices on GPT-2 (lm_head tied to wte: both adapters hold one
-    ParameterDict): the engine's checks came back with a plain tensor in the delta's place, so the
-    model went on with a copy the optimizer never stepped, silently (rev45). Refused, naming the fix."""
-    from tests.engine.conftest import gpt2_batch, gpt2_loss, tiny_gpt2
+def _tied_gpt2_tokens():
+    from tests.engine.conftest import tiny_gpt2
     torch.manual_seed(0)
-    model = peft.get_peft_model(tiny_gpt2().float(), peft.LoraConfig(target_modules=["c_attn"], r=2,
-                                                                      trainable_token_indices=[3, 5, 7])).to(DTYPE)
+    return peft.get_peft_model(tiny_gpt2().float(), peft.LoraConfig(target_modules=["c_attn"], r=2,
+                                                                    trainable_token_indices=[3, 5, 7])).to(DTYPE)
+
+
+def test_trainable_tokens_on_tied_gpt2_embeddings_match_the_per_example_loop():
+    """LoRA with trainable_token_indices on GPT-2 (lm_head tied to wte: both adapters hold one
+    ParameterDict). torch.func.functional_call in the certificate's replays put the swapped-in
+    tensor back in the delta's place, so the model went on with a copy the optimizer never stepped
+    (rev45): the replay now restores every module's parameters, and the clip is exact."""
+    from tests.engine.conftest import gpt2_batch, gpt2_loss
+    check_exact(_tied_gpt2_tokens, gpt2_loss, gpt2_batch())
+
+
+def test_a_privatised_parameter_replaced_in_the_model_is_refused_before_noise():
+    """A parameter the engine privatises that the model no longer holds (a plain tensor in its
+    place) would be stepped where nothing reads it: refused at the backward, naming the fix."""
+    from tests.engine.conftest import gpt2_batch, gpt2_loss
+    model = _tied_gpt2_tokens()
     engine = DPEngine(model, {}, expected_batch_size=4, gradient_noise_multiplier=1.0)
+    delta = model.base_model.model.transformer.wte.token_adapter.trainable_tokens_delta
+    delta["default"] = torch.nn.Parameter(delta["default"].detach().clone())   # another object in its place
     with pytest.raises(EngineError, match="no longer in the model") as err:
         engine.backward(gpt2_loss(model, gpt2_batch()))
-    assert "modules_to_save" in err.value.hint and "tie_word_embeddings=False" in err.value.hint
+    assert "after the model's last change" in err.value.hint
     engine.detach()

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 
 from dpclip.engine.batch_axis.layout import tensor_leaves
 from dpclip.engine.precision import AutocastState, autocast_restore, autocast_snapshot
-from dpclip.torch_compat import (forward_hooks_silenced, parametrizations_uncached, reentrant_checkpoints_inline,
-                                 tensor_version, tree_flatten, tree_unflatten)
+from dpclip.torch_compat import (forward_hooks_silenced, functional_call_restoring, parametrizations_uncached,
+                                 reentrant_checkpoints_inline, tensor_version, tree_flatten, tree_unflatten)
 
 
 class NotReproducible(Exception):
@@ -253,7 +253,7 @@ class Replayer:
         saved = autocast_snapshot(forward.autocast.keys())
         autocast_restore(forward.autocast)
         try:
-            out = torch.func.functional_call(self.model, self._swapped(leaves), args, kwargs, strict=False)
+            out = functional_call_restoring(self.model, self._swapped(leaves), args, kwargs, strict=False)
         finally:
             autocast_restore(saved)
         return tensor_leaves(out)
@@ -264,7 +264,7 @@ class Replayer:
         backward of its own (Reformer's reversible layers) reads the module's parameters then."""
         holder = _Holder(self.model)
         swapped = {f"model.{n}": t for n, t in self._swapped(leaves).items()}
-        return lambda fn: torch.func.functional_call(holder, swapped, (fn,), strict=False)
+        return lambda fn: functional_call_restoring(holder, swapped, (fn,), strict=False)
 
 
 class _Holder(nn.Module):
