@@ -24,7 +24,7 @@ from dpclip.engine.workload import SGD, Workload
 from dpclip.errors import AccountingError, DpclipError
 from dpclip.models import build_model
 from dpclip.recipe.schema import Recipe
-from dpclip.recipe.tuning import cuts_held_out  # noqa: F401 (planning's name for it)
+from dpclip.recipe.tuning import cuts_held_out
 
 
 def sampling_schedule(dataset_size: int, batch_size: int, epochs: float | None = None,

@@ -223,8 +223,7 @@ def _check_priced(privacy, dataset_size: int, recipe, trial_recipe, data, sigma:
 def _held_out_data(recipe, privacy):
     """The data every trial trains and is scored on, split once (so all share one held-out split)."""
     if privacy.score_noise is None and cuts_held_out(recipe.data):
-        # validate_recipe refuses this (recipe/tuning.py, check_tuning); a recipe built past it
-        # (model_construct, model_copy(update=...)) must not select on private rows uncharged either.
+        # validate_recipe refuses it (check_tuning); a recipe built past validation (model_copy) is refused here
         raise DpclipError("the search's score is public (exact, uncharged), but the recipe cuts its held-out split "
                           "from the private rows (data.test_fraction)",
                           "give a separate public held-out set (data.test for files, data.test_split for hf), or "
