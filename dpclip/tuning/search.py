@@ -51,7 +51,7 @@ from dpclip.errors import DpclipError
 from dpclip.files import OWNER_ONLY_DIR, private_dir, write_json_atomic
 from dpclip.models import build_model, evaluate
 from dpclip.recipe.load import validate_recipe
-from dpclip.recipe.tuning import cuts_held_out
+from dpclip.recipe.tuning import held_out_is_private
 from dpclip.rng import derived_seed, private_random
 from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint
 from dpclip.planning.plan import privacy_plan, privacy_units, private_seed, statistic_groups
@@ -222,10 +222,10 @@ def _check_priced(privacy, dataset_size: int, recipe, trial_recipe, data, sigma:
 
 def _held_out_data(recipe, privacy):
     """The data every trial trains and is scored on, split once (so all share one held-out split)."""
-    if privacy.score_noise is None and cuts_held_out(recipe.data):
+    if privacy.score_noise is None and held_out_is_private(recipe.data):
         # validate_recipe refuses it (check_tuning); a recipe built past validation (model_copy) is refused here
-        raise DpclipError("the search's score is public (exact, uncharged), but the recipe cuts its held-out split "
-                          "from the private rows (data.test_fraction)",
+        raise DpclipError("the search's score is public (exact, uncharged), but the recipe's held-out rows are "
+                          "private: cut from them (data.test_fraction) or its training data itself",
                           "give a separate public held-out set (data.test for files, data.test_split for hf), or "
                           "use tuning.score: private (noisy, charged)")
     # Drawn with a key from OS entropy (each trial's meta.json keeps it, secret), the recipe's

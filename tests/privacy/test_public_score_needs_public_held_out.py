@@ -42,3 +42,10 @@ def test_validate_account_and_pricing_refuse_the_claim_alike(cli, tmp_path, comm
 def test_a_separate_held_out_file_may_be_declared_public(cli, tmp_path, public_held_out):
     result = cli("validate", QUICKSTART, *TINY, *public_held_out, "tuning.score=public")
     assert result.code == 0, result.err
+
+
+def test_a_held_out_file_that_is_the_training_file_may_not_be_declared_public(cli, public_held_out):
+    train = public_held_out[0].split("train: '")[1].split("'")[0]
+    result = cli("validate", QUICKSTART, *TINY, *public_held_out, f"data.test={train}", "tuning.score=public")
+    assert result.code == 2 and "error:" in result.err and "hint:" in result.err
+    assert "held-out set is its training data" in result.err

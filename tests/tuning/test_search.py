@@ -317,7 +317,7 @@ def test_run_search_refuses_a_public_score_on_held_out_rows_cut_from_the_private
     report = tune_cost(base, recipe, grid=grid, timer=StepTimer(fixed_seconds=0.01))
     assert report.privacy.score_noise is None   # priced as a public score
     monkeypatch.setattr(workflow, "train", lambda *args, **kwargs: pytest.fail("a trial trained"))
-    with pytest.raises(DpclipError, match="held-out split") as refused:
+    with pytest.raises(DpclipError, match="held-out rows are private") as refused:
         run_search(base, recipe, report, grid=grid)
     assert "data.test" in refused.value.hint and "tuning.score: private" in refused.value.hint
     assert not Path(recipe.output_dir).exists()   # refused before the search directory: nothing charged
