@@ -24,6 +24,7 @@ from dpclip.engine.workload import SGD, Workload
 from dpclip.errors import AccountingError, DpclipError
 from dpclip.models import build_model
 from dpclip.recipe.schema import Recipe
+from dpclip.recipe.tuning import cuts_held_out
 
 
 def sampling_schedule(dataset_size: int, batch_size: int, epochs: float | None = None,
@@ -167,11 +168,6 @@ LABEL_SET = ("the label set, read from the private data's labels: the task, the 
 #: export ships it (docs/export.md); dpclip's builtin byte tokenizer is fixed and needs no line.
 TOKENIZER = ("the tokenizer data.tokenizer names: released with the model as given (its vocabulary), taken as "
              "public (built from public text)")
-
-
-def cuts_held_out(data) -> bool:
-    """Whether a recipe's ``data`` cuts its held-out split from the private rows (no separate test file or split)."""
-    return getattr(data, "test", None) is None and getattr(data, "test_split", None) is None
 
 
 def reads_text(data) -> bool:

@@ -33,7 +33,7 @@ from dpclip.recipe.continual import AtSwitch, Continual, Diagnostics, SwitchRule
 from dpclip.recipe.grouping import GROUPING_HELP, check_parallel, validate_grouping
 from dpclip.recipe.labels import DataLabels
 from dpclip.recipe.section import LearningRate, Section, Size, threshold_without_booleans
-from dpclip.recipe.tuning import RandomRange, Tuning  # noqa: F401 (docs)
+from dpclip.recipe.tuning import RandomRange, Tuning, check_tuning  # noqa: F401 (docs)
 from dpclip.recipe.users import DataUsers, check_users
 
 
@@ -436,7 +436,7 @@ class Recipe(Section):
         if self.model.kind == "cnn" and self.data.source == "builtin" and self.data.name == "digits" \
                 and not self.data.as_images:
             raise ValueError("model.kind 'cnn' needs images: set data.as_images: true")
-        for check in (check_continual, check_users, check_audit, check_parallel):
+        for check in (check_continual, check_users, check_audit, check_parallel, check_tuning):
             check(self)
         return self
 

@@ -3,6 +3,7 @@ trials are drawn and scored (docs/tuning.md)."""
 
 from __future__ import annotations
 
+import os.path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
@@ -35,7 +36,8 @@ class Tuning(Section):
     ranges: dict[str, RandomRange] = Field(default_factory=dict)
     score: Literal["private", "public"] = Field(
         "private", description="private: the held-out split is private data, its score is released with "
-        "noise and charged to the budget; public: the held-out split is public data (your claim)")
+        "noise and charged to the budget; public: the held-out split is public data (your claim), so it must be "
+        "a separate file or split (data.test, data.test_split), not cut from the private rows by test_fraction")
     score_noise: PositiveFloat = Field(
         5.0, description="private score: std of the Gaussian noise on the count of correct held-out predictions")
     trials: Literal["poisson", "truncated-negative-binomial"] = Field(
@@ -65,3 +67,42 @@ class Tuning(Section):
             raise ValueError(f"trials_mean must be at most {MAX_SEARCH_RUNS:,}, got {mean:g}: a search trains E[K] "
                              "whole private runs; e.g. the number of configurations")
         return self
+
+
+def cuts_held_out(data) -> bool:
+    """Whether a recipe's ``data`` cuts its held-out split from the private rows (no separate test file or split)."""
+    return getattr(data, "test", None) is None and getattr(data, "test_split", None) is None
+
+
+def held_out_is_training_data(data) -> bool:
+    """Whether a recipe's separate held-out set is named as its training data itself (the same
+    file, the same hub split): its rows are the private training rows."""
+    if getattr(data, "test", None) is not None:
+        return os.path.normpath(data.test) == os.path.normpath(data.train)
+    return getattr(data, "test_split", None) is not None and data.test_split == data.split
+
+
+def held_out_is_private(data) -> bool:
+    """Whether a recipe's held-out rows are private data whatever it claims: cut from the private
+    rows, or named as the training data itself."""
+    return cuts_held_out(data) or held_out_is_training_data(data)
+
+
+def check_tuning(recipe) -> None:
+    """The tuning block's rules that need the rest of the recipe.
+
+    ``score: public`` claims the held-out split is public data, and the search then selects on its
+    exact accuracy, charged nothing and released unlabelled (the selected run's search.json, the
+    search's summary.json). A held-out split cut from the private rows (``data.test_fraction``) is
+    private data whatever the recipe claims, so the claim is refused there rather than trusted, as it
+    is where the held-out set is named as the training data itself (the same file or hub split).
+    """
+    if recipe.tuning.score == "public" and cuts_held_out(recipe.data):
+        raise ValueError("tuning.score 'public' claims the held-out split is public data, but this recipe cuts it "
+                         "from the private rows (data.test_fraction): its exact accuracy would be selected on and "
+                         "released uncharged; give a separate public held-out set (data.test for files, "
+                         "data.test_split for hf), or use tuning.score: private (noisy, charged)")
+    if recipe.tuning.score == "public" and held_out_is_training_data(recipe.data):
+        raise ValueError("tuning.score 'public' claims the held-out split is public data, but this recipe's held-out "
+                         "set is its training data (data.test is data.train, or data.test_split is data.split); give "
+                         "a separate public held-out set, or use tuning.score: private (noisy, charged)")

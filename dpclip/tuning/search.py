@@ -51,6 +51,7 @@ from dpclip.errors import DpclipError
 from dpclip.files import OWNER_ONLY_DIR, private_dir, write_json_atomic
 from dpclip.models import build_model, evaluate
 from dpclip.recipe.load import validate_recipe
+from dpclip.recipe.tuning import held_out_is_private
 from dpclip.rng import derived_seed, private_random
 from dpclip.rundir.checkpoint import latest_checkpoint, load_checkpoint
 from dpclip.planning.plan import privacy_plan, privacy_units, private_seed, statistic_groups
@@ -221,13 +222,19 @@ def _check_priced(privacy, dataset_size: int, recipe, trial_recipe, data, sigma:
 
 def _held_out_data(recipe, privacy):
     """The data every trial trains and is scored on, split once (so all share one held-out split)."""
+    if privacy.score_noise is None and held_out_is_private(recipe.data):
+        # validate_recipe refuses it (check_tuning); a recipe built past validation (model_copy) is refused here
+        raise DpclipError("the search's score is public (exact, uncharged), but the recipe's held-out rows are "
+                          "private: cut from them (data.test_fraction) or its training data itself",
+                          "give a separate public held-out set (data.test for files, data.test_split for hf), or "
+                          "use tuning.score: private (noisy, charged)")
     # Drawn with a key from OS entropy (each trial's meta.json keeps it, secret), the recipe's
     # seed only in unsafe seeded mode, so that the released recipe says nothing of who is a member.
     key = None if recipe.privacy.unsafe_seeded_randomness else secrets.randbits(63)
     data = load_data(recipe.data, seed=recipe.seed, split_key=key)
     if privacy.score_noise is not None and data.task != "classification":
         raise DpclipError("a private selection score needs held-out accuracy (a classification task)",
-                          "set tuning.score: public if the held-out split is public data")
+                          "give a public held-out set (data.test / data.test_split) and set tuning.score: public")
     return data
 
 
@@ -344,7 +351,7 @@ def _released_score(run_dir: Path, trial, data, score_noise: float | None, rng: 
     if accuracy is None:
         if score_noise is not None:
             raise DpclipError("a private selection score needs held-out accuracy (a classification task)",
-                              "set tuning.score: public if the held-out split is public data")
+                              "give a public held-out set (data.test / data.test_split) and set tuning.score: public")
         loss = metrics.get("loss")
         return None if loss is None or not math.isfinite(loss) else -loss
     if score_noise is None:

@@ -29,10 +29,10 @@ def run_json(cli, *args):
     return json.loads(result.out)
 
 
-def test_liu_talwar_per_run_budget_and_sigma_for_dc_sgds_mnist_setting(cli):
+def test_liu_talwar_per_run_budget_and_sigma_for_dc_sgds_mnist_setting(cli, public_held_out):
     report = run_json(cli, QUICKSTART, f"training.batch_size={MNIST_B}", f"training.epochs={MNIST_EPOCHS}",
                       f"privacy.epsilon={MNIST_EPS}", f"privacy.delta={MNIST_DELTA}", "privacy.accountant=rdp",
-                      "tuning.score=public", "--grid", C_GRID, "-N", MNIST_N, *NO_MEASURE)
+                      *public_held_out, "tuning.score=public", "--grid", C_GRID, "-N", MNIST_N, *NO_MEASURE)
     lt = next(s for s in report["privacy"]["strategies"] if s["name"] == "liu-talwar")
 
     # Liu–Talwar (DC-SGD Theorem 1) solved by hand with the whole δ spent.
@@ -65,12 +65,12 @@ def test_compute_is_runs_times_steps_times_step_seconds(cli):
 
 
 @pytest.mark.slow   # 4-7 s: the default run keeps under 10 minutes
-def test_compare_measures_steps_and_shows_what_dcsgd_e_saves_over_a_c_grid(cli, tmp_path):
+def test_compare_measures_steps_and_shows_what_dcsgd_e_saves_over_a_c_grid(cli, tmp_path, public_held_out):
     from dpclip.engine.policies import threshold_kinds
 
     out = tmp_path / "tune_cost.json"
-    shown = cli("tune-cost", QUICKSTART, *TINY, "tuning.score=public", "--compare", "--calibration-steps", "2",
-                "--warmup-steps", "1", "--out", out)
+    shown = cli("tune-cost", QUICKSTART, *TINY, *public_held_out, "tuning.score=public", "--compare",
+                "--calibration-steps", "2", "--warmup-steps", "1", "--out", out)
     assert shown.code == 0, shown.err
     report = json.loads(out.read_text())
     rows = {row["method"]: row for row in report["comparison"]}
@@ -92,8 +92,8 @@ def test_out_writes_the_json_report(cli, tmp_path):
     assert json.loads(out.read_text())["configurations"] == 1
 
 
-def test_run_writes_a_search_whose_ledger_spends_what_was_promised(cli, tmp_path):
-    report = run_json(cli, QUICKSTART, *TINY, f"output_dir={tmp_path}", "tuning.score=public",
+def test_run_writes_a_search_whose_ledger_spends_what_was_promised(cli, tmp_path, public_held_out):
+    report = run_json(cli, QUICKSTART, *TINY, f"output_dir={tmp_path}", *public_held_out, "tuning.score=public",
                       "--grid", "training.optimizer.lr=0.1,0.5", *NO_MEASURE, "--run")
     promised = next(s for s in report["privacy"]["strategies"] if s["name"] == "repeat-and-select")
     search = report["search"]
@@ -172,16 +172,18 @@ def test_tune_cost_run_searches_a_hugging_face_data_set_it_counts_by_loading(cli
     folder.mkdir()
     (folder / "train.jsonl").write_text("".join(f'{{"x1": {i / 10}, "x2": {-i / 10}, "label": {i % 2}}}\n'
                                                 for i in range(80)))
+    (folder / "test.jsonl").write_text("".join(f'{{"x1": {i / 10}, "x2": {i / 10}, "label": {i % 2}}}\n'
+                                               for i in range(20)))   # the public held-out split
     recipe = tmp_path / "hf.yaml"
     recipe.write_text(
         f"name: hf\noutput_dir: {tmp_path / 'runs'}\n"
-        f"data: {{source: hf, name: {folder}, split: train, label_field: label}}\n"
+        f"data: {{source: hf, name: {folder}, split: train, test_split: test, label_field: label}}\n"
         "model: {kind: mlp, hidden: [4]}\n"
         "training: {epochs: null, steps: 2, batch_size: 8, optimizer: {kind: sgd, lr: 0.1}}\n"
         "privacy: {epsilon: 8.0, delta: 1.0e-3, accountant: rdp}\n"
         "tuning: {score: public, trials_mean: 2}\n")
     report = run_json(cli, recipe, "--grid", "training.optimizer.lr=0.1,0.2", "--run", *NO_MEASURE)
-    assert report["dataset_size"] == 64 and report["search"]["stopped"] == "completed"
+    assert report["dataset_size"] == 80 and report["search"]["stopped"] == "completed"
     refused = cli("tune-cost", recipe, "--grid", "training.optimizer.lr=0.1,0.2", *NO_MEASURE)
     assert refused.code == 2 and "tune-cost --run" in refused.err
 
@@ -217,11 +219,12 @@ def test_an_out_that_is_the_recipe_being_priced_is_refused(cli, tmp_path):
     assert recipe.read_text() == QUICKSTART.read_text()
 
 
-def test_the_recipes_sigma_rows_name_the_gradients_share_of_it_beside_a_threshold_statistic(cli):
+def test_the_recipes_sigma_rows_name_the_gradients_share_of_it_beside_a_threshold_statistic(cli,
+                                                                                           public_held_out):
     # DC-SGD-P's histogram (σ_a fixed) takes part of the recipe's σ_eff: the "σ gradient" column of
     # the two "recipe's σ" rows was empty, as if the gradient had all of it.
     recipe_path = REPO / "recipes" / "dcsgd-p-digits.yaml"
-    overrides = ["tuning.score=public", "training.epochs=null", "training.steps=20", "privacy.accountant=rdp"]
+    overrides = [*public_held_out, "tuning.score=public", "training.epochs=null", "training.steps=20", "privacy.accountant=rdp"]
     result = cli("tune-cost", recipe_path, *overrides, *NO_MEASURE, "--grid", "training.optimizer.lr=0.1,0.5")
     assert result.code == 0, result.err
     split = solve_plan(plan_for_recipe(validate_recipe(apply_overrides(read_yaml(recipe_path), overrides)))).split

@@ -22,8 +22,8 @@ def test_methods_are_the_registered_threshold_kinds(tiny, monkeypatch):
 
 
 @pytest.mark.slow   # 4-7 s: the default run keeps under 10 minutes
-def test_speedup_is_the_ratio_of_search_times(tiny):
-    base, recipe = tiny("privacy.accountant=rdp", "tuning.score=public")
+def test_speedup_is_the_ratio_of_search_times(tiny, public_held_out):
+    base, recipe = tiny("privacy.accountant=rdp", *public_held_out, "tuning.score=public")
     report = tune_cost_compared(base, recipe, grid=["training.optimizer.lr=0.1,0.5"],
                                 timer=StepTimer(fixed_seconds=0.01))
     rows = {row["method"]: row for row in report.comparison}
@@ -37,12 +37,13 @@ def test_speedup_is_the_ratio_of_search_times(tiny):
 
 
 @pytest.mark.slow  # an end-to-end run: the slow set (README)
-def test_a_method_the_recipe_cannot_use_is_left_out_with_the_reason(tiny):
+def test_a_method_the_recipe_cannot_use_is_left_out_with_the_reason(tiny, public_held_out):
     from dpclip.engine.policies import threshold_kinds
 
     if "dcsgd-e" not in threshold_kinds():
         pytest.skip("dcsgd-e is not registered")
-    base, recipe = tiny("clipping.noise_allocation=equal-budget", "privacy.accountant=rdp", "tuning.score=public")
+    base, recipe = tiny("clipping.noise_allocation=equal-budget", "privacy.accountant=rdp", *public_held_out,
+                        "tuning.score=public")
     report = tune_cost_compared(base, recipe, timer=StepTimer(fixed_seconds=0.01))
     rows = {row["method"]: row for row in report.comparison}
     if "skipped" not in rows["dcsgd-e"]:
@@ -51,7 +52,7 @@ def test_a_method_the_recipe_cannot_use_is_left_out_with_the_reason(tiny):
     assert rows["fixed"]["runs"] == 10
 
 
-def test_compare_prices_repeat_and_select_at_the_recipes_trials_mean(tiny, monkeypatch):
+def test_compare_prices_repeat_and_select_at_the_recipes_trials_mean(tiny, monkeypatch, public_held_out):
     """tuning.trials_mean is how many trials the recipe's search runs on average: --compare once
     priced each method at E[K] = its grid size instead (10 for fixed C, no selection at all for auto)."""
     import dpclip.tuning.compare as compare
@@ -66,7 +67,7 @@ def test_compare_prices_repeat_and_select_at_the_recipes_trials_mean(tiny, monke
 
     monkeypatch.setattr(compare, "threshold_kinds", lambda: ["fixed"])
     monkeypatch.setattr(compare, "calibrate_search_noise", spy)
-    base, recipe = tiny("privacy.accountant=rdp", "tuning.score=public", "tuning.trials_mean=3")
+    base, recipe = tiny("privacy.accountant=rdp", *public_held_out, "tuning.score=public", "tuning.trials_mean=3")
     rows = compare.compare_methods(method_searches(base, recipe, []), recipe, plan_for_recipe(recipe),
                                    StepTimer(fixed_seconds=0.01), recipe_units(recipe))
     selections = [event for event in priced if not isinstance(event, dp_event.SelfComposedDpEvent)]

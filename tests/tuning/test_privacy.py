@@ -29,20 +29,20 @@ def _privacy(*overrides, configurations=4):
     return _solved(tuple(overrides), configurations)
 
 
-def test_every_strategy_keeps_the_search_within_the_recipes_epsilon():
-    recipe, privacy = _privacy("tuning.score=public")
+def test_every_strategy_keeps_the_search_within_the_recipes_epsilon(public_held_out):
+    recipe, privacy = _privacy(*public_held_out, "tuning.score=public")
     for strategy in privacy.strategies:
         assert strategy.epsilon <= recipe.privacy.epsilon * (1 + 1e-9)
         assert strategy.noise_multiplier > privacy.recipe_sigma  # a search needs more noise than one run
 
 
-def test_naive_search_at_the_recipes_sigma_overspends():
-    recipe, privacy = _privacy("tuning.score=public")
+def test_naive_search_at_the_recipes_sigma_overspends(public_held_out):
+    recipe, privacy = _privacy(*public_held_out, "tuning.score=public")
     assert privacy.epsilon_naive_at_recipe_sigma > recipe.privacy.epsilon
 
 
-def test_repeat_and_select_sigma_meets_epsilon_in_dp_accountings_rdp():
-    recipe, privacy = _privacy("tuning.score=public")
+def test_repeat_and_select_sigma_meets_epsilon_in_dp_accountings_rdp(public_held_out):
+    recipe, privacy = _privacy(*public_held_out, "tuning.score=public")
     strategy = privacy.strategy(REPEAT_AND_SELECT)
     run = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
         privacy.sample_rate, dp_accounting.GaussianDpEvent(strategy.noise_multiplier)), privacy.steps)
@@ -52,20 +52,20 @@ def test_repeat_and_select_sigma_meets_epsilon_in_dp_accountings_rdp():
     assert 0.99 * recipe.privacy.epsilon <= eps <= recipe.privacy.epsilon
 
 
-def test_a_private_score_costs_noise_that_a_public_one_does_not():
-    _, public = _privacy("tuning.score=public")
-    _, private = _privacy("tuning.score=private", "tuning.score_noise=5")
+def test_a_private_score_costs_noise_that_a_public_one_does_not(public_held_out):
+    _, public = _privacy(*public_held_out, "tuning.score=public")
+    _, private = _privacy(*public_held_out, "tuning.score=private", "tuning.score_noise=5")
     for name in (NAIVE, REPEAT_AND_SELECT):
         assert private.strategy(name).noise_multiplier > public.strategy(name).noise_multiplier
 
 
-def test_liu_talwar_uses_gamma_one_over_two_g_by_default():
-    _, privacy = _privacy("tuning.score=public", configurations=5)
+def test_liu_talwar_uses_gamma_one_over_two_g_by_default(public_held_out):
+    _, privacy = _privacy(*public_held_out, "tuning.score=public", configurations=5)
     assert privacy.strategy(LIU_TALWAR).detail["gamma"] == pytest.approx(0.1)
 
 
-def test_a_statistic_lowers_the_gradients_share_of_sigma():
-    _, privacy = _privacy("tuning.score=public", "clipping.grouping=all-layer",
+def test_a_statistic_lowers_the_gradients_share_of_sigma(public_held_out):
+    _, privacy = _privacy(*public_held_out, "tuning.score=public", "clipping.grouping=all-layer",
                           "clipping.threshold={kind: quantile, budget_fraction: 0.1}")
     strategy = privacy.strategy(NAIVE)
     assert strategy.gradient_noise_multiplier > strategy.noise_multiplier
@@ -93,11 +93,11 @@ def test_a_correlated_noise_search_does_not_claim_poisson_subsampling_at_rate_q(
     assert words in privacy.sampling_assumption
 
 
-def test_a_blt_search_charges_each_run_the_joint_events_its_ledger_records_with_a_statistic():
+def test_a_blt_search_charges_each_run_the_joint_events_its_ledger_records_with_a_statistic(public_held_out):
     # BLT with quantile thresholds: each participation is the joint Gaussian 1/μ_j² = Δs_j²/σ_g² + (Δ_a/σ_a)²
     # (docs/formulas.md, "BLT"). The search's run event used σ_eff on the gradient alone (Σ Δs_j² ≥ K: more ε
     # than spent), and `tune-cost --run` stopped at its first trial, whose ledger it did not match.
-    recipe, privacy = _privacy("tuning.score=public", "privacy.mechanism={kind: blt, buffers: 2}",
+    recipe, privacy = _privacy(*public_held_out, "tuning.score=public", "privacy.mechanism={kind: blt, buffers: 2}",
                                "clipping.grouping=all-layer", "clipping.threshold={kind: quantile, budget_fraction: 0.3}",
                                configurations=2)
     plan = plan_for_recipe(recipe)
@@ -113,10 +113,10 @@ def test_a_blt_search_charges_each_run_the_joint_events_its_ledger_records_with_
     assert privacy.epsilon_naive_at_recipe_sigma == pytest.approx(two_runs.get_epsilon(privacy.delta), rel=1e-9)
 
 
-def test_a_strategy_a_statistic_of_fixed_noise_leaves_no_gradient_share_is_reported_not_raised():
+def test_a_strategy_a_statistic_of_fixed_noise_leaves_no_gradient_share_is_reported_not_raised(public_held_out):
     # DC-SGD's σ_H = 5 (Δ = 1) splits only σ_eff < 5: the naive and Liu–Talwar searches need more, which
     # used to stop all of tune-cost with the split's error; repeat-and-select fits.
-    _, privacy = _privacy("tuning.score=public", "clipping.grouping=all-layer",
+    _, privacy = _privacy(*public_held_out, "tuning.score=public", "clipping.grouping=all-layer",
                           "clipping.threshold={kind: dcsgd-p, sigma_hist: 5.0}", "privacy.epsilon=0.5")
     for name in (NAIVE, LIU_TALWAR):
         assert privacy.strategy(name).noise_multiplier is None
@@ -126,10 +126,10 @@ def test_a_strategy_a_statistic_of_fixed_noise_leaves_no_gradient_share_is_repor
     assert chosen.gradient_noise_multiplier == pytest.approx((chosen.noise_multiplier ** -2 - 1 / 25) ** -0.5)
 
 
-def test_a_blt_search_with_a_statistic_of_fixed_noise_finds_the_sigma_below_its_cap():
+def test_a_blt_search_with_a_statistic_of_fixed_noise_finds_the_sigma_below_its_cap(public_held_out):
     # BLT, σ_H = 5 (Δ = 1): only σ_eff < 5 splits, and the run's charges need the split. The search over
     # σ_eff probed 8 on its way to ≈ 4.2 and refused the whole search; it runs over σ_g instead.
-    recipe, privacy = _privacy("tuning.score=public", "privacy.mechanism={kind: blt, buffers: 2}",
+    recipe, privacy = _privacy(*public_held_out, "tuning.score=public", "privacy.mechanism={kind: blt, buffers: 2}",
                                "clipping.grouping=all-layer", "clipping.threshold={kind: dcsgd-p, sigma_hist: 5.0}",
                                "privacy.epsilon=3", configurations=2)
     plan = plan_for_recipe(recipe)

@@ -26,8 +26,8 @@ def _search(output_dir, *overrides):
 
 
 @pytest.fixture(scope="module")
-def public_search(tmp_path_factory):
-    return _search(tmp_path_factory.mktemp("runs"), "tuning.score=public")
+def public_search(tmp_path_factory, public_held_out):
+    return _search(tmp_path_factory.mktemp("runs"), *public_held_out, "tuning.score=public")
 
 
 def test_search_ledger_spends_exactly_what_was_promised(public_search):
@@ -61,9 +61,9 @@ def test_the_selected_run_trained_at_the_searchs_sigma_and_is_the_only_one_kept(
     assert marker["epsilon"] == summary["epsilon"]
 
 
-def test_private_score_is_charged_to_every_run(public_search, tmp_path):
+def test_private_score_is_charged_to_every_run(public_search, tmp_path, public_held_out):
     _, public = public_search
-    _, private = _search(tmp_path, "tuning.score=private", "tuning.score_noise=20")
+    _, private = _search(tmp_path, *public_held_out, "tuning.score=private", "tuning.score_noise=20")
     assert private["sigma_per_run"] > public["sigma_per_run"]
     ledger = json.loads((Path(private["search_dir"]) / "ledger.json").read_text())
     run_event = ledger["entries"][0]["event"]["event"]
@@ -71,11 +71,11 @@ def test_private_score_is_charged_to_every_run(public_search, tmp_path):
     assert run_event["events"][1] == {"type": "Gaussian", "noise_multiplier": 20.0}
 
 
-def test_a_shuffled_searchs_statement_does_not_call_its_steps_poisson_sampled(tmp_path):
+def test_a_shuffled_searchs_statement_does_not_call_its_steps_poisson_sampled(tmp_path, public_held_out):
     from dpclip.accounting.statement import SHUFFLE_CAVEAT
     from dpclip.rundir.searchdir import search_statement_lines
 
-    _, summary = _search(tmp_path, "tuning.score=public", "training.sampling=shuffle")
+    _, summary = _search(tmp_path, *public_held_out, "tuning.score=public", "training.sampling=shuffle")
     lines = search_statement_lines(Path(summary["search_dir"]))
     release = next(line for line in lines if "repeat-and-select" in line)
     assert "2 Poisson-sampled steps" not in release
@@ -83,18 +83,18 @@ def test_a_shuffled_searchs_statement_does_not_call_its_steps_poisson_sampled(tm
     assert f"CAVEAT: {SHUFFLE_CAVEAT}" in lines
 
 
-def test_poisson_trials_cannot_be_recorded_yet(tiny):
-    base, recipe = tiny("tuning.trials=poisson", "tuning.score=public")
+def test_poisson_trials_cannot_be_recorded_yet(tiny, public_held_out):
+    base, recipe = tiny("tuning.trials=poisson", *public_held_out, "tuning.score=public")
     report = tune_cost(base, recipe, grid=["training.optimizer.lr=0.1,0.5"], timer=StepTimer(fixed_seconds=0.01))
     with pytest.raises(DpclipError, match="Poisson"):
         run_search(base, recipe, report, grid=["training.optimizer.lr=0.1,0.5"])
 
 
-def test_a_search_that_fails_releases_nothing(tiny, public_search, monkeypatch):
+def test_a_search_that_fails_releases_nothing(tiny, public_search, monkeypatch, public_held_out):
     import dpclip.accounting.tuning as tuning_math
     import dpclip.train.workflow as workflow
 
-    base, recipe = tiny("tuning.score=public", "privacy.accountant=rdp")
+    base, recipe = tiny(*public_held_out, "tuning.score=public", "privacy.accountant=rdp")
     grid = ["training.optimizer.lr=0.1,0.5"]
     report, _ = public_search  # the same privacy section: the same per-run σ
     started = []
@@ -203,13 +203,13 @@ def test_the_user_level_score_sums_each_held_out_persons_accuracy(tmp_path):
     assert correct.sum() != pytest.approx(reference)   # a record count would be another number here
 
 
-def test_a_blt_search_is_refused_before_any_trial_trains(tiny, monkeypatch):
+def test_a_blt_search_is_refused_before_any_trial_trains(tiny, monkeypatch, public_held_out):
     """The search directory's reader (its ledger, statement and the selected run's headline ε) knows
     Poisson-sampled and banded-MF runs only: a BLT search used to train all K trials and then fail,
     leaving the selected run with a search.json but its own, smaller ε in its summary.json."""
     import dpclip.train.workflow as workflow
 
-    base, recipe = tiny("tuning.score=public", "privacy.accountant=rdp", "training.steps=12",
+    base, recipe = tiny(*public_held_out, "tuning.score=public", "privacy.accountant=rdp", "training.steps=12",
                         "privacy.mechanism={kind: blt, buffers: 2}")
     grid = ["training.optimizer.lr=0.1,0.5"]
     report = tune_cost(base, recipe, grid=grid, timer=StepTimer(fixed_seconds=0.01))
@@ -227,14 +227,15 @@ def test_a_blt_search_is_refused_before_any_trial_trains(tiny, monkeypatch):
 
 
 @pytest.mark.slow   # a banded plan's RDP calibration, then one trial
-def test_a_banded_searchs_statement_names_its_cyclic_groups_and_steps(tiny, monkeypatch):
+def test_a_banded_searchs_statement_names_its_cyclic_groups_and_steps(tiny, monkeypatch, public_held_out):
     """A banded-MF run takes T steps over b cyclic groups at q·b; its search's statement said
     'sampling: Poisson' at rate q·b and counted ⌈T/b⌉ participations as its steps."""
     import dpclip.accounting.tuning as tuning_math
     from dpclip.rundir.searchdir import search_statement_lines
 
     monkeypatch.setattr(tuning_math, "draw_trial_count", lambda mean, shape, rng: 1)
-    base, recipe = tiny("tuning.score=public", "privacy.accountant=pld", "privacy.epsilon=2", "training.steps=6",
+    base, recipe = tiny(*public_held_out, "tuning.score=public", "privacy.accountant=pld", "privacy.epsilon=2",
+                        "training.steps=6",
                         "privacy.mechanism={kind: banded-mf, bands: 3}")   # PLD and a small ε: quicker to calibrate
     grid = ["training.optimizer.lr=0.1,0.5"]
     report = tune_cost(base, recipe, grid=grid, timer=StepTimer(fixed_seconds=0.01))
@@ -265,10 +266,10 @@ def test_a_banded_searchs_statement_names_its_cyclic_groups_and_steps(tiny, monk
     assert shape(search_statement_lines(failed)) == shape(lines)
 
 
-def test_a_search_of_one_configuration_is_refused_with_a_hint_to_give_it_a_space(tiny):
+def test_a_search_of_one_configuration_is_refused_with_a_hint_to_give_it_a_space(tiny, public_held_out):
     """An empty space (no grid, no ranges) is one configuration: E[K] = 1 leaves repeat-and-select
     nothing to select, and 'search fewer configurations' was the hint."""
-    base, recipe = tiny("tuning.score=public", "privacy.accountant=rdp")
+    base, recipe = tiny(*public_held_out, "tuning.score=public", "privacy.accountant=rdp")
     report = tune_cost(base, recipe, timer=StepTimer(fixed_seconds=0.01))
     assert report.configurations == 1
     with pytest.raises(DpclipError, match="1 configuration") as refused:
@@ -280,7 +281,8 @@ def test_a_search_of_one_configuration_is_refused_with_a_hint_to_give_it_a_space
 
 @pytest.mark.slow   # prices a search (about 5 s on 2 busy cores)
 @pytest.mark.parametrize("mismatch", ["dataset_size", "recipe"])
-def test_a_report_priced_for_other_runs_is_refused_before_the_search_charges_or_trains(tmp_path, mismatch, monkeypatch):
+def test_a_report_priced_for_other_runs_is_refused_before_the_search_charges_or_trains(tmp_path, mismatch, monkeypatch,
+                                                                                        public_held_out):
     """run_search (Python API) took the report's σ and E[K] on trust: a report priced at another N or for
     another recipe wrote its charge, then trained a first trial whose steps it did not charge."""
     import dpclip.train.workflow as workflow
@@ -288,7 +290,7 @@ def test_a_report_priced_for_other_runs_is_refused_before_the_search_charges_or_
     def make(*overrides):
         base = apply_overrides(read_yaml(REPO / "recipes" / "quickstart.yaml"),
                                [f"output_dir={tmp_path}", "training.epochs=null", "model.hidden=[8]",
-                                "privacy.accountant=rdp", "tuning.score=public", *overrides])
+                                "privacy.accountant=rdp", *public_held_out, "tuning.score=public", *overrides])
         return base, validate_recipe(base)
 
     base, recipe = make("training.steps=2")
@@ -301,3 +303,21 @@ def test_a_report_priced_for_other_runs_is_refused_before_the_search_charges_or_
         run_search(base, recipe, report, grid=grid)
     assert "tune_cost" in info.value.hint
     assert not list(tmp_path.glob("*-search-*"))   # no ledger written, nothing charged
+
+
+def test_run_search_refuses_a_public_score_on_held_out_rows_cut_from_the_private_data(tiny, monkeypatch):
+    """validate_recipe refuses tuning.score: public without a separate held-out set; a recipe
+    changed past it (model_copy does not validate) was searched, its exact private held-out
+    accuracy selected on and released uncharged."""
+    import dpclip.train.workflow as workflow
+
+    base, checked = tiny("privacy.accountant=rdp")
+    recipe = checked.model_copy(update={"tuning": checked.tuning.model_copy(update={"score": "public"})})
+    grid = ["training.optimizer.lr=0.1,0.5"]
+    report = tune_cost(base, recipe, grid=grid, timer=StepTimer(fixed_seconds=0.01))
+    assert report.privacy.score_noise is None   # priced as a public score
+    monkeypatch.setattr(workflow, "train", lambda *args, **kwargs: pytest.fail("a trial trained"))
+    with pytest.raises(DpclipError, match="held-out rows are private") as refused:
+        run_search(base, recipe, report, grid=grid)
+    assert "data.test" in refused.value.hint and "tuning.score: private" in refused.value.hint
+    assert not Path(recipe.output_dir).exists()   # refused before the search directory: nothing charged

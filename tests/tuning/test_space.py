@@ -88,13 +88,13 @@ def test_a_random_space_that_can_vary_the_privacy_plan_is_refused_whatever_it_dr
         assert "out of the search" in info.value.hint
 
 
-def test_run_search_refuses_drawn_configurations_that_vary_the_privacy_plan(tiny, monkeypatch):
+def test_run_search_refuses_drawn_configurations_that_vary_the_privacy_plan(tiny, monkeypatch, public_held_out):
     from dpclip.tuning import cost
     from dpclip.tuning.cost import StepTimer, tune_cost
     from dpclip.tuning.search import run_search
 
-    base, recipe = tiny("tuning.grid={training.batch_size: [32, 64]}", "tuning.random=1", "tuning.score=public",
-                        "tuning.trials_mean=2")
+    base, recipe = tiny("tuning.grid={training.batch_size: [32, 64]}", "tuning.random=1", *public_held_out,
+                        "tuning.score=public", "tuning.trials_mean=2")
     monkeypatch.setattr(cost, "reachable_configurations", lambda *args, **kwargs: [])
     report = tune_cost(base, recipe, timer=StepTimer(fixed_seconds=0.01))   # the pre-run check fooled
     monkeypatch.undo()
