@@ -327,9 +327,11 @@ def compile_fullgraph(fn, backend: str = "inductor", cuda_graphs: bool = False):
     breaks the graph; the compiled micro-batch's backward is one such call) and, under inductor,
     random operations (dropout) drawn as eager draws them (``fallback_random``), so that a compiled
     micro-batch and the engine's eager one on the same rows and generator state see the same
-    masks. ``cuda_graphs``: inductor also records the graph as a CUDA graph (``mode="reduce-overhead"``'s
-    setting; ``mode`` and ``options`` cannot both be given), replayed with one launch. Checked against
-    torch 2.13."""
+    masks, and modules' hooks guarded (``skip_nnmodule_hook_guards`` off: torch's default would keep
+    using a cached graph, run without a hook registered since; guarded, a new graph is compiled, and
+    checked by the compiled step before use). ``cuda_graphs``: inductor also records the graph as a
+    CUDA graph (``mode="reduce-overhead"``'s setting; ``mode`` and ``options`` cannot both be given),
+    replayed with one launch. Checked against torch 2.13."""
     import torch._dynamo.config as dynamo_config
 
     options = ({"fallback_random": True, **({"triton.cudagraphs": True} if cuda_graphs else {})}
@@ -338,7 +340,7 @@ def compile_fullgraph(fn, backend: str = "inductor", cuda_graphs: bool = False):
     limit = max(COMPILED_SHAPES_LIMIT, dynamo_config.recompile_limit)
 
     def run(*args):
-        with dynamo_config.patch(trace_autograd_ops=True, recompile_limit=limit):
+        with dynamo_config.patch(trace_autograd_ops=True, recompile_limit=limit, skip_nnmodule_hook_guards=False):
             return compiled(*args)
     return run
 

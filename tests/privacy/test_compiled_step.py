@@ -257,3 +257,22 @@ def test_the_saved_state_and_torchs_generator_after_compiled_micro_batches_are_t
     for (count, state), (eager_count, eager_state) in zip(run(True), run(False)):
         assert count == eager_count
         assert torch.equal(state, eager_state)
+
+
+@pytest.mark.slow   # two aot_eager graphs, as the flagged graph's test
+def test_a_hook_added_after_a_graph_was_checked_is_checked_before_its_sums_are_used():
+    """torch.compile does not guard a module's hooks by default: a forward hook registered on a layer
+    after its graph was checked would leave the cached graph, run without the hook, giving the sums of
+    a model that no longer exists. The graph is compiled again with the hook, and checked: here the
+    hook changes the layer's output, which the certificate refuses before any noise."""
+    model, engine, compiled = _compiled(_Flagged, 1.0)
+    g = torch.Generator().manual_seed(1)
+    rows = {"x": torch.randn(4, 3, generator=g), "y": torch.randint(0, 2, (4,), generator=g)}
+    compiled(rows, 4)                      # the first graph: checked
+    engine.privatize()
+    model.zero_grad(set_to_none=True)
+    model.lin1.register_forward_hook(lambda module, args, out: out * 3.0)
+    with pytest.raises(EngineError, match="forward hooks"):
+        compiled(rows, 4)
+    assert all(p.grad is None for p in model.parameters())
+    engine.detach()
