@@ -44,7 +44,9 @@ def run_loop(parts: RunParts, state: RunState, checkpointer: Checkpointer, outpu
                 # is asserted in each step to be the event the engine actually releases.
                 if cap is not None and not state.ledger.allows(solved.event_at(state.step), cap):
                     return "budget"
-                train_step(parts, state, next(batches), output)   # (it records a stop on its batch: on_private_batch)
+                with output.on_private_batch():   # the draw (the sampler's own error follows it too)
+                    indices = next(batches)
+                train_step(parts, state, indices, output)   # (it records a stop on its batch: on_private_batch)
                 checkpointer.fork_when_redone()
                 if checkpointer.due(state.step):
                     checkpointer.save()
