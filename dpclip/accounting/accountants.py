@@ -134,7 +134,7 @@ def check_accountant(accountant: str) -> None:
 
 
 def check_delta_value(delta: float) -> None:
-    if not isinstance(delta, (int, float)) or not 0.0 < delta < 1.0:
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0.0 < delta < 1.0:
         raise AccountingError(
             f"δ must be in (0, 1), got {delta!r}",
             "a common choice is δ < 1/N for a data set of N examples, e.g. 1e-5",

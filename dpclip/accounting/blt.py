@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import dp_accounting
 
 from dpclip.accounting.accountants import account, check_accountant, check_delta_value
-from dpclip.accounting.calibrate import check_target, quiet_dp_accounting, rdp_then
+from dpclip.accounting.calibrate import UnreachableTarget, check_target, quiet_dp_accounting, rdp_then
 from dpclip.accounting.events import joint_noise_multiplier
 from dpclip.errors import AccountingError
 
@@ -127,7 +127,17 @@ def calibrate_blt(target_epsilon: float, delta: float, sensitivities: Sequence[f
 
     over_gradient = fixed_aux is not None and split is not None
     with quiet_dp_accounting():
-        sigma = rdp_then(lambda method: eps_of(method, over_gradient), accountant, target_epsilon, rtol, whole, inputs)
+        try:
+            sigma = rdp_then(lambda method: eps_of(method, over_gradient), accountant, target_epsilon, rtol, whole,
+                             inputs)
+        except UnreachableTarget as error:
+            if not over_gradient:
+                raise
+            # however much gradient noise, the statistic's own fixed noise spends the target: say which knob
+            raise UnreachableTarget(error.message, (
+                f"the threshold statistic's fixed noise std σ_a = {fixed_aux[1]:g} (sensitivity {fixed_aux[0]:g}) "
+                "alone costs about that ε: raise it (clipping.threshold's sigma_hist, or the quantile's sigma) or "
+                "give budget_fraction instead of it to share the budget, or raise ε")) from None
         if not over_gradient:
             return sigma
         # σ_g -> σ_eff; the plan splits σ_eff again, which rounds σ_g by an ulp or so: never past the target

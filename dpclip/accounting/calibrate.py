@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 
 from dpclip.accounting.accountants import check_accountant, check_delta_value, account
-from dpclip.accounting.events import check_sample_rate, training_event
+from dpclip.accounting.events import check_sample_rate, is_number, training_event
 from dpclip.accounting.split import check_aux_fits
 from dpclip.errors import AccountingError
 
@@ -64,10 +64,10 @@ def check_steps(steps: int) -> None:
 
 
 def check_target(target_epsilon: float) -> None:
-    if not isinstance(target_epsilon, (int, float)) or not 0 < target_epsilon < math.inf:
+    if not is_number(target_epsilon) or not 0 < target_epsilon < math.inf:
         raise AccountingError(
             f"target ε must be a finite number > 0, got {target_epsilon!r}",
-            "typical targets are 1 to 10, e.g. --eps 8",
+            "give ε itself (a bool is not a number): typical targets are 1 to 10, e.g. --eps 8",
         )
 
 

@@ -41,8 +41,13 @@ def check_sample_rate(sample_rate: float) -> None:
         )
 
 
+def is_number(value: Any) -> bool:
+    """An int or float and not a bool: ``True`` is a bool, not σ = 1 (nor ε, δ or C = 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_noise_multiplier(noise_multiplier: float, name: str = "noise multiplier") -> None:
-    if not isinstance(noise_multiplier, (int, float)) or not noise_multiplier >= 0.0:
+    if not is_number(noise_multiplier) or not noise_multiplier >= 0.0:
         raise AccountingError(
             f"{name} must be a number >= 0, got {noise_multiplier!r}",
             "the noise multiplier is the Gaussian noise std divided by the sensitivity",

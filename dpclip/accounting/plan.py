@@ -19,7 +19,7 @@ from dpclip.accounting.accountants import check_accountant, check_delta_value, a
 from dpclip.accounting.blt import (blt_event, blt_groups, calibrate_blt, check_sensitivities, increment_events,
                                   split_ratios)
 from dpclip.accounting.calibrate import check_steps, check_target, calibrate_noise_multiplier
-from dpclip.accounting.events import check_sample_rate, gradient_step_event
+from dpclip.accounting.events import check_sample_rate, gradient_step_event, is_number
 from dpclip.accounting.split import NoiseSplit, split_noise
 from dpclip.accounting.statement import GRADIENT_RELEASE, SAMPLINGS, SHUFFLE_CAVEAT, PrivacyStatement
 from dpclip.errors import AccountingError
@@ -190,11 +190,12 @@ class PrivacyPlan:
         if self.target_epsilon is not None:
             check_target(self.target_epsilon)
         if self.noise_multiplier is not None and (
-            not isinstance(self.noise_multiplier, (int, float)) or not 0 < self.noise_multiplier < math.inf
+            not is_number(self.noise_multiplier) or not 0 < self.noise_multiplier < math.inf
         ):
             raise AccountingError(
                 f"noise multiplier must be a finite number > 0, got {self.noise_multiplier!r}",
-                "without noise there is no privacy guarantee; typical values are 0.5 to 5",
+                "give σ itself (a bool is not a number), e.g. noise_multiplier=1.0: without noise there is no "
+                "privacy guarantee; typical values are 0.5 to 5",
             )
         if self.aux is not None and not isinstance(self.aux, AuxSpec):
             raise AccountingError(f"aux must be an AuxSpec, got {type(self.aux).__name__}", "AuxSpec('quantile counts', sensitivity=1.0, groups=4, fraction=0.05)")

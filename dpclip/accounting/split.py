@@ -101,7 +101,7 @@ def split_noise(
 
     Formulas: docs/accounting.md; they solve σ⁻² = σ_g⁻² + (Δ/σ_a)² (docs/accounting.md, joint release).
     """
-    if not isinstance(sigma_total, (int, float)) or not 0 < sigma_total < math.inf:
+    if isinstance(sigma_total, bool) or not isinstance(sigma_total, (int, float)) or not 0 < sigma_total < math.inf:
         raise AccountingError(
             f"total noise multiplier must be a finite number > 0, got {sigma_total!r}",
             "calibrate it with calibrate_noise_multiplier(ε, δ, q, steps)",

@@ -18,7 +18,7 @@ import numpy as np
 
 from dpclip.accounting import bound_text
 from dpclip.audit.metrics import dp_tpr_bound
-from dpclip.files import owner_only
+from dpclip.files import write_with_atomic
 
 
 def axis_floors(report: dict) -> tuple[float, float]:
@@ -94,8 +94,7 @@ def plot_roc(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig = roc_figure(report)
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    owner_only(tmp).replace(path)
+    try:   # the atomic writers' temporary name: a crash's leftover to the release manifest
+        write_with_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120), durable=False)
+    finally:
+        plt.close(fig)

@@ -51,18 +51,18 @@ def _checked_step_arguments(expected_batch_size, sample_rate, gradient_noise_mul
     if isinstance(records_per_unit, bool) or not isinstance(records_per_unit, int) or records_per_unit < 1:
         raise EngineError(f"records_per_unit must be a positive integer, got {records_per_unit!r}",
                           "1 for example-level privacy; k (max_examples_per_user) at the user level")
-    if not isinstance(expected_batch_size, int) or expected_batch_size < 1:
-        raise EngineError(f"expected_batch_size must be a positive integer, got "
-                          f"{expected_batch_size!r}", None)
-    if sample_rate is not None and not 0 < sample_rate <= 1:
-        raise EngineError(f"sample_rate must be in (0, 1], got {sample_rate}", None)
+    if isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) or expected_batch_size < 1:
+        raise EngineError(f"expected_batch_size must be a positive integer, got {expected_batch_size!r}",
+                          "the expected batch size B = q·N the noise is divided by, e.g. expected_batch_size=256")
+    if sample_rate is not None and (isinstance(sample_rate, bool) or not 0 < sample_rate <= 1):
+        raise EngineError(f"sample_rate must be in (0, 1], got {sample_rate!r}", "the Poisson rate q = B/N, e.g. 0.01")
     if gradient_noise_multiplier is not None and noise_multiplier is not None:
         raise EngineError("give gradient_noise_multiplier or noise_multiplier, not both",
                           "gradient_noise_multiplier=σ_g is the gradient's noise multiplier")
     sigma_g = gradient_noise_multiplier if noise_multiplier is None else noise_multiplier
     sigma_g = 1.0 if sigma_g is None else sigma_g
-    if not math.isfinite(sigma_g) or sigma_g < 0:  # NaN passed `< 0`; inf made every step's noise inf
-        raise EngineError(f"gradient_noise_multiplier must be finite and ≥ 0, got {sigma_g}",
+    if isinstance(sigma_g, bool) or not math.isfinite(sigma_g) or sigma_g < 0:  # True is no σ = 1; NaN: `< 0`
+        raise EngineError(f"gradient_noise_multiplier must be a finite number ≥ 0, got {sigma_g!r}",
                           "σ_g comes from the accounting (dpclip.accounting.calibrate; make_private's target_epsilon)")
     return sigma_g
 

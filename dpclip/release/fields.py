@@ -1,11 +1,13 @@
 """The field tables of the release manifest: what each field of a released JSON, JSON-lines or
-TensorBoard file is (docs/accounting.md, "The release manifest")."""
+TensorBoard file, or of a released safetensors file's ``__metadata__``, is (docs/accounting.md,
+"The release manifest")."""
 
 from __future__ import annotations
 
 import fnmatch
 import json
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +51,10 @@ _SELECTED = ("search_format", "search_dir", "ledger", "epsilon", "delta", "score
 #: audit/report.json's count of the canaries that went in (dpclip/audit/one_run.py): a statistic of the
 #: secret answer key, computed exactly, outside the engine, so not covered by ε (named, not just under ``**``).
 _INCLUDED_CANARIES = "one_run/included"
+#: A released safetensors file's header ``__metadata__`` (string values; the tensors' own entries are the weights):
+#: ``format`` (safetensors' and transformers'), ``dpclip_tied`` (a checkpoint's tied parameter names: the architecture).
+_WEIGHTS_METADATA = ("format", "dpclip_tied")
+_WEIGHTS_WHAT = "a weight file's header `__metadata__` (a checkpoint's, `save_pretrained`'s, peft's)"
 #: Records computed from public data and the weights alone: nothing in them is labelled.
 _PUBLIC_RECORDS = (("covered_by_epsilon", True), ("phase", "public"), ("kind", "switch"))
 
@@ -113,6 +119,8 @@ FIELDS: tuple[Fields, ...] = (
                      "selected_run", "selected_run_dir", "selected_configuration", "selected_configuration/*",
                      "selected_score", "not_released"),
            what="`selected_score` as in a run's search.json"),
+    Fields(RUN, "**/*.safetensors", released=_WEIGHTS_METADATA, what=_WEIGHTS_WHAT),
+    Fields(EXPORT, "**/*.safetensors", released=("format",), what=_WEIGHTS_WHAT),
     Fields(EXPORT, "privacy.json",
            released=("format", "dpclip", "accountant", "checkpoint", "checkpoint_step", "conversion", "covers",
                      "delta", "epsilon", "neighbouring", "noise_multiplier", "gradient_noise_multiplier",
@@ -166,6 +174,10 @@ def _records(path: Path) -> list[object]:
     the tags of every kind of summary it holds, scalars, histograms, images, audio, text and
     other tensors, and ``(graph)``-style fields for a graph or run metadata: any of them can
     carry a value of the data)."""
+    if path.suffix == ".safetensors":   # an 8-byte little-endian header length, then the JSON header
+        with path.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            return [json.loads(handle.read(length)).get("__metadata__") or {}]
     if path.name.startswith("events.out.tfevents."):
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -185,13 +197,14 @@ def _records(path: Path) -> list[object]:
 
 
 def _needs_fields(relpath: Path, entry: Entry) -> bool:
-    readable = relpath.suffix in (".json", ".jsonl") or relpath.name.startswith("events.out.tfevents.")
+    readable = relpath.suffix in (".json", ".jsonl", ".safetensors") or relpath.name.startswith("events.out.tfevents.")
     opaque = any(fnmatch.fnmatchcase(relpath.name, pattern) for pattern in OPAQUE)
     return entry.release != SECRET and readable and not opaque
 
 
 def unlisted_fields(directory: str | Path, kind: str | None = None) -> list[str]:
-    """Every field of a released file under ``directory`` that :data:`FIELDS` does not class,
+    """Every field of a released file (a safetensors file: its ``__metadata__``) under ``directory`` that
+    :data:`FIELDS` does not class,
     every labelled field a self-labelling record does not name, and every released JSON file
     with no field table, as sorted ``'relpath: field'`` lines."""
     root = Path(directory)

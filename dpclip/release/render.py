@@ -16,7 +16,7 @@ def render_markdown() -> str:
     lines = [BEGIN, "", "| directory | file | class | what | written by |", "|---|---|---|---|---|"]
     for entry in MANIFEST:
         lines.append(f"| {entry.directory} | `{entry.pattern}` | {entry.release} | {entry.what} | {entry.writer} |")
-    lines += ["", "Fields of the released JSON, JSON-lines and TensorBoard files (`*` any one key, `**` any "
+    lines += ["", "Fields of the released JSON, JSON-lines and TensorBoard files and of safetensors metadata (`*` any one key, `**` any "
               "path; list items sit at their list's path):", "",
               "| directory | file | released fields | fields not covered by ε | note |", "|---|---|---|---|---|"]
     for table in FIELDS:

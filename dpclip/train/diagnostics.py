@@ -15,6 +15,7 @@ generator (:mod:`dpclip.rng`), never from the recipe's seed.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -167,19 +168,21 @@ class DiagnosticsRecorder:
                             gamma=recipe.clipping.gamma, public_batch_size=self.public_batch_size)
         return diag, formulas
 
-    def maybe_record(self, step: int, run_dir: Path) -> None:
+    def maybe_record(self, step: int, run_dir: Path, on_private=nullcontext) -> None:
         """Measure and append a record when ``step`` is a multiple of every_steps; a step the
-        file already holds (a resumed run redoing steps after its checkpoint) is not measured again."""
+        file already holds (a resumed run redoing steps after its checkpoint) is not measured again.
+        The measurement (the model on private rows) runs inside ``on_private()``, the write outside."""
         if step % self.spec.every_steps:
             return
         path = Path(run_dir) / DIAGNOSTICS_FILE
         if self._last_step is None:
-            # a damaged line is passed over here, not refused: an error inside the loop would stop the run
-            # as on its private batch (plan.json's stopped_on_private_batch); dpclip diagnose names it
+            # a damaged line is passed over here, not refused: an error here would stop the run
+            # with nothing computed; dpclip diagnose names it
             self._last_step = max((r["step"] for r in read_jsonl(path) if is_step(r.get("step"))), default=0)
         if step <= self._last_step:
             return
-        diag, formulas = self.measure()
+        with on_private():
+            diag, formulas = self.measure()
         append_record(path, make_record(step, diag, formulas, self.data))
         self._last_step = step
 
@@ -195,7 +198,7 @@ class DiagnosticsRecorder:
 class Off:
     """The recorder of a recipe without diagnostics: does nothing."""
 
-    def maybe_record(self, step: int, run_dir: Path) -> None:
+    def maybe_record(self, step: int, run_dir: Path, on_private=nullcontext) -> None:
         pass
 
     def finish(self, run_dir: Path) -> None:

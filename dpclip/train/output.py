@@ -7,6 +7,7 @@ crash (``replay``) is not written again; it must be what the step released the f
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,18 @@ class RunOutput:
         self.written_state |= names
         write_json_atomic(run.plan_file, {**run.public_plan(), "forward_written_state": sorted(self.written_state)})
 
+    @contextmanager
+    def on_private_batch(self):
+        """Where an error can follow the private data (the model, its loss, the engine and the
+        certificate on the batch, what is computed from their outcome, the observer shown it): one
+        raised here is recorded by :meth:`record_private_stop`. Writing what was computed (the ledger,
+        metrics.jsonl, TensorBoard, plan.json) is outside: its failure does not follow the batch."""
+        try:
+            yield
+        except Exception:
+            self.record_private_stop()
+            raise
+
     def record_private_stop(self) -> None:
         """plan.json's ``stopped_on_private_batch``: a step raised on its private batch (the model's
         error, a refusal of the certificate's), so the step the run stopped at follows that batch;
@@ -92,19 +105,21 @@ class RunOutput:
         """Write a step or eval record and show it, unless it replays one that already left the process."""
         if not self.main:
             return
-        previous = self.replay.get((kind, record["step"]))
-        if previous is not None:
-            if released_part(previous) != released_part(record):
-                raise DpclipError(
-                    f"resuming did not reproduce step {record['step']} as first run (its released "
-                    "statistics differ), so continuing would release them twice",
-                    "resume with the same dpclip and torch versions, device and thread count as the run "
-                    "started with, or start a new run")
-            return
+        with self.on_private_batch():   # whether a replayed record differs follows the batch
+            previous = self.replay.get((kind, record["step"]))
+            if previous is not None:
+                if released_part(previous) != released_part(record):
+                    raise DpclipError(
+                        f"resuming did not reproduce step {record['step']} as first run (its released "
+                        "statistics differ), so continuing would release them twice",
+                        "resume with the same dpclip and torch versions, device and thread count as the run "
+                        "started with, or start a new run")
+                return
         append_record(RunDir(self.run_dir).metrics_file, record)
         if self.tensorboard is not None:
             self.tensorboard.write(record)
-        (self.observer.on_step if kind == "step" else self.observer.on_eval)(record)
+        with self.on_private_batch():   # an observer's code sees the record
+            (self.observer.on_step if kind == "step" else self.observer.on_eval)(record)
 
     def public_record(self, record: dict[str, Any]) -> None:
         """A public-phase record (docs/continual.md): metrics.jsonl and the progress display

@@ -17,7 +17,7 @@ from typing import Any
 from dpclip import layout
 from dpclip.errors import DpclipError
 from dpclip.files import read_jsonl as read_metrics  # noqa: F401  (re-exported: report.py, tests)
-from dpclip.files import owner_only
+from dpclip.files import write_with_atomic
 from dpclip.rundir.metrics import is_step
 
 TRAINING_PLOT = layout.TRAINING_PLOT
@@ -37,13 +37,14 @@ def load_pyplot():
 
 
 def save_figure(figure, out_path: Path) -> None:
-    """Write ``figure`` as PNG atomically and close it."""
+    """Write ``figure`` as PNG atomically (owner-only; a save cut short leaves the atomic writers'
+    ``.NAME.XXXXXXXX.tmp``, which the release manifest knows as a crash's leftover) and close it."""
     plt = load_pyplot()
-    out_path = Path(out_path)
-    tmp = out_path.with_name(out_path.name + ".tmp.png")
-    figure.savefig(tmp, dpi=100, bbox_inches="tight")  # legends outside the axes are kept
-    plt.close(figure)
-    owner_only(tmp).replace(out_path)
+    try:   # (bbox tight: legends outside the axes are kept)
+        write_with_atomic(out_path, lambda tmp: figure.savefig(tmp, format="png", dpi=100, bbox_inches="tight"),
+                          durable=False)
+    finally:
+        plt.close(figure)
 
 
 # ------------------------------------------------------------------ training.png

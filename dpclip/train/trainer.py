@@ -44,11 +44,9 @@ def run_loop(parts: RunParts, state: RunState, checkpointer: Checkpointer, outpu
                 # is asserted in each step to be the event the engine actually releases.
                 if cap is not None and not state.ledger.allows(solved.event_at(state.step), cap):
                     return "budget"
-                try:
-                    train_step(parts, state, next(batches), output)
-                except Exception:   # raised on the private batch: where the run stops follows it
-                    output.record_private_stop()
-                    raise
+                with output.on_private_batch():   # the draw (the sampler's own error follows it too)
+                    indices = next(batches)
+                train_step(parts, state, indices, output)   # (it records a stop on its batch: on_private_batch)
                 checkpointer.fork_when_redone()
                 if checkpointer.due(state.step):
                     checkpointer.save()
@@ -65,12 +63,13 @@ def train_step(parts: RunParts, state: RunState, indices: torch.Tensor, output) 
     def checked(report):
         check_same_release(report.participation_event, step_event)
 
-    if parts.feed.continual is None:
-        outcome = parts.learner.private_step(indices, before_update=checked)
-    else:
-        outcome = parts.feed.continual.step_fn(state.step, indices, before_update=checked)
-    written = parts.learner.engine.forward_written_state   # (each stage its own: docs/distributed.md)
-    outcome, written_count = global_outcome(parts.setting.world, outcome, len(written))  # all ranks' parts
+    with output.on_private_batch():   # an error here follows the batch: the statement names the stop
+        if parts.feed.continual is None:
+            outcome = parts.learner.private_step(indices, before_update=checked)
+        else:
+            outcome = parts.feed.continual.step_fn(state.step, indices, before_update=checked)
+        written = parts.learner.engine.forward_written_state   # (each stage its own: docs/distributed.md)
+        outcome, written_count = global_outcome(parts.setting.world, outcome, len(written))  # all ranks' parts
     # Banded MF charges the first step of each cycle of b and records the others as no-ops.
     state.ledger.record(parts.setting.solved.event_at(state.step), metadata=parts.setting.solved.step_metadata)
     state.step += 1
@@ -83,13 +82,15 @@ def train_step(parts: RunParts, state: RunState, indices: torch.Tensor, output) 
         output.record_written_state(written_state_of_ranks(parts.setting.world, written))   # the statement names them
     epsilon_every = max(1, plan.steps // 50)  # ε with the ledger's accountant costs ~0.1 s: not every step
     live = parts.setting.world.main and (state.step == plan.steps or state.step % epsilon_every == 0)
-    record = step_record(state.step, outcome.report, state.ledger.epsilon() if live else None, outcome.loss_sum,
-                         outcome.batch_size, recipe.training.batch_size, lr, outcome.seconds, recipe.clipping.fn,
-                         recipe.privacy.exact_diagnostics)
-    if parts.feed.continual is not None:
-        record = {**record, **parts.feed.continual.record_fields(state.step)}
+    epsilon = state.ledger.epsilon() if live else None
+    with output.on_private_batch():   # computed from the step's outcome
+        record = step_record(state.step, outcome.report, epsilon, outcome.loss_sum, outcome.batch_size,
+                             recipe.training.batch_size, lr, outcome.seconds, recipe.clipping.fn,
+                             recipe.privacy.exact_diagnostics)
+        if parts.feed.continual is not None:
+            record = {**record, **parts.feed.continual.record_fields(state.step)}
     output.emit(record, "step")
-    parts.diagnostics.maybe_record(state.step, output.run_dir)
+    parts.diagnostics.maybe_record(state.step, output.run_dir, output.on_private_batch)
     if recipe.eval.every_steps and state.step % recipe.eval.every_steps == 0 and state.step < plan.steps:
         run_eval(parts, state, output)
 
@@ -102,8 +103,9 @@ def run_eval(parts: RunParts, state: RunState, output) -> dict[str, Any]:
         sync_stages(parts.learner.model, parts.learner.engine.bounds, parts.setting.world)
     if not exact or not (parts.setting.world.main or parts.learner.shards is not None):
         return {}
-    metrics = evaluate(parts.learner.model, parts.learner.loss_fn, parts.feed.data.test, parts.feed.data.task,
-                       batch_size=parts.setting.recipe.eval.batch_size)
+    with output.on_private_batch():   # the model on the held-out split of the private data
+        metrics = evaluate(parts.learner.model, parts.learner.loss_fn, parts.feed.data.test, parts.feed.data.task,
+                           batch_size=parts.setting.recipe.eval.batch_size)
     if parts.learner.shards is not None:
         parts.learner.shards.reshard()
     if not parts.setting.world.main:

@@ -173,3 +173,12 @@ def _completed(result) -> Ledger:
     for step in range(STEPS):
         ledger.record(result.event_at(step), metadata=result.step_metadata)
     return ledger
+
+
+def test_a_target_a_statistic_of_fixed_noise_alone_spends_says_to_raise_its_noise_or_share_the_budget():
+    # σ_a = 8, K = 5: whatever σ_g, the histogram alone costs ε ≈ 1.05 (PLD), so ε = 1 is unreachable; the
+    # hint said to raise ε or δ or train fewer steps, and not that the statistic's own noise is the cause.
+    histogram = AuxSpec("norm histogram", sensitivity=1.0, groups=1, sigma=8.0)
+    with pytest.raises(AccountingError, match="unreachable") as info:
+        solve(plan(noise_multiplier=None, target_epsilon=1.0, aux=histogram))
+    assert "sigma_hist" in info.value.hint and "budget_fraction" in info.value.hint and "8" in info.value.hint

@@ -106,6 +106,8 @@ def test_plan_statement_carries_the_shuffle_caveat_and_the_releases():
         dict(target_epsilon=-1.0),
         dict(noise_multiplier=1.0, sampling="sequential"),
         dict(noise_multiplier=1.0, accountant="prv"),
+        dict(noise_multiplier=True),   # a bool is not σ = 1
+        dict(target_epsilon=True),
     ],
 )
 def test_invalid_plan_is_refused_with_an_accounting_error(kwargs):

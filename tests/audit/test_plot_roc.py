@@ -82,3 +82,18 @@ def test_the_dp_bound_is_drawn_with_the_ledgers_epsilon_and_delta():
 def test_plot_roc_writes_a_png(tmp_path):
     plot_roc(_report(), tmp_path / "roc.png")
     assert (tmp_path / "roc.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_roc_save_cut_short_leaves_a_name_the_release_manifest_knows_as_a_leftover(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from matplotlib.figure import Figure
+
+    from dpclip.release.files import is_leftover
+
+    written, real = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, fname, *a, **k: (written.append(Path(fname)),
+                                                                         real(self, fname, *a, **k)))
+    plot_roc(_report(), tmp_path / "roc.png")
+    (temporary,) = written
+    assert temporary.name != "roc.png" and is_leftover(temporary.relative_to(tmp_path))

@@ -382,3 +382,13 @@ def test_a_threshold_split_below_float32s_smallest_normal_number_is_refused_with
         DPEngine(mlp().float(), {"grouping": "layer", "threshold": {"kind": "fixed", "value": 1.5e-38}},
                  gradient_noise_multiplier=1.0, expected_batch_size=2)
     assert info.value.hint
+
+
+@pytest.mark.parametrize("arguments", [{"gradient_noise_multiplier": True},
+                                       {"noise_multiplier": True, "sample_rate": 0.1},
+                                       {"gradient_noise_multiplier": 1.0, "sample_rate": True},
+                                       {"gradient_noise_multiplier": 1.0, "expected_batch_size": True}])
+def test_a_bool_for_the_engines_noise_multiplier_rate_or_batch_size_is_refused_not_read_as_one(arguments):
+    with pytest.raises(EngineError) as info:
+        DPEngine(torch.nn.Linear(3, 2), **{"expected_batch_size": 8, **arguments})
+    assert "True" in str(info.value) and info.value.hint

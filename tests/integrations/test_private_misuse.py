@@ -182,3 +182,16 @@ def test_top_fraction_with_physical_parts_is_refused_before_any_step():
                             criterion=nn.CrossEntropyLoss(), data_loader=DataLoader(data, batch_size=16), steps=3,
                             noise_multiplier=1.0, clipping=TOP_FRACTION, delta=1e-5, max_physical_batch_size=8)
     assert "max_physical_batch_size=None" in refused.value.hint
+
+
+@pytest.mark.parametrize("arguments", [{"noise_multiplier": True}, {"target_epsilon": True},
+                                       {"noise_multiplier": 1.0, "delta": True},
+                                       {"noise_multiplier": 1.0, "max_grad_norm": True}])
+def test_a_bool_for_sigma_epsilon_delta_or_the_threshold_is_refused_with_a_hint_not_read_as_one(arguments):
+    model = torch.nn.Linear(3, 2)
+    loader = DataLoader(TensorDataset(torch.randn(64, 3), torch.randint(0, 2, (64,))), batch_size=8)
+    with pytest.raises(DpclipError) as info:
+        dpclip.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+                            criterion=torch.nn.CrossEntropyLoss(), epochs=1,
+                            **{"delta": 1e-5, "max_grad_norm": 1.0, **arguments})
+    assert "got True" in str(info.value) and info.value.hint

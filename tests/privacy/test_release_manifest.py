@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from dpclip import release
 from dpclip.accounting import tuning as accounting_tuning
@@ -228,6 +229,38 @@ def test_every_released_json_file_of_the_manifest_has_a_field_table_or_a_reason(
         opaque = any(fnmatch.fnmatchcase(name, pattern) or name == pattern for pattern in release.OPAQUE)
         has_table = any(t.directory == entry.directory and t.pattern == entry.pattern for t in release.FIELDS)
         assert opaque or has_table, entry.pattern
+
+
+def test_a_new_key_in_a_released_safetensors_metadata_is_reported(tmp_path):
+    """A weight file's header ``__metadata__`` ships with the weights: a key there (a data hash, a
+    count) is a field like any other, in a checkpoint, an export's weights, shards, adapters and base."""
+    from safetensors.torch import save_file
+
+    tensors = {"w": torch.zeros(2)}
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    checkpoint = run / "checkpoints" / "step_000002" / "model.safetensors"
+    save_file(tensors, str(checkpoint), metadata={"format": "pt", "dpclip_tied": "{}"})
+    save_file(tensors, str(checkpoint.with_name("state.safetensors")), metadata={"anything": "1"})   # SECRET
+    assert release.unlisted_fields(run, release.RUN) == []
+    save_file(tensors, str(checkpoint), metadata={"format": "pt", "dpclip_tied": "{}", "num_train": "1000"})
+    assert release.unlisted_fields(run, release.RUN) == ["checkpoints/step_*/model.safetensors: num_train"]
+    export = tmp_path / "export"
+    (export / "base").mkdir(parents=True)
+    for name in ("model.safetensors", "model-00001-of-00002.safetensors", "adapter_model.safetensors",
+                 "base/model.safetensors"):
+        save_file(tensors, str(export / name), metadata={"format": "pt"})
+    assert release.unlisted_fields(export, release.EXPORT) == []
+    save_file(tensors, str(export / "adapter_model.safetensors"), metadata={"format": "pt", "loss": "0.1"})
+    assert release.unlisted_fields(export, release.EXPORT) == ["adapter_model.safetensors: loss"]
+
+
+def test_every_released_safetensors_file_of_the_manifest_has_a_field_table():
+    for entry in release.MANIFEST:
+        name = entry.pattern.rsplit("/", 1)[-1]
+        if entry.release != release.SECRET and name.endswith((".safetensors", "*")):
+            path = entry.pattern.replace("*", "x") + ("" if name.endswith(".safetensors") else ".safetensors")
+            assert release.fields_of(path, entry.directory) is not None, entry.pattern
 
 
 # ------------------------------------------------------------------ a search (tune-cost --run)

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -93,3 +94,26 @@ def test_read_metrics_stops_at_a_line_cut_by_a_crash(tmp_path):
 def test_a_run_writes_training_and_thresholds_plots(small_recipe):
     run = train(small_recipe("privacy.exact_diagnostics=false")).run_dir
     assert (run / "training.png").stat().st_size > 0 and (run / "thresholds.png").stat().st_size > 0
+
+
+def test_a_plot_save_cut_short_leaves_a_name_the_release_manifest_knows_as_a_leftover(tmp_path, monkeypatch):
+    """A crash mid-save leaves the temporary file savefig was writing: the manifest check passes it
+    over as a leftover (dpclip.release.is_leftover), it does not report it as an unlisted output."""
+    from matplotlib.figure import Figure
+
+    from dpclip.release.files import is_leftover
+    from dpclip.train.plots import save_figure
+
+    written = []
+    real = Figure.savefig
+
+    def recorded(self, fname, *args, **kwargs):
+        written.append(Path(fname))
+        return real(self, fname, *args, **kwargs)
+    monkeypatch.setattr(Figure, "savefig", recorded)
+    save_figure(training_figure(_records(), epsilon_cap=4.0, delta=1e-5), tmp_path / "training.png")
+    (temporary,) = written
+    assert temporary.parent == tmp_path and temporary.name != "training.png"
+    assert is_leftover(temporary.relative_to(tmp_path))
+    assert (tmp_path / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["training.png"]
