@@ -57,7 +57,16 @@ class ClippingSpec:
     def from_dict(cls, clipping: Mapping[str, Any] | None) -> ClippingSpec:
         """The spec of a DPEngine ``clipping`` dict; missing keys and None values take
         :data:`CLIPPING_DEFAULTS`. Unknown keys and norm methods are refused (EngineError)."""
+        if clipping is not None and not isinstance(clipping, Mapping):
+            raise EngineError(f"clipping must be a dict of settings, not {type(clipping).__name__} {clipping!r}",
+                              "e.g. clipping={'grouping': 'layer', 'threshold': {'kind': 'fixed', 'value': 1.0}} "
+                              "(docs/engine.md)")
         given = dict(clipping or {})
+        threshold = given.get("threshold")
+        if threshold is not None and not isinstance(threshold, Mapping) and not hasattr(threshold, "build"):
+            raise EngineError(f"clipping threshold must be a dict with a kind, not {type(threshold).__name__} "
+                              f"{threshold!r}", "e.g. {'kind': 'fixed', 'value': 1.0}, or {'kind': 'quantile', ...} "
+                              "(docs/methods.md)")
         unknown = set(given) - set(CLIPPING_DEFAULTS)
         if unknown:
             raise EngineError(f"unknown clipping keys {sorted(unknown)}", "allowed: " + ", ".join(CLIPPING_DEFAULTS))

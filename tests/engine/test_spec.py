@@ -49,3 +49,12 @@ def test_unknown_settings_at_the_engines_edge_are_refused_with_a_hint(settings, 
     with pytest.raises(EngineError) as info:
         ClippingSpec.from_dict(settings)
     assert named in info.value.message and info.value.hint
+
+
+@pytest.mark.parametrize("clipping", [True, "abadi", {"threshold": True}, {"threshold": 5.0}, {"threshold": [1.0]}])
+def test_a_clipping_or_threshold_that_is_not_a_dict_is_refused_with_a_hint(clipping):
+    """DPEngine(clipping={"threshold": True}) raised "'bool' object has no attribute 'build'";
+    clipping=True "'bool' object is not iterable" (rev45): refused naming what is wanted."""
+    with pytest.raises(EngineError, match="must be a dict") as err:
+        DPEngine(torch.nn.Linear(3, 2), clipping, gradient_noise_multiplier=1.0, expected_batch_size=4)
+    assert "kind" in err.value.hint or "threshold" in err.value.hint
