@@ -10,7 +10,7 @@ predicts and what a run spends are built by the same code and cannot disagree.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import dp_accounting
@@ -61,6 +61,8 @@ class AuxSpec:
     groups: int = 1
     sigma: float | None = None
     fraction: float | None = None
+    #: how the user gave ``sigma``, for messages (a recipe's ``clipping.threshold.sigma_hist``)
+    sigma_name: str = field(default="aux_sigma", compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -307,7 +309,8 @@ def solve(plan: PrivacyPlan) -> PlanResult:
         releases = [GRADIENT_RELEASE]
     else:
         split = split_noise(
-            sigma_total, plan.aux.sensitivity, aux_sigma=plan.aux.sigma, aux_fraction=plan.aux.fraction
+            sigma_total, plan.aux.sensitivity, aux_sigma=plan.aux.sigma, aux_fraction=plan.aux.fraction,
+            sigma_name=plan.aux.sigma_name,
         )
         releases = [GRADIENT_RELEASE, plan.aux.release()]
     # The event is built from σ_eff itself (not re-derived from the split), so the
@@ -355,7 +358,8 @@ def _solve_blt(plan: PrivacyPlan) -> PlanResult:
     def split_of(sigma: float) -> NoiseSplit:
         if plan.aux is None:
             return NoiseSplit.gradient_only(sigma)
-        return split_noise(sigma, plan.aux.sensitivity, aux_sigma=plan.aux.sigma, aux_fraction=plan.aux.fraction)
+        return split_noise(sigma, plan.aux.sensitivity, aux_sigma=plan.aux.sigma, aux_fraction=plan.aux.fraction,
+                           sigma_name=plan.aux.sigma_name)
 
     def ratios(sigma: float) -> tuple[float, float]:
         return split_ratios(split_of(sigma))

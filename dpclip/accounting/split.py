@@ -74,13 +74,14 @@ def with_current_names(record: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _smallest_aux_sigma_hint(sigma_total: float, sensitivity: float) -> str:
+def _smallest_aux_sigma_hint(sigma_total: float, sensitivity: float, name: str = "aux_sigma") -> str:
     floor = sensitivity * sigma_total
     ten_percent = floor / math.sqrt(0.1)
     return (
-        f"aux_sigma must be greater than Δ·σ = {sensitivity:g}·{sigma_total:g} = {floor:.6g} "
+        f"{name} must be greater than Δ·σ = {sensitivity:g}·{sigma_total:g} = {floor:.6g} "
         f"(at that value the statistic alone uses the whole budget); "
-        f"e.g. aux_sigma = {ten_percent:.6g} spends 10% of it"
+        f"e.g. {name} = {ten_percent:.6g} spends 10% of it"
+        + ("" if name == "aux_sigma" else ", or give budget_fraction in its place (its share of the budget)")
     )
 
 
@@ -90,6 +91,7 @@ def split_noise(
     *,
     aux_sigma: float | None = None,
     aux_fraction: float | None = None,
+    sigma_name: str = "aux_sigma",
 ) -> NoiseSplit:
     """Split σ between the gradient and one auxiliary statistic of sensitivity Δ.
 
@@ -98,6 +100,8 @@ def split_noise(
     - ``aux_fraction`` r ∈ (0, 1): σ_a = Δ·σ/sqrt(r), σ_g = σ/sqrt(1 − r);
     - ``aux_sigma`` σ_a > Δ·σ: σ_g = (σ⁻² − (Δ/σ_a)²)^(−1/2)
       (DC-SGD: σ = 1, σ_H = 10, Δ = 1 -> σ_g = 1.00504).
+
+    ``sigma_name``: how the caller gave σ_a, for messages (a recipe's ``clipping.threshold.sigma_hist``).
 
     Formulas: docs/accounting.md; they solve σ⁻² = σ_g⁻² + (Δ/σ_a)² (docs/accounting.md, joint release).
     """
@@ -132,18 +136,18 @@ def split_noise(
     else:
         if not isinstance(aux_sigma, (int, float)) or not 0 < aux_sigma < math.inf:
             raise AccountingError(
-                f"aux_sigma must be a finite number > 0, got {aux_sigma!r}",
-                _smallest_aux_sigma_hint(sigma, delta_a),
+                f"{sigma_name} must be a finite number > 0, got {aux_sigma!r}",
+                _smallest_aux_sigma_hint(sigma, delta_a, sigma_name),
             )
         sigma_a = float(aux_sigma)
         ratio = delta_a * sigma / sigma_a   # sqrt(r); a product, not **: a tiny σ_a overflows to inf, not an error
         r = ratio * ratio
         if r >= 1:
             raise AccountingError(
-                f"aux_sigma = {sigma_a:g} is too small for total noise multiplier {sigma:g}: "
+                f"{sigma_name} = {sigma_a:g} is too small for total noise multiplier {sigma:g}: "
                 f"the statistic alone would use {f'{100 * r:.4g}%' if math.isfinite(r) else 'far more than all'} "
                 "of the budget",
-                _smallest_aux_sigma_hint(sigma, delta_a),
+                _smallest_aux_sigma_hint(sigma, delta_a, sigma_name),
             )
         sigma_g = (sigma**-2 - (delta_a / sigma_a) ** 2) ** -0.5
     return NoiseSplit(

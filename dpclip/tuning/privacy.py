@@ -57,7 +57,8 @@ class RunRelease:
         when a statistic of fixed noise std leaves the gradient nothing: σ_eff ≥ σ_a/Δ_a)."""
         if self.aux is None:
             return NoiseSplit.gradient_only(sigma)
-        return split_noise(sigma, self.aux.sensitivity, aux_sigma=self.aux.sigma, aux_fraction=self.aux.fraction)
+        return split_noise(sigma, self.aux.sensitivity, aux_sigma=self.aux.sigma, aux_fraction=self.aux.fraction,
+                           sigma_name=self.aux.sigma_name)
 
     def training(self, sigma: float) -> dp_accounting.DpEvent:
         """The run's training alone, as its ledger composes it: ``steps`` Poisson-sampled

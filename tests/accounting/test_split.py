@@ -87,3 +87,16 @@ def test_non_positive_sensitivity_is_refused(sensitivity):
 def test_gradient_only_split_is_trivial():
     split = NoiseSplit.gradient_only(1.3)
     assert (split.gradient_noise_multiplier, split.sigma_aux, split.aux_fraction, split.inflation) == (1.3, None, 0.0, 1.0)
+
+
+def test_a_recipes_statistic_too_noisy_for_the_budget_is_named_by_its_recipe_field():
+    """A recipe's sigma_hist (or the quantile's sigma) below Δ·σ was named "aux_sigma", the Python
+    API's argument (rev45): the refusal names the field the recipe gives and budget_fraction."""
+    from dpclip.engine.policies import policy_spec
+
+    aux = policy_spec("dcsgd-p")(kind="dcsgd-p", sigma_hist=0.5).statistic(1)
+    with pytest.raises(AccountingError, match=r"clipping\.threshold\.sigma_hist = 0\.5 is too small") as info:
+        split_noise(1.0, aux.sensitivity, aux_sigma=aux.sigma, sigma_name=aux.sigma_name)
+    assert "budget_fraction" in info.value.hint and "aux_sigma" not in info.value.hint
+    with pytest.raises(AccountingError, match="aux_sigma = 0.5 is too small"):   # the API's own name stays
+        split_noise(1.0, 1.0, aux_sigma=0.5)

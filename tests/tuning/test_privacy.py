@@ -120,7 +120,7 @@ def test_a_strategy_a_statistic_of_fixed_noise_leaves_no_gradient_share_is_repor
                           "clipping.threshold={kind: dcsgd-p, sigma_hist: 5.0}", "privacy.epsilon=0.5")
     for name in (NAIVE, LIU_TALWAR):
         assert privacy.strategy(name).noise_multiplier is None
-        assert "aux_sigma = 5 is too small" in privacy.strategy(name).detail["infeasible"]
+        assert "clipping.threshold.sigma_hist = 5 is too small" in privacy.strategy(name).detail["infeasible"]
     chosen = privacy.strategy(REPEAT_AND_SELECT)
     assert chosen.noise_multiplier < 5.0
     assert chosen.gradient_noise_multiplier == pytest.approx((chosen.noise_multiplier ** -2 - 1 / 25) ** -0.5)

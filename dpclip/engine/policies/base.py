@@ -332,7 +332,10 @@ class BudgetShare(PolicySpec):
                        sigma=sigma, fraction=fraction)
 
     def statistic(self, groups: int) -> AuxSpec:
-        return self.aux_spec(groups, self.aux_sigma, self.budget_fraction)
+        from dataclasses import replace
+
+        spec = self.aux_spec(groups, self.aux_sigma, self.budget_fraction)
+        return replace(spec, sigma_name=f"clipping.threshold.{self.noise_field}")
 
     @property
     def aux_sigma(self) -> float | None:
