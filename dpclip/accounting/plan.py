@@ -61,8 +61,7 @@ class AuxSpec:
     groups: int = 1
     sigma: float | None = None
     fraction: float | None = None
-    #: how the user gave ``sigma``, for messages (a recipe's ``clipping.threshold.sigma_hist``)
-    sigma_name: str = field(default="aux_sigma", compare=False)
+    sigma_name: str = field(default="aux_sigma", compare=False)   # how sigma was given, named in messages
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -308,10 +307,8 @@ def solve(plan: PrivacyPlan) -> PlanResult:
         split = NoiseSplit.gradient_only(sigma_total)
         releases = [GRADIENT_RELEASE]
     else:
-        split = split_noise(
-            sigma_total, plan.aux.sensitivity, aux_sigma=plan.aux.sigma, aux_fraction=plan.aux.fraction,
-            sigma_name=plan.aux.sigma_name,
-        )
+        split = split_noise(sigma_total, plan.aux.sensitivity, aux_sigma=plan.aux.sigma, aux_fraction=plan.aux.fraction,
+                            sigma_name=plan.aux.sigma_name)
         releases = [GRADIENT_RELEASE, plan.aux.release()]
     # The event is built from σ_eff itself (not re-derived from the split), so the
     # ledger of a run and this plan hold bit-identical events.
