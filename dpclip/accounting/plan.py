@@ -45,8 +45,7 @@ def steps_for_epochs(epochs: float, sample_rate: float) -> int:
 class AuxSpec:
     """An auxiliary statistic released with every gradient step (adaptive thresholds).
 
-    The threshold policy that releases it says what it is (its spec's ``statistic(K)``,
-    dpclip/engine/policies/); accounting needs only the numbers.
+    The threshold policy that releases it says what it is (``statistic(K)``); accounting needs the numbers.
 
     Attributes:
         name: how the privacy statement names it, e.g. "quantile counts".
