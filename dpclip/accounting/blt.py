@@ -127,7 +127,8 @@ def calibrate_blt(target_epsilon: float, delta: float, sensitivities: Sequence[f
 
     over_gradient = fixed_aux is not None and split is not None
     with quiet_dp_accounting():
-        sigma = rdp_then(lambda method: eps_of(method, over_gradient), accountant, target_epsilon, rtol, whole, inputs)
+        sigma = rdp_then(lambda method: eps_of(method, over_gradient), accountant, target_epsilon, rtol, whole, inputs,
+                         delta)
         if not over_gradient:
             return sigma
         # σ_g -> σ_eff; the plan splits σ_eff again, which rounds σ_g by an ulp or so: never past the target
