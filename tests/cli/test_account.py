@@ -350,3 +350,15 @@ def test_groups_without_a_statistic_says_it_changes_nothing(cli):
 def test_groups_below_one_is_refused_without_a_statistic_too(cli):
     result = cli("account", "--sigma", "1.0", "--delta", "1e-5", "-q", "0.01", "--steps", "100", "--groups", "0")
     assert result.code == 2 and "groups must be an integer >= 1, got 0" in result.err and "hint:" in result.err
+
+
+def test_account_json_names_the_accountant_whose_epsilon_it_reports_as_the_text_does(cli, monkeypatch):
+    """A PLD request that fell back to RDP printed "accountant": "pld" beside RDP's ε, where the text's table says rdp."""
+    import dpclip.accounting.accountants as accountants
+
+    monkeypatch.setattr(accountants, "PLD_MAX_COMPOSITIONS", 100, raising=False)
+    flags = ("account", "--sigma", "1", "--delta", "1e-5", "-q", "0.01", "--steps", "200")
+    out = json.loads(cli(*flags, "--json").out)
+    assert out["accountant"] == "pld" and out["accountant_used"] == "rdp" == out["statement"]["accountant"]
+    assert out["epsilon"] == out["epsilon_rdp"] and "200 composed steps" in out["fallback_reason"]
+    assert "│ rdp " in cli(*flags).out
