@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -322,7 +323,7 @@ def account(event: dp_accounting.DpEvent, delta: float, accountant: str = "pld")
 
     interval = pld_discretization(eps_rdp if rdp is not None else 1.0, mechanism_count(event))
     eps_pld, failure = _try_pld(event, delta, interval)
-    if failure is None and rdp is None:
+    if rdp is None and (failure is None or math.isinf(eps_pld)):   # inf: an overflow, still PLD's answer
         return AccountingResult(eps_pld, delta, "pld", "pld", eps_rdp, None, interval)
     if failure is None and math.isfinite(eps_pld) and eps_pld <= eps_rdp:
         return AccountingResult(eps_pld, delta, "pld", "pld", eps_rdp, None, interval)
@@ -358,7 +359,13 @@ def too_many_for_pld(compositions: int) -> str:
 def _try_pld(event: dp_accounting.DpEvent, delta: float, interval: float) -> tuple[float, str | None]:
     """(PLD ε, None) or (nan, why PLD could not be used). Never raises: training must not crash."""
     try:
-        return float(_pld_accountant(event, interval).get_epsilon(delta)), None
+        with warnings.catch_warnings(record=True) as caught:   # numpy's, said in the reason instead
+            warnings.simplefilter("always", RuntimeWarning)
+            value = float(_pld_accountant(event, interval).get_epsilon(delta))
+        numeric = sorted({str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)})
+        if numeric and not math.isfinite(value):
+            return value, f"the PLD accountant's ε for δ = {delta:g} failed in floating point ({'; '.join(numeric)})"
+        return value, None
     except privacy_accountant.UnsupportedEventError:
         return math.nan, f"the PLD accountant does not support this event (it contains {_type_names(event)})"
     except Exception as exc:  # noqa: BLE001 - any numerical failure (MemoryError included)
