@@ -31,14 +31,18 @@ or small δ; dp_accounting's PLD returns ε = inf when δ is below its truncated
 mass, e.g. δ = 1e-15). dpclip therefore always computes RDP alongside PLD and falls
 back to RDP — saying why in ``AccountingResult.fallback_reason`` — whenever PLD raises,
 is unsupported for the event, returns a non-finite ε while RDP is finite, or returns a
-*looser* ε than RDP, and for δ below :data:`PLD_MIN_DELTA` (where PLD's own floating-point
-error in δ is not small against δ). Both are valid upper bounds, so reporting RDP is always safe.
+*looser* ε than RDP, for δ below :data:`PLD_MIN_DELTA` (where PLD's own floating-point
+error in δ is not small against δ), and over more than :data:`PLD_MAX_COMPOSITIONS` steps (where one
+PLD ε takes minutes). Both are valid upper bounds, so reporting RDP is always safe.
+
+Length: over 400 lines because every PLD->RDP fallback and its reason is decided here, in one place.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -188,13 +192,17 @@ def pld_discretization(epsilon_scale: float, compositions: int) -> float:
 #: distribution grows with the step count (calibrating ε = 8 at q = 0.01 on this project's
 #: 2-core machine: 9 s at 10⁶ steps, 41–53 s at 3·10⁶, 145–263 s and 1–2 GB at 10⁷).
 PLD_SLOW_STEPS = 1_000_000
+#: Above this many composed mechanisms, PLD is not tried: RDP answers, and ``fallback_reason`` says why. One PLD
+#: ε of 10⁷ steps (q = 0.01, σ = 20.3) took 106 s, and of 10⁸ or 10⁹ steps more than a minute each, where a
+#: calibration asks for about ten; the fallback answers within seconds.
+PLD_MAX_COMPOSITIONS = 3_000_000
 _warned_slow: set[int] = set()
 
 
 def note_slow_pld(steps: int, accountant: str) -> None:
     """Say, once per step count, that PLD over this many steps will take a while (a
     mistyped epochs or steps otherwise looks like a hang) and what answers at once."""
-    if accountant != "pld" or steps <= PLD_SLOW_STEPS or steps in _warned_slow:
+    if accountant != "pld" or not PLD_SLOW_STEPS < steps <= PLD_MAX_COMPOSITIONS or steps in _warned_slow:
         return
     _warned_slow.add(steps)
     log.warning("PLD accounting of %s steps can take minutes and gigabytes of memory (its distribution grows with "
@@ -308,9 +316,14 @@ def account(event: dp_accounting.DpEvent, delta: float, accountant: str = "pld")
         log.info("PLD accounting fell back to RDP: %s", reason)
         return AccountingResult(eps_rdp, delta, "rdp", "pld", eps_rdp, reason)
 
+    if rdp is not None and mechanism_count(event) > PLD_MAX_COMPOSITIONS:
+        reason = too_many_for_pld(mechanism_count(event))
+        log.warning("PLD accounting fell back to RDP: %s", reason)
+        return AccountingResult(eps_rdp, delta, "rdp", "pld", eps_rdp, reason)
+
     interval = pld_discretization(eps_rdp if rdp is not None else 1.0, mechanism_count(event))
     eps_pld, failure = _try_pld(event, delta, interval)
-    if failure is None and rdp is None:
+    if rdp is None and (failure is None or math.isinf(eps_pld)):   # inf: an overflow, still PLD's answer
         return AccountingResult(eps_pld, delta, "pld", "pld", eps_rdp, None, interval)
     if failure is None and math.isfinite(eps_pld) and eps_pld <= eps_rdp:
         return AccountingResult(eps_pld, delta, "pld", "pld", eps_rdp, None, interval)
@@ -336,10 +349,23 @@ def account(event: dp_accounting.DpEvent, delta: float, accountant: str = "pld")
     return AccountingResult(eps_rdp, delta, "rdp", "pld", eps_rdp, reason, interval)
 
 
+def too_many_for_pld(compositions: int) -> str:
+    """Why PLD was not tried over ``compositions`` mechanisms (:data:`PLD_MAX_COMPOSITIONS`)."""
+    return (f"{compositions:,} composed steps are more than the {PLD_MAX_COMPOSITIONS:,} PLD accounts in reasonable "
+            "time (its distribution grows with the step count: minutes and gigabytes per ε); RDP's ε, a valid "
+            "but looser bound, is reported")
+
+
 def _try_pld(event: dp_accounting.DpEvent, delta: float, interval: float) -> tuple[float, str | None]:
     """(PLD ε, None) or (nan, why PLD could not be used). Never raises: training must not crash."""
     try:
-        return float(_pld_accountant(event, interval).get_epsilon(delta)), None
+        with warnings.catch_warnings(record=True) as caught:   # numpy's, said in the reason instead
+            warnings.simplefilter("always", RuntimeWarning)
+            value = float(_pld_accountant(event, interval).get_epsilon(delta))
+        numeric = sorted({str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)})
+        if numeric and not math.isfinite(value):
+            return value, f"the PLD accountant's ε for δ = {delta:g} failed in floating point ({'; '.join(numeric)})"
+        return value, None
     except privacy_accountant.UnsupportedEventError:
         return math.nan, f"the PLD accountant does not support this event (it contains {_type_names(event)})"
     except Exception as exc:  # noqa: BLE001 - any numerical failure (MemoryError included)
@@ -385,6 +411,9 @@ def delta_for_epsilon(event: dp_accounting.DpEvent, epsilon: float, accountant: 
             raise _unsupported(event)
         return delta_rdp
 
+    if rdp is not None and mechanism_count(event) > PLD_MAX_COMPOSITIONS:
+        log.warning("PLD δ computation fell back to RDP: %s", too_many_for_pld(mechanism_count(event)))
+        return delta_rdp
     # ε here is the target, so it sets the PLD grid scale (floored so ε -> 0 stays cheap).
     interval = pld_discretization(max(epsilon, 0.1), mechanism_count(event))
     try:

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 import dp_accounting
 
 from dpclip.accounting.accountants import account, check_accountant, check_delta_value
-from dpclip.accounting.calibrate import UnreachableTarget, check_target, quiet_dp_accounting, rdp_then
+from dpclip.accounting.calibrate import (UnreachableTarget, below_rdp_floor, check_target, quiet_dp_accounting,
+                                         rdp_then)
 from dpclip.accounting.events import joint_noise_multiplier
 from dpclip.errors import AccountingError
 
@@ -129,10 +130,10 @@ def calibrate_blt(target_epsilon: float, delta: float, sensitivities: Sequence[f
     with quiet_dp_accounting():
         try:
             sigma = rdp_then(lambda method: eps_of(method, over_gradient), accountant, target_epsilon, rtol, whole,
-                             inputs)
+                             inputs, delta)
         except UnreachableTarget as error:
-            if not over_gradient:
-                raise
+            if not over_gradient or below_rdp_floor(target_epsilon, delta, accountant) is not None:
+                raise   # (below RDP's floor at a tiny δ no noise helps: its own hint)
             # however much gradient noise, the statistic's own fixed noise spends the target: say which knob
             raise UnreachableTarget(error.message, (
                 f"the threshold statistic's fixed noise std σ_a = {fixed_aux[1]:g} (sensitivity {fixed_aux[0]:g}) "

@@ -13,7 +13,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 
-from dpclip.accounting.accountants import check_accountant, check_delta_value, account
+from dpclip.accounting.accountants import PLD_MIN_DELTA, RDP_ORDERS, check_accountant, check_delta_value, account
 from dpclip.accounting.events import check_sample_rate, is_number, training_event
 from dpclip.accounting.split import check_aux_fits
 from dpclip.errors import AccountingError
@@ -168,6 +168,28 @@ def sigma_for_epsilon(
     return _search(eps_of, target, rtol, lo, hi, eps_lo, eps_hi)
 
 
+def rdp_floor(delta: float) -> float:
+    """The least ε the RDP conversion gives at ``delta`` for any curve with rdp(α) > 0: the
+    conversion term log((α−1)/α) − (log δ + log α)/(α − 1), minimised over :data:`RDP_ORDERS`
+    (its largest order, 1024, sets it at small δ: 0.0193 at δ = 1e-12). Only dp_accounting's
+    KL shortcut (ε = 0 outright, at tiny q) goes below it."""
+    return max(0.0, min(math.log((a - 1) / a) - (math.log(delta) + math.log(a)) / (a - 1) for a in RDP_ORDERS))
+
+
+def below_rdp_floor(target: float, delta: float, accountant: str) -> UnreachableTarget | None:
+    """The true reason a target is unreachable when no noise could reach it under RDP, which answers it."""
+    floor = rdp_floor(delta)
+    if target >= floor or (accountant == "pld" and delta >= PLD_MIN_DELTA):
+        return None
+    why = "--accountant rdp" if accountant != "pld" else f"PLD is not used below δ = {PLD_MIN_DELTA:g}"
+    return UnreachableTarget(
+        f"target ε = {target:g} is unreachable at δ = {delta:g}: no noise multiplier up to {SIGMA_MAX:g} meets it, "
+        f"and the RDP conversion gives no ε between 0 and {floor:.4g} at this δ, whatever the noise ({why}; its "
+        "largest order, 1024, sets this floor)",
+        f"raise ε to at least {floor:.4g}, or δ to {PLD_MIN_DELTA:g} or more with the PLD accountant (the "
+        "default), whose ε has no such floor")
+
+
 def rdp_then(
     eps_of: Callable[[str], Callable[[float], float]],
     accountant: str,
@@ -175,6 +197,7 @@ def rdp_then(
     rtol: float,
     guess: float,
     hint_inputs: str,
+    delta: float | None = None,
 ) -> float:
     """:func:`sigma_for_epsilon` under RDP (cheap, whatever the steps), then, for
     ``accountant="pld"``, again under PLD from the RDP answer (whose PLD ε is lower).
@@ -185,7 +208,10 @@ def rdp_then(
     """
     try:
         sigma = sigma_for_epsilon(eps_of("rdp"), target, rtol, guess, hint_inputs)
-    except UnreachableTarget:
+    except UnreachableTarget as unreachable:
+        floor = None if delta is None else below_rdp_floor(target, delta, accountant)
+        if floor is not None:
+            raise floor from unreachable
         if accountant != "pld":
             raise
         return sigma_for_epsilon(eps_of("pld"), target, rtol, SIGMA_MAX, hint_inputs)
@@ -241,7 +267,7 @@ def calibrate_noise_multiplier(
         return eps
 
     with quiet_dp_accounting():
-        sigma = rdp_then(eps_of, accountant, target_epsilon, rtol, 1.0, inputs)
+        sigma = rdp_then(eps_of, accountant, target_epsilon, rtol, 1.0, inputs, delta)
 
     if aux:
         check_aux_fits(sigma, aux)

@@ -129,8 +129,11 @@ def _note(text: str) -> None:
 
 def _group_line(group: dict) -> str:
     whose = " (e.g. one person's)" if group["of"] == "records" else ""
+    if group["delta"] >= 1:   # "protected at δ = 1" protects nothing
+        return (f"group privacy: a group of {group['group_size']} {group['of']}{whose} has no guarantee: the bound "
+                "(kε, k·e^((k−1)ε)·δ) reaches δ = 1 (docs/users.md)")
     return (f"group privacy: a group of {group['group_size']} {group['of']}{whose} is protected at "
-            f"ε = {fmt_upper(group['epsilon'])}, δ = {group['delta']:.3g} (kε, k·e^((k−1)ε)·δ; docs/users.md)")
+            f"ε = {fmt_upper(group['epsilon'])}, δ = {fmt_upper(group['delta'], 3)} (kε, k·e^((k−1)ε)·δ; docs/users.md)")
 
 
 def _account_directory(target: Path, as_json: bool, group_size: int | None = None) -> None:

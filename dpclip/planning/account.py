@@ -71,7 +71,8 @@ class AccountFlags:
 class AccountReport:
     """What `dpclip account` reports: the plan, its solution, and how it was asked for.
 
-    ``accountant`` is the one asked for (a recipe's own when --accountant is left at pld);
+    ``accountant`` is the one asked for (a recipe's own when --accountant is left at pld; --json adds
+    ``accountant_used``, the one whose ε is reported, as ledger.json does);
     ``title`` names the recipe (None: flags); ``bins`` is the DC-SGD histogram's b, shown
     only; ``group`` is :func:`group_guarantee`'s, with --group-size.
     """
@@ -89,6 +90,7 @@ class AccountReport:
         out = {
             "source": self.title or "flags",
             "accountant": self.accountant,
+            "accountant_used": result.accountant,   # the text's first row: RDP where PLD fell back
             "sample_rate": plan.sample_rate,
             "steps": plan.steps,
             "bands": plan.bands,

@@ -289,3 +289,37 @@ def test_a_noise_multiplier_too_large_for_the_rdp_arithmetic_is_called_too_large
     with pytest.raises(AccountingError) as info:
         epsilon(dp_accounting.GaussianDpEvent(1e300), 1e-5, "rdp")
     assert "this large" in info.value.message and "this small" not in info.value.message and info.value.hint
+
+
+def test_pld_over_more_steps_than_it_answers_in_reasonable_time_falls_back_to_rdp_at_once(monkeypatch):
+    """10⁹ steps once ran PLD for minutes after its warning: above PLD_MAX_COMPOSITIONS, PLD is never tried
+    (lowered here to 200 steps, so that the same code path runs in milliseconds)."""
+    monkeypatch.setattr(accountants_module, "PLD_MAX_COMPOSITIONS", 200, raising=False)
+    tried = []
+    real = accountants_module._pld_accountant
+    monkeypatch.setattr(accountants_module, "_pld_accountant", lambda *args: tried.append(args) or real(*args))
+    event = training_event(0.01, 1.0, 201)
+    result = account(event, 1e-5, "pld")
+    assert result.accountant == "rdp" and result.requested == "pld" and not tried
+    assert "201 composed steps are more than the 200" in result.fallback_reason
+    assert result.epsilon == _rdp_direct(event, 1e-5)
+    assert accountants_module.delta_for_epsilon(event, 2.0, "pld") == pytest.approx(
+        float(rdp_privacy_accountant.RdpAccountant(list(RDP_ORDERS)).compose(event).get_delta(2.0)), rel=1e-12)
+    assert not tried
+    assert account(training_event(0.01, 1.0, 200), 1e-5, "pld").accountant == "pld" and tried  # at the cap: PLD
+
+
+def test_a_pld_overflow_is_a_stated_fallback_not_a_numpy_warning_on_the_terminal():
+    """σ = 0.2336 is a trial σ of calibrating ε = 64 at q = 0.01 over 10⁴ steps: dp_accounting's ε-for-δ divides by
+    an underflowed mass and numpy printed "RuntimeWarning: overflow encountered in scalar divide" (with its file
+    path) on `dpclip account`'s stderr, and the fallback to RDP gave a reason that was not the cause."""
+    import warnings
+
+    event = training_event(0.01, 0.2336116810832323, 10_000)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = account(event, 1e-5, "pld")
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
+    # the reason says what happened (it said "δ is below the probability mass it truncates", at δ = 1e-5)
+    assert result.accountant == "rdp" and "overflow" in result.fallback_reason and "truncates" not in result.fallback_reason
+    assert result.epsilon == _rdp_direct(event, 1e-5)

@@ -146,3 +146,23 @@ def test_aux_statistic_that_leaves_no_budget_for_the_gradient_is_refused():
     assert "aux_sigma must be greater than" in info.value.hint
     # With enough noise on the statistic, σ_eff is unchanged by the aux.
     assert calibrate_noise_multiplier(8.0, 1e-5, 0.04, 2000, "rdp", aux=[(1.0, 10 * sigma)]) == sigma
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_a_target_below_the_rdp_floor_at_tiny_delta_is_refused_with_the_true_reason(accountant):
+    """At δ = 1e-12 (PLD not used below 1e-9) RDP gives no ε below (log(1/δ) − log 1024)/1023 ≈ 0.0193 at any
+    σ: the hint once said "train for fewer steps, or use a smaller sample rate", which did not help (1 step here)."""
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    from dpclip.accounting.calibrate import SIGMA_MAX, UnreachableTarget
+    from dpclip.accounting.events import training_event
+
+    at_most_noise = rdp_privacy_accountant.RdpAccountant().compose(training_event(0.01, SIGMA_MAX, 1)).get_epsilon(1e-12)
+    with pytest.raises(UnreachableTarget) as refused:
+        calibrate_noise_multiplier(0.01, 1e-12, 0.01, 1, accountant)
+    assert f"{at_most_noise:.4g}" in refused.value.hint and "fewer steps" not in refused.value.hint
+    assert "1e-09" in refused.value.hint
+    assert calibrate_noise_multiplier(0.01, 1e-5, 0.01, 1, "pld") > 0   # with PLD's δ, the same target is met
+    from dpclip.accounting.calibrate import rdp_floor
+    # the floor is the RDP ε of the most noise allowed, up to that noise's own RDP (α/(2σ²) ≤ 1024/2e8 = 5e-6)
+    assert rdp_floor(1e-12) <= at_most_noise <= rdp_floor(1e-12) + 1024 / (2 * SIGMA_MAX ** 2)

@@ -1,4 +1,5 @@
 import json
+import re
 import math
 from pathlib import Path
 
@@ -350,3 +351,28 @@ def test_groups_without_a_statistic_says_it_changes_nothing(cli):
 def test_groups_below_one_is_refused_without_a_statistic_too(cli):
     result = cli("account", "--sigma", "1.0", "--delta", "1e-5", "-q", "0.01", "--steps", "100", "--groups", "0")
     assert result.code == 2 and "groups must be an integer >= 1, got 0" in result.err and "hint:" in result.err
+
+
+def test_account_json_names_the_accountant_whose_epsilon_it_reports_as_the_text_does(cli, monkeypatch):
+    """A PLD request that fell back to RDP printed "accountant": "pld" beside RDP's ε, where the text's table says rdp."""
+    import dpclip.accounting.accountants as accountants
+
+    monkeypatch.setattr(accountants, "PLD_MAX_COMPOSITIONS", 100, raising=False)
+    flags = ("account", "--sigma", "1", "--delta", "1e-5", "-q", "0.01", "--steps", "200")
+    out = json.loads(cli(*flags, "--json").out)
+    assert out["accountant"] == "pld" and out["accountant_used"] == "rdp" == out["statement"]["accountant"]
+    assert out["epsilon"] == out["epsilon_rdp"] and "200 composed steps" in out["fallback_reason"]
+    assert "│ rdp " in cli(*flags).out
+
+
+def test_a_group_whose_bound_reaches_delta_one_is_said_to_have_no_guarantee(cli):
+    """3·e^(2·7.96)·1e-5 ≈ 240 > 1: the line said the group "is protected at ε = 23.88, δ = 1"."""
+    result = cli("account", "--eps", "8", "--delta", "1e-5", "-q", "0.01", "--steps", "1000", "--group-size", "3")
+    assert result.code == 0 and "a group of 3 records (e.g. one person's) has no guarantee" in result.out
+    assert "is protected" not in result.out
+    fine = cli("account", "--sigma", "1", "--delta", "1e-5", "-q", "0.01", "--steps", "1000", "--group-size", "2")
+    shown = re.search(r"a group of 2 records \(e.g. one person's\) is protected at ε = ([0-9.]+), δ = ([0-9.e-]+) ", fine.out)
+    group = json.loads(cli("account", "--sigma", "1", "--delta", "1e-5", "-q", "0.01", "--steps", "1000", "--group-size",
+                           "2", "--json").out)["group"]
+    # both are upper bounds: printed rounded up (δ = 1.24496e-04 was printed 0.000124)
+    assert float(shown[1]) >= group["epsilon"] and float(shown[2]) >= group["delta"], (shown.groups(), group)
