@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from dpclip.data.files import Columns
-from dpclip.errors import DpclipError
+from dpclip.errors import DpclipError, quoting_data
 
 
 def _load_split(name: str, config: str | None, split: str):
@@ -23,8 +23,11 @@ def _load_split(name: str, config: str | None, split: str):
         return load_dataset(name, config, split=split)
     except Exception as exc:  # noqa: BLE001 - datasets raises many unrelated types; all mean "cannot load"
         shown = f"{name!r}" + (f" (config {config!r})" if config else "") + f", split {split!r}"
+        message = f"cannot load Hugging Face data set {shown}: {exc.__class__.__name__}: {exc}"
         raise DpclipError(
-            f"cannot load Hugging Face data set {shown}: {exc.__class__.__name__}: {exc}",
+            # past not finding or reaching it (OSError: offline, a missing set), the library's message may quote
+            # a row it could not read or cast
+            message if isinstance(exc, OSError) else quoting_data(message),
             "a data set given by name needs network or a local cache: run once with network access, "
             "or save it to files and use data.source: files (check the name, config and split too); "
             "HF_DATASETS_OFFLINE=1 uses the cache alone, without waiting for the network",

@@ -127,3 +127,27 @@ def test_a_hub_test_splits_unlabelled_rows_are_refused_not_made_a_class(monkeypa
                          max_length=8), seed=0)
     assert "row 1 of the test data has the label -1" in refused.value.message
     assert "-1 means unlabelled" in refused.value.hint
+
+
+def test_a_hub_error_past_loading_is_labelled_as_quoting_the_data(monkeypatch):
+    """datasets' cast errors quote the row they could not read ("Couldn't cast 'Alice, 52, HIV+'"):
+    the refusal says it quotes the data's rows (rev45); an offline error (OSError) quotes none."""
+    import datasets
+
+    from dpclip.errors import QUOTES_DATA_NOTE
+
+    def cast_error(name, config=None, split=None):
+        raise ValueError("Couldn't cast value 'Alice, 52, HIV+' to int64")
+
+    monkeypatch.setattr(datasets, "load_dataset", cast_error)
+    with pytest.raises(DpclipError) as info:
+        load_data(HFData(source="hf", name="someone/records", text_field="t"), seed=0)
+    assert "Alice" in info.value.message and info.value.message.endswith(QUOTES_DATA_NOTE)
+
+    def offline(name, config=None, split=None):
+        raise ConnectionError("Couldn't reach the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DpclipError) as info:
+        load_data(HFData(source="hf", name="someone/records", text_field="t"), seed=0)
+    assert QUOTES_DATA_NOTE not in info.value.message
