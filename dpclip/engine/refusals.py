@@ -82,12 +82,6 @@ def refuse_new_trainable(model: nn.Module, privatised: list[nn.Parameter], names
     known = {id(p) for p in privatised}
     held = {id(p) for p in model.parameters()}
     lost = [tuple(p.shape) for p in privatised if names is None and id(p) not in held]
-    if lost:   # the model reads something else in their place now: their noisy steps would go nowhere
-        raise EngineError(f"{len(lost)} parameter(s) the engine privatises (shapes {lost[:3]}) are no longer in the model "
-                          "(a plain tensor or another parameter in their place): the model would go on with a copy the "
-                          "optimizer never steps",
-                          "do not replace parameters after building the engine: build it (make_private, DPTrainer) "
-                          "after the model's last change")
     new = [name for name, p in model.named_parameters() if p.requires_grad and
            (id(p) not in known if names is None else name not in names)]
     frozen = [name for name, p in model.named_parameters() if names is None and id(p) in known and not p.requires_grad]
@@ -112,6 +106,12 @@ def refuse_new_trainable(model: nn.Module, privatised: list[nn.Parameter], names
                           "gradients would reach p.grad unclipped and without noise",
                           "freeze, unfreeze and replace layers before building the engine (make_private, "
                           "DPTrainer), or freeze these again (requires_grad_(False))")
+    if lost:   # the model reads something else in their place now: their noisy steps would go nowhere
+        raise EngineError(f"{len(lost)} parameter(s) the engine privatises (shapes {lost[:3]}) are no longer in the model "
+                          "(a plain tensor or another parameter in their place): the model would go on with a copy the "
+                          "optimizer never steps",
+                          "do not replace parameters after building the engine: build it (make_private, DPTrainer) "
+                          "after the model's last change")
 
 
 def refuse_outside_leaves(losses: Tensor, params: list[Tensor]) -> None:

@@ -177,7 +177,7 @@ def test_a_privatised_parameter_replaced_in_the_model_is_refused_before_noise():
     model = _tied_gpt2_tokens()
     engine = DPEngine(model, {}, expected_batch_size=4, gradient_noise_multiplier=1.0)
     delta = model.base_model.model.transformer.wte.token_adapter.trainable_tokens_delta
-    delta["default"] = torch.nn.Parameter(delta["default"].detach().clone())   # another object in its place
+    delta["default"] = torch.nn.Parameter(delta["default"].detach().clone(), requires_grad=False)   # in its place
     with pytest.raises(EngineError, match="no longer in the model") as err:
         engine.backward(gpt2_loss(model, gpt2_batch()))
     assert "after the model's last change" in err.value.hint
