@@ -124,5 +124,9 @@ def stated_arguments(training: Any, scheduler: Any = None) -> tuple[str, ...]:
     step after an evaluation; with ``skip_memory_metrics=False``, the memory the private steps took."""
     kind = getattr(training.lr_scheduler_type, "value", training.lr_scheduler_type)
     metric_lr = kind in ("reduce_lr_on_plateau", "greedy") or metric_scheduled(scheduler)
-    return ((BEST_KEPT,) * bool(training.load_best_model_at_end) + (METRIC_SCHEDULED,) * metric_lr
-            + (MEMORY,) * (not training.skip_memory_metrics))
+    lines = [BEST_KEPT] if training.load_best_model_at_end else []
+    if metric_lr:
+        lines.append(METRIC_SCHEDULED)
+    if not training.skip_memory_metrics:
+        lines.append(MEMORY)
+    return tuple(lines)

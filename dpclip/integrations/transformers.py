@@ -163,7 +163,7 @@ class DPTrainer(Trainer):
         """What has left outside ε since: evaluate()'s or predict()'s metrics once they ran, and the lines of the
         arguments set since ``__init__`` (on ``trainer.args``, or a scheduler a create_scheduler override made)."""
         later = [line for line in stated_arguments(self.args, self.lr_scheduler) if line not in self.stated]
-        return [EVALUATED] * self.evaluated + later
+        return ([EVALUATED] if self.evaluated else []) + later
 
     def _compiled(self, privacy: PrivacyArguments) -> CompiledMicroBatch | None:
         """PrivacyArguments(compile=True): the parts through one compiled graph (docs/compiled.md)."""
