@@ -40,7 +40,7 @@ from dpclip.models import build_model
 from dpclip.planning.plan import (count_groups, engine_clipping, privacy_plan, privacy_units, private_seed,
                                   strategy_workload, timing_clipping)
 from dpclip.recipe import Recipe
-from dpclip.rundir.run import PLAN_FIELDS, recipe_changes
+from dpclip.rundir.privacy_fields import PLAN_FIELDS, recipe_changes
 from dpclip.train.device import recorded_device, resolve_device
 from dpclip.train.diagnostics import recorder_for
 from dpclip.train.optim import LrSchedule, build_optimizer

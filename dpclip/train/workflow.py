@@ -30,8 +30,8 @@ from dpclip.train.run_parts import RunParts
 from dpclip.train.plots import plot_run
 from dpclip.train.ranks import agree_on_recipe, check_resume_parallel
 from dpclip.train.result import TrainObserver, TrainResult
-from dpclip.rundir.run import (RunDir, privacy_diff, privacy_fingerprint, read_ledger, recipe_changes,
-                              recorded_written_state, run_statement)
+from dpclip.rundir.privacy_fields import privacy_diff, privacy_fingerprint, recipe_changes
+from dpclip.rundir.run import RunDir, read_ledger, recorded_written_state, run_statement
 from dpclip.rundir.searchdir import search_of_run
 from dpclip.train.state import Checkpointer, RunState
 from dpclip.train.tensorboard import check_logging, open_tensorboard

@@ -32,6 +32,13 @@ def run_copy(trained_run, tmp_path):
     return Path(shutil.copytree(trained_run, tmp_path / "run"))
 
 
+def _edit_json(path: Path, field: str, value) -> None:
+    """Set one top-level field of a run's JSON file, as a hand edit would."""
+    record = json.loads(path.read_text())
+    record[field] = value
+    path.write_text(json.dumps(record))
+
+
 def _refused(result) -> bool:
     return result.code == 2 and "error: " in result.err and "hint: " in result.err and \
         "unexpected" not in result.err and "Traceback" not in result.err
@@ -98,9 +105,7 @@ def test_report_refuses_a_plan_whose_group_names_are_not_names(cli, run_copy, tm
     # report crashed naming the groups of thresholds.png: "unexpected TypeError: sequence item 0: expected str
     # instance, int found"
     (run_copy / "thresholds.png").unlink()
-    plan = json.loads((run_copy / "plan.json").read_text())
-    plan["groups"] = groups
-    (run_copy / "plan.json").write_text(json.dumps(plan))
+    _edit_json(run_copy / "plan.json", "groups", groups)
     result = cli("report", run_copy, "--out", tmp_path / "r.html")
     assert _refused(result), result.err
     assert "plan.json" in result.err
@@ -137,9 +142,7 @@ def test_a_ledger_event_whose_fields_are_not_numbers_is_not_this_runs_step_event
 @pytest.mark.parametrize("field, value", [("data", "x"), ("split_key", "x")])
 def test_a_resume_refuses_a_meta_json_whose_records_are_not_what_the_run_wrote(cli, run_copy, field, value):
     # "unexpected AttributeError: 'str' object has no attribute 'get'", "unexpected ValueError: invalid literal"
-    meta = json.loads((run_copy / "meta.json").read_text())
-    meta[field] = value
-    (run_copy / "meta.json").write_text(json.dumps(meta))
+    _edit_json(run_copy / "meta.json", field, value)
     _killed_after_step_2(run_copy)
     result = cli("train", "--resume", run_copy, "--threads", "1")
     assert _refused(result), result.err
@@ -166,9 +169,7 @@ def test_a_resume_refuses_a_checkpoint_state_that_is_not_what_the_run_saved(cli,
 
 def test_audit_refuses_a_split_key_that_is_not_a_key(cli, run_copy):
     # "unexpected ValueError: invalid literal for int() with base 10: 'x'"
-    meta = json.loads((run_copy / "meta.json").read_text())
-    meta["split_key"] = "x"
-    (run_copy / "meta.json").write_text(json.dumps(meta))
+    _edit_json(run_copy / "meta.json", "split_key", "x")
     result = cli("audit-mia", run_copy, "--attack", "loss", "--bootstrap", "0")
     assert _refused(result), result.err
     assert "split_key" in result.err
@@ -177,9 +178,7 @@ def test_audit_refuses_a_split_key_that_is_not_a_key(cli, run_copy):
 @pytest.mark.parametrize("final_eval", ["x", {"loss": "x"}, [1]])
 def test_report_refuses_final_metrics_that_are_not_named_numbers(cli, run_copy, tmp_path, final_eval):
     # report crashed: "'str' object has no attribute 'items'", "Unknown format code 'g' for object of type 'str'"
-    summary = json.loads((run_copy / "summary.json").read_text())
-    summary["final_eval"] = final_eval
-    (run_copy / "summary.json").write_text(json.dumps(summary))
+    _edit_json(run_copy / "summary.json", "final_eval", final_eval)
     result = cli("report", run_copy, "--out", tmp_path / "r.html")
     assert _refused(result), result.err
     assert "summary.json" in result.err
@@ -189,9 +188,7 @@ def test_report_refuses_final_metrics_that_are_not_named_numbers(cli, run_copy, 
 def test_export_refuses_a_model_json_whose_sizes_are_not_sizes(cli, run_copy, tmp_path, field, value):
     # export crashed inside torch: "unexpected TypeError: empty(): argument 'size' ...", "negative dimension -1"
     info_file = run_copy / "checkpoints" / "step_000002" / "model.json"
-    info = json.loads(info_file.read_text())
-    info[field] = value
-    info_file.write_text(json.dumps(info))
+    _edit_json(info_file, field, value)
     result = cli("export", run_copy, tmp_path / "out")
     assert _refused(result), result.err
     assert "model.json is damaged" in result.err and "--checkpoint step_000001" in result.err

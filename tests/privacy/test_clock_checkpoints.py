@@ -19,7 +19,8 @@ from dpclip.accounting.statement import dataset_size_line
 from dpclip.planning.plan import HELD_OUT_CUT, PRIVATE_HESSIAN_DIAGNOSTICS, not_covered, not_covered_of_run
 from dpclip.files import write_json_atomic
 from dpclip.recipe import recipe_to_yaml
-from dpclip.rundir.run import RunDir, privacy_fingerprint, record_resume_changes, recipe_changes, spent
+from dpclip.rundir.privacy_fields import privacy_fingerprint, recipe_changes
+from dpclip.rundir.run import RunDir, record_resume_changes, spent
 from dpclip.train.workflow import train
 from tests.privacy.test_crash_and_resume import _crashed_copy
 
